@@ -1,0 +1,73 @@
+"""Every error the broker raises on purpose.
+
+The tree, so a caller can catch as broadly or as narrowly as it needs::
+
+    BrokerError
+    ├── ConfigurationError        a setting or option is invalid; fix it and restart
+    │   └── MissingDriverError    a store URL needs a package that is not installed
+    ├── InvalidJobError           an enqueue request is malformed (bad field, bad JSON)
+    │   └── PayloadTooLargeError  args, kwargs or a result exceed the configured limit
+    ├── StorageError              the job store failed; the operation may be retried
+    │   └── SchemaVersionError    the store's schema is newer than this code
+    ├── ProtocolError             a peer broke the wire protocol; the connection is closed
+    │   └── AuthenticationError   a peer did not prove the shared token
+    ├── TaskNotFoundError         a job names a task the worker has not registered
+    ├── JobTimeoutError           a job ran past its timeout and was stopped
+    └── RunnerCrashedError        the process running a job died under it
+
+Each class's docstring is its default message, so ``raise StorageError()`` still
+tells the reader what happened; pass a message to say more.
+"""
+
+from __future__ import annotations
+
+
+class BrokerError(Exception):
+    """The broker failed."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or type(self).__name__).strip())
+
+
+class ConfigurationError(BrokerError):
+    """A broker setting is invalid: correct it and start again."""
+
+
+class MissingDriverError(ConfigurationError):
+    """The store URL needs a database driver that is not installed."""
+
+
+class InvalidJobError(BrokerError):
+    """The job request is invalid and was not enqueued."""
+
+
+class PayloadTooLargeError(InvalidJobError):
+    """The job's payload is larger than the configured limit and was not stored."""
+
+
+class StorageError(BrokerError):
+    """The job store failed; the operation did not complete and may be retried."""
+
+
+class SchemaVersionError(StorageError):
+    """The store's schema was written by a newer broker: upgrade this broker before using it."""
+
+
+class ProtocolError(BrokerError):
+    """The peer broke the broker protocol; the connection is closed."""
+
+
+class AuthenticationError(ProtocolError):
+    """The peer did not prove the shared broker token."""
+
+
+class TaskNotFoundError(BrokerError):
+    """The job names a task that this worker has not registered."""
+
+
+class JobTimeoutError(BrokerError):
+    """The job ran past its timeout and was stopped."""
+
+
+class RunnerCrashedError(BrokerError):
+    """The process running the job died before reporting an outcome."""

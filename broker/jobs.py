@@ -1,0 +1,250 @@
+"""The job model: what a caller asks for (`JobSpec`) and what the store keeps (`Job`).
+
+A job moves through a small state machine. Every move out of ``handed_off`` is
+fenced by the lease (``handoff_id``) that the main minted for that handoff, so a
+report from an older attempt can never change a newer one::
+
+    queued ──claim(lease)──▶ handed_off ──complete(lease)──▶ completed
+      ▲                          │  ──fail(lease), retries left──▶ queued (run_at = backoff)
+      │                          │  ──fail(lease), exhausted─────▶ failed
+      └──return / reschedule─────┘  ──cancel──────────────────────▶ cancelled
+    queued ──cancel──▶ cancelled
+
+``completed``, ``failed`` and ``cancelled`` are terminal; only pruning removes them.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, TypeAlias
+
+from broker.exceptions import InvalidJobError
+
+JSONValue: TypeAlias = Any
+"""Anything :func:`json.dumps` accepts; the store round-trips it unchanged."""
+
+DEFAULT_QUEUE = "default"
+DEFAULT_MAX_RETRIES = 10
+"""Ten retries after the first run, so eleven runs in all before a job is dead."""
+
+
+class JobStatus(enum.StrEnum):
+    QUEUED = "queued"
+    HANDED_OFF = "handed_off"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATUSES
+
+    @property
+    def is_active(self) -> bool:
+        return not self.is_terminal
+
+
+TERMINAL_STATUSES = frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED})
+ACTIVE_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.HANDED_OFF})
+
+
+class ExecutionMode(enum.StrEnum):
+    """Where a worker runs the job.
+
+    ``inline`` runs on the worker's own event loop (cheap, no isolation);
+    ``pooled`` runs in a warm child process reused across jobs (the default);
+    ``forked`` runs in a fresh process per job (full isolation, slowest).
+    """
+
+    INLINE = "inline"
+    POOLED = "pooled"
+    FORKED = "forked"
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+Clock: TypeAlias = Callable[[], datetime]
+"""Where a store reads the time; adapters take one so tests can move time by hand."""
+
+
+def _require_aware(name: str, value: datetime | None) -> None:
+    if value is not None and value.tzinfo is None:
+        raise InvalidJobError(f"{name} must be timezone-aware (got naive {value.isoformat()})")
+
+
+def _require_json(name: str, value: JSONValue) -> None:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidJobError(f"{name} is not JSON-serialisable: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """A request to run ``task`` once, as a caller enqueues it.
+
+    Validation happens here, at construction, so an invalid request fails in the
+    caller's process with a clear message and nothing half-written reaches a store.
+    """
+
+    task: str
+    args: Sequence[JSONValue] = ()
+    kwargs: Mapping[str, JSONValue] = field(default_factory=dict)
+    queue: str = DEFAULT_QUEUE
+    priority: int = 0
+    run_at: datetime | None = None
+    max_attempts: int = DEFAULT_MAX_RETRIES + 1
+    idempotency_key: str | None = None
+    concurrency_key: str | None = None
+    concurrency_limit: int | None = None
+    timeout: float | None = None
+    execution_mode: ExecutionMode = ExecutionMode.POOLED
+    id: uuid.UUID = field(default_factory=uuid.uuid4)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.task, str) or not self.task.strip():
+            raise InvalidJobError("task must be a non-empty string naming a registered task")
+        if not isinstance(self.queue, str) or not self.queue.strip():
+            raise InvalidJobError("queue must be a non-empty string")
+        if isinstance(self.args, str | bytes) or not isinstance(self.args, Sequence):
+            raise InvalidJobError("args must be a list of JSON values")
+        if not isinstance(self.kwargs, Mapping) or not all(isinstance(k, str) for k in self.kwargs):
+            raise InvalidJobError("kwargs must be an object with string keys")
+        object.__setattr__(self, "args", tuple(self.args))
+        object.__setattr__(self, "kwargs", dict(self.kwargs))
+        _require_json("args", list(self.args))
+        _require_json("kwargs", self.kwargs)
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise InvalidJobError("priority must be an integer (higher runs first)")
+        if not -(2**31) <= self.priority < 2**31:
+            raise InvalidJobError("priority must fit in 32 bits")
+        if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise InvalidJobError("max_attempts must be an integer of at least 1")
+        _require_aware("run_at", self.run_at)
+        if (self.concurrency_key is None) != (self.concurrency_limit is None):
+            raise InvalidJobError("concurrency_key and concurrency_limit go together")
+        if self.concurrency_limit is not None and (
+            not isinstance(self.concurrency_limit, int) or self.concurrency_limit < 1
+        ):
+            raise InvalidJobError("concurrency_limit must be a positive integer")
+        if self.timeout is not None and (
+            not isinstance(self.timeout, int | float)
+            or not math.isfinite(self.timeout)
+            or self.timeout <= 0
+        ):
+            raise InvalidJobError("timeout must be a positive number of seconds")
+        try:
+            object.__setattr__(self, "execution_mode", ExecutionMode(self.execution_mode))
+        except ValueError:
+            modes = ", ".join(m.value for m in ExecutionMode)
+            raise InvalidJobError(
+                f"execution_mode must be one of {modes} (got {self.execution_mode!r})"
+            ) from None
+        if not isinstance(self.id, uuid.UUID):
+            raise InvalidJobError("id must be a UUID")
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A job as the store holds it. Immutable: every change comes back as a new value."""
+
+    id: uuid.UUID
+    task: str
+    args: tuple[JSONValue, ...]
+    kwargs: dict[str, JSONValue]
+    queue: str
+    priority: int
+    status: JobStatus
+    attempts: int
+    max_attempts: int
+    run_at: datetime
+    created_at: datetime
+    updated_at: datetime
+    execution_mode: ExecutionMode = ExecutionMode.POOLED
+    handoff_id: uuid.UUID | None = None
+    worker_id: str | None = None
+    handed_off_at: datetime | None = None
+    last_error: str | None = None
+    result: JSONValue = None
+    idempotency_key: str | None = None
+    concurrency_key: str | None = None
+    concurrency_limit: int | None = None
+    timeout: float | None = None
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec, now: datetime) -> Job:
+        """The row a store writes for ``spec`` when it is enqueued at ``now``."""
+        return cls(
+            id=spec.id,
+            task=spec.task,
+            args=tuple(spec.args),
+            kwargs=dict(spec.kwargs),
+            queue=spec.queue,
+            priority=spec.priority,
+            status=JobStatus.QUEUED,
+            attempts=0,
+            max_attempts=spec.max_attempts,
+            run_at=spec.run_at or now,
+            created_at=now,
+            updated_at=now,
+            execution_mode=spec.execution_mode,
+            idempotency_key=spec.idempotency_key,
+            concurrency_key=spec.concurrency_key,
+            concurrency_limit=spec.concurrency_limit,
+            timeout=spec.timeout,
+        )
+
+    @property
+    def retries_left(self) -> int:
+        return max(0, self.max_attempts - self.attempts - 1)
+
+    def to_dict(self) -> dict[str, JSONValue]:
+        """A JSON-ready view, used by the CLI's ``--json`` output and the protocol."""
+        return {
+            "id": str(self.id),
+            "task": self.task,
+            "args": list(self.args),
+            "kwargs": self.kwargs,
+            "queue": self.queue,
+            "priority": self.priority,
+            "status": self.status.value,
+            "attempts": self.attempts,
+            "max_attempts": self.max_attempts,
+            "run_at": self.run_at.isoformat(),
+            "created_at": self.created_at.isoformat(),
+            "updated_at": self.updated_at.isoformat(),
+            "execution_mode": self.execution_mode.value,
+            "handoff_id": str(self.handoff_id) if self.handoff_id else None,
+            "worker_id": self.worker_id,
+            "handed_off_at": self.handed_off_at.isoformat() if self.handed_off_at else None,
+            "last_error": self.last_error,
+            "result": self.result,
+            "idempotency_key": self.idempotency_key,
+            "concurrency_key": self.concurrency_key,
+            "concurrency_limit": self.concurrency_limit,
+            "timeout": self.timeout,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """One handoff the main wants to make: the lease is minted before the store sees it."""
+
+    job_id: uuid.UUID
+    handoff_id: uuid.UUID
+    worker_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueResult:
+    job: Job
+    duplicate: bool
+    """True when an existing job with the same idempotency key was returned instead."""

@@ -1,0 +1,231 @@
+"""The storage contract: what the main needs from a job store, and nothing about SQL.
+
+An adapter is any object with these methods; it does not inherit from anything.
+``broker.testing.conformance`` checks that an adapter *behaves* as described here,
+and a custom adapter is certified by passing it (see ``docs/adapters.md``).
+
+The rules every implementation must keep:
+
+* **Exact leases.** ``mark_handed_off`` persists the handoff id it is given, never
+  one of its own. The main minted it before the call so that, if the call raises
+  and nobody knows whether it committed, the main can still name the lease and
+  take it back with ``return_to_queue``.
+* **Fencing in the same statement.** ``complete``, ``fail``, ``reschedule`` and
+  ``return_to_queue`` change a job only when its id, its current handoff id and
+  the status ``handed_off`` all match, checked atomically with the change. They
+  return ``False`` (and change nothing) otherwise.
+* **Idempotent return.** ``return_to_queue`` for a lease whose claim never
+  committed, or was already returned, or was superseded by a newer lease, is a
+  harmless no-op that returns ``False``. Any answer that is not an exception
+  counts as the store's acknowledgement.
+* **Concurrency keys.** At most ``concurrency_limit`` jobs sharing a
+  ``concurrency_key`` are ``handed_off`` at once. The slot is taken inside the
+  claim and given back by every transition out of ``handed_off``.
+* **Raise only for transient trouble** (wrap it in ``StorageError``): the main
+  treats an exception as "outcome unknown" and retries or recovers.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Collection, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Protocol, runtime_checkable
+
+from broker.jobs import (
+    Claim,
+    EnqueueResult,
+    ExecutionMode,
+    Job,
+    JobSpec,
+    JobStatus,
+    JSONValue,
+)
+
+SCHEMA_VERSION = 1
+"""The schema version this code writes and understands; stores record theirs."""
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """Optional behaviours an adapter declares; the conformance suite skips the rest.
+
+    ``skip_locked``: several processes can claim from the store at once without
+    blocking one another (PostgreSQL ``FOR UPDATE SKIP LOCKED``).
+    ``listen_notify``: the adapter implements :class:`SupportsNotify`, so the main
+    is woken when another process inserts a job, instead of polling.
+    ``shared_between_processes``: two adapter instances opened on the same URL see
+    the same jobs (false for the in-memory adapter).
+    """
+
+    skip_locked: bool = False
+    listen_notify: bool = False
+    shared_between_processes: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class JobFilter:
+    """Which jobs ``list_jobs`` returns; ``None`` means "any"."""
+
+    statuses: Collection[JobStatus] | None = None
+    queues: Collection[str] | None = None
+    tasks: Collection[str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JobPage:
+    """One page of jobs, newest first; pass ``next_cursor`` back for the next page."""
+
+    jobs: list[Job]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class QueueCount:
+    queue: str
+    status: JobStatus
+    count: int
+    oldest_run_at: datetime | None
+    """For ``queued`` rows, the earliest ``run_at``; lets an operator see a stuck queue."""
+
+
+@runtime_checkable
+class StorageAdapter(Protocol):
+    """A job store. All methods are coroutines and safe to call concurrently."""
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    async def setup(self) -> None:
+        """Create or migrate the schema to :data:`SCHEMA_VERSION`.
+
+        :raises SchemaVersionError: the store was written by a newer broker.
+        """
+
+    async def close(self) -> None: ...
+
+    async def enqueue(self, spec: JobSpec) -> EnqueueResult:
+        """Store one job, unless its idempotency key is already taken.
+
+        A key stays taken as long as the job holding it is in the store, whatever its
+        status, so a client that repeats an enqueue after a timeout never makes a
+        second job; the result then carries that job and ``duplicate=True``.
+        """
+
+    async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
+        """Store many jobs in one transaction; results are in the order of ``specs``."""
+
+    async def select_eligible(
+        self,
+        *,
+        modes: Collection[ExecutionMode],
+        queues: Collection[str] | None = None,
+        limit: int = 100,
+    ) -> list[Job]:
+        """Queued jobs whose ``run_at`` has come, best first.
+
+        Ordered by priority (higher first), then ``run_at``, then creation time.
+        Jobs of other execution modes or queues, and jobs whose concurrency key is at
+        its limit, are left out. The result is advice: a claim may still lose the job.
+        """
+
+    async def next_run_at(
+        self, *, modes: Collection[ExecutionMode], queues: Collection[str] | None = None
+    ) -> datetime | None:
+        """The earliest ``run_at`` among queued jobs of these modes, for a wake-up timer."""
+
+    async def mark_handed_off(
+        self, job_id: uuid.UUID, handoff_id: uuid.UUID, worker_id: str
+    ) -> Job | None:
+        """Claim one queued job under the supplied lease.
+
+        Returns the job as now stored (``handoff_id`` equal to the one given), or
+        ``None`` when the job is no longer claimable (not queued, not due, or its
+        concurrency key is full).
+        """
+
+    async def mark_handed_off_many(self, claims: Sequence[Claim]) -> list[Job]:
+        """Claim many jobs in one round trip; returns the ones that were claimed.
+
+        Each claim succeeds or fails on its own, exactly as ``mark_handed_off``.
+        """
+
+    async def complete(
+        self, job_id: uuid.UUID, handoff_id: uuid.UUID, result: JSONValue = None
+    ) -> bool:
+        """``handed_off`` → ``completed`` under this lease; ``False`` if fenced out."""
+
+    async def fail(
+        self,
+        job_id: uuid.UUID,
+        handoff_id: uuid.UUID,
+        error: str,
+        retry_at: datetime | None,
+    ) -> bool:
+        """Record a failed run under this lease; ``False`` if fenced out.
+
+        ``attempts`` goes up by one and ``last_error`` is kept. With ``retry_at`` the
+        job is queued again for then; with ``None`` it is dead (``failed``).
+        """
+
+    async def reschedule(
+        self, job_id: uuid.UUID, handoff_id: uuid.UUID, run_at: datetime
+    ) -> bool:
+        """Queue the job again for ``run_at`` without counting an attempt."""
+
+    async def return_to_queue(self, job_id: uuid.UUID, handoff_id: uuid.UUID) -> bool:
+        """Give this exact lease back: the job is queued again, due at once.
+
+        Idempotent: a lease that never committed, was already returned, or was
+        replaced by a newer one leaves the store untouched and returns ``False``.
+        """
+
+    async def handoffs_for_worker(self, worker_id: str) -> list[Job]:
+        """Jobs currently ``handed_off`` to this worker id."""
+
+    async def cancel(self, job_id: uuid.UUID) -> Job | None:
+        """Cancel a queued or handed-off job; returns the job as it now stands.
+
+        A handed-off job becomes ``cancelled`` at once, so its worker's later report is
+        fenced out. A terminal job is returned unchanged; ``None`` if there is no job.
+        """
+
+    async def retry_dead(self, job_id: uuid.UUID) -> Job | None:
+        """Put a ``failed`` (dead) job back in the queue with a fresh attempt count."""
+
+    async def get_job(self, job_id: uuid.UUID) -> Job | None: ...
+
+    async def list_jobs(
+        self, job_filter: JobFilter | None = None, *, limit: int = 50, cursor: str | None = None
+    ) -> JobPage:
+        """Jobs matching ``job_filter``, newest first, ``limit`` at a time."""
+
+    async def count_jobs(self) -> list[QueueCount]:
+        """Counts by queue and status (statuses with no jobs are left out)."""
+
+    async def prune(
+        self,
+        *,
+        older_than: datetime | None = None,
+        keep_latest: int | None = None,
+        statuses: Collection[JobStatus] | None = None,
+        batch_size: int = 1000,
+    ) -> int:
+        """Delete terminal jobs; never a queued or handed-off one. Returns how many.
+
+        ``older_than`` deletes terminal jobs last updated before that time;
+        ``keep_latest`` keeps only the newest N terminal jobs. ``statuses`` narrows
+        which terminal statuses are pruned (default: all three). Deletes happen in
+        batches of ``batch_size`` so a large prune never holds long locks.
+        """
+
+
+@runtime_checkable
+class SupportsNotify(Protocol):
+    """Adapters with ``capabilities.listen_notify`` also wake listeners on enqueue."""
+
+    def listen(self, on_wake: Callable[[], None]) -> AbstractAsyncContextManager[None]:
+        """While the context is open, call ``on_wake`` when any process enqueues a job."""
+
