@@ -170,9 +170,7 @@ class StorageAdapter(Protocol):
         job is queued again for then; with ``None`` it is dead (``failed``).
         """
 
-    async def reschedule(
-        self, job_id: uuid.UUID, handoff_id: uuid.UUID, run_at: datetime
-    ) -> bool:
+    async def reschedule(self, job_id: uuid.UUID, handoff_id: uuid.UUID, run_at: datetime) -> bool:
         """Queue the job again for ``run_at`` without counting an attempt."""
 
     async def return_to_queue(self, job_id: uuid.UUID, handoff_id: uuid.UUID) -> bool:
@@ -228,4 +226,3 @@ class SupportsNotify(Protocol):
 
     def listen(self, on_wake: Callable[[], None]) -> AbstractAsyncContextManager[None]:
         """While the context is open, call ``on_wake`` when any process enqueues a job."""
-

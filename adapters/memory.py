@@ -1,0 +1,335 @@
+"""An in-process job store for tests, examples and trying the broker out.
+
+It models what each storage operation *means*, not the SQL that implements it, and
+passes the same conformance suite as the SQL stores. Jobs live in a dict and are
+gone when the process exits, so never use it where a lost job matters.
+
+Every public method runs without an ``await`` between reading and writing its
+state, so on one event loop each operation is atomic, which is exactly the
+guarantee the SQL stores get from transactions.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import replace
+from datetime import datetime
+
+from broker.jobs import (
+    ACTIVE_STATUSES,
+    TERMINAL_STATUSES,
+    Claim,
+    Clock,
+    EnqueueResult,
+    ExecutionMode,
+    Job,
+    JobSpec,
+    JobStatus,
+    JSONValue,
+    utcnow,
+)
+from broker.storage import Capabilities, JobFilter, JobPage, QueueCount
+
+
+class MemoryAdapter:
+    """A complete :class:`broker.storage.StorageAdapter` held in memory."""
+
+    def __init__(self, *, clock: Clock = utcnow) -> None:
+        self._clock = clock
+        self._jobs: dict[uuid.UUID, Job] = {}
+        self._by_idempotency_key: dict[str, uuid.UUID] = {}
+        self._active_by_key: Counter[str] = Counter()
+        self._listeners: list[Callable[[], None]] = []
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(listen_notify=True)
+
+    async def setup(self) -> None:
+        """Nothing to create: the schema is the ``Job`` dataclass."""
+
+    async def close(self) -> None:
+        self._listeners.clear()
+
+    def listen(self, on_wake: Callable[[], None]) -> AbstractAsyncContextManager[None]:
+        @asynccontextmanager
+        async def listening() -> AsyncIterator[None]:
+            self._listeners.append(on_wake)
+            try:
+                yield
+            finally:
+                self._listeners.remove(on_wake)
+
+        return listening()
+
+    async def enqueue(self, spec: JobSpec) -> EnqueueResult:
+        return (await self.enqueue_many([spec]))[0]
+
+    async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
+        now = self._clock()
+        results: list[EnqueueResult] = []
+        for spec in specs:
+            existing_id = (
+                self._by_idempotency_key.get(spec.idempotency_key)
+                if spec.idempotency_key is not None
+                else None
+            )
+            if existing_id is not None:
+                results.append(EnqueueResult(self._snapshot(existing_id), duplicate=True))
+                continue
+            if spec.id in self._jobs:
+                results.append(EnqueueResult(self._snapshot(spec.id), duplicate=True))
+                continue
+            job = Job.from_spec(spec, now)
+            self._jobs[job.id] = job
+            if spec.idempotency_key is not None:
+                self._by_idempotency_key[spec.idempotency_key] = job.id
+            results.append(EnqueueResult(self._snapshot(job.id), duplicate=False))
+        if any(not r.duplicate for r in results):
+            for wake in list(self._listeners):
+                wake()
+        return results
+
+    def _eligible(
+        self, modes: Collection[ExecutionMode], queues: Collection[str] | None
+    ) -> list[Job]:
+        return [
+            job
+            for job in self._jobs.values()
+            if job.status is JobStatus.QUEUED
+            and job.execution_mode in modes
+            and (queues is None or job.queue in queues)
+        ]
+
+    async def select_eligible(
+        self,
+        *,
+        modes: Collection[ExecutionMode],
+        queues: Collection[str] | None = None,
+        limit: int = 100,
+    ) -> list[Job]:
+        now = self._clock()
+        due = [
+            job
+            for job in self._eligible(modes, queues)
+            if job.run_at <= now and self._key_has_room(job)
+        ]
+        due.sort(key=lambda job: (-job.priority, job.run_at, job.created_at))
+        return [self._snapshot(job.id) for job in due[:limit]]
+
+    async def next_run_at(
+        self, *, modes: Collection[ExecutionMode], queues: Collection[str] | None = None
+    ) -> datetime | None:
+        return min((job.run_at for job in self._eligible(modes, queues)), default=None)
+
+    def _key_has_room(self, job: Job) -> bool:
+        if job.concurrency_key is None or job.concurrency_limit is None:
+            return True
+        return self._active_by_key[job.concurrency_key] < job.concurrency_limit
+
+    async def mark_handed_off(
+        self, job_id: uuid.UUID, handoff_id: uuid.UUID, worker_id: str
+    ) -> Job | None:
+        claimed = await self.mark_handed_off_many([Claim(job_id, handoff_id, worker_id)])
+        return claimed[0] if claimed else None
+
+    async def mark_handed_off_many(self, claims: Sequence[Claim]) -> list[Job]:
+        now = self._clock()
+        claimed: list[Job] = []
+        for claim in claims:
+            job = self._jobs.get(claim.job_id)
+            if (
+                job is None
+                or job.status is not JobStatus.QUEUED
+                or job.run_at > now
+                or not self._key_has_room(job)
+            ):
+                continue
+            if job.concurrency_key is not None:
+                self._active_by_key[job.concurrency_key] += 1
+            job = replace(
+                job,
+                status=JobStatus.HANDED_OFF,
+                handoff_id=claim.handoff_id,
+                worker_id=claim.worker_id,
+                handed_off_at=now,
+                updated_at=now,
+            )
+            self._jobs[job.id] = job
+            claimed.append(self._snapshot(job.id))
+        return claimed
+
+    def _leave_handoff(self, job_id: uuid.UUID, handoff_id: uuid.UUID, **changes: object) -> bool:
+        """The one fenced transition out of ``handed_off``; gives back the key slot."""
+        job = self._jobs.get(job_id)
+        if job is None or job.status is not JobStatus.HANDED_OFF or job.handoff_id != handoff_id:
+            return False
+        self._release_key(job)
+        self._jobs[job_id] = replace(job, updated_at=self._clock(), **changes)  # type: ignore[arg-type]
+        return True
+
+    def _release_key(self, job: Job) -> None:
+        if job.concurrency_key is not None:
+            self._active_by_key[job.concurrency_key] -= 1
+            if self._active_by_key[job.concurrency_key] <= 0:
+                del self._active_by_key[job.concurrency_key]
+
+    async def complete(
+        self, job_id: uuid.UUID, handoff_id: uuid.UUID, result: JSONValue = None
+    ) -> bool:
+        return self._leave_handoff(
+            job_id, handoff_id, status=JobStatus.COMPLETED, result=copy.deepcopy(result)
+        )
+
+    async def fail(
+        self,
+        job_id: uuid.UUID,
+        handoff_id: uuid.UUID,
+        error: str,
+        retry_at: datetime | None,
+    ) -> bool:
+        job = self._jobs.get(job_id)
+        attempts = job.attempts + 1 if job is not None else 0
+        if retry_at is None:
+            return self._leave_handoff(
+                job_id, handoff_id, status=JobStatus.FAILED, attempts=attempts, last_error=error
+            )
+        return self._leave_handoff(
+            job_id,
+            handoff_id,
+            status=JobStatus.QUEUED,
+            attempts=attempts,
+            last_error=error,
+            run_at=retry_at,
+        )
+
+    async def reschedule(self, job_id: uuid.UUID, handoff_id: uuid.UUID, run_at: datetime) -> bool:
+        return self._leave_handoff(job_id, handoff_id, status=JobStatus.QUEUED, run_at=run_at)
+
+    async def return_to_queue(self, job_id: uuid.UUID, handoff_id: uuid.UUID) -> bool:
+        return self._leave_handoff(
+            job_id, handoff_id, status=JobStatus.QUEUED, run_at=self._clock()
+        )
+
+    async def handoffs_for_worker(self, worker_id: str) -> list[Job]:
+        return [
+            self._snapshot(job.id)
+            for job in self._jobs.values()
+            if job.status is JobStatus.HANDED_OFF and job.worker_id == worker_id
+        ]
+
+    async def cancel(self, job_id: uuid.UUID) -> Job | None:
+        job = self._jobs.get(job_id)
+        if job is None:
+            return None
+        if job.status in ACTIVE_STATUSES:
+            if job.status is JobStatus.HANDED_OFF:
+                self._release_key(job)
+            self._jobs[job_id] = replace(job, status=JobStatus.CANCELLED, updated_at=self._clock())
+        return self._snapshot(job_id)
+
+    async def retry_dead(self, job_id: uuid.UUID) -> Job | None:
+        job = self._jobs.get(job_id)
+        if job is None:
+            return None
+        if job.status is JobStatus.FAILED:
+            now = self._clock()
+            self._jobs[job_id] = replace(
+                job, status=JobStatus.QUEUED, attempts=0, run_at=now, updated_at=now
+            )
+        return self._snapshot(job_id)
+
+    async def get_job(self, job_id: uuid.UUID) -> Job | None:
+        return self._snapshot(job_id) if job_id in self._jobs else None
+
+    async def list_jobs(
+        self, job_filter: JobFilter | None = None, *, limit: int = 50, cursor: str | None = None
+    ) -> JobPage:
+        f = job_filter or JobFilter()
+        rows = sorted(
+            (
+                job
+                for job in self._jobs.values()
+                if (f.statuses is None or job.status in f.statuses)
+                and (f.queues is None or job.queue in f.queues)
+                and (f.tasks is None or job.task in f.tasks)
+            ),
+            key=_newest_first_key,
+            reverse=True,
+        )
+        if cursor is not None:
+            after = _decode_cursor(cursor)
+            rows = [job for job in rows if _newest_first_key(job) < after]
+        page = rows[:limit]
+        more = len(rows) > limit
+        return JobPage(
+            jobs=[self._snapshot(job.id) for job in page],
+            next_cursor=_encode_cursor(page[-1]) if more and page else None,
+        )
+
+    async def count_jobs(self) -> list[QueueCount]:
+        counts: Counter[tuple[str, JobStatus]] = Counter()
+        oldest: defaultdict[str, datetime | None] = defaultdict(lambda: None)
+        for job in self._jobs.values():
+            counts[(job.queue, job.status)] += 1
+            if job.status is JobStatus.QUEUED:
+                current = oldest[job.queue]
+                oldest[job.queue] = job.run_at if current is None else min(current, job.run_at)
+        return [
+            QueueCount(
+                queue=queue,
+                status=status,
+                count=n,
+                oldest_run_at=oldest[queue] if status is JobStatus.QUEUED else None,
+            )
+            for (queue, status), n in sorted(counts.items())
+        ]
+
+    async def prune(
+        self,
+        *,
+        older_than: datetime | None = None,
+        keep_latest: int | None = None,
+        statuses: Collection[JobStatus] | None = None,
+        batch_size: int = 1000,
+    ) -> int:
+        prunable = TERMINAL_STATUSES if statuses is None else TERMINAL_STATUSES & set(statuses)
+        terminal = sorted(
+            (job for job in self._jobs.values() if job.status in prunable),
+            key=lambda job: (job.updated_at, job.id.bytes),
+            reverse=True,
+        )
+        doomed: list[Job] = []
+        for index, job in enumerate(terminal):
+            too_old = older_than is not None and job.updated_at < older_than
+            beyond_keep = keep_latest is not None and index >= keep_latest
+            if too_old or beyond_keep:
+                doomed.append(job)
+        for job in doomed:
+            del self._jobs[job.id]
+            if job.idempotency_key is not None:
+                self._by_idempotency_key.pop(job.idempotency_key, None)
+        return len(doomed)
+
+    def _snapshot(self, job_id: uuid.UUID) -> Job:
+        """A deep copy, so callers can never mutate the store through a returned job."""
+        return copy.deepcopy(self._jobs[job_id])
+
+
+def _newest_first_key(job: Job) -> tuple[datetime, bytes]:
+    return (job.created_at, job.id.bytes)
+
+
+def _encode_cursor(job: Job) -> str:
+    raw = f"{job.created_at.isoformat()}|{job.id}".encode()
+    return base64.urlsafe_b64encode(raw).decode()
+
+
+def _decode_cursor(cursor: str) -> tuple[datetime, bytes]:
+    created, job_id = base64.urlsafe_b64decode(cursor.encode()).decode().split("|")
+    return (datetime.fromisoformat(created), uuid.UUID(job_id).bytes)

@@ -1,0 +1,725 @@
+"""The behavioural conformance suite every storage adapter must pass.
+
+It checks what the operations *do* (exact leases, fencing, idempotent returns,
+races, ordering, pruning), not which methods exist. It imports no test framework:
+give :func:`run_check` a :class:`StoreHarness` for your store and call it once per
+entry of :data:`CHECKS`; a failed check raises ``AssertionError``, a check that
+needs a capability your adapter does not declare raises :class:`CheckSkipped`.
+``docs/adapters.md`` shows the few lines that wire it into pytest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Protocol
+
+from broker.exceptions import StorageError
+from broker.jobs import Claim, Clock, ExecutionMode, Job, JobSpec, JobStatus
+from broker.storage import JobFilter, StorageAdapter, SupportsNotify
+from broker.testing import FakeClock
+from broker.testing.faults import ClaimFault, FaultyAdapter
+
+WORKER = "worker-a"
+ALL_MODES = frozenset(ExecutionMode)
+
+
+class StoreHarness(Protocol):
+    """One fresh, empty store, opened as many times as a check needs."""
+
+    async def open(self, clock: Clock) -> StorageAdapter:
+        """A new, set-up handle on this harness's store.
+
+        Called more than once for checks that race several handles (for a SQL store
+        each call should create its own engine, as another process would).
+        """
+
+    async def close(self) -> None:
+        """Close every handle and remove the store."""
+
+
+class CheckSkipped(Exception):
+    """The adapter does not declare a capability this check needs."""
+
+
+@dataclass
+class Context:
+    """What a check receives: the store under test, a clock it controls, and peers."""
+
+    harness: StoreHarness
+    clock: FakeClock
+    store: StorageAdapter
+    _peers: list[StorageAdapter] = field(default_factory=list)
+
+    async def peer(self) -> StorageAdapter:
+        """Another handle on the same store, as a second process would have."""
+        handle = await self.harness.open(self.clock)
+        self._peers.append(handle)
+        return handle
+
+    def require(self, capability: str) -> None:
+        if not getattr(self.store.capabilities, capability):
+            raise CheckSkipped(f"adapter does not declare the {capability!r} capability")
+
+
+CheckFn = Callable[[Context], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    run: CheckFn
+
+
+CHECKS: list[Check] = []
+
+
+def _check(fn: CheckFn) -> CheckFn:
+    CHECKS.append(Check(fn.__name__.removeprefix("check_"), fn))
+    return fn
+
+
+START = datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC)
+
+
+async def run_check(check: Check, harness: StoreHarness) -> None:
+    """Run one check on a fresh store; closes every handle it opened."""
+    clock = FakeClock(START)
+    store = await harness.open(clock)
+    ctx = Context(harness=harness, clock=clock, store=store)
+    try:
+        await check.run(ctx)
+    finally:
+        for handle in [*ctx._peers, store]:
+            await handle.close()
+        await harness.close()
+
+
+def _spec(task: str = "tests.noop", **kw: object) -> JobSpec:
+    return JobSpec(task=task, **kw)  # type: ignore[arg-type]
+
+
+async def _enqueue(store: StorageAdapter, task: str = "tests.noop", **kw: object) -> Job:
+    result = await store.enqueue(_spec(task, **kw))
+    assert not result.duplicate
+    return result.job
+
+
+async def _claim(store: StorageAdapter, job: Job, worker: str = WORKER) -> Job:
+    lease = uuid.uuid4()
+    claimed = await store.mark_handed_off(job.id, lease, worker)
+    assert claimed is not None, "a queued, due job must be claimable"
+    assert claimed.handoff_id == lease
+    return claimed
+
+
+async def _get(store: StorageAdapter, job_id: uuid.UUID) -> Job:
+    job = await store.get_job(job_id)
+    assert job is not None, f"job {job_id} vanished"
+    return job
+
+
+# --- enqueue and the job row -------------------------------------------------------
+
+
+@_check
+async def check_enqueue_round_trips_every_field(ctx: Context) -> None:
+    run_at = START + timedelta(seconds=30, microseconds=123456)
+    spec = JobSpec(
+        task="app.tasks.send_email",
+        args=[1, "two", {"three": [3.5, None, True]}],
+        kwargs={"to": "a@example.com", "nested": {"k": [1, 2]}, "unicode": "é✓"},
+        queue="mail",
+        priority=7,
+        run_at=run_at,
+        max_attempts=4,
+        idempotency_key="mail-1",
+        concurrency_key="account-9",
+        concurrency_limit=2,
+        timeout=12.5,
+        execution_mode=ExecutionMode.FORKED,
+    )
+    result = await ctx.store.enqueue(spec)
+    assert result.duplicate is False
+    for job in (result.job, await _get(ctx.store, spec.id)):
+        assert job.id == spec.id
+        assert job.task == "app.tasks.send_email"
+        assert list(job.args) == [1, "two", {"three": [3.5, None, True]}]
+        assert job.kwargs == {"to": "a@example.com", "nested": {"k": [1, 2]}, "unicode": "é✓"}
+        assert job.queue == "mail"
+        assert job.priority == 7
+        assert job.status is JobStatus.QUEUED
+        assert job.attempts == 0
+        assert job.max_attempts == 4
+        assert job.run_at == run_at
+        assert job.created_at == START and job.updated_at == START
+        assert job.execution_mode is ExecutionMode.FORKED
+        assert job.handoff_id is None and job.worker_id is None and job.handed_off_at is None
+        assert job.last_error is None and job.result is None
+        assert job.idempotency_key == "mail-1"
+        assert job.concurrency_key == "account-9" and job.concurrency_limit == 2
+        assert job.timeout == 12.5
+
+
+@_check
+async def check_enqueue_defaults(ctx: Context) -> None:
+    job = await _enqueue(ctx.store)
+    assert job.queue == "default"
+    assert job.priority == 0
+    assert job.execution_mode is ExecutionMode.POOLED
+    assert job.max_attempts == 11
+    assert job.run_at == START
+
+
+@_check
+async def check_enqueue_many_is_ordered_and_complete(ctx: Context) -> None:
+    specs = [_spec(args=[i]) for i in range(25)]
+    results = await ctx.store.enqueue_many(specs)
+    assert [r.job.id for r in results] == [s.id for s in specs]
+    assert not any(r.duplicate for r in results)
+    page = await ctx.store.list_jobs(limit=100)
+    assert {j.id for j in page.jobs} == {s.id for s in specs}
+
+
+@_check
+async def check_idempotency_key_returns_the_existing_job(ctx: Context) -> None:
+    first = await ctx.store.enqueue(_spec(idempotency_key="k1", args=[1]))
+    again = await ctx.store.enqueue(_spec(idempotency_key="k1", args=[2]))
+    assert first.duplicate is False
+    assert again.duplicate is True
+    assert again.job.id == first.job.id
+    assert list(again.job.args) == [1]
+    claimed = await _claim(ctx.store, first.job)
+    assert await ctx.store.complete(claimed.id, claimed.handoff_id or uuid.uuid4())
+    after_completion = await ctx.store.enqueue(_spec(idempotency_key="k1"))
+    assert after_completion.duplicate is True, "a key stays taken while its job is stored"
+    assert after_completion.job.id == first.job.id
+    batch = await ctx.store.enqueue_many([_spec(idempotency_key="k2"), _spec(idempotency_key="k2")])
+    assert [r.duplicate for r in batch] == [False, True]
+    assert batch[0].job.id == batch[1].job.id
+    page = await ctx.store.list_jobs(limit=10)
+    assert len(page.jobs) == 2
+
+
+@_check
+async def check_idempotent_enqueue_under_concurrency(ctx: Context) -> None:
+    handles = [ctx.store, *[await ctx.peer() for _ in range(3)]]
+    results = await asyncio.gather(
+        *(handles[i % len(handles)].enqueue(_spec(idempotency_key="race")) for i in range(24))
+    )
+    ids = {r.job.id for r in results}
+    assert len(ids) == 1, f"one key must make one job, got {len(ids)}"
+    assert sum(not r.duplicate for r in results) == 1
+    page = await ctx.store.list_jobs(limit=50)
+    assert len(page.jobs) == 1
+
+
+# --- claims and exact leases ------------------------------------------------------
+
+
+@_check
+async def check_claim_persists_the_exact_supplied_lease(ctx: Context) -> None:
+    job = await _enqueue(ctx.store)
+    lease = uuid.uuid4()
+    ctx.clock.advance(5)
+    claimed = await ctx.store.mark_handed_off(job.id, lease, "worker-7")
+    assert claimed is not None
+    assert claimed.handoff_id == lease
+    assert claimed.status is JobStatus.HANDED_OFF
+    assert claimed.worker_id == "worker-7"
+    assert claimed.handed_off_at == START + timedelta(seconds=5)
+    stored = await _get(ctx.store, job.id)
+    assert stored.handoff_id == lease and stored.status is JobStatus.HANDED_OFF
+    assert stored.worker_id == "worker-7"
+
+
+@_check
+async def check_only_queued_due_jobs_are_claimable(ctx: Context) -> None:
+    job = await _enqueue(ctx.store)
+    first = await _claim(ctx.store, job)
+    assert await ctx.store.mark_handed_off(job.id, uuid.uuid4(), WORKER) is None
+    assert (await _get(ctx.store, job.id)).handoff_id == first.handoff_id
+    later = await _enqueue(ctx.store, run_at=START + timedelta(minutes=5))
+    assert await ctx.store.mark_handed_off(later.id, uuid.uuid4(), WORKER) is None
+    ctx.clock.advance(300)
+    assert await ctx.store.mark_handed_off(later.id, uuid.uuid4(), WORKER) is not None
+    assert await ctx.store.mark_handed_off(uuid.uuid4(), uuid.uuid4(), WORKER) is None
+
+
+@_check
+async def check_batch_claim_gives_each_job_its_own_lease(ctx: Context) -> None:
+    jobs = [await _enqueue(ctx.store, args=[i]) for i in range(6)]
+    taken = await _claim(ctx.store, jobs[0])
+    claims = [Claim(job.id, uuid.uuid4(), WORKER) for job in jobs]
+    claims.append(Claim(jobs[3].id, uuid.uuid4(), WORKER))
+    claimed = await ctx.store.mark_handed_off_many(claims)
+    by_id = {job.id: job for job in claimed}
+    assert jobs[0].id not in by_id, "a handed-off job is not claimed again"
+    assert set(by_id) == {job.id for job in jobs[1:]}
+    wanted = {c.handoff_id for c in claims}
+    for job in claimed:
+        assert job.handoff_id in wanted
+        assert job.status is JobStatus.HANDED_OFF
+        assert (await _get(ctx.store, job.id)).handoff_id == job.handoff_id
+    assert (await _get(ctx.store, jobs[0].id)).handoff_id == taken.handoff_id
+    assert await ctx.store.mark_handed_off_many([]) == []
+
+
+@_check
+async def check_concurrent_claimers_of_one_job_have_one_winner(ctx: Context) -> None:
+    job = await _enqueue(ctx.store)
+    handles = [ctx.store, *[await ctx.peer() for _ in range(3)]]
+    leases = [uuid.uuid4() for _ in range(16)]
+    results = await asyncio.gather(
+        *(
+            handles[i % len(handles)].mark_handed_off(job.id, lease, f"w{i}")
+            for i, lease in enumerate(leases)
+        )
+    )
+    winners = [r for r in results if r is not None]
+    assert len(winners) == 1, f"exactly one claimer may win, {len(winners)} did"
+    stored = await _get(ctx.store, job.id)
+    assert stored.handoff_id == winners[0].handoff_id
+
+
+@_check
+async def check_overlapping_batch_claims_hand_each_job_out_once(ctx: Context) -> None:
+    jobs = [await _enqueue(ctx.store, args=[i]) for i in range(30)]
+    handles = [ctx.store, *[await ctx.peer() for _ in range(2)]]
+
+    async def grab(handle: StorageAdapter, worker: str) -> list[Job]:
+        return await handle.mark_handed_off_many(
+            [Claim(job.id, uuid.uuid4(), worker) for job in jobs]
+        )
+
+    results = await asyncio.gather(*(grab(h, f"w{i}") for i, h in enumerate(handles)))
+    claimed = [job for batch in results for job in batch]
+    assert sorted(j.id for j in claimed) == sorted(j.id for j in jobs)
+    for job in claimed:
+        assert (await _get(ctx.store, job.id)).handoff_id == job.handoff_id
+
+
+# --- fenced reports --------------------------------------------------------------
+
+
+@_check
+async def check_complete_is_fenced_by_lease(ctx: Context) -> None:
+    job = await _claim(ctx.store, await _enqueue(ctx.store))
+    lease = job.handoff_id
+    assert lease is not None
+    assert await ctx.store.complete(job.id, uuid.uuid4(), {"stale": True}) is False
+    unchanged = await _get(ctx.store, job.id)
+    assert unchanged.status is JobStatus.HANDED_OFF and unchanged.result is None
+    ctx.clock.advance(1)
+    assert await ctx.store.complete(job.id, lease, {"ok": [1, 2]}) is True
+    done = await _get(ctx.store, job.id)
+    assert done.status is JobStatus.COMPLETED
+    assert done.result == {"ok": [1, 2]}
+    assert done.updated_at == START + timedelta(seconds=1)
+    assert done.handoff_id == lease, "the row keeps its last lease so repeats can be told apart"
+    assert await ctx.store.complete(job.id, lease, {"again": True}) is False
+    assert (await _get(ctx.store, job.id)).result == {"ok": [1, 2]}
+    assert await ctx.store.fail(job.id, lease, "late", None) is False
+    assert await ctx.store.return_to_queue(job.id, lease) is False
+    assert (await _get(ctx.store, job.id)).status is JobStatus.COMPLETED
+
+
+@_check
+async def check_fail_retries_then_dies(ctx: Context) -> None:
+    job = await _claim(ctx.store, await _enqueue(ctx.store, max_attempts=2))
+    assert job.handoff_id is not None
+    assert await ctx.store.fail(job.id, uuid.uuid4(), "stale", START) is False
+    assert (await _get(ctx.store, job.id)).attempts == 0
+    retry_at = START + timedelta(seconds=10)
+    assert await ctx.store.fail(job.id, job.handoff_id, "boom 1", retry_at) is True
+    queued = await _get(ctx.store, job.id)
+    assert queued.status is JobStatus.QUEUED
+    assert queued.attempts == 1 and queued.last_error == "boom 1"
+    assert queued.run_at == retry_at
+    assert await ctx.store.fail(job.id, job.handoff_id, "repeat", retry_at) is False
+    assert (await _get(ctx.store, job.id)).attempts == 1
+    assert await ctx.store.mark_handed_off(job.id, uuid.uuid4(), WORKER) is None, "not due yet"
+    ctx.clock.advance(10)
+    second = await _claim(ctx.store, queued)
+    assert second.handoff_id is not None
+    assert await ctx.store.fail(second.id, second.handoff_id, "boom 2", None) is True
+    dead = await _get(ctx.store, job.id)
+    assert dead.status is JobStatus.FAILED
+    assert dead.attempts == 2 and dead.last_error == "boom 2"
+
+
+@_check
+async def check_reschedule_does_not_count_an_attempt(ctx: Context) -> None:
+    job = await _claim(ctx.store, await _enqueue(ctx.store))
+    assert job.handoff_id is not None
+    later = START + timedelta(minutes=2)
+    assert await ctx.store.reschedule(job.id, uuid.uuid4(), later) is False
+    assert await ctx.store.reschedule(job.id, job.handoff_id, later) is True
+    stored = await _get(ctx.store, job.id)
+    assert stored.status is JobStatus.QUEUED
+    assert stored.attempts == 0 and stored.run_at == later
+    assert await ctx.store.reschedule(job.id, job.handoff_id, later) is False
+
+
+@_check
+async def check_return_to_queue_is_exact_and_idempotent(ctx: Context) -> None:
+    job = await _claim(ctx.store, await _enqueue(ctx.store))
+    first = job.handoff_id
+    assert first is not None
+    assert await ctx.store.return_to_queue(job.id, uuid.uuid4()) is False
+    assert (await _get(ctx.store, job.id)).status is JobStatus.HANDED_OFF
+    assert await ctx.store.return_to_queue(job.id, first) is True
+    returned = await _get(ctx.store, job.id)
+    assert returned.status is JobStatus.QUEUED and returned.attempts == 0
+    assert await ctx.store.return_to_queue(job.id, first) is False
+    newer = await _claim(ctx.store, returned)
+    assert await ctx.store.return_to_queue(job.id, first) is False, "a newer lease stays"
+    current = await _get(ctx.store, job.id)
+    assert current.status is JobStatus.HANDED_OFF and current.handoff_id == newer.handoff_id
+    assert await ctx.store.return_to_queue(uuid.uuid4(), first) is False
+
+
+# --- ambiguous claims ------------------------------------------------------------
+
+
+async def _queued_copies(store: StorageAdapter, job_id: uuid.UUID) -> int:
+    page = await store.list_jobs(JobFilter(statuses=[JobStatus.QUEUED]), limit=1000)
+    return sum(1 for job in page.jobs if job.id == job_id)
+
+
+async def _ambiguous_claim(ctx: Context, fault: ClaimFault) -> tuple[FaultyAdapter, Job, uuid.UUID]:
+    faulty = FaultyAdapter(ctx.store)
+    job = await _enqueue(ctx.store)
+    lease = uuid.uuid4()
+    faulty.fail_next_claims(fault)
+    try:
+        await faulty.mark_handed_off(job.id, lease, WORKER)
+    except StorageError:
+        pass
+    else:
+        raise AssertionError("the injected fault should have raised")
+    return faulty, job, lease
+
+
+@_check
+async def check_ambiguous_claim_that_committed_is_returned_once(ctx: Context) -> None:
+    faulty, job, lease = await _ambiguous_claim(ctx, ClaimFault.AFTER_COMMIT)
+    stored = await _get(ctx.store, job.id)
+    assert stored.status is JobStatus.HANDED_OFF and stored.handoff_id == lease
+    assert await faulty.return_to_queue(job.id, lease) is True
+    assert await faulty.return_to_queue(job.id, lease) is False
+    assert (await _get(ctx.store, job.id)).status is JobStatus.QUEUED
+    assert await _queued_copies(ctx.store, job.id) == 1
+    assert len(await ctx.store.select_eligible(modes=ALL_MODES)) == 1
+    assert await ctx.store.mark_handed_off(job.id, uuid.uuid4(), WORKER) is not None
+
+
+@_check
+async def check_ambiguous_claim_that_never_committed_is_a_no_op(ctx: Context) -> None:
+    faulty, job, lease = await _ambiguous_claim(ctx, ClaimFault.BEFORE_COMMIT)
+    before = await _get(ctx.store, job.id)
+    assert before.status is JobStatus.QUEUED and before.handoff_id is None
+    assert await faulty.return_to_queue(job.id, lease) is False
+    after = await _get(ctx.store, job.id)
+    assert after == before, "returning a lease that never committed changes nothing"
+    assert await _queued_copies(ctx.store, job.id) == 1
+    assert await ctx.store.mark_handed_off(job.id, uuid.uuid4(), WORKER) is not None
+
+
+@_check
+async def check_late_return_of_an_ambiguous_lease_spares_a_newer_one(ctx: Context) -> None:
+    for fault in (ClaimFault.AFTER_COMMIT, ClaimFault.BEFORE_COMMIT):
+        faulty, job, lease = await _ambiguous_claim(ctx, fault)
+        if fault is ClaimFault.AFTER_COMMIT:
+            assert await faulty.return_to_queue(job.id, lease) is True
+        newer = await _claim(ctx.store, await _get(ctx.store, job.id), worker="worker-b")
+        assert await faulty.return_to_queue(job.id, lease) is False
+        current = await _get(ctx.store, job.id)
+        assert current.status is JobStatus.HANDED_OFF
+        assert current.handoff_id == newer.handoff_id and current.worker_id == "worker-b"
+
+
+@_check
+async def check_return_retried_after_store_errors_lands_once(ctx: Context) -> None:
+    faulty, job, lease = await _ambiguous_claim(ctx, ClaimFault.AFTER_COMMIT)
+    faulty.return_failures = 3
+    outcomes: list[bool] = []
+    for _ in range(10):
+        try:
+            outcomes.append(await faulty.return_to_queue(job.id, lease))
+        except StorageError:
+            continue
+        break
+    assert outcomes == [True]
+    assert await _queued_copies(ctx.store, job.id) == 1
+
+
+# --- concurrency keys --------------------------------------------------------------
+
+
+@_check
+async def check_concurrency_limit_holds_and_slots_come_back(ctx: Context) -> None:
+    jobs = [
+        await _enqueue(ctx.store, concurrency_key="acct", concurrency_limit=2, args=[i])
+        for i in range(5)
+    ]
+    free = await _enqueue(ctx.store, args=["free"])
+    a = await _claim(ctx.store, jobs[0])
+    b = await _claim(ctx.store, jobs[1])
+    assert await ctx.store.mark_handed_off(jobs[2].id, uuid.uuid4(), WORKER) is None
+    eligible = await ctx.store.select_eligible(modes=ALL_MODES)
+    assert [j.id for j in eligible] == [free.id], "a full key's jobs are not eligible"
+    transitions: list[Callable[[Job], Awaitable[bool]]] = [
+        lambda j: ctx.store.complete(j.id, j.handoff_id or uuid.uuid4()),
+        lambda j: ctx.store.fail(j.id, j.handoff_id or uuid.uuid4(), "x", START),
+        lambda j: ctx.store.return_to_queue(j.id, j.handoff_id or uuid.uuid4()),
+        lambda j: ctx.store.reschedule(j.id, j.handoff_id or uuid.uuid4(), START),
+    ]
+    holders = [a, b]
+    for transition in transitions:
+        assert await transition(holders.pop(0)) is True
+        waiting = [j for j in await ctx.store.select_eligible(modes=ALL_MODES) if j.concurrency_key]
+        attempts = [await ctx.store.mark_handed_off(j.id, uuid.uuid4(), WORKER) for j in waiting]
+        won = [j for j in attempts if j is not None]
+        assert len(won) == 1, f"one released slot admits exactly one job, {len(won)} got in"
+        holders.append(won[0])
+    cancelled = await ctx.store.cancel(holders[0].id)
+    assert cancelled is not None and cancelled.status is JobStatus.CANCELLED
+    assert [j for j in await ctx.store.select_eligible(modes=ALL_MODES) if j.concurrency_key]
+
+
+@_check
+async def check_concurrency_limit_holds_under_concurrent_claims(ctx: Context) -> None:
+    jobs = [
+        await _enqueue(ctx.store, concurrency_key="shared", concurrency_limit=3, args=[i])
+        for i in range(12)
+    ]
+    handles = [ctx.store, *[await ctx.peer() for _ in range(3)]]
+
+    async def claim_one(i: int, job: Job) -> Job | None:
+        return await handles[i % len(handles)].mark_handed_off(job.id, uuid.uuid4(), f"w{i}")
+
+    async def claim_batch(i: int) -> list[Job]:
+        return await handles[i % len(handles)].mark_handed_off_many(
+            [Claim(job.id, uuid.uuid4(), f"b{i}") for job in jobs]
+        )
+
+    singles = await asyncio.gather(*(claim_one(i, job) for i, job in enumerate(jobs)))
+    batches = await asyncio.gather(*(claim_batch(i) for i in range(4)))
+    won = [j for j in singles if j is not None] + [j for b in batches for j in b]
+    assert len(won) == 3, f"limit 3 must hold under concurrent claims, {len(won)} won"
+    page = await ctx.store.list_jobs(JobFilter(statuses=[JobStatus.HANDED_OFF]), limit=50)
+    assert len(page.jobs) == 3
+
+
+# --- selection and ordering ---------------------------------------------------------
+
+
+@_check
+async def check_selection_order_priority_then_run_at_then_creation(ctx: Context) -> None:
+    low = await _enqueue(ctx.store, priority=0, args=["low"])
+    ctx.clock.advance(1)
+    high_late = await _enqueue(ctx.store, priority=5, run_at=START, args=["high-late-created"])
+    ctx.clock.advance(1)
+    high_early = await _enqueue(
+        ctx.store, priority=5, run_at=START - timedelta(seconds=30), args=["high-early"]
+    )
+    ctx.clock.advance(1)
+    high_same = await _enqueue(ctx.store, priority=5, run_at=START, args=["high-same-run-at"])
+    future = await _enqueue(ctx.store, priority=9, run_at=START + timedelta(hours=1))
+    order = [j.id for j in await ctx.store.select_eligible(modes=ALL_MODES)]
+    assert order == [high_early.id, high_late.id, high_same.id, low.id]
+    assert future.id not in order
+    assert [j.id for j in await ctx.store.select_eligible(modes=ALL_MODES, limit=2)] == order[:2]
+
+
+@_check
+async def check_selection_filters_modes_and_queues(ctx: Context) -> None:
+    inline = await _enqueue(ctx.store, execution_mode=ExecutionMode.INLINE)
+    pooled = await _enqueue(ctx.store, queue="reports")
+    forked = await _enqueue(ctx.store, execution_mode=ExecutionMode.FORKED, queue="reports")
+
+    def ids(jobs: list[Job]) -> set[uuid.UUID]:
+        return {j.id for j in jobs}
+
+    assert ids(await ctx.store.select_eligible(modes=[ExecutionMode.INLINE])) == {inline.id}
+    assert ids(await ctx.store.select_eligible(modes=ALL_MODES, queues=["reports"])) == {
+        pooled.id,
+        forked.id,
+    }
+    assert ids(
+        await ctx.store.select_eligible(
+            modes=[ExecutionMode.POOLED, ExecutionMode.INLINE], queues=["reports"]
+        )
+    ) == {pooled.id}
+    assert await ctx.store.select_eligible(modes=[]) == []
+
+
+@_check
+async def check_next_run_at_finds_the_earliest_queued_job(ctx: Context) -> None:
+    assert await ctx.store.next_run_at(modes=ALL_MODES) is None
+    soon = START + timedelta(minutes=1)
+    await _enqueue(ctx.store, run_at=START + timedelta(hours=1))
+    await _enqueue(ctx.store, run_at=soon)
+    await _enqueue(
+        ctx.store, run_at=START + timedelta(seconds=1), execution_mode=ExecutionMode.INLINE
+    )
+    assert await ctx.store.next_run_at(modes=[ExecutionMode.POOLED]) == soon
+    assert await ctx.store.next_run_at(modes=[ExecutionMode.POOLED], queues=["other"]) is None
+
+
+# --- worker handoffs, cancel, retry --------------------------------------------------
+
+
+@_check
+async def check_handoffs_for_worker_lists_only_its_live_leases(ctx: Context) -> None:
+    mine = [await _claim(ctx.store, await _enqueue(ctx.store), worker="w1") for _ in range(3)]
+    await _claim(ctx.store, await _enqueue(ctx.store), worker="w2")
+    assert mine[0].handoff_id is not None
+    assert await ctx.store.complete(mine[0].id, mine[0].handoff_id)
+    listed = await ctx.store.handoffs_for_worker("w1")
+    assert {(j.id, j.handoff_id) for j in listed} == {(j.id, j.handoff_id) for j in mine[1:]}
+    assert await ctx.store.handoffs_for_worker("nobody") == []
+
+
+@_check
+async def check_cancel_fences_out_the_running_lease(ctx: Context) -> None:
+    queued = await _enqueue(ctx.store)
+    cancelled = await ctx.store.cancel(queued.id)
+    assert cancelled is not None and cancelled.status is JobStatus.CANCELLED
+    assert await ctx.store.mark_handed_off(queued.id, uuid.uuid4(), WORKER) is None
+    running = await _claim(ctx.store, await _enqueue(ctx.store))
+    assert running.handoff_id is not None
+    stopped = await ctx.store.cancel(running.id)
+    assert stopped is not None and stopped.status is JobStatus.CANCELLED
+    assert await ctx.store.complete(running.id, running.handoff_id, "late") is False
+    assert (await _get(ctx.store, running.id)).status is JobStatus.CANCELLED
+    assert await ctx.store.cancel(uuid.uuid4()) is None
+    again = await ctx.store.cancel(running.id)
+    assert again is not None and again.status is JobStatus.CANCELLED
+
+
+@_check
+async def check_retry_dead_requeues_only_dead_jobs(ctx: Context) -> None:
+    job = await _claim(ctx.store, await _enqueue(ctx.store, max_attempts=1))
+    assert job.handoff_id is not None
+    assert await ctx.store.fail(job.id, job.handoff_id, "fatal", None)
+    revived = await ctx.store.retry_dead(job.id)
+    assert revived is not None
+    assert revived.status is JobStatus.QUEUED and revived.attempts == 0
+    assert revived.last_error == "fatal"
+    again = await ctx.store.retry_dead(job.id)
+    assert again is not None and again.status is JobStatus.QUEUED
+    assert await ctx.store.retry_dead(uuid.uuid4()) is None
+
+
+# --- inspection and pruning -------------------------------------------------------
+
+
+@_check
+async def check_list_jobs_filters_and_pages(ctx: Context) -> None:
+    made: list[Job] = []
+    for i in range(7):
+        made.append(await _enqueue(ctx.store, task="a" if i % 2 else "b", queue=f"q{i % 3}"))
+        ctx.clock.advance(1)
+    seen: list[uuid.UUID] = []
+    cursor: str | None = None
+    while True:
+        page = await ctx.store.list_jobs(limit=3, cursor=cursor)
+        seen.extend(j.id for j in page.jobs)
+        cursor = page.next_cursor
+        if cursor is None:
+            break
+    assert seen == [j.id for j in reversed(made)], "newest first, no gaps, no repeats"
+    only_a = await ctx.store.list_jobs(JobFilter(tasks=["a"]), limit=10)
+    assert {j.id for j in only_a.jobs} == {j.id for j in made if j.task == "a"}
+    q0 = await ctx.store.list_jobs(JobFilter(queues=["q0"]), limit=10)
+    assert {j.id for j in q0.jobs} == {j.id for j in made if j.queue == "q0"}
+    await _claim(ctx.store, made[0])
+    handed = await ctx.store.list_jobs(JobFilter(statuses=[JobStatus.HANDED_OFF]), limit=10)
+    assert [j.id for j in handed.jobs] == [made[0].id]
+
+
+@_check
+async def check_count_jobs_by_queue_and_status(ctx: Context) -> None:
+    await _enqueue(ctx.store, queue="a", run_at=START - timedelta(minutes=3))
+    await _enqueue(ctx.store, queue="a")
+    done = await _claim(ctx.store, await _enqueue(ctx.store, queue="b"))
+    assert await ctx.store.complete(done.id, done.handoff_id or uuid.uuid4())
+    await _claim(ctx.store, await _enqueue(ctx.store, queue="b"))
+    counts = {(c.queue, c.status): c for c in await ctx.store.count_jobs()}
+    assert counts[("a", JobStatus.QUEUED)].count == 2
+    assert counts[("a", JobStatus.QUEUED)].oldest_run_at == START - timedelta(minutes=3)
+    assert counts[("b", JobStatus.COMPLETED)].count == 1
+    assert counts[("b", JobStatus.HANDED_OFF)].count == 1
+    assert ("b", JobStatus.QUEUED) not in counts
+
+
+@_check
+async def check_prune_never_touches_active_jobs(ctx: Context) -> None:
+    queued = await _enqueue(ctx.store)
+    running = await _claim(ctx.store, await _enqueue(ctx.store))
+    terminal: list[uuid.UUID] = []
+    for i in range(9):
+        job = await _claim(ctx.store, await _enqueue(ctx.store, args=[i], max_attempts=1))
+        assert job.handoff_id is not None
+        if i % 3 == 0:
+            assert await ctx.store.complete(job.id, job.handoff_id)
+        elif i % 3 == 1:
+            assert await ctx.store.fail(job.id, job.handoff_id, "x", None)
+        else:
+            assert await ctx.store.cancel(job.id) is not None
+        terminal.append(job.id)
+        ctx.clock.advance(60)
+    assert await ctx.store.prune(keep_latest=4, batch_size=2) == 5
+    remaining = {j.id for j in (await ctx.store.list_jobs(limit=100)).jobs}
+    assert set(terminal[-4:]) <= remaining and not set(terminal[:5]) & remaining
+    assert await ctx.store.prune(older_than=ctx.clock() + timedelta(days=1), batch_size=3) == 4
+    remaining = {j.id for j in (await ctx.store.list_jobs(limit=100)).jobs}
+    assert remaining == {queued.id, running.id}
+    assert (await _get(ctx.store, running.id)).status is JobStatus.HANDED_OFF
+
+
+@_check
+async def check_prune_by_age_and_status(ctx: Context) -> None:
+    old = await _claim(ctx.store, await _enqueue(ctx.store))
+    assert await ctx.store.complete(old.id, old.handoff_id or uuid.uuid4())
+    dead = await _claim(ctx.store, await _enqueue(ctx.store, max_attempts=1))
+    assert await ctx.store.fail(dead.id, dead.handoff_id or uuid.uuid4(), "x", None)
+    ctx.clock.advance(3600)
+    new = await _claim(ctx.store, await _enqueue(ctx.store))
+    assert await ctx.store.complete(new.id, new.handoff_id or uuid.uuid4())
+    cutoff = START + timedelta(minutes=30)
+    assert await ctx.store.prune(older_than=cutoff, statuses=[JobStatus.COMPLETED]) == 1
+    assert await ctx.store.get_job(old.id) is None
+    assert await ctx.store.get_job(dead.id) is not None
+    assert await ctx.store.get_job(new.id) is not None
+    assert await ctx.store.prune(older_than=cutoff, statuses=[JobStatus.QUEUED]) == 0
+
+
+# --- lifecycle and capabilities ------------------------------------------------------
+
+
+@_check
+async def check_setup_is_idempotent_and_data_survives_reopening(ctx: Context) -> None:
+    job = await _enqueue(ctx.store)
+    await ctx.store.setup()
+    ctx.require("shared_between_processes")
+    other = await ctx.peer()
+    await other.setup()
+    assert (await _get(other, job.id)).id == job.id
+
+
+@_check
+async def check_listen_wakes_on_an_enqueue_from_another_handle(ctx: Context) -> None:
+    ctx.require("listen_notify")
+    store = ctx.store
+    assert isinstance(store, SupportsNotify)
+    woken = asyncio.Event()
+    async with store.listen(woken.set):
+        other = await ctx.peer()
+        await _enqueue(other)
+        await asyncio.wait_for(woken.wait(), timeout=5)

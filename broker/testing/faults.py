@@ -1,0 +1,81 @@
+"""Fault-injecting wrappers around a real adapter.
+
+The one failure a lease design must survive is the *ambiguous* claim: the call
+raised, and nobody knows whether the store committed it. These wrappers produce
+both halves of that on any adapter, without touching its code: the claim raises
+before reaching the store, or after the store has committed it.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from broker.exceptions import StorageError
+from broker.jobs import Claim, Job
+from broker.storage import StorageAdapter
+
+
+class ClaimFault(enum.Enum):
+    NONE = "none"
+    BEFORE_COMMIT = "before_commit"
+    AFTER_COMMIT = "after_commit"
+
+
+class InjectedFault(StorageError):
+    """A fault injected by a test; the operation may or may not have committed."""
+
+
+class FaultyAdapter:
+    """Delegates to ``inner`` but makes claims (and optionally returns) fail on cue.
+
+    ``claim_fault`` applies to the next ``claim_failures`` claim calls (single or
+    batch), then claims behave normally again. ``return_failures`` makes that many
+    ``return_to_queue`` calls raise before reaching the store. Everything else is
+    passed straight through, so the wrapped store is exercised for real.
+    """
+
+    def __init__(self, inner: StorageAdapter) -> None:
+        self.inner = inner
+        self.claim_fault = ClaimFault.NONE
+        self.claim_failures = 0
+        self.return_failures = 0
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def fail_next_claims(self, fault: ClaimFault, times: int = 1) -> None:
+        self.claim_fault = fault
+        self.claim_failures = times
+
+    def _take_claim_fault(self) -> ClaimFault:
+        if self.claim_failures <= 0:
+            return ClaimFault.NONE
+        self.claim_failures -= 1
+        return self.claim_fault
+
+    async def mark_handed_off(
+        self, job_id: uuid.UUID, handoff_id: uuid.UUID, worker_id: str
+    ) -> Job | None:
+        claimed = await self.mark_handed_off_many([Claim(job_id, handoff_id, worker_id)])
+        return claimed[0] if claimed else None
+
+    async def mark_handed_off_many(self, claims: Sequence[Claim]) -> list[Job]:
+        self.calls.append(("mark_handed_off_many", tuple(claims)))
+        fault = self._take_claim_fault()
+        if fault is ClaimFault.BEFORE_COMMIT:
+            raise InjectedFault("injected: the claim failed before reaching the store")
+        claimed = await self.inner.mark_handed_off_many(claims)
+        if fault is ClaimFault.AFTER_COMMIT:
+            raise InjectedFault("injected: the claim committed but its answer was lost")
+        return claimed
+
+    async def return_to_queue(self, job_id: uuid.UUID, handoff_id: uuid.UUID) -> bool:
+        self.calls.append(("return_to_queue", (job_id, handoff_id)))
+        if self.return_failures > 0:
+            self.return_failures -= 1
+            raise InjectedFault("injected: return_to_queue failed before reaching the store")
+        return await self.inner.return_to_queue(job_id, handoff_id)

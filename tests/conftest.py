@@ -1,0 +1,58 @@
+"""Shared fixtures: where the test PostgreSQL is, and stores to run tests against."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+import pytest
+
+POSTGRES_URL = os.environ.get(
+    "BROKER_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
+)
+
+
+def _postgres_unreachable_reason() -> str | None:
+    async def probe() -> None:
+        import asyncpg
+
+        dsn = POSTGRES_URL.replace("postgresql+asyncpg://", "postgresql://", 1)
+        conn = await asyncio.wait_for(asyncpg.connect(dsn), timeout=5)
+        await conn.close()
+
+    try:
+        asyncio.run(probe())
+    except Exception as exc:
+        return f"PostgreSQL at {POSTGRES_URL} is unreachable: {exc!r}"
+    return None
+
+
+_reason: list[str | None] = []
+
+
+def require_postgres() -> str:
+    """The test PostgreSQL URL; skips the test if it is down (fails under CI=true)."""
+    if not _reason:
+        _reason.append(_postgres_unreachable_reason())
+    reason = _reason[0]
+    if reason is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason} (CI=true: PostgreSQL tests must run, not skip)")
+        pytest.skip(reason)
+    return POSTGRES_URL
+
+
+def fresh_schema_name() -> str:
+    return f"broker_test_{uuid.uuid4().hex[:12]}"
+
+
+async def drop_schema(schema: str) -> None:
+    import asyncpg
+
+    dsn = POSTGRES_URL.replace("postgresql+asyncpg://", "postgresql://", 1)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await conn.close()
