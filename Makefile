@@ -1,0 +1,55 @@
+# Every entry point of the project. The virtual environment lives in .venv/ and is
+# created on demand, so these targets work on a bare machine with Python 3.11.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: help install test lint typecheck layering pytest demo bench bench-storage format clean
+
+help:
+	@echo "make demo           run a main on SQLite with a worker and example jobs"
+	@echo "make test           lint + mypy --strict + import layering + pytest"
+	@echo "make bench-storage  storage micro-benchmark (claims/s, completions/s)"
+	@echo "make bench          side-by-side benchmark (see bench/)"
+	@echo "make format         apply ruff formatting"
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3)"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check broker adapters runners tests bench
+	$(BIN)/ruff format --check broker adapters runners tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy broker adapters runners
+
+layering: $(STAMP)
+	$(BIN)/lint-imports
+
+pytest: $(STAMP)
+	$(BIN)/pytest
+
+test: lint typecheck layering pytest
+
+demo: $(STAMP)
+	$(BIN)/python -m broker.demo
+
+bench-storage: $(STAMP)
+	$(BIN)/python bench/storage_bench.py
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix broker adapters runners tests bench
+	$(BIN)/ruff format broker adapters runners tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache dist build

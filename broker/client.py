@@ -1,0 +1,301 @@
+"""Enqueue jobs and read their state through a running main.
+
+``Client`` is for asyncio code; ``SyncClient`` wraps it for WSGI apps, scripts and
+anything else without an event loop. Both keep one connection open and multiplex
+requests over it by ``request_id``.
+
+An enqueue is acknowledged only after the main's durable insert. If the call times
+out or the connection drops, the outcome is unknown: repeat it with the same
+``idempotency_key`` and the main returns the job it already has instead of making
+a second one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import threading
+import uuid
+from collections.abc import Coroutine, Mapping, Sequence
+from concurrent.futures import Future as ThreadFuture
+from dataclasses import dataclass
+from datetime import datetime
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from broker import protocol, wire
+from broker.exceptions import BrokerError, InvalidJobError, ProtocolError, StorageError
+from broker.jobs import ExecutionMode, JobSpec, JobStatus, JSONValue
+from broker.main import DEFAULT_PORT
+from broker.tasks import Task
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueued:
+    job_id: uuid.UUID
+    duplicate: bool
+
+
+class Client:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        *,
+        token: str | None = None,
+        timeout: float = 10.0,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self._token = token
+        self._timeout = timeout
+        self._writer: wire.MessageWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._pending: dict[str, asyncio.Future[protocol.Message]] = {}
+        self._ids = itertools.count(1)
+        self._connect_lock = asyncio.Lock()
+
+    async def __aenter__(self) -> Self:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        async with self._connect_lock:
+            if self._writer is not None and not self._writer.is_closing:
+                return
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(self.host, self.port, limit=(1 << 20) + 2),
+                self._timeout,
+            )
+            lines = wire.LineReader(reader, max_line_bytes=1 << 20)
+            out = wire.MessageWriter(writer)
+            try:
+                challenge = await asyncio.wait_for(wire.read_message(lines), self._timeout)
+                if not isinstance(challenge, protocol.Challenge):
+                    raise ProtocolError(f"expected a challenge from the main, got {challenge!r}")
+                proof = protocol.make_proof(self._token, challenge.nonce) if self._token else None
+                await out.send(
+                    protocol.Hello(
+                        role=protocol.Role.CLIENT, protocol=protocol.PROTOCOL_VERSION, proof=proof
+                    )
+                )
+                welcome = await asyncio.wait_for(wire.read_message(lines), self._timeout)
+                if isinstance(welcome, protocol.Error):
+                    raise ProtocolError(f"the main refused the connection: {welcome.message}")
+                if not isinstance(welcome, protocol.Welcome):
+                    raise ProtocolError(f"expected welcome from the main, got {welcome!r}")
+            except BaseException:
+                await out.close()
+                raise
+            self._writer = out
+            self._reader_task = asyncio.create_task(self._read_replies(lines))
+
+    async def close(self) -> None:
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader_task
+            self._reader_task = None
+        if self._writer is not None:
+            await self._writer.close()
+            self._writer = None
+
+    async def _read_replies(self, lines: wire.LineReader) -> None:
+        error: BaseException = ConnectionError("the main closed the connection")
+        try:
+            while True:
+                msg = await wire.read_message(lines)
+                if msg is None:
+                    break
+                match msg:
+                    case protocol.Ping(nonce=nonce) if self._writer is not None:
+                        await self._writer.send(protocol.Pong(nonce=nonce))
+                    case protocol.Error(message=message, fatal=True):
+                        error = ProtocolError(f"the main closed the connection: {message}")
+                        break
+                    case _:
+                        rid = getattr(msg, "request_id", None)
+                        future = self._pending.pop(rid, None) if rid is not None else None
+                        if future is not None and not future.done():
+                            future.set_result(msg)
+        except (ConnectionError, OSError, ProtocolError) as exc:
+            error = exc
+        finally:
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(error)
+            self._pending.clear()
+            if self._writer is not None:
+                self._writer.abort()
+                self._writer = None
+
+    async def _request(self, build: Any) -> protocol.Message:
+        await self.connect()
+        assert self._writer is not None
+        rid = f"r{next(self._ids)}"
+        future: asyncio.Future[protocol.Message] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = future
+        try:
+            await self._writer.send(build(rid))
+            reply = await asyncio.wait_for(future, self._timeout)
+        finally:
+            self._pending.pop(rid, None)
+        if isinstance(reply, protocol.RequestError):
+            if reply.code == protocol.ErrorCode.INVALID_JOB:
+                raise InvalidJobError(reply.message)
+            if reply.code == protocol.ErrorCode.STORAGE:
+                raise StorageError(reply.message)
+            raise BrokerError(f"{reply.code}: {reply.message}")
+        return reply
+
+    async def enqueue(
+        self,
+        task: str | Task[..., Any],
+        args: Sequence[JSONValue] = (),
+        kwargs: Mapping[str, JSONValue] | None = None,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: datetime | None = None,
+        delay: float | None = None,
+        idempotency_key: str | None = None,
+        max_attempts: int | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - the job's run timeout
+        execution_mode: ExecutionMode | str | None = None,
+        concurrency_key: str | None = None,
+        concurrency_limit: int | None = None,
+    ) -> Enqueued:
+        """Enqueue one job; a registered ``Task`` contributes its defaults."""
+        options: dict[str, Any] = {
+            "queue": queue,
+            "priority": priority,
+            "max_attempts": max_attempts,
+            "timeout": timeout,
+            "execution_mode": ExecutionMode(execution_mode) if execution_mode else None,
+            "concurrency_key": concurrency_key,
+            "concurrency_limit": concurrency_limit,
+        }
+        overrides = {k: v for k, v in options.items() if v is not None}
+        if isinstance(task, Task):
+            spec = task.spec(
+                args, kwargs, run_at=run_at, idempotency_key=idempotency_key, **overrides
+            )
+        else:
+            spec = JobSpec(
+                task=task,
+                args=tuple(args),
+                kwargs=dict(kwargs or {}),
+                run_at=run_at,
+                idempotency_key=idempotency_key,
+                **overrides,
+            )
+        request = protocol.JobRequest.from_spec(spec)
+        if delay is not None:
+            request = dataclasses.replace(request, run_at=None, delay=float(delay))
+        return (await self.enqueue_requests([request]))[0]
+
+    async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[Enqueued]:
+        """Enqueue many jobs in one round trip and one store transaction."""
+        return await self.enqueue_requests([protocol.JobRequest.from_spec(s) for s in specs])
+
+    async def enqueue_requests(self, requests: Sequence[protocol.JobRequest]) -> list[Enqueued]:
+        reply = await self._request(
+            lambda rid: protocol.Enqueue(request_id=rid, jobs=list(requests))
+        )
+        if not isinstance(reply, protocol.Enqueued):
+            raise ProtocolError(f"unexpected reply to enqueue: {reply!r}")
+        return [Enqueued(ref.job_id, ref.duplicate) for ref in reply.jobs]
+
+    async def get_job(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
+        """The job as ``Job.to_dict()`` shows it, or ``None`` if the store has no such job."""
+        reply = await self._request(
+            lambda rid: protocol.GetJob(request_id=rid, job_id=uuid.UUID(str(job_id)))
+        )
+        if not isinstance(reply, protocol.JobInfo):
+            raise ProtocolError(f"unexpected reply to get_job: {reply!r}")
+        return reply.job
+
+    async def cancel(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
+        reply = await self._request(
+            lambda rid: protocol.Cancel(request_id=rid, job_id=uuid.UUID(str(job_id)))
+        )
+        if not isinstance(reply, protocol.JobInfo):
+            raise ProtocolError(f"unexpected reply to cancel: {reply!r}")
+        return reply.job
+
+    async def wait(
+        self,
+        job_id: uuid.UUID | str,
+        *,
+        timeout: float = 60.0,  # noqa: ASYNC109 - a polling budget, not a cancel scope
+        interval: float = 0.05,
+    ) -> dict[str, JSONValue]:
+        """Poll until the job is terminal; raises ``TimeoutError`` if it is not by then."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            job = await self.get_job(job_id)
+            if job is None:
+                raise BrokerError(f"job {job_id} does not exist (pruned, or never enqueued)")
+            if JobStatus(str(job["status"])).is_terminal:
+                return job
+            if loop.time() >= deadline:
+                raise TimeoutError(f"job {job_id} is still {job['status']} after {timeout} s")
+            await asyncio.sleep(interval)
+
+
+class SyncClient:
+    """A blocking facade over :class:`Client`, running it on a private event-loop thread."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="broker-client", daemon=True
+        )
+        self._thread.start()
+        self._client = Client(*args, **kwargs)
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        future: ThreadFuture[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return future.result()
+
+    def enqueue(self, task: str | Task[..., Any], *args: Any, **kwargs: Any) -> Enqueued:
+        return self._call(self._client.enqueue(task, *args, **kwargs))
+
+    def enqueue_many(self, specs: Sequence[JobSpec]) -> list[Enqueued]:
+        return self._call(self._client.enqueue_many(specs))
+
+    def get_job(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
+        return self._call(self._client.get_job(job_id))
+
+    def cancel(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
+        return self._call(self._client.cancel(job_id))
+
+    def wait(self, job_id: uuid.UUID | str, **kwargs: Any) -> dict[str, JSONValue]:
+        return self._call(self._client.wait(job_id, **kwargs))
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._call(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

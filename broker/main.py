@@ -1,0 +1,865 @@
+"""broker-main: owns the job store and hands jobs to workers under fenced leases.
+
+The main is the only process that moves a job into or out of ``handed_off``
+through its dispatcher, and it does so in a fixed order for every handoff:
+
+1. reserve one of the worker's credits (see :mod:`broker.admission`);
+2. mint the lease (a fresh UUID) *before* touching the store;
+3. claim the job under that lease (batched with other claims of the same pass);
+4. only then send the job on that worker's connection.
+
+Anything that goes wrong between 2 and 4 ends in the recovery ledger
+(:mod:`broker.recovery`), which gives that exact lease back; a newer lease is
+never touched because every return is fenced in the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import itertools
+import logging
+import secrets
+import socket
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from broker import protocol, wire
+from broker.admission import Credits
+from broker.exceptions import (
+    BrokerError,
+    ConfigurationError,
+    InvalidJobError,
+    ProtocolError,
+)
+from broker.jobs import Claim, Clock, ExecutionMode, Job, JobStatus, utcnow
+from broker.recovery import RecoveryLedger
+from broker.retry import RetryDelay, next_run_after_failure, retry_delay
+from broker.storage import JobFilter, StorageAdapter, SupportsNotify
+
+logger = logging.getLogger("broker.main")
+
+DEFAULT_PORT = 7390
+
+
+@dataclass(frozen=True)
+class MainSettings:
+    """Every knob of the main; the CLI fills it from flags and ``BROKER_*`` variables."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    token: str | None = None
+    allow_unauthenticated: bool = False
+    """Permit a non-loopback listen address without a token (say, inside a private network)."""
+    max_line_bytes: int = 1 << 20
+    preauth_max_line_bytes: int = 64 << 10
+    handshake_timeout: float = 2.0
+    ping_interval: float = 5.0
+    liveness_timeout: float = 15.0
+    orphan_grace: float = 30.0
+    """How long handoffs found in the store at start-up wait for their worker to come back."""
+    error_retry_interval: float = 1.0
+    poll_interval: float = 0.5
+    """How often to look for jobs other processes wrote, when the store cannot notify."""
+    claim_batch: int = 256
+    max_errors_per_connection: int = 20
+    recent_reports: int = 100_000
+
+    def validate(self) -> None:
+        positive = {
+            "max_line_bytes": self.max_line_bytes,
+            "preauth_max_line_bytes": self.preauth_max_line_bytes,
+            "handshake_timeout": self.handshake_timeout,
+            "ping_interval": self.ping_interval,
+            "liveness_timeout": self.liveness_timeout,
+            "error_retry_interval": self.error_retry_interval,
+            "poll_interval": self.poll_interval,
+            "claim_batch": self.claim_batch,
+            "max_errors_per_connection": self.max_errors_per_connection,
+        }
+        for name, value in positive.items():
+            if not value > 0:
+                raise ConfigurationError(f"{name} must be positive (got {value!r})")
+        if self.orphan_grace < 0:
+            raise ConfigurationError("orphan_grace must not be negative")
+        if self.liveness_timeout <= self.ping_interval:
+            raise ConfigurationError("liveness_timeout must be longer than ping_interval")
+        if not 0 <= self.port < 65536:
+            raise ConfigurationError(f"port must be 0-65535 (got {self.port})")
+        if not self.token and not self.allow_unauthenticated and not _is_loopback(self.host):
+            raise ConfigurationError(
+                f"refusing to listen on {self.host!r} without a token: set BROKER_TOKEN, "
+                "listen on 127.0.0.1, or pass --allow-unauthenticated if the network is private"
+            )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(eq=False)
+class Session:
+    """One connection, as the main sees it. Leases belong to a session, not to a worker id,
+    so a dropped socket gives back only what was handed to that socket."""
+
+    id: int
+    peer: str
+    writer: wire.MessageWriter
+    role: protocol.Role | None = None
+    worker_id: str | None = None
+    host: str | None = None
+    modes: frozenset[ExecutionMode] = frozenset()
+    queues: frozenset[str] | None = None
+    credits: Credits = field(default_factory=Credits)
+    leases: dict[uuid.UUID, Job] = field(default_factory=dict)
+    draining: bool = False
+    closed: bool = False
+    last_seen: float = 0.0
+    errors: int = 0
+    outbox: asyncio.Queue[bytes] = field(default_factory=asyncio.Queue)
+
+    @property
+    def dispatchable(self) -> bool:
+        return self.role is protocol.Role.WORKER and not self.draining and not self.closed
+
+    def serves(self, job: Job) -> bool:
+        return self.queues is None or job.queue in self.queues
+
+    def send(self, msg: protocol.Message) -> None:
+        """Queue a message for this connection's writer task; never blocks the caller, so
+        one slow peer cannot stall dispatch to the others."""
+        if not self.closed:
+            self.outbox.put_nowait(protocol.encode(msg))
+
+
+class Main:
+    def __init__(
+        self,
+        store: StorageAdapter,
+        settings: MainSettings | None = None,
+        *,
+        clock: Clock = utcnow,
+        retry_delay_fn: RetryDelay = retry_delay,
+    ) -> None:
+        self.store = store
+        self.settings = settings or MainSettings()
+        self.settings.validate()
+        self._clock = clock
+        self._retry_delay = retry_delay_fn
+        self.main_id = f"main-{uuid.uuid4().hex[:12]}"
+        self.sessions: dict[int, Session] = {}
+        self._ids = itertools.count(1)
+        self._wake = asyncio.Event()
+        self.ledger = RecoveryLedger(
+            store, retry_interval=self.settings.error_retry_interval, on_returned=self.wake
+        )
+        self.orphans: dict[uuid.UUID, Job] = {}
+        """Handoffs found in the store at start-up, waiting for their worker's hello."""
+        self._recent_reports: OrderedDict[tuple[uuid.UUID, str], None] = OrderedDict()
+        self._server: asyncio.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._connection_tasks: set[asyncio.Task[None]] = set()
+        self._report_tasks: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        self.dispatched = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def port(self) -> int:
+        if self._server is None or not self._server.sockets:
+            raise RuntimeError("the main is not listening")
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def start(self) -> None:
+        await self.store.setup()
+        await self._load_orphans()
+        self._server = await asyncio.start_server(
+            self._accept,
+            self.settings.host,
+            self.settings.port,
+            limit=max(self.settings.max_line_bytes, self.settings.preauth_max_line_bytes) + 2,
+        )
+        self._tasks = [
+            asyncio.create_task(self._dispatch_loop(), name="broker-dispatch"),
+            asyncio.create_task(self.ledger.run(), name="broker-recovery"),
+            asyncio.create_task(self._liveness_loop(), name="broker-liveness"),
+        ]
+        if self.orphans:
+            self._tasks.append(asyncio.create_task(self._orphan_deadline(), name="broker-orphans"))
+        if self.store.capabilities.listen_notify and isinstance(self.store, SupportsNotify):
+            self._tasks.append(asyncio.create_task(self._listen(), name="broker-listen"))
+        logger.info(
+            "main listening main_id=%s host=%s port=%s orphans=%d",
+            self.main_id,
+            self.settings.host,
+            self.port,
+            len(self.orphans),
+        )
+
+    async def stop(self, *, report_grace: float = 5.0) -> None:
+        """Stop accepting, let in-flight reports land, then close connections and the store.
+
+        Leases are *not* returned: the workers keep running their jobs and the next main
+        adopts them when they reconnect.
+        """
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._server is not None:
+            self._server.close()
+        if self._report_tasks:
+            await asyncio.wait(list(self._report_tasks), timeout=report_grace)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.ledger.flush(), timeout=report_grace)
+        for task in [*self._tasks, *self._connection_tasks]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._connection_tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+        await self.store.close()
+        logger.info("main stopped main_id=%s", self.main_id)
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        await self.start()
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()
+
+    def wake(self) -> None:
+        """Ask the dispatcher for another pass (coalesced: many wakes, one pass)."""
+        self._wake.set()
+
+    async def _load_orphans(self) -> None:
+        cursor: str | None = None
+        while True:
+            page = await self.store.list_jobs(
+                JobFilter(statuses=[JobStatus.HANDED_OFF]), limit=1000, cursor=cursor
+            )
+            for job in page.jobs:
+                if job.handoff_id is not None:
+                    self.orphans[job.handoff_id] = job
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
+
+    async def _orphan_deadline(self) -> None:
+        await asyncio.sleep(self.settings.orphan_grace)
+        for lease, job in list(self.orphans.items()):
+            self.ledger.add(job.id, lease, "worker did not reconnect within the grace period")
+        self.orphans.clear()
+
+    async def _listen(self) -> None:
+        assert isinstance(self.store, SupportsNotify)
+        while True:
+            try:
+                async with self.store.listen(self.wake):
+                    await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("store listener failed, reconnecting error=%r", exc)
+                self.wake()
+                await asyncio.sleep(self.settings.error_retry_interval)
+
+    # ------------------------------------------------------------------ dispatch
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            self._wake.clear()
+            try:
+                more = await self.dispatch_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("dispatch pass failed, retrying error=%r", exc)
+                await asyncio.sleep(self.settings.error_retry_interval)
+                continue
+            if more:
+                continue
+            timeout = await self._idle_timeout()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+
+    async def _idle_timeout(self) -> float | None:
+        """How long to sleep when there is nothing to dispatch: until the next scheduled
+        job, or the poll interval when other processes' inserts cannot wake us."""
+        modes = self._modes_with_credit()
+        if not modes:
+            return None
+        polling = not self.store.capabilities.listen_notify
+        try:
+            next_at = await self.store.next_run_at(modes=modes, queues=self._served_queues())
+        except Exception as exc:
+            logger.warning("could not read the next run time error=%r", exc)
+            return self.settings.error_retry_interval
+        delay = None if next_at is None else (next_at - self._clock()).total_seconds()
+        if polling:
+            return (
+                self.settings.poll_interval
+                if delay is None
+                else min(delay, self.settings.poll_interval)
+            )
+        return None if delay is None else max(0.0, delay)
+
+    def _workers(self) -> list[Session]:
+        return [s for s in self.sessions.values() if s.dispatchable]
+
+    def _modes_with_credit(self) -> set[ExecutionMode]:
+        modes: set[ExecutionMode] = set()
+        for session in self._workers():
+            modes |= session.credits.modes_with_credit()
+        return modes
+
+    def _served_queues(self) -> set[str] | None:
+        queues: set[str] = set()
+        for session in self._workers():
+            if session.queues is None:
+                return None
+            queues |= session.queues
+        return queues
+
+    async def dispatch_once(self) -> bool:
+        """One dispatch pass; returns ``True`` when another pass may find more work."""
+        if self._stopping:
+            return False
+        workers = self._workers()
+        modes = self._modes_with_credit()
+        if not modes:
+            return False
+        credit = sum(w.credits.total_available() for w in workers)
+        limit = min(credit, self.settings.claim_batch)
+        jobs = await self.store.select_eligible(
+            modes=modes, queues=self._served_queues(), limit=limit
+        )
+        plan: list[tuple[Session, Job, uuid.UUID]] = []
+        for job in jobs:
+            session = self._pick_worker(workers, job)
+            if session is None:
+                continue
+            session.credits.reserve(job.execution_mode)
+            plan.append((session, job, uuid.uuid4()))
+        if not plan:
+            return False
+        claims = [Claim(job.id, lease, s.worker_id or "") for s, job, lease in plan]
+        try:
+            claimed = await self.store.mark_handed_off_many(claims)
+        except Exception as exc:
+            logger.warning("claim outcome unknown for %d jobs error=%r", len(plan), exc)
+            for session, job, lease in plan:
+                session.credits.release(job.execution_mode)
+                self.ledger.add(job.id, lease, "claim outcome unknown")
+            raise
+        won = {job.id: job for job in claimed}
+        for session, job, lease in plan:
+            got = won.get(job.id)
+            if got is None or got.handoff_id != lease:
+                session.credits.release(job.execution_mode)
+                continue
+            if not session.dispatchable:
+                session.credits.release(job.execution_mode)
+                self.ledger.add(job.id, lease, "worker left while the claim was in flight")
+                continue
+            seq = session.credits.commit(job.execution_mode)
+            session.leases[lease] = got
+            session.send(_job_message(seq, got))
+            self.dispatched += 1
+            logger.debug(
+                "job handed off job_id=%s handoff_id=%s worker_id=%s seq=%d",
+                got.id,
+                lease,
+                session.worker_id,
+                seq,
+            )
+        return len(jobs) == limit
+
+    def _pick_worker(self, workers: list[Session], job: Job) -> Session | None:
+        """The serving worker with the most free credit for the job's mode, to spread load."""
+        best: Session | None = None
+        best_free = 0
+        for session in workers:
+            free = session.credits.available(job.execution_mode)
+            if free > best_free and session.serves(job):
+                best, best_free = session, free
+        return best
+
+    # ------------------------------------------------------------------ connections
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connection_tasks.add(task)
+        try:
+            await self._serve_connection(reader, writer)
+        finally:
+            self._connection_tasks.discard(task)
+
+    async def _serve_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        peername = writer.get_extra_info("peername")
+        session = Session(
+            id=next(self._ids),
+            peer=str(peername),
+            writer=wire.MessageWriter(writer),
+            last_seen=asyncio.get_running_loop().time(),
+        )
+        lines = wire.LineReader(reader, max_line_bytes=self.settings.preauth_max_line_bytes)
+        sender = asyncio.create_task(self._write_loop(session))
+        try:
+            if await self._handshake(session, lines):
+                lines.max_line_bytes = self.settings.max_line_bytes
+                await self._read_loop(session, lines)
+        except wire.LineTooLongError as exc:
+            await self._fatal(session, protocol.ErrorCode.LINE_TOO_LONG, str(exc))
+        except wire.UnterminatedLineError as exc:
+            logger.info("connection ended mid-line session=%d error=%s", session.id, exc)
+        except ProtocolError as exc:
+            await self._fatal(session, protocol.ErrorCode.MALFORMED, str(exc))
+        except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
+            logger.info("connection lost session=%d error=%r", session.id, exc)
+        finally:
+            self._disconnect(session)
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sender
+            await session.writer.close()
+
+    async def _write_loop(self, session: Session) -> None:
+        """Writes this session's queued lines in order, batching whatever is ready."""
+        try:
+            while True:
+                chunks = [await session.outbox.get()]
+                while not session.outbox.empty():
+                    chunks.append(session.outbox.get_nowait())
+                await session.writer.write_raw(b"".join(chunks))
+        except (ConnectionError, OSError) as exc:
+            logger.info("send failed, closing session=%d error=%r", session.id, exc)
+            session.writer.abort()
+
+    async def _fatal(self, session: Session, code: protocol.ErrorCode, message: str) -> None:
+        logger.warning("closing connection session=%d code=%s reason=%s", session.id, code, message)
+        with contextlib.suppress(Exception):
+            await session.writer.send(protocol.Error(code=code, message=message, fatal=True))
+
+    async def _handshake(self, session: Session, lines: wire.LineReader) -> bool:
+        nonce = protocol.make_nonce()
+        await session.writer.send(
+            protocol.Challenge(
+                nonce=nonce,
+                protocol=protocol.PROTOCOL_VERSION,
+                auth_required=bool(self.settings.token),
+            )
+        )
+        try:
+            first = await asyncio.wait_for(
+                wire.read_message(lines), timeout=self.settings.handshake_timeout
+            )
+        except TimeoutError:
+            await self._fatal(
+                session,
+                protocol.ErrorCode.HANDSHAKE_TIMEOUT,
+                "no hello within the handshake deadline",
+            )
+            return False
+        if first is None:
+            return False
+        if not isinstance(first, protocol.Hello):
+            await self._fatal(
+                session, protocol.ErrorCode.NOT_ALLOWED, "the first message must be hello"
+            )
+            return False
+        token = self.settings.token
+        if token and not protocol.check_proof(token, nonce, first.proof):
+            await self._fatal(
+                session, protocol.ErrorCode.AUTH_FAILED, "wrong or missing token proof"
+            )
+            return False
+        if first.protocol != protocol.PROTOCOL_VERSION:
+            await self._fatal(
+                session,
+                protocol.ErrorCode.PROTOCOL_VERSION,
+                f"this main speaks protocol {protocol.PROTOCOL_VERSION}, not {first.protocol}",
+            )
+            return False
+        if self._stopping:
+            return False
+        session.role = first.role
+        session.worker_id = first.worker_id
+        session.host = first.host
+        session.modes = frozenset(first.modes)
+        session.queues = frozenset(first.queues) if first.queues is not None else None
+        self.sessions[session.id] = session
+        adopted = self._adopt(session, first) if first.role is protocol.Role.WORKER else []
+        session.send(
+            protocol.Welcome(
+                main_id=self.main_id,
+                protocol=protocol.PROTOCOL_VERSION,
+                ping_interval=self.settings.ping_interval,
+                adopted=adopted,
+                max_line_bytes=self.settings.max_line_bytes,
+            )
+        )
+        logger.info(
+            "peer connected session=%d role=%s worker_id=%s adopted=%d",
+            session.id,
+            first.role,
+            first.worker_id,
+            len(adopted),
+        )
+        return True
+
+    def _adopt(self, session: Session, hello: protocol.Hello) -> list[protocol.LeaseRef]:
+        """Take over the leases this worker says it still holds, where they are still current.
+
+        Two sources: handoffs found in the store at start-up (the main restarted), and
+        another live connection of the same worker id (the worker reconnected before the
+        main noticed the old socket was dead). Start-up handoffs of this worker that it
+        no longer holds go back to the queue now rather than after the grace period.
+        """
+        held = {ref.handoff_id: ref.job_id for ref in hello.held_leases}
+        adopted: list[protocol.LeaseRef] = []
+        for lease, job in list(self.orphans.items()):
+            if job.worker_id != session.worker_id:
+                continue
+            del self.orphans[lease]
+            if held.get(lease) == job.id:
+                session.leases[lease] = job
+                adopted.append(protocol.LeaseRef(job_id=job.id, handoff_id=lease))
+            else:
+                self.ledger.add(job.id, lease, "worker reconnected without this lease")
+        for other in self.sessions.values():
+            if other is session or other.worker_id != session.worker_id:
+                continue
+            for lease in [lease for lease in other.leases if lease in held]:
+                job = other.leases.pop(lease)
+                session.leases[lease] = job
+                adopted.append(protocol.LeaseRef(job_id=job.id, handoff_id=lease))
+        for ref in adopted:
+            logger.info(
+                "lease adopted job_id=%s handoff_id=%s worker_id=%s",
+                ref.job_id,
+                ref.handoff_id,
+                session.worker_id,
+            )
+        return adopted
+
+    async def _read_loop(self, session: Session, lines: wire.LineReader) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                msg = await wire.read_message(lines)
+            except protocol.DecodeError as exc:
+                session.last_seen = loop.time()
+                self._reply_error(session, exc)
+                continue
+            if msg is None:
+                return
+            session.last_seen = loop.time()
+            self._handle(session, msg)
+
+    def _reply_error(self, session: Session, exc: protocol.DecodeError) -> None:
+        session.errors += 1
+        if exc.request_id is not None:
+            session.send(
+                protocol.RequestError(request_id=exc.request_id, code=exc.code, message=str(exc))
+            )
+        else:
+            session.send(protocol.Error(code=exc.code, message=str(exc), fatal=False))
+        if session.errors >= self.settings.max_errors_per_connection:
+            raise ProtocolError(f"too many bad messages ({session.errors}); closing")
+
+    def _handle(self, session: Session, msg: protocol.Message) -> None:
+        worker = session.role is protocol.Role.WORKER
+        match msg:
+            case protocol.Ping(nonce=nonce):
+                session.send(protocol.Pong(nonce=nonce))
+            case protocol.Pong():
+                pass
+            case protocol.Ready(slots=slots, seen=seen) if worker:
+                try:
+                    session.credits.on_ready(slots, seen)
+                except ProtocolError as exc:
+                    session.errors += 1
+                    session.send(
+                        protocol.Error(
+                            code=protocol.ErrorCode.MALFORMED, message=str(exc), fatal=False
+                        )
+                    )
+                    return
+                self.wake()
+            case protocol.Draining() if worker:
+                session.draining = True
+                logger.info(
+                    "worker draining worker_id=%s leases=%d", session.worker_id, len(session.leases)
+                )
+            case (
+                protocol.Completed()
+                | protocol.Failed()
+                | protocol.Reschedule()
+                | protocol.Release()
+            ) if worker:
+                self._spawn_report(session, msg)
+            case protocol.Enqueue() | protocol.GetJob() | protocol.Cancel():
+                self._spawn_report(session, msg)
+            case _:
+                session.errors += 1
+                session.send(
+                    protocol.Error(
+                        code=protocol.ErrorCode.NOT_ALLOWED,
+                        message=f"{msg.type!r} is not allowed from a {session.role} connection",
+                        fatal=False,
+                    )
+                )
+
+    def _spawn_report(self, session: Session, msg: protocol.Message) -> None:
+        task = asyncio.create_task(self._apply(session, msg))
+        self._report_tasks.add(task)
+        task.add_done_callback(self._report_tasks.discard)
+
+    # ------------------------------------------------------------------ reports and requests
+
+    async def _apply(self, session: Session, msg: protocol.Message) -> None:
+        try:
+            match msg:
+                case (
+                    protocol.Completed()
+                    | protocol.Failed()
+                    | protocol.Reschedule()
+                    | protocol.Release()
+                ):
+                    await self._apply_report(session, msg)
+                case protocol.Enqueue():
+                    await self._enqueue(session, msg)
+                case protocol.GetJob(request_id=rid, job_id=job_id):
+                    job = await self.store.get_job(job_id)
+                    session.send(
+                        protocol.JobInfo(request_id=rid, job=job.to_dict() if job else None)
+                    )
+                case protocol.Cancel(request_id=rid, job_id=job_id):
+                    job = await self.store.cancel(job_id)
+                    if job is not None:
+                        self._forget_lease(job.handoff_id)
+                    session.send(
+                        protocol.JobInfo(request_id=rid, job=job.to_dict() if job else None)
+                    )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("request failed session=%d type=%s", session.id, msg.type)
+            request_id = getattr(msg, "request_id", None)
+            if request_id is not None:
+                code = (
+                    protocol.ErrorCode.INVALID_JOB
+                    if isinstance(exc, InvalidJobError)
+                    else protocol.ErrorCode.STORAGE
+                    if isinstance(exc, BrokerError)
+                    else protocol.ErrorCode.INTERNAL
+                )
+                session.send(
+                    protocol.RequestError(request_id=request_id, code=code, message=str(exc))
+                )
+
+    async def _enqueue(self, session: Session, msg: protocol.Enqueue) -> None:
+        now = self._clock()
+        specs = [request.to_spec(now) for request in msg.jobs]
+        results = await self.store.enqueue_many(specs)
+        session.send(
+            protocol.Enqueued(
+                request_id=msg.request_id,
+                jobs=[
+                    protocol.EnqueuedRef(job_id=r.job.id, duplicate=r.duplicate) for r in results
+                ],
+            )
+        )
+        for result in results:
+            logger.info(
+                "job enqueued job_id=%s task=%s duplicate=%s",
+                result.job.id,
+                result.job.task,
+                result.duplicate,
+            )
+        self.wake()
+
+    async def _apply_report(
+        self,
+        session: Session,
+        msg: protocol.Completed | protocol.Failed | protocol.Reschedule | protocol.Release,
+    ) -> None:
+        """Apply one fenced report, retrying store errors while the worker is connected;
+        the ack goes out only once the outcome is durable (or known to be stale)."""
+        key = (msg.handoff_id, msg.type)
+        while True:
+            try:
+                applied = await self._transition(session, msg)
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if session.closed or self._stopping:
+                    logger.warning(
+                        "report not applied, worker will resend job_id=%s handoff_id=%s error=%r",
+                        msg.job_id,
+                        msg.handoff_id,
+                        exc,
+                    )
+                    return
+                logger.warning(
+                    "report failed, retrying job_id=%s handoff_id=%s error=%r",
+                    msg.job_id,
+                    msg.handoff_id,
+                    exc,
+                )
+                await asyncio.sleep(self.settings.error_retry_interval)
+        if applied:
+            status = protocol.AckStatus.APPLIED
+            self._forget_lease(msg.handoff_id)
+            self._recent_reports[key] = None
+            while len(self._recent_reports) > self.settings.recent_reports:
+                self._recent_reports.popitem(last=False)
+            self.wake()
+        elif key in self._recent_reports:
+            status = protocol.AckStatus.DUPLICATE
+        else:
+            status = protocol.AckStatus.STALE
+        logger.info(
+            "report %s job_id=%s handoff_id=%s outcome=%s worker_id=%s",
+            status.value,
+            msg.job_id,
+            msg.handoff_id,
+            msg.type,
+            session.worker_id,
+        )
+        session.send(
+            protocol.ReportAck(job_id=msg.job_id, handoff_id=msg.handoff_id, status=status)
+        )
+
+    async def _transition(
+        self,
+        session: Session,
+        msg: protocol.Completed | protocol.Failed | protocol.Reschedule | protocol.Release,
+    ) -> bool:
+        now = self._clock()
+        match msg:
+            case protocol.Completed(job_id=job_id, handoff_id=lease, result=result):
+                return await self.store.complete(job_id, lease, result)
+            case protocol.Failed(job_id=job_id, handoff_id=lease, error=error, retry=retry):
+                job = self._held_job(lease) or await self.store.get_job(job_id)
+                if job is None:
+                    return False
+                retry_at = next_run_after_failure(job, now, self._retry_delay) if retry else None
+                return await self.store.fail(job_id, lease, error, retry_at)
+            case protocol.Reschedule(job_id=job_id, handoff_id=lease, delay=delay):
+                return await self.store.reschedule(job_id, lease, now + timedelta(seconds=delay))
+            case protocol.Release(job_id=job_id, handoff_id=lease):
+                return await self.store.return_to_queue(job_id, lease)
+
+    def _held_job(self, lease: uuid.UUID) -> Job | None:
+        for session in self.sessions.values():
+            job = session.leases.get(lease)
+            if job is not None:
+                return job
+        return None
+
+    def _forget_lease(self, lease: uuid.UUID | None) -> None:
+        if lease is None:
+            return
+        for session in self.sessions.values():
+            session.leases.pop(lease, None)
+
+    # ------------------------------------------------------------------ liveness and exits
+
+    async def _liveness_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        nonce = itertools.count(1)
+        while True:
+            await asyncio.sleep(self.settings.ping_interval)
+            now = loop.time()
+            for session in list(self.sessions.values()):
+                if now - session.last_seen > self.settings.liveness_timeout:
+                    logger.warning(
+                        "peer silent for %.1f s, treating as disconnected session=%d worker_id=%s",
+                        now - session.last_seen,
+                        session.id,
+                        session.worker_id,
+                    )
+                    session.writer.abort()
+                else:
+                    session.send(protocol.Ping(nonce=next(nonce)))
+
+    def _disconnect(self, session: Session) -> None:
+        if session.closed:
+            return
+        session.closed = True
+        self.sessions.pop(session.id, None)
+        if session.role is protocol.Role.WORKER:
+            logger.info(
+                "worker disconnected worker_id=%s session=%d returning=%d",
+                session.worker_id,
+                session.id,
+                len(session.leases),
+            )
+        if self._stopping:
+            return
+        for lease, job in session.leases.items():
+            self.ledger.add(job.id, lease, "worker connection ended")
+        session.leases.clear()
+
+    def status(self) -> dict[str, object]:
+        """A JSON-ready snapshot for operators: workers, credits, leases, pending recoveries."""
+        return {
+            "main_id": self.main_id,
+            "dispatched": self.dispatched,
+            "pending_recoveries": [
+                {"job_id": str(job_id), "handoff_id": str(lease)}
+                for lease, job_id in self.ledger.pending().items()
+            ],
+            "orphans": len(self.orphans),
+            "workers": [
+                {
+                    "session": s.id,
+                    "worker_id": s.worker_id,
+                    "host": s.host,
+                    "draining": s.draining,
+                    "in_flight": len(s.leases),
+                    "credits": {m.value: s.credits.available(m) for m in ExecutionMode},
+                }
+                for s in self.sessions.values()
+                if s.role is protocol.Role.WORKER
+            ],
+        }
+
+
+def _job_message(seq: int, job: Job) -> protocol.Job:
+    assert job.handoff_id is not None
+    return protocol.Job(
+        seq=seq,
+        job_id=job.id,
+        handoff_id=job.handoff_id,
+        task=job.task,
+        args=list(job.args),
+        kwargs=job.kwargs,
+        execution_mode=job.execution_mode,
+        attempt=job.attempts + 1,
+        max_attempts=job.max_attempts,
+        timeout=job.timeout,
+        queue=job.queue,
+    )
+
+
+def new_token() -> str:
+    """A fresh random token, for operators setting up ``BROKER_TOKEN``."""
+    return secrets.token_urlsafe(32)

@@ -1,0 +1,655 @@
+"""The messages the main, its workers and its clients exchange, with no I/O.
+
+Every message is a frozen dataclass tagged by a ``type`` string; :func:`encode`
+turns one into a single NDJSON line and :func:`decode` turns a line back into a
+message or raises :class:`DecodeError` naming the offending field. Keeping this
+free of sockets (as hypercorn keeps its HTTP state machines) lets the main, the
+worker and the tests agree on the wire format without a network in sight.
+``docs/protocol.md`` is the specification; this module is its executable form.
+
+Decoding is strict about types because the main is the only writer to the job
+store: a ``true`` where a count belongs, or a lease id that is not a UUID, must be
+turned away at the edge rather than discovered in the store. It is lenient about
+*extra* fields, so a newer peer can add one without breaking an older one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import hmac
+import json
+import math
+import secrets
+import string
+import types
+import typing
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, ClassVar, TypeAlias, TypeVar
+
+from broker.exceptions import InvalidJobError, ProtocolError
+from broker.jobs import DEFAULT_QUEUE, ExecutionMode, JobSpec, JSONValue
+
+PROTOCOL_VERSION = 1
+"""Bumped on any change an older peer would misread; extra fields do not need it."""
+
+
+class Role(enum.StrEnum):
+    WORKER = "worker"
+    CLIENT = "client"
+
+
+class AckStatus(enum.StrEnum):
+    """How the main disposed of a worker's report, so the worker knows it may forget it."""
+
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"
+    STALE = "stale"
+
+
+class ErrorCode(enum.StrEnum):
+    """Codes for ``error`` and ``request_error`` messages; a peer may receive codes it does
+    not know (from a newer version) and must treat them like ``internal``."""
+
+    MALFORMED = "malformed"
+    UNKNOWN_TYPE = "unknown_type"
+    LINE_TOO_LONG = "line_too_long"
+    UNTERMINATED = "unterminated"
+    AUTH_FAILED = "auth_failed"
+    HANDSHAKE_TIMEOUT = "handshake_timeout"
+    PROTOCOL_VERSION = "protocol_version"
+    NOT_ALLOWED = "not_allowed"
+    INTERNAL = "internal"
+    INVALID_JOB = "invalid_job"
+    NOT_FOUND = "not_found"
+    STORAGE = "storage"
+
+
+class DecodeError(ProtocolError):
+    """The peer sent a line that is not a valid broker message."""
+
+    code: str = ErrorCode.MALFORMED
+
+    def __init__(
+        self, message: str, *, msg_type: str | None = None, request_id: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.msg_type = msg_type
+        """The message's ``type`` when it could be read, so the reply can be specific."""
+        self.request_id = request_id
+        """The request's id when it could be read, so the main can answer with
+        ``request_error`` and keep a client's connection instead of dropping it."""
+
+
+class UnknownTypeError(DecodeError):
+    """The peer sent a message type this version does not know."""
+
+    code = ErrorCode.UNKNOWN_TYPE
+
+
+def _check(ok: bool, message: str) -> None:
+    # ValueError, not ProtocolError: a local caller building a bad message has a bug;
+    # decode() re-raises it as DecodeError because there the peer is at fault.
+    if not ok:
+        raise ValueError(message)
+
+
+# --------------------------------------------------------------------------- handshake
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRef:
+    job_id: uuid.UUID
+    handoff_id: uuid.UUID
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    type: ClassVar[str] = "challenge"
+    nonce: str
+    protocol: int
+    auth_required: bool
+
+    def __post_init__(self) -> None:
+        _check(
+            bool(self.nonce) and all(c in string.hexdigits for c in self.nonce),
+            "nonce must be a non-empty hex string",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    type: ClassVar[str] = "hello"
+    role: Role
+    protocol: int
+    proof: str | None = None
+    worker_id: str | None = None
+    host: str | None = None
+    pid: int | None = None
+    modes: list[ExecutionMode] = field(default_factory=list)
+    queues: list[str] | None = None
+    """``None`` serves every queue; a list restricts the worker to those queues."""
+    held_leases: list[LeaseRef] = field(default_factory=list)
+    """Leases the worker still holds from an earlier connection, so a restarted main
+    can adopt them instead of running those jobs a second time."""
+
+    def __post_init__(self) -> None:
+        if self.role == Role.WORKER:
+            _check(bool(self.worker_id), "worker_id is required for role worker")
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    type: ClassVar[str] = "welcome"
+    main_id: str
+    protocol: int
+    ping_interval: float
+    adopted: list[LeaseRef]
+    max_line_bytes: int
+
+    def __post_init__(self) -> None:
+        _check(
+            math.isfinite(self.ping_interval) and self.ping_interval > 0,
+            "ping_interval must be positive",
+        )
+        _check(self.max_line_bytes > 0, "max_line_bytes must be positive")
+
+
+def make_nonce() -> str:
+    """A fresh challenge nonce; 128 random bits make replaying an old proof useless."""
+    return secrets.token_hex(16)
+
+
+def make_proof(token: str, nonce: str) -> str:
+    """Proves knowledge of ``token`` without sending it: HMAC-SHA256 over the nonce as sent."""
+    return hmac.new(token.encode("utf-8"), nonce.encode("utf-8"), hashlib.sha256).hexdigest()
+
+
+def check_proof(token: str, nonce: str, proof: str | None) -> bool:
+    """Constant-time, so the time taken does not leak how much of a guessed proof was right."""
+    if proof is None:
+        return False
+    expected = make_proof(token, nonce).encode("ascii")
+    # "replace" because a proof decoded from JSON may hold lone surrogates; it then
+    # simply fails to match instead of raising.
+    return hmac.compare_digest(expected, proof.encode("utf-8", "replace"))
+
+
+# --------------------------------------------------------------------------- worker ↔ main
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Free slots per mode as of the ``job`` numbered ``seen``.
+
+    ``seen`` is what makes credit exact: the main subtracts the jobs it sent after
+    ``seen`` (the worker had not counted them yet), so a ``ready`` that crossed
+    jobs on the wire can never grant more work than the worker has room for.
+    """
+
+    type: ClassVar[str] = "ready"
+    slots: dict[ExecutionMode, int]
+    seen: int
+
+    def __post_init__(self) -> None:
+        for mode, free in self.slots.items():
+            _check(free >= 0, f"slots[{mode}] must not be negative")
+        _check(self.seen >= 0, "seen must not be negative")
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    type: ClassVar[str] = "job"
+    seq: int
+    job_id: uuid.UUID
+    handoff_id: uuid.UUID
+    task: str
+    args: list[JSONValue]
+    kwargs: dict[str, JSONValue]
+    execution_mode: ExecutionMode
+    attempt: int
+    max_attempts: int
+    timeout: float | None
+    queue: str
+
+    def __post_init__(self) -> None:
+        _check(self.seq >= 1, "seq must be at least 1")
+        _check(self.attempt >= 1, "attempt must be at least 1")
+        _check(self.max_attempts >= 1, "max_attempts must be at least 1")
+        _check(self.timeout is None or self.timeout > 0, "timeout must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    type: ClassVar[str] = "completed"
+    job_id: uuid.UUID
+    handoff_id: uuid.UUID
+    result: JSONValue = None
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    type: ClassVar[str] = "failed"
+    job_id: uuid.UUID
+    handoff_id: uuid.UUID
+    error: str
+    retry: bool = True
+    """False for failures no retry can fix (an unknown task, bad arguments)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reschedule:
+    type: ClassVar[str] = "reschedule"
+    job_id: uuid.UUID
+    handoff_id: uuid.UUID
+    delay: float
+
+    def __post_init__(self) -> None:
+        _check(math.isfinite(self.delay) and self.delay >= 0, "delay must not be negative")
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """A job the worker will not run (it arrived while draining); no attempt is counted."""
+
+    type: ClassVar[str] = "release"
+    job_id: uuid.UUID
+    handoff_id: uuid.UUID
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReportAck:
+    """Sent once the outcome is settled, so the worker may forget the report."""
+
+    type: ClassVar[str] = "report_ack"
+    job_id: uuid.UUID
+    handoff_id: uuid.UUID
+    status: AckStatus
+
+
+@dataclass(frozen=True, slots=True)
+class Draining:
+    type: ClassVar[str] = "draining"
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    type: ClassVar[str] = "ping"
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    type: ClassVar[str] = "pong"
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """A connection-level error; after a fatal one the sender closes the connection."""
+
+    type: ClassVar[str] = "error"
+    code: str
+    message: str
+    fatal: bool
+
+
+# --------------------------------------------------------------------------- client ↔ main
+
+
+@dataclass(frozen=True, slots=True)
+class JobRequest:
+    """A :class:`~broker.jobs.JobSpec` as JSON; only ``task`` is required on the wire.
+
+    ``run_at`` and ``delay`` are alternatives: ``delay`` is resolved against the
+    main's clock, so a client with a skewed clock still gets the delay it asked for.
+    """
+
+    task: str
+    args: list[JSONValue] = field(default_factory=list)
+    kwargs: dict[str, JSONValue] = field(default_factory=dict)
+    queue: str = DEFAULT_QUEUE
+    priority: int = 0
+    run_at: str | None = None
+    delay: float | None = None
+    max_attempts: int | None = None
+    idempotency_key: str | None = None
+    concurrency_key: str | None = None
+    concurrency_limit: int | None = None
+    timeout: float | None = None
+    execution_mode: ExecutionMode = ExecutionMode.POOLED
+    id: uuid.UUID | None = None
+
+    def to_spec(self, now: datetime) -> JobSpec:
+        """Raises :class:`InvalidJobError`, which the main answers with ``invalid_job``."""
+        if self.run_at is not None and self.delay is not None:
+            raise InvalidJobError("give run_at or delay, not both")
+        run_at: datetime | None = None
+        if self.run_at is not None:
+            try:
+                run_at = datetime.fromisoformat(self.run_at)
+            except ValueError:
+                raise InvalidJobError(
+                    f"run_at must be an ISO-8601 timestamp (got {self.run_at!r})"
+                ) from None
+        elif self.delay is not None:
+            if not math.isfinite(self.delay) or self.delay < 0:
+                raise InvalidJobError("delay must be a non-negative number of seconds")
+            run_at = now + timedelta(seconds=self.delay)
+        optional: dict[str, Any] = {}
+        if self.max_attempts is not None:
+            optional["max_attempts"] = self.max_attempts
+        if self.id is not None:
+            optional["id"] = self.id
+        return JobSpec(
+            task=self.task,
+            args=self.args,
+            kwargs=self.kwargs,
+            queue=self.queue,
+            priority=self.priority,
+            run_at=run_at,
+            idempotency_key=self.idempotency_key,
+            concurrency_key=self.concurrency_key,
+            concurrency_limit=self.concurrency_limit,
+            timeout=self.timeout,
+            execution_mode=self.execution_mode,
+            **optional,
+        )
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec) -> JobRequest:
+        return cls(
+            task=spec.task,
+            args=list(spec.args),
+            kwargs=dict(spec.kwargs),
+            queue=spec.queue,
+            priority=spec.priority,
+            run_at=spec.run_at.isoformat() if spec.run_at is not None else None,
+            max_attempts=spec.max_attempts,
+            idempotency_key=spec.idempotency_key,
+            concurrency_key=spec.concurrency_key,
+            concurrency_limit=spec.concurrency_limit,
+            timeout=spec.timeout,
+            execution_mode=spec.execution_mode,
+            id=spec.id,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueuedRef:
+    job_id: uuid.UUID
+    duplicate: bool
+    """True when an existing job with the same idempotency key was returned instead."""
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueue:
+    type: ClassVar[str] = "enqueue"
+    request_id: str
+    jobs: list[JobRequest]
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueued:
+    """One ref per requested job, in request order."""
+
+    type: ClassVar[str] = "enqueued"
+    request_id: str
+    jobs: list[EnqueuedRef]
+
+
+@dataclass(frozen=True, slots=True)
+class GetJob:
+    type: ClassVar[str] = "get_job"
+    request_id: str
+    job_id: uuid.UUID
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    type: ClassVar[str] = "cancel"
+    request_id: str
+    job_id: uuid.UUID
+
+
+@dataclass(frozen=True, slots=True)
+class JobInfo:
+    """``job`` is :meth:`broker.jobs.Job.to_dict`, or null when no such job exists."""
+
+    type: ClassVar[str] = "job_info"
+    request_id: str
+    job: dict[str, JSONValue] | None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestError:
+    """One request failed; unlike ``error`` it never closes the connection."""
+
+    type: ClassVar[str] = "request_error"
+    request_id: str
+    code: str
+    message: str
+
+
+Message: TypeAlias = (
+    Challenge
+    | Hello
+    | Welcome
+    | Ready
+    | Job
+    | Completed
+    | Failed
+    | Reschedule
+    | Release
+    | ReportAck
+    | Draining
+    | Ping
+    | Pong
+    | Error
+    | Enqueue
+    | Enqueued
+    | GetJob
+    | JobInfo
+    | Cancel
+    | RequestError
+)
+
+MESSAGE_TYPES: Mapping[str, type[Message]] = {cls.type: cls for cls in typing.get_args(Message)}
+"""Every message class by its tag: the decoder's dispatch table."""
+
+
+# --------------------------------------------------------------------------- encode / decode
+
+_T = TypeVar("_T")
+_INT_RANGE = range(-(2**63), 2**63)
+"""Integers must fit a signed 64-bit column in any store and any peer's language."""
+
+_SCALARS: dict[Any, tuple[str, Callable[[object], bool]]] = {
+    bool: ("a boolean", lambda v: isinstance(v, bool)),
+    int: ("an integer", lambda v: type(v) is int and v in _INT_RANGE),
+    # An int beyond 64 bits would overflow float(); a float from JSON is already finite.
+    float: ("a number", lambda v: type(v) is float or (type(v) is int and v in _INT_RANGE)),
+    str: ("a string", lambda v: isinstance(v, str)),
+}
+
+
+_FIELDS: dict[type, tuple[tuple[str, Any, bool], ...]] = {}
+
+
+def _fields(cls: type) -> tuple[tuple[str, Any, bool], ...]:
+    """(name, resolved type, required on the wire) for each field, resolved once per class."""
+    if cls in _FIELDS:
+        return _FIELDS[cls]
+    hints = typing.get_type_hints(cls)
+    _FIELDS[cls] = tuple(
+        (
+            f.name,
+            hints[f.name],
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+        )
+        for f in dataclasses.fields(cls)
+    )
+    return _FIELDS[cls]
+
+
+def _describe(value: object) -> str:
+    kind = {
+        type(None): "null",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+    }.get(type(value), type(value).__name__)
+    shown = repr(value)
+    # Never echo a peer's large payload back into logs or error replies.
+    return kind if len(shown) > 40 or isinstance(value, list | dict) else f"{kind} ({shown})"
+
+
+def _load(value: object, tp: Any, where: str, nullable: bool = False) -> Any:
+    """Check one JSON value against a field's annotation and convert it (UUIDs, enums)."""
+    if tp is Any:
+        return value
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is types.UnionType or origin is typing.Union:
+        if value is None:
+            return None
+        (inner,) = (a for a in args if a is not type(None))
+        return _load(value, inner, where, nullable=True)
+    if origin is list and isinstance(value, list):
+        return [_load(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict and isinstance(value, dict):
+        return {
+            _load(k, args[0], f"{where} key"): _load(v, args[1], f"{where}.{k}")
+            for k, v in value.items()
+        }
+    if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+        return _build(typing.cast(type[Any], tp), value, where)
+    try:
+        return _load_leaf(value, tp)
+    except (TypeError, ValueError, AttributeError) as exc:
+        null = " or null" if nullable else ""
+        raise DecodeError(f"{where} must be {exc}{null}, got {_describe(value)}") from None
+
+
+def _load_leaf(value: object, tp: Any) -> Any:
+    """Convert a scalar, or raise with what was expected as the message."""
+    if tp in _SCALARS:
+        expected, ok = _SCALARS[tp]
+        if not ok(value):
+            raise ValueError(expected)
+        return float(typing.cast(float, value)) if tp is float else value
+    if tp is uuid.UUID:
+        if not isinstance(value, str):
+            raise ValueError("a UUID string")
+        try:
+            return uuid.UUID(value)
+        except ValueError:
+            raise ValueError("a UUID string") from None
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise ValueError("one of " + ", ".join(repr(m.value) for m in tp)) from None
+    origin = typing.get_origin(tp)
+    if origin is list:
+        raise ValueError("a list")
+    if origin is dict or dataclasses.is_dataclass(tp):
+        raise ValueError("an object")
+    raise RuntimeError(f"no wire form for {tp!r}")  # a bug in this module, not the peer's
+
+
+def _build(cls: type[_T], data: Mapping[str, object], where: str) -> _T:
+    values: dict[str, Any] = {}
+    for name, tp, required in _fields(cls):
+        if name in data:
+            values[name] = _load(data[name], tp, f"{where}.{name}")
+        elif required:
+            raise DecodeError(f"{where}.{name} is required")
+    try:
+        return cls(**values)
+    except ValueError as exc:
+        raise DecodeError(f"{where}: {exc}") from None
+
+
+def _dump(value: Any, tp: Any) -> Any:
+    """The JSON form of a field, driven by its annotation so payloads pass through as-is."""
+    if value is None or tp is Any:
+        return value
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is types.UnionType or origin is typing.Union:
+        (inner,) = (a for a in args if a is not type(None))
+        return _dump(value, inner)
+    if origin is list:
+        return [_dump(v, args[0]) for v in value]
+    if origin is dict:
+        return {_dump(k, args[0]): _dump(v, args[1]) for k, v in value.items()}
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return {name: _dump(getattr(value, name), t) for name, t, _ in _fields(tp)}
+    if tp is uuid.UUID:
+        return str(value)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp(value).value
+    return value
+
+
+def encode(msg: Message) -> bytes:
+    """One compact JSON line ending in ``\\n``.
+
+    Raises ``ValueError`` if a payload (``args``, ``result``…) is not plain JSON, so
+    the caller can report that instead of sending something the peer would reject.
+    """
+    body = {"type": msg.type, **_dump(msg, type(msg))}
+    try:
+        text = json.dumps(body, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"cannot encode {msg.type} message: {exc}") from exc
+    return text.encode("ascii") + b"\n"
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"{text} is out of range")
+    return number
+
+
+def decode(line: bytes | str) -> Message:
+    """Parse one line (with or without its newline) into a message.
+
+    Raises :class:`DecodeError` (``code`` says which error code to reply with);
+    ``msg_type`` and ``request_id`` are filled in when they could be read.
+    """
+    try:
+        text = line.decode("utf-8") if isinstance(line, bytes) else line
+        data = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError) as exc:
+        # RecursionError: a few KiB of "[[[[" must not take the connection handler down.
+        raise DecodeError(f"invalid JSON: {exc}") from None
+    match data:
+        case {"type": str(tag)} if tag in MESSAGE_TYPES:
+            request_id = data.get("request_id")
+            try:
+                return _build(MESSAGE_TYPES[tag], data, tag)
+            except DecodeError as exc:
+                exc.msg_type = tag
+                exc.request_id = request_id if isinstance(request_id, str) else None
+                raise
+        case {"type": str(tag)}:
+            raise UnknownTypeError(f"unknown message type {tag[:40]!r}", msg_type=tag[:40])
+        case {"type": other}:
+            raise DecodeError(f"type must be a string, got {_describe(other)}")
+        case dict():
+            raise DecodeError("message has no type")
+        case _:
+            raise DecodeError(f"message must be a JSON object, got {_describe(data)}")

@@ -1,0 +1,99 @@
+"""The runner interface: how a worker hands a job to whatever executes it.
+
+The worker never knows *how* a job runs (on its own loop, in a warm child, in a
+fresh process); it only asks a runner for free slots and awaits an outcome.
+Runners live in the ``runners`` package and are wired in by the composition root,
+so the core never imports them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from broker.jobs import ExecutionMode, JSONValue
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """One job as a runner receives it: everything needed to run it, and its lease."""
+
+    job_id: uuid.UUID
+    handoff_id: uuid.UUID
+    task: str
+    args: tuple[JSONValue, ...]
+    kwargs: dict[str, JSONValue]
+    execution_mode: ExecutionMode
+    attempt: int
+    max_attempts: int
+    timeout: float | None
+    queue: str
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    result: JSONValue = None
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    error: str
+    retry: bool = True
+    """``False`` when retrying cannot help (an unknown task, say): the job dies at once."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rescheduled:
+    delay: float
+
+
+Outcome = Completed | Failed | Rescheduled
+
+
+class Reschedule(Exception):
+    """Raise inside a task to run it again after ``delay`` seconds without using a retry."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(f"reschedule in {delay} s")
+        self.delay = delay
+
+
+@dataclass
+class RunnerStatus:
+    """What the worker shows about a runner in its status (and the operator's CLI)."""
+
+    mode: ExecutionMode
+    capacity: int
+    busy: int
+    startup_error: str | None = None
+    details: dict[str, JSONValue] = field(default_factory=dict)
+
+
+class Runner(Protocol):
+    """Executes jobs of one execution mode with a bounded number of slots."""
+
+    @property
+    def mode(self) -> ExecutionMode: ...
+
+    def free_slots(self) -> int:
+        """Slots that can take a job right now; the worker advertises exactly this."""
+
+    def set_capacity_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` whenever ``free_slots`` may have changed on the runner's own
+        account (a child died, a replacement started), so the worker re-advertises."""
+
+    async def start(self) -> None: ...
+
+    async def run(self, assignment: Assignment) -> Outcome:
+        """Run one job to its outcome. Job errors become ``Failed``; this never raises
+        for them. Takes a slot synchronously on entry, so the caller's count is exact."""
+
+    async def cancel(self, job_id: uuid.UUID) -> bool:
+        """Stop a running job (its outcome becomes ``Failed``); ``False`` if unknown."""
+
+    async def stop(self, *, grace: float) -> None:
+        """Stop taking jobs, give running ones ``grace`` seconds, then stop them hard."""
+
+    def status(self) -> RunnerStatus: ...

@@ -1,0 +1,180 @@
+"""NDJSON framing over asyncio streams: whole lines in, whole lines out, or an error.
+
+``StreamReader.readline()`` is unsafe for a network peer: on an oversized line it
+drops the buffer and carries on mid-line, and at EOF it hands back a partial line
+(see ``docs/protocol.md``, "Framing"). :class:`LineReader` uses ``readuntil`` and
+turns both cases into a :class:`~broker.exceptions.ProtocolError` after which the
+caller closes the connection; it never resynchronises and never returns half a line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable
+
+from broker.exceptions import ProtocolError
+from broker.protocol import ErrorCode, Message, decode, encode
+
+PREAUTH_MAX_LINE_BYTES = 64 * 1024
+"""The cap before a peer has authenticated. Small, because an unauthenticated peer
+should cost little; not tiny, because ``hello`` carries the worker's held leases
+(about 100 bytes each)."""
+
+MAX_LINE_BYTES = 1024 * 1024
+"""The cap once authenticated; it bounds a job's arguments and a job's result."""
+
+STREAM_LIMIT = MAX_LINE_BYTES
+"""Pass as ``limit=`` to ``asyncio.start_server``/``open_connection``: the stream's own
+limit must be at least the largest cap a :class:`LineReader` will be raised to."""
+
+
+class LineTooLongError(ProtocolError):
+    """The peer sent a line longer than allowed; the connection is closed."""
+
+    code: str = ErrorCode.LINE_TOO_LONG
+
+
+class UnterminatedLineError(ProtocolError):
+    """The peer closed the connection in the middle of a line; the partial line is dropped."""
+
+    code: str = ErrorCode.UNTERMINATED
+
+
+class LineReader:
+    """Reads newline-terminated lines with a cap that can be raised after authentication.
+
+    The cap is checked here rather than through the stream's ``limit`` because the
+    limit is fixed when the stream is created, while the cap must start small for an
+    unauthenticated peer and grow once it has proved the token.
+    """
+
+    def __init__(
+        self, reader: asyncio.StreamReader, max_line_bytes: int = PREAUTH_MAX_LINE_BYTES
+    ) -> None:
+        self._reader = reader
+        self._max = 0
+        self.max_line_bytes = max_line_bytes
+
+    @property
+    def max_line_bytes(self) -> int:
+        """The longest line accepted, in bytes, not counting the newline."""
+        return self._max
+
+    @max_line_bytes.setter
+    def max_line_bytes(self, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"max_line_bytes must be positive (got {value})")
+        # A cap above the stream's limit would be silently unreachable: readuntil would
+        # still fail at the lower limit. CPython keeps the limit in ``_limit``.
+        limit = getattr(self._reader, "_limit", None)
+        if isinstance(limit, int) and value > limit:
+            raise ValueError(
+                f"max_line_bytes {value} exceeds the stream's limit {limit}; "
+                "create the stream with a larger limit="
+            )
+        self._max = value
+
+    async def read_line(self) -> bytes | None:
+        """The next non-blank line without its newline, or ``None`` at a clean EOF.
+
+        Raises :class:`LineTooLongError` or :class:`UnterminatedLineError`; after
+        either, the stream is not at a line boundary and must not be read again.
+        """
+        while True:
+            try:
+                line = await self._reader.readuntil(b"\n")
+            except asyncio.LimitOverrunError:
+                raise LineTooLongError(
+                    f"line exceeds {self._max} bytes without a newline"
+                ) from None
+            except asyncio.IncompleteReadError as exc:
+                if not exc.partial:
+                    return None
+                raise UnterminatedLineError(
+                    f"connection closed after {len(exc.partial)} bytes of an unterminated line"
+                ) from None
+            if len(line) - 1 > self._max:
+                raise LineTooLongError(f"line of {len(line) - 1} bytes exceeds {self._max}")
+            line = line[:-1]
+            if line.strip():
+                return line
+
+
+async def read_message(reader: LineReader) -> Message | None:
+    """The next message, or ``None`` at a clean EOF; raises ``ProtocolError`` subclasses."""
+    line = await reader.read_line()
+    return None if line is None else decode(line)
+
+
+class MessageWriter:
+    """Writes whole messages, one line each, from any number of tasks.
+
+    Each message is encoded completely before anything is written, so a payload
+    that cannot be encoded sends nothing; the lock makes concurrent senders take
+    turns through ``drain()``, so back-pressure is shared fairly and lines stay whole.
+    """
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+        self._lock = asyncio.Lock()
+
+    @property
+    def is_closing(self) -> bool:
+        return self._writer.is_closing()
+
+    async def send(self, msg: Message) -> None:
+        await self.send_many((msg,))
+
+    async def send_many(self, msgs: Iterable[Message]) -> None:
+        """One write and one drain for a batch, so a burst of jobs costs one wake-up.
+
+        Raises ``ConnectionResetError`` once the connection is closing, so a caller
+        never believes a message went out when it was silently dropped.
+        """
+        await self.write_raw(b"".join(encode(msg) for msg in msgs))
+
+    async def write_raw(self, data: bytes) -> None:
+        """Write lines that were already encoded, e.g. by a sender that queues bytes.
+
+        ``data`` must be whole lines (it must end with ``\\n``): a partial line would
+        merge with the next sender's and corrupt both.
+        """
+        if not data:
+            return
+        if not data.endswith(b"\n"):
+            raise ValueError("write_raw needs whole lines ending in a newline")
+        async with self._lock:
+            if self._writer.is_closing():
+                raise ConnectionResetError("connection is closing")
+            self._writer.write(data)
+            await self._writer.drain()
+
+    async def close(self, grace: float = 5.0) -> None:
+        """Close, giving buffered lines ``grace`` seconds to flush before aborting.
+
+        Deliberately does not take the send lock: a peer that stopped reading would
+        hold a sender in ``drain()`` forever, and closing is what releases it.
+        """
+        if not self._writer.is_closing():
+            self._writer.close()
+        # Waiting through a task, not on wait_closed() directly: cancelling a direct wait
+        # would cancel the stream's shared close future and break every other waiter.
+        waiter = asyncio.ensure_future(self._writer.wait_closed())
+        waiter.add_done_callback(_consume_exception)
+        done, _ = await asyncio.wait({waiter}, timeout=grace)
+        if not done:
+            self._writer.transport.abort()
+        with contextlib.suppress(OSError):  # the peer already went away: still closed
+            await waiter
+
+    def abort(self) -> None:
+        """Drop the connection at once, discarding unsent data."""
+        with contextlib.suppress(OSError):
+            self._writer.transport.abort()
+
+
+def _consume_exception(future: asyncio.Future[None]) -> None:
+    # Marks the exception as retrieved even if close() itself was cancelled meanwhile.
+    if not future.cancelled():
+        future.exception()

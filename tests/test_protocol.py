@@ -1,0 +1,353 @@
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker import protocol as p
+from broker.exceptions import InvalidJobError, ProtocolError
+from broker.jobs import ExecutionMode, JobSpec
+
+JOB_ID = uuid.UUID("0b5e6a4e-8a0c-4f5e-9b57-0d7f2c1e9a11")
+LEASE_ID = uuid.UUID("6f1c2d3e-4b5a-4c6d-8e7f-9a0b1c2d3e4f")
+NOW = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
+
+SAMPLES: list[p.Message] = [
+    p.Challenge(nonce=p.make_nonce(), protocol=p.PROTOCOL_VERSION, auth_required=True),
+    p.Hello(
+        role=p.Role.WORKER,
+        protocol=1,
+        proof="ab" * 32,
+        worker_id="host-1:123",
+        host="host-1",
+        pid=123,
+        modes=[ExecutionMode.POOLED, ExecutionMode.INLINE],
+        queues=["default", "emails"],
+        held_leases=[p.LeaseRef(JOB_ID, LEASE_ID)],
+    ),
+    p.Hello(role=p.Role.CLIENT, protocol=1),
+    p.Welcome(
+        main_id="main-1",
+        protocol=1,
+        ping_interval=5.0,
+        adopted=[p.LeaseRef(JOB_ID, LEASE_ID)],
+        max_line_bytes=1 << 20,
+    ),
+    p.Ready(slots={ExecutionMode.POOLED: 4, ExecutionMode.FORKED: 0}, seen=17),
+    p.Job(
+        seq=18,
+        job_id=JOB_ID,
+        handoff_id=LEASE_ID,
+        task="send_email",
+        args=["a@example.com", {"n": 1}, [None, True, 2.5]],
+        kwargs={"subject": "hi"},
+        execution_mode=ExecutionMode.FORKED,
+        attempt=2,
+        max_attempts=11,
+        timeout=30.0,
+        queue="emails",
+    ),
+    p.Completed(JOB_ID, LEASE_ID, result={"sent": True, "ids": [1, 2]}),
+    p.Completed(JOB_ID, LEASE_ID),
+    p.Failed(JOB_ID, LEASE_ID, error="SMTP 451", retry=False),
+    p.Reschedule(JOB_ID, LEASE_ID, delay=12.5),
+    p.Release(JOB_ID, LEASE_ID, reason="draining"),
+    p.ReportAck(JOB_ID, LEASE_ID, p.AckStatus.DUPLICATE),
+    p.Draining(),
+    p.Ping(nonce=7),
+    p.Pong(nonce=7),
+    p.Error(code=p.ErrorCode.MALFORMED, message="bad", fatal=False),
+    p.Enqueue(
+        request_id="r1",
+        jobs=[
+            p.JobRequest(task="a"),
+            p.JobRequest(
+                task="b",
+                args=[1],
+                kwargs={"k": "v"},
+                queue="q",
+                priority=-3,
+                run_at=NOW.isoformat(),
+                max_attempts=3,
+                idempotency_key="once",
+                concurrency_key="acct-1",
+                concurrency_limit=2,
+                timeout=9.5,
+                execution_mode=ExecutionMode.INLINE,
+                id=JOB_ID,
+            ),
+        ],
+    ),
+    p.Enqueued(request_id="r1", jobs=[p.EnqueuedRef(JOB_ID, duplicate=True)]),
+    p.GetJob(request_id="r2", job_id=JOB_ID),
+    p.JobInfo(request_id="r2", job={"id": str(JOB_ID), "status": "queued"}),
+    p.JobInfo(request_id="r2", job=None),
+    p.Cancel(request_id="r3", job_id=JOB_ID),
+    p.RequestError(request_id="r3", code=p.ErrorCode.NOT_FOUND, message="no such job"),
+]
+
+
+def test_samples_cover_every_message_type() -> None:
+    assert {type(m).type for m in SAMPLES} == set(p.MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).type)
+def test_round_trip(msg: p.Message) -> None:
+    line = p.encode(msg)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert b": " not in line and b", " not in line  # compact separators
+    assert json.loads(line)["type"] == type(msg).type
+    assert p.decode(line) == msg
+    assert p.decode(line.decode().rstrip("\n")) == msg  # str input, no newline
+
+
+def test_decoded_fields_have_python_types() -> None:
+    msg = p.decode(p.encode(SAMPLES[1]))
+    assert isinstance(msg, p.Hello)
+    assert msg.role is p.Role.WORKER
+    assert msg.modes == [ExecutionMode.POOLED, ExecutionMode.INLINE]
+    assert isinstance(msg.held_leases[0].job_id, uuid.UUID)
+    ready = p.decode(b'{"type":"ready","slots":{"pooled":2},"seen":0}')
+    assert isinstance(ready, p.Ready)
+    assert list(ready.slots) == [ExecutionMode.POOLED]
+    assert type(next(iter(ready.slots))) is ExecutionMode
+
+
+def test_optional_fields_default_when_absent() -> None:
+    msg = p.decode(f'{{"type":"completed","job_id":"{JOB_ID}","handoff_id":"{LEASE_ID}"}}')
+    assert msg == p.Completed(JOB_ID, LEASE_ID, result=None)
+    failed = p.decode(
+        f'{{"type":"failed","job_id":"{JOB_ID}","handoff_id":"{LEASE_ID}","error":"x"}}'
+    )
+    assert isinstance(failed, p.Failed) and failed.retry is True
+
+
+def test_int_accepted_where_float_expected() -> None:
+    msg = p.decode(
+        f'{{"type":"reschedule","job_id":"{JOB_ID}","handoff_id":"{LEASE_ID}","delay":3}}'
+    )
+    assert isinstance(msg, p.Reschedule) and msg.delay == 3.0 and type(msg.delay) is float
+
+
+def test_unknown_extra_fields_are_ignored() -> None:
+    msg = p.decode(b'{"type":"ping","nonce":3,"from_the_future":{"x":1}}')
+    assert msg == p.Ping(nonce=3)
+
+
+def _line(**fields: Any) -> str:
+    return json.dumps(fields)
+
+
+def _ready(**over: Any) -> str:
+    return _line(**{"type": "ready", "slots": {"pooled": 1}, "seen": 0, **over})
+
+
+def _completed(**over: Any) -> str:
+    return _line(
+        **{"type": "completed", "job_id": str(JOB_ID), "handoff_id": str(LEASE_ID), **over}
+    )
+
+
+@pytest.mark.parametrize(
+    ("line", "fragment"),
+    [
+        pytest.param(b"{not json", "invalid JSON", id="invalid-json"),
+        pytest.param(b"\xff\xfe", "invalid JSON", id="invalid-utf8"),
+        pytest.param(b"", "invalid JSON", id="empty"),
+        pytest.param(b"[" * 100_000, "invalid JSON", id="deep-nesting"),
+        pytest.param(b'{"type":"ping","nonce":NaN}', "invalid JSON", id="nan"),
+        pytest.param(b'{"type":"reschedule","delay":1e999}', "invalid JSON", id="inf"),
+        pytest.param(b'["ping"]', "JSON object", id="array"),
+        pytest.param(b"42", "JSON object", id="number"),
+        pytest.param(b'{"nonce":1}', "no type", id="missing-type"),
+        pytest.param(b'{"type":7}', "type must be a string", id="type-not-string"),
+        pytest.param(_ready(slots={"pooled": True}), "ready.slots.pooled", id="bool-for-int"),
+        pytest.param(_ready(seen=True), "ready.seen must be an integer", id="bool-seen"),
+        pytest.param(_ready(seen=1.0), "ready.seen must be an integer", id="float-for-int"),
+        pytest.param(_ready(seen="1"), "ready.seen must be an integer", id="str-for-int"),
+        pytest.param(_ready(seen=2**70), "ready.seen must be an integer", id="int-too-big"),
+        pytest.param(_ready(slots={"pooled": -1}), "must not be negative", id="negative-slots"),
+        pytest.param(_ready(seen=-1), "seen must not be negative", id="negative-seen"),
+        pytest.param(_ready(slots={"gpu": 1}), "ready.slots key must be one of", id="bad-mode"),
+        pytest.param(_ready(slots=[1]), "ready.slots must be an object", id="list-for-dict"),
+        pytest.param(_ready(slots=None), "ready.slots must be an object", id="null-not-allowed"),
+        pytest.param(_completed(job_id="nope"), "completed.job_id must be a UUID", id="bad-uuid"),
+        pytest.param(_completed(job_id=5), "completed.job_id must be a UUID", id="int-uuid"),
+        pytest.param(_completed(handoff_id=None), "completed.handoff_id must be", id="null-id"),
+        pytest.param(
+            _line(type="report_ack", job_id=str(JOB_ID), handoff_id=str(LEASE_ID), status="ok"),
+            "report_ack.status must be one of 'applied', 'duplicate', 'stale'",
+            id="bad-enum",
+        ),
+        pytest.param(
+            _line(type="hello", role="admin", protocol=1), "hello.role must be one of", id="role"
+        ),
+        pytest.param(
+            _line(type="hello", role="client", protocol=1, pid="12"),
+            "hello.pid must be an integer or null",
+            id="optional-wrong-type",
+        ),
+        pytest.param(
+            _line(type="hello", role="client", protocol=1, modes=["pooled", "gpu"]),
+            "hello.modes[1] must be one of",
+            id="bad-list-item",
+        ),
+        pytest.param(
+            _line(type="hello", role="client", protocol=1, held_leases=[{"job_id": str(JOB_ID)}]),
+            "hello.held_leases[0].handoff_id is required",
+            id="nested-missing",
+        ),
+        pytest.param(_line(type="ping"), "ping.nonce is required", id="missing-field"),
+        pytest.param(_line(type="error", code="x", message="y"), "error.fatal is required", id="m"),
+        pytest.param(_line(type="error", code="x", message="y", fatal=1), "error.fatal", id="b"),
+        pytest.param(
+            _line(type="challenge", nonce="xyz", protocol=1, auth_required=True),
+            "nonce must be a non-empty hex string",
+            id="nonce-not-hex",
+        ),
+        pytest.param(
+            _line(type="enqueue", request_id="r", jobs=[{"args": []}]),
+            "enqueue.jobs[0].task is required",
+            id="job-request-missing-task",
+        ),
+        pytest.param(
+            _line(type="job_info", request_id="r", job=[]),
+            "job_info.job must be an object or null",
+            id="job-info-list",
+        ),
+    ],
+)
+def test_rejects(line: bytes | str, fragment: str) -> None:
+    with pytest.raises(p.DecodeError, match=re.escape(fragment)) as info:
+        p.decode(line)
+    assert isinstance(info.value, ProtocolError)
+    assert info.value.code == p.ErrorCode.MALFORMED
+
+
+def test_unknown_type_has_its_own_code() -> None:
+    with pytest.raises(p.UnknownTypeError, match="unknown message type 'launch'") as info:
+        p.decode(b'{"type":"launch"}')
+    assert info.value.code == p.ErrorCode.UNKNOWN_TYPE
+    assert info.value.msg_type == "launch"
+
+
+def test_worker_hello_needs_worker_id() -> None:
+    with pytest.raises(p.DecodeError, match="worker_id is required"):
+        p.decode(_line(type="hello", role="worker", protocol=1))
+    with pytest.raises(p.DecodeError, match="worker_id is required"):
+        p.decode(_line(type="hello", role="worker", protocol=1, worker_id=""))
+    with pytest.raises(ValueError, match="worker_id is required"):
+        p.Hello(role=p.Role.WORKER, protocol=1)
+
+
+def test_error_carries_request_id_so_the_main_can_answer_the_request() -> None:
+    with pytest.raises(p.DecodeError) as info:
+        p.decode(_line(type="enqueue", request_id="r9", jobs=[{"task": 1}]))
+    assert info.value.request_id == "r9"
+    assert info.value.msg_type == "enqueue"
+    assert "enqueue.jobs[0].task must be a string" in str(info.value)
+
+
+def test_error_does_not_echo_large_values() -> None:
+    with pytest.raises(p.DecodeError) as info:
+        p.decode(_ready(seen="x" * 10_000))
+    assert len(str(info.value)) < 200
+
+
+def test_encode_rejects_non_json_payload() -> None:
+    with pytest.raises(ValueError, match="cannot encode completed"):
+        p.encode(p.Completed(JOB_ID, LEASE_ID, result=float("nan")))
+    with pytest.raises(ValueError, match="cannot encode completed"):
+        p.encode(p.Completed(JOB_ID, LEASE_ID, result={1, 2}))
+
+
+def test_encode_is_ascii_even_for_lone_surrogates() -> None:
+    msg = p.decode(
+        b'{"type":"release","job_id":"%s","handoff_id":"%s","reason":"\\ud800 \xc3\xa9"}'
+        % (str(JOB_ID).encode(), str(LEASE_ID).encode())
+    )
+    assert isinstance(msg, p.Release) and msg.reason == "\ud800 é"
+    assert p.decode(p.encode(msg)) == msg
+
+
+# --------------------------------------------------------------------------- proofs
+
+
+def test_proof_helpers() -> None:
+    nonce = p.make_nonce()
+    assert len(nonce) == 32 and nonce != p.make_nonce()
+    proof = p.make_proof("s3cret", nonce)
+    assert p.check_proof("s3cret", nonce, proof)
+    assert not p.check_proof("wrong", nonce, proof)
+    assert not p.check_proof("s3cret", p.make_nonce(), proof)
+    assert not p.check_proof("s3cret", nonce, None)
+    assert not p.check_proof("s3cret", nonce, "")
+    assert not p.check_proof("s3cret", nonce, "\ud800é")
+
+
+# --------------------------------------------------------------------------- job requests
+
+
+def test_job_request_to_spec_with_delay() -> None:
+    spec = p.JobRequest(task="t", delay=30).to_spec(NOW)
+    assert spec.run_at == NOW + timedelta(seconds=30)
+    assert spec.max_attempts == JobSpec(task="t").max_attempts
+
+
+def test_job_request_to_spec_with_run_at() -> None:
+    spec = p.JobRequest(task="t", run_at="2024-06-01T00:00:00Z").to_spec(NOW)
+    assert spec.run_at == datetime(2024, 6, 1, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("request_", "fragment"),
+    [
+        (p.JobRequest(task=""), "task"),
+        (p.JobRequest(task="t", run_at="tomorrow"), "ISO-8601"),
+        (p.JobRequest(task="t", run_at="2024-06-01T00:00:00"), "timezone-aware"),
+        (p.JobRequest(task="t", run_at=NOW.isoformat(), delay=1), "not both"),
+        (p.JobRequest(task="t", delay=-1), "delay"),
+        (p.JobRequest(task="t", max_attempts=0), "max_attempts"),
+        (p.JobRequest(task="t", concurrency_key="k"), "go together"),
+        (p.JobRequest(task="t", priority=2**40), "32 bits"),
+    ],
+)
+def test_job_request_invalid(request_: p.JobRequest, fragment: str) -> None:
+    with pytest.raises(InvalidJobError, match=fragment):
+        request_.to_spec(NOW)
+
+
+def test_job_request_from_spec_round_trips() -> None:
+    spec = JobSpec(
+        task="t",
+        args=(1, "two"),
+        kwargs={"k": [3]},
+        queue="q",
+        priority=5,
+        run_at=NOW,
+        max_attempts=4,
+        idempotency_key="i",
+        concurrency_key="c",
+        concurrency_limit=1,
+        timeout=2.5,
+        execution_mode=ExecutionMode.FORKED,
+    )
+    wire = p.decode(p.encode(p.Enqueue("r", [p.JobRequest.from_spec(spec)])))
+    assert isinstance(wire, p.Enqueue)
+    assert wire.jobs[0].to_spec(NOW + timedelta(days=1)) == spec
+
+
+# --------------------------------------------------------------------------- the spec
+
+
+def test_every_example_in_the_spec_decodes() -> None:
+    """docs/protocol.md shows an example line per message; they must stay valid."""
+    spec = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
+    lines = [ln for ln in spec.read_text().splitlines() if ln.startswith('{"type":')]
+    seen = {type(p.decode(ln)).type for ln in lines}
+    assert seen == set(p.MESSAGE_TYPES)
