@@ -400,6 +400,9 @@ class Main:
         self._connection_tasks.add(task)
         try:
             await self._serve_connection(reader, writer)
+        except asyncio.CancelledError:
+            if not self._stopping:
+                raise
         finally:
             self._connection_tasks.discard(task)
 

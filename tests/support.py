@@ -1,0 +1,122 @@
+"""Test peers that speak the real protocol over real TCP, driven step by step by a test."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from broker import protocol, wire
+from broker.jobs import ExecutionMode
+
+
+class FakeWorker:
+    """A worker whose every message the test chooses, to provoke exact interleavings."""
+
+    def __init__(self, port: int, worker_id: str = "fake-worker", token: str | None = None) -> None:
+        self.port = port
+        self.worker_id = worker_id
+        self.token = token
+        self.jobs: asyncio.Queue[protocol.Job] = asyncio.Queue()
+        self.acks: asyncio.Queue[protocol.ReportAck] = asyncio.Queue()
+        self.errors: list[protocol.Error] = []
+        self.welcome: protocol.Welcome | None = None
+        self.seen = 0
+        self._writer: wire.MessageWriter | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    async def connect(
+        self,
+        *,
+        modes: tuple[ExecutionMode, ...] = tuple(ExecutionMode),
+        held: list[protocol.LeaseRef] | None = None,
+        queues: list[str] | None = None,
+    ) -> protocol.Welcome:
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", self.port, limit=wire.STREAM_LIMIT
+        )
+        lines = wire.LineReader(reader, max_line_bytes=1 << 20)
+        self._writer = wire.MessageWriter(writer)
+        challenge = await wire.read_message(lines)
+        assert isinstance(challenge, protocol.Challenge)
+        proof = protocol.make_proof(self.token, challenge.nonce) if self.token else None
+        await self.send(
+            protocol.Hello(
+                role=protocol.Role.WORKER,
+                protocol=protocol.PROTOCOL_VERSION,
+                proof=proof,
+                worker_id=self.worker_id,
+                modes=list(modes),
+                queues=queues,
+                held_leases=held or [],
+            )
+        )
+        welcome = await wire.read_message(lines)
+        if isinstance(welcome, protocol.Error):
+            raise ConnectionRefusedError(welcome.message)
+        assert isinstance(welcome, protocol.Welcome)
+        self.welcome = welcome
+        self._reader = asyncio.create_task(self._read(lines))
+        return welcome
+
+    async def _read(self, lines: wire.LineReader) -> None:
+        try:
+            while (msg := await wire.read_message(lines)) is not None:
+                match msg:
+                    case protocol.Job():
+                        self.jobs.put_nowait(msg)
+                    case protocol.ReportAck():
+                        self.acks.put_nowait(msg)
+                    case protocol.Ping(nonce=nonce):
+                        await self.send(protocol.Pong(nonce=nonce))
+                    case protocol.Error():
+                        self.errors.append(msg)
+        except (ConnectionError, OSError):
+            pass
+
+    async def send(self, msg: protocol.Message) -> None:
+        assert self._writer is not None
+        await self._writer.send(msg)
+
+    async def ready(self, seen: int | None = None, **slots: int) -> None:
+        await self.send(
+            protocol.Ready(
+                slots={ExecutionMode(k): v for k, v in slots.items()},
+                seen=self.seen if seen is None else seen,
+            )
+        )
+
+    async def next_job(self, timeout: float = 5.0) -> protocol.Job:
+        job = await asyncio.wait_for(self.jobs.get(), timeout)
+        self.seen = job.seq
+        return job
+
+    async def no_job_within(self, seconds: float) -> bool:
+        try:
+            await asyncio.wait_for(self.jobs.get(), seconds)
+        except TimeoutError:
+            return True
+        return False
+
+    async def report(self, msg: protocol.Message, timeout: float = 5.0) -> protocol.ReportAck:
+        await self.send(msg)
+        return await asyncio.wait_for(self.acks.get(), timeout)
+
+    async def complete(self, job: protocol.Job, result: Any = None) -> protocol.ReportAck:
+        return await self.report(
+            protocol.Completed(job_id=job.job_id, handoff_id=job.handoff_id, result=result)
+        )
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._writer is not None:
+            self._writer.abort()
+        await asyncio.sleep(0)
+
+
+def lease_of(job: protocol.Job) -> protocol.LeaseRef:
+    return protocol.LeaseRef(job_id=job.job_id, handoff_id=job.handoff_id)
+
+
+__all__ = ["FakeWorker", "lease_of", "uuid"]
