@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import uuid
 
@@ -22,7 +23,9 @@ def _postgres_unreachable_reason() -> str | None:
         await conn.close()
 
     try:
-        asyncio.run(probe())
+        # A thread of its own: callers may already be inside a running event loop.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pool.submit(asyncio.run, probe()).result()
     except Exception as exc:
         return f"PostgreSQL at {POSTGRES_URL} is unreachable: {exc!r}"
     return None
