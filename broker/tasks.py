@@ -9,6 +9,7 @@ by importing the app's own modules, which the operator names on the command line
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -104,6 +105,17 @@ class TaskRegistry:
         return name in self._tasks
 
 
+def _module_name(fn: Callable[..., Any]) -> str:
+    """The importable module path, even for a module run as ``python -m pkg.mod``, whose
+    functions say ``__main__``; a worker importing ``pkg.mod`` must find the same name."""
+    module = fn.__module__
+    if module == "__main__":
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        if spec is not None and spec.name:
+            return str(spec.name)
+    return module
+
+
 default_registry = TaskRegistry()
 """The process-wide registry that ``@task`` fills and workers read."""
 
@@ -151,7 +163,7 @@ def task(
         except ValueError:
             raise ConfigurationError(f"unknown execution mode {mode!r}") from None
         registered = Task(
-            name=name or f"{fn.__module__}.{fn.__qualname__}",
+            name=name or f"{_module_name(fn)}.{fn.__qualname__}",
             func=fn,
             queue=queue,
             priority=priority,

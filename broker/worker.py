@@ -1,0 +1,747 @@
+"""The worker: one per machine, it takes jobs from the main and runs them on its runners.
+
+A worker holds one TCP connection to the main and keeps it: it reconnects with
+capped, jittered backoff whenever the connection is lost, and it decides the
+connection is lost when nothing at all has come from the main for
+``liveness_timeout`` seconds (the main answers every ``ping``), because TCP alone
+can take many minutes to notice a peer that vanished.
+
+**Credits are exact.** Each ``ready`` carries the free slots per mode *and* ``seen``,
+the ``seq`` of the last ``job`` message this worker had decided on when it counted
+them; the main subtracts what it sent since (``broker.admission``). A job's fate is
+decided, and its slot taken, in the same step that advances ``seen``, so no
+``ready`` can ever count a slot twice.
+
+**Reports are kept until acknowledged.** Every outcome goes into an ordered outbox
+and stays there until the main's ``report_ack`` says it is settled; after a
+reconnect the whole outbox is sent again (the main fences by lease, so a repeat is
+harmless). The outbox lives in memory only: if the worker process dies, reports
+not yet acknowledged are lost and the main runs those jobs again. Delivery is
+at-least-once, never at-most-once.
+
+**Leases survive reconnects.** ``hello`` lists every lease this worker still holds
+(running, or reported but unacknowledged), so a main that restarted can adopt
+those jobs instead of running them a second time.
+
+The worker never imports a runner: the composition root hands it one ``Runner``
+per execution mode it serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import logging
+import math
+import os
+import random
+import signal
+import socket
+import uuid
+from collections import Counter, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+from broker import protocol, wire
+from broker.exceptions import (
+    AuthenticationError,
+    ConfigurationError,
+    ProtocolError,
+    TaskNotFoundError,
+)
+from broker.jobs import ExecutionMode
+from broker.runner import Assignment, Completed, Failed, Outcome, Rescheduled, Runner
+from broker.tasks import TaskRegistry, default_registry
+
+FLUSH_TIMEOUT = 10.0
+"""How long a draining worker waits for the main to acknowledge its last reports."""
+
+FAST_FLUSH_TIMEOUT = 2.0
+"""The same wait when told to stop fast: long enough to hand back what it gave up."""
+
+CANCEL_WAIT = 5.0
+"""How long to wait for cancelled jobs to come back with an outcome before exiting."""
+
+MAX_LINE_BYTES = 16 * 1024 * 1024
+"""The longest line accepted from a main, whatever its welcome says (a memory bound)."""
+
+_FIRST_RECONNECT_DELAY = 0.1
+_STABLE_CONNECTION = 5.0
+"""A connection that lasted this long resets the backoff; shorter ones keep growing it,
+so a main that accepts and then drops at once is not hammered ten times a second."""
+
+LeaseKey: TypeAlias = tuple[uuid.UUID, uuid.UUID]
+"""``(job_id, handoff_id)``: one handoff of one job."""
+
+Report: TypeAlias = protocol.Completed | protocol.Failed | protocol.Reschedule | protocol.Release
+
+
+@dataclass(eq=False)
+class _Running:
+    assignment: Assignment
+    task: asyncio.Task[None]
+
+
+@dataclass(eq=False)
+class _Connection:
+    """What lives and dies with one connection to the main."""
+
+    lines: wire.LineReader
+    writer: wire.MessageWriter
+    main_id: str
+    ping_interval: float
+    max_line_bytes: int
+    seen: int = 0
+    """The ``seq`` of the last job decided on; ``seq`` starts again at 1 per connection."""
+    unsent: deque[LeaseKey] = field(default_factory=deque)
+    pongs: list[int] = field(default_factory=list)
+    draining_sent: bool = False
+
+
+class Worker:
+    """Connects to the main at ``main_host:main_port`` and runs the jobs it hands over.
+
+    :param runners: one runner per execution mode this worker serves.
+    :param registry: the tasks this worker may run; a job naming any other task fails
+        at once without retry, and nothing is ever imported by a name from the wire.
+    :param token: the shared secret, proved to the main with an HMAC of its nonce.
+    :param queues: serve only these queues (``None``: every queue).
+    :param drain_timeout: how long a graceful stop waits for running jobs before
+        cancelling them (``None``: as long as they take).
+    """
+
+    def __init__(
+        self,
+        main_host: str,
+        main_port: int,
+        *,
+        worker_id: str,
+        runners: Mapping[ExecutionMode, Runner],
+        registry: TaskRegistry | None = None,
+        token: str | None = None,
+        queues: Sequence[str] | None = None,
+        ping_interval: float = 5.0,
+        liveness_timeout: float = 15.0,
+        reconnect_max_delay: float = 10.0,
+        drain_timeout: float | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        if not worker_id:
+            raise ConfigurationError("worker_id must be a non-empty string")
+        if not runners:
+            raise ConfigurationError("a worker needs at least one runner")
+        for mode, runner in runners.items():
+            if runner.mode != mode:
+                raise ConfigurationError(f"the runner for {mode} jobs serves {runner.mode}")
+        if queues is not None and (not queues or not all(queues)):
+            raise ConfigurationError("queues must name at least one queue (None serves all)")
+        _require_positive("ping_interval", ping_interval)
+        _require_positive("liveness_timeout", liveness_timeout)
+        if liveness_timeout <= ping_interval:
+            raise ConfigurationError("liveness_timeout must be longer than ping_interval")
+        _require_positive("reconnect_max_delay", reconnect_max_delay)
+        if drain_timeout is not None and not (math.isfinite(drain_timeout) and drain_timeout >= 0):
+            raise ConfigurationError("drain_timeout must be a number of seconds >= 0, or None")
+        self.worker_id = worker_id
+        self._address = (main_host, main_port)
+        self._runners = dict(runners)
+        self._registry = default_registry if registry is None else registry
+        self._token = token
+        self._queues = None if queues is None else list(queues)
+        self._ping_interval = ping_interval
+        self._liveness_timeout = liveness_timeout
+        self._reconnect_max_delay = reconnect_max_delay
+        self._drain_timeout = drain_timeout
+        self._logger = logger or logging.getLogger("broker.worker")
+
+        self._conn: _Connection | None = None
+        self._running: dict[LeaseKey, _Running] = {}
+        self._starting: Counter[ExecutionMode] = Counter()
+        """Jobs whose task exists but has not yet entered ``runner.run`` (and so not yet
+        taken its slot): subtracted from the runner's free slots until it has."""
+        self._outbox: dict[LeaseKey, Report] = {}
+        self._given_up: set[LeaseKey] = set()
+        self._ready_due = False
+        self._wake = asyncio.Event()
+        """Something is waiting to be sent: a report, a ``ready``, a ``pong``, ``draining``."""
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._flushed = asyncio.Event()
+        self._flushed.set()
+        self._draining = False
+        self._fast = False
+        self._stop_requested = asyncio.Event()
+        self._fast_requested = asyncio.Event()
+
+    # ------------------------------------------------------------------ public
+
+    async def run(self) -> None:
+        """Serve until stopped, then drain and return.
+
+        Raises :class:`~broker.exceptions.AuthenticationError` if the main rejects the
+        token and :class:`~broker.exceptions.ConfigurationError` if the two sides
+        cannot work together (auth required but no token, protocol versions differ):
+        retrying would not change either answer.
+        """
+        connection: asyncio.Task[None] | None = None
+        stop = asyncio.create_task(self._stop_requested.wait())
+        try:
+            for runner in self._runners.values():
+                runner.set_capacity_listener(self._ready_needed)
+            await asyncio.gather(*(runner.start() for runner in self._runners.values()))
+            connection = asyncio.create_task(
+                self._stay_connected(), name="broker-worker-connection"
+            )
+            await asyncio.wait({connection, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if connection.done():
+                connection.result()
+            await self._drain()
+            if connection.done():
+                connection.result()  # a fatal refusal while draining still fails the run
+        finally:
+            stop.cancel()
+            await self._shut_down(connection)
+
+    def request_stop(self, fast: bool = False) -> None:
+        """Start draining; a second call (or ``fast=True``) cancels running jobs and gives
+        them back to the main instead of waiting for them."""
+        if not self._draining:
+            self._draining = True
+            self._stop_requested.set()
+            self._logger.info(
+                "draining: %d running, %d reports unacknowledged",
+                len(self._running),
+                len(self._outbox),
+                extra={"event": "draining"},
+            )
+            self._ready_needed()
+            if not fast:
+                return
+        if not self._fast:
+            self._fast = True
+            self._fast_requested.set()
+            self._logger.warning(
+                "stopping fast: cancelling %d running jobs",
+                len(self._running),
+                extra={"event": "stopping_fast"},
+            )
+
+    def status(self) -> dict[str, Any]:
+        """A snapshot for operators; ``runners`` maps each mode to its ``RunnerStatus``."""
+        conn = self._conn
+        return {
+            "worker_id": self.worker_id,
+            "connected": conn is not None,
+            "main_id": conn.main_id if conn is not None else None,
+            "draining": self._draining,
+            "runners": {mode.value: runner.status() for mode, runner in self._runners.items()},
+            "running": len(self._running),
+            "outbox": len(self._outbox),
+        }
+
+    # ------------------------------------------------------------------ stopping
+
+    async def _drain(self) -> None:
+        if not await self._wait_for(self._idle, self._drain_timeout, interruptible=True):
+            await self._cancel_running(give_up=self._fast)
+            if not await self._wait_for(self._idle, CANCEL_WAIT, interruptible=False):
+                self._logger.error(
+                    "%d jobs did not stop when cancelled; leaving them unreported "
+                    "(the main will run them again)",
+                    len(self._running),
+                )
+        limit = FAST_FLUSH_TIMEOUT if self._fast else FLUSH_TIMEOUT
+        if not await self._wait_for(self._flushed, limit, interruptible=not self._fast):
+            for key in self._outbox:
+                self._log_job(logging.ERROR, "report not acknowledged before exit", key)
+        self._logger.info("drained", extra={"event": "drained"})
+
+    async def _wait_for(
+        self, event: asyncio.Event, limit: float | None, *, interruptible: bool
+    ) -> bool:
+        """Wait until ``event`` is set, ``limit`` seconds pass, or (if ``interruptible``)
+        a fast stop is requested; says whether the event was set."""
+        waiters = {asyncio.ensure_future(event.wait())}
+        if interruptible:
+            waiters.add(asyncio.ensure_future(self._fast_requested.wait()))
+        try:
+            await asyncio.wait(waiters, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        return event.is_set()
+
+    async def _cancel_running(self, *, give_up: bool) -> None:
+        """Cancel every running job: a cancelled job fails (it ran past the drain
+        deadline), unless ``give_up``, when it is released back to the queue unharmed."""
+        for key, running in list(self._running.items()):
+            if give_up:
+                self._given_up.add(key)
+            runner = self._runners[running.assignment.execution_mode]
+            cancelled = await runner.cancel(running.assignment.job_id)
+            self._log_job(logging.WARNING, "job cancelled", key, known_to_runner=cancelled)
+
+    async def _shut_down(self, connection: asyncio.Task[None] | None) -> None:
+        # Anything still running at this point is abandoned; grace would only wait on it.
+        await asyncio.gather(
+            *(runner.stop(grace=0) for runner in self._runners.values()), return_exceptions=True
+        )
+        tasks: list[asyncio.Task[None]] = [running.task for running in self._running.values()]
+        if connection is not None:
+            tasks.append(connection)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------------ connection
+
+    async def _stay_connected(self) -> None:
+        failures = 0
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn = await self._connect()
+            except (AuthenticationError, ConfigurationError) as exc:
+                self._logger.error("giving up on the main: %s", exc, extra={"event": "fatal"})
+                raise
+            except (OSError, TimeoutError, ProtocolError) as exc:
+                failures += 1
+                delay = self._backoff(failures)
+                self._logger.warning(
+                    "cannot reach the main at %s:%d (%s); retrying in %.2f s",
+                    *self._address,
+                    _describe(exc),
+                    delay,
+                    extra={"event": "connect_failed"},
+                )
+                await asyncio.sleep(delay)
+                continue
+            started = loop.time()
+            try:
+                await self._serve(conn)
+            except (OSError, TimeoutError, ProtocolError) as exc:
+                self._logger.warning(
+                    "connection to the main lost (%s); reconnecting",
+                    _describe(exc),
+                    extra={"event": "disconnected"},
+                )
+            failures = 0 if loop.time() - started >= _STABLE_CONNECTION else failures + 1
+            await asyncio.sleep(self._backoff(max(failures, 1)))
+
+    def _backoff(self, failures: int) -> float:
+        ceiling = min(
+            self._reconnect_max_delay, _FIRST_RECONNECT_DELAY * 2 ** min(failures - 1, 30)
+        )
+        return random.uniform(ceiling / 2, ceiling)
+
+    async def _connect(self) -> _Connection:
+        host, port = self._address
+        async with asyncio.timeout(self._liveness_timeout):
+            reader, raw_writer = await asyncio.open_connection(host, port, limit=MAX_LINE_BYTES + 2)
+        self._enable_keepalive(raw_writer.get_extra_info("socket"))
+        lines = wire.LineReader(reader)
+        writer = wire.MessageWriter(raw_writer)
+        try:
+            async with asyncio.timeout(self._liveness_timeout):
+                welcome = await self._handshake(lines, writer)
+        except BaseException:
+            writer.abort()
+            raise
+        lines.max_line_bytes = min(welcome.max_line_bytes, MAX_LINE_BYTES)
+        held = set(self._held_leases())
+        adopted = {(ref.job_id, ref.handoff_id) for ref in welcome.adopted}
+        self._logger.info(
+            "connected to main %s at %s:%d (held %d leases, %d adopted)",
+            welcome.main_id,
+            host,
+            port,
+            len(held),
+            len(adopted & held),
+            extra={"event": "connected", "main_id": welcome.main_id},
+        )
+        for key in held - adopted:
+            self._log_job(
+                logging.INFO, "lease not adopted by the main; its report will be stale", key
+            )
+        return _Connection(
+            lines=lines,
+            writer=writer,
+            main_id=welcome.main_id,
+            ping_interval=min(self._ping_interval, welcome.ping_interval),
+            max_line_bytes=welcome.max_line_bytes,
+        )
+
+    def _enable_keepalive(self, sock: socket.socket | None) -> None:
+        """Let the kernel probe an idle connection too, in case pings cannot get out."""
+        if sock is None:
+            return
+        options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+        for name, value in (
+            ("TCP_KEEPIDLE", self._liveness_timeout),
+            ("TCP_KEEPINTVL", self._ping_interval),
+            ("TCP_KEEPCNT", 3),
+        ):
+            if hasattr(socket, name):
+                options.append((socket.IPPROTO_TCP, getattr(socket, name), max(1, int(value))))
+        with contextlib.suppress(OSError):
+            for level, option, value in options:
+                sock.setsockopt(level, option, value)
+
+    async def _handshake(
+        self, lines: wire.LineReader, writer: wire.MessageWriter
+    ) -> protocol.Welcome:
+        match await wire.read_message(lines):
+            case protocol.Challenge() as challenge:
+                pass
+            case first:
+                raise self._refusal(first, "challenge")
+        if challenge.auth_required and not self._token:
+            raise ConfigurationError(
+                "the main requires a token: set the same BROKER_TOKEN as on the main"
+            )
+        await writer.send(
+            protocol.Hello(
+                role=protocol.Role.WORKER,
+                protocol=protocol.PROTOCOL_VERSION,
+                proof=protocol.make_proof(self._token, challenge.nonce) if self._token else None,
+                worker_id=self.worker_id,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                modes=list(self._runners),
+                queues=self._queues,
+                held_leases=[protocol.LeaseRef(job, lease) for job, lease in self._held_leases()],
+            )
+        )
+        match await wire.read_message(lines):
+            case protocol.Welcome() as welcome:
+                return welcome
+            case reply:
+                raise self._refusal(reply, "welcome")
+
+    @staticmethod
+    def _refusal(msg: protocol.Message | None, expected: str) -> Exception:
+        match msg:
+            case None:
+                return ConnectionResetError(f"the main closed the connection before {expected}")
+            case protocol.Error(code=protocol.ErrorCode.AUTH_FAILED, message=message):
+                return AuthenticationError(f"the main rejected this worker's token: {message}")
+            case protocol.Error(code=protocol.ErrorCode.PROTOCOL_VERSION, message=message):
+                return ConfigurationError(f"protocol version mismatch with the main: {message}")
+            case protocol.Error(code=code, message=message):
+                return ProtocolError(f"the main refused the connection ({code}): {message}")
+            case _:
+                return ProtocolError(f"expected {expected} from the main, got {msg.type}")
+
+    def _held_leases(self) -> list[LeaseKey]:
+        return [*self._running, *(key for key in self._outbox if key not in self._running)]
+
+    async def _serve(self, conn: _Connection) -> None:
+        conn.unsent.extend(self._outbox)
+        self._conn = conn
+        self._ready_needed()
+        tasks = [
+            asyncio.create_task(self._read_loop(conn), name="broker-worker-read"),
+            asyncio.create_task(self._send_loop(conn), name="broker-worker-send"),
+            asyncio.create_task(self._ping_loop(conn), name="broker-worker-ping"),
+        ]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+        finally:
+            self._conn = None
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await conn.writer.close(grace=1.0)
+
+    async def _read_loop(self, conn: _Connection) -> None:
+        while True:
+            try:
+                async with asyncio.timeout(self._liveness_timeout):
+                    msg = await wire.read_message(conn.lines)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"nothing from the main for {self._liveness_timeout} s"
+                ) from None
+            except protocol.UnknownTypeError as exc:
+                # A newer main may send messages this worker does not know; skip them.
+                self._logger.warning("ignoring a message from the main: %s", exc)
+                continue
+            if msg is None:
+                raise ConnectionResetError("the main closed the connection")
+            self._handle(conn, msg)
+
+    async def _send_loop(self, conn: _Connection) -> None:
+        """The one sender of everything except pings: reports in outbox order, then at
+        most one ``ready`` per wake-up, computed at the moment it is sent."""
+        while True:
+            await self._wake.wait()
+            # One more turn lets a job that just freed its slot file its report, so the
+            # report and the ``ready`` counting its slot go out together.
+            await asyncio.sleep(0)
+            self._wake.clear()
+            batch: list[protocol.Message] = [protocol.Pong(nonce=n) for n in conn.pongs]
+            conn.pongs.clear()
+            if self._draining and not conn.draining_sent:
+                batch.append(protocol.Draining())
+                conn.draining_sent = True
+            while conn.unsent:
+                key = conn.unsent.popleft()
+                report = self._outbox.get(key)
+                if report is not None:
+                    batch.append(self._sendable(key, report, conn.max_line_bytes))
+            if self._ready_due:
+                self._ready_due = False
+                batch.append(self._ready_message(conn))
+            async with asyncio.timeout(self._liveness_timeout):
+                await conn.writer.send_many(batch)
+
+    async def _ping_loop(self, conn: _Connection) -> None:
+        for nonce in itertools.count(1):
+            await asyncio.sleep(conn.ping_interval)
+            async with asyncio.timeout(self._liveness_timeout):
+                await conn.writer.send(protocol.Ping(nonce=nonce))
+
+    def _ready_needed(self) -> None:
+        """Free slots may have changed: schedule one ``ready`` (called on the loop's thread)."""
+        self._ready_due = True
+        self._wake.set()
+
+    def _ready_message(self, conn: _Connection) -> protocol.Ready:
+        slots = {
+            mode: 0 if self._draining else max(0, runner.free_slots() - self._starting[mode])
+            for mode, runner in self._runners.items()
+        }
+        return protocol.Ready(slots=slots, seen=conn.seen)
+
+    # ------------------------------------------------------------------ messages
+
+    def _handle(self, conn: _Connection, msg: protocol.Message) -> None:
+        match msg:
+            case protocol.Job():
+                self._on_job(conn, msg)
+            case protocol.ReportAck():
+                self._on_ack(msg)
+            case protocol.Ping(nonce=nonce):
+                conn.pongs.append(nonce)
+                self._wake.set()
+            case protocol.Pong():
+                pass
+            case protocol.Error(code=code, message=message, fatal=fatal):
+                self._logger.log(
+                    logging.ERROR if fatal else logging.WARNING,
+                    "the main reported an error (%s): %s",
+                    code,
+                    message,
+                    extra={"event": "main_error", "code": code},
+                )
+            case _:
+                self._logger.warning("ignoring an unexpected %s message from the main", msg.type)
+
+    def _on_job(self, conn: _Connection, msg: protocol.Job) -> None:
+        if msg.seq <= conn.seen:
+            raise ProtocolError(f"job seq {msg.seq} is not after the last one seen ({conn.seen})")
+        key = (msg.job_id, msg.handoff_id)
+        if key in self._running or key in self._outbox:
+            # Never run one lease twice, and never release it: that would free a job
+            # this worker is still running or has already reported.
+            self._log_job(logging.WARNING, "job already held here; ignoring the repeat", key)
+            started = False
+        else:
+            started = self._decide(msg, key)
+        conn.seen = msg.seq
+        if not started:
+            # The main holds a credit for this job until a ``ready`` has seen it; without
+            # one, a worker whose every slot was "spent" this way would never get work again.
+            self._ready_needed()
+
+    def _decide(self, msg: protocol.Job, key: LeaseKey) -> bool:
+        """Start the job, or report why not; says whether it started."""
+        mode = msg.execution_mode
+        runner = self._runners.get(mode)
+        if self._draining:
+            self._release(key, "the worker is draining")
+            return False
+        if runner is None:
+            self._release(key, f"this worker does not run {mode} jobs")
+            return False
+        if self._queues is not None and msg.queue not in self._queues:
+            self._release(key, f"this worker does not serve queue {msg.queue!r}")
+            return False
+        try:
+            # Checked here as well as in the runner, so an unknown name never reaches a
+            # child process and never costs a slot.
+            self._registry.get(msg.task)
+        except TaskNotFoundError as exc:
+            self._log_job(logging.ERROR, "job failed: unknown task", key, task=msg.task)
+            self._report(key, protocol.Failed(*key, error=str(exc), retry=False))
+            return False
+        if runner.free_slots() - self._starting[mode] <= 0:
+            self._release(key, f"no free {mode} slot")
+            return False
+        self._start(runner, msg, key)
+        return True
+
+    def _release(self, key: LeaseKey, reason: str) -> None:
+        self._log_job(logging.INFO, "job released", key, reason=reason)
+        self._report(key, protocol.Release(*key, reason=reason))
+
+    def _start(self, runner: Runner, msg: protocol.Job, key: LeaseKey) -> None:
+        assignment = Assignment(
+            job_id=msg.job_id,
+            handoff_id=msg.handoff_id,
+            task=msg.task,
+            args=tuple(msg.args),
+            kwargs=dict(msg.kwargs),
+            execution_mode=msg.execution_mode,
+            attempt=msg.attempt,
+            max_attempts=msg.max_attempts,
+            timeout=msg.timeout,
+            queue=msg.queue,
+        )
+        self._starting[msg.execution_mode] += 1
+        self._idle.clear()
+        task = asyncio.create_task(
+            self._execute(runner, assignment), name=f"broker-job-{msg.job_id}"
+        )
+        self._running[key] = _Running(assignment, task)
+        self._log_job(
+            logging.INFO,
+            "job started",
+            key,
+            task=msg.task,
+            mode=msg.execution_mode.value,
+            attempt=msg.attempt,
+        )
+
+    async def _execute(self, runner: Runner, assignment: Assignment) -> None:
+        # The runner takes its slot before its first await, in this same step, so the
+        # ``starting`` count hands over to the runner's own count with no gap.
+        self._starting[assignment.execution_mode] -= 1
+        key = (assignment.job_id, assignment.handoff_id)
+        try:
+            try:
+                outcome = await runner.run(assignment)
+            except Exception as exc:  # a runner bug must still end in a report
+                self._logger.exception(
+                    "runner failed job_id=%s handoff_id=%s", *key, extra=_ids(key)
+                )
+                outcome = Failed(f"the {assignment.execution_mode} runner failed: {exc!r}")
+            self._finish(key, outcome)
+        finally:
+            del self._running[key]
+            if not self._running:
+                self._idle.set()
+            self._ready_needed()
+
+    def _finish(self, key: LeaseKey, outcome: Outcome) -> None:
+        report: Report
+        match outcome:
+            case Completed(result=result):
+                report = protocol.Completed(*key, result=result)
+                self._log_job(logging.INFO, "job completed", key)
+            case Failed() if key in self._given_up:
+                report = protocol.Release(*key, reason="the worker stopped before the job ended")
+                self._log_job(logging.WARNING, "job given back", key, error=outcome.error)
+            case Failed(error=error, retry=retry):
+                report = protocol.Failed(*key, error=error, retry=retry)
+                self._log_job(logging.WARNING, "job failed", key, error=error, retry=retry)
+            case Rescheduled(delay=delay):
+                try:
+                    report = protocol.Reschedule(*key, delay=delay)
+                except ValueError as exc:
+                    report = protocol.Failed(*key, error=f"invalid reschedule: {exc}")
+                self._log_job(logging.INFO, "job rescheduled", key, delay=delay)
+        self._given_up.discard(key)
+        self._report(key, report)
+
+    def _report(self, key: LeaseKey, report: Report) -> None:
+        self._outbox[key] = report
+        self._flushed.clear()
+        if self._conn is not None:
+            self._conn.unsent.append(key)
+            self._wake.set()
+
+    def _sendable(self, key: LeaseKey, report: Report, limit: int) -> Report:
+        """``report`` if the main can take it; otherwise a failure that says why.
+
+        Without this, a result the main rejects (too long, not JSON) would close the
+        connection, come back from the outbox on reconnect, and close it again forever.
+        """
+        try:
+            size = len(protocol.encode(report)) - 1
+        except ValueError as exc:
+            problem = f"the outcome cannot be sent as JSON: {exc}"
+        else:
+            if size <= limit:
+                return report
+            problem = f"the {report.type} report is {size} bytes, over the main's limit of {limit}"
+        if isinstance(report, protocol.Failed):
+            # Keep the retry decision; ASCII-escaped JSON is at most 6 bytes a character.
+            error = report.error[: limit // 8]
+            fitted = protocol.Failed(*key, error=error, retry=report.retry)
+        else:
+            fitted = protocol.Failed(*key, error=problem[:1000], retry=False)
+        self._log_job(logging.ERROR, "report replaced", key, reason=problem[:200])
+        self._outbox[key] = fitted
+        return fitted
+
+    def _on_ack(self, ack: protocol.ReportAck) -> None:
+        key = (ack.job_id, ack.handoff_id)
+        report = self._outbox.pop(key, None)
+        if report is None:
+            return  # an ack for a report re-sent on an earlier connection, already settled
+        if ack.status is protocol.AckStatus.STALE:
+            self._log_job(
+                logging.WARNING,
+                "report stale: the main had moved the job on",
+                key,
+                outcome=report.type,
+            )
+        else:
+            self._log_job(logging.INFO, "report acknowledged", key, status=ack.status.value)
+        if not self._outbox:
+            self._flushed.set()
+
+    def _log_job(self, level: int, event: str, key: LeaseKey, **fields: object) -> None:
+        details = "".join(f" {name}={value}" for name, value in fields.items())
+        self._logger.log(
+            level,
+            "%s job_id=%s handoff_id=%s%s",
+            event,
+            *key,
+            details,
+            extra={"event": event, **_ids(key), **fields},
+        )
+
+
+def _ids(key: LeaseKey) -> dict[str, str]:
+    return {"job_id": str(key[0]), "handoff_id": str(key[1])}
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def _require_positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigurationError(f"{name} must be a positive number of seconds (got {value!r})")
+
+
+def install_signal_handlers(worker: Worker) -> None:
+    """SIGTERM or SIGINT drains the worker; a second one stops it fast.
+
+    Call from inside the running event loop (the CLI does, just before ``run()``).
+    """
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, functools.partial(_on_signal, worker, sig))
+
+
+def _on_signal(worker: Worker, sig: signal.Signals) -> None:
+    logging.getLogger("broker.worker").info("received %s", sig.name)
+    worker.request_stop()

@@ -1,0 +1,271 @@
+"""The inline runner: jobs run inside the worker process, with no isolation.
+
+Coroutine tasks run on the worker's own event loop, so they are cheap but share
+its fate: a task that blocks the loop stalls the worker's pings and the main will
+drop it. Plain functions therefore run in a thread of their own.
+
+A slot is held for as long as the job's code is actually running, not for as long
+as :meth:`InlineRunner.run` is waiting on it. A thread cannot be killed, so when
+a sync job times out (or is cancelled) ``run`` reports the failure at once but
+the slot stays busy until the function returns; otherwise the worker would
+advertise room it does not have and pile more threads onto a stuck one.
+Those threads are daemons, so a stuck one never holds the process open at exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import json
+import math
+import threading
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker.exceptions import ConfigurationError, TaskNotFoundError
+from broker.jobs import ExecutionMode, JSONValue
+from broker.runner import (
+    Assignment,
+    Completed,
+    Failed,
+    Outcome,
+    Reschedule,
+    Rescheduled,
+    RunnerStatus,
+)
+from broker.tasks import Task, TaskRegistry, default_registry
+
+MAX_ERROR_CHARS = 8 * 1024
+"""Bound on a failure's text: it travels in one protocol line and is stored per job."""
+
+_MAX_HEAD_CHARS = 2 * 1024
+"""Bound on the ``Type: message`` part, so a huge message still leaves room for frames."""
+
+_MAX_FRAMES = 20
+
+
+def format_error(exc: BaseException) -> str:
+    """``Type: message`` and the innermost frames of the job's own code, at most 8 KiB.
+
+    The runner's frames are left out: they are the same for every job and would push
+    the frames that locate the bug out of the bounded text.
+    """
+    head = "".join(traceback.format_exception_only(exc)).strip()
+    if len(head) > _MAX_HEAD_CHARS:
+        head = head[: _MAX_HEAD_CHARS - 3] + "..."
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
+    lines = traceback.format_list(frames[-_MAX_FRAMES:])
+    while lines:
+        text = head + "\nTraceback (innermost last):\n" + "".join(lines).rstrip()
+        if len(text) <= MAX_ERROR_CHARS:
+            return text
+        lines.pop(0)  # the outermost frame is the least likely to locate the bug
+    return head
+
+
+async def _invoke(
+    func: Callable[..., Any], args: tuple[JSONValue, ...], kwargs: dict[str, JSONValue]
+) -> Any:
+    # Calling inside the task, so a bad signature fails the job instead of the runner.
+    return await func(*args, **kwargs)
+
+
+def _new_future() -> asyncio.Future[None]:
+    return asyncio.get_running_loop().create_future()
+
+
+@dataclass(eq=False)
+class _Slot:
+    assignment: Assignment
+    sync: bool = False
+    """The job runs in a thread, which cancelling cannot stop."""
+    work: asyncio.Future[Any] | None = None
+    abandoned: asyncio.Future[None] = field(default_factory=_new_future)
+    """Resolved by :meth:`InlineRunner.cancel`: ``run`` stops waiting for the work."""
+    reported: bool = False
+    """``run`` has returned an outcome while the work may still be running."""
+
+
+class InlineRunner:
+    """Runs ``ExecutionMode.INLINE`` jobs in the worker process, ``concurrency`` at a time."""
+
+    def __init__(
+        self,
+        registry: TaskRegistry | None = None,
+        concurrency: int = 4,
+        default_timeout: float | None = None,
+    ) -> None:
+        if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
+            raise ConfigurationError(
+                f"inline concurrency must be a positive integer (got {concurrency!r})"
+            )
+        if default_timeout is not None and not (
+            math.isfinite(default_timeout) and default_timeout > 0
+        ):
+            raise ConfigurationError(
+                f"default_timeout must be a positive number of seconds (got {default_timeout!r})"
+            )
+        self._registry = default_registry if registry is None else registry
+        self._concurrency = concurrency
+        self._default_timeout = default_timeout
+        self._slots: dict[uuid.UUID, _Slot] = {}
+        """Busy slots by lease (``handoff_id``): unique even if a job id comes back."""
+        self._listener: Callable[[], None] | None = None
+        self._stopping = False
+
+    @property
+    def mode(self) -> ExecutionMode:
+        return ExecutionMode.INLINE
+
+    def free_slots(self) -> int:
+        return 0 if self._stopping else self._concurrency - len(self._slots)
+
+    def set_capacity_listener(self, listener: Callable[[], None]) -> None:
+        self._listener = listener
+
+    async def start(self) -> None:
+        self._stopping = False
+
+    async def run(self, assignment: Assignment) -> Outcome:
+        if self.free_slots() <= 0:
+            raise RuntimeError("no free inline slot: check free_slots() before run()")
+        slot = _Slot(assignment)
+        self._slots[assignment.handoff_id] = slot
+        try:
+            task = self._registry.get(assignment.task)
+        except TaskNotFoundError as exc:
+            self._free(slot)
+            return Failed(str(exc), retry=False)
+        timeout = self._timeout_for(assignment, task)
+        slot.sync = not task.is_async
+        slot.work = self._launch(task, assignment)
+        slot.work.add_done_callback(lambda _: self._free(slot))
+        try:
+            return await self._await_outcome(slot, timeout)
+        finally:
+            # Also on our own cancellation: the job must not outlive its report.
+            self._interrupt(slot)
+            slot.reported = True
+
+    def _timeout_for(self, assignment: Assignment, task: Task[..., Any]) -> float | None:
+        if assignment.timeout is not None:
+            return assignment.timeout
+        if task.timeout is not None:
+            return task.timeout
+        return self._default_timeout
+
+    def _launch(self, task: Task[..., Any], assignment: Assignment) -> asyncio.Future[Any]:
+        args, kwargs = assignment.args, assignment.kwargs
+        if task.is_async:
+            return asyncio.ensure_future(_invoke(task.func, args, kwargs))
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+        context = contextvars.copy_context()
+
+        def settle(ok: bool, value: Any) -> None:
+            if done.done():
+                return
+            if ok:
+                done.set_result(value)
+            else:
+                done.set_exception(value)
+
+        def target() -> None:
+            try:
+                result = (True, context.run(task.func, *args, **kwargs))
+            except BaseException as exc:  # SystemExit in a job is the job's failure
+                result = (False, exc)
+            # RuntimeError: the loop is closed, the worker has exited and nobody waits.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(settle, *result)
+
+        threading.Thread(
+            target=target, name=f"broker-inline-{assignment.job_id}", daemon=True
+        ).start()
+        return done
+
+    async def _await_outcome(self, slot: _Slot, limit: float | None) -> Outcome:
+        assert slot.work is not None
+        done, _ = await asyncio.wait(
+            {slot.work, slot.abandoned}, timeout=limit, return_when=asyncio.FIRST_COMPLETED
+        )
+        if slot.work in done:
+            return self._outcome_of(slot.work)
+        still = " (the thread runs on; its slot stays busy until it returns)" if slot.sync else ""
+        if slot.abandoned in done:
+            return Failed(f"cancelled{still}")
+        return Failed(f"timed out after {limit} s{still}")
+
+    @staticmethod
+    def _interrupt(slot: _Slot) -> None:
+        """Cancel a coroutine job still running. A thread's future is left alone: it must
+        resolve only when the thread returns, because that is what frees the slot."""
+        if slot.work is not None and not slot.sync:
+            slot.work.cancel()
+
+    @staticmethod
+    def _outcome_of(work: asyncio.Future[Any]) -> Outcome:
+        if work.cancelled():
+            return Failed("cancelled")
+        exc = work.exception()
+        if isinstance(exc, Reschedule):
+            if not (math.isfinite(exc.delay) and exc.delay >= 0):
+                return Failed(f"Reschedule delay must be a non-negative number (got {exc.delay!r})")
+            return Rescheduled(exc.delay)
+        if exc is not None:
+            return Failed(format_error(exc))
+        result: JSONValue = work.result()
+        try:
+            json.dumps(result, allow_nan=False)
+        except (TypeError, ValueError) as err:
+            return Failed(
+                f"the task returned a value that is not JSON-serialisable ({err}); "
+                "return plain JSON data (dict, list, str, int, float, bool, None)",
+                retry=False,
+            )
+        return Completed(result)
+
+    def _free(self, slot: _Slot) -> None:
+        if self._slots.get(slot.assignment.handoff_id) is not slot:
+            return
+        del self._slots[slot.assignment.handoff_id]
+        if slot.work is not None and slot.work.done() and not slot.work.cancelled():
+            slot.work.exception()  # retrieved: an abandoned job's error was already reported
+        if self._listener is not None:
+            self._listener()
+
+    async def cancel(self, job_id: uuid.UUID) -> bool:
+        found = False
+        for slot in list(self._slots.values()):
+            if slot.assignment.job_id == job_id and not slot.abandoned.done():
+                slot.abandoned.set_result(None)
+                found = True
+        return found
+
+    async def stop(self, *, grace: float) -> None:
+        """Take no more jobs, let running ones finish for ``grace`` s, then cancel them.
+
+        Threads that outlive the grace are left behind (they are daemons); their jobs
+        were already reported as cancelled.
+        """
+        self._stopping = True
+        pending = {s.work for s in self._slots.values() if s.work is not None}
+        if pending and grace > 0:
+            await asyncio.wait(pending, timeout=grace)
+        for slot in list(self._slots.values()):
+            if not slot.abandoned.done():
+                slot.abandoned.set_result(None)
+            self._interrupt(slot)
+
+    def status(self) -> RunnerStatus:
+        stuck = sum(1 for s in self._slots.values() if s.reported)
+        return RunnerStatus(
+            mode=self.mode,
+            capacity=self._concurrency,
+            busy=len(self._slots),
+            details={"stuck": stuck, "stopping": self._stopping},
+        )

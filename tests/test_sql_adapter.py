@@ -1,0 +1,737 @@
+"""SQL-specific behaviour of :class:`adapters.sql.SQLAlchemyAdapter` on SQLite and PostgreSQL.
+
+The behavioural contract is covered by the conformance suite; these tests target what
+only a SQL store can get wrong: races between separate engines (as separate processes
+would have), the stored representation, setup and migrations, driver errors, LISTEN.
+Every test runs on a SQLite file and on PostgreSQL (a fresh schema per test).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import textwrap
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from adapters._sql_schema import notify_channel
+from adapters.sql import SQLAlchemyAdapter
+from broker.exceptions import (
+    ConfigurationError,
+    MissingDriverError,
+    SchemaVersionError,
+    StorageError,
+)
+from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus
+from broker.storage import SCHEMA_VERSION, JobFilter, StorageAdapter, SupportsNotify
+from broker.testing import FakeClock
+
+REPO = Path(__file__).resolve().parent.parent
+POSTGRES_URL = os.environ.get(
+    "BROKER_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
+)
+START = datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC)
+ALL_MODES = frozenset(ExecutionMode)
+WORKER = "worker-a"
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+def _asyncpg_dsn() -> str:
+    return POSTGRES_URL.replace("postgresql+asyncpg://", "postgresql://", 1)
+
+
+_probe: list[str | None] = []
+
+
+def _postgres_unreachable() -> str | None:
+    """Why PostgreSQL cannot be used, or None; probed once, on a thread of its own."""
+    if not _probe:
+        reason: list[str | None] = [None]
+
+        async def probe() -> None:
+            import asyncpg
+
+            conn = await asyncio.wait_for(asyncpg.connect(_asyncpg_dsn()), timeout=5)
+            await conn.close()
+
+        def run() -> None:
+            try:
+                asyncio.run(probe())
+            except Exception as exc:
+                reason[0] = f"PostgreSQL at {POSTGRES_URL} is unreachable: {exc!r}"
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        _probe.append(reason[0])
+    return _probe[0]
+
+
+async def _drop_schema(schema: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(_asyncpg_dsn())
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await conn.close()
+
+
+class Backend:
+    """One empty store; ``open`` gives a new adapter (its own engine) on it each time."""
+
+    def __init__(self, kind: str, url: str, schema: str | None, clock: FakeClock) -> None:
+        self.kind = kind
+        self.url = url
+        self.schema = schema
+        self.clock = clock
+        self._opened: list[SQLAlchemyAdapter] = []
+
+    @property
+    def is_pg(self) -> bool:
+        return self.kind == "postgres"
+
+    def adapter(self, **kw: Any) -> SQLAlchemyAdapter:
+        kw.setdefault("clock", self.clock)
+        store = SQLAlchemyAdapter(self.url, schema=self.schema, **kw)
+        self._opened.append(store)
+        return store
+
+    async def open(self, **kw: Any) -> SQLAlchemyAdapter:
+        store = self.adapter(**kw)
+        await store.setup()
+        return store
+
+    async def close(self) -> None:
+        for store in self._opened:
+            await store.close()
+        if self.schema is not None:
+            await _drop_schema(self.schema)
+
+
+def _require_postgres() -> None:
+    reason = _postgres_unreachable()
+    if reason is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason} (CI=true: PostgreSQL tests must run, not skip)")
+        pytest.skip(reason)
+
+
+def _new_backend(kind: str, tmp_path: Path) -> Backend:
+    clock = FakeClock(START)
+    if kind == "sqlite":
+        return Backend("sqlite", f"sqlite+aiosqlite:///{tmp_path / 'broker.db'}", None, clock)
+    _require_postgres()
+    return Backend("postgres", POSTGRES_URL, f"broker_test_{uuid.uuid4().hex[:12]}", clock)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
+    b = _new_backend(request.param, tmp_path)
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+@pytest.fixture
+async def sqlite_backend(tmp_path: Path) -> AsyncIterator[Backend]:
+    b = _new_backend("sqlite", tmp_path)
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+@pytest.fixture
+async def pg_backend(tmp_path: Path) -> AsyncIterator[Backend]:
+    b = _new_backend("postgres", tmp_path)
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+@pytest.fixture
+async def store(backend: Backend) -> SQLAlchemyAdapter:
+    return await backend.open()
+
+
+async def _enqueue(store: StorageAdapter, **kw: Any) -> Job:
+    kw.setdefault("task", "tests.noop")
+    result = await store.enqueue(JobSpec(**kw))
+    assert not result.duplicate
+    return result.job
+
+
+async def _claim(store: StorageAdapter, job: Job, worker: str = WORKER) -> Job:
+    claimed = await store.mark_handed_off(job.id, uuid.uuid4(), worker)
+    assert claimed is not None
+    return claimed
+
+
+def _sql(store: SQLAlchemyAdapter, sql: str) -> sa.TextClause:
+    """Raw SQL naming tables as ``{s}broker_jobs``, qualified with the store's schema."""
+    return sa.text(sql.format(s=f'"{store._schema}".' if store._schema else ""))
+
+
+async def _scalar(store: SQLAlchemyAdapter, sql: str, **params: Any) -> Any:
+    async with store._read("test") as conn:
+        return (await conn.execute(_sql(store, sql), params)).scalar()
+
+
+# --------------------------------------------------------------------------- the row
+
+
+async def test_every_field_round_trips_through_the_row(store: SQLAlchemyAdapter) -> None:
+    plus_two = timezone(timedelta(hours=2))
+    run_at = datetime(2030, 1, 1, 13, 59, 30, 123456, tzinfo=plus_two)  # 11:59:30 UTC
+    spec = JobSpec(
+        task="app.send",
+        args=[1, "two", {"three": [3.25, None, True]}, "\ud800 lone surrogate"],
+        kwargs={"unicode": "é✓ 雪", "big": 2**62, "neg": -1.5e-300},
+        queue="mail",
+        priority=-(2**31),
+        run_at=run_at,
+        max_attempts=2**40,
+        idempotency_key="idem-✓",
+        concurrency_key="acct-9",
+        concurrency_limit=3,
+        timeout=0.25,
+        execution_mode=ExecutionMode.FORKED,
+    )
+    enqueued = (await store.enqueue(spec)).job
+    stored = await store.get_job(spec.id)
+    assert stored == enqueued
+    assert stored.run_at == run_at and stored.run_at.tzinfo is UTC
+    assert stored.args == tuple(spec.args) and stored.kwargs == spec.kwargs
+    assert stored.priority == -(2**31) and stored.max_attempts == 2**40
+    assert stored.timeout == 0.25 and stored.execution_mode is ExecutionMode.FORKED
+    # Times are integer microseconds since the epoch in the row itself.
+    expected_us = (run_at - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1)
+    raw_us = await _scalar(store, "SELECT run_at_us FROM {s}broker_jobs WHERE task = 'app.send'")
+    assert raw_us == expected_us
+
+    store._clock.advance(1.5)  # type: ignore[attr-defined]
+    lease = uuid.uuid4()
+    claimed = await store.mark_handed_off(spec.id, lease, "worker-✓")
+    assert claimed is not None
+    assert claimed.handed_off_at == START + timedelta(seconds=1.5)
+    result = {"nested": [1, {"x": None}], "text": "done ✓"}
+    assert await store.complete(spec.id, lease, result)
+    done = await store.get_job(spec.id)
+    assert done is not None
+    assert done.result == result and done.status is JobStatus.COMPLETED
+    assert done.handoff_id == lease and done.worker_id == "worker-✓"
+    assert done.handed_off_at == claimed.handed_off_at
+    assert done == (await store.list_jobs()).jobs[0]
+
+
+async def test_json_null_result_and_no_result_read_back_as_none(store: SQLAlchemyAdapter) -> None:
+    for result in (None, [None], 0, ""):
+        job = await _claim(store, await _enqueue(store))
+        assert job.handoff_id is not None
+        assert await store.complete(job.id, job.handoff_id, result)
+        stored = await store.get_job(job.id)
+        assert stored is not None and stored.result == result
+
+
+# --------------------------------------------------------------------------- leases
+
+
+async def test_exact_supplied_leases_are_persisted(backend: Backend) -> None:
+    store = await backend.open()
+    jobs = [await _enqueue(store, args=[i]) for i in range(5)]
+    claims = [Claim(j.id, uuid.uuid4(), f"w{i % 2}") for i, j in enumerate(jobs)]
+    # The same job named twice in one batch: the first claim wins, the second loses.
+    claims.append(Claim(jobs[0].id, uuid.uuid4(), "w-dup"))
+    claimed = await store.mark_handed_off_many(claims)
+    assert [j.id for j in claimed] == [j.id for j in jobs]
+    other = await backend.open()
+    for claim in claims[:-1]:
+        stored = await other.get_job(claim.job_id)
+        assert stored is not None
+        assert (stored.handoff_id, stored.worker_id) == (claim.handoff_id, claim.worker_id)
+        assert stored.status is JobStatus.HANDED_OFF
+    assert {j.id for j in await other.handoffs_for_worker("w0")} == {
+        jobs[0].id,
+        jobs[2].id,
+        jobs[4].id,
+    }
+
+
+async def test_fenced_reports_reject_wrong_stale_and_repeated_leases(
+    store: SQLAlchemyAdapter,
+) -> None:
+    job = await _claim(store, await _enqueue(store, max_attempts=5))
+    lease = job.handoff_id
+    assert lease is not None
+    wrong = uuid.uuid4()
+    assert await store.complete(job.id, wrong, 1) is False
+    assert await store.fail(job.id, wrong, "x", START) is False
+    assert await store.reschedule(job.id, wrong, START) is False
+    assert await store.return_to_queue(job.id, wrong) is False
+    assert await store.get_job(job.id) == job, "a fenced-out report changes nothing"
+
+    assert await store.return_to_queue(job.id, lease) is True
+    assert await store.return_to_queue(job.id, lease) is False, "a repeated return is a no-op"
+    returned = await store.get_job(job.id)
+    assert returned is not None and returned.status is JobStatus.QUEUED
+    assert returned.handoff_id == lease, "the last lease stays on the row"
+
+    newer = await _claim(store, returned, worker="worker-b")
+    assert newer.handoff_id is not None
+    for stale in (
+        store.complete(job.id, lease, "stale"),
+        store.fail(job.id, lease, "stale", None),
+        store.reschedule(job.id, lease, START),
+        store.return_to_queue(job.id, lease),
+    ):
+        assert await stale is False
+    assert await store.get_job(job.id) == newer
+
+    assert await store.fail(job.id, newer.handoff_id, "boom", START + timedelta(seconds=9))
+    assert await store.fail(job.id, newer.handoff_id, "boom again", None) is False
+    failed = await store.get_job(job.id)
+    assert failed is not None
+    assert (failed.status, failed.attempts, failed.last_error) == (JobStatus.QUEUED, 1, "boom")
+    assert failed.run_at == START + timedelta(seconds=9)
+
+
+# --------------------------------------------------------------------------- races
+
+
+async def test_concurrent_idempotent_enqueues_from_many_engines_make_one_job(
+    backend: Backend,
+) -> None:
+    handles = [await backend.open() for _ in range(4)]
+
+    async def enqueue(i: int) -> list[Any]:
+        specs = [JobSpec("t", idempotency_key="race", args=[i])]
+        if i % 3 == 0:  # some in batches that also hold a key of their own
+            specs.append(JobSpec("t", idempotency_key=f"own-{i}"))
+            return await handles[i % 4].enqueue_many(specs)
+        return [await handles[i % 4].enqueue(specs[0])]
+
+    results = [r for batch in await asyncio.gather(*(enqueue(i) for i in range(24))) for r in batch]
+    racing = [r for r in results if r.job.idempotency_key == "race"]
+    assert len({r.job.id for r in racing}) == 1
+    assert sum(not r.duplicate for r in racing) == 1
+    count = await _scalar(
+        handles[0], "SELECT COUNT(*) FROM {s}broker_jobs WHERE idempotency_key = 'race'"
+    )
+    assert count == 1
+    assert await _scalar(handles[0], "SELECT COUNT(*) FROM {s}broker_jobs") == 1 + 8
+
+
+async def test_an_enqueue_reusing_an_existing_job_id_returns_that_job(
+    store: SQLAlchemyAdapter,
+) -> None:
+    first = await _enqueue(store, args=[1])
+    again = await store.enqueue(JobSpec("other", id=first.id))
+    assert again.duplicate is True and again.job == first
+
+
+async def test_pruning_a_key_frees_it_for_a_new_job(store: SQLAlchemyAdapter) -> None:
+    job = await _claim(store, await _enqueue(store, idempotency_key="k"))
+    assert await store.complete(job.id, job.handoff_id or uuid.uuid4())
+    assert (await store.enqueue(JobSpec("t", idempotency_key="k"))).duplicate is True
+    assert await store.prune() == 1
+    fresh = await store.enqueue(JobSpec("t", idempotency_key="k"))
+    assert fresh.duplicate is False and fresh.job.id != job.id
+
+
+async def test_concurrent_claimers_on_separate_engines_have_one_winner_per_job(
+    backend: Backend,
+) -> None:
+    store = await backend.open()
+    handles = [store, *[await backend.open() for _ in range(4)]]
+    jobs = [await _enqueue(store, args=[i]) for i in range(20)]
+
+    async def single(i: int, job: Job) -> Job | None:
+        return await handles[i % len(handles)].mark_handed_off(job.id, uuid.uuid4(), f"s{i}")
+
+    async def batch(h: int) -> list[Job]:
+        order = jobs if h % 2 else list(reversed(jobs))
+        claims = [Claim(j.id, uuid.uuid4(), f"b{h}") for j in order]
+        return await handles[h].mark_handed_off_many(claims)
+
+    singles = [single(i, job) for i, job in enumerate(jobs * 3)]
+    outcomes = await asyncio.gather(*singles, *(batch(h) for h in range(len(handles))))
+    won: list[Job] = []
+    for outcome in outcomes:
+        if isinstance(outcome, list):
+            won.extend(outcome)
+        elif outcome is not None:
+            won.append(outcome)
+    assert sorted(j.id for j in won) == sorted(j.id for j in jobs), "each job exactly once"
+    for job in won:
+        stored = await store.get_job(job.id)
+        assert stored is not None and stored.handoff_id == job.handoff_id
+
+
+async def test_concurrency_limit_holds_across_engines_through_many_rounds(
+    backend: Backend,
+) -> None:
+    store = await backend.open()
+    handles = [store, *[await backend.open() for _ in range(3)]]
+    limit = 3
+    for i in range(24):
+        await _enqueue(store, concurrency_key="shared", concurrency_limit=limit, args=[i])
+        await _enqueue(store, concurrency_key=f"solo-{i % 2}", concurrency_limit=1, args=[i])
+    finished = 0
+    for round_no in range(12):
+        eligible = await store.select_eligible(modes=ALL_MODES, limit=100)
+
+        async def grab(h: int, eligible: list[Job] = eligible) -> list[Job]:
+            claims = [Claim(j.id, uuid.uuid4(), f"w{h}") for j in eligible[h::2] + eligible]
+            return await handles[h].mark_handed_off_many(claims)
+
+        await asyncio.gather(*(grab(h) for h in range(len(handles))))
+        running = (
+            await store.list_jobs(JobFilter(statuses=[JobStatus.HANDED_OFF]), limit=100)
+        ).jobs
+        per_key: dict[str, int] = {}
+        for job in running:
+            assert job.concurrency_key is not None
+            per_key[job.concurrency_key] = per_key.get(job.concurrency_key, 0) + 1
+        assert per_key.get("shared", 0) <= limit
+        assert per_key.get("solo-0", 0) <= 1 and per_key.get("solo-1", 0) <= 1
+        # The counters agree with the rows.
+        for key, n in per_key.items():
+            active = await _scalar(
+                store, "SELECT active FROM {s}broker_concurrency WHERE key = :k", k=key
+            )
+            assert active == n
+        # Let every job go, by a different transition each round, from every handle.
+        for i, job in enumerate(running):
+            lease = job.handoff_id or uuid.uuid4()
+            h = handles[i % len(handles)]
+            if round_no % 3 == 0:
+                assert await h.complete(job.id, lease)
+                finished += 1
+            elif round_no % 3 == 1:
+                assert await h.return_to_queue(job.id, lease)
+            else:
+                assert await h.cancel(job.id) is not None
+                finished += 1
+    assert finished > 0
+    assert await _scalar(store, "SELECT COALESCE(SUM(active), 0) FROM {s}broker_concurrency") == 0
+
+
+async def test_sqlite_writers_in_another_process_are_waited_for(sqlite_backend: Backend) -> None:
+    backend = sqlite_backend
+    store = await backend.open()
+    script = textwrap.dedent(
+        f"""
+        import asyncio, sys
+        sys.path.insert(0, {str(REPO)!r})
+        from adapters.sql import SQLAlchemyAdapter
+        from broker.jobs import JobSpec
+
+        async def main():
+            store = SQLAlchemyAdapter({backend.url!r})
+            await store.setup()
+            for i in range(100):
+                await store.enqueue(JobSpec("from-child", args=[i]))
+            await store.close()
+
+        asyncio.run(main())
+        """
+    )
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", script)
+    for i in range(100):
+        await store.enqueue(JobSpec("from-parent", args=[i]))
+        if i % 10 == 0:
+            await asyncio.sleep(0)
+    assert await asyncio.wait_for(child.wait(), timeout=60) == 0
+    assert await _scalar(store, "SELECT COUNT(*) FROM {s}broker_jobs") == 200
+
+
+async def test_sqlite_connections_are_wal_and_fully_synchronous(sqlite_backend: Backend) -> None:
+    store = await sqlite_backend.open()
+    assert await _scalar(store, "PRAGMA journal_mode") == "wal"
+    assert await _scalar(store, "PRAGMA synchronous") == 2  # FULL
+    assert await _scalar(store, "PRAGMA busy_timeout") == 5000
+    assert store.capabilities.skip_locked is False
+    assert store.capabilities.listen_notify is False
+    assert store.capabilities.shared_between_processes is True
+
+
+async def test_sqlite_hot_queries_use_their_partial_indexes(sqlite_backend: Backend) -> None:
+    """Statistics-free SQLite must still pick the dispatch index and need no sort step.
+
+    (PostgreSQL's choice depends on statistics, so it is not pinned down here.)
+    """
+    store = await sqlite_backend.open()
+    await store.enqueue_many([JobSpec("t", args=[i]) for i in range(50)])
+
+    async def plan(stmt: sa.Executable) -> str:
+        async with store._engine.connect() as conn:
+            sql = str(stmt.compile(conn.sync_connection, compile_kwargs={"literal_binds": True}))
+            rows = (await conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {sql}")).all()
+        return "\n".join(str(row[-1]) for row in rows)
+
+    eligible = await plan(store._eligible_stmt(ALL_MODES, ["default"], 50))
+    assert "ix_broker_jobs_dispatch" in eligible and "TEMP B-TREE" not in eligible
+    from adapters._sql_schema import IS_HANDED_OFF, IS_TERMINAL, jobs
+
+    worker = await plan(sa.select(jobs).where(jobs.c.worker_id == "w", IS_HANDED_OFF))
+    assert "ix_broker_jobs_worker" in worker
+    pruning = await plan(sa.select(jobs.c.id).where(IS_TERMINAL, jobs.c.updated_us < 5).limit(9))
+    assert "ix_broker_jobs_terminal_updated" in pruning
+
+
+# --------------------------------------------------------------------------- ordering
+
+
+async def test_dispatch_order_and_fifo_within_one_enqueue_batch(
+    store: SQLAlchemyAdapter, backend: Backend
+) -> None:
+    batch = await store.enqueue_many([JobSpec("t", args=[i]) for i in range(12)])
+    urgent = await _enqueue(store, priority=1)
+    early = await _enqueue(store, run_at=START - timedelta(seconds=1))
+    future = await _enqueue(store, priority=9, run_at=START + timedelta(seconds=5))
+    order = [j.id for j in await store.select_eligible(modes=ALL_MODES)]
+    assert order == [urgent.id, early.id, *(r.job.id for r in batch)]
+    assert await store.next_run_at(modes=ALL_MODES) == START - timedelta(seconds=1)
+    backend.clock.advance(5)
+    assert (await store.select_eligible(modes=ALL_MODES, limit=1))[0].id == future.id
+
+
+async def test_list_jobs_pages_through_ties_in_creation_time(store: SQLAlchemyAdapter) -> None:
+    made = [r.job for r in await store.enqueue_many([JobSpec("t", args=[i]) for i in range(11)])]
+    seen: list[uuid.UUID] = []
+    cursor: str | None = None
+    while True:
+        page = await store.list_jobs(limit=4, cursor=cursor)
+        seen.extend(j.id for j in page.jobs)
+        if page.next_cursor is None:
+            break
+        cursor = page.next_cursor
+    assert sorted(seen) == sorted(j.id for j in made) and len(seen) == len(set(seen))
+    full = await store.list_jobs(limit=11)
+    assert len(full.jobs) == 11 and full.next_cursor is None
+    with pytest.raises(ValueError, match="cursor"):
+        await store.list_jobs(cursor="not a cursor!")
+
+
+# --------------------------------------------------------------------------- pruning
+
+
+async def test_prune_deletes_only_terminal_rows_in_batches(
+    store: SQLAlchemyAdapter, backend: Backend
+) -> None:
+    active = [await _enqueue(store), await _claim(store, await _enqueue(store))]
+    terminal: list[uuid.UUID] = []
+    for i in range(23):
+        job = await _claim(
+            store, await _enqueue(store, max_attempts=1, concurrency_key="k", concurrency_limit=1)
+        )
+        lease = job.handoff_id or uuid.uuid4()
+        if i % 3 == 0:
+            assert await store.complete(job.id, lease)
+        elif i % 3 == 1:
+            assert await store.fail(job.id, lease, "x", None)
+        else:
+            assert await store.cancel(job.id) is not None
+        terminal.append(job.id)
+        backend.clock.advance(1)
+    assert await store.prune(statuses=[JobStatus.QUEUED, JobStatus.HANDED_OFF]) == 0
+    assert await store.prune(keep_latest=30) == 0
+    assert await store.prune(keep_latest=20, batch_size=2) == 3
+    assert await store.prune(older_than=START + timedelta(seconds=10), batch_size=4) == 7
+    assert await store.prune(statuses=[JobStatus.FAILED], batch_size=1) == 5
+    assert await store.prune(keep_latest=0, batch_size=5) == 8
+    left = {j.id for j in (await store.list_jobs(limit=100)).jobs}
+    assert left == {j.id for j in active}
+    # Idle concurrency counters are cleaned up with the jobs.
+    assert await _scalar(store, "SELECT COUNT(*) FROM {s}broker_concurrency") == 0
+
+
+# --------------------------------------------------------------------------- setup
+
+
+async def test_setup_is_safe_when_many_engines_race_on_a_fresh_store(backend: Backend) -> None:
+    handles = [backend.adapter() for _ in range(5)]
+    await asyncio.gather(*(h.setup() for h in handles))
+    await asyncio.gather(*(h.setup() for h in handles))
+    assert await _scalar(handles[0], "SELECT version FROM {s}broker_schema") == SCHEMA_VERSION
+    job = await _enqueue(handles[1])
+    assert await handles[4].get_job(job.id) == job
+
+
+async def test_a_store_from_a_newer_broker_is_refused(backend: Backend) -> None:
+    store = await backend.open()
+    async with store._write("test") as conn:
+        await conn.execute(_sql(store, "UPDATE {s}broker_schema SET version = :v"), {"v": 99})
+    newer = backend.adapter()
+    with pytest.raises(SchemaVersionError) as raised:
+        await newer.setup()
+    message = str(raised.value)
+    assert "99" in message and str(SCHEMA_VERSION) in message and "upgrade" in message
+
+
+async def test_an_older_store_is_migrated_forward(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from adapters import _sql_schema
+
+    store = await backend.open()
+    job = await _enqueue(store)
+    ran: list[int] = []
+    monkeypatch.setattr(
+        _sql_schema, "MIGRATIONS", (*_sql_schema.MIGRATIONS, (2, lambda c, s: ran.append(2)))
+    )
+    monkeypatch.setattr("adapters.sql.SCHEMA_VERSION", 2)
+    await backend.adapter().setup()
+    assert ran == [2]
+    assert await _scalar(store, "SELECT version FROM {s}broker_schema") == 2
+    await backend.adapter().setup()
+    assert ran == [2], "a migration runs once"
+    assert await store.get_job(job.id) == job
+
+
+async def test_driver_errors_become_storage_errors(backend: Backend, tmp_path: Path) -> None:
+    store = await backend.open()
+    async with store._write("test") as conn:
+        await conn.execute(_sql(store, "DROP TABLE {s}broker_jobs"))
+    with pytest.raises(StorageError, match="get_job failed"):
+        await store.get_job(uuid.uuid4())
+    with pytest.raises(StorageError, match="enqueue failed"):
+        await store.enqueue(JobSpec("t"))
+    if backend.is_pg:
+        url = "postgresql+asyncpg://postgres@127.0.0.1:1/nowhere"
+    else:
+        url = f"sqlite:///{tmp_path / 'missing-dir' / 'x.db'}"
+    unreachable = SQLAlchemyAdapter(url)
+    try:
+        with pytest.raises(StorageError, match="setup failed"):
+            await unreachable.setup()
+    finally:
+        await unreachable.close()
+
+
+# --------------------------------------------------------------------------- notify
+
+
+async def test_listen_wakes_on_inserts_from_another_engine_and_raw_sql(backend: Backend) -> None:
+    store = await backend.open()
+    if not backend.is_pg:
+        with pytest.raises(ConfigurationError, match="PostgreSQL"):
+            store.listen(lambda: None)
+        return
+    assert isinstance(store, SupportsNotify) and store.capabilities.listen_notify
+    other = await backend.open()
+    woken = asyncio.Event()
+    async with store.listen(woken.set):
+        await _enqueue(other)
+        await asyncio.wait_for(woken.wait(), timeout=5)
+        woken.clear()
+        await other.enqueue_many([JobSpec("t") for _ in range(3)])
+        await asyncio.wait_for(woken.wait(), timeout=5)
+        woken.clear()
+        import asyncpg
+
+        raw = await asyncpg.connect(_asyncpg_dsn())
+        try:
+            await raw.execute(
+                f'INSERT INTO "{backend.schema}".broker_jobs (id, task, args, kwargs, queue, '
+                "priority, status, attempts, max_attempts, run_at_us, created_us, updated_us, "
+                "execution_mode) VALUES ($1, 'raw', '[]', '{}', 'default', 0, 'queued', 0, 1, "
+                "0, 0, 0, 'inline')",
+                uuid.uuid4(),
+            )
+        finally:
+            await raw.close()
+        await asyncio.wait_for(woken.wait(), timeout=5)
+    # A store in another schema uses another channel and is not woken.
+    assert notify_channel(backend.schema or "") != notify_channel("public")
+    assert len(notify_channel("s" * 63)) <= 63
+
+
+@pytest.mark.postgres
+async def test_without_a_schema_tables_and_channel_follow_the_search_path(
+    pg_backend: Backend,
+) -> None:
+    backend = pg_backend
+    import asyncpg
+
+    database = f"broker_test_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(_asyncpg_dsn())
+    try:
+        await admin.execute(f'CREATE DATABASE "{database}"')
+        url = sa.make_url(POSTGRES_URL).set(database=database).render_as_string(False)
+        first = SQLAlchemyAdapter(url, clock=backend.clock)
+        second = SQLAlchemyAdapter(url, clock=backend.clock)
+        try:
+            await first.setup()
+            await second.setup()
+            assert await _scalar(first, "SELECT to_regclass('public.broker_jobs') IS NOT NULL")
+            woken = asyncio.Event()
+            async with first.listen(woken.set):
+                await _enqueue(second)
+                await asyncio.wait_for(woken.wait(), timeout=5)
+        finally:
+            await first.close()
+            await second.close()
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        await admin.close()
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def test_missing_drivers_say_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "aiosqlite", None)
+    with pytest.raises(MissingDriverError, match="pip install aiosqlite"):
+        SQLAlchemyAdapter(f"sqlite:///{tmp_path / 'x.db'}")
+    monkeypatch.setitem(sys.modules, "asyncpg", None)
+    with pytest.raises(MissingDriverError, match="pip install asyncpg"):
+        SQLAlchemyAdapter("postgresql://u@localhost/db")
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("mysql://u@h/db", "sqlite\\+aiosqlite:///"),
+        ("postgresql+psycopg://u@h/db", "postgresql\\+asyncpg://"),
+        ("sqlite://", "in-memory"),
+        ("sqlite:///:memory:", "in-memory"),
+        ("::::", "cannot parse"),
+    ],
+)
+def test_unsupported_urls_are_configuration_errors(url: str, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        SQLAlchemyAdapter(url)
+
+
+async def test_url_aliases_and_options(tmp_path: Path) -> None:
+    for url in ("postgres://u@h/db", "postgresql://u@h/db", "postgresql+asyncpg://u@h/db"):
+        pg = SQLAlchemyAdapter(url, schema="s")
+        assert "postgresql+asyncpg://u@h/db" in repr(pg)
+        assert pg.capabilities.skip_locked and pg.capabilities.listen_notify
+        await pg.close()
+    lite = SQLAlchemyAdapter(f"sqlite:///{tmp_path / 'a.db'}")
+    assert "sqlite+aiosqlite" in repr(lite)
+    await lite.close()
+    with pytest.raises(ConfigurationError, match="PostgreSQL only"):
+        SQLAlchemyAdapter(f"sqlite:///{tmp_path / 'a.db'}", schema="s")
+    with pytest.raises(ConfigurationError, match="pool_size"):
+        SQLAlchemyAdapter(f"sqlite:///{tmp_path / 'a.db'}", pool_size=0)
+    secret = SQLAlchemyAdapter("postgresql://u:hunter2@h/db")
+    assert "hunter2" not in repr(secret)
+    await secret.close()
