@@ -23,7 +23,6 @@ import logging
 import secrets
 import socket
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -66,7 +65,6 @@ class MainSettings:
     """How often to look for jobs other processes wrote, when the store cannot notify."""
     claim_batch: int = 256
     max_errors_per_connection: int = 20
-    recent_reports: int = 100_000
 
     def validate(self) -> None:
         positive = {
@@ -163,7 +161,6 @@ class Main:
         )
         self.orphans: dict[uuid.UUID, Job] = {}
         """Handoffs found in the store at start-up, waiting for their worker's hello."""
-        self._recent_reports: OrderedDict[tuple[uuid.UUID, str], None] = OrderedDict()
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._connection_tasks: set[asyncio.Task[None]] = set()
@@ -704,10 +701,12 @@ class Main:
     ) -> None:
         """Apply one fenced report, retrying store errors while the worker is connected;
         the ack goes out only once the outcome is durable (or known to be stale)."""
-        key = (msg.handoff_id, msg.type)
         while True:
             try:
                 applied = await self._transition(session, msg)
+                status = (
+                    protocol.AckStatus.APPLIED if applied else await self._why_not_applied(msg)
+                )
                 break
             except asyncio.CancelledError:
                 raise
@@ -728,16 +727,8 @@ class Main:
                 )
                 await asyncio.sleep(self.settings.error_retry_interval)
         if applied:
-            status = protocol.AckStatus.APPLIED
             self._forget_lease(msg.handoff_id)
-            self._recent_reports[key] = None
-            while len(self._recent_reports) > self.settings.recent_reports:
-                self._recent_reports.popitem(last=False)
             self.wake()
-        elif key in self._recent_reports:
-            status = protocol.AckStatus.DUPLICATE
-        else:
-            status = protocol.AckStatus.STALE
         logger.info(
             "report %s job_id=%s handoff_id=%s outcome=%s worker_id=%s",
             status.value,
@@ -749,6 +740,22 @@ class Main:
         session.send(
             protocol.ReportAck(job_id=msg.job_id, handoff_id=msg.handoff_id, status=status)
         )
+
+    async def _why_not_applied(
+        self, msg: protocol.Completed | protocol.Failed | protocol.Reschedule | protocol.Release
+    ) -> protocol.AckStatus:
+        """A fenced-out report is a *duplicate* when its lease already settled this job (the
+        first copy landed, perhaps before a main restart or behind a lost answer), and
+        *stale* when a newer lease owns the job or it was cancelled. Read from the store, so
+        the answer is the same whichever main gives it."""
+        job = await self.store.get_job(msg.job_id)
+        if (
+            job is not None
+            and job.handoff_id == msg.handoff_id
+            and job.status not in (JobStatus.HANDED_OFF, JobStatus.CANCELLED)
+        ):
+            return protocol.AckStatus.DUPLICATE
+        return protocol.AckStatus.STALE
 
     async def _transition(
         self,
