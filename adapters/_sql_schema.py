@@ -1,0 +1,205 @@
+"""Tables, indexes and forward migrations for :mod:`adapters.sql`.
+
+Every table is defined without a schema; on PostgreSQL the adapter maps ``None`` to
+its configured schema with ``schema_translate_map``, so one definition serves both.
+
+Times are BIGINT microseconds since the Unix epoch (UTC): they compare and index the
+same way on every backend and never lose precision to a driver's datetime handling.
+
+A migration is a function of a synchronous connection (run under ``run_sync``) that
+moves the store from version ``n - 1`` to ``n``; :data:`MIGRATIONS` lists them in
+order. ``setup()`` runs the missing ones inside one locked transaction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+import sqlalchemy as sa
+
+from broker.storage import SCHEMA_VERSION
+
+metadata = sa.MetaData()
+
+_QUEUED = "queued"
+_HANDED_OFF = "handed_off"
+
+jobs = sa.Table(
+    "broker_jobs",
+    metadata,
+    sa.Column("id", sa.Uuid(), primary_key=True),
+    sa.Column("task", sa.Text(), nullable=False),
+    sa.Column("args", sa.Text(), nullable=False),
+    sa.Column("kwargs", sa.Text(), nullable=False),
+    sa.Column("queue", sa.Text(), nullable=False),
+    sa.Column("priority", sa.Integer(), nullable=False),
+    sa.Column("status", sa.Text(), nullable=False),
+    sa.Column("attempts", sa.Integer(), nullable=False),
+    sa.Column("max_attempts", sa.BigInteger(), nullable=False),
+    sa.Column("run_at_us", sa.BigInteger(), nullable=False),
+    sa.Column("created_us", sa.BigInteger(), nullable=False),
+    sa.Column("updated_us", sa.BigInteger(), nullable=False),
+    sa.Column("execution_mode", sa.Text(), nullable=False),
+    sa.Column("handoff_id", sa.Uuid(), nullable=True),
+    sa.Column("worker_id", sa.Text(), nullable=True),
+    sa.Column("handed_off_us", sa.BigInteger(), nullable=True),
+    sa.Column("last_error", sa.Text(), nullable=True),
+    sa.Column("result", sa.Text(), nullable=True),
+    sa.Column("idempotency_key", sa.Text(), nullable=True),
+    sa.Column("concurrency_key", sa.Text(), nullable=True),
+    sa.Column("concurrency_limit", sa.BigInteger(), nullable=True),
+    sa.Column("timeout_s", sa.Double(), nullable=True),
+    # Enqueue order, the last tie-break of dispatch order (jobs of one batch share a
+    # creation time). PostgreSQL fills it from an identity (added in the migration, so
+    # raw-SQL inserts get one too); SQLite leaves it NULL and orders by ``rowid``.
+    sa.Column("seq", sa.BigInteger(), nullable=True),
+    sa.CheckConstraint(
+        "status IN ('queued', 'handed_off', 'completed', 'failed', 'cancelled')",
+        name="ck_broker_jobs_status",
+    ),
+    sa.CheckConstraint(
+        "(concurrency_key IS NULL) = (concurrency_limit IS NULL)",
+        name="ck_broker_jobs_concurrency",
+    ),
+)
+
+concurrency = sa.Table(
+    "broker_concurrency",
+    metadata,
+    sa.Column("key", sa.Text(), primary_key=True),
+    sa.Column("active", sa.Integer(), nullable=False),
+)
+
+schema_version = sa.Table(
+    "broker_schema",
+    metadata,
+    sa.Column("id", sa.Integer(), primary_key=True, autoincrement=False),
+    sa.Column("version", sa.Integer(), nullable=False),
+)
+
+# The predicates of the partial indexes. Queries use these very expressions, so the
+# planner can prove the index applies: they render as inline literals, never as bound
+# parameters (PostgreSQL cannot match ``$1`` in a generic plan, SQLite never can).
+IS_QUEUED = jobs.c.status == sa.literal(_QUEUED, sa.Text(), literal_execute=True)
+IS_HANDED_OFF = jobs.c.status == sa.literal(_HANDED_OFF, sa.Text(), literal_execute=True)
+IS_TERMINAL = jobs.c.status.in_(
+    sa.bindparam(
+        "terminal_statuses",
+        ("cancelled", "completed", "failed"),
+        expanding=True,
+        literal_execute=True,
+    )
+)
+
+# Dispatch: the best queued jobs first. seq is NULL on SQLite, where the index's
+# implicit trailing rowid breaks ties instead.
+sa.Index(
+    "ix_broker_jobs_dispatch",
+    jobs.c.priority.desc(),
+    jobs.c.run_at_us,
+    jobs.c.created_us,
+    jobs.c.seq,
+    postgresql_where=IS_QUEUED,
+    sqlite_where=IS_QUEUED,
+)
+sa.Index("ux_broker_jobs_idempotency_key", jobs.c.idempotency_key, unique=True)
+sa.Index(
+    "ix_broker_jobs_worker",
+    jobs.c.worker_id,
+    postgresql_where=IS_HANDED_OFF,
+    sqlite_where=IS_HANDED_OFF,
+)
+# Pruning: terminal rows by age. Partial, so no status index tempts the planner away
+# from the dispatch index for queued rows.
+sa.Index(
+    "ix_broker_jobs_terminal_updated",
+    jobs.c.updated_us,
+    jobs.c.id,
+    postgresql_where=IS_TERMINAL,
+    sqlite_where=IS_TERMINAL,
+)
+sa.Index("ix_broker_jobs_created", jobs.c.created_us, jobs.c.id)
+
+CHANNEL_PREFIX = "broker_jobs_"
+_MAX_IDENTIFIER_BYTES = 63
+
+
+def notify_channel(schema: str) -> str:
+    """The LISTEN channel that inserts into ``schema``'s job table notify.
+
+    Must agree with the plpgsql in :func:`_create_notify_trigger`.
+    """
+    channel = CHANNEL_PREFIX + schema
+    if len(channel.encode()) > _MAX_IDENTIFIER_BYTES:
+        channel = CHANNEL_PREFIX + hashlib.md5(schema.encode(), usedforsecurity=False).hexdigest()
+    return channel
+
+
+def _qualified(conn: sa.Connection, schema: str | None, name: str) -> str:
+    quote = conn.dialect.identifier_preparer.quote
+    return f"{quote(schema)}.{quote(name)}" if schema else quote(name)
+
+
+def _create_notify_trigger(conn: sa.Connection, schema: str | None) -> None:
+    """A statement-level trigger, so inserts by any process, even raw SQL, wake listeners.
+
+    The channel is derived from the table's schema at run time (``TG_TABLE_SCHEMA``),
+    so it stays right whatever ``search_path`` the creating session had.
+    """
+    func = _qualified(conn, schema, "broker_jobs_notify")
+    table = _qualified(conn, schema, "broker_jobs")
+    conn.exec_driver_sql(
+        f"""
+        CREATE OR REPLACE FUNCTION {func}() RETURNS trigger LANGUAGE plpgsql AS $$
+        DECLARE
+            channel text := '{CHANNEL_PREFIX}' || TG_TABLE_SCHEMA;
+        BEGIN
+            IF octet_length(channel) > {_MAX_IDENTIFIER_BYTES} THEN
+                channel := '{CHANNEL_PREFIX}' || md5(TG_TABLE_SCHEMA);
+            END IF;
+            PERFORM pg_notify(channel, '');
+            RETURN NULL;
+        END
+        $$
+        """
+    )
+    conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS broker_jobs_notify ON {table}")
+    conn.exec_driver_sql(
+        f"CREATE TRIGGER broker_jobs_notify AFTER INSERT ON {table} "
+        f"FOR EACH STATEMENT EXECUTE FUNCTION {func}()"
+    )
+
+
+def _v1_initial(conn: sa.Connection, schema: str | None) -> None:
+    """Version 1: the three tables, their indexes and (PostgreSQL) the notify trigger."""
+    # The caller has checked, under the setup lock, that no table exists yet.
+    metadata.create_all(conn, checkfirst=False)
+    conn.execute(schema_version.insert().values(id=1, version=0))
+    if conn.dialect.name == "postgresql":
+        table = _qualified(conn, schema, "broker_jobs")
+        conn.exec_driver_sql(
+            f"ALTER TABLE {table} ALTER COLUMN seq SET NOT NULL, "
+            "ALTER COLUMN seq ADD GENERATED BY DEFAULT AS IDENTITY"
+        )
+        _create_notify_trigger(conn, schema)
+
+
+Migration = Callable[[sa.Connection, str | None], None]
+
+MIGRATIONS: tuple[tuple[int, Migration], ...] = ((1, _v1_initial),)
+"""``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
+
+assert [v for v, _ in MIGRATIONS] == list(range(1, SCHEMA_VERSION + 1)), (
+    "MIGRATIONS must list every version from 1 to SCHEMA_VERSION in order"
+)
+
+
+def migrate(conn: sa.Connection, schema: str | None, current: int) -> None:
+    """Run every migration after ``current`` and record the new version."""
+    for version, step in MIGRATIONS:
+        if version > current:
+            step(conn, schema)
+            conn.execute(
+                schema_version.update().where(schema_version.c.id == 1).values(version=version)
+            )

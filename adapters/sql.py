@@ -1,0 +1,962 @@
+"""A job store on SQLAlchemy Core (asyncio): SQLite through aiosqlite, PostgreSQL through asyncpg.
+
+How the contract in :mod:`broker.storage` maps onto SQL:
+
+* **Fencing** is a single ``UPDATE ... WHERE id = :id AND handoff_id = :lease AND
+  status = 'handed_off'``; the row count is the answer.
+* **Claims** lock their candidate rows first (PostgreSQL: ``FOR UPDATE SKIP LOCKED``,
+  so concurrent claimers never wait on each other's jobs), then the concurrency
+  counters in sorted key order, then hand off every granted row in one ``UPDATE``.
+  Releases lock the job row (the fenced ``UPDATE``) and then its counter. Neither
+  path waits on a job row while holding a counter, so the two cannot deadlock.
+* **SQLite** has one writer at a time. Write transactions start with
+  ``BEGIN IMMEDIATE`` so that two writers never deadlock upgrading a read lock, and
+  writes inside one adapter queue on an ``asyncio.Lock`` instead of sleeping in
+  SQLite's busy handler. Another process on the same file waits up to the busy
+  timeout. The journal is WAL with ``synchronous=FULL``: a commit is on disk before
+  the call returns, because the broker acknowledges only what is durable.
+* **Time** is read from the adapter's clock, never the database's, and stored as
+  integer microseconds since the epoch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hashlib
+import importlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from adapters._sql_schema import (
+    IS_HANDED_OFF,
+    IS_QUEUED,
+    IS_TERMINAL,
+    concurrency,
+    jobs,
+    migrate,
+    notify_channel,
+    schema_version,
+)
+from broker.exceptions import (
+    ConfigurationError,
+    InvalidJobError,
+    MissingDriverError,
+    SchemaVersionError,
+    StorageError,
+)
+from broker.jobs import (
+    TERMINAL_STATUSES,
+    Claim,
+    Clock,
+    EnqueueResult,
+    ExecutionMode,
+    Job,
+    JobSpec,
+    JobStatus,
+    JSONValue,
+    utcnow,
+)
+from broker.storage import SCHEMA_VERSION, Capabilities, JobFilter, JobPage, QueueCount
+
+logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+SUPPORTED_URLS = (
+    "sqlite+aiosqlite:///path/to/broker.db",
+    "sqlite:///path/to/broker.db",
+    "postgresql+asyncpg://user@host:5432/dbname",
+    "postgresql://user@host:5432/dbname",
+    "postgres://user@host:5432/dbname",
+)
+
+SQLITE_BUSY_TIMEOUT_MS = 5000
+"""How long a SQLite writer waits for another process's write lock before failing."""
+
+_QUEUED = JobStatus.QUEUED.value
+_HANDED_OFF = JobStatus.HANDED_OFF.value
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_ONE_US = timedelta(microseconds=1)
+_ENQUEUE_ROUNDS = 5
+"""How often an enqueue retries when the job holding its key vanishes mid-transaction."""
+_CHUNK = 500
+"""Most ids bound in one statement (SQLite and asyncpg cap a statement near 32k parameters)."""
+_WRITE_OPTION = "broker_write"
+"""Execution option marking SQLite write transactions (they begin IMMEDIATE)."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _to_us(value: datetime) -> int:
+    if value.tzinfo is None:
+        raise ValueError(f"datetimes must be timezone-aware (got naive {value.isoformat()})")
+    return (value - _EPOCH) // _ONE_US
+
+
+def _from_us(value: int) -> datetime:
+    return _EPOCH + timedelta(microseconds=value)
+
+
+def _dumps(value: JSONValue) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+def _job_from_row(row: Mapping[Any, Any]) -> Job:
+    """A :class:`Job` from a ``broker_jobs`` row (or the parameters of its INSERT)."""
+    handed_off_us = row["handed_off_us"]
+    result = row["result"]
+    timeout = row["timeout_s"]
+    return Job(
+        id=row["id"],
+        task=row["task"],
+        args=tuple(json.loads(row["args"])),
+        kwargs=json.loads(row["kwargs"]),
+        queue=row["queue"],
+        priority=row["priority"],
+        status=JobStatus(row["status"]),
+        attempts=row["attempts"],
+        max_attempts=row["max_attempts"],
+        run_at=_from_us(row["run_at_us"]),
+        created_at=_from_us(row["created_us"]),
+        updated_at=_from_us(row["updated_us"]),
+        execution_mode=ExecutionMode(row["execution_mode"]),
+        handoff_id=row["handoff_id"],
+        worker_id=row["worker_id"],
+        handed_off_at=None if handed_off_us is None else _from_us(handed_off_us),
+        last_error=row["last_error"],
+        result=None if result is None else json.loads(result),
+        idempotency_key=row["idempotency_key"],
+        concurrency_key=row["concurrency_key"],
+        concurrency_limit=row["concurrency_limit"],
+        timeout=None if timeout is None else float(timeout),
+    )
+
+
+def _spec_row(spec: JobSpec, now_us: int) -> dict[str, Any]:
+    return {
+        "id": spec.id,
+        "task": spec.task,
+        "args": _dumps(list(spec.args)),
+        "kwargs": _dumps(dict(spec.kwargs)),
+        "queue": spec.queue,
+        "priority": spec.priority,
+        "status": _QUEUED,
+        "attempts": 0,
+        "max_attempts": spec.max_attempts,
+        "run_at_us": now_us if spec.run_at is None else _to_us(spec.run_at),
+        "created_us": now_us,
+        "updated_us": now_us,
+        "execution_mode": ExecutionMode(spec.execution_mode).value,
+        "handoff_id": None,
+        "worker_id": None,
+        "handed_off_us": None,
+        "last_error": None,
+        "result": None,
+        "idempotency_key": spec.idempotency_key,
+        "concurrency_key": spec.concurrency_key,
+        "concurrency_limit": spec.concurrency_limit,
+        "timeout_s": None if spec.timeout is None else float(spec.timeout),
+    }
+
+
+def _chunks(items: Sequence[_T], size: int = _CHUNK) -> list[Sequence[_T]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _encode_cursor(created_us: int, job_id: uuid.UUID) -> str:
+    raw = f"{created_us}.{job_id.hex}".encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[int, uuid.UUID]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        created, _, hex_id = raw.partition(".")
+        return int(created), uuid.UUID(hex=hex_id)
+    except (binascii.Error, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"invalid list_jobs cursor {cursor!r}") from exc
+
+
+def _redact(url: URL) -> str:
+    return url.render_as_string(hide_password=True)
+
+
+def _require_driver(module: str, url: URL) -> Any:
+    """Import a DB driver, turning its absence into a message that says what to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingDriverError(
+            f"the store URL {_redact(url)} needs the {module!r} driver, which is not "
+            f"installed: pip install {module}"
+        ) from exc
+
+
+def _resolve_url(raw: str) -> tuple[URL, str]:
+    """The async-driver URL for ``raw`` and its backend (``sqlite`` or ``postgresql``)."""
+    try:
+        url = make_url(raw)
+    except sa_exc.ArgumentError as exc:
+        raise ConfigurationError(
+            f"cannot parse store URL {raw!r}; use one of: {', '.join(SUPPORTED_URLS)}"
+        ) from exc
+    driver = url.drivername.lower()
+    if driver in ("sqlite", "sqlite+aiosqlite"):
+        if url.database in (None, "", ":memory:") or url.query.get("mode") == "memory":
+            raise ConfigurationError(
+                "in-memory SQLite is not supported (each connection would see its own "
+                "empty database); give a file path, e.g. sqlite+aiosqlite:///broker.db, "
+                "or use memory:// for the in-memory adapter"
+            )
+        return url.set(drivername="sqlite+aiosqlite"), "sqlite"
+    if driver in ("postgresql", "postgres", "postgresql+asyncpg"):
+        return url.set(drivername="postgresql+asyncpg"), "postgresql"
+    raise ConfigurationError(
+        f"unsupported store URL scheme {url.drivername!r}; use one of: {', '.join(SUPPORTED_URLS)}"
+    )
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    # Take transaction control away from the sqlite3 module; _sqlite_on_begin emits BEGIN.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=FULL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+    finally:
+        cursor.close()
+
+
+def _sqlite_on_begin(conn: sa.Connection) -> None:
+    if conn.get_execution_options().get(_WRITE_OPTION):
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+    else:
+        conn.exec_driver_sql("BEGIN")
+
+
+# --------------------------------------------------------------------------- adapter
+
+
+class SQLAlchemyAdapter:
+    """A :class:`~broker.storage.StorageAdapter` on SQLite (a file) or PostgreSQL.
+
+    ``schema`` (PostgreSQL only) puts the tables in that schema, creating it if needed.
+    Call :meth:`setup` before use and :meth:`close` when done.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        clock: Clock = utcnow,
+        schema: str | None = None,
+        pool_size: int = 5,
+        echo: bool = False,
+    ) -> None:
+        resolved, backend = _resolve_url(url)
+        if pool_size < 1:
+            raise ConfigurationError(f"pool_size must be at least 1 (got {pool_size})")
+        self._clock = clock
+        self._backend = backend
+        self._pg = backend == "postgresql"
+        self._url_text = _redact(resolved)
+        if self._pg:
+            driver = _require_driver("asyncpg", resolved)
+            self._errors: tuple[type[BaseException], ...] = (
+                sa_exc.DBAPIError,
+                sa_exc.TimeoutError,
+                OSError,
+                driver.PostgresError,
+                driver.InterfaceError,
+            )
+        else:
+            _require_driver("aiosqlite", resolved)
+            self._errors = (sa_exc.DBAPIError, sa_exc.TimeoutError, OSError)
+            if schema is not None:
+                raise ConfigurationError(
+                    "the schema option is for PostgreSQL only; a SQLite store is one file"
+                )
+        self._schema = schema
+        options: dict[str, Any] = {}
+        connect_args: dict[str, Any] = {}
+        if self._pg:
+            connect_args["server_settings"] = {"application_name": "broker"}
+            if schema is not None:
+                options["schema_translate_map"] = {None: schema}
+        self._engine: AsyncEngine = create_async_engine(
+            resolved,
+            echo=echo,
+            pool_size=pool_size,
+            execution_options=options,
+            connect_args=connect_args,
+        )
+        if self._pg:
+            self._write_engine = self._engine
+            self._read_engine = self._engine.execution_options(isolation_level="AUTOCOMMIT")
+            self._write_lock: AbstractAsyncContextManager[Any] = contextlib.nullcontext()
+            self._order_tiebreak: list[sa.ColumnElement[Any]] = [jobs.c.seq]
+        else:
+            event.listen(self._engine.sync_engine, "connect", _sqlite_on_connect)
+            event.listen(self._engine.sync_engine, "begin", _sqlite_on_begin)
+            self._write_engine = self._engine.execution_options(**{_WRITE_OPTION: True})
+            self._read_engine = self._engine
+            self._write_lock = asyncio.Lock()
+            self._order_tiebreak = [jobs.c.seq, sa.literal_column("broker_jobs.rowid")]
+        self._insert = pg_dialect.insert if self._pg else sqlite_dialect.insert
+
+    def __repr__(self) -> str:
+        schema = f", schema={self._schema!r}" if self._schema else ""
+        return f"SQLAlchemyAdapter({self._url_text!r}{schema})"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            skip_locked=self._pg, listen_notify=self._pg, shared_between_processes=True
+        )
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _now(self) -> int:
+        return _to_us(self._clock())
+
+    def _storage_error(self, op: str, exc: BaseException) -> StorageError:
+        cause = exc.orig if isinstance(exc, sa_exc.DBAPIError) and exc.orig else exc
+        return StorageError(f"{op} failed on {self._url_text}: {type(cause).__name__}: {cause}")
+
+    @asynccontextmanager
+    async def _write(self, op: str) -> AsyncIterator[AsyncConnection]:
+        """One write transaction; driver errors come out as :class:`StorageError`."""
+        try:
+            async with self._write_lock, self._write_engine.begin() as conn:
+                yield conn
+        except self._errors as exc:
+            raise self._storage_error(op, exc) from exc
+
+    @asynccontextmanager
+    async def _read(self, op: str) -> AsyncIterator[AsyncConnection]:
+        try:
+            async with self._read_engine.connect() as conn:
+                yield conn
+        except self._errors as exc:
+            raise self._storage_error(op, exc) from exc
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def setup(self) -> None:
+        async with self._write("setup") as conn:
+            await conn.run_sync(self._setup_sync)
+
+    def _setup_lock_key(self) -> int:
+        digest = hashlib.sha256(f"broker.setup:{self._schema or ''}".encode()).digest()
+        return int.from_bytes(digest[:8], "big", signed=True)
+
+    def _setup_sync(self, conn: sa.Connection) -> None:
+        if self._pg:
+            # Serialise concurrent setups (several processes starting at once).
+            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(self._setup_lock_key())))
+            if self._schema is not None:
+                quoted = conn.dialect.identifier_preparer.quote_schema(self._schema)
+                conn.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {quoted}")
+        current = 0
+        if sa.inspect(conn).has_table(schema_version.name, schema=self._schema):
+            found = conn.execute(
+                sa.select(schema_version.c.version).where(schema_version.c.id == 1)
+            ).scalar_one_or_none()
+            if found is None:
+                raise StorageError(
+                    f"{self._url_text}: table broker_schema exists but holds no version row; "
+                    "the store is damaged or was not created by the broker"
+                )
+            current = int(found)
+        if current > SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"the store at {self._url_text} has schema version {current}, but this "
+                f"broker understands versions up to {SCHEMA_VERSION}: upgrade the broker "
+                "before using this store"
+            )
+        if current < SCHEMA_VERSION:
+            logger.info("migrating %s from schema version %d to %d", self, current, SCHEMA_VERSION)
+            migrate(conn, self._schema, current)
+
+    async def close(self) -> None:
+        await self._engine.dispose()
+
+    # ------------------------------------------------------------------ enqueue
+
+    async def enqueue(self, spec: JobSpec) -> EnqueueResult:
+        return (await self.enqueue_many([spec]))[0]
+
+    async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
+        if not specs:
+            return []
+        now_us = self._now()
+        # Within the batch, a repeated key (or id) refers back to its first occurrence.
+        canonical: list[int] = []
+        first: dict[tuple[str, object], int] = {}
+        for index, spec in enumerate(specs):
+            found = first.get(("key", spec.idempotency_key)) if spec.idempotency_key else None
+            if found is None:
+                found = first.get(("id", spec.id))
+            if found is None:
+                found = index
+                first[("id", spec.id)] = index
+                if spec.idempotency_key is not None:
+                    first[("key", spec.idempotency_key)] = index
+            canonical.append(found)
+        rows = {i: _spec_row(specs[i], now_us) for i in sorted(set(canonical))}
+        async with self._write("enqueue") as conn:
+            stored = await self._insert_or_find(conn, specs, rows)
+        return [
+            stored[c] if c == i else EnqueueResult(stored[c].job, duplicate=True)
+            for i, c in enumerate(canonical)
+        ]
+
+    async def _insert_or_find(
+        self, conn: AsyncConnection, specs: Sequence[JobSpec], rows: dict[int, dict[str, Any]]
+    ) -> dict[int, EnqueueResult]:
+        out: dict[int, EnqueueResult] = {}
+        pending = list(rows)
+        for _ in range(_ENQUEUE_ROUNDS):
+            stmt = self._insert(jobs).on_conflict_do_nothing().returning(jobs.c.id)
+            result = await conn.execute(stmt, [rows[i] for i in pending])
+            inserted = set(result.scalars())
+            missing = []
+            for i in pending:
+                if specs[i].id in inserted:
+                    out[i] = EnqueueResult(_job_from_row(rows[i]), duplicate=False)
+                else:
+                    missing.append(i)
+            if not missing:
+                return out
+            holders = await self._find_holders(conn, [specs[i] for i in missing])
+            pending = []
+            for i, holder in zip(missing, holders, strict=True):
+                if holder is None:
+                    pending.append(i)  # the conflicting job was deleted meanwhile: retry
+                else:
+                    out[i] = EnqueueResult(holder, duplicate=True)
+            if not pending:
+                return out
+        raise StorageError(
+            f"enqueue failed on {self._url_text}: the job holding an idempotency key kept "
+            "disappearing between insert and lookup"
+        )
+
+    async def _find_holders(
+        self, conn: AsyncConnection, specs: Sequence[JobSpec]
+    ) -> list[Job | None]:
+        """For each spec that did not insert, the stored job that blocked it."""
+        found: list[Job] = []
+        for chunk in _chunks(specs):
+            keys = [s.idempotency_key for s in chunk if s.idempotency_key is not None]
+            cond: sa.ColumnElement[bool] = jobs.c.id.in_([s.id for s in chunk])
+            if keys:
+                cond = sa.or_(cond, jobs.c.idempotency_key.in_(keys))
+            rows = (await conn.execute(sa.select(jobs).where(cond))).mappings()
+            found.extend(_job_from_row(r) for r in rows)
+        by_key = {j.idempotency_key: j for j in found if j.idempotency_key is not None}
+        by_id = {j.id: j for j in found}
+        holders: list[Job | None] = []
+        for spec in specs:
+            job = by_key.get(spec.idempotency_key) if spec.idempotency_key else None
+            holders.append(job if job is not None else by_id.get(spec.id))
+        return holders
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _mode_queue_filter(
+        self, modes: Collection[ExecutionMode], queues: Collection[str] | None
+    ) -> list[sa.ColumnElement[bool]]:
+        conds = [
+            IS_QUEUED,
+            jobs.c.execution_mode.in_(sorted({ExecutionMode(m).value for m in modes})),
+        ]
+        if queues is not None:
+            conds.append(jobs.c.queue.in_(sorted(set(queues))))
+        return conds
+
+    async def select_eligible(
+        self,
+        *,
+        modes: Collection[ExecutionMode],
+        queues: Collection[str] | None = None,
+        limit: int = 100,
+    ) -> list[Job]:
+        if not modes or limit <= 0:
+            return []
+        stmt = self._eligible_stmt(modes, queues, limit)
+        async with self._read("select_eligible") as conn:
+            rows = (await conn.execute(stmt)).mappings().all()
+        return [_job_from_row(r) for r in rows]
+
+    def _eligible_stmt(
+        self, modes: Collection[ExecutionMode], queues: Collection[str] | None, limit: int
+    ) -> sa.Select[Any]:
+        full = (
+            sa.exists()
+            .where(concurrency.c.key == jobs.c.concurrency_key)
+            .where(concurrency.c.active >= jobs.c.concurrency_limit)
+        )
+        return (
+            sa.select(jobs)
+            .where(*self._mode_queue_filter(modes, queues))
+            .where(jobs.c.run_at_us <= self._now(), ~full)
+            .order_by(
+                jobs.c.priority.desc(), jobs.c.run_at_us, jobs.c.created_us, *self._order_tiebreak
+            )
+            .limit(limit)
+        )
+
+    async def next_run_at(
+        self, *, modes: Collection[ExecutionMode], queues: Collection[str] | None = None
+    ) -> datetime | None:
+        if not modes:
+            return None
+        stmt = sa.select(sa.func.min(jobs.c.run_at_us)).where(
+            *self._mode_queue_filter(modes, queues)
+        )
+        async with self._read("next_run_at") as conn:
+            value = (await conn.execute(stmt)).scalar()
+        return None if value is None else _from_us(value)
+
+    async def mark_handed_off(
+        self, job_id: uuid.UUID, handoff_id: uuid.UUID, worker_id: str
+    ) -> Job | None:
+        claimed = await self.mark_handed_off_many([Claim(job_id, handoff_id, worker_id)])
+        return claimed[0] if claimed else None
+
+    async def mark_handed_off_many(self, claims: Sequence[Claim]) -> list[Job]:
+        wanted: dict[uuid.UUID, Claim] = {}
+        for claim in claims:
+            wanted.setdefault(claim.job_id, claim)  # the same job twice: the first claim
+        if not wanted:
+            return []
+        now_us = self._now()
+        claimed: list[Job] = []
+        async with self._write("mark_handed_off") as conn:
+            candidates: list[Any] = []
+            for chunk in _chunks(sorted(wanted)):
+                candidates.extend(await self._lock_claimable(conn, chunk, now_us))
+            granted = await self._take_slots(conn, candidates, list(wanted))
+            for chunk in _chunks(granted):
+                claimed.extend(await self._hand_off(conn, [wanted[j] for j in chunk], now_us))
+        order = {job_id: i for i, job_id in enumerate(wanted)}
+        return sorted(claimed, key=lambda job: order[job.id])
+
+    async def _lock_claimable(
+        self, conn: AsyncConnection, job_ids: Sequence[uuid.UUID], now_us: int
+    ) -> list[Any]:
+        stmt = (
+            sa.select(jobs.c.id, jobs.c.concurrency_key, jobs.c.concurrency_limit)
+            .where(jobs.c.id.in_(job_ids), jobs.c.status == _QUEUED, jobs.c.run_at_us <= now_us)
+            .order_by(jobs.c.id)
+        )
+        if self._pg:
+            # Never wait on a job row: a row another claimer holds is simply not ours.
+            stmt = stmt.with_for_update(skip_locked=True)
+        return list((await conn.execute(stmt)).all())
+
+    async def _take_slots(
+        self, conn: AsyncConnection, candidates: list[Any], order: list[uuid.UUID]
+    ) -> list[uuid.UUID]:
+        """The candidates that may be handed off, taking concurrency slots for them."""
+        rank = {job_id: i for i, job_id in enumerate(order)}
+        granted = [r.id for r in candidates if r.concurrency_key is None]
+        by_key: dict[str, list[Any]] = {}
+        for row in sorted(candidates, key=lambda r: rank[r.id]):
+            if row.concurrency_key is not None:
+                by_key.setdefault(row.concurrency_key, []).append(row)
+        if not by_key:
+            return granted
+        active: dict[str, int] = {}
+        for chunk in _chunks(sorted(by_key)):  # sorted across chunks too: one lock order
+            active.update(await self._lock_counters(conn, chunk))
+        taken: dict[str, int] = {}
+        for key, rows in by_key.items():
+            count = 0
+            for row in rows:
+                if active[key] + count < row.concurrency_limit:
+                    granted.append(row.id)
+                    count += 1
+            if count:
+                taken[key] = count
+        if taken:
+            await conn.execute(
+                sa.update(concurrency)
+                .where(concurrency.c.key == sa.bindparam("b_key"))
+                .values(active=concurrency.c.active + sa.bindparam("b_count", type_=sa.Integer)),
+                [{"b_key": k, "b_count": n} for k, n in sorted(taken.items())],
+            )
+        return granted
+
+    async def _lock_counters(self, conn: AsyncConnection, keys: Sequence[str]) -> dict[str, int]:
+        """Create-if-missing and lock the counter rows of ``keys`` (sorted), returning them.
+
+        The no-op ``DO UPDATE`` makes one statement insert, lock and read each row; rows
+        are taken in ``keys`` order, the same in every claim, so claims cannot deadlock.
+        """
+        ins = self._insert(concurrency).values([{"key": k, "active": 0} for k in keys])
+        stmt = ins.on_conflict_do_update(
+            index_elements=[concurrency.c.key], set_={"active": concurrency.c.active}
+        ).returning(concurrency.c.key, concurrency.c.active)
+        return {row.key: row.active for row in await conn.execute(stmt)}
+
+    async def _hand_off(self, conn: AsyncConnection, claims: list[Claim], now_us: int) -> list[Job]:
+        handoff: Any
+        worker: Any
+        if len(claims) == 1:
+            handoff, worker = claims[0].handoff_id, claims[0].worker_id
+        else:
+            handoff = sa.case(
+                *((jobs.c.id == c.job_id, sa.literal(c.handoff_id, sa.Uuid())) for c in claims)
+            )
+            workers = {c.worker_id for c in claims}
+            worker = (
+                workers.pop()
+                if len(workers) == 1
+                else sa.case(
+                    *((jobs.c.id == c.job_id, sa.literal(c.worker_id, sa.Text())) for c in claims)
+                )
+            )
+        stmt = (
+            sa.update(jobs)
+            .where(jobs.c.id.in_([c.job_id for c in claims]), jobs.c.status == _QUEUED)
+            .values(
+                status=_HANDED_OFF,
+                handoff_id=handoff,
+                worker_id=worker,
+                handed_off_us=now_us,
+                updated_us=now_us,
+            )
+            .returning(*jobs.c)
+        )
+        return [_job_from_row(r) for r in (await conn.execute(stmt)).mappings()]
+
+    # ------------------------------------------------------------------ fenced reports
+
+    async def _fenced(
+        self, op: str, job_id: uuid.UUID, handoff_id: uuid.UUID, values: dict[str, Any]
+    ) -> bool:
+        stmt = (
+            sa.update(jobs)
+            .where(
+                jobs.c.id == job_id,
+                jobs.c.handoff_id == handoff_id,
+                jobs.c.status == _HANDED_OFF,
+            )
+            .values(**values)
+            .returning(jobs.c.concurrency_key)
+        )
+        async with self._write(op) as conn:
+            row = (await conn.execute(stmt)).first()
+            if row is None:
+                return False
+            if row.concurrency_key is not None:
+                await self._release(conn, row.concurrency_key)
+        return True
+
+    async def _release(self, conn: AsyncConnection, key: str) -> None:
+        await conn.execute(
+            sa.update(concurrency)
+            .where(concurrency.c.key == key, concurrency.c.active > 0)
+            .values(active=concurrency.c.active - 1)
+        )
+
+    async def complete(
+        self, job_id: uuid.UUID, handoff_id: uuid.UUID, result: JSONValue = None
+    ) -> bool:
+        try:
+            encoded = None if result is None else _dumps(result)
+        except (TypeError, ValueError) as exc:
+            raise InvalidJobError(f"result is not JSON-serialisable: {exc}") from exc
+        values = {"status": JobStatus.COMPLETED.value, "result": encoded, "updated_us": self._now()}
+        return await self._fenced("complete", job_id, handoff_id, values)
+
+    async def fail(
+        self,
+        job_id: uuid.UUID,
+        handoff_id: uuid.UUID,
+        error: str,
+        retry_at: datetime | None,
+    ) -> bool:
+        values: dict[str, Any] = {
+            "attempts": jobs.c.attempts + 1,
+            "last_error": error,
+            "updated_us": self._now(),
+        }
+        if retry_at is None:
+            values["status"] = JobStatus.FAILED.value
+        else:
+            values["status"] = _QUEUED
+            values["run_at_us"] = _to_us(retry_at)
+        return await self._fenced("fail", job_id, handoff_id, values)
+
+    async def reschedule(self, job_id: uuid.UUID, handoff_id: uuid.UUID, run_at: datetime) -> bool:
+        values = {"status": _QUEUED, "run_at_us": _to_us(run_at), "updated_us": self._now()}
+        return await self._fenced("reschedule", job_id, handoff_id, values)
+
+    async def return_to_queue(self, job_id: uuid.UUID, handoff_id: uuid.UUID) -> bool:
+        now_us = self._now()
+        values = {"status": _QUEUED, "run_at_us": now_us, "updated_us": now_us}
+        return await self._fenced("return_to_queue", job_id, handoff_id, values)
+
+    # ------------------------------------------------------------------ operator actions
+
+    async def handoffs_for_worker(self, worker_id: str) -> list[Job]:
+        stmt = (
+            sa.select(jobs)
+            .where(jobs.c.worker_id == worker_id, IS_HANDED_OFF)
+            .order_by(jobs.c.handed_off_us, jobs.c.id)
+        )
+        async with self._read("handoffs_for_worker") as conn:
+            rows = (await conn.execute(stmt)).mappings().all()
+        return [_job_from_row(r) for r in rows]
+
+    async def cancel(self, job_id: uuid.UUID) -> Job | None:
+        select = sa.select(jobs).where(jobs.c.id == job_id)
+        if self._pg:
+            select = select.with_for_update()
+        async with self._write("cancel") as conn:
+            row = (await conn.execute(select)).mappings().first()
+            if row is None:
+                return None
+            if row["status"] not in (_QUEUED, _HANDED_OFF):
+                return _job_from_row(row)
+            update = (
+                sa.update(jobs)
+                .where(jobs.c.id == job_id, jobs.c.status == row["status"])
+                .values(status=JobStatus.CANCELLED.value, updated_us=self._now())
+                .returning(*jobs.c)
+            )
+            cancelled = (await conn.execute(update)).mappings().one()
+            if row["status"] == _HANDED_OFF and row["concurrency_key"] is not None:
+                await self._release(conn, row["concurrency_key"])
+        return _job_from_row(cancelled)
+
+    async def retry_dead(self, job_id: uuid.UUID) -> Job | None:
+        now_us = self._now()
+        update = (
+            sa.update(jobs)
+            .where(jobs.c.id == job_id, jobs.c.status == JobStatus.FAILED.value)
+            .values(status=_QUEUED, attempts=0, run_at_us=now_us, updated_us=now_us)
+            .returning(*jobs.c)
+        )
+        async with self._write("retry_dead") as conn:
+            row = (await conn.execute(update)).mappings().first()
+            if row is None:
+                select = sa.select(jobs).where(jobs.c.id == job_id)
+                row = (await conn.execute(select)).mappings().first()
+        return None if row is None else _job_from_row(row)
+
+    # ------------------------------------------------------------------ inspection
+
+    async def get_job(self, job_id: uuid.UUID) -> Job | None:
+        async with self._read("get_job") as conn:
+            row = (await conn.execute(sa.select(jobs).where(jobs.c.id == job_id))).mappings()
+            found = row.first()
+        return None if found is None else _job_from_row(found)
+
+    async def list_jobs(
+        self, job_filter: JobFilter | None = None, *, limit: int = 50, cursor: str | None = None
+    ) -> JobPage:
+        if limit <= 0:
+            return JobPage(jobs=[], next_cursor=None)
+        conds: list[sa.ColumnElement[bool]] = []
+        if job_filter is not None:
+            if job_filter.statuses is not None:
+                conds.append(
+                    jobs.c.status.in_(sorted({JobStatus(s).value for s in job_filter.statuses}))
+                )
+            if job_filter.queues is not None:
+                conds.append(jobs.c.queue.in_(sorted(set(job_filter.queues))))
+            if job_filter.tasks is not None:
+                conds.append(jobs.c.task.in_(sorted(set(job_filter.tasks))))
+        if cursor is not None:
+            created_us, last_id = _decode_cursor(cursor)
+            conds.append(sa.tuple_(jobs.c.created_us, jobs.c.id) < (created_us, last_id))
+        stmt = (
+            sa.select(jobs)
+            .where(*conds)
+            .order_by(jobs.c.created_us.desc(), jobs.c.id.desc())
+            .limit(limit + 1)
+        )
+        async with self._read("list_jobs") as conn:
+            rows = (await conn.execute(stmt)).mappings().all()
+        page = [_job_from_row(r) for r in rows[:limit]]
+        next_cursor = None
+        if len(rows) > limit:
+            last = rows[limit - 1]
+            next_cursor = _encode_cursor(last["created_us"], last["id"])
+        return JobPage(jobs=page, next_cursor=next_cursor)
+
+    async def count_jobs(self) -> list[QueueCount]:
+        stmt = (
+            sa.select(jobs.c.queue, jobs.c.status, sa.func.count(), sa.func.min(jobs.c.run_at_us))
+            .group_by(jobs.c.queue, jobs.c.status)
+            .order_by(jobs.c.queue, jobs.c.status)
+        )
+        async with self._read("count_jobs") as conn:
+            rows = (await conn.execute(stmt)).all()
+        return [
+            QueueCount(
+                queue=queue,
+                status=JobStatus(status),
+                count=int(count),
+                oldest_run_at=_from_us(oldest)
+                if status == _QUEUED and oldest is not None
+                else None,
+            )
+            for queue, status, count, oldest in rows
+        ]
+
+    # ------------------------------------------------------------------ pruning
+
+    async def prune(
+        self,
+        *,
+        older_than: datetime | None = None,
+        keep_latest: int | None = None,
+        statuses: Collection[JobStatus] | None = None,
+        batch_size: int = 1000,
+    ) -> int:
+        """Delete terminal jobs in batches, each its own short transaction.
+
+        ``keep_latest`` counts among the statuses being pruned (by ``updated_at``, then
+        id); with ``older_than`` too, a job goes only if both allow it. With neither,
+        every terminal job of those statuses goes. Idle concurrency counters (no job
+        handed off under the key) are deleted as well.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1 (got {batch_size})")
+        if keep_latest is not None and keep_latest < 0:
+            raise ValueError(f"keep_latest must not be negative (got {keep_latest})")
+        targets = (
+            TERMINAL_STATUSES
+            if statuses is None
+            else TERMINAL_STATUSES & {JobStatus(s) for s in statuses}
+        )
+        if not targets:
+            return 0
+        # IS_TERMINAL is the partial index's own predicate; the second test narrows it.
+        status_in: sa.ColumnElement[bool] = IS_TERMINAL
+        if targets != TERMINAL_STATUSES:
+            status_in = sa.and_(IS_TERMINAL, jobs.c.status.in_(sorted(s.value for s in targets)))
+        conds: list[sa.ColumnElement[bool]] = [status_in]
+        if older_than is not None:
+            conds.append(jobs.c.updated_us < _to_us(older_than))
+        if keep_latest:
+            boundary = await self._keep_boundary(status_in, keep_latest)
+            if boundary is None:
+                return 0  # no more than keep_latest candidates: nothing to delete
+            conds.append(
+                sa.tuple_(jobs.c.updated_us, jobs.c.id)
+                < sa.tuple_(
+                    sa.literal(boundary[0], sa.BigInteger()), sa.literal(boundary[1], sa.Uuid())
+                )
+            )
+        batch = sa.select(jobs.c.id).where(*conds).limit(batch_size)
+        # Re-check the status on the row itself: a job may be revived between the two.
+        delete = sa.delete(jobs).where(jobs.c.id.in_(batch.scalar_subquery()), status_in)
+        deleted = 0
+        while True:
+            async with self._write("prune") as conn:
+                count = (await conn.execute(delete)).rowcount
+            deleted += count
+            if count < batch_size:
+                break
+        async with self._write("prune") as conn:
+            # Idle counters of keys no job holds; a claim re-creates them on demand.
+            await conn.execute(sa.delete(concurrency).where(concurrency.c.active <= 0))
+        return deleted
+
+    async def _keep_boundary(
+        self, status_in: sa.ColumnElement[bool], keep_latest: int
+    ) -> tuple[int, uuid.UUID] | None:
+        """The ``(updated_us, id)`` of the oldest terminal job that ``keep_latest`` keeps."""
+        stmt = (
+            sa.select(jobs.c.updated_us, jobs.c.id)
+            .where(status_in)
+            .order_by(jobs.c.updated_us.desc(), jobs.c.id.desc())
+            .offset(keep_latest - 1)
+            .limit(1)
+        )
+        async with self._read("prune") as conn:
+            row = (await conn.execute(stmt)).first()
+        return None if row is None else (int(row.updated_us), row.id)
+
+    # ------------------------------------------------------------------ notifications
+
+    def listen(self, on_wake: Callable[[], None]) -> AbstractAsyncContextManager[None]:
+        """While open, ``on_wake()`` runs whenever any process inserts a job (PostgreSQL).
+
+        Notifications come from a trigger on ``broker_jobs``, so inserts made by other
+        brokers, other adapters or plain SQL all wake the listener. If the listening
+        connection is lost, ``on_wake`` is called once more and a warning is logged;
+        the caller's polling timer takes over from there.
+        """
+        if not self._pg:
+            raise ConfigurationError(
+                "listen() needs PostgreSQL LISTEN/NOTIFY; a SQLite store has no "
+                "notifications (check capabilities.listen_notify and poll instead)"
+            )
+        return self._listen(on_wake)
+
+    @asynccontextmanager
+    async def _listen(self, on_wake: Callable[[], None]) -> AsyncIterator[None]:
+        def wake(*_args: object) -> None:
+            try:
+                on_wake()
+            except Exception:
+                logger.exception("listen(): on_wake callback failed")
+
+        def lost(*_args: object) -> None:
+            logger.warning("listen(): the notification connection to %s was lost", self)
+            wake()
+
+        try:
+            conn = await self._engine.connect()
+        except self._errors as exc:
+            raise self._storage_error("listen", exc) from exc
+        try:
+            try:
+                schema = self._schema
+                if schema is None:
+                    schema = str((await conn.execute(sa.text("SELECT current_schema()"))).scalar())
+                    await conn.commit()  # LISTEN must not sit in an open transaction
+                channel = notify_channel(schema)
+                raw = await conn.get_raw_connection()
+                driver_conn: Any = raw.driver_connection
+                await driver_conn.add_listener(channel, wake)
+                driver_conn.add_termination_listener(lost)
+            except self._errors as exc:
+                raise self._storage_error("listen", exc) from exc
+            try:
+                yield
+            finally:
+                driver_conn.remove_termination_listener(lost)
+                with contextlib.suppress(*self._errors):
+                    await driver_conn.remove_listener(channel, wake)
+        finally:
+            with contextlib.suppress(*self._errors):
+                await conn.close()
+
+
+__all__ = ["SUPPORTED_URLS", "SQLAlchemyAdapter"]
