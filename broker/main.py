@@ -63,6 +63,8 @@ class MainSettings:
     error_retry_interval: float = 1.0
     poll_interval: float = 0.5
     """How often to look for jobs other processes wrote, when the store cannot notify."""
+    notify_fallback_interval: float = 30.0
+    """A slow safety poll for stores that notify, in case a notification is ever lost."""
     claim_batch: int = 256
     max_errors_per_connection: int = 20
 
@@ -75,6 +77,7 @@ class MainSettings:
             "liveness_timeout": self.liveness_timeout,
             "error_retry_interval": self.error_retry_interval,
             "poll_interval": self.poll_interval,
+            "notify_fallback_interval": self.notify_fallback_interval,
             "claim_batch": self.claim_batch,
             "max_errors_per_connection": self.max_errors_per_connection,
         }
@@ -300,13 +303,12 @@ class Main:
             logger.warning("could not read the next run time error=%r", exc)
             return self.settings.error_retry_interval
         delay = None if next_at is None else (next_at - self._clock()).total_seconds()
-        if polling:
-            return (
-                self.settings.poll_interval
-                if delay is None
-                else min(delay, self.settings.poll_interval)
-            )
-        return None if delay is None else max(0.0, delay)
+        ceiling = self.settings.poll_interval if polling else self.settings.notify_fallback_interval
+        if delay is None or delay <= 0:
+            # Nothing scheduled, or due jobs that could not go out (their concurrency key is
+            # full): a report or a readiness message wakes us, so a timer of zero would spin.
+            return ceiling
+        return min(delay, ceiling)
 
     def _workers(self) -> list[Session]:
         return [s for s in self.sessions.values() if s.dispatchable]
@@ -704,9 +706,7 @@ class Main:
         while True:
             try:
                 applied = await self._transition(session, msg)
-                status = (
-                    protocol.AckStatus.APPLIED if applied else await self._why_not_applied(msg)
-                )
+                status = protocol.AckStatus.APPLIED if applied else await self._why_not_applied(msg)
                 break
             except asyncio.CancelledError:
                 raise
