@@ -31,6 +31,8 @@ from broker.jobs import (
     JobSpec,
     JobStatus,
     JSONValue,
+    Outcome,
+    Settlement,
     utcnow,
 )
 from broker.storage import Capabilities, JobFilter, JobPage, QueueCount
@@ -179,12 +181,33 @@ class MemoryAdapter:
             if self._active_by_key[job.concurrency_key] <= 0:
                 del self._active_by_key[job.concurrency_key]
 
+    def _settle(self, s: Settlement) -> bool:
+        job = self._jobs.get(s.job_id)
+        changes: dict[str, object]
+        match s.outcome:
+            case Outcome.COMPLETE:
+                changes = {"status": JobStatus.COMPLETED, "result": copy.deepcopy(s.result)}
+            case Outcome.FAIL:
+                changes = {
+                    "status": JobStatus.FAILED if s.run_at is None else JobStatus.QUEUED,
+                    "attempts": job.attempts + 1 if job is not None else 0,
+                    "last_error": s.error,
+                }
+                if s.run_at is not None:
+                    changes["run_at"] = s.run_at
+            case Outcome.RESCHEDULE:
+                changes = {"status": JobStatus.QUEUED, "run_at": s.run_at or self._clock()}
+            case Outcome.RETURN:
+                changes = {"status": JobStatus.QUEUED, "run_at": self._clock()}
+        return self._leave_handoff(s.job_id, s.handoff_id, **changes)
+
+    async def settle_many(self, settlements: Sequence[Settlement]) -> list[bool]:
+        return [self._settle(s) for s in settlements]
+
     async def complete(
         self, job_id: uuid.UUID, handoff_id: uuid.UUID, result: JSONValue = None
     ) -> bool:
-        return self._leave_handoff(
-            job_id, handoff_id, status=JobStatus.COMPLETED, result=copy.deepcopy(result)
-        )
+        return self._settle(Settlement(job_id, handoff_id, Outcome.COMPLETE, result=result))
 
     async def fail(
         self,
@@ -193,28 +216,15 @@ class MemoryAdapter:
         error: str,
         retry_at: datetime | None,
     ) -> bool:
-        job = self._jobs.get(job_id)
-        attempts = job.attempts + 1 if job is not None else 0
-        if retry_at is None:
-            return self._leave_handoff(
-                job_id, handoff_id, status=JobStatus.FAILED, attempts=attempts, last_error=error
-            )
-        return self._leave_handoff(
-            job_id,
-            handoff_id,
-            status=JobStatus.QUEUED,
-            attempts=attempts,
-            last_error=error,
-            run_at=retry_at,
+        return self._settle(
+            Settlement(job_id, handoff_id, Outcome.FAIL, error=error, run_at=retry_at)
         )
 
     async def reschedule(self, job_id: uuid.UUID, handoff_id: uuid.UUID, run_at: datetime) -> bool:
-        return self._leave_handoff(job_id, handoff_id, status=JobStatus.QUEUED, run_at=run_at)
+        return self._settle(Settlement(job_id, handoff_id, Outcome.RESCHEDULE, run_at=run_at))
 
     async def return_to_queue(self, job_id: uuid.UUID, handoff_id: uuid.UUID) -> bool:
-        return self._leave_handoff(
-            job_id, handoff_id, status=JobStatus.QUEUED, run_at=self._clock()
-        )
+        return self._settle(Settlement(job_id, handoff_id, Outcome.RETURN))
 
     async def handoffs_for_worker(self, worker_id: str) -> list[Job]:
         return [

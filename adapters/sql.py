@@ -70,6 +70,8 @@ from broker.jobs import (
     JobSpec,
     JobStatus,
     JSONValue,
+    Outcome,
+    Settlement,
     utcnow,
 )
 from broker.storage import SCHEMA_VERSION, Capabilities, JobFilter, JobPage, QueueCount
@@ -652,26 +654,51 @@ class SQLAlchemyAdapter:
 
     # ------------------------------------------------------------------ fenced reports
 
-    async def _fenced(
-        self, op: str, job_id: uuid.UUID, handoff_id: uuid.UUID, values: dict[str, Any]
-    ) -> bool:
+    async def _settle_in(self, conn: AsyncConnection, s: Settlement, now_us: int) -> bool:
+        """One fenced move out of ``handed_off``: the lease check and the change are one
+        statement, and the concurrency slot is given back in the same transaction."""
+        values: dict[str, Any] = {"updated_us": now_us}
+        match s.outcome:
+            case Outcome.COMPLETE:
+                try:
+                    encoded = None if s.result is None else _dumps(s.result)
+                except (TypeError, ValueError) as exc:
+                    raise InvalidJobError(f"result is not JSON-serialisable: {exc}") from exc
+                values.update(status=JobStatus.COMPLETED.value, result=encoded)
+            case Outcome.FAIL:
+                values.update(attempts=jobs.c.attempts + 1, last_error=s.error)
+                if s.run_at is None:
+                    values["status"] = JobStatus.FAILED.value
+                else:
+                    values.update(status=_QUEUED, run_at_us=_to_us(s.run_at))
+            case Outcome.RESCHEDULE:
+                run_at_us = now_us if s.run_at is None else _to_us(s.run_at)
+                values.update(status=_QUEUED, run_at_us=run_at_us)
+            case Outcome.RETURN:
+                values.update(status=_QUEUED, run_at_us=now_us)
         stmt = (
             sa.update(jobs)
             .where(
-                jobs.c.id == job_id,
-                jobs.c.handoff_id == handoff_id,
+                jobs.c.id == s.job_id,
+                jobs.c.handoff_id == s.handoff_id,
                 jobs.c.status == _HANDED_OFF,
             )
             .values(**values)
             .returning(jobs.c.concurrency_key)
         )
-        async with self._write(op) as conn:
-            row = (await conn.execute(stmt)).first()
-            if row is None:
-                return False
-            if row.concurrency_key is not None:
-                await self._release(conn, row.concurrency_key)
+        row = (await conn.execute(stmt)).first()
+        if row is None:
+            return False
+        if row.concurrency_key is not None:
+            await self._release(conn, row.concurrency_key)
         return True
+
+    async def settle_many(self, settlements: Sequence[Settlement]) -> list[bool]:
+        if not settlements:
+            return []
+        now_us = self._now()
+        async with self._write("settle") as conn:
+            return [await self._settle_in(conn, s, now_us) for s in settlements]
 
     async def _release(self, conn: AsyncConnection, key: str) -> None:
         await conn.execute(
@@ -683,12 +710,8 @@ class SQLAlchemyAdapter:
     async def complete(
         self, job_id: uuid.UUID, handoff_id: uuid.UUID, result: JSONValue = None
     ) -> bool:
-        try:
-            encoded = None if result is None else _dumps(result)
-        except (TypeError, ValueError) as exc:
-            raise InvalidJobError(f"result is not JSON-serialisable: {exc}") from exc
-        values = {"status": JobStatus.COMPLETED.value, "result": encoded, "updated_us": self._now()}
-        return await self._fenced("complete", job_id, handoff_id, values)
+        [done] = await self.settle_many([Settlement(job_id, handoff_id, Outcome.COMPLETE, result)])
+        return done
 
     async def fail(
         self,
@@ -697,26 +720,20 @@ class SQLAlchemyAdapter:
         error: str,
         retry_at: datetime | None,
     ) -> bool:
-        values: dict[str, Any] = {
-            "attempts": jobs.c.attempts + 1,
-            "last_error": error,
-            "updated_us": self._now(),
-        }
-        if retry_at is None:
-            values["status"] = JobStatus.FAILED.value
-        else:
-            values["status"] = _QUEUED
-            values["run_at_us"] = _to_us(retry_at)
-        return await self._fenced("fail", job_id, handoff_id, values)
+        [done] = await self.settle_many(
+            [Settlement(job_id, handoff_id, Outcome.FAIL, error=error, run_at=retry_at)]
+        )
+        return done
 
     async def reschedule(self, job_id: uuid.UUID, handoff_id: uuid.UUID, run_at: datetime) -> bool:
-        values = {"status": _QUEUED, "run_at_us": _to_us(run_at), "updated_us": self._now()}
-        return await self._fenced("reschedule", job_id, handoff_id, values)
+        [done] = await self.settle_many(
+            [Settlement(job_id, handoff_id, Outcome.RESCHEDULE, run_at=run_at)]
+        )
+        return done
 
     async def return_to_queue(self, job_id: uuid.UUID, handoff_id: uuid.UUID) -> bool:
-        now_us = self._now()
-        values = {"status": _QUEUED, "run_at_us": now_us, "updated_us": now_us}
-        return await self._fenced("return_to_queue", job_id, handoff_id, values)
+        [done] = await self.settle_many([Settlement(job_id, handoff_id, Outcome.RETURN)])
+        return done
 
     # ------------------------------------------------------------------ operator actions
 

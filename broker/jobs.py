@@ -243,6 +243,31 @@ class Claim:
     worker_id: str
 
 
+class Outcome(enum.StrEnum):
+    """How a handoff ends; every one is fenced by the handoff's lease."""
+
+    COMPLETE = "complete"
+    FAIL = "fail"
+    RESCHEDULE = "reschedule"
+    RETURN = "return"
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """One fenced move out of ``handed_off``, for batching many into one commit.
+
+    ``run_at`` is the retry time for ``FAIL`` (``None``: the job is dead) and the new
+    start for ``RESCHEDULE``; ``RETURN`` makes the job due at once.
+    """
+
+    job_id: uuid.UUID
+    handoff_id: uuid.UUID
+    outcome: Outcome
+    result: JSONValue = None
+    error: str | None = None
+    run_at: datetime | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class EnqueueResult:
     job: Job

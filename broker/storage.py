@@ -42,6 +42,7 @@ from broker.jobs import (
     JobSpec,
     JobStatus,
     JSONValue,
+    Settlement,
 )
 
 SCHEMA_VERSION = 1
@@ -150,6 +151,13 @@ class StorageAdapter(Protocol):
         """Claim many jobs in one round trip; returns the ones that were claimed.
 
         Each claim succeeds or fails on its own, exactly as ``mark_handed_off``.
+        """
+
+    async def settle_many(self, settlements: Sequence[Settlement]) -> list[bool]:
+        """Apply many fenced moves out of ``handed_off`` in one transaction (one commit).
+
+        Each is accepted or fenced out on its own, exactly as the single methods below;
+        results are in input order. This is how the main group-commits reports.
         """
 
     async def complete(

@@ -18,7 +18,16 @@ from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
 from broker.exceptions import StorageError
-from broker.jobs import Claim, Clock, ExecutionMode, Job, JobSpec, JobStatus
+from broker.jobs import (
+    Claim,
+    Clock,
+    ExecutionMode,
+    Job,
+    JobSpec,
+    JobStatus,
+    Outcome,
+    Settlement,
+)
 from broker.storage import JobFilter, StorageAdapter, SupportsNotify
 from broker.testing import FakeClock
 from broker.testing.faults import ClaimFault, FaultyAdapter
@@ -380,6 +389,31 @@ async def check_return_to_queue_is_exact_and_idempotent(ctx: Context) -> None:
     current = await _get(ctx.store, job.id)
     assert current.status is JobStatus.HANDED_OFF and current.handoff_id == newer.handoff_id
     assert await ctx.store.return_to_queue(uuid.uuid4(), first) is False
+
+
+@_check
+async def check_settle_many_fences_each_move_and_commits_together(ctx: Context) -> None:
+    jobs = [await _claim(ctx.store, await _enqueue(ctx.store, args=[i])) for i in range(5)]
+    leases = [j.handoff_id or uuid.uuid4() for j in jobs]
+    later = START + timedelta(minutes=1)
+    settlements = [
+        Settlement(jobs[0].id, leases[0], Outcome.COMPLETE, result={"n": 0}),
+        Settlement(jobs[1].id, uuid.uuid4(), Outcome.COMPLETE, result="stale"),
+        Settlement(jobs[2].id, leases[2], Outcome.FAIL, error="e", run_at=later),
+        Settlement(jobs[3].id, leases[3], Outcome.RESCHEDULE, run_at=later),
+        Settlement(jobs[4].id, leases[4], Outcome.RETURN),
+        Settlement(jobs[0].id, leases[0], Outcome.FAIL, error="repeat", run_at=None),
+    ]
+    assert await ctx.store.settle_many(settlements) == [True, False, True, True, True, False]
+    after = [await _get(ctx.store, j.id) for j in jobs]
+    assert after[0].status is JobStatus.COMPLETED and after[0].result == {"n": 0}
+    assert after[1].status is JobStatus.HANDED_OFF
+    assert after[2].status is JobStatus.QUEUED and after[2].attempts == 1
+    assert after[2].run_at == later and after[2].last_error == "e"
+    assert after[3].status is JobStatus.QUEUED and after[3].attempts == 0
+    assert after[3].run_at == later
+    assert after[4].status is JobStatus.QUEUED and after[4].run_at == START
+    assert await ctx.store.settle_many([]) == []
 
 
 # --- ambiguous claims ------------------------------------------------------------
