@@ -34,12 +34,23 @@ from broker.exceptions import (
     InvalidJobError,
     ProtocolError,
 )
-from broker.jobs import Claim, Clock, ExecutionMode, Job, JobStatus, utcnow
+from broker.jobs import (
+    Claim,
+    Clock,
+    ExecutionMode,
+    Job,
+    JobStatus,
+    Outcome,
+    Settlement,
+    utcnow,
+)
 from broker.recovery import RecoveryLedger
 from broker.retry import RetryDelay, next_run_after_failure, retry_delay
 from broker.storage import JobFilter, StorageAdapter, SupportsNotify
 
 logger = logging.getLogger("broker.main")
+
+Report = protocol.Completed | protocol.Failed | protocol.Reschedule | protocol.Release
 
 DEFAULT_PORT = 7390
 
@@ -66,6 +77,7 @@ class MainSettings:
     notify_fallback_interval: float = 30.0
     """A slow safety poll for stores that notify, in case a notification is ever lost."""
     claim_batch: int = 256
+    report_batch: int = 512
     max_errors_per_connection: int = 20
 
     def validate(self) -> None:
@@ -79,6 +91,7 @@ class MainSettings:
             "poll_interval": self.poll_interval,
             "notify_fallback_interval": self.notify_fallback_interval,
             "claim_batch": self.claim_batch,
+            "report_batch": self.report_batch,
             "max_errors_per_connection": self.max_errors_per_connection,
         }
         for name, value in positive.items():
@@ -168,6 +181,10 @@ class Main:
         self._tasks: list[asyncio.Task[None]] = []
         self._connection_tasks: set[asyncio.Task[None]] = set()
         self._report_tasks: set[asyncio.Task[None]] = set()
+        self._reports: list[tuple[Session, Report]] = []
+        self._reports_ready = asyncio.Event()
+        self._reports_idle = asyncio.Event()
+        self._reports_idle.set()
         self._stopping = False
         self.dispatched = 0
 
@@ -191,6 +208,7 @@ class Main:
         self._tasks = [
             asyncio.create_task(self._dispatch_loop(), name="broker-dispatch"),
             asyncio.create_task(self.ledger.run(), name="broker-recovery"),
+            asyncio.create_task(self._report_loop(), name="broker-reports"),
             asyncio.create_task(self._liveness_loop(), name="broker-liveness"),
         ]
         if self.orphans:
@@ -216,6 +234,8 @@ class Main:
         self._stopping = True
         if self._server is not None:
             self._server.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._reports_idle.wait(), timeout=report_grace)
         if self._report_tasks:
             await asyncio.wait(list(self._report_tasks), timeout=report_grace)
         with contextlib.suppress(TimeoutError):
@@ -614,7 +634,9 @@ class Main:
                 | protocol.Reschedule()
                 | protocol.Release()
             ) if worker:
-                self._spawn_report(session, msg)
+                self._reports.append((session, msg))
+                self._reports_idle.clear()
+                self._reports_ready.set()
             case protocol.Enqueue() | protocol.GetJob() | protocol.Cancel():
                 self._spawn_report(session, msg)
             case _:
@@ -637,13 +659,6 @@ class Main:
     async def _apply(self, session: Session, msg: protocol.Message) -> None:
         try:
             match msg:
-                case (
-                    protocol.Completed()
-                    | protocol.Failed()
-                    | protocol.Reschedule()
-                    | protocol.Release()
-                ):
-                    await self._apply_report(session, msg)
                 case protocol.Enqueue():
                     await self._enqueue(session, msg)
                 case protocol.GetJob(request_id=rid, job_id=job_id):
@@ -696,54 +711,55 @@ class Main:
             )
         self.wake()
 
-    async def _apply_report(
-        self,
-        session: Session,
-        msg: protocol.Completed | protocol.Failed | protocol.Reschedule | protocol.Release,
-    ) -> None:
-        """Apply one fenced report, retrying store errors while the worker is connected;
-        the ack goes out only once the outcome is durable (or known to be stale)."""
+    async def _report_loop(self) -> None:
+        """Group commit: every report that arrived while the previous batch was committing
+        goes into the next batch, so one fsync settles many jobs under load."""
+        while True:
+            await self._reports_ready.wait()
+            self._reports_ready.clear()
+            while self._reports:
+                size = self.settings.report_batch
+                batch, self._reports = self._reports[:size], self._reports[size:]
+                await self._settle_batch(batch)
+            self._reports_idle.set()
+
+    async def _settle_batch(self, batch: list[tuple[Session, Report]]) -> None:
+        """Apply a batch of fenced reports and acknowledge each only once it is durable
+        (or known to be stale); store errors are retried until the store answers."""
         while True:
             try:
-                applied = await self._transition(session, msg)
-                status = protocol.AckStatus.APPLIED if applied else await self._why_not_applied(msg)
+                settlements = [await self._settlement(msg) for _, msg in batch]
+                applied = await self.store.settle_many(settlements)
+                statuses = [
+                    protocol.AckStatus.APPLIED if ok else await self._why_not_applied(msg)
+                    for ok, (_, msg) in zip(applied, batch, strict=True)
+                ]
                 break
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if session.closed or self._stopping:
-                    logger.warning(
-                        "report not applied, worker will resend job_id=%s handoff_id=%s error=%r",
-                        msg.job_id,
-                        msg.handoff_id,
-                        exc,
-                    )
+                logger.warning("applying %d reports failed, retrying error=%r", len(batch), exc)
+                if self._stopping:
                     return
-                logger.warning(
-                    "report failed, retrying job_id=%s handoff_id=%s error=%r",
-                    msg.job_id,
-                    msg.handoff_id,
-                    exc,
-                )
                 await asyncio.sleep(self.settings.error_retry_interval)
-        if applied:
-            self._forget_lease(msg.handoff_id)
+        for (session, msg), status in zip(batch, statuses, strict=True):
+            if status is protocol.AckStatus.APPLIED:
+                self._forget_lease(msg.handoff_id)
+            logger.info(
+                "report %s job_id=%s handoff_id=%s outcome=%s worker_id=%s",
+                status.value,
+                msg.job_id,
+                msg.handoff_id,
+                msg.type,
+                session.worker_id,
+            )
+            session.send(
+                protocol.ReportAck(job_id=msg.job_id, handoff_id=msg.handoff_id, status=status)
+            )
+        if protocol.AckStatus.APPLIED in statuses:
             self.wake()
-        logger.info(
-            "report %s job_id=%s handoff_id=%s outcome=%s worker_id=%s",
-            status.value,
-            msg.job_id,
-            msg.handoff_id,
-            msg.type,
-            session.worker_id,
-        )
-        session.send(
-            protocol.ReportAck(job_id=msg.job_id, handoff_id=msg.handoff_id, status=status)
-        )
 
-    async def _why_not_applied(
-        self, msg: protocol.Completed | protocol.Failed | protocol.Reschedule | protocol.Release
-    ) -> protocol.AckStatus:
+    async def _why_not_applied(self, msg: Report) -> protocol.AckStatus:
         """A fenced-out report is a *duplicate* when its lease already settled this job (the
         first copy landed, perhaps before a main restart or behind a lost answer), and
         *stale* when a newer lease owns the job or it was cancelled. Read from the store, so
@@ -757,25 +773,24 @@ class Main:
             return protocol.AckStatus.DUPLICATE
         return protocol.AckStatus.STALE
 
-    async def _transition(
-        self,
-        session: Session,
-        msg: protocol.Completed | protocol.Failed | protocol.Reschedule | protocol.Release,
-    ) -> bool:
+    async def _settlement(self, msg: Report) -> Settlement:
         now = self._clock()
         match msg:
             case protocol.Completed(job_id=job_id, handoff_id=lease, result=result):
-                return await self.store.complete(job_id, lease, result)
+                return Settlement(job_id, lease, Outcome.COMPLETE, result=result)
             case protocol.Failed(job_id=job_id, handoff_id=lease, error=error, retry=retry):
                 job = self._held_job(lease) or await self.store.get_job(job_id)
-                if job is None:
-                    return False
-                retry_at = next_run_after_failure(job, now, self._retry_delay) if retry else None
-                return await self.store.fail(job_id, lease, error, retry_at)
+                retry_at = (
+                    next_run_after_failure(job, now, self._retry_delay)
+                    if retry and job is not None
+                    else None
+                )
+                return Settlement(job_id, lease, Outcome.FAIL, error=error, run_at=retry_at)
             case protocol.Reschedule(job_id=job_id, handoff_id=lease, delay=delay):
-                return await self.store.reschedule(job_id, lease, now + timedelta(seconds=delay))
+                run_at = now + timedelta(seconds=delay)
+                return Settlement(job_id, lease, Outcome.RESCHEDULE, run_at=run_at)
             case protocol.Release(job_id=job_id, handoff_id=lease):
-                return await self.store.return_to_queue(job_id, lease)
+                return Settlement(job_id, lease, Outcome.RETURN)
 
     def _held_job(self, lease: uuid.UUID) -> Job | None:
         for session in self.sessions.values():

@@ -495,3 +495,35 @@ async def test_a_due_job_behind_a_full_concurrency_key_does_not_spin_the_dispatc
         await worker.close()
     finally:
         await main.stop()
+
+
+class _SlowSettle(FaultyAdapter):
+    """Each commit takes a while, as an fsync does, so reports pile up behind it."""
+
+    def __init__(self, inner: StorageAdapter) -> None:
+        super().__init__(inner)
+        self.batches: list[int] = []
+
+    async def settle_many(self, settlements: Sequence[Any]) -> list[bool]:
+        self.batches.append(len(settlements))
+        await asyncio.sleep(0.1)
+        return await self.inner.settle_many(settlements)
+
+
+async def test_reports_arriving_together_are_group_committed(memory: MemoryAdapter) -> None:
+    slow = _SlowSettle(memory)
+    main = await _start(slow)
+    try:
+        worker = FakeWorker(main.port)
+        await worker.connect()
+        await _enqueue(memory, 20)
+        await worker.ready(pooled=20)
+        jobs = [await worker.next_job() for _ in range(20)]
+        for job in jobs:
+            await worker.send(protocol.Completed(job_id=job.job_id, handoff_id=job.handoff_id))
+        acks = [await asyncio.wait_for(worker.acks.get(), 5) for _ in jobs]
+        assert all(a.status is protocol.AckStatus.APPLIED for a in acks)
+        assert sum(slow.batches) == 20 and max(slow.batches) >= 5, slow.batches
+        await worker.close()
+    finally:
+        await main.stop()
