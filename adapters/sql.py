@@ -654,9 +654,10 @@ class SQLAlchemyAdapter:
 
     # ------------------------------------------------------------------ fenced reports
 
-    async def _settle_in(self, conn: AsyncConnection, s: Settlement, now_us: int) -> bool:
+    async def _settle_in(self, conn: AsyncConnection, s: Settlement, now_us: int) -> str | None:
         """One fenced move out of ``handed_off``: the lease check and the change are one
-        statement, and the concurrency slot is given back in the same transaction."""
+        statement. Returns ``None`` when fenced out, else the job's concurrency key ("" for
+        none), whose slot the caller gives back in the same transaction."""
         values: dict[str, Any] = {"updated_us": now_us}
         match s.outcome:
             case Outcome.COMPLETE:
@@ -688,17 +689,23 @@ class SQLAlchemyAdapter:
         )
         row = (await conn.execute(stmt)).first()
         if row is None:
-            return False
-        if row.concurrency_key is not None:
-            await self._release(conn, row.concurrency_key)
-        return True
+            return None
+        return row.concurrency_key or ""
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> list[bool]:
         if not settlements:
             return []
         now_us = self._now()
+        order = sorted(range(len(settlements)), key=lambda i: settlements[i].job_id)
+        keys: dict[int, str | None] = {}
         async with self._write("settle") as conn:
-            return [await self._settle_in(conn, s, now_us) for s in settlements]
+            # Job rows first in id order, then counters in key order: the same order claims
+            # use, so two transactions never wait on each other's rows (no deadlock).
+            for i in order:
+                keys[i] = await self._settle_in(conn, settlements[i], now_us)
+            for key in sorted(k for k in keys.values() if k):
+                await self._release(conn, key)
+        return [keys[i] is not None for i in range(len(settlements))]
 
     async def _release(self, conn: AsyncConnection, key: str) -> None:
         await conn.execute(

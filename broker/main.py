@@ -765,11 +765,15 @@ class Main:
         *stale* when a newer lease owns the job or it was cancelled. Read from the store, so
         the answer is the same whichever main gives it."""
         job = await self.store.get_job(msg.job_id)
-        if (
-            job is not None
-            and job.handoff_id == msg.handoff_id
-            and job.status not in (JobStatus.HANDED_OFF, JobStatus.CANCELLED)
-        ):
+        if job is None or job.handoff_id != msg.handoff_id:
+            return protocol.AckStatus.STALE
+        settled_as = {
+            protocol.Completed: {JobStatus.COMPLETED},
+            protocol.Failed: {JobStatus.FAILED, JobStatus.QUEUED},
+            protocol.Reschedule: {JobStatus.QUEUED},
+            protocol.Release: {JobStatus.QUEUED},
+        }[type(msg)]
+        if job.status in settled_as:
             return protocol.AckStatus.DUPLICATE
         return protocol.AckStatus.STALE
 
