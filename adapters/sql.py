@@ -409,6 +409,31 @@ class SQLAlchemyAdapter:
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
         if not specs:
             return []
+        async with self._write("enqueue") as conn:
+            return await self._enqueue_on(conn, specs)
+
+    async def enqueue_in_transaction(
+        self, conn: AsyncConnection, specs: Sequence[JobSpec]
+    ) -> list[EnqueueResult]:
+        """Insert jobs on the caller's own connection, inside the caller's transaction.
+
+        The jobs commit or roll back together with the application's own rows, so a job
+        never refers to data that was rolled back, and data never lacks its job. ``conn``
+        must be on this adapter's database (any engine). On PostgreSQL the insert trigger
+        wakes the main at commit; on SQLite the main's short poll finds the jobs.
+        """
+        if not specs:
+            return []
+        if self._schema is not None:
+            conn = await conn.execution_options(schema_translate_map={None: self._schema})
+        try:
+            return await self._enqueue_on(conn, specs)
+        except self._errors as exc:
+            raise self._storage_error("enqueue_in_transaction", exc) from exc
+
+    async def _enqueue_on(
+        self, conn: AsyncConnection, specs: Sequence[JobSpec]
+    ) -> list[EnqueueResult]:
         now_us = self._now()
         # Within the batch, a repeated key (or id) refers back to its first occurrence.
         canonical: list[int] = []
@@ -424,8 +449,7 @@ class SQLAlchemyAdapter:
                     first[("key", spec.idempotency_key)] = index
             canonical.append(found)
         rows = {i: _spec_row(specs[i], now_us) for i in sorted(set(canonical))}
-        async with self._write("enqueue") as conn:
-            stored = await self._insert_or_find(conn, specs, rows)
+        stored = await self._insert_or_find(conn, specs, rows)
         return [
             stored[c] if c == i else EnqueueResult(stored[c].job, duplicate=True)
             for i, c in enumerate(canonical)

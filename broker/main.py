@@ -449,6 +449,8 @@ class Main:
             await self._fatal(session, protocol.ErrorCode.LINE_TOO_LONG, str(exc))
         except wire.UnterminatedLineError as exc:
             logger.info("connection ended mid-line session=%d error=%s", session.id, exc)
+        except protocol.DecodeError as exc:
+            await self._fatal(session, protocol.ErrorCode(exc.code), str(exc))
         except ProtocolError as exc:
             await self._fatal(session, protocol.ErrorCode.MALFORMED, str(exc))
         except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
