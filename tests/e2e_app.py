@@ -1,0 +1,50 @@
+"""Tasks for ``tests/test_e2e.py``, loaded by real worker processes with ``--app tests.e2e_app``.
+
+Every run appends ``start KEY PID`` when it begins and ``end KEY PID`` when its work is
+done to ``runs-PID.log`` in the directory named by ``BROKER_E2E_LOG_DIR``. One file per
+process and one ``write`` per line (``O_APPEND``), so a ``kill -9`` can cut a run short
+but never leaves a torn line, and the test can tell exactly which process ran what.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from broker.tasks import task
+
+LOG_DIR_ENV = "BROKER_E2E_LOG_DIR"
+
+
+def _log(event: str, key: str) -> None:
+    path = os.path.join(os.environ[LOG_DIR_ENV], f"runs-{os.getpid()}.log")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, f"{event} {key} {os.getpid()}\n".encode())
+    finally:
+        os.close(fd)
+
+
+@task(mode="inline")
+async def record(key: str, seconds: float = 0.0) -> int:
+    """Log the run, sleep ``seconds``, log the end; the result is the pid that ran it."""
+    _log("start", key)
+    if seconds > 0:
+        await asyncio.sleep(seconds)
+    _log("end", key)
+    return os.getpid()
+
+
+@task(mode="inline")
+async def hold(key: str, gate: str, limit: float = 60.0) -> int:
+    """Log the run, then run until the file ``gate`` exists (so the test decides when a
+    job ends, instead of guessing with sleeps); the result is the pid that ran it."""
+    _log("start", key)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while not os.path.exists(gate):
+        if loop.time() > deadline:
+            raise TimeoutError(f"gate {gate} did not open within {limit} s")
+        await asyncio.sleep(0.02)
+    _log("end", key)
+    return os.getpid()

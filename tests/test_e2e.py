@@ -1,0 +1,779 @@
+"""End to end: real ``broker-main`` and ``broker-worker`` processes, real TCP, real stores.
+
+The faults are real as well: ``kill -9`` (``Process.kill``) of a worker and of the main,
+SIGTERM drains, raw TCP peers that misbehave. What ran where comes from the run log that
+``tests/e2e_app.py`` writes from inside the worker processes (a line per start and per
+end, with the pid), and the final state comes from the store itself once the main has
+stopped. Timeouts only bound waits on conditions; nothing here asserts on speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import adapters
+from broker import protocol
+from broker.client import Client
+from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus
+from broker.storage import JobFilter, StorageAdapter
+from tests.conftest import require_postgres
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+APP = "tests.e2e_app"
+RECORD = f"{APP}.record"
+HOLD = f"{APP}.hold"
+LOG_DIR_ENV = "BROKER_E2E_LOG_DIR"
+"""Same as ``tests.e2e_app.LOG_DIR_ENV``; not imported, so this process registers no tasks."""
+
+FAST_MAIN = ("--ping-interval", "0.2", "--liveness-timeout", "1", "--orphan-grace", "2")
+LIVENESS_TIMEOUT = 1.0
+ORPHAN_GRACE = 2.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite+aiosqlite:///{tmp_path / 'broker.db'}"
+
+
+async def eventually(
+    check: Callable[[], Any],
+    what: str,
+    *,
+    timeout: float = 20.0,
+    detail: Callable[[], str] | None = None,
+) -> None:
+    """Wait until ``check()`` (sync or async) is truthy; fail naming ``what`` if it is not."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            extra = f"\n{detail()}" if detail is not None else ""
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}{extra}")
+        await asyncio.sleep(0.05)
+
+
+# ------------------------------------------------------------------ processes
+
+
+@dataclass(eq=False)
+class Proc:
+    name: str
+    process: asyncio.subprocess.Process
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def tail(self, lines: int = 60) -> str:
+        return f"--- {self.name} (pid {self.pid}) log tail ---\n" + "\n".join(
+            self.output().splitlines()[-lines:]
+        )
+
+    async def wait_for_output(self, needle: str, count: int = 1, timeout: float = 20.0) -> None:
+        def seen() -> bool:
+            if self.output().count(needle) >= count:
+                return True
+            if self.process.returncode is not None:
+                raise AssertionError(
+                    f"{self.name} exited with {self.process.returncode} before logging "
+                    f"{needle!r}\n{self.tail()}"
+                )
+            return False
+
+        what = f"{self.name} to log {needle!r} x{count}"
+        await eventually(seen, what, timeout=timeout, detail=self.tail)
+
+    async def exit_code(self, timeout: float = 20.0) -> int:
+        try:
+            return await asyncio.wait_for(self.process.wait(), timeout)
+        except TimeoutError:
+            raise AssertionError(
+                f"{self.name} still running after {timeout} s\n{self.tail()}"
+            ) from None
+
+    async def terminate(self, timeout: float = 20.0) -> int:
+        """SIGTERM (a graceful stop for both the main and a worker) and the exit code."""
+        if self.process.returncode is None:
+            self.process.send_signal(signal.SIGTERM)
+        return await self.exit_code(timeout)
+
+    async def kill(self) -> None:
+        """``kill -9``: no handler runs, no report goes out, sockets just vanish."""
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+        await self.process.wait()
+
+
+class Cluster:
+    """One main (restartable on the same port and store) and its workers, as processes."""
+
+    def __init__(self, tmp_path: Path, url: str, *, token: str | None = None) -> None:
+        self.dir = tmp_path
+        self.url = url
+        self.token = token
+        self.port = free_port()
+        self.runs = tmp_path / "runs"
+        self.runs.mkdir()
+        self.procs: list[Proc] = []
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_")}
+        env[LOG_DIR_ENV] = str(self.runs)
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    async def spawn(self, name: str, *argv: str) -> Proc:
+        log = self.dir / f"{len(self.procs):02d}-{name}.log"
+        with log.open("wb") as out:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "broker.cli",
+                *argv,
+                cwd=REPO,
+                env=self._env(),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        proc = Proc(name, process, log)
+        self.procs.append(proc)
+        return proc
+
+    def _token_args(self) -> list[str]:
+        return ["--token", self.token] if self.token else []
+
+    async def start_main(self, *extra: str) -> Proc:
+        argv = ["main", "--database-url", self.url, "--port", str(self.port)]
+        argv += [*FAST_MAIN, *self._token_args(), *extra]
+        proc = await self.spawn("main", *argv)
+        await proc.wait_for_output("broker-main listening on")
+        return proc
+
+    async def start_worker(self, worker_id: str, *, concurrency: int = 8) -> Proc:
+        argv = ["worker", "--main", f"127.0.0.1:{self.port}", "--app", APP]
+        argv += ["--worker-id", worker_id, "--inline-concurrency", str(concurrency)]
+        proc = await self.spawn(worker_id, *argv, *self._token_args())
+        await proc.wait_for_output("connected to main")
+        return proc
+
+    def client(self) -> Client:
+        return Client("127.0.0.1", self.port, token=self.token)
+
+    def logs(self) -> str:
+        return "\n".join(proc.tail() for proc in self.procs)
+
+    async def close(self) -> None:
+        for proc in self.procs:
+            await proc.kill()
+
+
+@pytest.fixture
+async def sqlite_cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    cluster = Cluster(tmp_path, sqlite_url(tmp_path))
+    try:
+        yield cluster
+    finally:
+        await cluster.close()
+
+
+# ------------------------------------------------------------------ the run log
+
+
+@dataclass
+class RunLog:
+    """Who ran what, as the task itself recorded it: job key -> pids, per event."""
+
+    starts: dict[str, list[int]]
+    ends: dict[str, list[int]]
+
+    @classmethod
+    def read(cls, directory: Path) -> RunLog:
+        starts: dict[str, list[int]] = defaultdict(list)
+        ends: dict[str, list[int]] = defaultdict(list)
+        for path in sorted(directory.glob("runs-*.log")):
+            # The last piece is "" or a line still being written: ignore it.
+            for line in path.read_text().split("\n")[:-1]:
+                event, key, pid = line.split()
+                (starts if event == "start" else ends)[key].append(int(pid))
+        return cls(dict(starts), dict(ends))
+
+    def started_by(self, pid: int) -> set[str]:
+        return {key for key, pids in self.starts.items() if pid in pids}
+
+    def ended_by(self, pid: int) -> set[str]:
+        return {key for key, pids in self.ends.items() if pid in pids}
+
+    def running_on(self, pid: int) -> set[str]:
+        return self.started_by(pid) - self.ended_by(pid)
+
+    def total_ends(self) -> int:
+        return sum(len(pids) for pids in self.ends.values())
+
+
+def returned_at_disconnect(main_log: str) -> set[str]:
+    """Jobs whose lease the main gave back because a worker's connection ended."""
+    pattern = r"lease queued for return job_id=(\S+) handoff_id=\S+ reason=worker connection ended"
+    return set(re.findall(pattern, main_log))
+
+
+def check_kill_reruns(
+    jobs: dict[str, Job],
+    runs: RunLog,
+    *,
+    killed: int,
+    survivors: set[int],
+    completed_before_kill: set[str],
+    held_at_kill: set[str],
+) -> set[str]:
+    """Every job completed; a job ran twice only if the killed worker held it at the kill.
+
+    ``held_at_kill`` is what the main gave back when the killed worker's connection
+    ended. Returns the keys that ran twice.
+    """
+    rerun: set[str] = set()
+    for key, job in jobs.items():
+        starts = runs.starts.get(key, [])
+        ends = runs.ends.get(key, [])
+        assert job.status is JobStatus.COMPLETED, (key, job.status, job.last_error)
+        assert starts, f"job {key} is completed but never ran"
+        assert set(starts) <= {killed} | survivors, (key, starts)
+        assert all(n == 1 for n in Counter(starts).values()), f"{key} ran twice on one pid"
+        assert job.result in ends, f"{key}: result {job.result} is not from a run that finished"
+        if killed in starts and killed not in ends:
+            assert len(starts) == 2, f"{key} was cut short by the kill but ran {starts}"
+        if len(starts) > 1:
+            assert len(starts) == 2 and killed in starts, f"{key} ran {starts}"
+            assert key not in completed_before_kill, f"{key} was completed, yet ran again"
+            assert key in held_at_kill, f"{key} ran again but was not in flight at the kill"
+            assert job.result != killed, f"{key}: the re-run, not the killed run, completed it"
+            rerun.add(key)
+    return rerun
+
+
+# ------------------------------------------------------------------ the store
+
+
+@contextlib.asynccontextmanager
+async def observe(url: str) -> AsyncIterator[StorageAdapter]:
+    """A read-only view of the main's store from this process (the main created it)."""
+    store = adapters.open_store(url)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+async def jobs_in(store: StorageAdapter, statuses: Sequence[JobStatus] | None = None) -> list[Job]:
+    found: list[Job] = []
+    cursor: str | None = None
+    job_filter = None if statuses is None else JobFilter(statuses=statuses)
+    while True:
+        page = await store.list_jobs(job_filter, limit=1000, cursor=cursor)
+        found.extend(page.jobs)
+        if page.next_cursor is None:
+            return found
+        cursor = page.next_cursor
+
+
+async def status_counts(store: StorageAdapter) -> Counter[JobStatus]:
+    counts: Counter[JobStatus] = Counter()
+    for row in await store.count_jobs():
+        counts[row.status] += row.count
+    return counts
+
+
+async def wait_until_all_terminal(
+    store: StorageAdapter, total: int, cluster: Cluster, timeout: float = 30.0
+) -> None:
+    last: list[Counter[JobStatus]] = [Counter()]
+
+    async def done() -> bool:
+        last[0] = await status_counts(store)
+        return sum(n for s, n in last[0].items() if s.is_terminal) >= total
+
+    await eventually(
+        done,
+        f"all {total} jobs to finish",
+        timeout=timeout,
+        detail=lambda: f"counts: {dict(last[0])}\n{cluster.logs()}",
+    )
+
+
+async def final_jobs(url: str) -> dict[str, Job]:
+    """Every job in the store, by id, read after the main has stopped."""
+    async with observe(url) as store:
+        return {str(job.id): job for job in await jobs_in(store)}
+
+
+def record_spec(seconds: float = 0.0, task: str = RECORD) -> JobSpec:
+    job_id = uuid.uuid4()
+    return JobSpec(
+        task=task, args=[str(job_id), seconds], id=job_id, execution_mode=ExecutionMode.INLINE
+    )
+
+
+def hold_spec(gate: Path) -> JobSpec:
+    """A job that runs until the test creates ``gate``."""
+    job_id = uuid.uuid4()
+    return JobSpec(
+        task=HOLD, args=[str(job_id), str(gate)], id=job_id, execution_mode=ExecutionMode.INLINE
+    )
+
+
+async def enqueue(cluster: Cluster, specs: Sequence[JobSpec], batch: int = 200) -> list[str]:
+    async with cluster.client() as client:
+        for start in range(0, len(specs), batch):
+            results = await client.enqueue_many(specs[start : start + batch])
+            assert [r.job_id for r in results] == [s.id for s in specs[start : start + batch]]
+            assert not any(r.duplicate for r in results)
+    return [str(s.id) for s in specs]
+
+
+# ------------------------------------------------------------------ 1. kill -9 of a worker
+
+
+async def test_kill_9_of_a_worker_reruns_only_the_jobs_it_held(sqlite_cluster: Cluster) -> None:
+    cluster = sqlite_cluster
+    main = await cluster.start_main()
+    keys = await enqueue(cluster, [record_spec(0.4) for _ in range(30)])
+    a = await cluster.start_worker("worker-a", concurrency=8)
+    async with observe(cluster.url) as store:
+        # Kill A just after it starts a job of a later round: some of its jobs are done
+        # and acknowledged, others are running.
+        await eventually(
+            lambda: len(RunLog.read(cluster.runs).ended_by(a.pid)) >= 8, "A to finish 8 jobs"
+        )
+        before = RunLog.read(cluster.runs).started_by(a.pid)
+        await eventually(
+            lambda: RunLog.read(cluster.runs).started_by(a.pid) - before, "A to start another job"
+        )
+        completed_before_kill = {str(j.id) for j in await jobs_in(store, [JobStatus.COMPLETED])}
+        await a.kill()
+        cut_short = RunLog.read(cluster.runs).running_on(a.pid)
+        assert cut_short, "the kill must catch jobs in flight"
+
+        b = await cluster.start_worker("worker-b", concurrency=8)
+        await wait_until_all_terminal(store, len(keys), cluster)
+    assert await b.terminate() == 0
+    assert await main.terminate() == 0
+    held_at_kill = returned_at_disconnect(main.output())
+
+    jobs = await final_jobs(cluster.url)
+    assert set(jobs) == set(keys), "no job lost, none invented"
+    runs = RunLog.read(cluster.runs)
+    rerun = check_kill_reruns(
+        jobs,
+        runs,
+        killed=a.pid,
+        survivors={b.pid},
+        completed_before_kill=completed_before_kill,
+        held_at_kill=held_at_kill,
+    )
+    assert cut_short <= held_at_kill, "the main gave back every lease A was running"
+    assert cut_short <= rerun, "every job the kill cut short ran again on B"
+    assert all(runs.starts[key] == [a.pid] for key in completed_before_kill)
+
+
+# ------------------------------------------------------------------ 2. kill -9 of the main
+
+
+async def test_kill_9_of_the_main_workers_reconnect_and_nothing_runs_twice(
+    sqlite_cluster: Cluster,
+) -> None:
+    cluster = sqlite_cluster
+    grace = 4.0  # long enough for a worker's reconnect backoff, short enough to outwait
+    main = await cluster.start_main("--orphan-grace", str(grace))
+    w1 = await cluster.start_worker("worker-1", concurrency=4)
+    w2 = await cluster.start_worker("worker-2", concurrency=4)
+    gate = cluster.dir / "gate"
+    held = await enqueue(cluster, [hold_spec(gate) for _ in range(4)])
+    quick = await enqueue(cluster, [record_spec(0.3) for _ in range(16)])
+
+    async with observe(cluster.url) as store:
+        await eventually(
+            lambda: all(k in RunLog.read(cluster.runs).starts for k in held),
+            "every held job to start",
+        )
+        leases_at_kill = {str(j.id): j.handoff_id for j in await jobs_in(store)}
+        await main.kill()
+        main = await cluster.start_main("--orphan-grace", str(grace))
+        restarted_at = time.monotonic()
+        for w in (w1, w2):
+            await w.wait_for_output("connected to main", count=2)
+        # Outwait the orphan grace: adopted leases must not be reaped when it ends.
+        await asyncio.sleep(max(0.0, restarted_at + grace + 1.0 - time.monotonic()))
+        for key in held:
+            job = await store.get_job(uuid.UUID(key))
+            assert job is not None and job.status is JobStatus.HANDED_OFF, (key, job)
+            assert job.handoff_id == leases_at_kill[key], "the lease survived the restart"
+        gate.touch()
+        await wait_until_all_terminal(store, len(held) + len(quick), cluster)
+
+    for w in (w1, w2):
+        assert await w.terminate() == 0
+    main_log = main.output()
+    assert await main.terminate() == 0
+
+    jobs = await final_jobs(cluster.url)
+    assert set(jobs) == set(held) | set(quick)
+    runs = RunLog.read(cluster.runs)
+    for key, job in jobs.items():
+        assert job.status is JobStatus.COMPLETED, (key, job.status, job.last_error)
+        assert len(runs.starts.get(key, [])) == 1, f"{key} ran {runs.starts.get(key)}"
+        assert runs.ends[key] == runs.starts[key] == [job.result]
+    adopted = set(re.findall(r"lease adopted job_id=(\S+)", main_log))
+    assert set(held) <= adopted, "the restarted main adopted every lease still running"
+    reconnects = [re.findall(r"\(held (\d+) leases, (\d+) adopted\)", w.output()) for w in (w1, w2)]
+    assert all(len(r) == 2 for r in reconnects), reconnects
+    assert sum(int(r[1][1]) for r in reconnects) >= len(held), reconnects
+
+
+# ------------------------------------------------------------------ 3. slow drain
+
+
+async def test_a_slow_drain_keeps_its_lease_past_liveness_and_orphan_grace(
+    sqlite_cluster: Cluster,
+) -> None:
+    cluster = sqlite_cluster
+    main = await cluster.start_main()
+    a = await cluster.start_worker("worker-a", concurrency=2)
+    gate = cluster.dir / "gate"
+    [slow] = await enqueue(cluster, [hold_spec(gate)])
+    slow_id = uuid.UUID(slow)
+    async with observe(cluster.url) as store:
+        await eventually(lambda: slow in RunLog.read(cluster.runs).started_by(a.pid), "slow start")
+        job = await store.get_job(slow_id)
+        assert job is not None and job.status is JobStatus.HANDED_OFF
+        lease = job.handoff_id
+
+        a.process.send_signal(signal.SIGTERM)
+        await a.wait_for_output("draining")
+        b = await cluster.start_worker("worker-b", concurrency=2)
+        quick = await enqueue(cluster, [record_spec() for _ in range(6)])
+        await wait_until_all_terminal(store, len(quick), cluster)
+
+        # Keep the drain going past the main's liveness timeout and orphan grace,
+        # checking all the while that the job stays with A under the same lease.
+        until = time.monotonic() + LIVENESS_TIMEOUT + ORPHAN_GRACE + 1.0
+        while time.monotonic() < until:
+            job = await store.get_job(slow_id)
+            assert job is not None and job.status is JobStatus.HANDED_OFF, job
+            assert job.handoff_id == lease and job.worker_id == "worker-a", job
+            assert a.process.returncode is None, "A left before its job finished"
+            await asyncio.sleep(0.1)
+        gate.touch()
+        assert await a.exit_code() == 0, a.tail()
+
+    assert await b.terminate() == 0
+    assert await main.terminate() == 0
+    jobs = await final_jobs(cluster.url)
+    runs = RunLog.read(cluster.runs)
+    assert jobs[slow].status is JobStatus.COMPLETED and jobs[slow].result == a.pid
+    assert runs.starts[slow] == runs.ends[slow] == [a.pid], "the slow job ran once, on A"
+    for key in quick:
+        assert jobs[key].status is JobStatus.COMPLETED
+        assert runs.starts[key] == [b.pid], "a draining worker takes no new work"
+
+
+# ------------------------------------------------------------------ 4. bad peers
+
+
+class RawPeer:
+    """A hand-driven TCP peer: bytes out, JSON lines in."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def connect(cls, port: int) -> tuple[RawPeer, dict[str, Any]]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 22)
+        peer = cls(reader, writer)
+        challenge = await peer.recv()
+        assert challenge is not None and challenge["type"] == "challenge", challenge
+        return peer, challenge
+
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def send_json(self, msg: dict[str, Any]) -> None:
+        await self.send(json.dumps(msg).encode() + b"\n")
+
+    async def recv(self, timeout: float = 10.0) -> dict[str, Any] | None:
+        """The next message other than a ping (answered), or ``None`` at EOF."""
+        while True:
+            try:
+                line = await asyncio.wait_for(self.reader.readline(), timeout)
+            except ConnectionResetError:
+                return None
+            if not line:
+                return None
+            msg: dict[str, Any] = json.loads(line)
+            if msg["type"] != "ping":
+                return msg
+            await self.send_json({"type": "pong", "nonce": msg["nonce"]})
+
+    async def hello(self, token: str | None, nonce: str) -> dict[str, Any] | None:
+        proof = protocol.make_proof(token, nonce) if token else None
+        await self.send_json(
+            {
+                "type": "hello",
+                "role": "client",
+                "protocol": protocol.PROTOCOL_VERSION,
+                "proof": proof,
+            }
+        )
+        return await self.recv()
+
+    async def expect_error(self, code: str, *, fatal: bool) -> dict[str, Any]:
+        msg = await self.recv()
+        assert msg is not None, f"connection closed instead of error {code}"
+        assert msg["type"] == "error" and msg["code"] == code and msg["fatal"] is fatal, msg
+        if fatal:
+            assert await self.recv() is None, "a fatal error closes the connection"
+        return msg
+
+    async def still_open(self) -> None:
+        await self.send_json({"type": "ping", "nonce": 4242})
+        msg = await self.recv()
+        assert msg == {"type": "pong", "nonce": 4242}, msg
+
+    def close(self) -> None:
+        self.writer.transport.abort()
+
+
+TOKEN = "e2e-s3cret"
+
+
+async def _authenticated_peer(port: int) -> RawPeer:
+    peer, challenge = await RawPeer.connect(port)
+    welcome = await peer.hello(TOKEN, challenge["nonce"])
+    assert welcome is not None and welcome["type"] == "welcome", welcome
+    return peer
+
+
+async def _malformed_json(port: int) -> None:
+    peer = await _authenticated_peer(port)
+    try:
+        await peer.send(b'{"type": "ping", "nonce": \n')
+        await peer.expect_error("malformed", fatal=False)
+        await peer.still_open()
+    finally:
+        peer.close()
+
+
+async def _unknown_type(port: int) -> None:
+    peer = await _authenticated_peer(port)
+    try:
+        await peer.send_json({"type": "launch", "missiles": 3})
+        await peer.expect_error("unknown_type", fatal=False)
+        await peer.still_open()
+    finally:
+        peer.close()
+
+
+async def _line_too_long_before_hello(port: int) -> None:
+    peer, _ = await RawPeer.connect(port)
+    try:
+        await peer.send(b"x" * (64 * 1024 + 1) + b"\n")
+        await peer.expect_error("line_too_long", fatal=True)
+    finally:
+        peer.close()
+
+
+async def _wrong_token(port: int) -> None:
+    peer, challenge = await RawPeer.connect(port)
+    try:
+        reply = await peer.hello("not-the-token", challenge["nonce"])
+        assert reply is not None and reply["type"] == "error", reply
+        assert reply["code"] == "auth_failed" and reply["fatal"] is True, reply
+        assert await peer.recv() is None
+    finally:
+        peer.close()
+
+
+async def _no_hello(port: int) -> None:
+    peer, _ = await RawPeer.connect(port)
+    try:
+        await peer.expect_error("handshake_timeout", fatal=True)
+    finally:
+        peer.close()
+
+
+async def test_bad_peers_are_refused_while_a_real_worker_carries_on(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, sqlite_url(tmp_path), token=TOKEN)
+    good: list[str] = []
+    stop = asyncio.Event()
+
+    async def produce() -> None:
+        # A steady stream of good work for as long as the bad peers are at it.
+        while not stop.is_set():
+            good.extend(await enqueue(cluster, [record_spec(0.02) for _ in range(8)]))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.1)
+
+    producer: asyncio.Task[None] | None = None
+    try:
+        main = await cluster.start_main()
+        w = await cluster.start_worker("worker-good", concurrency=4)
+        producer = asyncio.create_task(produce())
+        async with observe(cluster.url) as store:
+            await eventually(lambda: RunLog.read(cluster.runs).total_ends() >= 1, "work under way")
+            ends_before = RunLog.read(cluster.runs).total_ends()
+            await asyncio.gather(
+                _malformed_json(cluster.port),
+                _unknown_type(cluster.port),
+                _line_too_long_before_hello(cluster.port),
+                _wrong_token(cluster.port),
+                _no_hello(cluster.port),
+            )
+            assert RunLog.read(cluster.runs).total_ends() > ends_before, (
+                "the good worker made progress while the bad peers were at it"
+            )
+            stop.set()
+            await producer
+            async with cluster.client() as client:
+                bad = await client.enqueue(
+                    f"{APP}.not_registered", ["x"], execution_mode=ExecutionMode.INLINE
+                )
+                failed = await client.wait(bad.job_id, timeout=20)
+            await wait_until_all_terminal(store, len(good) + 1, cluster)
+        assert await w.terminate() == 0
+        assert await main.terminate() == 0
+    finally:
+        if producer is not None and not producer.done():
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+        await cluster.close()
+
+    assert failed["status"] == "failed", failed
+    assert failed["attempts"] == 1 and failed["max_attempts"] > 1, "no retry was attempted"
+    assert "not registered" in str(failed["last_error"]), failed["last_error"]
+    jobs = await final_jobs(cluster.url)
+    assert all(jobs[key].status is JobStatus.COMPLETED for key in good)
+    runs = RunLog.read(cluster.runs)
+    assert all(runs.starts[key] == [w.pid] for key in good), "each good job ran once"
+    assert w.output().count("connected to main") == 1, "the worker's connection never dropped"
+    assert "connection to the main lost" not in w.output()
+
+
+async def test_an_unknown_type_before_hello_is_refused_as_unknown_type(
+    sqlite_cluster: Cluster,
+) -> None:
+    await sqlite_cluster.start_main()
+    peer, _ = await RawPeer.connect(sqlite_cluster.port)
+    try:
+        await peer.send_json({"type": "launch"})
+        await peer.expect_error("unknown_type", fatal=True)
+    finally:
+        peer.close()
+
+
+# ------------------------------------------------------------------ 5. 2,000 jobs
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    if request.param == "sqlite":
+        yield sqlite_url(tmp_path)
+        return
+    import asyncpg
+    from sqlalchemy.engine import make_url
+
+    base = make_url(require_postgres())
+    admin = base.set(drivername="postgresql", database="postgres").render_as_string(False)
+    name = f"broker_e2e_{uuid.uuid4().hex[:12]}"
+    conn = await asyncpg.connect(admin)
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+    try:
+        yield base.set(database=name).render_as_string(False)
+    finally:
+        conn = await asyncpg.connect(admin)
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await conn.close()
+
+
+async def test_2000_jobs_two_workers_one_killed_midway(tmp_path: Path, store_url: str) -> None:
+    total = 2000
+    cluster = Cluster(tmp_path, store_url)
+    started = time.monotonic()
+    try:
+        main = await cluster.start_main()
+        w1 = await cluster.start_worker("worker-1", concurrency=16)
+        w2 = await cluster.start_worker("worker-2", concurrency=16)
+        keys = await enqueue(cluster, [record_spec(0.005) for _ in range(total)])
+        async with observe(cluster.url) as store:
+            await eventually(
+                lambda: len(RunLog.read(cluster.runs).ended_by(w1.pid)) >= total // 4,
+                "worker-1 to be well into the work",
+                timeout=60,
+            )
+            completed_before_kill = {str(j.id) for j in await jobs_in(store, [JobStatus.COMPLETED])}
+            await w1.kill()
+            killed = w1.pid
+            w1 = await cluster.start_worker("worker-1", concurrency=16)
+            await wait_until_all_terminal(store, total, cluster, timeout=60)
+        for w in (w1, w2):
+            assert await w.terminate() == 0
+        assert await main.terminate() == 0
+        held_at_kill = returned_at_disconnect(main.output())
+    finally:
+        await cluster.close()
+    elapsed = time.monotonic() - started
+
+    jobs = await final_jobs(cluster.url)
+    assert set(jobs) == set(keys), "no job lost, none invented"
+    stuck = [k for k, j in jobs.items() if j.status in (JobStatus.QUEUED, JobStatus.HANDED_OFF)]
+    assert not stuck, f"{len(stuck)} jobs stuck"
+    runs = RunLog.read(cluster.runs)
+    rerun = check_kill_reruns(
+        jobs,
+        runs,
+        killed=killed,
+        survivors={w1.pid, w2.pid},
+        completed_before_kill=completed_before_kill,
+        held_at_kill=held_at_kill,
+    )
+    assert held_at_kill, "the kill caught worker-1 holding leases"
+    print(f"\n{total} jobs on {store_url.split(':')[0]}: {elapsed:.1f} s, {len(rerun)} re-run")
