@@ -207,8 +207,7 @@ def main_entry(argv: Sequence[str] | None = None) -> int:
 # ------------------------------------------------------------------------ broker-worker
 
 
-def worker_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="broker-worker", description="Run jobs handed out by a main.")
+def _add_main_address(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--main",
         action=_EnvDefault,
@@ -216,6 +215,11 @@ def worker_parser() -> argparse.ArgumentParser:
         default=f"127.0.0.1:{DEFAULT_PORT}",
         help="the main's HOST:PORT",
     )
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="broker-worker", description="Run jobs handed out by a main.")
+    _add_main_address(p)
     p.add_argument(
         "--app",
         action="append",
@@ -335,13 +339,7 @@ def worker_entry(argv: Sequence[str] | None = None) -> int:
 
 def broker_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="broker", description="Enqueue and inspect jobs.")
-    p.add_argument(
-        "--main",
-        action=_EnvDefault,
-        envvar="BROKER_MAIN",
-        default=f"127.0.0.1:{DEFAULT_PORT}",
-        help="the main's HOST:PORT",
-    )
+    _add_main_address(p)
     p.add_argument(
         "--token", action=_EnvDefault, envvar="BROKER_TOKEN", help="shared secret the main requires"
     )
