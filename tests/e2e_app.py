@@ -37,12 +37,14 @@ async def record(key: str, seconds: float = 0.0) -> int:
 
 @task(mode="inline")
 async def hold(key: str, gate: str, limit: float = 60.0) -> int:
-    """Log the run, then run until the file ``gate`` exists (so the test decides when a
-    job ends, instead of guessing with sleeps); the result is the pid that ran it."""
+    """Log the run, then run until the file ``gate`` (or ``gate.PID``, for this process
+    only) exists, so the test decides when a job ends instead of guessing with sleeps;
+    the result is the pid that ran it."""
     _log("start", key)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit
-    while not os.path.exists(gate):
+    mine = f"{gate}.{os.getpid()}"
+    while not (os.path.exists(gate) or os.path.exists(mine)):
         if loop.time() > deadline:
             raise TimeoutError(f"gate {gate} did not open within {limit} s")
         await asyncio.sleep(0.02)

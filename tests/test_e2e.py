@@ -510,6 +510,58 @@ async def test_a_slow_drain_keeps_its_lease_past_liveness_and_orphan_grace(
         assert runs.starts[key] == [b.pid], "a draining worker takes no new work"
 
 
+# ------------------------------------------------------------------ a frozen worker
+
+
+async def test_a_frozen_worker_loses_its_lease_and_its_late_report_is_fenced_out(
+    sqlite_cluster: Cluster,
+) -> None:
+    """SIGSTOP is a half-open peer: TCP stays up, nothing comes back. The main drops it
+    after the liveness timeout and runs the job elsewhere; when the frozen worker wakes
+    and reports, the store keeps the new run's lease and, in the end, its outcome."""
+    cluster = sqlite_cluster
+    main = await cluster.start_main()
+    a = await cluster.start_worker("worker-a", concurrency=1)
+    gate = cluster.dir / "gate"
+    [key] = await enqueue(cluster, [hold_spec(gate)])
+    job_id = uuid.UUID(key)
+    async with observe(cluster.url) as store:
+        await eventually(lambda: key in RunLog.read(cluster.runs).started_by(a.pid), "A start")
+        b = await cluster.start_worker("worker-b", concurrency=1)
+        a.process.send_signal(signal.SIGSTOP)
+        try:
+            await eventually(
+                lambda: key in RunLog.read(cluster.runs).started_by(b.pid), "the re-run on B"
+            )
+            job = await store.get_job(job_id)
+            assert job is not None and job.status is JobStatus.HANDED_OFF
+            assert job.worker_id == "worker-b"
+            b_lease = job.handoff_id
+            Path(f"{gate}.{a.pid}").touch()  # A's run ends as soon as A wakes up
+        finally:
+            a.process.send_signal(signal.SIGCONT)
+        settled = re.compile(rf"report (stale|acknowledged)\S* [^\n]*job_id={key}")
+        await eventually(lambda: settled.search(a.output()), "A's late report to be settled")
+        match = settled.search(a.output())
+        assert match is not None and match.group(1) == "stale", match
+        job = await store.get_job(job_id)
+        assert job is not None and job.status is JobStatus.HANDED_OFF, job
+        assert job.handoff_id == b_lease, "A's late report left B's lease alone"
+        gate.touch()
+        await wait_until_all_terminal(store, 1, cluster)
+
+    for w in (a, b):
+        assert await w.terminate() == 0
+    main_log = main.output()
+    assert await main.terminate() == 0
+    job = (await final_jobs(cluster.url))[key]
+    assert job.status is JobStatus.COMPLETED and job.result == b.pid, job
+    assert job.attempts == 0, "losing a lease is not a failed attempt"
+    runs = RunLog.read(cluster.runs)
+    assert sorted(runs.starts[key]) == sorted(runs.ends[key]) == sorted([a.pid, b.pid])
+    assert re.search(r"treating as disconnected session=\d+ worker_id=worker-a", main_log)
+
+
 # ------------------------------------------------------------------ 4. bad peers
 
 
