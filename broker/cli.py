@@ -207,6 +207,70 @@ def main_entry(argv: Sequence[str] | None = None) -> int:
 # ------------------------------------------------------------------------ broker-worker
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number (got {text!r})") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative (got {text!r})")
+    return value
+
+
+_RUNNER_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
+    ("--inline-concurrency", _count, 4, "inline jobs run at once on the worker's loop (0: off)"),
+    (
+        "--pooled-runner-count",
+        _count,
+        os.cpu_count() or 1,
+        "warm child processes for pooled jobs (0: off; default: CPU count)",
+    ),
+    (
+        "--pooled-runner-concurrency",
+        _number(int, "pooled runner concurrency"),
+        1,
+        "jobs each pooled child runs at once on its own event loop",
+    ),
+    (
+        "--pooled-max-jobs",
+        _number(int, "pooled max jobs"),
+        100,
+        "recycle a pooled child after this many jobs",
+    ),
+    (
+        "--pooled-max-rss-bytes",
+        _number(int, "pooled max RSS"),
+        512 << 20,
+        "recycle a pooled child whose memory exceeds this many bytes",
+    ),
+    (
+        "--pooled-max-lifetime",
+        _number(float, "pooled max lifetime"),
+        3600.0,
+        "recycle a pooled child after this many seconds",
+    ),
+    ("--forked-concurrency", _count, 2, "forked jobs (a fresh process each) at once (0: off)"),
+    (
+        "--job-timeout",
+        _number(float, "job timeout"),
+        None,
+        "default seconds a job may run (job and task options win)",
+    ),
+    (
+        "--kill-grace",
+        _number(float, "kill grace"),
+        5.0,
+        "seconds between SIGTERM and SIGKILL when a child must stop",
+    ),
+    (
+        "--runner-startup-timeout",
+        _number(float, "runner start-up timeout"),
+        30.0,
+        "seconds a child may take to import the app and say ready",
+    ),
+]
+
+
 def _add_main_address(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--main",
@@ -241,21 +305,15 @@ def worker_parser() -> argparse.ArgumentParser:
         envvar="BROKER_QUEUES",
         help="comma-separated queues to serve (default: all)",
     )
-    p.add_argument(
-        "--inline-concurrency",
-        action=_EnvDefault,
-        envvar="BROKER_INLINE_CONCURRENCY",
-        default=4,
-        type=int,
-        help="inline jobs run at once on the worker's loop (0: off)",
-    )
-    p.add_argument(
-        "--job-timeout",
-        action=_EnvDefault,
-        envvar="BROKER_JOB_TIMEOUT",
-        type=_number(float, "job timeout"),
-        help="default seconds a job may run (job and task options win)",
-    )
+    for flag, kind, default, text in _RUNNER_OPTIONS:
+        p.add_argument(
+            flag,
+            action=_EnvDefault,
+            envvar="BROKER_" + flag.removeprefix("--").replace("-", "_").upper(),
+            default=default,
+            type=kind,
+            help=text,
+        )
     p.add_argument(
         "--drain-timeout",
         action=_EnvDefault,
@@ -294,12 +352,22 @@ def load_apps(modules: Sequence[str]) -> None:
 
 
 async def run_worker(args: argparse.Namespace) -> None:
-    load_apps(_app_modules(args))
+    apps = _app_modules(args)
+    load_apps(apps)
     host, port = _host_port(args.main)
     runners = composition.build_runners(
         composition.RunnerOptions(
-            inline_concurrency=int(args.inline_concurrency),
-            default_timeout=float(args.job_timeout) if args.job_timeout else None,
+            apps=tuple(apps),
+            inline_concurrency=args.inline_concurrency,
+            pooled_runner_count=args.pooled_runner_count,
+            pooled_runner_concurrency=args.pooled_runner_concurrency,
+            pooled_max_jobs=args.pooled_max_jobs,
+            pooled_max_rss_bytes=args.pooled_max_rss_bytes,
+            pooled_max_lifetime=args.pooled_max_lifetime,
+            forked_concurrency=args.forked_concurrency,
+            default_timeout=args.job_timeout,
+            kill_grace=args.kill_grace,
+            startup_timeout=args.runner_startup_timeout,
         ),
         default_registry,
     )

@@ -8,8 +8,9 @@ into the ``adapters`` and ``runners`` packages.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import adapters
@@ -18,7 +19,9 @@ from broker.jobs import ExecutionMode
 from broker.runner import Runner
 from broker.storage import StorageAdapter
 from broker.tasks import TaskRegistry
+from runners.forked import ForkedRunner
 from runners.inline import InlineRunner
+from runners.pooled import PooledRunner
 
 
 def open_store(url: str, adapter: str | None = None) -> StorageAdapter:
@@ -39,18 +42,38 @@ def open_store(url: str, adapter: str | None = None) -> StorageAdapter:
 
 @dataclass(frozen=True)
 class RunnerOptions:
+    """What a worker runs and how; zero for a mode's count turns that mode off."""
+
+    apps: tuple[str, ...] = ()
     inline_concurrency: int = 4
+    pooled_runner_count: int = field(default_factory=lambda: os.cpu_count() or 1)
+    pooled_runner_concurrency: int = 1
+    pooled_max_jobs: int = 100
+    pooled_max_rss_bytes: int = 512 << 20
+    pooled_max_lifetime: float = 3600.0
+    forked_concurrency: int = 2
     default_timeout: float | None = None
+    kill_grace: float = 5.0
+    startup_timeout: float = 30.0
 
     def validate(self) -> None:
-        if self.inline_concurrency < 0:
-            raise ConfigurationError("inline concurrency must be zero (off) or a positive integer")
+        for name in ("inline_concurrency", "pooled_runner_count", "forked_concurrency"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigurationError(
+                    f"{name.replace('_', ' ')} must be zero (off) or a positive integer "
+                    f"(got {value!r})"
+                )
         if self.default_timeout is not None and self.default_timeout <= 0:
             raise ConfigurationError("the default job timeout must be a positive number of seconds")
 
 
 def build_runners(options: RunnerOptions, registry: TaskRegistry) -> dict[ExecutionMode, Runner]:
-    """The runners a worker serves; a mode with no runner is never sent to this worker."""
+    """The runners a worker serves; a mode with no runner is never sent to this worker.
+
+    Every option is checked here, before any process starts, so a bad value fails the
+    worker at once with a message naming it.
+    """
     options.validate()
     built: dict[ExecutionMode, Runner] = {}
     if options.inline_concurrency > 0:
@@ -58,5 +81,27 @@ def build_runners(options: RunnerOptions, registry: TaskRegistry) -> dict[Execut
             registry=registry,
             concurrency=options.inline_concurrency,
             default_timeout=options.default_timeout,
+        )
+    if options.pooled_runner_count > 0:
+        built[ExecutionMode.POOLED] = PooledRunner(
+            options.apps,
+            registry=registry,
+            count=options.pooled_runner_count,
+            concurrency=options.pooled_runner_concurrency,
+            max_jobs=options.pooled_max_jobs,
+            max_rss_bytes=options.pooled_max_rss_bytes,
+            max_lifetime=options.pooled_max_lifetime,
+            default_timeout=options.default_timeout,
+            kill_grace=options.kill_grace,
+            startup_timeout=options.startup_timeout,
+        )
+    if options.forked_concurrency > 0:
+        built[ExecutionMode.FORKED] = ForkedRunner(
+            options.apps,
+            registry=registry,
+            concurrency=options.forked_concurrency,
+            default_timeout=options.default_timeout,
+            kill_grace=options.kill_grace,
+            startup_timeout=options.startup_timeout,
         )
     return built

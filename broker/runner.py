@@ -49,7 +49,15 @@ class Rescheduled:
     delay: float
 
 
-Outcome = Completed | Failed | Rescheduled
+@dataclass(frozen=True, slots=True)
+class Released:
+    """The job never started (its runner could not start a process for it): give it back
+    to the queue without counting an attempt."""
+
+    reason: str
+
+
+Outcome = Completed | Failed | Rescheduled | Released
 
 
 class Reschedule(Exception):

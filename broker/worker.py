@@ -53,7 +53,15 @@ from broker.exceptions import (
     TaskNotFoundError,
 )
 from broker.jobs import ExecutionMode
-from broker.runner import Assignment, Completed, Failed, Outcome, Rescheduled, Runner
+from broker.runner import (
+    Assignment,
+    Completed,
+    Failed,
+    Outcome,
+    Released,
+    Rescheduled,
+    Runner,
+)
 from broker.tasks import TaskRegistry, default_registry
 
 FLUSH_TIMEOUT = 10.0
@@ -650,6 +658,9 @@ class Worker:
             case Failed(error=error, retry=retry):
                 report = protocol.Failed(*key, error=error, retry=retry)
                 self._log_job(logging.WARNING, "job failed", key, error=error, retry=retry)
+            case Released(reason=reason):
+                report = protocol.Release(*key, reason=reason)
+                self._log_job(logging.WARNING, "job released by its runner", key, reason=reason)
             case Rescheduled(delay=delay):
                 try:
                     report = protocol.Reschedule(*key, delay=delay)

@@ -98,6 +98,8 @@ class InlineRunner:
         registry: TaskRegistry | None = None,
         concurrency: int = 4,
         default_timeout: float | None = None,
+        *,
+        enforce_timeouts: bool = True,
     ) -> None:
         if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
             raise ConfigurationError(
@@ -112,6 +114,9 @@ class InlineRunner:
         self._registry = default_registry if registry is None else registry
         self._concurrency = concurrency
         self._default_timeout = default_timeout
+        self._enforce_timeouts = enforce_timeouts
+        """Off inside a pooled or forked child, whose parent enforces timeouts by killing the
+        process: a thread cannot be stopped, and a child must never keep a stuck slot."""
         self._slots: dict[uuid.UUID, _Slot] = {}
         """Busy slots by lease (``handoff_id``): unique even if a job id comes back."""
         self._listener: Callable[[], None] | None = None
@@ -152,6 +157,8 @@ class InlineRunner:
             slot.reported = True
 
     def _timeout_for(self, assignment: Assignment, task: Task[..., Any]) -> float | None:
+        if not self._enforce_timeouts:
+            return None
         if assignment.timeout is not None:
             return assignment.timeout
         if task.timeout is not None:

@@ -1,0 +1,157 @@
+"""The program a pooled or forked child runs: ``python -m runners.child``.
+
+The child talks to its worker over two dedicated channels and nothing else: jobs
+arrive on what was fd 0 (moved aside at start-up, with ``/dev/null`` put in its
+place) and outcomes leave on the fd named by ``--channel-fd``. A task's ``print()``
+goes to the child's real stdout, which the worker reads and logs line by line with
+the job id, so no user output can ever corrupt the protocol.
+
+Jobs run through :class:`runners.inline.InlineRunner` on the child's own event loop
+(coroutines) or in threads (plain functions), with timeouts left to the parent,
+which enforces them by stopping the whole process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextvars
+import importlib
+import io
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from broker.runner import Assignment, Completed, Failed, Outcome, Released, Rescheduled
+from runners.inline import InlineRunner, format_error
+from runners.process import assignment_from_wire, current_rss
+
+STARTUP_FAILED = 3
+"""Exit code after reporting a start-up error (the app failed to import)."""
+
+_current_job: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "broker_child_job", default=None
+)
+
+
+class _TaggedStream(io.TextIOBase):
+    """Prefixes each output line with the job that wrote it, so the worker's log says
+    which job printed what even when several jobs share one child."""
+
+    def __init__(self, inner: TextIO) -> None:
+        self._inner = inner
+        self._at_line_start = True
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        job = _current_job.get()
+        prefix = f"[job {job}] " if job else ""
+        for piece in text.splitlines(keepends=True):
+            if self._at_line_start and prefix:
+                self._inner.write(prefix)
+            self._inner.write(piece)
+            self._at_line_start = piece.endswith("\n")
+        self._inner.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self._inner.flush()
+
+
+def _encode_outcome(assignment: Assignment, outcome: Outcome) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "type": "outcome",
+        "handoff_id": str(assignment.handoff_id),
+        "rss": current_rss(),
+    }
+    match outcome:
+        case Completed(result=result):
+            body.update(kind="completed", result=result)
+        case Failed(error=error, retry=retry):
+            body.update(kind="failed", error=error, retry=retry)
+        case Rescheduled(delay=delay):
+            body.update(kind="rescheduled", delay=delay)
+        case Released(reason=reason):
+            body.update(kind="failed", error=reason, retry=True)
+    return body
+
+
+class _Channel:
+    def __init__(self, fd: int) -> None:
+        self._out = os.fdopen(fd, "wb", buffering=0)
+
+    def send(self, body: dict[str, Any]) -> None:
+        data = (json.dumps(body, separators=(",", ":")) + "\n").encode()
+        view = memoryview(data)
+        while view:
+            written = self._out.write(view)
+            view = view[written or 0 :]
+
+
+async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bool) -> int:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=64 << 20)
+    await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(jobs_fd, "rb", buffering=0)
+    )
+    runner = InlineRunner(concurrency=concurrency, enforce_timeouts=False)
+    running: set[asyncio.Task[None]] = set()
+
+    async def run(assignment: Assignment) -> None:
+        _current_job.set(str(assignment.job_id))
+        outcome = await runner.run(assignment)
+        channel.send(_encode_outcome(assignment, outcome))
+
+    channel.send({"type": "ready", "pid": os.getpid()})
+    while True:
+        line = await reader.readline()
+        if not line:
+            break  # the worker closed our job channel: finish what runs, then exit
+        message = json.loads(line)
+        if message.get("type") == "ping":
+            channel.send({"type": "pong", "nonce": message.get("nonce"), "rss": current_rss()})
+            continue
+        assignment = assignment_from_wire(message)
+        task = asyncio.create_task(run(assignment))
+        running.add(task)
+        task.add_done_callback(running.discard)
+        if one_shot:
+            break
+    if running:
+        await asyncio.wait(running)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="runners.child")
+    parser.add_argument("--channel-fd", type=int, required=True)
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--app", action="append", default=[])
+    parser.add_argument("--one-shot", action="store_true")
+    args = parser.parse_args(argv)
+    channel = _Channel(args.channel_fd)
+    jobs_fd = os.dup(0)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    sys.stdin = open(os.devnull)  # noqa: SIM115 - lives as long as the process
+    sys.stdout = _TaggedStream(sys.stdout)
+    sys.stderr = _TaggedStream(sys.stderr)
+    extra_path = os.environ.get("BROKER_CHILD_SYS_PATH")
+    if extra_path:
+        sys.path[:0] = [p for p in json.loads(extra_path) if p not in sys.path]
+    try:
+        for module in args.app:
+            importlib.import_module(module)
+    except BaseException as exc:
+        channel.send({"type": "startup_error", "error": format_error(exc)})
+        return STARTUP_FAILED
+    return asyncio.run(_serve(jobs_fd, channel, args.concurrency, args.one_shot))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

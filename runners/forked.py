@@ -1,0 +1,137 @@
+"""The forked runner: a fresh process for every job, for jobs that must share nothing.
+
+Each job pays a process start and the app's imports (a fresh interpreter, started
+with exec rather than ``fork()`` from the worker, which holds threads and an event
+loop that a forked copy must not inherit). Timeouts, crashes and start-up failures
+follow the same rules as the pooled runner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable, Sequence
+
+from broker.jobs import ExecutionMode
+from broker.runner import Assignment, Outcome, RunnerStatus
+from broker.tasks import TaskRegistry, default_registry
+from runners.process import (
+    ChildProcess,
+    StartupGuard,
+    cancel_on,
+    positive_int,
+    positive_number,
+    run_on_child,
+    timeout_for,
+)
+
+
+class ForkedRunner:
+    def __init__(
+        self,
+        apps: Sequence[str],
+        *,
+        registry: TaskRegistry | None = None,
+        concurrency: int = 2,
+        default_timeout: float | None = None,
+        kill_grace: float = 5.0,
+        startup_timeout: float = 30.0,
+        respawn_max_delay: float = 30.0,
+    ) -> None:
+        self._apps = list(apps)
+        self._registry = default_registry if registry is None else registry
+        self._concurrency = positive_int("forked concurrency", concurrency)
+        self._default_timeout = (
+            None if default_timeout is None else positive_number("job timeout", default_timeout)
+        )
+        self._kill_grace = positive_number("kill grace", kill_grace)
+        self._startup_timeout = positive_number("runner start-up timeout", startup_timeout)
+        self._respawn_max_delay = positive_number("respawn delay cap", respawn_max_delay)
+        self._children: list[ChildProcess] = []
+        self._listener: Callable[[], None] = lambda: None
+        self._guard: StartupGuard | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._stopping = False
+
+    @property
+    def mode(self) -> ExecutionMode:
+        return ExecutionMode.FORKED
+
+    def free_slots(self) -> int:
+        if self._stopping or (self._guard is not None and self._guard.failing):
+            return 0
+        return self._concurrency - len(self._children)
+
+    def set_capacity_listener(self, listener: Callable[[], None]) -> None:
+        self._listener = listener
+
+    async def start(self) -> None:
+        self._stopping = False
+        self._guard = StartupGuard(self._probe, self._listener, max_delay=self._respawn_max_delay)
+
+    def _child(self) -> ChildProcess:
+        child = ChildProcess(
+            apps=self._apps,
+            concurrency=1,
+            one_shot=True,
+            on_exit=self._on_exit,
+            startup_timeout=self._startup_timeout,
+        )
+        self._children.append(child)
+        return child
+
+    def _probe(self) -> None:
+        """A process with no job, to learn whether processes can start again."""
+        child = self._child()
+
+        async def check() -> None:
+            try:
+                await child.wait_ready()
+            except Exception:
+                return
+            child.retire()
+
+        task = asyncio.create_task(check())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _on_exit(self, child: ChildProcess) -> None:
+        if child in self._children:
+            self._children.remove(child)
+        if self._stopping or self._guard is None:
+            return
+        if child.started:
+            self._guard.succeeded()
+        else:
+            self._guard.failed(child.startup_error or "the runner process did not start")
+        self._listener()
+
+    async def run(self, assignment: Assignment) -> Outcome:
+        if self.free_slots() <= 0:
+            raise RuntimeError("no free forked slot: check free_slots() before run()")
+        child = self._child()
+        child.reserve(assignment)
+        timeout = timeout_for(assignment, self._registry, self._default_timeout)
+        outcome = await run_on_child(child, assignment, timeout, self._kill_grace)
+        await child.closed()
+        return outcome
+
+    async def cancel(self, job_id: uuid.UUID) -> bool:
+        return await cancel_on(self._children, job_id, self._kill_grace)
+
+    async def stop(self, *, grace: float) -> None:
+        self._stopping = True
+        if self._guard is not None:
+            self._guard.cancel()
+        busy = [f for c in self._children for f in c.inflight.values()]
+        if busy and grace > 0:
+            await asyncio.wait(busy, timeout=grace)
+        await asyncio.gather(*(c.terminate(self._kill_grace) for c in list(self._children)))
+
+    def status(self) -> RunnerStatus:
+        return RunnerStatus(
+            mode=self.mode,
+            capacity=self._concurrency,
+            busy=len(self._children),
+            startup_error=self._guard.error if self._guard is not None else None,
+        )

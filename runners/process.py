@@ -1,0 +1,459 @@
+"""One child runner process as its worker sees it, and what pooled and forked share.
+
+The child speaks a small line protocol of its own over two dedicated pipes (see
+:mod:`runners.child`): ``ready`` (or ``startup_error``) once, then ``outcome`` per job
+and ``pong`` per ping. Anything else, or anything malformed, means the child can no
+longer be trusted: it is killed and never reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from broker.exceptions import ConfigurationError
+from broker.jobs import ExecutionMode
+from broker.runner import Assignment, Completed, Failed, Outcome, Released, Rescheduled
+from broker.tasks import TaskRegistry
+
+logger = logging.getLogger("broker.runner")
+
+CHANNEL_LIMIT = 64 << 20
+"""Largest outcome line a child may send (a job's result travels in it)."""
+
+
+def positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigurationError(f"{name} must be a positive integer (got {value!r})")
+    return value
+
+
+def positive_number(name: str, value: object) -> float:
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigurationError(f"{name} must be a positive number (got {value!r})")
+    return float(value)
+
+
+def current_rss() -> int:
+    """This process's resident set size in bytes (Linux ``/proc``; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def assignment_to_wire(a: Assignment) -> dict[str, Any]:
+    return {
+        "type": "job",
+        "job_id": str(a.job_id),
+        "handoff_id": str(a.handoff_id),
+        "task": a.task,
+        "args": list(a.args),
+        "kwargs": a.kwargs,
+        "execution_mode": a.execution_mode.value,
+        "attempt": a.attempt,
+        "max_attempts": a.max_attempts,
+        "timeout": a.timeout,
+        "queue": a.queue,
+    }
+
+
+def assignment_from_wire(m: dict[str, Any]) -> Assignment:
+    return Assignment(
+        job_id=uuid.UUID(m["job_id"]),
+        handoff_id=uuid.UUID(m["handoff_id"]),
+        task=m["task"],
+        args=tuple(m["args"]),
+        kwargs=dict(m["kwargs"]),
+        execution_mode=ExecutionMode(m["execution_mode"]),
+        attempt=int(m["attempt"]),
+        max_attempts=int(m["max_attempts"]),
+        timeout=m["timeout"],
+        queue=m["queue"],
+    )
+
+
+def timeout_for(
+    assignment: Assignment, registry: TaskRegistry, default: float | None
+) -> float | None:
+    """The job's own timeout, else its task's, else the worker's default."""
+    if assignment.timeout is not None:
+        return assignment.timeout
+    if assignment.task in registry:
+        task_timeout = registry.get(assignment.task).timeout
+        if task_timeout is not None:
+            return task_timeout
+    return default
+
+
+def _outcome_from_wire(m: dict[str, Any]) -> Outcome:
+    kind = m.get("kind")
+    if kind == "completed":
+        return Completed(m.get("result"))
+    if kind == "failed":
+        if not isinstance(m.get("error"), str) or not isinstance(m.get("retry"), bool):
+            raise ValueError("failed outcome needs a string error and a boolean retry")
+        return Failed(m["error"], retry=m["retry"])
+    if kind == "rescheduled":
+        delay = m.get("delay")
+        if not isinstance(delay, int | float) or isinstance(delay, bool):
+            raise ValueError("rescheduled outcome needs a numeric delay")
+        return Rescheduled(float(delay))
+    raise ValueError(f"unknown outcome kind {kind!r}")
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class ChildStartupError(Exception):
+    """The child died, or reported an error, before its ready handshake."""
+
+
+class ChildProcess:
+    """A handle on one child. It exists before its process does, so a slot can be
+    reserved on it synchronously while the process is still starting."""
+
+    def __init__(
+        self,
+        *,
+        apps: Sequence[str],
+        concurrency: int,
+        one_shot: bool,
+        on_exit: Callable[[ChildProcess], None],
+        startup_timeout: float,
+    ) -> None:
+        self.apps = list(apps)
+        self.concurrency = concurrency
+        self.one_shot = one_shot
+        self.started_at = time.monotonic()
+        self.jobs_run = 0
+        self.rss = 0
+        self.retiring = False
+        self.started = False
+        self.exited = False
+        self.exit_code: int | None = None
+        self.startup_error: str | None = None
+        self.inflight: dict[uuid.UUID, asyncio.Future[Outcome]] = {}
+        self.kill_reasons: dict[uuid.UUID, str] = {}
+        self.job_ids: dict[uuid.UUID, uuid.UUID] = {}
+        """Job id by lease, for cancelling a job by its id."""
+        self.last_pong = time.monotonic()
+        self._on_exit = on_exit
+        self._startup_timeout = startup_timeout
+        self._proc: asyncio.subprocess.Process | None = None
+        self._ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._boot = asyncio.create_task(self._start(), name="broker-child-start")
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def free(self) -> int:
+        return 0 if self.retiring or self.exited else self.concurrency - len(self.inflight)
+
+    @property
+    def age(self) -> float:
+        return time.monotonic() - self.started_at
+
+    async def wait_ready(self) -> None:
+        """Returns once the child has handshaken; raises :class:`ChildStartupError` if it
+        never will."""
+        await asyncio.shield(self._ready)
+
+    async def _start(self) -> None:
+        read_fd, write_fd = os.pipe()
+        argv = [sys.executable, "-m", "runners.child", "--channel-fd", str(write_fd)]
+        argv += ["--concurrency", str(self.concurrency)]
+        for app in self.apps:
+            argv += ["--app", app]
+        if self.one_shot:
+            argv.append("--one-shot")
+        env = dict(os.environ)
+        env["BROKER_CHILD_SYS_PATH"] = json.dumps([os.getcwd(), *sys.path])
+        env["PYTHONUNBUFFERED"] = "1"
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                pass_fds=(write_fd,),
+                env=env,
+                limit=CHANNEL_LIMIT,
+            )
+        except OSError as exc:
+            os.close(read_fd)
+            self._fail_start(f"could not start a runner process: {exc}")
+            self._finish(None)
+            return
+        finally:
+            os.close(write_fd)
+        loop = asyncio.get_running_loop()
+        channel = asyncio.StreamReader(limit=CHANNEL_LIMIT)
+        await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(channel), os.fdopen(read_fd, "rb", buffering=0)
+        )
+        self._tasks = [
+            asyncio.create_task(self._read_channel(channel), name="broker-child-channel"),
+            asyncio.create_task(self._relay_output(), name="broker-child-output"),
+        ]
+        exited = asyncio.ensure_future(self._proc.wait())
+        waiters: set[asyncio.Future[Any]] = {exited, self._ready}
+        await asyncio.wait(
+            waiters, timeout=self._startup_timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        if not self._ready.done() and not exited.done():
+            self._fail_start(f"no ready handshake within {self._startup_timeout} s")
+            self.kill()
+        code = await exited
+        # The last outcome may still be in the pipe when the exit is noticed: read it first.
+        await asyncio.wait(self._tasks[:1], timeout=1.0)
+        self._finish(code)
+
+    def _fail_start(self, error: str) -> None:
+        if not self._ready.done():
+            self.startup_error = error
+            self._ready.set_exception(ChildStartupError(error))
+            self._ready.exception()  # retrieved here; waiters get it through wait_ready
+
+    async def _read_channel(self, channel: asyncio.StreamReader) -> None:
+        try:
+            while line := await channel.readline():
+                if not line.endswith(b"\n"):
+                    raise ValueError("unterminated line")
+                self._on_message(json.loads(line))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.error(
+                "runner process broke its protocol, killing it pid=%s error=%r", self.pid, exc
+            )
+            self.kill()
+
+    def _on_message(self, m: Any) -> None:
+        if not isinstance(m, dict):
+            raise ValueError("a child message must be an object")
+        match m.get("type"):
+            case "ready" if not self.started:
+                self.started = True
+                self.last_pong = time.monotonic()
+                self._ready.set_result(None)
+            case "startup_error" if not self.started:
+                self._fail_start(f"the task modules failed to import: {m.get('error')}")
+            case "outcome" if self.started:
+                handoff_id = uuid.UUID(str(m.get("handoff_id")))
+                outcome = _outcome_from_wire(m)
+                future = self.inflight.pop(handoff_id, None)
+                self.job_ids.pop(handoff_id, None)
+                if future is None:
+                    raise ValueError(f"outcome for a job this child was not given: {handoff_id}")
+                self.rss = int(m.get("rss") or 0)
+                self.jobs_run += 1
+                if not future.done():
+                    future.set_result(outcome)
+            case "pong" if self.started:
+                self.last_pong = time.monotonic()
+                self.rss = int(m.get("rss") or 0)
+            case other:
+                raise ValueError(f"unexpected child message {other!r}")
+
+    async def _relay_output(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        with contextlib.suppress(ValueError, OSError):
+            while line := await self._proc.stdout.readline():
+                logger.info(
+                    "runner output pid=%s %s", self.pid, line.decode(errors="replace").rstrip()
+                )
+
+    def _finish(self, code: int | None) -> None:
+        self.exited = True
+        self.exit_code = code
+        for task in self._tasks:
+            task.cancel()
+        self._fail_start(f"the runner process {describe_exit(code)} before it was ready")
+        for handoff_id, future in list(self.inflight.items()):
+            if future.done():
+                continue
+            if not self.started:
+                future.set_result(
+                    Released(f"the runner process could not start: {self.startup_error}")
+                )
+            else:
+                reason = self.kill_reasons.get(handoff_id) or (
+                    f"the runner process {describe_exit(code)} while running the job"
+                )
+                future.set_result(Failed(reason))
+        self.inflight.clear()
+        self._on_exit(self)
+
+    def reserve(self, assignment: Assignment) -> asyncio.Future[Outcome]:
+        """Take a slot now (synchronously); the job is sent once the child is ready."""
+        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self.inflight[assignment.handoff_id] = future
+        self.job_ids[assignment.handoff_id] = assignment.job_id
+        return future
+
+    def send(self, body: dict[str, Any]) -> None:
+        if self._proc is None or self._proc.stdin is None or self.exited:
+            return
+        with contextlib.suppress(ConnectionError, OSError):
+            self._proc.stdin.write((json.dumps(body, separators=(",", ":")) + "\n").encode())
+
+    def retire(self) -> None:
+        """No more jobs: closing the job channel makes the child exit once idle."""
+        self.retiring = True
+        if self._proc is not None and self._proc.stdin is not None:
+            self._proc.stdin.close()
+
+    def kill(self) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+
+    async def terminate(self, grace: float) -> None:
+        """SIGTERM, then SIGKILL if the child is still there after ``grace`` seconds."""
+        if self._proc is None or self._proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self._proc.terminate()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._boot), grace)
+        except TimeoutError:
+            self.kill()
+        await asyncio.shield(self._boot)
+
+    async def closed(self) -> None:
+        await asyncio.shield(self._boot)
+
+
+async def run_on_child(
+    child: ChildProcess,
+    assignment: Assignment,
+    limit: float | None,
+    kill_grace: float,
+) -> Outcome:
+    """Run one job on ``child`` (a slot must already be reserved) and return its outcome.
+
+    A job past its time ``limit`` stops the whole child (SIGTERM, then SIGKILL after the grace):
+    only a process boundary can stop code that ignores cancellation. Every other job on
+    that child then fails too, saying why, so each is retried.
+    """
+    future = child.inflight[assignment.handoff_id]
+    try:
+        await child.wait_ready()
+    except ChildStartupError:
+        return await future
+    child.send(assignment_to_wire(assignment))
+    try:
+        return await asyncio.wait_for(asyncio.shield(future), limit)
+    except TimeoutError:
+        child.kill_reasons[assignment.handoff_id] = f"timed out after {limit} s"
+        for other in child.inflight:
+            child.kill_reasons.setdefault(
+                other, f"stopped because job {assignment.job_id} on the same process timed out"
+            )
+        logger.warning(
+            "job timed out, stopping its runner process job_id=%s handoff_id=%s pid=%s",
+            assignment.job_id,
+            assignment.handoff_id,
+            child.pid,
+        )
+        await child.terminate(kill_grace)
+        return await future
+
+
+async def cancel_on(children: Sequence[ChildProcess], job_id: uuid.UUID, grace: float) -> bool:
+    """Stop the process running ``job_id``: the only way to stop arbitrary code. Other
+    jobs on that process fail with the reason, and are retried."""
+    for child in list(children):
+        for handoff_id, running_job in list(child.job_ids.items()):
+            if running_job == job_id and handoff_id in child.inflight:
+                child.kill_reasons[handoff_id] = "cancelled"
+                for other in child.inflight:
+                    child.kill_reasons.setdefault(
+                        other, f"stopped because job {job_id} on the same process was cancelled"
+                    )
+                await child.terminate(grace)
+                return True
+    return False
+
+
+class StartupGuard:
+    """Keeps a runner whose processes cannot start from driving a crash loop.
+
+    While failing, the runner advertises no slots, so the main sends it nothing; a
+    probe process is started after a capped, doubling delay, and the first process
+    that completes its handshake restores the slots.
+    """
+
+    def __init__(
+        self,
+        spawn_probe: Callable[[], object],
+        on_change: Callable[[], None],
+        *,
+        first_delay: float = 0.5,
+        max_delay: float = 30.0,
+    ) -> None:
+        self.error: str | None = None
+        self._spawn_probe = spawn_probe
+        self._on_change = on_change
+        self._first_delay = first_delay
+        self._max_delay = max_delay
+        self._delay = first_delay
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def failing(self) -> bool:
+        return self.error is not None
+
+    def failed(self, error: str) -> None:
+        was_failing = self.failing
+        self.error = error
+        logger.error("runner process failed to start; slots revoked error=%s", error)
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._delay, self._probe)
+            self._delay = min(self._delay * 2, self._max_delay)
+        if not was_failing:
+            self._on_change()
+
+    def succeeded(self) -> None:
+        self._delay = self._first_delay
+        if self.failing:
+            self.error = None
+            logger.info("runner process started again; slots restored")
+            self._on_change()
+
+    def _probe(self) -> None:
+        self._timer = None
+        self._spawn_probe()
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

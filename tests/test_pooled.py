@@ -1,0 +1,301 @@
+"""Pooled and forked runners with real child processes, behind a real worker and main."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tests.flaky_app
+import tests.pool_app  # noqa: F401
+from adapters.memory import MemoryAdapter
+from broker.composition import RunnerOptions, build_runners
+from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus
+from broker.main import Main, MainSettings
+from broker.tasks import default_registry
+from broker.worker import Worker
+from runners.pooled import PooledRunner
+
+pytestmark = pytest.mark.slow
+
+APP = "tests.pool_app"
+POOLED = ExecutionMode.POOLED
+
+
+@dataclass
+class Cluster:
+    main: Main
+    store: MemoryAdapter
+    worker: Worker
+    runners: dict[ExecutionMode, Any]
+
+    @property
+    def pool(self) -> PooledRunner:
+        runner = self.runners[POOLED]
+        assert isinstance(runner, PooledRunner)
+        return runner
+
+    async def enqueue(self, task: str, *args: Any, n: int = 1, **kw: Any) -> list[Job]:
+        specs = [JobSpec(task=f"{APP}.{task}", args=list(args), **kw) for _ in range(n)]
+        jobs = [r.job for r in await self.store.enqueue_many(specs)]
+        self.main.wake()
+        return jobs
+
+    async def settled(self, jobs: list[Job], timeout: float = 30.0) -> list[Job]:
+        async def done() -> list[Job] | None:
+            now = [await self.store.get_job(j.id) for j in jobs]
+            if all(j is not None and j.status.is_terminal for j in now):
+                return [j for j in now if j is not None]
+            return None
+
+        return await until(done, timeout)
+
+    def credit(self, mode: ExecutionMode = POOLED) -> int:
+        sessions = [s for s in self.main.sessions.values() if s.worker_id == "pool-worker"]
+        return sessions[0].credits.available(mode) if sessions else -1
+
+
+async def until(check: Callable[[], Awaitable[Any]], timeout: float = 15.0) -> Any:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def cluster(**options: Any) -> AsyncIterator[Cluster]:
+    store = MemoryAdapter()
+    main = Main(
+        store,
+        MainSettings(port=0, ping_interval=0.5, liveness_timeout=5, error_retry_interval=0.05),
+        retry_delay_fn=lambda n: timedelta(0),
+    )
+    await main.start()
+    defaults: dict[str, Any] = {
+        "apps": (APP, "tests.flaky_app"),
+        "inline_concurrency": 2,
+        "pooled_runner_count": 2,
+        "forked_concurrency": 2,
+        "kill_grace": 0.5,
+        "startup_timeout": 20.0,
+    }
+    runners = build_runners(RunnerOptions(**{**defaults, **options}), default_registry)
+    worker = Worker(
+        "127.0.0.1",
+        main.port,
+        worker_id="pool-worker",
+        runners=runners,
+        registry=default_registry,
+        ping_interval=0.5,
+        liveness_timeout=5,
+    )
+    running = asyncio.create_task(worker.run())
+    try:
+        yield Cluster(main, store, worker, dict(runners))
+    finally:
+        worker.request_stop(fast=True)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(running, 20)
+        await main.stop()
+
+
+async def test_credits_equal_free_capacity_and_one_ready_fills_the_pool() -> None:
+    async with cluster(pooled_runner_count=2, pooled_runner_concurrency=2) as c:
+        assert await until(lambda: _eq(c.credit, 4)), "advertises count x concurrency"
+        jobs = await c.enqueue("nap", 1.0, n=6)
+        await until(lambda: _eq(lambda: len(c.pool.status().details["children"]), 2))
+        running = await until(lambda: _running(c, 4))
+        assert running == 4, "one readiness message filled all four slots"
+        assert c.credit() == 0
+        done = await c.settled(jobs)
+        assert all(j.status is JobStatus.COMPLETED for j in done)
+        pids = [j.result for j in done]
+        assert len(set(pids)) == 2, "both warm children served"
+        assert await until(lambda: _eq(c.credit, 4))
+
+
+async def _eq(get: Callable[[], Any], want: Any) -> bool:
+    return bool(get() == want)
+
+
+async def _running(c: Cluster, want: int) -> int | None:
+    busy = c.pool.status().busy
+    return busy if busy == want else None
+
+
+async def test_jobs_in_flight_never_exceed_capacity_under_a_storm() -> None:
+    async with cluster(pooled_runner_count=2, pooled_runner_concurrency=2) as c:
+        jobs = await c.enqueue("nap", 0.01, n=120)
+        peak = 0
+        leases_peak = 0
+        while True:
+            peak = max(peak, c.pool.status().busy)
+            # Leases the main holds may briefly include finished jobs whose reports are
+            # still committing; what must never exceed capacity is work on the worker.
+            leases_peak = max(leases_peak, c.worker.status()["running"])
+            states = [await c.store.get_job(j.id) for j in jobs]
+            if all(s is not None and s.status.is_terminal for s in states):
+                break
+            await asyncio.sleep(0.002)
+        assert peak <= 4 and leases_peak <= 4, (peak, leases_peak)
+        assert peak == 4, "the pool was actually filled"
+        assert all(s is not None and s.status is JobStatus.COMPLETED for s in states)
+
+
+async def test_kill_9_of_a_child_retries_its_job_and_spares_the_others() -> None:
+    async with cluster(pooled_runner_count=2) as c:
+        victim_job, other_job = await c.enqueue("nap", 1.5, n=2)
+
+        async def both_ready_and_busy() -> list[dict[str, Any]] | None:
+            kids = c.pool.status().details["children"]
+            return kids if len(kids) == 2 and all(k["ready"] and k["busy"] for k in kids) else None
+
+        children = await until(both_ready_and_busy)
+        await asyncio.sleep(0.3)  # the job lines reach the children
+        victim = next(ch for ch in children if ch["busy"])
+        os.kill(victim["pid"], signal.SIGKILL)
+        # Capacity is back at once: the dead child's slot is free before any job ends.
+        assert await until(lambda: _eq(c.pool.free_slots, 1), timeout=2)
+        done = await c.settled([victim_job, other_job])
+        assert all(j.status is JobStatus.COMPLETED for j in done)
+        by_attempts = sorted(done, key=lambda j: j.attempts)
+        assert by_attempts[0].attempts == 0, "the other child's job was untouched"
+        assert by_attempts[1].attempts == 1, "the killed job was retried"
+        assert "SIGKILL" in (by_attempts[1].last_error or "")
+        assert by_attempts[1].result != victim["pid"]
+
+
+async def test_a_child_that_crashes_at_import_revokes_pooled_credit_until_fixed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    marker = tmp_path / "fail-import"
+    marker.write_text("fail")
+    monkeypatch.setenv("BROKER_TEST_FAIL_IMPORT", str(marker))
+    caplog.set_level(logging.INFO, logger="broker.runner")
+    async with cluster(pooled_runner_count=1, apps=("tests.flaky_app",)) as c:
+        await until(lambda: _eq(lambda: c.pool.status().startup_error is not None, True))
+        assert "simulated start-up failure" in str(c.pool.status().startup_error)
+        assert await until(lambda: _eq(c.credit, 0)), "pooled credit revoked"
+        assert c.credit(ExecutionMode.INLINE) == 2, "other modes keep their credit"
+        [job] = [r.job for r in await c.store.enqueue_many([JobSpec(task="tests.flaky_app.ok")])]
+        c.main.wake()
+        await asyncio.sleep(1.5)
+        stored = await c.store.get_job(job.id)
+        assert stored is not None and stored.status is JobStatus.QUEUED, "nothing dispatched"
+        failures = caplog.text.count("failed to start; slots revoked")
+        assert failures <= 4, f"{failures} start attempts in 1.5 s: that is a crash loop"
+        monkeypatch.setenv("BROKER_TEST_FAIL_ONCE", "1")  # children inherit it: next one heals
+        os.environ["BROKER_TEST_FAIL_ONCE"] = "1"
+        marker.unlink()
+        [done] = await c.settled([job], timeout=40)
+        assert done.status is JobStatus.COMPLETED and done.attempts == 0
+        assert c.pool.status().startup_error is None
+
+
+async def test_a_child_that_fails_its_first_import_only_recovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "fail-once"
+    marker.write_text("fail")
+    monkeypatch.setenv("BROKER_TEST_FAIL_IMPORT", str(marker))
+    monkeypatch.setenv("BROKER_TEST_FAIL_ONCE", "1")
+    async with cluster(pooled_runner_count=1, apps=("tests.flaky_app",)) as c:
+        [job] = [r.job for r in await c.store.enqueue_many([JobSpec(task="tests.flaky_app.ok")])]
+        c.main.wake()
+        [done] = await c.settled([job], timeout=40)
+        assert done.status is JobStatus.COMPLETED
+        assert not marker.exists(), "the first child did fail its import"
+
+
+async def test_a_job_past_its_timeout_is_stopped_even_if_it_ignores_sigterm() -> None:
+    async with cluster(pooled_runner_count=1) as c:
+        [job] = await c.enqueue("stubborn", 60, timeout=0.5, max_attempts=1)
+        await until(lambda: _running(c, 1))
+        pid = c.pool.status().details["children"][0]["pid"]
+        [done] = await c.settled([job], timeout=15)
+        assert done.status is JobStatus.FAILED
+        assert "timed out after 0.5 s" in (done.last_error or "")
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        [after] = await c.settled(await c.enqueue("whoami"))
+        assert after.status is JobStatus.COMPLETED and after.result != pid
+
+
+async def test_recycling_by_job_count_happens_between_jobs() -> None:
+    async with cluster(pooled_runner_count=1, pooled_max_jobs=3) as c:
+        pids = []
+        for _ in range(7):
+            [done] = await c.settled(await c.enqueue("whoami"))
+            pids.append(done.result)
+        assert pids[0] == pids[1] == pids[2]
+        assert pids[3] == pids[4] == pids[5] != pids[0]
+        assert pids[6] not in (pids[0], pids[3])
+
+
+async def test_recycling_by_memory_and_by_age_never_interrupts_a_job() -> None:
+    async with cluster(pooled_runner_count=1, pooled_max_rss_bytes=80 << 20) as c:
+        [small] = await c.settled(await c.enqueue("whoami"))
+        [big] = await c.settled(await c.enqueue("hog", 120))
+        [after] = await c.settled(await c.enqueue("whoami"))
+        assert big.status is JobStatus.COMPLETED and small.result == big.result
+        assert after.result != big.result, "recycled after the job that grew it"
+    async with cluster(pooled_runner_count=1, pooled_max_lifetime=0.3) as c:
+        [long] = await c.settled(await c.enqueue("nap", 1.0))
+        assert long.status is JobStatus.COMPLETED, "a child past its lifetime finishes its job"
+        [after] = await c.settled(await c.enqueue("whoami"))
+        assert after.result != long.result
+
+
+async def test_print_in_a_task_breaks_nothing_and_is_logged_with_the_job_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="broker.runner")
+    async with cluster(pooled_runner_count=1) as c:
+        [done] = await c.settled(await c.enqueue("noisy", "hello from the task"))
+        assert done.status is JobStatus.COMPLETED and done.result == "hello from the task"
+        assert f"[job {done.id}] hello from the task" in caplog.text
+        [again] = await c.settled(await c.enqueue("whoami"))
+        assert again.status is JobStatus.COMPLETED
+
+
+async def test_inline_pooled_and_forked_jobs_run_side_by_side() -> None:
+    async with cluster(pooled_runner_count=1, forked_concurrency=2) as c:
+        specs = [
+            JobSpec(task=f"{APP}.inline_pid", execution_mode=ExecutionMode.INLINE),
+            JobSpec(task=f"{APP}.whoami"),
+            JobSpec(task=f"{APP}.forked_pid", execution_mode=ExecutionMode.FORKED),
+            JobSpec(task=f"{APP}.forked_pid", execution_mode=ExecutionMode.FORKED),
+        ]
+        jobs = [r.job for r in await c.store.enqueue_many(specs)]
+        c.main.wake()
+        inline, pooled, forked1, forked2 = await c.settled(jobs)
+        assert all(j.status is JobStatus.COMPLETED for j in (inline, pooled, forked1, forked2))
+        assert inline.result == os.getpid()
+        assert len({os.getpid(), pooled.result, forked1.result, forked2.result}) == 4
+
+
+async def test_invalid_runner_options_are_refused_before_anything_starts() -> None:
+    from broker.exceptions import ConfigurationError
+
+    for bad in (
+        {"pooled_runner_concurrency": 0},
+        {"pooled_max_jobs": -1},
+        {"pooled_max_lifetime": 0},
+        {"forked_concurrency": -2},
+        {"kill_grace": float("nan")},
+    ):
+        with pytest.raises(ConfigurationError):
+            build_runners(RunnerOptions(apps=(APP,), **bad), default_registry)
