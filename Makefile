@@ -5,12 +5,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help install test lint typecheck layering pytest demo bench bench-storage format clean
+.PHONY: help install test lint typecheck layering pytest demo bench bench-storage bench-runners format clean
 
 help:
 	@echo "make demo           run a main on SQLite with a worker and example jobs"
 	@echo "make test           lint + mypy --strict + import layering + pytest"
 	@echo "make bench-storage  storage micro-benchmark (claims/s, completions/s)"
+	@echo "make bench-runners  inline / pooled / forked throughput and per-job overhead"
 	@echo "make bench          side-by-side benchmark (see bench/)"
 	@echo "make format         apply ruff formatting"
 
@@ -43,6 +44,9 @@ demo: $(STAMP)
 
 bench-storage: $(STAMP)
 	$(BIN)/python bench/storage_bench.py
+
+bench-runners: $(STAMP)
+	$(BIN)/python bench/runners_bench.py
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
