@@ -23,8 +23,9 @@ from broker.tasks import task
 JOBS = 60
 
 
-@task(mode="inline", retries=0)
+@task(retries=0)
 async def add(a: int, b: int) -> int:
+    """Pooled (the default mode): runs in one of the worker's warm child processes."""
     await asyncio.sleep(0.01)
     return a + b
 
@@ -37,8 +38,9 @@ def checksum(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-@task(mode="inline", retries=0)
-async def refuse(reason: str) -> None:
+@task(mode="forked", retries=0)
+def refuse(reason: str) -> None:
+    """Forked: a fresh process of its own, for work that must share nothing."""
     raise ValueError(reason)
 
 
@@ -58,6 +60,8 @@ async def _demo(db_dir: Path) -> int:
         "broker.demo",
         "--worker-id",
         "demo-worker",
+        "--pooled-runner-count",
+        "2",
         "--log-level",
         "WARNING",
     )
@@ -89,7 +93,10 @@ async def _demo(db_dir: Path) -> int:
             print(f"\nall {len(ids)} jobs settled in {elapsed:.2f} s")
             for job in jobs[:3]:
                 assert job is not None
-                print(f"  {job['task']}{tuple(job['args'])} -> {job['result']!r}")
+                print(
+                    f"  [{job['execution_mode']}] {job['task']}{tuple(job['args'])}"
+                    f" -> {job['result']!r}"
+                )
             for job in jobs:
                 if job and job["status"] == "failed":
                     print(f"  {job['task']} failed: {str(job['last_error']).splitlines()[0]}")
