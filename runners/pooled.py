@@ -179,7 +179,7 @@ class PooledRunner:
         self._spawn()
 
     async def _ping_loop(self) -> None:
-        """Kills a child that stopped answering: a wedged interpreter cannot be trusted."""
+        """Kills an idle child that stopped answering: a wedged interpreter cannot be trusted."""
         nonce = 0
         while True:
             await asyncio.sleep(self._ping_interval)
@@ -188,7 +188,11 @@ class PooledRunner:
             for child in list(self._children):
                 if not child.started or child.exited or child.retiring:
                     continue
-                if now - child.last_pong > 3 * self._ping_interval + self._kill_grace:
+                # A busy child may be blocked by its job's own code; that is the job
+                # timeout's business. An idle one that stops answering is wedged.
+                if child.inflight:
+                    child.last_pong = now
+                elif now - child.last_pong > 3 * self._ping_interval + self._kill_grace:
                     logger.error("pooled runner stopped answering, killing it pid=%s", child.pid)
                     child.kill()
                 else:

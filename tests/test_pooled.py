@@ -299,3 +299,30 @@ async def test_invalid_runner_options_are_refused_before_anything_starts() -> No
     ):
         with pytest.raises(ConfigurationError):
             build_runners(RunnerOptions(apps=(APP,), **bad), default_registry)
+
+
+async def test_an_idle_child_that_stops_answering_pings_is_replaced() -> None:
+    pool = PooledRunner(
+        [APP], registry=default_registry, count=1, ping_interval=0.2, kill_grace=0.2
+    )
+    await pool.start()
+    try:
+
+        async def ready_pid() -> int | None:
+            kids = pool.status().details["children"]
+            return kids[0]["pid"] if kids and kids[0]["ready"] else None
+
+        frozen = await until(ready_pid)
+        os.kill(frozen, signal.SIGSTOP)
+
+        async def gone() -> bool:
+            try:
+                os.kill(frozen, 0)
+            except ProcessLookupError:
+                return True
+            return False
+
+        assert await until(gone, timeout=10), "the wedged child was killed"
+        assert pool.free_slots() == 1, "its slot is free for a replacement"
+    finally:
+        await pool.stop(grace=1)
