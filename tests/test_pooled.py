@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -326,3 +327,41 @@ async def test_an_idle_child_that_stops_answering_pings_is_replaced() -> None:
         assert pool.free_slots() == 1, "its slot is free for a replacement"
     finally:
         await pool.stop(grace=1)
+
+
+def _assignment(task: str, *args: Any, timeout: float | None = None) -> Any:
+    from broker.runner import Assignment
+
+    return Assignment(
+        uuid.uuid4(),
+        uuid.uuid4(),
+        f"{APP}.{task}",
+        args,
+        {},
+        ExecutionMode.FORKED,
+        1,
+        1,
+        timeout,
+        "default",
+    )
+
+
+async def test_forked_jobs_follow_the_same_timeout_and_crash_rules() -> None:
+    from broker.runner import Completed, Failed
+    from runners.forked import ForkedRunner
+
+    forked = ForkedRunner([APP], registry=default_registry, concurrency=2, kill_grace=0.3)
+    await forked.start()
+    try:
+        first, second = await asyncio.gather(
+            forked.run(_assignment("whoami")), forked.run(_assignment("whoami"))
+        )
+        assert isinstance(first, Completed) and isinstance(second, Completed)
+        assert first.result != second.result != os.getpid(), "a fresh process per job"
+        stuck = await forked.run(_assignment("stubborn", 60, timeout=0.4))
+        assert isinstance(stuck, Failed) and "timed out after 0.4 s" in stuck.error
+        crashed = await forked.run(_assignment("die"))
+        assert isinstance(crashed, Failed) and "SIGKILL" in crashed.error and crashed.retry
+        assert forked.free_slots() == 2, "every slot came back"
+    finally:
+        await forked.stop(grace=1)
