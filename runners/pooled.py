@@ -90,7 +90,11 @@ class PooledRunner:
             return 0
         serving = self._serving()
         spawnable = self._count - len(serving)
-        return sum(c.free for c in serving) + spawnable * self._concurrency
+        room = sum(c.free for c in serving) + spawnable * self._concurrency
+        # A retiring child still finishing jobs counts against capacity, so its
+        # replacement cannot push the pool past count x concurrency meanwhile.
+        busy = sum(len(c.inflight) for c in self._children)
+        return max(0, min(room, self.capacity - busy))
 
     def set_capacity_listener(self, listener: Callable[[], None]) -> None:
         self._listener = listener

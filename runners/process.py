@@ -205,6 +205,9 @@ class ChildProcess:
                 stderr=asyncio.subprocess.STDOUT,
                 pass_fds=(write_fd,),
                 env=env,
+                # Its own session: a Ctrl-C or a signal to the worker's process group must
+                # reach the worker, which drains, not kill jobs mid-run under it.
+                start_new_session=True,
                 limit=CHANNEL_LIMIT,
             )
         except OSError as exc:

@@ -365,3 +365,21 @@ async def test_forked_jobs_follow_the_same_timeout_and_crash_rules() -> None:
         assert forked.free_slots() == 2, "every slot came back"
     finally:
         await forked.stop(grace=1)
+
+
+async def test_a_recycling_child_with_jobs_left_never_pushes_the_pool_past_capacity() -> None:
+    async with cluster(pooled_runner_count=1, pooled_runner_concurrency=2, pooled_max_jobs=2) as c:
+        jobs = []
+        for _ in range(10):  # a long job keeps each retiring child busy past its last short one
+            jobs += await c.enqueue("nap", 0.4)
+            jobs += await c.enqueue("nap", 0.01, n=2)
+        peak = 0
+        while True:
+            peak = max(peak, c.pool.status().busy)
+            states = [await c.store.get_job(j.id) for j in jobs]
+            if all(s is not None and s.status.is_terminal for s in states):
+                break
+            await asyncio.sleep(0.002)
+        assert peak <= 2, f"{peak} jobs at once on a pool of capacity 2"
+        assert all(s is not None and s.status is JobStatus.COMPLETED for s in states)
+        assert len({s.result for s in states if s is not None}) >= 5, "children were recycled"
