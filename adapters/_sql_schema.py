@@ -20,106 +20,146 @@ import sqlalchemy as sa
 
 from broker.storage import SCHEMA_VERSION
 
-metadata = sa.MetaData()
-
 _QUEUED = "queued"
 _HANDED_OFF = "handed_off"
 
-jobs = sa.Table(
-    "broker_jobs",
-    metadata,
-    sa.Column("id", sa.Uuid(), primary_key=True),
-    sa.Column("task", sa.Text(), nullable=False),
-    sa.Column("args", sa.Text(), nullable=False),
-    sa.Column("kwargs", sa.Text(), nullable=False),
-    sa.Column("queue", sa.Text(), nullable=False),
-    sa.Column("priority", sa.Integer(), nullable=False),
-    sa.Column("status", sa.Text(), nullable=False),
-    sa.Column("attempts", sa.Integer(), nullable=False),
-    sa.Column("max_attempts", sa.BigInteger(), nullable=False),
-    sa.Column("run_at_us", sa.BigInteger(), nullable=False),
-    sa.Column("created_us", sa.BigInteger(), nullable=False),
-    sa.Column("updated_us", sa.BigInteger(), nullable=False),
-    sa.Column("execution_mode", sa.Text(), nullable=False),
-    sa.Column("handoff_id", sa.Uuid(), nullable=True),
-    sa.Column("worker_id", sa.Text(), nullable=True),
-    sa.Column("handed_off_us", sa.BigInteger(), nullable=True),
-    sa.Column("last_error", sa.Text(), nullable=True),
-    sa.Column("result", sa.Text(), nullable=True),
-    sa.Column("idempotency_key", sa.Text(), nullable=True),
-    sa.Column("concurrency_key", sa.Text(), nullable=True),
-    sa.Column("concurrency_limit", sa.BigInteger(), nullable=True),
-    sa.Column("timeout_s", sa.Double(), nullable=True),
-    # Enqueue order, the last tie-break of dispatch order (jobs of one batch share a
-    # creation time). PostgreSQL fills it from an identity (added in the migration, so
-    # raw-SQL inserts get one too); SQLite leaves it NULL and orders by ``rowid``.
-    sa.Column("seq", sa.BigInteger(), nullable=True),
-    sa.CheckConstraint(
-        "status IN ('queued', 'handed_off', 'completed', 'failed', 'cancelled')",
-        name="ck_broker_jobs_status",
-    ),
-    sa.CheckConstraint(
-        "(concurrency_key IS NULL) = (concurrency_limit IS NULL)",
-        name="ck_broker_jobs_concurrency",
-    ),
-)
 
-concurrency = sa.Table(
-    "broker_concurrency",
-    metadata,
-    sa.Column("key", sa.Text(), primary_key=True),
-    sa.Column("active", sa.Integer(), nullable=False),
-)
+def _define(md: sa.MetaData, version: int) -> tuple[sa.Table, sa.Table, sa.Table]:
+    """The tables and indexes as they stand at schema ``version``, defined on ``md``.
 
-schema_version = sa.Table(
-    "broker_schema",
-    metadata,
-    sa.Column("id", sa.Integer(), primary_key=True, autoincrement=False),
-    sa.Column("version", sa.Integer(), nullable=False),
-)
-
-# The predicates of the partial indexes. Queries use these very expressions, so the
-# planner can prove the index applies: they render as inline literals, never as bound
-# parameters (PostgreSQL cannot match ``$1`` in a generic plan, SQLite never can).
-IS_QUEUED = jobs.c.status == sa.literal(_QUEUED, sa.Text(), literal_execute=True)
-IS_HANDED_OFF = jobs.c.status == sa.literal(_HANDED_OFF, sa.Text(), literal_execute=True)
-IS_TERMINAL = jobs.c.status.in_(
-    sa.bindparam(
-        "terminal_statuses",
-        ("cancelled", "completed", "failed"),
-        expanding=True,
-        literal_execute=True,
+    A migration's DDL must never change once released, so everything added after
+    version 1 is gated on ``version`` here: :func:`_v1_initial` builds the version-1
+    shape from this very function, and later migrations add the rest step by step.
+    """
+    jobs = sa.Table(
+        "broker_jobs",
+        md,
+        sa.Column("id", sa.Uuid(), primary_key=True),
+        sa.Column("task", sa.Text(), nullable=False),
+        sa.Column("args", sa.Text(), nullable=False),
+        sa.Column("kwargs", sa.Text(), nullable=False),
+        sa.Column("queue", sa.Text(), nullable=False),
+        sa.Column("priority", sa.Integer(), nullable=False),
+        sa.Column("status", sa.Text(), nullable=False),
+        sa.Column("attempts", sa.Integer(), nullable=False),
+        sa.Column("max_attempts", sa.BigInteger(), nullable=False),
+        sa.Column("run_at_us", sa.BigInteger(), nullable=False),
+        sa.Column("created_us", sa.BigInteger(), nullable=False),
+        sa.Column("updated_us", sa.BigInteger(), nullable=False),
+        sa.Column("execution_mode", sa.Text(), nullable=False),
+        sa.Column("handoff_id", sa.Uuid(), nullable=True),
+        sa.Column("worker_id", sa.Text(), nullable=True),
+        sa.Column("handed_off_us", sa.BigInteger(), nullable=True),
+        sa.Column("last_error", sa.Text(), nullable=True),
+        sa.Column("result", sa.Text(), nullable=True),
+        sa.Column("idempotency_key", sa.Text(), nullable=True),
+        sa.Column("concurrency_key", sa.Text(), nullable=True),
+        sa.Column("concurrency_limit", sa.BigInteger(), nullable=True),
+        sa.Column("timeout_s", sa.Double(), nullable=True),
+        # Enqueue order, the last tie-break of dispatch order (jobs of one batch share a
+        # creation time). PostgreSQL fills it from an identity (added in the migration, so
+        # raw-SQL inserts get one too); SQLite leaves it NULL and orders by ``rowid``.
+        sa.Column("seq", sa.BigInteger(), nullable=True),
+        sa.CheckConstraint(
+            "status IN ('queued', 'handed_off', 'completed', 'failed', 'cancelled')",
+            name="ck_broker_jobs_status",
+        ),
+        sa.CheckConstraint(
+            "(concurrency_key IS NULL) = (concurrency_limit IS NULL)",
+            name="ck_broker_jobs_concurrency",
+        ),
     )
-)
+    concurrency = sa.Table(
+        "broker_concurrency",
+        md,
+        sa.Column("key", sa.Text(), primary_key=True),
+        sa.Column("active", sa.Integer(), nullable=False),
+    )
+    schema_version = sa.Table(
+        "broker_schema",
+        md,
+        sa.Column("id", sa.Integer(), primary_key=True, autoincrement=False),
+        sa.Column("version", sa.Integer(), nullable=False),
+    )
+    is_queued, is_handed_off, is_terminal, is_active = _predicates(jobs)
+    # Dispatch: the best queued jobs first. seq is NULL on SQLite, where the index's
+    # implicit trailing rowid breaks ties instead.
+    sa.Index(
+        "ix_broker_jobs_dispatch",
+        jobs.c.priority.desc(),
+        jobs.c.run_at_us,
+        jobs.c.created_us,
+        jobs.c.seq,
+        postgresql_where=is_queued,
+        sqlite_where=is_queued,
+    )
+    sa.Index("ux_broker_jobs_idempotency_key", jobs.c.idempotency_key, unique=True)
+    sa.Index(
+        "ix_broker_jobs_worker",
+        jobs.c.worker_id,
+        postgresql_where=is_handed_off,
+        sqlite_where=is_handed_off,
+    )
+    # Pruning: terminal rows by age. Partial, so no status index tempts the planner away
+    # from the dispatch index for queued rows.
+    sa.Index(
+        "ix_broker_jobs_terminal_updated",
+        jobs.c.updated_us,
+        jobs.c.id,
+        postgresql_where=is_terminal,
+        sqlite_where=is_terminal,
+    )
+    sa.Index("ix_broker_jobs_created", jobs.c.created_us, jobs.c.id)
+    if version >= 2:
+        # Unique jobs: one active (queued or handed-off) job per unique key. Partial, so
+        # finished jobs keep their key without blocking a new job.
+        jobs.append_column(sa.Column("unique_key", sa.Text(), nullable=True))
+        sa.Index(
+            UNIQUE_ACTIVE_INDEX,
+            jobs.c.unique_key,
+            unique=True,
+            postgresql_where=is_active,
+            sqlite_where=is_active,
+        )
+    return jobs, concurrency, schema_version
 
-# Dispatch: the best queued jobs first. seq is NULL on SQLite, where the index's
-# implicit trailing rowid breaks ties instead.
-sa.Index(
-    "ix_broker_jobs_dispatch",
-    jobs.c.priority.desc(),
-    jobs.c.run_at_us,
-    jobs.c.created_us,
-    jobs.c.seq,
-    postgresql_where=IS_QUEUED,
-    sqlite_where=IS_QUEUED,
-)
-sa.Index("ux_broker_jobs_idempotency_key", jobs.c.idempotency_key, unique=True)
-sa.Index(
-    "ix_broker_jobs_worker",
-    jobs.c.worker_id,
-    postgresql_where=IS_HANDED_OFF,
-    sqlite_where=IS_HANDED_OFF,
-)
-# Pruning: terminal rows by age. Partial, so no status index tempts the planner away
-# from the dispatch index for queued rows.
-sa.Index(
-    "ix_broker_jobs_terminal_updated",
-    jobs.c.updated_us,
-    jobs.c.id,
-    postgresql_where=IS_TERMINAL,
-    sqlite_where=IS_TERMINAL,
-)
-sa.Index("ix_broker_jobs_created", jobs.c.created_us, jobs.c.id)
+
+UNIQUE_ACTIVE_INDEX = "ux_broker_jobs_unique_key_active"
+
+
+def _predicates(
+    jobs: sa.Table,
+) -> tuple[
+    sa.ColumnElement[bool], sa.ColumnElement[bool], sa.ColumnElement[bool], sa.ColumnElement[bool]
+]:
+    """The predicates of the partial indexes. Queries use these very expressions, so the
+    planner can prove the index applies: they render as inline literals, never as bound
+    parameters (PostgreSQL cannot match ``$1`` in a generic plan, SQLite never can)."""
+    is_queued = jobs.c.status == sa.literal(_QUEUED, sa.Text(), literal_execute=True)
+    is_handed_off = jobs.c.status == sa.literal(_HANDED_OFF, sa.Text(), literal_execute=True)
+    is_terminal = jobs.c.status.in_(
+        sa.bindparam(
+            "terminal_statuses",
+            ("cancelled", "completed", "failed"),
+            expanding=True,
+            literal_execute=True,
+        )
+    )
+    is_active = jobs.c.status.in_(
+        sa.bindparam(
+            "active_statuses",
+            (_HANDED_OFF, _QUEUED),
+            expanding=True,
+            literal_execute=True,
+        )
+    )
+    return is_queued, is_handed_off, is_terminal, is_active
+
+
+metadata = sa.MetaData()
+"""The current schema (:data:`SCHEMA_VERSION`), which every query is written against."""
+jobs, concurrency, schema_version = _define(metadata, SCHEMA_VERSION)
+IS_QUEUED, IS_HANDED_OFF, IS_TERMINAL, IS_ACTIVE = _predicates(jobs)
 
 CHANNEL_PREFIX = "broker_jobs_"
 _MAX_IDENTIFIER_BYTES = 63
@@ -174,7 +214,9 @@ def _create_notify_trigger(conn: sa.Connection, schema: str | None) -> None:
 def _v1_initial(conn: sa.Connection, schema: str | None) -> None:
     """Version 1: the three tables, their indexes and (PostgreSQL) the notify trigger."""
     # The caller has checked, under the setup lock, that no table exists yet.
-    metadata.create_all(conn, checkfirst=False)
+    v1 = sa.MetaData()
+    _define(v1, 1)
+    v1.create_all(conn, checkfirst=False)
     conn.execute(schema_version.insert().values(id=1, version=0))
     if conn.dialect.name == "postgresql":
         table = _qualified(conn, schema, "broker_jobs")
@@ -185,9 +227,21 @@ def _v1_initial(conn: sa.Connection, schema: str | None) -> None:
         _create_notify_trigger(conn, schema)
 
 
+def _v2_unique_key(conn: sa.Connection, schema: str | None) -> None:
+    """Version 2: ``unique_key`` and its partial unique index over active jobs.
+
+    The column is nullable with no default, so adding it rewrites no rows on either
+    backend; the index is empty for existing rows, whose key is NULL.
+    """
+    table = _qualified(conn, schema, "broker_jobs")
+    conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN unique_key TEXT")
+    (index,) = (i for i in jobs.indexes if i.name == UNIQUE_ACTIVE_INDEX)
+    index.create(conn)
+
+
 Migration = Callable[[sa.Connection, str | None], None]
 
-MIGRATIONS: tuple[tuple[int, Migration], ...] = ((1, _v1_initial),)
+MIGRATIONS: tuple[tuple[int, Migration], ...] = ((1, _v1_initial), (2, _v2_unique_key))
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 
 assert [v for v, _ in MIGRATIONS] == list(range(1, SCHEMA_VERSION + 1)), (

@@ -20,6 +20,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import replace
 from datetime import datetime
 
+from broker.exceptions import UniqueKeyTakenError
 from broker.jobs import (
     ACTIVE_STATUSES,
     TERMINAL_STATUSES,
@@ -45,6 +46,7 @@ class MemoryAdapter:
         self._clock = clock
         self._jobs: dict[uuid.UUID, Job] = {}
         self._by_idempotency_key: dict[str, uuid.UUID] = {}
+        self._active_by_unique_key: dict[str, uuid.UUID] = {}
         self._active_by_key: Counter[str] = Counter()
         self._listeners: list[Callable[[], None]] = []
 
@@ -87,8 +89,16 @@ class MemoryAdapter:
             if spec.id in self._jobs:
                 results.append(EnqueueResult(self._snapshot(spec.id), duplicate=True))
                 continue
+            holder = (
+                self._active_by_unique_key.get(spec.unique_key)
+                if spec.unique_key is not None
+                else None
+            )
+            if holder is not None:
+                results.append(EnqueueResult(self._snapshot(holder), duplicate=True))
+                continue
             job = Job.from_spec(spec, now)
-            self._jobs[job.id] = job
+            self._put(job)
             if spec.idempotency_key is not None:
                 self._by_idempotency_key[spec.idempotency_key] = job.id
             results.append(EnqueueResult(self._snapshot(job.id), duplicate=False))
@@ -162,7 +172,7 @@ class MemoryAdapter:
                 handed_off_at=now,
                 updated_at=now,
             )
-            self._jobs[job.id] = job
+            self._put(job)
             claimed.append(self._snapshot(job.id))
         return claimed
 
@@ -172,7 +182,7 @@ class MemoryAdapter:
         if job is None or job.status is not JobStatus.HANDED_OFF or job.handoff_id != handoff_id:
             return False
         self._release_key(job)
-        self._jobs[job_id] = replace(job, updated_at=self._clock(), **changes)  # type: ignore[arg-type]
+        self._put(replace(job, updated_at=self._clock(), **changes))  # type: ignore[arg-type]
         return True
 
     def _release_key(self, job: Job) -> None:
@@ -240,7 +250,7 @@ class MemoryAdapter:
         if job.status in ACTIVE_STATUSES:
             if job.status is JobStatus.HANDED_OFF:
                 self._release_key(job)
-            self._jobs[job_id] = replace(job, status=JobStatus.CANCELLED, updated_at=self._clock())
+            self._put(replace(job, status=JobStatus.CANCELLED, updated_at=self._clock()))
         return self._snapshot(job_id)
 
     async def retry_dead(self, job_id: uuid.UUID) -> Job | None:
@@ -248,10 +258,19 @@ class MemoryAdapter:
         if job is None:
             return None
         if job.status is JobStatus.FAILED:
-            now = self._clock()
-            self._jobs[job_id] = replace(
-                job, status=JobStatus.QUEUED, attempts=0, run_at=now, updated_at=now
+            holder = (
+                self._active_by_unique_key.get(job.unique_key)
+                if job.unique_key is not None
+                else None
             )
+            if holder is not None:
+                raise UniqueKeyTakenError(
+                    f"job {job_id} cannot be retried: job {holder} holds its unique key "
+                    f"{job.unique_key!r} while it is queued or running",
+                    holder_id=holder,
+                )
+            now = self._clock()
+            self._put(replace(job, status=JobStatus.QUEUED, attempts=0, run_at=now, updated_at=now))
         return self._snapshot(job_id)
 
     async def get_job(self, job_id: uuid.UUID) -> Job | None:
@@ -325,6 +344,17 @@ class MemoryAdapter:
             if job.idempotency_key is not None:
                 self._by_idempotency_key.pop(job.idempotency_key, None)
         return len(doomed)
+
+    def _put(self, job: Job) -> None:
+        """Store ``job``, keeping the index of active unique keys in step with its status."""
+        self._jobs[job.id] = job
+        key = job.unique_key
+        if key is None:
+            return
+        if job.status in ACTIVE_STATUSES:
+            self._active_by_unique_key[key] = job.id
+        elif self._active_by_unique_key.get(key) == job.id:
+            del self._active_by_unique_key[key]
 
     def _snapshot(self, job_id: uuid.UUID) -> Job:
         """A deep copy, so callers can never mutate the store through a returned job."""

@@ -44,6 +44,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from adapters._sql_schema import (
+    IS_ACTIVE,
     IS_HANDED_OFF,
     IS_QUEUED,
     IS_TERMINAL,
@@ -59,6 +60,7 @@ from broker.exceptions import (
     MissingDriverError,
     SchemaVersionError,
     StorageError,
+    UniqueKeyTakenError,
 )
 from broker.jobs import (
     TERMINAL_STATUSES,
@@ -74,6 +76,7 @@ from broker.jobs import (
     Settlement,
     utcnow,
 )
+from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, check_all
 from broker.storage import SCHEMA_VERSION, Capabilities, JobFilter, JobPage, QueueCount
 
 logger = logging.getLogger(__name__)
@@ -147,6 +150,7 @@ def _job_from_row(row: Mapping[Any, Any]) -> Job:
         concurrency_key=row["concurrency_key"],
         concurrency_limit=row["concurrency_limit"],
         timeout=None if timeout is None else float(timeout),
+        unique_key=row["unique_key"],
     )
 
 
@@ -174,6 +178,7 @@ def _spec_row(spec: JobSpec, now_us: int) -> dict[str, Any]:
         "concurrency_key": spec.concurrency_key,
         "concurrency_limit": spec.concurrency_limit,
         "timeout_s": None if spec.timeout is None else float(spec.timeout),
+        "unique_key": spec.unique_key,
     }
 
 
@@ -261,7 +266,9 @@ class SQLAlchemyAdapter:
     """A :class:`~broker.storage.StorageAdapter` on SQLite (a file) or PostgreSQL.
 
     ``schema`` (PostgreSQL only) puts the tables in that schema, creating it if needed.
-    Call :meth:`setup` before use and :meth:`close` when done.
+    ``max_payload_bytes`` caps a job's args and kwargs (as JSON) in
+    :meth:`enqueue_in_transaction`, which does not pass through the main's own check;
+    ``None`` turns the cap off. Call :meth:`setup` before use and :meth:`close` when done.
     """
 
     def __init__(
@@ -272,10 +279,16 @@ class SQLAlchemyAdapter:
         schema: str | None = None,
         pool_size: int = 5,
         echo: bool = False,
+        max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES,
     ) -> None:
         resolved, backend = _resolve_url(url)
         if pool_size < 1:
             raise ConfigurationError(f"pool_size must be at least 1 (got {pool_size})")
+        if max_payload_bytes is not None and max_payload_bytes < 1:
+            raise ConfigurationError(
+                f"max_payload_bytes must be positive or None (got {max_payload_bytes})"
+            )
+        self._max_payload_bytes = max_payload_bytes
         self._clock = clock
         self._backend = backend
         self._pg = backend == "postgresql"
@@ -421,9 +434,13 @@ class SQLAlchemyAdapter:
         never refers to data that was rolled back, and data never lacks its job. ``conn``
         must be on this adapter's database (any engine). On PostgreSQL the insert trigger
         wakes the main at commit; on SQLite the main's short poll finds the jobs.
+
+        :raises PayloadTooLargeError: a job's args and kwargs exceed ``max_payload_bytes``;
+            nothing of the batch is inserted.
         """
         if not specs:
             return []
+        check_all(specs, self._max_payload_bytes)
         if self._schema is not None:
             conn = await conn.execution_options(schema_translate_map={None: self._schema})
         try:
@@ -482,28 +499,41 @@ class SQLAlchemyAdapter:
             if not pending:
                 return out
         raise StorageError(
-            f"enqueue failed on {self._url_text}: the job holding an idempotency key kept "
-            "disappearing between insert and lookup"
+            f"enqueue failed on {self._url_text}: the job holding an idempotency or unique "
+            "key kept disappearing (or finishing) between insert and lookup"
         )
 
     async def _find_holders(
         self, conn: AsyncConnection, specs: Sequence[JobSpec]
     ) -> list[Job | None]:
-        """For each spec that did not insert, the stored job that blocked it."""
+        """For each spec that did not insert, the stored job that blocked it: the holder of
+        its idempotency key, else the job with its id, else the *active* holder of its
+        unique key (the same order the in-memory store checks them in)."""
         found: list[Job] = []
         for chunk in _chunks(specs):
             keys = [s.idempotency_key for s in chunk if s.idempotency_key is not None]
+            uniques = [s.unique_key for s in chunk if s.unique_key is not None]
             cond: sa.ColumnElement[bool] = jobs.c.id.in_([s.id for s in chunk])
             if keys:
                 cond = sa.or_(cond, jobs.c.idempotency_key.in_(keys))
+            if uniques:
+                # IS_ACTIVE is the partial unique index's own predicate.
+                cond = sa.or_(cond, sa.and_(jobs.c.unique_key.in_(uniques), IS_ACTIVE))
             rows = (await conn.execute(sa.select(jobs).where(cond))).mappings()
             found.extend(_job_from_row(r) for r in rows)
         by_key = {j.idempotency_key: j for j in found if j.idempotency_key is not None}
         by_id = {j.id: j for j in found}
+        by_unique = {
+            j.unique_key: j for j in found if j.unique_key is not None and j.status.is_active
+        }
         holders: list[Job | None] = []
         for spec in specs:
             job = by_key.get(spec.idempotency_key) if spec.idempotency_key else None
-            holders.append(job if job is not None else by_id.get(spec.id))
+            if job is None:
+                job = by_id.get(spec.id)
+            if job is None and spec.unique_key is not None:
+                job = by_unique.get(spec.unique_key)
+            holders.append(job)
         return holders
 
     # ------------------------------------------------------------------ dispatch
@@ -807,12 +837,45 @@ class SQLAlchemyAdapter:
             .values(status=_QUEUED, attempts=0, run_at_us=now_us, updated_us=now_us)
             .returning(*jobs.c)
         )
-        async with self._write("retry_dead") as conn:
-            row = (await conn.execute(update)).mappings().first()
-            if row is None:
-                select = sa.select(jobs).where(jobs.c.id == job_id)
-                row = (await conn.execute(select)).mappings().first()
+        try:
+            async with self._write("retry_dead") as conn:
+                dead = (
+                    await conn.execute(
+                        sa.select(jobs.c.unique_key).where(
+                            jobs.c.id == job_id, jobs.c.status == JobStatus.FAILED.value
+                        )
+                    )
+                ).first()
+                if dead is not None and dead.unique_key is not None:
+                    await self._refuse_if_unique_key_held(conn, job_id, dead.unique_key)
+                row = (await conn.execute(update)).mappings().first()
+                if row is None:
+                    select = sa.select(jobs).where(jobs.c.id == job_id)
+                    row = (await conn.execute(select)).mappings().first()
+        except StorageError as exc:
+            # A job holding the key was enqueued (by another process) after the check.
+            if isinstance(exc.__cause__, sa_exc.IntegrityError):
+                raise UniqueKeyTakenError(
+                    f"job {job_id} cannot be retried: another job took its unique key while "
+                    "it is queued or running"
+                ) from exc
+            raise
         return None if row is None else _job_from_row(row)
+
+    async def _refuse_if_unique_key_held(
+        self, conn: AsyncConnection, job_id: uuid.UUID, key: str
+    ) -> None:
+        holder = (
+            await conn.execute(
+                sa.select(jobs.c.id).where(jobs.c.unique_key == key, IS_ACTIVE).limit(1)
+            )
+        ).scalar()
+        if holder is not None:
+            raise UniqueKeyTakenError(
+                f"job {job_id} cannot be retried: job {holder} holds its unique key {key!r} "
+                "while it is queued or running; retry once that job has finished",
+                holder_id=holder,
+            )
 
     # ------------------------------------------------------------------ inspection
 

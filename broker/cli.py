@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
-import json
 import logging
 import os
 import signal
@@ -18,13 +17,16 @@ import socket
 import sys
 import uuid
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
-from broker import composition
-from broker.client import Client
+from broker import admin, composition, protocol
 from broker.exceptions import BrokerError, ConfigurationError
-from broker.jobs import ExecutionMode
-from broker.main import DEFAULT_PORT, Main, MainSettings
+from broker.jobs import ExecutionMode, JobStatus
+from broker.main import DEFAULT_PORT, Main, MainSettings, line_limit_for
+from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES
+from broker.retention import Retention
+from broker.schedule import declared_in
 from broker.tasks import default_registry
 from broker.worker import Worker
 
@@ -85,6 +87,54 @@ def _host_port(text: str) -> tuple[str, int]:
 
 
 # ------------------------------------------------------------------------ broker-main
+
+
+def _ttl_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (got {text!r})") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"seconds must be 0 or more (got {text!r})")
+    return value
+
+
+def _ttl(seconds: float) -> timedelta | None:
+    """A retention age; 0 keeps that class of jobs forever."""
+    return timedelta(seconds=seconds) if seconds > 0 else None
+
+
+_RETENTION_OPTIONS: list[tuple[str, Any, Callable[[str], Any], str, str]] = [
+    (
+        "--retention-completed",
+        7 * 86400.0,
+        _ttl_seconds,
+        "SECONDS",
+        "delete completed and cancelled jobs this many seconds after they finished "
+        "(0: keep forever)",
+    ),
+    (
+        "--retention-dead",
+        30 * 86400.0,
+        _ttl_seconds,
+        "SECONDS",
+        "delete failed (dead) jobs this many seconds after they died (0: keep forever)",
+    ),
+    (
+        "--retention-max-rows",
+        None,
+        _number(int, "retention max rows"),
+        "N",
+        "keep at most the newest N finished jobs, whatever their age (default: no cap)",
+    ),
+    (
+        "--retention-interval",
+        60.0,
+        _number(float, "retention interval"),
+        "SECONDS",
+        "seconds between retention passes",
+    ),
+]
 
 
 def main_parser() -> argparse.ArgumentParser:
@@ -157,9 +207,35 @@ def main_parser() -> argparse.ArgumentParser:
         "--max-line-bytes",
         action=_EnvDefault,
         envvar="BROKER_MAX_LINE_BYTES",
-        default=1 << 20,
         type=_number(int, "max line bytes"),
-        help="largest protocol message accepted after the handshake",
+        help="largest protocol message accepted after the handshake "
+        "(default: 2 MiB, or the payload limit plus 1 MiB if that is more)",
+    )
+    p.add_argument(
+        "--max-payload-bytes",
+        action=_EnvDefault,
+        envvar="BROKER_MAX_PAYLOAD_BYTES",
+        default=DEFAULT_MAX_PAYLOAD_BYTES,
+        type=_number(int, "max payload bytes"),
+        help="largest args+kwargs of a job, and largest result, as JSON",
+    )
+    for flag, default, kind, metavar, text in _RETENTION_OPTIONS:
+        p.add_argument(
+            flag,
+            action=_EnvDefault,
+            envvar="BROKER_" + flag.removeprefix("--").replace("-", "_").upper(),
+            default=default,
+            type=kind,
+            metavar=metavar,
+            help=text,
+        )
+    p.add_argument(
+        "--schedules",
+        action="append",
+        default=None,
+        metavar="MODULE",
+        help="module declaring periodic jobs (@task(cron=...), schedules = [...]); "
+        "repeatable [env BROKER_SCHEDULES, comma-separated]",
     )
     p.add_argument(
         "--log-level",
@@ -172,6 +248,11 @@ def main_parser() -> argparse.ArgumentParser:
 
 
 async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | None = None) -> None:
+    modules = list(args.schedules or [])
+    if not modules and os.environ.get("BROKER_SCHEDULES"):
+        modules = [m.strip() for m in os.environ["BROKER_SCHEDULES"].split(",") if m.strip()]
+    load_apps(modules)
+    schedules = declared_in(modules)
     settings = MainSettings(
         host=args.host,
         port=int(args.port),
@@ -180,10 +261,17 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         orphan_grace=float(args.orphan_grace),
         ping_interval=float(args.ping_interval),
         liveness_timeout=float(args.liveness_timeout),
-        max_line_bytes=int(args.max_line_bytes),
+        max_payload_bytes=int(args.max_payload_bytes),
+        max_line_bytes=int(args.max_line_bytes or line_limit_for(int(args.max_payload_bytes))),
+    )
+    retention = Retention(
+        completed_ttl=_ttl(args.retention_completed),
+        dead_ttl=_ttl(args.retention_dead),
+        max_terminal_rows=args.retention_max_rows,
+        interval=float(args.retention_interval),
     )
     store = composition.open_store(args.database_url, args.adapter)
-    main = Main(store, settings)
+    main = Main(store, settings, schedules=schedules, retention=retention)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -405,87 +493,148 @@ def worker_entry(argv: Sequence[str] | None = None) -> int:
 # ------------------------------------------------------------------------ broker (operator)
 
 
+def _job_id(text: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a job id (a UUID), got {text!r}") from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (got {text!r})") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"seconds must be a finite number >= 0 (got {text!r})")
+    return value
+
+
+def _page_size(text: str) -> int:
+    value = _count(text)
+    if not 1 <= value <= protocol.MAX_LIST_LIMIT:
+        raise argparse.ArgumentTypeError(
+            f"must be 1-{protocol.MAX_LIST_LIMIT} (got {text!r}); use --all to follow pages"
+        )
+    return value
+
+
 def broker_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="broker", description="Enqueue and inspect jobs.")
+    p = argparse.ArgumentParser(
+        prog="broker",
+        description="Operate the broker: status, jobs, job, retry, cancel, enqueue, prune. "
+        "Talks to the main; when the main cannot be reached and --database-url is set, "
+        "works on the store directly.",
+    )
     _add_main_address(p)
     p.add_argument(
         "--token", action=_EnvDefault, envvar="BROKER_TOKEN", help="shared secret the main requires"
     )
+    p.add_argument(
+        "--database-url",
+        action=_EnvDefault,
+        envvar="BROKER_DATABASE_URL",
+        help="job store URL, used only when the main cannot be reached (default: none)",
+    )
+    p.add_argument(
+        "--adapter",
+        action=_EnvDefault,
+        envvar="BROKER_ADAPTER",
+        help="custom storage adapter factory for --database-url, package.module:factory",
+    )
+    p.add_argument(
+        "--timeout",
+        action=_EnvDefault,
+        envvar="BROKER_TIMEOUT",
+        default=10.0,
+        type=_number(float, "timeout"),
+        help="seconds to wait for the main to connect and to answer",
+    )
     sub = p.add_subparsers(dest="command", required=True)
-    enq = sub.add_parser("enqueue", help="enqueue a job and print its id")
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        cmd = sub.add_parser(name, help=text, description=text)
+        cmd.add_argument("--json", action="store_true", help="print JSON (docs/reference/cli.md)")
+        return cmd
+
+    command("status", "job counts per queue, workers and pending recoveries")
+    jobs = command("jobs", "list jobs, newest first")
+    jobs.add_argument(
+        "--status",
+        action="append",
+        choices=[s.value for s in JobStatus],
+        help="only jobs in this status; repeatable",
+    )
+    jobs.add_argument("--queue", action="append", help="only jobs in this queue; repeatable")
+    jobs.add_argument("--task", action="append", help="only jobs of this task; repeatable")
+    jobs.add_argument("--limit", type=_page_size, default=50, help="jobs per page (default 50)")
+    jobs.add_argument("--cursor", default=None, help="the page after this one (from a listing)")
+    jobs.add_argument("--all", action="store_true", help="follow every page to the end")
+    for name, text in (
+        ("job", "show one job"),
+        ("retry", "put a dead (failed) job back in the queue with a fresh attempt count"),
+        ("cancel", "cancel a queued or running job"),
+    ):
+        command(name, text).add_argument("job_id", type=_job_id)
+    enq = command("enqueue", "enqueue a job and print its id")
     enq.add_argument("task", help="registered task name, e.g. app.tasks.send_email")
     enq.add_argument("args_json", nargs="?", default="[]", help="positional args as a JSON list")
     enq.add_argument("--kwargs", default="{}", help="keyword args as a JSON object")
     enq.add_argument("--queue", default=None)
     enq.add_argument("--priority", type=int, default=None, help="higher runs first")
-    enq.add_argument("--delay", type=float, default=None, help="seconds before it may run")
+    enq.add_argument("--delay", type=_seconds, default=None, help="seconds before it may run")
     enq.add_argument("--idempotency-key", default=None)
+    enq.add_argument(
+        "--unique-key",
+        default=None,
+        help="while a queued or running job holds this key, return it instead of a new one",
+    )
     enq.add_argument("--mode", choices=[m.value for m in ExecutionMode], default=None)
-    enq.add_argument("--json", action="store_true", help="print the result as JSON")
-    job = sub.add_parser("job", help="show one job")
-    job.add_argument("job_id")
-    job.add_argument("--json", action="store_true", help="print the job as JSON")
-    cancel = sub.add_parser("cancel", help="cancel a queued or running job")
-    cancel.add_argument("job_id")
-    cancel.add_argument("--json", action="store_true")
+    prune = command("prune", "delete finished jobs (never a queued or running one)")
+    prune.add_argument(
+        "--older-than",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="delete finished jobs last updated more than SECONDS ago",
+    )
+    prune.add_argument(
+        "--keep-latest",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="delete all but the newest N finished jobs",
+    )
+    prune.add_argument(
+        "--status",
+        action="append",
+        choices=[s.value for s in JobStatus if s.is_terminal],
+        help="prune only this finished status; repeatable (default: all three)",
+    )
     return p
-
-
-def _json_arg(text: str, what: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigurationError(f"{what} is not valid JSON: {exc}") from None
-
-
-def _print_job(job: dict[str, Any] | None, as_json: bool) -> int:
-    if job is None:
-        print("no such job", file=sys.stderr)
-        return 1
-    if as_json:
-        print(json.dumps(job, indent=2, sort_keys=True))
-    else:
-        width = max(len(k) for k in job)
-        for key, value in job.items():
-            print(f"{key:<{width}}  {json.dumps(value) if not isinstance(value, str) else value}")
-    return 0
 
 
 async def run_broker(args: argparse.Namespace) -> int:
     host, port = _host_port(args.main)
-    async with Client(host, port, token=args.token or None) as client:
-        match args.command:
-            case "enqueue":
-                params = _json_arg(args.args_json, "ARGS_JSON")
-                if not isinstance(params, list):
-                    raise ConfigurationError("ARGS_JSON must be a JSON list, e.g. '[1, \"a\"]'")
-                kwargs = _json_arg(args.kwargs, "--kwargs")
-                if not isinstance(kwargs, dict):
-                    raise ConfigurationError("--kwargs must be a JSON object")
-                result = await client.enqueue(
-                    args.task,
-                    params,
-                    kwargs,
-                    queue=args.queue,
-                    priority=args.priority,
-                    delay=args.delay,
-                    idempotency_key=args.idempotency_key,
-                    execution_mode=args.mode,
-                )
-                if args.json:
-                    print(json.dumps({"job_id": str(result.job_id), "duplicate": result.duplicate}))
-                else:
-                    print(result.job_id)
-                return 0
-            case "job":
-                return _print_job(await client.get_job(args.job_id), args.json)
-            case "cancel":
-                return _print_job(await client.cancel(args.job_id), args.json)
-    return 2
+    backend = await admin.open_backend(
+        host,
+        port,
+        token=args.token or None,
+        timeout=float(args.timeout),
+        database_url=args.database_url or None,
+        adapter=args.adapter or None,
+    )
+    try:
+        return await admin.run_command(backend, args)
+    finally:
+        await backend.close()
 
 
 def broker_entry(argv: Sequence[str] | None = None) -> int:
-    args = broker_parser().parse_args(argv)
+    parser = broker_parser()
+    args = parser.parse_args(argv)
+    if args.command == "prune" and args.older_than is None and args.keep_latest is None:
+        parser.error("prune needs --older-than SECONDS, --keep-latest N, or both")
     _configure_logging("WARNING")
     result: list[int] = []
 

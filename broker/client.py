@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import threading
 import uuid
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Collection, Coroutine, Mapping, Sequence
 from concurrent.futures import Future as ThreadFuture
 from dataclasses import dataclass
 from datetime import datetime
@@ -26,18 +27,35 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from broker import protocol, wire
-from broker.exceptions import BrokerError, InvalidJobError, ProtocolError, StorageError
+from broker.exceptions import (
+    BrokerError,
+    InvalidJobError,
+    PayloadTooLargeError,
+    ProtocolError,
+    StorageError,
+)
 from broker.jobs import ExecutionMode, JobSpec, JobStatus, JSONValue
 from broker.main import DEFAULT_PORT
 from broker.tasks import Task
 
 T = TypeVar("T")
 
+MAX_REPLY_BYTES = 64 << 20
+"""The longest reply line the client reads. Replies come from the authenticated main and
+may carry whole jobs (args and result) or pages of them, so the cap is generous."""
+
 
 @dataclass(frozen=True, slots=True)
 class Enqueued:
     job_id: uuid.UUID
     duplicate: bool
+
+
+@dataclass(frozen=True, slots=True)
+class JobListPage:
+    jobs: list[dict[str, JSONValue]]
+    """Each as :meth:`broker.jobs.Job.to_dict` shows it, newest first."""
+    next_cursor: str | None
 
 
 class Client:
@@ -58,6 +76,8 @@ class Client:
         self._pending: dict[str, asyncio.Future[protocol.Message]] = {}
         self._ids = itertools.count(1)
         self._connect_lock = asyncio.Lock()
+        self._max_line_bytes: int | None = None
+        """The main's line cap from its welcome: a longer request would be refused."""
 
     async def __aenter__(self) -> Self:
         await self.connect()
@@ -76,10 +96,10 @@ class Client:
             if self._writer is not None and not self._writer.is_closing:
                 return
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port, limit=(1 << 20) + 2),
+                asyncio.open_connection(self.host, self.port, limit=MAX_REPLY_BYTES + 2),
                 self._timeout,
             )
-            lines = wire.LineReader(reader, max_line_bytes=1 << 20)
+            lines = wire.LineReader(reader, max_line_bytes=MAX_REPLY_BYTES)
             out = wire.MessageWriter(writer)
             try:
                 challenge = await asyncio.wait_for(wire.read_message(lines), self._timeout)
@@ -96,6 +116,7 @@ class Client:
                     raise ProtocolError(f"the main refused the connection: {welcome.message}")
                 if not isinstance(welcome, protocol.Welcome):
                     raise ProtocolError(f"expected welcome from the main, got {welcome!r}")
+                self._max_line_bytes = welcome.max_line_bytes
             except BaseException:
                 await out.close()
                 raise
@@ -176,8 +197,13 @@ class Client:
         execution_mode: ExecutionMode | str | None = None,
         concurrency_key: str | None = None,
         concurrency_limit: int | None = None,
+        unique_key: str | None = None,
     ) -> Enqueued:
-        """Enqueue one job; a registered ``Task`` contributes its defaults."""
+        """Enqueue one job; a registered ``Task`` contributes its defaults.
+
+        ``unique_key``: while a queued or running job holds the key, the enqueue returns
+        that job with ``duplicate=True`` instead of making another.
+        """
         options: dict[str, Any] = {
             "queue": queue,
             "priority": priority,
@@ -186,6 +212,7 @@ class Client:
             "execution_mode": ExecutionMode(execution_mode) if execution_mode else None,
             "concurrency_key": concurrency_key,
             "concurrency_limit": concurrency_limit,
+            "unique_key": unique_key,
         }
         overrides = {k: v for k, v in options.items() if v is not None}
         if isinstance(task, Task):
@@ -211,6 +238,19 @@ class Client:
         return await self.enqueue_requests([protocol.JobRequest.from_spec(s) for s in specs])
 
     async def enqueue_requests(self, requests: Sequence[protocol.JobRequest]) -> list[Enqueued]:
+        """:raises PayloadTooLargeError: the request would not fit in one line the main
+        accepts (it would close the connection); the main enforces its payload limit too."""
+        await self.connect()
+        limit = self._max_line_bytes
+        if limit is not None:
+            longest_id = "r" + "9" * 20  # request ids are "r<n>"; never longer than this
+            probe = protocol.Enqueue(request_id=longest_id, jobs=list(requests))
+            size = len(protocol.encode(probe)) - 1
+            if size > limit:
+                raise PayloadTooLargeError(
+                    f"the enqueue request is {size} bytes, over the main's line limit of "
+                    f"{limit} bytes; send fewer or smaller jobs"
+                )
         reply = await self._request(
             lambda rid: protocol.Enqueue(request_id=rid, jobs=list(requests))
         )
@@ -234,6 +274,66 @@ class Client:
         if not isinstance(reply, protocol.JobInfo):
             raise ProtocolError(f"unexpected reply to cancel: {reply!r}")
         return reply.job
+
+    async def retry(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
+        """Put a dead (``failed``) job back in the queue with a fresh attempt count; a job in
+        any other status comes back unchanged, and ``None`` means there is no such job."""
+        reply = await self._request(
+            lambda rid: protocol.Retry(request_id=rid, job_id=uuid.UUID(str(job_id)))
+        )
+        if not isinstance(reply, protocol.JobInfo):
+            raise ProtocolError(f"unexpected reply to retry: {reply!r}")
+        return reply.job
+
+    async def status(self) -> dict[str, JSONValue]:
+        """The main's operator snapshot: queues, workers, pending recoveries."""
+        reply = await self._request(lambda rid: protocol.Status(request_id=rid))
+        if not isinstance(reply, protocol.StatusInfo):
+            raise ProtocolError(f"unexpected reply to status: {reply!r}")
+        return reply.status
+
+    async def list_jobs(
+        self,
+        *,
+        statuses: Collection[JobStatus | str] | None = None,
+        queues: Collection[str] | None = None,
+        tasks: Collection[str] | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> JobListPage:
+        """One page of jobs, newest first; pass ``next_cursor`` back for the next page."""
+        request = functools.partial(
+            protocol.ListJobs,
+            statuses=None if statuses is None else [JobStatus(s) for s in statuses],
+            queues=None if queues is None else list(queues),
+            tasks=None if tasks is None else list(tasks),
+            limit=limit,
+            cursor=cursor,
+        )
+        reply = await self._request(lambda rid: request(request_id=rid))
+        if not isinstance(reply, protocol.JobList):
+            raise ProtocolError(f"unexpected reply to list_jobs: {reply!r}")
+        return JobListPage(jobs=reply.jobs, next_cursor=reply.next_cursor)
+
+    async def prune(
+        self,
+        *,
+        older_than: float | None = None,
+        keep_latest: int | None = None,
+        statuses: Collection[JobStatus | str] | None = None,
+    ) -> int:
+        """Delete terminal jobs last updated over ``older_than`` seconds ago, and those beyond
+        the newest ``keep_latest``; returns how many were deleted."""
+        request = functools.partial(
+            protocol.Prune,
+            older_than_seconds=None if older_than is None else float(older_than),
+            keep_latest=keep_latest,
+            statuses=None if statuses is None else [JobStatus(s) for s in statuses],
+        )
+        reply = await self._request(lambda rid: request(request_id=rid))
+        if not isinstance(reply, protocol.Pruned):
+            raise ProtocolError(f"unexpected reply to prune: {reply!r}")
+        return reply.deleted
 
     async def wait(
         self,
@@ -282,6 +382,18 @@ class SyncClient:
 
     def cancel(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
         return self._call(self._client.cancel(job_id))
+
+    def retry(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
+        return self._call(self._client.retry(job_id))
+
+    def status(self) -> dict[str, JSONValue]:
+        return self._call(self._client.status())
+
+    def list_jobs(self, **kwargs: Any) -> JobListPage:
+        return self._call(self._client.list_jobs(**kwargs))
+
+    def prune(self, **kwargs: Any) -> int:
+        return self._call(self._client.prune(**kwargs))
 
     def wait(self, job_id: uuid.UUID | str, **kwargs: Any) -> dict[str, JSONValue]:
         return self._call(self._client.wait(job_id, **kwargs))

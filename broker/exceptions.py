@@ -6,7 +6,8 @@ The tree, so a caller can catch as broadly or as narrowly as it needs::
     ├── ConfigurationError        a setting or option is invalid; fix it and restart
     │   └── MissingDriverError    a store URL needs a package that is not installed
     ├── InvalidJobError           an enqueue request is malformed (bad field, bad JSON)
-    │   └── PayloadTooLargeError  args, kwargs or a result exceed the configured limit
+    │   ├── PayloadTooLargeError  args, kwargs or a result exceed the configured limit
+    │   └── UniqueKeyTakenError   another active job holds the unique key (retry_dead)
     ├── StorageError              the job store failed; the operation may be retried
     │   └── SchemaVersionError    the store's schema is newer than this code
     ├── ProtocolError             a peer broke the wire protocol; the connection is closed
@@ -20,6 +21,8 @@ tells the reader what happened; pass a message to say more.
 """
 
 from __future__ import annotations
+
+import uuid
 
 
 class BrokerError(Exception):
@@ -43,6 +46,15 @@ class InvalidJobError(BrokerError):
 
 class PayloadTooLargeError(InvalidJobError):
     """The job's payload is larger than the configured limit and was not stored."""
+
+
+class UniqueKeyTakenError(InvalidJobError):
+    """Another queued or running job holds this job's unique key, so it cannot be queued."""
+
+    def __init__(self, message: str | None = None, *, holder_id: uuid.UUID | None = None) -> None:
+        super().__init__(message)
+        self.holder_id = holder_id
+        """The id of the active job holding the key, when the store could tell."""
 
 
 class StorageError(BrokerError):

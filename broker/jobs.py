@@ -32,6 +32,8 @@ JSONValue: TypeAlias = Any
 DEFAULT_QUEUE = "default"
 DEFAULT_MAX_RETRIES = 10
 """Ten retries after the first run, so eleven runs in all before a job is dead."""
+MAX_UNIQUE_KEY_BYTES = 1024
+"""Longest ``unique_key`` (UTF-8): it is indexed, and a B-tree entry has a size limit."""
 
 
 class JobStatus(enum.StrEnum):
@@ -108,6 +110,8 @@ class JobSpec:
     timeout: float | None = None
     execution_mode: ExecutionMode = ExecutionMode.POOLED
     id: uuid.UUID = field(default_factory=uuid.uuid4)
+    unique_key: str | None = None
+    """At most one *active* (queued or handed-off) job holds a unique key at a time."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.task, str) or not self.task.strip():
@@ -129,6 +133,14 @@ class JobSpec:
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise InvalidJobError("max_attempts must be an integer of at least 1")
         _require_aware("run_at", self.run_at)
+        if self.unique_key is not None and (
+            not isinstance(self.unique_key, str)
+            or not self.unique_key
+            or len(self.unique_key.encode("utf-8", "surrogatepass")) > MAX_UNIQUE_KEY_BYTES
+        ):
+            raise InvalidJobError(
+                f"unique_key must be a non-empty string of at most {MAX_UNIQUE_KEY_BYTES} bytes"
+            )
         if (self.concurrency_key is None) != (self.concurrency_limit is None):
             raise InvalidJobError("concurrency_key and concurrency_limit go together")
         if self.concurrency_limit is not None and (
@@ -178,6 +190,7 @@ class Job:
     concurrency_key: str | None = None
     concurrency_limit: int | None = None
     timeout: float | None = None
+    unique_key: str | None = None
 
     @classmethod
     def from_spec(cls, spec: JobSpec, now: datetime) -> Job:
@@ -200,6 +213,7 @@ class Job:
             concurrency_key=spec.concurrency_key,
             concurrency_limit=spec.concurrency_limit,
             timeout=spec.timeout,
+            unique_key=spec.unique_key,
         )
 
     @property
@@ -231,6 +245,7 @@ class Job:
             "concurrency_key": self.concurrency_key,
             "concurrency_limit": self.concurrency_limit,
             "timeout": self.timeout,
+            "unique_key": self.unique_key,
         }
 
 
@@ -272,4 +287,5 @@ class Settlement:
 class EnqueueResult:
     job: Job
     duplicate: bool
-    """True when an existing job with the same idempotency key was returned instead."""
+    """True when an existing job was returned instead: the one holding the same idempotency
+    key, or the active one holding the same unique key."""

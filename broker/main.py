@@ -23,8 +23,10 @@ import logging
 import secrets
 import socket
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
+from typing import Any
 
 from broker import protocol, wire
 from broker.admission import Credits
@@ -32,6 +34,7 @@ from broker.exceptions import (
     BrokerError,
     ConfigurationError,
     InvalidJobError,
+    PayloadTooLargeError,
     ProtocolError,
 )
 from broker.jobs import (
@@ -39,20 +42,44 @@ from broker.jobs import (
     Clock,
     ExecutionMode,
     Job,
+    JobSpec,
     JobStatus,
     Outcome,
     Settlement,
     utcnow,
 )
+from broker.payload import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    LINE_HEADROOM_BYTES,
+    check_args,
+    encoded_size,
+    result_too_large,
+)
 from broker.recovery import RecoveryLedger
+from broker.retention import Retention, run_retention
 from broker.retry import RetryDelay, next_run_after_failure, retry_delay
-from broker.storage import JobFilter, StorageAdapter, SupportsNotify
+from broker.schedule import Schedule, Scheduler, catch_up_window
+from broker.storage import JobFilter, QueueCount, StorageAdapter, SupportsNotify
 
 logger = logging.getLogger("broker.main")
 
 Report = protocol.Completed | protocol.Failed | protocol.Reschedule | protocol.Release
 
 DEFAULT_PORT = 7390
+
+
+DEFAULT_MAX_LINE_BYTES = 2 << 20
+"""2 MiB: the default payload limit (1 MiB) plus ample room for the rest of a message."""
+
+DEFAULT_RETENTION = Retention()
+"""Completed and cancelled jobs kept 7 days, dead ones 30 days, no row cap."""
+
+
+def line_limit_for(max_payload_bytes: int | None) -> int:
+    """The default ``max_line_bytes`` for a payload limit: at least 1 MiB above it."""
+    if max_payload_bytes is None:
+        return DEFAULT_MAX_LINE_BYTES
+    return max(DEFAULT_MAX_LINE_BYTES, max_payload_bytes + (1 << 20))
 
 
 @dataclass(frozen=True)
@@ -64,7 +91,11 @@ class MainSettings:
     token: str | None = None
     allow_unauthenticated: bool = False
     """Permit a non-loopback listen address without a token (say, inside a private network)."""
-    max_line_bytes: int = 1 << 20
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    """Longest line accepted after the handshake; must exceed ``max_payload_bytes`` by at
+    least 64 KiB so a job at the payload limit still fits in one message."""
+    max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES
+    """Largest args + kwargs of a job, and largest result, as JSON; ``None``: no limit."""
     preauth_max_line_bytes: int = 64 << 10
     handshake_timeout: float = 2.0
     ping_interval: float = 5.0
@@ -99,6 +130,19 @@ class MainSettings:
                 raise ConfigurationError(f"{name} must be positive (got {value!r})")
         if self.orphan_grace < 0:
             raise ConfigurationError("orphan_grace must not be negative")
+        if self.max_payload_bytes is not None:
+            if not self.max_payload_bytes > 0:
+                raise ConfigurationError(
+                    f"max_payload_bytes must be positive (got {self.max_payload_bytes!r})"
+                )
+            if self.max_line_bytes < self.max_payload_bytes + LINE_HEADROOM_BYTES:
+                raise ConfigurationError(
+                    f"max_line_bytes ({self.max_line_bytes}) must exceed max_payload_bytes "
+                    f"({self.max_payload_bytes}) by at least {LINE_HEADROOM_BYTES} bytes, so "
+                    "a job at the payload limit fits in one message; raise --max-line-bytes "
+                    f"(e.g. to {line_limit_for(self.max_payload_bytes)}) or lower "
+                    "--max-payload-bytes"
+                )
         if self.liveness_timeout <= self.ping_interval:
             raise ConfigurationError("liveness_timeout must be longer than ping_interval")
         if not 0 <= self.port < 65536:
@@ -135,6 +179,8 @@ class Session:
     credits: Credits = field(default_factory=Credits)
     leases: dict[uuid.UUID, Job] = field(default_factory=dict)
     draining: bool = False
+    reported_status: dict[str, Any] | None = None
+    """The worker's last ``worker_status`` (its runners' capacity and start-up errors)."""
     closed: bool = False
     last_seen: float = 0.0
     errors: int = 0
@@ -162,6 +208,8 @@ class Main:
         *,
         clock: Clock = utcnow,
         retry_delay_fn: RetryDelay = retry_delay,
+        schedules: Sequence[Schedule] = (),
+        retention: Retention | None = DEFAULT_RETENTION,
     ) -> None:
         self.store = store
         self.settings = settings or MainSettings()
@@ -187,6 +235,17 @@ class Main:
         self._reports_idle.set()
         self._stopping = False
         self.dispatched = 0
+        self.retention = retention
+        """Pruning of finished jobs (see :mod:`broker.retention`); ``None``: never prune."""
+        self.scheduler = Scheduler(
+            store,
+            schedules,
+            clock=clock,
+            on_enqueued=self.wake,
+            error_retry_interval=self.settings.error_retry_interval,
+            catch_up_window=catch_up_window(retention),
+        )
+        """Enqueues the periodic jobs' ticks, each once (see :mod:`broker.schedule`)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -215,6 +274,14 @@ class Main:
             self._tasks.append(asyncio.create_task(self._orphan_deadline(), name="broker-orphans"))
         if self.store.capabilities.listen_notify and isinstance(self.store, SupportsNotify):
             self._tasks.append(asyncio.create_task(self._listen(), name="broker-listen"))
+        if self.retention is not None:
+            self._tasks.append(
+                asyncio.create_task(
+                    run_retention(self.store, self.retention, self._clock), name="broker-retention"
+                )
+            )
+        if self.scheduler.schedules:
+            self._tasks.append(asyncio.create_task(self.scheduler.run(), name="broker-schedule"))
         logger.info(
             "main listening main_id=%s host=%s port=%s orphans=%d",
             self.main_id,
@@ -639,7 +706,17 @@ class Main:
                 self._reports.append((session, msg))
                 self._reports_idle.clear()
                 self._reports_ready.set()
-            case protocol.Enqueue() | protocol.GetJob() | protocol.Cancel():
+            case protocol.WorkerStatus(status=status) if worker:
+                session.reported_status = status
+            case (
+                protocol.Enqueue()
+                | protocol.GetJob()
+                | protocol.Cancel()
+                | protocol.Retry()
+                | protocol.Status()
+                | protocol.ListJobs()
+                | protocol.Prune()
+            ):
                 self._spawn_report(session, msg)
             case _:
                 session.errors += 1
@@ -671,14 +748,42 @@ class Main:
                 case protocol.Cancel(request_id=rid, job_id=job_id):
                     job = await self.store.cancel(job_id)
                     if job is not None:
-                        self._forget_lease(job.handoff_id)
+                        self._stop_cancelled(job)
                     session.send(
                         protocol.JobInfo(request_id=rid, job=job.to_dict() if job else None)
                     )
+                case protocol.Retry(request_id=rid, job_id=job_id):
+                    job = await self.store.retry_dead(job_id)
+                    if job is not None and job.status is JobStatus.QUEUED:
+                        logger.info("job retried job_id=%s", job.id)
+                        self.wake()
+                    session.send(
+                        protocol.JobInfo(request_id=rid, job=job.to_dict() if job else None)
+                    )
+                case protocol.Status(request_id=rid):
+                    session.send(protocol.StatusInfo(request_id=rid, status=await self.status()))
+                case protocol.ListJobs():
+                    await self._list_jobs(session, msg)
+                case protocol.Prune(request_id=rid):
+                    older_than = (
+                        None
+                        if msg.older_than_seconds is None
+                        else self._clock() - timedelta(seconds=msg.older_than_seconds)
+                    )
+                    deleted = await self.store.prune(
+                        older_than=older_than, keep_latest=msg.keep_latest, statuses=msg.statuses
+                    )
+                    logger.info("jobs pruned deleted=%d", deleted)
+                    session.send(protocol.Pruned(request_id=rid, deleted=deleted))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            logger.exception("request failed session=%d type=%s", session.id, msg.type)
+            if isinstance(exc, InvalidJobError):  # the client's mistake: no traceback
+                logger.warning(
+                    "request refused session=%d type=%s reason=%s", session.id, msg.type, exc
+                )
+            else:
+                logger.exception("request failed session=%d type=%s", session.id, msg.type)
             request_id = getattr(msg, "request_id", None)
             if request_id is not None:
                 code = (
@@ -692,9 +797,57 @@ class Main:
                     protocol.RequestError(request_id=request_id, code=code, message=str(exc))
                 )
 
+    def _stop_cancelled(self, job: Job) -> None:
+        """The store has cancelled ``job``: forget its lease and tell the worker holding it
+        to stop it. Whatever that worker reports later is fenced out (``stale``)."""
+        lease = job.handoff_id
+        if lease is None:
+            return
+        self.orphans.pop(lease, None)
+        for session in self.sessions.values():
+            if session.leases.pop(lease, None) is None:
+                continue
+            if job.status is JobStatus.CANCELLED:
+                session.send(protocol.CancelJob(job_id=job.id, handoff_id=lease))
+                logger.info(
+                    "running job cancelled job_id=%s handoff_id=%s worker_id=%s",
+                    job.id,
+                    lease,
+                    session.worker_id,
+                )
+
+    async def _list_jobs(self, session: Session, msg: protocol.ListJobs) -> None:
+        """One page; halved until the reply fits in a line, so large payloads never make a
+        reply the client would have to reject."""
+        job_filter = JobFilter(statuses=msg.statuses, queues=msg.queues, tasks=msg.tasks)
+        limit = msg.limit
+        while True:
+            try:
+                page = await self.store.list_jobs(job_filter, limit=limit, cursor=msg.cursor)
+            except ValueError as exc:
+                session.send(
+                    protocol.RequestError(
+                        request_id=msg.request_id,
+                        code=protocol.ErrorCode.MALFORMED,
+                        message=f"list_jobs.cursor is not valid: {exc}"[:200],
+                    )
+                )
+                return
+            reply = protocol.JobList(
+                request_id=msg.request_id,
+                jobs=[job.to_dict() for job in page.jobs],
+                next_cursor=page.next_cursor,
+            )
+            if limit == 1 or len(protocol.encode(reply)) <= self.settings.max_line_bytes:
+                session.send(reply)
+                return
+            limit = max(1, limit // 2)
+
     async def _enqueue(self, session: Session, msg: protocol.Enqueue) -> None:
         now = self._clock()
         specs = [request.to_spec(now) for request in msg.jobs]
+        for spec in specs:  # all checked before any is stored: the batch is all or nothing
+            self._check_payload(spec)
         results = await self.store.enqueue_many(specs)
         session.send(
             protocol.Enqueued(
@@ -712,6 +865,20 @@ class Main:
                 result.duplicate,
             )
         self.wake()
+
+    def _check_payload(self, spec: JobSpec) -> None:
+        """Refuse a job over the payload limit, or one whose job message would not fit in a
+        line (only absurdly long task or queue names can do that within the limit)."""
+        limit = self.settings.max_payload_bytes
+        if limit is None:
+            return
+        size = check_args(spec, limit)
+        message = size + encoded_size(spec.task) + encoded_size(spec.queue) + _JOB_MESSAGE_OVERHEAD
+        if message > self.settings.max_line_bytes:
+            raise PayloadTooLargeError(
+                f"job {spec.id} of task {spec.task[:100]!r}: its job message would be about "
+                f"{message} bytes, over the line limit of {self.settings.max_line_bytes} bytes"
+            )
 
     async def _report_loop(self) -> None:
         """Group commit: every report that arrived while the previous batch was committing
@@ -775,6 +942,8 @@ class Main:
             protocol.Reschedule: {JobStatus.QUEUED},
             protocol.Release: {JobStatus.QUEUED},
         }[type(msg)]
+        if isinstance(msg, protocol.Completed) and self._result_problem(msg) is not None:
+            settled_as = {JobStatus.FAILED}  # an oversized result is recorded as a failure
         if job.status in settled_as:
             return protocol.AckStatus.DUPLICATE
         return protocol.AckStatus.STALE
@@ -783,6 +952,14 @@ class Main:
         now = self._clock()
         match msg:
             case protocol.Completed(job_id=job_id, handoff_id=lease, result=result):
+                problem = self._result_problem(msg)
+                if problem is not None:
+                    # Never write an oversized result: the job fails, without retry (the
+                    # same arguments would produce the same result).
+                    logger.warning(
+                        "result refused job_id=%s handoff_id=%s reason=%s", job_id, lease, problem
+                    )
+                    return Settlement(job_id, lease, Outcome.FAIL, error=problem, run_at=None)
                 return Settlement(job_id, lease, Outcome.COMPLETE, result=result)
             case protocol.Failed(job_id=job_id, handoff_id=lease, error=error, retry=retry):
                 job = self._held_job(lease) or await self.store.get_job(job_id)
@@ -797,6 +974,9 @@ class Main:
                 return Settlement(job_id, lease, Outcome.RESCHEDULE, run_at=run_at)
             case protocol.Release(job_id=job_id, handoff_id=lease):
                 return Settlement(job_id, lease, Outcome.RETURN)
+
+    def _result_problem(self, msg: protocol.Completed) -> str | None:
+        return result_too_large(msg.result, self.settings.max_payload_bytes)
 
     def _held_job(self, lease: uuid.UUID) -> Job | None:
         for session in self.sessions.values():
@@ -849,29 +1029,83 @@ class Main:
             self.ledger.add(job.id, lease, "worker connection ended")
         session.leases.clear()
 
-    def status(self) -> dict[str, object]:
-        """A JSON-ready snapshot for operators: workers, credits, leases, pending recoveries."""
+    async def status(self) -> dict[str, Any]:
+        """A JSON-ready snapshot for operators (``broker status``): job counts per queue,
+        workers with their capacity and start-up errors, and pending recoveries.
+
+        The shape is documented in ``docs/reference/cli.md``.
+        """
+        counts = await self.store.count_jobs()
         return {
             "main_id": self.main_id,
             "dispatched": self.dispatched,
+            "orphans": len(self.orphans),
+            "queues": queue_summary(counts, self._clock()),
+            "workers": [
+                _worker_summary(s) for s in self.sessions.values() if s.role is protocol.Role.WORKER
+            ],
             "pending_recoveries": [
                 {"job_id": str(job_id), "handoff_id": str(lease)}
                 for lease, job_id in self.ledger.pending().items()
             ],
-            "orphans": len(self.orphans),
-            "workers": [
-                {
-                    "session": s.id,
-                    "worker_id": s.worker_id,
-                    "host": s.host,
-                    "draining": s.draining,
-                    "in_flight": len(s.leases),
-                    "credits": {m.value: s.credits.available(m) for m in ExecutionMode},
-                }
-                for s in self.sessions.values()
-                if s.role is protocol.Role.WORKER
-            ],
         }
+
+
+def queue_summary(counts: list[QueueCount], now: datetime) -> list[dict[str, Any]]:
+    """Per queue: a count for every status, and how long its oldest queued job has been
+    due (``null`` when nothing is queued; ``0`` when the queued jobs are all scheduled)."""
+    queues: dict[str, dict[str, Any]] = {}
+    for row in counts:
+        entry = queues.setdefault(
+            row.queue,
+            {
+                "queue": row.queue,
+                "counts": {status.value: 0 for status in JobStatus},
+                "oldest_queued_run_at": None,
+                "oldest_queued_age_seconds": None,
+            },
+        )
+        entry["counts"][row.status.value] += row.count
+        if row.status is JobStatus.QUEUED and row.oldest_run_at is not None:
+            age = max(0.0, (now - row.oldest_run_at).total_seconds())
+            entry["oldest_queued_run_at"] = row.oldest_run_at.isoformat()
+            entry["oldest_queued_age_seconds"] = round(age, 3)
+    return [queues[name] for name in sorted(queues)]
+
+
+def _worker_summary(session: Session) -> dict[str, Any]:
+    reported = session.reported_status or {}
+    runners = reported.get("runners")
+    runners = runners if isinstance(runners, dict) else {}
+    capacity: dict[str, Any] = {}
+    busy: dict[str, Any] = {}
+    startup_errors: dict[str, Any] = {}
+    for mode, runner in runners.items():
+        if not isinstance(runner, dict):
+            continue
+        capacity[mode] = runner.get("capacity")
+        busy[mode] = runner.get("busy")
+        if runner.get("startup_error"):
+            startup_errors[mode] = runner["startup_error"]
+    return {
+        "session": session.id,
+        "worker_id": session.worker_id,
+        "host": session.host,
+        "modes": sorted(m.value for m in session.modes),
+        "queues": sorted(session.queues) if session.queues is not None else None,
+        "draining": session.draining,
+        "in_flight": len(session.leases),
+        "credits": {m.value: session.credits.available(m) for m in session.modes},
+        "capacity": capacity,
+        "busy": busy,
+        "startup_errors": startup_errors,
+        "status_reported": session.reported_status is not None,
+    }
+
+
+_JOB_MESSAGE_OVERHEAD = 1024
+"""Bytes of a job message besides args, kwargs, task and queue (ids, numbers, field names);
+the real figure is under 500."""
 
 
 def _job_message(seq: int, job: Job) -> protocol.Job:

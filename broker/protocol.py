@@ -32,7 +32,14 @@ from datetime import datetime, timedelta
 from typing import Any, ClassVar, TypeAlias, TypeVar
 
 from broker.exceptions import InvalidJobError, ProtocolError
-from broker.jobs import DEFAULT_QUEUE, ExecutionMode, JobSpec, JSONValue
+from broker.jobs import (
+    DEFAULT_QUEUE,
+    TERMINAL_STATUSES,
+    ExecutionMode,
+    JobSpec,
+    JobStatus,
+    JSONValue,
+)
 
 PROTOCOL_VERSION = 1
 """Bumped on any change an older peer would misread; extra fields do not need it."""
@@ -278,6 +285,24 @@ class Draining:
 
 
 @dataclass(frozen=True, slots=True)
+class CancelJob:
+    """The job under this lease was cancelled: stop running it. Its report, if any, will be
+    acknowledged ``stale`` (the store already says ``cancelled``)."""
+
+    type: ClassVar[str] = "cancel_job"
+    job_id: uuid.UUID
+    handoff_id: uuid.UUID
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """The worker's own view (``Worker.status()``) for operators; the main keeps the last one."""
+
+    type: ClassVar[str] = "worker_status"
+    status: dict[str, JSONValue]
+
+
+@dataclass(frozen=True, slots=True)
 class Ping:
     type: ClassVar[str] = "ping"
     nonce: int
@@ -324,6 +349,8 @@ class JobRequest:
     timeout: float | None = None
     execution_mode: ExecutionMode = ExecutionMode.POOLED
     id: uuid.UUID | None = None
+    unique_key: str | None = None
+    """At most one queued or running job per key; an older main ignores the field."""
 
     def to_spec(self, now: datetime) -> JobSpec:
         """Raises :class:`InvalidJobError`, which the main answers with ``invalid_job``."""
@@ -358,6 +385,7 @@ class JobRequest:
             concurrency_limit=self.concurrency_limit,
             timeout=self.timeout,
             execution_mode=self.execution_mode,
+            unique_key=self.unique_key,
             **optional,
         )
 
@@ -377,6 +405,7 @@ class JobRequest:
             timeout=spec.timeout,
             execution_mode=spec.execution_mode,
             id=spec.id,
+            unique_key=spec.unique_key,
         )
 
 
@@ -384,7 +413,8 @@ class JobRequest:
 class EnqueuedRef:
     job_id: uuid.UUID
     duplicate: bool
-    """True when an existing job with the same idempotency key was returned instead."""
+    """True when an existing job was returned instead: the holder of the same idempotency
+    key, or the queued or running holder of the same unique key."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -436,6 +466,97 @@ class RequestError:
     message: str
 
 
+MAX_LIST_LIMIT = 1000
+"""The most jobs one ``list_jobs`` page may carry."""
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """Put a dead (``failed``) job back in the queue; answered with ``job_info``."""
+
+    type: ClassVar[str] = "retry"
+    request_id: str
+    job_id: uuid.UUID
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    type: ClassVar[str] = "status"
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class StatusInfo:
+    """``status`` is the main's operator snapshot (``docs/reference/cli.md`` shows it)."""
+
+    type: ClassVar[str] = "status_info"
+    request_id: str
+    status: dict[str, JSONValue]
+
+
+@dataclass(frozen=True, slots=True)
+class ListJobs:
+    """One page of jobs, newest first; ``null`` filters match anything."""
+
+    type: ClassVar[str] = "list_jobs"
+    request_id: str
+    statuses: list[JobStatus] | None = None
+    queues: list[str] | None = None
+    tasks: list[str] | None = None
+    limit: int = 50
+    cursor: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.limit <= MAX_LIST_LIMIT, f"limit must be 1-{MAX_LIST_LIMIT}")
+
+
+@dataclass(frozen=True, slots=True)
+class JobList:
+    """``jobs`` are :meth:`broker.jobs.Job.to_dict`; ``next_cursor`` is null on the last page."""
+
+    type: ClassVar[str] = "job_list"
+    request_id: str
+    jobs: list[dict[str, JSONValue]]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Prune:
+    """Delete terminal jobs: those last updated over ``older_than_seconds`` ago, and those
+    beyond the newest ``keep_latest``; ``statuses`` narrows which terminal statuses."""
+
+    type: ClassVar[str] = "prune"
+    request_id: str
+    older_than_seconds: float | None = None
+    keep_latest: int | None = None
+    statuses: list[JobStatus] | None = None
+
+    def __post_init__(self) -> None:
+        _check(
+            self.older_than_seconds is not None or self.keep_latest is not None,
+            "give older_than_seconds or keep_latest (or both)",
+        )
+        _check(
+            self.older_than_seconds is None
+            or (math.isfinite(self.older_than_seconds) and self.older_than_seconds >= 0),
+            "older_than_seconds must not be negative",
+        )
+        _check(
+            self.keep_latest is None or self.keep_latest >= 0, "keep_latest must not be negative"
+        )
+        _check(
+            self.statuses is None or all(s in TERMINAL_STATUSES for s in self.statuses),
+            "statuses must be terminal (completed, failed, cancelled)",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Pruned:
+    type: ClassVar[str] = "pruned"
+    request_id: str
+    deleted: int
+
+
 Message: TypeAlias = (
     Challenge
     | Hello
@@ -457,6 +578,15 @@ Message: TypeAlias = (
     | JobInfo
     | Cancel
     | RequestError
+    | CancelJob
+    | WorkerStatus
+    | Retry
+    | Status
+    | StatusInfo
+    | ListJobs
+    | JobList
+    | Prune
+    | Pruned
 )
 
 MESSAGE_TYPES: Mapping[str, type[Message]] = {cls.type: cls for cls in typing.get_args(Message)}

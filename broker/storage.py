@@ -21,8 +21,12 @@ The rules every implementation must keep:
 * **Concurrency keys.** At most ``concurrency_limit`` jobs sharing a
   ``concurrency_key`` are ``handed_off`` at once. The slot is taken inside the
   claim and given back by every transition out of ``handed_off``.
+* **Unique keys.** At most one job holding a given ``unique_key`` is active
+  (``queued`` or ``handed_off``) at a time; enqueueing another returns the active one
+  as a duplicate, and once it is terminal a new one may be enqueued.
 * **Raise only for transient trouble** (wrap it in ``StorageError``): the main
-  treats an exception as "outcome unknown" and retries or recovers.
+  treats an exception as "outcome unknown" and retries or recovers. The one
+  deliberate exception is ``retry_dead`` refusing with ``UniqueKeyTakenError``.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from broker.jobs import (
     Settlement,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """The schema version this code writes and understands; stores record theirs."""
 
 
@@ -113,6 +117,12 @@ class StorageAdapter(Protocol):
         A key stays taken as long as the job holding it is in the store, whatever its
         status, so a client that repeats an enqueue after a timeout never makes a
         second job; the result then carries that job and ``duplicate=True``.
+
+        A ``unique_key`` is taken only while its job is active (queued or handed off):
+        an enqueue with the key of an active job returns that job with
+        ``duplicate=True`` and stores nothing (its idempotency key stays free); once
+        that job is completed, failed or cancelled, the next enqueue makes a new job.
+        The idempotency key is checked first, then the id, then the unique key.
         """
 
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
@@ -199,7 +209,13 @@ class StorageAdapter(Protocol):
         """
 
     async def retry_dead(self, job_id: uuid.UUID) -> Job | None:
-        """Put a ``failed`` (dead) job back in the queue with a fresh attempt count."""
+        """Put a ``failed`` (dead) job back in the queue with a fresh attempt count.
+
+        Any other job is returned unchanged; ``None`` if there is no job.
+
+        :raises UniqueKeyTakenError: the job has a ``unique_key`` that another active
+            job holds now; nothing changes (retry again once that job has finished).
+        """
 
     async def get_job(self, job_id: uuid.UUID) -> Job | None: ...
 

@@ -8,15 +8,27 @@ by importing the app's own modules, which the operator names on the command line
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
+import re
+import string
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
-from broker.exceptions import ConfigurationError, TaskNotFoundError
-from broker.jobs import DEFAULT_MAX_RETRIES, DEFAULT_QUEUE, ExecutionMode, JobSpec, JSONValue
+from broker.exceptions import ConfigurationError, InvalidJobError, TaskNotFoundError
+from broker.jobs import (
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_QUEUE,
+    MAX_UNIQUE_KEY_BYTES,
+    ExecutionMode,
+    JobSpec,
+    JSONValue,
+)
+from broker.schedule import default_schedules, schedule_for_task
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -24,7 +36,12 @@ R = TypeVar("R")
 
 @dataclass(frozen=True)
 class Task(Generic[P, R]):
-    """A registered function plus the defaults its jobs get."""
+    """A registered function plus the defaults its jobs get.
+
+    ``concurrency_key`` may be a template such as ``"sync:{account_id}"``: each job's key
+    is formatted from its arguments, keyword or positional (bound to parameter names).
+    With ``unique=True`` each job gets :func:`default_unique_key` unless one is given.
+    """
 
     name: str
     func: Callable[P, R]
@@ -36,6 +53,7 @@ class Task(Generic[P, R]):
     concurrency_key: str | None = None
     concurrency_limit: int | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    unique: bool = False
 
     @property
     def is_async(self) -> bool:
@@ -67,6 +85,10 @@ class Task(Generic[P, R]):
         if "retries" in overrides:
             overrides["max_attempts"] = int(overrides.pop("retries")) + 1
         fields.update(overrides)
+        if "concurrency_key" not in overrides and self.concurrency_key is not None:
+            fields["concurrency_key"] = self._format_key(self.concurrency_key, args, kwargs or {})
+        if self.unique and fields.get("unique_key") is None:
+            fields["unique_key"] = default_unique_key(self.name, args, kwargs or {})
         return JobSpec(
             task=self.name,
             args=tuple(args),
@@ -75,6 +97,96 @@ class Task(Generic[P, R]):
             idempotency_key=idempotency_key,
             **fields,
         )
+
+    def _format_key(
+        self, template: str, args: Sequence[JSONValue], kwargs: Mapping[str, JSONValue]
+    ) -> str:
+        """``template`` with ``{name}`` fields filled from this job's arguments."""
+        if "{" not in template and "}" not in template:
+            return template
+        values = _bound_arguments(self.func, args, kwargs)
+        try:
+            return template.format_map(values)
+        except KeyError as exc:
+            raise InvalidJobError(
+                f"concurrency_key {template!r} of task {self.name!r} needs the argument "
+                f"{exc.args[0]!r}, which this job does not give (by keyword or by position)"
+            ) from None
+        except (IndexError, AttributeError, TypeError, ValueError) as exc:
+            raise InvalidJobError(
+                f"cannot format concurrency_key {template!r} of task {self.name!r}: {exc}"
+            ) from None
+
+
+def _bound_arguments(
+    func: Callable[..., Any], args: Sequence[JSONValue], kwargs: Mapping[str, JSONValue]
+) -> dict[str, Any]:
+    """The job's arguments by parameter name (defaults applied), as a call would bind them."""
+    values: dict[str, Any] = dict(kwargs)
+    try:
+        signature = inspect.signature(func)
+        bound = signature.bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return values  # arguments that do not fit the signature: keyword names only
+    bound.apply_defaults()
+    for name, value in bound.arguments.items():
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            values.update(value)
+        else:
+            values[name] = value
+    return values
+
+
+def _check_key_template(fn: Callable[..., Any], template: str) -> None:
+    """Refuse, at registration, a concurrency_key template the function cannot fill."""
+    try:
+        names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"concurrency_key {template!r} is not a valid template: {exc}"
+        ) from None
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for name in names:
+        base = re.split(r"[.\[]", name, maxsplit=1)[0]
+        if not base.isidentifier():
+            raise ConfigurationError(
+                f"concurrency_key {template!r} must name parameters (e.g. {{account_id}}), "
+                f"not positions ({{{name}}})"
+            )
+        if base not in params and not open_ended:
+            raise ConfigurationError(
+                f"concurrency_key {template!r} names {base!r}, which is not a parameter "
+                f"of {fn.__qualname__}"
+            )
+
+
+def default_unique_key(
+    task_name: str, args: Sequence[JSONValue], kwargs: Mapping[str, JSONValue]
+) -> str:
+    """The unique key of a ``@task(unique=True)`` job: the task name and its arguments.
+
+    ``f"{task_name}:{json}"``, where ``json`` is ``{"args": [...], "kwargs": {...}}``
+    compact, with sorted keys and non-ASCII escaped. Keys longer than
+    :data:`~broker.jobs.MAX_UNIQUE_KEY_BYTES` become ``f"{task_name}:sha256:{hex}"`` of
+    that JSON. ``f(1)`` and ``f(x=1)`` are different keys: arguments are taken as given.
+    """
+    try:
+        text = json.dumps(
+            {"args": list(args), "kwargs": dict(kwargs)},
+            sort_keys=True,
+            separators=(",", ":"),
+            allow_nan=False,
+        )
+    except (TypeError, ValueError) as exc:
+        raise InvalidJobError(f"args and kwargs must be JSON-serialisable: {exc}") from exc
+    key = f"{task_name}:{text}"
+    if len(key.encode("utf-8", "surrogatepass")) <= MAX_UNIQUE_KEY_BYTES:
+        return key
+    return f"{task_name}:sha256:{hashlib.sha256(text.encode()).hexdigest()}"
 
 
 class TaskRegistry:
@@ -136,6 +248,11 @@ def task(
     concurrency_key: str | None = None,
     concurrency_limit: int | None = None,
     registry: TaskRegistry | None = None,
+    cron: str | None = None,
+    every: timedelta | None = None,
+    timezone: str | None = None,
+    catch_up: bool | None = None,
+    unique: bool = False,
 ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
 
@@ -152,8 +269,21 @@ def task(
     concurrency_key: str | None = None,
     concurrency_limit: int | None = None,
     registry: TaskRegistry | None = None,
+    cron: str | None = None,
+    every: timedelta | None = None,
+    timezone: str | None = None,
+    catch_up: bool | None = None,
+    unique: bool = False,
 ) -> Task[P, R] | Callable[[Callable[P, R]], Task[P, R]]:
-    """Register a function as a task, by default under its ``module.function`` path."""
+    """Register a function as a task, by default under its ``module.function`` path.
+
+    ``cron`` (with an explicit ``timezone``) or ``every`` also declares a periodic job of
+    this task, named after it, in :data:`broker.schedule.default_schedules`.
+
+    ``concurrency_key`` may name the function's parameters, as in
+    ``"sync:{account_id}"``; ``unique=True`` keeps at most one queued or running job per
+    task and arguments (see :func:`default_unique_key`).
+    """
 
     def register(fn: Callable[P, R]) -> Task[P, R]:
         if retries < 0:
@@ -162,6 +292,8 @@ def task(
             execution_mode = ExecutionMode(mode)
         except ValueError:
             raise ConfigurationError(f"unknown execution mode {mode!r}") from None
+        if concurrency_key is not None:
+            _check_key_template(fn, concurrency_key)
         registered = Task(
             name=name or f"{_module_name(fn)}.{fn.__qualname__}",
             func=fn,
@@ -172,8 +304,14 @@ def task(
             execution_mode=execution_mode,
             concurrency_key=concurrency_key,
             concurrency_limit=concurrency_limit,
+            unique=unique,
+        )
+        periodic = schedule_for_task(
+            registered, cron=cron, every=every, timezone=timezone, catch_up=catch_up
         )
         (registry or default_registry).add(registered)
+        if periodic is not None:
+            default_schedules.add(periodic)
         return registered
 
     return register(func) if func is not None else register

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -107,6 +108,8 @@ class _Connection:
     unsent: deque[LeaseKey] = field(default_factory=deque)
     pongs: list[int] = field(default_factory=list)
     draining_sent: bool = False
+    status_sent: tuple[object, ...] | None = None
+    """What the last ``worker_status`` said about capacity and start-up errors."""
 
 
 class Worker:
@@ -183,6 +186,8 @@ class Worker:
         self._fast = False
         self._stop_requested = asyncio.Event()
         self._fast_requested = asyncio.Event()
+        self._cancels: set[asyncio.Task[bool]] = set()
+        """Cancellations the main asked for, while their runner stops the job."""
 
     # ------------------------------------------------------------------ public
 
@@ -297,7 +302,8 @@ class Worker:
         await asyncio.gather(
             *(runner.stop(grace=0) for runner in self._runners.values()), return_exceptions=True
         )
-        tasks: list[asyncio.Task[None]] = [running.task for running in self._running.values()]
+        tasks: list[asyncio.Task[Any]] = [running.task for running in self._running.values()]
+        tasks.extend(self._cancels)
         if connection is not None:
             tasks.append(connection)
         for task in tasks:
@@ -502,6 +508,10 @@ class Worker:
                 report = self._outbox.get(key)
                 if report is not None:
                     batch.append(self._sendable(key, report, conn.max_line_bytes))
+            if self._ready_due or conn.status_sent is None:
+                status = self._status_message(conn)
+                if status is not None:
+                    batch.append(status)
             if self._ready_due:
                 self._ready_due = False
                 batch.append(self._ready_message(conn))
@@ -534,6 +544,8 @@ class Worker:
                 self._on_job(conn, msg)
             case protocol.ReportAck():
                 self._on_ack(msg)
+            case protocol.CancelJob():
+                self._on_cancel(msg)
             case protocol.Ping(nonce=nonce):
                 conn.pongs.append(nonce)
                 self._wake.set()
@@ -549,6 +561,49 @@ class Worker:
                 )
             case _:
                 self._logger.warning("ignoring an unexpected %s message from the main", msg.type)
+
+    def _status_message(self, conn: _Connection) -> protocol.WorkerStatus | None:
+        """A ``worker_status`` when capacity or a start-up error changed since the last one
+        sent on this connection (always the first time), else ``None``."""
+        runners = {mode: runner.status() for mode, runner in self._runners.items()}
+        signature = (
+            self._draining,
+            *((mode, st.capacity, st.startup_error) for mode, st in runners.items()),
+        )
+        if signature == conn.status_sent:
+            return None
+        conn.status_sent = signature
+        status = self.status()
+        status["runners"] = {mode.value: dataclasses.asdict(st) for mode, st in runners.items()}
+        msg = protocol.WorkerStatus(status=status)
+        try:
+            protocol.encode(msg)
+        except ValueError:  # a runner's details that are not JSON must not cost the status
+            for runner_status in status["runners"].values():
+                runner_status["details"] = {}
+        return msg
+
+    def _on_cancel(self, msg: protocol.CancelJob) -> None:
+        """The main cancelled this job: stop it. Its outcome is still reported, and the
+        main acknowledges it ``stale`` because the store already says ``cancelled``."""
+        key = (msg.job_id, msg.handoff_id)
+        running = self._running.get(key)
+        if running is None:
+            self._log_job(logging.INFO, "cancel for a job not running here; nothing to stop", key)
+            return
+        self._log_job(logging.WARNING, "job cancelled by the main", key)
+        runner = self._runners[running.assignment.execution_mode]
+        task = asyncio.create_task(runner.cancel(msg.job_id), name=f"broker-cancel-{msg.job_id}")
+        self._cancels.add(task)
+        task.add_done_callback(functools.partial(self._cancel_done, key))
+
+    def _cancel_done(self, key: LeaseKey, task: asyncio.Task[bool]) -> None:
+        self._cancels.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self._log_job(logging.ERROR, "stopping a cancelled job failed", key, error=repr(exc))
 
     def _on_job(self, conn: _Connection, msg: protocol.Job) -> None:
         if msg.seq <= conn.seen:

@@ -11,7 +11,7 @@ import pytest
 
 from broker import protocol as p
 from broker.exceptions import InvalidJobError, ProtocolError
-from broker.jobs import ExecutionMode, JobSpec
+from broker.jobs import ExecutionMode, JobSpec, JobStatus
 
 JOB_ID = uuid.UUID("0b5e6a4e-8a0c-4f5e-9b57-0d7f2c1e9a11")
 LEASE_ID = uuid.UUID("6f1c2d3e-4b5a-4c6d-8e7f-9a0b1c2d3e4f")
@@ -89,6 +89,24 @@ SAMPLES: list[p.Message] = [
     p.JobInfo(request_id="r2", job=None),
     p.Cancel(request_id="r3", job_id=JOB_ID),
     p.RequestError(request_id="r3", code=p.ErrorCode.NOT_FOUND, message="no such job"),
+    p.CancelJob(JOB_ID, LEASE_ID),
+    p.WorkerStatus(status={"worker_id": "w1", "runners": {"pooled": {"capacity": 4}}}),
+    p.Retry(request_id="r4", job_id=JOB_ID),
+    p.Status(request_id="r5"),
+    p.StatusInfo(request_id="r5", status={"main_id": "main-1", "queues": []}),
+    p.ListJobs(request_id="r6"),
+    p.ListJobs(
+        request_id="r6",
+        statuses=[JobStatus.FAILED, JobStatus.QUEUED],
+        queues=["q"],
+        tasks=["t"],
+        limit=2,
+        cursor="abc",
+    ),
+    p.JobList(request_id="r6", jobs=[{"id": str(JOB_ID)}], next_cursor=None),
+    p.Prune(request_id="r7", older_than_seconds=86400.0, keep_latest=10),
+    p.Prune(request_id="r7", keep_latest=0, statuses=[JobStatus.COMPLETED]),
+    p.Pruned(request_id="r7", deleted=3),
 ]
 
 

@@ -490,6 +490,10 @@ async def test_sqlite_hot_queries_use_their_partial_indexes(sqlite_backend: Back
     assert "ix_broker_jobs_worker" in worker
     pruning = await plan(sa.select(jobs.c.id).where(IS_TERMINAL, jobs.c.updated_us < 5).limit(9))
     assert "ix_broker_jobs_terminal_updated" in pruning
+    from adapters._sql_schema import IS_ACTIVE
+
+    holder = await plan(sa.select(jobs.c.id).where(jobs.c.unique_key == "k", IS_ACTIVE))
+    assert "ux_broker_jobs_unique_key_active" in holder
 
 
 # --------------------------------------------------------------------------- ordering
@@ -590,16 +594,78 @@ async def test_an_older_store_is_migrated_forward(
     store = await backend.open()
     job = await _enqueue(store)
     ran: list[int] = []
+    nxt = SCHEMA_VERSION + 1
     monkeypatch.setattr(
-        _sql_schema, "MIGRATIONS", (*_sql_schema.MIGRATIONS, (2, lambda c, s: ran.append(2)))
+        _sql_schema, "MIGRATIONS", (*_sql_schema.MIGRATIONS, (nxt, lambda c, s: ran.append(nxt)))
     )
-    monkeypatch.setattr("adapters.sql.SCHEMA_VERSION", 2)
+    monkeypatch.setattr("adapters.sql.SCHEMA_VERSION", nxt)
     await backend.adapter().setup()
-    assert ran == [2]
-    assert await _scalar(store, "SELECT version FROM {s}broker_schema") == 2
+    assert ran == [nxt]
+    assert await _scalar(store, "SELECT version FROM {s}broker_schema") == nxt
     await backend.adapter().setup()
-    assert ran == [2], "a migration runs once"
+    assert ran == [nxt], "a migration runs once"
     assert await store.get_job(job.id) == job
+
+
+async def test_a_version_1_store_is_migrated_to_unique_keys(backend: Backend) -> None:
+    """A store written by a version-1 broker (built by the v1 migration alone) gains the
+    unique_key column and its partial index, keeps its jobs, and enforces the key."""
+    from adapters import _sql_schema
+
+    old = backend.adapter()
+
+    def create_v1(conn: sa.Connection) -> None:
+        if old._schema is not None:
+            conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{old._schema}"')
+        _sql_schema._v1_initial(conn, old._schema)
+        conn.execute(_sql_schema.schema_version.update().values(version=1))
+        v1_jobs = _sql_schema._define(sa.MetaData(), 1)[0]
+        assert "unique_key" not in v1_jobs.c
+        row = {c.name: None for c in v1_jobs.c if c.name != "seq"}
+        row.update(
+            id=uuid.UUID(int=7),
+            task="legacy.task",
+            args="[1]",
+            kwargs="{}",
+            queue="default",
+            priority=0,
+            status="queued",
+            attempts=0,
+            max_attempts=3,
+            run_at_us=0,
+            created_us=0,
+            updated_us=0,
+            execution_mode="pooled",
+        )
+        conn.execute(v1_jobs.insert().values(**row))
+
+    async with old._write("test") as conn:
+        await conn.run_sync(create_v1)
+    assert await _scalar(old, "SELECT version FROM {s}broker_schema") == 1
+
+    store = await backend.open()  # setup() migrates 1 -> SCHEMA_VERSION
+    assert await _scalar(store, "SELECT version FROM {s}broker_schema") == SCHEMA_VERSION
+    legacy = await store.get_job(uuid.UUID(int=7))
+    assert legacy is not None and legacy.task == "legacy.task" and legacy.unique_key is None
+    assert list(legacy.args) == [1]
+
+    first = await store.enqueue(JobSpec(task="t", unique_key="acct-1"))
+    again = await store.enqueue(JobSpec(task="t", unique_key="acct-1"))
+    assert not first.duplicate and again.duplicate and again.job.id == first.job.id
+    # The partial unique index itself refuses a second active row, even from raw SQL.
+    jobs = _sql_schema.jobs
+    with pytest.raises(StorageError) as raised:
+        async with store._write("test") as conn:
+            await conn.execute(
+                sa.update(jobs).where(jobs.c.id == legacy.id).values(unique_key="acct-1")
+            )
+    assert isinstance(raised.value.__cause__, sa.exc.IntegrityError)
+    claimed = await _claim(store, first.job)
+    assert await store.complete(claimed.id, claimed.handoff_id or uuid.uuid4())
+    fresh = await store.enqueue(JobSpec(task="t", unique_key="acct-1"))
+    assert not fresh.duplicate, "a finished job's unique key is free again"
+    await backend.adapter().setup()  # already current: nothing runs twice
+    assert await _scalar(store, "SELECT version FROM {s}broker_schema") == SCHEMA_VERSION
 
 
 async def test_driver_errors_become_storage_errors(backend: Backend, tmp_path: Path) -> None:

@@ -35,6 +35,8 @@ class Session:
     inbox: asyncio.Queue[protocol.Message] = field(default_factory=asyncio.Queue)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     readies: list[protocol.Ready] = field(default_factory=list)
+    statuses: list[protocol.WorkerStatus] = field(default_factory=list)
+    """``worker_status`` messages, kept aside: they are for operators, not the protocol."""
 
     async def send(self, *msgs: protocol.Message) -> None:
         await self.writer.send_many(msgs)
@@ -128,6 +130,8 @@ class FakeMain:
             while (msg := await wire.read_message(lines)) is not None:
                 if isinstance(msg, protocol.Ping):
                     await writer.send(protocol.Pong(nonce=msg.nonce))
+                elif isinstance(msg, protocol.WorkerStatus):
+                    session.statuses.append(msg)
                 elif not isinstance(msg, protocol.Pong):
                     session.inbox.put_nowait(msg)
         except (OSError, wire.UnterminatedLineError):

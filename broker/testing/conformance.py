@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
-from broker.exceptions import StorageError
+from broker.exceptions import StorageError, UniqueKeyTakenError
 from broker.jobs import (
     Claim,
     Clock,
@@ -150,6 +150,7 @@ async def check_enqueue_round_trips_every_field(ctx: Context) -> None:
         concurrency_limit=2,
         timeout=12.5,
         execution_mode=ExecutionMode.FORKED,
+        unique_key="mail:a@example.com",
     )
     result = await ctx.store.enqueue(spec)
     assert result.duplicate is False
@@ -171,11 +172,13 @@ async def check_enqueue_round_trips_every_field(ctx: Context) -> None:
         assert job.idempotency_key == "mail-1"
         assert job.concurrency_key == "account-9" and job.concurrency_limit == 2
         assert job.timeout == 12.5
+        assert job.unique_key == "mail:a@example.com"
 
 
 @_check
 async def check_enqueue_defaults(ctx: Context) -> None:
     job = await _enqueue(ctx.store)
+    assert job.unique_key is None
     assert job.queue == "default"
     assert job.priority == 0
     assert job.execution_mode is ExecutionMode.POOLED
@@ -224,6 +227,113 @@ async def check_idempotent_enqueue_under_concurrency(ctx: Context) -> None:
     assert sum(not r.duplicate for r in results) == 1
     page = await ctx.store.list_jobs(limit=50)
     assert len(page.jobs) == 1
+
+
+# --- unique keys -------------------------------------------------------------------
+
+
+@_check
+async def check_unique_key_allows_one_active_job(ctx: Context) -> None:
+    first = await ctx.store.enqueue(_spec(unique_key="u1", args=[1]))
+    assert first.duplicate is False
+    again = await ctx.store.enqueue(_spec(unique_key="u1", args=[2]))
+    assert again.duplicate is True and again.job.id == first.job.id, "queued: returned"
+    assert list(again.job.args) == [1]
+    other = await ctx.store.enqueue(_spec(unique_key="u2"))
+    assert other.duplicate is False, "another key is independent"
+    running = await _claim(ctx.store, first.job)
+    while_running = await ctx.store.enqueue(_spec(unique_key="u1"))
+    assert while_running.duplicate is True and while_running.job.id == first.job.id
+    assert while_running.job.status is JobStatus.HANDED_OFF
+    assert running.handoff_id is not None
+    assert await ctx.store.fail(running.id, running.handoff_id, "x", START), "retry: queued"
+    assert (await ctx.store.enqueue(_spec(unique_key="u1"))).job.id == first.job.id
+    retried = await _claim(ctx.store, await _get(ctx.store, first.job.id))
+    assert await ctx.store.complete(retried.id, retried.handoff_id or uuid.uuid4())
+    after = await ctx.store.enqueue(_spec(unique_key="u1", args=[3]))
+    assert after.duplicate is False, "once the holder is terminal a new job may be enqueued"
+    assert after.job.id != first.job.id and after.job.unique_key == "u1"
+    assert (await _get(ctx.store, first.job.id)).unique_key == "u1", "the old job keeps its key"
+    cancelled = await ctx.store.cancel(after.job.id)
+    assert cancelled is not None and cancelled.status is JobStatus.CANCELLED
+    dead = await _claim(ctx.store, await _enqueue(ctx.store, unique_key="u1", max_attempts=1))
+    assert await ctx.store.fail(dead.id, dead.handoff_id or uuid.uuid4(), "fatal", None)
+    assert (await ctx.store.enqueue(_spec(unique_key="u1"))).duplicate is False
+    active = await ctx.store.list_jobs(
+        JobFilter(statuses=[JobStatus.QUEUED, JobStatus.HANDED_OFF]), limit=50
+    )
+    assert sum(j.unique_key == "u1" for j in active.jobs) == 1
+
+
+@_check
+async def check_unique_key_in_one_batch_and_with_idempotency_keys(ctx: Context) -> None:
+    batch = await ctx.store.enqueue_many(
+        [_spec(unique_key="b", args=[0]), _spec(args=[1]), _spec(unique_key="b", args=[2])]
+    )
+    assert [r.duplicate for r in batch] == [False, False, True]
+    assert batch[2].job.id == batch[0].job.id
+    # A unique-key duplicate stores nothing, so its idempotency key stays free.
+    blocked = await ctx.store.enqueue(_spec(unique_key="b", idempotency_key="idem-1"))
+    assert blocked.duplicate is True and blocked.job.id == batch[0].job.id
+    claimed = await _claim(ctx.store, batch[0].job)
+    assert await ctx.store.complete(claimed.id, claimed.handoff_id or uuid.uuid4())
+    made = await ctx.store.enqueue(_spec(unique_key="b", idempotency_key="idem-1"))
+    assert made.duplicate is False and made.job.idempotency_key == "idem-1"
+    # The idempotency key is checked first: it returns its own job, even a finished one.
+    keyed = await _claim(ctx.store, made.job)
+    assert await ctx.store.complete(keyed.id, keyed.handoff_id or uuid.uuid4())
+    fresh = await ctx.store.enqueue(_spec(unique_key="b"))
+    assert fresh.duplicate is False
+    repeat = await ctx.store.enqueue(_spec(unique_key="b", idempotency_key="idem-1"))
+    assert repeat.duplicate is True and repeat.job.id == made.job.id
+    page = await ctx.store.list_jobs(limit=50)
+    assert len(page.jobs) == 4
+
+
+@_check
+async def check_unique_enqueue_under_concurrency(ctx: Context) -> None:
+    handles = [ctx.store, *[await ctx.peer() for _ in range(3)]]
+    for round_ in range(2):
+        results = await asyncio.gather(
+            *(
+                handles[i % len(handles)].enqueue(_spec(unique_key="race", args=[i]))
+                for i in range(24)
+            )
+        )
+        ids = {r.job.id for r in results}
+        assert len(ids) == 1, f"one unique key must make one active job, got {len(ids)}"
+        assert sum(not r.duplicate for r in results) == 1
+        batches = await asyncio.gather(
+            *(h.enqueue_many([_spec(unique_key="race"), _spec(unique_key="race")]) for h in handles)
+        )
+        assert {r.job.id for b in batches for r in b} == ids
+        assert all(r.duplicate for b in batches for r in b)
+        page = await ctx.store.list_jobs(limit=100)
+        assert len(page.jobs) == round_ + 1
+        holder = await _claim(ctx.store, results[0].job)
+        assert await ctx.store.complete(holder.id, holder.handoff_id or uuid.uuid4())
+
+
+@_check
+async def check_retry_dead_refuses_while_the_unique_key_is_held(ctx: Context) -> None:
+    dead = await _claim(ctx.store, await _enqueue(ctx.store, unique_key="acct", max_attempts=1))
+    assert await ctx.store.fail(dead.id, dead.handoff_id or uuid.uuid4(), "fatal", None)
+    holder = await _enqueue(ctx.store, unique_key="acct")
+    try:
+        await ctx.store.retry_dead(dead.id)
+    except UniqueKeyTakenError as exc:
+        assert exc.holder_id in (None, holder.id), "holder_id names the holder when known"
+    else:
+        raise AssertionError("retry_dead must refuse while another job holds the unique key")
+    unchanged = await _get(ctx.store, dead.id)
+    assert unchanged.status is JobStatus.FAILED and unchanged.attempts == 1
+    running = await _claim(ctx.store, holder)
+    assert await ctx.store.complete(running.id, running.handoff_id or uuid.uuid4())
+    revived = await ctx.store.retry_dead(dead.id)
+    assert revived is not None and revived.status is JobStatus.QUEUED
+    assert revived.unique_key == "acct"
+    again = await ctx.store.enqueue(_spec(unique_key="acct"))
+    assert again.duplicate is True and again.job.id == dead.id, "the revived job holds the key"
 
 
 # --- claims and exact leases ------------------------------------------------------

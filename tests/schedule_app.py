@@ -1,0 +1,27 @@
+"""Periodic jobs for ``tests/test_schedule.py``: loaded with ``broker-main --schedules``."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from broker.schedule import Schedule
+from broker.tasks import TaskRegistry, task
+
+registry = TaskRegistry()
+
+
+@task(name="schedule_app.heartbeat", every=timedelta(minutes=5), registry=registry)
+def heartbeat() -> None:
+    """Declared on the task: every five minutes, on the epoch grid."""
+
+
+schedules = [
+    Schedule(
+        name="schedule_app.nightly-report",
+        task="schedule_app.report",
+        cron="30 2 * * *",
+        timezone="Europe/Paris",
+        kwargs={"kind": "nightly"},
+        catch_up=False,
+    )
+]
