@@ -22,6 +22,7 @@ from adapters.memory import MemoryAdapter
 from broker.composition import RunnerOptions, build_runners
 from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus
 from broker.main import Main, MainSettings
+from broker.storage import StorageAdapter
 from broker.tasks import default_registry
 from broker.worker import Worker
 from runners.pooled import PooledRunner
@@ -35,7 +36,7 @@ POOLED = ExecutionMode.POOLED
 @dataclass
 class Cluster:
     main: Main
-    store: MemoryAdapter
+    store: StorageAdapter
     worker: Worker
     runners: dict[ExecutionMode, Any]
 
@@ -77,8 +78,10 @@ async def until(check: Callable[[], Awaitable[Any]], timeout: float = 15.0) -> A
 
 
 @contextlib.asynccontextmanager
-async def cluster(**options: Any) -> AsyncIterator[Cluster]:
-    store = MemoryAdapter()
+async def cluster(
+    store: StorageAdapter | None = None, queues: list[str] | None = None, **options: Any
+) -> AsyncIterator[Cluster]:
+    store = store or MemoryAdapter()
     main = Main(
         store,
         MainSettings(port=0, ping_interval=0.5, liveness_timeout=5, error_retry_interval=0.05),
@@ -102,6 +105,7 @@ async def cluster(**options: Any) -> AsyncIterator[Cluster]:
         registry=default_registry,
         ping_interval=0.5,
         liveness_timeout=5,
+        queues=queues,
     )
     running = asyncio.create_task(worker.run())
     try:

@@ -1,0 +1,165 @@
+"""Everyday features end to end on both real stores: SQLite files and PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adapters.sql import SQLAlchemyAdapter
+from broker.jobs import JobSpec, JobStatus
+from broker.storage import StorageAdapter
+from broker.testing.faults import FaultyAdapter
+from tests.conftest import drop_schema, fresh_schema_name, require_postgres
+from tests.test_pooled import APP, cluster, until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[StorageAdapter]:
+    if request.param == "sqlite":
+        adapter = SQLAlchemyAdapter(f"sqlite+aiosqlite:///{tmp_path / 'features.db'}")
+        yield adapter
+        return
+    schema = fresh_schema_name()
+    adapter = SQLAlchemyAdapter(require_postgres(), schema=schema)
+    try:
+        yield adapter
+    finally:
+        await drop_schema(schema)
+
+
+class _CountingSelects(FaultyAdapter):
+    def __init__(self, inner: StorageAdapter) -> None:
+        super().__init__(inner)
+        self.selects = 0
+
+    async def select_eligible(self, **kw: Any) -> Any:
+        self.selects += 1
+        return await self.inner.select_eligible(**kw)
+
+
+async def _status(store: StorageAdapter, job_id: Any) -> JobStatus:
+    job = await store.get_job(job_id)
+    assert job is not None
+    return job.status
+
+
+async def test_a_scheduled_job_waits_for_its_time_then_runs(store: StorageAdapter) -> None:
+    async with cluster(store=store, pooled_runner_count=1, forked_concurrency=0) as c:
+        await until(lambda: _async(c.credit() == 1))
+        [job] = await c.enqueue("whoami", run_at=c.main._clock() + timedelta(seconds=1.0))
+        await asyncio.sleep(0.6)
+        assert await _status(store, job.id) is JobStatus.QUEUED, "not started before run_at"
+        [done] = await c.settled([job], timeout=10)
+        assert done.status is JobStatus.COMPLETED
+        assert done.handed_off_at is not None and done.handed_off_at >= done.run_at
+
+
+async def test_a_job_an_hour_ahead_does_not_wake_the_main(store: StorageAdapter) -> None:
+    counting = _CountingSelects(store)
+    async with cluster(store=counting, pooled_runner_count=1, forked_concurrency=0) as c:  # type: ignore[arg-type]
+        await until(lambda: _async(c.credit() == 1))
+        [job] = await c.enqueue("whoami", run_at=c.main._clock() + timedelta(hours=1))
+        await asyncio.sleep(0.3)
+        before = counting.selects
+        await asyncio.sleep(2.0)
+        woke = counting.selects - before
+        assert await _status(store, job.id) is JobStatus.QUEUED
+        if store.capabilities.listen_notify:
+            assert woke == 0, f"the main woke {woke} times for a job an hour away"
+        else:
+            # SQLite cannot notify, so the main polls for other processes' inserts at its
+            # poll interval: a few cheap reads, never a busy loop and never an early start.
+            assert woke <= 2.0 / c.main.settings.poll_interval + 2, woke
+
+
+async def test_cancelling_a_running_pooled_job_stops_it_on_both_stores(
+    store: StorageAdapter,
+) -> None:
+    async with cluster(store=store, pooled_runner_count=1, forked_concurrency=0) as c:
+        [job] = await c.enqueue("nap", 60.0)
+
+        async def busy_pid() -> int | None:
+            kids = c.pool.status().details["children"]
+            return next((k["pid"] for k in kids if k["ready"] and k["busy"]), None)
+
+        pid = await until(busy_pid)
+        await asyncio.sleep(0.2)
+        cancelled = await c.store.cancel(job.id)
+        assert cancelled is not None and cancelled.status is JobStatus.CANCELLED
+        c.main._forget_lease(cancelled.handoff_id)
+        session = next(iter(c.main.sessions.values()))
+        from broker import protocol
+
+        assert cancelled.handoff_id is not None
+        session.send(protocol.CancelJob(job_id=job.id, handoff_id=cancelled.handoff_id))
+
+        async def gone() -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            return False
+
+        await until(gone, timeout=10)
+        await until(lambda: _async(c.worker.status()["outbox"] == 0), timeout=10)
+        after = await store.get_job(job.id)
+        assert after is not None and after.status is JobStatus.CANCELLED
+        assert after.result is None and after.attempts == 0, "the late report changed nothing"
+
+
+async def test_an_oversized_job_is_refused_and_nothing_is_written(store: StorageAdapter) -> None:
+    async with cluster(store=store, pooled_runner_count=1, forked_concurrency=0) as c:
+        from broker import protocol
+        from broker.client import Client
+
+        big = "x" * (c.main.settings.max_payload_bytes + 10)
+        async with Client("127.0.0.1", c.main.port) as client:
+            with pytest.raises(Exception) as caught:
+                await client.enqueue_requests(
+                    [
+                        protocol.JobRequest(task=f"{APP}.noop"),
+                        protocol.JobRequest(task=f"{APP}.noisy", args=[big]),
+                    ]
+                )
+        assert "over the payload limit" in str(caught.value)
+        page = await store.list_jobs(limit=10)
+        assert page.jobs == [], "the whole batch was refused"
+
+
+async def test_a_worker_serves_only_its_queues_and_takes_higher_priority_first(
+    store: StorageAdapter,
+) -> None:
+    async with cluster(
+        store=store, queues=["reports"], pooled_runner_count=1, forked_concurrency=0
+    ) as c:
+        await until(lambda: _async(c.credit() == 1))
+        # One batch, so the dispatcher sees all three at once and must choose.
+        other, low, high = [
+            r.job
+            for r in await store.enqueue_many(
+                [
+                    JobSpec(task=f"{APP}.whoami", queue="mail"),
+                    JobSpec(task=f"{APP}.whoami", queue="reports", priority=0),
+                    JobSpec(task=f"{APP}.whoami", queue="reports", priority=9),
+                ]
+            )
+        ]
+        c.main.wake()
+        done = await c.settled([low, high], timeout=15)
+        assert all(j.status is JobStatus.COMPLETED for j in done)
+        low_done, high_done = done
+        assert high_done.handed_off_at is not None and low_done.handed_off_at is not None
+        assert high_done.handed_off_at <= low_done.handed_off_at, "priority 9 went first"
+        assert await _status(store, other.id) is JobStatus.QUEUED, "mail is not served here"
+
+
+async def _async(value: Any) -> Any:
+    return value
