@@ -30,6 +30,7 @@ import importlib
 import json
 import logging
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime, timedelta
@@ -750,22 +751,113 @@ class SQLAlchemyAdapter:
         if not settlements:
             return []
         now_us = self._now()
-        order = sorted(range(len(settlements)), key=lambda i: settlements[i].job_id)
-        keys: dict[int, str | None] = {}
         async with self._write("settle") as conn:
-            # Job rows first in id order, then counters in key order: the same order claims
-            # use, so two transactions never wait on each other's rows (no deadlock).
-            for i in order:
-                keys[i] = await self._settle_in(conn, settlements[i], now_us)
-            for key in sorted(k for k in keys.values() if k):
-                await self._release(conn, key)
-        return [keys[i] is not None for i in range(len(settlements))]
+            if len(settlements) == 1:
+                key = await self._settle_in(conn, settlements[0], now_us)
+                if key:
+                    await self._release(conn, key, 1)
+                return [key is not None]
+            return await self._settle_batch(conn, settlements, now_us)
 
-    async def _release(self, conn: AsyncConnection, key: str) -> None:
+    async def _settle_batch(
+        self, conn: AsyncConnection, settlements: Sequence[Settlement], now_us: int
+    ) -> list[bool]:
+        """Group commit: one executemany per kind of move instead of a statement per job.
+
+        Rows are updated in job-id order and counters afterwards in key order, the order
+        claims use, so two transactions never wait on each other (no deadlock). Which moves
+        were accepted is read back inside the same transaction, under the same locks. Only
+        the first move per job in a batch can be accepted; a repeat is fenced like any other.
+        """
+        first: dict[uuid.UUID, int] = {}
+        for i in sorted(range(len(settlements)), key=lambda i: settlements[i].job_id):
+            first.setdefault(settlements[i].job_id, i)
+        groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        statements: dict[tuple[str, ...], Any] = {}
+        for i in first.values():
+            shape, values, params = self._settle_shape(settlements[i], now_us)
+            groups.setdefault(shape, []).append(params)
+            if shape not in statements:
+                statements[shape] = (
+                    sa.update(jobs)
+                    .where(
+                        jobs.c.id == sa.bindparam("b_id"),
+                        jobs.c.handoff_id == sa.bindparam("b_lease"),
+                        jobs.c.status == _HANDED_OFF,
+                    )
+                    .values(**values)
+                )
+        for shape, rows in groups.items():
+            await conn.execute(statements[shape], rows)
+        stored: dict[uuid.UUID, Any] = {}
+        for chunk in _chunks(list(first)):
+            result = await conn.execute(
+                sa.select(
+                    jobs.c.id,
+                    jobs.c.handoff_id,
+                    jobs.c.status,
+                    jobs.c.updated_us,
+                    jobs.c.concurrency_key,
+                ).where(jobs.c.id.in_(chunk))
+            )
+            stored.update({row.id: row for row in result})
+        accepted = [False] * len(settlements)
+        released: Counter[str] = Counter()
+        for job_id, i in first.items():
+            row = stored.get(job_id)
+            if (
+                row is not None
+                and row.handoff_id == settlements[i].handoff_id
+                and row.updated_us == now_us
+                and row.status != _HANDED_OFF
+            ):
+                accepted[i] = True
+                if row.concurrency_key:
+                    released[row.concurrency_key] += 1
+        for key in sorted(released):
+            await self._release(conn, key, released[key])
+        return accepted
+
+    @staticmethod
+    def _settle_shape(
+        s: Settlement, now_us: int
+    ) -> tuple[tuple[str, ...], dict[str, Any], dict[str, Any]]:
+        """The columns a move sets (its shape, shared by an executemany), their SQL values,
+        and this move's bound parameters."""
+        params: dict[str, Any] = {"b_id": s.job_id, "b_lease": s.handoff_id}
+        values: dict[str, Any] = {"updated_us": now_us}
+        match s.outcome:
+            case Outcome.COMPLETE:
+                try:
+                    params["b_result"] = None if s.result is None else _dumps(s.result)
+                except (TypeError, ValueError) as exc:
+                    raise InvalidJobError(f"result is not JSON-serialisable: {exc}") from exc
+                values.update(status=JobStatus.COMPLETED.value, result=sa.bindparam("b_result"))
+            case Outcome.FAIL:
+                params["b_error"] = s.error
+                values.update(attempts=jobs.c.attempts + 1, last_error=sa.bindparam("b_error"))
+                if s.run_at is None:
+                    values["status"] = JobStatus.FAILED.value
+                else:
+                    params["b_run_at"] = _to_us(s.run_at)
+                    values.update(status=_QUEUED, run_at_us=sa.bindparam("b_run_at"))
+            case Outcome.RESCHEDULE:
+                params["b_run_at"] = now_us if s.run_at is None else _to_us(s.run_at)
+                values.update(status=_QUEUED, run_at_us=sa.bindparam("b_run_at"))
+            case Outcome.RETURN:
+                values.update(status=_QUEUED, run_at_us=now_us)
+        shape = (s.outcome.value, "dead" if s.run_at is None else "", *sorted(values))
+        return shape, values, params
+
+    async def _release(self, conn: AsyncConnection, key: str, slots: int) -> None:
         await conn.execute(
             sa.update(concurrency)
-            .where(concurrency.c.key == key, concurrency.c.active > 0)
-            .values(active=concurrency.c.active - 1)
+            .where(concurrency.c.key == key)
+            .values(
+                active=sa.case(
+                    (concurrency.c.active > slots, concurrency.c.active - slots), else_=0
+                )
+            )
         )
 
     async def complete(
@@ -826,7 +918,7 @@ class SQLAlchemyAdapter:
             )
             cancelled = (await conn.execute(update)).mappings().one()
             if row["status"] == _HANDED_OFF and row["concurrency_key"] is not None:
-                await self._release(conn, row["concurrency_key"])
+                await self._release(conn, row["concurrency_key"], 1)
         return _job_from_row(cancelled)
 
     async def retry_dead(self, job_id: uuid.UUID) -> Job | None:

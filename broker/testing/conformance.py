@@ -526,6 +526,23 @@ async def check_settle_many_fences_each_move_and_commits_together(ctx: Context) 
     assert await ctx.store.settle_many([]) == []
 
 
+@_check
+async def check_settle_many_gives_back_every_concurrency_slot(ctx: Context) -> None:
+    held = [
+        await _claim(ctx.store, await _enqueue(ctx.store, concurrency_key="k", concurrency_limit=3))
+        for _ in range(3)
+    ]
+    waiting = await _enqueue(ctx.store, concurrency_key="k", concurrency_limit=3)
+    assert await ctx.store.mark_handed_off(waiting.id, uuid.uuid4(), WORKER) is None
+    moves = [Settlement(j.id, j.handoff_id or uuid.uuid4(), Outcome.COMPLETE) for j in held[:2]] + [
+        Settlement(held[2].id, uuid.uuid4(), Outcome.COMPLETE)
+    ]
+    assert await ctx.store.settle_many(moves) == [True, True, False]
+    more = [await _enqueue(ctx.store, concurrency_key="k", concurrency_limit=3) for _ in range(2)]
+    claims = [await ctx.store.mark_handed_off(j.id, uuid.uuid4(), WORKER) for j in [waiting, *more]]
+    assert sum(c is not None for c in claims) == 2, "two slots came back, not more or fewer"
+
+
 # --- ambiguous claims ------------------------------------------------------------
 
 
