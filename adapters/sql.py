@@ -25,6 +25,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import dataclasses
 import hashlib
 import importlib
 import json
@@ -607,22 +608,35 @@ class SQLAlchemyAdapter:
         if not wanted:
             return []
         now_us = self._now()
-        claimed: list[Job] = []
         async with self._write("mark_handed_off") as conn:
             candidates: list[Any] = []
             for chunk in _chunks(sorted(wanted)):
                 candidates.extend(await self._lock_claimable(conn, chunk, now_us))
-            granted = await self._take_slots(conn, candidates, list(wanted))
-            for chunk in _chunks(granted):
-                claimed.extend(await self._hand_off(conn, [wanted[j] for j in chunk], now_us))
+            granted = set(await self._take_slots(conn, candidates, list(wanted)))
+            rows = [row for row in candidates if row.id in granted]
+            if rows:
+                await self._hand_off(conn, [wanted[row.id] for row in rows], now_us)
+        now = _from_us(now_us)
+        claimed = [
+            dataclasses.replace(
+                _job_from_row(row._mapping),
+                status=JobStatus.HANDED_OFF,
+                handoff_id=wanted[row.id].handoff_id,
+                worker_id=wanted[row.id].worker_id,
+                handed_off_at=now,
+                updated_at=now,
+            )
+            for row in rows
+        ]
         order = {job_id: i for i, job_id in enumerate(wanted)}
         return sorted(claimed, key=lambda job: order[job.id])
 
     async def _lock_claimable(
         self, conn: AsyncConnection, job_ids: Sequence[uuid.UUID], now_us: int
     ) -> list[Any]:
+        """The whole rows, so the claimed jobs are built without reading them back."""
         stmt = (
-            sa.select(jobs.c.id, jobs.c.concurrency_key, jobs.c.concurrency_limit)
+            sa.select(jobs)
             .where(jobs.c.id.in_(job_ids), jobs.c.status == _QUEUED, jobs.c.run_at_us <= now_us)
             .order_by(jobs.c.id)
         )
@@ -676,36 +690,21 @@ class SQLAlchemyAdapter:
         ).returning(concurrency.c.key, concurrency.c.active)
         return {row.key: row.active for row in await conn.execute(stmt)}
 
-    async def _hand_off(self, conn: AsyncConnection, claims: list[Claim], now_us: int) -> list[Job]:
-        handoff: Any
-        worker: Any
-        if len(claims) == 1:
-            handoff, worker = claims[0].handoff_id, claims[0].worker_id
-        else:
-            handoff = sa.case(
-                *((jobs.c.id == c.job_id, sa.literal(c.handoff_id, sa.Uuid())) for c in claims)
-            )
-            workers = {c.worker_id for c in claims}
-            worker = (
-                workers.pop()
-                if len(workers) == 1
-                else sa.case(
-                    *((jobs.c.id == c.job_id, sa.literal(c.worker_id, sa.Text())) for c in claims)
-                )
-            )
-        stmt = (
+    async def _hand_off(self, conn: AsyncConnection, claims: list[Claim], now_us: int) -> None:
+        """One statement shape for any batch (an executemany over locked rows), so it is
+        compiled and prepared once rather than rebuilt for every batch size."""
+        await conn.execute(
             sa.update(jobs)
-            .where(jobs.c.id.in_([c.job_id for c in claims]), jobs.c.status == _QUEUED)
+            .where(jobs.c.id == sa.bindparam("b_id"), jobs.c.status == _QUEUED)
             .values(
                 status=_HANDED_OFF,
-                handoff_id=handoff,
-                worker_id=worker,
+                handoff_id=sa.bindparam("b_lease"),
+                worker_id=sa.bindparam("b_worker"),
                 handed_off_us=now_us,
                 updated_us=now_us,
-            )
-            .returning(*jobs.c)
+            ),
+            [{"b_id": c.job_id, "b_lease": c.handoff_id, "b_worker": c.worker_id} for c in claims],
         )
-        return [_job_from_row(r) for r in (await conn.execute(stmt)).mappings()]
 
     # ------------------------------------------------------------------ fenced reports
 
