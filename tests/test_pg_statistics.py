@@ -1,0 +1,51 @@
+"""After a bulk insert the PostgreSQL store refreshes planner statistics, so dispatch
+reads its index in order instead of sorting every queued row."""
+
+from __future__ import annotations
+
+import asyncio
+
+import asyncpg
+
+from adapters.sql import SQLAlchemyAdapter
+from broker.jobs import JobSpec
+from tests.conftest import drop_schema, fresh_schema_name, require_postgres
+
+
+async def test_a_bulk_enqueue_refreshes_statistics_and_dispatch_uses_the_index() -> None:
+    url = require_postgres()
+    schema = fresh_schema_name()
+    store = SQLAlchemyAdapter(url, schema=schema)
+    dsn = url.replace("postgresql+asyncpg://", "postgresql://", 1)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await store.setup()
+        await store.enqueue_many([JobSpec(task="t.x") for _ in range(600)])
+
+        async def analyzed() -> bool:
+            count = await conn.fetchval(
+                "SELECT analyze_count FROM pg_stat_user_tables "
+                "WHERE schemaname = $1 AND relname = 'broker_jobs'",
+                schema,
+            )
+            return bool(count)
+
+        for _ in range(100):
+            if await analyzed():
+                break
+            await asyncio.sleep(0.05)
+        assert await analyzed(), "no ANALYZE after a bulk insert"
+        stmt = store._eligible_stmt(["pooled"], None, 20)  # type: ignore[list-item]
+        from sqlalchemy.dialects import postgresql
+
+        sql = str(
+            stmt.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True})
+        )
+        await conn.execute(f'SET search_path TO "{schema}"')
+        plan = "\n".join(r[0] for r in await conn.fetch("EXPLAIN " + sql))
+        assert "Index Scan using ix_broker_jobs_dispatch" in plan, plan
+        assert "Sort" not in plan.split("Index Scan")[0], plan
+    finally:
+        await conn.close()
+        await store.close()
+        await drop_schema(schema)
