@@ -419,14 +419,18 @@ class Main:
         if self._stopping:
             return False
         workers = self._workers()
-        modes = self._modes_with_credit()
-        if not modes:
-            return False
-        credit = sum(w.credits.total_available() for w in workers)
-        limit = min(credit, self.settings.claim_batch)
-        jobs = await self.store.select_eligible(
-            modes=modes, queues=self._served_queues(), limit=limit
-        )
+        queues = self._served_queues()
+        # One read per mode that has credit, each no larger than that credit: a shared
+        # limit would let plentiful jobs of one mode crowd out the jobs another mode's
+        # free slots could take, and fetch rows nobody can run.
+        jobs: list[Job] = []
+        full = False
+        for mode in sorted(self._modes_with_credit()):
+            credit = sum(w.credits.available(mode) for w in workers)
+            limit = min(credit, self.settings.claim_batch)
+            found = await self.store.select_eligible(modes=[mode], queues=queues, limit=limit)
+            jobs.extend(found)
+            full = full or len(found) == limit
         plan: list[tuple[Session, Job, uuid.UUID]] = []
         for job in jobs:
             session = self._pick_worker(workers, job)
@@ -466,7 +470,7 @@ class Main:
                 session.worker_id,
                 seq,
             )
-        return len(jobs) == limit
+        return full
 
     def _pick_worker(self, workers: list[Session], job: Job) -> Session | None:
         """The serving worker with the most free credit for the job's mode, to spread load."""
