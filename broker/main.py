@@ -420,24 +420,21 @@ class Main:
             return False
         workers = self._workers()
         queues = self._served_queues()
-        # One read per mode that has credit, each no larger than that credit: a shared
-        # limit would let plentiful jobs of one mode crowd out the jobs another mode's
-        # free slots could take, and fetch rows nobody can run.
-        jobs: list[Job] = []
-        full = False
-        for mode in sorted(self._modes_with_credit()):
-            credit = sum(w.credits.available(mode) for w in workers)
-            limit = min(credit, self.settings.claim_batch)
-            found = await self.store.select_eligible(modes=[mode], queues=queues, limit=limit)
-            jobs.extend(found)
-            full = full or len(found) == limit
-        plan: list[tuple[Session, Job, uuid.UUID]] = []
-        for job in jobs:
-            session = self._pick_worker(workers, job)
-            if session is None:
-                continue
-            session.credits.reserve(job.execution_mode)
-            plan.append((session, job, uuid.uuid4()))
+        modes = self._modes_with_credit()
+        if not modes:
+            return False
+        credit = sum(w.credits.total_available() for w in workers)
+        limit = min(credit, self.settings.claim_batch)
+        jobs = await self.store.select_eligible(modes=modes, queues=queues, limit=limit)
+        plan = self._plan(workers, jobs)
+        if len(plan) < len(jobs):
+            # One mode's backlog filled the read while another mode still has free slots:
+            # read again for those modes alone, each no further than its own credit.
+            planned = {job.id for _, job, _ in plan}
+            for mode in sorted(self._modes_with_credit()):
+                room = min(sum(w.credits.available(mode) for w in workers), limit)
+                found = await self.store.select_eligible(modes=[mode], queues=queues, limit=room)
+                plan += self._plan(workers, [j for j in found if j.id not in planned])
         if not plan:
             return False
         claims = [Claim(job.id, lease, s.worker_id or "") for s, job, lease in plan]
@@ -470,7 +467,20 @@ class Main:
                 session.worker_id,
                 seq,
             )
-        return full
+        return len(jobs) == limit
+
+    def _plan(
+        self, workers: list[Session], jobs: list[Job]
+    ) -> list[tuple[Session, Job, uuid.UUID]]:
+        """A worker and a freshly minted lease for each job that has a free slot somewhere;
+        the slot is reserved now, before the claim."""
+        plan: list[tuple[Session, Job, uuid.UUID]] = []
+        for job in jobs:
+            session = self._pick_worker(workers, job)
+            if session is not None:
+                session.credits.reserve(job.execution_mode)
+                plan.append((session, job, uuid.uuid4()))
+        return plan
 
     def _pick_worker(self, workers: list[Session], job: Job) -> Session | None:
         """The serving worker with the most free credit for the job's mode, to spread load."""
