@@ -1,0 +1,295 @@
+"""The broker: ``broker-main`` on SQLite or PostgreSQL and ``broker-worker`` processes.
+
+Runs in the broker's own ``.venv``. A fresh store and a fresh main for every run:
+a new SQLite file, or a PostgreSQL database dropped and created again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.harness import ROOT, BenchError, Config, Driver, Workers
+from bench.systems import POSTGRES_ADMIN_DB, postgres_dsn
+
+TASKS = "bench.peers.broker_app"
+DATABASE = "bench_broker"
+CHUNK = 1000
+"""Jobs per ``enqueue_many`` call: one round trip and one transaction each."""
+OUTSTANDING = (
+    "SELECT (SELECT count(*) FROM broker_jobs WHERE status = 'queued')"
+    " + (SELECT count(*) FROM broker_jobs WHERE status = 'handed_off')"
+)
+COMPLETED = "SELECT args, updated_us FROM broker_jobs WHERE status = 'completed'"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class BrokerDriver(Driver):
+    packages = ("broker", "SQLAlchemy", "aiosqlite", "asyncpg")
+    bulk_text = f"Client.enqueue_many, {CHUNK} jobs a call"
+    postgres = False
+    inline = False
+
+    def __init__(self, name: str, cfg: Config) -> None:
+        super().__init__(name, cfg)
+        self.loop = asyncio.new_event_loop()
+        self.client: Any = None
+        self.main: Workers | None = None
+        self.port = 0
+        self.url = ""
+        self.sqlite: sqlite3.Connection | None = None
+        self.pg: Any = None
+        self.runs = 0
+        mode = "inline" if self.inline else "pooled"
+        store = "PostgreSQL" if self.postgres else "SQLite"
+        if self.inline:
+            self.label = f"broker ({store}, 2 workers x inline 10)"
+            self.setup_text = (
+                "broker-main + 2 broker-worker processes, --inline-concurrency 10, jobs run on "
+                "each worker's event loop (async no-op) or a thread (sync CPU job)"
+            )
+        else:
+            self.label = f"broker ({store}, 1 worker x 2 pooled children x 10)"
+            self.setup_text = (
+                "broker-main + 1 broker-worker --pooled-runner-count 2 "
+                "--pooled-runner-concurrency 10 (two warm child processes, up to 10 jobs each "
+                "at once, as docs/howto/execution-modes.md suggests for I/O-bound or async jobs "
+                "and as PgQueuer and Procrastinate are run at 10; other flags at their "
+                "defaults, so a child is recycled every 100 jobs)"
+            )
+        self.mode = mode
+        self.server = "postgres" if self.postgres else ""
+        self.durability = (
+            "PostgreSQL, fsync and synchronous_commit on: every enqueue, claim and completion "
+            "committed"
+            if self.postgres
+            else "SQLite WAL, synchronous=FULL: every enqueue, claim and completion committed"
+        )
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    def setup(self) -> None:
+        if self.postgres:
+            import asyncpg
+
+            async def admin_check() -> None:
+                conn = await asyncpg.connect(postgres_dsn(POSTGRES_ADMIN_DB))
+                await conn.close()
+
+            self.run(admin_check())
+
+    def _stop_main(self) -> None:
+        if self.client is not None:
+            self.run(self.client.close())
+            self.client = None
+        if self.sqlite is not None:
+            self.sqlite.close()
+            self.sqlite = None
+        if self.pg is not None:
+            self.run(self.pg.close())
+            self.pg = None
+        if self.main is not None:
+            self.main.stop(grace=10)
+            self.main = None
+
+    def _fresh_store(self) -> None:
+        self.runs += 1
+        if not self.postgres:
+            path = self.workdir / f"{self.name}-{self.runs}.db"
+            self.url = f"sqlite+aiosqlite:///{path}"
+            return
+        import asyncpg
+
+        async def recreate() -> None:
+            conn = await asyncpg.connect(postgres_dsn(POSTGRES_ADMIN_DB))
+            try:
+                await conn.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
+                await conn.execute(f"CREATE DATABASE {DATABASE}")
+            finally:
+                await conn.close()
+
+        self.run(recreate())
+        self.url = postgres_dsn(DATABASE).replace("postgresql://", "postgresql+asyncpg://")
+
+    def reset(self) -> None:
+        from broker.client import Client
+
+        self._stop_main()
+        self._fresh_store()
+        self.port = _free_port()
+        bin_dir = Path(sys.executable).parent
+        command = [
+            str(bin_dir / "broker-main"),
+            "--database-url",
+            self.url,
+            "--port",
+            str(self.port),
+            "--log-level",
+            "WARNING",
+        ]
+        self.main = Workers(
+            [command], {}, self.workdir / f"{self.name}-main.log", what="broker-main"
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            self.main.check()
+            try:
+                client = Client("127.0.0.1", self.port, timeout=60)
+                self.run(client.connect())
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise BenchError(f"broker-main did not listen: {self.main.tail()}") from None
+                time.sleep(0.05)
+        self.client = client
+        self._open_reader()
+        self.enqueued = 0
+
+    def _open_reader(self) -> None:
+        if self.postgres:
+            import asyncpg
+
+            self.pg = self.run(asyncpg.connect(postgres_dsn(DATABASE)))
+        else:
+            path = self.url.split("///", 1)[1]
+            self.sqlite = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+
+    def _query(self, sql: str) -> list[Any]:
+        if self.pg is not None:
+            return [tuple(r) for r in self.run(self.pg.fetch(sql))]
+        assert self.sqlite is not None
+        return self.sqlite.execute(sql).fetchall()
+
+    def _spec(self, kind: str, arg: int) -> Any:
+        from broker.jobs import ExecutionMode, JobSpec
+
+        return JobSpec(
+            task=f"{TASKS}.{kind}",
+            args=(arg,),
+            max_attempts=1,
+            execution_mode=ExecutionMode(self.mode),
+        )
+
+    def enqueue_one(self, kind: str, arg: int) -> Any:
+        self.run(
+            self.client.enqueue(f"{TASKS}.{kind}", [arg], max_attempts=1, execution_mode=self.mode)
+        )
+        self.enqueued += 1
+        return arg
+
+    def enqueue_bulk(self, kind: str, args: list[int]) -> None:
+        for i in range(0, len(args), CHUNK):
+            self.run(self.client.enqueue_many([self._spec(kind, a) for a in args[i : i + CHUNK]]))
+        self.enqueued += len(args)
+
+    def done_count(self) -> int:
+        return self.enqueued - int(self._query(OUTSTANDING)[0][0])
+
+    def completion_times(self, handles: list[Any]) -> list[float | None] | None:
+        at = {}
+        for args, updated_us in self._query(COMPLETED):
+            tag = json.loads(args)[0]
+            at[tag] = updated_us / 1e6
+        return [at.get(h) for h in handles]
+
+    def worker_commands(self) -> list[list[str]]:
+        worker = [
+            str(Path(sys.executable).parent / "broker-worker"),
+            "--main",
+            f"127.0.0.1:{self.port}",
+            "--app",
+            TASKS,
+            "--forked-concurrency",
+            "0",
+            "--log-level",
+            "WARNING",
+        ]
+        if self.inline:
+            return [[*worker, "--inline-concurrency", "10", "--pooled-runner-count", "0"]] * 2
+        return [
+            [
+                *worker,
+                "--inline-concurrency",
+                "0",
+                "--pooled-runner-count",
+                "2",
+                "--pooled-runner-concurrency",
+                "10",
+            ]
+        ]
+
+    def main_pids(self) -> list[int]:
+        return self.main.pids if self.main is not None else []
+
+    def versions(self) -> dict[str, str]:
+        out = super().versions()
+        out["sqlite"] = sqlite3.sqlite_version
+        try:
+            commit = subprocess.run(
+                ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+            dirty = subprocess.run(
+                [
+                    "git",
+                    "-C",
+                    str(ROOT),
+                    "status",
+                    "--porcelain",
+                    "--",
+                    "broker",
+                    "adapters",
+                    "runners",
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+            out["broker"] += f" ({commit}{' + uncommitted changes' if dirty else ''})"
+        except (OSError, subprocess.CalledProcessError):
+            pass
+        return out
+
+    def teardown(self) -> None:
+        self._stop_main()
+        self.loop.close()
+
+
+class SQLiteBroker(BrokerDriver):
+    pass
+
+
+class PostgresBroker(BrokerDriver):
+    postgres = True
+
+
+class SQLiteInlineBroker(BrokerDriver):
+    inline = True
+
+
+class PostgresInlineBroker(BrokerDriver):
+    postgres = True
+    inline = True
+
+
+DRIVERS = {
+    "broker-sqlite": SQLiteBroker,
+    "broker-postgres": PostgresBroker,
+    "broker-sqlite-inline": SQLiteInlineBroker,
+    "broker-postgres-inline": PostgresInlineBroker,
+}

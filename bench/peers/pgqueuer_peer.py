@@ -1,0 +1,96 @@
+"""PgQueuer: two ``pgq run`` processes with batch size 10, PostgreSQL, asyncpg.
+
+A finished job is deleted from the queue table and logged as ``successful`` in
+``pgqueuer_log``, whose ``created`` is the completion time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from typing import Any
+
+import asyncpg
+from pgqueuer.db import AsyncpgDriver
+from pgqueuer.queries import Queries
+
+from bench.harness import BenchError, Driver
+from bench.peers.pgqueuer_app import DATABASE
+from bench.systems import POSTGRES_ADMIN_DB, postgres_dsn
+
+
+class PgQueuerDriver(Driver):
+    label = "PgQueuer (2 x batch 10, PostgreSQL, asyncpg)"
+    setup_text = (
+        "2 x pgqueuer.run(factory, batch_size=10) (what `pgq run --batch-size 10` does; the "
+        "CLI itself fails with the typer installed alongside), durable tables"
+    )
+    durability = "PostgreSQL, fsync and synchronous_commit on; tables LOGGED (durable)"
+    packages = ("pgqueuer", "asyncpg")
+    bulk_text = "Queries.enqueue with lists, all jobs in one call"
+    server = "postgres"
+
+    def setup(self) -> None:
+        self.loop = asyncio.new_event_loop()
+
+        async def recreate() -> None:
+            admin = await asyncpg.connect(postgres_dsn(POSTGRES_ADMIN_DB))
+            try:
+                await admin.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
+                await admin.execute(f"CREATE DATABASE {DATABASE}")
+            finally:
+                await admin.close()
+
+        self.run(recreate())
+        install = subprocess.run(
+            [sys.executable, "-m", "pgqueuer", "--pg-dsn", postgres_dsn(DATABASE), "install"],
+            capture_output=True,
+            text=True,
+        )
+        if install.returncode != 0:
+            raise BenchError(f"pgq install failed: {install.stderr[-500:]}")
+        self.conn = self.run(asyncpg.connect(postgres_dsn(DATABASE)))
+        self.queries = Queries(AsyncpgDriver(self.conn))
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    def reset(self) -> None:
+        self.run(self.conn.execute("TRUNCATE pgqueuer, pgqueuer_log, pgqueuer_statistics"))
+        self.enqueued = 0
+
+    def enqueue_one(self, kind: str, arg: int) -> Any:
+        ids = self.run(self.queries.enqueue(kind, str(arg).encode()))
+        self.enqueued += 1
+        return int(ids[0])
+
+    def enqueue_bulk(self, kind: str, args: list[int]) -> None:
+        payloads: list[bytes | None] = [str(a).encode() for a in args]
+        self.run(self.queries.enqueue([kind] * len(args), payloads, [0] * len(args)))
+        self.enqueued += len(args)
+
+    def done_count(self) -> int:
+        return self.enqueued - int(self.run(self.conn.fetchval("SELECT count(*) FROM pgqueuer")))
+
+    def completion_times(self, handles: list[Any]) -> list[float | None] | None:
+        rows = self.run(
+            self.conn.fetch(
+                "SELECT job_id, extract(epoch FROM created)::float8 AS at FROM pgqueuer_log "
+                "WHERE status = 'successful' AND job_id = ANY($1::bigint[])",
+                list(handles),
+            )
+        )
+        at = {int(r["job_id"]): float(r["at"]) for r in rows}
+        return [at.get(h) for h in handles]
+
+    def worker_commands(self) -> list[list[str]]:
+        command = [sys.executable, "-m", "bench.peers.pgqueuer_app"]
+        return [command, command]
+
+    def teardown(self) -> None:
+        self.run(self.conn.close())
+        self.loop.close()
+
+
+DRIVERS = {"pgqueuer": PgQueuerDriver}

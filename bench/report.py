@@ -1,0 +1,381 @@
+"""Turns ``results.json`` into the Markdown report; every figure comes from the runs.
+
+The peer baseline (``peer-baseline.md``, measured on this kind of machine before the
+harness existed) is parsed, not copied, and shown beside this run's figures.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+BASELINE_PATHS = (
+    Path(__file__).resolve().parents[2] / "shared" / "notes" / "peer-baseline.md",
+    Path("/work/shared/notes/peer-baseline.md"),
+)
+BASELINE_ROWS = {
+    "celery": "Celery",
+    "rq": "RQ (2 forking",
+    "rq-simple": "RQ (2 SimpleWorkers",
+    "dramatiq": "Dramatiq",
+    "arq": "arq (2 x max_jobs",
+    "arq-fastpoll": "arq (0.01",
+    "procrastinate": "Procrastinate",
+    "pgqueuer": "PgQueuer",
+}
+BASELINE_COLUMNS = ("enqueue_one", "enqueue_bulk", "drain", "start_p50", "start_p99")
+DASH = "\u2013"
+TIMES = "\u00d7"
+
+
+# ----------------------------------------------------------------------------- numbers
+
+
+def spread(values: list[float | None]) -> tuple[float, float, float] | None:
+    """``(median, min, max)`` of the values present."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    return statistics.median(present), min(present), max(present)
+
+
+def fmt(value: float | None) -> str:
+    if value is None:
+        return DASH
+    if value >= 100:
+        return f"{value:,.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def cell(values: list[float | None], marks: str = "") -> str:
+    s = spread(values)
+    if s is None:
+        return DASH
+    median, lo, hi = s
+    if len([v for v in values if v is not None]) == 1 or fmt(lo) == fmt(hi):
+        return f"{fmt(median)}{marks}"
+    return f"{fmt(median)}{marks} ({fmt(lo)}{DASH}{fmt(hi)})"
+
+
+def metric(result: dict[str, Any], workload: str, key: str) -> list[float | None]:
+    return [run.get(key) for run in result.get(workload, [])]
+
+
+def summary(result: dict[str, Any]) -> dict[str, tuple[float, float, float] | None]:
+    """Median, min and max of every headline figure of one system."""
+    per_job = [
+        (r["worker_cpu_s"] * 1000 / r["done"]) if r.get("done") else None
+        for r in result.get("drain", [])
+    ]
+    return {
+        "enqueue_one": spread(metric(result, "drain", "enqueue_one_per_s")),
+        "enqueue_bulk": spread(metric(result, "drain", "enqueue_bulk_per_s")),
+        "drain": spread(metric(result, "drain", "per_s")),
+        "cpu": spread(metric(result, "cpu", "per_s")),
+        "startup": spread(metric(result, "drain", "startup_s")),
+        "start_p50": spread(metric(result, "latency", "start_p50_ms")),
+        "start_p99": spread(metric(result, "latency", "start_p99_ms")),
+        "complete_p50": spread(metric(result, "latency", "complete_p50_ms")),
+        "complete_p99": spread(metric(result, "latency", "complete_p99_ms")),
+        "worker_cpu_ms_per_job": spread(per_job),
+    }
+
+
+def one_line(result: dict[str, Any]) -> str:
+    s = summary(result)
+    parts = []
+    for key, label, unit in (
+        ("drain", "drain", "/s"),
+        ("cpu", "cpu", "/s"),
+        ("start_p50", "start p50", " ms"),
+        ("start_p99", "p99", " ms"),
+    ):
+        value = s[key]
+        parts.append(f"{label} {fmt(value[0]) if value else DASH}{unit}")
+    errors = result.get("errors") or []
+    tail = f"; {len(errors)} error(s): {errors[0][:160]}" if errors else ""
+    return f"{', '.join(parts)} [{result.get('wall_s', 0):.0f} s]{tail}"
+
+
+# ----------------------------------------------------------------------------- baseline
+
+
+def _first_number(text: str) -> float | None:
+    match = re.search(r"\d[\d,]*(?:\.\d+)?", text.replace("*", ""))
+    return float(match.group(0).replace(",", "")) if match else None
+
+
+def read_baseline() -> dict[str, Any]:
+    """The peer figures of ``peer-baseline.md``, by system, or an empty dict."""
+    for path in BASELINE_PATHS:
+        if path.exists():
+            break
+    else:
+        return {}
+    rows: dict[str, dict[str, float | None]] = {}
+    for line in path.read_text().splitlines():
+        if not line.startswith("| ") or line.startswith(("| system", "|---")):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 6:
+            continue
+        for system, prefix in BASELINE_ROWS.items():
+            if cells[0].startswith(prefix):
+                rows[system] = dict(
+                    zip(BASELINE_COLUMNS, (_first_number(c) for c in cells[1:6]), strict=True)
+                )
+    return {"source": str(path), "rows": rows}
+
+
+# ----------------------------------------------------------------------------- markdown
+
+
+def _table(header: list[str], rows: list[list[str]], align: str = "---:") -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|---|" + "|".join([align] * (len(header) - 1)) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def _label(result: dict[str, Any]) -> str:
+    return str(result.get("label") or result["system"])
+
+
+def _cut(result: dict[str, Any], workload: str) -> str:
+    return "†" if any(r.get("timed_out") for r in result.get(workload, [])) else ""
+
+
+def _throughput_rows(systems: list[dict[str, Any]], default_n: int) -> list[list[str]]:
+    rows = []
+    for r in systems:
+        if r.get("skipped"):
+            rows.append([_label(r), r["skipped"], "", "", "", ""])
+            continue
+        bulk = cell(metric(r, "drain", "enqueue_bulk_per_s")) if r.get("has_bulk") else "no bulk"
+        n = {run.get("jobs") for run in r.get("drain", [])}
+        drain_n = f" [{', '.join(f'{x:,}' for x in sorted(n))} jobs]" if n - {default_n} else ""
+        rows.append(
+            [
+                _label(r),
+                cell(metric(r, "drain", "enqueue_one_per_s")),
+                bulk,
+                cell(metric(r, "drain", "per_s"), _cut(r, "drain")) + drain_n,
+                cell(metric(r, "cpu", "per_s"), _cut(r, "cpu")),
+                cell(metric(r, "drain", "startup_s")),
+            ]
+        )
+    return rows
+
+
+def _latency_rows(systems: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for r in systems:
+        if r.get("skipped") or not r.get("latency"):
+            continue
+        has_complete = any("complete_p50_ms" in s for s in r["latency"])
+        rows.append(
+            [
+                _label(r),
+                cell(metric(r, "latency", "start_p50_ms")),
+                cell(metric(r, "latency", "start_p99_ms")),
+                cell(metric(r, "latency", "complete_p50_ms")) if has_complete else "not recorded",
+                cell(metric(r, "latency", "complete_p99_ms")) if has_complete else "not recorded",
+            ]
+        )
+    return rows
+
+
+def _resource_rows(systems: list[dict[str, Any]]) -> list[list[str]]:
+    def per_job(key: str) -> Callable[[dict[str, Any]], float | None]:
+        return lambda run: run[key] * 1000 / run["done"] if run.get("done") else None
+
+    rows = []
+    for r in systems:
+        drains = r.get("drain", [])
+        if r.get("skipped") or not drains:
+            continue
+        is_broker = str(r["system"]).startswith("broker")
+        server = DASH
+        if any(run.get("server_cpu_s") for run in drains):
+            server = cell([per_job("server_cpu_s")(run) for run in drains])
+        rows.append(
+            [
+                _label(r),
+                cell([per_job("worker_cpu_s")(run) for run in drains]),
+                cell([run.get("worker_rss_mb") for run in drains]),
+                cell([per_job("main_cpu_s")(run) for run in drains]) if is_broker else "n/a",
+                cell([run.get("main_rss_mb") for run in drains]) if is_broker else "n/a",
+                server,
+            ]
+        )
+    return rows
+
+
+def _baseline_rows(data: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    base = data.get("baseline", {}).get("rows", {})
+    for r in data["systems"]:
+        ref = base.get(r["system"])
+        if not ref or r.get("skipped"):
+            continue
+        here = summary(r)
+        cells = [_label(r)]
+        for key in ("enqueue_one", "enqueue_bulk", "drain", "start_p50", "start_p99"):
+            ours = here.get(key)
+            theirs = ref.get(key)
+            if ours is None or theirs is None:
+                cells.append(f"{fmt(ours[0]) if ours else DASH} vs {fmt(theirs)}")
+                continue
+            cells.append(f"{fmt(ours[0])} vs {fmt(theirs)} ({TIMES}{ours[0] / theirs:.2f})")
+        rows.append(cells)
+    return rows
+
+
+def _header(data: dict[str, Any], chart_error: str | None) -> list[str]:
+    env = data["environment"]
+    cfg = data["config"]
+    redis, pg = env["redis"], env["postgres"]
+    redis_text = (
+        f"Redis {redis['version']} at {redis['where']}, {redis['persistence']}"
+        if redis.get("ok")
+        else f"**Redis missing**: {redis['error']}"
+    )
+    pg_text = (
+        f"PostgreSQL {pg['server_version']} at {pg['where']}, fsync {pg['fsync']}, "
+        f"synchronous_commit {pg['synchronous_commit']}, full_page_writes {pg['full_page_writes']}"
+        if pg.get("ok")
+        else f"**PostgreSQL missing**: {pg['error']}"
+    )
+    others = [r.get("other_cpu_pct", 0.0) for r in data["systems"] if "other_cpu_pct" in r]
+    busiest = max(others, default=0.0)
+    load = data["loadavg_start"]
+    load_text = (
+        f"Load average {load[0]:.2f} when the run started, "
+        f"{data['loadavg_end'][0]:.2f} at the end. "
+        f"CPU used by processes outside the benchmark (other sessions' tests and the like) "
+        f"while each system ran: up to {busiest:.0f}% of one core"
+    )
+    if busiest > 20:
+        load_text += (
+            " — **this machine was not idle: figures carry that noise** (per system in the "
+            "last table)"
+        )
+    lines = [
+        "# Broker and peers, side by side",
+        "",
+        f"Generated by `make bench` on {data['generated']} in {data['wall_s'] / 60:.1f} min. "
+        "Every figure below is computed from `results.json` (raw runs) by `bench/report.py`.",
+        "",
+        f"- Machine: {env['cores']} cores ({env['cpu']}), {env['memory_gib']} GiB, "
+        f"Linux {env['kernel']}, Python {env['python']}.",
+        f"- {redis_text}.",
+        f"- {pg_text}.",
+        f"- {load_text}.",
+        f"- Each cell: median of {cfg['reps']} runs (min{DASH}max). Drain: {cfg['drain_jobs']:,} "
+        f"no-op jobs ({cfg['one_by_one']:,} enqueued one call at a time, the rest in bulk), "
+        "then the workers start; from the first job body starting until the system's own "
+        "records show every job complete. † = a run was cut "
+        f"{cfg['drain_limit']:.0f} s after its first job started; its rate counts the jobs "
+        "complete by then.",
+        f"- CPU-bound: {cfg['cpu_jobs']:,} jobs of {env['hash_rounds']:,} SHA-256 rounds "
+        f"({env['hash_job_ms']:.1f} ms on one core here), drained the same way; two "
+        f"processes cannot beat {2000 / env['hash_job_ms']:.0f} jobs/s.",
+        f"- Latency: {cfg['latency_jobs']} no-op jobs sent one at a time at "
+        f"{cfg['latency_rate']:.0f}/s to idle, warmed-up workers; to start = from just before "
+        "the enqueue call to the job body starting; to complete = to the completion time the "
+        "system itself records.",
+        "- Everyone gets two processes running jobs (or the closest the system allows), "
+        "configured as its docs suggest for throughput; bytecode is precompiled for every "
+        "system"
+        + (
+            " (this machine sets PYTHONDONTWRITEBYTECODE=1)."
+            if env.get("pythondontwritebytecode")
+            else "."
+        ),
+        "",
+        "![chart](chart.png)" if not chart_error else f"Chart not drawn: {chart_error}",
+        "",
+    ]
+    return lines
+
+
+def markdown(data: dict[str, Any], chart_error: str | None = None) -> str:
+    systems = data["systems"]
+    lines = _header(data, chart_error)
+    lines += ["## Throughput", ""]
+    lines += _table(
+        [
+            "system (setup)",
+            "enqueue 1-by-1 /s",
+            "enqueue bulk /s",
+            "drain jobs/s",
+            "5 ms CPU jobs/s",
+            "start-up s",
+        ],
+        _throughput_rows(systems, data["config"]["drain_jobs"]),
+    )
+    lines += ["", "## Latency at 50 jobs/s, idle workers (ms)", ""]
+    lines += _table(
+        ["system", "to start p50", "to start p99", "to complete p50", "to complete p99"],
+        _latency_rows(systems),
+    )
+    lines += [
+        "",
+        "## Resources during the drain",
+        "",
+        "CPU is user + system time from the first job start to the end of the drain, per job. "
+        "Workers = the worker processes and all their children; store server = redis-server, "
+        "or every PostgreSQL process (other sessions' queries included).",
+        "",
+    ]
+    lines += _table(
+        [
+            "system",
+            "worker CPU ms/job",
+            "worker peak RSS MB",
+            "broker-main CPU ms/job",
+            "broker-main peak RSS MB",
+            "store server CPU ms/job",
+        ],
+        _resource_rows(systems),
+    )
+    baseline = _baseline_rows(data)
+    if baseline:
+        lines += [
+            "",
+            "## This run against the peer baseline",
+            "",
+            f"Medians here vs `{Path(data['baseline']['source']).name}` "
+            f"({TIMES} = here / baseline).",
+            "",
+        ]
+        lines += _table(
+            ["system", "enqueue 1-by-1 /s", "enqueue bulk /s", "drain /s", "p50 ms", "p99 ms"],
+            baseline,
+        )
+    lines += ["", "## Settings, versions, durability", ""]
+    rows = []
+    for r in systems:
+        versions = ", ".join(f"{k} {v}" for k, v in (r.get("versions") or {}).items())
+        rows.append(
+            [
+                _label(r),
+                r.get("setup", ""),
+                r.get("bulk", ""),
+                versions,
+                r.get("durability", ""),
+                f"{r.get('other_cpu_pct', 0):.0f}%" if "other_cpu_pct" in r else DASH,
+            ]
+        )
+    lines += _table(
+        ["system", "setup", "bulk enqueue", "versions", "durability", "others' CPU"], rows, "---"
+    )
+    errors = [(r["system"], e) for r in systems for e in r.get("errors") or []]
+    if errors:
+        lines += ["", "## What went wrong", ""]
+        lines += [f"- {name}: {text}".replace("\n", " ") for name, text in errors]
+    return "\n".join(lines) + "\n"
