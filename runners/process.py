@@ -162,6 +162,7 @@ class ChildProcess:
         self.job_ids: dict[uuid.UUID, uuid.UUID] = {}
         """Job id by lease, for cancelling a job by its id."""
         self.last_pong = time.monotonic()
+        self._outgoing: list[str] = []
         self._on_exit = on_exit
         self._startup_timeout = startup_timeout
         self._proc: asyncio.subprocess.Process | None = None
@@ -323,14 +324,25 @@ class ChildProcess:
         return future
 
     def send(self, body: dict[str, Any]) -> None:
+        """Queue a line for the child; lines queued in one event-loop turn go out in one
+        write, because a system call per job was the pooled path's largest cost."""
         if self._proc is None or self._proc.stdin is None or self.exited:
             return
-        with contextlib.suppress(ConnectionError, OSError):
-            self._proc.stdin.write((json.dumps(body, separators=(",", ":")) + "\n").encode())
+        self._outgoing.append(json.dumps(body, separators=(",", ":")))
+        if len(self._outgoing) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        lines, self._outgoing = self._outgoing, []
+        if self._proc is None or self._proc.stdin is None or self.exited or not lines:
+            return
+        with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+            self._proc.stdin.write(("\n".join(lines) + "\n").encode())
 
     def retire(self) -> None:
         """No more jobs: closing the job channel makes the child exit once idle."""
         self.retiring = True
+        self._flush()
         if self._proc is not None and self._proc.stdin is not None:
             self._proc.stdin.close()
 
