@@ -807,17 +807,37 @@ class SQLAlchemyAdapter:
     ) -> list[bool]:
         """Group commit: one executemany per kind of move instead of a statement per job.
 
-        Rows are updated in job-id order and counters afterwards in key order, the order
-        claims use, so two transactions never wait on each other (no deadlock). Which moves
-        were accepted is read back inside the same transaction, under the same locks. Only
-        the first move per job in a batch can be accepted; a repeat is fenced like any other.
+        The rows are read and locked first, in job-id order (the order claims use, so two
+        transactions never wait on each other), and each move is checked against its
+        lease there; the accepted ones are then updated, still fenced, under those locks.
+        Only the first move per job in a batch can be accepted.
         """
         first: dict[uuid.UUID, int] = {}
         for i in sorted(range(len(settlements)), key=lambda i: settlements[i].job_id):
             first.setdefault(settlements[i].job_id, i)
+        current: dict[uuid.UUID, Any] = {}
+        for chunk in _chunks(list(first)):
+            stmt = (
+                sa.select(jobs.c.id, jobs.c.handoff_id, jobs.c.status, jobs.c.concurrency_key)
+                .where(jobs.c.id.in_(chunk))
+                .order_by(jobs.c.id)
+            )
+            if self._pg:
+                stmt = stmt.with_for_update()
+            current.update({row.id: row for row in await conn.execute(stmt)})
+        accepted = [False] * len(settlements)
         groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
         statements: dict[tuple[str, ...], Any] = {}
-        for i in first.values():
+        released: Counter[str] = Counter()
+        for job_id, i in first.items():
+            row = current.get(job_id)
+            if row is None or row.status != _HANDED_OFF:
+                continue
+            if row.handoff_id != settlements[i].handoff_id:
+                continue
+            accepted[i] = True
+            if row.concurrency_key:
+                released[row.concurrency_key] += 1
             shape, values, params = self._settle_shape(settlements[i], now_us)
             groups.setdefault(shape, []).append(params)
             if shape not in statements:
@@ -832,31 +852,6 @@ class SQLAlchemyAdapter:
                 )
         for shape, rows in groups.items():
             await conn.execute(statements[shape], rows)
-        stored: dict[uuid.UUID, Any] = {}
-        for chunk in _chunks(list(first)):
-            result = await conn.execute(
-                sa.select(
-                    jobs.c.id,
-                    jobs.c.handoff_id,
-                    jobs.c.status,
-                    jobs.c.updated_us,
-                    jobs.c.concurrency_key,
-                ).where(jobs.c.id.in_(chunk))
-            )
-            stored.update({row.id: row for row in result})
-        accepted = [False] * len(settlements)
-        released: Counter[str] = Counter()
-        for job_id, i in first.items():
-            row = stored.get(job_id)
-            if (
-                row is not None
-                and row.handoff_id == settlements[i].handoff_id
-                and row.updated_us == now_us
-                and row.status != _HANDED_OFF
-            ):
-                accepted[i] = True
-                if row.concurrency_key:
-                    released[row.concurrency_key] += 1
         for key in sorted(released):
             await self._release(conn, key, released[key])
         return accepted
@@ -1119,14 +1114,20 @@ class SQLAlchemyAdapter:
                 )
             )
         batch = sa.select(jobs.c.id).where(*conds).limit(batch_size)
-        # Re-check the status on the row itself: a job may be revived between the two.
-        delete = sa.delete(jobs).where(jobs.c.id.in_(batch.scalar_subquery()), status_in)
         deleted = 0
         while True:
+            # The ids first, then a delete by primary key: one ``DELETE ... IN (subquery)``
+            # leaves the join to the planner, and with statistics taken while the jobs were
+            # still queued PostgreSQL chose a plan that took seconds per batch.
             async with self._write("prune") as conn:
-                count = (await conn.execute(delete)).rowcount
+                ids = list((await conn.execute(batch)).scalars())
+                count = 0
+                if ids:
+                    # Re-check the status on the row itself: a job may have been revived.
+                    delete = sa.delete(jobs).where(jobs.c.id.in_(ids), status_in)
+                    count = (await conn.execute(delete)).rowcount
             deleted += count
-            if count < batch_size:
+            if len(ids) < batch_size:
                 break
         async with self._write("prune") as conn:
             # Idle counters of keys no job holds; a claim re-creates them on demand.

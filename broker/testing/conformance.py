@@ -543,6 +543,20 @@ async def check_settle_many_gives_back_every_concurrency_slot(ctx: Context) -> N
     assert sum(c is not None for c in claims) == 2, "two slots came back, not more or fewer"
 
 
+@_check
+async def check_a_repeated_batch_at_the_same_instant_is_fenced(ctx: Context) -> None:
+    held = [
+        await _claim(ctx.store, await _enqueue(ctx.store, concurrency_key="r", concurrency_limit=5))
+        for _ in range(5)
+    ]
+    moves = [Settlement(j.id, j.handoff_id or uuid.uuid4(), Outcome.COMPLETE) for j in held]
+    assert await ctx.store.settle_many(moves[:3]) == [True, True, True]
+    assert await ctx.store.settle_many(moves) == [False, False, False, True, True]
+    extra = [await _enqueue(ctx.store, concurrency_key="r", concurrency_limit=5) for _ in range(6)]
+    claims = [await ctx.store.mark_handed_off(j.id, uuid.uuid4(), WORKER) for j in extra]
+    assert sum(c is not None for c in claims) == 5, "each slot was given back exactly once"
+
+
 # --- ambiguous claims ------------------------------------------------------------
 
 
