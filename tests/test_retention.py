@@ -238,7 +238,7 @@ async def test_sql_prune_deletes_in_batches_of_the_given_size(tmp_path: Path) ->
         event.listen(store._engine.sync_engine, "before_cursor_execute", count)
         assert await store.prune(older_than=START + timedelta(days=1), batch_size=5) == 23
         assert len(deletes) == 5, "23 rows in batches of 5: 5, 5, 5, 5, 3"
-        assert all("LIMIT" in d.upper() for d in deletes)
+        assert all(d.count("?") <= 5 for d in deletes), "no delete names more than a batch"
         assert await _ids(store) == {queued.id}
     finally:
         await store.close()
