@@ -54,6 +54,12 @@ class _EnvDefault(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def _env_option(parser: argparse.ArgumentParser, flag: str, **options: Any) -> None:
+    """An option whose default comes from ``BROKER_<FLAG>`` (named in ``--help``)."""
+    envvar = "BROKER_" + flag.removeprefix("--").replace("-", "_").upper()
+    parser.add_argument(flag, action=_EnvDefault, envvar=envvar, **options)
+
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
@@ -139,38 +145,33 @@ _RETENTION_OPTIONS: list[tuple[str, Any, Callable[[str], Any], str, str]] = [
 
 def main_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="broker-main", description="Run the broker's main process.")
-    p.add_argument(
+    _env_option(
+        p,
         "--database-url",
-        action=_EnvDefault,
-        envvar="BROKER_DATABASE_URL",
         default=DEFAULT_DATABASE_URL,
         help="job store URL",
     )
-    p.add_argument(
+    _env_option(
+        p,
         "--adapter",
-        action=_EnvDefault,
-        envvar="BROKER_ADAPTER",
         help="custom storage adapter factory, package.module:factory (called with the URL)",
     )
-    p.add_argument(
+    _env_option(
+        p,
         "--host",
-        action=_EnvDefault,
-        envvar="BROKER_HOST",
         default="127.0.0.1",
         help="address to listen on",
     )
-    p.add_argument(
+    _env_option(
+        p,
         "--port",
-        action=_EnvDefault,
-        envvar="BROKER_PORT",
         default=DEFAULT_PORT,
         type=int,
         help="port to listen on",
     )
-    p.add_argument(
+    _env_option(
+        p,
         "--token",
-        action=_EnvDefault,
-        envvar="BROKER_TOKEN",
         help="shared secret every worker and client must prove",
     )
     p.add_argument(
@@ -179,56 +180,43 @@ def main_parser() -> argparse.ArgumentParser:
         default=_env_flag("BROKER_ALLOW_UNAUTHENTICATED"),
         help="listen on a non-loopback address without a token [env BROKER_ALLOW_UNAUTHENTICATED]",
     )
-    p.add_argument(
+    _env_option(
+        p,
         "--orphan-grace",
-        action=_EnvDefault,
-        envvar="BROKER_ORPHAN_GRACE",
         default=30.0,
         type=float,
         help="seconds a restarted main waits for workers to reclaim their leases",
     )
-    p.add_argument(
+    _env_option(
+        p,
         "--ping-interval",
-        action=_EnvDefault,
-        envvar="BROKER_PING_INTERVAL",
         default=5.0,
         type=_number(float, "ping interval"),
         help="seconds between pings",
     )
-    p.add_argument(
+    _env_option(
+        p,
         "--liveness-timeout",
-        action=_EnvDefault,
-        envvar="BROKER_LIVENESS_TIMEOUT",
         default=15.0,
         type=_number(float, "liveness timeout"),
         help="seconds of silence after which a peer is treated as gone",
     )
-    p.add_argument(
+    _env_option(
+        p,
         "--max-line-bytes",
-        action=_EnvDefault,
-        envvar="BROKER_MAX_LINE_BYTES",
         type=_number(int, "max line bytes"),
         help="largest protocol message accepted after the handshake "
         "(default: 2 MiB, or the payload limit plus 1 MiB if that is more)",
     )
-    p.add_argument(
+    _env_option(
+        p,
         "--max-payload-bytes",
-        action=_EnvDefault,
-        envvar="BROKER_MAX_PAYLOAD_BYTES",
         default=DEFAULT_MAX_PAYLOAD_BYTES,
         type=_number(int, "max payload bytes"),
         help="largest args+kwargs of a job, and largest result, as JSON",
     )
     for flag, default, kind, metavar, text in _RETENTION_OPTIONS:
-        p.add_argument(
-            flag,
-            action=_EnvDefault,
-            envvar="BROKER_" + flag.removeprefix("--").replace("-", "_").upper(),
-            default=default,
-            type=kind,
-            metavar=metavar,
-            help=text,
-        )
+        _env_option(p, flag, default=default, type=kind, metavar=metavar, help=text)
     p.add_argument(
         "--schedules",
         action="append",
@@ -237,10 +225,9 @@ def main_parser() -> argparse.ArgumentParser:
         help="module declaring periodic jobs (@task(cron=...), schedules = [...]); "
         "repeatable [env BROKER_SCHEDULES, comma-separated]",
     )
-    p.add_argument(
+    _env_option(
+        p,
         "--log-level",
-        action=_EnvDefault,
-        envvar="BROKER_LOG_LEVEL",
         default="INFO",
         help="DEBUG, INFO, WARNING or ERROR",
     )
@@ -360,10 +347,9 @@ _RUNNER_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
 
 
 def _add_main_address(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+    _env_option(
+        p,
         "--main",
-        action=_EnvDefault,
-        envvar="BROKER_MAIN",
         default=f"127.0.0.1:{DEFAULT_PORT}",
         help="the main's HOST:PORT",
     )
@@ -378,41 +364,28 @@ def worker_parser() -> argparse.ArgumentParser:
         default=None,
         help="module that registers tasks with @task; repeatable [env BROKER_APP, comma-separated]",
     )
-    p.add_argument(
+    _env_option(
+        p,
         "--worker-id",
-        action=_EnvDefault,
-        envvar="BROKER_WORKER_ID",
         help="stable identity of this worker (default: host-pid-random)",
     )
-    p.add_argument(
-        "--token", action=_EnvDefault, envvar="BROKER_TOKEN", help="shared secret the main requires"
-    )
-    p.add_argument(
+    _env_option(p, "--token", help="shared secret the main requires")
+    _env_option(
+        p,
         "--queues",
-        action=_EnvDefault,
-        envvar="BROKER_QUEUES",
         help="comma-separated queues to serve (default: all)",
     )
     for flag, kind, default, text in _RUNNER_OPTIONS:
-        p.add_argument(
-            flag,
-            action=_EnvDefault,
-            envvar="BROKER_" + flag.removeprefix("--").replace("-", "_").upper(),
-            default=default,
-            type=kind,
-            help=text,
-        )
-    p.add_argument(
+        _env_option(p, flag, default=default, type=kind, help=text)
+    _env_option(
+        p,
         "--drain-timeout",
-        action=_EnvDefault,
-        envvar="BROKER_DRAIN_TIMEOUT",
         type=_number(float, "drain timeout"),
         help="seconds running jobs get to finish on SIGTERM (default: wait)",
     )
-    p.add_argument(
+    _env_option(
+        p,
         "--log-level",
-        action=_EnvDefault,
-        envvar="BROKER_LOG_LEVEL",
         default="INFO",
         help="DEBUG, INFO, WARNING or ERROR",
     )
@@ -527,25 +500,20 @@ def broker_parser() -> argparse.ArgumentParser:
         "works on the store directly.",
     )
     _add_main_address(p)
-    p.add_argument(
-        "--token", action=_EnvDefault, envvar="BROKER_TOKEN", help="shared secret the main requires"
-    )
-    p.add_argument(
+    _env_option(p, "--token", help="shared secret the main requires")
+    _env_option(
+        p,
         "--database-url",
-        action=_EnvDefault,
-        envvar="BROKER_DATABASE_URL",
         help="job store URL, used only when the main cannot be reached (default: none)",
     )
-    p.add_argument(
+    _env_option(
+        p,
         "--adapter",
-        action=_EnvDefault,
-        envvar="BROKER_ADAPTER",
         help="custom storage adapter factory for --database-url, package.module:factory",
     )
-    p.add_argument(
+    _env_option(
+        p,
         "--timeout",
-        action=_EnvDefault,
-        envvar="BROKER_TIMEOUT",
         default=10.0,
         type=_number(float, "timeout"),
         help="seconds to wait for the main to connect and to answer",
