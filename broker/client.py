@@ -19,7 +19,7 @@ import functools
 import itertools
 import threading
 import uuid
-from collections.abc import Collection, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from concurrent.futures import Future as ThreadFuture
 from dataclasses import dataclass
 from datetime import datetime
@@ -39,6 +39,7 @@ from broker.main import DEFAULT_PORT
 from broker.tasks import Task
 
 T = TypeVar("T")
+R = TypeVar("R", bound=protocol.Message)
 
 MAX_REPLY_BYTES = 64 << 20
 """The longest reply line the client reads. Replies come from the authenticated main and
@@ -162,7 +163,9 @@ class Client:
                 self._writer.abort()
                 self._writer = None
 
-    async def _request(self, build: Any) -> protocol.Message:
+    async def _request(self, build: Callable[[str], protocol.Message], expect: type[R]) -> R:
+        """Send the request ``build(request_id)`` and return its reply, which must be an
+        ``expect``; a ``request_error`` is raised as the matching exception."""
         await self.connect()
         assert self._writer is not None
         rid = f"r{next(self._ids)}"
@@ -179,6 +182,8 @@ class Client:
             if reply.code == protocol.ErrorCode.STORAGE:
                 raise StorageError(reply.message)
             raise BrokerError(f"{reply.code}: {reply.message}")
+        if not isinstance(reply, expect):
+            raise ProtocolError(f"expected {expect.type!r} from the main, got {reply!r}")
         return reply
 
     async def enqueue(
@@ -252,44 +257,39 @@ class Client:
                     f"{limit} bytes; send fewer or smaller jobs"
                 )
         reply = await self._request(
-            lambda rid: protocol.Enqueue(request_id=rid, jobs=list(requests))
+            lambda rid: protocol.Enqueue(request_id=rid, jobs=list(requests)), protocol.Enqueued
         )
-        if not isinstance(reply, protocol.Enqueued):
-            raise ProtocolError(f"unexpected reply to enqueue: {reply!r}")
         return [Enqueued(ref.job_id, ref.duplicate) for ref in reply.jobs]
 
     async def get_job(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
         """The job as ``Job.to_dict()`` shows it, or ``None`` if the store has no such job."""
         reply = await self._request(
-            lambda rid: protocol.GetJob(request_id=rid, job_id=uuid.UUID(str(job_id)))
+            lambda rid: protocol.GetJob(request_id=rid, job_id=uuid.UUID(str(job_id))),
+            protocol.JobInfo,
         )
-        if not isinstance(reply, protocol.JobInfo):
-            raise ProtocolError(f"unexpected reply to get_job: {reply!r}")
         return reply.job
 
     async def cancel(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
         reply = await self._request(
-            lambda rid: protocol.Cancel(request_id=rid, job_id=uuid.UUID(str(job_id)))
+            lambda rid: protocol.Cancel(request_id=rid, job_id=uuid.UUID(str(job_id))),
+            protocol.JobInfo,
         )
-        if not isinstance(reply, protocol.JobInfo):
-            raise ProtocolError(f"unexpected reply to cancel: {reply!r}")
         return reply.job
 
     async def retry(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
         """Put a dead (``failed``) job back in the queue with a fresh attempt count; a job in
         any other status comes back unchanged, and ``None`` means there is no such job."""
         reply = await self._request(
-            lambda rid: protocol.Retry(request_id=rid, job_id=uuid.UUID(str(job_id)))
+            lambda rid: protocol.Retry(request_id=rid, job_id=uuid.UUID(str(job_id))),
+            protocol.JobInfo,
         )
-        if not isinstance(reply, protocol.JobInfo):
-            raise ProtocolError(f"unexpected reply to retry: {reply!r}")
         return reply.job
 
     async def status(self) -> dict[str, JSONValue]:
         """The main's operator snapshot: queues, workers, pending recoveries."""
-        reply = await self._request(lambda rid: protocol.Status(request_id=rid))
-        if not isinstance(reply, protocol.StatusInfo):
-            raise ProtocolError(f"unexpected reply to status: {reply!r}")
+        reply = await self._request(
+            lambda rid: protocol.Status(request_id=rid), protocol.StatusInfo
+        )
         return reply.status
 
     async def list_jobs(
@@ -310,9 +310,7 @@ class Client:
             limit=limit,
             cursor=cursor,
         )
-        reply = await self._request(lambda rid: request(request_id=rid))
-        if not isinstance(reply, protocol.JobList):
-            raise ProtocolError(f"unexpected reply to list_jobs: {reply!r}")
+        reply = await self._request(lambda rid: request(request_id=rid), protocol.JobList)
         return JobListPage(jobs=reply.jobs, next_cursor=reply.next_cursor)
 
     async def prune(
@@ -330,9 +328,7 @@ class Client:
             keep_latest=keep_latest,
             statuses=None if statuses is None else [JobStatus(s) for s in statuses],
         )
-        reply = await self._request(lambda rid: request(request_id=rid))
-        if not isinstance(reply, protocol.Pruned):
-            raise ProtocolError(f"unexpected reply to prune: {reply!r}")
+        reply = await self._request(lambda rid: request(request_id=rid), protocol.Pruned)
         return reply.deleted
 
     async def wait(

@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 from broker import protocol, wire
 from broker.jobs import ExecutionMode
+
+
+async def until(check: Callable[[], Any], timeout: float = 15.0) -> Any:
+    """Poll ``check()`` (sync or async) until it is truthy and return that value; fail after
+    ``timeout`` seconds. Tests wait on conditions, never on fixed sleeps."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        value = check()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await asyncio.sleep(0.02)
 
 
 class FakeWorker:
@@ -119,4 +135,4 @@ def lease_of(job: protocol.Job) -> protocol.LeaseRef:
     return protocol.LeaseRef(job_id=job.job_id, handoff_id=job.handoff_id)
 
 
-__all__ = ["FakeWorker", "lease_of", "uuid"]
+__all__ = ["FakeWorker", "lease_of", "until"]

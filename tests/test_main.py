@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -19,7 +19,7 @@ from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus
 from broker.main import Main, MainSettings
 from broker.storage import StorageAdapter
 from broker.testing.faults import ClaimFault, FaultyAdapter
-from tests.support import FakeWorker, lease_of
+from tests.support import FakeWorker, lease_of, until
 
 FAST = MainSettings(
     port=0,
@@ -56,16 +56,6 @@ async def running(memory: MemoryAdapter) -> AsyncIterator[Main]:
 async def _enqueue(store: StorageAdapter | FaultyAdapter, n: int = 1, **kw: Any) -> list[Job]:
     results = await store.enqueue_many([JobSpec(task="t.noop", args=[i], **kw) for i in range(n)])
     return [r.job for r in results]
-
-
-async def _eventually(check: Callable[[], Any], timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        if await check() if asyncio.iscoroutinefunction(check) else check():
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 async def _status(store: StorageAdapter, job_id: uuid.UUID) -> JobStatus:
@@ -258,7 +248,7 @@ async def test_a_dropped_socket_returns_only_its_own_leases(
     async def a_requeued() -> bool:
         return await _status(memory, job_a.job_id) is JobStatus.QUEUED
 
-    await _eventually(a_requeued)
+    await until(a_requeued)
     assert await _status(memory, job_b.job_id) is JobStatus.HANDED_OFF
     assert (await b.complete(job_b)).status is protocol.AckStatus.APPLIED
     await b.ready(pooled=1)
@@ -307,7 +297,7 @@ async def test_restarted_main_adopts_held_leases_and_returns_the_rest(tmp_path: 
         async def lost_requeued() -> bool:
             return await _status(store, lost.job_id) is JobStatus.QUEUED
 
-        await _eventually(lost_requeued)
+        await until(lost_requeued)
         assert (await again.complete(kept)).status is protocol.AckStatus.APPLIED
         await again.ready(pooled=1)
         rerun = await again.next_job()
@@ -330,7 +320,7 @@ async def test_orphans_of_a_worker_that_never_returns_go_back_after_the_grace(
         async def requeued() -> bool:
             return await _status(memory, job.id) is JobStatus.QUEUED
 
-        await _eventually(requeued, timeout=3)
+        await until(requeued, timeout=3)
     finally:
         await main.stop()
 
@@ -347,7 +337,7 @@ async def test_a_silent_worker_is_treated_as_gone(running: Main, memory: MemoryA
     async def requeued() -> bool:
         return await _status(memory, job.id) is JobStatus.QUEUED
 
-    await _eventually(requeued, timeout=4)
+    await until(requeued, timeout=4)
     await worker.close()
 
 
@@ -371,7 +361,7 @@ async def test_ambiguous_claim_recovers_the_lease_and_keeps_credit(
         assert sent.job_id == job.id
         first_claim = cast(Sequence[Claim], faulty.calls[0][1])[0]
         assert sent.handoff_id != first_claim.handoff_id, "the ambiguous lease is never used"
-        await _eventually(lambda: len(main.ledger) == 0)
+        await until(lambda: len(main.ledger) == 0)
         current = await memory.get_job(job.id)
         assert current is not None and current.handoff_id == sent.handoff_id, "newer lease kept"
         assert current.status is JobStatus.HANDED_OFF
@@ -413,16 +403,16 @@ async def test_claim_that_commits_after_its_worker_left_goes_back(
         await asyncio.wait_for(gated.committed.wait(), 5)
         if leave == "disconnect":
             await worker.close()
-            await _eventually(lambda: not main.sessions)
+            await until(lambda: not main.sessions)
         else:
             await worker.send(protocol.Draining())
-            await _eventually(lambda: all(s.draining for s in main.sessions.values()))
+            await until(lambda: all(s.draining for s in main.sessions.values()))
         gated.gate.set()
 
         async def requeued() -> bool:
             return await _status(memory, job.id) is JobStatus.QUEUED
 
-        await _eventually(requeued)
+        await until(requeued)
         other = FakeWorker(main.port, worker_id="other")
         await other.connect()
         await other.ready(pooled=1)

@@ -33,7 +33,7 @@ from broker.main import Main, MainSettings
 from broker.storage import StorageAdapter
 from broker.tasks import task
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
-from tests.support import FakeWorker
+from tests.support import FakeWorker, until
 
 POOLED = ExecutionMode.POOLED
 INLINE = ExecutionMode.INLINE
@@ -81,17 +81,6 @@ async def _main(store: StorageAdapter) -> AsyncIterator[Main]:
         yield main
     finally:
         await main.stop()
-
-
-async def _until(check: Any, timeout: float = 15.0) -> Any:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        await asyncio.sleep(0.02)
 
 
 # ------------------------------------------------------------------------ against a main
@@ -434,7 +423,7 @@ def _stale_acks(caplog: pytest.LogCaptureFixture, job_id: uuid.UUID) -> list[str
 async def test_cancelling_a_running_pooled_job_stops_its_child_and_fences_the_report(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from tests.test_pooled import cluster, until
+    from tests.test_pooled import cluster
 
     caplog.set_level(logging.INFO)
     async with cluster(pooled_runner_count=1, forked_concurrency=0) as c:
@@ -454,7 +443,7 @@ async def test_cancelling_a_running_pooled_job_stops_its_child_and_fences_the_re
         assert cancelled is not None and cancelled.status is JobStatus.CANCELLED
 
         await until(lambda: _gone(pid), timeout=10)
-        await _until(lambda: _async(bool(_stale_acks(caplog, job.id))), timeout=10)
+        await until(lambda: _async(bool(_stale_acks(caplog, job.id))), timeout=10)
         await until(lambda: _async(c.worker.status()["outbox"] == 0))
         after = await c.store.get_job(job.id)
         assert after == cancelled, "the late report changed nothing"
@@ -472,7 +461,7 @@ async def test_cancelling_a_running_pooled_job_stops_its_child_and_fences_the_re
 async def test_cancelling_a_running_inline_job_cancels_its_coroutine(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from tests.test_pooled import cluster, until
+    from tests.test_pooled import cluster
 
     caplog.set_level(logging.INFO)
     key = uuid.uuid4().hex
@@ -487,7 +476,7 @@ async def test_cancelling_a_running_inline_job_cancels_its_coroutine(
             reply = await client.cancel(job.id)
         assert reply is not None and reply["status"] == "cancelled"
         await until(lambda: _async(key in _inline_cancelled), timeout=10)
-        await _until(lambda: _async(bool(_stale_acks(caplog, job.id))), timeout=10)
+        await until(lambda: _async(bool(_stale_acks(caplog, job.id))), timeout=10)
         after = await c.store.get_job(job.id)
         assert after is not None and after.status is JobStatus.CANCELLED
         assert after.result is None and after.last_error is None and after.attempts == 0
@@ -498,7 +487,7 @@ async def test_cancelling_a_running_inline_job_cancels_its_coroutine(
 async def test_a_status_with_a_startup_error_reaches_the_main(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tests.test_pooled import cluster, until
+    from tests.test_pooled import cluster
 
     marker = tmp_path / "fail-import"
     marker.write_text("fail")

@@ -35,7 +35,7 @@ from broker.payload import (
 from broker.tasks import TaskRegistry, task
 from broker.worker import Worker
 from runners.inline import InlineRunner
-from tests.support import FakeWorker
+from tests.support import FakeWorker, until
 
 LIMIT = 1000
 SMALL = MainSettings(
@@ -57,17 +57,6 @@ async def _main(store: Any, settings: MainSettings = SMALL) -> AsyncIterator[Mai
         yield main
     finally:
         await main.stop()
-
-
-async def _until(check: Any, timeout: float = 5.0) -> Any:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 # ------------------------------------------------------------------ sizes and settings
@@ -234,7 +223,7 @@ async def test_a_result_within_the_limit_is_stored() -> None:
         await worker.ready(pooled=1)
         sent = await worker.next_job()
         await worker.complete(sent, result="y" * 900)
-        job = await _until(lambda: _terminal(store, result.job.id))
+        job = await until(lambda: _terminal(store, result.job.id))
         assert job.status is JobStatus.COMPLETED and job.result == "y" * 900
         await worker.close()
 
@@ -270,7 +259,7 @@ async def test_a_real_worker_gets_both_result_paths_failed(tmp_path: Path) -> No
             ]
             await store.enqueue_many(specs)
             main.wake()
-            done = [await _until(lambda s=s: _terminal(store, s.id), 10) for s in specs]
+            done = [await until(lambda s=s: _terminal(store, s.id), 10) for s in specs]
         finally:
             worker.request_stop()
             await asyncio.wait_for(run, 10)

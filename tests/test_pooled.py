@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +26,7 @@ from broker.storage import StorageAdapter
 from broker.tasks import default_registry
 from broker.worker import Worker
 from runners.pooled import PooledRunner
+from tests.support import until
 
 pytestmark = pytest.mark.slow
 
@@ -64,17 +65,6 @@ class Cluster:
     def credit(self, mode: ExecutionMode = POOLED) -> int:
         sessions = [s for s in self.main.sessions.values() if s.worker_id == "pool-worker"]
         return sessions[0].credits.available(mode) if sessions else -1
-
-
-async def until(check: Callable[[], Awaitable[Any]], timeout: float = 15.0) -> Any:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        await asyncio.sleep(0.02)
 
 
 @contextlib.asynccontextmanager
