@@ -5,11 +5,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help install test lint typecheck layering pytest demo bench bench-storage bench-runners format clean
+.PHONY: help install test test-slow lint typecheck layering pytest demo bench bench-storage bench-runners format clean
 
 help:
 	@echo "make demo           run a main on SQLite with a worker and example jobs"
 	@echo "make test           lint + mypy --strict + import layering + pytest"
+	@echo "make test-slow      the soak runs left out of make test (tens of thousands of jobs)"
 	@echo "make bench-storage  storage micro-benchmark (claims/s, completions/s)"
 	@echo "make bench-runners  inline / pooled / forked throughput and per-job overhead"
 	@echo "make bench          side-by-side benchmark (see bench/)"
@@ -38,6 +39,10 @@ pytest: $(STAMP)
 	$(BIN)/pytest
 
 test: lint typecheck layering pytest
+
+# -m on the command line overrides the "not soak" default in pyproject.toml.
+test-slow: $(STAMP)
+	$(BIN)/pytest -m soak
 
 demo: $(STAMP)
 	$(BIN)/python -m broker.demo

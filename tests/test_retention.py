@@ -252,7 +252,7 @@ CAP = 1500
 SENTINELS = 20
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
