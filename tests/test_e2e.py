@@ -23,7 +23,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -801,11 +801,24 @@ async def test_2000_jobs_two_workers_one_killed_midway(tmp_path: Path, store_url
                 "worker-1 to be well into the work",
                 timeout=60,
             )
+            # Arrange, rather than hope, that the kill catches worker-1 holding leases:
+            # jobs that run until the gate opens, ahead of the backlog, fill both workers'
+            # slots; the kill comes once worker-1 is running one of them.
+            gate = tmp_path / "gate"
+            holds = [replace(hold_spec(gate), priority=10) for _ in range(32)]
+            keys += await enqueue(cluster, holds)
+            hold_keys = {str(spec.id) for spec in holds}
+            await eventually(
+                lambda: RunLog.read(cluster.runs).running_on(w1.pid) & hold_keys,
+                "worker-1 to be running a gated job",
+                timeout=60,
+            )
             completed_before_kill = {str(j.id) for j in await jobs_in(store, [JobStatus.COMPLETED])}
             await w1.kill()
             killed = w1.pid
+            gate.touch()
             w1 = await cluster.start_worker("worker-1", concurrency=16)
-            await wait_until_all_terminal(store, total, cluster, timeout=60)
+            await wait_until_all_terminal(store, len(keys), cluster, timeout=60)
         for w in (w1, w2):
             assert await w.terminate() == 0
         assert await main.terminate() == 0
