@@ -1090,9 +1090,9 @@ class Main:
             "workers": [
                 _worker_summary(s) for s in self.sessions.values() if s.role is protocol.Role.WORKER
             ],
+            # Job ids only: a client is never shown a lease (see ``Job.to_dict``).
             "pending_recoveries": [
-                {"job_id": str(job_id), "handoff_id": str(lease)}
-                for lease, job_id in self.ledger.pending().items()
+                {"job_id": str(job_id)} for job_id in self.ledger.pending().values()
             ],
         }
 

@@ -228,6 +228,21 @@ async def test_clients_and_the_operator_cli_never_see_a_lease(setup: Setup) -> N
     await worker.close()
 
 
+async def test_status_names_a_lease_still_being_returned_by_its_job_only(setup: Setup) -> None:
+    worker = FakeWorker(setup.main.port, worker_id="worker-a")
+    await worker.connect()
+    sent = await _handed(worker, setup.store)
+    setup.watched.return_failures = 1_000_000  # the store refuses to take the lease back
+    await worker.close()
+    await until(lambda: len(setup.main.ledger) == 1)
+    async with Client("127.0.0.1", setup.main.port) as client:
+        status = await client.status()
+    assert status["pending_recoveries"] == [{"job_id": str(sent.job_id)}]
+    assert str(sent.handoff_id) not in json.dumps(status)
+    setup.watched.return_failures = 0
+    await until(lambda: len(setup.main.ledger) == 0)
+
+
 # ------------------------------------------------------------------ after a main restart
 
 
