@@ -470,7 +470,7 @@ def format_status(status: dict[str, Any]) -> str:
     if recoveries is not None:
         out.append("")
         out.append(f"pending recoveries: {len(recoveries)}")
-        out.extend(f"  job {r['job_id']} lease {r['handoff_id']}" for r in recoveries)
+        out.extend(f"  job {r['job_id']}" for r in recoveries)
     return "\n".join(out)
 
 

@@ -221,7 +221,12 @@ class Job:
         return max(0, self.max_attempts - self.attempts - 1)
 
     def to_dict(self) -> dict[str, JSONValue]:
-        """A JSON-ready view, used by the CLI's ``--json`` output and the protocol."""
+        """The one JSON-ready view of a job that leaves the main: request replies
+        (``job_info``, ``job_list``) and the operator CLI, through the main or the store.
+
+        It leaves out the lease (``handoff_id``): a lease belongs to the connection it was
+        handed to, and no client needs it. ``worker_id`` stays, for operators.
+        """
         return {
             "id": str(self.id),
             "task": self.task,
@@ -236,7 +241,6 @@ class Job:
             "created_at": self.created_at.isoformat(),
             "updated_at": self.updated_at.isoformat(),
             "execution_mode": self.execution_mode.value,
-            "handoff_id": str(self.handoff_id) if self.handoff_id else None,
             "worker_id": self.worker_id,
             "handed_off_at": self.handed_off_at.isoformat() if self.handed_off_at else None,
             "last_error": self.last_error,

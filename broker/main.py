@@ -630,10 +630,15 @@ class Main:
     def _adopt(self, session: Session, hello: protocol.Hello) -> list[protocol.LeaseRef]:
         """Take over the leases this worker says it still holds, where they are still current.
 
-        Two sources: handoffs found in the store at start-up (the main restarted), and
-        another live connection of the same worker id (the worker reconnected before the
-        main noticed the old socket was dead). Start-up handoffs of this worker that it
-        no longer holds go back to the queue now rather than after the grace period.
+        Two sources: handoffs found in the store at start-up (the main restarted), only
+        those the store records for this worker id; and another live connection of the
+        same worker id (the worker reconnected before the main noticed the old socket was
+        dead), only leases that connection holds for the job the hello names. Start-up
+        handoffs of this worker that it no longer holds go back to the queue now rather
+        than after the grace period. Whatever is not adopted stays where it was, and this
+        connection's reports for it are answered ``stale`` (see :meth:`_queue_report`).
+        The worker id itself is only as trustworthy as the shared token until per-role
+        credentials bind it to a credential.
         """
         held = {ref.handoff_id: ref.job_id for ref in hello.held_leases}
         adopted: list[protocol.LeaseRef] = []
@@ -649,7 +654,9 @@ class Main:
         for other in self.sessions.values():
             if other is session or other.worker_id != session.worker_id:
                 continue
-            for lease in [lease for lease in other.leases if lease in held]:
+            for lease in [
+                lease for lease, job in other.leases.items() if held.get(lease) == job.id
+            ]:
                 job = other.leases.pop(lease)
                 session.leases[lease] = job
                 adopted.append(protocol.LeaseRef(job_id=job.id, handoff_id=lease))
@@ -717,9 +724,7 @@ class Main:
                 | protocol.Reschedule()
                 | protocol.Release()
             ) if worker:
-                self._reports.append((session, msg))
-                self._reports_idle.clear()
-                self._reports_ready.set()
+                self._queue_report(session, msg)
             case protocol.WorkerStatus(status=status) if worker:
                 session.reported_status = status
             case (
@@ -741,6 +746,33 @@ class Main:
                         fatal=False,
                     )
                 )
+
+    def _queue_report(self, session: Session, msg: Report) -> None:
+        """Queue a report for settlement, but only for a lease this connection holds: handed
+        to it, or adopted at its hello. The store's fence alone would let any peer with the
+        token settle any running job whose lease it learnt, so anything else (a lease held
+        by another connection, forged, already settled, returned or cancelled) is answered
+        ``stale`` at once and never reaches the store."""
+        held = session.leases.get(msg.handoff_id)
+        if held is None or held.id != msg.job_id:
+            logger.info(
+                "report stale job_id=%s handoff_id=%s outcome=%s worker_id=%s session=%d "
+                "reason=lease not held by this connection",
+                msg.job_id,
+                msg.handoff_id,
+                msg.type,
+                session.worker_id,
+                session.id,
+            )
+            session.send(
+                protocol.ReportAck(
+                    job_id=msg.job_id, handoff_id=msg.handoff_id, status=protocol.AckStatus.STALE
+                )
+            )
+            return
+        self._reports.append((session, msg))
+        self._reports_idle.clear()
+        self._reports_ready.set()
 
     def _spawn_report(self, session: Session, msg: protocol.Message) -> None:
         task = asyncio.create_task(self._apply(session, msg))
@@ -943,10 +975,10 @@ class Main:
             self.wake()
 
     async def _why_not_applied(self, msg: Report) -> protocol.AckStatus:
-        """A fenced-out report is a *duplicate* when its lease already settled this job (the
-        first copy landed, perhaps before a main restart or behind a lost answer), and
-        *stale* when a newer lease owns the job or it was cancelled. Read from the store, so
-        the answer is the same whichever main gives it."""
+        """A fenced-out report is a *duplicate* when its lease already settled this job (two
+        copies were in flight: a reconnected worker re-sent a report its old connection had
+        sent), and *stale* when a newer lease owns the job or it was cancelled. Read from
+        the store, so the answer is the same whichever main gives it."""
         job = await self.store.get_job(msg.job_id)
         if job is None or job.handoff_id != msg.handoff_id:
             return protocol.AckStatus.STALE
@@ -1058,9 +1090,9 @@ class Main:
             "workers": [
                 _worker_summary(s) for s in self.sessions.values() if s.role is protocol.Role.WORKER
             ],
+            # Job ids only: a client is never shown a lease (see ``Job.to_dict``).
             "pending_recoveries": [
-                {"job_id": str(job_id), "handoff_id": str(lease)}
-                for lease, job_id in self.ledger.pending().items()
+                {"job_id": str(job_id)} for job_id in self.ledger.pending().values()
             ],
         }
 

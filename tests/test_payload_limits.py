@@ -208,9 +208,10 @@ async def test_an_oversized_result_fails_the_job_without_retry_and_stores_nothin
         assert job.result is None and job.attempts == 1
         assert job.last_error is not None
         assert "3011 bytes" in job.last_error and f"limit of {LIMIT} bytes" in job.last_error
-        await worker.send(report)  # a repeat (a lost ack) is recognised as settled
+        await worker.send(report)  # a repeat: the settled lease is this connection's no more
         again = await asyncio.wait_for(worker.acks.get(), 5)
-        assert again.status is protocol.AckStatus.DUPLICATE
+        assert again.status is protocol.AckStatus.STALE
+        assert await store.get_job(result.job.id) == job, "the repeat changed nothing"
         await worker.close()
 
 
