@@ -859,9 +859,10 @@ class Main:
     ) -> tuple[list[dict[str, Any]], str | None]:
         """One page of at most ``limit`` jobs and about ``list_page_bytes``, and its cursor.
 
-        Each job is encoded once, as it is added; the page ends where the budget runs out,
-        with a cursor right after its last job, so a reply never exceeds a line and no job
-        is lost between pages. Payloads are read only when asked for, and then a few rows
+        Each job's encoded size is measured once, as it is added (the reply is never encoded
+        whole to find out it is too big); the page ends where the budget runs out, with a
+        cursor right after its last job, so a reply never exceeds a line and no job is lost
+        between pages. Payloads are read only when asked for, and then a few rows
         per read, so one request never holds many large jobs in memory and the loop gets a
         turn between reads (one request with 1 MiB arguments and limit 1000 used to take
         1.65 GB and block the loop for 15 s).

@@ -848,7 +848,8 @@ async def check_cursor_after_continues_right_after_any_listed_job(ctx: Context) 
             rest = await ctx.store.list_jobs(
                 limit=10, cursor=ctx.store.cursor_after(job), include_payload=include_payload
             )
-            assert [j.id for j in rest.jobs] == [j.id for j in listed[i + 1 :]]
+            rest_ids = [j.id for j in rest.jobs]
+            assert rest_ids == [j.id for j in listed[i + 1 :]], "the jobs after it, in order"
             assert rest.next_cursor is None
 
 
