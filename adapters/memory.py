@@ -277,7 +277,12 @@ class MemoryAdapter:
         return self._snapshot(job_id) if job_id in self._jobs else None
 
     async def list_jobs(
-        self, job_filter: JobFilter | None = None, *, limit: int = 50, cursor: str | None = None
+        self,
+        job_filter: JobFilter | None = None,
+        *,
+        limit: int = 50,
+        cursor: str | None = None,
+        include_payload: bool = True,
     ) -> JobPage:
         f = job_filter or JobFilter()
         rows = sorted(
@@ -297,9 +302,12 @@ class MemoryAdapter:
         page = rows[:limit]
         more = len(rows) > limit
         return JobPage(
-            jobs=[self._snapshot(job.id) for job in page],
+            jobs=[self._snapshot(job.id) if include_payload else _summary(job) for job in page],
             next_cursor=_encode_cursor(page[-1]) if more and page else None,
         )
+
+    def cursor_after(self, job: Job) -> str:
+        return _encode_cursor(job)
 
     async def count_jobs(self) -> list[QueueCount]:
         counts: Counter[tuple[str, JobStatus]] = Counter()
@@ -359,6 +367,12 @@ class MemoryAdapter:
     def _snapshot(self, job_id: uuid.UUID) -> Job:
         """A deep copy, so callers can never mutate the store through a returned job."""
         return copy.deepcopy(self._jobs[job_id])
+
+
+def _summary(job: Job) -> Job:
+    """``job`` without its payload; every field left is immutable, so unlike
+    :meth:`MemoryAdapter._snapshot` it needs no deep copy (the costly part of a listing)."""
+    return replace(job, args=(), kwargs={}, result=None)
 
 
 def _newest_first_key(job: Job) -> tuple[datetime, bytes]:

@@ -109,6 +109,17 @@ _CHUNK = 500
 """Most ids bound in one statement (SQLite and asyncpg cap a statement near 32k parameters)."""
 _WRITE_OPTION = "broker_write"
 """Execution option marking SQLite write transactions (they begin IMMEDIATE)."""
+_SUMMARY_COLUMNS = [
+    {
+        "args": sa.literal_column("'[]'", sa.Text).label("args"),
+        "kwargs": sa.literal_column("'{}'", sa.Text).label("kwargs"),
+        "result": sa.null().label("result"),
+    }.get(column.name, column)
+    for column in jobs.c
+]
+"""What a summary listing selects: constants in place of the payload columns, so the
+database never reads them (each may be megabytes) and ``_job_from_row`` needs no
+special case."""
 
 
 # --------------------------------------------------------------------------- helpers
@@ -1016,7 +1027,12 @@ class SQLAlchemyAdapter:
         return None if found is None else _job_from_row(found)
 
     async def list_jobs(
-        self, job_filter: JobFilter | None = None, *, limit: int = 50, cursor: str | None = None
+        self,
+        job_filter: JobFilter | None = None,
+        *,
+        limit: int = 50,
+        cursor: str | None = None,
+        include_payload: bool = True,
     ) -> JobPage:
         if limit <= 0:
             return JobPage(jobs=[], next_cursor=None)
@@ -1034,7 +1050,7 @@ class SQLAlchemyAdapter:
             created_us, last_id = _decode_cursor(cursor)
             conds.append(sa.tuple_(jobs.c.created_us, jobs.c.id) < (created_us, last_id))
         stmt = (
-            sa.select(jobs)
+            sa.select(*(jobs.c if include_payload else _SUMMARY_COLUMNS))
             .where(*conds)
             .order_by(jobs.c.created_us.desc(), jobs.c.id.desc())
             .limit(limit + 1)
@@ -1047,6 +1063,9 @@ class SQLAlchemyAdapter:
             last = rows[limit - 1]
             next_cursor = _encode_cursor(last["created_us"], last["id"])
         return JobPage(jobs=page, next_cursor=next_cursor)
+
+    def cursor_after(self, job: Job) -> str:
+        return _encode_cursor(_to_us(job.created_at), job.id)
 
     async def count_jobs(self) -> list[QueueCount]:
         stmt = (

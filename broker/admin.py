@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from broker import composition, payload, protocol
 from broker.client import Client, Enqueued, JobListPage
 from broker.exceptions import BrokerError, ConfigurationError
-from broker.jobs import Clock, JobSpec, JobStatus, JSONValue, utcnow
+from broker.jobs import Clock, Job, JobSpec, JobStatus, JSONValue, summary_dict, utcnow
 from broker.main import queue_summary
 from broker.storage import JobFilter, StorageAdapter
 
@@ -46,6 +46,7 @@ class Backend(Protocol):
         tasks: Collection[str] | None,
         limit: int,
         cursor: str | None,
+        include_payload: bool,
     ) -> JobListPage: ...
 
     async def get_job(self, job_id: uuid.UUID) -> dict[str, JSONValue] | None: ...
@@ -84,9 +85,15 @@ class MainBackend:
         tasks: Collection[str] | None,
         limit: int,
         cursor: str | None,
+        include_payload: bool,
     ) -> JobListPage:
         return await self.client.list_jobs(
-            statuses=statuses, queues=queues, tasks=tasks, limit=limit, cursor=cursor
+            statuses=statuses,
+            queues=queues,
+            tasks=tasks,
+            limit=limit,
+            cursor=cursor,
+            include_payload=include_payload,
         )
 
     async def get_job(self, job_id: uuid.UUID) -> dict[str, JSONValue] | None:
@@ -144,16 +151,19 @@ class StoreBackend:
         tasks: Collection[str] | None,
         limit: int,
         cursor: str | None,
+        include_payload: bool,
     ) -> JobListPage:
         try:
             page = await self.store.list_jobs(
                 JobFilter(statuses=statuses, queues=queues, tasks=tasks),
                 limit=limit,
                 cursor=cursor,
+                include_payload=include_payload,
             )
         except ValueError as exc:
             raise ConfigurationError(f"--cursor is not valid: {exc}") from None
-        return JobListPage(jobs=[job.to_dict() for job in page.jobs], next_cursor=page.next_cursor)
+        show = Job.to_dict if include_payload else summary_dict
+        return JobListPage(jobs=[show(job) for job in page.jobs], next_cursor=page.next_cursor)
 
     async def get_job(self, job_id: uuid.UUID) -> dict[str, JSONValue] | None:
         job = await self.store.get_job(job_id)
@@ -259,6 +269,7 @@ async def _jobs(backend: Backend, args: argparse.Namespace) -> int:
             tasks=args.task or None,
             limit=args.limit,
             cursor=cursor,
+            include_payload=args.with_payload,
         )
         jobs.extend(page.jobs)
         cursor = page.next_cursor
@@ -475,9 +486,10 @@ def format_status(status: dict[str, Any]) -> str:
 
 
 def format_jobs(jobs: Sequence[dict[str, Any]]) -> str:
-    """The human form of ``broker jobs``."""
+    """The human form of ``broker jobs``; payload columns only when the listing has them."""
     if not jobs:
         return "no jobs"
+    payload = [key for key in ("args", "kwargs", "result") if any(key in job for job in jobs)]
     rows = [
         [
             str(job["id"]),
@@ -488,8 +500,9 @@ def format_jobs(jobs: Sequence[dict[str, Any]]) -> str:
             f"{job['attempts']}/{job['max_attempts']}",
             str(job["updated_at"])[:19],
             _short(job["last_error"] or "", 40),
+            *(_short(json.dumps(job[key]), 30) if key in job else "(omitted)" for key in payload),
         ]
         for job in jobs
     ]
     headers = ["id", "status", "queue", "task", "mode", "attempts", "updated", "last error"]
-    return table(headers, rows)
+    return table([*headers, *payload], rows)

@@ -23,7 +23,7 @@ from typing import Any
 from broker import admin, composition, protocol
 from broker.exceptions import BrokerError, ConfigurationError
 from broker.jobs import ExecutionMode, JobStatus
-from broker.main import DEFAULT_PORT, Main, MainSettings, line_limit_for
+from broker.main import DEFAULT_LIST_PAGE_BYTES, DEFAULT_PORT, Main, MainSettings, line_limit_for
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES
 from broker.retention import Retention
 from broker.schedule import declared_in
@@ -215,6 +215,13 @@ def main_parser() -> argparse.ArgumentParser:
         type=_number(int, "max payload bytes"),
         help="largest args+kwargs of a job, and largest result, as JSON",
     )
+    _env_option(
+        p,
+        "--list-page-bytes",
+        default=DEFAULT_LIST_PAGE_BYTES,
+        type=_number(int, "list page bytes"),
+        help="about how many bytes of jobs one page of a job listing may carry",
+    )
     for flag, default, kind, metavar, text in _RETENTION_OPTIONS:
         _env_option(p, flag, default=default, type=kind, metavar=metavar, help=text)
     p.add_argument(
@@ -250,6 +257,7 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         liveness_timeout=float(args.liveness_timeout),
         max_payload_bytes=int(args.max_payload_bytes),
         max_line_bytes=int(args.max_line_bytes or line_limit_for(int(args.max_payload_bytes))),
+        list_page_bytes=int(args.list_page_bytes),
     )
     retention = Retention(
         completed_ttl=_ttl(args.retention_completed),
@@ -538,6 +546,12 @@ def broker_parser() -> argparse.ArgumentParser:
     jobs.add_argument("--limit", type=_page_size, default=50, help="jobs per page (default 50)")
     jobs.add_argument("--cursor", default=None, help="the page after this one (from a listing)")
     jobs.add_argument("--all", action="store_true", help="follow every page to the end")
+    jobs.add_argument(
+        "--with-payload",
+        action="store_true",
+        help="include each job's args, kwargs and result (left out by default: they can be "
+        "large; `broker job ID` always shows them)",
+    )
     for name, text in (
         ("job", "show one job"),
         ("retry", "put a dead (failed) job back in the queue with a fresh attempt count"),

@@ -55,7 +55,8 @@ class Enqueued:
 @dataclass(frozen=True, slots=True)
 class JobListPage:
     jobs: list[dict[str, JSONValue]]
-    """Each as :meth:`broker.jobs.Job.to_dict` shows it, newest first."""
+    """Each as :meth:`broker.jobs.Job.to_dict` shows it, newest first (without ``args``,
+    ``kwargs`` and ``result`` unless the listing asked for them)."""
     next_cursor: str | None
 
 
@@ -300,8 +301,15 @@ class Client:
         tasks: Collection[str] | None = None,
         limit: int = 50,
         cursor: str | None = None,
+        include_payload: bool = False,
     ) -> JobListPage:
-        """One page of jobs, newest first; pass ``next_cursor`` back for the next page."""
+        """One page of jobs, newest first; pass ``next_cursor`` back for the next page.
+
+        The main may send fewer than ``limit`` jobs, to keep the page within its byte
+        budget. Jobs come without ``args``, ``kwargs`` and ``result`` unless
+        ``include_payload``; a job too large to send whole even alone then comes
+        without them and with ``payload_omitted: true`` (``get_job`` returns it whole).
+        """
         request = functools.partial(
             protocol.ListJobs,
             statuses=None if statuses is None else [JobStatus(s) for s in statuses],
@@ -309,6 +317,7 @@ class Client:
             tasks=None if tasks is None else list(tasks),
             limit=limit,
             cursor=cursor,
+            include_payload=include_payload,
         )
         reply = await self._request(lambda rid: request(request_id=rid), protocol.JobList)
         return JobListPage(jobs=reply.jobs, next_cursor=reply.next_cursor)

@@ -253,6 +253,16 @@ class Job:
         }
 
 
+PAYLOAD_FIELDS = frozenset({"args", "kwargs", "result"})
+"""The fields of :meth:`Job.to_dict` a summary listing leaves out: each may be megabytes."""
+
+
+def summary_dict(job: Job) -> dict[str, JSONValue]:
+    """:meth:`Job.to_dict` without :data:`PAYLOAD_FIELDS`: how a summary listing shows a job
+    (the keys are left out rather than emptied, so no one mistakes them for empty args)."""
+    return {key: value for key, value in job.to_dict().items() if key not in PAYLOAD_FIELDS}
+
+
 @dataclass(frozen=True, slots=True)
 class Claim:
     """One handoff the main wants to make: the lease is minted before the store sees it."""

@@ -46,6 +46,7 @@ from broker.jobs import (
     JobStatus,
     Outcome,
     Settlement,
+    summary_dict,
     utcnow,
 )
 from broker.payload import (
@@ -70,6 +71,9 @@ DEFAULT_PORT = 7390
 
 DEFAULT_MAX_LINE_BYTES = 2 << 20
 """2 MiB: the default payload limit (1 MiB) plus ample room for the rest of a message."""
+
+DEFAULT_LIST_PAGE_BYTES = 1 << 20
+"""1 MiB: a page of jobs that a client decodes, and the main encodes, in a few milliseconds."""
 
 DEFAULT_RETENTION = Retention()
 """Completed and cancelled jobs kept 7 days, dead ones 30 days, no row cap."""
@@ -110,6 +114,9 @@ class MainSettings:
     claim_batch: int = 256
     report_batch: int = 512
     max_errors_per_connection: int = 20
+    list_page_bytes: int = DEFAULT_LIST_PAGE_BYTES
+    """About how many bytes of jobs one ``list_jobs`` reply may carry (never more than fits
+    in ``max_line_bytes``); the page ends early, with a cursor, once they are used up."""
 
     def validate(self) -> None:
         positive = {
@@ -124,6 +131,7 @@ class MainSettings:
             "claim_batch": self.claim_batch,
             "report_batch": self.report_batch,
             "max_errors_per_connection": self.max_errors_per_connection,
+            "list_page_bytes": self.list_page_bytes,
         }
         for name, value in positive.items():
             if not value > 0:
@@ -863,31 +871,79 @@ class Main:
                 )
 
     async def _list_jobs(self, session: Session, msg: protocol.ListJobs) -> None:
-        """One page; halved until the reply fits in a line, so large payloads never make a
-        reply the client would have to reject."""
-        job_filter = JobFilter(statuses=msg.statuses, queues=msg.queues, tasks=msg.tasks)
-        limit = msg.limit
-        while True:
-            try:
-                page = await self.store.list_jobs(job_filter, limit=limit, cursor=msg.cursor)
-            except ValueError as exc:
-                session.send(
-                    protocol.RequestError(
-                        request_id=msg.request_id,
-                        code=protocol.ErrorCode.MALFORMED,
-                        message=f"list_jobs.cursor is not valid: {exc}"[:200],
-                    )
+        try:
+            jobs, next_cursor = await self._list_page(session, msg)
+        except ValueError as exc:  # only the client's cursor can be unreadable
+            session.send(
+                protocol.RequestError(
+                    request_id=msg.request_id,
+                    code=protocol.ErrorCode.MALFORMED,
+                    message=f"list_jobs.cursor is not valid: {exc}"[:200],
                 )
-                return
-            reply = protocol.JobList(
-                request_id=msg.request_id,
-                jobs=[job.to_dict() for job in page.jobs],
-                next_cursor=page.next_cursor,
             )
-            if limit == 1 or len(protocol.encode(reply)) <= self.settings.max_line_bytes:
-                session.send(reply)
-                return
-            limit = max(1, limit // 2)
+            return
+        session.send(
+            protocol.JobList(request_id=msg.request_id, jobs=jobs, next_cursor=next_cursor)
+        )
+
+    async def _list_page(
+        self, session: Session, msg: protocol.ListJobs
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """One page of at most ``limit`` jobs and about ``list_page_bytes``, and its cursor.
+
+        Each job's encoded size is measured once, as it is added (the reply is never encoded
+        whole to find out it is too big); the page ends where the budget runs out, with a
+        cursor right after its last job, so a reply never exceeds a line and no job is lost
+        between pages. Payloads are read only when asked for, and then a few rows
+        per read, so one request never holds many large jobs in memory and the loop gets a
+        turn between reads (one request with 1 MiB arguments and limit 1000 used to take
+        1.65 GB and block the loop for 15 s).
+        """
+        job_filter = JobFilter(statuses=msg.statuses, queues=msg.queues, tasks=msg.tasks)
+        empty = protocol.JobList(request_id=msg.request_id, jobs=[], next_cursor=None)
+        # What a line has room for besides the envelope: the jobs and the cursor's text
+        # (the empty reply already counts "null" where the cursor goes).
+        room = self.settings.max_line_bytes - len(protocol.encode(empty)) + len("null")
+        budget = min(self.settings.list_page_bytes, room)
+        rows_per_read = msg.limit if not msg.include_payload else self._payload_rows_per_read()
+        entries: list[dict[str, Any]] = []
+        used = 0
+        cursor = msg.cursor
+        while len(entries) < msg.limit and not session.closed:
+            page = await self.store.list_jobs(
+                job_filter,
+                limit=min(msg.limit - len(entries), rows_per_read),
+                cursor=cursor,
+                include_payload=msg.include_payload,
+            )
+            for job in page.jobs:
+                entry = job.to_dict() if msg.include_payload else summary_dict(job)
+                cost = encoded_size(entry) + 1  # and its comma
+                after = self.store.cursor_after(job)
+                tail = encoded_size(after)
+                if used + cost + tail > budget:
+                    if entries:  # full: the next page starts with this job
+                        return entries, cursor
+                    if msg.include_payload and cost + tail > room:
+                        # Too big for a line even alone: list it without its payload
+                        # (get_job has it) rather than stop every later page here.
+                        entry = {**summary_dict(job), "payload_omitted": True}
+                        cost = encoded_size(entry) + 1
+                entries.append(entry)
+                used += cost
+                cursor = after
+            cursor = page.next_cursor
+            if cursor is None:
+                break
+        return entries, cursor
+
+    def _payload_rows_per_read(self) -> int:
+        """How many rows a payload listing reads at once: as many as fit in the page
+        budget when every row is at the payload limit (args, kwargs and a result)."""
+        limit = self.settings.max_payload_bytes
+        if limit is None:
+            return 1
+        return max(1, self.settings.list_page_bytes // (2 * limit))
 
     async def _enqueue(self, session: Session, msg: protocol.Enqueue) -> None:
         now = self._clock()

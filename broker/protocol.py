@@ -496,7 +496,10 @@ class StatusInfo:
 
 @dataclass(frozen=True, slots=True)
 class ListJobs:
-    """One page of jobs, newest first; ``null`` filters match anything."""
+    """One page of jobs, newest first; ``null`` filters match anything.
+
+    Without ``include_payload`` each job comes without ``args``, ``kwargs`` and
+    ``result`` (they may be megabytes each); ``get_job`` returns a job whole."""
 
     type: ClassVar[str] = "list_jobs"
     request_id: str
@@ -505,6 +508,7 @@ class ListJobs:
     tasks: list[str] | None = None
     limit: int = 50
     cursor: str | None = None
+    include_payload: bool = False
 
     def __post_init__(self) -> None:
         _check(1 <= self.limit <= MAX_LIST_LIMIT, f"limit must be 1-{MAX_LIST_LIMIT}")
@@ -512,7 +516,8 @@ class ListJobs:
 
 @dataclass(frozen=True, slots=True)
 class JobList:
-    """``jobs`` are :meth:`broker.jobs.Job.to_dict`; ``next_cursor`` is null on the last page."""
+    """``jobs`` are :meth:`broker.jobs.Job.to_dict` (without its payload fields unless the
+    request asked for them); ``next_cursor`` is null on the last page."""
 
     type: ClassVar[str] = "job_list"
     request_id: str

@@ -98,7 +98,8 @@ class QueueCount:
 
 @runtime_checkable
 class StorageAdapter(Protocol):
-    """A job store. All methods are coroutines and safe to call concurrently."""
+    """A job store. All methods but ``cursor_after`` are coroutines; all are safe to
+    call concurrently."""
 
     @property
     def capabilities(self) -> Capabilities: ...
@@ -220,9 +221,28 @@ class StorageAdapter(Protocol):
     async def get_job(self, job_id: uuid.UUID) -> Job | None: ...
 
     async def list_jobs(
-        self, job_filter: JobFilter | None = None, *, limit: int = 50, cursor: str | None = None
+        self,
+        job_filter: JobFilter | None = None,
+        *,
+        limit: int = 50,
+        cursor: str | None = None,
+        include_payload: bool = True,
     ) -> JobPage:
-        """Jobs matching ``job_filter``, newest first, ``limit`` at a time."""
+        """Jobs matching ``job_filter``, newest first, ``limit`` at a time.
+
+        With ``include_payload=False`` (a summary listing) every job comes back with
+        empty ``args``, ``kwargs`` and ``result``, and the store should not even read
+        them: they may be megabytes per job, and a listing is for finding jobs, not
+        for reading them (``get_job`` returns everything).
+        """
+
+    def cursor_after(self, job: Job) -> str:
+        """The cursor that continues a listing right after ``job``, one of its jobs.
+
+        It is the ``next_cursor`` a page ending with ``job`` would carry, so a caller
+        can cut a page short (the main does, to keep a reply within its byte budget)
+        and continue from there without losing or repeating a job.
+        """
 
     async def count_jobs(self) -> list[QueueCount]:
         """Counts by queue and status (statuses with no jobs are left out)."""

@@ -240,7 +240,7 @@ async def test_a_page_too_big_for_one_line_comes_back_smaller() -> None:
             seen: list[str] = []
             cursor = None
             while True:
-                page = await client.list_jobs(limit=5, cursor=cursor)
+                page = await client.list_jobs(limit=5, cursor=cursor, include_payload=True)
                 assert 1 <= len(page.jobs) < 5
                 seen += [str(j["id"]) for j in page.jobs]
                 if (cursor := page.next_cursor) is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
@@ -816,6 +816,41 @@ async def check_list_jobs_filters_and_pages(ctx: Context) -> None:
     await _claim(ctx.store, made[0])
     handed = await ctx.store.list_jobs(JobFilter(statuses=[JobStatus.HANDED_OFF]), limit=10)
     assert [j.id for j in handed.jobs] == [made[0].id]
+
+
+@_check
+async def check_summary_listing_leaves_the_payload_out(ctx: Context) -> None:
+    done = await _claim(ctx.store, await _enqueue(ctx.store, args=[1, "two"], kwargs={"k": [3]}))
+    assert await ctx.store.complete(done.id, done.handoff_id or uuid.uuid4(), {"out": 4})
+    ctx.clock.advance(1)
+    queued = await _enqueue(ctx.store, args=["x" * 1000], kwargs={"big": "y" * 1000})
+    full = (await ctx.store.list_jobs(limit=10)).jobs
+    summary = (await ctx.store.list_jobs(limit=10, include_payload=False)).jobs
+    assert [j.id for j in summary] == [j.id for j in full] == [queued.id, done.id]
+    assert full[0].args == ("x" * 1000,) and full[0].kwargs == {"big": "y" * 1000}
+    assert full[1].args == (1, "two") and full[1].kwargs == {"k": [3]}
+    assert full[1].result == {"out": 4}, "a full listing (the default) carries the payload"
+    for whole, short in zip(full, summary, strict=True):
+        assert (short.args, short.kwargs, short.result) == ((), {}, None), "no payload"
+        assert short == replace(whole, args=(), kwargs={}, result=None), "every other field"
+    assert (await _get(ctx.store, done.id)).result == {"out": 4}, "get_job returns it all"
+
+
+@_check
+async def check_cursor_after_continues_right_after_any_listed_job(ctx: Context) -> None:
+    for i in range(6):  # pairs created in the same instant: the order must break ties
+        await _enqueue(ctx.store, args=[i])
+        if i % 2:
+            ctx.clock.advance(1)
+    listed = (await ctx.store.list_jobs(limit=10)).jobs
+    for include_payload in (True, False):
+        for i, job in enumerate(listed):
+            rest = await ctx.store.list_jobs(
+                limit=10, cursor=ctx.store.cursor_after(job), include_payload=include_payload
+            )
+            rest_ids = [j.id for j in rest.jobs]
+            assert rest_ids == [j.id for j in listed[i + 1 :]], "the jobs after it, in order"
+            assert rest.next_cursor is None
 
 
 @_check

@@ -173,10 +173,20 @@ class LoggingAdapter:
         return await self._call("get_job", self.inner.get_job(job_id))
 
     async def list_jobs(
-        self, job_filter: JobFilter | None = None, *, limit: int = 50, cursor: str | None = None
+        self,
+        job_filter: JobFilter | None = None,
+        *,
+        limit: int = 50,
+        cursor: str | None = None,
+        include_payload: bool = True,
     ) -> JobPage:
-        call = self.inner.list_jobs(job_filter, limit=limit, cursor=cursor)
+        call = self.inner.list_jobs(
+            job_filter, limit=limit, cursor=cursor, include_payload=include_payload
+        )
         return await self._call("list_jobs", call)
+
+    def cursor_after(self, job: Job) -> str:
+        return self.inner.cursor_after(job)  # pure encoding: nothing to count or time
 
     async def count_jobs(self) -> list[QueueCount]:
         return await self._call("count_jobs", self.inner.count_jobs())
