@@ -28,6 +28,7 @@ from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES
 from broker.retention import Retention
 from broker.schedule import declared_in
 from broker.tasks import default_registry
+from broker.untrusted import escape_log_output
 from broker.worker import Worker
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./broker.db"
@@ -83,6 +84,8 @@ def _configure_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    # Task names, worker ids, errors and child output reach the log: one escaped line each.
+    escape_log_output(logging.getLogger().handlers)
 
 
 def _host_port(text: str) -> tuple[str, int]:
@@ -402,9 +405,15 @@ def _app_modules(args: argparse.Namespace) -> list[str]:
 
 
 def load_apps(modules: Sequence[str]) -> None:
-    """Import the operator's task modules so their ``@task`` registrations run."""
+    """Import the operator's task modules so their ``@task`` registrations run.
+
+    The working directory joins the module path only when there is something to import,
+    and last, so a file planted there can never stand in for an installed module.
+    """
+    if not modules:
+        return
     if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+        sys.path.append(os.getcwd())
     for name in modules:
         try:
             importlib.import_module(name)
@@ -629,7 +638,15 @@ def _run(make: Callable[[], Any]) -> int:
     return 0
 
 
+def _drop_implicit_path() -> None:
+    """``python -m`` (and ``-c``) put the working directory first on the module path; the
+    broker adds it back, last, only for ``--app`` and ``--schedules``."""
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
+
+
 if __name__ == "__main__":
+    _drop_implicit_path()
     _commands = {"main": main_entry, "worker": worker_entry, "broker": broker_entry}
     if len(sys.argv) < 2 or sys.argv[1] not in _commands:
         print(f"usage: python -m broker.cli {{{','.join(_commands)}}} [options]", file=sys.stderr)
