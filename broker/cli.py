@@ -28,7 +28,7 @@ from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES
 from broker.retention import Retention
 from broker.schedule import declared_in
 from broker.tasks import default_registry
-from broker.untrusted import escape_log_output
+from broker.untrusted import escape_control, escape_log_output
 from broker.worker import Worker
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./broker.db"
@@ -629,7 +629,7 @@ def _run(make: Callable[[], Any]) -> int:
     except KeyboardInterrupt:
         return 130
     except (BrokerError, OSError, TimeoutError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {escape_control(str(exc))}", file=sys.stderr)
         cause = exc.__cause__
         while cause is not None:
             print(f"  caused by: {cause!r}", file=sys.stderr)

@@ -397,7 +397,7 @@ class ChildProcess:
         assert self._proc is not None and self._proc.stdout is not None
         stdout = self._proc.stdout
         relay = OutputRelay(self.pid)
-        with contextlib.suppress(OSError):
+        try:
             while True:
                 try:
                     # While lines are being suppressed, wake up to report how many even
@@ -410,7 +410,10 @@ class ChildProcess:
                 if not chunk:
                     break
                 relay.feed(chunk)
-        relay.close()
+        except OSError:
+            pass
+        finally:
+            relay.close()  # also when cancelled at the child's exit: the count is still owed
 
     def _finish(self, code: int | None) -> None:
         self.exited = True

@@ -1,7 +1,7 @@
 """Tasks for ``tests/test_e2e.py``, loaded by real worker processes with ``--app tests.e2e_app``.
 
 Every run appends ``start KEY PID`` when it begins and ``end KEY PID`` when its work is
-done to ``runs-PID.log`` in the directory named by ``E2E_LOG_DIR``. One file per
+done to ``runs-PID.log`` in the directory named by ``BROKER_E2E_LOG_DIR``. One file per
 process and one ``write`` per line (``O_APPEND``), so a ``kill -9`` can cut a run short
 but never leaves a torn line, and the test can tell exactly which process ran what.
 """
@@ -13,7 +13,7 @@ import os
 
 from broker.tasks import task
 
-LOG_DIR_ENV = "E2E_LOG_DIR"
+LOG_DIR_ENV = "BROKER_E2E_LOG_DIR"
 
 
 def _log(event: str, key: str) -> None:

@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 APP = "tests.e2e_app"
 RECORD = f"{APP}.record"
 HOLD = f"{APP}.hold"
-LOG_DIR_ENV = "E2E_LOG_DIR"
+LOG_DIR_ENV = "BROKER_E2E_LOG_DIR"
 """Same as ``tests.e2e_app.LOG_DIR_ENV``; not imported, so this process registers no tasks."""
 
 FAST_MAIN = ("--ping-interval", "0.2", "--liveness-timeout", "1", "--orphan-grace", "2")
