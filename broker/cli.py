@@ -260,6 +260,8 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         max_terminal_rows=args.retention_max_rows,
         interval=float(args.retention_interval),
     )
+    if args.adapter:
+        use_app_directory()
     store = composition.open_store(args.database_url, args.adapter)
     main = Main(store, settings, schedules=schedules, retention=retention)
     stop = asyncio.Event()
@@ -404,16 +406,21 @@ def _app_modules(args: argparse.Namespace) -> list[str]:
     return apps
 
 
-def load_apps(modules: Sequence[str]) -> None:
-    """Import the operator's task modules so their ``@task`` registrations run.
+def use_app_directory() -> None:
+    """Make the operator's modules in the working directory importable.
 
-    The working directory joins the module path only when there is something to import,
-    and last, so a file planted there can never stand in for an installed module.
+    Only for what the operator names (``--app``, ``--schedules``, ``--adapter``), and
+    last on the path, so a file planted there can never stand in for an installed module.
     """
-    if not modules:
-        return
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
+
+
+def load_apps(modules: Sequence[str]) -> None:
+    """Import the operator's task modules so their ``@task`` registrations run."""
+    if not modules:
+        return
+    use_app_directory()
     for name in modules:
         try:
             importlib.import_module(name)
@@ -593,6 +600,8 @@ def broker_parser() -> argparse.ArgumentParser:
 
 async def run_broker(args: argparse.Namespace) -> int:
     host, port = _host_port(args.main)
+    if args.adapter:
+        use_app_directory()
     backend = await admin.open_backend(
         host,
         port,

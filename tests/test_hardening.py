@@ -299,6 +299,11 @@ async def test_a_module_planted_in_the_working_directory_is_never_imported(
     await _start_main(tmp_path, "--schedules", "my_schedules")
     assert (tmp_path / "schedules-loaded").exists(), "--schedules imports from the directory"
     assert not marker.exists(), "the directory comes after the installed modules"
+    (tmp_path / "my_adapter.py").write_text(
+        "import adapters\n\ndef create(url):\n    return adapters.open_store(url)\n"
+    )
+    await _start_main(tmp_path, "--adapter", "my_adapter:create")
+    assert not marker.exists(), "--adapter imports from the directory, after installed modules"
 
 
 # ------------------------------------------------------------------ control characters (7)
