@@ -649,7 +649,7 @@ def _run(make: Callable[[], Any]) -> int:
 
 def _drop_implicit_path() -> None:
     """``python -m`` (and ``-c``) put the working directory first on the module path; the
-    broker adds it back, last, only for ``--app`` and ``--schedules``."""
+    broker adds it back, last, only when asked to (see :func:`use_app_directory`)."""
     if sys.path and sys.path[0] in ("", os.getcwd()):
         del sys.path[0]
 
