@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from broker.exceptions import ConfigurationError
 from broker.jobs import Clock, utcnow
+from broker.untrusted import redact_url
 
 if TYPE_CHECKING:
     from broker.storage import StorageAdapter
@@ -33,7 +34,7 @@ def open_store(url: str, *, clock: Clock = utcnow) -> StorageAdapter:
 
         return SQLAlchemyAdapter(url, clock=clock)
     raise ConfigurationError(
-        f"unsupported store URL {url!r}; use one of: {', '.join(SUPPORTED_URLS)} "
+        f"unsupported store URL {redact_url(url)!r}; use one of: {', '.join(SUPPORTED_URLS)} "
         "(a custom adapter is plugged in with --adapter module:factory)"
     )
 

@@ -31,6 +31,7 @@ import importlib
 import json
 import logging
 import math
+import os
 import time
 import uuid
 from collections import Counter
@@ -52,6 +53,7 @@ from adapters._sql_schema import (
     IS_HANDED_OFF,
     IS_QUEUED,
     IS_TERMINAL,
+    _qualified,
     concurrency,
     jobs,
     migrate,
@@ -82,6 +84,7 @@ from broker.jobs import (
 )
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, check_all
 from broker.storage import SCHEMA_VERSION, Capabilities, JobFilter, JobPage, QueueCount
+from broker.untrusted import redact_url
 
 logger = logging.getLogger(__name__)
 _ANALYZE_AFTER_INSERTS = 500
@@ -218,7 +221,9 @@ def _decode_cursor(cursor: str) -> tuple[int, uuid.UUID]:
 
 
 def _redact(url: URL) -> str:
-    return url.render_as_string(hide_password=True)
+    # SQLAlchemy hides only what it parsed as the password: of "u:p@ss@host" it shows
+    # "u:***@ss@host". The shared rule hides up to the last "@", and query passwords.
+    return redact_url(url.render_as_string(hide_password=True))
 
 
 def _require_driver(module: str, url: URL) -> Any:
@@ -236,9 +241,9 @@ def _resolve_url(raw: str) -> tuple[URL, str]:
     """The async-driver URL for ``raw`` and its backend (``sqlite`` or ``postgresql``)."""
     try:
         url = make_url(raw)
-    except sa_exc.ArgumentError as exc:
+    except (sa_exc.ArgumentError, ValueError) as exc:  # ValueError: a port that is no number
         raise ConfigurationError(
-            f"cannot parse store URL {raw!r}; use one of: {', '.join(SUPPORTED_URLS)}"
+            f"cannot parse store URL {redact_url(raw)!r}; use one of: {', '.join(SUPPORTED_URLS)}"
         ) from exc
     driver = url.drivername.lower()
     if driver in ("sqlite", "sqlite+aiosqlite"):
@@ -254,6 +259,20 @@ def _resolve_url(raw: str) -> tuple[URL, str]:
     raise ConfigurationError(
         f"unsupported store URL scheme {url.drivername!r}; use one of: {', '.join(SUPPORTED_URLS)}"
     )
+
+
+def _create_private(path: str) -> None:
+    """Create the SQLite file readable and writable by its owner only, if it is missing.
+
+    SQLite would create it with the umask's mode, usually 0644: job arguments and
+    results readable by every local user. Its ``-wal`` and ``-shm`` files take the
+    database file's mode. A file that exists already keeps the mode its operator chose.
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return  # it exists, or cannot be created: SQLite then opens it or says why not
+    os.close(fd)
 
 
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -349,6 +368,13 @@ class SQLAlchemyAdapter:
             self._write_lock: AbstractAsyncContextManager[Any] = contextlib.nullcontext()
             self._order_tiebreak: list[sa.ColumnElement[Any]] = [jobs.c.seq]
         else:
+            path = resolved.database
+            if path and not resolved.query.get("uri"):  # a file: URI is the operator's own
+                event.listen(
+                    self._engine.sync_engine,
+                    "do_connect",
+                    lambda *_: _create_private(path),
+                )
             event.listen(self._engine.sync_engine, "connect", _sqlite_on_connect)
             event.listen(self._engine.sync_engine, "begin", _sqlite_on_begin)
             self._write_engine = self._engine.execution_options(**{_WRITE_OPTION: True})
@@ -462,10 +488,12 @@ class SQLAlchemyAdapter:
         self._analyzing = asyncio.create_task(self._analyze(), name="broker-store-analyze")
 
     async def _analyze(self) -> None:
-        table = f'"{self._schema}".broker_jobs' if self._schema else "broker_jobs"
+        def analyze(conn: sa.Connection) -> None:
+            conn.exec_driver_sql(f"ANALYZE {_qualified(conn, self._schema, jobs.name)}")
+
         try:
             async with self._read_engine.connect() as conn:
-                await conn.execute(sa.text(f"ANALYZE {table}"))
+                await conn.run_sync(analyze)
         except self._errors as exc:
             logger.warning("could not refresh planner statistics: %r", exc)
 

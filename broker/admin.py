@@ -30,6 +30,7 @@ from broker.exceptions import BrokerError, ConfigurationError
 from broker.jobs import Clock, Job, JobSpec, JobStatus, JSONValue, summary_dict, utcnow
 from broker.main import queue_summary
 from broker.storage import JobFilter, StorageAdapter
+from broker.untrusted import escape_control
 
 
 class Backend(Protocol):
@@ -280,7 +281,7 @@ async def _jobs(backend: Backend, args: argparse.Namespace) -> int:
     else:
         print(format_jobs(jobs))
         if cursor is not None:
-            print(f"more: --cursor {cursor}")
+            print(f"more: --cursor {escape_control(cursor)}")
     return 0
 
 
@@ -291,7 +292,8 @@ async def _job(backend: Backend, args: argparse.Namespace) -> int:
 async def _cancel(backend: Backend, args: argparse.Namespace) -> int:
     job = await backend.cancel(args.job_id)
     if job is not None and job["status"] != JobStatus.CANCELLED:
-        print(f"note: job {args.job_id} had already ended as {job['status']}", file=sys.stderr)
+        ended = escape_control(str(job["status"]))
+        print(f"note: job {args.job_id} had already ended as {ended}", file=sys.stderr)
     return _print_job(job, args.json)
 
 
@@ -306,7 +308,8 @@ async def _retry(backend: Backend, args: argparse.Namespace) -> int:
     if job is None:
         return _print_job(None, args.json)
     print(
-        f"error: job {args.job_id} is {job['status']}; only a failed (dead) job can be retried",
+        f"error: job {args.job_id} is {escape_control(str(job['status']))}; "
+        "only a failed (dead) job can be retried",
         file=sys.stderr,
     )
     return 1
@@ -393,13 +396,15 @@ def _print_job(job: dict[str, Any] | None, as_json: bool) -> int:
     else:
         width = max(len(k) for k in job)
         for key, value in job.items():
-            print(f"{key:<{width}}  {value if isinstance(value, str) else json.dumps(value)}")
+            text = value if isinstance(value, str) else json.dumps(value)
+            print(f"{escape_control(key):<{width}}  {escape_control(text)}")
     return 0
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Left-aligned columns two spaces apart, headers in capitals."""
-    cells = [[h.upper() for h in headers], *[list(row) for row in rows]]
+    """Left-aligned columns two spaces apart, headers in capitals; control characters in
+    the cells (task names, errors, worker ids come from peers) are escaped."""
+    cells = [[h.upper() for h in headers], *[[escape_control(c) for c in row] for row in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
@@ -438,11 +443,14 @@ def format_status(status: dict[str, Any]) -> str:
     out: list[str] = []
     if status.get("source") == "main":
         out.append(
-            f"main: {status['main_id']} up, {status['dispatched']} jobs dispatched, "
-            f"{status['orphans']} orphaned leases awaiting their workers"
+            escape_control(
+                f"main: {status['main_id']} up, {status['dispatched']} jobs dispatched, "
+                f"{status['orphans']} orphaned leases awaiting their workers"
+            )
         )
     else:
-        out.append(f"main: DOWN ({status.get('main_error')}); job counts read from the store")
+        error = escape_control(str(status.get("main_error")))
+        out.append(f"main: DOWN ({error}); job counts read from the store")
     out.append("")
     statuses = [s.value for s in JobStatus]
     queue_rows = [

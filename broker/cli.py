@@ -28,6 +28,7 @@ from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES
 from broker.retention import Retention
 from broker.schedule import declared_in
 from broker.tasks import default_registry
+from broker.untrusted import escape_control, escape_log_output
 from broker.worker import Worker
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./broker.db"
@@ -83,6 +84,8 @@ def _configure_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    # Task names, worker ids, errors and child output reach the log: one escaped line each.
+    escape_log_output(logging.getLogger().handlers)
 
 
 def _host_port(text: str) -> tuple[str, int]:
@@ -265,6 +268,8 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         max_terminal_rows=args.retention_max_rows,
         interval=float(args.retention_interval),
     )
+    if args.adapter:
+        use_app_directory()
     store = composition.open_store(args.database_url, args.adapter)
     main = Main(store, settings, schedules=schedules, retention=retention)
     stop = asyncio.Event()
@@ -409,10 +414,21 @@ def _app_modules(args: argparse.Namespace) -> list[str]:
     return apps
 
 
+def use_app_directory() -> None:
+    """Make the operator's modules in the working directory importable.
+
+    Only for what the operator names (``--app``, ``--schedules``, ``--adapter``), and
+    last on the path, so a file planted there can never stand in for an installed module.
+    """
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+
+
 def load_apps(modules: Sequence[str]) -> None:
     """Import the operator's task modules so their ``@task`` registrations run."""
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    if not modules:
+        return
+    use_app_directory()
     for name in modules:
         try:
             importlib.import_module(name)
@@ -598,6 +614,8 @@ def broker_parser() -> argparse.ArgumentParser:
 
 async def run_broker(args: argparse.Namespace) -> int:
     host, port = _host_port(args.main)
+    if args.adapter:
+        use_app_directory()
     backend = await admin.open_backend(
         host,
         port,
@@ -634,7 +652,7 @@ def _run(make: Callable[[], Any]) -> int:
     except KeyboardInterrupt:
         return 130
     except (BrokerError, OSError, TimeoutError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {escape_control(str(exc))}", file=sys.stderr)
         cause = exc.__cause__
         while cause is not None:
             print(f"  caused by: {cause!r}", file=sys.stderr)
@@ -643,7 +661,15 @@ def _run(make: Callable[[], Any]) -> int:
     return 0
 
 
+def _drop_implicit_path() -> None:
+    """``python -m`` (and ``-c``) put the working directory first on the module path; the
+    broker adds it back, last, only when asked to (see :func:`use_app_directory`)."""
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
+
+
 if __name__ == "__main__":
+    _drop_implicit_path()
     _commands = {"main": main_entry, "worker": worker_entry, "broker": broker_entry}
     if len(sys.argv) < 2 or sys.argv[1] not in _commands:
         print(f"usage: python -m broker.cli {{{','.join(_commands)}}} [options]", file=sys.stderr)

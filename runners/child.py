@@ -4,7 +4,11 @@ The child talks to its worker over two dedicated channels and nothing else: jobs
 arrive on what was fd 0 (moved aside at start-up, with ``/dev/null`` put in its
 place) and outcomes leave on the fd named by ``--channel-fd``. A task's ``print()``
 goes to the child's real stdout, which the worker reads and logs line by line with
-the job id, so no user output can ever corrupt the protocol.
+the job id (long lines truncated, floods rate-limited: see
+:class:`runners.process.OutputRelay`), so no user output can ever corrupt the protocol.
+
+The child gets the worker's environment without any ``BROKER_*`` variable (see
+:func:`runners.process.child_environment`) and the worker's ``sys.path``.
 
 Jobs run through :class:`runners.inline.InlineRunner` on the child's own event loop
 (coroutines) or in threads (plain functions), with timeouts left to the parent,
@@ -26,7 +30,7 @@ from typing import Any, TextIO
 
 from broker.runner import Assignment, Completed, Failed, Outcome, Released, Rescheduled
 from runners.inline import InlineRunner, format_error
-from runners.process import assignment_from_wire, current_rss
+from runners.process import CHILD_SYS_PATH_ENV, assignment_from_wire, current_rss
 
 STARTUP_FAILED = 3
 """Exit code after reporting a start-up error (the app failed to import)."""
@@ -141,9 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.stdin = open(os.devnull)  # noqa: SIM115 - lives as long as the process
     sys.stdout = _TaggedStream(sys.stdout)
     sys.stderr = _TaggedStream(sys.stderr)
-    extra_path = os.environ.get("BROKER_CHILD_SYS_PATH")
-    if extra_path:
-        sys.path[:0] = [p for p in json.loads(extra_path) if p not in sys.path]
+    worker_path = os.environ.pop(CHILD_SYS_PATH_ENV, None)
+    if worker_path:
+        sys.path[:] = json.loads(worker_path)
     try:
         for module in args.app:
             importlib.import_module(module)

@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from broker.exceptions import ConfigurationError
@@ -30,6 +30,109 @@ logger = logging.getLogger("broker.runner")
 
 CHANNEL_LIMIT = 64 << 20
 """Largest outcome line a child may send (a job's result travels in it)."""
+
+CHILD_SYS_PATH_ENV = "BROKER_CHILD_SYS_PATH"
+"""The worker's ``sys.path``, for the child; the child removes it before any app import."""
+
+OUTPUT_CHUNK_BYTES = 64 << 10
+"""The child's output is read in pieces of at most this size, never a line at a time."""
+
+OUTPUT_LINE_BYTES = 8 << 10
+"""The first bytes of each output line that reach the log; the rest is only counted."""
+
+OUTPUT_LINES_PER_SECOND = 100.0
+OUTPUT_BURST_LINES = 500
+"""Output lines logged per child: a token bucket of this rate and size. Lines beyond it
+are dropped and counted, so one chatty child cannot flood the worker's log."""
+
+OUTPUT_SUMMARY_AFTER = 1.0
+"""Seconds after which a count of dropped lines is logged even if the child is quiet."""
+
+
+def child_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment a child, and so user code, is given: the worker's without the
+    broker's own configuration.
+
+    Every ``BROKER_*`` variable is the broker's (the token, the database URL in
+    ``BROKER_DATABASE_URL``, every option): a task has no business reading them, and a
+    task that can read the token can impersonate its worker.
+    """
+    return {name: value for name, value in environ.items() if not name.startswith("BROKER_")}
+
+
+class OutputRelay:
+    """Turns a child's raw output bytes into log lines, bounded in size and rate.
+
+    Lines are split here rather than by ``readline``, which gives up for good on a line
+    longer than its limit. Each line keeps its first :data:`OUTPUT_LINE_BYTES` and says
+    how many bytes it lost; lines over the rate are counted and summarised. Control
+    characters are escaped by the log's filter (:mod:`broker.untrusted`).
+    """
+
+    def __init__(
+        self,
+        pid: int | None,
+        *,
+        line_bytes: int = OUTPUT_LINE_BYTES,
+        rate: float = OUTPUT_LINES_PER_SECOND,
+        burst: int = OUTPUT_BURST_LINES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pid = pid
+        self.suppressed = 0
+        self._line_bytes = line_bytes
+        self._rate = rate
+        self._burst = float(burst)
+        self._tokens = float(burst)
+        self._clock = clock
+        self._refilled = clock()
+        self._line = bytearray()
+        self._truncated = 0
+
+    def feed(self, data: bytes) -> None:
+        start = 0
+        while start <= len(data):
+            end = data.find(b"\n", start)
+            stop = len(data) if end < 0 else end
+            room = max(0, self._line_bytes - len(self._line))
+            self._line += data[start : min(stop, start + room)]
+            self._truncated += max(0, stop - start - room)
+            if end < 0:
+                return
+            self._emit()
+            start = end + 1
+
+    def close(self) -> None:
+        """The output ended: log a last unterminated line and any count still owed."""
+        if self._line or self._truncated:
+            self._emit()
+        self.report_suppressed()
+
+    def report_suppressed(self) -> None:
+        if self.suppressed:
+            logger.warning(
+                "runner output pid=%s: %d lines suppressed (over %s lines a second)",
+                self.pid,
+                self.suppressed,
+                self._rate,
+            )
+            self.suppressed = 0
+
+    def _emit(self) -> None:
+        text = self._line.decode(errors="replace").rstrip()
+        if self._truncated:
+            text += f" ... ({self._truncated} bytes truncated)"
+        self._line.clear()
+        self._truncated = 0
+        now = self._clock()
+        self._tokens = min(self._burst, self._tokens + (now - self._refilled) * self._rate)
+        self._refilled = now
+        if self._tokens < 1:
+            self.suppressed += 1
+            return
+        self._tokens -= 1
+        self.report_suppressed()
+        logger.info("runner output pid=%s %s", self.pid, text)
 
 
 def positive_int(name: str, value: object) -> int:
@@ -189,14 +292,16 @@ class ChildProcess:
 
     async def _start(self) -> None:
         read_fd, write_fd = os.pipe()
-        argv = [sys.executable, "-m", "runners.child", "--channel-fd", str(write_fd)]
+        # -P: the working directory does not go first on the child's path; the child
+        # takes the worker's path instead, where an app directory comes last.
+        argv = [sys.executable, "-P", "-m", "runners.child", "--channel-fd", str(write_fd)]
         argv += ["--concurrency", str(self.concurrency)]
         for app in self.apps:
             argv += ["--app", app]
         if self.one_shot:
             argv.append("--one-shot")
-        env = dict(os.environ)
-        env["BROKER_CHILD_SYS_PATH"] = json.dumps([os.getcwd(), *sys.path])
+        env = child_environment(os.environ)
+        env[CHILD_SYS_PATH_ENV] = json.dumps(sys.path)
         env["PYTHONUNBUFFERED"] = "1"
         try:
             self._proc = await asyncio.create_subprocess_exec(
@@ -209,7 +314,6 @@ class ChildProcess:
                 # Its own session: a Ctrl-C or a signal to the worker's process group must
                 # reach the worker, which drains, not kill jobs mid-run under it.
                 start_new_session=True,
-                limit=CHANNEL_LIMIT,
             )
         except OSError as exc:
             os.close(read_fd)
@@ -288,12 +392,28 @@ class ChildProcess:
                 raise ValueError(f"unexpected child message {other!r}")
 
     async def _relay_output(self) -> None:
+        """Log the child's output until it closes, whatever it writes: the child blocks
+        once the pipe is full, so a relay that stopped reading would hang its jobs."""
         assert self._proc is not None and self._proc.stdout is not None
-        with contextlib.suppress(ValueError, OSError):
-            while line := await self._proc.stdout.readline():
-                logger.info(
-                    "runner output pid=%s %s", self.pid, line.decode(errors="replace").rstrip()
-                )
+        stdout = self._proc.stdout
+        relay = OutputRelay(self.pid)
+        try:
+            while True:
+                try:
+                    # While lines are being suppressed, wake up to report how many even
+                    # if the child has gone quiet.
+                    wait = OUTPUT_SUMMARY_AFTER if relay.suppressed else None
+                    chunk = await asyncio.wait_for(stdout.read(OUTPUT_CHUNK_BYTES), wait)
+                except TimeoutError:
+                    relay.report_suppressed()
+                    continue
+                if not chunk:
+                    break
+                relay.feed(chunk)
+        except OSError:
+            pass
+        finally:
+            relay.close()  # also when cancelled at the child's exit: the count is still owed
 
     def _finish(self, code: int | None) -> None:
         self.exited = True

@@ -1,6 +1,6 @@
-"""A task module whose import fails while the file named by BROKER_TEST_FAIL_IMPORT exists.
+"""A task module whose import fails while the file named by FLAKY_APP_FAIL_IMPORT exists.
 
-The failing import deletes the file when ``BROKER_TEST_FAIL_ONCE`` is set, so the module
+The failing import deletes the file when ``FLAKY_APP_FAIL_ONCE`` is set, so the module
 fails on its first import only, like an app whose dependency comes up a little late.
 """
 
@@ -10,9 +10,9 @@ import os
 
 from broker.tasks import task
 
-_marker = os.environ.get("BROKER_TEST_FAIL_IMPORT")
+_marker = os.environ.get("FLAKY_APP_FAIL_IMPORT")
 if _marker and os.path.exists(_marker):
-    if os.environ.get("BROKER_TEST_FAIL_ONCE"):
+    if os.environ.get("FLAKY_APP_FAIL_ONCE"):
         os.remove(_marker)
     raise ImportError(f"simulated start-up failure ({_marker} exists)")
 

@@ -491,7 +491,7 @@ async def test_a_status_with_a_startup_error_reaches_the_main(
 
     marker = tmp_path / "fail-import"
     marker.write_text("fail")
-    monkeypatch.setenv("BROKER_TEST_FAIL_IMPORT", str(marker))
+    monkeypatch.setenv("FLAKY_APP_FAIL_IMPORT", str(marker))
     async with cluster(pooled_runner_count=1, forked_concurrency=0, apps=("tests.flaky_app",)) as c:
 
         async def reported() -> dict[str, Any] | None:

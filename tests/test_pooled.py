@@ -178,7 +178,7 @@ async def test_a_child_that_crashes_at_import_revokes_pooled_credit_until_fixed(
 ) -> None:
     marker = tmp_path / "fail-import"
     marker.write_text("fail")
-    monkeypatch.setenv("BROKER_TEST_FAIL_IMPORT", str(marker))
+    monkeypatch.setenv("FLAKY_APP_FAIL_IMPORT", str(marker))
     caplog.set_level(logging.INFO, logger="broker.runner")
     async with cluster(pooled_runner_count=1, apps=("tests.flaky_app",)) as c:
         await until(lambda: _eq(lambda: c.pool.status().startup_error is not None, True))
@@ -192,8 +192,8 @@ async def test_a_child_that_crashes_at_import_revokes_pooled_credit_until_fixed(
         assert stored is not None and stored.status is JobStatus.QUEUED, "nothing dispatched"
         failures = caplog.text.count("failed to start; slots revoked")
         assert failures <= 4, f"{failures} start attempts in 1.5 s: that is a crash loop"
-        monkeypatch.setenv("BROKER_TEST_FAIL_ONCE", "1")  # children inherit it: next one heals
-        os.environ["BROKER_TEST_FAIL_ONCE"] = "1"
+        monkeypatch.setenv("FLAKY_APP_FAIL_ONCE", "1")  # children inherit it: next one heals
+        os.environ["FLAKY_APP_FAIL_ONCE"] = "1"
         marker.unlink()
         [done] = await c.settled([job], timeout=40)
         assert done.status is JobStatus.COMPLETED and done.attempts == 0
@@ -205,8 +205,8 @@ async def test_a_child_that_fails_its_first_import_only_recovers(
 ) -> None:
     marker = tmp_path / "fail-once"
     marker.write_text("fail")
-    monkeypatch.setenv("BROKER_TEST_FAIL_IMPORT", str(marker))
-    monkeypatch.setenv("BROKER_TEST_FAIL_ONCE", "1")
+    monkeypatch.setenv("FLAKY_APP_FAIL_IMPORT", str(marker))
+    monkeypatch.setenv("FLAKY_APP_FAIL_ONCE", "1")
     async with cluster(pooled_runner_count=1, apps=("tests.flaky_app",)) as c:
         [job] = [r.job for r in await c.store.enqueue_many([JobSpec(task="tests.flaky_app.ok")])]
         c.main.wake()
