@@ -217,7 +217,7 @@ async def test_clients_and_the_operator_cli_never_see_a_lease(setup: Setup) -> N
             assert shown is not None and shows_no_lease(shown)
             assert shown["worker_id"] == "worker-a", "operators still see the worker"
             page = await backend.list_jobs(
-                statuses=None, queues=None, tasks=None, limit=10, cursor=None
+                statuses=None, queues=None, tasks=None, limit=10, cursor=None, include_payload=True
             )
             assert len(page.jobs) == 2 and shows_no_lease(page.jobs)
         retried = await client.retry(dead.job_id)
