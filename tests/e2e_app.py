@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from typing import Any
 
 from broker.tasks import task
 
@@ -50,3 +51,13 @@ async def hold(key: str, gate: str, limit: float = 60.0) -> int:
         await asyncio.sleep(0.02)
     _log("end", key)
     return os.getpid()
+
+
+@task(mode="inline")
+async def nest(levels: int) -> Any:
+    """This process's pid inside ``levels`` lists (``[[pid]]`` for 2): a result as deep as
+    asked, built here because the main refuses arguments nested that deeply."""
+    value: Any = os.getpid()
+    for _ in range(levels):
+        value = [value]
+    return value
