@@ -213,6 +213,31 @@ class _DeepResults(InlineRunner):
         return Completed(nested(1000)) if assignment.task == "deep" else outcome
 
 
+async def _run_on_a_worker(
+    settings: MainSettings, runner: InlineRunner, registry: TaskRegistry, specs: list[JobSpec]
+) -> list[Any]:
+    """Run ``specs`` on a real worker under a real main; each job once it is terminal."""
+    store = MemoryAdapter()
+    async with _main(store, settings) as main:
+        worker = Worker(
+            "127.0.0.1",
+            main.port,
+            worker_id="w-depth",
+            runners={ExecutionMode.INLINE: runner},
+            registry=registry,
+        )
+        run = asyncio.create_task(worker.run())
+        try:
+            await store.enqueue_many(specs)
+            main.wake()
+            done = [await until(lambda s=s: _terminal(store, s.id), 10) for s in specs]
+            assert not run.done(), "the worker is still running"
+        finally:
+            worker.request_stop()
+            await asyncio.wait_for(run, 10)
+    return done
+
+
 async def test_a_worker_fails_a_too_deep_result_and_keeps_serving() -> None:
     registry = TaskRegistry()
 
@@ -224,39 +249,43 @@ async def test_a_worker_fails_a_too_deep_result_and_keeps_serving() -> None:
     async def wrap(value: Any) -> Any:
         return [value]
 
-    store = MemoryAdapter()
-    async with _main(store) as main:
-        worker = Worker(
-            "127.0.0.1",
-            main.port,
-            worker_id="w-depth",
-            runners={ExecutionMode.INLINE: _DeepResults(registry, concurrency=2)},
-            registry=registry,
-        )
-        run = asyncio.create_task(worker.run())
-        try:
-            inline = ExecutionMode.INLINE
-            specs = [
-                JobSpec(task="deep", execution_mode=inline),
-                # Arguments within the limit, and a result one level deeper than them.
-                JobSpec(task="wrap", args=[nested(64)], execution_mode=inline),
-                JobSpec(task="wrap", args=[nested(63)], execution_mode=inline),
-                JobSpec(task="wrap", args=["fine"], execution_mode=inline),
-            ]
-            await store.enqueue_many(specs)
-            main.wake()
-            done = [await until(lambda s=s: _terminal(store, s.id), 10) for s in specs]
-            assert not run.done(), "the worker is still running"
-        finally:
-            worker.request_stop()
-            await asyncio.wait_for(run, 10)
-    deep_job, over, fits, fine = done
+    inline = ExecutionMode.INLINE
+    specs = [
+        JobSpec(task="deep", execution_mode=inline),
+        # Arguments within the limit, and a result one level deeper than them.
+        JobSpec(task="wrap", args=[nested(64)], execution_mode=inline),
+        JobSpec(task="wrap", args=[nested(63)], execution_mode=inline),
+        JobSpec(task="wrap", args=["fine"], execution_mode=inline),
+    ]
+    runner = _DeepResults(registry, concurrency=2)
+    deep_job, over, fits, fine = await _run_on_a_worker(FAST, runner, registry, specs)
     for job in (deep_job, over):
         assert job.status is JobStatus.FAILED and job.result is None
         assert job.attempts == 1 and job.max_attempts > 1, "failed without retry"
         assert "more than 64 levels deep" in (job.last_error or "")
     assert fits.status is JobStatus.COMPLETED and fits.result == [nested(63)]
     assert fine.status is JobStatus.COMPLETED and fine.result == ["fine"]
+
+
+async def test_without_a_payload_limit_a_worker_still_fits_its_reports_to_the_line() -> None:
+    registry = TaskRegistry()
+
+    @task(name="sized", registry=registry, mode="inline")
+    async def sized(n: int) -> str:
+        return "z" * n
+
+    settings = MainSettings(
+        **{**FAST.__dict__, "max_payload_bytes": None, "max_line_bytes": 70_000}
+    )
+    specs = [
+        JobSpec(task="sized", args=[n], execution_mode=ExecutionMode.INLINE)
+        for n in (60_000, 100_000)
+    ]
+    runner = InlineRunner(registry, concurrency=2)
+    fits, over_line = await _run_on_a_worker(settings, runner, registry, specs)
+    assert fits.status is JobStatus.COMPLETED and fits.result == "z" * 60_000
+    assert over_line.status is JobStatus.FAILED and over_line.attempts == 1
+    assert "over the main's limit of 70000" in (over_line.last_error or "")
 
 
 # ------------------------------------------------------------------ (d) the child pipe
