@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
+import json
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -32,7 +34,7 @@ from broker.payload import (
     result_problem,
 )
 from broker.runner import Assignment, Completed, Failed, Outcome
-from broker.tasks import TaskRegistry, task
+from broker.tasks import TaskRegistry, default_unique_key, task
 from broker.worker import Worker
 from runners.inline import InlineRunner
 from runners.pooled import PooledRunner
@@ -182,6 +184,23 @@ async def test_enqueue_in_transaction_refuses_arguments_nested_too_deeply(
     finally:
         await app.dispose()
         await store.close()
+
+
+async def test_the_operator_cli_refuses_arguments_nested_too_deeply() -> None:
+    async with _main(MemoryAdapter()) as main:
+        main_opt = ["--main", f"127.0.0.1:{main.port}"]
+        for args_json in ("[" * 100_000 + "]" * 100_000, json.dumps([nested(65)])):
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                code = await asyncio.to_thread(
+                    cli.broker_entry, [*main_opt, "enqueue", "t", args_json]
+                )
+            assert code != 0 and "deep" in err.getvalue(), err.getvalue()
+
+
+def test_a_unique_key_of_arguments_nested_too_deeply_is_an_invalid_job() -> None:
+    with pytest.raises(InvalidJobError, match="too deeply"):
+        default_unique_key("t", [nested(100_000)], {})
 
 
 # ------------------------------------------------------------------ results
