@@ -402,6 +402,8 @@ async def run_on_child(
         # same arguments would fail the same way).
         child.inflight.pop(assignment.handoff_id, None)
         child.job_ids.pop(assignment.handoff_id, None)
+        if child.one_shot:
+            child.retire()  # started for this job alone: let it exit instead of waiting
         return Failed(f"the job cannot be sent to its runner process: {exc}", retry=False)
     try:
         return await asyncio.wait_for(asyncio.shield(future), limit)

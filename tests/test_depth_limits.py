@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import io
 import json
 import uuid
@@ -36,6 +37,7 @@ from broker.payload import (
 from broker.runner import Assignment, Completed, Failed, Outcome
 from broker.tasks import TaskRegistry, default_unique_key, task
 from broker.worker import Worker
+from runners.forked import ForkedRunner
 from runners.inline import InlineRunner
 from runners.pooled import PooledRunner
 from tests.support import FakeWorker, until
@@ -348,6 +350,22 @@ async def test_a_pooled_child_fails_a_too_deep_result_and_serves_the_next_job() 
         )
     finally:
         await pool.stop(grace=1.0)
+
+
+@pytest.mark.slow
+async def test_a_forked_job_whose_arguments_cannot_be_encoded_fails_without_hanging() -> None:
+    forked = ForkedRunner([APP], registry=TaskRegistry(), concurrency=1, startup_timeout=20.0)
+    await forked.start()
+    try:
+        assignment = dataclasses.replace(
+            _assignment(NEST, nested(100_000)), execution_mode=ExecutionMode.FORKED
+        )
+        outcome = await asyncio.wait_for(forked.run(assignment), 20)
+        assert isinstance(outcome, Failed) and not outcome.retry, outcome
+        assert "too deeply" in outcome.error
+        assert forked.free_slots() == 1
+    finally:
+        await forked.stop(grace=1.0)
 
 
 # ------------------------------------------------------------------ (b) real processes
