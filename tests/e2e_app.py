@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from typing import Any
 
 from broker.tasks import task
@@ -61,3 +62,12 @@ async def nest(levels: int) -> Any:
     for _ in range(levels):
         value = [value]
     return value
+
+
+@task(mode="pooled")
+async def forge_deep_line(levels: int) -> None:
+    """Write a line nested ``levels`` deep straight onto this child's outcome channel, as
+    a broken child might, then wait to be stopped; only meaningful in a pooled child."""
+    fd = int(sys.argv[sys.argv.index("--channel-fd") + 1])
+    os.write(fd, b'{"type":"outcome","result":' + b"[" * levels + b"]" * levels + b"}\n")
+    await asyncio.sleep(60)

@@ -353,6 +353,23 @@ async def test_a_pooled_child_fails_a_too_deep_result_and_serves_the_next_job() 
 
 
 @pytest.mark.slow
+async def test_a_line_from_a_child_too_deep_to_decode_fails_its_jobs_clearly() -> None:
+    pool = PooledRunner([APP], registry=TaskRegistry(), count=1, startup_timeout=20.0)
+    await pool.start()
+    try:
+        first = await pool.run(_assignment(NEST, 1))
+        assert isinstance(first, Completed), first
+        outcome = await pool.run(_assignment(f"{APP}.forge_deep_line", 100_000))
+        assert isinstance(outcome, Failed), outcome
+        assert "broke its protocol" in outcome.error and "RecursionError" in outcome.error
+        # The broken child is gone, and a new one serves the next job.
+        after = await asyncio.wait_for(pool.run(_assignment(NEST, 1)), 20)
+        assert isinstance(after, Completed) and after.result != first.result, after
+    finally:
+        await pool.stop(grace=1.0)
+
+
+@pytest.mark.slow
 async def test_a_forked_job_whose_arguments_cannot_be_encoded_fails_without_hanging() -> None:
     forked = ForkedRunner([APP], registry=TaskRegistry(), concurrency=1, startup_timeout=20.0)
     await forked.start()
