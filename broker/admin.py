@@ -385,6 +385,8 @@ def _json_arg(text: str, what: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigurationError(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigurationError(f"{what} nests too deeply to decode as JSON") from None
 
 
 def _print_job(job: dict[str, Any] | None, as_json: bool) -> int:

@@ -24,7 +24,7 @@ from broker import admin, composition, protocol
 from broker.exceptions import BrokerError, ConfigurationError
 from broker.jobs import ExecutionMode, JobStatus
 from broker.main import DEFAULT_LIST_PAGE_BYTES, DEFAULT_PORT, Main, MainSettings, line_limit_for
-from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES
+from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MAX_PAYLOAD_DEPTH
 from broker.retention import Retention
 from broker.schedule import declared_in
 from broker.tasks import default_registry
@@ -225,6 +225,13 @@ def main_parser() -> argparse.ArgumentParser:
         type=_number(int, "list page bytes"),
         help="about how many bytes of jobs one page of a job listing may carry",
     )
+    _env_option(
+        p,
+        "--max-payload-depth",
+        default=DEFAULT_MAX_PAYLOAD_DEPTH,
+        type=_number(int, "max payload depth"),
+        help="how many lists and objects deep each argument and each result may nest",
+    )
     for flag, default, kind, metavar, text in _RETENTION_OPTIONS:
         _env_option(p, flag, default=default, type=kind, metavar=metavar, help=text)
     p.add_argument(
@@ -259,6 +266,7 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         ping_interval=float(args.ping_interval),
         liveness_timeout=float(args.liveness_timeout),
         max_payload_bytes=int(args.max_payload_bytes),
+        max_payload_depth=int(args.max_payload_depth),
         max_line_bytes=int(args.max_line_bytes or line_limit_for(int(args.max_payload_bytes))),
         list_page_bytes=int(args.list_page_bytes),
     )

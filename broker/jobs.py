@@ -87,6 +87,9 @@ def _require_json(name: str, value: JSONValue) -> None:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise InvalidJobError(f"{name} is not JSON-serialisable: {exc}") from exc
+    except RecursionError:
+        # The main refuses far shallower nesting anyway (its payload depth limit).
+        raise InvalidJobError(f"{name} nest too deeply to be encoded as JSON") from None
 
 
 @dataclass(frozen=True, slots=True)

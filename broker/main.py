@@ -51,10 +51,12 @@ from broker.jobs import (
 )
 from broker.payload import (
     DEFAULT_MAX_PAYLOAD_BYTES,
+    DEFAULT_MAX_PAYLOAD_DEPTH,
     LINE_HEADROOM_BYTES,
+    MAX_PAYLOAD_DEPTH_CEILING,
     check_args,
     encoded_size,
-    result_too_large,
+    result_problem,
 )
 from broker.recovery import RecoveryLedger
 from broker.retention import Retention, run_retention
@@ -100,6 +102,9 @@ class MainSettings:
     least 64 KiB so a job at the payload limit still fits in one message."""
     max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES
     """Largest args + kwargs of a job, and largest result, as JSON; ``None``: no limit."""
+    max_payload_depth: int = DEFAULT_MAX_PAYLOAD_DEPTH
+    """How many lists and objects deep each argument and each result may nest; workers
+    learn it from ``welcome``."""
     preauth_max_line_bytes: int = 64 << 10
     handshake_timeout: float = 2.0
     ping_interval: float = 5.0
@@ -151,6 +156,11 @@ class MainSettings:
                     f"(e.g. to {line_limit_for(self.max_payload_bytes)}) or lower "
                     "--max-payload-bytes"
                 )
+        if not 1 <= self.max_payload_depth <= MAX_PAYLOAD_DEPTH_CEILING:
+            raise ConfigurationError(
+                f"max_payload_depth must be 1-{MAX_PAYLOAD_DEPTH_CEILING} (got "
+                f"{self.max_payload_depth!r}): Python's json cannot reliably handle deeper values"
+            )
         if self.liveness_timeout <= self.ping_interval:
             raise ConfigurationError("liveness_timeout must be longer than ping_interval")
         if not 0 <= self.port < 65536:
@@ -624,6 +634,8 @@ class Main:
                 ping_interval=self.settings.ping_interval,
                 adopted=adopted,
                 max_line_bytes=self.settings.max_line_bytes,
+                max_payload_bytes=self.settings.max_payload_bytes,
+                max_payload_depth=self.settings.max_payload_depth,
             )
         )
         logger.info(
@@ -969,12 +981,13 @@ class Main:
         self.wake()
 
     def _check_payload(self, spec: JobSpec) -> None:
-        """Refuse a job over the payload limit, or one whose job message would not fit in a
-        line (only absurdly long task or queue names can do that within the limit)."""
+        """Refuse a job nested too deeply or over the payload limit, or one whose job message
+        would not fit in a line (only absurdly long task or queue names can do that within
+        the limit)."""
         limit = self.settings.max_payload_bytes
+        size = check_args(spec, limit, self.settings.max_payload_depth)
         if limit is None:
             return
-        size = check_args(spec, limit)
         message = size + encoded_size(spec.task) + encoded_size(spec.queue) + _JOB_MESSAGE_OVERHEAD
         if message > self.settings.max_line_bytes:
             raise PayloadTooLargeError(
@@ -1078,7 +1091,9 @@ class Main:
                 return Settlement(job_id, lease, Outcome.RETURN)
 
     def _result_problem(self, msg: protocol.Completed) -> str | None:
-        return result_too_large(msg.result, self.settings.max_payload_bytes)
+        return result_problem(
+            msg.result, self.settings.max_payload_bytes, self.settings.max_payload_depth
+        )
 
     def _held_job(self, lease: uuid.UUID) -> Job | None:
         for session in self.sessions.values():

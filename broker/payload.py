@@ -1,4 +1,4 @@
-"""Payload limits: how big a job's arguments and a job's result may be.
+"""Payload limits: how big and how deeply nested a job's arguments and result may be.
 
 Sizes are measured as the store keeps them: compact JSON with non-ASCII escaped
 (``json.dumps(value, separators=(",", ":"))``), in bytes. A job's payload is its
@@ -6,12 +6,18 @@ Sizes are measured as the store keeps them: compact JSON with non-ASCII escaped
 before anything is written, so an oversized job is never half-stored: the main
 refuses the whole enqueue batch, and an oversized result fails the job instead of
 being written (see ``docs/howto/payload-limits.md``).
+
+Depth is limited as well, and checked first: Python's ``json`` recurses once per level
+of nesting, so a value nested about a thousand levels deep raises ``RecursionError``
+in whichever process encodes or decodes it next (the worker, a child, the main, the
+store). :func:`nesting_depth` measures without recursion, so any value can be judged.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from typing import Any, TypeAlias
 
 from broker.exceptions import InvalidJobError, PayloadTooLargeError
 from broker.jobs import JobSpec, JSONValue
@@ -19,9 +25,44 @@ from broker.jobs import JobSpec, JSONValue
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
 """1 MiB, for a job's args and kwargs together, and separately for its result."""
 
+DEFAULT_MAX_PAYLOAD_DEPTH = 64
+"""How many lists and objects deep each argument, keyword argument and result may nest."""
+
+MAX_PAYLOAD_DEPTH_CEILING = 500
+"""The deepest any setting may allow. Python's recursion limit (1,000 frames) bounds what
+``json`` can encode or decode, and a message adds a few levels around its payload and
+is handled a few dozen frames down: 500 keeps clear of that in every process."""
+
 LINE_HEADROOM_BYTES = 64 << 10
 """How much longer than the payload limit a protocol line must be allowed to be, so a
 job message (the payload plus ids, task and queue names) always fits in one line."""
+
+
+_CONTAINERS = (list, tuple, dict)
+"""What ``json`` encodes as an array or an object."""
+
+_Container: TypeAlias = list[Any] | tuple[Any, ...] | dict[Any, Any]
+
+
+def nesting_depth(value: object, limit: int) -> int:
+    """How many lists and objects deep ``value`` nests (a scalar is 0, ``[]`` is 1).
+
+    Iterative, so no depth can exhaust the stack, and it stops as soon as it is past
+    ``limit`` (returning ``limit + 1``), so a value a million levels deep costs no more
+    than one just over the limit. A value that contains itself is, in effect, infinitely
+    deep and is reported over the limit too.
+    """
+    deepest = 0
+    stack: list[tuple[_Container, int]] = [(value, 1)] if isinstance(value, _CONTAINERS) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > deepest:
+            deepest = depth
+            if deepest > limit:
+                return deepest
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, _CONTAINERS))
+    return deepest
 
 
 def encoded_size(value: JSONValue) -> int:
@@ -30,6 +71,8 @@ def encoded_size(value: JSONValue) -> int:
         return len(json.dumps(value, separators=(",", ":"), allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise InvalidJobError(f"value is not JSON-serialisable: {exc}") from exc
+    except RecursionError:
+        raise InvalidJobError("value nests too deeply to be encoded as JSON") from None
 
 
 def args_size(args: Sequence[JSONValue], kwargs: Mapping[str, JSONValue]) -> int:
@@ -37,11 +80,26 @@ def args_size(args: Sequence[JSONValue], kwargs: Mapping[str, JSONValue]) -> int
     return encoded_size(list(args)) + encoded_size(dict(kwargs))
 
 
-def check_args(spec: JobSpec, limit: int | None) -> int:
-    """The payload size of ``spec``; raises :class:`PayloadTooLargeError` over ``limit``.
+def check_depth(spec: JobSpec, max_depth: int) -> None:
+    """Raise :class:`InvalidJobError` if an argument or keyword argument of ``spec`` nests
+    more than ``max_depth`` lists and objects deep."""
+    for value in [*spec.args, *spec.kwargs.values()]:
+        if nesting_depth(value, max_depth) > max_depth:
+            raise InvalidJobError(
+                f"job {spec.id} of task {spec.task[:100]!r}: an argument nests more than "
+                f"{max_depth} levels deep (lists and objects inside one another), over the "
+                "payload depth limit; flatten it or pass a reference instead"
+            )
 
-    ``None`` disables the check (the size is then not computed and 0 is returned).
+
+def check_args(spec: JobSpec, limit: int | None, max_depth: int = DEFAULT_MAX_PAYLOAD_DEPTH) -> int:
+    """The payload size of ``spec``; raises :class:`InvalidJobError` if an argument nests
+    deeper than ``max_depth`` and :class:`PayloadTooLargeError` if the payload is over
+    ``limit``. Depth goes first: measuring the size of a too-deep value would recurse.
+
+    ``None`` disables the size check (the size is then not computed and 0 is returned).
     """
+    check_depth(spec, max_depth)
     if limit is None:
         return 0
     size = args_size(spec.args, spec.kwargs)
@@ -76,12 +134,37 @@ def result_too_large(result: JSONValue, limit: int | None) -> str | None:
     )
 
 
+def result_too_deep(result: JSONValue, max_depth: int) -> str | None:
+    """Why ``result`` may not be stored (it nests deeper than ``max_depth``), or ``None``."""
+    if nesting_depth(result, max_depth) <= max_depth:
+        return None
+    return (
+        f"the job's result nests more than {max_depth} levels deep (lists and objects inside "
+        "one another), over the payload depth limit; the result was not stored (return "
+        "flatter data)"
+    )
+
+
+def result_problem(result: JSONValue, limit: int | None, max_depth: int) -> str | None:
+    """Why ``result`` may not be stored (too deep, or too large), or ``None`` if it may.
+
+    Depth first: measuring the size of a too-deep value would itself recurse too far.
+    """
+    return result_too_deep(result, max_depth) or result_too_large(result, limit)
+
+
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
+    "DEFAULT_MAX_PAYLOAD_DEPTH",
     "LINE_HEADROOM_BYTES",
+    "MAX_PAYLOAD_DEPTH_CEILING",
     "args_size",
     "check_all",
     "check_args",
+    "check_depth",
     "encoded_size",
+    "nesting_depth",
+    "result_problem",
+    "result_too_deep",
     "result_too_large",
 ]

@@ -40,6 +40,7 @@ from broker.jobs import (
     JobStatus,
     JSONValue,
 )
+from broker.payload import DEFAULT_MAX_PAYLOAD_DEPTH
 
 PROTOCOL_VERSION = 1
 """Bumped on any change an older peer would misread; extra fields do not need it."""
@@ -157,6 +158,11 @@ class Welcome:
     ping_interval: float
     adopted: list[LeaseRef]
     max_line_bytes: int
+    max_payload_bytes: int | None = None
+    """The main's payload limit, so a worker fails an oversized result itself instead of
+    sending it (``None``: no limit, or a main too old to say)."""
+    max_payload_depth: int = DEFAULT_MAX_PAYLOAD_DEPTH
+    """How deep a payload may nest; a worker fails a deeper result before encoding it."""
 
     def __post_init__(self) -> None:
         _check(
@@ -164,6 +170,11 @@ class Welcome:
             "ping_interval must be positive",
         )
         _check(self.max_line_bytes > 0, "max_line_bytes must be positive")
+        _check(
+            self.max_payload_bytes is None or self.max_payload_bytes > 0,
+            "max_payload_bytes must be positive or null",
+        )
+        _check(self.max_payload_depth > 0, "max_payload_depth must be positive")
 
 
 def make_nonce() -> str:
@@ -745,6 +756,10 @@ def encode(msg: Message) -> bytes:
         text = json.dumps(body, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"cannot encode {msg.type} message: {exc}") from exc
+    except RecursionError:
+        # A payload nested ~1,000 deep: the caller's ValueError path (fail that job, skip
+        # that field) must handle it, not let it escape and take down its loop.
+        raise ValueError(f"cannot encode {msg.type} message: it nests too deeply") from None
     return text.encode("ascii") + b"\n"
 
 
@@ -768,9 +783,11 @@ def decode(line: bytes | str) -> Message:
     try:
         text = line.decode("utf-8") if isinstance(line, bytes) else line
         data = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
-    except (ValueError, RecursionError) as exc:
-        # RecursionError: a few KiB of "[[[[" must not take the connection handler down.
+    except ValueError as exc:
         raise DecodeError(f"invalid JSON: {exc}") from None
+    except RecursionError:
+        # A few KiB of "[[[[" must not take the connection handler down.
+        raise DecodeError("invalid JSON: it nests too deeply to decode") from None
     match data:
         case {"type": str(tag)} if tag in MESSAGE_TYPES:
             request_id = data.get("request_id")

@@ -183,6 +183,8 @@ def default_unique_key(
         )
     except (TypeError, ValueError) as exc:
         raise InvalidJobError(f"args and kwargs must be JSON-serialisable: {exc}") from exc
+    except RecursionError:
+        raise InvalidJobError("args and kwargs nest too deeply to be encoded as JSON") from None
     key = f"{task_name}:{text}"
     if len(key.encode("utf-8", "surrogatepass")) <= MAX_UNIQUE_KEY_BYTES:
         return key

@@ -54,6 +54,7 @@ from broker.exceptions import (
     TaskNotFoundError,
 )
 from broker.jobs import ExecutionMode
+from broker.payload import result_problem
 from broker.runner import (
     Assignment,
     Completed,
@@ -103,6 +104,8 @@ class _Connection:
     main_id: str
     ping_interval: float
     max_line_bytes: int
+    max_payload_bytes: int | None
+    max_payload_depth: int
     seen: int = 0
     """The ``seq`` of the last job decided on; ``seq`` starts again at 1 per connection."""
     unsent: deque[LeaseKey] = field(default_factory=deque)
@@ -386,6 +389,8 @@ class Worker:
             main_id=welcome.main_id,
             ping_interval=min(self._ping_interval, welcome.ping_interval),
             max_line_bytes=welcome.max_line_bytes,
+            max_payload_bytes=welcome.max_payload_bytes,
+            max_payload_depth=welcome.max_payload_depth,
         )
 
     def _enable_keepalive(self, sock: socket.socket | None) -> None:
@@ -507,7 +512,7 @@ class Worker:
                 key = conn.unsent.popleft()
                 report = self._outbox.get(key)
                 if report is not None:
-                    batch.append(self._sendable(key, report, conn.max_line_bytes))
+                    batch.append(self._sendable(key, report, conn))
             if self._ready_due or conn.status_sent is None:
                 status = self._status_message(conn)
                 if status is not None:
@@ -732,20 +737,30 @@ class Worker:
             self._conn.unsent.append(key)
             self._wake.set()
 
-    def _sendable(self, key: LeaseKey, report: Report, limit: int) -> Report:
+    def _sendable(self, key: LeaseKey, report: Report, conn: _Connection) -> Report:
         """``report`` if the main can take it; otherwise a failure that says why.
 
         Without this, a result the main rejects (too long, not JSON) would close the
-        connection, come back from the outbox on reconnect, and close it again forever.
+        connection, come back from the outbox on reconnect, and close it again forever;
+        and a result nested too deeply to encode would take the send loop down, with the
+        job handed to the next worker to do the same. A result over the main's payload
+        limits (from ``welcome``) fails here, as the main would fail it, without being sent.
         """
-        try:
-            size = len(protocol.encode(report)) - 1
-        except ValueError as exc:
-            problem = f"the outcome cannot be sent as JSON: {exc}"
-        else:
-            if size <= limit:
-                return report
-            problem = f"the {report.type} report is {size} bytes, over the main's limit of {limit}"
+        limit = conn.max_line_bytes
+        problem = None
+        if isinstance(report, protocol.Completed):
+            problem = result_problem(report.result, conn.max_payload_bytes, conn.max_payload_depth)
+        if problem is None:
+            try:
+                size = len(protocol.encode(report)) - 1
+            except ValueError as exc:
+                problem = f"the outcome cannot be sent as JSON: {exc}"
+            else:
+                if size <= limit:
+                    return report
+                problem = (
+                    f"the {report.type} report is {size} bytes, over the main's limit of {limit}"
+                )
         if isinstance(report, protocol.Failed):
             # Keep the retry decision; ASCII-escaped JSON is at most 6 bytes a character.
             error = report.error[: limit // 8]

@@ -108,7 +108,14 @@ async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bo
     async def run(assignment: Assignment) -> None:
         _current_job.set(str(assignment.job_id))
         outcome = await runner.run(assignment)
-        channel.send(_encode_outcome(assignment, outcome))
+        try:
+            channel.send(_encode_outcome(assignment, outcome))
+        except (TypeError, ValueError, RecursionError) as exc:
+            # The inline runner already turns non-JSON and too-deep results into failures;
+            # this is the last guard, because an outcome never sent would leave the job
+            # hanging in the worker (nothing was written: encoding comes before the write).
+            failed = Failed(f"the job's outcome cannot be sent as JSON: {exc!r}", retry=False)
+            channel.send(_encode_outcome(assignment, failed))
 
     channel.send({"type": "ready", "pid": os.getpid()})
     while True:

@@ -28,6 +28,7 @@ from typing import Any
 
 from broker.exceptions import ConfigurationError, TaskNotFoundError
 from broker.jobs import ExecutionMode, JSONValue
+from broker.payload import MAX_PAYLOAD_DEPTH_CEILING, result_too_deep
 from broker.runner import (
     Assignment,
     Completed,
@@ -226,6 +227,12 @@ class InlineRunner:
         if exc is not None:
             return Failed(format_error(exc))
         result: JSONValue = work.result()
+        # Before encoding: ``json`` recurses per level, and a RecursionError here would read
+        # as a runner bug (and be retried). The main's own, usually lower, depth limit is
+        # applied by the worker before it sends the result.
+        too_deep = result_too_deep(result, MAX_PAYLOAD_DEPTH_CEILING)
+        if too_deep is not None:
+            return Failed(too_deep, retry=False)
         try:
             json.dumps(result, allow_nan=False)
         except (TypeError, ValueError) as err:

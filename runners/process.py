@@ -358,10 +358,14 @@ class ChildProcess:
                 self._on_message(json.loads(line))
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # RecursionError too: a line nested too deeply to decode
             logger.error(
                 "runner process broke its protocol, killing it pid=%s error=%r", self.pid, exc
             )
+            for handoff_id in self.inflight:
+                self.kill_reasons.setdefault(
+                    handoff_id, f"its runner process broke its protocol and was killed: {exc!r}"
+                )
             self.kill()
 
     def _on_message(self, m: Any) -> None:
@@ -445,10 +449,17 @@ class ChildProcess:
 
     def send(self, body: dict[str, Any]) -> None:
         """Queue a line for the child; lines queued in one event-loop turn go out in one
-        write, because a system call per job was the pooled path's largest cost."""
+        write, because a system call per job was the pooled path's largest cost.
+
+        Raises ``ValueError`` if ``body`` nests too deeply to encode; nothing is queued.
+        """
         if self._proc is None or self._proc.stdin is None or self.exited:
             return
-        self._outgoing.append(json.dumps(body, separators=(",", ":")))
+        try:
+            line = json.dumps(body, separators=(",", ":"))
+        except RecursionError:
+            raise ValueError("it nests too deeply to be encoded as JSON") from None
+        self._outgoing.append(line)
         if len(self._outgoing) == 1:
             asyncio.get_running_loop().call_soon(self._flush)
 
@@ -504,7 +515,16 @@ async def run_on_child(
         await child.wait_ready()
     except ChildStartupError:
         return await future
-    child.send(assignment_to_wire(assignment))
+    try:
+        child.send(assignment_to_wire(assignment))
+    except ValueError as exc:
+        # The job never reached the child: free its slot there and fail it for good (the
+        # same arguments would fail the same way).
+        child.inflight.pop(assignment.handoff_id, None)
+        child.job_ids.pop(assignment.handoff_id, None)
+        if child.one_shot:
+            child.retire()  # started for this job alone: let it exit instead of waiting
+        return Failed(f"the job cannot be sent to its runner process: {exc}", retry=False)
     try:
         return await asyncio.wait_for(asyncio.shield(future), limit)
     except TimeoutError:

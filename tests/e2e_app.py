@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
+from typing import Any
 
 from broker.tasks import task
 
@@ -50,3 +52,22 @@ async def hold(key: str, gate: str, limit: float = 60.0) -> int:
         await asyncio.sleep(0.02)
     _log("end", key)
     return os.getpid()
+
+
+@task(mode="inline")
+async def nest(levels: int) -> Any:
+    """This process's pid inside ``levels`` lists (``[[pid]]`` for 2): a result as deep as
+    asked, built here because the main refuses arguments nested that deeply."""
+    value: Any = os.getpid()
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+@task(mode="pooled")
+async def forge_deep_line(levels: int) -> None:
+    """Write a line nested ``levels`` deep straight onto this child's outcome channel, as
+    a broken child might, then wait to be stopped; only meaningful in a pooled child."""
+    fd = int(sys.argv[sys.argv.index("--channel-fd") + 1])
+    os.write(fd, b'{"type":"outcome","result":' + b"[" * levels + b"]" * levels + b"}\n")
+    await asyncio.sleep(60)

@@ -235,8 +235,9 @@ async def _terminal(store: MemoryAdapter, job_id: uuid.UUID) -> Any:
 
 
 async def test_a_real_worker_gets_both_result_paths_failed(tmp_path: Path) -> None:
-    """Between the payload and the line limit the main fails the job; above the line limit
-    the worker replaces its own report with a failure. Either way no result is stored."""
+    """Over the payload limit, whether or not it would fit in a line, the worker replaces
+    its own report with a failure (it learns the limit from ``welcome``; the main checks
+    again, see above). Either way no result is stored."""
     registry = TaskRegistry()
 
     @task(name="sized", registry=registry, mode="inline")
@@ -270,7 +271,7 @@ async def test_a_real_worker_gets_both_result_paths_failed(tmp_path: Path) -> No
         assert job.status is JobStatus.FAILED and job.result is None
         assert job.attempts == 1 and job.max_attempts > 1, "failed without retry"
     assert "payload limit" in (over_payload.last_error or "")
-    assert "over the main's limit" in (over_line.last_error or "")
+    assert "payload limit" in (over_line.last_error or "")
 
 
 # ------------------------------------------------------------------ in the app's transaction
