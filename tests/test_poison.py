@@ -37,6 +37,7 @@ from runners.inline import InlineRunner
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
 from tests.support import FakeWorker, until
 from tests.test_main import _start
+from tests.test_worker import FakeMain, job, make_worker, running
 
 APPLIED = protocol.AckStatus.APPLIED
 
@@ -388,6 +389,30 @@ def test_reschedule_checks_its_delay_when_raised(delay: Any) -> None:
     with pytest.raises(ValueError, match="Reschedule delay must be a number of seconds"):
         Reschedule(delay)
     assert Reschedule(MAX_DELAY_SECONDS).delay == MAX_DELAY_SECONDS
+
+
+async def test_a_worker_forgets_a_refused_report_and_survives_an_ack_it_cannot_read() -> None:
+    registry = TaskRegistry()
+
+    @task(name="add", registry=registry, mode="inline")
+    async def add(a: int, b: int) -> int:
+        return a + b
+
+    async with FakeMain() as main:
+        worker = make_worker(main.port, registry)
+        async with running(worker):
+            session = await main.session()
+            await session.send(job(1, "add", 1, 2))
+            report = await session.expect(protocol.Completed)
+            ids = {"job_id": str(report.job_id), "handoff_id": str(report.handoff_id)}
+            future = {"type": "report_ack", **ids, "status": "from-a-newer-main"}
+            await session.writer.write_raw(json.dumps(future).encode() + b"\n")
+            await session.send(
+                protocol.ReportAck(report.job_id, report.handoff_id, protocol.AckStatus.REFUSED)
+            )
+            await until(lambda: worker.status()["outbox"] == 0)
+            assert not session.closed.is_set(), "the connection (and its leases) was kept"
+            assert main.sessions.empty(), "no reconnect"
 
 
 async def test_a_task_raising_reschedule_1e12_fails_and_others_are_recorded(
