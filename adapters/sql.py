@@ -207,10 +207,11 @@ def _decode_cursor(cursor: str) -> tuple[int, uuid.UUID]:
         raise ValueError(f"invalid list_jobs cursor {cursor!r}") from exc
 
 
-_REJECTED_SQLSTATE_CLASSES = ("22", "23")
+_REJECTED_SQLSTATE_CLASSES = ("22", "23", "54")
 """PostgreSQL error classes about the data itself: data exceptions (22, such as a NUL in
-text) and integrity constraint violations (23). Anything else (a lost connection, a
-timeout, a deadlock, a missing table or grant) may succeed later and is retried."""
+text), integrity constraint violations (23) and program limits (54, such as a value too
+long for an index entry). Anything else (a lost connection, a timeout, a deadlock, a
+missing table or grant) may succeed later and is retried."""
 
 
 def _rejects_value(exc: BaseException) -> bool:

@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeAlias
 
 from broker.exceptions import InvalidJobError
-from broker.values import check_name, check_run_at, storable_text
+from broker.values import MAX_KEY_BYTES, check_key, check_name, check_run_at, storable_text
 
 JSONValue: TypeAlias = Any
 """Anything :func:`json.dumps` accepts; the store round-trips it unchanged."""
@@ -33,7 +33,7 @@ JSONValue: TypeAlias = Any
 DEFAULT_QUEUE = "default"
 DEFAULT_MAX_RETRIES = 10
 """Ten retries after the first run, so eleven runs in all before a job is dead."""
-MAX_UNIQUE_KEY_BYTES = 1024
+MAX_UNIQUE_KEY_BYTES = MAX_KEY_BYTES
 """Longest ``unique_key`` (UTF-8): it is indexed, and a B-tree entry has a size limit."""
 
 
@@ -89,11 +89,11 @@ def _require_run_at(value: datetime | None) -> None:
         raise InvalidJobError(str(exc)) from None
 
 
-def _require_names(**names: str | None) -> None:
+def _require_names(check: Callable[[str, object], None], **names: str | None) -> None:
     for name, value in names.items():
         if value is not None:
             try:
-                check_name(name, value)
+                check(name, value)
             except ValueError as exc:
                 raise InvalidJobError(str(exc)) from None
 
@@ -134,12 +134,9 @@ class JobSpec:
             raise InvalidJobError("task must be a non-empty string naming a registered task")
         if not isinstance(self.queue, str) or not self.queue.strip():
             raise InvalidJobError("queue must be a non-empty string")
+        _require_names(check_name, task=self.task, queue=self.queue, unique_key=self.unique_key)
         _require_names(
-            task=self.task,
-            queue=self.queue,
-            idempotency_key=self.idempotency_key,
-            concurrency_key=self.concurrency_key,
-            unique_key=self.unique_key,
+            check_key, idempotency_key=self.idempotency_key, concurrency_key=self.concurrency_key
         )
         if isinstance(self.args, str | bytes) or not isinstance(self.args, Sequence):
             raise InvalidJobError("args must be a list of JSON values")

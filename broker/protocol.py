@@ -40,7 +40,7 @@ from broker.jobs import (
     JobStatus,
     JSONValue,
 )
-from broker.values import check_delay, check_name
+from broker.values import check_delay, check_key, check_name
 
 PROTOCOL_VERSION = 1
 """Bumped on any change an older peer would misread; extra fields do not need it."""
@@ -107,6 +107,9 @@ Name: TypeAlias = Annotated[str, check_name]
 refuses when it holds a control character or a lone surrogate (:mod:`broker.values`).
 Free texts (an error message, a reason) stay plain ``str``."""
 
+Key: TypeAlias = Annotated[str, check_key]
+"""A :data:`Name` that is also stored in an index, so its length is capped too."""
+
 
 def _check(ok: bool, message: str) -> None:
     # ValueError, not ProtocolError: a local caller building a bad message has a bug;
@@ -144,7 +147,7 @@ class Hello:
     role: Role
     protocol: int
     proof: str | None = None
-    worker_id: Name | None = None
+    worker_id: Key | None = None
     host: Name | None = None
     pid: int | None = None
     modes: list[ExecutionMode] = field(default_factory=list)

@@ -37,23 +37,36 @@ LATEST_RUN_AT = datetime(9000, 1, 1, tzinfo=UTC)
 """A job's ``run_at`` lies in [EARLIEST_RUN_AT, LATEST_RUN_AT): far inside ``datetime``'s
 range (years 1-9999) even after a time-zone offset or a ten-year delay is applied."""
 
+MAX_KEY_BYTES = 1024
+"""The longest indexed name (a worker id, an idempotency, concurrency or unique key), in
+UTF-8 bytes: a B-tree entry has a size limit (about 2.7 KB on PostgreSQL), and a longer
+value would fail every claim or write that carries it."""
+
 MAX_TEXT_CHARS = 64 * 1024
 """The longest error text stored for a job; a longer one is cut and says so."""
 
 _FORBIDDEN = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 
 
-def check_name(field: str, value: object) -> None:
-    """Refuse a name or id that is not a string or holds a control character or a lone
-    surrogate; the message shows the offending character escaped, never raw."""
+def check_name(field: str, value: object, max_bytes: int | None = None) -> None:
+    """Refuse a name or id that is not a string, is longer than ``max_bytes`` (UTF-8), or
+    holds a control character or a lone surrogate; the message shows the offending
+    character escaped, never raw."""
     if not isinstance(value, str):
         raise ValueError(f"{field} must be a string")
+    if max_bytes is not None and len(value.encode("utf-8", "surrogatepass")) > max_bytes:
+        raise ValueError(f"{field} must be at most {max_bytes} bytes (UTF-8)")
     bad = _FORBIDDEN.search(value)
     if bad is not None:
         raise ValueError(
             f"{field} must not contain control characters or lone surrogates "
             f"(found {bad.group()!r} at position {bad.start()})"
         )
+
+
+def check_key(field: str, value: object) -> None:
+    """:func:`check_name` for a name the store indexes, at most :data:`MAX_KEY_BYTES`."""
+    check_name(field, value, MAX_KEY_BYTES)
 
 
 def check_delay(field: str, value: object) -> None:
