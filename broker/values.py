@@ -10,7 +10,8 @@ inside a store write, where one bad value would stop every report batched with i
   character (C0, DEL, C1, the Unicode line and paragraph separators) or a lone
   surrogate. PostgreSQL cannot store NUL, no store can encode a lone surrogate, and a
   newline or an ANSI escape in a name forges log lines and reaches an operator's
-  terminal.
+  terminal. The indexed ones (worker ids and keys) are also at most
+  :data:`MAX_KEY_BYTES` long.
 * **Delays** are finite and from 0 to :data:`MAX_DELAY_SECONDS` (ten years); **run
   times** lie between :data:`EARLIEST_RUN_AT` and :data:`LATEST_RUN_AT`, so adding a
   delay or a retry backoff to them can never leave what ``datetime`` and the stores'
