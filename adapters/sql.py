@@ -66,6 +66,7 @@ from broker.exceptions import (
     MissingDriverError,
     SchemaVersionError,
     StorageError,
+    StorageRejectedError,
     UniqueKeyTakenError,
 )
 from broker.jobs import (
@@ -218,6 +219,23 @@ def _decode_cursor(cursor: str) -> tuple[int, uuid.UUID]:
         return int(created), uuid.UUID(hex=hex_id)
     except (binascii.Error, UnicodeDecodeError, ValueError) as exc:
         raise ValueError(f"invalid list_jobs cursor {cursor!r}") from exc
+
+
+_REJECTED_SQLSTATE_CLASSES = ("22", "23", "54")
+"""PostgreSQL error classes about the data itself: data exceptions (22, such as a NUL in
+text), integrity constraint violations (23) and program limits (54, such as a value too
+long for an index entry). Anything else (a lost connection, a timeout, a deadlock, a
+missing table or grant) may succeed later and is retried."""
+
+
+def _rejects_value(exc: BaseException) -> bool:
+    """Whether the database refused the data itself, so the same call fails every time."""
+    if not isinstance(exc, sa_exc.DBAPIError) or exc.connection_invalidated:
+        return False
+    if isinstance(exc, sa_exc.DataError | sa_exc.IntegrityError):
+        return True
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    return isinstance(sqlstate, str) and sqlstate[:2] in _REJECTED_SQLSTATE_CLASSES
 
 
 def _redact(url: URL) -> str:
@@ -400,7 +418,8 @@ class SQLAlchemyAdapter:
 
     def _storage_error(self, op: str, exc: BaseException) -> StorageError:
         cause = exc.orig if isinstance(exc, sa_exc.DBAPIError) and exc.orig else exc
-        return StorageError(f"{op} failed on {self._url_text}: {type(cause).__name__}: {cause}")
+        kind = StorageRejectedError if _rejects_value(exc) else StorageError
+        return kind(f"{op} failed on {self._url_text}: {type(cause).__name__}: {cause}")
 
     @asynccontextmanager
     async def _write(self, op: str) -> AsyncIterator[AsyncConnection]:

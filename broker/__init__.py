@@ -14,6 +14,7 @@ from broker.exceptions import (
     RunnerCrashedError,
     SchemaVersionError,
     StorageError,
+    StorageRejectedError,
     TaskNotFoundError,
 )
 from broker.jobs import (
@@ -49,5 +50,6 @@ __all__ = [
     "SchemaVersionError",
     "StorageAdapter",
     "StorageError",
+    "StorageRejectedError",
     "TaskNotFoundError",
 ]

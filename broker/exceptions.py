@@ -9,7 +9,8 @@ The tree, so a caller can catch as broadly or as narrowly as it needs::
     │   ├── PayloadTooLargeError  args, kwargs or a result exceed the configured limit
     │   └── UniqueKeyTakenError   another active job holds the unique key (retry_dead)
     ├── StorageError              the job store failed; the operation may be retried
-    │   └── SchemaVersionError    the store's schema is newer than this code
+    │   ├── SchemaVersionError    the store's schema is newer than this code
+    │   └── StorageRejectedError  the store refused a value it can never hold; do not retry
     ├── ProtocolError             a peer broke the wire protocol; the connection is closed
     │   └── AuthenticationError   a peer did not prove the shared token
     ├── TaskNotFoundError         a job names a task the worker has not registered
@@ -63,6 +64,15 @@ class StorageError(BrokerError):
 
 class SchemaVersionError(StorageError):
     """The store's schema was written by a newer broker: upgrade this broker before using it."""
+
+
+class StorageRejectedError(StorageError):
+    """The job store refused a value it can never hold; the same call would fail again.
+
+    Raised for errors about the data itself (a character the database cannot store, a
+    constraint), never for trouble with the store (a lost connection, a timeout), so the
+    main retries only what may succeed and isolates the rest (see ``Main._settle_batch``).
+    """
 
 
 class ProtocolError(BrokerError):

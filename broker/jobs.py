@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeAlias
 
 from broker.exceptions import InvalidJobError
+from broker.values import MAX_KEY_BYTES, check_key, check_name, check_run_at, storable_text
 
 JSONValue: TypeAlias = Any
 """Anything :func:`json.dumps` accepts; the store round-trips it unchanged."""
@@ -32,7 +33,7 @@ JSONValue: TypeAlias = Any
 DEFAULT_QUEUE = "default"
 DEFAULT_MAX_RETRIES = 10
 """Ten retries after the first run, so eleven runs in all before a job is dead."""
-MAX_UNIQUE_KEY_BYTES = 1024
+MAX_UNIQUE_KEY_BYTES = MAX_KEY_BYTES
 """Longest ``unique_key`` (UTF-8): it is indexed, and a B-tree entry has a size limit."""
 
 
@@ -77,9 +78,24 @@ Clock: TypeAlias = Callable[[], datetime]
 """Where a store reads the time; adapters take one so tests can move time by hand."""
 
 
-def _require_aware(name: str, value: datetime | None) -> None:
-    if value is not None and value.tzinfo is None:
-        raise InvalidJobError(f"{name} must be timezone-aware (got naive {value.isoformat()})")
+def _require_run_at(value: datetime | None) -> None:
+    if value is None:
+        return
+    if value.tzinfo is None:
+        raise InvalidJobError(f"run_at must be timezone-aware (got naive {value.isoformat()})")
+    try:
+        check_run_at("run_at", value)
+    except ValueError as exc:
+        raise InvalidJobError(str(exc)) from None
+
+
+def _require_names(check: Callable[[str, object], None], **names: str | None) -> None:
+    for name, value in names.items():
+        if value is not None:
+            try:
+                check(name, value)
+            except ValueError as exc:
+                raise InvalidJobError(str(exc)) from None
 
 
 def _require_json(name: str, value: JSONValue) -> None:
@@ -121,6 +137,10 @@ class JobSpec:
             raise InvalidJobError("task must be a non-empty string naming a registered task")
         if not isinstance(self.queue, str) or not self.queue.strip():
             raise InvalidJobError("queue must be a non-empty string")
+        _require_names(check_name, task=self.task, queue=self.queue, unique_key=self.unique_key)
+        _require_names(
+            check_key, idempotency_key=self.idempotency_key, concurrency_key=self.concurrency_key
+        )
         if isinstance(self.args, str | bytes) or not isinstance(self.args, Sequence):
             raise InvalidJobError("args must be a list of JSON values")
         if not isinstance(self.kwargs, Mapping) or not all(isinstance(k, str) for k in self.kwargs):
@@ -135,7 +155,7 @@ class JobSpec:
             raise InvalidJobError("priority must fit in 32 bits")
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise InvalidJobError("max_attempts must be an integer of at least 1")
-        _require_aware("run_at", self.run_at)
+        _require_run_at(self.run_at)
         if self.unique_key is not None and (
             not isinstance(self.unique_key, str)
             or not self.unique_key
@@ -298,6 +318,12 @@ class Settlement:
     result: JSONValue = None
     error: str | None = None
     run_at: datetime | None = None
+
+    def __post_init__(self) -> None:
+        # Every error text reaches a store through here, whoever reported it, so a NUL
+        # or a lone surrogate in a task's exception message can never fail the write.
+        if self.error is not None:
+            object.__setattr__(self, "error", storable_text(self.error))
 
 
 @dataclass(frozen=True, slots=True)

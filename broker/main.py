@@ -36,6 +36,8 @@ from broker.exceptions import (
     InvalidJobError,
     PayloadTooLargeError,
     ProtocolError,
+    StorageError,
+    StorageRejectedError,
 )
 from broker.jobs import (
     Claim,
@@ -455,18 +457,8 @@ class Main:
                 plan += self._plan(workers, [j for j in found if j.id not in planned])
         if not plan:
             return False
-        claims = [Claim(job.id, lease, s.worker_id or "") for s, job, lease in plan]
-        try:
-            claimed = await self.store.mark_handed_off_many(claims)
-        except Exception as exc:
-            logger.warning("claim outcome unknown for %d jobs error=%r", len(plan), exc)
-            for session, job, lease in plan:
-                session.credits.release(job.execution_mode)
-                self.ledger.add(job.id, lease, "claim outcome unknown")
-            raise
-        won = {job.id: job for job in claimed}
-        for session, job, lease in plan:
-            got = won.get(job.id)
+        answered, error = await self._claim(plan)
+        for session, job, lease, got in answered:
             if got is None or got.handoff_id != lease:
                 session.credits.release(job.execution_mode)
                 continue
@@ -485,7 +477,45 @@ class Main:
                 session.worker_id,
                 seq,
             )
+        if error is not None:
+            raise error  # after the jobs that were won went out; the loop backs off
         return len(jobs) == limit
+
+    async def _claim(
+        self, plan: list[tuple[Session, Job, uuid.UUID]]
+    ) -> tuple[list[tuple[Session, Job, uuid.UUID, Job | None]], Exception | None]:
+        """Claim the planned jobs in one call; each planned entry comes back with the job as
+        claimed under its lease (``None``: not won), with the first error met, if any.
+
+        When the call raises, nobody knows whether it committed, so each of its leases goes
+        to the ledger and its credit is released. An error that is not transient (a value
+        the store refuses, say) would recur forever, so the batch is claimed again in
+        halves under fresh leases until the job or worker behind it stands alone: one bad
+        row or worker id never stops dispatch to the others.
+        """
+        claims = [Claim(job.id, lease, s.worker_id or "") for s, job, lease in plan]
+        try:
+            claimed = await self.store.mark_handed_off_many(claims)
+        except Exception as exc:
+            for _, job, lease in plan:
+                self.ledger.add(job.id, lease, "claim outcome unknown")
+            if _transient(exc) or len(plan) == 1:
+                logger.warning("claim outcome unknown for %d jobs error=%r", len(plan), exc)
+                for session, job, _ in plan:
+                    session.credits.release(job.execution_mode)
+                return [], exc
+            logger.warning(
+                "claiming %d jobs failed, splitting the batch to isolate the cause error=%r",
+                len(plan),
+                exc,
+            )
+            half = len(plan) // 2
+            fresh = [(session, job, uuid.uuid4()) for session, job, _ in plan]
+            first, _ = await self._claim(fresh[:half])
+            second, _ = await self._claim(fresh[half:])
+            return first + second, exc
+        won = {job.id: job for job in claimed}
+        return [(session, job, lease, won.get(job.id)) for session, job, lease in plan], None
 
     def _plan(
         self, workers: list[Session], jobs: list[Job]
@@ -1009,26 +1039,109 @@ class Main:
 
     async def _settle_batch(self, batch: list[tuple[Session, Report]]) -> None:
         """Apply a batch of fenced reports and acknowledge each only once it is durable
-        (or known to be stale); store errors are retried until the store answers."""
+        (or known to be stale).
+
+        Transient store errors are retried until the store answers. Any other error would
+        recur on every attempt, so the batch is split in halves, each settled and
+        acknowledged on its own, until the report behind the error stands alone and
+        becomes an outcome of its own (:meth:`_settle_unstorable`): one bad report never
+        holds up the others.
+        """
         while True:
             try:
                 settlements = [await self._settlement(msg) for _, msg in batch]
                 applied = await self.store.settle_many(settlements)
                 statuses = [
-                    protocol.AckStatus.APPLIED if ok else await self._why_not_applied(msg)
-                    for ok, (_, msg) in zip(applied, batch, strict=True)
+                    protocol.AckStatus.APPLIED
+                    if ok
+                    else await self._why_not_applied(msg, settlement)
+                    for ok, (_, msg), settlement in zip(applied, batch, settlements, strict=True)
                 ]
                 break
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if not _transient(exc):
+                    await self._isolate(batch, exc)
+                    return
                 logger.warning("applying %d reports failed, retrying error=%r", len(batch), exc)
                 if self._stopping:
                     return
                 await asyncio.sleep(self.settings.error_retry_interval)
+        self._acknowledge(batch, statuses)
+
+    async def _isolate(self, batch: list[tuple[Session, Report]], exc: Exception) -> None:
+        if len(batch) == 1:
+            await self._settle_unstorable(*batch[0], exc)
+            return
+        logger.warning(
+            "applying %d reports failed, splitting the batch to isolate the cause error=%r",
+            len(batch),
+            exc,
+        )
+        half = len(batch) // 2
+        await self._settle_batch(batch[:half])
+        await self._settle_batch(batch[half:])
+
+    async def _settle_unstorable(self, session: Session, msg: Report, exc: Exception) -> None:
+        """A report that can never be applied: its job fails, without retry, with an error
+        saying why (the same outcome would fail the same way again). If even that cannot be
+        stored, the report is answered ``refused`` and its lease goes back to the queue.
+        Either way the worker is answered, so it forgets the report instead of re-sending
+        it on every connection."""
+        logger.error(
+            "report could not be stored job_id=%s handoff_id=%s outcome=%s worker_id=%s error=%r",
+            msg.job_id,
+            msg.handoff_id,
+            msg.type,
+            session.worker_id,
+            exc,
+        )
+        failure = Settlement(
+            msg.job_id,
+            msg.handoff_id,
+            Outcome.FAIL,
+            error=f"report could not be stored: the worker's {msg.type} report failed with "
+            f"{type(exc).__name__}: {str(exc)[:1000]}",
+            run_at=None,
+        )
+        while True:
+            try:
+                [applied] = await self.store.settle_many([failure])
+                status = (
+                    protocol.AckStatus.APPLIED
+                    if applied
+                    else await self._why_not_applied(msg, failure)
+                )
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:
+                if not _transient(err):
+                    logger.error(
+                        "recording the failure failed too, refusing the report job_id=%s "
+                        "handoff_id=%s error=%r",
+                        msg.job_id,
+                        msg.handoff_id,
+                        err,
+                    )
+                    status = protocol.AckStatus.REFUSED
+                    break
+                logger.warning("recording a failed report failed, retrying error=%r", err)
+                if self._stopping:
+                    return
+                await asyncio.sleep(self.settings.error_retry_interval)
+        self._acknowledge([(session, msg)], [status])
+
+    def _acknowledge(
+        self, batch: list[tuple[Session, Report]], statuses: list[protocol.AckStatus]
+    ) -> None:
         for (session, msg), status in zip(batch, statuses, strict=True):
-            if status is protocol.AckStatus.APPLIED:
+            if status in (protocol.AckStatus.APPLIED, protocol.AckStatus.DUPLICATE):
+                self._forget_lease(msg.handoff_id)  # this lease has settled its job
+            elif status is protocol.AckStatus.REFUSED:
                 self._forget_lease(msg.handoff_id)
+                self.ledger.add(msg.job_id, msg.handoff_id, "its report could not be stored")
             logger.info(
                 "report %s job_id=%s handoff_id=%s outcome=%s worker_id=%s",
                 status.value,
@@ -1043,7 +1156,7 @@ class Main:
         if protocol.AckStatus.APPLIED in statuses:
             self.wake()
 
-    async def _why_not_applied(self, msg: Report) -> protocol.AckStatus:
+    async def _why_not_applied(self, msg: Report, settlement: Settlement) -> protocol.AckStatus:
         """A fenced-out report is a *duplicate* when its lease already settled this job (two
         copies were in flight: a reconnected worker re-sent a report its old connection had
         sent), and *stale* when a newer lease owns the job or it was cancelled. Read from
@@ -1057,8 +1170,9 @@ class Main:
             protocol.Reschedule: {JobStatus.QUEUED},
             protocol.Release: {JobStatus.QUEUED},
         }[type(msg)]
-        if isinstance(msg, protocol.Completed) and self._result_problem(msg) is not None:
-            settled_as = {JobStatus.FAILED}  # an oversized result is recorded as a failure
+        if settlement.outcome is Outcome.FAIL and not isinstance(msg, protocol.Failed):
+            # Recorded as a failure in its place: an oversized result, an unstorable report.
+            settled_as = {JobStatus.FAILED}
         if job.status in settled_as:
             return protocol.AckStatus.DUPLICATE
         return protocol.AckStatus.STALE
@@ -1067,10 +1181,12 @@ class Main:
         now = self._clock()
         match msg:
             case protocol.Completed(job_id=job_id, handoff_id=lease, result=result):
-                problem = self._result_problem(msg)
+                problem = result_problem(
+                    result, self.settings.max_payload_bytes, self.settings.max_payload_depth
+                )
                 if problem is not None:
-                    # Never write an oversized result: the job fails, without retry (the
-                    # same arguments would produce the same result).
+                    # Never write an oversized or too deeply nested result: the job fails,
+                    # without retry (the same arguments would produce the same result).
                     logger.warning(
                         "result refused job_id=%s handoff_id=%s reason=%s", job_id, lease, problem
                     )
@@ -1089,11 +1205,6 @@ class Main:
                 return Settlement(job_id, lease, Outcome.RESCHEDULE, run_at=run_at)
             case protocol.Release(job_id=job_id, handoff_id=lease):
                 return Settlement(job_id, lease, Outcome.RETURN)
-
-    def _result_problem(self, msg: protocol.Completed) -> str | None:
-        return result_problem(
-            msg.result, self.settings.max_payload_bytes, self.settings.max_payload_depth
-        )
 
     def _held_job(self, lease: uuid.UUID) -> Job | None:
         for session in self.sessions.values():
@@ -1166,6 +1277,16 @@ class Main:
                 {"job_id": str(job_id)} for job_id in self.ledger.pending().values()
             ],
         }
+
+
+def _transient(exc: BaseException) -> bool:
+    """Whether a store call that raised ``exc`` may succeed if simply made again: trouble
+    reaching the store (the ``StorageError`` the storage contract asks adapters to raise,
+    ``OSError``, ``TimeoutError``). A value the store refused (``StorageRejectedError``)
+    and any other error, such as a date out of range, would recur on every attempt."""
+    return isinstance(exc, StorageError | OSError | TimeoutError) and not isinstance(
+        exc, StorageRejectedError
+    )
 
 
 def queue_summary(counts: list[QueueCount], now: datetime) -> list[dict[str, Any]]:

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, ClassVar, TypeAlias, TypeVar
+from typing import Annotated, Any, ClassVar, TypeAlias, TypeVar
 
 from broker.exceptions import InvalidJobError, ProtocolError
 from broker.jobs import (
@@ -41,8 +41,9 @@ from broker.jobs import (
     JSONValue,
 )
 from broker.payload import DEFAULT_MAX_PAYLOAD_DEPTH
+from broker.values import check_delay, check_key, check_name
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped on any change an older peer would misread; extra fields do not need it."""
 
 
@@ -57,6 +58,9 @@ class AckStatus(enum.StrEnum):
     APPLIED = "applied"
     DUPLICATE = "duplicate"
     STALE = "stale"
+    REFUSED = "refused"
+    """The main can never store this report (nor the failure it tried in its place); the
+    job's lease goes back to the queue and the worker forgets the report."""
 
 
 class ErrorCode(enum.StrEnum):
@@ -99,6 +103,15 @@ class UnknownTypeError(DecodeError):
     code = ErrorCode.UNKNOWN_TYPE
 
 
+Name: TypeAlias = Annotated[str, check_name]
+"""A name or id (task, queue, worker id, key, request id, cursor): a string the decoder
+refuses when it holds a control character or a lone surrogate (:mod:`broker.values`).
+Free texts (an error message, a reason) stay plain ``str``."""
+
+Key: TypeAlias = Annotated[str, check_key]
+"""A :data:`Name` that is also stored in an index, so its length is capped too."""
+
+
 def _check(ok: bool, message: str) -> None:
     # ValueError, not ProtocolError: a local caller building a bad message has a bug;
     # decode() re-raises it as DecodeError because there the peer is at fault.
@@ -135,11 +148,11 @@ class Hello:
     role: Role
     protocol: int
     proof: str | None = None
-    worker_id: str | None = None
-    host: str | None = None
+    worker_id: Key | None = None
+    host: Name | None = None
     pid: int | None = None
     modes: list[ExecutionMode] = field(default_factory=list)
-    queues: list[str] | None = None
+    queues: list[Name] | None = None
     """``None`` serves every queue; a list restricts the worker to those queues."""
     held_leases: list[LeaseRef] = field(default_factory=list)
     """Leases the worker still holds from an earlier connection, so a restarted main
@@ -267,7 +280,7 @@ class Reschedule:
     delay: float
 
     def __post_init__(self) -> None:
-        _check(math.isfinite(self.delay) and self.delay >= 0, "delay must not be negative")
+        check_delay("delay", self.delay)
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,21 +359,21 @@ class JobRequest:
     main's clock, so a client with a skewed clock still gets the delay it asked for.
     """
 
-    task: str
+    task: Name
     args: list[JSONValue] = field(default_factory=list)
     kwargs: dict[str, JSONValue] = field(default_factory=dict)
-    queue: str = DEFAULT_QUEUE
+    queue: Name = DEFAULT_QUEUE
     priority: int = 0
     run_at: str | None = None
     delay: float | None = None
     max_attempts: int | None = None
-    idempotency_key: str | None = None
-    concurrency_key: str | None = None
+    idempotency_key: Name | None = None
+    concurrency_key: Name | None = None
     concurrency_limit: int | None = None
     timeout: float | None = None
     execution_mode: ExecutionMode = ExecutionMode.POOLED
     id: uuid.UUID | None = None
-    unique_key: str | None = None
+    unique_key: Name | None = None
     """At most one queued or running job per key; an older main ignores the field."""
 
     def to_spec(self, now: datetime) -> JobSpec:
@@ -376,8 +389,10 @@ class JobRequest:
                     f"run_at must be an ISO-8601 timestamp (got {self.run_at!r})"
                 ) from None
         elif self.delay is not None:
-            if not math.isfinite(self.delay) or self.delay < 0:
-                raise InvalidJobError("delay must be a non-negative number of seconds")
+            try:
+                check_delay("delay", self.delay)
+            except ValueError as exc:
+                raise InvalidJobError(str(exc)) from None
             run_at = now + timedelta(seconds=self.delay)
         optional: dict[str, Any] = {}
         if self.max_attempts is not None:
@@ -431,7 +446,7 @@ class EnqueuedRef:
 @dataclass(frozen=True, slots=True)
 class Enqueue:
     type: ClassVar[str] = "enqueue"
-    request_id: str
+    request_id: Name
     jobs: list[JobRequest]
 
 
@@ -447,14 +462,14 @@ class Enqueued:
 @dataclass(frozen=True, slots=True)
 class GetJob:
     type: ClassVar[str] = "get_job"
-    request_id: str
+    request_id: Name
     job_id: uuid.UUID
 
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
     type: ClassVar[str] = "cancel"
-    request_id: str
+    request_id: Name
     job_id: uuid.UUID
 
 
@@ -486,14 +501,14 @@ class Retry:
     """Put a dead (``failed``) job back in the queue; answered with ``job_info``."""
 
     type: ClassVar[str] = "retry"
-    request_id: str
+    request_id: Name
     job_id: uuid.UUID
 
 
 @dataclass(frozen=True, slots=True)
 class Status:
     type: ClassVar[str] = "status"
-    request_id: str
+    request_id: Name
 
 
 @dataclass(frozen=True, slots=True)
@@ -513,12 +528,12 @@ class ListJobs:
     ``result`` (they may be megabytes each); ``get_job`` returns a job whole."""
 
     type: ClassVar[str] = "list_jobs"
-    request_id: str
+    request_id: Name
     statuses: list[JobStatus] | None = None
-    queues: list[str] | None = None
-    tasks: list[str] | None = None
+    queues: list[Name] | None = None
+    tasks: list[Name] | None = None
     limit: int = 50
-    cursor: str | None = None
+    cursor: Name | None = None
     include_payload: bool = False
 
     def __post_init__(self) -> None:
@@ -542,7 +557,7 @@ class Prune:
     beyond the newest ``keep_latest``; ``statuses`` narrows which terminal statuses."""
 
     type: ClassVar[str] = "prune"
-    request_id: str
+    request_id: Name
     older_than_seconds: float | None = None
     keep_latest: int | None = None
     statuses: list[JobStatus] | None = None
@@ -631,7 +646,7 @@ def _fields(cls: type) -> tuple[tuple[str, Any, bool], ...]:
     """(name, resolved type, required on the wire) for each field, resolved once per class."""
     if cls in _FIELDS:
         return _FIELDS[cls]
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     _FIELDS[cls] = tuple(
         (
             f.name,
@@ -663,6 +678,14 @@ def _load(value: object, tp: Any, where: str, nullable: bool = False) -> Any:
     if tp is Any:
         return value
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Annotated:
+        loaded = _load(value, args[0], where, nullable)
+        for check in args[1:]:
+            try:
+                check(where, loaded)
+            except ValueError as exc:
+                raise DecodeError(str(exc)) from None
+        return loaded
     if origin is types.UnionType or origin is typing.Union:
         if value is None:
             return None
@@ -729,6 +752,8 @@ def _dump(value: Any, tp: Any) -> Any:
     if value is None or tp is Any:
         return value
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Annotated:
+        return _dump(value, args[0])
     if origin is types.UnionType or origin is typing.Union:
         (inner,) = (a for a in args if a is not type(None))
         return _dump(value, inner)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from broker.jobs import ExecutionMode, JSONValue
+from broker.values import check_delay
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +62,15 @@ Outcome = Completed | Failed | Rescheduled | Released
 
 
 class Reschedule(Exception):
-    """Raise inside a task to run it again after ``delay`` seconds without using a retry."""
+    """Raise inside a task to run it again after ``delay`` seconds without using a retry.
+
+    ``delay`` must be from 0 to ten years (:data:`broker.values.MAX_DELAY_SECONDS`);
+    another value raises ``ValueError`` right here, so the task fails with a clear error
+    in the worker instead of reporting a time no store can hold.
+    """
 
     def __init__(self, delay: float) -> None:
+        check_delay("Reschedule delay", delay)
         super().__init__(f"reschedule in {delay} s")
         self.delay = delay
 

@@ -25,8 +25,11 @@ The rules every implementation must keep:
   (``queued`` or ``handed_off``) at a time; enqueueing another returns the active one
   as a duplicate, and once it is terminal a new one may be enqueued.
 * **Raise only for transient trouble** (wrap it in ``StorageError``): the main
-  treats an exception as "outcome unknown" and retries or recovers. The one
-  deliberate exception is ``retry_dead`` refusing with ``UniqueKeyTakenError``.
+  treats an exception as "outcome unknown" and retries or recovers. The
+  deliberate exceptions are ``retry_dead`` refusing with ``UniqueKeyTakenError``,
+  and ``StorageRejectedError`` for a value the store can never hold (the same call
+  would fail every time): the main does not retry that, it isolates the one report
+  or claim that carries the value so the others still go through.
 """
 
 from __future__ import annotations

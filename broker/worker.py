@@ -490,6 +490,14 @@ class Worker:
                 # A newer main may send messages this worker does not know; skip them.
                 self._logger.warning("ignoring a message from the main: %s", exc)
                 continue
+            except protocol.DecodeError as exc:
+                if exc.msg_type != protocol.ReportAck.type:
+                    raise
+                # A newer main may answer with a status this worker does not know. Keep
+                # the connection (and the leases on it); the report stays in the outbox
+                # and is sent again on the next connection.
+                self._logger.warning("ignoring a report_ack from the main: %s", exc)
+                continue
             if msg is None:
                 raise ConnectionResetError("the main closed the connection")
             self._handle(conn, msg)
@@ -780,6 +788,13 @@ class Worker:
             self._log_job(
                 logging.WARNING,
                 "report stale: the main had moved the job on",
+                key,
+                outcome=report.type,
+            )
+        elif ack.status is protocol.AckStatus.REFUSED:
+            self._log_job(
+                logging.ERROR,
+                "report refused: the main could not store it and gave the job back",
                 key,
                 outcome=report.type,
             )

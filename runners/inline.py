@@ -220,9 +220,7 @@ class InlineRunner:
         if work.cancelled():
             return Failed("cancelled")
         exc = work.exception()
-        if isinstance(exc, Reschedule):
-            if not (math.isfinite(exc.delay) and exc.delay >= 0):
-                return Failed(f"Reschedule delay must be a non-negative number (got {exc.delay!r})")
+        if isinstance(exc, Reschedule):  # its delay was checked when it was raised
             return Rescheduled(exc.delay)
         if exc is not None:
             return Failed(format_error(exc))

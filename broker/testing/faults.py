@@ -3,18 +3,21 @@
 The one failure a lease design must survive is the *ambiguous* claim: the call
 raised, and nobody knows whether the store committed it. These wrappers produce
 both halves of that on any adapter, without touching its code: the claim raises
-before reaching the store, or after the store has committed it.
+before reaching the store, or after the store has committed it. They also make
+settlements fail for a while (transient trouble) or a chosen claim or settlement
+fail every time (a value the store refuses), to check that one bad report or job
+never stops the others.
 """
 
 from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from broker.exceptions import StorageError
-from broker.jobs import Claim, Job
+from broker.exceptions import StorageError, StorageRejectedError
+from broker.jobs import Claim, Job, Settlement
 from broker.storage import StorageAdapter
 
 
@@ -28,13 +31,20 @@ class InjectedFault(StorageError):
     """A fault injected by a test; the operation may or may not have committed."""
 
 
+class InjectedRejection(StorageRejectedError):
+    """A refusal injected by a test: the store would refuse this value every time."""
+
+
 class FaultyAdapter:
     """Delegates to ``inner`` but makes claims (and optionally returns) fail on cue.
 
     ``claim_fault`` applies to the next ``claim_failures`` claim calls (single or
     batch), then claims behave normally again. ``return_failures`` makes that many
-    ``return_to_queue`` calls raise before reaching the store. Everything else is
-    passed straight through, so the wrapped store is exercised for real.
+    ``return_to_queue`` calls raise before reaching the store, and ``settle_failures``
+    that many ``settle_many`` calls. A claim or settle call that includes a claim for
+    which ``rejects_claim`` is true, or a settlement for which ``rejects_settlement``
+    is true, raises :class:`InjectedRejection` every time, writing nothing. Everything
+    else is passed straight through, so the wrapped store is exercised for real.
     """
 
     def __init__(self, inner: StorageAdapter) -> None:
@@ -42,6 +52,9 @@ class FaultyAdapter:
         self.claim_fault = ClaimFault.NONE
         self.claim_failures = 0
         self.return_failures = 0
+        self.settle_failures = 0
+        self.rejects_claim: Callable[[Claim], bool] = lambda claim: False
+        self.rejects_settlement: Callable[[Settlement], bool] = lambda settlement: False
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
 
     def __getattr__(self, name: str) -> Any:
@@ -68,6 +81,8 @@ class FaultyAdapter:
         fault = self._take_claim_fault()
         if fault is ClaimFault.BEFORE_COMMIT:
             raise InjectedFault("injected: the claim failed before reaching the store")
+        if any(self.rejects_claim(claim) for claim in claims):
+            raise InjectedRejection("injected: the store refuses a value in this claim")
         claimed = await self.inner.mark_handed_off_many(claims)
         if fault is ClaimFault.AFTER_COMMIT:
             raise InjectedFault("injected: the claim committed but its answer was lost")
@@ -79,3 +94,12 @@ class FaultyAdapter:
             self.return_failures -= 1
             raise InjectedFault("injected: return_to_queue failed before reaching the store")
         return await self.inner.return_to_queue(job_id, handoff_id)
+
+    async def settle_many(self, settlements: Sequence[Settlement]) -> list[bool]:
+        self.calls.append(("settle_many", tuple(settlements)))
+        if self.settle_failures > 0:
+            self.settle_failures -= 1
+            raise InjectedFault("injected: settle_many failed before reaching the store")
+        if any(self.rejects_settlement(settlement) for settlement in settlements):
+            raise InjectedRejection("injected: the store refuses a value in this settlement")
+        return await self.inner.settle_many(settlements)
