@@ -330,7 +330,9 @@ class _RawClient:
         self.lines = wire.LineReader(reader, max_line_bytes=wire.MAX_LINE_BYTES)
         self.writer = wire.MessageWriter(writer)
         assert isinstance(await wire.read_message(self.lines), protocol.Challenge)
-        await self.send(protocol.Hello(role=protocol.Role.CLIENT, protocol=1))
+        await self.send(
+            protocol.Hello(role=protocol.Role.CLIENT, protocol=protocol.PROTOCOL_VERSION)
+        )
         assert isinstance(await wire.read_message(self.lines), protocol.Welcome)
 
     async def send(self, msg: protocol.Message) -> None:
