@@ -55,9 +55,9 @@ class LineReader:
     the post-authentication cap (2 MiB) would let an unauthenticated peer make it buffer
     that much before its line were refused. Here the cap in force is checked as bytes
     arrive, so before authentication a connection holds at most the pre-auth cap plus one
-    chunk in this buffer, plus the stream's own read-ahead (about twice its ``limit``,
-    plus one socket read of up to 256 KiB); raising the cap after ``welcome`` takes
-    effect at once, whatever limit the stream was created with.
+    byte in this buffer, plus the stream's own read-ahead (up to twice its ``limit``, plus
+    one socket read of up to 256 KiB); raising the cap after ``welcome`` takes effect at
+    once, whatever limit the stream was created with.
     """
 
     def __init__(
@@ -81,11 +81,6 @@ class LineReader:
         if value < 1:
             raise ValueError(f"max_line_bytes must be positive (got {value})")
         self._max = value
-
-    @property
-    def buffered(self) -> int:
-        """Bytes read from the stream but not yet returned as lines."""
-        return len(self._buffer)
 
     async def read_line(self) -> bytes | None:
         """The next non-blank line without its newline, or ``None`` at a clean EOF.
@@ -119,7 +114,8 @@ class LineReader:
                 raise UnterminatedLineError(
                     f"connection closed after {len(self._buffer)} bytes of an unterminated line"
                 )
-            chunk = await self._reader.read(READ_CHUNK_BYTES)
+            # Never more than the cap needs: the buffer stays within one byte over it.
+            chunk = await self._reader.read(min(READ_CHUNK_BYTES, self._max + 1 - self._scanned))
             if chunk:
                 self._buffer += chunk
             else:
