@@ -213,7 +213,7 @@ async def test_a_stalled_main_does_not_return_live_workers_leases() -> None:
         await worker.ready(pooled=2)
         held = {(await worker.next_job()).handoff_id for _ in jobs}
         pings = worker.pings
-        time.sleep(FAST.liveness_timeout * 2.5)  # blocks the whole loop, the main's included
+        time.sleep(FAST.liveness_timeout * 2)  # blocks the whole loop, the main's included
         # Two liveness timeouts' worth of pings after the stall: any wrong judgement has
         # been made by then, and a dropped connection ends the wait at once.
         per_timeout = math.ceil(FAST.liveness_timeout / FAST.ping_interval)
@@ -377,37 +377,37 @@ async def test_a_client_that_floods_requests_and_never_reads_costs_bounded_memor
     the liveness timeout, and other peers are served meanwhile."""
     flags = ["--ping-interval", "0.5", "--liveness-timeout", "3"]
     flags += ["--max-outbox-bytes", str(MiB), "--max-requests-per-connection", "4"]
-    async with _main_process(tmp_path, *flags) as main:
-        async with Client("127.0.0.1", main.port, timeout=30.0) as client:
-            await client.enqueue_many(
-                [JobSpec(task="t.big", args=["x" * 12_000, i]) for i in range(40)]
-            )
-            page = await client.list_jobs(limit=40)  # warms the main's caches
-            assert len(page.jobs) == 40
-            baseline = main.memory("VmRSS")
+    async with (
+        _main_process(tmp_path, *flags) as main,
+        Client("127.0.0.1", main.port, timeout=30.0) as client,
+    ):
+        await client.enqueue_many(
+            [JobSpec(task="t.big", args=["x" * 12_000, i]) for i in range(40)]
+        )
+        page = await client.list_jobs(limit=40)  # warms the main's caches
+        assert len(page.jobs) == 40
+        baseline = main.memory("VmRSS")
 
-            flood = await RawPeer.connect(main.port)
-            await flood.hello(protocol.Role.CLIENT)
-            await flood.send(
-                *(protocol.ListJobs(request_id=f"r{i}", limit=40) for i in range(200))
-            )
-            talking = asyncio.create_task(flood.keep_pinging())
-            try:
-                # Other peers are served while the flood is held back.
-                worker = FakeWorker(main.port)
-                await worker.connect(queues=["work"])
-                [ref] = await client.enqueue_many([JobSpec(task="t.small", queue="work")])
-                await worker.ready(pooled=1)
-                assert (await worker.next_job(timeout=10)).job_id == ref.job_id
-                await worker.close()
-                await asyncio.wait_for(talking, 3 + 10)  # ends when the main drops it
-            finally:
-                talking.cancel()
-                flood.close()
-            growth = main.memory("VmHWM") - baseline
-            assert growth < 32 * MiB, f"the main grew by {growth / MiB:.0f} MiB"
-            assert main.logged("peer treated as disconnected") == 1
-            assert "queues" in await client.status()
+        flood = await RawPeer.connect(main.port)
+        await flood.hello(protocol.Role.CLIENT)
+        await flood.send(*(protocol.ListJobs(request_id=f"r{i}", limit=40) for i in range(200)))
+        talking = asyncio.create_task(flood.keep_pinging())
+        worker = FakeWorker(main.port)
+        try:
+            # Other peers are served while the flood is held back.
+            await worker.connect(queues=["work"])
+            [ref] = await client.enqueue_many([JobSpec(task="t.small", queue="work")])
+            await worker.ready(pooled=1)
+            assert (await worker.next_job(timeout=10)).job_id == ref.job_id
+            await asyncio.wait_for(talking, 3 + 10)  # ends when the main drops it
+        finally:
+            talking.cancel()
+            flood.close()
+            await worker.close()
+        await until(lambda: main.logged("peer treated as disconnected") == 1)
+        growth = main.memory("VmHWM") - baseline
+        assert growth < 32 * MiB, f"the main grew by {growth / MiB:.0f} MiB"
+        assert "queues" in await client.status()
 
 
 async def test_unauthenticated_connections_buffer_little(tmp_path: Path) -> None:
@@ -418,23 +418,37 @@ async def test_unauthenticated_connections_buffer_little(tmp_path: Path) -> None
     than 80 MiB (50 MiB plus the allocator's slack), and a normal client is still served.
     The connection caps are raised so that only the stream limit is tested."""
     flags = ["--max-unauthenticated", "1000", "--max-connections-per-address", "1000"]
-    async with _main_process(tmp_path, *flags) as main:
-        async with Client("127.0.0.1", main.port, timeout=30.0) as client:
-            assert "queues" in await client.status()
-            baseline = main.memory("VmRSS")
+    async with (
+        _main_process(tmp_path, *flags) as main,
+        Client("127.0.0.1", main.port, timeout=30.0) as client,
+    ):
+        assert "queues" in await client.status()
+        baseline = main.memory("VmRSS")
 
-            async def partial_line() -> None:
-                peer = await RawPeer.connect(main.port)
-                try:
-                    with contextlib.suppress(ConnectionError, OSError):
-                        await peer.send_raw(b"x" * (3 * MiB // 2))
-                        while await peer.read() is not None:  # until the main closes it
-                            pass
-                finally:
-                    peer.close()
+        async def partial_line() -> None:
+            peer = await RawPeer.connect(main.port)
+            try:
+                with contextlib.suppress(ConnectionError, OSError):
+                    await peer.send_raw(b"x" * (3 * MiB // 2))
+                    while await peer.read() is not None:  # until the main closes it
+                        pass
+            finally:
+                peer.close()
 
-            await asyncio.gather(*(partial_line() for _ in range(100)))
-            await until(lambda: main.logged("code=line_too_long") == 100, timeout=30)
-            growth = main.memory("VmHWM") - baseline
-            assert growth < 80 * MiB, f"the main grew by {growth / MiB:.0f} MiB"
-            assert "queues" in await client.status()
+        await asyncio.gather(*(partial_line() for _ in range(100)))
+        await until(lambda: main.logged("code=line_too_long") == 100, timeout=30)
+        growth = main.memory("VmHWM") - baseline
+        assert growth < 80 * MiB, f"the main grew by {growth / MiB:.0f} MiB"
+        assert "queues" in await client.status()
+
+
+def test_every_limit_has_a_flag_and_an_environment_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("BROKER_MAX_CREDIT", "7")
+    args = cli.main_parser().parse_args(["--max-outbox-bytes", "4096"])
+    assert int(args.max_credit) == 7 and args.max_outbox_bytes == 4096
+    assert args.max_connections_per_address == MainSettings().max_connections_per_address
+    text = cli.main_parser().format_help()
+    for var in ("REQUESTS_PER_CONNECTION", "REQUESTS", "CONNECTIONS", "UNAUTHENTICATED"):
+        assert f"BROKER_MAX_{var}]" in text
