@@ -1260,7 +1260,8 @@ class Main:
                 problem = session.liveness_problem(now, self.settings.liveness_timeout)
                 if problem is not None:
                     logger.warning(
-                        "peer treated as disconnected session=%d worker_id=%s reason=%s",
+                        "peer unresponsive, treating as disconnected "
+                        "session=%d worker_id=%s reason=%s",
                         session.id,
                         session.worker_id,
                         problem,

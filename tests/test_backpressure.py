@@ -404,7 +404,7 @@ async def test_a_client_that_floods_requests_and_never_reads_costs_bounded_memor
             talking.cancel()
             flood.close()
             await worker.close()
-        await until(lambda: main.logged("peer treated as disconnected") == 1)
+        await until(lambda: main.logged("treating as disconnected") == 1)
         growth = main.memory("VmHWM") - baseline
         assert growth < 32 * MiB, f"the main grew by {growth / MiB:.0f} MiB"
         assert "queues" in await client.status()
