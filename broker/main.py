@@ -73,6 +73,7 @@ DEFAULT_MAX_LINE_BYTES = 2 << 20
 """2 MiB: the default payload limit (1 MiB) plus ample room for the rest of a message."""
 
 DEFAULT_RETENTION = Retention()
+"""Completed and cancelled jobs kept 7 days, dead ones 30 days, no row cap."""
 
 DEFAULT_MAX_OUTBOX_BYTES = 8 << 20
 """8 MiB queued for one peer: four replies at the default line cap, far more than a peer
@@ -85,7 +86,6 @@ hold a second copy of the queue in memory."""
 _LIVENESS_TICKS = 4
 """Liveness checks per ping interval: frequent enough that a dead peer is dropped soon
 after its deadline and a stall of the main is measured closely."""
-"""Completed and cancelled jobs kept 7 days, dead ones 30 days, no row cap."""
 
 
 def line_limit_for(max_payload_bytes: int | None) -> int:
@@ -1252,7 +1252,7 @@ class Main:
             await asyncio.sleep(tick)
             now = loop.time()
             stall = now - planned
-            if stall > tick:
+            if stall > 1.0:
                 logger.warning("the main's loop was stalled for %.1f s", stall)
             for session in list(self.sessions.values()):
                 if stall > 0:
