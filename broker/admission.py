@@ -23,9 +23,18 @@ from collections.abc import Mapping
 from broker.exceptions import ProtocolError
 from broker.jobs import ExecutionMode
 
+DEFAULT_MAX_CREDIT = 10_000
+"""Free slots one worker may announce per mode. Far above any real runner, and low enough
+that a rogue or buggy ``ready`` (up to 2**63) cannot make one worker the pick for every job."""
+
+
+class CreditLimitError(ProtocolError):
+    """A ``ready`` announced more free slots than the main accepts; it is not applied."""
+
 
 class Credits:
-    def __init__(self) -> None:
+    def __init__(self, max_slots: int = DEFAULT_MAX_CREDIT) -> None:
+        self._max_slots = max_slots
         self._slots: dict[ExecutionMode, int] = {}
         self._seen = 0
         self._last_sent = 0
@@ -34,7 +43,14 @@ class Credits:
         self._claiming: Counter[ExecutionMode] = Counter()
 
     def on_ready(self, slots: Mapping[ExecutionMode, int], seen: int) -> None:
-        """Apply a readiness report; ``seen`` must not go backwards nor run ahead of sends."""
+        """Apply a readiness report; ``seen`` must not go backwards nor run ahead of sends,
+        and no mode may announce more than ``max_slots`` (the whole report is refused)."""
+        over = {str(mode): n for mode, n in slots.items() if n > self._max_slots}
+        if over:
+            raise CreditLimitError(
+                f"ready.slots {over} is over this main's limit of {self._max_slots} free "
+                "slots per mode (--max-credit); the ready was not applied"
+            )
         if seen < self._seen or seen > self._last_sent:
             raise ProtocolError(
                 f"ready.seen={seen} is outside the jobs sent on this connection "

@@ -146,6 +146,25 @@ _RETENTION_OPTIONS: list[tuple[str, Any, Callable[[str], Any], str, str]] = [
 ]
 
 
+_LIMIT_OPTIONS: list[tuple[str, str]] = [
+    (
+        "--max-outbox-bytes",
+        "bytes queued for one peer before the main stops reading from it; a peer over it "
+        "for the liveness timeout is disconnected",
+    ),
+    (
+        "--max-requests-per-connection",
+        "client requests one connection may have in progress (then the main stops reading it)",
+    ),
+    ("--max-requests", "client requests in progress across all connections"),
+    ("--max-connections", "connections in all; more are refused"),
+    ("--max-connections-per-address", "connections from one IP address; more are refused"),
+    ("--max-unauthenticated", "connections still in the handshake; more are refused"),
+    ("--max-credit", "free slots a worker may announce per mode; a larger ready is refused"),
+]
+"""Resource limits of the main: each flag sets the ``MainSettings`` field of the same name."""
+
+
 def main_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="broker-main", description="Run the broker's main process.")
     _env_option(
@@ -234,6 +253,17 @@ def main_parser() -> argparse.ArgumentParser:
     )
     for flag, default, kind, metavar, text in _RETENTION_OPTIONS:
         _env_option(p, flag, default=default, type=kind, metavar=metavar, help=text)
+    defaults = MainSettings()
+    for flag, text in _LIMIT_OPTIONS:
+        name = _setting_name(flag)
+        _env_option(
+            p,
+            flag,
+            default=getattr(defaults, name),
+            type=_number(int, name.replace("_", " ")),
+            metavar="N",
+            help=f"{text} (default: %(default)s)",
+        )
     p.add_argument(
         "--schedules",
         action="append",
@@ -249,6 +279,10 @@ def main_parser() -> argparse.ArgumentParser:
         help="DEBUG, INFO, WARNING or ERROR",
     )
     return p
+
+
+def _setting_name(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
 
 
 async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | None = None) -> None:
@@ -269,6 +303,10 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         max_payload_depth=int(args.max_payload_depth),
         max_line_bytes=int(args.max_line_bytes or line_limit_for(int(args.max_payload_bytes))),
         list_page_bytes=int(args.list_page_bytes),
+        **{
+            _setting_name(flag): int(getattr(args, _setting_name(flag)))
+            for flag, _ in _LIMIT_OPTIONS
+        },
     )
     retention = Retention(
         completed_ttl=_ttl(args.retention_completed),

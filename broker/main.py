@@ -23,13 +23,14 @@ import logging
 import secrets
 import socket
 import uuid
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 from broker import protocol, wire
-from broker.admission import Credits
+from broker.admission import DEFAULT_MAX_CREDIT, CreditLimitError, Credits
 from broker.exceptions import (
     BrokerError,
     ConfigurationError,
@@ -82,6 +83,18 @@ DEFAULT_LIST_PAGE_BYTES = 1 << 20
 DEFAULT_RETENTION = Retention()
 """Completed and cancelled jobs kept 7 days, dead ones 30 days, no row cap."""
 
+DEFAULT_MAX_OUTBOX_BYTES = 8 << 20
+"""8 MiB queued for one peer: four replies at the default line cap, far more than a peer
+that reads ever has waiting."""
+
+_WRITE_BATCH_BYTES = 256 << 10
+"""A writer joins queued lines into one write up to about this size; bigger batches would
+hold a second copy of the queue in memory."""
+
+_LIVENESS_TICKS = 4
+"""Liveness checks per ping interval: frequent enough that a dead peer is dropped soon
+after its deadline and a stall of the main is measured closely."""
+
 
 def line_limit_for(max_payload_bytes: int | None) -> int:
     """The default ``max_line_bytes`` for a payload limit: at least 1 MiB above it."""
@@ -124,6 +137,22 @@ class MainSettings:
     list_page_bytes: int = DEFAULT_LIST_PAGE_BYTES
     """About how many bytes of jobs one ``list_jobs`` reply may carry (never more than fits
     in ``max_line_bytes``); the page ends early, with a cursor, once they are used up."""
+    max_outbox_bytes: int = DEFAULT_MAX_OUTBOX_BYTES
+    """Bytes queued for one peer before the main stops reading its messages (until half
+    have been sent); a peer over it for ``liveness_timeout`` is disconnected."""
+    max_requests_per_connection: int = 16
+    """Client requests one connection may have in progress; at the cap the main stops
+    reading that connection, so TCP holds the rest back at the peer."""
+    max_requests: int = 8
+    """Client requests in progress across all connections. Below the SQL adapter's pool
+    (5 connections plus 10 overflow), so requests can never take every database connection
+    from dispatch, settlement, recovery and the listener."""
+    max_connections: int = 1024
+    max_connections_per_address: int = 64
+    max_unauthenticated: int = 64
+    """Connections that have not finished the handshake yet, from all addresses."""
+    max_credit: int = DEFAULT_MAX_CREDIT
+    """Free slots a worker may announce per mode in ``ready``; a larger ``ready`` is refused."""
 
     def validate(self) -> None:
         positive = {
@@ -139,6 +168,13 @@ class MainSettings:
             "report_batch": self.report_batch,
             "max_errors_per_connection": self.max_errors_per_connection,
             "list_page_bytes": self.list_page_bytes,
+            "max_outbox_bytes": self.max_outbox_bytes,
+            "max_requests_per_connection": self.max_requests_per_connection,
+            "max_requests": self.max_requests,
+            "max_connections": self.max_connections,
+            "max_connections_per_address": self.max_connections_per_address,
+            "max_unauthenticated": self.max_unauthenticated,
+            "max_credit": self.max_credit,
         }
         for name, value in positive.items():
             if not value > 0:
@@ -186,11 +222,20 @@ def _is_loopback(host: str) -> bool:
 @dataclass(eq=False)
 class Session:
     """One connection, as the main sees it. Leases belong to a session, not to a worker id,
-    so a dropped socket gives back only what was handed to that socket."""
+    so a dropped socket gives back only what was handed to that socket.
+
+    Everything the main sends goes through :meth:`send` into ``outbox``, which one writer
+    task drains. Its size in bytes is what back-pressure acts on: over
+    ``max_outbox_bytes`` the session is *paused* (no more jobs, and the main stops reading
+    its messages) until half of it has been written.
+    """
 
     id: int
     peer: str
     writer: wire.MessageWriter
+    max_outbox_bytes: int
+    max_requests: int
+    """Client requests this connection may have in progress before reading pauses."""
     role: protocol.Role | None = None
     worker_id: str | None = None
     host: str | None = None
@@ -202,13 +247,40 @@ class Session:
     reported_status: dict[str, Any] | None = None
     """The worker's last ``worker_status`` (its runners' capacity and start-up errors)."""
     closed: bool = False
-    last_seen: float = 0.0
+    dropped: bool = False
+    """The main judged the peer dead and aborted the connection; stop reading it."""
     errors: int = 0
-    outbox: asyncio.Queue[bytes] = field(default_factory=asyncio.Queue)
+    last_answer: float = 0.0
+    """Loop time of the last ``pong`` answering one of the main's pings (or of the accept).
+    Nothing else counts: a peer that sends but never reads cannot answer."""
+    ping_base: int = field(default_factory=lambda: secrets.randbits(62))
+    """The main's pings on this connection carry ``ping_base + 1, + 2, ...``; random, so a
+    peer that does not read them cannot answer them."""
+    pings_sent: int = 0
+    outbox: deque[bytes] = field(default_factory=deque)
+    outbox_bytes: int = 0
+    """Queued bytes, plus those of the write in progress until it has drained."""
+    paused_since: float | None = None
+    """Loop time ``outbox_bytes`` went over the cap; ``None`` while under it."""
+    write_started: float | None = None
+    """Loop time the write in progress began; ``None`` when the writer is idle."""
+    requests: set[asyncio.Task[None]] = field(default_factory=set)
+    """This connection's client requests in progress (cancelled when it closes)."""
+    readable: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set while the main may read this connection's next message."""
+    _queued: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.readable.set()
 
     @property
     def dispatchable(self) -> bool:
-        return self.role is protocol.Role.WORKER and not self.draining and not self.closed
+        return (
+            self.role is protocol.Role.WORKER
+            and not self.draining
+            and not self.closed
+            and self.paused_since is None
+        )
 
     def serves(self, job: Job) -> bool:
         return self.queues is None or job.queue in self.queues
@@ -216,8 +288,88 @@ class Session:
     def send(self, msg: protocol.Message) -> None:
         """Queue a message for this connection's writer task; never blocks the caller, so
         one slow peer cannot stall dispatch to the others."""
-        if not self.closed:
-            self.outbox.put_nowait(protocol.encode(msg))
+        if self.closed:
+            return
+        data = protocol.encode(msg)
+        self.outbox.append(data)
+        self.outbox_bytes += len(data)
+        self._queued.set()
+        if self.paused_since is None and self.outbox_bytes > self.max_outbox_bytes:
+            self.paused_since = asyncio.get_running_loop().time()
+            self._update_readable()
+
+    async def next_write(self) -> bytes:
+        """The next lines to write, joined: all that is queued, up to about 256 KiB."""
+        while not self.outbox:
+            self._queued.clear()
+            await self._queued.wait()
+        chunks = [self.outbox.popleft()]
+        size = len(chunks[0])
+        while self.outbox and size < _WRITE_BATCH_BYTES:
+            chunks.append(self.outbox.popleft())
+            size += len(chunks[-1])
+        return b"".join(chunks)
+
+    def written(self, size: int) -> bool:
+        """``size`` bytes have left the outbox; ``True`` when that ends a pause."""
+        self.outbox_bytes -= size
+        if self.paused_since is None or self.outbox_bytes > self.max_outbox_bytes // 2:
+            return False
+        self.paused_since = None
+        self._update_readable()
+        return True
+
+    def add_request(self, task: asyncio.Task[None]) -> None:
+        self.requests.add(task)
+        task.add_done_callback(self._request_done)
+        self._update_readable()
+
+    def _request_done(self, task: asyncio.Task[None]) -> None:
+        self.requests.discard(task)
+        self._update_readable()
+
+    def _update_readable(self) -> None:
+        if self.dropped or (self.paused_since is None and len(self.requests) < self.max_requests):
+            self.readable.set()
+        else:
+            self.readable.clear()
+
+    def next_ping(self) -> protocol.Ping:
+        self.pings_sent += 1
+        return protocol.Ping(nonce=self.ping_base + self.pings_sent)
+
+    def answered(self, nonce: int) -> None:
+        """A ``pong``: it proves the peer alive only if it answers one of our pings."""
+        if self.ping_base < nonce <= self.ping_base + self.pings_sent:
+            self.last_answer = asyncio.get_running_loop().time()
+
+    def excuse(self, stall: float, now: float) -> None:
+        """The main itself could not run for ``stall`` seconds: that time does not count
+        against the peer (it could not be read from or written to meanwhile)."""
+        self.last_answer = min(now, self.last_answer + stall)
+        if self.paused_since is not None:
+            self.paused_since = min(now, self.paused_since + stall)
+        if self.write_started is not None:
+            self.write_started = min(now, self.write_started + stall)
+
+    def liveness_problem(self, now: float, timeout: float) -> str | None:
+        """Why this peer counts as dead at ``now``, or ``None`` while it does not."""
+        if now - self.last_answer > timeout:
+            return f"no answer to pings for {now - self.last_answer:.1f} s"
+        if self.write_started is not None and now - self.write_started > timeout:
+            return f"a write has not completed for {now - self.write_started:.1f} s"
+        if self.paused_since is not None and now - self.paused_since > timeout:
+            return (
+                f"over its outbox limit ({self.outbox_bytes} bytes queued) "
+                f"for {now - self.paused_since:.1f} s"
+            )
+        return None
+
+    def abort(self) -> None:
+        """Drop the connection now, unsent data and all; the read loop ends at once."""
+        self.dropped = True
+        self.writer.abort()
+        self._update_readable()
 
 
 class Main:
@@ -248,7 +400,11 @@ class Main:
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._connection_tasks: set[asyncio.Task[None]] = set()
+        self._unauthenticated: set[asyncio.Task[None]] = set()
+        """Connection tasks still in the handshake (counted against max_unauthenticated)."""
+        self._per_address: Counter[str] = Counter()
         self._report_tasks: set[asyncio.Task[None]] = set()
+        self._request_slots = asyncio.Semaphore(self.settings.max_requests)
         self._reports: list[tuple[Session, Report]] = []
         self._reports_ready = asyncio.Event()
         self._reports_idle = asyncio.Event()
@@ -278,11 +434,13 @@ class Main:
     async def start(self) -> None:
         await self.store.setup()
         await self._load_orphans()
+        # The stream's limit is only its read-ahead (wire.LineReader enforces the line caps):
+        # the pre-auth cap keeps what an unauthenticated peer can make us buffer small.
         self._server = await asyncio.start_server(
             self._accept,
             self.settings.host,
             self.settings.port,
-            limit=max(self.settings.max_line_bytes, self.settings.preauth_max_line_bytes) + 2,
+            limit=self.settings.preauth_max_line_bytes,
         )
         self._tasks = [
             asyncio.create_task(self._dispatch_loop(), name="broker-dispatch"),
@@ -545,7 +703,15 @@ class Main:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        peername = writer.get_extra_info("peername")
+        address = str(peername[0]) if isinstance(peername, tuple) else str(peername)
+        refusal = self._connection_refusal(address)
+        if refusal is not None:
+            await self._refuse(writer, address, refusal)
+            return
         self._connection_tasks.add(task)
+        self._unauthenticated.add(task)
+        self._per_address[address] += 1
         try:
             await self._serve_connection(reader, writer)
         except asyncio.CancelledError:
@@ -553,6 +719,44 @@ class Main:
                 raise
         finally:
             self._connection_tasks.discard(task)
+            self._unauthenticated.discard(task)
+            self._per_address[address] -= 1
+            if not self._per_address[address]:
+                del self._per_address[address]
+
+    def _connection_refusal(self, address: str) -> str | None:
+        """Why a new connection from ``address`` is over a limit, or ``None``."""
+        settings = self.settings
+        if len(self._connection_tasks) >= settings.max_connections:
+            return (
+                f"the main has {len(self._connection_tasks)} connections, its limit "
+                "(--max-connections)"
+            )
+        if self._per_address[address] >= settings.max_connections_per_address:
+            return (
+                f"{self._per_address[address]} connections from {address} already, the limit "
+                "per address (--max-connections-per-address)"
+            )
+        if len(self._unauthenticated) >= settings.max_unauthenticated:
+            return (
+                f"{len(self._unauthenticated)} connections are still in the handshake, the "
+                "limit (--max-unauthenticated)"
+            )
+        return None
+
+    async def _refuse(self, writer: asyncio.StreamWriter, address: str, reason: str) -> None:
+        """Say why in one fatal ``error`` line (sent before any challenge), then close."""
+        logger.warning("connection refused peer=%s reason=%s", address, reason)
+        out = wire.MessageWriter(writer)
+        with contextlib.suppress(ConnectionError, OSError):
+            await out.send(
+                protocol.Error(
+                    code=protocol.ErrorCode.OVER_LIMIT,
+                    message=f"connection refused: {reason}",
+                    fatal=True,
+                )
+            )
+        await out.close(grace=self.settings.handshake_timeout)
 
     async def _serve_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -566,12 +770,18 @@ class Main:
             id=next(self._ids),
             peer=str(peername),
             writer=wire.MessageWriter(writer),
-            last_seen=asyncio.get_running_loop().time(),
+            max_outbox_bytes=self.settings.max_outbox_bytes,
+            max_requests=self.settings.max_requests_per_connection,
+            credits=Credits(self.settings.max_credit),
+            last_answer=asyncio.get_running_loop().time(),
         )
         lines = wire.LineReader(reader, max_line_bytes=self.settings.preauth_max_line_bytes)
         sender = asyncio.create_task(self._write_loop(session))
         try:
             if await self._handshake(session, lines):
+                task = asyncio.current_task()
+                assert task is not None
+                self._unauthenticated.discard(task)
                 lines.max_line_bytes = self.settings.max_line_bytes
                 await self._read_loop(session, lines)
         except wire.LineTooLongError as exc:
@@ -586,22 +796,31 @@ class Main:
             logger.info("connection lost session=%d error=%r", session.id, exc)
         finally:
             self._disconnect(session)
+            for request in session.requests:
+                request.cancel()  # nobody is left to answer
             sender.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sender
             await session.writer.close()
 
     async def _write_loop(self, session: Session) -> None:
-        """Writes this session's queued lines in order, batching whatever is ready."""
+        """Writes this session's queued lines in order, batching whatever is ready.
+
+        A write that stays stuck in ``drain()`` (the peer does not read) is judged by the
+        liveness loop, which allows for the main's own stalls, not by a timer here.
+        """
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                chunks = [await session.outbox.get()]
-                while not session.outbox.empty():
-                    chunks.append(session.outbox.get_nowait())
-                await session.writer.write_raw(b"".join(chunks))
+                data = await session.next_write()
+                session.write_started = loop.time()
+                await session.writer.write_raw(data)
+                session.write_started = None
+                if session.written(len(data)):
+                    self.wake()  # the peer is dispatchable again
         except (ConnectionError, OSError) as exc:
             logger.info("send failed, closing session=%d error=%r", session.id, exc)
-            session.writer.abort()
+            session.abort()
 
     async def _fatal(self, session: Session, code: protocol.ErrorCode, message: str) -> None:
         logger.warning("closing connection session=%d code=%s reason=%s", session.id, code, message)
@@ -720,17 +939,18 @@ class Main:
         return adopted
 
     async def _read_loop(self, session: Session, lines: wire.LineReader) -> None:
-        loop = asyncio.get_running_loop()
+        """Reads and handles messages one at a time. It waits, without reading, while the
+        session is paused or at its request cap: the peer's further messages then stay
+        in its socket (TCP back-pressure) rather than in the main's memory."""
         while True:
+            await session.readable.wait()
             try:
                 msg = await wire.read_message(lines)
             except protocol.DecodeError as exc:
-                session.last_seen = loop.time()
                 self._reply_error(session, exc)
                 continue
-            if msg is None:
+            if msg is None or session.dropped:
                 return
-            session.last_seen = loop.time()
             self._handle(session, msg)
 
     def _reply_error(self, session: Session, exc: protocol.DecodeError) -> None:
@@ -749,18 +969,19 @@ class Main:
         match msg:
             case protocol.Ping(nonce=nonce):
                 session.send(protocol.Pong(nonce=nonce))
-            case protocol.Pong():
-                pass
+            case protocol.Pong(nonce=nonce):
+                session.answered(nonce)
             case protocol.Ready(slots=slots, seen=seen) if worker:
                 try:
                     session.credits.on_ready(slots, seen)
                 except ProtocolError as exc:
                     session.errors += 1
-                    session.send(
-                        protocol.Error(
-                            code=protocol.ErrorCode.MALFORMED, message=str(exc), fatal=False
-                        )
+                    code = (
+                        protocol.ErrorCode.OVER_LIMIT
+                        if isinstance(exc, CreditLimitError)
+                        else protocol.ErrorCode.MALFORMED
                     )
+                    session.send(protocol.Error(code=code, message=str(exc), fatal=False))
                     return
                 self.wake()
             case protocol.Draining() if worker:
@@ -786,7 +1007,7 @@ class Main:
                 | protocol.ListJobs()
                 | protocol.Prune()
             ):
-                self._spawn_report(session, msg)
+                self._start_request(session, msg)
             case _:
                 session.errors += 1
                 session.send(
@@ -824,10 +1045,17 @@ class Main:
         self._reports_idle.clear()
         self._reports_ready.set()
 
-    def _spawn_report(self, session: Session, msg: protocol.Message) -> None:
-        task = asyncio.create_task(self._apply(session, msg))
+    def _start_request(self, session: Session, msg: protocol.Message) -> None:
+        """Run a client request in its own task, counted against the connection's cap (the
+        read loop waits at it) and cancelled if the connection closes first."""
+        task = asyncio.create_task(self._run_request(session, msg))
         self._report_tasks.add(task)
         task.add_done_callback(self._report_tasks.discard)
+        session.add_request(task)
+
+    async def _run_request(self, session: Session, msg: protocol.Message) -> None:
+        async with self._request_slots:  # requests never take every database connection
+            await self._apply(session, msg)
 
     # ------------------------------------------------------------------ reports and requests
 
@@ -1222,22 +1450,39 @@ class Main:
     # ------------------------------------------------------------------ liveness and exits
 
     async def _liveness_loop(self) -> None:
+        """Pings every peer each ``ping_interval`` and drops one that has not answered a
+        ping, or whose write has been stuck or outbox over its cap, for ``liveness_timeout``.
+
+        The loop also measures the main's own lag (when it wakes against when it asked
+        to): while the main was stalled, say by a slow request, it could neither read the
+        peers' answers nor write to them, so that time is excused rather than judged
+        (:meth:`Session.excuse`). A slow moment in the main never returns live workers'
+        leases.
+        """
         loop = asyncio.get_running_loop()
-        nonce = itertools.count(1)
-        while True:
-            await asyncio.sleep(self.settings.ping_interval)
+        tick = self.settings.ping_interval / _LIVENESS_TICKS
+        for n in itertools.count(1):
+            planned = loop.time() + tick
+            await asyncio.sleep(tick)
             now = loop.time()
+            stall = now - planned
+            if stall > 1.0:
+                logger.warning("the main's loop was stalled for %.1f s", stall)
             for session in list(self.sessions.values()):
-                if now - session.last_seen > self.settings.liveness_timeout:
+                if stall > 0:
+                    session.excuse(stall, now)
+                problem = session.liveness_problem(now, self.settings.liveness_timeout)
+                if problem is not None:
                     logger.warning(
-                        "peer silent for %.1f s, treating as disconnected session=%d worker_id=%s",
-                        now - session.last_seen,
+                        "peer unresponsive, treating as disconnected "
+                        "session=%d worker_id=%s reason=%s",
                         session.id,
                         session.worker_id,
+                        problem,
                     )
-                    session.writer.abort()
-                else:
-                    session.send(protocol.Ping(nonce=next(nonce)))
+                    session.abort()
+                elif n % _LIVENESS_TICKS == 0:
+                    session.send(session.next_ping())
 
     def _disconnect(self, session: Session) -> None:
         if session.closed:

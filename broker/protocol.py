@@ -79,6 +79,7 @@ class ErrorCode(enum.StrEnum):
     INVALID_JOB = "invalid_job"
     NOT_FOUND = "not_found"
     STORAGE = "storage"
+    OVER_LIMIT = "over_limit"
 
 
 class DecodeError(ProtocolError):

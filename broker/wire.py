@@ -2,9 +2,10 @@
 
 ``StreamReader.readline()`` is unsafe for a network peer: on an oversized line it
 drops the buffer and carries on mid-line, and at EOF it hands back a partial line
-(see ``docs/protocol.md``, "Framing"). :class:`LineReader` uses ``readuntil`` and
-turns both cases into a :class:`~broker.exceptions.ProtocolError` after which the
-caller closes the connection; it never resynchronises and never returns half a line.
+(see ``docs/protocol.md``, "Framing"). :class:`LineReader` reads chunks and splits
+lines itself, and turns both cases into a :class:`~broker.exceptions.ProtocolError`
+after which the caller closes the connection; it never resynchronises and never
+returns half a line.
 """
 
 from __future__ import annotations
@@ -25,8 +26,12 @@ MAX_LINE_BYTES = 1024 * 1024
 """The cap once authenticated; it bounds a job's arguments and a job's result."""
 
 STREAM_LIMIT = MAX_LINE_BYTES
-"""Pass as ``limit=`` to ``asyncio.start_server``/``open_connection``: the stream's own
-limit must be at least the largest cap a :class:`LineReader` will be raised to."""
+"""A ``limit=`` for ``asyncio.start_server``/``open_connection``. The stream's limit is only
+its read-ahead (asyncio stops reading the socket once about twice the limit is buffered);
+:class:`LineReader` enforces line caps itself, so any limit works with any cap."""
+
+READ_CHUNK_BYTES = 64 * 1024
+"""How much :class:`LineReader` takes from the stream at a time."""
 
 
 class LineTooLongError(ProtocolError):
@@ -44,15 +49,25 @@ class UnterminatedLineError(ProtocolError):
 class LineReader:
     """Reads newline-terminated lines with a cap that can be raised after authentication.
 
-    The cap is checked here rather than through the stream's ``limit`` because the
-    limit is fixed when the stream is created, while the cap must start small for an
-    unauthenticated peer and grow once it has proved the token.
+    The lines are assembled here, from chunks of at most :data:`READ_CHUNK_BYTES`, rather
+    than with ``StreamReader.readuntil``: ``readuntil`` measures lines against the
+    stream's ``limit``, which is fixed when the stream is created, so a stream made for
+    the post-authentication cap (2 MiB) would let an unauthenticated peer make it buffer
+    that much before its line were refused. Here the cap in force is checked as bytes
+    arrive, so before authentication a connection holds at most the pre-auth cap plus one
+    byte in this buffer, plus the stream's own read-ahead (up to twice its ``limit``, plus
+    one socket read of up to 256 KiB); raising the cap after ``welcome`` takes effect at
+    once, whatever limit the stream was created with.
     """
 
     def __init__(
         self, reader: asyncio.StreamReader, max_line_bytes: int = PREAUTH_MAX_LINE_BYTES
     ) -> None:
         self._reader = reader
+        self._buffer = bytearray()
+        self._scanned = 0
+        """Bytes at the start of the buffer already known to hold no newline."""
+        self._eof = False
         self._max = 0
         self.max_line_bytes = max_line_bytes
 
@@ -65,14 +80,6 @@ class LineReader:
     def max_line_bytes(self, value: int) -> None:
         if value < 1:
             raise ValueError(f"max_line_bytes must be positive (got {value})")
-        # A cap above the stream's limit would be silently unreachable: readuntil would
-        # still fail at the lower limit. CPython keeps the limit in ``_limit``.
-        limit = getattr(self._reader, "_limit", None)
-        if isinstance(limit, int) and value > limit:
-            raise ValueError(
-                f"max_line_bytes {value} exceeds the stream's limit {limit}; "
-                "create the stream with a larger limit="
-            )
         self._max = value
 
     async def read_line(self) -> bytes | None:
@@ -82,23 +89,37 @@ class LineReader:
         either, the stream is not at a line boundary and must not be read again.
         """
         while True:
-            try:
-                line = await self._reader.readuntil(b"\n")
-            except asyncio.LimitOverrunError:
-                raise LineTooLongError(
-                    f"line exceeds {self._max} bytes without a newline"
-                ) from None
-            except asyncio.IncompleteReadError as exc:
-                if not exc.partial:
-                    return None
-                raise UnterminatedLineError(
-                    f"connection closed after {len(exc.partial)} bytes of an unterminated line"
-                ) from None
-            if len(line) - 1 > self._max:
-                raise LineTooLongError(f"line of {len(line) - 1} bytes exceeds {self._max}")
-            line = line[:-1]
+            line = await self._next_line()
+            if line is None:
+                return None
             if line.strip():
                 return line
+
+    async def _next_line(self) -> bytes | None:
+        while True:
+            end = self._buffer.find(b"\n", self._scanned)
+            if end >= 0:
+                if end > self._max:
+                    raise LineTooLongError(f"line of {end} bytes exceeds {self._max}")
+                line = bytes(self._buffer[:end])
+                del self._buffer[: end + 1]  # cheap: bytearray trims its front in place
+                self._scanned = 0
+                return line
+            self._scanned = len(self._buffer)
+            if self._scanned > self._max:
+                raise LineTooLongError(f"line exceeds {self._max} bytes without a newline")
+            if self._eof:
+                if not self._buffer:
+                    return None
+                raise UnterminatedLineError(
+                    f"connection closed after {len(self._buffer)} bytes of an unterminated line"
+                )
+            # Never more than the cap needs: the buffer stays within one byte over it.
+            chunk = await self._reader.read(min(READ_CHUNK_BYTES, self._max + 1 - self._scanned))
+            if chunk:
+                self._buffer += chunk
+            else:
+                self._eof = True
 
 
 async def read_message(reader: LineReader) -> Message | None:

@@ -36,6 +36,8 @@ class FakeWorker:
         self.jobs: asyncio.Queue[protocol.Job] = asyncio.Queue()
         self.acks: asyncio.Queue[protocol.ReportAck] = asyncio.Queue()
         self.errors: list[protocol.Error] = []
+        self.pings = 0
+        """Pings received from the main (each answered at once)."""
         self.welcome: protocol.Welcome | None = None
         self.seen = 0
         self._writer: wire.MessageWriter | None = None
@@ -84,11 +86,17 @@ class FakeWorker:
                     case protocol.ReportAck():
                         self.acks.put_nowait(msg)
                     case protocol.Ping(nonce=nonce):
+                        self.pings += 1
                         await self.send(protocol.Pong(nonce=nonce))
                     case protocol.Error():
                         self.errors.append(msg)
         except (ConnectionError, OSError):
             pass
+
+    @property
+    def connected(self) -> bool:
+        """Still reading: the main has not closed the connection."""
+        return self._reader is not None and not self._reader.done()
 
     async def send(self, msg: protocol.Message) -> None:
         assert self._writer is not None
