@@ -41,7 +41,7 @@ from broker.jobs import (
     JSONValue,
 )
 from broker.payload import DEFAULT_MAX_PAYLOAD_DEPTH
-from broker.values import check_delay, check_key, check_name
+from broker.values import MAX_AGE_SECONDS, check_delay, check_key, check_name
 
 PROTOCOL_VERSION = 2
 """Bumped on any change an older peer would misread; extra fields do not need it."""
@@ -569,9 +569,8 @@ class Prune:
             "give older_than_seconds or keep_latest (or both)",
         )
         _check(
-            self.older_than_seconds is None
-            or (math.isfinite(self.older_than_seconds) and self.older_than_seconds >= 0),
-            "older_than_seconds must not be negative",
+            self.older_than_seconds is None or 0 <= self.older_than_seconds <= MAX_AGE_SECONDS,
+            f"older_than_seconds must be from 0 to {MAX_AGE_SECONDS} (a hundred years)",
         )
         _check(
             self.keep_latest is None or self.keep_latest >= 0, "keep_latest must not be negative"

@@ -33,6 +33,10 @@ from datetime import UTC, datetime
 MAX_DELAY_SECONDS = 10 * 365 * 24 * 3600
 """Ten years: the longest ``delay`` of an enqueue or a ``Reschedule``."""
 
+MAX_AGE_SECONDS = 100 * 365 * 24 * 3600
+"""A hundred years: the oldest cut-off a ``prune`` may name; ``now - age`` must stay a date
+the stores hold, where an age like ``1e300`` would overflow."""
+
 EARLIEST_RUN_AT = datetime(1970, 1, 1, tzinfo=UTC)
 LATEST_RUN_AT = datetime(9000, 1, 1, tzinfo=UTC)
 """A job's ``run_at`` lies in [EARLIEST_RUN_AT, LATEST_RUN_AT): far inside ``datetime``'s

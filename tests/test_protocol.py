@@ -203,6 +203,11 @@ def _completed(**over: Any) -> str:
             id="bad-enum",
         ),
         pytest.param(
+            _line(type="prune", request_id="r1", older_than_seconds=1e300),
+            "older_than_seconds must be from 0 to",
+            id="prune-age-overflows-a-date",
+        ),
+        pytest.param(
             _line(type="hello", role="admin", protocol=1), "hello.role must be one of", id="role"
         ),
         pytest.param(
