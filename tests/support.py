@@ -3,12 +3,37 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from broker import protocol, wire
 from broker.jobs import ExecutionMode
+from broker.main import Main, MainSettings
+
+FAST = MainSettings(
+    port=0,
+    ping_interval=0.2,
+    liveness_timeout=1.0,
+    orphan_grace=0.5,
+    error_retry_interval=0.05,
+    poll_interval=0.05,
+    handshake_timeout=0.5,
+)
+"""A main on an ephemeral port whose every timer is short, so tests of liveness, orphans
+and retries finish in a second or two."""
+
+
+@contextlib.asynccontextmanager
+async def running_main(store: Any, settings: MainSettings = FAST) -> AsyncIterator[Main]:
+    """A started main without retention (tests prune on their own), stopped on exit."""
+    main = Main(store, settings, retention=None)
+    await main.start()
+    try:
+        yield main
+    finally:
+        await main.stop()
 
 
 async def until(check: Callable[[], Any], timeout: float = 15.0) -> Any:

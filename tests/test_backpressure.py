@@ -31,21 +31,11 @@ from broker.client import Client
 from broker.exceptions import ProtocolError
 from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus
 from broker.main import Main, MainSettings
-from tests.support import FakeWorker, until
+from tests.support import FAST, FakeWorker, until
 
 REPO = Path(__file__).resolve().parent.parent
 POOLED = ExecutionMode.POOLED
 MiB = 1 << 20
-
-FAST = MainSettings(
-    port=0,
-    ping_interval=0.2,
-    liveness_timeout=1.0,
-    orphan_grace=0.5,
-    error_retry_interval=0.05,
-    poll_interval=0.05,
-    handshake_timeout=0.5,
-)
 
 
 async def _start(store: MemoryAdapter, **overrides: Any) -> Main:

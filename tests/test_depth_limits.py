@@ -14,7 +14,7 @@ import dataclasses
 import io
 import json
 import uuid
-from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,17 +40,17 @@ from broker.worker import Worker
 from runners.forked import ForkedRunner
 from runners.inline import InlineRunner
 from runners.pooled import PooledRunner
+from tests import support
 from tests.support import FakeWorker, until
 from tests.test_e2e import Cluster, sqlite_url
 
 APP = "tests.e2e_app"
 NEST = f"{APP}.nest"
-FAST = MainSettings(
-    port=0,
-    ping_interval=0.2,
+FAST = replace(
+    support.FAST,
     liveness_timeout=2.0,
-    error_retry_interval=0.05,
-    poll_interval=0.05,
+    orphan_grace=MainSettings().orphan_grace,
+    handshake_timeout=MainSettings().handshake_timeout,
 )
 
 
@@ -62,14 +62,10 @@ def nested(levels: int, leaf: Any = 0) -> Any:
     return value
 
 
-@contextlib.asynccontextmanager
-async def _main(store: Any, settings: MainSettings = FAST) -> AsyncIterator[Main]:
-    main = Main(store, settings, retention=None)
-    await main.start()
-    try:
-        yield main
-    finally:
-        await main.stop()
+def _main(
+    store: Any, settings: MainSettings = FAST
+) -> contextlib.AbstractAsyncContextManager[Main]:
+    return support.running_main(store, settings)
 
 
 async def _terminal(store: Any, job_id: uuid.UUID) -> Any:

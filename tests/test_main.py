@@ -19,17 +19,7 @@ from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus
 from broker.main import Main, MainSettings
 from broker.storage import StorageAdapter
 from broker.testing.faults import ClaimFault, FaultyAdapter
-from tests.support import FakeWorker, lease_of, until
-
-FAST = MainSettings(
-    port=0,
-    ping_interval=0.2,
-    liveness_timeout=1.0,
-    orphan_grace=0.5,
-    error_retry_interval=0.05,
-    poll_interval=0.05,
-    handshake_timeout=0.5,
-)
+from tests.support import FAST, FakeWorker, lease_of, until
 
 POOLED = ExecutionMode.POOLED
 

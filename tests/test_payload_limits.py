@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from broker.payload import (
 from broker.tasks import TaskRegistry, task
 from broker.worker import Worker
 from runners.inline import InlineRunner
-from tests.support import FakeWorker, until
+from tests.support import FakeWorker, running_main, until
 
 LIMIT = 1000
 SMALL = MainSettings(
@@ -49,14 +48,10 @@ SMALL = MainSettings(
 )
 
 
-@contextlib.asynccontextmanager
-async def _main(store: Any, settings: MainSettings = SMALL) -> AsyncIterator[Main]:
-    main = Main(store, settings, retention=None)
-    await main.start()
-    try:
-        yield main
-    finally:
-        await main.stop()
+def _main(
+    store: Any, settings: MainSettings = SMALL
+) -> contextlib.AbstractAsyncContextManager[Main]:
+    return running_main(store, settings)
 
 
 # ------------------------------------------------------------------ sizes and settings

@@ -14,7 +14,7 @@ import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -28,16 +28,10 @@ from broker.jobs import Job, JobSpec, JobStatus, Settlement
 from broker.main import Main, MainSettings
 from broker.storage import StorageAdapter
 from broker.testing.faults import FaultyAdapter
-from tests.support import FakeWorker, lease_of, until
+from tests.support import FAST, FakeWorker, lease_of, until
 
-SETTINGS = MainSettings(
-    port=0,
-    ping_interval=0.2,
-    liveness_timeout=1.0,
-    error_retry_interval=0.05,
-    poll_interval=0.05,
-    handshake_timeout=0.5,
-)
+SETTINGS = replace(FAST, orphan_grace=MainSettings().orphan_grace)
+"""Orphans wait the default grace: the restart tests need them still there."""
 
 APPLIED = protocol.AckStatus.APPLIED
 STALE = protocol.AckStatus.STALE
