@@ -40,31 +40,31 @@ import os
 import random
 import signal
 import socket
-import uuid
-from collections import Counter, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from dataclasses import dataclass
+from typing import Any
 
 from broker import protocol, wire
 from broker.exceptions import (
     AuthenticationError,
     ConfigurationError,
     ProtocolError,
-    TaskNotFoundError,
 )
 from broker.jobs import ExecutionMode
-from broker.payload import result_problem
-from broker.runner import (
-    Assignment,
-    Completed,
-    Failed,
-    Outcome,
-    Released,
-    Rescheduled,
-    Runner,
-)
+from broker.runner import Assignment, Failed, Outcome, Runner
 from broker.tasks import TaskRegistry, default_registry
+from broker.worker_state import (
+    Drain,
+    Effect,
+    LeaseKey,
+    StartRun,
+    StopFast,
+    StopRun,
+    Wake,
+    WorkerState,
+    lease_ids,
+    log_job,
+)
 
 FLUSH_TIMEOUT = 10.0
 """How long a draining worker waits for the main to acknowledge its last reports."""
@@ -83,34 +83,16 @@ _STABLE_CONNECTION = 5.0
 """A connection that lasted this long resets the backoff; shorter ones keep growing it,
 so a main that accepts and then drops at once is not hammered ten times a second."""
 
-LeaseKey: TypeAlias = tuple[uuid.UUID, uuid.UUID]
-"""``(job_id, handoff_id)``: one handoff of one job."""
-
-Report: TypeAlias = protocol.Completed | protocol.Failed | protocol.Reschedule | protocol.Release
-
-
-@dataclass(eq=False)
-class _Running:
-    assignment: Assignment
-    task: asyncio.Task[None]
-
 
 @dataclass(eq=False)
 class _Connection:
-    """What lives and dies with one connection to the main."""
+    """What lives and dies with one connection to the main (its protocol state is in
+    :class:`~broker.worker_state.WorkerState`)."""
 
     lines: wire.LineReader
     writer: wire.MessageWriter
-    main_id: str
+    welcome: protocol.Welcome
     ping_interval: float
-    max_line_bytes: int
-    max_payload_bytes: int | None
-    max_payload_depth: int
-    seen: int = 0
-    """The ``seq`` of the last job decided on; ``seq`` starts again at 1 per connection."""
-    unsent: deque[LeaseKey] = field(default_factory=deque)
-    pongs: list[int] = field(default_factory=list)
-    draining_sent: bool = False
     status_sent: tuple[object, ...] | None = None
     """What the last ``worker_status`` said about capacity and start-up errors."""
 
@@ -171,22 +153,21 @@ class Worker:
         self._drain_timeout = drain_timeout
         self._logger = logger or logging.getLogger("broker.worker")
 
+        self._state = WorkerState(
+            modes=self._runners,
+            queues=self._queues,
+            lookup_task=self._registry.get,
+            logger=self._logger,
+        )
         self._conn: _Connection | None = None
-        self._running: dict[LeaseKey, _Running] = {}
-        self._starting: Counter[ExecutionMode] = Counter()
-        """Jobs whose task exists but has not yet entered ``runner.run`` (and so not yet
-        taken its slot): subtracted from the runner's free slots until it has."""
-        self._outbox: dict[LeaseKey, Report] = {}
-        self._given_up: set[LeaseKey] = set()
-        self._ready_due = False
+        self._tasks: dict[LeaseKey, asyncio.Task[None]] = {}
+        """The task of each running job (the state knows the leases, this knows the tasks)."""
         self._wake = asyncio.Event()
         """Something is waiting to be sent: a report, a ``ready``, a ``pong``, ``draining``."""
         self._idle = asyncio.Event()
         self._idle.set()
         self._flushed = asyncio.Event()
         self._flushed.set()
-        self._draining = False
-        self._fast = False
         self._stop_requested = asyncio.Event()
         self._fast_requested = asyncio.Event()
         self._cancels: set[asyncio.Task[bool]] = set()
@@ -206,7 +187,7 @@ class Worker:
         stop = asyncio.create_task(self._stop_requested.wait())
         try:
             for runner in self._runners.values():
-                runner.set_capacity_listener(self._ready_needed)
+                runner.set_capacity_listener(self._capacity_changed)
             await asyncio.gather(*(runner.start() for runner in self._runners.values()))
             connection = asyncio.create_task(
                 self._stay_connected(), name="broker-worker-connection"
@@ -224,26 +205,7 @@ class Worker:
     def request_stop(self, fast: bool = False) -> None:
         """Start draining; a second call (or ``fast=True``) cancels running jobs and gives
         them back to the main instead of waiting for them."""
-        if not self._draining:
-            self._draining = True
-            self._stop_requested.set()
-            self._logger.info(
-                "draining: %d running, %d reports unacknowledged",
-                len(self._running),
-                len(self._outbox),
-                extra={"event": "draining"},
-            )
-            self._ready_needed()
-            if not fast:
-                return
-        if not self._fast:
-            self._fast = True
-            self._fast_requested.set()
-            self._logger.warning(
-                "stopping fast: cancelling %d running jobs",
-                len(self._running),
-                extra={"event": "stopping_fast"},
-            )
+        self._apply(self._state.drain_requested(fast))
 
     def status(self) -> dict[str, Any]:
         """A snapshot for operators; ``runners`` maps each mode to its ``RunnerStatus``."""
@@ -251,27 +213,28 @@ class Worker:
         return {
             "worker_id": self.worker_id,
             "connected": conn is not None,
-            "main_id": conn.main_id if conn is not None else None,
-            "draining": self._draining,
+            "main_id": conn.welcome.main_id if conn is not None else None,
+            "draining": self._state.draining,
             "runners": {mode.value: runner.status() for mode, runner in self._runners.items()},
-            "running": len(self._running),
-            "outbox": len(self._outbox),
+            "running": len(self._state.running),
+            "outbox": len(self._state.outbox),
         }
 
     # ------------------------------------------------------------------ stopping
 
     async def _drain(self) -> None:
         if not await self._wait_for(self._idle, self._drain_timeout, interruptible=True):
-            await self._cancel_running(give_up=self._fast)
+            await self._cancel_running(give_up=self._state.fast)
             if not await self._wait_for(self._idle, CANCEL_WAIT, interruptible=False):
                 self._logger.error(
                     "%d jobs did not stop when cancelled; leaving them unreported "
                     "(the main will run them again)",
-                    len(self._running),
+                    len(self._state.running),
                 )
-        limit = FAST_FLUSH_TIMEOUT if self._fast else FLUSH_TIMEOUT
-        if not await self._wait_for(self._flushed, limit, interruptible=not self._fast):
-            for key in self._outbox:
+        fast = self._state.fast
+        limit = FAST_FLUSH_TIMEOUT if fast else FLUSH_TIMEOUT
+        if not await self._wait_for(self._flushed, limit, interruptible=not fast):
+            for key in self._state.outbox:
                 self._log_job(logging.ERROR, "report not acknowledged before exit", key)
         self._logger.info("drained", extra={"event": "drained"})
 
@@ -293,19 +256,19 @@ class Worker:
     async def _cancel_running(self, *, give_up: bool) -> None:
         """Cancel every running job: a cancelled job fails (it ran past the drain
         deadline), unless ``give_up``, when it is released back to the queue unharmed."""
-        for key, running in list(self._running.items()):
-            if give_up:
-                self._given_up.add(key)
-            runner = self._runners[running.assignment.execution_mode]
-            cancelled = await runner.cancel(running.assignment.job_id)
-            self._log_job(logging.WARNING, "job cancelled", key, known_to_runner=cancelled)
+        for key in list(self._state.running):
+            # Awaited one by one, not through ``_apply``: the drain waits for them.
+            for stop in self._state.stop_run(key, give_up=give_up):
+                assert isinstance(stop, StopRun)
+                cancelled = await self._runners[stop.mode].cancel(key[0])
+                self._log_job(logging.WARNING, "job cancelled", key, known_to_runner=cancelled)
 
     async def _shut_down(self, connection: asyncio.Task[None] | None) -> None:
         # Anything still running at this point is abandoned; grace would only wait on it.
         await asyncio.gather(
             *(runner.stop(grace=0) for runner in self._runners.values()), return_exceptions=True
         )
-        tasks: list[asyncio.Task[Any]] = [running.task for running in self._running.values()]
+        tasks: list[asyncio.Task[Any]] = list(self._tasks.values())
         tasks.extend(self._cancels)
         if connection is not None:
             tasks.append(connection)
@@ -368,7 +331,7 @@ class Worker:
             writer.abort()
             raise
         lines.max_line_bytes = min(welcome.max_line_bytes, MAX_LINE_BYTES)
-        held = set(self._held_leases())
+        held = set(self._state.held_leases())
         adopted = {(ref.job_id, ref.handoff_id) for ref in welcome.adopted}
         self._logger.info(
             "connected to main %s at %s:%d (held %d leases, %d adopted)",
@@ -379,18 +342,11 @@ class Worker:
             len(adopted & held),
             extra={"event": "connected", "main_id": welcome.main_id},
         )
-        for key in held - adopted:
-            self._log_job(
-                logging.INFO, "lease not adopted by the main; its report will be stale", key
-            )
         return _Connection(
             lines=lines,
             writer=writer,
-            main_id=welcome.main_id,
+            welcome=welcome,
             ping_interval=min(self._ping_interval, welcome.ping_interval),
-            max_line_bytes=welcome.max_line_bytes,
-            max_payload_bytes=welcome.max_payload_bytes,
-            max_payload_depth=welcome.max_payload_depth,
         )
 
     def _enable_keepalive(self, sock: socket.socket | None) -> None:
@@ -431,7 +387,9 @@ class Worker:
                 pid=os.getpid(),
                 modes=list(self._runners),
                 queues=self._queues,
-                held_leases=[protocol.LeaseRef(job, lease) for job, lease in self._held_leases()],
+                held_leases=[
+                    protocol.LeaseRef(job, lease) for job, lease in self._state.held_leases()
+                ],
             )
         )
         match await wire.read_message(lines):
@@ -454,13 +412,9 @@ class Worker:
             case _:
                 return ProtocolError(f"expected {expected} from the main, got {msg.type}")
 
-    def _held_leases(self) -> list[LeaseKey]:
-        return [*self._running, *(key for key in self._outbox if key not in self._running)]
-
     async def _serve(self, conn: _Connection) -> None:
-        conn.unsent.extend(self._outbox)
         self._conn = conn
-        self._ready_needed()
+        self._apply(self._state.connected(conn.welcome))
         tasks = [
             asyncio.create_task(self._read_loop(conn), name="broker-worker-read"),
             asyncio.create_task(self._send_loop(conn), name="broker-worker-send"),
@@ -472,6 +426,7 @@ class Worker:
                 task.result()
         finally:
             self._conn = None
+            self._apply(self._state.disconnected())
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -500,7 +455,7 @@ class Worker:
                 continue
             if msg is None:
                 raise ConnectionResetError("the main closed the connection")
-            self._handle(conn, msg)
+            self._handle(msg)
 
     async def _send_loop(self, conn: _Connection) -> None:
         """The one sender of everything except pings: reports in outbox order, then at
@@ -511,23 +466,14 @@ class Worker:
             # report and the ``ready`` counting its slot go out together.
             await asyncio.sleep(0)
             self._wake.clear()
-            batch: list[protocol.Message] = [protocol.Pong(nonce=n) for n in conn.pongs]
-            conn.pongs.clear()
-            if self._draining and not conn.draining_sent:
-                batch.append(protocol.Draining())
-                conn.draining_sent = True
-            while conn.unsent:
-                key = conn.unsent.popleft()
-                report = self._outbox.get(key)
-                if report is not None:
-                    batch.append(self._sendable(key, report, conn))
-            if self._ready_due or conn.status_sent is None:
+            batch = self._state.outgoing()
+            ready = self._state.take_ready(self._free_slots())
+            if ready is not None or conn.status_sent is None:
                 status = self._status_message(conn)
                 if status is not None:
                     batch.append(status)
-            if self._ready_due:
-                self._ready_due = False
-                batch.append(self._ready_message(conn))
+            if ready is not None:
+                batch.append(ready)
             async with asyncio.timeout(self._liveness_timeout):
                 await conn.writer.send_many(batch)
 
@@ -537,31 +483,82 @@ class Worker:
             async with asyncio.timeout(self._liveness_timeout):
                 await conn.writer.send(protocol.Ping(nonce=nonce))
 
-    def _ready_needed(self) -> None:
-        """Free slots may have changed: schedule one ``ready`` (called on the loop's thread)."""
-        self._ready_due = True
-        self._wake.set()
+    def _capacity_changed(self) -> None:
+        """A runner's free slots may have changed (called on the loop's thread)."""
+        self._apply(self._state.capacity_changed())
 
-    def _ready_message(self, conn: _Connection) -> protocol.Ready:
-        slots = {
-            mode: 0 if self._draining else max(0, runner.free_slots() - self._starting[mode])
-            for mode, runner in self._runners.items()
-        }
-        return protocol.Ready(slots=slots, seen=conn.seen)
+    def _free_slots(self) -> dict[ExecutionMode, int]:
+        return {mode: runner.free_slots() for mode, runner in self._runners.items()}
+
+    # ------------------------------------------------------------------ effects
+
+    def _apply(self, effects: list[Effect]) -> None:
+        """Carry out what the state decided, then mirror its idle/flushed for the drain."""
+        for effect in effects:
+            match effect:
+                case StartRun(assignment=assignment):
+                    key = (assignment.job_id, assignment.handoff_id)
+                    runner = self._runners[assignment.execution_mode]
+                    self._tasks[key] = asyncio.create_task(
+                        self._execute(runner, assignment), name=f"broker-job-{assignment.job_id}"
+                    )
+                case StopRun(key=key, mode=mode):
+                    self._stop(key, mode)
+                case Wake():
+                    self._wake.set()
+                case Drain():
+                    self._stop_requested.set()
+                case StopFast():
+                    self._fast_requested.set()
+        _mirror(self._idle, self._state.idle)
+        _mirror(self._flushed, self._state.flushed)
+
+    def _stop(self, key: LeaseKey, mode: ExecutionMode) -> None:
+        """Stop a job the main cancelled, in the background: the read loop must not wait."""
+        task = asyncio.create_task(
+            self._runners[mode].cancel(key[0]), name=f"broker-cancel-{key[0]}"
+        )
+        self._cancels.add(task)
+        task.add_done_callback(functools.partial(self._cancel_done, key))
+
+    def _cancel_done(self, key: LeaseKey, task: asyncio.Task[bool]) -> None:
+        self._cancels.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self._log_job(logging.ERROR, "stopping a cancelled job failed", key, error=repr(exc))
+
+    async def _execute(self, runner: Runner, assignment: Assignment) -> None:
+        # The runner takes its slot before its first await, in this same step, so the
+        # state's ``starting`` count hands over to the runner's own count with no gap.
+        key = (assignment.job_id, assignment.handoff_id)
+        self._apply(self._state.run_entered(key))
+        outcome: Outcome | None = None
+        try:
+            try:
+                outcome = await runner.run(assignment)
+            except Exception as exc:  # a runner bug must still end in a report
+                self._logger.exception(
+                    "runner failed job_id=%s handoff_id=%s", *key, extra=lease_ids(key)
+                )
+                outcome = Failed(f"the {assignment.execution_mode} runner failed: {exc!r}")
+        finally:
+            del self._tasks[key]
+            self._apply(self._state.run_finished(key, outcome))
 
     # ------------------------------------------------------------------ messages
 
-    def _handle(self, conn: _Connection, msg: protocol.Message) -> None:
+    def _handle(self, msg: protocol.Message) -> None:
         match msg:
             case protocol.Job():
-                self._on_job(conn, msg)
+                self._apply(self._state.job_received(msg, self._free_slots()))
             case protocol.ReportAck():
-                self._on_ack(msg)
+                self._apply(self._state.ack_received(msg))
             case protocol.CancelJob():
-                self._on_cancel(msg)
+                self._apply(self._state.cancel_received(msg))
             case protocol.Ping(nonce=nonce):
-                conn.pongs.append(nonce)
-                self._wake.set()
+                self._apply(self._state.ping_received(nonce))
             case protocol.Pong():
                 pass
             case protocol.Error(code=code, message=message, fatal=fatal):
@@ -580,7 +577,7 @@ class Worker:
         sent on this connection (always the first time), else ``None``."""
         runners = {mode: runner.status() for mode, runner in self._runners.items()}
         signature = (
-            self._draining,
+            self._state.draining,
             *((mode, st.capacity, st.startup_error) for mode, st in runners.items()),
         )
         if signature == conn.status_sent:
@@ -596,227 +593,15 @@ class Worker:
                 runner_status["details"] = {}
         return msg
 
-    def _on_cancel(self, msg: protocol.CancelJob) -> None:
-        """The main cancelled this job: stop it. Its outcome is still reported, and the
-        main acknowledges it ``stale`` because the store already says ``cancelled``."""
-        key = (msg.job_id, msg.handoff_id)
-        running = self._running.get(key)
-        if running is None:
-            self._log_job(logging.INFO, "cancel for a job not running here; nothing to stop", key)
-            return
-        self._log_job(logging.WARNING, "job cancelled by the main", key)
-        runner = self._runners[running.assignment.execution_mode]
-        task = asyncio.create_task(runner.cancel(msg.job_id), name=f"broker-cancel-{msg.job_id}")
-        self._cancels.add(task)
-        task.add_done_callback(functools.partial(self._cancel_done, key))
-
-    def _cancel_done(self, key: LeaseKey, task: asyncio.Task[bool]) -> None:
-        self._cancels.discard(task)
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None:
-            self._log_job(logging.ERROR, "stopping a cancelled job failed", key, error=repr(exc))
-
-    def _on_job(self, conn: _Connection, msg: protocol.Job) -> None:
-        if msg.seq <= conn.seen:
-            raise ProtocolError(f"job seq {msg.seq} is not after the last one seen ({conn.seen})")
-        key = (msg.job_id, msg.handoff_id)
-        if key in self._running or key in self._outbox:
-            # Never run one lease twice, and never release it: that would free a job
-            # this worker is still running or has already reported.
-            self._log_job(logging.WARNING, "job already held here; ignoring the repeat", key)
-            started = False
-        else:
-            started = self._decide(msg, key)
-        conn.seen = msg.seq
-        if not started:
-            # The main holds a credit for this job until a ``ready`` has seen it; without
-            # one, a worker whose every slot was "spent" this way would never get work again.
-            self._ready_needed()
-
-    def _decide(self, msg: protocol.Job, key: LeaseKey) -> bool:
-        """Start the job, or report why not; says whether it started."""
-        mode = msg.execution_mode
-        runner = self._runners.get(mode)
-        if self._draining:
-            self._release(key, "the worker is draining")
-            return False
-        if runner is None:
-            self._release(key, f"this worker does not run {mode} jobs")
-            return False
-        if self._queues is not None and msg.queue not in self._queues:
-            self._release(key, f"this worker does not serve queue {msg.queue!r}")
-            return False
-        try:
-            # Checked here as well as in the runner, so an unknown name never reaches a
-            # child process and never costs a slot.
-            self._registry.get(msg.task)
-        except TaskNotFoundError as exc:
-            self._log_job(logging.ERROR, "job failed: unknown task", key, task=msg.task)
-            self._report(key, protocol.Failed(*key, error=str(exc), retry=False))
-            return False
-        if runner.free_slots() - self._starting[mode] <= 0:
-            self._release(key, f"no free {mode} slot")
-            return False
-        self._start(runner, msg, key)
-        return True
-
-    def _release(self, key: LeaseKey, reason: str) -> None:
-        self._log_job(logging.INFO, "job released", key, reason=reason)
-        self._report(key, protocol.Release(*key, reason=reason))
-
-    def _start(self, runner: Runner, msg: protocol.Job, key: LeaseKey) -> None:
-        assignment = Assignment(
-            job_id=msg.job_id,
-            handoff_id=msg.handoff_id,
-            task=msg.task,
-            args=tuple(msg.args),
-            kwargs=dict(msg.kwargs),
-            execution_mode=msg.execution_mode,
-            attempt=msg.attempt,
-            max_attempts=msg.max_attempts,
-            timeout=msg.timeout,
-            queue=msg.queue,
-        )
-        self._starting[msg.execution_mode] += 1
-        self._idle.clear()
-        task = asyncio.create_task(
-            self._execute(runner, assignment), name=f"broker-job-{msg.job_id}"
-        )
-        self._running[key] = _Running(assignment, task)
-        self._log_job(
-            logging.INFO,
-            "job started",
-            key,
-            task=msg.task,
-            mode=msg.execution_mode.value,
-            attempt=msg.attempt,
-        )
-
-    async def _execute(self, runner: Runner, assignment: Assignment) -> None:
-        # The runner takes its slot before its first await, in this same step, so the
-        # ``starting`` count hands over to the runner's own count with no gap.
-        self._starting[assignment.execution_mode] -= 1
-        key = (assignment.job_id, assignment.handoff_id)
-        try:
-            try:
-                outcome = await runner.run(assignment)
-            except Exception as exc:  # a runner bug must still end in a report
-                self._logger.exception(
-                    "runner failed job_id=%s handoff_id=%s", *key, extra=_ids(key)
-                )
-                outcome = Failed(f"the {assignment.execution_mode} runner failed: {exc!r}")
-            self._finish(key, outcome)
-        finally:
-            del self._running[key]
-            if not self._running:
-                self._idle.set()
-            self._ready_needed()
-
-    def _finish(self, key: LeaseKey, outcome: Outcome) -> None:
-        report: Report
-        match outcome:
-            case Completed(result=result):
-                report = protocol.Completed(*key, result=result)
-                self._log_job(logging.INFO, "job completed", key)
-            case Failed() if key in self._given_up:
-                report = protocol.Release(*key, reason="the worker stopped before the job ended")
-                self._log_job(logging.WARNING, "job given back", key, error=outcome.error)
-            case Failed(error=error, retry=retry):
-                report = protocol.Failed(*key, error=error, retry=retry)
-                self._log_job(logging.WARNING, "job failed", key, error=error, retry=retry)
-            case Released(reason=reason):
-                report = protocol.Release(*key, reason=reason)
-                self._log_job(logging.WARNING, "job released by its runner", key, reason=reason)
-            case Rescheduled(delay=delay):
-                try:
-                    report = protocol.Reschedule(*key, delay=delay)
-                except ValueError as exc:
-                    report = protocol.Failed(*key, error=f"invalid reschedule: {exc}")
-                self._log_job(logging.INFO, "job rescheduled", key, delay=delay)
-        self._given_up.discard(key)
-        self._report(key, report)
-
-    def _report(self, key: LeaseKey, report: Report) -> None:
-        self._outbox[key] = report
-        self._flushed.clear()
-        if self._conn is not None:
-            self._conn.unsent.append(key)
-            self._wake.set()
-
-    def _sendable(self, key: LeaseKey, report: Report, conn: _Connection) -> Report:
-        """``report`` if the main can take it; otherwise a failure that says why.
-
-        Without this, a result the main rejects (too long, not JSON) would close the
-        connection, come back from the outbox on reconnect, and close it again forever;
-        and a result nested too deeply to encode would take the send loop down, with the
-        job handed to the next worker to do the same. A result over the main's payload
-        limits (from ``welcome``) fails here, as the main would fail it, without being sent.
-        """
-        limit = conn.max_line_bytes
-        problem = None
-        if isinstance(report, protocol.Completed):
-            problem = result_problem(report.result, conn.max_payload_bytes, conn.max_payload_depth)
-        if problem is None:
-            try:
-                size = len(protocol.encode(report)) - 1
-            except ValueError as exc:
-                problem = f"the outcome cannot be sent as JSON: {exc}"
-            else:
-                if size <= limit:
-                    return report
-                problem = (
-                    f"the {report.type} report is {size} bytes, over the main's limit of {limit}"
-                )
-        if isinstance(report, protocol.Failed):
-            # Keep the retry decision; ASCII-escaped JSON is at most 6 bytes a character.
-            error = report.error[: limit // 8]
-            fitted = protocol.Failed(*key, error=error, retry=report.retry)
-        else:
-            fitted = protocol.Failed(*key, error=problem[:1000], retry=False)
-        self._log_job(logging.ERROR, "report replaced", key, reason=problem[:200])
-        self._outbox[key] = fitted
-        return fitted
-
-    def _on_ack(self, ack: protocol.ReportAck) -> None:
-        key = (ack.job_id, ack.handoff_id)
-        report = self._outbox.pop(key, None)
-        if report is None:
-            return  # an ack for a report re-sent on an earlier connection, already settled
-        if ack.status is protocol.AckStatus.STALE:
-            self._log_job(
-                logging.WARNING,
-                "report stale: the main had moved the job on",
-                key,
-                outcome=report.type,
-            )
-        elif ack.status is protocol.AckStatus.REFUSED:
-            self._log_job(
-                logging.ERROR,
-                "report refused: the main could not store it and gave the job back",
-                key,
-                outcome=report.type,
-            )
-        else:
-            self._log_job(logging.INFO, "report acknowledged", key, status=ack.status.value)
-        if not self._outbox:
-            self._flushed.set()
-
     def _log_job(self, level: int, event: str, key: LeaseKey, **fields: object) -> None:
-        details = "".join(f" {name}={value}" for name, value in fields.items())
-        self._logger.log(
-            level,
-            "%s job_id=%s handoff_id=%s%s",
-            event,
-            *key,
-            details,
-            extra={"event": event, **_ids(key), **fields},
-        )
+        log_job(self._logger, level, event, key, **fields)
 
 
-def _ids(key: LeaseKey) -> dict[str, str]:
-    return {"job_id": str(key[0]), "handoff_id": str(key[1])}
+def _mirror(event: asyncio.Event, value: bool) -> None:
+    if value:
+        event.set()
+    else:
+        event.clear()
 
 
 def _describe(exc: BaseException) -> str:

@@ -1,0 +1,496 @@
+"""The worker's rules without its I/O: events in, effects out, no awaits.
+
+:class:`WorkerState` holds everything a worker decides: which ``seq`` it has seen,
+which jobs run, the outbox of reports and which of them this connection has not yet
+sent, whether it is draining, and how many slots it may advertise. Its methods take
+one event each (connected, job received, run entered or finished, ack, cancel, ping,
+drain, disconnected) and return the effects the caller must carry out (start this
+run, stop that one, wake the sender, begin draining). Messages to send are pulled
+with :meth:`WorkerState.outgoing` and :meth:`WorkerState.take_ready` when the sender
+runs, so a burst of events still goes out as one batch with one ``ready`` computed
+at the last moment (the shape of h11's ``data_to_send``).
+
+``broker.worker.Worker`` owns the socket, the reconnect loop, the runners, the timers
+and the tasks; it feeds events in here and carries the effects out. Everything here
+can therefore be tested by calling methods, without a socket or an event loop.
+
+The runners are the source of truth for free slots: events that need them
+(:meth:`WorkerState.job_received`, :meth:`WorkerState.take_ready`) take a snapshot
+``free`` of each runner's ``free_slots()`` at that moment.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+from broker import protocol
+from broker.exceptions import ProtocolError, TaskNotFoundError
+from broker.jobs import ExecutionMode
+from broker.payload import result_problem
+from broker.runner import Assignment, Completed, Failed, Outcome, Released, Rescheduled
+
+LeaseKey: TypeAlias = tuple[uuid.UUID, uuid.UUID]
+"""``(job_id, handoff_id)``: one handoff of one job."""
+
+Report: TypeAlias = protocol.Completed | protocol.Failed | protocol.Reschedule | protocol.Release
+
+
+# --------------------------------------------------------------------------- effects
+
+
+@dataclass(frozen=True, slots=True)
+class StartRun:
+    """Hand this job to the runner for its mode; call :meth:`WorkerState.run_entered`
+    when the runner takes its slot and :meth:`WorkerState.run_finished` when it ends."""
+
+    assignment: Assignment
+
+
+@dataclass(frozen=True, slots=True)
+class StopRun:
+    """Ask the runner for ``mode`` to stop the job under this lease; its outcome still
+    arrives through :meth:`WorkerState.run_finished`."""
+
+    key: LeaseKey
+    mode: ExecutionMode
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """Messages wait in :meth:`WorkerState.outgoing` / :meth:`WorkerState.take_ready`:
+    wake the sender."""
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """Draining began: stop the serving loop and run the drain sequence (wait for the
+    running jobs, then for the last acknowledgements)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StopFast:
+    """Stop waiting for running jobs: stop them now and give them back."""
+
+
+Effect: TypeAlias = StartRun | StopRun | Wake | Drain | StopFast
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass(eq=False)
+class _Link:
+    """What lives and dies with one connection to the main."""
+
+    max_line_bytes: int
+    max_payload_bytes: int | None
+    max_payload_depth: int
+    seen: int = 0
+    """The ``seq`` of the last job decided on; ``seq`` starts again at 1 per connection."""
+    unsent: deque[LeaseKey] = field(default_factory=deque)
+    pongs: list[int] = field(default_factory=list)
+    draining_sent: bool = False
+
+
+class WorkerState:
+    """The worker's decisions, with no I/O.
+
+    :param modes: the execution modes this worker has a runner for.
+    :param queues: serve only these queues (``None``: every queue).
+    :param lookup_task: raises :class:`~broker.exceptions.TaskNotFoundError` for a task
+        this worker may not run (``TaskRegistry.get``).
+    """
+
+    def __init__(
+        self,
+        *,
+        modes: Iterable[ExecutionMode],
+        queues: Sequence[str] | None,
+        lookup_task: Callable[[str], object],
+        logger: logging.Logger,
+    ) -> None:
+        self._modes = tuple(modes)
+        self._queues = None if queues is None else list(queues)
+        self._lookup_task = lookup_task
+        self._logger = logger
+        self._link: _Link | None = None
+        self._running: dict[LeaseKey, ExecutionMode] = {}
+        self._starting: Counter[ExecutionMode] = Counter()
+        """Jobs started but not yet inside ``runner.run`` (so not yet holding their slot):
+        subtracted from the runner's free slots until they are."""
+        self._outbox: dict[LeaseKey, Report] = {}
+        self._given_up: set[LeaseKey] = set()
+        self._ready_due = False
+        self._draining = False
+        self._fast = False
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def fast(self) -> bool:
+        """A fast stop was asked for: running jobs are given back, not waited for."""
+        return self._fast
+
+    @property
+    def running(self) -> Mapping[LeaseKey, ExecutionMode]:
+        """Leases with a run started and not finished, and the mode each runs in."""
+        return self._running
+
+    @property
+    def outbox(self) -> Mapping[LeaseKey, Report]:
+        """Reports not yet acknowledged, in the order they were made."""
+        return self._outbox
+
+    @property
+    def idle(self) -> bool:
+        return not self._running
+
+    @property
+    def flushed(self) -> bool:
+        """Every report was acknowledged: a draining worker may exit."""
+        return not self._outbox
+
+    def held_leases(self) -> list[LeaseKey]:
+        """What ``hello`` lists: leases with a running job or an unacknowledged report."""
+        return [*self._running, *(key for key in self._outbox if key not in self._running)]
+
+    # ------------------------------------------------------------------ connection events
+
+    def connected(self, welcome: protocol.Welcome) -> list[Effect]:
+        """A new connection: every unacknowledged report goes out again (the main fences
+        by lease, so a repeat is harmless), and a fresh ``ready`` starts the credit."""
+        adopted = {(ref.job_id, ref.handoff_id) for ref in welcome.adopted}
+        for key in self.held_leases():
+            if key not in adopted:
+                self._log_job(
+                    logging.INFO, "lease not adopted by the main; its report will be stale", key
+                )
+        self._link = _Link(
+            max_line_bytes=welcome.max_line_bytes,
+            max_payload_bytes=welcome.max_payload_bytes,
+            max_payload_depth=welcome.max_payload_depth,
+            unsent=deque(self._outbox),
+        )
+        self._ready_due = True
+        return self._effects()
+
+    def disconnected(self) -> list[Effect]:
+        """The connection is gone: what it had not sent stays in the outbox for the next."""
+        self._link = None
+        return []
+
+    def ping_received(self, nonce: int) -> list[Effect]:
+        self._require_link().pongs.append(nonce)
+        return self._effects()
+
+    def capacity_changed(self) -> list[Effect]:
+        """A runner's free slots may have changed on its own account: re-advertise."""
+        self._ready_due = True
+        return self._effects()
+
+    # ------------------------------------------------------------------ job events
+
+    def job_received(self, msg: protocol.Job, free: Mapping[ExecutionMode, int]) -> list[Effect]:
+        """Decide a job's fate and advance ``seen`` in the same step, so no ``ready`` can
+        count its slot twice. ``free``: each runner's free slots right now.
+
+        Raises :class:`~broker.exceptions.ProtocolError` if ``seq`` does not advance.
+        """
+        link = self._require_link()
+        if msg.seq <= link.seen:
+            raise ProtocolError(f"job seq {msg.seq} is not after the last one seen ({link.seen})")
+        key = (msg.job_id, msg.handoff_id)
+        effects: list[Effect] = []
+        if key in self._running or key in self._outbox:
+            # Never run one lease twice, and never release it: that would free a job
+            # this worker is still running or has already reported.
+            self._log_job(logging.WARNING, "job already held here; ignoring the repeat", key)
+        else:
+            effects = self._decide(msg, key, free)
+        link.seen = msg.seq
+        if not effects:
+            # The main holds a credit for this job until a ``ready`` has seen it; without
+            # one, a worker whose every slot was "spent" this way would never get work again.
+            self._ready_due = True
+        return effects + self._effects()
+
+    def _decide(
+        self, msg: protocol.Job, key: LeaseKey, free: Mapping[ExecutionMode, int]
+    ) -> list[Effect]:
+        """Start the job, or report why not."""
+        mode = msg.execution_mode
+        if self._draining:
+            self._release(key, "the worker is draining")
+            return []
+        if mode not in self._modes:
+            self._release(key, f"this worker does not run {mode} jobs")
+            return []
+        if self._queues is not None and msg.queue not in self._queues:
+            self._release(key, f"this worker does not serve queue {msg.queue!r}")
+            return []
+        try:
+            # Checked here as well as in the runner, so an unknown name never reaches a
+            # child process and never costs a slot.
+            self._lookup_task(msg.task)
+        except TaskNotFoundError as exc:
+            self._log_job(logging.ERROR, "job failed: unknown task", key, task=msg.task)
+            self._report(key, protocol.Failed(*key, error=str(exc), retry=False))
+            return []
+        if free.get(mode, 0) - self._starting[mode] <= 0:
+            self._release(key, f"no free {mode} slot")
+            return []
+        assignment = Assignment(
+            job_id=msg.job_id,
+            handoff_id=msg.handoff_id,
+            task=msg.task,
+            args=tuple(msg.args),
+            kwargs=dict(msg.kwargs),
+            execution_mode=mode,
+            attempt=msg.attempt,
+            max_attempts=msg.max_attempts,
+            timeout=msg.timeout,
+            queue=msg.queue,
+        )
+        self._starting[mode] += 1
+        self._running[key] = mode
+        self._log_job(
+            logging.INFO, "job started", key, task=msg.task, mode=mode.value, attempt=msg.attempt
+        )
+        return [StartRun(assignment)]
+
+    def run_entered(self, key: LeaseKey) -> list[Effect]:
+        """The runner took the job's slot: its own count now covers it."""
+        self._starting[self._running[key]] -= 1
+        return []
+
+    def run_finished(self, key: LeaseKey, outcome: Outcome | None) -> list[Effect]:
+        """A run ended with ``outcome`` (``None``: abandoned while shutting down, nothing
+        to report); its report joins the outbox and its slot is advertised again."""
+        del self._running[key]
+        if outcome is None:
+            self._given_up.discard(key)
+        else:
+            self._finish(key, outcome)
+        self._ready_due = True
+        return self._effects()
+
+    def _finish(self, key: LeaseKey, outcome: Outcome) -> None:
+        report: Report
+        match outcome:
+            case Completed(result=result):
+                report = protocol.Completed(*key, result=result)
+                self._log_job(logging.INFO, "job completed", key)
+            case Failed() if key in self._given_up:
+                report = protocol.Release(*key, reason="the worker stopped before the job ended")
+                self._log_job(logging.WARNING, "job given back", key, error=outcome.error)
+            case Failed(error=error, retry=retry):
+                report = protocol.Failed(*key, error=error, retry=retry)
+                self._log_job(logging.WARNING, "job failed", key, error=error, retry=retry)
+            case Released(reason=reason):
+                report = protocol.Release(*key, reason=reason)
+                self._log_job(logging.WARNING, "job released by its runner", key, reason=reason)
+            case Rescheduled(delay=delay):
+                try:
+                    report = protocol.Reschedule(*key, delay=delay)
+                except ValueError as exc:
+                    report = protocol.Failed(*key, error=f"invalid reschedule: {exc}")
+                self._log_job(logging.INFO, "job rescheduled", key, delay=delay)
+        self._given_up.discard(key)
+        self._report(key, report)
+
+    def cancel_received(self, msg: protocol.CancelJob) -> list[Effect]:
+        """The main cancelled this job: stop it. Its outcome is still reported, and the
+        main acknowledges it ``stale`` because the store already says ``cancelled``."""
+        key = (msg.job_id, msg.handoff_id)
+        mode = self._running.get(key)
+        if mode is None:
+            self._log_job(logging.INFO, "cancel for a job not running here; nothing to stop", key)
+            return []
+        self._log_job(logging.WARNING, "job cancelled by the main", key)
+        return [StopRun(key, mode)]
+
+    def ack_received(self, ack: protocol.ReportAck) -> list[Effect]:
+        """The main settled a report (applied, duplicate, stale or refused): forget it."""
+        key = (ack.job_id, ack.handoff_id)
+        report = self._outbox.pop(key, None)
+        if report is None:
+            return []  # an ack for a report re-sent on an earlier connection, already settled
+        if ack.status is protocol.AckStatus.STALE:
+            self._log_job(
+                logging.WARNING,
+                "report stale: the main had moved the job on",
+                key,
+                outcome=report.type,
+            )
+        elif ack.status is protocol.AckStatus.REFUSED:
+            self._log_job(
+                logging.ERROR,
+                "report refused: the main could not store it and gave the job back",
+                key,
+                outcome=report.type,
+            )
+        else:
+            self._log_job(logging.INFO, "report acknowledged", key, status=ack.status.value)
+        return []
+
+    # ------------------------------------------------------------------ stopping
+
+    def drain_requested(self, fast: bool = False) -> list[Effect]:
+        """Start draining: advertise no slots, say ``draining``, release jobs that arrive.
+        A second request (or ``fast``) gives running jobs back instead of waiting."""
+        effects: list[Effect] = []
+        if not self._draining:
+            self._draining = True
+            self._ready_due = True
+            self._logger.info(
+                "draining: %d running, %d reports unacknowledged",
+                len(self._running),
+                len(self._outbox),
+                extra={"event": "draining"},
+            )
+            effects.append(Drain())
+            if not fast:
+                return effects + self._effects()
+        if not self._fast:
+            self._fast = True
+            self._logger.warning(
+                "stopping fast: cancelling %d running jobs",
+                len(self._running),
+                extra={"event": "stopping_fast"},
+            )
+            effects.append(StopFast())
+        return effects + self._effects()
+
+    def stop_run(self, key: LeaseKey, *, give_up: bool) -> list[Effect]:
+        """Stop a running job at the drain deadline: it fails (it ran too long), unless
+        ``give_up``, when it is released back to the queue unharmed."""
+        mode = self._running.get(key)
+        if mode is None:
+            return []
+        if give_up:
+            self._given_up.add(key)
+        return [StopRun(key, mode)]
+
+    # ------------------------------------------------------------------ sending
+
+    def outgoing(self) -> list[protocol.Message]:
+        """Everything due on the connection except ``ready``: pongs, ``draining`` once,
+        then reports in outbox order (each made sendable)."""
+        link = self._require_link()
+        batch: list[protocol.Message] = [protocol.Pong(nonce=n) for n in link.pongs]
+        link.pongs.clear()
+        if self._draining and not link.draining_sent:
+            batch.append(protocol.Draining())
+            link.draining_sent = True
+        while link.unsent:
+            key = link.unsent.popleft()
+            report = self._outbox.get(key)
+            if report is not None:
+                batch.append(self._sendable(key, report, link))
+        return batch
+
+    def take_ready(self, free: Mapping[ExecutionMode, int]) -> protocol.Ready | None:
+        """The ``ready`` due, if one is, computed from ``free`` (each runner's free slots
+        now) at the moment it is sent: exact credit, never more than the runners have."""
+        if not self._ready_due:
+            return None
+        self._ready_due = False
+        slots = {
+            mode: 0 if self._draining else max(0, free.get(mode, 0) - self._starting[mode])
+            for mode in self._modes
+        }
+        return protocol.Ready(slots=slots, seen=self._require_link().seen)
+
+    def _sendable(self, key: LeaseKey, report: Report, link: _Link) -> Report:
+        """``report`` if the main can take it; otherwise a failure that says why.
+
+        Without this, a result the main rejects (too long, not JSON) would close the
+        connection, come back from the outbox on reconnect, and close it again forever;
+        and a result nested too deeply to encode would take the send loop down, with the
+        job handed to the next worker to do the same. A result over the main's payload
+        limits (from ``welcome``) fails here, as the main would fail it, without being sent.
+        """
+        limit = link.max_line_bytes
+        problem = None
+        if isinstance(report, protocol.Completed):
+            problem = result_problem(report.result, link.max_payload_bytes, link.max_payload_depth)
+        if problem is None:
+            try:
+                size = len(protocol.encode(report)) - 1
+            except ValueError as exc:
+                problem = f"the outcome cannot be sent as JSON: {exc}"
+            else:
+                if size <= limit:
+                    return report
+                problem = (
+                    f"the {report.type} report is {size} bytes, over the main's limit of {limit}"
+                )
+        if isinstance(report, protocol.Failed):
+            # Keep the retry decision; ASCII-escaped JSON is at most 6 bytes a character.
+            error = report.error[: limit // 8]
+            fitted = protocol.Failed(*key, error=error, retry=report.retry)
+        else:
+            fitted = protocol.Failed(*key, error=problem[:1000], retry=False)
+        self._log_job(logging.ERROR, "report replaced", key, reason=problem[:200])
+        self._outbox[key] = fitted
+        return fitted
+
+    # ------------------------------------------------------------------ helpers
+
+    def _require_link(self) -> _Link:
+        if self._link is None:
+            raise RuntimeError("no connection: this event comes only from a connected main")
+        return self._link
+
+    def _release(self, key: LeaseKey, reason: str) -> None:
+        self._log_job(logging.INFO, "job released", key, reason=reason)
+        self._report(key, protocol.Release(*key, reason=reason))
+
+    def _report(self, key: LeaseKey, report: Report) -> None:
+        self._outbox[key] = report
+        if self._link is not None:
+            self._link.unsent.append(key)
+
+    def _effects(self) -> list[Effect]:
+        """``[Wake()]`` if the connection has something to send, else nothing."""
+        link = self._link
+        if link is None:
+            return []
+        due = (
+            link.pongs
+            or link.unsent
+            or self._ready_due
+            or (self._draining and not link.draining_sent)
+        )
+        return [Wake()] if due else []
+
+    def _log_job(self, level: int, event: str, key: LeaseKey, **fields: object) -> None:
+        log_job(self._logger, level, event, key, **fields)
+
+
+def log_job(
+    logger: logging.Logger, level: int, event: str, key: LeaseKey, **fields: object
+) -> None:
+    """One log line about one lease, with its ids and ``fields`` as structured extras."""
+    details = "".join(f" {name}={value}" for name, value in fields.items())
+    logger.log(
+        level,
+        "%s job_id=%s handoff_id=%s%s",
+        event,
+        *key,
+        details,
+        extra={"event": event, **lease_ids(key), **fields},
+    )
+
+
+def lease_ids(key: LeaseKey) -> dict[str, str]:
+    return {"job_id": str(key[0]), "handoff_id": str(key[1])}
