@@ -25,6 +25,10 @@ those jobs instead of running them a second time.
 
 The worker never imports a runner: the composition root hands it one ``Runner``
 per execution mode it serves.
+
+The rules above live in :mod:`broker.worker_state`, which does no I/O; this module
+owns the connection, the reconnect loop, the timers and the runners' tasks, feeds
+events into the state and carries its effects out.
 """
 
 from __future__ import annotations
