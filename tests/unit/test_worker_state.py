@@ -190,11 +190,16 @@ def test_a_repeated_lease_is_neither_run_nor_released() -> None:
     state = make_state()
     state.connected(welcome())
     first = job(1)
-    start(state, first)
-    again = dataclasses.replace(first, seq=2)
-    assert started(state.job_received(again, FREE)) == []
+    key = start(state, first)
+    assert started(state.job_received(dataclasses.replace(first, seq=2), FREE)) == []
     assert state.outgoing() == []
-    assert list(state.running) == [key_of(first)]
+    assert list(state.running) == [key]
+
+    state.run_finished(key, Completed(5))
+    state.outgoing()
+    assert started(state.job_received(dataclasses.replace(first, seq=3), FREE)) == []
+    assert state.outgoing() == [], "a reported lease is not released either"
+    assert state.outbox[key] == protocol.Completed(*key, result=5)
 
 
 @pytest.mark.parametrize(
@@ -540,6 +545,20 @@ class WorkerRules(RuleBasedStateMachine):
         assert len(held) == len(set(held))
         assert set(held) == self.starting | self.entered | unacked
         assert set(self.state.running) == self.starting | self.entered
+
+    @invariant()
+    def runs_never_exceed_the_slots(self) -> None:
+        assert len(self.state.running) <= CAPACITY
+
+    @precondition(lambda self: self.connected and self.state.held_leases())
+    @rule(data=st.data())
+    def main_repeats_a_held_lease(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.state.held_leases())))
+        self.seq += 1
+        repeat = dataclasses.replace(job(self.seq), job_id=key[0], handoff_id=key[1])
+        before = dict(self.state.outbox)
+        assert started(self.state.job_received(repeat, self.free())) == []
+        assert self.state.outbox == before
 
     @invariant()
     def a_report_is_forgotten_at_most_once(self) -> None:
