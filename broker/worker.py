@@ -262,8 +262,8 @@ class Worker:
         deadline), unless ``give_up``, when it is released back to the queue unharmed."""
         for key in list(self._state.running):
             # Awaited one by one, not through ``_apply``: the drain waits for them.
-            for stop in self._state.stop_run(key, give_up=give_up):
-                assert isinstance(stop, StopRun)
+            stop = self._state.stop_run(key, give_up=give_up)
+            if stop is not None:
                 cancelled = await self._runners[stop.mode].cancel(key[0])
                 self._log_job(logging.WARNING, "job cancelled", key, known_to_runner=cancelled)
 

@@ -370,15 +370,16 @@ class WorkerState:
             effects.append(StopFast())
         return effects + self._effects()
 
-    def stop_run(self, key: LeaseKey, *, give_up: bool) -> list[Effect]:
+    def stop_run(self, key: LeaseKey, *, give_up: bool) -> StopRun | None:
         """Stop a running job at the drain deadline: it fails (it ran too long), unless
-        ``give_up``, when it is released back to the queue unharmed."""
+        ``give_up``, when it is released back to the queue unharmed. ``None`` if the job
+        has already ended (the caller stops jobs one at a time, awaiting each)."""
         mode = self._running.get(key)
         if mode is None:
-            return []
+            return None
         if give_up:
             self._given_up.add(key)
-        return [StopRun(key, mode)]
+        return StopRun(key, mode)
 
     # ------------------------------------------------------------------ sending
 

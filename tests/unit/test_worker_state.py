@@ -390,7 +390,7 @@ def test_a_second_stop_gives_running_jobs_back() -> None:
     assert state.drain_requested() == [StopFast()]
     assert state.fast
     assert state.drain_requested() == [], "a third request changes nothing"
-    assert state.stop_run(key, give_up=state.fast) == [StopRun(key, INLINE)]
+    assert state.stop_run(key, give_up=state.fast) == StopRun(key, INLINE)
     state.run_finished(key, Failed("cancelled"))
     state.outgoing()
     assert isinstance(state.outbox[key], protocol.Release)
@@ -406,10 +406,10 @@ def test_a_drain_deadline_fails_the_jobs_it_stops() -> None:
     state.connected(welcome())
     key = start(state, job(1))
     state.drain_requested()
-    assert state.stop_run(key, give_up=False) == [StopRun(key, INLINE)]
+    assert state.stop_run(key, give_up=False) == StopRun(key, INLINE)
     state.run_finished(key, Failed("cancelled"))
     assert isinstance(state.outbox[key], protocol.Failed)
-    assert state.stop_run(key, give_up=True) == [], "a finished job has nothing to stop"
+    assert state.stop_run(key, give_up=True) is None, "a finished job has nothing to stop"
 
 
 def test_pings_are_answered_in_order() -> None:
