@@ -35,7 +35,6 @@ from broker.exceptions import (
     StorageError,
 )
 from broker.jobs import ExecutionMode, JobSpec, JobStatus, JSONValue
-from broker.main import DEFAULT_PORT
 from broker.tasks import Task
 
 T = TypeVar("T")
@@ -64,7 +63,7 @@ class Client:
     def __init__(
         self,
         host: str = "127.0.0.1",
-        port: int = DEFAULT_PORT,
+        port: int = protocol.DEFAULT_PORT,
         *,
         token: str | None = None,
         timeout: float = 10.0,
