@@ -65,7 +65,8 @@ from broker.protocol import DEFAULT_PORT
 from broker.recovery import RecoveryLedger
 from broker.retention import Retention, run_retention
 from broker.retry import RetryDelay, next_run_after_failure, retry_delay
-from broker.schedule import Schedule, Scheduler, catch_up_window
+from broker.schedule import Schedule
+from broker.scheduler import Scheduler, catch_up_window
 from broker.storage import JobFilter, QueueCount, StorageAdapter, SupportsNotify
 
 logger = logging.getLogger("broker.main")
