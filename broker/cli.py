@@ -23,7 +23,7 @@ from typing import Any
 from broker import admin, composition, protocol
 from broker.exceptions import BrokerError, ConfigurationError
 from broker.jobs import ExecutionMode, JobStatus
-from broker.main import DEFAULT_LIST_PAGE_BYTES, DEFAULT_PORT, Main, MainSettings, line_limit_for
+from broker.main import DEFAULT_LIST_PAGE_BYTES, Main, MainSettings, line_limit_for
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MAX_PAYLOAD_DEPTH
 from broker.retention import Retention
 from broker.schedule import declared_in
@@ -187,7 +187,7 @@ def main_parser() -> argparse.ArgumentParser:
     _env_option(
         p,
         "--port",
-        default=DEFAULT_PORT,
+        default=protocol.DEFAULT_PORT,
         type=int,
         help="port to listen on",
     )
@@ -409,7 +409,7 @@ def _add_main_address(p: argparse.ArgumentParser) -> None:
     _env_option(
         p,
         "--main",
-        default=f"127.0.0.1:{DEFAULT_PORT}",
+        default=f"127.0.0.1:{protocol.DEFAULT_PORT}",
         help="the main's HOST:PORT",
     )
 

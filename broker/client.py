@@ -17,14 +17,14 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import threading
 import uuid
-from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
-from concurrent.futures import Future as ThreadFuture
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
 from typing import Any, Self, TypeVar
+
+from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from broker import protocol, wire
 from broker.exceptions import (
@@ -35,7 +35,6 @@ from broker.exceptions import (
     StorageError,
 )
 from broker.jobs import ExecutionMode, JobSpec, JobStatus, JSONValue
-from broker.main import DEFAULT_PORT
 from broker.tasks import Task
 
 T = TypeVar("T")
@@ -64,7 +63,7 @@ class Client:
     def __init__(
         self,
         host: str = "127.0.0.1",
-        port: int = DEFAULT_PORT,
+        port: int = protocol.DEFAULT_PORT,
         *,
         token: str | None = None,
         timeout: float = 10.0,
@@ -362,54 +361,58 @@ class Client:
 
 
 class SyncClient:
-    """A blocking facade over :class:`Client`, running it on a private event-loop thread."""
+    """A blocking facade over :class:`Client` for code without an event loop.
+
+    anyio's blocking portal runs the client on an event loop in a daemon thread of its
+    own; each call waits there for its answer and raises what the client raised. Close it
+    (or use it as a context manager) to close the connection and stop that thread.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="broker-client", daemon=True
-        )
-        self._thread.start()
         self._client = Client(*args, **kwargs)
+        self._stack = contextlib.ExitStack()
+        self._portal: BlockingPortal | None = self._stack.enter_context(start_blocking_portal())
 
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        future: ThreadFuture[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return future.result()
+    def _call(self, method: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        if self._portal is None:
+            raise RuntimeError("this SyncClient is closed")
+        return self._portal.call(functools.partial(method, *args, **kwargs))
 
     def enqueue(self, task: str | Task[..., Any], *args: Any, **kwargs: Any) -> Enqueued:
-        return self._call(self._client.enqueue(task, *args, **kwargs))
+        return self._call(self._client.enqueue, task, *args, **kwargs)
 
     def enqueue_many(self, specs: Sequence[JobSpec]) -> list[Enqueued]:
-        return self._call(self._client.enqueue_many(specs))
+        return self._call(self._client.enqueue_many, specs)
 
     def get_job(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
-        return self._call(self._client.get_job(job_id))
+        return self._call(self._client.get_job, job_id)
 
     def cancel(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
-        return self._call(self._client.cancel(job_id))
+        return self._call(self._client.cancel, job_id)
 
     def retry(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
-        return self._call(self._client.retry(job_id))
+        return self._call(self._client.retry, job_id)
 
     def status(self) -> dict[str, JSONValue]:
-        return self._call(self._client.status())
+        return self._call(self._client.status)
 
     def list_jobs(self, **kwargs: Any) -> JobListPage:
-        return self._call(self._client.list_jobs(**kwargs))
+        return self._call(self._client.list_jobs, **kwargs)
 
     def prune(self, **kwargs: Any) -> int:
-        return self._call(self._client.prune(**kwargs))
+        return self._call(self._client.prune, **kwargs)
 
     def wait(self, job_id: uuid.UUID | str, **kwargs: Any) -> dict[str, JSONValue]:
-        return self._call(self._client.wait(job_id, **kwargs))
+        return self._call(self._client.wait, job_id, **kwargs)
 
     def close(self) -> None:
-        if self._loop.is_closed():
+        if self._portal is None:
             return
-        self._call(self._client.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        self._loop.close()
+        try:
+            self._call(self._client.close)
+        finally:
+            self._portal = None
+            self._stack.close()
 
     def __enter__(self) -> Self:
         return self

@@ -61,18 +61,17 @@ from broker.payload import (
     encoded_size,
     result_problem,
 )
+from broker.protocol import DEFAULT_PORT
 from broker.recovery import RecoveryLedger
 from broker.retention import Retention, run_retention
 from broker.retry import RetryDelay, next_run_after_failure, retry_delay
-from broker.schedule import Schedule, Scheduler, catch_up_window
+from broker.schedule import Schedule
+from broker.scheduler import Scheduler, catch_up_window
 from broker.storage import JobFilter, QueueCount, StorageAdapter, SupportsNotify
 
 logger = logging.getLogger("broker.main")
 
 Report = protocol.Completed | protocol.Failed | protocol.Reschedule | protocol.Release
-
-DEFAULT_PORT = 7390
-
 
 DEFAULT_MAX_LINE_BYTES = 2 << 20
 """2 MiB: the default payload limit (1 MiB) plus ample room for the rest of a message."""

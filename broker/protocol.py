@@ -46,6 +46,10 @@ from broker.values import MAX_AGE_SECONDS, check_delay, check_key, check_name
 PROTOCOL_VERSION = 2
 """Bumped on any change an older peer would misread; extra fields do not need it."""
 
+DEFAULT_PORT = 7390
+"""The TCP port a main listens on and peers dial unless told otherwise. It lives with the
+protocol, not the main, so a client can know it without importing the main."""
+
 
 class Role(enum.StrEnum):
     WORKER = "worker"

@@ -28,7 +28,7 @@ from broker.jobs import (
     JobSpec,
     JSONValue,
 )
-from broker.schedule import default_schedules, schedule_for_task
+from broker.schedule import Schedule, default_schedules
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -234,6 +234,35 @@ default_registry = TaskRegistry()
 """The process-wide registry that ``@task`` fills and workers read."""
 
 
+def _declared_schedule(
+    task: Task[..., Any],
+    *,
+    cron: str | None,
+    every: timedelta | None,
+    timezone: str | None,
+    catch_up: bool | None,
+) -> Schedule | None:
+    """The schedule ``@task(cron=..., every=..., ...)`` declares, named after the task, with
+    the task's job options; ``None`` when the decorator declares none."""
+    if cron is None and every is None and timezone is None and catch_up is None:
+        return None
+    return Schedule(
+        name=task.name,
+        task=task.name,
+        cron=cron,
+        every=every,
+        timezone=timezone,
+        catch_up=True if catch_up is None else catch_up,
+        queue=task.queue,
+        priority=task.priority,
+        max_attempts=task.retries + 1,
+        timeout=task.timeout,
+        execution_mode=task.execution_mode,
+        concurrency_key=task.concurrency_key,
+        concurrency_limit=task.concurrency_limit,
+    )
+
+
 @overload
 def task(func: Callable[P, R], /) -> Task[P, R]: ...
 
@@ -308,7 +337,7 @@ def task(
             concurrency_limit=concurrency_limit,
             unique=unique,
         )
-        periodic = schedule_for_task(
+        periodic = _declared_schedule(
             registered, cron=cron, every=every, timezone=timezone, catch_up=catch_up
         )
         (registry or default_registry).add(registered)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -24,20 +25,17 @@ from broker.jobs import Clock, EnqueueResult, Job, JobSpec, utcnow
 from broker.main import Main, MainSettings
 from broker.retention import Retention
 from broker.schedule import (
-    EPOCH,
-    CronExpression,
-    Interval,
     Schedule,
-    Scheduler,
     ScheduleRegistry,
-    catch_up_window,
     declared_in,
     default_schedules,
     register,
 )
+from broker.scheduler import Scheduler, catch_up_window
 from broker.storage import StorageAdapter
 from broker.tasks import TaskRegistry, task
 from broker.testing import FakeClock
+from broker.triggers import EPOCH, CronExpression, Interval
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
 
 
@@ -65,16 +63,49 @@ def _restore_default_schedules() -> Iterator[None]:
 
 
 def test_fields_lists_ranges_steps_and_names() -> None:
+    # Told by the ticks, since the fields are parsed by cronsim: minutes every 15, hours
+    # 9-17 every 4 (9, 13, 17), the 1st or 15th or a weekday (both day fields restrict),
+    # January to March, names in any case.
     cron = CronExpression("*/15 9-17/4 1,15 jan-MAR mon-fri", "UTC")
-    assert cron.minutes == {0, 15, 30, 45}
-    assert cron.hours == {9, 13, 17}
-    assert cron.days == {1, 15}
-    assert cron.months == {1, 2, 3}
-    assert cron.weekdays == {1, 2, 3, 4, 5}
-    assert CronExpression("5/20 * * * *", "UTC").minutes == {5, 25, 45}
-    assert CronExpression("0 0 * * 7", "UTC").weekdays == {0}
-    assert CronExpression("0 0 * * 5-7", "UTC").weekdays == {5, 6, 0}
-    assert CronExpression("0 0 * * SUN,sat", "UTC").weekdays == {0, 6}
+    assert ticks(cron, utc(2024, 1, 1), 6) == [
+        utc(2024, 1, 1, 9),
+        utc(2024, 1, 1, 9, 15),
+        utc(2024, 1, 1, 9, 30),
+        utc(2024, 1, 1, 9, 45),
+        utc(2024, 1, 1, 13),
+        utc(2024, 1, 1, 13, 15),
+    ]
+    # Friday 28 Feb 2025 17:45, then Saturday 1 March (the 1st), then Monday 3 March.
+    assert ticks(cron, utc(2025, 2, 28, 17, 30), 3) == [
+        utc(2025, 2, 28, 17, 45),
+        utc(2025, 3, 1, 9),
+        utc(2025, 3, 1, 9, 15),
+    ]
+    assert cron.next_after(utc(2025, 3, 2)) == utc(2025, 3, 3, 9)
+    # After March, nothing until January.
+    assert cron.next_after(utc(2024, 3, 29, 17, 45)) == utc(2025, 1, 1, 9)
+    assert ticks(CronExpression("5/20 * * * *", "UTC"), utc(2024, 1, 1), 4) == [
+        utc(2024, 1, 1, 0, 5),
+        utc(2024, 1, 1, 0, 25),
+        utc(2024, 1, 1, 0, 45),
+        utc(2024, 1, 1, 1, 5),
+    ]
+    # 2024-01-05 is a Friday; day-of-week 0 and 7 are both Sunday.
+    assert ticks(CronExpression("0 0 * * 7", "UTC"), utc(2024, 1, 1), 2) == [
+        utc(2024, 1, 7),
+        utc(2024, 1, 14),
+    ]
+    assert ticks(CronExpression("0 0 * * 5-7", "UTC"), utc(2024, 1, 1), 4) == [
+        utc(2024, 1, 5),
+        utc(2024, 1, 6),
+        utc(2024, 1, 7),
+        utc(2024, 1, 12),
+    ]
+    assert ticks(CronExpression("0 0 * * SUN,sat", "UTC"), utc(2024, 1, 1), 3) == [
+        utc(2024, 1, 6),
+        utc(2024, 1, 7),
+        utc(2024, 1, 13),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -102,25 +133,25 @@ def test_daily_fires_at_local_midnight() -> None:
 @pytest.mark.parametrize(
     ("expression", "message"),
     [
-        ("61 * * * *", "minute value 61 is out of range 0-59"),
-        ("* 24 * * *", "hour value 24 is out of range 0-23"),
-        ("* * 0 * *", "day-of-month value 0 is out of range 1-31"),
-        ("* * * 13 *", "month value 13 is out of range 1-12"),
-        ("* * * * 8", "day-of-week value 8 is out of range 0-7"),
-        ("* * * foo *", "month value 'foo' is not valid"),
-        ("* * * * funday", "day-of-week value 'funday' is not valid"),
-        ("5-1 * * * *", "minute range '5-1' runs backwards"),
-        ("*/0 * * * *", "minute step must be >= 1"),
-        ("1,,2 * * * *", "minute item '' is not valid"),
+        ("61 * * * *", "minute field '61' is not valid; use 0-59"),
+        ("* 24 * * *", "hour field '24' is not valid; use 0-23"),
+        ("* * 0 * *", "day-of-month field '0' is not valid; use 1-31"),
+        ("* * * 13 *", "month field '13' is not valid; use 1-12 or jan-dec"),
+        ("* * * * 8", "day-of-week field '8' is not valid; use 0-7"),
+        ("* * * foo *", "month field 'foo' is not valid"),
+        ("* * * * funday", "day-of-week field 'funday' is not valid; use 0-7 (0 and 7 are Sunday)"),
+        ("5-1 * * * *", "minute field '5-1' is not valid"),
+        ("*/0 * * * *", "minute field '*/0' is not valid"),
+        ("1,,2 * * * *", "minute field '1,,2' is not valid"),
         ("* * * *", "has 4 fields; expected 5"),
         ("* * * * * *", "has 6 fields; expected 5"),
         ("@reboot", "unknown shorthand"),
-        ("0 0 30 feb *", "never occurs"),
+        ("0 0 30 feb *", "day-of-month field '30' is not valid; use 1-31, on a day the given"),
         ("", "non-empty"),
     ],
 )
 def test_invalid_expressions_name_the_field(expression: str, message: str) -> None:
-    with pytest.raises(ConfigurationError, match=message.replace("*", r"\*")):
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
         CronExpression(expression, "UTC")
 
 
@@ -158,13 +189,21 @@ def test_day_of_month_or_day_of_week_when_both_are_restricted() -> None:
     assert CronExpression("0 0 29 2 *", "UTC").next_after(utc(2024, 3, 1)) == utc(2028, 2, 29)
 
 
-def test_dst_a_local_time_that_does_not_exist_is_skipped() -> None:
-    # Europe/Paris springs forward on 2024-03-31 at 02:00 -> 03:00: no 02:30 that day.
+def test_dst_a_local_time_that_does_not_exist_runs_at_the_end_of_the_gap() -> None:
+    # Europe/Paris springs forward on 2024-03-31 at 02:00 -> 03:00: no 02:30 that day, so
+    # a job at a named time runs at 03:00 instead (Debian cron), not skipped for the day.
     cron = CronExpression("30 2 * * *", "Europe/Paris")
     assert ticks(cron, utc(2024, 3, 29, 12), 3) == [
         utc(2024, 3, 30, 1, 30),  # 02:30 CET
+        utc(2024, 3, 31, 1),  # 03:00 CEST, the first minute after the gap
         utc(2024, 4, 1, 0, 30),  # 02:30 CEST
-        utc(2024, 4, 2, 0, 30),
+    ]
+    # An expression following elapsed time has no tick in the hour that does not exist.
+    hourly = CronExpression("0 * * * *", "Europe/Paris")
+    assert ticks(hourly, utc(2024, 3, 30, 23, 30), 3) == [
+        utc(2024, 3, 31, 0),  # 01:00 CET
+        utc(2024, 3, 31, 1),  # 03:00 CEST
+        utc(2024, 3, 31, 2),  # 04:00 CEST
     ]
 
 
@@ -175,22 +214,32 @@ def test_dst_a_local_time_that_happens_twice_fires_once_at_its_first_occurrence(
         utc(2024, 10, 27, 0, 30),
         utc(2024, 10, 28, 1, 30),
     ]
-    # Looking back from the second 02:45 finds the first 02:30, not a second one.
+    # Looking back from the second 02:45 (or 02:15) finds the first 02:30, not a second one.
     assert cron.latest_at_or_before(utc(2024, 10, 27, 1, 45)) == utc(2024, 10, 27, 0, 30)
-    # America/New_York falls back on 2024-11-03 at 02:00 -> 01:00: the repeated hour's
-    # ticks fire in its first pass only.
+    assert cron.latest_at_or_before(utc(2024, 10, 27, 1, 15)) == utc(2024, 10, 27, 0, 30)
+    # From inside the second pass the next tick is the next day's, not the first pass's.
+    assert cron.next_after(utc(2024, 10, 27, 1, 15)) == utc(2024, 10, 28, 1, 30)
+
+
+def test_dst_an_expression_following_elapsed_time_fires_in_both_passes() -> None:
+    # America/New_York falls back on 2024-11-03 at 02:00 -> 01:00: an hourly job runs
+    # every hour that passes, the repeated one included (Debian cron).
     hourly = CronExpression("0 * * * *", "America/New_York")
-    assert ticks(hourly, utc(2024, 11, 3, 3, 30), 3) == [
+    assert ticks(hourly, utc(2024, 11, 3, 3, 30), 4) == [
         utc(2024, 11, 3, 4),  # 00:00 EDT
-        utc(2024, 11, 3, 5),  # 01:00 EDT (01:00 EST, at 06:00 UTC, is not a second tick)
+        utc(2024, 11, 3, 5),  # 01:00 EDT
+        utc(2024, 11, 3, 6),  # 01:00 EST
         utc(2024, 11, 3, 7),  # 02:00 EST
     ]
     half = CronExpression("*/30 1 * * *", "America/New_York")
-    assert ticks(half, utc(2024, 11, 3, 4), 3) == [
+    assert ticks(half, utc(2024, 11, 3, 4), 5) == [
         utc(2024, 11, 3, 5),
         utc(2024, 11, 3, 5, 30),
+        utc(2024, 11, 3, 6),
+        utc(2024, 11, 3, 6, 30),
         utc(2024, 11, 4, 6),
     ]
+    assert half.latest_at_or_before(utc(2024, 11, 3, 6, 10)) == utc(2024, 11, 3, 6)
 
 
 # ------------------------------------------------------------------ intervals

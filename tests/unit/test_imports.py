@@ -1,0 +1,30 @@
+"""What importing a module drags in: a client must not load the main, the adapters, the
+runners or SQLAlchemy, so that a web app enqueueing jobs pays for the protocol only."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def _modules_after_import(module: str) -> set[str]:
+    """The modules a fresh interpreter holds after importing ``module`` (a fresh one, since
+    this test process has long since imported everything)."""
+    code = f"import json, sys, {module}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=60
+    )
+    return set(json.loads(out.stdout))
+
+
+def test_importing_the_client_does_not_import_the_main_or_the_store() -> None:
+    loaded = _modules_after_import("broker.client")
+    assert "broker.client" in loaded
+    unwanted = sorted(
+        name
+        for name in loaded
+        if name in {"broker.main", "broker.worker", "adapters", "runners", "sqlalchemy"}
+        or name.startswith(("adapters.", "runners.", "sqlalchemy."))
+    )
+    assert unwanted == []
