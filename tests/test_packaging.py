@@ -23,8 +23,14 @@ def test_built_wheel_installs_and_imports_broker_adapters_and_runners(tmp_path: 
     )
     [wheel] = dist.glob("broker-*.whl")
     env_dir = tmp_path / "venv"
-    venv.EnvBuilder(with_pip=False, system_site_packages=True).create(env_dir)
+    venv.EnvBuilder(with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
+    # The wheel's dependencies come from the test run's own environment, added as a plain
+    # path (its editable install of this tree is a .pth hook there, which a path line does
+    # not run), so the probe below imports broker from the wheel and nothing else.
+    [deps] = Path(sys.prefix).glob("lib/python*/site-packages")
+    [site] = env_dir.glob("lib/python*/site-packages")
+    (site / "_test_deps.pth").write_text(f"{deps}\n")
     subprocess.run(
         [
             sys.executable,
