@@ -66,6 +66,7 @@ from broker.retention import Retention, run_retention
 from broker.retry import RetryDelay, next_run_after_failure, retry_delay
 from broker.schedule import Schedule, Scheduler, catch_up_window
 from broker.storage import JobFilter, QueueCount, StorageAdapter, SupportsNotify
+from broker.supervise import retrying
 
 logger = logging.getLogger("broker.main")
 
@@ -524,17 +525,20 @@ class Main:
         self.orphans.clear()
 
     async def _listen(self) -> None:
+        """Keep the store's notifications on; while they are down, each failure wakes the
+        dispatcher for a pass, since an enqueue may have gone unannounced."""
+        await retrying(
+            "store listener",
+            self._listen_once,
+            interval=self.settings.error_retry_interval,
+            logger=logger,
+            on_error=self.wake,
+        )
+
+    async def _listen_once(self) -> None:
         assert isinstance(self.store, SupportsNotify)
-        while True:
-            try:
-                async with self.store.listen(self.wake):
-                    await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.warning("store listener failed, reconnecting error=%r", exc)
-                self.wake()
-                await asyncio.sleep(self.settings.error_retry_interval)
+        async with self.store.listen(self.wake):
+            await asyncio.Event().wait()
 
     # ------------------------------------------------------------------ dispatch
 
