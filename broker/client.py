@@ -26,14 +26,8 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from broker import protocol, wire
-from broker.exceptions import (
-    BrokerError,
-    InvalidJobError,
-    PayloadTooLargeError,
-    ProtocolError,
-    StorageError,
-)
+from broker import error_codes, protocol, wire
+from broker.exceptions import BrokerError, PayloadTooLargeError, ProtocolError
 from broker.jobs import ExecutionMode, JobSpec, JobStatus, JSONValue
 from broker.main import DEFAULT_PORT
 from broker.tasks import Task
@@ -115,7 +109,7 @@ class Client:
                 )
                 welcome = await asyncio.wait_for(wire.read_message(lines), self._timeout)
                 if isinstance(welcome, protocol.Error):
-                    raise ProtocolError(f"the main refused the connection: {welcome.message}")
+                    raise error_codes.refusal(welcome)
                 if not isinstance(welcome, protocol.Welcome):
                     raise ProtocolError(f"expected welcome from the main, got {welcome!r}")
                 self._max_line_bytes = welcome.max_line_bytes
@@ -145,8 +139,10 @@ class Client:
                 match msg:
                     case protocol.Ping(nonce=nonce) if self._writer is not None:
                         await self._writer.send(protocol.Pong(nonce=nonce))
-                    case protocol.Error(message=message, fatal=True):
-                        error = ProtocolError(f"the main closed the connection: {message}")
+                    case protocol.Error(code=code, message=message, fatal=True):
+                        error = error_codes.exception_for(
+                            code, f"the main closed the connection: {message}"
+                        )
                         break
                     case _:
                         rid = getattr(msg, "request_id", None)
@@ -166,7 +162,8 @@ class Client:
 
     async def _request(self, build: Callable[[str], protocol.Message], expect: type[R]) -> R:
         """Send the request ``build(request_id)`` and return its reply, which must be an
-        ``expect``; a ``request_error`` is raised as the matching exception."""
+        ``expect``; a ``request_error`` is raised as the exception the main raised
+        (:mod:`broker.error_codes`)."""
         await self.connect()
         assert self._writer is not None
         rid = f"r{next(self._ids)}"
@@ -178,11 +175,7 @@ class Client:
         finally:
             self._pending.pop(rid, None)
         if isinstance(reply, protocol.RequestError):
-            if reply.code == protocol.ErrorCode.INVALID_JOB:
-                raise InvalidJobError(reply.message)
-            if reply.code == protocol.ErrorCode.STORAGE:
-                raise StorageError(reply.message)
-            raise BrokerError(f"{reply.code}: {reply.message}")
+            raise error_codes.raised_by(reply)
         if not isinstance(reply, expect):
             raise ProtocolError(f"expected {expect.type!r} from the main, got {reply!r}")
         return reply
