@@ -99,6 +99,8 @@ class Client:
             out = wire.MessageWriter(writer)
             try:
                 challenge = await asyncio.wait_for(wire.read_message(lines), self._timeout)
+                if isinstance(challenge, protocol.Error):  # over a connection limit
+                    raise error_codes.refusal(challenge)
                 if not isinstance(challenge, protocol.Challenge):
                     raise ProtocolError(f"expected a challenge from the main, got {challenge!r}")
                 proof = protocol.make_proof(self._token, challenge.nonce) if self._token else None

@@ -14,7 +14,12 @@ import pytest
 
 from adapters.memory import MemoryAdapter
 from broker.client import Client
-from broker.exceptions import AuthenticationError, PayloadTooLargeError, UniqueKeyTakenError
+from broker.exceptions import (
+    AuthenticationError,
+    PayloadTooLargeError,
+    ProtocolError,
+    UniqueKeyTakenError,
+)
 from broker.jobs import Claim, JobSpec, JobStatus
 from tests.support import FAST, running_main
 
@@ -53,3 +58,15 @@ async def test_a_wrong_token_arrives_as_an_authentication_error() -> None:
         await client.close()
         async with Client("127.0.0.1", main.port, token="s3cret") as good:
             assert (await good.status())["main_id"] == main.main_id
+
+
+async def test_a_connection_over_a_limit_is_refused_with_the_mains_reason() -> None:
+    settings = dataclasses.replace(FAST, max_connections_per_address=1)
+    async with running_main(MemoryAdapter(), settings) as main, Client("127.0.0.1", main.port):
+        extra = Client("127.0.0.1", main.port)
+        with pytest.raises(
+            ProtocolError,
+            match=r"^the main refused the connection: .*--max-connections-per-address",
+        ):
+            await extra.connect()
+        await extra.close()
