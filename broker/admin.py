@@ -21,14 +21,14 @@ import json
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from datetime import timedelta
 from typing import Any, Protocol
 
-from broker import composition, payload, protocol
+from broker import composition, protocol
 from broker.client import Client, Enqueued, JobListPage
 from broker.exceptions import BrokerError, ConfigurationError
-from broker.jobs import Clock, Job, JobSpec, JobStatus, JSONValue, summary_dict, utcnow
-from broker.main import queue_summary
+from broker.jobs import Clock, Job, JobSpec, JobStatus, JSONValue, utcnow
+from broker.main import MainSettings
+from broker.operations import Operations
 from broker.storage import JobFilter, StorageAdapter
 from broker.untrusted import escape_control
 
@@ -125,23 +125,22 @@ class MainBackend:
 
 
 class StoreBackend:
-    """The job store itself, for when the main is down. ``main_error`` says why."""
+    """The job store itself, for when the main is down. ``main_error`` says why.
+
+    The requests are the main's own (:class:`~broker.operations.Operations`), under a
+    default main's limits: this main's own are unknown here, and the defaults keep
+    every job deliverable."""
 
     def __init__(self, store: StorageAdapter, main_error: str, *, clock: Clock = utcnow) -> None:
         self.store = store
         self.main_error = main_error
-        self._clock = clock
+        self.operations = Operations(store, MainSettings(), clock=clock)
 
     async def status(self) -> dict[str, Any]:
         return {
             "source": "store",
             "main_error": self.main_error,
-            "main_id": None,
-            "dispatched": None,
-            "orphans": None,
-            "queues": queue_summary(await self.store.count_jobs(), self._clock()),
-            "workers": None,
-            "pending_recoveries": None,
+            **await self.operations.status(),
         }
 
     async def list_jobs(
@@ -155,7 +154,7 @@ class StoreBackend:
         include_payload: bool,
     ) -> JobListPage:
         try:
-            page = await self.store.list_jobs(
+            page = await self.operations.list_jobs(
                 JobFilter(statuses=statuses, queues=queues, tasks=tasks),
                 limit=limit,
                 cursor=cursor,
@@ -163,26 +162,19 @@ class StoreBackend:
             )
         except ValueError as exc:
             raise ConfigurationError(f"--cursor is not valid: {exc}") from None
-        show = Job.to_dict if include_payload else summary_dict
-        return JobListPage(jobs=[show(job) for job in page.jobs], next_cursor=page.next_cursor)
+        return JobListPage(jobs=page.jobs, next_cursor=page.next_cursor)
 
     async def get_job(self, job_id: uuid.UUID) -> dict[str, JSONValue] | None:
-        job = await self.store.get_job(job_id)
-        return job.to_dict() if job is not None else None
+        return _as_dict(await self.operations.get(job_id))
 
     async def cancel(self, job_id: uuid.UUID) -> dict[str, JSONValue] | None:
-        job = await self.store.cancel(job_id)
-        return job.to_dict() if job is not None else None
+        return _as_dict(await self.operations.cancel(job_id))
 
     async def retry(self, job_id: uuid.UUID) -> dict[str, JSONValue] | None:
-        job = await self.store.retry_dead(job_id)
-        return job.to_dict() if job is not None else None
+        return _as_dict(await self.operations.retry(job_id))
 
     async def enqueue(self, request: protocol.JobRequest) -> Enqueued:
-        spec = request.to_spec(self._clock())
-        # The main's own limit is unknown here; the default keeps the job deliverable.
-        payload.check_args(spec, payload.DEFAULT_MAX_PAYLOAD_BYTES)
-        result = await self.store.enqueue(spec)
+        [result] = await self.operations.enqueue([request])
         return Enqueued(result.job.id, result.duplicate)
 
     async def prune(
@@ -192,11 +184,19 @@ class StoreBackend:
         keep_latest: int | None,
         statuses: Collection[JobStatus] | None,
     ) -> int:
-        cutoff = None if older_than is None else self._clock() - timedelta(seconds=older_than)
-        return await self.store.prune(older_than=cutoff, keep_latest=keep_latest, statuses=statuses)
+        try:
+            return await self.operations.prune(
+                older_than_seconds=older_than, keep_latest=keep_latest, statuses=statuses
+            )
+        except ValueError as exc:
+            raise ConfigurationError(f"prune: {exc}") from None
 
     async def close(self) -> None:
         await self.store.close()
+
+
+def _as_dict(job: Job | None) -> dict[str, JSONValue] | None:
+    return job.to_dict() if job is not None else None
 
 
 async def open_backend(

@@ -26,14 +26,8 @@ from typing import Any, Self, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from broker import protocol, wire
-from broker.exceptions import (
-    BrokerError,
-    InvalidJobError,
-    PayloadTooLargeError,
-    ProtocolError,
-    StorageError,
-)
+from broker import error_codes, protocol, wire
+from broker.exceptions import BrokerError, PayloadTooLargeError, ProtocolError
 from broker.jobs import ExecutionMode, JobSpec, JobStatus, JSONValue
 from broker.tasks import Task
 
@@ -104,6 +98,8 @@ class Client:
             out = wire.MessageWriter(writer)
             try:
                 challenge = await asyncio.wait_for(wire.read_message(lines), self._timeout)
+                if isinstance(challenge, protocol.Error):  # over a connection limit
+                    raise error_codes.refusal(challenge)
                 if not isinstance(challenge, protocol.Challenge):
                     raise ProtocolError(f"expected a challenge from the main, got {challenge!r}")
                 proof = protocol.make_proof(self._token, challenge.nonce) if self._token else None
@@ -114,7 +110,7 @@ class Client:
                 )
                 welcome = await asyncio.wait_for(wire.read_message(lines), self._timeout)
                 if isinstance(welcome, protocol.Error):
-                    raise ProtocolError(f"the main refused the connection: {welcome.message}")
+                    raise error_codes.refusal(welcome)
                 if not isinstance(welcome, protocol.Welcome):
                     raise ProtocolError(f"expected welcome from the main, got {welcome!r}")
                 self._max_line_bytes = welcome.max_line_bytes
@@ -144,8 +140,10 @@ class Client:
                 match msg:
                     case protocol.Ping(nonce=nonce) if self._writer is not None:
                         await self._writer.send(protocol.Pong(nonce=nonce))
-                    case protocol.Error(message=message, fatal=True):
-                        error = ProtocolError(f"the main closed the connection: {message}")
+                    case protocol.Error(code=code, message=message, fatal=True):
+                        error = error_codes.exception_for(
+                            code, f"the main closed the connection: {message}"
+                        )
                         break
                     case _:
                         rid = getattr(msg, "request_id", None)
@@ -165,7 +163,8 @@ class Client:
 
     async def _request(self, build: Callable[[str], protocol.Message], expect: type[R]) -> R:
         """Send the request ``build(request_id)`` and return its reply, which must be an
-        ``expect``; a ``request_error`` is raised as the matching exception."""
+        ``expect``; a ``request_error`` is raised as the exception the main raised
+        (:mod:`broker.error_codes`)."""
         await self.connect()
         assert self._writer is not None
         rid = f"r{next(self._ids)}"
@@ -177,11 +176,7 @@ class Client:
         finally:
             self._pending.pop(rid, None)
         if isinstance(reply, protocol.RequestError):
-            if reply.code == protocol.ErrorCode.INVALID_JOB:
-                raise InvalidJobError(reply.message)
-            if reply.code == protocol.ErrorCode.STORAGE:
-                raise StorageError(reply.message)
-            raise BrokerError(f"{reply.code}: {reply.message}")
+            raise error_codes.raised_by(reply)
         if not isinstance(reply, expect):
             raise ProtocolError(f"expected {expect.type!r} from the main, got {reply!r}")
         return reply

@@ -26,16 +26,14 @@ import uuid
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
-from broker import protocol, wire
+from broker import error_codes, protocol, wire
 from broker.admission import DEFAULT_MAX_CREDIT, CreditLimitError, Credits
 from broker.exceptions import (
-    BrokerError,
     ConfigurationError,
     InvalidJobError,
-    PayloadTooLargeError,
     ProtocolError,
     StorageError,
     StorageRejectedError,
@@ -45,20 +43,17 @@ from broker.jobs import (
     Clock,
     ExecutionMode,
     Job,
-    JobSpec,
     JobStatus,
     Outcome,
     Settlement,
-    summary_dict,
     utcnow,
 )
+from broker.operations import LiveState, Operations
 from broker.payload import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_MAX_PAYLOAD_DEPTH,
     LINE_HEADROOM_BYTES,
     MAX_PAYLOAD_DEPTH_CEILING,
-    check_args,
-    encoded_size,
     result_problem,
 )
 from broker.protocol import DEFAULT_PORT
@@ -67,7 +62,8 @@ from broker.retention import Retention, run_retention
 from broker.retry import RetryDelay, next_run_after_failure, retry_delay
 from broker.schedule import Schedule
 from broker.scheduler import Scheduler, catch_up_window
-from broker.storage import JobFilter, QueueCount, StorageAdapter, SupportsNotify
+from broker.storage import JobFilter, StorageAdapter, SupportsNotify
+from broker.supervise import retrying
 
 logger = logging.getLogger("broker.main")
 
@@ -387,6 +383,8 @@ class Main:
         self.settings.validate()
         self._clock = clock
         self._retry_delay = retry_delay_fn
+        self.operations = Operations(store, self.settings, clock=clock)
+        """The client requests (:mod:`broker.operations`), under this main's limits."""
         self.main_id = f"main-{uuid.uuid4().hex[:12]}"
         self.sessions: dict[int, Session] = {}
         self._ids = itertools.count(1)
@@ -523,17 +521,20 @@ class Main:
         self.orphans.clear()
 
     async def _listen(self) -> None:
+        """Keep the store's notifications on; while they are down, each failure wakes the
+        dispatcher for a pass, since an enqueue may have gone unannounced."""
+        await retrying(
+            "store listener",
+            self._listen_once,
+            interval=self.settings.error_retry_interval,
+            logger=logger,
+            on_error=self.wake,
+        )
+
+    async def _listen_once(self) -> None:
         assert isinstance(self.store, SupportsNotify)
-        while True:
-            try:
-                async with self.store.listen(self.wake):
-                    await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.warning("store listener failed, reconnecting error=%r", exc)
-                self.wake()
-                await asyncio.sleep(self.settings.error_retry_interval)
+        async with self.store.listen(self.wake):
+            await asyncio.Event().wait()
 
     # ------------------------------------------------------------------ dispatch
 
@@ -1059,49 +1060,12 @@ class Main:
     # ------------------------------------------------------------------ reports and requests
 
     async def _apply(self, session: Session, msg: protocol.Message) -> None:
+        """Answer a client request; a failure is answered with the code of its exception
+        (:mod:`broker.error_codes`), so the client raises the same one."""
         try:
-            match msg:
-                case protocol.Enqueue():
-                    await self._enqueue(session, msg)
-                case protocol.GetJob(request_id=rid, job_id=job_id):
-                    job = await self.store.get_job(job_id)
-                    session.send(
-                        protocol.JobInfo(request_id=rid, job=job.to_dict() if job else None)
-                    )
-                case protocol.Cancel(request_id=rid, job_id=job_id):
-                    job = await self.store.cancel(job_id)
-                    if job is not None:
-                        self._stop_cancelled(job)
-                    session.send(
-                        protocol.JobInfo(request_id=rid, job=job.to_dict() if job else None)
-                    )
-                case protocol.Retry(request_id=rid, job_id=job_id):
-                    job = await self.store.retry_dead(job_id)
-                    if job is not None and job.status is JobStatus.QUEUED:
-                        logger.info("job retried job_id=%s", job.id)
-                        self.wake()
-                    session.send(
-                        protocol.JobInfo(request_id=rid, job=job.to_dict() if job else None)
-                    )
-                case protocol.Status(request_id=rid):
-                    session.send(protocol.StatusInfo(request_id=rid, status=await self.status()))
-                case protocol.ListJobs():
-                    await self._list_jobs(session, msg)
-                case protocol.Prune(request_id=rid):
-                    older_than = (
-                        None
-                        if msg.older_than_seconds is None
-                        else self._clock() - timedelta(seconds=msg.older_than_seconds)
-                    )
-                    deleted = await self.store.prune(
-                        older_than=older_than, keep_latest=msg.keep_latest, statuses=msg.statuses
-                    )
-                    logger.info("jobs pruned deleted=%d", deleted)
-                    session.send(protocol.Pruned(request_id=rid, deleted=deleted))
-        except asyncio.CancelledError:
-            raise
+            reply = await self._answer(msg)
         except Exception as exc:
-            if isinstance(exc, InvalidJobError):  # the client's mistake: no traceback
+            if isinstance(exc, InvalidJobError | ProtocolError):  # the client's mistake
                 logger.warning(
                     "request refused session=%d type=%s reason=%s", session.id, msg.type, exc
                 )
@@ -1109,16 +1073,70 @@ class Main:
                 logger.exception("request failed session=%d type=%s", session.id, msg.type)
             request_id = getattr(msg, "request_id", None)
             if request_id is not None:
-                code = (
-                    protocol.ErrorCode.INVALID_JOB
-                    if isinstance(exc, InvalidJobError)
-                    else protocol.ErrorCode.STORAGE
-                    if isinstance(exc, BrokerError)
-                    else protocol.ErrorCode.INTERNAL
+                session.send(error_codes.request_error(request_id, exc))
+            return
+        session.send(reply)
+
+    async def _answer(self, msg: protocol.Message) -> protocol.Message:
+        """The reply to a client request, from the request service (:mod:`broker.operations`);
+        what only the main can do (wake the dispatcher, stop a cancelled job on its
+        worker) happens here."""
+        ops = self.operations
+        match msg:
+            case protocol.Enqueue(request_id=rid, jobs=requests):
+                results = await ops.enqueue(requests)
+                for result in results:
+                    logger.info(
+                        "job enqueued job_id=%s task=%s duplicate=%s",
+                        result.job.id,
+                        result.job.task,
+                        result.duplicate,
+                    )
+                self.wake()
+                refs = [
+                    protocol.EnqueuedRef(job_id=r.job.id, duplicate=r.duplicate) for r in results
+                ]
+                return protocol.Enqueued(request_id=rid, jobs=refs)
+            case protocol.GetJob(request_id=rid, job_id=job_id):
+                return _job_info(rid, await ops.get(job_id))
+            case protocol.Cancel(request_id=rid, job_id=job_id):
+                job = await ops.cancel(job_id)
+                if job is not None:
+                    self._stop_cancelled(job)
+                return _job_info(rid, job)
+            case protocol.Retry(request_id=rid, job_id=job_id):
+                job = await ops.retry(job_id)
+                if job is not None and job.status is JobStatus.QUEUED:
+                    logger.info("job retried job_id=%s", job.id)
+                    self.wake()
+                return _job_info(rid, job)
+            case protocol.Status(request_id=rid):
+                return protocol.StatusInfo(request_id=rid, status=await self.status())
+            case protocol.ListJobs(request_id=rid):
+                empty = protocol.JobList(request_id=rid, jobs=[], next_cursor=None)
+                try:
+                    page = await ops.list_jobs(
+                        JobFilter(statuses=msg.statuses, queues=msg.queues, tasks=msg.tasks),
+                        limit=msg.limit,
+                        cursor=msg.cursor,
+                        include_payload=msg.include_payload,
+                        reply_bytes=len(protocol.encode(empty)) - len("null"),
+                    )
+                except ValueError as exc:  # only the client's cursor can be unreadable
+                    raise ProtocolError(f"list_jobs.cursor is not valid: {exc}"[:200]) from None
+                return protocol.JobList(
+                    request_id=rid, jobs=page.jobs, next_cursor=page.next_cursor
                 )
-                session.send(
-                    protocol.RequestError(request_id=request_id, code=code, message=str(exc))
+            case protocol.Prune(request_id=rid):
+                deleted = await ops.prune(
+                    older_than_seconds=msg.older_than_seconds,
+                    keep_latest=msg.keep_latest,
+                    statuses=msg.statuses,
                 )
+                logger.info("jobs pruned deleted=%d", deleted)
+                return protocol.Pruned(request_id=rid, deleted=deleted)
+            case _:
+                raise ProtocolError(f"{msg.type!r} is not a client request")
 
     def _stop_cancelled(self, job: Job) -> None:
         """The store has cancelled ``job``: forget its lease and tell the worker holding it
@@ -1138,119 +1156,6 @@ class Main:
                     lease,
                     session.worker_id,
                 )
-
-    async def _list_jobs(self, session: Session, msg: protocol.ListJobs) -> None:
-        try:
-            jobs, next_cursor = await self._list_page(session, msg)
-        except ValueError as exc:  # only the client's cursor can be unreadable
-            session.send(
-                protocol.RequestError(
-                    request_id=msg.request_id,
-                    code=protocol.ErrorCode.MALFORMED,
-                    message=f"list_jobs.cursor is not valid: {exc}"[:200],
-                )
-            )
-            return
-        session.send(
-            protocol.JobList(request_id=msg.request_id, jobs=jobs, next_cursor=next_cursor)
-        )
-
-    async def _list_page(
-        self, session: Session, msg: protocol.ListJobs
-    ) -> tuple[list[dict[str, Any]], str | None]:
-        """One page of at most ``limit`` jobs and about ``list_page_bytes``, and its cursor.
-
-        Each job's encoded size is measured once, as it is added (the reply is never encoded
-        whole to find out it is too big); the page ends where the budget runs out, with a
-        cursor right after its last job, so a reply never exceeds a line and no job is lost
-        between pages. Payloads are read only when asked for, and then a few rows
-        per read, so one request never holds many large jobs in memory and the loop gets a
-        turn between reads (one request with 1 MiB arguments and limit 1000 used to take
-        1.65 GB and block the loop for 15 s).
-        """
-        job_filter = JobFilter(statuses=msg.statuses, queues=msg.queues, tasks=msg.tasks)
-        empty = protocol.JobList(request_id=msg.request_id, jobs=[], next_cursor=None)
-        # What a line has room for besides the envelope: the jobs and the cursor's text
-        # (the empty reply already counts "null" where the cursor goes).
-        room = self.settings.max_line_bytes - len(protocol.encode(empty)) + len("null")
-        budget = min(self.settings.list_page_bytes, room)
-        rows_per_read = msg.limit if not msg.include_payload else self._payload_rows_per_read()
-        entries: list[dict[str, Any]] = []
-        used = 0
-        cursor = msg.cursor
-        while len(entries) < msg.limit and not session.closed:
-            page = await self.store.list_jobs(
-                job_filter,
-                limit=min(msg.limit - len(entries), rows_per_read),
-                cursor=cursor,
-                include_payload=msg.include_payload,
-            )
-            for job in page.jobs:
-                entry = job.to_dict() if msg.include_payload else summary_dict(job)
-                cost = encoded_size(entry) + 1  # and its comma
-                after = self.store.cursor_after(job)
-                tail = encoded_size(after)
-                if used + cost + tail > budget:
-                    if entries:  # full: the next page starts with this job
-                        return entries, cursor
-                    if msg.include_payload and cost + tail > room:
-                        # Too big for a line even alone: list it without its payload
-                        # (get_job has it) rather than stop every later page here.
-                        entry = {**summary_dict(job), "payload_omitted": True}
-                        cost = encoded_size(entry) + 1
-                entries.append(entry)
-                used += cost
-                cursor = after
-            cursor = page.next_cursor
-            if cursor is None:
-                break
-        return entries, cursor
-
-    def _payload_rows_per_read(self) -> int:
-        """How many rows a payload listing reads at once: as many as fit in the page
-        budget when every row is at the payload limit (args, kwargs and a result)."""
-        limit = self.settings.max_payload_bytes
-        if limit is None:
-            return 1
-        return max(1, self.settings.list_page_bytes // (2 * limit))
-
-    async def _enqueue(self, session: Session, msg: protocol.Enqueue) -> None:
-        now = self._clock()
-        specs = [request.to_spec(now) for request in msg.jobs]
-        for spec in specs:  # all checked before any is stored: the batch is all or nothing
-            self._check_payload(spec)
-        results = await self.store.enqueue_many(specs)
-        session.send(
-            protocol.Enqueued(
-                request_id=msg.request_id,
-                jobs=[
-                    protocol.EnqueuedRef(job_id=r.job.id, duplicate=r.duplicate) for r in results
-                ],
-            )
-        )
-        for result in results:
-            logger.info(
-                "job enqueued job_id=%s task=%s duplicate=%s",
-                result.job.id,
-                result.job.task,
-                result.duplicate,
-            )
-        self.wake()
-
-    def _check_payload(self, spec: JobSpec) -> None:
-        """Refuse a job nested too deeply or over the payload limit, or one whose job message
-        would not fit in a line (only absurdly long task or queue names can do that within
-        the limit)."""
-        limit = self.settings.max_payload_bytes
-        size = check_args(spec, limit, self.settings.max_payload_depth)
-        if limit is None:
-            return
-        message = size + encoded_size(spec.task) + encoded_size(spec.queue) + _JOB_MESSAGE_OVERHEAD
-        if message > self.settings.max_line_bytes:
-            raise PayloadTooLargeError(
-                f"job {spec.id} of task {spec.task[:100]!r}: its job message would be about "
-                f"{message} bytes, over the line limit of {self.settings.max_line_bytes} bytes"
-            )
 
     async def _report_loop(self) -> None:
         """Group commit: every report that arrived while the previous batch was committing
@@ -1502,25 +1407,20 @@ class Main:
         session.leases.clear()
 
     async def status(self) -> dict[str, Any]:
-        """A JSON-ready snapshot for operators (``broker status``): job counts per queue,
-        workers with their capacity and start-up errors, and pending recoveries.
-
-        The shape is documented in ``docs/reference/cli.md``.
-        """
-        counts = await self.store.count_jobs()
-        return {
-            "main_id": self.main_id,
-            "dispatched": self.dispatched,
-            "orphans": len(self.orphans),
-            "queues": queue_summary(counts, self._clock()),
-            "workers": [
-                _worker_summary(s) for s in self.sessions.values() if s.role is protocol.Role.WORKER
-            ],
+        """The operators' snapshot (``broker status``): :meth:`Operations.status` with what
+        only the running main knows, its workers and pending recoveries."""
+        workers = self.sessions.values()
+        live = LiveState(
+            main_id=self.main_id,
+            dispatched=self.dispatched,
+            orphans=len(self.orphans),
+            workers=[_worker_summary(s) for s in workers if s.role is protocol.Role.WORKER],
             # Job ids only: a client is never shown a lease (see ``Job.to_dict``).
-            "pending_recoveries": [
+            pending_recoveries=[
                 {"job_id": str(job_id)} for job_id in self.ledger.pending().values()
             ],
-        }
+        )
+        return await self.operations.status(live)
 
 
 def _transient(exc: BaseException) -> bool:
@@ -1531,28 +1431,6 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, StorageError | OSError | TimeoutError) and not isinstance(
         exc, StorageRejectedError
     )
-
-
-def queue_summary(counts: list[QueueCount], now: datetime) -> list[dict[str, Any]]:
-    """Per queue: a count for every status, and how long its oldest queued job has been
-    due (``null`` when nothing is queued; ``0`` when the queued jobs are all scheduled)."""
-    queues: dict[str, dict[str, Any]] = {}
-    for row in counts:
-        entry = queues.setdefault(
-            row.queue,
-            {
-                "queue": row.queue,
-                "counts": {status.value: 0 for status in JobStatus},
-                "oldest_queued_run_at": None,
-                "oldest_queued_age_seconds": None,
-            },
-        )
-        entry["counts"][row.status.value] += row.count
-        if row.status is JobStatus.QUEUED and row.oldest_run_at is not None:
-            age = max(0.0, (now - row.oldest_run_at).total_seconds())
-            entry["oldest_queued_run_at"] = row.oldest_run_at.isoformat()
-            entry["oldest_queued_age_seconds"] = round(age, 3)
-    return [queues[name] for name in sorted(queues)]
 
 
 def _worker_summary(session: Session) -> dict[str, Any]:
@@ -1585,9 +1463,8 @@ def _worker_summary(session: Session) -> dict[str, Any]:
     }
 
 
-_JOB_MESSAGE_OVERHEAD = 1024
-"""Bytes of a job message besides args, kwargs, task and queue (ids, numbers, field names);
-the real figure is under 500."""
+def _job_info(request_id: str, job: Job | None) -> protocol.JobInfo:
+    return protocol.JobInfo(request_id=request_id, job=job.to_dict() if job else None)
 
 
 def _job_message(seq: int, job: Job) -> protocol.Job:

@@ -26,7 +26,7 @@ import string
 import types
 import typing
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Annotated, Any, ClassVar, TypeAlias, TypeVar
@@ -84,6 +84,15 @@ class ErrorCode(enum.StrEnum):
     NOT_FOUND = "not_found"
     STORAGE = "storage"
     OVER_LIMIT = "over_limit"
+    CONFIGURATION = "configuration"
+    MISSING_DRIVER = "missing_driver"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    UNIQUE_KEY_TAKEN = "unique_key_taken"
+    SCHEMA_VERSION = "schema_version"
+    STORAGE_REJECTED = "storage_rejected"
+    TASK_NOT_FOUND = "task_not_found"
+    JOB_TIMEOUT = "job_timeout"
+    RUNNER_CRASHED = "runner_crashed"
 
 
 class DecodeError(ProtocolError):
@@ -489,12 +498,17 @@ class JobInfo:
 
 @dataclass(frozen=True, slots=True)
 class RequestError:
-    """One request failed; unlike ``error`` it never closes the connection."""
+    """One request failed; unlike ``error`` it never closes the connection.
+
+    ``details`` carries the fields of an exception that has some (the ``holder_id`` of a
+    ``unique_key_taken``), so the client raises it whole (see :mod:`broker.error_codes`).
+    """
 
     type: ClassVar[str] = "request_error"
     request_id: str
     code: str
     message: str
+    details: dict[str, JSONValue] | None = None
 
 
 MAX_LIST_LIMIT = 1000
@@ -568,21 +582,31 @@ class Prune:
     statuses: list[JobStatus] | None = None
 
     def __post_init__(self) -> None:
-        _check(
-            self.older_than_seconds is not None or self.keep_latest is not None,
-            "give older_than_seconds or keep_latest (or both)",
-        )
-        _check(
-            self.older_than_seconds is None or 0 <= self.older_than_seconds <= MAX_AGE_SECONDS,
-            f"older_than_seconds must be from 0 to {MAX_AGE_SECONDS} (a hundred years)",
-        )
-        _check(
-            self.keep_latest is None or self.keep_latest >= 0, "keep_latest must not be negative"
-        )
-        _check(
-            self.statuses is None or all(s in TERMINAL_STATUSES for s in self.statuses),
-            "statuses must be terminal (completed, failed, cancelled)",
-        )
+        check_prune(self.older_than_seconds, self.keep_latest, self.statuses)
+
+
+def check_prune(
+    older_than_seconds: float | None,
+    keep_latest: int | None,
+    statuses: Collection[JobStatus] | None,
+) -> None:
+    """Refuse a prune with nothing to prune by, an age outside 0 to a hundred years (an
+    older cut-off would overflow a date), a negative count, or a status that is not
+    terminal; raises ``ValueError``. The one rule for a ``prune`` message and for
+    :meth:`broker.operations.Operations.prune`."""
+    _check(
+        older_than_seconds is not None or keep_latest is not None,
+        "give older_than_seconds or keep_latest (or both)",
+    )
+    _check(
+        older_than_seconds is None or 0 <= older_than_seconds <= MAX_AGE_SECONDS,
+        f"older_than_seconds must be from 0 to {MAX_AGE_SECONDS} (a hundred years)",
+    )
+    _check(keep_latest is None or keep_latest >= 0, "keep_latest must not be negative")
+    _check(
+        statuses is None or all(s in TERMINAL_STATUSES for s in statuses),
+        "statuses must be terminal (completed, failed, cancelled)",
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,12 +16,13 @@ and it is retried on the error-retry timer, for as long as it takes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 from collections.abc import Callable
 
+from broker.exceptions import StorageError
 from broker.storage import StorageAdapter
+from broker.supervise import retrying
 
 logger = logging.getLogger("broker.recovery")
 
@@ -93,14 +94,22 @@ class RecoveryLedger:
         return not self._pending
 
     async def run(self) -> None:
-        """Flush whenever kicked; while entries remain, retry on the error-retry timer."""
+        """Flush whenever kicked; while entries remain, retry on the error-retry timer (or
+        at once when another lease is added)."""
         while True:
             await self._kick.wait()
             self._kick.clear()
-            if not await self.flush():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._kick.wait(), self._retry_interval)
-                self._kick.set()
+            await retrying(
+                "returning leases",
+                self._flush_all,
+                interval=self._retry_interval,
+                logger=logger,
+                wake=self._kick,
+            )
+
+    async def _flush_all(self) -> None:
+        if not await self.flush():
+            raise StorageError(f"{len(self._pending)} leases could not be returned yet")
 
     async def wait_empty(self) -> None:
         await self._idle.wait()

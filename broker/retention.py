@@ -25,6 +25,7 @@ from datetime import timedelta
 from broker.exceptions import ConfigurationError
 from broker.jobs import Clock, JobStatus, utcnow
 from broker.storage import StorageAdapter
+from broker.supervise import retrying
 
 logger = logging.getLogger("broker.retention")
 
@@ -98,18 +99,17 @@ async def run_retention(store: StorageAdapter, settings: Retention, clock: Clock
         settings.interval,
     )
     while True:
-        try:
-            deleted = await prune_once(store, settings, clock)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            logger.warning("retention pass failed, will try again error=%r", exc)
-        else:
-            if any(deleted.values()):
-                logger.info(
-                    "retention pruned %s",
-                    " ".join(f"{rule}={count}" for rule, count in deleted.items()),
-                )
+        deleted = await retrying(
+            "retention pass",
+            lambda: prune_once(store, settings, clock),
+            interval=settings.interval,
+            logger=logger,
+        )
+        if any(deleted.values()):
+            logger.info(
+                "retention pruned %s",
+                " ".join(f"{rule}={count}" for rule, count in deleted.items()),
+            )
         await asyncio.sleep(settings.interval)
 
 

@@ -16,6 +16,7 @@ from broker.exceptions import ConfigurationError, InvalidJobError
 from broker.jobs import Clock, EnqueueResult, JobSpec, utcnow
 from broker.retention import Retention
 from broker.schedule import Schedule
+from broker.supervise import retrying
 
 logger = logging.getLogger("broker.schedule")
 """Named as before the split, so operators' log filters keep matching."""
@@ -175,14 +176,9 @@ class Scheduler:
             ",".join(f"{s.name}@{self._due[s.name].isoformat()}" for s in self.schedules),
         )
         while True:
-            try:
-                await self.run_due()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("scheduler pass failed, retrying")
-                await asyncio.sleep(self._retry.total_seconds())
-                continue
+            await retrying(
+                "scheduler pass", self.run_due, interval=self._retry.total_seconds(), logger=logger
+            )
             wake = self.next_tick()
             assert wake is not None
             delay = (wake - self._clock()).total_seconds()

@@ -48,7 +48,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from broker import protocol, wire
+from broker import error_codes, protocol, wire
 from broker.exceptions import (
     AuthenticationError,
     ConfigurationError,
@@ -407,12 +407,8 @@ class Worker:
         match msg:
             case None:
                 return ConnectionResetError(f"the main closed the connection before {expected}")
-            case protocol.Error(code=protocol.ErrorCode.AUTH_FAILED, message=message):
-                return AuthenticationError(f"the main rejected this worker's token: {message}")
-            case protocol.Error(code=protocol.ErrorCode.PROTOCOL_VERSION, message=message):
-                return ConfigurationError(f"protocol version mismatch with the main: {message}")
-            case protocol.Error(code=code, message=message):
-                return ProtocolError(f"the main refused the connection ({code}): {message}")
+            case protocol.Error() as error:
+                return error_codes.refusal(error)
             case _:
                 return ProtocolError(f"expected {expected} from the main, got {msg.type}")
 

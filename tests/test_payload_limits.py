@@ -139,7 +139,7 @@ async def test_an_oversized_job_refuses_its_whole_batch_and_writes_nothing() -> 
         assert len((await store.list_jobs()).jobs) == 1
 
 
-async def test_the_wire_answer_is_request_error_invalid_job() -> None:
+async def test_the_wire_answer_is_request_error_payload_too_large() -> None:
     store = MemoryAdapter()
     async with _main(store) as main:
         peer = _RawClient(main.port)
@@ -148,7 +148,7 @@ async def test_the_wire_answer_is_request_error_invalid_job() -> None:
         await peer.send(protocol.Enqueue(request_id="big", jobs=[request]))
         reply = await peer.reply()
         assert isinstance(reply, protocol.RequestError)
-        assert reply.request_id == "big" and reply.code == protocol.ErrorCode.INVALID_JOB
+        assert reply.request_id == "big" and reply.code == protocol.ErrorCode.PAYLOAD_TOO_LARGE
         assert "5006 bytes" in reply.message and str(LIMIT) in reply.message
         await peer.close()
     assert (await store.list_jobs()).jobs == []
