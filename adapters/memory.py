@@ -165,14 +165,7 @@ class MemoryAdapter:
                 continue
             if job.concurrency_key is not None:
                 self._active_by_key[job.concurrency_key] += 1
-            job = replace(
-                job,
-                status=JobStatus.HANDED_OFF,
-                handoff_id=claim.handoff_id,
-                worker_id=claim.worker_id,
-                handed_off_at=now,
-                updated_at=now,
-            )
+            job = settlement.apply(job, settlement.hand_off(claim, now))
             self._put(job)
             claimed.append(self._snapshot(job.id))
         return claimed

@@ -200,10 +200,18 @@ def _spec_row(spec: JobSpec, now_us: int) -> dict[str, Any]:
     return _columns({name: getattr(job, name) for name in _COLUMN_OF})
 
 
-def _move_params(s: Settlement, move: settlement.Move) -> dict[str, Any]:
-    """The values one job binds into :meth:`SQLAlchemyAdapter._move_stmt`."""
-    params = {f"b_{name}": value for name, value in _encode(move.changes).items()}
-    return {"b_id": s.job_id, "b_lease": s.handoff_id, **params}
+def _bound(move: settlement.Move) -> dict[str, Any]:
+    """The values one job binds into a statement built by :func:`_set_bound`."""
+    return {f"b_{name}": value for name, value in _encode(move.changes).items()}
+
+
+def _set_bound(move: settlement.Move) -> dict[str, Any]:
+    """The ``SET`` of an ``UPDATE`` carrying out moves of ``move``'s shape, each value bound
+    per job, so one statement serves a whole executemany."""
+    values: dict[str, Any] = {_COLUMN_OF[name]: sa.bindparam(f"b_{name}") for name in move.changes}
+    if move.counts_attempt:
+        values["attempts"] = jobs.c.attempts + 1
+    return values
 
 
 def _chunks(items: Sequence[_T], size: int = _CHUNK) -> list[Sequence[_T]]:
@@ -719,19 +727,13 @@ class SQLAlchemyAdapter:
                 candidates.extend(await self._lock_claimable(conn, chunk, now_us))
             granted = set(await self._take_slots(conn, candidates, list(wanted)))
             rows = [row for row in candidates if row.id in granted]
-            if rows:
-                await self._hand_off(conn, [wanted[row.id] for row in rows], now_us)
-        now = _from_us(now_us)
+            now = _from_us(now_us)
+            moves = [(wanted[row.id], settlement.hand_off(wanted[row.id], now)) for row in rows]
+            if moves:
+                await self._hand_off(conn, moves)
         claimed = [
-            dataclasses.replace(
-                _job_from_row(row._mapping),
-                status=JobStatus.HANDED_OFF,
-                handoff_id=wanted[row.id].handoff_id,
-                worker_id=wanted[row.id].worker_id,
-                handed_off_at=now,
-                updated_at=now,
-            )
-            for row in rows
+            settlement.apply(_job_from_row(row._mapping), move)
+            for row, (_, move) in zip(rows, moves, strict=True)
         ]
         order = {job_id: i for i, job_id in enumerate(wanted)}
         return sorted(claimed, key=lambda job: order[job.id])
@@ -795,34 +797,24 @@ class SQLAlchemyAdapter:
         ).returning(concurrency.c.key, concurrency.c.active)
         return {row.key: row.active for row in await conn.execute(stmt)}
 
-    async def _hand_off(self, conn: AsyncConnection, claims: list[Claim], now_us: int) -> None:
+    async def _hand_off(
+        self, conn: AsyncConnection, moves: list[tuple[Claim, settlement.Move]]
+    ) -> None:
         """One statement shape for any batch (an executemany over locked rows), so it is
         compiled and prepared once rather than rebuilt for every batch size."""
         await conn.execute(
             sa.update(jobs)
             .where(jobs.c.id == sa.bindparam("b_id"), jobs.c.status == _QUEUED)
-            .values(
-                status=_HANDED_OFF,
-                handoff_id=sa.bindparam("b_lease"),
-                worker_id=sa.bindparam("b_worker"),
-                handed_off_us=now_us,
-                updated_us=now_us,
-            ),
-            [{"b_id": c.job_id, "b_lease": c.handoff_id, "b_worker": c.worker_id} for c in claims],
+            .values(**_set_bound(moves[0][1])),
+            [{"b_id": claim.job_id, **_bound(move)} for claim, move in moves],
         )
 
     # ------------------------------------------------------------------ fenced reports
 
     @staticmethod
-    def _move_stmt(move: settlement.Move) -> sa.Update:
-        """The fenced ``UPDATE`` carrying out moves of ``move``'s shape: the lease check and
-        the change are one statement, its values bound per job (see :func:`_move_params`),
-        so one statement serves a whole executemany."""
-        values: dict[str, Any] = {
-            _COLUMN_OF[name]: sa.bindparam(f"b_{name}") for name in move.changes
-        }
-        if move.counts_attempt:
-            values["attempts"] = jobs.c.attempts + 1
+    def _settle_stmt(move: settlement.Move) -> sa.Update:
+        """The fenced ``UPDATE`` carrying out settlements of ``move``'s shape: the lease
+        check and the change are one statement."""
         return (
             sa.update(jobs)
             .where(
@@ -830,7 +822,7 @@ class SQLAlchemyAdapter:
                 jobs.c.handoff_id == sa.bindparam("b_lease"),
                 jobs.c.status == _HANDED_OFF,
             )
-            .values(**values)
+            .values(**_set_bound(move))
         )
 
     async def _settle_in(self, conn: AsyncConnection, s: Settlement, now_us: int) -> str | None:
@@ -838,8 +830,9 @@ class SQLAlchemyAdapter:
         job's concurrency key ("" for none), whose slot the caller gives back in the same
         transaction."""
         move = settlement.settle(s, _from_us(now_us))
-        stmt = self._move_stmt(move).returning(jobs.c.concurrency_key)
-        row = (await conn.execute(stmt, _move_params(s, move))).first()
+        stmt = self._settle_stmt(move).returning(jobs.c.concurrency_key)
+        params = {"b_id": s.job_id, "b_lease": s.handoff_id, **_bound(move)}
+        row = (await conn.execute(stmt, params)).first()
         if row is None:
             return None
         return (move.releases_slot and row.concurrency_key) or ""
@@ -891,8 +884,8 @@ class SQLAlchemyAdapter:
             accepted[i] = True
             if move.releases_slot and row.concurrency_key:
                 released[row.concurrency_key] += 1
-            stmt_rows = groups.setdefault(move.shape, (self._move_stmt(move), []))
-            stmt_rows[1].append(_move_params(s, move))
+            stmt_rows = groups.setdefault(move.shape, (self._settle_stmt(move), []))
+            stmt_rows[1].append({"b_id": s.job_id, "b_lease": s.handoff_id, **_bound(move)})
         for update, rows in groups.values():
             await conn.execute(update, rows)
         for key in sorted(released):

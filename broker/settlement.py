@@ -1,6 +1,6 @@
-"""What a report (or a cancel) does to its job: the transition table, written once.
+"""What a claim, a report or a cancel does to its job: the transition table, written once.
 
-Every store applies the same moves out of ``handed_off`` (see the diagram in
+Every store applies the same moves into and out of ``handed_off`` (see the diagram in
 :mod:`broker.jobs`), so the rule lives here as pure functions and each store only
 carries it out: the memory adapter replaces its :class:`~broker.jobs.Job` value, the
 SQL adapter turns the same :class:`Move` into the ``SET`` of one fenced ``UPDATE``
@@ -8,8 +8,9 @@ SQL adapter turns the same :class:`Move` into the ``SET`` of one fenced ``UPDATE
 store; ``now`` comes in, the changes go out.
 
 =================  ==============================  =========  ==================
-outcome            status                          attempts   run_at
+move               status                          attempts   run_at
 =================  ==============================  =========  ==================
+claim              ``handed_off`` (lease, worker)  unchanged  unchanged
 ``COMPLETE``       ``completed`` (``result`` kept)  unchanged  unchanged
 ``FAIL`` + retry   ``queued`` (``last_error``)      + 1        the retry time
 ``FAIL``, dead     ``failed`` (``last_error``)      + 1        unchanged
@@ -18,7 +19,8 @@ outcome            status                          attempts   run_at
 cancel             ``cancelled``                    unchanged  unchanged
 =================  ==============================  =========  ==================
 
-Every accepted settlement gives back the job's concurrency slot; a cancel gives it back
+A claim takes the job's concurrency slot (the store checks there is room); every
+accepted settlement gives back the job's concurrency slot; a cancel gives it back
 only when the job was handed off (a queued job holds none).
 """
 
@@ -30,7 +32,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
-from broker.jobs import ACTIVE_STATUSES, Job, JobStatus, Outcome, Settlement
+from broker.jobs import ACTIVE_STATUSES, Claim, Job, JobStatus, Outcome, Settlement
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,18 @@ class Move:
     def shape(self) -> tuple[Any, ...]:
         """What moves sharing one ``UPDATE`` statement have in common: the fields set."""
         return (self.counts_attempt, *sorted(self.changes))
+
+
+def hand_off(claim: Claim, now: datetime) -> Move:
+    """The move a won claim makes to its queued job: handed off under the claim's lease."""
+    changes = {
+        "status": JobStatus.HANDED_OFF,
+        "handoff_id": claim.handoff_id,
+        "worker_id": claim.worker_id,
+        "handed_off_at": now,
+        "updated_at": now,
+    }
+    return Move(changes, releases_slot=False)
 
 
 def accepts(status: str, handoff_id: uuid.UUID | None, s: Settlement) -> bool:
