@@ -29,7 +29,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from broker.jobs import ACTIVE_STATUSES, Claim, Job, JobStatus, Outcome, Settlement
@@ -92,6 +92,21 @@ def settle(s: Settlement, now: datetime) -> Move:
             changes = {"status": JobStatus.QUEUED, "run_at": now}
     changes["updated_at"] = now
     return Move(changes, counts_attempt=s.outcome is Outcome.FAIL)
+
+
+def statuses_after(outcome: Outcome) -> frozenset[JobStatus]:
+    """Every status a settlement with ``outcome`` may leave its job in, whatever its retry
+    time: a report seen again whose job is in one of them was already applied (a
+    duplicate), where any other status means a stale one."""
+    return frozenset(
+        settle(Settlement(_NO_ID, _NO_ID, outcome, run_at=run_at), _PROBE).changes["status"]
+        for run_at in (None, _PROBE)
+    )
+
+
+_NO_ID = uuid.UUID(int=0)
+_PROBE = datetime(2000, 1, 1, tzinfo=UTC)
+"""Any time will do: the status a move sets does not depend on when."""
 
 
 def cancel(status: str, now: datetime) -> Move | None:

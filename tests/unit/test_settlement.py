@@ -137,6 +137,14 @@ def test_cancel(status: JobStatus, releases: bool | None) -> None:
     assert (after.status, after.attempts, after.updated_at) == (JobStatus.CANCELLED, 1, NOW)
 
 
+def test_statuses_after_each_outcome() -> None:
+    """What the main needs to tell a duplicate report from a stale one."""
+    assert settlement.statuses_after(Outcome.COMPLETE) == {JobStatus.COMPLETED}
+    assert settlement.statuses_after(Outcome.FAIL) == {JobStatus.FAILED, JobStatus.QUEUED}
+    assert settlement.statuses_after(Outcome.RESCHEDULE) == {JobStatus.QUEUED}
+    assert settlement.statuses_after(Outcome.RETURN) == {JobStatus.QUEUED}
+
+
 def test_hand_off_takes_no_slot_back_and_records_the_lease() -> None:
     queued = Job.from_spec(JobSpec("t", id=JOB), NOW - timedelta(hours=1))
     move = settlement.hand_off(Claim(JOB, LEASE, "w"), NOW)
