@@ -247,8 +247,7 @@ class MemoryAdapter:
                     f"{job.unique_key!r} while it is queued or running",
                     holder_id=holder,
                 )
-            now = self._clock()
-            self._put(replace(job, status=JobStatus.QUEUED, attempts=0, run_at=now, updated_at=now))
+            self._move(job, settlement.revive(self._clock()))
         return self._snapshot(job_id)
 
     async def get_job(self, job_id: uuid.UUID) -> Job | None:

@@ -970,7 +970,7 @@ class SQLAlchemyAdapter:
         update = (
             sa.update(jobs)
             .where(jobs.c.id == job_id, jobs.c.status == JobStatus.FAILED.value)
-            .values(status=_QUEUED, attempts=0, run_at_us=now_us, updated_us=now_us)
+            .values(**_columns(settlement.revive(_from_us(now_us)).changes))
             .returning(*jobs.c)
         )
         try:

@@ -7,17 +7,18 @@ SQL adapter turns the same :class:`Move` into the ``SET`` of one fenced ``UPDATE
 (an executemany per shape when a batch is grouped). Nothing here reads a clock or a
 store; ``now`` comes in, the changes go out.
 
-=================  ==============================  =========  ==================
-move               status                          attempts   run_at
-=================  ==============================  =========  ==================
-claim              ``handed_off`` (lease, worker)  unchanged  unchanged
-``COMPLETE``       ``completed`` (``result`` kept)  unchanged  unchanged
-``FAIL`` + retry   ``queued`` (``last_error``)      + 1        the retry time
-``FAIL``, dead     ``failed`` (``last_error``)      + 1        unchanged
-``RESCHEDULE``     ``queued``                       unchanged  its time, else now
-``RETURN``         ``queued``                       unchanged  now
-cancel             ``cancelled``                    unchanged  unchanged
-=================  ==============================  =========  ==================
+================  ===============================  =========  ==================
+move              status                           attempts   run_at
+================  ===============================  =========  ==================
+claim             ``handed_off`` (lease, worker)   unchanged  unchanged
+``COMPLETE``      ``completed`` (``result`` kept)  unchanged  unchanged
+``FAIL`` + retry  ``queued`` (``last_error``)      + 1        the retry time
+``FAIL``, dead    ``failed`` (``last_error``)      + 1        unchanged
+``RESCHEDULE``    ``queued``                       unchanged  its time, else now
+``RETURN``        ``queued``                       unchanged  now
+cancel            ``cancelled``                    unchanged  unchanged
+revive            ``queued`` (from ``failed``)     0          now
+================  ===============================  =========  ==================
 
 A claim takes the job's concurrency slot (the store checks there is room); every
 accepted settlement gives back the job's concurrency slot; a cancel gives it back
@@ -120,6 +121,16 @@ def cancel(status: str, now: datetime) -> Move | None:
     )
 
 
+def revive(now: datetime) -> Move:
+    """The move an operator's retry makes to a dead (``failed``) job: queued again at
+    once, with a fresh count of attempts. A queued job holds no slot, so none is given."""
+    changes = {"status": JobStatus.QUEUED, "attempts": 0, "run_at": now, "updated_at": now}
+    return Move(changes, releases_slot=False)
+
+
 def apply(job: Job, move: Move) -> Job:
     """``job`` after ``move``: how a store that keeps :class:`Job` values carries it out."""
-    return replace(job, attempts=job.attempts + move.counts_attempt, **move.changes)
+    changes = dict(move.changes)
+    if move.counts_attempt:
+        changes["attempts"] = job.attempts + 1
+    return replace(job, **changes)
