@@ -247,6 +247,13 @@ def spec_values(spec: JobSpec) -> dict[str, Any]:
     return {f.name: getattr(spec, f.name) for f in fields(JobSpec)}
 
 
+def spec_from(source: object, **differ: Any) -> JobSpec:
+    """A :class:`JobSpec` from the same-named attributes of ``source`` (a schedule's job
+    options, say) and ``differ``; a spec field that ``source`` lacks keeps its default."""
+    values = {f.name: getattr(source, f.name) for f in fields(JobSpec) if hasattr(source, f.name)}
+    return JobSpec(**{**values, **differ})
+
+
 def json_field(value: Any) -> Any:
     """A job field's value as JSON holds it: ids and times as text, modes and statuses by
     value. Payloads (args, kwargs, result) are JSON already and pass as they are."""

@@ -8,9 +8,10 @@ from dataclasses import fields, replace
 from datetime import UTC, datetime, timedelta
 
 from broker import codec, protocol, settlement
-from broker.jobs import Claim, ExecutionMode, Job, JobSpec
+from broker.jobs import Claim, ExecutionMode, Job, JobSpec, spec_from
 from broker.main import _job_message
 from broker.runner import Assignment
+from broker.schedule import Schedule
 from runners.process import assignment_from_wire, assignment_to_wire
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
@@ -82,3 +83,24 @@ def test_assignment_and_pipe_match_the_hand_copies() -> None:
         == assignment_from_wire(assignment_to_wire(a))
         == a
     )
+
+
+def test_spec_from_matches_the_schedule_s_copy() -> None:
+    schedule = Schedule(
+        name="s",
+        task="app.job",
+        every=timedelta(minutes=1),
+        args=[1],
+        kwargs={"k": 2},
+        queue="q",
+        priority=4,
+        max_attempts=2,
+        timeout=3.0,
+        execution_mode=ExecutionMode.INLINE,
+        concurrency_key="ck",
+        concurrency_limit=1,
+    )
+    tick = NOW + timedelta(minutes=3)
+    made = spec_from(schedule, run_at=tick, idempotency_key=schedule.key(tick))
+    by_hand = schedule.spec(tick)
+    assert replace(made, id=by_hand.id) == by_hand
