@@ -20,6 +20,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import replace
 from datetime import datetime
 
+from broker import settlement
 from broker.exceptions import UniqueKeyTakenError
 from broker.jobs import (
     ACTIVE_STATUSES,
@@ -164,26 +165,10 @@ class MemoryAdapter:
                 continue
             if job.concurrency_key is not None:
                 self._active_by_key[job.concurrency_key] += 1
-            job = replace(
-                job,
-                status=JobStatus.HANDED_OFF,
-                handoff_id=claim.handoff_id,
-                worker_id=claim.worker_id,
-                handed_off_at=now,
-                updated_at=now,
-            )
+            job = settlement.apply(job, settlement.hand_off(claim, now))
             self._put(job)
             claimed.append(self._snapshot(job.id))
         return claimed
-
-    def _leave_handoff(self, job_id: uuid.UUID, handoff_id: uuid.UUID, **changes: object) -> bool:
-        """The one fenced transition out of ``handed_off``; gives back the key slot."""
-        job = self._jobs.get(job_id)
-        if job is None or job.status is not JobStatus.HANDED_OFF or job.handoff_id != handoff_id:
-            return False
-        self._release_key(job)
-        self._put(replace(job, updated_at=self._clock(), **changes))  # type: ignore[arg-type]
-        return True
 
     def _release_key(self, job: Job) -> None:
         if job.concurrency_key is not None:
@@ -191,25 +176,19 @@ class MemoryAdapter:
             if self._active_by_key[job.concurrency_key] <= 0:
                 del self._active_by_key[job.concurrency_key]
 
+    def _move(self, job: Job, move: settlement.Move) -> None:
+        if move.releases_slot:
+            self._release_key(job)
+        self._put(settlement.apply(job, move))
+
     def _settle(self, s: Settlement) -> bool:
         job = self._jobs.get(s.job_id)
-        changes: dict[str, object]
-        match s.outcome:
-            case Outcome.COMPLETE:
-                changes = {"status": JobStatus.COMPLETED, "result": copy.deepcopy(s.result)}
-            case Outcome.FAIL:
-                changes = {
-                    "status": JobStatus.FAILED if s.run_at is None else JobStatus.QUEUED,
-                    "attempts": job.attempts + 1 if job is not None else 0,
-                    "last_error": s.error,
-                }
-                if s.run_at is not None:
-                    changes["run_at"] = s.run_at
-            case Outcome.RESCHEDULE:
-                changes = {"status": JobStatus.QUEUED, "run_at": s.run_at or self._clock()}
-            case Outcome.RETURN:
-                changes = {"status": JobStatus.QUEUED, "run_at": self._clock()}
-        return self._leave_handoff(s.job_id, s.handoff_id, **changes)
+        if job is None or not settlement.accepts(job.status, job.handoff_id, s):
+            return False
+        # The store keeps its own copy: the caller may go on using its result.
+        s = replace(s, result=copy.deepcopy(s.result))
+        self._move(job, settlement.settle(s, self._clock()))
+        return True
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> list[bool]:
         return [self._settle(s) for s in settlements]
@@ -247,10 +226,9 @@ class MemoryAdapter:
         job = self._jobs.get(job_id)
         if job is None:
             return None
-        if job.status in ACTIVE_STATUSES:
-            if job.status is JobStatus.HANDED_OFF:
-                self._release_key(job)
-            self._put(replace(job, status=JobStatus.CANCELLED, updated_at=self._clock()))
+        move = settlement.cancel(job.status, self._clock())
+        if move is not None:
+            self._move(job, move)
         return self._snapshot(job_id)
 
     async def retry_dead(self, job_id: uuid.UUID) -> Job | None:
@@ -269,8 +247,7 @@ class MemoryAdapter:
                     f"{job.unique_key!r} while it is queued or running",
                     holder_id=holder,
                 )
-            now = self._clock()
-            self._put(replace(job, status=JobStatus.QUEUED, attempts=0, run_at=now, updated_at=now))
+            self._move(job, settlement.revive(self._clock()))
         return self._snapshot(job_id)
 
     async def get_job(self, job_id: uuid.UUID) -> Job | None:

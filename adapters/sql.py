@@ -60,6 +60,7 @@ from adapters._sql_schema import (
     notify_channel,
     schema_version,
 )
+from broker import settlement
 from broker.exceptions import (
     ConfigurationError,
     InvalidJobError,
@@ -143,64 +144,74 @@ def _dumps(value: JSONValue) -> str:
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
+def _optional(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda value: None if value is None else convert(value)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _result_text(value: JSONValue) -> str | None:
+    """A reported result as stored; one that JSON cannot hold is the reporter's error."""
+    try:
+        return None if value is None else _dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidJobError(f"result is not JSON-serialisable: {exc}") from exc
+
+
+_CODECS: dict[str, tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] = {
+    "args": ("args", lambda v: _dumps(list(v)), lambda v: tuple(json.loads(v))),
+    "kwargs": ("kwargs", lambda v: _dumps(dict(v)), json.loads),
+    "status": ("status", lambda v: JobStatus(v).value, JobStatus),
+    "run_at": ("run_at_us", _to_us, _from_us),
+    "created_at": ("created_us", _to_us, _from_us),
+    "updated_at": ("updated_us", _to_us, _from_us),
+    "execution_mode": ("execution_mode", lambda v: ExecutionMode(v).value, ExecutionMode),
+    "handed_off_at": ("handed_off_us", _optional(_to_us), _optional(_from_us)),
+    "result": ("result", _result_text, _optional(json.loads)),
+    "timeout": ("timeout_s", _optional(float), _optional(float)),
+}
+"""How a :class:`Job` field differs in ``broker_jobs`` (column, encode, decode); every
+other field is a column of its own name holding its value as is."""
+_FIELDS = [(f.name, *_CODECS.get(f.name, (f.name, _same, _same))) for f in dataclasses.fields(Job)]
+_COLUMN_OF = {name: column for name, column, _, _ in _FIELDS}
+_ENCODE = {name: encode for name, _, encode, _ in _FIELDS}
+
+
 def _job_from_row(row: Mapping[Any, Any]) -> Job:
     """A :class:`Job` from a ``broker_jobs`` row (or the parameters of its INSERT)."""
-    handed_off_us = row["handed_off_us"]
-    result = row["result"]
-    timeout = row["timeout_s"]
-    return Job(
-        id=row["id"],
-        task=row["task"],
-        args=tuple(json.loads(row["args"])),
-        kwargs=json.loads(row["kwargs"]),
-        queue=row["queue"],
-        priority=row["priority"],
-        status=JobStatus(row["status"]),
-        attempts=row["attempts"],
-        max_attempts=row["max_attempts"],
-        run_at=_from_us(row["run_at_us"]),
-        created_at=_from_us(row["created_us"]),
-        updated_at=_from_us(row["updated_us"]),
-        execution_mode=ExecutionMode(row["execution_mode"]),
-        handoff_id=row["handoff_id"],
-        worker_id=row["worker_id"],
-        handed_off_at=None if handed_off_us is None else _from_us(handed_off_us),
-        last_error=row["last_error"],
-        result=None if result is None else json.loads(result),
-        idempotency_key=row["idempotency_key"],
-        concurrency_key=row["concurrency_key"],
-        concurrency_limit=row["concurrency_limit"],
-        timeout=None if timeout is None else float(timeout),
-        unique_key=row["unique_key"],
-    )
+    return Job(**{name: decode(row[column]) for name, column, _, decode in _FIELDS})
+
+
+def _encode(changes: Mapping[str, Any]) -> dict[str, Any]:
+    """Job field values (all of a job, or a move's changes) as their columns hold them,
+    still keyed by field name."""
+    return {name: _ENCODE[name](value) for name, value in changes.items()}
+
+
+def _columns(changes: Mapping[str, Any]) -> dict[str, Any]:
+    """Job field values keyed and encoded as ``broker_jobs`` columns."""
+    return {_COLUMN_OF[name]: value for name, value in _encode(changes).items()}
 
 
 def _spec_row(spec: JobSpec, now_us: int) -> dict[str, Any]:
-    return {
-        "id": spec.id,
-        "task": spec.task,
-        "args": _dumps(list(spec.args)),
-        "kwargs": _dumps(dict(spec.kwargs)),
-        "queue": spec.queue,
-        "priority": spec.priority,
-        "status": _QUEUED,
-        "attempts": 0,
-        "max_attempts": spec.max_attempts,
-        "run_at_us": now_us if spec.run_at is None else _to_us(spec.run_at),
-        "created_us": now_us,
-        "updated_us": now_us,
-        "execution_mode": ExecutionMode(spec.execution_mode).value,
-        "handoff_id": None,
-        "worker_id": None,
-        "handed_off_us": None,
-        "last_error": None,
-        "result": None,
-        "idempotency_key": spec.idempotency_key,
-        "concurrency_key": spec.concurrency_key,
-        "concurrency_limit": spec.concurrency_limit,
-        "timeout_s": None if spec.timeout is None else float(spec.timeout),
-        "unique_key": spec.unique_key,
-    }
+    job = Job.from_spec(spec, _from_us(now_us))
+    return _columns({name: getattr(job, name) for name in _COLUMN_OF})
+
+
+def _bound(move: settlement.Move) -> dict[str, Any]:
+    """The values one job binds into a statement built by :func:`_set_bound`."""
+    return {f"b_{name}": value for name, value in _encode(move.changes).items()}
+
+
+def _set_bound(move: settlement.Move) -> dict[str, Any]:
+    """The ``SET`` of an ``UPDATE`` carrying out moves of ``move``'s shape, each value bound
+    per job, so one statement serves a whole executemany."""
+    values: dict[str, Any] = {_COLUMN_OF[name]: sa.bindparam(f"b_{name}") for name in move.changes}
+    if move.counts_attempt:
+        values["attempts"] = jobs.c.attempts + 1
+    return values
 
 
 def _chunks(items: Sequence[_T], size: int = _CHUNK) -> list[Sequence[_T]]:
@@ -716,19 +727,13 @@ class SQLAlchemyAdapter:
                 candidates.extend(await self._lock_claimable(conn, chunk, now_us))
             granted = set(await self._take_slots(conn, candidates, list(wanted)))
             rows = [row for row in candidates if row.id in granted]
-            if rows:
-                await self._hand_off(conn, [wanted[row.id] for row in rows], now_us)
-        now = _from_us(now_us)
+            now = _from_us(now_us)
+            moves = [(wanted[row.id], settlement.hand_off(wanted[row.id], now)) for row in rows]
+            if moves:
+                await self._hand_off(conn, moves)
         claimed = [
-            dataclasses.replace(
-                _job_from_row(row._mapping),
-                status=JobStatus.HANDED_OFF,
-                handoff_id=wanted[row.id].handoff_id,
-                worker_id=wanted[row.id].worker_id,
-                handed_off_at=now,
-                updated_at=now,
-            )
-            for row in rows
+            settlement.apply(_job_from_row(row._mapping), move)
+            for row, (_, move) in zip(rows, moves, strict=True)
         ]
         order = {job_id: i for i, job_id in enumerate(wanted)}
         return sorted(claimed, key=lambda job: order[job.id])
@@ -792,61 +797,45 @@ class SQLAlchemyAdapter:
         ).returning(concurrency.c.key, concurrency.c.active)
         return {row.key: row.active for row in await conn.execute(stmt)}
 
-    async def _hand_off(self, conn: AsyncConnection, claims: list[Claim], now_us: int) -> None:
+    async def _hand_off(
+        self, conn: AsyncConnection, moves: list[tuple[Claim, settlement.Move]]
+    ) -> None:
         """One statement shape for any batch (an executemany over locked rows), so it is
         compiled and prepared once rather than rebuilt for every batch size."""
         await conn.execute(
             sa.update(jobs)
             .where(jobs.c.id == sa.bindparam("b_id"), jobs.c.status == _QUEUED)
-            .values(
-                status=_HANDED_OFF,
-                handoff_id=sa.bindparam("b_lease"),
-                worker_id=sa.bindparam("b_worker"),
-                handed_off_us=now_us,
-                updated_us=now_us,
-            ),
-            [{"b_id": c.job_id, "b_lease": c.handoff_id, "b_worker": c.worker_id} for c in claims],
+            .values(**_set_bound(moves[0][1])),
+            [{"b_id": claim.job_id, **_bound(move)} for claim, move in moves],
         )
 
     # ------------------------------------------------------------------ fenced reports
 
-    async def _settle_in(self, conn: AsyncConnection, s: Settlement, now_us: int) -> str | None:
-        """One fenced move out of ``handed_off``: the lease check and the change are one
-        statement. Returns ``None`` when fenced out, else the job's concurrency key ("" for
-        none), whose slot the caller gives back in the same transaction."""
-        values: dict[str, Any] = {"updated_us": now_us}
-        match s.outcome:
-            case Outcome.COMPLETE:
-                try:
-                    encoded = None if s.result is None else _dumps(s.result)
-                except (TypeError, ValueError) as exc:
-                    raise InvalidJobError(f"result is not JSON-serialisable: {exc}") from exc
-                values.update(status=JobStatus.COMPLETED.value, result=encoded)
-            case Outcome.FAIL:
-                values.update(attempts=jobs.c.attempts + 1, last_error=s.error)
-                if s.run_at is None:
-                    values["status"] = JobStatus.FAILED.value
-                else:
-                    values.update(status=_QUEUED, run_at_us=_to_us(s.run_at))
-            case Outcome.RESCHEDULE:
-                run_at_us = now_us if s.run_at is None else _to_us(s.run_at)
-                values.update(status=_QUEUED, run_at_us=run_at_us)
-            case Outcome.RETURN:
-                values.update(status=_QUEUED, run_at_us=now_us)
-        stmt = (
+    @staticmethod
+    def _settle_stmt(move: settlement.Move) -> sa.Update:
+        """The fenced ``UPDATE`` carrying out settlements of ``move``'s shape: the lease
+        check and the change are one statement."""
+        return (
             sa.update(jobs)
             .where(
-                jobs.c.id == s.job_id,
-                jobs.c.handoff_id == s.handoff_id,
+                jobs.c.id == sa.bindparam("b_id"),
+                jobs.c.handoff_id == sa.bindparam("b_lease"),
                 jobs.c.status == _HANDED_OFF,
             )
-            .values(**values)
-            .returning(jobs.c.concurrency_key)
+            .values(**_set_bound(move))
         )
-        row = (await conn.execute(stmt)).first()
+
+    async def _settle_in(self, conn: AsyncConnection, s: Settlement, now_us: int) -> str | None:
+        """One fenced move out of ``handed_off``. Returns ``None`` when fenced out, else the
+        job's concurrency key ("" for none), whose slot the caller gives back in the same
+        transaction."""
+        move = settlement.settle(s, _from_us(now_us))
+        stmt = self._settle_stmt(move).returning(jobs.c.concurrency_key)
+        params = {"b_id": s.job_id, "b_lease": s.handoff_id, **_bound(move)}
+        row = (await conn.execute(stmt, params)).first()
         if row is None:
             return None
-        return row.concurrency_key or ""
+        return (move.releases_slot and row.concurrency_key) or ""
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> list[bool]:
         if not settlements:
@@ -863,7 +852,7 @@ class SQLAlchemyAdapter:
     async def _settle_batch(
         self, conn: AsyncConnection, settlements: Sequence[Settlement], now_us: int
     ) -> list[bool]:
-        """Group commit: one executemany per kind of move instead of a statement per job.
+        """Group commit: one executemany per shape of move instead of a statement per job.
 
         The rows are read and locked first, in job-id order (the order claims use, so two
         transactions never wait on each other), and each move is checked against its
@@ -883,67 +872,25 @@ class SQLAlchemyAdapter:
             if self._pg:
                 stmt = stmt.with_for_update()
             current.update({row.id: row for row in await conn.execute(stmt)})
+        now = _from_us(now_us)
         accepted = [False] * len(settlements)
-        groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-        statements: dict[tuple[str, ...], Any] = {}
+        groups: dict[tuple[Any, ...], tuple[sa.Update, list[dict[str, Any]]]] = {}
         released: Counter[str] = Counter()
         for job_id, i in first.items():
-            row = current.get(job_id)
-            if row is None or row.status != _HANDED_OFF:
+            s, row = settlements[i], current.get(job_id)
+            if row is None or not settlement.accepts(row.status, row.handoff_id, s):
                 continue
-            if row.handoff_id != settlements[i].handoff_id:
-                continue
+            move = settlement.settle(s, now)
             accepted[i] = True
-            if row.concurrency_key:
+            if move.releases_slot and row.concurrency_key:
                 released[row.concurrency_key] += 1
-            shape, values, params = self._settle_shape(settlements[i], now_us)
-            groups.setdefault(shape, []).append(params)
-            if shape not in statements:
-                statements[shape] = (
-                    sa.update(jobs)
-                    .where(
-                        jobs.c.id == sa.bindparam("b_id"),
-                        jobs.c.handoff_id == sa.bindparam("b_lease"),
-                        jobs.c.status == _HANDED_OFF,
-                    )
-                    .values(**values)
-                )
-        for shape, rows in groups.items():
-            await conn.execute(statements[shape], rows)
+            stmt_rows = groups.setdefault(move.shape, (self._settle_stmt(move), []))
+            stmt_rows[1].append({"b_id": s.job_id, "b_lease": s.handoff_id, **_bound(move)})
+        for update, rows in groups.values():
+            await conn.execute(update, rows)
         for key in sorted(released):
             await self._release(conn, key, released[key])
         return accepted
-
-    @staticmethod
-    def _settle_shape(
-        s: Settlement, now_us: int
-    ) -> tuple[tuple[str, ...], dict[str, Any], dict[str, Any]]:
-        """The columns a move sets (its shape, shared by an executemany), their SQL values,
-        and this move's bound parameters."""
-        params: dict[str, Any] = {"b_id": s.job_id, "b_lease": s.handoff_id}
-        values: dict[str, Any] = {"updated_us": now_us}
-        match s.outcome:
-            case Outcome.COMPLETE:
-                try:
-                    params["b_result"] = None if s.result is None else _dumps(s.result)
-                except (TypeError, ValueError) as exc:
-                    raise InvalidJobError(f"result is not JSON-serialisable: {exc}") from exc
-                values.update(status=JobStatus.COMPLETED.value, result=sa.bindparam("b_result"))
-            case Outcome.FAIL:
-                params["b_error"] = s.error
-                values.update(attempts=jobs.c.attempts + 1, last_error=sa.bindparam("b_error"))
-                if s.run_at is None:
-                    values["status"] = JobStatus.FAILED.value
-                else:
-                    params["b_run_at"] = _to_us(s.run_at)
-                    values.update(status=_QUEUED, run_at_us=sa.bindparam("b_run_at"))
-            case Outcome.RESCHEDULE:
-                params["b_run_at"] = now_us if s.run_at is None else _to_us(s.run_at)
-                values.update(status=_QUEUED, run_at_us=sa.bindparam("b_run_at"))
-            case Outcome.RETURN:
-                values.update(status=_QUEUED, run_at_us=now_us)
-        shape = (s.outcome.value, "dead" if s.run_at is None else "", *sorted(values))
-        return shape, values, params
 
     async def _release(self, conn: AsyncConnection, key: str, slots: int) -> None:
         await conn.execute(
@@ -1004,16 +951,17 @@ class SQLAlchemyAdapter:
             row = (await conn.execute(select)).mappings().first()
             if row is None:
                 return None
-            if row["status"] not in (_QUEUED, _HANDED_OFF):
+            move = settlement.cancel(row["status"], _from_us(self._now()))
+            if move is None:
                 return _job_from_row(row)
             update = (
                 sa.update(jobs)
                 .where(jobs.c.id == job_id, jobs.c.status == row["status"])
-                .values(status=JobStatus.CANCELLED.value, updated_us=self._now())
+                .values(**_columns(move.changes))
                 .returning(*jobs.c)
             )
             cancelled = (await conn.execute(update)).mappings().one()
-            if row["status"] == _HANDED_OFF and row["concurrency_key"] is not None:
+            if move.releases_slot and row["concurrency_key"] is not None:
                 await self._release(conn, row["concurrency_key"], 1)
         return _job_from_row(cancelled)
 
@@ -1022,7 +970,7 @@ class SQLAlchemyAdapter:
         update = (
             sa.update(jobs)
             .where(jobs.c.id == job_id, jobs.c.status == JobStatus.FAILED.value)
-            .values(status=_QUEUED, attempts=0, run_at_us=now_us, updated_us=now_us)
+            .values(**_columns(settlement.revive(_from_us(now_us)).changes))
             .returning(*jobs.c)
         )
         try:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import adapters
+from broker import checks
 from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode
 from broker.runner import Runner
@@ -58,14 +59,8 @@ class RunnerOptions:
 
     def validate(self) -> None:
         for name in ("inline_concurrency", "pooled_runner_count", "forked_concurrency"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigurationError(
-                    f"{name.replace('_', ' ')} must be zero (off) or a positive integer "
-                    f"(got {value!r})"
-                )
-        if self.default_timeout is not None and self.default_timeout <= 0:
-            raise ConfigurationError("the default job timeout must be a positive number of seconds")
+            checks.non_negative_int(name.replace("_", " "), getattr(self, name))
+        checks.optional(checks.positive, "the default job timeout", self.default_timeout)
 
 
 def build_runners(options: RunnerOptions, registry: TaskRegistry) -> dict[ExecutionMode, Runner]:

@@ -20,7 +20,7 @@ import json
 import math
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any, TypeAlias
 
@@ -218,26 +218,9 @@ class Job:
     @classmethod
     def from_spec(cls, spec: JobSpec, now: datetime) -> Job:
         """The row a store writes for ``spec`` when it is enqueued at ``now``."""
-        return cls(
-            id=spec.id,
-            task=spec.task,
-            args=tuple(spec.args),
-            kwargs=dict(spec.kwargs),
-            queue=spec.queue,
-            priority=spec.priority,
-            status=JobStatus.QUEUED,
-            attempts=0,
-            max_attempts=spec.max_attempts,
-            run_at=spec.run_at or now,
-            created_at=now,
-            updated_at=now,
-            execution_mode=spec.execution_mode,
-            idempotency_key=spec.idempotency_key,
-            concurrency_key=spec.concurrency_key,
-            concurrency_limit=spec.concurrency_limit,
-            timeout=spec.timeout,
-            unique_key=spec.unique_key,
-        )
+        values = spec_values(spec)
+        values.update(args=tuple(spec.args), kwargs=dict(spec.kwargs), run_at=spec.run_at or now)
+        return cls(**values, status=JobStatus.QUEUED, attempts=0, created_at=now, updated_at=now)
 
     @property
     def retries_left(self) -> int:
@@ -251,29 +234,39 @@ class Job:
         handed to, and no client needs it. ``worker_id`` stays, for operators.
         """
         return {
-            "id": str(self.id),
-            "task": self.task,
-            "args": list(self.args),
-            "kwargs": self.kwargs,
-            "queue": self.queue,
-            "priority": self.priority,
-            "status": self.status.value,
-            "attempts": self.attempts,
-            "max_attempts": self.max_attempts,
-            "run_at": self.run_at.isoformat(),
-            "created_at": self.created_at.isoformat(),
-            "updated_at": self.updated_at.isoformat(),
-            "execution_mode": self.execution_mode.value,
-            "worker_id": self.worker_id,
-            "handed_off_at": self.handed_off_at.isoformat() if self.handed_off_at else None,
-            "last_error": self.last_error,
-            "result": self.result,
-            "idempotency_key": self.idempotency_key,
-            "concurrency_key": self.concurrency_key,
-            "concurrency_limit": self.concurrency_limit,
-            "timeout": self.timeout,
-            "unique_key": self.unique_key,
+            f.name: json_field(getattr(self, f.name))
+            for f in fields(self)
+            if f.name != "handoff_id"
         }
+
+
+def spec_values(spec: JobSpec) -> dict[str, Any]:
+    """Every field of ``spec`` by name. Each boundary a job request crosses (a stored
+    :class:`Job`, a wire ``JobRequest``) copies through here, so a new field of
+    :class:`JobSpec` needs no copy written by hand."""
+    return {f.name: getattr(spec, f.name) for f in fields(JobSpec)}
+
+
+def spec_from(source: object, **differ: Any) -> JobSpec:
+    """A :class:`JobSpec` from the same-named attributes of ``source`` (a schedule's job
+    options, say) and ``differ``; a spec field that ``source`` lacks keeps its default."""
+    values = {f.name: getattr(source, f.name) for f in fields(JobSpec) if hasattr(source, f.name)}
+    return JobSpec(**{**values, **differ})
+
+
+def json_field(value: Any) -> Any:
+    """A job field's value as JSON holds it: ids and times as text, modes and statuses by
+    value. Payloads (args, kwargs, result) are JSON already and pass as they are."""
+    match value:
+        case uuid.UUID():
+            return str(value)
+        case datetime():
+            return value.isoformat()
+        case enum.Enum():
+            return value.value
+        case tuple():
+            return list(value)
+    return value
 
 
 PAYLOAD_FIELDS = frozenset({"args", "kwargs", "result"})

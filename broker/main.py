@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from broker import error_codes, protocol, wire
+from broker import checks, error_codes, protocol, wire
 from broker.admission import DEFAULT_MAX_CREDIT, CreditLimitError, Credits
 from broker.exceptions import (
-    ConfigurationError,
     InvalidJobError,
     ProtocolError,
     StorageError,
@@ -172,37 +171,35 @@ class MainSettings:
             "max_credit": self.max_credit,
         }
         for name, value in positive.items():
-            if not value > 0:
-                raise ConfigurationError(f"{name} must be positive (got {value!r})")
-        if self.orphan_grace < 0:
-            raise ConfigurationError("orphan_grace must not be negative")
+            checks.positive(name, value)
+        checks.non_negative("orphan_grace", self.orphan_grace)
         if self.max_payload_bytes is not None:
-            if not self.max_payload_bytes > 0:
-                raise ConfigurationError(
-                    f"max_payload_bytes must be positive (got {self.max_payload_bytes!r})"
-                )
-            if self.max_line_bytes < self.max_payload_bytes + LINE_HEADROOM_BYTES:
-                raise ConfigurationError(
-                    f"max_line_bytes ({self.max_line_bytes}) must exceed max_payload_bytes "
-                    f"({self.max_payload_bytes}) by at least {LINE_HEADROOM_BYTES} bytes, so "
-                    "a job at the payload limit fits in one message; raise --max-line-bytes "
-                    f"(e.g. to {line_limit_for(self.max_payload_bytes)}) or lower "
-                    "--max-payload-bytes"
-                )
-        if not 1 <= self.max_payload_depth <= MAX_PAYLOAD_DEPTH_CEILING:
-            raise ConfigurationError(
-                f"max_payload_depth must be 1-{MAX_PAYLOAD_DEPTH_CEILING} (got "
-                f"{self.max_payload_depth!r}): Python's json cannot reliably handle deeper values"
+            checks.positive("max_payload_bytes", self.max_payload_bytes)
+            checks.require(
+                self.max_line_bytes >= self.max_payload_bytes + LINE_HEADROOM_BYTES,
+                f"max_line_bytes ({self.max_line_bytes}) must exceed max_payload_bytes "
+                f"({self.max_payload_bytes}) by at least {LINE_HEADROOM_BYTES} bytes, so "
+                "a job at the payload limit fits in one message; raise --max-line-bytes "
+                f"(e.g. to {line_limit_for(self.max_payload_bytes)}) or lower "
+                "--max-payload-bytes",
             )
-        if self.liveness_timeout <= self.ping_interval:
-            raise ConfigurationError("liveness_timeout must be longer than ping_interval")
-        if not 0 <= self.port < 65536:
-            raise ConfigurationError(f"port must be 0-65535 (got {self.port})")
-        if not self.token and not self.allow_unauthenticated and not _is_loopback(self.host):
-            raise ConfigurationError(
-                f"refusing to listen on {self.host!r} without a token: set BROKER_TOKEN, "
-                "listen on 127.0.0.1, or pass --allow-unauthenticated if the network is private"
-            )
+        checks.int_in_range(
+            "max_payload_depth",
+            self.max_payload_depth,
+            1,
+            MAX_PAYLOAD_DEPTH_CEILING,
+            why="Python's json cannot reliably handle deeper values",
+        )
+        checks.require(
+            self.liveness_timeout > self.ping_interval,
+            "liveness_timeout must be longer than ping_interval",
+        )
+        checks.int_in_range("port", self.port, 0, 65535)
+        checks.require(
+            bool(self.token) or self.allow_unauthenticated or _is_loopback(self.host),
+            f"refusing to listen on {self.host!r} without a token: set BROKER_TOKEN, "
+            "listen on 127.0.0.1, or pass --allow-unauthenticated if the network is private",
+        )
 
 
 def _is_loopback(host: str) -> bool:

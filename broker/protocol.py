@@ -27,7 +27,7 @@ import types
 import typing
 import uuid
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timedelta
 from typing import Annotated, Any, ClassVar, TypeAlias, TypeVar
 
@@ -39,6 +39,7 @@ from broker.jobs import (
     JobSpec,
     JobStatus,
     JSONValue,
+    spec_values,
 )
 from broker.payload import DEFAULT_MAX_PAYLOAD_DEPTH
 from broker.values import MAX_AGE_SECONDS, check_delay, check_key, check_name
@@ -408,45 +409,24 @@ class JobRequest:
             except ValueError as exc:
                 raise InvalidJobError(str(exc)) from None
             run_at = now + timedelta(seconds=self.delay)
-        optional: dict[str, Any] = {}
-        if self.max_attempts is not None:
-            optional["max_attempts"] = self.max_attempts
-        if self.id is not None:
-            optional["id"] = self.id
-        return JobSpec(
-            task=self.task,
-            args=self.args,
-            kwargs=self.kwargs,
-            queue=self.queue,
-            priority=self.priority,
-            run_at=run_at,
-            idempotency_key=self.idempotency_key,
-            concurrency_key=self.concurrency_key,
-            concurrency_limit=self.concurrency_limit,
-            timeout=self.timeout,
-            execution_mode=self.execution_mode,
-            unique_key=self.unique_key,
-            **optional,
-        )
+        # A field the request leaves out (None) takes the spec's default.
+        values = {
+            name: value
+            for name in _SPEC_FIELDS
+            if name != "run_at" and (value := getattr(self, name)) is not None
+        }
+        return JobSpec(**values, run_at=run_at)
 
     @classmethod
     def from_spec(cls, spec: JobSpec) -> JobRequest:
-        return cls(
-            task=spec.task,
-            args=list(spec.args),
-            kwargs=dict(spec.kwargs),
-            queue=spec.queue,
-            priority=spec.priority,
-            run_at=spec.run_at.isoformat() if spec.run_at is not None else None,
-            max_attempts=spec.max_attempts,
-            idempotency_key=spec.idempotency_key,
-            concurrency_key=spec.concurrency_key,
-            concurrency_limit=spec.concurrency_limit,
-            timeout=spec.timeout,
-            execution_mode=spec.execution_mode,
-            id=spec.id,
-            unique_key=spec.unique_key,
-        )
+        values = spec_values(spec)
+        values.update(args=list(spec.args), kwargs=dict(spec.kwargs))
+        values["run_at"] = None if spec.run_at is None else spec.run_at.isoformat()
+        return cls(**values)
+
+
+_SPEC_FIELDS = tuple(f.name for f in fields(JobSpec))
+"""What a :class:`JobRequest` passes on to its spec (``delay`` is resolved into ``run_at``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 from datetime import timedelta
 
-from broker.exceptions import ConfigurationError
+from broker import checks
 from broker.jobs import Clock, JobStatus, utcnow
 from broker.storage import StorageAdapter
 from broker.supervise import retrying
@@ -49,18 +49,11 @@ class Retention:
     """Rows deleted per transaction."""
 
     def __post_init__(self) -> None:
-        for name in ("completed_ttl", "dead_ttl"):
-            ttl = getattr(self, name)
-            if ttl is not None and ttl <= timedelta(0):
-                raise ConfigurationError(f"{name} must be positive or None (got {ttl})")
-        if self.max_terminal_rows is not None and self.max_terminal_rows < 0:
-            raise ConfigurationError(
-                f"max_terminal_rows must not be negative (got {self.max_terminal_rows})"
-            )
-        if not self.interval > 0:
-            raise ConfigurationError(f"interval must be positive (got {self.interval!r})")
-        if self.batch_size < 1:
-            raise ConfigurationError(f"batch_size must be at least 1 (got {self.batch_size})")
+        checks.optional(checks.positive_duration, "completed_ttl", self.completed_ttl)
+        checks.optional(checks.positive_duration, "dead_ttl", self.dead_ttl)
+        checks.optional(checks.non_negative_int, "max_terminal_rows", self.max_terminal_rows)
+        checks.positive("interval", self.interval)
+        checks.positive_int("batch_size", self.batch_size)
 
 
 async def prune_once(

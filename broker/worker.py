@@ -39,7 +39,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import math
 import os
 import random
 import signal
@@ -48,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from broker import error_codes, protocol, wire
+from broker import checks, error_codes, protocol, wire
 from broker.exceptions import (
     AuthenticationError,
     ConfigurationError,
@@ -138,13 +137,13 @@ class Worker:
                 raise ConfigurationError(f"the runner for {mode} jobs serves {runner.mode}")
         if queues is not None and (not queues or not all(queues)):
             raise ConfigurationError("queues must name at least one queue (None serves all)")
-        _require_positive("ping_interval", ping_interval)
-        _require_positive("liveness_timeout", liveness_timeout)
-        if liveness_timeout <= ping_interval:
-            raise ConfigurationError("liveness_timeout must be longer than ping_interval")
-        _require_positive("reconnect_max_delay", reconnect_max_delay)
-        if drain_timeout is not None and not (math.isfinite(drain_timeout) and drain_timeout >= 0):
-            raise ConfigurationError("drain_timeout must be a number of seconds >= 0, or None")
+        checks.positive("ping_interval", ping_interval)
+        checks.positive("liveness_timeout", liveness_timeout)
+        checks.require(
+            liveness_timeout > ping_interval, "liveness_timeout must be longer than ping_interval"
+        )
+        checks.positive("reconnect_max_delay", reconnect_max_delay)
+        checks.optional(checks.non_negative, "drain_timeout", drain_timeout)
         self.worker_id = worker_id
         self._address = (main_host, main_port)
         self._runners = dict(runners)
@@ -606,11 +605,6 @@ def _mirror(event: asyncio.Event, value: bool) -> None:
 
 def _describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
-
-
-def _require_positive(name: str, value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigurationError(f"{name} must be a positive number of seconds (got {value!r})")
 
 
 def install_signal_handlers(worker: Worker) -> None:

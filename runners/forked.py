@@ -12,6 +12,7 @@ import asyncio
 import uuid
 from collections.abc import Callable, Sequence
 
+from broker import checks
 from broker.jobs import ExecutionMode
 from broker.runner import Assignment, Outcome, RunnerStatus
 from broker.tasks import TaskRegistry, default_registry
@@ -19,8 +20,6 @@ from runners.process import (
     ChildProcess,
     StartupGuard,
     cancel_on,
-    positive_int,
-    positive_number,
     run_on_child,
     timeout_for,
 )
@@ -40,13 +39,11 @@ class ForkedRunner:
     ) -> None:
         self._apps = list(apps)
         self._registry = default_registry if registry is None else registry
-        self._concurrency = positive_int("forked concurrency", concurrency)
-        self._default_timeout = (
-            None if default_timeout is None else positive_number("job timeout", default_timeout)
-        )
-        self._kill_grace = positive_number("kill grace", kill_grace)
-        self._startup_timeout = positive_number("runner start-up timeout", startup_timeout)
-        self._respawn_max_delay = positive_number("respawn delay cap", respawn_max_delay)
+        self._concurrency = checks.positive_int("forked concurrency", concurrency)
+        self._default_timeout = checks.optional(checks.positive, "job timeout", default_timeout)
+        self._kill_grace = checks.positive("kill grace", kill_grace)
+        self._startup_timeout = checks.positive("runner start-up timeout", startup_timeout)
+        self._respawn_max_delay = checks.positive("respawn delay cap", respawn_max_delay)
         self._children: list[ChildProcess] = []
         self._listener: Callable[[], None] = lambda: None
         self._guard: StartupGuard | None = None

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import contextvars
 import json
-import math
 import threading
 import traceback
 import uuid
@@ -26,7 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.exceptions import ConfigurationError, TaskNotFoundError
+from broker import checks
+from broker.exceptions import TaskNotFoundError
 from broker.jobs import ExecutionMode, JSONValue
 from broker.payload import MAX_PAYLOAD_DEPTH_CEILING, result_too_deep
 from broker.runner import (
@@ -102,16 +102,8 @@ class InlineRunner:
         *,
         enforce_timeouts: bool = True,
     ) -> None:
-        if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
-            raise ConfigurationError(
-                f"inline concurrency must be a positive integer (got {concurrency!r})"
-            )
-        if default_timeout is not None and not (
-            math.isfinite(default_timeout) and default_timeout > 0
-        ):
-            raise ConfigurationError(
-                f"default_timeout must be a positive number of seconds (got {default_timeout!r})"
-            )
+        checks.positive_int("inline concurrency", concurrency)
+        checks.optional(checks.positive, "default_timeout", default_timeout)
         self._registry = default_registry if registry is None else registry
         self._concurrency = concurrency
         self._default_timeout = default_timeout

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
+from broker import checks
 from broker.jobs import ExecutionMode
 from broker.runner import Assignment, Outcome, Released, RunnerStatus
 from broker.tasks import TaskRegistry, default_registry
@@ -27,8 +28,6 @@ from runners.process import (
     ChildProcess,
     StartupGuard,
     cancel_on,
-    positive_int,
-    positive_number,
     run_on_child,
     timeout_for,
 )
@@ -55,18 +54,16 @@ class PooledRunner:
     ) -> None:
         self._apps = list(apps)
         self._registry = default_registry if registry is None else registry
-        self._count = positive_int("pooled runner count", count or os.cpu_count() or 1)
-        self._concurrency = positive_int("pooled runner concurrency", concurrency)
-        self._max_jobs = positive_int("max jobs per pooled runner", max_jobs)
-        self._max_rss = positive_int("max RSS bytes per pooled runner", max_rss_bytes)
-        self._max_lifetime = positive_number("max pooled runner lifetime", max_lifetime)
-        self._default_timeout = (
-            None if default_timeout is None else positive_number("job timeout", default_timeout)
-        )
-        self._kill_grace = positive_number("kill grace", kill_grace)
-        self._startup_timeout = positive_number("runner start-up timeout", startup_timeout)
-        self._ping_interval = positive_number("runner ping interval", ping_interval)
-        self._respawn_max_delay = positive_number("respawn delay cap", respawn_max_delay)
+        self._count = checks.positive_int("pooled runner count", count or os.cpu_count() or 1)
+        self._concurrency = checks.positive_int("pooled runner concurrency", concurrency)
+        self._max_jobs = checks.positive_int("max jobs per pooled runner", max_jobs)
+        self._max_rss = checks.positive_int("max RSS bytes per pooled runner", max_rss_bytes)
+        self._max_lifetime = checks.positive("max pooled runner lifetime", max_lifetime)
+        self._default_timeout = checks.optional(checks.positive, "job timeout", default_timeout)
+        self._kill_grace = checks.positive("kill grace", kill_grace)
+        self._startup_timeout = checks.positive("runner start-up timeout", startup_timeout)
+        self._ping_interval = checks.positive("runner ping interval", ping_interval)
+        self._respawn_max_delay = checks.positive("respawn delay cap", respawn_max_delay)
         self._children: list[ChildProcess] = []
         self._listener: Callable[[], None] = lambda: None
         self._guard: StartupGuard | None = None

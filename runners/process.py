@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -21,7 +20,6 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode
 from broker.runner import Assignment, Completed, Failed, Outcome, Released, Rescheduled
 from broker.tasks import TaskRegistry
@@ -133,23 +131,6 @@ class OutputRelay:
         self._tokens -= 1
         self.report_suppressed()
         logger.info("runner output pid=%s %s", self.pid, text)
-
-
-def positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigurationError(f"{name} must be a positive integer (got {value!r})")
-    return value
-
-
-def positive_number(name: str, value: object) -> float:
-    if (
-        not isinstance(value, int | float)
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ConfigurationError(f"{name} must be a positive number (got {value!r})")
-    return float(value)
 
 
 def current_rss() -> int:

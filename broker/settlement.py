@@ -1,0 +1,136 @@
+"""What a claim, a report or a cancel does to its job: the transition table, written once.
+
+Every store applies the same moves into and out of ``handed_off`` (see the diagram in
+:mod:`broker.jobs`), so the rule lives here as pure functions and each store only
+carries it out: the memory adapter replaces its :class:`~broker.jobs.Job` value, the
+SQL adapter turns the same :class:`Move` into the ``SET`` of one fenced ``UPDATE``
+(an executemany per shape when a batch is grouped). Nothing here reads a clock or a
+store; ``now`` comes in, the changes go out.
+
+================  ===============================  =========  ==================
+move              status                           attempts   run_at
+================  ===============================  =========  ==================
+claim             ``handed_off`` (lease, worker)   unchanged  unchanged
+``COMPLETE``      ``completed`` (``result`` kept)  unchanged  unchanged
+``FAIL`` + retry  ``queued`` (``last_error``)      + 1        the retry time
+``FAIL``, dead    ``failed`` (``last_error``)      + 1        unchanged
+``RESCHEDULE``    ``queued``                       unchanged  its time, else now
+``RETURN``        ``queued``                       unchanged  now
+cancel            ``cancelled``                    unchanged  unchanged
+revive            ``queued`` (from ``failed``)     0          now
+================  ===============================  =========  ==================
+
+A claim takes the job's concurrency slot (the store checks there is room); every
+accepted settlement gives back the job's concurrency slot; a cancel gives it back
+only when the job was handed off (a queued job holds none).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from broker.jobs import ACTIVE_STATUSES, Claim, Job, JobStatus, Outcome, Settlement
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """The changes one transition makes to a job.
+
+    ``changes`` maps :class:`~broker.jobs.Job` field names to their new values (always
+    ``status`` and ``updated_at``); fields it does not name keep theirs. ``attempts`` is
+    not among them but counted by ``counts_attempt``, because a store may add the one
+    in the database (``attempts = attempts + 1``) without reading the row first.
+    """
+
+    changes: Mapping[str, Any]
+    counts_attempt: bool = False
+    releases_slot: bool = True
+    """Whether the job's concurrency slot (if it has a key) is given back."""
+
+    @property
+    def shape(self) -> tuple[Any, ...]:
+        """What moves sharing one ``UPDATE`` statement have in common: the fields set."""
+        return (self.counts_attempt, *sorted(self.changes))
+
+
+def hand_off(claim: Claim, now: datetime) -> Move:
+    """The move a won claim makes to its queued job: handed off under the claim's lease."""
+    changes = {
+        "status": JobStatus.HANDED_OFF,
+        "handoff_id": claim.handoff_id,
+        "worker_id": claim.worker_id,
+        "handed_off_at": now,
+        "updated_at": now,
+    }
+    return Move(changes, releases_slot=False)
+
+
+def accepts(status: str, handoff_id: uuid.UUID | None, s: Settlement) -> bool:
+    """The fence: only the lease the job is handed off under may settle it, so a report
+    from an older attempt can never change a newer one."""
+    return status == JobStatus.HANDED_OFF and handoff_id == s.handoff_id
+
+
+def settle(s: Settlement, now: datetime) -> Move:
+    """The move ``s`` makes once :func:`accepts` lets it through."""
+    changes: dict[str, Any]
+    match s.outcome:
+        case Outcome.COMPLETE:
+            changes = {"status": JobStatus.COMPLETED, "result": s.result}
+        case Outcome.FAIL:
+            # No retry time means no retry: the job is dead.
+            changes = {"status": JobStatus.FAILED if s.run_at is None else JobStatus.QUEUED}
+            changes["last_error"] = s.error
+            if s.run_at is not None:
+                changes["run_at"] = s.run_at
+        case Outcome.RESCHEDULE:
+            changes = {"status": JobStatus.QUEUED, "run_at": s.run_at or now}
+        case Outcome.RETURN:
+            changes = {"status": JobStatus.QUEUED, "run_at": now}
+    changes["updated_at"] = now
+    return Move(changes, counts_attempt=s.outcome is Outcome.FAIL)
+
+
+def statuses_after(outcome: Outcome) -> frozenset[JobStatus]:
+    """Every status a settlement with ``outcome`` may leave its job in, whatever its retry
+    time: a report seen again whose job is in one of them was already applied (a
+    duplicate), where any other status means a stale one."""
+    return frozenset(
+        settle(Settlement(_NO_ID, _NO_ID, outcome, run_at=run_at), _PROBE).changes["status"]
+        for run_at in (None, _PROBE)
+    )
+
+
+_NO_ID = uuid.UUID(int=0)
+_PROBE = datetime(2000, 1, 1, tzinfo=UTC)
+"""Any time will do: the status a move sets does not depend on when."""
+
+
+def cancel(status: str, now: datetime) -> Move | None:
+    """The move an operator's cancel makes, or ``None`` when the job has already
+    finished (a cancel never rewrites history)."""
+    if JobStatus(status) not in ACTIVE_STATUSES:
+        return None
+    return Move(
+        {"status": JobStatus.CANCELLED, "updated_at": now},
+        releases_slot=status == JobStatus.HANDED_OFF,
+    )
+
+
+def revive(now: datetime) -> Move:
+    """The move an operator's retry makes to a dead (``failed``) job: queued again at
+    once, with a fresh count of attempts. A queued job holds no slot, so none is given."""
+    changes = {"status": JobStatus.QUEUED, "attempts": 0, "run_at": now, "updated_at": now}
+    return Move(changes, releases_slot=False)
+
+
+def apply(job: Job, move: Move) -> Job:
+    """``job`` after ``move``: how a store that keeps :class:`Job` values carries it out."""
+    changes = dict(move.changes)
+    if move.counts_attempt:
+        changes["attempts"] = job.attempts + 1
+    return replace(job, **changes)

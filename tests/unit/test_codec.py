@@ -1,0 +1,106 @@
+"""Each boundary's field mapping (broker/codec.py, Job.from_spec/to_dict, JobRequest)
+agrees with the hand-written copies it replaces, so the callers can switch over."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import fields, replace
+from datetime import UTC, datetime, timedelta
+
+from broker import codec, protocol, settlement
+from broker.jobs import Claim, ExecutionMode, Job, JobSpec, spec_from
+from broker.main import _job_message
+from broker.runner import Assignment
+from broker.schedule import Schedule
+from runners.process import assignment_from_wire, assignment_to_wire
+
+NOW = datetime(2030, 1, 1, tzinfo=UTC)
+
+SPEC = JobSpec(
+    "tasks.add",
+    args=(1, [2]),
+    kwargs={"x": {"y": None}},
+    queue="q",
+    priority=3,
+    run_at=NOW + timedelta(seconds=5),
+    max_attempts=4,
+    idempotency_key="idem",
+    concurrency_key="ck",
+    concurrency_limit=2,
+    timeout=1.5,
+    execution_mode=ExecutionMode.FORKED,
+    unique_key="uk",
+)
+
+
+def claimed() -> Job:
+    job = Job.from_spec(SPEC, NOW)
+    job = settlement.apply(job, settlement.hand_off(Claim(SPEC.id, uuid.uuid4(), "w"), NOW))
+    return replace(job, attempts=2)
+
+
+def test_job_from_spec_copies_every_spec_field() -> None:
+    job = Job.from_spec(SPEC, NOW)
+    for name in JobSpec.__dataclass_fields__:
+        assert getattr(job, name) == getattr(SPEC, name), name
+    assert (job.attempts, job.created_at, job.updated_at) == (0, NOW, NOW)
+    assert Job.from_spec(JobSpec("t"), NOW).run_at == NOW
+
+
+def test_job_request_round_trips_a_spec() -> None:
+    request = protocol.JobRequest.from_spec(SPEC)
+    assert request.to_spec(NOW) == SPEC
+    # A bare request takes the spec's defaults (a fresh id among them).
+    bare = protocol.JobRequest(task="t").to_spec(NOW)
+    assert bare.max_attempts == JobSpec("t").max_attempts and bare.run_at is None
+    assert protocol.JobRequest(task="t", delay=2).to_spec(NOW).run_at == NOW + timedelta(seconds=2)
+
+
+def test_to_dict_shows_every_field_but_the_lease() -> None:
+    job = claimed()
+    shown = job.to_dict()
+    assert set(shown) == set(Job.__dataclass_fields__) - {"handoff_id"}
+    assert shown["id"] == str(job.id) and shown["args"] == [1, [2]]
+    assert shown["status"] == "handed_off" and shown["execution_mode"] == "forked"
+    assert shown["run_at"] == job.run_at.isoformat() and shown["handed_off_at"] == NOW.isoformat()
+
+
+def test_job_message_matches_the_main_s_copy() -> None:
+    job = claimed()
+    assert codec.job_message(7, job) == _job_message(7, job)
+    assert codec.job_message(7, job).attempt == 3
+
+
+def test_assignment_and_pipe_match_the_hand_copies() -> None:
+    msg = codec.job_message(1, claimed())
+    a = codec.assignment(msg)
+    for f in fields(Assignment):  # every field by name, as Worker._start copies them
+        want = getattr(msg, f.name)
+        assert getattr(a, f.name) == (tuple(want) if f.name == "args" else want), f.name
+    assert codec.assignment_to_pipe(a) == assignment_to_wire(a)
+    assert (
+        codec.assignment_from_pipe(assignment_to_wire(a))
+        == assignment_from_wire(assignment_to_wire(a))
+        == a
+    )
+
+
+def test_spec_from_matches_the_schedule_s_copy() -> None:
+    schedule = Schedule(
+        name="s",
+        task="app.job",
+        every=timedelta(minutes=1),
+        args=[1],
+        kwargs={"k": 2},
+        queue="q",
+        priority=4,
+        max_attempts=2,
+        timeout=3.0,
+        execution_mode=ExecutionMode.INLINE,
+        concurrency_key="ck",
+        concurrency_limit=1,
+    )
+    tick = NOW + timedelta(minutes=3)
+    made = spec_from(schedule, run_at=tick, idempotency_key=schedule.key(tick))
+    by_hand = schedule.spec(tick)
+    assert replace(made, id=by_hand.id) == by_hand
