@@ -28,6 +28,7 @@ from broker.jobs import (
     ExecutionMode,
     JobSpec,
     JSONValue,
+    spec_from,
 )
 from broker.triggers import EPOCH, CronExpression, Interval, Trigger, aware
 
@@ -106,20 +107,7 @@ class Schedule:
 
     def spec(self, tick: datetime) -> JobSpec:
         """The job for ``tick``: due at the tick, keyed so it is stored once."""
-        return JobSpec(
-            task=self.task,
-            args=self.args,
-            kwargs=self.kwargs,
-            queue=self.queue,
-            priority=self.priority,
-            run_at=aware("tick", tick),
-            max_attempts=self.max_attempts,
-            idempotency_key=self.key(tick),
-            concurrency_key=self.concurrency_key,
-            concurrency_limit=self.concurrency_limit,
-            timeout=self.timeout,
-            execution_mode=self.execution_mode,
-        )
+        return spec_from(self, run_at=aware("tick", tick), idempotency_key=self.key(tick))
 
     def next_after(self, when: datetime) -> datetime:
         return self.trigger.next_after(when)

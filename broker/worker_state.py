@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-from broker import protocol
+from broker import codec, protocol
 from broker.exceptions import ProtocolError, TaskNotFoundError
 from broker.jobs import ExecutionMode
 from broker.payload import result_problem
@@ -248,18 +248,7 @@ class WorkerState:
         if free.get(mode, 0) - self._starting[mode] <= 0:
             self._release(key, f"no free {mode} slot")
             return []
-        assignment = Assignment(
-            job_id=msg.job_id,
-            handoff_id=msg.handoff_id,
-            task=msg.task,
-            args=tuple(msg.args),
-            kwargs=dict(msg.kwargs),
-            execution_mode=mode,
-            attempt=msg.attempt,
-            max_attempts=msg.max_attempts,
-            timeout=msg.timeout,
-            queue=msg.queue,
-        )
+        assignment = codec.assignment(msg)
         self._starting[mode] += 1
         self._running[key] = mode
         self._log_job(

@@ -28,9 +28,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from broker import codec
 from broker.runner import Assignment, Completed, Failed, Outcome, Released, Rescheduled
 from runners.inline import InlineRunner, format_error
-from runners.process import CHILD_SYS_PATH_ENV, assignment_from_wire, current_rss
+from runners.process import CHILD_SYS_PATH_ENV, current_rss
 
 STARTUP_FAILED = 3
 """Exit code after reporting a start-up error (the app failed to import)."""
@@ -126,7 +127,7 @@ async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bo
         if message.get("type") == "ping":
             channel.send({"type": "pong", "nonce": message.get("nonce"), "rss": current_rss()})
             continue
-        assignment = assignment_from_wire(message)
+        assignment = codec.assignment_from_pipe(message)
         task = asyncio.create_task(run(assignment))
         running.add(task)
         task.add_done_callback(running.discard)

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from broker.jobs import ExecutionMode
+from broker import codec
 from broker.runner import Assignment, Completed, Failed, Outcome, Released, Rescheduled
 from broker.tasks import TaskRegistry
 
@@ -140,37 +140,6 @@ def current_rss() -> int:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-
-def assignment_to_wire(a: Assignment) -> dict[str, Any]:
-    return {
-        "type": "job",
-        "job_id": str(a.job_id),
-        "handoff_id": str(a.handoff_id),
-        "task": a.task,
-        "args": list(a.args),
-        "kwargs": a.kwargs,
-        "execution_mode": a.execution_mode.value,
-        "attempt": a.attempt,
-        "max_attempts": a.max_attempts,
-        "timeout": a.timeout,
-        "queue": a.queue,
-    }
-
-
-def assignment_from_wire(m: dict[str, Any]) -> Assignment:
-    return Assignment(
-        job_id=uuid.UUID(m["job_id"]),
-        handoff_id=uuid.UUID(m["handoff_id"]),
-        task=m["task"],
-        args=tuple(m["args"]),
-        kwargs=dict(m["kwargs"]),
-        execution_mode=ExecutionMode(m["execution_mode"]),
-        attempt=int(m["attempt"]),
-        max_attempts=int(m["max_attempts"]),
-        timeout=m["timeout"],
-        queue=m["queue"],
-    )
 
 
 def timeout_for(
@@ -497,7 +466,7 @@ async def run_on_child(
     except ChildStartupError:
         return await future
     try:
-        child.send(assignment_to_wire(assignment))
+        child.send(codec.assignment_to_pipe(assignment))
     except ValueError as exc:
         # The job never reached the child: free its slot there and fail it for good (the
         # same arguments would fail the same way).
