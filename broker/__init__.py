@@ -1,6 +1,16 @@
-"""broker: an asyncio job broker that never loses a job and never lets a stale worker win."""
+"""broker: an asyncio job broker that never loses a job and never lets a stale worker win.
+
+``broker.__all__`` is what users import: ``task`` to declare jobs, ``Client`` and
+``SyncClient`` to enqueue and inspect them, ``Reschedule`` for a task to ask for a later
+run, ``Schedule`` for periodic jobs, every exception of the one error tree, and the
+types a custom storage adapter implements (``StorageAdapter`` and what its methods
+take and return). Everything else is internal: import it at your own risk.
+"""
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from broker.exceptions import (
     AuthenticationError,
@@ -16,6 +26,7 @@ from broker.exceptions import (
     StorageError,
     StorageRejectedError,
     TaskNotFoundError,
+    UniqueKeyTakenError,
 )
 from broker.jobs import (
     Claim,
@@ -24,14 +35,45 @@ from broker.jobs import (
     Job,
     JobSpec,
     JobStatus,
+    Outcome,
+    Settlement,
 )
+from broker.runner import Reschedule
 from broker.storage import Capabilities, JobFilter, JobPage, QueueCount, StorageAdapter
+
+if TYPE_CHECKING:
+    from broker.client import Client, SyncClient
+    from broker.schedule import Schedule
+    from broker.tasks import Task, TaskRegistry, task
+
+_LAZY = {
+    "Client": "broker.client",
+    "SyncClient": "broker.client",
+    "Schedule": "broker.schedule",
+    "Task": "broker.tasks",
+    "TaskRegistry": "broker.tasks",
+    "task": "broker.tasks",
+}
+"""Loaded on first use: the client (anyio) and the task and schedule modules (the cron
+library) would add about 75 ms to every process that imports any part of ``broker``,
+a runner child's start among them."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'broker' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AuthenticationError",
     "BrokerError",
     "Capabilities",
     "Claim",
+    "Client",
     "ConfigurationError",
     "EnqueueResult",
     "ExecutionMode",
@@ -43,13 +85,22 @@ __all__ = [
     "JobStatus",
     "JobTimeoutError",
     "MissingDriverError",
+    "Outcome",
     "PayloadTooLargeError",
     "ProtocolError",
     "QueueCount",
+    "Reschedule",
     "RunnerCrashedError",
+    "Schedule",
     "SchemaVersionError",
+    "Settlement",
     "StorageAdapter",
     "StorageError",
     "StorageRejectedError",
+    "SyncClient",
+    "Task",
     "TaskNotFoundError",
+    "TaskRegistry",
+    "UniqueKeyTakenError",
+    "task",
 ]

@@ -1,0 +1,51 @@
+"""``broker.__all__`` is the public surface: what a user imports, all of it importable,
+every exception of the tree among it, and none of it costing an import it does not use."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import broker
+from broker import exceptions
+
+USER_FACING = {"task", "Client", "SyncClient", "Reschedule", "Schedule"}
+
+
+def test_every_exported_name_resolves_and_the_user_facing_ones_are_there() -> None:
+    assert set(broker.__all__) >= USER_FACING
+    assert sorted(broker.__all__) == broker.__all__, "kept sorted, so a diff shows what changed"
+    for name in broker.__all__:
+        assert getattr(broker, name) is not None, name
+
+
+def test_every_exception_of_the_tree_is_exported() -> None:
+    tree = {
+        name
+        for name, value in vars(exceptions).items()
+        if inspect.isclass(value) and issubclass(value, exceptions.BrokerError)
+    }
+    assert tree <= set(broker.__all__)
+    assert all(getattr(broker, name) is getattr(exceptions, name) for name in tree)
+
+
+def test_an_unknown_name_is_an_attribute_error() -> None:
+    try:
+        broker.NoSuchThing  # type: ignore[attr-defined]  # noqa: B018
+    except AttributeError as exc:
+        assert "NoSuchThing" in str(exc)
+    else:
+        raise AssertionError("broker.NoSuchThing resolved")
+
+
+def test_importing_broker_loads_neither_the_client_nor_the_cron_library() -> None:
+    probe = (
+        "import sys, broker.runner; "
+        "print(sorted(m for m in ('broker.client', 'broker.tasks', 'anyio', 'cronsim') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], check=True, capture_output=True, text=True
+    ).stdout
+    assert out.strip() == "[]", out
