@@ -40,8 +40,21 @@ from broker.exceptions import (
     StorageError,
     StorageRejectedError,
 )
+from broker.handoff import (
+    Abort,
+    ClaimJobs,
+    Dispatch,
+    Effect,
+    Handoff,
+    Peer,
+    PlannedClaim,
+    Report,
+    ReturnLease,
+    Send,
+    Settle,
+    Wake,
+)
 from broker.jobs import (
-    Claim,
     Clock,
     ExecutionMode,
     Job,
@@ -68,8 +81,6 @@ from broker.schedule import Schedule, Scheduler, catch_up_window
 from broker.storage import JobFilter, QueueCount, StorageAdapter, SupportsNotify
 
 logger = logging.getLogger("broker.main")
-
-Report = protocol.Completed | protocol.Failed | protocol.Reschedule | protocol.Release
 
 DEFAULT_PORT = 7390
 
@@ -221,8 +232,8 @@ def _is_loopback(host: str) -> bool:
 
 @dataclass(eq=False)
 class Session:
-    """One connection, as the main sees it. Leases belong to a session, not to a worker id,
-    so a dropped socket gives back only what was handed to that socket.
+    """One connection's transport. What the handoff knows of it (role, credits, leases,
+    liveness) is its :class:`broker.handoff.Peer`, ``state``, kept by :attr:`Main.handoff`.
 
     Everything the main sends goes through :meth:`send` into ``outbox``, which one writer
     task drains. Its size in bytes is what back-pressure acts on: over
@@ -230,40 +241,22 @@ class Session:
     its messages) until half of it has been written.
     """
 
-    id: int
+    state: Peer
     peer: str
     writer: wire.MessageWriter
     max_outbox_bytes: int
     max_requests: int
     """Client requests this connection may have in progress before reading pauses."""
-    role: protocol.Role | None = None
-    worker_id: str | None = None
     host: str | None = None
-    modes: frozenset[ExecutionMode] = frozenset()
-    queues: frozenset[str] | None = None
-    credits: Credits = field(default_factory=Credits)
-    leases: dict[uuid.UUID, Job] = field(default_factory=dict)
-    draining: bool = False
     reported_status: dict[str, Any] | None = None
     """The worker's last ``worker_status`` (its runners' capacity and start-up errors)."""
     closed: bool = False
     dropped: bool = False
     """The main judged the peer dead and aborted the connection; stop reading it."""
     errors: int = 0
-    last_answer: float = 0.0
-    """Loop time of the last ``pong`` answering one of the main's pings (or of the accept).
-    Nothing else counts: a peer that sends but never reads cannot answer."""
-    ping_base: int = field(default_factory=lambda: secrets.randbits(62))
-    """The main's pings on this connection carry ``ping_base + 1, + 2, ...``; random, so a
-    peer that does not read them cannot answer them."""
-    pings_sent: int = 0
     outbox: deque[bytes] = field(default_factory=deque)
     outbox_bytes: int = 0
     """Queued bytes, plus those of the write in progress until it has drained."""
-    paused_since: float | None = None
-    """Loop time ``outbox_bytes`` went over the cap; ``None`` while under it."""
-    write_started: float | None = None
-    """Loop time the write in progress began; ``None`` when the writer is idle."""
     requests: set[asyncio.Task[None]] = field(default_factory=set)
     """This connection's client requests in progress (cancelled when it closes)."""
     readable: asyncio.Event = field(default_factory=asyncio.Event)
@@ -273,17 +266,38 @@ class Session:
     def __post_init__(self) -> None:
         self.readable.set()
 
+    # The handoff's view of this connection, read-only here (only the core changes it).
     @property
-    def dispatchable(self) -> bool:
-        return (
-            self.role is protocol.Role.WORKER
-            and not self.draining
-            and not self.closed
-            and self.paused_since is None
-        )
+    def id(self) -> int:
+        return self.state.id
 
-    def serves(self, job: Job) -> bool:
-        return self.queues is None or job.queue in self.queues
+    @property
+    def role(self) -> protocol.Role | None:
+        return self.state.role
+
+    @property
+    def worker_id(self) -> str | None:
+        return self.state.worker_id
+
+    @property
+    def modes(self) -> frozenset[ExecutionMode]:
+        return self.state.modes
+
+    @property
+    def queues(self) -> frozenset[str] | None:
+        return self.state.queues
+
+    @property
+    def credits(self) -> Credits:
+        return self.state.credits
+
+    @property
+    def leases(self) -> dict[uuid.UUID, Job]:
+        return self.state.leases
+
+    @property
+    def draining(self) -> bool:
+        return self.state.draining
 
     def send(self, msg: protocol.Message) -> None:
         """Queue a message for this connection's writer task; never blocks the caller, so
@@ -294,8 +308,9 @@ class Session:
         self.outbox.append(data)
         self.outbox_bytes += len(data)
         self._queued.set()
-        if self.paused_since is None and self.outbox_bytes > self.max_outbox_bytes:
-            self.paused_since = asyncio.get_running_loop().time()
+        liveness = self.state.liveness
+        if liveness.paused_since is None and self.outbox_bytes > self.max_outbox_bytes:
+            liveness.paused_since = asyncio.get_running_loop().time()
             self._update_readable()
 
     async def next_write(self) -> bytes:
@@ -313,9 +328,10 @@ class Session:
     def written(self, size: int) -> bool:
         """``size`` bytes have left the outbox; ``True`` when that ends a pause."""
         self.outbox_bytes -= size
-        if self.paused_since is None or self.outbox_bytes > self.max_outbox_bytes // 2:
+        liveness = self.state.liveness
+        if liveness.paused_since is None or self.outbox_bytes > self.max_outbox_bytes // 2:
             return False
-        self.paused_since = None
+        liveness.paused_since = None
         self._update_readable()
         return True
 
@@ -329,41 +345,11 @@ class Session:
         self._update_readable()
 
     def _update_readable(self) -> None:
-        if self.dropped or (self.paused_since is None and len(self.requests) < self.max_requests):
+        paused = self.state.liveness.paused_since is not None
+        if self.dropped or (not paused and len(self.requests) < self.max_requests):
             self.readable.set()
         else:
             self.readable.clear()
-
-    def next_ping(self) -> protocol.Ping:
-        self.pings_sent += 1
-        return protocol.Ping(nonce=self.ping_base + self.pings_sent)
-
-    def answered(self, nonce: int) -> None:
-        """A ``pong``: it proves the peer alive only if it answers one of our pings."""
-        if self.ping_base < nonce <= self.ping_base + self.pings_sent:
-            self.last_answer = asyncio.get_running_loop().time()
-
-    def excuse(self, stall: float, now: float) -> None:
-        """The main itself could not run for ``stall`` seconds: that time does not count
-        against the peer (it could not be read from or written to meanwhile)."""
-        self.last_answer = min(now, self.last_answer + stall)
-        if self.paused_since is not None:
-            self.paused_since = min(now, self.paused_since + stall)
-        if self.write_started is not None:
-            self.write_started = min(now, self.write_started + stall)
-
-    def liveness_problem(self, now: float, timeout: float) -> str | None:
-        """Why this peer counts as dead at ``now``, or ``None`` while it does not."""
-        if now - self.last_answer > timeout:
-            return f"no answer to pings for {now - self.last_answer:.1f} s"
-        if self.write_started is not None and now - self.write_started > timeout:
-            return f"a write has not completed for {now - self.write_started:.1f} s"
-        if self.paused_since is not None and now - self.paused_since > timeout:
-            return (
-                f"over its outbox limit ({self.outbox_bytes} bytes queued) "
-                f"for {now - self.paused_since:.1f} s"
-            )
-        return None
 
     def abort(self) -> None:
         """Drop the connection now, unsent data and all; the read loop ends at once."""
@@ -392,11 +378,15 @@ class Main:
         self.sessions: dict[int, Session] = {}
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
+        self.handoff = Handoff(max_credit=self.settings.max_credit)
+        """The handoff rules and state; this class only feeds it events and carries out
+        its effects (see :mod:`broker.handoff`)."""
         self.ledger = RecoveryLedger(
-            store, retry_interval=self.settings.error_retry_interval, on_returned=self.wake
+            store,
+            self.handoff,
+            retry_interval=self.settings.error_retry_interval,
+            on_returned=self.wake,
         )
-        self.orphans: dict[uuid.UUID, Job] = {}
-        """Handoffs found in the store at start-up, waiting for their worker's hello."""
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._connection_tasks: set[asyncio.Task[None]] = set()
@@ -405,12 +395,11 @@ class Main:
         self._per_address: Counter[str] = Counter()
         self._report_tasks: set[asyncio.Task[None]] = set()
         self._request_slots = asyncio.Semaphore(self.settings.max_requests)
-        self._reports: list[tuple[Session, Report]] = []
+        self._reports: list[tuple[int, Report]] = []
         self._reports_ready = asyncio.Event()
         self._reports_idle = asyncio.Event()
         self._reports_idle.set()
         self._stopping = False
-        self.dispatched = 0
         self.retention = retention
         """Pruning of finished jobs (see :mod:`broker.retention`); ``None``: never prune."""
         self.scheduler = Scheduler(
@@ -424,6 +413,15 @@ class Main:
         """Enqueues the periodic jobs' ticks, each once (see :mod:`broker.schedule`)."""
 
     # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def orphans(self) -> dict[uuid.UUID, Job]:
+        """Handoffs found in the store at start-up, waiting for their worker's hello."""
+        return self.handoff.orphans
+
+    @property
+    def dispatched(self) -> int:
+        return self.handoff.dispatched
 
     @property
     def port(self) -> int:
@@ -504,24 +502,50 @@ class Main:
         """Ask the dispatcher for another pass (coalesced: many wakes, one pass)."""
         self._wake.set()
 
+    def _carry(self, effects: Sequence[Effect]) -> None:
+        """Carry out the handoff's effects, in order (claims are made by :meth:`_claim`)."""
+        for effect in effects:
+            match effect:
+                case Send(peer=peer, message=message):
+                    if (session := self.sessions.get(peer)) is not None:
+                        session.send(message)
+                case Dispatch(peer=peer, seq=seq, job=job):
+                    self.sessions[peer].send(_job_message(seq, job))
+                case ReturnLease():
+                    self.ledger.kick()
+                case Abort(peer=peer, reason=reason):
+                    if (session := self.sessions.get(peer)) is not None:
+                        logger.warning(
+                            "peer unresponsive, treating as disconnected "
+                            "session=%d worker_id=%s reason=%s",
+                            peer,
+                            session.worker_id,
+                            reason,
+                        )
+                        session.abort()
+                case Settle(peer=peer, report=report):
+                    self._reports.append((peer, report))
+                    self._reports_idle.clear()
+                    self._reports_ready.set()
+                case Wake():
+                    self.wake()
+                case ClaimJobs():
+                    pass  # a store call to await: :meth:`_claim` makes it
+
     async def _load_orphans(self) -> None:
         cursor: str | None = None
         while True:
             page = await self.store.list_jobs(
                 JobFilter(statuses=[JobStatus.HANDED_OFF]), limit=1000, cursor=cursor
             )
-            for job in page.jobs:
-                if job.handoff_id is not None:
-                    self.orphans[job.handoff_id] = job
+            self.handoff.load_orphans(page.jobs)
             if page.next_cursor is None:
                 return
             cursor = page.next_cursor
 
     async def _orphan_deadline(self) -> None:
         await asyncio.sleep(self.settings.orphan_grace)
-        for lease, job in list(self.orphans.items()):
-            self.ledger.add(job.id, lease, "worker did not reconnect within the grace period")
-        self.orphans.clear()
+        self._carry(self.handoff.orphan_deadline())
 
     async def _listen(self) -> None:
         assert isinstance(self.store, SupportsNotify)
@@ -558,12 +582,12 @@ class Main:
     async def _idle_timeout(self) -> float | None:
         """How long to sleep when there is nothing to dispatch: until the next scheduled
         job, or the poll interval when other processes' inserts cannot wake us."""
-        modes = self._modes_with_credit()
+        modes = self.handoff.modes_with_credit()
         if not modes:
             return None
         polling = not self.store.capabilities.listen_notify
         try:
-            next_at = await self.store.next_run_at(modes=modes, queues=self._served_queues())
+            next_at = await self.store.next_run_at(modes=modes, queues=self.handoff.served_queues())
         except Exception as exc:
             logger.warning("could not read the next run time error=%r", exc)
             return self.settings.error_retry_interval
@@ -575,128 +599,62 @@ class Main:
             return ceiling
         return min(delay, ceiling)
 
-    def _workers(self) -> list[Session]:
-        return [s for s in self.sessions.values() if s.dispatchable]
-
-    def _modes_with_credit(self) -> set[ExecutionMode]:
-        modes: set[ExecutionMode] = set()
-        for session in self._workers():
-            modes |= session.credits.modes_with_credit()
-        return modes
-
-    def _served_queues(self) -> set[str] | None:
-        queues: set[str] = set()
-        for session in self._workers():
-            if session.queues is None:
-                return None
-            queues |= session.queues
-        return queues
-
     async def dispatch_once(self) -> bool:
         """One dispatch pass; returns ``True`` when another pass may find more work."""
         if self._stopping:
             return False
-        workers = self._workers()
-        queues = self._served_queues()
-        modes = self._modes_with_credit()
+        core = self.handoff
+        queues = core.served_queues()
+        modes = core.modes_with_credit()
         if not modes:
             return False
-        credit = sum(w.credits.total_available() for w in workers)
-        limit = min(credit, self.settings.claim_batch)
+        limit = min(core.credit(), self.settings.claim_batch)
         jobs = await self.store.select_eligible(modes=modes, queues=queues, limit=limit)
-        plan = self._plan(workers, jobs)
+        plan = core.plan(jobs)
         if len(plan) < len(jobs):
             # One mode's backlog filled the read while another mode still has free slots:
             # read again for those modes alone, each no further than its own credit.
-            planned = {job.id for _, job, _ in plan}
-            for mode in sorted(self._modes_with_credit()):
-                room = min(sum(w.credits.available(mode) for w in workers), limit)
+            for mode in sorted(core.modes_with_credit()):
+                room = min(core.credit(mode), limit)
                 found = await self.store.select_eligible(modes=[mode], queues=queues, limit=room)
-                plan += self._plan(workers, [j for j in found if j.id not in planned])
+                plan += core.plan(found)
         if not plan:
             return False
-        answered, error = await self._claim(plan)
-        for session, job, lease, got in answered:
-            if got is None or got.handoff_id != lease:
-                session.credits.release(job.execution_mode)
-                continue
-            if not session.dispatchable:
-                session.credits.release(job.execution_mode)
-                self.ledger.add(job.id, lease, "worker left while the claim was in flight")
-                continue
-            seq = session.credits.commit(job.execution_mode)
-            session.leases[lease] = got
-            session.send(_job_message(seq, got))
-            self.dispatched += 1
-            logger.debug(
-                "job handed off job_id=%s handoff_id=%s worker_id=%s seq=%d",
-                got.id,
-                lease,
-                session.worker_id,
-                seq,
-            )
+        error = await self._claim(plan)
         if error is not None:
             raise error  # after the jobs that were won went out; the loop backs off
         return len(jobs) == limit
 
-    async def _claim(
-        self, plan: list[tuple[Session, Job, uuid.UUID]]
-    ) -> tuple[list[tuple[Session, Job, uuid.UUID, Job | None]], Exception | None]:
-        """Claim the planned jobs in one call; each planned entry comes back with the job as
-        claimed under its lease (``None``: not won), with the first error met, if any.
+    async def _claim(self, plan: Sequence[PlannedClaim]) -> Exception | None:
+        """Claim the planned jobs in one call and send the ones won; returns the first
+        error met, if any.
 
-        When the call raises, nobody knows whether it committed, so each of its leases goes
-        to the ledger and its credit is released. An error that is not transient (a value
-        the store refuses, say) would recur forever, so the batch is claimed again in
+        When the call raises, nobody knows whether it committed, so the core sends each
+        of its leases to the ledger. An error that is not transient (a value the store
+        refuses, say) would recur forever, so the core has the batch claimed again in
         halves under fresh leases until the job or worker behind it stands alone: one bad
         row or worker id never stops dispatch to the others.
         """
-        claims = [Claim(job.id, lease, s.worker_id or "") for s, job, lease in plan]
         try:
-            claimed = await self.store.mark_handed_off_many(claims)
+            claimed = await self.store.mark_handed_off_many([p.claim for p in plan])
         except Exception as exc:
-            for _, job, lease in plan:
-                self.ledger.add(job.id, lease, "claim outcome unknown")
             if _transient(exc) or len(plan) == 1:
                 logger.warning("claim outcome unknown for %d jobs error=%r", len(plan), exc)
-                for session, job, _ in plan:
-                    session.credits.release(job.execution_mode)
-                return [], exc
+                self._carry(self.handoff.claim_unknown(plan))
+                return exc
             logger.warning(
                 "claiming %d jobs failed, splitting the batch to isolate the cause error=%r",
                 len(plan),
                 exc,
             )
-            half = len(plan) // 2
-            fresh = [(session, job, uuid.uuid4()) for session, job, _ in plan]
-            first, _ = await self._claim(fresh[:half])
-            second, _ = await self._claim(fresh[half:])
-            return first + second, exc
-        won = {job.id: job for job in claimed}
-        return [(session, job, lease, won.get(job.id)) for session, job, lease in plan], None
-
-    def _plan(
-        self, workers: list[Session], jobs: list[Job]
-    ) -> list[tuple[Session, Job, uuid.UUID]]:
-        """A worker and a freshly minted lease for each job that has a free slot somewhere;
-        the slot is reserved now, before the claim."""
-        plan: list[tuple[Session, Job, uuid.UUID]] = []
-        for job in jobs:
-            session = self._pick_worker(workers, job)
-            if session is not None:
-                session.credits.reserve(job.execution_mode)
-                plan.append((session, job, uuid.uuid4()))
-        return plan
-
-    def _pick_worker(self, workers: list[Session], job: Job) -> Session | None:
-        """The serving worker with the most free credit for the job's mode, to spread load."""
-        best: Session | None = None
-        best_free = 0
-        for session in workers:
-            free = session.credits.available(job.execution_mode)
-            if free > best_free and session.serves(job):
-                best, best_free = session, free
-        return best
+            effects = self.handoff.claim_refused(plan)
+            self._carry(effects)
+            for effect in effects:
+                if isinstance(effect, ClaimJobs):
+                    await self._claim(effect.claims)
+            return exc
+        self._carry(self.handoff.claimed(plan, claimed))
+        return None
 
     # ------------------------------------------------------------------ connections
 
@@ -767,13 +725,11 @@ class Main:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         peername = writer.get_extra_info("peername")
         session = Session(
-            id=next(self._ids),
+            state=self.handoff.new_peer(next(self._ids), asyncio.get_running_loop().time()),
             peer=str(peername),
             writer=wire.MessageWriter(writer),
             max_outbox_bytes=self.settings.max_outbox_bytes,
             max_requests=self.settings.max_requests_per_connection,
-            credits=Credits(self.settings.max_credit),
-            last_answer=asyncio.get_running_loop().time(),
         )
         lines = wire.LineReader(reader, max_line_bytes=self.settings.preauth_max_line_bytes)
         sender = asyncio.create_task(self._write_loop(session))
@@ -813,9 +769,9 @@ class Main:
         try:
             while True:
                 data = await session.next_write()
-                session.write_started = loop.time()
+                session.state.liveness.write_started = loop.time()
                 await session.writer.write_raw(data)
-                session.write_started = None
+                session.state.liveness.write_started = None
                 if session.written(len(data)):
                     self.wake()  # the peer is dispatchable again
         except (ConnectionError, OSError) as exc:
@@ -869,13 +825,10 @@ class Main:
             return False
         if self._stopping:
             return False
-        session.role = first.role
-        session.worker_id = first.worker_id
         session.host = first.host
-        session.modes = frozenset(first.modes)
-        session.queues = frozenset(first.queues) if first.queues is not None else None
         self.sessions[session.id] = session
-        adopted = self._adopt(session, first) if first.role is protocol.Role.WORKER else []
+        adopted, effects = self.handoff.hello(session.state, first)
+        self._carry(effects)
         session.send(
             protocol.Welcome(
                 main_id=self.main_id,
@@ -895,48 +848,6 @@ class Main:
             len(adopted),
         )
         return True
-
-    def _adopt(self, session: Session, hello: protocol.Hello) -> list[protocol.LeaseRef]:
-        """Take over the leases this worker says it still holds, where they are still current.
-
-        Two sources: handoffs found in the store at start-up (the main restarted), only
-        those the store records for this worker id; and another live connection of the
-        same worker id (the worker reconnected before the main noticed the old socket was
-        dead), only leases that connection holds for the job the hello names. Start-up
-        handoffs of this worker that it no longer holds go back to the queue now rather
-        than after the grace period. Whatever is not adopted stays where it was, and this
-        connection's reports for it are answered ``stale`` (see :meth:`_queue_report`).
-        The worker id itself is only as trustworthy as the shared token until per-role
-        credentials bind it to a credential.
-        """
-        held = {ref.handoff_id: ref.job_id for ref in hello.held_leases}
-        adopted: list[protocol.LeaseRef] = []
-        for lease, job in list(self.orphans.items()):
-            if job.worker_id != session.worker_id:
-                continue
-            del self.orphans[lease]
-            if held.get(lease) == job.id:
-                session.leases[lease] = job
-                adopted.append(protocol.LeaseRef(job_id=job.id, handoff_id=lease))
-            else:
-                self.ledger.add(job.id, lease, "worker reconnected without this lease")
-        for other in self.sessions.values():
-            if other is session or other.worker_id != session.worker_id:
-                continue
-            for lease in [
-                lease for lease, job in other.leases.items() if held.get(lease) == job.id
-            ]:
-                job = other.leases.pop(lease)
-                session.leases[lease] = job
-                adopted.append(protocol.LeaseRef(job_id=job.id, handoff_id=lease))
-        for ref in adopted:
-            logger.info(
-                "lease adopted job_id=%s handoff_id=%s worker_id=%s",
-                ref.job_id,
-                ref.handoff_id,
-                session.worker_id,
-            )
-        return adopted
 
     async def _read_loop(self, session: Session, lines: wire.LineReader) -> None:
         """Reads and handles messages one at a time. It waits, without reading, while the
@@ -970,10 +881,10 @@ class Main:
             case protocol.Ping(nonce=nonce):
                 session.send(protocol.Pong(nonce=nonce))
             case protocol.Pong(nonce=nonce):
-                session.answered(nonce)
+                self.handoff.pong(session.id, nonce, asyncio.get_running_loop().time())
             case protocol.Ready(slots=slots, seen=seen) if worker:
                 try:
-                    session.credits.on_ready(slots, seen)
+                    self._carry(self.handoff.ready(session.id, slots, seen))
                 except ProtocolError as exc:
                     session.errors += 1
                     code = (
@@ -982,20 +893,15 @@ class Main:
                         else protocol.ErrorCode.MALFORMED
                     )
                     session.send(protocol.Error(code=code, message=str(exc), fatal=False))
-                    return
-                self.wake()
             case protocol.Draining() if worker:
-                session.draining = True
-                logger.info(
-                    "worker draining worker_id=%s leases=%d", session.worker_id, len(session.leases)
-                )
+                self._carry(self.handoff.draining(session.id))
             case (
                 protocol.Completed()
                 | protocol.Failed()
                 | protocol.Reschedule()
                 | protocol.Release()
             ) if worker:
-                self._queue_report(session, msg)
+                self._carry(self.handoff.report(session.id, msg))
             case protocol.WorkerStatus(status=status) if worker:
                 session.reported_status = status
             case (
@@ -1017,33 +923,6 @@ class Main:
                         fatal=False,
                     )
                 )
-
-    def _queue_report(self, session: Session, msg: Report) -> None:
-        """Queue a report for settlement, but only for a lease this connection holds: handed
-        to it, or adopted at its hello. The store's fence alone would let any peer with the
-        token settle any running job whose lease it learnt, so anything else (a lease held
-        by another connection, forged, already settled, returned or cancelled) is answered
-        ``stale`` at once and never reaches the store."""
-        held = session.leases.get(msg.handoff_id)
-        if held is None or held.id != msg.job_id:
-            logger.info(
-                "report stale job_id=%s handoff_id=%s outcome=%s worker_id=%s session=%d "
-                "reason=lease not held by this connection",
-                msg.job_id,
-                msg.handoff_id,
-                msg.type,
-                session.worker_id,
-                session.id,
-            )
-            session.send(
-                protocol.ReportAck(
-                    job_id=msg.job_id, handoff_id=msg.handoff_id, status=protocol.AckStatus.STALE
-                )
-            )
-            return
-        self._reports.append((session, msg))
-        self._reports_idle.clear()
-        self._reports_ready.set()
 
     def _start_request(self, session: Session, msg: protocol.Message) -> None:
         """Run a client request in its own task, counted against the connection's cap (the
@@ -1122,23 +1001,8 @@ class Main:
                 )
 
     def _stop_cancelled(self, job: Job) -> None:
-        """The store has cancelled ``job``: forget its lease and tell the worker holding it
-        to stop it. Whatever that worker reports later is fenced out (``stale``)."""
-        lease = job.handoff_id
-        if lease is None:
-            return
-        self.orphans.pop(lease, None)
-        for session in self.sessions.values():
-            if session.leases.pop(lease, None) is None:
-                continue
-            if job.status is JobStatus.CANCELLED:
-                session.send(protocol.CancelJob(job_id=job.id, handoff_id=lease))
-                logger.info(
-                    "running job cancelled job_id=%s handoff_id=%s worker_id=%s",
-                    job.id,
-                    lease,
-                    session.worker_id,
-                )
+        """The store has cancelled ``job``: its worker stops it (see :meth:`Handoff.cancelled`)."""
+        self._carry(self.handoff.cancelled(job))
 
     async def _list_jobs(self, session: Session, msg: protocol.ListJobs) -> None:
         try:
@@ -1265,7 +1129,7 @@ class Main:
                 await self._settle_batch(batch)
             self._reports_idle.set()
 
-    async def _settle_batch(self, batch: list[tuple[Session, Report]]) -> None:
+    async def _settle_batch(self, batch: list[tuple[int, Report]]) -> None:
         """Apply a batch of fenced reports and acknowledge each only once it is durable
         (or known to be stale).
 
@@ -1298,7 +1162,7 @@ class Main:
                 await asyncio.sleep(self.settings.error_retry_interval)
         self._acknowledge(batch, statuses)
 
-    async def _isolate(self, batch: list[tuple[Session, Report]], exc: Exception) -> None:
+    async def _isolate(self, batch: list[tuple[int, Report]], exc: Exception) -> None:
         if len(batch) == 1:
             await self._settle_unstorable(*batch[0], exc)
             return
@@ -1311,18 +1175,18 @@ class Main:
         await self._settle_batch(batch[:half])
         await self._settle_batch(batch[half:])
 
-    async def _settle_unstorable(self, session: Session, msg: Report, exc: Exception) -> None:
+    async def _settle_unstorable(self, peer: int, msg: Report, exc: Exception) -> None:
         """A report that can never be applied: its job fails, without retry, with an error
         saying why (the same outcome would fail the same way again). If even that cannot be
         stored, the report is answered ``refused`` and its lease goes back to the queue.
         Either way the worker is answered, so it forgets the report instead of re-sending
         it on every connection."""
         logger.error(
-            "report could not be stored job_id=%s handoff_id=%s outcome=%s worker_id=%s error=%r",
+            "report could not be stored job_id=%s handoff_id=%s outcome=%s session=%d error=%r",
             msg.job_id,
             msg.handoff_id,
             msg.type,
-            session.worker_id,
+            peer,
             exc,
         )
         failure = Settlement(
@@ -1359,30 +1223,16 @@ class Main:
                 if self._stopping:
                     return
                 await asyncio.sleep(self.settings.error_retry_interval)
-        self._acknowledge([(session, msg)], [status])
+        self._acknowledge([(peer, msg)], [status])
 
     def _acknowledge(
-        self, batch: list[tuple[Session, Report]], statuses: list[protocol.AckStatus]
+        self, batch: list[tuple[int, Report]], statuses: list[protocol.AckStatus]
     ) -> None:
-        for (session, msg), status in zip(batch, statuses, strict=True):
-            if status in (protocol.AckStatus.APPLIED, protocol.AckStatus.DUPLICATE):
-                self._forget_lease(msg.handoff_id)  # this lease has settled its job
-            elif status is protocol.AckStatus.REFUSED:
-                self._forget_lease(msg.handoff_id)
-                self.ledger.add(msg.job_id, msg.handoff_id, "its report could not be stored")
-            logger.info(
-                "report %s job_id=%s handoff_id=%s outcome=%s worker_id=%s",
-                status.value,
-                msg.job_id,
-                msg.handoff_id,
-                msg.type,
-                session.worker_id,
+        self._carry(
+            self.handoff.settled(
+                [(peer, msg, status) for (peer, msg), status in zip(batch, statuses, strict=True)]
             )
-            session.send(
-                protocol.ReportAck(job_id=msg.job_id, handoff_id=msg.handoff_id, status=status)
-            )
-        if protocol.AckStatus.APPLIED in statuses:
-            self.wake()
+        )
 
     async def _why_not_applied(self, msg: Report, settlement: Settlement) -> protocol.AckStatus:
         """A fenced-out report is a *duplicate* when its lease already settled this job (two
@@ -1421,7 +1271,7 @@ class Main:
                     return Settlement(job_id, lease, Outcome.FAIL, error=problem, run_at=None)
                 return Settlement(job_id, lease, Outcome.COMPLETE, result=result)
             case protocol.Failed(job_id=job_id, handoff_id=lease, error=error, retry=retry):
-                job = self._held_job(lease) or await self.store.get_job(job_id)
+                job = self.handoff.held_job(lease) or await self.store.get_job(job_id)
                 retry_at = (
                     next_run_after_failure(job, now, self._retry_delay)
                     if retry and job is not None
@@ -1434,19 +1284,6 @@ class Main:
             case protocol.Release(job_id=job_id, handoff_id=lease):
                 return Settlement(job_id, lease, Outcome.RETURN)
 
-    def _held_job(self, lease: uuid.UUID) -> Job | None:
-        for session in self.sessions.values():
-            job = session.leases.get(lease)
-            if job is not None:
-                return job
-        return None
-
-    def _forget_lease(self, lease: uuid.UUID | None) -> None:
-        if lease is None:
-            return
-        for session in self.sessions.values():
-            session.leases.pop(lease, None)
-
     # ------------------------------------------------------------------ liveness and exits
 
     async def _liveness_loop(self) -> None:
@@ -1456,8 +1293,8 @@ class Main:
         The loop also measures the main's own lag (when it wakes against when it asked
         to): while the main was stalled, say by a slow request, it could neither read the
         peers' answers nor write to them, so that time is excused rather than judged
-        (:meth:`Session.excuse`). A slow moment in the main never returns live workers'
-        leases.
+        (:meth:`broker.handoff.Liveness.excuse`). A slow moment in the main never returns
+        live workers' leases.
         """
         loop = asyncio.get_running_loop()
         tick = self.settings.ping_interval / _LIVENESS_TICKS
@@ -1468,39 +1305,21 @@ class Main:
             stall = now - planned
             if stall > 1.0:
                 logger.warning("the main's loop was stalled for %.1f s", stall)
-            for session in list(self.sessions.values()):
-                if stall > 0:
-                    session.excuse(stall, now)
-                problem = session.liveness_problem(now, self.settings.liveness_timeout)
-                if problem is not None:
-                    logger.warning(
-                        "peer unresponsive, treating as disconnected "
-                        "session=%d worker_id=%s reason=%s",
-                        session.id,
-                        session.worker_id,
-                        problem,
-                    )
-                    session.abort()
-                elif n % _LIVENESS_TICKS == 0:
-                    session.send(session.next_ping())
+            self._carry(
+                self.handoff.tick(
+                    now,
+                    stall=stall,
+                    timeout=self.settings.liveness_timeout,
+                    ping=n % _LIVENESS_TICKS == 0,
+                )
+            )
 
     def _disconnect(self, session: Session) -> None:
         if session.closed:
             return
         session.closed = True
         self.sessions.pop(session.id, None)
-        if session.role is protocol.Role.WORKER:
-            logger.info(
-                "worker disconnected worker_id=%s session=%d returning=%d",
-                session.worker_id,
-                session.id,
-                len(session.leases),
-            )
-        if self._stopping:
-            return
-        for lease, job in session.leases.items():
-            self.ledger.add(job.id, lease, "worker connection ended")
-        session.leases.clear()
+        self._carry(self.handoff.disconnect(session.id, stopping=self._stopping))
 
     async def status(self) -> dict[str, Any]:
         """A JSON-ready snapshot for operators (``broker status``): job counts per queue,
