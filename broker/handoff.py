@@ -384,7 +384,7 @@ class Handoff:
                 continue
             peer = _pick_worker(workers, job)
             if peer is None or not peer.credits.reserve(job.execution_mode):
-                continue
+                continue  # the credit check: no free slot for this job anywhere
             planned = PlannedClaim(peer.id, peer.worker_id or "", job, self._new_lease())
             self.claiming[planned.lease] = planned
             claiming.add(job.id)
@@ -561,10 +561,10 @@ class Handoff:
 
 
 def _pick_worker(workers: Sequence[Peer], job: Job) -> Peer | None:
-    """The serving worker with the most free credit for the job's mode, to spread load;
-    ``None`` when none has a free slot."""
+    """The serving worker with the most free credit for the job's mode, to spread load
+    (whether it has any is the caller's credit check)."""
     best: Peer | None = None
-    best_free = 0
+    best_free = -1
     for peer in workers:
         free = peer.credits.available(job.execution_mode)
         if free > best_free and peer.serves(job):

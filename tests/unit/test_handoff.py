@@ -19,7 +19,13 @@ from datetime import UTC, datetime
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from broker import protocol
 from broker.admission import CreditLimitError, Credits
@@ -41,8 +47,8 @@ settings.register_profile(
     "ci",
     derandomize=True,
     database=None,
-    max_examples=200,
-    stateful_step_count=40,
+    max_examples=400,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -59,6 +65,9 @@ POOLED, FORKED = ExecutionMode.POOLED, ExecutionMode.FORKED
 MODES = (POOLED, FORKED)
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
 ACK = protocol.AckStatus
+OUTCOMES = st.sampled_from(["answered", "answered", "answered", "unknown", "refused"])
+"""How a claim call ends: it answers (each job won or lost), raises (committed or not), or
+is refused for a value the store will never take."""
 
 
 def make_job(n: int, *, mode: ExecutionMode = POOLED, queue: str = "a") -> Job:
@@ -272,7 +281,6 @@ class Conn:
     unacked: dict[uuid.UUID, protocol.Completed | protocol.Release] = field(default_factory=dict)
     ready_slots: dict[ExecutionMode, int] = field(default_factory=dict)
     ready_seen: int = 0
-    last_ping: int | None = None
     live: bool = True
     """False once the worker moved to a newer connection (this one is a zombie)."""
 
@@ -285,11 +293,9 @@ class HandoffMachine(RuleBasedStateMachine):
         super().__init__()
         self.numbers = itertools.count(1)
         self.core = self._new_core()
-        self.jobs = [make_job(n, mode=MODES[n % 2], queue="ab"[n // 3 % 2]) for n in range(6)]
-        self.store: dict[uuid.UUID, tuple[JobStatus, uuid.UUID | None]] = {
-            job.id: (JobStatus.QUEUED, None) for job in self.jobs
-        }
-        self.by_id = {job.id: job for job in self.jobs}
+        self.jobs: list[Job] = []
+        self.store: dict[uuid.UUID, tuple[JobStatus, uuid.UUID | None]] = {}
+        self.by_id: dict[uuid.UUID, Job] = {}
         self.owner: dict[uuid.UUID, str] = {}
         """lease -> worker id it was claimed for."""
         self.lease_job: dict[uuid.UUID, uuid.UUID] = {}
@@ -301,6 +307,8 @@ class HandoffMachine(RuleBasedStateMachine):
         """worker id -> its latest connection (whose running jobs it remembers)."""
         self.ids = itertools.count(1)
         self.now = 0.0
+        for _ in range(4):
+            self.enqueue()
 
     def _new_core(self) -> Handoff:
         return Handoff(max_credit=10, new_lease=lambda: uuid.UUID(int=next(self.numbers)))
@@ -326,8 +334,6 @@ class HandoffMachine(RuleBasedStateMachine):
                             conn.unacked.pop(lease, None)
                         case protocol.CancelJob(handoff_id=lease):
                             conn.running.pop(lease, None)
-                        case protocol.Ping(nonce=nonce):
-                            conn.last_ping = nonce
                 case Settle(peer=peer, report=report):
                     status, lease = self.store[report.job_id]
                     assert status is JobStatus.HANDED_OFF and lease == report.handoff_id, (
@@ -363,10 +369,25 @@ class HandoffMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ peers
 
+    @precondition(lambda self: len(self.jobs) < 16)
+    @rule()
+    def enqueue(self) -> None:
+        n = len(self.jobs)
+        job = make_job(n, mode=MODES[n % 3 // 2], queue="ab"[n % 4 // 3])
+        self.jobs.append(job)
+        self.by_id[job.id] = job
+        self.store[job.id] = (JobStatus.QUEUED, None)
+
+    @initialize(data=st.data())
+    def two_workers(self, data: st.DataObject) -> None:
+        self.hello(data, "w1", {POOLED: 2, FORKED: 1}, None)
+        self.hello(data, "w2", {POOLED: 1, FORKED: 1}, ["a"])
+
+    @precondition(lambda self: len(self.core.peers) < 4)
     @rule(
         data=st.data(),
         worker=st.sampled_from(["w1", "w2", "w3"]),
-        capacity=st.fixed_dictionaries({POOLED: st.integers(0, 3), FORKED: st.integers(0, 2)}),
+        capacity=st.fixed_dictionaries({POOLED: st.integers(1, 3), FORKED: st.integers(0, 2)}),
         queues=st.sampled_from([None, ["a"], ["b"]]),
     )
     def hello(
@@ -407,70 +428,77 @@ class HandoffMachine(RuleBasedStateMachine):
             assert self.store[ref.job_id] == (JobStatus.HANDED_OFF, ref.handoff_id)
             assert self.owner[ref.handoff_id] == worker, "only a worker's own leases are adopted"
         self.apply(effects)
+        self._ready(pid, data)  # a worker's first message after the welcome
 
     @precondition(lambda self: self._live())
     @rule(data=st.data())
     def ready(self, data: st.DataObject) -> None:
+        self._ready(data.draw(st.sampled_from(self._live())), data)
+
+    def _ready(self, pid: int, data: st.DataObject) -> None:
         """The worker reads up to some job and says how many slots it has free."""
-        pid = data.draw(st.sampled_from(self._live()))
         conn = self.conns[pid]
-        conn.read = data.draw(st.integers(conn.read, len(conn.sent)))
-        for seq in range(1, conn.read + 1):
-            mode, lease = conn.sent[seq]
-            if seq > conn.ready_seen and lease not in conn.unacked:
-                conn.running.setdefault(lease, mode)
+        self._read(conn, data.draw(st.integers(conn.read, len(conn.sent)), label="read up to"))
         busy = Counter(conn.running.values())
         slots = {mode: max(0, conn.capacity[mode] - busy[mode]) for mode in MODES}
         self.apply(self.core.ready(pid, slots, conn.read))
         conn.ready_slots, conn.ready_seen = slots, conn.read
 
-    @precondition(lambda self: self._live())
-    @rule(data=st.data())
-    def ready_out_of_order(self, data: st.DataObject) -> None:
-        pid = data.draw(st.sampled_from(self._live()))
-        conn = self.conns[pid]
-        with pytest.raises(ProtocolError):
-            self.core.ready(pid, {POOLED: 1}, len(conn.sent) + 1)
-
-    @precondition(lambda self: self._live())
-    @rule(data=st.data())
-    def drain(self, data: st.DataObject) -> None:
-        self.apply(self.core.draining(data.draw(st.sampled_from(self._live()))))
+    def _read(self, conn: Conn, upto: int) -> None:
+        """The worker takes in the job messages up to ``upto`` and starts them."""
+        for seq in range(conn.read + 1, upto + 1):
+            mode, lease = conn.sent[seq]
+            conn.running[lease] = mode
+        conn.read = upto
 
     @precondition(lambda self: self.core.peers)
-    @rule(data=st.data())
-    def disconnect(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), kind=st.sampled_from(["drain", "disconnect", "pause", "bad ready"]))
+    def peer_event(self, data: st.DataObject, kind: str) -> None:
+        """A worker drains, its connection ends, the transport pauses (or resumes) it over
+        its outbox cap, or it sends a ``ready`` out of order (refused, nothing applied)."""
         pid = data.draw(st.sampled_from(sorted(self.core.peers)))
-        self.conns[pid].live = False
-        self.apply(self.core.disconnect(pid))
+        conn = self.conns[pid]
+        if kind == "drain":
+            self.apply(self.core.draining(pid))
+        elif kind == "disconnect":
+            conn.live = False
+            self.apply(self.core.disconnect(pid))
+        elif kind == "pause":
+            liveness = self.core.peers[pid].liveness
+            liveness.paused_since = self.now if liveness.paused_since is None else None
+        else:
+            with pytest.raises(ProtocolError):
+                self.core.ready(pid, {POOLED: 1}, len(conn.sent) + 1)
 
-    @precondition(lambda self: self.core.peers)
-    @rule(data=st.data())
-    def outbox_pause(self, data: st.DataObject) -> None:
-        """The transport pauses a peer over its outbox cap, or resumes it."""
-        liveness = self.core.peers[data.draw(st.sampled_from(sorted(self.core.peers)))].liveness
-        liveness.paused_since = self.now if liveness.paused_since is None else None
-
-    @rule(elapsed=st.floats(0, 10), stall=st.sampled_from([0.0, 0.0, 3.0]))
-    def liveness_tick(self, elapsed: float, stall: float) -> None:
-        """Time passes; the dead are aborted (then disconnected), the rest pinged."""
+    @rule(
+        data=st.data(),
+        elapsed=st.sampled_from([1.0, 6.0]),
+        stall=st.sampled_from([0.0, 0.0, 3.0]),
+    )
+    def liveness_tick(self, data: st.DataObject, elapsed: float, stall: float) -> None:
+        """Time passes: the peers silent too long are aborted (then disconnected), the
+        others pinged; each live worker answers or stays silent."""
         self.now += elapsed
         effects = self.core.tick(self.now, stall=stall, timeout=15.0, ping=True)
-        self.apply([e for e in effects if isinstance(e, Send)])
         for effect in effects:
-            if not isinstance(effect, Send):
+            if isinstance(effect, Send):
+                self.apply([effect])
+                if self.conns[effect.peer].live and data.draw(st.integers(0, 4), label="pong") > 0:
+                    assert isinstance(effect.message, protocol.Ping)
+                    self.core.pong(effect.peer, effect.message.nonce, self.now)
+            else:
                 self.conns[effect.peer].live = False
                 self.apply(self.core.disconnect(effect.peer))
 
-    @precondition(lambda self: any(self.conns[p].last_ping for p in self.core.peers))
-    @rule(data=st.data())
-    def pong(self, data: st.DataObject) -> None:
-        pid = data.draw(st.sampled_from([p for p in self.core.peers if self.conns[p].last_ping]))
-        nonce = self.conns[pid].last_ping
-        assert nonce is not None
-        self.core.pong(pid, nonce, self.now)
-
     # ------------------------------------------------------------------ dispatch
+
+    @rule(data=st.data(), outcome=OUTCOMES)
+    def dispatch_pass(self, data: st.DataObject, outcome: str) -> None:
+        """A whole pass: plan, then claim at once."""
+        before = len(self.batches)
+        self.plan(data)
+        if len(self.batches) > before:
+            self._claim(self.batches.pop(), data, outcome)
 
     @rule(data=st.data())
     def plan(self, data: st.DataObject) -> None:
@@ -490,15 +518,19 @@ class HandoffMachine(RuleBasedStateMachine):
             self.batches.append(tuple(planned))
 
     @precondition(lambda self: self.batches)
-    @rule(data=st.data(), outcome=st.sampled_from(["answered", "unknown", "refused"]))
+    @rule(data=st.data(), outcome=OUTCOMES)
     def claim(self, data: st.DataObject, outcome: str) -> None:
         """A claim call answers (each job won or lost), raises (committed or not), or is
         refused for a value the store will never take."""
-        batch = self.batches.pop(data.draw(st.integers(0, len(self.batches) - 1)))
+        self._claim(
+            self.batches.pop(data.draw(st.integers(0, len(self.batches) - 1))), data, outcome
+        )
+
+    def _claim(self, batch: tuple[PlannedClaim, ...], data: st.DataObject, outcome: str) -> None:
         if outcome == "refused":
             self.apply(self.core.claim_refused(batch))
             return
-        wins = [p for p in batch if data.draw(st.booleans())]
+        wins = [p for p in batch if data.draw(st.integers(0, 3), label="won") > 0]
         got = [job for job in map(self._commit, wins) if job is not None]
         if outcome == "answered":
             self.apply(self.core.claimed(batch, got))
@@ -507,49 +539,54 @@ class HandoffMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ reports
 
-    @precondition(lambda self: any(self.conns[p].running for p in self._live()))
-    @rule(data=st.data(), release=st.booleans())
-    def report(self, data: st.DataObject, release: bool) -> None:
-        """An honest worker finishes a job it runs and reports it."""
-        pid = data.draw(st.sampled_from([p for p in self._live() if self.conns[p].running]))
-        conn = self.conns[pid]
-        lease = data.draw(st.sampled_from(sorted(conn.running)))
-        del conn.running[lease]
-        job_id = self.lease_job[lease]
-        msg: protocol.Completed | protocol.Release = (
-            protocol.Release(job_id=job_id, handoff_id=lease, reason="draining")
-            if release
-            else protocol.Completed(job_id=job_id, handoff_id=lease)
-        )
-        conn.unacked[lease] = msg
-        self.apply(self.core.report(pid, msg))
-
-    @precondition(lambda self: any(self.conns[p].unacked for p in self._live()))
-    @rule(data=st.data())
-    def report_again(self, data: st.DataObject) -> None:
-        """The worker re-sends a report not acknowledged yet."""
-        pid = data.draw(st.sampled_from([p for p in self._live() if self.conns[p].unacked]))
-        conn = self.conns[pid]
-        msg = conn.unacked[data.draw(st.sampled_from(sorted(conn.unacked)))]
-        self.apply(self.core.report(pid, msg))
-
     @precondition(lambda self: self.core.peers and self.lease_job)
-    @rule(data=st.data())
-    def forged_report(self, data: st.DataObject) -> None:
-        """Any connection reports any lease ever minted: held elsewhere, stale, settled."""
-        pid = data.draw(st.sampled_from(sorted(self.core.peers)))
-        lease = data.draw(st.sampled_from(sorted(self.lease_job)))
-        self.apply(
-            self.core.report(
-                pid, protocol.Completed(job_id=self.lease_job[lease], handoff_id=lease)
-            )
-        )
+    @rule(data=st.data(), kind=st.sampled_from(["honest", "honest", "again", "forged"]))
+    def report(self, data: st.DataObject, kind: str) -> None:
+        """An honest worker takes in the jobs sent to it, finishes one and reports it; or
+        re-sends a report not acknowledged yet; or any connection reports any lease ever
+        minted (held elsewhere, stale, settled, forged). Half the accepted reports settle
+        at once, the others wait (in order or not) for :meth:`settle`."""
+        live = self._live()
+        honest = [
+            p for p in live if self.conns[p].running or self.conns[p].read < len(self.conns[p].sent)
+        ]
+        again = [p for p in live if self.conns[p].unacked]
+        msg: protocol.Completed | protocol.Release
+        if kind == "honest" and honest:
+            pid = data.draw(st.sampled_from(honest))
+            conn = self.conns[pid]
+            self._read(conn, len(conn.sent))
+            if not conn.running:
+                return
+            lease = data.draw(st.sampled_from(sorted(conn.running)))
+            del conn.running[lease]
+            job_id = self.lease_job[lease]
+            if data.draw(st.booleans(), label="release"):
+                msg = protocol.Release(job_id=job_id, handoff_id=lease, reason="draining")
+            else:
+                msg = protocol.Completed(job_id=job_id, handoff_id=lease)
+            conn.unacked[lease] = msg
+        elif kind == "again" and again:
+            pid = data.draw(st.sampled_from(again))
+            conn = self.conns[pid]
+            msg = conn.unacked[data.draw(st.sampled_from(sorted(conn.unacked)))]
+        else:
+            pid = data.draw(st.sampled_from(sorted(self.core.peers)))
+            lease = data.draw(st.sampled_from(sorted(self.lease_job)))
+            msg = protocol.Completed(job_id=self.lease_job[lease], handoff_id=lease)
+        self.apply(self.core.report(pid, msg))
+        if self.pending and data.draw(st.booleans(), label="settle now"):
+            self._settle(len(self.pending) - 1, data)
 
     @precondition(lambda self: self.pending)
-    @rule(data=st.data(), refused=st.sampled_from([False, False, False, True]))
-    def settle(self, data: st.DataObject, refused: bool) -> None:
+    @rule(data=st.data())
+    def settle(self, data: st.DataObject) -> None:
+        self._settle(data.draw(st.integers(0, len(self.pending) - 1)), data)
+
+    def _settle(self, index: int, data: st.DataObject) -> None:
         """The store applies an accepted report, fenced on its lease, then it is acked."""
-        peer, msg = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
+        peer, msg = self.pending.pop(index)
+        refused = data.draw(st.integers(0, 5), label="refused") == 0
         status, lease = self.store[msg.job_id]
         done = JobStatus.QUEUED if isinstance(msg, protocol.Release) else JobStatus.COMPLETED
         if refused:
@@ -581,15 +618,17 @@ class HandoffMachine(RuleBasedStateMachine):
     def orphan_deadline(self) -> None:
         self.apply(self.core.orphan_deadline())
 
+    @precondition(lambda self: self.core.dispatched)
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
-        job = data.draw(st.sampled_from(self.jobs))
+        job = self.jobs[data.draw(st.integers(0, len(self.jobs) - 1), label="job")]
         status, lease = self.store[job.id]
         if status.is_active:
             status = JobStatus.CANCELLED
             self.store[job.id] = (status, lease)
         self.apply(self.core.cancelled(replace(job, status=status, handoff_id=lease)))
 
+    @precondition(lambda self: self.core.dispatched)
     @rule(data=st.data())
     def restart(self, data: st.DataObject) -> None:
         """The main stops and a new one starts: claims in flight land or not, reports not
@@ -614,6 +653,9 @@ class HandoffMachine(RuleBasedStateMachine):
             for job_id, (status, lease) in self.store.items()
             if status is JobStatus.HANDED_OFF and lease is not None
         )
+        for worker, pid in sorted(self.latest.items()):  # the workers come back (or not)
+            if data.draw(st.booleans(), label=f"{worker} reconnects"):
+                self.hello(data, worker, self.conns[pid].capacity, None)
 
     # ------------------------------------------------------------------ invariants
 
