@@ -37,8 +37,6 @@ from broker.exceptions import (
     InvalidJobError,
     PayloadTooLargeError,
     ProtocolError,
-    StorageError,
-    StorageRejectedError,
 )
 from broker.handoff import (
     Abort,
@@ -60,8 +58,6 @@ from broker.jobs import (
     Job,
     JobSpec,
     JobStatus,
-    Outcome,
-    Settlement,
     summary_dict,
     utcnow,
 )
@@ -72,12 +68,12 @@ from broker.payload import (
     MAX_PAYLOAD_DEPTH_CEILING,
     check_args,
     encoded_size,
-    result_problem,
 )
 from broker.recovery import RecoveryLedger
 from broker.retention import Retention, run_retention
-from broker.retry import RetryDelay, next_run_after_failure, retry_delay
+from broker.retry import RetryDelay, retry_delay
 from broker.schedule import Schedule, Scheduler, catch_up_window
+from broker.settlement import ReportSettler, transient
 from broker.storage import JobFilter, QueueCount, StorageAdapter, SupportsNotify
 
 logger = logging.getLogger("broker.main")
@@ -395,11 +391,19 @@ class Main:
         self._per_address: Counter[str] = Counter()
         self._report_tasks: set[asyncio.Task[None]] = set()
         self._request_slots = asyncio.Semaphore(self.settings.max_requests)
-        self._reports: list[tuple[int, Report]] = []
-        self._reports_ready = asyncio.Event()
-        self._reports_idle = asyncio.Event()
-        self._reports_idle.set()
         self._stopping = False
+        self.settler = ReportSettler(
+            store,
+            self.handoff,
+            acknowledged=self._acknowledge,
+            stopping=lambda: self._stopping,
+            clock=clock,
+            retry_delay=retry_delay_fn,
+            batch=self.settings.report_batch,
+            retry_interval=self.settings.error_retry_interval,
+            max_payload_bytes=self.settings.max_payload_bytes,
+            max_payload_depth=self.settings.max_payload_depth,
+        )
         self.retention = retention
         """Pruning of finished jobs (see :mod:`broker.retention`); ``None``: never prune."""
         self.scheduler = Scheduler(
@@ -443,7 +447,7 @@ class Main:
         self._tasks = [
             asyncio.create_task(self._dispatch_loop(), name="broker-dispatch"),
             asyncio.create_task(self.ledger.run(), name="broker-recovery"),
-            asyncio.create_task(self._report_loop(), name="broker-reports"),
+            asyncio.create_task(self.settler.run(), name="broker-reports"),
             asyncio.create_task(self._liveness_loop(), name="broker-liveness"),
         ]
         if self.orphans:
@@ -478,7 +482,7 @@ class Main:
         if self._server is not None:
             self._server.close()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._reports_idle.wait(), timeout=report_grace)
+            await asyncio.wait_for(self.settler.wait_idle(), timeout=report_grace)
         if self._report_tasks:
             await asyncio.wait(list(self._report_tasks), timeout=report_grace)
         with contextlib.suppress(TimeoutError):
@@ -524,9 +528,7 @@ class Main:
                         )
                         session.abort()
                 case Settle(peer=peer, report=report):
-                    self._reports.append((peer, report))
-                    self._reports_idle.clear()
-                    self._reports_ready.set()
+                    self.settler.add(peer, report)
                 case Wake():
                     self.wake()
                 case ClaimJobs():
@@ -638,7 +640,7 @@ class Main:
         try:
             claimed = await self.store.mark_handed_off_many([p.claim for p in plan])
         except Exception as exc:
-            if _transient(exc) or len(plan) == 1:
+            if transient(exc) or len(plan) == 1:
                 logger.warning("claim outcome unknown for %d jobs error=%r", len(plan), exc)
                 self._carry(self.handoff.claim_unknown(plan))
                 return exc
@@ -1117,114 +1119,6 @@ class Main:
                 f"{message} bytes, over the line limit of {self.settings.max_line_bytes} bytes"
             )
 
-    async def _report_loop(self) -> None:
-        """Group commit: every report that arrived while the previous batch was committing
-        goes into the next batch, so one fsync settles many jobs under load."""
-        while True:
-            await self._reports_ready.wait()
-            self._reports_ready.clear()
-            while self._reports:
-                size = self.settings.report_batch
-                batch, self._reports = self._reports[:size], self._reports[size:]
-                await self._settle_batch(batch)
-            self._reports_idle.set()
-
-    async def _settle_batch(self, batch: list[tuple[int, Report]]) -> None:
-        """Apply a batch of fenced reports and acknowledge each only once it is durable
-        (or known to be stale).
-
-        Transient store errors are retried until the store answers. Any other error would
-        recur on every attempt, so the batch is split in halves, each settled and
-        acknowledged on its own, until the report behind the error stands alone and
-        becomes an outcome of its own (:meth:`_settle_unstorable`): one bad report never
-        holds up the others.
-        """
-        while True:
-            try:
-                settlements = [await self._settlement(msg) for _, msg in batch]
-                applied = await self.store.settle_many(settlements)
-                statuses = [
-                    protocol.AckStatus.APPLIED
-                    if ok
-                    else await self._why_not_applied(msg, settlement)
-                    for ok, (_, msg), settlement in zip(applied, batch, settlements, strict=True)
-                ]
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if not _transient(exc):
-                    await self._isolate(batch, exc)
-                    return
-                logger.warning("applying %d reports failed, retrying error=%r", len(batch), exc)
-                if self._stopping:
-                    return
-                await asyncio.sleep(self.settings.error_retry_interval)
-        self._acknowledge(batch, statuses)
-
-    async def _isolate(self, batch: list[tuple[int, Report]], exc: Exception) -> None:
-        if len(batch) == 1:
-            await self._settle_unstorable(*batch[0], exc)
-            return
-        logger.warning(
-            "applying %d reports failed, splitting the batch to isolate the cause error=%r",
-            len(batch),
-            exc,
-        )
-        half = len(batch) // 2
-        await self._settle_batch(batch[:half])
-        await self._settle_batch(batch[half:])
-
-    async def _settle_unstorable(self, peer: int, msg: Report, exc: Exception) -> None:
-        """A report that can never be applied: its job fails, without retry, with an error
-        saying why (the same outcome would fail the same way again). If even that cannot be
-        stored, the report is answered ``refused`` and its lease goes back to the queue.
-        Either way the worker is answered, so it forgets the report instead of re-sending
-        it on every connection."""
-        logger.error(
-            "report could not be stored job_id=%s handoff_id=%s outcome=%s session=%d error=%r",
-            msg.job_id,
-            msg.handoff_id,
-            msg.type,
-            peer,
-            exc,
-        )
-        failure = Settlement(
-            msg.job_id,
-            msg.handoff_id,
-            Outcome.FAIL,
-            error=f"report could not be stored: the worker's {msg.type} report failed with "
-            f"{type(exc).__name__}: {str(exc)[:1000]}",
-            run_at=None,
-        )
-        while True:
-            try:
-                [applied] = await self.store.settle_many([failure])
-                status = (
-                    protocol.AckStatus.APPLIED
-                    if applied
-                    else await self._why_not_applied(msg, failure)
-                )
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:
-                if not _transient(err):
-                    logger.error(
-                        "recording the failure failed too, refusing the report job_id=%s "
-                        "handoff_id=%s error=%r",
-                        msg.job_id,
-                        msg.handoff_id,
-                        err,
-                    )
-                    status = protocol.AckStatus.REFUSED
-                    break
-                logger.warning("recording a failed report failed, retrying error=%r", err)
-                if self._stopping:
-                    return
-                await asyncio.sleep(self.settings.error_retry_interval)
-        self._acknowledge([(peer, msg)], [status])
-
     def _acknowledge(
         self, batch: list[tuple[int, Report]], statuses: list[protocol.AckStatus]
     ) -> None:
@@ -1233,56 +1127,6 @@ class Main:
                 [(peer, msg, status) for (peer, msg), status in zip(batch, statuses, strict=True)]
             )
         )
-
-    async def _why_not_applied(self, msg: Report, settlement: Settlement) -> protocol.AckStatus:
-        """A fenced-out report is a *duplicate* when its lease already settled this job (two
-        copies were in flight: a reconnected worker re-sent a report its old connection had
-        sent), and *stale* when a newer lease owns the job or it was cancelled. Read from
-        the store, so the answer is the same whichever main gives it."""
-        job = await self.store.get_job(msg.job_id)
-        if job is None or job.handoff_id != msg.handoff_id:
-            return protocol.AckStatus.STALE
-        settled_as = {
-            protocol.Completed: {JobStatus.COMPLETED},
-            protocol.Failed: {JobStatus.FAILED, JobStatus.QUEUED},
-            protocol.Reschedule: {JobStatus.QUEUED},
-            protocol.Release: {JobStatus.QUEUED},
-        }[type(msg)]
-        if settlement.outcome is Outcome.FAIL and not isinstance(msg, protocol.Failed):
-            # Recorded as a failure in its place: an oversized result, an unstorable report.
-            settled_as = {JobStatus.FAILED}
-        if job.status in settled_as:
-            return protocol.AckStatus.DUPLICATE
-        return protocol.AckStatus.STALE
-
-    async def _settlement(self, msg: Report) -> Settlement:
-        now = self._clock()
-        match msg:
-            case protocol.Completed(job_id=job_id, handoff_id=lease, result=result):
-                problem = result_problem(
-                    result, self.settings.max_payload_bytes, self.settings.max_payload_depth
-                )
-                if problem is not None:
-                    # Never write an oversized or too deeply nested result: the job fails,
-                    # without retry (the same arguments would produce the same result).
-                    logger.warning(
-                        "result refused job_id=%s handoff_id=%s reason=%s", job_id, lease, problem
-                    )
-                    return Settlement(job_id, lease, Outcome.FAIL, error=problem, run_at=None)
-                return Settlement(job_id, lease, Outcome.COMPLETE, result=result)
-            case protocol.Failed(job_id=job_id, handoff_id=lease, error=error, retry=retry):
-                job = self.handoff.held_job(lease) or await self.store.get_job(job_id)
-                retry_at = (
-                    next_run_after_failure(job, now, self._retry_delay)
-                    if retry and job is not None
-                    else None
-                )
-                return Settlement(job_id, lease, Outcome.FAIL, error=error, run_at=retry_at)
-            case protocol.Reschedule(job_id=job_id, handoff_id=lease, delay=delay):
-                run_at = now + timedelta(seconds=delay)
-                return Settlement(job_id, lease, Outcome.RESCHEDULE, run_at=run_at)
-            case protocol.Release(job_id=job_id, handoff_id=lease):
-                return Settlement(job_id, lease, Outcome.RETURN)
 
     # ------------------------------------------------------------------ liveness and exits
 
@@ -1341,16 +1185,6 @@ class Main:
                 {"job_id": str(job_id)} for job_id in self.ledger.pending().values()
             ],
         }
-
-
-def _transient(exc: BaseException) -> bool:
-    """Whether a store call that raised ``exc`` may succeed if simply made again: trouble
-    reaching the store (the ``StorageError`` the storage contract asks adapters to raise,
-    ``OSError``, ``TimeoutError``). A value the store refused (``StorageRejectedError``)
-    and any other error, such as a date out of range, would recur on every attempt."""
-    return isinstance(exc, StorageError | OSError | TimeoutError) and not isinstance(
-        exc, StorageRejectedError
-    )
 
 
 def queue_summary(counts: list[QueueCount], now: datetime) -> list[dict[str, Any]]:
