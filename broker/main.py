@@ -21,16 +21,15 @@ import ipaddress
 import itertools
 import logging
 import secrets
-import socket
 import uuid
-from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from broker import protocol, wire
-from broker.admission import DEFAULT_MAX_CREDIT, CreditLimitError, Credits
+from broker import protocol
+from broker.admission import DEFAULT_MAX_CREDIT, CreditLimitError
+from broker.connection import Connections, Session
 from broker.exceptions import (
     BrokerError,
     ConfigurationError,
@@ -44,7 +43,6 @@ from broker.handoff import (
     Dispatch,
     Effect,
     Handoff,
-    Peer,
     PlannedClaim,
     Report,
     ReturnLease,
@@ -54,7 +52,6 @@ from broker.handoff import (
 )
 from broker.jobs import (
     Clock,
-    ExecutionMode,
     Job,
     JobSpec,
     JobStatus,
@@ -93,10 +90,6 @@ DEFAULT_RETENTION = Retention()
 DEFAULT_MAX_OUTBOX_BYTES = 8 << 20
 """8 MiB queued for one peer: four replies at the default line cap, far more than a peer
 that reads ever has waiting."""
-
-_WRITE_BATCH_BYTES = 256 << 10
-"""A writer joins queued lines into one write up to about this size; bigger batches would
-hold a second copy of the queue in memory."""
 
 _LIVENESS_TICKS = 4
 """Liveness checks per ping interval: frequent enough that a dead peer is dropped soon
@@ -226,134 +219,6 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-@dataclass(eq=False)
-class Session:
-    """One connection's transport. What the handoff knows of it (role, credits, leases,
-    liveness) is its :class:`broker.handoff.Peer`, ``state``, kept by :attr:`Main.handoff`.
-
-    Everything the main sends goes through :meth:`send` into ``outbox``, which one writer
-    task drains. Its size in bytes is what back-pressure acts on: over
-    ``max_outbox_bytes`` the session is *paused* (no more jobs, and the main stops reading
-    its messages) until half of it has been written.
-    """
-
-    state: Peer
-    peer: str
-    writer: wire.MessageWriter
-    max_outbox_bytes: int
-    max_requests: int
-    """Client requests this connection may have in progress before reading pauses."""
-    host: str | None = None
-    reported_status: dict[str, Any] | None = None
-    """The worker's last ``worker_status`` (its runners' capacity and start-up errors)."""
-    closed: bool = False
-    dropped: bool = False
-    """The main judged the peer dead and aborted the connection; stop reading it."""
-    errors: int = 0
-    outbox: deque[bytes] = field(default_factory=deque)
-    outbox_bytes: int = 0
-    """Queued bytes, plus those of the write in progress until it has drained."""
-    requests: set[asyncio.Task[None]] = field(default_factory=set)
-    """This connection's client requests in progress (cancelled when it closes)."""
-    readable: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set while the main may read this connection's next message."""
-    _queued: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.readable.set()
-
-    # The handoff's view of this connection, read-only here (only the core changes it).
-    @property
-    def id(self) -> int:
-        return self.state.id
-
-    @property
-    def role(self) -> protocol.Role | None:
-        return self.state.role
-
-    @property
-    def worker_id(self) -> str | None:
-        return self.state.worker_id
-
-    @property
-    def modes(self) -> frozenset[ExecutionMode]:
-        return self.state.modes
-
-    @property
-    def queues(self) -> frozenset[str] | None:
-        return self.state.queues
-
-    @property
-    def credits(self) -> Credits:
-        return self.state.credits
-
-    @property
-    def leases(self) -> dict[uuid.UUID, Job]:
-        return self.state.leases
-
-    @property
-    def draining(self) -> bool:
-        return self.state.draining
-
-    def send(self, msg: protocol.Message) -> None:
-        """Queue a message for this connection's writer task; never blocks the caller, so
-        one slow peer cannot stall dispatch to the others."""
-        if self.closed:
-            return
-        data = protocol.encode(msg)
-        self.outbox.append(data)
-        self.outbox_bytes += len(data)
-        self._queued.set()
-        liveness = self.state.liveness
-        if liveness.paused_since is None and self.outbox_bytes > self.max_outbox_bytes:
-            liveness.paused_since = asyncio.get_running_loop().time()
-            self._update_readable()
-
-    async def next_write(self) -> bytes:
-        """The next lines to write, joined: all that is queued, up to about 256 KiB."""
-        while not self.outbox:
-            self._queued.clear()
-            await self._queued.wait()
-        chunks = [self.outbox.popleft()]
-        size = len(chunks[0])
-        while self.outbox and size < _WRITE_BATCH_BYTES:
-            chunks.append(self.outbox.popleft())
-            size += len(chunks[-1])
-        return b"".join(chunks)
-
-    def written(self, size: int) -> bool:
-        """``size`` bytes have left the outbox; ``True`` when that ends a pause."""
-        self.outbox_bytes -= size
-        liveness = self.state.liveness
-        if liveness.paused_since is None or self.outbox_bytes > self.max_outbox_bytes // 2:
-            return False
-        liveness.paused_since = None
-        self._update_readable()
-        return True
-
-    def add_request(self, task: asyncio.Task[None]) -> None:
-        self.requests.add(task)
-        task.add_done_callback(self._request_done)
-        self._update_readable()
-
-    def _request_done(self, task: asyncio.Task[None]) -> None:
-        self.requests.discard(task)
-        self._update_readable()
-
-    def _update_readable(self) -> None:
-        paused = self.state.liveness.paused_since is not None
-        if self.dropped or (not paused and len(self.requests) < self.max_requests):
-            self.readable.set()
-        else:
-            self.readable.clear()
-
-    def abort(self) -> None:
-        """Drop the connection now, unsent data and all; the read loop ends at once."""
-        self.dropped = True
-        self.writer.abort()
-        self._update_readable()
-
-
 class Main:
     def __init__(
         self,
@@ -372,7 +237,6 @@ class Main:
         self._retry_delay = retry_delay_fn
         self.main_id = f"main-{uuid.uuid4().hex[:12]}"
         self.sessions: dict[int, Session] = {}
-        self._ids = itertools.count(1)
         self._wake = asyncio.Event()
         self.handoff = Handoff(max_credit=self.settings.max_credit)
         """The handoff rules and state; this class only feeds it events and carries out
@@ -385,13 +249,18 @@ class Main:
         )
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._connection_tasks: set[asyncio.Task[None]] = set()
-        self._unauthenticated: set[asyncio.Task[None]] = set()
-        """Connection tasks still in the handshake (counted against max_unauthenticated)."""
-        self._per_address: Counter[str] = Counter()
         self._report_tasks: set[asyncio.Task[None]] = set()
         self._request_slots = asyncio.Semaphore(self.settings.max_requests)
         self._stopping = False
+        self.connections = Connections(
+            self.settings,
+            new_peer=self.handoff.new_peer,
+            welcome=self._welcome,
+            handle=self._handle,
+            closed=self._disconnect,
+            wake=self.wake,
+            stopping=lambda: self._stopping,
+        )
         self.settler = ReportSettler(
             store,
             self.handoff,
@@ -439,7 +308,7 @@ class Main:
         # The stream's limit is only its read-ahead (wire.LineReader enforces the line caps):
         # the pre-auth cap keeps what an unauthenticated peer can make us buffer small.
         self._server = await asyncio.start_server(
-            self._accept,
+            self.connections.accept,
             self.settings.host,
             self.settings.port,
             limit=self.settings.preauth_max_line_bytes,
@@ -487,9 +356,9 @@ class Main:
             await asyncio.wait(list(self._report_tasks), timeout=report_grace)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.ledger.flush(), timeout=report_grace)
-        for task in [*self._tasks, *self._connection_tasks]:
+        for task in [*self._tasks, *self.connections.tasks]:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._connection_tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self.connections.tasks, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
         await self.store.close()
@@ -660,176 +529,14 @@ class Main:
 
     # ------------------------------------------------------------------ connections
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        peername = writer.get_extra_info("peername")
-        address = str(peername[0]) if isinstance(peername, tuple) else str(peername)
-        refusal = self._connection_refusal(address)
-        if refusal is not None:
-            await self._refuse(writer, address, refusal)
-            return
-        self._connection_tasks.add(task)
-        self._unauthenticated.add(task)
-        self._per_address[address] += 1
-        try:
-            await self._serve_connection(reader, writer)
-        except asyncio.CancelledError:
-            if not self._stopping:
-                raise
-        finally:
-            self._connection_tasks.discard(task)
-            self._unauthenticated.discard(task)
-            self._per_address[address] -= 1
-            if not self._per_address[address]:
-                del self._per_address[address]
-
-    def _connection_refusal(self, address: str) -> str | None:
-        """Why a new connection from ``address`` is over a limit, or ``None``."""
-        settings = self.settings
-        if len(self._connection_tasks) >= settings.max_connections:
-            return (
-                f"the main has {len(self._connection_tasks)} connections, its limit "
-                "(--max-connections)"
-            )
-        if self._per_address[address] >= settings.max_connections_per_address:
-            return (
-                f"{self._per_address[address]} connections from {address} already, the limit "
-                "per address (--max-connections-per-address)"
-            )
-        if len(self._unauthenticated) >= settings.max_unauthenticated:
-            return (
-                f"{len(self._unauthenticated)} connections are still in the handshake, the "
-                "limit (--max-unauthenticated)"
-            )
-        return None
-
-    async def _refuse(self, writer: asyncio.StreamWriter, address: str, reason: str) -> None:
-        """Say why in one fatal ``error`` line (sent before any challenge), then close."""
-        logger.warning("connection refused peer=%s reason=%s", address, reason)
-        out = wire.MessageWriter(writer)
-        with contextlib.suppress(ConnectionError, OSError):
-            await out.send(
-                protocol.Error(
-                    code=protocol.ErrorCode.OVER_LIMIT,
-                    message=f"connection refused: {reason}",
-                    fatal=True,
-                )
-            )
-        await out.close(grace=self.settings.handshake_timeout)
-
-    async def _serve_connection(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        peername = writer.get_extra_info("peername")
-        session = Session(
-            state=self.handoff.new_peer(next(self._ids), asyncio.get_running_loop().time()),
-            peer=str(peername),
-            writer=wire.MessageWriter(writer),
-            max_outbox_bytes=self.settings.max_outbox_bytes,
-            max_requests=self.settings.max_requests_per_connection,
-        )
-        lines = wire.LineReader(reader, max_line_bytes=self.settings.preauth_max_line_bytes)
-        sender = asyncio.create_task(self._write_loop(session))
-        try:
-            if await self._handshake(session, lines):
-                task = asyncio.current_task()
-                assert task is not None
-                self._unauthenticated.discard(task)
-                lines.max_line_bytes = self.settings.max_line_bytes
-                await self._read_loop(session, lines)
-        except wire.LineTooLongError as exc:
-            await self._fatal(session, protocol.ErrorCode.LINE_TOO_LONG, str(exc))
-        except wire.UnterminatedLineError as exc:
-            logger.info("connection ended mid-line session=%d error=%s", session.id, exc)
-        except protocol.DecodeError as exc:
-            await self._fatal(session, protocol.ErrorCode(exc.code), str(exc))
-        except ProtocolError as exc:
-            await self._fatal(session, protocol.ErrorCode.MALFORMED, str(exc))
-        except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
-            logger.info("connection lost session=%d error=%r", session.id, exc)
-        finally:
-            self._disconnect(session)
-            for request in session.requests:
-                request.cancel()  # nobody is left to answer
-            sender.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sender
-            await session.writer.close()
-
-    async def _write_loop(self, session: Session) -> None:
-        """Writes this session's queued lines in order, batching whatever is ready.
-
-        A write that stays stuck in ``drain()`` (the peer does not read) is judged by the
-        liveness loop, which allows for the main's own stalls, not by a timer here.
-        """
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                data = await session.next_write()
-                session.state.liveness.write_started = loop.time()
-                await session.writer.write_raw(data)
-                session.state.liveness.write_started = None
-                if session.written(len(data)):
-                    self.wake()  # the peer is dispatchable again
-        except (ConnectionError, OSError) as exc:
-            logger.info("send failed, closing session=%d error=%r", session.id, exc)
-            session.abort()
-
-    async def _fatal(self, session: Session, code: protocol.ErrorCode, message: str) -> None:
-        logger.warning("closing connection session=%d code=%s reason=%s", session.id, code, message)
-        with contextlib.suppress(Exception):
-            await session.writer.send(protocol.Error(code=code, message=message, fatal=True))
-
-    async def _handshake(self, session: Session, lines: wire.LineReader) -> bool:
-        nonce = protocol.make_nonce()
-        await session.writer.send(
-            protocol.Challenge(
-                nonce=nonce,
-                protocol=protocol.PROTOCOL_VERSION,
-                auth_required=bool(self.settings.token),
-            )
-        )
-        try:
-            first = await asyncio.wait_for(
-                wire.read_message(lines), timeout=self.settings.handshake_timeout
-            )
-        except TimeoutError:
-            await self._fatal(
-                session,
-                protocol.ErrorCode.HANDSHAKE_TIMEOUT,
-                "no hello within the handshake deadline",
-            )
-            return False
-        if first is None:
-            return False
-        if not isinstance(first, protocol.Hello):
-            await self._fatal(
-                session, protocol.ErrorCode.NOT_ALLOWED, "the first message must be hello"
-            )
-            return False
-        token = self.settings.token
-        if token and not protocol.check_proof(token, nonce, first.proof):
-            await self._fatal(
-                session, protocol.ErrorCode.AUTH_FAILED, "wrong or missing token proof"
-            )
-            return False
-        if first.protocol != protocol.PROTOCOL_VERSION:
-            await self._fatal(
-                session,
-                protocol.ErrorCode.PROTOCOL_VERSION,
-                f"this main speaks protocol {protocol.PROTOCOL_VERSION}, not {first.protocol}",
-            )
-            return False
+    def _welcome(self, session: Session, hello: protocol.Hello) -> bool:
+        """A hello passed the handshake's checks: the peer joins and is welcomed, with the
+        leases it adopted; ``False`` (the connection closes) while the main is stopping."""
         if self._stopping:
             return False
-        session.host = first.host
+        session.host = hello.host
         self.sessions[session.id] = session
-        adopted, effects = self.handoff.hello(session.state, first)
+        adopted, effects = self.handoff.hello(session.state, hello)
         self._carry(effects)
         session.send(
             protocol.Welcome(
@@ -845,37 +552,11 @@ class Main:
         logger.info(
             "peer connected session=%d role=%s worker_id=%s adopted=%d",
             session.id,
-            first.role,
-            first.worker_id,
+            hello.role,
+            hello.worker_id,
             len(adopted),
         )
         return True
-
-    async def _read_loop(self, session: Session, lines: wire.LineReader) -> None:
-        """Reads and handles messages one at a time. It waits, without reading, while the
-        session is paused or at its request cap: the peer's further messages then stay
-        in its socket (TCP back-pressure) rather than in the main's memory."""
-        while True:
-            await session.readable.wait()
-            try:
-                msg = await wire.read_message(lines)
-            except protocol.DecodeError as exc:
-                self._reply_error(session, exc)
-                continue
-            if msg is None or session.dropped:
-                return
-            self._handle(session, msg)
-
-    def _reply_error(self, session: Session, exc: protocol.DecodeError) -> None:
-        session.errors += 1
-        if exc.request_id is not None:
-            session.send(
-                protocol.RequestError(request_id=exc.request_id, code=exc.code, message=str(exc))
-            )
-        else:
-            session.send(protocol.Error(code=exc.code, message=str(exc), fatal=False))
-        if session.errors >= self.settings.max_errors_per_connection:
-            raise ProtocolError(f"too many bad messages ({session.errors}); closing")
 
     def _handle(self, session: Session, msg: protocol.Message) -> None:
         worker = session.role is protocol.Role.WORKER
