@@ -55,7 +55,7 @@ settings.register_profile(
 settings.register_profile(
     "slow",
     database=None,
-    max_examples=5000,
+    max_examples=2000,
     stateful_step_count=80,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
@@ -698,4 +698,4 @@ class HandoffMachine(RuleBasedStateMachine):
 
 
 HandoffMachine.TestCase.settings = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-TestHandoffMachine = HandoffMachine.TestCase
+TestHandoffMachine = pytest.mark.timeout(900)(HandoffMachine.TestCase)  # for the slow profile
