@@ -11,6 +11,12 @@ through its dispatcher, and it does so in a fixed order for every handoff:
 Anything that goes wrong between 2 and 4 ends in the recovery ledger
 (:mod:`broker.recovery`), which gives that exact lease back; a newer lease is
 never touched because every return is fenced in the store.
+
+Those rules, and all the state they act on, live in :mod:`broker.handoff`, which does no
+I/O. This module is the shell around it: the settings, the server, the loops that feed it
+events (dispatch passes, liveness ticks, the orphans' deadline) and the store calls that
+carry out its effects. Connections are in :mod:`broker.connection`, the settlement of
+reports in :mod:`broker.settlement`.
 """
 
 from __future__ import annotations
