@@ -27,9 +27,10 @@ from hypothesis.stateful import (
     rule,
 )
 
+from adapters.memory import MemoryAdapter
 from broker import protocol
 from broker.admission import CreditLimitError, Credits
-from broker.exceptions import ProtocolError
+from broker.exceptions import ProtocolError, StorageError
 from broker.handoff import (
     ClaimJobs,
     Dispatch,
@@ -42,6 +43,7 @@ from broker.handoff import (
     Wake,
 )
 from broker.jobs import ExecutionMode, Job, JobStatus
+from broker.recovery import RecoveryLedger
 
 settings.register_profile(
     "ci",
@@ -86,10 +88,6 @@ def make_job(n: int, *, mode: ExecutionMode = POOLED, queue: str = "a") -> Job:
         updated_at=EPOCH,
         execution_mode=mode,
     )
-
-
-def counter_leases() -> itertools.count[int]:
-    return itertools.count(1)
 
 
 def core_with_counter() -> Handoff:
@@ -202,6 +200,34 @@ def test_a_return_is_done_only_for_its_own_lease_and_job() -> None:
     assert plan[0].lease in core.returns
     core.returned(plan[0].lease, plan[0].job.id)
     assert core.returns == {plan[1].lease: plan[1].job.id}
+
+
+class FlakyReturns(MemoryAdapter):
+    """Its first ``return_to_queue`` raises: the store could not be reached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[uuid.UUID, uuid.UUID]] = []
+
+    async def return_to_queue(self, job_id: uuid.UUID, handoff_id: uuid.UUID) -> bool:
+        self.calls.append((job_id, handoff_id))
+        if len(self.calls) == 1:
+            raise StorageError("store unreachable")
+        return await super().return_to_queue(job_id, handoff_id)
+
+
+async def test_the_ledger_gives_back_the_cores_returns_and_keeps_what_failed() -> None:
+    core, plan = _dispatched_core()
+    core.disconnect(1)
+    store = FlakyReturns()
+    woken: list[bool] = []
+    ledger = RecoveryLedger(store, core, on_returned=lambda: woken.append(True))
+    assert len(ledger) == 2 and plan[0].lease in ledger
+    assert not await ledger.flush(), "the failed return stays"
+    assert ledger.pending() == {plan[0].lease: plan[0].job.id}
+    assert woken == [], "unknown jobs: nothing was returned, so no dispatch pass"
+    assert await ledger.flush()
+    assert core.returns == {} and store.calls[-1] == (plan[0].job.id, plan[0].lease)
 
 
 def test_a_stopping_main_returns_nothing_so_the_next_one_adopts() -> None:
