@@ -36,6 +36,7 @@ from typing import Any
 from broker import protocol
 from broker.admission import DEFAULT_MAX_CREDIT, CreditLimitError
 from broker.connection import Connections, Session
+from broker.dispatch import Dispatcher
 from broker.exceptions import (
     BrokerError,
     ConfigurationError,
@@ -49,7 +50,6 @@ from broker.handoff import (
     Dispatch,
     Effect,
     Handoff,
-    PlannedClaim,
     Report,
     ReturnLease,
     Send,
@@ -76,7 +76,7 @@ from broker.recovery import RecoveryLedger
 from broker.retention import Retention, run_retention
 from broker.retry import RetryDelay, retry_delay
 from broker.schedule import Schedule, Scheduler, catch_up_window
-from broker.settlement import ReportSettler, transient
+from broker.settlement import ReportSettler
 from broker.storage import JobFilter, QueueCount, StorageAdapter, SupportsNotify
 
 logger = logging.getLogger("broker.main")
@@ -243,7 +243,6 @@ class Main:
         self._retry_delay = retry_delay_fn
         self.main_id = f"main-{uuid.uuid4().hex[:12]}"
         self.sessions: dict[int, Session] = {}
-        self._wake = asyncio.Event()
         self.handoff = Handoff(max_credit=self.settings.max_credit)
         """The handoff rules and state; this class only feeds it events and carries out
         its effects (see :mod:`broker.handoff`)."""
@@ -258,6 +257,17 @@ class Main:
         self._report_tasks: set[asyncio.Task[None]] = set()
         self._request_slots = asyncio.Semaphore(self.settings.max_requests)
         self._stopping = False
+        self.dispatcher = Dispatcher(
+            store,
+            self.handoff,
+            carry=self._carry,
+            stopping=lambda: self._stopping,
+            clock=clock,
+            claim_batch=self.settings.claim_batch,
+            poll_interval=self.settings.poll_interval,
+            notify_fallback_interval=self.settings.notify_fallback_interval,
+            retry_interval=self.settings.error_retry_interval,
+        )
         self.connections = Connections(
             self.settings,
             new_peer=self.handoff.new_peer,
@@ -320,7 +330,7 @@ class Main:
             limit=self.settings.preauth_max_line_bytes,
         )
         self._tasks = [
-            asyncio.create_task(self._dispatch_loop(), name="broker-dispatch"),
+            asyncio.create_task(self.dispatcher.run(), name="broker-dispatch"),
             asyncio.create_task(self.ledger.run(), name="broker-recovery"),
             asyncio.create_task(self.settler.run(), name="broker-reports"),
             asyncio.create_task(self._liveness_loop(), name="broker-liveness"),
@@ -328,7 +338,7 @@ class Main:
         if self.orphans:
             self._tasks.append(asyncio.create_task(self._orphan_deadline(), name="broker-orphans"))
         if self.store.capabilities.listen_notify and isinstance(self.store, SupportsNotify):
-            self._tasks.append(asyncio.create_task(self._listen(), name="broker-listen"))
+            self._tasks.append(asyncio.create_task(self.dispatcher.listen(), name="broker-listen"))
         if self.retention is not None:
             self._tasks.append(
                 asyncio.create_task(
@@ -379,10 +389,10 @@ class Main:
 
     def wake(self) -> None:
         """Ask the dispatcher for another pass (coalesced: many wakes, one pass)."""
-        self._wake.set()
+        self.dispatcher.wake()
 
     def _carry(self, effects: Sequence[Effect]) -> None:
-        """Carry out the handoff's effects, in order (claims are made by :meth:`_claim`)."""
+        """Carry out the handoff's effects, in order (the dispatcher makes the claims)."""
         for effect in effects:
             match effect:
                 case Send(peer=peer, message=message):
@@ -407,7 +417,7 @@ class Main:
                 case Wake():
                     self.wake()
                 case ClaimJobs():
-                    pass  # a store call to await: :meth:`_claim` makes it
+                    pass  # a store call to await: the dispatcher makes it
 
     async def _load_orphans(self) -> None:
         cursor: str | None = None
@@ -423,115 +433,6 @@ class Main:
     async def _orphan_deadline(self) -> None:
         await asyncio.sleep(self.settings.orphan_grace)
         self._carry(self.handoff.orphan_deadline())
-
-    async def _listen(self) -> None:
-        assert isinstance(self.store, SupportsNotify)
-        while True:
-            try:
-                async with self.store.listen(self.wake):
-                    await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.warning("store listener failed, reconnecting error=%r", exc)
-                self.wake()
-                await asyncio.sleep(self.settings.error_retry_interval)
-
-    # ------------------------------------------------------------------ dispatch
-
-    async def _dispatch_loop(self) -> None:
-        while True:
-            self._wake.clear()
-            try:
-                more = await self.dispatch_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.warning("dispatch pass failed, retrying error=%r", exc)
-                await asyncio.sleep(self.settings.error_retry_interval)
-                continue
-            if more:
-                continue
-            timeout = await self._idle_timeout()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
-
-    async def _idle_timeout(self) -> float | None:
-        """How long to sleep when there is nothing to dispatch: until the next scheduled
-        job, or the poll interval when other processes' inserts cannot wake us."""
-        modes = self.handoff.modes_with_credit()
-        if not modes:
-            return None
-        polling = not self.store.capabilities.listen_notify
-        try:
-            next_at = await self.store.next_run_at(modes=modes, queues=self.handoff.served_queues())
-        except Exception as exc:
-            logger.warning("could not read the next run time error=%r", exc)
-            return self.settings.error_retry_interval
-        delay = None if next_at is None else (next_at - self._clock()).total_seconds()
-        ceiling = self.settings.poll_interval if polling else self.settings.notify_fallback_interval
-        if delay is None or delay <= 0:
-            # Nothing scheduled, or due jobs that could not go out (their concurrency key is
-            # full): a report or a readiness message wakes us, so a timer of zero would spin.
-            return ceiling
-        return min(delay, ceiling)
-
-    async def dispatch_once(self) -> bool:
-        """One dispatch pass; returns ``True`` when another pass may find more work."""
-        if self._stopping:
-            return False
-        core = self.handoff
-        queues = core.served_queues()
-        modes = core.modes_with_credit()
-        if not modes:
-            return False
-        limit = min(core.credit(), self.settings.claim_batch)
-        jobs = await self.store.select_eligible(modes=modes, queues=queues, limit=limit)
-        plan = core.plan(jobs)
-        if len(plan) < len(jobs):
-            # One mode's backlog filled the read while another mode still has free slots:
-            # read again for those modes alone, each no further than its own credit.
-            for mode in sorted(core.modes_with_credit()):
-                room = min(core.credit(mode), limit)
-                found = await self.store.select_eligible(modes=[mode], queues=queues, limit=room)
-                plan += core.plan(found)
-        if not plan:
-            return False
-        error = await self._claim(plan)
-        if error is not None:
-            raise error  # after the jobs that were won went out; the loop backs off
-        return len(jobs) == limit
-
-    async def _claim(self, plan: Sequence[PlannedClaim]) -> Exception | None:
-        """Claim the planned jobs in one call and send the ones won; returns the first
-        error met, if any.
-
-        When the call raises, nobody knows whether it committed, so the core sends each
-        of its leases to the ledger. An error that is not transient (a value the store
-        refuses, say) would recur forever, so the core has the batch claimed again in
-        halves under fresh leases until the job or worker behind it stands alone: one bad
-        row or worker id never stops dispatch to the others.
-        """
-        try:
-            claimed = await self.store.mark_handed_off_many([p.claim for p in plan])
-        except Exception as exc:
-            if transient(exc) or len(plan) == 1:
-                logger.warning("claim outcome unknown for %d jobs error=%r", len(plan), exc)
-                self._carry(self.handoff.claim_unknown(plan))
-                return exc
-            logger.warning(
-                "claiming %d jobs failed, splitting the batch to isolate the cause error=%r",
-                len(plan),
-                exc,
-            )
-            effects = self.handoff.claim_refused(plan)
-            self._carry(effects)
-            for effect in effects:
-                if isinstance(effect, ClaimJobs):
-                    await self._claim(effect.claims)
-            return exc
-        self._carry(self.handoff.claimed(plan, claimed))
-        return None
 
     # ------------------------------------------------------------------ connections
 
