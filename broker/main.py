@@ -14,9 +14,9 @@ never touched because every return is fenced in the store.
 
 Those rules, and all the state they act on, live in :mod:`broker.handoff`, which does no
 I/O. This module is the shell around it: the settings, the server, the loops that feed it
-events (dispatch passes, liveness ticks, the orphans' deadline) and the store calls that
-carry out its effects. Connections are in :mod:`broker.connection`, the settlement of
-reports in :mod:`broker.settlement`.
+events (liveness ticks, the orphans' deadline) and the carrying out of its effects.
+Dispatch passes are in :mod:`broker.dispatch`, connections in :mod:`broker.connection`,
+the settlement of reports in :mod:`broker.settlement`.
 """
 
 from __future__ import annotations
