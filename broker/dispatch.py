@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from broker.handoff import ClaimJobs, Effect, Handoff, PlannedClaim
 from broker.jobs import Clock
-from broker.settlement import transient
+from broker.reports import transient
 from broker.storage import StorageAdapter, SupportsNotify
 
 logger = logging.getLogger("broker.main")

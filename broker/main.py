@@ -16,7 +16,7 @@ Those rules, and all the state they act on, live in :mod:`broker.handoff`, which
 I/O. This module is the shell around it: the settings, the server, the loops that feed it
 events (liveness ticks, the orphans' deadline) and the carrying out of its effects.
 Dispatch passes are in :mod:`broker.dispatch`, connections in :mod:`broker.connection`,
-the settlement of reports in :mod:`broker.settlement`.
+the settlement of reports in :mod:`broker.reports`.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ from broker.recovery import RecoveryLedger
 from broker.retention import Retention, run_retention
 from broker.retry import RetryDelay, retry_delay
 from broker.schedule import Schedule, Scheduler, catch_up_window
-from broker.settlement import ReportSettler
+from broker.reports import ReportSettler
 from broker.storage import JobFilter, QueueCount, StorageAdapter, SupportsNotify
 
 logger = logging.getLogger("broker.main")
