@@ -40,9 +40,11 @@ pytest: $(STAMP)
 
 test: lint typecheck layering pytest
 
-# -m on the command line overrides the "not soak" default in pyproject.toml.
+# -m on the command line overrides the "not soak" default in pyproject.toml. The handoff
+# state machine runs again under its long hypothesis profile (make test runs the short one).
 test-slow: $(STAMP)
 	$(BIN)/pytest -m soak
+	HYPOTHESIS_PROFILE=slow $(BIN)/pytest tests/unit/test_handoff.py
 
 demo: $(STAMP)
 	$(BIN)/python -m broker.demo

@@ -11,6 +11,12 @@ through its dispatcher, and it does so in a fixed order for every handoff:
 Anything that goes wrong between 2 and 4 ends in the recovery ledger
 (:mod:`broker.recovery`), which gives that exact lease back; a newer lease is
 never touched because every return is fenced in the store.
+
+Those rules, and all the state they act on, live in :mod:`broker.handoff`, which does no
+I/O. This module is the shell around it: the settings, the server, the loops that feed it
+events (liveness ticks, the orphans' deadline) and the carrying out of its effects.
+Dispatch passes are in :mod:`broker.dispatch`, connections in :mod:`broker.connection`,
+the settlement of reports in :mod:`broker.reports`.
 """
 
 from __future__ import annotations
@@ -21,52 +27,46 @@ import ipaddress
 import itertools
 import logging
 import secrets
-import socket
 import uuid
-from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 from typing import Any
 
-from broker import checks, error_codes, protocol, wire
-from broker.admission import DEFAULT_MAX_CREDIT, CreditLimitError, Credits
-from broker.exceptions import (
-    InvalidJobError,
-    ProtocolError,
-    StorageError,
-    StorageRejectedError,
+from broker import checks, codec, error_codes, protocol
+from broker.admission import DEFAULT_MAX_CREDIT, CreditLimitError
+from broker.connection import Connections, Session
+from broker.dispatch import Dispatcher
+from broker.exceptions import InvalidJobError, ProtocolError
+from broker.handoff import (
+    Abort,
+    ClaimJobs,
+    Dispatch,
+    Effect,
+    Handoff,
+    Report,
+    ReturnLease,
+    Send,
+    Settle,
+    Wake,
 )
-from broker.jobs import (
-    Claim,
-    Clock,
-    ExecutionMode,
-    Job,
-    JobStatus,
-    Outcome,
-    Settlement,
-    utcnow,
-)
+from broker.jobs import Clock, Job, JobStatus, utcnow
 from broker.operations import LiveState, Operations
 from broker.payload import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_MAX_PAYLOAD_DEPTH,
     LINE_HEADROOM_BYTES,
     MAX_PAYLOAD_DEPTH_CEILING,
-    result_problem,
 )
 from broker.protocol import DEFAULT_PORT
 from broker.recovery import RecoveryLedger
+from broker.reports import ReportSettler
 from broker.retention import Retention, run_retention
-from broker.retry import RetryDelay, next_run_after_failure, retry_delay
+from broker.retry import RetryDelay, retry_delay
 from broker.schedule import Schedule
 from broker.scheduler import Scheduler, catch_up_window
 from broker.storage import JobFilter, StorageAdapter, SupportsNotify
-from broker.supervise import retrying
 
 logger = logging.getLogger("broker.main")
-
-Report = protocol.Completed | protocol.Failed | protocol.Reschedule | protocol.Release
 
 DEFAULT_MAX_LINE_BYTES = 2 << 20
 """2 MiB: the default payload limit (1 MiB) plus ample room for the rest of a message."""
@@ -80,10 +80,6 @@ DEFAULT_RETENTION = Retention()
 DEFAULT_MAX_OUTBOX_BYTES = 8 << 20
 """8 MiB queued for one peer: four replies at the default line cap, far more than a peer
 that reads ever has waiting."""
-
-_WRITE_BATCH_BYTES = 256 << 10
-"""A writer joins queued lines into one write up to about this size; bigger batches would
-hold a second copy of the queue in memory."""
 
 _LIVENESS_TICKS = 4
 """Liveness checks per ping interval: frequent enough that a dead peer is dropped soon
@@ -211,159 +207,6 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-@dataclass(eq=False)
-class Session:
-    """One connection, as the main sees it. Leases belong to a session, not to a worker id,
-    so a dropped socket gives back only what was handed to that socket.
-
-    Everything the main sends goes through :meth:`send` into ``outbox``, which one writer
-    task drains. Its size in bytes is what back-pressure acts on: over
-    ``max_outbox_bytes`` the session is *paused* (no more jobs, and the main stops reading
-    its messages) until half of it has been written.
-    """
-
-    id: int
-    peer: str
-    writer: wire.MessageWriter
-    max_outbox_bytes: int
-    max_requests: int
-    """Client requests this connection may have in progress before reading pauses."""
-    role: protocol.Role | None = None
-    worker_id: str | None = None
-    host: str | None = None
-    modes: frozenset[ExecutionMode] = frozenset()
-    queues: frozenset[str] | None = None
-    credits: Credits = field(default_factory=Credits)
-    leases: dict[uuid.UUID, Job] = field(default_factory=dict)
-    draining: bool = False
-    reported_status: dict[str, Any] | None = None
-    """The worker's last ``worker_status`` (its runners' capacity and start-up errors)."""
-    closed: bool = False
-    dropped: bool = False
-    """The main judged the peer dead and aborted the connection; stop reading it."""
-    errors: int = 0
-    last_answer: float = 0.0
-    """Loop time of the last ``pong`` answering one of the main's pings (or of the accept).
-    Nothing else counts: a peer that sends but never reads cannot answer."""
-    ping_base: int = field(default_factory=lambda: secrets.randbits(62))
-    """The main's pings on this connection carry ``ping_base + 1, + 2, ...``; random, so a
-    peer that does not read them cannot answer them."""
-    pings_sent: int = 0
-    outbox: deque[bytes] = field(default_factory=deque)
-    outbox_bytes: int = 0
-    """Queued bytes, plus those of the write in progress until it has drained."""
-    paused_since: float | None = None
-    """Loop time ``outbox_bytes`` went over the cap; ``None`` while under it."""
-    write_started: float | None = None
-    """Loop time the write in progress began; ``None`` when the writer is idle."""
-    requests: set[asyncio.Task[None]] = field(default_factory=set)
-    """This connection's client requests in progress (cancelled when it closes)."""
-    readable: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set while the main may read this connection's next message."""
-    _queued: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.readable.set()
-
-    @property
-    def dispatchable(self) -> bool:
-        return (
-            self.role is protocol.Role.WORKER
-            and not self.draining
-            and not self.closed
-            and self.paused_since is None
-        )
-
-    def serves(self, job: Job) -> bool:
-        return self.queues is None or job.queue in self.queues
-
-    def send(self, msg: protocol.Message) -> None:
-        """Queue a message for this connection's writer task; never blocks the caller, so
-        one slow peer cannot stall dispatch to the others."""
-        if self.closed:
-            return
-        data = protocol.encode(msg)
-        self.outbox.append(data)
-        self.outbox_bytes += len(data)
-        self._queued.set()
-        if self.paused_since is None and self.outbox_bytes > self.max_outbox_bytes:
-            self.paused_since = asyncio.get_running_loop().time()
-            self._update_readable()
-
-    async def next_write(self) -> bytes:
-        """The next lines to write, joined: all that is queued, up to about 256 KiB."""
-        while not self.outbox:
-            self._queued.clear()
-            await self._queued.wait()
-        chunks = [self.outbox.popleft()]
-        size = len(chunks[0])
-        while self.outbox and size < _WRITE_BATCH_BYTES:
-            chunks.append(self.outbox.popleft())
-            size += len(chunks[-1])
-        return b"".join(chunks)
-
-    def written(self, size: int) -> bool:
-        """``size`` bytes have left the outbox; ``True`` when that ends a pause."""
-        self.outbox_bytes -= size
-        if self.paused_since is None or self.outbox_bytes > self.max_outbox_bytes // 2:
-            return False
-        self.paused_since = None
-        self._update_readable()
-        return True
-
-    def add_request(self, task: asyncio.Task[None]) -> None:
-        self.requests.add(task)
-        task.add_done_callback(self._request_done)
-        self._update_readable()
-
-    def _request_done(self, task: asyncio.Task[None]) -> None:
-        self.requests.discard(task)
-        self._update_readable()
-
-    def _update_readable(self) -> None:
-        if self.dropped or (self.paused_since is None and len(self.requests) < self.max_requests):
-            self.readable.set()
-        else:
-            self.readable.clear()
-
-    def next_ping(self) -> protocol.Ping:
-        self.pings_sent += 1
-        return protocol.Ping(nonce=self.ping_base + self.pings_sent)
-
-    def answered(self, nonce: int) -> None:
-        """A ``pong``: it proves the peer alive only if it answers one of our pings."""
-        if self.ping_base < nonce <= self.ping_base + self.pings_sent:
-            self.last_answer = asyncio.get_running_loop().time()
-
-    def excuse(self, stall: float, now: float) -> None:
-        """The main itself could not run for ``stall`` seconds: that time does not count
-        against the peer (it could not be read from or written to meanwhile)."""
-        self.last_answer = min(now, self.last_answer + stall)
-        if self.paused_since is not None:
-            self.paused_since = min(now, self.paused_since + stall)
-        if self.write_started is not None:
-            self.write_started = min(now, self.write_started + stall)
-
-    def liveness_problem(self, now: float, timeout: float) -> str | None:
-        """Why this peer counts as dead at ``now``, or ``None`` while it does not."""
-        if now - self.last_answer > timeout:
-            return f"no answer to pings for {now - self.last_answer:.1f} s"
-        if self.write_started is not None and now - self.write_started > timeout:
-            return f"a write has not completed for {now - self.write_started:.1f} s"
-        if self.paused_since is not None and now - self.paused_since > timeout:
-            return (
-                f"over its outbox limit ({self.outbox_bytes} bytes queued) "
-                f"for {now - self.paused_since:.1f} s"
-            )
-        return None
-
-    def abort(self) -> None:
-        """Drop the connection now, unsent data and all; the read loop ends at once."""
-        self.dropped = True
-        self.writer.abort()
-        self._update_readable()
-
-
 class Main:
     def __init__(
         self,
@@ -384,27 +227,52 @@ class Main:
         """The client requests (:mod:`broker.operations`), under this main's limits."""
         self.main_id = f"main-{uuid.uuid4().hex[:12]}"
         self.sessions: dict[int, Session] = {}
-        self._ids = itertools.count(1)
-        self._wake = asyncio.Event()
+        self.handoff = Handoff(max_credit=self.settings.max_credit)
+        """The handoff rules and state; this class only feeds it events and carries out
+        its effects (see :mod:`broker.handoff`)."""
         self.ledger = RecoveryLedger(
-            store, retry_interval=self.settings.error_retry_interval, on_returned=self.wake
+            store,
+            self.handoff,
+            retry_interval=self.settings.error_retry_interval,
+            on_returned=self.wake,
         )
-        self.orphans: dict[uuid.UUID, Job] = {}
-        """Handoffs found in the store at start-up, waiting for their worker's hello."""
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._connection_tasks: set[asyncio.Task[None]] = set()
-        self._unauthenticated: set[asyncio.Task[None]] = set()
-        """Connection tasks still in the handshake (counted against max_unauthenticated)."""
-        self._per_address: Counter[str] = Counter()
         self._report_tasks: set[asyncio.Task[None]] = set()
         self._request_slots = asyncio.Semaphore(self.settings.max_requests)
-        self._reports: list[tuple[Session, Report]] = []
-        self._reports_ready = asyncio.Event()
-        self._reports_idle = asyncio.Event()
-        self._reports_idle.set()
         self._stopping = False
-        self.dispatched = 0
+        self.dispatcher = Dispatcher(
+            store,
+            self.handoff,
+            carry=self._carry,
+            stopping=lambda: self._stopping,
+            clock=clock,
+            claim_batch=self.settings.claim_batch,
+            poll_interval=self.settings.poll_interval,
+            notify_fallback_interval=self.settings.notify_fallback_interval,
+            retry_interval=self.settings.error_retry_interval,
+        )
+        self.connections = Connections(
+            self.settings,
+            new_peer=self.handoff.new_peer,
+            welcome=self._welcome,
+            handle=self._handle,
+            closed=self._disconnect,
+            wake=self.wake,
+            stopping=lambda: self._stopping,
+        )
+        self.settler = ReportSettler(
+            store,
+            self.handoff,
+            acknowledged=self._acknowledge,
+            stopping=lambda: self._stopping,
+            clock=clock,
+            retry_delay=retry_delay_fn,
+            batch=self.settings.report_batch,
+            retry_interval=self.settings.error_retry_interval,
+            max_payload_bytes=self.settings.max_payload_bytes,
+            max_payload_depth=self.settings.max_payload_depth,
+        )
         self.retention = retention
         """Pruning of finished jobs (see :mod:`broker.retention`); ``None``: never prune."""
         self.scheduler = Scheduler(
@@ -420,6 +288,15 @@ class Main:
     # ------------------------------------------------------------------ lifecycle
 
     @property
+    def orphans(self) -> dict[uuid.UUID, Job]:
+        """Handoffs found in the store at start-up, waiting for their worker's hello."""
+        return self.handoff.orphans
+
+    @property
+    def dispatched(self) -> int:
+        return self.handoff.dispatched
+
+    @property
     def port(self) -> int:
         if self._server is None or not self._server.sockets:
             raise RuntimeError("the main is not listening")
@@ -431,21 +308,21 @@ class Main:
         # The stream's limit is only its read-ahead (wire.LineReader enforces the line caps):
         # the pre-auth cap keeps what an unauthenticated peer can make us buffer small.
         self._server = await asyncio.start_server(
-            self._accept,
+            self.connections.accept,
             self.settings.host,
             self.settings.port,
             limit=self.settings.preauth_max_line_bytes,
         )
         self._tasks = [
-            asyncio.create_task(self._dispatch_loop(), name="broker-dispatch"),
+            asyncio.create_task(self.dispatcher.run(), name="broker-dispatch"),
             asyncio.create_task(self.ledger.run(), name="broker-recovery"),
-            asyncio.create_task(self._report_loop(), name="broker-reports"),
+            asyncio.create_task(self.settler.run(), name="broker-reports"),
             asyncio.create_task(self._liveness_loop(), name="broker-liveness"),
         ]
         if self.orphans:
             self._tasks.append(asyncio.create_task(self._orphan_deadline(), name="broker-orphans"))
         if self.store.capabilities.listen_notify and isinstance(self.store, SupportsNotify):
-            self._tasks.append(asyncio.create_task(self._listen(), name="broker-listen"))
+            self._tasks.append(asyncio.create_task(self.dispatcher.listen(), name="broker-listen"))
         if self.retention is not None:
             self._tasks.append(
                 asyncio.create_task(
@@ -474,14 +351,14 @@ class Main:
         if self._server is not None:
             self._server.close()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._reports_idle.wait(), timeout=report_grace)
+            await asyncio.wait_for(self.settler.wait_idle(), timeout=report_grace)
         if self._report_tasks:
             await asyncio.wait(list(self._report_tasks), timeout=report_grace)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.ledger.flush(), timeout=report_grace)
-        for task in [*self._tasks, *self._connection_tasks]:
+        for task in [*self._tasks, *self.connections.tasks]:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._connection_tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self.connections.tasks, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
         await self.store.close()
@@ -496,7 +373,35 @@ class Main:
 
     def wake(self) -> None:
         """Ask the dispatcher for another pass (coalesced: many wakes, one pass)."""
-        self._wake.set()
+        self.dispatcher.wake()
+
+    def _carry(self, effects: Sequence[Effect]) -> None:
+        """Carry out the handoff's effects, in order (the dispatcher makes the claims)."""
+        for effect in effects:
+            match effect:
+                case Send(peer=peer, message=message):
+                    if (session := self.sessions.get(peer)) is not None:
+                        session.send(message)
+                case Dispatch(peer=peer, seq=seq, job=job):
+                    self.sessions[peer].send(codec.job_message(seq, job))
+                case ReturnLease():
+                    self.ledger.kick()
+                case Abort(peer=peer, reason=reason):
+                    if (session := self.sessions.get(peer)) is not None:
+                        logger.warning(
+                            "peer unresponsive, treating as disconnected "
+                            "session=%d worker_id=%s reason=%s",
+                            peer,
+                            session.worker_id,
+                            reason,
+                        )
+                        session.abort()
+                case Settle(peer=peer, report=report):
+                    self.settler.add(peer, report)
+                case Wake():
+                    self.wake()
+                case ClaimJobs():
+                    pass  # a store call to await: the dispatcher makes it
 
     async def _load_orphans(self) -> None:
         cursor: str | None = None
@@ -504,375 +409,26 @@ class Main:
             page = await self.store.list_jobs(
                 JobFilter(statuses=[JobStatus.HANDED_OFF]), limit=1000, cursor=cursor
             )
-            for job in page.jobs:
-                if job.handoff_id is not None:
-                    self.orphans[job.handoff_id] = job
+            self.handoff.load_orphans(page.jobs)
             if page.next_cursor is None:
                 return
             cursor = page.next_cursor
 
     async def _orphan_deadline(self) -> None:
         await asyncio.sleep(self.settings.orphan_grace)
-        for lease, job in list(self.orphans.items()):
-            self.ledger.add(job.id, lease, "worker did not reconnect within the grace period")
-        self.orphans.clear()
-
-    async def _listen(self) -> None:
-        """Keep the store's notifications on; while they are down, each failure wakes the
-        dispatcher for a pass, since an enqueue may have gone unannounced."""
-        await retrying(
-            "store listener",
-            self._listen_once,
-            interval=self.settings.error_retry_interval,
-            logger=logger,
-            on_error=self.wake,
-        )
-
-    async def _listen_once(self) -> None:
-        assert isinstance(self.store, SupportsNotify)
-        async with self.store.listen(self.wake):
-            await asyncio.Event().wait()
-
-    # ------------------------------------------------------------------ dispatch
-
-    async def _dispatch_loop(self) -> None:
-        while True:
-            self._wake.clear()
-            try:
-                more = await self.dispatch_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.warning("dispatch pass failed, retrying error=%r", exc)
-                await asyncio.sleep(self.settings.error_retry_interval)
-                continue
-            if more:
-                continue
-            timeout = await self._idle_timeout()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
-
-    async def _idle_timeout(self) -> float | None:
-        """How long to sleep when there is nothing to dispatch: until the next scheduled
-        job, or the poll interval when other processes' inserts cannot wake us."""
-        modes = self._modes_with_credit()
-        if not modes:
-            return None
-        polling = not self.store.capabilities.listen_notify
-        try:
-            next_at = await self.store.next_run_at(modes=modes, queues=self._served_queues())
-        except Exception as exc:
-            logger.warning("could not read the next run time error=%r", exc)
-            return self.settings.error_retry_interval
-        delay = None if next_at is None else (next_at - self._clock()).total_seconds()
-        ceiling = self.settings.poll_interval if polling else self.settings.notify_fallback_interval
-        if delay is None or delay <= 0:
-            # Nothing scheduled, or due jobs that could not go out (their concurrency key is
-            # full): a report or a readiness message wakes us, so a timer of zero would spin.
-            return ceiling
-        return min(delay, ceiling)
-
-    def _workers(self) -> list[Session]:
-        return [s for s in self.sessions.values() if s.dispatchable]
-
-    def _modes_with_credit(self) -> set[ExecutionMode]:
-        modes: set[ExecutionMode] = set()
-        for session in self._workers():
-            modes |= session.credits.modes_with_credit()
-        return modes
-
-    def _served_queues(self) -> set[str] | None:
-        queues: set[str] = set()
-        for session in self._workers():
-            if session.queues is None:
-                return None
-            queues |= session.queues
-        return queues
-
-    async def dispatch_once(self) -> bool:
-        """One dispatch pass; returns ``True`` when another pass may find more work."""
-        if self._stopping:
-            return False
-        workers = self._workers()
-        queues = self._served_queues()
-        modes = self._modes_with_credit()
-        if not modes:
-            return False
-        credit = sum(w.credits.total_available() for w in workers)
-        limit = min(credit, self.settings.claim_batch)
-        jobs = await self.store.select_eligible(modes=modes, queues=queues, limit=limit)
-        plan = self._plan(workers, jobs)
-        if len(plan) < len(jobs):
-            # One mode's backlog filled the read while another mode still has free slots:
-            # read again for those modes alone, each no further than its own credit.
-            planned = {job.id for _, job, _ in plan}
-            for mode in sorted(self._modes_with_credit()):
-                room = min(sum(w.credits.available(mode) for w in workers), limit)
-                found = await self.store.select_eligible(modes=[mode], queues=queues, limit=room)
-                plan += self._plan(workers, [j for j in found if j.id not in planned])
-        if not plan:
-            return False
-        answered, error = await self._claim(plan)
-        for session, job, lease, got in answered:
-            if got is None or got.handoff_id != lease:
-                session.credits.release(job.execution_mode)
-                continue
-            if not session.dispatchable:
-                session.credits.release(job.execution_mode)
-                self.ledger.add(job.id, lease, "worker left while the claim was in flight")
-                continue
-            seq = session.credits.commit(job.execution_mode)
-            session.leases[lease] = got
-            session.send(_job_message(seq, got))
-            self.dispatched += 1
-            logger.debug(
-                "job handed off job_id=%s handoff_id=%s worker_id=%s seq=%d",
-                got.id,
-                lease,
-                session.worker_id,
-                seq,
-            )
-        if error is not None:
-            raise error  # after the jobs that were won went out; the loop backs off
-        return len(jobs) == limit
-
-    async def _claim(
-        self, plan: list[tuple[Session, Job, uuid.UUID]]
-    ) -> tuple[list[tuple[Session, Job, uuid.UUID, Job | None]], Exception | None]:
-        """Claim the planned jobs in one call; each planned entry comes back with the job as
-        claimed under its lease (``None``: not won), with the first error met, if any.
-
-        When the call raises, nobody knows whether it committed, so each of its leases goes
-        to the ledger and its credit is released. An error that is not transient (a value
-        the store refuses, say) would recur forever, so the batch is claimed again in
-        halves under fresh leases until the job or worker behind it stands alone: one bad
-        row or worker id never stops dispatch to the others.
-        """
-        claims = [Claim(job.id, lease, s.worker_id or "") for s, job, lease in plan]
-        try:
-            claimed = await self.store.mark_handed_off_many(claims)
-        except Exception as exc:
-            for _, job, lease in plan:
-                self.ledger.add(job.id, lease, "claim outcome unknown")
-            if _transient(exc) or len(plan) == 1:
-                logger.warning("claim outcome unknown for %d jobs error=%r", len(plan), exc)
-                for session, job, _ in plan:
-                    session.credits.release(job.execution_mode)
-                return [], exc
-            logger.warning(
-                "claiming %d jobs failed, splitting the batch to isolate the cause error=%r",
-                len(plan),
-                exc,
-            )
-            half = len(plan) // 2
-            fresh = [(session, job, uuid.uuid4()) for session, job, _ in plan]
-            first, _ = await self._claim(fresh[:half])
-            second, _ = await self._claim(fresh[half:])
-            return first + second, exc
-        won = {job.id: job for job in claimed}
-        return [(session, job, lease, won.get(job.id)) for session, job, lease in plan], None
-
-    def _plan(
-        self, workers: list[Session], jobs: list[Job]
-    ) -> list[tuple[Session, Job, uuid.UUID]]:
-        """A worker and a freshly minted lease for each job that has a free slot somewhere;
-        the slot is reserved now, before the claim."""
-        plan: list[tuple[Session, Job, uuid.UUID]] = []
-        for job in jobs:
-            session = self._pick_worker(workers, job)
-            if session is not None:
-                session.credits.reserve(job.execution_mode)
-                plan.append((session, job, uuid.uuid4()))
-        return plan
-
-    def _pick_worker(self, workers: list[Session], job: Job) -> Session | None:
-        """The serving worker with the most free credit for the job's mode, to spread load."""
-        best: Session | None = None
-        best_free = 0
-        for session in workers:
-            free = session.credits.available(job.execution_mode)
-            if free > best_free and session.serves(job):
-                best, best_free = session, free
-        return best
+        self._carry(self.handoff.orphan_deadline())
 
     # ------------------------------------------------------------------ connections
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        peername = writer.get_extra_info("peername")
-        address = str(peername[0]) if isinstance(peername, tuple) else str(peername)
-        refusal = self._connection_refusal(address)
-        if refusal is not None:
-            await self._refuse(writer, address, refusal)
-            return
-        self._connection_tasks.add(task)
-        self._unauthenticated.add(task)
-        self._per_address[address] += 1
-        try:
-            await self._serve_connection(reader, writer)
-        except asyncio.CancelledError:
-            if not self._stopping:
-                raise
-        finally:
-            self._connection_tasks.discard(task)
-            self._unauthenticated.discard(task)
-            self._per_address[address] -= 1
-            if not self._per_address[address]:
-                del self._per_address[address]
-
-    def _connection_refusal(self, address: str) -> str | None:
-        """Why a new connection from ``address`` is over a limit, or ``None``."""
-        settings = self.settings
-        if len(self._connection_tasks) >= settings.max_connections:
-            return (
-                f"the main has {len(self._connection_tasks)} connections, its limit "
-                "(--max-connections)"
-            )
-        if self._per_address[address] >= settings.max_connections_per_address:
-            return (
-                f"{self._per_address[address]} connections from {address} already, the limit "
-                "per address (--max-connections-per-address)"
-            )
-        if len(self._unauthenticated) >= settings.max_unauthenticated:
-            return (
-                f"{len(self._unauthenticated)} connections are still in the handshake, the "
-                "limit (--max-unauthenticated)"
-            )
-        return None
-
-    async def _refuse(self, writer: asyncio.StreamWriter, address: str, reason: str) -> None:
-        """Say why in one fatal ``error`` line (sent before any challenge), then close."""
-        logger.warning("connection refused peer=%s reason=%s", address, reason)
-        out = wire.MessageWriter(writer)
-        with contextlib.suppress(ConnectionError, OSError):
-            await out.send(
-                protocol.Error(
-                    code=protocol.ErrorCode.OVER_LIMIT,
-                    message=f"connection refused: {reason}",
-                    fatal=True,
-                )
-            )
-        await out.close(grace=self.settings.handshake_timeout)
-
-    async def _serve_connection(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        peername = writer.get_extra_info("peername")
-        session = Session(
-            id=next(self._ids),
-            peer=str(peername),
-            writer=wire.MessageWriter(writer),
-            max_outbox_bytes=self.settings.max_outbox_bytes,
-            max_requests=self.settings.max_requests_per_connection,
-            credits=Credits(self.settings.max_credit),
-            last_answer=asyncio.get_running_loop().time(),
-        )
-        lines = wire.LineReader(reader, max_line_bytes=self.settings.preauth_max_line_bytes)
-        sender = asyncio.create_task(self._write_loop(session))
-        try:
-            if await self._handshake(session, lines):
-                task = asyncio.current_task()
-                assert task is not None
-                self._unauthenticated.discard(task)
-                lines.max_line_bytes = self.settings.max_line_bytes
-                await self._read_loop(session, lines)
-        except wire.LineTooLongError as exc:
-            await self._fatal(session, protocol.ErrorCode.LINE_TOO_LONG, str(exc))
-        except wire.UnterminatedLineError as exc:
-            logger.info("connection ended mid-line session=%d error=%s", session.id, exc)
-        except protocol.DecodeError as exc:
-            await self._fatal(session, protocol.ErrorCode(exc.code), str(exc))
-        except ProtocolError as exc:
-            await self._fatal(session, protocol.ErrorCode.MALFORMED, str(exc))
-        except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
-            logger.info("connection lost session=%d error=%r", session.id, exc)
-        finally:
-            self._disconnect(session)
-            for request in session.requests:
-                request.cancel()  # nobody is left to answer
-            sender.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sender
-            await session.writer.close()
-
-    async def _write_loop(self, session: Session) -> None:
-        """Writes this session's queued lines in order, batching whatever is ready.
-
-        A write that stays stuck in ``drain()`` (the peer does not read) is judged by the
-        liveness loop, which allows for the main's own stalls, not by a timer here.
-        """
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                data = await session.next_write()
-                session.write_started = loop.time()
-                await session.writer.write_raw(data)
-                session.write_started = None
-                if session.written(len(data)):
-                    self.wake()  # the peer is dispatchable again
-        except (ConnectionError, OSError) as exc:
-            logger.info("send failed, closing session=%d error=%r", session.id, exc)
-            session.abort()
-
-    async def _fatal(self, session: Session, code: protocol.ErrorCode, message: str) -> None:
-        logger.warning("closing connection session=%d code=%s reason=%s", session.id, code, message)
-        with contextlib.suppress(Exception):
-            await session.writer.send(protocol.Error(code=code, message=message, fatal=True))
-
-    async def _handshake(self, session: Session, lines: wire.LineReader) -> bool:
-        nonce = protocol.make_nonce()
-        await session.writer.send(
-            protocol.Challenge(
-                nonce=nonce,
-                protocol=protocol.PROTOCOL_VERSION,
-                auth_required=bool(self.settings.token),
-            )
-        )
-        try:
-            first = await asyncio.wait_for(
-                wire.read_message(lines), timeout=self.settings.handshake_timeout
-            )
-        except TimeoutError:
-            await self._fatal(
-                session,
-                protocol.ErrorCode.HANDSHAKE_TIMEOUT,
-                "no hello within the handshake deadline",
-            )
-            return False
-        if first is None:
-            return False
-        if not isinstance(first, protocol.Hello):
-            await self._fatal(
-                session, protocol.ErrorCode.NOT_ALLOWED, "the first message must be hello"
-            )
-            return False
-        token = self.settings.token
-        if token and not protocol.check_proof(token, nonce, first.proof):
-            await self._fatal(
-                session, protocol.ErrorCode.AUTH_FAILED, "wrong or missing token proof"
-            )
-            return False
-        if first.protocol != protocol.PROTOCOL_VERSION:
-            await self._fatal(
-                session,
-                protocol.ErrorCode.PROTOCOL_VERSION,
-                f"this main speaks protocol {protocol.PROTOCOL_VERSION}, not {first.protocol}",
-            )
-            return False
+    def _welcome(self, session: Session, hello: protocol.Hello) -> bool:
+        """A hello passed the handshake's checks: the peer joins and is welcomed, with the
+        leases it adopted; ``False`` (the connection closes) while the main is stopping."""
         if self._stopping:
             return False
-        session.role = first.role
-        session.worker_id = first.worker_id
-        session.host = first.host
-        session.modes = frozenset(first.modes)
-        session.queues = frozenset(first.queues) if first.queues is not None else None
+        session.host = hello.host
         self.sessions[session.id] = session
-        adopted = self._adopt(session, first) if first.role is protocol.Role.WORKER else []
+        adopted, effects = self.handoff.hello(session.state, hello)
+        self._carry(effects)
         session.send(
             protocol.Welcome(
                 main_id=self.main_id,
@@ -887,79 +443,11 @@ class Main:
         logger.info(
             "peer connected session=%d role=%s worker_id=%s adopted=%d",
             session.id,
-            first.role,
-            first.worker_id,
+            hello.role,
+            hello.worker_id,
             len(adopted),
         )
         return True
-
-    def _adopt(self, session: Session, hello: protocol.Hello) -> list[protocol.LeaseRef]:
-        """Take over the leases this worker says it still holds, where they are still current.
-
-        Two sources: handoffs found in the store at start-up (the main restarted), only
-        those the store records for this worker id; and another live connection of the
-        same worker id (the worker reconnected before the main noticed the old socket was
-        dead), only leases that connection holds for the job the hello names. Start-up
-        handoffs of this worker that it no longer holds go back to the queue now rather
-        than after the grace period. Whatever is not adopted stays where it was, and this
-        connection's reports for it are answered ``stale`` (see :meth:`_queue_report`).
-        The worker id itself is only as trustworthy as the shared token until per-role
-        credentials bind it to a credential.
-        """
-        held = {ref.handoff_id: ref.job_id for ref in hello.held_leases}
-        adopted: list[protocol.LeaseRef] = []
-        for lease, job in list(self.orphans.items()):
-            if job.worker_id != session.worker_id:
-                continue
-            del self.orphans[lease]
-            if held.get(lease) == job.id:
-                session.leases[lease] = job
-                adopted.append(protocol.LeaseRef(job_id=job.id, handoff_id=lease))
-            else:
-                self.ledger.add(job.id, lease, "worker reconnected without this lease")
-        for other in self.sessions.values():
-            if other is session or other.worker_id != session.worker_id:
-                continue
-            for lease in [
-                lease for lease, job in other.leases.items() if held.get(lease) == job.id
-            ]:
-                job = other.leases.pop(lease)
-                session.leases[lease] = job
-                adopted.append(protocol.LeaseRef(job_id=job.id, handoff_id=lease))
-        for ref in adopted:
-            logger.info(
-                "lease adopted job_id=%s handoff_id=%s worker_id=%s",
-                ref.job_id,
-                ref.handoff_id,
-                session.worker_id,
-            )
-        return adopted
-
-    async def _read_loop(self, session: Session, lines: wire.LineReader) -> None:
-        """Reads and handles messages one at a time. It waits, without reading, while the
-        session is paused or at its request cap: the peer's further messages then stay
-        in its socket (TCP back-pressure) rather than in the main's memory."""
-        while True:
-            await session.readable.wait()
-            try:
-                msg = await wire.read_message(lines)
-            except protocol.DecodeError as exc:
-                self._reply_error(session, exc)
-                continue
-            if msg is None or session.dropped:
-                return
-            self._handle(session, msg)
-
-    def _reply_error(self, session: Session, exc: protocol.DecodeError) -> None:
-        session.errors += 1
-        if exc.request_id is not None:
-            session.send(
-                protocol.RequestError(request_id=exc.request_id, code=exc.code, message=str(exc))
-            )
-        else:
-            session.send(protocol.Error(code=exc.code, message=str(exc), fatal=False))
-        if session.errors >= self.settings.max_errors_per_connection:
-            raise ProtocolError(f"too many bad messages ({session.errors}); closing")
 
     def _handle(self, session: Session, msg: protocol.Message) -> None:
         worker = session.role is protocol.Role.WORKER
@@ -967,10 +455,10 @@ class Main:
             case protocol.Ping(nonce=nonce):
                 session.send(protocol.Pong(nonce=nonce))
             case protocol.Pong(nonce=nonce):
-                session.answered(nonce)
+                self.handoff.pong(session.id, nonce, asyncio.get_running_loop().time())
             case protocol.Ready(slots=slots, seen=seen) if worker:
                 try:
-                    session.credits.on_ready(slots, seen)
+                    self._carry(self.handoff.ready(session.id, slots, seen))
                 except ProtocolError as exc:
                     session.errors += 1
                     code = (
@@ -979,20 +467,15 @@ class Main:
                         else protocol.ErrorCode.MALFORMED
                     )
                     session.send(protocol.Error(code=code, message=str(exc), fatal=False))
-                    return
-                self.wake()
             case protocol.Draining() if worker:
-                session.draining = True
-                logger.info(
-                    "worker draining worker_id=%s leases=%d", session.worker_id, len(session.leases)
-                )
+                self._carry(self.handoff.draining(session.id))
             case (
                 protocol.Completed()
                 | protocol.Failed()
                 | protocol.Reschedule()
                 | protocol.Release()
             ) if worker:
-                self._queue_report(session, msg)
+                self._carry(self.handoff.report(session.id, msg))
             case protocol.WorkerStatus(status=status) if worker:
                 session.reported_status = status
             case (
@@ -1014,33 +497,6 @@ class Main:
                         fatal=False,
                     )
                 )
-
-    def _queue_report(self, session: Session, msg: Report) -> None:
-        """Queue a report for settlement, but only for a lease this connection holds: handed
-        to it, or adopted at its hello. The store's fence alone would let any peer with the
-        token settle any running job whose lease it learnt, so anything else (a lease held
-        by another connection, forged, already settled, returned or cancelled) is answered
-        ``stale`` at once and never reaches the store."""
-        held = session.leases.get(msg.handoff_id)
-        if held is None or held.id != msg.job_id:
-            logger.info(
-                "report stale job_id=%s handoff_id=%s outcome=%s worker_id=%s session=%d "
-                "reason=lease not held by this connection",
-                msg.job_id,
-                msg.handoff_id,
-                msg.type,
-                session.worker_id,
-                session.id,
-            )
-            session.send(
-                protocol.ReportAck(
-                    job_id=msg.job_id, handoff_id=msg.handoff_id, status=protocol.AckStatus.STALE
-                )
-            )
-            return
-        self._reports.append((session, msg))
-        self._reports_idle.clear()
-        self._reports_ready.set()
 
     def _start_request(self, session: Session, msg: protocol.Message) -> None:
         """Run a client request in its own task, counted against the connection's cap (the
@@ -1136,217 +592,17 @@ class Main:
                 raise ProtocolError(f"{msg.type!r} is not a client request")
 
     def _stop_cancelled(self, job: Job) -> None:
-        """The store has cancelled ``job``: forget its lease and tell the worker holding it
-        to stop it. Whatever that worker reports later is fenced out (``stale``)."""
-        lease = job.handoff_id
-        if lease is None:
-            return
-        self.orphans.pop(lease, None)
-        for session in self.sessions.values():
-            if session.leases.pop(lease, None) is None:
-                continue
-            if job.status is JobStatus.CANCELLED:
-                session.send(protocol.CancelJob(job_id=job.id, handoff_id=lease))
-                logger.info(
-                    "running job cancelled job_id=%s handoff_id=%s worker_id=%s",
-                    job.id,
-                    lease,
-                    session.worker_id,
-                )
-
-    async def _report_loop(self) -> None:
-        """Group commit: every report that arrived while the previous batch was committing
-        goes into the next batch, so one fsync settles many jobs under load."""
-        while True:
-            await self._reports_ready.wait()
-            self._reports_ready.clear()
-            while self._reports:
-                size = self.settings.report_batch
-                batch, self._reports = self._reports[:size], self._reports[size:]
-                await self._settle_batch(batch)
-            self._reports_idle.set()
-
-    async def _settle_batch(self, batch: list[tuple[Session, Report]]) -> None:
-        """Apply a batch of fenced reports and acknowledge each only once it is durable
-        (or known to be stale).
-
-        Transient store errors are retried until the store answers. Any other error would
-        recur on every attempt, so the batch is split in halves, each settled and
-        acknowledged on its own, until the report behind the error stands alone and
-        becomes an outcome of its own (:meth:`_settle_unstorable`): one bad report never
-        holds up the others.
-        """
-        while True:
-            try:
-                settlements = [await self._settlement(msg) for _, msg in batch]
-                applied = await self.store.settle_many(settlements)
-                statuses = [
-                    protocol.AckStatus.APPLIED
-                    if ok
-                    else await self._why_not_applied(msg, settlement)
-                    for ok, (_, msg), settlement in zip(applied, batch, settlements, strict=True)
-                ]
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if not _transient(exc):
-                    await self._isolate(batch, exc)
-                    return
-                logger.warning("applying %d reports failed, retrying error=%r", len(batch), exc)
-                if self._stopping:
-                    return
-                await asyncio.sleep(self.settings.error_retry_interval)
-        self._acknowledge(batch, statuses)
-
-    async def _isolate(self, batch: list[tuple[Session, Report]], exc: Exception) -> None:
-        if len(batch) == 1:
-            await self._settle_unstorable(*batch[0], exc)
-            return
-        logger.warning(
-            "applying %d reports failed, splitting the batch to isolate the cause error=%r",
-            len(batch),
-            exc,
-        )
-        half = len(batch) // 2
-        await self._settle_batch(batch[:half])
-        await self._settle_batch(batch[half:])
-
-    async def _settle_unstorable(self, session: Session, msg: Report, exc: Exception) -> None:
-        """A report that can never be applied: its job fails, without retry, with an error
-        saying why (the same outcome would fail the same way again). If even that cannot be
-        stored, the report is answered ``refused`` and its lease goes back to the queue.
-        Either way the worker is answered, so it forgets the report instead of re-sending
-        it on every connection."""
-        logger.error(
-            "report could not be stored job_id=%s handoff_id=%s outcome=%s worker_id=%s error=%r",
-            msg.job_id,
-            msg.handoff_id,
-            msg.type,
-            session.worker_id,
-            exc,
-        )
-        failure = Settlement(
-            msg.job_id,
-            msg.handoff_id,
-            Outcome.FAIL,
-            error=f"report could not be stored: the worker's {msg.type} report failed with "
-            f"{type(exc).__name__}: {str(exc)[:1000]}",
-            run_at=None,
-        )
-        while True:
-            try:
-                [applied] = await self.store.settle_many([failure])
-                status = (
-                    protocol.AckStatus.APPLIED
-                    if applied
-                    else await self._why_not_applied(msg, failure)
-                )
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:
-                if not _transient(err):
-                    logger.error(
-                        "recording the failure failed too, refusing the report job_id=%s "
-                        "handoff_id=%s error=%r",
-                        msg.job_id,
-                        msg.handoff_id,
-                        err,
-                    )
-                    status = protocol.AckStatus.REFUSED
-                    break
-                logger.warning("recording a failed report failed, retrying error=%r", err)
-                if self._stopping:
-                    return
-                await asyncio.sleep(self.settings.error_retry_interval)
-        self._acknowledge([(session, msg)], [status])
+        """The store has cancelled ``job``: its worker stops it (see :meth:`Handoff.cancelled`)."""
+        self._carry(self.handoff.cancelled(job))
 
     def _acknowledge(
-        self, batch: list[tuple[Session, Report]], statuses: list[protocol.AckStatus]
+        self, batch: list[tuple[int, Report]], statuses: list[protocol.AckStatus]
     ) -> None:
-        for (session, msg), status in zip(batch, statuses, strict=True):
-            if status in (protocol.AckStatus.APPLIED, protocol.AckStatus.DUPLICATE):
-                self._forget_lease(msg.handoff_id)  # this lease has settled its job
-            elif status is protocol.AckStatus.REFUSED:
-                self._forget_lease(msg.handoff_id)
-                self.ledger.add(msg.job_id, msg.handoff_id, "its report could not be stored")
-            logger.info(
-                "report %s job_id=%s handoff_id=%s outcome=%s worker_id=%s",
-                status.value,
-                msg.job_id,
-                msg.handoff_id,
-                msg.type,
-                session.worker_id,
+        self._carry(
+            self.handoff.settled(
+                [(peer, msg, status) for (peer, msg), status in zip(batch, statuses, strict=True)]
             )
-            session.send(
-                protocol.ReportAck(job_id=msg.job_id, handoff_id=msg.handoff_id, status=status)
-            )
-        if protocol.AckStatus.APPLIED in statuses:
-            self.wake()
-
-    async def _why_not_applied(self, msg: Report, settlement: Settlement) -> protocol.AckStatus:
-        """A fenced-out report is a *duplicate* when its lease already settled this job (two
-        copies were in flight: a reconnected worker re-sent a report its old connection had
-        sent), and *stale* when a newer lease owns the job or it was cancelled. Read from
-        the store, so the answer is the same whichever main gives it."""
-        job = await self.store.get_job(msg.job_id)
-        if job is None or job.handoff_id != msg.handoff_id:
-            return protocol.AckStatus.STALE
-        settled_as = {
-            protocol.Completed: {JobStatus.COMPLETED},
-            protocol.Failed: {JobStatus.FAILED, JobStatus.QUEUED},
-            protocol.Reschedule: {JobStatus.QUEUED},
-            protocol.Release: {JobStatus.QUEUED},
-        }[type(msg)]
-        if settlement.outcome is Outcome.FAIL and not isinstance(msg, protocol.Failed):
-            # Recorded as a failure in its place: an oversized result, an unstorable report.
-            settled_as = {JobStatus.FAILED}
-        if job.status in settled_as:
-            return protocol.AckStatus.DUPLICATE
-        return protocol.AckStatus.STALE
-
-    async def _settlement(self, msg: Report) -> Settlement:
-        now = self._clock()
-        match msg:
-            case protocol.Completed(job_id=job_id, handoff_id=lease, result=result):
-                problem = result_problem(
-                    result, self.settings.max_payload_bytes, self.settings.max_payload_depth
-                )
-                if problem is not None:
-                    # Never write an oversized or too deeply nested result: the job fails,
-                    # without retry (the same arguments would produce the same result).
-                    logger.warning(
-                        "result refused job_id=%s handoff_id=%s reason=%s", job_id, lease, problem
-                    )
-                    return Settlement(job_id, lease, Outcome.FAIL, error=problem, run_at=None)
-                return Settlement(job_id, lease, Outcome.COMPLETE, result=result)
-            case protocol.Failed(job_id=job_id, handoff_id=lease, error=error, retry=retry):
-                job = self._held_job(lease) or await self.store.get_job(job_id)
-                retry_at = (
-                    next_run_after_failure(job, now, self._retry_delay)
-                    if retry and job is not None
-                    else None
-                )
-                return Settlement(job_id, lease, Outcome.FAIL, error=error, run_at=retry_at)
-            case protocol.Reschedule(job_id=job_id, handoff_id=lease, delay=delay):
-                run_at = now + timedelta(seconds=delay)
-                return Settlement(job_id, lease, Outcome.RESCHEDULE, run_at=run_at)
-            case protocol.Release(job_id=job_id, handoff_id=lease):
-                return Settlement(job_id, lease, Outcome.RETURN)
-
-    def _held_job(self, lease: uuid.UUID) -> Job | None:
-        for session in self.sessions.values():
-            job = session.leases.get(lease)
-            if job is not None:
-                return job
-        return None
-
-    def _forget_lease(self, lease: uuid.UUID | None) -> None:
-        if lease is None:
-            return
-        for session in self.sessions.values():
-            session.leases.pop(lease, None)
+        )
 
     # ------------------------------------------------------------------ liveness and exits
 
@@ -1357,8 +613,8 @@ class Main:
         The loop also measures the main's own lag (when it wakes against when it asked
         to): while the main was stalled, say by a slow request, it could neither read the
         peers' answers nor write to them, so that time is excused rather than judged
-        (:meth:`Session.excuse`). A slow moment in the main never returns live workers'
-        leases.
+        (:meth:`broker.handoff.Liveness.excuse`). A slow moment in the main never returns
+        live workers' leases.
         """
         loop = asyncio.get_running_loop()
         tick = self.settings.ping_interval / _LIVENESS_TICKS
@@ -1369,39 +625,21 @@ class Main:
             stall = now - planned
             if stall > 1.0:
                 logger.warning("the main's loop was stalled for %.1f s", stall)
-            for session in list(self.sessions.values()):
-                if stall > 0:
-                    session.excuse(stall, now)
-                problem = session.liveness_problem(now, self.settings.liveness_timeout)
-                if problem is not None:
-                    logger.warning(
-                        "peer unresponsive, treating as disconnected "
-                        "session=%d worker_id=%s reason=%s",
-                        session.id,
-                        session.worker_id,
-                        problem,
-                    )
-                    session.abort()
-                elif n % _LIVENESS_TICKS == 0:
-                    session.send(session.next_ping())
+            self._carry(
+                self.handoff.tick(
+                    now,
+                    stall=stall,
+                    timeout=self.settings.liveness_timeout,
+                    ping=n % _LIVENESS_TICKS == 0,
+                )
+            )
 
     def _disconnect(self, session: Session) -> None:
         if session.closed:
             return
         session.closed = True
         self.sessions.pop(session.id, None)
-        if session.role is protocol.Role.WORKER:
-            logger.info(
-                "worker disconnected worker_id=%s session=%d returning=%d",
-                session.worker_id,
-                session.id,
-                len(session.leases),
-            )
-        if self._stopping:
-            return
-        for lease, job in session.leases.items():
-            self.ledger.add(job.id, lease, "worker connection ended")
-        session.leases.clear()
+        self._carry(self.handoff.disconnect(session.id, stopping=self._stopping))
 
     async def status(self) -> dict[str, Any]:
         """The operators' snapshot (``broker status``): :meth:`Operations.status` with what
@@ -1418,16 +656,6 @@ class Main:
             ],
         )
         return await self.operations.status(live)
-
-
-def _transient(exc: BaseException) -> bool:
-    """Whether a store call that raised ``exc`` may succeed if simply made again: trouble
-    reaching the store (the ``StorageError`` the storage contract asks adapters to raise,
-    ``OSError``, ``TimeoutError``). A value the store refused (``StorageRejectedError``)
-    and any other error, such as a date out of range, would recur on every attempt."""
-    return isinstance(exc, StorageError | OSError | TimeoutError) and not isinstance(
-        exc, StorageRejectedError
-    )
 
 
 def _worker_summary(session: Session) -> dict[str, Any]:
@@ -1462,23 +690,6 @@ def _worker_summary(session: Session) -> dict[str, Any]:
 
 def _job_info(request_id: str, job: Job | None) -> protocol.JobInfo:
     return protocol.JobInfo(request_id=request_id, job=job.to_dict() if job else None)
-
-
-def _job_message(seq: int, job: Job) -> protocol.Job:
-    assert job.handoff_id is not None
-    return protocol.Job(
-        seq=seq,
-        job_id=job.id,
-        handoff_id=job.handoff_id,
-        task=job.task,
-        args=list(job.args),
-        kwargs=job.kwargs,
-        execution_mode=job.execution_mode,
-        attempt=job.attempts + 1,
-        max_attempts=job.max_attempts,
-        timeout=job.timeout,
-        queue=job.queue,
-    )
 
 
 def new_token() -> str:

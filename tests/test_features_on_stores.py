@@ -95,7 +95,7 @@ async def test_cancelling_a_running_pooled_job_stops_it_on_both_stores(
         await asyncio.sleep(0.2)
         cancelled = await c.store.cancel(job.id)
         assert cancelled is not None and cancelled.status is JobStatus.CANCELLED
-        c.main._forget_lease(cancelled.handoff_id)
+        c.main.handoff.forget(cancelled.handoff_id)
         session = next(iter(c.main.sessions.values()))
         from broker import protocol
 

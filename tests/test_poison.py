@@ -165,7 +165,7 @@ async def test_a_settlement_that_cannot_be_computed_fails_only_its_job(
     of ``datetime``'s range (the ``Reschedule(1e12)`` failure, reproduced within limits)."""
     async with _main(sqlite) as main:
         worker, jobs = await _worker_with_jobs(main, sqlite, 3)
-        main._clock = lambda: datetime(9999, 12, 30, tzinfo=UTC)
+        main._clock = main.settler._clock = lambda: datetime(9999, 12, 30, tzinfo=UTC)
         await worker.send_raw(
             _completed(jobs[0], "ok"),
             {

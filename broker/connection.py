@@ -1,0 +1,403 @@
+"""The main's connections: accepting them under caps, the handshake, reading and writing.
+
+This is transport only. What a connection means to the handoff (role, credits, leases,
+liveness) is its :class:`broker.handoff.Peer`; what its messages mean is decided by the
+main, which :class:`Connections` calls back: ``welcome`` once a hello passed the
+checks, ``handle`` for each later message, ``closed`` when the connection ends, ``wake``
+when a paused peer can take jobs again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from broker import protocol, wire
+from broker.admission import Credits
+from broker.exceptions import ProtocolError
+from broker.handoff import Peer
+from broker.jobs import ExecutionMode, Job
+
+logger = logging.getLogger("broker.main")
+
+_WRITE_BATCH_BYTES = 256 << 10
+"""A writer joins queued lines into one write up to about this size; bigger batches would
+hold a second copy of the queue in memory."""
+
+
+class ConnectionSettings(Protocol):
+    """The main's settings that its connections read (:class:`broker.main.MainSettings`)."""
+
+    @property
+    def token(self) -> str | None: ...
+    @property
+    def preauth_max_line_bytes(self) -> int: ...
+    @property
+    def max_line_bytes(self) -> int: ...
+    @property
+    def handshake_timeout(self) -> float: ...
+    @property
+    def max_errors_per_connection(self) -> int: ...
+    @property
+    def max_outbox_bytes(self) -> int: ...
+    @property
+    def max_requests_per_connection(self) -> int: ...
+    @property
+    def max_connections(self) -> int: ...
+    @property
+    def max_connections_per_address(self) -> int: ...
+    @property
+    def max_unauthenticated(self) -> int: ...
+
+
+@dataclass(eq=False)
+class Session:
+    """One connection's transport. What the handoff knows of it (role, credits, leases,
+    liveness) is its :class:`broker.handoff.Peer`, ``state``, kept by :attr:`Main.handoff`.
+
+    Everything the main sends goes through :meth:`send` into ``outbox``, which one writer
+    task drains. Its size in bytes is what back-pressure acts on: over
+    ``max_outbox_bytes`` the session is *paused* (no more jobs, and the main stops reading
+    its messages) until half of it has been written.
+    """
+
+    state: Peer
+    peer: str
+    writer: wire.MessageWriter
+    max_outbox_bytes: int
+    max_requests: int
+    """Client requests this connection may have in progress before reading pauses."""
+    host: str | None = None
+    reported_status: dict[str, Any] | None = None
+    """The worker's last ``worker_status`` (its runners' capacity and start-up errors)."""
+    closed: bool = False
+    dropped: bool = False
+    """The main judged the peer dead and aborted the connection; stop reading it."""
+    errors: int = 0
+    outbox: deque[bytes] = field(default_factory=deque)
+    outbox_bytes: int = 0
+    """Queued bytes, plus those of the write in progress until it has drained."""
+    requests: set[asyncio.Task[None]] = field(default_factory=set)
+    """This connection's client requests in progress (cancelled when it closes)."""
+    readable: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set while the main may read this connection's next message."""
+    _queued: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.readable.set()
+
+    # The handoff's view of this connection, read-only here (only the core changes it).
+    @property
+    def id(self) -> int:
+        return self.state.id
+
+    @property
+    def role(self) -> protocol.Role | None:
+        return self.state.role
+
+    @property
+    def worker_id(self) -> str | None:
+        return self.state.worker_id
+
+    @property
+    def modes(self) -> frozenset[ExecutionMode]:
+        return self.state.modes
+
+    @property
+    def queues(self) -> frozenset[str] | None:
+        return self.state.queues
+
+    @property
+    def credits(self) -> Credits:
+        return self.state.credits
+
+    @property
+    def leases(self) -> dict[uuid.UUID, Job]:
+        return self.state.leases
+
+    @property
+    def draining(self) -> bool:
+        return self.state.draining
+
+    def send(self, msg: protocol.Message) -> None:
+        """Queue a message for this connection's writer task; never blocks the caller, so
+        one slow peer cannot stall dispatch to the others."""
+        if self.closed:
+            return
+        data = protocol.encode(msg)
+        self.outbox.append(data)
+        self.outbox_bytes += len(data)
+        self._queued.set()
+        liveness = self.state.liveness
+        if liveness.paused_since is None and self.outbox_bytes > self.max_outbox_bytes:
+            liveness.paused_since = asyncio.get_running_loop().time()
+            self._update_readable()
+
+    async def next_write(self) -> bytes:
+        """The next lines to write, joined: all that is queued, up to about 256 KiB."""
+        while not self.outbox:
+            self._queued.clear()
+            await self._queued.wait()
+        chunks = [self.outbox.popleft()]
+        size = len(chunks[0])
+        while self.outbox and size < _WRITE_BATCH_BYTES:
+            chunks.append(self.outbox.popleft())
+            size += len(chunks[-1])
+        return b"".join(chunks)
+
+    def written(self, size: int) -> bool:
+        """``size`` bytes have left the outbox; ``True`` when that ends a pause."""
+        self.outbox_bytes -= size
+        liveness = self.state.liveness
+        if liveness.paused_since is None or self.outbox_bytes > self.max_outbox_bytes // 2:
+            return False
+        liveness.paused_since = None
+        self._update_readable()
+        return True
+
+    def add_request(self, task: asyncio.Task[None]) -> None:
+        self.requests.add(task)
+        task.add_done_callback(self._request_done)
+        self._update_readable()
+
+    def _request_done(self, task: asyncio.Task[None]) -> None:
+        self.requests.discard(task)
+        self._update_readable()
+
+    def _update_readable(self) -> None:
+        paused = self.state.liveness.paused_since is not None
+        if self.dropped or (not paused and len(self.requests) < self.max_requests):
+            self.readable.set()
+        else:
+            self.readable.clear()
+
+    def abort(self) -> None:
+        """Drop the connection now, unsent data and all; the read loop ends at once."""
+        self.dropped = True
+        self.writer.abort()
+        self._update_readable()
+
+
+class Connections:
+    """Every connection of one main, from accept to close."""
+
+    def __init__(
+        self,
+        settings: ConnectionSettings,
+        *,
+        new_peer: Callable[[int, float], Peer],
+        welcome: Callable[[Session, protocol.Hello], bool],
+        handle: Callable[[Session, protocol.Message], None],
+        closed: Callable[[Session], None],
+        wake: Callable[[], None],
+        stopping: Callable[[], bool],
+    ) -> None:
+        self.settings = settings
+        self._new_peer = new_peer
+        self._welcome = welcome
+        self._handle = handle
+        self._closed = closed
+        self._wake = wake
+        self._stopping = stopping
+        self._ids = itertools.count(1)
+        self.tasks: set[asyncio.Task[None]] = set()
+        """One task per connection, from accept to close."""
+        self._unauthenticated: set[asyncio.Task[None]] = set()
+        """Connection tasks still in the handshake (counted against max_unauthenticated)."""
+        self._per_address: Counter[str] = Counter()
+
+    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        peername = writer.get_extra_info("peername")
+        address = str(peername[0]) if isinstance(peername, tuple) else str(peername)
+        refusal = self._connection_refusal(address)
+        if refusal is not None:
+            await self._refuse(writer, address, refusal)
+            return
+        self.tasks.add(task)
+        self._unauthenticated.add(task)
+        self._per_address[address] += 1
+        try:
+            await self._serve(reader, writer)
+        except asyncio.CancelledError:
+            if not self._stopping():
+                raise
+        finally:
+            self.tasks.discard(task)
+            self._unauthenticated.discard(task)
+            self._per_address[address] -= 1
+            if not self._per_address[address]:
+                del self._per_address[address]
+
+    def _connection_refusal(self, address: str) -> str | None:
+        """Why a new connection from ``address`` is over a limit, or ``None``."""
+        settings = self.settings
+        if len(self.tasks) >= settings.max_connections:
+            return f"the main has {len(self.tasks)} connections, its limit (--max-connections)"
+        if self._per_address[address] >= settings.max_connections_per_address:
+            return (
+                f"{self._per_address[address]} connections from {address} already, the limit "
+                "per address (--max-connections-per-address)"
+            )
+        if len(self._unauthenticated) >= settings.max_unauthenticated:
+            return (
+                f"{len(self._unauthenticated)} connections are still in the handshake, the "
+                "limit (--max-unauthenticated)"
+            )
+        return None
+
+    async def _refuse(self, writer: asyncio.StreamWriter, address: str, reason: str) -> None:
+        """Say why in one fatal ``error`` line (sent before any challenge), then close."""
+        logger.warning("connection refused peer=%s reason=%s", address, reason)
+        out = wire.MessageWriter(writer)
+        with contextlib.suppress(ConnectionError, OSError):
+            await out.send(
+                protocol.Error(
+                    code=protocol.ErrorCode.OVER_LIMIT,
+                    message=f"connection refused: {reason}",
+                    fatal=True,
+                )
+            )
+        await out.close(grace=self.settings.handshake_timeout)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        peername = writer.get_extra_info("peername")
+        session = Session(
+            state=self._new_peer(next(self._ids), asyncio.get_running_loop().time()),
+            peer=str(peername),
+            writer=wire.MessageWriter(writer),
+            max_outbox_bytes=self.settings.max_outbox_bytes,
+            max_requests=self.settings.max_requests_per_connection,
+        )
+        lines = wire.LineReader(reader, max_line_bytes=self.settings.preauth_max_line_bytes)
+        sender = asyncio.create_task(self._write_loop(session))
+        try:
+            if await self._handshake(session, lines):
+                task = asyncio.current_task()
+                assert task is not None
+                self._unauthenticated.discard(task)
+                lines.max_line_bytes = self.settings.max_line_bytes
+                await self._read_loop(session, lines)
+        except wire.LineTooLongError as exc:
+            await self._fatal(session, protocol.ErrorCode.LINE_TOO_LONG, str(exc))
+        except wire.UnterminatedLineError as exc:
+            logger.info("connection ended mid-line session=%d error=%s", session.id, exc)
+        except protocol.DecodeError as exc:
+            await self._fatal(session, protocol.ErrorCode(exc.code), str(exc))
+        except ProtocolError as exc:
+            await self._fatal(session, protocol.ErrorCode.MALFORMED, str(exc))
+        except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
+            logger.info("connection lost session=%d error=%r", session.id, exc)
+        finally:
+            self._closed(session)
+            for request in session.requests:
+                request.cancel()  # nobody is left to answer
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sender
+            await session.writer.close()
+
+    async def _write_loop(self, session: Session) -> None:
+        """Writes this session's queued lines in order, batching whatever is ready.
+
+        A write that stays stuck in ``drain()`` (the peer does not read) is judged by the
+        liveness loop, which allows for the main's own stalls, not by a timer here.
+        """
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                data = await session.next_write()
+                session.state.liveness.write_started = loop.time()
+                await session.writer.write_raw(data)
+                session.state.liveness.write_started = None
+                if session.written(len(data)):
+                    self._wake()  # the peer is dispatchable again
+        except (ConnectionError, OSError) as exc:
+            logger.info("send failed, closing session=%d error=%r", session.id, exc)
+            session.abort()
+
+    async def _fatal(self, session: Session, code: protocol.ErrorCode, message: str) -> None:
+        logger.warning("closing connection session=%d code=%s reason=%s", session.id, code, message)
+        with contextlib.suppress(Exception):
+            await session.writer.send(protocol.Error(code=code, message=message, fatal=True))
+
+    async def _handshake(self, session: Session, lines: wire.LineReader) -> bool:
+        nonce = protocol.make_nonce()
+        await session.writer.send(
+            protocol.Challenge(
+                nonce=nonce,
+                protocol=protocol.PROTOCOL_VERSION,
+                auth_required=bool(self.settings.token),
+            )
+        )
+        try:
+            first = await asyncio.wait_for(
+                wire.read_message(lines), timeout=self.settings.handshake_timeout
+            )
+        except TimeoutError:
+            await self._fatal(
+                session,
+                protocol.ErrorCode.HANDSHAKE_TIMEOUT,
+                "no hello within the handshake deadline",
+            )
+            return False
+        if first is None:
+            return False
+        if not isinstance(first, protocol.Hello):
+            await self._fatal(
+                session, protocol.ErrorCode.NOT_ALLOWED, "the first message must be hello"
+            )
+            return False
+        token = self.settings.token
+        if token and not protocol.check_proof(token, nonce, first.proof):
+            await self._fatal(
+                session, protocol.ErrorCode.AUTH_FAILED, "wrong or missing token proof"
+            )
+            return False
+        if first.protocol != protocol.PROTOCOL_VERSION:
+            await self._fatal(
+                session,
+                protocol.ErrorCode.PROTOCOL_VERSION,
+                f"this main speaks protocol {protocol.PROTOCOL_VERSION}, not {first.protocol}",
+            )
+            return False
+        return self._welcome(session, first)
+
+    async def _read_loop(self, session: Session, lines: wire.LineReader) -> None:
+        """Reads and handles messages one at a time. It waits, without reading, while the
+        session is paused or at its request cap: the peer's further messages then stay
+        in its socket (TCP back-pressure) rather than in the main's memory."""
+        while True:
+            await session.readable.wait()
+            try:
+                msg = await wire.read_message(lines)
+            except protocol.DecodeError as exc:
+                self._reply_error(session, exc)
+                continue
+            if msg is None or session.dropped:
+                return
+            self._handle(session, msg)
+
+    def _reply_error(self, session: Session, exc: protocol.DecodeError) -> None:
+        session.errors += 1
+        if exc.request_id is not None:
+            session.send(
+                protocol.RequestError(request_id=exc.request_id, code=exc.code, message=str(exc))
+            )
+        else:
+            session.send(protocol.Error(code=exc.code, message=str(exc), fatal=False))
+        if session.errors >= self.settings.max_errors_per_connection:
+            raise ProtocolError(f"too many bad messages ({session.errors}); closing")

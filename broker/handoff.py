@@ -1,0 +1,576 @@
+"""The main's handoff rules, without I/O: events in, effects out.
+
+:class:`Handoff` holds everything the main knows about who may run what: the peers
+(per connection: role, worker id, modes, queues, credits, held leases, draining), the
+handoffs found in the store after a restart (*orphans*), the claims in flight and the
+leases waiting to go back to the store (the recovery ledger's entries). It never awaits,
+reads a clock or touches a socket: :class:`broker.main.Main` feeds it events (a hello, a
+``ready``, a batch of eligible jobs, a claim's result, a report, a disconnect, a liveness
+tick...) and carries out the effects it returns (:class:`Send`, :class:`Dispatch`,
+:class:`ReturnLease`, :class:`Abort`, :class:`Settle`, :class:`ClaimJobs`, :class:`Wake`),
+in order. That is what lets ``tests/unit/test_handoff.py`` drive it through random
+interleavings and check its invariants after every step.
+
+Every lease the core mints is, at any moment, in exactly one place: an in-flight claim,
+one peer's held leases, the orphans, or the returns; or it has left the main for good
+(not won, settled, returned, cancelled). The rules that keep it so:
+
+1. a claim is planned only against a reserved credit, and its lease is minted here,
+   before the store sees the claim;
+2. a won claim goes to its peer (and out as a ``job`` message) only if that peer is
+   still dispatchable; every other exit of a lease goes through :meth:`Handoff._return`;
+3. a report is accepted only from the connection holding its lease (the fence in front
+   of the store's fence).
+
+Decisions are logged under ``broker.main``, where operators look for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from broker import protocol
+from broker.admission import DEFAULT_MAX_CREDIT, Credits
+from broker.jobs import Claim, ExecutionMode, Job, JobStatus
+
+logger = logging.getLogger("broker.main")
+
+Report = protocol.Completed | protocol.Failed | protocol.Reschedule | protocol.Release
+
+
+# ---------------------------------------------------------------------- effects
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Queue ``message`` on connection ``peer`` (dropped if it has closed meanwhile)."""
+
+    peer: int
+    message: protocol.Message
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """Send the claimed ``job`` to ``peer`` as its ``job`` message number ``seq``."""
+
+    peer: int
+    seq: int
+    job: Job
+
+
+@dataclass(frozen=True, slots=True)
+class ReturnLease:
+    """``lease`` now waits in the returns: give it back to the store (fenced on that exact
+    lease, so a newer one is never touched)."""
+
+    job_id: uuid.UUID
+    lease: uuid.UUID
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Drop connection ``peer`` at once: it is judged dead."""
+
+    peer: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """An accepted report: apply it to the store, then tell the core with
+    :meth:`Handoff.settled`."""
+
+    peer: int
+    report: Report
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimJobs:
+    """Claim these planned jobs in one store call, then tell the core how it went."""
+
+    claims: tuple[PlannedClaim, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """Run another dispatch pass: credit, jobs or a peer became available."""
+
+
+Effect = Send | Dispatch | ReturnLease | Abort | Settle | ClaimJobs | Wake
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedClaim:
+    """A job reserved for a peer under a freshly minted lease, not yet claimed."""
+
+    peer: int
+    worker_id: str
+    job: Job
+    lease: uuid.UUID
+
+    @property
+    def claim(self) -> Claim:
+        return Claim(self.job.id, self.lease, self.worker_id)
+
+
+# ---------------------------------------------------------------------- peers
+
+
+@dataclass
+class Liveness:
+    """When a peer last proved itself alive, and since when a write to it or its outbox
+    has been stuck. Times are the event loop's, fed in by the shell: the transport sets
+    ``paused_since`` and ``write_started``, and :meth:`Handoff.tick` judges."""
+
+    last_answer: float
+    """Time of the last ``pong`` answering one of our pings (or of the accept). Nothing
+    else counts: a peer that sends but never reads cannot answer."""
+    ping_base: int = field(default_factory=lambda: secrets.randbits(62))
+    """Our pings carry ``ping_base + 1, + 2, ...``; random, so a peer that does not read
+    them cannot answer them."""
+    pings_sent: int = 0
+    paused_since: float | None = None
+    """Time the outbox went over its cap; ``None`` while under it."""
+    write_started: float | None = None
+    """Time the write in progress began; ``None`` when the writer is idle."""
+
+    def next_ping(self) -> protocol.Ping:
+        self.pings_sent += 1
+        return protocol.Ping(nonce=self.ping_base + self.pings_sent)
+
+    def answered(self, nonce: int, now: float) -> None:
+        """A ``pong``: it proves the peer alive only if it answers one of our pings."""
+        if self.ping_base < nonce <= self.ping_base + self.pings_sent:
+            self.last_answer = now
+
+    def excuse(self, stall: float, now: float) -> None:
+        """The main itself could not run for ``stall`` seconds: that time does not count
+        against the peer (it could not be read from or written to meanwhile)."""
+        self.last_answer = min(now, self.last_answer + stall)
+        if self.paused_since is not None:
+            self.paused_since = min(now, self.paused_since + stall)
+        if self.write_started is not None:
+            self.write_started = min(now, self.write_started + stall)
+
+    def problem(self, now: float, timeout: float) -> str | None:
+        """Why this peer counts as dead at ``now``, or ``None`` while it does not."""
+        if now - self.last_answer > timeout:
+            return f"no answer to pings for {now - self.last_answer:.1f} s"
+        if self.write_started is not None and now - self.write_started > timeout:
+            return f"a write has not completed for {now - self.write_started:.1f} s"
+        if self.paused_since is not None and now - self.paused_since > timeout:
+            return f"over its outbox limit for {now - self.paused_since:.1f} s"
+        return None
+
+
+@dataclass(eq=False)
+class Peer:
+    """One connection as the handoff sees it. Leases belong to a connection, not to a
+    worker id, so a dropped socket gives back only what was handed to that socket."""
+
+    id: int
+    liveness: Liveness
+    credits: Credits = field(default_factory=Credits)
+    role: protocol.Role | None = None
+    worker_id: str | None = None
+    modes: frozenset[ExecutionMode] = frozenset()
+    queues: frozenset[str] | None = None
+    leases: dict[uuid.UUID, Job] = field(default_factory=dict)
+    draining: bool = False
+
+    @property
+    def dispatchable(self) -> bool:
+        return (
+            self.role is protocol.Role.WORKER
+            and not self.draining
+            and self.liveness.paused_since is None
+        )
+
+    def serves(self, job: Job) -> bool:
+        return self.queues is None or job.queue in self.queues
+
+
+# ---------------------------------------------------------------------- the core
+
+
+class Handoff:
+    """The main's handoff state machine (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        max_credit: int = DEFAULT_MAX_CREDIT,
+        new_lease: Callable[[], uuid.UUID] = uuid.uuid4,
+    ) -> None:
+        self.max_credit = max_credit
+        self._new_lease = new_lease
+        self.peers: dict[int, Peer] = {}
+        """Connections past their hello, by connection id."""
+        self.orphans: dict[uuid.UUID, Job] = {}
+        """Handoffs found in the store at start-up, waiting for their worker's hello."""
+        self.claiming: dict[uuid.UUID, PlannedClaim] = {}
+        """Planned claims whose store call has not answered yet, by lease."""
+        self.returns: dict[uuid.UUID, uuid.UUID] = {}
+        """Leases to give back to the store (lease -> job id): the recovery ledger."""
+        self.dispatched = 0
+
+    def new_peer(self, peer_id: int, now: float) -> Peer:
+        """The record of a connection just accepted; it joins at :meth:`hello`."""
+        return Peer(peer_id, Liveness(last_answer=now), Credits(self.max_credit))
+
+    # ------------------------------------------------------------------ peers
+
+    def hello(
+        self, peer: Peer, hello: protocol.Hello
+    ) -> tuple[list[protocol.LeaseRef], list[Effect]]:
+        """``peer`` passed its handshake. A worker adopts the leases its hello says it still
+        holds, where they are still current; returns those and the effects.
+
+        Two sources: handoffs found in the store at start-up (the main restarted), only
+        those the store records for this worker id; and another live connection of the
+        same worker id (the worker reconnected before the main noticed the old socket was
+        dead), only leases that connection holds for the job the hello names. Start-up
+        handoffs of this worker that it no longer holds go back to the queue now rather
+        than after the grace period. Whatever is not adopted stays where it was, and this
+        connection's reports for it are answered ``stale`` (see :meth:`report`). The
+        worker id itself is only as trustworthy as the shared token.
+        """
+        peer.role = hello.role
+        peer.worker_id = hello.worker_id
+        peer.modes = frozenset(hello.modes)
+        peer.queues = frozenset(hello.queues) if hello.queues is not None else None
+        self.peers[peer.id] = peer
+        if hello.role is not protocol.Role.WORKER:
+            return [], []
+        held = {ref.handoff_id: ref.job_id for ref in hello.held_leases}
+        adopted: list[protocol.LeaseRef] = []
+        effects: list[Effect] = []
+        for lease, job in list(self.orphans.items()):
+            if job.worker_id != peer.worker_id:
+                continue
+            del self.orphans[lease]
+            if held.get(lease) == job.id:
+                peer.leases[lease] = job
+                adopted.append(protocol.LeaseRef(job_id=job.id, handoff_id=lease))
+            else:
+                effects.append(self._return(job.id, lease, "worker reconnected without this lease"))
+        for other in self.peers.values():
+            if other is peer or other.worker_id != peer.worker_id:
+                continue
+            for lease in [
+                lease for lease, job in other.leases.items() if held.get(lease) == job.id
+            ]:
+                job = other.leases.pop(lease)
+                peer.leases[lease] = job
+                adopted.append(protocol.LeaseRef(job_id=job.id, handoff_id=lease))
+        for ref in adopted:
+            logger.info(
+                "lease adopted job_id=%s handoff_id=%s worker_id=%s",
+                ref.job_id,
+                ref.handoff_id,
+                peer.worker_id,
+            )
+        return adopted, effects
+
+    def ready(self, peer_id: int, slots: Mapping[ExecutionMode, int], seen: int) -> list[Effect]:
+        """A worker's ``ready``. Raises :class:`~broker.exceptions.ProtocolError` (and
+        applies nothing) when it is out of order or over the credit limit."""
+        self.peers[peer_id].credits.on_ready(slots, seen)
+        return [Wake()]
+
+    def draining(self, peer_id: int) -> list[Effect]:
+        """The worker takes no new jobs; its claims in flight go back when they land."""
+        peer = self.peers[peer_id]
+        peer.draining = True
+        logger.info("worker draining worker_id=%s leases=%d", peer.worker_id, len(peer.leases))
+        return []
+
+    def pong(self, peer_id: int, nonce: int, now: float) -> None:
+        self.peers[peer_id].liveness.answered(nonce, now)
+
+    def disconnect(self, peer_id: int, *, stopping: bool = False) -> list[Effect]:
+        """A connection ended. Its leases go back to the queue, unless the main is
+        stopping: then the workers keep running their jobs and the next main adopts them."""
+        peer = self.peers.pop(peer_id, None)
+        if peer is None:
+            return []
+        if peer.role is protocol.Role.WORKER:
+            logger.info(
+                "worker disconnected worker_id=%s session=%d returning=%d",
+                peer.worker_id,
+                peer.id,
+                len(peer.leases),
+            )
+        effects: list[Effect] = []
+        if not stopping:
+            for lease, job in peer.leases.items():
+                effects.append(self._return(job.id, lease, "worker connection ended"))
+        peer.leases.clear()
+        return effects
+
+    def tick(self, now: float, *, stall: float, timeout: float, ping: bool) -> list[Effect]:
+        """A liveness check at ``now``: abort the peers dead for ``timeout``, ping the rest
+        when ``ping``. ``stall`` is how late the check runs: while the main could not
+        run, it could neither read answers nor write, so that time is excused."""
+        effects: list[Effect] = []
+        for peer in self.peers.values():
+            if stall > 0:
+                peer.liveness.excuse(stall, now)
+            problem = peer.liveness.problem(now, timeout)
+            if problem is not None:
+                effects.append(Abort(peer.id, problem))
+            elif ping:
+                effects.append(Send(peer.id, peer.liveness.next_ping()))
+        return effects
+
+    # ------------------------------------------------------------------ orphans
+
+    def load_orphans(self, jobs: Iterable[Job]) -> None:
+        """Handoffs the store holds at start-up: they wait for their worker's hello."""
+        for job in jobs:
+            if job.status is JobStatus.HANDED_OFF and job.handoff_id is not None:
+                self.orphans[job.handoff_id] = job
+
+    def orphan_deadline(self) -> list[Effect]:
+        """The grace period is over: the orphans nobody adopted go back to the queue."""
+        effects: list[Effect] = [
+            self._return(job.id, lease, "worker did not reconnect within the grace period")
+            for lease, job in self.orphans.items()
+        ]
+        self.orphans.clear()
+        return effects
+
+    # ------------------------------------------------------------------ dispatch
+
+    def workers(self) -> list[Peer]:
+        return [peer for peer in self.peers.values() if peer.dispatchable]
+
+    def modes_with_credit(self) -> set[ExecutionMode]:
+        modes: set[ExecutionMode] = set()
+        for peer in self.workers():
+            modes |= peer.credits.modes_with_credit()
+        return modes
+
+    def served_queues(self) -> set[str] | None:
+        """The queues some dispatchable worker serves; ``None``: some worker serves all."""
+        queues: set[str] = set()
+        for peer in self.workers():
+            if peer.queues is None:
+                return None
+            queues |= peer.queues
+        return queues
+
+    def credit(self, mode: ExecutionMode | None = None) -> int:
+        """Free slots across dispatchable workers, for ``mode`` or for every mode."""
+        workers = self.workers()
+        if mode is None:
+            return sum(peer.credits.total_available() for peer in workers)
+        return sum(peer.credits.available(mode) for peer in workers)
+
+    def plan(self, jobs: Sequence[Job]) -> list[PlannedClaim]:
+        """A worker and a freshly minted lease for each job that has a free slot somewhere
+        (jobs already being claimed are skipped); the slot is reserved now, before the
+        claim, and the lease exists before the store ever sees it."""
+        workers = self.workers()
+        claiming = {planned.job.id for planned in self.claiming.values()}
+        plan: list[PlannedClaim] = []
+        for job in jobs:
+            if job.id in claiming:
+                continue
+            peer = _pick_worker(workers, job)
+            if peer is None or not peer.credits.reserve(job.execution_mode):
+                continue  # the credit check: no free slot for this job anywhere
+            planned = PlannedClaim(peer.id, peer.worker_id or "", job, self._new_lease())
+            self.claiming[planned.lease] = planned
+            claiming.add(job.id)
+            plan.append(planned)
+        return plan
+
+    def claimed(self, claims: Sequence[PlannedClaim], won: Sequence[Job]) -> list[Effect]:
+        """The claim call answered: ``won`` are the jobs it handed off (as claimed). Each
+        won job goes to its peer if that peer can still take it, else back to the queue;
+        a claim not won just frees its credit."""
+        by_id = {job.id: job for job in won}
+        effects: list[Effect] = []
+        for planned in claims:
+            del self.claiming[planned.lease]
+            peer = self.peers.get(planned.peer)
+            mode = planned.job.execution_mode
+            got = by_id.get(planned.job.id)
+            if got is None or got.handoff_id != planned.lease:
+                if peer is not None:
+                    peer.credits.release(mode)
+                continue
+            if peer is None or not peer.dispatchable:
+                if peer is not None:
+                    peer.credits.release(mode)
+                effects.append(
+                    self._return(got.id, planned.lease, "worker left while the claim was in flight")
+                )
+                continue
+            seq = peer.credits.commit(mode)
+            peer.leases[planned.lease] = got
+            self.dispatched += 1
+            effects.append(Dispatch(peer.id, seq, got))
+            logger.debug(
+                "job handed off job_id=%s handoff_id=%s worker_id=%s seq=%d",
+                got.id,
+                planned.lease,
+                peer.worker_id,
+                seq,
+            )
+        return effects
+
+    def claim_unknown(self, claims: Sequence[PlannedClaim]) -> list[Effect]:
+        """The claim call raised: nobody knows whether it committed, so each lease goes
+        back (a no-op in the store if it never committed) and its credit is freed."""
+        effects: list[Effect] = []
+        for planned in claims:
+            del self.claiming[planned.lease]
+            effects.append(self._return(planned.job.id, planned.lease, "claim outcome unknown"))
+            peer = self.peers.get(planned.peer)
+            if peer is not None:
+                peer.credits.release(planned.job.execution_mode)
+        return effects
+
+    def claim_refused(self, claims: Sequence[PlannedClaim]) -> list[Effect]:
+        """The claim call raised an error that would recur (a value the store refuses).
+        Its leases go back as for an unknown outcome; then the batch is claimed again in
+        halves under fresh leases (keeping their credits) until the job or worker behind
+        the error stands alone, so one bad row never stops dispatch to the others."""
+        if len(claims) <= 1:
+            return self.claim_unknown(claims)
+        effects: list[Effect] = []
+        fresh: list[PlannedClaim] = []
+        for planned in claims:
+            del self.claiming[planned.lease]
+            effects.append(self._return(planned.job.id, planned.lease, "claim outcome unknown"))
+            again = replace(planned, lease=self._new_lease())
+            self.claiming[again.lease] = again
+            fresh.append(again)
+        half = len(fresh) // 2
+        effects += [ClaimJobs(tuple(fresh[:half])), ClaimJobs(tuple(fresh[half:]))]
+        return effects
+
+    # ------------------------------------------------------------------ reports
+
+    def report(self, peer_id: int, msg: Report) -> list[Effect]:
+        """Accept a report for settlement, but only for a lease this connection holds:
+        handed to it, or adopted at its hello. The store's fence alone would let any peer
+        with the token settle any running job whose lease it learnt, so anything else (a
+        lease held by another connection, forged, already settled, returned or
+        cancelled) is answered ``stale`` at once and never reaches the store."""
+        peer = self.peers.get(peer_id)
+        held = peer.leases.get(msg.handoff_id) if peer is not None else None
+        if held is None or held.id != msg.job_id:
+            logger.info(
+                "report stale job_id=%s handoff_id=%s outcome=%s worker_id=%s session=%d "
+                "reason=lease not held by this connection",
+                msg.job_id,
+                msg.handoff_id,
+                msg.type,
+                peer.worker_id if peer is not None else None,
+                peer_id,
+            )
+            return [Send(peer_id, _ack(msg, protocol.AckStatus.STALE))]
+        return [Settle(peer_id, msg)]
+
+    def settled(self, results: Sequence[tuple[int, Report, protocol.AckStatus]]) -> list[Effect]:
+        """Settled reports, each with the store's answer, acknowledged to their peers: a
+        lease that settled its job (or was already settled) is forgotten; one whose
+        report could not be stored goes back to the queue."""
+        effects: list[Effect] = []
+        for peer_id, msg, status in results:
+            if status in (protocol.AckStatus.APPLIED, protocol.AckStatus.DUPLICATE):
+                self.forget(msg.handoff_id)
+            elif status is protocol.AckStatus.REFUSED:
+                self.forget(msg.handoff_id)
+                effects.append(
+                    self._return(msg.job_id, msg.handoff_id, "its report could not be stored")
+                )
+            peer = self.peers.get(peer_id)
+            logger.info(
+                "report %s job_id=%s handoff_id=%s outcome=%s worker_id=%s",
+                status.value,
+                msg.job_id,
+                msg.handoff_id,
+                msg.type,
+                peer.worker_id if peer is not None else None,
+            )
+            effects.append(Send(peer_id, _ack(msg, status)))
+        if any(status is protocol.AckStatus.APPLIED for _, _, status in results):
+            effects.append(Wake())
+        return effects
+
+    def held_job(self, lease: uuid.UUID) -> Job | None:
+        """The job a connection holds under ``lease``, as it was handed off."""
+        for peer in self.peers.values():
+            job = peer.leases.get(lease)
+            if job is not None:
+                return job
+        return None
+
+    def forget(self, lease: uuid.UUID | None) -> None:
+        """``lease`` has settled its job: no connection holds it any more."""
+        if lease is None:
+            return
+        for peer in self.peers.values():
+            peer.leases.pop(lease, None)
+
+    def cancelled(self, job: Job) -> list[Effect]:
+        """The store has cancelled ``job`` (or found it finished): forget its lease and
+        tell the worker holding it to stop it. Whatever that worker reports later is
+        fenced out (``stale``)."""
+        lease = job.handoff_id
+        if lease is None:
+            return []
+        self.orphans.pop(lease, None)
+        effects: list[Effect] = []
+        for peer in self.peers.values():
+            if peer.leases.pop(lease, None) is None:
+                continue
+            if job.status is JobStatus.CANCELLED:
+                effects.append(Send(peer.id, protocol.CancelJob(job_id=job.id, handoff_id=lease)))
+                logger.info(
+                    "running job cancelled job_id=%s handoff_id=%s worker_id=%s",
+                    job.id,
+                    lease,
+                    peer.worker_id,
+                )
+        return effects
+
+    # ------------------------------------------------------------------ returns (the ledger)
+
+    def _return(self, job_id: uuid.UUID, lease: uuid.UUID, reason: str) -> ReturnLease:
+        logger.info(
+            "lease queued for return job_id=%s handoff_id=%s reason=%s", job_id, lease, reason
+        )
+        self.returns[lease] = job_id
+        return ReturnLease(job_id, lease, reason)
+
+    def returned(self, lease: uuid.UUID, job_id: uuid.UUID) -> None:
+        """The store answered a return of ``lease`` (returned it, or found it already
+        settled): the entry is done."""
+        if self.returns.get(lease) == job_id:
+            del self.returns[lease]
+
+
+def _pick_worker(workers: Sequence[Peer], job: Job) -> Peer | None:
+    """The serving worker with the most free credit for the job's mode, to spread load
+    (whether it has any is the caller's credit check)."""
+    best: Peer | None = None
+    best_free = -1
+    for peer in workers:
+        free = peer.credits.available(job.execution_mode)
+        if free > best_free and peer.serves(job):
+            best, best_free = peer, free
+    return best
+
+
+def _ack(msg: Report, status: protocol.AckStatus) -> protocol.ReportAck:
+    return protocol.ReportAck(job_id=msg.job_id, handoff_id=msg.handoff_id, status=status)

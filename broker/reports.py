@@ -1,0 +1,233 @@
+"""Report settlement: the store side of the reports the handoff core accepted.
+
+Reports are applied in group commits (every report that arrived while a batch was
+committing goes into the next), each acknowledged only once it is durable or known to be
+stale; :meth:`broker.handoff.Handoff.settled` then decides what the answers mean for the
+leases. Store errors are retried while transient and isolated by splitting the batch
+otherwise, so one bad report never holds up the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+
+from broker import protocol
+from broker.exceptions import StorageError, StorageRejectedError
+from broker.handoff import Handoff, Report
+from broker.jobs import Clock, JobStatus, Outcome, Settlement
+from broker.payload import result_problem
+from broker.retry import RetryDelay, next_run_after_failure
+from broker.settlement import statuses_after
+from broker.storage import StorageAdapter
+
+logger = logging.getLogger("broker.main")
+
+Acknowledge = Callable[[list[tuple[int, Report]], list[protocol.AckStatus]], None]
+
+
+class ReportSettler:
+    """Applies accepted reports to the store, in batches, and hands back each answer."""
+
+    def __init__(
+        self,
+        store: StorageAdapter,
+        handoff: Handoff,
+        *,
+        acknowledged: Acknowledge,
+        stopping: Callable[[], bool],
+        clock: Clock,
+        retry_delay: RetryDelay,
+        batch: int,
+        retry_interval: float,
+        max_payload_bytes: int | None,
+        max_payload_depth: int,
+    ) -> None:
+        self._store = store
+        self._handoff = handoff
+        self._acknowledged = acknowledged
+        self._stopping = stopping
+        self._clock = clock
+        self._retry_delay = retry_delay
+        self._batch = batch
+        self._retry_interval = retry_interval
+        self._max_payload_bytes = max_payload_bytes
+        self._max_payload_depth = max_payload_depth
+        self.queued: list[tuple[int, Report]] = []
+        """Accepted reports (connection id, report) waiting for the next batch."""
+        self._ready = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def add(self, peer: int, report: Report) -> None:
+        self.queued.append((peer, report))
+        self._idle.clear()
+        self._ready.set()
+
+    async def wait_idle(self) -> None:
+        """Until every queued report has been settled and acknowledged."""
+        await self._idle.wait()
+
+    async def run(self) -> None:
+        """Group commit: every report that arrived while the previous batch was committing
+        goes into the next batch, so one fsync settles many jobs under load."""
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            while self.queued:
+                size = self._batch
+                batch, self.queued = self.queued[:size], self.queued[size:]
+                await self._settle_batch(batch)
+            self._idle.set()
+
+    async def _settle_batch(self, batch: list[tuple[int, Report]]) -> None:
+        """Apply a batch of fenced reports and acknowledge each only once it is durable
+        (or known to be stale).
+
+        Transient store errors are retried until the store answers. Any other error would
+        recur on every attempt, so the batch is split in halves, each settled and
+        acknowledged on its own, until the report behind the error stands alone and
+        becomes an outcome of its own (:meth:`_settle_unstorable`): one bad report never
+        holds up the others.
+        """
+        while True:
+            try:
+                settlements = [await self._settlement(msg) for _, msg in batch]
+                applied = await self._store.settle_many(settlements)
+                statuses = [
+                    protocol.AckStatus.APPLIED
+                    if ok
+                    else await self._why_not_applied(msg, settlement)
+                    for ok, (_, msg), settlement in zip(applied, batch, settlements, strict=True)
+                ]
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not transient(exc):
+                    await self._isolate(batch, exc)
+                    return
+                logger.warning("applying %d reports failed, retrying error=%r", len(batch), exc)
+                if self._stopping():
+                    return
+                await asyncio.sleep(self._retry_interval)
+        self._acknowledged(batch, statuses)
+
+    async def _isolate(self, batch: list[tuple[int, Report]], exc: Exception) -> None:
+        if len(batch) == 1:
+            await self._settle_unstorable(*batch[0], exc)
+            return
+        logger.warning(
+            "applying %d reports failed, splitting the batch to isolate the cause error=%r",
+            len(batch),
+            exc,
+        )
+        half = len(batch) // 2
+        await self._settle_batch(batch[:half])
+        await self._settle_batch(batch[half:])
+
+    async def _settle_unstorable(self, peer: int, msg: Report, exc: Exception) -> None:
+        """A report that can never be applied: its job fails, without retry, with an error
+        saying why (the same outcome would fail the same way again). If even that cannot be
+        stored, the report is answered ``refused`` and its lease goes back to the queue.
+        Either way the worker is answered, so it forgets the report instead of re-sending
+        it on every connection."""
+        logger.error(
+            "report could not be stored job_id=%s handoff_id=%s outcome=%s session=%d error=%r",
+            msg.job_id,
+            msg.handoff_id,
+            msg.type,
+            peer,
+            exc,
+        )
+        failure = Settlement(
+            msg.job_id,
+            msg.handoff_id,
+            Outcome.FAIL,
+            error=f"report could not be stored: the worker's {msg.type} report failed with "
+            f"{type(exc).__name__}: {str(exc)[:1000]}",
+            run_at=None,
+        )
+        while True:
+            try:
+                [applied] = await self._store.settle_many([failure])
+                status = (
+                    protocol.AckStatus.APPLIED
+                    if applied
+                    else await self._why_not_applied(msg, failure)
+                )
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:
+                if not transient(err):
+                    logger.error(
+                        "recording the failure failed too, refusing the report job_id=%s "
+                        "handoff_id=%s error=%r",
+                        msg.job_id,
+                        msg.handoff_id,
+                        err,
+                    )
+                    status = protocol.AckStatus.REFUSED
+                    break
+                logger.warning("recording a failed report failed, retrying error=%r", err)
+                if self._stopping():
+                    return
+                await asyncio.sleep(self._retry_interval)
+        self._acknowledged([(peer, msg)], [status])
+
+    async def _why_not_applied(self, msg: Report, settlement: Settlement) -> protocol.AckStatus:
+        """A fenced-out report is a *duplicate* when its lease already settled this job (two
+        copies were in flight: a reconnected worker re-sent a report its old connection had
+        sent), and *stale* when a newer lease owns the job or it was cancelled. Read from
+        the store, so the answer is the same whichever main gives it."""
+        job = await self._store.get_job(msg.job_id)
+        if job is None or job.handoff_id != msg.handoff_id:
+            return protocol.AckStatus.STALE
+        settled_as = statuses_after(settlement.outcome)
+        if settlement.outcome is Outcome.FAIL and not isinstance(msg, protocol.Failed):
+            # Recorded as a failure in its place (an oversized result, an unstorable
+            # report): never retried, so only a dead job shows it landed.
+            settled_as = frozenset({JobStatus.FAILED})
+        if job.status in settled_as:
+            return protocol.AckStatus.DUPLICATE
+        return protocol.AckStatus.STALE
+
+    async def _settlement(self, msg: Report) -> Settlement:
+        now = self._clock()
+        match msg:
+            case protocol.Completed(job_id=job_id, handoff_id=lease, result=result):
+                problem = result_problem(result, self._max_payload_bytes, self._max_payload_depth)
+                if problem is not None:
+                    # Never write an oversized or too deeply nested result: the job fails,
+                    # without retry (the same arguments would produce the same result).
+                    logger.warning(
+                        "result refused job_id=%s handoff_id=%s reason=%s", job_id, lease, problem
+                    )
+                    return Settlement(job_id, lease, Outcome.FAIL, error=problem, run_at=None)
+                return Settlement(job_id, lease, Outcome.COMPLETE, result=result)
+            case protocol.Failed(job_id=job_id, handoff_id=lease, error=error, retry=retry):
+                job = self._handoff.held_job(lease) or await self._store.get_job(job_id)
+                retry_at = (
+                    next_run_after_failure(job, now, self._retry_delay)
+                    if retry and job is not None
+                    else None
+                )
+                return Settlement(job_id, lease, Outcome.FAIL, error=error, run_at=retry_at)
+            case protocol.Reschedule(job_id=job_id, handoff_id=lease, delay=delay):
+                run_at = now + timedelta(seconds=delay)
+                return Settlement(job_id, lease, Outcome.RESCHEDULE, run_at=run_at)
+            case protocol.Release(job_id=job_id, handoff_id=lease):
+                return Settlement(job_id, lease, Outcome.RETURN)
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether a store call that raised ``exc`` may succeed if simply made again: trouble
+    reaching the store (the ``StorageError`` the storage contract asks adapters to raise,
+    ``OSError``, ``TimeoutError``). A value the store refused (``StorageRejectedError``)
+    and any other error, such as a date out of range, would recur on every attempt."""
+    return isinstance(exc, StorageError | OSError | TimeoutError) and not isinstance(
+        exc, StorageRejectedError
+    )
