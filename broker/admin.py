@@ -25,9 +25,9 @@ from typing import Any, Protocol
 
 from broker import composition, protocol
 from broker.client import Client, Enqueued, JobListPage
+from broker.config import MainSettings
 from broker.exceptions import BrokerError, ConfigurationError
 from broker.jobs import Clock, Job, JobSpec, JobStatus, JSONValue, utcnow
-from broker.main import MainSettings
 from broker.operations import Operations
 from broker.storage import JobFilter, StorageAdapter
 from broker.untrusted import escape_control

@@ -21,9 +21,10 @@ from datetime import timedelta
 from typing import Any
 
 from broker import admin, composition, protocol
+from broker.config import DEFAULT_LIST_PAGE_BYTES, MainSettings, line_limit_for
 from broker.exceptions import BrokerError, ConfigurationError
 from broker.jobs import ExecutionMode, JobStatus
-from broker.main import DEFAULT_LIST_PAGE_BYTES, Main, MainSettings, line_limit_for
+from broker.main import Main
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MAX_PAYLOAD_DEPTH
 from broker.retention import Retention
 from broker.schedule import declared_in

@@ -34,7 +34,7 @@ hold a second copy of the queue in memory."""
 
 
 class ConnectionSettings(Protocol):
-    """The main's settings that its connections read (:class:`broker.main.MainSettings`)."""
+    """The main's settings that its connections read (:class:`broker.config.MainSettings`)."""
 
     @property
     def token(self) -> str | None: ...
@@ -126,6 +126,37 @@ class Session:
     @property
     def draining(self) -> bool:
         return self.state.draining
+
+    def summary(self) -> dict[str, Any]:
+        """This worker as ``broker status`` shows it: what the handoff knows of it, and the
+        capacity and start-up errors its last ``worker_status`` reported."""
+        reported = self.reported_status or {}
+        runners = reported.get("runners")
+        runners = runners if isinstance(runners, dict) else {}
+        capacity: dict[str, Any] = {}
+        busy: dict[str, Any] = {}
+        startup_errors: dict[str, Any] = {}
+        for mode, runner in runners.items():
+            if not isinstance(runner, dict):
+                continue
+            capacity[mode] = runner.get("capacity")
+            busy[mode] = runner.get("busy")
+            if runner.get("startup_error"):
+                startup_errors[mode] = runner["startup_error"]
+        return {
+            "session": self.id,
+            "worker_id": self.worker_id,
+            "host": self.host,
+            "modes": sorted(m.value for m in self.modes),
+            "queues": sorted(self.queues) if self.queues is not None else None,
+            "draining": self.draining,
+            "in_flight": len(self.leases),
+            "credits": {m.value: self.credits.available(m) for m in self.modes},
+            "capacity": capacity,
+            "busy": busy,
+            "startup_errors": startup_errors,
+            "status_reported": self.reported_status is not None,
+        }
 
     def send(self, msg: protocol.Message) -> None:
         """Queue a message for this connection's writer task; never blocks the caller, so

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from broker import composition
 from broker.client import Client
-from broker.main import Main, MainSettings
+from broker.config import MainSettings
+from broker.main import Main
 from broker.tasks import task
 
 JOBS = 60

@@ -30,7 +30,7 @@ the real figure is under 500."""
 
 
 class Limits(Protocol):
-    """The limits the requests obey; ``broker.main.MainSettings`` is one."""
+    """The limits the requests obey; ``broker.config.MainSettings`` is one."""
 
     @property
     def max_payload_bytes(self) -> int | None:

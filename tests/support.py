@@ -9,8 +9,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from broker import protocol, wire
+from broker.config import MainSettings
 from broker.jobs import ExecutionMode
-from broker.main import Main, MainSettings
+from broker.main import Main
 
 FAST = MainSettings(
     port=0,

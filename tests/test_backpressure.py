@@ -28,9 +28,10 @@ import pytest
 from adapters.memory import MemoryAdapter
 from broker import cli, protocol, wire
 from broker.client import Client
+from broker.config import MainSettings
 from broker.exceptions import ProtocolError
 from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus
-from broker.main import Main, MainSettings
+from broker.main import Main
 from tests.support import FAST, FakeWorker, until
 
 REPO = Path(__file__).resolve().parent.parent

@@ -24,8 +24,9 @@ from adapters.memory import MemoryAdapter
 from adapters.sql import SQLAlchemyAdapter
 from broker import protocol, wire
 from broker.client import MAX_REPLY_BYTES, Client
+from broker.config import MainSettings
 from broker.jobs import Claim, Clock, Job, JobSpec
-from broker.main import Main, MainSettings
+from broker.main import Main
 from broker.storage import JobFilter, JobPage, StorageAdapter
 from broker.testing.conformance import CHECKS, Check, run_check
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from broker import cli
+from broker.config import MainSettings
 from broker.exceptions import ConfigurationError
-from broker.main import Main, MainSettings
+from broker.main import Main
 
 
 def test_every_main_option_names_its_environment_variable() -> None:

@@ -25,9 +25,10 @@ from adapters.memory import MemoryAdapter
 from adapters.sql import SQLAlchemyAdapter
 from broker import cli, protocol
 from broker.client import Client
+from broker.config import MainSettings
 from broker.exceptions import ConfigurationError, InvalidJobError
 from broker.jobs import ExecutionMode, JobSpec, JobStatus
-from broker.main import Main, MainSettings
+from broker.main import Main
 from broker.payload import (
     DEFAULT_MAX_PAYLOAD_DEPTH,
     check_args,

@@ -25,8 +25,9 @@ import pytest
 from adapters.memory import MemoryAdapter
 from adapters.sql import SQLAlchemyAdapter
 from broker import cli
+from broker.config import MainSettings
 from broker.jobs import Job, JobSpec, JobStatus
-from broker.main import Main, MainSettings
+from broker.main import Main
 from broker.untrusted import escape_control, redact_url
 from runners.process import OutputRelay
 from tests.conftest import POSTGRES_URL, fresh_schema_name, require_postgres

@@ -15,8 +15,9 @@ import pytest
 from adapters.memory import MemoryAdapter
 from broker import protocol
 from broker.client import Client
+from broker.config import MainSettings
 from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus
-from broker.main import Main, MainSettings
+from broker.main import Main
 from broker.storage import StorageAdapter
 from broker.testing.faults import ClaimFault, FaultyAdapter
 from tests.support import FAST, FakeWorker, lease_of, until

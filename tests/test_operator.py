@@ -28,8 +28,9 @@ from adapters.memory import MemoryAdapter
 from adapters.sql import SQLAlchemyAdapter
 from broker import cli, protocol
 from broker.client import Client
+from broker.config import MainSettings
 from broker.jobs import Claim, ExecutionMode, JobSpec, JobStatus
-from broker.main import Main, MainSettings
+from broker.main import Main
 from broker.storage import StorageAdapter
 from broker.tasks import task
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres

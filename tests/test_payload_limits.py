@@ -17,13 +17,14 @@ from adapters.memory import MemoryAdapter
 from adapters.sql import SQLAlchemyAdapter
 from broker import cli, protocol
 from broker.client import Client
+from broker.config import DEFAULT_MAX_LINE_BYTES, MainSettings, line_limit_for
 from broker.exceptions import (
     ConfigurationError,
     InvalidJobError,
     PayloadTooLargeError,
 )
 from broker.jobs import ExecutionMode, JobSpec, JobStatus
-from broker.main import DEFAULT_MAX_LINE_BYTES, Main, MainSettings, line_limit_for
+from broker.main import Main
 from broker.payload import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     LINE_HEADROOM_BYTES,

@@ -20,8 +20,9 @@ import tests.flaky_app
 import tests.pool_app  # noqa: F401
 from adapters.memory import MemoryAdapter
 from broker.composition import RunnerOptions, build_runners
+from broker.config import MainSettings
 from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus
-from broker.main import Main, MainSettings
+from broker.main import Main
 from broker.storage import StorageAdapter
 from broker.tasks import default_registry
 from broker.worker import Worker

@@ -24,8 +24,9 @@ import pytest
 from adapters.sql import SQLAlchemyAdapter
 from broker import admin, protocol
 from broker.client import Client
+from broker.config import MainSettings
 from broker.jobs import Job, JobSpec, JobStatus, Settlement
-from broker.main import Main, MainSettings
+from broker.main import Main
 from broker.storage import StorageAdapter
 from broker.testing.faults import FaultyAdapter
 from tests.support import FAST, FakeWorker, lease_of, until

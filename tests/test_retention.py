@@ -17,9 +17,10 @@ from sqlalchemy import event
 from adapters.memory import MemoryAdapter
 from adapters.sql import SQLAlchemyAdapter
 from broker import cli
+from broker.config import MainSettings
 from broker.exceptions import ConfigurationError, StorageError
 from broker.jobs import Claim, Job, JobSpec, JobStatus, Outcome, Settlement
-from broker.main import DEFAULT_RETENTION, Main, MainSettings
+from broker.main import DEFAULT_RETENTION, Main
 from broker.retention import Retention, prune_once, run_retention
 from broker.storage import StorageAdapter
 from broker.testing import FakeClock

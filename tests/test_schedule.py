@@ -20,9 +20,10 @@ import tests.schedule_app  # registers its schedules before the registry is snap
 from adapters.memory import MemoryAdapter
 from adapters.sql import SQLAlchemyAdapter
 from broker import cli
+from broker.config import MainSettings
 from broker.exceptions import ConfigurationError, PayloadTooLargeError, StorageError
 from broker.jobs import Clock, EnqueueResult, Job, JobSpec, utcnow
-from broker.main import Main, MainSettings
+from broker.main import Main
 from broker.retention import Retention
 from broker.schedule import (
     Schedule,

@@ -18,9 +18,10 @@ import pytest
 from adapters.memory import MemoryAdapter
 from broker import cli, protocol
 from broker.client import Client
+from broker.config import MainSettings
 from broker.exceptions import InvalidJobError, UniqueKeyTakenError
 from broker.jobs import MAX_UNIQUE_KEY_BYTES, JobSpec, JobStatus
-from broker.main import Main, MainSettings
+from broker.main import Main
 from broker.tasks import TaskRegistry, default_unique_key, task
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)

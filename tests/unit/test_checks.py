@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from broker import checks
+from broker.config import MainSettings
 from broker.exceptions import ConfigurationError
-from broker.main import MainSettings
 from broker.retention import Retention
 
 CASES: list[tuple[Any, list[Any], list[Any], str]] = [

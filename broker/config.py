@@ -1,0 +1,151 @@
+"""The main's settings: every knob, its default, and the rules between them.
+
+Kept apart from :mod:`broker.main` so the CLI, the request service and the tests can
+build and check settings without loading the main's machinery.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from broker import checks
+from broker.admission import DEFAULT_MAX_CREDIT
+from broker.payload import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    DEFAULT_MAX_PAYLOAD_DEPTH,
+    LINE_HEADROOM_BYTES,
+    MAX_PAYLOAD_DEPTH_CEILING,
+)
+from broker.protocol import DEFAULT_PORT
+
+DEFAULT_MAX_LINE_BYTES = 2 << 20
+"""2 MiB: the default payload limit (1 MiB) plus ample room for the rest of a message."""
+
+DEFAULT_LIST_PAGE_BYTES = 1 << 20
+"""1 MiB: a page of jobs that a client decodes, and the main encodes, in a few milliseconds."""
+
+DEFAULT_MAX_OUTBOX_BYTES = 8 << 20
+"""8 MiB queued for one peer: four replies at the default line cap, far more than a peer
+that reads ever has waiting."""
+
+
+def line_limit_for(max_payload_bytes: int | None) -> int:
+    """The default ``max_line_bytes`` for a payload limit: at least 1 MiB above it."""
+    if max_payload_bytes is None:
+        return DEFAULT_MAX_LINE_BYTES
+    return max(DEFAULT_MAX_LINE_BYTES, max_payload_bytes + (1 << 20))
+
+
+@dataclass(frozen=True)
+class MainSettings:
+    """Every knob of the main; the CLI fills it from flags and ``BROKER_*`` variables."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    token: str | None = None
+    allow_unauthenticated: bool = False
+    """Permit a non-loopback listen address without a token (say, inside a private network)."""
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    """Longest line accepted after the handshake; must exceed ``max_payload_bytes`` by at
+    least 64 KiB so a job at the payload limit still fits in one message."""
+    max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES
+    """Largest args + kwargs of a job, and largest result, as JSON; ``None``: no limit."""
+    max_payload_depth: int = DEFAULT_MAX_PAYLOAD_DEPTH
+    """How many lists and objects deep each argument and each result may nest; workers
+    learn it from ``welcome``."""
+    preauth_max_line_bytes: int = 64 << 10
+    handshake_timeout: float = 2.0
+    ping_interval: float = 5.0
+    liveness_timeout: float = 15.0
+    orphan_grace: float = 30.0
+    """How long handoffs found in the store at start-up wait for their worker to come back."""
+    error_retry_interval: float = 1.0
+    poll_interval: float = 0.5
+    """How often to look for jobs other processes wrote, when the store cannot notify."""
+    notify_fallback_interval: float = 30.0
+    """A slow safety poll for stores that notify, in case a notification is ever lost."""
+    claim_batch: int = 256
+    report_batch: int = 512
+    max_errors_per_connection: int = 20
+    list_page_bytes: int = DEFAULT_LIST_PAGE_BYTES
+    """About how many bytes of jobs one ``list_jobs`` reply may carry (never more than fits
+    in ``max_line_bytes``); the page ends early, with a cursor, once they are used up."""
+    max_outbox_bytes: int = DEFAULT_MAX_OUTBOX_BYTES
+    """Bytes queued for one peer before the main stops reading its messages (until half
+    have been sent); a peer over it for ``liveness_timeout`` is disconnected."""
+    max_requests_per_connection: int = 16
+    """Client requests one connection may have in progress; at the cap the main stops
+    reading that connection, so TCP holds the rest back at the peer."""
+    max_requests: int = 8
+    """Client requests in progress across all connections. Below the SQL adapter's pool
+    (5 connections plus 10 overflow), so requests can never take every database connection
+    from dispatch, settlement, recovery and the listener."""
+    max_connections: int = 1024
+    max_connections_per_address: int = 64
+    max_unauthenticated: int = 64
+    """Connections that have not finished the handshake yet, from all addresses."""
+    max_credit: int = DEFAULT_MAX_CREDIT
+    """Free slots a worker may announce per mode in ``ready``; a larger ``ready`` is refused."""
+
+    def validate(self) -> None:
+        positive = {
+            "max_line_bytes": self.max_line_bytes,
+            "preauth_max_line_bytes": self.preauth_max_line_bytes,
+            "handshake_timeout": self.handshake_timeout,
+            "ping_interval": self.ping_interval,
+            "liveness_timeout": self.liveness_timeout,
+            "error_retry_interval": self.error_retry_interval,
+            "poll_interval": self.poll_interval,
+            "notify_fallback_interval": self.notify_fallback_interval,
+            "claim_batch": self.claim_batch,
+            "report_batch": self.report_batch,
+            "max_errors_per_connection": self.max_errors_per_connection,
+            "list_page_bytes": self.list_page_bytes,
+            "max_outbox_bytes": self.max_outbox_bytes,
+            "max_requests_per_connection": self.max_requests_per_connection,
+            "max_requests": self.max_requests,
+            "max_connections": self.max_connections,
+            "max_connections_per_address": self.max_connections_per_address,
+            "max_unauthenticated": self.max_unauthenticated,
+            "max_credit": self.max_credit,
+        }
+        for name, value in positive.items():
+            checks.positive(name, value)
+        checks.non_negative("orphan_grace", self.orphan_grace)
+        if self.max_payload_bytes is not None:
+            checks.positive("max_payload_bytes", self.max_payload_bytes)
+            checks.require(
+                self.max_line_bytes >= self.max_payload_bytes + LINE_HEADROOM_BYTES,
+                f"max_line_bytes ({self.max_line_bytes}) must exceed max_payload_bytes "
+                f"({self.max_payload_bytes}) by at least {LINE_HEADROOM_BYTES} bytes, so "
+                "a job at the payload limit fits in one message; raise --max-line-bytes "
+                f"(e.g. to {line_limit_for(self.max_payload_bytes)}) or lower "
+                "--max-payload-bytes",
+            )
+        checks.int_in_range(
+            "max_payload_depth",
+            self.max_payload_depth,
+            1,
+            MAX_PAYLOAD_DEPTH_CEILING,
+            why="Python's json cannot reliably handle deeper values",
+        )
+        checks.require(
+            self.liveness_timeout > self.ping_interval,
+            "liveness_timeout must be longer than ping_interval",
+        )
+        checks.int_in_range("port", self.port, 0, 65535)
+        checks.require(
+            bool(self.token) or self.allow_unauthenticated or _is_loopback(self.host),
+            f"refusing to listen on {self.host!r} without a token: set BROKER_TOKEN, "
+            "listen on 127.0.0.1, or pass --allow-unauthenticated if the network is private",
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
