@@ -252,7 +252,8 @@ class Client:
                     f"{limit} bytes; send fewer or smaller jobs"
                 )
         reply = await self._request(
-            lambda rid: protocol.Enqueue(request_id=rid, jobs=list(requests)), protocol.Enqueued
+            lambda rid: protocol.Enqueue(request_id=rid, jobs=list(requests)),
+            protocol.EnqueuedReply,
         )
         return [Enqueued(ref.job_id, ref.duplicate) for ref in reply.jobs]
 

@@ -1,7 +1,7 @@
 """A handed-off job's fields across its boundaries, mapped once each.
 
 A job leaves the store as a :class:`~broker.jobs.Job`, crosses TCP as a ``job`` message
-(:class:`broker.protocol.Job`), reaches a runner as an :class:`~broker.runner.Assignment`
+(:class:`broker.protocol.JobHandoff`), reaches a runner as an :class:`~broker.runner.Assignment`
 and a child process as a JSON object on its pipe. The fields keep their names across
 all four, so each mapping copies by name from the target's dataclass fields and writes
 out only what differs (the lease under its own name, the attempt number); a field added
@@ -26,13 +26,13 @@ def _by_name(target: Any, source: object, **differ: Any) -> dict[str, Any]:
     return {**{name: getattr(source, name) for name in names}, **differ}
 
 
-def job_message(seq: int, job: Job) -> protocol.Job:
+def job_message(seq: int, job: Job) -> protocol.JobHandoff:
     """The ``job`` message that hands ``job`` (claimed, so under a lease) to a worker."""
     if job.handoff_id is None:
         raise ValueError(f"job {job.id} has no lease: only a claimed job is sent")
-    return protocol.Job(
+    return protocol.JobHandoff(
         **_by_name(
-            protocol.Job,
+            protocol.JobHandoff,
             job,
             seq=seq,
             job_id=job.id,
@@ -43,7 +43,7 @@ def job_message(seq: int, job: Job) -> protocol.Job:
     )
 
 
-def assignment(msg: protocol.Job) -> Assignment:
+def assignment(msg: protocol.JobHandoff) -> Assignment:
     """What a worker hands its runner for a ``job`` message."""
     return Assignment(**_by_name(Assignment, msg, args=tuple(msg.args), kwargs=dict(msg.kwargs)))
 

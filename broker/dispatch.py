@@ -14,7 +14,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
-from broker.handoff import ClaimJobs, Effect, Handoff, PlannedClaim
+from broker.handoff import ClaimJobs, Handoff, HandoffEffect, PlannedClaim
 from broker.jobs import Clock
 from broker.reports import transient
 from broker.storage import StorageAdapter, SupportsNotify
@@ -29,7 +29,7 @@ class Dispatcher:
         store: StorageAdapter,
         handoff: Handoff,
         *,
-        carry: Callable[[Sequence[Effect]], None],
+        carry: Callable[[Sequence[HandoffEffect]], None],
         stopping: Callable[[], bool],
         clock: Clock,
         claim_batch: int,

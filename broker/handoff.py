@@ -7,7 +7,7 @@ leases waiting to go back to the store (the recovery ledger's entries). It never
 reads a clock or touches a socket: :class:`broker.main.Main` feeds it events (a hello, a
 ``ready``, a batch of eligible jobs, a claim's result, a report, a disconnect, a liveness
 tick...) and carries out the effects it returns (:class:`Send`, :class:`Dispatch`,
-:class:`ReturnLease`, :class:`Abort`, :class:`Settle`, :class:`ClaimJobs`, :class:`Wake`),
+:class:`ReturnLease`, :class:`Abort`, :class:`Settle`, :class:`ClaimJobs`, :class:`WakeDispatcher`),
 in order. That is what lets ``tests/unit/test_handoff.py`` drive it through random
 interleavings and check its invariants after every step.
 
@@ -38,8 +38,6 @@ from broker.admission import DEFAULT_MAX_CREDIT, Credits
 from broker.jobs import Claim, ExecutionMode, Job, JobStatus
 
 logger = logging.getLogger("broker.main")
-
-Report = protocol.Completed | protocol.Failed | protocol.Reschedule | protocol.Release
 
 
 # ---------------------------------------------------------------------- effects
@@ -86,7 +84,7 @@ class Settle:
     :meth:`Handoff.settled`."""
 
     peer: int
-    report: Report
+    report: protocol.Report
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,11 +95,11 @@ class ClaimJobs:
 
 
 @dataclass(frozen=True, slots=True)
-class Wake:
+class WakeDispatcher:
     """Run another dispatch pass: credit, jobs or a peer became available."""
 
 
-Effect = Send | Dispatch | ReturnLease | Abort | Settle | ClaimJobs | Wake
+HandoffEffect = Send | Dispatch | ReturnLease | Abort | Settle | ClaimJobs | WakeDispatcher
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +225,7 @@ class Handoff:
 
     def hello(
         self, peer: Peer, hello: protocol.Hello
-    ) -> tuple[list[protocol.LeaseRef], list[Effect]]:
+    ) -> tuple[list[protocol.LeaseRef], list[HandoffEffect]]:
         """``peer`` passed its handshake. A worker adopts the leases its hello says it still
         holds, where they are still current; returns those and the effects.
 
@@ -249,7 +247,7 @@ class Handoff:
             return [], []
         held = {ref.handoff_id: ref.job_id for ref in hello.held_leases}
         adopted: list[protocol.LeaseRef] = []
-        effects: list[Effect] = []
+        effects: list[HandoffEffect] = []
         for lease, job in list(self.orphans.items()):
             if job.worker_id != peer.worker_id:
                 continue
@@ -277,13 +275,15 @@ class Handoff:
             )
         return adopted, effects
 
-    def ready(self, peer_id: int, slots: Mapping[ExecutionMode, int], seen: int) -> list[Effect]:
+    def ready(
+        self, peer_id: int, slots: Mapping[ExecutionMode, int], seen: int
+    ) -> list[HandoffEffect]:
         """A worker's ``ready``. Raises :class:`~broker.exceptions.ProtocolError` (and
         applies nothing) when it is out of order or over the credit limit."""
         self.peers[peer_id].credits.on_ready(slots, seen)
-        return [Wake()]
+        return [WakeDispatcher()]
 
-    def draining(self, peer_id: int) -> list[Effect]:
+    def draining(self, peer_id: int) -> list[HandoffEffect]:
         """The worker takes no new jobs; its claims in flight go back when they land."""
         peer = self.peers[peer_id]
         peer.draining = True
@@ -293,7 +293,7 @@ class Handoff:
     def pong(self, peer_id: int, nonce: int, now: float) -> None:
         self.peers[peer_id].liveness.answered(nonce, now)
 
-    def disconnect(self, peer_id: int, *, stopping: bool = False) -> list[Effect]:
+    def disconnect(self, peer_id: int, *, stopping: bool = False) -> list[HandoffEffect]:
         """A connection ended. Its leases go back to the queue, unless the main is
         stopping: then the workers keep running their jobs and the next main adopts them."""
         peer = self.peers.pop(peer_id, None)
@@ -306,18 +306,18 @@ class Handoff:
                 peer.id,
                 len(peer.leases),
             )
-        effects: list[Effect] = []
+        effects: list[HandoffEffect] = []
         if not stopping:
             for lease, job in peer.leases.items():
                 effects.append(self._return(job.id, lease, "worker connection ended"))
         peer.leases.clear()
         return effects
 
-    def tick(self, now: float, *, stall: float, timeout: float, ping: bool) -> list[Effect]:
+    def tick(self, now: float, *, stall: float, timeout: float, ping: bool) -> list[HandoffEffect]:
         """A liveness check at ``now``: abort the peers dead for ``timeout``, ping the rest
         when ``ping``. ``stall`` is how late the check runs: while the main could not
         run, it could neither read answers nor write, so that time is excused."""
-        effects: list[Effect] = []
+        effects: list[HandoffEffect] = []
         for peer in self.peers.values():
             if stall > 0:
                 peer.liveness.excuse(stall, now)
@@ -336,9 +336,9 @@ class Handoff:
             if job.status is JobStatus.HANDED_OFF and job.handoff_id is not None:
                 self.orphans[job.handoff_id] = job
 
-    def orphan_deadline(self) -> list[Effect]:
+    def orphan_deadline(self) -> list[HandoffEffect]:
         """The grace period is over: the orphans nobody adopted go back to the queue."""
-        effects: list[Effect] = [
+        effects: list[HandoffEffect] = [
             self._return(job.id, lease, "worker did not reconnect within the grace period")
             for lease, job in self.orphans.items()
         ]
@@ -391,12 +391,12 @@ class Handoff:
             plan.append(planned)
         return plan
 
-    def claimed(self, claims: Sequence[PlannedClaim], won: Sequence[Job]) -> list[Effect]:
+    def claimed(self, claims: Sequence[PlannedClaim], won: Sequence[Job]) -> list[HandoffEffect]:
         """The claim call answered: ``won`` are the jobs it handed off (as claimed). Each
         won job goes to its peer if that peer can still take it, else back to the queue;
         a claim not won just frees its credit."""
         by_id = {job.id: job for job in won}
-        effects: list[Effect] = []
+        effects: list[HandoffEffect] = []
         for planned in claims:
             del self.claiming[planned.lease]
             peer = self.peers.get(planned.peer)
@@ -426,10 +426,10 @@ class Handoff:
             )
         return effects
 
-    def claim_unknown(self, claims: Sequence[PlannedClaim]) -> list[Effect]:
+    def claim_unknown(self, claims: Sequence[PlannedClaim]) -> list[HandoffEffect]:
         """The claim call raised: nobody knows whether it committed, so each lease goes
         back (a no-op in the store if it never committed) and its credit is freed."""
-        effects: list[Effect] = []
+        effects: list[HandoffEffect] = []
         for planned in claims:
             del self.claiming[planned.lease]
             effects.append(self._return(planned.job.id, planned.lease, "claim outcome unknown"))
@@ -438,14 +438,14 @@ class Handoff:
                 peer.credits.release(planned.job.execution_mode)
         return effects
 
-    def claim_refused(self, claims: Sequence[PlannedClaim]) -> list[Effect]:
+    def claim_refused(self, claims: Sequence[PlannedClaim]) -> list[HandoffEffect]:
         """The claim call raised an error that would recur (a value the store refuses).
         Its leases go back as for an unknown outcome; then the batch is claimed again in
         halves under fresh leases (keeping their credits) until the job or worker behind
         the error stands alone, so one bad row never stops dispatch to the others."""
         if len(claims) <= 1:
             return self.claim_unknown(claims)
-        effects: list[Effect] = []
+        effects: list[HandoffEffect] = []
         fresh: list[PlannedClaim] = []
         for planned in claims:
             del self.claiming[planned.lease]
@@ -459,7 +459,7 @@ class Handoff:
 
     # ------------------------------------------------------------------ reports
 
-    def report(self, peer_id: int, msg: Report) -> list[Effect]:
+    def report(self, peer_id: int, msg: protocol.Report) -> list[HandoffEffect]:
         """Accept a report for settlement, but only for a lease this connection holds:
         handed to it, or adopted at its hello. The store's fence alone would let any peer
         with the token settle any running job whose lease it learnt, so anything else (a
@@ -480,11 +480,13 @@ class Handoff:
             return [Send(peer_id, _ack(msg, protocol.AckStatus.STALE))]
         return [Settle(peer_id, msg)]
 
-    def settled(self, results: Sequence[tuple[int, Report, protocol.AckStatus]]) -> list[Effect]:
+    def settled(
+        self, results: Sequence[tuple[int, protocol.Report, protocol.AckStatus]]
+    ) -> list[HandoffEffect]:
         """Settled reports, each with the store's answer, acknowledged to their peers: a
         lease that settled its job (or was already settled) is forgotten; one whose
         report could not be stored goes back to the queue."""
-        effects: list[Effect] = []
+        effects: list[HandoffEffect] = []
         for peer_id, msg, status in results:
             if status in (protocol.AckStatus.APPLIED, protocol.AckStatus.DUPLICATE):
                 self.forget(msg.handoff_id)
@@ -504,7 +506,7 @@ class Handoff:
             )
             effects.append(Send(peer_id, _ack(msg, status)))
         if any(status is protocol.AckStatus.APPLIED for _, _, status in results):
-            effects.append(Wake())
+            effects.append(WakeDispatcher())
         return effects
 
     def held_job(self, lease: uuid.UUID) -> Job | None:
@@ -522,7 +524,7 @@ class Handoff:
         for peer in self.peers.values():
             peer.leases.pop(lease, None)
 
-    def cancelled(self, job: Job) -> list[Effect]:
+    def cancelled(self, job: Job) -> list[HandoffEffect]:
         """The store has cancelled ``job`` (or found it finished): forget its lease and
         tell the worker holding it to stop it. Whatever that worker reports later is
         fenced out (``stale``)."""
@@ -530,7 +532,7 @@ class Handoff:
         if lease is None:
             return []
         self.orphans.pop(lease, None)
-        effects: list[Effect] = []
+        effects: list[HandoffEffect] = []
         for peer in self.peers.values():
             if peer.leases.pop(lease, None) is None:
                 continue
@@ -572,5 +574,5 @@ def _pick_worker(workers: Sequence[Peer], job: Job) -> Peer | None:
     return best
 
 
-def _ack(msg: Report, status: protocol.AckStatus) -> protocol.ReportAck:
+def _ack(msg: protocol.Report, status: protocol.AckStatus) -> protocol.ReportAck:
     return protocol.ReportAck(job_id=msg.job_id, handoff_id=msg.handoff_id, status=status)

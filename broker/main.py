@@ -40,13 +40,12 @@ from broker.handoff import (
     Abort,
     ClaimJobs,
     Dispatch,
-    Effect,
     Handoff,
-    Report,
+    HandoffEffect,
     ReturnLease,
     Send,
     Settle,
-    Wake,
+    WakeDispatcher,
 )
 from broker.jobs import Clock, Job, JobStatus, utcnow
 from broker.operations import LiveState, Operations
@@ -236,7 +235,7 @@ class Main:
         """Ask the dispatcher for another pass (coalesced: many wakes, one pass)."""
         self.dispatcher.wake()
 
-    def _carry(self, effects: Sequence[Effect]) -> None:
+    def _carry(self, effects: Sequence[HandoffEffect]) -> None:
         """Carry out the handoff's effects, in order (the dispatcher makes the claims)."""
         for effect in effects:
             match effect:
@@ -259,7 +258,7 @@ class Main:
                         session.abort()
                 case Settle(peer=peer, report=report):
                     self.settler.add(peer, report)
-                case Wake():
+                case WakeDispatcher():
                     self.wake()
                 case ClaimJobs():
                     pass  # a store call to await: the dispatcher makes it
@@ -331,10 +330,10 @@ class Main:
             case protocol.Draining() if worker:
                 self._carry(self.handoff.draining(session.id))
             case (
-                protocol.Completed()
-                | protocol.Failed()
-                | protocol.Reschedule()
-                | protocol.Release()
+                protocol.CompletedReport()
+                | protocol.FailedReport()
+                | protocol.RescheduleReport()
+                | protocol.ReleaseReport()
             ) if worker:
                 self._carry(self.handoff.report(session.id, msg))
             case protocol.WorkerStatus(status=status) if worker:
@@ -410,7 +409,7 @@ class Main:
                 refs = [
                     protocol.EnqueuedRef(job_id=r.job.id, duplicate=r.duplicate) for r in results
                 ]
-                return protocol.Enqueued(request_id=rid, jobs=refs)
+                return protocol.EnqueuedReply(request_id=rid, jobs=refs)
             case protocol.GetJob(request_id=rid, job_id=job_id):
                 return _job_info(rid, await ops.get(job_id))
             case protocol.Cancel(request_id=rid, job_id=job_id):
@@ -457,7 +456,7 @@ class Main:
         self._carry(self.handoff.cancelled(job))
 
     def _acknowledge(
-        self, batch: list[tuple[int, Report]], statuses: list[protocol.AckStatus]
+        self, batch: list[tuple[int, protocol.Report]], statuses: list[protocol.AckStatus]
     ) -> None:
         self._carry(
             self.handoff.settled(

@@ -248,7 +248,7 @@ class Ready:
 
 
 @dataclass(frozen=True, slots=True)
-class Job:
+class JobHandoff:
     type: ClassVar[str] = "job"
     seq: int
     job_id: uuid.UUID
@@ -270,7 +270,7 @@ class Job:
 
 
 @dataclass(frozen=True, slots=True)
-class Completed:
+class CompletedReport:
     type: ClassVar[str] = "completed"
     job_id: uuid.UUID
     handoff_id: uuid.UUID
@@ -278,7 +278,7 @@ class Completed:
 
 
 @dataclass(frozen=True, slots=True)
-class Failed:
+class FailedReport:
     type: ClassVar[str] = "failed"
     job_id: uuid.UUID
     handoff_id: uuid.UUID
@@ -288,7 +288,7 @@ class Failed:
 
 
 @dataclass(frozen=True, slots=True)
-class Reschedule:
+class RescheduleReport:
     type: ClassVar[str] = "reschedule"
     job_id: uuid.UUID
     handoff_id: uuid.UUID
@@ -299,7 +299,7 @@ class Reschedule:
 
 
 @dataclass(frozen=True, slots=True)
-class Release:
+class ReleaseReport:
     """A job the worker will not run (it arrived while draining); no attempt is counted."""
 
     type: ClassVar[str] = "release"
@@ -445,7 +445,7 @@ class Enqueue:
 
 
 @dataclass(frozen=True, slots=True)
-class Enqueued:
+class EnqueuedReply:
     """One ref per requested job, in request order."""
 
     type: ClassVar[str] = "enqueued"
@@ -596,23 +596,26 @@ class Pruned:
     deleted: int
 
 
+Report: TypeAlias = CompletedReport | FailedReport | RescheduleReport | ReleaseReport
+"""What a worker says of one lease's run; accepted only from the connection holding it."""
+
 Message: TypeAlias = (
     Challenge
     | Hello
     | Welcome
     | Ready
-    | Job
-    | Completed
-    | Failed
-    | Reschedule
-    | Release
+    | JobHandoff
+    | CompletedReport
+    | FailedReport
+    | RescheduleReport
+    | ReleaseReport
     | ReportAck
     | Draining
     | Ping
     | Pong
     | Error
     | Enqueue
-    | Enqueued
+    | EnqueuedReply
     | GetJob
     | JobInfo
     | Cancel

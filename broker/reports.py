@@ -16,7 +16,7 @@ from datetime import timedelta
 
 from broker import protocol
 from broker.exceptions import StorageError, StorageRejectedError
-from broker.handoff import Handoff, Report
+from broker.handoff import Handoff
 from broker.jobs import Clock, JobStatus, Outcome, Settlement
 from broker.payload import result_problem
 from broker.retry import RetryDelay, next_run_after_failure
@@ -25,7 +25,7 @@ from broker.storage import StorageAdapter
 
 logger = logging.getLogger("broker.main")
 
-Acknowledge = Callable[[list[tuple[int, Report]], list[protocol.AckStatus]], None]
+Acknowledge = Callable[[list[tuple[int, protocol.Report]], list[protocol.AckStatus]], None]
 
 
 class ReportSettler:
@@ -55,13 +55,13 @@ class ReportSettler:
         self._retry_interval = retry_interval
         self._max_payload_bytes = max_payload_bytes
         self._max_payload_depth = max_payload_depth
-        self.queued: list[tuple[int, Report]] = []
+        self.queued: list[tuple[int, protocol.Report]] = []
         """Accepted reports (connection id, report) waiting for the next batch."""
         self._ready = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def add(self, peer: int, report: Report) -> None:
+    def add(self, peer: int, report: protocol.Report) -> None:
         self.queued.append((peer, report))
         self._idle.clear()
         self._ready.set()
@@ -82,7 +82,7 @@ class ReportSettler:
                 await self._settle_batch(batch)
             self._idle.set()
 
-    async def _settle_batch(self, batch: list[tuple[int, Report]]) -> None:
+    async def _settle_batch(self, batch: list[tuple[int, protocol.Report]]) -> None:
         """Apply a batch of fenced reports and acknowledge each only once it is durable
         (or known to be stale).
 
@@ -115,7 +115,7 @@ class ReportSettler:
                 await asyncio.sleep(self._retry_interval)
         self._acknowledged(batch, statuses)
 
-    async def _isolate(self, batch: list[tuple[int, Report]], exc: Exception) -> None:
+    async def _isolate(self, batch: list[tuple[int, protocol.Report]], exc: Exception) -> None:
         if len(batch) == 1:
             await self._settle_unstorable(*batch[0], exc)
             return
@@ -128,7 +128,7 @@ class ReportSettler:
         await self._settle_batch(batch[:half])
         await self._settle_batch(batch[half:])
 
-    async def _settle_unstorable(self, peer: int, msg: Report, exc: Exception) -> None:
+    async def _settle_unstorable(self, peer: int, msg: protocol.Report, exc: Exception) -> None:
         """A report that can never be applied: its job fails, without retry, with an error
         saying why (the same outcome would fail the same way again). If even that cannot be
         stored, the report is answered ``refused`` and its lease goes back to the queue.
@@ -178,7 +178,9 @@ class ReportSettler:
                 await asyncio.sleep(self._retry_interval)
         self._acknowledged([(peer, msg)], [status])
 
-    async def _why_not_applied(self, msg: Report, settlement: Settlement) -> protocol.AckStatus:
+    async def _why_not_applied(
+        self, msg: protocol.Report, settlement: Settlement
+    ) -> protocol.AckStatus:
         """A fenced-out report is a *duplicate* when its lease already settled this job (two
         copies were in flight: a reconnected worker re-sent a report its old connection had
         sent), and *stale* when a newer lease owns the job or it was cancelled. Read from
@@ -187,7 +189,7 @@ class ReportSettler:
         if job is None or job.handoff_id != msg.handoff_id:
             return protocol.AckStatus.STALE
         settled_as = statuses_after(settlement.outcome)
-        if settlement.outcome is Outcome.FAIL and not isinstance(msg, protocol.Failed):
+        if settlement.outcome is Outcome.FAIL and not isinstance(msg, protocol.FailedReport):
             # Recorded as a failure in its place (an oversized result, an unstorable
             # report): never retried, so only a dead job shows it landed.
             settled_as = frozenset({JobStatus.FAILED})
@@ -195,10 +197,10 @@ class ReportSettler:
             return protocol.AckStatus.DUPLICATE
         return protocol.AckStatus.STALE
 
-    async def _settlement(self, msg: Report) -> Settlement:
+    async def _settlement(self, msg: protocol.Report) -> Settlement:
         now = self._clock()
         match msg:
-            case protocol.Completed(job_id=job_id, handoff_id=lease, result=result):
+            case protocol.CompletedReport(job_id=job_id, handoff_id=lease, result=result):
                 problem = result_problem(result, self._max_payload_bytes, self._max_payload_depth)
                 if problem is not None:
                     # Never write an oversized or too deeply nested result: the job fails,
@@ -208,7 +210,7 @@ class ReportSettler:
                     )
                     return Settlement(job_id, lease, Outcome.FAIL, error=problem, run_at=None)
                 return Settlement(job_id, lease, Outcome.COMPLETE, result=result)
-            case protocol.Failed(job_id=job_id, handoff_id=lease, error=error, retry=retry):
+            case protocol.FailedReport(job_id=job_id, handoff_id=lease, error=error, retry=retry):
                 job = self._handoff.held_job(lease) or await self._store.get_job(job_id)
                 retry_at = (
                     next_run_after_failure(job, now, self._retry_delay)
@@ -216,10 +218,10 @@ class ReportSettler:
                     else None
                 )
                 return Settlement(job_id, lease, Outcome.FAIL, error=error, run_at=retry_at)
-            case protocol.Reschedule(job_id=job_id, handoff_id=lease, delay=delay):
+            case protocol.RescheduleReport(job_id=job_id, handoff_id=lease, delay=delay):
                 run_at = now + timedelta(seconds=delay)
                 return Settlement(job_id, lease, Outcome.RESCHEDULE, run_at=run_at)
-            case protocol.Release(job_id=job_id, handoff_id=lease):
+            case protocol.ReleaseReport(job_id=job_id, handoff_id=lease):
                 return Settlement(job_id, lease, Outcome.RETURN)
 
 

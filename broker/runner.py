@@ -58,7 +58,7 @@ class Released:
     reason: str
 
 
-Outcome = Completed | Failed | Rescheduled | Released
+RunOutcome = Completed | Failed | Rescheduled | Released
 
 
 class Reschedule(Exception):
@@ -101,7 +101,7 @@ class Runner(Protocol):
 
     async def start(self) -> None: ...
 
-    async def run(self, assignment: Assignment) -> Outcome:
+    async def run(self, assignment: Assignment) -> RunOutcome:
         """Run one job to its outcome. Job errors become ``Failed``; this never raises
         for them. Takes a slot synchronously on entry, so the caller's count is exact."""
 

@@ -54,16 +54,16 @@ from broker.exceptions import (
     ProtocolError,
 )
 from broker.jobs import ExecutionMode
-from broker.runner import Assignment, Failed, Outcome, Runner
+from broker.runner import Assignment, Failed, Runner, RunOutcome
 from broker.tasks import TaskRegistry, default_registry
 from broker.worker_state import (
     Drain,
-    Effect,
     LeaseKey,
     StartRun,
     StopFast,
     StopRun,
-    Wake,
+    WakeSender,
+    WorkerEffect,
     WorkerState,
     lease_ids,
     log_job,
@@ -491,7 +491,7 @@ class Worker:
 
     # ------------------------------------------------------------------ effects
 
-    def _apply(self, effects: list[Effect]) -> None:
+    def _apply(self, effects: list[WorkerEffect]) -> None:
         """Carry out what the state decided, then mirror its idle/flushed for the drain."""
         for effect in effects:
             match effect:
@@ -503,7 +503,7 @@ class Worker:
                     )
                 case StopRun(key=key, mode=mode):
                     self._stop(key, mode)
-                case Wake():
+                case WakeSender():
                     self._wake.set()
                 case Drain():
                     self._stop_requested.set()
@@ -533,7 +533,7 @@ class Worker:
         # state's ``starting`` count hands over to the runner's own count with no gap.
         key = (assignment.job_id, assignment.handoff_id)
         self._apply(self._state.run_entered(key))
-        outcome: Outcome | None = None
+        outcome: RunOutcome | None = None
         try:
             try:
                 outcome = await runner.run(assignment)
@@ -550,7 +550,7 @@ class Worker:
 
     def _handle(self, msg: protocol.Message) -> None:
         match msg:
-            case protocol.Job():
+            case protocol.JobHandoff():
                 self._apply(self._state.job_received(msg, self._free_slots()))
             case protocol.ReportAck():
                 self._apply(self._state.ack_received(msg))

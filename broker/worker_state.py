@@ -32,12 +32,10 @@ from broker import codec, protocol
 from broker.exceptions import ProtocolError, TaskNotFoundError
 from broker.jobs import ExecutionMode
 from broker.payload import result_problem
-from broker.runner import Assignment, Completed, Failed, Outcome, Released, Rescheduled
+from broker.runner import Assignment, Completed, Failed, Released, Rescheduled, RunOutcome
 
 LeaseKey: TypeAlias = tuple[uuid.UUID, uuid.UUID]
 """``(job_id, handoff_id)``: one handoff of one job."""
-
-Report: TypeAlias = protocol.Completed | protocol.Failed | protocol.Reschedule | protocol.Release
 
 
 # --------------------------------------------------------------------------- effects
@@ -61,7 +59,7 @@ class StopRun:
 
 
 @dataclass(frozen=True, slots=True)
-class Wake:
+class WakeSender:
     """Messages wait in :meth:`WorkerState.outgoing` / :meth:`WorkerState.take_ready`:
     wake the sender."""
 
@@ -77,7 +75,7 @@ class StopFast:
     """Stop waiting for running jobs: stop them now and give them back."""
 
 
-Effect: TypeAlias = StartRun | StopRun | Wake | Drain | StopFast
+WorkerEffect: TypeAlias = StartRun | StopRun | WakeSender | Drain | StopFast
 
 
 # --------------------------------------------------------------------------- state
@@ -123,7 +121,7 @@ class WorkerState:
         self._starting: Counter[ExecutionMode] = Counter()
         """Jobs started but not yet inside ``runner.run`` (so not yet holding their slot):
         subtracted from the runner's free slots until they are."""
-        self._outbox: dict[LeaseKey, Report] = {}
+        self._outbox: dict[LeaseKey, protocol.Report] = {}
         self._given_up: set[LeaseKey] = set()
         self._ready_due = False
         self._draining = False
@@ -146,7 +144,7 @@ class WorkerState:
         return self._running
 
     @property
-    def outbox(self) -> Mapping[LeaseKey, Report]:
+    def outbox(self) -> Mapping[LeaseKey, protocol.Report]:
         """Reports not yet acknowledged, in the order they were made."""
         return self._outbox
 
@@ -165,7 +163,7 @@ class WorkerState:
 
     # ------------------------------------------------------------------ connection events
 
-    def connected(self, welcome: protocol.Welcome) -> list[Effect]:
+    def connected(self, welcome: protocol.Welcome) -> list[WorkerEffect]:
         """A new connection: every unacknowledged report goes out again (the main fences
         by lease, so a repeat is harmless), and a fresh ``ready`` starts the credit."""
         adopted = {(ref.job_id, ref.handoff_id) for ref in welcome.adopted}
@@ -183,23 +181,25 @@ class WorkerState:
         self._ready_due = True
         return self._effects()
 
-    def disconnected(self) -> list[Effect]:
+    def disconnected(self) -> list[WorkerEffect]:
         """The connection is gone: what it had not sent stays in the outbox for the next."""
         self._link = None
         return []
 
-    def ping_received(self, nonce: int) -> list[Effect]:
+    def ping_received(self, nonce: int) -> list[WorkerEffect]:
         self._require_link().pongs.append(nonce)
         return self._effects()
 
-    def capacity_changed(self) -> list[Effect]:
+    def capacity_changed(self) -> list[WorkerEffect]:
         """A runner's free slots may have changed on its own account: re-advertise."""
         self._ready_due = True
         return self._effects()
 
     # ------------------------------------------------------------------ job events
 
-    def job_received(self, msg: protocol.Job, free: Mapping[ExecutionMode, int]) -> list[Effect]:
+    def job_received(
+        self, msg: protocol.JobHandoff, free: Mapping[ExecutionMode, int]
+    ) -> list[WorkerEffect]:
         """Decide a job's fate and advance ``seen`` in the same step, so no ``ready`` can
         count its slot twice. ``free``: each runner's free slots right now.
 
@@ -209,7 +209,7 @@ class WorkerState:
         if msg.seq <= link.seen:
             raise ProtocolError(f"job seq {msg.seq} is not after the last one seen ({link.seen})")
         key = (msg.job_id, msg.handoff_id)
-        effects: list[Effect] = []
+        effects: list[WorkerEffect] = []
         if key in self._running or key in self._outbox:
             # Never run one lease twice, and never release it: that would free a job
             # this worker is still running or has already reported.
@@ -224,8 +224,8 @@ class WorkerState:
         return effects + self._effects()
 
     def _decide(
-        self, msg: protocol.Job, key: LeaseKey, free: Mapping[ExecutionMode, int]
-    ) -> list[Effect]:
+        self, msg: protocol.JobHandoff, key: LeaseKey, free: Mapping[ExecutionMode, int]
+    ) -> list[WorkerEffect]:
         """Start the job, or report why not."""
         mode = msg.execution_mode
         if self._draining:
@@ -243,7 +243,7 @@ class WorkerState:
             self._lookup_task(msg.task)
         except TaskNotFoundError as exc:
             self._log_job(logging.ERROR, "job failed: unknown task", key, task=msg.task)
-            self._report(key, protocol.Failed(*key, error=str(exc), retry=False))
+            self._report(key, protocol.FailedReport(*key, error=str(exc), retry=False))
             return []
         if free.get(mode, 0) - self._starting[mode] <= 0:
             self._release(key, f"no free {mode} slot")
@@ -256,12 +256,12 @@ class WorkerState:
         )
         return [StartRun(assignment)]
 
-    def run_entered(self, key: LeaseKey) -> list[Effect]:
+    def run_entered(self, key: LeaseKey) -> list[WorkerEffect]:
         """The runner took the job's slot: its own count now covers it."""
         self._starting[self._running[key]] -= 1
         return []
 
-    def run_finished(self, key: LeaseKey, outcome: Outcome | None) -> list[Effect]:
+    def run_finished(self, key: LeaseKey, outcome: RunOutcome | None) -> list[WorkerEffect]:
         """A run ended with ``outcome`` (``None``: abandoned while shutting down, nothing
         to report); its report joins the outbox and its slot is advertised again."""
         del self._running[key]
@@ -272,31 +272,33 @@ class WorkerState:
         self._ready_due = True
         return self._effects()
 
-    def _finish(self, key: LeaseKey, outcome: Outcome) -> None:
-        report: Report
+    def _finish(self, key: LeaseKey, outcome: RunOutcome) -> None:
+        report: protocol.Report
         match outcome:
             case Completed(result=result):
-                report = protocol.Completed(*key, result=result)
+                report = protocol.CompletedReport(*key, result=result)
                 self._log_job(logging.INFO, "job completed", key)
             case Failed() if key in self._given_up:
-                report = protocol.Release(*key, reason="the worker stopped before the job ended")
+                report = protocol.ReleaseReport(
+                    *key, reason="the worker stopped before the job ended"
+                )
                 self._log_job(logging.WARNING, "job given back", key, error=outcome.error)
             case Failed(error=error, retry=retry):
-                report = protocol.Failed(*key, error=error, retry=retry)
+                report = protocol.FailedReport(*key, error=error, retry=retry)
                 self._log_job(logging.WARNING, "job failed", key, error=error, retry=retry)
             case Released(reason=reason):
-                report = protocol.Release(*key, reason=reason)
+                report = protocol.ReleaseReport(*key, reason=reason)
                 self._log_job(logging.WARNING, "job released by its runner", key, reason=reason)
             case Rescheduled(delay=delay):
                 try:
-                    report = protocol.Reschedule(*key, delay=delay)
+                    report = protocol.RescheduleReport(*key, delay=delay)
                 except ValueError as exc:
-                    report = protocol.Failed(*key, error=f"invalid reschedule: {exc}")
+                    report = protocol.FailedReport(*key, error=f"invalid reschedule: {exc}")
                 self._log_job(logging.INFO, "job rescheduled", key, delay=delay)
         self._given_up.discard(key)
         self._report(key, report)
 
-    def cancel_received(self, msg: protocol.CancelJob) -> list[Effect]:
+    def cancel_received(self, msg: protocol.CancelJob) -> list[WorkerEffect]:
         """The main cancelled this job: stop it. Its outcome is still reported, and the
         main acknowledges it ``stale`` because the store already says ``cancelled``."""
         key = (msg.job_id, msg.handoff_id)
@@ -307,7 +309,7 @@ class WorkerState:
         self._log_job(logging.WARNING, "job cancelled by the main", key)
         return [StopRun(key, mode)]
 
-    def ack_received(self, ack: protocol.ReportAck) -> list[Effect]:
+    def ack_received(self, ack: protocol.ReportAck) -> list[WorkerEffect]:
         """The main settled a report (applied, duplicate, stale or refused): forget it."""
         key = (ack.job_id, ack.handoff_id)
         report = self._outbox.pop(key, None)
@@ -333,10 +335,10 @@ class WorkerState:
 
     # ------------------------------------------------------------------ stopping
 
-    def drain_requested(self, fast: bool = False) -> list[Effect]:
+    def drain_requested(self, fast: bool = False) -> list[WorkerEffect]:
         """Start draining: advertise no slots, say ``draining``, release jobs that arrive.
         A second request (or ``fast``) gives running jobs back instead of waiting."""
-        effects: list[Effect] = []
+        effects: list[WorkerEffect] = []
         if not self._draining:
             self._draining = True
             self._ready_due = True
@@ -400,7 +402,7 @@ class WorkerState:
         }
         return protocol.Ready(slots=slots, seen=self._require_link().seen)
 
-    def _sendable(self, key: LeaseKey, report: Report, link: _Link) -> Report:
+    def _sendable(self, key: LeaseKey, report: protocol.Report, link: _Link) -> protocol.Report:
         """``report`` if the main can take it; otherwise a failure that says why.
 
         Without this, a result the main rejects (too long, not JSON) would close the
@@ -411,7 +413,7 @@ class WorkerState:
         """
         limit = link.max_line_bytes
         problem = None
-        if isinstance(report, protocol.Completed):
+        if isinstance(report, protocol.CompletedReport):
             problem = result_problem(report.result, link.max_payload_bytes, link.max_payload_depth)
         if problem is None:
             try:
@@ -424,12 +426,12 @@ class WorkerState:
                 problem = (
                     f"the {report.type} report is {size} bytes, over the main's limit of {limit}"
                 )
-        if isinstance(report, protocol.Failed):
+        if isinstance(report, protocol.FailedReport):
             # Keep the retry decision; ASCII-escaped JSON is at most 6 bytes a character.
             error = report.error[: limit // 8]
-            fitted = protocol.Failed(*key, error=error, retry=report.retry)
+            fitted = protocol.FailedReport(*key, error=error, retry=report.retry)
         else:
-            fitted = protocol.Failed(*key, error=problem[:1000], retry=False)
+            fitted = protocol.FailedReport(*key, error=problem[:1000], retry=False)
         self._log_job(logging.ERROR, "report replaced", key, reason=problem[:200])
         self._outbox[key] = fitted
         return fitted
@@ -443,15 +445,15 @@ class WorkerState:
 
     def _release(self, key: LeaseKey, reason: str) -> None:
         self._log_job(logging.INFO, "job released", key, reason=reason)
-        self._report(key, protocol.Release(*key, reason=reason))
+        self._report(key, protocol.ReleaseReport(*key, reason=reason))
 
-    def _report(self, key: LeaseKey, report: Report) -> None:
+    def _report(self, key: LeaseKey, report: protocol.Report) -> None:
         self._outbox[key] = report
         if self._link is not None:
             self._link.unsent.append(key)
 
-    def _effects(self) -> list[Effect]:
-        """``[Wake()]`` if the connection has something to send, else nothing."""
+    def _effects(self) -> list[WorkerEffect]:
+        """``[WakeSender()]`` if the connection has something to send, else nothing."""
         link = self._link
         if link is None:
             return []
@@ -461,7 +463,7 @@ class WorkerState:
             or self._ready_due
             or (self._draining and not link.draining_sent)
         )
-        return [Wake()] if due else []
+        return [WakeSender()] if due else []
 
     def _log_job(self, level: int, event: str, key: LeaseKey, **fields: object) -> None:
         log_job(self._logger, level, event, key, **fields)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from broker import codec
-from broker.runner import Assignment, Completed, Failed, Outcome, Released, Rescheduled
+from broker.runner import Assignment, Completed, Failed, Released, Rescheduled, RunOutcome
 from runners.inline import InlineRunner, format_error
 from runners.process import CHILD_SYS_PATH_ENV, current_rss
 
@@ -67,7 +67,7 @@ class _TaggedStream(io.TextIOBase):
         self._inner.flush()
 
 
-def _encode_outcome(assignment: Assignment, outcome: Outcome) -> dict[str, Any]:
+def _encode_outcome(assignment: Assignment, outcome: RunOutcome) -> dict[str, Any]:
     body: dict[str, Any] = {
         "type": "outcome",
         "handoff_id": str(assignment.handoff_id),

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from broker import checks
 from broker.jobs import ExecutionMode
-from broker.runner import Assignment, Outcome, RunnerStatus
+from broker.runner import Assignment, RunnerStatus, RunOutcome
 from broker.tasks import TaskRegistry, default_registry
 from runners.process import (
     ChildProcess,
@@ -103,7 +103,7 @@ class ForkedRunner:
             self._guard.failed(child.startup_error or "the runner process did not start")
         self._listener()
 
-    async def run(self, assignment: Assignment) -> Outcome:
+    async def run(self, assignment: Assignment) -> RunOutcome:
         if self.free_slots() <= 0:
             raise RuntimeError("no free forked slot: check free_slots() before run()")
         child = self._child()

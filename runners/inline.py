@@ -33,10 +33,10 @@ from broker.runner import (
     Assignment,
     Completed,
     Failed,
-    Outcome,
     Reschedule,
     Rescheduled,
     RunnerStatus,
+    RunOutcome,
 )
 from broker.tasks import Task, TaskRegistry, default_registry
 
@@ -128,7 +128,7 @@ class InlineRunner:
     async def start(self) -> None:
         self._stopping = False
 
-    async def run(self, assignment: Assignment) -> Outcome:
+    async def run(self, assignment: Assignment) -> RunOutcome:
         if self.free_slots() <= 0:
             raise RuntimeError("no free inline slot: check free_slots() before run()")
         slot = _Slot(assignment)
@@ -188,7 +188,7 @@ class InlineRunner:
         ).start()
         return done
 
-    async def _await_outcome(self, slot: _Slot, limit: float | None) -> Outcome:
+    async def _await_outcome(self, slot: _Slot, limit: float | None) -> RunOutcome:
         assert slot.work is not None
         done, _ = await asyncio.wait(
             {slot.work, slot.abandoned}, timeout=limit, return_when=asyncio.FIRST_COMPLETED
@@ -208,7 +208,7 @@ class InlineRunner:
             slot.work.cancel()
 
     @staticmethod
-    def _outcome_of(work: asyncio.Future[Any]) -> Outcome:
+    def _outcome_of(work: asyncio.Future[Any]) -> RunOutcome:
         if work.cancelled():
             return Failed("cancelled")
         exc = work.exception()

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 from broker import checks
 from broker.jobs import ExecutionMode
-from broker.runner import Assignment, Outcome, Released, RunnerStatus
+from broker.runner import Assignment, Released, RunnerStatus, RunOutcome
 from broker.tasks import TaskRegistry, default_registry
 from runners.process import (
     ChildProcess,
@@ -150,7 +150,7 @@ class PooledRunner:
             return None
         return max(candidates, key=lambda c: (c.started, c.free, -c.jobs_run))
 
-    async def run(self, assignment: Assignment) -> Outcome:
+    async def run(self, assignment: Assignment) -> RunOutcome:
         if self.free_slots() <= 0:
             raise RuntimeError("no free pooled slot: check free_slots() before run()")
         child = self._pick()

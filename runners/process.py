@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from broker import codec
-from broker.runner import Assignment, Completed, Failed, Outcome, Released, Rescheduled
+from broker.runner import Assignment, Completed, Failed, Released, Rescheduled, RunOutcome
 from broker.tasks import TaskRegistry
 
 logger = logging.getLogger("broker.runner")
@@ -155,7 +155,7 @@ def timeout_for(
     return default
 
 
-def _outcome_from_wire(m: dict[str, Any]) -> Outcome:
+def _outcome_from_wire(m: dict[str, Any]) -> RunOutcome:
     kind = m.get("kind")
     if kind == "completed":
         return Completed(m.get("result"))
@@ -210,7 +210,7 @@ class ChildProcess:
         self.exited = False
         self.exit_code: int | None = None
         self.startup_error: str | None = None
-        self.inflight: dict[uuid.UUID, asyncio.Future[Outcome]] = {}
+        self.inflight: dict[uuid.UUID, asyncio.Future[RunOutcome]] = {}
         self.kill_reasons: dict[uuid.UUID, str] = {}
         self.job_ids: dict[uuid.UUID, uuid.UUID] = {}
         """Job id by lease, for cancelling a job by its id."""
@@ -390,9 +390,9 @@ class ChildProcess:
         self.inflight.clear()
         self._on_exit(self)
 
-    def reserve(self, assignment: Assignment) -> asyncio.Future[Outcome]:
+    def reserve(self, assignment: Assignment) -> asyncio.Future[RunOutcome]:
         """Take a slot now (synchronously); the job is sent once the child is ready."""
-        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[RunOutcome] = asyncio.get_running_loop().create_future()
         self.inflight[assignment.handoff_id] = future
         self.job_ids[assignment.handoff_id] = assignment.job_id
         return future
@@ -453,7 +453,7 @@ async def run_on_child(
     assignment: Assignment,
     limit: float | None,
     kill_grace: float,
-) -> Outcome:
+) -> RunOutcome:
     """Run one job on ``child`` (a slot must already be reserved) and return its outcome.
 
     A job past its time ``limit`` stops the whole child (SIGTERM, then SIGKILL after the grace):

@@ -59,7 +59,7 @@ class FakeWorker:
         self.port = port
         self.worker_id = worker_id
         self.token = token
-        self.jobs: asyncio.Queue[protocol.Job] = asyncio.Queue()
+        self.jobs: asyncio.Queue[protocol.JobHandoff] = asyncio.Queue()
         self.acks: asyncio.Queue[protocol.ReportAck] = asyncio.Queue()
         self.errors: list[protocol.Error] = []
         self.pings = 0
@@ -107,7 +107,7 @@ class FakeWorker:
         try:
             while (msg := await wire.read_message(lines)) is not None:
                 match msg:
-                    case protocol.Job():
+                    case protocol.JobHandoff():
                         self.jobs.put_nowait(msg)
                     case protocol.ReportAck():
                         self.acks.put_nowait(msg)
@@ -136,7 +136,7 @@ class FakeWorker:
             )
         )
 
-    async def next_job(self, timeout: float = 5.0) -> protocol.Job:
+    async def next_job(self, timeout: float = 5.0) -> protocol.JobHandoff:
         job = await asyncio.wait_for(self.jobs.get(), timeout)
         self.seen = job.seq
         return job
@@ -152,9 +152,9 @@ class FakeWorker:
         await self.send(msg)
         return await asyncio.wait_for(self.acks.get(), timeout)
 
-    async def complete(self, job: protocol.Job, result: Any = None) -> protocol.ReportAck:
+    async def complete(self, job: protocol.JobHandoff, result: Any = None) -> protocol.ReportAck:
         return await self.report(
-            protocol.Completed(job_id=job.job_id, handoff_id=job.handoff_id, result=result)
+            protocol.CompletedReport(job_id=job.job_id, handoff_id=job.handoff_id, result=result)
         )
 
     async def close(self) -> None:
@@ -165,7 +165,7 @@ class FakeWorker:
         await asyncio.sleep(0)
 
 
-def lease_of(job: protocol.Job) -> protocol.LeaseRef:
+def lease_of(job: protocol.JobHandoff) -> protocol.LeaseRef:
     return protocol.LeaseRef(job_id=job.job_id, handoff_id=job.handoff_id)
 
 

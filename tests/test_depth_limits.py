@@ -35,7 +35,7 @@ from broker.payload import (
     nesting_depth,
     result_problem,
 )
-from broker.runner import Assignment, Completed, Failed, Outcome
+from broker.runner import Assignment, Completed, Failed, RunOutcome
 from broker.tasks import TaskRegistry, default_unique_key, task
 from broker.worker import Worker
 from runners.forked import ForkedRunner
@@ -124,7 +124,7 @@ def test_decoding_a_line_nested_100000_deep_is_a_decode_error() -> None:
 
 
 def test_encoding_a_message_nested_too_deeply_is_a_value_error() -> None:
-    report = protocol.Completed(uuid.uuid4(), uuid.uuid4(), result=nested(100_000))
+    report = protocol.CompletedReport(uuid.uuid4(), uuid.uuid4(), result=nested(100_000))
     with pytest.raises(ValueError, match="nests too deeply"):
         protocol.encode(report)
 
@@ -213,7 +213,9 @@ async def test_the_main_fails_a_job_whose_reported_result_is_too_deep() -> None:
         [made] = await store.enqueue_many([JobSpec(task="t", max_attempts=5)])
         await worker.ready(pooled=1)
         sent = await worker.next_job()
-        ack = await worker.report(protocol.Completed(sent.job_id, sent.handoff_id, nested(200)))
+        ack = await worker.report(
+            protocol.CompletedReport(sent.job_id, sent.handoff_id, nested(200))
+        )
         assert ack.status is protocol.AckStatus.APPLIED
         job = await store.get_job(made.job.id)
         assert job is not None and job.status is JobStatus.FAILED, "dead at once, no retry"
@@ -226,7 +228,7 @@ class _DeepResults(InlineRunner):
     """Completes the ``deep`` task with a result nested 1,000 levels deep, as a runner
     without the inline runner's own ceiling might: what reaches the worker's send loop."""
 
-    async def run(self, assignment: Assignment) -> Outcome:
+    async def run(self, assignment: Assignment) -> RunOutcome:
         outcome = await super().run(assignment)
         return Completed(nested(1000)) if assignment.task == "deep" else outcome
 

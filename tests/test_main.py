@@ -126,7 +126,7 @@ async def test_storm_of_readiness_and_completions_never_exceeds_capacity(
     worker = FakeWorker(running.port)
     await worker.connect()
     await _enqueue(memory, 60)
-    holding: list[protocol.Job] = []
+    holding: list[protocol.JobHandoff] = []
     done = 0
     await worker.ready(pooled=capacity)
     for step in range(2000):
@@ -159,7 +159,7 @@ async def test_reports_are_fenced_and_repeats_acknowledged(
     await worker.ready(pooled=1)
     sent = await worker.next_job()
     stale = await worker.report(
-        protocol.Completed(job_id=sent.job_id, handoff_id=uuid.uuid4(), result="forged")
+        protocol.CompletedReport(job_id=sent.job_id, handoff_id=uuid.uuid4(), result="forged")
     )
     assert stale.status is protocol.AckStatus.STALE
     assert await _status(memory, job.id) is JobStatus.HANDED_OFF
@@ -181,17 +181,19 @@ async def test_failures_retry_then_the_job_dies_with_its_error(
     await worker.ready(pooled=1)
     first = await worker.next_job()
     ack = await worker.report(
-        protocol.Failed(job_id=first.job_id, handoff_id=first.handoff_id, error="boom 1")
+        protocol.FailedReport(job_id=first.job_id, handoff_id=first.handoff_id, error="boom 1")
     )
     assert ack.status is protocol.AckStatus.APPLIED
     await worker.ready(pooled=1)
     second = await worker.next_job()
     assert second.job_id == job.id and second.attempt == 2
     assert second.handoff_id != first.handoff_id
-    late = await worker.report(protocol.Completed(job_id=first.job_id, handoff_id=first.handoff_id))
+    late = await worker.report(
+        protocol.CompletedReport(job_id=first.job_id, handoff_id=first.handoff_id)
+    )
     assert late.status is protocol.AckStatus.STALE, "the first attempt's late report is fenced"
     await worker.report(
-        protocol.Failed(job_id=second.job_id, handoff_id=second.handoff_id, error="boom 2")
+        protocol.FailedReport(job_id=second.job_id, handoff_id=second.handoff_id, error="boom 2")
     )
     dead = await memory.get_job(job.id)
     assert dead is not None and dead.status is JobStatus.FAILED
@@ -208,12 +210,12 @@ async def test_reschedule_and_release_count_no_attempt(
     await worker.ready(pooled=1)
     first = await worker.next_job()
     await worker.report(
-        protocol.Release(job_id=first.job_id, handoff_id=first.handoff_id, reason="draining")
+        protocol.ReleaseReport(job_id=first.job_id, handoff_id=first.handoff_id, reason="draining")
     )
     await worker.ready(pooled=1)
     second = await worker.next_job()
     await worker.report(
-        protocol.Reschedule(job_id=second.job_id, handoff_id=second.handoff_id, delay=0.2)
+        protocol.RescheduleReport(job_id=second.job_id, handoff_id=second.handoff_id, delay=0.2)
     )
     await worker.ready(pooled=1)
     third = await worker.next_job()
@@ -503,7 +505,9 @@ async def test_reports_arriving_together_are_group_committed(memory: MemoryAdapt
         await worker.ready(pooled=20)
         jobs = [await worker.next_job() for _ in range(20)]
         for job in jobs:
-            await worker.send(protocol.Completed(job_id=job.job_id, handoff_id=job.handoff_id))
+            await worker.send(
+                protocol.CompletedReport(job_id=job.job_id, handoff_id=job.handoff_id)
+            )
         acks = [await asyncio.wait_for(worker.acks.get(), 5) for _ in jobs]
         assert all(a.status is protocol.AckStatus.APPLIED for a in acks)
         assert sum(slow.batches) == 20 and max(slow.batches) >= 5, slow.batches

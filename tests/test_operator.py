@@ -190,7 +190,7 @@ async def test_every_command_against_a_running_main(tmp_path: Path) -> None:
         assert "ImportError" in out and "pending recoveries: 0" in out and "HANDED_OFF" in out
 
         ack = await fake.report(
-            protocol.Failed(handed.job_id, handed.handoff_id, error="boom", retry=False)
+            protocol.FailedReport(handed.job_id, handed.handoff_id, error="boom", retry=False)
         )
         assert ack.status is protocol.AckStatus.APPLIED
 

@@ -192,7 +192,7 @@ async def test_an_oversized_result_fails_the_job_without_retry_and_stores_nothin
         [result] = await store.enqueue_many([JobSpec(task="t", max_attempts=5)])
         await worker.ready(pooled=1)
         sent = await worker.next_job()
-        report = protocol.Completed(
+        report = protocol.CompletedReport(
             job_id=sent.job_id, handoff_id=sent.handoff_id, result={"blob": "x" * 3000}
         )
         await worker.send(report)

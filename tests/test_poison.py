@@ -98,7 +98,7 @@ class RawWorker(FakeWorker):
 
 async def _worker_with_jobs(
     main: Main, store: StorageAdapter, n: int, **spec: Any
-) -> tuple[RawWorker, list[protocol.Job]]:
+) -> tuple[RawWorker, list[protocol.JobHandoff]]:
     worker = RawWorker(main.port)
     await worker.connect()
     await store.enqueue_many([JobSpec(task="t", args=[i], **spec) for i in range(n)])
@@ -107,7 +107,7 @@ async def _worker_with_jobs(
     return worker, sorted(jobs, key=lambda job: job.args[0])
 
 
-def _completed(job: protocol.Job, result: Any = None) -> dict[str, Any]:
+def _completed(job: protocol.JobHandoff, result: Any = None) -> dict[str, Any]:
     return {
         "type": "completed",
         "job_id": str(job.job_id),
@@ -196,10 +196,10 @@ async def test_an_error_text_with_nul_and_a_lone_surrogate_is_stored_escaped(
         worker, jobs = await _worker_with_jobs(main, store, 3)
         error = "ValueError: bad\x00byte \ud800 here"
         await worker.send(
-            protocol.Failed(jobs[0].job_id, jobs[0].handoff_id, error=error, retry=False)
+            protocol.FailedReport(jobs[0].job_id, jobs[0].handoff_id, error=error, retry=False)
         )
-        await worker.send(protocol.Completed(jobs[1].job_id, jobs[1].handoff_id, result=1))
-        await worker.send(protocol.Completed(jobs[2].job_id, jobs[2].handoff_id, result=2))
+        await worker.send(protocol.CompletedReport(jobs[1].job_id, jobs[1].handoff_id, result=1))
+        await worker.send(protocol.CompletedReport(jobs[2].job_id, jobs[2].handoff_id, result=2))
         assert await _acks(worker, 3) == {job.job_id: APPLIED for job in jobs}
         failed = await _job(store, jobs[0].job_id)
         assert failed.status is JobStatus.FAILED
@@ -426,7 +426,7 @@ async def test_a_worker_forgets_a_refused_report_and_survives_an_ack_it_cannot_r
         async with running(worker):
             session = await main.session()
             await session.send(job(1, "add", 1, 2))
-            report = await session.expect(protocol.Completed)
+            report = await session.expect(protocol.CompletedReport)
             ids = {"job_id": str(report.job_id), "handoff_id": str(report.handoff_id)}
             future = {"type": "report_ack", **ids, "status": "from-a-newer-main"}
             await session.writer.write_raw(json.dumps(future).encode() + b"\n")

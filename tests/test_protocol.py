@@ -39,7 +39,7 @@ SAMPLES: list[p.Message] = [
         max_line_bytes=1 << 20,
     ),
     p.Ready(slots={ExecutionMode.POOLED: 4, ExecutionMode.FORKED: 0}, seen=17),
-    p.Job(
+    p.JobHandoff(
         seq=18,
         job_id=JOB_ID,
         handoff_id=LEASE_ID,
@@ -52,11 +52,11 @@ SAMPLES: list[p.Message] = [
         timeout=30.0,
         queue="emails",
     ),
-    p.Completed(JOB_ID, LEASE_ID, result={"sent": True, "ids": [1, 2]}),
-    p.Completed(JOB_ID, LEASE_ID),
-    p.Failed(JOB_ID, LEASE_ID, error="SMTP 451", retry=False),
-    p.Reschedule(JOB_ID, LEASE_ID, delay=12.5),
-    p.Release(JOB_ID, LEASE_ID, reason="draining"),
+    p.CompletedReport(JOB_ID, LEASE_ID, result={"sent": True, "ids": [1, 2]}),
+    p.CompletedReport(JOB_ID, LEASE_ID),
+    p.FailedReport(JOB_ID, LEASE_ID, error="SMTP 451", retry=False),
+    p.RescheduleReport(JOB_ID, LEASE_ID, delay=12.5),
+    p.ReleaseReport(JOB_ID, LEASE_ID, reason="draining"),
     p.ReportAck(JOB_ID, LEASE_ID, p.AckStatus.DUPLICATE),
     p.Draining(),
     p.Ping(nonce=7),
@@ -83,7 +83,7 @@ SAMPLES: list[p.Message] = [
             ),
         ],
     ),
-    p.Enqueued(request_id="r1", jobs=[p.EnqueuedRef(JOB_ID, duplicate=True)]),
+    p.EnqueuedReply(request_id="r1", jobs=[p.EnqueuedRef(JOB_ID, duplicate=True)]),
     p.GetJob(request_id="r2", job_id=JOB_ID),
     p.JobInfo(request_id="r2", job={"id": str(JOB_ID), "status": "queued"}),
     p.JobInfo(request_id="r2", job=None),
@@ -138,18 +138,18 @@ def test_decoded_fields_have_python_types() -> None:
 
 def test_optional_fields_default_when_absent() -> None:
     msg = p.decode(f'{{"type":"completed","job_id":"{JOB_ID}","handoff_id":"{LEASE_ID}"}}')
-    assert msg == p.Completed(JOB_ID, LEASE_ID, result=None)
+    assert msg == p.CompletedReport(JOB_ID, LEASE_ID, result=None)
     failed = p.decode(
         f'{{"type":"failed","job_id":"{JOB_ID}","handoff_id":"{LEASE_ID}","error":"x"}}'
     )
-    assert isinstance(failed, p.Failed) and failed.retry is True
+    assert isinstance(failed, p.FailedReport) and failed.retry is True
 
 
 def test_int_accepted_where_float_expected() -> None:
     msg = p.decode(
         f'{{"type":"reschedule","job_id":"{JOB_ID}","handoff_id":"{LEASE_ID}","delay":3}}'
     )
-    assert isinstance(msg, p.Reschedule) and msg.delay == 3.0 and type(msg.delay) is float
+    assert isinstance(msg, p.RescheduleReport) and msg.delay == 3.0 and type(msg.delay) is float
 
 
 def test_unknown_extra_fields_are_ignored() -> None:
@@ -284,9 +284,9 @@ def test_error_does_not_echo_large_values() -> None:
 
 def test_encode_rejects_non_json_payload() -> None:
     with pytest.raises(ValueError, match="cannot encode completed"):
-        p.encode(p.Completed(JOB_ID, LEASE_ID, result=float("nan")))
+        p.encode(p.CompletedReport(JOB_ID, LEASE_ID, result=float("nan")))
     with pytest.raises(ValueError, match="cannot encode completed"):
-        p.encode(p.Completed(JOB_ID, LEASE_ID, result={1, 2}))
+        p.encode(p.CompletedReport(JOB_ID, LEASE_ID, result={1, 2}))
 
 
 def test_encode_is_ascii_even_for_lone_surrogates() -> None:
@@ -294,7 +294,7 @@ def test_encode_is_ascii_even_for_lone_surrogates() -> None:
         b'{"type":"release","job_id":"%s","handoff_id":"%s","reason":"\\ud800 \xc3\xa9"}'
         % (str(JOB_ID).encode(), str(LEASE_ID).encode())
     )
-    assert isinstance(msg, p.Release) and msg.reason == "\ud800 é"
+    assert isinstance(msg, p.ReleaseReport) and msg.reason == "\ud800 é"
     assert p.decode(p.encode(msg)) == msg
 
 

@@ -102,18 +102,18 @@ async def _job(store: StorageAdapter, **kw: Any) -> Job:
     return result.job
 
 
-async def _handed(worker: FakeWorker, store: StorageAdapter, **kw: Any) -> protocol.Job:
+async def _handed(worker: FakeWorker, store: StorageAdapter, **kw: Any) -> protocol.JobHandoff:
     """Enqueue one job and have ``worker`` be handed it."""
     await _job(store, **kw)
     await worker.ready(pooled=1)
     return await worker.next_job()
 
 
-REPORTS: dict[str, Callable[[protocol.Job], protocol.Message]] = {
-    "completed": lambda j: protocol.Completed(j.job_id, j.handoff_id, result="forged"),
-    "failed": lambda j: protocol.Failed(j.job_id, j.handoff_id, error="forged", retry=False),
-    "reschedule": lambda j: protocol.Reschedule(j.job_id, j.handoff_id, delay=3600),
-    "release": lambda j: protocol.Release(j.job_id, j.handoff_id, reason="forged"),
+REPORTS: dict[str, Callable[[protocol.JobHandoff], protocol.Message]] = {
+    "completed": lambda j: protocol.CompletedReport(j.job_id, j.handoff_id, result="forged"),
+    "failed": lambda j: protocol.FailedReport(j.job_id, j.handoff_id, error="forged", retry=False),
+    "reschedule": lambda j: protocol.RescheduleReport(j.job_id, j.handoff_id, delay=3600),
+    "release": lambda j: protocol.ReleaseReport(j.job_id, j.handoff_id, reason="forged"),
 }
 
 
@@ -197,7 +197,7 @@ async def test_clients_and_the_operator_cli_never_see_a_lease(setup: Setup) -> N
     await worker.connect()
     running = await _handed(worker, setup.store)
     dead = await _handed(worker, setup.store, max_attempts=1)
-    failed = protocol.Failed(dead.job_id, dead.handoff_id, error="boom", retry=False)
+    failed = protocol.FailedReport(dead.job_id, dead.handoff_id, error="boom", retry=False)
     assert (await worker.report(failed)).status is APPLIED
     leases = {str(running.handoff_id), str(dead.handoff_id)}
 
@@ -304,11 +304,11 @@ async def test_a_report_resent_while_its_first_copy_settles_is_a_duplicate(
     await old.connect()
     sent = await _handed(old, setup.store)
     setup.watched.gate.clear()
-    await old.send(protocol.Completed(sent.job_id, sent.handoff_id, result="once"))
+    await old.send(protocol.CompletedReport(sent.job_id, sent.handoff_id, result="once"))
     await asyncio.wait_for(setup.watched.settling.wait(), 5)
     new = FakeWorker(setup.main.port, worker_id="worker-a")
     assert (await new.connect(held=[lease_of(sent)])).adopted == [lease_of(sent)]
-    await new.send(protocol.Completed(sent.job_id, sent.handoff_id, result="once"))
+    await new.send(protocol.CompletedReport(sent.job_id, sent.handoff_id, result="once"))
     await until(lambda: len(setup.main.settler.queued) == 1)
     setup.watched.gate.set()
     assert (await asyncio.wait_for(old.acks.get(), 5)).status is APPLIED

@@ -261,7 +261,7 @@ async def test_unencodable_message_sends_nothing() -> None:
 
     async with connected(handler) as (_, raw_writer):
         writer = wire.MessageWriter(raw_writer)
-        bad = p.Completed(uuid.uuid4(), uuid.uuid4(), result={1})
+        bad = p.CompletedReport(uuid.uuid4(), uuid.uuid4(), result={1})
         with pytest.raises(ValueError, match="cannot encode"):
             await writer.send_many([p.Ping(nonce=1), bad])
         await writer.send(p.Ping(nonce=2))

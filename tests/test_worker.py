@@ -17,7 +17,7 @@ import pytest
 from broker import protocol, wire
 from broker.exceptions import AuthenticationError, ConfigurationError
 from broker.jobs import ExecutionMode
-from broker.runner import Assignment, Outcome
+from broker.runner import Assignment, RunOutcome
 from broker.tasks import TaskRegistry, task
 from broker.worker import Worker, install_signal_handlers
 from runners.inline import InlineRunner
@@ -140,8 +140,8 @@ class FakeMain:
             session.closed.set()
 
 
-def job(seq: int, name: str, *args: Any, mode: ExecutionMode = INLINE) -> protocol.Job:
-    return protocol.Job(
+def job(seq: int, name: str, *args: Any, mode: ExecutionMode = INLINE) -> protocol.JobHandoff:
+    return protocol.JobHandoff(
         seq=seq,
         job_id=uuid.uuid4(),
         handoff_id=uuid.uuid4(),
@@ -156,7 +156,9 @@ def job(seq: int, name: str, *args: Any, mode: ExecutionMode = INLINE) -> protoc
     )
 
 
-def ack(report: protocol.Completed | protocol.Failed | protocol.Release) -> protocol.ReportAck:
+def ack(
+    report: protocol.CompletedReport | protocol.FailedReport | protocol.ReleaseReport,
+) -> protocol.ReportAck:
     return protocol.ReportAck(
         job_id=report.job_id, handoff_id=report.handoff_id, status=protocol.AckStatus.APPLIED
     )
@@ -256,7 +258,7 @@ async def test_job_runs_and_its_report_carries_the_lease(registry: TaskRegistry)
             sent = job(1, "add", 2, 3)
             await session.send(sent)
 
-            report = await session.expect(protocol.Completed)
+            report = await session.expect(protocol.CompletedReport)
             assert (report.job_id, report.handoff_id, report.result) == (
                 sent.job_id,
                 sent.handoff_id,
@@ -279,7 +281,7 @@ async def test_ready_credits_are_exact(registry: TaskRegistry, gate: asyncio.Eve
         first, second, third = job(1, "block"), job(2, "block"), job(3, "block")
         await session.send(first, second, third)
 
-        release = await session.expect(protocol.Release)
+        release = await session.expect(protocol.ReleaseReport)
         assert release.handoff_id == third.handoff_id
         assert "no free inline slot" in release.reason
         assert await session.recv() == protocol.Ready(slots={INLINE: 0}, seen=3)
@@ -288,7 +290,7 @@ async def test_ready_credits_are_exact(registry: TaskRegistry, gate: asyncio.Eve
         completed: set[uuid.UUID] = set()
         while True:
             msg = await session.recv()
-            if isinstance(msg, protocol.Completed):
+            if isinstance(msg, protocol.CompletedReport):
                 completed.add(msg.handoff_id)
                 continue
             assert isinstance(msg, protocol.Ready)
@@ -304,7 +306,7 @@ async def test_seen_follows_jobs_that_never_take_a_slot(registry: TaskRegistry) 
         await session.expect(protocol.Ready)
         await session.send(job(4, "add", 1, 1, mode=ExecutionMode.POOLED))
 
-        release = await session.expect(protocol.Release)
+        release = await session.expect(protocol.ReleaseReport)
         assert "does not run pooled jobs" in release.reason
         assert await session.recv() == protocol.Ready(slots={INLINE: 2}, seen=4)
 
@@ -319,7 +321,7 @@ async def test_unknown_task_fails_without_retry_and_imports_nothing(
         sent = job(1, "tabnanny.check", "/")
         await session.send(sent)
 
-        failed = await session.expect(protocol.Failed)
+        failed = await session.expect(protocol.FailedReport)
         assert (failed.job_id, failed.handoff_id) == (sent.job_id, sent.handoff_id)
         assert failed.retry is False
         assert "'tabnanny.check' is not registered" in failed.error
@@ -332,7 +334,7 @@ class SpyRunner(InlineRunner):
         super().__init__(registry)
         self.asked: list[str] = []
 
-    async def run(self, assignment: Assignment) -> Outcome:
+    async def run(self, assignment: Assignment) -> RunOutcome:
         self.asked.append(assignment.task)
         return await super().run(assignment)
 
@@ -351,8 +353,8 @@ async def test_unknown_task_never_reaches_the_runner(registry: TaskRegistry) -> 
             session = await main.session()
             await session.expect(protocol.Ready)
             await session.send(job(1, "not.registered"), job(2, "add", 1, 1))
-            assert (await session.expect(protocol.Failed)).retry is False
-            assert (await session.expect(protocol.Completed)).result == 2
+            assert (await session.expect(protocol.FailedReport)).retry is False
+            assert (await session.expect(protocol.CompletedReport)).result == 2
     assert runner.asked == ["add"]
 
 
@@ -364,7 +366,7 @@ async def test_unacked_report_is_resent_after_reconnect(registry: TaskRegistry) 
             await first.expect(protocol.Ready)
             sent = job(1, "add", 20, 22)
             await first.send(sent)
-            report = await first.expect(protocol.Completed)
+            report = await first.expect(protocol.CompletedReport)
             first.drop()
 
             second = await main.session()
@@ -396,7 +398,7 @@ async def test_running_job_is_held_across_a_reconnect(
         assert second.hello.held_leases == [lease]
         assert await second.recv() == protocol.Ready(slots={INLINE: 1}, seen=0)
         gate.set()
-        report = await second.expect(protocol.Completed)
+        report = await second.expect(protocol.CompletedReport)
         assert report.handoff_id == sent.handoff_id
 
 
@@ -417,12 +419,12 @@ async def test_job_arriving_while_draining_is_released(
 
             late = job(2, "add", 1, 2)
             await session.send(late)
-            release = await session.expect(protocol.Release)
+            release = await session.expect(protocol.ReleaseReport)
             assert release.handoff_id == late.handoff_id
             assert "draining" in release.reason
             assert await session.recv() == protocol.Ready(slots={INLINE: 0}, seen=2)
             gate.set()
-            completed = await session.expect(protocol.Completed)
+            completed = await session.expect(protocol.CompletedReport)
             assert completed.handoff_id == busy.handoff_id
             await session.send(ack(release), ack(completed))
             await asyncio.wait_for(run, 3)
@@ -445,7 +447,7 @@ async def test_drain_waits_for_the_running_job_and_flushes_its_report(
             assert not run.done()
 
             gate.set()
-            report = await session.expect(protocol.Completed)
+            report = await session.expect(protocol.CompletedReport)
             assert report.handoff_id == sent.handoff_id
             await asyncio.sleep(0.2)
             assert not run.done(), "run() returned before its last report was acknowledged"
@@ -468,7 +470,7 @@ async def test_second_stop_gives_running_jobs_back(registry: TaskRegistry) -> No
             worker.request_stop()
 
             await session.expect(protocol.Draining)
-            release = await session.expect(protocol.Release)
+            release = await session.expect(protocol.ReleaseReport)
             assert release.handoff_id == sent.handoff_id
             await session.send(ack(release))
             await asyncio.wait_for(run, 3)
@@ -485,7 +487,7 @@ async def test_drain_timeout_fails_the_jobs_it_cancels(registry: TaskRegistry) -
             worker.request_stop()
 
             await session.expect(protocol.Draining)
-            failed = await session.expect(protocol.Failed)
+            failed = await session.expect(protocol.FailedReport)
             assert failed.error == "cancelled"
             assert failed.retry is True
             await session.send(ack(failed))
@@ -520,7 +522,7 @@ async def test_sigterm_drains_and_a_second_signal_stops_fast(registry: TaskRegis
             assert worker.status()["draining"] is True
             assert not run.done()
             os.kill(os.getpid(), signal.SIGINT)
-            release = await session.expect(protocol.Release)
+            release = await session.expect(protocol.ReleaseReport)
             await session.send(ack(release))
             await asyncio.wait_for(run, 3)
 

@@ -34,13 +34,13 @@ from broker.exceptions import ProtocolError, StorageError
 from broker.handoff import (
     ClaimJobs,
     Dispatch,
-    Effect,
     Handoff,
+    HandoffEffect,
     PlannedClaim,
     ReturnLease,
     Send,
     Settle,
-    Wake,
+    WakeDispatcher,
 )
 from broker.jobs import ExecutionMode, Job, JobStatus
 from broker.recovery import RecoveryLedger
@@ -268,7 +268,7 @@ def test_a_refused_claim_is_split_under_fresh_leases_keeping_its_credit() -> Non
 def test_a_report_for_a_lease_another_connection_holds_is_stale() -> None:
     core, plan = _dispatched_core()
     core.hello(core.new_peer(2, now=0.0), worker_hello("w2"))
-    report = protocol.Completed(job_id=plan[0].job.id, handoff_id=plan[0].lease)
+    report = protocol.CompletedReport(job_id=plan[0].job.id, handoff_id=plan[0].lease)
     [ack] = core.report(2, report)
     assert isinstance(ack, Send) and isinstance(ack.message, protocol.ReportAck)
     assert ack.message.status is ACK.STALE
@@ -304,7 +304,9 @@ class Conn:
     """The last seq the worker has read."""
     running: dict[uuid.UUID, ExecutionMode] = field(default_factory=dict)
     """Leases the worker runs (read, or adopted) and has not reported yet."""
-    unacked: dict[uuid.UUID, protocol.Completed | protocol.Release] = field(default_factory=dict)
+    unacked: dict[uuid.UUID, protocol.CompletedReport | protocol.ReleaseReport] = field(
+        default_factory=dict
+    )
     ready_slots: dict[ExecutionMode, int] = field(default_factory=dict)
     ready_seen: int = 0
     live: bool = True
@@ -327,7 +329,7 @@ class HandoffMachine(RuleBasedStateMachine):
         self.lease_job: dict[uuid.UUID, uuid.UUID] = {}
         self.minted: set[uuid.UUID] = set()
         self.batches: list[tuple[PlannedClaim, ...]] = []
-        self.pending: list[tuple[int, protocol.Completed | protocol.Release]] = []
+        self.pending: list[tuple[int, protocol.CompletedReport | protocol.ReleaseReport]] = []
         self.conns: dict[int, Conn] = {}
         self.latest: dict[str, int] = {}
         """worker id -> its latest connection (whose running jobs it remembers)."""
@@ -341,7 +343,7 @@ class HandoffMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ effects
 
-    def apply(self, effects: list[Effect]) -> None:
+    def apply(self, effects: list[HandoffEffect]) -> None:
         for effect in effects:
             match effect:
                 case Dispatch(peer=peer, seq=seq, job=job):
@@ -372,7 +374,7 @@ class HandoffMachine(RuleBasedStateMachine):
                     self.batches.append(claims)
                 case ReturnLease(lease=lease):
                     assert lease in self.core.returns
-                case Wake():
+                case WakeDispatcher():
                     pass
 
     def _minted(self, claims: tuple[PlannedClaim, ...] | list[PlannedClaim]) -> None:
@@ -577,7 +579,7 @@ class HandoffMachine(RuleBasedStateMachine):
             p for p in live if self.conns[p].running or self.conns[p].read < len(self.conns[p].sent)
         ]
         again = [p for p in live if self.conns[p].unacked]
-        msg: protocol.Completed | protocol.Release
+        msg: protocol.CompletedReport | protocol.ReleaseReport
         if kind == "honest" and honest:
             pid = data.draw(st.sampled_from(honest))
             conn = self.conns[pid]
@@ -588,9 +590,9 @@ class HandoffMachine(RuleBasedStateMachine):
             del conn.running[lease]
             job_id = self.lease_job[lease]
             if data.draw(st.booleans(), label="release"):
-                msg = protocol.Release(job_id=job_id, handoff_id=lease, reason="draining")
+                msg = protocol.ReleaseReport(job_id=job_id, handoff_id=lease, reason="draining")
             else:
-                msg = protocol.Completed(job_id=job_id, handoff_id=lease)
+                msg = protocol.CompletedReport(job_id=job_id, handoff_id=lease)
             conn.unacked[lease] = msg
         elif kind == "again" and again:
             pid = data.draw(st.sampled_from(again))
@@ -599,7 +601,7 @@ class HandoffMachine(RuleBasedStateMachine):
         else:
             pid = data.draw(st.sampled_from(sorted(self.core.peers)))
             lease = data.draw(st.sampled_from(sorted(self.lease_job)))
-            msg = protocol.Completed(job_id=self.lease_job[lease], handoff_id=lease)
+            msg = protocol.CompletedReport(job_id=self.lease_job[lease], handoff_id=lease)
         self.apply(self.core.report(pid, msg))
         if self.pending and data.draw(st.booleans(), label="settle now"):
             self._settle(len(self.pending) - 1, data)
@@ -614,7 +616,7 @@ class HandoffMachine(RuleBasedStateMachine):
         peer, msg = self.pending.pop(index)
         refused = data.draw(st.integers(0, 5), label="refused") == 0
         status, lease = self.store[msg.job_id]
-        done = JobStatus.QUEUED if isinstance(msg, protocol.Release) else JobStatus.COMPLETED
+        done = JobStatus.QUEUED if isinstance(msg, protocol.ReleaseReport) else JobStatus.COMPLETED
         if refused:
             ack = ACK.REFUSED
         elif status is JobStatus.HANDED_OFF and lease == msg.handoff_id:

@@ -3,13 +3,16 @@ every exception of the tree among it, and none of it costing an import it does n
 
 from __future__ import annotations
 
+import ast
 import inspect
 import subprocess
 import sys
+from pathlib import Path
 
 import broker
 from broker import exceptions
 
+REPO = Path(__file__).resolve().parents[2]
 USER_FACING = {"task", "Client", "SyncClient", "Reschedule", "Schedule"}
 
 
@@ -49,3 +52,33 @@ def test_importing_broker_loads_neither_the_client_nor_the_cron_library() -> Non
         [sys.executable, "-c", probe], check=True, capture_output=True, text=True
     ).stdout
     assert out.strip() == "[]", out
+
+
+def test_no_two_public_types_share_a_name() -> None:
+    """A class or union type alias defined at the top of one module of ``broker``,
+    ``adapters`` or ``runners`` never shares its name with another's, so ``Job`` is one
+    thing wherever it is read (the wire's message is ``JobHandoff``, a runner's result
+    ``RunOutcome``)."""
+    defined: dict[str, list[str]] = {}
+    for package in ("broker", "adapters", "runners"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            for node in ast.parse(path.read_text()).body:
+                for name in _type_names(node):
+                    if not name.startswith("_"):
+                        defined.setdefault(name, []).append(str(path.relative_to(REPO)))
+    shared = {name: where for name, where in defined.items() if len(where) > 1}
+    assert not shared, shared
+
+
+def _type_names(node: ast.stmt) -> list[str]:
+    if isinstance(node, ast.ClassDef):
+        return [node.name]
+    is_union = isinstance(getattr(node, "value", None), ast.BinOp) and isinstance(
+        node.value.op,  # type: ignore[attr-defined]
+        ast.BitOr,
+    )
+    if isinstance(node, ast.Assign) and is_union:
+        return [t.id for t in node.targets if isinstance(t, ast.Name)]
+    if isinstance(node, ast.AnnAssign) and is_union and isinstance(node.target, ast.Name):
+        return [node.target.id]
+    return []

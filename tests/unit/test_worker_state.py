@@ -16,15 +16,15 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from broker import protocol
 from broker.exceptions import ProtocolError, TaskNotFoundError
 from broker.jobs import ExecutionMode
-from broker.runner import Completed, Failed, Outcome, Released, Rescheduled
+from broker.runner import Completed, Failed, Released, Rescheduled, RunOutcome
 from broker.worker_state import (
     Drain,
-    Effect,
     LeaseKey,
     StartRun,
     StopFast,
     StopRun,
-    Wake,
+    WakeSender,
+    WorkerEffect,
     WorkerState,
 )
 
@@ -65,8 +65,8 @@ def welcome(
 
 def job(
     seq: int, name: str = "add", mode: ExecutionMode = INLINE, queue: str = "default"
-) -> protocol.Job:
-    return protocol.Job(
+) -> protocol.JobHandoff:
+    return protocol.JobHandoff(
         seq=seq,
         job_id=uuid.uuid4(),
         handoff_id=uuid.uuid4(),
@@ -81,7 +81,12 @@ def job(
     )
 
 
-def key_of(msg: protocol.Job | protocol.Completed | protocol.Failed | protocol.Release) -> LeaseKey:
+def key_of(
+    msg: protocol.JobHandoff
+    | protocol.CompletedReport
+    | protocol.FailedReport
+    | protocol.ReleaseReport,
+) -> LeaseKey:
     return (msg.job_id, msg.handoff_id)
 
 
@@ -91,13 +96,13 @@ def ack(
     return protocol.ReportAck(job_id=key[0], handoff_id=key[1], status=status)
 
 
-def started(effects: list[Effect]) -> list[LeaseKey]:
+def started(effects: list[WorkerEffect]) -> list[LeaseKey]:
     return [
         (e.assignment.job_id, e.assignment.handoff_id) for e in effects if isinstance(e, StartRun)
     ]
 
 
-def start(state: WorkerState, msg: protocol.Job, free: int = 2) -> LeaseKey:
+def start(state: WorkerState, msg: protocol.JobHandoff, free: int = 2) -> LeaseKey:
     """Receive ``msg`` and enter its run, as the worker's task would."""
     (key,) = started(state.job_received(msg, {INLINE: free}))
     state.run_entered(key)
@@ -121,10 +126,10 @@ def test_seen_follows_every_job_decided_on() -> None:
     effects = state.job_received(first, FREE)
     assert started(effects) == [key_of(first)]
     # The runner has not taken the slot yet: the state subtracts it itself.
-    assert state.job_received(job(2, mode=POOLED), FREE) == [Wake()]
+    assert state.job_received(job(2, mode=POOLED), FREE) == [WakeSender()]
     assert state.take_ready(FREE) == protocol.Ready(slots={INLINE: 1}, seen=2)
     state.run_entered(key_of(first))
-    assert state.capacity_changed() == [Wake()]
+    assert state.capacity_changed() == [WakeSender()]
     assert state.take_ready({INLINE: 1}) == protocol.Ready(slots={INLINE: 1}, seen=2)
 
 
@@ -157,21 +162,21 @@ def test_seq_starts_again_on_each_connection() -> None:
         (job(1, queue="mail"), "does not serve queue 'mail'"),
     ],
 )
-def test_a_job_this_worker_cannot_run_is_released(msg: protocol.Job, reason: str) -> None:
+def test_a_job_this_worker_cannot_run_is_released(msg: protocol.JobHandoff, reason: str) -> None:
     state = make_state(queues=["default"])
     state.connected(welcome())
-    assert state.job_received(msg, FREE) == [Wake()]
+    assert state.job_received(msg, FREE) == [WakeSender()]
     (release,) = state.outgoing()
-    assert isinstance(release, protocol.Release) and reason in release.reason
+    assert isinstance(release, protocol.ReleaseReport) and reason in release.reason
     assert state.take_ready(FREE) == protocol.Ready(slots={INLINE: 2}, seen=1)
 
 
 def test_an_unknown_task_fails_without_retry_and_takes_no_slot() -> None:
     state = make_state()
     state.connected(welcome())
-    assert state.job_received(job(1, "missing.task"), FREE) == [Wake()]
+    assert state.job_received(job(1, "missing.task"), FREE) == [WakeSender()]
     (failed,) = state.outgoing()
-    assert isinstance(failed, protocol.Failed)
+    assert isinstance(failed, protocol.FailedReport)
     assert failed.retry is False and "'missing.task' is not registered" in failed.error
     assert state.idle
 
@@ -183,7 +188,7 @@ def test_a_job_over_the_free_slots_is_released() -> None:
     effects = state.job_received(job(2), {INLINE: 0})
     assert started(effects) == []
     (release,) = state.outgoing()
-    assert isinstance(release, protocol.Release) and "no free inline slot" in release.reason
+    assert isinstance(release, protocol.ReleaseReport) and "no free inline slot" in release.reason
 
 
 def test_a_repeated_lease_is_neither_run_nor_released() -> None:
@@ -199,23 +204,23 @@ def test_a_repeated_lease_is_neither_run_nor_released() -> None:
     state.outgoing()
     assert started(state.job_received(dataclasses.replace(first, seq=3), FREE)) == []
     assert state.outgoing() == [], "a reported lease is not released either"
-    assert state.outbox[key] == protocol.Completed(*key, result=5)
+    assert state.outbox[key] == protocol.CompletedReport(*key, result=5)
 
 
 @pytest.mark.parametrize(
     ("outcome", "expected"),
     [
-        (Completed(7), protocol.Completed),
-        (Failed("boom", retry=False), protocol.Failed),
-        (Released("no child"), protocol.Release),
-        (Rescheduled(3.0), protocol.Reschedule),
+        (Completed(7), protocol.CompletedReport),
+        (Failed("boom", retry=False), protocol.FailedReport),
+        (Released("no child"), protocol.ReleaseReport),
+        (Rescheduled(3.0), protocol.RescheduleReport),
     ],
 )
-def test_each_outcome_becomes_its_report(outcome: Outcome, expected: type[Any]) -> None:
+def test_each_outcome_becomes_its_report(outcome: RunOutcome, expected: type[Any]) -> None:
     state = make_state()
     state.connected(welcome())
     key = start(state, job(1))
-    assert state.run_finished(key, outcome) == [Wake()]
+    assert state.run_finished(key, outcome) == [WakeSender()]
     (report,) = state.outgoing()
     assert isinstance(report, expected) and key_of(report) == key
     assert state.idle and not state.flushed
@@ -227,7 +232,7 @@ def test_an_invalid_reschedule_fails_the_job() -> None:
     key = start(state, job(1))
     state.run_finished(key, Rescheduled(-1.0))
     (report,) = state.outgoing()
-    assert isinstance(report, protocol.Failed) and "invalid reschedule" in report.error
+    assert isinstance(report, protocol.FailedReport) and "invalid reschedule" in report.error
 
 
 @pytest.mark.parametrize(
@@ -247,7 +252,7 @@ def test_a_result_the_main_cannot_take_fails_without_retry(
     key = start(state, job(1))
     state.run_finished(key, Completed(result))
     (report,) = state.outgoing()
-    assert isinstance(report, protocol.Failed) and report.retry is False
+    assert isinstance(report, protocol.FailedReport) and report.retry is False
     assert problem in report.error
     assert state.outbox[key] == report, "the replacement is what is re-sent later"
 
@@ -276,7 +281,7 @@ def test_unacked_reports_are_held_and_resent_after_a_reconnect() -> None:
     assert state.run_finished(running, Completed(2)) == [], "no connection: nothing to wake"
     assert state.held_leases() == [done, running]
     effects = state.connected(welcome(adopted=[done, running]))
-    assert effects == [Wake()]
+    assert effects == [WakeSender()]
     resent = state.outgoing()
     assert [key_of(r) for r in resent] == [done, running]  # type: ignore[arg-type]
     assert resent[0] == report
@@ -294,7 +299,7 @@ def test_a_lease_not_adopted_is_logged_and_still_reported(
         state.connected(welcome(adopted=[]))
     assert "lease not adopted by the main" in caplog.text
     state.run_finished(key, Completed())
-    assert [type(m) for m in state.outgoing()] == [protocol.Completed]
+    assert [type(m) for m in state.outgoing()] == [protocol.CompletedReport]
 
 
 @pytest.mark.parametrize("status", list(protocol.AckStatus))
@@ -338,7 +343,7 @@ def test_cancel_stops_a_running_job_and_its_outcome_is_still_reported() -> None:
     assert state.cancel_received(protocol.CancelJob(*key)) == [StopRun(key, INLINE)]
     state.run_finished(key, Failed("cancelled"))
     (report,) = state.outgoing()
-    assert isinstance(report, protocol.Failed) and report.retry is True
+    assert isinstance(report, protocol.FailedReport) and report.retry is True
 
 
 def test_cancel_for_a_job_not_running_here_does_nothing() -> None:
@@ -357,14 +362,14 @@ def test_drain_sequence() -> None:
     state.take_ready(FREE)
     key = start(state, job(1))
 
-    assert state.drain_requested() == [Drain(), Wake()]
+    assert state.drain_requested() == [Drain(), WakeSender()]
     assert state.outgoing() == [protocol.Draining()]
     assert state.take_ready({INLINE: 1}) == protocol.Ready(slots={INLINE: 0}, seen=1)
 
     late = job(2)
     assert started(state.job_received(late, {INLINE: 1})) == []
     (release,) = state.outgoing()
-    assert isinstance(release, protocol.Release) and "draining" in release.reason
+    assert isinstance(release, protocol.ReleaseReport) and "draining" in release.reason
     assert state.take_ready({INLINE: 1}) == protocol.Ready(slots={INLINE: 0}, seen=2)
 
     assert not state.idle
@@ -393,7 +398,7 @@ def test_a_second_stop_gives_running_jobs_back() -> None:
     assert state.stop_run(key, give_up=state.fast) == StopRun(key, INLINE)
     state.run_finished(key, Failed("cancelled"))
     state.outgoing()
-    assert isinstance(state.outbox[key], protocol.Release)
+    assert isinstance(state.outbox[key], protocol.ReleaseReport)
 
 
 def test_fast_at_once_drains_and_stops_fast() -> None:
@@ -408,7 +413,7 @@ def test_a_drain_deadline_fails_the_jobs_it_stops() -> None:
     state.drain_requested()
     assert state.stop_run(key, give_up=False) == StopRun(key, INLINE)
     state.run_finished(key, Failed("cancelled"))
-    assert isinstance(state.outbox[key], protocol.Failed)
+    assert isinstance(state.outbox[key], protocol.FailedReport)
     assert state.stop_run(key, give_up=True) is None, "a finished job has nothing to stop"
 
 
@@ -416,7 +421,7 @@ def test_pings_are_answered_in_order() -> None:
     state = make_state()
     state.connected(welcome())
     state.take_ready(FREE)
-    assert state.ping_received(1) == [Wake()]
+    assert state.ping_received(1) == [WakeSender()]
     state.ping_received(2)
     assert state.outgoing() == [protocol.Pong(nonce=1), protocol.Pong(nonce=2)]
 
@@ -451,9 +456,11 @@ class WorkerRules(RuleBasedStateMachine):
 
     def flush(self) -> None:
         for msg in self.state.outgoing():
-            if isinstance(msg, protocol.Completed | protocol.Failed | protocol.Release):
+            if isinstance(
+                msg, protocol.CompletedReport | protocol.FailedReport | protocol.ReleaseReport
+            ):
                 self.received.append(key_of(msg))
-            elif isinstance(msg, protocol.Reschedule):
+            elif isinstance(msg, protocol.RescheduleReport):
                 self.received.append((msg.job_id, msg.handoff_id))
         ready = self.state.take_ready(self.free())
         if ready is not None:
@@ -505,7 +512,7 @@ class WorkerRules(RuleBasedStateMachine):
             [Completed(1), Failed("x"), Failed("y", retry=False), Released("r"), Rescheduled(1)]
         ),
     )
-    def run_finishes(self, data: st.DataObject, outcome: Outcome) -> None:
+    def run_finishes(self, data: st.DataObject, outcome: RunOutcome) -> None:
         key = data.draw(st.sampled_from(sorted(self.entered)))
         self.state.run_finished(key, outcome)
         self.entered.remove(key)
