@@ -1,4 +1,4 @@
-"""Tasks for ``tests/test_e2e.py``, loaded by real worker processes with ``--app tests.e2e_app``.
+"""Tasks for ``tests/e2e/test_e2e.py``, loaded by worker processes with ``--app tests.e2e_app``.
 
 Every run appends ``start KEY PID`` when it begins and ``end KEY PID`` when its work is
 done to ``runs-PID.log`` in the directory named by ``BROKER_E2E_LOG_DIR``. One file per

@@ -1,4 +1,4 @@
-"""Tasks for tests/test_hardening.py; imported by real worker and child processes."""
+"""Tasks for tests/e2e/test_hardening.py; imported by real worker and child processes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Periodic jobs for ``tests/test_schedule.py``: loaded with ``broker-main --schedules``."""
+"""Periodic jobs for ``tests/integration/test_schedule.py``, loaded with ``--schedules``."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ It does not inherit from anything: the contract is structural (``typing.Protocol
 
 Plug it into ``broker-main`` with ``--adapter logging_adapter:create`` (the module
 must be importable, e.g. ``PYTHONPATH=docs/examples``). ``docs/adapters.md`` walks
-through it; ``tests/test_docs_example.py`` certifies it with the conformance suite.
+through it; ``tests/integration/test_docs_example.py`` certifies it with the conformance suite.
 """
 
 from __future__ import annotations

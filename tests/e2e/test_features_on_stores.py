@@ -16,8 +16,8 @@ from broker.jobs import JobSpec, JobStatus
 from broker.storage import StorageAdapter
 from broker.testing.faults import FaultyAdapter
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
+from tests.e2e.test_pooled import APP, cluster
 from tests.support import until
-from tests.test_pooled import APP, cluster
 
 pytestmark = pytest.mark.slow
 

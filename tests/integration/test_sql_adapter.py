@@ -34,7 +34,7 @@ from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus
 from broker.storage import SCHEMA_VERSION, JobFilter, StorageAdapter, SupportsNotify
 from broker.testing import FakeClock
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 POSTGRES_URL = os.environ.get(
     "BROKER_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
 )

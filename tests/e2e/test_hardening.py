@@ -31,10 +31,10 @@ from broker.main import Main
 from broker.untrusted import escape_control, redact_url
 from runners.process import OutputRelay
 from tests.conftest import POSTGRES_URL, fresh_schema_name, require_postgres
+from tests.integration.test_operator import _closed_port, _run_cli
 from tests.support import until
-from tests.test_operator import _closed_port, _run_cli
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 APP = "tests.hardening_app"
 TOKEN = "s3cret-token"
 DATABASE_URL = "postgresql+asyncpg://broker:db-pa55word@db.internal/broker"

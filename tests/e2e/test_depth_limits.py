@@ -42,8 +42,8 @@ from runners.forked import ForkedRunner
 from runners.inline import InlineRunner
 from runners.pooled import PooledRunner
 from tests import support
+from tests.e2e.test_e2e import Cluster, sqlite_url
 from tests.support import FakeWorker, until
-from tests.test_e2e import Cluster, sqlite_url
 
 APP = "tests.e2e_app"
 NEST = f"{APP}.nest"

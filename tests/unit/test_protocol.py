@@ -370,7 +370,7 @@ def test_job_request_from_spec_round_trips() -> None:
 
 def test_every_example_in_the_spec_decodes() -> None:
     """docs/protocol.md shows an example line per message; they must stay valid."""
-    spec = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
+    spec = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
     lines = [ln for ln in spec.read_text().splitlines() if ln.startswith('{"type":')]
     seen = {type(p.decode(ln)).type for ln in lines}
     assert seen == set(p.MESSAGE_TYPES)

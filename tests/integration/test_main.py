@@ -165,7 +165,7 @@ async def test_reports_are_fenced_and_repeats_acknowledged(
     assert await _status(memory, job.id) is JobStatus.HANDED_OFF
     assert (await worker.complete(sent, {"n": 1})).status is protocol.AckStatus.APPLIED
     # The lease settled, so this connection holds it no longer: the repeat never reaches
-    # the store (a repeat still settling is a duplicate: tests/test_report_binding.py).
+    # the store (a repeat still settling is a duplicate: tests/integration/test_report_binding.py).
     assert (await worker.complete(sent, {"n": 2})).status is protocol.AckStatus.STALE
     stored = await memory.get_job(job.id)
     assert stored is not None and stored.status is JobStatus.COMPLETED and stored.result == {"n": 1}

@@ -20,7 +20,7 @@ from broker.jobs import Clock, JobSpec
 from broker.storage import StorageAdapter, SupportsNotify
 from broker.testing.conformance import CHECKS, Check, CheckSkipped, StoreHarness, run_check
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 from logging_adapter import LoggingAdapter  # noqa: E402

@@ -351,7 +351,12 @@ async def test_without_a_main_the_commands_work_on_a_postgres_store() -> None:
     store = SQLAlchemyAdapter(url, schema=schema)
     await store.setup()
     try:
-        db = ("--database-url", f"{url}#{schema}", "--adapter", "tests.test_operator:pg_store")
+        db = (
+            "--database-url",
+            f"{url}#{schema}",
+            "--adapter",
+            "tests.integration.test_operator:pg_store",
+        )
         await _fallback_scenario(db, store)
     finally:
         await store.close()
@@ -424,7 +429,7 @@ def _stale_acks(caplog: pytest.LogCaptureFixture, job_id: uuid.UUID) -> list[str
 async def test_cancelling_a_running_pooled_job_stops_its_child_and_fences_the_report(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from tests.test_pooled import cluster
+    from tests.e2e.test_pooled import cluster
 
     caplog.set_level(logging.INFO)
     async with cluster(pooled_runner_count=1, forked_concurrency=0) as c:
@@ -462,7 +467,7 @@ async def test_cancelling_a_running_pooled_job_stops_its_child_and_fences_the_re
 async def test_cancelling_a_running_inline_job_cancels_its_coroutine(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from tests.test_pooled import cluster
+    from tests.e2e.test_pooled import cluster
 
     caplog.set_level(logging.INFO)
     key = uuid.uuid4().hex
@@ -488,7 +493,7 @@ async def test_cancelling_a_running_inline_job_cancels_its_coroutine(
 async def test_a_status_with_a_startup_error_reaches_the_main(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tests.test_pooled import cluster
+    from tests.e2e.test_pooled import cluster
 
     marker = tmp_path / "fail-import"
     marker.write_text("fail")

@@ -34,7 +34,7 @@ from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus
 from broker.main import Main
 from tests.support import FAST, FakeWorker, until
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 POOLED = ExecutionMode.POOLED
 MiB = 1 << 20
 

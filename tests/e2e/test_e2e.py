@@ -38,7 +38,7 @@ from tests.conftest import require_postgres
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 APP = "tests.e2e_app"
 RECORD = f"{APP}.record"
 HOLD = f"{APP}.hold"

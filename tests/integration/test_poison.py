@@ -41,9 +41,9 @@ from broker.values import (
 from broker.worker import Worker
 from runners.inline import InlineRunner
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
+from tests.integration.test_main import _start
+from tests.integration.test_worker import FakeMain, job, make_worker, running
 from tests.support import FakeWorker, until
-from tests.test_main import _start
-from tests.test_worker import FakeMain, job, make_worker, running
 
 APPLIED = protocol.AckStatus.APPLIED
 

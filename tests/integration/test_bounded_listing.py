@@ -30,7 +30,7 @@ from broker.main import Main
 from broker.storage import JobFilter, JobPage, StorageAdapter
 from broker.testing.conformance import CHECKS, Check, run_check
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
-from tests.test_operator import _cli, _cli_json, _closed_port
+from tests.integration.test_operator import _cli, _cli_json, _closed_port
 
 T = TypeVar("T")
 
