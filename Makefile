@@ -41,10 +41,11 @@ pytest: $(STAMP)
 test: lint typecheck layering pytest
 
 # -m on the command line overrides the "not soak" default in pyproject.toml. The handoff
-# state machine runs again under its long hypothesis profile (make test runs the short one).
+# and worker state machines run again under their long hypothesis profile (make test runs
+# the short one).
 test-slow: $(STAMP)
 	$(BIN)/pytest -m soak
-	HYPOTHESIS_PROFILE=slow $(BIN)/pytest tests/unit/test_handoff.py
+	HYPOTHESIS_PROFILE=slow $(BIN)/pytest tests/unit
 
 demo: $(STAMP)
 	$(BIN)/python -m broker.demo

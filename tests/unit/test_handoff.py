@@ -10,14 +10,13 @@ Profiles: ``ci`` (the default: derandomized and bounded, a few seconds) and ``sl
 from __future__ import annotations
 
 import itertools
-import os
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -44,24 +43,7 @@ from broker.handoff import (
 )
 from broker.jobs import ExecutionMode, Job, JobStatus
 from broker.recovery import RecoveryLedger
-
-settings.register_profile(
-    "ci",
-    derandomize=True,
-    database=None,
-    max_examples=400,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-settings.register_profile(
-    "slow",
-    database=None,
-    max_examples=2000,
-    stateful_step_count=80,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+from tests.unit.conftest import PROFILE
 
 POOLED, FORKED = ExecutionMode.POOLED, ExecutionMode.FORKED
 MODES = (POOLED, FORKED)
@@ -725,5 +707,5 @@ class HandoffMachine(RuleBasedStateMachine):
                 )
 
 
-HandoffMachine.TestCase.settings = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+HandoffMachine.TestCase.settings = settings.get_profile(PROFILE)
 TestHandoffMachine = pytest.mark.timeout(900)(HandoffMachine.TestCase)  # for the slow profile

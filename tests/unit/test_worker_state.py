@@ -27,6 +27,7 @@ from broker.worker_state import (
     WorkerEffect,
     WorkerState,
 )
+from tests.unit.conftest import PROFILE
 
 INLINE = ExecutionMode.INLINE
 POOLED = ExecutionMode.POOLED
@@ -594,7 +595,5 @@ class WorkerRules(RuleBasedStateMachine):
         self.entered.add(key)
 
 
-WorkerRules.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, derandomize=True, deadline=None
-)
+WorkerRules.TestCase.settings = settings.get_profile(PROFILE)
 test_worker_rules = WorkerRules.TestCase
