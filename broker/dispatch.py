@@ -72,14 +72,9 @@ class Dispatcher:
         """Pass after pass; between them, sleep until woken or the next job is due."""
         while True:
             self._wake.clear()
-            try:
-                more = await self.dispatch_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.warning("dispatch pass failed, retrying error=%r", exc)
-                await asyncio.sleep(self._retry_interval)
-                continue
+            more = await retrying(
+                "dispatch pass", self.dispatch_once, interval=self._retry_interval, logger=logger
+            )
             if more:
                 continue
             timeout = await self._idle_timeout()
