@@ -28,8 +28,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from broker import codec
-from broker.runner import Assignment, Completed, Failed, Released, Rescheduled, RunOutcome
+from broker.runner import (
+    Assignment,
+    Completed,
+    Failed,
+    Released,
+    Rescheduled,
+    RunOutcome,
+    assignment_from_pipe,
+)
 from runners.inline import InlineRunner, format_error
 from runners.process import CHILD_SYS_PATH_ENV, current_rss
 
@@ -127,7 +134,7 @@ async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bo
         if message.get("type") == "ping":
             channel.send({"type": "pong", "nonce": message.get("nonce"), "rss": current_rss()})
             continue
-        assignment = codec.assignment_from_pipe(message)
+        assignment = assignment_from_pipe(message)
         task = asyncio.create_task(run(assignment))
         running.add(task)
         task.add_done_callback(running.discard)

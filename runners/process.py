@@ -20,8 +20,15 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from broker import codec
-from broker.runner import Assignment, Completed, Failed, Released, Rescheduled, RunOutcome
+from broker.runner import (
+    Assignment,
+    Completed,
+    Failed,
+    Released,
+    Rescheduled,
+    RunOutcome,
+    assignment_to_pipe,
+)
 from broker.tasks import TaskRegistry
 
 logger = logging.getLogger("broker.runner")
@@ -466,7 +473,7 @@ async def run_on_child(
     except ChildStartupError:
         return await future
     try:
-        child.send(codec.assignment_to_pipe(assignment))
+        child.send(assignment_to_pipe(assignment))
     except ValueError as exc:
         # The job never reached the child: free its slot there and fail it for good (the
         # same arguments would fail the same way).

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import fields, replace
 from datetime import UTC, datetime, timedelta
 
-from broker import codec, protocol, settlement
+from broker import codec, protocol, runner, settlement
 from broker.jobs import Claim, ExecutionMode, Job, JobSpec, spec_from
 from broker.runner import Assignment
 from broker.schedule import Schedule
@@ -78,7 +78,7 @@ def test_an_assignment_and_its_pipe_line_carry_every_field() -> None:
     for f in fields(Assignment):  # every field by name, as Worker._start copies them
         want = getattr(msg, f.name)
         assert getattr(a, f.name) == (tuple(want) if f.name == "args" else want), f.name
-    line = codec.assignment_to_pipe(a)
+    line = runner.assignment_to_pipe(a)
     assert line == {
         "type": "job",
         "job_id": str(a.job_id),
@@ -92,7 +92,7 @@ def test_an_assignment_and_its_pipe_line_carry_every_field() -> None:
         "timeout": 1.5,
         "queue": "q",
     }
-    assert codec.assignment_from_pipe(json.loads(json.dumps(line))) == a
+    assert runner.assignment_from_pipe(json.loads(json.dumps(line))) == a
 
 
 def test_a_schedule_s_tick_carries_every_job_option() -> None:
