@@ -30,12 +30,12 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from broker import codec, error_codes, protocol
+from broker import codec, protocol
 from broker.admission import CreditLimitError
 from broker.config import MainSettings
 from broker.connection import Connections, Session
 from broker.dispatch import Dispatcher
-from broker.exceptions import InvalidJobError, ProtocolError
+from broker.exceptions import ProtocolError
 from broker.handoff import (
     Abort,
     ClaimJobs,
@@ -51,6 +51,7 @@ from broker.jobs import Clock, Job, JobStatus, utcnow
 from broker.operations import LiveState, Operations
 from broker.recovery import RecoveryLedger
 from broker.reports import ReportSettler
+from broker.requests import Requests
 from broker.retention import Retention, run_retention
 from broker.retry import RetryDelay, retry_delay
 from broker.schedule import Schedule
@@ -84,6 +85,13 @@ class Main:
         self._clock = clock
         self._retry_delay = retry_delay_fn
         self.operations = Operations(store, self.settings, clock=clock)
+        self.requests = Requests(
+            self.operations,
+            max_in_progress=self.settings.max_requests,
+            wake=self.wake,
+            stop_cancelled=self._stop_cancelled,
+            status=self.status,
+        )
         """The client requests (:mod:`broker.operations`), under this main's limits."""
         self.main_id = f"main-{uuid.uuid4().hex[:12]}"
         self.sessions: dict[int, Session] = {}
@@ -98,8 +106,6 @@ class Main:
         )
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._report_tasks: set[asyncio.Task[None]] = set()
-        self._request_slots = asyncio.Semaphore(self.settings.max_requests)
         self._stopping = False
         self.dispatcher = Dispatcher(
             store,
@@ -212,8 +218,8 @@ class Main:
             self._server.close()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.settler.wait_idle(), timeout=report_grace)
-        if self._report_tasks:
-            await asyncio.wait(list(self._report_tasks), timeout=report_grace)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.requests.wait_idle(), timeout=report_grace)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.ledger.flush(), timeout=report_grace)
         for task in [*self._tasks, *self.connections.tasks]:
@@ -347,7 +353,7 @@ class Main:
                 | protocol.ListJobs()
                 | protocol.Prune()
             ):
-                self._start_request(session, msg)
+                self.requests.start(session, msg)
             case _:
                 session.errors += 1
                 session.send(
@@ -357,99 +363,6 @@ class Main:
                         fatal=False,
                     )
                 )
-
-    def _start_request(self, session: Session, msg: protocol.Message) -> None:
-        """Run a client request in its own task, counted against the connection's cap (the
-        read loop waits at it) and cancelled if the connection closes first."""
-        task = asyncio.create_task(self._run_request(session, msg))
-        self._report_tasks.add(task)
-        task.add_done_callback(self._report_tasks.discard)
-        session.add_request(task)
-
-    async def _run_request(self, session: Session, msg: protocol.Message) -> None:
-        async with self._request_slots:  # requests never take every database connection
-            await self._apply(session, msg)
-
-    # ------------------------------------------------------------------ reports and requests
-
-    async def _apply(self, session: Session, msg: protocol.Message) -> None:
-        """Answer a client request; a failure is answered with the code of its exception
-        (:mod:`broker.error_codes`), so the client raises the same one."""
-        try:
-            reply = await self._answer(msg)
-        except Exception as exc:
-            if isinstance(exc, InvalidJobError | ProtocolError):  # the client's mistake
-                logger.warning(
-                    "request refused session=%d type=%s reason=%s", session.id, msg.type, exc
-                )
-            else:
-                logger.exception("request failed session=%d type=%s", session.id, msg.type)
-            request_id = getattr(msg, "request_id", None)
-            if request_id is not None:
-                session.send(error_codes.request_error(request_id, exc))
-            return
-        session.send(reply)
-
-    async def _answer(self, msg: protocol.Message) -> protocol.Message:
-        """The reply to a client request, from the request service (:mod:`broker.operations`);
-        what only the main can do (wake the dispatcher, stop a cancelled job on its
-        worker) happens here."""
-        ops = self.operations
-        match msg:
-            case protocol.Enqueue(request_id=rid, jobs=requests):
-                results = await ops.enqueue(requests)
-                for result in results:
-                    logger.info(
-                        "job enqueued job_id=%s task=%s duplicate=%s",
-                        result.job.id,
-                        result.job.task,
-                        result.duplicate,
-                    )
-                self.wake()
-                refs = [
-                    protocol.EnqueuedRef(job_id=r.job.id, duplicate=r.duplicate) for r in results
-                ]
-                return protocol.EnqueuedReply(request_id=rid, jobs=refs)
-            case protocol.GetJob(request_id=rid, job_id=job_id):
-                return _job_info(rid, await ops.get(job_id))
-            case protocol.Cancel(request_id=rid, job_id=job_id):
-                job = await ops.cancel(job_id)
-                if job is not None:
-                    self._stop_cancelled(job)
-                return _job_info(rid, job)
-            case protocol.Retry(request_id=rid, job_id=job_id):
-                job = await ops.retry(job_id)
-                if job is not None and job.status is JobStatus.QUEUED:
-                    logger.info("job retried job_id=%s", job.id)
-                    self.wake()
-                return _job_info(rid, job)
-            case protocol.Status(request_id=rid):
-                return protocol.StatusInfo(request_id=rid, status=await self.status())
-            case protocol.ListJobs(request_id=rid):
-                empty = protocol.JobList(request_id=rid, jobs=[], next_cursor=None)
-                try:
-                    page = await ops.list_jobs(
-                        JobFilter(statuses=msg.statuses, queues=msg.queues, tasks=msg.tasks),
-                        limit=msg.limit,
-                        cursor=msg.cursor,
-                        include_payload=msg.include_payload,
-                        reply_bytes=len(protocol.encode(empty)) - len("null"),
-                    )
-                except ValueError as exc:  # only the client's cursor can be unreadable
-                    raise ProtocolError(f"list_jobs.cursor is not valid: {exc}"[:200]) from None
-                return protocol.JobList(
-                    request_id=rid, jobs=page.jobs, next_cursor=page.next_cursor
-                )
-            case protocol.Prune(request_id=rid):
-                deleted = await ops.prune(
-                    older_than_seconds=msg.older_than_seconds,
-                    keep_latest=msg.keep_latest,
-                    statuses=msg.statuses,
-                )
-                logger.info("jobs pruned deleted=%d", deleted)
-                return protocol.Pruned(request_id=rid, deleted=deleted)
-            case _:
-                raise ProtocolError(f"{msg.type!r} is not a client request")
 
     def _stop_cancelled(self, job: Job) -> None:
         """The store has cancelled ``job``: its worker stops it (see :meth:`Handoff.cancelled`)."""
@@ -516,10 +429,6 @@ class Main:
             ],
         )
         return await self.operations.status(live)
-
-
-def _job_info(request_id: str, job: Job | None) -> protocol.JobInfo:
-    return protocol.JobInfo(request_id=request_id, job=job.to_dict() if job else None)
 
 
 def new_token() -> str:

@@ -1,0 +1,143 @@
+"""Client requests as the main serves them: each in a task of its own, bounded per
+connection and in total, answered from the request service or with the code of the
+exception that stopped it.
+
+The rules of each request (checks before the store, paging by bytes, prune's limits)
+are :mod:`broker.operations`; this module is the I/O around them, and the two things only
+a running main can add: waking the dispatcher, and stopping a cancelled job on its
+worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from broker import error_codes, protocol
+from broker.connection import Session
+from broker.exceptions import InvalidJobError, ProtocolError
+from broker.jobs import Job, JobStatus
+from broker.operations import Operations
+from broker.storage import JobFilter
+
+logger = logging.getLogger("broker.main")
+
+
+class Requests:
+    def __init__(
+        self,
+        operations: Operations,
+        *,
+        max_in_progress: int,
+        wake: Callable[[], None],
+        stop_cancelled: Callable[[Job], None],
+        status: Callable[[], Awaitable[dict[str, Any]]],
+    ) -> None:
+        self._operations = operations
+        self._slots = asyncio.Semaphore(max_in_progress)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._wake = wake
+        self._stop_cancelled = stop_cancelled
+        self._status = status
+
+    def start(self, session: Session, msg: protocol.Message) -> None:
+        """Run a client request in its own task, counted against the connection's cap (the
+        read loop waits at it) and cancelled if the connection closes first."""
+        task = asyncio.create_task(self._run(session, msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        session.add_request(task)
+
+    async def wait_idle(self) -> None:
+        """Return once the requests in progress have finished (a stopping main bounds it)."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks))
+
+    async def _run(self, session: Session, msg: protocol.Message) -> None:
+        async with self._slots:  # requests never take every database connection
+            await self._apply(session, msg)
+
+    async def _apply(self, session: Session, msg: protocol.Message) -> None:
+        """Answer a client request; a failure is answered with the code of its exception
+        (:mod:`broker.error_codes`), so the client raises the same one."""
+        try:
+            reply = await self._answer(msg)
+        except Exception as exc:
+            if isinstance(exc, InvalidJobError | ProtocolError):  # the client's mistake
+                logger.warning(
+                    "request refused session=%d type=%s reason=%s", session.id, msg.type, exc
+                )
+            else:
+                logger.exception("request failed session=%d type=%s", session.id, msg.type)
+            request_id = getattr(msg, "request_id", None)
+            if request_id is not None:
+                session.send(error_codes.request_error(request_id, exc))
+            return
+        session.send(reply)
+
+    async def _answer(self, msg: protocol.Message) -> protocol.Message:
+        """The reply to a client request, from the request service (:mod:`broker.operations`);
+        what only the main can do (wake the dispatcher, stop a cancelled job on its
+        worker) happens here."""
+        ops = self._operations
+        match msg:
+            case protocol.Enqueue(request_id=rid, jobs=requests):
+                results = await ops.enqueue(requests)
+                for result in results:
+                    logger.info(
+                        "job enqueued job_id=%s task=%s duplicate=%s",
+                        result.job.id,
+                        result.job.task,
+                        result.duplicate,
+                    )
+                self._wake()
+                refs = [
+                    protocol.EnqueuedRef(job_id=r.job.id, duplicate=r.duplicate) for r in results
+                ]
+                return protocol.EnqueuedReply(request_id=rid, jobs=refs)
+            case protocol.GetJob(request_id=rid, job_id=job_id):
+                return _job_info(rid, await ops.get(job_id))
+            case protocol.Cancel(request_id=rid, job_id=job_id):
+                job = await ops.cancel(job_id)
+                if job is not None:
+                    self._stop_cancelled(job)
+                return _job_info(rid, job)
+            case protocol.Retry(request_id=rid, job_id=job_id):
+                job = await ops.retry(job_id)
+                if job is not None and job.status is JobStatus.QUEUED:
+                    logger.info("job retried job_id=%s", job.id)
+                    self._wake()
+                return _job_info(rid, job)
+            case protocol.Status(request_id=rid):
+                return protocol.StatusInfo(request_id=rid, status=await self._status())
+            case protocol.ListJobs(request_id=rid):
+                empty = protocol.JobList(request_id=rid, jobs=[], next_cursor=None)
+                try:
+                    page = await ops.list_jobs(
+                        JobFilter(statuses=msg.statuses, queues=msg.queues, tasks=msg.tasks),
+                        limit=msg.limit,
+                        cursor=msg.cursor,
+                        include_payload=msg.include_payload,
+                        reply_bytes=len(protocol.encode(empty)) - len("null"),
+                    )
+                except ValueError as exc:  # only the client's cursor can be unreadable
+                    raise ProtocolError(f"list_jobs.cursor is not valid: {exc}"[:200]) from None
+                return protocol.JobList(
+                    request_id=rid, jobs=page.jobs, next_cursor=page.next_cursor
+                )
+            case protocol.Prune(request_id=rid):
+                deleted = await ops.prune(
+                    older_than_seconds=msg.older_than_seconds,
+                    keep_latest=msg.keep_latest,
+                    statuses=msg.statuses,
+                )
+                logger.info("jobs pruned deleted=%d", deleted)
+                return protocol.Pruned(request_id=rid, deleted=deleted)
+            case _:
+                raise ProtocolError(f"{msg.type!r} is not a client request")
+
+
+def _job_info(request_id: str, job: Job | None) -> protocol.JobInfo:
+    return protocol.JobInfo(request_id=request_id, job=job.to_dict() if job else None)
