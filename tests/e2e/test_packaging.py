@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import venv
@@ -51,8 +52,15 @@ def test_built_wheel_installs_and_imports_broker_adapters_and_runners(tmp_path: 
         "runners.inline, broker.cli; "
         "import os; print(os.path.dirname(broker.__file__))"
     )
+    # Without PYTHONPATH, which would put a source tree ahead of the wheel.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run(
-        [str(python), "-c", probe], cwd=tmp_path, check=True, capture_output=True, text=True
+        [str(python), "-c", probe],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     assert str(env_dir) in out.stdout, f"imported from {out.stdout!r}, not the installed wheel"
     assert (env_dir / "bin" / "broker-main").exists()
