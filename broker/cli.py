@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import logging
 import os
@@ -90,9 +91,24 @@ def _configure_logging(level: str) -> None:
 
 
 def _host_port(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    """``HOST:PORT``, ``[IPv6]:PORT``, or a bare host or IPv6 address, which means the
+    default port; a port outside 1-65535 is refused here, with the text that named it,
+    rather than deep in the socket layer."""
+    if text.startswith("["):
+        host, closed, rest = text[1:].partition("]")
+        if not closed or (rest and not rest.startswith(":")):
+            raise ConfigurationError(f"expected HOST:PORT or [IPv6]:PORT (got {text!r})")
+        port = rest[1:]
+    elif text.count(":") == 1:
+        host, _, port = text.partition(":")
+    else:  # a bare host, or a bare IPv6 address
+        host, port = text, ""
+    if not host:
         raise ConfigurationError(f"expected HOST:PORT (got {text!r})")
+    if port == "" and not text.endswith(":"):
+        return host, protocol.DEFAULT_PORT
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigurationError(f"the port in {text!r} must be a number from 1 to 65535")
     return host, int(port)
 
 
@@ -698,6 +714,12 @@ def _run(make: Callable[[], Any]) -> int:
         asyncio.run(make())
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # Whoever read our output has gone (``broker jobs | head``): end quietly, with the
+        # status a shell gives a command killed by SIGPIPE, and never write to it again.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (BrokerError, OSError, TimeoutError) as exc:
         print(f"error: {escape_control(str(exc))}", file=sys.stderr)
         cause = exc.__cause__
