@@ -11,8 +11,11 @@ from __future__ import annotations
 import logging
 import re
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-"""C0 and C1 controls, DEL, and the two Unicode line separators some viewers honour."""
+CONTROL_CHARACTERS = r"\x00-\x1f\x7f-\x9f\u2028\u2029"
+"""C0 and C1 controls, DEL, and the two Unicode line separators some viewers honour, as a
+regular-expression character range: what is escaped when shown, and refused in names."""
+
+_CONTROL = re.compile(f"[{CONTROL_CHARACTERS}]")
 
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 

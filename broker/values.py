@@ -30,6 +30,8 @@ import math
 import re
 from datetime import UTC, datetime
 
+from broker.untrusted import CONTROL_CHARACTERS
+
 MAX_DELAY_SECONDS = 10 * 365 * 24 * 3600
 """Ten years: the longest ``delay`` of an enqueue or a ``Reschedule``."""
 
@@ -50,7 +52,8 @@ value would fail every claim or write that carries it."""
 MAX_TEXT_CHARS = 64 * 1024
 """The longest error text stored for a job; a longer one is cut and says so."""
 
-_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+_FORBIDDEN = re.compile(f"[{CONTROL_CHARACTERS}\\ud800-\\udfff]")
+"""Control characters, and lone surrogates (which no store can encode)."""
 
 
 def check_name(field: str, value: object, max_bytes: int | None = None) -> None:
