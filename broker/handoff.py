@@ -28,6 +28,7 @@ Decisions are logged under ``broker.main``, where operators look for them.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -203,10 +204,13 @@ class Handoff:
         self,
         *,
         max_credit: int = DEFAULT_MAX_CREDIT,
-        new_lease: Callable[[], uuid.UUID] = uuid.uuid4,
+        new_lease: Callable[[], uuid.UUID] | None = None,
     ) -> None:
         self.max_credit = max_credit
-        self._new_lease = new_lease
+        self._new_lease = new_lease or LeaseMinter()
+        self._turn = 0
+        """Where the search for a worker starts, moved on for every job planned, so workers
+        with equal free credit take turns instead of the first connected taking all."""
         self.peers: dict[int, Peer] = {}
         """Connections past their hello, by connection id."""
         self.orphans: dict[uuid.UUID, Job] = {}
@@ -382,7 +386,8 @@ class Handoff:
         for job in jobs:
             if job.id in claiming:
                 continue
-            peer = _pick_worker(workers, job)
+            self._turn += 1
+            peer = _pick_worker(workers, job, self._turn)
             if peer is None or not peer.credits.reserve(job.execution_mode):
                 continue  # the credit check: no free slot for this job anywhere
             planned = PlannedClaim(peer.id, peer.worker_id or "", job, self._new_lease())
@@ -562,12 +567,34 @@ class Handoff:
             del self.returns[lease]
 
 
-def _pick_worker(workers: Sequence[Peer], job: Job) -> Peer | None:
+class LeaseMinter:
+    """Random (version 4) UUIDs for leases, from one ``os.urandom`` call per 256 of them
+    instead of one per lease: the dispatcher mints a lease per job, and the system call was
+    a visible part of that. The bytes are as unpredictable as ``uuid.uuid4``'s."""
+
+    _BATCH = 256
+
+    def __init__(self) -> None:
+        self._pool = b""
+        self._at = 0
+
+    def __call__(self) -> uuid.UUID:
+        if self._at >= len(self._pool):
+            self._pool, self._at = os.urandom(16 * self._BATCH), 0
+        raw = self._pool[self._at : self._at + 16]
+        self._at += 16
+        return uuid.UUID(bytes=raw, version=4)
+
+
+def _pick_worker(workers: Sequence[Peer], job: Job, turn: int) -> Peer | None:
     """The serving worker with the most free credit for the job's mode, to spread load
-    (whether it has any is the caller's credit check)."""
+    (whether it has any is the caller's credit check). Ties go to the first in the
+    rotation that starts at ``turn``, so equal workers share the jobs evenly."""
     best: Peer | None = None
     best_free = -1
-    for peer in workers:
+    count = len(workers)
+    for i in range(count):
+        peer = workers[(turn + i) % count]
         free = peer.credits.available(job.execution_mode)
         if free > best_free and peer.serves(job):
             best, best_free = peer, free

@@ -114,6 +114,7 @@ class Main:
             stopping=lambda: self._stopping,
             clock=clock,
             claim_batch=self.settings.claim_batch,
+            max_claims_in_flight=self.settings.max_claims_in_flight,
             poll_interval=self.settings.poll_interval,
             notify_fallback_interval=self.settings.notify_fallback_interval,
             retry_interval=self.settings.error_retry_interval,
