@@ -21,9 +21,9 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
+from broker.exceptions import transient
 from broker.handoff import ClaimJobs, Handoff, HandoffEffect, PlannedClaim
 from broker.jobs import Clock
-from broker.reports import transient
 from broker.storage import StorageAdapter, SupportsNotify
 from broker.supervise import retrying
 

@@ -500,15 +500,20 @@ class Handoff:
                 effects.append(
                     self._return(msg.job_id, msg.handoff_id, "its report could not be stored")
                 )
-            peer = self.peers.get(peer_id)
-            logger.info(
-                "report %s job_id=%s handoff_id=%s outcome=%s worker_id=%s",
-                status.value,
-                msg.job_id,
-                msg.handoff_id,
-                msg.type,
-                peer.worker_id if peer is not None else None,
-            )
+            # An applied report is the everyday case, one per job: DEBUG, so a busy main
+            # does not format a line per job. Anything else is news for an operator.
+            level = logging.DEBUG if status is protocol.AckStatus.APPLIED else logging.INFO
+            if logger.isEnabledFor(level):
+                peer = self.peers.get(peer_id)
+                logger.log(
+                    level,
+                    "report %s job_id=%s handoff_id=%s outcome=%s worker_id=%s",
+                    status.value,
+                    msg.job_id,
+                    msg.handoff_id,
+                    msg.type,
+                    peer.worker_id if peer is not None else None,
+                )
             effects.append(Send(peer_id, _ack(msg, status)))
         if any(status is protocol.AckStatus.APPLIED for _, _, status in results):
             effects.append(WakeDispatcher())

@@ -84,7 +84,9 @@ class Main:
         self.settings.validate()
         self._clock = clock
         self._retry_delay = retry_delay_fn
-        self.operations = Operations(store, self.settings, clock=clock)
+        self.operations = Operations(
+            store, self.settings, clock=clock, enqueue_batch=self.settings.enqueue_batch
+        )
         self.requests = Requests(
             self.operations,
             max_in_progress=self.settings.max_requests,

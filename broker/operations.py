@@ -13,13 +13,14 @@ the dispatcher, describe its workers) stays with the main.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from broker import protocol
-from broker.exceptions import PayloadTooLargeError
+from broker.exceptions import PayloadTooLargeError, transient
+from broker.group_commit import GroupCommit
 from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, JSONValue, summary_dict
 from broker.payload import check_args, encoded_size
 from broker.storage import JobFilter, QueueCount, StorageAdapter
@@ -70,10 +71,26 @@ class LiveState:
 
 
 class Operations:
-    def __init__(self, store: StorageAdapter, limits: Limits, *, clock: Clock) -> None:
+    def __init__(
+        self,
+        store: StorageAdapter,
+        limits: Limits,
+        *,
+        clock: Clock,
+        enqueue_batch: int | None = None,
+    ) -> None:
+        """``enqueue_batch``: group-commit concurrent enqueues, up to that many jobs per
+        transaction (the main does; the operator CLI, one request at a time, does not)."""
         self.store = store
         self.limits = limits
         self._clock = clock
+        self._enqueue: Callable[[list[JobSpec]], Awaitable[list[EnqueueResult]]] = (
+            store.enqueue_many
+            if enqueue_batch is None
+            else GroupCommit(
+                store.enqueue_many, max_batch=enqueue_batch, shared_failure=transient
+            ).submit
+        )
 
     async def enqueue(self, requests: Sequence[protocol.JobRequest]) -> list[EnqueueResult]:
         """Store the requested jobs, all or none, in request order. Every job is checked
@@ -83,7 +100,7 @@ class Operations:
         specs = [request.to_spec(now) for request in requests]
         for spec in specs:
             self.check_payload(spec)
-        return await self.store.enqueue_many(specs)
+        return await self._enqueue(specs)
 
     def check_payload(self, spec: JobSpec) -> None:
         """Refuse a job nested too deeply or over the payload limit, or one whose job message
