@@ -62,7 +62,9 @@ class Dispatcher:
         after it, so a store in trouble is not hammered."""
 
     def wake(self) -> None:
-        """Ask for another pass (coalesced: many wakes, one pass)."""
+        """Ask for another pass (coalesced: many wakes, one pass). Whatever woke us may
+        have made jobs eligible, so the core stops counting any mode as drained."""
+        self._handoff.queue_changed()
         self._wake.set()
 
     async def listen(self) -> None:
@@ -151,7 +153,9 @@ class Dispatcher:
         # read past them, or a pass during a claim would find only those.
         claiming = len(core.claiming)
         limit = min(core.credit(), self._claim_batch)
+        started = core.queue_changes
         jobs = await self._store.select_eligible(modes=modes, queues=queues, limit=limit + claiming)
+        core.read_eligible(started, modes, full=len(jobs) == limit + claiming)
         plan = core.plan(jobs)
         if len(plan) < len(jobs) - claiming:
             # One mode's backlog filled the read while another mode still has free slots:

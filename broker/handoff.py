@@ -33,10 +33,12 @@ import secrets
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 
 from broker import protocol
 from broker.admission import DEFAULT_MAX_CREDIT, Credits
-from broker.jobs import Claim, ExecutionMode, Job, JobStatus
+from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus
+from broker.settlement import claimable_at_enqueue
 
 logger = logging.getLogger("broker.main")
 
@@ -208,6 +210,12 @@ class Handoff:
     ) -> None:
         self.max_credit = max_credit
         self._new_lease = new_lease or LeaseMinter()
+        self._queue_changes = 0
+        """Bumped whenever jobs may have become eligible (every dispatcher wake-up)."""
+        self._drained: frozenset[ExecutionMode] = frozenset()
+        """Modes whose eligible jobs the last read found all claimed or being claimed, with
+        nothing changed since: only for them may an enqueue take a free slot at once
+        without overtaking a job that was waiting (see :meth:`plan_at_enqueue`)."""
         self._turn = 0
         """Where the search for a worker starts, moved on for every job planned, so workers
         with equal free credit take turns instead of the first connected taking all."""
@@ -395,6 +403,44 @@ class Handoff:
             claiming.add(job.id)
             plan.append(planned)
         return plan
+
+    def queue_changed(self) -> None:
+        """Jobs may have become eligible (an insert, a return, a retry, a report...): no
+        mode counts as drained until a read started after this says so."""
+        self._queue_changes += 1
+        self._drained = frozenset()
+
+    @property
+    def drained(self) -> frozenset[ExecutionMode]:
+        """The modes an enqueue may hand off at once (see :meth:`plan_at_enqueue`)."""
+        return self._drained
+
+    @property
+    def queue_changes(self) -> int:
+        """The change count a read started now passes to :meth:`read_eligible`."""
+        return self._queue_changes
+
+    def read_eligible(self, started: int, modes: Iterable[ExecutionMode], *, full: bool) -> None:
+        """A read of eligible jobs for ``modes``, begun at change count ``started``, came
+        back; ``full`` when it returned as many as it asked for (more may wait). Short, and
+        with nothing changed meanwhile, it proves those modes drained."""
+        if not full and started == self._queue_changes:
+            self._drained = frozenset(modes)
+
+    def plan_at_enqueue(self, specs: Sequence[JobSpec], now: datetime) -> list[PlannedClaim | None]:
+        """For each job about to be enqueued, a worker and a lease if it can start at once:
+        its mode is drained (no waiting job would be overtaken), it is due, has no
+        concurrency key, and a serving worker has a free slot. The slot is reserved and the
+        lease minted here, before the insert, exactly as :meth:`plan` does for a claim; the
+        store's answer comes back through :meth:`claimed` (or :meth:`claim_unknown`)."""
+        plans: list[PlannedClaim | None] = []
+        for spec in specs:
+            if spec.execution_mode not in self._drained or not claimable_at_enqueue(spec, now):
+                plans.append(None)
+                continue
+            planned = self.plan([Job.from_spec(spec, now)])
+            plans.append(planned[0] if planned else None)
+        return plans
 
     def claimed(self, claims: Sequence[PlannedClaim], won: Sequence[Job]) -> list[HandoffEffect]:
         """The claim call answered: ``won`` are the jobs it handed off (as claimed). Each

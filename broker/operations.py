@@ -19,8 +19,7 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from broker import protocol
-from broker.exceptions import PayloadTooLargeError, transient
-from broker.group_commit import GroupCommit
+from broker.exceptions import PayloadTooLargeError
 from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, JSONValue, summary_dict
 from broker.payload import check_args, encoded_size
 from broker.storage import JobFilter, QueueCount, StorageAdapter
@@ -77,20 +76,15 @@ class Operations:
         limits: Limits,
         *,
         clock: Clock,
-        enqueue_batch: int | None = None,
+        enqueue: Callable[[list[JobSpec]], Awaitable[list[EnqueueResult]]] | None = None,
     ) -> None:
-        """``enqueue_batch``: group-commit concurrent enqueues, up to that many jobs per
-        transaction (the main does; the operator CLI, one request at a time, does not)."""
+        """``enqueue`` writes checked jobs, all or none (default: the store's
+        ``enqueue_many``); the main passes its group commit, which may also hand jobs off
+        at once."""
         self.store = store
         self.limits = limits
         self._clock = clock
-        self._enqueue: Callable[[list[JobSpec]], Awaitable[list[EnqueueResult]]] = (
-            store.enqueue_many
-            if enqueue_batch is None
-            else GroupCommit(
-                store.enqueue_many, max_batch=enqueue_batch, shared_failure=transient
-            ).submit
-        )
+        self._enqueue = enqueue or store.enqueue_many
 
     async def enqueue(self, requests: Sequence[protocol.JobRequest]) -> list[EnqueueResult]:
         """Store the requested jobs, all or none, in request order. Every job is checked

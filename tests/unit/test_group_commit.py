@@ -44,8 +44,9 @@ def request(task: str = "t", key: str | None = None) -> protocol.JobRequest:
     return protocol.JobRequest(task=task, idempotency_key=key)
 
 
-def operations(store: CountingStore, batch: int = 1000) -> Operations:
-    return Operations(store, MainSettings(), clock=utcnow, enqueue_batch=batch)
+def operations(store: CountingStore) -> Operations:
+    group = GroupCommit(store.enqueue_many, max_batch=1000, shared_failure=transient)
+    return Operations(store, MainSettings(), clock=utcnow, enqueue=group.submit)
 
 
 async def test_callers_during_a_commit_share_the_next_one_and_get_their_own_results() -> None:
