@@ -54,6 +54,8 @@ SYSTEMS: tuple[System, ...] = (
     System("broker-postgres", "bench.peers.broker_peer", None, ("postgres",)),
     System("broker-sqlite-inline", "bench.peers.broker_peer", None, ()),
     System("broker-postgres-inline", "bench.peers.broker_peer", None, ("postgres",)),
+    System("broker-postgres-inline1", "bench.peers.broker_peer", None, ("postgres",)),
+    System("broker-postgres-defaults", "bench.peers.broker_peer", None, ("postgres",)),
     System("celery", "bench.peers.celery_peer", "celery", ("redis",)),
     System("rq", "bench.peers.rq_peer", "rq", ("redis",)),
     System("rq-simple", "bench.peers.rq_peer", "rq", ("redis",)),
