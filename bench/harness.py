@@ -25,8 +25,9 @@ Workloads (every one repeated ``reps`` times, each run bounded by ``run_timeout`
   no-op jobs enqueued in bulk, ``producers`` producers connected (in a thread of this
   process, each with its own connection where the system allows) and producing for a
   second, then the workers start; the producers each enqueue one job at a time at
-  ``producer_rate`` per second until the backlog's worth of jobs is complete; the drain rate counts every
-  job completed meanwhile, and each enqueue's time to its acknowledgement is kept.
+  ``producer_rate`` per second until the backlog's worth of jobs is complete; the drain
+  rate counts every job completed meanwhile, and each enqueue's time to its
+  acknowledgement is kept.
 
 CPU is user + system time from the first job start to the end, per process: the
 worker processes themselves, their children (pool children, recycled ones included),

@@ -111,7 +111,7 @@ def _setups(postgres: bool) -> dict[str, Setup]:
 SETUPS: dict[str, Setup] = {**_setups(False), **_setups(True)}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -196,7 +196,7 @@ class BrokerDriver(Driver):
 
         self._stop_main()
         self._fresh_store()
-        self.port = _free_port()
+        self.port = free_port()
         bin_dir = Path(sys.executable).parent
         command = [
             str(bin_dir / "broker-main"),
