@@ -284,6 +284,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=Config.producer_rate,
         help="jobs per second each producer offers, one at a time (0: as fast as it can)",
     )
+    p.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="skip measuring the floor (bench/floor.py; the report then reads the last "
+        "floor.json in --out, if any)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the results go")
     p.add_argument("--keep-workdir", action="store_true", help="keep logs and stores of the runs")
     return p.parse_args(argv)
@@ -367,6 +373,20 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         log(f"{name}: {report.one_line(result)}")
 
+    if not args.no_floor and postgres["ok"]:
+        log("floor: measuring the hot-path primitives (bench/floor.py)")
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.floor", "--out", str(args.out)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if done.returncode != 0:
+            log(f"floor failed: {done.stderr.strip()[-400:]}")
     finished = datetime.now(UTC)
     data = {
         "generated": finished.isoformat(timespec="seconds"),
@@ -378,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         "systems": results,
     }
     data["baseline"] = report.read_baseline()
+    data["floor"] = report.read_floor(args.out / "floor.json")
     (args.out / "results.json").write_text(json.dumps(data, indent=1))
     chart_error = render_chart(args.out)
     data["wall_s"] = time.monotonic() - started

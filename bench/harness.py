@@ -251,6 +251,8 @@ class Driver:
     cpu_jobs: int | None = None
     server = ""
     """``redis-server`` or ``postgres``: whose CPU the report charges as the store's."""
+    mode = ""
+    """The broker's execution mode (``pooled``, ``inline``): which floor the row is held to."""
 
     def __init__(self, name: str, cfg: Config) -> None:
         self.name = name
@@ -455,6 +457,7 @@ class Runner:
             "durability": driver.durability,
             "bulk": driver.bulk_text,
             "has_bulk": driver.has_bulk,
+            "mode": driver.mode,
             "versions": {},
             "config": asdict(cfg),
             "drain": [],

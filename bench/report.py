@@ -6,6 +6,7 @@ harness existed) is parsed, not copied, and shown beside this run's figures.
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 from collections.abc import Callable
@@ -130,6 +131,15 @@ def read_baseline() -> dict[str, Any]:
                     zip(BASELINE_COLUMNS, (_first_number(c) for c in cells[1:6]), strict=True)
                 )
     return {"source": str(path), "rows": rows}
+
+
+def read_floor(path: Path) -> dict[str, Any]:
+    """``floor.json`` as ``bench/floor.py`` wrote it, or an empty dict."""
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data
 
 
 # ----------------------------------------------------------------------------- markdown
@@ -257,6 +267,45 @@ def _producer_rows(systems: list[dict[str, Any]]) -> list[list[str]]:
                 cell(metric(r, "producers", "enqueue_max_ms")),
             ]
         )
+    return rows
+
+
+FLOOR_PARTS = (
+    ("main", "main_cpu_s"),
+    ("worker", "worker_own_cpu_s"),
+    ("children", "children_cpu_s"),
+    ("store", "server_cpu_s"),
+)
+
+
+def _floor_rows(systems: list[dict[str, Any]], floor: dict[str, Any]) -> list[list[str]]:
+    """Each broker row's CPU per job per process as a multiple of the floor for its mode."""
+    batch = str(floor.get("report_batch"))
+    by_mode = floor.get("floor", {}).get(batch, {})
+    rows = []
+    for r in systems:
+        drains = r.get("drain", [])
+        least = by_mode.get(r.get("mode"))
+        if not str(r["system"]).startswith("broker") or r.get("skipped") or not drains:
+            continue
+        if least is None or not any("worker_own_cpu_s" in run for run in drains):
+            continue
+        cells = [_label(r)]
+        for part, key in FLOOR_PARTS:
+            spent = spread([_per_job(key)(run) for run in drains])
+            if spent is None or not least[part]:
+                cells.append(DASH if spent is None else f"{fmt(spent[0])} vs 0")
+                continue
+            cells.append(
+                f"{fmt(spent[0])} vs {least[part]:.3f} ({TIMES}{spent[0] / least[part]:.0f})"
+            )
+        total = spread([_total_per_job(run) for run in drains])
+        cells.append(
+            f"{fmt(total[0])} vs {least['all']:.3f} ({TIMES}{total[0] / least['all']:.0f})"
+            if total
+            else DASH
+        )
+        rows.append(cells)
     return rows
 
 
@@ -483,6 +532,20 @@ def markdown(data: dict[str, Any], chart_error: str | None = None) -> str:
             ],
             pgq_rows,
         )
+    floor = data.get("floor") or {}
+    floor_rows = _floor_rows(systems, floor)
+    if floor_rows:
+        lines += [
+            "",
+            "## Distance from the floor",
+            "",
+            "Each process's CPU per job in the drain against the least it could spend on this "
+            f"design (`bench/floor.py`, measured {floor.get('generated', '?')}, claim and "
+            f"settle batches of {floor.get('report_batch')}; bench/README.md explains the "
+            f"sum): ms/job here vs the floor ({TIMES} = here / floor).",
+            "",
+        ]
+        lines += _table(["system", "main", "worker", "children", "store server", "all"], floor_rows)
     baseline = _baseline_rows(data)
     if baseline:
         lines += [

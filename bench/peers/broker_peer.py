@@ -137,6 +137,9 @@ class BrokerDriver(Driver):
         self.label = f"broker ({store}, {self.row.shape})"
         self.setup_text = self.row.setup_text
         self.mode = self.row.mode
+        # The producers workload runs on the PostgreSQL rows only, which issue 10's targets
+        # are about; on all five rows it would take make bench past 15 minutes.
+        self.producer_text = self.PRODUCER_TEXT if self.postgres else ""
         self.server = "postgres" if self.postgres else ""
         self.durability = (
             "PostgreSQL, fsync and synchronous_commit on: every enqueue, claim and completion "
@@ -271,7 +274,7 @@ class BrokerDriver(Driver):
             at[tag] = updated_us / 1e6
         return [at.get(h) for h in handles]
 
-    producer_text = (
+    PRODUCER_TEXT = (
         "one broker.Client per producer: its own TCP connection to broker-main, "
         "Client.enqueue of one job at a time"
     )
