@@ -37,6 +37,7 @@ from bench import jobs, report
 from bench.harness import ROOT, Config, service_pids, tree_usage
 from bench.systems import (
     BY_NAME,
+    DATABASE_SUFFIX,
     PINS,
     POSTGRES_ADMIN_DB,
     POSTGRES_HOST,
@@ -298,6 +299,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
+    os.environ.setdefault(DATABASE_SUFFIX, f"_{os.getpid()}")
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:

@@ -49,9 +49,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import ROOT, _proc_stat
-from bench.systems import POSTGRES_ADMIN_DB, postgres_dsn
+from bench.systems import POSTGRES_ADMIN_DB, database, postgres_dsn
 
-DATABASE = "bench_floor"
+DATABASE = database("bench_floor")
 REPORT_BATCH = 10
 """The batch size the report compares rows with: one pooled child's concurrency, and
 about the jobs per dispatcher pass that the issue measured."""
@@ -261,15 +261,22 @@ WHERE jobs.id = settled.id AND jobs.lease = settled.lease AND jobs.status = 'han
 """One statement over arrays, the lease fence in its ``WHERE``: issue 10's settle."""
 
 
-async def measure_statements(batches: list[int]) -> dict[str, dict[str, float]]:
+async def _admin(*statements: str) -> None:
     import asyncpg
 
     admin = await asyncpg.connect(postgres_dsn(POSTGRES_ADMIN_DB))
     try:
-        await admin.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
-        await admin.execute(f"CREATE DATABASE {DATABASE}")
+        for statement in statements:
+            await admin.execute(statement)
     finally:
         await admin.close()
+
+
+async def measure_statements(batches: list[int]) -> dict[str, dict[str, float]]:
+    import asyncpg
+
+    drop = f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)"
+    await _admin(drop, f"CREATE DATABASE {DATABASE}")
     conn = await asyncpg.connect(postgres_dsn(DATABASE))
     out: dict[str, dict[str, float]] = {}
     try:
@@ -321,6 +328,7 @@ async def measure_statements(batches: list[int]) -> dict[str, dict[str, float]]:
             out[str(batch)] = best
     finally:
         await conn.close()
+        await _admin(drop)
     return out
 
 

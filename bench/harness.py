@@ -343,6 +343,8 @@ class Producers:
         self.rate = rate
         self.latencies_ms: list[float] = []
         self.failures: list[str] = []
+        """The first few failed enqueues' errors."""
+        self.failed = 0
         self.elapsed = 0.0
         self._ready = threading.Event()
         self._error: str | None = None
@@ -369,6 +371,7 @@ class Producers:
 
     def _mark(self) -> None:
         self.latencies_ms = []
+        self.failed = 0
         self._since = time.perf_counter()
 
     def stop(self) -> None:
@@ -432,8 +435,10 @@ class Producers:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                self.failed += 1
                 if len(self.failures) < 5:
                     self.failures.append(_describe(exc))
+                next_at = max(next_at + interval, time.perf_counter())
                 continue
             now = time.perf_counter()
             self.latencies_ms.append(1000 * (now - sent))
@@ -545,8 +550,12 @@ class Runner:
                 workers.stop()
         finally:
             crowd.stop()
-        if crowd.failures:
+        if crowd.failed:
+            run["enqueue_failed"] = crowd.failed
             run["enqueue_failures"] = crowd.failures
+            self.result["errors"].append(
+                f"producers: {crowd.failed} enqueues failed, the first: {crowd.failures[0]}"
+            )
         lat = crowd.latencies_ms
         run.update(
             enqueued=len(lat),

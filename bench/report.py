@@ -242,6 +242,10 @@ def _resource_rows(systems: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+def _failed(runs: list[dict[str, Any]]) -> int:
+    return sum(int(run.get("enqueue_failed") or 0) for run in runs)
+
+
 def _producer_rows(systems: list[dict[str, Any]]) -> list[list[str]]:
     rows = []
     for r in systems:
@@ -261,7 +265,8 @@ def _producer_rows(systems: list[dict[str, Any]]) -> list[list[str]]:
                 cell(metric(r, "producers", "per_s"), _cut(r, "producers")),
                 cell(metric(r, "drain", "per_s"), _cut(r, "drain")),
                 ratio,
-                cell(metric(r, "producers", "enqueue_per_s")),
+                cell(metric(r, "producers", "enqueue_per_s"))
+                + (f" ({failed:,} failed)" if (failed := _failed(runs)) else ""),
                 cell(metric(r, "producers", "enqueue_p50_ms")),
                 cell(metric(r, "producers", "enqueue_p99_ms")),
                 cell(metric(r, "producers", "enqueue_max_ms")),

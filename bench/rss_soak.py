@@ -35,9 +35,9 @@ import asyncpg
 
 from bench.harness import ROOT, Workers
 from bench.peers.broker_peer import CHUNK, MAIN_FLAGS, OUTSTANDING, SETUPS, TASKS, free_port
-from bench.systems import POSTGRES_ADMIN_DB, postgres_dsn
+from bench.systems import POSTGRES_ADMIN_DB, database, postgres_dsn
 
-DATABASE = "bench_broker_soak"
+DATABASE = database("bench_broker_soak")
 ROW = "broker-postgres"
 """The ``make bench`` row whose worker flags the soak uses."""
 
@@ -85,13 +85,16 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-async def recreate_database() -> None:
+async def admin(*statements: str) -> None:
     conn = await asyncpg.connect(postgres_dsn(POSTGRES_ADMIN_DB))
     try:
-        await conn.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
-        await conn.execute(f"CREATE DATABASE {DATABASE}")
+        for statement in statements:
+            await conn.execute(statement)
     finally:
         await conn.close()
+
+
+DROP = f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)"
 
 
 async def soak(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -99,7 +102,7 @@ async def soak(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from broker.jobs import ExecutionMode, JobSpec
 
     row = SETUPS[ROW]
-    await recreate_database()
+    await admin(DROP, f"CREATE DATABASE {DATABASE}")
     port = free_port()
     bin_dir = Path(sys.executable).parent
     url = postgres_dsn(DATABASE).replace("postgresql://", "postgresql+asyncpg://")
@@ -185,6 +188,7 @@ async def soak(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         if workers is not None:
             workers.stop(grace=10)
         main.stop(grace=10)
+        await admin(DROP)
     return {
         "generated": datetime.now(UTC).isoformat(timespec="seconds"),
         "jobs": args.jobs,

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import ROOT, BenchError, Config, Driver, Workers
-from bench.systems import POSTGRES_ADMIN_DB, postgres_dsn
+from bench.systems import POSTGRES_ADMIN_DB, database, postgres_dsn
 
 TASKS = "bench.peers.broker_app"
-DATABASE = "bench_broker"
+DATABASE = database("bench_broker")
 CHUNK = 1000
 """Jobs per ``enqueue_many`` call: one round trip and one transaction each."""
 OUTSTANDING = (
@@ -340,6 +340,17 @@ class BrokerDriver(Driver):
 
     def teardown(self) -> None:
         self._stop_main()
+        if self.postgres:
+            import asyncpg
+
+            async def drop() -> None:
+                conn = await asyncpg.connect(postgres_dsn(POSTGRES_ADMIN_DB))
+                try:
+                    await conn.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
+                finally:
+                    await conn.close()
+
+            self.run(drop())
         self.loop.close()
 
 

@@ -124,6 +124,15 @@ class PgQueuerDriver(Driver):
 
     def teardown(self) -> None:
         self.run(self.conn.close())
+
+        async def drop() -> None:
+            admin = await asyncpg.connect(postgres_dsn(POSTGRES_ADMIN_DB))
+            try:
+                await admin.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
+            finally:
+                await admin.close()
+
+        self.run(drop())
         self.loop.close()
 
 
