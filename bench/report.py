@@ -291,7 +291,8 @@ def _floor_rows(systems: list[dict[str, Any]], floor: dict[str, Any]) -> list[li
     for r in systems:
         drains = r.get("drain", [])
         least = by_mode.get(r.get("mode"))
-        if not str(r["system"]).startswith("broker") or r.get("skipped") or not drains:
+        # The floor's statements ran on PostgreSQL: the SQLite rows have no floor here.
+        if not str(r["system"]).startswith("broker-postgres") or r.get("skipped") or not drains:
             continue
         if least is None or not any("worker_own_cpu_s" in run for run in drains):
             continue
@@ -299,7 +300,7 @@ def _floor_rows(systems: list[dict[str, Any]], floor: dict[str, Any]) -> list[li
         for part, key in FLOOR_PARTS:
             spent = spread([_per_job(key)(run) for run in drains])
             if spent is None or not least[part]:
-                cells.append(DASH if spent is None else f"{fmt(spent[0])} vs 0")
+                cells.append(DASH)  # not measured, or no such process in this mode
                 continue
             cells.append(
                 f"{fmt(spent[0])} vs {least[part]:.3f} ({TIMES}{spent[0] / least[part]:.0f})"
