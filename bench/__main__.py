@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             latency_jobs=50,
             drain_limit=15.0,
             producers=args.producers,
+            producer_jobs=1000,
             producer_rate=args.producer_rate,
         )
     (workdir / "config.json").write_text(json.dumps(cfg.__dict__))

@@ -491,7 +491,8 @@ def markdown(data: dict[str, Any], chart_error: str | None = None) -> str:
             "",
             "## Draining while producers enqueue",
             "",
-            f"A backlog of {cfg['drain_jobs']:,} no-op jobs enqueued in bulk; "
+            f"A backlog of {cfg.get('producer_jobs', cfg['drain_jobs']):,} no-op jobs "
+            "enqueued in bulk; "
             f"{cfg.get('producers', 200)} producers connect (each with a connection of its "
             "own where the system allows: see Settings), then the workers start and every "
             "producer enqueues one job at a time at the stated rate, waiting for each "
