@@ -407,9 +407,15 @@ class Producers:
             async with gate:
                 return await self.d.open_producer()
 
-        opened = await asyncio.gather(*(connect() for _ in range(self.count)))
-        self._ready.set()
+        results = await asyncio.gather(
+            *(connect() for _ in range(self.count)), return_exceptions=True
+        )
+        opened = [r for r in results if not isinstance(r, BaseException)]
         try:
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
+            if failed is not None:
+                raise failed  # the ones that did open are closed below
+            self._ready.set()
             await self._go.wait()
             self._mark()
             tasks = [asyncio.create_task(self._produce(enqueue)) for enqueue, _ in opened]
@@ -441,7 +447,9 @@ class Producers:
                 self.failed += 1
                 if len(self.failures) < 5:
                     self.failures.append(_describe(exc))
-                next_at = max(next_at + interval, time.perf_counter())
+                # At least 10 ms before the next try: a producer whose enqueue fails at
+                # once must not spin and starve the loop (rate 0 has no pause).
+                next_at = max(next_at + interval, time.perf_counter() + 0.01)
                 continue
             now = time.perf_counter()
             self.latencies_ms.append(1000 * (now - sent))
