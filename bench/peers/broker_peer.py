@@ -60,12 +60,13 @@ class Setup:
     shape: str
     """The label's words after the store's name."""
     setup_text: str
+    """The workers, for the report's settings table (the main's flags are added)."""
 
 
 def _setups(postgres: bool) -> dict[str, Setup]:
     store = "postgres" if postgres else "sqlite"
     pooled_text = (
-        "broker-main + 1 broker-worker " + " ".join(ONLY_POOLED) + " (two warm child "
+        "1 broker-worker " + " ".join(ONLY_POOLED) + " (two warm child "
         "processes, up to 10 jobs each at once, as docs/howto/execution-modes.md suggests "
         "for I/O-bound or async jobs and as PgQueuer and Procrastinate are run at 10; no "
         "inline or forked slots; other flags at their defaults)"
@@ -80,7 +81,7 @@ def _setups(postgres: bool) -> dict[str, Setup]:
             2,
             ("--inline-concurrency", "10", *ONLY_INLINE),
             "2 workers x inline 10",
-            "broker-main + 2 broker-worker processes, --inline-concurrency 10, jobs run on "
+            "2 broker-worker processes, --inline-concurrency 10, jobs run on "
             "each worker's event loop (async no-op) or a thread (sync CPU job)",
         ),
     }
@@ -91,7 +92,7 @@ def _setups(postgres: bool) -> dict[str, Setup]:
             1,
             ("--inline-concurrency", "20", *ONLY_INLINE),
             "1 worker x inline 20",
-            "broker-main + 1 broker-worker --inline-concurrency 20 (the same 20 slots as the "
+            "1 broker-worker --inline-concurrency 20 (the same 20 slots as the "
             "other rows, all on one event loop), no pooled or forked slots, other flags at "
             "their defaults",
         )
@@ -101,7 +102,7 @@ def _setups(postgres: bool) -> dict[str, Setup]:
             1,
             POOLED,
             "pooled, default flags",
-            "broker-main + 1 broker-worker " + " ".join(POOLED) + ": every other flag at its "
+            "1 broker-worker " + " ".join(POOLED) + ": every other flag at its "
             "default (child recycling, inline and forked slots included), as issue 10 "
             "measures its targets",
         )
@@ -135,7 +136,7 @@ class BrokerDriver(Driver):
         self.runs = 0
         store = "PostgreSQL" if self.postgres else "SQLite"
         self.label = f"broker ({store}, {self.row.shape})"
-        self.setup_text = self.row.setup_text
+        self.setup_text = f"broker-main {' '.join(MAIN_FLAGS)} + {self.row.setup_text}"
         self.mode = self.row.mode
         # The producers workload runs on the PostgreSQL rows only, which issue 10's targets
         # are about; on all five rows it would take make bench past 15 minutes.
