@@ -401,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         "systems": results,
     }
     data["baseline"] = report.read_baseline()
-    data["floor"] = report.read_floor(args.out / "floor.json")
+    data["floor"] = report.read_json(args.out / "floor.json")
+    data["rss_soak"] = report.read_soak(args.out / "rss-soak.json")
     (args.out / "results.json").write_text(json.dumps(data, indent=1))
     chart_error = render_chart(args.out)
     data["wall_s"] = time.monotonic() - started

@@ -133,13 +133,19 @@ def read_baseline() -> dict[str, Any]:
     return {"source": str(path), "rows": rows}
 
 
-def read_floor(path: Path) -> dict[str, Any]:
-    """``floor.json`` as ``bench/floor.py`` wrote it, or an empty dict."""
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object another tool wrote (``floor.json``, ``rss-soak.json``), or an empty dict."""
     try:
         data: dict[str, Any] = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     return data
+
+
+def read_soak(path: Path) -> dict[str, Any]:
+    """The last ``make bench-soak`` (``rss-soak.json``) without its series, or an empty dict."""
+    data = read_json(path)
+    return {k: v for k, v in data.items() if k != "samples"}
 
 
 # ----------------------------------------------------------------------------- markdown
@@ -553,6 +559,21 @@ def markdown(data: dict[str, Any], chart_error: str | None = None) -> str:
             "",
         ]
         lines += _table(["system", "main", "worker", "children", "store server", "all"], floor_rows)
+    soak = data.get("rss_soak") or {}
+    if soak.get("summary"):
+        s = soak["summary"]
+        slope = s.get("second_half_slope_mb_per_min")
+        lines += [
+            "",
+            "## broker-main RSS soak (the last `make bench-soak`, not this run)",
+            "",
+            f"{soak['jobs']:,} no-op jobs enqueued and drained on PostgreSQL in "
+            f"{soak['seconds'] / 60:.1f} min on {soak['generated']}: broker-main's RSS "
+            f"{s['first_mb']:.1f} MB at the start, {s['last_mb']:.1f} MB at the end, "
+            f"max - min {s['max_minus_min_mb']:.1f} MB"
+            + (f", {slope:+.3f} MB/min over the second half" if slope is not None else "")
+            + " (`rss-soak.md`).",
+        ]
     baseline = _baseline_rows(data)
     if baseline:
         lines += [
