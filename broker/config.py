@@ -92,6 +92,11 @@ class MainSettings:
     """Connections that have not finished the handshake yet, from all addresses."""
     max_credit: int = DEFAULT_MAX_CREDIT
     """Free slots a worker may announce per mode in ``ready``; a larger ``ready`` is refused."""
+    http_host: str = "127.0.0.1"
+    http_port: int | None = None
+    """Where the web dashboard, ``/metrics`` and ``/healthz`` listen (``broker.web``);
+    ``None``: nowhere. The dashboard shows jobs' arguments, so a non-loopback address
+    needs the token (or ``allow_unauthenticated``), as the main's own port does."""
 
     def validate(self) -> None:
         positive = {
@@ -147,6 +152,13 @@ class MainSettings:
             f"refusing to listen on {self.host!r} without a token: set BROKER_TOKEN, "
             "listen on 127.0.0.1, or pass --allow-unauthenticated if the network is private",
         )
+        if self.http_port is not None:
+            checks.int_in_range("http_port", self.http_port, 0, 65535)
+            checks.require(
+                bool(self.token) or self.allow_unauthenticated or _is_loopback(self.http_host),
+                f"refusing to serve the dashboard on {self.http_host!r} without a token: set "
+                "BROKER_TOKEN, use --http-host 127.0.0.1, or pass --allow-unauthenticated",
+            )
 
 
 def _is_loopback(host: str) -> bool:
