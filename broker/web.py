@@ -206,11 +206,8 @@ class Dashboard:
 
     def _levels(self, counts: Sequence[QueueCount]) -> MainLevels:
         handoff = self.main.handoff
-        workers = handoff.workers()
-        credits = {
-            mode.value: sum(p.credits.available(mode) for p in workers if p.dispatchable)
-            for mode in ExecutionMode
-        }
+        workers = [p for p in handoff.peers.values() if p.role is protocol.Role.WORKER]
+        credits = {mode.value: handoff.credit(mode) for mode in ExecutionMode}
         return MainLevels(
             counts=counts,
             now=utcnow(),
