@@ -54,7 +54,7 @@ _STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#1d2430;background:#f6f7f9}
 header{background:#1d2430;color:#fff;padding:.6em 1em;display:flex;gap:1.2em;align-items:center}
 header a{color:#cfe0ff;text-decoration:none}header a.on{color:#fff;font-weight:600}
-header .auth{margin-left:auto}main,section.tools{padding:1em}
+header .auth{margin-left:auto}main{padding:0 1em 1em}section.tools{padding:0 0 1em}
 table{border-collapse:collapse;background:#fff;width:100%}
 th,td{border-bottom:1px solid #e2e5ea;padding:.35em .6em;text-align:left;vertical-align:top}
 th{background:#eef1f5}td.n{text-align:right;font-variant-numeric:tabular-nums}
@@ -260,7 +260,7 @@ class Dashboard:
             f"<header><strong>broker</strong> <span class=muted>{_e(self.main.main_id)}</span>"
             f"{nav}<label class=auth>operator token "
             f'<input id="token" type="password" autocomplete="off" size="14"></label></header>'
-            f"{note}{tools}<main id=live><h1>{_e(title)}</h1>{live}</main>"
+            f"{note}<main><h1>{_e(title)}</h1>{tools}<div id=live>{live}</div></main>"
             f"<script>{_SCRIPT}</script></body></html>"
         )
         return web.Response(text=body, content_type="text/html")
@@ -366,13 +366,13 @@ class Dashboard:
                 f"<td>{_status(j['status'])}</td>",
                 _td(j["queue"]),
                 _td(j["task"]),
-                _td(f"{j['attempts']}/{j['max_attempts']}", numeric=True),
+                _td(j["attempts"], numeric=True),
                 _td(_time(j["created_at"])),
                 _td(_time(j["updated_at"])),
             ]
             for j in jobs
         ]
-        headers = ["id", "status", "queue", "task", "runs", "created", "updated"]
+        headers = ["id", "status", "queue", "task", "failed runs", "created", "updated"]
         live = _table(headers, rows, "No job matches.") + note
         if next_cursor:
             more = {k: v for k, v in query.items() if k != "cursor"}
@@ -460,7 +460,7 @@ class Dashboard:
             ("queue", _e(job["queue"])),
             ("priority", _e(job["priority"])),
             ("mode", _e(job["execution_mode"])),
-            ("runs", _e(f"{job['attempts']} of at most {job['max_attempts']}")),
+            ("failed runs", _e(f"{job['attempts']} (at most {job['max_attempts']} runs)")),
             ("run at", _e(_time(job["run_at"]))),
             ("created", _e(_time(job["created_at"]))),
             ("updated", _e(_time(job["updated_at"]))),
