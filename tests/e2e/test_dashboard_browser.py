@@ -100,16 +100,26 @@ class Site:
         await self.do(self.driver.get, self.url + path)
 
     async def text(self, css: str = "body") -> str:
-        from selenium.webdriver.common.by import By
+        """The text of the first element matching ``css``, read in one script (the live
+        refresh may replace the element between two separate calls)."""
+        script = "var e=document.querySelector(arguments[0]);return e?e.innerText:''"
+        return str(await self.do(self.driver.execute_script, script, css))
 
-        element = await self.do(self.driver.find_element, By.CSS_SELECTOR, css)
-        return str(await self.do(lambda: element.text))
+    async def shows(self, needle: str, css: str = "body") -> str:
+        """Wait until ``needle`` appears (a click's page may still be loading)."""
+
+        async def check() -> str | None:
+            text = await self.text(css)
+            return text if needle in text else None
+
+        return str(await until(check))
 
     async def rows(self) -> list[str]:
-        from selenium.webdriver.common.by import By
-
-        cells = await self.do(self.driver.find_elements, By.CSS_SELECTOR, "#live tbody tr")
-        return [str(await self.do(lambda c=c: c.text)) for c in cells]
+        script = (
+            "return Array.from(document.querySelectorAll('#live tbody tr'))"
+            ".map(function(r){return r.innerText;})"
+        )
+        return [str(row) for row in await self.do(self.driver.execute_script, script)]
 
     async def click(self, css: str) -> None:
         from selenium.webdriver.common.by import By
@@ -294,8 +304,7 @@ async def test_retry_on_a_dead_job_makes_it_queued(site: Site) -> None:
     await site.open(f"/jobs/{dead}")
     await site.type_token(TOKEN)
     await site.click("button[value=retry]")
-    await until(lambda: site.url_has("msg="))
-    assert "job queued again" in await site.text("#notice")
+    await site.shows("job queued again", "#notice")
     assert "queued" in await site.text("#live")
     assert await site.status(dead) == "queued"
     job = await site.client.get_job(dead)
@@ -307,8 +316,7 @@ async def test_cancel_works(site: Site) -> None:
     await site.open(f"/jobs/{later}")
     await site.type_token(TOKEN)
     await site.click("button[value=cancel]")
-    await until(lambda: site.url_has("msg="))
-    assert "job cancelled" in await site.text("#notice")
+    await site.shows("job cancelled", "#notice")
     assert await site.status(later) == "cancelled"
 
 
@@ -318,19 +326,19 @@ async def test_an_action_without_the_credential_is_refused(site: Site) -> None:
     await site.open(f"/jobs/{later}")
     await site.type_token("")
     await site.click("button[value=cancel]")
-    assert "refused: the operator token is missing or wrong" in await site.text()
+    await site.shows("refused: the operator token is missing or wrong")
     assert await site.status(later) == "queued"
 
     await site.open(f"/jobs/{dead}")
     await site.type_token("not-the-token")
     await site.click("button[value=retry]")
-    assert "refused" in await site.text()
+    await site.shows("refused: the operator token is missing or wrong")
     assert await site.status(dead) == "failed"
 
     await site.open("/")
     await site.type_token("")
     await site.click("#prune button")
-    assert "refused" in await site.text()
+    await site.shows("refused: the operator token is missing or wrong")
 
 
 async def test_prune_with_the_credential(site: Site) -> None:
@@ -343,5 +351,4 @@ async def test_prune_with_the_credential(site: Site) -> None:
     await site.do(days.clear)
     await site.do(days.send_keys, "0")
     await site.click("#prune button")
-    await until(lambda: site.url_has("msg="))
-    assert "pruned 4 jobs" in await site.text("#notice")
+    await site.shows("pruned 4 jobs", "#notice")
