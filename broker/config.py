@@ -95,8 +95,8 @@ class MainSettings:
     http_host: str = "127.0.0.1"
     http_port: int | None = None
     """Where the web dashboard, ``/metrics`` and ``/healthz`` listen (``broker.web``);
-    ``None``: nowhere. The dashboard shows jobs' arguments, so a non-loopback address
-    needs the token (or ``allow_unauthenticated``), as the main's own port does."""
+    ``None``: nowhere. Its pages show jobs' arguments to anyone who reaches them (only its
+    actions need the token), so an address off loopback needs ``allow_unauthenticated``."""
 
     def validate(self) -> None:
         positive = {
@@ -155,9 +155,11 @@ class MainSettings:
         if self.http_port is not None:
             checks.int_in_range("http_port", self.http_port, 0, 65535)
             checks.require(
-                bool(self.token) or self.allow_unauthenticated or _is_loopback(self.http_host),
-                f"refusing to serve the dashboard on {self.http_host!r} without a token: set "
-                "BROKER_TOKEN, use --http-host 127.0.0.1, or pass --allow-unauthenticated",
+                self.allow_unauthenticated or _is_loopback(self.http_host),
+                f"refusing to serve the dashboard on {self.http_host!r}: its pages and /metrics "
+                "need no credential (only its actions do), so keep --http-host on loopback and "
+                "reach it through an authenticating proxy or a tunnel, or pass "
+                "--allow-unauthenticated if the network is private",
             )
 
 

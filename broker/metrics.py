@@ -297,7 +297,7 @@ class _MainLevelsCollector(Collector):
         yield _gauge("broker_workers_connected", "Worker connections.", levels.workers)
         yield _gauge("broker_workers_draining", "Worker connections draining.", levels.draining)
         credits = GaugeMetricFamily(
-            "broker_worker_credits_free",
+            "broker_free_credits",
             "Free slots the workers have announced, by execution mode.",
             labels=["mode"],
         )
