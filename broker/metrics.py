@@ -140,6 +140,7 @@ class MainMetrics:
         )
         self._wait_children: dict[str, Any] = {}
         self._run_children: dict[tuple[str, str], Any] = {}
+        self._store_children: dict[str, Any] = {}
 
     def handed_off(self, job: Job) -> None:
         """``job`` left for a worker: count it and how long it waited since due."""
@@ -172,7 +173,10 @@ class MainMetrics:
             child.observe(max(0.0, (now - job.handed_off_at).total_seconds()))
 
     def store_call(self, operation: str, seconds: float, *, failed: bool) -> None:
-        self._store_seconds.labels(operation=operation).observe(seconds)
+        child = self._store_children.get(operation)
+        if child is None:
+            child = self._store_children[operation] = self._store_seconds.labels(operation)
+        child.observe(seconds)
         if failed:
             self._store_errors.labels(operation=operation).inc()
 

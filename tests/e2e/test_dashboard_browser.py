@@ -17,6 +17,7 @@ import shutil
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ import pytest
 from adapters.sql import SQLAlchemyAdapter
 from broker.client import Client
 from broker.config import MainSettings
-from broker.jobs import ExecutionMode
+from broker.jobs import ExecutionMode, JobSpec
 from broker.main import Main
 from broker.schedule import Schedule
 from broker.tasks import TaskRegistry, task
@@ -352,3 +353,20 @@ async def test_prune_with_the_credential(site: Site) -> None:
     await site.do(days.send_keys, "0")
     await site.click("#prune button")
     await site.shows("pruned 4 jobs", "#notice")
+
+
+async def test_pages_go_newest_first(site: Site) -> None:
+    later = datetime.now(UTC) + timedelta(hours=1)
+    specs = [JobSpec(task="mail.send", args=[f"n{n}"], run_at=later) for n in range(24)]
+    ids = [ref.job_id for ref in await site.client.enqueue_many(specs)]
+    newest = await _enqueue(site, "mail.send", ["newest"], delay=3600)
+    await site.open("/jobs")
+    first = await site.rows()
+    assert len(first) == 20
+    assert first[0].startswith(str(newest)[:8])
+    await site.click("#next")
+    await until(lambda: site.url_has("cursor="))
+    rest = await site.rows()
+    assert len(rest) == 5
+    shown = {row.split()[0] for row in first + rest}
+    assert shown == {str(job_id)[:8] for job_id in [*ids, newest]}
