@@ -507,7 +507,7 @@ class Dashboard:
             return web.Response(status=403, text=f"refused: {why}\n")
         try:
             msg = make(form)
-        except (ValueError, BrokerError) as exc:
+        except (ValueError, OverflowError, BrokerError) as exc:
             return web.Response(status=400, text=f"refused: {exc}\n")
         try:
             return form, await self._ask(msg)
