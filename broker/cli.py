@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from broker import admin, composition, protocol
+from broker import admin, checks, composition, protocol
 from broker.config import DEFAULT_LIST_PAGE_BYTES, MainSettings, line_limit_for
 from broker.exceptions import BrokerError, ConfigurationError
 from broker.jobs import ExecutionMode, JobStatus
@@ -31,6 +31,7 @@ from broker.retention import Retention
 from broker.schedule import declared_in
 from broker.tasks import default_registry
 from broker.untrusted import escape_control, escape_log_output
+from broker.web import Dashboard, WorkerMetricsServer
 from broker.worker import Worker
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./broker.db"
@@ -291,6 +292,18 @@ def main_parser() -> argparse.ArgumentParser:
     )
     _env_option(
         p,
+        "--http-host",
+        default="127.0.0.1",
+        help="address of the web dashboard, /metrics and /healthz",
+    )
+    _env_option(
+        p,
+        "--http-port",
+        type=int,
+        help="port of the web dashboard, /metrics and /healthz (default: none, no HTTP)",
+    )
+    _env_option(
+        p,
         "--log-level",
         default="INFO",
         help="DEBUG, INFO, WARNING or ERROR",
@@ -308,6 +321,9 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         modules = [m.strip() for m in os.environ["BROKER_SCHEDULES"].split(",") if m.strip()]
     load_apps(modules)
     schedules = declared_in(modules)
+    limits: dict[str, Any] = {
+        _setting_name(flag): int(getattr(args, _setting_name(flag))) for flag, _ in _LIMIT_OPTIONS
+    }
     settings = MainSettings(
         host=args.host,
         port=int(args.port),
@@ -320,10 +336,9 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         max_payload_depth=int(args.max_payload_depth),
         max_line_bytes=int(args.max_line_bytes or line_limit_for(int(args.max_payload_bytes))),
         list_page_bytes=int(args.list_page_bytes),
-        **{
-            _setting_name(flag): int(getattr(args, _setting_name(flag)))
-            for flag, _ in _LIMIT_OPTIONS
-        },
+        http_host=args.http_host,
+        http_port=None if args.http_port is None else int(args.http_port),
+        **limits,
     )
     retention = Retention(
         completed_ttl=_ttl(args.retention_completed),
@@ -340,12 +355,30 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await main.start()
+    dashboard = None
+    try:
+        if settings.http_port is not None:
+            dashboard = Dashboard(main, host=settings.http_host, port=settings.http_port)
+            await dashboard.start()
+    except OSError as exc:
+        await main.stop()
+        raise ConfigurationError(
+            f"cannot serve the dashboard on {settings.http_host}:{settings.http_port}: {exc}"
+        ) from None
     if ready is not None:
         ready(main)
     print(f"broker-main listening on {settings.host}:{main.port}", file=sys.stderr, flush=True)
+    if dashboard is not None:
+        print(
+            f"broker-main dashboard on http://{settings.http_host}:{dashboard.port}/",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         await stop.wait()
     finally:
+        if dashboard is not None:
+            await dashboard.stop()
         await main.stop()
 
 
@@ -455,6 +488,18 @@ def worker_parser() -> argparse.ArgumentParser:
         _env_option(p, flag, default=default, type=kind, help=text)
     _env_option(
         p,
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address of this worker's /metrics and /healthz",
+    )
+    _env_option(
+        p,
+        "--metrics-port",
+        type=int,
+        help="port of this worker's /metrics and /healthz (default: none)",
+    )
+    _env_option(
+        p,
         "--drain-timeout",
         type=_number(float, "drain timeout"),
         help="seconds running jobs get to finish on SIGTERM (default: wait)",
@@ -536,12 +581,31 @@ async def run_worker(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.request_stop)
+    metrics = None
+    if args.metrics_port is not None:
+        checks.int_in_range("--metrics-port", int(args.metrics_port), 0, 65535)
+        metrics = WorkerMetricsServer(worker, host=args.metrics_host, port=int(args.metrics_port))
+        try:
+            await metrics.start()
+        except OSError as exc:
+            raise ConfigurationError(
+                f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {exc}"
+            ) from None
+        print(
+            f"broker-worker metrics on http://{args.metrics_host}:{metrics.port}/metrics",
+            file=sys.stderr,
+            flush=True,
+        )
     print(
         f"broker-worker {worker_id} serving {sorted(m.value for m in runners)}",
         file=sys.stderr,
         flush=True,
     )
-    await worker.run()
+    try:
+        await worker.run()
+    finally:
+        if metrics is not None:
+            await metrics.stop()
 
 
 def worker_entry(argv: Sequence[str] | None = None) -> int:
