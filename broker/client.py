@@ -27,12 +27,17 @@ from typing import Any, Self, TypeVar
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from broker import error_codes, protocol, wire
-from broker.exceptions import BrokerError, PayloadTooLargeError, ProtocolError
+from broker.exceptions import BrokerError, NotAMainError, PayloadTooLargeError, ProtocolError
 from broker.jobs import ExecutionMode, JobSpec, JobStatus, JSONValue
 from broker.tasks import Task
 
 T = TypeVar("T")
 R = TypeVar("R", bound=protocol.Message)
+
+GREETING_TIMEOUT = 2.0
+"""Seconds a connected peer has to send the main's challenge. A main sends it as soon
+as it accepts; PostgreSQL, Redis, HTTP servers wait for the client to speak first, so
+silence this long means ``--main`` names another service."""
 
 MAX_REPLY_BYTES = 64 << 20
 """The longest reply line the client reads. Replies come from the authenticated main and
@@ -97,11 +102,9 @@ class Client:
             lines = wire.LineReader(reader, max_line_bytes=MAX_REPLY_BYTES)
             out = wire.MessageWriter(writer)
             try:
-                challenge = await asyncio.wait_for(wire.read_message(lines), self._timeout)
+                challenge = await self._greeting(lines)
                 if isinstance(challenge, protocol.Error):  # over a connection limit
                     raise error_codes.refusal(challenge)
-                if not isinstance(challenge, protocol.Challenge):
-                    raise ProtocolError(f"expected a challenge from the main, got {challenge!r}")
                 proof = protocol.make_proof(self._token, challenge.nonce) if self._token else None
                 await out.send(
                     protocol.Hello(
@@ -119,6 +122,32 @@ class Client:
                 raise
             self._writer = out
             self._reader_task = asyncio.create_task(self._read_replies(lines))
+
+    async def _greeting(self, lines: wire.LineReader) -> protocol.Challenge | protocol.Error:
+        """The main's first message; anything else means the peer is not a main."""
+        where = f"{self.host}:{self.port}"
+        wait = min(self._timeout, GREETING_TIMEOUT)
+        try:
+            first = await asyncio.wait_for(wire.read_message(lines), wait)
+        except TimeoutError:
+            raise NotAMainError(
+                f"{where} accepted the connection but sent no broker greeting within "
+                f"{wait:g} s: this is not a broker main (another service on that port?), "
+                "or a main too stalled to answer; check --main"
+            ) from None
+        except ProtocolError as exc:
+            raise NotAMainError(
+                f"{where} answered with something that is not the broker protocol: this is "
+                f"not a broker main; check --main ({exc})"
+            ) from None
+        if first is None:
+            raise NotAMainError(
+                f"{where} closed the connection without a broker greeting: this is not a "
+                "broker main; check --main"
+            )
+        if not isinstance(first, protocol.Challenge | protocol.Error):
+            raise NotAMainError(f"expected a challenge from the main at {where}, got {first!r}")
+        return first
 
     async def close(self) -> None:
         if self._reader_task is not None:

@@ -10,9 +10,12 @@ The tree, so a caller can catch as broadly or as narrowly as it needs::
     │   └── UniqueKeyTakenError   another active job holds the unique key (retry_dead)
     ├── StorageError              the job store failed; the operation may be retried
     │   ├── SchemaVersionError    the store's schema is newer than this code
+    │   ├── SchemaOutdatedError   the store's schema is older than this code (not migrated)
+    │   ├── SchemaMissingError    the store holds no broker schema (or does not exist)
     │   └── StorageRejectedError  the store refused a value it can never hold; do not retry
     ├── ProtocolError             a peer broke the wire protocol; the connection is closed
-    │   └── AuthenticationError   a peer did not prove the shared token
+    │   ├── AuthenticationError   a peer did not prove the shared token
+    │   └── NotAMainError         the address answered, but not as a broker main
     ├── TaskNotFoundError         a job names a task the worker has not registered
     ├── JobTimeoutError           a job ran past its timeout and was stopped
     └── RunnerCrashedError        the process running a job died under it
@@ -66,6 +69,16 @@ class SchemaVersionError(StorageError):
     """The store's schema was written by a newer broker: upgrade this broker before using it."""
 
 
+class SchemaOutdatedError(StorageError):
+    """The store's schema is older than this broker: start broker-main, which migrates it,
+    or run ``broker migrate``."""
+
+
+class SchemaMissingError(StorageError):
+    """The store holds no broker schema: check the store URL; broker-main creates the
+    schema when it first starts."""
+
+
 class StorageRejectedError(StorageError):
     """The job store refused a value it can never hold; the same call would fail again.
 
@@ -81,6 +94,11 @@ class ProtocolError(BrokerError):
 
 class AuthenticationError(ProtocolError):
     """The peer did not prove the shared broker token."""
+
+
+class NotAMainError(ProtocolError):
+    """The address accepted the connection but did not greet as a broker main: it is
+    another service (check --main), or a main too stalled to answer."""
 
 
 class TaskNotFoundError(BrokerError):

@@ -366,7 +366,11 @@ async def test_without_a_main_the_commands_work_on_a_postgres_store() -> None:
 async def test_environment_supplies_the_store_url(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("BROKER_DATABASE_URL", f"sqlite+aiosqlite:///{tmp_path / 'env.db'}")
+    url = f"sqlite+aiosqlite:///{tmp_path / 'env.db'}"
+    store = SQLAlchemyAdapter(url)
+    await store.setup()  # as broker-main would have: the CLI never creates a store
+    await store.close()
+    monkeypatch.setenv("BROKER_DATABASE_URL", url)
     monkeypatch.setenv("BROKER_MAIN", f"127.0.0.1:{_closed_port()}")
     status = await _cli_json("status")
     assert status["source"] == "store" and status["queues"] == []
