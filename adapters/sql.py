@@ -66,8 +66,6 @@ from broker.exceptions import (
     ConfigurationError,
     InvalidJobError,
     MissingDriverError,
-    SchemaMissingError,
-    SchemaOutdatedError,
     SchemaVersionError,
     StorageError,
     StorageRejectedError,
@@ -577,21 +575,21 @@ class SQLAlchemyAdapter:
         if self._sqlite_file is not None and not await asyncio.to_thread(
             os.path.exists, self._sqlite_file
         ):
-            raise SchemaMissingError(
+            raise SchemaVersionError(
                 f"there is no store at {self._url_text}: the file does not exist. Check "
                 "the store URL; broker-main creates the file when it first starts"
             )
         async with self._read("check schema") as conn:
             current = await conn.run_sync(self._stored_version)
         if current is None:
-            raise SchemaMissingError(
+            raise SchemaVersionError(
                 f"the database at {self._url_text} holds no broker schema (no "
                 f"{schema_version.name} table{self._in_schema()}): it is empty or not the "
                 "broker's. Check the store URL; broker-main creates the schema when it first "
                 "starts (or run `broker --database-url URL migrate`)"
             )
         if current < SCHEMA_VERSION:
-            raise SchemaOutdatedError(
+            raise SchemaVersionError(
                 f"the store at {self._url_text} has schema version {current}, older than "
                 f"the version {SCHEMA_VERSION} this broker needs: start this version's "
                 "broker-main, which migrates it, or run `broker --database-url URL migrate` "

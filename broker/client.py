@@ -27,7 +27,7 @@ from typing import Any, Self, TypeVar
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from broker import error_codes, protocol, wire
-from broker.exceptions import BrokerError, NotAMainError, PayloadTooLargeError, ProtocolError
+from broker.exceptions import BrokerError, PayloadTooLargeError, ProtocolError
 from broker.jobs import ExecutionMode, JobSpec, JobStatus, JSONValue
 from broker.tasks import Task
 
@@ -130,23 +130,23 @@ class Client:
         try:
             first = await asyncio.wait_for(wire.read_message(lines), wait)
         except TimeoutError:
-            raise NotAMainError(
+            raise ProtocolError(
                 f"{where} accepted the connection but sent no broker greeting within "
                 f"{wait:g} s: this is not a broker main (another service on that port?), "
                 "or a main too stalled to answer; check --main"
             ) from None
         except ProtocolError as exc:
-            raise NotAMainError(
+            raise ProtocolError(
                 f"{where} answered with something that is not the broker protocol: this is "
                 f"not a broker main; check --main ({exc})"
             ) from None
         if first is None:
-            raise NotAMainError(
+            raise ProtocolError(
                 f"{where} closed the connection without a broker greeting: this is not a "
                 "broker main; check --main"
             )
         if not isinstance(first, protocol.Challenge | protocol.Error):
-            raise NotAMainError(f"expected a challenge from the main at {where}, got {first!r}")
+            raise ProtocolError(f"expected a challenge from the main at {where}, got {first!r}")
         return first
 
     async def close(self) -> None:

@@ -9,13 +9,10 @@ The tree, so a caller can catch as broadly or as narrowly as it needs::
     │   ├── PayloadTooLargeError  args, kwargs or a result exceed the configured limit
     │   └── UniqueKeyTakenError   another active job holds the unique key (retry_dead)
     ├── StorageError              the job store failed; the operation may be retried
-    │   ├── SchemaVersionError    the store's schema is newer than this code
-    │   ├── SchemaOutdatedError   the store's schema is older than this code (not migrated)
-    │   ├── SchemaMissingError    the store holds no broker schema (or does not exist)
+    │   ├── SchemaVersionError    the store's schema is not this code's: newer, older, none
     │   └── StorageRejectedError  the store refused a value it can never hold; do not retry
     ├── ProtocolError             a peer broke the wire protocol; the connection is closed
-    │   ├── AuthenticationError   a peer did not prove the shared token
-    │   └── NotAMainError         the address answered, but not as a broker main
+    │   └── AuthenticationError   a peer did not prove the shared token
     ├── TaskNotFoundError         a job names a task the worker has not registered
     ├── JobTimeoutError           a job ran past its timeout and was stopped
     └── RunnerCrashedError        the process running a job died under it
@@ -66,17 +63,9 @@ class StorageError(BrokerError):
 
 
 class SchemaVersionError(StorageError):
-    """The store's schema was written by a newer broker: upgrade this broker before using it."""
-
-
-class SchemaOutdatedError(StorageError):
-    """The store's schema is older than this broker: start broker-main, which migrates it,
-    or run ``broker migrate``."""
-
-
-class SchemaMissingError(StorageError):
-    """The store holds no broker schema: check the store URL; broker-main creates the
-    schema when it first starts."""
+    """The store's schema is not the version this broker needs: written by a newer broker
+    (upgrade this one), older and not migrated yet (start broker-main or run ``broker
+    migrate``), or missing (check the store URL); the message says which."""
 
 
 class StorageRejectedError(StorageError):
@@ -94,11 +83,6 @@ class ProtocolError(BrokerError):
 
 class AuthenticationError(ProtocolError):
     """The peer did not prove the shared broker token."""
-
-
-class NotAMainError(ProtocolError):
-    """The address accepted the connection but did not greet as a broker main: it is
-    another service (check --main), or a main too stalled to answer."""
 
 
 class TaskNotFoundError(BrokerError):

@@ -289,9 +289,9 @@ class SupportsSchemaCheck(Protocol):
     async def check_schema(self) -> None:
         """Return if the store holds the current schema; create nothing, change nothing.
 
-        :raises SchemaMissingError: no broker schema (or, for a file, no file).
-        :raises SchemaOutdatedError: an older schema, not migrated yet.
-        :raises SchemaVersionError: a newer schema than this code understands.
+        :raises SchemaVersionError: no broker schema (or, for a file, no file), an older
+            schema not migrated yet, or a newer one than this code understands; the
+            message says which and what to do.
         """
 
 
