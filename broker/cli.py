@@ -396,7 +396,13 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         raise
     if ready is not None:
         ready(main)
-    print(f"broker-main listening on {settings.host}:{main.port}", file=sys.stderr, flush=True)
+    logs.announce(
+        args.log_format,
+        "listening",
+        f"broker-main listening on {settings.host}:{main.port}",
+        host=settings.host,
+        port=main.port,
+    )
     try:
         await stop.wait()
     finally:
@@ -406,7 +412,7 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
 def main_entry(argv: Sequence[str] | None = None) -> int:
     args = parse(main_parser(), argv)
     logs.configure(args.log_level, args.log_format)
-    return _run(lambda: run_main(args))
+    return _run(lambda: run_main(args), args.log_format)
 
 
 # ------------------------------------------------------------------------ broker-worker
@@ -586,10 +592,9 @@ async def run_worker(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.request_stop)
-    print(
-        f"broker-worker {worker_id} serving {sorted(m.value for m in runners)}",
-        file=sys.stderr,
-        flush=True,
+    modes = sorted(m.value for m in runners)
+    logs.announce(
+        args.log_format, "serving", f"broker-worker {worker_id} serving {modes}", modes=modes
     )
     await worker.run()
 
@@ -599,7 +604,7 @@ def worker_entry(argv: Sequence[str] | None = None) -> int:
     args = parse(parser, argv)
     _check_main_address(parser, args.main)
     logs.configure(args.log_level, args.log_format)
-    return _run(lambda: run_worker(args))
+    return _run(lambda: run_worker(args), args.log_format)
 
 
 # ------------------------------------------------------------------------ broker (operator)
@@ -805,12 +810,13 @@ def broker_entry(argv: Sequence[str] | None = None) -> int:
     async def go() -> None:
         result.append(await run_broker(args))
 
-    code = _run(go)
+    code = _run(go, args.log_format)
     return result[0] if code == 0 and result else code
 
 
-def _run(make: Callable[[], Any]) -> int:
-    """Run a coroutine; print a failure's chain of causes and return a non-zero code."""
+def _run(make: Callable[[], Any], log_format: str = "text") -> int:
+    """Run a coroutine; print a failure's chain of causes (as one JSON line under
+    ``--log-format json``) and return a non-zero code."""
     try:
         asyncio.run(make())
     except KeyboardInterrupt:
@@ -822,11 +828,22 @@ def _run(make: Callable[[], Any]) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except (BrokerError, OSError, TimeoutError) as exc:
-        print(f"error: {escape_control(str(exc))}", file=sys.stderr)
+        causes: list[str] = []
         cause = exc.__cause__
         while cause is not None:
-            print(f"  caused by: {cause!r}", file=sys.stderr)
+            causes.append(repr(cause))
             cause = cause.__cause__
+        text = "\n".join(
+            [f"error: {escape_control(str(exc))}", *(f"  caused by: {c}" for c in causes)]
+        )
+        logs.announce(
+            log_format,
+            "fatal",
+            text,
+            level="ERROR",
+            error=f"{type(exc).__name__}: {exc}",
+            causes=causes,
+        )
         return 1
     return 0
 

@@ -148,6 +148,24 @@ def configure(
         root.setLevel(threshold)
 
 
+def announce(fmt: str, event: str, text: str, *, level: str = "INFO", **fields: Any) -> None:
+    """A line a command writes on stderr itself, whatever the log level (that it listens,
+    which modes it serves, why it stopped): ``text`` as it is, or under ``json`` one
+    object like a log record's, so that every line of a JSON log parses."""
+    if fmt == "json":
+        line = {
+            "time": datetime.now(UTC).isoformat(timespec="milliseconds"),
+            "level": level,
+            "logger": "broker.cli",
+            "event": event,
+            "message": text,
+            **fields,
+        }
+        print(json.dumps(line, default=str, ensure_ascii=False), file=sys.stderr, flush=True)
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
 def bind(**fields: Any) -> None:
     """Add ``fields`` (a worker's id, say) to every later JSON line of the broker's
     handler; a text line stays as its call wrote it."""
