@@ -167,7 +167,7 @@ async def test_an_ambiguous_prefix_lists_the_matches() -> None:
         assert code == 1 and "no such job" in err
 
 
-# ------------------------------------------------------------------------ prune --dry-run, durations
+# ------------------------------------------------------------ prune --dry-run, durations
 
 
 async def test_prune_dry_run_counts_and_deletes_nothing() -> None:
