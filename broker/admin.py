@@ -784,7 +784,7 @@ async def top(backend: Backend, args: argparse.Namespace) -> int:
     log) frames follow one another as plain text, split by a blank line."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    with contextlib.suppress(NotImplementedError, RuntimeError):
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
         loop.add_signal_handler(signal.SIGINT, stop.set)
     live = sys.stdout.isatty()
     before: dict[str, Any] | None = None
@@ -808,7 +808,7 @@ async def top(backend: Backend, args: argparse.Namespace) -> int:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), args.interval)
     finally:
-        with contextlib.suppress(NotImplementedError, RuntimeError):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.remove_signal_handler(signal.SIGINT)
     return 0
 
