@@ -538,8 +538,10 @@ def _print_job(job: dict[str, Any] | None, as_json: bool) -> int:
 
 
 def format_job(job: dict[str, Any]) -> str:
-    """The human form of ``broker job``: one field a line; a value of several lines (an
-    error with its traceback) goes on indented under its field, so the columns hold."""
+    """The human form of ``broker job``: one field a line. The error, which may hold a
+    traceback, goes on over several lines indented under its field, so the columns
+    hold; every other value is one line, its control characters escaped (a newline in
+    a name is shown as ``\\n``, never obeyed)."""
     width = max(len(k) for k in job)
     out: list[str] = []
     for key, value in job.items():
@@ -547,7 +549,7 @@ def format_job(job: dict[str, Any]) -> str:
             text = format_time(value)
         else:
             text = value if isinstance(value, str) else json.dumps(value)
-        first, *rest = text.splitlines() or [""]
+        first, *rest = (text.splitlines() or [""]) if key == "last_error" else [text]
         out.append(f"{escape_control(key):<{width}}  {escape_control(first)}".rstrip())
         out.extend(f"{'':<{width}}  {escape_control(line)}".rstrip() for line in rest)
         if key == "attempts":
