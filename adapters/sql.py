@@ -196,8 +196,8 @@ def _columns(changes: Mapping[str, Any]) -> dict[str, Any]:
     return {_COLUMN_OF[name]: value for name, value in _encode(changes).items()}
 
 
-def _spec_row(spec: JobSpec, now_us: int) -> dict[str, Any]:
-    job = Job.from_spec(spec, _from_us(now_us))
+def _spec_row(spec: JobSpec, now_us: int, claim: Claim | None = None) -> dict[str, Any]:
+    job = settlement.enqueued(spec, _from_us(now_us), claim)
     return _columns({name: getattr(job, name) for name in _COLUMN_OF})
 
 
@@ -645,10 +645,15 @@ class SQLAlchemyAdapter:
         return (await self.enqueue_many([spec]))[0]
 
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
+        return await self.enqueue_handed_off(specs, [None] * len(specs))
+
+    async def enqueue_handed_off(
+        self, specs: Sequence[JobSpec], claims: Sequence[Claim | None]
+    ) -> list[EnqueueResult]:
         if not specs:
             return []
         async with self._write("enqueue") as conn:
-            results = await self._enqueue_on(conn, specs)
+            results = await self._enqueue_on(conn, specs, claims)
         self._note_inserts(sum(not r.duplicate for r in results))
         return results
 
@@ -676,8 +681,13 @@ class SQLAlchemyAdapter:
             raise self._storage_error("enqueue_in_transaction", exc) from exc
 
     async def _enqueue_on(
-        self, conn: AsyncConnection, specs: Sequence[JobSpec]
+        self,
+        conn: AsyncConnection,
+        specs: Sequence[JobSpec],
+        claims: Sequence[Claim | None] | None = None,
     ) -> list[EnqueueResult]:
+        """Insert ``specs`` (each ``claims[i]``, if any, stores its job handed off, see
+        :meth:`enqueue_handed_off`); a duplicate within the batch refers to its first."""
         now_us = self._now()
         # Within the batch, a repeated key (or id) refers back to its first occurrence.
         canonical: list[int] = []
@@ -692,7 +702,10 @@ class SQLAlchemyAdapter:
                 if spec.idempotency_key is not None:
                     first[("key", spec.idempotency_key)] = index
             canonical.append(found)
-        rows = {i: _spec_row(specs[i], now_us) for i in sorted(set(canonical))}
+        rows = {
+            i: _spec_row(specs[i], now_us, claims[i] if claims else None)
+            for i in sorted(set(canonical))
+        }
         stored = await self._insert_or_find(conn, specs, rows)
         return [
             stored[c] if c == i else EnqueueResult(stored[c].job, duplicate=True)
