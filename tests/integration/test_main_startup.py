@@ -89,3 +89,24 @@ def test_a_custom_adapter_missing_methods_is_refused_with_the_list(
     assert "does not implement the storage contract" in err
     assert "lacks: capabilities, setup, enqueue_many, select_eligible" in err
     assert "AttributeError" not in err and "Traceback" not in err
+
+
+def test_invalid_settings_leave_no_store_behind(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "broker.db"
+    code = cli.main_entry(
+        [
+            "--database-url",
+            f"sqlite+aiosqlite:///{store}",
+            "--port",
+            "0",
+            "--ping-interval",
+            "5",
+            "--liveness-timeout",
+            "2",
+        ]
+    )
+    assert code == 1
+    assert "liveness_timeout must be longer than ping_interval" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
