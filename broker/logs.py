@@ -18,15 +18,17 @@ them are the ``event`` when the call named none. The lease is the protocol's
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
 import sys
+import time
 import traceback
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
-from broker.untrusted import escape_control, escape_log_output
+from broker.untrusted import escape_control
 
 FORMATS = ("text", "json")
 
@@ -41,7 +43,14 @@ _INDENT = "    "
 
 
 def _timestamp(record: logging.LogRecord) -> str:
-    return datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
+    """``2026-11-30T07:45:07.249+00:00``: UTC, to the millisecond, with its zone."""
+    return f"{_second(int(record.created))}.{int(record.msecs):03d}+00:00"
+
+
+@functools.lru_cache(maxsize=4)
+def _second(epoch: int) -> str:
+    # Records come many to a second: the date and time are formatted once per second.
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(epoch))
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:
@@ -92,14 +101,17 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
-    """``TIME LEVEL LOGGER MESSAGE`` with the traceback's lines indented below it."""
+    """``TIME LEVEL LOGGER MESSAGE`` with the traceback's lines indented below it.
 
-    def __init__(self) -> None:
-        super().__init__("%(levelname)s %(name)s %(message)s")
+    Task names, worker ids, errors and a child's output reach the message: its control
+    characters are escaped, so a record is one line and an ANSI escape is shown, not
+    obeyed. The traceback is escaped line by line and indented, so it stays readable
+    and can never pass for a record of its own.
+    """
 
     def format(self, record: logging.LogRecord) -> str:
-        record.message = record.getMessage()
-        head = f"{_timestamp(record)} {escape_control(self.formatMessage(record))}"
+        message = escape_control(record.getMessage())
+        head = f"{_timestamp(record)} {record.levelname} {record.name} {message}"
         extra = ""
         if record.exc_info and record.exc_info[1] is not None:
             extra = "".join(traceback.format_exception(*record.exc_info))
@@ -131,10 +143,6 @@ def configure(
         raise ValueError(f"log format must be one of {', '.join(FORMATS)} (got {fmt!r})")
     handler: logging.Handler = logging.StreamHandler(stream) if stream is not None else _Stderr()
     handler.setFormatter(JsonFormatter(static) if fmt == "json" else TextFormatter())
-    if fmt == "text":
-        # The message itself is escaped by the formatter; the filter also covers
-        # records that reach this handler's formatter through other paths.
-        escape_log_output([handler])
     root = logging.getLogger()
     for old in list(root.handlers):
         if getattr(old, "_broker_handler", False):
