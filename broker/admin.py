@@ -210,6 +210,12 @@ def _as_dict(job: Job | None) -> dict[str, JSONValue] | None:
     return job.to_dict() if job is not None else None
 
 
+GREETING_TIMEOUT = 2.0
+"""Seconds the operator's command gives whatever answers at ``--main`` to greet as a
+main: PostgreSQL, Redis or a web server on that port is reported as "not a broker
+main" this soon, instead of after ``--timeout``."""
+
+
 async def open_backend(
     host: str,
     port: int,
@@ -228,7 +234,7 @@ async def open_backend(
     a main at all. ``read_only`` opens the store without the right to write (for the
     commands that only read).
     """
-    client = Client(host, port, token=token, timeout=timeout)
+    client = Client(host, port, token=token, timeout=timeout, greeting_timeout=GREETING_TIMEOUT)
     try:
         await client.connect()
     except (OSError, TimeoutError) as exc:

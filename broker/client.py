@@ -34,11 +34,6 @@ from broker.tasks import Task
 T = TypeVar("T")
 R = TypeVar("R", bound=protocol.Message)
 
-GREETING_TIMEOUT = 2.0
-"""Seconds a connected peer has to send the main's challenge. A main sends it as soon
-as it accepts; PostgreSQL, Redis, HTTP servers wait for the client to speak first, so
-silence this long means ``--main`` names another service."""
-
 MAX_REPLY_BYTES = 64 << 20
 """The longest reply line the client reads. Replies come from the authenticated main and
 may carry whole jobs (args and result) or pages of them, so the cap is generous."""
@@ -66,11 +61,19 @@ class Client:
         *,
         token: str | None = None,
         timeout: float = 10.0,
+        greeting_timeout: float | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self._token = token
         self._timeout = timeout
+        self._greeting_timeout = timeout if greeting_timeout is None else greeting_timeout
+        """Seconds a connected peer has to send the main's challenge. A main sends it as
+        soon as it accepts; PostgreSQL, Redis and HTTP servers wait for the client to
+        speak first, so silence this long means the address is another service. The
+        operator's command waits briefly; an application's client, by default, as long
+        as for any answer, so a main stalled under load is not taken for another
+        service."""
         self._writer: wire.MessageWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._pending: dict[str, asyncio.Future[protocol.Message]] = {}
@@ -126,7 +129,7 @@ class Client:
     async def _greeting(self, lines: wire.LineReader) -> protocol.Challenge | protocol.Error:
         """The main's first message; anything else means the peer is not a main."""
         where = f"{self.host}:{self.port}"
-        wait = min(self._timeout, GREETING_TIMEOUT)
+        wait = min(self._timeout, self._greeting_timeout)
         try:
             first = await asyncio.wait_for(wire.read_message(lines), wait)
         except TimeoutError:
