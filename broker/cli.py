@@ -594,7 +594,11 @@ async def run_worker(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, worker.request_stop)
     modes = sorted(m.value for m in runners)
     logs.announce(
-        args.log_format, "serving", f"broker-worker {worker_id} serving {modes}", modes=modes
+        args.log_format,
+        "serving",
+        f"broker-worker {worker_id} serving {modes}",
+        modes=modes,
+        worker_id=worker_id,
     )
     await worker.run()
 

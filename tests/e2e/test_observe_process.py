@@ -11,6 +11,7 @@ import pty
 import signal
 import subprocess
 import sys
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -18,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from adapters.memory import MemoryAdapter
-from broker.jobs import JobSpec
-from tests.support import running_main
+from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus
+from tests.support import running_main, until
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -145,3 +146,47 @@ async def test_top_redraws_in_place_on_a_terminal() -> None:
     text = b"".join(chunks).decode()
     assert proc.returncode == 0, err
     assert text.count("\x1b[H\x1b[2J") == 2, "each frame starts by clearing the screen"
+
+
+async def test_broker_worker_writes_json_lines_with_its_id_on_each() -> None:
+    store = MemoryAdapter()
+    [made] = await store.enqueue_many(
+        [JobSpec(task="tests.pool_app.inline_pid", execution_mode=ExecutionMode.INLINE)]
+    )
+    async with running_main(store) as main:
+        proc = await asyncio.create_subprocess_exec(
+            *_cli(
+                "worker",
+                "--main",
+                f"127.0.0.1:{main.port}",
+                "--app",
+                "tests.pool_app",
+                "--worker-id",
+                "json-worker",
+                "--pooled-runner-count",
+                "0",
+                "--forked-concurrency",
+                "0",
+                "--log-format",
+                "json",
+            ),
+            cwd=REPO,
+            env=_env(),
+            stderr=subprocess.PIPE,
+        )
+        try:
+            done = await until(lambda: _settled(store, made.job.id), timeout=60)
+            assert done.status is JobStatus.COMPLETED
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+    records = [json.loads(line) for line in err.decode().splitlines()]
+    assert proc.returncode == 0
+    assert records and all(r["worker_id"] == "json-worker" for r in records), records
+    [completed] = [r for r in records if r["event"] == "job completed"]
+    assert completed["job_id"] == str(made.job.id) and "lease" in completed
+
+
+async def _settled(store: MemoryAdapter, job_id: uuid.UUID) -> Job | None:
+    job = await store.get_job(job_id)
+    return job if job is not None and job.status.is_terminal else None
