@@ -206,6 +206,10 @@ class StoreBackend:
         await self.store.close()
 
 
+def _note(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
 def _as_dict(job: Job | None) -> dict[str, JSONValue] | None:
     return job.to_dict() if job is not None else None
 
@@ -225,6 +229,7 @@ async def open_backend(
     database_url: str | None = None,
     adapter: str | None = None,
     read_only: bool = False,
+    note: Callable[[str], None] | None = None,
 ) -> MainBackend | StoreBackend:
     """The main if it answers; else the store at ``database_url``; else a clear error.
 
@@ -232,7 +237,8 @@ async def open_backend(
     command to the store: a main that answers and refuses (a wrong token, say) is an
     error, because the store would bypass the refusal, and so is a service that is not
     a main at all. ``read_only`` opens the store without the right to write (for the
-    commands that only read).
+    commands that only read). ``note`` tells the operator that the store is used (by
+    default a ``note:`` line on stderr).
     """
     client = Client(host, port, token=token, timeout=timeout, greeting_timeout=GREETING_TIMEOUT)
     try:
@@ -252,7 +258,7 @@ async def open_backend(
         except BaseException:
             await store.close()
             raise
-        print(f"note: {reason}; working on the store directly", file=sys.stderr)
+        (note or _note)(f"note: {reason}; working on the store directly")
         return StoreBackend(store, reason)
     return MainBackend(client)
 

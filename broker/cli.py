@@ -780,6 +780,7 @@ async def run_broker(args: argparse.Namespace) -> int:
         database_url=args.database_url or None,
         adapter=args.adapter or None,
         read_only=admin.only_reads(args),
+        note=lambda text: logs.announce(args.log_format, "store_fallback", text, level="WARNING"),
     )
     try:
         return await admin.run_command(backend, args)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import socket
 import uuid
 from collections.abc import AsyncIterator
@@ -190,3 +191,22 @@ async def test_a_reading_command_on_postgres_runs_read_only() -> None:
                 await reader.enqueue(JobSpec(task="app.x"))
         finally:
             await reader.close()
+
+
+async def test_under_json_logs_the_fallback_note_and_a_refusal_are_json_lines(
+    tmp_path: Path,
+) -> None:
+    url = await _store_at(tmp_path / "b.db")
+    code, out, err = await _broker(
+        "--log-format", "json", "--database-url", url, "status", "--json"
+    )
+    assert code == 0 and '"source": "store"' in out
+    [note] = [json.loads(line) for line in err.splitlines()]
+    assert note["event"] == "store_fallback" and note["level"] == "WARNING"
+    assert "working on the store directly" in note["message"]
+
+    missing = f"sqlite+aiosqlite:///{tmp_path / 'nope.db'}"
+    code, _, err = await _broker("--log-format", "json", "--database-url", missing, "jobs")
+    [fatal] = [json.loads(line) for line in err.splitlines()]
+    assert code == 1 and fatal["event"] == "fatal"
+    assert "SchemaVersionError: there is no store at" in fatal["error"]
