@@ -22,17 +22,28 @@ SUPPORTED_URLS = (
 )
 
 
-def open_store(url: str, *, clock: Clock = utcnow) -> StorageAdapter:
-    """The adapter for ``url``; call its ``setup()`` before use."""
+def open_store(
+    url: str, *, clock: Clock = utcnow, create: bool = True, read_only: bool = False
+) -> StorageAdapter:
+    """The adapter for ``url``; call its ``setup()`` before use.
+
+    ``create=False`` (and ``read_only=True``) open an existing store without the right to
+    create or change its schema; call ``check_schema()`` instead of ``setup()``.
+    """
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "memory":
+        if not create or read_only:
+            raise ConfigurationError(
+                "memory:// lives inside the broker-main process that opened it; no other "
+                "process can open it: reach that main with --main instead"
+            )
         from adapters.memory import MemoryAdapter
 
         return MemoryAdapter(clock=clock)
     if scheme.startswith(("sqlite", "postgres")):
         from adapters.sql import SQLAlchemyAdapter
 
-        return SQLAlchemyAdapter(url, clock=clock)
+        return SQLAlchemyAdapter(url, clock=clock, create=create, read_only=read_only)
     raise ConfigurationError(
         f"unsupported store URL {redact_url(url)!r}; use one of: {', '.join(SUPPORTED_URLS)} "
         "(a custom adapter is plugged in with --adapter module:factory)"

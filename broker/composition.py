@@ -18,17 +18,24 @@ from broker import checks
 from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode
 from broker.runner import Runner
-from broker.storage import StorageAdapter
+from broker.storage import StorageAdapter, contract_gaps
 from broker.tasks import TaskRegistry
 from runners.forked import ForkedRunner
 from runners.inline import InlineRunner
 from runners.pooled import PooledRunner
 
 
-def open_store(url: str, adapter: str | None = None) -> StorageAdapter:
-    """The store for ``url``, or the custom adapter ``module:factory`` called with ``url``."""
+def open_store(
+    url: str, adapter: str | None = None, *, create: bool = True, read_only: bool = False
+) -> StorageAdapter:
+    """The store for ``url``, or the custom adapter ``module:factory`` called with ``url``.
+
+    ``create`` and ``read_only`` are passed to the built-in adapters (see
+    :func:`adapters.open_store`); a custom factory is called with the URL alone. A
+    custom adapter that lacks part of the contract is refused here, naming what it lacks.
+    """
     if adapter is None:
-        return adapters.open_store(url)
+        return adapters.open_store(url, create=create, read_only=read_only)
     module_name, _, attr = adapter.partition(":")
     if not module_name or not attr:
         raise ConfigurationError(
@@ -38,7 +45,14 @@ def open_store(url: str, adapter: str | None = None) -> StorageAdapter:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ConfigurationError(f"cannot load adapter factory {adapter!r}: {exc}") from exc
-    return cast(StorageAdapter, cast(Callable[[str], object], factory)(url))
+    store = cast(Callable[[str], object], factory)(url)
+    gaps = contract_gaps(store)
+    if gaps:
+        raise ConfigurationError(
+            f"the adapter from {adapter!r} ({type(store).__name__}) does not implement the "
+            f"storage contract; it lacks: {', '.join(gaps)} (see docs/adapters.md)"
+        )
+    return cast(StorageAdapter, store)
 
 
 @dataclass(frozen=True)

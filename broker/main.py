@@ -191,16 +191,27 @@ class Main:
         return int(self._server.sockets[0].getsockname()[1])
 
     async def start(self) -> None:
-        await self.store.setup()
-        await self._load_orphans()
+        # The port is bound before the store is touched, so a port clash (or an address
+        # that cannot be bound) fails before any schema or SQLite file is created; peers
+        # are answered only once the store is ready.
         # The stream's limit is only its read-ahead (wire.LineReader enforces the line caps):
         # the pre-auth cap keeps what an unauthenticated peer can make us buffer small.
-        self._server = await asyncio.start_server(
+        server = await asyncio.start_server(
             self.connections.accept,
             self.settings.host,
             self.settings.port,
             limit=self.settings.preauth_max_line_bytes,
+            start_serving=False,
         )
+        try:
+            await self.store.setup()
+            await self._load_orphans()
+        except BaseException:
+            server.close()
+            await server.wait_closed()
+            raise
+        self._server = server
+        await server.start_serving()
         self._tasks = [
             asyncio.create_task(self.dispatcher.run(), name="broker-dispatch"),
             asyncio.create_task(self.ledger.run(), name="broker-recovery"),

@@ -138,7 +138,9 @@ class PooledRunner:
             assert self._guard is not None
             self._guard.failed(child.startup_error or "the runner process did not start")
             return
-        if not child.retiring:
+        if "cancelled" in child.kill_reasons.values():  # stopped by cancel_on, on purpose
+            logger.info("pooled runner stopped to cancel a job pid=%s; replacing it", child.pid)
+        elif not child.retiring:
             self._counts["child_crashes"] += 1
             logger.warning(
                 "pooled runner died pid=%s exit=%s; its slots are free again",
