@@ -16,12 +16,13 @@ main, ``status`` shows job counts only.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, Protocol
+
+import msgspec
 
 from broker import composition, protocol
 from broker.client import Client, Enqueued, JobListPage
@@ -338,7 +339,7 @@ async def _enqueue(backend: Backend, args: argparse.Namespace) -> int:
     )
     request = protocol.JobRequest.from_spec(spec)
     if args.delay is not None:
-        request = dataclasses.replace(request, run_at=None, delay=float(args.delay))
+        request = msgspec.structs.replace(request, run_at=None, delay=float(args.delay))
     result = await backend.enqueue(request)
     if args.json:
         print(json.dumps({"job_id": str(result.job_id), "duplicate": result.duplicate}))

@@ -211,6 +211,13 @@ class Hello(_Message, frozen=True, tag="hello"):
     held_leases: list[LeaseRef] = msgspec.field(default_factory=list)
     """Leases the worker still holds from an earlier connection, so a restarted main
     can adopt them instead of running those jobs a second time."""
+    protocols: list[Int] | None = None
+    """Every version the peer speaks (``None``: only ``protocol``, its newest); the main
+    picks the newest it speaks too and names it in ``welcome``."""
+
+    def spoken(self) -> list[Int]:
+        """The versions this peer speaks."""
+        return [self.protocol] if self.protocols is None else self.protocols
 
     def __post_init__(self) -> None:
         if self.role == Role.WORKER:
@@ -240,6 +247,12 @@ class Welcome(_Message, frozen=True, tag="welcome"):
             "max_payload_bytes must be positive or null",
         )
         _check(self.max_payload_depth > 0, "max_payload_depth must be positive")
+
+
+def choose_protocol(hello: Hello) -> int | None:
+    """The newest version both this release and the peer of ``hello`` speak, or ``None``."""
+    common = set(SUPPORTED_PROTOCOLS) & set(hello.spoken())
+    return max(common) if common else None
 
 
 def make_nonce() -> str:
@@ -666,37 +679,38 @@ MESSAGE_TYPES: Mapping[str, type[Message]] = {cls.type: cls for cls in typing.ge
 
 _ENCODER = msgspec.json.Encoder()
 
-_MAX_ENCODE_DEPTH = 10_000
-"""Deeper than any encoder can go: a payload past it is refused (or contains itself)."""
+_SCALAR_TYPES = frozenset({str, int, bool, type(None)})
 
 
 def _check_json(value: object) -> None:
     """Raise ``ValueError`` unless ``value`` is plain JSON as :func:`json.dumps` would take
     it: msgspec would quietly write NaN as ``null`` and a set, a datetime or a UUID as a
-    list or a string, and a result must never change on its way to the store."""
-    stack: list[tuple[object, int]] = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        kind = type(item)
-        if kind is str or kind is int or kind is bool or item is None:
-            continue
-        if isinstance(item, float):
-            if not math.isfinite(item):
-                raise ValueError(f"{item!r} is not valid JSON")
-            continue
-        if isinstance(item, str | int):
-            continue
-        if depth >= _MAX_ENCODE_DEPTH:
-            raise ValueError("it nests too deeply")
-        if isinstance(item, dict):
-            for key, child in item.items():
-                if not isinstance(key, str) and type(key) is not int:
-                    raise ValueError(f"keys must be strings, not {type(key).__name__}")
-                stack.append((child, depth + 1))
-        elif isinstance(item, list | tuple):
-            stack.extend((child, depth + 1) for child in item)
-        else:
-            raise ValueError(f"Object of type {type(item).__name__} is not JSON serializable")
+    list or a string, and a result must never change on its way to the store. A value
+    that nests past the recursion limit (or contains itself) raises ``RecursionError``."""
+    kind = type(value)
+    if kind in _SCALAR_TYPES:
+        return
+    if kind is list or kind is tuple:
+        for item in typing.cast(Sequence[object], value):
+            if type(item) not in _SCALAR_TYPES:
+                _check_json(item)
+    elif kind is dict:
+        for key, item in typing.cast(dict[object, object], value).items():
+            if type(key) is not str and (type(key) is not int):
+                raise ValueError(f"keys must be strings, not {type(key).__name__}")
+            if type(item) not in _SCALAR_TYPES:
+                _check_json(item)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{value!r} is not valid JSON")
+    elif isinstance(value, str | int):
+        return
+    elif isinstance(value, dict):
+        _check_json(dict(value))  # a subclass: check it as a plain one
+    elif isinstance(value, list | tuple):
+        _check_json(list(value))
+    else:
+        raise ValueError(f"Object of type {kind.__name__} is not JSON serializable")
 
 
 def _payload_fields(cls: type) -> tuple[tuple[str, bool], ...]:

@@ -91,6 +91,9 @@ class _Link:
     seen: int = 0
     """The ``seq`` of the last job decided on; ``seq`` starts again at 1 per connection."""
     unsent: deque[LeaseKey] = field(default_factory=deque)
+    encoded: dict[LeaseKey, bytes] = field(default_factory=dict)
+    """Reports :meth:`WorkerState.outgoing` measured, as encoded for the line: the sender
+    packs these very bytes (:meth:`WorkerState.encoded`), so no report is encoded twice."""
     pongs: list[int] = field(default_factory=list)
     draining_sent: bool = False
 
@@ -417,11 +420,13 @@ class WorkerState:
             problem = result_problem(report.result, link.max_payload_bytes, link.max_payload_depth)
         if problem is None:
             try:
-                size = len(protocol.encode(report)) - 1
+                encoded = protocol.encode_item(report)
             except ValueError as exc:
                 problem = f"the outcome cannot be sent as JSON: {exc}"
             else:
+                size = len(encoded)
                 if size <= limit:
+                    link.encoded[key] = encoded
                     return report
                 problem = (
                     f"the {report.type} report is {size} bytes, over the main's limit of {limit}"
@@ -434,7 +439,15 @@ class WorkerState:
             fitted = protocol.FailedReport(*key, error=problem[:1000], retry=False)
         self._log_job(logging.ERROR, "report replaced", key, reason=problem[:200])
         self._outbox[key] = fitted
+        link.encoded[key] = protocol.encode_item(fitted)
         return fitted
+
+    def encoded(self, report: protocol.Report) -> bytes:
+        """``report`` (from :meth:`outgoing`) as encoded when it was measured."""
+        key = (report.job_id, report.handoff_id)
+        line = self._require_link().encoded.pop(key, None)
+        # Absent only if one lease's report was listed twice: encode the repeat again.
+        return protocol.encode_item(report) if line is None else line
 
     # ------------------------------------------------------------------ helpers
 
