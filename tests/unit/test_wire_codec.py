@@ -9,6 +9,7 @@ carry their items in order and never exceed the line cap.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import uuid
@@ -25,6 +26,10 @@ from broker.jobs import ExecutionMode
 JOB_ID = uuid.UUID("0b5e6a4e-8a0c-4f5e-9b57-0d7f2c1e9a11")
 LEASE_ID = uuid.UUID("6f1c2d3e-4b5a-4c6d-8e7f-9a0b1c2d3e4f")
 SPEC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
+
+
+def _ids(line: str) -> str:
+    return line.replace("JOB", str(JOB_ID)).replace("LEASE", str(LEASE_ID))
 
 
 def _job(seq: int, args: list[object] | None = None) -> p.JobHandoff:
@@ -91,8 +96,7 @@ def test_the_spec_names_the_current_version() -> None:
             id="key-over-its-bytes-in-few-characters",
         ),
         pytest.param(
-            '{"type":"reschedule","job_id":"%s","handoff_id":"%s","delay":1e400}'
-            % (JOB_ID, LEASE_ID),
+            _ids('{"type":"reschedule","job_id":"JOB","handoff_id":"LEASE","delay":1e400}'),
             "invalid JSON",
             id="float-overflow",
         ),
@@ -107,8 +111,10 @@ def test_the_spec_names_the_current_version() -> None:
             id="wrong-kind-in-batch",
         ),
         pytest.param(
-            '{"type":"report_acks","acks":[{"type":"report_ack","job_id":"%s","handoff_id":"%s",'
-            '"status":"later"}]}' % (JOB_ID, LEASE_ID),
+            _ids(
+                '{"type":"report_acks","acks":[{"type":"report_ack","job_id":"JOB",'
+                '"handoff_id":"LEASE","status":"later"}]}'
+            ),
             "report_acks.acks[0].status must be one of",
             id="bad-item-in-batch",
         ),
@@ -130,29 +136,29 @@ def test_a_bad_item_makes_the_whole_batch_refused_with_its_type() -> None:
     ("line", "expected"),
     [
         pytest.param(
-            '{"type":"cancel_job","job_id":"{%s}","handoff_id":"%s"}'
-            % (str(JOB_ID).upper(), LEASE_ID.hex),
+            '{"type":"cancel_job","job_id":"{' + str(JOB_ID).upper() + '}",'
+            '"handoff_id":"' + LEASE_ID.hex + '"}',
             p.CancelJob(JOB_ID, LEASE_ID),
             id="non-canonical-uuids",
         ),
         pytest.param(
-            '{"type":"failed","job_id":"%s","handoff_id":"%s","error":"\\udc80 bad byte"}'
-            % (JOB_ID, LEASE_ID),
-            p.FailedReport(JOB_ID, LEASE_ID, error="\udc80 bad byte"),
+            _ids('{"type":"failed","job_id":"JOB","handoff_id":"LEASE","error":"\\udc80 bad"}'),
+            p.FailedReport(JOB_ID, LEASE_ID, error="\udc80 bad"),
             id="lone-surrogate-in-a-text",
         ),
         pytest.param(
-            '{"type":"job","seq":1,"job_id":"%s","handoff_id":"%s","task":"t","args":[1e300],'
-            '"kwargs":{},"execution_mode":"pooled","attempt":1,"max_attempts":3,'
-            '"timeout":1e300,"queue":"q"}' % (JOB_ID, LEASE_ID),
+            _ids(
+                '{"type":"job","seq":1,"job_id":"JOB","handoff_id":"LEASE","task":"t",'
+                '"args":[1e300],"kwargs":{},"execution_mode":"pooled","attempt":1,'
+                '"max_attempts":3,"timeout":1e300,"queue":"q"}'
+            ),
             p.JobHandoff(
                 1, JOB_ID, LEASE_ID, "t", [1e300], {}, ExecutionMode.POOLED, 1, 3, 1e300, "q"
             ),
             id="a-float-past-the-fast-bound",
         ),
         pytest.param(
-            '{"type":"completed","job_id":"%s","handoff_id":"%s","result":[%d]}'
-            % (JOB_ID, LEASE_ID, 2**80),
+            _ids(f'{{"type":"completed","job_id":"JOB","handoff_id":"LEASE","result":[{2**80}]}}'),
             p.CompletedReport(JOB_ID, LEASE_ID, result=[2**80]),
             id="big-int-in-a-payload",
         ),
@@ -248,7 +254,7 @@ def test_batches_keep_order_and_stay_under_the_cap(sizes: list[int], limit: int)
         assert line.endswith(b"\n") and b"\n" not in body
         assert len(body) <= limit or body in items, "only a lone item may pass the cap"
     # As few lines as the cap allows: no two neighbours would have fitted in one.
-    for first, second in zip(lines, lines[1:], strict=False):
+    for first, second in itertools.pairwise(lines):
         both = len(p.pack(p.Reports, [*_items(first), *_items(second)], limit))
         assert both > 1
 
