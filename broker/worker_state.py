@@ -432,7 +432,7 @@ class WorkerState:
                     f"the {report.type} report is {size} bytes, over the main's limit of {limit}"
                 )
         if isinstance(report, protocol.FailedReport):
-            # Keep the retry decision; ASCII-escaped JSON is at most 6 bytes a character.
+            # Keep the retry decision; JSON spends at most 6 bytes on a character.
             error = report.error[: limit // 8]
             fitted = protocol.FailedReport(*key, error=error, retry=report.retry)
         else:
