@@ -155,9 +155,11 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 Int: TypeAlias = Annotated[int, msgspec.Meta(ge=_INT64_MIN, le=_INT64_MAX)]
 """Integers must fit a signed 64-bit column in any store and any peer's language."""
 
-Float: TypeAlias = Annotated[float, msgspec.Meta(ge=_INT64_MIN, le=_INT64_MAX)]
-"""A number; the bound only keeps an integer too big for 64 bits out of the fast decode
-(the walker refuses it, and accepts a genuine float beyond the bound)."""
+Float: TypeAlias = Annotated[float, msgspec.Meta(ge=-(2.0**62), le=2.0**62)]
+"""A number. The bound only keeps an integer too big for 64 bits out of the fast decode
+(the walker refuses it, and accepts a genuine float beyond the bound); it sits well
+inside 2**63 because msgspec compares after rounding to a float, where 2**63 and
+2**63 - 1 are the same number."""
 
 
 class _Struct(msgspec.Struct, frozen=True):

@@ -16,6 +16,7 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -274,3 +275,127 @@ def test_the_newest_common_version_is_chosen() -> None:
     )
     assert p.choose_protocol(p.Hello(role=p.Role.CLIENT, protocol=2)) is None
     assert p.choose_protocol(p.Hello(role=p.Role.CLIENT, protocol=4, protocols=[2, 4])) is None
+
+
+# --------------------------------------------------------------------------- differential
+
+_SAMPLE_LINES = [
+    p.encode(msg)
+    for msg in [
+        _job(3, ["a", {"b": [1.5, None]}]),
+        p.Hello(
+            role=p.Role.WORKER,
+            protocol=3,
+            worker_id="w",
+            host="h",
+            pid=1,
+            modes=[ExecutionMode.POOLED],
+            queues=["q"],
+            held_leases=[p.LeaseRef(JOB_ID, LEASE_ID)],
+        ),
+        p.Welcome("m", 3, 5.0, [p.LeaseRef(JOB_ID, LEASE_ID)], 1 << 20, 1 << 10, 8),
+        p.Ready(slots={ExecutionMode.POOLED: 2}, seen=4),
+        p.Reports(
+            [p.CompletedReport(JOB_ID, LEASE_ID, result=1), p.FailedReport(JOB_ID, LEASE_ID, "e")]
+        ),
+        p.ReportAcks([p.ReportAck(JOB_ID, LEASE_ID, p.AckStatus.STALE)]),
+        p.Enqueue("r", [p.JobRequest(task="t", unique_key="k", priority=3, delay=1.0)]),
+        p.ListJobs(request_id="r", statuses=[p.JobStatus.FAILED], limit=5),
+        p.Prune(request_id="r", older_than_seconds=10.0),
+    ]
+]
+
+_ODD_VALUES: list[object] = [
+    None,
+    True,
+    0,
+    -1,
+    2**63 - 1,
+    2**63,
+    -(2**63),
+    -(2**63) - 1,
+    2**64,
+    2**70,
+    1.5,
+    -0.0,
+    1e300,
+    2**62,
+    2**62 + 1,
+    2.0**62,
+    9.3e18,
+    -9.3e18,
+    "",
+    "pooled",
+    "stale",
+    "worker",
+    "a\n",
+    "\x85",
+    "\u2028",
+    "\x00",
+    "é" * 300,
+    "é" * 513,
+    "\U0001f600" * 256,
+    "\U0001f600" * 257,
+    "urn:uuid:" + str(JOB_ID),
+    str(JOB_ID).upper(),
+    LEASE_ID.hex,
+    [],
+    [1],
+    ["pooled"],
+    {},
+    {"pooled": 1},
+    {"job_id": str(JOB_ID), "handoff_id": str(LEASE_ID)},
+]
+"""Values that sit on a rule's edge: integer bounds, control characters, non-canonical
+UUIDs, the wrong shape."""
+
+
+def _paths(value: object, path: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+    found = [path]
+    if isinstance(value, dict):
+        for key, child in value.items():
+            found += _paths(child, (*path, key))
+    elif isinstance(value, list):
+        for index, child in enumerate(value):
+            found += _paths(child, (*path, index))
+    return found
+
+
+def _mutations(line: bytes) -> list[str]:
+    """``line`` with one field (at any depth) dropped, or set to each odd value."""
+    out = []
+    for path in _paths(json.loads(line)):
+        if not path or path[-1] == "type":
+            continue
+        for new in [_DROP, *_ODD_VALUES]:
+            data = json.loads(line)
+            parent = data
+            for step in path[:-1]:
+                parent = parent[step]
+            if new is _DROP:
+                if not isinstance(parent, dict):
+                    continue
+                del parent[path[-1]]
+            else:
+                parent[path[-1]] = new
+            out.append(json.dumps(data))
+    return out
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize("line", _SAMPLE_LINES, ids=lambda line: json.loads(line)["type"])
+def test_the_fast_decoder_never_accepts_what_the_rules_refuse(line: bytes) -> None:
+    """Whatever msgspec accepts, the rules accept too, and read the same message from it;
+    checked for every field of a valid line, at any depth, dropped or set to each value
+    that sits on a rule's edge."""
+    accepted = 0
+    for mutated in _mutations(line):
+        try:
+            fast = p._DECODER.decode(mutated)
+        except msgspec.DecodeError:
+            continue  # refused: the walker decides, and test_protocol pins what it says
+        accepted += 1
+        assert p._explain(mutated) == fast, mutated
+    assert accepted, "some mutations are still valid messages"
