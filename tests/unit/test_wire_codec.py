@@ -399,3 +399,37 @@ def test_the_fast_decoder_never_accepts_what_the_rules_refuse(line: bytes) -> No
         accepted += 1
         assert p._explain(mutated) == fast, mutated
     assert accepted, "some mutations are still valid messages"
+
+
+_PLAIN_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(st.characters() | st.sampled_from(["\ud800", "\udfff", "\x00", "é", "\u2028"])),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.lists(inner, max_size=3).map(tuple)
+        | st.dictionaries(st.text(max_size=5), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@given(_PLAIN_JSON)
+def test_a_payload_arrives_as_python_json_would_have_written_it(value: object) -> None:
+    """The same JSON value as ``json.dumps`` gives, through encode and decode, whatever
+    the payload holds (tuples, integers past 64 bits, lone surrogates in text)."""
+    msg = p.CompletedReport(JOB_ID, LEASE_ID, result=value)
+    received = p.decode(p.encode(msg))
+    assert isinstance(received, p.CompletedReport)
+    assert _same(received.result, json.loads(json.dumps(value)))
+
+
+def _same(a: object, b: object) -> bool:
+    # -0.0 == 0.0 and NaN never occurs; compare types too, so 1 and 1.0 differ.
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
