@@ -31,7 +31,7 @@ from typing import TypeAlias
 from broker import codec, protocol
 from broker.exceptions import ProtocolError, TaskNotFoundError
 from broker.jobs import ExecutionMode
-from broker.payload import result_problem
+from broker.payload import result_too_deep, result_too_large_on_wire
 from broker.runner import Assignment, Completed, Failed, Released, Rescheduled, RunOutcome
 
 LeaseKey: TypeAlias = tuple[uuid.UUID, uuid.UUID]
@@ -415,9 +415,11 @@ class WorkerState:
         limits (from ``welcome``) fails here, as the main would fail it, without being sent.
         """
         limit = link.max_line_bytes
+        completed = report if isinstance(report, protocol.CompletedReport) else None
         problem = None
-        if isinstance(report, protocol.CompletedReport):
-            problem = result_problem(report.result, link.max_payload_bytes, link.max_payload_depth)
+        if completed is not None:
+            # Depth first: encoding a value nested too deeply would itself recurse too far.
+            problem = result_too_deep(completed.result, link.max_payload_depth)
         if problem is None:
             try:
                 encoded = protocol.encode_item(report)
@@ -425,10 +427,14 @@ class WorkerState:
                 problem = f"the outcome cannot be sent as JSON: {exc}"
             else:
                 size = len(encoded)
-                if size <= limit:
+                if completed is not None:
+                    problem = result_too_large_on_wire(
+                        completed.result, size, link.max_payload_bytes
+                    )
+                if problem is None and size <= limit:
                     link.encoded[key] = encoded
                     return report
-                problem = (
+                problem = problem or (
                     f"the {report.type} report is {size} bytes, over the main's limit of {limit}"
                 )
         if isinstance(report, protocol.FailedReport):
