@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import json
 import signal
 import sys
@@ -33,6 +32,8 @@ import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
+
+import msgspec
 
 from broker import composition, protocol
 from broker.client import Client, Enqueued, JobListPage
@@ -445,7 +446,7 @@ def enqueue_request(args: argparse.Namespace) -> protocol.JobRequest:
     )
     request = protocol.JobRequest.from_spec(spec)
     if args.delay is not None:
-        request = dataclasses.replace(request, run_at=None, delay=float(args.delay))
+        request = msgspec.structs.replace(request, run_at=None, delay=float(args.delay))
     return request
 
 

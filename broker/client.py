@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import itertools
 import uuid
@@ -24,6 +23,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
+import msgspec
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from broker import error_codes, protocol, wire
@@ -262,7 +262,7 @@ class Client:
             )
         request = protocol.JobRequest.from_spec(spec)
         if delay is not None:
-            request = dataclasses.replace(request, run_at=None, delay=float(delay))
+            request = msgspec.structs.replace(request, run_at=None, delay=float(delay))
         return (await self.enqueue_requests([request]))[0]
 
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[Enqueued]:

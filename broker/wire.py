@@ -30,6 +30,11 @@ STREAM_LIMIT = MAX_LINE_BYTES
 its read-ahead (asyncio stops reading the socket once about twice the limit is buffered);
 :class:`LineReader` enforces line caps itself, so any limit works with any cap."""
 
+BATCH_LINE_BYTES = 256 * 1024
+"""Where a batch line (``jobs``, ``reports``, ``report_acks``) is cut, below the line cap:
+past a few hundred messages a bigger line saves nothing, and the peer could act on
+the first of them sooner. A single message longer than this still goes alone."""
+
 READ_CHUNK_BYTES = 64 * 1024
 """How much :class:`LineReader` takes from the stream at a time."""
 
