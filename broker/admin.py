@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from broker import composition, protocol
+from broker import composition, protocol, wire
 from broker.client import Client, Enqueued, JobListPage
 from broker.config import MainSettings
 from broker.exceptions import BrokerError, ConfigurationError
@@ -215,7 +215,6 @@ def _as_dict(job: Job | None) -> dict[str, JSONValue] | None:
     return job.to_dict() if job is not None else None
 
 
-GREETING_TIMEOUT = 2.0
 """Seconds the operator's command gives whatever answers at ``--main`` to greet as a
 main: PostgreSQL, Redis or a web server on that port is reported as "not a broker
 main" this soon, instead of after ``--timeout``."""
@@ -241,7 +240,9 @@ async def open_backend(
     commands that only read). ``note`` tells the operator that the store is used (by
     default a ``note:`` line on stderr).
     """
-    client = Client(host, port, token=token, timeout=timeout, greeting_timeout=GREETING_TIMEOUT)
+    client = Client(
+        host, port, token=token, timeout=timeout, greeting_timeout=wire.GREETING_TIMEOUT
+    )
     try:
         await client.connect()
     except (OSError, TimeoutError) as exc:

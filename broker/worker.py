@@ -371,11 +371,12 @@ class Worker:
     async def _handshake(
         self, lines: wire.LineReader, writer: wire.MessageWriter
     ) -> protocol.Welcome:
-        match await wire.read_message(lines):
+        host, port = self._address
+        match await wire.read_greeting(lines, f"{host}:{port}", wire.GREETING_TIMEOUT):
             case protocol.Challenge() as challenge:
                 pass
-            case first:
-                raise self._refusal(first, "challenge")
+            case refusal:
+                raise self._refusal(refusal, "challenge")
         if challenge.auth_required and not self._token:
             raise ConfigurationError(
                 "the main requires a token: set the same BROKER_TOKEN as on the main"
