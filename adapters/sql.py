@@ -36,10 +36,18 @@ import time
 import urllib.parse
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Coroutine,
+    Mapping,
+    Sequence,
+)
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -381,6 +389,33 @@ def _sqlite_on_begin(conn: sa.Connection) -> None:
         conn.exec_driver_sql("BEGIN")
 
 
+class SyncStatements(Protocol):
+    """What :meth:`SQLAlchemyAdapter.enqueue_in_sync_transaction` needs of a connection:
+    ``sa.Connection.execute``'s shape (results with ``scalars()`` and ``mappings()``)."""
+
+    def execute(
+        self, statement: Any, parameters: Any = None, *, execution_options: Any = None
+    ) -> Any: ...
+
+
+class _Statements:
+    """A connection as the enqueue code sees it: only ``await execute(stmt, params)``,
+    carried out by ``execute``, over whichever connection the caller holds."""
+
+    def __init__(self, execute: Callable[[sa.Executable, Any], Awaitable[Any]]) -> None:
+        self.execute = execute
+
+
+def _complete_now(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Run a coroutine that never suspends (its awaits reach only synchronous calls)."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return cast(_T, done.value)
+    coro.close()
+    raise RuntimeError("a synchronous enqueue waited on I/O; its connection must be synchronous")
+
+
 # --------------------------------------------------------------------------- adapter
 
 
@@ -673,12 +708,47 @@ class SQLAlchemyAdapter:
         if not specs:
             return []
         check_all(specs, self._max_payload_bytes)
-        if self._schema is not None:
-            conn = await conn.execution_options(schema_translate_map={None: self._schema})
+        options = self._statement_options()
+
+        async def execute(stmt: sa.Executable, params: Any = None) -> Any:
+            return await conn.execute(stmt, params, execution_options=options)
+
         try:
-            return await self._enqueue_on(conn, specs)
+            return await self._enqueue_on(cast(AsyncConnection, _Statements(execute)), specs)
         except self._errors as exc:
             raise self._storage_error("enqueue_in_transaction", exc) from exc
+
+    def enqueue_in_sync_transaction(
+        self, conn: SyncStatements, specs: Sequence[JobSpec]
+    ) -> list[EnqueueResult]:
+        """:meth:`enqueue_in_transaction` on a synchronous connection (a ``sa.Connection``,
+        or anything that executes Core statements the same way, such as a Django cursor's
+        adapter): the same checks, rows and duplicate rules, in the caller's transaction.
+
+        The one definition of the insert-or-find rule is a coroutine; over a synchronous
+        connection none of its awaits ever suspends, so it runs to the end in one step
+        (:func:`_complete_now`) without an event loop.
+        """
+        if not specs:
+            return []
+        check_all(specs, self._max_payload_bytes)
+        options = self._statement_options()
+
+        async def execute(stmt: sa.Executable, params: Any = None) -> Any:
+            return conn.execute(stmt, params, execution_options=options)
+
+        try:
+            return _complete_now(
+                self._enqueue_on(cast(AsyncConnection, _Statements(execute)), specs)
+            )
+        except self._errors as exc:
+            raise self._storage_error("enqueue_in_transaction", exc) from exc
+
+    def _statement_options(self) -> dict[str, Any]:
+        """Execution options for each statement on the application's connection: the
+        schema map goes on every statement, never on the connection, whose own tables
+        (unqualified, like ours) must keep resolving as the application set them."""
+        return {} if self._schema is None else {"schema_translate_map": {None: self._schema}}
 
     async def _enqueue_on(
         self,
