@@ -147,4 +147,14 @@ def _send(spec: JobSpec) -> None:
     client.enqueue_many([spec])
 
 
-__all__ = ["enqueue", "enqueue_specs"]
+def close_client() -> None:
+    """Close the connection to the main that on-commit enqueues opened, if any (at
+    shutdown, or after changing ``BROKER``); the next such enqueue opens a new one."""
+    global _client
+    with _client_lock:
+        client, _client = _client, None
+    if client is not None:
+        client.close()
+
+
+__all__ = ["close_client", "enqueue", "enqueue_specs"]

@@ -9,9 +9,11 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy.engine import make_url
 
+from adapters.memory import MemoryAdapter
 from adapters.sql import SQLAlchemyAdapter
 from broker.jobs import JobStatus
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
+from tests.support import running_main
 
 django = pytest.importorskip("django")
 
@@ -99,3 +101,32 @@ def test_the_same_key_in_a_later_transaction_is_a_duplicate(django_project: str)
         again = enqueue("shop.ship", [3], idempotency_key="ship-3-again")
     assert first is not None and again is not None
     assert again.duplicate and again.job.id == first.job.id
+
+
+async def test_without_the_store_in_djangos_database_the_job_goes_to_the_main_on_commit(
+    django_project: str,
+) -> None:
+    from django.db import connections
+    from django.test import override_settings
+
+    from broker.contrib.django import close_client
+    from tests.django_shop.views import PaymentDeclined, place_order
+
+    store = MemoryAdapter()
+    async with running_main(store) as main:
+
+        def view_calls() -> tuple[object, object]:
+            with override_settings(BROKER={"MAIN": f"127.0.0.1:{main.port}"}):
+                try:
+                    with pytest.raises(PaymentDeclined):
+                        place_order(10, declined=True)
+                    return place_order(11), list(_jobs())
+                finally:
+                    close_client()
+                    connections.close_all()  # this thread's own Django connections
+
+        returned, in_django_db = await asyncio.to_thread(view_calls)
+        page = await store.list_jobs()
+    assert returned is None  # sent after the commit, so no result to return
+    assert [(job.task, job.args) for job in page.jobs] == [("shop.ship", (11,))]
+    assert ("shop.ship", "[11]", "queued") not in in_django_db

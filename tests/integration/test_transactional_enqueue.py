@@ -56,9 +56,7 @@ async def app_db(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
         store = SQLAlchemyAdapter(f"sqlite+aiosqlite:///{path}")
         await store.setup()
         db = AppDatabase(f"sqlite:///{path}", f"sqlite+aiosqlite:///{path}", {}, None, store)
-        engine = sa.create_engine(db.sync_url)
-        Base.metadata.create_all(engine)
-        engine.dispose()
+        _create_app_tables(db)
         try:
             yield db
         finally:
@@ -82,15 +80,19 @@ async def app_db(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
         broker_schema,
         store,
     )
-    engine = sa.create_engine(plain, connect_args=db.connect_args)
-    Base.metadata.create_all(engine)
-    engine.dispose()
+    _create_app_tables(db)
     try:
         yield db
     finally:
         await store.close()
         await drop_schema(app_schema)
         await drop_schema(broker_schema)
+
+
+def _create_app_tables(db: AppDatabase) -> None:
+    engine = sa.create_engine(db.sync_url, connect_args=db.connect_args)
+    Base.metadata.create_all(engine)
+    engine.dispose()
 
 
 def _orders(db: AppDatabase) -> list[int]:
