@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
-from sqlalchemy.orm import Session
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
+from sqlalchemy.orm import Session, scoped_session
 
 from broker.exceptions import ConfigurationError, InvalidJobError
 from broker.jobs import EnqueueResult, ExecutionMode, JobSpec, JSONValue, utcnow
@@ -43,6 +43,12 @@ if TYPE_CHECKING:
     from adapters.sql import SQLAlchemyAdapter, SyncStatements
 
 _STORE_DIALECTS = ("postgresql", "sqlite")
+
+SyncTarget = Session | scoped_session[Any] | sa.Connection
+"""What :func:`enqueue_in` writes through: a session (Flask-SQLAlchemy's ``db.session``
+is a ``scoped_session``) or a connection."""
+AsyncTarget = AsyncSession | async_scoped_session[Any] | AsyncConnection
+"""What :func:`enqueue_in_async` writes through."""
 
 
 class EnqueueOptions(TypedDict, total=False):
@@ -97,7 +103,7 @@ def job_spec(
 
 
 def enqueue_in(
-    target: Session | sa.Connection,
+    target: SyncTarget,
     task: str | Task[..., Any],
     args: Sequence[JSONValue] = (),
     kwargs: Mapping[str, JSONValue] | None = None,
@@ -123,7 +129,7 @@ def enqueue_in(
 
 
 def enqueue_many_in(
-    target: Session | sa.Connection,
+    target: SyncTarget,
     specs: Sequence[JobSpec],
     *,
     schema: str | None = None,
@@ -139,7 +145,7 @@ def enqueue_many_in(
 
 
 async def enqueue_in_async(
-    target: AsyncSession | AsyncConnection,
+    target: AsyncTarget,
     task: str | Task[..., Any],
     args: Sequence[JSONValue] = (),
     kwargs: Mapping[str, JSONValue] | None = None,
@@ -158,13 +164,15 @@ async def enqueue_in_async(
 
 
 async def enqueue_many_in_async(
-    target: AsyncSession | AsyncConnection,
+    target: AsyncTarget,
     specs: Sequence[JobSpec],
     *,
     schema: str | None = None,
     max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES,
 ) -> list[EnqueueResult]:
     """:func:`enqueue_many_in` for asyncio."""
+    if isinstance(target, async_scoped_session):
+        target = target()
     if isinstance(target, AsyncSession):
         conn = await target.connection()
     elif isinstance(target, AsyncConnection):
@@ -193,12 +201,14 @@ def enqueue_on_statements(
     return store.enqueue_in_sync_transaction(statements, specs)
 
 
-def _sync_connection(target: Session | sa.Connection) -> sa.Connection:
+def _sync_connection(target: SyncTarget) -> sa.Connection:
+    if isinstance(target, scoped_session):
+        target = target()
     if isinstance(target, Session):
         return target.connection()
     if isinstance(target, sa.Connection):
         return target
-    if isinstance(target, AsyncSession | AsyncConnection):
+    if isinstance(target, AsyncSession | AsyncConnection | async_scoped_session):
         raise TypeError(
             f"enqueue_in takes a Session or a Connection; for an {type(target).__name__} "
             "use `await enqueue_in_async(...)`"

@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+from sqlalchemy.orm import (
+    DeclarativeBase,
+    Mapped,
+    Session,
+    mapped_column,
+    scoped_session,
+    sessionmaker,
+)
 
 import broker
 from adapters.sql import SQLAlchemyAdapter
@@ -158,6 +165,22 @@ async def test_a_connection_enqueue_follows_its_transaction_and_keeps_duplicate_
     assert again.duplicate and again.job.id == first.job.id
     assert later.duplicate and later.job.id == first.job.id
     assert not a.duplicate and b.duplicate and b.job.id == a.job.id
+
+
+async def test_a_scoped_session_as_flask_sqlalchemy_gives_it_is_accepted(
+    app_db: AppDatabase,
+) -> None:
+    engine = sa.create_engine(app_db.sync_url, connect_args=app_db.connect_args)
+    session = scoped_session(sessionmaker(engine))
+    try:
+        session.add(Order(id=9))
+        job = broker.enqueue_in(session, ship, [9], schema=app_db.schema)
+        session.commit()
+    finally:
+        session.remove()
+        engine.dispose()
+    assert _orders(app_db) == [9]
+    assert await app_db.store.get_job(job.job.id) is not None
 
 
 async def test_an_async_session_enqueue_commits_and_rolls_back_with_it(
