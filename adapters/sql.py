@@ -36,18 +36,10 @@ import time
 import urllib.parse
 import uuid
 from collections import Counter
-from collections.abc import (
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Collection,
-    Coroutine,
-    Mapping,
-    Sequence,
-)
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -69,6 +61,8 @@ from adapters._sql_schema import (
     notify_channel,
     schema_version,
 )
+from adapters._sql_statements import SyncStatements as SyncStatements  # re-exported
+from adapters._sql_statements import complete_now, statements
 from broker import settlement
 from broker.exceptions import (
     ConfigurationError,
@@ -389,33 +383,6 @@ def _sqlite_on_begin(conn: sa.Connection) -> None:
         conn.exec_driver_sql("BEGIN")
 
 
-class SyncStatements(Protocol):
-    """What :meth:`SQLAlchemyAdapter.enqueue_in_sync_transaction` needs of a connection:
-    ``sa.Connection.execute``'s shape (results with ``scalars()`` and ``mappings()``)."""
-
-    def execute(
-        self, statement: Any, parameters: Any = None, *, execution_options: Any = None
-    ) -> Any: ...
-
-
-class _Statements:
-    """A connection as the enqueue code sees it: only ``await execute(stmt, params)``,
-    carried out by ``execute``, over whichever connection the caller holds."""
-
-    def __init__(self, execute: Callable[[sa.Executable, Any], Awaitable[Any]]) -> None:
-        self.execute = execute
-
-
-def _complete_now(coro: Coroutine[Any, Any, _T]) -> _T:
-    """Run a coroutine that never suspends (its awaits reach only synchronous calls)."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return cast(_T, done.value)
-    coro.close()
-    raise RuntimeError("a synchronous enqueue waited on I/O; its connection must be synchronous")
-
-
 # --------------------------------------------------------------------------- adapter
 
 
@@ -714,7 +681,7 @@ class SQLAlchemyAdapter:
             return await conn.execute(stmt, params, execution_options=options)
 
         try:
-            return await self._enqueue_on(cast(AsyncConnection, _Statements(execute)), specs)
+            return await self._enqueue_on(statements(execute), specs)
         except self._errors as exc:
             raise self._storage_error("enqueue_in_transaction", exc) from exc
 
@@ -727,7 +694,7 @@ class SQLAlchemyAdapter:
 
         The one definition of the insert-or-find rule is a coroutine; over a synchronous
         connection none of its awaits ever suspends, so it runs to the end in one step
-        (:func:`_complete_now`) without an event loop.
+        (:func:`~adapters._sql_statements.complete_now`) without an event loop.
         """
         if not specs:
             return []
@@ -738,9 +705,7 @@ class SQLAlchemyAdapter:
             return conn.execute(stmt, params, execution_options=options)
 
         try:
-            return _complete_now(
-                self._enqueue_on(cast(AsyncConnection, _Statements(execute)), specs)
-            )
+            return complete_now(self._enqueue_on(statements(execute), specs))
         except self._errors as exc:
             raise self._storage_error("enqueue_in_transaction", exc) from exc
 
