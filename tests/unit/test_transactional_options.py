@@ -61,3 +61,15 @@ def test_bad_options_are_refused_with_the_jobs_own_errors(
 ) -> None:
     with pytest.raises(InvalidJobError, match=message):
         job_spec("t.plain", **options)  # type: ignore[arg-type]
+
+
+def test_a_database_that_cannot_hold_the_store_is_refused_by_name() -> None:
+    from broker.exceptions import ConfigurationError
+    from broker.transactional import enqueue_on_statements
+
+    class Unused:
+        def execute(self, *args: object, **kwargs: object) -> object:
+            raise AssertionError("nothing may be executed")
+
+    with pytest.raises(ConfigurationError, match="'mysql'"):
+        enqueue_on_statements(Unused(), "mysql", [job_spec("t.plain")])
