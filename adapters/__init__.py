@@ -23,12 +23,18 @@ SUPPORTED_URLS = (
 
 
 def open_store(
-    url: str, *, clock: Clock = utcnow, create: bool = True, read_only: bool = False
+    url: str,
+    *,
+    clock: Clock = utcnow,
+    create: bool = True,
+    read_only: bool = False,
+    single_main: bool = False,
 ) -> StorageAdapter:
     """The adapter for ``url``; call its ``setup()`` before use.
 
     ``create=False`` (and ``read_only=True``) open an existing store without the right to
     create or change its schema; call ``check_schema()`` instead of ``setup()``.
+    ``single_main=True`` is for a broker-main: a SQLite store then refuses a second main.
     """
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "memory":
@@ -43,7 +49,9 @@ def open_store(
     if scheme.startswith(("sqlite", "postgres")):
         from adapters.sql import SQLAlchemyAdapter
 
-        return SQLAlchemyAdapter(url, clock=clock, create=create, read_only=read_only)
+        return SQLAlchemyAdapter(
+            url, clock=clock, create=create, read_only=read_only, single_main=single_main
+        )
     raise ConfigurationError(
         f"unsupported store URL {redact_url(url)!r}; use one of: {', '.join(SUPPORTED_URLS)} "
         "(a custom adapter is plugged in with --adapter module:factory)"

@@ -63,6 +63,7 @@ from adapters._sql_schema import (
 )
 from adapters._sql_statements import SyncStatements as SyncStatements  # re-exported
 from adapters._sql_statements import complete_now, statements
+from adapters._sqlite_lock import MainLock
 from broker import settlement
 from broker.exceptions import (
     ConfigurationError,
@@ -298,6 +299,14 @@ def _resolve_url(raw: str) -> tuple[URL, str]:
     )
 
 
+def _main_lock(url: URL) -> MainLock | None:
+    """The single-main lock of a SQLite file; none for PostgreSQL, whose mains coordinate
+    in the database, nor for a ``file:`` URI, which is the operator's own."""
+    if url.get_backend_name() != "sqlite" or not url.database or url.query.get("uri"):
+        return None
+    return MainLock(url.database)
+
+
 def _create_private(path: str) -> None:
     """Create the SQLite file readable and writable by its owner only, if it is missing.
 
@@ -398,6 +407,10 @@ class SQLAlchemyAdapter:
     ``read_only=True`` also refuses every write (PostgreSQL: read-only transactions);
     such a handle is checked with :meth:`check_schema`, never set up. The operator's
     command opens stores this way.
+
+    ``single_main=True`` is for a broker-main: on a SQLite file, :meth:`setup` takes the
+    file lock of :mod:`adapters._sqlite_lock` (a second main on the file is refused) and
+    :meth:`close` drops it. PostgreSQL ignores it.
     """
 
     def __init__(
@@ -411,6 +424,7 @@ class SQLAlchemyAdapter:
         max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES,
         create: bool = True,
         read_only: bool = False,
+        single_main: bool = False,
     ) -> None:
         resolved, backend = _resolve_url(url)
         self._create = create and not read_only
@@ -455,6 +469,9 @@ class SQLAlchemyAdapter:
                 options["schema_translate_map"] = {None: schema}
         self._sqlite_file: str | None = None
         """The SQLite file that must exist already (``create=False``), if it is a path."""
+        self._main_lock = _main_lock(resolved) if single_main else None
+        """Held from :meth:`setup` to :meth:`close` by a main on a SQLite file
+        (``single_main``), so a second main on that file refuses to start."""
         if not self._pg and not self._create:
             if resolved.database and not resolved.query.get("uri"):
                 self._sqlite_file = resolved.database
@@ -531,6 +548,8 @@ class SQLAlchemyAdapter:
     # ------------------------------------------------------------------ lifecycle
 
     async def setup(self) -> None:
+        if self._main_lock is not None:
+            self._main_lock.acquire()
         async with self._write("setup") as conn:
             await conn.run_sync(self._setup_sync)
 
@@ -607,6 +626,8 @@ class SQLAlchemyAdapter:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._analyzing
         await self._engine.dispose()
+        if self._main_lock is not None:
+            self._main_lock.release()
 
     def _note_inserts(self, count: int) -> None:
         """Keep PostgreSQL's planner statistics fresh after bulk inserts.

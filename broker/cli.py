@@ -398,7 +398,7 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
     )
     if args.adapter:
         use_app_directory()
-    store = composition.open_store(args.database_url, args.adapter)
+    store = composition.open_store(args.database_url, args.adapter, single_main=True)
     main = Main(store, settings, schedules=schedules, retention=retention)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -26,16 +26,21 @@ from runners.pooled import PooledRunner
 
 
 def open_store(
-    url: str, adapter: str | None = None, *, create: bool = True, read_only: bool = False
+    url: str,
+    adapter: str | None = None,
+    *,
+    create: bool = True,
+    read_only: bool = False,
+    single_main: bool = False,
 ) -> StorageAdapter:
     """The store for ``url``, or the custom adapter ``module:factory`` called with ``url``.
 
-    ``create`` and ``read_only`` are passed to the built-in adapters (see
+    ``create``, ``read_only`` and ``single_main`` are passed to the built-in adapters (see
     :func:`adapters.open_store`); a custom factory is called with the URL alone. A
     custom adapter that lacks part of the contract is refused here, naming what it lacks.
     """
     if adapter is None:
-        return adapters.open_store(url, create=create, read_only=read_only)
+        return adapters.open_store(url, create=create, read_only=read_only, single_main=single_main)
     module_name, _, attr = adapter.partition(":")
     if not module_name or not attr:
         raise ConfigurationError(
