@@ -21,6 +21,7 @@ from broker.exceptions import (
     JobTimeoutError,
     MissingDriverError,
     PayloadTooLargeError,
+    PermissionDeniedError,
     ProtocolError,
     RunnerCrashedError,
     SchemaVersionError,
@@ -44,8 +45,10 @@ from broker.storage import Capabilities, JobFilter, JobPage, QueueCount, Storage
 
 if TYPE_CHECKING:
     from broker.client import Client, SyncClient
+    from broker.protocol import Role
     from broker.schedule import Schedule
     from broker.tasks import Task, TaskRegistry, task
+    from broker.tls import PeerTLS
     from broker.transactional import (
         EnqueueOptions,
         enqueue_in,
@@ -57,6 +60,8 @@ if TYPE_CHECKING:
 _LAZY = {
     "Client": "broker.client",
     "SyncClient": "broker.client",
+    "PeerTLS": "broker.tls",
+    "Role": "broker.protocol",
     "Schedule": "broker.schedule",
     "Task": "broker.tasks",
     "TaskRegistry": "broker.tasks",
@@ -101,9 +106,12 @@ __all__ = [
     "MissingDriverError",
     "Outcome",
     "PayloadTooLargeError",
+    "PeerTLS",
+    "PermissionDeniedError",
     "ProtocolError",
     "QueueCount",
     "Reschedule",
+    "Role",
     "RunnerCrashedError",
     "Schedule",
     "SchemaVersionError",

@@ -42,6 +42,7 @@ from broker.exceptions import BrokerError, ConfigurationError
 from broker.jobs import TERMINAL_STATUSES, Clock, Job, JobSpec, JobStatus, JSONValue, utcnow
 from broker.operations import Operations
 from broker.storage import SCHEMA_VERSION, JobFilter, StorageAdapter, SupportsSchemaCheck
+from broker.tls import PeerTLS
 from broker.untrusted import escape_control
 
 
@@ -225,6 +226,8 @@ async def open_backend(
     port: int,
     *,
     token: str | None = None,
+    role: protocol.Role = protocol.Role.OPERATOR,
+    tls: PeerTLS | None = None,
     timeout: float = 10.0,  # noqa: ASYNC109 - a connect budget for the client
     database_url: str | None = None,
     adapter: str | None = None,
@@ -238,10 +241,16 @@ async def open_backend(
     error, because the store would bypass the refusal, and so is a service that is not
     a main at all. ``read_only`` opens the store without the right to write (for the
     commands that only read). ``note`` tells the operator that the store is used (by
-    default a ``note:`` line on stderr).
+    default a ``note:`` line on stderr). ``token`` is the secret of ``role``.
     """
     client = Client(
-        host, port, token=token, timeout=timeout, greeting_timeout=wire.GREETING_TIMEOUT
+        host,
+        port,
+        token=token,
+        role=role,
+        tls=tls,
+        timeout=timeout,
+        greeting_timeout=wire.GREETING_TIMEOUT,
     )
     try:
         await client.connect()

@@ -23,6 +23,7 @@ from typing import Any
 
 from broker import admin, checks, composition, logs, protocol
 from broker.config import DEFAULT_LIST_PAGE_BYTES, MainSettings, line_limit_for
+from broker.credentials import Credentials, parse_token_file
 from broker.exceptions import BrokerError, ConfigurationError, InvalidJobError
 from broker.jobs import ExecutionMode, JobStatus
 from broker.main import Main
@@ -30,6 +31,7 @@ from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MAX_PAYLOAD_DEPTH
 from broker.retention import Retention
 from broker.schedule import declared_in
 from broker.tasks import default_registry
+from broker.tls import PeerTLS, ServerTLS
 from broker.untrusted import escape_control
 from broker.web import Dashboard, WorkerMetricsServer
 from broker.worker import Worker
@@ -178,6 +180,96 @@ def _host_port(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+# ------------------------------------------------------------------------ credentials, TLS
+
+
+def _add_credential_options(
+    p: argparse.ArgumentParser, roles: Sequence[protocol.Role], text: str
+) -> None:
+    """``--token`` (every role's), ``--<role>-token`` for each of ``roles`` and
+    ``--token-file``; each also from its ``BROKER_*`` variable, so no secret ever needs
+    to be on a command line (where ``ps`` shows it)."""
+    _env_option(p, "--token", help="the shared secret, for every role without its own")
+    for role in roles:
+        _env_option(p, f"--{role}-token", help=text.format(role=role))
+    _env_option(
+        p,
+        "--token-file",
+        metavar="PATH",
+        help="a file of role=secret lines (worker, client, operator, or all)",
+    )
+
+
+def _credentials(args: argparse.Namespace) -> Credentials:
+    """The secrets from the flags, their variables and the token file (see
+    :meth:`broker.credentials.Credentials.combine` for which wins)."""
+    lines: dict[str, str] | None = None
+    if args.token_file:
+        try:
+            with open(args.token_file, encoding="utf-8") as file:
+                text = file.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigurationError(f"cannot read --token-file {args.token_file}: {exc}") from None
+        lines = parse_token_file(text, f"--token-file {args.token_file}")
+    return Credentials.combine(
+        shared=args.token or None,
+        worker=getattr(args, "worker_token", None) or None,
+        client=getattr(args, "client_token", None) or None,
+        operator=getattr(args, "operator_token", None) or None,
+        file=lines,
+    )
+
+
+def _operator_credential(credentials: Credentials) -> tuple[protocol.Role, str | None]:
+    """The role the operator's command says hello as, and its secret: the operator's if
+    it has one, else a client's (the reads and enqueue still work), else none."""
+    if credentials.operator:
+        return protocol.Role.OPERATOR, credentials.operator
+    if credentials.client:
+        return protocol.Role.CLIENT, credentials.client
+    return protocol.Role.OPERATOR, None
+
+
+def _add_peer_tls_options(p: argparse.ArgumentParser) -> None:
+    _env_option(
+        p,
+        "--tls-ca",
+        metavar="PEM",
+        help="connect over TLS, trusting this CA for the main's certificate (its host name "
+        "is checked too)",
+    )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        default=_env_flag("BROKER_TLS"),
+        help="connect over TLS, trusting the system's CAs (implied by --tls-ca) [env BROKER_TLS]",
+    )
+    _env_option(p, "--tls-client-cert", metavar="PEM", help="mutual TLS: this peer's certificate")
+    _env_option(p, "--tls-client-key", metavar="PEM", help="the private key of --tls-client-cert")
+
+
+def _peer_tls(args: argparse.Namespace) -> PeerTLS | None:
+    if not (args.tls or args.tls_ca or args.tls_client_cert or args.tls_client_key):
+        return None
+    if bool(args.tls_client_cert) != bool(args.tls_client_key):
+        raise ConfigurationError("--tls-client-cert and --tls-client-key go together")
+    return PeerTLS(
+        ca=args.tls_ca or None,
+        client_cert=args.tls_client_cert or None,
+        client_key=args.tls_client_key or None,
+    )
+
+
+def _server_tls(args: argparse.Namespace) -> ServerTLS | None:
+    if not (args.tls_cert or args.tls_key or args.tls_client_ca):
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise ConfigurationError(
+            "--tls-cert and --tls-key go together (--tls-client-ca needs both as well)"
+        )
+    return ServerTLS(cert=args.tls_cert, key=args.tls_key, client_ca=args.tls_client_ca or None)
+
+
 # ------------------------------------------------------------------------ broker-main
 
 
@@ -264,16 +356,21 @@ def main_parser() -> argparse.ArgumentParser:
         type=int,
         help="port to listen on",
     )
-    _env_option(
-        p,
-        "--token",
-        help="shared secret every worker and client must prove",
-    )
+    _add_credential_options(p, list(protocol.Role), "the secret every {role} must prove")
     p.add_argument(
         "--allow-unauthenticated",
         action="store_true",
         default=_env_flag("BROKER_ALLOW_UNAUTHENTICATED"),
-        help="listen on a non-loopback address without a token [env BROKER_ALLOW_UNAUTHENTICATED]",
+        help="listen on a non-loopback address without credentials "
+        "[env BROKER_ALLOW_UNAUTHENTICATED]",
+    )
+    _env_option(p, "--tls-cert", metavar="PEM", help="serve TLS with this certificate (chain)")
+    _env_option(p, "--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    _env_option(
+        p,
+        "--tls-client-ca",
+        metavar="PEM",
+        help="mutual TLS: refuse every peer without a client certificate this CA signed",
     )
     _env_option(
         p,
@@ -374,10 +471,14 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
     limits: dict[str, Any] = {
         _setting_name(flag): int(getattr(args, _setting_name(flag))) for flag, _ in _LIMIT_OPTIONS
     }
+    credentials = _credentials(args)
     settings = MainSettings(
         host=args.host,
         port=int(args.port),
-        token=args.token or None,
+        worker_token=credentials.worker,
+        client_token=credentials.client,
+        operator_token=credentials.operator,
+        tls=_server_tls(args),
         allow_unauthenticated=args.allow_unauthenticated,
         orphan_grace=float(args.orphan_grace),
         ping_interval=float(args.ping_interval),
@@ -398,6 +499,7 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
     )
     if args.adapter:
         use_app_directory()
+    settings.validate()  # before the store is opened (a SQLite main takes its lock)
     store = composition.open_store(args.database_url, args.adapter, single_main=True)
     main = Main(store, settings, schedules=schedules, retention=retention)
     stop = asyncio.Event()
@@ -540,7 +642,8 @@ def worker_parser() -> argparse.ArgumentParser:
         "--worker-id",
         help="stable identity of this worker (default: host-pid-random)",
     )
-    _env_option(p, "--token", help="shared secret the main requires")
+    _add_credential_options(p, [protocol.Role.WORKER], "the {role} secret the main requires")
+    _add_peer_tls_options(p)
     _env_option(
         p,
         "--queues",
@@ -632,7 +735,8 @@ async def run_worker(args: argparse.Namespace) -> None:
         worker_id=worker_id,
         runners=runners,
         registry=default_registry,
-        token=args.token or None,
+        token=_credentials(args).worker,
+        tls=_peer_tls(args),
         queues=queues,
         drain_timeout=float(args.drain_timeout) if args.drain_timeout else None,
     )
@@ -714,7 +818,12 @@ def broker_parser() -> argparse.ArgumentParser:
         "set, works on the store directly (never creating or migrating its schema).",
     )
     _add_main_address(p)
-    _env_option(p, "--token", help="shared secret the main requires")
+    _add_credential_options(
+        p,
+        [protocol.Role.OPERATOR, protocol.Role.CLIENT],
+        "the {role} secret the main requires",
+    )
+    _add_peer_tls_options(p)
     _env_option(
         p,
         "--database-url",
@@ -840,10 +949,13 @@ async def run_broker(args: argparse.Namespace) -> int:
     if args.command == "migrate":
         return await admin.migrate(args.database_url or None, args.adapter or None, args.json)
     host, port = _host_port(args.main)
+    role, secret = _operator_credential(_credentials(args))
     backend = await admin.open_backend(
         host,
         port,
-        token=args.token or None,
+        token=secret,
+        role=role,
+        tls=_peer_tls(args),
         timeout=float(args.timeout),
         database_url=args.database_url or None,
         adapter=args.adapter or None,

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import ssl
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,10 +27,16 @@ from typing import Any, Self, TypeVar
 import msgspec
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from broker import error_codes, protocol, wire
-from broker.exceptions import BrokerError, PayloadTooLargeError, ProtocolError
+from broker import error_codes, protocol, tls, wire
+from broker.exceptions import (
+    BrokerError,
+    ConfigurationError,
+    PayloadTooLargeError,
+    ProtocolError,
+)
 from broker.jobs import ExecutionMode, JobSpec, JobStatus, JSONValue
 from broker.tasks import Task
+from broker.tls import PeerTLS
 
 T = TypeVar("T")
 R = TypeVar("R", bound=protocol.Message)
@@ -62,10 +69,19 @@ class Client:
         token: str | None = None,
         timeout: float = 10.0,
         greeting_timeout: float | None = None,
+        role: protocol.Role = protocol.Role.CLIENT,
+        tls: PeerTLS | ssl.SSLContext | None = None,
     ) -> None:
+        if role is protocol.Role.WORKER:
+            raise ConfigurationError("a Client says hello as a client or an operator")
         self.host = host
         self.port = port
         self._token = token
+        """The secret of ``role``: the client secret, the operator secret for
+        ``role=Role.OPERATOR`` (cancel, retry and prune), or the main's shared token."""
+        self._role = role
+        self._tls = tls.context() if isinstance(tls, PeerTLS) else tls
+        """``None``: plain TCP. Else the main's certificate and host name are verified."""
         self._timeout = timeout
         self._greeting_timeout = timeout if greeting_timeout is None else greeting_timeout
         """Seconds a connected peer has to send the main's challenge. A main sends it as
@@ -98,37 +114,49 @@ class Client:
         async with self._connect_lock:
             if self._writer is not None and not self._writer.is_closing:
                 return
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port, limit=MAX_REPLY_BYTES + 2),
-                self._timeout,
-            )
-            lines = wire.LineReader(reader, max_line_bytes=MAX_REPLY_BYTES)
-            out = wire.MessageWriter(writer)
             try:
-                challenge = await wire.read_greeting(
-                    lines,
-                    f"{self.host}:{self.port}",
-                    min(self._timeout, self._greeting_timeout),
-                )
-                if isinstance(challenge, protocol.Error):  # over a connection limit
-                    raise error_codes.refusal(challenge)
-                proof = protocol.make_proof(self._token, challenge.nonce) if self._token else None
-                await out.send(
-                    protocol.Hello(
-                        role=protocol.Role.CLIENT, protocol=protocol.PROTOCOL_VERSION, proof=proof
-                    )
-                )
-                welcome = await asyncio.wait_for(wire.read_message(lines), self._timeout)
-                if isinstance(welcome, protocol.Error):
-                    raise error_codes.refusal(welcome)
-                if not isinstance(welcome, protocol.Welcome):
-                    raise ProtocolError(f"expected welcome from the main, got {welcome!r}")
-                self._max_line_bytes = welcome.max_line_bytes
-            except BaseException:
-                await out.close()
-                raise
-            self._writer = out
-            self._reader_task = asyncio.create_task(self._read_replies(lines))
+                await self._connect()
+            except ssl.SSLError as exc:
+                # Not an OSError to the caller: the main answered, and refused (the
+                # operator's command must not take it for an unreachable main).
+                raise ConfigurationError(tls.describe(exc, f"{self.host}:{self.port}")) from None
+
+    async def _connect(self) -> None:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(
+                self.host,
+                self.port,
+                limit=MAX_REPLY_BYTES + 2,
+                ssl=self._tls,
+                ssl_handshake_timeout=None if self._tls is None else self._timeout,
+            ),
+            self._timeout,
+        )
+        lines = wire.LineReader(reader, max_line_bytes=MAX_REPLY_BYTES)
+        out = wire.MessageWriter(writer)
+        try:
+            challenge = await wire.read_greeting(
+                lines,
+                f"{self.host}:{self.port}",
+                min(self._timeout, self._greeting_timeout),
+            )
+            if isinstance(challenge, protocol.Error):  # over a connection limit
+                raise error_codes.refusal(challenge)
+            proof = protocol.make_proof(self._token, challenge.nonce) if self._token else None
+            await out.send(
+                protocol.Hello(role=self._role, protocol=protocol.PROTOCOL_VERSION, proof=proof)
+            )
+            welcome = await asyncio.wait_for(wire.read_message(lines), self._timeout)
+            if isinstance(welcome, protocol.Error):
+                raise error_codes.refusal(welcome)
+            if not isinstance(welcome, protocol.Welcome):
+                raise ProtocolError(f"expected welcome from the main, got {welcome!r}")
+            self._max_line_bytes = welcome.max_line_bytes
+        except BaseException:
+            await out.close()
+            raise
+        self._writer = out
+        self._reader_task = asyncio.create_task(self._read_replies(lines))
 
     async def close(self) -> None:
         if self._reader_task is not None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from broker import checks
 from broker.admission import DEFAULT_MAX_CREDIT
+from broker.credentials import Credentials
 from broker.payload import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_MAX_PAYLOAD_DEPTH,
@@ -18,6 +19,7 @@ from broker.payload import (
     MAX_PAYLOAD_DEPTH_CEILING,
 )
 from broker.protocol import DEFAULT_PORT
+from broker.tls import ServerTLS
 
 DEFAULT_MAX_LINE_BYTES = 2 << 20
 """2 MiB: the default payload limit (1 MiB) plus ample room for the rest of a message."""
@@ -44,8 +46,16 @@ class MainSettings:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     token: str | None = None
+    """The shared secret: every role's, unless the role has its own below."""
+    worker_token: str | None = None
+    client_token: str | None = None
+    operator_token: str | None = None
     allow_unauthenticated: bool = False
-    """Permit a non-loopback listen address without a token (say, inside a private network)."""
+    """Permit a non-loopback listen address without credentials (say, inside a private
+    network)."""
+    tls: ServerTLS | None = None
+    """The main's certificate and key (and the CA of client certificates for mutual TLS);
+    ``None``: plain TCP."""
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
     """Longest line accepted after the handshake; must exceed ``max_payload_bytes`` by at
     least 64 KiB so a job at the payload limit still fits in one message."""
@@ -98,6 +108,16 @@ class MainSettings:
     ``None``: nowhere. Its pages show jobs' arguments to anyone who reaches them (only its
     actions need the token), so an address off loopback needs ``allow_unauthenticated``."""
 
+    @property
+    def credentials(self) -> Credentials:
+        """Each role's secret (:mod:`broker.credentials`)."""
+        return Credentials.combine(
+            shared=self.token,
+            worker=self.worker_token,
+            client=self.client_token,
+            operator=self.operator_token,
+        )
+
     def validate(self) -> None:
         positive = {
             "max_line_bytes": self.max_line_bytes,
@@ -148,9 +168,10 @@ class MainSettings:
         )
         checks.int_in_range("port", self.port, 0, 65535)
         checks.require(
-            bool(self.token) or self.allow_unauthenticated or _is_loopback(self.host),
-            f"refusing to listen on {self.host!r} without a token: set BROKER_TOKEN, "
-            "listen on 127.0.0.1, or pass --allow-unauthenticated if the network is private",
+            self.credentials.required or self.allow_unauthenticated or _is_loopback(self.host),
+            f"refusing to listen on {self.host!r} without a token for any role: set BROKER_TOKEN "
+            "(or a secret per role, or --token-file), listen on 127.0.0.1, or pass "
+            "--allow-unauthenticated if the network is private",
         )
         if self.http_port is not None:
             checks.int_in_range("http_port", self.http_port, 0, 65535)

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from broker import protocol, wire
 from broker.admission import Credits
+from broker.credentials import Credentials
 from broker.exceptions import ProtocolError
 from broker.handoff import Peer
 from broker.jobs import ExecutionMode, Job
@@ -37,7 +38,7 @@ class ConnectionSettings(Protocol):
     """The main's settings that its connections read (:class:`broker.config.MainSettings`)."""
 
     @property
-    def token(self) -> str | None: ...
+    def credentials(self) -> Credentials: ...
     @property
     def preauth_max_line_bytes(self) -> int: ...
     @property
@@ -78,6 +79,9 @@ class Session:
     max_requests: int
     """Client requests this connection may have in progress before reading pauses."""
     host: str | None = None
+    rights: frozenset[protocol.Role] = frozenset()
+    """The roles whose requests this connection may make, set at its hello
+    (:meth:`broker.credentials.Credentials.rights`)."""
     reported_status: dict[str, Any] | None = None
     """The worker's last ``worker_status`` (its runners' capacity and start-up errors)."""
     closed: bool = False
@@ -417,11 +421,12 @@ class Connections:
 
     async def _handshake(self, session: Session, lines: wire.LineReader) -> bool:
         nonce = protocol.make_nonce()
+        credentials = self.settings.credentials
         await session.writer.send(
             protocol.Challenge(
                 nonce=nonce,
                 protocol=protocol.PROTOCOL_VERSION,
-                auth_required=bool(self.settings.token),
+                auth_required=credentials.required,
             )
         )
         try:
@@ -442,12 +447,11 @@ class Connections:
                 session, protocol.ErrorCode.NOT_ALLOWED, "the first message must be hello"
             )
             return False
-        token = self.settings.token
-        if token and not protocol.check_proof(token, nonce, first.proof):
-            await self._fatal(
-                session, protocol.ErrorCode.AUTH_FAILED, "wrong or missing token proof"
-            )
+        refusal = credentials.refusal(first.role, nonce, first.proof)
+        if refusal is not None:
+            await self._fatal(session, protocol.ErrorCode.AUTH_FAILED, refusal)
             return False
+        session.rights = credentials.rights(first.role, nonce, first.proof)
         if protocol.choose_protocol(first) is None:
             ours = ", ".join(map(str, protocol.SUPPORTED_PROTOCOLS))
             theirs = ", ".join(map(str, first.spoken()))

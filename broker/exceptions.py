@@ -12,7 +12,8 @@ The tree, so a caller can catch as broadly or as narrowly as it needs::
     │   ├── SchemaVersionError    the store's schema is not this code's: newer, older, none
     │   └── StorageRejectedError  the store refused a value it can never hold; do not retry
     ├── ProtocolError             a peer broke the wire protocol; the connection is closed
-    │   └── AuthenticationError   a peer did not prove the shared token
+    │   └── AuthenticationError   a peer did not prove its role's secret
+    ├── PermissionDeniedError     the connection's role may not make that request
     ├── TaskNotFoundError         a job names a task the worker has not registered
     ├── JobTimeoutError           a job ran past its timeout and was stopped
     └── RunnerCrashedError        the process running a job died under it
@@ -82,7 +83,12 @@ class ProtocolError(BrokerError):
 
 
 class AuthenticationError(ProtocolError):
-    """The peer did not prove the shared broker token."""
+    """The peer did not prove the secret of the role it said hello as."""
+
+
+class PermissionDeniedError(BrokerError):
+    """This connection's role may not make that request (cancel, retry and prune need an
+    operator's credential)."""
 
 
 class TaskNotFoundError(BrokerError):

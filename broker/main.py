@@ -30,12 +30,13 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from broker import codec, protocol
+from broker import codec, error_codes, protocol
 from broker.admission import CreditLimitError
 from broker.config import MainSettings
 from broker.connection import Connections, Gathered, Session
+from broker.credentials import role_needed
 from broker.dispatch import Dispatcher
-from broker.exceptions import ProtocolError, transient
+from broker.exceptions import PermissionDeniedError, ProtocolError, transient
 from broker.group_commit import GroupCommit
 from broker.handoff import (
     Abort,
@@ -196,12 +197,16 @@ class Main:
         # are answered only once the store is ready.
         # The stream's limit is only its read-ahead (wire.LineReader enforces the line caps):
         # the pre-auth cap keeps what an unauthenticated peer can make us buffer small.
+        # With TLS, a peer has the handshake deadline for its TLS handshake as well.
+        tls = self.settings.tls
         server = await asyncio.start_server(
             self.connections.accept,
             self.settings.host,
             self.settings.port,
             limit=self.settings.preauth_max_line_bytes,
             start_serving=False,
+            ssl=None if tls is None else tls.context(),
+            ssl_handshake_timeout=None if tls is None else self.settings.handshake_timeout,
         )
         try:
             await self.store.setup()
@@ -427,7 +432,7 @@ class Main:
                 | protocol.ListJobs()
                 | protocol.Prune()
             ):
-                self.requests.start(session, msg)
+                self._request(session, msg)
             case _:
                 session.errors += 1
                 session.send(
@@ -437,6 +442,27 @@ class Main:
                         fatal=False,
                     )
                 )
+
+    def _request(self, session: Session, msg: protocol.Message) -> None:
+        """Start a client request if the connection's role may make it; else answer
+        ``permission_denied`` (the connection stays open)."""
+        needed = role_needed(msg)
+        if needed in session.rights:
+            self.requests.start(session, msg)
+            return
+        logger.warning(
+            "request denied session=%d type=%s role=%s needs=%s",
+            session.id,
+            msg.type,
+            session.role,
+            needed,
+        )
+        denied = PermissionDeniedError(
+            f"{msg.type!r} needs the {needed} role; this connection said hello as "
+            f"{session.role} (use a credential of that role: the operator's command uses "
+            "the operator secret)"
+        )
+        session.send(error_codes.request_error(getattr(msg, "request_id", ""), denied))
 
     def _stop_cancelled(self, job: Job) -> None:
         """The store has cancelled ``job``: its worker stops it (see :meth:`Handoff.cancelled`)."""

@@ -69,8 +69,13 @@ protocol, not the main, so a client can know it without importing the main."""
 
 
 class Role(enum.StrEnum):
+    """What a peer says hello as; each role proves its own secret
+    (:mod:`broker.credentials`)."""
+
     WORKER = "worker"
     CLIENT = "client"
+    OPERATOR = "operator"
+    """A client that may also cancel, retry and prune (the operator's command)."""
 
 
 class AckStatus(enum.StrEnum):
@@ -110,6 +115,7 @@ class ErrorCode(enum.StrEnum):
     TASK_NOT_FOUND = "task_not_found"
     JOB_TIMEOUT = "job_timeout"
     RUNNER_CRASHED = "runner_crashed"
+    PERMISSION_DENIED = "permission_denied"
 
 
 class DecodeError(ProtocolError):

@@ -8,9 +8,11 @@ HTTP parser, where Starlette would need uvicorn beside it.
 Every read and action goes through the main's request service (:meth:`Requests.answer`
 with the same messages a client sends), so a retry or a cancel here is checked, woken and
 stopped on its worker exactly as ``broker retry`` / ``broker cancel`` are. Actions need
-the main's token (a form field ``token`` or ``Authorization: Bearer``); a main without a
-token has no dashboard actions, since a page on a loopback port is still reachable by any
-web page the operator's browser opens.
+the main's operator secret (``--operator-token``, or the shared ``--token``; a form field
+``token`` or ``Authorization: Bearer``); a main without one has no dashboard actions,
+since a page on a loopback port is still reachable by any web page the operator's
+browser opens. The dashboard speaks plain HTTP: keep it on loopback (see
+docs/howto/security.md).
 
 The pages are plain HTML written here (every value escaped), with a few lines of vanilla
 JavaScript that re-fetch the live part of the page every two seconds: no build step.
@@ -234,7 +236,7 @@ class Dashboard:
         return {q: (n - before.get(q, 0.0)) * 60.0 / span for q, n in totals.items()}
 
     def _authorized(self, request: web.Request, form: Mapping[str, Any]) -> bool:
-        token = self.main.settings.token
+        token = self.main.settings.credentials.operator
         if not token:
             return False
         given = str(form.get("token") or "")
@@ -500,8 +502,9 @@ class Dashboard:
         form = await request.post()
         if not self._authorized(request, form):
             why = (
-                "this main has no token (BROKER_TOKEN), so the dashboard takes no actions"
-                if not self.main.settings.token
+                "this main has no token for operators (BROKER_OPERATOR_TOKEN or BROKER_TOKEN), "
+                "so the dashboard takes no actions"
+                if not self.main.settings.credentials.operator
                 else "the operator token is missing or wrong"
             )
             return web.Response(status=403, text=f"refused: {why}\n")

@@ -43,11 +43,12 @@ import os
 import random
 import signal
 import socket
+import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from broker import checks, error_codes, protocol, wire
+from broker import checks, error_codes, protocol, tls, wire
 from broker.exceptions import (
     AuthenticationError,
     ConfigurationError,
@@ -56,6 +57,7 @@ from broker.exceptions import (
 from broker.jobs import ExecutionMode
 from broker.runner import Assignment, Failed, Runner, RunOutcome
 from broker.tasks import TaskRegistry, default_registry
+from broker.tls import PeerTLS
 from broker.worker_state import (
     Drain,
     LeaseKey,
@@ -106,7 +108,10 @@ class Worker:
     :param runners: one runner per execution mode this worker serves.
     :param registry: the tasks this worker may run; a job naming any other task fails
         at once without retry, and nothing is ever imported by a name from the wire.
-    :param token: the shared secret, proved to the main with an HMAC of its nonce.
+    :param token: the worker secret (or the main's shared token), proved to the main with
+        an HMAC of its nonce.
+    :param tls: connect over TLS, verifying the main's certificate and host name (a
+        :class:`~broker.tls.PeerTLS`, or a context of your own); ``None``: plain TCP.
     :param queues: serve only these queues (``None``: every queue).
     :param drain_timeout: how long a graceful stop waits for running jobs before
         cancelling them (``None``: as long as they take).
@@ -127,6 +132,7 @@ class Worker:
         reconnect_max_delay: float = 10.0,
         drain_timeout: float | None = None,
         logger: logging.Logger | None = None,
+        tls: PeerTLS | ssl.SSLContext | None = None,
     ) -> None:
         if not worker_id:
             raise ConfigurationError("worker_id must be a non-empty string")
@@ -149,6 +155,7 @@ class Worker:
         self._runners = dict(runners)
         self._registry = default_registry if registry is None else registry
         self._token = token
+        self._tls = tls.context() if isinstance(tls, PeerTLS) else tls
         self._queues = None if queues is None else list(queues)
         self._ping_interval = ping_interval
         self._liveness_timeout = liveness_timeout
@@ -322,14 +329,24 @@ class Worker:
 
     async def _connect(self) -> _Connection:
         host, port = self._address
-        async with asyncio.timeout(self._liveness_timeout):
-            reader, raw_writer = await asyncio.open_connection(host, port, limit=MAX_LINE_BYTES + 2)
+        try:
+            async with asyncio.timeout(self._liveness_timeout):
+                reader, raw_writer = await asyncio.open_connection(
+                    host, port, limit=MAX_LINE_BYTES + 2, ssl=self._tls
+                )
+        except ssl.SSLError as exc:
+            # Retried like an unreachable main (a certificate may be renewed meanwhile),
+            # but logged as what it is.
+            raise ConnectionError(tls.describe(exc, f"{host}:{port}")) from exc
         self._enable_keepalive(raw_writer.get_extra_info("socket"))
         lines = wire.LineReader(reader)
         writer = wire.MessageWriter(raw_writer)
         try:
             async with asyncio.timeout(self._liveness_timeout):
                 welcome = await self._handshake(lines, writer)
+        except ssl.SSLError as exc:  # TLS 1.3 sends a refused client certificate's alert late
+            writer.abort()
+            raise ConnectionError(tls.describe(exc, f"{host}:{port}")) from exc
         except BaseException:
             writer.abort()
             raise
@@ -379,7 +396,8 @@ class Worker:
                 raise self._refusal(refusal, "challenge")
         if challenge.auth_required and not self._token:
             raise ConfigurationError(
-                "the main requires a token: set the same BROKER_TOKEN as on the main"
+                "the main requires a token: set the worker secret of the main "
+                "(BROKER_WORKER_TOKEN), or its shared BROKER_TOKEN"
             )
         await writer.send(
             protocol.Hello(
