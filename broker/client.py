@@ -139,6 +139,7 @@ class Client:
                 lines,
                 f"{self.host}:{self.port}",
                 min(self._timeout, self._greeting_timeout),
+                tls=self._tls is not None,
             )
             if isinstance(challenge, protocol.Error):  # over a connection limit
                 raise error_codes.refusal(challenge)

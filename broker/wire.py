@@ -139,27 +139,45 @@ it at once, so a peer silent this long is some other service (PostgreSQL and Red
 for the client to speak first), or a main too stalled to serve anyway."""
 
 
-async def read_greeting(reader: LineReader, where: str, wait: float) -> Challenge | Error:
+_OR_TLS = ", or a main serving TLS (a peer connects to it with --tls-ca)"
+
+
+async def read_greeting(
+    reader: LineReader, where: str, wait: float, *, tls: bool = False
+) -> Challenge | Error:
     """The main's first message (a challenge, or an error such as a connection cap); any
     other answer, silence for ``wait`` seconds, or a close means ``where`` is not a broker
-    main, and the :class:`~broker.exceptions.ProtocolError` raised says so."""
+    main, and the :class:`~broker.exceptions.ProtocolError` raised says so.
+
+    A main serving TLS also looks like that to a peer without TLS (it says nothing until
+    the peer's TLS handshake, then closes), and a main with mutual TLS closes a TLS
+    connection whose client certificate it refused: the messages name both, since the
+    peer cannot tell them apart (``tls``: whether this connection is TLS)."""
     try:
         first = await asyncio.wait_for(read_message(reader), wait)
     except TimeoutError:
         raise ProtocolError(
             f"{where} accepted the connection but sent no broker greeting within "
             f"{wait:g} s: this is not a broker main (another service on that port?), "
-            "or a main too stalled to answer; check --main"
+            f"or a main too stalled to answer{'' if tls else _OR_TLS}; check --main"
         ) from None
     except ProtocolError as exc:
         raise ProtocolError(
             f"{where} answered with something that is not the broker protocol: this is "
             f"not a broker main; check --main ({exc})"
         ) from None
+    if first is None and tls:
+        raise ProtocolError(
+            f"{where} closed the TLS connection without a broker greeting: a main with "
+            "mutual TLS (--tls-client-ca) does so when it does not accept this peer's "
+            "client certificate (none, expired, or signed by another CA: check "
+            "--tls-client-cert and --tls-client-key); or this is not a broker main "
+            "(check --main)"
+        )
     if first is None:
         raise ProtocolError(
             f"{where} closed the connection without a broker greeting: this is not a "
-            "broker main; check --main"
+            f"broker main{_OR_TLS}; check --main"
         )
     if not isinstance(first, Challenge | Error):
         raise ProtocolError(f"expected a challenge from the main at {where}, got {first.type}")

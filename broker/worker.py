@@ -389,7 +389,9 @@ class Worker:
         self, lines: wire.LineReader, writer: wire.MessageWriter
     ) -> protocol.Welcome:
         host, port = self._address
-        match await wire.read_greeting(lines, f"{host}:{port}", wire.GREETING_TIMEOUT):
+        match await wire.read_greeting(
+            lines, f"{host}:{port}", wire.GREETING_TIMEOUT, tls=self._tls is not None
+        ):
             case protocol.Challenge() as challenge:
                 pass
             case refusal:
