@@ -221,13 +221,15 @@ def _credentials(args: argparse.Namespace) -> Credentials:
 
 
 def _operator_credential(credentials: Credentials) -> tuple[protocol.Role, str | None]:
-    """The role the operator's command says hello as, and its secret: the operator's if
-    it has one, else a client's (the reads and enqueue still work), else none."""
-    if credentials.operator:
+    """The role the operator's command says hello as, and its secret.
+
+    With an operator secret of its own, as an operator. Otherwise as a client: with a
+    client secret its reads and enqueue still work; with one shared token, or none, a
+    client has every right (:meth:`Credentials.rights`), and a main older than the
+    operator role still understands the hello."""
+    if credentials.operator and credentials.operator != credentials.client:
         return protocol.Role.OPERATOR, credentials.operator
-    if credentials.client:
-        return protocol.Role.CLIENT, credentials.client
-    return protocol.Role.OPERATOR, None
+    return protocol.Role.CLIENT, credentials.client
 
 
 def _add_peer_tls_options(p: argparse.ArgumentParser) -> None:

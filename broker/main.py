@@ -90,6 +90,10 @@ class Main:
         self.store = store
         self.settings = settings or MainSettings()
         self.settings.validate()
+        tls = self.settings.tls
+        self._tls = None if tls is None else tls.context()
+        """Built here, so a certificate that cannot be loaded is refused before anything
+        listens or touches the store."""
         self._clock = clock
         self._retry_delay = retry_delay_fn
         self.metrics = MainMetrics()
@@ -198,14 +202,14 @@ class Main:
         # The stream's limit is only its read-ahead (wire.LineReader enforces the line caps):
         # the pre-auth cap keeps what an unauthenticated peer can make us buffer small.
         # With TLS, a peer has the handshake deadline for its TLS handshake as well.
-        tls = self.settings.tls
+        tls = self._tls
         server = await asyncio.start_server(
             self.connections.accept,
             self.settings.host,
             self.settings.port,
             limit=self.settings.preauth_max_line_bytes,
             start_serving=False,
-            ssl=None if tls is None else tls.context(),
+            ssl=tls,
             ssl_handshake_timeout=None if tls is None else self.settings.handshake_timeout,
         )
         try:
