@@ -14,13 +14,14 @@ import contextlib
 import itertools
 import logging
 import socket
+import ssl
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from broker import protocol, wire
+from broker import protocol, tls, wire
 from broker.admission import Credits
 from broker.credentials import Credentials
 from broker.exceptions import ProtocolError
@@ -270,6 +271,25 @@ class Gathered:
             session.send_batch(*batch)
 
 
+class _TLSHandshake(asyncio.Protocol):
+    """A connection just accepted on a TLS port, until :meth:`Connections._start_tls`
+    takes it over. It stops reading at once, so the peer's first TLS record stays in the
+    socket for the handshake to read."""
+
+    def __init__(self, connections: Connections, context: ssl.SSLContext) -> None:
+        self._connections = connections
+        self._context = context
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.pause_reading()
+        task = asyncio.get_running_loop().create_task(
+            self._connections._start_tls(transport, self._context)
+        )
+        self._connections.tls_handshakes.add(task)
+        task.add_done_callback(self._connections.tls_handshakes.discard)
+
+
 class Connections:
     """Every connection of one main, from accept to close."""
 
@@ -296,7 +316,45 @@ class Connections:
         """One task per connection, from accept to close."""
         self._unauthenticated: set[asyncio.Task[None]] = set()
         """Connection tasks still in the handshake (counted against max_unauthenticated)."""
+        self.tls_handshakes: set[asyncio.Task[None]] = set()
+        """TLS handshakes under way (:meth:`tls_server`), before their connection's task."""
         self._per_address: Counter[str] = Counter()
+
+    def tls_server(self, context: ssl.SSLContext) -> Callable[[], asyncio.Protocol]:
+        """A protocol factory for ``loop.create_server`` that runs each connection's TLS
+        handshake here rather than in asyncio's TLS server, which drops a failed one
+        without a word: the main logs it with the peer and the reason, then closes only
+        that connection. A connection whose handshake succeeds goes on to :meth:`accept`
+        as with plain TCP."""
+        return lambda: _TLSHandshake(self, context)
+
+    async def _start_tls(self, transport: asyncio.Transport, context: ssl.SSLContext) -> None:
+        loop = asyncio.get_running_loop()
+        settings = self.settings
+        reader = asyncio.StreamReader(limit=settings.preauth_max_line_bytes)
+        streams = asyncio.StreamReaderProtocol(reader, self.accept)
+        peername = transport.get_extra_info("peername")
+        address = str(peername[0]) if isinstance(peername, tuple) else str(peername)
+        try:
+            secured = await loop.start_tls(
+                transport,
+                streams,
+                context,
+                server_side=True,
+                ssl_handshake_timeout=settings.handshake_timeout,
+            )
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+            logger.warning(
+                "TLS handshake failed peer=%s reason=%s",
+                address,
+                tls.describe_peer_failure(exc, settings.handshake_timeout),
+            )
+            transport.abort()
+            return
+        if secured is None:  # the peer went away as the handshake ended
+            transport.abort()
+            return
+        streams.connection_made(secured)  # start_tls leaves this to its caller
 
     async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

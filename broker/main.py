@@ -201,17 +201,21 @@ class Main:
         # are answered only once the store is ready.
         # The stream's limit is only its read-ahead (wire.LineReader enforces the line caps):
         # the pre-auth cap keeps what an unauthenticated peer can make us buffer small.
-        # With TLS, a peer has the handshake deadline for its TLS handshake as well.
-        tls = self._tls
-        server = await asyncio.start_server(
-            self.connections.accept,
-            self.settings.host,
-            self.settings.port,
-            limit=self.settings.preauth_max_line_bytes,
-            start_serving=False,
-            ssl=tls,
-            ssl_handshake_timeout=None if tls is None else self.settings.handshake_timeout,
-        )
+        if self._tls is None:
+            server = await asyncio.start_server(
+                self.connections.accept,
+                self.settings.host,
+                self.settings.port,
+                limit=self.settings.preauth_max_line_bytes,
+                start_serving=False,
+            )
+        else:  # each TLS handshake also has the handshake deadline
+            server = await asyncio.get_running_loop().create_server(
+                self.connections.tls_server(self._tls),
+                self.settings.host,
+                self.settings.port,
+                start_serving=False,
+            )
         try:
             await self.store.setup()
             await self._load_orphans()
@@ -264,9 +268,12 @@ class Main:
             await asyncio.wait_for(self.requests.wait_idle(), timeout=report_grace)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.ledger.flush(), timeout=report_grace)
-        for task in [*self._tasks, *self.connections.tasks]:
+        handshakes = list(self.connections.tls_handshakes)
+        for task in [*self._tasks, *handshakes, *self.connections.tasks]:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self.connections.tasks, return_exceptions=True)
+        await asyncio.gather(
+            *self._tasks, *handshakes, *self.connections.tasks, return_exceptions=True
+        )
         if self._server is not None:
             await self._server.wait_closed()
         await self.store.close()

@@ -108,3 +108,25 @@ def describe(exc: ssl.SSLError, where: str) -> str:
             "check --tls-client-cert against the main's --tls-client-ca, and its dates"
         )
     return f"the TLS handshake with the main at {where} failed: {exc}"
+
+
+_PEER_NOT_TLS = (*_NOT_TLS, "HTTP_REQUEST", "UNKNOWN_PROTOCOL", "UNEXPECTED_EOF")
+
+
+def describe_peer_failure(exc: BaseException, deadline: float) -> str:
+    """Why a peer's TLS handshake with the main failed, for the main's log."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"its client certificate is not accepted: {exc.verify_message}"
+    if isinstance(exc, ssl.SSLError):
+        reason = (exc.reason or "").upper()
+        if "PEER_DID_NOT_RETURN_A_CERTIFICATE" in reason:
+            return "it sent no client certificate (this main requires one: --tls-client-ca)"
+        if any(name in reason for name in _PEER_NOT_TLS):
+            return f"it does not speak TLS ({exc.reason}); give the peer --tls-ca"
+        return str(exc)
+    if isinstance(exc, ConnectionAbortedError | TimeoutError):
+        return (
+            f"no TLS handshake within {deadline:g} s: a peer without TLS (it waits for the "
+            "main's greeting), or one too slow; give the peer --tls-ca"
+        )
+    return str(exc) or type(exc).__name__

@@ -15,7 +15,7 @@ from broker.client import Client
 from broker.exceptions import BrokerError, ConfigurationError, ProtocolError
 from broker.main import Main
 from broker.tls import PeerTLS, ServerTLS
-from tests.support import FAST, running_main
+from tests.support import FAST, running_main, until
 from tests.tls_certs import Certificates
 
 
@@ -120,3 +120,23 @@ def test_unreadable_files_are_a_configuration_error(tmp_path: Path, certs: Certi
         ServerTLS(str(tmp_path / "none.pem"), str(tmp_path / "none.key")).context()
     with pytest.raises(ConfigurationError, match="cannot load --tls-ca"):
         PeerTLS(ca=certs.server.key).context()
+
+
+@pytest.mark.parametrize(
+    ("case", "logged"),
+    [
+        ("missing", "it sent no client certificate"),
+        ("stranger", "its client certificate is not accepted: unable to get local issuer"),
+        ("expired", "its client certificate is not accepted: certificate has expired"),
+        ("plaintext", "no TLS handshake within 0.5 s: a peer without TLS"),
+    ],
+)
+async def test_the_main_logs_each_failed_handshake_with_its_reason(
+    certs: Certificates, case: str, logged: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    pair = {"stranger": certs.stranger, "expired": certs.expired_peer}.get(case)
+    peer = None if case == "plaintext" else certs.peer_tls(pair)
+    async with tls_main(certs.server_tls(mutual=True)) as main:
+        await _refused(main, peer)
+        await until(lambda: "TLS handshake failed" in caplog.text)
+    assert f"TLS handshake failed peer=127.0.0.1 reason={logged}" in caplog.text, caplog.text
