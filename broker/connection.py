@@ -283,6 +283,18 @@ class _TLSHandshake(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         transport.pause_reading()
+        under_way = len(self._connections.tls_handshakes)
+        if under_way >= self._connections.settings.max_unauthenticated:
+            # Like a connection over the limit in the protocol's own handshake, but
+            # without the error line: the peer expects TLS records, not text.
+            logger.warning(
+                "connection refused peer=%s reason=%d TLS handshakes are under way, the "
+                "limit (--max-unauthenticated)",
+                transport.get_extra_info("peername"),
+                under_way,
+            )
+            transport.abort()
+            return
         task = asyncio.get_running_loop().create_task(
             self._connections._start_tls(transport, self._context)
         )

@@ -3,6 +3,7 @@ an error that says what is wrong, and never disturbs a connection that is alread
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -140,3 +141,18 @@ async def test_the_main_logs_each_failed_handshake_with_its_reason(
         await _refused(main, peer)
         await until(lambda: "TLS handshake failed" in caplog.text)
     assert f"TLS handshake failed peer=127.0.0.1 reason={logged}" in caplog.text, caplog.text
+
+
+async def test_tls_handshakes_under_way_are_capped(
+    certs: Certificates, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = replace(FAST, tls=certs.server_tls(), max_unauthenticated=2, handshake_timeout=30)
+    async with running_main(MemoryAdapter(), settings) as main:
+        silent = [await asyncio.open_connection("127.0.0.1", main.port) for _ in range(2)]
+        await until(lambda: len(main.connections.tls_handshakes) == 2)
+        reader, writer = await asyncio.open_connection("127.0.0.1", main.port)
+        assert await reader.read() == b"", "the third is closed at once"
+        writer.close()
+        assert "2 TLS handshakes are under way, the limit (--max-unauthenticated)" in caplog.text
+        for _, quiet in silent:
+            quiet.close()
