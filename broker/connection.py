@@ -300,6 +300,9 @@ class _TLSHandshake(asyncio.Protocol):
         )
         self._connections.tls_handshakes.add(task)
         task.add_done_callback(self._connections.tls_handshakes.discard)
+        # A handshake cancelled (the main stopping) before it began has nobody else to
+        # close its connection.
+        task.add_done_callback(lambda done: transport.abort() if done.cancelled() else None)
 
 
 class Connections:
