@@ -30,7 +30,7 @@ class ServerTLS:
 
     def context(self) -> ssl.SSLContext:
         """The server context; unreadable files are a :class:`ConfigurationError`."""
-        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # trusts no CA until told
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         _load(lambda: ctx.load_cert_chain(self.cert, self.key), "--tls-cert/--tls-key")
         if self.client_ca is not None:
@@ -41,8 +41,9 @@ class ServerTLS:
 
 @dataclass(frozen=True)
 class PeerTLS:
-    """A worker's or client's side: ``--tls-ca`` (``None``: the system's trust store)
-    and, for mutual TLS, ``--tls-client-cert`` and ``--tls-client-key``."""
+    """A worker's or client's side: ``--tls-ca`` (``None``: the system's trust store;
+    given, that CA alone) and, for mutual TLS, ``--tls-client-cert`` and
+    ``--tls-client-key``."""
 
     ca: str | None = None
     client_cert: str | None = None
@@ -50,10 +51,14 @@ class PeerTLS:
 
     def context(self) -> ssl.SSLContext:
         """A context that verifies the main's certificate and host name."""
-        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        if self.ca is not None:
+        if self.ca is None:
+            ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+        else:
+            # Only this CA: the system's would also vouch for any public certificate
+            # that names the main's host.
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies, checks the host
             _load(lambda: ctx.load_verify_locations(cafile=self.ca), "--tls-ca")
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         if self.client_cert is not None:
             _load(
                 lambda: ctx.load_cert_chain(self.client_cert or "", self.client_key),

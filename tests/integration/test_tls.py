@@ -4,6 +4,7 @@ an error that says what is wrong, and never disturbs a connection that is alread
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -156,3 +157,12 @@ async def test_tls_handshakes_under_way_are_capped(
         assert "2 TLS handshakes are under way, the limit (--max-unauthenticated)" in caplog.text
         for _, quiet in silent:
             quiet.close()
+
+
+def test_a_given_ca_is_the_only_one_trusted(certs: Certificates) -> None:
+    peer = certs.peer_tls().context()
+    assert len(peer.get_ca_certs()) == 1, "not the system's CAs as well"
+    assert peer.check_hostname and peer.verify_mode == ssl.CERT_REQUIRED
+    server = certs.server_tls(mutual=True).context()
+    assert len(server.get_ca_certs()) == 1 and server.verify_mode == ssl.CERT_REQUIRED
+    assert certs.server_tls().context().verify_mode == ssl.CERT_NONE
