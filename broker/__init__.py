@@ -42,13 +42,14 @@ from broker.runner import Reschedule
 from broker.storage import Capabilities, JobFilter, JobPage, QueueCount, StorageAdapter
 
 if TYPE_CHECKING:
-    from broker.client import Client, SyncClient
+    from broker.client import Client, SyncClient, configure
     from broker.schedule import Schedule
     from broker.tasks import Task, TaskRegistry, task
 
 _LAZY = {
     "Client": "broker.client",
     "SyncClient": "broker.client",
+    "configure": "broker.client",
     "Schedule": "broker.schedule",
     "Task": "broker.tasks",
     "TaskRegistry": "broker.tasks",
@@ -102,5 +103,6 @@ __all__ = [
     "TaskNotFoundError",
     "TaskRegistry",
     "UniqueKeyTakenError",
+    "configure",
     "task",
 ]

@@ -35,12 +35,13 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 from broker import composition, protocol
-from broker.client import Client, Enqueued, JobListPage
+from broker.client import Client, JobListPage
 from broker.config import MainSettings
 from broker.exceptions import BrokerError, ConfigurationError
 from broker.jobs import TERMINAL_STATUSES, Clock, Job, JobSpec, JobStatus, JSONValue, utcnow
 from broker.operations import Operations
 from broker.storage import SCHEMA_VERSION, JobFilter, StorageAdapter, SupportsSchemaCheck
+from broker.tasks import Enqueued
 from broker.untrusted import escape_control
 
 
