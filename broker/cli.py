@@ -28,6 +28,7 @@ from broker.jobs import ExecutionMode, JobStatus
 from broker.main import Main
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MAX_PAYLOAD_DEPTH
 from broker.retention import Retention
+from broker.retry import RetryDelay, parse_backoff
 from broker.schedule import declared_in
 from broker.tasks import default_registry
 from broker.untrusted import escape_control
@@ -104,6 +105,13 @@ def _env_option(parser: argparse.ArgumentParser, flag: str, **options: Any) -> N
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _backoff(text: str) -> RetryDelay:
+    try:
+        return parse_backoff(text)
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _number(kind: Callable[[str], Any], what: str) -> Callable[[str], Any]:
@@ -337,6 +345,16 @@ def main_parser() -> argparse.ArgumentParser:
             metavar="N",
             help=f"{text} (default: %(default)s)",
         )
+    _env_option(
+        p,
+        "--retry-backoff",
+        default="schedule",
+        type=_backoff,
+        metavar="KIND",
+        help="wait before a failed job's next run: schedule (10 s, 1 min, 10 min, 1 h, "
+        "then hourly), exponential or exponential:BASE:CAP (seconds, doubling, "
+        "jittered), fixed:SECONDS (default: %(default)s)",
+    )
     p.add_argument(
         "--schedules",
         action="append",
@@ -399,7 +417,13 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
     if args.adapter:
         use_app_directory()
     store = composition.open_store(args.database_url, args.adapter)
-    main = Main(store, settings, schedules=schedules, retention=retention)
+    main = Main(
+        store,
+        settings,
+        schedules=schedules,
+        retention=retention,
+        retry_delay_fn=args.retry_backoff,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

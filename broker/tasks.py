@@ -29,6 +29,7 @@ from broker.jobs import (
     JobSpec,
     JSONValue,
 )
+from broker.retry import RetryPolicy
 from broker.schedule import Schedule, default_schedules
 
 P = ParamSpec("P")
@@ -154,6 +155,8 @@ class Task(Generic[P, R]):
     concurrency_key: str | None = None
     concurrency_limit: int | None = None
     unique: bool = False
+    retry: RetryPolicy | None = None
+    """Which exceptions are worth a retry (``None``: every ``Exception``)."""
 
     @property
     def is_async(self) -> bool:
@@ -446,6 +449,8 @@ def task(
     timezone: str | None = None,
     catch_up: bool | None = None,
     unique: bool = False,
+    retry_on: tuple[type[BaseException], ...] | None = None,
+    dont_retry_on: tuple[type[BaseException], ...] | None = None,
 ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
 
@@ -467,6 +472,8 @@ def task(
     timezone: str | None = None,
     catch_up: bool | None = None,
     unique: bool = False,
+    retry_on: tuple[type[BaseException], ...] | None = None,
+    dont_retry_on: tuple[type[BaseException], ...] | None = None,
 ) -> Task[P, R] | Callable[[Callable[P, R]], Task[P, R]]:
     """Register a function as a task, by default under its ``module.function`` path.
 
@@ -476,6 +483,11 @@ def task(
     ``concurrency_key`` may name the function's parameters, as in
     ``"sync:{account_id}"``; ``unique=True`` keeps at most one queued or running job per
     task and arguments (see :func:`default_unique_key`).
+
+    ``retries`` is how many runs may follow a failed first one; ``retry_on`` and
+    ``dont_retry_on`` (exception classes) narrow which failures use them (see
+    :class:`broker.retry.RetryPolicy`). Arguments that do not fit the function are never
+    retried.
     """
 
     def register(fn: Callable[P, R]) -> Task[P, R]:
@@ -487,6 +499,12 @@ def task(
             raise ConfigurationError(f"unknown execution mode {mode!r}") from None
         if concurrency_key is not None:
             _check_key_template(fn, concurrency_key)
+        policy = None
+        if retry_on is not None or dont_retry_on is not None:
+            policy = RetryPolicy(
+                retry_on=(Exception,) if retry_on is None else retry_on,
+                dont_retry_on=() if dont_retry_on is None else dont_retry_on,
+            )
         registered = Task(
             name=name or f"{_module_name(fn)}.{fn.__qualname__}",
             func=fn,
@@ -498,6 +516,7 @@ def task(
             concurrency_key=concurrency_key,
             concurrency_limit=concurrency_limit,
             unique=unique,
+            retry=policy,
         )
         periodic = _declared_schedule(
             registered, cron=cron, every=every, timezone=timezone, catch_up=catch_up

@@ -32,7 +32,9 @@ from broker import codec, protocol
 from broker.exceptions import ProtocolError, TaskNotFoundError
 from broker.jobs import ExecutionMode
 from broker.payload import result_problem
+from broker.retry import RetryPolicy, reported_exception
 from broker.runner import Assignment, Completed, Failed, Released, Rescheduled, RunOutcome
+from broker.tasks import Task
 
 LeaseKey: TypeAlias = tuple[uuid.UUID, uuid.UUID]
 """``(job_id, handoff_id)``: one handoff of one job."""
@@ -101,7 +103,8 @@ class WorkerState:
     :param modes: the execution modes this worker has a runner for.
     :param queues: serve only these queues (``None``: every queue).
     :param lookup_task: raises :class:`~broker.exceptions.TaskNotFoundError` for a task
-        this worker may not run (``TaskRegistry.get``).
+        this worker may not run (``TaskRegistry.get``); a :class:`~broker.tasks.Task` it
+        returns also has its job's arguments checked and its retry policy applied.
     """
 
     def __init__(
@@ -118,6 +121,8 @@ class WorkerState:
         self._logger = logger
         self._link: _Link | None = None
         self._running: dict[LeaseKey, ExecutionMode] = {}
+        self._policies: dict[LeaseKey, RetryPolicy] = {}
+        """The retry policy of each running job whose task declares one."""
         self._starting: Counter[ExecutionMode] = Counter()
         """Jobs started but not yet inside ``runner.run`` (so not yet holding their slot):
         subtracted from the runner's free slots until they are."""
@@ -244,17 +249,29 @@ class WorkerState:
         try:
             # Checked here as well as in the runner, so an unknown name never reaches a
             # child process and never costs a slot.
-            self._lookup_task(msg.task)
+            task = self._lookup_task(msg.task)
         except TaskNotFoundError as exc:
             self._log_job(logging.ERROR, "job failed: unknown task", key, task=msg.task)
             self._report(key, protocol.FailedReport(*key, error=str(exc), retry=False))
             return []
+        if isinstance(task, Task):
+            try:
+                # A job stored by name (the CLI, a client without the task module) was
+                # never bound; arguments that do not fit fail every run alike.
+                task.check_arguments(msg.args, msg.kwargs)
+            except TypeError as exc:
+                self._log_job(logging.ERROR, "job failed: bad arguments", key, task=msg.task)
+                error = f"{exc} (not retried: the same arguments fail on every run)"
+                self._report(key, protocol.FailedReport(*key, error=error, retry=False))
+                return []
         if free.get(mode, 0) - self._starting[mode] <= 0:
             self._release(key, f"no free {mode} slot")
             return []
         assignment = codec.assignment(msg)
         self._starting[mode] += 1
         self._running[key] = mode
+        if isinstance(task, Task) and task.retry is not None:
+            self._policies[key] = task.retry
         self._log_job(
             logging.INFO, "job started", key, task=msg.task, mode=mode.value, attempt=msg.attempt
         )
@@ -269,6 +286,9 @@ class WorkerState:
         """A run ended with ``outcome`` (``None``: abandoned while shutting down, nothing
         to report); its report joins the outbox and its slot is advertised again."""
         del self._running[key]
+        policy = self._policies.pop(key, None)
+        if isinstance(outcome, Failed) and outcome.retry and policy is not None:
+            outcome = _under_policy(outcome, policy)
         if outcome is None:
             self._given_up.discard(key)
         else:
@@ -504,3 +524,16 @@ def log_job(
 
 def lease_ids(key: LeaseKey) -> dict[str, str]:
     return {"job_id": str(key[0]), "handoff_id": str(key[1])}
+
+
+def _under_policy(outcome: Failed, policy: RetryPolicy) -> Failed:
+    """The failure as the task's retry policy judges it: one its exception rules out is
+    not retried (and says why). An exception this process cannot name is retried, as
+    without a policy: only a declared rule ends a job early."""
+    error = reported_exception(outcome.error)
+    if error is None or policy.retries(error):
+        return outcome
+    return Failed(
+        f"{outcome.error}\n(not retried: the task's retry policy excludes {error.__qualname__})",
+        retry=False,
+    )
