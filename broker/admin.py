@@ -436,6 +436,7 @@ def enqueue_request(args: argparse.Namespace) -> protocol.JobRequest:
         "idempotency_key": args.idempotency_key,
         "unique_key": args.unique_key,
         "execution_mode": args.mode,
+        "max_attempts": None if args.retries is None else args.retries + 1,
     }
     # Built as a spec first, so a bad request fails here with the spec's message.
     spec = JobSpec(

@@ -823,6 +823,15 @@ def broker_parser() -> argparse.ArgumentParser:
         help="while a queued or running job holds this key, return it instead of a new one",
     )
     enq.add_argument("--mode", choices=[m.value for m in ExecutionMode], default=None)
+    enq.add_argument(
+        "--retries",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="runs allowed after a failed first one (default 10; this command cannot see "
+        "the task's @task(retries=...), so give it here, e.g. 0 for a task that must "
+        "not repeat)",
+    )
     prune = command("prune", "delete finished jobs (never a queued or running one)")
     prune.add_argument(
         "--older-than",
