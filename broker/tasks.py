@@ -8,6 +8,7 @@ by importing the app's own modules, which the operator names on the command line
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -158,6 +159,14 @@ class Task(Generic[P, R]):
     retry: RetryPolicy | None = None
     """Which exceptions are worth a retry (``None``: every ``Exception``)."""
 
+    @functools.cached_property
+    def _signature(self) -> inspect.Signature | None:
+        """Computed once: the worker checks every job's arguments against it."""
+        try:
+            return inspect.signature(self.func)
+        except (TypeError, ValueError):
+            return None
+
     @property
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.func)
@@ -219,9 +228,8 @@ class Task(Generic[P, R]):
         """Raise ``TypeError`` unless a call with ``args`` and ``kwargs`` would bind to the
         function's parameters: a job that could never run is refused before it is stored,
         instead of failing in a worker and being retried."""
-        try:
-            signature = inspect.signature(self.func)
-        except (TypeError, ValueError):
+        signature = self._signature
+        if signature is None:
             return  # a callable without a signature (a builtin): nothing to check against
         try:
             signature.bind(*args, **kwargs)
