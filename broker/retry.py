@@ -75,9 +75,14 @@ class ExponentialBackoff:
         (``10.0 ** 400`` overflows a float)."""
         if self.base == 0:
             return 0.0
-        if self.factor > 1 and exponent > math.log(self.cap / self.base, self.factor):
+        # Compared as logarithms: cap / base itself overflows for a tiny base.
+        headroom = math.log(self.cap) - math.log(self.base)
+        if self.factor > 1 and exponent * math.log(self.factor) > headroom:
             return self.cap
-        return min(self.cap, self.base * self.factor**exponent)
+        try:
+            return min(self.cap, self.base * self.factor**exponent)
+        except OverflowError:  # at the edge of the check's rounding
+            return self.cap
 
     def __call__(self, failures: int, rng: random.Random | None = None) -> timedelta:
         _check_failures(failures)
