@@ -1,6 +1,7 @@
 """broker: an asyncio job broker that never loses a job and never lets a stale worker win.
 
-``broker.__all__`` is what users import: ``task`` to declare jobs, ``Client`` and
+``broker.__all__`` is what users import: ``task`` to declare jobs (and enqueue them:
+``send_email.enqueue(...)``), ``configure`` to say once where the main is, ``Client`` and
 ``SyncClient`` to enqueue and inspect them, ``Reschedule`` for a task to ask for a later
 run, ``Schedule`` for periodic jobs, every exception of the one error tree, and the
 types a custom storage adapter implements (``StorageAdapter`` and what its methods
