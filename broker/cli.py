@@ -385,8 +385,9 @@ _RUNNER_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     (
         "--pooled-max-jobs",
         _number(int, "pooled max jobs"),
-        100,
-        "recycle a pooled child after this many jobs",
+        None,
+        "recycle a pooled child after this many jobs (default: never; the memory and "
+        "age limits still apply)",
     ),
     (
         "--pooled-max-rss-bytes",
