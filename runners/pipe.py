@@ -101,7 +101,9 @@ def encode(message: _Message) -> bytes:
     too deeply, say), so the caller can fail that job alone."""
     try:
         return _encoder.encode(message)
-    except (RecursionError, TypeError, msgspec.EncodeError) as exc:
+    except RecursionError:
+        raise ValueError("it nests too deeply to be encoded as JSON") from None
+    except (TypeError, msgspec.EncodeError) as exc:
         raise ValueError(f"it cannot be encoded as JSON: {exc}") from None
 
 
