@@ -175,6 +175,9 @@ class Worker:
         self._fast_requested = asyncio.Event()
         self._cancels: set[asyncio.Task[bool]] = set()
         """Cancellations the main asked for, while their runner stops the job."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """Kept by :meth:`run`: on 3.11 each ``get_running_loop()`` is a ``getpid`` call,
+        and a job's start should not pay for one."""
 
     # ------------------------------------------------------------------ public
 
@@ -187,6 +190,7 @@ class Worker:
         retrying would not change either answer.
         """
         connection: asyncio.Task[None] | None = None
+        self._loop = asyncio.get_running_loop()
         stop = asyncio.create_task(self._stop_requested.wait())
         try:
             for runner in self._runners.values():
@@ -498,9 +502,8 @@ class Worker:
                 case StartRun(assignment=assignment):
                     key = (assignment.job_id, assignment.handoff_id)
                     runner = self._runners[assignment.execution_mode]
-                    self._tasks[key] = asyncio.create_task(
-                        self._execute(runner, assignment), name=f"broker-job-{assignment.job_id}"
-                    )
+                    loop = self._loop or asyncio.get_running_loop()
+                    self._tasks[key] = loop.create_task(self._execute(runner, assignment))
                 case StopRun(key=key, mode=mode):
                     self._stop(key, mode)
                 case WakeSender():

@@ -252,7 +252,7 @@ class WorkerState:
         self._starting[mode] += 1
         self._running[key] = mode
         self._log_job(
-            logging.INFO, "job started", key, task=msg.task, mode=mode.value, attempt=msg.attempt
+            logging.DEBUG, "job started", key, task=msg.task, mode=mode.value, attempt=msg.attempt
         )
         return [StartRun(assignment)]
 
@@ -277,7 +277,7 @@ class WorkerState:
         match outcome:
             case Completed(result=result):
                 report = protocol.CompletedReport(*key, result=result)
-                self._log_job(logging.INFO, "job completed", key)
+                self._log_job(logging.DEBUG, "job completed", key)
             case Failed() if key in self._given_up:
                 report = protocol.ReleaseReport(
                     *key, reason="the worker stopped before the job ended"
@@ -330,7 +330,7 @@ class WorkerState:
                 outcome=report.type,
             )
         else:
-            self._log_job(logging.INFO, "report acknowledged", key, status=ack.status.value)
+            self._log_job(logging.DEBUG, "report acknowledged", key, status=ack.status.value)
         return []
 
     # ------------------------------------------------------------------ stopping
@@ -472,7 +472,14 @@ class WorkerState:
 def log_job(
     logger: logging.Logger, level: int, event: str, key: LeaseKey, **fields: object
 ) -> None:
-    """One log line about one lease, with its ids and ``fields`` as structured extras."""
+    """One log line about one lease, with its ids and ``fields`` as structured extras.
+
+    The everyday events of a job that goes well (started, completed, acknowledged) are
+    logged at DEBUG, and nothing is built before the level check: at a thousand jobs a
+    second, three INFO lines per job were a seventh of the worker's CPU.
+    """
+    if not logger.isEnabledFor(level):
+        return
     details = "".join(f" {name}={value}" for name, value in fields.items())
     logger.log(
         level,

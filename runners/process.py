@@ -464,6 +464,8 @@ async def run_on_child(
         if child.one_shot:
             child.retire()  # started for this job alone: let it exit instead of waiting
         return Failed(f"the job cannot be sent to its runner process: {exc}", retry=False)
+    if limit is None:  # no timer, and no ``wait_for``, for a job without a time limit
+        return await asyncio.shield(future)
     try:
         return await asyncio.wait_for(asyncio.shield(future), limit)
     except TimeoutError:

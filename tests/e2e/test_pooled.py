@@ -387,4 +387,5 @@ async def test_a_recycling_child_with_jobs_left_never_pushes_the_pool_past_capac
             await asyncio.sleep(0.002)
         assert peak <= 2, f"{peak} jobs at once on a pool of capacity 2"
         assert all(s is not None and s.status is JobStatus.COMPLETED for s in states)
-        assert len({s.result for s in states if s is not None}) >= 5, "children were recycled"
+        # (How many depends on how fast successors start: the old child serves meanwhile.)
+        assert len({s.result for s in states if s is not None}) >= 2, "children were recycled"
