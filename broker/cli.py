@@ -31,7 +31,7 @@ from broker.retention import Retention
 from broker.schedule import declared_in
 from broker.tasks import default_registry
 from broker.untrusted import escape_control, escape_log_output
-from broker.worker import Worker
+from broker.worker import DEFAULT_PREFETCH, Worker
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./broker.db"
 
@@ -462,6 +462,15 @@ def worker_parser() -> argparse.ArgumentParser:
     )
     _env_option(
         p,
+        "--prefetch",
+        type=_count,
+        default=DEFAULT_PREFETCH,
+        help="jobs per mode held beyond the free slots, so a finished job's slot is "
+        "refilled at once; their leases go back if the connection drops "
+        f"(default: {DEFAULT_PREFETCH})",
+    )
+    _env_option(
+        p,
         "--log-level",
         default="INFO",
         help="DEBUG, INFO, WARNING or ERROR",
@@ -533,6 +542,7 @@ async def run_worker(args: argparse.Namespace) -> None:
         token=args.token or None,
         queues=queues,
         drain_timeout=float(args.drain_timeout) if args.drain_timeout else None,
+        prefetch=args.prefetch,
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

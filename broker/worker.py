@@ -81,6 +81,10 @@ CANCEL_WAIT = 5.0
 MAX_LINE_BYTES = 16 * 1024 * 1024
 """The longest line accepted from a main, whatever its welcome says (a memory bound)."""
 
+DEFAULT_PREFETCH = 1
+"""Jobs per mode a worker holds beyond its free slots unless told otherwise (see the
+measurement in docs/howto/deploy.md)."""
+
 _FIRST_RECONNECT_DELAY = 0.1
 _STABLE_CONNECTION = 5.0
 """A connection that lasted this long resets the backoff; shorter ones keep growing it,
@@ -110,6 +114,10 @@ class Worker:
     :param queues: serve only these queues (``None``: every queue).
     :param drain_timeout: how long a graceful stop waits for running jobs before
         cancelling them (``None``: as long as they take).
+    :param prefetch: jobs per mode this worker may hold beyond its free slots, so a
+        finished job's slot is refilled without waiting for the main (see
+        :mod:`broker.worker_state`). A prefetched job's lease goes back to the queue if
+        the connection drops.
     """
 
     def __init__(
@@ -127,6 +135,7 @@ class Worker:
         reconnect_max_delay: float = 10.0,
         drain_timeout: float | None = None,
         logger: logging.Logger | None = None,
+        prefetch: int = DEFAULT_PREFETCH,
     ) -> None:
         if not worker_id:
             raise ConfigurationError("worker_id must be a non-empty string")
@@ -144,6 +153,7 @@ class Worker:
         )
         checks.positive("reconnect_max_delay", reconnect_max_delay)
         checks.optional(checks.non_negative, "drain_timeout", drain_timeout)
+        checks.non_negative_int("prefetch", prefetch)
         self.worker_id = worker_id
         self._address = (main_host, main_port)
         self._runners = dict(runners)
@@ -161,6 +171,7 @@ class Worker:
             queues=self._queues,
             lookup_task=self._registry.get,
             logger=self._logger,
+            prefetch=prefetch,
         )
         self._conn: _Connection | None = None
         self._tasks: dict[LeaseKey, asyncio.Task[None]] = {}
@@ -224,6 +235,7 @@ class Worker:
             "draining": self._state.draining,
             "runners": {mode.value: runner.status() for mode, runner in self._runners.items()},
             "running": len(self._state.running),
+            "prefetched": len(self._state.queued),
             "outbox": len(self._state.outbox),
         }
 
@@ -262,7 +274,9 @@ class Worker:
 
     async def _cancel_running(self, *, give_up: bool) -> None:
         """Cancel every running job: a cancelled job fails (it ran past the drain
-        deadline), unless ``give_up``, when it is released back to the queue unharmed."""
+        deadline), unless ``give_up``, when it is released back to the queue unharmed.
+        Prefetched jobs go back first, so none starts in a cancelled job's slot."""
+        self._apply(self._state.give_back_queued())
         for key in list(self._state.running):
             # Awaited one by one, not through ``_apply``: the drain waits for them.
             stop = self._state.stop_run(key, give_up=give_up)
@@ -488,7 +502,7 @@ class Worker:
 
     def _capacity_changed(self) -> None:
         """A runner's free slots may have changed (called on the loop's thread)."""
-        self._apply(self._state.capacity_changed())
+        self._apply(self._state.capacity_changed(self._free_slots()))
 
     def _free_slots(self) -> dict[ExecutionMode, int]:
         return {mode: runner.free_slots() for mode, runner in self._runners.items()}
@@ -547,7 +561,7 @@ class Worker:
                 outcome = Failed(f"the {assignment.execution_mode} runner failed: {exc!r}")
         finally:
             del self._tasks[key]
-            self._apply(self._state.run_finished(key, outcome))
+            self._apply(self._state.run_finished(key, outcome, self._free_slots()))
 
     # ------------------------------------------------------------------ messages
 

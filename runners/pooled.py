@@ -164,7 +164,6 @@ class PooledRunner:
             predecessor.retire()
         assert self._guard is not None
         self._guard.succeeded()
-        self._listener()
 
     def _on_exit(self, child: ChildProcess) -> None:
         if child in self._children:

@@ -70,7 +70,10 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(
-    store: StorageAdapter | None = None, queues: list[str] | None = None, **options: Any
+    store: StorageAdapter | None = None,
+    queues: list[str] | None = None,
+    prefetch: int = 0,  # credit equals free slots exactly unless a test asks for a window
+    **options: Any,
 ) -> AsyncIterator[Cluster]:
     store = store or MemoryAdapter()
     main = Main(
@@ -97,6 +100,7 @@ async def cluster(
         ping_interval=0.5,
         liveness_timeout=5,
         queues=queues,
+        prefetch=prefetch,
     )
     running = asyncio.create_task(worker.run())
     try:
