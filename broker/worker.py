@@ -102,6 +102,9 @@ class _Connection:
     ping_interval: float
     status_sent: tuple[object, ...] | None = None
     """What the last ``worker_status`` said about capacity and start-up errors."""
+    heard: float = 0.0
+    """Loop time when the read loop last had a message from the main (see
+    :meth:`Worker._watch_liveness`)."""
 
 
 class Worker:
@@ -436,6 +439,7 @@ class Worker:
             asyncio.create_task(self._read_loop(conn), name="broker-worker-read"),
             asyncio.create_task(self._send_loop(conn), name="broker-worker-send"),
             asyncio.create_task(self._ping_loop(conn), name="broker-worker-ping"),
+            asyncio.create_task(self._watch_liveness(conn), name="broker-worker-liveness"),
         ]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -449,15 +453,24 @@ class Worker:
             await asyncio.gather(*tasks, return_exceptions=True)
             await conn.writer.close(grace=1.0)
 
-    async def _read_loop(self, conn: _Connection) -> None:
+    async def _watch_liveness(self, conn: _Connection) -> None:
+        """Ends the connection once nothing has come from the main for the liveness
+        timeout: one timer per connection, where a timeout around every read cost a
+        timer and three ``getpid`` calls per message."""
+        loop = asyncio.get_running_loop()
+        conn.heard = loop.time()
         while True:
+            silent = loop.time() - conn.heard
+            if silent >= self._liveness_timeout:
+                raise TimeoutError(f"nothing from the main for {self._liveness_timeout} s")
+            await asyncio.sleep(self._liveness_timeout - silent)
+
+    async def _read_loop(self, conn: _Connection) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn.heard = loop.time()  # the previous message (or the welcome) just came
             try:
-                async with asyncio.timeout(self._liveness_timeout):
-                    msg = await wire.read_message(conn.lines)
-            except TimeoutError:
-                raise TimeoutError(
-                    f"nothing from the main for {self._liveness_timeout} s"
-                ) from None
+                msg = await wire.read_message(conn.lines)
             except protocol.UnknownTypeError as exc:
                 # A newer main may send messages this worker does not know; skip them.
                 self._logger.warning("ignoring a message from the main: %s", exc)
