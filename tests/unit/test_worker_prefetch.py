@@ -9,15 +9,19 @@ import logging
 import uuid
 from collections import Counter
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from broker import protocol
+from broker import cli, protocol
 from broker.admission import Credits
+from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode
 from broker.runner import Completed
+from broker.worker import DEFAULT_PREFETCH, Worker
 from broker.worker_state import LeaseKey, StartRun, WorkerEffect, WorkerState
+from runners.inline import InlineRunner
 from tests.unit.conftest import PROFILE
 
 INLINE = ExecutionMode.INLINE
@@ -299,3 +303,20 @@ class PrefetchRules(RuleBasedStateMachine):
 
 PrefetchRules.TestCase.settings = settings.get_profile(PROFILE)
 test_prefetch_rules = PrefetchRules.TestCase
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_the_window_is_a_worker_setting_with_a_checked_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parser = cli.worker_parser()
+    assert parser.parse_args(["--app", "m"]).prefetch == DEFAULT_PREFETCH
+    assert parser.parse_args(["--app", "m", "--prefetch", "0"]).prefetch == 0
+    monkeypatch.setenv("BROKER_PREFETCH", "5")
+    assert cli.worker_parser().parse_args(["--app", "m"]).prefetch == 5
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--app", "m", "--prefetch", "-1"])
+    with pytest.raises(ConfigurationError):
+        Worker("127.0.0.1", 1, worker_id="w", runners={INLINE: InlineRunner()}, prefetch=-1)
