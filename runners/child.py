@@ -146,9 +146,6 @@ async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bo
         channel.queue(encoded)
         sampler.job_done()
 
-    def done(task: asyncio.Task[None]) -> None:
-        running.discard(task)
-
     channel.send(pipe.ReadyLine(os.getpid()))
     while True:
         line = await reader.readline()
@@ -161,7 +158,7 @@ async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bo
                 case pipe.JobLine():
                     task = loop.create_task(run(pipe.assignment_of(message)))
                     running.add(task)
-                    task.add_done_callback(done)
+                    task.add_done_callback(running.discard)
         if one_shot and running:
             break
     if running:

@@ -184,6 +184,8 @@ class PooledRunner:
                 child.pid,
                 child.exit_code,
             )
+            if len(self._serving()) < self._count:
+                self._spawn()  # now, so it is warm before a job needs its place
         self._listener()
 
     def _pick(self) -> ChildProcess | None:

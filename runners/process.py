@@ -261,6 +261,10 @@ class ChildProcess:
             return
         finally:
             os.close(write_fd)
+        if self.retiring and self._proc.stdin is not None:
+            # Retired (its pool stopping) while the process was being created: it must
+            # not wait for jobs that will never come, and outlive its worker's loop.
+            self._proc.stdin.close()
         loop = asyncio.get_running_loop()
         channel = asyncio.StreamReader(limit=CHANNEL_LIMIT)
         await loop.connect_read_pipe(
@@ -423,10 +427,13 @@ class ChildProcess:
 
     async def terminate(self, grace: float) -> None:
         """SIGTERM, then SIGKILL if the child is still there after ``grace`` seconds."""
-        if self._proc is None or self._proc.returncode is not None:
+        if self._proc is None and not self._boot.done():
+            self.retiring = True  # being created: ``_start`` closes its job channel at once
+        elif self._proc is None or self._proc.returncode is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            self._proc.terminate()
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.terminate()
         try:
             await asyncio.wait_for(asyncio.shield(self._boot), grace)
         except TimeoutError:
