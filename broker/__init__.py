@@ -2,9 +2,10 @@
 
 ``broker.__all__`` is what users import: ``task`` to declare jobs (and enqueue them:
 ``send_email.enqueue(...)``), ``configure`` to say once where the main is, ``Client`` and
-``SyncClient`` to enqueue and inspect them, ``Reschedule`` for a task to ask for a later
-run, ``Schedule`` for periodic jobs, every exception of the one error tree, and the
-types a custom storage adapter implements (``StorageAdapter`` and what its methods
+``SyncClient`` to enqueue and inspect them, ``enqueue_in`` and ``enqueue_in_async`` to
+insert jobs in the application's own database transaction, ``Reschedule`` for a task to
+ask for a later run, ``Schedule`` for periodic jobs, every exception of the one error
+tree, and the types a custom storage adapter implements (``StorageAdapter`` and what its methods
 take and return). Everything else is internal: import it at your own risk.
 """
 
@@ -46,6 +47,13 @@ if TYPE_CHECKING:
     from broker.client import Client, SyncClient, configure
     from broker.schedule import Schedule
     from broker.tasks import Task, TaskRegistry, task
+    from broker.transactional import (
+        EnqueueOptions,
+        enqueue_in,
+        enqueue_in_async,
+        enqueue_many_in,
+        enqueue_many_in_async,
+    )
 
 _LAZY = {
     "Client": "broker.client",
@@ -55,6 +63,11 @@ _LAZY = {
     "Task": "broker.tasks",
     "TaskRegistry": "broker.tasks",
     "task": "broker.tasks",
+    "EnqueueOptions": "broker.transactional",
+    "enqueue_in": "broker.transactional",
+    "enqueue_in_async": "broker.transactional",
+    "enqueue_many_in": "broker.transactional",
+    "enqueue_many_in_async": "broker.transactional",
 }
 """Loaded on first use: the client (anyio) and the task and schedule modules (the cron
 library) would add about 75 ms to every process that imports any part of ``broker``,
@@ -77,6 +90,7 @@ __all__ = [
     "Claim",
     "Client",
     "ConfigurationError",
+    "EnqueueOptions",
     "EnqueueResult",
     "ExecutionMode",
     "InvalidJobError",
@@ -105,5 +119,9 @@ __all__ = [
     "TaskRegistry",
     "UniqueKeyTakenError",
     "configure",
+    "enqueue_in",
+    "enqueue_in_async",
+    "enqueue_many_in",
+    "enqueue_many_in_async",
     "task",
 ]

@@ -81,6 +81,12 @@ CANCEL_WAIT = 5.0
 MAX_LINE_BYTES = 16 * 1024 * 1024
 """The longest line accepted from a main, whatever its welcome says (a memory bound)."""
 
+DEFAULT_PREFETCH = 1
+"""Jobs per mode a worker holds beyond its free slots unless told otherwise. Draining
+5,000 no-op jobs through 2 pooled children x 10, a window of 1 was faster than none,
+and 4 or 10 could not be told apart from 1 on a loaded machine; a larger window costs
+fairness (a prefetched job waits behind this worker's long jobs while another idles)."""
+
 _FIRST_RECONNECT_DELAY = 0.1
 _STABLE_CONNECTION = 5.0
 """A connection that lasted this long resets the backoff; shorter ones keep growing it,
@@ -98,6 +104,9 @@ class _Connection:
     ping_interval: float
     status_sent: tuple[object, ...] | None = None
     """What the last ``worker_status`` said about capacity and start-up errors."""
+    heard: float = 0.0
+    """Loop time when the read loop last had a message from the main (see
+    :meth:`Worker._watch_liveness`)."""
 
 
 class Worker:
@@ -110,6 +119,10 @@ class Worker:
     :param queues: serve only these queues (``None``: every queue).
     :param drain_timeout: how long a graceful stop waits for running jobs before
         cancelling them (``None``: as long as they take).
+    :param prefetch: jobs per mode this worker may hold beyond its free slots, so a
+        finished job's slot is refilled without waiting for the main (see
+        :mod:`broker.worker_state`). A prefetched job's lease goes back to the queue if
+        the connection drops.
     """
 
     def __init__(
@@ -127,6 +140,7 @@ class Worker:
         reconnect_max_delay: float = 10.0,
         drain_timeout: float | None = None,
         logger: logging.Logger | None = None,
+        prefetch: int = DEFAULT_PREFETCH,
     ) -> None:
         if not worker_id:
             raise ConfigurationError("worker_id must be a non-empty string")
@@ -144,6 +158,7 @@ class Worker:
         )
         checks.positive("reconnect_max_delay", reconnect_max_delay)
         checks.optional(checks.non_negative, "drain_timeout", drain_timeout)
+        checks.non_negative_int("prefetch", prefetch)
         self.worker_id = worker_id
         self._address = (main_host, main_port)
         self._runners = dict(runners)
@@ -161,6 +176,7 @@ class Worker:
             queues=self._queues,
             lookup_task=self._registry.get,
             logger=self._logger,
+            prefetch=prefetch,
         )
         self._conn: _Connection | None = None
         self._tasks: dict[LeaseKey, asyncio.Task[None]] = {}
@@ -175,6 +191,9 @@ class Worker:
         self._fast_requested = asyncio.Event()
         self._cancels: set[asyncio.Task[bool]] = set()
         """Cancellations the main asked for, while their runner stops the job."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """Kept by :meth:`run`: on 3.11 each ``get_running_loop()`` is a ``getpid`` call,
+        and a job's start should not pay for one."""
 
     # ------------------------------------------------------------------ public
 
@@ -187,6 +206,7 @@ class Worker:
         retrying would not change either answer.
         """
         connection: asyncio.Task[None] | None = None
+        self._loop = asyncio.get_running_loop()
         stop = asyncio.create_task(self._stop_requested.wait())
         try:
             for runner in self._runners.values():
@@ -220,6 +240,7 @@ class Worker:
             "draining": self._state.draining,
             "runners": {mode.value: runner.status() for mode, runner in self._runners.items()},
             "running": len(self._state.running),
+            "prefetched": len(self._state.queued),
             "outbox": len(self._state.outbox),
         }
 
@@ -258,7 +279,9 @@ class Worker:
 
     async def _cancel_running(self, *, give_up: bool) -> None:
         """Cancel every running job: a cancelled job fails (it ran past the drain
-        deadline), unless ``give_up``, when it is released back to the queue unharmed."""
+        deadline), unless ``give_up``, when it is released back to the queue unharmed.
+        Prefetched jobs go back first, so none starts in a cancelled job's slot."""
+        self._apply(self._state.give_back_queued())
         for key in list(self._state.running):
             # Awaited one by one, not through ``_apply``: the drain waits for them.
             stop = self._state.stop_run(key, give_up=give_up)
@@ -371,11 +394,12 @@ class Worker:
     async def _handshake(
         self, lines: wire.LineReader, writer: wire.MessageWriter
     ) -> protocol.Welcome:
-        match await wire.read_message(lines):
+        host, port = self._address
+        match await wire.read_greeting(lines, f"{host}:{port}", wire.GREETING_TIMEOUT):
             case protocol.Challenge() as challenge:
                 pass
-            case first:
-                raise self._refusal(first, "challenge")
+            case refusal:
+                raise self._refusal(refusal, "challenge")
         if challenge.auth_required and not self._token:
             raise ConfigurationError(
                 "the main requires a token: set the same BROKER_TOKEN as on the main"
@@ -384,6 +408,7 @@ class Worker:
             protocol.Hello(
                 role=protocol.Role.WORKER,
                 protocol=protocol.PROTOCOL_VERSION,
+                protocols=list(protocol.SUPPORTED_PROTOCOLS),
                 proof=protocol.make_proof(self._token, challenge.nonce) if self._token else None,
                 worker_id=self.worker_id,
                 host=socket.gethostname(),
@@ -396,8 +421,13 @@ class Worker:
             )
         )
         match await wire.read_message(lines):
-            case protocol.Welcome() as welcome:
+            case protocol.Welcome() as welcome if welcome.protocol in protocol.SUPPORTED_PROTOCOLS:
                 return welcome
+            case protocol.Welcome() as welcome:
+                raise ConfigurationError(
+                    f"the main chose protocol {welcome.protocol}, which this worker does not "
+                    "speak: run the same broker version on both"
+                )
             case reply:
                 raise self._refusal(reply, "welcome")
 
@@ -418,6 +448,7 @@ class Worker:
             asyncio.create_task(self._read_loop(conn), name="broker-worker-read"),
             asyncio.create_task(self._send_loop(conn), name="broker-worker-send"),
             asyncio.create_task(self._ping_loop(conn), name="broker-worker-ping"),
+            asyncio.create_task(self._watch_liveness(conn), name="broker-worker-liveness"),
         ]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -431,21 +462,30 @@ class Worker:
             await asyncio.gather(*tasks, return_exceptions=True)
             await conn.writer.close(grace=1.0)
 
-    async def _read_loop(self, conn: _Connection) -> None:
+    async def _watch_liveness(self, conn: _Connection) -> None:
+        """Ends the connection once nothing has come from the main for the liveness
+        timeout: one timer per connection, where a timeout around every read cost a
+        timer and three ``getpid`` calls per message."""
+        loop = asyncio.get_running_loop()
+        conn.heard = loop.time()
         while True:
+            silent = loop.time() - conn.heard
+            if silent >= self._liveness_timeout:
+                raise TimeoutError(f"nothing from the main for {self._liveness_timeout} s")
+            await asyncio.sleep(self._liveness_timeout - silent)
+
+    async def _read_loop(self, conn: _Connection) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn.heard = loop.time()  # the previous message (or the welcome) just came
             try:
-                async with asyncio.timeout(self._liveness_timeout):
-                    msg = await wire.read_message(conn.lines)
-            except TimeoutError:
-                raise TimeoutError(
-                    f"nothing from the main for {self._liveness_timeout} s"
-                ) from None
+                msg = await wire.read_message(conn.lines)
             except protocol.UnknownTypeError as exc:
                 # A newer main may send messages this worker does not know; skip them.
                 self._logger.warning("ignoring a message from the main: %s", exc)
                 continue
             except protocol.DecodeError as exc:
-                if exc.msg_type != protocol.ReportAck.type:
+                if exc.msg_type not in (protocol.ReportAck.type, protocol.ReportAcks.type):
                     raise
                 # A newer main may answer with a status this worker does not know. Keep
                 # the connection (and the leases on it); the report stays in the outbox
@@ -457,24 +497,33 @@ class Worker:
             self._handle(msg)
 
     async def _send_loop(self, conn: _Connection) -> None:
-        """The one sender of everything except pings: reports in outbox order, then at
+        """The one sender of everything except pings: reports in outbox order (as few
+        ``reports`` lines as the line limit allows, each report encoded once), then at
         most one ``ready`` per wake-up, computed at the moment it is sent."""
+        batch_bytes = min(conn.welcome.max_line_bytes, wire.BATCH_LINE_BYTES)
         while True:
             await self._wake.wait()
             # One more turn lets a job that just freed its slot file its report, so the
             # report and the ``ready`` counting its slot go out together.
             await asyncio.sleep(0)
             self._wake.clear()
-            batch = self._state.outgoing()
+            lines: list[bytes] = []
+            reports: list[bytes] = []
+            for msg in self._state.outgoing():
+                if isinstance(msg, protocol.Report):
+                    reports.append(self._state.encoded(msg))
+                else:
+                    lines.append(protocol.encode(msg))
+            lines.extend(protocol.pack(protocol.Reports, reports, batch_bytes))
             ready = self._state.take_ready(self._free_slots())
             if ready is not None or conn.status_sent is None:
                 status = self._status_message(conn)
                 if status is not None:
-                    batch.append(status)
+                    lines.append(status)
             if ready is not None:
-                batch.append(ready)
+                lines.append(protocol.encode(ready))
             async with asyncio.timeout(self._liveness_timeout):
-                await conn.writer.send_many(batch)
+                await conn.writer.write_raw(b"".join(lines))
 
     async def _ping_loop(self, conn: _Connection) -> None:
         for nonce in itertools.count(1):
@@ -484,7 +533,7 @@ class Worker:
 
     def _capacity_changed(self) -> None:
         """A runner's free slots may have changed (called on the loop's thread)."""
-        self._apply(self._state.capacity_changed())
+        self._apply(self._state.capacity_changed(self._free_slots()))
 
     def _free_slots(self) -> dict[ExecutionMode, int]:
         return {mode: runner.free_slots() for mode, runner in self._runners.items()}
@@ -498,9 +547,8 @@ class Worker:
                 case StartRun(assignment=assignment):
                     key = (assignment.job_id, assignment.handoff_id)
                     runner = self._runners[assignment.execution_mode]
-                    self._tasks[key] = asyncio.create_task(
-                        self._execute(runner, assignment), name=f"broker-job-{assignment.job_id}"
-                    )
+                    loop = self._loop or asyncio.get_running_loop()
+                    self._tasks[key] = loop.create_task(self._execute(runner, assignment))
                 case StopRun(key=key, mode=mode):
                     self._stop(key, mode)
                 case WakeSender():
@@ -544,7 +592,7 @@ class Worker:
                 outcome = Failed(f"the {assignment.execution_mode} runner failed: {exc!r}")
         finally:
             del self._tasks[key]
-            self._apply(self._state.run_finished(key, outcome))
+            self._apply(self._state.run_finished(key, outcome, self._free_slots()))
 
     # ------------------------------------------------------------------ messages
 
@@ -552,8 +600,14 @@ class Worker:
         match msg:
             case protocol.JobHandoff():
                 self._apply(self._state.job_received(msg, self._free_slots()))
+            case protocol.Jobs(jobs=jobs):
+                for job in jobs:
+                    self._apply(self._state.job_received(job, self._free_slots()))
             case protocol.ReportAck():
                 self._apply(self._state.ack_received(msg))
+            case protocol.ReportAcks(acks=acks):
+                for ack in acks:
+                    self._apply(self._state.ack_received(ack))
             case protocol.CancelJob():
                 self._apply(self._state.cancel_received(msg))
             case protocol.Ping(nonce=nonce):
@@ -571,9 +625,9 @@ class Worker:
             case _:
                 self._logger.warning("ignoring an unexpected %s message from the main", msg.type)
 
-    def _status_message(self, conn: _Connection) -> protocol.WorkerStatus | None:
-        """A ``worker_status`` when capacity or a start-up error changed since the last one
-        sent on this connection (always the first time), else ``None``."""
+    def _status_message(self, conn: _Connection) -> bytes | None:
+        """A ``worker_status`` line when capacity or a start-up error changed since the last
+        one sent on this connection (always the first time), else ``None``."""
         runners = {mode: runner.status() for mode, runner in self._runners.items()}
         signature = (
             self._state.draining,
@@ -584,13 +638,12 @@ class Worker:
         conn.status_sent = signature
         status = self.status()
         status["runners"] = {mode.value: dataclasses.asdict(st) for mode, st in runners.items()}
-        msg = protocol.WorkerStatus(status=status)
         try:
-            protocol.encode(msg)
+            return protocol.encode(protocol.WorkerStatus(status=status))
         except ValueError:  # a runner's details that are not JSON must not cost the status
             for runner_status in status["runners"].values():
                 runner_status["details"] = {}
-        return msg
+            return protocol.encode(protocol.WorkerStatus(status=status))
 
     def _log_job(self, level: int, event: str, key: LeaseKey, **fields: object) -> None:
         log_job(self._logger, level, event, key, **fields)
