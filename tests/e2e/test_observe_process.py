@@ -169,6 +169,8 @@ async def test_broker_worker_writes_json_lines_with_its_id_on_each() -> None:
                 "0",
                 "--log-format",
                 "json",
+                "--log-level",
+                "DEBUG",  # a job's own lines ("job completed") are DEBUG: one per job
             ),
             cwd=REPO,
             env=_env(),
