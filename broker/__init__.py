@@ -1,6 +1,7 @@
 """broker: an asyncio job broker that never loses a job and never lets a stale worker win.
 
-``broker.__all__`` is what users import: ``task`` to declare jobs, ``Client`` and
+``broker.__all__`` is what users import: ``task`` to declare jobs (and enqueue them:
+``send_email.enqueue(...)``), ``configure`` to say once where the main is, ``Client`` and
 ``SyncClient`` to enqueue and inspect them, ``enqueue_in`` and ``enqueue_in_async`` to
 insert jobs in the application's own database transaction, ``Reschedule`` for a task to
 ask for a later run, ``Schedule`` for periodic jobs, every exception of the one error
@@ -44,7 +45,7 @@ from broker.runner import Reschedule
 from broker.storage import Capabilities, JobFilter, JobPage, QueueCount, StorageAdapter
 
 if TYPE_CHECKING:
-    from broker.client import Client, SyncClient
+    from broker.client import Client, SyncClient, configure
     from broker.protocol import Role
     from broker.schedule import Schedule
     from broker.tasks import Task, TaskRegistry, task
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "Client": "broker.client",
     "SyncClient": "broker.client",
+    "configure": "broker.client",
     "PeerTLS": "broker.tls",
     "Role": "broker.protocol",
     "Schedule": "broker.schedule",
@@ -124,6 +126,7 @@ __all__ = [
     "TaskNotFoundError",
     "TaskRegistry",
     "UniqueKeyTakenError",
+    "configure",
     "enqueue_in",
     "enqueue_in_async",
     "enqueue_many_in",

@@ -36,12 +36,13 @@ from typing import Any, Protocol
 import msgspec
 
 from broker import composition, protocol, wire
-from broker.client import Client, Enqueued, JobListPage
+from broker.client import Client, JobListPage
 from broker.config import MainSettings
 from broker.exceptions import BrokerError, ConfigurationError
 from broker.jobs import TERMINAL_STATUSES, Clock, Job, JobSpec, JobStatus, JSONValue, utcnow
 from broker.operations import Operations
 from broker.storage import SCHEMA_VERSION, JobFilter, StorageAdapter, SupportsSchemaCheck
+from broker.tasks import Enqueued
 from broker.tls import PeerTLS
 from broker.untrusted import escape_control
 
@@ -446,6 +447,7 @@ def enqueue_request(args: argparse.Namespace) -> protocol.JobRequest:
         "idempotency_key": args.idempotency_key,
         "unique_key": args.unique_key,
         "execution_mode": args.mode,
+        "max_attempts": None if args.retries is None else args.retries + 1,
     }
     # Built as a spec first, so a bad request fails here with the spec's message.
     spec = JobSpec(

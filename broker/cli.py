@@ -29,12 +29,13 @@ from broker.jobs import ExecutionMode, JobStatus
 from broker.main import Main
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MAX_PAYLOAD_DEPTH
 from broker.retention import Retention
+from broker.retry import RetryDelay, parse_backoff
 from broker.schedule import declared_in
 from broker.tasks import default_registry
 from broker.tls import PeerTLS, ServerTLS
 from broker.untrusted import escape_control
 from broker.web import Dashboard, WorkerMetricsServer
-from broker.worker import Worker
+from broker.worker import DEFAULT_PREFETCH, Worker
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./broker.db"
 
@@ -106,6 +107,13 @@ def _env_option(parser: argparse.ArgumentParser, flag: str, **options: Any) -> N
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _backoff(text: str) -> RetryDelay:
+    try:
+        return parse_backoff(text)
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _number(kind: Callable[[str], Any], what: str) -> Callable[[str], Any]:
@@ -436,6 +444,16 @@ def main_parser() -> argparse.ArgumentParser:
             metavar="N",
             help=f"{text} (default: %(default)s)",
         )
+    _env_option(
+        p,
+        "--retry-backoff",
+        default="schedule",
+        type=_backoff,
+        metavar="KIND",
+        help="wait before a failed job's next run: schedule (10 s, 1 min, 10 min, 1 h, "
+        "then hourly), exponential or exponential:BASE:CAP (seconds, doubling, "
+        "jittered), fixed:SECONDS (default: %(default)s)",
+    )
     p.add_argument(
         "--schedules",
         action="append",
@@ -503,7 +521,13 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         use_app_directory()
     settings.validate()  # before the store is opened (a SQLite main takes its lock)
     store = composition.open_store(args.database_url, args.adapter, single_main=True)
-    main = Main(store, settings, schedules=schedules, retention=retention)
+    main = Main(
+        store,
+        settings,
+        schedules=schedules,
+        retention=retention,
+        retry_delay_fn=args.retry_backoff,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -584,8 +608,9 @@ _RUNNER_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     (
         "--pooled-max-jobs",
         _number(int, "pooled max jobs"),
-        100,
-        "recycle a pooled child after this many jobs",
+        None,
+        "recycle a pooled child after this many jobs (default: never; the memory and "
+        "age limits still apply)",
     ),
     (
         "--pooled-max-rss-bytes",
@@ -671,6 +696,15 @@ def worker_parser() -> argparse.ArgumentParser:
         type=_number(float, "drain timeout"),
         help="seconds running jobs get to finish on SIGTERM (default: wait)",
     )
+    _env_option(
+        p,
+        "--prefetch",
+        type=_count,
+        default=DEFAULT_PREFETCH,
+        help="jobs per mode held beyond the free slots, so a finished job's slot is "
+        "refilled at once; their leases go back if the connection drops "
+        f"(default: {DEFAULT_PREFETCH})",
+    )
     _add_log_options(p)
     return p
 
@@ -741,6 +775,7 @@ async def run_worker(args: argparse.Namespace) -> None:
         tls=_peer_tls(args),
         queues=queues,
         drain_timeout=float(args.drain_timeout) if args.drain_timeout else None,
+        prefetch=args.prefetch,
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -910,6 +945,15 @@ def broker_parser() -> argparse.ArgumentParser:
         help="while a queued or running job holds this key, return it instead of a new one",
     )
     enq.add_argument("--mode", choices=[m.value for m in ExecutionMode], default=None)
+    enq.add_argument(
+        "--retries",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="runs allowed after a failed first one (default 10; this command cannot see "
+        "the task's @task(retries=...), so give it here, e.g. 0 for a task that must "
+        "not repeat)",
+    )
     prune = command("prune", "delete finished jobs (never a queued or running one)")
     prune.add_argument(
         "--older-than",

@@ -16,8 +16,10 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import os
 import ssl
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -35,7 +37,7 @@ from broker.exceptions import (
     ProtocolError,
 )
 from broker.jobs import ExecutionMode, JobSpec, JobStatus, JSONValue
-from broker.tasks import Task
+from broker.tasks import Enqueued, Task, set_default_clients
 from broker.tls import PeerTLS
 
 T = TypeVar("T")
@@ -44,12 +46,6 @@ R = TypeVar("R", bound=protocol.Message)
 MAX_REPLY_BYTES = 64 << 20
 """The longest reply line the client reads. Replies come from the authenticated main and
 may carry whole jobs (args and result) or pages of them, so the cap is generous."""
-
-
-@dataclass(frozen=True, slots=True)
-class Enqueued:
-    job_id: uuid.UUID
-    duplicate: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,13 +86,34 @@ class Client:
         operator's command waits briefly; an application's client, by default, as long
         as for any answer, so a main stalled under load is not taken for another
         service."""
+        self._ids = itertools.count(1)
+        self._reset()
+
+    def _reset(self) -> None:
+        """Forget the connection, as a fresh client: at construction, and in a forked
+        child, whose copy of the parent's socket, reader task and lock belong to the
+        parent's event loop (using them there would interleave bytes with the parent, or
+        wait forever on a loop that does not run in this process)."""
+        self._pid = os.getpid()
         self._writer: wire.MessageWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._pending: dict[str, asyncio.Future[protocol.Message]] = {}
-        self._ids = itertools.count(1)
         self._connect_lock = asyncio.Lock()
         self._max_line_bytes: int | None = None
         """The main's line cap from its welcome: a longer request would be refused."""
+
+    def _check_fork(self) -> None:
+        """In a forked child (gunicorn ``--preload``, multiprocessing's fork), start over:
+        the parent keeps its connection, the child opens its own."""
+        if self._pid != os.getpid():
+            self._reset()
+
+    def _timed_out(self, what: str) -> TimeoutError:
+        return TimeoutError(
+            f"the main at {self.host}:{self.port} did not answer {what} within "
+            f"{self._timeout:g} s (Client(timeout=...) sets the limit); the request may or "
+            "may not have been applied: repeat an enqueue with the same idempotency_key"
+        )
 
     async def __aenter__(self) -> Self:
         await self.connect()
@@ -111,6 +128,7 @@ class Client:
         await self.close()
 
     async def connect(self) -> None:
+        self._check_fork()
         async with self._connect_lock:
             if self._writer is not None and not self._writer.is_closing:
                 return
@@ -122,16 +140,19 @@ class Client:
                 raise ConfigurationError(tls.describe(exc, f"{self.host}:{self.port}")) from None
 
     async def _connect(self) -> None:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(
-                self.host,
-                self.port,
-                limit=MAX_REPLY_BYTES + 2,
-                ssl=self._tls,
-                ssl_handshake_timeout=None if self._tls is None else self._timeout,
-            ),
-            self._timeout,
-        )
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(
+                    self.host,
+                    self.port,
+                    limit=MAX_REPLY_BYTES + 2,
+                    ssl=self._tls,
+                    ssl_handshake_timeout=None if self._tls is None else self._timeout,
+                ),
+                self._timeout,
+            )
+        except TimeoutError:
+            raise self._timed_out("a connection") from None
         lines = wire.LineReader(reader, max_line_bytes=MAX_REPLY_BYTES)
         out = wire.MessageWriter(writer)
         try:
@@ -147,7 +168,10 @@ class Client:
             await out.send(
                 protocol.Hello(role=self._role, protocol=protocol.PROTOCOL_VERSION, proof=proof)
             )
-            welcome = await asyncio.wait_for(wire.read_message(lines), self._timeout)
+            try:
+                welcome = await asyncio.wait_for(wire.read_message(lines), self._timeout)
+            except TimeoutError:
+                raise self._timed_out("the hello") from None
             if isinstance(welcome, protocol.Error):
                 raise error_codes.refusal(welcome)
             if not isinstance(welcome, protocol.Welcome):
@@ -160,6 +184,7 @@ class Client:
         self._reader_task = asyncio.create_task(self._read_replies(lines))
 
     async def close(self) -> None:
+        self._check_fork()  # a child closes only what it opened itself
         if self._reader_task is not None:
             self._reader_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -209,9 +234,13 @@ class Client:
         rid = f"r{next(self._ids)}"
         future: asyncio.Future[protocol.Message] = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
+        request = build(rid)
         try:
-            await self._writer.send(build(rid))
-            reply = await asyncio.wait_for(future, self._timeout)
+            async with asyncio.timeout(self._timeout):
+                await self._writer.send(request)
+                reply = await future
+        except TimeoutError:
+            raise self._timed_out(f"a request ({type(request).__name__})") from None
         finally:
             self._pending.pop(rid, None)
         if isinstance(reply, protocol.RequestError):
@@ -255,6 +284,7 @@ class Client:
         }
         overrides = {k: v for k, v in options.items() if v is not None}
         if isinstance(task, Task):
+            task.check_arguments(args, kwargs or {})
             spec = task.spec(
                 args, kwargs, run_at=run_at, idempotency_key=idempotency_key, **overrides
             )
@@ -267,6 +297,11 @@ class Client:
                 idempotency_key=idempotency_key,
                 **overrides,
             )
+        return await self.enqueue_spec(spec, delay=delay)
+
+    async def enqueue_spec(self, spec: JobSpec, *, delay: float | None = None) -> Enqueued:
+        """Enqueue one job as built; ``delay`` (seconds) is counted from the main's clock,
+        so the caller's clock does not matter."""
         request = protocol.JobRequest.from_spec(spec)
         if delay is not None:
             request = msgspec.structs.replace(request, run_at=None, delay=float(delay))
@@ -404,17 +439,33 @@ class SyncClient:
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._client = Client(*args, **kwargs)
+        self._arguments = (args, kwargs)
+        self._start()
+
+    def _start(self) -> None:
+        self._pid = os.getpid()
+        self._client = Client(*self._arguments[0], **self._arguments[1])
         self._stack = contextlib.ExitStack()
         self._portal: BlockingPortal | None = self._stack.enter_context(start_blocking_portal())
 
     def _call(self, method: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         if self._portal is None:
             raise RuntimeError("this SyncClient is closed")
+        if self._pid != os.getpid():
+            # A forked child has no copy of the portal's thread: a call would wait forever
+            # for it. Start a thread and a connection of the child's own; the parent's
+            # objects are dropped unclosed, since closing them would wait on that thread.
+            self._forked_from = (self._stack, self._client)
+            self._start()
+            method = getattr(self._client, method.__name__)
+        assert self._portal is not None
         return self._portal.call(functools.partial(method, *args, **kwargs))
 
     def enqueue(self, task: str | Task[..., Any], *args: Any, **kwargs: Any) -> Enqueued:
         return self._call(self._client.enqueue, task, *args, **kwargs)
+
+    def enqueue_spec(self, spec: JobSpec, *, delay: float | None = None) -> Enqueued:
+        return self._call(self._client.enqueue_spec, spec, delay=delay)
 
     def enqueue_many(self, specs: Sequence[JobSpec]) -> list[Enqueued]:
         return self._call(self._client.enqueue_many, specs)
@@ -454,3 +505,50 @@ class SyncClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _ConfiguredClients:
+    """The clients ``task.enqueue`` uses by default: one :class:`Client` per event loop (a
+    client belongs to the loop it connected on) and one :class:`SyncClient` per process,
+    each made on first use. Both reconnect by themselves in a forked child."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._args = args
+        self._kwargs = kwargs
+        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Client] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._sync: SyncClient | None = None
+
+    def async_client(self) -> Client:
+        loop = asyncio.get_running_loop()
+        client = self._async.get(loop)
+        if client is None:
+            client = self._async[loop] = Client(*self._args, **self._kwargs)
+        return client
+
+    def sync_client(self) -> SyncClient:
+        if self._sync is None:
+            self._sync = SyncClient(*self._args, **self._kwargs)
+        return self._sync
+
+
+def configure(
+    host: str = "127.0.0.1",
+    port: int = protocol.DEFAULT_PORT,
+    *,
+    token: str | None = None,
+    timeout: float = 10.0,
+    tls: PeerTLS | ssl.SSLContext | None = None,
+) -> None:
+    """Say where ``task.enqueue(...)`` and ``task.enqueue_sync(...)`` send jobs (``token``:
+    the client secret; ``tls``: as for :class:`Client`).
+
+    Call it once at start-up, as a Celery app is configured once (or Dramatiq's
+    ``set_broker``); it may run at import time, before a fork: each process, and each
+    event loop, then connects on first use. ``timeout`` bounds every call (seconds).
+    ``task.options(client=...)`` sends one enqueue through a client of your own instead.
+    """
+    set_default_clients(
+        _ConfiguredClients((host, port), {"token": token, "timeout": timeout, "tls": tls})
+    )

@@ -7,9 +7,14 @@ another system, and hammering it helps nobody.
 
 from __future__ import annotations
 
+import math
+import random
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from broker.exceptions import ConfigurationError
 from broker.jobs import Job
 
 _FIRST_DELAYS = (
@@ -43,3 +48,146 @@ def next_run_after_failure(
     if failures >= job.max_attempts:
         return None
     return now + delay(failures)
+
+
+@dataclass(frozen=True, slots=True)
+class ExponentialBackoff:
+    """``base * factor ** (failures - 1)`` seconds, at most ``cap``; with ``jitter`` a
+    uniform draw from the upper half of that (``[d / 2, d]``), so jobs that failed
+    together (an outage) do not all come back in the same second, and none comes back
+    sooner than half the planned wait."""
+
+    base: float = 10.0
+    factor: float = 2.0
+    cap: float = 3600.0
+    jitter: bool = True
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.base) and self.base >= 0):
+            raise ConfigurationError(f"backoff base must be >= 0 seconds (got {self.base!r})")
+        if not (math.isfinite(self.factor) and self.factor >= 1):
+            raise ConfigurationError(f"backoff factor must be >= 1 (got {self.factor!r})")
+        if not (math.isfinite(self.cap) and self.cap >= self.base):
+            raise ConfigurationError(f"backoff cap must be >= base (got {self.cap!r})")
+
+    def _planned(self, exponent: int) -> float:
+        """``min(cap, base * factor ** exponent)``, without computing a power past the cap
+        (``10.0 ** 400`` overflows a float)."""
+        if self.base == 0:
+            return 0.0
+        # Compared as logarithms: cap / base itself overflows for a tiny base.
+        headroom = math.log(self.cap) - math.log(self.base)
+        if self.factor > 1 and exponent * math.log(self.factor) > headroom:
+            return self.cap
+        try:
+            return min(self.cap, self.base * self.factor**exponent)
+        except OverflowError:  # at the edge of the check's rounding
+            return self.cap
+
+    def __call__(self, failures: int, rng: random.Random | None = None) -> timedelta:
+        _check_failures(failures)
+        planned = self._planned(failures - 1)
+        if self.jitter:
+            planned = (rng or _random).uniform(planned / 2, planned)
+        return timedelta(seconds=planned)
+
+
+@dataclass(frozen=True, slots=True)
+class FixedBackoff:
+    """The same wait after every failure."""
+
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.seconds) and self.seconds >= 0):
+            raise ConfigurationError(f"backoff must be >= 0 seconds (got {self.seconds!r})")
+
+    def __call__(self, failures: int, rng: random.Random | None = None) -> timedelta:
+        _check_failures(failures)
+        return timedelta(seconds=self.seconds)
+
+
+_random = random.Random()
+
+
+def _check_failures(failures: int) -> None:
+    if failures < 1:
+        raise ValueError(f"failures counts from 1 (got {failures})")
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """Which failures of a task are worth another run: ``@task(retry=RetryPolicy(...))``.
+
+    A failure is retried when its exception is an instance of ``retry_on`` and of none of
+    ``dont_retry_on`` (and attempts remain: ``@task(retries=N)``). Arguments that do not
+    fit the function and unknown tasks are never retried, whatever the policy says: the
+    same job would fail the same way on every run.
+    """
+
+    retry_on: tuple[type[BaseException], ...] = (Exception,)
+    dont_retry_on: tuple[type[BaseException], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("retry_on", "dont_retry_on"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(
+                isinstance(t, type) and issubclass(t, BaseException) for t in value
+            ):
+                raise ConfigurationError(
+                    f"{name} must be a tuple of exception classes (got {value!r})"
+                )
+
+    def retries(self, error: type[BaseException]) -> bool:
+        """Whether a run that raised an ``error`` may run again."""
+        return issubclass(error, self.retry_on) and not issubclass(error, self.dont_retry_on)
+
+
+def reported_exception(error: str) -> type[BaseException] | None:
+    """The exception class a runner's error text names, found among the modules this
+    process has already imported (never importing one: the text comes from a job's
+    run); ``None`` when it names none.
+
+    Runners report ``module.Qualname: message`` (``Qualname`` alone for builtins), the
+    first line of :func:`traceback.format_exception_only`; the worker imported the same
+    task modules as its runners, so the class is found there.
+    """
+    head = error.split("\n", 1)[0].split(":", 1)[0].strip()
+    if not head or " " in head:
+        return None
+    module_name, _, qualname = head.rpartition(".")
+    candidates = [(module_name or "builtins", qualname)]
+    # A nested class: module "pkg.mod", qualname "Outer.Inner".
+    parts = head.split(".")
+    candidates += [(".".join(parts[:i]), ".".join(parts[i:])) for i in range(1, len(parts) - 1)]
+    for module, name in candidates:
+        found: object = sys.modules.get(module)
+        for attribute in name.split("."):
+            found = getattr(found, attribute, None)
+        if isinstance(found, type) and issubclass(found, BaseException):
+            return found
+    return None
+
+
+def parse_backoff(text: str) -> RetryDelay:
+    """The main's backoff from its ``--retry-backoff`` text: ``schedule`` (the default:
+    10 s, 1 min, 10 min, 1 h, then hourly), ``exponential`` or
+    ``exponential:BASE:CAP`` (seconds; factor 2, jittered), or ``fixed:SECONDS``."""
+    kind, _, rest = text.strip().partition(":")
+    try:
+        numbers = [float(part) for part in rest.split(":")] if rest else []
+    except ValueError:
+        numbers = None
+    match kind, numbers:
+        case "schedule", []:
+            return retry_delay
+        case "exponential", []:
+            return ExponentialBackoff()
+        case "exponential", [base, cap]:
+            return ExponentialBackoff(base=base, cap=cap)
+        case "fixed", [seconds]:
+            return FixedBackoff(seconds)
+    raise ConfigurationError(
+        f"retry backoff must be schedule, exponential, exponential:BASE:CAP or "
+        f"fixed:SECONDS (got {text!r})"
+    )

@@ -8,16 +8,18 @@ by importing the app's own modules, which the operator names on the command line
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
 import re
 import string
 import sys
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Generic, ParamSpec, TypeVar, overload
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast, overload
 
 from broker.exceptions import ConfigurationError, InvalidJobError, TaskNotFoundError
 from broker.jobs import (
@@ -28,10 +30,111 @@ from broker.jobs import (
     JobSpec,
     JSONValue,
 )
+from broker.retry import RetryPolicy
 from broker.schedule import Schedule, default_schedules
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueued:
+    """The main's answer to an enqueue: the job's id, and whether it was already there
+    (the same ``idempotency_key``, or an active job holding the ``unique_key``)."""
+
+    job_id: uuid.UUID
+    duplicate: bool
+
+
+class AsyncEnqueuer(Protocol):
+    """What ``task.enqueue`` sends a job through: :class:`broker.Client` is one."""
+
+    async def enqueue_spec(self, spec: JobSpec, *, delay: float | None = None) -> Enqueued: ...
+
+
+class SyncEnqueuer(Protocol):
+    """What ``task.enqueue_sync`` sends a job through: :class:`broker.SyncClient` is one."""
+
+    def enqueue_spec(self, spec: JobSpec, *, delay: float | None = None) -> Enqueued: ...
+
+
+class DefaultClients(Protocol):
+    """Where a task finds its client when the call names none: :func:`broker.configure`
+    installs one (it lives above this module, which must not import the client)."""
+
+    def async_client(self) -> AsyncEnqueuer: ...
+
+    def sync_client(self) -> SyncEnqueuer: ...
+
+
+_default_clients: DefaultClients | None = None
+
+
+def set_default_clients(clients: DefaultClients | None) -> None:
+    """Install (or, with ``None``, remove) the clients tasks enqueue through by default."""
+    global _default_clients
+    _default_clients = clients
+
+
+def _defaults() -> DefaultClients:
+    if _default_clients is None:
+        raise ConfigurationError(
+            "no broker client is configured for task.enqueue(): call "
+            "broker.configure(host, port, token=...) once at start-up, or pass one with "
+            "task.options(client=...)"
+        )
+    return _default_clients
+
+
+@dataclass(frozen=True)
+class TaskCall(Generic[P, R]):
+    """A task with the options of one enqueue, from :meth:`Task.options`.
+
+    Options live here, apart from the task's own arguments, so a task may have a parameter
+    called ``queue`` or ``delay`` and mypy still checks every argument against the task's
+    signature.
+    """
+
+    task: Task[P, R]
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    run_at: datetime | None = None
+    delay: float | None = None
+    idempotency_key: str | None = None
+    client: AsyncEnqueuer | SyncEnqueuer | None = None
+
+    def spec(self, *args: P.args, **kwargs: P.kwargs) -> JobSpec:
+        """The job this call would enqueue, its arguments bound against the task's
+        signature first (``TypeError`` on a mismatch, and nothing is stored)."""
+        self.task.check_arguments(args, kwargs)
+        return self.task.spec(
+            args,
+            kwargs,
+            run_at=self.run_at,
+            idempotency_key=self.idempotency_key,
+            **self.overrides,
+        )
+
+    async def enqueue(self, *args: P.args, **kwargs: P.kwargs) -> Enqueued:
+        """Enqueue one job through the call's client, else the configured default."""
+        spec = self.spec(*args, **kwargs)
+        client = self.client if self.client is not None else _defaults().async_client()
+        if not inspect.iscoroutinefunction(client.enqueue_spec):
+            raise ConfigurationError(
+                "enqueue() needs an asyncio client (broker.Client); with a SyncClient, "
+                "call enqueue_sync()"
+            )
+        return await cast(AsyncEnqueuer, client).enqueue_spec(spec, delay=self.delay)
+
+    def enqueue_sync(self, *args: P.args, **kwargs: P.kwargs) -> Enqueued:
+        """:meth:`enqueue` for code without an event loop (WSGI apps, scripts): blocks
+        until the main has stored the job."""
+        spec = self.spec(*args, **kwargs)
+        client = self.client if self.client is not None else _defaults().sync_client()
+        if inspect.iscoroutinefunction(client.enqueue_spec):
+            raise ConfigurationError(
+                "enqueue_sync() needs a broker.SyncClient; with an asyncio Client, await enqueue()"
+            )
+        return cast(SyncEnqueuer, client).enqueue_spec(spec, delay=self.delay)
 
 
 @dataclass(frozen=True)
@@ -52,8 +155,17 @@ class Task(Generic[P, R]):
     execution_mode: ExecutionMode = ExecutionMode.POOLED
     concurrency_key: str | None = None
     concurrency_limit: int | None = None
-    options: Mapping[str, Any] = field(default_factory=dict)
     unique: bool = False
+    retry: RetryPolicy | None = None
+    """Which exceptions are worth a retry (``None``: every ``Exception``)."""
+
+    @functools.cached_property
+    def _signature(self) -> inspect.Signature | None:
+        """Computed once: the worker checks every job's arguments against it."""
+        try:
+            return inspect.signature(self.func)
+        except (TypeError, ValueError):
+            return None
 
     @property
     def is_async(self) -> bool:
@@ -62,6 +174,67 @@ class Task(Generic[P, R]):
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Calling the task runs the function here and now, as a plain call would."""
         return self.func(*args, **kwargs)
+
+    def options(
+        self,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        delay: float | None = None,
+        run_at: datetime | None = None,
+        idempotency_key: str | None = None,
+        retries: int | None = None,
+        timeout: float | None = None,
+        mode: ExecutionMode | str | None = None,
+        concurrency_key: str | None = None,
+        concurrency_limit: int | None = None,
+        unique_key: str | None = None,
+        client: AsyncEnqueuer | SyncEnqueuer | None = None,
+    ) -> TaskCall[P, R]:
+        """This task with options for one enqueue (``None`` keeps the task's default):
+        ``send_email.options(queue="mail", delay=10).enqueue(to)``."""
+        if delay is not None and run_at is not None:
+            raise InvalidJobError("give delay or run_at, not both")
+        given = {
+            "queue": queue,
+            "priority": priority,
+            "retries": retries,
+            "timeout": timeout,
+            "execution_mode": None if mode is None else ExecutionMode(mode),
+            "concurrency_key": concurrency_key,
+            "concurrency_limit": concurrency_limit,
+            "unique_key": unique_key,
+        }
+        return TaskCall(
+            self,
+            {k: v for k, v in given.items() if v is not None},
+            run_at=run_at,
+            delay=None if delay is None else float(delay),
+            idempotency_key=idempotency_key,
+            client=client,
+        )
+
+    async def enqueue(self, *args: P.args, **kwargs: P.kwargs) -> Enqueued:
+        """Enqueue one job of this task with its defaults, through the default client
+        (:func:`broker.configure`); the arguments are checked against the function's
+        signature here, so a wrong call raises ``TypeError`` and stores nothing."""
+        return await self.options().enqueue(*args, **kwargs)
+
+    def enqueue_sync(self, *args: P.args, **kwargs: P.kwargs) -> Enqueued:
+        """The blocking twin of :meth:`enqueue`, through the default ``SyncClient``."""
+        return self.options().enqueue_sync(*args, **kwargs)
+
+    def check_arguments(self, args: Sequence[JSONValue], kwargs: Mapping[str, JSONValue]) -> None:
+        """Raise ``TypeError`` unless a call with ``args`` and ``kwargs`` would bind to the
+        function's parameters: a job that could never run is refused before it is stored,
+        instead of failing in a worker and being retried."""
+        signature = self._signature
+        if signature is None:
+            return  # a callable without a signature (a builtin): nothing to check against
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"task {self.name!r} cannot take these arguments: {exc}") from None
 
     def spec(
         self,
@@ -284,6 +457,8 @@ def task(
     timezone: str | None = None,
     catch_up: bool | None = None,
     unique: bool = False,
+    retry_on: tuple[type[BaseException], ...] | None = None,
+    dont_retry_on: tuple[type[BaseException], ...] | None = None,
 ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
 
@@ -305,6 +480,8 @@ def task(
     timezone: str | None = None,
     catch_up: bool | None = None,
     unique: bool = False,
+    retry_on: tuple[type[BaseException], ...] | None = None,
+    dont_retry_on: tuple[type[BaseException], ...] | None = None,
 ) -> Task[P, R] | Callable[[Callable[P, R]], Task[P, R]]:
     """Register a function as a task, by default under its ``module.function`` path.
 
@@ -314,6 +491,11 @@ def task(
     ``concurrency_key`` may name the function's parameters, as in
     ``"sync:{account_id}"``; ``unique=True`` keeps at most one queued or running job per
     task and arguments (see :func:`default_unique_key`).
+
+    ``retries`` is how many runs may follow a failed first one; ``retry_on`` and
+    ``dont_retry_on`` (exception classes) narrow which failures use them (see
+    :class:`broker.retry.RetryPolicy`). Arguments that do not fit the function are never
+    retried.
     """
 
     def register(fn: Callable[P, R]) -> Task[P, R]:
@@ -325,6 +507,12 @@ def task(
             raise ConfigurationError(f"unknown execution mode {mode!r}") from None
         if concurrency_key is not None:
             _check_key_template(fn, concurrency_key)
+        policy = None
+        if retry_on is not None or dont_retry_on is not None:
+            policy = RetryPolicy(
+                retry_on=(Exception,) if retry_on is None else retry_on,
+                dont_retry_on=() if dont_retry_on is None else dont_retry_on,
+            )
         registered = Task(
             name=name or f"{_module_name(fn)}.{fn.__qualname__}",
             func=fn,
@@ -336,6 +524,7 @@ def task(
             concurrency_key=concurrency_key,
             concurrency_limit=concurrency_limit,
             unique=unique,
+            retry=policy,
         )
         periodic = _declared_schedule(
             registered, cron=cron, every=every, timezone=timezone, catch_up=catch_up

@@ -22,7 +22,7 @@ def test_built_wheel_installs_and_imports_broker_adapters_and_runners(tmp_path: 
         check=True,
         capture_output=True,
     )
-    [wheel] = dist.glob("broker-*.whl")
+    [wheel] = dist.glob("broker_jobs-*.whl")
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"

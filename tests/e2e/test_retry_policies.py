@@ -1,0 +1,95 @@
+"""Retry policies behind a real main, a real worker and real pooled child processes: a
+``dont_retry_on`` exception, an exception outside ``retry_on`` and arguments that do not
+fit the function each end the job dead after one run; other failures use the retries."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+import tests.retry_app  # noqa: F401
+from adapters.memory import MemoryAdapter
+from broker.composition import RunnerOptions, build_runners
+from broker.config import MainSettings
+from broker.jobs import Job, JobSpec, JobStatus
+from broker.main import Main
+from broker.tasks import default_registry
+from broker.worker import Worker
+from tests.support import until
+
+pytestmark = pytest.mark.slow
+
+APP = "tests.retry_app"
+
+
+@contextlib.asynccontextmanager
+async def cluster() -> AsyncIterator[tuple[Main, MemoryAdapter]]:
+    store = MemoryAdapter()
+    main = Main(
+        store,
+        MainSettings(port=0, ping_interval=0.5, liveness_timeout=5),
+        retry_delay_fn=lambda n: timedelta(0),
+    )
+    await main.start()
+    options = RunnerOptions(apps=(APP,), pooled_runner_count=1, startup_timeout=20.0)
+    worker = Worker(
+        "127.0.0.1",
+        main.port,
+        worker_id="retry-worker",
+        runners=build_runners(options, default_registry),
+        registry=default_registry,
+    )
+    running = asyncio.create_task(worker.run())
+    try:
+        yield main, store
+    finally:
+        worker.request_stop(fast=True)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(running, 20)
+        await main.stop()
+
+
+async def _run(main: Main, store: MemoryAdapter, task: str, *args: Any, **kw: Any) -> Job:
+    """Enqueue by name (as the CLI does: nothing bound at the call site) and wait until
+    the job is terminal."""
+    [result] = await store.enqueue_many([JobSpec(task=f"{APP}.{task}", args=args, **kw)])
+    main.wake()
+
+    async def done() -> Job | None:
+        job = await store.get_job(result.job.id)
+        return job if job is not None and job.status.is_terminal else None
+
+    job: Job = await until(done, 30)
+    return job
+
+
+async def test_policies_decide_which_failures_are_retried() -> None:
+    async with cluster() as (main, store):
+        declined = await _run(main, store, "charge", 10, max_attempts=6)
+        assert (declined.status, declined.attempts) == (JobStatus.FAILED, 1)
+        assert declined.last_error is not None
+        assert "tests.retry_app.PaymentDeclined: card declined for 10" in declined.last_error
+        assert (
+            "not retried: the task's retry policy excludes PaymentDeclined" in declined.last_error
+        )
+
+        outside = await _run(main, store, "only_network", 3, max_attempts=6)
+        assert (outside.status, outside.attempts) == (JobStatus.FAILED, 1)
+
+        unreachable = await _run(main, store, "flaky_charge", 5, max_attempts=3)
+        assert (unreachable.status, unreachable.attempts) == (JobStatus.FAILED, 3), (
+            "an exception the policy allows uses every retry"
+        )
+
+        wrong = await _run(main, store, "add", 1, 2, 3, max_attempts=6)
+        assert (wrong.status, wrong.attempts) == (JobStatus.FAILED, 1)
+        assert wrong.last_error is not None and "too many positional arguments" in wrong.last_error
+        assert "not retried" in wrong.last_error
+
+        right = await _run(main, store, "add", 1, 2)
+        assert (right.status, right.result) == (JobStatus.COMPLETED, 3)

@@ -1,0 +1,30 @@
+"""Tasks with retry policies, for the retry-policy tests; imported by real child
+processes (pooled mode), so the worker must judge the failure from the child's report."""
+
+from __future__ import annotations
+
+from broker.tasks import task
+
+
+class PaymentDeclined(ValueError):
+    """A failure no retry can fix: the card was declined."""
+
+
+@task(mode="pooled", retries=5, dont_retry_on=(PaymentDeclined,))
+def charge(amount: int) -> None:
+    raise PaymentDeclined(f"card declined for {amount}")
+
+
+@task(mode="pooled", retries=2, dont_retry_on=(PaymentDeclined,))
+def flaky_charge(amount: int) -> None:
+    raise ConnectionError(f"gateway unreachable while charging {amount}")
+
+
+@task(mode="pooled", retries=5, retry_on=(ConnectionError,))
+def only_network(amount: int) -> None:
+    raise KeyError(amount)
+
+
+@task(mode="pooled", retries=5)
+def add(a: int, b: int) -> int:
+    return a + b
