@@ -35,10 +35,10 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -87,6 +87,9 @@ from broker.jobs import (
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, check_all
 from broker.storage import SCHEMA_VERSION, Capabilities, JobFilter, JobPage, QueueCount
 from broker.untrusted import redact_url
+
+if TYPE_CHECKING:
+    from adapters._pg_hot import HotPool, HotSql
 
 logger = logging.getLogger(__name__)
 _ANALYZE_AFTER_INSERTS = 500
@@ -245,12 +248,19 @@ missing table or grant) may succeed later and is retried."""
 
 
 def _rejects_value(exc: BaseException) -> bool:
-    """Whether the database refused the data itself, so the same call fails every time."""
-    if not isinstance(exc, sa_exc.DBAPIError) or exc.connection_invalidated:
-        return False
-    if isinstance(exc, sa_exc.DataError | sa_exc.IntegrityError):
-        return True
-    sqlstate = getattr(exc.orig, "sqlstate", None)
+    """Whether the database refused the data itself, so the same call fails every time.
+
+    ``exc`` comes wrapped by SQLAlchemy, or straight from asyncpg on the hot path
+    (:mod:`adapters._pg_hot`), where a server error carries its SQLSTATE itself.
+    """
+    cause: object = exc
+    if isinstance(exc, sa_exc.DBAPIError):
+        if exc.connection_invalidated:
+            return False
+        if isinstance(exc, sa_exc.DataError | sa_exc.IntegrityError):
+            return True
+        cause = exc.orig
+    sqlstate = getattr(cause, "sqlstate", None)
     return isinstance(sqlstate, str) and sqlstate[:2] in _REJECTED_SQLSTATE_CLASSES
 
 
@@ -350,6 +360,47 @@ def _sqlite_on_begin(conn: sa.Connection) -> None:
         conn.exec_driver_sql("BEGIN")
 
 
+def _match_holders(specs: Sequence[JobSpec], found: list[Job]) -> list[Job | None]:
+    """For each spec that did not insert, the job among ``found`` that blocked it: the
+    holder of its idempotency key, else the job with its id, else the *active* holder of
+    its unique key (the same order the in-memory store checks them in)."""
+    by_key = {j.idempotency_key: j for j in found if j.idempotency_key is not None}
+    by_id = {j.id: j for j in found}
+    by_unique = {j.unique_key: j for j in found if j.unique_key is not None and j.status.is_active}
+    holders: list[Job | None] = []
+    for spec in specs:
+        job = by_key.get(spec.idempotency_key) if spec.idempotency_key else None
+        if job is None:
+            job = by_id.get(spec.id)
+        if job is None and spec.unique_key is not None:
+            job = by_unique.get(spec.unique_key)
+        holders.append(job)
+    return holders
+
+
+def _grant(
+    candidates: list[tuple[uuid.UUID, str | None, int | None]],
+    order: list[uuid.UUID],
+    active: Mapping[str, int],
+) -> tuple[list[uuid.UUID], dict[str, int]]:
+    """Which locked candidates ``(id, concurrency key, limit)`` a claim may hand off, given
+    each key's ``active`` count: every unkeyed one, and keyed ones in claim ``order``
+    while their key has room. Also returns the slots taken per key."""
+    rank = {job_id: i for i, job_id in enumerate(order)}
+    granted = [job_id for job_id, key, _ in candidates if key is None]
+    taken: dict[str, int] = {}
+    for job_id, key, limit in sorted(candidates, key=lambda c: rank[c[0]]):
+        if key is not None and limit is not None and active[key] + taken.get(key, 0) < limit:
+            granted.append(job_id)
+            taken[key] = taken.get(key, 0) + 1
+    return granted, taken
+
+
+def _claim_arrays(claims: Sequence[Claim]) -> tuple[list[uuid.UUID], list[uuid.UUID], list[str]]:
+    """Claims as the ``unnest`` arrays of the hot claim statements."""
+    return [c.job_id for c in claims], [c.handoff_id for c in claims], [c.worker_id for c in claims]
+
+
 # --------------------------------------------------------------------------- adapter
 
 
@@ -369,12 +420,14 @@ class SQLAlchemyAdapter:
         clock: Clock = utcnow,
         schema: str | None = None,
         pool_size: int = 5,
+        hot_pool_size: int = 2,
         echo: bool = False,
         max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES,
     ) -> None:
         resolved, backend = _resolve_url(url)
-        if pool_size < 1:
-            raise ConfigurationError(f"pool_size must be at least 1 (got {pool_size})")
+        for name, size in (("pool_size", pool_size), ("hot_pool_size", hot_pool_size)):
+            if size < 1:
+                raise ConfigurationError(f"{name} must be at least 1 (got {size})")
         if max_payload_bytes is not None and max_payload_bytes < 1:
             raise ConfigurationError(
                 f"max_payload_bytes must be positive or None (got {max_payload_bytes})"
@@ -393,9 +446,15 @@ class SQLAlchemyAdapter:
                 driver.PostgresError,
                 driver.InterfaceError,
             )
+            # An argument asyncpg cannot encode (say, an integer beyond BIGINT) is a
+            # value the store can never hold, as the server's data errors are.
+            self._client_rejects: tuple[type[BaseException], ...] = (
+                driver.exceptions._base.DataError,
+            )
         else:
             _require_driver("aiosqlite", resolved)
             self._errors = (sa_exc.DBAPIError, sa_exc.TimeoutError, OSError)
+            self._client_rejects = ()
             if schema is not None:
                 raise ConfigurationError(
                     "the schema option is for PostgreSQL only; a SQLite store is one file"
@@ -437,6 +496,12 @@ class SQLAlchemyAdapter:
             self._write_lock = asyncio.Lock()
             self._order_tiebreak = [jobs.c.seq, sa.literal_column("broker_jobs.rowid")]
         self._insert = pg_dialect.insert if self._pg else sqlite_dialect.insert
+        self._hot: tuple[HotSql, HotPool] | None = None
+        if self._pg:
+            from adapters._pg_hot import HotPool, HotSql
+
+            _, connect_kwargs = self._engine.dialect.create_connect_args(resolved)
+            self._hot = (HotSql(schema), HotPool(hot_pool_size, {**connect_kwargs, **connect_args}))
 
     def __repr__(self) -> str:
         schema = f", schema={self._schema!r}" if self._schema else ""
@@ -455,7 +520,8 @@ class SQLAlchemyAdapter:
 
     def _storage_error(self, op: str, exc: BaseException) -> StorageError:
         cause = exc.orig if isinstance(exc, sa_exc.DBAPIError) and exc.orig else exc
-        kind = StorageRejectedError if _rejects_value(exc) else StorageError
+        rejected = _rejects_value(exc) or isinstance(exc, self._client_rejects)
+        kind = StorageRejectedError if rejected else StorageError
         return kind(f"{op} failed on {self._url_text}: {type(cause).__name__}: {cause}")
 
     @asynccontextmanager
@@ -464,6 +530,29 @@ class SQLAlchemyAdapter:
         try:
             async with self._write_lock, self._write_engine.begin() as conn:
                 yield conn
+        except self._errors as exc:
+            raise self._storage_error(op, exc) from exc
+
+    @asynccontextmanager
+    async def _hot_conn(self, op: str) -> AsyncIterator[tuple[HotSql, Any]]:
+        """A connection of the hot pool (PostgreSQL), for claims, settles and selection."""
+        assert self._hot is not None
+        sql, pool = self._hot
+        try:
+            async with pool.acquire() as conn:
+                yield sql, conn
+        except self._errors as exc:
+            raise self._storage_error(op, exc) from exc
+
+    @asynccontextmanager
+    async def _driver_conn(self, op: str) -> AsyncIterator[tuple[HotSql, Any]]:
+        """The asyncpg connection under one of the general pool's (PostgreSQL), for the
+        raw enqueue: it queues with listings and operator calls, never with dispatch."""
+        assert self._hot is not None
+        try:
+            async with self._engine.connect() as conn:
+                raw = await conn.get_raw_connection()
+                yield self._hot[0], raw.driver_connection
         except self._errors as exc:
             raise self._storage_error(op, exc) from exc
 
@@ -518,6 +607,8 @@ class SQLAlchemyAdapter:
             self._analyzing.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._analyzing
+        if self._hot is not None:
+            await self._hot[1].close()
         await self._engine.dispose()
 
     def _note_inserts(self, count: int) -> None:
@@ -561,10 +652,41 @@ class SQLAlchemyAdapter:
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
         if not specs:
             return []
-        async with self._write("enqueue") as conn:
-            results = await self._enqueue_on(conn, specs)
+        if self._hot is not None:
+            results = await self._enqueue_raw(specs)
+        else:
+            async with self._write("enqueue") as conn:
+                results = await self._enqueue_on(conn, specs)
         self._note_inserts(sum(not r.duplicate for r in results))
         return results
+
+    async def _enqueue_raw(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
+        """PostgreSQL: one ``INSERT ... SELECT FROM unnest(...)`` for the whole batch.
+
+        A single job needs no transaction (its one statement commits on its own, so an
+        enqueue is one round trip); a batch takes one, so it is stored all or nothing.
+        """
+        from adapters._pg_hot import INSERT_COLUMNS
+
+        async with self._driver_conn("enqueue") as (sql, conn):
+
+            async def insert(rows: list[dict[str, Any]]) -> set[uuid.UUID]:
+                columns = [[row[name] for row in rows] for name in INSERT_COLUMNS]
+                return {r["id"] for r in await conn.fetch(sql.insert, *columns)}
+
+            async def find(missing: Sequence[JobSpec]) -> list[Job | None]:
+                found = await conn.fetch(
+                    sql.holders,
+                    [s.id for s in missing],
+                    [s.idempotency_key for s in missing if s.idempotency_key is not None],
+                    [s.unique_key for s in missing if s.unique_key is not None],
+                )
+                return _match_holders(missing, [_job_from_row(r) for r in found])
+
+            if len(specs) == 1:
+                return await self._enqueue_with(insert, find, specs)
+            async with conn.transaction():
+                return await self._enqueue_with(insert, find, specs)
 
     async def enqueue_in_transaction(
         self, conn: AsyncConnection, specs: Sequence[JobSpec]
@@ -592,6 +714,23 @@ class SQLAlchemyAdapter:
     async def _enqueue_on(
         self, conn: AsyncConnection, specs: Sequence[JobSpec]
     ) -> list[EnqueueResult]:
+        async def insert(rows: list[dict[str, Any]]) -> set[uuid.UUID]:
+            stmt = self._insert(jobs).on_conflict_do_nothing().returning(jobs.c.id)
+            return set((await conn.execute(stmt, rows)).scalars())
+
+        async def find(missing: Sequence[JobSpec]) -> list[Job | None]:
+            return await self._find_holders(conn, missing)
+
+        return await self._enqueue_with(insert, find, specs)
+
+    async def _enqueue_with(
+        self,
+        insert: Callable[[list[dict[str, Any]]], Awaitable[set[uuid.UUID]]],
+        find: Callable[[Sequence[JobSpec]], Awaitable[list[Job | None]]],
+        specs: Sequence[JobSpec],
+    ) -> list[EnqueueResult]:
+        """The enqueue rule over either kind of connection: ``insert`` stores rows unless
+        a key or id is taken (returning the ids stored), ``find`` names what blocked each."""
         now_us = self._now()
         # Within the batch, a repeated key (or id) refers back to its first occurrence.
         canonical: list[int] = []
@@ -607,21 +746,23 @@ class SQLAlchemyAdapter:
                     first[("key", spec.idempotency_key)] = index
             canonical.append(found)
         rows = {i: _spec_row(specs[i], now_us) for i in sorted(set(canonical))}
-        stored = await self._insert_or_find(conn, specs, rows)
+        stored = await self._insert_or_find(insert, find, specs, rows)
         return [
             stored[c] if c == i else EnqueueResult(stored[c].job, duplicate=True)
             for i, c in enumerate(canonical)
         ]
 
     async def _insert_or_find(
-        self, conn: AsyncConnection, specs: Sequence[JobSpec], rows: dict[int, dict[str, Any]]
+        self,
+        insert: Callable[[list[dict[str, Any]]], Awaitable[set[uuid.UUID]]],
+        find: Callable[[Sequence[JobSpec]], Awaitable[list[Job | None]]],
+        specs: Sequence[JobSpec],
+        rows: dict[int, dict[str, Any]],
     ) -> dict[int, EnqueueResult]:
         out: dict[int, EnqueueResult] = {}
         pending = list(rows)
         for _ in range(_ENQUEUE_ROUNDS):
-            stmt = self._insert(jobs).on_conflict_do_nothing().returning(jobs.c.id)
-            result = await conn.execute(stmt, [rows[i] for i in pending])
-            inserted = set(result.scalars())
+            inserted = await insert([rows[i] for i in pending])
             missing = []
             for i in pending:
                 if specs[i].id in inserted:
@@ -630,7 +771,7 @@ class SQLAlchemyAdapter:
                     missing.append(i)
             if not missing:
                 return out
-            holders = await self._find_holders(conn, [specs[i] for i in missing])
+            holders = await find([specs[i] for i in missing])
             pending = []
             for i, holder in zip(missing, holders, strict=True):
                 if holder is None:
@@ -647,9 +788,8 @@ class SQLAlchemyAdapter:
     async def _find_holders(
         self, conn: AsyncConnection, specs: Sequence[JobSpec]
     ) -> list[Job | None]:
-        """For each spec that did not insert, the stored job that blocked it: the holder of
-        its idempotency key, else the job with its id, else the *active* holder of its
-        unique key (the same order the in-memory store checks them in)."""
+        """For each spec that did not insert, the stored job that blocked it (see
+        :func:`_match_holders`)."""
         found: list[Job] = []
         for chunk in _chunks(specs):
             keys = [s.idempotency_key for s in chunk if s.idempotency_key is not None]
@@ -662,20 +802,7 @@ class SQLAlchemyAdapter:
                 cond = sa.or_(cond, sa.and_(jobs.c.unique_key.in_(uniques), IS_ACTIVE))
             rows = (await conn.execute(sa.select(jobs).where(cond))).mappings()
             found.extend(_job_from_row(r) for r in rows)
-        by_key = {j.idempotency_key: j for j in found if j.idempotency_key is not None}
-        by_id = {j.id: j for j in found}
-        by_unique = {
-            j.unique_key: j for j in found if j.unique_key is not None and j.status.is_active
-        }
-        holders: list[Job | None] = []
-        for spec in specs:
-            job = by_key.get(spec.idempotency_key) if spec.idempotency_key else None
-            if job is None:
-                job = by_id.get(spec.id)
-            if job is None and spec.unique_key is not None:
-                job = by_unique.get(spec.unique_key)
-            holders.append(job)
-        return holders
+        return _match_holders(specs, found)
 
     # ------------------------------------------------------------------ dispatch
 
@@ -699,6 +826,15 @@ class SQLAlchemyAdapter:
     ) -> list[Job]:
         if not modes or limit <= 0:
             return []
+        if self._hot is not None:
+            wanted = [sorted({ExecutionMode(m).value for m in modes})]
+            async with self._hot_conn("select_eligible") as (sql, conn):
+                if queues is None:
+                    found = await conn.fetch(sql.eligible, *wanted, self._now(), limit)
+                else:
+                    wanted.append(sorted(set(queues)))
+                    found = await conn.fetch(sql.eligible_in_queues, *wanted, self._now(), limit)
+            return [_job_from_row(r) for r in found]
         stmt = self._eligible_stmt(modes, queues, limit)
         async with self._read("select_eligible") as conn:
             rows = (await conn.execute(stmt)).mappings().all()
@@ -727,6 +863,14 @@ class SQLAlchemyAdapter:
     ) -> datetime | None:
         if not modes:
             return None
+        if self._hot is not None:
+            wanted = [sorted({ExecutionMode(m).value for m in modes})]
+            async with self._hot_conn("next_run_at") as (sql, conn):
+                if queues is None:
+                    earliest = await conn.fetchval(sql.next_run, *wanted)
+                else:
+                    earliest = await conn.fetchval(sql.next_run_in_queues, *wanted, sorted(queues))
+            return None if earliest is None else _from_us(earliest)
         stmt = sa.select(sa.func.min(jobs.c.run_at_us)).where(
             *self._mode_queue_filter(modes, queues)
         )
@@ -746,6 +890,8 @@ class SQLAlchemyAdapter:
             wanted.setdefault(claim.job_id, claim)  # the same job twice: the first claim
         if not wanted:
             return []
+        if self._hot is not None:
+            return await self._claim_raw(wanted)
         now_us = self._now()
         async with self._write("mark_handed_off") as conn:
             candidates: list[Any] = []
@@ -763,6 +909,46 @@ class SQLAlchemyAdapter:
         ]
         order = {job_id: i for i, job_id in enumerate(wanted)}
         return sorted(claimed, key=lambda job: order[job.id])
+
+    async def _claim_raw(self, wanted: dict[uuid.UUID, Claim]) -> list[Job]:
+        """PostgreSQL: one statement claims every wanted job without a concurrency key.
+
+        Jobs with a key come back unclaimed from it and go through :meth:`_claim_keyed`,
+        a short transaction on the same connection: the slot count needs the counter
+        row locked and read before the grant, which one statement cannot order.
+        """
+        now_us = self._now()
+        claims = list(wanted.values())
+        async with self._hot_conn("mark_handed_off") as (sql, conn):
+            rows = await conn.fetch(sql.claim, *_claim_arrays(claims), now_us)
+            stored = [r for r in rows if r["claimed"]]
+            keyed = [wanted[r["id"]] for r in rows if not r["claimed"]]
+            if keyed:
+                stored.extend(await self._claim_keyed(sql, conn, keyed, now_us))
+        order = {job_id: i for i, job_id in enumerate(wanted)}
+        return sorted((_job_from_row(r) for r in stored), key=lambda job: order[job.id])
+
+    @staticmethod
+    async def _claim_keyed(sql: HotSql, conn: Any, claims: list[Claim], now_us: int) -> list[Any]:
+        """Claims of keyed jobs, in one transaction: the rows are locked (skipping any
+        another claimer holds), then their counters in key order, then the granted
+        rows are handed off and their slots taken. Returns the rows as now stored."""
+        async with conn.transaction():
+            candidates = await conn.fetch(sql.lock_claimable, [c.job_id for c in claims], now_us)
+            keys = sorted({r["concurrency_key"] for r in candidates} - {None})
+            active = {r["key"]: r["active"] for r in await conn.fetch(sql.lock_counters, keys)}
+            granted, taken = _grant(
+                [(r["id"], r["concurrency_key"], r["concurrency_limit"]) for r in candidates],
+                [c.job_id for c in claims],
+                active,
+            )
+            if not granted:
+                return []
+            if taken:
+                await conn.execute(sql.take_slots, list(taken), list(taken.values()))
+            chosen = set(granted)
+            handed = [c for c in claims if c.job_id in chosen]
+            return list(await conn.fetch(sql.hand_off, *_claim_arrays(handed), now_us))
 
     async def _lock_claimable(
         self, conn: AsyncConnection, job_ids: Sequence[uuid.UUID], now_us: int
@@ -782,26 +968,13 @@ class SQLAlchemyAdapter:
         self, conn: AsyncConnection, candidates: list[Any], order: list[uuid.UUID]
     ) -> list[uuid.UUID]:
         """The candidates that may be handed off, taking concurrency slots for them."""
-        rank = {job_id: i for i, job_id in enumerate(order)}
-        granted = [r.id for r in candidates if r.concurrency_key is None]
-        by_key: dict[str, list[Any]] = {}
-        for row in sorted(candidates, key=lambda r: rank[r.id]):
-            if row.concurrency_key is not None:
-                by_key.setdefault(row.concurrency_key, []).append(row)
-        if not by_key:
-            return granted
+        keys = sorted({r.concurrency_key for r in candidates} - {None})
         active: dict[str, int] = {}
-        for chunk in _chunks(sorted(by_key)):  # sorted across chunks too: one lock order
+        for chunk in _chunks(keys):  # sorted across chunks too: one lock order
             active.update(await self._lock_counters(conn, chunk))
-        taken: dict[str, int] = {}
-        for key, rows in by_key.items():
-            count = 0
-            for row in rows:
-                if active[key] + count < row.concurrency_limit:
-                    granted.append(row.id)
-                    count += 1
-            if count:
-                taken[key] = count
+        granted, taken = _grant(
+            [(r.id, r.concurrency_key, r.concurrency_limit) for r in candidates], order, active
+        )
         if taken:
             await conn.execute(
                 sa.update(concurrency)
@@ -878,6 +1051,8 @@ class SQLAlchemyAdapter:
         if not settlements:
             return []
         now_us = self._now()
+        if self._hot is not None:
+            return await self._settle_raw(settlements, now_us)
         async with self._write("settle") as conn:
             if len(settlements) == 1:
                 key = await self._settle_in(conn, settlements[0], now_us)
@@ -885,6 +1060,40 @@ class SQLAlchemyAdapter:
                     await self._release(conn, key, 1)
                 return [key is not None]
             return await self._settle_batch(conn, settlements, now_us)
+
+    async def _settle_raw(self, settlements: Sequence[Settlement], now_us: int) -> list[bool]:
+        """PostgreSQL: one statement for the whole batch, every shape of move at once,
+        fenced per job and giving back the concurrency slots (see ``HotSql.settle``).
+        Only the first move per job in a batch can be accepted."""
+        first: dict[uuid.UUID, int] = {}
+        for i, s in enumerate(settlements):
+            first.setdefault(s.job_id, i)
+        now = _from_us(now_us)
+        columns: list[list[Any]] = [[] for _ in range(11)]
+        for i in first.values():
+            s = settlements[i]
+            move = settlement.settle(s, now)
+            values = _columns(move.changes)
+            row = [
+                s.job_id,
+                s.handoff_id,
+                values.pop("status"),
+                "result" in values,
+                values.pop("result", None),
+                "last_error" in values,
+                values.pop("last_error", None),
+                values.pop("run_at_us", None),
+                int(move.counts_attempt),
+                values.pop("updated_us"),
+                move.releases_slot,
+            ]
+            if values:
+                raise TypeError(f"the settle statement cannot set {sorted(values)}")
+            for column, value in zip(columns, row, strict=True):
+                column.append(value)
+        async with self._hot_conn("settle") as (sql, conn):
+            accepted = {r["id"] for r in await conn.fetch(sql.settle, *columns)}
+        return [first[s.job_id] == i and s.job_id in accepted for i, s in enumerate(settlements)]
 
     async def _settle_batch(
         self, conn: AsyncConnection, settlements: Sequence[Settlement], now_us: int
