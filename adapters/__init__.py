@@ -15,6 +15,13 @@ from broker.untrusted import redact_url
 if TYPE_CHECKING:
     from broker.storage import StorageAdapter
 
+DEFAULT_POOL_SIZE = 5
+"""Connections of a SQL store's general pool (enqueues, listings, operator calls), which
+may grow by up to 10 more under load."""
+DEFAULT_HOT_POOL_SIZE = 2
+"""PostgreSQL connections kept for claims, settles and selection alone: the dispatcher
+and the report settler each have one, so neither waits behind enqueues or the other."""
+
 SUPPORTED_URLS = (
     "sqlite+aiosqlite:///path/to/broker.db",
     "postgresql+asyncpg://user@host:5432/dbname",
@@ -22,8 +29,18 @@ SUPPORTED_URLS = (
 )
 
 
-def open_store(url: str, *, clock: Clock = utcnow) -> StorageAdapter:
-    """The adapter for ``url``; call its ``setup()`` before use."""
+def open_store(
+    url: str,
+    *,
+    clock: Clock = utcnow,
+    pool_size: int = DEFAULT_POOL_SIZE,
+    hot_pool_size: int = DEFAULT_HOT_POOL_SIZE,
+) -> StorageAdapter:
+    """The adapter for ``url``; call its ``setup()`` before use.
+
+    ``pool_size`` and ``hot_pool_size`` size a SQL store's connection pools (see
+    :class:`adapters.sql.SQLAlchemyAdapter`); the in-memory store has none.
+    """
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "memory":
         from adapters.memory import MemoryAdapter
@@ -32,11 +49,11 @@ def open_store(url: str, *, clock: Clock = utcnow) -> StorageAdapter:
     if scheme.startswith(("sqlite", "postgres")):
         from adapters.sql import SQLAlchemyAdapter
 
-        return SQLAlchemyAdapter(url, clock=clock)
+        return SQLAlchemyAdapter(url, clock=clock, pool_size=pool_size, hot_pool_size=hot_pool_size)
     raise ConfigurationError(
         f"unsupported store URL {redact_url(url)!r}; use one of: {', '.join(SUPPORTED_URLS)} "
         "(a custom adapter is plugged in with --adapter module:factory)"
     )
 
 
-__all__ = ["SUPPORTED_URLS", "open_store"]
+__all__ = ["DEFAULT_HOT_POOL_SIZE", "DEFAULT_POOL_SIZE", "SUPPORTED_URLS", "open_store"]

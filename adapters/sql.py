@@ -410,7 +410,10 @@ class SQLAlchemyAdapter:
     ``schema`` (PostgreSQL only) puts the tables in that schema, creating it if needed.
     ``max_payload_bytes`` caps a job's args and kwargs (as JSON) in
     :meth:`enqueue_in_transaction`, which does not pass through the main's own check;
-    ``None`` turns the cap off. Call :meth:`setup` before use and :meth:`close` when done.
+    ``None`` turns the cap off. ``pool_size`` is the general pool (enqueues, listings,
+    operator calls; up to 10 more connections under load); on PostgreSQL,
+    ``hot_pool_size`` more connections serve claims, settles and selection alone (see
+    :mod:`adapters._pg_hot`). Call :meth:`setup` before use and :meth:`close` when done.
     """
 
     def __init__(

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import adapters
+from adapters import DEFAULT_HOT_POOL_SIZE as DEFAULT_HOT_POOL_SIZE
+from adapters import DEFAULT_POOL_SIZE as DEFAULT_POOL_SIZE
 from broker import checks
 from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode
@@ -25,10 +27,19 @@ from runners.inline import InlineRunner
 from runners.pooled import PooledRunner
 
 
-def open_store(url: str, adapter: str | None = None) -> StorageAdapter:
-    """The store for ``url``, or the custom adapter ``module:factory`` called with ``url``."""
+def open_store(
+    url: str,
+    adapter: str | None = None,
+    *,
+    pool_size: int = DEFAULT_POOL_SIZE,
+    hot_pool_size: int = DEFAULT_HOT_POOL_SIZE,
+) -> StorageAdapter:
+    """The store for ``url``, or the custom adapter ``module:factory`` called with ``url``.
+
+    The pool sizes are for the stores this repo ships; a custom factory sizes its own.
+    """
     if adapter is None:
-        return adapters.open_store(url)
+        return adapters.open_store(url, pool_size=pool_size, hot_pool_size=hot_pool_size)
     module_name, _, attr = adapter.partition(":")
     if not module_name or not attr:
         raise ConfigurationError(
