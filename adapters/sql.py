@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import os
+import sqlite3
 import time
 import uuid
 from collections import Counter
@@ -60,6 +61,7 @@ from adapters._sql_schema import (
     notify_channel,
     schema_version,
 )
+from adapters._sqlite_hot import SqliteHot, immediate
 from broker import settlement
 from broker.exceptions import (
     ConfigurationError,
@@ -401,6 +403,113 @@ def _claim_arrays(claims: Sequence[Claim]) -> tuple[list[uuid.UUID], list[uuid.U
     return [c.job_id for c in claims], [c.handoff_id for c in claims], [c.worker_id for c in claims]
 
 
+def _lite_value(value: Any) -> Any:
+    """A value as SQLAlchemy's ``Uuid`` stores it on SQLite (32 hex digits), else as is."""
+    return value.hex if isinstance(value, uuid.UUID) else value
+
+
+def _lite_job(row: sqlite3.Row) -> Job:
+    values = dict(zip(row.keys(), row, strict=True))
+    for column in ("id", "handoff_id"):
+        if values[column] is not None:
+            values[column] = uuid.UUID(hex=values[column])
+    return _job_from_row(values)
+
+
+def _lite_update(move: settlement.Move, where: str) -> tuple[str, list[str]]:
+    """An ``UPDATE`` of ``broker_jobs`` carrying out ``move`` (its fields bound in the order
+    returned, then ``where``'s); the same text for every move of one shape, so the
+    ``sqlite3`` statement cache prepares it once."""
+    columns = sorted(_COLUMN_OF[name] for name in move.changes)
+    sets = [f"{column} = ?" for column in columns]
+    if move.counts_attempt:
+        sets.append("attempts = attempts + 1")
+    return f"UPDATE broker_jobs SET {', '.join(sets)} WHERE {where}", columns
+
+
+def _claim_lite(conn: sqlite3.Connection, claims: list[Claim], now_us: int) -> list[Job]:
+    """SQLite's claim, one transaction: the due queued rows among the claims, the
+    concurrency counters of their keys, then the hand-off of the granted ones."""
+    now = _from_us(now_us)
+    with immediate(conn):
+        rows = conn.execute(
+            "SELECT * FROM broker_jobs WHERE id IN (SELECT value FROM json_each(?)) "
+            "AND status = 'queued' AND run_at_us <= ?",
+            (json.dumps([c.job_id.hex for c in claims]), now_us),
+        ).fetchall()
+        candidates = {uuid.UUID(hex=r["id"]): r for r in rows}
+        keys = sorted({r["concurrency_key"] for r in rows} - {None})
+        active: dict[str, int] = {}
+        if keys:
+            conn.executemany(
+                "INSERT INTO broker_concurrency (key, active) VALUES (?, 0) "
+                "ON CONFLICT (key) DO NOTHING",
+                [(k,) for k in keys],
+            )
+            found = conn.execute(
+                "SELECT key, active FROM broker_concurrency "
+                "WHERE key IN (SELECT value FROM json_each(?))",
+                (json.dumps(keys),),
+            )
+            active = {key: count for key, count in found}
+        granted, taken = _grant(
+            [(i, r["concurrency_key"], r["concurrency_limit"]) for i, r in candidates.items()],
+            [c.job_id for c in claims],
+            active,
+        )
+        chosen = set(granted)
+        claimed = []
+        for claim in claims:
+            if claim.job_id not in chosen:
+                continue
+            move = settlement.hand_off(claim, now)
+            update, columns = _lite_update(move, "id = ? AND status = 'queued'")
+            values = _columns(move.changes)
+            conn.execute(update, [_lite_value(values[c]) for c in columns] + [claim.job_id.hex])
+            claimed.append(settlement.apply(_lite_job(candidates[claim.job_id]), move))
+        conn.executemany(
+            "UPDATE broker_concurrency SET active = active + ? WHERE key = ?",
+            [(n, key) for key, n in sorted(taken.items())],
+        )
+    return claimed
+
+
+def _settle_lite(
+    conn: sqlite3.Connection, settlements: Sequence[Settlement], now_us: int
+) -> list[bool]:
+    """SQLite's settle, one transaction: a fenced ``UPDATE`` per move (only the first
+    per job in a batch can be accepted), then the slots given back in key order."""
+    now = _from_us(now_us)
+    accepted = [False] * len(settlements)
+    released: Counter[str] = Counter()
+    seen: set[uuid.UUID] = set()
+    with immediate(conn):
+        for i, s in enumerate(settlements):
+            if s.job_id in seen:
+                continue
+            seen.add(s.job_id)
+            move = settlement.settle(s, now)
+            update, columns = _lite_update(
+                move, "id = ? AND handoff_id = ? AND status = 'handed_off'"
+            )
+            values = _columns(move.changes)
+            found = conn.execute(
+                update + " RETURNING concurrency_key",
+                [values[c] for c in columns] + [s.job_id.hex, s.handoff_id.hex],
+            ).fetchall()
+            if not found:
+                continue
+            accepted[i] = True
+            key = found[0][0]
+            if move.releases_slot and key is not None:
+                released[key] += 1
+        conn.executemany(
+            "UPDATE broker_concurrency SET active = MAX(active - ?, 0) WHERE key = ?",
+            [(n, key) for key, n in sorted(released.items())],
+        )
+    return accepted
+
+
 # --------------------------------------------------------------------------- adapter
 
 
@@ -456,8 +565,10 @@ class SQLAlchemyAdapter:
             )
         else:
             _require_driver("aiosqlite", resolved)
-            self._errors = (sa_exc.DBAPIError, sa_exc.TimeoutError, OSError)
-            self._client_rejects = ()
+            self._errors = (sa_exc.DBAPIError, sa_exc.TimeoutError, OSError, sqlite3.Error)
+            # What the hot path's sqlite3 raises where SQLAlchemy would say DataError or
+            # IntegrityError: the value, not the moment, is at fault.
+            self._client_rejects = (sqlite3.IntegrityError, sqlite3.DataError)
             if schema is not None:
                 raise ConfigurationError(
                     "the schema option is for PostgreSQL only; a SQLite store is one file"
@@ -486,12 +597,12 @@ class SQLAlchemyAdapter:
             self._order_tiebreak: list[sa.ColumnElement[Any]] = [jobs.c.seq]
         else:
             path = resolved.database
-            if path and not resolved.query.get("uri"):  # a file: URI is the operator's own
-                event.listen(
-                    self._engine.sync_engine,
-                    "do_connect",
-                    lambda *_: _create_private(path),
-                )
+
+            def before_connect(*_: object) -> None:
+                if path and not resolved.query.get("uri"):  # a file: URI is the operator's own
+                    _create_private(path)
+
+            event.listen(self._engine.sync_engine, "do_connect", before_connect)
             event.listen(self._engine.sync_engine, "connect", _sqlite_on_connect)
             event.listen(self._engine.sync_engine, "begin", _sqlite_on_begin)
             self._write_engine = self._engine.execution_options(**{_WRITE_OPTION: True})
@@ -499,6 +610,13 @@ class SQLAlchemyAdapter:
             self._write_lock = asyncio.Lock()
             self._order_tiebreak = [jobs.c.seq, sa.literal_column("broker_jobs.rowid")]
         self._insert = pg_dialect.insert if self._pg else sqlite_dialect.insert
+        self._lite: SqliteHot | None = None
+        if not self._pg:
+            self._lite = SqliteHot(
+                self._engine.dialect.create_connect_args(resolved),
+                before_connect,
+                _sqlite_on_connect,
+            )
         self._hot: tuple[HotSql, HotPool] | None = None
         if self._pg:
             from adapters._pg_hot import HotPool, HotSql
@@ -559,6 +677,16 @@ class SQLAlchemyAdapter:
         except self._errors as exc:
             raise self._storage_error(op, exc) from exc
 
+    async def _lite_write(self, op: str, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        """``fn`` as one write transaction on SQLite's hot connection, in its turn among
+        this adapter's writers."""
+        assert self._lite is not None
+        try:
+            async with self._write_lock:
+                return await self._lite.run(fn)
+        except self._errors as exc:
+            raise self._storage_error(op, exc) from exc
+
     @asynccontextmanager
     async def _read(self, op: str) -> AsyncIterator[AsyncConnection]:
         try:
@@ -612,6 +740,8 @@ class SQLAlchemyAdapter:
                 await self._analyzing
         if self._hot is not None:
             await self._hot[1].close()
+        if self._lite is not None:
+            await self._lite.close()
         await self._engine.dispose()
 
     def _note_inserts(self, count: int) -> None:
@@ -896,6 +1026,11 @@ class SQLAlchemyAdapter:
         if self._hot is not None:
             return await self._claim_raw(wanted)
         now_us = self._now()
+        if self._lite is not None:
+            claims = list(wanted.values())
+            return await self._lite_write(
+                "mark_handed_off", lambda conn: _claim_lite(conn, claims, now_us)
+            )
         async with self._write("mark_handed_off") as conn:
             candidates: list[Any] = []
             for chunk in _chunks(sorted(wanted)):
@@ -1056,6 +1191,10 @@ class SQLAlchemyAdapter:
         now_us = self._now()
         if self._hot is not None:
             return await self._settle_raw(settlements, now_us)
+        if self._lite is not None:
+            return await self._lite_write(
+                "settle", lambda conn: _settle_lite(conn, settlements, now_us)
+            )
         async with self._write("settle") as conn:
             if len(settlements) == 1:
                 key = await self._settle_in(conn, settlements[0], now_us)
