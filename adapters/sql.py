@@ -15,6 +15,11 @@ How the contract in :mod:`broker.storage` maps onto SQL:
   SQLite's busy handler. Another process on the same file waits up to the busy
   timeout. The journal is WAL with ``synchronous=FULL``: a commit is on disk before
   the call returns, because the broker acknowledges only what is durable.
+* **The hot path** (claims, settles; on PostgreSQL also selection and enqueues) does
+  not go through SQLAlchemy: PostgreSQL runs each as one asyncpg statement over arrays
+  on a pool of its own (:mod:`adapters._pg_hot`), SQLite as one transaction in one
+  thread hop on a connection of its own (:mod:`adapters._sqlite_hot`). SQLAlchemy
+  keeps the schema, migrations and everything else.
 * **Time** is read from the adapter's clock, never the database's, and stored as
   integer microseconds since the epoch.
 """
@@ -203,25 +208,6 @@ def _columns(changes: Mapping[str, Any]) -> dict[str, Any]:
 def _spec_row(spec: JobSpec, now_us: int) -> dict[str, Any]:
     job = Job.from_spec(spec, _from_us(now_us))
     return _columns({name: getattr(job, name) for name in _COLUMN_OF})
-
-
-def _bound(move: settlement.Move) -> dict[str, Any]:
-    """The values one job binds into a statement built by :func:`_set_bound`."""
-    return {f"b_{name}": value for name, value in _encode(move.changes).items()}
-
-
-def _set_bound(move: settlement.Move) -> dict[str, Any]:
-    """The ``SET`` of an ``UPDATE`` carrying out moves of ``move``'s shape, each value bound
-    per job, so one statement serves a whole executemany."""
-    values: dict[str, Any] = {_COLUMN_OF[name]: sa.bindparam(f"b_{name}") for name in move.changes}
-    if move.counts_attempt:
-        values["attempts"] = jobs.c.attempts + 1
-    return values
-
-
-_STATEMENTS: dict[tuple[Any, ...], sa.Update] = {}
-"""The hand-off and settle statements, one per shape of move (a handful in all): built and
-cache-keyed once, since building them for every batch cost the report path measurably."""
 
 
 def _chunks(items: Sequence[_T], size: int = _CHUNK) -> list[Sequence[_T]]:
@@ -1026,27 +1012,11 @@ class SQLAlchemyAdapter:
         if self._hot is not None:
             return await self._claim_raw(wanted)
         now_us = self._now()
-        if self._lite is not None:
-            claims = list(wanted.values())
-            return await self._lite_write(
-                "mark_handed_off", lambda conn: _claim_lite(conn, claims, now_us)
-            )
-        async with self._write("mark_handed_off") as conn:
-            candidates: list[Any] = []
-            for chunk in _chunks(sorted(wanted)):
-                candidates.extend(await self._lock_claimable(conn, chunk, now_us))
-            granted = set(await self._take_slots(conn, candidates, list(wanted)))
-            rows = [row for row in candidates if row.id in granted]
-            now = _from_us(now_us)
-            moves = [(wanted[row.id], settlement.hand_off(wanted[row.id], now)) for row in rows]
-            if moves:
-                await self._hand_off(conn, moves)
-        claimed = [
-            settlement.apply(_job_from_row(row._mapping), move)
-            for row, (_, move) in zip(rows, moves, strict=True)
-        ]
-        order = {job_id: i for i, job_id in enumerate(wanted)}
-        return sorted(claimed, key=lambda job: order[job.id])
+        assert self._lite is not None
+        ordered = list(wanted.values())
+        return await self._lite_write(
+            "mark_handed_off", lambda conn: _claim_lite(conn, ordered, now_us)
+        )
 
     async def _claim_raw(self, wanted: dict[uuid.UUID, Claim]) -> list[Job]:
         """PostgreSQL: one statement claims every wanted job without a concurrency key.
@@ -1088,102 +1058,7 @@ class SQLAlchemyAdapter:
             handed = [c for c in claims if c.job_id in chosen]
             return list(await conn.fetch(sql.hand_off, *_claim_arrays(handed), now_us))
 
-    async def _lock_claimable(
-        self, conn: AsyncConnection, job_ids: Sequence[uuid.UUID], now_us: int
-    ) -> list[Any]:
-        """The whole rows, so the claimed jobs are built without reading them back."""
-        stmt = (
-            sa.select(jobs)
-            .where(jobs.c.id.in_(job_ids), jobs.c.status == _QUEUED, jobs.c.run_at_us <= now_us)
-            .order_by(jobs.c.id)
-        )
-        if self._pg:
-            # Never wait on a job row: a row another claimer holds is simply not ours.
-            stmt = stmt.with_for_update(skip_locked=True)
-        return list((await conn.execute(stmt)).all())
-
-    async def _take_slots(
-        self, conn: AsyncConnection, candidates: list[Any], order: list[uuid.UUID]
-    ) -> list[uuid.UUID]:
-        """The candidates that may be handed off, taking concurrency slots for them."""
-        keys = sorted({r.concurrency_key for r in candidates} - {None})
-        active: dict[str, int] = {}
-        for chunk in _chunks(keys):  # sorted across chunks too: one lock order
-            active.update(await self._lock_counters(conn, chunk))
-        granted, taken = _grant(
-            [(r.id, r.concurrency_key, r.concurrency_limit) for r in candidates], order, active
-        )
-        if taken:
-            await conn.execute(
-                sa.update(concurrency)
-                .where(concurrency.c.key == sa.bindparam("b_key"))
-                .values(active=concurrency.c.active + sa.bindparam("b_count", type_=sa.Integer)),
-                [{"b_key": k, "b_count": n} for k, n in sorted(taken.items())],
-            )
-        return granted
-
-    async def _lock_counters(self, conn: AsyncConnection, keys: Sequence[str]) -> dict[str, int]:
-        """Create-if-missing and lock the counter rows of ``keys`` (sorted), returning them.
-
-        The no-op ``DO UPDATE`` makes one statement insert, lock and read each row; rows
-        are taken in ``keys`` order, the same in every claim, so claims cannot deadlock.
-        """
-        ins = self._insert(concurrency).values([{"key": k, "active": 0} for k in keys])
-        stmt = ins.on_conflict_do_update(
-            index_elements=[concurrency.c.key], set_={"active": concurrency.c.active}
-        ).returning(concurrency.c.key, concurrency.c.active)
-        return {row.key: row.active for row in await conn.execute(stmt)}
-
-    async def _hand_off(
-        self, conn: AsyncConnection, moves: list[tuple[Claim, settlement.Move]]
-    ) -> None:
-        """One statement shape for any batch (an executemany over locked rows), so it is
-        compiled and prepared once rather than rebuilt for every batch size."""
-        move = moves[0][1]
-        stmt = _STATEMENTS.get(("hand_off", move.shape))
-        if stmt is None:
-            stmt = _STATEMENTS[("hand_off", move.shape)] = (
-                sa.update(jobs)
-                .where(jobs.c.id == sa.bindparam("b_id"), jobs.c.status == _QUEUED)
-                .values(**_set_bound(move))
-            )
-        await conn.execute(stmt, [{"b_id": claim.job_id, **_bound(m)} for claim, m in moves])
-
     # ------------------------------------------------------------------ fenced reports
-
-    @staticmethod
-    def _settle_stmt(move: settlement.Move, *, returning: bool = False) -> sa.Update:
-        """The fenced ``UPDATE`` carrying out settlements of ``move``'s shape: the lease
-        check and the change are one statement (built once per shape, see
-        :data:`_STATEMENTS`)."""
-        key = ("settle", returning, move.shape)
-        stmt = _STATEMENTS.get(key)
-        if stmt is None:
-            stmt = (
-                sa.update(jobs)
-                .where(
-                    jobs.c.id == sa.bindparam("b_id"),
-                    jobs.c.handoff_id == sa.bindparam("b_lease"),
-                    jobs.c.status == _HANDED_OFF,
-                )
-                .values(**_set_bound(move))
-            )
-            if returning:
-                stmt = stmt.returning(jobs.c.concurrency_key)
-            _STATEMENTS[key] = stmt
-        return stmt
-
-    async def _settle_in(self, conn: AsyncConnection, s: Settlement, now_us: int) -> str | None:
-        """One fenced move out of ``handed_off``. Returns ``None`` when fenced out, else the
-        job's concurrency key ("" for none), whose slot the caller gives back in the same
-        transaction."""
-        move = settlement.settle(s, _from_us(now_us))
-        stmt = self._settle_stmt(move, returning=True)
-        params = {"b_id": s.job_id, "b_lease": s.handoff_id, **_bound(move)}
-        row = (await conn.execute(stmt, params)).first()
-        if row is None:
-            return None
-        return (move.releases_slot and row.concurrency_key) or ""
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> list[bool]:
         if not settlements:
@@ -1191,17 +1066,10 @@ class SQLAlchemyAdapter:
         now_us = self._now()
         if self._hot is not None:
             return await self._settle_raw(settlements, now_us)
-        if self._lite is not None:
-            return await self._lite_write(
-                "settle", lambda conn: _settle_lite(conn, settlements, now_us)
-            )
-        async with self._write("settle") as conn:
-            if len(settlements) == 1:
-                key = await self._settle_in(conn, settlements[0], now_us)
-                if key:
-                    await self._release(conn, key, 1)
-                return [key is not None]
-            return await self._settle_batch(conn, settlements, now_us)
+        assert self._lite is not None
+        return await self._lite_write(
+            "settle", lambda conn: _settle_lite(conn, settlements, now_us)
+        )
 
     async def _settle_raw(self, settlements: Sequence[Settlement], now_us: int) -> list[bool]:
         """PostgreSQL: one statement for the whole batch, every shape of move at once,
@@ -1236,49 +1104,6 @@ class SQLAlchemyAdapter:
         async with self._hot_conn("settle") as (sql, conn):
             accepted = {r["id"] for r in await conn.fetch(sql.settle, *columns)}
         return [first[s.job_id] == i and s.job_id in accepted for i, s in enumerate(settlements)]
-
-    async def _settle_batch(
-        self, conn: AsyncConnection, settlements: Sequence[Settlement], now_us: int
-    ) -> list[bool]:
-        """Group commit: one executemany per shape of move instead of a statement per job.
-
-        The rows are read and locked first, in job-id order (the order claims use, so two
-        transactions never wait on each other), and each move is checked against its
-        lease there; the accepted ones are then updated, still fenced, under those locks.
-        Only the first move per job in a batch can be accepted.
-        """
-        first: dict[uuid.UUID, int] = {}
-        for i in sorted(range(len(settlements)), key=lambda i: settlements[i].job_id):
-            first.setdefault(settlements[i].job_id, i)
-        current: dict[uuid.UUID, Any] = {}
-        for chunk in _chunks(list(first)):
-            stmt = (
-                sa.select(jobs.c.id, jobs.c.handoff_id, jobs.c.status, jobs.c.concurrency_key)
-                .where(jobs.c.id.in_(chunk))
-                .order_by(jobs.c.id)
-            )
-            if self._pg:
-                stmt = stmt.with_for_update()
-            current.update({row.id: row for row in await conn.execute(stmt)})
-        now = _from_us(now_us)
-        accepted = [False] * len(settlements)
-        groups: dict[tuple[Any, ...], tuple[sa.Update, list[dict[str, Any]]]] = {}
-        released: Counter[str] = Counter()
-        for job_id, i in first.items():
-            s, row = settlements[i], current.get(job_id)
-            if row is None or not settlement.accepts(row.status, row.handoff_id, s):
-                continue
-            move = settlement.settle(s, now)
-            accepted[i] = True
-            if move.releases_slot and row.concurrency_key:
-                released[row.concurrency_key] += 1
-            stmt_rows = groups.setdefault(move.shape, (self._settle_stmt(move), []))
-            stmt_rows[1].append({"b_id": s.job_id, "b_lease": s.handoff_id, **_bound(move)})
-        for update, rows in groups.values():
-            await conn.execute(update, rows)
-        for key in sorted(released):
-            await self._release(conn, key, released[key])
-        return accepted
 
     async def _release(self, conn: AsyncConnection, key: str, slots: int) -> None:
         await conn.execute(
