@@ -103,9 +103,10 @@ class HotSql:
             RETURNING j.*
         """
         # Settle: every shape of move in one statement. A NULL run_at keeps the job's, a
-        # false set_* keeps the column; the fence is in the WHERE. Counters given back
-        # are locked in key order first, as the claim takes them, so that two settles
-        # releasing the same keys never deadlock.
+        # false set_* keeps the column; the fence is in the WHERE. The job rows are
+        # locked first in id order, then the counters given back in key order (as claims
+        # take them), each by a MATERIALIZED CTE whose sorted FOR UPDATE runs before the
+        # UPDATE that joins it: two settles never wait on each other in opposite orders.
         self.settle = f"""
             WITH s AS (
                 SELECT * FROM unnest(
@@ -113,6 +114,9 @@ class HotSql:
                     $7::text[], $8::bigint[], $9::int[], $10::bigint[], $11::bool[]
                 ) AS s(id, lease, status, set_result, result, set_error, last_error,
                        run_at_us, attempts, updated_us, releases)
+            ),
+            lj AS MATERIALIZED (
+                SELECT j.id FROM {t} j JOIN s ON j.id = s.id ORDER BY j.id FOR UPDATE OF j
             ),
             u AS (
                 UPDATE {t} j SET
@@ -122,7 +126,7 @@ class HotSql:
                     run_at_us = COALESCE(s.run_at_us, j.run_at_us),
                     attempts = j.attempts + s.attempts,
                     updated_us = s.updated_us
-                FROM s
+                FROM s JOIN lj ON lj.id = s.id
                 WHERE j.id = s.id AND j.handoff_id = s.lease AND j.status = 'handed_off'
                 RETURNING j.id, j.concurrency_key, s.releases
             ),
@@ -130,7 +134,7 @@ class HotSql:
                 SELECT concurrency_key AS key, count(*)::int AS n FROM u
                 WHERE releases AND concurrency_key IS NOT NULL GROUP BY concurrency_key
             ),
-            l AS (
+            l AS MATERIALIZED (
                 SELECT c.key FROM {c} c JOIN k ON c.key = k.key ORDER BY c.key FOR UPDATE OF c
             ),
             r AS (

@@ -1030,7 +1030,8 @@ class SQLAlchemyAdapter:
         async with self._hot_conn("mark_handed_off") as (sql, conn):
             rows = await conn.fetch(sql.claim, *_claim_arrays(claims), now_us)
             stored = [r for r in rows if r["claimed"]]
-            keyed = [wanted[r["id"]] for r in rows if not r["claimed"]]
+            unclaimed = {r["id"] for r in rows if not r["claimed"]}
+            keyed = [c for c in claims if c.job_id in unclaimed]  # in claim order
             if keyed:
                 stored.extend(await self._claim_keyed(sql, conn, keyed, now_us))
         order = {job_id: i for i, job_id in enumerate(wanted)}
