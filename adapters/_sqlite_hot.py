@@ -24,6 +24,9 @@ _T = TypeVar("_T")
 class SqliteHot:
     """One ``sqlite3`` connection, opened on first use, used only from one thread.
 
+    Like SQLAlchemy's engine after ``dispose()``, it may be closed more than once and
+    used again after a close (the thread and connection then start afresh).
+
     ``connect_args`` are what SQLAlchemy's dialect passes to ``sqlite3.connect`` for
     the same URL; ``prepare`` is run on the new connection (``before`` just ahead of
     opening it), exactly as on the general pool's.
@@ -39,10 +42,12 @@ class SqliteHot:
         self._before = before
         self._prepare = prepare
         self._conn: sqlite3.Connection | None = None
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="broker-sqlite-hot")
+        self._thread: ThreadPoolExecutor | None = None
 
     async def run(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
         """``fn(connection)`` on the hot thread; it opens its own transaction."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="broker-sqlite-hot")
         return await asyncio.get_running_loop().run_in_executor(self._thread, self._call, fn)
 
     def _call(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
@@ -60,13 +65,17 @@ class SqliteHot:
         return fn(self._conn)
 
     async def close(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+
         def close() -> None:
             conn, self._conn = self._conn, None
             if conn is not None:
                 conn.close()
 
-        await asyncio.get_running_loop().run_in_executor(self._thread, close)
-        self._thread.shutdown(wait=False)
+        await asyncio.get_running_loop().run_in_executor(thread, close)
+        thread.shutdown(wait=False)
 
 
 @contextmanager

@@ -194,3 +194,22 @@ async def test_claims_and_settles_go_on_while_every_general_connection_is_taken(
 def test_pool_sizes_must_be_positive(field: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match=field):
         SQLAlchemyAdapter(f"sqlite+aiosqlite:///{tmp_path / 'x.db'}", **{field: 0})  # type: ignore[arg-type]
+
+
+async def test_a_closed_store_closes_again_quietly_and_can_be_used_again(
+    store_url: tuple[str, str | None],
+) -> None:
+    """As SQLAlchemy's engine after ``dispose()``: the main closes its store on stop,
+    and an owner that closes it too (or keeps using it) must not fail."""
+    store = await _open(*store_url, FakeClock(START))
+    job = (await store.enqueue(JobSpec(task="t"))).job
+    assert await store.mark_handed_off(job.id, uuid.uuid4(), "w") is not None
+    await store.close()
+    await store.close()
+    try:
+        claimed = await store.mark_handed_off(
+            (await store.enqueue(JobSpec(task="t"))).job.id, uuid.uuid4(), "w"
+        )
+        assert claimed is not None
+    finally:
+        await store.close()
