@@ -76,9 +76,14 @@ class MemoryAdapter:
         return (await self.enqueue_many([spec]))[0]
 
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
+        return await self.enqueue_handed_off(specs, [None] * len(specs))
+
+    async def enqueue_handed_off(
+        self, specs: Sequence[JobSpec], claims: Sequence[Claim | None]
+    ) -> list[EnqueueResult]:
         now = self._clock()
         results: list[EnqueueResult] = []
-        for spec in specs:
+        for spec, claim in zip(specs, claims, strict=True):
             existing_id = (
                 self._by_idempotency_key.get(spec.idempotency_key)
                 if spec.idempotency_key is not None
@@ -98,7 +103,7 @@ class MemoryAdapter:
             if holder is not None:
                 results.append(EnqueueResult(self._snapshot(holder), duplicate=True))
                 continue
-            job = Job.from_spec(spec, now)
+            job = settlement.enqueued(spec, now, claim)
             self._put(job)
             if spec.idempotency_key is not None:
                 self._by_idempotency_key[spec.idempotency_key] = job.id

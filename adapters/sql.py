@@ -54,6 +54,7 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from adapters import DEFAULT_HOT_POOL_SIZE, DEFAULT_POOL_SIZE
 from adapters._sql_schema import (
     IS_ACTIVE,
     IS_HANDED_OFF,
@@ -216,8 +217,8 @@ def _columns(changes: Mapping[str, Any]) -> dict[str, Any]:
     return {_COLUMN_OF[name]: value for name, value in _encode(changes).items()}
 
 
-def _spec_row(spec: JobSpec, now_us: int) -> dict[str, Any]:
-    job = Job.from_spec(spec, _from_us(now_us))
+def _spec_row(spec: JobSpec, now_us: int, claim: Claim | None = None) -> dict[str, Any]:
+    job = settlement.enqueued(spec, _from_us(now_us), claim)
     return _columns({name: getattr(job, name) for name in _COLUMN_OF})
 
 
@@ -528,8 +529,8 @@ class SQLAlchemyAdapter:
         *,
         clock: Clock = utcnow,
         schema: str | None = None,
-        pool_size: int = 5,
-        hot_pool_size: int = 2,
+        pool_size: int = DEFAULT_POOL_SIZE,
+        hot_pool_size: int = DEFAULT_HOT_POOL_SIZE,
         echo: bool = False,
         max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES,
     ) -> None:
@@ -780,17 +781,24 @@ class SQLAlchemyAdapter:
         return (await self.enqueue_many([spec]))[0]
 
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
+        return await self.enqueue_handed_off(specs, [None] * len(specs))
+
+    async def enqueue_handed_off(
+        self, specs: Sequence[JobSpec], claims: Sequence[Claim | None]
+    ) -> list[EnqueueResult]:
         if not specs:
             return []
         if self._hot is not None:
-            results = await self._enqueue_raw(specs)
+            results = await self._enqueue_raw(specs, claims)
         else:
             async with self._write("enqueue") as conn:
-                results = await self._enqueue_on(conn, specs)
+                results = await self._enqueue_on(conn, specs, claims)
         self._note_inserts(sum(not r.duplicate for r in results))
         return results
 
-    async def _enqueue_raw(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
+    async def _enqueue_raw(
+        self, specs: Sequence[JobSpec], claims: Sequence[Claim | None]
+    ) -> list[EnqueueResult]:
         """PostgreSQL: one ``INSERT ... SELECT FROM unnest(...)`` for the whole batch.
 
         A single job needs no transaction (its one statement commits on its own, so an
@@ -814,9 +822,9 @@ class SQLAlchemyAdapter:
                 return _match_holders(missing, [_job_from_row(r) for r in found])
 
             if len(specs) == 1:
-                return await self._enqueue_with(insert, find, specs)
+                return await self._enqueue_with(insert, find, specs, claims)
             async with conn.transaction():
-                return await self._enqueue_with(insert, find, specs)
+                return await self._enqueue_with(insert, find, specs, claims)
 
     async def enqueue_in_transaction(
         self, conn: AsyncConnection, specs: Sequence[JobSpec]
@@ -842,7 +850,10 @@ class SQLAlchemyAdapter:
             raise self._storage_error("enqueue_in_transaction", exc) from exc
 
     async def _enqueue_on(
-        self, conn: AsyncConnection, specs: Sequence[JobSpec]
+        self,
+        conn: AsyncConnection,
+        specs: Sequence[JobSpec],
+        claims: Sequence[Claim | None] | None = None,
     ) -> list[EnqueueResult]:
         async def insert(rows: list[dict[str, Any]]) -> set[uuid.UUID]:
             stmt = self._insert(jobs).on_conflict_do_nothing().returning(jobs.c.id)
@@ -851,16 +862,21 @@ class SQLAlchemyAdapter:
         async def find(missing: Sequence[JobSpec]) -> list[Job | None]:
             return await self._find_holders(conn, missing)
 
-        return await self._enqueue_with(insert, find, specs)
+        return await self._enqueue_with(insert, find, specs, claims)
 
     async def _enqueue_with(
         self,
         insert: Callable[[list[dict[str, Any]]], Awaitable[set[uuid.UUID]]],
         find: Callable[[Sequence[JobSpec]], Awaitable[list[Job | None]]],
         specs: Sequence[JobSpec],
+        claims: Sequence[Claim | None] | None,
     ) -> list[EnqueueResult]:
-        """The enqueue rule over either kind of connection: ``insert`` stores rows unless
-        a key or id is taken (returning the ids stored), ``find`` names what blocked each."""
+        """Insert ``specs`` (each ``claims[i]``, if any, stores its job handed off, see
+        :meth:`enqueue_handed_off`); a duplicate within the batch refers to its first.
+
+        The rule over either kind of connection: ``insert`` stores rows unless a key or
+        id is taken (returning the ids stored), ``find`` names what blocked each.
+        """
         now_us = self._now()
         # Within the batch, a repeated key (or id) refers back to its first occurrence.
         canonical: list[int] = []
@@ -875,7 +891,10 @@ class SQLAlchemyAdapter:
                 if spec.idempotency_key is not None:
                     first[("key", spec.idempotency_key)] = index
             canonical.append(found)
-        rows = {i: _spec_row(specs[i], now_us) for i in sorted(set(canonical))}
+        rows = {
+            i: _spec_row(specs[i], now_us, claims[i] if claims else None)
+            for i in sorted(set(canonical))
+        }
         stored = await self._insert_or_find(insert, find, specs, rows)
         return [
             stored[c] if c == i else EnqueueResult(stored[c].job, duplicate=True)

@@ -66,7 +66,12 @@ class MainSettings:
     notify_fallback_interval: float = 30.0
     """A slow safety poll for stores that notify, in case a notification is ever lost."""
     claim_batch: int = 256
+    max_claims_in_flight: int = 2
+    """Claims the dispatcher keeps under way at once: the next pass reads while the last
+    claim's round trip is still out, so credit freed meanwhile is used at once."""
     report_batch: int = 512
+    enqueue_batch: int = 1000
+    """Most jobs one group commit of concurrent enqueues writes in one transaction."""
     max_errors_per_connection: int = 20
     list_page_bytes: int = DEFAULT_LIST_PAGE_BYTES
     """About how many bytes of jobs one ``list_jobs`` reply may carry (never more than fits
@@ -99,7 +104,9 @@ class MainSettings:
             "poll_interval": self.poll_interval,
             "notify_fallback_interval": self.notify_fallback_interval,
             "claim_batch": self.claim_batch,
+            "max_claims_in_flight": self.max_claims_in_flight,
             "report_batch": self.report_batch,
+            "enqueue_batch": self.enqueue_batch,
             "max_errors_per_connection": self.max_errors_per_connection,
             "list_page_bytes": self.list_page_bytes,
             "max_outbox_bytes": self.max_outbox_bytes,

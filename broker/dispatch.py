@@ -1,10 +1,17 @@
 """The dispatcher: passes that read eligible jobs, plan them with the handoff core and
-claim them in the store, one batch per call.
+claim them in the store, with up to ``max_claims_in_flight`` claims under way at once.
 
 It holds no handoff state: credits, leases and claims in flight are the core's
 (:mod:`broker.handoff`), and the effects of a claim (jobs to send, leases to return) are
 carried out by the main. Between passes it sleeps until woken (a ``ready``, a report, an
-insert the store notified, a lease returned) or until the next scheduled job is due.
+insert the store notified, a lease returned, a claim answered) or until the next
+scheduled job is due.
+
+**Pipelining.** A pass does not wait for its claim to answer before the next pass reads:
+the credit a report freed while a claim was in flight is used at once, instead of after
+a full round trip. The core already keeps the two passes apart (a job being claimed is
+never planned again, and every reserved credit is counted), so the only care here is to
+read far enough past the jobs still being claimed, which the store still shows queued.
 """
 
 from __future__ import annotations
@@ -14,9 +21,9 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
+from broker.exceptions import transient
 from broker.handoff import ClaimJobs, Handoff, HandoffEffect, PlannedClaim
 from broker.jobs import Clock
-from broker.reports import transient
 from broker.storage import StorageAdapter, SupportsNotify
 from broker.supervise import retrying
 
@@ -36,6 +43,7 @@ class Dispatcher:
         poll_interval: float,
         notify_fallback_interval: float,
         retry_interval: float,
+        max_claims_in_flight: int = 2,
     ) -> None:
         self._store = store
         self._handoff = handoff
@@ -46,10 +54,17 @@ class Dispatcher:
         self._poll_interval = poll_interval
         self._notify_fallback_interval = notify_fallback_interval
         self._retry_interval = retry_interval
+        self._max_claims_in_flight = max_claims_in_flight
         self._wake = asyncio.Event()
+        self._claims: set[asyncio.Task[None]] = set()
+        self._failed_at: float | None = None
+        """Loop time of the last claim that raised: passes pause for ``retry_interval``
+        after it, so a store in trouble is not hammered."""
 
     def wake(self) -> None:
-        """Ask for another pass (coalesced: many wakes, one pass)."""
+        """Ask for another pass (coalesced: many wakes, one pass). Whatever woke us may
+        have made jobs eligible, so the core stops counting any mode as drained."""
+        self._handoff.queue_changed()
         self._wake.set()
 
     async def listen(self) -> None:
@@ -70,16 +85,27 @@ class Dispatcher:
 
     async def run(self) -> None:
         """Pass after pass; between them, sleep until woken or the next job is due."""
-        while True:
-            self._wake.clear()
-            more = await retrying(
-                "dispatch pass", self.dispatch_once, interval=self._retry_interval, logger=logger
-            )
-            if more:
-                continue
-            timeout = await self._idle_timeout()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+        try:
+            while True:
+                self._wake.clear()
+                more = await retrying(
+                    "dispatch pass",
+                    self.dispatch_once,
+                    interval=self._retry_interval,
+                    logger=logger,
+                )
+                if more:
+                    continue
+                if len(self._claims) >= self._max_claims_in_flight:
+                    await self._wake.wait()  # the first claim to answer wakes us
+                    continue
+                timeout = await self._idle_timeout()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+        finally:
+            for task in self._claims:
+                task.cancel()
+            await asyncio.gather(*self._claims, return_exceptions=True)
 
     async def _idle_timeout(self) -> float | None:
         """How long to sleep when there is nothing to dispatch: until the next scheduled
@@ -104,30 +130,65 @@ class Dispatcher:
         return min(delay, ceiling)
 
     async def dispatch_once(self) -> bool:
-        """One dispatch pass; returns ``True`` when another pass may find more work."""
-        if self._stopping():
+        """One dispatch pass: read, plan, and start the claim without waiting for it.
+
+        Returns ``True`` when another pass may find more work right away (the read was
+        full and credit is left). A pass is skipped while the claims in flight are at
+        their cap (the first to answer wakes the dispatcher) or shortly after a claim
+        raised.
+        """
+        if self._stopping() or len(self._claims) >= self._max_claims_in_flight:
             return False
+        if self._failed_at is not None:
+            pause = self._failed_at + self._retry_interval - asyncio.get_running_loop().time()
+            if pause > 0:
+                await asyncio.sleep(pause)
+            self._failed_at = None
         core = self._handoff
         queues = core.served_queues()
         modes = core.modes_with_credit()
         if not modes:
             return False
+        # Jobs being claimed still look queued to the store and are skipped by the plan:
+        # read past them, or a pass during a claim would find only those.
+        claiming = len(core.claiming)
         limit = min(core.credit(), self._claim_batch)
-        jobs = await self._store.select_eligible(modes=modes, queues=queues, limit=limit)
+        started = core.queue_changes
+        jobs = await self._store.select_eligible(modes=modes, queues=queues, limit=limit + claiming)
+        core.read_eligible(started, modes, full=len(jobs) == limit + claiming)
         plan = core.plan(jobs)
-        if len(plan) < len(jobs):
+        if len(plan) < len(jobs) - claiming:
             # One mode's backlog filled the read while another mode still has free slots:
             # read again for those modes alone, each no further than its own credit.
             for mode in sorted(core.modes_with_credit()):
                 room = min(core.credit(mode), limit)
-                found = await self._store.select_eligible(modes=[mode], queues=queues, limit=room)
+                found = await self._store.select_eligible(
+                    modes=[mode], queues=queues, limit=room + len(core.claiming)
+                )
                 plan += core.plan(found)
         if not plan:
             return False
-        error = await self._claim(plan)
+        self._claims.add(asyncio.create_task(self._claim_and_wake(plan), name="broker-claim"))
+        return len(jobs) == limit + claiming and core.credit() > 0
+
+    async def _claim_and_wake(self, plan: Sequence[PlannedClaim]) -> None:
+        """A claim under way: when it answers, a pass may start (its slot in the pipeline
+        is free, and a failure pauses the next pass instead of being retried at once)."""
+        try:
+            error = await self._claim(plan)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug: say so and keep dispatching
+            logger.exception("claim failed unexpectedly")
+            error = exc
         if error is not None:
-            raise error  # after the jobs that were won went out; the loop backs off
-        return len(jobs) == limit
+            self._failed_at = asyncio.get_running_loop().time()
+        # Out of the pipeline before the wake (a done callback would run too late: the
+        # woken pass would still see the pipeline full, and sleep).
+        task = asyncio.current_task()
+        assert task is not None
+        self._claims.discard(task)
+        self.wake()
 
     async def _claim(self, plan: Sequence[PlannedClaim]) -> Exception | None:
         """Claim the planned jobs in one call and send the ones won; returns the first

@@ -93,3 +93,13 @@ class JobTimeoutError(BrokerError):
 
 class RunnerCrashedError(BrokerError):
     """The process running the job died before reporting an outcome."""
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether a store call that raised ``exc`` may succeed if simply made again: trouble
+    reaching the store (the ``StorageError`` the storage contract asks adapters to raise,
+    ``OSError``, ``TimeoutError``). A value the store refused (``StorageRejectedError``)
+    and any other error, such as a date out of range, would recur on every attempt."""
+    return isinstance(exc, StorageError | OSError | TimeoutError) and not isinstance(
+        exc, StorageRejectedError
+    )

@@ -28,14 +28,17 @@ Decisions are logged under ``broker.main``, where operators look for them.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 
 from broker import protocol
 from broker.admission import DEFAULT_MAX_CREDIT, Credits
-from broker.jobs import Claim, ExecutionMode, Job, JobStatus
+from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus
+from broker.settlement import claimable_at_enqueue
 
 logger = logging.getLogger("broker.main")
 
@@ -203,10 +206,19 @@ class Handoff:
         self,
         *,
         max_credit: int = DEFAULT_MAX_CREDIT,
-        new_lease: Callable[[], uuid.UUID] = uuid.uuid4,
+        new_lease: Callable[[], uuid.UUID] | None = None,
     ) -> None:
         self.max_credit = max_credit
-        self._new_lease = new_lease
+        self._new_lease = new_lease or LeaseMinter()
+        self._queue_changes = 0
+        """Bumped whenever jobs may have become eligible (every dispatcher wake-up)."""
+        self._drained: frozenset[ExecutionMode] = frozenset()
+        """Modes whose eligible jobs the last read found all claimed or being claimed, with
+        nothing changed since: only for them may an enqueue take a free slot at once
+        without overtaking a job that was waiting (see :meth:`plan_at_enqueue`)."""
+        self._turn = 0
+        """Where the search for a worker starts, moved on for every job planned, so workers
+        with equal free credit take turns instead of the first connected taking all."""
         self.peers: dict[int, Peer] = {}
         """Connections past their hello, by connection id."""
         self.orphans: dict[uuid.UUID, Job] = {}
@@ -382,7 +394,8 @@ class Handoff:
         for job in jobs:
             if job.id in claiming:
                 continue
-            peer = _pick_worker(workers, job)
+            self._turn += 1
+            peer = _pick_worker(workers, job, self._turn)
             if peer is None or not peer.credits.reserve(job.execution_mode):
                 continue  # the credit check: no free slot for this job anywhere
             planned = PlannedClaim(peer.id, peer.worker_id or "", job, self._new_lease())
@@ -390,6 +403,44 @@ class Handoff:
             claiming.add(job.id)
             plan.append(planned)
         return plan
+
+    def queue_changed(self) -> None:
+        """Jobs may have become eligible (an insert, a return, a retry, a report...): no
+        mode counts as drained until a read started after this says so."""
+        self._queue_changes += 1
+        self._drained = frozenset()
+
+    @property
+    def drained(self) -> frozenset[ExecutionMode]:
+        """The modes an enqueue may hand off at once (see :meth:`plan_at_enqueue`)."""
+        return self._drained
+
+    @property
+    def queue_changes(self) -> int:
+        """The change count a read started now passes to :meth:`read_eligible`."""
+        return self._queue_changes
+
+    def read_eligible(self, started: int, modes: Iterable[ExecutionMode], *, full: bool) -> None:
+        """A read of eligible jobs for ``modes``, begun at change count ``started``, came
+        back; ``full`` when it returned as many as it asked for (more may wait). Short, and
+        with nothing changed meanwhile, it proves those modes drained."""
+        if not full and started == self._queue_changes:
+            self._drained = frozenset(modes)
+
+    def plan_at_enqueue(self, specs: Sequence[JobSpec], now: datetime) -> list[PlannedClaim | None]:
+        """For each job about to be enqueued, a worker and a lease if it can start at once:
+        its mode is drained (no waiting job would be overtaken), it is due, has no
+        concurrency key, and a serving worker has a free slot. The slot is reserved and the
+        lease minted here, before the insert, exactly as :meth:`plan` does for a claim; the
+        store's answer comes back through :meth:`claimed` (or :meth:`claim_unknown`)."""
+        plans: list[PlannedClaim | None] = []
+        for spec in specs:
+            if spec.execution_mode not in self._drained or not claimable_at_enqueue(spec, now):
+                plans.append(None)
+                continue
+            planned = self.plan([Job.from_spec(spec, now)])
+            plans.append(planned[0] if planned else None)
+        return plans
 
     def claimed(self, claims: Sequence[PlannedClaim], won: Sequence[Job]) -> list[HandoffEffect]:
         """The claim call answered: ``won`` are the jobs it handed off (as claimed). Each
@@ -495,15 +546,20 @@ class Handoff:
                 effects.append(
                     self._return(msg.job_id, msg.handoff_id, "its report could not be stored")
                 )
-            peer = self.peers.get(peer_id)
-            logger.info(
-                "report %s job_id=%s handoff_id=%s outcome=%s worker_id=%s",
-                status.value,
-                msg.job_id,
-                msg.handoff_id,
-                msg.type,
-                peer.worker_id if peer is not None else None,
-            )
+            # An applied report is the everyday case, one per job: DEBUG, so a busy main
+            # does not format a line per job. Anything else is news for an operator.
+            level = logging.DEBUG if status is protocol.AckStatus.APPLIED else logging.INFO
+            if logger.isEnabledFor(level):
+                peer = self.peers.get(peer_id)
+                logger.log(
+                    level,
+                    "report %s job_id=%s handoff_id=%s outcome=%s worker_id=%s",
+                    status.value,
+                    msg.job_id,
+                    msg.handoff_id,
+                    msg.type,
+                    peer.worker_id if peer is not None else None,
+                )
             effects.append(Send(peer_id, _ack(msg, status)))
         if any(status is protocol.AckStatus.APPLIED for _, _, status in results):
             effects.append(WakeDispatcher())
@@ -562,12 +618,34 @@ class Handoff:
             del self.returns[lease]
 
 
-def _pick_worker(workers: Sequence[Peer], job: Job) -> Peer | None:
+class LeaseMinter:
+    """Random (version 4) UUIDs for leases, from one ``os.urandom`` call per 256 of them
+    instead of one per lease: the dispatcher mints a lease per job, and the system call was
+    a visible part of that. The bytes are as unpredictable as ``uuid.uuid4``'s."""
+
+    _BATCH = 256
+
+    def __init__(self) -> None:
+        self._pool = b""
+        self._at = 0
+
+    def __call__(self) -> uuid.UUID:
+        if self._at >= len(self._pool):
+            self._pool, self._at = os.urandom(16 * self._BATCH), 0
+        raw = self._pool[self._at : self._at + 16]
+        self._at += 16
+        return uuid.UUID(bytes=raw, version=4)
+
+
+def _pick_worker(workers: Sequence[Peer], job: Job, turn: int) -> Peer | None:
     """The serving worker with the most free credit for the job's mode, to spread load
-    (whether it has any is the caller's credit check)."""
+    (whether it has any is the caller's credit check). Ties go to the first in the
+    rotation that starts at ``turn``, so equal workers share the jobs evenly."""
     best: Peer | None = None
     best_free = -1
-    for peer in workers:
+    count = len(workers)
+    for i in range(count):
+        peer = workers[(turn + i) % count]
         free = peer.credits.available(job.execution_mode)
         if free > best_free and peer.serves(job):
             best, best_free = peer, free

@@ -35,7 +35,8 @@ from broker.admission import CreditLimitError
 from broker.config import MainSettings
 from broker.connection import Connections, Session
 from broker.dispatch import Dispatcher
-from broker.exceptions import ProtocolError
+from broker.exceptions import ProtocolError, transient
+from broker.group_commit import GroupCommit
 from broker.handoff import (
     Abort,
     ClaimJobs,
@@ -47,7 +48,7 @@ from broker.handoff import (
     Settle,
     WakeDispatcher,
 )
-from broker.jobs import Clock, Job, JobStatus, utcnow
+from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, utcnow
 from broker.operations import LiveState, Operations
 from broker.recovery import RecoveryLedger
 from broker.reports import ReportSettler
@@ -56,7 +57,12 @@ from broker.retention import Retention, run_retention
 from broker.retry import RetryDelay, retry_delay
 from broker.schedule import Schedule
 from broker.scheduler import Scheduler, catch_up_window
-from broker.storage import JobFilter, StorageAdapter, SupportsNotify
+from broker.storage import (
+    JobFilter,
+    StorageAdapter,
+    SupportsEnqueueHandedOff,
+    SupportsNotify,
+)
 
 logger = logging.getLogger("broker.main")
 
@@ -84,7 +90,16 @@ class Main:
         self.settings.validate()
         self._clock = clock
         self._retry_delay = retry_delay_fn
-        self.operations = Operations(store, self.settings, clock=clock)
+        self.operations = Operations(
+            store,
+            self.settings,
+            clock=clock,
+            enqueue=GroupCommit(
+                self._enqueue_now,
+                max_batch=self.settings.enqueue_batch,
+                shared_failure=transient,
+            ).submit,
+        )
         self.requests = Requests(
             self.operations,
             max_in_progress=self.settings.max_requests,
@@ -114,6 +129,7 @@ class Main:
             stopping=lambda: self._stopping,
             clock=clock,
             claim_batch=self.settings.claim_batch,
+            max_claims_in_flight=self.settings.max_claims_in_flight,
             poll_interval=self.settings.poll_interval,
             notify_fallback_interval=self.settings.notify_fallback_interval,
             retry_interval=self.settings.error_retry_interval,
@@ -240,6 +256,30 @@ class Main:
     def wake(self) -> None:
         """Ask the dispatcher for another pass (coalesced: many wakes, one pass)."""
         self.dispatcher.wake()
+
+    async def _enqueue_now(self, specs: list[JobSpec]) -> list[EnqueueResult]:
+        """One group commit of enqueues. Jobs that can start at once (a worker has a free
+        slot and no waiting job would be overtaken, see :meth:`Handoff.plan_at_enqueue`)
+        are written already handed off, under leases minted before the insert, and sent
+        right after the commit: one transaction and no dispatch pass between the enqueue
+        and the start. An unknown outcome sends their leases to the ledger, as for any
+        claim."""
+        store = self.store
+        if not isinstance(store, SupportsEnqueueHandedOff) or self._stopping:
+            return await store.enqueue_many(specs)
+        plans = self.handoff.plan_at_enqueue(specs, self._clock())
+        planned = [p for p in plans if p is not None]
+        if not planned:
+            return await store.enqueue_many(specs)
+        try:
+            results = await store.enqueue_handed_off(
+                specs, [None if p is None else p.claim for p in plans]
+            )
+        except BaseException:
+            self._carry(self.handoff.claim_unknown(planned))
+            raise
+        self._carry(self.handoff.claimed(planned, [r.job for r in results if not r.duplicate]))
+        return results
 
     def _carry(self, effects: Sequence[HandoffEffect]) -> None:
         """Carry out the handoff's effects, in order (the dispatcher makes the claims)."""

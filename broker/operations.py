@@ -13,7 +13,7 @@ the dispatcher, describe its workers) stays with the main.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Protocol
@@ -70,10 +70,21 @@ class LiveState:
 
 
 class Operations:
-    def __init__(self, store: StorageAdapter, limits: Limits, *, clock: Clock) -> None:
+    def __init__(
+        self,
+        store: StorageAdapter,
+        limits: Limits,
+        *,
+        clock: Clock,
+        enqueue: Callable[[list[JobSpec]], Awaitable[list[EnqueueResult]]] | None = None,
+    ) -> None:
+        """``enqueue`` writes checked jobs, all or none (default: the store's
+        ``enqueue_many``); the main passes its group commit, which may also hand jobs off
+        at once."""
         self.store = store
         self.limits = limits
         self._clock = clock
+        self._enqueue = enqueue or store.enqueue_many
 
     async def enqueue(self, requests: Sequence[protocol.JobRequest]) -> list[EnqueueResult]:
         """Store the requested jobs, all or none, in request order. Every job is checked
@@ -83,7 +94,7 @@ class Operations:
         specs = [request.to_spec(now) for request in requests]
         for spec in specs:
             self.check_payload(spec)
-        return await self.store.enqueue_many(specs)
+        return await self._enqueue(specs)
 
     def check_payload(self, spec: JobSpec) -> None:
         """Refuse a job nested too deeply or over the payload limit, or one whose job message

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from broker import protocol
-from broker.exceptions import StorageError, StorageRejectedError
+from broker.exceptions import transient
 from broker.handoff import Handoff
 from broker.jobs import Clock, JobStatus, Outcome, Settlement
 from broker.payload import result_problem
@@ -223,13 +223,3 @@ class ReportSettler:
                 return Settlement(job_id, lease, Outcome.RESCHEDULE, run_at=run_at)
             case protocol.ReleaseReport(job_id=job_id, handoff_id=lease):
                 return Settlement(job_id, lease, Outcome.RETURN)
-
-
-def transient(exc: BaseException) -> bool:
-    """Whether a store call that raised ``exc`` may succeed if simply made again: trouble
-    reaching the store (the ``StorageError`` the storage contract asks adapters to raise,
-    ``OSError``, ``TimeoutError``). A value the store refused (``StorageRejectedError``)
-    and any other error, such as a date out of range, would recur on every attempt."""
-    return isinstance(exc, StorageError | OSError | TimeoutError) and not isinstance(
-        exc, StorageRejectedError
-    )

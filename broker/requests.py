@@ -56,6 +56,12 @@ class Requests:
             await asyncio.wait(list(self._tasks))
 
     async def _run(self, session: Session, msg: protocol.Message) -> None:
+        if isinstance(msg, protocol.Enqueue):
+            # Enqueues are group-committed (broker.operations): however many wait, they
+            # use one database connection, so they need no slot, and taking one would cap
+            # a group commit at the slot count.
+            await self._apply(session, msg)
+            return
         async with self._slots:  # requests never take every database connection
             await self._apply(session, msg)
 
@@ -85,13 +91,14 @@ class Requests:
         match msg:
             case protocol.Enqueue(request_id=rid, jobs=requests):
                 results = await ops.enqueue(requests)
-                for result in results:
-                    logger.info(
-                        "job enqueued job_id=%s task=%s duplicate=%s",
-                        result.job.id,
-                        result.job.task,
-                        result.duplicate,
-                    )
+                if logger.isEnabledFor(logging.DEBUG):  # one line per job: off by default
+                    for result in results:
+                        logger.debug(
+                            "job enqueued job_id=%s task=%s duplicate=%s",
+                            result.job.id,
+                            result.job.task,
+                            result.duplicate,
+                        )
                 self._wake()
                 refs = [
                     protocol.EnqueuedRef(job_id=r.job.id, duplicate=r.duplicate) for r in results

@@ -11,6 +11,7 @@ store; ``now`` comes in, the changes go out.
 move              status                           attempts   run_at
 ================  ===============================  =========  ==================
 claim             ``handed_off`` (lease, worker)   unchanged  unchanged
+claim at enqueue  ``handed_off`` (lease, worker)   0          now
 ``COMPLETE``      ``completed`` (``result`` kept)  unchanged  unchanged
 ``FAIL`` + retry  ``queued`` (``last_error``)      + 1        the retry time
 ``FAIL``, dead    ``failed`` (``last_error``)      + 1        unchanged
@@ -33,7 +34,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from broker.jobs import ACTIVE_STATUSES, Claim, Job, JobStatus, Outcome, Settlement
+from broker.jobs import ACTIVE_STATUSES, Claim, Job, JobSpec, JobStatus, Outcome, Settlement
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,24 @@ def hand_off(claim: Claim, now: datetime) -> Move:
         "updated_at": now,
     }
     return Move(changes, releases_slot=False)
+
+
+def claimable_at_enqueue(spec: JobSpec, now: datetime) -> bool:
+    """Whether a job may be stored already handed off, under a claim the main made for it
+    before the insert: only a job due at once and without a concurrency key (whose slot
+    must be counted inside a claim, which an insert does not do)."""
+    return spec.concurrency_key is None and (spec.run_at is None or spec.run_at <= now)
+
+
+def enqueued(spec: JobSpec, now: datetime, claim: Claim | None = None) -> Job:
+    """The job a store writes for ``spec`` enqueued at ``now``: queued, or, with a claim
+    the main made at enqueue time for a job :func:`claimable_at_enqueue`, handed off
+    under that claim exactly as if it had been claimed at once (a claim naming another
+    job is ignored)."""
+    job = Job.from_spec(spec, now)
+    if claim is None or claim.job_id != spec.id or not claimable_at_enqueue(spec, now):
+        return job
+    return apply(job, hand_off(claim, now))
 
 
 def accepts(status: str, handoff_id: uuid.UUID | None, s: Settlement) -> bool:

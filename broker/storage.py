@@ -268,6 +268,29 @@ class StorageAdapter(Protocol):
 
 
 @runtime_checkable
+class SupportsEnqueueHandedOff(Protocol):
+    """Optional: store jobs already handed off, in the enqueue's own transaction.
+
+    When a worker has a free slot at the moment a job is enqueued, the main mints the
+    lease first and asks for the job to be written handed off under it: one transaction
+    (one fsync) and no dispatch pass between the enqueue and the job's start. Adapters
+    without this method get the job through the dispatcher as usual.
+    """
+
+    async def enqueue_handed_off(
+        self, specs: Sequence[JobSpec], claims: Sequence[Claim | None]
+    ) -> list[EnqueueResult]:
+        """``enqueue_many(specs)``, except that a job stored fresh whose claim is not
+        ``None`` (``claims[i]`` for ``specs[i]``, naming that job's id) is written handed
+        off under it, as :func:`broker.settlement.enqueued` describes, when
+        :func:`broker.settlement.claimable_at_enqueue` holds at the store's clock; else it
+        is stored queued and the claim is simply not won. A duplicate is returned as it
+        is stored: its claim is not won either. The main knows a claim won by the result's
+        ``handoff_id``, as for :meth:`StorageAdapter.mark_handed_off_many`.
+        """
+
+
+@runtime_checkable
 class SupportsNotify(Protocol):
     """Adapters with ``capabilities.listen_notify`` also wake listeners on enqueue."""
 

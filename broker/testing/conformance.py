@@ -28,7 +28,7 @@ from broker.jobs import (
     Outcome,
     Settlement,
 )
-from broker.storage import JobFilter, StorageAdapter, SupportsNotify
+from broker.storage import JobFilter, StorageAdapter, SupportsEnqueueHandedOff, SupportsNotify
 from broker.testing import FakeClock
 from broker.testing.faults import ClaimFault, FaultyAdapter
 
@@ -933,3 +933,42 @@ async def check_listen_wakes_on_an_enqueue_from_another_handle(ctx: Context) -> 
         other = await ctx.peer()
         await _enqueue(other)
         await asyncio.wait_for(woken.wait(), timeout=5)
+
+
+@_check
+async def check_enqueue_handed_off_applies_only_the_claims_it_may(ctx: Context) -> None:
+    """The optional hand-off at enqueue: a fresh, due job without a concurrency key is
+    stored handed off under exactly its claim's lease and settles under it; a duplicate, a
+    job not due and a keyed job are stored (or returned) untouched, their claims unwon."""
+    store = ctx.store
+    if not isinstance(store, SupportsEnqueueHandedOff):
+        raise CheckSkipped("adapter does not offer enqueue_handed_off")
+    existing = await _enqueue(store, idempotency_key="taken")
+    fresh, later, keyed = (
+        _spec(),
+        _spec(run_at=START + timedelta(minutes=5)),
+        _spec(concurrency_key="k", concurrency_limit=1),
+    )
+    dup = _spec(idempotency_key="taken")
+    specs = [fresh, later, keyed, dup]
+    claims = [Claim(spec.id, uuid.uuid4(), "worker-9") for spec in specs]
+    results = await store.enqueue_handed_off(specs, claims)
+    assert [r.duplicate for r in results] == [False, False, False, True]
+    assert results[0].job.status is JobStatus.HANDED_OFF
+    assert results[0].job.handoff_id == claims[0].handoff_id
+    stored = await _get(store, fresh.id)
+    assert stored.status is JobStatus.HANDED_OFF and stored.handoff_id == claims[0].handoff_id
+    assert stored.worker_id == "worker-9" and stored.handed_off_at == START
+    for result in results[1:3]:
+        assert result.job.status is JobStatus.QUEUED and result.job.handoff_id is None
+    assert results[3].job.id == existing.id and results[3].job.handoff_id is None
+    assert [j.id for j in await store.handoffs_for_worker("worker-9")] == [fresh.id]
+    assert not await store.complete(fresh.id, uuid.uuid4())  # fenced like any claim
+    assert await store.complete(fresh.id, claims[0].handoff_id, result=1)
+    assert (await _get(store, fresh.id)).status is JobStatus.COMPLETED
+    # An unknown outcome is recovered as for a claim: the exact lease goes back.
+    other = _spec()
+    lease = uuid.uuid4()
+    await store.enqueue_handed_off([other], [Claim(other.id, lease, WORKER)])
+    assert await store.return_to_queue(other.id, lease)
+    assert (await _get(store, other.id)).status is JobStatus.QUEUED

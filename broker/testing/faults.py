@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from broker.exceptions import StorageError, StorageRejectedError
-from broker.jobs import Claim, Job, Settlement
-from broker.storage import StorageAdapter
+from broker.jobs import Claim, EnqueueResult, Job, JobSpec, Settlement
+from broker.storage import StorageAdapter, SupportsEnqueueHandedOff
 
 
 class ClaimFault(enum.Enum):
@@ -56,6 +56,10 @@ class FaultyAdapter:
         self.rejects_claim: Callable[[Claim], bool] = lambda claim: False
         self.rejects_settlement: Callable[[Settlement], bool] = lambda settlement: False
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.enqueue_handoffs = False
+        """Whether claims made at enqueue time reach the store (and its claim faults apply
+        to them); off by default, so the faults above hit the dispatcher's claims, which
+        is what most tests provoke."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -87,6 +91,24 @@ class FaultyAdapter:
         if fault is ClaimFault.AFTER_COMMIT:
             raise InjectedFault("injected: the claim committed but its answer was lost")
         return claimed
+
+    async def enqueue_handed_off(
+        self, specs: Sequence[JobSpec], claims: Sequence[Claim | None]
+    ) -> list[EnqueueResult]:
+        """Claims at enqueue time, when ``enqueue_handoffs`` is on and the wrapped store
+        takes them, under the same claim faults; else a plain enqueue (no claim is won)."""
+        inner = self.inner
+        made = [claim for claim in claims if claim is not None]
+        if not made or not self.enqueue_handoffs or not isinstance(inner, SupportsEnqueueHandedOff):
+            return await inner.enqueue_many(specs)
+        self.calls.append(("enqueue_handed_off", tuple(made)))
+        fault = self._take_claim_fault()
+        if fault is ClaimFault.BEFORE_COMMIT:
+            raise InjectedFault("injected: the enqueue failed before reaching the store")
+        results = await inner.enqueue_handed_off(specs, claims)
+        if fault is ClaimFault.AFTER_COMMIT:
+            raise InjectedFault("injected: the enqueue committed but its answer was lost")
+        return results
 
     async def return_to_queue(self, job_id: uuid.UUID, handoff_id: uuid.UUID) -> bool:
         self.calls.append(("return_to_queue", (job_id, handoff_id)))
