@@ -55,27 +55,61 @@ class HotSql:
             "handed_off_us = $4, updated_us = $4"
         )
         wanted = "unnest($1::uuid[], $2::uuid[], $3::text[]) AS w(id, handoff_id, worker_id)"
-        # Claim: lock the due, queued rows among the wanted ones (never waiting on a row
-        # another claimer holds), hand off those without a concurrency key, and return
-        # the keyed ones unchanged: their slots are taken by ``claim_keyed`` instead.
+        # Claim, in one statement, in the lock order every claim keeps: the due, queued
+        # rows among the wanted ones (never waiting on a row another claimer holds),
+        # then the counters of their keys in key order (the latest committed counts).
+        # A keyed row is granted while its key has room, in claim order (``ord``): with
+        # one limit for the key, the rn-th candidate fits when active + rn <= limit,
+        # which is the grant rule (adapters.sql._grant). The slots taken are added to
+        # the counters locked above. A key with no counter row yet, or whose candidates
+        # disagree on the limit, comes back unclaimed (``claimed`` false) for
+        # ``lock_claimable`` and the rest, a short transaction that applies the rule.
         self.claim = f"""
-            WITH w AS (SELECT * FROM {wanted}),
+            WITH w AS (
+                SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[])
+                    WITH ORDINALITY AS w(id, handoff_id, worker_id, ord)
+            ),
             c AS (
-                SELECT j.id, j.concurrency_key IS NULL AS free
+                SELECT j.id, j.concurrency_key AS key, j.concurrency_limit AS lim
                 FROM {t} j JOIN w ON j.id = w.id
                 WHERE j.status = 'queued' AND j.run_at_us <= $4
                 ORDER BY j.id
                 FOR UPDATE OF j SKIP LOCKED
             ),
+            k AS MATERIALIZED (
+                SELECT n.key, n.active FROM {c} n
+                WHERE n.key IN (SELECT c.key FROM c)
+                ORDER BY n.key
+                FOR UPDATE OF n
+            ),
+            r AS (
+                SELECT c.id, c.key, c.lim, k.active,
+                    row_number() OVER (PARTITION BY c.key ORDER BY w.ord) AS rn,
+                    min(c.lim) OVER (PARTITION BY c.key) = max(c.lim) OVER (PARTITION BY c.key)
+                        AS uniform
+                FROM c JOIN w ON w.id = c.id LEFT JOIN k ON k.key = c.key
+            ),
+            g AS (
+                SELECT id, key FROM r
+                WHERE key IS NULL OR (uniform AND active IS NOT NULL AND active + rn <= lim)
+            ),
+            s AS (
+                UPDATE {c} n SET active = n.active + t.taken
+                FROM (
+                    SELECT key, count(*)::int AS taken FROM g WHERE key IS NOT NULL GROUP BY key
+                ) t
+                WHERE n.key = t.key
+            ),
             u AS (
                 UPDATE {t} j SET {hand_off_set}
-                FROM c, w
-                WHERE c.free AND j.id = c.id AND w.id = c.id
+                FROM g, w
+                WHERE j.id = g.id AND w.id = g.id
                 RETURNING j.*
             )
             SELECT true AS claimed, u.* FROM u
             UNION ALL
-            SELECT false, j.* FROM {t} j JOIN c ON j.id = c.id WHERE NOT c.free
+            SELECT false, j.* FROM {t} j JOIN r ON j.id = r.id
+            WHERE r.key IS NOT NULL AND NOT (r.uniform AND r.active IS NOT NULL)
         """
         # The keyed claim, inside a transaction: lock the rows, then the counters in key
         # order (creating missing ones), then the hand-off of the granted rows.

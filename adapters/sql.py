@@ -1049,11 +1049,12 @@ class SQLAlchemyAdapter:
         )
 
     async def _claim_raw(self, wanted: dict[uuid.UUID, Claim]) -> list[Job]:
-        """PostgreSQL: one statement claims every wanted job without a concurrency key.
+        """PostgreSQL: one statement claims the wanted jobs, concurrency slots included
+        (see ``HotSql.claim``).
 
-        Jobs with a key come back unclaimed from it and go through :meth:`_claim_keyed`,
-        a short transaction on the same connection: the slot count needs the counter
-        row locked and read before the grant, which one statement cannot order.
+        The rare keyed job it cannot decide in one statement (its key has no counter row
+        yet, or the key's candidates disagree on the limit) comes back unclaimed and goes
+        through :meth:`_claim_keyed`, a short transaction on the same connection.
         """
         now_us = self._now()
         claims = list(wanted.values())

@@ -213,3 +213,27 @@ async def test_a_closed_store_closes_again_quietly_and_can_be_used_again(
         assert claimed is not None
     finally:
         await store.close()
+
+
+async def test_jobs_of_one_key_with_different_limits_are_each_held_to_their_own(
+    store_url: tuple[str, str | None],
+) -> None:
+    """The grant rule goes job by job in claim order: a job fits while the key's active
+    count plus the slots this claim already took is below *its* limit. So with one slot
+    held, a limit-1 job stays out and the limit-2 job after it gets in."""
+    store = await _open(*store_url, FakeClock(START))
+    try:
+
+        async def keyed(limit: int) -> uuid.UUID:
+            spec = JobSpec(task="t", concurrency_key="m", concurrency_limit=limit)
+            return (await store.enqueue(spec)).job.id
+
+        held = await keyed(2)
+        assert await store.mark_handed_off(held, uuid.uuid4(), "w") is not None
+        one, two, also_two = await keyed(1), await keyed(2), await keyed(2)
+        claimed = await store.mark_handed_off_many(
+            [Claim(job_id, uuid.uuid4(), "w") for job_id in (one, two, also_two)]
+        )
+        assert [j.id for j in claimed] == [two]
+    finally:
+        await store.close()
