@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help install test test-slow lint typecheck layering pytest demo bench bench-storage bench-runners format clean
+.PHONY: help install test test-slow lint typecheck layering pytest demo bench bench-soak bench-floor bench-storage bench-runners format clean
 
 help:
 	@echo "make demo           run a main on SQLite with a worker and example jobs"
@@ -14,6 +14,8 @@ help:
 	@echo "make bench-storage  storage micro-benchmark (claims/s, completions/s)"
 	@echo "make bench-runners  inline / pooled / forked throughput and per-job overhead"
 	@echo "make bench          side-by-side benchmark (see bench/)"
+	@echo "make bench-soak     broker-main RSS over 1,000,000 jobs on PostgreSQL (about 20 min)"
+	@echo "make bench-floor    the per-job cost of each hot-path primitive (the floor estimate)"
 	@echo "make format         apply ruff formatting"
 
 $(STAMP): pyproject.toml
@@ -58,6 +60,14 @@ bench-runners: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+# Not part of make bench or CI: a million jobs take about 20 minutes. JOBS=20000 for a short run.
+JOBS ?= 1000000
+bench-soak: $(STAMP)
+	$(BIN)/python -m bench.rss_soak --jobs $(JOBS)
+
+bench-floor: $(STAMP)
+	$(BIN)/python -m bench.floor
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix broker adapters runners tests bench

@@ -34,23 +34,39 @@ def open_store(
     url: str,
     *,
     clock: Clock = utcnow,
+    create: bool = True,
+    read_only: bool = False,
     pool_size: int = DEFAULT_POOL_SIZE,
     hot_pool_size: int = DEFAULT_HOT_POOL_SIZE,
 ) -> StorageAdapter:
     """The adapter for ``url``; call its ``setup()`` before use.
 
+    ``create=False`` (and ``read_only=True``) open an existing store without the right to
+    create or change its schema; call ``check_schema()`` instead of ``setup()``.
     ``pool_size`` and ``hot_pool_size`` size a SQL store's connection pools (see
     :class:`adapters.sql.SQLAlchemyAdapter`); the in-memory store has none.
     """
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "memory":
+        if not create or read_only:
+            raise ConfigurationError(
+                "memory:// lives inside the broker-main process that opened it; no other "
+                "process can open it: reach that main with --main instead"
+            )
         from adapters.memory import MemoryAdapter
 
         return MemoryAdapter(clock=clock)
     if scheme.startswith(("sqlite", "postgres")):
         from adapters.sql import SQLAlchemyAdapter
 
-        return SQLAlchemyAdapter(url, clock=clock, pool_size=pool_size, hot_pool_size=hot_pool_size)
+        return SQLAlchemyAdapter(
+            url,
+            clock=clock,
+            create=create,
+            read_only=read_only,
+            pool_size=pool_size,
+            hot_pool_size=hot_pool_size,
+        )
     raise ConfigurationError(
         f"unsupported store URL {redact_url(url)!r}; use one of: {', '.join(SUPPORTED_URLS)} "
         "(a custom adapter is plugged in with --adapter module:factory)"

@@ -39,6 +39,7 @@ import math
 import os
 import sqlite3
 import time
+import urllib.parse
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
@@ -353,6 +354,36 @@ def _switch_to_wal(cursor: Any) -> None:
             time.sleep(0.01)
 
 
+def _existing_file_url(url: URL, *, read_only: bool) -> URL:
+    """The URL that opens the SQLite file only if it is there (SQLite's ``mode=rw`` or
+    ``mode=ro``): an operator's typo in a path must never leave an empty store behind."""
+    mode = "ro" if read_only else "rw"
+    if url.query.get("uri"):  # the operator's own file: URI
+        return url.update_query_dict({"mode": mode})
+    path = "file:" + urllib.parse.quote(url.database or "")
+    return url.set(database=path, query={**url.query, "mode": mode, "uri": "true"})
+
+
+def _sqlite_on_connect_existing(read_only: bool) -> Callable[[Any, Any], None]:
+    """Connection set-up for a store opened without the right to create: the journal
+    mode is left as the file has it (switching it is a write), and a read-only handle
+    also refuses writes of its own (``query_only``)."""
+
+    def on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+            cursor.execute("PRAGMA synchronous=FULL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            if read_only:
+                cursor.execute("PRAGMA query_only=ON")
+        finally:
+            cursor.close()
+
+    return on_connect
+
+
 def _sqlite_on_begin(conn: sa.Connection) -> None:
     if conn.get_execution_options().get(_WRITE_OPTION):
         conn.exec_driver_sql("BEGIN IMMEDIATE")
@@ -521,6 +552,11 @@ class SQLAlchemyAdapter:
     operator calls; up to 10 more connections under load); on PostgreSQL,
     ``hot_pool_size`` more connections serve claims, settles and selection alone (see
     :mod:`adapters._pg_hot`). Call :meth:`setup` before use and :meth:`close` when done.
+
+    ``create=False`` opens only a store that exists (a SQLite file is never created) and
+    ``read_only=True`` also refuses every write (PostgreSQL: read-only transactions);
+    such a handle is checked with :meth:`check_schema`, never set up. The operator's
+    command opens stores this way.
     """
 
     def __init__(
@@ -533,8 +569,11 @@ class SQLAlchemyAdapter:
         hot_pool_size: int = DEFAULT_HOT_POOL_SIZE,
         echo: bool = False,
         max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES,
+        create: bool = True,
+        read_only: bool = False,
     ) -> None:
         resolved, backend = _resolve_url(url)
+        self._create = create and not read_only
         for name, size in (("pool_size", pool_size), ("hot_pool_size", hot_pool_size)):
             if size < 1:
                 raise ConfigurationError(f"{name} must be at least 1 (got {size})")
@@ -579,8 +618,16 @@ class SQLAlchemyAdapter:
         connect_args: dict[str, Any] = {}
         if self._pg:
             connect_args["server_settings"] = {"application_name": "broker"}
+            if read_only:
+                connect_args["server_settings"]["default_transaction_read_only"] = "on"
             if schema is not None:
                 options["schema_translate_map"] = {None: schema}
+        self._sqlite_file: str | None = None
+        """The SQLite file that must exist already (``create=False``), if it is a path."""
+        if not self._pg and not self._create:
+            if resolved.database and not resolved.query.get("uri"):
+                self._sqlite_file = resolved.database
+            resolved = _existing_file_url(resolved, read_only=read_only)
         self._engine: AsyncEngine = create_async_engine(
             resolved,
             echo=echo,
@@ -593,34 +640,38 @@ class SQLAlchemyAdapter:
             self._read_engine = self._engine.execution_options(isolation_level="AUTOCOMMIT")
             self._write_lock: AbstractAsyncContextManager[Any] = contextlib.nullcontext()
             self._order_tiebreak: list[sa.ColumnElement[Any]] = [jobs.c.seq]
+            from adapters._pg_hot import HotPool, HotSql
+
+            _, connect_kwargs = self._engine.dialect.create_connect_args(resolved)
+            hot = HotPool(hot_pool_size, {**connect_kwargs, **connect_args})
+            self._hot: tuple[HotSql, HotPool] | None = (HotSql(schema), hot)
+            self._lite: SqliteHot | None = None
         else:
-            path = resolved.database
-
-            def before_connect(*_: object) -> None:
-                if path and not resolved.query.get("uri"):  # a file: URI is the operator's own
-                    _create_private(path)
-
-            event.listen(self._engine.sync_engine, "do_connect", before_connect)
-            event.listen(self._engine.sync_engine, "connect", _sqlite_on_connect)
-            event.listen(self._engine.sync_engine, "begin", _sqlite_on_begin)
+            self._lite = self._wire_sqlite(resolved, read_only)
             self._write_engine = self._engine.execution_options(**{_WRITE_OPTION: True})
             self._read_engine = self._engine
             self._write_lock = asyncio.Lock()
             self._order_tiebreak = [jobs.c.seq, sa.literal_column("broker_jobs.rowid")]
+            self._hot = None
         self._insert = pg_dialect.insert if self._pg else sqlite_dialect.insert
-        self._lite: SqliteHot | None = None
-        if not self._pg:
-            self._lite = SqliteHot(
-                self._engine.dialect.create_connect_args(resolved),
-                before_connect,
-                _sqlite_on_connect,
-            )
-        self._hot: tuple[HotSql, HotPool] | None = None
-        if self._pg:
-            from adapters._pg_hot import HotPool, HotSql
 
-            _, connect_kwargs = self._engine.dialect.create_connect_args(resolved)
-            self._hot = (HotSql(schema), HotPool(hot_pool_size, {**connect_kwargs, **connect_args}))
+    def _wire_sqlite(self, resolved: URL, read_only: bool) -> SqliteHot:
+        """Set up every SQLite connection alike, the engine's and the hot path's own."""
+        path = resolved.database
+        # A file: URI is the operator's own, and a handle without the right to create
+        # creates nothing.
+        private = path if self._create and path and not resolved.query.get("uri") else None
+
+        def before_connect(*_: object) -> None:
+            if private is not None:
+                _create_private(private)
+
+        on_connect = _sqlite_on_connect if self._create else _sqlite_on_connect_existing(read_only)
+        event.listen(self._engine.sync_engine, "do_connect", before_connect)
+        event.listen(self._engine.sync_engine, "connect", on_connect)
+        event.listen(self._engine.sync_engine, "begin", _sqlite_on_begin)
+        connect_args = self._engine.dialect.create_connect_args(resolved)
+        return SqliteHot(connect_args, before_connect, on_connect)
 
     def __repr__(self) -> str:
         schema = f", schema={self._schema!r}" if self._schema else ""
@@ -710,26 +761,61 @@ class SQLAlchemyAdapter:
             if self._schema is not None:
                 quoted = conn.dialect.identifier_preparer.quote_schema(self._schema)
                 conn.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {quoted}")
-        current = 0
-        if sa.inspect(conn).has_table(schema_version.name, schema=self._schema):
-            found = conn.execute(
-                sa.select(schema_version.c.version).where(schema_version.c.id == 1)
-            ).scalar_one_or_none()
-            if found is None:
-                raise StorageError(
-                    f"{self._url_text}: table broker_schema exists but holds no version row; "
-                    "the store is damaged or was not created by the broker"
-                )
-            current = int(found)
-        if current > SCHEMA_VERSION:
-            raise SchemaVersionError(
-                f"the store at {self._url_text} has schema version {current}, but this "
-                f"broker understands versions up to {SCHEMA_VERSION}: upgrade the broker "
-                "before using this store"
-            )
+        current = self._stored_version(conn) or 0
         if current < SCHEMA_VERSION:
             logger.info("migrating %s from schema version %d to %d", self, current, SCHEMA_VERSION)
             migrate(conn, self._schema, current)
+
+    def _stored_version(self, conn: sa.Connection) -> int | None:
+        """The store's schema version; None if it holds no broker schema at all.
+
+        :raises SchemaVersionError: a newer schema than this code understands.
+        """
+        if not sa.inspect(conn).has_table(schema_version.name, schema=self._schema):
+            return None
+        found = conn.execute(
+            sa.select(schema_version.c.version).where(schema_version.c.id == 1)
+        ).scalar_one_or_none()
+        if found is None:
+            raise StorageError(
+                f"{self._url_text}: table broker_schema exists but holds no version row; "
+                "the store is damaged or was not created by the broker"
+            )
+        if int(found) > SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"the store at {self._url_text} has schema version {found}, but this "
+                f"broker understands versions up to {SCHEMA_VERSION}: upgrade the broker "
+                "before using this store"
+            )
+        return int(found)
+
+    async def check_schema(self) -> None:
+        if self._sqlite_file is not None and not await asyncio.to_thread(
+            os.path.exists, self._sqlite_file
+        ):
+            raise SchemaVersionError(
+                f"there is no store at {self._url_text}: the file does not exist. Check "
+                "the store URL; broker-main creates the file when it first starts"
+            )
+        async with self._read("check schema") as conn:
+            current = await conn.run_sync(self._stored_version)
+        if current is None:
+            raise SchemaVersionError(
+                f"the database at {self._url_text} holds no broker schema (no "
+                f"{schema_version.name} table{self._in_schema()}): it is empty or not the "
+                "broker's. Check the store URL; broker-main creates the schema when it first "
+                "starts (or run `broker --database-url URL migrate`)"
+            )
+        if current < SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"the store at {self._url_text} has schema version {current}, older than "
+                f"the version {SCHEMA_VERSION} this broker needs: start this version's "
+                "broker-main, which migrates it, or run `broker --database-url URL migrate` "
+                "(stop any older main first)"
+            )
+
+    def _in_schema(self) -> str:
+        return f" in schema {self._schema!r}" if self._schema else ""
 
     async def close(self) -> None:
         if self._analyzing is not None:

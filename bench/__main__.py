@@ -37,6 +37,7 @@ from bench import jobs, report
 from bench.harness import ROOT, Config, service_pids, tree_usage
 from bench.systems import (
     BY_NAME,
+    DATABASE_SUFFIX,
     PINS,
     POSTGRES_ADMIN_DB,
     POSTGRES_HOST,
@@ -50,7 +51,7 @@ from bench.systems import (
 
 PEERS_VENV = ROOT / ".venv-peers"
 DEFAULT_OUT = ROOT / "bench" / "results"
-SYSTEM_LIMIT = 180.0
+SYSTEM_LIMIT = 300.0
 """Seconds one system may take for all its runs before it is stopped."""
 DEFAULT_SYSTEMS = [s.name for s in SYSTEMS if s.name != "broker-postgres-inline"]
 
@@ -272,6 +273,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--quick", action="store_true", help="one repetition of small runs (a smoke test)"
     )
+    p.add_argument(
+        "--producers",
+        type=int,
+        default=Config.producers,
+        help="producers in the producers workload (0: skip that workload)",
+    )
+    p.add_argument(
+        "--producer-rate",
+        type=float,
+        default=Config.producer_rate,
+        help="jobs per second each producer offers, one at a time (0: as fast as it can)",
+    )
+    p.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="skip measuring the floor (bench/floor.py; the report then reads the last "
+        "floor.json in --out, if any)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the results go")
     p.add_argument("--keep-workdir", action="store_true", help="keep logs and stores of the runs")
     return p.parse_args(argv)
@@ -280,6 +299,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
+    os.environ.setdefault(DATABASE_SUFFIX, f"_{os.getpid()}")
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
@@ -318,7 +338,13 @@ def main(argv: list[str] | None = None) -> int:
         check=False,
     )
     hash_rounds = jobs.calibrate()
-    cfg = Config(workdir=str(workdir), hash_rounds=hash_rounds, reps=args.reps)
+    cfg = Config(
+        workdir=str(workdir),
+        hash_rounds=hash_rounds,
+        reps=args.reps,
+        producers=args.producers,
+        producer_rate=args.producer_rate,
+    )
     if args.quick:
         cfg = Config(
             workdir=str(workdir),
@@ -329,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
             cpu_jobs=200,
             latency_jobs=50,
             drain_limit=15.0,
+            producers=args.producers,
+            producer_jobs=1000,
+            producer_rate=args.producer_rate,
         )
     (workdir / "config.json").write_text(json.dumps(cfg.__dict__))
     env = environment(redis, postgres, hash_rounds)
@@ -347,6 +376,20 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         log(f"{name}: {report.one_line(result)}")
 
+    if not args.no_floor and postgres["ok"]:
+        log("floor: measuring the hot-path primitives (bench/floor.py)")
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.floor", "--out", str(args.out)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if done.returncode != 0:
+            log(f"floor failed: {done.stderr.strip()[-400:]}")
     finished = datetime.now(UTC)
     data = {
         "generated": finished.isoformat(timespec="seconds"),
@@ -358,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         "systems": results,
     }
     data["baseline"] = report.read_baseline()
+    data["floor"] = report.read_json(args.out / "floor.json")
+    data["rss_soak"] = report.read_soak(args.out / "rss-soak.json")
     (args.out / "results.json").write_text(json.dumps(data, indent=1))
     chart_error = render_chart(args.out)
     data["wall_s"] = time.monotonic() - started

@@ -21,23 +21,35 @@ Workloads (every one repeated ``reps`` times, each run bounded by ``run_timeout`
   at a time at ``latency_rate`` per second; enqueue-to-start is from just before the
   enqueue call to the job body starting, enqueue-to-complete to the completion time
   that the system itself records (where it records one).
+* producers (systems whose driver has ``open_producer``): a backlog of ``producer_jobs``
+  no-op jobs enqueued in bulk, ``producers`` producers connected (in a thread of this
+  process, each with its own connection where the system allows) and producing for a
+  second, then the workers start; the producers each enqueue one job at a time at
+  ``producer_rate`` per second until the backlog's worth of jobs is complete; the drain
+  rate counts every job completed meanwhile, and each enqueue's time to its
+  acknowledgement is kept.
 
-CPU is user + system time of the worker process tree (children included) from the
-first job start to the end; RSS is the peak of the tree's summed resident memory.
+CPU is user + system time from the first job start to the end, per process: the
+worker processes themselves, their children (pool children, recycled ones included),
+the broker's main and the store server; RSS is the peak of the worker tree's summed
+resident memory.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +70,12 @@ class Config:
     latency_jobs: int = 200
     latency_rate: float = 50.0
     drain_limit: float = 15.0
+    producers: int = 200
+    producer_jobs: int = 3000
+    """The backlog the producers workload drains: smaller than ``drain_jobs`` to keep
+    ``make bench`` near 15 minutes (the cost per job barely moves with backlog size)."""
+    producer_rate: float = 2.0
+    """Jobs per second each producer offers (one at a time); 0: as fast as each can."""
     run_timeout: float = 60.0
     poll_interval: float = 0.01
 
@@ -69,19 +87,24 @@ class BenchError(Exception):
 # ----------------------------------------------------------------------------- /proc
 
 
-def _proc_stat(pid: int) -> tuple[int, float, int] | None:
-    """``(ppid, cpu seconds incl. reaped children, rss bytes)`` or ``None`` if gone."""
+def _proc_stat(pid: int) -> tuple[int, float, float, int] | None:
+    """``(ppid, own cpu seconds, cpu seconds incl. reaped children, rss bytes)`` or ``None``.
+
+    Own CPU (utime + stime) and reaped children's (cutime + cstime) are kept apart so a
+    worker's CPU can be split from that of its children, recycled ones included.
+    """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read().decode(errors="replace")
     except OSError:
         return None
     fields = text[text.rfind(")") + 2 :].split()
-    ticks = sum(int(x) for x in fields[11:15])
-    return int(fields[1]), ticks / _TICK, int(fields[21]) * _PAGE
+    own = int(fields[11]) + int(fields[12])
+    reaped = int(fields[13]) + int(fields[14])
+    return int(fields[1]), own / _TICK, (own + reaped) / _TICK, int(fields[21]) * _PAGE
 
 
-def _proc_table() -> dict[int, tuple[int, float, int]]:
+def _proc_table() -> dict[int, tuple[int, float, float, int]]:
     table = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -99,24 +122,43 @@ def _comm(pid: int) -> str:
         return ""
 
 
-def tree_usage(roots: Iterable[int]) -> tuple[float, int]:
-    """CPU seconds and RSS bytes of ``roots`` and all their descendants."""
+@dataclass(frozen=True)
+class Usage:
+    own_cpu: float
+    """CPU seconds of the roots themselves."""
+    tree_cpu: float
+    """CPU seconds of the roots and every descendant, live or reaped."""
+    rss: int
+    """Summed resident bytes of the roots and their live descendants."""
+
+
+def usage(roots: Iterable[int]) -> Usage:
+    """CPU and RSS of ``roots`` and all their descendants, from one read of ``/proc``."""
     table = _proc_table()
     children: dict[int, list[int]] = {}
-    for pid, (ppid, _, _) in table.items():
+    for pid, (ppid, _, _, _) in table.items():
         children.setdefault(ppid, []).append(pid)
+    root_set = {p for p in roots if p in table}
     seen: set[int] = set()
-    stack = [p for p in roots if p in table]
-    cpu, rss = 0.0, 0
+    stack = list(root_set)
+    own, cpu, rss = 0.0, 0.0, 0
     while stack:
         pid = stack.pop()
         if pid in seen:
             continue
         seen.add(pid)
-        cpu += table[pid][1]
-        rss += table[pid][2]
+        if pid in root_set:
+            own += table[pid][1]
+        cpu += table[pid][2]
+        rss += table[pid][3]
         stack.extend(children.get(pid, ()))
-    return cpu, rss
+    return Usage(own, cpu, rss)
+
+
+def tree_usage(roots: Iterable[int]) -> tuple[float, int]:
+    """CPU seconds and RSS bytes of ``roots`` and all their descendants."""
+    u = usage(roots)
+    return u.tree_cpu, u.rss
 
 
 def service_pids(name: str) -> list[int]:
@@ -212,6 +254,8 @@ class Driver:
     cpu_jobs: int | None = None
     server = ""
     """``redis-server`` or ``postgres``: whose CPU the report charges as the store's."""
+    mode = ""
+    """The broker's execution mode (``pooled``, ``inline``): which floor the row is held to."""
 
     def __init__(self, name: str, cfg: Config) -> None:
         self.name = name
@@ -252,6 +296,16 @@ class Driver:
         """The broker's main process (the broker only)."""
         return []
 
+    producer_text = ""
+    """How the producers connect; empty: the system has no producers workload."""
+
+    async def open_producer(self) -> tuple[Callable[[], Awaitable[Any]], Callable[[], Any]]:
+        """A producer of its own, on the running loop: ``(enqueue one no-op job, close)``.
+
+        Called from the producers' thread; each producer enqueues one job at a time.
+        """
+        raise NotImplementedError
+
     def versions(self) -> dict[str, str]:
         from importlib.metadata import PackageNotFoundError, version
 
@@ -265,6 +319,142 @@ class Driver:
 
     def teardown(self) -> None:
         pass
+
+
+# ----------------------------------------------------------------------------- producers
+
+
+PRODUCER_WARMUP = 1.0
+"""Seconds the producers run before the workers start and their figures are kept."""
+
+
+class Producers:
+    """``count`` producers in a thread of their own, each enqueueing one job at a time.
+
+    Each offers ``rate`` jobs per second (0: as fast as its enqueues return), starting at
+    a random phase so they do not arrive in step; a producer that falls behind sends its
+    next job at once instead of catching up in a burst. Every acknowledged job adds one
+    to ``driver.enqueued`` (only this thread writes it while the producers run).
+    """
+
+    CONNECTING_AT_ONCE = 20
+    """Connections opened at once: below the broker's default handshake limit (64)."""
+
+    def __init__(self, driver: Driver, count: int, rate: float) -> None:
+        self.d = driver
+        self.count = count
+        self.rate = rate
+        self.latencies_ms: list[float] = []
+        self.failures: list[str] = []
+        """The first few failed enqueues' errors."""
+        self.failed = 0
+        self.elapsed = 0.0
+        self._ready = threading.Event()
+        self._error: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._go: asyncio.Event | None = None
+        self._stop: asyncio.Event | None = None
+        self._since = 0.0
+        self._thread = threading.Thread(target=self._main, name="producers", daemon=True)
+
+    def start(self, timeout: float) -> None:
+        """Opens every producer's connection; returns once all are open."""
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise BenchError(f"{self.count} producers not connected after {timeout:.0f} s")
+        if self._error is not None:
+            raise BenchError(f"producers could not connect: {self._error}")
+
+    def go(self) -> None:
+        self._signal(self._go)
+
+    def mark(self) -> None:
+        """Forgets the enqueues so far: the figures cover what follows (after a warm-up)."""
+        self._call(self._mark)
+
+    def _mark(self) -> None:
+        self.latencies_ms = []
+        self.failed = 0
+        self._since = time.perf_counter()
+
+    def stop(self) -> None:
+        self._signal(self._go)  # a crowd stopped before it went: it ends at once
+        self._signal(self._stop)
+        self._thread.join(60)
+
+    def _signal(self, event: asyncio.Event | None) -> None:
+        if event is not None:
+            self._call(event.set)
+
+    def _call(self, fn: Callable[[], Any]) -> None:
+        if self._loop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(fn)
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._run())
+        except Exception as exc:
+            self._error = _describe(exc)
+        finally:
+            self._ready.set()
+
+    async def _run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._go, self._stop = asyncio.Event(), asyncio.Event()
+        gate = asyncio.Semaphore(self.CONNECTING_AT_ONCE)
+
+        async def connect() -> tuple[Callable[[], Awaitable[Any]], Callable[[], Any]]:
+            async with gate:
+                return await self.d.open_producer()
+
+        results = await asyncio.gather(
+            *(connect() for _ in range(self.count)), return_exceptions=True
+        )
+        opened = [r for r in results if not isinstance(r, BaseException)]
+        try:
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
+            if failed is not None:
+                raise failed  # the ones that did open are closed below
+            self._ready.set()
+            await self._go.wait()
+            self._mark()
+            tasks = [asyncio.create_task(self._produce(enqueue)) for enqueue, _ in opened]
+            await self._stop.wait()
+            self.elapsed = time.perf_counter() - self._since
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            for _, close in opened:
+                with contextlib.suppress(Exception):
+                    closing = close()
+                    if asyncio.iscoroutine(closing):
+                        await closing
+
+    async def _produce(self, enqueue: Callable[[], Awaitable[Any]]) -> None:
+        interval = 1.0 / self.rate if self.rate > 0 else 0.0
+        next_at = time.perf_counter() + random.uniform(0.0, interval)
+        while True:
+            pause = next_at - time.perf_counter()
+            if pause > 0:
+                await asyncio.sleep(pause)
+            sent = time.perf_counter()
+            try:
+                await enqueue()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.failed += 1
+                if len(self.failures) < 5:
+                    self.failures.append(_describe(exc))
+                # At least 10 ms before the next try: a producer whose enqueue fails at
+                # once must not spin and starve the loop (rate 0 has no pause).
+                next_at = max(next_at + interval, time.perf_counter() + 0.01)
+                continue
+            now = time.perf_counter()
+            self.latencies_ms.append(1000 * (now - sent))
+            self.d.enqueued += 1
+            next_at = max(next_at + interval, now)
 
 
 # ----------------------------------------------------------------------------- runs
@@ -283,11 +473,13 @@ class Runner:
             "durability": driver.durability,
             "bulk": driver.bulk_text,
             "has_bulk": driver.has_bulk,
+            "mode": driver.mode,
             "versions": {},
             "config": asdict(cfg),
             "drain": [],
             "cpu": [],
             "latency": [],
+            "producers": [],
             "errors": [],
         }
 
@@ -338,20 +530,67 @@ class Runner:
             workers.stop()
         return run
 
+    def producers(self, n: int) -> dict[str, Any]:
+        """A backlog of ``n`` no-op jobs drained while the producers enqueue more."""
+        d, cfg = self.d, self.cfg
+        d.reset()
+        marks, log = self._paths("producers")
+        if d.has_bulk:
+            d.enqueue_bulk("noop", [-1] * n)
+        else:
+            for _ in range(n):
+                d.enqueue_one("noop", -1)
+        crowd = Producers(d, cfg.producers, cfg.producer_rate)
+        run: dict[str, Any] = {
+            "jobs": n,
+            "producers": cfg.producers,
+            "producer_rate": cfg.producer_rate,
+        }
+        try:
+            crowd.start(cfg.run_timeout)
+            # A second of producing before the workers start: every connection has sent
+            # and prepared its first enqueue, and the figures start from a steady stream.
+            crowd.go()
+            time.sleep(PRODUCER_WARMUP)
+            crowd.mark()
+            spawned = time.time()
+            workers = self._start_workers(marks, log)
+            try:
+                self._watch(workers, marks, spawned, n, run)
+            finally:
+                workers.stop()
+        finally:
+            crowd.stop()
+        if crowd.failed:
+            run["enqueue_failed"] = crowd.failed
+            run["enqueue_failures"] = crowd.failures
+            self.result["errors"].append(
+                f"producers: {crowd.failed} enqueues failed, the first: {crowd.failures[0]}"
+            )
+        lat = crowd.latencies_ms
+        run.update(
+            enqueued=len(lat),
+            enqueue_per_s=len(lat) / crowd.elapsed if crowd.elapsed else None,
+            enqueue_p50_ms=percentile(lat, 50),
+            enqueue_p99_ms=percentile(lat, 99),
+            enqueue_max_ms=max(lat, default=None),
+        )
+        return run
+
     def _watch(
         self, workers: Workers, marks: Path, spawned: float, n: int, run: dict[str, Any]
     ) -> None:
         """Polls until all ``n`` are complete or the run's time is up; fills ``run``."""
         d = self.d
         deadline = time.monotonic() + self.cfg.run_timeout
-        at_first: tuple[float, float, float] | None = None
+        at_first: tuple[Usage, float, float] | None = None
         peak_rss, peak_main_rss, polls = 0, 0, 0
         while True:
             done = d.done_count()
             now = time.time()
             if at_first is None and marks.stat().st_size > 0:
                 at_first = (
-                    tree_usage(workers.pids)[0],
+                    usage(workers.pids),
                     self._server_cpu(),
                     tree_usage(d.main_pids())[0],
                 )
@@ -366,7 +605,7 @@ class Runner:
             # Every poll_interval at first, then about every 1% of the time so far: the
             # end is known to within 1%, and a long drain is not slowed by the polling.
             time.sleep(min(0.1, max(self.cfg.poll_interval, 0.01 * (now - spawned))))
-        worker_cpu, worker_rss = tree_usage(workers.pids)
+        worker = usage(workers.pids)
         main_cpu, main_rss = tree_usage(d.main_pids())
         server_cpu = self._server_cpu()
         firsts = [float(line.split()[1]) for line in _lines(marks) if line.startswith("F ")]
@@ -381,10 +620,13 @@ class Runner:
             timed_out=done < n,
             seconds=now - first,
             per_s=done / (now - first),
-            worker_cpu_s=worker_cpu - at_first[0],
+            worker_cpu_s=worker.tree_cpu - at_first[0].tree_cpu,
+            worker_own_cpu_s=worker.own_cpu - at_first[0].own_cpu,
+            children_cpu_s=(worker.tree_cpu - worker.own_cpu)
+            - (at_first[0].tree_cpu - at_first[0].own_cpu),
             server_cpu_s=server_cpu - at_first[1],
             main_cpu_s=main_cpu - at_first[2],
-            worker_rss_mb=max(peak_rss, worker_rss) / 2**20,
+            worker_rss_mb=max(peak_rss, worker.rss) / 2**20,
             main_rss_mb=max(peak_main_rss, main_rss) / 2**20,
         )
 
@@ -481,6 +723,16 @@ class Runner:
             self.save()
         self.attempt("latency", self.latency)
         self.save()
+        if d.producer_text and cfg.producers > 0:
+            self.result["producer_text"] = d.producer_text
+            for rep in range(cfg.reps):
+                run = self.attempt(
+                    f"producers run {rep + 1}",
+                    lambda: self.producers(min(n, cfg.producer_jobs)),
+                )
+                if run is not None:
+                    self.result["producers"].append(run)
+                self.save()
 
 
 def _describe(exc: BaseException) -> str:

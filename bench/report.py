@@ -6,6 +6,7 @@ harness existed) is parsed, not copied, and shown beside this run's figures.
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 from collections.abc import Callable
@@ -132,6 +133,21 @@ def read_baseline() -> dict[str, Any]:
     return {"source": str(path), "rows": rows}
 
 
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object another tool wrote (``floor.json``, ``rss-soak.json``), or an empty dict."""
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data
+
+
+def read_soak(path: Path) -> dict[str, Any]:
+    """The last ``make bench-soak`` (``rss-soak.json``) without its series, or an empty dict."""
+    data = read_json(path)
+    return {k: v for k, v in data.items() if k != "samples"}
+
+
 # ----------------------------------------------------------------------------- markdown
 
 
@@ -189,29 +205,156 @@ def _latency_rows(systems: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def _resource_rows(systems: list[dict[str, Any]]) -> list[list[str]]:
-    def per_job(key: str) -> Callable[[dict[str, Any]], float | None]:
-        return lambda run: run[key] * 1000 / run["done"] if run.get("done") else None
+def _per_job(key: str) -> Callable[[dict[str, Any]], float | None]:
+    """CPU ms per completed job of one process group in a drain run (``None``: not measured)."""
+    return lambda run: run[key] * 1000 / run["done"] if run.get("done") and key in run else None
 
+
+def _total_per_job(run: dict[str, Any]) -> float | None:
+    """Every process's CPU per job: workers with their children, the main, the store."""
+    if not run.get("done"):
+        return None
+    keys = ("worker_cpu_s", "main_cpu_s", "server_cpu_s")
+    return sum(run.get(k) or 0.0 for k in keys) * 1000 / run["done"]
+
+
+def _resource_rows(systems: list[dict[str, Any]]) -> list[list[str]]:
     rows = []
     for r in systems:
         drains = r.get("drain", [])
         if r.get("skipped") or not drains:
             continue
         is_broker = str(r["system"]).startswith("broker")
+        split = any("worker_own_cpu_s" in run for run in drains)
+        has_children = any(run.get("children_cpu_s") for run in drains)
         server = DASH
         if any(run.get("server_cpu_s") for run in drains):
-            server = cell([per_job("server_cpu_s")(run) for run in drains])
+            server = cell([_per_job("server_cpu_s")(run) for run in drains])
+        worker_key = "worker_own_cpu_s" if split else "worker_cpu_s"
         rows.append(
             [
                 _label(r),
-                cell([per_job("worker_cpu_s")(run) for run in drains]),
-                cell([run.get("worker_rss_mb") for run in drains]),
-                cell([per_job("main_cpu_s")(run) for run in drains]) if is_broker else "n/a",
-                cell([run.get("main_rss_mb") for run in drains]) if is_broker else "n/a",
+                cell([_per_job("main_cpu_s")(run) for run in drains]) if is_broker else "n/a",
+                cell([_per_job(worker_key)(run) for run in drains]),
+                cell([_per_job("children_cpu_s")(run) for run in drains])
+                if split and has_children
+                else ("0" if split else "in workers"),
                 server,
+                cell([_total_per_job(run) for run in drains]),
+                cell([run.get("worker_rss_mb") for run in drains]),
+                cell([run.get("main_rss_mb") for run in drains]) if is_broker else "n/a",
             ]
         )
+    return rows
+
+
+def _failed(runs: list[dict[str, Any]]) -> int:
+    return sum(int(run.get("enqueue_failed") or 0) for run in runs)
+
+
+def _producer_rows(systems: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for r in systems:
+        runs = r.get("producers", [])
+        if r.get("skipped") or not runs:
+            continue
+        without = spread(metric(r, "drain", "per_s"))
+        with_ = spread(metric(r, "producers", "per_s"))
+        ratio = f"{TIMES}{with_[0] / without[0]:.2f}" if with_ and without else DASH
+        offered = {(run.get("producers"), run.get("producer_rate")) for run in runs}
+        rows.append(
+            [
+                _label(r),
+                ", ".join(
+                    f"{p} x {fmt(rate)}/s" if rate else f"{p} x flat out" for p, rate in offered
+                ),
+                cell(metric(r, "producers", "per_s"), _cut(r, "producers")),
+                cell(metric(r, "drain", "per_s"), _cut(r, "drain")),
+                ratio,
+                cell(metric(r, "producers", "enqueue_per_s"))
+                + (f" ({failed:,} failed)" if (failed := _failed(runs)) else ""),
+                cell(metric(r, "producers", "enqueue_p50_ms")),
+                cell(metric(r, "producers", "enqueue_p99_ms")),
+                cell(metric(r, "producers", "enqueue_max_ms")),
+            ]
+        )
+    return rows
+
+
+FLOOR_PARTS = (
+    ("main", "main_cpu_s"),
+    ("worker", "worker_own_cpu_s"),
+    ("children", "children_cpu_s"),
+    ("store", "server_cpu_s"),
+)
+
+
+def _floor_rows(systems: list[dict[str, Any]], floor: dict[str, Any]) -> list[list[str]]:
+    """Each broker row's CPU per job per process as a multiple of the floor for its mode."""
+    batch = str(floor.get("report_batch"))
+    by_mode = floor.get("floor", {}).get(batch, {})
+    rows = []
+    for r in systems:
+        drains = r.get("drain", [])
+        least = by_mode.get(r.get("mode"))
+        # The floor's statements ran on PostgreSQL: the SQLite rows have no floor here.
+        if not str(r["system"]).startswith("broker-postgres") or r.get("skipped") or not drains:
+            continue
+        if least is None or not any("worker_own_cpu_s" in run for run in drains):
+            continue
+        cells = [_label(r)]
+        for part, key in FLOOR_PARTS:
+            spent = spread([_per_job(key)(run) for run in drains])
+            if spent is None or not least[part]:
+                cells.append(DASH)  # not measured, or no such process in this mode
+                continue
+            cells.append(
+                f"{fmt(spent[0])} vs {least[part]:.3f} ({TIMES}{spent[0] / least[part]:.0f})"
+            )
+        total = spread([_total_per_job(run) for run in drains])
+        cells.append(
+            f"{fmt(total[0])} vs {least['all']:.3f} ({TIMES}{total[0] / least['all']:.0f})"
+            if total
+            else DASH
+        )
+        rows.append(cells)
+    return rows
+
+
+def _pgqueuer_rows(systems: list[dict[str, Any]]) -> list[list[str]]:
+    """Each broker row as a multiple of PgQueuer's figure in the same run."""
+    peer = next((r for r in systems if r["system"] == "pgqueuer" and not r.get("skipped")), None)
+    if peer is None:
+        return []
+
+    def medians(r: dict[str, Any]) -> dict[str, float | None]:
+        s = summary(r)
+        out = {k: (v[0] if v else None) for k, v in s.items()}
+        total = spread([_total_per_job(run) for run in r.get("drain", [])])
+        with_producers = spread(metric(r, "producers", "per_s"))
+        out["cpu_total"] = total[0] if total else None
+        out["producers"] = with_producers[0] if with_producers else None
+        return out
+
+    theirs = medians(peer)
+    rows = []
+    for r in systems:
+        if not str(r["system"]).startswith("broker") or r.get("skipped"):
+            continue
+        ours = medians(r)
+        cells = [_label(r)]
+        for key in (
+            "drain",
+            "producers",
+            "enqueue_one",
+            "enqueue_bulk",
+            "start_p50",
+            "start_p99",
+            "cpu_total",
+        ):
+            a, b = ours.get(key), theirs.get(key)
+            cells.append(f"{TIMES}{a / b:.2f}" if a is not None and b else DASH)
+        rows.append(cells)
     return rows
 
 
@@ -325,24 +468,112 @@ def markdown(data: dict[str, Any], chart_error: str | None = None) -> str:
     )
     lines += [
         "",
-        "## Resources during the drain",
+        "## CPU per job and memory during the drain",
         "",
-        "CPU is user + system time from the first job start to the end of the drain, per job. "
-        "Workers = the worker processes and all their children; store server = redis-server, "
-        "or every PostgreSQL process (other sessions' queries included).",
+        "CPU is user + system time from the first job start to the end of the drain, per "
+        "job, per process: broker-main; the worker processes themselves; their children "
+        "(pool children, recycled ones included); the store server (redis-server, or every "
+        "PostgreSQL process, other sessions' queries included); and all of them together. "
+        "RSS: the peak of the worker tree's summed resident memory, and of broker-main's.",
         "",
     ]
     lines += _table(
         [
             "system",
-            "worker CPU ms/job",
+            "main ms/job",
+            "worker ms/job",
+            "children ms/job",
+            "store server ms/job",
+            "all ms/job",
             "worker peak RSS MB",
-            "broker-main CPU ms/job",
-            "broker-main peak RSS MB",
-            "store server CPU ms/job",
+            "main peak RSS MB",
         ],
         _resource_rows(systems),
     )
+    producer_rows = _producer_rows(systems)
+    if producer_rows:
+        cfg = data["config"]
+        lines += [
+            "",
+            "## Draining while producers enqueue",
+            "",
+            f"A backlog of {cfg.get('producer_jobs', cfg['drain_jobs']):,} no-op jobs "
+            "enqueued in bulk; "
+            f"{cfg.get('producers', 200)} producers connect (each with a connection of its "
+            "own where the system allows: see Settings), then the workers start and every "
+            "producer enqueues one job at a time at the stated rate, waiting for each "
+            "acknowledgement, until a backlog's worth of jobs is complete. Drain = every job "
+            "completed per second meanwhile; without = the drain workload above; enqueue = "
+            "acknowledged enqueues per second and the time from the call to its "
+            "acknowledgement (ms).",
+            "",
+        ]
+        lines += _table(
+            [
+                "system",
+                "producers x rate",
+                "drain with producers /s",
+                "drain without /s",
+                "with / without",
+                "enqueued /s",
+                "enqueue p50 ms",
+                "enqueue p99 ms",
+                "enqueue max ms",
+            ],
+            producer_rows,
+        )
+    pgq_rows = _pgqueuer_rows(systems)
+    if pgq_rows:
+        lines += [
+            "",
+            "## Broker against PgQueuer, same run",
+            "",
+            f"Each broker median as a multiple of PgQueuer's ({TIMES} = broker / PgQueuer): "
+            "above 1 is better for the rates, below 1 is better for latency and CPU.",
+            "",
+        ]
+        lines += _table(
+            [
+                "system",
+                "drain",
+                "drain with producers",
+                "enqueue 1-by-1",
+                "enqueue bulk",
+                "start p50",
+                "start p99",
+                "all CPU per job",
+            ],
+            pgq_rows,
+        )
+    floor = data.get("floor") or {}
+    floor_rows = _floor_rows(systems, floor)
+    if floor_rows:
+        lines += [
+            "",
+            "## Distance from the floor",
+            "",
+            "Each process's CPU per job in the drain against the least it could spend on this "
+            f"design (`bench/floor.py`, measured {floor.get('generated', '?')}, claim and "
+            f"settle batches of {floor.get('report_batch')}; bench/README.md explains the "
+            f"sum): ms/job here vs the floor ({TIMES} = here / floor).",
+            "",
+        ]
+        lines += _table(["system", "main", "worker", "children", "store server", "all"], floor_rows)
+    soak = data.get("rss_soak") or {}
+    if soak.get("summary"):
+        s = soak["summary"]
+        slope = s.get("second_half_slope_mb_per_min")
+        lines += [
+            "",
+            "## broker-main RSS soak (the last `make bench-soak`, not this run)",
+            "",
+            f"{soak['jobs']:,} no-op jobs enqueued and drained on PostgreSQL in "
+            f"{soak['seconds'] / 60:.1f} min on {soak['generated']}: broker-main's RSS "
+            f"{s['first_mb']:.1f} MB at the start, {s['last_mb']:.1f} MB at the end, "
+            f"max - min {s['max_minus_min_mb']:.1f} MB"
+            + (f", {slope:+.3f} MB/min over the second half" if slope is not None else "")
+            + " (`rss-soak.md`).",
+        ]
     baseline = _baseline_rows(data)
     if baseline:
         lines += [
@@ -361,10 +592,13 @@ def markdown(data: dict[str, Any], chart_error: str | None = None) -> str:
     rows = []
     for r in systems:
         versions = ", ".join(f"{k} {v}" for k, v in (r.get("versions") or {}).items())
+        setup = r.get("setup", "")
+        if r.get("producer_text"):
+            setup += f"; producers: {r['producer_text']}"
         rows.append(
             [
                 _label(r),
-                r.get("setup", ""),
+                setup,
                 r.get("bulk", ""),
                 versions,
                 r.get("durability", ""),

@@ -7,6 +7,7 @@ Each peer is pinned and installed into its own virtual environment under
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 REDIS_HOST = "127.0.0.1"
@@ -22,6 +23,18 @@ POSTGRES_ADMIN_DB = "test"
 
 def postgres_dsn(database: str) -> str:
     return f"postgresql://{POSTGRES_USER}@{POSTGRES_HOST}:{POSTGRES_PORT}/{database}"
+
+
+DATABASE_SUFFIX = "BENCH_DB_SUFFIX"
+"""Environment variable: a suffix for every PostgreSQL database the benchmark makes.
+``python -m bench`` sets a fresh one per run, and the harness and workers inherit it."""
+
+
+def database(base: str) -> str:
+    """``base`` plus this run's suffix. Each run drops and creates its databases; with a
+    name of its own, a run never drops one that another run (another session's smoke
+    test on the same server) is using."""
+    return base + os.environ.get(DATABASE_SUFFIX, "")
 
 
 def redis_url(db: int = REDIS_DB) -> str:
@@ -54,6 +67,8 @@ SYSTEMS: tuple[System, ...] = (
     System("broker-postgres", "bench.peers.broker_peer", None, ("postgres",)),
     System("broker-sqlite-inline", "bench.peers.broker_peer", None, ()),
     System("broker-postgres-inline", "bench.peers.broker_peer", None, ("postgres",)),
+    System("broker-postgres-inline1", "bench.peers.broker_peer", None, ("postgres",)),
+    System("broker-postgres-defaults", "bench.peers.broker_peer", None, ("postgres",)),
     System("celery", "bench.peers.celery_peer", "celery", ("redis",)),
     System("rq", "bench.peers.rq_peer", "rq", ("redis",)),
     System("rq-simple", "bench.peers.rq_peer", "rq", ("redis",)),

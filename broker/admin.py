@@ -9,6 +9,12 @@ every move out of ``handed_off`` is fenced in the store, so a cancel or a retry
 made while the main is down can never be undone by a late report. Without the
 main, ``status`` shows job counts only.
 
+The store is opened as it stands, never set up: a URL may name the wrong database,
+and a newer ``broker`` must not migrate a schema under an older main. A reading
+command opens it read-only; every command first checks that it holds this version's
+schema (``check_schema``) and refuses a missing, older or newer one. Only
+``broker-main`` and ``broker migrate`` create or migrate a schema.
+
 ``--json`` output shapes are part of the interface and are documented in
 ``docs/reference/cli.md``; the human output is a readable table and may change.
 """
@@ -16,20 +22,25 @@ main, ``status`` shows job counts only.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import dataclasses
 import json
+import signal
 import sys
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
+from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 from broker import composition, protocol
 from broker.client import Client, Enqueued, JobListPage
 from broker.config import MainSettings
 from broker.exceptions import BrokerError, ConfigurationError
-from broker.jobs import Clock, Job, JobSpec, JobStatus, JSONValue, utcnow
+from broker.jobs import TERMINAL_STATUSES, Clock, Job, JobSpec, JobStatus, JSONValue, utcnow
 from broker.operations import Operations
-from broker.storage import JobFilter, StorageAdapter
+from broker.storage import SCHEMA_VERSION, JobFilter, StorageAdapter, SupportsSchemaCheck
 from broker.untrusted import escape_control
 
 
@@ -195,8 +206,18 @@ class StoreBackend:
         await self.store.close()
 
 
+def _note(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
 def _as_dict(job: Job | None) -> dict[str, JSONValue] | None:
     return job.to_dict() if job is not None else None
+
+
+GREETING_TIMEOUT = 2.0
+"""Seconds the operator's command gives whatever answers at ``--main`` to greet as a
+main: PostgreSQL, Redis or a web server on that port is reported as "not a broker
+main" this soon, instead of after ``--timeout``."""
 
 
 async def open_backend(
@@ -207,14 +228,19 @@ async def open_backend(
     timeout: float = 10.0,  # noqa: ASYNC109 - a connect budget for the client
     database_url: str | None = None,
     adapter: str | None = None,
+    read_only: bool = False,
+    note: Callable[[str], None] | None = None,
 ) -> MainBackend | StoreBackend:
     """The main if it answers; else the store at ``database_url``; else a clear error.
 
     Only a main that cannot be reached (refused, unreachable, timed out) sends the
     command to the store: a main that answers and refuses (a wrong token, say) is an
-    error, because the store would bypass the refusal.
+    error, because the store would bypass the refusal, and so is a service that is not
+    a main at all. ``read_only`` opens the store without the right to write (for the
+    commands that only read). ``note`` tells the operator that the store is used (by
+    default a ``note:`` line on stderr).
     """
-    client = Client(host, port, token=token, timeout=timeout)
+    client = Client(host, port, token=token, timeout=timeout, greeting_timeout=GREETING_TIMEOUT)
     try:
         await client.connect()
     except (OSError, TimeoutError) as exc:
@@ -225,13 +251,14 @@ async def open_backend(
                 f"{reason}; start broker-main, or pass --database-url (or set "
                 "BROKER_DATABASE_URL) to work on the store directly"
             ) from None
-        store = composition.open_store(database_url, adapter)
+        store = composition.open_store(database_url, adapter, create=False, read_only=read_only)
         try:
-            await store.setup()
+            if isinstance(store, SupportsSchemaCheck):
+                await store.check_schema()
         except BaseException:
             await store.close()
             raise
-        print(f"note: {reason}; working on the store directly", file=sys.stderr)
+        (note or _note)(f"note: {reason}; working on the store directly")
         return StoreBackend(store, reason)
     return MainBackend(client)
 
@@ -286,36 +313,116 @@ async def _jobs(backend: Backend, args: argparse.Namespace) -> int:
 
 
 async def _job(backend: Backend, args: argparse.Namespace) -> int:
-    return _print_job(await backend.get_job(args.job_id), args.json)
+    job_id = await resolve_job(backend, args.job_id)
+    return _print_job(None if job_id is None else await backend.get_job(job_id), args.json)
 
 
 async def _cancel(backend: Backend, args: argparse.Namespace) -> int:
-    job = await backend.cancel(args.job_id)
+    job_id = await resolve_job(backend, args.job_id)
+    job = None if job_id is None else await backend.cancel(job_id)
     if job is not None and job["status"] != JobStatus.CANCELLED:
         ended = escape_control(str(job["status"]))
-        print(f"note: job {args.job_id} had already ended as {ended}", file=sys.stderr)
+        print(f"note: job {job_id} had already ended as {ended}", file=sys.stderr)
     return _print_job(job, args.json)
 
 
 async def _retry(backend: Backend, args: argparse.Namespace) -> int:
+    job_id = await resolve_job(backend, args.job_id)
     # Read first: the store returns a job that is not dead unchanged, and one that was
     # already queued would look just like one this command had retried.
-    job = await backend.get_job(args.job_id)
-    if job is not None and job["status"] == JobStatus.FAILED:
-        job = await backend.retry(args.job_id)
+    job = None if job_id is None else await backend.get_job(job_id)
+    if job_id is not None and job is not None and job["status"] == JobStatus.FAILED:
+        job = await backend.retry(job_id)
         if job is not None and job["status"] == JobStatus.QUEUED:
             return _print_job(job, args.json)
     if job is None:
         return _print_job(None, args.json)
     print(
-        f"error: job {args.job_id} is {escape_control(str(job['status']))}; "
+        f"error: job {job_id} is {escape_control(str(job['status']))}; "
         "only a failed (dead) job can be retried",
         file=sys.stderr,
     )
     return 1
 
 
-async def _enqueue(backend: Backend, args: argparse.Namespace) -> int:
+MAX_PREFIX_MATCHES = 10
+"""How many matching ids an ambiguous prefix lists before it stops looking."""
+
+
+async def resolve_job(backend: Backend, ref: uuid.UUID | str) -> uuid.UUID | None:
+    """The job ``ref`` names: a whole id as it is, or the one job whose id starts with
+    the prefix ``ref`` (None if none does).
+
+    There is no index on id prefixes in the contract, so a prefix is matched on the
+    listing, page by page, payloads left out: a scan of every job, fine for an operator
+    typing an id from ``broker jobs``.
+
+    :raises ConfigurationError: the prefix matches more than one job (listed).
+    """
+    if isinstance(ref, uuid.UUID):
+        return ref
+    prefix = ref.replace("-", "")
+    matches: list[str] = []
+    cursor: str | None = None
+    while len(matches) < MAX_PREFIX_MATCHES:
+        page = await backend.list_jobs(
+            statuses=None,
+            queues=None,
+            tasks=None,
+            limit=protocol.MAX_LIST_LIMIT,
+            cursor=cursor,
+            include_payload=False,
+        )
+        matches += [
+            str(job["id"])
+            for job in page.jobs
+            if str(job["id"]).replace("-", "").startswith(prefix)
+        ]
+        cursor = page.next_cursor
+        if cursor is None:
+            break
+    if len(matches) > 1:
+        shown = ", ".join(matches[:MAX_PREFIX_MATCHES])
+        more = " and more" if len(matches) >= MAX_PREFIX_MATCHES else ""
+        raise ConfigurationError(
+            f"the id prefix {ref!r} matches {len(matches)}{more} jobs: {shown}{more}; "
+            "give more of the id"
+        )
+    return uuid.UUID(matches[0]) if matches else None
+
+
+def only_reads(args: argparse.Namespace) -> bool:
+    """Whether the parsed command only reads: such a command opens a store fallback
+    read-only."""
+    return args.command in {"status", "top", "jobs", "job"} or (
+        args.command == "prune" and bool(args.dry_run)
+    )
+
+
+async def migrate(database_url: str | None, adapter: str | None, as_json: bool) -> int:
+    """``broker migrate``: the one operator command that creates or migrates a schema
+    (as ``broker-main`` does when it starts)."""
+    if not database_url:
+        raise ConfigurationError("migrate needs --database-url (or BROKER_DATABASE_URL)")
+    store = composition.open_store(database_url, adapter)
+    try:
+        await store.setup()
+    finally:
+        await store.close()
+    if as_json:
+        _print_json({"schema_version": SCHEMA_VERSION})
+    else:
+        print(f"the store is at schema version {SCHEMA_VERSION}")
+    return 0
+
+
+def enqueue_request(args: argparse.Namespace) -> protocol.JobRequest:
+    """The request ``broker enqueue`` sends, built and checked before anything connects.
+
+    :raises ConfigurationError: ARGS_JSON or --kwargs is not the JSON it must be.
+    :raises InvalidJobError: the job itself is invalid (an empty queue, a priority out of
+        range...), with the job spec's own message.
+    """
     params = _json_arg(args.args_json, "ARGS_JSON")
     if not isinstance(params, list):
         raise ConfigurationError("ARGS_JSON must be a JSON list, e.g. '[1, \"a\"]'")
@@ -339,6 +446,11 @@ async def _enqueue(backend: Backend, args: argparse.Namespace) -> int:
     request = protocol.JobRequest.from_spec(spec)
     if args.delay is not None:
         request = dataclasses.replace(request, run_at=None, delay=float(args.delay))
+    return request
+
+
+async def _enqueue(backend: Backend, args: argparse.Namespace) -> int:
+    request = getattr(args, "request", None) or enqueue_request(args)
     result = await backend.enqueue(request)
     if args.json:
         print(json.dumps({"job_id": str(result.job_id), "duplicate": result.duplicate}))
@@ -350,10 +462,16 @@ async def _enqueue(backend: Backend, args: argparse.Namespace) -> int:
 async def _prune(backend: Backend, args: argparse.Namespace) -> int:
     if args.older_than is None and args.keep_latest is None:
         raise ConfigurationError("prune needs --older-than, --keep-latest or both")
+    statuses = [JobStatus(s) for s in args.status] if args.status else None
+    if getattr(args, "dry_run", False):
+        count = await _would_prune(backend, args.older_than, args.keep_latest, statuses)
+        if args.json:
+            _print_json({"dry_run": True, "would_delete": count})
+        else:
+            print(f"would delete {count} job{'' if count == 1 else 's'} (dry run: nothing deleted)")
+        return 0
     deleted = await backend.prune(
-        older_than=args.older_than,
-        keep_latest=args.keep_latest,
-        statuses=[JobStatus(s) for s in args.status] if args.status else None,
+        older_than=args.older_than, keep_latest=args.keep_latest, statuses=statuses
     )
     if args.json:
         _print_json({"deleted": deleted})
@@ -362,15 +480,46 @@ async def _prune(backend: Backend, args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: dict[str, Command] = {
-    "status": _status,
-    "jobs": _jobs,
-    "job": _job,
-    "cancel": _cancel,
-    "retry": _retry,
-    "enqueue": _enqueue,
-    "prune": _prune,
-}
+async def _would_prune(
+    backend: Backend,
+    older_than: float | None,
+    keep_latest: int | None,
+    statuses: Collection[JobStatus] | None,
+) -> int:
+    """How many jobs ``prune`` would delete now, by the same rules, from the listing
+    (finished jobs only, payloads left out); nothing is deleted. The age is measured on
+    this machine's clock, the prune's own on the main's."""
+    stamps: list[datetime] = []
+    cursor: str | None = None
+    while True:
+        page = await backend.list_jobs(
+            statuses=statuses or TERMINAL_STATUSES,
+            queues=None,
+            tasks=None,
+            limit=protocol.MAX_LIST_LIMIT,
+            cursor=cursor,
+            include_payload=False,
+        )
+        stamps += [datetime.fromisoformat(str(job["updated_at"])) for job in page.jobs]
+        cursor = page.next_cursor
+        if cursor is None:
+            break
+    return prune_count(stamps, older_than, keep_latest, utcnow())
+
+
+def prune_count(
+    updated: Sequence[datetime], older_than: float | None, keep_latest: int | None, now: datetime
+) -> int:
+    """How many of the finished jobs last updated at ``updated`` a prune deletes: those
+    older than ``older_than`` seconds, and all but the newest ``keep_latest``."""
+    newest_first = sorted(updated, reverse=True)
+    doomed = set()
+    if older_than is not None:
+        cutoff = now - timedelta(seconds=older_than)
+        doomed |= {i for i, at in enumerate(newest_first) if at < cutoff}
+    if keep_latest is not None:
+        doomed |= set(range(keep_latest, len(newest_first)))
+    return len(doomed)
 
 
 # ------------------------------------------------------------------------ output
@@ -396,11 +545,50 @@ def _print_job(job: dict[str, Any] | None, as_json: bool) -> int:
     if as_json:
         _print_json(job)
     else:
-        width = max(len(k) for k in job)
-        for key, value in job.items():
-            text = value if isinstance(value, str) else json.dumps(value)
-            print(f"{escape_control(key):<{width}}  {escape_control(text)}")
+        print(format_job(job))
     return 0
+
+
+def format_job(job: dict[str, Any]) -> str:
+    """The human form of ``broker job``: one field a line. The error, which may hold a
+    traceback, goes on over several lines indented under its field, so the columns
+    hold; every other value is one line, its control characters escaped (a newline in
+    a name is shown as ``\\n``, never obeyed)."""
+    width = max(len(k) for k in job)
+    out: list[str] = []
+    for key, value in job.items():
+        if key in _TIME_FIELDS and isinstance(value, str):
+            text = format_time(value)
+        else:
+            text = value if isinstance(value, str) else json.dumps(value)
+        first, *rest = (text.splitlines() or [""]) if key == "last_error" else [text]
+        out.append(f"{escape_control(key):<{width}}  {escape_control(first)}".rstrip())
+        out.extend(f"{'':<{width}}  {escape_control(line)}".rstrip() for line in rest)
+        if key == "attempts":
+            out.append(f"{'runs':<{width}}  {runs(job)} of at most {job.get('max_attempts')}")
+    return "\n".join(out)
+
+
+_TIME_FIELDS = frozenset({"run_at", "created_at", "updated_at", "handed_off_at"})
+
+
+def format_time(iso: str) -> str:
+    """A stored time as ``YYYY-MM-DD HH:MM:SS UTC``: always with its zone."""
+    try:
+        when = datetime.fromisoformat(iso)
+    except ValueError:
+        return iso
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def runs(job: dict[str, Any]) -> int:
+    """How many times the job has started. ``attempts`` counts the runs that failed; a
+    job that completed or is running is on one run more (a completed job that never
+    failed ran once, so it shows 1, not 0)."""
+    attempts = int(job.get("attempts") or 0)
+    return attempts + (1 if job.get("status") in (JobStatus.COMPLETED, JobStatus.HANDED_OFF) else 0)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -507,12 +695,145 @@ def format_jobs(jobs: Sequence[dict[str, Any]]) -> str:
             str(job["queue"]),
             str(job["task"]),
             str(job["execution_mode"]),
-            f"{job['attempts']}/{job['max_attempts']}",
-            str(job["updated_at"])[:19],
+            f"{runs(job)}/{job['max_attempts']}",
+            format_time(str(job["updated_at"])),
             _short(job["last_error"] or "", 40),
             *(_short(json.dumps(job[key]), 30) if key in job else "(omitted)" for key in payload),
         ]
         for job in jobs
     ]
-    headers = ["id", "status", "queue", "task", "mode", "attempts", "updated", "last error"]
+    headers = ["id", "status", "queue", "task", "mode", "runs", "updated", "last error"]
     return table([*headers, *payload], rows)
+
+
+# ------------------------------------------------------------------------ top
+
+
+def queue_rates(
+    before: dict[str, Any] | None, after: dict[str, Any], seconds: float
+) -> dict[str, dict[str, float]]:
+    """Per queue, jobs completed and failed per second between two ``status`` snapshots.
+
+    Counts are of jobs that exist, so retention or a prune between the two can make a
+    count fall; a fall is shown as no progress rather than as a negative rate.
+    """
+    if before is None or seconds <= 0:
+        return {}
+    old = {q["queue"]: q["counts"] for q in before["queues"]}
+    rates: dict[str, dict[str, float]] = {}
+    for q in after["queues"]:
+        was = old.get(q["queue"], {})
+        rates[q["queue"]] = {
+            status: max(0, q["counts"].get(status, 0) - was.get(status, 0)) / seconds
+            for status in (JobStatus.COMPLETED.value, JobStatus.FAILED.value)
+        }
+    return rates
+
+
+def format_top(
+    status: dict[str, Any], rates: dict[str, dict[str, float]], now: datetime, interval: float
+) -> str:
+    """One frame of ``broker top``: the main, each queue's backlog and throughput, and
+    the workers with their load."""
+    if status.get("source") == "main":
+        head = f"main {status['main_id']} up, {status['dispatched']} dispatched"
+    else:
+        head = f"main DOWN ({status.get('main_error')}); counts read from the store"
+    out = [
+        escape_control(
+            f"broker top  {now.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC  every {interval:g}s  {head}"
+        ),
+        "",
+    ]
+
+    def rate(queue: str, status_name: str) -> str:
+        return f"{rates[queue][status_name]:.1f}" if queue in rates else "-"
+
+    rows = [
+        [
+            q["queue"],
+            str(q["counts"].get(JobStatus.QUEUED.value, 0)),
+            str(q["counts"].get(JobStatus.HANDED_OFF.value, 0)),
+            format_age(q["oldest_queued_age_seconds"]),
+            rate(q["queue"], JobStatus.COMPLETED.value),
+            rate(q["queue"], JobStatus.FAILED.value),
+            str(q["counts"].get(JobStatus.FAILED.value, 0)),
+        ]
+        for q in status["queues"]
+    ]
+    headers = ["queue", "queued", "running", "oldest queued", "done/s", "failed/s", "dead"]
+    out.append(table(headers, rows) if rows else "no jobs")
+    workers = status.get("workers")
+    out.append("")
+    if workers is None:
+        out.append("workers: unknown without the main")
+    elif not workers:
+        out.append("no workers connected")
+    else:
+        out.append(
+            table(
+                ["worker", "modes", "in flight", "free credits", "draining", "start-up errors"],
+                [
+                    [
+                        str(w["worker_id"]),
+                        ",".join(w["modes"]),
+                        str(w["in_flight"]),
+                        _by_mode(w["credits"]),
+                        "yes" if w["draining"] else "no",
+                        str(len(w["startup_errors"])) if w["startup_errors"] else "-",
+                    ]
+                    for w in workers
+                ],
+            )
+        )
+    return "\n".join(out)
+
+
+_HOME_AND_CLEAR = "\x1b[H\x1b[2J"
+
+
+async def top(backend: Backend, args: argparse.Namespace) -> int:
+    """``broker top``: a frame every ``--interval`` seconds until Ctrl-C (or ``--count``
+    frames). On a terminal each frame replaces the last; otherwise (a pipe, a file, a
+    log) frames follow one another as plain text, split by a blank line."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+    live = sys.stdout.isatty()
+    before: dict[str, Any] | None = None
+    taken = 0.0
+    frames = 0
+    try:
+        while not stop.is_set():
+            status = await backend.status()
+            now_mono = time.monotonic()
+            rates = queue_rates(before, status, now_mono - taken)
+            frame = format_top(status, rates, utcnow(), args.interval)
+            if live:
+                sys.stdout.write(_HOME_AND_CLEAR + frame + "\n")
+            else:
+                sys.stdout.write(("\n" if frames else "") + frame + "\n")
+            sys.stdout.flush()
+            before, taken = status, now_mono
+            frames += 1
+            if args.count is not None and frames >= args.count:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), args.interval)
+    finally:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.remove_signal_handler(signal.SIGINT)
+    return 0
+
+
+COMMANDS: dict[str, Command] = {
+    "status": _status,
+    "jobs": _jobs,
+    "job": _job,
+    "cancel": _cancel,
+    "retry": _retry,
+    "enqueue": _enqueue,
+    "prune": _prune,
+    "top": top,
+}

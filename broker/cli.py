@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import importlib
-import logging
 import os
 import signal
 import socket
@@ -21,19 +21,30 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from broker import admin, composition, protocol
+from broker import admin, checks, composition, logs, protocol
 from broker.config import DEFAULT_LIST_PAGE_BYTES, MainSettings, line_limit_for
-from broker.exceptions import BrokerError, ConfigurationError
+from broker.exceptions import BrokerError, ConfigurationError, InvalidJobError
 from broker.jobs import ExecutionMode, JobStatus
 from broker.main import Main
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MAX_PAYLOAD_DEPTH
 from broker.retention import Retention
 from broker.schedule import declared_in
 from broker.tasks import default_registry
-from broker.untrusted import escape_control, escape_log_output
+from broker.untrusted import escape_control
+from broker.web import Dashboard, WorkerMetricsServer
 from broker.worker import Worker
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./broker.db"
+
+
+@dataclasses.dataclass(frozen=True)
+class _BadEnvironment:
+    """An option's default from a ``BROKER_*`` variable that does not parse; reported by
+    :func:`parse` with the variable's name (only if the flag itself is not given)."""
+
+    variable: str
+    text: str
+    problem: str
 
 
 class _EnvDefault(argparse.Action):
@@ -41,7 +52,7 @@ class _EnvDefault(argparse.Action):
 
     def __init__(self, envvar: str, required: bool = False, default: Any = None, **kw: Any):
         if envvar in os.environ:
-            default = os.environ[envvar]
+            default = _from_environment(envvar, os.environ[envvar], kw.get("type"))
         if required and default is not None:
             required = False
         kw["help"] = f"{kw.get('help', '')} [env {envvar}]".strip()
@@ -55,6 +66,34 @@ class _EnvDefault(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         setattr(namespace, self.dest, values)
+
+
+def _from_environment(variable: str, text: str, kind: Callable[[str], Any] | None) -> Any:
+    """The variable's value, converted now, so a bad one is reported by its own name
+    rather than as the flag it stands in for."""
+    if kind is None:
+        return text
+    try:
+        return kind(text)
+    except argparse.ArgumentTypeError as exc:
+        return _BadEnvironment(variable, text, str(exc))
+    except (TypeError, ValueError):
+        name = getattr(kind, "__name__", "value")
+        return _BadEnvironment(
+            variable, text, f"expected {'a whole number' if kind is int else 'a ' + name}"
+        )
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, with a bad ``BROKER_*`` variable named as such (exit 2)."""
+    args = parser.parse_args(argv)
+    for value in vars(args).values():
+        if isinstance(value, _BadEnvironment):
+            parser.error(
+                f"environment variable {value.variable}={value.text!r} is not valid: "
+                f"{value.problem}"
+            )
+    return args
 
 
 def _env_option(parser: argparse.ArgumentParser, flag: str, **options: Any) -> None:
@@ -80,14 +119,41 @@ def _number(kind: Callable[[str], Any], what: str) -> Callable[[str], Any]:
     return parse
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
+def _add_log_options(p: argparse.ArgumentParser, *, level: bool = True) -> None:
+    if level:
+        _env_option(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    _env_option(
+        p,
+        "--log-format",
+        default="text",
+        type=_log_format,
+        help="text (one line per event, tracebacks indented) or json (one object per line)",
     )
-    # Task names, worker ids, errors and child output reach the log: one escaped line each.
-    escape_log_output(logging.getLogger().handlers)
+
+
+def _log_format(text: str) -> str:
+    if text not in logs.FORMATS:
+        raise argparse.ArgumentTypeError(f"expected {' or '.join(logs.FORMATS)} (got {text!r})")
+    return text
+
+
+def _duration(text: str) -> float:
+    """Seconds, written as a number of seconds or with a unit: ``30s``, ``15m``, ``12h``, ``7d``."""
+    number, unit = text.strip(), 1.0
+    if number[-1:].lower() in _UNITS:
+        number, unit = number[:-1], _UNITS[number[-1].lower()]
+    try:
+        value = float(number) * unit
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a duration such as 90, 30s, 15m, 12h or 7d (got {text!r})"
+        ) from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"a duration must be 0 or more (got {text!r})")
+    return value
+
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def _host_port(text: str) -> tuple[str, int]:
@@ -115,16 +181,6 @@ def _host_port(text: str) -> tuple[str, int]:
 # ------------------------------------------------------------------------ broker-main
 
 
-def _ttl_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds (got {text!r})") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"seconds must be 0 or more (got {text!r})")
-    return value
-
-
 def _ttl(seconds: float) -> timedelta | None:
     """A retention age; 0 keeps that class of jobs forever."""
     return timedelta(seconds=seconds) if seconds > 0 else None
@@ -134,17 +190,17 @@ _RETENTION_OPTIONS: list[tuple[str, Any, Callable[[str], Any], str, str]] = [
     (
         "--retention-completed",
         7 * 86400.0,
-        _ttl_seconds,
-        "SECONDS",
-        "delete completed and cancelled jobs this many seconds after they finished "
-        "(0: keep forever)",
+        _duration,
+        "DURATION",
+        "delete completed and cancelled jobs this long after they finished "
+        "(seconds, or 30s, 15m, 12h, 7d; 0: keep forever)",
     ),
     (
         "--retention-dead",
         30 * 86400.0,
-        _ttl_seconds,
-        "SECONDS",
-        "delete failed (dead) jobs this many seconds after they died (0: keep forever)",
+        _duration,
+        "DURATION",
+        "delete failed (dead) jobs this long after they died (0: keep forever)",
     ),
     (
         "--retention-max-rows",
@@ -308,10 +364,17 @@ def main_parser() -> argparse.ArgumentParser:
     )
     _env_option(
         p,
-        "--log-level",
-        default="INFO",
-        help="DEBUG, INFO, WARNING or ERROR",
+        "--http-host",
+        default="127.0.0.1",
+        help="address of the web dashboard, /metrics and /healthz",
     )
+    _env_option(
+        p,
+        "--http-port",
+        type=int,
+        help="port of the web dashboard, /metrics and /healthz (default: none, no HTTP)",
+    )
+    _add_log_options(p)
     return p
 
 
@@ -325,6 +388,9 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         modules = [m.strip() for m in os.environ["BROKER_SCHEDULES"].split(",") if m.strip()]
     load_apps(modules)
     schedules = declared_in(modules)
+    limits: dict[str, Any] = {
+        _setting_name(flag): int(getattr(args, _setting_name(flag))) for flag, _ in _LIMIT_OPTIONS
+    }
     settings = MainSettings(
         host=args.host,
         port=int(args.port),
@@ -337,10 +403,9 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         max_payload_depth=int(args.max_payload_depth),
         max_line_bytes=int(args.max_line_bytes or line_limit_for(int(args.max_payload_bytes))),
         list_page_bytes=int(args.list_page_bytes),
-        **{
-            _setting_name(flag): int(getattr(args, _setting_name(flag)))
-            for flag, _ in _LIMIT_OPTIONS
-        },
+        http_host=args.http_host,
+        http_port=None if args.http_port is None else int(args.http_port),
+        **limits,
     )
     retention = Retention(
         completed_ttl=_ttl(args.retention_completed),
@@ -361,20 +426,50 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await main.start()
+    try:
+        await main.start()  # binds the port first: a clash leaves the store untouched
+    except BaseException:
+        await store.close()
+        raise
+    dashboard = None
+    try:
+        if settings.http_port is not None:
+            dashboard = Dashboard(main, host=settings.http_host, port=settings.http_port)
+            await dashboard.start()
+    except OSError as exc:
+        await main.stop()
+        raise ConfigurationError(
+            f"cannot serve the dashboard on {settings.http_host}:{settings.http_port}: {exc}"
+        ) from None
     if ready is not None:
         ready(main)
-    print(f"broker-main listening on {settings.host}:{main.port}", file=sys.stderr, flush=True)
+    logs.announce(
+        args.log_format,
+        "listening",
+        f"broker-main listening on {settings.host}:{main.port}",
+        host=settings.host,
+        port=main.port,
+    )
+    if dashboard is not None:
+        logs.announce(
+            args.log_format,
+            "dashboard",
+            f"broker-main dashboard on http://{settings.http_host}:{dashboard.port}/",
+            host=settings.http_host,
+            port=dashboard.port,
+        )
     try:
         await stop.wait()
     finally:
+        if dashboard is not None:
+            await dashboard.stop()
         await main.stop()
 
 
 def main_entry(argv: Sequence[str] | None = None) -> int:
-    args = main_parser().parse_args(argv)
-    _configure_logging(args.log_level)
-    return _run(lambda: run_main(args))
+    args = parse(main_parser(), argv)
+    logs.configure(args.log_level, args.log_format)
+    return _run(lambda: run_main(args), args.log_format)
 
 
 # ------------------------------------------------------------------------ broker-worker
@@ -477,16 +572,23 @@ def worker_parser() -> argparse.ArgumentParser:
         _env_option(p, flag, default=default, type=kind, help=text)
     _env_option(
         p,
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address of this worker's /metrics and /healthz",
+    )
+    _env_option(
+        p,
+        "--metrics-port",
+        type=int,
+        help="port of this worker's /metrics and /healthz (default: none)",
+    )
+    _env_option(
+        p,
         "--drain-timeout",
         type=_number(float, "drain timeout"),
         help="seconds running jobs get to finish on SIGTERM (default: wait)",
     )
-    _env_option(
-        p,
-        "--log-level",
-        default="INFO",
-        help="DEBUG, INFO, WARNING or ERROR",
-    )
+    _add_log_options(p)
     return p
 
 
@@ -544,6 +646,7 @@ async def run_worker(args: argparse.Namespace) -> None:
     if not runners:
         raise ConfigurationError("this worker serves no execution mode; enable at least one runner")
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    logs.bind(worker_id=worker_id)
     queues = [q.strip() for q in args.queues.split(",") if q.strip()] if args.queues else None
     worker = Worker(
         host,
@@ -558,38 +661,62 @@ async def run_worker(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.request_stop)
-    print(
-        f"broker-worker {worker_id} serving {sorted(m.value for m in runners)}",
-        file=sys.stderr,
-        flush=True,
+    metrics = None
+    if args.metrics_port is not None:
+        checks.int_in_range("--metrics-port", int(args.metrics_port), 0, 65535)
+        metrics = WorkerMetricsServer(worker, host=args.metrics_host, port=int(args.metrics_port))
+        try:
+            await metrics.start()
+        except OSError as exc:
+            raise ConfigurationError(
+                f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {exc}"
+            ) from None
+        logs.announce(
+            args.log_format,
+            "metrics",
+            f"broker-worker metrics on http://{args.metrics_host}:{metrics.port}/metrics",
+            host=args.metrics_host,
+            port=metrics.port,
+        )
+    modes = sorted(m.value for m in runners)
+    logs.announce(
+        args.log_format,
+        "serving",
+        f"broker-worker {worker_id} serving {modes}",
+        modes=modes,
+        worker_id=worker_id,
     )
-    await worker.run()
+    try:
+        await worker.run()
+    finally:
+        if metrics is not None:
+            await metrics.stop()
 
 
 def worker_entry(argv: Sequence[str] | None = None) -> int:
-    args = worker_parser().parse_args(argv)
-    _configure_logging(args.log_level)
-    return _run(lambda: run_worker(args))
+    parser = worker_parser()
+    args = parse(parser, argv)
+    _check_main_address(parser, args.main)
+    logs.configure(args.log_level, args.log_format)
+    return _run(lambda: run_worker(args), args.log_format)
 
 
 # ------------------------------------------------------------------------ broker (operator)
 
 
-def _job_id(text: str) -> uuid.UUID:
+def _job_ref(text: str) -> uuid.UUID | str:
+    """A job id, or the start of one (at least 4 hex digits, as ``broker jobs`` shows
+    ids), which :func:`broker.admin.resolve_job` looks up."""
     try:
         return uuid.UUID(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a job id (a UUID), got {text!r}") from None
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds (got {text!r})") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"seconds must be a finite number >= 0 (got {text!r})")
-    return value
+        pass
+    prefix = text.strip().lower()
+    if len(prefix.replace("-", "")) >= 4 and all(c in "0123456789abcdef-" for c in prefix):
+        return prefix
+    raise argparse.ArgumentTypeError(
+        f"expected a job id (a UUID) or its first 4 or more hex digits, got {text!r}"
+    )
 
 
 def _page_size(text: str) -> int:
@@ -604,16 +731,17 @@ def _page_size(text: str) -> int:
 def broker_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="broker",
-        description="Operate the broker: status, jobs, job, retry, cancel, enqueue, prune. "
-        "Talks to the main; when the main cannot be reached and --database-url is set, "
-        "works on the store directly.",
+        description="Operate the broker: status, top, jobs, job, retry, cancel, enqueue, prune, "
+        "migrate. Talks to the main; when the main cannot be reached and --database-url is "
+        "set, works on the store directly (never creating or migrating its schema).",
     )
     _add_main_address(p)
     _env_option(p, "--token", help="shared secret the main requires")
     _env_option(
         p,
         "--database-url",
-        help="job store URL, used only when the main cannot be reached (default: none)",
+        help="job store URL, used only when the main cannot be reached, and by migrate "
+        "(default: none)",
     )
     _env_option(
         p,
@@ -627,6 +755,7 @@ def broker_parser() -> argparse.ArgumentParser:
         type=_number(float, "timeout"),
         help="seconds to wait for the main to connect and to answer",
     )
+    _add_log_options(p, level=False)
     sub = p.add_subparsers(dest="command", required=True)
 
     def command(name: str, text: str) -> argparse.ArgumentParser:
@@ -635,6 +764,18 @@ def broker_parser() -> argparse.ArgumentParser:
         return cmd
 
     command("status", "job counts per queue, workers and pending recoveries")
+    top = sub.add_parser(
+        "top",
+        help="a live view of queues, rates and workers",
+        description="Queues, throughput and workers, redrawn in place every --interval "
+        "seconds until Ctrl-C; one plain frame after another when the output is not a terminal.",
+    )
+    top.add_argument(
+        "--interval", type=_number(float, "interval"), default=2.0, help="seconds between frames"
+    )
+    top.add_argument(
+        "--count", type=_number(int, "count"), default=None, help="stop after this many frames"
+    )
     jobs = command("jobs", "list jobs, newest first")
     jobs.add_argument(
         "--status",
@@ -658,14 +799,21 @@ def broker_parser() -> argparse.ArgumentParser:
         ("retry", "put a dead (failed) job back in the queue with a fresh attempt count"),
         ("cancel", "cancel a queued or running job"),
     ):
-        command(name, text).add_argument("job_id", type=_job_id)
+        command(name, text).add_argument(
+            "job_id", type=_job_ref, help="the job's id, or its first 4 or more hex digits"
+        )
     enq = command("enqueue", "enqueue a job and print its id")
     enq.add_argument("task", help="registered task name, e.g. app.tasks.send_email")
     enq.add_argument("args_json", nargs="?", default="[]", help="positional args as a JSON list")
     enq.add_argument("--kwargs", default="{}", help="keyword args as a JSON object")
     enq.add_argument("--queue", default=None)
     enq.add_argument("--priority", type=int, default=None, help="higher runs first")
-    enq.add_argument("--delay", type=_seconds, default=None, help="seconds before it may run")
+    enq.add_argument(
+        "--delay",
+        type=_duration,
+        default=None,
+        help="how long before it may run: seconds, or 30s, 15m, 12h, 7d",
+    )
     enq.add_argument("--idempotency-key", default=None)
     enq.add_argument(
         "--unique-key",
@@ -676,10 +824,11 @@ def broker_parser() -> argparse.ArgumentParser:
     prune = command("prune", "delete finished jobs (never a queued or running one)")
     prune.add_argument(
         "--older-than",
-        type=_seconds,
+        type=_duration,
         default=None,
-        metavar="SECONDS",
-        help="delete finished jobs last updated more than SECONDS ago",
+        metavar="DURATION",
+        help="delete finished jobs last updated longer ago than this: seconds, or 30s, "
+        "15m, 12h, 7d",
     )
     prune.add_argument(
         "--keep-latest",
@@ -694,13 +843,25 @@ def broker_parser() -> argparse.ArgumentParser:
         choices=[s.value for s in JobStatus if s.is_terminal],
         help="prune only this finished status; repeatable (default: all three)",
     )
+    prune.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="count the jobs it would delete, and delete nothing",
+    )
+    command(
+        "migrate",
+        "create the schema of the store at --database-url, or migrate it to this version "
+        "(what broker-main does when it starts); stop an older main first",
+    )
     return p
 
 
 async def run_broker(args: argparse.Namespace) -> int:
-    host, port = _host_port(args.main)
     if args.adapter:
         use_app_directory()
+    if args.command == "migrate":
+        return await admin.migrate(args.database_url or None, args.adapter or None, args.json)
+    host, port = _host_port(args.main)
     backend = await admin.open_backend(
         host,
         port,
@@ -708,6 +869,8 @@ async def run_broker(args: argparse.Namespace) -> int:
         timeout=float(args.timeout),
         database_url=args.database_url or None,
         adapter=args.adapter or None,
+        read_only=admin.only_reads(args),
+        note=lambda text: logs.announce(args.log_format, "store_fallback", text, level="WARNING"),
     )
     try:
         return await admin.run_command(backend, args)
@@ -715,23 +878,40 @@ async def run_broker(args: argparse.Namespace) -> int:
         await backend.close()
 
 
+def _check_main_address(parser: argparse.ArgumentParser, text: str) -> None:
+    try:
+        _host_port(text)
+    except ConfigurationError as exc:
+        parser.error(f"--main: {exc}")
+
+
 def broker_entry(argv: Sequence[str] | None = None) -> int:
     parser = broker_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     if args.command == "prune" and args.older_than is None and args.keep_latest is None:
-        parser.error("prune needs --older-than SECONDS, --keep-latest N, or both")
-    _configure_logging("WARNING")
+        parser.error("prune needs --older-than DURATION, --keep-latest N, or both")
+    if args.command == "migrate" and not args.database_url:
+        parser.error("migrate needs --database-url (or BROKER_DATABASE_URL)")
+    _check_main_address(parser, args.main)
+    if args.command == "enqueue":
+        # Checked before anything connects: a bad request is a usage error (exit 2).
+        try:
+            args.request = admin.enqueue_request(args)
+        except (ConfigurationError, InvalidJobError) as exc:
+            parser.error(str(exc))
+    logs.configure("WARNING", args.log_format)
     result: list[int] = []
 
     async def go() -> None:
         result.append(await run_broker(args))
 
-    code = _run(go)
+    code = _run(go, args.log_format)
     return result[0] if code == 0 and result else code
 
 
-def _run(make: Callable[[], Any]) -> int:
-    """Run a coroutine; print a failure's chain of causes and return a non-zero code."""
+def _run(make: Callable[[], Any], log_format: str = "text") -> int:
+    """Run a coroutine; print a failure's chain of causes (as one JSON line under
+    ``--log-format json``) and return a non-zero code."""
     try:
         asyncio.run(make())
     except KeyboardInterrupt:
@@ -743,11 +923,22 @@ def _run(make: Callable[[], Any]) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except (BrokerError, OSError, TimeoutError) as exc:
-        print(f"error: {escape_control(str(exc))}", file=sys.stderr)
+        causes: list[str] = []
         cause = exc.__cause__
         while cause is not None:
-            print(f"  caused by: {cause!r}", file=sys.stderr)
+            causes.append(repr(cause))
             cause = cause.__cause__
+        text = "\n".join(
+            [f"error: {escape_control(str(exc))}", *(f"  caused by: {c}" for c in causes)]
+        )
+        logs.announce(
+            log_format,
+            "fatal",
+            text,
+            level="ERROR",
+            error=f"{type(exc).__name__}: {exc}",
+            causes=causes,
+        )
         return 1
     return 0
 

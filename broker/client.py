@@ -61,11 +61,19 @@ class Client:
         *,
         token: str | None = None,
         timeout: float = 10.0,
+        greeting_timeout: float | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self._token = token
         self._timeout = timeout
+        self._greeting_timeout = timeout if greeting_timeout is None else greeting_timeout
+        """Seconds a connected peer has to send the main's challenge. A main sends it as
+        soon as it accepts; PostgreSQL, Redis and HTTP servers wait for the client to
+        speak first, so silence this long means the address is another service. The
+        operator's command waits briefly; an application's client, by default, as long
+        as for any answer, so a main stalled under load is not taken for another
+        service."""
         self._writer: wire.MessageWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._pending: dict[str, asyncio.Future[protocol.Message]] = {}
@@ -97,11 +105,9 @@ class Client:
             lines = wire.LineReader(reader, max_line_bytes=MAX_REPLY_BYTES)
             out = wire.MessageWriter(writer)
             try:
-                challenge = await asyncio.wait_for(wire.read_message(lines), self._timeout)
+                challenge = await self._greeting(lines)
                 if isinstance(challenge, protocol.Error):  # over a connection limit
                     raise error_codes.refusal(challenge)
-                if not isinstance(challenge, protocol.Challenge):
-                    raise ProtocolError(f"expected a challenge from the main, got {challenge!r}")
                 proof = protocol.make_proof(self._token, challenge.nonce) if self._token else None
                 await out.send(
                     protocol.Hello(
@@ -119,6 +125,32 @@ class Client:
                 raise
             self._writer = out
             self._reader_task = asyncio.create_task(self._read_replies(lines))
+
+    async def _greeting(self, lines: wire.LineReader) -> protocol.Challenge | protocol.Error:
+        """The main's first message; anything else means the peer is not a main."""
+        where = f"{self.host}:{self.port}"
+        wait = min(self._timeout, self._greeting_timeout)
+        try:
+            first = await asyncio.wait_for(wire.read_message(lines), wait)
+        except TimeoutError:
+            raise ProtocolError(
+                f"{where} accepted the connection but sent no broker greeting within "
+                f"{wait:g} s: this is not a broker main (another service on that port?), "
+                "or a main too stalled to answer; check --main"
+            ) from None
+        except ProtocolError as exc:
+            raise ProtocolError(
+                f"{where} answered with something that is not the broker protocol: this is "
+                f"not a broker main; check --main ({exc})"
+            ) from None
+        if first is None:
+            raise ProtocolError(
+                f"{where} closed the connection without a broker greeting: this is not a "
+                "broker main; check --main"
+            )
+        if not isinstance(first, protocol.Challenge | protocol.Error):
+            raise ProtocolError(f"expected a challenge from the main at {where}, got {first!r}")
+        return first
 
     async def close(self) -> None:
         if self._reader_task is not None:

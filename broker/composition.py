@@ -20,7 +20,7 @@ from broker import checks
 from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode
 from broker.runner import Runner
-from broker.storage import StorageAdapter
+from broker.storage import StorageAdapter, contract_gaps
 from broker.tasks import TaskRegistry
 from runners.forked import ForkedRunner
 from runners.inline import InlineRunner
@@ -31,15 +31,25 @@ def open_store(
     url: str,
     adapter: str | None = None,
     *,
+    create: bool = True,
+    read_only: bool = False,
     pool_size: int = DEFAULT_POOL_SIZE,
     hot_pool_size: int = DEFAULT_HOT_POOL_SIZE,
 ) -> StorageAdapter:
     """The store for ``url``, or the custom adapter ``module:factory`` called with ``url``.
 
-    The pool sizes are for the stores this repo ships; a custom factory sizes its own.
+    ``create``, ``read_only`` and the pool sizes are passed to the built-in adapters (see
+    :func:`adapters.open_store`); a custom factory is called with the URL alone. A
+    custom adapter that lacks part of the contract is refused here, naming what it lacks.
     """
     if adapter is None:
-        return adapters.open_store(url, pool_size=pool_size, hot_pool_size=hot_pool_size)
+        return adapters.open_store(
+            url,
+            create=create,
+            read_only=read_only,
+            pool_size=pool_size,
+            hot_pool_size=hot_pool_size,
+        )
     module_name, _, attr = adapter.partition(":")
     if not module_name or not attr:
         raise ConfigurationError(
@@ -49,7 +59,14 @@ def open_store(
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ConfigurationError(f"cannot load adapter factory {adapter!r}: {exc}") from exc
-    return cast(StorageAdapter, cast(Callable[[str], object], factory)(url))
+    store = cast(Callable[[str], object], factory)(url)
+    gaps = contract_gaps(store)
+    if gaps:
+        raise ConfigurationError(
+            f"the adapter from {adapter!r} ({type(store).__name__}) does not implement the "
+            f"storage contract; it lacks: {', '.join(gaps)} (see docs/adapters.md)"
+        )
+    return cast(StorageAdapter, store)
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,11 @@ class MainSettings:
     """Connections that have not finished the handshake yet, from all addresses."""
     max_credit: int = DEFAULT_MAX_CREDIT
     """Free slots a worker may announce per mode in ``ready``; a larger ``ready`` is refused."""
+    http_host: str = "127.0.0.1"
+    http_port: int | None = None
+    """Where the web dashboard, ``/metrics`` and ``/healthz`` listen (``broker.web``);
+    ``None``: nowhere. Its pages show jobs' arguments to anyone who reaches them (only its
+    actions need the token), so an address off loopback needs ``allow_unauthenticated``."""
 
     def validate(self) -> None:
         positive = {
@@ -147,6 +152,15 @@ class MainSettings:
             f"refusing to listen on {self.host!r} without a token: set BROKER_TOKEN, "
             "listen on 127.0.0.1, or pass --allow-unauthenticated if the network is private",
         )
+        if self.http_port is not None:
+            checks.int_in_range("http_port", self.http_port, 0, 65535)
+            checks.require(
+                self.allow_unauthenticated or _is_loopback(self.http_host),
+                f"refusing to serve the dashboard on {self.http_host!r}: its pages and /metrics "
+                "need no credential (only its actions do), so keep --http-host on loopback and "
+                "reach it through an authenticating proxy or a tunnel, or pass "
+                "--allow-unauthenticated if the network is private",
+            )
 
 
 def _is_loopback(host: str) -> bool:

@@ -9,7 +9,7 @@ The tree, so a caller can catch as broadly or as narrowly as it needs::
     │   ├── PayloadTooLargeError  args, kwargs or a result exceed the configured limit
     │   └── UniqueKeyTakenError   another active job holds the unique key (retry_dead)
     ├── StorageError              the job store failed; the operation may be retried
-    │   ├── SchemaVersionError    the store's schema is newer than this code
+    │   ├── SchemaVersionError    the store's schema is not this code's: newer, older, none
     │   └── StorageRejectedError  the store refused a value it can never hold; do not retry
     ├── ProtocolError             a peer broke the wire protocol; the connection is closed
     │   └── AuthenticationError   a peer did not prove the shared token
@@ -63,7 +63,9 @@ class StorageError(BrokerError):
 
 
 class SchemaVersionError(StorageError):
-    """The store's schema was written by a newer broker: upgrade this broker before using it."""
+    """The store's schema is not the version this broker needs: written by a newer broker
+    (upgrade this one), older and not migrated yet (start broker-main or run ``broker
+    migrate``), or missing (check the store URL); the message says which."""
 
 
 class StorageRejectedError(StorageError):

@@ -49,6 +49,7 @@ from broker.handoff import (
     WakeDispatcher,
 )
 from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, utcnow
+from broker.metrics import MainMetrics, MeasuredStore
 from broker.operations import LiveState, Operations
 from broker.recovery import RecoveryLedger
 from broker.reports import ReportSettler
@@ -90,6 +91,9 @@ class Main:
         self.settings.validate()
         self._clock = clock
         self._retry_delay = retry_delay_fn
+        self.metrics = MainMetrics()
+        """The event counters for ``/metrics`` (see :mod:`broker.metrics`)."""
+        measured: StorageAdapter = MeasuredStore(store, self.metrics)
         self.operations = Operations(
             store,
             self.settings,
@@ -99,6 +103,7 @@ class Main:
                 max_batch=self.settings.enqueue_batch,
                 shared_failure=transient,
             ).submit,
+            metrics=self.metrics,
         )
         self.requests = Requests(
             self.operations,
@@ -123,7 +128,7 @@ class Main:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self.dispatcher = Dispatcher(
-            store,
+            measured,
             self.handoff,
             carry=self._carry,
             stopping=lambda: self._stopping,
@@ -144,7 +149,7 @@ class Main:
             stopping=lambda: self._stopping,
         )
         self.settler = ReportSettler(
-            store,
+            measured,
             self.handoff,
             acknowledged=self._acknowledge,
             stopping=lambda: self._stopping,
@@ -154,6 +159,7 @@ class Main:
             retry_interval=self.settings.error_retry_interval,
             max_payload_bytes=self.settings.max_payload_bytes,
             max_payload_depth=self.settings.max_payload_depth,
+            metrics=self.metrics,
         )
         self.retention = retention
         """Pruning of finished jobs (see :mod:`broker.retention`); ``None``: never prune."""
@@ -185,16 +191,27 @@ class Main:
         return int(self._server.sockets[0].getsockname()[1])
 
     async def start(self) -> None:
-        await self.store.setup()
-        await self._load_orphans()
+        # The port is bound before the store is touched, so a port clash (or an address
+        # that cannot be bound) fails before any schema or SQLite file is created; peers
+        # are answered only once the store is ready.
         # The stream's limit is only its read-ahead (wire.LineReader enforces the line caps):
         # the pre-auth cap keeps what an unauthenticated peer can make us buffer small.
-        self._server = await asyncio.start_server(
+        server = await asyncio.start_server(
             self.connections.accept,
             self.settings.host,
             self.settings.port,
             limit=self.settings.preauth_max_line_bytes,
+            start_serving=False,
         )
+        try:
+            await self.store.setup()
+            await self._load_orphans()
+        except BaseException:
+            server.close()
+            await server.wait_closed()
+            raise
+        self._server = server
+        await server.start_serving()
         self._tasks = [
             asyncio.create_task(self.dispatcher.run(), name="broker-dispatch"),
             asyncio.create_task(self.ledger.run(), name="broker-recovery"),
@@ -290,6 +307,7 @@ class Main:
                         session.send(message)
                 case Dispatch(peer=peer, seq=seq, job=job):
                     self.sessions[peer].send(codec.job_message(seq, job))
+                    self.metrics.handed_off(job)
                 case ReturnLease():
                     self.ledger.kick()
                 case Abort(peer=peer, reason=reason):

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from broker import protocol
 from broker.exceptions import PayloadTooLargeError
 from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, JSONValue, summary_dict
+from broker.metrics import MainMetrics
 from broker.payload import check_args, encoded_size
 from broker.storage import JobFilter, QueueCount, StorageAdapter
 
@@ -77,14 +78,17 @@ class Operations:
         *,
         clock: Clock,
         enqueue: Callable[[list[JobSpec]], Awaitable[list[EnqueueResult]]] | None = None,
+        metrics: MainMetrics | None = None,
     ) -> None:
         """``enqueue`` writes checked jobs, all or none (default: the store's
         ``enqueue_many``); the main passes its group commit, which may also hand jobs off
-        at once."""
+        at once. ``metrics``: the main's counters (jobs enqueued and cancelled); ``None``
+        in the CLI's fallback."""
         self.store = store
         self.limits = limits
         self._clock = clock
         self._enqueue = enqueue or store.enqueue_many
+        self._metrics = metrics
 
     async def enqueue(self, requests: Sequence[protocol.JobRequest]) -> list[EnqueueResult]:
         """Store the requested jobs, all or none, in request order. Every job is checked
@@ -94,7 +98,13 @@ class Operations:
         specs = [request.to_spec(now) for request in requests]
         for spec in specs:
             self.check_payload(spec)
-        return await self._enqueue(specs)
+        results = await self._enqueue(specs)
+        if self._metrics is not None:
+            count = self._metrics.enqueued.inc
+            for result in results:
+                if not result.duplicate:
+                    count(result.job.queue, result.job.task)
+        return results
 
     def check_payload(self, spec: JobSpec) -> None:
         """Refuse a job nested too deeply or over the payload limit, or one whose job message
@@ -117,7 +127,20 @@ class Operations:
     async def cancel(self, job_id: uuid.UUID) -> Job | None:
         """Cancel a queued or running job; one that has ended comes back unchanged. A
         running job's worker is the caller's to tell (the store has fenced its lease)."""
-        return await self.store.cancel(job_id)
+        if self._metrics is None:
+            return await self.store.cancel(job_id)
+        # Read first, so the count is of jobs this request cancelled, not of requests
+        # (cancels are rare operator actions: the extra read costs nothing that matters).
+        before = await self.store.get_job(job_id)
+        job = await self.store.cancel(job_id)
+        if (
+            job is not None
+            and job.status is JobStatus.CANCELLED
+            and before is not None
+            and before.status.is_active
+        ):
+            self._metrics.cancelled.inc(job.queue, job.task)
+        return job
 
     async def retry(self, job_id: uuid.UUID) -> Job | None:
         """Queue a dead (``failed``) job again with a fresh attempt count; a job in any

@@ -18,6 +18,7 @@ from broker import protocol
 from broker.exceptions import transient
 from broker.handoff import Handoff
 from broker.jobs import Clock, JobStatus, Outcome, Settlement
+from broker.metrics import MainMetrics
 from broker.payload import result_problem
 from broker.retry import RetryDelay, next_run_after_failure
 from broker.settlement import statuses_after
@@ -44,8 +45,10 @@ class ReportSettler:
         retry_interval: float,
         max_payload_bytes: int | None,
         max_payload_depth: int,
+        metrics: MainMetrics | None = None,
     ) -> None:
         self._store = store
+        self._metrics = metrics
         self._handoff = handoff
         self._acknowledged = acknowledged
         self._stopping = stopping
@@ -102,6 +105,7 @@ class ReportSettler:
                     else await self._why_not_applied(msg, settlement)
                     for ok, (_, msg), settlement in zip(applied, batch, settlements, strict=True)
                 ]
+                self._count(batch, settlements, applied)
                 break
             except asyncio.CancelledError:
                 raise
@@ -153,6 +157,7 @@ class ReportSettler:
         while True:
             try:
                 [applied] = await self._store.settle_many([failure])
+                self._count([(peer, msg)], [failure], [applied])
                 status = (
                     protocol.AckStatus.APPLIED
                     if applied
@@ -177,6 +182,21 @@ class ReportSettler:
                     return
                 await asyncio.sleep(self._retry_interval)
         self._acknowledged([(peer, msg)], [status])
+
+    def _count(
+        self,
+        batch: list[tuple[int, protocol.Report]],
+        settlements: list[Settlement],
+        applied: list[bool],
+    ) -> None:
+        """Count the applied outcomes (the jobs as the core still holds them, before
+        :meth:`Handoff.settled` lets their leases go)."""
+        if self._metrics is None:
+            return
+        now = self._clock()
+        for ok, (_, msg), settlement in zip(applied, batch, settlements, strict=True):
+            if ok:
+                self._metrics.settled(self._handoff.held_job(msg.handoff_id), settlement, now)
 
     async def _why_not_applied(
         self, msg: protocol.Report, settlement: Settlement

@@ -55,6 +55,13 @@ class Requests:
         if self._tasks:
             await asyncio.wait(list(self._tasks))
 
+    async def answer(self, msg: protocol.Message) -> protocol.Message:
+        """A request from the main's own web dashboard (:mod:`broker.web`): answered as a
+        client's is, under the same cap on requests in progress, with the same wake-ups
+        and stops; an error is raised, not sent."""
+        async with self._slots:
+            return await self._answer(msg)
+
     async def _run(self, session: Session, msg: protocol.Message) -> None:
         if isinstance(msg, protocol.Enqueue):
             # Enqueues are group-committed (broker.operations): however many wait, they

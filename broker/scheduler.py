@@ -104,6 +104,10 @@ class Scheduler:
                 continue
             self._due[schedule.name] = latest
 
+    def ticks(self) -> dict[str, datetime]:
+        """Each started schedule's next tick to enqueue, by name (the dashboard shows them)."""
+        return dict(self._due)
+
     def next_tick(self) -> datetime | None:
         """When ``run_due`` next has work: the earliest tick still to enqueue, or the retry
         time after a store error."""

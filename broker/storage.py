@@ -267,6 +267,34 @@ class StorageAdapter(Protocol):
         """
 
 
+def contract_gaps(store: object) -> list[str]:
+    """The :class:`StorageAdapter` members ``store`` lacks, in the contract's order.
+
+    ``isinstance(store, StorageAdapter)`` only says no; a custom adapter is refused at
+    start-up with this list, rather than with an ``AttributeError`` at its first use.
+    """
+    members = [name for name in vars(StorageAdapter) if not name.startswith("_")]
+    return [name for name in members if not hasattr(store, name)]
+
+
+@runtime_checkable
+class SupportsSchemaCheck(Protocol):
+    """Adapters that can tell whether a store is ready without changing it.
+
+    The operator's command opens a store only this way (see :mod:`broker.admin`): it
+    must never create or migrate a schema, in a database that may not be the broker's
+    or under a main of another version. ``broker-main`` calls ``setup()`` instead.
+    """
+
+    async def check_schema(self) -> None:
+        """Return if the store holds the current schema; create nothing, change nothing.
+
+        :raises SchemaVersionError: no broker schema (or, for a file, no file), an older
+            schema not migrated yet, or a newer one than this code understands; the
+            message says which and what to do.
+        """
+
+
 @runtime_checkable
 class SupportsEnqueueHandedOff(Protocol):
     """Optional: store jobs already handed off, in the enqueue's own transaction.

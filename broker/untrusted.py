@@ -8,7 +8,6 @@ Everything the broker shows goes through the helpers here, so there is one rule 
 
 from __future__ import annotations
 
-import logging
 import re
 
 CONTROL_CHARACTERS = r"\x00-\x1f\x7f-\x9f\u2028\u2029"
@@ -33,25 +32,6 @@ def escape_control(text: str) -> str:
     backslash is left alone, which keeps paths and ordinary text as they were.
     """
     return _CONTROL.sub(_escaped, text)
-
-
-class EscapeControlFilter(logging.Filter):
-    """Escapes control characters in each record's message once its arguments are in.
-
-    Only the message is touched: the traceback a formatter appends is the broker's
-    own and stays readable over several lines.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.msg, record.args = escape_control(record.getMessage()), None
-        return True
-
-
-def escape_log_output(handlers: list[logging.Handler]) -> None:
-    """Install :class:`EscapeControlFilter` on ``handlers`` (once each)."""
-    for handler in handlers:
-        if not any(isinstance(f, EscapeControlFilter) for f in handler.filters):
-            handler.addFilter(EscapeControlFilter())
 
 
 _QUERY_SECRET = re.compile(r"(?i)\b(password|passwd|pwd)=[^&;\s]*")

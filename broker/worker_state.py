@@ -123,6 +123,10 @@ class WorkerState:
         subtracted from the runner's free slots until they are."""
         self._outbox: dict[LeaseKey, protocol.Report] = {}
         self._given_up: set[LeaseKey] = set()
+        self._cancelled: set[LeaseKey] = set()
+        """Jobs the main cancelled while they ran here: their end (however the runner
+        words it) and the main's ``stale`` answer to its report are the cancel working,
+        not failures, and are logged as such."""
         self._ready_due = False
         self._draining = False
         self._fast = False
@@ -278,6 +282,13 @@ class WorkerState:
             case Completed(result=result):
                 report = protocol.CompletedReport(*key, result=result)
                 self._log_job(logging.INFO, "job completed", key)
+            case Failed() | Released() if key in self._cancelled:
+                report = (
+                    protocol.FailedReport(*key, error=outcome.error, retry=outcome.retry)
+                    if isinstance(outcome, Failed)
+                    else protocol.ReleaseReport(*key, reason=outcome.reason)
+                )
+                self._log_job(logging.INFO, "job stopped by its cancel", key)
             case Failed() if key in self._given_up:
                 report = protocol.ReleaseReport(
                     *key, reason="the worker stopped before the job ended"
@@ -306,7 +317,8 @@ class WorkerState:
         if mode is None:
             self._log_job(logging.INFO, "cancel for a job not running here; nothing to stop", key)
             return []
-        self._log_job(logging.WARNING, "job cancelled by the main", key)
+        self._log_job(logging.INFO, "job cancelled by the main; stopping it", key)
+        self._cancelled.add(key)
         return [StopRun(key, mode)]
 
     def ack_received(self, ack: protocol.ReportAck) -> list[WorkerEffect]:
@@ -315,7 +327,13 @@ class WorkerState:
         report = self._outbox.pop(key, None)
         if report is None:
             return []  # an ack for a report re-sent on an earlier connection, already settled
-        if ack.status is protocol.AckStatus.STALE:
+        cancelled = key in self._cancelled
+        self._cancelled.discard(key)
+        if cancelled and ack.status is protocol.AckStatus.STALE:
+            self._log_job(
+                logging.INFO, "cancelled job's report acknowledged stale, as expected", key
+            )
+        elif ack.status is protocol.AckStatus.STALE:
             self._log_job(
                 logging.WARNING,
                 "report stale: the main had moved the job on",

@@ -49,6 +49,8 @@ class ForkedRunner:
         self._guard: StartupGuard | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
+        self._starts = 0
+        """Children started, for the worker's metrics (``broker_worker_child_starts``)."""
 
     @property
     def mode(self) -> ExecutionMode:
@@ -75,6 +77,7 @@ class ForkedRunner:
             startup_timeout=self._startup_timeout,
         )
         self._children.append(child)
+        self._starts += 1
         return child
 
     def _probe(self) -> None:
@@ -131,4 +134,5 @@ class ForkedRunner:
             capacity=self._concurrency,
             busy=len(self._children),
             startup_error=self._guard.error if self._guard is not None else None,
+            details={"children_alive": len(self._children), "child_starts": self._starts},
         )

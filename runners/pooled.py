@@ -70,6 +70,8 @@ class PooledRunner:
         self._pinger: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
+        self._counts = {"child_starts": 0, "child_crashes": 0, "child_recycles": 0}
+        """Counted for the worker's metrics (``broker_worker_child_*``)."""
 
     @property
     def mode(self) -> ExecutionMode:
@@ -112,6 +114,7 @@ class PooledRunner:
             startup_timeout=self._startup_timeout,
         )
         self._children.append(child)
+        self._counts["child_starts"] += 1
         watcher = asyncio.create_task(self._watch_start(child))
         self._background.add(watcher)
         watcher.add_done_callback(self._background.discard)
@@ -135,7 +138,10 @@ class PooledRunner:
             assert self._guard is not None
             self._guard.failed(child.startup_error or "the runner process did not start")
             return
-        if not child.retiring:
+        if "cancelled" in child.kill_reasons.values():  # stopped by cancel_on, on purpose
+            logger.info("pooled runner stopped to cancel a job pid=%s; replacing it", child.pid)
+        elif not child.retiring:
+            self._counts["child_crashes"] += 1
             logger.warning(
                 "pooled runner died pid=%s exit=%s; its slots are free again",
                 child.pid,
@@ -176,6 +182,7 @@ class PooledRunner:
         if reason is None:
             return
         logger.info("recycling pooled runner pid=%s: it %s", child.pid, reason)
+        self._counts["child_recycles"] += 1
         child.retire()
         self._spawn()
 
@@ -236,5 +243,7 @@ class PooledRunner:
                     for c in self._children
                 ],
                 "serving": len(serving),
+                "children_alive": sum(1 for c in self._children if not c.exited),
+                **self._counts,
             },
         )

@@ -13,14 +13,16 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.harness import ROOT, BenchError, Config, Driver, Workers
-from bench.systems import POSTGRES_ADMIN_DB, postgres_dsn
+from bench.systems import POSTGRES_ADMIN_DB, database, postgres_dsn
 
 TASKS = "bench.peers.broker_app"
-DATABASE = "bench_broker"
+DATABASE = database("bench_broker")
 CHUNK = 1000
 """Jobs per ``enqueue_many`` call: one round trip and one transaction each."""
 OUTSTANDING = (
@@ -30,7 +32,87 @@ OUTSTANDING = (
 COMPLETED = "SELECT args, updated_us FROM broker_jobs WHERE status = 'completed'"
 
 
-def _free_port() -> int:
+MAIN_FLAGS: tuple[str, ...] = ("--log-level", "WARNING", "--max-connections-per-address", "256")
+"""``broker-main``'s flags beyond the store URL and port, for every row. The producers
+workload opens 200 client connections from 127.0.0.1, over the default of 64 per address."""
+
+POOLED = ("--pooled-runner-count", "2", "--pooled-runner-concurrency", "10")
+"""Two warm children, up to 10 jobs each at once: what every pooled row states."""
+ONLY_POOLED = ("--inline-concurrency", "0", "--forked-concurrency", "0", *POOLED)
+ONLY_INLINE = ("--pooled-runner-count", "0", "--forked-concurrency", "0")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One broker row of the report: the processes it runs and the words that name them.
+
+    The worker flags of every row live here, in one place, so a new worker flag (a
+    prefetch window, a pool size) is tried by editing one tuple.
+    """
+
+    postgres: bool
+    mode: str
+    """The jobs' execution mode: ``pooled`` or ``inline``."""
+    workers: int
+    """``broker-worker`` processes."""
+    flags: tuple[str, ...]
+    """Each worker's flags beyond ``--main``, ``--app`` and ``--log-level``."""
+    shape: str
+    """The label's words after the store's name."""
+    setup_text: str
+    """The workers, for the report's settings table (the main's flags are added)."""
+
+
+def _setups(postgres: bool) -> dict[str, Setup]:
+    store = "postgres" if postgres else "sqlite"
+    pooled_text = (
+        "1 broker-worker " + " ".join(ONLY_POOLED) + " (two warm child "
+        "processes, up to 10 jobs each at once, as docs/howto/execution-modes.md suggests "
+        "for I/O-bound or async jobs and as PgQueuer and Procrastinate are run at 10; no "
+        "inline or forked slots; other flags at their defaults)"
+    )
+    out = {
+        f"broker-{store}": Setup(
+            postgres, "pooled", 1, ONLY_POOLED, "1 worker x 2 pooled children x 10", pooled_text
+        ),
+        f"broker-{store}-inline": Setup(
+            postgres,
+            "inline",
+            2,
+            ("--inline-concurrency", "10", *ONLY_INLINE),
+            "2 workers x inline 10",
+            "2 broker-worker processes, --inline-concurrency 10, jobs run on "
+            "each worker's event loop (async no-op) or a thread (sync CPU job)",
+        ),
+    }
+    if postgres:
+        out["broker-postgres-inline1"] = Setup(
+            postgres,
+            "inline",
+            1,
+            ("--inline-concurrency", "20", *ONLY_INLINE),
+            "1 worker x inline 20",
+            "1 broker-worker --inline-concurrency 20 (the same 20 slots as the "
+            "other rows, all on one event loop), no pooled or forked slots, other flags at "
+            "their defaults",
+        )
+        out["broker-postgres-defaults"] = Setup(
+            postgres,
+            "pooled",
+            1,
+            POOLED,
+            "pooled, default flags",
+            "1 broker-worker " + " ".join(POOLED) + ": every other flag at its "
+            "default (child recycling, inline and forked slots included), as issue 10 "
+            "measures its targets",
+        )
+    return out
+
+
+SETUPS: dict[str, Setup] = {**_setups(False), **_setups(True)}
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -39,11 +121,11 @@ def _free_port() -> int:
 class BrokerDriver(Driver):
     packages = ("broker", "SQLAlchemy", "aiosqlite", "asyncpg")
     bulk_text = f"Client.enqueue_many, {CHUNK} jobs a call"
-    postgres = False
-    inline = False
 
     def __init__(self, name: str, cfg: Config) -> None:
         super().__init__(name, cfg)
+        self.row = SETUPS[name]
+        self.postgres = self.row.postgres
         self.loop = asyncio.new_event_loop()
         self.client: Any = None
         self.main: Workers | None = None
@@ -52,24 +134,13 @@ class BrokerDriver(Driver):
         self.sqlite: sqlite3.Connection | None = None
         self.pg: Any = None
         self.runs = 0
-        mode = "inline" if self.inline else "pooled"
         store = "PostgreSQL" if self.postgres else "SQLite"
-        if self.inline:
-            self.label = f"broker ({store}, 2 workers x inline 10)"
-            self.setup_text = (
-                "broker-main + 2 broker-worker processes, --inline-concurrency 10, jobs run on "
-                "each worker's event loop (async no-op) or a thread (sync CPU job)"
-            )
-        else:
-            self.label = f"broker ({store}, 1 worker x 2 pooled children x 10)"
-            self.setup_text = (
-                "broker-main + 1 broker-worker --pooled-runner-count 2 "
-                "--pooled-runner-concurrency 10 (two warm child processes, up to 10 jobs each "
-                "at once, as docs/howto/execution-modes.md suggests for I/O-bound or async jobs "
-                "and as PgQueuer and Procrastinate are run at 10; other flags at their "
-                "defaults, so a child is recycled every 100 jobs)"
-            )
-        self.mode = mode
+        self.label = f"broker ({store}, {self.row.shape})"
+        self.setup_text = f"broker-main {' '.join(MAIN_FLAGS)} + {self.row.setup_text}"
+        self.mode = self.row.mode
+        # The producers workload runs on the PostgreSQL rows only, which issue 10's targets
+        # are about; on all five rows it would take make bench past 15 minutes.
+        self.producer_text = self.PRODUCER_TEXT if self.postgres else ""
         self.server = "postgres" if self.postgres else ""
         self.durability = (
             "PostgreSQL, fsync and synchronous_commit on: every enqueue, claim and completion "
@@ -129,7 +200,7 @@ class BrokerDriver(Driver):
 
         self._stop_main()
         self._fresh_store()
-        self.port = _free_port()
+        self.port = free_port()
         bin_dir = Path(sys.executable).parent
         command = [
             str(bin_dir / "broker-main"),
@@ -137,8 +208,7 @@ class BrokerDriver(Driver):
             self.url,
             "--port",
             str(self.port),
-            "--log-level",
-            "WARNING",
+            *MAIN_FLAGS,
         ]
         self.main = Workers(
             [command], {}, self.workdir / f"{self.name}-main.log", what="broker-main"
@@ -205,6 +275,23 @@ class BrokerDriver(Driver):
             at[tag] = updated_us / 1e6
         return [at.get(h) for h in handles]
 
+    PRODUCER_TEXT = (
+        "one broker.Client per producer: its own TCP connection to broker-main, "
+        "Client.enqueue of one job at a time"
+    )
+
+    async def open_producer(self) -> tuple[Callable[[], Awaitable[Any]], Callable[[], Any]]:
+        from broker.client import Client
+
+        client = Client("127.0.0.1", self.port, timeout=60)
+        await client.connect()
+        task, mode = f"{TASKS}.noop", self.mode
+
+        async def enqueue() -> None:
+            await client.enqueue(task, [-1], max_attempts=1, execution_mode=mode)
+
+        return enqueue, client.close
+
     def worker_commands(self) -> list[list[str]]:
         worker = [
             str(Path(sys.executable).parent / "broker-worker"),
@@ -212,24 +299,11 @@ class BrokerDriver(Driver):
             f"127.0.0.1:{self.port}",
             "--app",
             TASKS,
-            "--forked-concurrency",
-            "0",
             "--log-level",
             "WARNING",
+            *self.row.flags,
         ]
-        if self.inline:
-            return [[*worker, "--inline-concurrency", "10", "--pooled-runner-count", "0"]] * 2
-        return [
-            [
-                *worker,
-                "--inline-concurrency",
-                "0",
-                "--pooled-runner-count",
-                "2",
-                "--pooled-runner-concurrency",
-                "10",
-            ]
-        ]
+        return [worker] * self.row.workers
 
     def main_pids(self) -> list[int]:
         return self.main.pids if self.main is not None else []
@@ -267,29 +341,18 @@ class BrokerDriver(Driver):
 
     def teardown(self) -> None:
         self._stop_main()
+        if self.postgres:
+            import asyncpg
+
+            async def drop() -> None:
+                conn = await asyncpg.connect(postgres_dsn(POSTGRES_ADMIN_DB))
+                try:
+                    await conn.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
+                finally:
+                    await conn.close()
+
+            self.run(drop())
         self.loop.close()
 
 
-class SQLiteBroker(BrokerDriver):
-    pass
-
-
-class PostgresBroker(BrokerDriver):
-    postgres = True
-
-
-class SQLiteInlineBroker(BrokerDriver):
-    inline = True
-
-
-class PostgresInlineBroker(BrokerDriver):
-    postgres = True
-    inline = True
-
-
-DRIVERS = {
-    "broker-sqlite": SQLiteBroker,
-    "broker-postgres": PostgresBroker,
-    "broker-sqlite-inline": SQLiteInlineBroker,
-    "broker-postgres-inline": PostgresInlineBroker,
-}
+DRIVERS = {name: BrokerDriver for name in SETUPS}

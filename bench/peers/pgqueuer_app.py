@@ -11,9 +11,9 @@ from pgqueuer.db import AsyncpgDriver
 from pgqueuer.models import Job
 
 from bench import jobs
-from bench.systems import postgres_dsn
+from bench.systems import database, postgres_dsn
 
-DATABASE = "bench_pgqueuer"
+DATABASE = database("bench_pgqueuer")
 
 
 @asynccontextmanager

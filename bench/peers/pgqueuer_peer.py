@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
@@ -18,6 +19,9 @@ from pgqueuer.queries import Queries
 from bench.harness import BenchError, Driver
 from bench.peers.pgqueuer_app import DATABASE
 from bench.systems import POSTGRES_ADMIN_DB, postgres_dsn
+
+PRODUCER_POOL = 30
+"""Connections the producers share: PostgreSQL here allows 100 in all, for everyone."""
 
 
 class PgQueuerDriver(Driver):
@@ -30,6 +34,8 @@ class PgQueuerDriver(Driver):
     packages = ("pgqueuer", "asyncpg")
     bulk_text = "Queries.enqueue with lists, all jobs in one call"
     server = "postgres"
+    producer_pool: Any = None
+    producer_users = 0
 
     def setup(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -84,12 +90,49 @@ class PgQueuerDriver(Driver):
         at = {int(r["job_id"]): float(r["at"]) for r in rows}
         return [at.get(h) for h in handles]
 
+    producer_text = (
+        f"Queries.enqueue of one job at a time; the producers share an asyncpg pool of "
+        f"{PRODUCER_POOL} connections (200 would pass this server's max_connections of 100)"
+    )
+
+    async def open_producer(self) -> tuple[Callable[[], Awaitable[Any]], Callable[[], Any]]:
+        if self.producer_pool is None:  # the first producer makes the pool the rest share
+            self.producer_pool = asyncio.ensure_future(
+                asyncpg.create_pool(
+                    postgres_dsn(DATABASE), min_size=PRODUCER_POOL, max_size=PRODUCER_POOL
+                )
+            )
+        pool_future = self.producer_pool
+        queries = Queries.from_asyncpg_pool(await pool_future)
+        self.producer_users += 1
+
+        async def enqueue() -> None:
+            await queries.enqueue("noop", b"-1")
+
+        async def close() -> None:
+            # The last producer to close takes the shared pool with it.
+            self.producer_users -= 1
+            if self.producer_users == 0:
+                self.producer_pool = None
+                await (await pool_future).close()
+
+        return enqueue, close
+
     def worker_commands(self) -> list[list[str]]:
         command = [sys.executable, "-m", "bench.peers.pgqueuer_app"]
         return [command, command]
 
     def teardown(self) -> None:
         self.run(self.conn.close())
+
+        async def drop() -> None:
+            admin = await asyncpg.connect(postgres_dsn(POSTGRES_ADMIN_DB))
+            try:
+                await admin.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
+            finally:
+                await admin.close()
+
+        self.run(drop())
         self.loop.close()
 
 

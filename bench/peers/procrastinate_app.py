@@ -5,9 +5,9 @@ from __future__ import annotations
 import procrastinate
 
 from bench import jobs
-from bench.systems import postgres_dsn
+from bench.systems import database, postgres_dsn
 
-DATABASE = "bench_procrastinate"
+DATABASE = database("bench_procrastinate")
 
 app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=postgres_dsn(DATABASE)))
 

@@ -92,6 +92,8 @@ class ProcrastinateDriver(Driver):
         self.db.close()
         self.run(app.close_async())
         self.loop.close()
+        with psycopg.connect(postgres_dsn(POSTGRES_ADMIN_DB), autocommit=True) as admin:
+            admin.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
 
 
 DRIVERS = {"procrastinate": ProcrastinateDriver}

@@ -3,7 +3,8 @@
 It checks what the operations *do* (exact leases, fencing, idempotent returns,
 races, ordering, pruning), not which methods exist. It imports no test framework:
 give :func:`run_check` a :class:`StoreHarness` for your store and call it once per
-entry of :data:`CHECKS`; a failed check raises ``AssertionError``, a check that
+entry of :data:`CHECKS`; a failed check raises ``AssertionError`` whose message starts
+with the rule it enforces (``conformance rule 'enqueue defaults' is broken: ...``), a check that
 needs a capability your adapter does not declare raises :class:`CheckSkipped`.
 ``docs/adapters.md`` shows the few lines that wire it into pytest.
 """
@@ -82,6 +83,12 @@ class Check:
     name: str
     run: CheckFn
 
+    @property
+    def rule(self) -> str:
+        """The rule the check enforces, in words: its docstring's first line, else its name."""
+        doc = (self.run.__doc__ or "").strip()
+        return doc.splitlines()[0] if doc else self.name.replace("_", " ")
+
 
 CHECKS: list[Check] = []
 
@@ -101,6 +108,10 @@ async def run_check(check: Check, harness: StoreHarness) -> None:
     ctx = Context(harness=harness, clock=clock, store=store)
     try:
         await check.run(ctx)
+    except AssertionError as exc:
+        # The rule in words, whatever runs the check (a test id names it only under pytest).
+        detail = str(exc) or "a condition of the rule does not hold"
+        raise AssertionError(f"conformance rule {check.rule!r} is broken: {detail}") from exc
     finally:
         for handle in [*ctx._peers, store]:
             await handle.close()

@@ -45,6 +45,6 @@ def test_a_port_out_of_range_is_a_clear_error() -> None:
     proc = _broker("--main", "127.0.0.1:99999", "status", stdout=subprocess.PIPE)
     _, err = proc.communicate(timeout=60)
     text = err.decode()
-    assert proc.returncode == 1
+    assert proc.returncode == 2, "a bad --main is a usage error"
     assert "the port in '127.0.0.1:99999' must be a number from 1 to 65535" in text
     assert "Traceback" not in text

@@ -314,8 +314,8 @@ def test_a_log_record_with_control_characters_is_one_escaped_line() -> None:
     script = textwrap.dedent(
         """
         import logging
-        from broker import cli
-        cli._configure_logging("INFO")
+        from broker import logs
+        logs.configure("INFO", "text")
         log = logging.getLogger("broker.main")
         log.info("enqueued task=%s", "evil\\n2026-01-01 00:00:00 INFO forged\\x1b[2J")
         try:
@@ -334,8 +334,8 @@ def test_a_log_record_with_control_characters_is_one_escaped_line() -> None:
     ), lines
     assert "\x1b" not in done.stderr and "\r" not in done.stderr
     assert lines[1].endswith("ERROR broker.main failed x\\ry"), lines
-    assert lines[2] == "Traceback (most recent call last):", "tracebacks stay readable"
-    assert lines[-1] == "ValueError: boom"
+    assert lines[2] == "    Traceback (most recent call last):", "readable, indented"
+    assert lines[-1] == "    ValueError: boom"
 
 
 def test_escape_control_is_idempotent_and_leaves_ordinary_text_alone() -> None:

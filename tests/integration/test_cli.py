@@ -97,7 +97,7 @@ def test_broker_enqueue_and_job_against_a_running_main(tmp_path: Path) -> None:
     assert job["id"] == job_id
     assert job["args"] == [1, 2] and job["kwargs"] == {"k": 3}
     assert job["queue"] == "mail" and job["priority"] == 4 and job["status"] == "queued"
-    assert bad_code == 1
+    assert bad_code == 2, "invalid ARGS_JSON is a usage error"
 
 
 def _run_cli(argv: list[str]) -> tuple[int, str]:
@@ -106,5 +106,8 @@ def _run_cli(argv: list[str]) -> tuple[int, str]:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = cli.broker_entry(argv)
+        try:
+            code = cli.broker_entry(argv)
+        except SystemExit as exit_:  # a usage error, from argument parsing
+            code = int(exit_.code or 0)
     return code, out.getvalue()

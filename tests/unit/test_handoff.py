@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 import pytest
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -41,7 +41,7 @@ from broker.handoff import (
     Settle,
     WakeDispatcher,
 )
-from broker.jobs import ExecutionMode, Job, JobStatus
+from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus
 from broker.recovery import RecoveryLedger
 from tests.unit.conftest import PROFILE
 
@@ -357,7 +357,7 @@ class HandoffMachine(RuleBasedStateMachine):
                 case ReturnLease(lease=lease):
                     assert lease in self.core.returns
                 case WakeDispatcher():
-                    pass
+                    self.core.queue_changed()  # what the dispatcher's wake does
 
     def _minted(self, claims: tuple[PlannedClaim, ...] | list[PlannedClaim]) -> None:
         for planned in claims:
@@ -387,6 +387,7 @@ class HandoffMachine(RuleBasedStateMachine):
         self.jobs.append(job)
         self.by_id[job.id] = job
         self.store[job.id] = (JobStatus.QUEUED, None)
+        self.core.queue_changed()  # the insert's notification wakes the dispatcher
 
     @initialize(data=st.data())
     def two_workers(self, data: st.DataObject) -> None:
@@ -514,6 +515,7 @@ class HandoffMachine(RuleBasedStateMachine):
     def plan(self, data: st.DataObject) -> None:
         """The dispatcher reads eligible jobs (as the store would select them) and plans."""
         modes, queues = self.core.modes_with_credit(), self.core.served_queues()
+        started = self.core.queue_changes
         eligible = [
             job
             for job in self.jobs
@@ -521,6 +523,9 @@ class HandoffMachine(RuleBasedStateMachine):
             and job.execution_mode in modes
             and (queues is None or job.queue in queues)
         ]
+        limit = self.core.credit() + len(self.core.claiming)  # as the dispatcher reads
+        eligible = eligible[:limit]
+        self.core.read_eligible(started, modes, full=len(eligible) == limit)
         order = data.draw(st.permutations(range(len(eligible))))
         planned = self.core.plan([eligible[i] for i in order])
         self._minted(planned)
@@ -546,6 +551,52 @@ class HandoffMachine(RuleBasedStateMachine):
             self.apply(self.core.claimed(batch, got))
         else:
             self.apply(self.core.claim_unknown(batch))
+        self.core.queue_changed()  # a claim's answer wakes the dispatcher
+
+    @precondition(lambda self: len(self.jobs) < 16)
+    @rule(data=st.data(), outcome=OUTCOMES)
+    def enqueue_handed_off(self, data: st.DataObject, outcome: str) -> None:
+        """A job is enqueued through the main: if the core plans it at once, the store
+        writes it handed off in the insert (or the insert's outcome is unknown). It must
+        never overtake a job that was waiting for the same worker."""
+        n = len(self.jobs)
+        job = make_job(n, mode=MODES[n % 3 // 2], queue="ab"[n % 4 // 3])
+        spec = JobSpec(task="t", id=job.id, queue=job.queue, execution_mode=job.execution_mode)
+        [planned] = self.core.plan_at_enqueue([spec], EPOCH)
+        self.jobs.append(job)
+        self.by_id[job.id] = job
+        self.store[job.id] = (JobStatus.QUEUED, None)
+        event("enqueue: " + ("queued" if planned is None else "handed off at once"))
+        if planned is None:
+            self.core.queue_changed()
+            return
+        peer = self.core.peers[planned.peer]
+        being_claimed = {p.job.id for p in self.core.claiming.values()}
+        overtaken = [
+            other.id
+            for other in self.jobs[:-1]
+            if self.store[other.id][0] is JobStatus.QUEUED
+            and other.execution_mode is job.execution_mode
+            and peer.serves(other)
+            and other.id not in being_claimed
+        ]
+        assert not overtaken, f"a job enqueued now went ahead of waiting jobs {overtaken}"
+        self._minted([planned])
+        if outcome == "refused":  # the insert was refused: nothing stored, lease unused
+            del self.store[job.id]
+            self.jobs.pop()
+            del self.by_id[job.id]
+            self.apply(self.core.claim_unknown([planned]))
+            return
+        if data.draw(st.booleans(), label="committed"):
+            self.store[job.id] = (JobStatus.HANDED_OFF, planned.lease)
+        if outcome == "answered" and self.store[job.id][0] is JobStatus.HANDED_OFF:
+            self.apply(self.core.claimed([planned], [won(planned)]))
+        elif outcome == "answered":  # stored queued (say, not due by the store's clock)
+            self.apply(self.core.claimed([planned], []))
+        else:
+            self.apply(self.core.claim_unknown([planned]))
+        self.core.queue_changed()  # the main wakes the dispatcher after every enqueue
 
     # ------------------------------------------------------------------ reports
 
@@ -619,9 +670,10 @@ class HandoffMachine(RuleBasedStateMachine):
         for lease, job_id in data.draw(
             st.lists(st.sampled_from(sorted(self.core.returns.items())), unique=True)
         ):
-            if self.store[job_id] == (JobStatus.HANDED_OFF, lease):
+            if self.store.get(job_id) == (JobStatus.HANDED_OFF, lease):
                 self.store[job_id] = (JobStatus.QUEUED, lease)
             self.core.returned(lease, job_id)
+            self.core.queue_changed()  # the ledger wakes the dispatcher
 
     @precondition(lambda self: self.core.orphans)
     @rule()

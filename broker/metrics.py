@@ -1,0 +1,399 @@
+"""Prometheus metrics of the main and of a worker.
+
+Two kinds, kept apart so the hot paths pay only for the first:
+
+* **Events** (jobs enqueued, started, completed, failed, dead, cancelled; wait and run
+  times; store latency and errors; report batch sizes) are counted where they happen, by
+  :class:`MainMetrics`, called from a few places: the request service (enqueue, cancel),
+  the main's carrying of a ``Dispatch`` (started), the report settler (outcomes) and the
+  :class:`MeasuredStore` the dispatcher and settler call through. Each (queue, task)
+  pair's counters are looked up once and cached, so an event costs a dict lookup and an
+  increment, never a label dict.
+* **Levels** (queue depth and oldest eligible age, workers, free credits, ledger size; on
+  a worker, running jobs and children) are read at scrape time from what the main or
+  worker already holds (:class:`MainLevels`, :class:`WorkerLevels`): nothing to keep in
+  step, nothing on the hot path.
+
+Label values are bounded: queue and task names are the only free ones, and past
+:data:`MAX_LABEL_SETS` distinct pairs further ones are counted under ``"_other"``, so a
+client that invents a task name per job cannot grow the main's memory or a Prometheus
+server's series without bound. Every main and worker has its own registry (two mains in
+one test process never share a counter).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from broker.jobs import ExecutionMode, Job, JobStatus, Outcome, Settlement
+from broker.storage import QueueCount, StorageAdapter
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""The Prometheus text exposition format that :func:`generate_latest` writes."""
+
+MAX_LABEL_SETS = 1000
+"""Distinct (queue, task) pairs counted by name; more are counted under ``"_other"``."""
+
+OTHER = "_other"
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_JOB_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class _ByJob:
+    """One counter by (queue, task), with its children cached."""
+
+    def __init__(self, metric: Counter) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, str], Any] = {}
+
+    def inc(self, queue: str, task: str, amount: int = 1) -> None:
+        child = self._children.get((queue, task))
+        if child is None:
+            child = self._child(queue, task)
+        child.inc(amount)
+
+    def _child(self, queue: str, task: str) -> Any:
+        key = (queue, task)
+        if len(self._children) >= MAX_LABEL_SETS:
+            key = (OTHER, OTHER)
+            child = self._children.get(key)
+            if child is not None:
+                return child
+        child = self._metric.labels(queue=key[0], task=key[1])
+        self._children[key] = child
+        return child
+
+    def totals_by_queue(self) -> dict[str, float]:
+        """The counts summed over tasks (the dashboard's throughput); read at page loads."""
+        totals: dict[str, float] = {}
+        for family in self._metric.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    queue = sample.labels["queue"]
+                    totals[queue] = totals.get(queue, 0.0) + sample.value
+        return totals
+
+
+class MainMetrics:
+    """The main's event counters and histograms, and its registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        labels = ("queue", "task")
+
+        def by_job(name: str, text: str) -> _ByJob:
+            return _ByJob(Counter(name, text, labels, registry=reg))
+
+        self.enqueued = by_job(
+            "broker_jobs_enqueued", "Jobs stored by an enqueue (not duplicates)."
+        )
+        self.started = by_job("broker_jobs_started", "Jobs handed to a worker (each attempt).")
+        self.completed = by_job("broker_jobs_completed", "Runs that completed.")
+        self.failed = by_job(
+            "broker_jobs_failed", "Runs that failed (retried or not; see broker_jobs_dead)."
+        )
+        self.dead = by_job("broker_jobs_dead", "Jobs that failed with no retry left (dead).")
+        self.cancelled = by_job("broker_jobs_cancelled", "Jobs cancelled by a request.")
+        self._wait = Histogram(
+            "broker_job_wait_seconds",
+            "From when a job was due (its run_at) to its hand-off to a worker.",
+            ("queue",),
+            buckets=_JOB_BUCKETS,
+            registry=reg,
+        )
+        self._run = Histogram(
+            "broker_job_run_seconds",
+            "From a job's hand-off to the settlement of its report, by outcome.",
+            ("queue", "outcome"),
+            buckets=_JOB_BUCKETS,
+            registry=reg,
+        )
+        self._store_seconds = Histogram(
+            "broker_store_seconds",
+            "Latency of the main's store calls on the job path, by operation.",
+            ("operation",),
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self._store_errors = Counter(
+            "broker_store_errors",
+            "Store calls on the job path that raised, by operation.",
+            ("operation",),
+            registry=reg,
+        )
+        self._batch = Histogram(
+            "broker_report_batch_size",
+            "Reports settled per store transaction (group commit).",
+            buckets=_BATCH_BUCKETS,
+            registry=reg,
+        )
+        self._wait_children: dict[str, Any] = {}
+        self._run_children: dict[tuple[str, str], Any] = {}
+        self._store_children: dict[str, Any] = {}
+
+    def handed_off(self, job: Job) -> None:
+        """``job`` left for a worker: count it and how long it waited since due."""
+        self.started.inc(job.queue, job.task)
+        if job.handed_off_at is not None:
+            child = self._wait_children.get(job.queue)
+            if child is None:
+                child = _bounded(self._wait_children, job.queue, self._wait, (job.queue,))
+            child.observe(max(0.0, (job.handed_off_at - job.run_at).total_seconds()))
+
+    def settled(self, job: Job | None, settlement: Settlement, now: datetime) -> None:
+        """A report was applied to ``job`` (as the main held it, ``None`` if it no longer
+        does): count its outcome and, for a run that ended, its run time."""
+        if job is None:
+            return
+        outcome = settlement.outcome
+        if outcome is Outcome.COMPLETE:
+            self.completed.inc(job.queue, job.task)
+        elif outcome is Outcome.FAIL:
+            self.failed.inc(job.queue, job.task)
+            if settlement.run_at is None:
+                self.dead.inc(job.queue, job.task)
+        else:
+            return  # a release or reschedule is no run's end
+        if job.handed_off_at is not None:
+            key = (job.queue, outcome.value)
+            child = self._run_children.get(key)
+            if child is None:
+                child = _bounded(self._run_children, key, self._run, key)
+            child.observe(max(0.0, (now - job.handed_off_at).total_seconds()))
+
+    def store_call(self, operation: str, seconds: float, *, failed: bool) -> None:
+        child = self._store_children.get(operation)
+        if child is None:
+            child = self._store_children[operation] = self._store_seconds.labels(operation)
+        child.observe(seconds)
+        if failed:
+            self._store_errors.labels(operation=operation).inc()
+
+    def report_batch(self, size: int) -> None:
+        self._batch.observe(size)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _bounded(cache: dict[Any, Any], key: Any, metric: Histogram, labels: tuple[str, ...]) -> Any:
+    """The child of ``metric`` for ``labels`` (its queue first), cached under ``key``; past
+    :data:`MAX_LABEL_SETS` children the queue is counted as ``"_other"`` (and not cached,
+    so the cache stays bounded too)."""
+    if len(cache) >= MAX_LABEL_SETS:
+        return metric.labels(OTHER, *labels[1:])
+    child = cache[key] = metric.labels(*labels)
+    return child
+
+
+class MeasuredStore:
+    """The store as the dispatcher and the report settler call it: claims and settles
+    are timed and their errors counted (and report batch sizes observed); every other
+    call goes straight through to the store."""
+
+    def __init__(self, store: StorageAdapter, metrics: MainMetrics) -> None:
+        self._store = store
+        self._metrics = metrics
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def mark_handed_off_many(self, claims: Sequence[Any]) -> list[Job]:
+        start = time.perf_counter()
+        try:
+            won = await self._store.mark_handed_off_many(claims)
+        except BaseException:
+            self._metrics.store_call("claim", time.perf_counter() - start, failed=True)
+            raise
+        self._metrics.store_call("claim", time.perf_counter() - start, failed=False)
+        return won
+
+    async def settle_many(self, settlements: Sequence[Settlement]) -> list[bool]:
+        self._metrics.report_batch(len(settlements))
+        start = time.perf_counter()
+        try:
+            applied = await self._store.settle_many(settlements)
+        except BaseException:
+            self._metrics.store_call("settle", time.perf_counter() - start, failed=True)
+            raise
+        self._metrics.store_call("settle", time.perf_counter() - start, failed=False)
+        return applied
+
+    async def select_eligible(
+        self,
+        *,
+        modes: Collection[ExecutionMode],
+        queues: Collection[str] | None = None,
+        limit: int = 100,
+    ) -> list[Job]:
+        start = time.perf_counter()
+        try:
+            jobs = await self._store.select_eligible(modes=modes, queues=queues, limit=limit)
+        except BaseException:
+            self._metrics.store_call("select", time.perf_counter() - start, failed=True)
+            raise
+        self._metrics.store_call("select", time.perf_counter() - start, failed=False)
+        return jobs
+
+
+# ---------------------------------------------------------------------- levels
+
+
+@dataclass(frozen=True, slots=True)
+class MainLevels:
+    """What the main holds at a scrape, and the store's counts (read at most every
+    couple of seconds, since counting a large store is not free)."""
+
+    counts: Sequence[QueueCount]
+    now: datetime
+    workers: int
+    draining: int
+    credits: Mapping[str, int]
+    """Free credits by execution mode, summed over the dispatchable workers."""
+    in_flight: int
+    ledger: int
+    orphans: int
+
+
+class _MainLevelsCollector(Collector):
+    def __init__(self) -> None:
+        self.levels: MainLevels | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        levels = self.levels
+        if levels is None:
+            return
+        depth = GaugeMetricFamily(
+            "broker_queue_jobs",
+            "Jobs in the store by queue and status.",
+            labels=["queue", "status"],
+        )
+        oldest = GaugeMetricFamily(
+            "broker_queue_oldest_eligible_age_seconds",
+            "How long the oldest due job of the queue has waited (0: none is due).",
+            labels=["queue"],
+        )
+        seen: dict[str, dict[str, int]] = {}
+        ages: dict[str, float] = {}
+        for row in levels.counts:
+            per = seen.setdefault(row.queue, {s.value: 0 for s in JobStatus})
+            per[row.status.value] += row.count
+            if row.status is JobStatus.QUEUED and row.oldest_run_at is not None:
+                age = (levels.now - row.oldest_run_at).total_seconds()
+                ages[row.queue] = max(ages.get(row.queue, 0.0), age, 0.0)
+        for queue, per in sorted(seen.items()):
+            for status, count in per.items():
+                depth.add_metric([queue, status], count)
+            oldest.add_metric([queue], ages.get(queue, 0.0))
+        yield depth
+        yield oldest
+        yield _gauge("broker_workers_connected", "Worker connections.", levels.workers)
+        yield _gauge("broker_workers_draining", "Worker connections draining.", levels.draining)
+        credits = GaugeMetricFamily(
+            "broker_free_credits",
+            "Free slots the workers have announced, by execution mode.",
+            labels=["mode"],
+        )
+        for mode in ExecutionMode:
+            credits.add_metric([mode.value], levels.credits.get(mode.value, 0))
+        yield credits
+        yield _gauge("broker_jobs_in_flight", "Leases held by connected workers.", levels.in_flight)
+        yield _gauge(
+            "broker_recovery_ledger_size", "Leases waiting to go back to the store.", levels.ledger
+        )
+        yield _gauge(
+            "broker_orphans", "Hand-offs from before a restart, unclaimed.", levels.orphans
+        )
+
+
+def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, text, value=value)
+
+
+class MainExposition:
+    """The main's ``/metrics``: its counters and the levels read at scrape time."""
+
+    def __init__(self, metrics: MainMetrics) -> None:
+        self.metrics = metrics
+        self._levels = _MainLevelsCollector()
+        metrics.registry.register(self._levels)
+
+    def render(self, levels: MainLevels) -> bytes:
+        self._levels.levels = levels
+        return self.metrics.exposition()
+
+
+# ---------------------------------------------------------------------- worker
+
+
+@dataclass(eq=False)
+class WorkerLevels(Collector):
+    """A worker's metrics, all read at scrape time from ``status()`` (``Worker.status``):
+    its running jobs, and per mode its slots, busy slots and children, with the child
+    starts, crashes and recycles its runners count."""
+
+    status: Callable[[], Mapping[str, Any]]
+    registry: CollectorRegistry = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        status = self.status()
+        yield _gauge("broker_worker_connected", "1 while connected to a main.", status["connected"])
+        yield _gauge("broker_worker_draining", "1 while draining.", status["draining"])
+        yield _gauge(
+            "broker_worker_running_jobs", "Jobs running on this worker.", status["running"]
+        )
+        yield _gauge(
+            "broker_worker_outbox", "Reports waiting for the main's ack.", status["outbox"]
+        )
+        slots = GaugeMetricFamily("broker_worker_slots", "Slots by mode.", labels=["mode"])
+        busy = GaugeMetricFamily("broker_worker_busy_slots", "Busy slots by mode.", labels=["mode"])
+        alive = GaugeMetricFamily(
+            "broker_worker_children_alive", "Child processes alive, by mode.", labels=["mode"]
+        )
+        counters = {
+            key: CounterMetricFamily(f"broker_worker_child_{key}", text, labels=["mode"])
+            for key, text in (
+                ("starts", "Child processes started, by mode."),
+                ("crashes", "Child processes that died unasked (a crash, a kill), by mode."),
+                ("recycles", "Pooled children retired for their job count, memory or age."),
+            )
+        }
+        for mode, runner in sorted(status["runners"].items()):
+            slots.add_metric([mode], runner.capacity)
+            busy.add_metric([mode], runner.busy)
+            details = runner.details
+            if "children_alive" in details:
+                alive.add_metric([mode], details["children_alive"])
+            for key, family in counters.items():
+                if f"child_{key}" in details:
+                    family.add_metric([mode], details[f"child_{key}"])
+        yield from (slots, busy, alive, *counters.values())
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+__all__ = [
+    "CONTENT_TYPE",
+    "MAX_LABEL_SETS",
+    "MainExposition",
+    "MainLevels",
+    "MainMetrics",
+    "MeasuredStore",
+    "WorkerLevels",
+]

@@ -1,0 +1,372 @@
+"""The web dashboard in a real headless Chromium (Debian's ``chromium`` and
+``chromium-driver``, driven by Selenium), against a real main on a real SQLite file with a
+real worker running real jobs.
+
+The browser is missing on a bare machine: then these tests skip, except under ``CI=true``
+where ``.ci/run`` installs it and its absence is a failure. With
+``BROKER_SCREENSHOTS=DIR`` each view is saved as a PNG in DIR (how ``docs/images/`` was
+made).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adapters.sql import SQLAlchemyAdapter
+from broker.client import Client
+from broker.config import MainSettings
+from broker.jobs import ExecutionMode, JobSpec
+from broker.main import Main
+from broker.schedule import Schedule
+from broker.tasks import TaskRegistry, task
+from broker.web import Dashboard
+from broker.worker import Worker
+from runners.inline import InlineRunner
+from tests.support import until
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+TOKEN = "operator-secret"
+SCREENSHOTS = os.environ.get("BROKER_SCREENSHOTS")
+
+
+def _missing_browser() -> str | None:
+    for path in (CHROMIUM, CHROMEDRIVER):
+        if shutil.which(path) is None:
+            return f"{path} is not installed (apt-get install chromium chromium-driver)"
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "the selenium package is not installed"
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    missing = _missing_browser()
+    if missing is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the browser tests need a browser under CI=true: {missing}")
+        pytest.skip(missing)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(flag)
+    options.add_argument("--window-size=1280,800")
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@dataclass
+class Site:
+    """A running main with its dashboard and a worker, and the browser pointed at it."""
+
+    main: Main
+    dashboard: Dashboard
+    client: Client
+    driver: Any
+    worker_task: asyncio.Task[None] | None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard.port}"
+
+    async def do(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A blocking browser call, in a thread, so this loop keeps serving the page."""
+        return await asyncio.to_thread(fn, *args)
+
+    async def url_has(self, text: str) -> bool:
+        return text in str(await self.do(lambda: self.driver.current_url))
+
+    async def open(self, path: str) -> None:
+        await self.do(self.driver.get, self.url + path)
+
+    async def text(self, css: str = "body") -> str:
+        """The text of the first element matching ``css``, read in one script (the live
+        refresh may replace the element between two separate calls)."""
+        script = "var e=document.querySelector(arguments[0]);return e?e.innerText:''"
+        return str(await self.do(self.driver.execute_script, script, css))
+
+    async def shows(self, needle: str, css: str = "body") -> str:
+        """Wait until ``needle`` appears (a click's page may still be loading)."""
+
+        async def check() -> str | None:
+            text = await self.text(css)
+            return text if needle in text else None
+
+        return str(await until(check))
+
+    async def rows(self) -> list[str]:
+        script = (
+            "return Array.from(document.querySelectorAll('#live tbody tr'))"
+            ".map(function(r){return r.innerText;})"
+        )
+        return [str(row) for row in await self.do(self.driver.execute_script, script)]
+
+    async def click(self, css: str) -> None:
+        from selenium.webdriver.common.by import By
+
+        element = await self.do(self.driver.find_element, By.CSS_SELECTOR, css)
+        await self.do(element.click)
+
+    async def type_token(self, token: str) -> None:
+        from selenium.webdriver.common.by import By
+
+        box = await self.do(self.driver.find_element, By.ID, "token")
+        await self.do(box.clear)
+        await self.do(box.send_keys, token)
+
+    async def shot(self, name: str) -> None:
+        if SCREENSHOTS:
+            Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
+            await self.do(self.driver.save_screenshot, str(Path(SCREENSHOTS) / f"{name}.png"))
+
+    async def stop_worker(self) -> None:
+        if self.worker_task is not None:
+            self.worker_task.cancel()
+            await asyncio.gather(self.worker_task, return_exceptions=True)
+            self.worker_task = None
+            await until(
+                lambda: all(p.worker_id != "worker-eu-1" for p in self.main.handoff.peers.values())
+            )
+
+    async def status(self, job_id: uuid.UUID) -> str:
+        job = await self.client.get_job(job_id)
+        assert job is not None
+        return str(job["status"])
+
+
+def _registry() -> TaskRegistry:
+    registry = TaskRegistry()
+
+    @task(name="mail.send", registry=registry, mode="inline")
+    async def send(to: str) -> str:
+        return f"sent to {to}"
+
+    @task(name="report.build", registry=registry, mode="inline", retries=0)
+    async def build(name: str) -> None:
+        raise ValueError(f"no data for report {name!r}")
+
+    return registry
+
+
+@pytest.fixture
+async def site(tmp_path: Path, browser: Any) -> AsyncIterator[Site]:
+    store = SQLAlchemyAdapter(f"sqlite+aiosqlite:///{tmp_path / 'broker.db'}")
+    settings = MainSettings(port=0, token=TOKEN, poll_interval=0.05)
+    nightly = Schedule(
+        name="nightly-report",
+        task="report.build",
+        cron="0 3 * * *",
+        timezone="Europe/Paris",
+        args=["nightly"],
+        catch_up=False,
+    )
+    main = Main(store, settings, schedules=[nightly], retention=None)
+    await main.start()
+    dashboard = Dashboard(main, host="127.0.0.1", port=0)
+    await dashboard.start()
+    registry = _registry()
+    worker = Worker(
+        "127.0.0.1",
+        main.port,
+        worker_id="worker-eu-1",
+        runners={ExecutionMode.INLINE: InlineRunner(registry, concurrency=4)},
+        registry=registry,
+        token=TOKEN,
+    )
+    worker_task = asyncio.create_task(worker.run())
+    client = Client("127.0.0.1", main.port, token=TOKEN)
+    await until(lambda: main.handoff.workers())
+    try:
+        yield Site(main, dashboard, client, browser, worker_task)
+    finally:
+        with contextlib.suppress(Exception):
+            await client.close()
+        worker_task.cancel()
+        await asyncio.gather(worker_task, return_exceptions=True)
+        await dashboard.stop()
+        await main.stop()
+
+
+async def _enqueue(site: Site, name: str, args: list[Any], **options: Any) -> uuid.UUID:
+    ref = await site.client.enqueue(name, args, execution_mode="inline", **options)
+    return ref.job_id
+
+
+async def _some_jobs(site: Site) -> tuple[list[uuid.UUID], uuid.UUID]:
+    sent = [await _enqueue(site, "mail.send", [f"user{n}@example.com"]) for n in range(3)]
+    dead = await _enqueue(site, "report.build", ["weekly"], queue="reports", max_attempts=1)
+    for job_id in [*sent, dead]:
+        await until(lambda j=job_id: _ended(site, j))
+    return sent, dead
+
+
+async def _ended(site: Site, job_id: uuid.UUID) -> bool:
+    return await site.status(job_id) in ("completed", "failed", "cancelled")
+
+
+async def test_each_view_renders(site: Site) -> None:
+    _, dead = await _some_jobs(site)
+    await _enqueue(site, "mail.send", ["later@example.com"], delay=3600)
+
+    await site.open("/")
+    queues = await site.rows()
+    assert any(row.startswith("default") for row in queues), queues
+    assert any(row.startswith("reports") for row in queues), queues
+    await site.shot("queues")
+
+    await site.open("/workers")
+    workers = await site.text("#live")
+    assert "worker-eu-1" in workers and "inline" in workers and "serving" in workers
+    await site.shot("workers")
+
+    await site.open("/jobs")
+    assert len(await site.rows()) == 5
+    await site.shot("jobs")
+
+    await site.open(f"/jobs/{dead}")
+    page = await site.text("#live")
+    assert "report.build" in page and "failed" in page
+    error = await site.text("#error")
+    assert "ValueError: no data for report 'weekly'" in error
+    assert "Traceback" in error  # the whole traceback, on lines of its own
+    assert "+00:00" in page  # times carry their zone
+    await site.shot("job")
+
+    await site.open("/recoveries")
+    assert "No recovery is pending." in await site.text("#live")
+    await site.shot("recoveries")
+
+    await site.open("/schedules")
+    schedules = await site.text("#live")
+    assert "nightly-report" in schedules and "cron 0 3 * * * (Europe/Paris)" in schedules
+    await site.shot("schedules")
+
+    await site.open("/healthz")
+    assert "ok" in await site.text()
+
+
+async def test_a_filter_narrows_the_list(site: Site) -> None:
+    sent, _ = await _some_jobs(site)
+    await site.open("/jobs")
+    assert len(await site.rows()) == 4
+
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    select = await site.do(site.driver.find_element, By.NAME, "status")
+    await site.do(lambda: Select(select).select_by_value("failed"))
+    await site.click("#filter button")
+    await until(lambda: site.url_has("status=failed"))
+    rows = await site.rows()
+    assert len(rows) == 1 and "report.build" in rows[0], rows
+
+    await site.open(f"/jobs?id={str(sent[1])[:6]}")
+    rows = await site.rows()
+    assert len(rows) == 1 and str(sent[1])[:8] in rows[0], rows
+
+
+async def test_the_page_refreshes_without_reloading(site: Site) -> None:
+    await site.open("/")
+    await site.do(site.driver.execute_script, "window.notReloaded = true")
+    assert "No jobs in the store." in await site.text("#live")
+    await _enqueue(site, "mail.send", ["fresh@example.com"], queue="fresh", delay=3600)
+
+    async def shows_it() -> bool:
+        return "fresh" in await site.text("#live")
+
+    await until(shows_it)
+    assert await site.do(site.driver.execute_script, "return window.notReloaded") is True
+
+
+async def test_retry_on_a_dead_job_makes_it_queued(site: Site) -> None:
+    _, dead = await _some_jobs(site)
+    await site.stop_worker()  # so the retried job stays queued for the check
+    await site.open(f"/jobs/{dead}")
+    await site.type_token(TOKEN)
+    await site.click("button[value=retry]")
+    await site.shows("job queued again", "#notice")
+    assert "queued" in await site.text("#live")
+    assert await site.status(dead) == "queued"
+    job = await site.client.get_job(dead)
+    assert job is not None and job["attempts"] == 0
+
+
+async def test_cancel_works(site: Site) -> None:
+    later = await _enqueue(site, "mail.send", ["later@example.com"], delay=3600)
+    await site.open(f"/jobs/{later}")
+    await site.type_token(TOKEN)
+    await site.click("button[value=cancel]")
+    await site.shows("job cancelled", "#notice")
+    assert await site.status(later) == "cancelled"
+
+
+async def test_an_action_without_the_credential_is_refused(site: Site) -> None:
+    _, dead = await _some_jobs(site)
+    later = await _enqueue(site, "mail.send", ["later@example.com"], delay=3600)
+    await site.open(f"/jobs/{later}")
+    await site.type_token("")
+    await site.click("button[value=cancel]")
+    await site.shows("refused: the operator token is missing or wrong")
+    assert await site.status(later) == "queued"
+
+    await site.open(f"/jobs/{dead}")
+    await site.type_token("not-the-token")
+    await site.click("button[value=retry]")
+    await site.shows("refused: the operator token is missing or wrong")
+    assert await site.status(dead) == "failed"
+
+    await site.open("/")
+    await site.type_token("")
+    await site.click("#prune button")
+    await site.shows("refused: the operator token is missing or wrong")
+
+
+async def test_prune_with_the_credential(site: Site) -> None:
+    await _some_jobs(site)
+    await site.open("/")
+    await site.type_token(TOKEN)
+    from selenium.webdriver.common.by import By
+
+    days = await site.do(site.driver.find_element, By.NAME, "older_than_days")
+    await site.do(days.clear)
+    await site.do(days.send_keys, "0")
+    await site.click("#prune button")
+    await site.shows("pruned 4 jobs", "#notice")
+
+
+async def test_pages_go_newest_first(site: Site) -> None:
+    later = datetime.now(UTC) + timedelta(hours=1)
+    specs = [JobSpec(task="mail.send", args=[f"n{n}"], run_at=later) for n in range(24)]
+    ids = [ref.job_id for ref in await site.client.enqueue_many(specs)]
+    newest = await _enqueue(site, "mail.send", ["newest"], delay=3600)
+    await site.open("/jobs")
+    first = await site.rows()
+    assert len(first) == 20
+    assert first[0].startswith(str(newest)[:8])
+    await site.click("#next")
+    await until(lambda: site.url_has("cursor="))
+    rest = await site.rows()
+    assert len(rest) == 5
+    shown = {row.split()[0] for row in first + rest}
+    assert shown == {str(job_id)[:8] for job_id in [*ids, newest]}

@@ -1,0 +1,107 @@
+"""The dashboard over real HTTP without a browser: bad input is a clear 400 and changes
+nothing, actions need the token (a form field or a bearer header), and a main without a
+token takes no action from the dashboard."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from adapters.sql import SQLAlchemyAdapter
+from broker.jobs import JobSpec, JobStatus
+from broker.main import Main
+from broker.web import Dashboard
+from tests.support import FAST
+
+TOKEN = "web-token"
+
+
+@asynccontextmanager
+async def dashboard(tmp_path: Path, token: str | None) -> AsyncIterator[tuple[Main, str]]:
+    store = SQLAlchemyAdapter(f"sqlite+aiosqlite:///{tmp_path / 'broker.db'}")
+    main = Main(store, replace(FAST, token=token), retention=None)
+    await main.start()
+    site = Dashboard(main, host="127.0.0.1", port=0)
+    await site.start()
+    try:
+        yield main, f"http://127.0.0.1:{site.port}"
+    finally:
+        await site.stop()
+        await main.stop()
+
+
+async def queued_job(main: Main) -> uuid.UUID:
+    [result] = await main.store.enqueue_many([JobSpec(task="t", queue="q")])
+    return result.job.id
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/jobs?status=bogus",
+        "/jobs?limit=many",
+        "/jobs?cursor=not-a-cursor",
+    ],
+)
+async def test_a_bad_filter_is_a_clear_400(tmp_path: Path, path: str) -> None:
+    async with (
+        dashboard(tmp_path, TOKEN) as (_, url),
+        aiohttp.ClientSession() as http,
+        http.get(url + path) as response,
+    ):
+        assert response.status == 400
+        text = await response.text()
+        assert "bad filter" in text or "cursor is not valid" in text, text
+
+
+async def test_unknown_jobs_are_404(tmp_path: Path) -> None:
+    async with dashboard(tmp_path, TOKEN) as (_, url), aiohttp.ClientSession() as http:
+        for path in (f"/jobs/{uuid.uuid4()}", "/jobs/not-an-id"):
+            async with http.get(url + path) as response:
+                assert response.status == 404
+
+
+async def test_a_bearer_token_works_and_a_wrong_one_is_refused(tmp_path: Path) -> None:
+    async with dashboard(tmp_path, TOKEN) as (main, url), aiohttp.ClientSession() as http:
+        job_id = await queued_job(main)
+        cancel = f"{url}/jobs/{job_id}/cancel"
+        wrong = {"Authorization": "Bearer nope"}
+        async with http.post(cancel, headers=wrong, allow_redirects=False) as response:
+            assert response.status == 403
+        job = await main.store.get_job(job_id)
+        assert job is not None and job.status is JobStatus.QUEUED
+        right = {"Authorization": f"Bearer {TOKEN}"}
+        async with http.post(cancel, headers=right, allow_redirects=False) as response:
+            assert response.status == 303
+        job = await main.store.get_job(job_id)
+        assert job is not None and job.status is JobStatus.CANCELLED
+
+
+@pytest.mark.parametrize("days", ["", "-1", "1e300", "nan"])
+async def test_a_bad_prune_is_refused_and_deletes_nothing(tmp_path: Path, days: str) -> None:
+    async with dashboard(tmp_path, TOKEN) as (main, url), aiohttp.ClientSession() as http:
+        job_id = await queued_job(main)
+        await main.store.cancel(job_id)
+        form = {"token": TOKEN, "older_than_days": days}
+        async with http.post(f"{url}/prune", data=form, allow_redirects=False) as response:
+            assert response.status == 400
+            assert (await response.text()).startswith("refused: ")
+        assert await main.store.get_job(job_id) is not None
+
+
+async def test_a_main_without_a_token_takes_no_actions(tmp_path: Path) -> None:
+    async with dashboard(tmp_path, None) as (main, url), aiohttp.ClientSession() as http:
+        job_id = await queued_job(main)
+        async with http.post(f"{url}/jobs/{job_id}/cancel", data={"token": ""}) as response:
+            assert response.status == 403
+            assert "this main has no token" in await response.text()
+        job = await main.store.get_job(job_id)
+        assert job is not None and job.status is JobStatus.QUEUED
+        async with http.get(f"{url}/healthz") as response:
+            assert response.status == 200

@@ -1,0 +1,219 @@
+"""The benchmark's own arithmetic: per-process CPU, the floor, the ratios, the RSS slope.
+
+The benchmark runs for minutes and is never part of ``make test``; these check the sums
+that turn its raw runs into the report, on small hand-made runs whose answers are known.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from bench import floor, harness, report, rss_soak
+
+
+def _drain(**cpu_s: float) -> dict[str, Any]:
+    run: dict[str, Any] = {"jobs": 1000, "done": 1000, "per_s": 500.0}
+    run.update(cpu_s)
+    return run
+
+
+def _system(name: str, mode: str = "pooled", **workloads: Any) -> dict[str, Any]:
+    return {"system": name, "label": name, "mode": mode, "errors": [], **workloads}
+
+
+BROKER = _system(
+    "broker-postgres",
+    drain=[
+        _drain(
+            worker_cpu_s=1.5,
+            worker_own_cpu_s=0.5,
+            children_cpu_s=1.0,
+            main_cpu_s=0.25,
+            server_cpu_s=0.25,
+        )
+    ],
+    producers=[
+        {
+            "per_s": 250.0,
+            "producers": 200,
+            "producer_rate": 2.0,
+            "enqueue_per_s": 390.0,
+            "enqueue_p50_ms": 4.0,
+            "enqueue_p99_ms": 20.0,
+            "enqueue_max_ms": 30.0,
+            "enqueue_failed": 3,
+        }
+    ],
+)
+PGQUEUER = _system(
+    "pgqueuer",
+    mode="",
+    drain=[
+        {
+            "jobs": 1000,
+            "done": 1000,
+            "per_s": 5000.0,
+            "worker_cpu_s": 0.1,
+            "worker_own_cpu_s": 0.1,
+            "children_cpu_s": 0.0,
+            "server_cpu_s": 0.1,
+        }
+    ],
+    producers=[{"per_s": 1000.0}],
+)
+
+
+def test_the_resources_table_splits_cpu_per_job_by_process() -> None:
+    (row,) = report._resource_rows([BROKER])
+    # main, worker itself, children, store, all (ms per job over 1000 jobs)
+    assert row[1:6] == ["0.25", "0.50", "1.00", "0.25", "2.00"]
+
+
+def test_runs_from_before_the_split_show_the_worker_tree_whole() -> None:
+    old = _system("broker-sqlite", drain=[_drain(worker_cpu_s=1.5, main_cpu_s=0.25)])
+    (row,) = report._resource_rows([old])
+    assert row[2] == "1.50"
+    assert row[3] == "in workers"
+
+
+def test_producers_are_compared_with_the_drain_without_them_and_failures_shown() -> None:
+    (row,) = report._producer_rows([BROKER])
+    assert row[1] == "200 x 2.00/s"
+    assert row[2:5] == ["250", "500", "\u00d70.50"]
+    assert row[5] == "390 (3 failed)"
+    assert row[7] == "20.0"
+
+
+def test_each_broker_row_is_a_multiple_of_pgqueuers_figures() -> None:
+    (row,) = report._pgqueuer_rows([BROKER, PGQUEUER])
+    assert row[0] == "broker-postgres"
+    assert row[1] == "\u00d70.10"  # drain 500 / 5000
+    assert row[2] == "\u00d70.25"  # with producers 250 / 1000
+    assert row[7] == "\u00d710.00"  # all CPU per job 2.0 / 0.2 ms
+
+
+def test_no_pgqueuer_row_no_ratio_table() -> None:
+    assert report._pgqueuer_rows([BROKER]) == []
+
+
+FLOOR = {
+    "generated": "now",
+    "report_batch": 10,
+    "floor": {
+        "10": {
+            "pooled": {"main": 0.05, "worker": 0.02, "children": 0.01, "store": 0.05, "all": 0.13},
+            "inline": {"main": 0.05, "worker": 0.01, "children": 0.0, "store": 0.05, "all": 0.11},
+        }
+    },
+}
+
+
+def test_the_floor_table_holds_each_postgresql_row_to_its_modes_floor() -> None:
+    inline = dict(BROKER, system="broker-postgres-inline1", label="inline", mode="inline")
+    sqlite = dict(BROKER, system="broker-sqlite", label="sqlite")
+    pooled_row, inline_row = report._floor_rows([BROKER, inline, sqlite, PGQUEUER], FLOOR)
+    assert pooled_row[1] == "0.25 vs 0.050 (\u00d75)"
+    assert pooled_row[3] == "1.00 vs 0.010 (\u00d7100)"
+    assert inline_row[0] == "inline"
+    assert inline_row[2] == "0.50 vs 0.010 (\u00d750)"
+    assert inline_row[3] == report.DASH  # an inline row has no children to hold to a floor
+
+
+def test_the_report_renders_every_new_section() -> None:
+    data = {
+        "generated": "2026-11-30T00:00:00+00:00",
+        "wall_s": 60.0,
+        "loadavg_start": [0.1, 0.1, 0.1],
+        "loadavg_end": [0.2, 0.2, 0.2],
+        "environment": {
+            "cores": 2,
+            "cpu": "cpu",
+            "memory_gib": 1.0,
+            "kernel": "6",
+            "python": "3.11",
+            "redis": {"ok": False, "error": "no"},
+            "postgres": {"ok": False, "error": "no"},
+            "hash_rounds": 1,
+            "hash_job_ms": 5.0,
+        },
+        "config": harness.Config(workdir="", hash_rounds=1).__dict__,
+        "systems": [BROKER, PGQUEUER],
+        "floor": FLOOR,
+    }
+    text = report.markdown(data)
+    for heading in (
+        "## CPU per job and memory during the drain",
+        "## Draining while producers enqueue",
+        "## Broker against PgQueuer, same run",
+        "## Distance from the floor",
+    ):
+        assert heading in text
+
+
+PRIMITIVES = {
+    "codec": {
+        "slow": dict.fromkeys(("encode_job", "decode_job", "encode_report", "decode_report"), 1.0),
+        "fast": {
+            "encode_job": 1e-6,
+            "decode_job": 2e-6,
+            "encode_report": 3e-6,
+            "decode_report": 4e-6,
+        },
+    },
+    "hops": {
+        "tcp": {"parent_s": 10e-6, "child_s": 20e-6},
+        "pipe": {"parent_s": 30e-6, "child_s": 40e-6},
+    },
+    "statements": {
+        "10": {
+            "claim_client_s": 100e-6,
+            "settle_client_s": 200e-6,
+            "claim_server_s": 300e-6,
+            "settle_server_s": 400e-6,
+        }
+    },
+}
+
+
+def test_the_floor_sums_each_processs_primitives_with_the_faster_codec() -> None:
+    f = floor.floor(PRIMITIVES, 10)
+    pooled, inline = f["pooled"], f["inline"]
+    assert pooled["main"] == pytest.approx(0.030 + 0.010 + 0.001 + 0.004)
+    assert inline["worker"] == pytest.approx(0.020 + 0.002 + 0.003)
+    assert pooled["worker"] == pytest.approx(inline["worker"] + 0.030 + 0.001 + 0.004)
+    assert pooled["children"] == pytest.approx(0.040 + 0.002 + 0.003)
+    assert inline["children"] == 0
+    assert pooled["store"] == pytest.approx(0.070)
+    assert pooled["all"] == pytest.approx(sum(v for k, v in pooled.items() if k != "all"))
+
+
+def test_the_rss_slope_is_megabytes_per_minute() -> None:
+    points = [(t, 50.0 + 0.01 * t) for t in range(0, 600, 5)]
+    assert rss_soak.slope_mb_per_min(points) == pytest.approx(0.6)
+    assert rss_soak.slope_mb_per_min(points[:1]) is None
+
+
+def test_the_soak_summary_takes_the_spread_of_the_samples() -> None:
+    samples = [
+        {"t_s": 0.0, "main_rss_mb": 55.0},
+        {"t_s": 5.0, "main_rss_mb": 70.0},
+        {"t_s": 10.0, "main_rss_mb": None},
+        {"t_s": 15.0, "main_rss_mb": 68.0},
+    ]
+    s = rss_soak.summarize(samples)
+    assert (s["first_mb"], s["last_mb"], s["max_minus_min_mb"]) == (55.0, 68.0, 15.0)
+
+
+def test_a_reaped_childs_cpu_counts_in_the_tree_but_not_as_the_roots_own() -> None:
+    before = harness.usage([os.getpid()])
+    burn = "import time\nwhile time.process_time() < 0.3: pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    after = harness.usage([os.getpid()])
+    children = (after.tree_cpu - after.own_cpu) - (before.tree_cpu - before.own_cpu)
+    assert children >= 0.2  # the child's 0.3 s, in 10 ms ticks
+    assert after.own_cpu - before.own_cpu < children

@@ -1,0 +1,119 @@
+"""The metrics' own rules: what each event counts, bounded labels, and the exposition
+parsing with ``prometheus_client``'s parser."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from broker.config import MainSettings
+from broker.exceptions import ConfigurationError
+from broker.jobs import Job, JobSpec, JobStatus, Outcome, Settlement
+from broker.metrics import MAX_LABEL_SETS, MainExposition, MainLevels, MainMetrics
+from broker.storage import QueueCount
+
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+
+
+def samples(text: bytes) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+    }
+
+
+def handed_off_job(queue: str = "q", task: str = "t", waited: float = 2.0) -> Job:
+    job = Job.from_spec(JobSpec(task=task, queue=queue), NOW)
+    return Job(
+        **{
+            **{f: getattr(job, f) for f in job.__dataclass_fields__},
+            "status": JobStatus.HANDED_OFF,
+            "handoff_id": uuid.uuid4(),
+            "handed_off_at": NOW + timedelta(seconds=waited),
+        }
+    )
+
+
+def levels(**over: Any) -> MainLevels:
+    base: dict[str, Any] = {
+        "counts": [],
+        "now": NOW,
+        "workers": 0,
+        "draining": 0,
+        "credits": {},
+        "in_flight": 0,
+        "ledger": 0,
+        "orphans": 0,
+    }
+    return MainLevels(**{**base, **over})
+
+
+def test_outcomes_count_runs_and_deaths() -> None:
+    metrics = MainMetrics()
+    job = handed_off_job()
+    lease = job.handoff_id
+    assert lease is not None
+    metrics.handed_off(job)
+    later = NOW + timedelta(seconds=5)
+    metrics.settled(job, Settlement(job.id, lease, Outcome.COMPLETE), later)
+    metrics.settled(job, Settlement(job.id, lease, Outcome.FAIL, error="x", run_at=later), later)
+    metrics.settled(job, Settlement(job.id, lease, Outcome.FAIL, error="x", run_at=None), later)
+    metrics.settled(job, Settlement(job.id, lease, Outcome.RETURN), later)
+    metrics.settled(None, Settlement(job.id, lease, Outcome.COMPLETE), later)
+    got = samples(MainExposition(metrics).render(levels()))
+    labels = frozenset({("queue", "q"), ("task", "t")})
+    assert got[("broker_jobs_started_total", labels)] == 1
+    assert got[("broker_jobs_completed_total", labels)] == 1
+    assert got[("broker_jobs_failed_total", labels)] == 2
+    assert got[("broker_jobs_dead_total", labels)] == 1
+    assert got[("broker_job_wait_seconds_sum", frozenset({("queue", "q")}))] == 2.0
+    complete = frozenset({("queue", "q"), ("outcome", "complete")})
+    assert got[("broker_job_run_seconds_sum", complete)] == 3.0
+
+
+def test_label_sets_are_bounded() -> None:
+    metrics = MainMetrics()
+    for n in range(MAX_LABEL_SETS + 50):
+        metrics.enqueued.inc("q", f"task-{n}")
+    got = samples(metrics.exposition())
+    names = [labels for name, labels in got if name == "broker_jobs_enqueued_total"]
+    assert len(names) == MAX_LABEL_SETS + 1
+    assert (
+        got[("broker_jobs_enqueued_total", frozenset({("queue", "_other"), ("task", "_other")}))]
+        == 50
+    )
+
+
+def test_levels_show_depth_and_the_oldest_due_job() -> None:
+    counts = [
+        QueueCount("mail", JobStatus.QUEUED, 4, NOW - timedelta(minutes=3)),
+        QueueCount("mail", JobStatus.COMPLETED, 9, None),
+        QueueCount("later", JobStatus.QUEUED, 1, NOW + timedelta(hours=1)),
+    ]
+    exposition = MainExposition(MainMetrics())
+    got = samples(
+        exposition.render(levels(counts=counts, workers=2, ledger=3, credits={"inline": 5}))
+    )
+    assert got[("broker_queue_jobs", frozenset({("queue", "mail"), ("status", "queued")}))] == 4
+    assert got[("broker_queue_jobs", frozenset({("queue", "mail"), ("status", "failed")}))] == 0
+    age = ("broker_queue_oldest_eligible_age_seconds", frozenset({("queue", "mail")}))
+    assert got[age] == 180.0
+    assert got[("broker_queue_oldest_eligible_age_seconds", frozenset({("queue", "later")}))] == 0
+    assert got[("broker_workers_connected", frozenset())] == 2
+    assert got[("broker_recovery_ledger_size", frozenset())] == 3
+    assert got[("broker_free_credits", frozenset({("mode", "inline")}))] == 5
+    assert got[("broker_free_credits", frozenset({("mode", "forked")}))] == 0
+
+
+def test_the_dashboard_stays_on_loopback_unless_allowed() -> None:
+    MainSettings(http_port=8080).validate()
+    with pytest.raises(ConfigurationError, match="refusing to serve the dashboard"):
+        MainSettings(http_host="0.0.0.0", http_port=8080, token="t").validate()
+    MainSettings(http_host="0.0.0.0", http_port=8080, allow_unauthenticated=True).validate()
+    with pytest.raises(ConfigurationError, match="http_port"):
+        MainSettings(http_port=70000).validate()
