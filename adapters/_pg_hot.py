@@ -138,9 +138,12 @@ class HotSql:
         """
         # Settle: every shape of move in one statement. A NULL run_at keeps the job's, a
         # false set_* keeps the column; the fence is in the WHERE. The job rows are
-        # locked first in id order, then the counters given back in key order (as claims
-        # take them), each by a MATERIALIZED CTE whose sorted FOR UPDATE runs before the
-        # UPDATE that joins it: two settles never wait on each other in opposite orders.
+        # updated in id order (the input is sorted, and the plan walks it against the
+        # primary key), then the counters given back are locked in key order, as claims
+        # take them, by a MATERIALIZED CTE whose sorted FOR UPDATE runs before the
+        # UPDATE that joins it. Locking the job rows first the same way would cost a
+        # WAL record per job (measured: 4.2 -> 5.2 per settle) against a deadlock that
+        # needs two settles of the same jobs at once, which PostgreSQL would detect.
         self.settle = f"""
             WITH s AS (
                 SELECT * FROM unnest(
@@ -148,9 +151,7 @@ class HotSql:
                     $7::text[], $8::bigint[], $9::int[], $10::bigint[], $11::bool[]
                 ) AS s(id, lease, status, set_result, result, set_error, last_error,
                        run_at_us, attempts, updated_us, releases)
-            ),
-            lj AS MATERIALIZED (
-                SELECT j.id FROM {t} j JOIN s ON j.id = s.id ORDER BY j.id FOR UPDATE OF j
+                ORDER BY id
             ),
             u AS (
                 UPDATE {t} j SET
@@ -160,7 +161,7 @@ class HotSql:
                     run_at_us = COALESCE(s.run_at_us, j.run_at_us),
                     attempts = j.attempts + s.attempts,
                     updated_us = s.updated_us
-                FROM s JOIN lj ON lj.id = s.id
+                FROM s
                 WHERE j.id = s.id AND j.handoff_id = s.lease AND j.status = 'handed_off'
                 RETURNING j.id, j.concurrency_key, s.releases
             ),
@@ -217,11 +218,19 @@ class HotPool:
 
     ``connect_kwargs`` are what SQLAlchemy's dialect would pass to ``asyncpg.connect``
     for the same URL, so both pools reach the same database the same way.
+
+    Its sessions plan each statement once (``plan_cache_mode = force_generic_plan``):
+    PostgreSQL otherwise kept re-planning the settle statement as a custom plan, 0.3 ms
+    of planning on a 0.1 ms execution. The generic plans are the ones wanted: status
+    tests are literals, ids come in arrays, and ``run_at_us <= $n`` reads the dispatch
+    index in order either way.
     """
 
     def __init__(self, size: int, connect_kwargs: dict[str, Any]) -> None:
         self._size = size
-        self._connect_kwargs = connect_kwargs
+        settings = {**connect_kwargs.get("server_settings", {})}
+        settings["plan_cache_mode"] = "force_generic_plan"
+        self._connect_kwargs = {**connect_kwargs, "server_settings": settings}
         self._pool: Any = None
         self._opening = asyncio.Lock()
 
