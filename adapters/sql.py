@@ -68,6 +68,8 @@ from adapters._sql_schema import (
     notify_channel,
     schema_version,
 )
+from adapters._sql_statements import SyncStatements as SyncStatements  # re-exported
+from adapters._sql_statements import complete_now, statements
 from adapters._sqlite_hot import SqliteHot, immediate
 from broker import settlement
 from broker.exceptions import (
@@ -928,12 +930,45 @@ class SQLAlchemyAdapter:
         if not specs:
             return []
         check_all(specs, self._max_payload_bytes)
-        if self._schema is not None:
-            conn = await conn.execution_options(schema_translate_map={None: self._schema})
+        options = self._statement_options()
+
+        async def execute(stmt: sa.Executable, params: Any = None) -> Any:
+            return await conn.execute(stmt, params, execution_options=options)
+
         try:
-            return await self._enqueue_on(conn, specs)
+            return await self._enqueue_on(statements(execute), specs)
         except self._errors as exc:
             raise self._storage_error("enqueue_in_transaction", exc) from exc
+
+    def enqueue_in_sync_transaction(
+        self, conn: SyncStatements, specs: Sequence[JobSpec]
+    ) -> list[EnqueueResult]:
+        """:meth:`enqueue_in_transaction` on a synchronous connection (a ``sa.Connection``,
+        or anything that executes Core statements the same way, such as a Django cursor's
+        adapter): the same checks, rows and duplicate rules, in the caller's transaction.
+
+        The one definition of the insert-or-find rule is a coroutine; over a synchronous
+        connection none of its awaits ever suspends, so it runs to the end in one step
+        (:func:`~adapters._sql_statements.complete_now`) without an event loop.
+        """
+        if not specs:
+            return []
+        check_all(specs, self._max_payload_bytes)
+        options = self._statement_options()
+
+        async def execute(stmt: sa.Executable, params: Any = None) -> Any:
+            return conn.execute(stmt, params, execution_options=options)
+
+        try:
+            return complete_now(self._enqueue_on(statements(execute), specs))
+        except self._errors as exc:
+            raise self._storage_error("enqueue_in_transaction", exc) from exc
+
+    def _statement_options(self) -> dict[str, Any]:
+        """Execution options for each statement on the application's connection: the
+        schema map goes on every statement, never on the connection, whose own tables
+        (unqualified, like ours) must keep resolving as the application set them."""
+        return {} if self._schema is None else {"schema_translate_map": {None: self._schema}}
 
     async def _enqueue_on(
         self,

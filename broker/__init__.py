@@ -1,9 +1,10 @@
 """broker: an asyncio job broker that never loses a job and never lets a stale worker win.
 
 ``broker.__all__`` is what users import: ``task`` to declare jobs, ``Client`` and
-``SyncClient`` to enqueue and inspect them, ``Reschedule`` for a task to ask for a later
-run, ``Schedule`` for periodic jobs, every exception of the one error tree, and the
-types a custom storage adapter implements (``StorageAdapter`` and what its methods
+``SyncClient`` to enqueue and inspect them, ``enqueue_in`` and ``enqueue_in_async`` to
+insert jobs in the application's own database transaction, ``Reschedule`` for a task to
+ask for a later run, ``Schedule`` for periodic jobs, every exception of the one error
+tree, and the types a custom storage adapter implements (``StorageAdapter`` and what its methods
 take and return). Everything else is internal: import it at your own risk.
 """
 
@@ -45,6 +46,13 @@ if TYPE_CHECKING:
     from broker.client import Client, SyncClient
     from broker.schedule import Schedule
     from broker.tasks import Task, TaskRegistry, task
+    from broker.transactional import (
+        EnqueueOptions,
+        enqueue_in,
+        enqueue_in_async,
+        enqueue_many_in,
+        enqueue_many_in_async,
+    )
 
 _LAZY = {
     "Client": "broker.client",
@@ -53,6 +61,11 @@ _LAZY = {
     "Task": "broker.tasks",
     "TaskRegistry": "broker.tasks",
     "task": "broker.tasks",
+    "EnqueueOptions": "broker.transactional",
+    "enqueue_in": "broker.transactional",
+    "enqueue_in_async": "broker.transactional",
+    "enqueue_many_in": "broker.transactional",
+    "enqueue_many_in_async": "broker.transactional",
 }
 """Loaded on first use: the client (anyio) and the task and schedule modules (the cron
 library) would add about 75 ms to every process that imports any part of ``broker``,
@@ -75,6 +88,7 @@ __all__ = [
     "Claim",
     "Client",
     "ConfigurationError",
+    "EnqueueOptions",
     "EnqueueResult",
     "ExecutionMode",
     "InvalidJobError",
@@ -102,5 +116,9 @@ __all__ = [
     "TaskNotFoundError",
     "TaskRegistry",
     "UniqueKeyTakenError",
+    "enqueue_in",
+    "enqueue_in_async",
+    "enqueue_many_in",
+    "enqueue_many_in_async",
     "task",
 ]

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import json
 import signal
 import sys
@@ -34,7 +33,9 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
-from broker import composition, protocol
+import msgspec
+
+from broker import composition, protocol, wire
 from broker.client import Client, Enqueued, JobListPage
 from broker.config import MainSettings
 from broker.exceptions import BrokerError, ConfigurationError
@@ -214,7 +215,6 @@ def _as_dict(job: Job | None) -> dict[str, JSONValue] | None:
     return job.to_dict() if job is not None else None
 
 
-GREETING_TIMEOUT = 2.0
 """Seconds the operator's command gives whatever answers at ``--main`` to greet as a
 main: PostgreSQL, Redis or a web server on that port is reported as "not a broker
 main" this soon, instead of after ``--timeout``."""
@@ -240,7 +240,9 @@ async def open_backend(
     commands that only read). ``note`` tells the operator that the store is used (by
     default a ``note:`` line on stderr).
     """
-    client = Client(host, port, token=token, timeout=timeout, greeting_timeout=GREETING_TIMEOUT)
+    client = Client(
+        host, port, token=token, timeout=timeout, greeting_timeout=wire.GREETING_TIMEOUT
+    )
     try:
         await client.connect()
     except (OSError, TimeoutError) as exc:
@@ -445,7 +447,7 @@ def enqueue_request(args: argparse.Namespace) -> protocol.JobRequest:
     )
     request = protocol.JobRequest.from_spec(spec)
     if args.delay is not None:
-        request = dataclasses.replace(request, run_at=None, delay=float(args.delay))
+        request = msgspec.structs.replace(request, run_at=None, delay=float(args.delay))
     return request
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import itertools
 import uuid
@@ -24,6 +23,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
+import msgspec
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from broker import error_codes, protocol, wire
@@ -105,7 +105,11 @@ class Client:
             lines = wire.LineReader(reader, max_line_bytes=MAX_REPLY_BYTES)
             out = wire.MessageWriter(writer)
             try:
-                challenge = await self._greeting(lines)
+                challenge = await wire.read_greeting(
+                    lines,
+                    f"{self.host}:{self.port}",
+                    min(self._timeout, self._greeting_timeout),
+                )
                 if isinstance(challenge, protocol.Error):  # over a connection limit
                     raise error_codes.refusal(challenge)
                 proof = protocol.make_proof(self._token, challenge.nonce) if self._token else None
@@ -125,32 +129,6 @@ class Client:
                 raise
             self._writer = out
             self._reader_task = asyncio.create_task(self._read_replies(lines))
-
-    async def _greeting(self, lines: wire.LineReader) -> protocol.Challenge | protocol.Error:
-        """The main's first message; anything else means the peer is not a main."""
-        where = f"{self.host}:{self.port}"
-        wait = min(self._timeout, self._greeting_timeout)
-        try:
-            first = await asyncio.wait_for(wire.read_message(lines), wait)
-        except TimeoutError:
-            raise ProtocolError(
-                f"{where} accepted the connection but sent no broker greeting within "
-                f"{wait:g} s: this is not a broker main (another service on that port?), "
-                "or a main too stalled to answer; check --main"
-            ) from None
-        except ProtocolError as exc:
-            raise ProtocolError(
-                f"{where} answered with something that is not the broker protocol: this is "
-                f"not a broker main; check --main ({exc})"
-            ) from None
-        if first is None:
-            raise ProtocolError(
-                f"{where} closed the connection without a broker greeting: this is not a "
-                "broker main; check --main"
-            )
-        if not isinstance(first, protocol.Challenge | protocol.Error):
-            raise ProtocolError(f"expected a challenge from the main at {where}, got {first!r}")
-        return first
 
     async def close(self) -> None:
         if self._reader_task is not None:
@@ -262,7 +240,7 @@ class Client:
             )
         request = protocol.JobRequest.from_spec(spec)
         if delay is not None:
-            request = dataclasses.replace(request, run_at=None, delay=float(delay))
+            request = msgspec.structs.replace(request, run_at=None, delay=float(delay))
         return (await self.enqueue_requests([request]))[0]
 
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[Enqueued]:

@@ -14,14 +14,22 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
+import msgspec
+
 from broker import protocol
 from broker.jobs import Job
 from broker.runner import Assignment
 
 
 def _by_name(target: Any, source: object, **differ: Any) -> dict[str, Any]:
-    """``target``'s fields taken from ``source`` by name, but for those that ``differ``."""
-    names = [f.name for f in fields(target) if f.name not in differ]
+    """``target``'s fields taken from ``source`` by name, but for those that ``differ``.
+    ``target`` is a message (a msgspec struct) or a dataclass (an ``Assignment``)."""
+    every = (
+        target.__struct_fields__
+        if issubclass(target, msgspec.Struct)
+        else [f.name for f in fields(target)]
+    )
+    names = [name for name in every if name not in differ]
     return {**{name: getattr(source, name) for name in names}, **differ}
 
 

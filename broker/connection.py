@@ -16,7 +16,7 @@ import logging
 import socket
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -73,6 +73,8 @@ class Session:
     peer: str
     writer: wire.MessageWriter
     max_outbox_bytes: int
+    max_line_bytes: int
+    """The longest line the peer accepts (the main's cap, which its welcome announces)."""
     max_requests: int
     """Client requests this connection may have in progress before reading pauses."""
     host: str | None = None
@@ -163,7 +165,18 @@ class Session:
         one slow peer cannot stall dispatch to the others."""
         if self.closed:
             return
-        data = protocol.encode(msg)
+        self._queue(protocol.encode(msg))
+
+    def send_batch(self, kind: type[protocol.Batch], msgs: Sequence[protocol.Message]) -> None:
+        """Queue ``msgs`` (the messages a ``kind`` batch carries) in as few lines as the
+        line limit allows, each message encoded once (:func:`broker.protocol.pack`)."""
+        if self.closed or not msgs:
+            return
+        limit = min(self.max_line_bytes, wire.BATCH_LINE_BYTES)
+        for line in protocol.pack(kind, [protocol.encode_item(msg) for msg in msgs], limit):
+            self._queue(line)
+
+    def _queue(self, data: bytes) -> None:
         self.outbox.append(data)
         self.outbox_bytes += len(data)
         self._queued.set()
@@ -215,6 +228,42 @@ class Session:
         self.dropped = True
         self.writer.abort()
         self._update_readable()
+
+
+class Gathered:
+    """The messages one batch of effects sends each peer, joined into batch lines.
+
+    Jobs and acknowledgements are gathered per peer and sent as ``jobs`` and
+    ``report_acks`` lines by :meth:`send_all`; any other message for a peer first sends
+    what was gathered for it, so each peer still receives its messages in order.
+    """
+
+    def __init__(self, sessions: Mapping[int, Session]) -> None:
+        self._sessions = sessions
+        self._gathered: dict[int, tuple[type[protocol.Batch], list[protocol.Message]]] = {}
+
+    def add(self, peer: int, kind: type[protocol.Batch], msg: protocol.Message) -> None:
+        if peer in self._gathered and self._gathered[peer][0] is not kind:
+            self._send_gathered(peer)
+        self._gathered.setdefault(peer, (kind, []))[1].append(msg)
+
+    def send(self, peer: int, msg: protocol.Message) -> None:
+        self._send_gathered(peer)
+        if (session := self._sessions.get(peer)) is not None:
+            session.send(msg)
+
+    def drop(self, peer: int) -> None:
+        """Forget what was gathered for ``peer`` (its connection is being aborted)."""
+        self._gathered.pop(peer, None)
+
+    def send_all(self) -> None:
+        for peer in list(self._gathered):
+            self._send_gathered(peer)
+
+    def _send_gathered(self, peer: int) -> None:
+        batch = self._gathered.pop(peer, None)
+        if batch is not None and (session := self._sessions.get(peer)) is not None:
+            session.send_batch(*batch)
 
 
 class Connections:
@@ -311,6 +360,7 @@ class Connections:
             peer=str(peername),
             writer=wire.MessageWriter(writer),
             max_outbox_bytes=self.settings.max_outbox_bytes,
+            max_line_bytes=self.settings.max_line_bytes,
             max_requests=self.settings.max_requests_per_connection,
         )
         lines = wire.LineReader(reader, max_line_bytes=self.settings.preauth_max_line_bytes)
@@ -398,11 +448,13 @@ class Connections:
                 session, protocol.ErrorCode.AUTH_FAILED, "wrong or missing token proof"
             )
             return False
-        if first.protocol != protocol.PROTOCOL_VERSION:
+        if protocol.choose_protocol(first) is None:
+            ours = ", ".join(map(str, protocol.SUPPORTED_PROTOCOLS))
+            theirs = ", ".join(map(str, first.spoken()))
             await self._fatal(
                 session,
                 protocol.ErrorCode.PROTOCOL_VERSION,
-                f"this main speaks protocol {protocol.PROTOCOL_VERSION}, not {first.protocol}",
+                f"this main speaks protocol {ours}, not {theirs}",
             )
             return False
         return self._welcome(session, first)

@@ -33,7 +33,7 @@ from typing import Any
 from broker import codec, protocol
 from broker.admission import CreditLimitError
 from broker.config import MainSettings
-from broker.connection import Connections, Session
+from broker.connection import Connections, Gathered, Session
 from broker.dispatch import Dispatcher
 from broker.exceptions import ProtocolError, transient
 from broker.group_commit import GroupCommit
@@ -299,18 +299,25 @@ class Main:
         return results
 
     def _carry(self, effects: Sequence[HandoffEffect]) -> None:
-        """Carry out the handoff's effects, in order (the dispatcher makes the claims)."""
+        """Carry out the handoff's effects, in order (the dispatcher makes the claims).
+
+        The jobs, and the acknowledgements, that one call sends a peer go out together as
+        batch lines (see :class:`broker.connection.Gathered`).
+        """
+        out = Gathered(self.sessions)
         for effect in effects:
             match effect:
+                case Send(peer=peer, message=protocol.ReportAck() as ack):
+                    out.add(peer, protocol.ReportAcks, ack)
                 case Send(peer=peer, message=message):
-                    if (session := self.sessions.get(peer)) is not None:
-                        session.send(message)
+                    out.send(peer, message)
                 case Dispatch(peer=peer, seq=seq, job=job):
-                    self.sessions[peer].send(codec.job_message(seq, job))
+                    out.add(peer, protocol.Jobs, codec.job_message(seq, job))
                     self.metrics.handed_off(job)
                 case ReturnLease():
                     self.ledger.kick()
                 case Abort(peer=peer, reason=reason):
+                    out.drop(peer)
                     if (session := self.sessions.get(peer)) is not None:
                         logger.warning(
                             "peer unresponsive, treating as disconnected "
@@ -326,6 +333,7 @@ class Main:
                     self.wake()
                 case ClaimJobs():
                     pass  # a store call to await: the dispatcher makes it
+        out.send_all()
 
     async def _load_orphans(self) -> None:
         cursor: str | None = None
@@ -356,7 +364,7 @@ class Main:
         session.send(
             protocol.Welcome(
                 main_id=self.main_id,
-                protocol=protocol.PROTOCOL_VERSION,
+                protocol=protocol.choose_protocol(hello) or protocol.PROTOCOL_VERSION,
                 ping_interval=self.settings.ping_interval,
                 adopted=adopted,
                 max_line_bytes=self.settings.max_line_bytes,
@@ -400,6 +408,14 @@ class Main:
                 | protocol.ReleaseReport()
             ) if worker:
                 self._carry(self.handoff.report(session.id, msg))
+            case protocol.Reports(reports=reports) if worker:
+                self._carry(
+                    [
+                        effect
+                        for report in reports
+                        for effect in self.handoff.report(session.id, report)
+                    ]
+                )
             case protocol.WorkerStatus(status=status) if worker:
                 session.reported_status = status
             case (

@@ -134,6 +134,21 @@ def result_too_large(result: JSONValue, limit: int | None) -> str | None:
     )
 
 
+ESCAPE_GROWTH = 3
+"""How many times larger a JSON value can get when its non-ASCII characters are escaped
+(the stored form) than as UTF-8 (the wire form): a two-byte character becomes six bytes
+(``\\u00e9``), a four-byte one twelve (a surrogate pair); everything else is the same."""
+
+
+def result_too_large_on_wire(result: JSONValue, wire_size: int, limit: int | None) -> str | None:
+    """:func:`result_too_large`, without measuring when a line of ``wire_size`` bytes that
+    holds ``result`` as UTF-8 JSON proves it fits (:data:`ESCAPE_GROWTH`): a worker then
+    encodes a result once, for the line, instead of once more to measure it."""
+    if limit is None or wire_size * ESCAPE_GROWTH <= limit:
+        return None
+    return result_too_large(result, limit)
+
+
 def result_too_deep(result: JSONValue, max_depth: int) -> str | None:
     """Why ``result`` may not be stored (it nests deeper than ``max_depth``), or ``None``."""
     if nesting_depth(result, max_depth) <= max_depth:
@@ -156,6 +171,7 @@ def result_problem(result: JSONValue, limit: int | None, max_depth: int) -> str 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "DEFAULT_MAX_PAYLOAD_DEPTH",
+    "ESCAPE_GROWTH",
     "LINE_HEADROOM_BYTES",
     "MAX_PAYLOAD_DEPTH_CEILING",
     "args_size",
@@ -167,4 +183,5 @@ __all__ = [
     "result_problem",
     "result_too_deep",
     "result_too_large",
+    "result_too_large_on_wire",
 ]

@@ -15,7 +15,7 @@ import contextlib
 from collections.abc import Iterable
 
 from broker.exceptions import ProtocolError
-from broker.protocol import ErrorCode, Message, decode, encode
+from broker.protocol import Challenge, Error, ErrorCode, Message, decode, encode
 
 PREAUTH_MAX_LINE_BYTES = 64 * 1024
 """The cap before a peer has authenticated. Small, because an unauthenticated peer
@@ -29,6 +29,11 @@ STREAM_LIMIT = MAX_LINE_BYTES
 """A ``limit=`` for ``asyncio.start_server``/``open_connection``. The stream's limit is only
 its read-ahead (asyncio stops reading the socket once about twice the limit is buffered);
 :class:`LineReader` enforces line caps itself, so any limit works with any cap."""
+
+BATCH_LINE_BYTES = 256 * 1024
+"""Where a batch line (``jobs``, ``reports``, ``report_acks``) is cut, below the line cap:
+past a few hundred messages a bigger line saves nothing, and the peer could act on
+the first of them sooner. A single message longer than this still goes alone."""
 
 READ_CHUNK_BYTES = 64 * 1024
 """How much :class:`LineReader` takes from the stream at a time."""
@@ -126,6 +131,39 @@ async def read_message(reader: LineReader) -> Message | None:
     """The next message, or ``None`` at a clean EOF; raises ``ProtocolError`` subclasses."""
     line = await reader.read_line()
     return None if line is None else decode(line)
+
+
+GREETING_TIMEOUT = 2.0
+"""How long a main may take to send its challenge after accepting a connection. It sends
+it at once, so a peer silent this long is some other service (PostgreSQL and Redis wait
+for the client to speak first), or a main too stalled to serve anyway."""
+
+
+async def read_greeting(reader: LineReader, where: str, wait: float) -> Challenge | Error:
+    """The main's first message (a challenge, or an error such as a connection cap); any
+    other answer, silence for ``wait`` seconds, or a close means ``where`` is not a broker
+    main, and the :class:`~broker.exceptions.ProtocolError` raised says so."""
+    try:
+        first = await asyncio.wait_for(read_message(reader), wait)
+    except TimeoutError:
+        raise ProtocolError(
+            f"{where} accepted the connection but sent no broker greeting within "
+            f"{wait:g} s: this is not a broker main (another service on that port?), "
+            "or a main too stalled to answer; check --main"
+        ) from None
+    except ProtocolError as exc:
+        raise ProtocolError(
+            f"{where} answered with something that is not the broker protocol: this is "
+            f"not a broker main; check --main ({exc})"
+        ) from None
+    if first is None:
+        raise ProtocolError(
+            f"{where} closed the connection without a broker greeting: this is not a "
+            "broker main; check --main"
+        )
+    if not isinstance(first, Challenge | Error):
+        raise ProtocolError(f"expected a challenge from the main at {where}, got {first.type}")
+    return first
 
 
 class MessageWriter:

@@ -371,11 +371,12 @@ class Worker:
     async def _handshake(
         self, lines: wire.LineReader, writer: wire.MessageWriter
     ) -> protocol.Welcome:
-        match await wire.read_message(lines):
+        host, port = self._address
+        match await wire.read_greeting(lines, f"{host}:{port}", wire.GREETING_TIMEOUT):
             case protocol.Challenge() as challenge:
                 pass
-            case first:
-                raise self._refusal(first, "challenge")
+            case refusal:
+                raise self._refusal(refusal, "challenge")
         if challenge.auth_required and not self._token:
             raise ConfigurationError(
                 "the main requires a token: set the same BROKER_TOKEN as on the main"
@@ -384,6 +385,7 @@ class Worker:
             protocol.Hello(
                 role=protocol.Role.WORKER,
                 protocol=protocol.PROTOCOL_VERSION,
+                protocols=list(protocol.SUPPORTED_PROTOCOLS),
                 proof=protocol.make_proof(self._token, challenge.nonce) if self._token else None,
                 worker_id=self.worker_id,
                 host=socket.gethostname(),
@@ -396,8 +398,13 @@ class Worker:
             )
         )
         match await wire.read_message(lines):
-            case protocol.Welcome() as welcome:
+            case protocol.Welcome() as welcome if welcome.protocol in protocol.SUPPORTED_PROTOCOLS:
                 return welcome
+            case protocol.Welcome() as welcome:
+                raise ConfigurationError(
+                    f"the main chose protocol {welcome.protocol}, which this worker does not "
+                    "speak: run the same broker version on both"
+                )
             case reply:
                 raise self._refusal(reply, "welcome")
 
@@ -445,7 +452,7 @@ class Worker:
                 self._logger.warning("ignoring a message from the main: %s", exc)
                 continue
             except protocol.DecodeError as exc:
-                if exc.msg_type != protocol.ReportAck.type:
+                if exc.msg_type not in (protocol.ReportAck.type, protocol.ReportAcks.type):
                     raise
                 # A newer main may answer with a status this worker does not know. Keep
                 # the connection (and the leases on it); the report stays in the outbox
@@ -457,24 +464,33 @@ class Worker:
             self._handle(msg)
 
     async def _send_loop(self, conn: _Connection) -> None:
-        """The one sender of everything except pings: reports in outbox order, then at
+        """The one sender of everything except pings: reports in outbox order (as few
+        ``reports`` lines as the line limit allows, each report encoded once), then at
         most one ``ready`` per wake-up, computed at the moment it is sent."""
+        batch_bytes = min(conn.welcome.max_line_bytes, wire.BATCH_LINE_BYTES)
         while True:
             await self._wake.wait()
             # One more turn lets a job that just freed its slot file its report, so the
             # report and the ``ready`` counting its slot go out together.
             await asyncio.sleep(0)
             self._wake.clear()
-            batch = self._state.outgoing()
+            lines: list[bytes] = []
+            reports: list[bytes] = []
+            for msg in self._state.outgoing():
+                if isinstance(msg, protocol.Report):
+                    reports.append(self._state.encoded(msg))
+                else:
+                    lines.append(protocol.encode(msg))
+            lines.extend(protocol.pack(protocol.Reports, reports, batch_bytes))
             ready = self._state.take_ready(self._free_slots())
             if ready is not None or conn.status_sent is None:
                 status = self._status_message(conn)
                 if status is not None:
-                    batch.append(status)
+                    lines.append(status)
             if ready is not None:
-                batch.append(ready)
+                lines.append(protocol.encode(ready))
             async with asyncio.timeout(self._liveness_timeout):
-                await conn.writer.send_many(batch)
+                await conn.writer.write_raw(b"".join(lines))
 
     async def _ping_loop(self, conn: _Connection) -> None:
         for nonce in itertools.count(1):
@@ -552,8 +568,14 @@ class Worker:
         match msg:
             case protocol.JobHandoff():
                 self._apply(self._state.job_received(msg, self._free_slots()))
+            case protocol.Jobs(jobs=jobs):
+                for job in jobs:
+                    self._apply(self._state.job_received(job, self._free_slots()))
             case protocol.ReportAck():
                 self._apply(self._state.ack_received(msg))
+            case protocol.ReportAcks(acks=acks):
+                for ack in acks:
+                    self._apply(self._state.ack_received(ack))
             case protocol.CancelJob():
                 self._apply(self._state.cancel_received(msg))
             case protocol.Ping(nonce=nonce):
@@ -571,9 +593,9 @@ class Worker:
             case _:
                 self._logger.warning("ignoring an unexpected %s message from the main", msg.type)
 
-    def _status_message(self, conn: _Connection) -> protocol.WorkerStatus | None:
-        """A ``worker_status`` when capacity or a start-up error changed since the last one
-        sent on this connection (always the first time), else ``None``."""
+    def _status_message(self, conn: _Connection) -> bytes | None:
+        """A ``worker_status`` line when capacity or a start-up error changed since the last
+        one sent on this connection (always the first time), else ``None``."""
         runners = {mode: runner.status() for mode, runner in self._runners.items()}
         signature = (
             self._state.draining,
@@ -584,13 +606,12 @@ class Worker:
         conn.status_sent = signature
         status = self.status()
         status["runners"] = {mode.value: dataclasses.asdict(st) for mode, st in runners.items()}
-        msg = protocol.WorkerStatus(status=status)
         try:
-            protocol.encode(msg)
+            return protocol.encode(protocol.WorkerStatus(status=status))
         except ValueError:  # a runner's details that are not JSON must not cost the status
             for runner_status in status["runners"].values():
                 runner_status["details"] = {}
-        return msg
+            return protocol.encode(protocol.WorkerStatus(status=status))
 
     def _log_job(self, level: int, event: str, key: LeaseKey, **fields: object) -> None:
         log_job(self._logger, level, event, key, **fields)

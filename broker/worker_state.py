@@ -31,7 +31,7 @@ from typing import TypeAlias
 from broker import codec, protocol
 from broker.exceptions import ProtocolError, TaskNotFoundError
 from broker.jobs import ExecutionMode
-from broker.payload import result_problem
+from broker.payload import result_too_deep, result_too_large_on_wire
 from broker.runner import Assignment, Completed, Failed, Released, Rescheduled, RunOutcome
 
 LeaseKey: TypeAlias = tuple[uuid.UUID, uuid.UUID]
@@ -91,6 +91,9 @@ class _Link:
     seen: int = 0
     """The ``seq`` of the last job decided on; ``seq`` starts again at 1 per connection."""
     unsent: deque[LeaseKey] = field(default_factory=deque)
+    encoded: dict[LeaseKey, bytes] = field(default_factory=dict)
+    """Reports :meth:`WorkerState.outgoing` measured, as encoded for the line: the sender
+    packs these very bytes (:meth:`WorkerState.encoded`), so no report is encoded twice."""
     pongs: list[int] = field(default_factory=list)
     draining_sent: bool = False
 
@@ -430,29 +433,45 @@ class WorkerState:
         limits (from ``welcome``) fails here, as the main would fail it, without being sent.
         """
         limit = link.max_line_bytes
+        completed = report if isinstance(report, protocol.CompletedReport) else None
         problem = None
-        if isinstance(report, protocol.CompletedReport):
-            problem = result_problem(report.result, link.max_payload_bytes, link.max_payload_depth)
+        if completed is not None:
+            # Depth first: encoding a value nested too deeply would itself recurse too far.
+            problem = result_too_deep(completed.result, link.max_payload_depth)
         if problem is None:
             try:
-                size = len(protocol.encode(report)) - 1
+                encoded = protocol.encode_item(report)
             except ValueError as exc:
                 problem = f"the outcome cannot be sent as JSON: {exc}"
             else:
-                if size <= limit:
+                size = len(encoded)
+                if completed is not None:
+                    problem = result_too_large_on_wire(
+                        completed.result, size, link.max_payload_bytes
+                    )
+                if problem is None and size <= limit:
+                    link.encoded[key] = encoded
                     return report
-                problem = (
+                problem = problem or (
                     f"the {report.type} report is {size} bytes, over the main's limit of {limit}"
                 )
         if isinstance(report, protocol.FailedReport):
-            # Keep the retry decision; ASCII-escaped JSON is at most 6 bytes a character.
+            # Keep the retry decision; JSON spends at most 6 bytes on a character.
             error = report.error[: limit // 8]
             fitted = protocol.FailedReport(*key, error=error, retry=report.retry)
         else:
             fitted = protocol.FailedReport(*key, error=problem[:1000], retry=False)
         self._log_job(logging.ERROR, "report replaced", key, reason=problem[:200])
         self._outbox[key] = fitted
+        link.encoded[key] = protocol.encode_item(fitted)
         return fitted
+
+    def encoded(self, report: protocol.Report) -> bytes:
+        """``report`` (from :meth:`outgoing`) as encoded when it was measured."""
+        key = (report.job_id, report.handoff_id)
+        line = self._require_link().encoded.pop(key, None)
+        # Absent only if one lease's report was listed twice: encode the repeat again.
+        return protocol.encode_item(report) if line is None else line
 
     # ------------------------------------------------------------------ helpers
 

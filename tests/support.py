@@ -105,19 +105,23 @@ class FakeWorker:
 
     async def _read(self, lines: wire.LineReader) -> None:
         try:
-            while (msg := await wire.read_message(lines)) is not None:
-                match msg:
-                    case protocol.JobHandoff():
-                        self.jobs.put_nowait(msg)
-                    case protocol.ReportAck():
-                        self.acks.put_nowait(msg)
-                    case protocol.Ping(nonce=nonce):
-                        self.pings += 1
-                        await self.send(protocol.Pong(nonce=nonce))
-                    case protocol.Error():
-                        self.errors.append(msg)
+            while (line := await wire.read_message(lines)) is not None:
+                for msg in protocol.unbatch(line):
+                    await self._handle(msg)
         except (ConnectionError, OSError):
             pass
+
+    async def _handle(self, msg: protocol.Message) -> None:
+        match msg:
+            case protocol.JobHandoff():
+                self.jobs.put_nowait(msg)
+            case protocol.ReportAck():
+                self.acks.put_nowait(msg)
+            case protocol.Ping(nonce=nonce):
+                self.pings += 1
+                await self.send(protocol.Pong(nonce=nonce))
+            case protocol.Error():
+                self.errors.append(msg)
 
     @property
     def connected(self) -> bool:

@@ -38,6 +38,7 @@ from broker.tasks import TaskRegistry, task
 from broker.testing import FakeClock
 from broker.triggers import EPOCH, CronExpression, Interval
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
+from tests.support import until
 
 
 def utc(*parts: int) -> datetime:
@@ -637,10 +638,15 @@ async def test_two_running_schedulers_and_a_restart_enqueue_every_second_once(
     a, b, c = (RecordingStore(shared()) for _ in range(3))
     first = await _run_for(Scheduler(a, [schedule]))
     second = await _run_for(Scheduler(b, [schedule]))
-    await asyncio.sleep(2.3)
+
+    def ticks() -> int:
+        return len([r for r in a.results + b.results + c.results if not r.duplicate])
+
+    # Waits on what was written, not on the clock, so a loaded machine only makes it slower.
+    await until(lambda: ticks() >= 2 and any(r.duplicate for r in a.results + b.results))
     await _cancel(first)  # one main goes away; a replacement starts
     third = await _run_for(Scheduler(c, [schedule]))
-    await asyncio.sleep(1.5)
+    await until(lambda: ticks() >= 4 and c.results)
     await _cancel(second, third)
 
     jobs = await all_jobs(a.inner)

@@ -127,13 +127,14 @@ class FakeMain:
         try:
             if self.silent:
                 await asyncio.sleep(3600)
-            while (msg := await wire.read_message(lines)) is not None:
-                if isinstance(msg, protocol.Ping):
-                    await writer.send(protocol.Pong(nonce=msg.nonce))
-                elif isinstance(msg, protocol.WorkerStatus):
-                    session.statuses.append(msg)
-                elif not isinstance(msg, protocol.Pong):
-                    session.inbox.put_nowait(msg)
+            while (line := await wire.read_message(lines)) is not None:
+                for msg in protocol.unbatch(line):  # a batch's items, one by one
+                    if isinstance(msg, protocol.Ping):
+                        await writer.send(protocol.Pong(nonce=msg.nonce))
+                    elif isinstance(msg, protocol.WorkerStatus):
+                        session.statuses.append(msg)
+                    elif not isinstance(msg, protocol.Pong):
+                        session.inbox.put_nowait(msg)
         except (OSError, wire.UnterminatedLineError):
             pass
         finally:

@@ -58,6 +58,25 @@ SAMPLES: list[p.Message] = [
     p.RescheduleReport(JOB_ID, LEASE_ID, delay=12.5),
     p.ReleaseReport(JOB_ID, LEASE_ID, reason="draining"),
     p.ReportAck(JOB_ID, LEASE_ID, p.AckStatus.DUPLICATE),
+    p.Jobs(
+        [
+            p.JobHandoff(19, JOB_ID, LEASE_ID, "t", [], {}, ExecutionMode.POOLED, 1, 3, None, "q"),
+            p.JobHandoff(20, LEASE_ID, JOB_ID, "t", [1], {}, ExecutionMode.INLINE, 1, 3, 1.5, "q"),
+        ]
+    ),
+    p.Reports(
+        [
+            p.CompletedReport(JOB_ID, LEASE_ID, result=[1]),
+            p.FailedReport(LEASE_ID, JOB_ID, error="boom"),
+            p.ReleaseReport(JOB_ID, JOB_ID, reason="draining"),
+        ]
+    ),
+    p.ReportAcks(
+        [
+            p.ReportAck(JOB_ID, LEASE_ID, p.AckStatus.APPLIED),
+            p.ReportAck(LEASE_ID, JOB_ID, p.AckStatus.STALE),
+        ]
+    ),
     p.Draining(),
     p.Ping(nonce=7),
     p.Pong(nonce=7),

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -197,13 +197,13 @@ def test_a_repeated_lease_is_neither_run_nor_released() -> None:
     state.connected(welcome())
     first = job(1)
     key = start(state, first)
-    assert started(state.job_received(dataclasses.replace(first, seq=2), FREE)) == []
+    assert started(state.job_received(msgspec.structs.replace(first, seq=2), FREE)) == []
     assert state.outgoing() == []
     assert list(state.running) == [key]
 
     state.run_finished(key, Completed(5))
     state.outgoing()
-    assert started(state.job_received(dataclasses.replace(first, seq=3), FREE)) == []
+    assert started(state.job_received(msgspec.structs.replace(first, seq=3), FREE)) == []
     assert state.outgoing() == [], "a reported lease is not released either"
     assert state.outbox[key] == protocol.CompletedReport(*key, result=5)
 
@@ -563,7 +563,7 @@ class WorkerRules(RuleBasedStateMachine):
     def main_repeats_a_held_lease(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.state.held_leases())))
         self.seq += 1
-        repeat = dataclasses.replace(job(self.seq), job_id=key[0], handoff_id=key[1])
+        repeat = msgspec.structs.replace(job(self.seq), job_id=key[0], handoff_id=key[1])
         before = dict(self.state.outbox)
         assert started(self.state.job_received(repeat, self.free())) == []
         assert self.state.outbox == before

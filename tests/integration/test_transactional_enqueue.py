@@ -1,0 +1,239 @@
+"""``broker.enqueue_in`` / ``enqueue_in_async``: jobs in the application's own transaction.
+
+Real stores only: a SQLite file and PostgreSQL, each reached by the application through
+its own SQLAlchemy engine (a sync driver for ``Session``/``Connection``, an async one for
+``AsyncSession``/``AsyncConnection``), while the broker's store reads the same tables.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.orm import (
+    DeclarativeBase,
+    Mapped,
+    Session,
+    mapped_column,
+    scoped_session,
+    sessionmaker,
+)
+
+import broker
+from adapters.sql import SQLAlchemyAdapter
+from broker.jobs import JobSpec, JobStatus
+from broker.tasks import TaskRegistry, task
+from tests.conftest import POSTGRES_URL, drop_schema, fresh_schema_name, require_postgres
+
+registry = TaskRegistry()
+
+
+@task(name="shop.ship", queue="shipping", retries=2, registry=registry)
+def ship(order_id: int) -> None: ...
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Order(Base):
+    __tablename__ = "orders"
+    id: Mapped[int] = mapped_column(primary_key=True)
+
+
+@dataclass
+class AppDatabase:
+    sync_url: str
+    async_url: str
+    connect_args: dict[str, object]
+    schema: str | None
+    """The PostgreSQL schema of the broker's tables (the app's are elsewhere)."""
+    store: SQLAlchemyAdapter
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def app_db(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[AppDatabase]:
+    if request.param == "sqlite":
+        path = tmp_path / "app.db"
+        store = SQLAlchemyAdapter(f"sqlite+aiosqlite:///{path}")
+        await store.setup()
+        db = AppDatabase(f"sqlite:///{path}", f"sqlite+aiosqlite:///{path}", {}, None, store)
+        _create_app_tables(db)
+        try:
+            yield db
+        finally:
+            await store.close()
+        return
+    url = require_postgres()
+    # The app's tables in one schema (its search_path), the broker's in another: the
+    # broker's schema must reach its own statements only.
+    app_schema, broker_schema = fresh_schema_name(), fresh_schema_name()
+    store = SQLAlchemyAdapter(url, schema=broker_schema)
+    await store.setup()
+    plain = url.replace("postgresql+asyncpg://", "postgresql+psycopg://", 1)
+    engine = sa.create_engine(plain)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{app_schema}"')
+    engine.dispose()
+    db = AppDatabase(
+        plain,
+        POSTGRES_URL,
+        {"options": f"-csearch_path={app_schema}"},
+        broker_schema,
+        store,
+    )
+    _create_app_tables(db)
+    try:
+        yield db
+    finally:
+        await store.close()
+        await drop_schema(app_schema)
+        await drop_schema(broker_schema)
+
+
+def _create_app_tables(db: AppDatabase) -> None:
+    engine = sa.create_engine(db.sync_url, connect_args=db.connect_args)
+    Base.metadata.create_all(engine)
+    engine.dispose()
+
+
+def _orders(db: AppDatabase) -> list[int]:
+    engine = sa.create_engine(db.sync_url, connect_args=db.connect_args)
+    try:
+        with Session(engine) as session:
+            return list(session.scalars(sa.select(Order.id).order_by(Order.id)))
+    finally:
+        engine.dispose()
+
+
+async def test_a_session_enqueue_commits_with_the_apps_rows_and_vanishes_with_a_rollback(
+    app_db: AppDatabase,
+) -> None:
+    engine = sa.create_engine(app_db.sync_url, connect_args=app_db.connect_args)
+    try:
+        with Session(engine) as session, session.begin():
+            kept = broker.enqueue_in(session, ship, [1], schema=app_db.schema)
+            session.add(Order(id=1))  # after the enqueue: its schema did not stick
+        with Session(engine) as session:
+            session.begin()
+            session.add(Order(id=2))
+            session.flush()
+            dropped = broker.enqueue_in(session, "shop.ship", [2], schema=app_db.schema)
+            session.rollback()
+    finally:
+        engine.dispose()
+    assert _orders(app_db) == [1]
+    stored = await app_db.store.get_job(kept.job.id)
+    assert stored is not None and stored.status is JobStatus.QUEUED
+    # The task's defaults came along, as through the main.
+    assert (stored.task, stored.args, stored.queue, stored.max_attempts) == (
+        "shop.ship",
+        (1,),
+        "shipping",
+        3,
+    )
+    assert await app_db.store.get_job(dropped.job.id) is None
+
+
+async def test_a_connection_enqueue_follows_its_transaction_and_keeps_duplicate_rules(
+    app_db: AppDatabase,
+) -> None:
+    engine = sa.create_engine(app_db.sync_url, connect_args=app_db.connect_args)
+    try:
+        with engine.begin() as conn:
+            first = broker.enqueue_in(
+                conn, ship, [3], idempotency_key=f"order-3-{uuid.uuid4()}", schema=app_db.schema
+            )
+            key = first.job.idempotency_key
+            assert key is not None
+            again = broker.enqueue_in(conn, ship, [3], idempotency_key=key, schema=app_db.schema)
+            [a, b] = broker.enqueue_many_in(
+                conn,
+                [JobSpec(task="shop.ship", unique_key="u-3"), JobSpec(task="x", unique_key="u-3")],
+                schema=app_db.schema,
+            )
+        with engine.begin() as conn:
+            later = broker.enqueue_in(conn, ship, [3], idempotency_key=key, schema=app_db.schema)
+    finally:
+        engine.dispose()
+    assert not first.duplicate
+    assert again.duplicate and again.job.id == first.job.id
+    assert later.duplicate and later.job.id == first.job.id
+    assert not a.duplicate and b.duplicate and b.job.id == a.job.id
+
+
+async def test_a_scoped_session_as_flask_sqlalchemy_gives_it_is_accepted(
+    app_db: AppDatabase,
+) -> None:
+    engine = sa.create_engine(app_db.sync_url, connect_args=app_db.connect_args)
+    session = scoped_session(sessionmaker(engine))
+    try:
+        session.add(Order(id=9))
+        job = broker.enqueue_in(session, ship, [9], schema=app_db.schema)
+        session.commit()
+    finally:
+        session.remove()
+        engine.dispose()
+    assert _orders(app_db) == [9]
+    assert await app_db.store.get_job(job.job.id) is not None
+
+
+async def test_an_async_session_enqueue_commits_and_rolls_back_with_it(
+    app_db: AppDatabase,
+) -> None:
+    engine = create_async_engine(app_db.async_url, connect_args=_async_args(app_db))
+    try:
+        async with AsyncSession(engine) as session, session.begin():
+            kept = await broker.enqueue_in_async(session, ship, [4], schema=app_db.schema)
+            session.add(Order(id=4))
+        async with AsyncSession(engine) as session:
+            await session.begin()
+            session.add(Order(id=5))
+            await session.flush()
+            dropped = await broker.enqueue_in_async(
+                session, "shop.ship", [5], delay=60, schema=app_db.schema
+            )
+            await session.rollback()
+        async with engine.connect() as conn:
+            await conn.begin()
+            via_conn = await broker.enqueue_in_async(conn, ship, [6], schema=app_db.schema)
+            await conn.commit()
+    finally:
+        await engine.dispose()
+    assert _orders(app_db) == [4]
+    assert await app_db.store.get_job(kept.job.id) is not None
+    assert await app_db.store.get_job(via_conn.job.id) is not None
+    assert await app_db.store.get_job(dropped.job.id) is None
+
+
+def _async_args(db: AppDatabase) -> dict[str, object]:
+    if "options" not in db.connect_args:
+        return {}
+    path = str(db.connect_args["options"]).removeprefix("-csearch_path=")
+    return {"server_settings": {"search_path": path}}
+
+
+async def test_a_bad_job_is_refused_before_anything_is_written(app_db: AppDatabase) -> None:
+    engine = sa.create_engine(app_db.sync_url, connect_args=app_db.connect_args)
+    try:
+        with Session(engine) as session, session.begin():
+            with pytest.raises(broker.PayloadTooLargeError):
+                broker.enqueue_many_in(
+                    session,
+                    [JobSpec(task="ok"), JobSpec(task="big", args=["x" * 200])],
+                    schema=app_db.schema,
+                    max_payload_bytes=100,
+                )
+            with pytest.raises(broker.InvalidJobError):
+                broker.enqueue_in(session, ship, [1], delay=5, run_at=None, queue="")
+            with pytest.raises(TypeError, match="enqueue_in_async"):
+                broker.enqueue_in(AsyncSession(), ship, [1])  # type: ignore[arg-type]
+    finally:
+        engine.dispose()
+    page = await app_db.store.list_jobs(limit=10)
+    assert page.jobs == []

@@ -1,0 +1,75 @@
+"""``broker.transactional.job_spec``: the job a transactional enqueue stores, from a task
+or a name and the options of ``Client.enqueue``, checked before any database is touched."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from broker.exceptions import InvalidJobError
+from broker.jobs import ExecutionMode
+from broker.tasks import TaskRegistry, task
+from broker.transactional import job_spec
+
+registry = TaskRegistry()
+
+
+@task(name="t.unique", queue="q", retries=0, mode="inline", unique=True, registry=registry)
+def unique_task(n: int) -> None: ...
+
+
+def test_a_task_gives_its_defaults_and_options_override_them() -> None:
+    spec = job_spec(unique_task, [1])
+    assert (spec.task, spec.queue, spec.max_attempts, spec.execution_mode) == (
+        "t.unique",
+        "q",
+        1,
+        ExecutionMode.INLINE,
+    )
+    assert spec.unique_key is not None and spec.unique_key.startswith("t.unique:")
+    spec = job_spec(unique_task, [1], queue="other", execution_mode="forked", unique_key="k")
+    assert (spec.queue, spec.execution_mode, spec.unique_key) == (
+        "other",
+        ExecutionMode.FORKED,
+        "k",
+    )
+
+
+def test_a_name_gets_the_job_defaults_and_a_delay_runs_from_now() -> None:
+    before = datetime.now(UTC)
+    spec = job_spec("t.plain", [1], {"a": 2}, delay=30)
+    assert (spec.task, spec.args, spec.kwargs, spec.queue) == ("t.plain", (1,), {"a": 2}, "default")
+    assert spec.run_at is not None
+    assert (
+        before + timedelta(seconds=30) <= spec.run_at <= datetime.now(UTC) + timedelta(seconds=30)
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"delay": 1, "run_at": datetime.now(UTC)}, "run_at or delay"),
+        ({"delay": -1}, "delay"),
+        ({"execution_mode": "threaded"}, "execution_mode must be one of"),
+        ({"queue": ""}, "queue"),
+        ({"priority": 2**40}, "32 bits"),
+    ],
+)
+def test_bad_options_are_refused_with_the_jobs_own_errors(
+    options: dict[str, object], message: str
+) -> None:
+    with pytest.raises(InvalidJobError, match=message):
+        job_spec("t.plain", **options)  # type: ignore[arg-type]
+
+
+def test_a_database_that_cannot_hold_the_store_is_refused_by_name() -> None:
+    from broker.exceptions import ConfigurationError
+    from broker.transactional import enqueue_on_statements
+
+    class Unused:
+        def execute(self, *args: object, **kwargs: object) -> object:
+            raise AssertionError("nothing may be executed")
+
+    with pytest.raises(ConfigurationError, match="'mysql'"):
+        enqueue_on_statements(Unused(), "mysql", [job_spec("t.plain")])
