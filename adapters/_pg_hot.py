@@ -25,17 +25,13 @@ import asyncpg  # type: ignore[import-untyped]
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg_dialect
 
-from adapters._sql_schema import concurrency, jobs
+from adapters._sql_schema import INSERT_COLUMNS, concurrency, jobs
 
 _PG: sa.Dialect = pg_dialect.dialect()  # type: ignore[no-untyped-call]
 
 
 def _pg_type(column: sa.Column[Any]) -> str:
     return str(column.type.compile(dialect=_PG))
-
-
-INSERT_COLUMNS = [c.name for c in jobs.c if c.name != "seq"]
-"""What an enqueue writes: every column but ``seq``, which PostgreSQL fills in."""
 
 
 class HotSql:

@@ -15,7 +15,7 @@ How the contract in :mod:`broker.storage` maps onto SQL:
   SQLite's busy handler. Another process on the same file waits up to the busy
   timeout. The journal is WAL with ``synchronous=FULL``: a commit is on disk before
   the call returns, because the broker acknowledges only what is durable.
-* **The hot path** (claims, settles; on PostgreSQL also selection and enqueues) does
+* **The hot path** (claims, settles and enqueues; on PostgreSQL also selection) does
   not go through SQLAlchemy: PostgreSQL runs each as one asyncpg statement over arrays
   on a pool of its own (:mod:`adapters._pg_hot`), SQLite as one transaction in one
   thread hop on a connection of its own (:mod:`adapters._sqlite_hot`). SQLAlchemy
@@ -57,6 +57,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from adapters import DEFAULT_HOT_POOL_SIZE, DEFAULT_POOL_SIZE
 from adapters._sql_schema import (
+    INSERT_COLUMNS,
     IS_ACTIVE,
     IS_HANDED_OFF,
     IS_QUEUED,
@@ -879,10 +880,50 @@ class SQLAlchemyAdapter:
         if self._hot is not None:
             results = await self._enqueue_raw(specs, claims)
         else:
-            async with self._write("enqueue") as conn:
-                results = await self._enqueue_on(conn, specs, claims)
+            results = await self._lite_write(
+                "enqueue", lambda conn: self._enqueue_lite(conn, specs, claims)
+            )
         self._note_inserts(sum(not r.duplicate for r in results))
         return results
+
+    def _enqueue_lite(
+        self, conn: sqlite3.Connection, specs: Sequence[JobSpec], claims: Sequence[Claim | None]
+    ) -> list[EnqueueResult]:
+        """SQLite: the enqueue rule as one transaction on the hot connection, in one hop.
+
+        The rule is a coroutine (:meth:`_enqueue_with`); over ``sqlite3`` none of its
+        awaits suspends, so it runs to the end on the hot thread (``complete_now``).
+        """
+
+        async def insert(rows: list[dict[str, Any]]) -> set[uuid.UUID]:
+            names = ", ".join(INSERT_COLUMNS)
+            marks = ", ".join("?" * len(INSERT_COLUMNS))
+            stmt = (
+                f"INSERT INTO broker_jobs ({names}) VALUES ({marks}) "
+                "ON CONFLICT DO NOTHING RETURNING id"
+            )
+            stored: set[uuid.UUID] = set()
+            for row in rows:
+                values = [_lite_value(row[name]) for name in INSERT_COLUMNS]
+                stored.update(uuid.UUID(hex=r[0]) for r in conn.execute(stmt, values).fetchall())
+            return stored
+
+        async def find(missing: Sequence[JobSpec]) -> list[Job | None]:
+            found = conn.execute(
+                "SELECT * FROM broker_jobs WHERE id IN (SELECT value FROM json_each(?)) "
+                "OR idempotency_key IN (SELECT value FROM json_each(?)) "
+                "OR (unique_key IN (SELECT value FROM json_each(?)) "
+                "AND status IN ('handed_off', 'queued'))",
+                (
+                    json.dumps([s.id.hex for s in missing]),
+                    json.dumps([s.idempotency_key for s in missing if s.idempotency_key]),
+                    json.dumps([s.unique_key for s in missing if s.unique_key is not None]),
+                ),
+            ).fetchall()
+            return _match_holders(missing, [_lite_job(r) for r in found])
+
+        with immediate(conn):
+            return complete_now(self._enqueue_with(insert, find, specs, claims))
 
     async def _enqueue_raw(
         self, specs: Sequence[JobSpec], claims: Sequence[Claim | None]
@@ -892,8 +933,6 @@ class SQLAlchemyAdapter:
         A single job needs no transaction (its one statement commits on its own, so an
         enqueue is one round trip); a batch takes one, so it is stored all or nothing.
         """
-        from adapters._pg_hot import INSERT_COLUMNS
-
         async with self._driver_conn("enqueue") as (sql, conn):
 
             async def insert(rows: list[dict[str, Any]]) -> set[uuid.UUID]:
