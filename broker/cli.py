@@ -32,7 +32,7 @@ from broker.schedule import declared_in
 from broker.tasks import default_registry
 from broker.untrusted import escape_control
 from broker.web import Dashboard, WorkerMetricsServer
-from broker.worker import Worker
+from broker.worker import DEFAULT_PREFETCH, Worker
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./broker.db"
 
@@ -502,8 +502,9 @@ _RUNNER_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     (
         "--pooled-max-jobs",
         _number(int, "pooled max jobs"),
-        100,
-        "recycle a pooled child after this many jobs",
+        None,
+        "recycle a pooled child after this many jobs (default: never; the memory and "
+        "age limits still apply)",
     ),
     (
         "--pooled-max-rss-bytes",
@@ -588,6 +589,15 @@ def worker_parser() -> argparse.ArgumentParser:
         type=_number(float, "drain timeout"),
         help="seconds running jobs get to finish on SIGTERM (default: wait)",
     )
+    _env_option(
+        p,
+        "--prefetch",
+        type=_count,
+        default=DEFAULT_PREFETCH,
+        help="jobs per mode held beyond the free slots, so a finished job's slot is "
+        "refilled at once; their leases go back if the connection drops "
+        f"(default: {DEFAULT_PREFETCH})",
+    )
     _add_log_options(p)
     return p
 
@@ -657,6 +667,7 @@ async def run_worker(args: argparse.Namespace) -> None:
         token=args.token or None,
         queues=queues,
         drain_timeout=float(args.drain_timeout) if args.drain_timeout else None,
+        prefetch=args.prefetch,
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -77,7 +77,7 @@ class RunnerOptions:
     inline_concurrency: int = 4
     pooled_runner_count: int = field(default_factory=lambda: os.cpu_count() or 1)
     pooled_runner_concurrency: int = 1
-    pooled_max_jobs: int = 100
+    pooled_max_jobs: int | None = None
     pooled_max_rss_bytes: int = 512 << 20
     pooled_max_lifetime: float = 3600.0
     forked_concurrency: int = 2

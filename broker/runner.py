@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Protocol
 
-from broker.jobs import ExecutionMode, JSONValue, json_field
+from broker.jobs import ExecutionMode, JSONValue
 from broker.values import check_delay
 
 
@@ -112,31 +112,3 @@ class Runner(Protocol):
         """Stop taking jobs, give running ones ``grace`` seconds, then stop them hard."""
 
     def status(self) -> RunnerStatus: ...
-
-
-_FROM_PIPE: dict[str, Callable[[Any], Any]] = {
-    "job_id": uuid.UUID,
-    "handoff_id": uuid.UUID,
-    "args": tuple,
-    "kwargs": dict,
-    "execution_mode": ExecutionMode,
-    "attempt": int,
-    "max_attempts": int,
-}
-"""The assignment fields JSON does not hold as they are; the rest pass unchanged."""
-
-
-def assignment_to_pipe(a: Assignment) -> dict[str, Any]:
-    """An assignment as the ``job`` line a parent writes to a runner child."""
-    return {"type": "job", **{f.name: json_field(getattr(a, f.name)) for f in fields(a)}}
-
-
-def assignment_from_pipe(message: dict[str, Any]) -> Assignment:
-    """The child's side of :func:`assignment_to_pipe`."""
-    return Assignment(
-        **{f.name: _FROM_PIPE.get(f.name, _same)(message[f.name]) for f in fields(Assignment)}
-    )
-
-
-def _same(value: Any) -> Any:
-    return value

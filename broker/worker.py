@@ -81,6 +81,12 @@ CANCEL_WAIT = 5.0
 MAX_LINE_BYTES = 16 * 1024 * 1024
 """The longest line accepted from a main, whatever its welcome says (a memory bound)."""
 
+DEFAULT_PREFETCH = 1
+"""Jobs per mode a worker holds beyond its free slots unless told otherwise. Draining
+5,000 no-op jobs through 2 pooled children x 10, a window of 1 was faster than none,
+and 4 or 10 could not be told apart from 1 on a loaded machine; a larger window costs
+fairness (a prefetched job waits behind this worker's long jobs while another idles)."""
+
 _FIRST_RECONNECT_DELAY = 0.1
 _STABLE_CONNECTION = 5.0
 """A connection that lasted this long resets the backoff; shorter ones keep growing it,
@@ -98,6 +104,9 @@ class _Connection:
     ping_interval: float
     status_sent: tuple[object, ...] | None = None
     """What the last ``worker_status`` said about capacity and start-up errors."""
+    heard: float = 0.0
+    """Loop time when the read loop last had a message from the main (see
+    :meth:`Worker._watch_liveness`)."""
 
 
 class Worker:
@@ -110,6 +119,10 @@ class Worker:
     :param queues: serve only these queues (``None``: every queue).
     :param drain_timeout: how long a graceful stop waits for running jobs before
         cancelling them (``None``: as long as they take).
+    :param prefetch: jobs per mode this worker may hold beyond its free slots, so a
+        finished job's slot is refilled without waiting for the main (see
+        :mod:`broker.worker_state`). A prefetched job's lease goes back to the queue if
+        the connection drops.
     """
 
     def __init__(
@@ -127,6 +140,7 @@ class Worker:
         reconnect_max_delay: float = 10.0,
         drain_timeout: float | None = None,
         logger: logging.Logger | None = None,
+        prefetch: int = DEFAULT_PREFETCH,
     ) -> None:
         if not worker_id:
             raise ConfigurationError("worker_id must be a non-empty string")
@@ -144,6 +158,7 @@ class Worker:
         )
         checks.positive("reconnect_max_delay", reconnect_max_delay)
         checks.optional(checks.non_negative, "drain_timeout", drain_timeout)
+        checks.non_negative_int("prefetch", prefetch)
         self.worker_id = worker_id
         self._address = (main_host, main_port)
         self._runners = dict(runners)
@@ -161,6 +176,7 @@ class Worker:
             queues=self._queues,
             lookup_task=self._registry.get,
             logger=self._logger,
+            prefetch=prefetch,
         )
         self._conn: _Connection | None = None
         self._tasks: dict[LeaseKey, asyncio.Task[None]] = {}
@@ -175,6 +191,9 @@ class Worker:
         self._fast_requested = asyncio.Event()
         self._cancels: set[asyncio.Task[bool]] = set()
         """Cancellations the main asked for, while their runner stops the job."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """Kept by :meth:`run`: on 3.11 each ``get_running_loop()`` is a ``getpid`` call,
+        and a job's start should not pay for one."""
 
     # ------------------------------------------------------------------ public
 
@@ -187,6 +206,7 @@ class Worker:
         retrying would not change either answer.
         """
         connection: asyncio.Task[None] | None = None
+        self._loop = asyncio.get_running_loop()
         stop = asyncio.create_task(self._stop_requested.wait())
         try:
             for runner in self._runners.values():
@@ -220,6 +240,7 @@ class Worker:
             "draining": self._state.draining,
             "runners": {mode.value: runner.status() for mode, runner in self._runners.items()},
             "running": len(self._state.running),
+            "prefetched": len(self._state.queued),
             "outbox": len(self._state.outbox),
         }
 
@@ -258,7 +279,9 @@ class Worker:
 
     async def _cancel_running(self, *, give_up: bool) -> None:
         """Cancel every running job: a cancelled job fails (it ran past the drain
-        deadline), unless ``give_up``, when it is released back to the queue unharmed."""
+        deadline), unless ``give_up``, when it is released back to the queue unharmed.
+        Prefetched jobs go back first, so none starts in a cancelled job's slot."""
+        self._apply(self._state.give_back_queued())
         for key in list(self._state.running):
             # Awaited one by one, not through ``_apply``: the drain waits for them.
             stop = self._state.stop_run(key, give_up=give_up)
@@ -425,6 +448,7 @@ class Worker:
             asyncio.create_task(self._read_loop(conn), name="broker-worker-read"),
             asyncio.create_task(self._send_loop(conn), name="broker-worker-send"),
             asyncio.create_task(self._ping_loop(conn), name="broker-worker-ping"),
+            asyncio.create_task(self._watch_liveness(conn), name="broker-worker-liveness"),
         ]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -438,15 +462,24 @@ class Worker:
             await asyncio.gather(*tasks, return_exceptions=True)
             await conn.writer.close(grace=1.0)
 
-    async def _read_loop(self, conn: _Connection) -> None:
+    async def _watch_liveness(self, conn: _Connection) -> None:
+        """Ends the connection once nothing has come from the main for the liveness
+        timeout: one timer per connection, where a timeout around every read cost a
+        timer and three ``getpid`` calls per message."""
+        loop = asyncio.get_running_loop()
+        conn.heard = loop.time()
         while True:
+            silent = loop.time() - conn.heard
+            if silent >= self._liveness_timeout:
+                raise TimeoutError(f"nothing from the main for {self._liveness_timeout} s")
+            await asyncio.sleep(self._liveness_timeout - silent)
+
+    async def _read_loop(self, conn: _Connection) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn.heard = loop.time()  # the previous message (or the welcome) just came
             try:
-                async with asyncio.timeout(self._liveness_timeout):
-                    msg = await wire.read_message(conn.lines)
-            except TimeoutError:
-                raise TimeoutError(
-                    f"nothing from the main for {self._liveness_timeout} s"
-                ) from None
+                msg = await wire.read_message(conn.lines)
             except protocol.UnknownTypeError as exc:
                 # A newer main may send messages this worker does not know; skip them.
                 self._logger.warning("ignoring a message from the main: %s", exc)
@@ -500,7 +533,7 @@ class Worker:
 
     def _capacity_changed(self) -> None:
         """A runner's free slots may have changed (called on the loop's thread)."""
-        self._apply(self._state.capacity_changed())
+        self._apply(self._state.capacity_changed(self._free_slots()))
 
     def _free_slots(self) -> dict[ExecutionMode, int]:
         return {mode: runner.free_slots() for mode, runner in self._runners.items()}
@@ -514,9 +547,8 @@ class Worker:
                 case StartRun(assignment=assignment):
                     key = (assignment.job_id, assignment.handoff_id)
                     runner = self._runners[assignment.execution_mode]
-                    self._tasks[key] = asyncio.create_task(
-                        self._execute(runner, assignment), name=f"broker-job-{assignment.job_id}"
-                    )
+                    loop = self._loop or asyncio.get_running_loop()
+                    self._tasks[key] = loop.create_task(self._execute(runner, assignment))
                 case StopRun(key=key, mode=mode):
                     self._stop(key, mode)
                 case WakeSender():
@@ -560,7 +592,7 @@ class Worker:
                 outcome = Failed(f"the {assignment.execution_mode} runner failed: {exc!r}")
         finally:
             del self._tasks[key]
-            self._apply(self._state.run_finished(key, outcome))
+            self._apply(self._state.run_finished(key, outcome, self._free_slots()))
 
     # ------------------------------------------------------------------ messages
 

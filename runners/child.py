@@ -26,17 +26,10 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TextIO
 
-from broker.runner import (
-    Assignment,
-    Completed,
-    Failed,
-    Released,
-    Rescheduled,
-    RunOutcome,
-    assignment_from_pipe,
-)
+from broker.runner import Assignment, Failed
+from runners import pipe
 from runners.inline import InlineRunner, format_error
 from runners.process import CHILD_SYS_PATH_ENV, current_rss
 
@@ -74,34 +67,59 @@ class _TaggedStream(io.TextIOBase):
         self._inner.flush()
 
 
-def _encode_outcome(assignment: Assignment, outcome: RunOutcome) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "type": "outcome",
-        "handoff_id": str(assignment.handoff_id),
-        "rss": current_rss(),
-    }
-    match outcome:
-        case Completed(result=result):
-            body.update(kind="completed", result=result)
-        case Failed(error=error, retry=retry):
-            body.update(kind="failed", error=error, retry=retry)
-        case Rescheduled(delay=delay):
-            body.update(kind="rescheduled", delay=delay)
-        case Released(reason=reason):
-            body.update(kind="failed", error=reason, retry=True)
-    return body
+RSS_SAMPLE_INTERVAL = 1.0
+"""Seconds between memory samples while the child runs jobs; the worker recycles on them."""
 
 
 class _Channel:
+    """The outcome channel: messages produced in one event-loop turn leave as one line
+    in one ``write`` (see :mod:`runners.pipe`)."""
+
     def __init__(self, fd: int) -> None:
         self._out = os.fdopen(fd, "wb", buffering=0)
+        self._pending: list[bytes] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    def send(self, body: dict[str, Any]) -> None:
-        data = (json.dumps(body, separators=(",", ":")) + "\n").encode()
+    def send(self, message: pipe.FromChild) -> None:
+        """Send at once (before the loop runs, or for the last words of a child)."""
+        self._write(pipe.encode_batch([pipe.encode(message)]))
+
+    def queue(self, encoded: bytes) -> None:
+        """Send with whatever else this loop turn produces."""
+        self._pending.append(encoded)
+        if len(self._pending) == 1:
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        if self._pending:
+            batch, self._pending = self._pending, []
+            self._write(pipe.encode_batch(batch))
+
+    def _write(self, data: bytes) -> None:
         view = memoryview(data)
         while view:
             written = self._out.write(view)
             view = view[written or 0 :]
+
+
+class _Sampler:
+    """Reports the child's memory at most every :data:`RSS_SAMPLE_INTERVAL` seconds, and
+    only while jobs finish: one timer per child, never a ``/proc`` read per job."""
+
+    def __init__(self, channel: _Channel, loop: asyncio.AbstractEventLoop) -> None:
+        self._channel = channel
+        self._loop = loop
+        self._timer: asyncio.TimerHandle | None = None
+
+    def job_done(self) -> None:
+        if self._timer is None:
+            self._timer = self._loop.call_later(RSS_SAMPLE_INTERVAL, self._sample)
+
+    def _sample(self) -> None:
+        self._timer = None
+        self._channel.queue(pipe.encode(pipe.SampleLine(current_rss())))
 
 
 async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bool) -> int:
@@ -111,37 +129,41 @@ async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bo
         lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(jobs_fd, "rb", buffering=0)
     )
     runner = InlineRunner(concurrency=concurrency, enforce_timeouts=False)
+    sampler = _Sampler(channel, loop)
     running: set[asyncio.Task[None]] = set()
 
     async def run(assignment: Assignment) -> None:
         _current_job.set(str(assignment.job_id))
         outcome = await runner.run(assignment)
         try:
-            channel.send(_encode_outcome(assignment, outcome))
-        except (TypeError, ValueError, RecursionError) as exc:
+            encoded = pipe.encode(pipe.outcome_line(assignment.handoff_id, outcome))
+        except ValueError as exc:
             # The inline runner already turns non-JSON and too-deep results into failures;
             # this is the last guard, because an outcome never sent would leave the job
-            # hanging in the worker (nothing was written: encoding comes before the write).
-            failed = Failed(f"the job's outcome cannot be sent as JSON: {exc!r}", retry=False)
-            channel.send(_encode_outcome(assignment, failed))
+            # hanging in the worker (nothing was queued: encoding comes first).
+            failed = Failed(f"the job's outcome cannot be sent as JSON: {exc}", retry=False)
+            encoded = pipe.encode(pipe.outcome_line(assignment.handoff_id, failed))
+        channel.queue(encoded)
+        sampler.job_done()
 
-    channel.send({"type": "ready", "pid": os.getpid()})
+    channel.send(pipe.ReadyLine(os.getpid()))
     while True:
         line = await reader.readline()
         if not line:
             break  # the worker closed our job channel: finish what runs, then exit
-        message = json.loads(line)
-        if message.get("type") == "ping":
-            channel.send({"type": "pong", "nonce": message.get("nonce"), "rss": current_rss()})
-            continue
-        assignment = assignment_from_pipe(message)
-        task = asyncio.create_task(run(assignment))
-        running.add(task)
-        task.add_done_callback(running.discard)
-        if one_shot:
+        for message in pipe.to_child_decoder.decode(line):
+            match message:
+                case pipe.PingLine(nonce=nonce):
+                    channel.queue(pipe.encode(pipe.PongLine(nonce, current_rss())))
+                case pipe.JobLine():
+                    task = loop.create_task(run(pipe.assignment_of(message)))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+        if one_shot and running:
             break
     if running:
         await asyncio.wait(running)
+    channel.flush()
     return 0
 
 
@@ -167,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for module in args.app:
             importlib.import_module(module)
     except BaseException as exc:
-        channel.send({"type": "startup_error", "error": format_error(exc)})
+        channel.send(pipe.StartupErrorLine(format_error(exc)))
         return STARTUP_FAILED
     return asyncio.run(_serve(jobs_fd, channel, args.concurrency, args.one_shot))
 

@@ -2,7 +2,8 @@
 
 Coroutine tasks run on the worker's own event loop, so they are cheap but share
 its fate: a task that blocks the loop stalls the worker's pings and the main will
-drop it. Plain functions therefore run in a thread of their own.
+drop it. Plain functions therefore run in a thread of their own, taken from a set of
+threads kept for reuse (starting a thread per job was most of a no-op job's cost).
 
 A slot is held for as long as the job's code is actually running, not for as long
 as :meth:`InlineRunner.run` is waiting on it. A thread cannot be killed, so when
@@ -18,11 +19,12 @@ import asyncio
 import contextlib
 import contextvars
 import json
+import queue
 import threading
 import traceback
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from broker import checks
@@ -75,18 +77,44 @@ async def _invoke(
     return await func(*args, **kwargs)
 
 
-def _new_future() -> asyncio.Future[None]:
-    return asyncio.get_running_loop().create_future()
+class _Threads:
+    """Daemon threads kept for sync jobs: a thread that finished a job waits for the next.
+
+    There are never more threads than jobs running at once, plus the idle ones: each job
+    takes an idle thread or starts one, so a job never waits for a thread (a stuck one
+    keeps its job's slot, and the runner sends nothing beyond its slots). Daemons, so a
+    stuck one never holds the process open at exit.
+    """
+
+    def __init__(self) -> None:
+        self._work: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def submit(self, work: Callable[[], None]) -> None:
+        with self._lock:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1  # that thread is this job's
+        self._work.put(work)
+        if start:
+            threading.Thread(target=self._serve, name="broker-inline", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            self._work.get()()
+            with self._lock:
+                self._idle += 1
 
 
 @dataclass(eq=False)
 class _Slot:
     assignment: Assignment
+    abandoned: asyncio.Future[None]
+    """Resolved by :meth:`InlineRunner.cancel`: ``run`` stops waiting for the work."""
     sync: bool = False
     """The job runs in a thread, which cancelling cannot stop."""
     work: asyncio.Future[Any] | None = None
-    abandoned: asyncio.Future[None] = field(default_factory=_new_future)
-    """Resolved by :meth:`InlineRunner.cancel`: ``run`` stops waiting for the work."""
     reported: bool = False
     """``run`` has returned an outcome while the work may still be running."""
 
@@ -114,6 +142,7 @@ class InlineRunner:
         """Busy slots by lease (``handoff_id``): unique even if a job id comes back."""
         self._listener: Callable[[], None] | None = None
         self._stopping = False
+        self._threads = _Threads()
 
     @property
     def mode(self) -> ExecutionMode:
@@ -131,7 +160,9 @@ class InlineRunner:
     async def run(self, assignment: Assignment) -> RunOutcome:
         if self.free_slots() <= 0:
             raise RuntimeError("no free inline slot: check free_slots() before run()")
-        slot = _Slot(assignment)
+        # One look-up per job: on 3.11 each ``get_running_loop()`` is a ``getpid`` call.
+        loop = asyncio.get_running_loop()
+        slot = _Slot(assignment, loop.create_future())
         self._slots[assignment.handoff_id] = slot
         try:
             task = self._registry.get(assignment.task)
@@ -140,7 +171,7 @@ class InlineRunner:
             return Failed(str(exc), retry=False)
         timeout = self._timeout_for(assignment, task)
         slot.sync = not task.is_async
-        slot.work = self._launch(task, assignment)
+        slot.work = self._launch(task, assignment, loop)
         slot.work.add_done_callback(lambda _: self._free(slot))
         try:
             return await self._await_outcome(slot, timeout)
@@ -158,11 +189,12 @@ class InlineRunner:
             return task.timeout
         return self._default_timeout
 
-    def _launch(self, task: Task[..., Any], assignment: Assignment) -> asyncio.Future[Any]:
+    def _launch(
+        self, task: Task[..., Any], assignment: Assignment, loop: asyncio.AbstractEventLoop
+    ) -> asyncio.Future[Any]:
         args, kwargs = assignment.args, assignment.kwargs
         if task.is_async:
-            return asyncio.ensure_future(_invoke(task.func, args, kwargs))
-        loop = asyncio.get_running_loop()
+            return loop.create_task(_invoke(task.func, args, kwargs))
         done: asyncio.Future[Any] = loop.create_future()
         context = contextvars.copy_context()
 
@@ -183,9 +215,7 @@ class InlineRunner:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(settle, *result)
 
-        threading.Thread(
-            target=target, name=f"broker-inline-{assignment.job_id}", daemon=True
-        ).start()
+        self._threads.submit(target)
         return done
 
     async def _await_outcome(self, slot: _Slot, limit: float | None) -> RunOutcome:

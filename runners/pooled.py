@@ -6,9 +6,14 @@ or dead gives its place to a replacement, which is counted as free (it is spawne
 on demand). The worker advertises that number as credit, so one readiness message
 can fill the whole pool.
 
-Children are recycled after a job's outcome is in, never in the middle of one:
-past ``max_jobs`` jobs, ``max_rss_bytes`` of memory or ``max_lifetime`` seconds a
-child takes no more work, exits once idle, and a replacement starts at once.
+Children are recycled make-before-break, never in the middle of a job and never on
+the hot path: past ``max_rss_bytes`` of memory, ``max_lifetime`` seconds or (only if
+set) ``max_jobs`` jobs, a successor is started while the old child keeps taking jobs;
+once the successor has said ready it takes the old child's place, and only then does
+the old child stop taking work and exit once idle. A child start costs a quarter of a
+second of CPU and half a second of wall time, so no job ever waits for one while a
+started child has a free slot. There is no job-count limit by default: a count says
+nothing about a leak that memory and age do not say better.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from broker import checks
 from broker.jobs import ExecutionMode
 from broker.runner import Assignment, Released, RunnerStatus, RunOutcome
 from broker.tasks import TaskRegistry, default_registry
+from runners import pipe
 from runners.process import (
     ChildProcess,
     StartupGuard,
@@ -43,7 +49,7 @@ class PooledRunner:
         registry: TaskRegistry | None = None,
         count: int | None = None,
         concurrency: int = 1,
-        max_jobs: int = 100,
+        max_jobs: int | None = None,
         max_rss_bytes: int = 512 << 20,
         max_lifetime: float = 3600.0,
         default_timeout: float | None = None,
@@ -56,7 +62,9 @@ class PooledRunner:
         self._registry = default_registry if registry is None else registry
         self._count = checks.positive_int("pooled runner count", count or os.cpu_count() or 1)
         self._concurrency = checks.positive_int("pooled runner concurrency", concurrency)
-        self._max_jobs = checks.positive_int("max jobs per pooled runner", max_jobs)
+        self._max_jobs = checks.optional(
+            checks.positive_int, "max jobs per pooled runner", max_jobs
+        )
         self._max_rss = checks.positive_int("max RSS bytes per pooled runner", max_rss_bytes)
         self._max_lifetime = checks.positive("max pooled runner lifetime", max_lifetime)
         self._default_timeout = checks.optional(checks.positive, "job timeout", default_timeout)
@@ -65,6 +73,9 @@ class PooledRunner:
         self._ping_interval = checks.positive("runner ping interval", ping_interval)
         self._respawn_max_delay = checks.positive("respawn delay cap", respawn_max_delay)
         self._children: list[ChildProcess] = []
+        self._successors: dict[ChildProcess, ChildProcess] = {}
+        """Children still starting to take the place of another (successor: predecessor);
+        they take no job until they are ready and have taken that place."""
         self._listener: Callable[[], None] = lambda: None
         self._guard: StartupGuard | None = None
         self._pinger: asyncio.Task[None] | None = None
@@ -82,7 +93,12 @@ class PooledRunner:
         return self._count * self._concurrency
 
     def _serving(self) -> list[ChildProcess]:
-        return [c for c in self._children if not c.retiring and not c.exited]
+        """The children that hold one of the ``count`` places and may take jobs."""
+        return [
+            c
+            for c in self._children
+            if not c.retiring and not c.exited and c not in self._successors
+        ]
 
     def free_slots(self) -> int:
         if self._stopping or (self._guard is not None and self._guard.failing):
@@ -100,7 +116,7 @@ class PooledRunner:
 
     async def start(self) -> None:
         self._stopping = False
-        self._guard = StartupGuard(self._spawn, self._listener, max_delay=self._respawn_max_delay)
+        self._guard = StartupGuard(self._probe, self._listener, max_delay=self._respawn_max_delay)
         for _ in range(self._count):
             self._spawn()
         self._pinger = asyncio.create_task(self._ping_loop(), name="broker-pool-ping")
@@ -112,6 +128,7 @@ class PooledRunner:
             one_shot=False,
             on_exit=self._on_exit,
             startup_timeout=self._startup_timeout,
+            on_sample=self._maybe_recycle,
         )
         self._children.append(child)
         self._counts["child_starts"] += 1
@@ -120,18 +137,44 @@ class PooledRunner:
         watcher.add_done_callback(self._background.discard)
         return child
 
+    def _probe(self) -> None:
+        """The start-up guard's retry: replace a child that is due, else fill a place."""
+        serving = self._serving()
+        due = [c for c in serving if c.started and self._recycle_reason(c) is not None]
+        if due:
+            self._maybe_recycle(due[0], probing=True)
+        elif len(serving) < self._count:
+            self._spawn()
+        elif all(c.started for c in serving):
+            assert self._guard is not None
+            self._guard.succeeded()
+
     async def _watch_start(self, child: ChildProcess) -> None:
         try:
             await child.wait_ready()
         except Exception:
             return
         logger.info("pooled runner started pid=%s", child.pid)
+        predecessor = self._successors.pop(child, None)
+        if predecessor is not None and not predecessor.exited:
+            # Make before break: the successor is ready, so the place changes hands in
+            # this one step and the pool never counts a place that cannot run a job now.
+            logger.info(
+                "pooled runner pid=%s takes the place of pid=%s, which retires",
+                child.pid,
+                predecessor.pid,
+            )
+            predecessor.retire()
         assert self._guard is not None
         self._guard.succeeded()
 
     def _on_exit(self, child: ChildProcess) -> None:
         if child in self._children:
             self._children.remove(child)
+        self._successors.pop(child, None)
+        for successor, predecessor in list(self._successors.items()):
+            if predecessor is child:  # its successor, still starting, holds the place now
+                del self._successors[successor]
         if self._stopping:
             return
         if not child.started:
@@ -147,6 +190,8 @@ class PooledRunner:
                 child.pid,
                 child.exit_code,
             )
+            if len(self._serving()) < self._count:
+                self._spawn()  # now, so it is warm before a job needs its place
         self._listener()
 
     def _pick(self) -> ChildProcess | None:
@@ -169,22 +214,33 @@ class PooledRunner:
             self._maybe_recycle(child)
         return outcome
 
-    def _maybe_recycle(self, child: ChildProcess) -> None:
-        if child.exited or child.retiring:
+    def _recycle_reason(self, child: ChildProcess) -> str | None:
+        if self._max_jobs is not None and child.jobs_run >= self._max_jobs:
+            return f"ran {child.jobs_run} jobs"
+        if child.rss >= self._max_rss:
+            return f"uses {child.rss} bytes of memory"
+        if child.age >= self._max_lifetime:
+            return f"is {child.age:.0f} s old"
+        return None
+
+    def _maybe_recycle(self, child: ChildProcess, *, probing: bool = False) -> None:
+        """Start a successor for ``child`` if it is due; it keeps serving meanwhile."""
+        if child.exited or child.retiring or not child.started or self._stopping:
             return
-        reason = None
-        if child.jobs_run >= self._max_jobs:
-            reason = f"ran {child.jobs_run} jobs"
-        elif child.rss >= self._max_rss:
-            reason = f"uses {child.rss} bytes of memory"
-        elif child.age >= self._max_lifetime:
-            reason = f"is {child.age:.0f} s old"
+        if child in self._successors or child in self._successors.values():
+            return
+        if self._guard is not None and self._guard.failing and not probing:
+            return  # children cannot start now: the guard's probe will try, at its pace
+        reason = self._recycle_reason(child)
         if reason is None:
             return
-        logger.info("recycling pooled runner pid=%s: it %s", child.pid, reason)
+        logger.info(
+            "recycling pooled runner pid=%s: it %s; it serves until its successor is ready",
+            child.pid,
+            reason,
+        )
         self._counts["child_recycles"] += 1
-        child.retire()
-        self._spawn()
+        self._successors[self._spawn()] = child
 
     async def _ping_loop(self) -> None:
         """Kills an idle child that stopped answering: a wedged interpreter cannot be trusted."""
@@ -196,6 +252,7 @@ class PooledRunner:
             for child in list(self._children):
                 if not child.started or child.exited or child.retiring:
                     continue
+                self._maybe_recycle(child)  # age and memory, for a child with no jobs
                 # A busy child may be blocked by its job's own code; that is the job
                 # timeout's business. An idle one that stops answering is wedged.
                 if child.inflight:
@@ -204,7 +261,7 @@ class PooledRunner:
                     logger.error("pooled runner stopped answering, killing it pid=%s", child.pid)
                     child.kill()
                 else:
-                    child.send({"type": "ping", "nonce": nonce})
+                    child.send(pipe.PingLine(nonce))
 
     async def cancel(self, job_id: uuid.UUID) -> bool:
         return await cancel_on(self._children, job_id, self._kill_grace)
@@ -239,6 +296,7 @@ class PooledRunner:
                         "jobs_run": c.jobs_run,
                         "rss": c.rss,
                         "retiring": c.retiring,
+                        "successor": c in self._successors,
                     }
                     for c in self._children
                 ],

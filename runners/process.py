@@ -1,9 +1,10 @@
 """One child runner process as its worker sees it, and what pooled and forked share.
 
 The child speaks a small line protocol of its own over two dedicated pipes (see
-:mod:`runners.child`): ``ready`` (or ``startup_error``) once, then ``outcome`` per job
-and ``pong`` per ping. Anything else, or anything malformed, means the child can no
-longer be trusted: it is killed and never reused.
+:mod:`runners.pipe` and :mod:`runners.child`): ``ready`` (or ``startup_error``) once,
+then an outcome per job, ``pong`` per ping and a memory ``sample`` now and then.
+Anything else, or anything malformed, means the child can no longer be trusted: it is
+killed and never reused.
 """
 
 from __future__ import annotations
@@ -20,16 +21,9 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from broker.runner import (
-    Assignment,
-    Completed,
-    Failed,
-    Released,
-    Rescheduled,
-    RunOutcome,
-    assignment_to_pipe,
-)
+from broker.runner import Assignment, Failed, Released, RunOutcome
 from broker.tasks import TaskRegistry
+from runners import pipe
 
 logger = logging.getLogger("broker.runner")
 
@@ -162,22 +156,6 @@ def timeout_for(
     return default
 
 
-def _outcome_from_wire(m: dict[str, Any]) -> RunOutcome:
-    kind = m.get("kind")
-    if kind == "completed":
-        return Completed(m.get("result"))
-    if kind == "failed":
-        if not isinstance(m.get("error"), str) or not isinstance(m.get("retry"), bool):
-            raise ValueError("failed outcome needs a string error and a boolean retry")
-        return Failed(m["error"], retry=m["retry"])
-    if kind == "rescheduled":
-        delay = m.get("delay")
-        if not isinstance(delay, int | float) or isinstance(delay, bool):
-            raise ValueError("rescheduled outcome needs a numeric delay")
-        return Rescheduled(float(delay))
-    raise ValueError(f"unknown outcome kind {kind!r}")
-
-
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "is still running"
@@ -205,6 +183,7 @@ class ChildProcess:
         one_shot: bool,
         on_exit: Callable[[ChildProcess], None],
         startup_timeout: float,
+        on_sample: Callable[[ChildProcess], None] | None = None,
     ) -> None:
         self.apps = list(apps)
         self.concurrency = concurrency
@@ -222,13 +201,16 @@ class ChildProcess:
         self.job_ids: dict[uuid.UUID, uuid.UUID] = {}
         """Job id by lease, for cancelling a job by its id."""
         self.last_pong = time.monotonic()
-        self._outgoing: list[str] = []
+        self._outgoing: list[bytes] = []
         self._on_exit = on_exit
+        self._on_sample = on_sample
         self._startup_timeout = startup_timeout
         self._proc: asyncio.subprocess.Process | None = None
-        self._ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # Kept, because every ``get_running_loop()`` is a ``getpid`` system call on 3.11.
+        self._loop = asyncio.get_running_loop()
+        self._ready: asyncio.Future[None] = self._loop.create_future()
         self._tasks: list[asyncio.Task[None]] = []
-        self._boot = asyncio.create_task(self._start(), name="broker-child-start")
+        self._boot = self._loop.create_task(self._start(), name="broker-child-start")
 
     @property
     def pid(self) -> int | None:
@@ -279,6 +261,10 @@ class ChildProcess:
             return
         finally:
             os.close(write_fd)
+        if self.retiring and self._proc.stdin is not None:
+            # Retired (its pool stopping) while the process was being created: it must
+            # not wait for jobs that will never come, and outlive its worker's loop.
+            self._proc.stdin.close()
         loop = asyncio.get_running_loop()
         channel = asyncio.StreamReader(limit=CHANNEL_LIMIT)
         await loop.connect_read_pipe(
@@ -312,7 +298,8 @@ class ChildProcess:
             while line := await channel.readline():
                 if not line.endswith(b"\n"):
                     raise ValueError("unterminated line")
-                self._on_message(json.loads(line))
+                for message in pipe.from_child_decoder.decode(line):
+                    self._on_message(message)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # RecursionError too: a line nested too deeply to decode
@@ -325,32 +312,34 @@ class ChildProcess:
                 )
             self.kill()
 
-    def _on_message(self, m: Any) -> None:
-        if not isinstance(m, dict):
-            raise ValueError("a child message must be an object")
-        match m.get("type"):
-            case "ready" if not self.started:
+    def _on_message(self, m: pipe.FromChild) -> None:
+        match m:
+            case pipe.ReadyLine() if not self.started:
                 self.started = True
                 self.last_pong = time.monotonic()
                 self._ready.set_result(None)
-            case "startup_error" if not self.started:
-                self._fail_start(f"the task modules failed to import: {m.get('error')}")
-            case "outcome" if self.started:
-                handoff_id = uuid.UUID(str(m.get("handoff_id")))
-                outcome = _outcome_from_wire(m)
-                future = self.inflight.pop(handoff_id, None)
-                self.job_ids.pop(handoff_id, None)
+            case pipe.StartupErrorLine(error=error) if not self.started:
+                self._fail_start(f"the task modules failed to import: {error}")
+            case pipe.CompletedLine() | pipe.FailedLine() | pipe.RescheduledLine() if self.started:
+                future = self.inflight.pop(m.handoff_id, None)
+                self.job_ids.pop(m.handoff_id, None)
                 if future is None:
-                    raise ValueError(f"outcome for a job this child was not given: {handoff_id}")
-                self.rss = int(m.get("rss") or 0)
+                    raise ValueError(f"outcome for a job this child was not given: {m.handoff_id}")
                 self.jobs_run += 1
                 if not future.done():
-                    future.set_result(outcome)
-            case "pong" if self.started:
+                    future.set_result(pipe.outcome_of(m))
+            case pipe.PongLine(rss=rss) if self.started:
                 self.last_pong = time.monotonic()
-                self.rss = int(m.get("rss") or 0)
+                self._sampled(rss)
+            case pipe.SampleLine(rss=rss) if self.started:
+                self._sampled(rss)
             case other:
-                raise ValueError(f"unexpected child message {other!r}")
+                raise ValueError(f"unexpected child message {type(other).__name__}")
+
+    def _sampled(self, rss: int) -> None:
+        self.rss = rss
+        if self._on_sample is not None:
+            self._on_sample(self)
 
     async def _relay_output(self) -> None:
         """Log the child's output until it closes, whatever it writes: the child blocks
@@ -399,33 +388,30 @@ class ChildProcess:
 
     def reserve(self, assignment: Assignment) -> asyncio.Future[RunOutcome]:
         """Take a slot now (synchronously); the job is sent once the child is ready."""
-        future: asyncio.Future[RunOutcome] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[RunOutcome] = self._loop.create_future()
         self.inflight[assignment.handoff_id] = future
         self.job_ids[assignment.handoff_id] = assignment.job_id
         return future
 
-    def send(self, body: dict[str, Any]) -> None:
-        """Queue a line for the child; lines queued in one event-loop turn go out in one
-        write, because a system call per job was the pooled path's largest cost.
+    def send(self, message: pipe.ToChild) -> None:
+        """Queue a message for the child; messages queued in one event-loop turn go out
+        as one line in one write, because a system call per job was the pooled path's
+        largest cost.
 
-        Raises ``ValueError`` if ``body`` nests too deeply to encode; nothing is queued.
+        Raises ``ValueError`` if ``message`` cannot be encoded; nothing is queued.
         """
         if self._proc is None or self._proc.stdin is None or self.exited:
             return
-        try:
-            line = json.dumps(body, separators=(",", ":"))
-        except RecursionError:
-            raise ValueError("it nests too deeply to be encoded as JSON") from None
-        self._outgoing.append(line)
+        self._outgoing.append(pipe.encode(message))
         if len(self._outgoing) == 1:
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         lines, self._outgoing = self._outgoing, []
         if self._proc is None or self._proc.stdin is None or self.exited or not lines:
             return
         with contextlib.suppress(ConnectionError, OSError, RuntimeError):
-            self._proc.stdin.write(("\n".join(lines) + "\n").encode())
+            self._proc.stdin.write(pipe.encode_batch(lines))
 
     def retire(self) -> None:
         """No more jobs: closing the job channel makes the child exit once idle."""
@@ -441,10 +427,13 @@ class ChildProcess:
 
     async def terminate(self, grace: float) -> None:
         """SIGTERM, then SIGKILL if the child is still there after ``grace`` seconds."""
-        if self._proc is None or self._proc.returncode is not None:
+        if self._proc is None and not self._boot.done():
+            self.retiring = True  # being created: ``_start`` closes its job channel at once
+        elif self._proc is None or self._proc.returncode is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            self._proc.terminate()
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.terminate()
         try:
             await asyncio.wait_for(asyncio.shield(self._boot), grace)
         except TimeoutError:
@@ -473,7 +462,7 @@ async def run_on_child(
     except ChildStartupError:
         return await future
     try:
-        child.send(assignment_to_pipe(assignment))
+        child.send(pipe.job_line(assignment))
     except ValueError as exc:
         # The job never reached the child: free its slot there and fail it for good (the
         # same arguments would fail the same way).
@@ -482,6 +471,8 @@ async def run_on_child(
         if child.one_shot:
             child.retire()  # started for this job alone: let it exit instead of waiting
         return Failed(f"the job cannot be sent to its runner process: {exc}", retry=False)
+    if limit is None:  # no timer, and no ``wait_for``, for a job without a time limit
+        return await asyncio.shield(future)
     try:
         return await asyncio.wait_for(asyncio.shield(future), limit)
     except TimeoutError:

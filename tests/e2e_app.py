@@ -69,5 +69,5 @@ async def forge_deep_line(levels: int) -> None:
     """Write a line nested ``levels`` deep straight onto this child's outcome channel, as
     a broken child might, then wait to be stopped; only meaningful in a pooled child."""
     fd = int(sys.argv[sys.argv.index("--channel-fd") + 1])
-    os.write(fd, b'{"type":"outcome","result":' + b"[" * levels + b"]" * levels + b"}\n")
+    os.write(fd, b'[{"type":"completed","result":' + b"[" * levels + b"]" * levels + b"}]\n")
     await asyncio.sleep(60)

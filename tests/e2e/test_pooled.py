@@ -70,7 +70,10 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(
-    store: StorageAdapter | None = None, queues: list[str] | None = None, **options: Any
+    store: StorageAdapter | None = None,
+    queues: list[str] | None = None,
+    prefetch: int = 0,  # credit equals free slots exactly unless a test asks for a window
+    **options: Any,
 ) -> AsyncIterator[Cluster]:
     store = store or MemoryAdapter()
     main = Main(
@@ -97,6 +100,7 @@ async def cluster(
         ping_interval=0.5,
         liveness_timeout=5,
         queues=queues,
+        prefetch=prefetch,
     )
     running = asyncio.create_task(worker.run())
     try:
@@ -230,29 +234,39 @@ async def test_a_job_past_its_timeout_is_stopped_even_if_it_ignores_sigterm() ->
         assert after.status is JobStatus.COMPLETED and after.result != pid
 
 
+async def _serving_pid(c: Cluster, other_than: int) -> int | None:
+    """The pid of the one ready child in the pool's place once it is not ``other_than``."""
+    kids = c.pool.status().details["children"]
+    serving = [k for k in kids if k["ready"] and not k["retiring"] and not k["successor"]]
+    return serving[0]["pid"] if len(serving) == 1 and serving[0]["pid"] != other_than else None
+
+
 async def test_recycling_by_job_count_happens_between_jobs() -> None:
     async with cluster(pooled_runner_count=1, pooled_max_jobs=3) as c:
         pids = []
-        for _ in range(7):
+        for _ in range(3):
             [done] = await c.settled(await c.enqueue("whoami"))
             pids.append(done.result)
         assert pids[0] == pids[1] == pids[2]
-        assert pids[3] == pids[4] == pids[5] != pids[0]
-        assert pids[6] not in (pids[0], pids[3])
+        successor = await until(lambda: _serving_pid(c, pids[0]))
+        [after] = await c.settled(await c.enqueue("whoami"))
+        assert after.result == successor != pids[0]
 
 
 async def test_recycling_by_memory_and_by_age_never_interrupts_a_job() -> None:
     async with cluster(pooled_runner_count=1, pooled_max_rss_bytes=80 << 20) as c:
         [small] = await c.settled(await c.enqueue("whoami"))
         [big] = await c.settled(await c.enqueue("hog", 120))
-        [after] = await c.settled(await c.enqueue("whoami"))
         assert big.status is JobStatus.COMPLETED and small.result == big.result
-        assert after.result != big.result, "recycled after the job that grew it"
+        successor = await until(lambda: _serving_pid(c, big.result))
+        [after] = await c.settled(await c.enqueue("whoami"))
+        assert after.result == successor, "recycled after the job that grew it"
     async with cluster(pooled_runner_count=1, pooled_max_lifetime=0.3) as c:
         [long] = await c.settled(await c.enqueue("nap", 1.0))
         assert long.status is JobStatus.COMPLETED, "a child past its lifetime finishes its job"
+        await until(lambda: _serving_pid(c, long.result))
         [after] = await c.settled(await c.enqueue("whoami"))
-        assert after.result != long.result
+        assert after.result != long.result  # (0.3 s later its successor may be replaced too)
 
 
 async def test_print_in_a_task_breaks_nothing_and_is_logged_with_the_job_id(
@@ -377,4 +391,5 @@ async def test_a_recycling_child_with_jobs_left_never_pushes_the_pool_past_capac
             await asyncio.sleep(0.002)
         assert peak <= 2, f"{peak} jobs at once on a pool of capacity 2"
         assert all(s is not None and s.status is JobStatus.COMPLETED for s in states)
-        assert len({s.result for s in states if s is not None}) >= 5, "children were recycled"
+        # (How many depends on how fast successors start: the old child serves meanwhile.)
+        assert len({s.result for s in states if s is not None}) >= 2, "children were recycled"

@@ -187,6 +187,8 @@ def registry(gate: asyncio.Event) -> TaskRegistry:
 
 
 def make_worker(port: int, registry: TaskRegistry, **options: Any) -> Worker:
+    # No prefetch window unless a test asks: these tests count credit slot by slot.
+    options.setdefault("prefetch", 0)
     return Worker(
         "127.0.0.1",
         port,

@@ -3,12 +3,11 @@ Schedule.spec) carries every field, so adding a field is a change in one place."
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import fields, replace
 from datetime import UTC, datetime, timedelta
 
-from broker import codec, protocol, runner, settlement
+from broker import codec, protocol, settlement
 from broker.jobs import Claim, ExecutionMode, Job, JobSpec, spec_from
 from broker.runner import Assignment
 from broker.schedule import Schedule
@@ -72,27 +71,12 @@ def test_a_job_message_carries_every_field_under_its_lease() -> None:
     assert (msg.execution_mode, msg.max_attempts, msg.timeout) == (ExecutionMode.FORKED, 4, 1.5)
 
 
-def test_an_assignment_and_its_pipe_line_carry_every_field() -> None:
+def test_an_assignment_carries_every_field() -> None:
     msg = codec.job_message(1, claimed())
     a = codec.assignment(msg)
     for f in fields(Assignment):  # every field by name, as Worker._start copies them
         want = getattr(msg, f.name)
         assert getattr(a, f.name) == (tuple(want) if f.name == "args" else want), f.name
-    line = runner.assignment_to_pipe(a)
-    assert line == {
-        "type": "job",
-        "job_id": str(a.job_id),
-        "handoff_id": str(a.handoff_id),
-        "task": "tasks.add",
-        "args": [1, [2]],
-        "kwargs": {"x": {"y": None}},
-        "execution_mode": "forked",
-        "attempt": 3,
-        "max_attempts": 4,
-        "timeout": 1.5,
-        "queue": "q",
-    }
-    assert runner.assignment_from_pipe(json.loads(json.dumps(line))) == a
 
 
 def test_a_schedule_s_tick_carries_every_job_option() -> None:

@@ -1,0 +1,166 @@
+"""The line protocol between a worker and its pooled or forked children, as typed structs.
+
+Every line on either pipe is a JSON array of messages, each tagged by ``type``: the
+side that writes gathers what one event-loop turn produced (several jobs for a child,
+several outcomes for the worker) into one line and one ``write``, because a system call
+and a line parse per job were the largest costs of the pooled path. Each message is
+encoded once (:func:`encode_batch` joins encoded messages, so one message that cannot be
+encoded fails alone, before anything is written).
+
+Decoding is strict: an unknown ``type``, a missing or mistyped field or anything but an
+array of messages raises :class:`msgspec.ValidationError` or :class:`msgspec.DecodeError`,
+and the worker treats its child as broken (see :mod:`runners.process`).
+
+Parent to child: ``job`` (one :class:`~broker.runner.Assignment`), ``ping``.
+Child to parent: ``ready`` or ``startup_error`` once, then ``completed`` / ``failed`` /
+``rescheduled`` per job, ``pong`` per ping and ``sample`` (its memory) on a period.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from typing import Any, TypeAlias
+
+import msgspec
+
+from broker.jobs import ExecutionMode
+from broker.runner import Assignment, Completed, Failed, Rescheduled, RunOutcome
+
+
+class _Message(msgspec.Struct, forbid_unknown_fields=True, tag_field="type"):
+    """Base of every pipe message: tagged by ``type``, refusing fields it does not know."""
+
+
+class JobLine(_Message, tag="job"):
+    """One assignment, field for field (see :func:`job_line`)."""
+
+    job_id: uuid.UUID
+    handoff_id: uuid.UUID
+    task: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    execution_mode: ExecutionMode
+    attempt: int
+    max_attempts: int
+    timeout: float | None
+    queue: str
+
+
+class PingLine(_Message, tag="ping"):
+    nonce: int
+
+
+class ReadyLine(_Message, tag="ready"):
+    pid: int
+
+
+class StartupErrorLine(_Message, tag="startup_error"):
+    error: str
+
+
+class CompletedLine(_Message, tag="completed"):
+    handoff_id: uuid.UUID
+    result: Any = None
+
+
+class FailedLine(_Message, tag="failed"):
+    handoff_id: uuid.UUID
+    error: str
+    retry: bool
+
+
+class RescheduledLine(_Message, tag="rescheduled"):
+    handoff_id: uuid.UUID
+    delay: float
+
+
+class PongLine(_Message, tag="pong"):
+    nonce: int
+    rss: int
+
+
+class SampleLine(_Message, tag="sample"):
+    """The child's resident memory in bytes, sent on a period while it runs jobs (never
+    per job: reading ``/proc`` per outcome was a fifth of a child's CPU)."""
+
+    rss: int
+
+
+ToChild: TypeAlias = JobLine | PingLine
+OutcomeLine: TypeAlias = CompletedLine | FailedLine | RescheduledLine
+FromChild: TypeAlias = ReadyLine | StartupErrorLine | OutcomeLine | PongLine | SampleLine
+
+_encoder = msgspec.json.Encoder()
+to_child_decoder = msgspec.json.Decoder(list[ToChild])
+from_child_decoder = msgspec.json.Decoder(list[FromChild])
+
+
+def encode(message: _Message) -> bytes:
+    """One message, encoded once; raises ``ValueError`` if it cannot be (a result nested
+    too deeply, say), so the caller can fail that job alone."""
+    try:
+        return _encoder.encode(message)
+    except RecursionError:
+        raise ValueError("it nests too deeply to be encoded as JSON") from None
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise ValueError(f"it cannot be encoded as JSON: {exc}") from None
+
+
+def encode_batch(encoded: Iterable[bytes]) -> bytes:
+    """One line carrying every already-encoded message, in order."""
+    return b"[" + b",".join(encoded) + b"]\n"
+
+
+def job_line(a: Assignment) -> JobLine:
+    return JobLine(
+        a.job_id,
+        a.handoff_id,
+        a.task,
+        a.args,
+        a.kwargs,
+        a.execution_mode,
+        a.attempt,
+        a.max_attempts,
+        a.timeout,
+        a.queue,
+    )
+
+
+def assignment_of(line: JobLine) -> Assignment:
+    return Assignment(
+        line.job_id,
+        line.handoff_id,
+        line.task,
+        line.args,
+        line.kwargs,
+        line.execution_mode,
+        line.attempt,
+        line.max_attempts,
+        line.timeout,
+        line.queue,
+    )
+
+
+def outcome_line(handoff_id: uuid.UUID, outcome: RunOutcome) -> OutcomeLine:
+    """What a child sends for a job's outcome. A ``Released`` outcome (which a child's
+    own runner never produces) travels as a retryable failure."""
+    match outcome:
+        case Completed(result=result):
+            return CompletedLine(handoff_id, result)
+        case Failed(error=error, retry=retry):
+            return FailedLine(handoff_id, error, retry)
+        case Rescheduled(delay=delay):
+            return RescheduledLine(handoff_id, delay)
+        case _:
+            return FailedLine(handoff_id, outcome.reason, True)
+
+
+def outcome_of(line: OutcomeLine) -> RunOutcome:
+    match line:
+        case CompletedLine(result=result):
+            return Completed(result)
+        case FailedLine(error=error, retry=retry):
+            return Failed(error, retry=retry)
+        case RescheduledLine(delay=delay):
+            return Rescheduled(delay)

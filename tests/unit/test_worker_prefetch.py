@@ -1,0 +1,322 @@
+"""The worker's prefetch window (broker/worker_state.py), driven by calling ``WorkerState``
+directly against the main's real credit accounting (broker/admission.py): no socket, no
+loop. A worker with a window never idles a slot while a job waits for one, never holds
+more than the window, starts jobs of a mode in arrival order, and never loses a job."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import Counter
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from broker import cli, protocol
+from broker.admission import Credits
+from broker.exceptions import ConfigurationError
+from broker.jobs import ExecutionMode
+from broker.runner import Completed
+from broker.worker import DEFAULT_PREFETCH, Worker
+from broker.worker_state import LeaseKey, StartRun, WorkerEffect, WorkerState
+from runners.inline import InlineRunner
+from tests.unit.conftest import PROFILE
+
+INLINE = ExecutionMode.INLINE
+POOLED = ExecutionMode.POOLED
+CAPACITY = {INLINE: 2, POOLED: 1}
+PREFETCH = 2
+
+
+def make_state(prefetch: int = PREFETCH) -> WorkerState:
+    return WorkerState(
+        modes=list(CAPACITY),
+        queues=None,
+        lookup_task=lambda name: name,
+        logger=logging.getLogger("test"),
+        prefetch=prefetch,
+    )
+
+
+def welcome() -> protocol.Welcome:
+    return protocol.Welcome(
+        main_id="main",
+        protocol=protocol.PROTOCOL_VERSION,
+        ping_interval=5.0,
+        adopted=[],
+        max_line_bytes=1 << 20,
+        max_payload_bytes=None,
+        max_payload_depth=32,
+    )
+
+
+def job(seq: int, mode: ExecutionMode = INLINE) -> protocol.JobHandoff:
+    return protocol.JobHandoff(
+        seq=seq,
+        job_id=uuid.uuid4(),
+        handoff_id=uuid.uuid4(),
+        task="add",
+        args=[],
+        kwargs={},
+        execution_mode=mode,
+        attempt=1,
+        max_attempts=3,
+        timeout=None,
+        queue="default",
+    )
+
+
+def started(effects: list[WorkerEffect]) -> list[LeaseKey]:
+    return [
+        (e.assignment.job_id, e.assignment.handoff_id) for e in effects if isinstance(e, StartRun)
+    ]
+
+
+def releases(messages: list[protocol.Message]) -> list[protocol.ReleaseReport]:
+    return [m for m in messages if isinstance(m, protocol.ReleaseReport)]
+
+
+# --------------------------------------------------------------------------- examples
+
+
+def test_ready_advertises_the_free_slots_plus_the_window() -> None:
+    state = make_state()
+    state.connected(welcome())
+    ready = state.take_ready({INLINE: 2, POOLED: 1})
+    assert ready is not None and ready.slots == {INLINE: 4, POOLED: 3}
+
+
+def test_a_job_beyond_the_slots_waits_and_takes_the_first_slot_that_frees() -> None:
+    state = make_state()
+    state.connected(welcome())
+    first, second, third = job(1), job(2), job(3)
+    assert started(state.job_received(first, {INLINE: 1, POOLED: 1})) == [
+        (first.job_id, first.handoff_id)
+    ]
+    state.run_entered((first.job_id, first.handoff_id))
+    assert started(state.job_received(second, {INLINE: 0, POOLED: 1})) == []
+    assert started(state.job_received(third, {INLINE: 0, POOLED: 1})) == []
+    assert list(state.queued) == [(j.job_id, j.handoff_id) for j in (second, third)]
+    assert releases(state.outgoing()) == [], "both fit the window: nothing released"
+    ready = state.take_ready({INLINE: 0, POOLED: 1})
+    assert ready is not None and ready.slots[INLINE] == 0, "the window is full"
+    effects = state.run_finished((first.job_id, first.handoff_id), Completed(), {INLINE: 1})
+    assert started(effects) == [(second.job_id, second.handoff_id)], "oldest first, at once"
+    assert not state.idle
+
+
+def test_without_a_window_a_job_beyond_the_slots_is_released_as_before() -> None:
+    state = make_state(prefetch=0)
+    state.connected(welcome())
+    msg = job(1)
+    assert started(state.job_received(msg, {INLINE: 0, POOLED: 1})) == []
+    [release] = releases(state.outgoing())
+    assert (release.job_id, release.reason) == (msg.job_id, "no free inline slot")
+
+
+def test_a_lost_connection_drops_the_prefetched_jobs_and_hello_does_not_list_them() -> None:
+    state = make_state()
+    state.connected(welcome())
+    waiting = job(1)
+    state.job_received(waiting, {INLINE: 0, POOLED: 0})
+    assert (waiting.job_id, waiting.handoff_id) in state.held_leases()
+    state.disconnected()
+    assert state.queued == {} and state.held_leases() == [] and state.idle
+    assert state.outbox == {}, "nothing to report: the main returned the lease itself"
+
+
+def test_a_drained_worker_runs_its_prefetched_jobs_and_a_fast_stop_gives_them_back() -> None:
+    state = make_state()
+    state.connected(welcome())
+    a, b = job(1), job(2)
+    state.job_received(a, {INLINE: 0, POOLED: 0})
+    state.job_received(b, {INLINE: 0, POOLED: 0})
+    state.drain_requested()
+    assert not state.idle, "the drain waits for the prefetched jobs"
+    assert started(state.capacity_changed({INLINE: 1, POOLED: 0})) == [(a.job_id, a.handoff_id)]
+    state.drain_requested(fast=True)
+    [release] = releases(state.outgoing())
+    assert (release.job_id, release.reason) == (
+        b.job_id,
+        "the worker stopped before the job started",
+    )
+    assert list(state.queued) == []
+
+
+def test_a_cancelled_prefetched_job_is_given_back_without_running() -> None:
+    state = make_state()
+    state.connected(welcome())
+    msg = job(1)
+    state.job_received(msg, {INLINE: 0, POOLED: 0})
+    assert started(state.cancel_received(protocol.CancelJob(msg.job_id, msg.handoff_id))) == []
+    [release] = releases(state.outgoing())
+    assert release.job_id == msg.job_id and state.queued == {}
+
+
+# --------------------------------------------------------------------------- property
+
+
+class PrefetchRules(RuleBasedStateMachine):
+    """Random interleavings of handoffs (within the credit the main's real accounting
+    allows), run starts and ends, readies, drains and reconnects, against a fake runner
+    with ``CAPACITY`` slots per mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = make_state()
+        self.credits = Credits()
+        self.seq = 0
+        self.connected = False
+        self.starting: dict[LeaseKey, ExecutionMode] = {}
+        self.entered: dict[LeaseKey, ExecutionMode] = {}
+        self.order: dict[ExecutionMode, list[LeaseKey]] = {mode: [] for mode in CAPACITY}
+        """Jobs taken in, per mode, in the order the worker received them."""
+        self.starts: dict[ExecutionMode, list[LeaseKey]] = {mode: [] for mode in CAPACITY}
+        self.dropped: set[LeaseKey] = set()
+        self.finished: set[LeaseKey] = set()
+
+    def free(self) -> dict[ExecutionMode, int]:
+        busy = Counter(self.entered.values())
+        return {mode: CAPACITY[mode] - busy[mode] for mode in CAPACITY}
+
+    def apply(self, effects: list[WorkerEffect]) -> None:
+        for effect in effects:
+            if isinstance(effect, StartRun):
+                key = (effect.assignment.job_id, effect.assignment.handoff_id)
+                mode = effect.assignment.execution_mode
+                self.starting[key] = mode
+                self.starts[mode].append(key)
+
+    def send(self) -> None:
+        messages = self.state.outgoing()
+        assert releases(messages) == [] or self.state.draining, "credit was honoured"
+        ready = self.state.take_ready(self.free())
+        if ready is not None:
+            self.credits.on_ready(ready.slots, ready.seen)
+
+    @precondition(lambda self: not self.connected)
+    @rule()
+    def connect(self) -> None:
+        self.apply(self.state.connected(welcome()))
+        self.credits = Credits()
+        self.seq = 0
+        self.connected = True
+        self.send()
+
+    @precondition(lambda self: self.connected)
+    @rule()
+    def disconnect(self) -> None:
+        self.dropped |= set(self.state.queued)
+        self.apply(self.state.disconnected())
+        self.connected = False
+
+    @precondition(lambda self: self.connected)
+    @rule(mode=st.sampled_from(list(CAPACITY)))
+    def main_hands_a_job_over(self, mode: ExecutionMode) -> None:
+        if not self.credits.reserve(mode):
+            return
+        self.seq = self.credits.commit(mode)
+        msg = job(self.seq, mode)
+        key = (msg.job_id, msg.handoff_id)
+        self.order[mode].append(key)
+        self.apply(self.state.job_received(msg, self.free()))
+        if not self.state.draining:
+            assert key in self.state.queued or key in self.state.running, "taken, not released"
+
+    @precondition(lambda self: self.starting)
+    @rule(data=st.data())
+    def run_enters(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(list(self.starting)))
+        self.entered[key] = self.starting.pop(key)
+        self.apply(self.state.run_entered(key))
+
+    @precondition(lambda self: self.entered)
+    @rule(data=st.data())
+    def run_finishes(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(list(self.entered)))
+        del self.entered[key]
+        self.finished.add(key)
+        self.apply(self.state.run_finished(key, Completed(), self.free()))
+
+    @precondition(lambda self: self.connected)
+    @rule()
+    def sender_runs(self) -> None:
+        self.send()
+
+    @rule()
+    def drain(self) -> None:
+        self.apply(self.state.drain_requested())
+
+    @invariant()
+    def runs_never_exceed_the_slots(self) -> None:
+        running = Counter(self.state.running.values())
+        assert all(running[mode] <= CAPACITY[mode] for mode in CAPACITY)
+
+    @invariant()
+    def the_window_is_never_overfilled(self) -> None:
+        held = Counter(a.execution_mode for a in self.state.queued.values())
+        assert all(held[mode] <= PREFETCH for mode in CAPACITY)
+
+    @invariant()
+    def no_slot_idles_while_a_job_of_its_mode_waits(self) -> None:
+        free = self.free()
+        for mode in CAPACITY:
+            waiting = [a for a in self.state.queued.values() if a.execution_mode is mode]
+            room = free[mode] - sum(1 for m in self.starting.values() if m is mode)
+            assert not waiting or room <= 0, (mode, room, len(waiting))
+
+    def released(self) -> set[LeaseKey]:
+        """Jobs given back unstarted (draining, or a fast stop): their report waits."""
+        outbox = self.state.outbox.items()
+        return {k for k, r in outbox if isinstance(r, protocol.ReleaseReport)}
+
+    @invariant()
+    def jobs_of_a_mode_start_in_arrival_order(self) -> None:
+        gone = self.dropped | self.released()
+        for mode in CAPACITY:
+            kept = [k for k in self.order[mode] if k not in gone]
+            assert self.starts[mode] == kept[: len(self.starts[mode])]
+
+    @invariant()
+    def every_job_is_in_exactly_one_place(self) -> None:
+        queued, running, released = set(self.state.queued), set(self.state.running), self.released()
+        assert not queued & running and not (queued | running) & (released | self.dropped)
+        every = {k for keys in self.order.values() for k in keys}
+        assert every == queued | running | self.finished | self.dropped | released
+
+    def teardown(self) -> None:
+        # Eventually: the runs end and every prefetched job gets a slot and runs.
+        for _ in range(100):
+            if not (self.starting or self.entered or self.state.queued):
+                break
+            for key in sorted(self.starting):
+                self.entered[key] = self.starting.pop(key)
+                self.apply(self.state.run_entered(key))
+            for key in sorted(self.entered):
+                del self.entered[key]
+                self.finished.add(key)
+                self.apply(self.state.run_finished(key, Completed(), self.free()))
+        assert self.state.idle and not self.state.queued
+
+
+PrefetchRules.TestCase.settings = settings.get_profile(PROFILE)
+test_prefetch_rules = PrefetchRules.TestCase
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_the_window_is_a_worker_setting_with_a_checked_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parser = cli.worker_parser()
+    assert parser.parse_args(["--app", "m"]).prefetch == DEFAULT_PREFETCH
+    assert parser.parse_args(["--app", "m", "--prefetch", "0"]).prefetch == 0
+    monkeypatch.setenv("BROKER_PREFETCH", "5")
+    assert cli.worker_parser().parse_args(["--app", "m"]).prefetch == 5
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--app", "m", "--prefetch", "-1"])
+    with pytest.raises(ConfigurationError):
+        Worker("127.0.0.1", 1, worker_id="w", runners={INLINE: InlineRunner()}, prefetch=-1)
