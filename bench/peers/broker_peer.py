@@ -103,7 +103,8 @@ def _setups(postgres: bool) -> dict[str, Setup]:
             POOLED,
             "pooled, default flags",
             "1 broker-worker " + " ".join(POOLED) + ": every other flag at its "
-            "default (child recycling, inline and forked slots included), as issue 10 "
+            "default (prefetch, memory and age recycling, inline and forked slots "
+            "included), as issue 10 "
             "measures its targets",
         )
     return out
