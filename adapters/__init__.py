@@ -15,6 +15,14 @@ from broker.untrusted import redact_url
 if TYPE_CHECKING:
     from broker.storage import StorageAdapter
 
+DEFAULT_POOL_SIZE = 5
+"""Connections of a SQL store's general pool (enqueues, listings, operator calls), which
+may grow by up to 10 more under load."""
+DEFAULT_HOT_POOL_SIZE = 4
+"""PostgreSQL connections kept for claims, settles and selection alone, so none of them
+waits behind enqueues: enough for the dispatcher's pass and its claims in flight
+(``max_claims_in_flight``, 2) and the report settler's group commit at once."""
+
 SUPPORTED_URLS = (
     "sqlite+aiosqlite:///path/to/broker.db",
     "postgresql+asyncpg://user@host:5432/dbname",
@@ -23,12 +31,20 @@ SUPPORTED_URLS = (
 
 
 def open_store(
-    url: str, *, clock: Clock = utcnow, create: bool = True, read_only: bool = False
+    url: str,
+    *,
+    clock: Clock = utcnow,
+    create: bool = True,
+    read_only: bool = False,
+    pool_size: int = DEFAULT_POOL_SIZE,
+    hot_pool_size: int = DEFAULT_HOT_POOL_SIZE,
 ) -> StorageAdapter:
     """The adapter for ``url``; call its ``setup()`` before use.
 
     ``create=False`` (and ``read_only=True``) open an existing store without the right to
     create or change its schema; call ``check_schema()`` instead of ``setup()``.
+    ``pool_size`` and ``hot_pool_size`` size a SQL store's connection pools (see
+    :class:`adapters.sql.SQLAlchemyAdapter`); the in-memory store has none.
     """
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "memory":
@@ -43,11 +59,18 @@ def open_store(
     if scheme.startswith(("sqlite", "postgres")):
         from adapters.sql import SQLAlchemyAdapter
 
-        return SQLAlchemyAdapter(url, clock=clock, create=create, read_only=read_only)
+        return SQLAlchemyAdapter(
+            url,
+            clock=clock,
+            create=create,
+            read_only=read_only,
+            pool_size=pool_size,
+            hot_pool_size=hot_pool_size,
+        )
     raise ConfigurationError(
         f"unsupported store URL {redact_url(url)!r}; use one of: {', '.join(SUPPORTED_URLS)} "
         "(a custom adapter is plugged in with --adapter module:factory)"
     )
 
 
-__all__ = ["SUPPORTED_URLS", "open_store"]
+__all__ = ["DEFAULT_HOT_POOL_SIZE", "DEFAULT_POOL_SIZE", "SUPPORTED_URLS", "open_store"]

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import adapters
+from adapters import DEFAULT_HOT_POOL_SIZE as DEFAULT_HOT_POOL_SIZE
+from adapters import DEFAULT_POOL_SIZE as DEFAULT_POOL_SIZE
 from broker import checks
 from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode
@@ -26,16 +28,28 @@ from runners.pooled import PooledRunner
 
 
 def open_store(
-    url: str, adapter: str | None = None, *, create: bool = True, read_only: bool = False
+    url: str,
+    adapter: str | None = None,
+    *,
+    create: bool = True,
+    read_only: bool = False,
+    pool_size: int = DEFAULT_POOL_SIZE,
+    hot_pool_size: int = DEFAULT_HOT_POOL_SIZE,
 ) -> StorageAdapter:
     """The store for ``url``, or the custom adapter ``module:factory`` called with ``url``.
 
-    ``create`` and ``read_only`` are passed to the built-in adapters (see
+    ``create``, ``read_only`` and the pool sizes are passed to the built-in adapters (see
     :func:`adapters.open_store`); a custom factory is called with the URL alone. A
     custom adapter that lacks part of the contract is refused here, naming what it lacks.
     """
     if adapter is None:
-        return adapters.open_store(url, create=create, read_only=read_only)
+        return adapters.open_store(
+            url,
+            create=create,
+            read_only=read_only,
+            pool_size=pool_size,
+            hot_pool_size=hot_pool_size,
+        )
     module_name, _, attr = adapter.partition(":")
     if not module_name or not attr:
         raise ConfigurationError(
