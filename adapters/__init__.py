@@ -15,6 +15,14 @@ from broker.untrusted import redact_url
 if TYPE_CHECKING:
     from broker.storage import StorageAdapter
 
+DEFAULT_POOL_SIZE = 5
+"""Connections of a SQL store's general pool (enqueues, listings, operator calls), which
+may grow by up to 10 more under load."""
+DEFAULT_HOT_POOL_SIZE = 4
+"""PostgreSQL connections kept for claims, settles and selection alone, so none of them
+waits behind enqueues: enough for the dispatcher's pass and its claims in flight
+(``max_claims_in_flight``, 2) and the report settler's group commit at once."""
+
 SUPPORTED_URLS = (
     "sqlite+aiosqlite:///path/to/broker.db",
     "postgresql+asyncpg://user@host:5432/dbname",
@@ -28,12 +36,16 @@ def open_store(
     clock: Clock = utcnow,
     create: bool = True,
     read_only: bool = False,
+    pool_size: int = DEFAULT_POOL_SIZE,
+    hot_pool_size: int = DEFAULT_HOT_POOL_SIZE,
     single_main: bool = False,
 ) -> StorageAdapter:
     """The adapter for ``url``; call its ``setup()`` before use.
 
     ``create=False`` (and ``read_only=True``) open an existing store without the right to
     create or change its schema; call ``check_schema()`` instead of ``setup()``.
+    ``pool_size`` and ``hot_pool_size`` size a SQL store's connection pools (see
+    :class:`adapters.sql.SQLAlchemyAdapter`); the in-memory store has none.
     ``single_main=True`` is for a broker-main: a SQLite store then refuses a second main.
     """
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
@@ -50,7 +62,13 @@ def open_store(
         from adapters.sql import SQLAlchemyAdapter
 
         return SQLAlchemyAdapter(
-            url, clock=clock, create=create, read_only=read_only, single_main=single_main
+            url,
+            clock=clock,
+            create=create,
+            read_only=read_only,
+            pool_size=pool_size,
+            hot_pool_size=hot_pool_size,
+            single_main=single_main,
         )
     raise ConfigurationError(
         f"unsupported store URL {redact_url(url)!r}; use one of: {', '.join(SUPPORTED_URLS)} "
@@ -58,4 +76,4 @@ def open_store(
     )
 
 
-__all__ = ["SUPPORTED_URLS", "open_store"]
+__all__ = ["DEFAULT_HOT_POOL_SIZE", "DEFAULT_POOL_SIZE", "SUPPORTED_URLS", "open_store"]

@@ -15,6 +15,11 @@ How the contract in :mod:`broker.storage` maps onto SQL:
   SQLite's busy handler. Another process on the same file waits up to the busy
   timeout. The journal is WAL with ``synchronous=FULL``: a commit is on disk before
   the call returns, because the broker acknowledges only what is durable.
+* **The hot path** (claims, settles and enqueues; on PostgreSQL also selection) does
+  not go through SQLAlchemy: PostgreSQL runs each as one asyncpg statement over arrays
+  on a pool of its own (:mod:`adapters._pg_hot`), SQLite as one transaction in one
+  thread hop on a connection of its own (:mod:`adapters._sqlite_hot`). SQLAlchemy
+  keeps the schema, migrations and everything else.
 * **Time** is read from the adapter's clock, never the database's, and stored as
   integer microseconds since the epoch.
 """
@@ -32,14 +37,15 @@ import json
 import logging
 import math
 import os
+import sqlite3
 import time
 import urllib.parse
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -49,7 +55,9 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from adapters import DEFAULT_HOT_POOL_SIZE, DEFAULT_POOL_SIZE
 from adapters._sql_schema import (
+    INSERT_COLUMNS,
     IS_ACTIVE,
     IS_HANDED_OFF,
     IS_QUEUED,
@@ -63,6 +71,7 @@ from adapters._sql_schema import (
 )
 from adapters._sql_statements import SyncStatements as SyncStatements  # re-exported
 from adapters._sql_statements import complete_now, statements
+from adapters._sqlite_hot import SqliteHot, immediate
 from adapters._sqlite_lock import MainLock
 from broker import settlement
 from broker.exceptions import (
@@ -91,6 +100,9 @@ from broker.jobs import (
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, check_all
 from broker.storage import SCHEMA_VERSION, Capabilities, JobFilter, JobPage, QueueCount
 from broker.untrusted import redact_url
+
+if TYPE_CHECKING:
+    from adapters._pg_hot import HotPool, HotSql
 
 logger = logging.getLogger(__name__)
 _ANALYZE_AFTER_INSERTS = 500
@@ -183,9 +195,20 @@ _COLUMN_OF = {name: column for name, column, _, _ in _FIELDS}
 _ENCODE = {name: encode for name, _, encode, _ in _FIELDS}
 
 
+_AS_IS = [(name, column) for name, column, _, decode in _FIELDS if decode is _same]
+_DECODED = [(name, column, decode) for name, column, _, decode in _FIELDS if decode is not _same]
+
+
 def _job_from_row(row: Mapping[Any, Any]) -> Job:
-    """A :class:`Job` from a ``broker_jobs`` row (or the parameters of its INSERT)."""
-    return Job(**{name: decode(row[column]) for name, column, _, decode in _FIELDS})
+    """A :class:`Job` from a ``broker_jobs`` row (or the parameters of its INSERT).
+
+    Columns held as is are copied without a call each: every selected and claimed job
+    passes through here, and the calls were most of its cost.
+    """
+    values = {name: row[column] for name, column in _AS_IS}
+    for name, column, decode in _DECODED:
+        values[name] = decode(row[column])
+    return Job(**values)
 
 
 def _encode(changes: Mapping[str, Any]) -> dict[str, Any]:
@@ -202,25 +225,6 @@ def _columns(changes: Mapping[str, Any]) -> dict[str, Any]:
 def _spec_row(spec: JobSpec, now_us: int, claim: Claim | None = None) -> dict[str, Any]:
     job = settlement.enqueued(spec, _from_us(now_us), claim)
     return _columns({name: getattr(job, name) for name in _COLUMN_OF})
-
-
-def _bound(move: settlement.Move) -> dict[str, Any]:
-    """The values one job binds into a statement built by :func:`_set_bound`."""
-    return {f"b_{name}": value for name, value in _encode(move.changes).items()}
-
-
-def _set_bound(move: settlement.Move) -> dict[str, Any]:
-    """The ``SET`` of an ``UPDATE`` carrying out moves of ``move``'s shape, each value bound
-    per job, so one statement serves a whole executemany."""
-    values: dict[str, Any] = {_COLUMN_OF[name]: sa.bindparam(f"b_{name}") for name in move.changes}
-    if move.counts_attempt:
-        values["attempts"] = jobs.c.attempts + 1
-    return values
-
-
-_STATEMENTS: dict[tuple[Any, ...], sa.Update] = {}
-"""The hand-off and settle statements, one per shape of move (a handful in all): built and
-cache-keyed once, since building them for every batch cost the report path measurably."""
 
 
 def _chunks(items: Sequence[_T], size: int = _CHUNK) -> list[Sequence[_T]]:
@@ -249,12 +253,19 @@ missing table or grant) may succeed later and is retried."""
 
 
 def _rejects_value(exc: BaseException) -> bool:
-    """Whether the database refused the data itself, so the same call fails every time."""
-    if not isinstance(exc, sa_exc.DBAPIError) or exc.connection_invalidated:
-        return False
-    if isinstance(exc, sa_exc.DataError | sa_exc.IntegrityError):
-        return True
-    sqlstate = getattr(exc.orig, "sqlstate", None)
+    """Whether the database refused the data itself, so the same call fails every time.
+
+    ``exc`` comes wrapped by SQLAlchemy, or straight from asyncpg on the hot path
+    (:mod:`adapters._pg_hot`), where a server error carries its SQLSTATE itself.
+    """
+    cause: object = exc
+    if isinstance(exc, sa_exc.DBAPIError):
+        if exc.connection_invalidated:
+            return False
+        if isinstance(exc, sa_exc.DataError | sa_exc.IntegrityError):
+            return True
+        cause = exc.orig
+    sqlstate = getattr(cause, "sqlstate", None)
     return isinstance(sqlstate, str) and sqlstate[:2] in _REJECTED_SQLSTATE_CLASSES
 
 
@@ -392,6 +403,154 @@ def _sqlite_on_begin(conn: sa.Connection) -> None:
         conn.exec_driver_sql("BEGIN")
 
 
+def _match_holders(specs: Sequence[JobSpec], found: list[Job]) -> list[Job | None]:
+    """For each spec that did not insert, the job among ``found`` that blocked it: the
+    holder of its idempotency key, else the job with its id, else the *active* holder of
+    its unique key (the same order the in-memory store checks them in)."""
+    by_key = {j.idempotency_key: j for j in found if j.idempotency_key is not None}
+    by_id = {j.id: j for j in found}
+    by_unique = {j.unique_key: j for j in found if j.unique_key is not None and j.status.is_active}
+    holders: list[Job | None] = []
+    for spec in specs:
+        job = by_key.get(spec.idempotency_key) if spec.idempotency_key else None
+        if job is None:
+            job = by_id.get(spec.id)
+        if job is None and spec.unique_key is not None:
+            job = by_unique.get(spec.unique_key)
+        holders.append(job)
+    return holders
+
+
+def _grant(
+    candidates: list[tuple[uuid.UUID, str | None, int | None]],
+    order: list[uuid.UUID],
+    active: Mapping[str, int],
+) -> tuple[list[uuid.UUID], dict[str, int]]:
+    """Which locked candidates ``(id, concurrency key, limit)`` a claim may hand off, given
+    each key's ``active`` count: every unkeyed one, and keyed ones in claim ``order``
+    while their key has room. Also returns the slots taken per key."""
+    rank = {job_id: i for i, job_id in enumerate(order)}
+    granted = [job_id for job_id, key, _ in candidates if key is None]
+    taken: dict[str, int] = {}
+    for job_id, key, limit in sorted(candidates, key=lambda c: rank[c[0]]):
+        if key is not None and limit is not None and active[key] + taken.get(key, 0) < limit:
+            granted.append(job_id)
+            taken[key] = taken.get(key, 0) + 1
+    return granted, taken
+
+
+def _claim_arrays(claims: Sequence[Claim]) -> tuple[list[uuid.UUID], list[uuid.UUID], list[str]]:
+    """Claims as the ``unnest`` arrays of the hot claim statements."""
+    return [c.job_id for c in claims], [c.handoff_id for c in claims], [c.worker_id for c in claims]
+
+
+def _lite_value(value: Any) -> Any:
+    """A value as SQLAlchemy's ``Uuid`` stores it on SQLite (32 hex digits), else as is."""
+    return value.hex if isinstance(value, uuid.UUID) else value
+
+
+def _lite_job(row: sqlite3.Row) -> Job:
+    values = dict(zip(row.keys(), row, strict=True))
+    for column in ("id", "handoff_id"):
+        if values[column] is not None:
+            values[column] = uuid.UUID(hex=values[column])
+    return _job_from_row(values)
+
+
+def _lite_update(move: settlement.Move, where: str) -> tuple[str, list[str]]:
+    """An ``UPDATE`` of ``broker_jobs`` carrying out ``move`` (its fields bound in the order
+    returned, then ``where``'s); the same text for every move of one shape, so the
+    ``sqlite3`` statement cache prepares it once."""
+    columns = sorted(_COLUMN_OF[name] for name in move.changes)
+    sets = [f"{column} = ?" for column in columns]
+    if move.counts_attempt:
+        sets.append("attempts = attempts + 1")
+    return f"UPDATE broker_jobs SET {', '.join(sets)} WHERE {where}", columns
+
+
+def _claim_lite(conn: sqlite3.Connection, claims: list[Claim], now_us: int) -> list[Job]:
+    """SQLite's claim, one transaction: the due queued rows among the claims, the
+    concurrency counters of their keys, then the hand-off of the granted ones."""
+    now = _from_us(now_us)
+    with immediate(conn):
+        rows = conn.execute(
+            "SELECT * FROM broker_jobs WHERE id IN (SELECT value FROM json_each(?)) "
+            "AND status = 'queued' AND run_at_us <= ?",
+            (json.dumps([c.job_id.hex for c in claims]), now_us),
+        ).fetchall()
+        candidates = {uuid.UUID(hex=r["id"]): r for r in rows}
+        keys = sorted({r["concurrency_key"] for r in rows} - {None})
+        active: dict[str, int] = {}
+        if keys:
+            conn.executemany(
+                "INSERT INTO broker_concurrency (key, active) VALUES (?, 0) "
+                "ON CONFLICT (key) DO NOTHING",
+                [(k,) for k in keys],
+            )
+            found = conn.execute(
+                "SELECT key, active FROM broker_concurrency "
+                "WHERE key IN (SELECT value FROM json_each(?))",
+                (json.dumps(keys),),
+            )
+            active = {key: count for key, count in found}
+        granted, taken = _grant(
+            [(i, r["concurrency_key"], r["concurrency_limit"]) for i, r in candidates.items()],
+            [c.job_id for c in claims],
+            active,
+        )
+        chosen = set(granted)
+        claimed = []
+        for claim in claims:
+            if claim.job_id not in chosen:
+                continue
+            move = settlement.hand_off(claim, now)
+            update, columns = _lite_update(move, "id = ? AND status = 'queued'")
+            values = _columns(move.changes)
+            conn.execute(update, [_lite_value(values[c]) for c in columns] + [claim.job_id.hex])
+            claimed.append(settlement.apply(_lite_job(candidates[claim.job_id]), move))
+        conn.executemany(
+            "UPDATE broker_concurrency SET active = active + ? WHERE key = ?",
+            [(n, key) for key, n in sorted(taken.items())],
+        )
+    return claimed
+
+
+def _settle_lite(
+    conn: sqlite3.Connection, settlements: Sequence[Settlement], now_us: int
+) -> list[bool]:
+    """SQLite's settle, one transaction: a fenced ``UPDATE`` per move (only the first
+    per job in a batch can be accepted), then the slots given back in key order."""
+    now = _from_us(now_us)
+    accepted = [False] * len(settlements)
+    released: Counter[str] = Counter()
+    seen: set[uuid.UUID] = set()
+    with immediate(conn):
+        for i, s in enumerate(settlements):
+            if s.job_id in seen:
+                continue
+            seen.add(s.job_id)
+            move = settlement.settle(s, now)
+            update, columns = _lite_update(
+                move, "id = ? AND handoff_id = ? AND status = 'handed_off'"
+            )
+            values = _columns(move.changes)
+            found = conn.execute(
+                update + " RETURNING concurrency_key",
+                [values[c] for c in columns] + [s.job_id.hex, s.handoff_id.hex],
+            ).fetchall()
+            if not found:
+                continue
+            accepted[i] = True
+            key = found[0][0]
+            if move.releases_slot and key is not None:
+                released[key] += 1
+        conn.executemany(
+            "UPDATE broker_concurrency SET active = MAX(active - ?, 0) WHERE key = ?",
+            [(n, key) for key, n in sorted(released.items())],
+        )
+    return accepted
+
+
 # --------------------------------------------------------------------------- adapter
 
 
@@ -401,7 +560,10 @@ class SQLAlchemyAdapter:
     ``schema`` (PostgreSQL only) puts the tables in that schema, creating it if needed.
     ``max_payload_bytes`` caps a job's args and kwargs (as JSON) in
     :meth:`enqueue_in_transaction`, which does not pass through the main's own check;
-    ``None`` turns the cap off. Call :meth:`setup` before use and :meth:`close` when done.
+    ``None`` turns the cap off. ``pool_size`` is the general pool (enqueues, listings,
+    operator calls; up to 10 more connections under load); on PostgreSQL,
+    ``hot_pool_size`` more connections serve claims, settles and selection alone (see
+    :mod:`adapters._pg_hot`). Call :meth:`setup` before use and :meth:`close` when done.
 
     ``create=False`` opens only a store that exists (a SQLite file is never created) and
     ``read_only=True`` also refuses every write (PostgreSQL: read-only transactions);
@@ -419,7 +581,8 @@ class SQLAlchemyAdapter:
         *,
         clock: Clock = utcnow,
         schema: str | None = None,
-        pool_size: int = 5,
+        pool_size: int = DEFAULT_POOL_SIZE,
+        hot_pool_size: int = DEFAULT_HOT_POOL_SIZE,
         echo: bool = False,
         max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES,
         create: bool = True,
@@ -428,8 +591,9 @@ class SQLAlchemyAdapter:
     ) -> None:
         resolved, backend = _resolve_url(url)
         self._create = create and not read_only
-        if pool_size < 1:
-            raise ConfigurationError(f"pool_size must be at least 1 (got {pool_size})")
+        for name, size in (("pool_size", pool_size), ("hot_pool_size", hot_pool_size)):
+            if size < 1:
+                raise ConfigurationError(f"{name} must be at least 1 (got {size})")
         if max_payload_bytes is not None and max_payload_bytes < 1:
             raise ConfigurationError(
                 f"max_payload_bytes must be positive or None (got {max_payload_bytes})"
@@ -448,9 +612,17 @@ class SQLAlchemyAdapter:
                 driver.PostgresError,
                 driver.InterfaceError,
             )
+            # An argument asyncpg cannot encode (say, an integer beyond BIGINT) is a
+            # value the store can never hold, as the server's data errors are.
+            self._client_rejects: tuple[type[BaseException], ...] = (
+                driver.exceptions._base.DataError,
+            )
         else:
             _require_driver("aiosqlite", resolved)
-            self._errors = (sa_exc.DBAPIError, sa_exc.TimeoutError, OSError)
+            self._errors = (sa_exc.DBAPIError, sa_exc.TimeoutError, OSError, sqlite3.Error)
+            # What the hot path's sqlite3 raises where SQLAlchemy would say DataError or
+            # IntegrityError: the value, not the moment, is at fault.
+            self._client_rejects = (sqlite3.IntegrityError, sqlite3.DataError)
             if schema is not None:
                 raise ConfigurationError(
                     "the schema option is for PostgreSQL only; a SQLite store is one file"
@@ -488,25 +660,38 @@ class SQLAlchemyAdapter:
             self._read_engine = self._engine.execution_options(isolation_level="AUTOCOMMIT")
             self._write_lock: AbstractAsyncContextManager[Any] = contextlib.nullcontext()
             self._order_tiebreak: list[sa.ColumnElement[Any]] = [jobs.c.seq]
+            from adapters._pg_hot import HotPool, HotSql
+
+            _, connect_kwargs = self._engine.dialect.create_connect_args(resolved)
+            hot = HotPool(hot_pool_size, {**connect_kwargs, **connect_args})
+            self._hot: tuple[HotSql, HotPool] | None = (HotSql(schema), hot)
+            self._lite: SqliteHot | None = None
         else:
-            path = resolved.database
-            if not self._create:
-                on_connect = _sqlite_on_connect_existing(read_only)
-                event.listen(self._engine.sync_engine, "connect", on_connect)
-            elif path and not resolved.query.get("uri"):  # a file: URI is the operator's own
-                event.listen(
-                    self._engine.sync_engine,
-                    "do_connect",
-                    lambda *_: _create_private(path),
-                )
-            if self._create:
-                event.listen(self._engine.sync_engine, "connect", _sqlite_on_connect)
-            event.listen(self._engine.sync_engine, "begin", _sqlite_on_begin)
+            self._lite = self._wire_sqlite(resolved, read_only)
             self._write_engine = self._engine.execution_options(**{_WRITE_OPTION: True})
             self._read_engine = self._engine
             self._write_lock = asyncio.Lock()
             self._order_tiebreak = [jobs.c.seq, sa.literal_column("broker_jobs.rowid")]
+            self._hot = None
         self._insert = pg_dialect.insert if self._pg else sqlite_dialect.insert
+
+    def _wire_sqlite(self, resolved: URL, read_only: bool) -> SqliteHot:
+        """Set up every SQLite connection alike, the engine's and the hot path's own."""
+        path = resolved.database
+        # A file: URI is the operator's own, and a handle without the right to create
+        # creates nothing.
+        private = path if self._create and path and not resolved.query.get("uri") else None
+
+        def before_connect(*_: object) -> None:
+            if private is not None:
+                _create_private(private)
+
+        on_connect = _sqlite_on_connect if self._create else _sqlite_on_connect_existing(read_only)
+        event.listen(self._engine.sync_engine, "do_connect", before_connect)
+        event.listen(self._engine.sync_engine, "connect", on_connect)
+        event.listen(self._engine.sync_engine, "begin", _sqlite_on_begin)
+        connect_args = self._engine.dialect.create_connect_args(resolved)
+        return SqliteHot(connect_args, before_connect, on_connect)
 
     def __repr__(self) -> str:
         schema = f", schema={self._schema!r}" if self._schema else ""
@@ -525,7 +710,8 @@ class SQLAlchemyAdapter:
 
     def _storage_error(self, op: str, exc: BaseException) -> StorageError:
         cause = exc.orig if isinstance(exc, sa_exc.DBAPIError) and exc.orig else exc
-        kind = StorageRejectedError if _rejects_value(exc) else StorageError
+        rejected = _rejects_value(exc) or isinstance(exc, self._client_rejects)
+        kind = StorageRejectedError if rejected else StorageError
         return kind(f"{op} failed on {self._url_text}: {type(cause).__name__}: {cause}")
 
     @asynccontextmanager
@@ -534,6 +720,39 @@ class SQLAlchemyAdapter:
         try:
             async with self._write_lock, self._write_engine.begin() as conn:
                 yield conn
+        except self._errors as exc:
+            raise self._storage_error(op, exc) from exc
+
+    @asynccontextmanager
+    async def _hot_conn(self, op: str) -> AsyncIterator[tuple[HotSql, Any]]:
+        """A connection of the hot pool (PostgreSQL), for claims, settles and selection."""
+        assert self._hot is not None
+        sql, pool = self._hot
+        try:
+            async with pool.acquire() as conn:
+                yield sql, conn
+        except self._errors as exc:
+            raise self._storage_error(op, exc) from exc
+
+    @asynccontextmanager
+    async def _driver_conn(self, op: str) -> AsyncIterator[tuple[HotSql, Any]]:
+        """The asyncpg connection under one of the general pool's (PostgreSQL), for the
+        raw enqueue: it queues with listings and operator calls, never with dispatch."""
+        assert self._hot is not None
+        try:
+            async with self._engine.connect() as conn:
+                raw = await conn.get_raw_connection()
+                yield self._hot[0], raw.driver_connection
+        except self._errors as exc:
+            raise self._storage_error(op, exc) from exc
+
+    async def _lite_write(self, op: str, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        """``fn`` as one write transaction on SQLite's hot connection, in its turn among
+        this adapter's writers."""
+        assert self._lite is not None
+        try:
+            async with self._write_lock:
+                return await self._lite.run(fn)
         except self._errors as exc:
             raise self._storage_error(op, exc) from exc
 
@@ -625,6 +844,10 @@ class SQLAlchemyAdapter:
             self._analyzing.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._analyzing
+        if self._hot is not None:
+            await self._hot[1].close()
+        if self._lite is not None:
+            await self._lite.close()
         await self._engine.dispose()
         if self._main_lock is not None:
             self._main_lock.release()
@@ -675,10 +898,81 @@ class SQLAlchemyAdapter:
     ) -> list[EnqueueResult]:
         if not specs:
             return []
-        async with self._write("enqueue") as conn:
-            results = await self._enqueue_on(conn, specs, claims)
+        if self._hot is not None:
+            results = await self._enqueue_raw(specs, claims)
+        else:
+            results = await self._lite_write(
+                "enqueue", lambda conn: self._enqueue_lite(conn, specs, claims)
+            )
         self._note_inserts(sum(not r.duplicate for r in results))
         return results
+
+    def _enqueue_lite(
+        self, conn: sqlite3.Connection, specs: Sequence[JobSpec], claims: Sequence[Claim | None]
+    ) -> list[EnqueueResult]:
+        """SQLite: the enqueue rule as one transaction on the hot connection, in one hop.
+
+        The rule is a coroutine (:meth:`_enqueue_with`); over ``sqlite3`` none of its
+        awaits suspends, so it runs to the end on the hot thread (``complete_now``).
+        """
+
+        async def insert(rows: list[dict[str, Any]]) -> set[uuid.UUID]:
+            names = ", ".join(INSERT_COLUMNS)
+            marks = ", ".join("?" * len(INSERT_COLUMNS))
+            stmt = (
+                f"INSERT INTO broker_jobs ({names}) VALUES ({marks}) "
+                "ON CONFLICT DO NOTHING RETURNING id"
+            )
+            stored: set[uuid.UUID] = set()
+            for row in rows:
+                values = [_lite_value(row[name]) for name in INSERT_COLUMNS]
+                stored.update(uuid.UUID(hex=r[0]) for r in conn.execute(stmt, values).fetchall())
+            return stored
+
+        async def find(missing: Sequence[JobSpec]) -> list[Job | None]:
+            found = conn.execute(
+                "SELECT * FROM broker_jobs WHERE id IN (SELECT value FROM json_each(?)) "
+                "OR idempotency_key IN (SELECT value FROM json_each(?)) "
+                "OR (unique_key IN (SELECT value FROM json_each(?)) "
+                "AND status IN ('handed_off', 'queued'))",
+                (
+                    json.dumps([s.id.hex for s in missing]),
+                    json.dumps([s.idempotency_key for s in missing if s.idempotency_key]),
+                    json.dumps([s.unique_key for s in missing if s.unique_key is not None]),
+                ),
+            ).fetchall()
+            return _match_holders(missing, [_lite_job(r) for r in found])
+
+        with immediate(conn):
+            return complete_now(self._enqueue_with(insert, find, specs, claims))
+
+    async def _enqueue_raw(
+        self, specs: Sequence[JobSpec], claims: Sequence[Claim | None]
+    ) -> list[EnqueueResult]:
+        """PostgreSQL: one ``INSERT ... SELECT FROM unnest(...)`` for the whole batch.
+
+        A single job needs no transaction (its one statement commits on its own, so an
+        enqueue is one round trip); a batch takes one, so it is stored all or nothing.
+        """
+        async with self._driver_conn("enqueue") as (sql, conn):
+
+            async def insert(rows: list[dict[str, Any]]) -> set[uuid.UUID]:
+                columns = [[row[name] for row in rows] for name in INSERT_COLUMNS]
+                return {r["id"] for r in await conn.fetch(sql.insert, *columns)}
+
+            async def find(missing: Sequence[JobSpec]) -> list[Job | None]:
+                found = await conn.fetch(
+                    sql.holders,
+                    [s.id for s in missing],
+                    [s.idempotency_key for s in missing if s.idempotency_key is not None],
+                    [s.unique_key for s in missing if s.unique_key is not None],
+                )
+                return _match_holders(missing, [_job_from_row(r) for r in found])
+
+            if len(specs) == 1:
+                return await self._enqueue_with(insert, find, specs, claims)
+            async with conn.transaction():
+                return await self._enqueue_with(insert, find, specs, claims)
 
     async def enqueue_in_transaction(
         self, conn: AsyncConnection, specs: Sequence[JobSpec]
@@ -742,8 +1036,28 @@ class SQLAlchemyAdapter:
         specs: Sequence[JobSpec],
         claims: Sequence[Claim | None] | None = None,
     ) -> list[EnqueueResult]:
+        async def insert(rows: list[dict[str, Any]]) -> set[uuid.UUID]:
+            stmt = self._insert(jobs).on_conflict_do_nothing().returning(jobs.c.id)
+            return set((await conn.execute(stmt, rows)).scalars())
+
+        async def find(missing: Sequence[JobSpec]) -> list[Job | None]:
+            return await self._find_holders(conn, missing)
+
+        return await self._enqueue_with(insert, find, specs, claims)
+
+    async def _enqueue_with(
+        self,
+        insert: Callable[[list[dict[str, Any]]], Awaitable[set[uuid.UUID]]],
+        find: Callable[[Sequence[JobSpec]], Awaitable[list[Job | None]]],
+        specs: Sequence[JobSpec],
+        claims: Sequence[Claim | None] | None,
+    ) -> list[EnqueueResult]:
         """Insert ``specs`` (each ``claims[i]``, if any, stores its job handed off, see
-        :meth:`enqueue_handed_off`); a duplicate within the batch refers to its first."""
+        :meth:`enqueue_handed_off`); a duplicate within the batch refers to its first.
+
+        The rule over either kind of connection: ``insert`` stores rows unless a key or
+        id is taken (returning the ids stored), ``find`` names what blocked each.
+        """
         now_us = self._now()
         # Within the batch, a repeated key (or id) refers back to its first occurrence.
         canonical: list[int] = []
@@ -762,21 +1076,23 @@ class SQLAlchemyAdapter:
             i: _spec_row(specs[i], now_us, claims[i] if claims else None)
             for i in sorted(set(canonical))
         }
-        stored = await self._insert_or_find(conn, specs, rows)
+        stored = await self._insert_or_find(insert, find, specs, rows)
         return [
             stored[c] if c == i else EnqueueResult(stored[c].job, duplicate=True)
             for i, c in enumerate(canonical)
         ]
 
     async def _insert_or_find(
-        self, conn: AsyncConnection, specs: Sequence[JobSpec], rows: dict[int, dict[str, Any]]
+        self,
+        insert: Callable[[list[dict[str, Any]]], Awaitable[set[uuid.UUID]]],
+        find: Callable[[Sequence[JobSpec]], Awaitable[list[Job | None]]],
+        specs: Sequence[JobSpec],
+        rows: dict[int, dict[str, Any]],
     ) -> dict[int, EnqueueResult]:
         out: dict[int, EnqueueResult] = {}
         pending = list(rows)
         for _ in range(_ENQUEUE_ROUNDS):
-            stmt = self._insert(jobs).on_conflict_do_nothing().returning(jobs.c.id)
-            result = await conn.execute(stmt, [rows[i] for i in pending])
-            inserted = set(result.scalars())
+            inserted = await insert([rows[i] for i in pending])
             missing = []
             for i in pending:
                 if specs[i].id in inserted:
@@ -785,7 +1101,7 @@ class SQLAlchemyAdapter:
                     missing.append(i)
             if not missing:
                 return out
-            holders = await self._find_holders(conn, [specs[i] for i in missing])
+            holders = await find([specs[i] for i in missing])
             pending = []
             for i, holder in zip(missing, holders, strict=True):
                 if holder is None:
@@ -802,9 +1118,8 @@ class SQLAlchemyAdapter:
     async def _find_holders(
         self, conn: AsyncConnection, specs: Sequence[JobSpec]
     ) -> list[Job | None]:
-        """For each spec that did not insert, the stored job that blocked it: the holder of
-        its idempotency key, else the job with its id, else the *active* holder of its
-        unique key (the same order the in-memory store checks them in)."""
+        """For each spec that did not insert, the stored job that blocked it (see
+        :func:`_match_holders`)."""
         found: list[Job] = []
         for chunk in _chunks(specs):
             keys = [s.idempotency_key for s in chunk if s.idempotency_key is not None]
@@ -817,20 +1132,7 @@ class SQLAlchemyAdapter:
                 cond = sa.or_(cond, sa.and_(jobs.c.unique_key.in_(uniques), IS_ACTIVE))
             rows = (await conn.execute(sa.select(jobs).where(cond))).mappings()
             found.extend(_job_from_row(r) for r in rows)
-        by_key = {j.idempotency_key: j for j in found if j.idempotency_key is not None}
-        by_id = {j.id: j for j in found}
-        by_unique = {
-            j.unique_key: j for j in found if j.unique_key is not None and j.status.is_active
-        }
-        holders: list[Job | None] = []
-        for spec in specs:
-            job = by_key.get(spec.idempotency_key) if spec.idempotency_key else None
-            if job is None:
-                job = by_id.get(spec.id)
-            if job is None and spec.unique_key is not None:
-                job = by_unique.get(spec.unique_key)
-            holders.append(job)
-        return holders
+        return _match_holders(specs, found)
 
     # ------------------------------------------------------------------ dispatch
 
@@ -854,6 +1156,15 @@ class SQLAlchemyAdapter:
     ) -> list[Job]:
         if not modes or limit <= 0:
             return []
+        if self._hot is not None:
+            wanted = [sorted({ExecutionMode(m).value for m in modes})]
+            async with self._hot_conn("select_eligible") as (sql, conn):
+                if queues is None:
+                    found = await conn.fetch(sql.eligible, *wanted, self._now(), limit)
+                else:
+                    wanted.append(sorted(set(queues)))
+                    found = await conn.fetch(sql.eligible_in_queues, *wanted, self._now(), limit)
+            return [_job_from_row(r) for r in found]
         stmt = self._eligible_stmt(modes, queues, limit)
         async with self._read("select_eligible") as conn:
             rows = (await conn.execute(stmt)).mappings().all()
@@ -882,6 +1193,14 @@ class SQLAlchemyAdapter:
     ) -> datetime | None:
         if not modes:
             return None
+        if self._hot is not None:
+            wanted = [sorted({ExecutionMode(m).value for m in modes})]
+            async with self._hot_conn("next_run_at") as (sql, conn):
+                if queues is None:
+                    earliest = await conn.fetchval(sql.next_run, *wanted)
+                else:
+                    earliest = await conn.fetchval(sql.next_run_in_queues, *wanted, sorted(queues))
+            return None if earliest is None else _from_us(earliest)
         stmt = sa.select(sa.func.min(jobs.c.run_at_us)).where(
             *self._mode_queue_filter(modes, queues)
         )
@@ -901,188 +1220,103 @@ class SQLAlchemyAdapter:
             wanted.setdefault(claim.job_id, claim)  # the same job twice: the first claim
         if not wanted:
             return []
+        if self._hot is not None:
+            return await self._claim_raw(wanted)
         now_us = self._now()
-        async with self._write("mark_handed_off") as conn:
-            candidates: list[Any] = []
-            for chunk in _chunks(sorted(wanted)):
-                candidates.extend(await self._lock_claimable(conn, chunk, now_us))
-            granted = set(await self._take_slots(conn, candidates, list(wanted)))
-            rows = [row for row in candidates if row.id in granted]
-            now = _from_us(now_us)
-            moves = [(wanted[row.id], settlement.hand_off(wanted[row.id], now)) for row in rows]
-            if moves:
-                await self._hand_off(conn, moves)
-        claimed = [
-            settlement.apply(_job_from_row(row._mapping), move)
-            for row, (_, move) in zip(rows, moves, strict=True)
-        ]
-        order = {job_id: i for i, job_id in enumerate(wanted)}
-        return sorted(claimed, key=lambda job: order[job.id])
-
-    async def _lock_claimable(
-        self, conn: AsyncConnection, job_ids: Sequence[uuid.UUID], now_us: int
-    ) -> list[Any]:
-        """The whole rows, so the claimed jobs are built without reading them back."""
-        stmt = (
-            sa.select(jobs)
-            .where(jobs.c.id.in_(job_ids), jobs.c.status == _QUEUED, jobs.c.run_at_us <= now_us)
-            .order_by(jobs.c.id)
+        assert self._lite is not None
+        ordered = list(wanted.values())
+        return await self._lite_write(
+            "mark_handed_off", lambda conn: _claim_lite(conn, ordered, now_us)
         )
-        if self._pg:
-            # Never wait on a job row: a row another claimer holds is simply not ours.
-            stmt = stmt.with_for_update(skip_locked=True)
-        return list((await conn.execute(stmt)).all())
 
-    async def _take_slots(
-        self, conn: AsyncConnection, candidates: list[Any], order: list[uuid.UUID]
-    ) -> list[uuid.UUID]:
-        """The candidates that may be handed off, taking concurrency slots for them."""
-        rank = {job_id: i for i, job_id in enumerate(order)}
-        granted = [r.id for r in candidates if r.concurrency_key is None]
-        by_key: dict[str, list[Any]] = {}
-        for row in sorted(candidates, key=lambda r: rank[r.id]):
-            if row.concurrency_key is not None:
-                by_key.setdefault(row.concurrency_key, []).append(row)
-        if not by_key:
-            return granted
-        active: dict[str, int] = {}
-        for chunk in _chunks(sorted(by_key)):  # sorted across chunks too: one lock order
-            active.update(await self._lock_counters(conn, chunk))
-        taken: dict[str, int] = {}
-        for key, rows in by_key.items():
-            count = 0
-            for row in rows:
-                if active[key] + count < row.concurrency_limit:
-                    granted.append(row.id)
-                    count += 1
-            if count:
-                taken[key] = count
-        if taken:
-            await conn.execute(
-                sa.update(concurrency)
-                .where(concurrency.c.key == sa.bindparam("b_key"))
-                .values(active=concurrency.c.active + sa.bindparam("b_count", type_=sa.Integer)),
-                [{"b_key": k, "b_count": n} for k, n in sorted(taken.items())],
-            )
-        return granted
+    async def _claim_raw(self, wanted: dict[uuid.UUID, Claim]) -> list[Job]:
+        """PostgreSQL: one statement claims the wanted jobs, concurrency slots included
+        (see ``HotSql.claim``).
 
-    async def _lock_counters(self, conn: AsyncConnection, keys: Sequence[str]) -> dict[str, int]:
-        """Create-if-missing and lock the counter rows of ``keys`` (sorted), returning them.
-
-        The no-op ``DO UPDATE`` makes one statement insert, lock and read each row; rows
-        are taken in ``keys`` order, the same in every claim, so claims cannot deadlock.
+        The rare keyed job it cannot decide in one statement (its key has no counter row
+        yet, or the key's candidates disagree on the limit) comes back unclaimed and goes
+        through :meth:`_claim_keyed`, a short transaction on the same connection.
         """
-        ins = self._insert(concurrency).values([{"key": k, "active": 0} for k in keys])
-        stmt = ins.on_conflict_do_update(
-            index_elements=[concurrency.c.key], set_={"active": concurrency.c.active}
-        ).returning(concurrency.c.key, concurrency.c.active)
-        return {row.key: row.active for row in await conn.execute(stmt)}
-
-    async def _hand_off(
-        self, conn: AsyncConnection, moves: list[tuple[Claim, settlement.Move]]
-    ) -> None:
-        """One statement shape for any batch (an executemany over locked rows), so it is
-        compiled and prepared once rather than rebuilt for every batch size."""
-        move = moves[0][1]
-        stmt = _STATEMENTS.get(("hand_off", move.shape))
-        if stmt is None:
-            stmt = _STATEMENTS[("hand_off", move.shape)] = (
-                sa.update(jobs)
-                .where(jobs.c.id == sa.bindparam("b_id"), jobs.c.status == _QUEUED)
-                .values(**_set_bound(move))
-            )
-        await conn.execute(stmt, [{"b_id": claim.job_id, **_bound(m)} for claim, m in moves])
-
-    # ------------------------------------------------------------------ fenced reports
+        now_us = self._now()
+        claims = list(wanted.values())
+        async with self._hot_conn("mark_handed_off") as (sql, conn):
+            rows = await conn.fetch(sql.claim, *_claim_arrays(claims), now_us)
+            stored = [r for r in rows if r["claimed"]]
+            unclaimed = {r["id"] for r in rows if not r["claimed"]}
+            keyed = [c for c in claims if c.job_id in unclaimed]  # in claim order
+            if keyed:
+                stored.extend(await self._claim_keyed(sql, conn, keyed, now_us))
+        order = {job_id: i for i, job_id in enumerate(wanted)}
+        return sorted((_job_from_row(r) for r in stored), key=lambda job: order[job.id])
 
     @staticmethod
-    def _settle_stmt(move: settlement.Move, *, returning: bool = False) -> sa.Update:
-        """The fenced ``UPDATE`` carrying out settlements of ``move``'s shape: the lease
-        check and the change are one statement (built once per shape, see
-        :data:`_STATEMENTS`)."""
-        key = ("settle", returning, move.shape)
-        stmt = _STATEMENTS.get(key)
-        if stmt is None:
-            stmt = (
-                sa.update(jobs)
-                .where(
-                    jobs.c.id == sa.bindparam("b_id"),
-                    jobs.c.handoff_id == sa.bindparam("b_lease"),
-                    jobs.c.status == _HANDED_OFF,
-                )
-                .values(**_set_bound(move))
+    async def _claim_keyed(sql: HotSql, conn: Any, claims: list[Claim], now_us: int) -> list[Any]:
+        """Claims of keyed jobs, in one transaction: the rows are locked (skipping any
+        another claimer holds), then their counters in key order, then the granted
+        rows are handed off and their slots taken. Returns the rows as now stored."""
+        async with conn.transaction():
+            candidates = await conn.fetch(sql.lock_claimable, [c.job_id for c in claims], now_us)
+            keys = sorted({r["concurrency_key"] for r in candidates} - {None})
+            active = {r["key"]: r["active"] for r in await conn.fetch(sql.lock_counters, keys)}
+            granted, taken = _grant(
+                [(r["id"], r["concurrency_key"], r["concurrency_limit"]) for r in candidates],
+                [c.job_id for c in claims],
+                active,
             )
-            if returning:
-                stmt = stmt.returning(jobs.c.concurrency_key)
-            _STATEMENTS[key] = stmt
-        return stmt
+            if not granted:
+                return []
+            if taken:
+                await conn.execute(sql.take_slots, list(taken), list(taken.values()))
+            chosen = set(granted)
+            handed = [c for c in claims if c.job_id in chosen]
+            return list(await conn.fetch(sql.hand_off, *_claim_arrays(handed), now_us))
 
-    async def _settle_in(self, conn: AsyncConnection, s: Settlement, now_us: int) -> str | None:
-        """One fenced move out of ``handed_off``. Returns ``None`` when fenced out, else the
-        job's concurrency key ("" for none), whose slot the caller gives back in the same
-        transaction."""
-        move = settlement.settle(s, _from_us(now_us))
-        stmt = self._settle_stmt(move, returning=True)
-        params = {"b_id": s.job_id, "b_lease": s.handoff_id, **_bound(move)}
-        row = (await conn.execute(stmt, params)).first()
-        if row is None:
-            return None
-        return (move.releases_slot and row.concurrency_key) or ""
+    # ------------------------------------------------------------------ fenced reports
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> list[bool]:
         if not settlements:
             return []
         now_us = self._now()
-        async with self._write("settle") as conn:
-            if len(settlements) == 1:
-                key = await self._settle_in(conn, settlements[0], now_us)
-                if key:
-                    await self._release(conn, key, 1)
-                return [key is not None]
-            return await self._settle_batch(conn, settlements, now_us)
+        if self._hot is not None:
+            return await self._settle_raw(settlements, now_us)
+        assert self._lite is not None
+        return await self._lite_write(
+            "settle", lambda conn: _settle_lite(conn, settlements, now_us)
+        )
 
-    async def _settle_batch(
-        self, conn: AsyncConnection, settlements: Sequence[Settlement], now_us: int
-    ) -> list[bool]:
-        """Group commit: one executemany per shape of move instead of a statement per job.
-
-        The rows are read and locked first, in job-id order (the order claims use, so two
-        transactions never wait on each other), and each move is checked against its
-        lease there; the accepted ones are then updated, still fenced, under those locks.
-        Only the first move per job in a batch can be accepted.
-        """
+    async def _settle_raw(self, settlements: Sequence[Settlement], now_us: int) -> list[bool]:
+        """PostgreSQL: one statement for the whole batch, every shape of move at once,
+        fenced per job and giving back the concurrency slots (see ``HotSql.settle``).
+        Only the first move per job in a batch can be accepted."""
         first: dict[uuid.UUID, int] = {}
-        for i in sorted(range(len(settlements)), key=lambda i: settlements[i].job_id):
-            first.setdefault(settlements[i].job_id, i)
-        current: dict[uuid.UUID, Any] = {}
-        for chunk in _chunks(list(first)):
-            stmt = (
-                sa.select(jobs.c.id, jobs.c.handoff_id, jobs.c.status, jobs.c.concurrency_key)
-                .where(jobs.c.id.in_(chunk))
-                .order_by(jobs.c.id)
-            )
-            if self._pg:
-                stmt = stmt.with_for_update()
-            current.update({row.id: row for row in await conn.execute(stmt)})
+        for i, s in enumerate(settlements):
+            first.setdefault(s.job_id, i)
         now = _from_us(now_us)
-        accepted = [False] * len(settlements)
-        groups: dict[tuple[Any, ...], tuple[sa.Update, list[dict[str, Any]]]] = {}
-        released: Counter[str] = Counter()
-        for job_id, i in first.items():
-            s, row = settlements[i], current.get(job_id)
-            if row is None or not settlement.accepts(row.status, row.handoff_id, s):
-                continue
+        columns: list[list[Any]] = [[] for _ in range(11)]
+        for i in first.values():
+            s = settlements[i]
             move = settlement.settle(s, now)
-            accepted[i] = True
-            if move.releases_slot and row.concurrency_key:
-                released[row.concurrency_key] += 1
-            stmt_rows = groups.setdefault(move.shape, (self._settle_stmt(move), []))
-            stmt_rows[1].append({"b_id": s.job_id, "b_lease": s.handoff_id, **_bound(move)})
-        for update, rows in groups.values():
-            await conn.execute(update, rows)
-        for key in sorted(released):
-            await self._release(conn, key, released[key])
-        return accepted
+            values = _columns(move.changes)
+            row = [
+                s.job_id,
+                s.handoff_id,
+                values.pop("status"),
+                "result" in values,
+                values.pop("result", None),
+                "last_error" in values,
+                values.pop("last_error", None),
+                values.pop("run_at_us", None),
+                int(move.counts_attempt),
+                values.pop("updated_us"),
+                move.releases_slot,
+            ]
+            if values:
+                raise TypeError(f"the settle statement cannot set {sorted(values)}")
+            for column, value in zip(columns, row, strict=True):
+                column.append(value)
+        async with self._hot_conn("settle") as (sql, conn):
+            accepted = {r["id"] for r in await conn.fetch(sql.settle, *columns)}
+        return [first[s.job_id] == i and s.job_id in accepted for i, s in enumerate(settlements)]
 
     async def _release(self, conn: AsyncConnection, key: str, slots: int) -> None:
         await conn.execute(

@@ -355,6 +355,23 @@ def main_parser() -> argparse.ArgumentParser:
     )
     _env_option(
         p,
+        "--store-pool-size",
+        default=composition.DEFAULT_POOL_SIZE,
+        type=_number(int, "store pool size"),
+        metavar="N",
+        help="SQL store connections for enqueues, listings and operator calls "
+        "(up to 10 more under load)",
+    )
+    _env_option(
+        p,
+        "--store-hot-pool-size",
+        default=composition.DEFAULT_HOT_POOL_SIZE,
+        type=_number(int, "store hot pool size"),
+        metavar="N",
+        help="PostgreSQL connections kept for claims, settles and job selection alone",
+    )
+    _env_option(
+        p,
         "--host",
         default="127.0.0.1",
         help="address to listen on",
@@ -520,7 +537,13 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
     if args.adapter:
         use_app_directory()
     settings.validate()  # before the store is opened (a SQLite main takes its lock)
-    store = composition.open_store(args.database_url, args.adapter, single_main=True)
+    store = composition.open_store(
+        args.database_url,
+        args.adapter,
+        pool_size=int(args.store_pool_size),
+        hot_pool_size=int(args.store_hot_pool_size),
+        single_main=True,
+    )
     main = Main(
         store,
         settings,

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import adapters
+from adapters import DEFAULT_HOT_POOL_SIZE as DEFAULT_HOT_POOL_SIZE
+from adapters import DEFAULT_POOL_SIZE as DEFAULT_POOL_SIZE
 from broker import checks
 from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode
@@ -31,16 +33,26 @@ def open_store(
     *,
     create: bool = True,
     read_only: bool = False,
+    pool_size: int = DEFAULT_POOL_SIZE,
+    hot_pool_size: int = DEFAULT_HOT_POOL_SIZE,
     single_main: bool = False,
 ) -> StorageAdapter:
     """The store for ``url``, or the custom adapter ``module:factory`` called with ``url``.
 
-    ``create``, ``read_only`` and ``single_main`` are passed to the built-in adapters (see
-    :func:`adapters.open_store`); a custom factory is called with the URL alone. A
+    ``create``, ``read_only``, the pool sizes and ``single_main`` are passed to the
+    built-in adapters (see :func:`adapters.open_store`); a custom factory is called with
+    the URL alone. A
     custom adapter that lacks part of the contract is refused here, naming what it lacks.
     """
     if adapter is None:
-        return adapters.open_store(url, create=create, read_only=read_only, single_main=single_main)
+        return adapters.open_store(
+            url,
+            create=create,
+            read_only=read_only,
+            pool_size=pool_size,
+            hot_pool_size=hot_pool_size,
+            single_main=single_main,
+        )
     module_name, _, attr = adapter.partition(":")
     if not module_name or not attr:
         raise ConfigurationError(

@@ -1,0 +1,239 @@
+"""The SQL store's hot path: single-statement claims and settles, and their own pool.
+
+The conformance suite covers the contract; these target what the one-statement path
+could get wrong that it does not spell out: a batch mixing keyed, unkeyed, not-due,
+repeated and unknown jobs; settles from several processes releasing the same keys in
+opposite orders; the error mapping of the raw driver path; and dispatch going on
+while every general-pool connection is taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from adapters.sql import SQLAlchemyAdapter
+from broker.exceptions import ConfigurationError, StorageError, StorageRejectedError
+from broker.jobs import Claim, ExecutionMode, JobSpec, JobStatus, Outcome, Settlement
+from broker.testing import FakeClock
+from tests.conftest import drop_schema, fresh_schema_name, require_postgres
+
+START = datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC)
+ALL_MODES = frozenset(ExecutionMode)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def store_url(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[tuple[str, str | None]]:
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path / 'hot.db'}", None
+        return
+    schema = fresh_schema_name()
+    yield require_postgres(), schema
+    await drop_schema(schema)
+
+
+async def _open(url: str, schema: str | None, clock: FakeClock, **kw: int) -> SQLAlchemyAdapter:
+    store = SQLAlchemyAdapter(url, clock=clock, schema=schema, **kw)
+    await store.setup()
+    return store
+
+
+async def test_a_batched_claim_mixing_keyed_unkeyed_and_unclaimable_jobs(
+    store_url: tuple[str, str | None],
+) -> None:
+    clock = FakeClock(START)
+    store = await _open(*store_url, clock)
+    try:
+        free = (await store.enqueue(JobSpec(task="t", args=["free"]))).job
+        keyed = [
+            (await store.enqueue(JobSpec(task="t", concurrency_key="k", concurrency_limit=1))).job
+            for _ in range(2)
+        ]
+        later = (await store.enqueue(JobSpec(task="t", run_at=START + timedelta(hours=1)))).job
+        leases = [uuid.uuid4() for _ in range(6)]
+        claims = [
+            Claim(keyed[1].id, leases[0], "w"),
+            Claim(free.id, leases[1], "w"),
+            Claim(later.id, leases[2], "w"),
+            Claim(keyed[0].id, leases[3], "w"),
+            Claim(free.id, leases[4], "w"),  # the same job again: the first claim wins
+            Claim(uuid.uuid4(), leases[5], "w"),  # no such job
+        ]
+        claimed = await store.mark_handed_off_many(claims)
+        assert [(j.id, j.handoff_id) for j in claimed] == [
+            (keyed[1].id, leases[0]),
+            (free.id, leases[1]),
+        ], "claim order kept; one slot of key k; never the not-due job"
+        for job in claimed:
+            stored = await store.get_job(job.id)
+            assert stored == job and stored.status is JobStatus.HANDED_OFF
+        assert (await store.get_job(keyed[0].id)).status is JobStatus.QUEUED  # type: ignore[union-attr]
+        assert (await store.get_job(later.id)).status is JobStatus.QUEUED  # type: ignore[union-attr]
+        # The slot is held: the other keyed job stays out until the first one settles.
+        assert await store.mark_handed_off(keyed[0].id, uuid.uuid4(), "w") is None
+        assert await store.settle_many([Settlement(keyed[1].id, leases[0], Outcome.COMPLETE)]) == [
+            True
+        ]
+        assert await store.mark_handed_off(keyed[0].id, uuid.uuid4(), "w") is not None
+    finally:
+        await store.close()
+
+
+async def test_settles_releasing_the_same_keys_in_opposite_orders_all_go_through(
+    store_url: tuple[str, str | None],
+) -> None:
+    """Each batch gives back slots of keys a and b; the batches list them in opposite
+    orders and run at once from separate engines. Every slot comes back exactly once."""
+    clock = FakeClock(START)
+    url, schema = store_url
+    handles = [await _open(url, schema, clock) for _ in range(4)]
+    store = handles[0]
+    try:
+        per_key = 40
+        jobs = {
+            key: [
+                (
+                    await store.enqueue(
+                        JobSpec(task="t", concurrency_key=key, concurrency_limit=per_key)
+                    )
+                ).job
+                for _ in range(per_key)
+            ]
+            for key in ("a", "b")
+        }
+        held = {
+            key: await store.mark_handed_off_many([Claim(j.id, uuid.uuid4(), "w") for j in js])
+            for key, js in jobs.items()
+        }
+        assert all(len(h) == per_key for h in held.values())
+
+        def batch(i: int) -> list[Settlement]:
+            a = held["a"][i::4]
+            b = held["b"][i::4]
+            ordered = a + b if i % 2 else b + a
+            return [Settlement(j.id, j.handoff_id or uuid.uuid4(), Outcome.RETURN) for j in ordered]
+
+        results = await asyncio.gather(*(h.settle_many(batch(i)) for i, h in enumerate(handles)))
+        assert all(all(r) for r in results)
+        again = await store.mark_handed_off_many(
+            [Claim(j.id, uuid.uuid4(), "w") for key in ("a", "b") for j in jobs[key]]
+        )
+        assert len(again) == 2 * per_key, "every slot was given back, none twice"
+    finally:
+        for handle in handles:
+            await handle.close()
+
+
+async def test_a_value_postgres_refuses_is_rejected_and_changes_nothing() -> None:
+    schema = fresh_schema_name()
+    store = await _open(require_postgres(), schema, FakeClock(START))
+    try:
+        job = (await store.enqueue(JobSpec(task="t"))).job
+        with pytest.raises(StorageRejectedError):
+            await store.mark_handed_off_many([Claim(job.id, uuid.uuid4(), "bad\x00worker")])
+        assert (await store.get_job(job.id)).status is JobStatus.QUEUED  # type: ignore[union-attr]
+        claimed = await store.mark_handed_off(job.id, uuid.uuid4(), "good")
+        assert claimed is not None
+    finally:
+        await store.close()
+        await drop_schema(schema)
+
+
+async def test_an_unreachable_postgres_is_transient_trouble_not_a_rejection() -> None:
+    require_postgres()
+    with socket.socket() as probe:  # a port nothing listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = SQLAlchemyAdapter(f"postgresql+asyncpg://postgres@127.0.0.1:{port}/test")
+    job_id, lease = uuid.uuid4(), uuid.uuid4()
+    calls = [
+        store.select_eligible(modes=ALL_MODES),
+        store.next_run_at(modes=ALL_MODES),
+        store.mark_handed_off_many([Claim(job_id, lease, "w")]),
+        store.settle_many([Settlement(job_id, lease, Outcome.COMPLETE)]),
+        store.enqueue(JobSpec(task="t")),
+    ]
+    try:
+        for call in calls:
+            with pytest.raises(StorageError) as caught:
+                await call
+            assert not isinstance(caught.value, StorageRejectedError)
+    finally:
+        await store.close()
+
+
+async def test_claims_and_settles_go_on_while_every_general_connection_is_taken() -> None:
+    schema = fresh_schema_name()
+    store = await _open(require_postgres(), schema, FakeClock(START), pool_size=1)
+    held = []
+    try:
+        job = (await store.enqueue(JobSpec(task="t"))).job
+        # The general pool: one connection plus SQLAlchemy's 10 overflow, all checked out.
+        held = [await store._engine.connect() for _ in range(11)]
+        assert [j.id for j in await store.select_eligible(modes=ALL_MODES)] == [job.id]
+        claimed = await store.mark_handed_off(job.id, uuid.uuid4(), "w")
+        assert claimed is not None
+        assert await store.complete(job.id, claimed.handoff_id or uuid.uuid4(), "ok")
+        assert await store.next_run_at(modes=ALL_MODES) is None
+    finally:
+        for conn in held:
+            await conn.close()
+        await store.close()
+        await drop_schema(schema)
+
+
+@pytest.mark.parametrize("field", ["pool_size", "hot_pool_size"])
+def test_pool_sizes_must_be_positive(field: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match=field):
+        SQLAlchemyAdapter(f"sqlite+aiosqlite:///{tmp_path / 'x.db'}", **{field: 0})  # type: ignore[arg-type]
+
+
+async def test_a_closed_store_closes_again_quietly_and_can_be_used_again(
+    store_url: tuple[str, str | None],
+) -> None:
+    """As SQLAlchemy's engine after ``dispose()``: the main closes its store on stop,
+    and an owner that closes it too (or keeps using it) must not fail."""
+    store = await _open(*store_url, FakeClock(START))
+    job = (await store.enqueue(JobSpec(task="t"))).job
+    assert await store.mark_handed_off(job.id, uuid.uuid4(), "w") is not None
+    await store.close()
+    await store.close()
+    try:
+        claimed = await store.mark_handed_off(
+            (await store.enqueue(JobSpec(task="t"))).job.id, uuid.uuid4(), "w"
+        )
+        assert claimed is not None
+    finally:
+        await store.close()
+
+
+async def test_jobs_of_one_key_with_different_limits_are_each_held_to_their_own(
+    store_url: tuple[str, str | None],
+) -> None:
+    """The grant rule goes job by job in claim order: a job fits while the key's active
+    count plus the slots this claim already took is below *its* limit. So with one slot
+    held, a limit-1 job stays out and the limit-2 job after it gets in."""
+    store = await _open(*store_url, FakeClock(START))
+    try:
+
+        async def keyed(limit: int) -> uuid.UUID:
+            spec = JobSpec(task="t", concurrency_key="m", concurrency_limit=limit)
+            return (await store.enqueue(spec)).job.id
+
+        held = await keyed(2)
+        assert await store.mark_handed_off(held, uuid.uuid4(), "w") is not None
+        one, two, also_two = await keyed(1), await keyed(2), await keyed(2)
+        claimed = await store.mark_handed_off_many(
+            [Claim(job_id, uuid.uuid4(), "w") for job_id in (one, two, also_two)]
+        )
+        assert [j.id for j in claimed] == [two]
+    finally:
+        await store.close()
