@@ -35,7 +35,7 @@ from broker.tasks import default_registry
 from broker.tls import PeerTLS, ServerTLS
 from broker.untrusted import escape_control
 from broker.web import Dashboard, WorkerMetricsServer
-from broker.worker import DEFAULT_PREFETCH, Worker
+from broker.worker import PREFETCH_PER_SLOT, Worker
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./broker.db"
 
@@ -723,10 +723,9 @@ def worker_parser() -> argparse.ArgumentParser:
         p,
         "--prefetch",
         type=_count,
-        default=DEFAULT_PREFETCH,
         help="jobs per mode held beyond the free slots, so a finished job's slot is "
         "refilled at once; their leases go back if the connection drops "
-        f"(default: {DEFAULT_PREFETCH})",
+        f"(default: {PREFETCH_PER_SLOT} per slot of the mode; 0: none)",
     )
     _add_log_options(p)
     return p

@@ -129,12 +129,17 @@ class WorkerState:
         queues: Sequence[str] | None,
         lookup_task: Callable[[str], object],
         logger: logging.Logger,
-        prefetch: int = 0,
+        prefetch: int | Mapping[ExecutionMode, int] = 0,
     ) -> None:
-        if prefetch < 0:
-            raise ValueError("prefetch must be 0 or more")
         self._modes = tuple(modes)
-        self._prefetch = prefetch
+        self._prefetch = (
+            dict(prefetch)
+            if isinstance(prefetch, Mapping)
+            else dict.fromkeys(self._modes, prefetch)
+        )
+        """The window of each mode (see the module docstring)."""
+        if any(window < 0 for window in self._prefetch.values()):
+            raise ValueError("prefetch must be 0 or more")
         self._queues = None if queues is None else list(queues)
         self._lookup_task = lookup_task
         self._logger = logger
@@ -325,7 +330,7 @@ class WorkerState:
         """Jobs of ``mode`` this worker can take now: its room plus the prefetch window,
         less the prefetched jobs it already holds."""
         held = sum(1 for a in self._queued.values() if a.execution_mode is mode)
-        return max(0, self._room(mode, free) + self._prefetch - held)
+        return max(0, self._room(mode, free) + self._prefetch.get(mode, 0) - held)
 
     def _start_queued(self, free: Mapping[ExecutionMode, int] | None) -> list[WorkerEffect]:
         """Start prefetched jobs, oldest first within each mode, while their mode has room."""

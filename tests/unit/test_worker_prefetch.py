@@ -19,7 +19,7 @@ from broker.admission import Credits
 from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode
 from broker.runner import Completed
-from broker.worker import DEFAULT_PREFETCH, Worker
+from broker.worker import Worker
 from broker.worker_state import LeaseKey, StartRun, WorkerEffect, WorkerState
 from runners.inline import InlineRunner
 from tests.unit.conftest import PROFILE
@@ -312,7 +312,7 @@ def test_the_window_is_a_worker_setting_with_a_checked_value(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     parser = cli.worker_parser()
-    assert parser.parse_args(["--app", "m"]).prefetch == DEFAULT_PREFETCH
+    assert parser.parse_args(["--app", "m"]).prefetch is None  # two per slot of each mode
     assert parser.parse_args(["--app", "m", "--prefetch", "0"]).prefetch == 0
     monkeypatch.setenv("BROKER_PREFETCH", "5")
     assert cli.worker_parser().parse_args(["--app", "m"]).prefetch == 5
