@@ -65,7 +65,7 @@ def test_a_released_outcome_travels_as_a_retryable_failure() -> None:
         b'[{"type":"ready","pid":1,"extra":true}]\n',  # a field it does not know
         b'[{"type":"failed","handoff_id":"not-a-uuid","error":"e","retry":true}]\n',
         b'[{"type":"rescheduled","handoff_id":"'
-        + str(uuid.uuid4()).encode()
+        + str(uuid.UUID(int=7)).encode()
         + b'","delay":true}]\n',
         b"[{]\n",  # not JSON
     ],
