@@ -98,6 +98,7 @@ def job_spec(
                 f"execution_mode must be one of {modes} (got {given['execution_mode']!r})"
             ) from None
     if isinstance(task, Task):
+        task.check_arguments(args, kwargs or {})  # a job that could never run is refused here
         return task.spec(args, kwargs, **given)
     return JobSpec(task=task, args=tuple(args), kwargs=dict(kwargs or {}), **given)
 

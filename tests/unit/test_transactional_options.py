@@ -73,3 +73,9 @@ def test_a_database_that_cannot_hold_the_store_is_refused_by_name() -> None:
 
     with pytest.raises(ConfigurationError, match="'mysql'"):
         enqueue_on_statements(Unused(), "mysql", [job_spec("t.plain")])
+
+
+def test_a_task_object_binds_its_arguments_before_a_job_is_built() -> None:
+    with pytest.raises(TypeError, match="cannot take these arguments"):
+        job_spec(unique_task, [1, 2, 3])
+    assert job_spec(unique_task, [7]).args == (7,)
