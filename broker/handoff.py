@@ -609,6 +609,9 @@ class Handoff:
             "lease queued for return job_id=%s handoff_id=%s reason=%s", job_id, lease, reason
         )
         self.returns[lease] = job_id
+        # Its job waits in the queue again (or will, once the store has it back): no mode
+        # counts as drained until a read after this one says so.
+        self.queue_changed()
         return ReturnLease(job_id, lease, reason)
 
     def returned(self, lease: uuid.UUID, job_id: uuid.UUID) -> None:
