@@ -12,6 +12,7 @@ unreachable) is everybody's: every caller in the batch gets it, as it would have
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
@@ -33,7 +34,7 @@ class GroupCommit(Generic[T, R]):
         self._commit = commit
         self._max_batch = max_batch
         self._shared_failure = shared_failure
-        self._waiting: list[tuple[list[T], asyncio.Future[list[R]]]] = []
+        self._waiting: deque[tuple[list[T], asyncio.Future[list[R]]]] = deque()
         self._runner: asyncio.Task[None] | None = None
 
     async def submit(self, items: Sequence[T]) -> list[R]:
@@ -63,7 +64,7 @@ class GroupCommit(Generic[T, R]):
             items, future = self._waiting[0]
             if batch and size + len(items) > self._max_batch:
                 break
-            self._waiting.pop(0)
+            self._waiting.popleft()
             if not future.done():
                 batch.append((items, future))
                 size += len(items)

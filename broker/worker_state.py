@@ -152,6 +152,9 @@ class WorkerState:
         subtracted from the runner's free slots until they are."""
         self._queued: dict[LeaseKey, Assignment] = {}
         """Prefetched jobs waiting for a slot, in arrival order (a FIFO per mode)."""
+        self._held: Counter[ExecutionMode] = Counter()
+        """Prefetched jobs per mode: the credit of every job received and every ``ready``
+        subtracts them, and counting the FIFO each time cost a pass over the window."""
         self._outbox: dict[LeaseKey, protocol.Report] = {}
         self._given_up: set[LeaseKey] = set()
         self._cancelled: set[LeaseKey] = set()
@@ -239,6 +242,7 @@ class WorkerState:
                 extra={"event": "prefetch_dropped"},
             )
             self._queued.clear()
+            self._held.clear()
         return []
 
     def ping_received(self, nonce: int) -> list[WorkerEffect]:
@@ -320,17 +324,24 @@ class WorkerState:
             self._release(key, f"no free {mode} slot")
             return False
         self._queued[key] = codec.assignment(msg)
+        self._held[mode] += 1
         return True
 
     def _room(self, mode: ExecutionMode, free: Mapping[ExecutionMode, int]) -> int:
         """Slots of ``mode`` a job can start in now."""
         return max(0, free.get(mode, 0) - self._starting[mode])
 
+    def _unqueue(self, key: LeaseKey) -> Assignment | None:
+        """Take a prefetched job out of the FIFO (it starts, or goes back unstarted)."""
+        assignment = self._queued.pop(key, None)
+        if assignment is not None:
+            self._held[assignment.execution_mode] -= 1
+        return assignment
+
     def _credit(self, mode: ExecutionMode, free: Mapping[ExecutionMode, int]) -> int:
         """Jobs of ``mode`` this worker can take now: its room plus the prefetch window,
         less the prefetched jobs it already holds."""
-        held = sum(1 for a in self._queued.values() if a.execution_mode is mode)
-        return max(0, self._room(mode, free) + self._prefetch.get(mode, 0) - held)
+        return max(0, self._room(mode, free) + self._prefetch.get(mode, 0) - self._held[mode])
 
     def _start_queued(self, free: Mapping[ExecutionMode, int] | None) -> list[WorkerEffect]:
         """Start prefetched jobs, oldest first within each mode, while their mode has room."""
@@ -344,8 +355,10 @@ class WorkerState:
                 continue
             if self._room(mode, free) <= 0:
                 full.add(mode)  # later jobs of this mode wait behind this one
+                if len(full) == len(self._modes):
+                    break
                 continue
-            del self._queued[key]
+            self._unqueue(key)
             self._starting[mode] += 1
             self._running[key] = mode
             self._remember_policy(key, assignment.task)
@@ -431,7 +444,7 @@ class WorkerState:
         """The main cancelled this job: stop it. Its outcome is still reported, and the
         main acknowledges it ``stale`` because the store already says ``cancelled``."""
         key = (msg.job_id, msg.handoff_id)
-        if self._queued.pop(key, None) is not None:
+        if self._unqueue(key) is not None:
             self._release(key, "cancelled before it started")
             self._ready_due = True
             return self._effects()
@@ -506,7 +519,7 @@ class WorkerState:
         """Release every prefetched job unstarted (a fast stop, or the drain deadline):
         it goes back to the queue without an attempt counted."""
         for key in list(self._queued):
-            del self._queued[key]
+            self._unqueue(key)
             self._release(key, "the worker stopped before the job started")
         return self._effects()
 
