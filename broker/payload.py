@@ -25,6 +25,10 @@ from broker.jobs import JobSpec, JSONValue
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
 """1 MiB, for a job's args and kwargs together, and separately for its result."""
 
+DEFAULT_OFFLOAD_BYTES = 64 << 10
+"""64 KiB: a value (args, kwargs, result) larger than this as stored JSON is kept apart
+from its job's row, in the store's payload table (see ``docs/howto/payload-limits.md``)."""
+
 DEFAULT_MAX_PAYLOAD_DEPTH = 64
 """How many lists and objects deep each argument, keyword argument and result may nest."""
 
@@ -171,6 +175,7 @@ def result_problem(result: JSONValue, limit: int | None, max_depth: int) -> str 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "DEFAULT_MAX_PAYLOAD_DEPTH",
+    "DEFAULT_OFFLOAD_BYTES",
     "ESCAPE_GROWTH",
     "LINE_HEADROOM_BYTES",
     "MAX_PAYLOAD_DEPTH_CEILING",
