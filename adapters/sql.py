@@ -569,6 +569,8 @@ def _lite_bodies(conn: sqlite3.Connection, rows: Sequence[sqlite3.Row]) -> dict[
 
 def _lite_put(conn: sqlite3.Connection, moved: Sequence[Payload]) -> None:
     """Write payload rows on SQLite's hot connection, replacing any of the same kind."""
+    if not moved:
+        return
     conn.executemany(
         "INSERT INTO broker_payloads (job_id, kind, body) VALUES (?, ?, ?) "
         "ON CONFLICT (job_id, kind) DO UPDATE SET body = excluded.body",
