@@ -80,9 +80,8 @@ async def test_1_and_10_mib_args_and_results_round_trip_and_stay_out_of_the_job_
                 await eventually(
                     completed, f"the {size >> 20} MiB job to complete", detail=cluster.logs
                 )
-                print(
-                    f"{size >> 20} MiB: enqueue to completion seen in {time.monotonic() - started:.2f} s"
-                )
+                seconds = time.monotonic() - started
+                print(f"{size >> 20} MiB: enqueue to completion seen in {seconds:.2f} s")
                 job = await client.get_job(made.job_id)
                 assert job is not None
                 assert job["args"] == [blob, size], "the stored arguments, whole"
