@@ -27,11 +27,13 @@ from broker.jobs import ExecutionMode, JobSpec, JobStatus
 from broker.main import Main
 from broker.payload import (
     DEFAULT_MAX_PAYLOAD_BYTES,
+    DEFAULT_OFFLOAD_BYTES,
     LINE_HEADROOM_BYTES,
     args_size,
     check_args,
     result_too_large,
 )
+from broker.storage import SupportsOffload
 from broker.tasks import TaskRegistry, task
 from broker.worker import Worker
 from runners.inline import InlineRunner
@@ -105,7 +107,10 @@ def test_cli_flags_set_the_payload_limit_and_a_line_limit_that_fits_it(
 async def test_broker_main_applies_the_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[Main] = []
     args = cli.main_parser().parse_args(
-        ["--database-url", "memory://", "--port", "0", "--max-payload-bytes", str(3 << 20)]
+        [
+            *("--database-url", "memory://", "--port", "0"),
+            *("--max-payload-bytes", str(3 << 20), "--offload-threshold", "1000"),
+        ]
     )
     monkeypatch.setattr(Main, "start", lambda self: _record(started, self))
     with pytest.raises(_Stop):
@@ -113,6 +118,9 @@ async def test_broker_main_applies_the_flags(monkeypatch: pytest.MonkeyPatch) ->
     [main] = started
     assert main.settings.max_payload_bytes == 3 << 20
     assert main.settings.max_line_bytes == 4 << 20
+    assert isinstance(main.store, SupportsOffload) and main.store.offload_threshold == 1000
+    default = cli.main_parser().parse_args([])
+    assert default.offload_threshold == DEFAULT_OFFLOAD_BYTES == 64 << 10
 
 
 class _Stop(Exception):
