@@ -523,16 +523,13 @@ async def _pg_put(sql: HotSql, conn: Any, moved: Sequence[Payload]) -> None:
 
 
 async def _sa_bodies(conn: AsyncConnection, rows: Sequence[Mapping[Any, Any]]) -> dict[Any, str]:
-    """The offloaded payloads of ``rows`` (a SQLAlchemy connection)."""
+    """The offloaded payloads of ``rows`` (a SQLAlchemy connection, or an application's
+    connection that offers ``mappings()`` as :mod:`adapters._sql_statements` describes)."""
     wanted = [r["id"] for r in rows if _is_offloaded(r)]
     bodies: dict[Any, str] = {}
     for chunk in _chunks(wanted):
-        found = await conn.execute(
-            sa.select(payloads.c.job_id, payloads.c.kind, payloads.c.body).where(
-                payloads.c.job_id.in_(chunk)
-            )
-        )
-        bodies.update({(job_id, kind): body for job_id, kind, body in found})
+        found = await conn.execute(sa.select(payloads).where(payloads.c.job_id.in_(chunk)))
+        bodies.update({(r["job_id"], r["kind"]): r["body"] for r in found.mappings()})
     return bodies
 
 
@@ -1301,7 +1298,7 @@ class SQLAlchemyAdapter:
             if uniques:
                 # IS_ACTIVE is the partial unique index's own predicate.
                 cond = sa.or_(cond, sa.and_(jobs.c.unique_key.in_(uniques), IS_ACTIVE))
-            rows = (await conn.execute(sa.select(jobs).where(cond))).mappings().all()
+            rows = list((await conn.execute(sa.select(jobs).where(cond))).mappings())
             bodies = await _sa_bodies(conn, rows)
             found.extend(_job_from_row(r, bodies) for r in rows)
         return _match_holders(specs, found)
