@@ -103,6 +103,11 @@ class RunnerCrashedError(BrokerError):
     """The process running the job died before reporting an outcome."""
 
 
+class CheckpointRejectedError(BrokerError):
+    """The checkpoint was not saved: this run's lease is no longer the job's (the main
+    gave the job to another run), or the run has already ended."""
+
+
 def transient(exc: BaseException) -> bool:
     """Whether a store call that raised ``exc`` may succeed if simply made again: trouble
     reaching the store (the ``StorageError`` the storage contract asks adapters to raise,
