@@ -13,6 +13,7 @@ from broker import checks
 from broker.admission import DEFAULT_MAX_CREDIT
 from broker.credentials import Credentials
 from broker.payload import (
+    DEFAULT_MAX_CHECKPOINT_BYTES,
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_MAX_PAYLOAD_DEPTH,
     LINE_HEADROOM_BYTES,
@@ -64,6 +65,9 @@ class MainSettings:
     max_payload_depth: int = DEFAULT_MAX_PAYLOAD_DEPTH
     """How many lists and objects deep each argument and each result may nest; workers
     learn it from ``welcome``."""
+    max_checkpoint_bytes: int | None = DEFAULT_MAX_CHECKPOINT_BYTES
+    """Largest checkpoint a task may save, as JSON (a job message carries its arguments
+    and its checkpoint, so both must fit in ``max_line_bytes``); ``None``: no limit."""
     preauth_max_line_bytes: int = 64 << 10
     handshake_timeout: float = 2.0
     ping_interval: float = 5.0
@@ -145,6 +149,16 @@ class MainSettings:
         for name, value in positive.items():
             checks.positive(name, value)
         checks.non_negative("orphan_grace", self.orphan_grace)
+        if self.max_checkpoint_bytes is not None:
+            checks.positive("max_checkpoint_bytes", self.max_checkpoint_bytes)
+            checks.require(
+                self.max_line_bytes
+                >= (self.max_payload_bytes or 0) + self.max_checkpoint_bytes + LINE_HEADROOM_BYTES,
+                f"max_line_bytes ({self.max_line_bytes}) must hold a job's payload and its "
+                f"checkpoint ({self.max_payload_bytes} + {self.max_checkpoint_bytes} bytes) "
+                f"with {LINE_HEADROOM_BYTES} bytes to spare; lower max_checkpoint_bytes or "
+                "raise max_line_bytes",
+            )
         if self.max_payload_bytes is not None:
             checks.positive("max_payload_bytes", self.max_payload_bytes)
             checks.require(

@@ -25,6 +25,9 @@ from broker.jobs import JobSpec, JSONValue
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
 """1 MiB, for a job's args and kwargs together, and separately for its result."""
 
+DEFAULT_MAX_CHECKPOINT_BYTES = 256 << 10
+"""256 KiB: a checkpoint is a position and a little state, not the data itself."""
+
 DEFAULT_MAX_PAYLOAD_DEPTH = 64
 """How many lists and objects deep each argument, keyword argument and result may nest."""
 
@@ -169,6 +172,7 @@ def result_problem(result: JSONValue, limit: int | None, max_depth: int) -> str 
 
 
 __all__ = [
+    "DEFAULT_MAX_CHECKPOINT_BYTES",
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "DEFAULT_MAX_PAYLOAD_DEPTH",
     "ESCAPE_GROWTH",

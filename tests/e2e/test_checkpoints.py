@@ -1,0 +1,194 @@
+"""End to end: checkpoints survive ``kill -9`` of a worker and of its pooled child, and a
+frozen-then-thawed worker's late checkpoint is fenced (real processes, TCP, SQLite).
+
+What each run saw and did comes from the log ``tests/checkpoint_app.py`` writes inside
+the runs (see there); the rule checked is the guarantee in ``docs/guarantees.md``: every
+attempt after the first begins from the newest checkpoint acknowledged before it began,
+or a newer one that was asked for, never an older one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from broker.jobs import ExecutionMode, JobSpec
+from tests.e2e.test_e2e import Cluster, eventually, sqlite_url
+
+pytestmark = pytest.mark.slow
+
+APP = "tests.checkpoint_app"
+MAIN = ("--retry-backoff", "fixed:0.1")
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str
+    at: float
+    pid: int
+    value: str
+
+
+def events(directory: Path) -> list[Event]:
+    """Every run's events, across processes, in time order."""
+    found = []
+    for path in directory.glob("ckpt-*.log"):
+        pid = int(path.stem.split("-")[1])
+        for line in path.read_text().split("\n")[:-1]:
+            kind, at, *rest = line.split()
+            found.append(Event(kind, float(at), pid, " ".join(rest)))
+    return sorted(found, key=lambda e: e.at)
+
+
+def check_resumes(log: list[Event]) -> list[int]:
+    """Every start after the first resumes from a step asked for, at or after the newest
+    step acknowledged before it; returns the step each start resumed from."""
+    acked, asked, resumed = 0, {0}, []
+    starts = [e for e in log if e.kind == "start"]
+    assert starts and starts[0].value.endswith(" -"), "the first run starts afresh"
+    for event in log:
+        if event.kind == "asked":
+            asked.add(int(event.value))
+        elif event.kind == "acked":
+            acked = max(acked, int(event.value))
+        elif event.kind == "start" and event is not starts[0]:
+            attempt, origin = event.value.split()
+            step = 0 if origin == "-" else int(origin)
+            assert step >= acked, f"attempt {attempt} resumed from {step}, older than {acked}"
+            assert step in asked, f"attempt {attempt} resumed from {step}, never saved"
+            resumed.append(step)
+    return resumed
+
+
+class Checkpointing(Cluster):
+    async def worker(self, worker_id: str, *extra: str) -> object:
+        argv = ["worker", "--main", f"127.0.0.1:{self.port}", "--app", APP]
+        argv += ["--worker-id", worker_id, "--ping-interval", "0.2", "--liveness-timeout", "1"]
+        proc = await self.spawn(worker_id, *argv, *extra)
+        await proc.wait_for_output("connected to main")
+        return proc
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Checkpointing]:
+    cluster = Checkpointing(tmp_path, sqlite_url(tmp_path))
+    try:
+        yield cluster
+    finally:
+        await cluster.close()
+
+
+def child_pids(parent: int) -> list[int]:
+    out = subprocess.run(
+        ["pgrep", "-P", str(parent)], capture_output=True, text=True, check=False
+    ).stdout
+    return [int(pid) for pid in out.split()]
+
+
+def broker_job(cluster: Cluster, job_id: uuid.UUID) -> dict[str, object]:
+    """``broker job ID --json`` as an operator runs it, against the store."""
+    out = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "job", str(job_id), "--json", "--database-url", cluster.url],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("BROKER_")},
+    ).stdout
+    data: dict[str, object] = json.loads(out)
+    return data
+
+
+async def test_kill_9_of_child_and_worker_resumes_from_the_last_acknowledged_checkpoint(
+    cluster: Checkpointing,
+) -> None:
+    total = 150
+    main = await cluster.start_main(*MAIN)
+    workers = [await cluster.worker("a", "--pooled-runner-count", "1")]
+    async with cluster.client() as client:
+        [ref] = await client.enqueue_many([JobSpec(task=f"{APP}.count_up", args=[total])])
+        job_id = ref.job_id
+
+        async def reached(step: int) -> None:
+            def done() -> bool:
+                acked = [int(e.value) for e in events(cluster.runs) if e.kind == "acked"]
+                return bool(acked) and max(acked) >= step
+
+            await eventually(done, f"step {step} acknowledged", detail=cluster.logs)
+
+        kills = 0
+        for step in (20, 40, 60):  # the child, three times
+            await reached(step)
+            [child] = child_pids(workers[0].pid)  # type: ignore[attr-defined]
+            os.kill(child, signal.SIGKILL)
+            kills += 1
+        for step, name in ((80, "b"), (100, "c")):  # then the worker, twice
+            await reached(step)
+            await workers[-1].kill()  # type: ignore[attr-defined]
+            workers.append(await cluster.worker(name, "--pooled-runner-count", "1"))
+            kills += 1
+
+        async def finished() -> bool:
+            job = await client.get_job(job_id)
+            return job is not None and job["status"] == "completed"
+
+        await eventually(finished, "the job to complete", timeout=60, detail=cluster.logs)
+        job = await client.get_job(job_id)
+    assert job is not None and job["result"] == total
+    log = events(cluster.runs)
+    resumed = check_resumes(log)
+    assert len(resumed) >= kills, f"every kill cost an attempt: {resumed}"
+    assert all(step > 0 for step in resumed), "each attempt continued"
+    assert job["checkpoint"] == {"n": total} and job["checkpoint_seq"] >= total
+    shown = broker_job(cluster, job_id)
+    assert shown["checkpoint_at"] is not None and shown["progress"] == 1.0
+    assert shown["progress_message"] == f"step {total} of {total}"
+    await main.terminate()
+
+
+async def test_a_frozen_workers_late_checkpoint_is_fenced(cluster: Checkpointing) -> None:
+    total = 120
+    await cluster.start_main(*MAIN)
+    frozen = await cluster.worker("frozen")
+    async with cluster.client() as client:
+        spec = JobSpec(
+            task=f"{APP}.count_up", args=[total, 0.05], execution_mode=ExecutionMode.INLINE
+        )
+        [ref] = await client.enqueue_many([spec])
+
+        def on(pid: int, kind: str) -> list[Event]:
+            return [e for e in events(cluster.runs) if e.pid == pid and e.kind == kind]
+
+        await eventually(lambda: len(on(frozen.pid, "acked")) >= 10, "the first run to save")  # type: ignore[attr-defined]
+        os.kill(frozen.pid, signal.SIGSTOP)  # type: ignore[attr-defined]
+        try:
+            other = await cluster.worker("other")
+            await eventually(lambda: on(other.pid, "acked"), "the job to move on")  # type: ignore[attr-defined]
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)  # type: ignore[attr-defined]
+        await eventually(lambda: on(frozen.pid, "rejected"), "the thawed run's save to fail")  # type: ignore[attr-defined]
+
+        async def finished() -> bool:
+            job = await client.get_job(ref.job_id)
+            return job is not None and job["status"] == "completed"
+
+        await eventually(finished, "the job to complete", timeout=60, detail=cluster.logs)
+        job = await client.get_job(ref.job_id)
+    assert job is not None and job["checkpoint"] == {"n": total}
+    log = events(cluster.runs)
+    check_resumes(log)
+    [late] = on(frozen.pid, "rejected")  # type: ignore[attr-defined]
+    late_acked = [e for e in on(frozen.pid, "acked") if e.at > late.at]  # type: ignore[attr-defined]
+    assert not late_acked, "nothing the frozen run saved after its lease went was stored"
+    # The store's checkpoint never went back: each of the other run's saves was taken in
+    # order, and the last one stands.
+    acked = [int(e.value) for e in on(other.pid, "acked")]  # type: ignore[attr-defined]
+    assert acked == sorted(acked) and acked[-1] == total
