@@ -1,6 +1,6 @@
 """Tasks for ``tests/e2e/test_checkpoints.py``, loaded with ``--app tests.checkpoint_app``.
 
-Each run writes what it saw and did to ``ckpt-PID.log`` in ``BROKER_E2E_LOG_DIR``, a
+Each run writes what it saw and did to ``ckpt-PID.log`` in ``CHECKPOINT_TEST_LOG_DIR``, a
 line per event with ``time.monotonic()`` (one clock for every process of the machine),
 one ``write`` per line (``O_APPEND``), so a ``kill -9`` never leaves a torn line:
 
@@ -20,7 +20,8 @@ from broker.context import current_job
 from broker.exceptions import CheckpointRejectedError
 from broker.tasks import task
 
-LOG_DIR_ENV = "BROKER_E2E_LOG_DIR"
+LOG_DIR_ENV = "CHECKPOINT_TEST_LOG_DIR"
+"""Not ``BROKER_*``: a pooled child is given no broker variable."""
 
 
 def _log(*words: object) -> None:
