@@ -110,7 +110,9 @@ class CheckpointSaver:
                 await asyncio.sleep(self._retry_interval)
         self._answer(acks)
 
-    async def _isolate(self, batch: list[tuple[int, protocol.SaveCheckpoint]], exc: Exception) -> None:
+    async def _isolate(
+        self, batch: list[tuple[int, protocol.SaveCheckpoint]], exc: Exception
+    ) -> None:
         if len(batch) > 1:
             half = len(batch) // 2
             await self._save(batch[:half])
@@ -128,7 +130,9 @@ class CheckpointSaver:
         )
         self._answer([(peer, refused)])
 
-    async def _answer_for(self, msg: protocol.SaveCheckpoint, taken: bool) -> protocol.CheckpointAck:
+    async def _answer_for(
+        self, msg: protocol.SaveCheckpoint, taken: bool
+    ) -> protocol.CheckpointAck:
         """``applied`` when stored now; ``duplicate`` when the lease still holds the job
         and this or a newer checkpoint is stored (a copy sent again after a reconnect);
         ``stale`` otherwise. Read from the store, as for a report."""

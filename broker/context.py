@@ -34,7 +34,6 @@ import uuid
 from broker.jobs import JSONValue
 from broker.runner import Assignment, JobChannel
 
-
 _CURRENT: contextvars.ContextVar[JobContext | None] = contextvars.ContextVar(
     "broker_current_job", default=None
 )

@@ -617,7 +617,9 @@ class Handoff:
         otherwise (it is never answered)."""
         if not self._holds(peer_id, msg.job_id, msg.handoff_id):
             return []
-        return [StoreProgress(ProgressUpdate(msg.job_id, msg.handoff_id, msg.fraction, msg.message))]
+        return [
+            StoreProgress(ProgressUpdate(msg.job_id, msg.handoff_id, msg.fraction, msg.message))
+        ]
 
     def _holds(self, peer_id: int, job_id: uuid.UUID, lease: uuid.UUID) -> bool:
         peer = self.peers.get(peer_id)

@@ -54,8 +54,7 @@ from broker.exceptions import (
     ConfigurationError,
     ProtocolError,
 )
-from broker.jobs import ExecutionMode
-from broker.jobs import JSONValue
+from broker.jobs import ExecutionMode, JSONValue
 from broker.runner import Assignment, Failed, LeaseKey, Runner, RunOutcome
 from broker.tasks import TaskRegistry, default_registry
 from broker.tls import PeerTLS
@@ -620,9 +619,7 @@ class Worker:
                                 error_codes.exception_for(code, message or "not saved")
                             )
                 case ProgressLater(delay=delay):
-                    (self._loop or asyncio.get_running_loop()).call_later(
-                        delay, self._progress_due
-                    )
+                    (self._loop or asyncio.get_running_loop()).call_later(delay, self._progress_due)
         _mirror(self._idle, self._state.idle)
         _mirror(self._flushed, self._state.flushed)
 

@@ -34,7 +34,6 @@ them twice.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,10 +42,9 @@ from typing import TypeAlias
 from broker import codec, protocol
 from broker.exceptions import ProtocolError, TaskNotFoundError
 from broker.jobs import ExecutionMode, JSONValue
+from broker.payload import encoded_size, result_too_deep, result_too_large_on_wire
 from broker.protocol import ErrorCode
-from broker.payload import result_too_deep, result_too_large_on_wire
 from broker.retry import RetryPolicy, reported_exception
-from broker.payload import encoded_size
 from broker.runner import (
     Assignment,
     Completed,

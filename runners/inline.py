@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker import checks
+from broker.context import JobContext
 from broker.exceptions import TaskNotFoundError
 from broker.jobs import ExecutionMode, JSONValue
 from broker.payload import MAX_PAYLOAD_DEPTH_CEILING, result_too_deep
-from broker.context import JobContext
 from broker.runner import (
     Assignment,
     Completed,

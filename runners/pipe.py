@@ -115,7 +115,13 @@ class SampleLine(_Message, tag="sample"):
 ToChild: TypeAlias = JobLine | PingLine | CheckpointAckLine
 OutcomeLine: TypeAlias = CompletedLine | FailedLine | RescheduledLine
 FromChild: TypeAlias = (
-    ReadyLine | StartupErrorLine | OutcomeLine | PongLine | SampleLine | CheckpointLine | ProgressLine
+    ReadyLine
+    | StartupErrorLine
+    | OutcomeLine
+    | PongLine
+    | SampleLine
+    | CheckpointLine
+    | ProgressLine
 )
 
 _encoder = msgspec.json.Encoder()

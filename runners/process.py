@@ -350,7 +350,9 @@ class ChildProcess:
         job_id = self.job_ids.get(handoff_id)
         if job_id is None:
             raise ValueError(f"checkpoint for a job this child is not running: {handoff_id}")
-        saved = asyncio.ensure_future(self._channel.save_checkpoint((job_id, handoff_id), seq, state))
+        saved = asyncio.ensure_future(
+            self._channel.save_checkpoint((job_id, handoff_id), seq, state)
+        )
 
         def answer(done: asyncio.Future[None]) -> None:
             exc = None if done.cancelled() else done.exception()

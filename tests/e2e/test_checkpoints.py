@@ -16,7 +16,6 @@ import re
 import signal
 import subprocess
 import sys
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
