@@ -341,6 +341,9 @@ class Main:
             match effect:
                 case Send(peer=peer, message=protocol.ReportAck() as ack):
                     out.add(peer, protocol.ReportAcks, ack)
+                case Send(peer=peer, message=protocol.CheckpointAck() as ack):
+                    self.metrics.checkpoint_answered(ack.status.value)
+                    out.send(peer, ack)
                 case Send(peer=peer, message=message):
                     out.send(peer, message)
                 case Dispatch(peer=peer, seq=seq, job=job):
@@ -368,6 +371,7 @@ class Main:
                 case StoreCheckpoint(peer=peer, message=message):
                     self.checkpoints.add(peer, message)
                 case StoreProgress(update=update):
+                    self.metrics.progress_received()
                     self.progress.add(update)
         out.send_all()
 
