@@ -35,13 +35,16 @@ def _log(*words: object) -> None:
 
 
 @task
-async def count_up(total: int, pause: float = 0.02) -> int:
-    """Count to ``total``, checkpointing every step and reporting progress."""
+async def count_up(total: int, pause: float = 0.02, fail_at: int = 0) -> int:
+    """Count to ``total``, checkpointing every step and reporting progress; the first
+    attempt raises at step ``fail_at`` (0: never)."""
     job = current_job()
     start = job.last_checkpoint["n"] if job.is_continuation else 0
-    _log("start", job.attempt, start if job.is_continuation else "-")
+    _log("start", job.attempt, start if job.is_continuation else "-", job.job_id)
     for n in range(start + 1, total + 1):
         await asyncio.sleep(pause)
+        if n == fail_at and job.attempt == 1:
+            raise RuntimeError(f"failing at step {n} on purpose")
         _log("asked", n)
         try:
             await job.checkpoint({"n": n})
@@ -54,13 +57,15 @@ async def count_up(total: int, pause: float = 0.02) -> int:
 
 
 @task
-def count_up_sync(total: int, pause: float = 0.02) -> int:
+def count_up_sync(total: int, pause: float = 0.02, fail_at: int = 0) -> int:
     """:func:`count_up` as a sync task (it runs in a thread)."""
     job = current_job()
     start = job.last_checkpoint["n"] if job.is_continuation else 0
-    _log("start", job.attempt, start if job.is_continuation else "-")
+    _log("start", job.attempt, start if job.is_continuation else "-", job.job_id)
     for n in range(start + 1, total + 1):
         time.sleep(pause)
+        if n == fail_at and job.attempt == 1:
+            raise RuntimeError(f"failing at step {n} on purpose")
         _log("asked", n)
         try:
             job.checkpoint_sync({"n": n})

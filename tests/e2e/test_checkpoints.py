@@ -55,14 +55,14 @@ def check_resumes(log: list[Event]) -> list[int]:
     step acknowledged before it; returns the step each start resumed from."""
     acked, asked, resumed = 0, {0}, []
     starts = [e for e in log if e.kind == "start"]
-    assert starts and starts[0].value.endswith(" -"), "the first run starts afresh"
+    assert starts and starts[0].value.split()[1] == "-", "the first run starts afresh"
     for event in log:
         if event.kind == "asked":
             asked.add(int(event.value))
         elif event.kind == "acked":
             acked = max(acked, int(event.value))
         elif event.kind == "start" and event is not starts[0]:
-            attempt, origin = event.value.split()
+            attempt, origin, _ = event.value.split()
             step = 0 if origin == "-" else int(origin)
             assert step >= acked, f"attempt {attempt} resumed from {step}, older than {acked}"
             assert step in asked, f"attempt {attempt} resumed from {step}, never saved"
@@ -210,3 +210,32 @@ async def test_a_frozen_workers_late_checkpoint_is_fenced(cluster: Checkpointing
     # order, and the last one stands.
     acked = [int(e.value) for e in on(other.pid, "acked")]  # type: ignore[attr-defined]
     assert acked == sorted(acked) and acked[-1] == total
+
+
+async def test_every_mode_and_flavour_resumes_a_failed_run_from_its_checkpoint(
+    cluster: Checkpointing,
+) -> None:
+    """A failure retry continues from the checkpoint, for async and sync tasks, inline,
+    pooled and forked."""
+    await cluster.start_main(*MAIN)
+    await cluster.worker("w", "--pooled-runner-count", "1", "--forked-concurrency", "2")
+    specs = [
+        JobSpec(task=f"{APP}.{name}", args=[12, 0.01, 5], execution_mode=mode)
+        for name in ("count_up", "count_up_sync")
+        for mode in ExecutionMode
+    ]
+    async with cluster.client() as client:
+        refs = await client.enqueue_many(specs)
+
+        async def all_done() -> bool:
+            jobs = [await client.get_job(ref.job_id) for ref in refs]
+            return all(job is not None and job["status"] == "completed" for job in jobs)
+
+        await eventually(all_done, "every job to complete", timeout=60, detail=cluster.logs)
+        jobs = [await client.get_job(ref.job_id) for ref in refs]
+    log = events(cluster.runs)
+    for ref, job in zip(refs, jobs, strict=True):
+        assert job is not None and job["attempts"] == 1 and job["checkpoint"] == {"n": 12}
+        mine = [e for e in log if e.kind != "start" or e.value.endswith(str(ref.job_id))]
+        starts = [e.value.split()[:2] for e in mine if e.kind == "start"]
+        assert starts == [["1", "-"], ["2", "4"]], f"{job['task']} {job['execution_mode']}"
