@@ -307,7 +307,11 @@ class Ready(_Message, frozen=True, tag="ready"):
         _check(self.seen >= 0, "seen must not be negative")
 
 
-class JobHandoff(_Message, frozen=True, tag="job"):
+class JobHandoff(_Message, frozen=True, tag="job", omit_defaults=True):
+    """A job for the worker, under its lease. Fields at their defaults are left off the
+    line (only ``checkpoint`` and ``checkpoint_seq`` have one), so a job without a
+    checkpoint costs no more bytes than before they existed."""
+
     seq: Int
     job_id: uuid.UUID
     handoff_id: uuid.UUID
