@@ -175,7 +175,7 @@ class Main:
             stopping=lambda: self._stopping,
             batch=self.settings.report_batch,
             retry_interval=self.settings.error_retry_interval,
-            max_checkpoint_bytes=self.settings.max_checkpoint_bytes,
+            max_checkpoint_bytes=self.settings.checkpoint_limit,
             max_payload_depth=self.settings.max_payload_depth,
         )
         """Checkpoints, group-committed and acknowledged once durable."""
@@ -410,7 +410,7 @@ class Main:
                 max_line_bytes=self.settings.max_line_bytes,
                 max_payload_bytes=self.settings.max_payload_bytes,
                 max_payload_depth=self.settings.max_payload_depth,
-                max_checkpoint_bytes=self.settings.max_checkpoint_bytes,
+                max_checkpoint_bytes=self.settings.checkpoint_limit,
             )
         )
         logger.info(

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from dataclasses import replace
@@ -13,9 +14,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from adapters.memory import MemoryAdapter
 from broker import protocol
+from broker.checkpoints import CheckpointSaver
+from broker.config import MainSettings
 from broker.handoff import Handoff, Send, StoreCheckpoint, StoreProgress
 from broker.jobs import CheckpointSave, Job, JobSpec, JobStatus
+from broker.payload import DEFAULT_MAX_CHECKPOINT_BYTES, LINE_HEADROOM_BYTES
 from broker.protocol import AckStatus, ErrorCode
 from broker.settlement import accepts_checkpoint, apply, save_checkpoint
 from broker.worker_state import CheckpointSettled, ProgressLater, WakeSender, WorkerState
@@ -130,3 +135,46 @@ def test_the_stored_checkpoint_only_ever_moves_forward(seqs: list[int], other_le
             best = max(best, seq)
     assert job_.checkpoint_seq == best
     assert job_.checkpoint == (best if best else None)
+
+
+def test_the_checkpoint_limit_leaves_room_for_the_jobs_payload_in_a_line() -> None:
+    assert MainSettings().checkpoint_limit == DEFAULT_MAX_CHECKPOINT_BYTES
+    tight = MainSettings(max_payload_bytes=1000, max_line_bytes=1000 + LINE_HEADROOM_BYTES + 10)
+    assert tight.checkpoint_limit == 10
+    assert MainSettings(max_checkpoint_bytes=None, max_payload_bytes=None).checkpoint_limit is None
+
+
+async def test_the_saver_answers_applied_duplicate_stale_and_refused() -> None:
+    store = MemoryAdapter()
+    job_ = (await store.enqueue(JobSpec(task="t"))).job
+    lease = uuid.uuid4()
+    assert await store.mark_handed_off(job_.id, lease, "w") is not None
+    answers: list[protocol.CheckpointAck] = []
+    saver = CheckpointSaver(
+        store,
+        answer=lambda acks: answers.extend(ack for _, ack in acks),
+        stopping=lambda: False,
+        batch=10,
+        retry_interval=0.01,
+        max_checkpoint_bytes=100,
+        max_payload_depth=8,
+    )
+    running_saver = asyncio.create_task(saver.run())
+    try:
+        saver.add(1, protocol.SaveCheckpoint(job_.id, lease, seq=1, state="x" * 200))
+        saver.add(1, protocol.SaveCheckpoint(job_.id, lease, seq=1, state={"n": 1}))
+        saver.add(1, protocol.SaveCheckpoint(job_.id, lease, seq=1, state={"n": 1}))
+        saver.add(1, protocol.SaveCheckpoint(job_.id, uuid.uuid4(), seq=2, state={"n": 2}))
+        while len(answers) < 4:
+            await asyncio.sleep(0.01)
+    finally:
+        running_saver.cancel()
+    statuses = [(a.status, a.code) for a in answers]
+    assert statuses == [
+        (AckStatus.REFUSED, ErrorCode.PAYLOAD_TOO_LARGE),
+        (AckStatus.APPLIED, None),
+        (AckStatus.DUPLICATE, None),
+        (AckStatus.STALE, ErrorCode.CHECKPOINT_REJECTED),
+    ]
+    stored = await store.get_job(job_.id)
+    assert stored is not None and stored.checkpoint == {"n": 1}
