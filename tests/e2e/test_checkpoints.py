@@ -239,3 +239,32 @@ async def test_every_mode_and_flavour_resumes_a_failed_run_from_its_checkpoint(
         mine = [e for e in log if e.kind != "start" or e.value.endswith(str(ref.job_id))]
         starts = [e.value.split()[:2] for e in mine if e.kind == "start"]
         assert starts == [["1", "-"], ["2", "4"]], f"{job['task']} {job['execution_mode']}"
+
+
+async def test_a_main_restart_keeps_the_run_and_its_checkpoints(cluster: Checkpointing) -> None:
+    """``kill -9`` of the main mid-run: the run waits for its checkpoint's answer, the
+    worker sends it again to the next main, which adopts the lease; one run finishes."""
+    total = 120
+    main = await cluster.start_main(*MAIN, "--orphan-grace", "30")
+    await cluster.worker("w", "--pooled-runner-count", "1")
+    async with cluster.client() as client:
+        [ref] = await client.enqueue_many([JobSpec(task=f"{APP}.count_up", args=[total])])
+
+    def acked() -> list[int]:
+        return [int(e.value) for e in events(cluster.runs) if e.kind == "acked"]
+
+    await eventually(lambda: len(acked()) >= 30, "30 steps acknowledged", detail=cluster.logs)
+    await main.kill()
+    await cluster.start_main(*MAIN, "--orphan-grace", "30")
+    async with cluster.client() as client:
+
+        async def finished() -> bool:
+            job = await client.get_job(ref.job_id)
+            return job is not None and job["status"] == "completed"
+
+        await eventually(finished, "the job to complete", timeout=60, detail=cluster.logs)
+        job = await client.get_job(ref.job_id)
+    assert job is not None and job["checkpoint"] == {"n": total} and job["attempts"] == 0
+    log = events(cluster.runs)
+    assert [e.kind for e in log].count("start") == 1, "the run was adopted, not repeated"
+    assert acked() == list(range(1, total + 1)), "every save answered once, in order"
