@@ -176,6 +176,23 @@ class HotSql:
             )
             SELECT id FROM u
         """
+        # Checkpoints and progress: fenced by the lease as a settle is (and a checkpoint
+        # by its number too), one statement per batch, at most one input row per job.
+        self.save_checkpoints = f"""
+            UPDATE {t} j SET checkpoint = s.state, checkpoint_seq = s.seq, checkpoint_us = $5
+            FROM unnest($1::uuid[], $2::uuid[], $3::int[], $4::text[])
+                AS s(id, lease, seq, state)
+            WHERE j.id = s.id AND j.handoff_id = s.lease AND j.status = 'handed_off'
+                AND j.checkpoint_seq < s.seq
+            RETURNING j.id, j.handoff_id
+        """
+        self.save_progress = f"""
+            UPDATE {t} j SET progress = s.fraction, progress_message = s.message
+            FROM unnest($1::uuid[], $2::uuid[], $3::float8[], $4::text[])
+                AS s(id, lease, fraction, message)
+            WHERE j.id = s.id AND j.handoff_id = s.lease AND j.status = 'handed_off'
+            RETURNING j.id, j.handoff_id
+        """
         due = "status = 'queued' AND execution_mode = ANY($1::text[])"
         in_queues = " AND queue = ANY($2::text[])"
         not_full = (

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -131,7 +132,21 @@ def _define(md: sa.MetaData, version: int) -> tuple[sa.Table, sa.Table, sa.Table
             postgresql_where=held,
             sqlite_where=held,
         )
+    if version >= 5:
+        for column in _v5_columns():
+            jobs.append_column(column)
     return jobs, concurrency, schema_version
+
+
+def _v5_columns() -> list[sa.Column[Any]]:
+    """Version 5's columns: the last checkpoint of a job's runs and its last progress."""
+    return [
+        sa.Column("checkpoint", sa.Text(), nullable=True),
+        sa.Column("checkpoint_seq", sa.Integer(), nullable=False, server_default="0"),
+        sa.Column("checkpoint_us", sa.BigInteger(), nullable=True),
+        sa.Column("progress", sa.Double(), nullable=True),
+        sa.Column("progress_message", sa.Text(), nullable=True),
+    ]
 
 
 UNIQUE_ACTIVE_INDEX = "ux_broker_jobs_unique_key_active"
@@ -305,6 +320,20 @@ def _v3_partial_key_indexes(conn: sa.Connection, schema: str | None) -> None:
         _index_at(3, name).create(conn)
 
 
+def _v5_checkpoints(conn: sa.Connection, schema: str | None) -> None:
+    """Version 5: checkpoints and progress (``docs/howto/long-jobs.md``).
+
+    Every column is nullable or has a constant default, so adding them rewrites no rows
+    on PostgreSQL (11 and later) or SQLite; no index is needed: they are only read with
+    their row and written under its primary key.
+    """
+    table = _qualified(conn, schema, "broker_jobs")
+    for column in _v5_columns():
+        kind = column.type.compile(dialect=conn.dialect)
+        default = "" if column.nullable else " NOT NULL DEFAULT 0"
+        conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column.name} {kind}{default}")
+
+
 def _v4_payloads(conn: sa.Connection, schema: str | None) -> None:
     """Version 4: ``broker_payloads``, where values over the offload threshold live.
 
@@ -323,6 +352,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (2, _v2_unique_key),
     (3, _v3_partial_key_indexes),
     (4, _v4_payloads),
+    (5, _v5_checkpoints),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

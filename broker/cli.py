@@ -28,6 +28,7 @@ from broker.exceptions import BrokerError, ConfigurationError, InvalidJobError
 from broker.jobs import ExecutionMode, JobStatus
 from broker.main import Main
 from broker.payload import (
+    DEFAULT_MAX_CHECKPOINT_BYTES,
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_MAX_PAYLOAD_DEPTH,
     DEFAULT_OFFLOAD_BYTES,
@@ -450,6 +451,13 @@ def main_parser() -> argparse.ArgumentParser:
     )
     _env_option(
         p,
+        "--max-checkpoint-bytes",
+        default=DEFAULT_MAX_CHECKPOINT_BYTES,
+        type=_number(int, "max checkpoint bytes"),
+        help="largest checkpoint a task may save, as JSON (docs/howto/long-jobs.md)",
+    )
+    _env_option(
+        p,
         "--list-page-bytes",
         default=DEFAULT_LIST_PAGE_BYTES,
         type=_number(int, "list page bytes"),
@@ -535,6 +543,7 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         ping_interval=float(args.ping_interval),
         liveness_timeout=float(args.liveness_timeout),
         max_payload_bytes=int(args.max_payload_bytes),
+        max_checkpoint_bytes=int(args.max_checkpoint_bytes),
         max_payload_depth=int(args.max_payload_depth),
         max_line_bytes=int(args.max_line_bytes or line_limit_for(int(args.max_payload_bytes))),
         list_page_bytes=int(args.list_page_bytes),

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from broker.exceptions import StorageError, UniqueKeyTakenError
 from broker.jobs import (
+    CheckpointSave,
     Claim,
     Clock,
     ExecutionMode,
@@ -27,6 +28,7 @@ from broker.jobs import (
     JobSpec,
     JobStatus,
     Outcome,
+    ProgressUpdate,
     Settlement,
 )
 from broker.storage import (
@@ -575,6 +577,76 @@ async def check_a_repeated_batch_at_the_same_instant_is_fenced(ctx: Context) -> 
 
 
 # --- ambiguous claims ------------------------------------------------------------
+
+
+# --- checkpoints and progress ------------------------------------------------------
+
+
+@_check
+async def check_checkpoints_are_fenced_by_lease_and_number(ctx: Context) -> None:
+    """A checkpoint is stored only under the current lease and only if it is newer."""
+    job = await _claim(ctx.store, await _enqueue(ctx.store))
+    lease = job.handoff_id
+    assert lease is not None and job.checkpoint_seq == 0 and job.checkpoint is None
+    ctx.clock.advance(1)
+    saved = await ctx.store.save_checkpoints(
+        [
+            CheckpointSave(job.id, lease, 1, {"step": 1}),
+            CheckpointSave(job.id, uuid.uuid4(), 2, {"stale": True}),
+            CheckpointSave(job.id, lease, 2, {"step": 2}),
+        ]
+    )
+    assert saved == [True, False, True], "each save is fenced on its own, in order"
+    stored = await _get(ctx.store, job.id)
+    assert (stored.checkpoint, stored.checkpoint_seq) == ({"step": 2}, 2)
+    assert stored.checkpoint_at == START + timedelta(seconds=1)
+    assert stored.status is JobStatus.HANDED_OFF and stored.updated_at == job.updated_at
+    again = await ctx.store.save_checkpoints([CheckpointSave(job.id, lease, 1, {"step": 1})])
+    assert again == [False], "an older checkpoint never replaces a newer one"
+    assert (await _get(ctx.store, job.id)).checkpoint == {"step": 2}
+    assert await ctx.store.complete(job.id, lease, "done")
+    late = await ctx.store.save_checkpoints([CheckpointSave(job.id, lease, 3, {"step": 3})])
+    assert late == [False], "a settled lease saves nothing"
+    done = await _get(ctx.store, job.id)
+    assert (done.status, done.checkpoint, done.checkpoint_seq) == (
+        JobStatus.COMPLETED,
+        {"step": 2},
+        2,
+    ), "a finished job keeps its last checkpoint"
+
+
+@_check
+async def check_the_next_attempt_receives_the_last_checkpoint(ctx: Context) -> None:
+    """A checkpoint outlives its run: a retry, a return and a list all carry it."""
+    job = await _claim(ctx.store, await _enqueue(ctx.store))
+    assert job.handoff_id is not None
+    assert await ctx.store.save_checkpoints([CheckpointSave(job.id, job.handoff_id, 1, [1, "a"])])
+    assert await ctx.store.fail(job.id, job.handoff_id, "boom", ctx.clock())
+    [again] = await ctx.store.mark_handed_off_many([Claim(job.id, uuid.uuid4(), WORKER)])
+    assert (again.checkpoint, again.checkpoint_seq) == ([1, "a"], 1), "the claim carries it"
+    assert again.handoff_id is not None
+    assert await ctx.store.save_checkpoints([CheckpointSave(job.id, again.handoff_id, 2, None)])
+    assert await ctx.store.return_to_queue(job.id, again.handoff_id)
+    [third] = await ctx.store.select_eligible(modes=[job.execution_mode])
+    assert (third.checkpoint, third.checkpoint_seq) == (None, 2), "null is a checkpoint too"
+    [listed] = (await ctx.store.list_jobs(include_payload=False)).jobs
+    assert listed.checkpoint is None and listed.checkpoint_seq == 2, "a summary leaves it out"
+
+
+@_check
+async def check_progress_is_fenced_by_lease(ctx: Context) -> None:
+    """Progress is recorded only under the current lease."""
+    job = await _claim(ctx.store, await _enqueue(ctx.store))
+    lease = job.handoff_id
+    assert lease is not None
+    stale = ProgressUpdate(job.id, uuid.uuid4(), 0.9, "stale")
+    taken = await ctx.store.save_progress([ProgressUpdate(job.id, lease, 0.25, "a"), stale])
+    assert taken == [True, False]
+    stored = await _get(ctx.store, job.id)
+    assert (stored.progress, stored.progress_message) == (0.25, "a")
+    assert await ctx.store.complete(job.id, lease)
+    assert await ctx.store.save_progress([ProgressUpdate(job.id, lease, 1.0, "late")]) == [False]
+    assert (await _get(ctx.store, job.id)).progress == 0.25
 
 
 async def _queued_copies(store: StorageAdapter, job_id: uuid.UUID) -> int:
