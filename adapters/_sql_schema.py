@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -131,7 +132,20 @@ def _define(md: sa.MetaData, version: int) -> tuple[sa.Table, sa.Table, sa.Table
             postgresql_where=held,
             sqlite_where=held,
         )
+    if version >= 4:
+        for column in _recovery_columns():
+            jobs.append_column(column)
     return jobs, concurrency, schema_version
+
+
+def _recovery_columns() -> list[sa.Column[Any]]:
+    """Version 4's columns: recovery attempts counted apart from failures, and affinity."""
+    return [
+        sa.Column("max_recoveries", sa.Integer(), nullable=True),
+        sa.Column("local_state", sa.Boolean(), nullable=False, server_default=sa.false()),
+        sa.Column("recoveries", sa.Integer(), nullable=False, server_default="0"),
+        sa.Column("state_holder", sa.Text(), nullable=True),
+    ]
 
 
 UNIQUE_ACTIVE_INDEX = "ux_broker_jobs_unique_key_active"
@@ -273,12 +287,23 @@ def _v3_partial_key_indexes(conn: sa.Connection, schema: str | None) -> None:
         _index_at(3, name).create(conn)
 
 
+def _v4_recoveries(conn: sa.Connection, schema: str | None) -> None:
+    """Version 4: ``recoveries`` (lost attempts, counted apart from ``attempts``), the
+    job's own ``max_recoveries``, and ``local_state`` with its ``state_holder`` for
+    affinity. The defaults are constants, so neither backend rewrites existing rows."""
+    table = _qualified(conn, schema, "broker_jobs")
+    for column in _recovery_columns():
+        ddl = sa.schema.CreateColumn(column).compile(dialect=conn.dialect)
+        conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {ddl}")
+
+
 Migration = Callable[[sa.Connection, str | None], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (1, _v1_initial),
     (2, _v2_unique_key),
     (3, _v3_partial_key_indexes),
+    (4, _v4_recoveries),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

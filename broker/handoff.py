@@ -102,6 +102,15 @@ class WakeDispatcher:
     """Run another dispatch pass: credit, jobs or a peer became available."""
 
 
+@dataclass(frozen=True, slots=True)
+class Loss:
+    """A lease in the returns whose attempt may have run and was lost: ``job`` as it was
+    handed off under it, and why the main took it back."""
+
+    job: Job
+    reason: str
+
+
 HandoffEffect = Send | Dispatch | ReturnLease | Abort | Settle | ClaimJobs | WakeDispatcher
 
 
@@ -227,6 +236,8 @@ class Handoff:
         """Planned claims whose store call has not answered yet, by lease."""
         self.returns: dict[uuid.UUID, uuid.UUID] = {}
         """Leases to give back to the store (lease -> job id): the recovery ledger."""
+        self.losses: dict[uuid.UUID, Loss] = {}
+        """The returns whose attempt was lost (by lease): each counts a recovery."""
         self.dispatched = 0
 
     def new_peer(self, peer_id: int, now: float) -> Peer:
@@ -268,7 +279,9 @@ class Handoff:
                 peer.leases[lease] = job
                 adopted.append(protocol.LeaseRef(job_id=job.id, handoff_id=lease))
             else:
-                effects.append(self._return(job.id, lease, "worker reconnected without this lease"))
+                effects.append(
+                    self._return(job.id, lease, "worker reconnected without this lease", job)
+                )
         for other in self.peers.values():
             if other is peer or other.worker_id != peer.worker_id:
                 continue
@@ -321,7 +334,7 @@ class Handoff:
         effects: list[HandoffEffect] = []
         if not stopping:
             for lease, job in peer.leases.items():
-                effects.append(self._return(job.id, lease, "worker connection ended"))
+                effects.append(self._return(job.id, lease, "worker connection ended", job))
         peer.leases.clear()
         return effects
 
@@ -351,7 +364,7 @@ class Handoff:
     def orphan_deadline(self) -> list[HandoffEffect]:
         """The grace period is over: the orphans nobody adopted go back to the queue."""
         effects: list[HandoffEffect] = [
-            self._return(job.id, lease, "worker did not reconnect within the grace period")
+            self._return(job.id, lease, "worker did not reconnect within the grace period", job)
             for lease, job in self.orphans.items()
         ]
         self.orphans.clear()
@@ -542,9 +555,10 @@ class Handoff:
             if status in (protocol.AckStatus.APPLIED, protocol.AckStatus.DUPLICATE):
                 self.forget(msg.handoff_id)
             elif status is protocol.AckStatus.REFUSED:
+                held = self.held_job(msg.handoff_id)
                 self.forget(msg.handoff_id)
                 effects.append(
-                    self._return(msg.job_id, msg.handoff_id, "its report could not be stored")
+                    self._return(msg.job_id, msg.handoff_id, "its report could not be stored", held)
                 )
             # An applied report is the everyday case, one per job: DEBUG, so a busy main
             # does not format a line per job. Anything else is news for an operator.
@@ -604,11 +618,22 @@ class Handoff:
 
     # ------------------------------------------------------------------ returns (the ledger)
 
-    def _return(self, job_id: uuid.UUID, lease: uuid.UUID, reason: str) -> ReturnLease:
+    def _return(
+        self, job_id: uuid.UUID, lease: uuid.UUID, reason: str, lost: Job | None = None
+    ) -> ReturnLease:
+        """Queue ``lease`` for return. With ``lost`` (the job as handed off), the attempt
+        under it may have run and was lost: the return counts a recovery (see
+        :func:`broker.retry.lost_attempt`). Without, the job never reached a worker."""
         logger.info(
-            "lease queued for return job_id=%s handoff_id=%s reason=%s", job_id, lease, reason
+            "lease queued for return job_id=%s handoff_id=%s reason=%s lost=%s",
+            job_id,
+            lease,
+            reason,
+            lost is not None,
         )
         self.returns[lease] = job_id
+        if lost is not None:
+            self.losses[lease] = Loss(lost, reason)
         # Its job waits in the queue again (or will, once the store has it back): no mode
         # counts as drained until a read after this one says so.
         self.queue_changed()
@@ -619,6 +644,7 @@ class Handoff:
         settled): the entry is done."""
         if self.returns.get(lease) == job_id:
             del self.returns[lease]
+            self.losses.pop(lease, None)
 
 
 class LeaseMinter:

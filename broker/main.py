@@ -128,6 +128,8 @@ class Main:
             self.handoff,
             retry_interval=self.settings.error_retry_interval,
             on_returned=self.wake,
+            clock=clock,
+            max_recoveries=self.settings.max_recoveries,
         )
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -160,6 +162,7 @@ class Main:
             stopping=lambda: self._stopping,
             clock=clock,
             retry_delay=retry_delay_fn,
+            max_recoveries=self.settings.max_recoveries,
             batch=self.settings.report_batch,
             retry_interval=self.settings.error_retry_interval,
             max_payload_bytes=self.settings.max_payload_bytes,

@@ -31,6 +31,13 @@ class Assignment:
     max_attempts: int
     timeout: float | None
     queue: str
+    recoveries: int = 0
+    """Attempts of this job lost before this one (its worker, child or connection died):
+    more than 0 means this attempt is a recovery."""
+    state_lost: bool = False
+    """The job keeps local state (``@task(local_state=True)``), but this attempt runs on
+    another worker than the one that held it (or that worker said it lost it): whatever
+    the last attempt kept on its machine is not here."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +50,9 @@ class Failed:
     error: str
     retry: bool = True
     """``False`` when retrying cannot help (an unknown task, say): the job dies at once."""
+    lost: bool = False
+    """The attempt did not fail by itself: the process running it died under it. The main
+    counts a recovery instead of a failure, and runs the job again at once."""
 
 
 @dataclass(frozen=True, slots=True)

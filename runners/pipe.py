@@ -45,6 +45,8 @@ class JobLine(_Message, tag="job"):
     max_attempts: int
     timeout: float | None
     queue: str
+    recoveries: int = 0
+    state_lost: bool = False
 
 
 class PingLine(_Message, tag="ping"):
@@ -124,6 +126,8 @@ def job_line(a: Assignment) -> JobLine:
         a.max_attempts,
         a.timeout,
         a.queue,
+        a.recoveries,
+        a.state_lost,
     )
 
 
@@ -139,6 +143,8 @@ def assignment_of(line: JobLine) -> Assignment:
         line.max_attempts,
         line.timeout,
         line.queue,
+        line.recoveries,
+        line.state_lost,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
@@ -41,7 +42,7 @@ from broker.handoff import (
     Settle,
     WakeDispatcher,
 )
-from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus
+from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus, Settlement
 from broker.recovery import RecoveryLedger
 from tests.unit.conftest import PROFILE
 
@@ -185,17 +186,18 @@ def test_a_return_is_done_only_for_its_own_lease_and_job() -> None:
 
 
 class FlakyReturns(MemoryAdapter):
-    """Its first ``return_to_queue`` raises: the store could not be reached."""
+    """Its first settlement raises: the store could not be reached. (A disconnect's leases
+    are lost attempts, given back as ``LOST`` settlements.)"""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[uuid.UUID, uuid.UUID]] = []
 
-    async def return_to_queue(self, job_id: uuid.UUID, handoff_id: uuid.UUID) -> bool:
-        self.calls.append((job_id, handoff_id))
+    async def settle_many(self, settlements: Sequence[Settlement]) -> list[bool]:
+        self.calls += [(s.job_id, s.handoff_id) for s in settlements]
         if len(self.calls) == 1:
             raise StorageError("store unreachable")
-        return await super().return_to_queue(job_id, handoff_id)
+        return await super().settle_many(settlements)
 
 
 async def test_the_ledger_gives_back_the_cores_returns_and_keeps_what_failed() -> None:
