@@ -408,6 +408,22 @@ def main_parser() -> argparse.ArgumentParser:
     )
     _env_option(
         p,
+        "--max-recoveries",
+        default=MainSettings.max_recoveries,
+        type=int,
+        help="lost attempts (worker, child or connection died) a job recovers from, unless "
+        "its task sets max_recoveries; the next one ends it dead",
+    )
+    _env_option(
+        p,
+        "--affinity-grace",
+        default=MainSettings.affinity_grace,
+        type=float,
+        help="seconds a local_state job's recovery waits for the worker holding its state "
+        "after that worker left",
+    )
+    _env_option(
+        p,
         "--ping-interval",
         default=5.0,
         type=_number(float, "ping interval"),
@@ -518,6 +534,8 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         tls=_server_tls(args),
         allow_unauthenticated=args.allow_unauthenticated,
         orphan_grace=float(args.orphan_grace),
+        max_recoveries=int(args.max_recoveries),
+        affinity_grace=float(args.affinity_grace),
         ping_interval=float(args.ping_interval),
         liveness_timeout=float(args.liveness_timeout),
         max_payload_bytes=int(args.max_payload_bytes),

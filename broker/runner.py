@@ -8,6 +8,7 @@ so the core never imports them.
 
 from __future__ import annotations
 
+import contextvars
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,16 @@ class Assignment:
     """The job keeps local state (``@task(local_state=True)``), but this attempt runs on
     another worker than the one that held it (or that worker said it lost it): whatever
     the last attempt kept on its machine is not here."""
+
+
+ASSIGNMENT: contextvars.ContextVar[Assignment] = contextvars.ContextVar("broker_assignment")
+"""The assignment of the job running in this context; runners set it around each task."""
+
+
+def current_assignment() -> Assignment:
+    """The job the calling task runs for (its attempt, whether it is a recovery, whether
+    its local state is gone). Raises ``LookupError`` outside a task run by a runner."""
+    return ASSIGNMENT.get()
 
 
 @dataclass(frozen=True, slots=True)

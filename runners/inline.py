@@ -32,6 +32,7 @@ from broker.exceptions import TaskNotFoundError
 from broker.jobs import ExecutionMode, JSONValue
 from broker.payload import MAX_PAYLOAD_DEPTH_CEILING, result_too_deep
 from broker.runner import (
+    ASSIGNMENT,
     Assignment,
     Completed,
     Failed,
@@ -70,11 +71,11 @@ def format_error(exc: BaseException) -> str:
     return head
 
 
-async def _invoke(
-    func: Callable[..., Any], args: tuple[JSONValue, ...], kwargs: dict[str, JSONValue]
-) -> Any:
-    # Calling inside the task, so a bad signature fails the job instead of the runner.
-    return await func(*args, **kwargs)
+async def _invoke(func: Callable[..., Any], assignment: Assignment) -> Any:
+    # Calling inside the task, so a bad signature fails the job instead of the runner;
+    # the task's own context holds its assignment (see ``current_assignment``).
+    ASSIGNMENT.set(assignment)
+    return await func(*assignment.args, **assignment.kwargs)
 
 
 class _Threads:
@@ -194,9 +195,10 @@ class InlineRunner:
     ) -> asyncio.Future[Any]:
         args, kwargs = assignment.args, assignment.kwargs
         if task.is_async:
-            return loop.create_task(_invoke(task.func, args, kwargs))
+            return loop.create_task(_invoke(task.func, assignment))
         done: asyncio.Future[Any] = loop.create_future()
         context = contextvars.copy_context()
+        context.run(ASSIGNMENT.set, assignment)
 
         def settle(ok: bool, value: Any) -> None:
             if done.done():

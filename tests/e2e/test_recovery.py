@@ -1,0 +1,77 @@
+"""Recovery attempts and affinity, end to end: real ``broker-main`` and ``broker-worker``
+processes, real ``kill -9`` of a worker and of a pooled child, a real SQLite store.
+
+A lost attempt (its worker, child or connection died) is a *recovery*: counted apart from
+the failures the task raised, run again at once, and capped. A ``local_state`` job's
+recovery waits for the worker that holds its state, within the affinity grace.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from broker.jobs import ExecutionMode, JobSpec, JobStatus
+from broker.retry import retry_delay
+from tests.e2e.test_e2e import (
+    APP,
+    Cluster,
+    RunLog,
+    enqueue,
+    eventually,
+    final_jobs,
+    observe,
+    sqlite_cluster,  # noqa: F401 (a fixture)
+)
+
+pytestmark = pytest.mark.slow
+
+KILL_OWN_CHILD = f"{APP}.kill_own_child"
+HOLD_STATE = f"{APP}.hold_state"
+
+
+def hold_state_spec(gate: Path) -> JobSpec:
+    job_id = uuid.uuid4()
+    return JobSpec(
+        task=HOLD_STATE,
+        args=[str(job_id), str(gate)],
+        id=job_id,
+        execution_mode=ExecutionMode.INLINE,
+        local_state=True,
+    )
+
+
+async def test_a_job_that_kills_its_child_every_attempt_ends_dead_at_its_recovery_cap(
+    sqlite_cluster: Cluster,
+) -> None:
+    cluster = sqlite_cluster
+    main = await cluster.start_main()
+    await cluster.start_worker("worker-a", "--pooled-runner-count", "1")
+    job_id = uuid.uuid4()
+    spec = JobSpec(
+        task=KILL_OWN_CHILD,
+        args=[str(job_id), str(cluster.runs)],
+        id=job_id,
+        max_recoveries=2,
+        max_attempts=6,
+    )
+    await enqueue(cluster, [spec])
+    async with observe(cluster.url) as store:
+
+        async def dead() -> bool:
+            job = await store.get_job(job_id)
+            return job is not None and job.status is JobStatus.FAILED
+
+        await eventually(dead, "the job to end dead", timeout=60, detail=cluster.logs)
+    assert await main.terminate() == 0
+    job = (await final_jobs(cluster.url))[str(job_id)]
+    assert job.status is JobStatus.FAILED
+    assert job.recoveries == 3, "every lost attempt counted as a recovery"
+    assert job.attempts == 0, "the failure retries are untouched"
+    assert job.last_error is not None
+    assert job.last_error.startswith("recovery limit reached: 3 attempts ended by a lost")
+    assert "max_recoveries=2" in job.last_error and "SIGKILL" in job.last_error
+    assert len(RunLog.read(cluster.runs).starts[str(job_id)]) == 3, "ran 3 times, no more"
