@@ -202,15 +202,6 @@ class Cluster:
             await proc.kill()
 
 
-@pytest.fixture
-async def sqlite_cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
-    cluster = Cluster(tmp_path, sqlite_url(tmp_path))
-    try:
-        yield cluster
-    finally:
-        await cluster.close()
-
-
 # ------------------------------------------------------------------ the run log
 
 

@@ -23,8 +23,9 @@ from tests.e2e.test_e2e import (
     enqueue,
     eventually,
     final_jobs,
+    hold_spec,
     observe,
-    sqlite_cluster,  # noqa: F401 (a fixture)
+    wait_until_all_terminal,
 )
 
 pytestmark = pytest.mark.slow
@@ -75,3 +76,35 @@ async def test_a_job_that_kills_its_child_every_attempt_ends_dead_at_its_recover
     assert job.last_error.startswith("recovery limit reached: 3 attempts ended by a lost")
     assert "max_recoveries=2" in job.last_error and "SIGKILL" in job.last_error
     assert len(RunLog.read(cluster.runs).starts[str(job_id)]) == 3, "ran 3 times, no more"
+
+
+async def test_a_job_whose_worker_is_killed_recovers_at_once_without_failure_backoff(
+    sqlite_cluster: Cluster,
+) -> None:
+    cluster = sqlite_cluster
+    main = await cluster.start_main()
+    a = await cluster.start_worker("worker-a")
+    gate = cluster.dir / "gate"
+    [key] = await enqueue(cluster, [hold_spec(gate)])
+    await eventually(lambda: RunLog.read(cluster.runs).started_by(a.pid), "A to start the job")
+    killed_at = datetime.now(UTC)
+    await a.kill()
+    async with observe(cluster.url) as store:
+
+        async def requeued() -> bool:
+            job = await store.get_job(uuid.UUID(key))
+            return job is not None and job.status is JobStatus.QUEUED
+
+        await eventually(requeued, "the main to take the lease back", detail=cluster.logs)
+        job = await store.get_job(uuid.UUID(key))
+        assert job is not None and job.recoveries == 1 and job.attempts == 0
+        # A failure would wait its backoff (10 s for the first): a recovery is due at once.
+        assert job.run_at < killed_at + retry_delay(1), (job.run_at, killed_at)
+        assert job.last_error is not None and "worker connection ended" in job.last_error
+        gate.touch()
+        b = await cluster.start_worker("worker-b")
+        await wait_until_all_terminal(store, 1, cluster)
+    assert await main.terminate() == 0
+    job = (await final_jobs(cluster.url))[key]
+    assert job.status is JobStatus.COMPLETED and job.result == b.pid
+    assert job.recoveries == 1 and job.attempts == 0
