@@ -120,7 +120,9 @@ class Main:
         """The client requests (:mod:`broker.operations`), under this main's limits."""
         self.main_id = f"main-{uuid.uuid4().hex[:12]}"
         self.sessions: dict[int, Session] = {}
-        self.handoff = Handoff(max_credit=self.settings.max_credit)
+        self.handoff = Handoff(
+            max_credit=self.settings.max_credit, affinity_grace=self.settings.affinity_grace
+        )
         """The handoff rules and state; this class only feeds it events and carries out
         its effects (see :mod:`broker.handoff`)."""
         self.ledger = RecoveryLedger(
@@ -227,6 +229,8 @@ class Main:
             await server.wait_closed()
             raise
         self._server = server
+        # Holders of local state this main has not seen yet left at the latest now.
+        self.handoff.affinity.started = asyncio.get_running_loop().time()
         await server.start_serving()
         self._tasks = [
             asyncio.create_task(self.dispatcher.run(), name="broker-dispatch"),
@@ -330,8 +334,8 @@ class Main:
                     out.add(peer, protocol.ReportAcks, ack)
                 case Send(peer=peer, message=message):
                     out.send(peer, message)
-                case Dispatch(peer=peer, seq=seq, job=job):
-                    out.add(peer, protocol.Jobs, codec.job_message(seq, job))
+                case Dispatch(peer=peer, seq=seq, job=job, state_lost=state_lost):
+                    out.add(peer, protocol.Jobs, codec.job_message(seq, job, state_lost=state_lost))
                     self.metrics.handed_off(job)
                 case ReturnLease():
                     self.ledger.kick()
@@ -526,7 +530,8 @@ class Main:
             return
         session.closed = True
         self.sessions.pop(session.id, None)
-        self._carry(self.handoff.disconnect(session.id, stopping=self._stopping))
+        now = asyncio.get_running_loop().time()
+        self._carry(self.handoff.disconnect(session.id, now, stopping=self._stopping))
 
     async def status(self) -> dict[str, Any]:
         """The operators' snapshot (``broker status``): :meth:`Operations.status` with what

@@ -222,6 +222,9 @@ class Hello(_Message, frozen=True, tag="hello"):
     protocols: list[Int] | None = None
     """Every version the peer speaks (``None``: only ``protocol``, its newest); the main
     picks the newest it speaks too and names it in ``welcome``."""
+    local_state_lost: bool = False
+    """The worker comes back without the local state its earlier sessions left (a new
+    state directory): recoveries waiting for this worker id's state stop waiting."""
 
     def spoken(self) -> list[Int]:
         """The versions this peer speaks."""
