@@ -108,3 +108,55 @@ async def test_a_job_whose_worker_is_killed_recovers_at_once_without_failure_bac
     job = (await final_jobs(cluster.url))[key]
     assert job.status is JobStatus.COMPLETED and job.result == b.pid
     assert job.recoveries == 1 and job.attempts == 0
+
+
+async def test_affinity_the_recovery_waits_for_its_state_holder_to_come_back(
+    sqlite_cluster: Cluster,
+) -> None:
+    cluster = sqlite_cluster
+    main = await cluster.start_main("--affinity-grace", "60")
+    holder = await cluster.start_worker("holder")
+    gate = cluster.dir / "gate"
+    [key] = await enqueue(cluster, [hold_state_spec(gate)])
+    await eventually(lambda: RunLog.read(cluster.runs).started_by(holder.pid), "holder to start")
+    other = await cluster.start_worker("other")  # idle and connected all along
+    await holder.kill()
+    async with observe(cluster.url) as store:
+
+        async def waiting_for_holder() -> bool:
+            job = await store.get_job(uuid.UUID(key))
+            return job is not None and job.status is JobStatus.QUEUED
+
+        await eventually(waiting_for_holder, "the lost attempt to be taken back")
+        job = await store.get_job(uuid.UUID(key))
+        assert job is not None and job.state_holder == "holder" and job.recoveries == 1
+        back = await cluster.start_worker("holder")
+        await eventually(lambda: RunLog.read(cluster.runs).started_by(back.pid), "holder again")
+        gate.touch()
+        await wait_until_all_terminal(store, 1, cluster)
+    assert await main.terminate() == 0
+    job = (await final_jobs(cluster.url))[key]
+    assert job.status is JobStatus.COMPLETED
+    assert job.result == {"pid": back.pid, "recoveries": 1, "state_lost": False}
+    assert not RunLog.read(cluster.runs).started_by(other.pid), "the idle worker never ran it"
+
+
+async def test_affinity_past_the_grace_another_worker_runs_it_told_the_state_is_gone(
+    sqlite_cluster: Cluster,
+) -> None:
+    cluster = sqlite_cluster
+    main = await cluster.start_main("--affinity-grace", "1")
+    holder = await cluster.start_worker("holder")
+    gate = cluster.dir / "gate"
+    [key] = await enqueue(cluster, [hold_state_spec(gate)])
+    await eventually(lambda: RunLog.read(cluster.runs).started_by(holder.pid), "holder to start")
+    other = await cluster.start_worker("other")
+    await holder.kill()
+    await eventually(lambda: RunLog.read(cluster.runs).started_by(other.pid), "other to take it")
+    gate.touch()
+    async with observe(cluster.url) as store:
+        await wait_until_all_terminal(store, 1, cluster)
+    assert await main.terminate() == 0
+    job = (await final_jobs(cluster.url))[key]
+    assert job.status is JobStatus.COMPLETED
+    assert job.result == {"pid": other.pid, "recoveries": 1, "state_lost": True}
