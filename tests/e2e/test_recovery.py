@@ -160,3 +160,24 @@ async def test_affinity_past_the_grace_another_worker_runs_it_told_the_state_is_
     job = (await final_jobs(cluster.url))[key]
     assert job.status is JobStatus.COMPLETED
     assert job.result == {"pid": other.pid, "recoveries": 1, "state_lost": True}
+
+
+async def test_affinity_a_holder_back_without_its_state_dir_releases_the_recovery_at_once(
+    sqlite_cluster: Cluster,
+) -> None:
+    cluster = sqlite_cluster
+    main = await cluster.start_main("--affinity-grace", "600")  # longer than any wait here
+    holder = await cluster.start_worker("holder", "--state-dir", str(cluster.dir / "state-1"))
+    gate = cluster.dir / "gate"
+    [key] = await enqueue(cluster, [hold_state_spec(gate)])
+    await eventually(lambda: RunLog.read(cluster.runs).started_by(holder.pid), "holder to start")
+    await holder.kill()
+    # The same id on the same machine, but a new state directory: the state is gone.
+    back = await cluster.start_worker("holder", "--state-dir", str(cluster.dir / "state-2"))
+    await eventually(lambda: RunLog.read(cluster.runs).started_by(back.pid), "holder again")
+    gate.touch()
+    async with observe(cluster.url) as store:
+        await wait_until_all_terminal(store, 1, cluster)
+    assert await main.terminate() == 0
+    job = (await final_jobs(cluster.url))[key]
+    assert job.result == {"pid": back.pid, "recoveries": 1, "state_lost": True}
