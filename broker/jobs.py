@@ -7,6 +7,8 @@ report from an older attempt can never change a newer one::
     queued ──claim(lease)──▶ handed_off ──complete(lease)──▶ completed
       ▲                          │  ──fail(lease), retries left──▶ queued (run_at = backoff)
       │                          │  ──fail(lease), exhausted─────▶ failed
+      │                          │  ──lost(lease), recoveries left▶ queued (run_at = now)
+      │                          │  ──lost(lease), exhausted─────▶ failed
       └──return / reschedule─────┘  ──cancel──────────────────────▶ cancelled
     queued ──cancel──▶ cancelled
 
