@@ -221,10 +221,9 @@ class Handoff:
         max_credit: int = DEFAULT_MAX_CREDIT,
         new_lease: Callable[[], uuid.UUID] | None = None,
         affinity_grace: float = 60.0,
-        started: float = 0.0,
     ) -> None:
         self.max_credit = max_credit
-        self.affinity = Affinity(affinity_grace, started)
+        self.affinity = Affinity(affinity_grace, started=0.0)
         """Where the holders of local state are; decides who may take their recoveries."""
         self.awaiting: dict[uuid.UUID, str] = {}
         """Jobs the last plans held back for their state holder (job id -> holder): the
@@ -250,6 +249,11 @@ class Handoff:
         self.losses: dict[uuid.UUID, Loss] = {}
         """The returns whose attempt was lost (by lease): each counts a recovery."""
         self.dispatched = 0
+
+    def serving(self, now: float) -> None:
+        """The main starts serving at ``now``: a state holder it has not seen yet counts
+        as having left then, so its recoveries wait the affinity grace from now."""
+        self.affinity.started = now
 
     def new_peer(self, peer_id: int, now: float) -> Peer:
         """The record of a connection just accepted; it joins at :meth:`hello`."""
@@ -601,7 +605,7 @@ class Handoff:
             )
             return [Send(peer_id, _ack(msg, protocol.AckStatus.STALE))]
         if isinstance(msg, protocol.FailedReport) and msg.lost and held.local_state:
-            self.affinity.holds_again(peer.worker_id or "")  # its child died, not its disk
+            self.affinity.holds_again(held.worker_id or "")  # its child died, not its disk
         return [Settle(peer_id, msg)]
 
     def settled(

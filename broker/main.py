@@ -229,8 +229,7 @@ class Main:
             await server.wait_closed()
             raise
         self._server = server
-        # Holders of local state this main has not seen yet left at the latest now.
-        self.handoff.affinity.started = asyncio.get_running_loop().time()
+        self.handoff.serving(asyncio.get_running_loop().time())
         await server.start_serving()
         self._tasks = [
             asyncio.create_task(self.dispatcher.run(), name="broker-dispatch"),
