@@ -3,6 +3,7 @@ carried forward with its jobs and its keys still enforced (SQLite and PostgreSQL
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -61,30 +62,56 @@ async def test_a_version_2_store_is_carried_to_version_3(target: tuple[str, str 
         assert before and not any("NOT NULL" in sql.upper() for sql in before.values())
     finally:
         await old.close()
-    # A version-2 store with jobs of every kind of key in it, written the version-2 way.
+    # A version-2 store with jobs of every kind of key in it, written the version-2 way
+    # (the rows version 2 defined: today's adapter would write later columns too).
+    v2_jobs = _sql_schema._define(sa.MetaData(), 2)[0]
+    ids = {name: uuid.uuid4() for name in ("keyed", "unique", "plain")}
+    keys = {"keyed": ("idem-1", None), "unique": (None, "u-1"), "plain": (None, None)}
+    rows = [
+        {
+            "id": ids[name],
+            "task": "t",
+            "args": "[]",
+            "kwargs": "{}",
+            "queue": "default",
+            "priority": 0,
+            "status": "queued",
+            "attempts": 0,
+            "max_attempts": 11,
+            "run_at_us": n,
+            "created_us": n,
+            "updated_us": n,
+            "execution_mode": "pooled",
+            "idempotency_key": keys[name][0],
+            "unique_key": keys[name][1],
+        }
+        for n, name in enumerate(ids, 1)
+    ]
     v2 = SQLAlchemyAdapter(url, schema=schema)
     try:
-        keyed = (await v2.enqueue(JobSpec(task="t", idempotency_key="idem-1"))).job
-        unique = (await v2.enqueue(JobSpec(task="t", unique_key="u-1"))).job
-        plain = (await v2.enqueue(JobSpec(task="t"))).job
+        async with v2._write("test") as conn:
+            await conn.execute(sa.insert(v2_jobs), rows)
     finally:
         await v2.close()
 
     store = SQLAlchemyAdapter(url, schema=schema)
     try:
-        await store.setup()  # migrates 2 -> 3
+        await store.setup()  # migrates 2 -> 3 and on
         async with store._read("test") as conn:
             version = (await conn.execute(sa.select(_sql_schema.schema_version.c.version))).scalar()
-        assert version == SCHEMA_VERSION == 3
+        assert version == SCHEMA_VERSION
         after = await _index_sql(store)
         assert set(after) == set(KEY_INDEXES)
         assert all("NOT NULL" in sql.upper() for sql in after.values()), after
-        for job in (keyed, unique, plain):
-            assert await store.get_job(job.id) == job
+        for name, job_id in ids.items():
+            job = await store.get_job(job_id)
+            assert job is not None and (job.idempotency_key, job.unique_key) == keys[name]
+            assert (job.recoveries, job.max_recoveries, job.local_state) == (0, None, False)
+        keyed, unique = ids["keyed"], ids["unique"]
         again = await store.enqueue(JobSpec(task="t", idempotency_key="idem-1"))
-        assert again.duplicate and again.job.id == keyed.id
+        assert again.duplicate and again.job.id == keyed
         held = await store.enqueue(JobSpec(task="t", unique_key="u-1"))
-        assert held.duplicate and held.job.id == unique.id
+        assert held.duplicate and held.job.id == unique
         fresh = await store.enqueue_many([JobSpec(task="t"), JobSpec(task="t")])
         assert not any(r.duplicate for r in fresh), "keyless jobs never collide"
         await store.setup()  # already current: nothing runs twice
