@@ -132,14 +132,28 @@ def _define(md: sa.MetaData, version: int) -> tuple[sa.Table, sa.Table, sa.Table
             postgresql_where=held,
             sqlite_where=held,
         )
-    if version >= 4:
+    if version >= 5:
+        for column in _v5_columns():
+            jobs.append_column(column)
+    if version >= 6:
         for column in _recovery_columns():
             jobs.append_column(column)
     return jobs, concurrency, schema_version
 
 
+def _v5_columns() -> list[sa.Column[Any]]:
+    """Version 5's columns: the last checkpoint of a job's runs and its last progress."""
+    return [
+        sa.Column("checkpoint", sa.Text(), nullable=True),
+        sa.Column("checkpoint_seq", sa.Integer(), nullable=False, server_default="0"),
+        sa.Column("checkpoint_us", sa.BigInteger(), nullable=True),
+        sa.Column("progress", sa.Double(), nullable=True),
+        sa.Column("progress_message", sa.Text(), nullable=True),
+    ]
+
+
 def _recovery_columns() -> list[sa.Column[Any]]:
-    """Version 4's columns: recovery attempts counted apart from failures, and affinity."""
+    """Version 6's columns: recovery attempts counted apart from failures, and affinity."""
     return [
         sa.Column("max_recoveries", sa.Integer(), nullable=True),
         sa.Column("local_state", sa.Boolean(), nullable=False, server_default=sa.false()),
@@ -181,9 +195,41 @@ def _predicates(
     return is_queued, is_handed_off, is_terminal, is_active
 
 
+OFFLOADED = ""
+"""What a payload column of ``broker_jobs`` holds when its value lives in
+``broker_payloads`` instead: no JSON value encodes to the empty string, so the mark can
+never be mistaken for a value, and the hot row keeps a few bytes in place of megabytes."""
+
+OFFLOADABLE = ("args", "kwargs", "result")
+"""The ``broker_jobs`` columns whose value moves to ``broker_payloads`` (under the column's
+name as its ``kind``) when it is longer than the adapter's offload threshold."""
+
+
+def _define_payloads(md: sa.MetaData) -> sa.Table:
+    """Schema version 4's side table: one large JSON value of one job per row.
+
+    Deleting a job deletes its payloads (``ON DELETE CASCADE``), whoever deletes it, so
+    retention can never leave one behind. ``kind`` names the job column it stands in for
+    (see :data:`OFFLOADABLE`).
+    """
+    return sa.Table(
+        "broker_payloads",
+        md,
+        sa.Column(
+            "job_id",
+            sa.Uuid(),
+            sa.ForeignKey("broker_jobs.id", ondelete="CASCADE"),
+            primary_key=True,
+        ),
+        sa.Column("kind", sa.Text(), primary_key=True),
+        sa.Column("body", sa.Text(), nullable=False),
+    )
+
+
 metadata = sa.MetaData()
 """The current schema (:data:`SCHEMA_VERSION`), which every query is written against."""
 jobs, concurrency, schema_version = _define(metadata, SCHEMA_VERSION)
+payloads = _define_payloads(metadata)
 IS_QUEUED, IS_HANDED_OFF, IS_TERMINAL, IS_ACTIVE = _predicates(jobs)
 INSERT_COLUMNS = [c.name for c in jobs.c if c.name != "seq"]
 """What the hot paths' enqueue writes: every column but ``seq``, which PostgreSQL fills
@@ -287,8 +333,33 @@ def _v3_partial_key_indexes(conn: sa.Connection, schema: str | None) -> None:
         _index_at(3, name).create(conn)
 
 
-def _v4_recoveries(conn: sa.Connection, schema: str | None) -> None:
-    """Version 4: ``recoveries`` (lost attempts, counted apart from ``attempts``), the
+def _v5_checkpoints(conn: sa.Connection, schema: str | None) -> None:
+    """Version 5: checkpoints and progress (``docs/howto/long-jobs.md``).
+
+    Every column is nullable or has a constant default, so adding them rewrites no rows
+    on PostgreSQL (11 and later) or SQLite; no index is needed: they are only read with
+    their row and written under its primary key.
+    """
+    table = _qualified(conn, schema, "broker_jobs")
+    for column in _v5_columns():
+        kind = column.type.compile(dialect=conn.dialect)
+        default = "" if column.nullable else " NOT NULL DEFAULT 0"
+        conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column.name} {kind}{default}")
+
+
+def _v4_payloads(conn: sa.Connection, schema: str | None) -> None:
+    """Version 4: ``broker_payloads``, where values over the offload threshold live.
+
+    A new table only: existing rows keep their payloads inline, which every reader
+    still understands (only the empty string, never JSON, marks a value as offloaded).
+    """
+    v4 = sa.MetaData()
+    _define(v4, 4)
+    _define_payloads(v4).create(conn, checkfirst=False)
+
+
+def _v6_recoveries(conn: sa.Connection, schema: str | None) -> None:
+    """Version 6: ``recoveries`` (lost attempts, counted apart from ``attempts``), the
     job's own ``max_recoveries``, and ``local_state`` with its ``state_holder`` for
     affinity. The defaults are constants, so neither backend rewrites existing rows."""
     table = _qualified(conn, schema, "broker_jobs")
@@ -303,7 +374,9 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (1, _v1_initial),
     (2, _v2_unique_key),
     (3, _v3_partial_key_indexes),
-    (4, _v4_recoveries),
+    (4, _v4_payloads),
+    (5, _v5_checkpoints),
+    (6, _v6_recoveries),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

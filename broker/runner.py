@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextvars
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from broker.exceptions import CheckpointRejectedError
 from broker.jobs import ExecutionMode, JSONValue
 from broker.values import check_delay
 
@@ -32,6 +33,10 @@ class Assignment:
     max_attempts: int
     timeout: float | None
     queue: str
+    checkpoint: JSONValue = None
+    """The last checkpoint of the job's earlier runs (see :mod:`broker.context`)."""
+    checkpoint_seq: int = 0
+    """How many checkpoints the job's runs saved; 0: this run starts afresh."""
     recoveries: int = 0
     """Attempts of this job lost before this one (its worker, child or connection died):
     more than 0 means this attempt is a recovery."""
@@ -39,16 +44,6 @@ class Assignment:
     """The job keeps local state (``@task(local_state=True)``), but this attempt runs on
     another worker than the one that held it (or that worker said it lost it): whatever
     the last attempt kept on its machine is not here."""
-
-
-ASSIGNMENT: contextvars.ContextVar[Assignment] = contextvars.ContextVar("broker_assignment")
-"""The assignment of the job running in this context; runners set it around each task."""
-
-
-def current_assignment() -> Assignment:
-    """The job the calling task runs for (its attempt, whether it is a recovery, whether
-    its local state is gone). Raises ``LookupError`` outside a task run by a runner."""
-    return ASSIGNMENT.get()
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +102,33 @@ class RunnerStatus:
     details: dict[str, JSONValue] = field(default_factory=dict)
 
 
+LeaseKey = tuple[uuid.UUID, uuid.UUID]
+"""``(job_id, handoff_id)``: one handoff of one job."""
+
+
+class JobChannel(Protocol):
+    """Where a running job's checkpoints and progress go: the worker, which sends them to
+    the main (a pooled or forked child's channel is its pipe to the worker)."""
+
+    def save_checkpoint(self, key: LeaseKey, seq: int, state: JSONValue) -> Awaitable[None]:
+        """Resolves once checkpoint ``seq`` of the job under lease ``key`` is durable, or
+        raises why it was not saved (the lease is gone, it is too large)."""
+
+    def report_progress(self, key: LeaseKey, fraction: float, message: str) -> None:
+        """Pass on the job's latest progress; the worker rate-limits what it sends."""
+
+
+class NoChannel:
+    """The channel of a runner that no worker has connected (one driven on its own, in a
+    test say): checkpoints are refused, progress goes nowhere."""
+
+    async def save_checkpoint(self, key: LeaseKey, seq: int, state: JSONValue) -> None:
+        raise CheckpointRejectedError("this runner has no worker to save checkpoints")
+
+    def report_progress(self, key: LeaseKey, fraction: float, message: str) -> None:
+        return None
+
+
 class Runner(Protocol):
     """Executes jobs of one execution mode with a bounded number of slots."""
 
@@ -119,6 +141,10 @@ class Runner(Protocol):
     def set_capacity_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` whenever ``free_slots`` may have changed on the runner's own
         account (a child died, a replacement started), so the worker re-advertises."""
+
+    def set_job_channel(self, channel: JobChannel) -> None:
+        """Where the jobs this runner runs send their checkpoints and progress (see
+        :mod:`broker.context`); the worker sets itself before :meth:`start`."""
 
     async def start(self) -> None: ...
 

@@ -28,14 +28,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker import checks
+from broker.context import JobContext
 from broker.exceptions import TaskNotFoundError
 from broker.jobs import ExecutionMode, JSONValue
 from broker.payload import MAX_PAYLOAD_DEPTH_CEILING, result_too_deep
 from broker.runner import (
-    ASSIGNMENT,
     Assignment,
     Completed,
     Failed,
+    JobChannel,
+    NoChannel,
     Reschedule,
     Rescheduled,
     RunnerStatus,
@@ -71,11 +73,11 @@ def format_error(exc: BaseException) -> str:
     return head
 
 
-async def _invoke(func: Callable[..., Any], assignment: Assignment) -> Any:
-    # Calling inside the task, so a bad signature fails the job instead of the runner;
-    # the task's own context holds its assignment (see ``current_assignment``).
-    ASSIGNMENT.set(assignment)
-    return await func(*assignment.args, **assignment.kwargs)
+async def _invoke(
+    func: Callable[..., Any], args: tuple[JSONValue, ...], kwargs: dict[str, JSONValue]
+) -> Any:
+    # Calling inside the task, so a bad signature fails the job instead of the runner.
+    return await func(*args, **kwargs)
 
 
 class _Threads:
@@ -142,6 +144,7 @@ class InlineRunner:
         self._slots: dict[uuid.UUID, _Slot] = {}
         """Busy slots by lease (``handoff_id``): unique even if a job id comes back."""
         self._listener: Callable[[], None] | None = None
+        self._channel: JobChannel = NoChannel()
         self._stopping = False
         self._threads = _Threads()
 
@@ -154,6 +157,9 @@ class InlineRunner:
 
     def set_capacity_listener(self, listener: Callable[[], None]) -> None:
         self._listener = listener
+
+    def set_job_channel(self, channel: JobChannel) -> None:
+        self._channel = channel
 
     async def start(self) -> None:
         self._stopping = False
@@ -194,11 +200,12 @@ class InlineRunner:
         self, task: Task[..., Any], assignment: Assignment, loop: asyncio.AbstractEventLoop
     ) -> asyncio.Future[Any]:
         args, kwargs = assignment.args, assignment.kwargs
-        if task.is_async:
-            return loop.create_task(_invoke(task.func, assignment))
-        done: asyncio.Future[Any] = loop.create_future()
+        # The task runs in a copy of this context in which current_job() is its job.
         context = contextvars.copy_context()
-        context.run(ASSIGNMENT.set, assignment)
+        JobContext(assignment, self._channel, loop).enter(context)
+        if task.is_async:
+            return loop.create_task(_invoke(task.func, args, kwargs), context=context)
+        done: asyncio.Future[Any] = loop.create_future()
 
         def settle(ok: bool, value: Any) -> None:
             if done.done():

@@ -14,7 +14,7 @@ import signal
 import sys
 from typing import Any
 
-from broker.runner import current_assignment
+from broker.context import current_job
 from broker.tasks import task
 
 LOG_DIR_ENV = "BROKER_E2E_LOG_DIR"
@@ -65,13 +65,13 @@ async def hold_state(key: str, gate: str, limit: float = 60.0) -> dict[str, Any]
     """:func:`hold` for a task that keeps local state: the result also says what the
     attempt was told (a recovery? its local state gone?)."""
     _log("start", key)
-    assignment = current_assignment()
+    job = current_job()
     await _gate(gate, limit)
     _log("end", key)
     return {
         "pid": os.getpid(),
-        "recoveries": assignment.recoveries,
-        "state_lost": assignment.state_lost,
+        "recoveries": job.recoveries,
+        "state_lost": job.state_lost,
     }
 
 

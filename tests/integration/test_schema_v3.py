@@ -3,16 +3,17 @@ carried forward with its jobs and its keys still enforced (SQLite and PostgreSQL
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
 from adapters import _sql_schema
+from adapters import sql as sql_adapter
 from adapters.sql import SQLAlchemyAdapter
-from broker.jobs import JobSpec
+from broker.jobs import Job, JobSpec
 from broker.storage import SCHEMA_VERSION
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
 
@@ -63,55 +64,43 @@ async def test_a_version_2_store_is_carried_to_version_3(target: tuple[str, str 
     finally:
         await old.close()
     # A version-2 store with jobs of every kind of key in it, written the version-2 way
-    # (the rows version 2 defined: today's adapter would write later columns too).
+    # (only the columns version 2 has: later versions add their own).
     v2_jobs = _sql_schema._define(sa.MetaData(), 2)[0]
-    ids = {name: uuid.uuid4() for name in ("keyed", "unique", "plain")}
-    keys = {"keyed": ("idem-1", None), "unique": (None, "u-1"), "plain": (None, None)}
-    rows = [
-        {
-            "id": ids[name],
-            "task": "t",
-            "args": "[]",
-            "kwargs": "{}",
-            "queue": "default",
-            "priority": 0,
-            "status": "queued",
-            "attempts": 0,
-            "max_attempts": 11,
-            "run_at_us": n,
-            "created_us": n,
-            "updated_us": n,
-            "execution_mode": "pooled",
-            "idempotency_key": keys[name][0],
-            "unique_key": keys[name][1],
-        }
-        for n, name in enumerate(ids, 1)
+    now = datetime.now(UTC).replace(microsecond=0)
+    specs = [
+        JobSpec(task="t", idempotency_key="idem-1"),
+        JobSpec(task="t", unique_key="u-1"),
+        JobSpec(task="t"),
     ]
     v2 = SQLAlchemyAdapter(url, schema=schema)
     try:
         async with v2._write("test") as conn:
-            await conn.execute(sa.insert(v2_jobs), rows)
+            for spec in specs:
+                row = sql_adapter._spec_row(spec, sql_adapter._to_us(now))
+                await conn.execute(
+                    v2_jobs.insert().values(
+                        {c.name: row[c.name] for c in v2_jobs.c if c.name != "seq"}
+                    )
+                )
     finally:
         await v2.close()
+    keyed, unique, plain = (Job.from_spec(spec, now) for spec in specs)
 
     store = SQLAlchemyAdapter(url, schema=schema)
     try:
-        await store.setup()  # migrates 2 -> 3 and on
+        await store.setup()  # migrates 2 -> 3 (and on to the current version)
         async with store._read("test") as conn:
             version = (await conn.execute(sa.select(_sql_schema.schema_version.c.version))).scalar()
-        assert version == SCHEMA_VERSION
+        assert version == SCHEMA_VERSION >= 3
         after = await _index_sql(store)
         assert set(after) == set(KEY_INDEXES)
         assert all("NOT NULL" in sql.upper() for sql in after.values()), after
-        for name, job_id in ids.items():
-            job = await store.get_job(job_id)
-            assert job is not None and (job.idempotency_key, job.unique_key) == keys[name]
-            assert (job.recoveries, job.max_recoveries, job.local_state) == (0, None, False)
-        keyed, unique = ids["keyed"], ids["unique"]
+        for job in (keyed, unique, plain):
+            assert await store.get_job(job.id) == job
         again = await store.enqueue(JobSpec(task="t", idempotency_key="idem-1"))
-        assert again.duplicate and again.job.id == keyed
+        assert again.duplicate and again.job.id == keyed.id
         held = await store.enqueue(JobSpec(task="t", unique_key="u-1"))
-        assert held.duplicate and held.job.id == unique
+        assert held.duplicate and held.job.id == unique.id
         fresh = await store.enqueue_many([JobSpec(task="t"), JobSpec(task="t")])
         assert not any(r.duplicate for r in fresh), "keyless jobs never collide"
         await store.setup()  # already current: nothing runs twice
