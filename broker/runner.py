@@ -8,7 +8,6 @@ so the core never imports them.
 
 from __future__ import annotations
 
-import contextvars
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
