@@ -135,6 +135,9 @@ def _define(md: sa.MetaData, version: int) -> tuple[sa.Table, sa.Table, sa.Table
     if version >= 5:
         for column in _v5_columns():
             jobs.append_column(column)
+    if version >= 6:
+        for column in _recovery_columns():
+            jobs.append_column(column)
     return jobs, concurrency, schema_version
 
 
@@ -146,6 +149,16 @@ def _v5_columns() -> list[sa.Column[Any]]:
         sa.Column("checkpoint_us", sa.BigInteger(), nullable=True),
         sa.Column("progress", sa.Double(), nullable=True),
         sa.Column("progress_message", sa.Text(), nullable=True),
+    ]
+
+
+def _recovery_columns() -> list[sa.Column[Any]]:
+    """Version 6's columns: recovery attempts counted apart from failures, and affinity."""
+    return [
+        sa.Column("max_recoveries", sa.Integer(), nullable=True),
+        sa.Column("local_state", sa.Boolean(), nullable=False, server_default=sa.false()),
+        sa.Column("recoveries", sa.Integer(), nullable=False, server_default="0"),
+        sa.Column("state_holder", sa.Text(), nullable=True),
     ]
 
 
@@ -345,6 +358,16 @@ def _v4_payloads(conn: sa.Connection, schema: str | None) -> None:
     _define_payloads(v4).create(conn, checkfirst=False)
 
 
+def _v6_recoveries(conn: sa.Connection, schema: str | None) -> None:
+    """Version 6: ``recoveries`` (lost attempts, counted apart from ``attempts``), the
+    job's own ``max_recoveries``, and ``local_state`` with its ``state_holder`` for
+    affinity. The defaults are constants, so neither backend rewrites existing rows."""
+    table = _qualified(conn, schema, "broker_jobs")
+    for column in _recovery_columns():
+        ddl = sa.schema.CreateColumn(column).compile(dialect=conn.dialect)
+        conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {ddl}")
+
+
 Migration = Callable[[sa.Connection, str | None], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
@@ -353,6 +376,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (3, _v3_partial_key_indexes),
     (4, _v4_payloads),
     (5, _v5_checkpoints),
+    (6, _v6_recoveries),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

@@ -195,6 +195,7 @@ _CODECS: dict[str, tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] = {
     "timeout": ("timeout_s", _optional(float), _optional(float)),
     "checkpoint": ("checkpoint", _result_text, _optional(json.loads)),
     "checkpoint_at": ("checkpoint_us", _optional(_to_us), _optional(_from_us)),
+    "local_state": ("local_state", bool, bool),
 }
 """How a :class:`Job` field differs in ``broker_jobs`` (column, encode, decode); every
 other field is a column of its own name holding its value as is."""
@@ -588,6 +589,8 @@ def _lite_update(move: settlement.Move, where: str) -> tuple[str, list[str]]:
     sets = [f"{column} = ?" for column in columns]
     if move.counts_attempt:
         sets.append("attempts = attempts + 1")
+    if move.counts_recovery:
+        sets.append("recoveries = recoveries + 1")
     return f"UPDATE broker_jobs SET {', '.join(sets)} WHERE {where}", columns
 
 
@@ -1509,7 +1512,7 @@ class SQLAlchemyAdapter:
         for i, s in enumerate(settlements):
             first.setdefault(s.job_id, i)
         now = _from_us(now_us)
-        columns: list[list[Any]] = [[] for _ in range(11)]
+        columns: list[list[Any]] = [[] for _ in range(14)]
         moved: list[Payload] = []
         for i in first.values():
             s = settlements[i]
@@ -1528,6 +1531,9 @@ class SQLAlchemyAdapter:
                 int(move.counts_attempt),
                 values.pop("updated_us"),
                 move.releases_slot,
+                int(move.counts_recovery),
+                "state_holder" in values,
+                values.pop("state_holder", None),
             ]
             if values:
                 raise TypeError(f"the settle statement cannot set {sorted(values)}")

@@ -578,7 +578,9 @@ def format_job(job: dict[str, Any]) -> str:
         out.append(f"{escape_control(key):<{width}}  {escape_control(first)}".rstrip())
         out.extend(f"{'':<{width}}  {escape_control(line)}".rstrip() for line in rest)
         if key == "attempts":
-            out.append(f"{'runs':<{width}}  {runs(job)} of at most {job.get('max_attempts')}")
+            lost = int(job.get("recoveries") or 0)
+            also = f" ({lost} of them lost, which do not count)" if lost else ""
+            out.append(f"{'runs':<{width}}  {runs(job)} of at most {job.get('max_attempts')}{also}")
     return "\n".join(out)
 
 
@@ -606,11 +608,11 @@ def format_progress(job: dict[str, Any]) -> str:
 
 
 def runs(job: dict[str, Any]) -> int:
-    """How many times the job has started. ``attempts`` counts the runs that failed; a
-    job that completed or is running is on one run more (a completed job that never
-    failed ran once, so it shows 1, not 0)."""
-    attempts = int(job.get("attempts") or 0)
-    return attempts + (1 if job.get("status") in (JobStatus.COMPLETED, JobStatus.HANDED_OFF) else 0)
+    """How many times the job has started. ``attempts`` counts the runs that failed and
+    ``recoveries`` those that were lost; a job that completed or is running is on one run
+    more (a completed job that never failed ran once, so it shows 1, not 0)."""
+    ended = int(job.get("attempts") or 0) + int(job.get("recoveries") or 0)
+    return ended + (1 if job.get("status") in (JobStatus.COMPLETED, JobStatus.HANDED_OFF) else 0)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from broker import checks
 from broker.admission import DEFAULT_MAX_CREDIT
 from broker.credentials import Credentials
+from broker.jobs import DEFAULT_MAX_RECOVERIES
 from broker.payload import (
     DEFAULT_MAX_CHECKPOINT_BYTES,
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -80,6 +81,12 @@ class MainSettings:
     liveness_timeout: float = 15.0
     orphan_grace: float = 30.0
     """How long handoffs found in the store at start-up wait for their worker to come back."""
+    max_recoveries: int = DEFAULT_MAX_RECOVERIES
+    """Lost attempts a job recovers from (runs again at once) unless it sets its own
+    ``max_recoveries``; the next lost attempt ends it dead."""
+    affinity_grace: float = 60.0
+    """How long the recovery of a ``local_state`` job waits for the worker holding its
+    state after that worker left (while it stays connected, the wait goes on)."""
     error_retry_interval: float = 1.0
     poll_interval: float = 0.5
     """How often to look for jobs other processes wrote, when the store cannot notify."""
@@ -169,6 +176,8 @@ class MainSettings:
         checks.non_negative("orphan_grace", self.orphan_grace)
         if self.max_checkpoint_bytes is not None:
             checks.positive("max_checkpoint_bytes", self.max_checkpoint_bytes)
+        checks.non_negative("affinity_grace", self.affinity_grace)
+        checks.non_negative_int("max_recoveries", self.max_recoveries)
         if self.max_payload_bytes is not None:
             checks.positive("max_payload_bytes", self.max_payload_bytes)
             checks.require(

@@ -97,6 +97,19 @@ class JobContext:
         return self._assignment.max_attempts
 
     @property
+    def recoveries(self) -> int:
+        """Attempts of this job lost before this one (its worker, child or connection
+        died): more than 0 means this run is a recovery."""
+        return self._assignment.recoveries
+
+    @property
+    def state_lost(self) -> bool:
+        """The job keeps local state (``@task(local_state=True)``) that this worker does
+        not hold: the attempt that built it was lost elsewhere, and its worker did not
+        come back within the affinity grace (or said its state is gone)."""
+        return self._assignment.state_lost
+
+    @property
     def is_continuation(self) -> bool:
         """Whether an earlier run of this job saved a checkpoint (this run should resume
         from :attr:`last_checkpoint` rather than start over)."""

@@ -123,7 +123,9 @@ class Main:
         """The client requests (:mod:`broker.operations`), under this main's limits."""
         self.main_id = f"main-{uuid.uuid4().hex[:12]}"
         self.sessions: dict[int, Session] = {}
-        self.handoff = Handoff(max_credit=self.settings.max_credit)
+        self.handoff = Handoff(
+            max_credit=self.settings.max_credit, affinity_grace=self.settings.affinity_grace
+        )
         """The handoff rules and state; this class only feeds it events and carries out
         its effects (see :mod:`broker.handoff`)."""
         self.ledger = RecoveryLedger(
@@ -131,6 +133,8 @@ class Main:
             self.handoff,
             retry_interval=self.settings.error_retry_interval,
             on_returned=self.wake,
+            clock=clock,
+            max_recoveries=self.settings.max_recoveries,
         )
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -163,6 +167,7 @@ class Main:
             stopping=lambda: self._stopping,
             clock=clock,
             retry_delay=retry_delay_fn,
+            max_recoveries=self.settings.max_recoveries,
             batch=self.settings.report_batch,
             retry_interval=self.settings.error_retry_interval,
             max_payload_bytes=self.settings.max_payload_bytes,
@@ -238,6 +243,7 @@ class Main:
             await server.wait_closed()
             raise
         self._server = server
+        self.handoff.serving(asyncio.get_running_loop().time())
         await server.start_serving()
         self._tasks = [
             asyncio.create_task(self.dispatcher.run(), name="broker-dispatch"),
@@ -346,8 +352,8 @@ class Main:
                     out.send(peer, ack)
                 case Send(peer=peer, message=message):
                     out.send(peer, message)
-                case Dispatch(peer=peer, seq=seq, job=job):
-                    out.add(peer, protocol.Jobs, codec.job_message(seq, job))
+                case Dispatch(peer=peer, seq=seq, job=job, state_lost=state_lost):
+                    out.add(peer, protocol.Jobs, codec.job_message(seq, job, state_lost=state_lost))
                     self.metrics.handed_off(job)
                 case ReturnLease():
                     self.ledger.kick()
@@ -555,7 +561,8 @@ class Main:
             return
         session.closed = True
         self.sessions.pop(session.id, None)
-        self._carry(self.handoff.disconnect(session.id, stopping=self._stopping))
+        now = asyncio.get_running_loop().time()
+        self._carry(self.handoff.disconnect(session.id, now, stopping=self._stopping))
 
     async def status(self) -> dict[str, Any]:
         """The operators' snapshot (``broker status``): :meth:`Operations.status` with what

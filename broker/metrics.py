@@ -175,6 +175,10 @@ class MainMetrics:
             self.failed.inc(job.queue, job.task)
             if settlement.run_at is None:
                 self.dead.inc(job.queue, job.task)
+        elif outcome is Outcome.LOST:
+            if settlement.run_at is None:  # its recovery limit
+                self.dead.inc(job.queue, job.task)
+            return  # a lost attempt is no run's end the task reached
         else:
             return  # a release or reschedule is no run's end
         if job.handed_off_at is not None:

@@ -223,6 +223,9 @@ class Hello(_Message, frozen=True, tag="hello"):
     protocols: list[Int] | None = None
     """Every version the peer speaks (``None``: only ``protocol``, its newest); the main
     picks the newest it speaks too and names it in ``welcome``."""
+    local_state_lost: bool = False
+    """The worker comes back without the local state its earlier sessions left (a new
+    state directory): recoveries waiting for this worker id's state stop waiting."""
 
     def spoken(self) -> list[Int]:
         """The versions this peer speaks."""
@@ -327,6 +330,11 @@ class JobHandoff(_Message, frozen=True, tag="job", omit_defaults=True):
     """The last checkpoint the job's runs saved (meaningful when ``checkpoint_seq > 0``)."""
     checkpoint_seq: Int = 0
     """How many checkpoints the job's runs saved; 0: this attempt starts afresh."""
+    recoveries: Int = 0
+    """Attempts of this job lost before this one: more than 0 makes this one a recovery."""
+    state_lost: bool = False
+    """The job keeps local state, and this worker does not have it (see
+    :attr:`broker.runner.Assignment.state_lost`)."""
 
     def __post_init__(self) -> None:
         _check(self.seq >= 1, "seq must be at least 1")
@@ -348,6 +356,9 @@ class FailedReport(_Message, frozen=True, tag="failed"):
     error: str
     retry: bool = True
     """False for failures no retry can fix (an unknown task, bad arguments)."""
+    lost: bool = False
+    """The process running the job died under it: the main counts a recovery, not a
+    failure (an older main ignores the field and counts a failure)."""
 
 
 class RescheduleReport(_Message, frozen=True, tag="reschedule"):
@@ -475,6 +486,10 @@ class JobRequest(_Struct, frozen=True):
     id: uuid.UUID | None = None
     unique_key: Name | None = None
     """At most one queued or running job per key; an older main ignores the field."""
+    max_recoveries: Int | None = None
+    """Lost attempts the job may recover from (``None``: the main's default)."""
+    local_state: bool = False
+    """Recoveries wait for the worker holding the job's local state first."""
 
     def to_spec(self, now: datetime) -> JobSpec:
         """Raises :class:`InvalidJobError`, which the main answers with ``invalid_job``."""

@@ -36,6 +36,13 @@ class Assignment:
     """The last checkpoint of the job's earlier runs (see :mod:`broker.context`)."""
     checkpoint_seq: int = 0
     """How many checkpoints the job's runs saved; 0: this run starts afresh."""
+    recoveries: int = 0
+    """Attempts of this job lost before this one (its worker, child or connection died):
+    more than 0 means this attempt is a recovery."""
+    state_lost: bool = False
+    """The job keeps local state (``@task(local_state=True)``), but this attempt runs on
+    another worker than the one that held it (or that worker said it lost it): whatever
+    the last attempt kept on its machine is not here."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +55,9 @@ class Failed:
     error: str
     retry: bool = True
     """``False`` when retrying cannot help (an unknown task, say): the job dies at once."""
+    lost: bool = False
+    """The attempt did not fail by itself: the process running it died under it. The main
+    counts a recovery instead of a failure, and runs the job again at once."""
 
 
 @dataclass(frozen=True, slots=True)

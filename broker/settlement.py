@@ -17,6 +17,8 @@ claim at enqueue  ``handed_off`` (lease, worker)   0          now
 ``FAIL``, dead    ``failed`` (``last_error``)      + 1        unchanged
 ``RESCHEDULE``    ``queued``                       unchanged  its time, else now
 ``RETURN``        ``queued``                       unchanged  now
+``LOST``          ``queued`` (``last_error``)      unchanged  now (its time)
+``LOST``, dead    ``failed`` (``last_error``)      unchanged  unchanged
 cancel            ``cancelled``                    unchanged  unchanged
 revive            ``queued`` (from ``failed``)     0          now
 checkpoint        unchanged (``checkpoint`` kept)  unchanged  unchanged
@@ -25,6 +27,9 @@ progress          unchanged (``progress`` kept)    unchanged  unchanged
 
 A checkpoint and a progress update are fenced by the lease like a settlement; a
 checkpoint is also taken only when it is newer than the stored one.
+
+``LOST`` counts a recovery (``recoveries + 1``) instead of an attempt, and sets the
+job's ``state_holder``, which every claim clears. revive also zeroes ``recoveries``.
 
 A claim takes the job's concurrency slot (the store checks there is room); every
 accepted settlement gives back the job's concurrency slot; a cancel gives it back
@@ -65,13 +70,14 @@ class Move:
 
     changes: Mapping[str, Any]
     counts_attempt: bool = False
+    counts_recovery: bool = False
     releases_slot: bool = True
     """Whether the job's concurrency slot (if it has a key) is given back."""
 
     @property
     def shape(self) -> tuple[Any, ...]:
         """What moves sharing one ``UPDATE`` statement have in common: the fields set."""
-        return (self.counts_attempt, *sorted(self.changes))
+        return (self.counts_attempt, self.counts_recovery, *sorted(self.changes))
 
 
 def hand_off(claim: Claim, now: datetime) -> Move:
@@ -81,6 +87,7 @@ def hand_off(claim: Claim, now: datetime) -> Move:
         "handoff_id": claim.handoff_id,
         "worker_id": claim.worker_id,
         "handed_off_at": now,
+        "state_holder": None,
         "updated_at": now,
     }
     return Move(changes, releases_slot=False)
@@ -126,8 +133,18 @@ def settle(s: Settlement, now: datetime) -> Move:
             changes = {"status": JobStatus.QUEUED, "run_at": s.run_at or now}
         case Outcome.RETURN:
             changes = {"status": JobStatus.QUEUED, "run_at": now}
+        case Outcome.LOST:
+            changes = {"status": JobStatus.FAILED if s.run_at is None else JobStatus.QUEUED}
+            changes["last_error"] = s.error
+            changes["state_holder"] = s.state_holder
+            if s.run_at is not None:
+                changes["run_at"] = s.run_at
     changes["updated_at"] = now
-    return Move(changes, counts_attempt=s.outcome is Outcome.FAIL)
+    return Move(
+        changes,
+        counts_attempt=s.outcome is Outcome.FAIL,
+        counts_recovery=s.outcome is Outcome.LOST,
+    )
 
 
 def accepts_checkpoint(
@@ -186,7 +203,13 @@ def cancel(status: str, now: datetime) -> Move | None:
 def revive(now: datetime) -> Move:
     """The move an operator's retry makes to a dead (``failed``) job: queued again at
     once, with a fresh count of attempts. A queued job holds no slot, so none is given."""
-    changes = {"status": JobStatus.QUEUED, "attempts": 0, "run_at": now, "updated_at": now}
+    changes = {
+        "status": JobStatus.QUEUED,
+        "attempts": 0,
+        "recoveries": 0,
+        "run_at": now,
+        "updated_at": now,
+    }
     return Move(changes, releases_slot=False)
 
 
@@ -195,4 +218,6 @@ def apply(job: Job, move: Move) -> Job:
     changes = dict(move.changes)
     if move.counts_attempt:
         changes["attempts"] = job.attempts + 1
+    if move.counts_recovery:
+        changes["recoveries"] = job.recoveries + 1
     return replace(job, **changes)

@@ -14,6 +14,10 @@ The rules every implementation must keep:
   ``return_to_queue`` change a job only when its id, its current handoff id and
   the status ``handed_off`` all match, checked atomically with the change. They
   return ``False`` (and change nothing) otherwise.
+* **Recoveries.** A ``LOST`` settlement adds one to ``recoveries`` (never to
+  ``attempts``) in the same fenced statement as its move, sets the job's
+  ``state_holder``, and every claim clears ``state_holder`` (see
+  :mod:`broker.settlement`).
 * **Idempotent return.** ``return_to_queue`` for a lease whose claim never
   committed, or was already returned, or was superseded by a newer lease, is a
   harmless no-op that returns ``False``. Any answer that is not an exception
@@ -54,7 +58,7 @@ from broker.jobs import (
     Settlement,
 )
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """The schema version this code writes and understands; stores record theirs."""
 
 

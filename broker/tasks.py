@@ -158,6 +158,10 @@ class Task(Generic[P, R]):
     unique: bool = False
     retry: RetryPolicy | None = None
     """Which exceptions are worth a retry (``None``: every ``Exception``)."""
+    max_recoveries: int | None = None
+    """Lost attempts its jobs recover from (``None``: the main's default)."""
+    local_state: bool = False
+    """Its jobs keep state on their worker's machine: recoveries wait for that worker."""
 
     @functools.cached_property
     def _signature(self) -> inspect.Signature | None:
@@ -254,6 +258,8 @@ class Task(Generic[P, R]):
             "execution_mode": self.execution_mode,
             "concurrency_key": self.concurrency_key,
             "concurrency_limit": self.concurrency_limit,
+            "max_recoveries": self.max_recoveries,
+            "local_state": self.local_state,
         }
         if "retries" in overrides:
             overrides["max_attempts"] = int(overrides.pop("retries")) + 1
@@ -459,6 +465,8 @@ def task(
     unique: bool = False,
     retry_on: tuple[type[BaseException], ...] | None = None,
     dont_retry_on: tuple[type[BaseException], ...] | None = None,
+    max_recoveries: int | None = None,
+    local_state: bool = False,
 ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
 
@@ -482,6 +490,8 @@ def task(
     unique: bool = False,
     retry_on: tuple[type[BaseException], ...] | None = None,
     dont_retry_on: tuple[type[BaseException], ...] | None = None,
+    max_recoveries: int | None = None,
+    local_state: bool = False,
 ) -> Task[P, R] | Callable[[Callable[P, R]], Task[P, R]]:
     """Register a function as a task, by default under its ``module.function`` path.
 
@@ -496,11 +506,20 @@ def task(
     ``dont_retry_on`` (exception classes) narrow which failures use them (see
     :class:`broker.retry.RetryPolicy`). Arguments that do not fit the function are never
     retried.
+
+    ``max_recoveries`` is how many times a job runs again after an attempt was *lost*
+    (its worker, child or connection died): counted apart from ``retries``, and without
+    backoff (``None``: the main's ``--max-recoveries``, 3 by default). ``local_state=True``
+    says the task keeps state on its worker's machine (files, a warm cache) that its next
+    attempt wants: a lost attempt's recovery waits for the same worker id first, for the
+    main's affinity grace (see ``docs/howto/long-jobs.md``).
     """
 
     def register(fn: Callable[P, R]) -> Task[P, R]:
         if retries < 0:
             raise ConfigurationError(f"retries must be >= 0 (got {retries})")
+        if max_recoveries is not None and max_recoveries < 0:
+            raise ConfigurationError(f"max_recoveries must be >= 0 (got {max_recoveries})")
         try:
             execution_mode = ExecutionMode(mode)
         except ValueError:
@@ -525,6 +544,8 @@ def task(
             concurrency_limit=concurrency_limit,
             unique=unique,
             retry=policy,
+            max_recoveries=max_recoveries,
+            local_state=local_state,
         )
         periodic = _declared_schedule(
             registered, cron=cron, every=every, timezone=timezone, catch_up=catch_up

@@ -463,6 +463,7 @@ class Dashboard:
             ("priority", _e(job["priority"])),
             ("mode", _e(job["execution_mode"])),
             ("failed runs", _e(f"{job['attempts']} (at most {job['max_attempts']} runs)")),
+            ("lost runs", _e(_lost_runs(job))),
             ("run at", _e(_time(job["run_at"]))),
             ("created", _e(_time(job["created_at"]))),
             ("updated", _e(_time(job["updated_at"]))),
@@ -629,3 +630,15 @@ class WorkerMetricsServer:
 
 
 __all__ = ["Dashboard", "WorkerMetricsServer"]
+
+
+def _lost_runs(job: dict[str, Any]) -> str:
+    """Recoveries so far, with the job's own cap when it has one (else the main's)."""
+    cap = job.get("max_recoveries")
+    limit = "the main's limit" if cap is None else f"at most {cap}"
+    held = (
+        f"; waiting for {job['state_holder']}, which holds its state"
+        if job.get("state_holder")
+        else ""
+    )
+    return f"{job.get('recoveries', 0)} ({limit}){held}"

@@ -155,7 +155,12 @@ class Worker:
         logger: logging.Logger | None = None,
         prefetch: int | None = None,
         tls: PeerTLS | ssl.SSLContext | None = None,
+        local_state_lost: bool = False,
     ) -> None:
+        """``local_state_lost``: this process starts without the local state an earlier
+        one with the same ``worker_id`` left (its state directory is new), so the main
+        stops holding recoveries for it; said in the first hello only, since a reconnect
+        of the same process still has whatever it built since."""
         if not worker_id:
             raise ConfigurationError("worker_id must be a non-empty string")
         if not runners:
@@ -184,6 +189,7 @@ class Worker:
         self._liveness_timeout = liveness_timeout
         self._reconnect_max_delay = reconnect_max_delay
         self._drain_timeout = drain_timeout
+        self._local_state_lost = local_state_lost
         self._logger = logger or logging.getLogger("broker.worker")
 
         self._state = WorkerState(
@@ -471,10 +477,12 @@ class Worker:
                 held_leases=[
                     protocol.LeaseRef(job, lease) for job, lease in self._state.held_leases()
                 ],
+                local_state_lost=self._local_state_lost,
             )
         )
         match await wire.read_message(lines):
             case protocol.Welcome() as welcome if welcome.protocol in protocol.SUPPORTED_PROTOCOLS:
+                self._local_state_lost = False
                 return welcome
             case protocol.Welcome() as welcome:
                 raise ConfigurationError(

@@ -476,6 +476,9 @@ class WorkerState:
                     *key, reason="the worker stopped before the job ended"
                 )
                 self._log_job(logging.WARNING, "job given back", key, error=outcome.error)
+            case Failed(error=error, lost=True):
+                report = protocol.FailedReport(*key, error=error, lost=True)
+                self._log_job(logging.WARNING, "job attempt lost", key, error=error)
             case Failed(error=error, retry=retry):
                 report = protocol.FailedReport(*key, error=error, retry=retry)
                 self._log_job(logging.WARNING, "job failed", key, error=error, retry=retry)
@@ -738,7 +741,7 @@ class WorkerState:
         if isinstance(report, protocol.FailedReport):
             # Keep the retry decision; JSON spends at most 6 bytes on a character.
             error = report.error[: limit // 8]
-            fitted = protocol.FailedReport(*key, error=error, retry=report.retry)
+            fitted = protocol.FailedReport(*key, error=error, retry=report.retry, lost=report.lost)
         else:
             fitted = protocol.FailedReport(*key, error=problem[:1000], retry=False)
         self._log_job(logging.ERROR, "report replaced", key, reason=problem[:200])

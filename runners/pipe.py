@@ -48,6 +48,8 @@ class JobLine(_Message, tag="job"):
     queue: str
     checkpoint: Any = None
     checkpoint_seq: int = 0
+    recoveries: int = 0
+    state_lost: bool = False
 
 
 class CheckpointAckLine(_Message, tag="checkpoint_ack"):
@@ -159,6 +161,8 @@ def job_line(a: Assignment) -> JobLine:
         a.queue,
         a.checkpoint,
         a.checkpoint_seq,
+        a.recoveries,
+        a.state_lost,
     )
 
 
@@ -176,6 +180,8 @@ def assignment_of(line: JobLine) -> Assignment:
         line.queue,
         line.checkpoint,
         line.checkpoint_seq,
+        line.recoveries,
+        line.state_lost,
     )
 
 

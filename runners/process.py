@@ -199,6 +199,9 @@ class ChildProcess:
         self.startup_error: str | None = None
         self.inflight: dict[uuid.UUID, asyncio.Future[RunOutcome]] = {}
         self.kill_reasons: dict[uuid.UUID, str] = {}
+        self.bystanders: set[uuid.UUID] = set()
+        """Jobs stopped because another job on this process timed out or was cancelled:
+        their attempts are lost, not failed."""
         self.job_ids: dict[uuid.UUID, uuid.UUID] = {}
         """Job id by lease, for cancelling a job by its id."""
         self.last_pong = time.monotonic()
@@ -414,10 +417,15 @@ class ChildProcess:
                     Released(f"the runner process could not start: {self.startup_error}")
                 )
             else:
-                reason = self.kill_reasons.get(handoff_id) or (
-                    f"the runner process {describe_exit(code)} while running the job"
-                )
-                future.set_result(Failed(reason))
+                reason = self.kill_reasons.get(handoff_id)
+                if reason is None or handoff_id in self.bystanders:
+                    # Nothing this job did ended it: the attempt is lost, not failed.
+                    reason = (
+                        reason or f"the runner process {describe_exit(code)} while running the job"
+                    )
+                    future.set_result(Failed(reason, lost=True))
+                else:
+                    future.set_result(Failed(reason))
         self.inflight.clear()
         self._on_exit(self)
 
@@ -454,6 +462,14 @@ class ChildProcess:
         self._flush()
         if self._proc is not None and self._proc.stdin is not None:
             self._proc.stdin.close()
+
+    def stop_bystanders(self, reason: str) -> None:
+        """Every other job running here is about to be stopped for ``reason`` (another
+        job's timeout or cancel): each keeps the first reason it was given."""
+        for other in self.inflight:
+            if other not in self.kill_reasons:
+                self.kill_reasons[other] = reason
+                self.bystanders.add(other)
 
     def kill(self) -> None:
         if self._proc is not None and self._proc.returncode is None:
@@ -512,10 +528,9 @@ async def run_on_child(
         return await asyncio.wait_for(asyncio.shield(future), limit)
     except TimeoutError:
         child.kill_reasons[assignment.handoff_id] = f"timed out after {limit} s"
-        for other in child.inflight:
-            child.kill_reasons.setdefault(
-                other, f"stopped because job {assignment.job_id} on the same process timed out"
-            )
+        child.stop_bystanders(
+            f"stopped because job {assignment.job_id} on the same process timed out"
+        )
         logger.warning(
             "job timed out, stopping its runner process job_id=%s handoff_id=%s pid=%s",
             assignment.job_id,
@@ -533,10 +548,9 @@ async def cancel_on(children: Sequence[ChildProcess], job_id: uuid.UUID, grace: 
         for handoff_id, running_job in list(child.job_ids.items()):
             if running_job == job_id and handoff_id in child.inflight:
                 child.kill_reasons[handoff_id] = "cancelled"
-                for other in child.inflight:
-                    child.kill_reasons.setdefault(
-                        other, f"stopped because job {job_id} on the same process was cancelled"
-                    )
+                child.stop_bystanders(
+                    f"stopped because job {job_id} on the same process was cancelled"
+                )
                 await child.terminate(grace)
                 return True
     return False

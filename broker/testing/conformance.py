@@ -521,6 +521,36 @@ async def check_return_to_queue_is_exact_and_idempotent(ctx: Context) -> None:
 
 
 @_check
+async def check_a_lost_attempt_counts_a_recovery_fenced_in_its_move(ctx: Context) -> None:
+    """``LOST``: one more ``recoveries`` (never ``attempts``), queued at its time with
+    its state holder, or dead with its error; only under the current lease; a claim
+    clears the holder and an operator's retry zeroes the count."""
+    job = await _claim(ctx.store, await _enqueue(ctx.store))
+    lease = job.handoff_id
+    assert lease is not None
+    lost = Settlement(job.id, lease, Outcome.LOST, error="lost", run_at=START, state_holder="w")
+    stale = replace(lost, handoff_id=uuid.uuid4())
+    assert await ctx.store.settle_many([stale]) == [False]
+    assert (await _get(ctx.store, job.id)).recoveries == 0, "a stale lease counts nothing"
+    assert await ctx.store.settle_many([lost]) == [True]
+    assert await ctx.store.settle_many([lost]) == [False], "counted once"
+    queued = await _get(ctx.store, job.id)
+    assert queued.status is JobStatus.QUEUED and queued.run_at == START
+    assert (queued.recoveries, queued.attempts) == (1, 0)
+    assert queued.state_holder == "w" and queued.last_error == "lost"
+    again = await _claim(ctx.store, queued)
+    assert again.state_holder is None and (await _get(ctx.store, job.id)).state_holder is None
+    assert again.handoff_id is not None
+    dead = Settlement(job.id, again.handoff_id, Outcome.LOST, error="limit", run_at=None)
+    assert await ctx.store.settle_many([dead]) == [True]
+    stored = await _get(ctx.store, job.id)
+    assert stored.status is JobStatus.FAILED and stored.last_error == "limit"
+    assert (stored.recoveries, stored.attempts) == (2, 0)
+    revived = await ctx.store.retry_dead(job.id)
+    assert revived is not None and revived.recoveries == 0
+
+
+@_check
 async def check_settle_many_fences_each_move_and_commits_together(ctx: Context) -> None:
     jobs = [await _claim(ctx.store, await _enqueue(ctx.store, args=[i])) for i in range(5)]
     leases = [j.handoff_id or uuid.uuid4() for j in jobs]

@@ -124,7 +124,9 @@ async def test_kill_9_of_child_and_worker_resumes_from_the_last_acknowledged_che
     main = await cluster.start_main(*MAIN)
     workers = [await cluster.worker("a", "--pooled-runner-count", "1")]
     async with cluster.client() as client:
-        [ref] = await client.enqueue_many([JobSpec(task=f"{APP}.count_up", args=[total])])
+        # Five kills are five lost attempts: more recoveries than the main's default.
+        spec = JobSpec(task=f"{APP}.count_up", args=[total], max_recoveries=10)
+        [ref] = await client.enqueue_many([spec])
         job_id = ref.job_id
 
         async def reached(step: int) -> None:
@@ -172,6 +174,7 @@ async def test_kill_9_of_child_and_worker_resumes_from_the_last_acknowledged_che
     resumed = check_resumes(log)
     assert len(resumed) >= kills, f"every kill cost an attempt: {resumed}"
     assert all(step > 0 for step in resumed), "each attempt continued"
+    assert (job["recoveries"], job["attempts"]) == (kills, 0), "kills are recoveries"
     assert job["checkpoint"] == {"n": total} and job["checkpoint_seq"] >= total
     human = await broker(cluster, "job", str(job_id))
     assert re.search(r"checkpoint_at +\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", human), human
@@ -259,7 +262,9 @@ async def test_a_main_restart_keeps_the_run_and_its_checkpoints(cluster: Checkpo
     main = await cluster.start_main(*MAIN, *STEADY, "--orphan-grace", "30")
     await cluster.worker("w", "--pooled-runner-count", "1")
     async with cluster.client() as client:
-        [ref] = await client.enqueue_many([JobSpec(task=f"{APP}.count_up", args=[total])])
+        # Five kills are five lost attempts: more recoveries than the main's default.
+        spec = JobSpec(task=f"{APP}.count_up", args=[total], max_recoveries=10)
+        [ref] = await client.enqueue_many([spec])
 
     def acked() -> list[int]:
         return [int(e.value) for e in events(cluster.runs) if e.kind == "acked"]
