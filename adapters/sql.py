@@ -222,9 +222,16 @@ def _columns(changes: Mapping[str, Any]) -> dict[str, Any]:
     return {_COLUMN_OF[name]: value for name, value in _encode(changes).items()}
 
 
-def _spec_row(spec: JobSpec, now_us: int, claim: Claim | None = None) -> dict[str, Any]:
-    job = settlement.enqueued(spec, _from_us(now_us), claim)
-    return _columns({name: getattr(job, name) for name in _COLUMN_OF})
+_ROW = [(name, column, None if encode is _same else encode) for name, column, encode, _ in _FIELDS]
+
+
+def _job_row(job: Job) -> dict[str, Any]:
+    """Every column of ``job``'s row (what an enqueue inserts). As :func:`_job_from_row`,
+    columns held as is are copied without a call: every enqueued job passes through here."""
+    return {
+        column: getattr(job, name) if encode is None else encode(getattr(job, name))
+        for name, column, encode in _ROW
+    }
 
 
 def _chunks(items: Sequence[_T], size: int = _CHUNK) -> list[Sequence[_T]]:
@@ -563,7 +570,9 @@ class SQLAlchemyAdapter:
     ``None`` turns the cap off. ``pool_size`` is the general pool (enqueues, listings,
     operator calls; up to 10 more connections under load); on PostgreSQL,
     ``hot_pool_size`` more connections serve claims, settles and selection alone (see
-    :mod:`adapters._pg_hot`). Call :meth:`setup` before use and :meth:`close` when done.
+    :mod:`adapters._pg_hot`), and up to ``pool_size`` more the main's enqueues (opened
+    as needed; its group commit uses one at a time). Call :meth:`setup` before use and
+    :meth:`close` when done.
 
     ``create=False`` opens only a store that exists (a SQLite file is never created) and
     ``read_only=True`` also refuses every write (PostgreSQL: read-only transactions);
@@ -665,6 +674,9 @@ class SQLAlchemyAdapter:
             _, connect_kwargs = self._engine.dialect.create_connect_args(resolved)
             hot = HotPool(hot_pool_size, {**connect_kwargs, **connect_args})
             self._hot: tuple[HotSql, HotPool] | None = (HotSql(schema), hot)
+            self._enqueue_pool: HotPool | None = HotPool(
+                pool_size, {**connect_kwargs, **connect_args}
+            )
             self._lite: SqliteHot | None = None
         else:
             self._lite = self._wire_sqlite(resolved, read_only)
@@ -673,6 +685,7 @@ class SQLAlchemyAdapter:
             self._write_lock = asyncio.Lock()
             self._order_tiebreak = [jobs.c.seq, sa.literal_column("broker_jobs.rowid")]
             self._hot = None
+            self._enqueue_pool = None
         self._insert = pg_dialect.insert if self._pg else sqlite_dialect.insert
 
     def _wire_sqlite(self, resolved: URL, read_only: bool) -> SqliteHot:
@@ -736,13 +749,14 @@ class SQLAlchemyAdapter:
 
     @asynccontextmanager
     async def _driver_conn(self, op: str) -> AsyncIterator[tuple[HotSql, Any]]:
-        """The asyncpg connection under one of the general pool's (PostgreSQL), for the
-        raw enqueue: it queues with listings and operator calls, never with dispatch."""
-        assert self._hot is not None
+        """A connection of the enqueue pool (PostgreSQL), for the raw enqueue: it queues
+        neither with dispatch nor with listings and operator calls. A pool of asyncpg's
+        own, as the hot one: checking out a SQLAlchemy connection and unwrapping its
+        driver connection cost as much of the main's CPU as a one-job insert itself."""
+        assert self._hot is not None and self._enqueue_pool is not None
         try:
-            async with self._engine.connect() as conn:
-                raw = await conn.get_raw_connection()
-                yield self._hot[0], raw.driver_connection
+            async with self._enqueue_pool.acquire() as conn:
+                yield self._hot[0], conn
         except self._errors as exc:
             raise self._storage_error(op, exc) from exc
 
@@ -846,6 +860,8 @@ class SQLAlchemyAdapter:
                 await self._analyzing
         if self._hot is not None:
             await self._hot[1].close()
+        if self._enqueue_pool is not None:
+            await self._enqueue_pool.close()
         if self._lite is not None:
             await self._lite.close()
         await self._engine.dispose()
@@ -1072,11 +1088,12 @@ class SQLAlchemyAdapter:
                 if spec.idempotency_key is not None:
                     first[("key", spec.idempotency_key)] = index
             canonical.append(found)
-        rows = {
-            i: _spec_row(specs[i], now_us, claims[i] if claims else None)
+        now = _from_us(now_us)
+        jobs_at = {
+            i: settlement.enqueued(specs[i], now, claims[i] if claims else None)
             for i in sorted(set(canonical))
         }
-        stored = await self._insert_or_find(insert, find, specs, rows)
+        stored = await self._insert_or_find(insert, find, specs, jobs_at)
         return [
             stored[c] if c == i else EnqueueResult(stored[c].job, duplicate=True)
             for i, c in enumerate(canonical)
@@ -1087,16 +1104,19 @@ class SQLAlchemyAdapter:
         insert: Callable[[list[dict[str, Any]]], Awaitable[set[uuid.UUID]]],
         find: Callable[[Sequence[JobSpec]], Awaitable[list[Job | None]]],
         specs: Sequence[JobSpec],
-        rows: dict[int, dict[str, Any]],
+        jobs_at: dict[int, Job],
     ) -> dict[int, EnqueueResult]:
+        """Insert ``jobs_at`` (by index into ``specs``); a job inserted comes back as built
+        (the row holds exactly its values), one blocked comes back as its holder."""
         out: dict[int, EnqueueResult] = {}
+        rows = {i: _job_row(job) for i, job in jobs_at.items()}
         pending = list(rows)
         for _ in range(_ENQUEUE_ROUNDS):
             inserted = await insert([rows[i] for i in pending])
             missing = []
             for i in pending:
                 if specs[i].id in inserted:
-                    out[i] = EnqueueResult(_job_from_row(rows[i]), duplicate=False)
+                    out[i] = EnqueueResult(jobs_at[i], duplicate=False)
                 else:
                     missing.append(i)
             if not missing:
