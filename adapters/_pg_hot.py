@@ -191,13 +191,16 @@ class HotSql:
         )
         self.next_run = f"SELECT min(run_at_us) FROM {t} WHERE {due}"
         self.next_run_in_queues = f"SELECT min(run_at_us) FROM {t} WHERE {due}{in_queues}"
-        arrays = ", ".join(
-            f"${i}::{_pg_type(jobs.c[name])}[]" for i, name in enumerate(INSERT_COLUMNS, 1)
-        )
+        # Enqueue: the rows come as one JSON array of objects keyed by column, not as an
+        # array per column. Binding 23 arrays cost the main about 11 us of CPU per job
+        # (asyncpg checks each element for nesting); the JSON, encoded by msgspec, 2 us,
+        # for about 10 us more of the server's, which runs beside the main.
+        typed = ", ".join(f"{name} {_pg_type(jobs.c[name])}" for name in INSERT_COLUMNS)
         names = ", ".join(INSERT_COLUMNS)
         self.insert = f"""
             INSERT INTO {t} ({names})
-            SELECT {names} FROM unnest({arrays}) WITH ORDINALITY AS r({names}, ord)
+            SELECT {names} FROM ROWS FROM (json_to_recordset($1::json) AS ({typed}))
+                WITH ORDINALITY AS r({names}, ord)
             ORDER BY ord
             ON CONFLICT DO NOTHING
             RETURNING id

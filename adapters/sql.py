@@ -47,6 +47,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgspec
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
@@ -95,6 +96,7 @@ from broker.jobs import (
     JSONValue,
     Outcome,
     Settlement,
+    compact_json,
     utcnow,
 )
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, check_all
@@ -156,8 +158,7 @@ def _from_us(value: int) -> datetime:
     return _EPOCH + timedelta(microseconds=value)
 
 
-def _dumps(value: JSONValue) -> str:
-    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+_dumps = compact_json
 
 
 def _optional(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -223,6 +224,9 @@ def _columns(changes: Mapping[str, Any]) -> dict[str, Any]:
 
 
 _ROW = [(name, column, None if encode is _same else encode) for name, column, encode, _ in _FIELDS]
+_ROWS_JSON = msgspec.json.Encoder()
+"""Rows for PostgreSQL's enqueue (:mod:`adapters._pg_hot`): column values as JSON (ids
+as text; the values are the columns' own, so nothing is lost on the way)."""
 
 
 def _job_row(job: Job) -> dict[str, Any]:
@@ -973,8 +977,8 @@ class SQLAlchemyAdapter:
         async with self._driver_conn("enqueue") as (sql, conn):
 
             async def insert(rows: list[dict[str, Any]]) -> set[uuid.UUID]:
-                columns = [[row[name] for row in rows] for name in INSERT_COLUMNS]
-                return {r["id"] for r in await conn.fetch(sql.insert, *columns)}
+                batch = _ROWS_JSON.encode(rows).decode()
+                return {r["id"] for r in await conn.fetch(sql.insert, batch)}
 
             async def find(missing: Sequence[JobSpec]) -> list[Job | None]:
                 found = await conn.fetch(

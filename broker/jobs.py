@@ -98,9 +98,16 @@ def _require_names(check: Callable[[str, object], None], **names: str | None) ->
                 raise InvalidJobError(str(exc)) from None
 
 
+compact_json = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+"""``value`` as compact, ASCII-escaped JSON, NaN and infinities refused: the form every
+store writes payloads in and payload limits measure. What ``json.dumps(value,
+separators=(",", ":"), allow_nan=False)`` returns, without building an encoder per call
+(each enqueued job is encoded a few times on its way in)."""
+
+
 def _require_json(name: str, value: JSONValue) -> None:
     try:
-        json.dumps(value, allow_nan=False)
+        compact_json(value)
     except (TypeError, ValueError) as exc:
         raise InvalidJobError(f"{name} is not JSON-serialisable: {exc}") from exc
     except RecursionError:
@@ -187,6 +194,10 @@ class JobSpec:
             raise InvalidJobError("id must be a UUID")
 
 
+SPEC_FIELDS = tuple(f.name for f in fields(JobSpec))
+"""The names of :class:`JobSpec`'s fields, in order."""
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
     """A job as the store holds it. Immutable: every change comes back as a new value."""
@@ -244,7 +255,7 @@ def spec_values(spec: JobSpec) -> dict[str, Any]:
     """Every field of ``spec`` by name. Each boundary a job request crosses (a stored
     :class:`Job`, a wire ``JobRequest``) copies through here, so a new field of
     :class:`JobSpec` needs no copy written by hand."""
-    return {f.name: getattr(spec, f.name) for f in fields(JobSpec)}
+    return {name: getattr(spec, name) for name in SPEC_FIELDS}
 
 
 def spec_from(source: object, **differ: Any) -> JobSpec:

@@ -15,12 +15,11 @@ store). :func:`nesting_depth` measures without recursion, so any value can be ju
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
 
 from broker.exceptions import InvalidJobError, PayloadTooLargeError
-from broker.jobs import JobSpec, JSONValue
+from broker.jobs import JobSpec, JSONValue, compact_json
 
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
 """1 MiB, for a job's args and kwargs together, and separately for its result."""
@@ -68,7 +67,7 @@ def nesting_depth(value: object, limit: int) -> int:
 def encoded_size(value: JSONValue) -> int:
     """Bytes of ``value`` as compact, ASCII-escaped JSON (the form every store writes)."""
     try:
-        return len(json.dumps(value, separators=(",", ":"), allow_nan=False))
+        return len(compact_json(value))
     except (TypeError, ValueError) as exc:
         raise InvalidJobError(f"value is not JSON-serialisable: {exc}") from exc
     except RecursionError:
