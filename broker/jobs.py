@@ -105,7 +105,15 @@ separators=(",", ":"), allow_nan=False)`` returns, without building an encoder p
 (each enqueued job is encoded a few times on its way in)."""
 
 
+_PLAIN = frozenset({str, int, bool, type(None)})
+"""Types whose every value JSON holds as it is (a float may be NaN)."""
+
+
 def _require_json(name: str, value: JSONValue) -> None:
+    if type(value) in (list, dict) and all(
+        type(item) in _PLAIN for item in (value.values() if type(value) is dict else value)
+    ):
+        return  # the common case, without encoding it
     try:
         compact_json(value)
     except (TypeError, ValueError) as exc:
@@ -148,9 +156,13 @@ class JobSpec:
         _require_names(
             check_key, idempotency_key=self.idempotency_key, concurrency_key=self.concurrency_key
         )
-        if isinstance(self.args, str | bytes) or not isinstance(self.args, Sequence):
+        if type(self.args) not in (tuple, list) and (
+            isinstance(self.args, str | bytes) or not isinstance(self.args, Sequence)
+        ):
             raise InvalidJobError("args must be a list of JSON values")
-        if not isinstance(self.kwargs, Mapping) or not all(isinstance(k, str) for k in self.kwargs):
+        if (type(self.kwargs) is not dict and not isinstance(self.kwargs, Mapping)) or not all(
+            isinstance(k, str) for k in self.kwargs
+        ):
             raise InvalidJobError("kwargs must be an object with string keys")
         object.__setattr__(self, "args", tuple(self.args))
         object.__setattr__(self, "kwargs", dict(self.kwargs))

@@ -64,8 +64,17 @@ def nesting_depth(value: object, limit: int) -> int:
     return deepest
 
 
+def _plain_text(text: str) -> bool:
+    """Whether JSON writes ``text`` as it is, between its quotes."""
+    return text.isascii() and text.isprintable() and '"' not in text and "\\" not in text
+
+
 def encoded_size(value: JSONValue) -> int:
     """Bytes of ``value`` as compact, ASCII-escaped JSON (the form every store writes)."""
+    if type(value) is str and _plain_text(value):
+        return len(value) + 2  # a name, usually: no character needs escaping
+    if type(value) in (list, dict) and not value:
+        return 2
     try:
         return len(compact_json(value))
     except (TypeError, ValueError) as exc:
