@@ -63,6 +63,7 @@ from adapters._sql_schema import (
     IS_HANDED_OFF,
     IS_QUEUED,
     IS_TERMINAL,
+    QUIET_INSERTS_SETTING,
     _qualified,
     concurrency,
     jobs,
@@ -585,7 +586,8 @@ class SQLAlchemyAdapter:
 
     ``single_main=True`` is for a broker-main: on a SQLite file, :meth:`setup` takes the
     file lock of :mod:`adapters._sqlite_lock` (a second main on the file is refused) and
-    :meth:`close` drops it. PostgreSQL ignores it.
+    :meth:`close` drops it. On PostgreSQL, its enqueues then notify no listener: the
+    main wakes its own dispatcher after each (other processes' inserts still notify).
     """
 
     def __init__(
@@ -678,8 +680,15 @@ class SQLAlchemyAdapter:
             _, connect_kwargs = self._engine.dialect.create_connect_args(resolved)
             hot = HotPool(hot_pool_size, {**connect_kwargs, **connect_args})
             self._hot: tuple[HotSql, HotPool] | None = (HotSql(schema), hot)
+            # A main's own enqueues wake its dispatcher themselves: their sessions skip
+            # the insert notification (QUIET_INSERTS_SETTING), which only came back to it.
+            quiet = {QUIET_INSERTS_SETTING: "on"} if single_main else {}
+            enqueue_args = {
+                **connect_args,
+                "server_settings": {**connect_args["server_settings"], **quiet},
+            }
             self._enqueue_pool: HotPool | None = HotPool(
-                pool_size, {**connect_kwargs, **connect_args}
+                pool_size, {**connect_kwargs, **enqueue_args}
             )
             self._lite: SqliteHot | None = None
         else:

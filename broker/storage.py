@@ -52,7 +52,7 @@ from broker.jobs import (
     Settlement,
 )
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The schema version this code writes and understands; stores record theirs."""
 
 
