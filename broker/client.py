@@ -129,6 +129,8 @@ class Client:
 
     async def connect(self) -> None:
         self._check_fork()
+        if self._writer is not None and not self._writer.is_closing:
+            return  # connected: every request passes here, without taking the lock
         async with self._connect_lock:
             if self._writer is not None and not self._writer.is_closing:
                 return
