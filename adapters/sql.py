@@ -36,6 +36,7 @@ import importlib
 import json
 import logging
 import math
+import operator
 import os
 import sqlite3
 import time
@@ -224,7 +225,9 @@ def _columns(changes: Mapping[str, Any]) -> dict[str, Any]:
     return {_COLUMN_OF[name]: value for name, value in _encode(changes).items()}
 
 
-_ROW = [(name, column, None if encode is _same else encode) for name, column, encode, _ in _FIELDS]
+_ROW_VALUES = operator.attrgetter(*(name for name, _, _, _ in _FIELDS))
+_ROW_COLUMNS = [column for _, column, _, _ in _FIELDS]
+_ROW_ENCODED = [(column, encode) for _, column, encode, _ in _FIELDS if encode is not _same]
 _ROWS_JSON = msgspec.json.Encoder()
 """Rows for PostgreSQL's enqueue (:mod:`adapters._pg_hot`): column values as JSON (ids
 as text; the values are the columns' own, so nothing is lost on the way)."""
@@ -232,11 +235,11 @@ as text; the values are the columns' own, so nothing is lost on the way)."""
 
 def _job_row(job: Job) -> dict[str, Any]:
     """Every column of ``job``'s row (what an enqueue inserts). As :func:`_job_from_row`,
-    columns held as is are copied without a call: every enqueued job passes through here."""
-    return {
-        column: getattr(job, name) if encode is None else encode(getattr(job, name))
-        for name, column, encode in _ROW
-    }
+    columns held as is are copied without a call each: every enqueued job passes here."""
+    row = dict(zip(_ROW_COLUMNS, _ROW_VALUES(job), strict=True))
+    for column, encode in _ROW_ENCODED:
+        row[column] = encode(row[column])
+    return row
 
 
 def _chunks(items: Sequence[_T], size: int = _CHUNK) -> list[Sequence[_T]]:
