@@ -25,7 +25,7 @@ import asyncpg  # type: ignore[import-untyped]
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg_dialect
 
-from adapters._sql_schema import INSERT_COLUMNS, concurrency, jobs
+from adapters._sql_schema import INSERT_COLUMNS, concurrency, jobs, payloads
 
 _PG: sa.Dialect = pg_dialect.dialect()  # type: ignore[no-untyped-call]
 
@@ -46,6 +46,7 @@ class HotSql:
         prefix = f"{quote(schema)}." if schema else ""
         t = f"{prefix}{quote(jobs.name)}"
         c = f"{prefix}{quote(concurrency.name)}"
+        p = f"{prefix}{quote(payloads.name)}"
         hand_off_set = (
             "status = 'handed_off', handoff_id = w.handoff_id, worker_id = w.worker_id, "
             "handed_off_us = $4, updated_us = $4"
@@ -175,6 +176,23 @@ class HotSql:
             )
             SELECT id FROM u
         """
+        # Checkpoints and progress: fenced by the lease as a settle is (and a checkpoint
+        # by its number too), one statement per batch, at most one input row per job.
+        self.save_checkpoints = f"""
+            UPDATE {t} j SET checkpoint = s.state, checkpoint_seq = s.seq, checkpoint_us = $5
+            FROM unnest($1::uuid[], $2::uuid[], $3::int[], $4::text[])
+                AS s(id, lease, seq, state)
+            WHERE j.id = s.id AND j.handoff_id = s.lease AND j.status = 'handed_off'
+                AND j.checkpoint_seq < s.seq
+            RETURNING j.id, j.handoff_id
+        """
+        self.save_progress = f"""
+            UPDATE {t} j SET progress = s.fraction, progress_message = s.message
+            FROM unnest($1::uuid[], $2::uuid[], $3::float8[], $4::text[])
+                AS s(id, lease, fraction, message)
+            WHERE j.id = s.id AND j.handoff_id = s.lease AND j.status = 'handed_off'
+            RETURNING j.id, j.handoff_id
+        """
         due = "status = 'queued' AND execution_mode = ANY($1::text[])"
         in_queues = " AND queue = ANY($2::text[])"
         not_full = (
@@ -204,6 +222,14 @@ class HotSql:
             ORDER BY ord
             ON CONFLICT DO NOTHING
             RETURNING id
+        """
+        # Offloaded payloads: read for the jobs whose rows carry the mark, written (or
+        # replaced) in the transaction that writes the row they belong to.
+        self.payloads_of = f"SELECT job_id, kind, body FROM {p} WHERE job_id = ANY($1::uuid[])"
+        self.put_payloads = f"""
+            INSERT INTO {p} (job_id, kind, body)
+            SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[])
+            ON CONFLICT (job_id, kind) DO UPDATE SET body = EXCLUDED.body
         """
         self.holders = f"""
             SELECT * FROM {t}

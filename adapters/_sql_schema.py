@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -131,7 +132,21 @@ def _define(md: sa.MetaData, version: int) -> tuple[sa.Table, sa.Table, sa.Table
             postgresql_where=held,
             sqlite_where=held,
         )
+    if version >= 5:
+        for column in _v5_columns():
+            jobs.append_column(column)
     return jobs, concurrency, schema_version
+
+
+def _v5_columns() -> list[sa.Column[Any]]:
+    """Version 5's columns: the last checkpoint of a job's runs and its last progress."""
+    return [
+        sa.Column("checkpoint", sa.Text(), nullable=True),
+        sa.Column("checkpoint_seq", sa.Integer(), nullable=False, server_default="0"),
+        sa.Column("checkpoint_us", sa.BigInteger(), nullable=True),
+        sa.Column("progress", sa.Double(), nullable=True),
+        sa.Column("progress_message", sa.Text(), nullable=True),
+    ]
 
 
 UNIQUE_ACTIVE_INDEX = "ux_broker_jobs_unique_key_active"
@@ -167,9 +182,41 @@ def _predicates(
     return is_queued, is_handed_off, is_terminal, is_active
 
 
+OFFLOADED = ""
+"""What a payload column of ``broker_jobs`` holds when its value lives in
+``broker_payloads`` instead: no JSON value encodes to the empty string, so the mark can
+never be mistaken for a value, and the hot row keeps a few bytes in place of megabytes."""
+
+OFFLOADABLE = ("args", "kwargs", "result")
+"""The ``broker_jobs`` columns whose value moves to ``broker_payloads`` (under the column's
+name as its ``kind``) when it is longer than the adapter's offload threshold."""
+
+
+def _define_payloads(md: sa.MetaData) -> sa.Table:
+    """Schema version 4's side table: one large JSON value of one job per row.
+
+    Deleting a job deletes its payloads (``ON DELETE CASCADE``), whoever deletes it, so
+    retention can never leave one behind. ``kind`` names the job column it stands in for
+    (see :data:`OFFLOADABLE`).
+    """
+    return sa.Table(
+        "broker_payloads",
+        md,
+        sa.Column(
+            "job_id",
+            sa.Uuid(),
+            sa.ForeignKey("broker_jobs.id", ondelete="CASCADE"),
+            primary_key=True,
+        ),
+        sa.Column("kind", sa.Text(), primary_key=True),
+        sa.Column("body", sa.Text(), nullable=False),
+    )
+
+
 metadata = sa.MetaData()
 """The current schema (:data:`SCHEMA_VERSION`), which every query is written against."""
 jobs, concurrency, schema_version = _define(metadata, SCHEMA_VERSION)
+payloads = _define_payloads(metadata)
 IS_QUEUED, IS_HANDED_OFF, IS_TERMINAL, IS_ACTIVE = _predicates(jobs)
 INSERT_COLUMNS = [c.name for c in jobs.c if c.name != "seq"]
 """What the hot paths' enqueue writes: every column but ``seq``, which PostgreSQL fills
@@ -212,14 +259,14 @@ def _create_notify_trigger(conn: sa.Connection, schema: str | None) -> None:
 
 QUIET_INSERTS_SETTING = "broker.quiet_inserts"
 """A session setting: a session that sets it ``on`` inserts jobs without notifying
-(schema version 4 on). The main's own enqueue sessions do: the main wakes its dispatcher
+(schema version 6 on). The main's own enqueue sessions do: the main wakes its dispatcher
 itself after each enqueue, and the notification only came back to it as a second wake,
 at the cost of a round of work in the inserting backend, the listening one and the main."""
 
 
 def _create_notify_function(conn: sa.Connection, schema: str | None, quiet_sessions: bool) -> None:
     """The trigger's function; ``quiet_sessions``: skipped in a session that sets
-    :data:`QUIET_INSERTS_SETTING` (schema version 4 on)."""
+    :data:`QUIET_INSERTS_SETTING` (schema version 6 on)."""
     func = _qualified(conn, schema, "broker_jobs_notify")
     quiet = (
         f"IF current_setting('{QUIET_INSERTS_SETTING}', true) = 'on' THEN RETURN NULL; END IF;"
@@ -292,8 +339,33 @@ def _v3_partial_key_indexes(conn: sa.Connection, schema: str | None) -> None:
         _index_at(3, name).create(conn)
 
 
-def _v4_quiet_main_inserts(conn: sa.Connection, schema: str | None) -> None:
-    """Version 4: the notify trigger stays silent in sessions that set
+def _v5_checkpoints(conn: sa.Connection, schema: str | None) -> None:
+    """Version 5: checkpoints and progress (``docs/howto/long-jobs.md``).
+
+    Every column is nullable or has a constant default, so adding them rewrites no rows
+    on PostgreSQL (11 and later) or SQLite; no index is needed: they are only read with
+    their row and written under its primary key.
+    """
+    table = _qualified(conn, schema, "broker_jobs")
+    for column in _v5_columns():
+        kind = column.type.compile(dialect=conn.dialect)
+        default = "" if column.nullable else " NOT NULL DEFAULT 0"
+        conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column.name} {kind}{default}")
+
+
+def _v4_payloads(conn: sa.Connection, schema: str | None) -> None:
+    """Version 4: ``broker_payloads``, where values over the offload threshold live.
+
+    A new table only: existing rows keep their payloads inline, which every reader
+    still understands (only the empty string, never JSON, marks a value as offloaded).
+    """
+    v4 = sa.MetaData()
+    _define(v4, 4)
+    _define_payloads(v4).create(conn, checkfirst=False)
+
+
+def _v6_quiet_main_inserts(conn: sa.Connection, schema: str | None) -> None:
+    """Version 6: the notify trigger stays silent in sessions that set
     :data:`QUIET_INSERTS_SETTING` (the main's own enqueues). Only the trigger's function
     is replaced; rows, indexes and the trigger itself are untouched. SQLite has no trigger.
     """
@@ -307,7 +379,9 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (1, _v1_initial),
     (2, _v2_unique_key),
     (3, _v3_partial_key_indexes),
-    (4, _v4_quiet_main_inserts),
+    (4, _v4_payloads),
+    (5, _v5_checkpoints),
+    (6, _v6_quiet_main_inserts),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

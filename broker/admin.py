@@ -582,7 +582,7 @@ def format_job(job: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-_TIME_FIELDS = frozenset({"run_at", "created_at", "updated_at", "handed_off_at"})
+_TIME_FIELDS = frozenset({"run_at", "created_at", "updated_at", "handed_off_at", "checkpoint_at"})
 
 
 def format_time(iso: str) -> str:
@@ -594,6 +594,15 @@ def format_time(iso: str) -> str:
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return when.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def format_progress(job: dict[str, Any]) -> str:
+    """A job's last reported progress as ``42% message`` (``-`` when it reported none)."""
+    fraction = job.get("progress")
+    if not isinstance(fraction, int | float):
+        return "-"
+    message = _short(job.get("progress_message") or "", 30)
+    return f"{fraction:.0%} {message}".rstrip()
 
 
 def runs(job: dict[str, Any]) -> int:
@@ -710,12 +719,13 @@ def format_jobs(jobs: Sequence[dict[str, Any]]) -> str:
             str(job["execution_mode"]),
             f"{runs(job)}/{job['max_attempts']}",
             format_time(str(job["updated_at"])),
+            format_progress(job),
             _short(job["last_error"] or "", 40),
             *(_short(json.dumps(job[key]), 30) if key in job else "(omitted)" for key in payload),
         ]
         for job in jobs
     ]
-    headers = ["id", "status", "queue", "task", "mode", "runs", "updated", "last error"]
+    headers = ["id", "status", "queue", "task", "mode", "runs", "updated", "progress", "last error"]
     return table([*headers, *payload], rows)
 
 

@@ -13,16 +13,21 @@ from broker import checks
 from broker.admission import DEFAULT_MAX_CREDIT
 from broker.credentials import Credentials
 from broker.payload import (
+    DEFAULT_MAX_CHECKPOINT_BYTES,
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_MAX_PAYLOAD_DEPTH,
     LINE_HEADROOM_BYTES,
+    MAX_PAYLOAD_BYTES_CEILING,
     MAX_PAYLOAD_DEPTH_CEILING,
 )
 from broker.protocol import DEFAULT_PORT
 from broker.tls import ServerTLS
 
-DEFAULT_MAX_LINE_BYTES = 2 << 20
-"""2 MiB: the default payload limit (1 MiB) plus ample room for the rest of a message."""
+MIN_LINE_BYTES = 2 << 20
+"""2 MiB: the default line limit for a small payload limit, or none."""
+
+DEFAULT_MAX_LINE_BYTES = DEFAULT_MAX_PAYLOAD_BYTES + (1 << 20)
+"""17 MiB: the default payload limit (16 MiB) plus ample room for the rest of a message."""
 
 DEFAULT_LIST_PAGE_BYTES = 1 << 20
 """1 MiB: a page of jobs that a client decodes, and the main encodes, in a few milliseconds."""
@@ -33,10 +38,11 @@ that reads ever has waiting."""
 
 
 def line_limit_for(max_payload_bytes: int | None) -> int:
-    """The default ``max_line_bytes`` for a payload limit: at least 1 MiB above it."""
+    """The default ``max_line_bytes`` for a payload limit: 1 MiB above it, at least
+    :data:`MIN_LINE_BYTES`."""
     if max_payload_bytes is None:
         return DEFAULT_MAX_LINE_BYTES
-    return max(DEFAULT_MAX_LINE_BYTES, max_payload_bytes + (1 << 20))
+    return max(MIN_LINE_BYTES, max_payload_bytes + (1 << 20))
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,10 @@ class MainSettings:
     max_payload_depth: int = DEFAULT_MAX_PAYLOAD_DEPTH
     """How many lists and objects deep each argument and each result may nest; workers
     learn it from ``welcome``."""
+    max_checkpoint_bytes: int | None = DEFAULT_MAX_CHECKPOINT_BYTES
+    """Largest checkpoint a task may save, as JSON; ``None``: only what a line can hold.
+    A job message carries its arguments and its checkpoint, so the limit in force
+    (:attr:`checkpoint_limit`) may be lower."""
     preauth_max_line_bytes: int = 64 << 10
     handshake_timeout: float = 2.0
     ping_interval: float = 5.0
@@ -118,6 +128,18 @@ class MainSettings:
             operator=self.operator_token,
         )
 
+    @property
+    def checkpoint_limit(self) -> int | None:
+        """The checkpoint limit in force: ``max_checkpoint_bytes``, lowered so that a job
+        message (its arguments, its checkpoint and 64 KiB for the rest) always fits in
+        one line. With the defaults (2 MiB lines, 1 MiB payload) it is the 256 KiB asked
+        for; a line limit set just above the payload limit leaves no room, and every
+        checkpoint is refused with this limit in its message (raise ``max_line_bytes``)."""
+        room = self.max_line_bytes - (self.max_payload_bytes or 0) - LINE_HEADROOM_BYTES
+        if self.max_checkpoint_bytes is None:
+            return max(0, room) if self.max_payload_bytes is not None else None
+        return max(0, min(self.max_checkpoint_bytes, room))
+
     def validate(self) -> None:
         positive = {
             "max_line_bytes": self.max_line_bytes,
@@ -145,8 +167,16 @@ class MainSettings:
         for name, value in positive.items():
             checks.positive(name, value)
         checks.non_negative("orphan_grace", self.orphan_grace)
+        if self.max_checkpoint_bytes is not None:
+            checks.positive("max_checkpoint_bytes", self.max_checkpoint_bytes)
         if self.max_payload_bytes is not None:
             checks.positive("max_payload_bytes", self.max_payload_bytes)
+            checks.require(
+                self.max_payload_bytes <= MAX_PAYLOAD_BYTES_CEILING,
+                f"max_payload_bytes ({self.max_payload_bytes}) may be at most "
+                f"{MAX_PAYLOAD_BYTES_CEILING} (32 MiB): a job at the limit must fit in a "
+                "worker's line bound and a child's pipe; pass larger data by reference",
+            )
             checks.require(
                 self.max_line_bytes >= self.max_payload_bytes + LINE_HEADROOM_BYTES,
                 f"max_line_bytes ({self.max_line_bytes}) must exceed max_payload_bytes "

@@ -37,7 +37,7 @@ from datetime import datetime
 
 from broker import protocol
 from broker.admission import DEFAULT_MAX_CREDIT, Credits
-from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus
+from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus, ProgressUpdate
 from broker.settlement import claimable_at_enqueue
 
 logger = logging.getLogger("broker.main")
@@ -102,7 +102,33 @@ class WakeDispatcher:
     """Run another dispatch pass: credit, jobs or a peer became available."""
 
 
-HandoffEffect = Send | Dispatch | ReturnLease | Abort | Settle | ClaimJobs | WakeDispatcher
+@dataclass(frozen=True, slots=True)
+class StoreCheckpoint:
+    """An accepted checkpoint: store it (fenced again in the store), then answer ``peer``
+    with a ``checkpoint_ack``."""
+
+    peer: int
+    message: protocol.SaveCheckpoint
+
+
+@dataclass(frozen=True, slots=True)
+class StoreProgress:
+    """An accepted progress update: record it when convenient (nobody waits on it)."""
+
+    update: ProgressUpdate
+
+
+HandoffEffect = (
+    Send
+    | Dispatch
+    | ReturnLease
+    | Abort
+    | Settle
+    | ClaimJobs
+    | WakeDispatcher
+    | StoreCheckpoint
+    | StoreProgress
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -565,6 +591,41 @@ class Handoff:
             effects.append(WakeDispatcher())
         return effects
 
+    def checkpoint(self, peer_id: int, msg: protocol.SaveCheckpoint) -> list[HandoffEffect]:
+        """A running job's checkpoint: stored only for a lease this connection holds, as a
+        report is (:meth:`report`); anything else is answered ``stale`` at once and never
+        reaches the store, whose own fence would stop it anyway."""
+        if self._holds(peer_id, msg.job_id, msg.handoff_id):
+            return [StoreCheckpoint(peer_id, msg)]
+        logger.info(
+            "checkpoint stale job_id=%s handoff_id=%s seq=%d session=%d",
+            msg.job_id,
+            msg.handoff_id,
+            msg.seq,
+            peer_id,
+        )
+        ack = checkpoint_ack(
+            msg,
+            protocol.AckStatus.STALE,
+            protocol.ErrorCode.CHECKPOINT_REJECTED,
+            "the job's lease is no longer held by this worker (the main gave it back)",
+        )
+        return [Send(peer_id, ack)]
+
+    def progress(self, peer_id: int, msg: protocol.Progress) -> list[HandoffEffect]:
+        """A running job's progress: recorded for a lease this connection holds, dropped
+        otherwise (it is never answered)."""
+        if not self._holds(peer_id, msg.job_id, msg.handoff_id):
+            return []
+        return [
+            StoreProgress(ProgressUpdate(msg.job_id, msg.handoff_id, msg.fraction, msg.message))
+        ]
+
+    def _holds(self, peer_id: int, job_id: uuid.UUID, lease: uuid.UUID) -> bool:
+        peer = self.peers.get(peer_id)
+        held = peer.leases.get(lease) if peer is not None else None
+        return held is not None and held.id == job_id
+
     def held_job(self, lease: uuid.UUID) -> Job | None:
         """The job a connection holds under ``lease``, as it was handed off."""
         for peer in self.peers.values():
@@ -653,6 +714,23 @@ def _pick_worker(workers: Sequence[Peer], job: Job, turn: int) -> Peer | None:
         if free > best_free and peer.serves(job):
             best, best_free = peer, free
     return best
+
+
+def checkpoint_ack(
+    msg: protocol.SaveCheckpoint,
+    status: protocol.AckStatus,
+    code: str | None = None,
+    message: str | None = None,
+) -> protocol.CheckpointAck:
+    """The answer to ``msg``; ``code`` and ``message`` say why one was not saved."""
+    return protocol.CheckpointAck(
+        job_id=msg.job_id,
+        handoff_id=msg.handoff_id,
+        seq=msg.seq,
+        status=status,
+        code=code,
+        message=message,
+    )
 
 
 def _ack(msg: protocol.Report, status: protocol.AckStatus) -> protocol.ReportAck:

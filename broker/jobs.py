@@ -262,6 +262,18 @@ class Job:
     concurrency_limit: int | None = None
     timeout: float | None = None
     unique_key: str | None = None
+    checkpoint: JSONValue = None
+    """The last checkpoint a run of this job saved (see :mod:`broker.context`); it
+    outlives the run, so the next attempt starts from it, and stays once the job ends."""
+    checkpoint_seq: int = 0
+    """How many checkpoints were saved over all the job's runs: 0 means none, and the
+    next attempt is a fresh start rather than a continuation. The store only takes a
+    checkpoint numbered above it, so a late copy never overwrites a newer one."""
+    checkpoint_at: datetime | None = None
+    progress: float | None = None
+    """The last progress (0 to 1) a run reported; not acknowledged, so a crash may lose
+    the latest value (see ``docs/howto/long-jobs.md``)."""
+    progress_message: str | None = None
 
     @classmethod
     def from_spec(cls, spec: JobSpec, now: datetime) -> Job:
@@ -317,7 +329,7 @@ def json_field(value: Any) -> Any:
     return value
 
 
-PAYLOAD_FIELDS = frozenset({"args", "kwargs", "result"})
+PAYLOAD_FIELDS = frozenset({"args", "kwargs", "result", "checkpoint"})
 """The fields of :meth:`Job.to_dict` a summary listing leaves out: each may be megabytes."""
 
 
@@ -365,6 +377,34 @@ class Settlement:
         # or a lone surrogate in a task's exception message can never fail the write.
         if self.error is not None:
             object.__setattr__(self, "error", storable_text(self.error))
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointSave:
+    """A checkpoint a run saves under its lease: fenced like a :class:`Settlement`, and
+    taken only if ``seq`` is above the job's stored ``checkpoint_seq``."""
+
+    job_id: uuid.UUID
+    handoff_id: uuid.UUID
+    seq: int
+    state: JSONValue
+
+
+MAX_PROGRESS_CHARS = 200
+"""Longest progress message kept: it is a status line, not a log."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressUpdate:
+    """A run's latest progress under its lease (fenced, never acknowledged)."""
+
+    job_id: uuid.UUID
+    handoff_id: uuid.UUID
+    fraction: float
+    message: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "message", storable_text(self.message, MAX_PROGRESS_CHARS))
 
 
 @dataclass(frozen=True, slots=True)

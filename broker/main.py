@@ -32,6 +32,7 @@ from typing import Any
 
 from broker import codec, error_codes, protocol
 from broker.admission import CreditLimitError
+from broker.checkpoints import CheckpointSaver, ProgressWriter
 from broker.config import MainSettings
 from broker.connection import Connections, Gathered, Session
 from broker.credentials import role_needed
@@ -47,6 +48,8 @@ from broker.handoff import (
     ReturnLease,
     Send,
     Settle,
+    StoreCheckpoint,
+    StoreProgress,
     WakeDispatcher,
 )
 from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, utcnow
@@ -169,6 +172,17 @@ class Main:
             max_payload_depth=self.settings.max_payload_depth,
             metrics=self.metrics,
         )
+        self.checkpoints = CheckpointSaver(
+            measured,
+            answer=self._answer_checkpoints,
+            stopping=lambda: self._stopping,
+            batch=self.settings.report_batch,
+            retry_interval=self.settings.error_retry_interval,
+            max_checkpoint_bytes=self.settings.checkpoint_limit,
+            max_payload_depth=self.settings.max_payload_depth,
+        )
+        """Checkpoints, group-committed and acknowledged once durable."""
+        self.progress = ProgressWriter(measured)
         self.retention = retention
         """Pruning of finished jobs (see :mod:`broker.retention`); ``None``: never prune."""
         self.scheduler = Scheduler(
@@ -232,6 +246,8 @@ class Main:
             asyncio.create_task(self.dispatcher.run(), name="broker-dispatch"),
             asyncio.create_task(self.ledger.run(), name="broker-recovery"),
             asyncio.create_task(self.settler.run(), name="broker-reports"),
+            asyncio.create_task(self.checkpoints.run(), name="broker-checkpoints"),
+            asyncio.create_task(self.progress.run(), name="broker-progress"),
             asyncio.create_task(self._liveness_loop(), name="broker-liveness"),
         ]
         if self.orphans:
@@ -328,6 +344,9 @@ class Main:
             match effect:
                 case Send(peer=peer, message=protocol.ReportAck() as ack):
                     out.add(peer, protocol.ReportAcks, ack)
+                case Send(peer=peer, message=protocol.CheckpointAck() as ack):
+                    self.metrics.checkpoint_answered(ack.status.value)
+                    out.send(peer, ack)
                 case Send(peer=peer, message=message):
                     out.send(peer, message)
                 case Dispatch(peer=peer, seq=seq, job=job):
@@ -352,6 +371,11 @@ class Main:
                     self.wake()
                 case ClaimJobs():
                     pass  # a store call to await: the dispatcher makes it
+                case StoreCheckpoint(peer=peer, message=message):
+                    self.checkpoints.add(peer, message)
+                case StoreProgress(update=update):
+                    self.metrics.progress_received()
+                    self.progress.add(update)
         out.send_all()
 
     async def _load_orphans(self) -> None:
@@ -389,6 +413,7 @@ class Main:
                 max_line_bytes=self.settings.max_line_bytes,
                 max_payload_bytes=self.settings.max_payload_bytes,
                 max_payload_depth=self.settings.max_payload_depth,
+                max_checkpoint_bytes=self.settings.checkpoint_limit,
             )
         )
         logger.info(
@@ -435,6 +460,10 @@ class Main:
                         for effect in self.handoff.report(session.id, report)
                     ]
                 )
+            case protocol.SaveCheckpoint() if worker:
+                self._carry(self.handoff.checkpoint(session.id, msg))
+            case protocol.Progress() if worker:
+                self._carry(self.handoff.progress(session.id, msg))
             case protocol.WorkerStatus(status=status) if worker:
                 session.reported_status = status
             case (
@@ -490,6 +519,9 @@ class Main:
                 [(peer, msg, status) for (peer, msg), status in zip(batch, statuses, strict=True)]
             )
         )
+
+    def _answer_checkpoints(self, acks: list[tuple[int, protocol.CheckpointAck]]) -> None:
+        self._carry([Send(peer, ack) for peer, ack in acks])
 
     # ------------------------------------------------------------------ liveness and exits
 

@@ -19,7 +19,12 @@ claim at enqueue  ``handed_off`` (lease, worker)   0          now
 ``RETURN``        ``queued``                       unchanged  now
 cancel            ``cancelled``                    unchanged  unchanged
 revive            ``queued`` (from ``failed``)     0          now
+checkpoint        unchanged (``checkpoint`` kept)  unchanged  unchanged
+progress          unchanged (``progress`` kept)    unchanged  unchanged
 ================  ===============================  =========  ==================
+
+A checkpoint and a progress update are fenced by the lease like a settlement; a
+checkpoint is also taken only when it is newer than the stored one.
 
 A claim takes the job's concurrency slot (the store checks there is room); every
 accepted settlement gives back the job's concurrency slot; a cancel gives it back
@@ -34,7 +39,17 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from broker.jobs import ACTIVE_STATUSES, Claim, Job, JobSpec, JobStatus, Outcome, Settlement
+from broker.jobs import (
+    ACTIVE_STATUSES,
+    CheckpointSave,
+    Claim,
+    Job,
+    JobSpec,
+    JobStatus,
+    Outcome,
+    ProgressUpdate,
+    Settlement,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +57,8 @@ class Move:
     """The changes one transition makes to a job.
 
     ``changes`` maps :class:`~broker.jobs.Job` field names to their new values (always
-    ``status`` and ``updated_at``); fields it does not name keep theirs. ``attempts`` is
+    ``status`` and ``updated_at`` for a transition; a checkpoint or progress move sets
+    only its own fields); fields it does not name keep theirs. ``attempts`` is
     not among them but counted by ``counts_attempt``, because a store may add the one
     in the database (``attempts = attempts + 1``) without reading the row first.
     """
@@ -88,7 +104,7 @@ def enqueued(spec: JobSpec, now: datetime, claim: Claim | None = None) -> Job:
     return apply(job, hand_off(claim, now))
 
 
-def accepts(status: str, handoff_id: uuid.UUID | None, s: Settlement) -> bool:
+def accepts(status: str, handoff_id: uuid.UUID | None, s: Settlement | ProgressUpdate) -> bool:
     """The fence: only the lease the job is handed off under may settle it, so a report
     from an older attempt can never change a newer one."""
     return status == JobStatus.HANDED_OFF and handoff_id == s.handoff_id
@@ -112,6 +128,33 @@ def settle(s: Settlement, now: datetime) -> Move:
             changes = {"status": JobStatus.QUEUED, "run_at": now}
     changes["updated_at"] = now
     return Move(changes, counts_attempt=s.outcome is Outcome.FAIL)
+
+
+def accepts_checkpoint(
+    status: str, handoff_id: uuid.UUID | None, checkpoint_seq: int, save: CheckpointSave
+) -> bool:
+    """The checkpoint fence: the lease that may settle the job (:func:`accepts`), and a
+    checkpoint newer than the one stored, so a copy sent again after a reconnect, or one
+    overtaken by a later save, never brings an older state back."""
+    return (
+        status == JobStatus.HANDED_OFF
+        and handoff_id == save.handoff_id
+        and checkpoint_seq < save.seq
+    )
+
+
+def save_checkpoint(save: CheckpointSave, now: datetime) -> Move:
+    """The move a checkpoint makes once :func:`accepts_checkpoint` lets it through: the
+    state and its number, nothing else (the job stays handed off, ``updated_at`` is the
+    job's last move, which retention reads)."""
+    changes = {"checkpoint": save.state, "checkpoint_seq": save.seq, "checkpoint_at": now}
+    return Move(changes, releases_slot=False)
+
+
+def record_progress(update: ProgressUpdate) -> Move:
+    """The move a progress update makes; fenced by :func:`accepts` (its lease)."""
+    changes = {"progress": update.fraction, "progress_message": update.message}
+    return Move(changes, releases_slot=False)
 
 
 def statuses_after(outcome: Outcome) -> frozenset[JobStatus]:

@@ -42,6 +42,7 @@ from datetime import datetime
 from typing import Protocol, runtime_checkable
 
 from broker.jobs import (
+    CheckpointSave,
     Claim,
     EnqueueResult,
     ExecutionMode,
@@ -49,10 +50,11 @@ from broker.jobs import (
     JobSpec,
     JobStatus,
     JSONValue,
+    ProgressUpdate,
     Settlement,
 )
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 6
 """The schema version this code writes and understands; stores record theirs."""
 
 
@@ -173,6 +175,21 @@ class StorageAdapter(Protocol):
         Each is accepted or fenced out on its own, exactly as the single methods below;
         results are in input order. This is how the main group-commits reports.
         """
+
+    async def save_checkpoints(self, saves: Sequence[CheckpointSave]) -> list[bool]:
+        """Store each checkpoint under its lease, in one transaction, in order; results in
+        input order. One is taken (``True``) only when the job is ``handed_off`` under
+        ``save.handoff_id`` and ``save.seq`` is above its ``checkpoint_seq``
+        (:func:`broker.settlement.accepts_checkpoint`, checked in the same statement as
+        the write); it sets ``checkpoint``, ``checkpoint_seq`` and ``checkpoint_at`` and
+        nothing else. A checkpoint outlives its run: later attempts and the finished job
+        keep it until the job is pruned. The main acknowledges a save to its task only
+        after this returns, so it must be durable by then.
+        """
+
+    async def save_progress(self, updates: Sequence[ProgressUpdate]) -> list[bool]:
+        """Record each run's latest progress under its lease (fenced as a settlement),
+        in one transaction; results in input order. Nothing waits on it being durable."""
 
     async def complete(
         self, job_id: uuid.UUID, handoff_id: uuid.UUID, result: JSONValue = None
@@ -316,6 +333,35 @@ class SupportsEnqueueHandedOff(Protocol):
         is stored: its claim is not won either. The main knows a claim won by the result's
         ``handoff_id``, as for :meth:`StorageAdapter.mark_handed_off_many`.
         """
+
+
+@runtime_checkable
+class SupportsOffload(Protocol):
+    """Optional: large values kept out of the rows that claims and settles rewrite.
+
+    A job's ``args``, ``kwargs`` or ``result`` larger than ``offload_threshold`` bytes (as
+    compact, ASCII-escaped JSON, see :func:`broker.payload.encoded_size`) is stored
+    apart from the job's own record (the SQL stores: a row of ``broker_payloads``), and
+    the record keeps a mark in its place. What callers see does not change:
+
+    * ``mark_handed_off``, ``get_job``, a full ``list_jobs``, ``handoffs_for_worker``,
+      ``cancel``, ``retry_dead`` and a duplicate's ``EnqueueResult`` carry every value,
+      loaded back; ``select_eligible`` (advice for dispatch) and a summary listing may
+      leave offloaded values out, as empty ones.
+    * An offloaded value is written in the transaction that writes its job (the enqueue,
+      or the fenced settle): a fenced-out report, a duplicate or a rolled-back enqueue
+      leaves none behind, and ``prune`` deletes a job's values with it.
+
+    Adapters without it keep every value in the job's record, as before.
+    """
+
+    @property
+    def offload_threshold(self) -> int | None:
+        """Largest value kept inline, in bytes; ``None``: nothing is offloaded."""
+
+    async def count_payloads(self) -> int:
+        """How many offloaded values the store holds (for tests, retention checks and
+        operators: it must fall to zero once every job is pruned)."""
 
 
 @runtime_checkable

@@ -469,6 +469,22 @@ class Dashboard:
             ("worker", _e(job["worker_id"] or "")),
             ("handed off", _e(_time(job["handed_off_at"]))),
             ("timeout", _e("" if job["timeout"] is None else f"{job['timeout']} s")),
+            (
+                "last checkpoint",
+                _e(
+                    f"{_time(job['checkpoint_at'])} (number {job['checkpoint_seq']})"
+                    if job["checkpoint_at"]
+                    else "none"
+                ),
+            ),
+            (
+                "progress",
+                _e(
+                    f"{job['progress']:.0%} {job['progress_message'] or ''}".rstrip()
+                    if job["progress"] is not None
+                    else ""
+                ),
+            ),
             ("idempotency key", _e(job["idempotency_key"] or "")),
             ("unique key", _e(job["unique_key"] or "")),
             (
@@ -486,6 +502,8 @@ class Dashboard:
             "<h2>Arguments</h2>"
             f"<pre>{_e(json.dumps({'args': job['args'], 'kwargs': job['kwargs']}, indent=2))}</pre>"
             f"<h2>Result</h2><pre>{_e(json.dumps(job['result'], indent=2))}</pre>"
+            "<h2>Last checkpoint</h2>"
+            f'<pre id="checkpoint">{_e(json.dumps(job["checkpoint"], indent=2))}</pre>'
             "<h2>Last error</h2>"
             f'<pre id="error">{_e(job["last_error"] or "none")}</pre>'
             '<p class="muted">The store keeps a job\'s latest hand-off (worker and time) and '

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from broker.runner import Assignment, Failed, Released, RunOutcome
+from broker.runner import Assignment, Failed, JobChannel, NoChannel, Released, RunOutcome
 from broker.tasks import TaskRegistry
 from runners import pipe
 
@@ -184,6 +184,7 @@ class ChildProcess:
         on_exit: Callable[[ChildProcess], None],
         startup_timeout: float,
         on_sample: Callable[[ChildProcess], None] | None = None,
+        channel: JobChannel | None = None,
     ) -> None:
         self.apps = list(apps)
         self.concurrency = concurrency
@@ -204,6 +205,8 @@ class ChildProcess:
         self._outgoing: list[bytes] = []
         self._on_exit = on_exit
         self._on_sample = on_sample
+        self._channel = channel or NoChannel()
+        """Where the child's jobs' checkpoints and progress go (the worker)."""
         self._startup_timeout = startup_timeout
         self._proc: asyncio.subprocess.Process | None = None
         # Kept, because every ``get_running_loop()`` is a ``getpid`` system call on 3.11.
@@ -328,6 +331,12 @@ class ChildProcess:
                 self.jobs_run += 1
                 if not future.done():
                     future.set_result(pipe.outcome_of(m))
+            case pipe.CheckpointLine(handoff_id=handoff_id, seq=seq, state=state) if self.started:
+                self._checkpoint(handoff_id, seq, state)
+            case pipe.ProgressLine(handoff_id=handoff_id) if self.started:
+                job_id = self.job_ids.get(handoff_id)
+                if job_id is not None:
+                    self._channel.report_progress((job_id, handoff_id), m.fraction, m.message)
             case pipe.PongLine(rss=rss) if self.started:
                 self.last_pong = time.monotonic()
                 self._sampled(rss)
@@ -335,6 +344,32 @@ class ChildProcess:
                 self._sampled(rss)
             case other:
                 raise ValueError(f"unexpected child message {type(other).__name__}")
+
+    def _checkpoint(self, handoff_id: uuid.UUID, seq: int, state: object) -> None:
+        """Pass a job's checkpoint to the worker, and its answer back to the child."""
+        job_id = self.job_ids.get(handoff_id)
+        if job_id is None:
+            raise ValueError(f"checkpoint for a job this child is not running: {handoff_id}")
+        saved = asyncio.ensure_future(
+            self._channel.save_checkpoint((job_id, handoff_id), seq, state)
+        )
+
+        def answer(done: asyncio.Future[None]) -> None:
+            exc = None if done.cancelled() else done.exception()
+            if done.cancelled():
+                exc = asyncio.CancelledError()
+            line = pipe.CheckpointAckLine(handoff_id, seq)
+            if exc is not None:
+                # Here, not at the top: the child imports this module, and the error table
+                # would load the wire protocol into every child for a rare path.
+                from broker import error_codes
+
+                line = pipe.CheckpointAckLine(
+                    handoff_id, seq, error_codes.code_of(exc), str(exc) or type(exc).__name__
+                )
+            self.send(line)
+
+        saved.add_done_callback(answer)
 
     def _sampled(self, rss: int) -> None:
         self.rss = rss

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from broker.exceptions import StorageError, UniqueKeyTakenError
 from broker.jobs import (
+    CheckpointSave,
     Claim,
     Clock,
     ExecutionMode,
@@ -27,9 +28,16 @@ from broker.jobs import (
     JobSpec,
     JobStatus,
     Outcome,
+    ProgressUpdate,
     Settlement,
 )
-from broker.storage import JobFilter, StorageAdapter, SupportsEnqueueHandedOff, SupportsNotify
+from broker.storage import (
+    JobFilter,
+    StorageAdapter,
+    SupportsEnqueueHandedOff,
+    SupportsNotify,
+    SupportsOffload,
+)
 from broker.testing import FakeClock
 from broker.testing.faults import ClaimFault, FaultyAdapter
 
@@ -571,6 +579,76 @@ async def check_a_repeated_batch_at_the_same_instant_is_fenced(ctx: Context) -> 
 # --- ambiguous claims ------------------------------------------------------------
 
 
+# --- checkpoints and progress ------------------------------------------------------
+
+
+@_check
+async def check_checkpoints_are_fenced_by_lease_and_number(ctx: Context) -> None:
+    """A checkpoint is stored only under the current lease and only if it is newer."""
+    job = await _claim(ctx.store, await _enqueue(ctx.store))
+    lease = job.handoff_id
+    assert lease is not None and job.checkpoint_seq == 0 and job.checkpoint is None
+    ctx.clock.advance(1)
+    saved = await ctx.store.save_checkpoints(
+        [
+            CheckpointSave(job.id, lease, 1, {"step": 1}),
+            CheckpointSave(job.id, uuid.uuid4(), 2, {"stale": True}),
+            CheckpointSave(job.id, lease, 2, {"step": 2}),
+        ]
+    )
+    assert saved == [True, False, True], "each save is fenced on its own, in order"
+    stored = await _get(ctx.store, job.id)
+    assert (stored.checkpoint, stored.checkpoint_seq) == ({"step": 2}, 2)
+    assert stored.checkpoint_at == START + timedelta(seconds=1)
+    assert stored.status is JobStatus.HANDED_OFF and stored.updated_at == job.updated_at
+    again = await ctx.store.save_checkpoints([CheckpointSave(job.id, lease, 1, {"step": 1})])
+    assert again == [False], "an older checkpoint never replaces a newer one"
+    assert (await _get(ctx.store, job.id)).checkpoint == {"step": 2}
+    assert await ctx.store.complete(job.id, lease, "done")
+    late = await ctx.store.save_checkpoints([CheckpointSave(job.id, lease, 3, {"step": 3})])
+    assert late == [False], "a settled lease saves nothing"
+    done = await _get(ctx.store, job.id)
+    assert (done.status, done.checkpoint, done.checkpoint_seq) == (
+        JobStatus.COMPLETED,
+        {"step": 2},
+        2,
+    ), "a finished job keeps its last checkpoint"
+
+
+@_check
+async def check_the_next_attempt_receives_the_last_checkpoint(ctx: Context) -> None:
+    """A checkpoint outlives its run: a retry, a return and a list all carry it."""
+    job = await _claim(ctx.store, await _enqueue(ctx.store))
+    assert job.handoff_id is not None
+    assert await ctx.store.save_checkpoints([CheckpointSave(job.id, job.handoff_id, 1, [1, "a"])])
+    assert await ctx.store.fail(job.id, job.handoff_id, "boom", ctx.clock())
+    [again] = await ctx.store.mark_handed_off_many([Claim(job.id, uuid.uuid4(), WORKER)])
+    assert (again.checkpoint, again.checkpoint_seq) == ([1, "a"], 1), "the claim carries it"
+    assert again.handoff_id is not None
+    assert await ctx.store.save_checkpoints([CheckpointSave(job.id, again.handoff_id, 2, None)])
+    assert await ctx.store.return_to_queue(job.id, again.handoff_id)
+    [third] = await ctx.store.select_eligible(modes=[job.execution_mode])
+    assert (third.checkpoint, third.checkpoint_seq) == (None, 2), "null is a checkpoint too"
+    [listed] = (await ctx.store.list_jobs(include_payload=False)).jobs
+    assert listed.checkpoint is None and listed.checkpoint_seq == 2, "a summary leaves it out"
+
+
+@_check
+async def check_progress_is_fenced_by_lease(ctx: Context) -> None:
+    """Progress is recorded only under the current lease."""
+    job = await _claim(ctx.store, await _enqueue(ctx.store))
+    lease = job.handoff_id
+    assert lease is not None
+    stale = ProgressUpdate(job.id, uuid.uuid4(), 0.9, "stale")
+    taken = await ctx.store.save_progress([ProgressUpdate(job.id, lease, 0.25, "a"), stale])
+    assert taken == [True, False]
+    stored = await _get(ctx.store, job.id)
+    assert (stored.progress, stored.progress_message) == (0.25, "a")
+    assert await ctx.store.complete(job.id, lease)
+    assert await ctx.store.save_progress([ProgressUpdate(job.id, lease, 1.0, "late")]) == [False]
+    assert (await _get(ctx.store, job.id)).progress == 0.25
+
+
 async def _queued_copies(store: StorageAdapter, job_id: uuid.UUID) -> int:
     page = await store.list_jobs(JobFilter(statuses=[JobStatus.QUEUED]), limit=1000)
     return sum(1 for job in page.jobs if job.id == job_id)
@@ -919,6 +997,95 @@ async def check_prune_by_age_and_status(ctx: Context) -> None:
     assert await ctx.store.get_job(dead.id) is not None
     assert await ctx.store.get_job(new.id) is not None
     assert await ctx.store.prune(older_than=cutoff, statuses=[JobStatus.QUEUED]) == 0
+
+
+# --- offloaded payloads ------------------------------------------------------------
+
+
+def _offloading(ctx: Context) -> tuple[SupportsOffload, int]:
+    """The store as :class:`SupportsOffload`, and its threshold; skips an adapter without."""
+    store = ctx.store
+    if not isinstance(store, SupportsOffload) or store.offload_threshold is None:
+        raise CheckSkipped("adapter does not offload large values (SupportsOffload)")
+    return store, store.offload_threshold
+
+
+async def _payloads(ctx: Context) -> int:
+    return await _offloading(ctx)[0].count_payloads()
+
+
+@_check
+async def check_large_values_are_offloaded_and_loaded_wherever_a_job_is_read(
+    ctx: Context,
+) -> None:
+    """Offloaded args, kwargs and results round-trip wherever a whole job is read"""
+    _, threshold = _offloading(ctx)
+    big = "x" * (threshold + 1)
+    small = await _enqueue(ctx.store, args=["x" * (threshold // 2)])
+    assert await _payloads(ctx) == 0, "a value within the threshold stays in the row"
+    job = await _enqueue(ctx.store, args=[big, 1], kwargs={"k": big}, idempotency_key="big")
+    assert (job.args, job.kwargs) == ((big, 1), {"k": big}), "the enqueue returns it whole"
+    assert await _payloads(ctx) == 2, "args and kwargs, each over the threshold, moved out"
+    again = await ctx.store.enqueue(_spec(args=[big, 2], idempotency_key="big"))
+    assert again.duplicate and again.job.args == (big, 1), "a duplicate returns the stored one"
+    assert await _payloads(ctx) == 2, "a duplicate writes no payload"
+    stored = await _get(ctx.store, job.id)
+    assert (stored.args, stored.kwargs) == ((big, 1), {"k": big}), "get_job loads them"
+    eligible = await ctx.store.select_eligible(modes=ALL_MODES)
+    assert {j.id for j in eligible} == {small.id, job.id}, "selection sees offloaded jobs"
+    claimed = await _claim(ctx.store, job)
+    assert (claimed.args, claimed.kwargs) == ((big, 1), {"k": big}), "the claim loads them"
+    [mine] = await ctx.store.handoffs_for_worker(WORKER)
+    assert mine.args == (big, 1), "handoffs_for_worker loads them"
+    result = {"out": big, "n": [1, 2]}
+    assert claimed.handoff_id is not None
+    assert not await ctx.store.complete(job.id, uuid.uuid4(), {"stale": big})
+    assert await _payloads(ctx) == 2, "a result fenced out writes no payload"
+    assert await ctx.store.complete(job.id, claimed.handoff_id, result)
+    assert await _payloads(ctx) == 3, "a large result moved out"
+    assert (await _get(ctx.store, job.id)).result == result, "get_job loads the result"
+    [listed] = [j for j in (await ctx.store.list_jobs(limit=10)).jobs if j.id == job.id]
+    assert (listed.args, listed.kwargs, listed.result) == ((big, 1), {"k": big}, result)
+    [short] = [
+        j
+        for j in (await ctx.store.list_jobs(limit=10, include_payload=False)).jobs
+        if j.id == job.id
+    ]
+    assert (short.args, short.kwargs, short.result) == ((), {}, None), "a summary leaves them out"
+    cancelled = await ctx.store.cancel(small.id)
+    assert cancelled is not None and cancelled.args == ("x" * (threshold // 2),)
+    unchanged = await ctx.store.cancel(job.id)
+    assert unchanged is not None and unchanged.result == result, "cancel returns them too"
+
+
+@_check
+async def check_offloaded_values_leave_with_their_jobs(ctx: Context) -> None:
+    """Offloaded values are pruned with their jobs and never outlive them"""
+    _, threshold = _offloading(ctx)
+    big = "y" * (threshold + 1)
+    ids = []
+    for outcome in ("complete", "fail", "cancel", "retried"):
+        job = await _claim(ctx.store, await _enqueue(ctx.store, args=[big], max_attempts=1))
+        assert job.handoff_id is not None
+        if outcome == "complete":
+            assert await ctx.store.complete(job.id, job.handoff_id, [big])
+        elif outcome == "fail":
+            assert await ctx.store.fail(job.id, job.handoff_id, "boom", None)
+        elif outcome == "cancel":
+            assert await ctx.store.cancel(job.id) is not None
+        else:
+            assert await ctx.store.fail(job.id, job.handoff_id, "boom", None)
+            revived = await ctx.store.retry_dead(job.id)
+            assert revived is not None and revived.args == (big,), "revived whole"
+            again = await _claim(ctx.store, revived)
+            assert again.args == (big,), "a retried job is handed off whole"
+            assert await ctx.store.complete(job.id, again.handoff_id or uuid.uuid4(), {"r": big})
+            assert (await _get(ctx.store, job.id)).result == {"r": big}
+        ids.append(job.id)
+    assert await _payloads(ctx) == 6, "one args per job, one result per completed job"
+    ctx.clock.advance(60)
+    assert await ctx.store.prune(older_than=ctx.clock(), batch_size=2) == 4
+    assert await _payloads(ctx) == 0, "pruning a job deletes its offloaded values"
 
 
 # --- lifecycle and capabilities ------------------------------------------------------
