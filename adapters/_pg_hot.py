@@ -25,7 +25,7 @@ import asyncpg  # type: ignore[import-untyped]
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg_dialect
 
-from adapters._sql_schema import INSERT_COLUMNS, concurrency, jobs
+from adapters._sql_schema import FENCE_FUNCTION, INSERT_COLUMNS, LEADER_TABLE, concurrency, jobs
 
 _PG: sa.Dialect = pg_dialect.dialect()  # type: ignore[no-untyped-call]
 
@@ -46,6 +46,15 @@ class HotSql:
         prefix = f"{quote(schema)}." if schema else ""
         t = f"{prefix}{quote(jobs.name)}"
         c = f"{prefix}{quote(concurrency.name)}"
+        leader = f"{prefix}{quote(LEADER_TABLE)}"
+
+        def fence(n: int) -> str:
+            """The epoch fence on parameter ``$n`` (see ``_sql_schema._v4_leader``): an
+            uncorrelated sub-select, so it runs once per statement, before the first row
+            it guards changes; under an older epoch it raises and the statement changes
+            nothing. A NULL epoch is not fenced."""
+            return f"(SELECT {prefix}{quote(FENCE_FUNCTION)}(${n}::bigint))"
+
         hand_off_set = (
             "status = 'handed_off', handoff_id = w.handoff_id, worker_id = w.worker_id, "
             "handed_off_us = $4, updated_us = $4"
@@ -68,7 +77,7 @@ class HotSql:
             c AS (
                 SELECT j.id, j.concurrency_key AS key, j.concurrency_limit AS lim
                 FROM {t} j JOIN w ON j.id = w.id
-                WHERE j.status = 'queued' AND j.run_at_us <= $4
+                WHERE j.status = 'queued' AND j.run_at_us <= $4 AND {fence(5)}
                 ORDER BY j.id
                 FOR UPDATE OF j SKIP LOCKED
             ),
@@ -109,6 +118,9 @@ class HotSql:
         """
         # The keyed claim, inside a transaction: lock the rows, then the counters in key
         # order (creating missing ones), then the hand-off of the granted rows.
+        self.fence = f"SELECT {fence(1)}"
+        """The fence alone, first in a transaction: it holds the leader row's share lock
+        until the commit, so the transaction's later statements need no fence."""
         self.lock_claimable = f"""
             SELECT * FROM {t}
             WHERE id = ANY($1::uuid[]) AND status = 'queued' AND run_at_us <= $2
@@ -159,6 +171,7 @@ class HotSql:
                     updated_us = s.updated_us
                 FROM s
                 WHERE j.id = s.id AND j.handoff_id = s.lease AND j.status = 'handed_off'
+                    AND {fence(12)}
                 RETURNING j.id, j.concurrency_key, s.releases
             ),
             k AS (
@@ -195,12 +208,43 @@ class HotSql:
             f"${i}::{_pg_type(jobs.c[name])}[]" for i, name in enumerate(INSERT_COLUMNS, 1)
         )
         names = ", ".join(INSERT_COLUMNS)
-        self.insert = f"""
+        insert = f"""
             INSERT INTO {t} ({names})
             SELECT {names} FROM unnest({arrays}) WITH ORDINALITY AS r({names}, ord)
+            {{where}}
             ORDER BY ord
             ON CONFLICT DO NOTHING
             RETURNING id
+        """
+        self.insert = insert.format(where="")
+        self.insert_fenced = insert.format(where=f"WHERE {fence(len(INSERT_COLUMNS) + 1)}")
+        """The insert of a batch holding jobs written handed off: fenced like a claim."""
+        # The election (see ``_sql_schema._v4_leader``), by the database's clock. Taking
+        # over: insert the row, or take it when its lease has run out (the epoch grows);
+        # either way the row as it now stands comes back, to name the leader.
+        self.elect = f"""
+            WITH taken AS (
+                INSERT INTO {leader} AS l (id, epoch, holder, address, expires_at)
+                VALUES (1, 1, $1, $2, clock_timestamp() + make_interval(secs => $3))
+                ON CONFLICT (id) DO UPDATE SET
+                    epoch = l.epoch + 1, holder = EXCLUDED.holder,
+                    address = EXCLUDED.address, expires_at = EXCLUDED.expires_at
+                WHERE l.expires_at <= clock_timestamp()
+                RETURNING epoch, holder, address, true AS live
+            )
+            SELECT * FROM taken
+            UNION ALL
+            SELECT epoch, holder, address, expires_at > clock_timestamp() FROM {leader}
+            WHERE id = 1 AND NOT EXISTS (SELECT 1 FROM taken)
+        """
+        self.renew = f"""
+            UPDATE {leader} SET expires_at = clock_timestamp() + make_interval(secs => $3)
+            WHERE id = 1 AND holder = $1 AND epoch = $2 AND expires_at > clock_timestamp()
+            RETURNING epoch
+        """
+        self.resign = f"""
+            UPDATE {leader} SET expires_at = '-infinity'
+            WHERE id = 1 AND holder = $1 AND epoch = $2
         """
         self.holders = f"""
             SELECT * FROM {t}

@@ -273,12 +273,76 @@ def _v3_partial_key_indexes(conn: sa.Connection, schema: str | None) -> None:
         _index_at(3, name).create(conn)
 
 
+LEADER_TABLE = "broker_leader"
+FENCE_FUNCTION = "broker_fence"
+FENCED_SQLSTATE = "BR001"
+"""What :data:`FENCE_FUNCTION` raises for a statement made under an older epoch."""
+
+
+def _v4_leader(conn: sa.Connection, schema: str | None) -> None:
+    """Version 4 (PostgreSQL only): the leader row and the epoch fence of several mains.
+
+    ``broker_leader`` holds at most one row: the elected main (``holder``), the address
+    its peers reach it at, its ``epoch`` (one more at every takeover) and when its lease
+    ends, in the database's own clock so that the mains' clocks never matter.
+
+    ``broker_fence(epoch)`` is called by every claim and settle statement of an elected
+    main: it takes ``FOR SHARE`` on the leader row and raises SQLSTATE ``BR001`` when the
+    row's epoch is not the caller's, which aborts the whole statement. Why that is safe
+    under READ COMMITTED: a takeover is an ``UPDATE`` of that row, whose lock conflicts
+    with ``FOR SHARE``. If the takeover committed first, the function (a fresh snapshot
+    per query, as any volatile function's) reads the new epoch and raises. If the
+    statement's lock came first, the takeover waits for the statement's transaction to
+    commit, so the new leader's orphan scan, made after the takeover, sees what the old
+    leader changed. If the takeover is in progress, ``FOR SHARE`` waits for it, then
+    reads the row's newest version (the locking clause's re-check) and raises. An epoch
+    of NULL (a store used without election: tests, the operator's command) is not
+    fenced. SQLite stores hold one main only (:mod:`adapters._sqlite_lock`) and have
+    neither.
+    """
+    if conn.dialect.name != "postgresql":
+        return
+    table = _qualified(conn, schema, LEADER_TABLE)
+    conn.exec_driver_sql(
+        f"""
+        CREATE TABLE {table} (
+            id SMALLINT PRIMARY KEY CHECK (id = 1),
+            epoch BIGINT NOT NULL,
+            holder TEXT NOT NULL,
+            address TEXT NOT NULL,
+            expires_at TIMESTAMPTZ NOT NULL
+        )
+        """
+    )
+    conn.exec_driver_sql(
+        f"""
+        CREATE FUNCTION {_qualified(conn, schema, FENCE_FUNCTION)}(wanted BIGINT)
+        RETURNS BOOLEAN LANGUAGE plpgsql VOLATILE AS $$
+        DECLARE
+            current BIGINT;
+        BEGIN
+            IF wanted IS NULL THEN
+                RETURN true;
+            END IF;
+            SELECT epoch INTO current FROM {table} WHERE id = 1 FOR SHARE;
+            IF current IS DISTINCT FROM wanted THEN
+                RAISE EXCEPTION 'deposed: epoch % is not the leader''s (it is %)',
+                    wanted, current USING ERRCODE = '{FENCED_SQLSTATE}';
+            END IF;
+            RETURN true;
+        END
+        $$
+        """
+    )
+
+
 Migration = Callable[[sa.Connection, str | None], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (1, _v1_initial),
     (2, _v2_unique_key),
     (3, _v3_partial_key_indexes),
+    (4, _v4_leader),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

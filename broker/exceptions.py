@@ -78,8 +78,23 @@ class StorageRejectedError(StorageError):
     """
 
 
+class DeposedError(StorageError):
+    """This main is no longer the elected leader: another main took over the store (a
+    newer epoch), so the store refused the claim or settle and changed nothing."""
+
+
 class ProtocolError(BrokerError):
     """The peer broke the broker protocol; the connection is closed."""
+
+
+class NotLeaderError(ProtocolError):
+    """The main reached is a standby: only the elected main dispatches and answers peers;
+    ``leader`` is where it is (``None``: no main is elected yet)."""
+
+    def __init__(self, message: str | None = None, *, leader: str | None = None) -> None:
+        super().__init__(message)
+        self.leader = leader
+        """The elected main's ``HOST:PORT``, as the standby last saw it."""
 
 
 class AuthenticationError(ProtocolError):

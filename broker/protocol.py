@@ -116,6 +116,7 @@ class ErrorCode(enum.StrEnum):
     JOB_TIMEOUT = "job_timeout"
     RUNNER_CRASHED = "runner_crashed"
     PERMISSION_DENIED = "permission_denied"
+    NOT_LEADER = "not_leader"
 
 
 class DecodeError(ProtocolError):
@@ -394,6 +395,9 @@ class Error(_Message, frozen=True, tag="error"):
     code: str
     message: str
     fatal: bool
+    leader: str | None = None
+    """With code ``not_leader``: the elected main's ``HOST:PORT`` for the peer to connect
+    to instead (``None``: no main is elected yet; try the others)."""
 
 
 # --------------------------------------------------------------------------- client ↔ main
