@@ -639,6 +639,7 @@ class SQLAlchemyAdapter:
         self._schema = schema
         self._epoch: int | None = None
         """The leader's epoch every claim and settle is fenced with (see :meth:`fence`)."""
+        self._on_fenced: Callable[[str], None] | None = None
         self._unanalyzed_inserts = 0
         self._last_analyze = -math.inf
         self._analyzing: asyncio.Task[None] | None = None
@@ -729,6 +730,8 @@ class SQLAlchemyAdapter:
     def _storage_error(self, op: str, exc: BaseException) -> StorageError:
         cause = exc.orig if isinstance(exc, sa_exc.DBAPIError) and exc.orig else exc
         if getattr(cause, "sqlstate", None) == FENCED_SQLSTATE:
+            if self._on_fenced is not None:
+                self._on_fenced(op)
             return DeposedError(
                 f"{op} refused by the epoch fence on {self._url_text}: {cause} (another "
                 "main took over; nothing was changed)"
@@ -1407,8 +1410,9 @@ class SQLAlchemyAdapter:
         async with self._leader_conn("resign") as (sql, conn):
             await conn.execute(sql.resign, holder, epoch)
 
-    def fence(self, epoch: int | None) -> None:
+    def fence(self, epoch: int | None, on_fenced: Callable[[str], None] | None = None) -> None:
         self._epoch = epoch
+        self._on_fenced = on_fenced
 
     @asynccontextmanager
     async def _leader_conn(self, op: str) -> AsyncIterator[tuple[HotSql, Any]]:

@@ -117,6 +117,7 @@ class ErrorCode(enum.StrEnum):
     RUNNER_CRASHED = "runner_crashed"
     PERMISSION_DENIED = "permission_denied"
     NOT_LEADER = "not_leader"
+    DEPOSED = "deposed"
 
 
 class DecodeError(ProtocolError):

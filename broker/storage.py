@@ -369,9 +369,10 @@ class SupportsLeadership(Protocol):
         """End ``holder``'s lease of ``epoch`` now, so a standby takes over at its next
         round (a main that stops cleanly); a no-op if it no longer holds it."""
 
-    def fence(self, epoch: int | None) -> None:
+    def fence(self, epoch: int | None, on_fenced: Callable[[str], None] | None = None) -> None:
         """Make every later claim and settle of this handle check ``epoch`` (``None``: no
-        check, the default)."""
+        check, the default); ``on_fenced`` is called with the operation's name each time
+        the fence refuses one, before its ``DeposedError`` is raised."""
 
 
 @runtime_checkable
