@@ -10,8 +10,8 @@ import ipaddress
 from dataclasses import dataclass
 
 from broker import checks
-from broker.admission import DEFAULT_MAX_CREDIT
 from broker.addresses import parse_address
+from broker.admission import DEFAULT_MAX_CREDIT
 from broker.credentials import Credentials
 from broker.election import DEFAULT_FAILOVER_TIMEOUT
 from broker.payload import (
