@@ -8,9 +8,12 @@ decides *when* a main asks the store, and what it makes of the answers:
   the answer names it, and then leads under the answer's epoch;
 * the leader renews its lease every ``renew_every`` seconds; a renewal the store
   refuses means another main took over, and the leader steps down at once;
-* a leader that cannot renew (the store unreachable, the process paused) steps down
-  when its lease, counted from the start of its last successful renewal, has run out
-  by its own clock: by then a standby may have taken over;
+* when its lease, counted from the start of its last successful renewal, has run out
+  by its own clock (the store was unreachable, the process paused or starved), the
+  leader does not guess: it asks the store once more, at once, and steps down unless
+  the store renews the lease (it had not run out there, and nobody took over). While it
+  asks, it keeps serving: every claim and settle is fenced, so a main that was deposed
+  meanwhile changes nothing, and learns it from the first refused statement;
 * a statement refused by the epoch fence (``DeposedError``) steps it down too.
 
 A main that steps down does not dispatch again (:class:`StepDown`): its shell stops it,
@@ -118,14 +121,32 @@ class Election:
         self._next = -math.inf
         self._asking = False
         """A round is out: no second one until its answer (or failure) comes back."""
+        self._last_chance = False
+        """The lease ran out by this main's clock and one more renewal is out: unless it
+        succeeds, the next :meth:`due` steps down."""
+
+    @property
+    def lease_until(self) -> float:
+        """Until when this main is sure to be the leader, by its own clock: the start of
+        its last successful renewal (or election) plus the lease. The store started
+        counting the same lease later, so this ends first."""
+        return self._lease_until if self.phase is Phase.LEADER else -math.inf
 
     def due(self, now: float) -> list[Effect]:
         """What is due at ``now``: a round, a renewal, or stepping down."""
         if self.phase is Phase.LEADER and now >= self._lease_until:
-            return self._step_down(
-                f"the lease ran out at this main's clock ({self.timing.ttl:g} s without a "
-                "renewal); another main may have taken over"
-            )
+            if self._last_chance:
+                if self._asking:
+                    return []  # its answer decides
+                return self._step_down(
+                    f"the lease ran out at this main's clock ({self.timing.ttl:g} s without "
+                    "a renewal) and the store did not renew it"
+                )
+            if not self._asking:
+                self._last_chance = True
+                self._asking = True
+                assert self.epoch is not None
+                return [Renew(self.epoch, now)]
         if self._asking or now < self._next or self.phase is Phase.DEPOSED:
             return []
         self._asking = True
@@ -169,6 +190,7 @@ class Election:
         if not ok:
             return self._step_down("the store refused the renewal: another main took over")
         self._lease_until = max(self._lease_until, started + self.timing.ttl)
+        self._last_chance = False
         return []
 
     def failed(self) -> None:

@@ -142,6 +142,8 @@ class Main:
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        """No new dispatch, connection or request: the main is stopping, or was deposed."""
+        self._stop_started = False
         self.dispatcher = Dispatcher(
             measured,
             self.handoff,
@@ -408,8 +410,9 @@ class Main:
         Leases are *not* returned: the workers keep running their jobs and the next main
         adopts them when they reconnect.
         """
-        if self._stopping:
+        if self._stop_started:
             return
+        self._stop_started = True
         self._stopping = True
         if self._server is not None:
             self._server.close()
