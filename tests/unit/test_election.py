@@ -134,11 +134,33 @@ class Sim:
     now: float = 0.0
 
     def leaders(self) -> list[int]:
+        """The live mains sure to lead now, by their own clocks."""
         return [
             i
             for i, e in enumerate(self.mains)
             if i not in self.crashed and e.phase is Phase.LEADER and self.now < e.lease_until
         ]
+
+    def deliver(self, until: float) -> None:
+        """The rounds that reach the store by ``until``, in order of arrival."""
+        self.inflight.sort(key=lambda x: x[0])
+        while self.inflight and self.inflight[0][0] <= until:
+            at, i, effect = self.inflight.pop(0)
+            if i not in self.crashed:
+                answer(self.mains[i], self.row, effect, max(at, self.now))
+
+    def tick(self, who: int = -1, delay: float = 0.0, fail: bool = False) -> None:
+        """Every live main does what is due; ``who``'s rounds take ``delay`` (or fail)."""
+        for i, e in enumerate(self.mains):
+            if i in self.crashed:
+                continue
+            for effect in e.due(self.now):
+                if not isinstance(effect, TryElect | Renew):
+                    continue
+                if fail and i == who:
+                    e.failed()
+                else:
+                    self.inflight.append((self.now + (delay if i == who else 0.0), i, effect))
 
 
 @settings(max_examples=300, deadline=None)
@@ -159,42 +181,21 @@ def test_never_two_leaders_and_a_standby_takes_over(
 ) -> None:
     sim = Sim([Election(f"m{i}", TIMING) for i in range(n)], Row(), set(), [])
     for dt, who, delay, action in steps:
-        who %= n
         sim.now += dt
-        # Rounds arriving by now reach the store, in order of arrival.
-        sim.inflight.sort(key=lambda x: x[0])
-        while sim.inflight and sim.inflight[0][0] <= sim.now:
-            at, i, effect = sim.inflight.pop(0)
-            if i not in sim.crashed:
-                answer(sim.mains[i], sim.row, effect, at)
+        sim.deliver(sim.now)
         if action == "crash" and len(sim.crashed) < n - 1:
-            sim.crashed.add(who)
-        for i, e in enumerate(sim.mains):
-            if i in sim.crashed:
-                continue
-            for effect in e.due(sim.now):
-                if isinstance(effect, TryElect | Renew):
-                    if action == "fail" and i == who:
-                        e.failed()
-                    else:
-                        sim.inflight.append((sim.now + (delay if i == who else 0.0), i, effect))
+            sim.crashed.add(who % n)
+        sim.tick(who % n, delay, fail=action == "fail")
         assert len(sim.leaders()) <= 1, (sim.now, [(e.phase, e.lease_until) for e in sim.mains])
-    # Then the store answers at once and nobody else fails: within the bound of the last
-    # leader's death (or of now), exactly one live main leads.
-    for at, i, effect in sorted(sim.inflight, key=lambda x: x[0]):
-        if i not in sim.crashed:
-            answer(sim.mains[i], sim.row, effect, max(at, sim.now))
-    start, tick = sim.now, TIMING.poll_every / 5
+    # Then the store answers at once and nothing fails: a live main leads within the
+    # bound (after the longest lease a slow renewal may have left in the row), unless
+    # every live main was deposed, to be restarted by its supervisor.
+    sim.deliver(math.inf)
+    start = sim.now
     while not sim.leaders():
-        sim.now += tick
-        for i, e in enumerate(sim.mains):
-            if i not in sim.crashed and e.phase is not Phase.DEPOSED:
-                for effect in e.due(sim.now):
-                    if isinstance(effect, TryElect | Renew):
-                        answer(e, sim.row, effect, sim.now)
-        live_standbys = [
-            i for i, e in enumerate(sim.mains) if i not in sim.crashed and e.phase is Phase.STANDBY
-        ]
-        if not live_standbys and not sim.leaders():
-            return  # every live main was deposed: a supervisor restarts them
+        if all(e.phase is Phase.DEPOSED for i, e in enumerate(sim.mains) if i not in sim.crashed):
+            return
         assert sim.now - start <= TIMING.failover_timeout + TIMING.ttl, "no takeover"
+        sim.now += TIMING.poll_every / 5
+        sim.tick()
+        sim.deliver(sim.now)
