@@ -44,7 +44,7 @@ from broker.config import MainSettings
 from broker.connection import Connections, Gathered, Session
 from broker.credentials import role_needed
 from broker.dispatch import Dispatcher
-from broker.election import Election, Lead, Phase, Renew, StepDown, Timing, TryElect
+from broker.election import Effect, Election, Lead, Phase, Renew, StepDown, Timing, TryElect
 from broker.exceptions import PermissionDeniedError, ProtocolError, StorageError, transient
 from broker.group_commit import GroupCommit
 from broker.handoff import (
@@ -235,20 +235,25 @@ class Main:
                 self.settings.port,
                 start_serving=False,
             )
+        self._server = server
         try:
             await self.store.setup()
             if self.election is None:
                 await self._load_orphans()
+            else:
+                await self._first_round()
         except BaseException:
+            self._server = None
             server.close()
             await server.wait_closed()
             raise
-        self._server = server
         await server.start_serving()
         if self.election is None:
             self._dispatch()
         else:
-            self._tasks = [asyncio.create_task(self._elect(), name="broker-election")]
+            if self.election.epoch is not None:
+                self._lead_now(self.election.epoch)
+            self._tasks.append(asyncio.create_task(self._elect(), name="broker-election"))
         logger.info(
             "main listening main_id=%s host=%s port=%s orphans=%d",
             self.main_id,
@@ -298,54 +303,70 @@ class Main:
 
     async def _elect(self) -> None:
         """The election's shell: asks the store when :class:`Election` says so, and
-        carries out its answers. Each round is bounded by the renewal interval, so a
-        store that hangs is a failed round, and the lease keeps running out."""
+        carries out its answers, until this main stops or steps down."""
         election = self.election
-        store = self.store
-        assert election is not None and isinstance(store, SupportsLeadership)
+        assert election is not None
         loop = asyncio.get_running_loop()
-        timing = election.timing
         while True:
             for effect in election.due(loop.time()):
-                try:
-                    async with asyncio.timeout(timing.renew_every):
-                        match effect:
-                            case TryElect(started=started):
-                                row = await store.elect(self.main_id, self.address, timing.ttl)
-                                if row is None:
-                                    election.failed()
-                                    continue
-                                answer = election.elected(
-                                    row.holder, row.epoch, row.address, row.live, started
-                                )
-                            case Renew(epoch=epoch, started=started):
-                                ok = await store.renew(self.main_id, epoch, timing.ttl)
-                                answer = election.renewed(started, ok)
-                            case _:
-                                answer = [effect]
-                except (TimeoutError, OSError, StorageError) as exc:
-                    election.failed()
-                    logger.warning("election round failed main_id=%s error=%s", self.main_id, exc)
-                    continue
-                for outcome in answer:
-                    await self._election_outcome(outcome)
+                for outcome in await self._ask(effect):
+                    match outcome:
+                        case Lead(epoch=epoch):
+                            # Its own task: the election keeps renewing while it loads.
+                            self._tasks.append(
+                                asyncio.create_task(self._lead(epoch), name="broker-lead")
+                            )
+                        case StepDown(epoch=epoch, reason=reason):
+                            self._step_down(epoch, reason)
             wake = election.wake_at()
             if wake == math.inf:
                 return
             await asyncio.sleep(max(0.0, wake - loop.time()))
 
-    async def _election_outcome(self, effect: Lead | StepDown | TryElect | Renew) -> None:
+    async def _ask(self, effect: Effect) -> list[Effect]:
+        """Carry out one round the election asked for; returns what its answer decides
+        (a round bounded by the renewal interval, so a store that hangs is a failed
+        round, and the lease keeps running out)."""
+        election, store = self.election, self.store
+        assert election is not None and isinstance(store, SupportsLeadership)
+        timing = election.timing
+        try:
+            async with asyncio.timeout(timing.renew_every):
+                match effect:
+                    case TryElect(started=started):
+                        row = await store.elect(self.main_id, self.address, timing.ttl)
+                        if row is None:
+                            election.failed()
+                            return []
+                        return election.elected(
+                            row.holder, row.epoch, row.address, row.live, started
+                        )
+                    case Renew(epoch=epoch, started=started):
+                        ok = await store.renew(self.main_id, epoch, timing.ttl)
+                        return election.renewed(started, ok)
+                    case _:
+                        return [effect]
+        except (TimeoutError, OSError, StorageError) as exc:
+            election.failed()
+            logger.warning("election round failed main_id=%s error=%s", self.main_id, exc)
+            return []
+
+    async def _first_round(self) -> None:
+        """At start-up, before peers are answered: one election round, and if it elects
+        this main, the orphans, so a main alone on its store is ready as soon as
+        :meth:`start` returns, as it always was."""
+        election = self.election
+        assert election is not None
+        for effect in election.due(asyncio.get_running_loop().time()):
+            for outcome in await self._ask(effect):
+                if isinstance(outcome, Lead):
+                    self._fence(outcome.epoch)
+                    await self._load_orphans()
+
+    def _fence(self, epoch: int) -> None:
         store = self.store
         assert isinstance(store, SupportsLeadership)
-        match effect:
-            case Lead(epoch=epoch):
-                store.fence(epoch, self._fenced)
-                # Its own task: the election keeps renewing while the orphans load.
-                self._tasks.append(asyncio.create_task(self._lead(epoch), name="broker-lead"))
-            case StepDown(epoch=epoch, reason=reason):
-                self._step_down(epoch, reason)
-            case _:
-                pass
+        store.fence(epoch, self._fenced)
 
     async def _resign(self) -> None:
         """A leader that stops cleanly ends its lease, so a standby takes over at its next
@@ -365,6 +386,7 @@ class Main:
 
     async def _lead(self, epoch: int) -> None:
         """Elected: load the orphans, as a restarted main does, then dispatch."""
+        self._fence(epoch)
         while True:
             try:
                 await self._load_orphans()
@@ -373,8 +395,10 @@ class Main:
                 logger.warning("loading the orphans failed, retrying error=%r", exc)
                 self.handoff.orphans.clear()
                 await asyncio.sleep(self.settings.error_retry_interval)
-        if self._stopping:
-            return
+        if not self._stopping:
+            self._lead_now(epoch)
+
+    def _lead_now(self, epoch: int) -> None:
         logger.warning(
             "elected leader main_id=%s epoch=%d address=%s orphans=%d",
             self.main_id,
