@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from broker.election import Election, Lead, Phase, Renew, StepDown, Timing, TryElect
@@ -163,7 +163,6 @@ class Sim:
                     self.inflight.append((self.now + (delay if i == who else 0.0), i, effect))
 
 
-@settings(max_examples=300, deadline=None)
 @given(
     n=st.integers(2, 3),
     steps=st.lists(
