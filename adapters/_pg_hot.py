@@ -220,22 +220,30 @@ class HotSql:
         self.insert_fenced = insert.format(where=f"WHERE {fence(len(INSERT_COLUMNS) + 1)}")
         """The insert of a batch holding jobs written handed off: fenced like a claim."""
         # The election (see ``_sql_schema._v4_leader``), by the database's clock. Taking
-        # over: insert the row, or take it when its lease has run out (the epoch grows);
-        # either way the row as it now stands comes back, to name the leader.
+        # over: insert the row, or take it when its lease has run out (the epoch grows).
+        # Neither locks a live row, so a standby's rounds never hold up the leader's
+        # statements. The row as it stands comes back either way, to name the leader;
+        # none when another main inserted it concurrently (ask again).
         self.elect = f"""
-            WITH taken AS (
-                INSERT INTO {leader} AS l (id, epoch, holder, address, expires_at)
+            WITH ins AS (
+                INSERT INTO {leader} (id, epoch, holder, address, expires_at)
                 VALUES (1, 1, $1, $2, clock_timestamp() + make_interval(secs => $3))
-                ON CONFLICT (id) DO UPDATE SET
-                    epoch = l.epoch + 1, holder = EXCLUDED.holder,
-                    address = EXCLUDED.address, expires_at = EXCLUDED.expires_at
-                WHERE l.expires_at <= clock_timestamp()
+                ON CONFLICT (id) DO NOTHING
+                RETURNING epoch, holder, address, true AS live
+            ),
+            upd AS (
+                UPDATE {leader} l SET
+                    epoch = l.epoch + 1, holder = $1, address = $2,
+                    expires_at = clock_timestamp() + make_interval(secs => $3)
+                WHERE l.id = 1 AND l.expires_at <= clock_timestamp()
                 RETURNING epoch, holder, address, true AS live
             )
-            SELECT * FROM taken
+            SELECT * FROM ins
+            UNION ALL
+            SELECT * FROM upd
             UNION ALL
             SELECT epoch, holder, address, expires_at > clock_timestamp() FROM {leader}
-            WHERE id = 1 AND NOT EXISTS (SELECT 1 FROM taken)
+            WHERE id = 1 AND NOT EXISTS (SELECT 1 FROM ins) AND NOT EXISTS (SELECT 1 FROM upd)
         """
         self.renew = f"""
             UPDATE {leader} SET expires_at = clock_timestamp() + make_interval(secs => $3)

@@ -287,17 +287,21 @@ def _v4_leader(conn: sa.Connection, schema: str | None) -> None:
     ends, in the database's own clock so that the mains' clocks never matter.
 
     ``broker_fence(epoch)`` is called by every claim and settle statement of an elected
-    main: it takes ``FOR SHARE`` on the leader row and raises SQLSTATE ``BR001`` when the
-    row's epoch is not the caller's, which aborts the whole statement. Why that is safe
-    under READ COMMITTED: a takeover is an ``UPDATE`` of that row, whose lock conflicts
-    with ``FOR SHARE``. If the takeover committed first, the function (a fresh snapshot
+    main: it takes ``FOR KEY SHARE`` on the leader row and raises SQLSTATE ``BR001`` when
+    the row's epoch is not the caller's, which aborts the whole statement. Why that is
+    safe under READ COMMITTED: ``epoch`` is unique, so it is a key column, and a
+    takeover, which changes it, locks the row ``FOR UPDATE``, which conflicts with
+    ``FOR KEY SHARE``. If the takeover committed first, the function (a fresh snapshot
     per query, as any volatile function's) reads the new epoch and raises. If the
     statement's lock came first, the takeover waits for the statement's transaction to
     commit, so the new leader's orphan scan, made after the takeover, sees what the old
-    leader changed. If the takeover is in progress, ``FOR SHARE`` waits for it, then
-    reads the row's newest version (the locking clause's re-check) and raises. An epoch
-    of NULL (a store used without election: tests, the operator's command) is not
-    fenced. SQLite stores hold one main only (:mod:`adapters._sqlite_lock`) and have
+    leader changed. If the takeover is in progress, the lock waits for it, then reads
+    the row's newest version (the locking clause's re-check) and raises. A renewal
+    changes only ``expires_at`` (``FOR NO KEY UPDATE``), which does not conflict: claims
+    and settles never hold up the leader's renewals, however many overlap.
+
+    An epoch of NULL (a store used without election: tests, the operator's command) is
+    not fenced. SQLite stores hold one main only (:mod:`adapters._sqlite_lock`) and have
     neither.
     """
     if conn.dialect.name != "postgresql":
@@ -307,7 +311,7 @@ def _v4_leader(conn: sa.Connection, schema: str | None) -> None:
         f"""
         CREATE TABLE {table} (
             id SMALLINT PRIMARY KEY CHECK (id = 1),
-            epoch BIGINT NOT NULL,
+            epoch BIGINT NOT NULL UNIQUE,
             holder TEXT NOT NULL,
             address TEXT NOT NULL,
             expires_at TIMESTAMPTZ NOT NULL
@@ -324,7 +328,7 @@ def _v4_leader(conn: sa.Connection, schema: str | None) -> None:
             IF wanted IS NULL THEN
                 RETURN true;
             END IF;
-            SELECT epoch INTO current FROM {table} WHERE id = 1 FOR SHARE;
+            SELECT epoch INTO current FROM {table} WHERE id = 1 FOR KEY SHARE;
             IF current IS DISTINCT FROM wanted THEN
                 RAISE EXCEPTION 'deposed: epoch % is not the leader''s (it is %)',
                     wanted, current USING ERRCODE = '{FENCED_SQLSTATE}';
