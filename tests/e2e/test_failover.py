@@ -185,7 +185,7 @@ async def test_three_mains_the_leader_killed(tmp_path: Path, pg_url: str) -> Non
 @pytest.mark.soak
 @pytest.mark.parametrize("seed", range(20))
 async def test_failover_soak(tmp_path: Path, pg_url: str, seed: int) -> None:
-    await _kill_the_leader_midway(tmp_path, pg_url, seed=seed, mains=2 + seed % 2, total=1500)
+    await _kill_the_leader_midway(tmp_path, pg_url, seed=seed, mains=2 + seed % 2, total=1000)
 
 
 async def test_a_paused_leader_is_fenced_when_it_resumes(tmp_path: Path, pg_url: str) -> None:
