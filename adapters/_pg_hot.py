@@ -25,7 +25,14 @@ import asyncpg  # type: ignore[import-untyped]
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg_dialect
 
-from adapters._sql_schema import FENCE_FUNCTION, INSERT_COLUMNS, LEADER_TABLE, concurrency, jobs
+from adapters._sql_schema import (
+    FENCE_FUNCTION,
+    INSERT_COLUMNS,
+    LEADER_TABLE,
+    concurrency,
+    jobs,
+    payloads,
+)
 
 _PG: sa.Dialect = pg_dialect.dialect()  # type: ignore[no-untyped-call]
 
@@ -46,10 +53,11 @@ class HotSql:
         prefix = f"{quote(schema)}." if schema else ""
         t = f"{prefix}{quote(jobs.name)}"
         c = f"{prefix}{quote(concurrency.name)}"
+        p = f"{prefix}{quote(payloads.name)}"
         leader = f"{prefix}{quote(LEADER_TABLE)}"
 
         def fence(n: int) -> str:
-            """The epoch fence on parameter ``$n`` (see ``_sql_schema._v4_leader``): an
+            """The epoch fence on parameter ``$n`` (see ``_sql_schema._v5_leader``): an
             uncorrelated sub-select, so it runs once per statement, before the first row
             it guards changes; under an older epoch it raises and the statement changes
             nothing. A NULL epoch is not fenced."""
@@ -219,7 +227,7 @@ class HotSql:
         self.insert = insert.format(where="")
         self.insert_fenced = insert.format(where=f"WHERE {fence(len(INSERT_COLUMNS) + 1)}")
         """The insert of a batch holding jobs written handed off: fenced like a claim."""
-        # The election (see ``_sql_schema._v4_leader``), by the database's clock. Taking
+        # The election (see ``_sql_schema._v5_leader``), by the database's clock. Taking
         # over: insert the row, or take it when its lease has run out (the epoch grows).
         # Neither locks a live row, so a standby's rounds never hold up the leader's
         # statements. The row as it stands comes back either way, to name the leader;
@@ -253,6 +261,14 @@ class HotSql:
         self.resign = f"""
             UPDATE {leader} SET expires_at = '-infinity'
             WHERE id = 1 AND holder = $1 AND epoch = $2
+        """
+        # Offloaded payloads: read for the jobs whose rows carry the mark, written (or
+        # replaced) in the transaction that writes the row they belong to.
+        self.payloads_of = f"SELECT job_id, kind, body FROM {p} WHERE job_id = ANY($1::uuid[])"
+        self.put_payloads = f"""
+            INSERT INTO {p} (job_id, kind, body)
+            SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[])
+            ON CONFLICT (job_id, kind) DO UPDATE SET body = EXCLUDED.body
         """
         self.holders = f"""
             SELECT * FROM {t}

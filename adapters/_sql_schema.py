@@ -167,9 +167,41 @@ def _predicates(
     return is_queued, is_handed_off, is_terminal, is_active
 
 
+OFFLOADED = ""
+"""What a payload column of ``broker_jobs`` holds when its value lives in
+``broker_payloads`` instead: no JSON value encodes to the empty string, so the mark can
+never be mistaken for a value, and the hot row keeps a few bytes in place of megabytes."""
+
+OFFLOADABLE = ("args", "kwargs", "result")
+"""The ``broker_jobs`` columns whose value moves to ``broker_payloads`` (under the column's
+name as its ``kind``) when it is longer than the adapter's offload threshold."""
+
+
+def _define_payloads(md: sa.MetaData) -> sa.Table:
+    """Schema version 4's side table: one large JSON value of one job per row.
+
+    Deleting a job deletes its payloads (``ON DELETE CASCADE``), whoever deletes it, so
+    retention can never leave one behind. ``kind`` names the job column it stands in for
+    (see :data:`OFFLOADABLE`).
+    """
+    return sa.Table(
+        "broker_payloads",
+        md,
+        sa.Column(
+            "job_id",
+            sa.Uuid(),
+            sa.ForeignKey("broker_jobs.id", ondelete="CASCADE"),
+            primary_key=True,
+        ),
+        sa.Column("kind", sa.Text(), primary_key=True),
+        sa.Column("body", sa.Text(), nullable=False),
+    )
+
+
 metadata = sa.MetaData()
 """The current schema (:data:`SCHEMA_VERSION`), which every query is written against."""
 jobs, concurrency, schema_version = _define(metadata, SCHEMA_VERSION)
+payloads = _define_payloads(metadata)
 IS_QUEUED, IS_HANDED_OFF, IS_TERMINAL, IS_ACTIVE = _predicates(jobs)
 INSERT_COLUMNS = [c.name for c in jobs.c if c.name != "seq"]
 """What the hot paths' enqueue writes: every column but ``seq``, which PostgreSQL fills
@@ -273,14 +305,25 @@ def _v3_partial_key_indexes(conn: sa.Connection, schema: str | None) -> None:
         _index_at(3, name).create(conn)
 
 
+def _v4_payloads(conn: sa.Connection, schema: str | None) -> None:
+    """Version 4: ``broker_payloads``, where values over the offload threshold live.
+
+    A new table only: existing rows keep their payloads inline, which every reader
+    still understands (only the empty string, never JSON, marks a value as offloaded).
+    """
+    v4 = sa.MetaData()
+    _define(v4, 4)
+    _define_payloads(v4).create(conn, checkfirst=False)
+
+
 LEADER_TABLE = "broker_leader"
 FENCE_FUNCTION = "broker_fence"
 FENCED_SQLSTATE = "BR001"
 """What :data:`FENCE_FUNCTION` raises for a statement made under an older epoch."""
 
 
-def _v4_leader(conn: sa.Connection, schema: str | None) -> None:
-    """Version 4 (PostgreSQL only): the leader row and the epoch fence of several mains.
+def _v5_leader(conn: sa.Connection, schema: str | None) -> None:
+    """Version 5 (PostgreSQL only): the leader row and the epoch fence of several mains.
 
     ``broker_leader`` holds at most one row: the elected main (``holder``), the address
     its peers reach it at, its ``epoch`` (one more at every takeover) and when its lease
@@ -346,7 +389,8 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (1, _v1_initial),
     (2, _v2_unique_key),
     (3, _v3_partial_key_indexes),
-    (4, _v4_leader),
+    (4, _v4_payloads),
+    (5, _v5_leader),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 
