@@ -25,7 +25,14 @@ import asyncpg  # type: ignore[import-untyped]
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg_dialect
 
-from adapters._sql_schema import INSERT_COLUMNS, concurrency, jobs, payloads
+from adapters._sql_schema import (
+    FENCE_FUNCTION,
+    INSERT_COLUMNS,
+    LEADER_TABLE,
+    concurrency,
+    jobs,
+    payloads,
+)
 
 _PG: sa.Dialect = pg_dialect.dialect()  # type: ignore[no-untyped-call]
 
@@ -47,6 +54,15 @@ class HotSql:
         t = f"{prefix}{quote(jobs.name)}"
         c = f"{prefix}{quote(concurrency.name)}"
         p = f"{prefix}{quote(payloads.name)}"
+        leader = f"{prefix}{quote(LEADER_TABLE)}"
+
+        def fence(n: int) -> str:
+            """The epoch fence on parameter ``$n`` (see ``_sql_schema._v8_leader``): an
+            uncorrelated sub-select, so it runs once per statement, before the first row
+            it guards changes; under an older epoch it raises and the statement changes
+            nothing. A NULL epoch is not fenced."""
+            return f"(SELECT {prefix}{quote(FENCE_FUNCTION)}(${n}::bigint))"
+
         hand_off_set = (
             "status = 'handed_off', handoff_id = w.handoff_id, worker_id = w.worker_id, "
             "handed_off_us = $4, state_holder = NULL, updated_us = $4"
@@ -69,7 +85,7 @@ class HotSql:
             c AS (
                 SELECT j.id, j.concurrency_key AS key, j.concurrency_limit AS lim
                 FROM {t} j JOIN w ON j.id = w.id
-                WHERE j.status = 'queued' AND j.run_at_us <= $4
+                WHERE j.status = 'queued' AND j.run_at_us <= $4 AND {fence(5)}
                 ORDER BY j.id
                 FOR UPDATE OF j SKIP LOCKED
             ),
@@ -110,6 +126,9 @@ class HotSql:
         """
         # The keyed claim, inside a transaction: lock the rows, then the counters in key
         # order (creating missing ones), then the hand-off of the granted rows.
+        self.fence = f"SELECT {fence(1)}"
+        """The fence alone, first in a transaction: it holds the leader row's share lock
+        until the commit, so the transaction's later statements need no fence."""
         self.lock_claimable = f"""
             SELECT * FROM {t}
             WHERE id = ANY($1::uuid[]) AND status = 'queued' AND run_at_us <= $2
@@ -165,6 +184,7 @@ class HotSql:
                     updated_us = s.updated_us
                 FROM s
                 WHERE j.id = s.id AND j.handoff_id = s.lease AND j.status = 'handed_off'
+                    AND {fence(15)}
                 RETURNING j.id, j.concurrency_key, s.releases
             ),
             k AS (
@@ -220,13 +240,52 @@ class HotSql:
         # for about 10 us more of the server's, which runs beside the main.
         typed = ", ".join(f"{name} {_pg_type(jobs.c[name])}" for name in INSERT_COLUMNS)
         names = ", ".join(INSERT_COLUMNS)
-        self.insert = f"""
+        insert = f"""
             INSERT INTO {t} ({names})
             SELECT {names} FROM ROWS FROM (json_to_recordset($1::json) AS ({typed}))
                 WITH ORDINALITY AS r({names}, ord)
+            {{where}}
             ORDER BY ord
             ON CONFLICT DO NOTHING
             RETURNING id
+        """
+        self.insert = insert.format(where="")
+        self.insert_fenced = insert.format(where=f"WHERE {fence(2)}")
+        """The insert of a batch holding jobs written handed off: fenced like a claim."""
+        # The election (see ``_sql_schema._v8_leader``), by the database's clock. Taking
+        # over: insert the row, or take it when its lease has run out (the epoch grows).
+        # Neither locks a live row, so a standby's rounds never hold up the leader's
+        # statements. The row as it stands comes back either way, to name the leader;
+        # none when another main inserted it concurrently (ask again).
+        self.elect = f"""
+            WITH ins AS (
+                INSERT INTO {leader} (id, epoch, holder, address, expires_at)
+                VALUES (1, 1, $1, $2, clock_timestamp() + make_interval(secs => $3))
+                ON CONFLICT (id) DO NOTHING
+                RETURNING epoch, holder, address, true AS live
+            ),
+            upd AS (
+                UPDATE {leader} l SET
+                    epoch = l.epoch + 1, holder = $1, address = $2,
+                    expires_at = clock_timestamp() + make_interval(secs => $3)
+                WHERE l.id = 1 AND l.expires_at <= clock_timestamp()
+                RETURNING epoch, holder, address, true AS live
+            )
+            SELECT * FROM ins
+            UNION ALL
+            SELECT * FROM upd
+            UNION ALL
+            SELECT epoch, holder, address, expires_at > clock_timestamp() FROM {leader}
+            WHERE id = 1 AND NOT EXISTS (SELECT 1 FROM ins) AND NOT EXISTS (SELECT 1 FROM upd)
+        """
+        self.renew = f"""
+            UPDATE {leader} SET expires_at = clock_timestamp() + make_interval(secs => $3)
+            WHERE id = 1 AND holder = $1 AND epoch = $2 AND expires_at > clock_timestamp()
+            RETURNING epoch
+        """
+        self.resign = f"""
+            UPDATE {leader} SET expires_at = '-infinity'
+            WHERE id = 1 AND holder = $1 AND epoch = $2
         """
         # Offloaded payloads: read for the jobs whose rows carry the mark, written (or
         # replaced) in the transaction that writes the row they belong to.

@@ -396,6 +396,73 @@ def _v7_quiet_main_inserts(conn: sa.Connection, schema: str | None) -> None:
         _create_notify_function(conn, schema, quiet_sessions=True)
 
 
+LEADER_TABLE = "broker_leader"
+FENCE_FUNCTION = "broker_fence"
+FENCED_SQLSTATE = "BR001"
+"""What :data:`FENCE_FUNCTION` raises for a statement made under an older epoch."""
+
+
+def _v8_leader(conn: sa.Connection, schema: str | None) -> None:
+    """Version 8 (PostgreSQL only): the leader row and the epoch fence of several mains.
+
+    ``broker_leader`` holds at most one row: the elected main (``holder``), the address
+    its peers reach it at, its ``epoch`` (one more at every takeover) and when its lease
+    ends, in the database's own clock so that the mains' clocks never matter.
+
+    ``broker_fence(epoch)`` is called by every claim and settle statement of an elected
+    main: it takes ``FOR KEY SHARE`` on the leader row and raises SQLSTATE ``BR001`` when
+    the row's epoch is not the caller's, which aborts the whole statement. Why that is
+    safe under READ COMMITTED: ``epoch`` is unique, so it is a key column, and a
+    takeover, which changes it, locks the row ``FOR UPDATE``, which conflicts with
+    ``FOR KEY SHARE``. If the takeover committed first, the function (a fresh snapshot
+    per query, as any volatile function's) reads the new epoch and raises. If the
+    statement's lock came first, the takeover waits for the statement's transaction to
+    commit, so the new leader's orphan scan, made after the takeover, sees what the old
+    leader changed. If the takeover is in progress, the lock waits for it, then reads
+    the row's newest version (the locking clause's re-check) and raises. A renewal
+    changes only ``expires_at`` (``FOR NO KEY UPDATE``), which does not conflict: claims
+    and settles never hold up the leader's renewals, however many overlap.
+
+    An epoch of NULL (a store used without election: tests, the operator's command) is
+    not fenced. SQLite stores hold one main only (:mod:`adapters._sqlite_lock`) and have
+    neither.
+    """
+    if conn.dialect.name != "postgresql":
+        return
+    table = _qualified(conn, schema, LEADER_TABLE)
+    conn.exec_driver_sql(
+        f"""
+        CREATE TABLE {table} (
+            id SMALLINT PRIMARY KEY CHECK (id = 1),
+            epoch BIGINT NOT NULL UNIQUE,
+            holder TEXT NOT NULL,
+            address TEXT NOT NULL,
+            expires_at TIMESTAMPTZ NOT NULL
+        )
+        """
+    )
+    conn.exec_driver_sql(
+        f"""
+        CREATE FUNCTION {_qualified(conn, schema, FENCE_FUNCTION)}(wanted BIGINT)
+        RETURNS BOOLEAN LANGUAGE plpgsql VOLATILE AS $$
+        DECLARE
+            current BIGINT;
+        BEGIN
+            IF wanted IS NULL THEN
+                RETURN true;
+            END IF;
+            SELECT epoch INTO current FROM {table} WHERE id = 1 FOR KEY SHARE;
+            IF current IS DISTINCT FROM wanted THEN
+                RAISE EXCEPTION 'deposed: epoch % is not the leader''s (it is %)',
+                    wanted, current USING ERRCODE = '{FENCED_SQLSTATE}';
+            END IF;
+            RETURN true;
+        END
+        $$
+        """
+    )
+
+
 Migration = Callable[[sa.Connection, str | None], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
@@ -406,6 +473,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (5, _v5_checkpoints),
     (6, _v6_recoveries),
     (7, _v7_quiet_main_inserts),
+    (8, _v8_leader),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

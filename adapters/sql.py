@@ -59,6 +59,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from adapters import DEFAULT_HOT_POOL_SIZE, DEFAULT_POOL_SIZE
 from adapters._sql_schema import (
+    FENCED_SQLSTATE,
     INSERT_COLUMNS,
     IS_ACTIVE,
     IS_HANDED_OFF,
@@ -82,6 +83,7 @@ from adapters._sqlite_lock import MainLock
 from broker import settlement
 from broker.exceptions import (
     ConfigurationError,
+    DeposedError,
     InvalidJobError,
     MissingDriverError,
     SchemaVersionError,
@@ -107,7 +109,14 @@ from broker.jobs import (
     utcnow,
 )
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_OFFLOAD_BYTES, check_all
-from broker.storage import SCHEMA_VERSION, Capabilities, JobFilter, JobPage, QueueCount
+from broker.storage import (
+    SCHEMA_VERSION,
+    Capabilities,
+    JobFilter,
+    JobPage,
+    LeaderRecord,
+    QueueCount,
+)
 from broker.untrusted import redact_url
 
 if TYPE_CHECKING:
@@ -831,6 +840,9 @@ class SQLAlchemyAdapter:
                     "the schema option is for PostgreSQL only; a SQLite store is one file"
                 )
         self._schema = schema
+        self._epoch: int | None = None
+        """The leader's epoch every claim and settle is fenced with (see :meth:`fence`)."""
+        self._on_fenced: Callable[[str], None] | None = None
         self._unanalyzed_inserts = 0
         self._last_analyze = -math.inf
         self._analyzing: asyncio.Task[None] | None = None
@@ -878,6 +890,9 @@ class SQLAlchemyAdapter:
             self._enqueue_pool: HotPool | None = HotPool(
                 pool_size, {**connect_kwargs, **enqueue_args}
             )
+            self._leader_pool: HotPool | None = HotPool(1, {**connect_kwargs, **connect_args})
+            """The election's own connection (opened by a main's first round only), so a
+            renewal never queues behind claims and settles for a connection."""
             self._lite: SqliteHot | None = None
         else:
             self._lite = self._wire_sqlite(resolved, read_only)
@@ -887,6 +902,7 @@ class SQLAlchemyAdapter:
             self._order_tiebreak = [jobs.c.seq, sa.literal_column("broker_jobs.rowid")]
             self._hot = None
             self._enqueue_pool = None
+            self._leader_pool = None
         self._insert = pg_dialect.insert if self._pg else sqlite_dialect.insert
 
     def _wire_sqlite(self, resolved: URL, read_only: bool) -> SqliteHot:
@@ -914,7 +930,10 @@ class SQLAlchemyAdapter:
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities(
-            skip_locked=self._pg, listen_notify=self._pg, shared_between_processes=True
+            skip_locked=self._pg,
+            listen_notify=self._pg,
+            shared_between_processes=True,
+            leader_election=self._pg,
         )
 
     @property
@@ -933,6 +952,13 @@ class SQLAlchemyAdapter:
 
     def _storage_error(self, op: str, exc: BaseException) -> StorageError:
         cause = exc.orig if isinstance(exc, sa_exc.DBAPIError) and exc.orig else exc
+        if getattr(cause, "sqlstate", None) == FENCED_SQLSTATE:
+            if self._on_fenced is not None:
+                self._on_fenced(op)
+            return DeposedError(
+                f"{op} refused by the epoch fence on {self._url_text}: {cause} (another "
+                "main took over; nothing was changed)"
+            )
         rejected = _rejects_value(exc) or isinstance(exc, self._client_rejects)
         kind = StorageRejectedError if rejected else StorageError
         return kind(f"{op} failed on {self._url_text}: {type(cause).__name__}: {cause}")
@@ -1072,6 +1098,8 @@ class SQLAlchemyAdapter:
             await self._hot[1].close()
         if self._enqueue_pool is not None:
             await self._enqueue_pool.close()
+        if self._leader_pool is not None:
+            await self._leader_pool.close()
         if self._lite is not None:
             await self._lite.close()
         await self._engine.dispose()
@@ -1187,10 +1215,13 @@ class SQLAlchemyAdapter:
 
             async def insert(rows: list[dict[str, Any]], moved: list[Payload]) -> set[uuid.UUID]:
                 batch = _ROWS_JSON.encode(rows).decode()
+                # Jobs written handed off are fenced as a claim is.
+                fenced = [self._epoch] if any(claims) else []
+                stmt = sql.insert_fenced if fenced else sql.insert
                 if not moved:
-                    return {r["id"] for r in await conn.fetch(sql.insert, batch)}
+                    return {r["id"] for r in await conn.fetch(stmt, batch, *fenced)}
                 async with conn.transaction():  # a savepoint inside a batch's transaction
-                    stored = {r["id"] for r in await conn.fetch(sql.insert, batch)}
+                    stored = {r["id"] for r in await conn.fetch(stmt, batch, *fenced)}
                     await _pg_put(sql, conn, _kept(moved, stored))
                 return stored
 
@@ -1494,22 +1525,27 @@ class SQLAlchemyAdapter:
         now_us = self._now()
         claims = list(wanted.values())
         async with self._hot_conn("mark_handed_off") as (sql, conn):
-            rows = await conn.fetch(sql.claim, *_claim_arrays(claims), now_us)
+            rows = await conn.fetch(sql.claim, *_claim_arrays(claims), now_us, self._epoch)
             stored = [r for r in rows if r["claimed"]]
             unclaimed = {r["id"] for r in rows if not r["claimed"]}
             keyed = [c for c in claims if c.job_id in unclaimed]  # in claim order
             if keyed:
-                stored.extend(await self._claim_keyed(sql, conn, keyed, now_us))
+                stored.extend(await self._claim_keyed(sql, conn, keyed, now_us, self._epoch))
             bodies = await _pg_bodies(sql, conn, stored)
         order = {job_id: i for i, job_id in enumerate(wanted)}
         return sorted((_job_from_row(r, bodies) for r in stored), key=lambda job: order[job.id])
 
     @staticmethod
-    async def _claim_keyed(sql: HotSql, conn: Any, claims: list[Claim], now_us: int) -> list[Any]:
-        """Claims of keyed jobs, in one transaction: the rows are locked (skipping any
-        another claimer holds), then their counters in key order, then the granted
-        rows are handed off and their slots taken. Returns the rows as now stored."""
+    async def _claim_keyed(
+        sql: HotSql, conn: Any, claims: list[Claim], now_us: int, epoch: int | None
+    ) -> list[Any]:
+        """Claims of keyed jobs, in one transaction: the epoch fence (held to the
+        commit), the rows are locked (skipping any another claimer holds), then their
+        counters in key order, then the granted rows are handed off and their slots
+        taken. Returns the rows as now stored."""
         async with conn.transaction():
+            if epoch is not None:
+                await conn.execute(sql.fence, epoch)
             candidates = await conn.fetch(sql.lock_claimable, [c.job_id for c in claims], now_us)
             keys = sorted({r["concurrency_key"] for r in candidates} - {None})
             active = {r["key"]: r["active"] for r in await conn.fetch(sql.lock_counters, keys)}
@@ -1577,11 +1613,13 @@ class SQLAlchemyAdapter:
                 column.append(value)
         async with self._hot_conn("settle") as (sql, conn):
             if not moved:
-                accepted = {r["id"] for r in await conn.fetch(sql.settle, *columns)}
+                accepted = {r["id"] for r in await conn.fetch(sql.settle, *columns, self._epoch)}
             else:
                 # The payloads of the moves the fence lets through, in their transaction.
                 async with conn.transaction():
-                    accepted = {r["id"] for r in await conn.fetch(sql.settle, *columns)}
+                    accepted = {
+                        r["id"] for r in await conn.fetch(sql.settle, *columns, self._epoch)
+                    }
                     await _pg_put(sql, conn, _kept(moved, accepted))
         return [first[s.job_id] == i and s.job_id in accepted for i, s in enumerate(settlements)]
 
@@ -1676,6 +1714,39 @@ class SQLAlchemyAdapter:
     async def return_to_queue(self, job_id: uuid.UUID, handoff_id: uuid.UUID) -> bool:
         [done] = await self.settle_many([Settlement(job_id, handoff_id, Outcome.RETURN)])
         return done
+
+    # ------------------------------------------------------------------ leadership
+
+    async def elect(self, holder: str, address: str, ttl: float) -> LeaderRecord | None:
+        async with self._leader_conn("elect") as (sql, conn):
+            row = await conn.fetchrow(sql.elect, holder, address, ttl)
+        if row is None:
+            return None
+        return LeaderRecord(row["epoch"], row["holder"], row["address"], row["live"])
+
+    async def renew(self, holder: str, epoch: int, ttl: float) -> bool:
+        async with self._leader_conn("renew") as (sql, conn):
+            return await conn.fetchval(sql.renew, holder, epoch, ttl) is not None
+
+    async def resign(self, holder: str, epoch: int) -> None:
+        async with self._leader_conn("resign") as (sql, conn):
+            await conn.execute(sql.resign, holder, epoch)
+
+    def fence(self, epoch: int | None, on_fenced: Callable[[str], None] | None = None) -> None:
+        self._epoch = epoch
+        self._on_fenced = on_fenced
+
+    @asynccontextmanager
+    async def _leader_conn(self, op: str) -> AsyncIterator[tuple[HotSql, Any]]:
+        if self._hot is None or self._leader_pool is None:
+            raise ConfigurationError(
+                "leader election needs PostgreSQL; a SQLite file holds one main only"
+            )
+        try:
+            async with self._leader_pool.acquire() as conn:
+                yield self._hot[0], conn
+        except self._errors as exc:
+            raise self._storage_error(op, exc) from exc
 
     # ------------------------------------------------------------------ operator actions
 

@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from broker import admin, checks, composition, logs, protocol
+from broker.addresses import parse_addresses, peer_arguments
 from broker.config import DEFAULT_LIST_PAGE_BYTES, MainSettings, line_limit_for
 from broker.credentials import Credentials, parse_token_file
-from broker.exceptions import BrokerError, ConfigurationError, InvalidJobError
+from broker.election import DEFAULT_FAILOVER_TIMEOUT
+from broker.exceptions import BrokerError, ConfigurationError, DeposedError, InvalidJobError
 from broker.jobs import ExecutionMode, JobStatus
 from broker.main import Main
 from broker.payload import (
@@ -172,28 +174,6 @@ def _duration(text: str) -> float:
 
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-def _host_port(text: str) -> tuple[str, int]:
-    """``HOST:PORT``, ``[IPv6]:PORT``, or a bare host or IPv6 address, which means the
-    default port; a port outside 1-65535 is refused here, with the text that named it,
-    rather than deep in the socket layer."""
-    if text.startswith("["):
-        host, closed, rest = text[1:].partition("]")
-        if not closed or (rest and not rest.startswith(":")):
-            raise ConfigurationError(f"expected HOST:PORT or [IPv6]:PORT (got {text!r})")
-        port = rest[1:]
-    elif text.count(":") == 1:
-        host, _, port = text.partition(":")
-    else:  # a bare host, or a bare IPv6 address
-        host, port = text, ""
-    if not host:
-        raise ConfigurationError(f"expected HOST:PORT (got {text!r})")
-    if port == "" and not text.endswith(":"):
-        return host, protocol.DEFAULT_PORT
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ConfigurationError(f"the port in {text!r} must be a number from 1 to 65535")
-    return host, int(port)
 
 
 # ------------------------------------------------------------------------ credentials, TLS
@@ -432,6 +412,21 @@ def main_parser() -> argparse.ArgumentParser:
     )
     _env_option(
         p,
+        "--failover-timeout",
+        default=DEFAULT_FAILOVER_TIMEOUT,
+        type=_number(float, "failover timeout"),
+        help="several mains on one PostgreSQL store: seconds, at most, from the leader's "
+        "death to a standby dispatching (the leader's lease is 60%% of it)",
+    )
+    _env_option(
+        p,
+        "--advertise",
+        metavar="HOST:PORT",
+        help="where peers reach this main, as standbys name it to them once it leads "
+        "(default: the listen address and port; this host's name for 0.0.0.0)",
+    )
+    _env_option(
+        p,
         "--ping-interval",
         default=5.0,
         type=_number(float, "ping interval"),
@@ -560,6 +555,8 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         orphan_grace=float(args.orphan_grace),
         max_recoveries=int(args.max_recoveries),
         affinity_grace=float(args.affinity_grace),
+        failover_timeout=float(args.failover_timeout),
+        advertise=args.advertise or None,
         ping_interval=float(args.ping_interval),
         liveness_timeout=float(args.liveness_timeout),
         max_payload_bytes=int(args.max_payload_bytes),
@@ -632,11 +629,15 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
             port=dashboard.port,
         )
     try:
-        await stop.wait()
+        await main.wait(stop)
     finally:
         if dashboard is not None:
             await dashboard.stop()
-        await main.stop()
+        await main.stop(report_grace=1.0 if main.deposed.is_set() else 5.0)
+    if main.deposed.is_set():
+        raise DeposedError(
+            "this main was deposed: another main on the store took over; start it again to stand by"
+        )
 
 
 def main_entry(argv: Sequence[str] | None = None) -> int:
@@ -718,7 +719,8 @@ def _add_main_address(p: argparse.ArgumentParser) -> None:
         p,
         "--main",
         default=f"127.0.0.1:{protocol.DEFAULT_PORT}",
-        help="the main's HOST:PORT",
+        help="the main's HOST:PORT, or every main's, comma-separated (HOST:PORT,HOST:PORT): "
+        "a standby names the elected one, and a lost connection tries the next",
     )
 
 
@@ -817,7 +819,7 @@ def load_apps(modules: Sequence[str]) -> None:
 async def run_worker(args: argparse.Namespace) -> None:
     apps = _app_modules(args)
     load_apps(apps)
-    host, port = _host_port(args.main)
+    host, port = peer_arguments(args.main)
     runners = composition.build_runners(
         composition.RunnerOptions(
             apps=tuple(apps),
@@ -1073,7 +1075,7 @@ async def run_broker(args: argparse.Namespace) -> int:
         use_app_directory()
     if args.command == "migrate":
         return await admin.migrate(args.database_url or None, args.adapter or None, args.json)
-    host, port = _host_port(args.main)
+    host, port = peer_arguments(args.main)
     role, secret = _operator_credential(_credentials(args))
     backend = await admin.open_backend(
         host,
@@ -1095,7 +1097,7 @@ async def run_broker(args: argparse.Namespace) -> int:
 
 def _check_main_address(parser: argparse.ArgumentParser, text: str) -> None:
     try:
-        _host_port(text)
+        parse_addresses(text)
     except ConfigurationError as exc:
         parser.error(f"--main: {exc}")
 

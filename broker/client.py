@@ -30,9 +30,11 @@ import msgspec
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from broker import error_codes, protocol, tls, wire
+from broker.addresses import MainAddresses
 from broker.exceptions import (
     BrokerError,
     ConfigurationError,
+    NotLeaderError,
     PayloadTooLargeError,
     ProtocolError,
 )
@@ -72,6 +74,9 @@ class Client:
             raise ConfigurationError("a Client says hello as a client or an operator")
         self.host = host
         self.port = port
+        self._mains = MainAddresses(host, port)
+        """``host`` may list several mains sharing one store (``"a:7600,b:7600"``); a
+        connection goes to the elected one (see :meth:`connect`)."""
         self._token = token
         """The secret of ``role``: the client secret, the operator secret for
         ``role=Role.OPERATOR`` (cancel, retry and prune), or the main's shared token."""
@@ -110,7 +115,7 @@ class Client:
 
     def _timed_out(self, what: str) -> TimeoutError:
         return TimeoutError(
-            f"the main at {self.host}:{self.port} did not answer {what} within "
+            f"the main at {self._mains} did not answer {what} within "
             f"{self._timeout:g} s (Client(timeout=...) sets the limit); the request may or "
             "may not have been applied: repeat an enqueue with the same idempotency_key"
         )
@@ -134,19 +139,32 @@ class Client:
         async with self._connect_lock:
             if self._writer is not None and not self._writer.is_closing:
                 return
-            try:
-                await self._connect()
-            except ssl.SSLError as exc:
-                # Not an OSError to the caller: the main answered, and refused (the
-                # operator's command must not take it for an unreachable main).
-                raise ConfigurationError(tls.describe(exc, f"{self.host}:{self.port}")) from None
+            # Each main once in turn, plus the leader a standby names; the last error is
+            # raised when none welcomes (during a failover: retry the request).
+            for attempt in range(len(self._mains.all) + 1):
+                try:
+                    await self._connect()
+                    return
+                except ssl.SSLError as exc:
+                    # Not an OSError to the caller: the main answered, and refused (the
+                    # operator's command must not take it for an unreachable main).
+                    raise ConfigurationError(tls.describe(exc, str(self._mains))) from None
+                except NotLeaderError as exc:
+                    if attempt == len(self._mains.all):
+                        raise
+                    self._mains.follow(exc.leader)
+                except (OSError, TimeoutError):
+                    if attempt >= len(self._mains.all) - 1:
+                        raise
+                    self._mains.failed()
 
     async def _connect(self) -> None:
+        host, port = self._mains.current
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(
-                    self.host,
-                    self.port,
+                    host,
+                    port,
                     limit=MAX_REPLY_BYTES + 2,
                     ssl=self._tls,
                     ssl_handshake_timeout=None if self._tls is None else self._timeout,
@@ -160,7 +178,7 @@ class Client:
         try:
             challenge = await wire.read_greeting(
                 lines,
-                f"{self.host}:{self.port}",
+                str(self._mains),
                 min(self._timeout, self._greeting_timeout),
                 tls=self._tls is not None,
             )

@@ -10,8 +10,10 @@ import ipaddress
 from dataclasses import dataclass
 
 from broker import checks
+from broker.addresses import parse_address
 from broker.admission import DEFAULT_MAX_CREDIT
 from broker.credentials import Credentials
+from broker.election import DEFAULT_FAILOVER_TIMEOUT
 from broker.jobs import DEFAULT_MAX_RECOVERIES
 from broker.payload import (
     DEFAULT_MAX_CHECKPOINT_BYTES,
@@ -119,6 +121,13 @@ class MainSettings:
     """Connections that have not finished the handshake yet, from all addresses."""
     max_credit: int = DEFAULT_MAX_CREDIT
     """Free slots a worker may announce per mode in ``ready``; a larger ``ready`` is refused."""
+    failover_timeout: float = DEFAULT_FAILOVER_TIMEOUT
+    """With several mains on one PostgreSQL store: the longest a standby takes to
+    dispatch after the leader died (its lease is 60% of it; see
+    :class:`broker.election.Timing`)."""
+    advertise: str | None = None
+    """``HOST:PORT`` a standby names to peers as this main's address once it leads;
+    ``None``: the listen address and port (this host's name for a wildcard address)."""
     http_host: str = "127.0.0.1"
     http_port: int | None = None
     """Where the web dashboard, ``/metrics`` and ``/healthz`` listen (``broker.web``);
@@ -170,6 +179,7 @@ class MainSettings:
             "max_connections_per_address": self.max_connections_per_address,
             "max_unauthenticated": self.max_unauthenticated,
             "max_credit": self.max_credit,
+            "failover_timeout": self.failover_timeout,
         }
         for name, value in positive.items():
             checks.positive(name, value)
@@ -206,6 +216,8 @@ class MainSettings:
             "liveness_timeout must be longer than ping_interval",
         )
         checks.int_in_range("port", self.port, 0, 65535)
+        if self.advertise is not None:
+            parse_address(self.advertise)
         checks.require(
             self.credentials.required or self.allow_unauthenticated or _is_loopback(self.host),
             f"refusing to listen on {self.host!r} without a token for any role: set BROKER_TOKEN "

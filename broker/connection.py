@@ -313,7 +313,7 @@ class Connections:
         settings: ConnectionSettings,
         *,
         new_peer: Callable[[int, float], Peer],
-        welcome: Callable[[Session, protocol.Hello], bool],
+        welcome: Callable[[Session, protocol.Hello], bool | protocol.Error],
         handle: Callable[[Session, protocol.Message], None],
         closed: Callable[[Session], None],
         wake: Callable[[], None],
@@ -534,7 +534,12 @@ class Connections:
                 f"this main speaks protocol {ours}, not {theirs}",
             )
             return False
-        return self._welcome(session, first)
+        answer = self._welcome(session, first)
+        if isinstance(answer, protocol.Error):  # a standby naming the leader
+            with contextlib.suppress(Exception):
+                await session.writer.send(answer)
+            return False
+        return answer
 
     async def _read_loop(self, session: Session, lines: wire.LineReader) -> None:
         """Reads and handles messages one at a time. It waits, without reading, while the

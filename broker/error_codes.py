@@ -21,9 +21,11 @@ from broker.exceptions import (
     BrokerError,
     CheckpointRejectedError,
     ConfigurationError,
+    DeposedError,
     InvalidJobError,
     JobTimeoutError,
     MissingDriverError,
+    NotLeaderError,
     PayloadTooLargeError,
     PermissionDeniedError,
     ProtocolError,
@@ -47,8 +49,10 @@ CODES: Mapping[type[BrokerError], ErrorCode] = {
     StorageError: ErrorCode.STORAGE,
     SchemaVersionError: ErrorCode.SCHEMA_VERSION,
     StorageRejectedError: ErrorCode.STORAGE_REJECTED,
+    DeposedError: ErrorCode.DEPOSED,
     ProtocolError: ErrorCode.MALFORMED,
     AuthenticationError: ErrorCode.AUTH_FAILED,
+    NotLeaderError: ErrorCode.NOT_LEADER,
     PermissionDeniedError: ErrorCode.PERMISSION_DENIED,
     TaskNotFoundError: ErrorCode.TASK_NOT_FOUND,
     JobTimeoutError: ErrorCode.JOB_TIMEOUT,
@@ -89,6 +93,8 @@ def details_of(exc: BaseException) -> dict[str, JSONValue] | None:
     (``tests/unit/test_error_table.py`` fails for one that does not)."""
     if isinstance(exc, UniqueKeyTakenError) and exc.holder_id is not None:
         return {"holder_id": str(exc.holder_id)}
+    if isinstance(exc, NotLeaderError) and exc.leader is not None:
+        return {"leader": exc.leader}
     return None
 
 
@@ -102,6 +108,9 @@ def exception_for(
     cls = CLASSES.get(code, BrokerError)
     if cls is UniqueKeyTakenError:
         return UniqueKeyTakenError(message, holder_id=_uuid((details or {}).get("holder_id")))
+    if cls is NotLeaderError:
+        leader = (details or {}).get("leader")
+        return NotLeaderError(message, leader=leader if isinstance(leader, str) else None)
     return cls(message)
 
 
@@ -119,8 +128,12 @@ def raised_by(reply: protocol.RequestError) -> BrokerError:
 
 def refusal(error: protocol.Error) -> BrokerError:
     """The exception for an ``error`` the main closed a connection with (a wrong token,
-    another protocol version, a connection over a limit, a line too long)."""
-    return exception_for(error.code, f"the main refused the connection: {error.message}")
+    another protocol version, a connection over a limit, a line too long, a standby
+    naming the leader)."""
+    details: dict[str, JSONValue] | None = (
+        None if error.leader is None else {"leader": error.leader}
+    )
+    return exception_for(error.code, f"the main refused the connection: {error.message}", details)
 
 
 def _uuid(value: JSONValue | None) -> uuid.UUID | None:

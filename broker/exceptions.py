@@ -10,9 +10,11 @@ The tree, so a caller can catch as broadly or as narrowly as it needs::
     │   └── UniqueKeyTakenError   another active job holds the unique key (retry_dead)
     ├── StorageError              the job store failed; the operation may be retried
     │   ├── SchemaVersionError    the store's schema is not this code's: newer, older, none
-    │   └── StorageRejectedError  the store refused a value it can never hold; do not retry
+    │   ├── StorageRejectedError  the store refused a value it can never hold; do not retry
+    │   └── DeposedError          another main took over the store; this one changed nothing
     ├── ProtocolError             a peer broke the wire protocol; the connection is closed
-    │   └── AuthenticationError   a peer did not prove its role's secret
+    │   ├── AuthenticationError   a peer did not prove its role's secret
+    │   └── NotLeaderError        the main reached is a standby; it names the leader
     ├── PermissionDeniedError     the connection's role may not make that request
     ├── TaskNotFoundError         a job names a task the worker has not registered
     ├── JobTimeoutError           a job ran past its timeout and was stopped
@@ -79,8 +81,23 @@ class StorageRejectedError(StorageError):
     """
 
 
+class DeposedError(StorageError):
+    """This main is no longer the elected leader: another main took over the store (a
+    newer epoch), so the store refused the claim or settle and changed nothing."""
+
+
 class ProtocolError(BrokerError):
     """The peer broke the broker protocol; the connection is closed."""
+
+
+class NotLeaderError(ProtocolError):
+    """The main reached is a standby: only the elected main dispatches and answers peers;
+    ``leader`` is where it is (``None``: no main is elected yet)."""
+
+    def __init__(self, message: str | None = None, *, leader: str | None = None) -> None:
+        super().__init__(message)
+        self.leader = leader
+        """The elected main's ``HOST:PORT``, as the standby last saw it."""
 
 
 class AuthenticationError(ProtocolError):

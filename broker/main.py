@@ -12,6 +12,12 @@ Anything that goes wrong between 2 and 4 ends in the recovery ledger
 (:mod:`broker.recovery`), which gives that exact lease back; a newer lease is
 never touched because every return is fenced in the store.
 
+Several mains may share one PostgreSQL store: every one listens, exactly one (elected
+through the store, see :mod:`broker.election`) dispatches, and the others answer peers
+with where the leader is. The elected main fences every claim and settle with its
+epoch, and steps down (stops, for a supervisor to start it again as a standby) the
+moment it learns another main took over.
+
 Those rules, and all the state they act on, live in :mod:`broker.handoff`, which does no
 I/O. This module is the shell around it: the settings, the server, the loops that feed it
 events (liveness ticks, the orphans' deadline) and the carrying out of its effects.
@@ -25,7 +31,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import secrets
+import socket
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -37,7 +45,8 @@ from broker.config import MainSettings
 from broker.connection import Connections, Gathered, Session
 from broker.credentials import role_needed
 from broker.dispatch import Dispatcher
-from broker.exceptions import PermissionDeniedError, ProtocolError, transient
+from broker.election import Effect, Election, Lead, Phase, Renew, StepDown, Timing, TryElect
+from broker.exceptions import PermissionDeniedError, ProtocolError, StorageError, transient
 from broker.group_commit import GroupCommit
 from broker.handoff import (
     Abort,
@@ -66,6 +75,7 @@ from broker.storage import (
     JobFilter,
     StorageAdapter,
     SupportsEnqueueHandedOff,
+    SupportsLeadership,
     SupportsNotify,
 )
 
@@ -142,6 +152,8 @@ class Main:
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        """No new dispatch, connection or request: the main is stopping, or was deposed."""
+        self._stop_started = False
         self.dispatcher = Dispatcher(
             measured,
             self.handoff,
@@ -199,6 +211,13 @@ class Main:
             catch_up_window=catch_up_window(retention),
         )
         """Enqueues the periodic jobs' ticks, each once (see :mod:`broker.schedule`)."""
+        self.election: Election | None = None
+        """Who dispatches among the mains on this store (``None``: a store that holds one
+        main only, which always dispatches)."""
+        if store.capabilities.leader_election and isinstance(store, SupportsLeadership):
+            self.election = Election(self.main_id, Timing(self.settings.failover_timeout))
+        self.deposed = asyncio.Event()
+        """Set when this main stepped down: another main took over; :meth:`serve` returns."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -238,17 +257,37 @@ class Main:
                 self.settings.port,
                 start_serving=False,
             )
+        self._server = server
         try:
             await self.store.setup()
-            await self._load_orphans()
+            if self.election is None:
+                await self._load_orphans()
+            else:
+                await self._first_round()
         except BaseException:
+            self._server = None
             server.close()
             await server.wait_closed()
             raise
-        self._server = server
-        self.handoff.serving(asyncio.get_running_loop().time())
         await server.start_serving()
-        self._tasks = [
+        if self.election is None:
+            self._dispatch()
+        else:
+            if self.election.epoch is not None:
+                self._lead_now(self.election.epoch)
+            self._tasks.append(asyncio.create_task(self._elect(), name="broker-election"))
+        logger.info(
+            "main listening main_id=%s host=%s port=%s orphans=%d",
+            self.main_id,
+            self.settings.host,
+            self.port,
+            len(self.orphans),
+        )
+
+    def _dispatch(self) -> None:
+        """Start what only the dispatching main runs (the orphans are loaded)."""
+        self.handoff.serving(asyncio.get_running_loop().time())
+        self._tasks += [
             asyncio.create_task(self.dispatcher.run(), name="broker-dispatch"),
             asyncio.create_task(self.ledger.run(), name="broker-recovery"),
             asyncio.create_task(self.settler.run(), name="broker-reports"),
@@ -268,13 +307,151 @@ class Main:
             )
         if self.scheduler.schedules:
             self._tasks.append(asyncio.create_task(self.scheduler.run(), name="broker-schedule"))
-        logger.info(
-            "main listening main_id=%s host=%s port=%s orphans=%d",
+
+    # ------------------------------------------------------------------ election
+
+    @property
+    def leading(self) -> bool:
+        """Whether this main dispatches (always, on a store that holds one main)."""
+        return self.election is None or self.election.phase is Phase.LEADER
+
+    @property
+    def address(self) -> str:
+        """Where peers reach this main, as a standby names it to them: ``advertise``, or
+        the listen address (this host's name for a wildcard one) and the bound port."""
+        if self.settings.advertise is not None:
+            return self.settings.advertise
+        host = self.settings.host
+        if host in ("", "0.0.0.0", "::"):
+            host = socket.gethostname()
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    async def _elect(self) -> None:
+        """The election's shell: asks the store when :class:`Election` says so, and
+        carries out its answers, until this main stops or steps down."""
+        election = self.election
+        assert election is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            for effect in election.due(loop.time()):
+                for outcome in await self._ask(effect):
+                    match outcome:
+                        case Lead(epoch=epoch):
+                            # Its own task: the election keeps renewing while it loads.
+                            self._tasks.append(
+                                asyncio.create_task(self._lead(epoch), name="broker-lead")
+                            )
+                        case StepDown(epoch=epoch, reason=reason):
+                            self._step_down(epoch, reason)
+            wake = election.wake_at()
+            if wake == math.inf:
+                return
+            await asyncio.sleep(max(0.0, wake - loop.time()))
+
+    async def _ask(self, effect: Effect) -> list[Effect]:
+        """Carry out one round the election asked for; returns what its answer decides
+        (a round bounded by the renewal interval, so a store that hangs is a failed
+        round, and the lease keeps running out)."""
+        election, store = self.election, self.store
+        assert election is not None and isinstance(store, SupportsLeadership)
+        timing = election.timing
+        try:
+            async with asyncio.timeout(timing.renew_every):
+                match effect:
+                    case TryElect(started=started):
+                        row = await store.elect(self.main_id, self.address, timing.ttl)
+                        if row is None:
+                            election.failed()
+                            return []
+                        return election.elected(
+                            row.holder, row.epoch, row.address, row.live, started
+                        )
+                    case Renew(epoch=epoch, started=started):
+                        ok = await store.renew(self.main_id, epoch, timing.ttl)
+                        return election.renewed(started, ok)
+                    case _:
+                        return [effect]
+        except (TimeoutError, OSError, StorageError) as exc:
+            election.failed()
+            logger.warning("election round failed main_id=%s error=%s", self.main_id, exc)
+            return []
+
+    async def _first_round(self) -> None:
+        """At start-up, before peers are answered: one election round, and if it elects
+        this main, the orphans, so a main alone on its store is ready as soon as
+        :meth:`start` returns, as it always was."""
+        election = self.election
+        assert election is not None
+        for effect in election.due(asyncio.get_running_loop().time()):
+            for outcome in await self._ask(effect):
+                if isinstance(outcome, Lead):
+                    self._fence(outcome.epoch)
+                    await self._load_orphans()
+
+    def _fence(self, epoch: int) -> None:
+        store = self.store
+        assert isinstance(store, SupportsLeadership)
+        store.fence(epoch, self._fenced)
+
+    async def _resign(self) -> None:
+        """A leader that stops cleanly ends its lease, so a standby takes over at its next
+        round instead of after the lease; a failure only costs that wait."""
+        election, store = self.election, self.store
+        if election is None or election.phase is not Phase.LEADER:
+            return
+        assert election.epoch is not None and isinstance(store, SupportsLeadership)
+        election.resigned()
+        try:
+            async with asyncio.timeout(election.timing.renew_every):
+                await store.resign(self.main_id, election.epoch)
+        except (TimeoutError, OSError, StorageError) as exc:
+            logger.warning("could not resign the lead main_id=%s error=%s", self.main_id, exc)
+        else:
+            logger.info("resigned the lead main_id=%s epoch=%d", self.main_id, election.epoch)
+
+    async def _lead(self, epoch: int) -> None:
+        """Elected: load the orphans, as a restarted main does, then dispatch."""
+        self._fence(epoch)
+        while True:
+            try:
+                await self._load_orphans()
+                break
+            except (OSError, StorageError) as exc:
+                logger.warning("loading the orphans failed, retrying error=%r", exc)
+                self.handoff.orphans.clear()
+                await asyncio.sleep(self.settings.error_retry_interval)
+        if not self._stopping:
+            self._lead_now(epoch)
+
+    def _lead_now(self, epoch: int) -> None:
+        logger.warning(
+            "elected leader main_id=%s epoch=%d address=%s orphans=%d",
             self.main_id,
-            self.settings.host,
-            self.port,
+            epoch,
+            self.address,
             len(self.orphans),
         )
+        self._dispatch()
+
+    def _fenced(self, op: str) -> None:
+        """The store refused ``op`` under this main's epoch: another main took over."""
+        logger.warning("epoch fence refused %s main_id=%s", op, self.main_id)
+        if self.election is not None:
+            for effect in self.election.fenced():
+                if isinstance(effect, StepDown):
+                    self._step_down(effect.epoch, effect.reason)
+
+    def _step_down(self, epoch: int, reason: str) -> None:
+        """Stop dispatching at once; :meth:`serve` then stops this main."""
+        logger.error(
+            "deposed main_id=%s epoch=%d reason=%s; this main stops dispatching and exits "
+            "(start it again to stand by)",
+            self.main_id,
+            epoch,
+            reason,
+        )
+        self._stopping = True
+        self.deposed.set()
 
     async def stop(self, *, report_grace: float = 5.0) -> None:
         """Stop accepting, let in-flight reports land, then close connections and the store.
@@ -282,8 +459,9 @@ class Main:
         Leases are *not* returned: the workers keep running their jobs and the next main
         adopts them when they reconnect.
         """
-        if self._stopping:
+        if self._stop_started:
             return
+        self._stop_started = True
         self._stopping = True
         if self._server is not None:
             self._server.close()
@@ -301,15 +479,26 @@ class Main:
         )
         if self._server is not None:
             await self._server.wait_closed()
+        await self._resign()
         await self.store.close()
         logger.info("main stopped main_id=%s", self.main_id)
 
     async def serve(self, stop: asyncio.Event) -> None:
+        """Run until ``stop`` is set, or until this main is deposed."""
         await self.start()
         try:
-            await stop.wait()
+            await self.wait(stop)
         finally:
             await self.stop()
+
+    async def wait(self, stop: asyncio.Event) -> None:
+        """Until ``stop`` is set or this main is deposed (:attr:`deposed`)."""
+        waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self.deposed.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
 
     def wake(self) -> None:
         """Ask the dispatcher for another pass (coalesced: many wakes, one pass)."""
@@ -401,11 +590,25 @@ class Main:
 
     # ------------------------------------------------------------------ connections
 
-    def _welcome(self, session: Session, hello: protocol.Hello) -> bool:
+    def _welcome(self, session: Session, hello: protocol.Hello) -> bool | protocol.Error:
         """A hello passed the handshake's checks: the peer joins and is welcomed, with the
-        leases it adopted; ``False`` (the connection closes) while the main is stopping."""
+        leases it adopted; ``False`` (the connection closes) while the main is stopping.
+        A standby answers with ``not_leader`` and where the leader is, and closes."""
         if self._stopping:
             return False
+        if not self.leading:
+            assert self.election is not None
+            leader = self.election.leader
+            return protocol.Error(
+                code=protocol.ErrorCode.NOT_LEADER,
+                message=(
+                    f"this main is a standby; the leader is at {leader}"
+                    if leader is not None
+                    else "this main is a standby and no main is elected yet; try again"
+                ),
+                fatal=True,
+                leader=leader,
+            )
         session.host = hello.host
         self.sessions[session.id] = session
         adopted, effects = self.handoff.hello(session.state, hello)

@@ -117,6 +117,8 @@ class ErrorCode(enum.StrEnum):
     RUNNER_CRASHED = "runner_crashed"
     PERMISSION_DENIED = "permission_denied"
     CHECKPOINT_REJECTED = "checkpoint_rejected"
+    NOT_LEADER = "not_leader"
+    DEPOSED = "deposed"
 
 
 class DecodeError(ProtocolError):
@@ -458,6 +460,9 @@ class Error(_Message, frozen=True, tag="error"):
     code: str
     message: str
     fatal: bool
+    leader: str | None = None
+    """With code ``not_leader``: the elected main's ``HOST:PORT`` for the peer to connect
+    to instead (``None``: no main is elected yet; try the others)."""
 
 
 # --------------------------------------------------------------------------- client ↔ main

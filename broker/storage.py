@@ -58,7 +58,7 @@ from broker.jobs import (
     Settlement,
 )
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """The schema version this code writes and understands; stores record theirs."""
 
 
@@ -72,11 +72,14 @@ class Capabilities:
     is woken when another process inserts a job, instead of polling.
     ``shared_between_processes``: two adapter instances opened on the same URL see
     the same jobs (false for the in-memory adapter).
+    ``leader_election``: the adapter implements :class:`SupportsLeadership`, so several
+    mains may share the store, one of them elected to dispatch.
     """
 
     skip_locked: bool = False
     listen_notify: bool = False
     shared_between_processes: bool = False
+    leader_election: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +340,60 @@ class SupportsEnqueueHandedOff(Protocol):
         is stored: its claim is not won either. The main knows a claim won by the result's
         ``handoff_id``, as for :meth:`StorageAdapter.mark_handed_off_many`.
         """
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderRecord:
+    """The store's leader row, as one election round left it."""
+
+    epoch: int
+    """Grows by one at every takeover; the elected main fences its statements with it."""
+    holder: str
+    """The elected main's id (``Main.main_id``)."""
+    address: str
+    """Where peers reach the elected main (``HOST:PORT``)."""
+    live: bool
+    """Its lease had not run out, by the store's clock."""
+
+
+@runtime_checkable
+class SupportsLeadership(Protocol):
+    """Optional: several mains on one store, exactly one of them dispatching.
+
+    The election and its fence live in the store itself (no consensus of the mains'
+    own): a main holds the leader row for ``ttl`` seconds at a time and renews it;
+    when a lease runs out another main takes the row over and the epoch grows. An
+    adapter without this method holds one main only (SQLite: a file lock; memory: one
+    process), with no epoch.
+
+    The fence is the guarantee, the lease only the timing: once :meth:`fence` has set
+    an epoch, every claim (``mark_handed_off*``, ``enqueue_handed_off`` with a claim)
+    and every settle (``settle_many`` and the single moves, ``return_to_queue``
+    included) checks, *in the same statement* as its change, that the epoch is still
+    the leader's, and under an older one changes nothing and raises
+    :class:`~broker.exceptions.DeposedError` (not ``False``: a deposed main must tell
+    "I am no longer the leader" apart from "this lease is stale"). ``cancel`` is not
+    fenced: an operator's request is valid whichever main serves it, and a cancelled
+    job is terminal for every lease. Reads and plain enqueues are not fenced either.
+    """
+
+    async def elect(self, holder: str, address: str, ttl: float) -> LeaderRecord | None:
+        """Take the leader row for ``ttl`` seconds if there is none or its lease has run
+        out (the epoch grows by one); returns the row as it stands after this round.
+        ``holder`` leads when the answer names it; else the answer names the leader."""
+
+    async def renew(self, holder: str, epoch: int, ttl: float) -> bool:
+        """Extend ``holder``'s lease of ``epoch`` by ``ttl`` from now, by the store's clock;
+        ``False`` if it ran out or another main took over meanwhile (it is deposed)."""
+
+    async def resign(self, holder: str, epoch: int) -> None:
+        """End ``holder``'s lease of ``epoch`` now, so a standby takes over at its next
+        round (a main that stops cleanly); a no-op if it no longer holds it."""
+
+    def fence(self, epoch: int | None, on_fenced: Callable[[str], None] | None = None) -> None:
+        """Make every later claim and settle of this handle check ``epoch`` (``None``: no
+        check, the default); ``on_fenced`` is called with the operation's name each time
+        the fence refuses one, before its ``DeposedError`` is raised."""
 
 
 @runtime_checkable

@@ -49,9 +49,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker import checks, error_codes, protocol, tls, wire
+from broker.addresses import MainAddresses
 from broker.exceptions import (
     AuthenticationError,
     ConfigurationError,
+    NotLeaderError,
     ProtocolError,
 )
 from broker.jobs import ExecutionMode, JSONValue
@@ -121,6 +123,11 @@ class _Connection:
 class Worker:
     """Connects to the main at ``main_host:main_port`` and runs the jobs it hands over.
 
+    ``main_host`` may list several mains sharing one store (``"a:7600,b:7600"``): the
+    worker connects to the elected one, which a standby names, and after a lost
+    connection tries the next; its running jobs carry on meanwhile and are reported to
+    whichever main leads next, which adopts their leases.
+
     :param runners: one runner per execution mode this worker serves.
     :param registry: the tasks this worker may run; a job naming any other task fails
         at once without retry, and nothing is ever imported by a name from the wire.
@@ -179,7 +186,8 @@ class Worker:
         checks.optional(checks.non_negative, "drain_timeout", drain_timeout)
         checks.optional(checks.non_negative_int, "prefetch", prefetch)
         self.worker_id = worker_id
-        self._address = (main_host, main_port)
+        self._mains = MainAddresses(main_host, main_port)
+        """Every main given; a standby's ``not_leader`` names the one to try next."""
         self._runners = dict(runners)
         self._registry = default_registry if registry is None else registry
         self._token = token
@@ -359,16 +367,30 @@ class Worker:
             except (AuthenticationError, ConfigurationError) as exc:
                 self._logger.error("giving up on the main: %s", exc, extra={"event": "fatal"})
                 raise
+            except NotLeaderError as exc:
+                failures += 1
+                delay = self._backoff(failures)
+                self._logger.info(
+                    "the main at %s is a standby (leader: %s); connecting there in %.2f s",
+                    self._mains,
+                    exc.leader or "none elected yet",
+                    delay,
+                    extra={"event": "not_leader"},
+                )
+                self._mains.follow(exc.leader)
+                await asyncio.sleep(delay)
+                continue
             except (OSError, TimeoutError, ProtocolError) as exc:
                 failures += 1
                 delay = self._backoff(failures)
                 self._logger.warning(
-                    "cannot reach the main at %s:%d (%s); retrying in %.2f s",
-                    *self._address,
+                    "cannot reach the main at %s (%s); retrying in %.2f s",
+                    self._mains,
                     _describe(exc),
                     delay,
                     extra={"event": "connect_failed"},
                 )
+                self._mains.failed()
                 await asyncio.sleep(delay)
                 continue
             started = loop.time()
@@ -381,6 +403,7 @@ class Worker:
                     extra={"event": "disconnected"},
                 )
             failures = 0 if loop.time() - started >= _STABLE_CONNECTION else failures + 1
+            self._mains.failed()  # the leader may be gone: the next main names the new one
             await asyncio.sleep(self._backoff(max(failures, 1)))
 
     def _backoff(self, failures: int) -> float:
@@ -390,7 +413,7 @@ class Worker:
         return random.uniform(ceiling / 2, ceiling)
 
     async def _connect(self) -> _Connection:
-        host, port = self._address
+        host, port = self._mains.current
         try:
             async with asyncio.timeout(self._liveness_timeout):
                 reader, raw_writer = await asyncio.open_connection(
@@ -450,7 +473,7 @@ class Worker:
     async def _handshake(
         self, lines: wire.LineReader, writer: wire.MessageWriter
     ) -> protocol.Welcome:
-        host, port = self._address
+        host, port = self._mains.current
         match await wire.read_greeting(
             lines, f"{host}:{port}", wire.GREETING_TIMEOUT, tls=self._tls is not None
         ):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
-from broker.exceptions import StorageError, UniqueKeyTakenError
+from broker.exceptions import DeposedError, StorageError, UniqueKeyTakenError
 from broker.jobs import (
     CheckpointSave,
     Claim,
@@ -35,6 +35,7 @@ from broker.storage import (
     JobFilter,
     StorageAdapter,
     SupportsEnqueueHandedOff,
+    SupportsLeadership,
     SupportsNotify,
     SupportsOffload,
 )
@@ -1180,3 +1181,80 @@ async def check_enqueue_handed_off_applies_only_the_claims_it_may(ctx: Context) 
     await store.enqueue_handed_off([other], [Claim(other.id, lease, WORKER)])
     assert await store.return_to_queue(other.id, lease)
     assert (await _get(store, other.id)).status is JobStatus.QUEUED
+
+
+# --- several mains: the election and the epoch fence ----------------------------------
+
+
+def _leadership(ctx: Context, store: StorageAdapter) -> SupportsLeadership:
+    ctx.require("leader_election")
+    assert isinstance(store, SupportsLeadership), (
+        "an adapter declaring leader_election implements SupportsLeadership"
+    )
+    return store
+
+
+@_check
+async def check_one_leader_until_its_lease_runs_out_or_it_resigns(ctx: Context) -> None:
+    """One main holds the leader row at a time: a live lease is neither taken over nor
+    renewed by another, and a takeover (after the lease, or a resignation) grows the
+    epoch, after which the old holder's renewal is refused."""
+    a = _leadership(ctx, ctx.store)
+    b = _leadership(ctx, await ctx.peer())
+    first = await a.elect("main-a", "a.example:7600", 60)
+    assert first is not None and (first.holder, first.live) == ("main-a", True)
+    seen = await b.elect("main-b", "b.example:7600", 60)
+    assert seen == first, "a live lease is not taken over; the answer names the leader"
+    assert await a.renew("main-a", first.epoch, 60)
+    assert not await b.renew("main-b", first.epoch, 60), "only the holder renews"
+    await a.resign("main-a", first.epoch)
+    taken = await b.elect("main-b", "b.example:7600", 60)
+    assert taken is not None and (taken.holder, taken.address) == ("main-b", "b.example:7600")
+    assert taken.epoch == first.epoch + 1 and taken.live
+    assert not await a.renew("main-a", first.epoch, 60), "the old leader learns it is deposed"
+
+
+@_check
+async def check_a_deposed_leader_changes_nothing(ctx: Context) -> None:
+    """Under an older epoch, every claim and settle (return and hand-off at enqueue
+    included) raises DeposedError, reports it to the fence's callback and changes
+    nothing; the new leader settles the lease the old one granted, as it adopts it."""
+    old = _leadership(ctx, ctx.store)
+    new = _leadership(ctx, await ctx.peer())
+    elected = await old.elect("main-old", "old:7600", 0)  # a lease run out at once
+    assert elected is not None
+    refused: list[str] = []
+    old.fence(elected.epoch, refused.append)
+    store = ctx.store
+    running = await _claim(store, await _enqueue(store))  # the leader's own claims pass
+    waiting = await _enqueue(store)
+    keyed = await _enqueue(store, concurrency_key="k", concurrency_limit=2)
+    takeover = await new.elect("main-new", "new:7600", 60)
+    assert takeover is not None and takeover.epoch == elected.epoch + 1
+    new.fence(takeover.epoch)
+    assert running.handoff_id is not None
+    attempts: list[Callable[[], Awaitable[object]]] = [
+        lambda: store.mark_handed_off_many([Claim(waiting.id, uuid.uuid4(), WORKER)]),
+        lambda: store.mark_handed_off(keyed.id, uuid.uuid4(), WORKER),
+        lambda: store.complete(running.id, running.handoff_id, "stale"),  # type: ignore[arg-type]
+        lambda: store.return_to_queue(running.id, running.handoff_id),  # type: ignore[arg-type]
+    ]
+    fresh = _spec()
+    if isinstance(store, SupportsEnqueueHandedOff):
+        attempts.append(
+            lambda: store.enqueue_handed_off([fresh], [Claim(fresh.id, uuid.uuid4(), WORKER)])
+        )
+    for attempt in attempts:
+        try:
+            await attempt()
+        except DeposedError:
+            continue
+        raise AssertionError("a deposed leader's claim or settle went through")
+    assert len(refused) == len(attempts), refused
+    peer = ctx._peers[0]
+    assert await peer.get_job(fresh.id) is None, "the fenced enqueue stored nothing"
+    for job in (waiting, keyed):
+        assert (await _get(peer, job.id)).status is JobStatus.QUEUED
+    assert (await _get(peer, running.id)).handoff_id == running.handoff_id
+    assert await peer.complete(running.id, running.handoff_id, "done")
+    assert (await _get(peer, running.id)).status is JobStatus.COMPLETED

@@ -665,9 +665,13 @@ async def test_two_running_schedulers_and_a_restart_enqueue_every_second_once(
 async def test_two_mains_and_a_restarted_main_enqueue_a_cron_tick_once(
     shared: Callable[..., SQLAlchemyAdapter],
 ) -> None:
-    # Shift time so that a minute boundary (a cron tick) comes one second after start.
+    # Shift time so that a minute boundary (a cron tick) comes a few seconds after start.
+    # On PostgreSQL one of the mains is elected and runs the schedules; when a main
+    # stops, whichever leads next (a standby, or the restarted main) must not enqueue
+    # the tick again.
+    lead = 3.0
     boundary = utc(2031, 5, 6, 7, 8)
-    offset = boundary - timedelta(seconds=1) - utcnow()
+    offset = boundary - timedelta(seconds=lead) - utcnow()
 
     def clock() -> datetime:
         return utcnow() + offset
@@ -678,17 +682,23 @@ async def test_two_mains_and_a_restarted_main_enqueue_a_cron_tick_once(
     await asyncio.gather(*(m.start() for m in mains))
     restarted: Main | None = None
     try:
+        assert clock() < boundary, "the mains started after the tick: raise the lead"
         store = shared(clock)
         expected = [schedule.key(boundary - timedelta(minutes=1)), schedule.key(boundary)]
-        deadline = asyncio.get_running_loop().time() + 5
+        deadline = asyncio.get_running_loop().time() + lead + 5
         while await keys(store) != expected:
             assert asyncio.get_running_loop().time() < deadline, await keys(store)
             await asyncio.sleep(0.05)
         await mains[0].stop()
         restarted = Main(shared(clock), settings, clock=clock, schedules=[schedule])
         await restarted.start()
+        deadline = asyncio.get_running_loop().time() + 10
+        while not any(m.leading and m.scheduler.next_tick() for m in (mains[1], restarted)):
+            assert asyncio.get_running_loop().time() < deadline, "no main runs the schedule"
+            await asyncio.sleep(0.05)
+        running = [m for m in (mains[1], restarted) if m.leading]
         await asyncio.sleep(0.5)
-        next_tick = restarted.scheduler.next_tick()
+        next_tick = running[0].scheduler.next_tick()
         assert next_tick is not None and next_tick > boundary  # it caught up on the tick
         assert await keys(store) == expected
         assert len(await all_jobs(store)) == 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.cli import _host_port
+from broker.addresses import parse_address
 from broker.exceptions import ConfigurationError
 from broker.protocol import DEFAULT_PORT
 
@@ -23,7 +23,7 @@ from broker.protocol import DEFAULT_PORT
     ],
 )
 def test_accepted(text: str, expected: tuple[str, int]) -> None:
-    assert _host_port(text) == expected
+    assert parse_address(text) == expected
 
 
 @pytest.mark.parametrize(
@@ -40,4 +40,4 @@ def test_accepted(text: str, expected: tuple[str, int]) -> None:
 )
 def test_refused_with_the_text_that_named_it(text: str, message: str) -> None:
     with pytest.raises(ConfigurationError, match=message.replace("[", r"\[")):
-        _host_port(text)
+        parse_address(text)

@@ -1,0 +1,237 @@
+"""Several mains on one PostgreSQL store, with real processes: the leader is killed with
+``kill -9`` while workers drain a backlog, a standby takes over within the bound, the
+workers follow it and report the jobs they were running, which it adopts. Every job ends
+completed, exactly once. And a leader paused (SIGSTOP) past the loss of its lease, then
+resumed, changes no job: the epoch fence refuses what it tries, and it exits.
+
+The measured takeover times (from the kill to the new leader's ``elected leader`` line,
+by the log's own clock) are printed, and appended to the file named by
+``BROKER_FAILOVER_TIMES`` when it is set, so a run of the soak can report their spread.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from broker.client import Client
+from broker.jobs import JobStatus
+from tests.conftest import require_postgres
+from tests.e2e.test_e2e import (
+    Cluster,
+    Proc,
+    RunLog,
+    enqueue,
+    eventually,
+    final_jobs,
+    free_port,
+    hold_spec,
+    observe,
+    record_spec,
+    wait_until_all_terminal,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+
+FAILOVER_TIMEOUT = 5.0
+"""The default bound; the tests assert it with generous slack for a loaded machine."""
+SLACK = 5.0
+
+
+@pytest.fixture
+async def pg_url() -> AsyncIterator[str]:
+    """A database of its own: several mains share it, as they would in production."""
+    import asyncpg
+    from sqlalchemy.engine import make_url
+
+    base = make_url(require_postgres())
+    admin = base.set(drivername="postgresql", database="postgres").render_as_string(False)
+    name = f"broker_ha_{uuid.uuid4().hex[:12]}"
+    conn = await asyncpg.connect(admin)
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+    try:
+        yield base.set(database=name).render_as_string(False)
+    finally:
+        conn = await asyncpg.connect(admin)
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await conn.close()
+
+
+class Mains(Cluster):
+    """Several mains on one store, each on a port of its own; peers are given them all,
+    a standby first, so following the leader is part of every connection."""
+
+    def __init__(self, tmp_path: Path, url: str, count: int) -> None:
+        super().__init__(tmp_path, url)
+        self.ports = [free_port() for _ in range(count)]
+        self.mains: list[Proc] = []
+
+    @property
+    def addresses(self) -> str:
+        return ",".join(f"127.0.0.1:{port}" for port in reversed(self.ports))
+
+    async def start_mains(self) -> Proc:
+        """Start every main, the first one alone until it leads; returns it."""
+        for i, port in enumerate(self.ports):
+            self.port = port
+            # Workers reconnect within seconds; the orphans wait for them long enough.
+            self.mains.append(await self.start_main("--orphan-grace", "30"))
+            if i == 0:
+                await self.mains[0].wait_for_output("elected leader", timeout=30)
+        return self.mains[0]
+
+    async def start_worker(self, worker_id: str, *, concurrency: int = 8) -> Proc:
+        argv = ["worker", "--main", self.addresses, "--app", "tests.e2e_app"]
+        argv += ["--worker-id", worker_id, "--inline-concurrency", str(concurrency)]
+        proc = await self.spawn(worker_id, *argv)
+        await proc.wait_for_output("connected to main")
+        return proc
+
+    def client(self) -> Client:
+        return Client(self.addresses)
+
+    async def new_leader(self, old: Proc, count: int = 1) -> tuple[Proc, float]:
+        """The main that logs ``elected leader`` after ``old``, and the log's time of it."""
+        found: list[tuple[Proc, float]] = []
+
+        def elected() -> bool:
+            for proc in self.mains:
+                if proc is old:
+                    continue
+                for line in proc.output().splitlines():
+                    if "elected leader" in line:
+                        found.append((proc, _log_time(line)))
+                        return True
+            return False
+
+        await eventually(elected, "a standby to take over", timeout=60, detail=self.logs)
+        return found[0]
+
+
+def _log_time(line: str) -> float:
+    return datetime.fromisoformat(line.split(" ", 1)[0]).timestamp()
+
+
+def _note_takeover(seconds: float, label: str) -> None:
+    print(f"takeover {label}: {seconds:.3f} s")
+    path = os.environ.get("BROKER_FAILOVER_TIMES")
+    if path:
+        with open(path, "a") as out:
+            out.write(f"{label} {seconds:.3f}\n")
+
+
+async def _kill_the_leader_midway(
+    tmp_path: Path, url: str, seed: int, mains: int, total: int
+) -> None:
+    rng = random.Random(seed)
+    cluster = Mains(tmp_path, url, mains)
+    try:
+        leader = await cluster.start_mains()
+        workers = [await cluster.start_worker(f"worker-{i}") for i in range(2)]
+        specs = [record_spec(rng.choice([0.0, 0.005, 0.02])) for _ in range(total)]
+        keys = await enqueue(cluster, specs)
+        progress = rng.randint(total // 10, total // 2)
+        await eventually(
+            lambda: RunLog.read(cluster.runs).total_ends() >= progress,
+            "the workers to be into the backlog",
+            timeout=60,
+            detail=cluster.logs,
+        )
+        killed_at = time.time()
+        await leader.kill()
+        successor, elected_at = await cluster.new_leader(leader)
+        takeover = elected_at - killed_at
+        _note_takeover(takeover, f"seed={seed} mains={mains}")
+        async with observe(url) as store:
+            await wait_until_all_terminal(store, len(keys), cluster, timeout=90)
+        for proc in [*workers, *(m for m in cluster.mains if m is not leader)]:
+            assert await proc.terminate() == 0, proc.tail()
+        assert "adopted=" in successor.output()
+    finally:
+        await cluster.close()
+
+    jobs = await final_jobs(url)
+    runs = RunLog.read(cluster.runs)
+    assert set(jobs) == set(keys), "no job lost, none made up"
+    assert all(job.status is JobStatus.COMPLETED for job in jobs.values()), "every job terminal"
+    for key, job in jobs.items():
+        # The result is the pid that ran the job; each ran once, whatever the failover.
+        assert runs.starts.get(key) == runs.ends.get(key) == [job.result], (key, job)
+    assert takeover <= FAILOVER_TIMEOUT + SLACK, f"takeover took {takeover:.2f} s"
+
+
+async def test_the_leader_killed_a_standby_takes_over(tmp_path: Path, pg_url: str) -> None:
+    await _kill_the_leader_midway(tmp_path, pg_url, seed=1, mains=2, total=300)
+
+
+@pytest.mark.soak
+async def test_three_mains_the_leader_killed(tmp_path: Path, pg_url: str) -> None:
+    await _kill_the_leader_midway(tmp_path, pg_url, seed=2, mains=3, total=400)
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("seed", range(20))
+async def test_failover_soak(tmp_path: Path, pg_url: str, seed: int) -> None:
+    await _kill_the_leader_midway(tmp_path, pg_url, seed=seed, mains=2 + seed % 2, total=1000)
+
+
+async def test_a_paused_leader_is_fenced_when_it_resumes(tmp_path: Path, pg_url: str) -> None:
+    """SIGSTOP past the lease's loss: a standby takes over, while the paused main's worker
+    finishes its jobs and its reports wait in the paused main's socket. At SIGCONT the
+    old leader tries to settle them: the epoch fence refuses, nothing changes, it steps
+    down and exits; the worker reports to the new leader, which adopted the leases."""
+    cluster = Mains(tmp_path, pg_url, 2)
+    gate = tmp_path / "gate"
+    try:
+        leader = await cluster.start_mains()
+        worker = await cluster.start_worker("worker-0", concurrency=4)
+        held = [hold_spec(gate) for _ in range(4)]
+        keys = await enqueue(cluster, held)
+        await eventually(lambda: len(RunLog.read(cluster.runs).starts) == 4, "the jobs to run")
+        leader.process.send_signal(signal.SIGSTOP)
+        try:
+            successor, _ = await cluster.new_leader(leader)
+            keys += await enqueue(cluster, [record_spec() for _ in range(20)])  # to the new one
+            gate.touch()  # the worker finishes; its reports go to the paused main
+            await eventually(
+                lambda: len(RunLog.read(cluster.runs).ends) == 4, "the held jobs to end"
+            )
+            async with observe(pg_url) as store:
+                for spec in held:
+                    job = await store.get_job(spec.id)
+                    assert job is not None and job.status is JobStatus.HANDED_OFF
+        finally:
+            leader.process.send_signal(signal.SIGCONT)
+        assert await leader.exit_code(timeout=60) == 1
+        async with observe(pg_url) as store:
+            await wait_until_all_terminal(store, len(keys), cluster, timeout=60)
+        assert await worker.terminate() == 0
+        assert await successor.terminate() == 0
+    finally:
+        await cluster.close()
+
+    old = leader.output()
+    assert "epoch fence refused settle" in old, f"{leader.tail()}\n{worker.tail()}"
+    assert "deposed" in old
+    refused_claims = old.count("epoch fence refused mark_handed_off")
+    print(f"the resumed leader's claims refused by the fence: {refused_claims}")
+    jobs = await final_jobs(pg_url)
+    runs = RunLog.read(cluster.runs)
+    assert set(jobs) == set(keys)
+    for key, job in jobs.items():
+        assert job.status is JobStatus.COMPLETED, job
+        assert runs.starts.get(key) == runs.ends.get(key) == [job.result], (key, job)
+    assert "adopted=4" in successor.output(), successor.tail()

@@ -1,0 +1,60 @@
+"""Several mains in one process on one PostgreSQL store: the first to start leads at once
+(ready when ``start`` returns, as a lone main always was); the other answers a hello
+with ``not_leader`` naming it, and a client given the standby's address, or both, is
+sent on to the leader. A leader that stops cleanly resigns, and the standby takes over
+at its next round."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import pytest
+
+from adapters.sql import SQLAlchemyAdapter
+from broker.client import Client
+from broker.main import Main
+from tests.conftest import drop_schema, fresh_schema_name, require_postgres
+from tests.support import FAST, until
+
+pytestmark = pytest.mark.postgres
+
+SETTINGS = replace(FAST, failover_timeout=2.0)
+
+
+@pytest.fixture
+async def stores() -> AsyncIterator[list[SQLAlchemyAdapter]]:
+    url = require_postgres()
+    schema = fresh_schema_name()
+    made = [SQLAlchemyAdapter(url, schema=schema) for _ in range(2)]
+    try:
+        yield made
+    finally:
+        await drop_schema(schema)
+
+
+async def test_a_standby_sends_peers_to_the_leader_and_takes_over(
+    stores: list[SQLAlchemyAdapter],
+) -> None:
+    leader = Main(stores[0], SETTINGS, retention=None)
+    standby = Main(stores[1], SETTINGS, retention=None)
+    await leader.start()
+    try:
+        assert leader.leading, "a main alone on its store leads when start() returns"
+        await standby.start()
+        assert not standby.leading
+        assert standby.election is not None and standby.election.leader == leader.address
+        async with Client("127.0.0.1", standby.port) as client:  # sent on to the leader
+            job = await client.enqueue("tests.noop")
+            assert (await client.get_job(job.job_id)) is not None
+        both = f"127.0.0.1:{standby.port},127.0.0.1:{leader.port}"
+        async with Client(both) as client:
+            assert (await client.status())["main_id"] == leader.main_id
+        await leader.stop()  # resigns: the standby takes over at its next round
+        await until(lambda: standby.leading, timeout=10)
+        assert standby.election is not None and standby.election.epoch == 2
+        async with Client(both) as client:
+            assert (await client.status())["main_id"] == standby.main_id
+    finally:
+        await leader.stop()
+        await standby.stop()

@@ -1,0 +1,200 @@
+"""The election's rules (:mod:`broker.election`) against a model of the leader row: the
+row's lease runs out by the store's clock, a takeover grows the epoch, and a main's
+rounds reach the store some time after it sent them. Single events first, then a
+hypothesis run of several mains, crashes and slow rounds included: never two leaders
+at once, by the mains' own clocks, and a standby takes over within the bound."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from broker.election import Election, Lead, Phase, Renew, StepDown, Timing, TryElect
+from broker.exceptions import ConfigurationError
+
+
+@dataclass
+class Row:
+    """The leader row as ``adapters/_pg_hot.py`` keeps it, by the store's clock."""
+
+    epoch: int = 0
+    holder: str = ""
+    address: str = ""
+    expires: float = -math.inf
+
+    def elect(self, holder: str, ttl: float, now: float) -> tuple[str, int, str, bool]:
+        if self.expires <= now:
+            self.epoch, self.holder, self.address = self.epoch + 1, holder, f"{holder}:7600"
+            self.expires = now + ttl
+        return self.holder, self.epoch, self.address, self.expires > now
+
+    def renew(self, holder: str, epoch: int, ttl: float, now: float) -> bool:
+        if self.holder == holder and self.epoch == epoch and self.expires > now:
+            self.expires = now + ttl
+            return True
+        return False
+
+
+def answer(e: Election, row: Row, effect: TryElect | Renew, now: float) -> list[object]:
+    """``effect`` reaches the store at ``now``; the main gets the answer."""
+    ttl = e.timing.ttl
+    if isinstance(effect, TryElect):
+        return list(e.elected(*row.elect(e.holder, ttl, now), started=effect.started))
+    return list(e.renewed(effect.started, row.renew(e.holder, effect.epoch, ttl, now)))
+
+
+TIMING = Timing(5.0)
+
+
+def test_timing_derives_from_the_bound() -> None:
+    assert (TIMING.ttl, TIMING.renew_every, TIMING.poll_every) == pytest.approx((3.0, 1.0, 0.5))
+    assert TIMING.ttl + TIMING.poll_every < TIMING.failover_timeout
+    with pytest.raises(ConfigurationError):
+        Timing(0)
+
+
+def test_a_standby_is_elected_when_the_row_is_free() -> None:
+    row, e = Row(), Election("a", TIMING)
+    [ask] = e.due(0.0)
+    assert isinstance(ask, TryElect)
+    assert e.due(0.1) == [], "one round at a time"
+    assert answer(e, row, ask, 0.0) == [Lead(1)]
+    assert e.phase is Phase.LEADER and e.epoch == 1 and e.lease_until == 3.0
+    assert e.wake_at() == 1.0
+    [renew] = e.due(1.0)
+    assert renew == Renew(1, 1.0)
+    assert answer(e, row, renew, 1.2) == []
+    assert e.lease_until == 4.0, "counted from when the renewal was sent"
+
+
+def test_a_standby_names_the_leader_and_waits() -> None:
+    row, a, b = Row(), Election("a", TIMING), Election("b", TIMING)
+    answer(a, row, a.due(0.0)[0], 0.0)  # type: ignore[arg-type]
+    assert answer(b, row, b.due(0.0)[0], 0.0) == []  # type: ignore[arg-type]
+    assert b.phase is Phase.STANDBY and b.leader == "a:7600"
+    assert b.wake_at() == 0.5
+
+
+def test_a_refused_renewal_steps_down_at_once() -> None:
+    row, a, b = Row(), Election("a", TIMING), Election("b", TIMING)
+    answer(a, row, a.due(0.0)[0], 0.0)  # type: ignore[arg-type]
+    renew = a.due(1.0)[0]
+    row.expires = 0.5  # the lease ran out in the store (say, a partition)
+    assert answer(b, row, b.due(1.0)[0], 1.0) == [Lead(2)]  # type: ignore[arg-type]
+    [down] = answer(a, row, renew, 1.1)  # type: ignore[arg-type]
+    assert isinstance(down, StepDown) and down.epoch == 1 and "took over" in down.reason
+    assert a.phase is Phase.DEPOSED and a.due(100.0) == [] and a.wake_at() == math.inf
+
+
+def test_a_leader_that_cannot_renew_steps_down_when_its_lease_runs_out() -> None:
+    row, a = Row(), Election("a", TIMING)
+    answer(a, row, a.due(0.0)[0], 0.0)  # type: ignore[arg-type]
+    assert isinstance(a.due(1.0)[0], Renew)
+    a.failed()  # the store did not answer
+    assert isinstance(a.due(2.0)[0], Renew)
+    a.failed()
+    [last] = a.due(3.0)  # the lease ran out by its clock: one more renewal, at once
+    assert last == Renew(1, 3.0)
+    assert a.due(3.5) == [], "its answer decides"
+    a.failed()
+    [down] = a.due(3.6)
+    assert isinstance(down, StepDown) and "lease ran out" in down.reason
+
+
+def test_a_starved_leader_keeps_the_lead_if_the_store_renews_it() -> None:
+    row, a = Row(), Election("a", TIMING)
+    answer(a, row, a.due(0.0)[0], 0.0)  # type: ignore[arg-type]
+    [last] = a.due(3.5)  # its loop was stalled past the lease; nobody took over
+    assert isinstance(last, Renew)
+    row.expires = 10.0  # renewed by the store while the main was stalled
+    assert answer(a, row, last, 3.6) == []
+    assert a.phase is Phase.LEADER and a.lease_until == 6.5
+
+
+def test_a_fenced_statement_steps_the_leader_down_once() -> None:
+    row, a = Row(), Election("a", TIMING)
+    answer(a, row, a.due(0.0)[0], 0.0)  # type: ignore[arg-type]
+    assert [type(x) for x in a.fenced()] == [StepDown]
+    assert a.fenced() == [], "already deposed"
+    assert Election("b", TIMING).fenced() == [], "a standby has nothing to step down from"
+
+
+@dataclass
+class Sim:
+    """Several mains, one row; each round reaches the store after ``delay`` seconds."""
+
+    mains: list[Election]
+    row: Row
+    crashed: set[int]
+    inflight: list[tuple[float, int, TryElect | Renew]]
+    now: float = 0.0
+
+    def leaders(self) -> list[int]:
+        """The live mains sure to lead now, by their own clocks."""
+        return [
+            i
+            for i, e in enumerate(self.mains)
+            if i not in self.crashed and e.phase is Phase.LEADER and self.now < e.lease_until
+        ]
+
+    def deliver(self, until: float) -> None:
+        """The rounds that reach the store by ``until``, in order of arrival."""
+        self.inflight.sort(key=lambda x: x[0])
+        while self.inflight and self.inflight[0][0] <= until:
+            at, i, effect = self.inflight.pop(0)
+            if i not in self.crashed:
+                answer(self.mains[i], self.row, effect, max(at, self.now))
+
+    def tick(self, who: int = -1, delay: float = 0.0, fail: bool = False) -> None:
+        """Every live main does what is due; ``who``'s rounds take ``delay`` (or fail)."""
+        for i, e in enumerate(self.mains):
+            if i in self.crashed:
+                continue
+            for effect in e.due(self.now):
+                if not isinstance(effect, TryElect | Renew):
+                    continue
+                if fail and i == who:
+                    e.failed()
+                else:
+                    self.inflight.append((self.now + (delay if i == who else 0.0), i, effect))
+
+
+@given(
+    n=st.integers(2, 3),
+    steps=st.lists(
+        st.tuples(
+            st.floats(0.01, 1.5),  # time passing
+            st.integers(0, 2),  # which main acts
+            st.floats(0.0, 4.0),  # its round's trip to the store
+            st.sampled_from(["run", "run", "run", "crash", "fail"]),
+        ),
+        max_size=60,
+    ),
+)
+def test_never_two_leaders_and_a_standby_takes_over(
+    n: int, steps: list[tuple[float, int, float, str]]
+) -> None:
+    sim = Sim([Election(f"m{i}", TIMING) for i in range(n)], Row(), set(), [])
+    for dt, who, delay, action in steps:
+        sim.now += dt
+        sim.deliver(sim.now)
+        if action == "crash" and len(sim.crashed) < n - 1:
+            sim.crashed.add(who % n)
+        sim.tick(who % n, delay, fail=action == "fail")
+        assert len(sim.leaders()) <= 1, (sim.now, [(e.phase, e.lease_until) for e in sim.mains])
+    # Then the store answers at once and nothing fails: a live main leads within the
+    # bound (after the longest lease a slow renewal may have left in the row), unless
+    # every live main was deposed, to be restarted by its supervisor.
+    sim.deliver(math.inf)
+    start = sim.now
+    while not sim.leaders():
+        if all(e.phase is Phase.DEPOSED for i, e in enumerate(sim.mains) if i not in sim.crashed):
+            return
+        assert sim.now - start <= TIMING.failover_timeout + TIMING.ttl, "no takeover"
+        sim.now += TIMING.poll_every / 5
+        sim.tick()
+        sim.deliver(sim.now)
