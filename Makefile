@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help install test test-slow lint typecheck layering pytest demo bench bench-soak bench-floor bench-storage bench-runners format clean
+.PHONY: help install test test-slow lint typecheck layering pytest demo bench bench-soak bench-floor bench-storage bench-runners bench-enqueue format clean
 
 help:
 	@echo "make demo           run a main on SQLite with a worker and example jobs"
@@ -16,6 +16,7 @@ help:
 	@echo "make bench          side-by-side benchmark (see bench/)"
 	@echo "make bench-soak     broker-main RSS over 1,000,000 jobs on PostgreSQL (about 20 min)"
 	@echo "make bench-floor    the per-job cost of each hot-path primitive (the floor estimate)"
+	@echo "make bench-enqueue  the enqueue path alone on PostgreSQL: rates and CPU per job per process"
 	@echo "make format         apply ruff formatting"
 
 $(STAMP): pyproject.toml
@@ -70,6 +71,9 @@ bench-soak: $(STAMP)
 
 bench-floor: $(STAMP)
 	$(BIN)/python -m bench.floor
+
+bench-enqueue: $(STAMP)
+	$(BIN)/python -m bench.enqueue_bench broker-postgres --reps 3
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix broker adapters runners tests bench

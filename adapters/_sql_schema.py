@@ -261,14 +261,38 @@ def _create_notify_trigger(conn: sa.Connection, schema: str | None) -> None:
     The channel is derived from the table's schema at run time (``TG_TABLE_SCHEMA``),
     so it stays right whatever ``search_path`` the creating session had.
     """
-    func = _qualified(conn, schema, "broker_jobs_notify")
     table = _qualified(conn, schema, "broker_jobs")
+    _create_notify_function(conn, schema, quiet_sessions=False)
+    conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS broker_jobs_notify ON {table}")
+    conn.exec_driver_sql(
+        f"CREATE TRIGGER broker_jobs_notify AFTER INSERT ON {table} "
+        f"FOR EACH STATEMENT EXECUTE FUNCTION {_qualified(conn, schema, 'broker_jobs_notify')}()"
+    )
+
+
+QUIET_INSERTS_SETTING = "broker.quiet_inserts"
+"""A session setting: a session that sets it ``on`` inserts jobs without notifying
+(schema version 7 on). The main's own enqueue sessions do: the main wakes its dispatcher
+itself after each enqueue, and the notification only came back to it as a second wake,
+at the cost of a round of work in the inserting backend, the listening one and the main."""
+
+
+def _create_notify_function(conn: sa.Connection, schema: str | None, quiet_sessions: bool) -> None:
+    """The trigger's function; ``quiet_sessions``: skipped in a session that sets
+    :data:`QUIET_INSERTS_SETTING` (schema version 7 on)."""
+    func = _qualified(conn, schema, "broker_jobs_notify")
+    quiet = (
+        f"IF current_setting('{QUIET_INSERTS_SETTING}', true) = 'on' THEN RETURN NULL; END IF;"
+        if quiet_sessions
+        else ""
+    )
     conn.exec_driver_sql(
         f"""
         CREATE OR REPLACE FUNCTION {func}() RETURNS trigger LANGUAGE plpgsql AS $$
         DECLARE
             channel text := '{CHANNEL_PREFIX}' || TG_TABLE_SCHEMA;
         BEGIN
+            {quiet}
             IF octet_length(channel) > {_MAX_IDENTIFIER_BYTES} THEN
                 channel := '{CHANNEL_PREFIX}' || md5(TG_TABLE_SCHEMA);
             END IF;
@@ -277,11 +301,6 @@ def _create_notify_trigger(conn: sa.Connection, schema: str | None) -> None:
         END
         $$
         """
-    )
-    conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS broker_jobs_notify ON {table}")
-    conn.exec_driver_sql(
-        f"CREATE TRIGGER broker_jobs_notify AFTER INSERT ON {table} "
-        f"FOR EACH STATEMENT EXECUTE FUNCTION {func}()"
     )
 
 
@@ -368,6 +387,15 @@ def _v6_recoveries(conn: sa.Connection, schema: str | None) -> None:
         conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {ddl}")
 
 
+def _v7_quiet_main_inserts(conn: sa.Connection, schema: str | None) -> None:
+    """Version 7: the notify trigger stays silent in sessions that set
+    :data:`QUIET_INSERTS_SETTING` (the main's own enqueues). Only the trigger's function
+    is replaced; rows, indexes and the trigger itself are untouched. SQLite has no trigger.
+    """
+    if conn.dialect.name == "postgresql":
+        _create_notify_function(conn, schema, quiet_sessions=True)
+
+
 Migration = Callable[[sa.Connection, str | None], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
@@ -377,6 +405,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (4, _v4_payloads),
     (5, _v5_checkpoints),
     (6, _v6_recoveries),
+    (7, _v7_quiet_main_inserts),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

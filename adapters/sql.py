@@ -36,6 +36,7 @@ import importlib
 import json
 import logging
 import math
+import operator
 import os
 import sqlite3
 import time
@@ -47,6 +48,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgspec
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
@@ -64,6 +66,7 @@ from adapters._sql_schema import (
     IS_TERMINAL,
     OFFLOADABLE,
     OFFLOADED,
+    QUIET_INSERTS_SETTING,
     _qualified,
     concurrency,
     jobs,
@@ -100,6 +103,7 @@ from broker.jobs import (
     Outcome,
     ProgressUpdate,
     Settlement,
+    compact_json,
     utcnow,
 )
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_OFFLOAD_BYTES, check_all
@@ -162,8 +166,7 @@ def _from_us(value: int) -> datetime:
     return _EPOCH + timedelta(microseconds=value)
 
 
-def _dumps(value: JSONValue) -> str:
-    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+_dumps = compact_json
 
 
 def _optional(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -296,9 +299,21 @@ def _columns(changes: Mapping[str, Any]) -> dict[str, Any]:
     return {_COLUMN_OF[name]: value for name, value in _encode(changes).items()}
 
 
-def _spec_row(spec: JobSpec, now_us: int, claim: Claim | None = None) -> dict[str, Any]:
-    job = settlement.enqueued(spec, _from_us(now_us), claim)
-    return _columns({name: getattr(job, name) for name in _COLUMN_OF})
+_ROW_VALUES = operator.attrgetter(*(name for name, _, _, _ in _FIELDS))
+_ROW_COLUMNS = [column for _, column, _, _ in _FIELDS]
+_ROW_ENCODED = [(column, encode) for _, column, encode, _ in _FIELDS if encode is not _same]
+_ROWS_JSON = msgspec.json.Encoder()
+"""Rows for PostgreSQL's enqueue (:mod:`adapters._pg_hot`): column values as JSON (ids
+as text; the values are the columns' own, so nothing is lost on the way)."""
+
+
+def _job_row(job: Job) -> dict[str, Any]:
+    """Every column of ``job``'s row (what an enqueue inserts). As :func:`_job_from_row`,
+    columns held as is are copied without a call each: every enqueued job passes here."""
+    row = dict(zip(_ROW_COLUMNS, _ROW_VALUES(job), strict=True))
+    for column, encode in _ROW_ENCODED:
+        row[column] = encode(row[column])
+    return row
 
 
 def _chunks(items: Sequence[_T], size: int = _CHUNK) -> list[Sequence[_T]]:
@@ -738,7 +753,9 @@ class SQLAlchemyAdapter:
     ``None`` turns the cap off. ``pool_size`` is the general pool (enqueues, listings,
     operator calls; up to 10 more connections under load); on PostgreSQL,
     ``hot_pool_size`` more connections serve claims, settles and selection alone (see
-    :mod:`adapters._pg_hot`). Call :meth:`setup` before use and :meth:`close` when done.
+    :mod:`adapters._pg_hot`), and up to ``pool_size`` more the main's enqueues (opened
+    as needed; its group commit uses one at a time). Call :meth:`setup` before use and
+    :meth:`close` when done.
 
     ``create=False`` opens only a store that exists (a SQLite file is never created) and
     ``read_only=True`` also refuses every write (PostgreSQL: read-only transactions);
@@ -747,7 +764,8 @@ class SQLAlchemyAdapter:
 
     ``single_main=True`` is for a broker-main: on a SQLite file, :meth:`setup` takes the
     file lock of :mod:`adapters._sqlite_lock` (a second main on the file is refused) and
-    :meth:`close` drops it. PostgreSQL ignores it.
+    :meth:`close` drops it. On PostgreSQL, its enqueues then notify no listener: the
+    main wakes its own dispatcher after each (other processes' inserts still notify).
 
     ``offload_threshold``: a job's args, kwargs or result longer than this many bytes (as
     stored JSON) is kept in ``broker_payloads`` instead of its ``broker_jobs`` row, so the
@@ -850,6 +868,16 @@ class SQLAlchemyAdapter:
             _, connect_kwargs = self._engine.dialect.create_connect_args(resolved)
             hot = HotPool(hot_pool_size, {**connect_kwargs, **connect_args})
             self._hot: tuple[HotSql, HotPool] | None = (HotSql(schema), hot)
+            # A main's own enqueues wake its dispatcher themselves: their sessions skip
+            # the insert notification (QUIET_INSERTS_SETTING), which only came back to it.
+            quiet = {QUIET_INSERTS_SETTING: "on"} if single_main else {}
+            enqueue_args = {
+                **connect_args,
+                "server_settings": {**connect_args["server_settings"], **quiet},
+            }
+            self._enqueue_pool: HotPool | None = HotPool(
+                pool_size, {**connect_kwargs, **enqueue_args}
+            )
             self._lite: SqliteHot | None = None
         else:
             self._lite = self._wire_sqlite(resolved, read_only)
@@ -858,6 +886,7 @@ class SQLAlchemyAdapter:
             self._write_lock = asyncio.Lock()
             self._order_tiebreak = [jobs.c.seq, sa.literal_column("broker_jobs.rowid")]
             self._hot = None
+            self._enqueue_pool = None
         self._insert = pg_dialect.insert if self._pg else sqlite_dialect.insert
 
     def _wire_sqlite(self, resolved: URL, read_only: bool) -> SqliteHot:
@@ -930,13 +959,14 @@ class SQLAlchemyAdapter:
 
     @asynccontextmanager
     async def _driver_conn(self, op: str) -> AsyncIterator[tuple[HotSql, Any]]:
-        """The asyncpg connection under one of the general pool's (PostgreSQL), for the
-        raw enqueue: it queues with listings and operator calls, never with dispatch."""
-        assert self._hot is not None
+        """A connection of the enqueue pool (PostgreSQL), for the raw enqueue: it queues
+        neither with dispatch nor with listings and operator calls. A pool of asyncpg's
+        own, as the hot one: checking out a SQLAlchemy connection and unwrapping its
+        driver connection cost as much of the main's CPU as a one-job insert itself."""
+        assert self._hot is not None and self._enqueue_pool is not None
         try:
-            async with self._engine.connect() as conn:
-                raw = await conn.get_raw_connection()
-                yield self._hot[0], raw.driver_connection
+            async with self._enqueue_pool.acquire() as conn:
+                yield self._hot[0], conn
         except self._errors as exc:
             raise self._storage_error(op, exc) from exc
 
@@ -1040,6 +1070,8 @@ class SQLAlchemyAdapter:
                 await self._analyzing
         if self._hot is not None:
             await self._hot[1].close()
+        if self._enqueue_pool is not None:
+            await self._enqueue_pool.close()
         if self._lite is not None:
             await self._lite.close()
         await self._engine.dispose()
@@ -1154,11 +1186,11 @@ class SQLAlchemyAdapter:
         async with self._driver_conn("enqueue") as (sql, conn):
 
             async def insert(rows: list[dict[str, Any]], moved: list[Payload]) -> set[uuid.UUID]:
-                columns = [[row[name] for row in rows] for name in INSERT_COLUMNS]
+                batch = _ROWS_JSON.encode(rows).decode()
                 if not moved:
-                    return {r["id"] for r in await conn.fetch(sql.insert, *columns)}
+                    return {r["id"] for r in await conn.fetch(sql.insert, batch)}
                 async with conn.transaction():  # a savepoint inside a batch's transaction
-                    stored = {r["id"] for r in await conn.fetch(sql.insert, *columns)}
+                    stored = {r["id"] for r in await conn.fetch(sql.insert, batch)}
                     await _pg_put(sql, conn, _kept(moved, stored))
                 return stored
 
@@ -1283,11 +1315,12 @@ class SQLAlchemyAdapter:
                 if spec.idempotency_key is not None:
                     first[("key", spec.idempotency_key)] = index
             canonical.append(found)
-        rows = {
-            i: _spec_row(specs[i], now_us, claims[i] if claims else None)
+        now = _from_us(now_us)
+        jobs_at = {
+            i: settlement.enqueued(specs[i], now, claims[i] if claims else None)
             for i in sorted(set(canonical))
         }
-        stored = await self._insert_or_find(insert, find, specs, rows)
+        stored = await self._insert_or_find(insert, find, specs, jobs_at)
         return [
             stored[c] if c == i else EnqueueResult(stored[c].job, duplicate=True)
             for i, c in enumerate(canonical)
@@ -1298,9 +1331,12 @@ class SQLAlchemyAdapter:
         insert: Callable[[list[dict[str, Any]], list[Payload]], Awaitable[set[uuid.UUID]]],
         find: Callable[[Sequence[JobSpec]], Awaitable[list[Job | None]]],
         specs: Sequence[JobSpec],
-        rows: dict[int, dict[str, Any]],
+        jobs_at: dict[int, Job],
     ) -> dict[int, EnqueueResult]:
+        """Insert ``jobs_at`` (by index into ``specs``); a job inserted comes back as built
+        (the row holds exactly its values), one blocked comes back as its holder."""
         out: dict[int, EnqueueResult] = {}
+        rows = {i: _job_row(job) for i, job in jobs_at.items()}
         hot: dict[int, dict[str, Any]] = {}
         moved: dict[int, list[Payload]] = {}
         for i, row in rows.items():
@@ -1313,7 +1349,7 @@ class SQLAlchemyAdapter:
             missing = []
             for i in pending:
                 if specs[i].id in inserted:
-                    out[i] = EnqueueResult(_job_from_row(rows[i]), duplicate=False)
+                    out[i] = EnqueueResult(jobs_at[i], duplicate=False)
                 else:
                     missing.append(i)
             if not missing:

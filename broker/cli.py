@@ -367,8 +367,8 @@ def main_parser() -> argparse.ArgumentParser:
         default=composition.DEFAULT_POOL_SIZE,
         type=_number(int, "store pool size"),
         metavar="N",
-        help="SQL store connections for enqueues, listings and operator calls "
-        "(up to 10 more under load)",
+        help="SQL store connections for listings and operator calls (up to 10 more "
+        "under load), and on PostgreSQL up to as many for enqueues",
     )
     _env_option(
         p,

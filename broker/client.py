@@ -129,6 +129,8 @@ class Client:
 
     async def connect(self) -> None:
         self._check_fork()
+        if self._writer is not None and not self._writer.is_closing:
+            return  # connected: every request passes here, without taking the lock
         async with self._connect_lock:
             if self._writer is not None and not self._writer.is_closing:
                 return
@@ -225,19 +227,28 @@ class Client:
                 self._writer.abort()
                 self._writer = None
 
-    async def _request(self, build: Callable[[str], protocol.Message], expect: type[R]) -> R:
+    async def _request(
+        self,
+        build: Callable[[str], protocol.Message],
+        expect: type[R],
+        check: Callable[[bytes], None] | None = None,
+    ) -> R:
         """Send the request ``build(request_id)`` and return its reply, which must be an
         ``expect``; a ``request_error`` is raised as the exception the main raised
-        (:mod:`broker.error_codes`)."""
+        (:mod:`broker.error_codes`). ``check`` sees the encoded line first (encoded once,
+        for both) and may refuse it by raising."""
         await self.connect()
         assert self._writer is not None
         rid = f"r{next(self._ids)}"
+        request = build(rid)
+        line = protocol.encode(request)
+        if check is not None:
+            check(line)
         future: asyncio.Future[protocol.Message] = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
-        request = build(rid)
         try:
             async with asyncio.timeout(self._timeout):
-                await self._writer.send(request)
+                await self._writer.write_raw(line)
                 reply = await future
         except TimeoutError:
             raise self._timed_out(f"a request ({type(request).__name__})") from None
@@ -314,20 +325,19 @@ class Client:
     async def enqueue_requests(self, requests: Sequence[protocol.JobRequest]) -> list[Enqueued]:
         """:raises PayloadTooLargeError: the request would not fit in one line the main
         accepts (it would close the connection); the main enforces its payload limit too."""
-        await self.connect()
-        limit = self._max_line_bytes
-        if limit is not None:
-            longest_id = "r" + "9" * 20  # request ids are "r<n>"; never longer than this
-            probe = protocol.Enqueue(request_id=longest_id, jobs=list(requests))
-            size = len(protocol.encode(probe)) - 1
-            if size > limit:
+
+        def fits(line: bytes) -> None:
+            limit = self._max_line_bytes
+            if limit is not None and len(line) - 1 > limit:
                 raise PayloadTooLargeError(
-                    f"the enqueue request is {size} bytes, over the main's line limit of "
-                    f"{limit} bytes; send fewer or smaller jobs"
+                    f"the enqueue request is {len(line) - 1} bytes, over the main's line "
+                    f"limit of {limit} bytes; send fewer or smaller jobs"
                 )
+
         reply = await self._request(
             lambda rid: protocol.Enqueue(request_id=rid, jobs=list(requests)),
             protocol.EnqueuedReply,
+            fits,
         )
         return [Enqueued(ref.job_id, ref.duplicate) for ref in reply.jobs]
 

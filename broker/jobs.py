@@ -20,10 +20,12 @@ from __future__ import annotations
 import enum
 import json
 import math
+import operator
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
+from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any, TypeAlias
 
 from broker.exceptions import InvalidJobError
@@ -104,9 +106,46 @@ def _require_names(check: Callable[[str, object], None], **names: str | None) ->
                 raise InvalidJobError(str(exc)) from None
 
 
-def _require_json(name: str, value: JSONValue) -> None:
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+_FAST_ENCODE = (
+    None
+    if c_make_encoder is None
+    else c_make_encoder(
+        None, _ENCODER.default, encode_basestring_ascii, None, ":", ",", False, False, False
+    )
+)
+
+
+def compact_json(value: JSONValue) -> str:
+    """``value`` as compact, ASCII-escaped JSON, NaN and infinities refused: the form every
+    store writes payloads in and payload limits measure, exactly as ``json.dumps(value,
+    separators=(",", ":"), allow_nan=False)`` writes it.
+
+    Each enqueued job is encoded a few times on its way in, and ``json.dumps`` builds its
+    C encoder anew on every call, which cost more than the encoding of small arguments.
+    This one is built once, without the check for circular values (its bookkeeping
+    cannot be shared between calls); a circular value recurses until ``RecursionError``,
+    and is then encoded once more by the checking encoder, to raise what it always did.
+    """
+    if _FAST_ENCODE is None:
+        return _ENCODER.encode(value)
     try:
-        json.dumps(value, allow_nan=False)
+        return "".join(_FAST_ENCODE(value, 0))
+    except RecursionError:
+        return _ENCODER.encode(value)
+
+
+_PLAIN = frozenset({str, int, bool, type(None)})
+"""Types whose every value JSON holds as it is (a float may be NaN)."""
+
+
+def _require_json(name: str, value: JSONValue) -> None:
+    if type(value) in (list, dict) and all(
+        type(item) in _PLAIN for item in (value.values() if type(value) is dict else value)
+    ):
+        return  # the common case, without encoding it
+    try:
+        compact_json(value)
     except (TypeError, ValueError) as exc:
         raise InvalidJobError(f"{name} is not JSON-serialisable: {exc}") from exc
     except RecursionError:
@@ -166,9 +205,13 @@ class JobSpec:
         _require_names(
             check_key, idempotency_key=self.idempotency_key, concurrency_key=self.concurrency_key
         )
-        if isinstance(self.args, str | bytes) or not isinstance(self.args, Sequence):
+        if type(self.args) not in (tuple, list) and (
+            isinstance(self.args, str | bytes) or not isinstance(self.args, Sequence)
+        ):
             raise InvalidJobError("args must be a list of JSON values")
-        if not isinstance(self.kwargs, Mapping) or not all(isinstance(k, str) for k in self.kwargs):
+        if (type(self.kwargs) is not dict and not isinstance(self.kwargs, Mapping)) or not all(
+            isinstance(k, str) for k in self.kwargs
+        ):
             raise InvalidJobError("kwargs must be an object with string keys")
         object.__setattr__(self, "args", tuple(self.args))
         object.__setattr__(self, "kwargs", dict(self.kwargs))
@@ -211,6 +254,11 @@ class JobSpec:
         if not isinstance(self.id, uuid.UUID):
             raise InvalidJobError("id must be a UUID")
         _require_recovery_options(self.max_recoveries, self.local_state)
+
+
+SPEC_FIELDS = tuple(f.name for f in fields(JobSpec))
+"""The names of :class:`JobSpec`'s fields, in order."""
+_spec_getter = operator.attrgetter(*SPEC_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,7 +337,7 @@ def spec_values(spec: JobSpec) -> dict[str, Any]:
     """Every field of ``spec`` by name. Each boundary a job request crosses (a stored
     :class:`Job`, a wire ``JobRequest``) copies through here, so a new field of
     :class:`JobSpec` needs no copy written by hand."""
-    return {f.name: getattr(spec, f.name) for f in fields(JobSpec)}
+    return dict(zip(SPEC_FIELDS, _spec_getter(spec), strict=True))
 
 
 def spec_from(source: object, **differ: Any) -> JobSpec:

@@ -91,6 +91,9 @@ class Main:
         retention: Retention | None = DEFAULT_RETENTION,
     ) -> None:
         self.store = store
+        self._enqueue_store = store if isinstance(store, SupportsEnqueueHandedOff) else None
+        """The store, if it can hand jobs off at enqueue (checked once: a runtime protocol
+        check costs as much as a small enqueue's other bookkeeping)."""
         self.settings = settings or MainSettings()
         self.settings.validate()
         tls = self.settings.tls
@@ -319,9 +322,9 @@ class Main:
         right after the commit: one transaction and no dispatch pass between the enqueue
         and the start. An unknown outcome sends their leases to the ledger, as for any
         claim."""
-        store = self.store
-        if not isinstance(store, SupportsEnqueueHandedOff) or self._stopping:
-            return await store.enqueue_many(specs)
+        store = self._enqueue_store
+        if store is None or self._stopping:
+            return await self.store.enqueue_many(specs)
         plans = self.handoff.plan_at_enqueue(specs, self._clock())
         planned = [p for p in plans if p is not None]
         if not planned:

@@ -15,12 +15,11 @@ store). :func:`nesting_depth` measures without recursion, so any value can be ju
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
 
 from broker.exceptions import InvalidJobError, PayloadTooLargeError
-from broker.jobs import JobSpec, JSONValue
+from broker.jobs import JobSpec, JSONValue, compact_json
 
 DEFAULT_MAX_PAYLOAD_BYTES = 16 << 20
 """16 MiB, for a job's args and kwargs together, and separately for its result. Values over
@@ -79,10 +78,19 @@ def nesting_depth(value: object, limit: int) -> int:
     return deepest
 
 
+def _plain_text(text: str) -> bool:
+    """Whether JSON writes ``text`` as it is, between its quotes."""
+    return text.isascii() and text.isprintable() and '"' not in text and "\\" not in text
+
+
 def encoded_size(value: JSONValue) -> int:
     """Bytes of ``value`` as compact, ASCII-escaped JSON (the form every store writes)."""
+    if type(value) is str and _plain_text(value):
+        return len(value) + 2  # a name, usually: no character needs escaping
+    if type(value) in (list, dict) and not value:
+        return 2
     try:
-        return len(json.dumps(value, separators=(",", ":"), allow_nan=False))
+        return len(compact_json(value))
     except (TypeError, ValueError) as exc:
         raise InvalidJobError(f"value is not JSON-serialisable: {exc}") from exc
     except RecursionError:

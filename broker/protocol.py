@@ -35,7 +35,6 @@ import types
 import typing
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import fields
 from datetime import datetime, timedelta
 from typing import Annotated, Any, ClassVar, TypeAlias, TypeVar
 
@@ -44,6 +43,7 @@ import msgspec
 from broker.exceptions import InvalidJobError, ProtocolError
 from broker.jobs import (
     DEFAULT_QUEUE,
+    SPEC_FIELDS,
     TERMINAL_STATUSES,
     ExecutionMode,
     JobSpec,
@@ -512,7 +512,7 @@ class JobRequest(_Struct, frozen=True):
         # A field the request leaves out (None) takes the spec's default.
         values = {
             name: value
-            for name in _SPEC_FIELDS
+            for name in SPEC_FIELDS
             if name != "run_at" and (value := getattr(self, name)) is not None
         }
         return JobSpec(**values, run_at=run_at)
@@ -523,10 +523,6 @@ class JobRequest(_Struct, frozen=True):
         values.update(args=list(spec.args), kwargs=dict(spec.kwargs))
         values["run_at"] = None if spec.run_at is None else spec.run_at.isoformat()
         return cls(**values)
-
-
-_SPEC_FIELDS = tuple(f.name for f in fields(JobSpec))
-"""What a :class:`JobRequest` passes on to its spec (``delay`` is resolved into ``run_at``)."""
 
 
 class EnqueuedRef(_Struct, frozen=True):

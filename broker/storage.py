@@ -58,7 +58,7 @@ from broker.jobs import (
     Settlement,
 )
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """The schema version this code writes and understands; stores record theirs."""
 
 

@@ -76,7 +76,7 @@ async def test_a_version_2_store_is_carried_to_version_3(target: tuple[str, str 
     try:
         async with v2._write("test") as conn:
             for spec in specs:
-                row = sql_adapter._spec_row(spec, sql_adapter._to_us(now))
+                row = sql_adapter._job_row(Job.from_spec(spec, now))
                 await conn.execute(
                     v2_jobs.insert().values(
                         {c.name: row[c.name] for c in v2_jobs.c if c.name != "seq"}

@@ -728,6 +728,49 @@ async def test_listen_wakes_on_inserts_from_another_engine_and_raw_sql(backend: 
 
 
 @pytest.mark.postgres
+async def test_a_mains_own_enqueues_notify_no_listener(pg_backend: Backend) -> None:
+    """A main wakes its own dispatcher after each enqueue, so its adapter (single_main)
+    inserts quietly; every other writer still notifies. Notifications reach a listener
+    in commit order, so one from the quiet insert would arrive before the raw insert's."""
+    import asyncpg
+
+    main_store = await pg_backend.open(single_main=True)
+    await _enqueue(main_store)
+    await main_store.enqueue_many([JobSpec("t") for _ in range(3)])
+    listener = await asyncpg.connect(_asyncpg_dsn())
+    raw = await asyncpg.connect(_asyncpg_dsn())
+    heard: list[int] = []
+    raw_heard = asyncio.Event()
+
+    def note(_conn: object, pid: int, _channel: str, _payload: str) -> None:
+        heard.append(pid)
+        if pid == raw.get_server_pid():
+            raw_heard.set()
+
+    try:
+        await listener.add_listener(notify_channel(pg_backend.schema or ""), note)
+        await _enqueue(main_store)  # quiet
+        await raw.execute(
+            f'INSERT INTO "{pg_backend.schema}".broker_jobs (id, task, args, kwargs, queue, '
+            "priority, status, attempts, max_attempts, run_at_us, created_us, updated_us, "
+            "execution_mode) VALUES ($1, 'raw', '[]', '{}', 'default', 0, 'queued', 0, 1, "
+            "0, 0, 0, 'inline')",
+            uuid.uuid4(),
+        )
+        await asyncio.wait_for(raw_heard.wait(), timeout=5)
+        assert heard == [raw.get_server_pid()]
+        # Another process's adapter (not a main's) still notifies.
+        other = await pg_backend.open()
+        woken = asyncio.Event()
+        async with main_store.listen(woken.set):
+            await _enqueue(other)
+            await asyncio.wait_for(woken.wait(), timeout=5)
+    finally:
+        await listener.close()
+        await raw.close()
+
+
+@pytest.mark.postgres
 async def test_without_a_schema_tables_and_channel_follow_the_search_path(
     pg_backend: Backend,
 ) -> None:

@@ -1,0 +1,194 @@
+"""The enqueue path alone: one job a call, then bulk, with CPU per job per process.
+
+    .venv/bin/python -m bench.enqueue_bench broker-postgres [--one 1000] [--bulk 4000]
+    .venv-peers/pgqueuer/bin/python -m bench.enqueue_bench pgqueuer
+
+Each run uses the system's own ``make bench`` driver (``bench/peers/``), so the
+producer is the one the drain workload times: a fresh store, then ``--one`` no-op
+jobs enqueued one call at a time, then ``--bulk`` in bulk. For each phase it prints
+the rate and the CPU per job of the producer (this process), the broker's main, and
+the PostgreSQL backends connected to the system's database (from
+``/proc/PID/schedstat``, nanoseconds), plus the whole server's (walwriter,
+checkpointer and other sessions' work included: noisy on a shared machine).
+
+Throughput is noisy on a loaded machine; CPU per job per process much less so. To
+compare two versions, interleave their runs (A, B, A, B) in the same minute.
+Standard library only, besides the drivers' own imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+from bench.harness import Config, service_pids
+
+DRIVER_MODULES = {
+    "broker-postgres": "bench.peers.broker_peer",
+    "broker-postgres-defaults": "bench.peers.broker_peer",
+    "pgqueuer": "bench.peers.pgqueuer_peer",
+}
+
+
+def _schedstat(pid: int) -> float:
+    """CPU seconds ``pid`` has run, to the nanosecond; 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except OSError:
+        return 0.0
+
+
+def _server_pids() -> list[int]:
+    """Every process of the PostgreSQL server: the postmaster and its children."""
+    tops = service_pids("postgres")
+    out = list(tops)
+    for top in tops:
+        try:
+            with open(f"/proc/{top}/task/{top}/children") as f:
+                out.extend(int(p) for p in f.read().split())
+        except OSError:
+            pass
+    return out
+
+
+def _backends(database: str) -> list[int]:
+    """The server processes connected to ``database``."""
+    rows = subprocess.run(
+        [
+            "psql",
+            "-h",
+            "127.0.0.1",
+            "-U",
+            "postgres",
+            "-d",
+            "test",
+            "-Atc",
+            f"SELECT pid FROM pg_stat_activity WHERE datname = '{database}'",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return [int(p) for p in rows]
+
+
+class Meter:
+    """CPU seconds of each process group between :meth:`start` and :meth:`stop`."""
+
+    def __init__(self, main_pids: list[int], database: str) -> None:
+        self.main_pids = main_pids
+        self.database = database
+
+    def _read(self) -> dict[str, float]:
+        return {
+            "producer": time.process_time(),
+            "main": sum(_schedstat(p) for p in self.main_pids),
+            "pg_backends": sum(_schedstat(p) for p in self.backends),
+            "pg_all": sum(_schedstat(p) for p in _server_pids()),
+        }
+
+    def start(self) -> None:
+        self.backends = _backends(self.database)
+        self.before = self._read()
+        self.wall = time.perf_counter()
+
+    def stop(self, jobs: int) -> dict[str, float]:
+        wall = time.perf_counter() - self.wall
+        self.backends = sorted(set(self.backends) | set(_backends(self.database)))
+        after = self._read()
+        out = {"per_s": jobs / wall}
+        for key, value in after.items():
+            out[f"{key}_us"] = (value - self.before[key]) / jobs * 1e6
+        return out
+
+
+class Profiler:
+    """``py-spy record`` of the producer and the main while a phase runs (``--profile``),
+    as collapsed stacks (``--format raw``): one file per process and phase."""
+
+    def __init__(self, directory: str | None, main_pids: list[int]) -> None:
+        self.directory = directory
+        self.targets = {"producer": os.getpid()}
+        if main_pids:
+            self.targets["main"] = main_pids[0]
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, phase: str) -> None:
+        if self.directory is None:
+            return
+        for name, pid in self.targets.items():
+            out = os.path.join(self.directory, f"{name}-{phase}.txt")
+            command = ["py-spy", "record", "--pid", str(pid), "--rate", "500"]
+            command += ["--format", "raw", "--nonblocking", "-o", out]
+            self.procs.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
+        time.sleep(1.0)  # py-spy attaches
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.send_signal(signal.SIGINT)
+        for proc in self.procs:
+            proc.wait()
+        self.procs = []
+
+
+def run(
+    system: str, one: int, bulk: int, reps: int, profile: str | None = None
+) -> list[dict[str, Any]]:
+    module = __import__(DRIVER_MODULES[system], fromlist=["DRIVERS"])
+    workdir = tempfile.mkdtemp(prefix="enqueue-bench-")
+    driver = module.DRIVERS[system](system, Config(workdir=workdir, hash_rounds=1))
+    database = module.DATABASE
+    driver.setup()
+    results = []
+    try:
+        for _ in range(reps):
+            driver.reset()
+            driver.enqueue_one("noop", -1)  # connected and warm: the first call's set-up
+            driver.enqueue_bulk("noop", [-1] * 10)
+            meter = Meter(driver.main_pids(), database)
+            profiler = Profiler(profile, driver.main_pids())
+            profiler.start("one")
+            meter.start()
+            for i in range(one):
+                driver.enqueue_one("noop", i)
+            row = {"system": system, "phase": "one", **meter.stop(one)}
+            profiler.stop()
+            results.append(row)
+            profiler.start("bulk")
+            meter.start()
+            driver.enqueue_bulk("noop", list(range(bulk)))
+            results.append({"system": system, "phase": "bulk", **meter.stop(bulk)})
+            profiler.stop()
+    finally:
+        driver.teardown()
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("system", choices=sorted(DRIVER_MODULES))
+    p.add_argument("--one", type=int, default=1000, help="jobs enqueued one call at a time")
+    p.add_argument("--bulk", type=int, default=4000, help="jobs enqueued in bulk")
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument(
+        "--profile", metavar="DIR", help="py-spy the producer and the main into DIR (collapsed)"
+    )
+    args = p.parse_args()
+    for row in run(args.system, args.one, args.bulk, args.reps, args.profile):
+        if args.json:
+            print(json.dumps(row), flush=True)
+            continue
+        cells = " ".join(f"{k}={v:,.1f}" for k, v in row.items() if isinstance(v, float))
+        print(f"{row['system']:<26} {row['phase']:<5} {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
