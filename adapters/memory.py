@@ -35,6 +35,7 @@ from broker.jobs import (
     JSONValue,
     Outcome,
     Settlement,
+    check_idempotent_repeat,
     utcnow,
 )
 from broker.storage import Capabilities, JobFilter, JobPage, QueueCount
@@ -72,6 +73,22 @@ class MemoryAdapter:
 
         return listening()
 
+    def _check_repeats(self, specs: Sequence[JobSpec]) -> None:
+        """Refuse the batch, before anything is stored, when a spec takes an idempotency
+        key (stored, or earlier in the batch) with a different request."""
+        first: dict[str, JobSpec] = {}
+        for spec in specs:
+            key = spec.idempotency_key
+            if key is None:
+                continue
+            held = self._by_idempotency_key.get(key)
+            if held is not None:
+                check_idempotent_repeat(spec, self._jobs[held])
+            elif key in first:
+                check_idempotent_repeat(spec, first[key])
+            else:
+                first[key] = spec
+
     async def enqueue(self, spec: JobSpec) -> EnqueueResult:
         return (await self.enqueue_many([spec]))[0]
 
@@ -82,6 +99,7 @@ class MemoryAdapter:
         self, specs: Sequence[JobSpec], claims: Sequence[Claim | None]
     ) -> list[EnqueueResult]:
         now = self._clock()
+        self._check_repeats(specs)
         results: list[EnqueueResult] = []
         for spec, claim in zip(specs, claims, strict=True):
             existing_id = (

@@ -95,6 +95,7 @@ from broker.jobs import (
     JSONValue,
     Outcome,
     Settlement,
+    check_idempotent_repeat,
     utcnow,
 )
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, check_all
@@ -1064,7 +1065,9 @@ class SQLAlchemyAdapter:
         first: dict[tuple[str, object], int] = {}
         for index, spec in enumerate(specs):
             found = first.get(("key", spec.idempotency_key)) if spec.idempotency_key else None
-            if found is None:
+            if found is not None:
+                check_idempotent_repeat(spec, specs[found])
+            else:
                 found = first.get(("id", spec.id))
             if found is None:
                 found = index
@@ -1107,6 +1110,8 @@ class SQLAlchemyAdapter:
                 if holder is None:
                     pending.append(i)  # the conflicting job was deleted meanwhile: retry
                 else:
+                    # Raised inside the enqueue's transaction: nothing of the batch stays.
+                    check_idempotent_repeat(specs[i], holder)
                     out[i] = EnqueueResult(holder, duplicate=True)
             if not pending:
                 return out

@@ -18,6 +18,7 @@ from broker.exceptions import (
     AuthenticationError,
     BrokerError,
     ConfigurationError,
+    IdempotencyConflictError,
     InvalidJobError,
     JobTimeoutError,
     MissingDriverError,
@@ -30,6 +31,7 @@ from broker.exceptions import (
     StorageRejectedError,
     TaskNotFoundError,
     UniqueKeyTakenError,
+    UnknownTaskError,
 )
 from broker.jobs import (
     Claim,
@@ -98,6 +100,7 @@ __all__ = [
     "EnqueueOptions",
     "EnqueueResult",
     "ExecutionMode",
+    "IdempotencyConflictError",
     "InvalidJobError",
     "Job",
     "JobFilter",
@@ -126,6 +129,7 @@ __all__ = [
     "TaskNotFoundError",
     "TaskRegistry",
     "UniqueKeyTakenError",
+    "UnknownTaskError",
     "configure",
     "enqueue_in",
     "enqueue_in_async",

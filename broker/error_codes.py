@@ -20,6 +20,7 @@ from broker.exceptions import (
     AuthenticationError,
     BrokerError,
     ConfigurationError,
+    IdempotencyConflictError,
     InvalidJobError,
     JobTimeoutError,
     MissingDriverError,
@@ -32,6 +33,7 @@ from broker.exceptions import (
     StorageRejectedError,
     TaskNotFoundError,
     UniqueKeyTakenError,
+    UnknownTaskError,
 )
 from broker.jobs import JSONValue
 from broker.protocol import ErrorCode
@@ -43,6 +45,8 @@ CODES: Mapping[type[BrokerError], ErrorCode] = {
     InvalidJobError: ErrorCode.INVALID_JOB,
     PayloadTooLargeError: ErrorCode.PAYLOAD_TOO_LARGE,
     UniqueKeyTakenError: ErrorCode.UNIQUE_KEY_TAKEN,
+    IdempotencyConflictError: ErrorCode.IDEMPOTENCY_CONFLICT,
+    UnknownTaskError: ErrorCode.UNKNOWN_TASK,
     StorageError: ErrorCode.STORAGE,
     SchemaVersionError: ErrorCode.SCHEMA_VERSION,
     StorageRejectedError: ErrorCode.STORAGE_REJECTED,
@@ -87,6 +91,8 @@ def details_of(exc: BaseException) -> dict[str, JSONValue] | None:
     (``tests/unit/test_error_table.py`` fails for one that does not)."""
     if isinstance(exc, UniqueKeyTakenError) and exc.holder_id is not None:
         return {"holder_id": str(exc.holder_id)}
+    if isinstance(exc, IdempotencyConflictError) and exc.existing_id is not None:
+        return {"existing_id": str(exc.existing_id)}
     return None
 
 
@@ -100,6 +106,10 @@ def exception_for(
     cls = CLASSES.get(code, BrokerError)
     if cls is UniqueKeyTakenError:
         return UniqueKeyTakenError(message, holder_id=_uuid((details or {}).get("holder_id")))
+    if cls is IdempotencyConflictError:
+        return IdempotencyConflictError(
+            message, existing_id=_uuid((details or {}).get("existing_id"))
+        )
     return cls(message)
 
 

@@ -110,6 +110,8 @@ class ErrorCode(enum.StrEnum):
     MISSING_DRIVER = "missing_driver"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     UNIQUE_KEY_TAKEN = "unique_key_taken"
+    IDEMPOTENCY_CONFLICT = "idempotency_conflict"
+    UNKNOWN_TASK = "unknown_task"
     SCHEMA_VERSION = "schema_version"
     STORAGE_REJECTED = "storage_rejected"
     TASK_NOT_FOUND = "task_not_found"

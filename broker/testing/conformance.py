@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
-from broker.exceptions import StorageError, UniqueKeyTakenError
+from broker.exceptions import IdempotencyConflictError, StorageError, UniqueKeyTakenError
 from broker.jobs import (
     Claim,
     Clock,
@@ -210,14 +210,18 @@ async def check_enqueue_many_is_ordered_and_complete(ctx: Context) -> None:
 @_check
 async def check_idempotency_key_returns_the_existing_job(ctx: Context) -> None:
     first = await ctx.store.enqueue(_spec(idempotency_key="k1", args=[1]))
-    again = await ctx.store.enqueue(_spec(idempotency_key="k1", args=[2]))
+    # A faithful repeat: a fresh id and a later run_at (a delay resolved again) are the
+    # same request.
+    again = await ctx.store.enqueue(
+        _spec(idempotency_key="k1", args=[1], run_at=START + timedelta(seconds=5))
+    )
     assert first.duplicate is False
     assert again.duplicate is True
     assert again.job.id == first.job.id
     assert list(again.job.args) == [1]
     claimed = await _claim(ctx.store, first.job)
     assert await ctx.store.complete(claimed.id, claimed.handoff_id or uuid.uuid4())
-    after_completion = await ctx.store.enqueue(_spec(idempotency_key="k1"))
+    after_completion = await ctx.store.enqueue(_spec(idempotency_key="k1", args=[1]))
     assert after_completion.duplicate is True, "a key stays taken while its job is stored"
     assert after_completion.job.id == first.job.id
     batch = await ctx.store.enqueue_many([_spec(idempotency_key="k2"), _spec(idempotency_key="k2")])
@@ -225,6 +229,46 @@ async def check_idempotency_key_returns_the_existing_job(ctx: Context) -> None:
     assert batch[0].job.id == batch[1].job.id
     page = await ctx.store.list_jobs(limit=10)
     assert len(page.jobs) == 2
+
+
+@_check
+async def check_idempotency_key_with_another_request_is_refused(ctx: Context) -> None:
+    """A different task, arguments or options under a taken idempotency key raises
+    IdempotencyConflictError with the holder's id, and stores nothing of its batch."""
+    first = await ctx.store.enqueue(_spec(idempotency_key="k", args=[1], kwargs={"a": 1}))
+    for differ in (
+        {"args": [2]},
+        {"kwargs": {"a": 2}},
+        {"task": "tests.other"},
+        {"queue": "mail"},
+        {"max_attempts": 1},
+        {"priority": 5},
+    ):
+        request = {"args": [1], "kwargs": {"a": 1}, **differ}
+        try:
+            await ctx.store.enqueue(_spec(idempotency_key="k", **request))
+        except IdempotencyConflictError as exc:
+            assert exc.existing_id == first.job.id, "the error names the job holding the key"
+        else:
+            raise AssertionError(f"a repeat with {differ} under a taken key was accepted")
+        try:
+            await ctx.store.enqueue_many([_spec(args=[9]), _spec(idempotency_key="k", **request)])
+        except IdempotencyConflictError:
+            pass
+        else:
+            raise AssertionError(f"a batch repeating the key with {differ} was accepted")
+    try:
+        await ctx.store.enqueue_many(
+            [_spec(idempotency_key="b", args=[1]), _spec(idempotency_key="b", args=[2])]
+        )
+    except IdempotencyConflictError:
+        pass
+    else:
+        raise AssertionError("one batch with one key for two different jobs was accepted")
+    page = await ctx.store.list_jobs(limit=10)
+    assert [j.id for j in page.jobs] == [first.job.id], "a refused batch stores nothing"
+    same = await ctx.store.enqueue(_spec(idempotency_key="k", args=[1], kwargs={"a": 1}))
+    assert same.duplicate and same.job.id == first.job.id
 
 
 @_check

@@ -14,6 +14,7 @@ from broker.exceptions import (
     AuthenticationError,
     BrokerError,
     ConfigurationError,
+    IdempotencyConflictError,
     ProtocolError,
     StorageError,
     UniqueKeyTakenError,
@@ -35,6 +36,7 @@ def _tree() -> list[type[BrokerError]]:
 
 FIELDS: dict[type[BrokerError], dict[str, Any]] = {
     UniqueKeyTakenError: {"holder_id": uuid.UUID("0b5e6a4e-8a0c-4f5e-9b57-0d7f2c1e9a11")},
+    IdempotencyConflictError: {"existing_id": uuid.UUID("5d1c3e2a-0f4b-4c6d-8e7f-9a0b1c2d3e4f")},
 }
 """A sample of each field an exception takes besides its message."""
 
@@ -62,7 +64,7 @@ def _across_the_wire(exc: BaseException) -> BrokerError:
 
 def test_the_tree_is_the_one_the_module_documents() -> None:
     names = {cls.__name__ for cls in _tree()}
-    assert len(names) == 15
+    assert len(names) == 17
     assert all(name in (exceptions.__doc__ or "") for name in names)
 
 
