@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 from broker.exceptions import IdempotencyConflictError, StorageError, UniqueKeyTakenError
 from broker.jobs import (
@@ -236,23 +236,24 @@ async def check_idempotency_key_with_another_request_is_refused(ctx: Context) ->
     """A different task, arguments or options under a taken idempotency key raises
     IdempotencyConflictError with the holder's id, and stores nothing of its batch."""
     first = await ctx.store.enqueue(_spec(idempotency_key="k", args=[1], kwargs={"a": 1}))
-    for differ in (
+    differs: list[dict[str, Any]] = [
         {"args": [2]},
         {"kwargs": {"a": 2}},
         {"task": "tests.other"},
         {"queue": "mail"},
         {"max_attempts": 1},
         {"priority": 5},
-    ):
-        request = {"args": [1], "kwargs": {"a": 1}, **differ}
+    ]
+    for differ in differs:
+        request = replace(_spec(idempotency_key="k", args=[1], kwargs={"a": 1}), **differ)
         try:
-            await ctx.store.enqueue(_spec(idempotency_key="k", **request))
+            await ctx.store.enqueue(request)
         except IdempotencyConflictError as exc:
             assert exc.existing_id == first.job.id, "the error names the job holding the key"
         else:
             raise AssertionError(f"a repeat with {differ} under a taken key was accepted")
         try:
-            await ctx.store.enqueue_many([_spec(args=[9]), _spec(idempotency_key="k", **request)])
+            await ctx.store.enqueue_many([_spec(args=[9]), replace(request, id=uuid.uuid4())])
         except IdempotencyConflictError:
             pass
         else:
