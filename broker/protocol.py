@@ -337,6 +337,13 @@ class FailedReport(_Message, frozen=True, tag="failed"):
     error: str
     retry: bool = True
     """False for failures no retry can fix (an unknown task, bad arguments)."""
+    retry_delay: Float | None = None
+    """Seconds to wait before the next run, from the task's own backoff (``None``: the
+    main's backoff). From 0 to ten years, like any delay; an older main ignores it."""
+
+    def __post_init__(self) -> None:
+        if self.retry_delay is not None:
+            check_delay("retry_delay", self.retry_delay)
 
 
 class RescheduleReport(_Message, frozen=True, tag="reschedule"):

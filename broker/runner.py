@@ -43,6 +43,8 @@ class Failed:
     error: str
     retry: bool = True
     """``False`` when retrying cannot help (an unknown task, say): the job dies at once."""
+    retry_delay: float | None = None
+    """Seconds before the next run, from the task's own backoff (``None``: the main's)."""
 
 
 @dataclass(frozen=True, slots=True)

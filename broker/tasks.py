@@ -30,7 +30,7 @@ from broker.jobs import (
     JobSpec,
     JSONValue,
 )
-from broker.retry import RetryPolicy
+from broker.retry import RetryPolicy, TaskBackoff
 from broker.schedule import Schedule, default_schedules
 
 P = ParamSpec("P")
@@ -158,6 +158,8 @@ class Task(Generic[P, R]):
     unique: bool = False
     retry: RetryPolicy | None = None
     """Which exceptions are worth a retry (``None``: every ``Exception``)."""
+    backoff: TaskBackoff | None = None
+    """The wait before each retry (``None``: the main's ``--retry-backoff``)."""
 
     @functools.cached_property
     def _signature(self) -> inspect.Signature | None:
@@ -459,6 +461,7 @@ def task(
     unique: bool = False,
     retry_on: tuple[type[BaseException], ...] | None = None,
     dont_retry_on: tuple[type[BaseException], ...] | None = None,
+    backoff: TaskBackoff | None = None,
 ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
 
@@ -482,6 +485,7 @@ def task(
     unique: bool = False,
     retry_on: tuple[type[BaseException], ...] | None = None,
     dont_retry_on: tuple[type[BaseException], ...] | None = None,
+    backoff: TaskBackoff | None = None,
 ) -> Task[P, R] | Callable[[Callable[P, R]], Task[P, R]]:
     """Register a function as a task, by default under its ``module.function`` path.
 
@@ -495,7 +499,10 @@ def task(
     ``retries`` is how many runs may follow a failed first one; ``retry_on`` and
     ``dont_retry_on`` (exception classes) narrow which failures use them (see
     :class:`broker.retry.RetryPolicy`). Arguments that do not fit the function are never
-    retried.
+    retried. ``backoff`` sets the wait before each retry: an
+    :class:`~broker.retry.ExponentialBackoff`, a :class:`~broker.retry.FixedBackoff`, or
+    any function of the number of failures returning a ``timedelta`` or seconds (it runs
+    in the worker; without one, the main's ``--retry-backoff`` applies).
     """
 
     def register(fn: Callable[P, R]) -> Task[P, R]:
@@ -507,6 +514,10 @@ def task(
             raise ConfigurationError(f"unknown execution mode {mode!r}") from None
         if concurrency_key is not None:
             _check_key_template(fn, concurrency_key)
+        if backoff is not None and not callable(backoff):
+            raise ConfigurationError(
+                f"backoff must be a function of the number of failures (got {backoff!r})"
+            )
         policy = None
         if retry_on is not None or dont_retry_on is not None:
             policy = RetryPolicy(
@@ -525,6 +536,7 @@ def task(
             concurrency_limit=concurrency_limit,
             unique=unique,
             retry=policy,
+            backoff=backoff,
         )
         periodic = _declared_schedule(
             registered, cron=cron, every=every, timezone=timezone, catch_up=catch_up

@@ -44,7 +44,7 @@ from broker import codec, protocol
 from broker.exceptions import ProtocolError, TaskNotFoundError
 from broker.jobs import ExecutionMode
 from broker.payload import result_too_deep, result_too_large_on_wire
-from broker.retry import RetryPolicy, reported_exception
+from broker.retry import RetryPolicy, TaskBackoff, backoff_seconds, reported_exception
 from broker.runner import Assignment, Completed, Failed, Released, Rescheduled, RunOutcome
 from broker.tasks import Task
 
@@ -145,8 +145,8 @@ class WorkerState:
         self._logger = logger
         self._link: _Link | None = None
         self._running: dict[LeaseKey, ExecutionMode] = {}
-        self._policies: dict[LeaseKey, RetryPolicy] = {}
-        """The retry policy of each running job whose task declares one."""
+        self._rules: dict[LeaseKey, _RetryRules] = {}
+        """The retry policy and backoff of each running job whose task declares one."""
         self._starting: Counter[ExecutionMode] = Counter()
         """Jobs started but not yet inside ``runner.run`` (so not yet holding their slot):
         subtracted from the runner's free slots until they are."""
@@ -361,7 +361,7 @@ class WorkerState:
             self._unqueue(key)
             self._starting[mode] += 1
             self._running[key] = mode
-            self._remember_policy(key, assignment.task)
+            self._remember_rules(key, assignment.task, assignment.attempt)
             self._log_job(
                 logging.DEBUG,
                 "job started",
@@ -373,14 +373,15 @@ class WorkerState:
             effects.append(StartRun(assignment))
         return effects
 
-    def _remember_policy(self, key: LeaseKey, name: str) -> None:
-        """Keep the retry policy of a job's task while it runs, to judge its failure."""
+    def _remember_rules(self, key: LeaseKey, name: str, attempt: int) -> None:
+        """Keep the retry policy and backoff of a job's task while it runs, to judge its
+        failure."""
         try:
             task = self._lookup_task(name)
         except TaskNotFoundError:
             return
-        if isinstance(task, Task) and task.retry is not None:
-            self._policies[key] = task.retry
+        if isinstance(task, Task) and (task.retry is not None or task.backoff is not None):
+            self._rules[key] = _RetryRules(task.retry, task.backoff, attempt)
 
     def run_entered(self, key: LeaseKey) -> list[WorkerEffect]:
         """The runner took the job's slot: its own count now covers it."""
@@ -397,9 +398,9 @@ class WorkerState:
         to report); its report joins the outbox, the oldest prefetched job takes its
         slot (given ``free``, the runners' slots now), and the rest is advertised."""
         del self._running[key]
-        policy = self._policies.pop(key, None)
-        if isinstance(outcome, Failed) and outcome.retry and policy is not None:
-            outcome = _under_policy(outcome, policy)
+        rules = self._rules.pop(key, None)
+        if isinstance(outcome, Failed) and outcome.retry and rules is not None:
+            outcome = rules.judge(outcome)
         if outcome is None:
             self._given_up.discard(key)
         else:
@@ -425,8 +426,8 @@ class WorkerState:
                     *key, reason="the worker stopped before the job ended"
                 )
                 self._log_job(logging.WARNING, "job given back", key, error=outcome.error)
-            case Failed(error=error, retry=retry):
-                report = protocol.FailedReport(*key, error=error, retry=retry)
+            case Failed(error=error, retry=retry, retry_delay=wait):
+                report = protocol.FailedReport(*key, error=error, retry=retry, retry_delay=wait)
                 self._log_job(logging.WARNING, "job failed", key, error=error, retry=retry)
             case Released(reason=reason):
                 report = protocol.ReleaseReport(*key, reason=reason)
@@ -596,7 +597,9 @@ class WorkerState:
         if isinstance(report, protocol.FailedReport):
             # Keep the retry decision; JSON spends at most 6 bytes on a character.
             error = report.error[: limit // 8]
-            fitted = protocol.FailedReport(*key, error=error, retry=report.retry)
+            fitted = protocol.FailedReport(
+                *key, error=error, retry=report.retry, retry_delay=report.retry_delay
+            )
         else:
             fitted = protocol.FailedReport(*key, error=problem[:1000], retry=False)
         self._log_job(logging.ERROR, "report replaced", key, reason=problem[:200])
@@ -670,14 +673,36 @@ def lease_ids(key: LeaseKey) -> dict[str, str]:
     return {"job_id": str(key[0]), "handoff_id": str(key[1])}
 
 
-def _under_policy(outcome: Failed, policy: RetryPolicy) -> Failed:
-    """The failure as the task's retry policy judges it: one its exception rules out is
-    not retried (and says why). An exception this process cannot name is retried, as
-    without a policy: only a declared rule ends a job early."""
-    error = reported_exception(outcome.error)
-    if error is None or policy.retries(error):
-        return outcome
-    return Failed(
-        f"{outcome.error}\n(not retried: the task's retry policy excludes {error.__qualname__})",
-        retry=False,
-    )
+@dataclass(frozen=True, slots=True)
+class _RetryRules:
+    """What a running job's task declares about its failures, and which run this is."""
+
+    policy: RetryPolicy | None
+    backoff: TaskBackoff | None
+    attempt: int
+
+    def judge(self, outcome: Failed) -> Failed:
+        """The failure as the task's rules judge it: one its policy's exception rules out
+        is not retried (and says why); one that is retried waits what the task's backoff
+        says. An exception this process cannot name is retried, as without a policy: only
+        a declared rule ends a job early.
+
+        The backoff is the task's own function, called here with the number of failures
+        (this run's attempt). A wait it cannot give (it raised, or returned a negative,
+        endless or non-numeric value) is refused: the failure goes without one, so the
+        main's backoff applies, and the job's error says why."""
+        if self.policy is not None:
+            error = reported_exception(outcome.error)
+            if error is not None and not self.policy.retries(error):
+                return Failed(
+                    f"{outcome.error}\n(not retried: the task's retry policy excludes "
+                    f"{error.__qualname__})",
+                    retry=False,
+                )
+        if self.backoff is None:
+            return outcome
+        try:
+            wait = backoff_seconds(self.backoff, self.attempt)
+        except ValueError as exc:
+            return Failed(f"{outcome.error}\n({exc}; the main's backoff applies)")
+        return Failed(outcome.error, retry_delay=wait)
