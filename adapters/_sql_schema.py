@@ -273,12 +273,35 @@ def _v3_partial_key_indexes(conn: sa.Connection, schema: str | None) -> None:
         _index_at(3, name).create(conn)
 
 
+def _task_catalog_table(md: sa.MetaData) -> sa.Table:
+    """The task catalog (version 4): one row per task and worker that declared it, with
+    the declaration as JSON text (the store never reads inside it) and when it was last
+    seen, in microseconds like every time here."""
+    return sa.Table(
+        "broker_tasks",
+        md,
+        sa.Column("task", sa.Text(), primary_key=True),
+        sa.Column("worker_id", sa.Text(), primary_key=True),
+        sa.Column("declaration", sa.Text(), nullable=False),
+        sa.Column("seen_us", sa.BigInteger(), nullable=False),
+    )
+
+
+task_catalog = _task_catalog_table(metadata)
+
+
+def _v4_task_catalog(conn: sa.Connection, schema: str | None) -> None:
+    """Version 4: the task catalog, a new table (no existing row changes)."""
+    _task_catalog_table(sa.MetaData()).create(conn)
+
+
 Migration = Callable[[sa.Connection, str | None], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (1, _v1_initial),
     (2, _v2_unique_key),
     (3, _v3_partial_key_indexes),
+    (4, _v4_task_catalog),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

@@ -15,7 +15,7 @@ import base64
 import copy
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import replace
 from datetime import datetime
@@ -38,7 +38,7 @@ from broker.jobs import (
     check_idempotent_repeat,
     utcnow,
 )
-from broker.storage import Capabilities, JobFilter, JobPage, QueueCount
+from broker.storage import Capabilities, JobFilter, JobPage, QueueCount, TaskRecord
 
 
 class MemoryAdapter:
@@ -48,6 +48,8 @@ class MemoryAdapter:
         self._clock = clock
         self._jobs: dict[uuid.UUID, Job] = {}
         self._by_idempotency_key: dict[str, uuid.UUID] = {}
+        self._tasks: dict[tuple[str, str], TaskRecord] = {}
+        """The task catalog, by ``(task, worker_id)``."""
         self._active_by_unique_key: dict[str, uuid.UUID] = {}
         self._active_by_key: Counter[str] = Counter()
         self._listeners: list[Callable[[], None]] = []
@@ -88,6 +90,20 @@ class MemoryAdapter:
                 check_idempotent_repeat(spec, first[key])
             else:
                 first[key] = spec
+
+    async def declare_tasks(
+        self,
+        worker_id: str,
+        declarations: Mapping[str, Mapping[str, JSONValue]],
+        seen_at: datetime,
+    ) -> None:
+        for name, declaration in declarations.items():
+            self._tasks[name, worker_id] = TaskRecord(
+                name, worker_id, copy.deepcopy(dict(declaration)), seen_at
+            )
+
+    async def task_catalog(self) -> list[TaskRecord]:
+        return [copy.deepcopy(self._tasks[key]) for key in sorted(self._tasks)]
 
     async def enqueue(self, spec: JobSpec) -> EnqueueResult:
         return (await self.enqueue_many([spec]))[0]

@@ -68,6 +68,7 @@ from adapters._sql_schema import (
     migrate,
     notify_channel,
     schema_version,
+    task_catalog,
 )
 from adapters._sql_statements import SyncStatements as SyncStatements  # re-exported
 from adapters._sql_statements import complete_now, statements
@@ -99,7 +100,14 @@ from broker.jobs import (
     utcnow,
 )
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, check_all
-from broker.storage import SCHEMA_VERSION, Capabilities, JobFilter, JobPage, QueueCount
+from broker.storage import (
+    SCHEMA_VERSION,
+    Capabilities,
+    JobFilter,
+    JobPage,
+    QueueCount,
+    TaskRecord,
+)
 from broker.untrusted import redact_url
 
 if TYPE_CHECKING:
@@ -1451,6 +1459,49 @@ class SQLAlchemyAdapter:
             row = (await conn.execute(sa.select(jobs).where(jobs.c.id == job_id))).mappings()
             found = row.first()
         return None if found is None else _job_from_row(found)
+
+    async def declare_tasks(
+        self,
+        worker_id: str,
+        declarations: Mapping[str, Mapping[str, JSONValue]],
+        seen_at: datetime,
+    ) -> None:
+        if not declarations:
+            return
+        seen_us = _to_us(seen_at)
+        rows = [
+            {
+                "task": name,
+                "worker_id": worker_id,
+                "declaration": json.dumps(dict(declaration), sort_keys=True),
+                "seen_us": seen_us,
+            }
+            for name, declaration in sorted(declarations.items())
+        ]
+        insert = self._insert(task_catalog)
+        stmt = insert.on_conflict_do_update(
+            index_elements=[task_catalog.c.task, task_catalog.c.worker_id],
+            set_={
+                "declaration": insert.excluded.declaration,
+                "seen_us": insert.excluded.seen_us,
+            },
+        )
+        async with self._write("declare_tasks") as conn:
+            await conn.execute(stmt, rows)
+
+    async def task_catalog(self) -> list[TaskRecord]:
+        select = sa.select(task_catalog).order_by(task_catalog.c.task, task_catalog.c.worker_id)
+        async with self._read("task_catalog") as conn:
+            rows = (await conn.execute(select)).mappings().all()
+        return [
+            TaskRecord(
+                task=row["task"],
+                worker_id=row["worker_id"],
+                declaration=json.loads(row["declaration"]),
+                seen_at=_from_us(row["seen_us"]),
+            )
+            for row in rows
+        ]
 
     async def list_jobs(
         self,

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from broker import composition, protocol, wire
+from broker import catalog, composition, protocol, wire
 from broker.client import Client, JobListPage
 from broker.config import MainSettings
 from broker.exceptions import BrokerError, ConfigurationError
@@ -70,7 +70,12 @@ class Backend(Protocol):
 
     async def retry(self, job_id: uuid.UUID) -> dict[str, JSONValue] | None: ...
 
-    async def enqueue(self, request: protocol.JobRequest) -> Enqueued: ...
+    async def enqueue(
+        self, request: protocol.JobRequest, *, allow_unknown_tasks: bool = False
+    ) -> Enqueued: ...
+
+    async def tasks(self) -> list[dict[str, JSONValue]]:
+        """The task catalog, as :func:`broker.catalog.entry` shows each declaration."""
 
     async def prune(
         self,
@@ -120,8 +125,16 @@ class MainBackend:
     async def retry(self, job_id: uuid.UUID) -> dict[str, JSONValue] | None:
         return await self.client.retry(job_id)
 
-    async def enqueue(self, request: protocol.JobRequest) -> Enqueued:
-        return (await self.client.enqueue_requests([request]))[0]
+    async def enqueue(
+        self, request: protocol.JobRequest, *, allow_unknown_tasks: bool = False
+    ) -> Enqueued:
+        [result] = await self.client.enqueue_requests(
+            [request], allow_unknown_tasks=allow_unknown_tasks
+        )
+        return result
+
+    async def tasks(self) -> list[dict[str, JSONValue]]:
+        return await self.client.list_tasks()
 
     async def prune(
         self,
@@ -187,9 +200,14 @@ class StoreBackend:
     async def retry(self, job_id: uuid.UUID) -> dict[str, JSONValue] | None:
         return _as_dict(await self.operations.retry(job_id))
 
-    async def enqueue(self, request: protocol.JobRequest) -> Enqueued:
-        [result] = await self.operations.enqueue([request])
+    async def enqueue(
+        self, request: protocol.JobRequest, *, allow_unknown_tasks: bool = False
+    ) -> Enqueued:
+        [result] = await self.operations.enqueue([request], allow_unknown_tasks=allow_unknown_tasks)
         return Enqueued(result.job.id, result.duplicate)
+
+    async def tasks(self) -> list[dict[str, JSONValue]]:
+        return [catalog.entry(record) for record in await self.operations.tasks()]
 
     async def prune(
         self,
@@ -406,7 +424,7 @@ async def resolve_job(backend: Backend, ref: uuid.UUID | str) -> uuid.UUID | Non
 def only_reads(args: argparse.Namespace) -> bool:
     """Whether the parsed command only reads: such a command opens a store fallback
     read-only."""
-    return args.command in {"status", "top", "jobs", "job"} or (
+    return args.command in {"status", "top", "jobs", "job", "tasks"} or (
         args.command == "prune" and bool(args.dry_run)
     )
 
@@ -449,14 +467,11 @@ def enqueue_request(args: argparse.Namespace) -> protocol.JobRequest:
         "execution_mode": args.mode,
         "max_attempts": None if args.retries is None else args.retries + 1,
     }
-    # Built as a spec first, so a bad request fails here with the spec's message.
-    spec = JobSpec(
-        task=args.task,
-        args=params,
-        kwargs=kwargs,
-        **{k: v for k, v in options.items() if v is not None},
-    )
-    request = protocol.JobRequest.from_spec(spec)
+    said = {k: v for k, v in options.items() if v is not None}
+    # Built as a spec first, so a bad request fails here with the spec's message; what
+    # is not said here the main fills from the task's declaration (the task catalog).
+    spec = JobSpec(task=args.task, args=params, kwargs=kwargs, **said)
+    request = protocol.JobRequest.from_spec(spec, said=said)
     if args.delay is not None:
         request = msgspec.structs.replace(request, run_at=None, delay=float(args.delay))
     return request
@@ -464,12 +479,51 @@ def enqueue_request(args: argparse.Namespace) -> protocol.JobRequest:
 
 async def _enqueue(backend: Backend, args: argparse.Namespace) -> int:
     request = getattr(args, "request", None) or enqueue_request(args)
-    result = await backend.enqueue(request)
+    result = await backend.enqueue(request, allow_unknown_tasks=args.allow_unknown_task)
     if args.json:
         print(json.dumps({"job_id": str(result.job_id), "duplicate": result.duplicate}))
     else:
         print(result.job_id)
     return 0
+
+
+async def _tasks(backend: Backend, args: argparse.Namespace) -> int:
+    tasks = await backend.tasks()
+    if args.json:
+        _print_json({"tasks": tasks})
+    else:
+        print(format_tasks(tasks))
+    return 0
+
+
+def format_tasks(tasks: Sequence[dict[str, Any]]) -> str:
+    """The human form of ``broker tasks``: one row per task and worker that declared it,
+    the defaults its jobs get and its retry rules."""
+    if not tasks:
+        return "no tasks declared (a worker declares its tasks when it connects)"
+    rows = []
+    for entry in tasks:
+        declared = entry["declaration"]
+        retry_on = declared.get("retry_on")
+        dont = declared.get("dont_retry_on") or []
+        policy = "any Exception" if retry_on is None else ", ".join(retry_on)
+        if dont:
+            policy += f"; not {', '.join(dont)}"
+        rows.append(
+            [
+                str(entry["task"]),
+                str(declared.get("execution_mode")),
+                str(declared.get("queue")),
+                str(int(declared.get("max_attempts", 1)) - 1),
+                policy,
+                str(declared.get("backoff") or "main's backoff"),
+                "-" if declared.get("timeout") is None else f"{declared['timeout']:g}s",
+                str(entry["worker_id"]),
+                format_time(str(entry["seen_at"])),
+            ]
+        )
+    headers = ["task", "mode", "queue", "retries", "retry on", "backoff", "timeout"]
+    return table([*headers, "worker", "last seen"], rows)
 
 
 async def _prune(backend: Backend, args: argparse.Namespace) -> int:
@@ -843,6 +897,7 @@ async def top(backend: Backend, args: argparse.Namespace) -> int:
 COMMANDS: dict[str, Command] = {
     "status": _status,
     "jobs": _jobs,
+    "tasks": _tasks,
     "job": _job,
     "cancel": _cancel,
     "retry": _retry,

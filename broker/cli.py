@@ -972,10 +972,17 @@ def broker_parser() -> argparse.ArgumentParser:
         type=_count,
         default=None,
         metavar="N",
-        help="runs allowed after a failed first one (default 10; this command cannot see "
-        "the task's @task(retries=...), so give it here, e.g. 0 for a task that must "
-        "not repeat)",
+        help="runs allowed after a failed first one (default: the task's @task(retries=...) "
+        "as its workers declared it; see `broker tasks`)",
     )
+    enq.add_argument(
+        "--allow-unknown-task",
+        action="store_true",
+        help="enqueue even if no worker has ever declared this task (a deliberate cold "
+        "start, before the first worker serving it starts); without it such a name is "
+        "refused, since it is usually a typo",
+    )
+    command("tasks", "list the task catalog: the tasks workers declared and their job defaults")
     prune = command("prune", "delete finished jobs (never a queued or running one)")
     prune.add_argument(
         "--older-than",

@@ -273,24 +273,42 @@ class Task(Generic[P, R]):
             **fields,
         )
 
+    def positional_parameters(self) -> list[str]:
+        """The names a job's positional arguments bind to, in order (what the task
+        catalog needs to fill a concurrency-key template at the main)."""
+        signature = self._signature
+        if signature is None:
+            return []
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        return [p.name for p in signature.parameters.values() if p.kind in kinds]
+
     def _format_key(
         self, template: str, args: Sequence[JSONValue], kwargs: Mapping[str, JSONValue]
     ) -> str:
         """``template`` with ``{name}`` fields filled from this job's arguments."""
         if "{" not in template and "}" not in template:
             return template
-        values = _bound_arguments(self.func, args, kwargs)
-        try:
-            return template.format_map(values)
-        except KeyError as exc:
-            raise InvalidJobError(
-                f"concurrency_key {template!r} of task {self.name!r} needs the argument "
-                f"{exc.args[0]!r}, which this job does not give (by keyword or by position)"
-            ) from None
-        except (IndexError, AttributeError, TypeError, ValueError) as exc:
-            raise InvalidJobError(
-                f"cannot format concurrency_key {template!r} of task {self.name!r}: {exc}"
-            ) from None
+        return fill_key_template(template, self.name, _bound_arguments(self.func, args, kwargs))
+
+
+def fill_key_template(template: str, task_name: str, values: Mapping[str, Any]) -> str:
+    """A concurrency-key ``template`` of task ``task_name`` filled from a job's arguments
+    by parameter name (``values``).
+
+    :raises InvalidJobError: the template names an argument the job does not give, or
+        cannot be formatted with the values given.
+    """
+    try:
+        return template.format_map(values)
+    except KeyError as exc:
+        raise InvalidJobError(
+            f"concurrency_key {template!r} of task {task_name!r} needs the argument "
+            f"{exc.args[0]!r}, which this job does not give (by keyword or by position)"
+        ) from None
+    except (IndexError, AttributeError, TypeError, ValueError) as exc:
+        raise InvalidJobError(
+            f"cannot format concurrency_key {template!r} of task {task_name!r}: {exc}"
+        ) from None
 
 
 def _bound_arguments(
