@@ -273,6 +273,33 @@ async def check_idempotency_key_with_another_request_is_refused(ctx: Context) ->
 
 
 @_check
+async def check_task_catalog_keeps_each_workers_latest_declaration(ctx: Context) -> None:
+    """The task catalog keeps one row per task and worker, the latest declaration and
+    when it was seen; a task a worker stops declaring stays, as it was."""
+    assert await ctx.store.task_catalog() == []
+    later = START + timedelta(seconds=1)
+    await ctx.store.declare_tasks(
+        "w1", {"app.a": {"queue": "q", "max_attempts": 1}, "app.b": {"unique": True}}, START
+    )
+    await ctx.store.declare_tasks(
+        "w2", {"app.a": {"queue": "r", "nested": [1, {"x": None}]}}, START
+    )
+    await ctx.store.declare_tasks("w1", {"app.a": {"queue": "q2"}}, later)
+    records = await ctx.store.task_catalog()
+    assert [(r.task, r.worker_id) for r in records] == [
+        ("app.a", "w1"),
+        ("app.a", "w2"),
+        ("app.b", "w1"),
+    ], "ordered by task, then worker id"
+    assert (records[0].declaration, records[0].seen_at) == ({"queue": "q2"}, later)
+    assert records[1].declaration == {"queue": "r", "nested": [1, {"x": None}]}
+    assert (records[2].declaration, records[2].seen_at) == ({"unique": True}, START)
+    if ctx.store.capabilities.shared_between_processes:
+        other = await ctx.peer()
+        assert await other.task_catalog() == records
+
+
+@_check
 async def check_idempotent_enqueue_under_concurrency(ctx: Context) -> None:
     handles = [ctx.store, *[await ctx.peer() for _ in range(3)]]
     results = await asyncio.gather(
