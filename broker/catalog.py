@@ -17,7 +17,10 @@ The rules, all here:
   :class:`~broker.exceptions.UnknownTaskError` and stores nothing, unless the request
   allows unknown tasks, for a deliberate cold start (jobs enqueued before the first
   worker of a new task starts). "Ever": a worker that has gone away still vouches for
-  the name.
+  the name. The rule applies once the catalog is in use, that is once any worker has
+  declared its tasks to this store: before that (a first start, or workers of a release
+  without catalogs during an upgrade) no name can be told from a typo, and refusing
+  every one would stop all enqueues by name.
 * **The newest declaration wins.** When two workers declare different defaults for one
   name (a rolling deploy, where the new release's workers declare last; or two
   releases side by side), the most recently seen declaration decides, and the main logs
@@ -149,6 +152,11 @@ class Catalog:
             self._decide(name)
         self._loaded = True
 
+    @property
+    def in_use(self) -> bool:
+        """Some worker has declared its tasks: from then on unknown names are refused."""
+        return bool(self._newest)
+
     def declared(self, name: str) -> protocol.TaskDeclaration | None:
         """The declaration that decides ``name``'s defaults; ``None``: never declared."""
         return self._newest.get(name)
@@ -215,14 +223,14 @@ class Catalog:
     ) -> JobSpec:
         """The job ``request`` asks for, with its task's defaults where it says nothing.
 
-        :raises UnknownTaskError: no worker has declared the task, and unknown tasks are
-            not allowed.
+        :raises UnknownTaskError: no worker has declared the task while others have (the
+            catalog is in use), and unknown tasks are not allowed.
         :raises InvalidJobError: the request is invalid, or a concurrency-key template
             of the task names an argument the job does not give.
         """
         declared = self._newest.get(request.task)
         if declared is None:
-            if not allow_unknown:
+            if not allow_unknown and self.in_use:
                 raise UnknownTaskError(
                     f"no worker has declared task {request.task!r}: check the name "
                     "(`broker tasks` lists the declared ones) and start a worker that "

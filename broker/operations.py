@@ -105,7 +105,11 @@ class Operations:
         now = self._clock()
         catalog = self.catalog
         await catalog.load()
-        if not allow_unknown_tasks and any(catalog.declared(r.task) is None for r in requests):
+        if (
+            not allow_unknown_tasks
+            and catalog.in_use
+            and any(catalog.declared(r.task) is None for r in requests)
+        ):
             await catalog.refresh()  # only a name this copy does not know costs a read
         specs = [
             self.catalog.job_spec(request, now, allow_unknown=allow_unknown_tasks)
