@@ -33,10 +33,10 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
 
 
 async def _broker(cluster: Cluster, *argv: str) -> subprocess.CompletedProcess[str]:
+    main = f"127.0.0.1:{cluster.port}"
     return await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "broker.cli", "broker", "--main", f"127.0.0.1:{cluster.port}"]
-        + list(argv),
+        [sys.executable, "-m", "broker.cli", "broker", "--main", main, *argv],
         cwd=REPO,
         env=cluster._env(),
         capture_output=True,
