@@ -344,7 +344,19 @@ async def _jobs(backend: Backend, args: argparse.Namespace) -> int:
 
 async def _job(backend: Backend, args: argparse.Namespace) -> int:
     job_id = await resolve_job(backend, args.job_id)
-    return _print_job(None if job_id is None else await backend.get_job(job_id), args.json)
+    job = None if job_id is None else await backend.get_job(job_id)
+    if job is None or args.json:
+        return _print_job(job, args.json)
+    rules = retry_rules(_declaration(await backend.tasks(), str(job["task"])))
+    print(format_job(job, rules))
+    return 0
+
+
+def _declaration(tasks: Sequence[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    """The declaration that decides ``name``'s defaults: the newest seen (as the main
+    decides, :mod:`broker.catalog`)."""
+    mine = [t for t in tasks if t["task"] == name]
+    return max(mine, key=lambda t: str(t["seen_at"]))["declaration"] if mine else None
 
 
 async def _cancel(backend: Backend, args: argparse.Namespace) -> int:
@@ -504,26 +516,20 @@ def format_tasks(tasks: Sequence[dict[str, Any]]) -> str:
     rows = []
     for entry in tasks:
         declared = entry["declaration"]
-        retry_on = declared.get("retry_on")
-        dont = declared.get("dont_retry_on") or []
-        policy = "any Exception" if retry_on is None else ", ".join(retry_on)
-        if dont:
-            policy += f"; not {', '.join(dont)}"
         rows.append(
             [
                 str(entry["task"]),
                 str(declared.get("execution_mode")),
                 str(declared.get("queue")),
                 str(int(declared.get("max_attempts", 1)) - 1),
-                policy,
-                str(declared.get("backoff") or "main's backoff"),
                 "-" if declared.get("timeout") is None else f"{declared['timeout']:g}s",
                 str(entry["worker_id"]),
                 format_time(str(entry["seen_at"])),
+                retry_rules(declared),
             ]
         )
-    headers = ["task", "mode", "queue", "retries", "retry on", "backoff", "timeout"]
-    return table([*headers, "worker", "last seen"], rows)
+    headers = ["task", "mode", "queue", "retries", "timeout", "worker", "last seen"]
+    return table([*headers, "retry rules"], rows)
 
 
 async def _prune(backend: Backend, args: argparse.Namespace) -> int:
@@ -616,12 +622,13 @@ def _print_job(job: dict[str, Any] | None, as_json: bool) -> int:
     return 0
 
 
-def format_job(job: dict[str, Any]) -> str:
+def format_job(job: dict[str, Any], rules: str | None = None) -> str:
     """The human form of ``broker job``: one field a line. The error, which may hold a
     traceback, goes on over several lines indented under its field, so the columns
     hold; every other value is one line, its control characters escaped (a newline in
-    a name is shown as ``\\n``, never obeyed)."""
-    width = max(len(k) for k in job)
+    a name is shown as ``\\n``, never obeyed). The task's retry ``rules``
+    (:func:`retry_rules`), when given, come after the runs."""
+    width = max(len(k) for k in [*job, "retry rules"])
     out: list[str] = []
     for key, value in job.items():
         if key in _TIME_FIELDS and isinstance(value, str):
@@ -633,7 +640,22 @@ def format_job(job: dict[str, Any]) -> str:
         out.extend(f"{'':<{width}}  {escape_control(line)}".rstrip() for line in rest)
         if key == "attempts":
             out.append(f"{'runs':<{width}}  {runs(job)} of at most {job.get('max_attempts')}")
+            if rules is not None:
+                out.append(f"{'retry rules':<{width}}  {escape_control(rules)}")
     return "\n".join(out)
+
+
+def retry_rules(declared: dict[str, Any] | None) -> str:
+    """Which failures of a task are retried and after what wait, from its declaration."""
+    if declared is None:
+        return "any Exception; the main's backoff (the task is not in the catalog)"
+    retry_on = declared.get("retry_on")
+    dont = declared.get("dont_retry_on") or []
+    text = "any Exception" if retry_on is None else ", ".join(retry_on)
+    if dont:
+        text += f" except {', '.join(dont)}"
+    backoff = declared.get("backoff") or "the main's"
+    return f"{text}; backoff: {backoff}"
 
 
 _TIME_FIELDS = frozenset({"run_at", "created_at", "updated_at", "handed_off_at"})

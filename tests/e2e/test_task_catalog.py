@@ -71,6 +71,9 @@ async def test_a_cli_enqueue_gets_the_declared_defaults_and_unknown_names_are_re
         assert (job["max_attempts"], job["attempts"], job["queue"]) == (1, 1, "once")
         assert job["execution_mode"] == "inline" and job["timeout"] == 30
         assert len(RunLog.read(cluster.runs).starts["k1"]) == 1, "declared retries=0: one run"
+        shown = await _broker(cluster, "job", str(job_id))
+        assert "runs               1 of at most 1" in shown.stdout, shown.stdout
+        assert "retry rules        any Exception; backoff: the main's" in shown.stdout
 
         # A caller's own option still wins over the declaration.
         kept = await _broker(cluster, "enqueue", TASK, '["k2"]', "--queue", "mine", "--json")
