@@ -872,8 +872,8 @@ def _page_size(text: str) -> int:
 def broker_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="broker",
-        description="Operate the broker: status, top, jobs, job, retry, cancel, enqueue, prune, "
-        "migrate. Talks to the main; when the main cannot be reached and --database-url is "
+        description="Operate the broker: status, top, jobs, job, retry, cancel, enqueue, tasks, "
+        "prune, migrate. Talks to the main; when the main cannot be reached and --database-url is "
         "set, works on the store directly (never creating or migrating its schema).",
     )
     _add_main_address(p)
