@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from broker.exceptions import ConfigurationError
 from broker.jobs import Clock, utcnow
+from broker.payload import DEFAULT_OFFLOAD_BYTES
 from broker.untrusted import redact_url
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ def open_store(
     pool_size: int = DEFAULT_POOL_SIZE,
     hot_pool_size: int = DEFAULT_HOT_POOL_SIZE,
     single_main: bool = False,
+    offload_threshold: int | None = DEFAULT_OFFLOAD_BYTES,
 ) -> StorageAdapter:
     """The adapter for ``url``; call its ``setup()`` before use.
 
@@ -47,6 +49,8 @@ def open_store(
     ``pool_size`` and ``hot_pool_size`` size a SQL store's connection pools (see
     :class:`adapters.sql.SQLAlchemyAdapter`); the in-memory store has none.
     ``single_main=True`` is for a broker-main: a SQLite store then refuses a second main.
+    ``offload_threshold``: values larger than this are kept apart from their job's row
+    (see :class:`broker.storage.SupportsOffload`); ``None`` keeps them all inline.
     """
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "memory":
@@ -57,7 +61,7 @@ def open_store(
             )
         from adapters.memory import MemoryAdapter
 
-        return MemoryAdapter(clock=clock)
+        return MemoryAdapter(clock=clock, offload_threshold=offload_threshold)
     if scheme.startswith(("sqlite", "postgres")):
         from adapters.sql import SQLAlchemyAdapter
 
@@ -69,6 +73,7 @@ def open_store(
             pool_size=pool_size,
             hot_pool_size=hot_pool_size,
             single_main=single_main,
+            offload_threshold=offload_threshold,
         )
     raise ConfigurationError(
         f"unsupported store URL {redact_url(url)!r}; use one of: {', '.join(SUPPORTED_URLS)} "

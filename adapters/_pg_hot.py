@@ -25,7 +25,7 @@ import asyncpg  # type: ignore[import-untyped]
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg_dialect
 
-from adapters._sql_schema import INSERT_COLUMNS, concurrency, jobs
+from adapters._sql_schema import INSERT_COLUMNS, concurrency, jobs, payloads
 
 _PG: sa.Dialect = pg_dialect.dialect()  # type: ignore[no-untyped-call]
 
@@ -46,6 +46,7 @@ class HotSql:
         prefix = f"{quote(schema)}." if schema else ""
         t = f"{prefix}{quote(jobs.name)}"
         c = f"{prefix}{quote(concurrency.name)}"
+        p = f"{prefix}{quote(payloads.name)}"
         hand_off_set = (
             "status = 'handed_off', handoff_id = w.handoff_id, worker_id = w.worker_id, "
             "handed_off_us = $4, updated_us = $4"
@@ -201,6 +202,14 @@ class HotSql:
             ORDER BY ord
             ON CONFLICT DO NOTHING
             RETURNING id
+        """
+        # Offloaded payloads: read for the jobs whose rows carry the mark, written (or
+        # replaced) in the transaction that writes the row they belong to.
+        self.payloads_of = f"SELECT job_id, kind, body FROM {p} WHERE job_id = ANY($1::uuid[])"
+        self.put_payloads = f"""
+            INSERT INTO {p} (job_id, kind, body)
+            SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[])
+            ON CONFLICT (job_id, kind) DO UPDATE SET body = EXCLUDED.body
         """
         self.holders = f"""
             SELECT * FROM {t}

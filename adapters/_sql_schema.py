@@ -167,9 +167,41 @@ def _predicates(
     return is_queued, is_handed_off, is_terminal, is_active
 
 
+OFFLOADED = ""
+"""What a payload column of ``broker_jobs`` holds when its value lives in
+``broker_payloads`` instead: no JSON value encodes to the empty string, so the mark can
+never be mistaken for a value, and the hot row keeps a few bytes in place of megabytes."""
+
+OFFLOADABLE = ("args", "kwargs", "result")
+"""The ``broker_jobs`` columns whose value moves to ``broker_payloads`` (under the column's
+name as its ``kind``) when it is longer than the adapter's offload threshold."""
+
+
+def _define_payloads(md: sa.MetaData) -> sa.Table:
+    """Schema version 4's side table: one large JSON value of one job per row.
+
+    Deleting a job deletes its payloads (``ON DELETE CASCADE``), whoever deletes it, so
+    retention can never leave one behind. ``kind`` names the job column it stands in for
+    (see :data:`OFFLOADABLE`).
+    """
+    return sa.Table(
+        "broker_payloads",
+        md,
+        sa.Column(
+            "job_id",
+            sa.Uuid(),
+            sa.ForeignKey("broker_jobs.id", ondelete="CASCADE"),
+            primary_key=True,
+        ),
+        sa.Column("kind", sa.Text(), primary_key=True),
+        sa.Column("body", sa.Text(), nullable=False),
+    )
+
+
 metadata = sa.MetaData()
 """The current schema (:data:`SCHEMA_VERSION`), which every query is written against."""
 jobs, concurrency, schema_version = _define(metadata, SCHEMA_VERSION)
+payloads = _define_payloads(metadata)
 IS_QUEUED, IS_HANDED_OFF, IS_TERMINAL, IS_ACTIVE = _predicates(jobs)
 INSERT_COLUMNS = [c.name for c in jobs.c if c.name != "seq"]
 """What the hot paths' enqueue writes: every column but ``seq``, which PostgreSQL fills
@@ -274,7 +306,7 @@ def _v3_partial_key_indexes(conn: sa.Connection, schema: str | None) -> None:
 
 
 def _task_catalog_table(md: sa.MetaData) -> sa.Table:
-    """The task catalog (version 4): one row per task and worker that declared it, with
+    """The task catalog (version 5): one row per task and worker that declared it, with
     the declaration as JSON text (the store never reads inside it) and when it was last
     seen, in microseconds like every time here."""
     return sa.Table(
@@ -290,9 +322,20 @@ def _task_catalog_table(md: sa.MetaData) -> sa.Table:
 task_catalog = _task_catalog_table(metadata)
 
 
-def _v4_task_catalog(conn: sa.Connection, schema: str | None) -> None:
-    """Version 4: the task catalog, a new table (no existing row changes)."""
+def _v5_task_catalog(conn: sa.Connection, schema: str | None) -> None:
+    """Version 5: the task catalog, a new table (no existing row changes)."""
     _task_catalog_table(sa.MetaData()).create(conn)
+
+
+def _v4_payloads(conn: sa.Connection, schema: str | None) -> None:
+    """Version 4: ``broker_payloads``, where values over the offload threshold live.
+
+    A new table only: existing rows keep their payloads inline, which every reader
+    still understands (only the empty string, never JSON, marks a value as offloaded).
+    """
+    v4 = sa.MetaData()
+    _define(v4, 4)
+    _define_payloads(v4).create(conn, checkfirst=False)
 
 
 Migration = Callable[[sa.Connection, str | None], None]
@@ -301,7 +344,8 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (1, _v1_initial),
     (2, _v2_unique_key),
     (3, _v3_partial_key_indexes),
-    (4, _v4_task_catalog),
+    (4, _v4_payloads),
+    (5, _v5_task_catalog),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

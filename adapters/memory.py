@@ -7,6 +7,10 @@ gone when the process exits, so never use it where a lost job matters.
 Every public method runs without an ``await`` between reading and writing its
 state, so on one event loop each operation is atomic, which is exactly the
 guarantee the SQL stores get from transactions.
+
+Large values are offloaded as in the SQL stores, into a dict of their own: the job
+kept in ``_jobs`` holds an empty value in their place, so the offload rules (what moves
+out, when it is loaded, that pruning takes it along) are exercised here too.
 """
 
 from __future__ import annotations
@@ -38,15 +42,27 @@ from broker.jobs import (
     check_idempotent_repeat,
     utcnow,
 )
+from broker.payload import DEFAULT_OFFLOAD_BYTES, encoded_size
 from broker.storage import Capabilities, JobFilter, JobPage, QueueCount, TaskRecord
+
+_HOLLOW: dict[str, JSONValue] = {"args": (), "kwargs": {}, "result": None}
+"""What an offloaded field of a kept job holds; also how a summary shows a job."""
 
 
 class MemoryAdapter:
-    """A complete :class:`broker.storage.StorageAdapter` held in memory."""
+    """A complete :class:`broker.storage.StorageAdapter` held in memory.
 
-    def __init__(self, *, clock: Clock = utcnow) -> None:
+    ``offload_threshold``: args, kwargs or a result larger than this (as stored JSON,
+    measured like the SQL stores) is kept apart from its job; ``None`` never offloads.
+    """
+
+    def __init__(
+        self, *, clock: Clock = utcnow, offload_threshold: int | None = DEFAULT_OFFLOAD_BYTES
+    ) -> None:
         self._clock = clock
+        self._offload_threshold = offload_threshold
         self._jobs: dict[uuid.UUID, Job] = {}
+        self._payloads: dict[tuple[uuid.UUID, str], JSONValue] = {}
         self._by_idempotency_key: dict[str, uuid.UUID] = {}
         self._tasks: dict[tuple[str, str], TaskRecord] = {}
         """The task catalog, by ``(task, worker_id)``."""
@@ -57,6 +73,13 @@ class MemoryAdapter:
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities(listen_notify=True)
+
+    @property
+    def offload_threshold(self) -> int | None:
+        return self._offload_threshold
+
+    async def count_payloads(self) -> int:
+        return len(self._payloads)
 
     async def setup(self) -> None:
         """Nothing to create: the schema is the ``Job`` dataclass."""
@@ -85,7 +108,7 @@ class MemoryAdapter:
                 continue
             held = self._by_idempotency_key.get(key)
             if held is not None:
-                check_idempotent_repeat(spec, self._jobs[held])
+                check_idempotent_repeat(spec, self._snapshot(held))
             elif key in first:
                 check_idempotent_repeat(spec, first[key])
             else:
@@ -138,7 +161,7 @@ class MemoryAdapter:
                 results.append(EnqueueResult(self._snapshot(holder), duplicate=True))
                 continue
             job = settlement.enqueued(spec, now, claim)
-            self._put(job)
+            self._put(self._stow(job, ("args", "kwargs")))
             if spec.idempotency_key is not None:
                 self._by_idempotency_key[spec.idempotency_key] = job.id
             results.append(EnqueueResult(self._snapshot(job.id), duplicate=False))
@@ -172,7 +195,7 @@ class MemoryAdapter:
             if job.run_at <= now and self._key_has_room(job)
         ]
         due.sort(key=lambda job: (-job.priority, job.run_at, job.created_at))
-        return [self._snapshot(job.id) for job in due[:limit]]
+        return [self._snapshot(job.id, payloads=False) for job in due[:limit]]
 
     async def next_run_at(
         self, *, modes: Collection[ExecutionMode], queues: Collection[str] | None = None
@@ -218,7 +241,9 @@ class MemoryAdapter:
     def _move(self, job: Job, move: settlement.Move) -> None:
         if move.releases_slot:
             self._release_key(job)
-        self._put(settlement.apply(job, move))
+        self._put(
+            self._stow(settlement.apply(job, move), [f for f in move.changes if f in _HOLLOW])
+        )
 
     def _settle(self, s: Settlement) -> bool:
         job = self._jobs.get(s.job_id)
@@ -365,6 +390,8 @@ class MemoryAdapter:
                 doomed.append(job)
         for job in doomed:
             del self._jobs[job.id]
+            for field in _HOLLOW:
+                self._payloads.pop((job.id, field), None)
             if job.idempotency_key is not None:
                 self._by_idempotency_key.pop(job.idempotency_key, None)
         return len(doomed)
@@ -380,9 +407,31 @@ class MemoryAdapter:
         elif self._active_by_unique_key.get(key) == job.id:
             del self._active_by_unique_key[key]
 
-    def _snapshot(self, job_id: uuid.UUID) -> Job:
-        """A deep copy, so callers can never mutate the store through a returned job."""
-        return copy.deepcopy(self._jobs[job_id])
+    def _stow(self, job: Job, fields: Collection[str]) -> Job:
+        """``job`` as kept: each of ``fields`` (just set) larger than the threshold moves to
+        the payloads, and one now small enough drops the payload it replaces."""
+        moved: dict[str, JSONValue] = {}
+        for field in fields:
+            value = getattr(job, field)
+            self._payloads.pop((job.id, field), None)
+            stored = list(value) if field == "args" else value
+            limit = self._offload_threshold
+            if limit is not None and value is not None and encoded_size(stored) > limit:
+                self._payloads[(job.id, field)] = value
+                moved[field] = _HOLLOW[field]
+        return replace(job, **moved) if moved else job
+
+    def _snapshot(self, job_id: uuid.UUID, *, payloads: bool = True) -> Job:
+        """A deep copy, so callers can never mutate the store through a returned job; with
+        ``payloads=False`` offloaded values stay out (as dispatch's selection reads it)."""
+        job = self._jobs[job_id]
+        if payloads:
+            loaded = {
+                f: self._payloads[(job_id, f)] for f in _HOLLOW if (job_id, f) in self._payloads
+            }
+            if loaded:
+                job = replace(job, **loaded)
+        return copy.deepcopy(job)
 
 
 def _summary(job: Job) -> Job:

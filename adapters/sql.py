@@ -62,11 +62,14 @@ from adapters._sql_schema import (
     IS_HANDED_OFF,
     IS_QUEUED,
     IS_TERMINAL,
+    OFFLOADABLE,
+    OFFLOADED,
     _qualified,
     concurrency,
     jobs,
     migrate,
     notify_channel,
+    payloads,
     schema_version,
     task_catalog,
 )
@@ -99,7 +102,7 @@ from broker.jobs import (
     check_idempotent_repeat,
     utcnow,
 )
-from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, check_all
+from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_OFFLOAD_BYTES, check_all
 from broker.storage import (
     SCHEMA_VERSION,
     Capabilities,
@@ -208,16 +211,81 @@ _AS_IS = [(name, column) for name, column, _, decode in _FIELDS if decode is _sa
 _DECODED = [(name, column, decode) for name, column, _, decode in _FIELDS if decode is not _same]
 
 
-def _job_from_row(row: Mapping[Any, Any]) -> Job:
+Bodies = Mapping[tuple[uuid.UUID, str], str]
+"""Offloaded payloads by ``(job id, column)``, as ``broker_payloads`` holds them."""
+
+_HOLLOW = {"args": "[]", "kwargs": "{}", "result": None}
+"""What a payload column reads as where payloads are left out (selection, summaries)."""
+
+
+def _is_offloaded(row: Mapping[Any, Any] | sqlite3.Row) -> bool:
+    return any(row[column] == OFFLOADED for column in OFFLOADABLE)
+
+
+def _job_from_row(row: Mapping[Any, Any], bodies: Bodies | None = None) -> Job:
     """A :class:`Job` from a ``broker_jobs`` row (or the parameters of its INSERT).
+
+    An offloaded payload column takes its value from ``bodies``; with ``bodies=None``
+    (dispatch's selection, which never needs payloads) it reads as empty instead.
 
     Columns held as is are copied without a call each: every selected and claimed job
     passes through here, and the calls were most of its cost.
     """
+    if _is_offloaded(row):
+        row = _filled(row, bodies)
     values = {name: row[column] for name, column in _AS_IS}
     for name, column, decode in _DECODED:
         values[name] = decode(row[column])
     return Job(**values)
+
+
+def _filled(row: Mapping[Any, Any], bodies: Bodies | None) -> dict[Any, Any]:
+    """``row`` with each offloaded column replaced by its payload from ``bodies``."""
+    filled = dict(row)
+    for column in OFFLOADABLE:
+        if filled[column] != OFFLOADED:
+            continue
+        if bodies is None:
+            filled[column] = _HOLLOW[column]
+            continue
+        body = bodies.get((filled["id"], column))
+        if body is None:
+            # Only a hand-edited store gets here: the payload and its mark are written and
+            # deleted together. Saying so beats returning a job with its arguments gone.
+            raise StorageError(f"job {filled['id']}: its offloaded {column} is missing")
+        filled[column] = body
+    return filled
+
+
+Payload = tuple[uuid.UUID, str, str]
+"""One ``broker_payloads`` row: ``(job id, column, text)``."""
+
+
+def _offload(
+    job_id: uuid.UUID, row: dict[str, Any], threshold: int | None
+) -> tuple[dict[str, Any], list[Payload]]:
+    """``row`` with every payload column longer than ``threshold`` moved out: the column
+    holds the :data:`OFFLOADED` mark instead, and its text comes back as a payload row.
+
+    ``row`` itself is left alone (a copy is made only when something moves). Texts are
+    ASCII (escaped JSON), so their length is their size in bytes.
+    """
+    if threshold is None:
+        return row, []
+    moved = [
+        (job_id, column, text)
+        for column in OFFLOADABLE
+        if (text := row.get(column)) is not None and len(text) > threshold
+    ]
+    if not moved:
+        return row, moved
+    return {**row, **{column: OFFLOADED for _, column, _ in moved}}, moved
+
+
+def _kept(moved: Sequence[Payload], stored: Collection[uuid.UUID]) -> list[Payload]:
+    """The payloads of the jobs whose row was written (``stored``): a job fenced out or
+    found a duplicate writes none."""
+    return [p for p in moved if p[0] in stored]
 
 
 def _encode(changes: Mapping[str, Any]) -> dict[str, Any]:
@@ -448,6 +516,32 @@ def _grant(
     return granted, taken
 
 
+async def _pg_bodies(sql: HotSql, conn: Any, rows: Sequence[Mapping[Any, Any]]) -> dict[Any, str]:
+    """The offloaded payloads of ``rows`` (an asyncpg connection), in one query."""
+    wanted = [r["id"] for r in rows if _is_offloaded(r)]
+    if not wanted:
+        return {}
+    found = await conn.fetch(sql.payloads_of, wanted)
+    return {(r["job_id"], r["kind"]): r["body"] for r in found}
+
+
+async def _pg_put(sql: HotSql, conn: Any, moved: Sequence[Payload]) -> None:
+    """Write payload rows on an asyncpg connection, replacing any of the same kind."""
+    if moved:
+        await conn.execute(sql.put_payloads, *(list(column) for column in zip(*moved, strict=True)))
+
+
+async def _sa_bodies(conn: AsyncConnection, rows: Sequence[Mapping[Any, Any]]) -> dict[Any, str]:
+    """The offloaded payloads of ``rows`` (a SQLAlchemy connection, or an application's
+    connection that offers ``mappings()`` as :mod:`adapters._sql_statements` describes)."""
+    wanted = [r["id"] for r in rows if _is_offloaded(r)]
+    bodies: dict[Any, str] = {}
+    for chunk in _chunks(wanted):
+        found = await conn.execute(sa.select(payloads).where(payloads.c.job_id.in_(chunk)))
+        bodies.update({(r["job_id"], r["kind"]): r["body"] for r in found.mappings()})
+    return bodies
+
+
 def _claim_arrays(claims: Sequence[Claim]) -> tuple[list[uuid.UUID], list[uuid.UUID], list[str]]:
     """Claims as the ``unnest`` arrays of the hot claim statements."""
     return [c.job_id for c in claims], [c.handoff_id for c in claims], [c.worker_id for c in claims]
@@ -458,12 +552,36 @@ def _lite_value(value: Any) -> Any:
     return value.hex if isinstance(value, uuid.UUID) else value
 
 
-def _lite_job(row: sqlite3.Row) -> Job:
+def _lite_job(row: sqlite3.Row, bodies: Bodies | None = None) -> Job:
     values = dict(zip(row.keys(), row, strict=True))
     for column in ("id", "handoff_id"):
         if values[column] is not None:
             values[column] = uuid.UUID(hex=values[column])
-    return _job_from_row(values)
+    return _job_from_row(values, bodies)
+
+
+def _lite_bodies(conn: sqlite3.Connection, rows: Sequence[sqlite3.Row]) -> dict[Any, str]:
+    """The offloaded payloads of ``rows`` (SQLite's hot connection), in one query."""
+    wanted = [r["id"] for r in rows if _is_offloaded(r)]
+    if not wanted:
+        return {}
+    found = conn.execute(
+        "SELECT job_id, kind, body FROM broker_payloads "
+        "WHERE job_id IN (SELECT value FROM json_each(?))",
+        (json.dumps(wanted),),
+    )
+    return {(uuid.UUID(hex=job_id), kind): body for job_id, kind, body in found}
+
+
+def _lite_put(conn: sqlite3.Connection, moved: Sequence[Payload]) -> None:
+    """Write payload rows on SQLite's hot connection, replacing any of the same kind."""
+    if not moved:
+        return
+    conn.executemany(
+        "INSERT INTO broker_payloads (job_id, kind, body) VALUES (?, ?, ?) "
+        "ON CONFLICT (job_id, kind) DO UPDATE SET body = excluded.body",
+        [(job_id.hex, kind, body) for job_id, kind, body in moved],
+    )
 
 
 def _lite_update(move: settlement.Move, where: str) -> tuple[str, list[str]]:
@@ -508,6 +626,7 @@ def _claim_lite(conn: sqlite3.Connection, claims: list[Claim], now_us: int) -> l
             active,
         )
         chosen = set(granted)
+        bodies = _lite_bodies(conn, [candidates[job_id] for job_id in chosen])
         claimed = []
         for claim in claims:
             if claim.job_id not in chosen:
@@ -516,7 +635,7 @@ def _claim_lite(conn: sqlite3.Connection, claims: list[Claim], now_us: int) -> l
             update, columns = _lite_update(move, "id = ? AND status = 'queued'")
             values = _columns(move.changes)
             conn.execute(update, [_lite_value(values[c]) for c in columns] + [claim.job_id.hex])
-            claimed.append(settlement.apply(_lite_job(candidates[claim.job_id]), move))
+            claimed.append(settlement.apply(_lite_job(candidates[claim.job_id], bodies), move))
         conn.executemany(
             "UPDATE broker_concurrency SET active = active + ? WHERE key = ?",
             [(n, key) for key, n in sorted(taken.items())],
@@ -525,10 +644,15 @@ def _claim_lite(conn: sqlite3.Connection, claims: list[Claim], now_us: int) -> l
 
 
 def _settle_lite(
-    conn: sqlite3.Connection, settlements: Sequence[Settlement], now_us: int
+    conn: sqlite3.Connection,
+    settlements: Sequence[Settlement],
+    now_us: int,
+    offload_threshold: int | None,
 ) -> list[bool]:
     """SQLite's settle, one transaction: a fenced ``UPDATE`` per move (only the first
-    per job in a batch can be accepted), then the slots given back in key order."""
+    per job in a batch can be accepted), then the slots given back in key order. A
+    result over ``offload_threshold`` is written to ``broker_payloads`` only when its
+    move is accepted, in the same transaction."""
     now = _from_us(now_us)
     accepted = [False] * len(settlements)
     released: Counter[str] = Counter()
@@ -542,13 +666,15 @@ def _settle_lite(
             update, columns = _lite_update(
                 move, "id = ? AND handoff_id = ? AND status = 'handed_off'"
             )
-            values = _columns(move.changes)
+            values, moved = _offload(s.job_id, _columns(move.changes), offload_threshold)
             found = conn.execute(
                 update + " RETURNING concurrency_key",
                 [values[c] for c in columns] + [s.job_id.hex, s.handoff_id.hex],
             ).fetchall()
             if not found:
                 continue
+            if moved:
+                _lite_put(conn, moved)
             accepted[i] = True
             key = found[0][0]
             if move.releases_slot and key is not None:
@@ -582,6 +708,10 @@ class SQLAlchemyAdapter:
     ``single_main=True`` is for a broker-main: on a SQLite file, :meth:`setup` takes the
     file lock of :mod:`adapters._sqlite_lock` (a second main on the file is refused) and
     :meth:`close` drops it. PostgreSQL ignores it.
+
+    ``offload_threshold``: a job's args, kwargs or result longer than this many bytes (as
+    stored JSON) is kept in ``broker_payloads`` instead of its ``broker_jobs`` row, so the
+    rows that claims and settles rewrite stay small; ``None`` keeps every value inline.
     """
 
     def __init__(
@@ -597,6 +727,7 @@ class SQLAlchemyAdapter:
         create: bool = True,
         read_only: bool = False,
         single_main: bool = False,
+        offload_threshold: int | None = DEFAULT_OFFLOAD_BYTES,
     ) -> None:
         resolved, backend = _resolve_url(url)
         self._create = create and not read_only
@@ -608,6 +739,11 @@ class SQLAlchemyAdapter:
                 f"max_payload_bytes must be positive or None (got {max_payload_bytes})"
             )
         self._max_payload_bytes = max_payload_bytes
+        if offload_threshold is not None and offload_threshold < 0:
+            raise ConfigurationError(
+                f"offload_threshold must not be negative, or None (got {offload_threshold})"
+            )
+        self._offload_threshold = offload_threshold
         self._clock = clock
         self._backend = backend
         self._pg = backend == "postgresql"
@@ -711,6 +847,15 @@ class SQLAlchemyAdapter:
         return Capabilities(
             skip_locked=self._pg, listen_notify=self._pg, shared_between_processes=True
         )
+
+    @property
+    def offload_threshold(self) -> int | None:
+        return self._offload_threshold
+
+    async def count_payloads(self) -> int:
+        stmt = sa.select(sa.func.count()).select_from(payloads)
+        async with self._read("count_payloads") as conn:
+            return int((await conn.execute(stmt)).scalar_one())
 
     # ------------------------------------------------------------------ plumbing
 
@@ -925,7 +1070,7 @@ class SQLAlchemyAdapter:
         awaits suspends, so it runs to the end on the hot thread (``complete_now``).
         """
 
-        async def insert(rows: list[dict[str, Any]]) -> set[uuid.UUID]:
+        async def insert(rows: list[dict[str, Any]], moved: list[Payload]) -> set[uuid.UUID]:
             names = ", ".join(INSERT_COLUMNS)
             marks = ", ".join("?" * len(INSERT_COLUMNS))
             stmt = (
@@ -936,6 +1081,7 @@ class SQLAlchemyAdapter:
             for row in rows:
                 values = [_lite_value(row[name]) for name in INSERT_COLUMNS]
                 stored.update(uuid.UUID(hex=r[0]) for r in conn.execute(stmt, values).fetchall())
+            _lite_put(conn, _kept(moved, stored))
             return stored
 
         async def find(missing: Sequence[JobSpec]) -> list[Job | None]:
@@ -950,7 +1096,8 @@ class SQLAlchemyAdapter:
                     json.dumps([s.unique_key for s in missing if s.unique_key is not None]),
                 ),
             ).fetchall()
-            return _match_holders(missing, [_lite_job(r) for r in found])
+            bodies = _lite_bodies(conn, found)
+            return _match_holders(missing, [_lite_job(r, bodies) for r in found])
 
         with immediate(conn):
             return complete_now(self._enqueue_with(insert, find, specs, claims))
@@ -961,13 +1108,19 @@ class SQLAlchemyAdapter:
         """PostgreSQL: one ``INSERT ... SELECT FROM unnest(...)`` for the whole batch.
 
         A single job needs no transaction (its one statement commits on its own, so an
-        enqueue is one round trip); a batch takes one, so it is stored all or nothing.
+        enqueue is one round trip); a batch takes one, so it is stored all or nothing,
+        and so does a job with offloaded payloads (its row and its payloads together).
         """
         async with self._driver_conn("enqueue") as (sql, conn):
 
-            async def insert(rows: list[dict[str, Any]]) -> set[uuid.UUID]:
+            async def insert(rows: list[dict[str, Any]], moved: list[Payload]) -> set[uuid.UUID]:
                 columns = [[row[name] for row in rows] for name in INSERT_COLUMNS]
-                return {r["id"] for r in await conn.fetch(sql.insert, *columns)}
+                if not moved:
+                    return {r["id"] for r in await conn.fetch(sql.insert, *columns)}
+                async with conn.transaction():  # a savepoint inside a batch's transaction
+                    stored = {r["id"] for r in await conn.fetch(sql.insert, *columns)}
+                    await _pg_put(sql, conn, _kept(moved, stored))
+                return stored
 
             async def find(missing: Sequence[JobSpec]) -> list[Job | None]:
                 found = await conn.fetch(
@@ -976,7 +1129,8 @@ class SQLAlchemyAdapter:
                     [s.idempotency_key for s in missing if s.idempotency_key is not None],
                     [s.unique_key for s in missing if s.unique_key is not None],
                 )
-                return _match_holders(missing, [_job_from_row(r) for r in found])
+                bodies = await _pg_bodies(sql, conn, found)
+                return _match_holders(missing, [_job_from_row(r, bodies) for r in found])
 
             if len(specs) == 1:
                 return await self._enqueue_with(insert, find, specs, claims)
@@ -1045,9 +1199,16 @@ class SQLAlchemyAdapter:
         specs: Sequence[JobSpec],
         claims: Sequence[Claim | None] | None = None,
     ) -> list[EnqueueResult]:
-        async def insert(rows: list[dict[str, Any]]) -> set[uuid.UUID]:
+        async def insert(rows: list[dict[str, Any]], moved: list[Payload]) -> set[uuid.UUID]:
             stmt = self._insert(jobs).on_conflict_do_nothing().returning(jobs.c.id)
-            return set((await conn.execute(stmt, rows)).scalars())
+            stored = set((await conn.execute(stmt, rows)).scalars())
+            kept = _kept(moved, stored)
+            if kept:
+                await conn.execute(
+                    payloads.insert(),
+                    [{"job_id": job_id, "kind": kind, "body": body} for job_id, kind, body in kept],
+                )
+            return stored
 
         async def find(missing: Sequence[JobSpec]) -> list[Job | None]:
             return await self._find_holders(conn, missing)
@@ -1056,7 +1217,7 @@ class SQLAlchemyAdapter:
 
     async def _enqueue_with(
         self,
-        insert: Callable[[list[dict[str, Any]]], Awaitable[set[uuid.UUID]]],
+        insert: Callable[[list[dict[str, Any]], list[Payload]], Awaitable[set[uuid.UUID]]],
         find: Callable[[Sequence[JobSpec]], Awaitable[list[Job | None]]],
         specs: Sequence[JobSpec],
         claims: Sequence[Claim | None] | None,
@@ -1065,7 +1226,8 @@ class SQLAlchemyAdapter:
         :meth:`enqueue_handed_off`); a duplicate within the batch refers to its first.
 
         The rule over either kind of connection: ``insert`` stores rows unless a key or
-        id is taken (returning the ids stored), ``find`` names what blocked each.
+        id is taken (returning the ids stored), and the offloaded payloads of the rows it
+        stored in the same transaction; ``find`` names what blocked each.
         """
         now_us = self._now()
         # Within the batch, a repeated key (or id) refers back to its first occurrence.
@@ -1095,15 +1257,21 @@ class SQLAlchemyAdapter:
 
     async def _insert_or_find(
         self,
-        insert: Callable[[list[dict[str, Any]]], Awaitable[set[uuid.UUID]]],
+        insert: Callable[[list[dict[str, Any]], list[Payload]], Awaitable[set[uuid.UUID]]],
         find: Callable[[Sequence[JobSpec]], Awaitable[list[Job | None]]],
         specs: Sequence[JobSpec],
         rows: dict[int, dict[str, Any]],
     ) -> dict[int, EnqueueResult]:
         out: dict[int, EnqueueResult] = {}
+        hot: dict[int, dict[str, Any]] = {}
+        moved: dict[int, list[Payload]] = {}
+        for i, row in rows.items():
+            hot[i], moved[i] = _offload(specs[i].id, row, self._offload_threshold)
         pending = list(rows)
         for _ in range(_ENQUEUE_ROUNDS):
-            inserted = await insert([rows[i] for i in pending])
+            inserted = await insert(
+                [hot[i] for i in pending], [p for i in pending for p in moved[i]]
+            )
             missing = []
             for i in pending:
                 if specs[i].id in inserted:
@@ -1143,8 +1311,9 @@ class SQLAlchemyAdapter:
             if uniques:
                 # IS_ACTIVE is the partial unique index's own predicate.
                 cond = sa.or_(cond, sa.and_(jobs.c.unique_key.in_(uniques), IS_ACTIVE))
-            rows = (await conn.execute(sa.select(jobs).where(cond))).mappings()
-            found.extend(_job_from_row(r) for r in rows)
+            rows = list((await conn.execute(sa.select(jobs).where(cond))).mappings())
+            bodies = await _sa_bodies(conn, rows)
+            found.extend(_job_from_row(r, bodies) for r in rows)
         return _match_holders(specs, found)
 
     # ------------------------------------------------------------------ dispatch
@@ -1259,8 +1428,9 @@ class SQLAlchemyAdapter:
             keyed = [c for c in claims if c.job_id in unclaimed]  # in claim order
             if keyed:
                 stored.extend(await self._claim_keyed(sql, conn, keyed, now_us))
+            bodies = await _pg_bodies(sql, conn, stored)
         order = {job_id: i for i, job_id in enumerate(wanted)}
-        return sorted((_job_from_row(r) for r in stored), key=lambda job: order[job.id])
+        return sorted((_job_from_row(r, bodies) for r in stored), key=lambda job: order[job.id])
 
     @staticmethod
     async def _claim_keyed(sql: HotSql, conn: Any, claims: list[Claim], now_us: int) -> list[Any]:
@@ -1294,7 +1464,8 @@ class SQLAlchemyAdapter:
             return await self._settle_raw(settlements, now_us)
         assert self._lite is not None
         return await self._lite_write(
-            "settle", lambda conn: _settle_lite(conn, settlements, now_us)
+            "settle",
+            lambda conn: _settle_lite(conn, settlements, now_us, self._offload_threshold),
         )
 
     async def _settle_raw(self, settlements: Sequence[Settlement], now_us: int) -> list[bool]:
@@ -1306,10 +1477,12 @@ class SQLAlchemyAdapter:
             first.setdefault(s.job_id, i)
         now = _from_us(now_us)
         columns: list[list[Any]] = [[] for _ in range(11)]
+        moved: list[Payload] = []
         for i in first.values():
             s = settlements[i]
             move = settlement.settle(s, now)
-            values = _columns(move.changes)
+            values, offloaded = _offload(s.job_id, _columns(move.changes), self._offload_threshold)
+            moved += offloaded
             row = [
                 s.job_id,
                 s.handoff_id,
@@ -1328,7 +1501,13 @@ class SQLAlchemyAdapter:
             for column, value in zip(columns, row, strict=True):
                 column.append(value)
         async with self._hot_conn("settle") as (sql, conn):
-            accepted = {r["id"] for r in await conn.fetch(sql.settle, *columns)}
+            if not moved:
+                accepted = {r["id"] for r in await conn.fetch(sql.settle, *columns)}
+            else:
+                # The payloads of the moves the fence lets through, in their transaction.
+                async with conn.transaction():
+                    accepted = {r["id"] for r in await conn.fetch(sql.settle, *columns)}
+                    await _pg_put(sql, conn, _kept(moved, accepted))
         return [first[s.job_id] == i and s.job_id in accepted for i, s in enumerate(settlements)]
 
     async def _release(self, conn: AsyncConnection, key: str, slots: int) -> None:
@@ -1380,7 +1559,8 @@ class SQLAlchemyAdapter:
         )
         async with self._read("handoffs_for_worker") as conn:
             rows = (await conn.execute(stmt)).mappings().all()
-        return [_job_from_row(r) for r in rows]
+            bodies = await _sa_bodies(conn, rows)
+        return [_job_from_row(r, bodies) for r in rows]
 
     async def cancel(self, job_id: uuid.UUID) -> Job | None:
         select = sa.select(jobs).where(jobs.c.id == job_id)
@@ -1390,9 +1570,10 @@ class SQLAlchemyAdapter:
             row = (await conn.execute(select)).mappings().first()
             if row is None:
                 return None
+            bodies = await _sa_bodies(conn, [row])
             move = settlement.cancel(row["status"], _from_us(self._now()))
             if move is None:
-                return _job_from_row(row)
+                return _job_from_row(row, bodies)
             update = (
                 sa.update(jobs)
                 .where(jobs.c.id == job_id, jobs.c.status == row["status"])
@@ -1402,7 +1583,7 @@ class SQLAlchemyAdapter:
             cancelled = (await conn.execute(update)).mappings().one()
             if move.releases_slot and row["concurrency_key"] is not None:
                 await self._release(conn, row["concurrency_key"], 1)
-        return _job_from_row(cancelled)
+        return _job_from_row(cancelled, bodies)
 
     async def retry_dead(self, job_id: uuid.UUID) -> Job | None:
         now_us = self._now()
@@ -1427,6 +1608,7 @@ class SQLAlchemyAdapter:
                 if row is None:
                     select = sa.select(jobs).where(jobs.c.id == job_id)
                     row = (await conn.execute(select)).mappings().first()
+                bodies = await _sa_bodies(conn, [] if row is None else [row])
         except StorageError as exc:
             # A job holding the key was enqueued (by another process) after the check.
             if isinstance(exc.__cause__, sa_exc.IntegrityError):
@@ -1435,7 +1617,7 @@ class SQLAlchemyAdapter:
                     "it is queued or running"
                 ) from exc
             raise
-        return None if row is None else _job_from_row(row)
+        return None if row is None else _job_from_row(row, bodies)
 
     async def _refuse_if_unique_key_held(
         self, conn: AsyncConnection, job_id: uuid.UUID, key: str
@@ -1458,7 +1640,8 @@ class SQLAlchemyAdapter:
         async with self._read("get_job") as conn:
             row = (await conn.execute(sa.select(jobs).where(jobs.c.id == job_id))).mappings()
             found = row.first()
-        return None if found is None else _job_from_row(found)
+            bodies = await _sa_bodies(conn, [] if found is None else [found])
+        return None if found is None else _job_from_row(found, bodies)
 
     async def declare_tasks(
         self,
@@ -1534,7 +1717,8 @@ class SQLAlchemyAdapter:
         )
         async with self._read("list_jobs") as conn:
             rows = (await conn.execute(stmt)).mappings().all()
-        page = [_job_from_row(r) for r in rows[:limit]]
+            bodies = await _sa_bodies(conn, rows[:limit])
+        page = [_job_from_row(r, bodies) for r in rows[:limit]]
         next_cursor = None
         if len(rows) > limit:
             last = rows[limit - 1]

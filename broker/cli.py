@@ -27,7 +27,12 @@ from broker.credentials import Credentials, parse_token_file
 from broker.exceptions import BrokerError, ConfigurationError, InvalidJobError
 from broker.jobs import ExecutionMode, JobStatus
 from broker.main import Main
-from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MAX_PAYLOAD_DEPTH
+from broker.payload import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    DEFAULT_MAX_PAYLOAD_DEPTH,
+    DEFAULT_OFFLOAD_BYTES,
+    MAX_PAYLOAD_BYTES_CEILING,
+)
 from broker.retention import Retention
 from broker.retry import RetryDelay, parse_backoff
 from broker.schedule import declared_in
@@ -425,14 +430,23 @@ def main_parser() -> argparse.ArgumentParser:
         "--max-line-bytes",
         type=_number(int, "max line bytes"),
         help="largest protocol message accepted after the handshake "
-        "(default: 2 MiB, or the payload limit plus 1 MiB if that is more)",
+        "(default: the payload limit plus 1 MiB, at least 2 MiB)",
     )
     _env_option(
         p,
         "--max-payload-bytes",
         default=DEFAULT_MAX_PAYLOAD_BYTES,
         type=_number(int, "max payload bytes"),
-        help="largest args+kwargs of a job, and largest result, as JSON",
+        help="largest args+kwargs of a job, and largest result, as JSON "
+        f"(at most {MAX_PAYLOAD_BYTES_CEILING})",
+    )
+    _env_option(
+        p,
+        "--offload-threshold",
+        default=DEFAULT_OFFLOAD_BYTES,
+        type=_number(int, "offload threshold"),
+        help="args, kwargs or a result larger than this many bytes (as JSON) is stored "
+        "apart from its job's row, which claims and settles rewrite (built-in stores)",
     )
     _env_option(
         p,
@@ -543,6 +557,7 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         pool_size=int(args.store_pool_size),
         hot_pool_size=int(args.store_hot_pool_size),
         single_main=True,
+        offload_threshold=int(args.offload_threshold),
     )
     main = Main(
         store,

@@ -19,6 +19,7 @@ from adapters import DEFAULT_POOL_SIZE as DEFAULT_POOL_SIZE
 from broker import checks
 from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode
+from broker.payload import DEFAULT_OFFLOAD_BYTES
 from broker.runner import Runner
 from broker.storage import StorageAdapter, contract_gaps
 from broker.tasks import TaskRegistry
@@ -36,10 +37,12 @@ def open_store(
     pool_size: int = DEFAULT_POOL_SIZE,
     hot_pool_size: int = DEFAULT_HOT_POOL_SIZE,
     single_main: bool = False,
+    offload_threshold: int = DEFAULT_OFFLOAD_BYTES,
 ) -> StorageAdapter:
     """The store for ``url``, or the custom adapter ``module:factory`` called with ``url``.
 
-    ``create``, ``read_only``, the pool sizes and ``single_main`` are passed to the
+    ``create``, ``read_only``, the pool sizes, ``single_main`` and ``offload_threshold``
+    are passed to the
     built-in adapters (see :func:`adapters.open_store`); a custom factory is called with
     the URL alone. A
     custom adapter that lacks part of the contract is refused here, naming what it lacks.
@@ -52,6 +55,7 @@ def open_store(
             pool_size=pool_size,
             hot_pool_size=hot_pool_size,
             single_main=single_main,
+            offload_threshold=offload_threshold,
         )
     module_name, _, attr = adapter.partition(":")
     if not module_name or not attr:

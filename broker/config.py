@@ -16,13 +16,17 @@ from broker.payload import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_MAX_PAYLOAD_DEPTH,
     LINE_HEADROOM_BYTES,
+    MAX_PAYLOAD_BYTES_CEILING,
     MAX_PAYLOAD_DEPTH_CEILING,
 )
 from broker.protocol import DEFAULT_PORT
 from broker.tls import ServerTLS
 
-DEFAULT_MAX_LINE_BYTES = 2 << 20
-"""2 MiB: the default payload limit (1 MiB) plus ample room for the rest of a message."""
+MIN_LINE_BYTES = 2 << 20
+"""2 MiB: the default line limit for a small payload limit, or none."""
+
+DEFAULT_MAX_LINE_BYTES = DEFAULT_MAX_PAYLOAD_BYTES + (1 << 20)
+"""17 MiB: the default payload limit (16 MiB) plus ample room for the rest of a message."""
 
 DEFAULT_LIST_PAGE_BYTES = 1 << 20
 """1 MiB: a page of jobs that a client decodes, and the main encodes, in a few milliseconds."""
@@ -33,10 +37,11 @@ that reads ever has waiting."""
 
 
 def line_limit_for(max_payload_bytes: int | None) -> int:
-    """The default ``max_line_bytes`` for a payload limit: at least 1 MiB above it."""
+    """The default ``max_line_bytes`` for a payload limit: 1 MiB above it, at least
+    :data:`MIN_LINE_BYTES`."""
     if max_payload_bytes is None:
         return DEFAULT_MAX_LINE_BYTES
-    return max(DEFAULT_MAX_LINE_BYTES, max_payload_bytes + (1 << 20))
+    return max(MIN_LINE_BYTES, max_payload_bytes + (1 << 20))
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,12 @@ class MainSettings:
         checks.non_negative("orphan_grace", self.orphan_grace)
         if self.max_payload_bytes is not None:
             checks.positive("max_payload_bytes", self.max_payload_bytes)
+            checks.require(
+                self.max_payload_bytes <= MAX_PAYLOAD_BYTES_CEILING,
+                f"max_payload_bytes ({self.max_payload_bytes}) may be at most "
+                f"{MAX_PAYLOAD_BYTES_CEILING} (32 MiB): a job at the limit must fit in a "
+                "worker's line bound and a child's pipe; pass larger data by reference",
+            )
             checks.require(
                 self.max_line_bytes >= self.max_payload_bytes + LINE_HEADROOM_BYTES,
                 f"max_line_bytes ({self.max_line_bytes}) must exceed max_payload_bytes "

@@ -22,8 +22,19 @@ from typing import Any, TypeAlias
 from broker.exceptions import InvalidJobError, PayloadTooLargeError
 from broker.jobs import JobSpec, JSONValue
 
-DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
-"""1 MiB, for a job's args and kwargs together, and separately for its result."""
+DEFAULT_MAX_PAYLOAD_BYTES = 16 << 20
+"""16 MiB, for a job's args and kwargs together, and separately for its result. Values over
+:data:`DEFAULT_OFFLOAD_BYTES` live apart from the job's row, so a large one no longer
+weighs on every claim and settle; it still crosses the wire and a child pipe whole."""
+
+MAX_PAYLOAD_BYTES_CEILING = 32 << 20
+"""The largest payload limit any setting may allow: a job at the limit, plus its message,
+must fit in a worker's line bound (:data:`broker.worker.MAX_LINE_BYTES`) and in the 64 MiB
+line buffers of the pipes to and from a child, with room to spare."""
+
+DEFAULT_OFFLOAD_BYTES = 64 << 10
+"""64 KiB: a value (args, kwargs, result) larger than this as stored JSON is kept apart
+from its job's row, in the store's payload table (see ``docs/howto/payload-limits.md``)."""
 
 DEFAULT_MAX_PAYLOAD_DEPTH = 64
 """How many lists and objects deep each argument, keyword argument and result may nest."""
@@ -171,8 +182,10 @@ def result_problem(result: JSONValue, limit: int | None, max_depth: int) -> str 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "DEFAULT_MAX_PAYLOAD_DEPTH",
+    "DEFAULT_OFFLOAD_BYTES",
     "ESCAPE_GROWTH",
     "LINE_HEADROOM_BYTES",
+    "MAX_PAYLOAD_BYTES_CEILING",
     "MAX_PAYLOAD_DEPTH_CEILING",
     "args_size",
     "check_all",

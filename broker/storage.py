@@ -52,7 +52,7 @@ from broker.jobs import (
     Settlement,
 )
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """The schema version this code writes and understands; stores record theirs."""
 
 
@@ -343,6 +343,35 @@ class SupportsEnqueueHandedOff(Protocol):
         is stored: its claim is not won either. The main knows a claim won by the result's
         ``handoff_id``, as for :meth:`StorageAdapter.mark_handed_off_many`.
         """
+
+
+@runtime_checkable
+class SupportsOffload(Protocol):
+    """Optional: large values kept out of the rows that claims and settles rewrite.
+
+    A job's ``args``, ``kwargs`` or ``result`` larger than ``offload_threshold`` bytes (as
+    compact, ASCII-escaped JSON, see :func:`broker.payload.encoded_size`) is stored
+    apart from the job's own record (the SQL stores: a row of ``broker_payloads``), and
+    the record keeps a mark in its place. What callers see does not change:
+
+    * ``mark_handed_off``, ``get_job``, a full ``list_jobs``, ``handoffs_for_worker``,
+      ``cancel``, ``retry_dead`` and a duplicate's ``EnqueueResult`` carry every value,
+      loaded back; ``select_eligible`` (advice for dispatch) and a summary listing may
+      leave offloaded values out, as empty ones.
+    * An offloaded value is written in the transaction that writes its job (the enqueue,
+      or the fenced settle): a fenced-out report, a duplicate or a rolled-back enqueue
+      leaves none behind, and ``prune`` deletes a job's values with it.
+
+    Adapters without it keep every value in the job's record, as before.
+    """
+
+    @property
+    def offload_threshold(self) -> int | None:
+        """Largest value kept inline, in bytes; ``None``: nothing is offloaded."""
+
+    async def count_payloads(self) -> int:
+        """How many offloaded values the store holds (for tests, retention checks and
+        operators: it must fall to zero once every job is pruned)."""
 
 
 @runtime_checkable

@@ -55,6 +55,7 @@ from broker.exceptions import (
     ProtocolError,
 )
 from broker.jobs import ExecutionMode
+from broker.payload import MAX_PAYLOAD_BYTES_CEILING
 from broker.runner import Assignment, Failed, Runner, RunOutcome
 from broker.tasks import TaskRegistry, default_registry
 from broker.tls import PeerTLS
@@ -80,8 +81,9 @@ FAST_FLUSH_TIMEOUT = 2.0
 CANCEL_WAIT = 5.0
 """How long to wait for cancelled jobs to come back with an outcome before exiting."""
 
-MAX_LINE_BYTES = 16 * 1024 * 1024
-"""The longest line accepted from a main, whatever its welcome says (a memory bound)."""
+MAX_LINE_BYTES = MAX_PAYLOAD_BYTES_CEILING + (1 << 20)
+"""The longest line accepted from a main, whatever its welcome says (a memory bound): a
+job at the highest payload limit a main may set, and its message."""
 
 PREFETCH_PER_SLOT = 2
 """Unless told otherwise, a worker holds twice its slots of each mode beyond them. The

@@ -77,3 +77,11 @@ def hash_5ms() -> int:
 @task(mode="pooled")
 def noop() -> None:
     return None
+
+
+@task(mode="pooled")
+def echo_blob(blob: str, size: int) -> dict[str, str]:
+    """A result of ``size`` characters made from the digest of the whole argument, so the
+    caller can tell the child saw every byte of it."""
+    digest = hashlib.sha256(blob.encode()).hexdigest()
+    return {"digest": digest, "blob": (digest * (size // len(digest) + 1))[:size]}

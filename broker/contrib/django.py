@@ -5,7 +5,7 @@ Set ``BROKER`` in the Django settings::
     BROKER = {
         "STORE_DATABASE": "default",  # the alias whose PostgreSQL database is the store
         "SCHEMA": None,               # the PostgreSQL schema of the broker's tables
-        "MAX_PAYLOAD_BYTES": 1 << 20, # the main's --max-payload-bytes
+        "MAX_PAYLOAD_BYTES": 16 << 20, # the main's --max-payload-bytes
         "MAIN": "127.0.0.1:7390",     # without STORE_DATABASE: the main to enqueue through
         "TOKEN": None,                # that main's token
     }

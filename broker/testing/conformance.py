@@ -29,7 +29,13 @@ from broker.jobs import (
     Outcome,
     Settlement,
 )
-from broker.storage import JobFilter, StorageAdapter, SupportsEnqueueHandedOff, SupportsNotify
+from broker.storage import (
+    JobFilter,
+    StorageAdapter,
+    SupportsEnqueueHandedOff,
+    SupportsNotify,
+    SupportsOffload,
+)
 from broker.testing import FakeClock
 from broker.testing.faults import ClaimFault, FaultyAdapter
 
@@ -991,6 +997,95 @@ async def check_prune_by_age_and_status(ctx: Context) -> None:
     assert await ctx.store.get_job(dead.id) is not None
     assert await ctx.store.get_job(new.id) is not None
     assert await ctx.store.prune(older_than=cutoff, statuses=[JobStatus.QUEUED]) == 0
+
+
+# --- offloaded payloads ------------------------------------------------------------
+
+
+def _offloading(ctx: Context) -> tuple[SupportsOffload, int]:
+    """The store as :class:`SupportsOffload`, and its threshold; skips an adapter without."""
+    store = ctx.store
+    if not isinstance(store, SupportsOffload) or store.offload_threshold is None:
+        raise CheckSkipped("adapter does not offload large values (SupportsOffload)")
+    return store, store.offload_threshold
+
+
+async def _payloads(ctx: Context) -> int:
+    return await _offloading(ctx)[0].count_payloads()
+
+
+@_check
+async def check_large_values_are_offloaded_and_loaded_wherever_a_job_is_read(
+    ctx: Context,
+) -> None:
+    """Offloaded args, kwargs and results round-trip wherever a whole job is read"""
+    _, threshold = _offloading(ctx)
+    big = "x" * (threshold + 1)
+    small = await _enqueue(ctx.store, args=["x" * (threshold // 2)])
+    assert await _payloads(ctx) == 0, "a value within the threshold stays in the row"
+    job = await _enqueue(ctx.store, args=[big, 1], kwargs={"k": big}, idempotency_key="big")
+    assert (job.args, job.kwargs) == ((big, 1), {"k": big}), "the enqueue returns it whole"
+    assert await _payloads(ctx) == 2, "args and kwargs, each over the threshold, moved out"
+    again = await ctx.store.enqueue(_spec(args=[big, 1], kwargs={"k": big}, idempotency_key="big"))
+    assert again.duplicate and again.job.args == (big, 1), "a duplicate returns the stored one"
+    assert await _payloads(ctx) == 2, "a duplicate writes no payload"
+    stored = await _get(ctx.store, job.id)
+    assert (stored.args, stored.kwargs) == ((big, 1), {"k": big}), "get_job loads them"
+    eligible = await ctx.store.select_eligible(modes=ALL_MODES)
+    assert {j.id for j in eligible} == {small.id, job.id}, "selection sees offloaded jobs"
+    claimed = await _claim(ctx.store, job)
+    assert (claimed.args, claimed.kwargs) == ((big, 1), {"k": big}), "the claim loads them"
+    [mine] = await ctx.store.handoffs_for_worker(WORKER)
+    assert mine.args == (big, 1), "handoffs_for_worker loads them"
+    result = {"out": big, "n": [1, 2]}
+    assert claimed.handoff_id is not None
+    assert not await ctx.store.complete(job.id, uuid.uuid4(), {"stale": big})
+    assert await _payloads(ctx) == 2, "a result fenced out writes no payload"
+    assert await ctx.store.complete(job.id, claimed.handoff_id, result)
+    assert await _payloads(ctx) == 3, "a large result moved out"
+    assert (await _get(ctx.store, job.id)).result == result, "get_job loads the result"
+    [listed] = [j for j in (await ctx.store.list_jobs(limit=10)).jobs if j.id == job.id]
+    assert (listed.args, listed.kwargs, listed.result) == ((big, 1), {"k": big}, result)
+    [short] = [
+        j
+        for j in (await ctx.store.list_jobs(limit=10, include_payload=False)).jobs
+        if j.id == job.id
+    ]
+    assert (short.args, short.kwargs, short.result) == ((), {}, None), "a summary leaves them out"
+    cancelled = await ctx.store.cancel(small.id)
+    assert cancelled is not None and cancelled.args == ("x" * (threshold // 2),)
+    unchanged = await ctx.store.cancel(job.id)
+    assert unchanged is not None and unchanged.result == result, "cancel returns them too"
+
+
+@_check
+async def check_offloaded_values_leave_with_their_jobs(ctx: Context) -> None:
+    """Offloaded values are pruned with their jobs and never outlive them"""
+    _, threshold = _offloading(ctx)
+    big = "y" * (threshold + 1)
+    ids = []
+    for outcome in ("complete", "fail", "cancel", "retried"):
+        job = await _claim(ctx.store, await _enqueue(ctx.store, args=[big], max_attempts=1))
+        assert job.handoff_id is not None
+        if outcome == "complete":
+            assert await ctx.store.complete(job.id, job.handoff_id, [big])
+        elif outcome == "fail":
+            assert await ctx.store.fail(job.id, job.handoff_id, "boom", None)
+        elif outcome == "cancel":
+            assert await ctx.store.cancel(job.id) is not None
+        else:
+            assert await ctx.store.fail(job.id, job.handoff_id, "boom", None)
+            revived = await ctx.store.retry_dead(job.id)
+            assert revived is not None and revived.args == (big,), "revived whole"
+            again = await _claim(ctx.store, revived)
+            assert again.args == (big,), "a retried job is handed off whole"
+            assert await ctx.store.complete(job.id, again.handoff_id or uuid.uuid4(), {"r": big})
+            assert (await _get(ctx.store, job.id)).result == {"r": big}
+        ids.append(job.id)
+    assert await _payloads(ctx) == 6, "one args per job, one result per completed job"
+    ctx.clock.advance(60)
+    assert await ctx.store.prune(older_than=ctx.clock(), batch_size=2) == 4
+    assert await _payloads(ctx) == 0, "pruning a job deletes its offloaded values"
 
 
 # --- lifecycle and capabilities ------------------------------------------------------

@@ -178,7 +178,8 @@ async def test_one_listing_of_large_jobs_is_quick_small_and_never_stalls_the_loo
 async def test_paging_with_payloads_returns_every_job_once_and_no_line_over_the_limit(
     store: StorageAdapter,
 ) -> None:
-    settings = {"list_page_bytes": 256 << 10}
+    # The 1 MiB payload limit and 2 MiB lines these sizes are chosen against.
+    settings = {"list_page_bytes": 256 << 10, "max_payload_bytes": MiB, "max_line_bytes": 2 * MiB}
     small = await _enqueue(store, [JobSpec(task="small", args=[i]) for i in range(8)])
     large = await _enqueue(
         store, [JobSpec(task="large", args=[str(i) * 300_000]) for i in range(5)]

@@ -103,6 +103,33 @@ def test_the_same_key_in_a_later_transaction_is_a_duplicate(django_project: str)
     assert again.duplicate and again.job.id == first.job.id
 
 
+def test_large_arguments_are_offloaded_in_djangos_transaction(django_project: str) -> None:
+    from django.db import transaction
+
+    from broker.contrib.django import enqueue
+    from broker.payload import DEFAULT_OFFLOAD_BYTES
+
+    big = "z" * (DEFAULT_OFFLOAD_BYTES + 1)
+    with transaction.atomic():
+        made = enqueue("shop.ship", [big], idempotency_key="ship-big")
+    with transaction.atomic():
+        again = enqueue("shop.ship", [big], idempotency_key="ship-big")
+    assert made is not None and again is not None
+    assert again.duplicate and again.job.args == (big,), "the duplicate's arguments, loaded"
+
+    async def stored() -> tuple[tuple[object, ...], int]:
+        url = make_url(require_postgres()).render_as_string(hide_password=False)
+        store = SQLAlchemyAdapter(url, schema=django_project)
+        try:
+            job = await store.get_job(made.job.id)
+            assert job is not None
+            return job.args, await store.count_payloads()
+        finally:
+            await store.close()
+
+    assert asyncio.run(stored()) == ((big,), 1), "offloaded, once, with the job's commit"
+
+
 async def test_without_the_store_in_djangos_database_the_job_goes_to_the_main_on_commit(
     django_project: str,
 ) -> None:

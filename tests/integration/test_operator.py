@@ -31,6 +31,7 @@ from broker.client import Client
 from broker.config import MainSettings
 from broker.jobs import Claim, ExecutionMode, JobSpec, JobStatus
 from broker.main import Main
+from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES
 from broker.storage import StorageAdapter
 from broker.tasks import task
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
@@ -233,7 +234,7 @@ async def test_a_bad_cursor_is_a_clear_error_not_a_crash() -> None:
 async def test_a_page_too_big_for_one_line_comes_back_smaller() -> None:
     store = MemoryAdapter()
     await store.enqueue_many([JobSpec(task="t", args=["x" * 600_000]) for _ in range(5)])
-    main = Main(store, MainSettings(port=0))
+    main = Main(store, MainSettings(port=0, max_payload_bytes=1 << 20, max_line_bytes=2 << 20))
     assert main.settings.max_line_bytes < 5 * 600_000
     await main.start()
     try:
@@ -329,7 +330,7 @@ async def test_without_a_main_the_commands_work_on_a_sqlite_store(tmp_path: Path
     await store.setup()
     try:
         await _fallback_scenario(("--database-url", url), store)
-        big = json.dumps(["x" * (1 << 20)])
+        big = json.dumps(["x" * DEFAULT_MAX_PAYLOAD_BYTES])  # the default limit, not the main's
         code, _, err = await _cli(
             "--main", f"127.0.0.1:{_closed_port()}", "--database-url", url, "enqueue", "t", big
         )

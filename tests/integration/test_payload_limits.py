@@ -27,11 +27,13 @@ from broker.jobs import ExecutionMode, JobSpec, JobStatus
 from broker.main import Main
 from broker.payload import (
     DEFAULT_MAX_PAYLOAD_BYTES,
+    DEFAULT_OFFLOAD_BYTES,
     LINE_HEADROOM_BYTES,
     args_size,
     check_args,
     result_too_large,
 )
+from broker.storage import SupportsOffload
 from broker.tasks import TaskRegistry, task
 from broker.worker import Worker
 from runners.inline import InlineRunner
@@ -74,8 +76,8 @@ def test_sizes_are_compact_ascii_json() -> None:
 
 def test_the_default_line_fits_a_job_at_the_default_payload_limit() -> None:
     defaults = MainSettings()
-    assert defaults.max_payload_bytes == DEFAULT_MAX_PAYLOAD_BYTES == 1 << 20
-    assert defaults.max_line_bytes == DEFAULT_MAX_LINE_BYTES == 2 << 20
+    assert defaults.max_payload_bytes == DEFAULT_MAX_PAYLOAD_BYTES == 16 << 20
+    assert defaults.max_line_bytes == DEFAULT_MAX_LINE_BYTES == 17 << 20
     assert defaults.max_line_bytes >= DEFAULT_MAX_PAYLOAD_BYTES + LINE_HEADROOM_BYTES
     defaults.validate()
     with pytest.raises(ConfigurationError, match=r"max_line_bytes .* must exceed"):
@@ -84,14 +86,17 @@ def test_the_default_line_fits_a_job_at_the_default_payload_limit() -> None:
         MainSettings(max_payload_bytes=0).validate()
     MainSettings(max_line_bytes=1 << 20, max_payload_bytes=None).validate()
     assert line_limit_for(8 << 20) == 9 << 20
-    assert line_limit_for(10) == DEFAULT_MAX_LINE_BYTES
+    assert line_limit_for(10) == 2 << 20, "never below 2 MiB"
+    MainSettings(max_payload_bytes=32 << 20, max_line_bytes=33 << 20).validate()
+    with pytest.raises(ConfigurationError, match="at most 33554432"):
+        MainSettings(max_payload_bytes=(32 << 20) + 1, max_line_bytes=40 << 20).validate()
 
 
 def test_cli_flags_set_the_payload_limit_and_a_line_limit_that_fits_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     args = cli.main_parser().parse_args([])
-    assert args.max_payload_bytes == 1 << 20 and args.max_line_bytes is None
+    assert args.max_payload_bytes == 16 << 20 and args.max_line_bytes is None
     args = cli.main_parser().parse_args(["--max-payload-bytes", str(8 << 20)])
     assert args.max_payload_bytes == 8 << 20
     monkeypatch.setenv("BROKER_MAX_PAYLOAD_BYTES", "4096")
@@ -102,7 +107,10 @@ def test_cli_flags_set_the_payload_limit_and_a_line_limit_that_fits_it(
 async def test_broker_main_applies_the_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[Main] = []
     args = cli.main_parser().parse_args(
-        ["--database-url", "memory://", "--port", "0", "--max-payload-bytes", str(3 << 20)]
+        [
+            *("--database-url", "memory://", "--port", "0"),
+            *("--max-payload-bytes", str(3 << 20), "--offload-threshold", "1000"),
+        ]
     )
     monkeypatch.setattr(Main, "start", lambda self: _record(started, self))
     with pytest.raises(_Stop):
@@ -110,6 +118,9 @@ async def test_broker_main_applies_the_flags(monkeypatch: pytest.MonkeyPatch) ->
     [main] = started
     assert main.settings.max_payload_bytes == 3 << 20
     assert main.settings.max_line_bytes == 4 << 20
+    assert isinstance(main.store, SupportsOffload) and main.store.offload_threshold == 1000
+    default = cli.main_parser().parse_args([])
+    assert default.offload_threshold == DEFAULT_OFFLOAD_BYTES == 64 << 10
 
 
 class _Stop(Exception):
@@ -173,7 +184,7 @@ async def test_the_client_refuses_a_request_longer_than_the_mains_line_limit() -
 
 async def test_the_client_reads_replies_larger_than_one_mib() -> None:
     store = MemoryAdapter()
-    settings = MainSettings(port=0)  # the defaults: 1 MiB payload, 2 MiB lines
+    settings = MainSettings(port=0)  # the defaults: 16 MiB payload, 17 MiB lines
     async with _main(store, settings) as main, Client("127.0.0.1", main.port) as client:
         blob = "x" * ((1 << 20) - 100)
         made = await client.enqueue("t", [blob])
@@ -294,7 +305,7 @@ async def test_enqueue_in_transaction_refuses_oversized_jobs_and_inserts_none(
         assert orders == 0, "the application's transaction rolled back with it"
         default = SQLAlchemyAdapter(url)
         async with app.begin() as conn:
-            [made] = await default.enqueue_in_transaction(conn, [big])  # 1 MiB by default
+            [made] = await default.enqueue_in_transaction(conn, [big])  # 16 MiB by default
         assert not made.duplicate
         await default.close()
         unlimited = SQLAlchemyAdapter(url, max_payload_bytes=None)

@@ -75,7 +75,7 @@ async def test_a_version_2_store_is_carried_to_version_3(target: tuple[str, str 
         await store.setup()  # migrates 2 -> 3 (and on to the current version)
         async with store._read("test") as conn:
             version = (await conn.execute(sa.select(_sql_schema.schema_version.c.version))).scalar()
-        assert version == SCHEMA_VERSION  # 3, and every step after it
+        assert version == SCHEMA_VERSION >= 3
         after = await _index_sql(store)
         assert set(after) == set(KEY_INDEXES)
         assert all("NOT NULL" in sql.upper() for sql in after.values()), after
