@@ -49,7 +49,7 @@ class HotSql:
         p = f"{prefix}{quote(payloads.name)}"
         hand_off_set = (
             "status = 'handed_off', handoff_id = w.handoff_id, worker_id = w.worker_id, "
-            "handed_off_us = $4, updated_us = $4"
+            "handed_off_us = $4, state_holder = NULL, updated_us = $4"
         )
         wanted = "unnest($1::uuid[], $2::uuid[], $3::text[]) AS w(id, handoff_id, worker_id)"
         # Claim, in one statement, in the lock order every claim keeps: the due, queued
@@ -145,9 +145,11 @@ class HotSql:
             WITH s AS (
                 SELECT * FROM unnest(
                     $1::uuid[], $2::uuid[], $3::text[], $4::bool[], $5::text[], $6::bool[],
-                    $7::text[], $8::bigint[], $9::int[], $10::bigint[], $11::bool[]
+                    $7::text[], $8::bigint[], $9::int[], $10::bigint[], $11::bool[],
+                    $12::int[], $13::bool[], $14::text[]
                 ) AS s(id, lease, status, set_result, result, set_error, last_error,
-                       run_at_us, attempts, updated_us, releases)
+                       run_at_us, attempts, updated_us, releases, recoveries, set_holder,
+                       state_holder)
                 ORDER BY id
             ),
             u AS (
@@ -157,6 +159,9 @@ class HotSql:
                     last_error = CASE WHEN s.set_error THEN s.last_error ELSE j.last_error END,
                     run_at_us = COALESCE(s.run_at_us, j.run_at_us),
                     attempts = j.attempts + s.attempts,
+                    recoveries = j.recoveries + s.recoveries,
+                    state_holder = CASE WHEN s.set_holder THEN s.state_holder
+                                        ELSE j.state_holder END,
                     updated_us = s.updated_us
                 FROM s
                 WHERE j.id = s.id AND j.handoff_id = s.lease AND j.status = 'handed_off'
@@ -175,6 +180,23 @@ class HotSql:
                 WHERE c.key = k.key
             )
             SELECT id FROM u
+        """
+        # Checkpoints and progress: fenced by the lease as a settle is (and a checkpoint
+        # by its number too), one statement per batch, at most one input row per job.
+        self.save_checkpoints = f"""
+            UPDATE {t} j SET checkpoint = s.state, checkpoint_seq = s.seq, checkpoint_us = $5
+            FROM unnest($1::uuid[], $2::uuid[], $3::int[], $4::text[])
+                AS s(id, lease, seq, state)
+            WHERE j.id = s.id AND j.handoff_id = s.lease AND j.status = 'handed_off'
+                AND j.checkpoint_seq < s.seq
+            RETURNING j.id, j.handoff_id
+        """
+        self.save_progress = f"""
+            UPDATE {t} j SET progress = s.fraction, progress_message = s.message
+            FROM unnest($1::uuid[], $2::uuid[], $3::float8[], $4::text[])
+                AS s(id, lease, fraction, message)
+            WHERE j.id = s.id AND j.handoff_id = s.lease AND j.status = 'handed_off'
+            RETURNING j.id, j.handoff_id
         """
         due = "status = 'queued' AND execution_mode = ANY($1::text[])"
         in_queues = " AND queue = ANY($2::text[])"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -131,7 +132,34 @@ def _define(md: sa.MetaData, version: int) -> tuple[sa.Table, sa.Table, sa.Table
             postgresql_where=held,
             sqlite_where=held,
         )
+    if version >= 5:
+        for column in _v5_columns():
+            jobs.append_column(column)
+    if version >= 6:
+        for column in _recovery_columns():
+            jobs.append_column(column)
     return jobs, concurrency, schema_version
+
+
+def _v5_columns() -> list[sa.Column[Any]]:
+    """Version 5's columns: the last checkpoint of a job's runs and its last progress."""
+    return [
+        sa.Column("checkpoint", sa.Text(), nullable=True),
+        sa.Column("checkpoint_seq", sa.Integer(), nullable=False, server_default="0"),
+        sa.Column("checkpoint_us", sa.BigInteger(), nullable=True),
+        sa.Column("progress", sa.Double(), nullable=True),
+        sa.Column("progress_message", sa.Text(), nullable=True),
+    ]
+
+
+def _recovery_columns() -> list[sa.Column[Any]]:
+    """Version 6's columns: recovery attempts counted apart from failures, and affinity."""
+    return [
+        sa.Column("max_recoveries", sa.Integer(), nullable=True),
+        sa.Column("local_state", sa.Boolean(), nullable=False, server_default=sa.false()),
+        sa.Column("recoveries", sa.Integer(), nullable=False, server_default="0"),
+        sa.Column("state_holder", sa.Text(), nullable=True),
+    ]
 
 
 UNIQUE_ACTIVE_INDEX = "ux_broker_jobs_unique_key_active"
@@ -305,8 +333,22 @@ def _v3_partial_key_indexes(conn: sa.Connection, schema: str | None) -> None:
         _index_at(3, name).create(conn)
 
 
+def _v5_checkpoints(conn: sa.Connection, schema: str | None) -> None:
+    """Version 5: checkpoints and progress (``docs/howto/long-jobs.md``).
+
+    Every column is nullable or has a constant default, so adding them rewrites no rows
+    on PostgreSQL (11 and later) or SQLite; no index is needed: they are only read with
+    their row and written under its primary key.
+    """
+    table = _qualified(conn, schema, "broker_jobs")
+    for column in _v5_columns():
+        kind = column.type.compile(dialect=conn.dialect)
+        default = "" if column.nullable else " NOT NULL DEFAULT 0"
+        conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column.name} {kind}{default}")
+
+
 def _task_catalog_table(md: sa.MetaData) -> sa.Table:
-    """The task catalog (version 5): one row per task and worker that declared it, with
+    """The task catalog (version 7): one row per task and worker that declared it, with
     the declaration as JSON text (the store never reads inside it) and when it was last
     seen, in microseconds like every time here."""
     return sa.Table(
@@ -322,8 +364,8 @@ def _task_catalog_table(md: sa.MetaData) -> sa.Table:
 task_catalog = _task_catalog_table(metadata)
 
 
-def _v5_task_catalog(conn: sa.Connection, schema: str | None) -> None:
-    """Version 5: the task catalog, a new table (no existing row changes)."""
+def _v7_task_catalog(conn: sa.Connection, schema: str | None) -> None:
+    """Version 7: the task catalog, a new table (no existing row changes)."""
     _task_catalog_table(sa.MetaData()).create(conn)
 
 
@@ -338,6 +380,16 @@ def _v4_payloads(conn: sa.Connection, schema: str | None) -> None:
     _define_payloads(v4).create(conn, checkfirst=False)
 
 
+def _v6_recoveries(conn: sa.Connection, schema: str | None) -> None:
+    """Version 6: ``recoveries`` (lost attempts, counted apart from ``attempts``), the
+    job's own ``max_recoveries``, and ``local_state`` with its ``state_holder`` for
+    affinity. The defaults are constants, so neither backend rewrites existing rows."""
+    table = _qualified(conn, schema, "broker_jobs")
+    for column in _recovery_columns():
+        ddl = sa.schema.CreateColumn(column).compile(dialect=conn.dialect)
+        conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {ddl}")
+
+
 Migration = Callable[[sa.Connection, str | None], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
@@ -345,7 +397,9 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (2, _v2_unique_key),
     (3, _v3_partial_key_indexes),
     (4, _v4_payloads),
-    (5, _v5_task_catalog),
+    (5, _v5_checkpoints),
+    (6, _v6_recoveries),
+    (7, _v7_task_catalog),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

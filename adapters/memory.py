@@ -29,6 +29,7 @@ from broker.exceptions import UniqueKeyTakenError
 from broker.jobs import (
     ACTIVE_STATUSES,
     TERMINAL_STATUSES,
+    CheckpointSave,
     Claim,
     Clock,
     EnqueueResult,
@@ -38,6 +39,7 @@ from broker.jobs import (
     JobStatus,
     JSONValue,
     Outcome,
+    ProgressUpdate,
     Settlement,
     check_idempotent_repeat,
     utcnow,
@@ -257,6 +259,29 @@ class MemoryAdapter:
     async def settle_many(self, settlements: Sequence[Settlement]) -> list[bool]:
         return [self._settle(s) for s in settlements]
 
+    async def save_checkpoints(self, saves: Sequence[CheckpointSave]) -> list[bool]:
+        return [self._save_checkpoint(save) for save in saves]
+
+    def _save_checkpoint(self, save: CheckpointSave) -> bool:
+        job = self._jobs.get(save.job_id)
+        if job is None or not settlement.accepts_checkpoint(
+            job.status, job.handoff_id, job.checkpoint_seq, save
+        ):
+            return False
+        save = replace(save, state=copy.deepcopy(save.state))
+        self._move(job, settlement.save_checkpoint(save, self._clock()))
+        return True
+
+    async def save_progress(self, updates: Sequence[ProgressUpdate]) -> list[bool]:
+        accepted = []
+        for update in updates:
+            job = self._jobs.get(update.job_id)
+            ok = job is not None and settlement.accepts(job.status, job.handoff_id, update)
+            if job is not None and ok:
+                self._move(job, settlement.record_progress(update))
+            accepted.append(ok)
+        return accepted
+
     async def complete(
         self, job_id: uuid.UUID, handoff_id: uuid.UUID, result: JSONValue = None
     ) -> bool:
@@ -437,7 +462,7 @@ class MemoryAdapter:
 def _summary(job: Job) -> Job:
     """``job`` without its payload; every field left is immutable, so unlike
     :meth:`MemoryAdapter._snapshot` it needs no deep copy (the costly part of a listing)."""
-    return replace(job, args=(), kwargs={}, result=None)
+    return replace(job, args=(), kwargs={}, result=None, checkpoint=None)
 
 
 def _newest_first_key(job: Job) -> tuple[datetime, bytes]:

@@ -89,6 +89,7 @@ from broker.exceptions import (
 )
 from broker.jobs import (
     TERMINAL_STATUSES,
+    CheckpointSave,
     Claim,
     Clock,
     EnqueueResult,
@@ -98,6 +99,7 @@ from broker.jobs import (
     JobStatus,
     JSONValue,
     Outcome,
+    ProgressUpdate,
     Settlement,
     check_idempotent_repeat,
     utcnow,
@@ -147,6 +149,7 @@ _SUMMARY_COLUMNS = [
         "args": sa.literal_column("'[]'", sa.Text).label("args"),
         "kwargs": sa.literal_column("'{}'", sa.Text).label("kwargs"),
         "result": sa.null().label("result"),
+        "checkpoint": sa.null().label("checkpoint"),
     }.get(column.name, column)
     for column in jobs.c
 ]
@@ -199,6 +202,9 @@ _CODECS: dict[str, tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] = {
     "handed_off_at": ("handed_off_us", _optional(_to_us), _optional(_from_us)),
     "result": ("result", _result_text, _optional(json.loads)),
     "timeout": ("timeout_s", _optional(float), _optional(float)),
+    "checkpoint": ("checkpoint", _result_text, _optional(json.loads)),
+    "checkpoint_at": ("checkpoint_us", _optional(_to_us), _optional(_from_us)),
+    "local_state": ("local_state", bool, bool),
 }
 """How a :class:`Job` field differs in ``broker_jobs`` (column, encode, decode); every
 other field is a column of its own name holding its value as is."""
@@ -592,6 +598,8 @@ def _lite_update(move: settlement.Move, where: str) -> tuple[str, list[str]]:
     sets = [f"{column} = ?" for column in columns]
     if move.counts_attempt:
         sets.append("attempts = attempts + 1")
+    if move.counts_recovery:
+        sets.append("recoveries = recoveries + 1")
     return f"UPDATE broker_jobs SET {', '.join(sets)} WHERE {where}", columns
 
 
@@ -684,6 +692,47 @@ def _settle_lite(
             [(n, key) for key, n in sorted(released.items())],
         )
     return accepted
+
+
+def _save_checkpoints_lite(
+    conn: sqlite3.Connection, saves: Sequence[CheckpointSave], now_us: int
+) -> list[bool]:
+    """SQLite's checkpoints, one transaction: a fenced ``UPDATE`` each, in order (so of
+    two saves of one lease in a batch, the later and newer one ends up stored)."""
+    now = _from_us(now_us)
+    with immediate(conn):
+        return [
+            _update_lite(
+                conn,
+                settlement.save_checkpoint(save, now),
+                "id = ? AND handoff_id = ? AND status = 'handed_off' AND checkpoint_seq < ?",
+                [save.job_id.hex, save.handoff_id.hex, save.seq],
+            )
+            for save in saves
+        ]
+
+
+def _save_progress_lite(conn: sqlite3.Connection, updates: Sequence[ProgressUpdate]) -> list[bool]:
+    with immediate(conn):
+        return [
+            _update_lite(
+                conn,
+                settlement.record_progress(update),
+                "id = ? AND handoff_id = ? AND status = 'handed_off'",
+                [update.job_id.hex, update.handoff_id.hex],
+            )
+            for update in updates
+        ]
+
+
+def _update_lite(
+    conn: sqlite3.Connection, move: settlement.Move, where: str, fence: list[Any]
+) -> bool:
+    """Carry out ``move`` under the fence ``where`` (bound to ``fence``); says whether the
+    row matched."""
+    update, columns = _lite_update(move, where)
+    values = _columns(move.changes)
+    return conn.execute(update, [values[c] for c in columns] + fence).rowcount == 1
 
 
 # --------------------------------------------------------------------------- adapter
@@ -1476,7 +1525,7 @@ class SQLAlchemyAdapter:
         for i, s in enumerate(settlements):
             first.setdefault(s.job_id, i)
         now = _from_us(now_us)
-        columns: list[list[Any]] = [[] for _ in range(11)]
+        columns: list[list[Any]] = [[] for _ in range(14)]
         moved: list[Payload] = []
         for i in first.values():
             s = settlements[i]
@@ -1495,6 +1544,9 @@ class SQLAlchemyAdapter:
                 int(move.counts_attempt),
                 values.pop("updated_us"),
                 move.releases_slot,
+                int(move.counts_recovery),
+                "state_holder" in values,
+                values.pop("state_holder", None),
             ]
             if values:
                 raise TypeError(f"the settle statement cannot set {sorted(values)}")
@@ -1509,6 +1561,59 @@ class SQLAlchemyAdapter:
                     accepted = {r["id"] for r in await conn.fetch(sql.settle, *columns)}
                     await _pg_put(sql, conn, _kept(moved, accepted))
         return [first[s.job_id] == i and s.job_id in accepted for i, s in enumerate(settlements)]
+
+    # ------------------------------------------------------------------ checkpoints, progress
+
+    async def save_checkpoints(self, saves: Sequence[CheckpointSave]) -> list[bool]:
+        if not saves:
+            return []
+        now_us = self._now()
+        if self._hot is None:
+            assert self._lite is not None
+            return await self._lite_write(
+                "save checkpoints", lambda conn: _save_checkpoints_lite(conn, saves, now_us)
+            )
+        # One statement for the batch; an UPDATE takes one source row per job, so only
+        # the newest save of each lease goes in, and the older ones share its answer
+        # (a newer state of theirs is what is durable).
+        newest: dict[tuple[uuid.UUID, uuid.UUID], CheckpointSave] = {}
+        for save in saves:
+            key = (save.job_id, save.handoff_id)
+            if key not in newest or newest[key].seq < save.seq:
+                newest[key] = save
+        chosen = list(newest.values())
+        async with self._hot_conn("save checkpoints") as (sql, conn):
+            rows = await conn.fetch(
+                sql.save_checkpoints,
+                [c.job_id for c in chosen],
+                [c.handoff_id for c in chosen],
+                [c.seq for c in chosen],
+                [_result_text(c.state) for c in chosen],
+                now_us,
+            )
+        taken = {(r["id"], r["handoff_id"]) for r in rows}
+        return [(s.job_id, s.handoff_id) in taken for s in saves]
+
+    async def save_progress(self, updates: Sequence[ProgressUpdate]) -> list[bool]:
+        if not updates:
+            return []
+        if self._hot is None:
+            assert self._lite is not None
+            return await self._lite_write(
+                "save progress", lambda conn: _save_progress_lite(conn, updates)
+            )
+        # The last update of each lease counts (one source row per job and lease).
+        chosen = list({(u.job_id, u.handoff_id): u for u in updates}.values())
+        async with self._hot_conn("save progress") as (sql, conn):
+            rows = await conn.fetch(
+                sql.save_progress,
+                [u.job_id for u in chosen],
+                [u.handoff_id for u in chosen],
+                [u.fraction for u in chosen],
+                [u.message for u in chosen],
+            )
+        taken = {(r["id"], r["handoff_id"]) for r in rows}
+        return [(u.job_id, u.handoff_id) in taken for u in updates]
 
     async def _release(self, conn: AsyncConnection, key: str, slots: int) -> None:
         await conn.execute(

@@ -2,7 +2,8 @@
 
 ``broker.__all__`` is what users import: ``task`` to declare jobs (and enqueue them:
 ``send_email.enqueue(...)``), ``configure`` to say once where the main is, ``Client`` and
-``SyncClient`` to enqueue and inspect them, ``enqueue_in`` and ``enqueue_in_async`` to
+``SyncClient`` to enqueue and inspect them, ``current_job`` for a running task's
+``JobContext`` (its checkpoints and progress), ``enqueue_in`` and ``enqueue_in_async`` to
 insert jobs in the application's own database transaction, ``Reschedule`` for a task to
 ask for a later run, ``Schedule`` for periodic jobs, every exception of the one error
 tree, and the types a custom storage adapter implements (``StorageAdapter`` and what its methods
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from broker.exceptions import (
     AuthenticationError,
     BrokerError,
+    CheckpointRejectedError,
     ConfigurationError,
     IdempotencyConflictError,
     InvalidJobError,
@@ -48,6 +50,7 @@ from broker.storage import Capabilities, JobFilter, JobPage, QueueCount, Storage
 
 if TYPE_CHECKING:
     from broker.client import Client, SyncClient, configure
+    from broker.context import JobContext, current_job
     from broker.protocol import Role
     from broker.schedule import Schedule
     from broker.tasks import Task, TaskRegistry, task
@@ -64,6 +67,8 @@ _LAZY = {
     "Client": "broker.client",
     "SyncClient": "broker.client",
     "configure": "broker.client",
+    "JobContext": "broker.context",
+    "current_job": "broker.context",
     "PeerTLS": "broker.tls",
     "Role": "broker.protocol",
     "Schedule": "broker.schedule",
@@ -94,6 +99,7 @@ __all__ = [
     "AuthenticationError",
     "BrokerError",
     "Capabilities",
+    "CheckpointRejectedError",
     "Claim",
     "Client",
     "ConfigurationError",
@@ -103,6 +109,7 @@ __all__ = [
     "IdempotencyConflictError",
     "InvalidJobError",
     "Job",
+    "JobContext",
     "JobFilter",
     "JobPage",
     "JobSpec",
@@ -131,6 +138,7 @@ __all__ = [
     "UniqueKeyTakenError",
     "UnknownTaskError",
     "configure",
+    "current_job",
     "enqueue_in",
     "enqueue_in_async",
     "enqueue_many_in",

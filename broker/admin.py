@@ -639,7 +639,9 @@ def format_job(job: dict[str, Any], rules: str | None = None) -> str:
         out.append(f"{escape_control(key):<{width}}  {escape_control(first)}".rstrip())
         out.extend(f"{'':<{width}}  {escape_control(line)}".rstrip() for line in rest)
         if key == "attempts":
-            out.append(f"{'runs':<{width}}  {runs(job)} of at most {job.get('max_attempts')}")
+            lost = int(job.get("recoveries") or 0)
+            also = f" ({lost} of them lost, which do not count)" if lost else ""
+            out.append(f"{'runs':<{width}}  {runs(job)} of at most {job.get('max_attempts')}{also}")
             if rules is not None:
                 out.append(f"{'retry rules':<{width}}  {escape_control(rules)}")
     return "\n".join(out)
@@ -658,7 +660,7 @@ def retry_rules(declared: dict[str, Any] | None) -> str:
     return f"{text}; backoff: {backoff}"
 
 
-_TIME_FIELDS = frozenset({"run_at", "created_at", "updated_at", "handed_off_at"})
+_TIME_FIELDS = frozenset({"run_at", "created_at", "updated_at", "handed_off_at", "checkpoint_at"})
 
 
 def format_time(iso: str) -> str:
@@ -672,12 +674,21 @@ def format_time(iso: str) -> str:
     return when.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def format_progress(job: dict[str, Any]) -> str:
+    """A job's last reported progress as ``42% message`` (``-`` when it reported none)."""
+    fraction = job.get("progress")
+    if not isinstance(fraction, int | float):
+        return "-"
+    message = _short(job.get("progress_message") or "", 30)
+    return f"{fraction:.0%} {message}".rstrip()
+
+
 def runs(job: dict[str, Any]) -> int:
-    """How many times the job has started. ``attempts`` counts the runs that failed; a
-    job that completed or is running is on one run more (a completed job that never
-    failed ran once, so it shows 1, not 0)."""
-    attempts = int(job.get("attempts") or 0)
-    return attempts + (1 if job.get("status") in (JobStatus.COMPLETED, JobStatus.HANDED_OFF) else 0)
+    """How many times the job has started. ``attempts`` counts the runs that failed and
+    ``recoveries`` those that were lost; a job that completed or is running is on one run
+    more (a completed job that never failed ran once, so it shows 1, not 0)."""
+    ended = int(job.get("attempts") or 0) + int(job.get("recoveries") or 0)
+    return ended + (1 if job.get("status") in (JobStatus.COMPLETED, JobStatus.HANDED_OFF) else 0)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -786,12 +797,13 @@ def format_jobs(jobs: Sequence[dict[str, Any]]) -> str:
             str(job["execution_mode"]),
             f"{runs(job)}/{job['max_attempts']}",
             format_time(str(job["updated_at"])),
+            format_progress(job),
             _short(job["last_error"] or "", 40),
             *(_short(json.dumps(job[key]), 30) if key in job else "(omitted)" for key in payload),
         ]
         for job in jobs
     ]
-    headers = ["id", "status", "queue", "task", "mode", "runs", "updated", "last error"]
+    headers = ["id", "status", "queue", "task", "mode", "runs", "updated", "progress", "last error"]
     return table([*headers, *payload], rows)
 
 

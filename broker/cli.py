@@ -19,6 +19,7 @@ import sys
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from broker import admin, checks, composition, logs, protocol
@@ -28,6 +29,7 @@ from broker.exceptions import BrokerError, ConfigurationError, InvalidJobError
 from broker.jobs import ExecutionMode, JobStatus
 from broker.main import Main
 from broker.payload import (
+    DEFAULT_MAX_CHECKPOINT_BYTES,
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_MAX_PAYLOAD_DEPTH,
     DEFAULT_OFFLOAD_BYTES,
@@ -36,6 +38,7 @@ from broker.payload import (
 from broker.retention import Retention
 from broker.retry import RetryDelay, parse_backoff
 from broker.schedule import declared_in
+from broker.state_dir import open_state_dir
 from broker.tasks import default_registry
 from broker.tls import PeerTLS, ServerTLS
 from broker.untrusted import escape_control
@@ -413,6 +416,22 @@ def main_parser() -> argparse.ArgumentParser:
     )
     _env_option(
         p,
+        "--max-recoveries",
+        default=MainSettings.max_recoveries,
+        type=int,
+        help="lost attempts (worker, child or connection died) a job recovers from, unless "
+        "its task sets max_recoveries; the next one ends it dead",
+    )
+    _env_option(
+        p,
+        "--affinity-grace",
+        default=MainSettings.affinity_grace,
+        type=float,
+        help="seconds a local_state job's recovery waits for the worker holding its state "
+        "after that worker left",
+    )
+    _env_option(
+        p,
         "--ping-interval",
         default=5.0,
         type=_number(float, "ping interval"),
@@ -447,6 +466,13 @@ def main_parser() -> argparse.ArgumentParser:
         type=_number(int, "offload threshold"),
         help="args, kwargs or a result larger than this many bytes (as JSON) is stored "
         "apart from its job's row, which claims and settles rewrite (built-in stores)",
+    )
+    _env_option(
+        p,
+        "--max-checkpoint-bytes",
+        default=DEFAULT_MAX_CHECKPOINT_BYTES,
+        type=_number(int, "max checkpoint bytes"),
+        help="largest checkpoint a task may save, as JSON (docs/howto/long-jobs.md)",
     )
     _env_option(
         p,
@@ -532,9 +558,12 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         tls=_server_tls(args),
         allow_unauthenticated=args.allow_unauthenticated,
         orphan_grace=float(args.orphan_grace),
+        max_recoveries=int(args.max_recoveries),
+        affinity_grace=float(args.affinity_grace),
         ping_interval=float(args.ping_interval),
         liveness_timeout=float(args.liveness_timeout),
         max_payload_bytes=int(args.max_payload_bytes),
+        max_checkpoint_bytes=int(args.max_checkpoint_bytes),
         max_payload_depth=int(args.max_payload_depth),
         max_line_bytes=int(args.max_line_bytes or line_limit_for(int(args.max_payload_bytes))),
         list_page_bytes=int(args.list_page_bytes),
@@ -705,7 +734,15 @@ def worker_parser() -> argparse.ArgumentParser:
     _env_option(
         p,
         "--worker-id",
-        help="stable identity of this worker (default: host-pid-random)",
+        help="stable identity of this worker (default: the one kept in --state-dir, else "
+        "host-pid-random)",
+    )
+    _env_option(
+        p,
+        "--state-dir",
+        help="directory this worker keeps its id in across restarts (and its tasks their "
+        "local state): a restarted worker keeps its id, so recoveries of local_state jobs "
+        "come back to it; one worker per directory",
     )
     _add_credential_options(p, [protocol.Role.WORKER], "the {role} secret the main requires")
     _add_peer_tls_options(p)
@@ -799,7 +836,11 @@ async def run_worker(args: argparse.Namespace) -> None:
     )
     if not runners:
         raise ConfigurationError("this worker serves no execution mode; enable at least one runner")
-    worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    state = None if args.state_dir is None else open_state_dir(Path(args.state_dir), args.worker_id)
+    if state is not None:
+        worker_id = state.worker_id
+    else:
+        worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     logs.bind(worker_id=worker_id)
     queues = [q.strip() for q in args.queues.split(",") if q.strip()] if args.queues else None
     worker = Worker(
@@ -813,6 +854,7 @@ async def run_worker(args: argparse.Namespace) -> None:
         queues=queues,
         drain_timeout=float(args.drain_timeout) if args.drain_timeout else None,
         prefetch=args.prefetch,
+        local_state_lost=state is not None and state.fresh,
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -33,8 +33,9 @@ def _by_name(target: Any, source: object, **differ: Any) -> dict[str, Any]:
     return {**{name: getattr(source, name) for name in names}, **differ}
 
 
-def job_message(seq: int, job: Job) -> protocol.JobHandoff:
-    """The ``job`` message that hands ``job`` (claimed, so under a lease) to a worker."""
+def job_message(seq: int, job: Job, *, state_lost: bool = False) -> protocol.JobHandoff:
+    """The ``job`` message that hands ``job`` (claimed, so under a lease) to a worker;
+    ``state_lost`` when the job's local state is not on that worker."""
     if job.handoff_id is None:
         raise ValueError(f"job {job.id} has no lease: only a claimed job is sent")
     return protocol.JobHandoff(
@@ -46,6 +47,7 @@ def job_message(seq: int, job: Job) -> protocol.JobHandoff:
             handoff_id=job.handoff_id,
             args=list(job.args),
             attempt=job.attempts + 1,
+            state_lost=state_lost,
         )
     )
 

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from broker import checks
 from broker.admission import DEFAULT_MAX_CREDIT
 from broker.credentials import Credentials
+from broker.jobs import DEFAULT_MAX_RECOVERIES
 from broker.payload import (
+    DEFAULT_MAX_CHECKPOINT_BYTES,
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_MAX_PAYLOAD_DEPTH,
     LINE_HEADROOM_BYTES,
@@ -69,12 +71,22 @@ class MainSettings:
     max_payload_depth: int = DEFAULT_MAX_PAYLOAD_DEPTH
     """How many lists and objects deep each argument and each result may nest; workers
     learn it from ``welcome``."""
+    max_checkpoint_bytes: int | None = DEFAULT_MAX_CHECKPOINT_BYTES
+    """Largest checkpoint a task may save, as JSON; ``None``: only what a line can hold.
+    A job message carries its arguments and its checkpoint, so the limit in force
+    (:attr:`checkpoint_limit`) may be lower."""
     preauth_max_line_bytes: int = 64 << 10
     handshake_timeout: float = 2.0
     ping_interval: float = 5.0
     liveness_timeout: float = 15.0
     orphan_grace: float = 30.0
     """How long handoffs found in the store at start-up wait for their worker to come back."""
+    max_recoveries: int = DEFAULT_MAX_RECOVERIES
+    """Lost attempts a job recovers from (runs again at once) unless it sets its own
+    ``max_recoveries``; the next lost attempt ends it dead."""
+    affinity_grace: float = 60.0
+    """How long the recovery of a ``local_state`` job waits for the worker holding its
+    state after that worker left (while it stays connected, the wait goes on)."""
     error_retry_interval: float = 1.0
     poll_interval: float = 0.5
     """How often to look for jobs other processes wrote, when the store cannot notify."""
@@ -123,6 +135,18 @@ class MainSettings:
             operator=self.operator_token,
         )
 
+    @property
+    def checkpoint_limit(self) -> int | None:
+        """The checkpoint limit in force: ``max_checkpoint_bytes``, lowered so that a job
+        message (its arguments, its checkpoint and 64 KiB for the rest) always fits in
+        one line. With the defaults (2 MiB lines, 1 MiB payload) it is the 256 KiB asked
+        for; a line limit set just above the payload limit leaves no room, and every
+        checkpoint is refused with this limit in its message (raise ``max_line_bytes``)."""
+        room = self.max_line_bytes - (self.max_payload_bytes or 0) - LINE_HEADROOM_BYTES
+        if self.max_checkpoint_bytes is None:
+            return max(0, room) if self.max_payload_bytes is not None else None
+        return max(0, min(self.max_checkpoint_bytes, room))
+
     def validate(self) -> None:
         positive = {
             "max_line_bytes": self.max_line_bytes,
@@ -150,6 +174,10 @@ class MainSettings:
         for name, value in positive.items():
             checks.positive(name, value)
         checks.non_negative("orphan_grace", self.orphan_grace)
+        if self.max_checkpoint_bytes is not None:
+            checks.positive("max_checkpoint_bytes", self.max_checkpoint_bytes)
+        checks.non_negative("affinity_grace", self.affinity_grace)
+        checks.non_negative_int("max_recoveries", self.max_recoveries)
         if self.max_payload_bytes is not None:
             checks.positive("max_payload_bytes", self.max_payload_bytes)
             checks.require(

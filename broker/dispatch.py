@@ -123,6 +123,9 @@ class Dispatcher:
             return self._retry_interval
         delay = None if next_at is None else (next_at - self._clock()).total_seconds()
         ceiling = self._poll_interval if polling else self._notify_fallback_interval
+        wake = self._handoff.affinity_wake()
+        if wake is not None:  # a held-back job's grace ends then: it may go elsewhere
+            ceiling = min(ceiling, max(0.0, wake - asyncio.get_running_loop().time()))
         if delay is None or delay <= 0:
             # Nothing scheduled, or due jobs that could not go out (their concurrency key is
             # full): a report or a readiness message wakes us, so a timer of zero would spin.
@@ -151,21 +154,25 @@ class Dispatcher:
             return False
         # Jobs being claimed still look queued to the store and are skipped by the plan:
         # read past them, or a pass during a claim would find only those.
-        claiming = len(core.claiming)
+        # Jobs held back for their state holder, too (see broker.affinity).
+        claiming = len(core.claiming) + len(core.awaiting)
         limit = min(core.credit(), self._claim_batch)
         started = core.queue_changes
         jobs = await self._store.select_eligible(modes=modes, queues=queues, limit=limit + claiming)
         core.read_eligible(started, modes, full=len(jobs) == limit + claiming)
-        plan = core.plan(jobs)
+        now = asyncio.get_running_loop().time()
+        plan = core.plan(jobs, now)
         if len(plan) < len(jobs) - claiming:
             # One mode's backlog filled the read while another mode still has free slots:
             # read again for those modes alone, each no further than its own credit.
             for mode in sorted(core.modes_with_credit()):
                 room = min(core.credit(mode), limit)
                 found = await self._store.select_eligible(
-                    modes=[mode], queues=queues, limit=room + len(core.claiming)
+                    modes=[mode],
+                    queues=queues,
+                    limit=room + len(core.claiming) + len(core.awaiting),
                 )
-                plan += core.plan(found)
+                plan += core.plan(found, now)
         if not plan:
             return False
         self._claims.add(asyncio.create_task(self._claim_and_wake(plan), name="broker-claim"))

@@ -19,6 +19,7 @@ from broker import protocol
 from broker.exceptions import (
     AuthenticationError,
     BrokerError,
+    CheckpointRejectedError,
     ConfigurationError,
     IdempotencyConflictError,
     InvalidJobError,
@@ -56,6 +57,7 @@ CODES: Mapping[type[BrokerError], ErrorCode] = {
     TaskNotFoundError: ErrorCode.TASK_NOT_FOUND,
     JobTimeoutError: ErrorCode.JOB_TIMEOUT,
     RunnerCrashedError: ErrorCode.RUNNER_CRASHED,
+    CheckpointRejectedError: ErrorCode.CHECKPOINT_REJECTED,
 }
 """The code of each exception in the tree; a subclass not listed takes its nearest
 listed base's code, and anything that is not a ``BrokerError`` is ``internal``."""

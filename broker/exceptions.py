@@ -18,7 +18,8 @@ The tree, so a caller can catch as broadly or as narrowly as it needs::
     ├── PermissionDeniedError     the connection's role may not make that request
     ├── TaskNotFoundError         a job names a task the worker has not registered
     ├── JobTimeoutError           a job ran past its timeout and was stopped
-    └── RunnerCrashedError        the process running a job died under it
+    ├── RunnerCrashedError        the process running a job died under it
+    └── CheckpointRejectedError   a task's checkpoint was not saved: its lease is gone
 
 Each class's docstring is its default message, so ``raise StorageError()`` still
 tells the reader what happened; pass a message to say more.
@@ -118,6 +119,11 @@ class JobTimeoutError(BrokerError):
 
 class RunnerCrashedError(BrokerError):
     """The process running the job died before reporting an outcome."""
+
+
+class CheckpointRejectedError(BrokerError):
+    """The checkpoint was not saved: this run's lease is no longer the job's (the main
+    gave the job to another run), or the run has already ended."""
 
 
 def transient(exc: BaseException) -> bool:

@@ -37,7 +37,8 @@ from datetime import datetime
 
 from broker import protocol
 from broker.admission import DEFAULT_MAX_CREDIT, Credits
-from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus
+from broker.affinity import Affinity, Route
+from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus, ProgressUpdate
 from broker.settlement import claimable_at_enqueue
 
 logger = logging.getLogger("broker.main")
@@ -56,11 +57,13 @@ class Send:
 
 @dataclass(frozen=True, slots=True)
 class Dispatch:
-    """Send the claimed ``job`` to ``peer`` as its ``job`` message number ``seq``."""
+    """Send the claimed ``job`` to ``peer`` as its ``job`` message number ``seq``;
+    ``state_lost``: the job's local state is not on that worker (see :mod:`broker.affinity`)."""
 
     peer: int
     seq: int
     job: Job
+    state_lost: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +105,42 @@ class WakeDispatcher:
     """Run another dispatch pass: credit, jobs or a peer became available."""
 
 
-HandoffEffect = Send | Dispatch | ReturnLease | Abort | Settle | ClaimJobs | WakeDispatcher
+@dataclass(frozen=True, slots=True)
+class StoreCheckpoint:
+    """An accepted checkpoint: store it (fenced again in the store), then answer ``peer``
+    with a ``checkpoint_ack``."""
+
+    peer: int
+    message: protocol.SaveCheckpoint
+
+
+@dataclass(frozen=True, slots=True)
+class StoreProgress:
+    """An accepted progress update: record it when convenient (nobody waits on it)."""
+
+    update: ProgressUpdate
+
+
+@dataclass(frozen=True, slots=True)
+class Loss:
+    """A lease in the returns whose attempt may have run and was lost: ``job`` as it was
+    handed off under it, and why the main took it back."""
+
+    job: Job
+    reason: str
+
+
+HandoffEffect = (
+    Send
+    | Dispatch
+    | ReturnLease
+    | Abort
+    | Settle
+    | ClaimJobs
+    | WakeDispatcher
+    | StoreCheckpoint
+    | StoreProgress
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +151,7 @@ class PlannedClaim:
     worker_id: str
     job: Job
     lease: uuid.UUID
+    state_lost: bool = False
 
     @property
     def claim(self) -> Claim:
@@ -207,8 +246,14 @@ class Handoff:
         *,
         max_credit: int = DEFAULT_MAX_CREDIT,
         new_lease: Callable[[], uuid.UUID] | None = None,
+        affinity_grace: float = 60.0,
     ) -> None:
         self.max_credit = max_credit
+        self.affinity = Affinity(affinity_grace, started=0.0)
+        """Where the holders of local state are; decides who may take their recoveries."""
+        self.awaiting: dict[uuid.UUID, str] = {}
+        """Jobs the last plans held back for their state holder (job id -> holder): the
+        dispatcher reads past them, and wakes when one of their graces ends."""
         self._new_lease = new_lease or LeaseMinter()
         self._queue_changes = 0
         """Bumped whenever jobs may have become eligible (every dispatcher wake-up)."""
@@ -227,7 +272,14 @@ class Handoff:
         """Planned claims whose store call has not answered yet, by lease."""
         self.returns: dict[uuid.UUID, uuid.UUID] = {}
         """Leases to give back to the store (lease -> job id): the recovery ledger."""
+        self.losses: dict[uuid.UUID, Loss] = {}
+        """The returns whose attempt was lost (by lease): each counts a recovery."""
         self.dispatched = 0
+
+    def serving(self, now: float) -> None:
+        """The main starts serving at ``now``: a state holder it has not seen yet counts
+        as having left then, so its recoveries wait the affinity grace from now."""
+        self.affinity.started = now
 
     def new_peer(self, peer_id: int, now: float) -> Peer:
         """The record of a connection just accepted; it joins at :meth:`hello`."""
@@ -257,6 +309,7 @@ class Handoff:
         self.peers[peer.id] = peer
         if hello.role is not protocol.Role.WORKER:
             return [], []
+        self.affinity.joined(hello.worker_id or "", state_kept=not hello.local_state_lost)
         held = {ref.handoff_id: ref.job_id for ref in hello.held_leases}
         adopted: list[protocol.LeaseRef] = []
         effects: list[HandoffEffect] = []
@@ -268,7 +321,9 @@ class Handoff:
                 peer.leases[lease] = job
                 adopted.append(protocol.LeaseRef(job_id=job.id, handoff_id=lease))
             else:
-                effects.append(self._return(job.id, lease, "worker reconnected without this lease"))
+                effects.append(
+                    self._return(job.id, lease, "worker reconnected without this lease", job)
+                )
         for other in self.peers.values():
             if other is peer or other.worker_id != peer.worker_id:
                 continue
@@ -305,12 +360,16 @@ class Handoff:
     def pong(self, peer_id: int, nonce: int, now: float) -> None:
         self.peers[peer_id].liveness.answered(nonce, now)
 
-    def disconnect(self, peer_id: int, *, stopping: bool = False) -> list[HandoffEffect]:
-        """A connection ended. Its leases go back to the queue, unless the main is
-        stopping: then the workers keep running their jobs and the next main adopts them."""
+    def disconnect(
+        self, peer_id: int, now: float, *, stopping: bool = False
+    ) -> list[HandoffEffect]:
+        """A connection ended at ``now``. Its leases go back to the queue, unless the main
+        is stopping: then the workers keep running their jobs and the next main adopts
+        them. A state holder's grace starts now, so jobs waiting for it get a wake-up."""
         peer = self.peers.pop(peer_id, None)
         if peer is None:
             return []
+        effects: list[HandoffEffect] = []
         if peer.role is protocol.Role.WORKER:
             logger.info(
                 "worker disconnected worker_id=%s session=%d returning=%d",
@@ -318,10 +377,12 @@ class Handoff:
                 peer.id,
                 len(peer.leases),
             )
-        effects: list[HandoffEffect] = []
+            self.affinity.left(peer.worker_id or "", now)
+            if peer.worker_id in self.awaiting.values():
+                effects.append(WakeDispatcher())
         if not stopping:
             for lease, job in peer.leases.items():
-                effects.append(self._return(job.id, lease, "worker connection ended"))
+                effects.append(self._return(job.id, lease, "worker connection ended", job))
         peer.leases.clear()
         return effects
 
@@ -351,7 +412,7 @@ class Handoff:
     def orphan_deadline(self) -> list[HandoffEffect]:
         """The grace period is over: the orphans nobody adopted go back to the queue."""
         effects: list[HandoffEffect] = [
-            self._return(job.id, lease, "worker did not reconnect within the grace period")
+            self._return(job.id, lease, "worker did not reconnect within the grace period", job)
             for lease, job in self.orphans.items()
         ]
         self.orphans.clear()
@@ -384,25 +445,64 @@ class Handoff:
             return sum(peer.credits.total_available() for peer in workers)
         return sum(peer.credits.available(mode) for peer in workers)
 
-    def plan(self, jobs: Sequence[Job]) -> list[PlannedClaim]:
+    def plan(self, jobs: Sequence[Job], now: float) -> list[PlannedClaim]:
         """A worker and a freshly minted lease for each job that has a free slot somewhere
         (jobs already being claimed are skipped); the slot is reserved now, before the
-        claim, and the lease exists before the store ever sees it."""
+        claim, and the lease exists before the store ever sees it. A job whose local
+        state a worker holds goes only where :meth:`Affinity.route` lets it at ``now``."""
         workers = self.workers()
         claiming = {planned.job.id for planned in self.claiming.values()}
         plan: list[PlannedClaim] = []
+        self.affinity.forget_departed(now)
         for job in jobs:
             if job.id in claiming:
                 continue
             self._turn += 1
-            peer = _pick_worker(workers, job, self._turn)
+            if job.state_holder is None:
+                peer, route = _pick_worker(workers, job, self._turn), None
+            else:
+                peer, route = self._pick_for_state(workers, job, now)
             if peer is None or not peer.credits.reserve(job.execution_mode):
                 continue  # the credit check: no free slot for this job anywhere
-            planned = PlannedClaim(peer.id, peer.worker_id or "", job, self._new_lease())
+            self.awaiting.pop(job.id, None)
+            planned = PlannedClaim(
+                peer.id,
+                peer.worker_id or "",
+                job,
+                self._new_lease(),
+                state_lost=route is not None and route.state_lost,
+            )
             self.claiming[planned.lease] = planned
             claiming.add(job.id)
             plan.append(planned)
         return plan
+
+    def _pick_for_state(
+        self, workers: Sequence[Peer], job: Job, now: float
+    ) -> tuple[Peer | None, Route | None]:
+        """The worker for a job whose local state ``job.state_holder`` holds: that worker
+        if it may take it, else (once the affinity lets any worker) the usual pick; while
+        the job waits, it is noted in :attr:`awaiting`."""
+        holder = job.state_holder
+        assert holder is not None
+        route = self.affinity.route(job, holder, now)
+        own = [peer for peer in workers if peer.worker_id == holder and peer.serves(job)]
+        if own and route is not None and not route.state_lost:
+            self.awaiting[job.id] = holder  # until a slot there is reserved for it
+            return _pick_worker(own, job, self._turn), route
+        elsewhere = self.affinity.route(job, "", now)
+        if elsewhere is None:
+            self.awaiting[job.id] = holder
+            return None, None
+        self.awaiting.pop(job.id, None)
+        return _pick_worker(workers, job, self._turn), elsewhere
+
+    def affinity_wake(self) -> float | None:
+        """The earliest end of a grace that a held-back job waits on (loop time), or
+        ``None`` when none will end by itself (every holder awaited is connected)."""
+        deadlines = [self.affinity.deadline(holder) for holder in set(self.awaiting.values())]
+        finite = [d for d in deadlines if d != float("inf")]
+        return min(finite) if finite else None
 
     def queue_changed(self) -> None:
         """Jobs may have become eligible (an insert, a return, a retry, a report...): no
@@ -438,7 +538,8 @@ class Handoff:
             if spec.execution_mode not in self._drained or not claimable_at_enqueue(spec, now):
                 plans.append(None)
                 continue
-            planned = self.plan([Job.from_spec(spec, now)])
+            # A new job has no state holder, so the time affinity would judge by is moot.
+            planned = self.plan([Job.from_spec(spec, now)], self.affinity.started)
             plans.append(planned[0] if planned else None)
         return plans
 
@@ -467,7 +568,7 @@ class Handoff:
             seq = peer.credits.commit(mode)
             peer.leases[planned.lease] = got
             self.dispatched += 1
-            effects.append(Dispatch(peer.id, seq, got))
+            effects.append(Dispatch(peer.id, seq, got, planned.state_lost))
             logger.debug(
                 "job handed off job_id=%s handoff_id=%s worker_id=%s seq=%d",
                 got.id,
@@ -529,6 +630,8 @@ class Handoff:
                 peer_id,
             )
             return [Send(peer_id, _ack(msg, protocol.AckStatus.STALE))]
+        if isinstance(msg, protocol.FailedReport) and msg.lost and held.local_state:
+            self.affinity.holds_again(held.worker_id or "")  # its child died, not its disk
         return [Settle(peer_id, msg)]
 
     def settled(
@@ -542,9 +645,10 @@ class Handoff:
             if status in (protocol.AckStatus.APPLIED, protocol.AckStatus.DUPLICATE):
                 self.forget(msg.handoff_id)
             elif status is protocol.AckStatus.REFUSED:
+                held = self.held_job(msg.handoff_id)
                 self.forget(msg.handoff_id)
                 effects.append(
-                    self._return(msg.job_id, msg.handoff_id, "its report could not be stored")
+                    self._return(msg.job_id, msg.handoff_id, "its report could not be stored", held)
                 )
             # An applied report is the everyday case, one per job: DEBUG, so a busy main
             # does not format a line per job. Anything else is news for an operator.
@@ -564,6 +668,41 @@ class Handoff:
         if any(status is protocol.AckStatus.APPLIED for _, _, status in results):
             effects.append(WakeDispatcher())
         return effects
+
+    def checkpoint(self, peer_id: int, msg: protocol.SaveCheckpoint) -> list[HandoffEffect]:
+        """A running job's checkpoint: stored only for a lease this connection holds, as a
+        report is (:meth:`report`); anything else is answered ``stale`` at once and never
+        reaches the store, whose own fence would stop it anyway."""
+        if self._holds(peer_id, msg.job_id, msg.handoff_id):
+            return [StoreCheckpoint(peer_id, msg)]
+        logger.info(
+            "checkpoint stale job_id=%s handoff_id=%s seq=%d session=%d",
+            msg.job_id,
+            msg.handoff_id,
+            msg.seq,
+            peer_id,
+        )
+        ack = checkpoint_ack(
+            msg,
+            protocol.AckStatus.STALE,
+            protocol.ErrorCode.CHECKPOINT_REJECTED,
+            "the job's lease is no longer held by this worker (the main gave it back)",
+        )
+        return [Send(peer_id, ack)]
+
+    def progress(self, peer_id: int, msg: protocol.Progress) -> list[HandoffEffect]:
+        """A running job's progress: recorded for a lease this connection holds, dropped
+        otherwise (it is never answered)."""
+        if not self._holds(peer_id, msg.job_id, msg.handoff_id):
+            return []
+        return [
+            StoreProgress(ProgressUpdate(msg.job_id, msg.handoff_id, msg.fraction, msg.message))
+        ]
+
+    def _holds(self, peer_id: int, job_id: uuid.UUID, lease: uuid.UUID) -> bool:
+        peer = self.peers.get(peer_id)
+        held = peer.leases.get(lease) if peer is not None else None
+        return held is not None and held.id == job_id
 
     def held_job(self, lease: uuid.UUID) -> Job | None:
         """The job a connection holds under ``lease``, as it was handed off."""
@@ -604,11 +743,24 @@ class Handoff:
 
     # ------------------------------------------------------------------ returns (the ledger)
 
-    def _return(self, job_id: uuid.UUID, lease: uuid.UUID, reason: str) -> ReturnLease:
+    def _return(
+        self, job_id: uuid.UUID, lease: uuid.UUID, reason: str, lost: Job | None = None
+    ) -> ReturnLease:
+        """Queue ``lease`` for return. With ``lost`` (the job as handed off), the attempt
+        under it may have run and was lost: the return counts a recovery (see
+        :func:`broker.retry.lost_attempt`). Without, the job never reached a worker."""
         logger.info(
-            "lease queued for return job_id=%s handoff_id=%s reason=%s", job_id, lease, reason
+            "lease queued for return job_id=%s handoff_id=%s reason=%s lost=%s",
+            job_id,
+            lease,
+            reason,
+            lost is not None,
         )
         self.returns[lease] = job_id
+        if lost is not None:
+            self.losses[lease] = Loss(lost, reason)
+            if lost.local_state and lost.worker_id is not None:
+                self.affinity.holds_again(lost.worker_id)
         # Its job waits in the queue again (or will, once the store has it back): no mode
         # counts as drained until a read after this one says so.
         self.queue_changed()
@@ -619,6 +771,7 @@ class Handoff:
         settled): the entry is done."""
         if self.returns.get(lease) == job_id:
             del self.returns[lease]
+            self.losses.pop(lease, None)
 
 
 class LeaseMinter:
@@ -653,6 +806,23 @@ def _pick_worker(workers: Sequence[Peer], job: Job, turn: int) -> Peer | None:
         if free > best_free and peer.serves(job):
             best, best_free = peer, free
     return best
+
+
+def checkpoint_ack(
+    msg: protocol.SaveCheckpoint,
+    status: protocol.AckStatus,
+    code: str | None = None,
+    message: str | None = None,
+) -> protocol.CheckpointAck:
+    """The answer to ``msg``; ``code`` and ``message`` say why one was not saved."""
+    return protocol.CheckpointAck(
+        job_id=msg.job_id,
+        handoff_id=msg.handoff_id,
+        seq=msg.seq,
+        status=status,
+        code=code,
+        message=message,
+    )
 
 
 def _ack(msg: protocol.Report, status: protocol.AckStatus) -> protocol.ReportAck:

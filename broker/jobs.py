@@ -7,6 +7,8 @@ report from an older attempt can never change a newer one::
     queued ──claim(lease)──▶ handed_off ──complete(lease)──▶ completed
       ▲                          │  ──fail(lease), retries left──▶ queued (run_at = backoff)
       │                          │  ──fail(lease), exhausted─────▶ failed
+      │                          │  ──lost(lease), recoveries left▶ queued (run_at = now)
+      │                          │  ──lost(lease), exhausted─────▶ failed
       └──return / reschedule─────┘  ──cancel──────────────────────▶ cancelled
     queued ──cancel──▶ cancelled
 
@@ -33,6 +35,10 @@ JSONValue: TypeAlias = Any
 DEFAULT_QUEUE = "default"
 DEFAULT_MAX_RETRIES = 10
 """Ten retries after the first run, so eleven runs in all before a job is dead."""
+DEFAULT_MAX_RECOVERIES = 3
+"""Recovery attempts a job gets (after attempts lost with their worker, child or
+connection) when neither the job nor the main sets another number: the fourth lost attempt
+ends it dead, so a job that kills its machine stops instead of looping."""
 MAX_UNIQUE_KEY_BYTES = MAX_KEY_BYTES
 """Longest ``unique_key`` (UTF-8): it is indexed, and a B-tree entry has a size limit."""
 
@@ -108,6 +114,17 @@ def _require_json(name: str, value: JSONValue) -> None:
         raise InvalidJobError(f"{name} nest too deeply to be encoded as JSON") from None
 
 
+def _require_recovery_options(max_recoveries: object, local_state: object) -> None:
+    if max_recoveries is not None and (
+        not isinstance(max_recoveries, int)
+        or isinstance(max_recoveries, bool)
+        or not 0 <= max_recoveries < 2**31
+    ):
+        raise InvalidJobError("max_recoveries must be an integer of at least 0")
+    if not isinstance(local_state, bool):
+        raise InvalidJobError("local_state must be true or false")
+
+
 @dataclass(frozen=True, slots=True)
 class JobSpec:
     """A request to run ``task`` once, as a caller enqueues it.
@@ -131,6 +148,14 @@ class JobSpec:
     id: uuid.UUID = field(default_factory=uuid.uuid4)
     unique_key: str | None = None
     """At most one *active* (queued or handed-off) job holds a unique key at a time."""
+    max_recoveries: int | None = None
+    """How many times the job runs again after an attempt was lost (its worker, child or
+    connection died, or the main took its lease back); ``None``: the main's default.
+    Counted apart from ``max_attempts``, which only failures the task raised use up."""
+    local_state: bool = False
+    """The job keeps state on its worker's machine (files, a warm cache) that a recovery
+    should find: a lost attempt's recovery waits for the same worker id first (see
+    ``docs/howto/long-jobs.md``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.task, str) or not self.task.strip():
@@ -185,6 +210,7 @@ class JobSpec:
             ) from None
         if not isinstance(self.id, uuid.UUID):
             raise InvalidJobError("id must be a UUID")
+        _require_recovery_options(self.max_recoveries, self.local_state)
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +240,25 @@ class Job:
     concurrency_limit: int | None = None
     timeout: float | None = None
     unique_key: str | None = None
+    checkpoint: JSONValue = None
+    """The last checkpoint a run of this job saved (see :mod:`broker.context`); it
+    outlives the run, so the next attempt starts from it, and stays once the job ends."""
+    checkpoint_seq: int = 0
+    """How many checkpoints were saved over all the job's runs: 0 means none, and the
+    next attempt is a fresh start rather than a continuation. The store only takes a
+    checkpoint numbered above it, so a late copy never overwrites a newer one."""
+    checkpoint_at: datetime | None = None
+    progress: float | None = None
+    """The last progress (0 to 1) a run reported; not acknowledged, so a crash may lose
+    the latest value (see ``docs/howto/long-jobs.md``)."""
+    progress_message: str | None = None
+    max_recoveries: int | None = None
+    local_state: bool = False
+    recoveries: int = 0
+    """Attempts lost with their worker, child or connection (not failures the task raised)."""
+    state_holder: str | None = None
+    """While a ``local_state`` job waits for the recovery of a lost attempt: the worker id
+    that ran that attempt, so holds its local state. Cleared by the next claim."""
 
     @classmethod
     def from_spec(cls, spec: JobSpec, now: datetime) -> Job:
@@ -321,7 +366,7 @@ def json_field(value: Any) -> Any:
     return value
 
 
-PAYLOAD_FIELDS = frozenset({"args", "kwargs", "result"})
+PAYLOAD_FIELDS = frozenset({"args", "kwargs", "result", "checkpoint"})
 """The fields of :meth:`Job.to_dict` a summary listing leaves out: each may be megabytes."""
 
 
@@ -347,14 +392,19 @@ class Outcome(enum.StrEnum):
     FAIL = "fail"
     RESCHEDULE = "reschedule"
     RETURN = "return"
+    LOST = "lost"
+    """The attempt was lost (its worker, child or connection died, or the main took its
+    lease back): a recovery is counted, and the job runs again at once or, past its
+    recovery limit, is dead."""
 
 
 @dataclass(frozen=True, slots=True)
 class Settlement:
     """One fenced move out of ``handed_off``, for batching many into one commit.
 
-    ``run_at`` is the retry time for ``FAIL`` (``None``: the job is dead) and the new
-    start for ``RESCHEDULE``; ``RETURN`` makes the job due at once.
+    ``run_at`` is the retry time for ``FAIL`` and ``LOST`` (``None``: the job is dead) and
+    the new start for ``RESCHEDULE``; ``RETURN`` makes the job due at once. ``state_holder``
+    is, for ``LOST``, the worker id whose local state the recovery should wait for.
     """
 
     job_id: uuid.UUID
@@ -363,12 +413,41 @@ class Settlement:
     result: JSONValue = None
     error: str | None = None
     run_at: datetime | None = None
+    state_holder: str | None = None
 
     def __post_init__(self) -> None:
         # Every error text reaches a store through here, whoever reported it, so a NUL
         # or a lone surrogate in a task's exception message can never fail the write.
         if self.error is not None:
             object.__setattr__(self, "error", storable_text(self.error))
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointSave:
+    """A checkpoint a run saves under its lease: fenced like a :class:`Settlement`, and
+    taken only if ``seq`` is above the job's stored ``checkpoint_seq``."""
+
+    job_id: uuid.UUID
+    handoff_id: uuid.UUID
+    seq: int
+    state: JSONValue
+
+
+MAX_PROGRESS_CHARS = 200
+"""Longest progress message kept: it is a status line, not a log."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressUpdate:
+    """A run's latest progress under its lease (fenced, never acknowledged)."""
+
+    job_id: uuid.UUID
+    handoff_id: uuid.UUID
+    fraction: float
+    message: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "message", storable_text(self.message, MAX_PROGRESS_CHARS))
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from typing import Any
 
 from broker import codec, error_codes, protocol
 from broker.admission import CreditLimitError
+from broker.checkpoints import CheckpointSaver, ProgressWriter
 from broker.config import MainSettings
 from broker.connection import Connections, Gathered, Session
 from broker.credentials import role_needed
@@ -47,6 +48,8 @@ from broker.handoff import (
     ReturnLease,
     Send,
     Settle,
+    StoreCheckpoint,
+    StoreProgress,
     WakeDispatcher,
 )
 from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, utcnow
@@ -120,7 +123,9 @@ class Main:
         """The client requests (:mod:`broker.operations`), under this main's limits."""
         self.main_id = f"main-{uuid.uuid4().hex[:12]}"
         self.sessions: dict[int, Session] = {}
-        self.handoff = Handoff(max_credit=self.settings.max_credit)
+        self.handoff = Handoff(
+            max_credit=self.settings.max_credit, affinity_grace=self.settings.affinity_grace
+        )
         """The handoff rules and state; this class only feeds it events and carries out
         its effects (see :mod:`broker.handoff`)."""
         self.ledger = RecoveryLedger(
@@ -128,6 +133,8 @@ class Main:
             self.handoff,
             retry_interval=self.settings.error_retry_interval,
             on_returned=self.wake,
+            clock=clock,
+            max_recoveries=self.settings.max_recoveries,
         )
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -162,12 +169,24 @@ class Main:
             stopping=lambda: self._stopping,
             clock=clock,
             retry_delay=retry_delay_fn,
+            max_recoveries=self.settings.max_recoveries,
             batch=self.settings.report_batch,
             retry_interval=self.settings.error_retry_interval,
             max_payload_bytes=self.settings.max_payload_bytes,
             max_payload_depth=self.settings.max_payload_depth,
             metrics=self.metrics,
         )
+        self.checkpoints = CheckpointSaver(
+            measured,
+            answer=self._answer_checkpoints,
+            stopping=lambda: self._stopping,
+            batch=self.settings.report_batch,
+            retry_interval=self.settings.error_retry_interval,
+            max_checkpoint_bytes=self.settings.checkpoint_limit,
+            max_payload_depth=self.settings.max_payload_depth,
+        )
+        """Checkpoints, group-committed and acknowledged once durable."""
+        self.progress = ProgressWriter(measured)
         self.retention = retention
         """Pruning of finished jobs (see :mod:`broker.retention`); ``None``: never prune."""
         self.scheduler = Scheduler(
@@ -227,11 +246,14 @@ class Main:
             await server.wait_closed()
             raise
         self._server = server
+        self.handoff.serving(asyncio.get_running_loop().time())
         await server.start_serving()
         self._tasks = [
             asyncio.create_task(self.dispatcher.run(), name="broker-dispatch"),
             asyncio.create_task(self.ledger.run(), name="broker-recovery"),
             asyncio.create_task(self.settler.run(), name="broker-reports"),
+            asyncio.create_task(self.checkpoints.run(), name="broker-checkpoints"),
+            asyncio.create_task(self.progress.run(), name="broker-progress"),
             asyncio.create_task(self._liveness_loop(), name="broker-liveness"),
         ]
         if self.orphans:
@@ -332,10 +354,13 @@ class Main:
             match effect:
                 case Send(peer=peer, message=protocol.ReportAck() as ack):
                     out.add(peer, protocol.ReportAcks, ack)
+                case Send(peer=peer, message=protocol.CheckpointAck() as ack):
+                    self.metrics.checkpoint_answered(ack.status.value)
+                    out.send(peer, ack)
                 case Send(peer=peer, message=message):
                     out.send(peer, message)
-                case Dispatch(peer=peer, seq=seq, job=job):
-                    out.add(peer, protocol.Jobs, codec.job_message(seq, job))
+                case Dispatch(peer=peer, seq=seq, job=job, state_lost=state_lost):
+                    out.add(peer, protocol.Jobs, codec.job_message(seq, job, state_lost=state_lost))
                     self.metrics.handed_off(job)
                 case ReturnLease():
                     self.ledger.kick()
@@ -356,6 +381,11 @@ class Main:
                     self.wake()
                 case ClaimJobs():
                     pass  # a store call to await: the dispatcher makes it
+                case StoreCheckpoint(peer=peer, message=message):
+                    self.checkpoints.add(peer, message)
+                case StoreProgress(update=update):
+                    self.metrics.progress_received()
+                    self.progress.add(update)
         out.send_all()
 
     async def _load_orphans(self) -> None:
@@ -393,6 +423,7 @@ class Main:
                 max_line_bytes=self.settings.max_line_bytes,
                 max_payload_bytes=self.settings.max_payload_bytes,
                 max_payload_depth=self.settings.max_payload_depth,
+                max_checkpoint_bytes=self.settings.checkpoint_limit,
             )
         )
         logger.info(
@@ -439,6 +470,10 @@ class Main:
                         for effect in self.handoff.report(session.id, report)
                     ]
                 )
+            case protocol.SaveCheckpoint() if worker:
+                self._carry(self.handoff.checkpoint(session.id, msg))
+            case protocol.Progress() if worker:
+                self._carry(self.handoff.progress(session.id, msg))
             case protocol.WorkerStatus(status=status) if worker:
                 session.reported_status = status
             case protocol.TaskCatalog(tasks=tasks) if worker and session.worker_id:
@@ -526,6 +561,9 @@ class Main:
             )
         )
 
+    def _answer_checkpoints(self, acks: list[tuple[int, protocol.CheckpointAck]]) -> None:
+        self._carry([Send(peer, ack) for peer, ack in acks])
+
     # ------------------------------------------------------------------ liveness and exits
 
     async def _liveness_loop(self) -> None:
@@ -561,7 +599,8 @@ class Main:
             return
         session.closed = True
         self.sessions.pop(session.id, None)
-        self._carry(self.handoff.disconnect(session.id, stopping=self._stopping))
+        now = asyncio.get_running_loop().time()
+        self._carry(self.handoff.disconnect(session.id, now, stopping=self._stopping))
 
     async def status(self) -> dict[str, Any]:
         """The operators' snapshot (``broker status``): :meth:`Operations.status` with what

@@ -138,6 +138,18 @@ class MainMetrics:
             buckets=_BATCH_BUCKETS,
             registry=reg,
         )
+        self._checkpoints = Counter(
+            "broker_checkpoints",
+            "Checkpoints answered, by acknowledgement status (applied, duplicate, stale, refused).",
+            ("status",),
+            registry=reg,
+        )
+        self._progress = Counter(
+            "broker_progress_updates",
+            "Progress updates taken from workers (each job's latest is stored; no per-job "
+            "series: a job id is an unbounded label).",
+            registry=reg,
+        )
         self._wait_children: dict[str, Any] = {}
         self._run_children: dict[tuple[str, str], Any] = {}
         self._store_children: dict[str, Any] = {}
@@ -163,6 +175,10 @@ class MainMetrics:
             self.failed.inc(job.queue, job.task)
             if settlement.run_at is None:
                 self.dead.inc(job.queue, job.task)
+        elif outcome is Outcome.LOST:
+            if settlement.run_at is None:  # its recovery limit
+                self.dead.inc(job.queue, job.task)
+            return  # a lost attempt is no run's end the task reached
         else:
             return  # a release or reschedule is no run's end
         if job.handed_off_at is not None:
@@ -179,6 +195,12 @@ class MainMetrics:
         child.observe(seconds)
         if failed:
             self._store_errors.labels(operation=operation).inc()
+
+    def checkpoint_answered(self, status: str) -> None:
+        self._checkpoints.labels(status=status).inc()
+
+    def progress_received(self) -> None:
+        self._progress.inc()
 
     def report_batch(self, size: int) -> None:
         self._batch.observe(size)
@@ -229,6 +251,16 @@ class MeasuredStore:
             raise
         self._metrics.store_call("settle", time.perf_counter() - start, failed=False)
         return applied
+
+    async def save_checkpoints(self, saves: Sequence[Any]) -> list[bool]:
+        start = time.perf_counter()
+        try:
+            taken = await self._store.save_checkpoints(saves)
+        except BaseException:
+            self._metrics.store_call("checkpoint", time.perf_counter() - start, failed=True)
+            raise
+        self._metrics.store_call("checkpoint", time.perf_counter() - start, failed=False)
+        return taken
 
     async def select_eligible(
         self,

@@ -36,6 +36,9 @@ DEFAULT_OFFLOAD_BYTES = 64 << 10
 """64 KiB: a value (args, kwargs, result) larger than this as stored JSON is kept apart
 from its job's row, in the store's payload table (see ``docs/howto/payload-limits.md``)."""
 
+DEFAULT_MAX_CHECKPOINT_BYTES = 256 << 10
+"""256 KiB: a checkpoint is a position and a little state, not the data itself."""
+
 DEFAULT_MAX_PAYLOAD_DEPTH = 64
 """How many lists and objects deep each argument, keyword argument and result may nest."""
 
@@ -180,6 +183,7 @@ def result_problem(result: JSONValue, limit: int | None, max_depth: int) -> str 
 
 
 __all__ = [
+    "DEFAULT_MAX_CHECKPOINT_BYTES",
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "DEFAULT_MAX_PAYLOAD_DEPTH",
     "DEFAULT_OFFLOAD_BYTES",

@@ -119,6 +119,7 @@ class ErrorCode(enum.StrEnum):
     JOB_TIMEOUT = "job_timeout"
     RUNNER_CRASHED = "runner_crashed"
     PERMISSION_DENIED = "permission_denied"
+    CHECKPOINT_REJECTED = "checkpoint_rejected"
 
 
 class DecodeError(ProtocolError):
@@ -225,6 +226,9 @@ class Hello(_Message, frozen=True, tag="hello"):
     protocols: list[Int] | None = None
     """Every version the peer speaks (``None``: only ``protocol``, its newest); the main
     picks the newest it speaks too and names it in ``welcome``."""
+    local_state_lost: bool = False
+    """The worker comes back without the local state its earlier sessions left (a new
+    state directory): recoveries waiting for this worker id's state stop waiting."""
 
     def spoken(self) -> list[Int]:
         """The versions this peer speaks."""
@@ -246,6 +250,9 @@ class Welcome(_Message, frozen=True, tag="welcome"):
     sending it (``None``: no limit, or a main too old to say)."""
     max_payload_depth: Int = DEFAULT_MAX_PAYLOAD_DEPTH
     """How deep a payload may nest; a worker fails a deeper result before encoding it."""
+    max_checkpoint_bytes: Int | None = None
+    """The main's checkpoint limit, so a worker refuses a larger checkpoint to its task
+    at once (``None``: no limit, or a main too old to say)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -306,7 +313,11 @@ class Ready(_Message, frozen=True, tag="ready"):
         _check(self.seen >= 0, "seen must not be negative")
 
 
-class JobHandoff(_Message, frozen=True, tag="job"):
+class JobHandoff(_Message, frozen=True, tag="job", omit_defaults=True):
+    """A job for the worker, under its lease. Fields at their defaults are left off the
+    line (only ``checkpoint`` and ``checkpoint_seq`` have one), so a job without a
+    checkpoint costs no more bytes than before they existed."""
+
     seq: Int
     job_id: uuid.UUID
     handoff_id: uuid.UUID
@@ -318,9 +329,19 @@ class JobHandoff(_Message, frozen=True, tag="job"):
     max_attempts: Int
     timeout: Float | None
     queue: str
+    checkpoint: JSONValue = None
+    """The last checkpoint the job's runs saved (meaningful when ``checkpoint_seq > 0``)."""
+    checkpoint_seq: Int = 0
+    """How many checkpoints the job's runs saved; 0: this attempt starts afresh."""
+    recoveries: Int = 0
+    """Attempts of this job lost before this one: more than 0 makes this one a recovery."""
+    state_lost: bool = False
+    """The job keeps local state, and this worker does not have it (see
+    :attr:`broker.runner.Assignment.state_lost`)."""
 
     def __post_init__(self) -> None:
         _check(self.seq >= 1, "seq must be at least 1")
+        _check(self.checkpoint_seq >= 0, "checkpoint_seq must not be negative")
         _check(self.attempt >= 1, "attempt must be at least 1")
         _check(self.max_attempts >= 1, "max_attempts must be at least 1")
         _check(self.timeout is None or self.timeout > 0, "timeout must be positive")
@@ -341,6 +362,9 @@ class FailedReport(_Message, frozen=True, tag="failed"):
     retry_delay: Float | None = None
     """Seconds to wait before the next run, from the task's own backoff (``None``: the
     main's backoff). From 0 to ten years, like any delay; an older main ignores it."""
+    lost: bool = False
+    """The process running the job died under it: the main counts a recovery, not a
+    failure (an older main ignores the field and counts a failure)."""
 
     def __post_init__(self) -> None:
         if self.retry_delay is not None:
@@ -362,6 +386,46 @@ class ReleaseReport(_Message, frozen=True, tag="release"):
     job_id: uuid.UUID
     handoff_id: uuid.UUID
     reason: str
+
+
+class SaveCheckpoint(_Message, frozen=True, tag="checkpoint"):
+    """A running job's checkpoint, numbered: the job's ``checkpoint_seq`` plus one for
+    the first its run saves, and so on. Answered by ``checkpoint_ack`` once it is durable
+    (or refused); the worker sends it again on a new connection until then."""
+
+    job_id: uuid.UUID
+    handoff_id: uuid.UUID
+    seq: Int
+    state: JSONValue = None
+
+    def __post_init__(self) -> None:
+        _check(self.seq >= 1, "seq must be at least 1")
+
+
+class CheckpointAck(_Message, frozen=True, tag="checkpoint_ack"):
+    """The main's answer to a ``checkpoint``: ``applied`` (durable), ``duplicate`` (this
+    or a newer one was already stored under the lease), ``stale`` (the lease is no longer
+    the job's) or ``refused`` (never storable, too large say); ``code`` and ``message``
+    say why for the last two, as a ``request_error`` does."""
+
+    job_id: uuid.UUID
+    handoff_id: uuid.UUID
+    seq: Int
+    status: AckStatus
+    code: str | None = None
+    message: str | None = None
+
+
+class Progress(_Message, frozen=True, tag="progress"):
+    """A running job's latest progress; never answered, and may be dropped."""
+
+    job_id: uuid.UUID
+    handoff_id: uuid.UUID
+    fraction: Float
+    message: str = ""
+
+    def __post_init__(self) -> None:
+        _check(0.0 <= self.fraction <= 1.0, "fraction must be from 0 to 1")
 
 
 class ReportAck(_Message, frozen=True, tag="report_ack"):
@@ -473,6 +537,10 @@ class JobRequest(_Struct, frozen=True):
     id: uuid.UUID | None = None
     unique_key: Name | None = None
     """At most one queued or running job per key; an older main ignores the field."""
+    max_recoveries: Int | None = None
+    """Lost attempts the job may recover from (``None``: the main's default)."""
+    local_state: bool = False
+    """Recoveries wait for the worker holding the job's local state first."""
 
     def to_spec(self, now: datetime, defaults: Mapping[str, Any] | None = None) -> JobSpec:
         """The job this request asks for. A field it leaves out (``null``) takes its value
@@ -747,6 +815,9 @@ Message: TypeAlias = (
     | RescheduleReport
     | ReleaseReport
     | ReportAck
+    | SaveCheckpoint
+    | CheckpointAck
+    | Progress
     | Jobs
     | Reports
     | ReportAcks

@@ -10,9 +10,12 @@ are handled the same way:
 
 For each entry this loop calls ``return_to_queue(job_id, lease)``, which is conditional
 on that exact lease still owning the job: a claim that never committed, or a lease
-already replaced by a newer one, is left alone. Any answer from the store (``True`` or
-``False``) settles the entry; an exception keeps it and it is retried on the
-error-retry timer, for as long as it takes.
+already replaced by a newer one, is left alone. An entry whose attempt was lost (the
+last two situations, where the job may have run: :attr:`broker.handoff.Handoff.losses`)
+is settled instead as :func:`broker.retry.lost_attempt` says, fenced the same way: it
+counts a recovery in the same statement, and past the job's recovery limit ends it dead.
+Any answer from the store (``True`` or ``False``) settles the entry; an exception keeps
+it and it is retried on the error-retry timer, for as long as it takes.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from collections.abc import Callable
 
 from broker.exceptions import StorageError
 from broker.handoff import Handoff
+from broker.jobs import DEFAULT_MAX_RECOVERIES, Clock, utcnow
+from broker.retry import lost_attempt
 from broker.storage import StorageAdapter
 from broker.supervise import retrying
 
@@ -38,8 +43,12 @@ class RecoveryLedger:
         *,
         retry_interval: float = 1.0,
         on_returned: Callable[[], None] = lambda: None,
+        clock: Clock = utcnow,
+        max_recoveries: int = DEFAULT_MAX_RECOVERIES,
     ) -> None:
         self._store = store
+        self._clock = clock
+        self._max_recoveries = max_recoveries
         self._handoff = handoff
         self._retry_interval = retry_interval
         self._on_returned = on_returned
@@ -63,8 +72,15 @@ class RecoveryLedger:
         """Try every entry once; ``True`` when the ledger is empty afterwards."""
         returned_any = False
         for handoff_id, job_id in self.pending().items():
+            loss = self._handoff.losses.get(handoff_id)
             try:
-                returned = await self._store.return_to_queue(job_id, handoff_id)
+                if loss is None:
+                    returned = await self._store.return_to_queue(job_id, handoff_id)
+                else:
+                    settlement = lost_attempt(
+                        loss.job, handoff_id, loss.reason, self._clock(), self._max_recoveries
+                    )
+                    [returned] = await self._store.settle_many([settlement])
             except Exception as exc:
                 logger.warning(
                     "returning lease failed, will retry job_id=%s handoff_id=%s error=%r",
@@ -75,10 +91,11 @@ class RecoveryLedger:
                 continue
             self._handoff.returned(handoff_id, job_id)
             logger.info(
-                "lease %s job_id=%s handoff_id=%s",
+                "lease %s job_id=%s handoff_id=%s lost=%s",
                 "returned to queue" if returned else "already settled (no-op)",
                 job_id,
                 handoff_id,
+                loss is not None,
             )
             returned_any = returned_any or returned
         if returned_any:

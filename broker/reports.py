@@ -20,7 +20,7 @@ from broker.handoff import Handoff
 from broker.jobs import Clock, JobStatus, Outcome, Settlement
 from broker.metrics import MainMetrics
 from broker.payload import result_problem
-from broker.retry import RetryDelay, next_run_after_failure
+from broker.retry import RetryDelay, lost_attempt, next_run_after_failure
 from broker.settlement import statuses_after
 from broker.storage import StorageAdapter
 
@@ -41,6 +41,7 @@ class ReportSettler:
         stopping: Callable[[], bool],
         clock: Clock,
         retry_delay: RetryDelay,
+        max_recoveries: int,
         batch: int,
         retry_interval: float,
         max_payload_bytes: int | None,
@@ -54,6 +55,7 @@ class ReportSettler:
         self._stopping = stopping
         self._clock = clock
         self._retry_delay = retry_delay
+        self._max_recoveries = max_recoveries
         self._batch = batch
         self._retry_interval = retry_interval
         self._max_payload_bytes = max_payload_bytes
@@ -230,6 +232,13 @@ class ReportSettler:
                     )
                     return Settlement(job_id, lease, Outcome.FAIL, error=problem, run_at=None)
                 return Settlement(job_id, lease, Outcome.COMPLETE, result=result)
+            case protocol.FailedReport(job_id=job_id, handoff_id=lease, error=error, lost=True):
+                # The worker's child died under the job: a recovery, not a failure. The job
+                # as handed off names the count the fenced settlement will find.
+                job = self._handoff.held_job(lease) or await self._store.get_job(job_id)
+                if job is not None:
+                    return lost_attempt(job, lease, error, now, self._max_recoveries)
+                return Settlement(job_id, lease, Outcome.LOST, error=error, run_at=now)
             case protocol.FailedReport(
                 job_id=job_id, handoff_id=lease, error=error, retry=retry, retry_delay=wait
             ):

@@ -10,12 +10,13 @@ from __future__ import annotations
 import math
 import random
 import sys
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from broker.exceptions import ConfigurationError
-from broker.jobs import Job
+from broker.jobs import DEFAULT_MAX_RECOVERIES, Job, Outcome, Settlement
 from broker.values import check_delay
 
 _FIRST_DELAYS = (
@@ -78,6 +79,39 @@ def next_run_after_failure(
     if failures >= job.max_attempts:
         return None
     return now + delay(failures)
+
+
+def lost_attempt(
+    job: Job,
+    handoff_id: uuid.UUID,
+    reason: str,
+    now: datetime,
+    default_max_recoveries: int = DEFAULT_MAX_RECOVERIES,
+) -> Settlement:
+    """The settlement of an attempt that was lost rather than failed: its worker, child or
+    connection died, or the main took its lease back. It counts a recovery, not a
+    failure, so the task's retries are untouched, and the job runs again at once (no
+    backoff: nothing says the job itself is at fault) until its recoveries are spent; then
+    it is dead, with a reason that says so.
+
+    ``job`` is the job as it was handed off under ``handoff_id``: the settlement is fenced
+    on that lease, and nothing but a move out of it changes ``recoveries``, so the count
+    read here is the one the store holds when the settlement applies. A ``local_state``
+    job names the worker that ran the lost attempt as the holder of its state.
+    """
+    cap = default_max_recoveries if job.max_recoveries is None else job.max_recoveries
+    lost = job.recoveries + 1
+    if lost > cap:
+        error = (
+            f"recovery limit reached: {lost} attempts ended by a lost worker, child or "
+            f"connection (max_recoveries={cap}); the last: {reason}"
+        )
+        return Settlement(job.id, handoff_id, Outcome.LOST, error=error, run_at=None)
+    holder = job.worker_id if job.local_state else None
+    error = f"attempt lost ({lost} of {cap} recoveries used): {reason}"
+    return Settlement(
+        job.id, handoff_id, Outcome.LOST, error=error, run_at=now, state_holder=holder
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,10 +9,11 @@ so the core never imports them.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from broker.exceptions import CheckpointRejectedError
 from broker.jobs import ExecutionMode, JSONValue
 from broker.values import check_delay
 
@@ -31,6 +32,17 @@ class Assignment:
     max_attempts: int
     timeout: float | None
     queue: str
+    checkpoint: JSONValue = None
+    """The last checkpoint of the job's earlier runs (see :mod:`broker.context`)."""
+    checkpoint_seq: int = 0
+    """How many checkpoints the job's runs saved; 0: this run starts afresh."""
+    recoveries: int = 0
+    """Attempts of this job lost before this one (its worker, child or connection died):
+    more than 0 means this attempt is a recovery."""
+    state_lost: bool = False
+    """The job keeps local state (``@task(local_state=True)``), but this attempt runs on
+    another worker than the one that held it (or that worker said it lost it): whatever
+    the last attempt kept on its machine is not here."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +57,9 @@ class Failed:
     """``False`` when retrying cannot help (an unknown task, say): the job dies at once."""
     retry_delay: float | None = None
     """Seconds before the next run, from the task's own backoff (``None``: the main's)."""
+    lost: bool = False
+    """The attempt did not fail by itself: the process running it died under it. The main
+    counts a recovery instead of a failure, and runs the job again at once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +103,33 @@ class RunnerStatus:
     details: dict[str, JSONValue] = field(default_factory=dict)
 
 
+LeaseKey = tuple[uuid.UUID, uuid.UUID]
+"""``(job_id, handoff_id)``: one handoff of one job."""
+
+
+class JobChannel(Protocol):
+    """Where a running job's checkpoints and progress go: the worker, which sends them to
+    the main (a pooled or forked child's channel is its pipe to the worker)."""
+
+    def save_checkpoint(self, key: LeaseKey, seq: int, state: JSONValue) -> Awaitable[None]:
+        """Resolves once checkpoint ``seq`` of the job under lease ``key`` is durable, or
+        raises why it was not saved (the lease is gone, it is too large)."""
+
+    def report_progress(self, key: LeaseKey, fraction: float, message: str) -> None:
+        """Pass on the job's latest progress; the worker rate-limits what it sends."""
+
+
+class NoChannel:
+    """The channel of a runner that no worker has connected (one driven on its own, in a
+    test say): checkpoints are refused, progress goes nowhere."""
+
+    async def save_checkpoint(self, key: LeaseKey, seq: int, state: JSONValue) -> None:
+        raise CheckpointRejectedError("this runner has no worker to save checkpoints")
+
+    def report_progress(self, key: LeaseKey, fraction: float, message: str) -> None:
+        return None
+
+
 class Runner(Protocol):
     """Executes jobs of one execution mode with a bounded number of slots."""
 
@@ -100,6 +142,10 @@ class Runner(Protocol):
     def set_capacity_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` whenever ``free_slots`` may have changed on the runner's own
         account (a child died, a replacement started), so the worker re-advertises."""
+
+    def set_job_channel(self, channel: JobChannel) -> None:
+        """Where the jobs this runner runs send their checkpoints and progress (see
+        :mod:`broker.context`); the worker sets itself before :meth:`start`."""
 
     async def start(self) -> None: ...
 

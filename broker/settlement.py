@@ -17,9 +17,19 @@ claim at enqueue  ``handed_off`` (lease, worker)   0          now
 ``FAIL``, dead    ``failed`` (``last_error``)      + 1        unchanged
 ``RESCHEDULE``    ``queued``                       unchanged  its time, else now
 ``RETURN``        ``queued``                       unchanged  now
+``LOST``          ``queued`` (``last_error``)      unchanged  now (its time)
+``LOST``, dead    ``failed`` (``last_error``)      unchanged  unchanged
 cancel            ``cancelled``                    unchanged  unchanged
 revive            ``queued`` (from ``failed``)     0          now
+checkpoint        unchanged (``checkpoint`` kept)  unchanged  unchanged
+progress          unchanged (``progress`` kept)    unchanged  unchanged
 ================  ===============================  =========  ==================
+
+A checkpoint and a progress update are fenced by the lease like a settlement; a
+checkpoint is also taken only when it is newer than the stored one.
+
+``LOST`` counts a recovery (``recoveries + 1``) instead of an attempt, and sets the
+job's ``state_holder``, which every claim clears. revive also zeroes ``recoveries``.
 
 A claim takes the job's concurrency slot (the store checks there is room); every
 accepted settlement gives back the job's concurrency slot; a cancel gives it back
@@ -34,7 +44,17 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from broker.jobs import ACTIVE_STATUSES, Claim, Job, JobSpec, JobStatus, Outcome, Settlement
+from broker.jobs import (
+    ACTIVE_STATUSES,
+    CheckpointSave,
+    Claim,
+    Job,
+    JobSpec,
+    JobStatus,
+    Outcome,
+    ProgressUpdate,
+    Settlement,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,20 +62,22 @@ class Move:
     """The changes one transition makes to a job.
 
     ``changes`` maps :class:`~broker.jobs.Job` field names to their new values (always
-    ``status`` and ``updated_at``); fields it does not name keep theirs. ``attempts`` is
+    ``status`` and ``updated_at`` for a transition; a checkpoint or progress move sets
+    only its own fields); fields it does not name keep theirs. ``attempts`` is
     not among them but counted by ``counts_attempt``, because a store may add the one
     in the database (``attempts = attempts + 1``) without reading the row first.
     """
 
     changes: Mapping[str, Any]
     counts_attempt: bool = False
+    counts_recovery: bool = False
     releases_slot: bool = True
     """Whether the job's concurrency slot (if it has a key) is given back."""
 
     @property
     def shape(self) -> tuple[Any, ...]:
         """What moves sharing one ``UPDATE`` statement have in common: the fields set."""
-        return (self.counts_attempt, *sorted(self.changes))
+        return (self.counts_attempt, self.counts_recovery, *sorted(self.changes))
 
 
 def hand_off(claim: Claim, now: datetime) -> Move:
@@ -65,6 +87,7 @@ def hand_off(claim: Claim, now: datetime) -> Move:
         "handoff_id": claim.handoff_id,
         "worker_id": claim.worker_id,
         "handed_off_at": now,
+        "state_holder": None,
         "updated_at": now,
     }
     return Move(changes, releases_slot=False)
@@ -88,7 +111,7 @@ def enqueued(spec: JobSpec, now: datetime, claim: Claim | None = None) -> Job:
     return apply(job, hand_off(claim, now))
 
 
-def accepts(status: str, handoff_id: uuid.UUID | None, s: Settlement) -> bool:
+def accepts(status: str, handoff_id: uuid.UUID | None, s: Settlement | ProgressUpdate) -> bool:
     """The fence: only the lease the job is handed off under may settle it, so a report
     from an older attempt can never change a newer one."""
     return status == JobStatus.HANDED_OFF and handoff_id == s.handoff_id
@@ -110,8 +133,45 @@ def settle(s: Settlement, now: datetime) -> Move:
             changes = {"status": JobStatus.QUEUED, "run_at": s.run_at or now}
         case Outcome.RETURN:
             changes = {"status": JobStatus.QUEUED, "run_at": now}
+        case Outcome.LOST:
+            changes = {"status": JobStatus.FAILED if s.run_at is None else JobStatus.QUEUED}
+            changes["last_error"] = s.error
+            changes["state_holder"] = s.state_holder
+            if s.run_at is not None:
+                changes["run_at"] = s.run_at
     changes["updated_at"] = now
-    return Move(changes, counts_attempt=s.outcome is Outcome.FAIL)
+    return Move(
+        changes,
+        counts_attempt=s.outcome is Outcome.FAIL,
+        counts_recovery=s.outcome is Outcome.LOST,
+    )
+
+
+def accepts_checkpoint(
+    status: str, handoff_id: uuid.UUID | None, checkpoint_seq: int, save: CheckpointSave
+) -> bool:
+    """The checkpoint fence: the lease that may settle the job (:func:`accepts`), and a
+    checkpoint newer than the one stored, so a copy sent again after a reconnect, or one
+    overtaken by a later save, never brings an older state back."""
+    return (
+        status == JobStatus.HANDED_OFF
+        and handoff_id == save.handoff_id
+        and checkpoint_seq < save.seq
+    )
+
+
+def save_checkpoint(save: CheckpointSave, now: datetime) -> Move:
+    """The move a checkpoint makes once :func:`accepts_checkpoint` lets it through: the
+    state and its number, nothing else (the job stays handed off, ``updated_at`` is the
+    job's last move, which retention reads)."""
+    changes = {"checkpoint": save.state, "checkpoint_seq": save.seq, "checkpoint_at": now}
+    return Move(changes, releases_slot=False)
+
+
+def record_progress(update: ProgressUpdate) -> Move:
+    """The move a progress update makes; fenced by :func:`accepts` (its lease)."""
+    changes = {"progress": update.fraction, "progress_message": update.message}
+    return Move(changes, releases_slot=False)
 
 
 def statuses_after(outcome: Outcome) -> frozenset[JobStatus]:
@@ -143,7 +203,13 @@ def cancel(status: str, now: datetime) -> Move | None:
 def revive(now: datetime) -> Move:
     """The move an operator's retry makes to a dead (``failed``) job: queued again at
     once, with a fresh count of attempts. A queued job holds no slot, so none is given."""
-    changes = {"status": JobStatus.QUEUED, "attempts": 0, "run_at": now, "updated_at": now}
+    changes = {
+        "status": JobStatus.QUEUED,
+        "attempts": 0,
+        "recoveries": 0,
+        "run_at": now,
+        "updated_at": now,
+    }
     return Move(changes, releases_slot=False)
 
 
@@ -152,4 +218,6 @@ def apply(job: Job, move: Move) -> Job:
     changes = dict(move.changes)
     if move.counts_attempt:
         changes["attempts"] = job.attempts + 1
+    if move.counts_recovery:
+        changes["recoveries"] = job.recoveries + 1
     return replace(job, **changes)

@@ -14,6 +14,10 @@ The rules every implementation must keep:
   ``return_to_queue`` change a job only when its id, its current handoff id and
   the status ``handed_off`` all match, checked atomically with the change. They
   return ``False`` (and change nothing) otherwise.
+* **Recoveries.** A ``LOST`` settlement adds one to ``recoveries`` (never to
+  ``attempts``) in the same fenced statement as its move, sets the job's
+  ``state_holder``, and every claim clears ``state_holder`` (see
+  :mod:`broker.settlement`).
 * **Idempotent return.** ``return_to_queue`` for a lease whose claim never
   committed, or was already returned, or was superseded by a newer lease, is a
   harmless no-op that returns ``False``. Any answer that is not an exception
@@ -42,6 +46,7 @@ from datetime import datetime
 from typing import Protocol, runtime_checkable
 
 from broker.jobs import (
+    CheckpointSave,
     Claim,
     EnqueueResult,
     ExecutionMode,
@@ -49,10 +54,11 @@ from broker.jobs import (
     JobSpec,
     JobStatus,
     JSONValue,
+    ProgressUpdate,
     Settlement,
 )
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 7
 """The schema version this code writes and understands; stores record theirs."""
 
 
@@ -186,6 +192,21 @@ class StorageAdapter(Protocol):
         Each is accepted or fenced out on its own, exactly as the single methods below;
         results are in input order. This is how the main group-commits reports.
         """
+
+    async def save_checkpoints(self, saves: Sequence[CheckpointSave]) -> list[bool]:
+        """Store each checkpoint under its lease, in one transaction, in order; results in
+        input order. One is taken (``True``) only when the job is ``handed_off`` under
+        ``save.handoff_id`` and ``save.seq`` is above its ``checkpoint_seq``
+        (:func:`broker.settlement.accepts_checkpoint`, checked in the same statement as
+        the write); it sets ``checkpoint``, ``checkpoint_seq`` and ``checkpoint_at`` and
+        nothing else. A checkpoint outlives its run: later attempts and the finished job
+        keep it until the job is pruned. The main acknowledges a save to its task only
+        after this returns, so it must be durable by then.
+        """
+
+    async def save_progress(self, updates: Sequence[ProgressUpdate]) -> list[bool]:
+        """Record each run's latest progress under its lease (fenced as a settlement),
+        in one transaction; results in input order. Nothing waits on it being durable."""
 
     async def complete(
         self, job_id: uuid.UUID, handoff_id: uuid.UUID, result: JSONValue = None

@@ -160,6 +160,10 @@ class Task(Generic[P, R]):
     """Which exceptions are worth a retry (``None``: every ``Exception``)."""
     backoff: TaskBackoff | None = None
     """The wait before each retry (``None``: the main's ``--retry-backoff``)."""
+    max_recoveries: int | None = None
+    """Lost attempts its jobs recover from (``None``: the main's default)."""
+    local_state: bool = False
+    """Its jobs keep state on their worker's machine: recoveries wait for that worker."""
 
     @functools.cached_property
     def _signature(self) -> inspect.Signature | None:
@@ -256,6 +260,8 @@ class Task(Generic[P, R]):
             "execution_mode": self.execution_mode,
             "concurrency_key": self.concurrency_key,
             "concurrency_limit": self.concurrency_limit,
+            "max_recoveries": self.max_recoveries,
+            "local_state": self.local_state,
         }
         if "retries" in overrides:
             overrides["max_attempts"] = int(overrides.pop("retries")) + 1
@@ -480,6 +486,8 @@ def task(
     retry_on: tuple[type[BaseException], ...] | None = None,
     dont_retry_on: tuple[type[BaseException], ...] | None = None,
     backoff: TaskBackoff | None = None,
+    max_recoveries: int | None = None,
+    local_state: bool = False,
 ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
 
@@ -504,6 +512,8 @@ def task(
     retry_on: tuple[type[BaseException], ...] | None = None,
     dont_retry_on: tuple[type[BaseException], ...] | None = None,
     backoff: TaskBackoff | None = None,
+    max_recoveries: int | None = None,
+    local_state: bool = False,
 ) -> Task[P, R] | Callable[[Callable[P, R]], Task[P, R]]:
     """Register a function as a task, by default under its ``module.function`` path.
 
@@ -521,11 +531,20 @@ def task(
     :class:`~broker.retry.ExponentialBackoff`, a :class:`~broker.retry.FixedBackoff`, or
     any function of the number of failures returning a ``timedelta`` or seconds (it runs
     in the worker; without one, the main's ``--retry-backoff`` applies).
+
+    ``max_recoveries`` is how many times a job runs again after an attempt was *lost*
+    (its worker, child or connection died): counted apart from ``retries``, and without
+    backoff (``None``: the main's ``--max-recoveries``, 3 by default). ``local_state=True``
+    says the task keeps state on its worker's machine (files, a warm cache) that its next
+    attempt wants: a lost attempt's recovery waits for the same worker id first, for the
+    main's affinity grace (see ``docs/howto/long-jobs.md``).
     """
 
     def register(fn: Callable[P, R]) -> Task[P, R]:
         if retries < 0:
             raise ConfigurationError(f"retries must be >= 0 (got {retries})")
+        if max_recoveries is not None and max_recoveries < 0:
+            raise ConfigurationError(f"max_recoveries must be >= 0 (got {max_recoveries})")
         try:
             execution_mode = ExecutionMode(mode)
         except ValueError:
@@ -555,6 +574,8 @@ def task(
             unique=unique,
             retry=policy,
             backoff=backoff,
+            max_recoveries=max_recoveries,
+            local_state=local_state,
         )
         periodic = _declared_schedule(
             registered, cron=cron, every=every, timezone=timezone, catch_up=catch_up

@@ -463,12 +463,29 @@ class Dashboard:
             ("priority", _e(job["priority"])),
             ("mode", _e(job["execution_mode"])),
             ("failed runs", _e(f"{job['attempts']} (at most {job['max_attempts']} runs)")),
+            ("lost runs", _e(_lost_runs(job))),
             ("run at", _e(_time(job["run_at"]))),
             ("created", _e(_time(job["created_at"]))),
             ("updated", _e(_time(job["updated_at"]))),
             ("worker", _e(job["worker_id"] or "")),
             ("handed off", _e(_time(job["handed_off_at"]))),
             ("timeout", _e("" if job["timeout"] is None else f"{job['timeout']} s")),
+            (
+                "last checkpoint",
+                _e(
+                    f"{_time(job['checkpoint_at'])} (number {job['checkpoint_seq']})"
+                    if job["checkpoint_at"]
+                    else "none"
+                ),
+            ),
+            (
+                "progress",
+                _e(
+                    f"{job['progress']:.0%} {job['progress_message'] or ''}".rstrip()
+                    if job["progress"] is not None
+                    else ""
+                ),
+            ),
             ("idempotency key", _e(job["idempotency_key"] or "")),
             ("unique key", _e(job["unique_key"] or "")),
             (
@@ -486,6 +503,8 @@ class Dashboard:
             "<h2>Arguments</h2>"
             f"<pre>{_e(json.dumps({'args': job['args'], 'kwargs': job['kwargs']}, indent=2))}</pre>"
             f"<h2>Result</h2><pre>{_e(json.dumps(job['result'], indent=2))}</pre>"
+            "<h2>Last checkpoint</h2>"
+            f'<pre id="checkpoint">{_e(json.dumps(job["checkpoint"], indent=2))}</pre>'
             "<h2>Last error</h2>"
             f'<pre id="error">{_e(job["last_error"] or "none")}</pre>'
             '<p class="muted">The store keeps a job\'s latest hand-off (worker and time) and '
@@ -611,3 +630,15 @@ class WorkerMetricsServer:
 
 
 __all__ = ["Dashboard", "WorkerMetricsServer"]
+
+
+def _lost_runs(job: dict[str, Any]) -> str:
+    """Recoveries so far, with the job's own cap when it has one (else the main's)."""
+    cap = job.get("max_recoveries")
+    limit = "the main's limit" if cap is None else f"at most {cap}"
+    held = (
+        f"; waiting for {job['state_holder']}, which holds its state"
+        if job.get("state_holder")
+        else ""
+    )
+    return f"{job.get('recoveries', 0)} ({limit}){held}"

@@ -54,14 +54,15 @@ from broker.exceptions import (
     ConfigurationError,
     ProtocolError,
 )
-from broker.jobs import ExecutionMode
+from broker.jobs import ExecutionMode, JSONValue
 from broker.payload import MAX_PAYLOAD_BYTES_CEILING
-from broker.runner import Assignment, Failed, Runner, RunOutcome
+from broker.runner import Assignment, Failed, LeaseKey, Runner, RunOutcome
 from broker.tasks import TaskRegistry, default_registry
 from broker.tls import PeerTLS
 from broker.worker_state import (
+    CheckpointSettled,
     Drain,
-    LeaseKey,
+    ProgressLater,
     StartRun,
     StopFast,
     StopRun,
@@ -154,7 +155,12 @@ class Worker:
         logger: logging.Logger | None = None,
         prefetch: int | None = None,
         tls: PeerTLS | ssl.SSLContext | None = None,
+        local_state_lost: bool = False,
     ) -> None:
+        """``local_state_lost``: this process starts without the local state an earlier
+        one with the same ``worker_id`` left (its state directory is new), so the main
+        stops holding recoveries for it; said in the first hello only, since a reconnect
+        of the same process still has whatever it built since."""
         if not worker_id:
             raise ConfigurationError("worker_id must be a non-empty string")
         if not runners:
@@ -183,6 +189,7 @@ class Worker:
         self._liveness_timeout = liveness_timeout
         self._reconnect_max_delay = reconnect_max_delay
         self._drain_timeout = drain_timeout
+        self._local_state_lost = local_state_lost
         self._logger = logger or logging.getLogger("broker.worker")
 
         self._state = WorkerState(
@@ -208,6 +215,8 @@ class Worker:
         self._fast_requested = asyncio.Event()
         self._cancels: set[asyncio.Task[bool]] = set()
         """Cancellations the main asked for, while their runner stops the job."""
+        self._checkpoint_waiters: dict[tuple[LeaseKey, int], asyncio.Future[None]] = {}
+        """The task waiting on each checkpoint sent (see :meth:`save_checkpoint`)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         """Kept by :meth:`run`: on 3.11 each ``get_running_loop()`` is a ``getpid`` call,
         and a job's start should not pay for one."""
@@ -228,6 +237,7 @@ class Worker:
         try:
             for runner in self._runners.values():
                 runner.set_capacity_listener(self._capacity_changed)
+                runner.set_job_channel(self)
             await asyncio.gather(*(runner.start() for runner in self._runners.values()))
             connection = asyncio.create_task(
                 self._stay_connected(), name="broker-worker-connection"
@@ -260,6 +270,25 @@ class Worker:
             "prefetched": len(self._state.queued),
             "outbox": len(self._state.outbox),
         }
+
+    # ------------------------------------------------------------------ the jobs' channel
+
+    def save_checkpoint(self, key: LeaseKey, seq: int, state: JSONValue) -> asyncio.Future[None]:
+        """A running job's checkpoint (the runners' :class:`~broker.runner.JobChannel`):
+        resolves once the main has stored it, or fails with the reason it did not."""
+        loop = self._loop or asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._checkpoint_waiters[(key, seq)] = waiter
+        self._apply(self._state.checkpoint_requested(key, seq, state))
+        return waiter
+
+    def report_progress(self, key: LeaseKey, fraction: float, message: str) -> None:
+        loop = self._loop or asyncio.get_running_loop()
+        self._apply(self._state.progress_reported(key, fraction, message, loop.time()))
+
+    def _progress_due(self) -> None:
+        loop = self._loop or asyncio.get_running_loop()
+        self._apply(self._state.progress_due(loop.time()))
 
     # ------------------------------------------------------------------ stopping
 
@@ -448,10 +477,12 @@ class Worker:
                 held_leases=[
                     protocol.LeaseRef(job, lease) for job, lease in self._state.held_leases()
                 ],
+                local_state_lost=self._local_state_lost,
             )
         )
         match await wire.read_message(lines):
             case protocol.Welcome() as welcome if welcome.protocol in protocol.SUPPORTED_PROTOCOLS:
+                self._local_state_lost = False
                 return welcome
             case protocol.Welcome() as welcome:
                 raise ConfigurationError(
@@ -549,6 +580,7 @@ class Worker:
         ``reports`` lines as the line limit allows, each report encoded once), then at
         most one ``ready`` per wake-up, computed at the moment it is sent."""
         batch_bytes = min(conn.welcome.max_line_bytes, wire.BATCH_LINE_BYTES)
+        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             # One more turn lets a job that just freed its slot file its report, so the
@@ -557,7 +589,7 @@ class Worker:
             self._wake.clear()
             lines: list[bytes] = []
             reports: list[bytes] = []
-            for msg in self._state.outgoing():
+            for msg in self._state.outgoing(loop.time()):
                 if isinstance(msg, protocol.Report):
                     reports.append(self._state.encoded(msg))
                 else:
@@ -605,6 +637,17 @@ class Worker:
                     self._stop_requested.set()
                 case StopFast():
                     self._fast_requested.set()
+                case CheckpointSettled(key=key, seq=seq, code=code, message=message):
+                    waiter = self._checkpoint_waiters.pop((key, seq), None)
+                    if waiter is not None and not waiter.done():
+                        if code is None:
+                            waiter.set_result(None)
+                        else:
+                            waiter.set_exception(
+                                error_codes.exception_for(code, message or "not saved")
+                            )
+                case ProgressLater(delay=delay):
+                    (self._loop or asyncio.get_running_loop()).call_later(delay, self._progress_due)
         _mirror(self._idle, self._state.idle)
         _mirror(self._flushed, self._state.flushed)
 
@@ -658,6 +701,8 @@ class Worker:
                     self._apply(self._state.ack_received(ack))
             case protocol.CancelJob():
                 self._apply(self._state.cancel_received(msg))
+            case protocol.CheckpointAck():
+                self._apply(self._state.checkpoint_ack_received(msg))
             case protocol.Ping(nonce=nonce):
                 self._apply(self._state.ping_received(nonce))
             case protocol.Pong():

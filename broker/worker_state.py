@@ -34,7 +34,6 @@ them twice.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,14 +41,24 @@ from typing import TypeAlias
 
 from broker import codec, protocol
 from broker.exceptions import ProtocolError, TaskNotFoundError
-from broker.jobs import ExecutionMode
-from broker.payload import result_too_deep, result_too_large_on_wire
+from broker.jobs import ExecutionMode, JSONValue
+from broker.payload import encoded_size, result_too_deep, result_too_large_on_wire
+from broker.protocol import ErrorCode
 from broker.retry import RetryPolicy, TaskBackoff, backoff_seconds, reported_exception
-from broker.runner import Assignment, Completed, Failed, Released, Rescheduled, RunOutcome
+from broker.runner import (
+    Assignment,
+    Completed,
+    Failed,
+    LeaseKey,
+    Released,
+    Rescheduled,
+    RunOutcome,
+)
 from broker.tasks import Task
 
-LeaseKey: TypeAlias = tuple[uuid.UUID, uuid.UUID]
-"""``(job_id, handoff_id)``: one handoff of one job."""
+PROGRESS_INTERVAL = 1.0
+"""Seconds between two progress updates of one job on the wire: a task may report on
+every row, the worker sends the latest at most this often (the first at once)."""
 
 
 # --------------------------------------------------------------------------- effects
@@ -89,7 +98,28 @@ class StopFast:
     """Stop waiting for running jobs: stop them now and give them back."""
 
 
-WorkerEffect: TypeAlias = StartRun | StopRun | WakeSender | Drain | StopFast
+@dataclass(frozen=True, slots=True)
+class CheckpointSettled:
+    """Checkpoint ``seq`` of this lease is settled: wake its task. ``code`` ``None``: it is
+    durable; else the error code (:mod:`broker.error_codes`) and ``message`` it failed with."""
+
+    key: LeaseKey
+    seq: int
+    code: str | None = None
+    message: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressLater:
+    """Progress is held back by the rate limit: call :meth:`WorkerState.progress_due`
+    after ``delay`` seconds."""
+
+    delay: float
+
+
+WorkerEffect: TypeAlias = (
+    StartRun | StopRun | WakeSender | Drain | StopFast | CheckpointSettled | ProgressLater
+)
 
 
 # --------------------------------------------------------------------------- state
@@ -102,6 +132,7 @@ class _Link:
     max_line_bytes: int
     max_payload_bytes: int | None
     max_payload_depth: int
+    max_checkpoint_bytes: int | None = None
     seen: int = 0
     """The ``seq`` of the last job decided on; ``seq`` starts again at 1 per connection."""
     unsent: deque[LeaseKey] = field(default_factory=deque)
@@ -110,6 +141,8 @@ class _Link:
     packs these very bytes (:meth:`WorkerState.encoded`), so no report is encoded twice."""
     pongs: list[int] = field(default_factory=list)
     draining_sent: bool = False
+    unsent_checkpoints: deque[tuple[LeaseKey, int]] = field(default_factory=deque)
+    progress_due: bool = False
 
 
 class WorkerState:
@@ -130,6 +163,7 @@ class WorkerState:
         lookup_task: Callable[[str], object],
         logger: logging.Logger,
         prefetch: int | Mapping[ExecutionMode, int] = 0,
+        progress_interval: float = PROGRESS_INTERVAL,
     ) -> None:
         self._modes = tuple(modes)
         self._prefetch = (
@@ -164,6 +198,15 @@ class WorkerState:
         self._ready_due = False
         self._draining = False
         self._fast = False
+        self._checkpoints: dict[LeaseKey, dict[int, JSONValue]] = {}
+        """Checkpoints not yet acknowledged, by lease and number: sent again on every new
+        connection until the main answers (their tasks are waiting)."""
+        self._progress_interval = progress_interval
+        self._progress: dict[LeaseKey, tuple[float, str]] = {}
+        """The latest progress of each running job not sent yet (older values are dropped)."""
+        self._progress_sent: dict[LeaseKey, float] = {}
+        """When each running job's progress last went out (the rate limit's clock)."""
+        self._progress_timer = False
 
     # ------------------------------------------------------------------ views
 
@@ -224,7 +267,12 @@ class WorkerState:
             max_line_bytes=welcome.max_line_bytes,
             max_payload_bytes=welcome.max_payload_bytes,
             max_payload_depth=welcome.max_payload_depth,
+            max_checkpoint_bytes=welcome.max_checkpoint_bytes,
             unsent=deque(self._outbox),
+            unsent_checkpoints=deque(
+                (key, seq) for key, saves in self._checkpoints.items() for seq in saves
+            ),
+            progress_due=bool(self._progress),
         )
         self._ready_due = True
         return self._effects()
@@ -398,9 +446,12 @@ class WorkerState:
         to report); its report joins the outbox, the oldest prefetched job takes its
         slot (given ``free``, the runners' slots now), and the rest is advertised."""
         del self._running[key]
+        # The outcome supersedes any progress not sent yet.
+        self._progress.pop(key, None)
+        self._progress_sent.pop(key, None)
         rules = self._rules.pop(key, None)
-        if isinstance(outcome, Failed) and outcome.retry and rules is not None:
-            outcome = rules.judge(outcome)
+        if isinstance(outcome, Failed) and outcome.retry and not outcome.lost and rules:
+            outcome = rules.judge(outcome)  # a lost attempt is a recovery, not a failure
         if outcome is None:
             self._given_up.discard(key)
         else:
@@ -426,6 +477,9 @@ class WorkerState:
                     *key, reason="the worker stopped before the job ended"
                 )
                 self._log_job(logging.WARNING, "job given back", key, error=outcome.error)
+            case Failed(error=error, lost=True):
+                report = protocol.FailedReport(*key, error=error, lost=True)
+                self._log_job(logging.WARNING, "job attempt lost", key, error=error)
             case Failed(error=error, retry=retry, retry_delay=wait):
                 report = protocol.FailedReport(*key, error=error, retry=retry, retry_delay=wait)
                 self._log_job(logging.WARNING, "job failed", key, error=error, retry=retry)
@@ -487,6 +541,84 @@ class WorkerState:
             self._log_job(logging.DEBUG, "report acknowledged", key, status=ack.status.value)
         return []
 
+    # ------------------------------------------------------------------ checkpoints, progress
+
+    def checkpoint_requested(self, key: LeaseKey, seq: int, state: JSONValue) -> list[WorkerEffect]:
+        """A running job saves checkpoint ``seq``: it goes out (and out again on every new
+        connection) until the main answers. Refused at once when the run has ended (a
+        thread left behind by a timeout, say) or the state is over the main's limit."""
+        if key not in self._running:
+            return [
+                CheckpointSettled(
+                    key, seq, ErrorCode.CHECKPOINT_REJECTED, "the job's run has already ended"
+                )
+            ]
+        limit = self._link.max_checkpoint_bytes if self._link is not None else None
+        if limit is not None:
+            size = encoded_size(state)
+            if size > limit:
+                message = (
+                    f"the checkpoint is {size} bytes as JSON, over the main's checkpoint "
+                    f"limit of {limit} bytes; keep large state elsewhere and checkpoint a "
+                    "reference to it"
+                )
+                return [CheckpointSettled(key, seq, ErrorCode.PAYLOAD_TOO_LARGE, message)]
+        self._checkpoints.setdefault(key, {})[seq] = state
+        if self._link is not None:
+            self._link.unsent_checkpoints.append((key, seq))
+        return self._effects()
+
+    def checkpoint_ack_received(self, ack: protocol.CheckpointAck) -> list[WorkerEffect]:
+        """The main answered a checkpoint: wake its task with the answer. ``applied`` and
+        ``duplicate`` both mean durable (a duplicate was stored on an earlier send)."""
+        key = (ack.job_id, ack.handoff_id)
+        saves = self._checkpoints.get(key)
+        if saves is None or ack.seq not in saves:
+            return []  # answered already, on an earlier connection
+        del saves[ack.seq]
+        if not saves:
+            del self._checkpoints[key]
+        if ack.status in (protocol.AckStatus.APPLIED, protocol.AckStatus.DUPLICATE):
+            return [CheckpointSettled(key, ack.seq)]
+        self._log_job(logging.WARNING, "checkpoint not saved", key, status=ack.status.value)
+        code = ack.code or ErrorCode.CHECKPOINT_REJECTED
+        message = ack.message or f"the main answered {ack.status.value}"
+        return [CheckpointSettled(key, ack.seq, code, message)]
+
+    def progress_reported(
+        self, key: LeaseKey, fraction: float, message: str, now: float
+    ) -> list[WorkerEffect]:
+        """A running job's progress: kept as its latest, and sent at most once per
+        ``progress_interval`` per job (see :meth:`outgoing`); a job's first goes at once."""
+        if key not in self._running:
+            return []
+        self._progress[key] = (fraction, message)
+        return self._progress_effects(now)
+
+    def progress_due(self, now: float) -> list[WorkerEffect]:
+        """The timer of :class:`ProgressLater` fired."""
+        self._progress_timer = False
+        return self._progress_effects(now)
+
+    def _progress_effects(self, now: float) -> list[WorkerEffect]:
+        link = self._link
+        if link is None or not self._progress:
+            return []
+        effects: list[WorkerEffect] = []
+        waits = [self._progress_wait(key, now) for key in self._progress]
+        if min(waits) <= 0:
+            link.progress_due = True
+            effects += self._effects()
+        later = [wait for wait in waits if wait > 0]
+        if later and not self._progress_timer:
+            self._progress_timer = True
+            effects.append(ProgressLater(min(later)))
+        return effects
+
+    def _progress_wait(self, key: LeaseKey, now: float) -> float:
+        sent = self._progress_sent.get(key)
+        return 0.0 if sent is None else sent + self._progress_interval - now
+
     # ------------------------------------------------------------------ stopping
 
     def drain_requested(self, fast: bool = False) -> list[WorkerEffect]:
@@ -537,15 +669,28 @@ class WorkerState:
 
     # ------------------------------------------------------------------ sending
 
-    def outgoing(self) -> list[protocol.Message]:
+    def outgoing(self, now: float = 0.0) -> list[protocol.Message]:
         """Everything due on the connection except ``ready``: pongs, ``draining`` once,
-        then reports in outbox order (each made sendable)."""
+        checkpoints, the progress due at ``now``, then reports in outbox order (each made
+        sendable)."""
         link = self._require_link()
         batch: list[protocol.Message] = [protocol.Pong(nonce=n) for n in link.pongs]
         link.pongs.clear()
         if self._draining and not link.draining_sent:
             batch.append(protocol.Draining())
             link.draining_sent = True
+        while link.unsent_checkpoints:
+            key, seq = link.unsent_checkpoints.popleft()
+            saves = self._checkpoints.get(key)
+            if saves is not None and seq in saves:
+                batch.append(protocol.SaveCheckpoint(*key, seq=seq, state=saves[seq]))
+        if link.progress_due:
+            link.progress_due = False
+            for key, (fraction, message) in list(self._progress.items()):
+                if self._progress_wait(key, now) <= 0:
+                    batch.append(protocol.Progress(*key, fraction=fraction, message=message))
+                    self._progress_sent[key] = now
+                    del self._progress[key]
         while link.unsent:
             key = link.unsent.popleft()
             report = self._outbox.get(key)
@@ -598,7 +743,11 @@ class WorkerState:
             # Keep the retry decision; JSON spends at most 6 bytes on a character.
             error = report.error[: limit // 8]
             fitted = protocol.FailedReport(
-                *key, error=error, retry=report.retry, retry_delay=report.retry_delay
+                *key,
+                error=error,
+                retry=report.retry,
+                retry_delay=report.retry_delay,
+                lost=report.lost,
             )
         else:
             fitted = protocol.FailedReport(*key, error=problem[:1000], retry=False)
@@ -638,6 +787,8 @@ class WorkerState:
         due = (
             link.pongs
             or link.unsent
+            or link.unsent_checkpoints
+            or link.progress_due
             or self._ready_due
             or (self._draining and not link.draining_sent)
         )

@@ -25,10 +25,12 @@ import io
 import json
 import os
 import sys
+import uuid
 from collections.abc import Sequence
 from typing import TextIO
 
-from broker.runner import Assignment, Failed
+from broker.jobs import JSONValue
+from broker.runner import Assignment, Failed, LeaseKey
 from runners import pipe
 from runners.inline import InlineRunner, format_error
 from runners.process import CHILD_SYS_PATH_ENV, current_rss
@@ -122,6 +124,37 @@ class _Sampler:
         self._channel.queue(pipe.encode(pipe.SampleLine(current_rss())))
 
 
+class _PipeJobs:
+    """The jobs' channel in a child (:class:`broker.runner.JobChannel`): checkpoints and
+    progress go to the worker over the outcome channel, and each checkpoint waits for the
+    worker's ``checkpoint_ack``, which comes back with the jobs."""
+
+    def __init__(self, channel: _Channel) -> None:
+        self._channel = channel
+        self._waiting: dict[tuple[uuid.UUID, int], asyncio.Future[None]] = {}
+
+    def save_checkpoint(self, key: LeaseKey, seq: int, state: JSONValue) -> asyncio.Future[None]:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        encoded = pipe.encode(pipe.CheckpointLine(key[1], seq, state))  # ValueError: not sent
+        self._waiting[(key[1], seq)] = waiter
+        self._channel.queue(encoded)
+        return waiter
+
+    def report_progress(self, key: LeaseKey, fraction: float, message: str) -> None:
+        self._channel.queue(pipe.encode(pipe.ProgressLine(key[1], fraction, message)))
+
+    def answered(self, ack: pipe.CheckpointAckLine) -> None:
+        waiter = self._waiting.pop((ack.handoff_id, ack.seq), None)
+        if waiter is None or waiter.done():
+            return
+        if ack.code is None:
+            waiter.set_result(None)
+            return
+        from broker import error_codes  # only when a checkpoint fails: see runners.process
+
+        waiter.set_exception(error_codes.exception_for(ack.code, ack.error or "not saved"))
+
+
 async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bool) -> int:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=64 << 20)
@@ -129,6 +162,8 @@ async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bo
         lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(jobs_fd, "rb", buffering=0)
     )
     runner = InlineRunner(concurrency=concurrency, enforce_timeouts=False)
+    jobs = _PipeJobs(channel)
+    runner.set_job_channel(jobs)
     sampler = _Sampler(channel, loop)
     running: set[asyncio.Task[None]] = set()
 
@@ -147,20 +182,34 @@ async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bo
         sampler.job_done()
 
     channel.send(pipe.ReadyLine(os.getpid()))
-    while True:
-        line = await reader.readline()
-        if not line:
-            break  # the worker closed our job channel: finish what runs, then exit
-        for message in pipe.to_child_decoder.decode(line):
-            match message:
-                case pipe.PingLine(nonce=nonce):
-                    channel.queue(pipe.encode(pipe.PongLine(nonce, current_rss())))
-                case pipe.JobLine():
-                    task = loop.create_task(run(pipe.assignment_of(message)))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
-        if one_shot and running:
-            break
+
+    async def read() -> None:
+        while line := await reader.readline():
+            for message in pipe.to_child_decoder.decode(line):
+                match message:
+                    case pipe.PingLine(nonce=nonce):
+                        channel.queue(pipe.encode(pipe.PongLine(nonce, current_rss())))
+                    case pipe.CheckpointAckLine():
+                        jobs.answered(message)
+                    case pipe.JobLine() if not (one_shot and started.is_set()):
+                        task = loop.create_task(run(pipe.assignment_of(message)))
+                        running.add(task)
+                        task.add_done_callback(running.discard)
+                        started.set()
+        # The worker closed our job channel: finish what runs, then exit.
+
+    started = asyncio.Event()
+    reading = loop.create_task(read())
+    if one_shot:
+        # One job, then exit; the channel is still read meanwhile, for the job's
+        # checkpoint acknowledgements.
+        first = loop.create_task(started.wait())
+        await asyncio.wait({reading, first}, return_when=asyncio.FIRST_COMPLETED)
+        first.cancel()
+        if running:
+            await asyncio.wait(running)
+        reading.cancel()
+    await asyncio.gather(reading, return_exceptions=one_shot)
     if running:
         await asyncio.wait(running)
     channel.flush()

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from broker import checks
 from broker.jobs import ExecutionMode
-from broker.runner import Assignment, RunnerStatus, RunOutcome
+from broker.runner import Assignment, JobChannel, NoChannel, RunnerStatus, RunOutcome
 from broker.tasks import TaskRegistry, default_registry
 from runners.process import (
     ChildProcess,
@@ -45,6 +45,7 @@ class ForkedRunner:
         self._startup_timeout = checks.positive("runner start-up timeout", startup_timeout)
         self._respawn_max_delay = checks.positive("respawn delay cap", respawn_max_delay)
         self._children: list[ChildProcess] = []
+        self._channel: JobChannel = NoChannel()
         self._listener: Callable[[], None] = lambda: None
         self._guard: StartupGuard | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -64,6 +65,9 @@ class ForkedRunner:
     def set_capacity_listener(self, listener: Callable[[], None]) -> None:
         self._listener = listener
 
+    def set_job_channel(self, channel: JobChannel) -> None:
+        self._channel = channel
+
     async def start(self) -> None:
         self._stopping = False
         self._guard = StartupGuard(self._probe, self._listener, max_delay=self._respawn_max_delay)
@@ -75,6 +79,7 @@ class ForkedRunner:
             one_shot=True,
             on_exit=self._on_exit,
             startup_timeout=self._startup_timeout,
+            channel=self._channel,
         )
         self._children.append(child)
         self._starts += 1

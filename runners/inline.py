@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker import checks
+from broker.context import JobContext
 from broker.exceptions import TaskNotFoundError
 from broker.jobs import ExecutionMode, JSONValue
 from broker.payload import MAX_PAYLOAD_DEPTH_CEILING, result_too_deep
@@ -35,6 +36,8 @@ from broker.runner import (
     Assignment,
     Completed,
     Failed,
+    JobChannel,
+    NoChannel,
     Reschedule,
     Rescheduled,
     RunnerStatus,
@@ -141,6 +144,7 @@ class InlineRunner:
         self._slots: dict[uuid.UUID, _Slot] = {}
         """Busy slots by lease (``handoff_id``): unique even if a job id comes back."""
         self._listener: Callable[[], None] | None = None
+        self._channel: JobChannel = NoChannel()
         self._stopping = False
         self._threads = _Threads()
 
@@ -153,6 +157,9 @@ class InlineRunner:
 
     def set_capacity_listener(self, listener: Callable[[], None]) -> None:
         self._listener = listener
+
+    def set_job_channel(self, channel: JobChannel) -> None:
+        self._channel = channel
 
     async def start(self) -> None:
         self._stopping = False
@@ -193,10 +200,12 @@ class InlineRunner:
         self, task: Task[..., Any], assignment: Assignment, loop: asyncio.AbstractEventLoop
     ) -> asyncio.Future[Any]:
         args, kwargs = assignment.args, assignment.kwargs
-        if task.is_async:
-            return loop.create_task(_invoke(task.func, args, kwargs))
-        done: asyncio.Future[Any] = loop.create_future()
+        # The task runs in a copy of this context in which current_job() is its job.
         context = contextvars.copy_context()
+        JobContext(assignment, self._channel, loop).enter(context)
+        if task.is_async:
+            return loop.create_task(_invoke(task.func, args, kwargs), context=context)
+        done: asyncio.Future[Any] = loop.create_future()
 
         def settle(ok: bool, value: Any) -> None:
             if done.done():

@@ -11,9 +11,10 @@ Decoding is strict: an unknown ``type``, a missing or mistyped field or anything
 array of messages raises :class:`msgspec.ValidationError` or :class:`msgspec.DecodeError`,
 and the worker treats its child as broken (see :mod:`runners.process`).
 
-Parent to child: ``job`` (one :class:`~broker.runner.Assignment`), ``ping``.
-Child to parent: ``ready`` or ``startup_error`` once, then ``completed`` / ``failed`` /
-``rescheduled`` per job, ``pong`` per ping and ``sample`` (its memory) on a period.
+Parent to child: ``job`` (one :class:`~broker.runner.Assignment`), ``ping``, and
+``checkpoint_ack`` per checkpoint. Child to parent: ``ready`` or ``startup_error`` once,
+then ``completed`` / ``failed`` / ``rescheduled`` per job, ``checkpoint`` and
+``progress`` while a job runs, ``pong`` per ping and ``sample`` (its memory) on a period.
 """
 
 from __future__ import annotations
@@ -45,6 +46,20 @@ class JobLine(_Message, tag="job"):
     max_attempts: int
     timeout: float | None
     queue: str
+    checkpoint: Any = None
+    checkpoint_seq: int = 0
+    recoveries: int = 0
+    state_lost: bool = False
+
+
+class CheckpointAckLine(_Message, tag="checkpoint_ack"):
+    """The worker's answer to a ``checkpoint``: ``error`` is ``None`` once it is durable,
+    else the error code and message the task raises (see :mod:`broker.error_codes`)."""
+
+    handoff_id: uuid.UUID
+    seq: int
+    code: str | None = None
+    error: str | None = None
 
 
 class PingLine(_Message, tag="ping"):
@@ -75,6 +90,18 @@ class RescheduledLine(_Message, tag="rescheduled"):
     delay: float
 
 
+class CheckpointLine(_Message, tag="checkpoint"):
+    handoff_id: uuid.UUID
+    seq: int
+    state: Any = None
+
+
+class ProgressLine(_Message, tag="progress"):
+    handoff_id: uuid.UUID
+    fraction: float
+    message: str
+
+
 class PongLine(_Message, tag="pong"):
     nonce: int
     rss: int
@@ -87,9 +114,17 @@ class SampleLine(_Message, tag="sample"):
     rss: int
 
 
-ToChild: TypeAlias = JobLine | PingLine
+ToChild: TypeAlias = JobLine | PingLine | CheckpointAckLine
 OutcomeLine: TypeAlias = CompletedLine | FailedLine | RescheduledLine
-FromChild: TypeAlias = ReadyLine | StartupErrorLine | OutcomeLine | PongLine | SampleLine
+FromChild: TypeAlias = (
+    ReadyLine
+    | StartupErrorLine
+    | OutcomeLine
+    | PongLine
+    | SampleLine
+    | CheckpointLine
+    | ProgressLine
+)
 
 _encoder = msgspec.json.Encoder()
 to_child_decoder = msgspec.json.Decoder(list[ToChild])
@@ -124,6 +159,10 @@ def job_line(a: Assignment) -> JobLine:
         a.max_attempts,
         a.timeout,
         a.queue,
+        a.checkpoint,
+        a.checkpoint_seq,
+        a.recoveries,
+        a.state_lost,
     )
 
 
@@ -139,6 +178,10 @@ def assignment_of(line: JobLine) -> Assignment:
         line.max_attempts,
         line.timeout,
         line.queue,
+        line.checkpoint,
+        line.checkpoint_seq,
+        line.recoveries,
+        line.state_lost,
     )
 
 

@@ -27,7 +27,14 @@ from collections.abc import Callable, Sequence
 
 from broker import checks
 from broker.jobs import ExecutionMode
-from broker.runner import Assignment, Released, RunnerStatus, RunOutcome
+from broker.runner import (
+    Assignment,
+    JobChannel,
+    NoChannel,
+    Released,
+    RunnerStatus,
+    RunOutcome,
+)
 from broker.tasks import TaskRegistry, default_registry
 from runners import pipe
 from runners.process import (
@@ -73,6 +80,7 @@ class PooledRunner:
         self._ping_interval = checks.positive("runner ping interval", ping_interval)
         self._respawn_max_delay = checks.positive("respawn delay cap", respawn_max_delay)
         self._children: list[ChildProcess] = []
+        self._channel: JobChannel = NoChannel()
         self._successors: dict[ChildProcess, ChildProcess] = {}
         """Children still starting to take the place of another (successor: predecessor);
         they take no job until they are ready and have taken that place."""
@@ -114,6 +122,9 @@ class PooledRunner:
     def set_capacity_listener(self, listener: Callable[[], None]) -> None:
         self._listener = listener
 
+    def set_job_channel(self, channel: JobChannel) -> None:
+        self._channel = channel
+
     async def start(self) -> None:
         self._stopping = False
         self._guard = StartupGuard(self._probe, self._listener, max_delay=self._respawn_max_delay)
@@ -129,6 +140,7 @@ class PooledRunner:
             on_exit=self._on_exit,
             startup_timeout=self._startup_timeout,
             on_sample=self._maybe_recycle,
+            channel=self._channel,
         )
         self._children.append(child)
         self._counts["child_starts"] += 1

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from broker.runner import Assignment, Failed, Released, RunOutcome
+from broker.runner import Assignment, Failed, JobChannel, NoChannel, Released, RunOutcome
 from broker.tasks import TaskRegistry
 from runners import pipe
 
@@ -184,6 +184,7 @@ class ChildProcess:
         on_exit: Callable[[ChildProcess], None],
         startup_timeout: float,
         on_sample: Callable[[ChildProcess], None] | None = None,
+        channel: JobChannel | None = None,
     ) -> None:
         self.apps = list(apps)
         self.concurrency = concurrency
@@ -198,12 +199,17 @@ class ChildProcess:
         self.startup_error: str | None = None
         self.inflight: dict[uuid.UUID, asyncio.Future[RunOutcome]] = {}
         self.kill_reasons: dict[uuid.UUID, str] = {}
+        self.bystanders: set[uuid.UUID] = set()
+        """Jobs stopped because another job on this process timed out or was cancelled:
+        their attempts are lost, not failed."""
         self.job_ids: dict[uuid.UUID, uuid.UUID] = {}
         """Job id by lease, for cancelling a job by its id."""
         self.last_pong = time.monotonic()
         self._outgoing: list[bytes] = []
         self._on_exit = on_exit
         self._on_sample = on_sample
+        self._channel = channel or NoChannel()
+        """Where the child's jobs' checkpoints and progress go (the worker)."""
         self._startup_timeout = startup_timeout
         self._proc: asyncio.subprocess.Process | None = None
         # Kept, because every ``get_running_loop()`` is a ``getpid`` system call on 3.11.
@@ -328,6 +334,12 @@ class ChildProcess:
                 self.jobs_run += 1
                 if not future.done():
                     future.set_result(pipe.outcome_of(m))
+            case pipe.CheckpointLine(handoff_id=handoff_id, seq=seq, state=state) if self.started:
+                self._checkpoint(handoff_id, seq, state)
+            case pipe.ProgressLine(handoff_id=handoff_id) if self.started:
+                job_id = self.job_ids.get(handoff_id)
+                if job_id is not None:
+                    self._channel.report_progress((job_id, handoff_id), m.fraction, m.message)
             case pipe.PongLine(rss=rss) if self.started:
                 self.last_pong = time.monotonic()
                 self._sampled(rss)
@@ -335,6 +347,32 @@ class ChildProcess:
                 self._sampled(rss)
             case other:
                 raise ValueError(f"unexpected child message {type(other).__name__}")
+
+    def _checkpoint(self, handoff_id: uuid.UUID, seq: int, state: object) -> None:
+        """Pass a job's checkpoint to the worker, and its answer back to the child."""
+        job_id = self.job_ids.get(handoff_id)
+        if job_id is None:
+            raise ValueError(f"checkpoint for a job this child is not running: {handoff_id}")
+        saved = asyncio.ensure_future(
+            self._channel.save_checkpoint((job_id, handoff_id), seq, state)
+        )
+
+        def answer(done: asyncio.Future[None]) -> None:
+            exc = None if done.cancelled() else done.exception()
+            if done.cancelled():
+                exc = asyncio.CancelledError()
+            line = pipe.CheckpointAckLine(handoff_id, seq)
+            if exc is not None:
+                # Here, not at the top: the child imports this module, and the error table
+                # would load the wire protocol into every child for a rare path.
+                from broker import error_codes
+
+                line = pipe.CheckpointAckLine(
+                    handoff_id, seq, error_codes.code_of(exc), str(exc) or type(exc).__name__
+                )
+            self.send(line)
+
+        saved.add_done_callback(answer)
 
     def _sampled(self, rss: int) -> None:
         self.rss = rss
@@ -379,10 +417,15 @@ class ChildProcess:
                     Released(f"the runner process could not start: {self.startup_error}")
                 )
             else:
-                reason = self.kill_reasons.get(handoff_id) or (
-                    f"the runner process {describe_exit(code)} while running the job"
-                )
-                future.set_result(Failed(reason))
+                reason = self.kill_reasons.get(handoff_id)
+                if reason is None or handoff_id in self.bystanders:
+                    # Nothing this job did ended it: the attempt is lost, not failed.
+                    reason = (
+                        reason or f"the runner process {describe_exit(code)} while running the job"
+                    )
+                    future.set_result(Failed(reason, lost=True))
+                else:
+                    future.set_result(Failed(reason))
         self.inflight.clear()
         self._on_exit(self)
 
@@ -419,6 +462,14 @@ class ChildProcess:
         self._flush()
         if self._proc is not None and self._proc.stdin is not None:
             self._proc.stdin.close()
+
+    def stop_bystanders(self, reason: str) -> None:
+        """Every other job running here is about to be stopped for ``reason`` (another
+        job's timeout or cancel): each keeps the first reason it was given."""
+        for other in self.inflight:
+            if other not in self.kill_reasons:
+                self.kill_reasons[other] = reason
+                self.bystanders.add(other)
 
     def kill(self) -> None:
         if self._proc is not None and self._proc.returncode is None:
@@ -477,10 +528,9 @@ async def run_on_child(
         return await asyncio.wait_for(asyncio.shield(future), limit)
     except TimeoutError:
         child.kill_reasons[assignment.handoff_id] = f"timed out after {limit} s"
-        for other in child.inflight:
-            child.kill_reasons.setdefault(
-                other, f"stopped because job {assignment.job_id} on the same process timed out"
-            )
+        child.stop_bystanders(
+            f"stopped because job {assignment.job_id} on the same process timed out"
+        )
         logger.warning(
             "job timed out, stopping its runner process job_id=%s handoff_id=%s pid=%s",
             assignment.job_id,
@@ -498,10 +548,9 @@ async def cancel_on(children: Sequence[ChildProcess], job_id: uuid.UUID, grace: 
         for handoff_id, running_job in list(child.job_ids.items()):
             if running_job == job_id and handoff_id in child.inflight:
                 child.kill_reasons[handoff_id] = "cancelled"
-                for other in child.inflight:
-                    child.kill_reasons.setdefault(
-                        other, f"stopped because job {job_id} on the same process was cancelled"
-                    )
+                child.stop_bystanders(
+                    f"stopped because job {job_id} on the same process was cancelled"
+                )
                 await child.terminate(grace)
                 return True
     return False

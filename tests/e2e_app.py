@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 from typing import Any
 
+from broker.context import current_job
 from broker.tasks import task
 
 LOG_DIR_ENV = "BROKER_E2E_LOG_DIR"
 
 
-def _log(event: str, key: str) -> None:
-    path = os.path.join(os.environ[LOG_DIR_ENV], f"runs-{os.getpid()}.log")
+def _log(event: str, key: str, directory: str | None = None) -> None:
+    path = os.path.join(directory or os.environ[LOG_DIR_ENV], f"runs-{os.getpid()}.log")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, f"{event} {key} {os.getpid()}\n".encode())
@@ -43,6 +45,12 @@ async def hold(key: str, gate: str, limit: float = 60.0) -> int:
     only) exists, so the test decides when a job ends instead of guessing with sleeps;
     the result is the pid that ran it."""
     _log("start", key)
+    await _gate(gate, limit)
+    _log("end", key)
+    return os.getpid()
+
+
+async def _gate(gate: str, limit: float) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit
     mine = f"{gate}.{os.getpid()}"
@@ -50,8 +58,29 @@ async def hold(key: str, gate: str, limit: float = 60.0) -> int:
         if loop.time() > deadline:
             raise TimeoutError(f"gate {gate} did not open within {limit} s")
         await asyncio.sleep(0.02)
+
+
+@task(mode="inline", local_state=True)
+async def hold_state(key: str, gate: str, limit: float = 60.0) -> dict[str, Any]:
+    """:func:`hold` for a task that keeps local state: the result also says what the
+    attempt was told (a recovery? its local state gone?)."""
+    _log("start", key)
+    job = current_job()
+    await _gate(gate, limit)
     _log("end", key)
-    return os.getpid()
+    return {
+        "pid": os.getpid(),
+        "recoveries": job.recoveries,
+        "state_lost": job.state_lost,
+    }
+
+
+@task(mode="pooled", max_recoveries=2)
+def kill_own_child(key: str, runs: str) -> None:
+    """Log the run (in ``runs``: a pooled child does not inherit ``BROKER_*`` variables),
+    then ``kill -9`` the pooled child running it: every attempt is lost."""
+    _log("start", key, runs)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @task(mode="inline")

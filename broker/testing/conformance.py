@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from broker.exceptions import IdempotencyConflictError, StorageError, UniqueKeyTakenError
 from broker.jobs import (
+    CheckpointSave,
     Claim,
     Clock,
     ExecutionMode,
@@ -27,6 +28,7 @@ from broker.jobs import (
     JobSpec,
     JobStatus,
     Outcome,
+    ProgressUpdate,
     Settlement,
 )
 from broker.storage import (
@@ -591,6 +593,36 @@ async def check_return_to_queue_is_exact_and_idempotent(ctx: Context) -> None:
 
 
 @_check
+async def check_a_lost_attempt_counts_a_recovery_fenced_in_its_move(ctx: Context) -> None:
+    """``LOST``: one more ``recoveries`` (never ``attempts``), queued at its time with
+    its state holder, or dead with its error; only under the current lease; a claim
+    clears the holder and an operator's retry zeroes the count."""
+    job = await _claim(ctx.store, await _enqueue(ctx.store))
+    lease = job.handoff_id
+    assert lease is not None
+    lost = Settlement(job.id, lease, Outcome.LOST, error="lost", run_at=START, state_holder="w")
+    stale = replace(lost, handoff_id=uuid.uuid4())
+    assert await ctx.store.settle_many([stale]) == [False]
+    assert (await _get(ctx.store, job.id)).recoveries == 0, "a stale lease counts nothing"
+    assert await ctx.store.settle_many([lost]) == [True]
+    assert await ctx.store.settle_many([lost]) == [False], "counted once"
+    queued = await _get(ctx.store, job.id)
+    assert queued.status is JobStatus.QUEUED and queued.run_at == START
+    assert (queued.recoveries, queued.attempts) == (1, 0)
+    assert queued.state_holder == "w" and queued.last_error == "lost"
+    again = await _claim(ctx.store, queued)
+    assert again.state_holder is None and (await _get(ctx.store, job.id)).state_holder is None
+    assert again.handoff_id is not None
+    dead = Settlement(job.id, again.handoff_id, Outcome.LOST, error="limit", run_at=None)
+    assert await ctx.store.settle_many([dead]) == [True]
+    stored = await _get(ctx.store, job.id)
+    assert stored.status is JobStatus.FAILED and stored.last_error == "limit"
+    assert (stored.recoveries, stored.attempts) == (2, 0)
+    revived = await ctx.store.retry_dead(job.id)
+    assert revived is not None and revived.recoveries == 0
+
+
+@_check
 async def check_settle_many_fences_each_move_and_commits_together(ctx: Context) -> None:
     jobs = [await _claim(ctx.store, await _enqueue(ctx.store, args=[i])) for i in range(5)]
     leases = [j.handoff_id or uuid.uuid4() for j in jobs]
@@ -647,6 +679,76 @@ async def check_a_repeated_batch_at_the_same_instant_is_fenced(ctx: Context) -> 
 
 
 # --- ambiguous claims ------------------------------------------------------------
+
+
+# --- checkpoints and progress ------------------------------------------------------
+
+
+@_check
+async def check_checkpoints_are_fenced_by_lease_and_number(ctx: Context) -> None:
+    """A checkpoint is stored only under the current lease and only if it is newer."""
+    job = await _claim(ctx.store, await _enqueue(ctx.store))
+    lease = job.handoff_id
+    assert lease is not None and job.checkpoint_seq == 0 and job.checkpoint is None
+    ctx.clock.advance(1)
+    saved = await ctx.store.save_checkpoints(
+        [
+            CheckpointSave(job.id, lease, 1, {"step": 1}),
+            CheckpointSave(job.id, uuid.uuid4(), 2, {"stale": True}),
+            CheckpointSave(job.id, lease, 2, {"step": 2}),
+        ]
+    )
+    assert saved == [True, False, True], "each save is fenced on its own, in order"
+    stored = await _get(ctx.store, job.id)
+    assert (stored.checkpoint, stored.checkpoint_seq) == ({"step": 2}, 2)
+    assert stored.checkpoint_at == START + timedelta(seconds=1)
+    assert stored.status is JobStatus.HANDED_OFF and stored.updated_at == job.updated_at
+    again = await ctx.store.save_checkpoints([CheckpointSave(job.id, lease, 1, {"step": 1})])
+    assert again == [False], "an older checkpoint never replaces a newer one"
+    assert (await _get(ctx.store, job.id)).checkpoint == {"step": 2}
+    assert await ctx.store.complete(job.id, lease, "done")
+    late = await ctx.store.save_checkpoints([CheckpointSave(job.id, lease, 3, {"step": 3})])
+    assert late == [False], "a settled lease saves nothing"
+    done = await _get(ctx.store, job.id)
+    assert (done.status, done.checkpoint, done.checkpoint_seq) == (
+        JobStatus.COMPLETED,
+        {"step": 2},
+        2,
+    ), "a finished job keeps its last checkpoint"
+
+
+@_check
+async def check_the_next_attempt_receives_the_last_checkpoint(ctx: Context) -> None:
+    """A checkpoint outlives its run: a retry, a return and a list all carry it."""
+    job = await _claim(ctx.store, await _enqueue(ctx.store))
+    assert job.handoff_id is not None
+    assert await ctx.store.save_checkpoints([CheckpointSave(job.id, job.handoff_id, 1, [1, "a"])])
+    assert await ctx.store.fail(job.id, job.handoff_id, "boom", ctx.clock())
+    [again] = await ctx.store.mark_handed_off_many([Claim(job.id, uuid.uuid4(), WORKER)])
+    assert (again.checkpoint, again.checkpoint_seq) == ([1, "a"], 1), "the claim carries it"
+    assert again.handoff_id is not None
+    assert await ctx.store.save_checkpoints([CheckpointSave(job.id, again.handoff_id, 2, None)])
+    assert await ctx.store.return_to_queue(job.id, again.handoff_id)
+    [third] = await ctx.store.select_eligible(modes=[job.execution_mode])
+    assert (third.checkpoint, third.checkpoint_seq) == (None, 2), "null is a checkpoint too"
+    [listed] = (await ctx.store.list_jobs(include_payload=False)).jobs
+    assert listed.checkpoint is None and listed.checkpoint_seq == 2, "a summary leaves it out"
+
+
+@_check
+async def check_progress_is_fenced_by_lease(ctx: Context) -> None:
+    """Progress is recorded only under the current lease."""
+    job = await _claim(ctx.store, await _enqueue(ctx.store))
+    lease = job.handoff_id
+    assert lease is not None
+    stale = ProgressUpdate(job.id, uuid.uuid4(), 0.9, "stale")
+    taken = await ctx.store.save_progress([ProgressUpdate(job.id, lease, 0.25, "a"), stale])
+    assert taken == [True, False]
+    stored = await _get(ctx.store, job.id)
+    assert (stored.progress, stored.progress_message) == (0.25, "a")
+    assert await ctx.store.complete(job.id, lease)
+    assert await ctx.store.save_progress([ProgressUpdate(job.id, lease, 1.0, "late")]) == [False]
+    assert (await _get(ctx.store, job.id)).progress == 0.25
 
 
 async def _queued_copies(store: StorageAdapter, job_id: uuid.UUID) -> int:

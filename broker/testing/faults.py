@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from broker.exceptions import StorageError, StorageRejectedError
-from broker.jobs import Claim, EnqueueResult, Job, JobSpec, Settlement
+from broker.jobs import Claim, EnqueueResult, Job, JobSpec, Outcome, Settlement
 from broker.storage import StorageAdapter, SupportsEnqueueHandedOff
 
 
@@ -40,11 +40,13 @@ class FaultyAdapter:
 
     ``claim_fault`` applies to the next ``claim_failures`` claim calls (single or
     batch), then claims behave normally again. ``return_failures`` makes that many
-    ``return_to_queue`` calls raise before reaching the store, and ``settle_failures``
-    that many ``settle_many`` calls. A claim or settle call that includes a claim for
-    which ``rejects_claim`` is true, or a settlement for which ``rejects_settlement``
-    is true, raises :class:`InjectedRejection` every time, writing nothing. Everything
-    else is passed straight through, so the wrapped store is exercised for real.
+    returns of a lease raise before reaching the store (``return_to_queue`` calls, and
+    ``settle_many`` calls giving back a lost attempt: the ledger's two ways), and
+    ``settle_failures`` that many ``settle_many`` calls. A claim or settle call that
+    includes a claim for which ``rejects_claim`` is true, or a settlement for which
+    ``rejects_settlement`` is true, raises :class:`InjectedRejection` every time,
+    writing nothing. Everything else is passed straight through, so the wrapped store
+    is exercised for real.
     """
 
     def __init__(self, inner: StorageAdapter) -> None:
@@ -119,6 +121,9 @@ class FaultyAdapter:
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> list[bool]:
         self.calls.append(("settle_many", tuple(settlements)))
+        if self.return_failures > 0 and any(s.outcome is Outcome.LOST for s in settlements):
+            self.return_failures -= 1
+            raise InjectedFault("injected: returning a lost lease failed before the store")
         if self.settle_failures > 0:
             self.settle_failures -= 1
             raise InjectedFault("injected: settle_many failed before reaching the store")

@@ -28,6 +28,7 @@ from typing import TypeVar
 import adapters
 from broker.exceptions import ConfigurationError
 from broker.jobs import (
+    CheckpointSave,
     Claim,
     EnqueueResult,
     ExecutionMode,
@@ -35,6 +36,7 @@ from broker.jobs import (
     JobSpec,
     JobStatus,
     JSONValue,
+    ProgressUpdate,
     Settlement,
 )
 from broker.storage import (
@@ -141,6 +143,17 @@ class LoggingAdapter:
                 self.fenced_out[f"settle_many:{settlement.outcome}"] += 1
                 logger.info("store settle_many fenced out a stale lease (%s)", settlement.outcome)
         return accepted
+
+    async def save_checkpoints(self, saves: Sequence[CheckpointSave]) -> list[bool]:
+        taken = await self._call("save_checkpoints", self.inner.save_checkpoints(saves))
+        for save, ok in zip(saves, taken, strict=True):
+            if not ok:
+                self.fenced_out["save_checkpoints"] += 1
+                logger.info("store save_checkpoints fenced out checkpoint %d", save.seq)
+        return taken
+
+    async def save_progress(self, updates: Sequence[ProgressUpdate]) -> list[bool]:
+        return await self._call("save_progress", self.inner.save_progress(updates))
 
     async def complete(
         self, job_id: uuid.UUID, handoff_id: uuid.UUID, result: JSONValue = None

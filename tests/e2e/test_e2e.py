@@ -184,9 +184,9 @@ class Cluster:
         await proc.wait_for_output("broker-main listening on")
         return proc
 
-    async def start_worker(self, worker_id: str, *, concurrency: int = 8) -> Proc:
+    async def start_worker(self, worker_id: str, *extra: str, concurrency: int = 8) -> Proc:
         argv = ["worker", "--main", f"127.0.0.1:{self.port}", "--app", APP]
-        argv += ["--worker-id", worker_id, "--inline-concurrency", str(concurrency)]
+        argv += ["--worker-id", worker_id, "--inline-concurrency", str(concurrency), *extra]
         proc = await self.spawn(worker_id, *argv, *self._token_args())
         await proc.wait_for_output("connected to main")
         return proc
@@ -200,15 +200,6 @@ class Cluster:
     async def close(self) -> None:
         for proc in self.procs:
             await proc.kill()
-
-
-@pytest.fixture
-async def sqlite_cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
-    cluster = Cluster(tmp_path, sqlite_url(tmp_path))
-    try:
-        yield cluster
-    finally:
-        await cluster.close()
 
 
 # ------------------------------------------------------------------ the run log

@@ -54,7 +54,9 @@ async def test_1_and_10_mib_args_and_results_round_trip_and_stay_out_of_the_job_
 ) -> None:
     cluster = Cluster(tmp_path, store_url)
     try:
-        await cluster.start_main()
+        # The default liveness (15 s): a process encoding a 10 MiB message on a loaded
+        # machine may well leave a ping unanswered for the suite's usual 1 s.
+        await cluster.start_main("--ping-interval", "5", "--liveness-timeout", "15")
         worker = await cluster.spawn(
             "worker",
             *("worker", "--main", f"127.0.0.1:{cluster.port}", "--app", "tests.pool_app"),

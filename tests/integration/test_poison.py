@@ -263,7 +263,7 @@ async def test_a_report_whose_failure_cannot_be_stored_either_is_refused(
     async with _main(faulty) as main:
         worker, jobs = await _worker_with_jobs(main, sqlite, 3)
         bad = jobs[0].job_id
-        faulty.rejects_settlement = lambda s: s.job_id == bad and s.outcome is not Outcome.RETURN
+        faulty.rejects_settlement = lambda s: s.job_id == bad and s.outcome is not Outcome.LOST
         await worker.send_raw(*(_completed(job) for job in jobs))
         statuses = await _acks(worker, 3)
         assert statuses == {
@@ -271,9 +271,11 @@ async def test_a_report_whose_failure_cannot_be_stored_either_is_refused(
             jobs[1].job_id: APPLIED,
             jobs[2].job_id: APPLIED,
         }
-        # The lease went back to the queue (no attempt counted), so the job runs again.
+        # The main took the lease back: a recovery (no attempt counted), and the job runs
+        # again at once.
         await until(lambda: _is_queued(sqlite, bad))
         assert (await _job(sqlite, bad)).attempts == 0
+        assert (await _job(sqlite, bad)).recoveries == 1
         await until(lambda: len(main.ledger) == 0)
         await worker.close()
 

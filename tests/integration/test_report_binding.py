@@ -54,7 +54,7 @@ class _Watched(FaultyAdapter):
         self.settled.extend(settlements)
         self.settling.set()
         await self.gate.wait()
-        return await self.inner.settle_many(settlements)
+        return await super().settle_many(settlements)
 
     async def get_job(self, job_id: uuid.UUID) -> Job | None:
         self.looked_up.append(job_id)

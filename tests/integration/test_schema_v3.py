@@ -4,14 +4,16 @@ carried forward with its jobs and its keys still enforced (SQLite and PostgreSQL
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
 from adapters import _sql_schema
+from adapters import sql as sql_adapter
 from adapters.sql import SQLAlchemyAdapter
-from broker.jobs import JobSpec
+from broker.jobs import Job, JobSpec
 from broker.storage import SCHEMA_VERSION
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
 
@@ -61,14 +63,28 @@ async def test_a_version_2_store_is_carried_to_version_3(target: tuple[str, str 
         assert before and not any("NOT NULL" in sql.upper() for sql in before.values())
     finally:
         await old.close()
-    # A version-2 store with jobs of every kind of key in it, written the version-2 way.
+    # A version-2 store with jobs of every kind of key in it, written the version-2 way
+    # (only the columns version 2 has: later versions add their own).
+    v2_jobs = _sql_schema._define(sa.MetaData(), 2)[0]
+    now = datetime.now(UTC).replace(microsecond=0)
+    specs = [
+        JobSpec(task="t", idempotency_key="idem-1"),
+        JobSpec(task="t", unique_key="u-1"),
+        JobSpec(task="t"),
+    ]
     v2 = SQLAlchemyAdapter(url, schema=schema)
     try:
-        keyed = (await v2.enqueue(JobSpec(task="t", idempotency_key="idem-1"))).job
-        unique = (await v2.enqueue(JobSpec(task="t", unique_key="u-1"))).job
-        plain = (await v2.enqueue(JobSpec(task="t"))).job
+        async with v2._write("test") as conn:
+            for spec in specs:
+                row = sql_adapter._spec_row(spec, sql_adapter._to_us(now))
+                await conn.execute(
+                    v2_jobs.insert().values(
+                        {c.name: row[c.name] for c in v2_jobs.c if c.name != "seq"}
+                    )
+                )
     finally:
         await v2.close()
+    keyed, unique, plain = (Job.from_spec(spec, now) for spec in specs)
 
     store = SQLAlchemyAdapter(url, schema=schema)
     try:

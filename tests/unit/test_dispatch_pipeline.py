@@ -117,7 +117,7 @@ def test_workers_with_equal_credit_take_turns() -> None:
     results = asyncio.run(store.enqueue_many([JobSpec(task="t") for _ in range(40)]))
     per_worker: Counter[str] = Counter()
     for result in results:
-        [planned] = core.plan([result.job])
+        [planned] = core.plan([result.job], 0.0)
         per_worker[planned.worker_id] += 1
         core.claim_unknown([planned])  # frees the credit again, as a finished job does
     assert per_worker == {"w1": 10, "w2": 10, "w3": 10, "w4": 10}

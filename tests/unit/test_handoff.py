@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
@@ -41,7 +42,7 @@ from broker.handoff import (
     Settle,
     WakeDispatcher,
 )
-from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus
+from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus, Settlement
 from broker.recovery import RecoveryLedger
 from tests.unit.conftest import PROFILE
 
@@ -162,22 +163,22 @@ def _dispatched_core() -> tuple[Handoff, list[PlannedClaim]]:
     peer = core.new_peer(1, now=0.0)
     core.hello(peer, worker_hello("w1"))
     core.ready(1, {POOLED: 2}, seen=0)
-    plan = core.plan([make_job(1), make_job(2)])
+    plan = core.plan([make_job(1), make_job(2)], 0.0)
     core.claimed(plan, [won(p) for p in plan])
     return core, plan
 
 
 def test_a_disconnect_queues_every_held_lease_for_return_once() -> None:
     core, plan = _dispatched_core()
-    effects = core.disconnect(1)
+    effects = core.disconnect(1, 0.0)
     assert effects == [ReturnLease(p.job.id, p.lease, "worker connection ended") for p in plan]
     assert core.returns == {p.lease: p.job.id for p in plan}
-    assert core.disconnect(1) == [], "a second disconnect returns nothing"
+    assert core.disconnect(1, 0.0) == [], "a second disconnect returns nothing"
 
 
 def test_a_return_is_done_only_for_its_own_lease_and_job() -> None:
     core, plan = _dispatched_core()
-    core.disconnect(1)
+    core.disconnect(1, 0.0)
     core.returned(plan[0].lease, plan[1].job.id)  # not that entry
     assert plan[0].lease in core.returns
     core.returned(plan[0].lease, plan[0].job.id)
@@ -185,22 +186,23 @@ def test_a_return_is_done_only_for_its_own_lease_and_job() -> None:
 
 
 class FlakyReturns(MemoryAdapter):
-    """Its first ``return_to_queue`` raises: the store could not be reached."""
+    """Its first settlement raises: the store could not be reached. (A disconnect's leases
+    are lost attempts, given back as ``LOST`` settlements.)"""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[uuid.UUID, uuid.UUID]] = []
 
-    async def return_to_queue(self, job_id: uuid.UUID, handoff_id: uuid.UUID) -> bool:
-        self.calls.append((job_id, handoff_id))
+    async def settle_many(self, settlements: Sequence[Settlement]) -> list[bool]:
+        self.calls += [(s.job_id, s.handoff_id) for s in settlements]
         if len(self.calls) == 1:
             raise StorageError("store unreachable")
-        return await super().return_to_queue(job_id, handoff_id)
+        return await super().settle_many(settlements)
 
 
 async def test_the_ledger_gives_back_the_cores_returns_and_keeps_what_failed() -> None:
     core, plan = _dispatched_core()
-    core.disconnect(1)
+    core.disconnect(1, 0.0)
     store = FlakyReturns()
     woken: list[bool] = []
     ledger = RecoveryLedger(store, core, on_returned=lambda: woken.append(True))
@@ -214,7 +216,7 @@ async def test_the_ledger_gives_back_the_cores_returns_and_keeps_what_failed() -
 
 def test_a_stopping_main_returns_nothing_so_the_next_one_adopts() -> None:
     core, _ = _dispatched_core()
-    assert core.disconnect(1, stopping=True) == []
+    assert core.disconnect(1, 0.0, stopping=True) == []
     assert core.returns == {}
 
 
@@ -222,7 +224,7 @@ def test_an_unknown_claim_outcome_returns_every_lease_and_frees_the_credit() -> 
     core = core_with_counter()
     core.hello(core.new_peer(1, now=0.0), worker_hello("w1"))
     core.ready(1, {POOLED: 2}, seen=0)
-    plan = core.plan([make_job(1), make_job(2)])
+    plan = core.plan([make_job(1), make_job(2)], 0.0)
     assert core.credit() == 0
     effects = core.claim_unknown(plan)
     assert [e.lease for e in effects if isinstance(e, ReturnLease)] == [p.lease for p in plan]
@@ -233,7 +235,7 @@ def test_a_refused_claim_is_split_under_fresh_leases_keeping_its_credit() -> Non
     core = core_with_counter()
     core.hello(core.new_peer(1, now=0.0), worker_hello("w1"))
     core.ready(1, {POOLED: 3}, seen=0)
-    plan = core.plan([make_job(1), make_job(2), make_job(3)])
+    plan = core.plan([make_job(1), make_job(2), make_job(3)], 0.0)
     effects = core.claim_refused(plan)
     returned = {e.lease for e in effects if isinstance(e, ReturnLease)}
     halves = [e.claims for e in effects if isinstance(e, ClaimJobs)]
@@ -259,7 +261,7 @@ def test_a_report_for_a_lease_another_connection_holds_is_stale() -> None:
 
 def test_adoption_after_a_restart_takes_held_orphans_and_returns_the_rest() -> None:
     core, plan = _dispatched_core()
-    core.disconnect(1, stopping=True)
+    core.disconnect(1, 0.0, stopping=True)
     restarted = core_with_counter()
     restarted.load_orphans(won(p) for p in plan)
     keep = protocol.LeaseRef(job_id=plan[0].job.id, handoff_id=plan[0].lease)
@@ -473,7 +475,7 @@ class HandoffMachine(RuleBasedStateMachine):
             self.apply(self.core.draining(pid))
         elif kind == "disconnect":
             conn.live = False
-            self.apply(self.core.disconnect(pid))
+            self.apply(self.core.disconnect(pid, 0.0))
         elif kind == "pause":
             liveness = self.core.peers[pid].liveness
             liveness.paused_since = self.now if liveness.paused_since is None else None
@@ -499,7 +501,7 @@ class HandoffMachine(RuleBasedStateMachine):
                     self.core.pong(effect.peer, effect.message.nonce, self.now)
             else:
                 self.conns[effect.peer].live = False
-                self.apply(self.core.disconnect(effect.peer))
+                self.apply(self.core.disconnect(effect.peer, 0.0))
 
     # ------------------------------------------------------------------ dispatch
 
@@ -527,7 +529,7 @@ class HandoffMachine(RuleBasedStateMachine):
         eligible = eligible[:limit]
         self.core.read_eligible(started, modes, full=len(eligible) == limit)
         order = data.draw(st.permutations(range(len(eligible))))
-        planned = self.core.plan([eligible[i] for i in order])
+        planned = self.core.plan([eligible[i] for i in order], 0.0)
         self._minted(planned)
         if planned:
             self.batches.append(tuple(planned))
@@ -703,7 +705,7 @@ class HandoffMachine(RuleBasedStateMachine):
         self.batches.clear()
         self.pending.clear()
         for pid in list(self.core.peers):
-            assert self.core.disconnect(pid, stopping=True) == []
+            assert self.core.disconnect(pid, 0.0, stopping=True) == []
         for conn in self.conns.values():
             conn.live = False
             conn.unacked.clear()  # answered stale by the next main, if re-sent

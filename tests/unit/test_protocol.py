@@ -58,6 +58,14 @@ SAMPLES: list[p.Message] = [
     p.RescheduleReport(JOB_ID, LEASE_ID, delay=12.5),
     p.ReleaseReport(JOB_ID, LEASE_ID, reason="draining"),
     p.ReportAck(JOB_ID, LEASE_ID, p.AckStatus.DUPLICATE),
+    p.SaveCheckpoint(JOB_ID, LEASE_ID, seq=3, state={"row": 1200, "files": ["a", "b"]}),
+    p.SaveCheckpoint(JOB_ID, LEASE_ID, seq=1),
+    p.CheckpointAck(JOB_ID, LEASE_ID, 3, p.AckStatus.APPLIED),
+    p.CheckpointAck(
+        JOB_ID, LEASE_ID, 4, p.AckStatus.STALE, p.ErrorCode.CHECKPOINT_REJECTED, "lease gone"
+    ),
+    p.Progress(JOB_ID, LEASE_ID, fraction=0.5, message="row 1200 of 2400"),
+    p.Progress(JOB_ID, LEASE_ID, fraction=1),
     p.Jobs(
         [
             p.JobHandoff(19, JOB_ID, LEASE_ID, "t", [], {}, ExecutionMode.POOLED, 1, 3, None, "q"),

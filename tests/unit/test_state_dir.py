@@ -1,0 +1,35 @@
+"""The worker's state directory: a kept id, a fresh-state flag, one worker at a time."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from broker.exceptions import ConfigurationError
+from broker.state_dir import open_state_dir
+
+
+def test_a_restarted_worker_reads_back_the_id_its_first_start_wrote(tmp_path: Path) -> None:
+    first = open_state_dir(tmp_path / "state")
+    assert first.fresh and first.worker_id
+    os.close(first.lock_fd)  # the process ends
+    again = open_state_dir(tmp_path / "state")
+    assert not again.fresh and again.worker_id == first.worker_id
+    os.close(again.lock_fd)
+
+
+def test_an_explicit_id_is_kept_and_must_match_afterwards(tmp_path: Path) -> None:
+    os.close(open_state_dir(tmp_path, "w-1").lock_fd)
+    os.close(open_state_dir(tmp_path, "w-1").lock_fd)
+    with pytest.raises(ConfigurationError, match="belongs to worker id 'w-1', not 'w-2'"):
+        open_state_dir(tmp_path, "w-2")
+
+
+def test_two_workers_never_share_a_directory(tmp_path: Path) -> None:
+    held = open_state_dir(tmp_path)
+    with pytest.raises(ConfigurationError, match="in use by another worker"):
+        open_state_dir(tmp_path)
+    os.close(held.lock_fd)
+    os.close(open_state_dir(tmp_path).lock_fd)
