@@ -366,6 +366,28 @@ def _v5_checkpoints(conn: sa.Connection, schema: str | None) -> None:
         conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column.name} {kind}{default}")
 
 
+def _task_catalog_table(md: sa.MetaData) -> sa.Table:
+    """The task catalog (version 9): one row per task and worker that declared it, with
+    the declaration as JSON text (the store never reads inside it) and when it was last
+    seen, in microseconds like every time here."""
+    return sa.Table(
+        "broker_tasks",
+        md,
+        sa.Column("task", sa.Text(), primary_key=True),
+        sa.Column("worker_id", sa.Text(), primary_key=True),
+        sa.Column("declaration", sa.Text(), nullable=False),
+        sa.Column("seen_us", sa.BigInteger(), nullable=False),
+    )
+
+
+task_catalog = _task_catalog_table(metadata)
+
+
+def _v9_task_catalog(conn: sa.Connection, schema: str | None) -> None:
+    """Version 9: the task catalog, a new table (no existing row changes)."""
+    _task_catalog_table(sa.MetaData()).create(conn)
+
+
 def _v4_payloads(conn: sa.Connection, schema: str | None) -> None:
     """Version 4: ``broker_payloads``, where values over the offload threshold live.
 
@@ -474,6 +496,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (6, _v6_recoveries),
     (7, _v7_quiet_main_inserts),
     (8, _v8_leader),
+    (9, _v9_task_catalog),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

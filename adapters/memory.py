@@ -19,7 +19,7 @@ import base64
 import copy
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import replace
 from datetime import datetime
@@ -41,10 +41,11 @@ from broker.jobs import (
     Outcome,
     ProgressUpdate,
     Settlement,
+    check_idempotent_repeat,
     utcnow,
 )
 from broker.payload import DEFAULT_OFFLOAD_BYTES, encoded_size
-from broker.storage import Capabilities, JobFilter, JobPage, QueueCount
+from broker.storage import Capabilities, JobFilter, JobPage, QueueCount, TaskRecord
 
 _HOLLOW: dict[str, JSONValue] = {"args": (), "kwargs": {}, "result": None}
 """What an offloaded field of a kept job holds; also how a summary shows a job."""
@@ -65,6 +66,8 @@ class MemoryAdapter:
         self._jobs: dict[uuid.UUID, Job] = {}
         self._payloads: dict[tuple[uuid.UUID, str], JSONValue] = {}
         self._by_idempotency_key: dict[str, uuid.UUID] = {}
+        self._tasks: dict[tuple[str, str], TaskRecord] = {}
+        """The task catalog, by ``(task, worker_id)``."""
         self._active_by_unique_key: dict[str, uuid.UUID] = {}
         self._active_by_key: Counter[str] = Counter()
         self._listeners: list[Callable[[], None]] = []
@@ -97,6 +100,36 @@ class MemoryAdapter:
 
         return listening()
 
+    def _check_repeats(self, specs: Sequence[JobSpec]) -> None:
+        """Refuse the batch, before anything is stored, when a spec takes an idempotency
+        key (stored, or earlier in the batch) with a different request."""
+        first: dict[str, JobSpec] = {}
+        for spec in specs:
+            key = spec.idempotency_key
+            if key is None:
+                continue
+            held = self._by_idempotency_key.get(key)
+            if held is not None:
+                check_idempotent_repeat(spec, self._snapshot(held))
+            elif key in first:
+                check_idempotent_repeat(spec, first[key])
+            else:
+                first[key] = spec
+
+    async def declare_tasks(
+        self,
+        worker_id: str,
+        declarations: Mapping[str, Mapping[str, JSONValue]],
+        seen_at: datetime,
+    ) -> None:
+        for name, declaration in declarations.items():
+            self._tasks[name, worker_id] = TaskRecord(
+                name, worker_id, copy.deepcopy(dict(declaration)), seen_at
+            )
+
+    async def task_catalog(self) -> list[TaskRecord]:
+        return [copy.deepcopy(self._tasks[key]) for key in sorted(self._tasks)]
+
     async def enqueue(self, spec: JobSpec) -> EnqueueResult:
         return (await self.enqueue_many([spec]))[0]
 
@@ -107,6 +140,7 @@ class MemoryAdapter:
         self, specs: Sequence[JobSpec], claims: Sequence[Claim | None]
     ) -> list[EnqueueResult]:
         now = self._clock()
+        self._check_repeats(specs)
         results: list[EnqueueResult] = []
         for spec, claim in zip(specs, claims, strict=True):
             existing_id = (

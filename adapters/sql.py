@@ -75,6 +75,7 @@ from adapters._sql_schema import (
     notify_channel,
     payloads,
     schema_version,
+    task_catalog,
 )
 from adapters._sql_statements import SyncStatements as SyncStatements  # re-exported
 from adapters._sql_statements import complete_now, statements
@@ -105,6 +106,7 @@ from broker.jobs import (
     Outcome,
     ProgressUpdate,
     Settlement,
+    check_idempotent_repeat,
     compact_json,
     utcnow,
 )
@@ -116,6 +118,7 @@ from broker.storage import (
     JobPage,
     LeaderRecord,
     QueueCount,
+    TaskRecord,
 )
 from broker.untrusted import redact_url
 
@@ -1338,7 +1341,9 @@ class SQLAlchemyAdapter:
         first: dict[tuple[str, object], int] = {}
         for index, spec in enumerate(specs):
             found = first.get(("key", spec.idempotency_key)) if spec.idempotency_key else None
-            if found is None:
+            if found is not None:
+                check_idempotent_repeat(spec, specs[found])
+            else:
                 found = first.get(("id", spec.id))
             if found is None:
                 found = index
@@ -1391,6 +1396,8 @@ class SQLAlchemyAdapter:
                 if holder is None:
                     pending.append(i)  # the conflicting job was deleted meanwhile: retry
                 else:
+                    # Raised inside the enqueue's transaction: nothing of the batch stays.
+                    check_idempotent_repeat(specs[i], holder)
                     out[i] = EnqueueResult(holder, duplicate=True)
             if not pending:
                 return out
@@ -1841,6 +1848,49 @@ class SQLAlchemyAdapter:
             found = row.first()
             bodies = await _sa_bodies(conn, [] if found is None else [found])
         return None if found is None else _job_from_row(found, bodies)
+
+    async def declare_tasks(
+        self,
+        worker_id: str,
+        declarations: Mapping[str, Mapping[str, JSONValue]],
+        seen_at: datetime,
+    ) -> None:
+        if not declarations:
+            return
+        seen_us = _to_us(seen_at)
+        rows = [
+            {
+                "task": name,
+                "worker_id": worker_id,
+                "declaration": json.dumps(dict(declaration), sort_keys=True),
+                "seen_us": seen_us,
+            }
+            for name, declaration in sorted(declarations.items())
+        ]
+        insert = self._insert(task_catalog)
+        stmt = insert.on_conflict_do_update(
+            index_elements=[task_catalog.c.task, task_catalog.c.worker_id],
+            set_={
+                "declaration": insert.excluded.declaration,
+                "seen_us": insert.excluded.seen_us,
+            },
+        )
+        async with self._write("declare_tasks") as conn:
+            await conn.execute(stmt, rows)
+
+    async def task_catalog(self) -> list[TaskRecord]:
+        select = sa.select(task_catalog).order_by(task_catalog.c.task, task_catalog.c.worker_id)
+        async with self._read("task_catalog") as conn:
+            rows = (await conn.execute(select)).mappings().all()
+        return [
+            TaskRecord(
+                task=row["task"],
+                worker_id=row["worker_id"],
+                declaration=json.loads(row["declaration"]),
+                seen_at=_from_us(row["seen_us"]),
+            )
+            for row in rows
+        ]
 
     async def list_jobs(
         self,

@@ -21,6 +21,7 @@ from broker.exceptions import (
     CheckpointRejectedError,
     ConfigurationError,
     DeposedError,
+    IdempotencyConflictError,
     InvalidJobError,
     JobTimeoutError,
     MissingDriverError,
@@ -34,6 +35,7 @@ from broker.exceptions import (
     StorageRejectedError,
     TaskNotFoundError,
     UniqueKeyTakenError,
+    UnknownTaskError,
 )
 from broker.jobs import (
     Claim,
@@ -107,6 +109,7 @@ __all__ = [
     "EnqueueOptions",
     "EnqueueResult",
     "ExecutionMode",
+    "IdempotencyConflictError",
     "InvalidJobError",
     "Job",
     "JobContext",
@@ -137,6 +140,7 @@ __all__ = [
     "TaskNotFoundError",
     "TaskRegistry",
     "UniqueKeyTakenError",
+    "UnknownTaskError",
     "configure",
     "current_job",
     "enqueue_in",

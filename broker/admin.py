@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from broker import composition, protocol, wire
+from broker import catalog, composition, protocol, wire
 from broker.client import Client, JobListPage
 from broker.config import MainSettings
 from broker.exceptions import BrokerError, ConfigurationError
@@ -70,7 +70,12 @@ class Backend(Protocol):
 
     async def retry(self, job_id: uuid.UUID) -> dict[str, JSONValue] | None: ...
 
-    async def enqueue(self, request: protocol.JobRequest) -> Enqueued: ...
+    async def enqueue(
+        self, request: protocol.JobRequest, *, allow_unknown_tasks: bool = False
+    ) -> Enqueued: ...
+
+    async def tasks(self) -> list[dict[str, JSONValue]]:
+        """The task catalog, as :func:`broker.catalog.entry` shows each declaration."""
 
     async def prune(
         self,
@@ -120,8 +125,16 @@ class MainBackend:
     async def retry(self, job_id: uuid.UUID) -> dict[str, JSONValue] | None:
         return await self.client.retry(job_id)
 
-    async def enqueue(self, request: protocol.JobRequest) -> Enqueued:
-        return (await self.client.enqueue_requests([request]))[0]
+    async def enqueue(
+        self, request: protocol.JobRequest, *, allow_unknown_tasks: bool = False
+    ) -> Enqueued:
+        [result] = await self.client.enqueue_requests(
+            [request], allow_unknown_tasks=allow_unknown_tasks
+        )
+        return result
+
+    async def tasks(self) -> list[dict[str, JSONValue]]:
+        return await self.client.list_tasks()
 
     async def prune(
         self,
@@ -187,9 +200,14 @@ class StoreBackend:
     async def retry(self, job_id: uuid.UUID) -> dict[str, JSONValue] | None:
         return _as_dict(await self.operations.retry(job_id))
 
-    async def enqueue(self, request: protocol.JobRequest) -> Enqueued:
-        [result] = await self.operations.enqueue([request])
+    async def enqueue(
+        self, request: protocol.JobRequest, *, allow_unknown_tasks: bool = False
+    ) -> Enqueued:
+        [result] = await self.operations.enqueue([request], allow_unknown_tasks=allow_unknown_tasks)
         return Enqueued(result.job.id, result.duplicate)
+
+    async def tasks(self) -> list[dict[str, JSONValue]]:
+        return [catalog.entry(record) for record in await self.operations.tasks()]
 
     async def prune(
         self,
@@ -326,7 +344,19 @@ async def _jobs(backend: Backend, args: argparse.Namespace) -> int:
 
 async def _job(backend: Backend, args: argparse.Namespace) -> int:
     job_id = await resolve_job(backend, args.job_id)
-    return _print_job(None if job_id is None else await backend.get_job(job_id), args.json)
+    job = None if job_id is None else await backend.get_job(job_id)
+    if job is None or args.json:
+        return _print_job(job, args.json)
+    rules = retry_rules(_declaration(await backend.tasks(), str(job["task"])))
+    print(format_job(job, rules))
+    return 0
+
+
+def _declaration(tasks: Sequence[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    """The declaration that decides ``name``'s defaults: the newest seen (as the main
+    decides, :mod:`broker.catalog`)."""
+    mine = [t for t in tasks if t["task"] == name]
+    return max(mine, key=lambda t: str(t["seen_at"]))["declaration"] if mine else None
 
 
 async def _cancel(backend: Backend, args: argparse.Namespace) -> int:
@@ -406,7 +436,7 @@ async def resolve_job(backend: Backend, ref: uuid.UUID | str) -> uuid.UUID | Non
 def only_reads(args: argparse.Namespace) -> bool:
     """Whether the parsed command only reads: such a command opens a store fallback
     read-only."""
-    return args.command in {"status", "top", "jobs", "job"} or (
+    return args.command in {"status", "top", "jobs", "job", "tasks"} or (
         args.command == "prune" and bool(args.dry_run)
     )
 
@@ -449,14 +479,11 @@ def enqueue_request(args: argparse.Namespace) -> protocol.JobRequest:
         "execution_mode": args.mode,
         "max_attempts": None if args.retries is None else args.retries + 1,
     }
-    # Built as a spec first, so a bad request fails here with the spec's message.
-    spec = JobSpec(
-        task=args.task,
-        args=params,
-        kwargs=kwargs,
-        **{k: v for k, v in options.items() if v is not None},
-    )
-    request = protocol.JobRequest.from_spec(spec)
+    said = {k: v for k, v in options.items() if v is not None}
+    # Built as a spec first, so a bad request fails here with the spec's message; what
+    # is not said here the main fills from the task's declaration (the task catalog).
+    spec = JobSpec(task=args.task, args=params, kwargs=kwargs, **said)
+    request = protocol.JobRequest.from_spec(spec, said=said)
     if args.delay is not None:
         request = msgspec.structs.replace(request, run_at=None, delay=float(args.delay))
     return request
@@ -464,12 +491,45 @@ def enqueue_request(args: argparse.Namespace) -> protocol.JobRequest:
 
 async def _enqueue(backend: Backend, args: argparse.Namespace) -> int:
     request = getattr(args, "request", None) or enqueue_request(args)
-    result = await backend.enqueue(request)
+    result = await backend.enqueue(request, allow_unknown_tasks=args.allow_unknown_task)
     if args.json:
         print(json.dumps({"job_id": str(result.job_id), "duplicate": result.duplicate}))
     else:
         print(result.job_id)
     return 0
+
+
+async def _tasks(backend: Backend, args: argparse.Namespace) -> int:
+    tasks = await backend.tasks()
+    if args.json:
+        _print_json({"tasks": tasks})
+    else:
+        print(format_tasks(tasks))
+    return 0
+
+
+def format_tasks(tasks: Sequence[dict[str, Any]]) -> str:
+    """The human form of ``broker tasks``: one row per task and worker that declared it,
+    the defaults its jobs get and its retry rules."""
+    if not tasks:
+        return "no tasks declared (a worker declares its tasks when it connects)"
+    rows = []
+    for entry in tasks:
+        declared = entry["declaration"]
+        rows.append(
+            [
+                str(entry["task"]),
+                str(declared.get("execution_mode")),
+                str(declared.get("queue")),
+                str(int(declared.get("max_attempts", 1)) - 1),
+                "-" if declared.get("timeout") is None else f"{declared['timeout']:g}s",
+                str(entry["worker_id"]),
+                format_time(str(entry["seen_at"])),
+                retry_rules(declared),
+            ]
+        )
+    headers = ["task", "mode", "queue", "retries", "timeout", "worker", "last seen"]
+    return table([*headers, "retry rules"], rows)
 
 
 async def _prune(backend: Backend, args: argparse.Namespace) -> int:
@@ -562,12 +622,13 @@ def _print_job(job: dict[str, Any] | None, as_json: bool) -> int:
     return 0
 
 
-def format_job(job: dict[str, Any]) -> str:
+def format_job(job: dict[str, Any], rules: str | None = None) -> str:
     """The human form of ``broker job``: one field a line. The error, which may hold a
     traceback, goes on over several lines indented under its field, so the columns
     hold; every other value is one line, its control characters escaped (a newline in
-    a name is shown as ``\\n``, never obeyed)."""
-    width = max(len(k) for k in job)
+    a name is shown as ``\\n``, never obeyed). The task's retry ``rules``
+    (:func:`retry_rules`), when given, come after the runs."""
+    width = max(len(k) for k in [*job, "retry rules"])
     out: list[str] = []
     for key, value in job.items():
         if key in _TIME_FIELDS and isinstance(value, str):
@@ -581,7 +642,22 @@ def format_job(job: dict[str, Any]) -> str:
             lost = int(job.get("recoveries") or 0)
             also = f" ({lost} of them lost, which do not count)" if lost else ""
             out.append(f"{'runs':<{width}}  {runs(job)} of at most {job.get('max_attempts')}{also}")
+            if rules is not None:
+                out.append(f"{'retry rules':<{width}}  {escape_control(rules)}")
     return "\n".join(out)
+
+
+def retry_rules(declared: dict[str, Any] | None) -> str:
+    """Which failures of a task are retried and after what wait, from its declaration."""
+    if declared is None:
+        return "any Exception; the main's backoff (the task is not in the catalog)"
+    retry_on = declared.get("retry_on")
+    dont = declared.get("dont_retry_on") or []
+    text = "any Exception" if retry_on is None else ", ".join(retry_on)
+    if dont:
+        text += f" except {', '.join(dont)}"
+    backoff = declared.get("backoff") or "the main's"
+    return f"{text}; backoff: {backoff}"
 
 
 _TIME_FIELDS = frozenset({"run_at", "created_at", "updated_at", "handed_off_at", "checkpoint_at"})
@@ -855,6 +931,7 @@ async def top(backend: Backend, args: argparse.Namespace) -> int:
 COMMANDS: dict[str, Command] = {
     "status": _status,
     "jobs": _jobs,
+    "tasks": _tasks,
     "job": _job,
     "cancel": _cancel,
     "retry": _retry,

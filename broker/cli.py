@@ -931,8 +931,8 @@ def _page_size(text: str) -> int:
 def broker_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="broker",
-        description="Operate the broker: status, top, jobs, job, retry, cancel, enqueue, prune, "
-        "migrate. Talks to the main; when the main cannot be reached and --database-url is "
+        description="Operate the broker: status, top, jobs, job, retry, cancel, enqueue, tasks, "
+        "prune, migrate. Talks to the main; when the main cannot be reached and --database-url is "
         "set, works on the store directly (never creating or migrating its schema).",
     )
     _add_main_address(p)
@@ -1031,10 +1031,17 @@ def broker_parser() -> argparse.ArgumentParser:
         type=_count,
         default=None,
         metavar="N",
-        help="runs allowed after a failed first one (default 10; this command cannot see "
-        "the task's @task(retries=...), so give it here, e.g. 0 for a task that must "
-        "not repeat)",
+        help="runs allowed after a failed first one (default: the task's @task(retries=...) "
+        "as its workers declared it; see `broker tasks`)",
     )
+    enq.add_argument(
+        "--allow-unknown-task",
+        action="store_true",
+        help="enqueue even if no worker has ever declared this task (a deliberate cold "
+        "start, before the first worker serving it starts); without it such a name is "
+        "refused, since it is usually a typo",
+    )
+    command("tasks", "list the task catalog: the tasks workers declared and their job defaults")
     prune = command("prune", "delete finished jobs (never a queued or running one)")
     prune.add_argument(
         "--older-than",

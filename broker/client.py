@@ -69,9 +69,15 @@ class Client:
         greeting_timeout: float | None = None,
         role: protocol.Role = protocol.Role.CLIENT,
         tls: PeerTLS | ssl.SSLContext | None = None,
+        allow_unknown_tasks: bool = False,
     ) -> None:
+        """``allow_unknown_tasks``: enqueue jobs of tasks no worker has declared yet (a
+        deliberate cold start); by default the main refuses them with
+        :class:`~broker.exceptions.UnknownTaskError`, since such a name is usually a typo
+        (see :mod:`broker.catalog`)."""
         if role is protocol.Role.WORKER:
             raise ConfigurationError("a Client says hello as a client or an operator")
+        self._allow_unknown_tasks = allow_unknown_tasks
         self.host = host
         self.port = port
         self._mains = MainAddresses(host, port)
@@ -296,7 +302,10 @@ class Client:
         concurrency_limit: int | None = None,
         unique_key: str | None = None,
     ) -> Enqueued:
-        """Enqueue one job; a registered ``Task`` contributes its defaults.
+        """Enqueue one job; a registered ``Task`` contributes its defaults. By name, the
+        main fills every option not given here from the task's declaration (the task
+        catalog), and refuses a name no worker has declared (``UnknownTaskError``) unless
+        the client allows unknown tasks.
 
         ``unique_key``: while a queued or running job holds the key, the enqueue returns
         that job with ``duplicate=True`` instead of making another.
@@ -317,21 +326,27 @@ class Client:
             spec = task.spec(
                 args, kwargs, run_at=run_at, idempotency_key=idempotency_key, **overrides
             )
-        else:
-            spec = JobSpec(
-                task=task,
-                args=tuple(args),
-                kwargs=dict(kwargs or {}),
-                run_at=run_at,
-                idempotency_key=idempotency_key,
-                **overrides,
-            )
-        return await self.enqueue_spec(spec, delay=delay)
+            return await self.enqueue_spec(spec, delay=delay)
+        # By name: the main fills in the task's declared defaults for what is not said
+        # here (the task catalog). Built as a spec first, so a bad value fails here.
+        spec = JobSpec(
+            task=task,
+            args=tuple(args),
+            kwargs=dict(kwargs or {}),
+            run_at=run_at,
+            idempotency_key=idempotency_key,
+            **overrides,
+        )
+        return await self._enqueue_request(
+            protocol.JobRequest.from_spec(spec, said=overrides), delay
+        )
 
     async def enqueue_spec(self, spec: JobSpec, *, delay: float | None = None) -> Enqueued:
         """Enqueue one job as built; ``delay`` (seconds) is counted from the main's clock,
         so the caller's clock does not matter."""
-        request = protocol.JobRequest.from_spec(spec)
+        return await self._enqueue_request(protocol.JobRequest.from_spec(spec), delay)
+
+    async def _enqueue_request(self, request: protocol.JobRequest, delay: float | None) -> Enqueued:
         if delay is not None:
             request = msgspec.structs.replace(request, run_at=None, delay=float(delay))
         return (await self.enqueue_requests([request]))[0]
@@ -340,8 +355,14 @@ class Client:
         """Enqueue many jobs in one round trip and one store transaction."""
         return await self.enqueue_requests([protocol.JobRequest.from_spec(s) for s in specs])
 
-    async def enqueue_requests(self, requests: Sequence[protocol.JobRequest]) -> list[Enqueued]:
-        """:raises PayloadTooLargeError: the request would not fit in one line the main
+    async def enqueue_requests(
+        self, requests: Sequence[protocol.JobRequest], *, allow_unknown_tasks: bool | None = None
+    ) -> list[Enqueued]:
+        """Enqueue the requests as given (a field left ``None`` takes the task's declared
+        default); ``allow_unknown_tasks`` (``None``: the client's setting) allows tasks no
+        worker has declared.
+
+        :raises PayloadTooLargeError: the request would not fit in one line the main
         accepts (it would close the connection); the main enforces its payload limit too."""
 
         def fits(line: bytes) -> None:
@@ -352,12 +373,23 @@ class Client:
                     f"limit of {limit} bytes; send fewer or smaller jobs"
                 )
 
+        allow = self._allow_unknown_tasks if allow_unknown_tasks is None else allow_unknown_tasks
         reply = await self._request(
-            lambda rid: protocol.Enqueue(request_id=rid, jobs=list(requests)),
+            lambda rid: protocol.Enqueue(
+                request_id=rid, jobs=list(requests), allow_unknown_tasks=allow
+            ),
             protocol.EnqueuedReply,
             fits,
         )
         return [Enqueued(ref.job_id, ref.duplicate) for ref in reply.jobs]
+
+    async def list_tasks(self) -> list[dict[str, JSONValue]]:
+        """The task catalog: one entry per task and worker that declared it (``task``,
+        ``worker_id``, ``seen_at``, ``declaration``), by task name."""
+        reply = await self._request(
+            lambda rid: protocol.ListTasks(request_id=rid), protocol.TaskList
+        )
+        return reply.tasks
 
     async def get_job(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
         """The job as ``Job.to_dict()`` shows it, or ``None`` if the store has no such job."""
@@ -497,6 +529,9 @@ class SyncClient:
 
     def enqueue_many(self, specs: Sequence[JobSpec]) -> list[Enqueued]:
         return self._call(self._client.enqueue_many, specs)
+
+    def list_tasks(self) -> list[dict[str, JSONValue]]:
+        return self._call(self._client.list_tasks)
 
     def get_job(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
         return self._call(self._client.get_job, job_id)

@@ -32,6 +32,7 @@ _CLIENT_REQUESTS: tuple[type[protocol.Message], ...] = (
     protocol.Enqueue,
     protocol.GetJob,
     protocol.ListJobs,
+    protocol.ListTasks,
     protocol.Status,
 )
 _OPERATOR_REQUESTS: tuple[type[protocol.Message], ...] = (

@@ -22,6 +22,7 @@ from broker.exceptions import (
     CheckpointRejectedError,
     ConfigurationError,
     DeposedError,
+    IdempotencyConflictError,
     InvalidJobError,
     JobTimeoutError,
     MissingDriverError,
@@ -35,6 +36,7 @@ from broker.exceptions import (
     StorageRejectedError,
     TaskNotFoundError,
     UniqueKeyTakenError,
+    UnknownTaskError,
 )
 from broker.jobs import JSONValue
 from broker.protocol import ErrorCode
@@ -46,6 +48,8 @@ CODES: Mapping[type[BrokerError], ErrorCode] = {
     InvalidJobError: ErrorCode.INVALID_JOB,
     PayloadTooLargeError: ErrorCode.PAYLOAD_TOO_LARGE,
     UniqueKeyTakenError: ErrorCode.UNIQUE_KEY_TAKEN,
+    IdempotencyConflictError: ErrorCode.IDEMPOTENCY_CONFLICT,
+    UnknownTaskError: ErrorCode.UNKNOWN_TASK,
     StorageError: ErrorCode.STORAGE,
     SchemaVersionError: ErrorCode.SCHEMA_VERSION,
     StorageRejectedError: ErrorCode.STORAGE_REJECTED,
@@ -95,6 +99,8 @@ def details_of(exc: BaseException) -> dict[str, JSONValue] | None:
         return {"holder_id": str(exc.holder_id)}
     if isinstance(exc, NotLeaderError) and exc.leader is not None:
         return {"leader": exc.leader}
+    if isinstance(exc, IdempotencyConflictError) and exc.existing_id is not None:
+        return {"existing_id": str(exc.existing_id)}
     return None
 
 
@@ -111,6 +117,10 @@ def exception_for(
     if cls is NotLeaderError:
         leader = (details or {}).get("leader")
         return NotLeaderError(message, leader=leader if isinstance(leader, str) else None)
+    if cls is IdempotencyConflictError:
+        return IdempotencyConflictError(
+            message, existing_id=_uuid((details or {}).get("existing_id"))
+        )
     return cls(message)
 
 

@@ -7,7 +7,9 @@ The tree, so a caller can catch as broadly or as narrowly as it needs::
     │   └── MissingDriverError    a store URL needs a package that is not installed
     ├── InvalidJobError           an enqueue request is malformed (bad field, bad JSON)
     │   ├── PayloadTooLargeError  args, kwargs or a result exceed the configured limit
-    │   └── UniqueKeyTakenError   another active job holds the unique key (retry_dead)
+    │   ├── UniqueKeyTakenError   another active job holds the unique key (retry_dead)
+    │   ├── IdempotencyConflictError  the idempotency key holds a different job
+    │   └── UnknownTaskError      no worker has ever declared the task enqueued
     ├── StorageError              the job store failed; the operation may be retried
     │   ├── SchemaVersionError    the store's schema is not this code's: newer, older, none
     │   ├── StorageRejectedError  the store refused a value it can never hold; do not retry
@@ -60,6 +62,21 @@ class UniqueKeyTakenError(InvalidJobError):
         super().__init__(message)
         self.holder_id = holder_id
         """The id of the active job holding the key, when the store could tell."""
+
+
+class IdempotencyConflictError(InvalidJobError):
+    """The idempotency key is taken by a job with a different task, arguments or options;
+    nothing was enqueued (a faithful repeat of the original request returns its job)."""
+
+    def __init__(self, message: str | None = None, *, existing_id: uuid.UUID | None = None) -> None:
+        super().__init__(message)
+        self.existing_id = existing_id
+        """The id of the job that holds the key, when the store could tell."""
+
+
+class UnknownTaskError(InvalidJobError):
+    """No worker has ever declared this task, so the main refuses to enqueue it (a
+    misspelt name would otherwise wait forever); allow it explicitly for a cold start."""
 
 
 class StorageError(BrokerError):

@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any, TypeAlias
 
-from broker.exceptions import InvalidJobError
+from broker.exceptions import IdempotencyConflictError, InvalidJobError
 from broker.values import MAX_KEY_BYTES, check_key, check_name, check_run_at, storable_text
 
 JSONValue: TypeAlias = Any
@@ -331,6 +331,58 @@ class Job:
             for f in fields(self)
             if f.name != "handoff_id"
         }
+
+
+IDEMPOTENCY_FIELDS = (
+    "task",
+    "args",
+    "kwargs",
+    "queue",
+    "priority",
+    "max_attempts",
+    "timeout",
+    "execution_mode",
+    "concurrency_key",
+    "concurrency_limit",
+    "unique_key",
+)
+"""What a repeat of an enqueue must match to be the same request as the job holding its
+idempotency key. Left out: ``run_at`` (a client repeating a ``delay`` after a timeout
+resolves it again, later), ``id`` (each call may mint a fresh one) and the key itself."""
+
+
+def check_idempotent_repeat(spec: JobSpec, existing: JobSpec | Job) -> None:
+    """Refuse ``spec`` when it takes the idempotency key of ``existing`` (a stored job, or
+    an earlier spec of the same batch) but asks for something else: returning the old
+    job as if it were this one would silently drop the caller's request.
+
+    Values are compared as JSON holds them (``(1, 2)`` and ``[1, 2]`` are one list, keys
+    in any order), since that is all a store keeps.
+
+    :raises IdempotencyConflictError: naming the fields that differ and the job's id.
+    """
+    if spec.idempotency_key is None or existing.idempotency_key != spec.idempotency_key:
+        return
+    differ = [
+        name
+        for name in IDEMPOTENCY_FIELDS
+        if _as_stored(getattr(spec, name)) != _as_stored(getattr(existing, name))
+    ]
+    if differ:
+        raise IdempotencyConflictError(
+            f"idempotency key {spec.idempotency_key!r} is held by job {existing.id} with a "
+            f"different {', '.join(differ)}; a repeat must ask for the same job (use "
+            "another key for another job)",
+            existing_id=existing.id,
+        )
+
+
+def _as_stored(value: Any) -> Any:
+    if isinstance(value, tuple | list | dict):
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def spec_values(spec: JobSpec) -> dict[str, Any]:

@@ -151,6 +151,8 @@ class Main:
         )
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._saving: set[asyncio.Task[None]] = set()
+        """Task catalogs being written to the store (:meth:`_declare`)."""
         self._stopping = False
         """No new dispatch, connection or request: the main is stopping, or was deposed."""
         self._stop_started = False
@@ -264,6 +266,7 @@ class Main:
                 await self._load_orphans()
             else:
                 await self._first_round()
+            await self.operations.catalog.load()
         except BaseException:
             self._server = None
             server.close()
@@ -471,6 +474,10 @@ class Main:
             await asyncio.wait_for(self.requests.wait_idle(), timeout=report_grace)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.ledger.flush(), timeout=report_grace)
+        if self._saving:
+            await asyncio.wait(self._saving, timeout=report_grace)
+            for saving in self._saving:
+                saving.cancel()
         handshakes = list(self.connections.tls_handshakes)
         for task in [*self._tasks, *handshakes, *self.connections.tasks]:
             task.cancel()
@@ -675,6 +682,8 @@ class Main:
                 self._carry(self.handoff.progress(session.id, msg))
             case protocol.WorkerStatus(status=status) if worker:
                 session.reported_status = status
+            case protocol.TaskCatalog(tasks=tasks) if worker and session.worker_id:
+                self._declare(session.worker_id, tasks)
             case (
                 protocol.Enqueue()
                 | protocol.GetJob()
@@ -682,6 +691,7 @@ class Main:
                 | protocol.Retry()
                 | protocol.Status()
                 | protocol.ListJobs()
+                | protocol.ListTasks()
                 | protocol.Prune()
             ):
                 self._request(session, msg)
@@ -694,6 +704,34 @@ class Main:
                         fatal=False,
                     )
                 )
+
+    def _declare(self, worker_id: str, tasks: list[protocol.TaskDeclaration]) -> None:
+        """A worker declared the tasks it serves: the catalog in memory takes them at once
+        (an enqueue that follows sees them), the store in the background, retried while
+        its trouble is transient (the next declaration would record them anyway)."""
+        now = self._clock()
+        declared = self.operations.catalog.record(worker_id, tasks, now)
+        logger.info("tasks declared worker_id=%s tasks=%d", worker_id, len(tasks))
+
+        async def save() -> None:
+            while True:
+                try:
+                    await self.operations.catalog.save(worker_id, declared, now)
+                    return
+                except Exception as exc:
+                    if not transient(exc) or self._stopping:
+                        logger.error(
+                            "storing the task catalog failed worker_id=%s error=%r",
+                            worker_id,
+                            exc,
+                        )
+                        return
+                    logger.warning("storing the task catalog failed, retrying error=%r", exc)
+                    await asyncio.sleep(self.settings.error_retry_interval)
+
+        task = asyncio.create_task(save(), name="broker-declare-tasks")
+        self._saving.add(task)
+        task.add_done_callback(self._saving.discard)
 
     def _request(self, session: Session, msg: protocol.Message) -> None:
         """Start a client request if the connection's role may make it; else answer

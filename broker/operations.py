@@ -19,11 +19,12 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from broker import protocol
+from broker.catalog import Catalog
 from broker.exceptions import PayloadTooLargeError
 from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, JSONValue, summary_dict
 from broker.metrics import MainMetrics
 from broker.payload import check_args, encoded_size
-from broker.storage import JobFilter, QueueCount, StorageAdapter
+from broker.storage import JobFilter, QueueCount, StorageAdapter, TaskRecord
 
 _JOB_MESSAGE_OVERHEAD = 1024
 """Bytes of a job message besides args, kwargs, task and queue (ids, numbers, field names);
@@ -89,13 +90,31 @@ class Operations:
         self._clock = clock
         self._enqueue = enqueue or store.enqueue_many
         self._metrics = metrics
+        self.catalog = Catalog(store)
+        """The task catalog: the defaults of jobs enqueued by name (:mod:`broker.catalog`)."""
 
-    async def enqueue(self, requests: Sequence[protocol.JobRequest]) -> list[EnqueueResult]:
-        """Store the requested jobs, all or none, in request order. Every job is checked
-        before any is stored (see :meth:`check_payload`); a ``delay`` runs from this
-        service's clock, so a client's skewed clock does not matter."""
+    async def enqueue(
+        self, requests: Sequence[protocol.JobRequest], *, allow_unknown_tasks: bool = False
+    ) -> list[EnqueueResult]:
+        """Store the requested jobs, all or none, in request order. Each takes its task's
+        declared defaults where the request says nothing, and a task no worker has
+        declared is refused unless ``allow_unknown_tasks`` (see :mod:`broker.catalog`).
+        Every job is checked before any is stored (see :meth:`check_payload`); a
+        ``delay`` runs from this service's clock, so a client's skewed clock does not
+        matter."""
         now = self._clock()
-        specs = [request.to_spec(now) for request in requests]
+        catalog = self.catalog
+        await catalog.load()
+        if (
+            not allow_unknown_tasks
+            and catalog.in_use
+            and any(catalog.declared(r.task) is None for r in requests)
+        ):
+            await catalog.refresh()  # only a name this copy does not know costs a read
+        specs = [
+            self.catalog.job_spec(request, now, allow_unknown=allow_unknown_tasks)
+            for request in requests
+        ]
         for spec in specs:
             self.check_payload(spec)
         results = await self._enqueue(specs)
@@ -120,6 +139,11 @@ class Operations:
                 f"job {spec.id} of task {spec.task[:100]!r}: its job message would be about "
                 f"{message} bytes, over the line limit of {self.limits.max_line_bytes} bytes"
             )
+
+    async def tasks(self) -> list[TaskRecord]:
+        """The task catalog: every task and worker that declared it."""
+        await self.catalog.load()
+        return self.catalog.records()
 
     async def get(self, job_id: uuid.UUID) -> Job | None:
         return await self.store.get_job(job_id)

@@ -42,6 +42,7 @@ import msgspec
 
 from broker.exceptions import InvalidJobError, ProtocolError
 from broker.jobs import (
+    DEFAULT_MAX_RETRIES,
     DEFAULT_QUEUE,
     SPEC_FIELDS,
     TERMINAL_STATUSES,
@@ -110,6 +111,8 @@ class ErrorCode(enum.StrEnum):
     MISSING_DRIVER = "missing_driver"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     UNIQUE_KEY_TAKEN = "unique_key_taken"
+    IDEMPOTENCY_CONFLICT = "idempotency_conflict"
+    UNKNOWN_TASK = "unknown_task"
     SCHEMA_VERSION = "schema_version"
     STORAGE_REJECTED = "storage_rejected"
     TASK_NOT_FOUND = "task_not_found"
@@ -358,9 +361,16 @@ class FailedReport(_Message, frozen=True, tag="failed"):
     error: str
     retry: bool = True
     """False for failures no retry can fix (an unknown task, bad arguments)."""
+    retry_delay: Float | None = None
+    """Seconds to wait before the next run, from the task's own backoff (``None``: the
+    main's backoff). From 0 to ten years, like any delay; an older main ignores it."""
     lost: bool = False
     """The process running the job died under it: the main counts a recovery, not a
     failure (an older main ignores the field and counts a failure)."""
+
+    def __post_init__(self) -> None:
+        if self.retry_delay is not None:
+            check_delay("retry_delay", self.retry_delay)
 
 
 class RescheduleReport(_Message, frozen=True, tag="reschedule"):
@@ -440,6 +450,47 @@ class CancelJob(_Message, frozen=True, tag="cancel_job"):
     handoff_id: uuid.UUID
 
 
+class TaskDeclaration(_Struct, frozen=True):
+    """A task a worker serves and the defaults ``@task`` gives its jobs: the main fills
+    them into a job enqueued by name where the request leaves a field out. The rest
+    describes the task for operators (``broker tasks``)."""
+
+    name: Name
+    execution_mode: ExecutionMode = ExecutionMode.POOLED
+    queue: Name = DEFAULT_QUEUE
+    priority: Int = 0
+    max_attempts: Int = DEFAULT_MAX_RETRIES + 1
+    timeout: Float | None = None
+    concurrency_key: Name | None = None
+    """A template such as ``"sync:{account_id}"`` is filled from each job's arguments."""
+    concurrency_limit: Int | None = None
+    unique: bool = False
+    """Each job gets the task's default unique key (its name and arguments)."""
+    parameters: list[Name] = msgspec.field(default_factory=list)
+    """The function's positional parameters in order, to name a job's positional
+    arguments when a concurrency-key template needs them."""
+    retry_on: list[Name] | None = None
+    """The exception classes worth a retry (``None``: any ``Exception``)."""
+    dont_retry_on: list[Name] = msgspec.field(default_factory=list)
+    backoff: str | None = None
+    """The task's own backoff, described (``None``: the main's ``--retry-backoff``)."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_attempts >= 1, "max_attempts must be at least 1")
+        _check(self.timeout is None or self.timeout > 0, "timeout must be positive")
+        _check(
+            (self.concurrency_key is None) == (self.concurrency_limit is None),
+            "concurrency_key and concurrency_limit go together",
+        )
+
+
+class TaskCatalog(_Message, frozen=True, tag="tasks"):
+    """The tasks this worker serves, sent once right after ``welcome`` (not in ``hello``,
+    whose line is capped at the pre-authentication limit, 64 KiB by default)."""
+
+    tasks: list[TaskDeclaration]
+
+
 class WorkerStatus(_Message, frozen=True, tag="worker_status"):
     """The worker's own view (``Worker.status()``) for operators; the main keeps the last one."""
 
@@ -478,8 +529,8 @@ class JobRequest(_Struct, frozen=True):
     task: Name
     args: list[JSONValue] = msgspec.field(default_factory=list)
     kwargs: dict[str, JSONValue] = msgspec.field(default_factory=dict)
-    queue: Name = DEFAULT_QUEUE
-    priority: Int = 0
+    queue: Name | None = None
+    priority: Int | None = None
     run_at: str | None = None
     delay: Float | None = None
     max_attempts: Int | None = None
@@ -487,7 +538,7 @@ class JobRequest(_Struct, frozen=True):
     concurrency_key: Name | None = None
     concurrency_limit: Int | None = None
     timeout: Float | None = None
-    execution_mode: ExecutionMode = ExecutionMode.POOLED
+    execution_mode: ExecutionMode | None = None
     id: uuid.UUID | None = None
     unique_key: Name | None = None
     """At most one queued or running job per key; an older main ignores the field."""
@@ -496,8 +547,12 @@ class JobRequest(_Struct, frozen=True):
     local_state: bool = False
     """Recoveries wait for the worker holding the job's local state first."""
 
-    def to_spec(self, now: datetime) -> JobSpec:
-        """Raises :class:`InvalidJobError`, which the main answers with ``invalid_job``."""
+    def to_spec(self, now: datetime, defaults: Mapping[str, Any] | None = None) -> JobSpec:
+        """The job this request asks for. A field it leaves out (``null``) takes its value
+        from ``defaults`` (the task's, from the catalog: see :mod:`broker.catalog`), else
+        the :class:`~broker.jobs.JobSpec` default.
+
+        Raises :class:`InvalidJobError`, which the main answers with ``invalid_job``."""
         if self.run_at is not None and self.delay is not None:
             raise InvalidJobError("give run_at or delay, not both")
         run_at: datetime | None = None
@@ -514,20 +569,43 @@ class JobRequest(_Struct, frozen=True):
             except ValueError as exc:
                 raise InvalidJobError(str(exc)) from None
             run_at = now + timedelta(seconds=self.delay)
-        # A field the request leaves out (None) takes the spec's default.
+        # A field the request leaves out (None) takes the task's default, else the spec's.
         values = {
             name: value
             for name in SPEC_FIELDS
-            if name != "run_at" and (value := getattr(self, name)) is not None
+            if name != "run_at"
+            and (value := _or_default(getattr(self, name), name, defaults)) is not None
         }
         return JobSpec(**values, run_at=run_at)
 
     @classmethod
-    def from_spec(cls, spec: JobSpec) -> JobRequest:
+    def from_spec(cls, spec: JobSpec, *, said: Collection[str] | None = None) -> JobRequest:
+        """The request for ``spec``; with ``said``, a field the task's defaults may fill
+        (:data:`TASK_DEFAULTS`) is sent only if named there, so a job enqueued by name
+        takes the task's declared defaults for the rest."""
         values = spec_values(spec)
+        if said is not None:
+            values.update({name: None for name in TASK_DEFAULTS if name not in said})
         values.update(args=list(spec.args), kwargs=dict(spec.kwargs))
         values["run_at"] = None if spec.run_at is None else spec.run_at.isoformat()
         return cls(**values)
+
+
+TASK_DEFAULTS = (
+    "queue",
+    "priority",
+    "max_attempts",
+    "timeout",
+    "execution_mode",
+    "concurrency_key",
+    "concurrency_limit",
+    "unique_key",
+)
+"""The job fields a task's declaration fills in when an enqueue by name leaves them out."""
+
+
+def _or_default(value: Any, name: str, defaults: Mapping[str, Any] | None) -> Any:
+    return value if value is not None or defaults is None else defaults.get(name)
 
 
 class EnqueuedRef(_Struct, frozen=True):
@@ -540,6 +618,9 @@ class EnqueuedRef(_Struct, frozen=True):
 class Enqueue(_Message, frozen=True, tag="enqueue"):
     request_id: Name
     jobs: list[JobRequest]
+    allow_unknown_tasks: bool = False
+    """Store jobs of tasks no worker has declared yet (a deliberate cold start); by
+    default such an enqueue is refused with ``unknown_task``."""
 
 
 class EnqueuedReply(_Message, frozen=True, tag="enqueued"):
@@ -626,6 +707,20 @@ class JobList(_Message, frozen=True, tag="job_list"):
     request_id: str
     jobs: list[dict[str, JSONValue]]
     next_cursor: str | None
+
+
+class ListTasks(_Message, frozen=True, tag="list_tasks"):
+    """The task catalog: every task a worker has declared; answered with ``task_list``."""
+
+    request_id: Name
+
+
+class TaskList(_Message, frozen=True, tag="task_list"):
+    """One entry per task and worker that declared it: ``task``, ``worker_id``,
+    ``seen_at`` (ISO-8601) and ``declaration`` (a ``TaskDeclaration``), by task name."""
+
+    request_id: str
+    tasks: list[dict[str, JSONValue]]
 
 
 class Prune(_Message, frozen=True, tag="prune"):
@@ -739,6 +834,9 @@ Message: TypeAlias = (
     | RequestError
     | CancelJob
     | WorkerStatus
+    | TaskCatalog
+    | ListTasks
+    | TaskList
     | Retry
     | Status
     | StatusInfo

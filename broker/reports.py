@@ -239,12 +239,15 @@ class ReportSettler:
                 if job is not None:
                     return lost_attempt(job, lease, error, now, self._max_recoveries)
                 return Settlement(job_id, lease, Outcome.LOST, error=error, run_at=now)
-            case protocol.FailedReport(job_id=job_id, handoff_id=lease, error=error, retry=retry):
+            case protocol.FailedReport(
+                job_id=job_id, handoff_id=lease, error=error, retry=retry, retry_delay=wait
+            ):
                 job = self._handoff.held_job(lease) or await self._store.get_job(job_id)
+                # The task's own backoff ran in the worker and sent its wait (decoded, so
+                # checked: 0 to ten years); else the main's backoff decides.
+                delay = self._retry_delay if wait is None else _fixed(wait)
                 retry_at = (
-                    next_run_after_failure(job, now, self._retry_delay)
-                    if retry and job is not None
-                    else None
+                    next_run_after_failure(job, now, delay) if retry and job is not None else None
                 )
                 return Settlement(job_id, lease, Outcome.FAIL, error=error, run_at=retry_at)
             case protocol.RescheduleReport(job_id=job_id, handoff_id=lease, delay=delay):
@@ -252,3 +255,7 @@ class ReportSettler:
                 return Settlement(job_id, lease, Outcome.RESCHEDULE, run_at=run_at)
             case protocol.ReleaseReport(job_id=job_id, handoff_id=lease):
                 return Settlement(job_id, lease, Outcome.RETURN)
+
+
+def _fixed(seconds: float) -> RetryDelay:
+    return lambda _failures: timedelta(seconds=seconds)

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from broker import error_codes, protocol
+from broker import catalog, error_codes, protocol
 from broker.connection import Session
 from broker.exceptions import InvalidJobError, ProtocolError
 from broker.jobs import Job, JobStatus
@@ -96,8 +96,8 @@ class Requests:
         worker) happens here."""
         ops = self._operations
         match msg:
-            case protocol.Enqueue(request_id=rid, jobs=requests):
-                results = await ops.enqueue(requests)
+            case protocol.Enqueue(request_id=rid, jobs=requests, allow_unknown_tasks=unknown):
+                results = await ops.enqueue(requests, allow_unknown_tasks=unknown)
                 if logger.isEnabledFor(logging.DEBUG):  # one line per job: off by default
                     for result in results:
                         logger.debug(
@@ -140,6 +140,10 @@ class Requests:
                     raise ProtocolError(f"list_jobs.cursor is not valid: {exc}"[:200]) from None
                 return protocol.JobList(
                     request_id=rid, jobs=page.jobs, next_cursor=page.next_cursor
+                )
+            case protocol.ListTasks(request_id=rid):
+                return protocol.TaskList(
+                    request_id=rid, tasks=[catalog.entry(r) for r in await ops.tasks()]
                 )
             case protocol.Prune(request_id=rid):
                 deleted = await ops.prune(

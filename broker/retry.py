@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 
 from broker.exceptions import ConfigurationError
 from broker.jobs import DEFAULT_MAX_RECOVERIES, Job, Outcome, Settlement
+from broker.values import check_delay
 
 _FIRST_DELAYS = (
     timedelta(seconds=10),
@@ -27,6 +28,35 @@ _FIRST_DELAYS = (
 
 RetryDelay = Callable[[int], timedelta]
 """Maps the number of failures so far (1 for the first) to the wait before the next run."""
+
+TaskBackoff = Callable[[int], "timedelta | float"]
+"""A task's own backoff (``@task(backoff=...)``): the number of failures so far (1 for the
+first) to the wait before the next run, as a ``timedelta`` or seconds.
+:class:`ExponentialBackoff` and :class:`FixedBackoff` are two; any function is another.
+It runs in the worker, which sends the wait with the failure (``failed.retry_delay``)."""
+
+
+def backoff_seconds(backoff: TaskBackoff, failures: int) -> float:
+    """The wait ``backoff`` asks for after ``failures`` failures, in seconds, checked as
+    any delay is (finite, from 0 to ten years).
+
+    :raises ValueError: the backoff raised, or returned something that is not such a
+        wait; the message says which, for the job's error.
+    """
+    try:
+        value = backoff(failures)
+    except Exception as exc:
+        raise ValueError(f"the task's backoff raised {type(exc).__name__}: {exc}") from None
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise ValueError(
+            f"the task's backoff must return a timedelta or seconds, got {value!r}"[:200]
+        )
+    check_delay(f"the task's backoff after {failures} failures", seconds)
+    return seconds
 
 
 def retry_delay(failures: int) -> timedelta:

@@ -55,6 +55,8 @@ class Failed:
     error: str
     retry: bool = True
     """``False`` when retrying cannot help (an unknown task, say): the job dies at once."""
+    retry_delay: float | None = None
+    """Seconds before the next run, from the task's own backoff (``None``: the main's)."""
     lost: bool = False
     """The attempt did not fail by itself: the process running it died under it. The main
     counts a recovery instead of a failure, and runs the job again at once."""

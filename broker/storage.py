@@ -39,7 +39,7 @@ The rules every implementation must keep:
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -58,7 +58,7 @@ from broker.jobs import (
     Settlement,
 )
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 """The schema version this code writes and understands; stores record theirs."""
 
 
@@ -106,6 +106,19 @@ class QueueCount:
     count: int
     oldest_run_at: datetime | None
     """For ``queued`` rows, the earliest ``run_at``; lets an operator see a stuck queue."""
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRecord:
+    """One worker's declaration of one task, as the task catalog keeps it."""
+
+    task: str
+    worker_id: str
+    declaration: dict[str, JSONValue]
+    """The task's defaults as the worker declared them (see :mod:`broker.catalog`); the
+    store keeps it as given and never reads inside it."""
+    seen_at: datetime
+    """When this worker last declared the task."""
 
 
 @runtime_checkable
@@ -246,6 +259,20 @@ class StorageAdapter(Protocol):
         """
 
     async def get_job(self, job_id: uuid.UUID) -> Job | None: ...
+
+    async def declare_tasks(
+        self,
+        worker_id: str,
+        declarations: Mapping[str, Mapping[str, JSONValue]],
+        seen_at: datetime,
+    ) -> None:
+        """Record that ``worker_id`` serves these tasks (name to declaration), as of
+        ``seen_at``: each ``(task, worker_id)`` row is written or replaced. Rows of tasks
+        the worker no longer declares stay: the catalog remembers every task a worker has
+        ever declared, and when."""
+
+    async def task_catalog(self) -> list[TaskRecord]:
+        """Every declaration recorded, ordered by task, then worker id."""
 
     async def list_jobs(
         self,

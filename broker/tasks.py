@@ -30,7 +30,7 @@ from broker.jobs import (
     JobSpec,
     JSONValue,
 )
-from broker.retry import RetryPolicy
+from broker.retry import RetryPolicy, TaskBackoff
 from broker.schedule import Schedule, default_schedules
 
 P = ParamSpec("P")
@@ -158,6 +158,8 @@ class Task(Generic[P, R]):
     unique: bool = False
     retry: RetryPolicy | None = None
     """Which exceptions are worth a retry (``None``: every ``Exception``)."""
+    backoff: TaskBackoff | None = None
+    """The wait before each retry (``None``: the main's ``--retry-backoff``)."""
     max_recoveries: int | None = None
     """Lost attempts its jobs recover from (``None``: the main's default)."""
     local_state: bool = False
@@ -277,24 +279,42 @@ class Task(Generic[P, R]):
             **fields,
         )
 
+    def positional_parameters(self) -> list[str]:
+        """The names a job's positional arguments bind to, in order (what the task
+        catalog needs to fill a concurrency-key template at the main)."""
+        signature = self._signature
+        if signature is None:
+            return []
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        return [p.name for p in signature.parameters.values() if p.kind in kinds]
+
     def _format_key(
         self, template: str, args: Sequence[JSONValue], kwargs: Mapping[str, JSONValue]
     ) -> str:
         """``template`` with ``{name}`` fields filled from this job's arguments."""
         if "{" not in template and "}" not in template:
             return template
-        values = _bound_arguments(self.func, args, kwargs)
-        try:
-            return template.format_map(values)
-        except KeyError as exc:
-            raise InvalidJobError(
-                f"concurrency_key {template!r} of task {self.name!r} needs the argument "
-                f"{exc.args[0]!r}, which this job does not give (by keyword or by position)"
-            ) from None
-        except (IndexError, AttributeError, TypeError, ValueError) as exc:
-            raise InvalidJobError(
-                f"cannot format concurrency_key {template!r} of task {self.name!r}: {exc}"
-            ) from None
+        return fill_key_template(template, self.name, _bound_arguments(self.func, args, kwargs))
+
+
+def fill_key_template(template: str, task_name: str, values: Mapping[str, Any]) -> str:
+    """A concurrency-key ``template`` of task ``task_name`` filled from a job's arguments
+    by parameter name (``values``).
+
+    :raises InvalidJobError: the template names an argument the job does not give, or
+        cannot be formatted with the values given.
+    """
+    try:
+        return template.format_map(values)
+    except KeyError as exc:
+        raise InvalidJobError(
+            f"concurrency_key {template!r} of task {task_name!r} needs the argument "
+            f"{exc.args[0]!r}, which this job does not give (by keyword or by position)"
+        ) from None
+    except (IndexError, AttributeError, TypeError, ValueError) as exc:
+        raise InvalidJobError(
+            f"cannot format concurrency_key {template!r} of task {task_name!r}: {exc}"
+        ) from None
 
 
 def _bound_arguments(
@@ -465,6 +485,7 @@ def task(
     unique: bool = False,
     retry_on: tuple[type[BaseException], ...] | None = None,
     dont_retry_on: tuple[type[BaseException], ...] | None = None,
+    backoff: TaskBackoff | None = None,
     max_recoveries: int | None = None,
     local_state: bool = False,
 ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
@@ -490,6 +511,7 @@ def task(
     unique: bool = False,
     retry_on: tuple[type[BaseException], ...] | None = None,
     dont_retry_on: tuple[type[BaseException], ...] | None = None,
+    backoff: TaskBackoff | None = None,
     max_recoveries: int | None = None,
     local_state: bool = False,
 ) -> Task[P, R] | Callable[[Callable[P, R]], Task[P, R]]:
@@ -505,7 +527,10 @@ def task(
     ``retries`` is how many runs may follow a failed first one; ``retry_on`` and
     ``dont_retry_on`` (exception classes) narrow which failures use them (see
     :class:`broker.retry.RetryPolicy`). Arguments that do not fit the function are never
-    retried.
+    retried. ``backoff`` sets the wait before each retry: an
+    :class:`~broker.retry.ExponentialBackoff`, a :class:`~broker.retry.FixedBackoff`, or
+    any function of the number of failures returning a ``timedelta`` or seconds (it runs
+    in the worker; without one, the main's ``--retry-backoff`` applies).
 
     ``max_recoveries`` is how many times a job runs again after an attempt was *lost*
     (its worker, child or connection died): counted apart from ``retries``, and without
@@ -526,6 +551,10 @@ def task(
             raise ConfigurationError(f"unknown execution mode {mode!r}") from None
         if concurrency_key is not None:
             _check_key_template(fn, concurrency_key)
+        if backoff is not None and not callable(backoff):
+            raise ConfigurationError(
+                f"backoff must be a function of the number of failures (got {backoff!r})"
+            )
         policy = None
         if retry_on is not None or dont_retry_on is not None:
             policy = RetryPolicy(
@@ -544,6 +573,7 @@ def task(
             concurrency_limit=concurrency_limit,
             unique=unique,
             retry=policy,
+            backoff=backoff,
             max_recoveries=max_recoveries,
             local_state=local_state,
         )

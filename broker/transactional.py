@@ -11,10 +11,17 @@ They take what the application already holds: a SQLAlchemy ``Session`` or
 ``Connection`` (sync), or an ``AsyncSession`` or ``AsyncConnection`` (asyncio). The
 job gets the same checks as an enqueue through the main (the job's own validation,
 the payload limit) and the same duplicate rules (an ``idempotency_key`` or an active
-``unique_key`` already taken returns the stored job with ``duplicate=True``). Nobody
+``unique_key`` already taken returns the stored job with ``duplicate=True``; the key
+reused for a different job raises ``IdempotencyConflictError``). Nobody
 needs to tell the main: on PostgreSQL the table's insert trigger notifies it at
 commit (LISTEN/NOTIFY never delivers an uncommitted insert), and on SQLite its poll
 finds the job within ``poll_interval``.
+
+The task catalog (:mod:`broker.catalog`) is not consulted: the main, which holds it,
+is not involved, and reading the store's copy inside the application's transaction
+would add a query (and a lock wait on PostgreSQL) to every enqueue for a check the task
+object already makes. A job by name gets the broker's defaults for what it leaves out;
+pass the task object for its ``@task`` defaults.
 
 The rows are written by the SQL store's own code (:mod:`adapters.sql`), so they are
 exactly what ``broker-main`` writes; this module only turns the application's handle

@@ -48,7 +48,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from broker import checks, error_codes, protocol, tls, wire
+from broker import catalog, checks, error_codes, protocol, tls, wire
 from broker.addresses import MainAddresses
 from broker.exceptions import (
     AuthenticationError,
@@ -527,6 +527,7 @@ class Worker:
 
     async def _serve(self, conn: _Connection) -> None:
         self._conn = conn
+        await self._declare_tasks(conn)
         self._apply(self._state.connected(conn.welcome))
         tasks = [
             asyncio.create_task(self._read_loop(conn), name="broker-worker-read"),
@@ -545,6 +546,23 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await conn.writer.close(grace=1.0)
+
+    async def _declare_tasks(self, conn: _Connection) -> None:
+        """Tell the main the tasks this worker serves and their defaults (its task
+        catalog, :mod:`broker.catalog`), before anything else on the connection."""
+        tasks = catalog.declarations(self._registry)
+        if not tasks:
+            return
+        line = protocol.encode(protocol.TaskCatalog(tasks=tasks))
+        if len(line) > conn.welcome.max_line_bytes:
+            self._logger.error(
+                "task catalog not sent: %d bytes, over the main's line limit of %d",
+                len(line),
+                conn.welcome.max_line_bytes,
+                extra={"event": "task_catalog_too_long"},
+            )
+            return
+        await conn.writer.write_raw(line)
 
     async def _watch_liveness(self, conn: _Connection) -> None:
         """Ends the connection once nothing has come from the main for the liveness

@@ -44,7 +44,7 @@ from broker.exceptions import ProtocolError, TaskNotFoundError
 from broker.jobs import ExecutionMode, JSONValue
 from broker.payload import encoded_size, result_too_deep, result_too_large_on_wire
 from broker.protocol import ErrorCode
-from broker.retry import RetryPolicy, reported_exception
+from broker.retry import RetryPolicy, TaskBackoff, backoff_seconds, reported_exception
 from broker.runner import (
     Assignment,
     Completed,
@@ -179,8 +179,8 @@ class WorkerState:
         self._logger = logger
         self._link: _Link | None = None
         self._running: dict[LeaseKey, ExecutionMode] = {}
-        self._policies: dict[LeaseKey, RetryPolicy] = {}
-        """The retry policy of each running job whose task declares one."""
+        self._rules: dict[LeaseKey, _RetryRules] = {}
+        """The retry policy and backoff of each running job whose task declares one."""
         self._starting: Counter[ExecutionMode] = Counter()
         """Jobs started but not yet inside ``runner.run`` (so not yet holding their slot):
         subtracted from the runner's free slots until they are."""
@@ -409,7 +409,7 @@ class WorkerState:
             self._unqueue(key)
             self._starting[mode] += 1
             self._running[key] = mode
-            self._remember_policy(key, assignment.task)
+            self._remember_rules(key, assignment.task, assignment.attempt)
             self._log_job(
                 logging.DEBUG,
                 "job started",
@@ -421,14 +421,15 @@ class WorkerState:
             effects.append(StartRun(assignment))
         return effects
 
-    def _remember_policy(self, key: LeaseKey, name: str) -> None:
-        """Keep the retry policy of a job's task while it runs, to judge its failure."""
+    def _remember_rules(self, key: LeaseKey, name: str, attempt: int) -> None:
+        """Keep the retry policy and backoff of a job's task while it runs, to judge its
+        failure."""
         try:
             task = self._lookup_task(name)
         except TaskNotFoundError:
             return
-        if isinstance(task, Task) and task.retry is not None:
-            self._policies[key] = task.retry
+        if isinstance(task, Task) and (task.retry is not None or task.backoff is not None):
+            self._rules[key] = _RetryRules(task.retry, task.backoff, attempt)
 
     def run_entered(self, key: LeaseKey) -> list[WorkerEffect]:
         """The runner took the job's slot: its own count now covers it."""
@@ -448,9 +449,9 @@ class WorkerState:
         # The outcome supersedes any progress not sent yet.
         self._progress.pop(key, None)
         self._progress_sent.pop(key, None)
-        policy = self._policies.pop(key, None)
-        if isinstance(outcome, Failed) and outcome.retry and policy is not None:
-            outcome = _under_policy(outcome, policy)
+        rules = self._rules.pop(key, None)
+        if isinstance(outcome, Failed) and outcome.retry and not outcome.lost and rules:
+            outcome = rules.judge(outcome)  # a lost attempt is a recovery, not a failure
         if outcome is None:
             self._given_up.discard(key)
         else:
@@ -479,8 +480,8 @@ class WorkerState:
             case Failed(error=error, lost=True):
                 report = protocol.FailedReport(*key, error=error, lost=True)
                 self._log_job(logging.WARNING, "job attempt lost", key, error=error)
-            case Failed(error=error, retry=retry):
-                report = protocol.FailedReport(*key, error=error, retry=retry)
+            case Failed(error=error, retry=retry, retry_delay=wait):
+                report = protocol.FailedReport(*key, error=error, retry=retry, retry_delay=wait)
                 self._log_job(logging.WARNING, "job failed", key, error=error, retry=retry)
             case Released(reason=reason):
                 report = protocol.ReleaseReport(*key, reason=reason)
@@ -741,7 +742,13 @@ class WorkerState:
         if isinstance(report, protocol.FailedReport):
             # Keep the retry decision; JSON spends at most 6 bytes on a character.
             error = report.error[: limit // 8]
-            fitted = protocol.FailedReport(*key, error=error, retry=report.retry, lost=report.lost)
+            fitted = protocol.FailedReport(
+                *key,
+                error=error,
+                retry=report.retry,
+                retry_delay=report.retry_delay,
+                lost=report.lost,
+            )
         else:
             fitted = protocol.FailedReport(*key, error=problem[:1000], retry=False)
         self._log_job(logging.ERROR, "report replaced", key, reason=problem[:200])
@@ -817,14 +824,36 @@ def lease_ids(key: LeaseKey) -> dict[str, str]:
     return {"job_id": str(key[0]), "handoff_id": str(key[1])}
 
 
-def _under_policy(outcome: Failed, policy: RetryPolicy) -> Failed:
-    """The failure as the task's retry policy judges it: one its exception rules out is
-    not retried (and says why). An exception this process cannot name is retried, as
-    without a policy: only a declared rule ends a job early."""
-    error = reported_exception(outcome.error)
-    if error is None or policy.retries(error):
-        return outcome
-    return Failed(
-        f"{outcome.error}\n(not retried: the task's retry policy excludes {error.__qualname__})",
-        retry=False,
-    )
+@dataclass(frozen=True, slots=True)
+class _RetryRules:
+    """What a running job's task declares about its failures, and which run this is."""
+
+    policy: RetryPolicy | None
+    backoff: TaskBackoff | None
+    attempt: int
+
+    def judge(self, outcome: Failed) -> Failed:
+        """The failure as the task's rules judge it: one its policy's exception rules out
+        is not retried (and says why); one that is retried waits what the task's backoff
+        says. An exception this process cannot name is retried, as without a policy: only
+        a declared rule ends a job early.
+
+        The backoff is the task's own function, called here with the number of failures
+        (this run's attempt). A wait it cannot give (it raised, or returned a negative,
+        endless or non-numeric value) is refused: the failure goes without one, so the
+        main's backoff applies, and the job's error says why."""
+        if self.policy is not None:
+            error = reported_exception(outcome.error)
+            if error is not None and not self.policy.retries(error):
+                return Failed(
+                    f"{outcome.error}\n(not retried: the task's retry policy excludes "
+                    f"{error.__qualname__})",
+                    retry=False,
+                )
+        if self.backoff is None:
+            return outcome
+        try:
+            wait = backoff_seconds(self.backoff, self.attempt)
+        except ValueError as exc:
+            return Failed(f"{outcome.error}\n({exc}; the main's backoff applies)")
+        return Failed(outcome.error, retry_delay=wait)

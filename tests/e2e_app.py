@@ -100,3 +100,11 @@ async def forge_deep_line(levels: int) -> None:
     fd = int(sys.argv[sys.argv.index("--channel-fd") + 1])
     os.write(fd, b'[{"type":"completed","result":' + b"[" * levels + b"]" * levels + b"}]\n")
     await asyncio.sleep(60)
+
+
+@task(mode="inline", retries=0, queue="once", timeout=30)
+async def charge_once(key: str) -> None:
+    """Log the run and fail: declared ``retries=0``, so a job of it must run exactly once,
+    even when enqueued by name from the CLI (the task catalog supplies the default)."""
+    _log("start", key)
+    raise RuntimeError(f"charge {key} failed")

@@ -28,3 +28,18 @@ def only_network(amount: int) -> None:
 @task(mode="pooled", retries=5)
 def add(a: int, b: int) -> int:
     return a + b
+
+
+def hour_per_failure(failures: int) -> float:
+    """A task's own backoff: an hour per failure so far."""
+    return 3600.0 * failures
+
+
+@task(mode="pooled", retries=3, backoff=hour_per_failure)
+def patient(amount: int) -> None:
+    raise ConnectionError(f"gateway unreachable while charging {amount}")
+
+
+@task(mode="pooled", retries=1, backoff=lambda failures: -5)
+def badly_backed_off(amount: int) -> None:
+    raise ConnectionError(f"gateway unreachable while charging {amount}")

@@ -16,9 +16,14 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
-from broker.exceptions import DeposedError, StorageError, UniqueKeyTakenError
+from broker.exceptions import (
+    DeposedError,
+    IdempotencyConflictError,
+    StorageError,
+    UniqueKeyTakenError,
+)
 from broker.jobs import (
     CheckpointSave,
     Claim,
@@ -219,14 +224,18 @@ async def check_enqueue_many_is_ordered_and_complete(ctx: Context) -> None:
 @_check
 async def check_idempotency_key_returns_the_existing_job(ctx: Context) -> None:
     first = await ctx.store.enqueue(_spec(idempotency_key="k1", args=[1]))
-    again = await ctx.store.enqueue(_spec(idempotency_key="k1", args=[2]))
+    # A faithful repeat: a fresh id and a later run_at (a delay resolved again) are the
+    # same request.
+    again = await ctx.store.enqueue(
+        _spec(idempotency_key="k1", args=[1], run_at=START + timedelta(seconds=5))
+    )
     assert first.duplicate is False
     assert again.duplicate is True
     assert again.job.id == first.job.id
     assert list(again.job.args) == [1]
     claimed = await _claim(ctx.store, first.job)
     assert await ctx.store.complete(claimed.id, claimed.handoff_id or uuid.uuid4())
-    after_completion = await ctx.store.enqueue(_spec(idempotency_key="k1"))
+    after_completion = await ctx.store.enqueue(_spec(idempotency_key="k1", args=[1]))
     assert after_completion.duplicate is True, "a key stays taken while its job is stored"
     assert after_completion.job.id == first.job.id
     batch = await ctx.store.enqueue_many([_spec(idempotency_key="k2"), _spec(idempotency_key="k2")])
@@ -234,6 +243,74 @@ async def check_idempotency_key_returns_the_existing_job(ctx: Context) -> None:
     assert batch[0].job.id == batch[1].job.id
     page = await ctx.store.list_jobs(limit=10)
     assert len(page.jobs) == 2
+
+
+@_check
+async def check_idempotency_key_with_another_request_is_refused(ctx: Context) -> None:
+    """A different task, arguments or options under a taken idempotency key raises
+    IdempotencyConflictError with the holder's id, and stores nothing of its batch."""
+    first = await ctx.store.enqueue(_spec(idempotency_key="k", args=[1], kwargs={"a": 1}))
+    differs: list[dict[str, Any]] = [
+        {"args": [2]},
+        {"kwargs": {"a": 2}},
+        {"task": "tests.other"},
+        {"queue": "mail"},
+        {"max_attempts": 1},
+        {"priority": 5},
+    ]
+    for differ in differs:
+        request = replace(_spec(idempotency_key="k", args=[1], kwargs={"a": 1}), **differ)
+        try:
+            await ctx.store.enqueue(request)
+        except IdempotencyConflictError as exc:
+            assert exc.existing_id == first.job.id, "the error names the job holding the key"
+        else:
+            raise AssertionError(f"a repeat with {differ} under a taken key was accepted")
+        try:
+            await ctx.store.enqueue_many([_spec(args=[9]), replace(request, id=uuid.uuid4())])
+        except IdempotencyConflictError:
+            pass
+        else:
+            raise AssertionError(f"a batch repeating the key with {differ} was accepted")
+    try:
+        await ctx.store.enqueue_many(
+            [_spec(idempotency_key="b", args=[1]), _spec(idempotency_key="b", args=[2])]
+        )
+    except IdempotencyConflictError:
+        pass
+    else:
+        raise AssertionError("one batch with one key for two different jobs was accepted")
+    page = await ctx.store.list_jobs(limit=10)
+    assert [j.id for j in page.jobs] == [first.job.id], "a refused batch stores nothing"
+    same = await ctx.store.enqueue(_spec(idempotency_key="k", args=[1], kwargs={"a": 1}))
+    assert same.duplicate and same.job.id == first.job.id
+
+
+@_check
+async def check_task_catalog_keeps_each_workers_latest_declaration(ctx: Context) -> None:
+    """The task catalog keeps one row per task and worker, the latest declaration and
+    when it was seen; a task a worker stops declaring stays, as it was."""
+    assert await ctx.store.task_catalog() == []
+    later = START + timedelta(seconds=1)
+    await ctx.store.declare_tasks(
+        "w1", {"app.a": {"queue": "q", "max_attempts": 1}, "app.b": {"unique": True}}, START
+    )
+    await ctx.store.declare_tasks(
+        "w2", {"app.a": {"queue": "r", "nested": [1, {"x": None}]}}, START
+    )
+    await ctx.store.declare_tasks("w1", {"app.a": {"queue": "q2"}}, later)
+    records = await ctx.store.task_catalog()
+    assert [(r.task, r.worker_id) for r in records] == [
+        ("app.a", "w1"),
+        ("app.a", "w2"),
+        ("app.b", "w1"),
+    ], "ordered by task, then worker id"
+    assert (records[0].declaration, records[0].seen_at) == ({"queue": "q2"}, later)
+    assert records[1].declaration == {"queue": "r", "nested": [1, {"x": None}]}
+    assert (records[2].declaration, records[2].seen_at) == ({"unique": True}, START)
+    if ctx.store.capabilities.shared_between_processes:
+        other = await ctx.peer()
+        assert await other.task_catalog() == records
 
 
 @_check
@@ -1057,7 +1134,7 @@ async def check_large_values_are_offloaded_and_loaded_wherever_a_job_is_read(
     job = await _enqueue(ctx.store, args=[big, 1], kwargs={"k": big}, idempotency_key="big")
     assert (job.args, job.kwargs) == ((big, 1), {"k": big}), "the enqueue returns it whole"
     assert await _payloads(ctx) == 2, "args and kwargs, each over the threshold, moved out"
-    again = await ctx.store.enqueue(_spec(args=[big, 2], idempotency_key="big"))
+    again = await ctx.store.enqueue(_spec(args=[big, 1], kwargs={"k": big}, idempotency_key="big"))
     assert again.duplicate and again.job.args == (big, 1), "a duplicate returns the stored one"
     assert await _payloads(ctx) == 2, "a duplicate writes no payload"
     stored = await _get(ctx.store, job.id)

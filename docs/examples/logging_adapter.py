@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from typing import TypeVar
@@ -46,6 +46,7 @@ from broker.storage import (
     QueueCount,
     StorageAdapter,
     SupportsNotify,
+    TaskRecord,
 )
 
 logger = logging.getLogger("logging_adapter")
@@ -184,6 +185,19 @@ class LoggingAdapter:
 
     async def get_job(self, job_id: uuid.UUID) -> Job | None:
         return await self._call("get_job", self.inner.get_job(job_id))
+
+    async def declare_tasks(
+        self,
+        worker_id: str,
+        declarations: Mapping[str, Mapping[str, JSONValue]],
+        seen_at: datetime,
+    ) -> None:
+        await self._call(
+            "declare_tasks", self.inner.declare_tasks(worker_id, declarations, seen_at)
+        )
+
+    async def task_catalog(self) -> list[TaskRecord]:
+        return await self._call("task_catalog", self.inner.task_catalog())
 
     async def list_jobs(
         self,

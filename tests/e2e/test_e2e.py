@@ -711,7 +711,9 @@ async def test_bad_peers_are_refused_while_a_real_worker_carries_on(tmp_path: Pa
             )
             stop.set()
             await producer
-            async with cluster.client() as client:
+            # A name no worker declared: allowed here, to see the worker refuse it too.
+            unknown = Client("127.0.0.1", cluster.port, token=TOKEN, allow_unknown_tasks=True)
+            async with unknown as client:
                 bad = await client.enqueue(
                     f"{APP}.not_registered", ["x"], execution_mode=ExecutionMode.INLINE
                 )

@@ -93,3 +93,48 @@ async def test_policies_decide_which_failures_are_retried() -> None:
 
         right = await _run(main, store, "add", 1, 2)
         assert (right.status, right.result) == (JobStatus.COMPLETED, 3)
+
+
+async def test_every_runner_ends_a_dont_retry_failure_and_bad_arguments_at_once() -> None:
+    """Inline, pooled and forked alike: the worker judges the failure from the runner's
+    report (a child process's, for pooled and forked), so none of them retries it."""
+    async with cluster() as (main, store):
+        for mode in ("inline", "pooled", "forked"):
+            declined = await _run(main, store, "charge", 10, max_attempts=6, execution_mode=mode)
+            assert (declined.status, declined.attempts) == (JobStatus.FAILED, 1), mode
+            assert declined.last_error is not None
+            assert "excludes PaymentDeclined" in declined.last_error, mode
+            wrong = await _run(main, store, "add", 1, max_attempts=6, execution_mode=mode)
+            assert (wrong.status, wrong.attempts) == (JobStatus.FAILED, 1), mode
+            assert wrong.last_error is not None
+            assert "missing a required argument: 'b'" in wrong.last_error, mode
+            unknown = await _run(main, store, "no_such_task", max_attempts=6, execution_mode=mode)
+            assert (unknown.status, unknown.attempts) == (JobStatus.FAILED, 1), mode
+            assert unknown.last_error is not None and "not registered" in unknown.last_error
+
+
+async def test_a_callable_backoff_sets_the_wait_and_a_bad_one_is_refused() -> None:
+    async with cluster() as (main, store):
+        [result] = await store.enqueue_many(
+            [JobSpec(task=f"{APP}.patient", args=[1], max_attempts=4)]
+        )
+        main.wake()
+
+        async def failed_once() -> Job | None:
+            job = await store.get_job(result.job.id)
+            return job if job is not None and job.attempts == 1 else None
+
+        waiting: Job = await until(failed_once, 30)
+        assert waiting.status is JobStatus.QUEUED
+        wait = (waiting.run_at - waiting.updated_at).total_seconds()
+        assert 3599 <= wait <= 3601, f"the task's backoff asked for an hour, got {wait} s"
+
+        # A backoff returning -5 s: refused, the main's backoff (none, in this cluster)
+        # applies, the job runs its retry and its error says why.
+        refused = await _run(main, store, "badly_backed_off", 1, max_attempts=2)
+        assert (refused.status, refused.attempts) == (JobStatus.FAILED, 2)
+        assert refused.last_error is not None
+        assert "the task's backoff after 2 failures must be a number of seconds" in (
+            refused.last_error
+        ), refused.last_error
+        assert "the main's backoff applies" in refused.last_error

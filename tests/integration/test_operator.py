@@ -18,7 +18,7 @@ import os
 import socket
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -535,3 +535,24 @@ async def _gone(pid: int) -> bool:
 
 async def _async(value: bool) -> bool:
     return value
+
+
+async def test_without_a_main_the_catalog_is_read_from_the_store(tmp_path: Path) -> None:
+    """``broker tasks`` and ``broker enqueue`` on the store directly: the declarations the
+    workers left there decide the defaults, and an undeclared name is refused."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}"
+    store = SQLAlchemyAdapter(url)
+    await store.setup()
+    try:
+        declared = {"name": "app.charge", "max_attempts": 1, "queue": "money"}
+        await store.declare_tasks("w1", {"app.charge": declared}, datetime.now(UTC))
+        down = ("--main", f"127.0.0.1:{_closed_port()}", "--database-url", url)
+        listing = await _cli_json(*down, "tasks")
+        assert [(t["task"], t["worker_id"]) for t in listing["tasks"]] == [("app.charge", "w1")]
+        made = await _cli_json(*down, "enqueue", "app.charge", "[1]")
+        job = await store.get_job(uuid.UUID(made["job_id"]))
+        assert job is not None and (job.max_attempts, job.queue) == (1, "money")
+        code, _, err = await _cli(*down, "enqueue", "app.chrage", "[1]")
+        assert code == 1 and "no worker has declared task 'app.chrage'" in err
+    finally:
+        await store.close()

@@ -317,7 +317,7 @@ async def test_concurrent_idempotent_enqueues_from_many_engines_make_one_job(
     handles = [await backend.open() for _ in range(4)]
 
     async def enqueue(i: int) -> list[Any]:
-        specs = [JobSpec("t", idempotency_key="race", args=[i])]
+        specs = [JobSpec("t", idempotency_key="race", args=[1])]
         if i % 3 == 0:  # some in batches that also hold a key of their own
             specs.append(JobSpec("t", idempotency_key=f"own-{i}"))
             return await handles[i % 4].enqueue_many(specs)
@@ -345,7 +345,7 @@ async def test_an_enqueue_reusing_an_existing_job_id_returns_that_job(
 async def test_pruning_a_key_frees_it_for_a_new_job(store: SQLAlchemyAdapter) -> None:
     job = await _claim(store, await _enqueue(store, idempotency_key="k"))
     assert await store.complete(job.id, job.handoff_id or uuid.uuid4())
-    assert (await store.enqueue(JobSpec("t", idempotency_key="k"))).duplicate is True
+    assert (await store.enqueue(JobSpec("tests.noop", idempotency_key="k"))).duplicate is True
     assert await store.prune() == 1
     fresh = await store.enqueue(JobSpec("t", idempotency_key="k"))
     assert fresh.duplicate is False and fresh.job.id != job.id

@@ -15,7 +15,7 @@ from adapters.memory import MemoryAdapter
 from broker import client as client_module
 from broker import protocol, tasks
 from broker.client import Client, SyncClient
-from broker.exceptions import ConfigurationError
+from broker.exceptions import ConfigurationError, IdempotencyConflictError
 from broker.storage import JobFilter
 from broker.tasks import TaskRegistry, task
 from tests.support import running_main
@@ -53,8 +53,15 @@ async def test_options_and_the_task_defaults_reach_the_stored_job() -> None:
         tuned = await send_email.options(
             client=client, queue="bulk", priority=5, delay=3600, idempotency_key="k1"
         ).enqueue("b@x", urgent=True)
-        again = await send_email.options(client=client, idempotency_key="k1").enqueue("b@x")
+        again = await send_email.options(
+            client=client, queue="bulk", priority=5, delay=3600, idempotency_key="k1"
+        ).enqueue("b@x", urgent=True)
         assert again.duplicate and again.job_id == tuned.job_id
+        with pytest.raises(IdempotencyConflictError, match="different kwargs") as refused:
+            await send_email.options(
+                client=client, queue="bulk", priority=5, idempotency_key="k1"
+            ).enqueue("b@x")
+        assert refused.value.existing_id == tuned.job_id
         first = await store.get_job(plain.job_id)
         second = await store.get_job(tuned.job_id)
         assert first is not None and second is not None

@@ -37,6 +37,8 @@ class Session:
     readies: list[protocol.Ready] = field(default_factory=list)
     statuses: list[protocol.WorkerStatus] = field(default_factory=list)
     """``worker_status`` messages, kept aside: they are for operators, not the protocol."""
+    catalogs: list[protocol.TaskCatalog] = field(default_factory=list)
+    """``tasks`` messages (the worker's task catalog), kept aside like the statuses."""
 
     async def send(self, *msgs: protocol.Message) -> None:
         await self.writer.send_many(msgs)
@@ -133,6 +135,8 @@ class FakeMain:
                         await writer.send(protocol.Pong(nonce=msg.nonce))
                     elif isinstance(msg, protocol.WorkerStatus):
                         session.statuses.append(msg)
+                    elif isinstance(msg, protocol.TaskCatalog):
+                        session.catalogs.append(msg)
                     elif not isinstance(msg, protocol.Pong):
                         session.inbox.put_nowait(msg)
         except (OSError, wire.UnterminatedLineError):
@@ -223,6 +227,8 @@ async def test_handshake_without_token(registry: TaskRegistry) -> None:
             assert hello.held_leases == []
             assert hello.pid is not None and hello.host
             assert await session.recv() == protocol.Ready(slots={INLINE: 2}, seen=0)
+            [declared] = session.catalogs  # sent before anything else on the connection
+            assert [t.name for t in declared.tasks] == registry.names()
             status = worker.status()
             assert status["connected"] is True
             assert status["main_id"] == "fake-main"

@@ -134,6 +134,28 @@ SAMPLES: list[p.Message] = [
     p.Prune(request_id="r7", older_than_seconds=86400.0, keep_latest=10),
     p.Prune(request_id="r7", keep_latest=0, statuses=[JobStatus.COMPLETED]),
     p.Pruned(request_id="r7", deleted=3),
+    p.TaskCatalog(
+        tasks=[
+            p.TaskDeclaration(name="t"),
+            p.TaskDeclaration(
+                name="app.sync",
+                execution_mode=ExecutionMode.FORKED,
+                queue="q",
+                max_attempts=1,
+                timeout=2.5,
+                concurrency_key="acct:{account}",
+                concurrency_limit=1,
+                unique=True,
+                parameters=["account"],
+                retry_on=["ConnectionError"],
+                dont_retry_on=["app.Declined"],
+                backoff="fixed 5s",
+            ),
+        ]
+    ),
+    p.ListTasks(request_id="r8"),
+    p.TaskList(request_id="r8", tasks=[{"task": "t", "worker_id": "w1", "declaration": {}}]),
+    p.Enqueue(request_id="r9", jobs=[p.JobRequest(task="t")], allow_unknown_tasks=True),
 ]
 
 
