@@ -168,7 +168,7 @@ async def test_the_count_limit_still_applies() -> None:
 
 
 async def test_a_payload_listing_reads_a_few_rows_at_a_time() -> None:
-    ops, store, _ = _service(_Limits(max_payload_bytes=1000, list_page_bytes=4500))
+    ops, store, _ = _service(_Limits(max_payload_bytes=1000, list_page_bytes=5000))
     await store.enqueue_many([JobSpec(task="t", args=[i]) for i in range(7)])
     store.reads.clear()
     page = await ops.list_jobs(JobFilter(), limit=7, cursor=None, include_payload=True)
