@@ -124,6 +124,14 @@ class _Sampler:
         self._channel.queue(pipe.encode(pipe.SampleLine(current_rss())))
 
 
+def _unanswerable() -> Exception:
+    from broker.exceptions import CheckpointRejectedError  # only then: see runners.process
+
+    return CheckpointRejectedError(
+        "the worker closed this runner process's job channel: the checkpoint was not saved"
+    )
+
+
 class _PipeJobs:
     """The jobs' channel in a child (:class:`broker.runner.JobChannel`): checkpoints and
     progress go to the worker over the outcome channel, and each checkpoint waits for the
@@ -132,13 +140,27 @@ class _PipeJobs:
     def __init__(self, channel: _Channel) -> None:
         self._channel = channel
         self._waiting: dict[tuple[uuid.UUID, int], asyncio.Future[None]] = {}
+        self._closed = False
 
     def save_checkpoint(self, key: LeaseKey, seq: int, state: JSONValue) -> asyncio.Future[None]:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         encoded = pipe.encode(pipe.CheckpointLine(key[1], seq, state))  # ValueError: not sent
+        if self._closed:
+            waiter.set_exception(_unanswerable())
+            return waiter
         self._waiting[(key[1], seq)] = waiter
         self._channel.queue(encoded)
         return waiter
+
+    def closed(self) -> None:
+        """The worker closed the job channel while jobs still run (it died, or was
+        killed): no acknowledgement can come any more, so a checkpoint waiting for one
+        fails instead of holding its job, and this child, for ever."""
+        self._closed = True
+        waiting, self._waiting = self._waiting, {}
+        for waiter in waiting.values():
+            if not waiter.done():
+                waiter.set_exception(_unanswerable())
 
     def report_progress(self, key: LeaseKey, fraction: float, message: str) -> None:
         self._channel.queue(pipe.encode(pipe.ProgressLine(key[1], fraction, message)))
@@ -196,7 +218,9 @@ async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bo
                         running.add(task)
                         task.add_done_callback(running.discard)
                         started.set()
-        # The worker closed our job channel: finish what runs, then exit.
+        # The worker closed our job channel: finish what runs, then exit. The worker
+        # retires a child only once it is idle, so jobs still running here lost it.
+        jobs.closed()
 
     started = asyncio.Event()
     reading = loop.create_task(read())

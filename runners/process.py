@@ -334,6 +334,8 @@ class ChildProcess:
                 self.jobs_run += 1
                 if not future.done():
                     future.set_result(pipe.outcome_of(m))
+                if self.retiring and not self.inflight:
+                    self._close_input()
             case pipe.CheckpointLine(handoff_id=handoff_id, seq=seq, state=state) if self.started:
                 self._checkpoint(handoff_id, seq, state)
             case pipe.ProgressLine(handoff_id=handoff_id) if self.started:
@@ -457,8 +459,15 @@ class ChildProcess:
             self._proc.stdin.write(pipe.encode_batch(lines))
 
     def retire(self) -> None:
-        """No more jobs: closing the job channel makes the child exit once idle."""
+        """No more jobs: the job channel closes, and the child exits, once it is idle.
+
+        Not before: a job still running there gets its checkpoint acknowledgements over
+        that channel, and would wait for them for ever."""
         self.retiring = True
+        if not self.inflight:
+            self._close_input()
+
+    def _close_input(self) -> None:
         self._flush()
         if self._proc is not None and self._proc.stdin is not None:
             self._proc.stdin.close()

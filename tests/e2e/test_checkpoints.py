@@ -103,6 +103,15 @@ def child_pids(parent: int) -> list[int]:
     return [int(pid) for pid in out.split()]
 
 
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie waiting to be reaped has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
 async def broker(cluster: Cluster, *argv: str) -> str:
     """``broker ARGV`` as an operator runs it, through the main (awaited, so this test's
     own client keeps answering the main's pings meanwhile)."""
@@ -142,11 +151,21 @@ async def test_kill_9_of_child_and_worker_resumes_from_the_last_acknowledged_che
             [child] = child_pids(workers[0].pid)  # type: ignore[attr-defined]
             os.kill(child, signal.SIGKILL)
             kills += 1
+        orphans: list[int] = []
         for step, name in ((80, "b"), (100, "c")):  # then the worker, twice
             await reached(step)
+            orphans += child_pids(workers[-1].pid)  # type: ignore[attr-defined]
             await workers[-1].kill()  # type: ignore[attr-defined]
             workers.append(await cluster.worker(name, "--pooled-runner-count", "1"))
             kills += 1
+        # A child whose worker died mid-job, its job waiting for a checkpoint answer
+        # that can never come, exits instead of living on for ever.
+        await eventually(
+            lambda: all(gone(pid) for pid in orphans),
+            "the dead workers' children to exit",
+            timeout=WAIT,
+            detail=cluster.logs,
+        )
 
         async def shows_progress() -> bool:
             shown = json.loads(await broker(cluster, "job", str(job_id), "--json"))
