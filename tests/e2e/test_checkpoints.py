@@ -245,6 +245,7 @@ async def test_a_frozen_workers_late_checkpoint_is_fenced(cluster: Checkpointing
     assert acked == sorted(acked) and acked[-1] == total
 
 
+@pytest.mark.soak
 async def test_every_mode_and_flavour_resumes_a_failed_run_from_its_checkpoint(
     cluster: Checkpointing,
 ) -> None:
@@ -274,6 +275,7 @@ async def test_every_mode_and_flavour_resumes_a_failed_run_from_its_checkpoint(
         assert starts == [["1", "-"], ["2", "4"]], f"{job['task']} {job['execution_mode']}"
 
 
+@pytest.mark.soak
 async def test_a_main_restart_keeps_the_run_and_its_checkpoints(cluster: Checkpointing) -> None:
     """``kill -9`` of the main mid-run: the run waits for its checkpoint's answer, the
     worker sends it again to the next main, which adopts the lease; one run finishes."""

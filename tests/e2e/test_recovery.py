@@ -110,6 +110,7 @@ async def test_a_job_whose_worker_is_killed_recovers_at_once_without_failure_bac
     assert job.recoveries == 1 and job.attempts == 0
 
 
+@pytest.mark.soak
 async def test_affinity_the_recovery_waits_for_its_state_holder_to_come_back(
     sqlite_cluster: Cluster,
 ) -> None:
@@ -162,6 +163,7 @@ async def test_affinity_past_the_grace_another_worker_runs_it_told_the_state_is_
     assert job.result == {"pid": other.pid, "recoveries": 1, "state_lost": True}
 
 
+@pytest.mark.soak
 async def test_affinity_a_holder_back_without_its_state_dir_releases_the_recovery_at_once(
     sqlite_cluster: Cluster,
 ) -> None:
