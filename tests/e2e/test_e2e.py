@@ -407,7 +407,9 @@ async def test_kill_9_of_the_main_workers_reconnect_and_nothing_runs_twice(
     sqlite_cluster: Cluster,
 ) -> None:
     cluster = sqlite_cluster
-    grace = 4.0  # long enough for a worker's reconnect backoff, short enough to outwait
+    # Long enough for a worker's reconnect backoff even on a loaded machine (at load 10
+    # and more, 4 s was not), short enough to outwait.
+    grace = 8.0
     main = await cluster.start_main("--orphan-grace", str(grace))
     w1 = await cluster.start_worker("worker-1", concurrency=4)
     w2 = await cluster.start_worker("worker-2", concurrency=4)
