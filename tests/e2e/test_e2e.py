@@ -755,17 +755,16 @@ async def test_an_unknown_type_before_hello_is_refused_as_unknown_type(
 # ------------------------------------------------------------------ 5. 2,000 jobs
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
-    if request.param == "sqlite":
-        yield sqlite_url(tmp_path)
-        return
+@contextlib.asynccontextmanager
+async def fresh_database(prefix: str) -> AsyncIterator[str]:
+    """The URL of a PostgreSQL database of its own, dropped afterwards: processes that
+    share a store (several mains, a main and its workers) all reach it by URL."""
     import asyncpg
     from sqlalchemy.engine import make_url
 
     base = make_url(require_postgres())
     admin = base.set(drivername="postgresql", database="postgres").render_as_string(False)
-    name = f"broker_e2e_{uuid.uuid4().hex[:12]}"
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     conn = await asyncpg.connect(admin)
     try:
         await conn.execute(f'CREATE DATABASE "{name}"')
@@ -779,6 +778,15 @@ async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIter
             await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         finally:
             await conn.close()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    if request.param == "sqlite":
+        yield sqlite_url(tmp_path)
+        return
+    async with fresh_database("broker_e2e") as url:
+        yield url
 
 
 async def test_2000_jobs_two_workers_one_killed_midway(tmp_path: Path, store_url: str) -> None:

@@ -15,7 +15,6 @@ import os
 import random
 import signal
 import time
-import uuid
 from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
@@ -24,7 +23,6 @@ import pytest
 
 from broker.client import Client
 from broker.jobs import JobStatus
-from tests.conftest import require_postgres
 from tests.e2e.test_e2e import (
     Cluster,
     Proc,
@@ -33,6 +31,7 @@ from tests.e2e.test_e2e import (
     eventually,
     final_jobs,
     free_port,
+    fresh_database,
     hold_spec,
     observe,
     record_spec,
@@ -49,25 +48,8 @@ SLACK = 5.0
 @pytest.fixture
 async def pg_url() -> AsyncIterator[str]:
     """A database of its own: several mains share it, as they would in production."""
-    import asyncpg
-    from sqlalchemy.engine import make_url
-
-    base = make_url(require_postgres())
-    admin = base.set(drivername="postgresql", database="postgres").render_as_string(False)
-    name = f"broker_ha_{uuid.uuid4().hex[:12]}"
-    conn = await asyncpg.connect(admin)
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await conn.close()
-    try:
-        yield base.set(database=name).render_as_string(False)
-    finally:
-        conn = await asyncpg.connect(admin)
-        try:
-            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await conn.close()
+    async with fresh_database("broker_ha") as url:
+        yield url
 
 
 class Mains(Cluster):
