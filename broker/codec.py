@@ -11,6 +11,8 @@ attempt number); a field added to the target is copied without another line here
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import fields
 from typing import Any
 
@@ -24,13 +26,24 @@ from broker.runner import Assignment
 def _by_name(target: Any, source: object, **differ: Any) -> dict[str, Any]:
     """``target``'s fields taken from ``source`` by name, but for those that ``differ``.
     ``target`` is a message (a msgspec struct) or a dataclass (an ``Assignment``)."""
+    names, get = _copied(target, tuple(differ))
+    values = dict(zip(names, get(source), strict=True))
+    values.update(differ)
+    return values
+
+
+@functools.cache
+def _copied(target: Any, differ: tuple[str, ...]) -> tuple[tuple[str, ...], Any]:
+    """The fields :func:`_by_name` copies, and a getter of them all, worked out once per
+    target and set of differing names (a job message is built per job)."""
     every = (
         target.__struct_fields__
         if issubclass(target, msgspec.Struct)
         else [f.name for f in fields(target)]
     )
-    names = [name for name in every if name not in differ]
-    return {**{name: getattr(source, name) for name in names}, **differ}
+    names = tuple(name for name in every if name not in differ)
+    get = operator.attrgetter(*names)
+    return names, (get if len(names) > 1 else lambda source: (get(source),))
 
 
 def job_message(seq: int, job: Job, *, state_lost: bool = False) -> protocol.JobHandoff:
