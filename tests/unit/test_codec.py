@@ -122,3 +122,10 @@ def test_a_job_is_built_as_its_dataclass_says() -> None:
         Job(**required, nope=1)  # type: ignore[call-arg]
     with pytest.raises(FrozenInstanceError):
         job.status = job.status  # type: ignore[misc]
+
+
+def test_a_mapping_refuses_a_field_its_target_lacks() -> None:
+    """A differing value under a name the target does not have is a mistake in the
+    mapping, not something to drop quietly."""
+    with pytest.raises(TypeError, match="nope"):
+        codec._by_name(protocol.JobHandoff, claimed(), nope=1)
