@@ -11,6 +11,8 @@ attempt number); a field added to the target is copied without another line here
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import fields
 from typing import Any
 
@@ -21,16 +23,39 @@ from broker.jobs import Job
 from broker.runner import Assignment
 
 
-def _by_name(target: Any, source: object, **differ: Any) -> dict[str, Any]:
-    """``target``'s fields taken from ``source`` by name, but for those that ``differ``.
-    ``target`` is a message (a msgspec struct) or a dataclass (an ``Assignment``)."""
+def _by_name(target: Any, source: object, **differ: Any) -> Any:
+    """A ``target`` whose fields are taken from ``source`` by name, but for those that
+    ``differ``. ``target`` is a message (a msgspec struct) or a dataclass (an
+    ``Assignment``); either takes its fields by position, in order."""
+    get, pick = _copied(target, tuple(differ))
+    return target(*pick((*get(source), *differ.values())))
+
+
+@functools.cache
+def _copied(target: Any, differ: tuple[str, ...]) -> tuple[Any, Any]:
+    """How :func:`_by_name` builds a ``target``, worked out once per target and set of
+    differing names (a job message is built per job): a getter of the fields copied from
+    the source, and a picker that puts those values and the differing ones (in that
+    order) into the target's field order."""
     every = (
         target.__struct_fields__
         if issubclass(target, msgspec.Struct)
         else [f.name for f in fields(target)]
     )
-    names = [name for name in every if name not in differ]
-    return {**{name: getattr(source, name) for name in names}, **differ}
+    if unknown := set(differ) - set(every):
+        raise TypeError(f"{target.__name__} has no field {sorted(unknown)}")
+    copied = [name for name in every if name not in differ]
+    at = {name: i for i, name in enumerate([*copied, *differ])}
+    return _getter(operator.attrgetter, copied), _getter(
+        operator.itemgetter, [at[n] for n in every]
+    )
+
+
+def _getter(make: Any, keys: list[Any]) -> Any:
+    """``make(*keys)`` that always returns a tuple (the operator's getters return a
+    single value, not a tuple of one, when given one key)."""
+    get = make(*keys)
+    return get if len(keys) > 1 else lambda source: (get(source),)
 
 
 def job_message(seq: int, job: Job, *, state_lost: bool = False) -> protocol.JobHandoff:
@@ -38,20 +63,20 @@ def job_message(seq: int, job: Job, *, state_lost: bool = False) -> protocol.Job
     ``state_lost`` when the job's local state is not on that worker."""
     if job.handoff_id is None:
         raise ValueError(f"job {job.id} has no lease: only a claimed job is sent")
-    return protocol.JobHandoff(
-        **_by_name(
-            protocol.JobHandoff,
-            job,
-            seq=seq,
-            job_id=job.id,
-            handoff_id=job.handoff_id,
-            args=list(job.args),
-            attempt=job.attempts + 1,
-            state_lost=state_lost,
-        )
+    message: protocol.JobHandoff = _by_name(
+        protocol.JobHandoff,
+        job,
+        seq=seq,
+        job_id=job.id,
+        handoff_id=job.handoff_id,
+        args=list(job.args),
+        attempt=job.attempts + 1,
+        state_lost=state_lost,
     )
+    return message
 
 
 def assignment(msg: protocol.JobHandoff) -> Assignment:
     """What a worker hands its runner for a ``job`` message."""
-    return Assignment(**_by_name(Assignment, msg, args=tuple(msg.args), kwargs=dict(msg.kwargs)))
+    assigned: Assignment = _by_name(Assignment, msg, args=tuple(msg.args), kwargs=dict(msg.kwargs))
+    return assigned

@@ -12,6 +12,9 @@ the credit a report freed while a claim was in flight is used at once, instead o
 a full round trip. The core already keeps the two passes apart (a job being claimed is
 never planned again, and every reserved credit is counted), so the only care here is to
 read far enough past the jobs still being claimed, which the store still shows queued.
+Reading them again costs the main a decoded row each, so a pass runs during a claim only
+when it can plan at least as many jobs as it would read again; otherwise the claim's
+answer, a round trip away, wakes the next pass.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ class Dispatcher:
                 )
                 if more:
                     continue
-                if len(self._claims) >= self._max_claims_in_flight:
+                if self._claims:
                     await self._wake.wait()  # the first claim to answer wakes us
                     continue
                 timeout = await self._idle_timeout()
@@ -137,8 +140,8 @@ class Dispatcher:
 
         Returns ``True`` when another pass may find more work right away (the read was
         full and credit is left). A pass is skipped while the claims in flight are at
-        their cap (the first to answer wakes the dispatcher) or shortly after a claim
-        raised.
+        their cap or hold more jobs than it could plan (the first to answer wakes the
+        dispatcher), and paused shortly after a claim raised.
         """
         if self._stopping() or len(self._claims) >= self._max_claims_in_flight:
             return False
@@ -156,7 +159,9 @@ class Dispatcher:
         # read past them, or a pass during a claim would find only those.
         # Jobs held back for their state holder, too (see broker.affinity).
         claiming = len(core.claiming) + len(core.awaiting)
-        limit = min(core.credit(), self._claim_batch)
+        limit = core.read_limit(self._claim_batch)
+        if self._claims and limit < claiming:
+            return False  # it would mostly read the jobs being claimed again
         started = core.queue_changes
         jobs = await self._store.select_eligible(modes=modes, queues=queues, limit=limit + claiming)
         core.read_eligible(started, modes, full=len(jobs) == limit + claiming)

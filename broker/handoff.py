@@ -445,6 +445,16 @@ class Handoff:
             return sum(peer.credits.total_available() for peer in workers)
         return sum(peer.credits.available(mode) for peer in workers)
 
+    def read_limit(self, batch: int) -> int:
+        """How many jobs a dispatch pass may plan from one read, at most ``batch``: the
+        free slots of the one mode with the most. A read sorted by priority may hold one
+        mode's jobs alone, so the free slots of every mode together would read rows
+        past that mode's own credit for nothing (the dispatcher reads again, per mode,
+        when a read leaves some mode's slots unused)."""
+        workers = self.workers()
+        most = max(sum(peer.credits.available(mode) for peer in workers) for mode in ExecutionMode)
+        return min(batch, most)
+
     def plan(self, jobs: Sequence[Job], now: float) -> list[PlannedClaim]:
         """A worker and a freshly minted lease for each job that has a free slot somewhere
         (jobs already being claimed are skipped); the slot is reserved now, before the

@@ -543,7 +543,13 @@ class Main:
         """
         out = Gathered(self.sessions)
         for effect in effects:
+            # The three effects every job makes come first: each case is a type test.
             match effect:
+                case Dispatch(peer=peer, seq=seq, job=job, state_lost=state_lost):
+                    out.add(peer, protocol.Jobs, codec.job_message(seq, job, state_lost=state_lost))
+                    self.metrics.handed_off(job)
+                case Settle(peer=peer, report=report):
+                    self.settler.add(peer, report)
                 case Send(peer=peer, message=protocol.ReportAck() as ack):
                     out.add(peer, protocol.ReportAcks, ack)
                 case Send(peer=peer, message=protocol.CheckpointAck() as ack):
@@ -551,9 +557,6 @@ class Main:
                     out.send(peer, ack)
                 case Send(peer=peer, message=message):
                     out.send(peer, message)
-                case Dispatch(peer=peer, seq=seq, job=job, state_lost=state_lost):
-                    out.add(peer, protocol.Jobs, codec.job_message(seq, job, state_lost=state_lost))
-                    self.metrics.handed_off(job)
                 case ReturnLease():
                     self.ledger.kick()
                 case Abort(peer=peer, reason=reason):
@@ -567,8 +570,6 @@ class Main:
                             reason,
                         )
                         session.abort()
-                case Settle(peer=peer, report=report):
-                    self.settler.add(peer, report)
                 case WakeDispatcher():
                     self.wake()
                 case ClaimJobs():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from broker import protocol
 from broker.exceptions import transient
@@ -99,7 +99,8 @@ class ReportSettler:
         """
         while True:
             try:
-                settlements = [await self._settlement(msg) for _, msg in batch]
+                now = self._clock()  # once per batch: a clock read per report was ~1% of the main
+                settlements = [await self._settlement(msg, now) for _, msg in batch]
                 applied = await self._store.settle_many(settlements)
                 statuses = [
                     protocol.AckStatus.APPLIED
@@ -219,8 +220,7 @@ class ReportSettler:
             return protocol.AckStatus.DUPLICATE
         return protocol.AckStatus.STALE
 
-    async def _settlement(self, msg: protocol.Report) -> Settlement:
-        now = self._clock()
+    async def _settlement(self, msg: protocol.Report, now: datetime) -> Settlement:
         match msg:
             case protocol.CompletedReport(job_id=job_id, handoff_id=lease, result=result):
                 problem = result_problem(result, self._max_payload_bytes, self._max_payload_depth)

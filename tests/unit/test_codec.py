@@ -4,8 +4,10 @@ Schedule.spec) carries every field, so adding a field is a change in one place."
 from __future__ import annotations
 
 import uuid
-from dataclasses import fields, replace
+from dataclasses import MISSING, FrozenInstanceError, fields, replace
 from datetime import UTC, datetime, timedelta
+
+import pytest
 
 from broker import codec, protocol, settlement
 from broker.jobs import Claim, ExecutionMode, Job, JobSpec, spec_from
@@ -102,3 +104,28 @@ def test_a_schedule_s_tick_carries_every_job_option() -> None:
     assert (spec.concurrency_key, spec.concurrency_limit) == ("ck", 1)
     assert (spec.run_at, spec.idempotency_key) == (tick, schedule.key(tick))
     assert spec_from(schedule, run_at=tick).unique_key is None, "a field it lacks: default"
+
+
+def test_a_job_is_built_as_its_dataclass_says() -> None:
+    """Job's own ``__init__`` (it fills the slots directly, see ``jobs._slot_init``) takes
+    every field by position or name, applies the declared defaults, refuses a missing
+    field or an unknown one, and the job stays frozen."""
+    job = claimed()
+    assert Job(*[getattr(job, f.name) for f in fields(Job)]) == job
+    assert Job(**{f.name: getattr(job, f.name) for f in fields(Job)}) == job
+    required = {f.name: getattr(job, f.name) for f in fields(Job) if f.default is MISSING}
+    defaults = {f.name: f.default for f in fields(Job) if f.default is not MISSING}
+    assert Job(**required) == replace(job, **defaults)
+    with pytest.raises(TypeError):
+        Job(**{k: v for k, v in required.items() if k != "task"})
+    with pytest.raises(TypeError):
+        Job(**required, nope=1)  # type: ignore[call-arg]
+    with pytest.raises(FrozenInstanceError):
+        job.status = job.status  # type: ignore[misc]
+
+
+def test_a_mapping_refuses_a_field_its_target_lacks() -> None:
+    """A differing value under a name the target does not have is a mistake in the
+    mapping, not something to drop quietly."""
+    with pytest.raises(TypeError, match="nope"):
+        codec._by_name(protocol.JobHandoff, claimed(), nope=1)

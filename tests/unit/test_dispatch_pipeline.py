@@ -1,13 +1,14 @@
 """The dispatcher's pipelining and the core's spreading of ties, on the memory adapter with a
 claim that can be held open: a pass runs while an earlier claim is still in flight, no job
-is claimed twice, the number of claims in flight is capped, and workers with equal credit
-share the jobs."""
+is claimed twice, the number of claims in flight is capped, a pass does not read the jobs
+being claimed again for fewer new ones, a read asks for no more jobs than one mode can
+take, and workers with equal credit share the jobs."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from adapters.memory import MemoryAdapter
 from broker import protocol
@@ -32,7 +33,25 @@ class HeldClaims(MemoryAdapter):
         return await super().mark_handed_off_many(claims)
 
 
-def worker(core: Handoff, peer_id: int, slots: int) -> None:
+class CountedReads(HeldClaims):
+    """Held claims, and the limit of every read of eligible jobs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[int] = []
+
+    async def select_eligible(
+        self,
+        *,
+        modes: Collection[ExecutionMode],
+        queues: Collection[str] | None = None,
+        limit: int = 100,
+    ) -> list[Job]:
+        self.reads.append(limit)
+        return await super().select_eligible(modes=modes, queues=queues, limit=limit)
+
+
+def worker(core: Handoff, peer_id: int, slots: int, inline: int = 0) -> None:
     peer = core.new_peer(peer_id, 0.0)
     core.hello(
         peer,
@@ -40,10 +59,10 @@ def worker(core: Handoff, peer_id: int, slots: int) -> None:
             role=protocol.Role.WORKER,
             protocol=protocol.PROTOCOL_VERSION,
             worker_id=f"w{peer_id}",
-            modes=[POOLED],
+            modes=[POOLED, ExecutionMode.INLINE] if inline else [POOLED],
         ),
     )
-    core.ready(peer_id, {POOLED: slots}, seen=0)
+    core.ready(peer_id, {POOLED: slots, ExecutionMode.INLINE: inline}, seen=0)
 
 
 def dispatcher(store: MemoryAdapter, core: Handoff, sent: list[Dispatch], **kw: int) -> Dispatcher:
@@ -105,6 +124,49 @@ async def test_the_claims_in_flight_are_capped_and_the_first_answer_wakes_a_pass
     assert [len(c) for c in claims] == [2, 2, 2]
     assert len({d.job.id for d in sent}) == 6
     run.cancel()
+
+
+async def test_a_pass_does_not_read_the_jobs_being_claimed_again_for_fewer_new_ones() -> None:
+    """Two slots free up while a claim of eight is in flight: a pass now would read ten
+    jobs to plan two, so it waits for the claim's answer and then reads just the two."""
+    store = CountedReads()
+    await store.enqueue_many([JobSpec(task="t") for _ in range(12)])
+    core = Handoff()
+    worker(core, 1, 8)
+    sent: list[Dispatch] = []
+    d = dispatcher(store, core, sent, claim_batch=8)
+    await d.dispatch_once()
+    assert len(await store.started.get()) == 8  # held open
+    core.ready(1, {POOLED: 10}, seen=0)
+    assert not await d.dispatch_once()
+    assert store.reads == [8]
+    store.release.release()
+    while len(sent) < 8:
+        await asyncio.sleep(0)
+    await d.dispatch_once()
+    assert store.reads == [8, 2]
+    assert len(await store.started.get()) == 2
+    store.release.release()
+    while len(sent) < 10:
+        await asyncio.sleep(0)
+
+
+async def test_a_read_asks_for_no_more_jobs_than_the_mode_with_most_free_slots() -> None:
+    """Four pooled and three inline slots free, only pooled jobs queued: one read of four
+    plans them all (reading seven would decode three rows for nothing, and leave the
+    inline slots to a read of their own)."""
+    store = CountedReads()
+    await store.enqueue_many([JobSpec(task="t") for _ in range(10)])
+    core = Handoff()
+    worker(core, 1, 4, inline=3)
+    sent: list[Dispatch] = []
+    d = dispatcher(store, core, sent, claim_batch=8)
+    await d.dispatch_once()
+    assert len(await store.started.get()) == 4
+    assert store.reads == [4]
+    store.release.release()
+    while len(sent) < 4:
+        await asyncio.sleep(0)
 
 
 def test_workers_with_equal_credit_take_turns() -> None:

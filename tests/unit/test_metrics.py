@@ -89,6 +89,27 @@ def test_label_sets_are_bounded() -> None:
     )
 
 
+def test_a_wait_counts_in_every_bucket_from_its_own_bound_up() -> None:
+    """A bucket counts the observations at or below its bound (``le``), as Prometheus
+    reads it; past :data:`MAX_LABEL_SETS` queues the rest count under ``"_other"``."""
+    metrics = MainMetrics()
+    for waited in (0.005, 0.0051, 7200.0):
+        metrics.handed_off(handed_off_job(waited=waited))
+    for n in range(MAX_LABEL_SETS + 2):
+        metrics.handed_off(handed_off_job(queue=f"q{n}", waited=1.0))
+    got = samples(metrics.exposition())
+
+    def bucket(le: str, queue: str = "q") -> float:
+        return got[("broker_job_wait_seconds_bucket", frozenset({("queue", queue), ("le", le)}))]
+
+    assert [bucket("0.005"), bucket("0.01"), bucket("3600.0"), bucket("+Inf")] == [1, 2, 2, 3]
+    assert got[("broker_job_wait_seconds_count", frozenset({("queue", "q")}))] == 3
+    assert got[("broker_job_wait_seconds_sum", frozenset({("queue", "q")}))] == pytest.approx(
+        7200.0101
+    )
+    assert bucket("1.0", "_other") == 3  # "q", then q0 to q998 fill the cap
+
+
 def test_levels_show_depth_and_the_oldest_due_job() -> None:
     counts = [
         QueueCount("mail", JobStatus.QUEUED, 4, NOW - timedelta(minutes=3)),
