@@ -172,6 +172,16 @@ class Session:
             return
         self._queue(protocol.encode(msg))
 
+    def reply(self, msg: protocol.Message) -> None:
+        """Send a request's answer: written at once when nothing is queued or being
+        written, which spares the writer task a wake-up per request; queued as
+        :meth:`send` does otherwise, behind what is already queued."""
+        if self.closed:
+            return
+        data = protocol.encode(msg)
+        if self.outbox_bytes or not self.writer.write_now(data):
+            self._queue(data)
+
     def send_batch(self, kind: type[protocol.Batch], msgs: Sequence[protocol.Message]) -> None:
         """Queue ``msgs`` (the messages a ``kind`` batch carries) in as few lines as the
         line limit allows, each message encoded once (:func:`broker.protocol.pack`)."""

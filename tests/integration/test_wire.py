@@ -332,3 +332,31 @@ async def test_close_aborts_when_the_peer_never_reads() -> None:
         await asyncio.wait_for(writer.close(grace=0.2), 5)
         assert writer.is_closing
         stop.set()
+
+
+async def test_write_now_writes_at_once_only_when_nothing_is_unsent() -> None:
+    reading = asyncio.Event()
+    received: asyncio.Future[list[p.Message]] = asyncio.get_running_loop().create_future()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await reading.wait()  # until then the client's lines pile up unread
+        reader = wire.LineReader(r, max_line_bytes=wire.MAX_LINE_BYTES)
+        got = []
+        while (msg := await wire.read_message(reader)) is not None:
+            got.append(msg)
+        received.set_result(got)
+        w.close()
+
+    async with connected(handler) as (_, raw_writer):
+        writer = wire.MessageWriter(raw_writer)
+        assert writer.write_now(p.encode(p.Ping(nonce=1)))
+        big = p.encode(p.Error(code="big", message="z" * 900_000, fatal=False))
+        while raw_writer.transport.get_write_buffer_size() == 0:  # the socket buffers fill
+            assert writer.write_now(big)
+        assert not writer.write_now(p.encode(p.Ping(nonce=2)))  # it would pile up unsent
+        reading.set()
+        await writer.send(p.Ping(nonce=3))
+        raw_writer.write_eof()
+        got = await asyncio.wait_for(received, 30)
+    pings = [m.nonce for m in got if isinstance(m, p.Ping)]
+    assert pings == [1, 3] and got[0] == p.Ping(nonce=1)
