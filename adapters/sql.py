@@ -31,6 +31,7 @@ import base64
 import binascii
 import contextlib
 import dataclasses
+import enum
 import hashlib
 import importlib
 import json
@@ -169,9 +170,18 @@ special case."""
 
 
 def _to_us(value: datetime) -> int:
+    global _last_us
+    last = _last_us
+    if last[0] is value:
+        return last[1]  # the same time again: a batch's jobs share theirs, three times each
     if value.tzinfo is None:
         raise ValueError(f"datetimes must be timezone-aware (got naive {value.isoformat()})")
-    return (value - _EPOCH) // _ONE_US
+    us = (value - _EPOCH) // _ONE_US
+    _last_us = (value, us)  # one rebinding: a thread reading it sees the pair whole
+    return us
+
+
+_last_us: tuple[datetime | None, int] = (None, 0)
 
 
 def _from_us(value: int) -> datetime:
@@ -183,6 +193,12 @@ _dumps = compact_json
 
 def _optional(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda value: None if value is None else convert(value)
+
+
+def _enum_value(kind: type[enum.Enum]) -> Callable[[Any], Any]:
+    """A ``kind`` member's value, or the value of the member a raw value names (which
+    refuses one no member has); a member, the usual case, without the enum's lookup."""
+    return lambda v: v._value_ if type(v) is kind else kind(v).value
 
 
 def _same(value: Any) -> Any:
@@ -198,13 +214,13 @@ def _result_text(value: JSONValue) -> str | None:
 
 
 _CODECS: dict[str, tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] = {
-    "args": ("args", lambda v: _dumps(list(v)), lambda v: tuple(json.loads(v))),
-    "kwargs": ("kwargs", lambda v: _dumps(dict(v)), json.loads),
-    "status": ("status", lambda v: JobStatus(v).value, JobStatus),
+    "args": ("args", _dumps, lambda v: tuple(json.loads(v))),
+    "kwargs": ("kwargs", _dumps, json.loads),
+    "status": ("status", _enum_value(JobStatus), JobStatus),
     "run_at": ("run_at_us", _to_us, _from_us),
     "created_at": ("created_us", _to_us, _from_us),
     "updated_at": ("updated_us", _to_us, _from_us),
-    "execution_mode": ("execution_mode", lambda v: ExecutionMode(v).value, ExecutionMode),
+    "execution_mode": ("execution_mode", _enum_value(ExecutionMode), ExecutionMode),
     "handed_off_at": ("handed_off_us", _optional(_to_us), _optional(_from_us)),
     "result": ("result", _result_text, _optional(json.loads)),
     "timeout": ("timeout_s", _optional(float), _optional(float)),
