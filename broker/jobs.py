@@ -154,6 +154,26 @@ def _require_json(name: str, value: JSONValue) -> None:
         raise InvalidJobError(f"{name} nest too deeply to be encoded as JSON") from None
 
 
+def _own_arguments(
+    args: Sequence[JSONValue], kwargs: Mapping[str, JSONValue]
+) -> tuple[tuple[JSONValue, ...], dict[str, JSONValue]]:
+    """A job's arguments as it keeps them (a tuple, and a dict of its own), once checked."""
+    if type(args) not in (tuple, list) and (
+        isinstance(args, str | bytes) or not isinstance(args, Sequence)
+    ):
+        raise InvalidJobError("args must be a list of JSON values")
+    if (type(kwargs) is not dict and not isinstance(kwargs, Mapping)) or (
+        kwargs
+        and not _STR.issuperset(map(type, kwargs))
+        and not all(isinstance(k, str) for k in kwargs)
+    ):
+        raise InvalidJobError("kwargs must be an object with string keys")
+    owned = (args if type(args) is tuple else tuple(args)), dict(kwargs)
+    _require_json("args", owned[0])
+    _require_json("kwargs", owned[1])
+    return owned
+
+
 def _require_recovery_options(max_recoveries: object, local_state: object) -> None:
     if max_recoveries is not None and (
         not isinstance(max_recoveries, int)
@@ -206,22 +226,10 @@ class JobSpec:
         _require_names(
             check_key, idempotency_key=self.idempotency_key, concurrency_key=self.concurrency_key
         )
-        args, kwargs = self.args, self.kwargs
-        if type(args) not in (tuple, list) and (
-            isinstance(args, str | bytes) or not isinstance(args, Sequence)
-        ):
-            raise InvalidJobError("args must be a list of JSON values")
-        if (type(kwargs) is not dict and not isinstance(kwargs, Mapping)) or (
-            kwargs and not _STR.issuperset(map(type, kwargs)) and not all(
-                isinstance(k, str) for k in kwargs
-            )
-        ):
-            raise InvalidJobError("kwargs must be an object with string keys")
-        if type(args) is not tuple:
-            object.__setattr__(self, "args", args := tuple(args))
-        object.__setattr__(self, "kwargs", kwargs := dict(kwargs))
-        _require_json("args", args)
-        _require_json("kwargs", kwargs)
+        args, kwargs = _own_arguments(self.args, self.kwargs)
+        if args is not self.args:
+            object.__setattr__(self, "args", args)
+        object.__setattr__(self, "kwargs", kwargs)
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise InvalidJobError("priority must be an integer (higher runs first)")
         if not -(2**31) <= self.priority < 2**31:
