@@ -652,8 +652,8 @@ def _serving(main: Main) -> None:
     statements) lives as long as it does, so the cyclic garbage collector stops walking
     it (``gc.freeze``): its full collections, which a bulk enqueue's thousands of new
     objects set off, walked all of it every time (a quarter of the main's CPU per job
-    enqueued in bulk: 47 us, 35 us frozen). Only here, in the process of its own: a test running mains in-process keeps its
-    collector as it is."""
+    enqueued in bulk: 47 us, 35 us frozen). Only here, in the process of its own: a test
+    running mains in-process keeps its collector as it is."""
     gc.freeze()
 
 
