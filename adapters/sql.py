@@ -31,6 +31,7 @@ import base64
 import binascii
 import contextlib
 import dataclasses
+import enum
 import hashlib
 import importlib
 import json
@@ -43,7 +44,15 @@ import time
 import urllib.parse
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -169,9 +178,18 @@ special case."""
 
 
 def _to_us(value: datetime) -> int:
+    global _last_us
+    last = _last_us
+    if last[0] is value:
+        return last[1]  # the same time again: a batch's jobs share theirs, three times each
     if value.tzinfo is None:
         raise ValueError(f"datetimes must be timezone-aware (got naive {value.isoformat()})")
-    return (value - _EPOCH) // _ONE_US
+    us = (value - _EPOCH) // _ONE_US
+    _last_us = (value, us)  # one rebinding: a thread reading it sees the pair whole
+    return us
+
+
+_last_us: tuple[datetime | None, int] = (None, 0)
 
 
 def _from_us(value: int) -> datetime:
@@ -183,6 +201,12 @@ _dumps = compact_json
 
 def _optional(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda value: None if value is None else convert(value)
+
+
+def _enum_value(kind: type[enum.Enum]) -> Callable[[Any], Any]:
+    """A ``kind`` member's value, or the value of the member a raw value names (which
+    refuses one no member has); a member, the usual case, without the enum's lookup."""
+    return lambda v: v._value_ if type(v) is kind else kind(v).value
 
 
 def _same(value: Any) -> Any:
@@ -198,13 +222,13 @@ def _result_text(value: JSONValue) -> str | None:
 
 
 _CODECS: dict[str, tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] = {
-    "args": ("args", lambda v: _dumps(list(v)), lambda v: tuple(json.loads(v))),
-    "kwargs": ("kwargs", lambda v: _dumps(dict(v)), json.loads),
-    "status": ("status", lambda v: JobStatus(v).value, JobStatus),
+    "args": ("args", _dumps, lambda v: tuple(json.loads(v))),
+    "kwargs": ("kwargs", _dumps, json.loads),
+    "status": ("status", _enum_value(JobStatus), JobStatus),
     "run_at": ("run_at_us", _to_us, _from_us),
     "created_at": ("created_us", _to_us, _from_us),
     "updated_at": ("updated_us", _to_us, _from_us),
-    "execution_mode": ("execution_mode", lambda v: ExecutionMode(v).value, ExecutionMode),
+    "execution_mode": ("execution_mode", _enum_value(ExecutionMode), ExecutionMode),
     "handed_off_at": ("handed_off_us", _optional(_to_us), _optional(_from_us)),
     "result": ("result", _result_text, _optional(json.loads)),
     "timeout": ("timeout_s", _optional(float), _optional(float)),
@@ -292,6 +316,47 @@ def _offload(
     if not moved:
         return row, moved
     return {**row, **{column: OFFLOADED for _, column, _ in moved}}, moved
+
+
+Insert = Callable[[list[dict[str, Any]], list[Payload]], Awaitable[set[uuid.UUID]]]
+"""Stores rows unless a key or id is taken, with the offloaded payloads of those it
+stored; returns the ids stored."""
+Overlap = Callable[
+    [Insert, Iterator[tuple[list[dict[str, Any]], list[Payload]]]], Awaitable[set[uuid.UUID]]
+]
+
+_OVERLAP_CHUNK = 250
+"""Jobs per statement where a batch's rows are built while the rows before are written."""
+
+
+async def _overlapped(
+    insert: Insert, batches: Iterator[tuple[list[dict[str, Any]], list[Payload]]]
+) -> set[uuid.UUID]:
+    """``insert`` each of ``batches`` in turn (on one connection, in one transaction), the
+    next one built while the server writes the one before. Taking the next batch from
+    the iterator builds it: the jobs and rows of a bulk enqueue cost the main about as
+    much CPU as their insert costs the server, and one statement for the whole batch
+    made each wait for the other. A statement is never left running: an error or a
+    cancellation waits for the one in flight (cancelled, for a cancellation)."""
+    stored: set[uuid.UUID] = set()
+    ahead: asyncio.Future[set[uuid.UUID]] | None = None
+    try:
+        for rows, moved in batches:
+            if ahead is not None:
+                stored |= await ahead
+            ahead = asyncio.ensure_future(insert(rows, moved))
+            await asyncio.sleep(0)  # its statement goes out before the next batch is built
+        if ahead is not None:
+            stored |= await ahead
+    except BaseException as exc:
+        if ahead is not None and not ahead.done():
+            if isinstance(exc, asyncio.CancelledError):
+                ahead.cancel()
+            await asyncio.wait([ahead])
+            if not ahead.cancelled():
+                ahead.exception()  # retrieved: the error raised here is the one that counts
+        raise
+    return stored
 
 
 def _kept(moved: Sequence[Payload], stored: Collection[uuid.UUID]) -> list[Payload]:
@@ -1241,7 +1306,7 @@ class SQLAlchemyAdapter:
             if len(specs) == 1:
                 return await self._enqueue_with(insert, find, specs, claims)
             async with conn.transaction():
-                return await self._enqueue_with(insert, find, specs, claims)
+                return await self._enqueue_with(insert, find, specs, claims, _overlapped)
 
     async def enqueue_in_transaction(
         self, conn: AsyncConnection, specs: Sequence[JobSpec]
@@ -1323,17 +1388,20 @@ class SQLAlchemyAdapter:
 
     async def _enqueue_with(
         self,
-        insert: Callable[[list[dict[str, Any]], list[Payload]], Awaitable[set[uuid.UUID]]],
+        insert: Insert,
         find: Callable[[Sequence[JobSpec]], Awaitable[list[Job | None]]],
         specs: Sequence[JobSpec],
         claims: Sequence[Claim | None] | None,
+        overlap: Overlap | None = None,
     ) -> list[EnqueueResult]:
         """Insert ``specs`` (each ``claims[i]``, if any, stores its job handed off, see
         :meth:`enqueue_handed_off`); a duplicate within the batch refers to its first.
 
         The rule over either kind of connection: ``insert`` stores rows unless a key or
         id is taken (returning the ids stored), and the offloaded payloads of the rows it
-        stored in the same transaction; ``find`` names what blocked each.
+        stored in the same transaction; ``find`` names what blocked each. With
+        ``overlap`` (:func:`_overlapped`), a batch is inserted in chunks, each built while
+        the one before is written.
         """
         now_us = self._now()
         # Within the batch, a repeated key (or id) refers back to its first occurrence.
@@ -1352,11 +1420,13 @@ class SQLAlchemyAdapter:
                     first[("key", spec.idempotency_key)] = index
             canonical.append(found)
         now = _from_us(now_us)
-        jobs_at = {
-            i: settlement.enqueued(specs[i], now, claims[i] if claims else None)
-            for i in sorted(set(canonical))
-        }
-        stored = await self._insert_or_find(insert, find, specs, jobs_at)
+
+        def enqueued(i: int) -> Job:
+            return settlement.enqueued(specs[i], now, claims[i] if claims else None)
+
+        stored = await self._insert_or_find(
+            insert, find, specs, sorted(set(canonical)), enqueued, overlap
+        )
         return [
             stored[c] if c == i else EnqueueResult(stored[c].job, duplicate=True)
             for i, c in enumerate(canonical)
@@ -1364,24 +1434,41 @@ class SQLAlchemyAdapter:
 
     async def _insert_or_find(
         self,
-        insert: Callable[[list[dict[str, Any]], list[Payload]], Awaitable[set[uuid.UUID]]],
+        insert: Insert,
         find: Callable[[Sequence[JobSpec]], Awaitable[list[Job | None]]],
         specs: Sequence[JobSpec],
-        jobs_at: dict[int, Job],
+        indices: list[int],
+        enqueued: Callable[[int], Job],
+        overlap: Overlap | None,
     ) -> dict[int, EnqueueResult]:
-        """Insert ``jobs_at`` (by index into ``specs``); a job inserted comes back as built
-        (the row holds exactly its values), one blocked comes back as its holder."""
+        """Insert the jobs ``enqueued(i)`` builds for ``indices`` (into ``specs``); a job
+        inserted comes back as built (the row holds exactly its values), one blocked comes
+        back as its holder."""
         out: dict[int, EnqueueResult] = {}
-        rows = {i: _job_row(job) for i, job in jobs_at.items()}
+        jobs_at: dict[int, Job] = {}
         hot: dict[int, dict[str, Any]] = {}
         moved: dict[int, list[Payload]] = {}
-        for i, row in rows.items():
-            hot[i], moved[i] = _offload(specs[i].id, row, self._offload_threshold)
-        pending = list(rows)
-        for _ in range(_ENQUEUE_ROUNDS):
-            inserted = await insert(
-                [hot[i] for i in pending], [p for i in pending for p in moved[i]]
-            )
+
+        def rows(chunk: Sequence[int]) -> tuple[list[dict[str, Any]], list[Payload]]:
+            """The rows of ``chunk``'s jobs, and their offloaded payloads."""
+            return [hot[i] for i in chunk], [p for i in chunk for p in moved[i]]
+
+        def build(chunk: Sequence[int]) -> tuple[list[dict[str, Any]], list[Payload]]:
+            for i in chunk:
+                job = jobs_at[i] = enqueued(i)
+                hot[i], moved[i] = _offload(specs[i].id, _job_row(job), self._offload_threshold)
+            return rows(chunk)
+
+        chunks = [indices] if overlap is None else _chunks(indices, _OVERLAP_CHUNK)
+        pending = indices
+        for attempt in range(_ENQUEUE_ROUNDS):
+            if attempt:
+                inserted = await insert(*rows(pending))
+            elif len(chunks) == 1:
+                inserted = await insert(*build(indices))
+            else:
+                assert overlap is not None
+                inserted = await overlap(insert, map(build, chunks))
             missing = []
             for i in pending:
                 if specs[i].id in inserted:

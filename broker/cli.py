@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import importlib
 import os
 import signal
@@ -643,7 +644,17 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
 def main_entry(argv: Sequence[str] | None = None) -> int:
     args = parse(main_parser(), argv)
     logs.configure(args.log_level, args.log_format)
-    return _run(lambda: run_main(args), args.log_format)
+    return _run(lambda: run_main(args, _serving), args.log_format)
+
+
+def _serving(main: Main) -> None:
+    """The ``broker-main`` process is up. What it holds now (modules, the schema, compiled
+    statements) lives as long as it does, so the cyclic garbage collector stops walking
+    it (``gc.freeze``): its full collections, which a bulk enqueue's thousands of new
+    objects set off, walked all of it every time (a quarter of the main's CPU per job
+    enqueued in bulk: 47 us, 35 us frozen). Only here, in the process of its own: a test
+    running mains in-process keeps its collector as it is."""
+    gc.freeze()
 
 
 # ------------------------------------------------------------------------ broker-worker

@@ -172,6 +172,22 @@ class Session:
             return
         self._queue(protocol.encode(msg))
 
+    def reply(self, msg: protocol.Message) -> None:
+        """Send a request's answer: written at once when nothing is queued or being
+        written, which spares the writer task a wake-up per request; queued as
+        :meth:`send` does otherwise, behind what is already queued. A long answer (a page
+        of jobs) always goes through the outbox, whose size back-pressure and the
+        liveness checks watch."""
+        if self.closed:
+            return
+        data = protocol.encode(msg)
+        if (
+            self.outbox_bytes
+            or len(data) > wire.BATCH_LINE_BYTES
+            or not self.writer.write_now(data)
+        ):
+            self._queue(data)
+
     def send_batch(self, kind: type[protocol.Batch], msgs: Sequence[protocol.Message]) -> None:
         """Queue ``msgs`` (the messages a ``kind`` batch carries) in as few lines as the
         line limit allows, each message encoded once (:func:`broker.protocol.pack`)."""

@@ -7,6 +7,10 @@ A caller's items stay all-or-none: when a shared commit fails for a reason that 
 recur (a value the store refuses, say), each caller's items are committed again on their
 own, so one caller's bad job fails that caller alone. A transient failure (the store is
 unreachable) is everybody's: every caller in the batch gets it, as it would have alone.
+
+A caller that finds no commit running commits its own items at once, in its own task:
+a lone enqueue then costs no task and no wake-up beyond its own statement. Callers that
+arrive meanwhile wait for the runner task that takes over once it is done.
 """
 
 from __future__ import annotations
@@ -35,15 +39,33 @@ class GroupCommit(Generic[T, R]):
         self._max_batch = max_batch
         self._shared_failure = shared_failure
         self._waiting: deque[tuple[list[T], asyncio.Future[list[R]]]] = deque()
+        self._busy = False
+        """A commit is running, in a caller's task or in the runner's; while it is, callers
+        wait in ``_waiting`` (which is empty whenever this is false)."""
         self._runner: asyncio.Task[None] | None = None
 
     async def submit(self, items: Sequence[T]) -> list[R]:
         """Commit ``items`` (all or none) with whatever else is waiting; their results."""
         future: asyncio.Future[list[R]] = asyncio.get_running_loop().create_future()
-        self._waiting.append((list(items), future))
-        if self._runner is None:
+        if self._busy or self._waiting:
+            self._waiting.append((list(items), future))
+            if not self._busy:  # the runner was cancelled with callers left: a new one
+                self._hand_over()
+            return await future
+        self._busy = True  # nothing running, nobody waiting: this caller commits now
+        try:
+            await self._commit_batch([(list(items), future)])
+        finally:
+            self._hand_over()
+        return future.result()
+
+    def _hand_over(self) -> None:
+        """No commit is running: the runner takes whoever is waiting."""
+        if self._waiting:
+            self._busy = True
             self._runner = asyncio.create_task(self._run(), name="broker-group-commit")
-        return await future
+        else:
+            self._busy = False
 
     async def _run(self) -> None:
         try:
@@ -53,6 +75,7 @@ class GroupCommit(Generic[T, R]):
                     await self._commit_batch(batch)
         finally:
             self._runner = None
+            self._busy = False
 
     def _take(self) -> list[tuple[list[T], asyncio.Future[list[R]]]]:
         """The next callers, up to ``max_batch`` items (at least one caller); callers that

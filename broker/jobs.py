@@ -137,13 +137,14 @@ def compact_json(value: JSONValue) -> str:
 
 _PLAIN = frozenset({str, int, bool, type(None)})
 """Types whose every value JSON holds as it is (a float may be NaN)."""
+_STR = frozenset({str})
 
 
 def _require_json(name: str, value: JSONValue) -> None:
-    if type(value) in (list, dict) and all(
-        type(item) in _PLAIN for item in (value.values() if type(value) is dict else value)
-    ):
-        return  # the common case, without encoding it
+    kind = type(value)
+    items = value if kind is tuple or kind is list else value.values() if kind is dict else None
+    if items is not None and _PLAIN.issuperset(map(type, items)):
+        return  # the common case, without encoding it (nor a Python loop over the items)
     try:
         compact_json(value)
     except (TypeError, ValueError) as exc:
@@ -151,6 +152,26 @@ def _require_json(name: str, value: JSONValue) -> None:
     except RecursionError:
         # The main refuses far shallower nesting anyway (its payload depth limit).
         raise InvalidJobError(f"{name} nest too deeply to be encoded as JSON") from None
+
+
+def _own_arguments(
+    args: Sequence[JSONValue], kwargs: Mapping[str, JSONValue]
+) -> tuple[tuple[JSONValue, ...], dict[str, JSONValue]]:
+    """A job's arguments as it keeps them (a tuple, and a dict of its own), once checked."""
+    if type(args) not in (tuple, list) and (
+        isinstance(args, str | bytes) or not isinstance(args, Sequence)
+    ):
+        raise InvalidJobError("args must be a list of JSON values")
+    if (type(kwargs) is not dict and not isinstance(kwargs, Mapping)) or (
+        kwargs
+        and not _STR.issuperset(map(type, kwargs))
+        and not all(isinstance(k, str) for k in kwargs)
+    ):
+        raise InvalidJobError("kwargs must be an object with string keys")
+    owned = (args if type(args) is tuple else tuple(args)), dict(kwargs)
+    _require_json("args", owned[0])
+    _require_json("kwargs", owned[1])
+    return owned
 
 
 def _require_recovery_options(max_recoveries: object, local_state: object) -> None:
@@ -205,18 +226,10 @@ class JobSpec:
         _require_names(
             check_key, idempotency_key=self.idempotency_key, concurrency_key=self.concurrency_key
         )
-        if type(self.args) not in (tuple, list) and (
-            isinstance(self.args, str | bytes) or not isinstance(self.args, Sequence)
-        ):
-            raise InvalidJobError("args must be a list of JSON values")
-        if (type(self.kwargs) is not dict and not isinstance(self.kwargs, Mapping)) or not all(
-            isinstance(k, str) for k in self.kwargs
-        ):
-            raise InvalidJobError("kwargs must be an object with string keys")
-        object.__setattr__(self, "args", tuple(self.args))
-        object.__setattr__(self, "kwargs", dict(self.kwargs))
-        _require_json("args", list(self.args))
-        _require_json("kwargs", self.kwargs)
+        args, kwargs = _own_arguments(self.args, self.kwargs)
+        if args is not self.args:
+            object.__setattr__(self, "args", args)
+        object.__setattr__(self, "kwargs", kwargs)
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise InvalidJobError("priority must be an integer (higher runs first)")
         if not -(2**31) <= self.priority < 2**31:
@@ -245,7 +258,8 @@ class JobSpec:
         ):
             raise InvalidJobError("timeout must be a positive number of seconds")
         try:
-            object.__setattr__(self, "execution_mode", ExecutionMode(self.execution_mode))
+            if type(self.execution_mode) is not ExecutionMode:
+                object.__setattr__(self, "execution_mode", ExecutionMode(self.execution_mode))
         except ValueError:
             modes = ", ".join(m.value for m in ExecutionMode)
             raise InvalidJobError(

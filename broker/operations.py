@@ -13,6 +13,7 @@ the dispatcher, describe its workers) stays with the main.
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -118,11 +119,10 @@ class Operations:
         for spec in specs:
             self.check_payload(spec)
         results = await self._enqueue(specs)
-        if self._metrics is not None:
-            count = self._metrics.enqueued.inc
-            for result in results:
-                if not result.duplicate:
-                    count(result.job.queue, result.job.task)
+        if self._metrics is not None:  # one increment per (queue, task), not per job
+            counted = Counter((r.job.queue, r.job.task) for r in results if not r.duplicate)
+            for (queue, task), n in counted.items():
+                self._metrics.enqueued.inc(queue, task, n)
         return results
 
     def check_payload(self, spec: JobSpec) -> None:

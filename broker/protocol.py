@@ -29,6 +29,7 @@ import hashlib
 import hmac
 import json
 import math
+import operator
 import secrets
 import string
 import types
@@ -572,10 +573,13 @@ class JobRequest(_Struct, frozen=True):
         # A field the request leaves out (None) takes the task's default, else the spec's.
         values = {
             name: value
-            for name in SPEC_FIELDS
-            if name != "run_at"
-            and (value := _or_default(getattr(self, name), name, defaults)) is not None
+            for name, value in zip(_REQUESTED, _requested(self), strict=True)
+            if value is not None
         }
+        if defaults:
+            for name in _REQUESTED:
+                if name not in values and (value := defaults.get(name)) is not None:
+                    values[name] = value
         return JobSpec(**values, run_at=run_at)
 
     @classmethod
@@ -604,8 +608,9 @@ TASK_DEFAULTS = (
 """The job fields a task's declaration fills in when an enqueue by name leaves them out."""
 
 
-def _or_default(value: Any, name: str, defaults: Mapping[str, Any] | None) -> Any:
-    return value if value is not None or defaults is None else defaults.get(name)
+_REQUESTED = tuple(name for name in SPEC_FIELDS if name != "run_at")
+"""The spec fields a request carries as they are (its ``run_at`` is text, or a ``delay``)."""
+_requested = operator.attrgetter(*_REQUESTED)
 
 
 class EnqueuedRef(_Struct, frozen=True):

@@ -86,9 +86,9 @@ class Requests:
                 logger.exception("request failed session=%d type=%s", session.id, msg.type)
             request_id = getattr(msg, "request_id", None)
             if request_id is not None:
-                session.send(error_codes.request_error(request_id, exc))
+                session.reply(error_codes.request_error(request_id, exc))
             return
-        session.send(reply)
+        session.reply(reply)
 
     async def _answer(self, msg: protocol.Message) -> protocol.Message:
         """The reply to a client request, from the request service (:mod:`broker.operations`);

@@ -227,6 +227,19 @@ class MessageWriter:
             self._writer.write(data)
             await self._writer.drain()
 
+    def write_now(self, data: bytes) -> bool:
+        """Write whole lines at once, without a turn of the event loop, when no sender is
+        writing and the transport holds nothing unsent: they then go out in order, and
+        cannot pile up behind a peer that stopped reading (a second call finds the first
+        one's rest unsent). ``False``: nothing was written; send them the usual way."""
+        if not data.endswith(b"\n"):
+            raise ValueError("write_now needs whole lines ending in a newline")
+        writer = self._writer
+        if self._lock.locked() or writer.is_closing() or writer.transport.get_write_buffer_size():
+            return False
+        writer.write(data)
+        return True
+
     async def close(self, grace: float = 5.0) -> None:
         """Close, giving buffered lines ``grace`` seconds to flush before aborting.
 

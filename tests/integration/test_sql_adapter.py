@@ -29,6 +29,7 @@ from broker.exceptions import (
     MissingDriverError,
     SchemaVersionError,
     StorageError,
+    StorageRejectedError,
 )
 from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus
 from broker.storage import SCHEMA_VERSION, JobFilter, StorageAdapter, SupportsNotify
@@ -845,3 +846,36 @@ async def test_url_aliases_and_options(tmp_path: Path) -> None:
     secret = SQLAlchemyAdapter("postgresql://u:hunter2@h/db")
     assert "hunter2" not in repr(secret)
     await secret.close()
+
+
+async def test_a_batch_of_several_statements_is_one_batch_in_order_with_its_duplicates(
+    store: SQLAlchemyAdapter,
+) -> None:
+    """On PostgreSQL a big batch is written a chunk at a time (each built while the one
+    before is written): the jobs still come back, and dispatch, in batch order, and a key
+    taken in an earlier chunk, or before the batch, makes a duplicate as in one statement."""
+    held = await _enqueue(store, unique_key="held")
+    specs = [JobSpec("t", args=[i]) for i in range(700)]
+    specs[10] = JobSpec("t", args=[10], unique_key="u")
+    specs[610] = JobSpec("t", args=[610], unique_key="u")  # two chunks after the first
+    specs[300] = JobSpec("t", args=[300], unique_key="held")
+    results = await store.enqueue_many(specs)
+    assert [r.duplicate for r in results].count(True) == 2
+    assert results[610].duplicate and results[610].job.id == results[10].job.id
+    assert results[300].duplicate and results[300].job.id == held.id
+    fresh = [r.job for r in results if not r.duplicate]
+    assert [j.args for j in fresh] == [(i,) for i in range(700) if i not in (300, 610)]
+    order = [j.id for j in await store.select_eligible(modes=ALL_MODES, limit=1000)]
+    assert order == [held.id, *(j.id for j in fresh)]
+
+
+async def test_a_row_refused_in_a_late_chunk_stores_nothing_of_the_batch(
+    pg_backend: Backend,
+) -> None:
+    store = await pg_backend.open()
+    specs = [JobSpec("t", args=[i]) for i in range(700)]
+    specs[650] = JobSpec("t", concurrency_key="k", concurrency_limit=2**70)  # bigint refuses
+    with pytest.raises(StorageRejectedError):
+        await store.enqueue_many(specs)
+    assert await store.select_eligible(modes=ALL_MODES) == []
+    assert len(await store.enqueue_many(specs[:3])) == 3  # the connections still work

@@ -332,3 +332,70 @@ async def test_close_aborts_when_the_peer_never_reads() -> None:
         await asyncio.wait_for(writer.close(grace=0.2), 5)
         assert writer.is_closing
         stop.set()
+
+
+async def test_write_now_writes_at_once_only_when_nothing_is_unsent() -> None:
+    reading = asyncio.Event()
+    received: asyncio.Future[list[p.Message]] = asyncio.get_running_loop().create_future()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await reading.wait()  # until then the client's lines pile up unread
+        reader = wire.LineReader(r, max_line_bytes=wire.MAX_LINE_BYTES)
+        got = []
+        while (msg := await wire.read_message(reader)) is not None:
+            got.append(msg)
+        received.set_result(got)
+        w.close()
+
+    async with connected(handler) as (_, raw_writer):
+        writer = wire.MessageWriter(raw_writer)
+        assert writer.write_now(p.encode(p.Ping(nonce=1)))
+        big = p.encode(p.Error(code="big", message="z" * 900_000, fatal=False))
+        while raw_writer.transport.get_write_buffer_size() == 0:  # the socket buffers fill
+            assert writer.write_now(big)
+        assert not writer.write_now(p.encode(p.Ping(nonce=2)))  # it would pile up unsent
+        reading.set()
+        await writer.send(p.Ping(nonce=3))
+        raw_writer.write_eof()
+        got = await asyncio.wait_for(received, 30)
+    pings = [m.nonce for m in got if isinstance(m, p.Ping)]
+    assert pings == [1, 3] and got[0] == p.Ping(nonce=1)
+
+
+async def test_a_reply_goes_out_at_once_unless_it_is_long_or_lines_are_queued() -> None:
+    from broker.connection import Session
+    from broker.handoff import Liveness, Peer
+
+    received: asyncio.Future[list[p.Message]] = asyncio.get_running_loop().create_future()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        reader = wire.LineReader(r, max_line_bytes=wire.MAX_LINE_BYTES)
+        got = []
+        while (msg := await wire.read_message(reader)) is not None:
+            got.append(msg)
+        received.set_result(got)
+        w.close()
+
+    async with connected(handler) as (_, raw_writer):
+        session = Session(
+            state=Peer(1, Liveness(last_answer=0.0)),
+            peer="test",
+            writer=wire.MessageWriter(raw_writer),
+            max_outbox_bytes=4 << 20,
+            max_line_bytes=wire.MAX_LINE_BYTES,
+            max_requests=10,
+        )
+        session.reply(p.Pong(nonce=1))
+        assert not session.outbox  # written at once: no wake-up of the writer task
+        long = p.Error(code="long", message="z" * wire.BATCH_LINE_BYTES, fatal=False)
+        session.reply(long)
+        assert len(session.outbox) == 1  # through the outbox, which back-pressure watches
+        session.reply(p.Pong(nonce=2))
+        assert len(session.outbox) == 2  # behind what is queued
+        while session.outbox:  # what the writer task does
+            data = await session.next_write()
+            await session.writer.write_raw(data)
+            session.written(len(data))
+        raw_writer.write_eof()
+        got = await asyncio.wait_for(received, 30)
+    assert got == [p.Pong(nonce=1), long, p.Pong(nonce=2)]

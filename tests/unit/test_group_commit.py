@@ -129,3 +129,53 @@ async def test_batches_respect_their_size_without_splitting_a_caller() -> None:
     assert sorted(x for c in calls for x in c) == sorted(
         [i for i in range(6) for _ in "ab"] + [9] * 7
     )
+
+
+async def test_a_lone_caller_commits_in_its_own_task_and_later_callers_batch_behind_it() -> None:
+    tasks: list[asyncio.Task[object] | None] = []
+    gate = asyncio.Event()
+
+    async def commit(items: list[int]) -> list[int]:
+        tasks.append(asyncio.current_task())
+        await gate.wait()
+        return items
+
+    group = GroupCommit(commit, max_batch=100, shared_failure=transient)
+    lone = asyncio.create_task(group.submit([1]))
+    while not tasks:
+        await asyncio.sleep(0)
+    assert tasks == [lone]  # no runner task, no hop to and from one
+    later = [asyncio.create_task(group.submit([i])) for i in (2, 3)]
+    await asyncio.sleep(0)
+    gate.set()
+    assert await asyncio.gather(lone, *later) == [[1], [2], [3]]
+    assert len(tasks) == 2 and tasks[1] not in (lone, *later)  # the two later: one commit
+
+
+async def test_callers_left_by_a_cancelled_runner_are_committed_by_the_next_caller() -> None:
+    calls: list[list[int]] = []
+    gate = asyncio.Event()
+
+    async def commit(items: list[int]) -> list[int]:
+        calls.append(items)
+        await gate.wait()
+        return items
+
+    group = GroupCommit(commit, max_batch=1, shared_failure=transient)
+    first = asyncio.create_task(group.submit([1]))
+    while not calls:
+        await asyncio.sleep(0)
+    waiting = [asyncio.create_task(group.submit([i])) for i in (2, 3)]
+    await asyncio.sleep(0)
+    first.cancel()  # the lone caller's commit ends; a runner takes the two waiting
+    while len(calls) < 2:
+        await asyncio.sleep(0)
+    assert group._runner is not None
+    group._runner.cancel()  # as at shutdown: 2 was being written, 3 still waits
+    while group._runner is not None:
+        await asyncio.sleep(0)
+    gate.set()
+    assert await group.submit([4]) == [4]
+    assert await waiting[1] == [3]
+    assert calls[-2:] == [[3], [4]]  # the one left waiting first, then the newcomer
+    waiting[0].cancel()  # its commit was cancelled with the runner: it has no outcome

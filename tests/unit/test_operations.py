@@ -19,8 +19,10 @@ from adapters.memory import MemoryAdapter
 from broker import protocol
 from broker.exceptions import InvalidJobError, PayloadTooLargeError
 from broker.jobs import Claim, Job, JobSpec, JobStatus
+from broker.metrics import MainMetrics
 from broker.operations import LiveState, Operations
 from broker.storage import JobFilter, JobPage
+from tests.unit.test_metrics import samples
 
 START = datetime(2030, 1, 1, tzinfo=UTC)
 
@@ -292,3 +294,20 @@ async def test_get_cancel_and_retry_return_the_job_as_the_store_left_it() -> Non
     assert retried is not None and retried.status is JobStatus.QUEUED
     again = await ops.retry(queued.job.id)
     assert again is not None and again.status is JobStatus.CANCELLED, "only a dead job"
+
+
+async def test_enqueued_jobs_are_counted_by_queue_and_task_and_duplicates_are_not() -> None:
+    clock = _Clock()
+    metrics = MainMetrics()
+    ops = Operations(_CountingStore(clock), _Limits(), clock=clock, metrics=metrics)
+    await ops.enqueue([_request("a"), _request("a", idempotency_key="k"), _request("b")])
+    await ops.enqueue([_request("a", idempotency_key="k"), _request("a", queue="q2")])
+    got = samples(metrics.exposition())
+
+    def enqueued(queue: str, task: str) -> float:
+        labels = frozenset({("queue", queue), ("task", task)})
+        return got[("broker_jobs_enqueued_total", labels)]
+
+    assert enqueued("default", "a") == 2  # the repeat of key "k" returned its job
+    assert enqueued("default", "b") == 1
+    assert enqueued("q2", "a") == 1
