@@ -200,9 +200,11 @@ OFFLOADED = ""
 ``broker_payloads`` instead: no JSON value encodes to the empty string, so the mark can
 never be mistaken for a value, and the hot row keeps a few bytes in place of megabytes."""
 
-OFFLOADABLE = ("args", "kwargs", "result")
+OFFLOADABLE = ("args", "kwargs", "result", "checkpoint")
 """The ``broker_jobs`` columns whose value moves to ``broker_payloads`` (under the column's
-name as its ``kind``) when it is longer than the adapter's offload threshold."""
+name as its ``kind``) when it is longer than the adapter's offload threshold. A checkpoint
+is the one value written again and again: a save that stays in its row deletes the payload
+of the checkpoint it replaces, in the save's own transaction."""
 
 
 def _define_payloads(md: sa.MetaData) -> sa.Table:
