@@ -208,7 +208,8 @@ class MainSettings:
                 f"max_line_bytes ({self.max_line_bytes}) must exceed max_payload_bytes "
                 f"({self.max_payload_bytes}) by at least {LINE_HEADROOM_BYTES} bytes, so "
                 "a job at the payload limit fits in one message; raise --max-line-bytes "
-                f"(e.g. to {line_limit_for(self.max_payload_bytes, self.max_checkpoint_bytes)}) or lower "
+                f"(e.g. to {line_limit_for(self.max_payload_bytes, self.max_checkpoint_bytes)}) "
+                "or lower "
                 "--max-payload-bytes",
             )
         checks.int_in_range(
