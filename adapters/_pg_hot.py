@@ -203,10 +203,10 @@ class HotSql:
             SELECT id FROM u
         """
         # Checkpoints and progress: fenced by the lease as a settle is (and a checkpoint
-        # by its number too), one statement per batch, at most one input row per job. A
-        # saved checkpoint kept in its row deletes the payload of an offloaded one it
-        # replaces in the same statement; an offloaded one (its row holds the mark) has its payload
-        # written by ``put_payloads`` in the statement's transaction.
+        # by its number too), one statement per batch, at most one input row per job and
+        # lease. A saved checkpoint kept in its row deletes the payload of an offloaded
+        # one it replaces, in the same statement; one offloaded (its row holds the mark)
+        # has its payload written by ``put_payloads`` in the statement's transaction.
         self.save_checkpoints = f"""
             WITH u AS (
                 UPDATE {t} j SET checkpoint = s.state, checkpoint_seq = s.seq, checkpoint_us = $5

@@ -794,8 +794,9 @@ class SQLAlchemyAdapter:
     main wakes its own dispatcher after each (other processes' inserts still notify).
 
     ``offload_threshold``: a job's args, kwargs, result or checkpoint longer than this many
-    bytes (as stored JSON) is kept in ``broker_payloads`` instead of its ``broker_jobs`` row, so the
-    rows that claims and settles rewrite stay small; ``None`` keeps every value inline.
+    bytes (as stored JSON) is kept in ``broker_payloads`` instead of its ``broker_jobs``
+    row, so the rows that claims and settles rewrite stay small; ``None`` keeps every
+    value inline.
     """
 
     def __init__(
@@ -1666,26 +1667,27 @@ class SQLAlchemyAdapter:
                 newest[key] = save
         chosen = list(newest.values())
         states: list[str | None] = []
-        moved: list[Payload] = []
-        for c in chosen:
-            values, offloaded = _offload(
+        moved: dict[tuple[uuid.UUID, uuid.UUID], list[Payload]] = {}
+        for key, c in newest.items():
+            values, moved[key] = _offload(
                 c.job_id, {"checkpoint": _result_text(c.state)}, self._offload_threshold
             )
             states.append(values["checkpoint"])
-            moved += offloaded
         arrays = (
             [c.job_id for c in chosen],
             [c.handoff_id for c in chosen],
             [c.seq for c in chosen],
         )
         async with self._hot_conn("save checkpoints") as (sql, conn):
-            if not moved:
+            if not any(moved.values()):
                 rows = await conn.fetch(sql.save_checkpoints, *arrays, states, now_us)
             else:
-                # The payloads of the saves the fence lets through, in their transaction.
+                # The payloads of the saves the fence lets through, in their transaction:
+                # by lease, since a batch may hold a stale lease's save of the same job.
                 async with conn.transaction():
                     rows = await conn.fetch(sql.save_checkpoints, *arrays, states, now_us)
-                    await _pg_put(sql, conn, _kept(moved, {r["id"] for r in rows}))
+                    kept = [p for r in rows for p in moved[(r["id"], r["handoff_id"])]]
+                    await _pg_put(sql, conn, kept)
         taken = {(r["id"], r["handoff_id"]) for r in rows}
         return [(s.job_id, s.handoff_id) in taken for s in saves]
 

@@ -1219,13 +1219,14 @@ async def check_large_checkpoints_are_offloaded_replaced_and_pruned(ctx: Context
     assert (await _get(ctx.store, job.id)).checkpoint == big, "a fenced-out save writes nothing"
     assert await save((lease, 2, bigger)) == [True]
     assert await _payloads(ctx) == 1, "a large checkpoint replaces the payload of the last"
-    assert await save((lease, 3, {"row": 3})) == [True]
+    assert await save((lease, 3, {"row": 3}), (uuid.uuid4(), 4, big)) == [True, False]
     assert await _payloads(ctx) == 0, "one kept in its row deletes the payload it replaces"
     assert (await _get(ctx.store, job.id)).checkpoint == {"row": 3}
     assert await save((lease, 4, big), (lease, 5, {"row": 5})) == [True, True]
     assert await _payloads(ctx) == 0, "the newest of a batch counts, and it is small"
-    assert await save((lease, 6, {"row": 6}), (lease, 7, bigger)) == [True, True]
-    assert await _payloads(ctx) == 1
+    stale = (uuid.uuid4(), 7, big)
+    assert await save((lease, 6, {"row": 6}), stale, (lease, 7, bigger)) == [True, False, True]
+    assert await _payloads(ctx) == 1, "a stale lease's save in the batch writes no payload"
     assert await ctx.store.fail(job.id, lease, "boom", ctx.clock())
     [again] = await ctx.store.mark_handed_off_many([Claim(job.id, uuid.uuid4(), WORKER)])
     assert (again.checkpoint, again.checkpoint_seq) == (bigger, 7), "the next attempt gets it"
