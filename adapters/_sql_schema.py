@@ -487,6 +487,14 @@ def _v8_leader(conn: sa.Connection, schema: str | None) -> None:
     )
 
 
+def _v10_offloaded_checkpoints(conn: sa.Connection, schema: str | None) -> None:
+    """Version 10: a checkpoint over the offload threshold lives in ``broker_payloads``
+    (kind ``checkpoint``), its row holding :data:`OFFLOADED`. No table changes; the version
+    is what makes an older broker refuse the store, since it would take the mark for a
+    checkpoint (and fail to decode it) instead of loading the payload. Rows written before
+    keep their checkpoints inline, which this version reads as ever."""
+
+
 Migration = Callable[[sa.Connection, str | None], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
@@ -499,6 +507,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (7, _v7_quiet_main_inserts),
     (8, _v8_leader),
     (9, _v9_task_catalog),
+    (10, _v10_offloaded_checkpoints),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 
