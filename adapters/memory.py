@@ -55,7 +55,8 @@ class MemoryAdapter:
     """A complete :class:`broker.storage.StorageAdapter` held in memory.
 
     ``offload_threshold``: args, kwargs, a result or a checkpoint larger than this (as
-    stored JSON, measured like the SQL stores) is kept apart from its job; ``None`` never offloads.
+    stored JSON, measured like the SQL stores) is kept apart from its job; ``None`` never
+    offloads.
     """
 
     def __init__(

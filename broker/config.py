@@ -209,8 +209,7 @@ class MainSettings:
                 f"({self.max_payload_bytes}) by at least {LINE_HEADROOM_BYTES} bytes, so "
                 "a job at the payload limit fits in one message; raise --max-line-bytes "
                 f"(e.g. to {line_limit_for(self.max_payload_bytes, self.max_checkpoint_bytes)}) "
-                "or lower "
-                "--max-payload-bytes",
+                "or lower --max-payload-bytes",
             )
         checks.int_in_range(
             "max_payload_depth",

@@ -37,7 +37,7 @@ bound): a job at the highest payload limit a main may set, and its message. A ma
 checkpoint limit in force keeps a job message within it."""
 
 DEFAULT_OFFLOAD_BYTES = 64 << 10
-"""64 KiB: a value (args, kwargs, result) larger than this as stored JSON is kept apart
+"""64 KiB: a value (args, kwargs, result, checkpoint) larger than this as stored JSON is kept apart
 from its job's row, in the store's payload table (see ``docs/howto/payload-limits.md``)."""
 
 DEFAULT_MAX_CHECKPOINT_BYTES = 4 << 20
