@@ -29,6 +29,7 @@ from adapters._sql_schema import (
     FENCE_FUNCTION,
     INSERT_COLUMNS,
     LEADER_TABLE,
+    OFFLOADED,
     concurrency,
     jobs,
     payloads,
@@ -202,14 +203,25 @@ class HotSql:
             SELECT id FROM u
         """
         # Checkpoints and progress: fenced by the lease as a settle is (and a checkpoint
-        # by its number too), one statement per batch, at most one input row per job.
+        # by its number too), one statement per batch, at most one input row per job and
+        # lease. A saved checkpoint kept in its row deletes the payload of an offloaded
+        # one it replaces, in the same statement; one offloaded (its row holds the mark)
+        # has its payload written by ``put_payloads`` in the statement's transaction.
         self.save_checkpoints = f"""
-            UPDATE {t} j SET checkpoint = s.state, checkpoint_seq = s.seq, checkpoint_us = $5
-            FROM unnest($1::uuid[], $2::uuid[], $3::int[], $4::text[])
-                AS s(id, lease, seq, state)
-            WHERE j.id = s.id AND j.handoff_id = s.lease AND j.status = 'handed_off'
-                AND j.checkpoint_seq < s.seq
-            RETURNING j.id, j.handoff_id
+            WITH u AS (
+                UPDATE {t} j SET checkpoint = s.state, checkpoint_seq = s.seq, checkpoint_us = $5
+                FROM unnest($1::uuid[], $2::uuid[], $3::int[], $4::text[])
+                    AS s(id, lease, seq, state)
+                WHERE j.id = s.id AND j.handoff_id = s.lease AND j.status = 'handed_off'
+                    AND j.checkpoint_seq < s.seq
+                RETURNING j.id, j.handoff_id, j.checkpoint
+            ),
+            d AS (
+                DELETE FROM {p} p USING u
+                WHERE p.job_id = u.id AND p.kind = 'checkpoint'
+                    AND u.checkpoint IS DISTINCT FROM '{OFFLOADED}'
+            )
+            SELECT id, handoff_id FROM u
         """
         self.save_progress = f"""
             UPDATE {t} j SET progress = s.fraction, progress_message = s.message

@@ -200,9 +200,11 @@ OFFLOADED = ""
 ``broker_payloads`` instead: no JSON value encodes to the empty string, so the mark can
 never be mistaken for a value, and the hot row keeps a few bytes in place of megabytes."""
 
-OFFLOADABLE = ("args", "kwargs", "result")
+OFFLOADABLE = ("args", "kwargs", "result", "checkpoint")
 """The ``broker_jobs`` columns whose value moves to ``broker_payloads`` (under the column's
-name as its ``kind``) when it is longer than the adapter's offload threshold."""
+name as its ``kind``) when it is longer than the adapter's offload threshold. A checkpoint
+is the one value written again and again: a save that stays in its row deletes the payload
+of the checkpoint it replaces, in the save's own transaction."""
 
 
 def _define_payloads(md: sa.MetaData) -> sa.Table:
@@ -485,6 +487,14 @@ def _v8_leader(conn: sa.Connection, schema: str | None) -> None:
     )
 
 
+def _v10_offloaded_checkpoints(conn: sa.Connection, schema: str | None) -> None:
+    """Version 10: a checkpoint over the offload threshold lives in ``broker_payloads``
+    (kind ``checkpoint``), its row holding :data:`OFFLOADED`. No table changes; the version
+    is what makes an older broker refuse the store, since it would take the mark for a
+    checkpoint (and fail to decode it) instead of loading the payload. Rows written before
+    keep their checkpoints inline, which this version reads as ever."""
+
+
 Migration = Callable[[sa.Connection, str | None], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
@@ -497,6 +507,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (7, _v7_quiet_main_inserts),
     (8, _v8_leader),
     (9, _v9_task_catalog),
+    (10, _v10_offloaded_checkpoints),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

@@ -47,15 +47,16 @@ from broker.jobs import (
 from broker.payload import DEFAULT_OFFLOAD_BYTES, encoded_size
 from broker.storage import Capabilities, JobFilter, JobPage, QueueCount, TaskRecord
 
-_HOLLOW: dict[str, JSONValue] = {"args": (), "kwargs": {}, "result": None}
+_HOLLOW: dict[str, JSONValue] = {"args": (), "kwargs": {}, "result": None, "checkpoint": None}
 """What an offloaded field of a kept job holds; also how a summary shows a job."""
 
 
 class MemoryAdapter:
     """A complete :class:`broker.storage.StorageAdapter` held in memory.
 
-    ``offload_threshold``: args, kwargs or a result larger than this (as stored JSON,
-    measured like the SQL stores) is kept apart from its job; ``None`` never offloads.
+    ``offload_threshold``: args, kwargs, a result or a checkpoint larger than this (as
+    stored JSON, measured like the SQL stores) is kept apart from its job; ``None`` never
+    offloads.
     """
 
     def __init__(
@@ -462,7 +463,7 @@ class MemoryAdapter:
 def _summary(job: Job) -> Job:
     """``job`` without its payload; every field left is immutable, so unlike
     :meth:`MemoryAdapter._snapshot` it needs no deep copy (the costly part of a listing)."""
-    return replace(job, args=(), kwargs={}, result=None, checkpoint=None)
+    return replace(job, **_HOLLOW)
 
 
 def _newest_first_key(job: Job) -> tuple[datetime, bytes]:

@@ -250,7 +250,7 @@ _DECODED = [(name, column, decode) for name, column, _, decode in _FIELDS if dec
 Bodies = Mapping[tuple[uuid.UUID, str], str]
 """Offloaded payloads by ``(job id, column)``, as ``broker_payloads`` holds them."""
 
-_HOLLOW = {"args": "[]", "kwargs": "{}", "result": None}
+_HOLLOW = {"args": "[]", "kwargs": "{}", "result": None, "checkpoint": None}
 """What a payload column reads as where payloads are left out (selection, summaries)."""
 
 
@@ -778,21 +778,35 @@ def _settle_lite(
 
 
 def _save_checkpoints_lite(
-    conn: sqlite3.Connection, saves: Sequence[CheckpointSave], now_us: int
+    conn: sqlite3.Connection,
+    saves: Sequence[CheckpointSave],
+    now_us: int,
+    offload_threshold: int | None,
 ) -> list[bool]:
     """SQLite's checkpoints, one transaction: a fenced ``UPDATE`` each, in order (so of
-    two saves of one lease in a batch, the later and newer one ends up stored)."""
+    two saves of one lease in a batch, the later and newer one ends up stored). A saved
+    checkpoint over ``offload_threshold`` replaces the job's checkpoint payload; one kept
+    in its row deletes it, so the checkpoint it replaces is never left behind."""
     now = _from_us(now_us)
+    saved = []
     with immediate(conn):
-        return [
-            _update_lite(
-                conn,
-                settlement.save_checkpoint(save, now),
-                "id = ? AND handoff_id = ? AND status = 'handed_off' AND checkpoint_seq < ?",
-                [save.job_id.hex, save.handoff_id.hex, save.seq],
+        for save in saves:
+            move = settlement.save_checkpoint(save, now)
+            update, columns = _lite_update(
+                move, "id = ? AND handoff_id = ? AND status = 'handed_off' AND checkpoint_seq < ?"
             )
-            for save in saves
-        ]
+            values, moved = _offload(save.job_id, _columns(move.changes), offload_threshold)
+            fence = [save.job_id.hex, save.handoff_id.hex, save.seq]
+            taken = conn.execute(update, [values[c] for c in columns] + fence).rowcount == 1
+            if taken and moved:
+                _lite_put(conn, moved)
+            elif taken:
+                conn.execute(
+                    "DELETE FROM broker_payloads WHERE job_id = ? AND kind = 'checkpoint'",
+                    (save.job_id.hex,),
+                )
+            saved.append(taken)
+    return saved
 
 
 def _save_progress_lite(conn: sqlite3.Connection, updates: Sequence[ProgressUpdate]) -> list[bool]:
@@ -844,9 +858,10 @@ class SQLAlchemyAdapter:
     :meth:`close` drops it. On PostgreSQL, its enqueues then notify no listener: the
     main wakes its own dispatcher after each (other processes' inserts still notify).
 
-    ``offload_threshold``: a job's args, kwargs or result longer than this many bytes (as
-    stored JSON) is kept in ``broker_payloads`` instead of its ``broker_jobs`` row, so the
-    rows that claims and settles rewrite stay small; ``None`` keeps every value inline.
+    ``offload_threshold``: a job's args, kwargs, result or checkpoint longer than this many
+    bytes (as stored JSON) is kept in ``broker_payloads`` instead of its ``broker_jobs``
+    row, so the rows that claims and settles rewrite stay small; ``None`` keeps every
+    value inline.
     """
 
     def __init__(
@@ -1726,7 +1741,8 @@ class SQLAlchemyAdapter:
         if self._hot is None:
             assert self._lite is not None
             return await self._lite_write(
-                "save checkpoints", lambda conn: _save_checkpoints_lite(conn, saves, now_us)
+                "save checkpoints",
+                lambda conn: _save_checkpoints_lite(conn, saves, now_us, self._offload_threshold),
             )
         # One statement for the batch; an UPDATE takes one source row per job, so only
         # the newest save of each lease goes in, and the older ones share its answer
@@ -1737,15 +1753,28 @@ class SQLAlchemyAdapter:
             if key not in newest or newest[key].seq < save.seq:
                 newest[key] = save
         chosen = list(newest.values())
-        async with self._hot_conn("save checkpoints") as (sql, conn):
-            rows = await conn.fetch(
-                sql.save_checkpoints,
-                [c.job_id for c in chosen],
-                [c.handoff_id for c in chosen],
-                [c.seq for c in chosen],
-                [_result_text(c.state) for c in chosen],
-                now_us,
+        states: list[str | None] = []
+        moved: dict[tuple[uuid.UUID, uuid.UUID], list[Payload]] = {}
+        for key, c in newest.items():
+            values, moved[key] = _offload(
+                c.job_id, {"checkpoint": _result_text(c.state)}, self._offload_threshold
             )
+            states.append(values["checkpoint"])
+        arrays = (
+            [c.job_id for c in chosen],
+            [c.handoff_id for c in chosen],
+            [c.seq for c in chosen],
+        )
+        async with self._hot_conn("save checkpoints") as (sql, conn):
+            if not any(moved.values()):
+                rows = await conn.fetch(sql.save_checkpoints, *arrays, states, now_us)
+            else:
+                # The payloads of the saves the fence lets through, in their transaction:
+                # by lease, since a batch may hold a stale lease's save of the same job.
+                async with conn.transaction():
+                    rows = await conn.fetch(sql.save_checkpoints, *arrays, states, now_us)
+                    kept = [p for r in rows for p in moved[(r["id"], r["handoff_id"])]]
+                    await _pg_put(sql, conn, kept)
         taken = {(r["id"], r["handoff_id"]) for r in rows}
         return [(s.job_id, s.handoff_id) in taken for s in saves]
 

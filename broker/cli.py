@@ -445,7 +445,8 @@ def main_parser() -> argparse.ArgumentParser:
         "--max-line-bytes",
         type=_number(int, "max line bytes"),
         help="largest protocol message accepted after the handshake "
-        "(default: the payload limit plus 1 MiB, at least 2 MiB)",
+        "(default: the payload limit plus the checkpoint limit plus 1 MiB, at least 2 MiB, "
+        "at most 33 MiB)",
     )
     _env_option(
         p,
@@ -563,7 +564,10 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         max_payload_bytes=int(args.max_payload_bytes),
         max_checkpoint_bytes=int(args.max_checkpoint_bytes),
         max_payload_depth=int(args.max_payload_depth),
-        max_line_bytes=int(args.max_line_bytes or line_limit_for(int(args.max_payload_bytes))),
+        max_line_bytes=int(
+            args.max_line_bytes
+            or line_limit_for(int(args.max_payload_bytes), int(args.max_checkpoint_bytes))
+        ),
         list_page_bytes=int(args.list_page_bytes),
         http_host=args.http_host,
         http_port=None if args.http_port is None else int(args.http_port),

@@ -20,6 +20,7 @@ from broker.payload import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_MAX_PAYLOAD_DEPTH,
     LINE_HEADROOM_BYTES,
+    MAX_LINE_BYTES_CEILING,
     MAX_PAYLOAD_BYTES_CEILING,
     MAX_PAYLOAD_DEPTH_CEILING,
 )
@@ -29,8 +30,9 @@ from broker.tls import ServerTLS
 MIN_LINE_BYTES = 2 << 20
 """2 MiB: the default line limit for a small payload limit, or none."""
 
-DEFAULT_MAX_LINE_BYTES = DEFAULT_MAX_PAYLOAD_BYTES + (1 << 20)
-"""17 MiB: the default payload limit (16 MiB) plus ample room for the rest of a message."""
+DEFAULT_MAX_LINE_BYTES = DEFAULT_MAX_PAYLOAD_BYTES + DEFAULT_MAX_CHECKPOINT_BYTES + (1 << 20)
+"""21 MiB: a job at the default payload limit (16 MiB) with a checkpoint at the default
+checkpoint limit (4 MiB), plus ample room for the rest of a message."""
 
 DEFAULT_LIST_PAGE_BYTES = 1 << 20
 """1 MiB: a page of jobs that a client decodes, and the main encodes, in a few milliseconds."""
@@ -40,12 +42,15 @@ DEFAULT_MAX_OUTBOX_BYTES = 8 << 20
 that reads ever has waiting."""
 
 
-def line_limit_for(max_payload_bytes: int | None) -> int:
-    """The default ``max_line_bytes`` for a payload limit: 1 MiB above it, at least
-    :data:`MIN_LINE_BYTES`."""
+def line_limit_for(max_payload_bytes: int | None, max_checkpoint_bytes: int | None) -> int:
+    """The default ``max_line_bytes`` for a payload and a checkpoint limit: room for a job
+    message carrying both at their limits and 1 MiB more, at least :data:`MIN_LINE_BYTES`
+    and at most what a worker accepts (:data:`MAX_LINE_BYTES_CEILING`; a checkpoint
+    limit that does not fit then is lowered, see :attr:`MainSettings.checkpoint_limit`)."""
     if max_payload_bytes is None:
         return DEFAULT_MAX_LINE_BYTES
-    return max(MIN_LINE_BYTES, max_payload_bytes + (1 << 20))
+    wanted = max_payload_bytes + (max_checkpoint_bytes or 0) + (1 << 20)
+    return max(MIN_LINE_BYTES, min(wanted, MAX_LINE_BYTES_CEILING))
 
 
 @dataclass(frozen=True)
@@ -148,10 +153,12 @@ class MainSettings:
     def checkpoint_limit(self) -> int | None:
         """The checkpoint limit in force: ``max_checkpoint_bytes``, lowered so that a job
         message (its arguments, its checkpoint and 64 KiB for the rest) always fits in
-        one line. With the defaults (2 MiB lines, 1 MiB payload) it is the 256 KiB asked
-        for; a line limit set just above the payload limit leaves no room, and every
-        checkpoint is refused with this limit in its message (raise ``max_line_bytes``)."""
-        room = self.max_line_bytes - (self.max_payload_bytes or 0) - LINE_HEADROOM_BYTES
+        one line, of the main's and of a worker's (:data:`MAX_LINE_BYTES_CEILING`). With
+        the defaults (21 MiB lines, 16 MiB payload) it is the 4 MiB asked for; a line
+        limit set just above the payload limit leaves no room, and every checkpoint is
+        refused with this limit in its message (raise ``max_line_bytes``)."""
+        line = min(self.max_line_bytes, MAX_LINE_BYTES_CEILING)
+        room = line - (self.max_payload_bytes or 0) - LINE_HEADROOM_BYTES
         if self.max_checkpoint_bytes is None:
             return max(0, room) if self.max_payload_bytes is not None else None
         return max(0, min(self.max_checkpoint_bytes, room))
@@ -201,8 +208,8 @@ class MainSettings:
                 f"max_line_bytes ({self.max_line_bytes}) must exceed max_payload_bytes "
                 f"({self.max_payload_bytes}) by at least {LINE_HEADROOM_BYTES} bytes, so "
                 "a job at the payload limit fits in one message; raise --max-line-bytes "
-                f"(e.g. to {line_limit_for(self.max_payload_bytes)}) or lower "
-                "--max-payload-bytes",
+                f"(e.g. to {line_limit_for(self.max_payload_bytes, self.max_checkpoint_bytes)}) "
+                "or lower --max-payload-bytes",
             )
         checks.int_in_range(
             "max_payload_depth",

@@ -28,15 +28,24 @@ weighs on every claim and settle; it still crosses the wire and a child pipe who
 
 MAX_PAYLOAD_BYTES_CEILING = 32 << 20
 """The largest payload limit any setting may allow: a job at the limit, plus its message,
-must fit in a worker's line bound (:data:`broker.worker.MAX_LINE_BYTES`) and in the 64 MiB
+must fit in a worker's line bound (:data:`MAX_LINE_BYTES_CEILING`) and in the 64 MiB
 line buffers of the pipes to and from a child, with room to spare."""
 
+MAX_LINE_BYTES_CEILING = MAX_PAYLOAD_BYTES_CEILING + (1 << 20)
+"""The longest line a worker accepts from a main, whatever its welcome says (a memory
+bound): a job at the highest payload limit a main may set, and its message. A main's
+checkpoint limit in force keeps a job message within it."""
+
 DEFAULT_OFFLOAD_BYTES = 64 << 10
-"""64 KiB: a value (args, kwargs, result) larger than this as stored JSON is kept apart
+"""64 KiB: a value (args, kwargs, result, checkpoint) larger than this as stored JSON is kept apart
 from its job's row, in the store's payload table (see ``docs/howto/payload-limits.md``)."""
 
-DEFAULT_MAX_CHECKPOINT_BYTES = 256 << 10
-"""256 KiB: a checkpoint is a position and a little state, not the data itself."""
+DEFAULT_MAX_CHECKPOINT_BYTES = 4 << 20
+"""4 MiB. A checkpoint over :data:`DEFAULT_OFFLOAD_BYTES` lives apart from its job's row
+like a large argument, so its size no longer weighs on every claim and settle. It is
+still a position and a little state, not the data itself: every save crosses the wire
+(twice from a child) and is written to the store whole, and every job message carries
+the last one beside the job's arguments, so the default line limit grows with it."""
 
 DEFAULT_MAX_PAYLOAD_DEPTH = 64
 """How many lists and objects deep each argument, keyword argument and result may nest."""
@@ -197,6 +206,7 @@ __all__ = [
     "DEFAULT_OFFLOAD_BYTES",
     "ESCAPE_GROWTH",
     "LINE_HEADROOM_BYTES",
+    "MAX_LINE_BYTES_CEILING",
     "MAX_PAYLOAD_BYTES_CEILING",
     "MAX_PAYLOAD_DEPTH_CEILING",
     "args_size",

@@ -57,7 +57,7 @@ from broker.exceptions import (
     ProtocolError,
 )
 from broker.jobs import ExecutionMode, JSONValue
-from broker.payload import MAX_PAYLOAD_BYTES_CEILING
+from broker.payload import MAX_LINE_BYTES_CEILING
 from broker.runner import Assignment, Failed, LeaseKey, Runner, RunOutcome
 from broker.tasks import TaskRegistry, default_registry
 from broker.tls import PeerTLS
@@ -84,9 +84,6 @@ FAST_FLUSH_TIMEOUT = 2.0
 CANCEL_WAIT = 5.0
 """How long to wait for cancelled jobs to come back with an outcome before exiting."""
 
-MAX_LINE_BYTES = MAX_PAYLOAD_BYTES_CEILING + (1 << 20)
-"""The longest line accepted from a main, whatever its welcome says (a memory bound): a
-job at the highest payload limit a main may set, and its message."""
 
 PREFETCH_PER_SLOT = 2
 """Unless told otherwise, a worker holds twice its slots of each mode beyond them. The
@@ -417,7 +414,7 @@ class Worker:
         try:
             async with asyncio.timeout(self._liveness_timeout):
                 reader, raw_writer = await asyncio.open_connection(
-                    host, port, limit=MAX_LINE_BYTES + 2, ssl=self._tls
+                    host, port, limit=MAX_LINE_BYTES_CEILING + 2, ssl=self._tls
                 )
         except ssl.SSLError as exc:
             # Retried like an unreachable main (a certificate may be renewed meanwhile),
@@ -435,7 +432,7 @@ class Worker:
         except BaseException:
             writer.abort()
             raise
-        lines.max_line_bytes = min(welcome.max_line_bytes, MAX_LINE_BYTES)
+        lines.max_line_bytes = min(welcome.max_line_bytes, MAX_LINE_BYTES_CEILING)
         held = set(self._state.held_leases())
         adopted = {(ref.job_id, ref.handoff_id) for ref in welcome.adopted}
         self._logger.info(

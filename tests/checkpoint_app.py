@@ -13,6 +13,7 @@ one ``write`` per line (``O_APPEND``), so a ``kill -9`` never leaves a torn line
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import time
 
@@ -75,3 +76,28 @@ def count_up_sync(total: int, pause: float = 0.02, fail_at: int = 0) -> int:
         _log("acked", n)
         job.progress(n / total, f"step {n} of {total}")
     return total
+
+
+def blob(size: int) -> str:
+    """``size`` characters that differ all along (a number every 8), so a checkpoint cut
+    short, shifted or swapped for another job's cannot pass for this one."""
+    return "".join(f"{i:07d}," for i in range(size // 8))
+
+
+@task
+async def hold_big(size: int) -> dict[str, object]:
+    """The first run checkpoints ``blob(size)`` and then waits to be killed; the next
+    run reports what it got back (its size and SHA-256) and checkpoints a small state in
+    its place."""
+    job = current_job()
+    _log("start", job.attempt, 1 if job.is_continuation else "-", job.job_id)
+    if not job.is_continuation:
+        _log("asked", 1)
+        await job.checkpoint({"blob": blob(size)})
+        _log("acked", 1)
+        await asyncio.Event().wait()  # until the test kills this run's worker
+    got = job.last_checkpoint["blob"]
+    _log("asked", 2)
+    await job.checkpoint({"done": True})
+    _log("acked", 2)
+    return {"size": len(got), "sha256": hashlib.sha256(got.encode()).hexdigest()}

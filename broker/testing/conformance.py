@@ -32,6 +32,7 @@ from broker.jobs import (
     Job,
     JobSpec,
     JobStatus,
+    JSONValue,
     Outcome,
     ProgressUpdate,
     Settlement,
@@ -1194,6 +1195,62 @@ async def check_offloaded_values_leave_with_their_jobs(ctx: Context) -> None:
     ctx.clock.advance(60)
     assert await ctx.store.prune(older_than=ctx.clock(), batch_size=2) == 4
     assert await _payloads(ctx) == 0, "pruning a job deletes its offloaded values"
+
+
+@_check
+async def check_large_checkpoints_are_offloaded_replaced_and_pruned(ctx: Context) -> None:
+    """A large checkpoint is offloaded, reaches the next attempt, and leaves no payload behind"""
+    _, threshold = _offloading(ctx)
+    big = {"state": "c" * (threshold + 1)}
+    bigger = {"state": "d" * (threshold + 2)}
+    job = await _claim(ctx.store, await _enqueue(ctx.store, max_attempts=2))
+    lease = job.handoff_id
+    assert lease is not None
+
+    async def save(*saves: tuple[uuid.UUID, int, JSONValue]) -> list[bool]:
+        return await ctx.store.save_checkpoints([CheckpointSave(job.id, *s) for s in saves])
+
+    assert await save((lease, 1, big)) == [True]
+    assert await _payloads(ctx) == 1, "a checkpoint over the threshold moved out of its row"
+    assert (await _get(ctx.store, job.id)).checkpoint == big, "get_job loads it"
+    [mine] = await ctx.store.handoffs_for_worker(WORKER)
+    assert mine.checkpoint == big, "handoffs_for_worker loads it"
+    assert await save((uuid.uuid4(), 2, bigger)) == [False]
+    assert (await _get(ctx.store, job.id)).checkpoint == big, "a fenced-out save writes nothing"
+    assert await save((lease, 2, bigger)) == [True]
+    assert await _payloads(ctx) == 1, "a large checkpoint replaces the payload of the last"
+    assert await save((lease, 3, {"row": 3}), (uuid.uuid4(), 4, big)) == [True, False]
+    assert await _payloads(ctx) == 0, "one kept in its row deletes the payload it replaces"
+    assert (await _get(ctx.store, job.id)).checkpoint == {"row": 3}
+    assert await save((lease, 4, big), (lease, 5, {"row": 5})) == [True, True]
+    assert await _payloads(ctx) == 0, "the newest of a batch counts, and it is small"
+    stale = (uuid.uuid4(), 7, big)
+    assert await save((lease, 6, {"row": 6}), stale, (lease, 7, bigger)) == [True, False, True]
+    assert await _payloads(ctx) == 1, "a stale lease's save in the batch writes no payload"
+    assert await ctx.store.fail(job.id, lease, "boom", ctx.clock())
+    [again] = await ctx.store.mark_handed_off_many([Claim(job.id, uuid.uuid4(), WORKER)])
+    assert (again.checkpoint, again.checkpoint_seq) == (bigger, 7), "the next attempt gets it"
+    [full] = (await ctx.store.list_jobs(limit=10)).jobs
+    assert full.checkpoint == bigger, "a full listing loads it"
+    [short] = (await ctx.store.list_jobs(limit=10, include_payload=False)).jobs
+    assert short.checkpoint is None and short.checkpoint_seq == 7, "a summary leaves it out"
+    assert again.handoff_id is not None
+    assert await ctx.store.complete(job.id, again.handoff_id, None)
+    assert (await _get(ctx.store, job.id)).checkpoint == bigger, "a finished job keeps it"
+    cancelled = await _claim(ctx.store, await _enqueue(ctx.store))
+    assert cancelled.handoff_id is not None
+    assert await ctx.store.save_checkpoints(
+        [CheckpointSave(cancelled.id, cancelled.handoff_id, 1, big)]
+    )
+    assert await ctx.store.save_checkpoints(
+        [CheckpointSave(cancelled.id, cancelled.handoff_id, 2, bigger)]
+    )
+    gone = await ctx.store.cancel(cancelled.id)
+    assert gone is not None and gone.checkpoint == bigger, "cancel returns it too"
+    assert await _payloads(ctx) == 2
+    ctx.clock.advance(60)
+    assert await ctx.store.prune(older_than=ctx.clock(), batch_size=1) == 2
+    assert await _payloads(ctx) == 0, "pruning a job deletes its checkpoint payload"
 
 
 # --- lifecycle and capabilities ------------------------------------------------------

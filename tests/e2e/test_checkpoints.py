@@ -10,6 +10,7 @@ or a newer one that was asked for, never an older one.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import re
@@ -21,9 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from broker.jobs import ExecutionMode, JobSpec
-from tests.e2e.test_e2e import Cluster, eventually, sqlite_url
+from tests.checkpoint_app import blob
+from tests.e2e.test_e2e import Cluster, eventually, fresh_database, sqlite_url
 
 pytestmark = pytest.mark.slow
 
@@ -199,6 +203,71 @@ async def test_kill_9_of_child_and_worker_resumes_from_the_last_acknowledged_che
     assert re.search(r"checkpoint_at +\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", human), human
     assert re.search(r"\d+% step \d+ of", await broker(cluster, "jobs")), "broker jobs shows it"
     await main.terminate()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    if request.param == "sqlite":
+        yield sqlite_url(tmp_path)
+        return
+    async with fresh_database("broker_ckpt") as url:
+        yield url
+
+
+async def _stored(url: str) -> tuple[int, int]:
+    """The longest checkpoint in a job row, and the checkpoint payloads' total size."""
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            in_rows = await conn.scalar(sa.text("SELECT max(length(checkpoint)) FROM broker_jobs"))
+            apart = await conn.scalar(
+                sa.text("SELECT sum(length(body)) FROM broker_payloads WHERE kind = 'checkpoint'")
+            )
+    finally:
+        await engine.dispose()
+    return int(in_rows or 0), int(apart or 0)
+
+
+async def test_a_1_mib_checkpoint_survives_kill_9_of_its_worker(
+    tmp_path: Path, store_url: str
+) -> None:
+    """The checkpoint lives outside the job row, comes back whole to the next attempt on
+    another worker, and is deleted once a small checkpoint replaces it."""
+    size = 1 << 20
+    cluster = Checkpointing(tmp_path, store_url)
+    try:
+        await cluster.start_main(*MAIN, *STEADY)
+        first = await cluster.worker("a", "--pooled-runner-count", "1")
+        async with cluster.client() as client:
+            [ref] = await client.enqueue_many([JobSpec(task=f"{APP}.hold_big", args=[size])])
+            await eventually(
+                lambda: any(e.kind == "acked" for e in events(cluster.runs)),
+                "the 1 MiB checkpoint acknowledged",
+                timeout=WAIT,
+                detail=cluster.logs,
+            )
+            in_rows, apart = await _stored(store_url)
+            assert in_rows < 100 and apart > size, "the store keeps it apart from the row"
+            shown = json.loads(await broker(cluster, "job", str(ref.job_id), "--json"))
+            assert shown["checkpoint"] == {"blob": blob(size)}, "broker job loads it"
+            await first.kill()  # type: ignore[attr-defined]
+            await cluster.worker("b", "--pooled-runner-count", "1")
+
+            async def finished() -> bool:
+                job = await client.get_job(ref.job_id)
+                return job is not None and job["status"] == "completed"
+
+            await eventually(finished, "the job to complete", timeout=WAIT, detail=cluster.logs)
+            job = await client.get_job(ref.job_id)
+        assert job is not None and job["recoveries"] == 1, "the kill cost one attempt"
+        expected = hashlib.sha256(blob(size).encode()).hexdigest()
+        assert job["result"] == {"size": size, "sha256": expected}, "the next attempt got it"
+        assert (job["checkpoint"], job["checkpoint_seq"]) == ({"done": True}, 2)
+        assert await _stored(store_url) == (len('{"done":true}'), 0), "no payload left behind"
+        starts = [e.value.split()[:2] for e in events(cluster.runs) if e.kind == "start"]
+        assert starts == [["1", "-"], ["1", "1"]], "a recovery, resumed from the checkpoint"
+    finally:
+        await cluster.close()
 
 
 async def test_a_frozen_workers_late_checkpoint_is_fenced(cluster: Checkpointing) -> None:

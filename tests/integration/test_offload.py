@@ -1,5 +1,6 @@
 """Offloaded payloads on the real SQL stores: what the job rows hold, and that nothing is
-left behind when an enqueue rolls back, a report is fenced out, or retention prunes."""
+left behind when an enqueue rolls back, a report is fenced out, a checkpoint is replaced,
+or retention prunes."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from adapters.sql import SQLAlchemyAdapter
-from broker.jobs import Claim, JobSpec, JobStatus, Outcome, Settlement
+from broker.jobs import CheckpointSave, Claim, JobSpec, JobStatus, Outcome, Settlement
 from broker.retention import Retention, prune_once
 from broker.testing import FakeClock
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
@@ -41,7 +42,8 @@ class Store:
     async def longest_value_in_rows(self) -> int:
         return int(
             await self.scalar(
-                "SELECT max(length(args) + length(kwargs) + coalesce(length(result), 0)) "
+                "SELECT max(length(args) + length(kwargs) + coalesce(length(result), 0) "
+                "+ coalesce(length(checkpoint), 0)) "
                 f"FROM {self.table('broker_jobs')}"
             )
             or 0
@@ -138,3 +140,35 @@ async def test_retention_leaves_no_orphaned_payload(store: Store) -> None:
     assert orphans == 0
     job = await store.adapter.get_job(queued.job.id)
     assert job is not None and job.status is JobStatus.QUEUED and job.args == (BIG,)
+
+
+async def test_checkpoints_are_offloaded_and_a_replaced_one_leaves_no_payload(
+    store: Store,
+) -> None:
+    [made] = await store.adapter.enqueue_many([JobSpec(task="t", max_attempts=1)])
+    job_id, lease, stale = made.job.id, uuid.uuid4(), uuid.uuid4()
+    assert await store.adapter.mark_handed_off(job_id, lease, "w") is not None
+
+    async def save(handoff_id: uuid.UUID, seq: int, state: Any) -> bool:
+        [saved] = await store.adapter.save_checkpoints(
+            [CheckpointSave(job_id, handoff_id, seq, state)]
+        )
+        return saved
+
+    async def checkpoint_payloads() -> int:
+        table = store.table("broker_payloads")
+        return int(await store.scalar(f"SELECT count(*) FROM {table} WHERE kind = 'checkpoint'"))
+
+    assert await save(lease, 1, {"big": BIG})
+    assert await store.longest_value_in_rows() < 100, "the row holds the mark, not the value"
+    assert await checkpoint_payloads() == 1
+    assert await save(lease, 2, {"small": 1})
+    assert await checkpoint_payloads() == 0, "the replaced checkpoint's payload is deleted"
+    assert not await save(stale, 3, {"big": BIG})
+    assert await checkpoint_payloads() == 0, "a fenced-out checkpoint writes no payload"
+    assert await save(lease, 3, [BIG])
+    assert (await store.adapter.get_job(job_id)).checkpoint == [BIG]  # type: ignore[union-attr]
+    assert await store.adapter.fail(job_id, lease, "boom", None)
+    store.clock.advance(timedelta(days=60).total_seconds())
+    assert sum((await prune_once(store.adapter, Retention(), store.clock)).values()) == 1
+    assert await store.scalar(f"SELECT count(*) FROM {store.table('broker_payloads')}") == 0

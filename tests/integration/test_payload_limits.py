@@ -77,16 +77,18 @@ def test_sizes_are_compact_ascii_json() -> None:
 def test_the_default_line_fits_a_job_at_the_default_payload_limit() -> None:
     defaults = MainSettings()
     assert defaults.max_payload_bytes == DEFAULT_MAX_PAYLOAD_BYTES == 16 << 20
-    assert defaults.max_line_bytes == DEFAULT_MAX_LINE_BYTES == 17 << 20
-    assert defaults.max_line_bytes >= DEFAULT_MAX_PAYLOAD_BYTES + LINE_HEADROOM_BYTES
+    assert defaults.max_line_bytes == DEFAULT_MAX_LINE_BYTES == 21 << 20
+    assert defaults.max_line_bytes >= DEFAULT_MAX_PAYLOAD_BYTES + (4 << 20) + LINE_HEADROOM_BYTES
     defaults.validate()
     with pytest.raises(ConfigurationError, match=r"max_line_bytes .* must exceed"):
         MainSettings(max_line_bytes=1 << 20).validate()
     with pytest.raises(ConfigurationError, match="max_payload_bytes must be positive"):
         MainSettings(max_payload_bytes=0).validate()
     MainSettings(max_line_bytes=1 << 20, max_payload_bytes=None).validate()
-    assert line_limit_for(8 << 20) == 9 << 20
-    assert line_limit_for(10) == 2 << 20, "never below 2 MiB"
+    assert line_limit_for(8 << 20, 4 << 20) == 13 << 20
+    assert line_limit_for(8 << 20, None) == 9 << 20
+    assert line_limit_for(10, 10) == 2 << 20, "never below 2 MiB"
+    assert line_limit_for(32 << 20, 4 << 20) == 33 << 20, "never above a worker's line bound"
     MainSettings(max_payload_bytes=32 << 20, max_line_bytes=33 << 20).validate()
     with pytest.raises(ConfigurationError, match="at most 33554432"):
         MainSettings(max_payload_bytes=(32 << 20) + 1, max_line_bytes=40 << 20).validate()
@@ -117,7 +119,7 @@ async def test_broker_main_applies_the_flags(monkeypatch: pytest.MonkeyPatch) ->
         await cli.run_main(args)
     [main] = started
     assert main.settings.max_payload_bytes == 3 << 20
-    assert main.settings.max_line_bytes == 4 << 20
+    assert main.settings.max_line_bytes == 8 << 20, "3 MiB payload, 4 MiB checkpoint, 1 MiB"
     assert isinstance(main.store, SupportsOffload) and main.store.offload_threshold == 1000
     default = cli.main_parser().parse_args([])
     assert default.offload_threshold == DEFAULT_OFFLOAD_BYTES == 64 << 10
@@ -184,7 +186,7 @@ async def test_the_client_refuses_a_request_longer_than_the_mains_line_limit() -
 
 async def test_the_client_reads_replies_larger_than_one_mib() -> None:
     store = MemoryAdapter()
-    settings = MainSettings(port=0)  # the defaults: 16 MiB payload, 17 MiB lines
+    settings = MainSettings(port=0)  # the defaults: 16 MiB payload, 21 MiB lines
     async with _main(store, settings) as main, Client("127.0.0.1", main.port) as client:
         blob = "x" * ((1 << 20) - 100)
         made = await client.enqueue("t", [blob])

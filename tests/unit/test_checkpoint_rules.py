@@ -138,7 +138,9 @@ def test_the_stored_checkpoint_only_ever_moves_forward(seqs: list[int], other_le
 
 
 def test_the_checkpoint_limit_leaves_room_for_the_jobs_payload_in_a_line() -> None:
-    assert MainSettings().checkpoint_limit == DEFAULT_MAX_CHECKPOINT_BYTES
+    assert MainSettings().checkpoint_limit == DEFAULT_MAX_CHECKPOINT_BYTES == 4 << 20
+    widest = MainSettings(max_payload_bytes=32 << 20, max_line_bytes=64 << 20)
+    assert widest.checkpoint_limit == (1 << 20) - LINE_HEADROOM_BYTES, "a worker's line bound"
     tight = MainSettings(max_payload_bytes=1000, max_line_bytes=1000 + LINE_HEADROOM_BYTES + 10)
     assert tight.checkpoint_limit == 10
     assert MainSettings(max_checkpoint_bytes=None, max_payload_bytes=None).checkpoint_limit is None
