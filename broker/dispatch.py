@@ -96,8 +96,12 @@ class Dispatcher:
                 )
                 if more:
                     continue
-                if len(self._claims) >= self._max_claims_in_flight:
-                    await self._wake.wait()  # the first claim to answer wakes us
+                if self._claims:
+                    # The first claim to answer wakes us for another pass, which looks
+                    # again. Reading the next run time meanwhile would cost the store a
+                    # scan of the queued rows per pass for nothing (it is worked out
+                    # again once no claim is under way).
+                    await self._wake.wait()
                     continue
                 timeout = await self._idle_timeout()
                 with contextlib.suppress(TimeoutError):

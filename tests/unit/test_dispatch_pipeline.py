@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Sequence
+from datetime import datetime
 
 from adapters.memory import MemoryAdapter
 from broker import protocol
@@ -104,6 +105,45 @@ async def test_the_claims_in_flight_are_capped_and_the_first_answer_wakes_a_pass
         await asyncio.sleep(0)
     assert [len(c) for c in claims] == [2, 2, 2]
     assert len({d.job.id for d in sent}) == 6
+    run.cancel()
+
+
+class CountedReads(HeldClaims):
+    """Notes how many claims were held open at each read of the next run time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = 0
+        self.next_run_reads: list[int] = []
+        self.next_run_read = asyncio.Event()
+
+    async def mark_handed_off_many(self, claims: Sequence[Claim]) -> list[Job]:
+        self.held += 1
+        try:
+            return await super().mark_handed_off_many(claims)
+        finally:
+            self.held -= 1
+
+    async def next_run_at(self, **kw: object) -> datetime | None:
+        self.next_run_reads.append(self.held)
+        self.next_run_read.set()
+        return await super().next_run_at(**kw)  # type: ignore[arg-type]
+
+
+async def test_no_next_run_read_while_a_claim_is_in_flight() -> None:
+    """The claim's answer wakes the dispatcher anyway: reading the next run time while it
+    is out cost the store a scan of the queued rows per pass for nothing."""
+    store = CountedReads()
+    await store.enqueue_many([JobSpec(task="t")])
+    core = Handoff()
+    worker(core, 1, 4)  # credit left after the pass: the dispatcher would sleep on a timer
+    sent: list[Dispatch] = []
+    run = asyncio.create_task(dispatcher(store, core, sent).run())
+    await store.started.get()
+    store.release.release()
+    await store.next_run_read.wait()
+    assert store.next_run_reads == [0], store.next_run_reads
+    assert len(sent) == 1
     run.cancel()
 
 
