@@ -845,3 +845,14 @@ async def test_url_aliases_and_options(tmp_path: Path) -> None:
     secret = SQLAlchemyAdapter("postgresql://u:hunter2@h/db")
     assert "hunter2" not in repr(secret)
     await secret.close()
+
+
+def test_decoding_an_enum_column_keeps_the_enums_own_answers() -> None:
+    """The dict lookup in front of the enum's call changes nothing it answers: a member
+    for each stored value, ``ValueError`` for a value no member has (a hand-edited row)."""
+    from adapters.sql import _enum_decoder
+
+    decode = _enum_decoder(ExecutionMode)
+    assert [decode(m.value) for m in ExecutionMode] == list(ExecutionMode)
+    with pytest.raises(ValueError):
+        decode("teleported")
