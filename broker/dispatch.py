@@ -166,17 +166,19 @@ class Dispatcher:
         core.read_eligible(started, modes, full=len(jobs) == limit + claiming)
         now = asyncio.get_running_loop().time()
         plan = core.plan(jobs, now)
-        if len(plan) < len(jobs) - claiming:
-            # One mode's backlog filled the read while another mode still has free slots:
-            # read again for those modes alone, each no further than its own credit.
-            for mode in sorted(core.modes_with_credit()):
-                room = min(core.credit(mode), limit)
-                found = await self._store.select_eligible(
-                    modes=[mode],
-                    queues=queues,
-                    limit=room + len(core.claiming) + len(core.awaiting),
-                )
-                plan += core.plan(found, now)
+        left = core.modes_with_credit()
+        if left and len(plan) < len(jobs) - claiming:
+            # One mode's backlog filled the read while other modes still have free slots:
+            # read again for those modes alone, in one read no further than their credit
+            # (one read, not one per mode: in a pooled drain the worker's inline and
+            # forked slots cost two empty reads per pass). Should one of them fill this
+            # read too, the pass still reports more work (its first read was full), and
+            # the next pass reads the modes whose slots are still free.
+            room = min(core.credit(), limit)
+            found = await self._store.select_eligible(
+                modes=left, queues=queues, limit=room + len(core.claiming) + len(core.awaiting)
+            )
+            plan += core.plan(found, now)
         if not plan:
             return False
         self._claims.add(asyncio.create_task(self._claim_and_wake(plan), name="broker-claim"))

@@ -9,6 +9,7 @@ import asyncio
 from collections import Counter
 from collections.abc import Sequence
 from datetime import datetime
+from typing import Any
 
 from adapters.memory import MemoryAdapter
 from broker import protocol
@@ -145,6 +146,37 @@ async def test_no_next_run_read_while_a_claim_is_in_flight() -> None:
     assert store.next_run_reads == [0], store.next_run_reads
     assert len(sent) == 1
     run.cancel()
+
+
+class CountedSelects(MemoryAdapter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.selects: list[set[ExecutionMode]] = []
+
+    async def select_eligible(self, **kw: Any) -> list[Job]:
+        self.selects.append(set(kw["modes"]))
+        return await super().select_eligible(**kw)
+
+
+async def test_modes_left_with_free_slots_are_read_again_in_one_read() -> None:
+    """A pooled backlog fills the first read; the worker's inline and forked slots are
+    still free: one more read for both, not one per mode."""
+    store = CountedSelects()
+    await store.enqueue_many([JobSpec(task="t") for _ in range(12)])
+    core = Handoff()
+    peer = core.new_peer(1, 0.0)
+    core.hello(
+        peer,
+        protocol.Hello(
+            role=protocol.Role.WORKER,
+            protocol=protocol.PROTOCOL_VERSION,
+            worker_id="w1",
+            modes=list(ExecutionMode),
+        ),
+    )
+    core.ready(1, {POOLED: 2, ExecutionMode.INLINE: 2, ExecutionMode.FORKED: 2}, seen=0)
+    assert await dispatcher(store, core, [], claim_batch=8).dispatch_once()
+    assert store.selects == [set(ExecutionMode), {ExecutionMode.INLINE, ExecutionMode.FORKED}]
 
 
 def test_workers_with_equal_credit_take_turns() -> None:
