@@ -1467,32 +1467,36 @@ class SQLAlchemyAdapter:
         modes: Collection[ExecutionMode],
         queues: Collection[str] | None = None,
         limit: int = 100,
+        skip: Collection[uuid.UUID] = (),
     ) -> list[Job]:
         if not modes or limit <= 0:
             return []
         if self._hot is not None:
-            wanted = [sorted({ExecutionMode(m).value for m in modes})]
+            wanted: list[Any] = [sorted({ExecutionMode(m).value for m in modes})]
+            if queues is not None:
+                wanted.append(sorted(set(queues)))
             async with self._hot_conn("select_eligible") as (sql, conn):
-                if queues is None:
-                    found = await conn.fetch(sql.eligible, *wanted, self._now(), limit)
-                else:
-                    wanted.append(sorted(set(queues)))
-                    found = await conn.fetch(sql.eligible_in_queues, *wanted, self._now(), limit)
+                statement = sql.eligible if queues is None else sql.eligible_in_queues
+                found = await conn.fetch(statement, *wanted, self._now(), limit, list(skip))
             return [_job_from_row(r) for r in found]
-        stmt = self._eligible_stmt(modes, queues, limit)
+        stmt = self._eligible_stmt(modes, queues, limit, skip)
         async with self._read("select_eligible") as conn:
             rows = (await conn.execute(stmt)).mappings().all()
         return [_job_from_row(r) for r in rows]
 
     def _eligible_stmt(
-        self, modes: Collection[ExecutionMode], queues: Collection[str] | None, limit: int
+        self,
+        modes: Collection[ExecutionMode],
+        queues: Collection[str] | None,
+        limit: int,
+        skip: Collection[uuid.UUID] = (),
     ) -> sa.Select[Any]:
         full = (
             sa.exists()
             .where(concurrency.c.key == jobs.c.concurrency_key)
             .where(concurrency.c.active >= jobs.c.concurrency_limit)
         )
-        return (
+        stmt = (
             sa.select(jobs)
             .where(*self._mode_queue_filter(modes, queues))
             .where(jobs.c.run_at_us <= self._now(), ~full)
@@ -1501,6 +1505,7 @@ class SQLAlchemyAdapter:
             )
             .limit(limit)
         )
+        return stmt.where(jobs.c.id.not_in(list(skip))) if skip else stmt
 
     async def next_run_at(
         self, *, modes: Collection[ExecutionMode], queues: Collection[str] | None = None

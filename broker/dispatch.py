@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import Callable, Sequence
 
 from broker.exceptions import transient
@@ -156,18 +157,20 @@ class Dispatcher:
         modes = core.modes_with_credit()
         if not modes:
             return False
-        # Jobs being claimed still look queued to the store and are skipped by the plan:
-        # read past them, or a pass during a claim would find only those.
-        # Jobs held back for their state holder, too (see broker.affinity).
-        claiming = len(core.claiming) + len(core.awaiting)
+        # Jobs being claimed still look queued to the store: the read leaves them out, or
+        # a pass during a claim would find only those. Jobs held back for their state
+        # holder are planned again (see broker.affinity): read past them.
+        held = len(core.awaiting)
         limit = min(core.credit(), self._claim_batch)
         started = core.queue_changes
-        jobs = await self._store.select_eligible(modes=modes, queues=queues, limit=limit + claiming)
-        core.read_eligible(started, modes, full=len(jobs) == limit + claiming)
+        jobs = await self._store.select_eligible(
+            modes=modes, queues=queues, limit=limit + held, skip=self._claiming()
+        )
+        core.read_eligible(started, modes, full=len(jobs) == limit + held)
         now = asyncio.get_running_loop().time()
         plan = core.plan(jobs, now)
         left = core.modes_with_credit()
-        if left and len(plan) < len(jobs) - claiming:
+        if left and len(plan) < len(jobs) - held:
             # One mode's backlog filled the read while other modes still have free slots:
             # read again for those modes alone, in one read no further than their credit
             # (one read, not one per mode: in a pooled drain the worker's inline and
@@ -176,13 +179,17 @@ class Dispatcher:
             # the next pass reads the modes whose slots are still free.
             room = min(core.credit(), limit)
             found = await self._store.select_eligible(
-                modes=left, queues=queues, limit=room + len(core.claiming) + len(core.awaiting)
+                modes=left, queues=queues, limit=room + len(core.awaiting), skip=self._claiming()
             )
             plan += core.plan(found, now)
         if not plan:
             return False
         self._claims.add(asyncio.create_task(self._claim_and_wake(plan), name="broker-claim"))
-        return len(jobs) == limit + claiming and core.credit() > 0
+        return len(jobs) == limit + held and core.credit() > 0
+
+    def _claiming(self) -> list[uuid.UUID]:
+        """The jobs of the claims under way (and of the plan just made)."""
+        return [planned.job.id for planned in self._handoff.claiming.values()]
 
     async def _claim_and_wake(self, plan: Sequence[PlannedClaim]) -> None:
         """A claim under way: when it answers, a pass may start (its slot in the pipeline

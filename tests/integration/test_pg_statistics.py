@@ -65,7 +65,7 @@ async def test_a_read_for_a_mode_without_queued_jobs_walks_no_other_modes_rows()
         await conn.execute(f'ANALYZE "{schema}".broker_jobs')
         assert store._hot is not None
         statement = await conn.prepare("EXPLAIN (ANALYZE, COSTS OFF) " + store._hot[0].eligible)
-        plan = "\n".join(r[0] for r in await statement.fetch(["forked"], 2**62, 20))
+        plan = "\n".join(r[0] for r in await statement.fetch(["forked"], 2**62, 20, []))
         assert "Index Cond: ((execution_mode = m.mode)" in plan, plan
         assert "Rows Removed by Filter" not in plan, plan
         everything = await store.select_eligible(

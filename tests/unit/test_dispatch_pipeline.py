@@ -6,6 +6,7 @@ share the jobs."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import Counter
 from collections.abc import Sequence
 from datetime import datetime
@@ -156,6 +157,32 @@ class CountedSelects(MemoryAdapter):
     async def select_eligible(self, **kw: Any) -> list[Job]:
         self.selects.append(set(kw["modes"]))
         return await super().select_eligible(**kw)
+
+
+class SeenReads(HeldClaims):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[tuple[int, set[uuid.UUID]]] = []
+
+    async def select_eligible(self, **kw: Any) -> list[Job]:
+        self.reads.append((kw["limit"], set(kw["skip"])))
+        return await super().select_eligible(**kw)
+
+
+async def test_a_read_during_a_claim_leaves_the_claimed_jobs_out() -> None:
+    """The store still shows the jobs being claimed queued: the read skips them rather
+    than returning them for the plan to pass over."""
+    store = SeenReads()
+    await store.enqueue_many([JobSpec(task="t") for _ in range(8)])
+    core = Handoff()
+    worker(core, 1, 8)
+    run = asyncio.create_task(dispatcher(store, core, []).run())
+    first = await store.started.get()
+    await store.started.get()
+    assert store.reads[:2] == [(4, set()), (4, {c.job_id for c in first})]
+    store.release.release()
+    store.release.release()
+    run.cancel()
 
 
 async def test_modes_left_with_free_slots_are_read_again_in_one_read() -> None:
