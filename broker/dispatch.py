@@ -20,11 +20,11 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from broker.exceptions import transient
 from broker.handoff import ClaimJobs, Handoff, HandoffEffect, PlannedClaim
-from broker.jobs import Clock
+from broker.jobs import Clock, ExecutionMode
 from broker.storage import StorageAdapter, SupportsNotify
 from broker.supervise import retrying
 
@@ -161,31 +161,39 @@ class Dispatcher:
         # a pass during a claim would find only those. Jobs held back for their state
         # holder are planned again (see broker.affinity): read past them.
         held = len(core.awaiting)
-        limit = min(core.credit(), self._claim_batch)
+        size = self._read_size(modes) + held
         started = core.queue_changes
         jobs = await self._store.select_eligible(
-            modes=modes, queues=queues, limit=limit + held, skip=self._claiming()
+            modes=modes, queues=queues, limit=size, skip=self._claiming()
         )
-        core.read_eligible(started, modes, full=len(jobs) == limit + held)
+        full = len(jobs) == size
+        core.read_eligible(started, modes, full=full)
         now = asyncio.get_running_loop().time()
         plan = core.plan(jobs, now)
         left = core.modes_with_credit()
         if left and len(plan) < len(jobs) - held:
             # One mode's backlog filled the read while other modes still have free slots:
-            # read again for those modes alone, in one read no further than their credit
-            # (one read, not one per mode: in a pooled drain the worker's inline and
-            # forked slots cost two empty reads per pass). Should one of them fill this
-            # read too, the pass still reports more work (its first read was full), and
-            # the next pass reads the modes whose slots are still free.
-            room = min(core.credit(), limit)
+            # read again for those modes alone, in one read (not one per mode: in a
+            # pooled drain the worker's inline and forked slots cost two empty reads per
+            # pass). This read covers every mode with credit left, so whether it came
+            # back full says whether another pass may find more.
+            size = self._read_size(left) + len(core.awaiting)
             found = await self._store.select_eligible(
-                modes=left, queues=queues, limit=room + len(core.awaiting), skip=self._claiming()
+                modes=left, queues=queues, limit=size, skip=self._claiming()
             )
+            full = len(found) == size
             plan += core.plan(found, now)
         if not plan:
             return False
         self._claims.add(asyncio.create_task(self._claim_and_wake(plan), name="broker-claim"))
-        return len(jobs) == limit + held and core.credit() > 0
+        return full and core.credit() > 0
+
+    def _read_size(self, modes: Iterable[ExecutionMode]) -> int:
+        """How many jobs a read for ``modes`` asks for: the largest free credit among
+        them, not their sum. Each job takes a slot of its own mode, and a backlog is
+        mostly one mode's: asking for the sum (a pooled worker's inline and forked
+        slots, free all along) read and decoded rows that no slot could take."""
+        return min(max(self._handoff.credit(mode) for mode in modes), self._claim_batch)
 
     def _claiming(self) -> list[uuid.UUID]:
         """The jobs of the claims under way (and of the plan just made)."""

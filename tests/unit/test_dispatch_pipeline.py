@@ -152,11 +152,38 @@ async def test_no_next_run_read_while_a_claim_is_in_flight() -> None:
 class CountedSelects(MemoryAdapter):
     def __init__(self) -> None:
         super().__init__()
-        self.selects: list[set[ExecutionMode]] = []
+        self.selects: list[tuple[set[ExecutionMode], int]] = []
 
     async def select_eligible(self, **kw: Any) -> list[Job]:
-        self.selects.append(set(kw["modes"]))
+        self.selects.append((set(kw["modes"]), kw["limit"]))
         return await super().select_eligible(**kw)
+
+
+async def test_reads_ask_for_the_largest_free_credit_and_the_modes_left_are_read_once() -> None:
+    """A pooled backlog; the worker's inline and forked slots are free too. The first
+    read asks for the largest free credit of one mode (3), not their sum (6): a job
+    takes a slot of its own mode. It fills with pooled jobs, of which two have a slot:
+    one more read for the inline and forked modes together, not one per mode, and as
+    it comes back short, the pass reports no more work."""
+    store = CountedSelects()
+    await store.enqueue_many([JobSpec(task="t") for _ in range(12)])
+    core = Handoff()
+    peer = core.new_peer(1, 0.0)
+    core.hello(
+        peer,
+        protocol.Hello(
+            role=protocol.Role.WORKER,
+            protocol=protocol.PROTOCOL_VERSION,
+            worker_id="w1",
+            modes=list(ExecutionMode),
+        ),
+    )
+    core.ready(1, {POOLED: 2, ExecutionMode.INLINE: 3, ExecutionMode.FORKED: 1}, seen=0)
+    assert not await dispatcher(store, core, [], claim_batch=8).dispatch_once()
+    assert store.selects == [
+        (set(ExecutionMode), 3),
+        ({ExecutionMode.INLINE, ExecutionMode.FORKED}, 3),
+    ]
 
 
 class SeenReads(HeldClaims):
@@ -183,27 +210,6 @@ async def test_a_read_during_a_claim_leaves_the_claimed_jobs_out() -> None:
     store.release.release()
     store.release.release()
     run.cancel()
-
-
-async def test_modes_left_with_free_slots_are_read_again_in_one_read() -> None:
-    """A pooled backlog fills the first read; the worker's inline and forked slots are
-    still free: one more read for both, not one per mode."""
-    store = CountedSelects()
-    await store.enqueue_many([JobSpec(task="t") for _ in range(12)])
-    core = Handoff()
-    peer = core.new_peer(1, 0.0)
-    core.hello(
-        peer,
-        protocol.Hello(
-            role=protocol.Role.WORKER,
-            protocol=protocol.PROTOCOL_VERSION,
-            worker_id="w1",
-            modes=list(ExecutionMode),
-        ),
-    )
-    core.ready(1, {POOLED: 2, ExecutionMode.INLINE: 2, ExecutionMode.FORKED: 2}, seen=0)
-    assert await dispatcher(store, core, [], claim_batch=8).dispatch_once()
-    assert store.selects == [set(ExecutionMode), {ExecutionMode.INLINE, ExecutionMode.FORKED}]
 
 
 def test_workers_with_equal_credit_take_turns() -> None:
