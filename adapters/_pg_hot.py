@@ -237,13 +237,28 @@ class HotSql:
             "AND c.active >= j.concurrency_limit)"
         )
         order = "ORDER BY priority DESC, run_at_us, created_us, seq"
-        self.eligible = (
-            f"SELECT * FROM {t} j WHERE {due} AND run_at_us <= $2 AND {not_full} {order} LIMIT $3"
-        )
-        self.eligible_in_queues = (
-            f"SELECT * FROM {t} j WHERE {due}{in_queues} AND run_at_us <= $3 AND {not_full} "
-            f"{order} LIMIT $4"
-        )
+
+        def eligible(queue_test: str, now: int) -> str:
+            """The best due jobs of the modes in ``$1``, but those in the skipped ids
+            (``$now + 2``): each mode's best read from the dispatch index, which leads
+            with the mode (see ``_sql_schema._v11_dispatch_by_mode``), in order and no
+            further than the limit (``$now + 1``), then the best of those. A mode
+            without queued jobs costs one index probe, however deep the other modes'
+            backlog."""
+            limit, skip = now + 1, now + 2
+            return f"""
+                SELECT e.* FROM unnest($1::text[]) AS m(mode) CROSS JOIN LATERAL (
+                    SELECT * FROM {t} j
+                    WHERE status = 'queued' AND execution_mode = m.mode{queue_test}
+                        AND run_at_us <= ${now} AND {not_full}
+                        AND NOT (id = ANY(${skip}::uuid[]))
+                    {order} LIMIT ${limit}
+                ) e
+                {order} LIMIT ${limit}
+            """
+
+        self.eligible = eligible("", 2)
+        self.eligible_in_queues = eligible(in_queues, 3)
         self.next_run = f"SELECT min(run_at_us) FROM {t} WHERE {due}"
         self.next_run_in_queues = f"SELECT min(run_at_us) FROM {t} WHERE {due}{in_queues}"
         # Enqueue: the rows come as one JSON array of objects keyed by column, not as an

@@ -86,7 +86,7 @@ def _define(md: sa.MetaData, version: int) -> tuple[sa.Table, sa.Table, sa.Table
     # Dispatch: the best queued jobs first. seq is NULL on SQLite, where the index's
     # implicit trailing rowid breaks ties instead.
     sa.Index(
-        "ix_broker_jobs_dispatch",
+        DISPATCH_INDEX,
         jobs.c.priority.desc(),
         jobs.c.run_at_us,
         jobs.c.created_us,
@@ -163,6 +163,7 @@ def _recovery_columns() -> list[sa.Column[Any]]:
 
 
 UNIQUE_ACTIVE_INDEX = "ux_broker_jobs_unique_key_active"
+DISPATCH_INDEX = "ix_broker_jobs_dispatch"
 IDEMPOTENCY_INDEX = "ux_broker_jobs_idempotency_key"
 
 
@@ -495,6 +496,29 @@ def _v10_offloaded_checkpoints(conn: sa.Connection, schema: str | None) -> None:
     keep their checkpoints inline, which this version reads as ever."""
 
 
+def _v11_dispatch_by_mode(conn: sa.Connection, schema: str | None) -> None:
+    """Version 11 (PostgreSQL only): the dispatch index leads with ``execution_mode``.
+
+    Dispatch reads each mode's best queued jobs (a read per mode with free slots, see
+    ``adapters._pg_hot``). With the mode as a mere filter, a read for a mode with no
+    queued job walked every queued row of the others before coming back empty: 0.5 ms of
+    the server's CPU per read at a 5,000-job backlog, two such reads per dispatch pass in
+    a pooled drain whose worker also had inline and forked slots free. Led by the mode,
+    each read is an ordered index scan of that mode's rows alone, a few entries deep.
+
+    SQLite keeps the version-1 index: its reads of several modes at once sort nothing
+    there, and it has no per-mode statement.
+    """
+    if conn.dialect.name != "postgresql":
+        return
+    table = _qualified(conn, schema, "broker_jobs")
+    conn.exec_driver_sql(f"DROP INDEX {_qualified(conn, schema, DISPATCH_INDEX)}")
+    conn.exec_driver_sql(
+        f"CREATE INDEX {DISPATCH_INDEX} ON {table} "
+        "(execution_mode, priority DESC, run_at_us, created_us, seq) WHERE status = 'queued'"
+    )
+
+
 Migration = Callable[[sa.Connection, str | None], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
@@ -508,6 +532,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (8, _v8_leader),
     (9, _v9_task_catalog),
     (10, _v10_offloaded_checkpoints),
+    (11, _v11_dispatch_by_mode),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

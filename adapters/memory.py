@@ -190,12 +190,14 @@ class MemoryAdapter:
         modes: Collection[ExecutionMode],
         queues: Collection[str] | None = None,
         limit: int = 100,
+        skip: Collection[uuid.UUID] = (),
     ) -> list[Job]:
         now = self._clock()
+        skipped = set(skip)
         due = [
             job
             for job in self._eligible(modes, queues)
-            if job.run_at <= now and self._key_has_room(job)
+            if job.run_at <= now and self._key_has_room(job) and job.id not in skipped
         ]
         due.sort(key=lambda job: (-job.priority, job.run_at, job.created_at))
         return [self._snapshot(job.id, payloads=False) for job in due[:limit]]

@@ -12,9 +12,6 @@ the credit a report freed while a claim was in flight is used at once, instead o
 a full round trip. The core already keeps the two passes apart (a job being claimed is
 never planned again, and every reserved credit is counted), so the only care here is to
 read far enough past the jobs still being claimed, which the store still shows queued.
-Reading them again costs the main a decoded row each, so a pass runs during a claim only
-when it can plan at least as many jobs as it would read again; otherwise the claim's
-answer, a round trip away, wakes the next pass.
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import Callable, Sequence
 
 from broker.exceptions import transient
@@ -100,7 +98,11 @@ class Dispatcher:
                 if more:
                     continue
                 if self._claims:
-                    await self._wake.wait()  # the first claim to answer wakes us
+                    # The first claim to answer wakes us for another pass, which looks
+                    # again. Reading the next run time meanwhile would cost the store a
+                    # scan of the queued rows per pass for nothing (it is worked out
+                    # again once no claim is under way).
+                    await self._wake.wait()
                     continue
                 timeout = await self._idle_timeout()
                 with contextlib.suppress(TimeoutError):
@@ -140,8 +142,8 @@ class Dispatcher:
 
         Returns ``True`` when another pass may find more work right away (the read was
         full and credit is left). A pass is skipped while the claims in flight are at
-        their cap or hold more jobs than it could plan (the first to answer wakes the
-        dispatcher), and paused shortly after a claim raised.
+        their cap (the first to answer wakes the dispatcher) or shortly after a claim
+        raised.
         """
         if self._stopping() or len(self._claims) >= self._max_claims_in_flight:
             return False
@@ -155,33 +157,40 @@ class Dispatcher:
         modes = core.modes_with_credit()
         if not modes:
             return False
-        # Jobs being claimed still look queued to the store and are skipped by the plan:
-        # read past them, or a pass during a claim would find only those.
-        # Jobs held back for their state holder, too (see broker.affinity).
-        claiming = len(core.claiming) + len(core.awaiting)
-        limit = core.read_limit(self._claim_batch)
-        if self._claims and limit < claiming:
-            return False  # it would mostly read the jobs being claimed again
+        # Jobs being claimed still look queued to the store: the read leaves them out, or
+        # a pass during a claim would find only those. Jobs held back for their state
+        # holder are planned again (see broker.affinity): read past them.
+        held = len(core.awaiting)
+        size = core.read_limit(self._claim_batch, modes) + held
         started = core.queue_changes
-        jobs = await self._store.select_eligible(modes=modes, queues=queues, limit=limit + claiming)
-        core.read_eligible(started, modes, full=len(jobs) == limit + claiming)
+        jobs = await self._store.select_eligible(
+            modes=modes, queues=queues, limit=size, skip=self._claiming()
+        )
+        full = len(jobs) == size
+        core.read_eligible(started, modes, full=full)
         now = asyncio.get_running_loop().time()
         plan = core.plan(jobs, now)
-        if len(plan) < len(jobs) - claiming:
-            # One mode's backlog filled the read while another mode still has free slots:
-            # read again for those modes alone, each no further than its own credit.
-            for mode in sorted(core.modes_with_credit()):
-                room = min(core.credit(mode), limit)
-                found = await self._store.select_eligible(
-                    modes=[mode],
-                    queues=queues,
-                    limit=room + len(core.claiming) + len(core.awaiting),
-                )
-                plan += core.plan(found, now)
+        left = core.modes_with_credit()
+        if left and len(plan) < len(jobs) - held:
+            # One mode's backlog filled the read while other modes still have free slots:
+            # read again for those modes alone, in one read (not one per mode: in a
+            # pooled drain the worker's inline and forked slots cost two empty reads per
+            # pass). This read covers every mode with credit left, so whether it came
+            # back full says whether another pass may find more.
+            size = core.read_limit(self._claim_batch, left) + len(core.awaiting)
+            found = await self._store.select_eligible(
+                modes=left, queues=queues, limit=size, skip=self._claiming()
+            )
+            full = len(found) == size
+            plan += core.plan(found, now)
         if not plan:
             return False
         self._claims.add(asyncio.create_task(self._claim_and_wake(plan), name="broker-claim"))
-        return len(jobs) == limit + claiming and core.credit() > 0
+        return full and core.credit() > 0
+
+    def _claiming(self) -> list[uuid.UUID]:
+        """The jobs of the claims under way (and of the plan just made)."""
+        return [planned.job.id for planned in self._handoff.claiming.values()]
 
     async def _claim_and_wake(self, plan: Sequence[PlannedClaim]) -> None:
         """A claim under way: when it answers, a pass may start (its slot in the pipeline

@@ -445,15 +445,14 @@ class Handoff:
             return sum(peer.credits.total_available() for peer in workers)
         return sum(peer.credits.available(mode) for peer in workers)
 
-    def read_limit(self, batch: int) -> int:
-        """How many jobs a dispatch pass may plan from one read, at most ``batch``: the
-        free slots of the one mode with the most. A read sorted by priority may hold one
-        mode's jobs alone, so the free slots of every mode together would read rows
-        past that mode's own credit for nothing (the dispatcher reads again, per mode,
-        when a read leaves some mode's slots unused)."""
-        workers = self.workers()
-        most = max(sum(peer.credits.available(mode) for peer in workers) for mode in ExecutionMode)
-        return min(batch, most)
+    def read_limit(self, batch: int, modes: Iterable[ExecutionMode]) -> int:
+        """How many jobs a dispatch read for ``modes`` asks for, at most ``batch``: the
+        largest free credit among them, not their sum. Each job takes a slot of its own
+        mode, and a backlog is mostly one mode's: asking for the sum (a pooled worker's
+        inline and forked slots, free all along) read and decoded rows that no slot
+        could take (the dispatcher reads again, for the modes left with free slots, when
+        a read leaves some unused)."""
+        return min(batch, max(self.credit(mode) for mode in modes))
 
     def plan(self, jobs: Sequence[Job], now: float) -> list[PlannedClaim]:
         """A worker and a freshly minted lease for each job that has a free slot somewhere

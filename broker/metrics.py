@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
+import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -318,10 +319,13 @@ class MeasuredStore:
         modes: Collection[ExecutionMode],
         queues: Collection[str] | None = None,
         limit: int = 100,
+        skip: Collection[uuid.UUID] = (),
     ) -> list[Job]:
         start = time.perf_counter()
         try:
-            jobs = await self._store.select_eligible(modes=modes, queues=queues, limit=limit)
+            jobs = await self._store.select_eligible(
+                modes=modes, queues=queues, limit=limit, skip=skip
+            )
         except BaseException:
             self._metrics.store_call("select", time.perf_counter() - start, failed=True)
             raise

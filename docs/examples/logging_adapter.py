@@ -116,8 +116,9 @@ class LoggingAdapter:
         modes: Collection[ExecutionMode],
         queues: Collection[str] | None = None,
         limit: int = 100,
+        skip: Collection[uuid.UUID] = (),
     ) -> list[Job]:
-        call = self.inner.select_eligible(modes=modes, queues=queues, limit=limit)
+        call = self.inner.select_eligible(modes=modes, queues=queues, limit=limit, skip=skip)
         return await self._call("select_eligible", call)
 
     async def next_run_at(

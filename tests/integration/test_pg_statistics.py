@@ -8,7 +8,7 @@ import asyncio
 import asyncpg
 
 from adapters.sql import SQLAlchemyAdapter
-from broker.jobs import JobSpec
+from broker.jobs import ExecutionMode, JobSpec
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
 
 
@@ -45,6 +45,33 @@ async def test_a_bulk_enqueue_refreshes_statistics_and_dispatch_uses_the_index()
         plan = "\n".join(r[0] for r in await conn.fetch("EXPLAIN " + sql))
         assert "Index Scan using ix_broker_jobs_dispatch" in plan, plan
         assert "Sort" not in plan.split("Index Scan")[0], plan
+    finally:
+        await conn.close()
+        await store.close()
+        await drop_schema(schema)
+
+
+async def test_a_read_for_a_mode_without_queued_jobs_walks_no_other_modes_rows() -> None:
+    """Dispatch reads each mode with free slots; a mode with nothing queued must come
+    back empty from the index alone, not after walking the other modes' backlog."""
+    url = require_postgres()
+    schema = fresh_schema_name()
+    store = SQLAlchemyAdapter(url, schema=schema)
+    dsn = url.replace("postgresql+asyncpg://", "postgresql://", 1)
+    conn = await asyncpg.connect(dsn, server_settings={"plan_cache_mode": "force_generic_plan"})
+    try:
+        await store.setup()
+        await store.enqueue_many([JobSpec(task="t.x") for _ in range(600)])  # all pooled
+        await conn.execute(f'ANALYZE "{schema}".broker_jobs')
+        assert store._hot is not None
+        statement = await conn.prepare("EXPLAIN (ANALYZE, COSTS OFF) " + store._hot[0].eligible)
+        plan = "\n".join(r[0] for r in await statement.fetch(["forked"], 2**62, 20, []))
+        assert "Index Cond: ((execution_mode = m.mode)" in plan, plan
+        assert "Rows Removed by Filter" not in plan, plan
+        everything = await store.select_eligible(
+            modes=[ExecutionMode.FORKED, ExecutionMode.POOLED], limit=5
+        )
+        assert [j.execution_mode for j in everything] == [ExecutionMode.POOLED] * 5
     finally:
         await conn.close()
         await store.close()

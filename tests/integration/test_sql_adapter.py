@@ -500,6 +500,17 @@ async def test_sqlite_hot_queries_use_their_partial_indexes(sqlite_backend: Back
 # --------------------------------------------------------------------------- ordering
 
 
+async def test_the_jobs_being_claimed_are_left_out_of_a_read(store: SQLAlchemyAdapter) -> None:
+    """The dispatcher passes the jobs of its claims under way; the read goes past them
+    instead of returning them for the plan to skip."""
+    batch = await store.enqueue_many([JobSpec("t", args=[i]) for i in range(6)])
+    ids = [r.job.id for r in batch]
+    found = await store.select_eligible(modes=ALL_MODES, limit=3, skip=[*ids[:2], ids[3]])
+    assert [j.id for j in found] == [ids[2], ids[4], ids[5]]
+    queued = await store.select_eligible(modes=ALL_MODES, queues=["default"], skip=ids[1:])
+    assert [j.id for j in queued] == ids[:1]
+
+
 async def test_dispatch_order_and_fifo_within_one_enqueue_batch(
     store: SQLAlchemyAdapter, backend: Backend
 ) -> None:
@@ -879,3 +890,14 @@ async def test_a_row_refused_in_a_late_chunk_stores_nothing_of_the_batch(
         await store.enqueue_many(specs)
     assert await store.select_eligible(modes=ALL_MODES) == []
     assert len(await store.enqueue_many(specs[:3])) == 3  # the connections still work
+
+
+def test_decoding_an_enum_column_keeps_the_enums_own_answers() -> None:
+    """The dict lookup in front of the enum's call changes nothing it answers: a member
+    for each stored value, ``ValueError`` for a value no member has (a hand-edited row)."""
+    from adapters.sql import _enum_decoder
+
+    decode = _enum_decoder(ExecutionMode)
+    assert [decode(m.value) for m in ExecutionMode] == list(ExecutionMode)
+    with pytest.raises(ValueError):
+        decode("teleported")

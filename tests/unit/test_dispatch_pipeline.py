@@ -1,14 +1,17 @@
 """The dispatcher's pipelining and the core's spreading of ties, on the memory adapter with a
 claim that can be held open: a pass runs while an earlier claim is still in flight, no job
-is claimed twice, the number of claims in flight is capped, a pass does not read the jobs
-being claimed again for fewer new ones, a read asks for no more jobs than one mode can
-take, and workers with equal credit share the jobs."""
+is claimed twice, the number of claims in flight is capped, a read leaves out the jobs
+being claimed and asks for no more jobs than one mode can take, and workers with equal
+credit share the jobs."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
 
 from adapters.memory import MemoryAdapter
 from broker import protocol
@@ -31,24 +34,6 @@ class HeldClaims(MemoryAdapter):
         self.started.put_nowait(claims)
         await self.release.acquire()
         return await super().mark_handed_off_many(claims)
-
-
-class CountedReads(HeldClaims):
-    """Held claims, and the limit of every read of eligible jobs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: list[int] = []
-
-    async def select_eligible(
-        self,
-        *,
-        modes: Collection[ExecutionMode],
-        queues: Collection[str] | None = None,
-        limit: int = 100,
-    ) -> list[Job]:
-        self.reads.append(limit)
-        return await super().select_eligible(modes=modes, queues=queues, limit=limit)
 
 
 def worker(core: Handoff, peer_id: int, slots: int, inline: int = 0) -> None:
@@ -126,47 +111,106 @@ async def test_the_claims_in_flight_are_capped_and_the_first_answer_wakes_a_pass
     run.cancel()
 
 
-async def test_a_pass_does_not_read_the_jobs_being_claimed_again_for_fewer_new_ones() -> None:
-    """Two slots free up while a claim of eight is in flight: a pass now would read ten
-    jobs to plan two, so it waits for the claim's answer and then reads just the two."""
+class CountedReads(HeldClaims):
+    """Notes how many claims were held open at each read of the next run time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = 0
+        self.next_run_reads: list[int] = []
+        self.next_run_read = asyncio.Event()
+
+    async def mark_handed_off_many(self, claims: Sequence[Claim]) -> list[Job]:
+        self.held += 1
+        try:
+            return await super().mark_handed_off_many(claims)
+        finally:
+            self.held -= 1
+
+    async def next_run_at(self, **kw: object) -> datetime | None:
+        self.next_run_reads.append(self.held)
+        self.next_run_read.set()
+        return await super().next_run_at(**kw)  # type: ignore[arg-type]
+
+
+async def test_no_next_run_read_while_a_claim_is_in_flight() -> None:
+    """The claim's answer wakes the dispatcher anyway: reading the next run time while it
+    is out cost the store a scan of the queued rows per pass for nothing."""
     store = CountedReads()
+    await store.enqueue_many([JobSpec(task="t")])
+    core = Handoff()
+    worker(core, 1, 4)  # credit left after the pass: the dispatcher would sleep on a timer
+    sent: list[Dispatch] = []
+    run = asyncio.create_task(dispatcher(store, core, sent).run())
+    await store.started.get()
+    store.release.release()
+    await store.next_run_read.wait()
+    assert store.next_run_reads == [0], store.next_run_reads
+    assert len(sent) == 1
+    run.cancel()
+
+
+class CountedSelects(MemoryAdapter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.selects: list[tuple[set[ExecutionMode], int]] = []
+
+    async def select_eligible(self, **kw: Any) -> list[Job]:
+        self.selects.append((set(kw["modes"]), kw["limit"]))
+        return await super().select_eligible(**kw)
+
+
+async def test_reads_ask_for_the_largest_free_credit_and_the_modes_left_are_read_once() -> None:
+    """A pooled backlog; the worker's inline and forked slots are free too. The first
+    read asks for the largest free credit of one mode (3), not their sum (6): a job
+    takes a slot of its own mode. It fills with pooled jobs, of which two have a slot:
+    one more read for the inline and forked modes together, not one per mode, and as
+    it comes back short, the pass reports no more work."""
+    store = CountedSelects()
     await store.enqueue_many([JobSpec(task="t") for _ in range(12)])
     core = Handoff()
-    worker(core, 1, 8)
-    sent: list[Dispatch] = []
-    d = dispatcher(store, core, sent, claim_batch=8)
-    await d.dispatch_once()
-    assert len(await store.started.get()) == 8  # held open
-    core.ready(1, {POOLED: 10}, seen=0)
-    assert not await d.dispatch_once()
-    assert store.reads == [8]
-    store.release.release()
-    while len(sent) < 8:
-        await asyncio.sleep(0)
-    await d.dispatch_once()
-    assert store.reads == [8, 2]
-    assert len(await store.started.get()) == 2
-    store.release.release()
-    while len(sent) < 10:
-        await asyncio.sleep(0)
+    peer = core.new_peer(1, 0.0)
+    core.hello(
+        peer,
+        protocol.Hello(
+            role=protocol.Role.WORKER,
+            protocol=protocol.PROTOCOL_VERSION,
+            worker_id="w1",
+            modes=list(ExecutionMode),
+        ),
+    )
+    core.ready(1, {POOLED: 2, ExecutionMode.INLINE: 3, ExecutionMode.FORKED: 1}, seen=0)
+    assert not await dispatcher(store, core, [], claim_batch=8).dispatch_once()
+    assert store.selects == [
+        (set(ExecutionMode), 3),
+        ({ExecutionMode.INLINE, ExecutionMode.FORKED}, 3),
+    ]
 
 
-async def test_a_read_asks_for_no_more_jobs_than_the_mode_with_most_free_slots() -> None:
-    """Four pooled and three inline slots free, only pooled jobs queued: one read of four
-    plans them all (reading seven would decode three rows for nothing, and leave the
-    inline slots to a read of their own)."""
-    store = CountedReads()
-    await store.enqueue_many([JobSpec(task="t") for _ in range(10)])
+class SeenReads(HeldClaims):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[tuple[int, set[uuid.UUID]]] = []
+
+    async def select_eligible(self, **kw: Any) -> list[Job]:
+        self.reads.append((kw["limit"], set(kw["skip"])))
+        return await super().select_eligible(**kw)
+
+
+async def test_a_read_during_a_claim_leaves_the_claimed_jobs_out() -> None:
+    """The store still shows the jobs being claimed queued: the read skips them rather
+    than returning them for the plan to pass over."""
+    store = SeenReads()
+    await store.enqueue_many([JobSpec(task="t") for _ in range(8)])
     core = Handoff()
-    worker(core, 1, 4, inline=3)
-    sent: list[Dispatch] = []
-    d = dispatcher(store, core, sent, claim_batch=8)
-    await d.dispatch_once()
-    assert len(await store.started.get()) == 4
-    assert store.reads == [4]
+    worker(core, 1, 8)
+    run = asyncio.create_task(dispatcher(store, core, []).run())
+    first = await store.started.get()
+    await store.started.get()
+    assert store.reads[:2] == [(4, set()), (4, {c.job_id for c in first})]
     store.release.release()
-    while len(sent) < 4:
-        await asyncio.sleep(0)
+    store.release.release()
+    run.cancel()
 
 
 def test_workers_with_equal_credit_take_turns() -> None:
