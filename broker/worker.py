@@ -211,8 +211,9 @@ class Worker:
             },
         )
         self._conn: _Connection | None = None
-        self._tasks: dict[LeaseKey, asyncio.Task[None]] = {}
-        """The task of each running job (the state knows the leases, this knows the tasks)."""
+        self._runs: dict[LeaseKey, asyncio.Future[RunOutcome]] = {}
+        """The outcome of each running job, as its runner will give it (the state knows the
+        leases, this knows the futures)."""
         self._wake = asyncio.Event()
         """Something is waiting to be sent: a report, a ``ready``, a ``pong``, ``draining``."""
         self._idle = asyncio.Event()
@@ -348,7 +349,7 @@ class Worker:
         await asyncio.gather(
             *(runner.stop(grace=0) for runner in self._runners.values()), return_exceptions=True
         )
-        tasks: list[asyncio.Task[Any]] = list(self._tasks.values())
+        tasks: list[asyncio.Future[Any]] = list(self._runs.values())
         tasks.extend(self._cancels)
         if connection is not None:
             tasks.append(connection)
@@ -648,10 +649,7 @@ class Worker:
         for effect in effects:
             match effect:
                 case StartRun(assignment=assignment):
-                    key = (assignment.job_id, assignment.handoff_id)
-                    runner = self._runners[assignment.execution_mode]
-                    loop = self._loop or asyncio.get_running_loop()
-                    self._tasks[key] = loop.create_task(self._execute(runner, assignment))
+                    self._start(assignment)
                 case StopRun(key=key, mode=mode):
                     self._stop(key, mode)
                 case WakeSender():
@@ -690,23 +688,39 @@ class Worker:
         if exc is not None:
             self._log_job(logging.ERROR, "stopping a cancelled job failed", key, error=repr(exc))
 
-    async def _execute(self, runner: Runner, assignment: Assignment) -> None:
-        # The runner takes its slot before its first await, in this same step, so the
-        # state's ``starting`` count hands over to the runner's own count with no gap.
+    def _start(self, assignment: Assignment) -> None:
+        """Hand a job to its runner, which takes its slot at once and gives back the future
+        of its outcome; a callback on that future settles the job, with no task per job."""
         key = (assignment.job_id, assignment.handoff_id)
-        self._apply(self._state.run_entered(key))
-        outcome: RunOutcome | None = None
+        mode = assignment.execution_mode
         try:
-            try:
-                outcome = await runner.run(assignment)
-            except Exception as exc:  # a runner bug must still end in a report
-                self._logger.exception(
-                    "runner failed job_id=%s handoff_id=%s", *key, extra=lease_ids(key)
+            outcome = self._runners[mode].run(assignment)
+        except Exception as exc:  # a runner bug must still end in a report
+            loop = self._loop or asyncio.get_running_loop()
+            outcome = loop.create_future()
+            outcome.set_exception(exc)  # settled by the same callback, in a later step
+        self._runs[key] = outcome
+        self._apply(self._state.run_entered(key))
+        outcome.add_done_callback(functools.partial(self._finished, key, mode))
+
+    def _finished(
+        self, key: LeaseKey, mode: ExecutionMode, future: asyncio.Future[RunOutcome]
+    ) -> None:
+        del self._runs[key]
+        outcome: RunOutcome | None = None  # cancelled: abandoned at shut-down, no report
+        if not future.cancelled():
+            exc = future.exception()
+            if exc is None:
+                outcome = future.result()
+            else:
+                self._logger.error(
+                    "runner failed job_id=%s handoff_id=%s",
+                    *key,
+                    exc_info=exc,
+                    extra=lease_ids(key),
                 )
-                outcome = Failed(f"the {assignment.execution_mode} runner failed: {exc!r}")
-        finally:
-            del self._tasks[key]
-            self._apply(self._state.run_finished(key, outcome, self._free_slots()))
+                outcome = Failed(f"the {mode} runner failed: {exc!r}")
+        self._apply(self._state.run_finished(key, outcome, self._free_slots()))
 
     # ------------------------------------------------------------------ messages
 

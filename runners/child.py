@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextvars
+import functools
 import importlib
 import io
 import json
@@ -29,18 +29,15 @@ import uuid
 from collections.abc import Sequence
 from typing import TextIO
 
+from broker.context import running_job
 from broker.jobs import JSONValue
-from broker.runner import Assignment, Failed, LeaseKey
+from broker.runner import Failed, LeaseKey, RunOutcome
 from runners import pipe
 from runners.inline import InlineRunner, format_error
 from runners.process import CHILD_SYS_PATH_ENV, current_rss
 
 STARTUP_FAILED = 3
 """Exit code after reporting a start-up error (the app failed to import)."""
-
-_current_job: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "broker_child_job", default=None
-)
 
 
 class _TaggedStream(io.TextIOBase):
@@ -55,8 +52,8 @@ class _TaggedStream(io.TextIOBase):
         return True
 
     def write(self, text: str) -> int:
-        job = _current_job.get()
-        prefix = f"[job {job}] " if job else ""
+        job = running_job()
+        prefix = f"[job {job.job_id}] " if job is not None else ""
         for piece in text.splitlines(keepends=True):
             if self._at_line_start and prefix:
                 self._inner.write(prefix)
@@ -187,21 +184,26 @@ async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bo
     jobs = _PipeJobs(channel)
     runner.set_job_channel(jobs)
     sampler = _Sampler(channel, loop)
-    running: set[asyncio.Task[None]] = set()
+    running: set[asyncio.Future[RunOutcome]] = set()
 
-    async def run(assignment: Assignment) -> None:
-        _current_job.set(str(assignment.job_id))
-        outcome = await runner.run(assignment)
+    def done(handoff_id: uuid.UUID, outcome: asyncio.Future[RunOutcome]) -> None:
+        running.discard(outcome)
         try:
-            encoded = pipe.encode(pipe.outcome_line(assignment.handoff_id, outcome))
+            encoded = pipe.encode(pipe.outcome_line(handoff_id, outcome.result()))
         except ValueError as exc:
             # The inline runner already turns non-JSON and too-deep results into failures;
             # this is the last guard, because an outcome never sent would leave the job
             # hanging in the worker (nothing was queued: encoding comes first).
             failed = Failed(f"the job's outcome cannot be sent as JSON: {exc}", retry=False)
-            encoded = pipe.encode(pipe.outcome_line(assignment.handoff_id, failed))
+            encoded = pipe.encode(pipe.outcome_line(handoff_id, failed))
         channel.queue(encoded)
         sampler.job_done()
+
+    def run(line: pipe.JobLine) -> None:
+        """Start a job: a callback on its outcome sends it, with no task of our own."""
+        outcome = runner.run(pipe.assignment_of(line))
+        running.add(outcome)
+        outcome.add_done_callback(functools.partial(done, line.handoff_id))
 
     channel.send(pipe.ReadyLine(os.getpid()))
 
@@ -214,9 +216,7 @@ async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bo
                     case pipe.CheckpointAckLine():
                         jobs.answered(message)
                     case pipe.JobLine() if not (one_shot and started.is_set()):
-                        task = loop.create_task(run(pipe.assignment_of(message)))
-                        running.add(task)
-                        task.add_done_callback(running.discard)
+                        run(message)
                         started.set()
         # The worker closed our job channel: finish what runs, then exit. The worker
         # retires a child only once it is idle, so jobs still running here lost it.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -213,10 +214,12 @@ class ChildProcess:
         self._startup_timeout = startup_timeout
         self._proc: asyncio.subprocess.Process | None = None
         # Kept, because every ``get_running_loop()`` is a ``getpid`` system call on 3.11.
-        self._loop = asyncio.get_running_loop()
-        self._ready: asyncio.Future[None] = self._loop.create_future()
+        self.loop = asyncio.get_running_loop()
+        self._ready: asyncio.Future[None] = self.loop.create_future()
         self._tasks: list[asyncio.Task[None]] = []
-        self._boot = self._loop.create_task(self._start(), name="broker-child-start")
+        self._stopper: asyncio.Task[None] | None = None
+        """A :meth:`terminate_soon` under way."""
+        self._boot = self.loop.create_task(self._start(), name="broker-child-start")
 
     @property
     def pid(self) -> int | None:
@@ -234,6 +237,16 @@ class ChildProcess:
         """Returns once the child has handshaken; raises :class:`ChildStartupError` if it
         never will."""
         await asyncio.shield(self._ready)
+
+    def when_ready(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the child has handshaken; never if it fails to start
+        (its reserved jobs are released then)."""
+
+        def ready(handshake: asyncio.Future[None]) -> None:
+            if not handshake.cancelled() and handshake.exception() is None:
+                callback()
+
+        self._ready.add_done_callback(ready)
 
     async def _start(self) -> None:
         read_fd, write_fd = os.pipe()
@@ -433,7 +446,7 @@ class ChildProcess:
 
     def reserve(self, assignment: Assignment) -> asyncio.Future[RunOutcome]:
         """Take a slot now (synchronously); the job is sent once the child is ready."""
-        future: asyncio.Future[RunOutcome] = self._loop.create_future()
+        future: asyncio.Future[RunOutcome] = self.loop.create_future()
         self.inflight[assignment.handoff_id] = future
         self.job_ids[assignment.handoff_id] = assignment.job_id
         return future
@@ -449,7 +462,7 @@ class ChildProcess:
             return
         self._outgoing.append(pipe.encode(message))
         if len(self._outgoing) == 1:
-            self._loop.call_soon(self._flush)
+            self.loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         lines, self._outgoing = self._outgoing, []
@@ -500,54 +513,69 @@ class ChildProcess:
             self.kill()
         await asyncio.shield(self._boot)
 
+    def terminate_soon(self, grace: float) -> None:
+        """:meth:`terminate` in the background (a job's timer cannot await it)."""
+        if self._stopper is None or self._stopper.done():
+            self._stopper = self.loop.create_task(self.terminate(grace))
+
     async def closed(self) -> None:
         await asyncio.shield(self._boot)
 
 
-async def run_on_child(
+def run_on_child(
     child: ChildProcess,
     assignment: Assignment,
     limit: float | None,
     kill_grace: float,
-) -> RunOutcome:
-    """Run one job on ``child`` (a slot must already be reserved) and return its outcome.
+) -> asyncio.Future[RunOutcome]:
+    """Start one job on ``child`` (a slot must already be reserved) and return the future
+    of its outcome: the slot's own, which the child's outcome line or its exit settles.
+    No task per job: the job goes out now, or when the child is ready, by callback.
 
     A job past its time ``limit`` stops the whole child (SIGTERM, then SIGKILL after the grace):
     only a process boundary can stop code that ignores cancellation. Every other job on
     that child then fails too, saying why, so each is retried.
     """
     future = child.inflight[assignment.handoff_id]
-    try:
-        await child.wait_ready()
-    except ChildStartupError:
-        return await future
+    if child.started:
+        _send_job(child, assignment)
+    else:
+        child.when_ready(functools.partial(_send_job, child, assignment))
+    if limit is not None:  # no timer for a job without a time limit
+        timer = child.loop.call_later(limit, _timed_out, child, assignment, limit, kill_grace)
+        future.add_done_callback(lambda _: timer.cancel())
+    return future
+
+
+def _send_job(child: ChildProcess, assignment: Assignment) -> None:
     try:
         child.send(pipe.job_line(assignment))
     except ValueError as exc:
         # The job never reached the child: free its slot there and fail it for good (the
         # same arguments would fail the same way).
-        child.inflight.pop(assignment.handoff_id, None)
+        future = child.inflight.pop(assignment.handoff_id, None)
         child.job_ids.pop(assignment.handoff_id, None)
         if child.one_shot:
             child.retire()  # started for this job alone: let it exit instead of waiting
-        return Failed(f"the job cannot be sent to its runner process: {exc}", retry=False)
-    if limit is None:  # no timer, and no ``wait_for``, for a job without a time limit
-        return await asyncio.shield(future)
-    try:
-        return await asyncio.wait_for(asyncio.shield(future), limit)
-    except TimeoutError:
-        child.kill_reasons[assignment.handoff_id] = f"timed out after {limit} s"
-        child.stop_bystanders(
-            f"stopped because job {assignment.job_id} on the same process timed out"
-        )
-        logger.warning(
-            "job timed out, stopping its runner process job_id=%s handoff_id=%s pid=%s",
-            assignment.job_id,
-            assignment.handoff_id,
-            child.pid,
-        )
-        await child.terminate(kill_grace)
-        return await future
+        if future is not None and not future.done():
+            future.set_result(
+                Failed(f"the job cannot be sent to its runner process: {exc}", retry=False)
+            )
+
+
+def _timed_out(child: ChildProcess, assignment: Assignment, limit: float, grace: float) -> None:
+    future = child.inflight.get(assignment.handoff_id)
+    if future is None or future.done():
+        return  # settled in the same loop turn as the timer fired
+    child.kill_reasons[assignment.handoff_id] = f"timed out after {limit} s"
+    child.stop_bystanders(f"stopped because job {assignment.job_id} on the same process timed out")
+    logger.warning(
+        "job timed out, stopping its runner process job_id=%s handoff_id=%s pid=%s",
+        assignment.job_id,
+        assignment.handoff_id,
+        child.pid,
+    )
+    child.terminate_soon(grace)
 
 
 async def cancel_on(children: Sequence[ChildProcess], job_id: uuid.UUID, grace: float) -> bool:
