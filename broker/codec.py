@@ -11,6 +11,7 @@ attempt number); a field added to the target is copied without another line here
 
 from __future__ import annotations
 
+import functools
 from dataclasses import fields
 from typing import Any
 
@@ -21,16 +22,24 @@ from broker.jobs import Job
 from broker.runner import Assignment
 
 
-def _by_name(target: Any, source: object, **differ: Any) -> dict[str, Any]:
-    """``target``'s fields taken from ``source`` by name, but for those that ``differ``.
-    ``target`` is a message (a msgspec struct) or a dataclass (an ``Assignment``)."""
+@functools.cache
+def _copied(target: Any, differ: tuple[str, ...]) -> tuple[str, ...]:
+    """``target``'s field names but ``differ``: listed once per call site, not per job (a
+    worker maps every job it receives)."""
     every = (
         target.__struct_fields__
         if issubclass(target, msgspec.Struct)
         else [f.name for f in fields(target)]
     )
-    names = [name for name in every if name not in differ]
-    return {**{name: getattr(source, name) for name in names}, **differ}
+    return tuple(name for name in every if name not in differ)
+
+
+def _by_name(target: Any, source: object, **differ: Any) -> dict[str, Any]:
+    """``target``'s fields taken from ``source`` by name, but for those that ``differ``.
+    ``target`` is a message (a msgspec struct) or a dataclass (an ``Assignment``)."""
+    copied = {name: getattr(source, name) for name in _copied(target, tuple(differ))}
+    copied.update(differ)
+    return copied
 
 
 def job_message(seq: int, job: Job, *, state_lost: bool = False) -> protocol.JobHandoff:
