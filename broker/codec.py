@@ -12,6 +12,7 @@ attempt number); a field added to the target is copied without another line here
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import fields
 from typing import Any
 
@@ -23,21 +24,25 @@ from broker.runner import Assignment
 
 
 @functools.cache
-def _copied(target: Any, differ: tuple[str, ...]) -> tuple[str, ...]:
-    """``target``'s field names but ``differ``: listed once per call site, not per job (a
-    worker maps every job it receives)."""
+def _copier(target: Any, differ: tuple[str, ...]) -> tuple[tuple[str, ...], Any]:
+    """``target``'s field names but ``differ``, and one getter of them all: made once per
+    call site, not per job (a worker maps every job it receives)."""
     every = (
         target.__struct_fields__
         if issubclass(target, msgspec.Struct)
         else [f.name for f in fields(target)]
     )
-    return tuple(name for name in every if name not in differ)
+    names = tuple(name for name in every if name not in differ)
+    if len(names) > 1:
+        return names, operator.attrgetter(*names)
+    return names, lambda source: tuple(getattr(source, name) for name in names)
 
 
 def _by_name(target: Any, source: object, **differ: Any) -> dict[str, Any]:
     """``target``'s fields taken from ``source`` by name, but for those that ``differ``.
     ``target`` is a message (a msgspec struct) or a dataclass (an ``Assignment``)."""
-    copied = {name: getattr(source, name) for name in _copied(target, tuple(differ))}
+    names, get = _copier(target, tuple(differ))
+    copied = dict(zip(names, get(source), strict=True))
     copied.update(differ)
     return copied
 

@@ -154,7 +154,8 @@ class Runner(Protocol):
         """Start one job and return the future of its outcome. Job errors become
         ``Failed``; the future never fails for them. Takes the job's slot before it
         returns, so the caller's count is exact. A future, not a coroutine: the worker
-        settles a job with a callback on it, and a task per job was a tenth of its CPU."""
+        settles a job with a callback on it, and a task per job was a tenth of its CPU.
+        Cancelling the future only stops waiting for it; :meth:`cancel` stops the job."""
 
     async def cancel(self, job_id: uuid.UUID) -> bool:
         """Stop a running job (its outcome becomes ``Failed``); ``False`` if unknown."""

@@ -44,7 +44,7 @@ import random
 import signal
 import socket
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -639,8 +639,8 @@ class Worker:
         """A runner's free slots may have changed (called on the loop's thread)."""
         self._apply(self._state.capacity_changed(self._free_slots()))
 
-    def _free_slots(self) -> dict[ExecutionMode, int]:
-        return {mode: runner.free_slots() for mode, runner in self._runners.items()}
+    def _free_slots(self) -> _FreeSlots:
+        return _FreeSlots(self._runners)
 
     # ------------------------------------------------------------------ effects
 
@@ -777,6 +777,35 @@ class Worker:
 
     def _log_job(self, level: int, event: str, key: LeaseKey, **fields: object) -> None:
         log_job(self._logger, level, event, key, **fields)
+
+
+class _FreeSlots(Mapping[ExecutionMode, int]):
+    """Each runner's free slots now, asked of a runner only once the state looks at its
+    mode, and once: the state looks only at the modes it holds jobs of, and the pooled
+    runner walks its children to count (a worker counts for every job it receives and
+    every job that ends)."""
+
+    __slots__ = ("_counted", "_runners")
+
+    def __init__(self, runners: Mapping[ExecutionMode, Runner]) -> None:
+        self._runners = runners
+        self._counted: dict[ExecutionMode, int] = {}
+
+    def __getitem__(self, mode: ExecutionMode) -> int:
+        try:
+            return self._counted[mode]
+        except KeyError:
+            free = self._counted[mode] = self._runners[mode].free_slots()
+            return free
+
+    def get(self, mode: ExecutionMode, default: int | None = None) -> int | None:  # type: ignore[override]
+        return self[mode] if mode in self._runners else default
+
+    def __iter__(self) -> Iterator[ExecutionMode]:
+        return iter(self._runners)
+
+    def __len__(self) -> int:
+        return len(self._runners)
 
 
 def _mirror(event: asyncio.Event, value: bool) -> None:

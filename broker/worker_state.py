@@ -398,7 +398,11 @@ class WorkerState:
         every job received while each slot is busy."""
         if free is None or not self._queued:
             return []
-        room = {mode: left for mode in self._modes if (left := self._room(mode, free)) > 0}
+        room = {
+            mode: left
+            for mode, held in self._held.items()
+            if held and (left := self._room(mode, free)) > 0
+        }
         if not room:
             return []
         chosen: list[tuple[LeaseKey, Assignment]] = []

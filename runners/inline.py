@@ -77,13 +77,6 @@ def format_error(exc: BaseException) -> str:
     return head
 
 
-async def _invoke(
-    func: Callable[..., Any], args: tuple[JSONValue, ...], kwargs: dict[str, JSONValue]
-) -> Any:
-    # Calling inside the task, so a bad signature fails the job instead of the runner.
-    return await func(*args, **kwargs)
-
-
 class _Threads:
     """Daemon threads kept for sync jobs: a thread that finished a job waits for the next.
 
@@ -200,8 +193,6 @@ class InlineRunner:
         work.add_done_callback(functools.partial(self._work_done, slot))
         if timeout is not None:
             slot.timer = loop.call_later(timeout, self._timed_out, slot, timeout)
-        # The caller giving up (its task cancelled) must not leave the job running.
-        outcome.add_done_callback(functools.partial(self._given_up, slot))
         return outcome
 
     def _timeout_for(self, assignment: Assignment, task: Task[..., Any]) -> float | None:
@@ -221,7 +212,14 @@ class InlineRunner:
         context = contextvars.copy_context()
         JobContext(assignment, self._channel, loop).enter(context)
         if task.is_async:
-            return loop.create_task(_invoke(task.func, args, kwargs), context=context)
+            try:
+                # Calling an async function binds its arguments and runs none of its code.
+                job = task.func(*args, **kwargs)
+            except Exception as exc:  # a bad signature fails the job, not the runner
+                failed: asyncio.Future[Any] = loop.create_future()
+                failed.set_exception(exc)
+                return failed
+            return loop.create_task(job, context=context)
         done: asyncio.Future[Any] = loop.create_future()
 
         def settle(ok: bool, value: Any) -> None:
@@ -259,11 +257,6 @@ class InlineRunner:
 
     def _timed_out(self, slot: _Slot, limit: float) -> None:
         self._settle(slot, Failed(self._stop_message(slot, f"timed out after {limit} s")))
-
-    def _given_up(self, slot: _Slot, outcome: asyncio.Future[RunOutcome]) -> None:
-        if outcome.cancelled():
-            slot.reported = True
-            self._interrupt(slot)
 
     def _work_done(self, slot: _Slot, work: asyncio.Future[Any]) -> None:
         if slot.timer is not None:
