@@ -27,7 +27,7 @@ import os
 import sys
 import uuid
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 from broker.context import running_job
 from broker.jobs import JSONValue
@@ -65,6 +65,9 @@ class _TaggedStream(io.TextIOBase):
     def flush(self) -> None:
         self._inner.flush()
 
+
+JOB_LINE_LIMIT = 64 << 20
+"""Longest line of jobs read from the worker (a job's arguments travel in it)."""
 
 RSS_SAMPLE_INTERVAL = 1.0
 """Seconds between memory samples while the child runs jobs; the worker recycles on them."""
@@ -176,10 +179,6 @@ class _PipeJobs:
 
 async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bool) -> int:
     loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=64 << 20)
-    await loop.connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(jobs_fd, "rb", buffering=0)
-    )
     runner = InlineRunner(concurrency=concurrency, enforce_timeouts=False)
     jobs = _PipeJobs(channel)
     runner.set_job_channel(jobs)
@@ -205,30 +204,35 @@ async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bo
         running.add(outcome)
         outcome.add_done_callback(functools.partial(done, line.handoff_id))
 
-    channel.send(pipe.ReadyLine(os.getpid()))
+    def on_line(line: bytes) -> None:
+        for message in pipe.to_child_decoder.decode(line):
+            match message:
+                case pipe.PingLine(nonce=nonce):
+                    channel.queue(pipe.encode(pipe.PongLine(nonce, current_rss())))
+                case pipe.CheckpointAckLine():
+                    jobs.answered(message)
+                case pipe.JobLine() if not (one_shot and started.is_set()):
+                    run(message)
+                    started.set()
 
-    async def read() -> None:
-        while line := await reader.readline():
-            for message in pipe.to_child_decoder.decode(line):
-                match message:
-                    case pipe.PingLine(nonce=nonce):
-                        channel.queue(pipe.encode(pipe.PongLine(nonce, current_rss())))
-                    case pipe.CheckpointAckLine():
-                        jobs.answered(message)
-                    case pipe.JobLine() if not (one_shot and started.is_set()):
-                        run(message)
-                        started.set()
-        # The worker closed our job channel: finish what runs, then exit. The worker
-        # retires a child only once it is idle, so jobs still running here lost it.
-        jobs.closed()
+    def closed(ended: asyncio.Future[None]) -> None:
+        if not ended.cancelled() and ended.exception() is None:
+            # The worker closed our job channel: finish what runs, then exit. The worker
+            # retires a child only once it is idle, so jobs still running here lost it.
+            jobs.closed()
 
     started = asyncio.Event()
-    reading = loop.create_task(read())
+    lines = pipe.LineChannel(on_line, JOB_LINE_LIMIT, loop)
+    await loop.connect_read_pipe(lambda: lines, os.fdopen(jobs_fd, "rb", buffering=0))
+    reading = lines.ended
+    reading.add_done_callback(closed)
+    channel.send(pipe.ReadyLine(os.getpid()))
     if one_shot:
         # One job, then exit; the channel is still read meanwhile, for the job's
         # checkpoint acknowledgements.
         first = loop.create_task(started.wait())
-        await asyncio.wait({reading, first}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {reading, first}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         first.cancel()
         if running:
             await asyncio.wait(running)

@@ -217,6 +217,8 @@ class ChildProcess:
         self.loop = asyncio.get_running_loop()
         self._ready: asyncio.Future[None] = self.loop.create_future()
         self._tasks: list[asyncio.Task[None]] = []
+        self._channel_in: pipe.LineChannel | None = None
+        """The outcome channel's reading end, once the process is started."""
         self._stopper: asyncio.Task[None] | None = None
         """A :meth:`terminate_soon` under way."""
         self._boot = self.loop.create_task(self._start(), name="broker-child-start")
@@ -285,14 +287,11 @@ class ChildProcess:
             # not wait for jobs that will never come, and outlive its worker's loop.
             self._proc.stdin.close()
         loop = asyncio.get_running_loop()
-        channel = asyncio.StreamReader(limit=CHANNEL_LIMIT)
-        await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(channel), os.fdopen(read_fd, "rb", buffering=0)
-        )
-        self._tasks = [
-            asyncio.create_task(self._read_channel(channel), name="broker-child-channel"),
-            asyncio.create_task(self._relay_output(), name="broker-child-output"),
-        ]
+        channel = pipe.LineChannel(self._on_line, CHANNEL_LIMIT, loop)
+        await loop.connect_read_pipe(lambda: channel, os.fdopen(read_fd, "rb", buffering=0))
+        self._channel_in = channel
+        channel.ended.add_done_callback(self._channel_ended)
+        self._tasks = [asyncio.create_task(self._relay_output(), name="broker-child-output")]
         exited = asyncio.ensure_future(self._proc.wait())
         waiters: set[asyncio.Future[Any]] = {exited, self._ready}
         await asyncio.wait(
@@ -303,7 +302,7 @@ class ChildProcess:
             self.kill()
         code = await exited
         # The last outcome may still be in the pipe when the exit is noticed: read it first.
-        await asyncio.wait(self._tasks[:1], timeout=1.0)
+        await asyncio.wait({channel.ended}, timeout=1.0)
         self._finish(code)
 
     def _fail_start(self, error: str) -> None:
@@ -312,24 +311,20 @@ class ChildProcess:
             self._ready.set_exception(ChildStartupError(error))
             self._ready.exception()  # retrieved here; waiters get it through wait_ready
 
-    async def _read_channel(self, channel: asyncio.StreamReader) -> None:
-        try:
-            while line := await channel.readline():
-                if not line.endswith(b"\n"):
-                    raise ValueError("unterminated line")
-                for message in pipe.from_child_decoder.decode(line):
-                    self._on_message(message)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # RecursionError too: a line nested too deeply to decode
-            logger.error(
-                "runner process broke its protocol, killing it pid=%s error=%r", self.pid, exc
+    def _on_line(self, line: bytes) -> None:
+        for message in pipe.from_child_decoder.decode(line):
+            self._on_message(message)
+
+    def _channel_ended(self, ended: asyncio.Future[None]) -> None:
+        exc = None if ended.cancelled() else ended.exception()
+        if exc is None:
+            return
+        logger.error("runner process broke its protocol, killing it pid=%s error=%r", self.pid, exc)
+        for handoff_id in self.inflight:
+            self.kill_reasons.setdefault(
+                handoff_id, f"its runner process broke its protocol and was killed: {exc!r}"
             )
-            for handoff_id in self.inflight:
-                self.kill_reasons.setdefault(
-                    handoff_id, f"its runner process broke its protocol and was killed: {exc!r}"
-                )
-            self.kill()
+        self.kill()
 
     def _on_message(self, m: pipe.FromChild) -> None:
         match m:
@@ -423,6 +418,8 @@ class ChildProcess:
         self.exit_code = code
         for task in self._tasks:
             task.cancel()
+        if self._channel_in is not None:
+            self._channel_in.close()
         self._fail_start(f"the runner process {describe_exit(code)} before it was ready")
         for handoff_id, future in list(self.inflight.items()):
             if future.done():
