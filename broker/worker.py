@@ -118,6 +118,9 @@ class _Connection:
     heard: float = 0.0
     """Loop time when the read loop last had a message from the main (see
     :meth:`Worker._watch_liveness`)."""
+    sending: float | None = None
+    """Loop time when the send under way began (``None``: no send is waiting on the
+    socket); the liveness watch ends a send blocked for the liveness timeout."""
 
 
 class Worker:
@@ -567,15 +570,24 @@ class Worker:
 
     async def _watch_liveness(self, conn: _Connection) -> None:
         """Ends the connection once nothing has come from the main for the liveness
-        timeout: one timer per connection, where a timeout around every read cost a
-        timer and three ``getpid`` calls per message."""
+        timeout, or a send has waited on the socket that long: one timer per connection,
+        where a timeout around every read cost a timer and three ``getpid`` calls per
+        message, and one around every send a timer per batch of reports."""
         loop = asyncio.get_running_loop()
+        limit = self._liveness_timeout
         conn.heard = loop.time()
         while True:
-            silent = loop.time() - conn.heard
-            if silent >= self._liveness_timeout:
-                raise TimeoutError(f"nothing from the main for {self._liveness_timeout} s")
-            await asyncio.sleep(self._liveness_timeout - silent)
+            now = loop.time()
+            silent = now - conn.heard
+            if silent >= limit:
+                raise TimeoutError(f"nothing from the main for {limit} s")
+            wait = limit - silent
+            sending = conn.sending
+            if sending is not None:
+                if now - sending >= limit:
+                    raise TimeoutError(f"a send to the main waited {limit} s on the socket")
+                wait = min(wait, limit - (now - sending))
+            await asyncio.sleep(wait)
 
     async def _read_loop(self, conn: _Connection) -> None:
         loop = asyncio.get_running_loop()
@@ -626,8 +638,9 @@ class Worker:
                     lines.append(status)
             if ready is not None:
                 lines.append(protocol.encode(ready))
-            async with asyncio.timeout(self._liveness_timeout):
-                await conn.writer.write_raw(b"".join(lines))
+            conn.sending = loop.time()
+            await conn.writer.write_raw(b"".join(lines))
+            conn.sending = None
 
     async def _ping_loop(self, conn: _Connection) -> None:
         for nonce in itertools.count(1):

@@ -296,3 +296,19 @@ async def test_stop_cancels_what_outlives_the_grace(registry: TaskRegistry) -> N
 
     assert await asyncio.wait_for(running, 2) == Failed("cancelled")
     assert runner.free_slots() == 0
+
+
+async def test_run_takes_the_slot_before_it_returns_a_future(registry: TaskRegistry) -> None:
+    """The worker counts slots right after ``run`` returns, in the same step, and settles
+    the job by a callback on the future: no task of its own per job."""
+
+    @task(name="noop", registry=registry, mode="inline")
+    async def noop() -> None:
+        return None
+
+    runner = InlineRunner(registry, concurrency=2)
+    outcome = runner.run(assignment("noop"))
+    assert isinstance(outcome, asyncio.Future) and not outcome.done()
+    assert runner.free_slots() == 1
+    assert await outcome == Completed(None)
+    assert runner.free_slots() == 2
