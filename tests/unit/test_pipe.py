@@ -129,7 +129,7 @@ async def test_the_line_channel_hands_over_whole_lines_however_the_reads_cut_the
 async def test_the_line_channel_stops_at_a_line_it_cannot_take(
     pieces: list[bytes], error: str
 ) -> None:
-    channel, lines, transport = _channel()
+    channel, lines, _transport = _channel()
     for piece in pieces:
         channel.data_received(piece)
     channel.eof_received()
