@@ -182,8 +182,9 @@ class WorkerState:
         self._rules: dict[LeaseKey, _RetryRules] = {}
         """The retry policy and backoff of each running job whose task declares one."""
         self._starting: Counter[ExecutionMode] = Counter()
-        """Jobs started but not yet inside ``runner.run`` (so not yet holding their slot):
-        subtracted from the runner's free slots until they are."""
+        """Jobs started here whose runner has not yet taken their slot (their
+        :class:`StartRun` not yet carried out): subtracted from the runner's free slots
+        until :meth:`run_entered` says it has."""
         self._queued: dict[LeaseKey, Assignment] = {}
         """Prefetched jobs waiting for a slot, in arrival order (a FIFO per mode)."""
         self._held: Counter[ExecutionMode] = Counter()

@@ -6,8 +6,8 @@ drop it. Plain functions therefore run in a thread of their own, taken from a se
 threads kept for reuse (starting a thread per job was most of a no-op job's cost).
 
 A slot is held for as long as the job's code is actually running, not for as long
-as :meth:`InlineRunner.run` is waiting on it. A thread cannot be killed, so when
-a sync job times out (or is cancelled) ``run`` reports the failure at once but
+as the outcome :meth:`InlineRunner.run` returned is pending. A thread cannot be killed,
+so when a sync job times out (or is cancelled) the outcome is the failure at once but
 the slot stays busy until the function returns; otherwise the worker would
 advertise room it does not have and pile more threads onto a stuck one.
 Those threads are daemons, so a stuck one never holds the process open at exit.
