@@ -417,20 +417,22 @@ class WorkerState:
             if left == 1 and not any(room.values()):
                 break
         effects: list[WorkerEffect] = []
+        debug = self._logger.isEnabledFor(logging.DEBUG)  # then no fields are built per job
         for key, assignment in chosen:
             mode = assignment.execution_mode
             self._unqueue(key)
             self._starting[mode] += 1
             self._running[key] = mode
             self._remember_rules(key, assignment.task, assignment.attempt)
-            self._log_job(
-                logging.DEBUG,
-                "job started",
-                key,
-                task=assignment.task,
-                mode=mode.value,
-                attempt=assignment.attempt,
-            )
+            if debug:
+                self._log_job(
+                    logging.DEBUG,
+                    "job started",
+                    key,
+                    task=assignment.task,
+                    mode=mode.value,
+                    attempt=assignment.attempt,
+                )
             effects.append(StartRun(assignment))
         return effects
 
@@ -555,7 +557,7 @@ class WorkerState:
                 key,
                 outcome=report.type,
             )
-        else:
+        elif self._logger.isEnabledFor(logging.DEBUG):  # an enum's value costs, even unused
             self._log_job(logging.DEBUG, "report acknowledged", key, status=ack.status.value)
         return []
 
