@@ -54,6 +54,12 @@ def current_job() -> JobContext:
     return context
 
 
+def running_job() -> JobContext | None:
+    """The context of the job the calling task runs for, or ``None`` outside one: for code
+    that must not fail there (a child tags its jobs' output lines with their ids)."""
+    return _CURRENT.get()
+
+
 class JobContext:
     """One run of one job, as its task sees it (see the module docstring)."""
 

@@ -8,6 +8,7 @@ so the core never imports them.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -149,9 +150,12 @@ class Runner(Protocol):
 
     async def start(self) -> None: ...
 
-    async def run(self, assignment: Assignment) -> RunOutcome:
-        """Run one job to its outcome. Job errors become ``Failed``; this never raises
-        for them. Takes a slot synchronously on entry, so the caller's count is exact."""
+    def run(self, assignment: Assignment) -> asyncio.Future[RunOutcome]:
+        """Start one job and return the future of its outcome. Job errors become
+        ``Failed``; the future never fails for them. Takes the job's slot before it
+        returns, so the caller's count is exact. A future, not a coroutine: the worker
+        settles a job with a callback on it, and a task per job was a tenth of its CPU.
+        Cancelling the future only stops waiting for it; :meth:`cancel` stops the job."""
 
     async def cancel(self, job_id: uuid.UUID) -> bool:
         """Stop a running job (its outcome becomes ``Failed``); ``False`` if unknown."""

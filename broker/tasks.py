@@ -137,6 +137,11 @@ class TaskCall(Generic[P, R]):
         return cast(SyncEnqueuer, client).enqueue_spec(spec, delay=self.delay)
 
 
+_MAX_SHAPES = 64
+"""Call shapes remembered per task (see :meth:`Task.check_arguments`): a bound on memory
+for callers that vary their keywords without end."""
+
+
 @dataclass(frozen=True)
 class Task(Generic[P, R]):
     """A registered function plus the defaults its jobs get.
@@ -173,9 +178,15 @@ class Task(Generic[P, R]):
         except (TypeError, ValueError):
             return None
 
-    @property
+    @functools.cached_property
     def is_async(self) -> bool:
+        """Computed once: a runner asks it for every job."""
         return inspect.iscoroutinefunction(self.func)
+
+    @functools.cached_property
+    def _bindings(self) -> dict[tuple[int, tuple[str, ...]], str | None]:
+        """Whether a call binds, by its shape (see :meth:`check_arguments`)."""
+        return {}
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Calling the task runs the function here and now, as a plain call would."""
@@ -237,10 +248,22 @@ class Task(Generic[P, R]):
         signature = self._signature
         if signature is None:
             return  # a callable without a signature (a builtin): nothing to check against
-        try:
-            signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise TypeError(f"task {self.name!r} cannot take these arguments: {exc}") from None
+        # Binding depends on the number of positional arguments and the keywords' names
+        # only, never on values, so each shape is bound once (a worker checks every job).
+        shape = (len(args), tuple(kwargs))
+        bindings = self._bindings
+        if shape in bindings:
+            problem = bindings[shape]
+        else:
+            try:
+                signature.bind(*args, **kwargs)
+                problem = None
+            except TypeError as exc:
+                problem = str(exc)
+            if len(bindings) < _MAX_SHAPES:
+                bindings[shape] = problem
+        if problem is not None:
+            raise TypeError(f"task {self.name!r} cannot take these arguments: {problem}")
 
     def spec(
         self,

@@ -44,7 +44,7 @@ import random
 import signal
 import socket
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +115,9 @@ class _Connection:
     heard: float = 0.0
     """Loop time when the read loop last had a message from the main (see
     :meth:`Worker._watch_liveness`)."""
+    sending: float | None = None
+    """Loop time when the send under way began (``None``: no send is waiting on the
+    socket); the liveness watch ends a send blocked for the liveness timeout."""
 
 
 class Worker:
@@ -208,8 +211,9 @@ class Worker:
             },
         )
         self._conn: _Connection | None = None
-        self._tasks: dict[LeaseKey, asyncio.Task[None]] = {}
-        """The task of each running job (the state knows the leases, this knows the tasks)."""
+        self._runs: dict[LeaseKey, asyncio.Future[RunOutcome]] = {}
+        """The outcome of each running job, as its runner will give it (the state knows the
+        leases, this knows the futures)."""
         self._wake = asyncio.Event()
         """Something is waiting to be sent: a report, a ``ready``, a ``pong``, ``draining``."""
         self._idle = asyncio.Event()
@@ -345,7 +349,7 @@ class Worker:
         await asyncio.gather(
             *(runner.stop(grace=0) for runner in self._runners.values()), return_exceptions=True
         )
-        tasks: list[asyncio.Task[Any]] = list(self._tasks.values())
+        tasks: list[asyncio.Future[Any]] = list(self._runs.values())
         tasks.extend(self._cancels)
         if connection is not None:
             tasks.append(connection)
@@ -563,15 +567,24 @@ class Worker:
 
     async def _watch_liveness(self, conn: _Connection) -> None:
         """Ends the connection once nothing has come from the main for the liveness
-        timeout: one timer per connection, where a timeout around every read cost a
-        timer and three ``getpid`` calls per message."""
+        timeout, or a send has waited on the socket that long: one timer per connection,
+        where a timeout around every read cost a timer and three ``getpid`` calls per
+        message, and one around every send a timer per batch of reports."""
         loop = asyncio.get_running_loop()
+        limit = self._liveness_timeout
         conn.heard = loop.time()
         while True:
-            silent = loop.time() - conn.heard
-            if silent >= self._liveness_timeout:
-                raise TimeoutError(f"nothing from the main for {self._liveness_timeout} s")
-            await asyncio.sleep(self._liveness_timeout - silent)
+            now = loop.time()
+            silent = now - conn.heard
+            if silent >= limit:
+                raise TimeoutError(f"nothing from the main for {limit} s")
+            wait = limit - silent
+            sending = conn.sending
+            if sending is not None:
+                if now - sending >= limit:
+                    raise TimeoutError(f"a send to the main waited {limit} s on the socket")
+                wait = min(wait, limit - (now - sending))
+            await asyncio.sleep(wait)
 
     async def _read_loop(self, conn: _Connection) -> None:
         loop = asyncio.get_running_loop()
@@ -622,8 +635,9 @@ class Worker:
                     lines.append(status)
             if ready is not None:
                 lines.append(protocol.encode(ready))
-            async with asyncio.timeout(self._liveness_timeout):
-                await conn.writer.write_raw(b"".join(lines))
+            conn.sending = loop.time()
+            await conn.writer.write_raw(b"".join(lines))
+            conn.sending = None
 
     async def _ping_loop(self, conn: _Connection) -> None:
         for nonce in itertools.count(1):
@@ -635,8 +649,8 @@ class Worker:
         """A runner's free slots may have changed (called on the loop's thread)."""
         self._apply(self._state.capacity_changed(self._free_slots()))
 
-    def _free_slots(self) -> dict[ExecutionMode, int]:
-        return {mode: runner.free_slots() for mode, runner in self._runners.items()}
+    def _free_slots(self) -> _FreeSlots:
+        return _FreeSlots(self._runners)
 
     # ------------------------------------------------------------------ effects
 
@@ -645,10 +659,7 @@ class Worker:
         for effect in effects:
             match effect:
                 case StartRun(assignment=assignment):
-                    key = (assignment.job_id, assignment.handoff_id)
-                    runner = self._runners[assignment.execution_mode]
-                    loop = self._loop or asyncio.get_running_loop()
-                    self._tasks[key] = loop.create_task(self._execute(runner, assignment))
+                    self._start(assignment)
                 case StopRun(key=key, mode=mode):
                     self._stop(key, mode)
                 case WakeSender():
@@ -687,23 +698,39 @@ class Worker:
         if exc is not None:
             self._log_job(logging.ERROR, "stopping a cancelled job failed", key, error=repr(exc))
 
-    async def _execute(self, runner: Runner, assignment: Assignment) -> None:
-        # The runner takes its slot before its first await, in this same step, so the
-        # state's ``starting`` count hands over to the runner's own count with no gap.
+    def _start(self, assignment: Assignment) -> None:
+        """Hand a job to its runner, which takes its slot at once and gives back the future
+        of its outcome; a callback on that future settles the job, with no task per job."""
         key = (assignment.job_id, assignment.handoff_id)
-        self._apply(self._state.run_entered(key))
-        outcome: RunOutcome | None = None
+        mode = assignment.execution_mode
         try:
-            try:
-                outcome = await runner.run(assignment)
-            except Exception as exc:  # a runner bug must still end in a report
-                self._logger.exception(
-                    "runner failed job_id=%s handoff_id=%s", *key, extra=lease_ids(key)
+            outcome = self._runners[mode].run(assignment)
+        except Exception as exc:  # a runner bug must still end in a report
+            loop = self._loop or asyncio.get_running_loop()
+            outcome = loop.create_future()
+            outcome.set_exception(exc)  # settled by the same callback, in a later step
+        self._runs[key] = outcome
+        self._apply(self._state.run_entered(key))
+        outcome.add_done_callback(functools.partial(self._finished, key, mode))
+
+    def _finished(
+        self, key: LeaseKey, mode: ExecutionMode, future: asyncio.Future[RunOutcome]
+    ) -> None:
+        del self._runs[key]
+        outcome: RunOutcome | None = None  # cancelled: abandoned at shut-down, no report
+        if not future.cancelled():
+            exc = future.exception()
+            if exc is None:
+                outcome = future.result()
+            else:
+                self._logger.error(
+                    "runner failed job_id=%s handoff_id=%s",
+                    *key,
+                    exc_info=exc,
+                    extra=lease_ids(key),
                 )
-                outcome = Failed(f"the {assignment.execution_mode} runner failed: {exc!r}")
-        finally:
-            del self._tasks[key]
-            self._apply(self._state.run_finished(key, outcome, self._free_slots()))
+                outcome = Failed(f"the {mode} runner failed: {exc!r}")
+        self._apply(self._state.run_finished(key, outcome, self._free_slots()))
 
     # ------------------------------------------------------------------ messages
 
@@ -760,6 +787,35 @@ class Worker:
 
     def _log_job(self, level: int, event: str, key: LeaseKey, **fields: object) -> None:
         log_job(self._logger, level, event, key, **fields)
+
+
+class _FreeSlots(Mapping[ExecutionMode, int]):
+    """Each runner's free slots now, asked of a runner only once the state looks at its
+    mode, and once: the state looks only at the modes it holds jobs of, and the pooled
+    runner walks its children to count (a worker counts for every job it receives and
+    every job that ends)."""
+
+    __slots__ = ("_counted", "_runners")
+
+    def __init__(self, runners: Mapping[ExecutionMode, Runner]) -> None:
+        self._runners = runners
+        self._counted: dict[ExecutionMode, int] = {}
+
+    def __getitem__(self, mode: ExecutionMode) -> int:
+        try:
+            return self._counted[mode]
+        except KeyError:
+            free = self._counted[mode] = self._runners[mode].free_slots()
+            return free
+
+    def get(self, mode: ExecutionMode, default: int | None = None) -> int | None:  # type: ignore[override]
+        return self[mode] if mode in self._runners else default
+
+    def __iter__(self) -> Iterator[ExecutionMode]:
+        return iter(self._runners)
+
+    def __len__(self) -> int:
+        return len(self._runners)
 
 
 def _mirror(event: asyncio.Event, value: bool) -> None:

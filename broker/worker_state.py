@@ -182,8 +182,9 @@ class WorkerState:
         self._rules: dict[LeaseKey, _RetryRules] = {}
         """The retry policy and backoff of each running job whose task declares one."""
         self._starting: Counter[ExecutionMode] = Counter()
-        """Jobs started but not yet inside ``runner.run`` (so not yet holding their slot):
-        subtracted from the runner's free slots until they are."""
+        """Jobs started here whose runner has not yet taken their slot (their
+        :class:`StartRun` not yet carried out): subtracted from the runner's free slots
+        until :meth:`run_entered` says it has."""
         self._queued: dict[LeaseKey, Assignment] = {}
         """Prefetched jobs waiting for a slot, in arrival order (a FIFO per mode)."""
         self._held: Counter[ExecutionMode] = Counter()
@@ -392,32 +393,46 @@ class WorkerState:
         return max(0, self._room(mode, free) + self._prefetch.get(mode, 0) - self._held[mode])
 
     def _start_queued(self, free: Mapping[ExecutionMode, int] | None) -> list[WorkerEffect]:
-        """Start prefetched jobs, oldest first within each mode, while their mode has room."""
+        """Start prefetched jobs, oldest first within each mode, while their mode has room.
+
+        The rooms are counted first, so a full window is not walked (nor copied) for
+        every job received while each slot is busy."""
         if free is None or not self._queued:
             return []
-        effects: list[WorkerEffect] = []
-        full: set[ExecutionMode] = set()
-        for key, assignment in list(self._queued.items()):
+        room = {
+            mode: left
+            for mode, held in self._held.items()
+            if held and (left := self._room(mode, free)) > 0
+        }
+        if not room:
+            return []
+        chosen: list[tuple[LeaseKey, Assignment]] = []
+        for key, assignment in self._queued.items():
             mode = assignment.execution_mode
-            if mode in full:
-                continue
-            if self._room(mode, free) <= 0:
-                full.add(mode)  # later jobs of this mode wait behind this one
-                if len(full) == len(self._modes):
-                    break
-                continue
+            left = room.get(mode, 0)
+            if left <= 0:
+                continue  # later jobs of this mode wait behind the ones chosen
+            chosen.append((key, assignment))
+            room[mode] = left - 1
+            if left == 1 and not any(room.values()):
+                break
+        effects: list[WorkerEffect] = []
+        debug = self._logger.isEnabledFor(logging.DEBUG)  # then no fields are built per job
+        for key, assignment in chosen:
+            mode = assignment.execution_mode
             self._unqueue(key)
             self._starting[mode] += 1
             self._running[key] = mode
             self._remember_rules(key, assignment.task, assignment.attempt)
-            self._log_job(
-                logging.DEBUG,
-                "job started",
-                key,
-                task=assignment.task,
-                mode=mode.value,
-                attempt=assignment.attempt,
-            )
+            if debug:
+                self._log_job(
+                    logging.DEBUG,
+                    "job started",
+                    key,
+                    task=assignment.task,
+                    mode=mode.value,
+                    attempt=assignment.attempt,
+                )
             effects.append(StartRun(assignment))
         return effects
 
@@ -446,10 +461,13 @@ class WorkerState:
         to report); its report joins the outbox, the oldest prefetched job takes its
         slot (given ``free``, the runners' slots now), and the rest is advertised."""
         del self._running[key]
-        # The outcome supersedes any progress not sent yet.
-        self._progress.pop(key, None)
-        self._progress_sent.pop(key, None)
-        rules = self._rules.pop(key, None)
+        # The outcome supersedes any progress not sent yet. (Each look-up hashes two UUIDs
+        # in Python, so the usually empty maps are not looked in.)
+        if self._progress:
+            self._progress.pop(key, None)
+        if self._progress_sent:
+            self._progress_sent.pop(key, None)
+        rules = self._rules.pop(key, None) if self._rules else None
         if isinstance(outcome, Failed) and outcome.retry and not outcome.lost and rules:
             outcome = rules.judge(outcome)  # a lost attempt is a recovery, not a failure
         if outcome is None:
@@ -492,7 +510,8 @@ class WorkerState:
                 except ValueError as exc:
                     report = protocol.FailedReport(*key, error=f"invalid reschedule: {exc}")
                 self._log_job(logging.INFO, "job rescheduled", key, delay=delay)
-        self._given_up.discard(key)
+        if self._given_up:
+            self._given_up.discard(key)
         self._report(key, report)
 
     def cancel_received(self, msg: protocol.CancelJob) -> list[WorkerEffect]:
@@ -517,8 +536,9 @@ class WorkerState:
         report = self._outbox.pop(key, None)
         if report is None:
             return []  # an ack for a report re-sent on an earlier connection, already settled
-        cancelled = key in self._cancelled
-        self._cancelled.discard(key)
+        cancelled = bool(self._cancelled) and key in self._cancelled
+        if cancelled:
+            self._cancelled.discard(key)
         if cancelled and ack.status is protocol.AckStatus.STALE:
             self._log_job(
                 logging.INFO, "cancelled job's report acknowledged stale, as expected", key
@@ -537,7 +557,7 @@ class WorkerState:
                 key,
                 outcome=report.type,
             )
-        else:
+        elif self._logger.isEnabledFor(logging.DEBUG):  # an enum's value costs, even unused
             self._log_job(logging.DEBUG, "report acknowledged", key, status=ack.status.value)
         return []
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextvars
+import functools
 import importlib
 import io
 import json
@@ -27,20 +27,17 @@ import os
 import sys
 import uuid
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
+from broker.context import running_job
 from broker.jobs import JSONValue
-from broker.runner import Assignment, Failed, LeaseKey
+from broker.runner import Failed, LeaseKey, RunOutcome
 from runners import pipe
 from runners.inline import InlineRunner, format_error
 from runners.process import CHILD_SYS_PATH_ENV, current_rss
 
 STARTUP_FAILED = 3
 """Exit code after reporting a start-up error (the app failed to import)."""
-
-_current_job: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "broker_child_job", default=None
-)
 
 
 class _TaggedStream(io.TextIOBase):
@@ -55,8 +52,8 @@ class _TaggedStream(io.TextIOBase):
         return True
 
     def write(self, text: str) -> int:
-        job = _current_job.get()
-        prefix = f"[job {job}] " if job else ""
+        job = running_job()
+        prefix = f"[job {job.job_id}] " if job is not None else ""
         for piece in text.splitlines(keepends=True):
             if self._at_line_start and prefix:
                 self._inner.write(prefix)
@@ -68,6 +65,9 @@ class _TaggedStream(io.TextIOBase):
     def flush(self) -> None:
         self._inner.flush()
 
+
+JOB_LINE_LIMIT = 64 << 20
+"""Longest line of jobs read from the worker (a job's arguments travel in it)."""
 
 RSS_SAMPLE_INTERVAL = 1.0
 """Seconds between memory samples while the child runs jobs; the worker recycles on them."""
@@ -179,56 +179,60 @@ class _PipeJobs:
 
 async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bool) -> int:
     loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=64 << 20)
-    await loop.connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(jobs_fd, "rb", buffering=0)
-    )
     runner = InlineRunner(concurrency=concurrency, enforce_timeouts=False)
     jobs = _PipeJobs(channel)
     runner.set_job_channel(jobs)
     sampler = _Sampler(channel, loop)
-    running: set[asyncio.Task[None]] = set()
+    running: set[asyncio.Future[RunOutcome]] = set()
 
-    async def run(assignment: Assignment) -> None:
-        _current_job.set(str(assignment.job_id))
-        outcome = await runner.run(assignment)
+    def done(handoff_id: uuid.UUID, outcome: asyncio.Future[RunOutcome]) -> None:
+        running.discard(outcome)
         try:
-            encoded = pipe.encode(pipe.outcome_line(assignment.handoff_id, outcome))
+            encoded = pipe.encode(pipe.outcome_line(handoff_id, outcome.result()))
         except ValueError as exc:
             # The inline runner already turns non-JSON and too-deep results into failures;
             # this is the last guard, because an outcome never sent would leave the job
             # hanging in the worker (nothing was queued: encoding comes first).
             failed = Failed(f"the job's outcome cannot be sent as JSON: {exc}", retry=False)
-            encoded = pipe.encode(pipe.outcome_line(assignment.handoff_id, failed))
+            encoded = pipe.encode(pipe.outcome_line(handoff_id, failed))
         channel.queue(encoded)
         sampler.job_done()
 
-    channel.send(pipe.ReadyLine(os.getpid()))
+    def run(line: pipe.JobLine) -> None:
+        """Start a job: a callback on its outcome sends it, with no task of our own."""
+        outcome = runner.run(pipe.assignment_of(line))
+        running.add(outcome)
+        outcome.add_done_callback(functools.partial(done, line.handoff_id))
 
-    async def read() -> None:
-        while line := await reader.readline():
-            for message in pipe.to_child_decoder.decode(line):
-                match message:
-                    case pipe.PingLine(nonce=nonce):
-                        channel.queue(pipe.encode(pipe.PongLine(nonce, current_rss())))
-                    case pipe.CheckpointAckLine():
-                        jobs.answered(message)
-                    case pipe.JobLine() if not (one_shot and started.is_set()):
-                        task = loop.create_task(run(pipe.assignment_of(message)))
-                        running.add(task)
-                        task.add_done_callback(running.discard)
-                        started.set()
-        # The worker closed our job channel: finish what runs, then exit. The worker
-        # retires a child only once it is idle, so jobs still running here lost it.
-        jobs.closed()
+    def on_line(line: bytes) -> None:
+        for message in pipe.to_child_decoder.decode(line):
+            match message:
+                case pipe.PingLine(nonce=nonce):
+                    channel.queue(pipe.encode(pipe.PongLine(nonce, current_rss())))
+                case pipe.CheckpointAckLine():
+                    jobs.answered(message)
+                case pipe.JobLine() if not (one_shot and started.is_set()):
+                    run(message)
+                    started.set()
+
+    def closed(ended: asyncio.Future[None]) -> None:
+        if not ended.cancelled() and ended.exception() is None:
+            # The worker closed our job channel: finish what runs, then exit. The worker
+            # retires a child only once it is idle, so jobs still running here lost it.
+            jobs.closed()
 
     started = asyncio.Event()
-    reading = loop.create_task(read())
+    lines = pipe.LineChannel(on_line, JOB_LINE_LIMIT, loop)
+    await loop.connect_read_pipe(lambda: lines, os.fdopen(jobs_fd, "rb", buffering=0))
+    reading = lines.ended
+    reading.add_done_callback(closed)
+    channel.send(pipe.ReadyLine(os.getpid()))
     if one_shot:
         # One job, then exit; the channel is still read meanwhile, for the job's
         # checkpoint acknowledgements.
         first = loop.create_task(started.wait())
-        await asyncio.wait({reading, first}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {reading, first}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         first.cancel()
         if running:
             await asyncio.wait(running)

@@ -111,15 +111,23 @@ class ForkedRunner:
             self._guard.failed(child.startup_error or "the runner process did not start")
         self._listener()
 
-    async def run(self, assignment: Assignment) -> RunOutcome:
+    def run(self, assignment: Assignment) -> asyncio.Future[RunOutcome]:
         if self.free_slots() <= 0:
             raise RuntimeError("no free forked slot: check free_slots() before run()")
         child = self._child()
         child.reserve(assignment)
         timeout = timeout_for(assignment, self._registry, self._default_timeout)
-        outcome = await run_on_child(child, assignment, timeout, self._kill_grace)
+        # A task per job here costs nothing next to the process each job starts.
+        return child.loop.create_task(
+            self._run(child, run_on_child(child, assignment, timeout, self._kill_grace))
+        )
+
+    @staticmethod
+    async def _run(child: ChildProcess, outcome: asyncio.Future[RunOutcome]) -> RunOutcome:
+        """The outcome once the job's process has exited, so its slot is free with it."""
+        result = await outcome
         await child.closed()
-        return outcome
+        return result
 
     async def cancel(self, job_id: uuid.UUID) -> bool:
         return await cancel_on(self._children, job_id, self._kill_grace)

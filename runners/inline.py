@@ -6,8 +6,8 @@ drop it. Plain functions therefore run in a thread of their own, taken from a se
 threads kept for reuse (starting a thread per job was most of a no-op job's cost).
 
 A slot is held for as long as the job's code is actually running, not for as long
-as :meth:`InlineRunner.run` is waiting on it. A thread cannot be killed, so when
-a sync job times out (or is cancelled) ``run`` reports the failure at once but
+as the outcome :meth:`InlineRunner.run` returned is pending. A thread cannot be killed,
+so when a sync job times out (or is cancelled) the outcome is the failure at once but
 the slot stays busy until the function returns; otherwise the worker would
 advertise room it does not have and pile more threads onto a stuck one.
 Those threads are daemons, so a stuck one never holds the process open at exit.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import json
 import queue
 import threading
@@ -53,6 +54,9 @@ _MAX_HEAD_CHARS = 2 * 1024
 
 _MAX_FRAMES = 20
 
+_PLAIN = (str, bool)
+"""Result types that are JSON as they are: no depth to measure, nothing to encode first."""
+
 
 def format_error(exc: BaseException) -> str:
     """``Type: message`` and the innermost frames of the job's own code, at most 8 KiB.
@@ -71,13 +75,6 @@ def format_error(exc: BaseException) -> str:
             return text
         lines.pop(0)  # the outermost frame is the least likely to locate the bug
     return head
-
-
-async def _invoke(
-    func: Callable[..., Any], args: tuple[JSONValue, ...], kwargs: dict[str, JSONValue]
-) -> Any:
-    # Calling inside the task, so a bad signature fails the job instead of the runner.
-    return await func(*args, **kwargs)
 
 
 class _Threads:
@@ -113,17 +110,26 @@ class _Threads:
 @dataclass(eq=False)
 class _Slot:
     assignment: Assignment
-    abandoned: asyncio.Future[None]
-    """Resolved by :meth:`InlineRunner.cancel`: ``run`` stops waiting for the work."""
+    outcome: asyncio.Future[RunOutcome]
+    """What :meth:`InlineRunner.run` returned: resolved by the work's end, its timeout or
+    :meth:`InlineRunner.cancel`, whichever comes first."""
     sync: bool = False
     """The job runs in a thread, which cancelling cannot stop."""
     work: asyncio.Future[Any] | None = None
+    timer: asyncio.TimerHandle | None = None
+    """The job's timeout, if it has one."""
     reported: bool = False
-    """``run`` has returned an outcome while the work may still be running."""
+    """The outcome was given while the work may still be running."""
 
 
 class InlineRunner:
-    """Runs ``ExecutionMode.INLINE`` jobs in the worker process, ``concurrency`` at a time."""
+    """Runs ``ExecutionMode.INLINE`` jobs in the worker process, ``concurrency`` at a time.
+
+    A job costs one task (its own coroutine's, for an async task) and no other: the
+    outcome is a future settled by callbacks on the work and on its timer, because a
+    task per job around the work and an ``asyncio.wait`` on it were a fifth of a pooled
+    child's CPU.
+    """
 
     def __init__(
         self,
@@ -147,6 +153,8 @@ class InlineRunner:
         self._channel: JobChannel = NoChannel()
         self._stopping = False
         self._threads = _Threads()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """Kept from the first job: on 3.11 each ``get_running_loop()`` is a ``getpid``."""
 
     @property
     def mode(self) -> ExecutionMode:
@@ -164,28 +172,28 @@ class InlineRunner:
     async def start(self) -> None:
         self._stopping = False
 
-    async def run(self, assignment: Assignment) -> RunOutcome:
+    def run(self, assignment: Assignment) -> asyncio.Future[RunOutcome]:
         if self.free_slots() <= 0:
             raise RuntimeError("no free inline slot: check free_slots() before run()")
-        # One look-up per job: on 3.11 each ``get_running_loop()`` is a ``getpid`` call.
-        loop = asyncio.get_running_loop()
-        slot = _Slot(assignment, loop.create_future())
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        outcome: asyncio.Future[RunOutcome] = loop.create_future()
+        slot = _Slot(assignment, outcome)
         self._slots[assignment.handoff_id] = slot
         try:
             task = self._registry.get(assignment.task)
         except TaskNotFoundError as exc:
             self._free(slot)
-            return Failed(str(exc), retry=False)
+            outcome.set_result(Failed(str(exc), retry=False))
+            return outcome
         timeout = self._timeout_for(assignment, task)
         slot.sync = not task.is_async
-        slot.work = self._launch(task, assignment, loop)
-        slot.work.add_done_callback(lambda _: self._free(slot))
-        try:
-            return await self._await_outcome(slot, timeout)
-        finally:
-            # Also on our own cancellation: the job must not outlive its report.
-            self._interrupt(slot)
-            slot.reported = True
+        slot.work = work = self._launch(task, assignment, loop)
+        work.add_done_callback(functools.partial(self._work_done, slot))
+        if timeout is not None:
+            slot.timer = loop.call_later(timeout, self._timed_out, slot, timeout)
+        return outcome
 
     def _timeout_for(self, assignment: Assignment, task: Task[..., Any]) -> float | None:
         if not self._enforce_timeouts:
@@ -204,7 +212,14 @@ class InlineRunner:
         context = contextvars.copy_context()
         JobContext(assignment, self._channel, loop).enter(context)
         if task.is_async:
-            return loop.create_task(_invoke(task.func, args, kwargs), context=context)
+            try:
+                # Calling an async function binds its arguments and runs none of its code.
+                job = task.func(*args, **kwargs)
+            except Exception as exc:  # a bad signature fails the job, not the runner
+                failed: asyncio.Future[Any] = loop.create_future()
+                failed.set_exception(exc)
+                return failed
+            return loop.create_task(job, context=context)
         done: asyncio.Future[Any] = loop.create_future()
 
         def settle(ok: bool, value: Any) -> None:
@@ -227,17 +242,28 @@ class InlineRunner:
         self._threads.submit(target)
         return done
 
-    async def _await_outcome(self, slot: _Slot, limit: float | None) -> RunOutcome:
-        assert slot.work is not None
-        done, _ = await asyncio.wait(
-            {slot.work, slot.abandoned}, timeout=limit, return_when=asyncio.FIRST_COMPLETED
-        )
-        if slot.work in done:
-            return self._outcome_of(slot.work)
+    def _settle(self, slot: _Slot, outcome: RunOutcome) -> None:
+        """Give ``outcome`` before the work ended (a timeout, a cancel): a coroutine job is
+        cancelled; a thread runs on, holding its slot until it returns."""
+        if slot.outcome.done():
+            return
+        slot.reported = True
+        slot.outcome.set_result(outcome)
+        self._interrupt(slot)
+
+    def _stop_message(self, slot: _Slot, what: str) -> str:
         still = " (the thread runs on; its slot stays busy until it returns)" if slot.sync else ""
-        if slot.abandoned in done:
-            return Failed(f"cancelled{still}")
-        return Failed(f"timed out after {limit} s{still}")
+        return f"{what}{still}"
+
+    def _timed_out(self, slot: _Slot, limit: float) -> None:
+        self._settle(slot, Failed(self._stop_message(slot, f"timed out after {limit} s")))
+
+    def _work_done(self, slot: _Slot, work: asyncio.Future[Any]) -> None:
+        if slot.timer is not None:
+            slot.timer.cancel()
+        if not slot.outcome.done():
+            slot.outcome.set_result(self._outcome_of(work))
+        self._free(slot)
 
     @staticmethod
     def _interrupt(slot: _Slot) -> None:
@@ -256,6 +282,8 @@ class InlineRunner:
         if exc is not None:
             return Failed(format_error(exc))
         result: JSONValue = work.result()
+        if result is None or type(result) in _PLAIN:
+            return Completed(result)
         # Before encoding: ``json`` recurses per level, and a RecursionError here would read
         # as a runner bug (and be retried). The main's own, usually lower, depth limit is
         # applied by the worker before it sends the result.
@@ -278,14 +306,16 @@ class InlineRunner:
         del self._slots[slot.assignment.handoff_id]
         if slot.work is not None and slot.work.done() and not slot.work.cancelled():
             slot.work.exception()  # retrieved: an abandoned job's error was already reported
-        if self._listener is not None:
+        # A slot freed with its outcome is re-advertised with that outcome; only one that
+        # outlived its outcome (a thread past its timeout) frees on the runner's own account.
+        if slot.reported and self._listener is not None:
             self._listener()
 
     async def cancel(self, job_id: uuid.UUID) -> bool:
         found = False
         for slot in list(self._slots.values()):
-            if slot.assignment.job_id == job_id and not slot.abandoned.done():
-                slot.abandoned.set_result(None)
+            if slot.assignment.job_id == job_id and not slot.outcome.done():
+                self._settle(slot, Failed(self._stop_message(slot, "cancelled")))
                 found = True
         return found
 
@@ -300,8 +330,7 @@ class InlineRunner:
         if pending and grace > 0:
             await asyncio.wait(pending, timeout=grace)
         for slot in list(self._slots.values()):
-            if not slot.abandoned.done():
-                slot.abandoned.set_result(None)
+            self._settle(slot, Failed(self._stop_message(slot, "cancelled")))
             self._interrupt(slot)
 
     def status(self) -> RunnerStatus:

@@ -19,8 +19,9 @@ then ``completed`` / ``failed`` / ``rescheduled`` per job, ``checkpoint`` and
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
 import msgspec
@@ -145,6 +146,71 @@ def encode(message: _Message) -> bytes:
 def encode_batch(encoded: Iterable[bytes]) -> bytes:
     """One line carrying every already-encoded message, in order."""
     return b"[" + b",".join(encoded) + b"]\n"
+
+
+class LineChannel(asyncio.Protocol):
+    """The reading end of a pipe, a line at a time, by callback: each read hands its
+    complete lines to ``on_line`` in the same step, where a reading task cost a wake-up
+    (a future and a task step) per read on both ends of the pooled path.
+
+    ``ended`` resolves at a clean end of the pipe, or fails with what stopped the reading:
+    a line over ``limit`` bytes, a last line with no newline, or whatever ``on_line``
+    raised (nothing is read after that).
+    """
+
+    def __init__(
+        self, on_line: Callable[[bytes], None], limit: int, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self._on_line = on_line
+        self._limit = limit
+        self._buffer = bytearray()
+        self._transport: asyncio.BaseTransport | None = None
+        self.ended: asyncio.Future[None] = loop.create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.ended.done():
+            return
+        buffer = self._buffer
+        buffer += data
+        start = 0
+        try:
+            while (end := buffer.find(b"\n", start)) >= 0:
+                if end - start > self._limit:
+                    raise ValueError(f"a line of {end - start} bytes, over {self._limit}")
+                self._on_line(bytes(buffer[start:end]))
+                start = end + 1
+        except Exception as exc:  # RecursionError too: a line nested too deeply to decode
+            self._end(exc)
+            return
+        del buffer[:start]
+        if len(buffer) > self._limit:
+            self._end(ValueError(f"a line over {self._limit} bytes"))
+
+    def eof_received(self) -> bool:
+        self._end(ValueError("unterminated line") if self._buffer else None)
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end(exc)
+
+    def close(self) -> None:
+        """Stop reading (the other end is gone anyway)."""
+        if self._transport is not None:
+            self._transport.close()
+        self._end(None)
+
+    def _end(self, error: Exception | None) -> None:
+        if self.ended.done():
+            return
+        if error is None:
+            self.ended.set_result(None)
+        else:
+            self.ended.set_exception(error)
+            if self._transport is not None:
+                self._transport.close()
 
 
 def job_line(a: Assignment) -> JobLine:

@@ -31,7 +31,6 @@ from broker.runner import (
     Assignment,
     JobChannel,
     NoChannel,
-    Released,
     RunnerStatus,
     RunOutcome,
 )
@@ -111,12 +110,18 @@ class PooledRunner:
     def free_slots(self) -> int:
         if self._stopping or (self._guard is not None and self._guard.failing):
             return 0
-        serving = self._serving()
-        spawnable = self._count - len(serving)
-        room = sum(c.free for c in serving) + spawnable * self._concurrency
+        # One pass, no lists: the worker asks this for every job it receives and ends.
+        serving = room = busy = 0
+        successors = self._successors
+        for c in self._children:
+            inflight = len(c.inflight)
+            busy += inflight
+            if not c.retiring and not c.exited and c not in successors:
+                serving += 1
+                room += c.concurrency - inflight
+        room += (self._count - serving) * self._concurrency
         # A retiring child still finishing jobs counts against capacity, so its
         # replacement cannot push the pool past count x concurrency meanwhile.
-        busy = sum(len(c.inflight) for c in self._children)
         return max(0, min(room, self.capacity - busy))
 
     def set_capacity_listener(self, listener: Callable[[], None]) -> None:
@@ -208,12 +213,19 @@ class PooledRunner:
 
     def _pick(self) -> ChildProcess | None:
         """The ready child with the most free slots (least loaded), else a starting one."""
-        candidates = [c for c in self._serving() if c.free > 0]
-        if not candidates:
-            return None
-        return max(candidates, key=lambda c: (c.started, c.free, -c.jobs_run))
+        best: ChildProcess | None = None
+        best_rank: tuple[bool, int, int] | None = None
+        successors = self._successors
+        for c in self._children:
+            if c.retiring or c.exited or c in successors:
+                continue
+            free = c.concurrency - len(c.inflight)
+            rank = (c.started, free, -c.jobs_run)
+            if free > 0 and (best_rank is None or rank > best_rank):
+                best, best_rank = c, rank
+        return best
 
-    async def run(self, assignment: Assignment) -> RunOutcome:
+    def run(self, assignment: Assignment) -> asyncio.Future[RunOutcome]:
         if self.free_slots() <= 0:
             raise RuntimeError("no free pooled slot: check free_slots() before run()")
         child = self._pick()
@@ -221,9 +233,11 @@ class PooledRunner:
             child = self._spawn()
         child.reserve(assignment)
         timeout = timeout_for(assignment, self._registry, self._default_timeout)
-        outcome = await run_on_child(child, assignment, timeout, self._kill_grace)
-        if not isinstance(outcome, Released):
-            self._maybe_recycle(child)
+        outcome = run_on_child(child, assignment, timeout, self._kill_grace)
+        if self._max_jobs is not None:
+            # Memory and age are checked on the child's samples and pings; only a job
+            # count needs a look at every job's end.
+            outcome.add_done_callback(lambda _: self._maybe_recycle(child))
         return outcome
 
     def _recycle_reason(self, child: ChildProcess) -> str | None:

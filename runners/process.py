@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -213,10 +214,14 @@ class ChildProcess:
         self._startup_timeout = startup_timeout
         self._proc: asyncio.subprocess.Process | None = None
         # Kept, because every ``get_running_loop()`` is a ``getpid`` system call on 3.11.
-        self._loop = asyncio.get_running_loop()
-        self._ready: asyncio.Future[None] = self._loop.create_future()
+        self.loop = asyncio.get_running_loop()
+        self._ready: asyncio.Future[None] = self.loop.create_future()
         self._tasks: list[asyncio.Task[None]] = []
-        self._boot = self._loop.create_task(self._start(), name="broker-child-start")
+        self._channel_in: pipe.LineChannel | None = None
+        """The outcome channel's reading end, once the process is started."""
+        self._stopper: asyncio.Task[None] | None = None
+        """A :meth:`terminate_soon` under way."""
+        self._boot = self.loop.create_task(self._start(), name="broker-child-start")
 
     @property
     def pid(self) -> int | None:
@@ -234,6 +239,16 @@ class ChildProcess:
         """Returns once the child has handshaken; raises :class:`ChildStartupError` if it
         never will."""
         await asyncio.shield(self._ready)
+
+    def when_ready(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the child has handshaken; never if it fails to start
+        (its reserved jobs are released then)."""
+
+        def ready(handshake: asyncio.Future[None]) -> None:
+            if not handshake.cancelled() and handshake.exception() is None:
+                callback()
+
+        self._ready.add_done_callback(ready)
 
     async def _start(self) -> None:
         read_fd, write_fd = os.pipe()
@@ -272,14 +287,11 @@ class ChildProcess:
             # not wait for jobs that will never come, and outlive its worker's loop.
             self._proc.stdin.close()
         loop = asyncio.get_running_loop()
-        channel = asyncio.StreamReader(limit=CHANNEL_LIMIT)
-        await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(channel), os.fdopen(read_fd, "rb", buffering=0)
-        )
-        self._tasks = [
-            asyncio.create_task(self._read_channel(channel), name="broker-child-channel"),
-            asyncio.create_task(self._relay_output(), name="broker-child-output"),
-        ]
+        channel = pipe.LineChannel(self._on_line, CHANNEL_LIMIT, loop)
+        await loop.connect_read_pipe(lambda: channel, os.fdopen(read_fd, "rb", buffering=0))
+        self._channel_in = channel
+        channel.ended.add_done_callback(self._channel_ended)
+        self._tasks = [asyncio.create_task(self._relay_output(), name="broker-child-output")]
         exited = asyncio.ensure_future(self._proc.wait())
         waiters: set[asyncio.Future[Any]] = {exited, self._ready}
         await asyncio.wait(
@@ -290,7 +302,7 @@ class ChildProcess:
             self.kill()
         code = await exited
         # The last outcome may still be in the pipe when the exit is noticed: read it first.
-        await asyncio.wait(self._tasks[:1], timeout=1.0)
+        await asyncio.wait({channel.ended}, timeout=1.0)
         self._finish(code)
 
     def _fail_start(self, error: str) -> None:
@@ -299,24 +311,20 @@ class ChildProcess:
             self._ready.set_exception(ChildStartupError(error))
             self._ready.exception()  # retrieved here; waiters get it through wait_ready
 
-    async def _read_channel(self, channel: asyncio.StreamReader) -> None:
-        try:
-            while line := await channel.readline():
-                if not line.endswith(b"\n"):
-                    raise ValueError("unterminated line")
-                for message in pipe.from_child_decoder.decode(line):
-                    self._on_message(message)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # RecursionError too: a line nested too deeply to decode
-            logger.error(
-                "runner process broke its protocol, killing it pid=%s error=%r", self.pid, exc
+    def _on_line(self, line: bytes) -> None:
+        for message in pipe.from_child_decoder.decode(line):
+            self._on_message(message)
+
+    def _channel_ended(self, ended: asyncio.Future[None]) -> None:
+        exc = None if ended.cancelled() else ended.exception()
+        if exc is None:
+            return
+        logger.error("runner process broke its protocol, killing it pid=%s error=%r", self.pid, exc)
+        for handoff_id in self.inflight:
+            self.kill_reasons.setdefault(
+                handoff_id, f"its runner process broke its protocol and was killed: {exc!r}"
             )
-            for handoff_id in self.inflight:
-                self.kill_reasons.setdefault(
-                    handoff_id, f"its runner process broke its protocol and was killed: {exc!r}"
-                )
-            self.kill()
+        self.kill()
 
     def _on_message(self, m: pipe.FromChild) -> None:
         match m:
@@ -410,6 +418,8 @@ class ChildProcess:
         self.exit_code = code
         for task in self._tasks:
             task.cancel()
+        if self._channel_in is not None:
+            self._channel_in.close()
         self._fail_start(f"the runner process {describe_exit(code)} before it was ready")
         for handoff_id, future in list(self.inflight.items()):
             if future.done():
@@ -433,7 +443,7 @@ class ChildProcess:
 
     def reserve(self, assignment: Assignment) -> asyncio.Future[RunOutcome]:
         """Take a slot now (synchronously); the job is sent once the child is ready."""
-        future: asyncio.Future[RunOutcome] = self._loop.create_future()
+        future: asyncio.Future[RunOutcome] = self.loop.create_future()
         self.inflight[assignment.handoff_id] = future
         self.job_ids[assignment.handoff_id] = assignment.job_id
         return future
@@ -449,7 +459,7 @@ class ChildProcess:
             return
         self._outgoing.append(pipe.encode(message))
         if len(self._outgoing) == 1:
-            self._loop.call_soon(self._flush)
+            self.loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         lines, self._outgoing = self._outgoing, []
@@ -500,54 +510,69 @@ class ChildProcess:
             self.kill()
         await asyncio.shield(self._boot)
 
+    def terminate_soon(self, grace: float) -> None:
+        """:meth:`terminate` in the background (a job's timer cannot await it)."""
+        if self._stopper is None or self._stopper.done():
+            self._stopper = self.loop.create_task(self.terminate(grace))
+
     async def closed(self) -> None:
         await asyncio.shield(self._boot)
 
 
-async def run_on_child(
+def run_on_child(
     child: ChildProcess,
     assignment: Assignment,
     limit: float | None,
     kill_grace: float,
-) -> RunOutcome:
-    """Run one job on ``child`` (a slot must already be reserved) and return its outcome.
+) -> asyncio.Future[RunOutcome]:
+    """Start one job on ``child`` (a slot must already be reserved) and return the future
+    of its outcome: the slot's own, which the child's outcome line or its exit settles.
+    No task per job: the job goes out now, or when the child is ready, by callback.
 
     A job past its time ``limit`` stops the whole child (SIGTERM, then SIGKILL after the grace):
     only a process boundary can stop code that ignores cancellation. Every other job on
     that child then fails too, saying why, so each is retried.
     """
     future = child.inflight[assignment.handoff_id]
-    try:
-        await child.wait_ready()
-    except ChildStartupError:
-        return await future
+    if child.started:
+        _send_job(child, assignment)
+    else:
+        child.when_ready(functools.partial(_send_job, child, assignment))
+    if limit is not None:  # no timer for a job without a time limit
+        timer = child.loop.call_later(limit, _timed_out, child, assignment, limit, kill_grace)
+        future.add_done_callback(lambda _: timer.cancel())
+    return future
+
+
+def _send_job(child: ChildProcess, assignment: Assignment) -> None:
     try:
         child.send(pipe.job_line(assignment))
     except ValueError as exc:
         # The job never reached the child: free its slot there and fail it for good (the
         # same arguments would fail the same way).
-        child.inflight.pop(assignment.handoff_id, None)
+        future = child.inflight.pop(assignment.handoff_id, None)
         child.job_ids.pop(assignment.handoff_id, None)
         if child.one_shot:
             child.retire()  # started for this job alone: let it exit instead of waiting
-        return Failed(f"the job cannot be sent to its runner process: {exc}", retry=False)
-    if limit is None:  # no timer, and no ``wait_for``, for a job without a time limit
-        return await asyncio.shield(future)
-    try:
-        return await asyncio.wait_for(asyncio.shield(future), limit)
-    except TimeoutError:
-        child.kill_reasons[assignment.handoff_id] = f"timed out after {limit} s"
-        child.stop_bystanders(
-            f"stopped because job {assignment.job_id} on the same process timed out"
-        )
-        logger.warning(
-            "job timed out, stopping its runner process job_id=%s handoff_id=%s pid=%s",
-            assignment.job_id,
-            assignment.handoff_id,
-            child.pid,
-        )
-        await child.terminate(kill_grace)
-        return await future
+        if future is not None and not future.done():
+            future.set_result(
+                Failed(f"the job cannot be sent to its runner process: {exc}", retry=False)
+            )
+
+
+def _timed_out(child: ChildProcess, assignment: Assignment, limit: float, grace: float) -> None:
+    future = child.inflight.get(assignment.handoff_id)
+    if future is None or future.done():
+        return  # settled in the same loop turn as the timer fired
+    child.kill_reasons[assignment.handoff_id] = f"timed out after {limit} s"
+    child.stop_bystanders(f"stopped because job {assignment.job_id} on the same process timed out")
+    logger.warning(
+        "job timed out, stopping its runner process job_id=%s handoff_id=%s pid=%s",
+        assignment.job_id,
+        assignment.handoff_id,
+        child.pid,
+    )
+    child.terminate_soon(grace)
 
 
 async def cancel_on(children: Sequence[ChildProcess], job_id: uuid.UUID, grace: float) -> bool:

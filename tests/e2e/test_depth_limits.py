@@ -231,9 +231,13 @@ class _DeepResults(InlineRunner):
     """Completes the ``deep`` task with a result nested 1,000 levels deep, as a runner
     without the inline runner's own ceiling might: what reaches the worker's send loop."""
 
-    async def run(self, assignment: Assignment) -> RunOutcome:
-        outcome = await super().run(assignment)
-        return Completed(nested(1000)) if assignment.task == "deep" else outcome
+    def run(self, assignment: Assignment) -> asyncio.Future[RunOutcome]:
+        outcome = super().run(assignment)
+        if assignment.task != "deep":
+            return outcome
+        deep: asyncio.Future[RunOutcome] = outcome.get_loop().create_future()
+        outcome.add_done_callback(lambda _: deep.set_result(Completed(nested(1000))))
+        return deep
 
 
 async def _run_on_a_worker(

@@ -343,9 +343,9 @@ class SpyRunner(InlineRunner):
         super().__init__(registry)
         self.asked: list[str] = []
 
-    async def run(self, assignment: Assignment) -> RunOutcome:
+    def run(self, assignment: Assignment) -> asyncio.Future[RunOutcome]:
         self.asked.append(assignment.task)
-        return await super().run(assignment)
+        return super().run(assignment)
 
 
 async def test_unknown_task_never_reaches_the_runner(registry: TaskRegistry) -> None:

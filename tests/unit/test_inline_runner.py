@@ -86,11 +86,11 @@ async def test_slots_are_taken_on_entry_and_bounded(registry: TaskRegistry) -> N
 
     freed: list[int] = []
     runner = InlineRunner(registry, concurrency=2)
-    runner.set_capacity_listener(lambda: freed.append(runner.free_slots()))
+    runner.set_capacity_listener(lambda: freed.append(runner.free_slots()))  # never: see below
     assert runner.free_slots() == 2
 
-    first = asyncio.create_task(runner.run(assignment("wait")))
-    second = asyncio.create_task(runner.run(assignment("wait")))
+    first = asyncio.ensure_future(runner.run(assignment("wait")))
+    second = asyncio.ensure_future(runner.run(assignment("wait")))
     await asyncio.sleep(0)
     assert runner.free_slots() == 0
     assert runner.status().busy == 2
@@ -100,7 +100,8 @@ async def test_slots_are_taken_on_entry_and_bounded(registry: TaskRegistry) -> N
     gate.set()
     assert await asyncio.gather(first, second) == [Completed("ok"), Completed("ok")]
     assert runner.free_slots() == 2
-    assert freed == [1, 2]
+    # Each slot freed with its outcome, which tells the caller: no listener call.
+    assert freed == []
 
 
 async def test_async_timeout_cancels_the_job(registry: TaskRegistry) -> None:
@@ -269,7 +270,7 @@ async def test_cancel_stops_an_async_job(registry: TaskRegistry) -> None:
 
     runner = InlineRunner(registry)
     job = assignment("forever")
-    running = asyncio.create_task(runner.run(job))
+    running = asyncio.ensure_future(runner.run(job))
     await started.wait()
 
     assert await runner.cancel(uuid.uuid4()) is False
@@ -288,10 +289,26 @@ async def test_stop_cancels_what_outlives_the_grace(registry: TaskRegistry) -> N
         await asyncio.sleep(30)
 
     runner = InlineRunner(registry)
-    running = asyncio.create_task(runner.run(assignment("forever")))
+    running = asyncio.ensure_future(runner.run(assignment("forever")))
     await started.wait()
 
     await runner.stop(grace=0.05)
 
     assert await asyncio.wait_for(running, 2) == Failed("cancelled")
     assert runner.free_slots() == 0
+
+
+async def test_run_takes_the_slot_before_it_returns_a_future(registry: TaskRegistry) -> None:
+    """The worker counts slots right after ``run`` returns, in the same step, and settles
+    the job by a callback on the future: no task of its own per job."""
+
+    @task(name="noop", registry=registry, mode="inline")
+    async def noop() -> None:
+        return None
+
+    runner = InlineRunner(registry, concurrency=2)
+    outcome = runner.run(assignment("noop"))
+    assert isinstance(outcome, asyncio.Future) and not outcome.done()
+    assert runner.free_slots() == 1
+    assert await outcome == Completed(None)
+    assert runner.free_slots() == 2

@@ -3,6 +3,7 @@ order, and anything malformed is refused rather than guessed at."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -88,3 +89,69 @@ def test_a_message_too_deep_to_encode_fails_alone_with_a_clear_error() -> None:
     with pytest.raises(ValueError, match="nests too deeply"):
         pipe.encode(pipe.outcome_line(uuid.uuid4(), Completed(deep)))
     assert pipe.to_child_decoder.decode(pipe.encode_batch([good])) == [pipe.PingLine(1)]
+
+
+class _Transport(asyncio.BaseTransport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _channel(limit: int = 100) -> tuple[pipe.LineChannel, list[bytes], _Transport]:
+    lines: list[bytes] = []
+    channel = pipe.LineChannel(lines.append, limit, asyncio.get_running_loop())
+    transport = _Transport()
+    channel.connection_made(transport)
+    return channel, lines, transport
+
+
+async def test_the_line_channel_hands_over_whole_lines_however_the_reads_cut_them() -> None:
+    channel, lines, transport = _channel()
+    for piece in (b"[1]\n[2", b"]\n", b"\n[3]\n[", b"4]\n"):
+        channel.data_received(piece)
+    assert lines == [b"[1]", b"[2]", b"", b"[3]", b"[4]"]
+    channel.eof_received()
+    assert channel.ended.done() and channel.ended.exception() is None
+    assert not transport.closed
+
+
+@pytest.mark.parametrize(
+    ("pieces", "error"),
+    [
+        ([b"x" * 101 + b"\n"], "over 100"),
+        ([b"x" * 60, b"x" * 60], "over 100"),
+        ([b"[1]\n[2"], "unterminated"),
+    ],
+)
+async def test_the_line_channel_stops_at_a_line_it_cannot_take(
+    pieces: list[bytes], error: str
+) -> None:
+    channel, lines, _transport = _channel()
+    for piece in pieces:
+        channel.data_received(piece)
+    channel.eof_received()
+    with pytest.raises(ValueError, match=error):
+        channel.ended.result()
+    assert lines == ([b"[1]"] if error == "unterminated" else [])
+
+
+async def test_the_line_channel_reads_nothing_after_its_reader_fails() -> None:
+    seen: list[bytes] = []
+
+    def on_line(line: bytes) -> None:
+        seen.append(line)
+        if line == b"bad":
+            raise ValueError("broken")
+
+    channel = pipe.LineChannel(on_line, 100, asyncio.get_running_loop())
+    transport = _Transport()
+    channel.connection_made(transport)
+    channel.data_received(b"ok\nbad\nnever\n")
+    channel.data_received(b"later\n")
+    assert seen == [b"ok", b"bad"]
+    assert transport.closed
+    with pytest.raises(ValueError, match="broken"):
+        channel.ended.result()
