@@ -81,6 +81,7 @@ class _Channel:
         self._out = os.fdopen(fd, "wb", buffering=0)
         self._pending: list[bytes] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._gone = False
 
     def send(self, message: pipe.FromChild) -> None:
         """Send at once (before the loop runs, or for the last words of a child)."""
@@ -100,10 +101,17 @@ class _Channel:
             self._write(pipe.encode_batch(batch))
 
     def _write(self, data: bytes) -> None:
+        if self._gone:
+            return
         view = memoryview(data)
-        while view:
-            written = self._out.write(view)
-            view = view[written or 0 :]
+        try:
+            while view:
+                written = self._out.write(view)
+                view = view[written or 0 :]
+        except BrokenPipeError:
+            # The worker is gone: nothing written here can reach anyone any more (the
+            # main has taken the leases back), and the jobs are being stopped.
+            self._gone = True
 
 
 class _Sampler:
@@ -217,11 +225,18 @@ async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bo
 
     def closed(ended: asyncio.Future[None]) -> None:
         if not ended.cancelled() and ended.exception() is None:
-            # The worker closed our job channel: finish what runs, then exit. The worker
-            # retires a child only once it is idle, so jobs still running here lost it.
+            # The worker closed our job channel. It retires a child only once it is idle,
+            # so jobs still running here lost their worker (it died, or was killed): no
+            # outcome of theirs can be reported, and the main gives their leases to
+            # another attempt. They stop now instead of running on beside that attempt
+            # (a job waiting for an event that never comes would keep this process for
+            # ever); a sync job's thread is a daemon and does not hold the exit. (No
+            # job can come any more either, so the runner stops even when idle.)
             jobs.closed()
+            stopping.append(loop.create_task(runner.stop(grace=0)))
 
     started = asyncio.Event()
+    stopping: list[asyncio.Task[None]] = []
     lines = pipe.LineChannel(on_line, JOB_LINE_LIMIT, loop)
     await loop.connect_read_pipe(lambda: lines, os.fdopen(jobs_fd, "rb", buffering=0))
     reading = lines.ended

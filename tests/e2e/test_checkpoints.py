@@ -250,8 +250,12 @@ async def test_a_1_mib_checkpoint_survives_kill_9_of_its_worker(
             assert in_rows < 100 and apart > size, "the store keeps it apart from the row"
             shown = json.loads(await broker(cluster, "job", str(ref.job_id), "--json"))
             assert shown["checkpoint"] == {"blob": blob(size)}, "broker job loads it"
+            [orphan] = child_pids(first.pid)  # type: ignore[attr-defined]
             await first.kill()  # type: ignore[attr-defined]
             await cluster.worker("b", "--pooled-runner-count", "1")
+            # Its run waits for an event that never comes: the child stops it and exits
+            # once its worker is gone, instead of running on beside the recovery.
+            await eventually(lambda: gone(orphan), "the dead worker's child to exit", timeout=WAIT)
 
             async def finished() -> bool:
                 job = await client.get_job(ref.job_id)
