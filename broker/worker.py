@@ -739,8 +739,7 @@ class Worker:
             case protocol.JobHandoff():
                 self._apply(self._state.job_received(msg, self._free_slots()))
             case protocol.Jobs(jobs=jobs):
-                for job in jobs:
-                    self._apply(self._state.job_received(job, self._free_slots()))
+                self._apply(self._state.jobs_received(jobs, self._free_slots()))
             case protocol.ReportAck():
                 self._apply(self._state.ack_received(msg))
             case protocol.ReportAcks(acks=acks):
