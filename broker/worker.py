@@ -229,6 +229,11 @@ class Worker:
         self._loop: asyncio.AbstractEventLoop | None = None
         """Kept by :meth:`run`: on 3.11 each ``get_running_loop()`` is a ``getpid`` call,
         and a job's start should not pay for one."""
+        self._runners_changed = True
+        """A runner said its slots may have changed (see :meth:`_capacity_changed`) since
+        the runners' statuses were last looked at. Only then can a runner's capacity or
+        start-up error differ, so a ``ready`` without it does not build every runner's
+        status (the pooled one walks its children) just to find nothing new."""
 
     # ------------------------------------------------------------------ public
 
@@ -647,6 +652,7 @@ class Worker:
 
     def _capacity_changed(self) -> None:
         """A runner's free slots may have changed (called on the loop's thread)."""
+        self._runners_changed = True
         self._apply(self._state.capacity_changed(self._free_slots()))
 
     def _free_slots(self) -> _FreeSlots:
@@ -739,13 +745,11 @@ class Worker:
             case protocol.JobHandoff():
                 self._apply(self._state.job_received(msg, self._free_slots()))
             case protocol.Jobs(jobs=jobs):
-                for job in jobs:
-                    self._apply(self._state.job_received(job, self._free_slots()))
+                self._apply(self._state.jobs_received(jobs, self._free_slots()))
             case protocol.ReportAck():
                 self._apply(self._state.ack_received(msg))
             case protocol.ReportAcks(acks=acks):
-                for ack in acks:
-                    self._apply(self._state.ack_received(ack))
+                self._apply([e for ack in acks for e in self._state.ack_received(ack)])
             case protocol.CancelJob():
                 self._apply(self._state.cancel_received(msg))
             case protocol.CheckpointAck():
@@ -768,6 +772,10 @@ class Worker:
     def _status_message(self, conn: _Connection) -> bytes | None:
         """A ``worker_status`` line when capacity or a start-up error changed since the last
         one sent on this connection (always the first time), else ``None``."""
+        sent = conn.status_sent
+        if sent is not None and not self._runners_changed and sent[0] == self._state.draining:
+            return None
+        self._runners_changed = False
         runners = {mode: runner.status() for mode, runner in self._runners.items()}
         signature = (
             self._state.draining,

@@ -311,30 +311,44 @@ class WorkerState:
     def job_received(
         self, msg: protocol.JobHandoff, free: Mapping[ExecutionMode, int]
     ) -> list[WorkerEffect]:
-        """Decide a job's fate and advance ``seen`` in the same step, so no ``ready`` can
-        count its slot twice. ``free``: each runner's free slots right now.
+        """One job handed over on its own: see :meth:`jobs_received`."""
+        return self.jobs_received((msg,), free)
 
-        Raises :class:`~broker.exceptions.ProtocolError` if ``seq`` does not advance.
+    def jobs_received(
+        self, msgs: Sequence[protocol.JobHandoff], free: Mapping[ExecutionMode, int]
+    ) -> list[WorkerEffect]:
+        """Decide the fate of the jobs of one ``jobs`` line and advance ``seen`` in the
+        same step, so no ``ready`` can count their slots twice. ``free``: each runner's
+        free slots right now. The jobs taken wait in the FIFO until all are decided, then
+        start together, as many as have room: the same as one at a time (each taken job
+        counts against the credit, and none starts between two of them), for one count
+        of the slots and one pass over the FIFO per line instead of per job.
+
+        Raises :class:`~broker.exceptions.ProtocolError`, before taking any of them, if
+        ``seq`` does not advance from job to job.
         """
         link = self._require_link()
-        if msg.seq <= link.seen:
-            raise ProtocolError(f"job seq {msg.seq} is not after the last one seen ({link.seen})")
-        key = (msg.job_id, msg.handoff_id)
-        effects: list[WorkerEffect] = []
-        held = False
-        if key in self._running or key in self._queued or key in self._outbox:
-            # Never run one lease twice, and never release it: that would free a job
-            # this worker is still running or has already reported.
-            self._log_job(logging.WARNING, "job already held here; ignoring the repeat", key)
-        else:
-            held = self._decide(msg, key, free)
-            effects = self._start_queued(free)
-        link.seen = msg.seq
-        if not held:
-            # The main holds a credit for this job until a ``ready`` has seen it; without
-            # one, a worker whose every slot was "spent" this way would never get work again.
-            self._ready_due = True
-        return effects + self._effects()
+        last = link.seen
+        for msg in msgs:
+            if msg.seq <= last:
+                raise ProtocolError(f"job seq {msg.seq} is not after the last one seen ({last})")
+            last = msg.seq
+        for msg in msgs:
+            key = (msg.job_id, msg.handoff_id)
+            held = False
+            if key in self._running or key in self._queued or key in self._outbox:
+                # Never run one lease twice, and never release it: that would free a job
+                # this worker is still running or has already reported.
+                self._log_job(logging.WARNING, "job already held here; ignoring the repeat", key)
+            else:
+                held = self._decide(msg, key, free)
+            if not held:
+                # The main holds a credit for this job until a ``ready`` has seen it;
+                # without one, a worker whose every slot was "spent" this way would never
+                # get work again.
+                self._ready_due = True
+        link.seen = last
+        return self._start_queued(free) + self._effects()
 
     def _decide(
         self, msg: protocol.JobHandoff, key: LeaseKey, free: Mapping[ExecutionMode, int]

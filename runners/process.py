@@ -619,13 +619,13 @@ class StartupGuard:
         return self.error is not None
 
     def failed(self, error: str) -> None:
-        was_failing = self.failing
+        previous = self.error
         self.error = error
         logger.error("runner process failed to start; slots revoked error=%s", error)
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self._delay, self._probe)
             self._delay = min(self._delay * 2, self._max_delay)
-        if not was_failing:
+        if error != previous:  # a new error is news too: the worker's status shows it
             self._on_change()
 
     def succeeded(self) -> None:

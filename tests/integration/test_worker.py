@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -17,7 +17,7 @@ import pytest
 from broker import protocol, wire
 from broker.exceptions import AuthenticationError, ConfigurationError
 from broker.jobs import ExecutionMode
-from broker.runner import Assignment, RunOutcome
+from broker.runner import Assignment, RunnerStatus, RunOutcome
 from broker.tasks import TaskRegistry, task
 from broker.worker import Worker, install_signal_handlers
 from runners.inline import InlineRunner
@@ -548,3 +548,57 @@ async def test_silent_main_is_detected_within_the_liveness_timeout(
             await main.session(timeout=3)
             elapsed = loop.time() - connected
             assert 0.45 <= elapsed <= 1.5
+
+
+class _WatchedRunner(InlineRunner):
+    """An inline runner that counts the statuses asked of it and can be told to report a
+    start-up error, as a pooled runner whose children fail to start does."""
+
+    def __init__(self, registry: TaskRegistry) -> None:
+        super().__init__(registry, concurrency=2)
+        self.statuses = 0
+        self.error: str | None = None
+        self.listener: Callable[[], None] = lambda: None
+
+    def set_capacity_listener(self, listener: Callable[[], None]) -> None:
+        super().set_capacity_listener(listener)
+        self.listener = listener
+
+    def status(self) -> RunnerStatus:
+        self.statuses += 1
+        status = super().status()
+        status.startup_error = self.error
+        return status
+
+
+async def test_worker_status_follows_the_runners_without_asking_them_per_ready(
+    registry: TaskRegistry,
+) -> None:
+    runner = _WatchedRunner(registry)
+    async with FakeMain() as main:
+        worker = Worker(
+            "127.0.0.1",
+            main.port,
+            worker_id="worker-1",
+            runners={INLINE: runner},
+            registry=registry,
+        )
+        async with running(worker):
+            session = await main.session()
+            await session.expect(protocol.Ready)
+            asked = runner.statuses
+            for seq in (1, 2, 3):
+                await session.send(job(seq, "add", seq, 1))
+                report = await session.expect(protocol.CompletedReport)
+                await session.send(ack(report))
+            while len(session.readies) < 3:  # each job's end is advertised
+                session.readies.append(await session.expect(protocol.Ready))
+            assert runner.statuses == asked, "no runner changed: no status was built"
+            assert len(session.statuses) == 1
+
+            runner.error = "the task modules failed to import"
+            runner.listener()  # what a runner does when its slots may have changed
+            await session.expect(protocol.Ready)
+            assert session.statuses[-1].status["runners"]["inline"]["startup_error"] == (
+                "the task modules failed to import"
+            )

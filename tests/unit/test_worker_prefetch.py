@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from broker import cli, protocol
 from broker.admission import Credits
-from broker.exceptions import ConfigurationError
+from broker.exceptions import ConfigurationError, ProtocolError
 from broker.jobs import ExecutionMode
 from broker.runner import Completed
 from broker.worker import Worker
@@ -155,6 +155,28 @@ def test_a_cancelled_prefetched_job_is_given_back_without_running() -> None:
     assert release.job_id == msg.job_id and state.queued == {}
 
 
+def test_a_line_of_jobs_starts_what_has_room_and_keeps_the_rest_in_order() -> None:
+    state = make_state()
+    state.connected(welcome())
+    batch = [job(1), job(2), job(3), job(4, POOLED)]
+    keys = [(j.job_id, j.handoff_id) for j in batch]
+    effects = state.jobs_received(batch, {INLINE: 1, POOLED: 1})
+    assert started(effects) == [keys[0], keys[3]], "one count of the slots, in arrival order"
+    assert list(state.queued) == keys[1:3], "the rest wait in the window, in order"
+    assert releases(state.outgoing()) == []
+    ready = state.take_ready({INLINE: 0, POOLED: 0})
+    assert ready is not None and ready.seen == 4, "seen covers the whole line"
+
+
+def test_a_line_whose_seq_does_not_advance_takes_none_of_its_jobs() -> None:
+    state = make_state()
+    state.connected(welcome())
+    with pytest.raises(ProtocolError):
+        state.jobs_received([job(1), job(3), job(3)], {INLINE: 2, POOLED: 1})
+    assert state.queued == {} and state.running == {} and state.idle
+    assert started(state.jobs_received([job(1)], {INLINE: 2, POOLED: 1})) != [], "seen is kept"
+
+
 # --------------------------------------------------------------------------- property
 
 
@@ -224,6 +246,23 @@ class PrefetchRules(RuleBasedStateMachine):
         self.apply(self.state.job_received(msg, self.free()))
         if not self.state.draining:
             assert key in self.state.queued or key in self.state.running, "taken, not released"
+
+    @precondition(lambda self: self.connected)
+    @rule(modes=st.lists(st.sampled_from(list(CAPACITY)), min_size=1, max_size=5))
+    def main_hands_a_line_of_jobs_over(self, modes: list[ExecutionMode]) -> None:
+        batch = []
+        for mode in modes:
+            if self.credits.reserve(mode):
+                self.seq = self.credits.commit(mode)
+                batch.append(job(self.seq, mode))
+                self.order[mode].append((batch[-1].job_id, batch[-1].handoff_id))
+        if not batch:
+            return
+        self.apply(self.state.jobs_received(batch, self.free()))
+        if not self.state.draining:
+            for msg in batch:
+                key = (msg.job_id, msg.handoff_id)
+                assert key in self.state.queued or key in self.state.running, "taken"
 
     @precondition(lambda self: self.starting)
     @rule(data=st.data())
