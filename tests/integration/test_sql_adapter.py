@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from adapters._sql_schema import notify_channel
+from adapters._sql_schema import CREATED_INDEX, notify_channel
 from adapters.sql import SQLAlchemyAdapter
 from broker.exceptions import (
     ConfigurationError,
@@ -540,6 +540,21 @@ async def test_list_jobs_pages_through_ties_in_creation_time(store: SQLAlchemyAd
     assert len(full.jobs) == 11 and full.next_cursor is None
     with pytest.raises(ValueError, match="cursor"):
         await store.list_jobs(cursor="not a cursor!")
+
+
+async def test_pg_moves_write_no_creation_index(pg_backend: Backend) -> None:
+    """PostgreSQL keeps no full index that only listings read (schema version 12): each
+    claim and settlement writes a new row version into every full index. Listings still
+    page newest first (the test above), without it."""
+    store = await pg_backend.open()
+    found = await _scalar(
+        store,
+        "SELECT count(*) FROM pg_indexes WHERE indexname = :name"
+        " AND schemaname = coalesce(:schema, current_schema())",
+        name=CREATED_INDEX,
+        schema=store._schema,
+    )
+    assert found == 0
 
 
 # --------------------------------------------------------------------------- pruning
