@@ -403,15 +403,10 @@ def _kept(moved: Sequence[Payload], stored: Collection[uuid.UUID]) -> list[Paylo
     return [p for p in moved if p[0] in stored]
 
 
-def _encode(changes: Mapping[str, Any]) -> dict[str, Any]:
-    """Job field values (all of a job, or a move's changes) as their columns hold them,
-    still keyed by field name."""
-    return {name: _ENCODE[name](value) for name, value in changes.items()}
-
-
 def _columns(changes: Mapping[str, Any]) -> dict[str, Any]:
-    """Job field values keyed and encoded as ``broker_jobs`` columns."""
-    return {_COLUMN_OF[name]: value for name, value in _encode(changes).items()}
+    """Job field values keyed and encoded as ``broker_jobs`` columns (in one pass: every
+    report and claim passes here)."""
+    return {_COLUMN_OF[name]: _ENCODE[name](value) for name, value in changes.items()}
 
 
 _ROW_VALUES = operator.attrgetter(*(name for name, _, _, _ in _FIELDS))
