@@ -9,6 +9,7 @@ Every test runs on a SQLite file and on PostgreSQL (a fresh schema per test).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import textwrap
@@ -22,8 +23,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from adapters._sql_schema import notify_channel
-from adapters.sql import SQLAlchemyAdapter
+from adapters._sql_schema import CREATED_INDEX, notify_channel
+from adapters.sql import SQLAlchemyAdapter, _loads
 from broker.exceptions import (
     ConfigurationError,
     MissingDriverError,
@@ -236,6 +237,29 @@ async def test_every_field_round_trips_through_the_row(store: SQLAlchemyAdapter)
     assert done.handoff_id == lease and done.worker_id == "worker-✓"
     assert done.handed_off_at == claimed.handed_off_at
     assert done == (await store.list_jobs()).jobs[0]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[1,"two",{"a":[3.25,null,true]}]',
+        '["\\ud800 lone"]',
+        "[1e400]",
+        "[1.5e-320]",
+        '{"a":1,"a":2}',
+        "[123456789012345678901234567890]",
+        '"\\u00e9"',
+    ],
+)
+def test_stored_json_decodes_as_json_loads_does(text: str) -> None:
+    """Rows decode their JSON in C, falling back to ``json.loads`` for what the C decoder
+    refuses (an escaped lone surrogate, a number past a float's range): same values."""
+    assert repr(_loads(text)) == repr(json.loads(text))
+
+
+def test_stored_text_that_is_not_json_raises_as_json_loads_does() -> None:
+    with pytest.raises(json.JSONDecodeError):
+        _loads("[1,")
 
 
 async def test_json_null_result_and_no_result_read_back_as_none(store: SQLAlchemyAdapter) -> None:
@@ -540,6 +564,21 @@ async def test_list_jobs_pages_through_ties_in_creation_time(store: SQLAlchemyAd
     assert len(full.jobs) == 11 and full.next_cursor is None
     with pytest.raises(ValueError, match="cursor"):
         await store.list_jobs(cursor="not a cursor!")
+
+
+async def test_pg_moves_write_no_creation_index(pg_backend: Backend) -> None:
+    """PostgreSQL keeps no full index that only listings read (schema version 12): each
+    claim and settlement writes a new row version into every full index. Listings still
+    page newest first (the test above), without it."""
+    store = await pg_backend.open()
+    found = await _scalar(
+        store,
+        "SELECT count(*) FROM pg_indexes WHERE indexname = :name"
+        " AND schemaname = coalesce(:schema, current_schema())",
+        name=CREATED_INDEX,
+        schema=store._schema,
+    )
+    assert found == 0
 
 
 # --------------------------------------------------------------------------- pruning
