@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from adapters._sql_schema import notify_channel
+from adapters._sql_schema import QUIET_INSERTS_SETTING, notify_channel
 from adapters.sql import SQLAlchemyAdapter
 from broker.exceptions import (
     ConfigurationError,
@@ -780,6 +780,40 @@ async def test_a_mains_own_enqueues_notify_no_listener(pg_backend: Backend) -> N
     finally:
         await listener.close()
         await raw.close()
+
+
+@pytest.mark.postgres
+async def test_a_quiet_insert_does_not_start_the_notify_function(pg_backend: Backend) -> None:
+    """The quiet test is the trigger's WHEN clause (schema 13), so a main's own insert
+    skips the plpgsql function altogether, not merely its body; a plain insert still
+    runs it. Counted by the server for the open transaction (``track_functions``)."""
+    import asyncpg
+
+    await pg_backend.open()  # creates the schema
+    insert = (
+        f'INSERT INTO "{pg_backend.schema}".broker_jobs (id, task, args, kwargs, queue, '
+        "priority, status, attempts, max_attempts, run_at_us, created_us, updated_us, "
+        "execution_mode) VALUES ($1, 'raw', '[]', '{}', 'default', 0, 'queued', 0, 1, "
+        "0, 0, 0, 'inline')"
+    )
+    calls = (
+        "SELECT coalesce(pg_stat_get_xact_function_calls("
+        f"'\"{pg_backend.schema}\".broker_jobs_notify'::regproc), 0)"
+    )
+
+    async def calls_for_one_insert(settings: dict[str, str]) -> int:
+        conn = await asyncpg.connect(
+            _asyncpg_dsn(), server_settings={"track_functions": "pl", **settings}
+        )
+        try:
+            async with conn.transaction():
+                await conn.execute(insert, uuid.uuid4())
+                return int(await conn.fetchval(calls))
+        finally:
+            await conn.close()
+
+    assert await calls_for_one_insert({}) == 1
+    assert await calls_for_one_insert({QUIET_INSERTS_SETTING: "on"}) == 0
 
 
 @pytest.mark.postgres
