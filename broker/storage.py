@@ -58,7 +58,7 @@ from broker.jobs import (
     Settlement,
 )
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 """The schema version this code writes and understands; stores record theirs."""
 
 

@@ -79,7 +79,7 @@ async def test_a_version_2_store_is_carried_to_version_3(target: tuple[str, str 
                 row = sql_adapter._job_row(Job.from_spec(spec, now))
                 await conn.execute(
                     v2_jobs.insert().values(
-                        {c.name: row[c.name] for c in v2_jobs.c if c.name != "seq"}
+                        {c.name: row.get(c.name) for c in v2_jobs.c if c.name != "seq"}
                     )
                 )
     finally:

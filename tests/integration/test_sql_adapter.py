@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from adapters._sql_schema import CREATED_INDEX, notify_channel
-from adapters.sql import SQLAlchemyAdapter, _loads
+from adapters._sql_schema import CREATED_INDEX, QUIET_INSERTS_SETTING, notify_channel
+from adapters.sql import _NULL_ROW, SQLAlchemyAdapter, _job_from_row, _job_row, _loads
 from broker.exceptions import (
     ConfigurationError,
     MissingDriverError,
@@ -193,6 +193,16 @@ async def _scalar(store: SQLAlchemyAdapter, sql: str, **params: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- the row
+
+
+def test_an_enqueues_row_leaves_its_nulls_out() -> None:
+    """The row an enqueue inserts names only the columns that are not NULL (PostgreSQL's
+    enqueue sends its rows as JSON, where the nulls were half the text); filled back with
+    NULLs it reads as the job. A JSON null inside the args is a value, not a NULL."""
+    job = Job.from_spec(JobSpec("app.t", args=[None]), START)
+    row = _job_row(job)
+    assert None not in row.values() and "handoff_id" not in row and row["args"] == "[null]"
+    assert _job_from_row({**_NULL_ROW, **row}) == job
 
 
 async def test_every_field_round_trips_through_the_row(store: SQLAlchemyAdapter) -> None:
@@ -819,6 +829,40 @@ async def test_a_mains_own_enqueues_notify_no_listener(pg_backend: Backend) -> N
     finally:
         await listener.close()
         await raw.close()
+
+
+@pytest.mark.postgres
+async def test_a_quiet_insert_does_not_start_the_notify_function(pg_backend: Backend) -> None:
+    """The quiet test is the trigger's WHEN clause (schema 13), so a main's own insert
+    skips the plpgsql function altogether, not merely its body; a plain insert still
+    runs it. Counted by the server for the open transaction (``track_functions``)."""
+    import asyncpg
+
+    await pg_backend.open()  # creates the schema
+    insert = (
+        f'INSERT INTO "{pg_backend.schema}".broker_jobs (id, task, args, kwargs, queue, '
+        "priority, status, attempts, max_attempts, run_at_us, created_us, updated_us, "
+        "execution_mode) VALUES ($1, 'raw', '[]', '{}', 'default', 0, 'queued', 0, 1, "
+        "0, 0, 0, 'inline')"
+    )
+    calls = (
+        "SELECT coalesce(pg_stat_get_xact_function_calls("
+        f"'\"{pg_backend.schema}\".broker_jobs_notify'::regproc), 0)"
+    )
+
+    async def calls_for_one_insert(settings: dict[str, str]) -> int:
+        conn = await asyncpg.connect(
+            _asyncpg_dsn(), server_settings={"track_functions": "pl", **settings}
+        )
+        try:
+            async with conn.transaction():
+                await conn.execute(insert, uuid.uuid4())
+                return int(await conn.fetchval(calls))
+        finally:
+            await conn.close()
+
+    assert await calls_for_one_insert({}) == 1
+    assert await calls_for_one_insert({QUIET_INSERTS_SETTING: "on"}) == 0
 
 
 @pytest.mark.postgres
