@@ -25,6 +25,7 @@ one test process never share a counter).
 from __future__ import annotations
 
 import bisect
+import inspect
 import itertools
 import time
 import uuid
@@ -278,6 +279,10 @@ class MeasuredStore:
     def __init__(self, store: StorageAdapter, metrics: MainMetrics) -> None:
         self._store = store
         self._metrics = metrics
+        self._skips = "skip" in inspect.signature(store.select_eligible).parameters
+        """Whether the store takes ``select_eligible(skip=...)``: an adapter written
+        before it (a user's own) is read past the skipped jobs instead, as dispatch did
+        then, rather than failing every pass with a ``TypeError``."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
@@ -323,9 +328,16 @@ class MeasuredStore:
     ) -> list[Job]:
         start = time.perf_counter()
         try:
-            jobs = await self._store.select_eligible(
-                modes=modes, queues=queues, limit=limit, skip=skip
-            )
+            if self._skips:
+                jobs = await self._store.select_eligible(
+                    modes=modes, queues=queues, limit=limit, skip=skip
+                )
+            else:
+                read = await self._store.select_eligible(
+                    modes=modes, queues=queues, limit=limit + len(skip)
+                )
+                left_out = set(skip)
+                jobs = [job for job in read if job.id not in left_out][:limit]
         except BaseException:
             self._metrics.store_call("select", time.perf_counter() - start, failed=True)
             raise

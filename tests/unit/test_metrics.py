@@ -4,16 +4,24 @@ parsing with ``prometheus_client``'s parser."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Collection
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from adapters.memory import MemoryAdapter
 from broker.config import MainSettings
 from broker.exceptions import ConfigurationError
-from broker.jobs import Job, JobSpec, JobStatus, Outcome, Settlement
-from broker.metrics import MAX_LABEL_SETS, MainExposition, MainLevels, MainMetrics
+from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus, Outcome, Settlement
+from broker.metrics import (
+    MAX_LABEL_SETS,
+    MainExposition,
+    MainLevels,
+    MainMetrics,
+    MeasuredStore,
+)
 from broker.storage import QueueCount
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -138,3 +146,28 @@ def test_the_dashboard_stays_on_loopback_unless_allowed() -> None:
     MainSettings(http_host="0.0.0.0", http_port=8080, allow_unauthenticated=True).validate()
     with pytest.raises(ConfigurationError, match="http_port"):
         MainSettings(http_port=70000).validate()
+
+
+class _StoreBeforeSkip(MemoryAdapter):
+    """A user's adapter written before ``select_eligible`` took ``skip``."""
+
+    async def select_eligible(  # type: ignore[override]
+        self,
+        *,
+        modes: Collection[ExecutionMode],
+        queues: Collection[str] | None = None,
+        limit: int = 100,
+    ) -> list[Job]:
+        return await super().select_eligible(modes=modes, queues=queues, limit=limit)
+
+
+async def test_a_store_without_skip_is_read_past_the_skipped_jobs() -> None:
+    """Dispatch passes ``skip``; an adapter that does not take it still gets the same
+    answer (the jobs after the skipped ones, up to ``limit``), not a TypeError per pass."""
+    store = _StoreBeforeSkip()
+    jobs = [r.job for r in await store.enqueue_many([JobSpec(task="t") for _ in range(5)])]
+    measured = MeasuredStore(store, MainMetrics())
+    found = await measured.select_eligible(
+        modes=list(ExecutionMode), limit=2, skip=[jobs[0].id, jobs[2].id]
+    )
+    assert [j.id for j in found] == [jobs[1].id, jobs[3].id]
