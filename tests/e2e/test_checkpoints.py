@@ -27,7 +27,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from broker.jobs import ExecutionMode, JobSpec
 from tests.checkpoint_app import blob
-from tests.e2e.test_e2e import Cluster, eventually, fresh_database, sqlite_url
+from tests.e2e.test_e2e import Cluster, eventually, sqlite_url
+from tests.e2e.test_e2e import store_url as store_url  # the fixture: SQLite, PostgreSQL
 
 pytestmark = pytest.mark.slow
 
@@ -203,15 +204,6 @@ async def test_kill_9_of_child_and_worker_resumes_from_the_last_acknowledged_che
     assert re.search(r"checkpoint_at +\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", human), human
     assert re.search(r"\d+% step \d+ of", await broker(cluster, "jobs")), "broker jobs shows it"
     await main.terminate()
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
-    if request.param == "sqlite":
-        yield sqlite_url(tmp_path)
-        return
-    async with fresh_database("broker_ckpt") as url:
-        yield url
 
 
 async def _stored(url: str) -> tuple[int, int]:

@@ -36,7 +36,10 @@ class HeldClaims(MemoryAdapter):
         return await super().mark_handed_off_many(claims)
 
 
-def worker(core: Handoff, peer_id: int, slots: int, inline: int = 0) -> None:
+def worker(core: Handoff, peer_id: int, slots: int, **others: int) -> None:
+    """A worker with ``slots`` pooled slots free, and ``others`` of the modes they name
+    (``inline=3``): it serves those modes alone."""
+    credits = {POOLED: slots, **{ExecutionMode(mode): n for mode, n in others.items()}}
     peer = core.new_peer(peer_id, 0.0)
     core.hello(
         peer,
@@ -44,10 +47,10 @@ def worker(core: Handoff, peer_id: int, slots: int, inline: int = 0) -> None:
             role=protocol.Role.WORKER,
             protocol=protocol.PROTOCOL_VERSION,
             worker_id=f"w{peer_id}",
-            modes=[POOLED, ExecutionMode.INLINE] if inline else [POOLED],
+            modes=list(credits),
         ),
     )
-    core.ready(peer_id, {POOLED: slots, ExecutionMode.INLINE: inline}, seen=0)
+    core.ready(peer_id, credits, seen=0)
 
 
 def dispatcher(store: MemoryAdapter, core: Handoff, sent: list[Dispatch], **kw: int) -> Dispatcher:
@@ -169,17 +172,7 @@ async def test_reads_ask_for_the_largest_free_credit_and_the_modes_left_are_read
     store = CountedSelects()
     await store.enqueue_many([JobSpec(task="t") for _ in range(12)])
     core = Handoff()
-    peer = core.new_peer(1, 0.0)
-    core.hello(
-        peer,
-        protocol.Hello(
-            role=protocol.Role.WORKER,
-            protocol=protocol.PROTOCOL_VERSION,
-            worker_id="w1",
-            modes=list(ExecutionMode),
-        ),
-    )
-    core.ready(1, {POOLED: 2, ExecutionMode.INLINE: 3, ExecutionMode.FORKED: 1}, seen=0)
+    worker(core, 1, 2, inline=3, forked=1)
     assert not await dispatcher(store, core, [], claim_batch=8).dispatch_once()
     assert store.selects == [
         (set(ExecutionMode), 3),
