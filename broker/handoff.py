@@ -102,7 +102,10 @@ class ClaimJobs:
 
 @dataclass(frozen=True, slots=True)
 class WakeDispatcher:
-    """Run another dispatch pass: credit, jobs or a peer became available."""
+    """Run another dispatch pass: credit or a peer became available. It says nothing about
+    the queue: where a job became eligible, the core counts that itself
+    (:meth:`Handoff.queue_changed`), so that a freed slot alone costs no re-read of the
+    modes proven drained, nor of the next run time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,6 +312,8 @@ class Handoff:
         self.peers[peer.id] = peer
         if hello.role is not protocol.Role.WORKER:
             return [], []
+        # What was proven drained was proven for the modes and queues served until now.
+        self.queue_changed()
         self.affinity.joined(hello.worker_id or "", state_kept=not hello.local_state_lost)
         held = {ref.handoff_id: ref.job_id for ref in hello.held_leases}
         adopted: list[protocol.LeaseRef] = []
@@ -531,10 +536,16 @@ class Handoff:
 
     def read_eligible(self, started: int, modes: Iterable[ExecutionMode], *, full: bool) -> None:
         """A read of eligible jobs for ``modes``, begun at change count ``started``, came
-        back; ``full`` when it returned as many as it asked for (more may wait). Short, and
-        with nothing changed meanwhile, it proves those modes drained."""
-        if not full and started == self._queue_changes:
-            self._drained = frozenset(modes)
+        back and was planned; ``full`` when it returned as many as it asked for, or some
+        of them found no slot (jobs wait). Short and all placed, with nothing changed
+        meanwhile, it proves those modes drained, beside those proven since the last
+        change; the dispatcher reads them no more until the next change."""
+        if started != self._queue_changes:
+            return
+        if full:
+            self._drained = self._drained.difference(modes)
+        else:
+            self._drained = self._drained.union(modes)
 
     def plan_at_enqueue(self, specs: Sequence[JobSpec], now: datetime) -> list[PlannedClaim | None]:
         """For each job about to be enqueued, a worker and a lease if it can start at once:
@@ -566,6 +577,8 @@ class Handoff:
             if got is None or got.handoff_id != planned.lease:
                 if peer is not None:
                     peer.credits.release(mode)
+                # Not won: it may still be queued, and the reads meanwhile skipped it.
+                self.queue_changed()
                 continue
             if peer is None or not peer.dispatchable:
                 if peer is not None:
@@ -651,6 +664,10 @@ class Handoff:
         report could not be stored goes back to the queue."""
         effects: list[HandoffEffect] = []
         for peer_id, msg, status in results:
+            if status is protocol.AckStatus.APPLIED and _requeues(
+                msg, self.held_job(msg.handoff_id)
+            ):
+                self.queue_changed()
             if status in (protocol.AckStatus.APPLIED, protocol.AckStatus.DUPLICATE):
                 self.forget(msg.handoff_id)
             elif status is protocol.AckStatus.REFUSED:
@@ -836,3 +853,13 @@ def checkpoint_ack(
 
 def _ack(msg: protocol.Report, status: protocol.AckStatus) -> protocol.ReportAck:
     return protocol.ReportAck(job_id=msg.job_id, handoff_id=msg.handoff_id, status=status)
+
+
+def _requeues(msg: protocol.Report, job: Job | None) -> bool:
+    """Whether an applied report may have made a job eligible: any outcome but a
+    completion puts its job back in the queue (or may: a retry, a reschedule, a release,
+    a lost attempt), and any settlement of a keyed job frees its key's slot for the jobs
+    waiting on it (a job the core no longer holds counts as keyed)."""
+    if not isinstance(msg, protocol.CompletedReport):
+        return True
+    return job is None or job.concurrency_key is not None

@@ -571,7 +571,7 @@ class Main:
                         )
                         session.abort()
                 case WakeDispatcher():
-                    self.wake()
+                    self.dispatcher.nudge()
                 case ClaimJobs():
                     pass  # a store call to await: the dispatcher makes it
                 case StoreCheckpoint(peer=peer, message=message):

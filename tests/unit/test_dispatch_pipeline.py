@@ -227,3 +227,130 @@ def test_minted_leases_are_distinct_version_4_uuids() -> None:
     leases = [mint() for _ in range(1000)]
     assert len(set(leases)) == 1000
     assert {lease.version for lease in leases} == {4}
+
+
+class Observed(MemoryAdapter):
+    """Notes the modes of every read of eligible jobs and counts next run time reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[set[ExecutionMode]] = []
+        self.next_run_reads = 0
+
+    async def select_eligible(self, **kw: Any) -> list[Job]:
+        self.reads.append(set(kw["modes"]))
+        return await super().select_eligible(**kw)
+
+    async def next_run_at(self, **kw: Any) -> datetime | None:
+        self.next_run_reads += 1
+        return await super().next_run_at(**kw)
+
+
+async def dispatched(d: Dispatcher, sent: list[Dispatch], n: int) -> None:
+    """One pass, and its claim answered with ``n`` jobs sent in all."""
+    await d.dispatch_once()
+    while len(sent) < n:
+        await asyncio.sleep(0)
+
+
+async def test_a_freed_slot_does_not_read_the_modes_proven_drained_again() -> None:
+    """A pooled backlog; the worker's inline slots are free all along. Once a read has
+    found no inline job, a slot freed (a nudge) reads the pooled backlog alone; an insert
+    (a wake) may have brought an inline job, so the next pass reads inline again. In a
+    pooled drain, those empty reads were most of the dispatcher's reads."""
+    store = Observed()
+    await store.enqueue_many([JobSpec(task="t") for _ in range(8)])
+    core = Handoff()
+    worker(core, 1, 2, inline=3)
+    sent: list[Dispatch] = []
+    d = dispatcher(store, core, sent)
+    await dispatched(d, sent, 2)
+    assert store.reads == [{POOLED, ExecutionMode.INLINE}, {ExecutionMode.INLINE}]
+    assert ExecutionMode.INLINE in core.drained
+    core.ready(1, {POOLED: 2, ExecutionMode.INLINE: 3}, seen=2)  # two jobs finished
+    d.nudge()
+    await dispatched(d, sent, 4)
+    assert store.reads[2:] == [{POOLED}]
+    core.ready(1, {POOLED: 2, ExecutionMode.INLINE: 3}, seen=4)
+    d.wake()
+    await dispatched(d, sent, 6)
+    assert store.reads[3:] == [{POOLED, ExecutionMode.INLINE}, {ExecutionMode.INLINE}]
+
+
+async def test_an_idle_dispatcher_reads_the_next_run_time_again_only_after_a_change() -> None:
+    """While the store's notifications are live, an insert by anyone wakes the
+    dispatcher: the next run time read when it last went idle still holds after a nudge
+    (a slot freed), and is read again after a wake, or when the notifications are down.
+    Each read scanned every queued row on PostgreSQL."""
+    store = Observed()
+    core = Handoff()
+    worker(core, 1, 2)
+    d = dispatcher(store, core, [])
+    await d._idle_timeout()
+    await d._idle_timeout()
+    assert store.next_run_reads == 2  # not listening: an insert could go unannounced
+    listening = asyncio.create_task(d.listen())
+    while not d._listening:
+        await asyncio.sleep(0)
+    await d._idle_timeout()
+    d.nudge()
+    await d._idle_timeout()
+    assert store.next_run_reads == 3
+    d.wake()
+    await d._idle_timeout()
+    assert store.next_run_reads == 4
+    listening.cancel()
+    await asyncio.gather(listening, return_exceptions=True)
+    await d._idle_timeout()
+    assert store.next_run_reads == 5
+
+
+async def test_a_settled_report_counts_as_a_change_only_when_a_job_may_be_eligible() -> None:
+    """A completion of a job without a concurrency key makes nothing eligible: the modes
+    proven drained stay so. A release puts its job back in the queue, and a keyed
+    completion frees a slot of its key: either is a change."""
+    store = MemoryAdapter()
+    await store.enqueue_many(
+        [
+            JobSpec(task="t"),
+            JobSpec(task="t"),
+            JobSpec(task="t", concurrency_key="k", concurrency_limit=1),
+        ]
+    )
+    core = Handoff()
+    worker(core, 1, 4)
+    sent: list[Dispatch] = []
+    await dispatched(dispatcher(store, core, sent), sent, 3)
+    assert POOLED in core.drained
+    by_key = {d.job.concurrency_key: d.job for d in sent}
+    plain = [d.job for d in sent if d.job.concurrency_key is None]
+    applied = protocol.AckStatus.APPLIED
+
+    def settle(report: protocol.Report) -> None:
+        core.report(1, report)
+        core.settled([(1, report, applied)])
+
+    assert plain[0].handoff_id is not None and plain[1].handoff_id is not None
+    settle(protocol.CompletedReport(job_id=plain[0].id, handoff_id=plain[0].handoff_id))
+    assert POOLED in core.drained
+    keyed = by_key["k"]
+    assert keyed.handoff_id is not None
+    settle(protocol.CompletedReport(job_id=keyed.id, handoff_id=keyed.handoff_id))
+    assert not core.drained
+    core.read_eligible(core.queue_changes, [POOLED], full=False)
+    settle(protocol.ReleaseReport(job_id=plain[1].id, handoff_id=plain[1].handoff_id, reason="x"))
+    assert not core.drained
+
+
+async def test_a_claim_that_does_not_win_its_job_counts_as_a_change() -> None:
+    """The reads during the claim skipped its job, which may still be queued: a mode is
+    no longer proven drained once the claim comes back without it."""
+    store = MemoryAdapter()
+    [result] = await store.enqueue_many([JobSpec(task="t")])
+    core = Handoff()
+    worker(core, 1, 2)
+    [planned] = core.plan([result.job], 0.0)
+    core.read_eligible(core.queue_changes, [POOLED], full=False)
+    assert POOLED in core.drained
+    core.claimed([planned], [])
+    assert not core.drained

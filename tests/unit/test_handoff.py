@@ -359,7 +359,7 @@ class HandoffMachine(RuleBasedStateMachine):
                 case ReturnLease(lease=lease):
                     assert lease in self.core.returns
                 case WakeDispatcher():
-                    self.core.queue_changed()  # what the dispatcher's wake does
+                    pass  # the dispatcher's nudge: another pass, no change to the queue
 
     def _minted(self, claims: tuple[PlannedClaim, ...] | list[PlannedClaim]) -> None:
         for planned in claims:
@@ -515,8 +515,11 @@ class HandoffMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def plan(self, data: st.DataObject) -> None:
-        """The dispatcher reads eligible jobs (as the store would select them) and plans."""
-        modes, queues = self.core.modes_with_credit(), self.core.served_queues()
+        """The dispatcher reads eligible jobs (as the store would select them) and plans;
+        as it does, it reads no mode proven drained, and a read proves its modes drained
+        only when it came back short and every job in it found a slot."""
+        modes = self.core.modes_with_credit() - self.core.drained
+        queues = self.core.served_queues()
         started = self.core.queue_changes
         eligible = [
             job
@@ -527,9 +530,10 @@ class HandoffMachine(RuleBasedStateMachine):
         ]
         limit = self.core.credit() + len(self.core.claiming)  # as the dispatcher reads
         eligible = eligible[:limit]
-        self.core.read_eligible(started, modes, full=len(eligible) == limit)
         order = data.draw(st.permutations(range(len(eligible))))
         planned = self.core.plan([eligible[i] for i in order], 0.0)
+        full = len(eligible) == limit or len(planned) < len(eligible)
+        self.core.read_eligible(started, modes, full=full)
         self._minted(planned)
         if planned:
             self.batches.append(tuple(planned))
@@ -553,7 +557,6 @@ class HandoffMachine(RuleBasedStateMachine):
             self.apply(self.core.claimed(batch, got))
         else:
             self.apply(self.core.claim_unknown(batch))
-        self.core.queue_changed()  # a claim's answer wakes the dispatcher
 
     @precondition(lambda self: len(self.jobs) < 16)
     @rule(data=st.data(), outcome=OUTCOMES)
