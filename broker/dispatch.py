@@ -16,7 +16,9 @@ read far enough past the jobs still being claimed, which the store still shows q
 **What a wake-up re-reads.** A freed slot or an answered claim (:meth:`Dispatcher.nudge`)
 changes no job: the next pass skips the modes the core has proven drained, and an idle
 dispatcher reuses the next run time it last read, while the store's notifications are live
-(any insert wakes it through :meth:`Dispatcher.wake`, which forgets both). In a pooled
+(any insert wakes it through :meth:`Dispatcher.wake`, which forgets both); without them
+(SQLite, or a listener being restored), the drained modes are read again at least every
+``poll_interval``, and the next run time at every idle pass, as before. In a pooled
 drain of 40,000 jobs on PostgreSQL, the worker's inline and forked slots, free all along,
 cost 1,500 empty reads, and the next run time, a scan of every queued row, 640 reads of
 about 15 ms each: about 240 us of the database's CPU per job.
@@ -71,6 +73,8 @@ class Dispatcher:
         after it, so a store in trouble is not hammered."""
         self._listening = False
         """The store's notifications are live: every insert, by any process, wakes us."""
+        self._polled = 0.0
+        """Loop time a poll last counted as a change (see ``_poll``)."""
         self._next_run: tuple[int, _ReadFor, datetime | None] | None = None
         """The last next run time read (the core's change count when the read began, what
         it was read for, the answer), reused while nothing changed (see ``_next_run_at``)."""
@@ -202,6 +206,7 @@ class Dispatcher:
                 await asyncio.sleep(pause)
             self._failed_at = None
         core = self._handoff
+        self._poll()
         queues = core.served_queues()
         modes = core.modes_with_credit() - core.drained
         if not modes:
@@ -238,6 +243,17 @@ class Dispatcher:
             return False
         self._claims.add(asyncio.create_task(self._claim_and_wake(plan), name="broker-claim"))
         return full and core.credit() > 0
+
+    def _poll(self) -> None:
+        """Without live notifications, another process's insert is found only by looking:
+        at least every ``poll_interval`` a pass reads the modes proven drained again, even
+        while freed slots keep the dispatcher busy (it never goes idle to time out)."""
+        if self._listening:
+            return
+        now = asyncio.get_running_loop().time()
+        if now - self._polled >= self._poll_interval:
+            self._polled = now
+            self._handoff.queue_changed()
 
     def _claiming(self) -> list[uuid.UUID]:
         """The jobs of the claims under way (and of the plan just made)."""

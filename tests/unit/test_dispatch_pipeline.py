@@ -53,7 +53,9 @@ def worker(core: Handoff, peer_id: int, slots: int, **others: int) -> None:
     core.ready(peer_id, credits, seen=0)
 
 
-def dispatcher(store: MemoryAdapter, core: Handoff, sent: list[Dispatch], **kw: int) -> Dispatcher:
+def dispatcher(
+    store: MemoryAdapter, core: Handoff, sent: list[Dispatch], **kw: float
+) -> Dispatcher:
     def carry(effects: Sequence[HandoffEffect]) -> None:
         sent.extend(e for e in effects if isinstance(e, Dispatch))
 
@@ -63,11 +65,11 @@ def dispatcher(store: MemoryAdapter, core: Handoff, sent: list[Dispatch], **kw: 
         carry=carry,
         stopping=lambda: False,
         clock=utcnow,
-        claim_batch=kw.get("claim_batch", 4),
-        poll_interval=0.05,
+        claim_batch=int(kw.get("claim_batch", 4)),
+        poll_interval=kw.get("poll_interval", 0.05),
         notify_fallback_interval=1.0,
         retry_interval=0.05,
-        max_claims_in_flight=kw.get("max_claims_in_flight", 2),
+        max_claims_in_flight=int(kw.get("max_claims_in_flight", 2)),
     )
 
 
@@ -246,6 +248,14 @@ class Observed(MemoryAdapter):
         return await super().next_run_at(**kw)
 
 
+async def listening(d: Dispatcher) -> asyncio.Task[None]:
+    """The dispatcher's listener, once the store's notifications are live."""
+    task = asyncio.create_task(d.listen())
+    while not d._listening:
+        await asyncio.sleep(0)
+    return task
+
+
 async def dispatched(d: Dispatcher, sent: list[Dispatch], n: int) -> None:
     """One pass, and its claim answered with ``n`` jobs sent in all."""
     await d.dispatch_once()
@@ -264,6 +274,7 @@ async def test_a_freed_slot_does_not_read_the_modes_proven_drained_again() -> No
     worker(core, 1, 2, inline=3)
     sent: list[Dispatch] = []
     d = dispatcher(store, core, sent)
+    listener = await listening(d)
     await dispatched(d, sent, 2)
     assert store.reads == [{POOLED, ExecutionMode.INLINE}, {ExecutionMode.INLINE}]
     assert ExecutionMode.INLINE in core.drained
@@ -275,6 +286,24 @@ async def test_a_freed_slot_does_not_read_the_modes_proven_drained_again() -> No
     d.wake()
     await dispatched(d, sent, 6)
     assert store.reads[3:] == [{POOLED, ExecutionMode.INLINE}, {ExecutionMode.INLINE}]
+    listener.cancel()
+
+
+async def test_without_notifications_a_busy_dispatcher_still_polls_the_drained_modes() -> None:
+    """Without live notifications, another process's inline job is found only by
+    reading: past the poll interval (here none) a pass reads the drained modes again,
+    even though freed slots alone keep waking it."""
+    store = Observed()
+    await store.enqueue_many([JobSpec(task="t") for _ in range(8)])
+    core = Handoff()
+    worker(core, 1, 2, inline=3)
+    sent: list[Dispatch] = []
+    d = dispatcher(store, core, sent, poll_interval=0)
+    await dispatched(d, sent, 2)
+    core.ready(1, {POOLED: 2, ExecutionMode.INLINE: 3}, seen=2)
+    d.nudge()
+    await dispatched(d, sent, 4)
+    assert store.reads[2:] == [{POOLED, ExecutionMode.INLINE}, {ExecutionMode.INLINE}]
 
 
 async def test_an_idle_dispatcher_reads_the_next_run_time_again_only_after_a_change() -> None:
@@ -289,9 +318,7 @@ async def test_an_idle_dispatcher_reads_the_next_run_time_again_only_after_a_cha
     await d._idle_timeout()
     await d._idle_timeout()
     assert store.next_run_reads == 2  # not listening: an insert could go unannounced
-    listening = asyncio.create_task(d.listen())
-    while not d._listening:
-        await asyncio.sleep(0)
+    listener = await listening(d)
     await d._idle_timeout()
     d.nudge()
     await d._idle_timeout()
@@ -299,8 +326,8 @@ async def test_an_idle_dispatcher_reads_the_next_run_time_again_only_after_a_cha
     d.wake()
     await d._idle_timeout()
     assert store.next_run_reads == 4
-    listening.cancel()
-    await asyncio.gather(listening, return_exceptions=True)
+    listener.cancel()
+    await asyncio.gather(listener, return_exceptions=True)
     await d._idle_timeout()
     assert store.next_run_reads == 5
 
