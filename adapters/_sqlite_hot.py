@@ -29,7 +29,7 @@ class SqliteHot:
 
     ``connect_args`` are what SQLAlchemy's dialect passes to ``sqlite3.connect`` for
     the same URL; ``prepare`` is run on the new connection (``before`` just ahead of
-    opening it), exactly as on the general pool's.
+    opening it), exactly as on the general pool's. ``name`` names its thread.
     """
 
     def __init__(
@@ -37,7 +37,9 @@ class SqliteHot:
         connect_args: tuple[Sequence[Any], Mapping[str, Any]],
         before: Callable[[], None],
         prepare: Callable[[sqlite3.Connection, Any], None],
+        name: str,
     ) -> None:
+        self._name = name
         self._connect_args = connect_args
         self._before = before
         self._prepare = prepare
@@ -45,9 +47,9 @@ class SqliteHot:
         self._thread: ThreadPoolExecutor | None = None
 
     async def run(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        """``fn(connection)`` on the hot thread; it opens its own transaction."""
+        """``fn(connection)`` on the connection's thread; it opens its own transaction."""
         if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="broker-sqlite-hot")
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix=self._name)
         return await asyncio.get_running_loop().run_in_executor(self._thread, self._call, fn)
 
     def _call(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
@@ -60,7 +62,6 @@ class SqliteHot:
             except BaseException:
                 conn.close()
                 raise
-            conn.row_factory = sqlite3.Row
             self._conn = conn
         return fn(self._conn)
 
