@@ -88,7 +88,7 @@ from adapters._sql_schema import (
 )
 from adapters._sql_statements import SyncStatements as SyncStatements  # re-exported
 from adapters._sql_statements import complete_now, statements
-from adapters._sqlite_hot import SqliteHot, immediate
+from adapters._sqlite_hot import SqliteHot
 from adapters._sqlite_lock import MainLock
 from broker import settlement
 from broker.exceptions import (
@@ -843,14 +843,13 @@ def _claim_lite(conn: sqlite3.Connection, claims: list[Claim], now_us: int) -> l
     keyed ones among those, the counters of their keys, and the hand-off of the ones
     granted. (Granting the unkeyed jobs first changes nothing: they take no slot.)"""
     now = _from_us(now_us)
-    with immediate(conn):
-        update, batch = _hand_off_rows(claims, now, " AND concurrency_key IS NULL")
-        rows = conn.execute(update, (batch, now_us)).fetchall()
-        taken = {r[_ID_AT] for r in rows}
-        rest = [c for c in claims if c.job_id.hex not in taken]
-        if rest:
-            rows += _claim_keyed_lite(conn, rest, now_us, now)
-        bodies = _lite_bodies(conn, rows)
+    update, batch = _hand_off_rows(claims, now, " AND concurrency_key IS NULL")
+    rows = conn.execute(update, (batch, now_us)).fetchall()
+    taken = {r[_ID_AT] for r in rows}
+    rest = [c for c in claims if c.job_id.hex not in taken]
+    if rest:
+        rows += _claim_keyed_lite(conn, rest, now_us, now)
+    bodies = _lite_bodies(conn, rows)
     order = {claim.job_id: i for i, claim in enumerate(claims)}
     return sorted((_lite_job(r, bodies) for r in rows), key=lambda job: order[job.id])
 
@@ -929,17 +928,16 @@ def _settle_lite(
         batch[3].append([s.job_id.hex, s.handoff_id.hex, *(values[c] for c in batch[1])])
     accepted: set[str] = set()
     released: Counter[str] = Counter()
-    with immediate(conn):
-        for update, _, releases, rows in shapes.values():
-            for job_id, key in conn.execute(update, (_LITE_ROWS.encode(rows).decode(),)):
-                accepted.add(job_id)
-                if releases and key is not None:
-                    released[key] += 1
-        _lite_put(conn, [p for p in moved if p[0].hex in accepted])
-        conn.executemany(
-            "UPDATE broker_concurrency SET active = MAX(active - ?, 0) WHERE key = ?",
-            [(n, key) for key, n in sorted(released.items())],
-        )
+    for update, _, releases, rows in shapes.values():
+        for job_id, key in conn.execute(update, (_LITE_ROWS.encode(rows).decode(),)):
+            accepted.add(job_id)
+            if releases and key is not None:
+                released[key] += 1
+    _lite_put(conn, [p for p in moved if p[0].hex in accepted])
+    conn.executemany(
+        "UPDATE broker_concurrency SET active = MAX(active - ?, 0) WHERE key = ?",
+        [(n, key) for key, n in sorted(released.items())],
+    )
     return [first[s.job_id] == i and s.job_id.hex in accepted for i, s in enumerate(settlements)]
 
 
@@ -955,37 +953,35 @@ def _save_checkpoints_lite(
     in its row deletes it, so the checkpoint it replaces is never left behind."""
     now = _from_us(now_us)
     saved = []
-    with immediate(conn):
-        for save in saves:
-            move = settlement.save_checkpoint(save, now)
-            update, columns = _lite_update(
-                move, "id = ? AND handoff_id = ? AND status = 'handed_off' AND checkpoint_seq < ?"
+    for save in saves:
+        move = settlement.save_checkpoint(save, now)
+        update, columns = _lite_update(
+            move, "id = ? AND handoff_id = ? AND status = 'handed_off' AND checkpoint_seq < ?"
+        )
+        values, moved = _offload(save.job_id, _columns(move.changes), offload_threshold)
+        fence = [save.job_id.hex, save.handoff_id.hex, save.seq]
+        taken = conn.execute(update, [values[c] for c in columns] + fence).rowcount == 1
+        if taken and moved:
+            _lite_put(conn, moved)
+        elif taken:
+            conn.execute(
+                "DELETE FROM broker_payloads WHERE job_id = ? AND kind = 'checkpoint'",
+                (save.job_id.hex,),
             )
-            values, moved = _offload(save.job_id, _columns(move.changes), offload_threshold)
-            fence = [save.job_id.hex, save.handoff_id.hex, save.seq]
-            taken = conn.execute(update, [values[c] for c in columns] + fence).rowcount == 1
-            if taken and moved:
-                _lite_put(conn, moved)
-            elif taken:
-                conn.execute(
-                    "DELETE FROM broker_payloads WHERE job_id = ? AND kind = 'checkpoint'",
-                    (save.job_id.hex,),
-                )
-            saved.append(taken)
+        saved.append(taken)
     return saved
 
 
 def _save_progress_lite(conn: sqlite3.Connection, updates: Sequence[ProgressUpdate]) -> list[bool]:
-    with immediate(conn):
-        return [
-            _update_lite(
-                conn,
-                settlement.record_progress(update),
-                "id = ? AND handoff_id = ? AND status = 'handed_off'",
-                [update.job_id.hex, update.handoff_id.hex],
-            )
-            for update in updates
-        ]
+    return [
+        _update_lite(
+            conn,
+            settlement.record_progress(update),
+            "id = ? AND handoff_id = ? AND status = 'handed_off'",
+            [update.job_id.hex, update.handoff_id.hex],
+        )
+        for update in updates
+    ]
 
 
 def _update_lite(
@@ -1144,10 +1140,10 @@ class SQLAlchemyAdapter:
             self._lite: SqliteHot | None = None
             self._lite_reads: SqliteHot | None = None
         else:
+            self._write_lock = asyncio.Lock()
             self._lite, self._lite_reads = self._wire_sqlite(resolved, read_only)
             self._write_engine = self._engine.execution_options(**{_WRITE_OPTION: True})
             self._read_engine = self._engine
-            self._write_lock = asyncio.Lock()
             self._hot = None
             self._enqueue_pool = None
             self._leader_pool = None
@@ -1172,7 +1168,9 @@ class SQLAlchemyAdapter:
         event.listen(self._engine.sync_engine, "begin", _sqlite_on_begin)
         connect_args = self._engine.dialect.create_connect_args(resolved)
         return (
-            SqliteHot(connect_args, before_connect, on_connect, "broker-sqlite-hot"),
+            SqliteHot(
+                connect_args, before_connect, on_connect, "broker-sqlite-hot", self._write_lock
+            ),
             SqliteHot(connect_args, before_connect, on_connect, "broker-sqlite-reads"),
         )
 
@@ -1250,12 +1248,11 @@ class SQLAlchemyAdapter:
             raise self._storage_error(op, exc) from exc
 
     async def _lite_write(self, op: str, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        """``fn`` as one write transaction on SQLite's hot connection, in its turn among
-        this adapter's writers."""
+        """``fn`` in a write transaction on SQLite's hot connection, in its turn among
+        this adapter's writers (see :meth:`SqliteHot.write`)."""
         assert self._lite is not None
         try:
-            async with self._write_lock:
-                return await self._lite.run(fn)
+            return await self._lite.write(fn)
         except self._errors as exc:
             raise self._storage_error(op, exc) from exc
 
@@ -1463,8 +1460,7 @@ class SQLAlchemyAdapter:
             bodies = _lite_bodies(conn, found)
             return _match_holders(missing, [_lite_job(r, bodies) for r in found])
 
-        with immediate(conn):
-            return complete_now(self._enqueue_with(insert, find, specs, claims))
+        return complete_now(self._enqueue_with(insert, find, specs, claims))
 
     async def _enqueue_raw(
         self, specs: Sequence[JobSpec], claims: Sequence[Claim | None]
