@@ -1755,7 +1755,7 @@ class SQLAlchemyAdapter:
         else:
             statement = _LITE_NEXT_RUN_IN_QUEUES
         value = await self._lite_read(
-            "next_run_at", lambda conn: conn.execute(statement, params).fetchone()[0]
+            "next_run_at", lambda conn: conn.execute(statement, params).fetchall()[0][0]
         )
         return None if value is None else _from_us(value)
 
