@@ -838,6 +838,23 @@ def _lite_wanted(
     return wanted, None if queues is None else json.dumps(sorted(set(queues)))
 
 
+_LITE_INSERT_ROWS = 25
+"""Most rows in one of SQLite's ``INSERT`` statements (``25 x 32`` parameters stay under
+the 999 of SQLite before 3.32). A statement per row cost an ``enqueue_many`` of 1,000
+jobs 0.057 ms of CPU per job, 25 rows a statement 0.047 (100 measured no better)."""
+
+
+@functools.lru_cache(maxsize=_LITE_INSERT_ROWS)
+def _lite_insert(rows: int) -> str:
+    """SQLite's insert of ``rows`` jobs (each binding :data:`INSERT_COLUMNS` in order) that
+    stores those whose id and keys are free, in the order given, and returns their ids."""
+    marks = f"({', '.join('?' * len(INSERT_COLUMNS))})"
+    return (
+        f"INSERT INTO broker_jobs ({', '.join(INSERT_COLUMNS)}) "
+        f"VALUES {', '.join([marks] * rows)} ON CONFLICT DO NOTHING RETURNING id"
+    )
+
+
 def _claim_lite(conn: sqlite3.Connection, claims: list[Claim], now_us: int) -> list[Job]:
     """SQLite's claim, one transaction: the due queued rows among the claims that have no
     concurrency key, handed off in one statement; then, if any claim is left over, the
@@ -1432,16 +1449,11 @@ class SQLAlchemyAdapter:
         """
 
         async def insert(rows: list[dict[str, Any]], moved: list[Payload]) -> set[uuid.UUID]:
-            names = ", ".join(INSERT_COLUMNS)
-            marks = ", ".join("?" * len(INSERT_COLUMNS))
-            stmt = (
-                f"INSERT INTO broker_jobs ({names}) VALUES ({marks}) "
-                "ON CONFLICT DO NOTHING RETURNING id"
-            )
             stored: set[uuid.UUID] = set()
-            for row in rows:
-                values = [_lite_value(row.get(name)) for name in INSERT_COLUMNS]
-                stored.update(uuid.UUID(hex=r[0]) for r in conn.execute(stmt, values).fetchall())
+            for chunk in _chunks(rows, _LITE_INSERT_ROWS):
+                values = [_lite_value(row.get(name)) for row in chunk for name in INSERT_COLUMNS]
+                found = conn.execute(_lite_insert(len(chunk)), values).fetchall()
+                stored.update(uuid.UUID(hex=job_id) for (job_id,) in found)
             _lite_put(conn, _kept(moved, stored))
             return stored
 
