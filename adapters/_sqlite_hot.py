@@ -51,7 +51,7 @@ class SqliteHot:
         self._connect_args = connect_args
         self._before = before
         self._prepare = prepare
-        self._lock = lock or contextlib.nullcontext()
+        self._lock = contextlib.nullcontext() if lock is None else lock
         self._conn: sqlite3.Connection | None = None
         self._thread: ThreadPoolExecutor | None = None
         self._pending: list[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any]]] = []
