@@ -235,7 +235,7 @@ metadata = sa.MetaData()
 """The current schema (:data:`SCHEMA_VERSION`), which every query is written against."""
 jobs, concurrency, schema_version = _define(metadata, SCHEMA_VERSION)
 payloads = _define_payloads(metadata)
-IS_QUEUED, IS_HANDED_OFF, IS_TERMINAL, IS_ACTIVE = _predicates(jobs)
+_, IS_HANDED_OFF, IS_TERMINAL, IS_ACTIVE = _predicates(jobs)
 INSERT_COLUMNS = [c.name for c in jobs.c if c.name != "seq"]
 """What the hot paths' enqueue writes: every column but ``seq``, which PostgreSQL fills
 in (SQLite leaves it NULL and orders by ``rowid``)."""

@@ -35,16 +35,18 @@ async def test_a_bulk_enqueue_refreshes_statistics_and_dispatch_uses_the_index()
                 break
             await asyncio.sleep(0.05)
         assert await analyzed(), "no ANALYZE after a bulk insert"
-        stmt = store._eligible_stmt(["pooled"], None, 20)  # type: ignore[list-item]
-        from sqlalchemy.dialects import postgresql
+        from adapters._pg_hot import HotSql
 
-        sql = str(
-            stmt.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True})
-        )
-        await conn.execute(f'SET search_path TO "{schema}"')
-        plan = "\n".join(r[0] for r in await conn.fetch("EXPLAIN " + sql))
+        # Dispatch's own read (modes, now, limit, skipped ids), as its session plans it.
+        await conn.execute("SET plan_cache_mode = force_generic_plan")
+        explain = "EXPLAIN " + HotSql(schema).eligible
+        found = await conn.fetch(explain, ["pooled"], 2**62, 20, [])
+        plan = "\n".join(r[0] for r in found)
         assert "Index Scan using ix_broker_jobs_dispatch" in plan, plan
-        assert "Sort" not in plan.split("Index Scan")[0], plan
+        # Each mode's rows come from the index in order, under their own limit: only
+        # those few are sorted (above it), never the queued rows.
+        per_mode = plan.split("Index Scan using ix_broker_jobs_dispatch")[0].rsplit("Limit", 1)
+        assert len(per_mode) == 2 and "Sort" not in per_mode[1], plan
     finally:
         await conn.close()
         await store.close()

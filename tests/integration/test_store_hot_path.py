@@ -87,6 +87,62 @@ async def test_a_batched_claim_mixing_keyed_unkeyed_and_unclaimable_jobs(
         await store.close()
 
 
+async def test_a_settle_batch_mixing_every_shape_of_move_with_stale_and_repeated_reports(
+    store_url: tuple[str, str | None],
+) -> None:
+    """One batch of every outcome (each shape of move sets other columns), a stale lease,
+    a repeat of an accepted report and an unknown job: each accepted move sets exactly
+    its own columns, the others change nothing, and the slots given back are counted."""
+    clock = FakeClock(START)
+    store = await _open(*store_url, clock)
+    try:
+        specs = [JobSpec(task="t", args=[i]) for i in range(6)]
+        specs.append(JobSpec(task="t", args=[6], concurrency_key="k", concurrency_limit=1))
+        for spec in specs:
+            await store.enqueue(spec)
+        leases = [uuid.uuid4() for _ in specs]
+        claimed = await store.mark_handed_off_many(
+            [Claim(spec.id, lease, "w") for spec, lease in zip(specs, leases, strict=True)]
+        )
+        assert len(claimed) == len(specs)
+        retry_at = START + timedelta(minutes=5)
+        ids = [spec.id for spec in specs]
+        batch = [
+            Settlement(ids[0], leases[0], Outcome.COMPLETE, result={"n": 0}),
+            Settlement(ids[1], leases[1], Outcome.FAIL, error="boom", run_at=retry_at),
+            Settlement(ids[2], leases[2], Outcome.FAIL, error="dead"),
+            Settlement(ids[3], leases[3], Outcome.RESCHEDULE, run_at=retry_at),
+            Settlement(ids[4], uuid.uuid4(), Outcome.COMPLETE),  # a stale lease
+            Settlement(ids[5], leases[5], Outcome.LOST, error="gone", run_at=retry_at),
+            Settlement(ids[0], leases[0], Outcome.FAIL, error="late repeat"),
+            Settlement(ids[6], leases[6], Outcome.COMPLETE, result=[6]),
+            Settlement(uuid.uuid4(), uuid.uuid4(), Outcome.COMPLETE),  # no such job
+        ]
+        assert await store.settle_many(batch) == [
+            True, True, True, True, False, True, False, True, False
+        ]  # fmt: skip
+        jobs = [await store.get_job(job_id) for job_id in ids]
+        assert all(job is not None for job in jobs)
+        done, retried, dead, later, stale, lost, keyed = jobs  # type: ignore[misc]
+        assert (done.status, done.result, done.attempts) == (JobStatus.COMPLETED, {"n": 0}, 0)
+        assert (retried.status, retried.last_error, retried.run_at, retried.attempts) == (
+            JobStatus.QUEUED, "boom", retry_at, 1
+        )  # fmt: skip
+        assert (dead.status, dead.last_error, dead.attempts) == (JobStatus.FAILED, "dead", 1)
+        assert (later.status, later.run_at, later.attempts) == (JobStatus.QUEUED, retry_at, 0)
+        assert stale.status is JobStatus.HANDED_OFF and stale.handoff_id == leases[4]
+        assert (lost.status, lost.recoveries, lost.attempts) == (JobStatus.QUEUED, 1, 0)
+        assert (keyed.status, keyed.result) == (JobStatus.COMPLETED, [6])
+        assert all(job.updated_at == START for job in (done, retried, dead, later, lost, keyed))
+        # The keyed job gave its slot back: another job of key k is claimable at once.
+        other = (
+            await store.enqueue(JobSpec(task="t", concurrency_key="k", concurrency_limit=1))
+        ).job
+        assert await store.mark_handed_off(other.id, uuid.uuid4(), "w") is not None
+    finally:
+        await store.close()
+
+
 async def test_settles_releasing_the_same_keys_in_opposite_orders_all_go_through(
     store_url: tuple[str, str | None],
 ) -> None:
