@@ -134,6 +134,8 @@ class BrokerDriver(Driver):
         self.url = ""
         self.sqlite: sqlite3.Connection | None = None
         self.pg: Any = None
+        self.direct: Any = None
+        """The producer's own asyncpg connection, for :meth:`enqueue_one_direct`."""
         self.runs = 0
         store = "PostgreSQL" if self.postgres else "SQLite"
         self.label = f"broker ({store}, {self.row.shape})"
@@ -173,6 +175,9 @@ class BrokerDriver(Driver):
         if self.pg is not None:
             self.run(self.pg.close())
             self.pg = None
+        if self.direct is not None:
+            self.run(self.direct.close())
+            self.direct = None
         if self.main is not None:
             self.main.stop(grace=10)
             self.main = None
@@ -247,6 +252,24 @@ class BrokerDriver(Driver):
     def enqueue_one(self, kind: str, arg: int) -> Any:
         self.run(
             self.client.enqueue(f"{TASKS}.{kind}", [arg], max_attempts=1, execution_mode=self.mode)
+        )
+        self.enqueued += 1
+        return arg
+
+    def enqueue_one_direct(self, kind: str, arg: int) -> Any:
+        """One job on the producer's own asyncpg connection, straight to the store
+        (``broker.enqueue_in_async``; PostgreSQL only): what a PgQueuer client does, and
+        not the via-main figure (:meth:`enqueue_one`)."""
+        from broker.transactional import enqueue_in_async
+
+        if self.direct is None:
+            import asyncpg
+
+            self.direct = self.run(asyncpg.connect(postgres_dsn(DATABASE)))
+        self.run(
+            enqueue_in_async(
+                self.direct, f"{TASKS}.{kind}", [arg], max_attempts=1, execution_mode=self.mode
+            )
         )
         self.enqueued += 1
         return arg
