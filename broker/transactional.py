@@ -57,7 +57,7 @@ is a ``scoped_session``) or a connection."""
 AsyncTarget = AsyncSession | async_scoped_session[Any] | AsyncConnection
 """What :func:`enqueue_in_async` writes through. On PostgreSQL it also takes an
 ``asyncpg`` connection (asyncpg has no types to name here), on which a job costs the
-application a fifth of the CPU (no statement to build, no ``BEGIN`` and ``COMMIT`` of its
+application a quarter of the CPU (no statement to build, no ``BEGIN`` and ``COMMIT`` of its
 own): inside the transaction open on it, if any, else committed at once."""
 
 
