@@ -1478,40 +1478,73 @@ class SQLAlchemyAdapter:
     async def _enqueue_raw(
         self, specs: Sequence[JobSpec], claims: Sequence[Claim | None]
     ) -> list[EnqueueResult]:
-        """PostgreSQL: one ``INSERT ... SELECT FROM unnest(...)`` for the whole batch.
+        """PostgreSQL: the main's enqueue, on a connection of its enqueue pool."""
+        async with self._driver_conn("enqueue") as (sql, conn):
+            return await self._enqueue_on_driver(sql, conn, specs, claims)
+
+    async def enqueue_on_driver_connection(
+        self, conn: Any, specs: Sequence[JobSpec]
+    ) -> list[EnqueueResult]:
+        """PostgreSQL: insert jobs on the caller's own asyncpg connection, with the main's
+        own statement: inside the transaction open on ``conn``, if any, else committed by
+        the statement itself (a single job), or by a transaction of its own (a batch).
+
+        Through SQLAlchemy, a job enqueued in the application's transaction cost its
+        process about 1.1 ms of CPU (building and compiling the statement, ``BEGIN`` and
+        ``COMMIT``); this costs about 0.3 ms, as PgQueuer's one ``INSERT`` costs its
+        client. The checks and duplicate rules are the main's.
+
+        :raises PayloadTooLargeError: a job's args and kwargs exceed ``max_payload_bytes``;
+            nothing of the batch is inserted.
+        """
+        if not specs:
+            return []
+        if self._hot is None:
+            raise ConfigurationError("an asyncpg connection reaches a PostgreSQL store only")
+        check_all(specs, self._max_payload_bytes)
+        try:
+            return await self._enqueue_on_driver(self._hot[0], conn, specs, [None] * len(specs))
+        except self._errors as exc:
+            raise self._storage_error("enqueue_in_transaction", exc) from exc
+
+    async def _enqueue_on_driver(
+        self, sql: HotSql, conn: Any, specs: Sequence[JobSpec], claims: Sequence[Claim | None]
+    ) -> list[EnqueueResult]:
+        """PostgreSQL: one ``INSERT ... SELECT FROM json_to_recordset(...)`` for the whole
+        batch, on an asyncpg connection.
 
         A single job needs no transaction (its one statement commits on its own, so an
         enqueue is one round trip); a batch takes one, so it is stored all or nothing,
         and so does a job with offloaded payloads (its row and its payloads together).
+        Inside a transaction already open on ``conn``, each is a savepoint.
         """
-        async with self._driver_conn("enqueue") as (sql, conn):
 
-            async def insert(rows: list[dict[str, Any]], moved: list[Payload]) -> set[uuid.UUID]:
-                batch = _ROWS_JSON.encode(rows).decode()
-                # Jobs written handed off are fenced as a claim is.
-                fenced = [self._epoch] if any(claims) else []
-                stmt = sql.insert_fenced if fenced else sql.insert
-                if not moved:
-                    return {r["id"] for r in await conn.fetch(stmt, batch, *fenced)}
-                async with conn.transaction():  # a savepoint inside a batch's transaction
-                    stored = {r["id"] for r in await conn.fetch(stmt, batch, *fenced)}
-                    await _pg_put(sql, conn, _kept(moved, stored))
-                return stored
+        async def insert(rows: list[dict[str, Any]], moved: list[Payload]) -> set[uuid.UUID]:
+            batch = _ROWS_JSON.encode(rows).decode()
+            # Jobs written handed off are fenced as a claim is.
+            fenced = [self._epoch] if any(claims) else []
+            stmt = sql.insert_fenced if fenced else sql.insert
+            if not moved:
+                return {r["id"] for r in await conn.fetch(stmt, batch, *fenced)}
+            async with conn.transaction():  # a savepoint inside a batch's transaction
+                stored = {r["id"] for r in await conn.fetch(stmt, batch, *fenced)}
+                await _pg_put(sql, conn, _kept(moved, stored))
+            return stored
 
-            async def find(missing: Sequence[JobSpec]) -> list[Job | None]:
-                found = await conn.fetch(
-                    sql.holders,
-                    [s.id for s in missing],
-                    [s.idempotency_key for s in missing if s.idempotency_key is not None],
-                    [s.unique_key for s in missing if s.unique_key is not None],
-                )
-                bodies = await _pg_bodies(sql, conn, found)
-                return _match_holders(missing, [_job_from_row(r, bodies) for r in found])
+        async def find(missing: Sequence[JobSpec]) -> list[Job | None]:
+            found = await conn.fetch(
+                sql.holders,
+                [s.id for s in missing],
+                [s.idempotency_key for s in missing if s.idempotency_key is not None],
+                [s.unique_key for s in missing if s.unique_key is not None],
+            )
+            bodies = await _pg_bodies(sql, conn, found)
+            return _match_holders(missing, [_job_from_row(r, bodies) for r in found])
 
-            if len(specs) == 1:
-                return await self._enqueue_with(insert, find, specs, claims)
-            async with conn.transaction():
-                return await self._enqueue_with(insert, find, specs, claims, _overlapped)
+        if len(specs) == 1:
+            return await self._enqueue_with(insert, find, specs, claims)
+        async with conn.transaction():
+            return await self._enqueue_with(insert, find, specs, claims, _overlapped)
 
     async def enqueue_in_transaction(
         self, conn: AsyncConnection, specs: Sequence[JobSpec]

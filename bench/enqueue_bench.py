@@ -1,6 +1,6 @@
 """The enqueue path alone: one job a call, then bulk, with CPU per job per process.
 
-    .venv/bin/python -m bench.enqueue_bench broker-postgres [--one 1000] [--bulk 4000]
+    .venv/bin/python -m bench.enqueue_bench broker-postgres [--one 1000] [--bulk 4000] [--direct]
     .venv-peers/pgqueuer/bin/python -m bench.enqueue_bench pgqueuer
 
 Each run uses the system's own ``make bench`` driver (``bench/peers/``), so the
@@ -139,7 +139,7 @@ class Profiler:
 
 
 def run(
-    system: str, one: int, bulk: int, reps: int, profile: str | None = None
+    system: str, one: int, bulk: int, reps: int, profile: str | None = None, direct: bool = False
 ) -> list[dict[str, Any]]:
     module = __import__(DRIVER_MODULES[system], fromlist=["DRIVERS"])
     workdir = tempfile.mkdtemp(prefix="enqueue-bench-")
@@ -161,6 +161,16 @@ def run(
             row = {"system": system, "phase": "one", **meter.stop(one)}
             profiler.stop()
             results.append(row)
+            if direct and hasattr(driver, "enqueue_one_direct"):
+                # Not through the main: the producer's own connection, straight to the
+                # store (a phase of its own, never reported as the via-main figure).
+                driver.enqueue_one_direct("noop", -1)  # connected and warm
+                profiler.start("one-direct")
+                meter.start()
+                for i in range(one):
+                    driver.enqueue_one_direct("noop", i)
+                results.append({"system": system, "phase": "one-direct", **meter.stop(one)})
+                profiler.stop()
             profiler.start("bulk")
             meter.start()
             driver.enqueue_bulk("noop", list(range(bulk)))
@@ -181,13 +191,20 @@ def main() -> None:
     p.add_argument(
         "--profile", metavar="DIR", help="py-spy the producer and the main into DIR (collapsed)"
     )
+    p.add_argument(
+        "--direct",
+        action="store_true",
+        help="broker on PostgreSQL: also enqueue --one jobs one at a time straight to the "
+        "store, on the producer's own asyncpg connection (phase one-direct), as a PgQueuer "
+        "client does; the phase 'one' stays the via-main figure",
+    )
     args = p.parse_args()
-    for row in run(args.system, args.one, args.bulk, args.reps, args.profile):
+    for row in run(args.system, args.one, args.bulk, args.reps, args.profile, args.direct):
         if args.json:
             print(json.dumps(row), flush=True)
             continue
         cells = " ".join(f"{k}={v:,.1f}" for k, v in row.items() if isinstance(v, float))
-        print(f"{row['system']:<26} {row['phase']:<5} {cells}", flush=True)
+        print(f"{row['system']:<26} {row['phase']:<10} {cells}", flush=True)
 
 
 if __name__ == "__main__":

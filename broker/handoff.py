@@ -28,7 +28,6 @@ Decisions are logged under ``broker.main``, where operators look for them.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -38,7 +37,15 @@ from datetime import datetime
 from broker import protocol
 from broker.admission import DEFAULT_MAX_CREDIT, Credits
 from broker.affinity import Affinity, Route
-from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus, ProgressUpdate
+from broker.jobs import (
+    Claim,
+    ExecutionMode,
+    Job,
+    JobSpec,
+    JobStatus,
+    ProgressUpdate,
+    random_uuid,
+)
 from broker.settlement import claimable_at_enqueue
 
 logger = logging.getLogger("broker.main")
@@ -257,7 +264,7 @@ class Handoff:
         self.awaiting: dict[uuid.UUID, str] = {}
         """Jobs the last plans held back for their state holder (job id -> holder): the
         dispatcher reads past them, and wakes when one of their graces ends."""
-        self._new_lease = new_lease or LeaseMinter()
+        self._new_lease = new_lease or random_uuid
         self._queue_changes = 0
         """Bumped whenever jobs may have become eligible (every dispatcher wake-up)."""
         self._drained: frozenset[ExecutionMode] = frozenset()
@@ -798,25 +805,6 @@ class Handoff:
         if self.returns.get(lease) == job_id:
             del self.returns[lease]
             self.losses.pop(lease, None)
-
-
-class LeaseMinter:
-    """Random (version 4) UUIDs for leases, from one ``os.urandom`` call per 256 of them
-    instead of one per lease: the dispatcher mints a lease per job, and the system call was
-    a visible part of that. The bytes are as unpredictable as ``uuid.uuid4``'s."""
-
-    _BATCH = 256
-
-    def __init__(self) -> None:
-        self._pool = b""
-        self._at = 0
-
-    def __call__(self) -> uuid.UUID:
-        if self._at >= len(self._pool):
-            self._pool, self._at = os.urandom(16 * self._BATCH), 0
-        raw = self._pool[self._at : self._at + 16]
-        self._at += 16
-        return uuid.UUID(bytes=raw, version=4)
 
 
 def _pick_worker(workers: Sequence[Peer], job: Job, turn: int) -> Peer | None:

@@ -55,7 +55,10 @@ SyncTarget = Session | scoped_session[Any] | sa.Connection
 """What :func:`enqueue_in` writes through: a session (Flask-SQLAlchemy's ``db.session``
 is a ``scoped_session``) or a connection."""
 AsyncTarget = AsyncSession | async_scoped_session[Any] | AsyncConnection
-"""What :func:`enqueue_in_async` writes through."""
+"""What :func:`enqueue_in_async` writes through. On PostgreSQL it also takes an
+``asyncpg`` connection (asyncpg has no types to name here), on which a job costs the
+application a quarter of the CPU (no statement to build, no ``BEGIN`` and ``COMMIT`` of its
+own): inside the transaction open on it, if any, else committed at once."""
 
 
 class EnqueueOptions(TypedDict, total=False):
@@ -163,7 +166,7 @@ async def enqueue_in_async(
     **options: Unpack[EnqueueOptions],
 ) -> EnqueueResult:
     """:func:`enqueue_in` for asyncio: in the transaction of an ``AsyncSession`` or an
-    ``AsyncConnection``."""
+    ``AsyncConnection``, or on an ``asyncpg`` connection (see :data:`AsyncTarget`)."""
     spec = job_spec(task, args, kwargs, **options)
     [result] = await enqueue_many_in_async(
         target, [spec], schema=schema, max_payload_bytes=max_payload_bytes
@@ -179,6 +182,11 @@ async def enqueue_many_in_async(
     max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES,
 ) -> list[EnqueueResult]:
     """:func:`enqueue_many_in` for asyncio."""
+    if type(target).__module__.partition(".")[0] == "asyncpg":
+        # A connection (or a pool's proxy of one) of asyncpg's own: the main's own insert
+        # statement on it, without SQLAlchemy (see enqueue_on_driver_connection).
+        store = _store(URL.create("postgresql"), "postgresql", schema, max_payload_bytes)
+        return await store.enqueue_on_driver_connection(target, specs)
     if isinstance(target, async_scoped_session):
         target = target()
     if isinstance(target, AsyncSession):

@@ -211,6 +211,53 @@ async def test_an_async_session_enqueue_commits_and_rolls_back_with_it(
     assert await app_db.store.get_job(dropped.job.id) is None
 
 
+async def test_an_asyncpg_connection_enqueue_follows_its_transaction_or_commits_alone() -> None:
+    """On asyncpg's own connection (the main's insert, no SQLAlchemy): a job enqueued in a
+    transaction commits or rolls back with it, one outside commits at once, a batch goes
+    in whole, and the duplicate rules are the main's."""
+    import asyncpg
+
+    url = require_postgres()
+    schema = fresh_schema_name()
+    store = SQLAlchemyAdapter(url, schema=schema)
+    await store.setup()
+    conn = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://", 1))
+    try:
+        async with conn.transaction():
+            kept = await broker.enqueue_in_async(conn, ship, [1], schema=schema)
+        with pytest.raises(RuntimeError):
+            async with conn.transaction():
+                dropped = await broker.enqueue_in_async(conn, "shop.ship", [2], schema=schema)
+                raise RuntimeError("the application's transaction fails")
+        alone = await broker.enqueue_in_async(conn, ship, [3], schema=schema, unique_key="u")
+        again = await broker.enqueue_in_async(conn, ship, [4], schema=schema, unique_key="u")
+        batch = await broker.enqueue_many_in_async(
+            conn, [JobSpec(task="t", args=[i]) for i in range(3)], schema=schema
+        )
+        with pytest.raises(broker.PayloadTooLargeError):
+            await broker.enqueue_many_in_async(
+                conn,
+                [JobSpec(task="ok"), JobSpec(task="big", args=["x" * 200])],
+                schema=schema,
+                max_payload_bytes=100,
+            )
+    finally:
+        await conn.close()
+        await store.close()
+    try:
+        store = SQLAlchemyAdapter(url, schema=schema)
+        stored = await store.get_job(kept.job.id)
+        assert stored is not None and stored.queue == "shipping"  # the task's defaults
+        assert await store.get_job(dropped.job.id) is None
+        assert await store.get_job(alone.job.id) is not None
+        assert again.duplicate and again.job.id == alone.job.id
+        assert all([await store.get_job(r.job.id) for r in batch])
+        assert len((await store.list_jobs(limit=20)).jobs) == 5
+    finally:
+        await store.close()
+        await drop_schema(schema)
+
+
 def _async_args(db: AppDatabase) -> dict[str, object]:
     if "options" not in db.connect_args:
         return {}

@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from broker import codec, protocol, settlement
+from broker.exceptions import InvalidJobError
 from broker.jobs import Claim, ExecutionMode, Job, JobSpec, spec_from
 from broker.runner import Assignment
 from broker.schedule import Schedule
@@ -122,6 +123,22 @@ def test_a_job_is_built_as_its_dataclass_says() -> None:
         Job(**required, nope=1)  # type: ignore[call-arg]
     with pytest.raises(FrozenInstanceError):
         job.status = job.status  # type: ignore[misc]
+
+
+def test_a_job_spec_is_built_as_its_dataclass_says() -> None:
+    """JobSpec's own ``__init__`` (``jobs._slot_init``) runs its checks, calls a default
+    factory per spec (a fresh id, a kwargs dict of its own) and keeps what is given."""
+    spec = JobSpec(task="t", args=[1], run_at=datetime(2030, 1, 1, tzinfo=UTC))
+    assert JobSpec(*[getattr(spec, f.name) for f in fields(JobSpec)]) == spec
+    assert spec.args == (1,)
+    a, b = JobSpec(task="t"), JobSpec(task="t")
+    assert a.id != b.id and a.kwargs is not b.kwargs
+    with pytest.raises(InvalidJobError):
+        JobSpec(task=" ")
+    with pytest.raises(TypeError):
+        JobSpec()  # type: ignore[call-arg]
+    with pytest.raises(FrozenInstanceError):
+        spec.task = "u"  # type: ignore[misc]
 
 
 def test_a_mapping_refuses_a_field_its_target_lacks() -> None:

@@ -423,3 +423,13 @@ def test_every_example_in_the_spec_decodes() -> None:
     lines = [ln for ln in spec.read_text().splitlines() if ln.startswith('{"type":')]
     seen = {type(p.decode(ln)).type for ln in lines}
     assert seen == set(p.MESSAGE_TYPES)
+
+
+def test_a_job_request_leaves_its_defaults_off_the_line() -> None:
+    """Only what differs from the defaults is sent (a bulk enqueue's line is half as long),
+    and the line reads back as the same request."""
+    request = p.JobRequest(task="t", args=[1], priority=0)
+    encoded = p._ENCODER.encode(request)
+    assert encoded == b'{"task":"t","args":[1],"priority":0}'
+    message = p.Enqueue(request_id="r1", jobs=[request])
+    assert p.decode(p.encode(message)) == message
