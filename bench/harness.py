@@ -8,7 +8,9 @@ Standard library only; each system's specifics live in a ``Driver`` in ``bench/p
 
 Workloads (every one repeated ``reps`` times, each run bounded by ``run_timeout``):
 
-* drain: ``one_by_one`` no-op jobs enqueued one call at a time (timed), the rest of
+* drain: ``one_by_one`` no-op jobs enqueued one call at a time (timed); where the driver
+  has ``enqueue_one_direct`` (the broker on PostgreSQL), ``direct`` more one call at a
+  time straight to the store, not through the system's server (timed apart); the rest of
   ``drain_jobs`` in bulk (timed), then the workers start. Drain time runs from the
   first job body starting to the moment the system's own records show every job
   complete (polled every ``poll_interval``, then every 1% of the time so far, at most
@@ -66,6 +68,9 @@ class Config:
     reps: int = 3
     drain_jobs: int = 5000
     one_by_one: int = 1000
+    direct: int = 500
+    """Jobs of the drain enqueued one at a time on the producer's own database connection,
+    where the driver offers it (``Driver.enqueue_one_direct``)."""
     cpu_jobs: int = 600
     latency_jobs: int = 200
     latency_rate: float = 50.0
@@ -250,6 +255,9 @@ class Driver:
     packages: tuple[str, ...] = ()
     has_bulk = True
     bulk_text = ""
+    has_direct = False
+    """Whether :meth:`enqueue_one_direct` exists: the system's client can also write a job
+    straight into the store, bypassing its server (the broker's ``enqueue_in_async``)."""
     drain_jobs: int | None = None
     cpu_jobs: int | None = None
     server = ""
@@ -276,6 +284,10 @@ class Driver:
         raise NotImplementedError
 
     def enqueue_bulk(self, kind: str, args: list[int]) -> None:
+        raise NotImplementedError
+
+    def enqueue_one_direct(self, kind: str, arg: int) -> Any:
+        """Enqueue one job straight into the store (only where ``has_direct``)."""
         raise NotImplementedError
 
     def worker_commands(self) -> list[list[str]]:
@@ -473,6 +485,7 @@ class Runner:
             "durability": driver.durability,
             "bulk": driver.bulk_text,
             "has_bulk": driver.has_bulk,
+            "has_direct": driver.has_direct,
             "mode": driver.mode,
             "versions": {},
             "config": asdict(cfg),
@@ -512,7 +525,14 @@ class Runner:
             d.enqueue_one(kind, arg)
         if one_by_one:
             run["enqueue_one_per_s"] = one_by_one / (time.perf_counter() - started)
-        rest = n - one_by_one
+        direct = min(self.cfg.direct, n - one_by_one) if d.has_direct and one_by_one else 0
+        if direct:
+            d.enqueue_one_direct(kind, arg)  # its connection opened and warm, as one_by_one's
+            started = time.perf_counter()
+            for _ in range(direct - 1):
+                d.enqueue_one_direct(kind, arg)
+            run["enqueue_direct_per_s"] = (direct - 1) / (time.perf_counter() - started)
+        rest = n - one_by_one - direct
         started = time.perf_counter()
         if d.has_bulk and rest:
             d.enqueue_bulk(kind, [arg] * rest)

@@ -75,6 +75,7 @@ def summary(result: dict[str, Any]) -> dict[str, tuple[float, float, float] | No
     ]
     return {
         "enqueue_one": spread(metric(result, "drain", "enqueue_one_per_s")),
+        "enqueue_direct": spread(metric(result, "drain", "enqueue_direct_per_s")),
         "enqueue_bulk": spread(metric(result, "drain", "enqueue_bulk_per_s")),
         "drain": spread(metric(result, "drain", "per_s")),
         "cpu": spread(metric(result, "cpu", "per_s")),
@@ -169,7 +170,7 @@ def _throughput_rows(systems: list[dict[str, Any]], default_n: int) -> list[list
     rows = []
     for r in systems:
         if r.get("skipped"):
-            rows.append([_label(r), r["skipped"], "", "", "", ""])
+            rows.append([_label(r), r["skipped"], "", "", "", "", ""])
             continue
         bulk = cell(metric(r, "drain", "enqueue_bulk_per_s")) if r.get("has_bulk") else "no bulk"
         n = {run.get("jobs") for run in r.get("drain", [])}
@@ -178,6 +179,7 @@ def _throughput_rows(systems: list[dict[str, Any]], default_n: int) -> list[list
             [
                 _label(r),
                 cell(metric(r, "drain", "enqueue_one_per_s")),
+                cell(metric(r, "drain", "enqueue_direct_per_s")) if r.get("has_direct") else DASH,
                 bulk,
                 cell(metric(r, "drain", "per_s"), _cut(r, "drain")) + drain_n,
                 cell(metric(r, "cpu", "per_s"), _cut(r, "cpu")),
@@ -337,6 +339,9 @@ def _pgqueuer_rows(systems: list[dict[str, Any]]) -> list[list[str]]:
         return out
 
     theirs = medians(peer)
+    # A PgQueuer client always writes straight into PostgreSQL: its one-at-a-time figure
+    # is what the broker's direct enqueue is held to.
+    theirs["enqueue_direct"] = theirs["enqueue_one"]
     rows = []
     for r in systems:
         if not str(r["system"]).startswith("broker") or r.get("skipped"):
@@ -347,6 +352,7 @@ def _pgqueuer_rows(systems: list[dict[str, Any]]) -> list[list[str]]:
             "drain",
             "producers",
             "enqueue_one",
+            "enqueue_direct",
             "enqueue_bulk",
             "start_p50",
             "start_p99",
@@ -420,7 +426,11 @@ def _header(data: dict[str, Any], chart_error: str | None) -> list[str]:
         f"- {load_text}.",
         f"- Each cell: median of {cfg['reps']} runs (min{DASH}max). Drain: {cfg['drain_jobs']:,} "
         f"no-op jobs ({cfg['one_by_one']:,} enqueued one call at a time, the rest in bulk), "
-        "then the workers start; from the first job body starting until the system's own "
+        "then the workers start. 1-by-1 direct (broker on PostgreSQL): "
+        f"{cfg.get('direct', 0):,} of the jobs enqueued one at a time by "
+        "`broker.enqueue_in_async` on the producer's own asyncpg connection, straight into "
+        "the store as a PgQueuer client writes (the main's LISTEN picks them up); 1-by-1 is "
+        "through broker-main. Drain rate: from the first job body starting until the system's own "
         "records show every job complete. † = a run was cut "
         f"{cfg['drain_limit']:.0f} s after its first job started; its rate counts the jobs "
         "complete by then.",
@@ -454,6 +464,7 @@ def markdown(data: dict[str, Any], chart_error: str | None = None) -> str:
         [
             "system (setup)",
             "enqueue 1-by-1 /s",
+            "enqueue 1-by-1 direct /s",
             "enqueue bulk /s",
             "drain jobs/s",
             "5 ms CPU jobs/s",
@@ -538,6 +549,7 @@ def markdown(data: dict[str, Any], chart_error: str | None = None) -> str:
                 "drain",
                 "drain with producers",
                 "enqueue 1-by-1",
+                "enqueue 1-by-1 direct",
                 "enqueue bulk",
                 "start p50",
                 "start p99",

@@ -134,6 +134,7 @@ class BrokerDriver(Driver):
         self.url = ""
         self.sqlite: sqlite3.Connection | None = None
         self.pg: Any = None
+        self.has_direct = self.postgres
         self.direct: Any = None
         """The producer's own asyncpg connection, for :meth:`enqueue_one_direct`."""
         self.runs = 0
