@@ -35,6 +35,8 @@ BROKER = _system(
             children_cpu_s=1.0,
             main_cpu_s=0.25,
             server_cpu_s=0.25,
+            enqueue_one_per_s=400.0,
+            enqueue_direct_per_s=900.0,
         )
     ],
     producers=[
@@ -62,6 +64,7 @@ PGQUEUER = _system(
             "worker_own_cpu_s": 0.1,
             "children_cpu_s": 0.0,
             "server_cpu_s": 0.1,
+            "enqueue_one_per_s": 1000.0,
         }
     ],
     producers=[{"per_s": 1000.0}],
@@ -94,7 +97,9 @@ def test_each_broker_row_is_a_multiple_of_pgqueuers_figures() -> None:
     assert row[0] == "broker-postgres"
     assert row[1] == "\u00d70.10"  # drain 500 / 5000
     assert row[2] == "\u00d70.25"  # with producers 250 / 1000
-    assert row[7] == "\u00d710.00"  # all CPU per job 2.0 / 0.2 ms
+    assert row[3] == "\u00d70.40"  # 1-by-1 through the main 400 / 1000
+    assert row[4] == "\u00d70.90"  # 1-by-1 direct 900 / PgQueuer's 1-by-1, always direct
+    assert row[8] == "\u00d710.00"  # all CPU per job 2.0 / 0.2 ms
 
 
 def test_no_pgqueuer_row_no_ratio_table() -> None:
