@@ -339,6 +339,28 @@ async def test_an_idle_child_that_stops_answering_pings_is_replaced() -> None:
         await pool.stop(grace=1)
 
 
+async def test_the_pool_is_warm_when_start_returns_and_a_child_that_fails_does_not_hold_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = PooledRunner([APP], registry=default_registry, count=2)
+    await pool.start()
+    try:
+        children = pool.status().details["children"]
+        assert [c["ready"] for c in children] == [True, True], "the worker connects warm"
+    finally:
+        await pool.stop(grace=1)
+    marker = tmp_path / "fail-import"
+    marker.write_text("fail")
+    monkeypatch.setenv("FLAKY_APP_FAIL_IMPORT", str(marker))
+    broken = PooledRunner(["tests.flaky_app"], registry=default_registry, count=1)
+    await broken.start()
+    try:
+        assert "simulated start-up failure" in str(broken.status().startup_error)
+        assert broken.free_slots() == 0, "no credit for a pool that cannot start"
+    finally:
+        await broken.stop(grace=1)
+
+
 def _assignment(task: str, *args: Any, timeout: float | None = None) -> Any:
     from broker.runner import Assignment
 
