@@ -47,6 +47,16 @@ from runners.process import (
 logger = logging.getLogger("broker.runner.pooled")
 
 
+async def _warm(child: ChildProcess) -> None:
+    """Returns once ``child`` is ready, or has exited after failing to start: its exit
+    is what revokes the pool's slots (the start-up guard), so the worker's first
+    ``ready`` already says so."""
+    try:
+        await child.wait_ready()
+    except Exception:
+        await child.closed()
+
+
 class PooledRunner:
     def __init__(
         self,
@@ -131,11 +141,16 @@ class PooledRunner:
         self._channel = channel
 
     async def start(self) -> None:
+        """Start the children and return once each has said ready or failed to start
+        (within the start-up timeout), so the worker connects with a warm pool: a job
+        handed to a child still importing the app waits for it while the other children
+        run jobs, and under load a child can be ready a third of a second after its
+        sibling."""
         self._stopping = False
         self._guard = StartupGuard(self._probe, self._listener, max_delay=self._respawn_max_delay)
-        for _ in range(self._count):
-            self._spawn()
+        first = [self._spawn() for _ in range(self._count)]
         self._pinger = asyncio.create_task(self._ping_loop(), name="broker-pool-ping")
+        await asyncio.gather(*(_warm(child) for child in first))
 
     def _spawn(self) -> ChildProcess:
         child = ChildProcess(

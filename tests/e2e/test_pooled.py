@@ -189,8 +189,12 @@ async def test_a_child_that_crashes_at_import_revokes_pooled_credit_until_fixed(
     async with cluster(pooled_runner_count=1, apps=("tests.flaky_app",)) as c:
         await until(lambda: _eq(lambda: c.pool.status().startup_error is not None, True))
         assert "simulated start-up failure" in str(c.pool.status().startup_error)
-        assert await until(lambda: _eq(c.credit, 0)), "pooled credit revoked"
-        assert c.credit(ExecutionMode.INLINE) == 2, "other modes keep their credit"
+        # A ready has come once the inline credit shows (the worker connects once its pool
+        # has failed to start, so before it there is no credit of any mode).
+        assert await until(lambda: _eq(lambda: c.credit(ExecutionMode.INLINE), 2)), (
+            "other modes keep their credit"
+        )
+        assert c.credit() == 0, "pooled credit revoked"
         [job] = [r.job for r in await c.store.enqueue_many([JobSpec(task="tests.flaky_app.ok")])]
         c.main.wake()
         await asyncio.sleep(1.5)
@@ -337,6 +341,28 @@ async def test_an_idle_child_that_stops_answering_pings_is_replaced() -> None:
         assert pool.free_slots() == 1, "its slot is free for a replacement"
     finally:
         await pool.stop(grace=1)
+
+
+async def test_the_pool_is_warm_when_start_returns_and_a_child_that_fails_does_not_hold_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = PooledRunner([APP], registry=default_registry, count=2)
+    await pool.start()
+    try:
+        children = pool.status().details["children"]
+        assert [c["ready"] for c in children] == [True, True], "the worker connects warm"
+    finally:
+        await pool.stop(grace=1)
+    marker = tmp_path / "fail-import"
+    marker.write_text("fail")
+    monkeypatch.setenv("FLAKY_APP_FAIL_IMPORT", str(marker))
+    broken = PooledRunner(["tests.flaky_app"], registry=default_registry, count=1)
+    await broken.start()
+    try:
+        assert "simulated start-up failure" in str(broken.status().startup_error)
+        assert broken.free_slots() == 0, "no credit for a pool that cannot start"
+    finally:
+        await broken.stop(grace=1)
 
 
 def _assignment(task: str, *args: Any, timeout: float | None = None) -> Any:
