@@ -396,6 +396,7 @@ def _header(data: dict[str, Any], chart_error: str | None) -> list[str]:
     pg_text = (
         f"PostgreSQL {pg['server_version']} at {pg['where']}, fsync {pg['fsync']}, "
         f"synchronous_commit {pg['synchronous_commit']}, full_page_writes {pg['full_page_writes']}"
+        "; a `CHECKPOINT` before each system, so none starts in its predecessor's writes"
         if pg.get("ok")
         else f"**PostgreSQL missing**: {pg['error']}"
     )
