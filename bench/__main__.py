@@ -146,8 +146,8 @@ def checkpoint_postgres() -> str | None:
     Why: a checkpoint still spreading out the writes of what ran before (another system,
     or a test suite) competes with every commit for the disk. Measured here right after
     ``make test``, every PostgreSQL system ran 25-60% slower than after a ``CHECKPOINT``
-    (PgQueuer's one-at-a-time enqueue 2,442/s, then 3,873/s), so each system starts
-    from the same clean state instead of from its predecessor's leftovers.
+    (one pair of runs; PgQueuer's one-at-a-time enqueue 2,442/s, then 3,873/s), so each
+    system starts from the same clean state instead of from its predecessor's leftovers.
     """
 
     async def run() -> None:
