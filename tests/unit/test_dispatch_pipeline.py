@@ -15,8 +15,8 @@ from typing import Any
 
 from adapters.memory import MemoryAdapter
 from broker import protocol
-from broker.dispatch import Dispatcher
-from broker.handoff import Dispatch, Handoff, HandoffEffect
+from broker.dispatch import READ_AHEAD_MAX_AGE, Dispatcher, ReadAhead
+from broker.handoff import Dispatch, Handoff, HandoffEffect, PlannedClaim
 from broker.jobs import Claim, ExecutionMode, Job, JobSpec, utcnow
 
 POOLED = ExecutionMode.POOLED
@@ -374,3 +374,102 @@ async def test_a_claim_that_does_not_win_its_job_counts_as_a_change() -> None:
     assert POOLED in core.drained
     core.claimed([planned], [])
     assert not core.drained
+
+
+class ReadSizes(MemoryAdapter):
+    """Notes the limit of every read of eligible jobs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.limits: list[int] = []
+
+    async def select_eligible(self, **kw: Any) -> list[Job]:
+        self.limits.append(kw["limit"])
+        return await super().select_eligible(**kw)
+
+
+async def finish(core: Handoff, sent: list[Dispatch], slots: int) -> None:
+    """Every job sent so far completes: settled, and its slot advertised free again."""
+    applied = protocol.AckStatus.APPLIED
+    for d in sent:
+        if d.job.handoff_id is not None and core.held_job(d.job.handoff_id) is not None:
+            report = protocol.CompletedReport(job_id=d.job.id, handoff_id=d.job.handoff_id)
+            core.report(1, report)
+            core.settled([(1, report, applied)])
+    core.ready(1, {POOLED: slots}, seen=len(sent))
+
+
+async def test_a_steady_drain_reads_ahead_and_a_change_reads_the_store_again() -> None:
+    """A backlog drained two slots at a time: while nothing changes in the queue, a read
+    that ran out is followed by one twice its size (up to the claim batch), and the
+    passes between take their jobs from it. An insert (a wake) makes the next pass read
+    the store again, asking only for what it needs, so the higher-priority job inserted
+    goes next."""
+    store = ReadSizes()
+    await store.enqueue_many([JobSpec(task="t") for _ in range(40)])
+    core = Handoff()
+    worker(core, 1, 2)
+    sent: list[Dispatch] = []
+    d = dispatcher(store, core, sent, claim_batch=8)
+    for n in range(2, 22, 2):
+        await dispatched(d, sent, n)
+        await finish(core, sent, 2)
+        d.nudge()
+    # 2 jobs per pass, 10 passes: reads of 2, 4, 8 and 8 cover the 20 jobs.
+    assert store.limits == [2, 4, 8, 8]
+    [urgent] = await store.enqueue_many([JobSpec(task="t", priority=5)])
+    d.wake()
+    await dispatched(d, sent, 22)
+    assert store.limits[4:] == [2]
+    assert urgent.job.id in {s.job.id for s in sent[20:]}
+    assert len({s.job.id for s in sent}) == 22  # no job sent twice
+
+
+def _job(mode: ExecutionMode = POOLED, key: str | None = None) -> Job:
+    spec = JobSpec(
+        task="t",
+        execution_mode=mode,
+        concurrency_key=key,
+        concurrency_limit=None if key is None else 1,
+    )
+    return Job.from_spec(spec, utcnow())
+
+
+def test_the_read_ahead_serves_only_while_its_read_holds() -> None:
+    ahead = ReadAhead()
+    jobs = [_job() for _ in range(6)]
+    assert ahead.serve({POOLED}, None, 2, 0, 0.0) is None  # nothing read yet
+    ahead.fill(jobs, {POOLED}, None, 6, started=0, now=0.0)
+    assert ahead.serve({POOLED}, None, 2, 0, 0.0) == (jobs[:2], True)
+    ahead.planned([PlannedClaim(1, "w", job, uuid.uuid4()) for job in jobs[:2]])
+    assert ahead.serve({POOLED}, None, 2, 0, 0.01) == (jobs[2:4], True)
+    # Not for another change count, other queues, a mode it was not read for, or too late.
+    assert ahead.serve({POOLED}, None, 2, 1, 0.01) is None
+    assert ahead.serve({POOLED}, {"q"}, 2, 0, 0.01) is None
+    assert ahead.serve({POOLED, ExecutionMode.INLINE}, None, 2, 0, 0.01) is None
+    assert ahead.serve({POOLED}, None, 2, 0, READ_AHEAD_MAX_AGE + 0.01) is None
+    # Fewer held than asked for: only when the read was all there is.
+    assert ahead.serve({POOLED}, None, 5, 0, 0.01) is None
+    ahead.fill(jobs[:3], {POOLED}, None, 6, started=0, now=0.0)
+    assert ahead.serve({POOLED}, None, 5, 0, 0.01) == (jobs[:3], False)
+
+
+def test_the_read_ahead_grows_only_while_nothing_changes() -> None:
+    ahead = ReadAhead()
+    assert ahead.read_size({POOLED}, None, 3, 0, batch=100) == 3
+    ahead.fill([_job() for _ in range(3)], {POOLED}, None, 3, started=0, now=0.0)
+    assert ahead.read_size({POOLED}, None, 3, 0, batch=100) == 6
+    assert ahead.read_size({POOLED}, None, 3, 0, batch=4) == 4
+    assert ahead.read_size({POOLED}, None, 3, 1, batch=100) == 3  # a change
+    assert ahead.read_size({POOLED}, {"q"}, 3, 0, batch=100) == 3
+
+
+def test_a_read_holding_a_keyed_job_serves_one_pass_only() -> None:
+    """The store leaves out the jobs whose key is full when it reads, and claims fill
+    keys: a keyed job must not be planned from a read older than its pass."""
+    ahead = ReadAhead()
+    jobs = [_job(), _job(key="k"), _job()]
+    ahead.fill(jobs, {POOLED}, None, 3, started=0, now=0.0)
+    assert ahead.serve({POOLED}, None, 1, 0, 0.0) == (jobs[:1], True)
+    assert ahead.serve({POOLED}, None, 1, 0, 0.0) is None
+    assert ahead.read_size({POOLED}, None, 1, 0, batch=100) == 1
