@@ -69,24 +69,33 @@ class HotSql:
             "handed_off_us = $4, state_holder = NULL, updated_us = $4"
         )
         wanted = "unnest($1::uuid[], $2::uuid[], $3::text[]) AS w(id, handoff_id, worker_id)"
-        # Claim, in one statement, in the lock order every claim keeps: the due, queued
-        # rows among the wanted ones (never waiting on a row another claimer holds),
-        # then the counters of their keys in key order (the latest committed counts).
-        # A keyed row is granted while its key has room, in claim order (``ord``): with
-        # one limit for the key, the rn-th candidate fits when active + rn <= limit,
-        # which is the grant rule (adapters.sql._grant). The slots taken are added to
-        # the counters locked above. A key with no counter row yet, or whose candidates
-        # disagree on the limit, comes back unclaimed (``claimed`` false) for
-        # ``lock_claimable`` and the rest, a short transaction that applies the rule.
+        # Claim, in one statement. A row without a concurrency key is handed off by the
+        # UPDATE alone, whose WHERE says it is still queued and due: a claimer that
+        # meets it locked waits, then checks that WHERE again on the row as committed,
+        # so two claims never both win it. Locking it first (``FOR UPDATE``) wrote a
+        # WAL record per row beside the UPDATE's own, for a claim only the leader makes.
+        # Keyed rows keep the lock order every keyed claim keeps: the due, queued rows
+        # among the wanted ones (never waiting on a row another claimer holds), then the
+        # counters of their keys in key order (the latest committed counts). A keyed row
+        # is granted while its key has room, in claim order (``ord``): with one limit
+        # for the key, the rn-th candidate fits when active + rn <= limit, which is the
+        # grant rule (adapters.sql._grant). The slots taken are added to the counters
+        # locked above. A key with no counter row yet, or whose candidates disagree on
+        # the limit, comes back unclaimed (``claimed`` false) for ``lock_claimable`` and
+        # the rest, a short transaction that applies the rule. The claims come sorted by
+        # job id, with their claim order in ``$6``: the UPDATE walks them in id order
+        # against the primary key, so two claims of the same rows (tests, scripts: the
+        # main never makes two) wait on each other in one order and never deadlock.
         self.claim = f"""
             WITH w AS (
-                SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[])
-                    WITH ORDINALITY AS w(id, handoff_id, worker_id, ord)
+                SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $6::int[])
+                    AS w(id, handoff_id, worker_id, ord)
             ),
             c AS (
                 SELECT j.id, j.concurrency_key AS key, j.concurrency_limit AS lim
                 FROM {t} j JOIN w ON j.id = w.id
-                WHERE j.status = 'queued' AND j.run_at_us <= $4 AND {fence(5)}
+                WHERE j.status = 'queued' AND j.run_at_us <= $4
+                    AND j.concurrency_key IS NOT NULL AND {fence(5)}
                 ORDER BY j.id
                 FOR UPDATE OF j SKIP LOCKED
             ),
@@ -104,26 +113,24 @@ class HotSql:
                 FROM c JOIN w ON w.id = c.id LEFT JOIN k ON k.key = c.key
             ),
             g AS (
-                SELECT id, key FROM r
-                WHERE key IS NULL OR (uniform AND active IS NOT NULL AND active + rn <= lim)
+                SELECT id, key FROM r WHERE uniform AND active IS NOT NULL AND active + rn <= lim
             ),
             s AS (
                 UPDATE {c} n SET active = n.active + t.taken
-                FROM (
-                    SELECT key, count(*)::int AS taken FROM g WHERE key IS NOT NULL GROUP BY key
-                ) t
+                FROM (SELECT key, count(*)::int AS taken FROM g GROUP BY key) t
                 WHERE n.key = t.key
             ),
             u AS (
                 UPDATE {t} j SET {hand_off_set}
-                FROM g, w
-                WHERE j.id = g.id AND w.id = g.id
+                FROM w
+                WHERE j.id = w.id AND j.status = 'queued' AND j.run_at_us <= $4
+                    AND (j.concurrency_key IS NULL OR j.id IN (SELECT id FROM g)) AND {fence(5)}
                 RETURNING j.*
             )
             SELECT true AS claimed, u.* FROM u
             UNION ALL
             SELECT false, j.* FROM {t} j JOIN r ON j.id = r.id
-            WHERE r.key IS NOT NULL AND NOT (r.uniform AND r.active IS NOT NULL)
+            WHERE NOT (r.uniform AND r.active IS NOT NULL)
         """
         # The keyed claim, inside a transaction: lock the rows, then the counters in key
         # order (creating missing ones), then the hand-off of the granted rows.

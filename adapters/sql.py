@@ -1836,7 +1836,14 @@ class SQLAlchemyAdapter:
         now_us = self._now()
         claims = list(wanted.values())
         async with self._hot_conn("mark_handed_off") as (sql, conn):
-            rows = await conn.fetch(sql.claim, *_claim_arrays(claims), now_us, self._epoch)
+            by_id = sorted(range(len(claims)), key=lambda i: claims[i].job_id)
+            rows = await conn.fetch(
+                sql.claim,
+                *_claim_arrays([claims[i] for i in by_id]),
+                now_us,
+                self._epoch,
+                [i + 1 for i in by_id],
+            )
             stored = [r for r in rows if r["claimed"]]
             unclaimed = {r["id"] for r in rows if not r["claimed"]}
             keyed = [c for c in claims if c.job_id in unclaimed]  # in claim order
