@@ -46,7 +46,7 @@ from broker.tasks import default_registry
 from broker.tls import PeerTLS, ServerTLS
 from broker.untrusted import escape_control
 from broker.web import Dashboard, WorkerMetricsServer
-from broker.worker import PREFETCH_PER_SLOT, Worker
+from broker.worker import PREFETCH_MAX_PER_SLOT, PREFETCH_PER_SLOT, Worker
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./broker.db"
 
@@ -794,7 +794,8 @@ def worker_parser() -> argparse.ArgumentParser:
         type=_count,
         help="jobs per mode held beyond the free slots, so a finished job's slot is "
         "refilled at once; their leases go back if the connection drops "
-        f"(default: {PREFETCH_PER_SLOT} per slot of the mode; 0: none)",
+        f"(default: {PREFETCH_PER_SLOT} per slot of the mode, growing up to "
+        f"{PREFETCH_MAX_PER_SLOT} per slot while jobs finish in under 20 ms; 0: none)",
     )
     _add_log_options(p)
     return p

@@ -20,7 +20,7 @@ from broker.exceptions import ConfigurationError, ProtocolError
 from broker.jobs import ExecutionMode
 from broker.runner import Completed
 from broker.worker import Worker
-from broker.worker_state import LeaseKey, StartRun, WorkerEffect, WorkerState
+from broker.worker_state import AdaptiveWindow, LeaseKey, StartRun, WorkerEffect, WorkerState
 from runners.inline import InlineRunner
 from tests.unit.conftest import PROFILE
 
@@ -187,7 +187,7 @@ class PrefetchRules(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.state = make_state()
+        self.state = self.make()
         self.credits = Credits()
         self.seq = 0
         self.connected = False
@@ -198,6 +198,15 @@ class PrefetchRules(RuleBasedStateMachine):
         self.starts: dict[ExecutionMode, list[LeaseKey]] = {mode: [] for mode in CAPACITY}
         self.dropped: set[LeaseKey] = set()
         self.finished: set[LeaseKey] = set()
+
+    def make(self) -> WorkerState:
+        return make_state()
+
+    def window(self, mode: ExecutionMode) -> int:
+        return PREFETCH
+
+    def now(self, data: st.DataObject) -> float | None:
+        return None
 
     def free(self) -> dict[ExecutionMode, int]:
         busy = Counter(self.entered.values())
@@ -277,7 +286,7 @@ class PrefetchRules(RuleBasedStateMachine):
         key = data.draw(st.sampled_from(list(self.entered)))
         del self.entered[key]
         self.finished.add(key)
-        self.apply(self.state.run_finished(key, Completed(), self.free()))
+        self.apply(self.state.run_finished(key, Completed(), self.free(), self.now(data)))
 
     @precondition(lambda self: self.connected)
     @rule()
@@ -296,7 +305,7 @@ class PrefetchRules(RuleBasedStateMachine):
     @invariant()
     def the_window_is_never_overfilled(self) -> None:
         held = Counter(a.execution_mode for a in self.state.queued.values())
-        assert all(held[mode] <= PREFETCH for mode in CAPACITY)
+        assert all(held[mode] <= self.window(mode) for mode in CAPACITY)
 
     @invariant()
     def no_slot_idles_while_a_job_of_its_mode_waits(self) -> None:
@@ -342,6 +351,84 @@ class PrefetchRules(RuleBasedStateMachine):
 
 PrefetchRules.TestCase.settings = settings.get_profile(PROFILE)
 test_prefetch_rules = PrefetchRules.TestCase
+
+
+class AdaptivePrefetchRules(PrefetchRules):
+    """The same, with adaptive windows whose completions come at random paces: a window
+    that grows never makes the worker refuse a job the main sent against its credit
+    (``send`` checks no release goes out), nor overfills."""
+
+    def make(self) -> WorkerState:
+        self.clock = 0.0
+        self.windows = {mode: AdaptiveWindow(size=1, cap=4) for mode in CAPACITY}
+        return WorkerState(
+            modes=list(CAPACITY),
+            queues=None,
+            lookup_task=lambda name: name,
+            logger=logging.getLogger("test"),
+            prefetch=dict(self.windows),
+        )
+
+    def window(self, mode: ExecutionMode) -> int:
+        return self.windows[mode].size
+
+    def now(self, data: st.DataObject) -> float | None:
+        self.clock += data.draw(st.sampled_from([0.0, 0.001, 0.05, 0.2]))
+        return self.clock
+
+
+AdaptivePrefetchRules.TestCase.settings = settings.get_profile(PROFILE)
+test_adaptive_prefetch_rules = AdaptivePrefetchRules.TestCase
+
+
+def test_an_adaptive_window_grows_with_fast_completions_up_to_its_cap() -> None:
+    """Completions every millisecond need 20 ms x 1,000/s = 20 jobs in the window; the
+    cap holds it at 12. Measured over PREFETCH_MEASURE at least, from the first one."""
+    window = AdaptiveWindow(size=2, cap=12)
+    assert not window.finished(0.0)
+    grown = [window.finished(i * 0.001) for i in range(1, 100)]
+    assert not any(grown) and window.size == 2  # under PREFETCH_MEASURE: not measured yet
+    assert window.finished(0.1) and window.size == 12
+
+
+def test_an_adaptive_window_never_grows_for_slow_jobs_nor_shrinks() -> None:
+    """Jobs of 50 ms on one slot: 20 per second need 20 ms x 20/s = 0.4 of a job, less
+    than the window has; and a window grown by a burst of short jobs stays grown."""
+    window = AdaptiveWindow(size=2, cap=10)
+    for i in range(20):
+        assert not window.finished(i * 0.05)
+    assert window.size == 2
+    for i in range(300):
+        window.finished(1.0 + i * 0.0005)
+    assert window.size == 10
+    for i in range(20):
+        assert not window.finished(2.0 + i * 0.5)
+    assert window.size == 10
+
+
+def test_a_grown_window_is_advertised_in_the_next_ready() -> None:
+    window = AdaptiveWindow(size=1, cap=6)
+    state = WorkerState(
+        modes=[INLINE],
+        queues=None,
+        lookup_task=lambda name: name,
+        logger=logging.getLogger("test"),
+        prefetch={INLINE: window},
+    )
+    state.connected(welcome())
+    ready = state.take_ready({INLINE: 2})
+    assert ready is not None and ready.slots == {INLINE: 3}
+    now = 0.0
+    for seq in range(1, 60):
+        msg = job(seq)
+        key = (msg.job_id, msg.handoff_id)
+        assert started(state.job_received(msg, {INLINE: 1})) == [key]
+        state.run_entered(key)
+        now += 0.002
+        state.run_finished(key, Completed(), {INLINE: 2}, now)
+    assert window.size == 6
+    ready = state.take_ready({INLINE: 2})
+    assert ready is not None and ready.slots == {INLINE: 8}
 
 
 # --------------------------------------------------------------------------- settings
