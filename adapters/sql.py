@@ -686,6 +686,29 @@ async def _sa_bodies(conn: AsyncConnection, rows: Sequence[Mapping[Any, Any]]) -
     return bodies
 
 
+_COMPLETED = JobStatus.COMPLETED.value
+
+
+def _completions_only(columns: list[list[Any]], now_us: int) -> bool:
+    """Whether the settle statement's arrays (see ``HotSql.settle``) are completions
+    alone, each moving exactly as ``HotSql.settle_completed`` does: status completed,
+    its result set, nothing else changed but ``updated_us`` (the batch's one time), no
+    attempt or recovery counted, its slot given back."""
+    (_, _, status, set_result, _, set_error, _, run_at, attempts, updated, releases) = columns[:11]
+    recoveries, set_holder = columns[11], columns[12]
+    return (
+        all(v == _COMPLETED for v in status)
+        and all(set_result)
+        and all(releases)
+        and all(v == now_us for v in updated)
+        and all(v is None for v in run_at)
+        and not any(set_error)
+        and not any(attempts)
+        and not any(recoveries)
+        and not any(set_holder)
+    )
+
+
 def _claim_arrays(claims: Sequence[Claim]) -> tuple[list[uuid.UUID], list[uuid.UUID], list[str]]:
     """Claims as the ``unnest`` arrays of the hot claim statements."""
     return [c.job_id for c in claims], [c.handoff_id for c in claims], [c.worker_id for c in claims]
@@ -1930,7 +1953,15 @@ class SQLAlchemyAdapter:
             for column, value in zip(columns, row, strict=True):
                 column.append(value)
         async with self._hot_conn("settle") as (sql, conn):
-            if not moved:
+            if not moved and _completions_only(columns, now_us):
+                ids, leases, results = columns[0], columns[1], columns[4]
+                accepted = {
+                    r["id"]
+                    for r in await conn.fetch(
+                        sql.settle_completed, ids, leases, results, now_us, self._epoch
+                    )
+                }
+            elif not moved:
                 accepted = {r["id"] for r in await conn.fetch(sql.settle, *columns, self._epoch)}
             else:
                 # The payloads of the moves the fence lets through, in their transaction.

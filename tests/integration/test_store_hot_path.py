@@ -143,6 +143,56 @@ async def test_a_settle_batch_mixing_every_shape_of_move_with_stale_and_repeated
         await store.close()
 
 
+async def test_a_batch_of_completions_alone_with_stale_repeated_and_keyed_reports(
+    store_url: tuple[str, str | None],
+) -> None:
+    """The everyday batch, completions only (PostgreSQL writes it with a statement of its
+    own): each accepted completion sets its status, result and time alone, a stale lease
+    and an unknown job change nothing, a repeat is refused, and a keyed job's slot comes
+    back."""
+    clock = FakeClock(START)
+    store = await _open(*store_url, clock)
+    try:
+        specs = [JobSpec(task="t", args=[i], max_attempts=3) for i in range(3)]
+        specs.append(JobSpec(task="t", concurrency_key="k", concurrency_limit=1))
+        for spec in specs:
+            await store.enqueue(spec)
+        leases = [uuid.uuid4() for _ in specs]
+        claimed = await store.mark_handed_off_many(
+            [Claim(spec.id, lease, "w") for spec, lease in zip(specs, leases, strict=True)]
+        )
+        assert len(claimed) == len(specs)
+        clock.advance(3)
+        ids = [spec.id for spec in specs]
+        batch = [
+            Settlement(ids[0], leases[0], Outcome.COMPLETE, result={"n": 0}),
+            Settlement(ids[1], leases[1], Outcome.COMPLETE),
+            Settlement(ids[2], uuid.uuid4(), Outcome.COMPLETE, result="stale"),
+            Settlement(ids[0], leases[0], Outcome.COMPLETE, result="repeat"),
+            Settlement(ids[3], leases[3], Outcome.COMPLETE, result=[3]),
+            Settlement(uuid.uuid4(), uuid.uuid4(), Outcome.COMPLETE),
+        ]
+        assert await store.settle_many(batch) == [True, True, False, False, True, False]
+        done, plain, stale, keyed = [await store.get_job(job_id) for job_id in ids]
+        assert done is not None and plain is not None and stale is not None and keyed is not None
+        later = START + timedelta(seconds=3)
+        assert (done.status, done.result, done.attempts, done.updated_at) == (
+            JobStatus.COMPLETED, {"n": 0}, 0, later
+        )  # fmt: skip
+        assert (plain.status, plain.result, plain.last_error) == (JobStatus.COMPLETED, None, None)
+        assert (stale.status, stale.handoff_id, stale.result) == (
+            JobStatus.HANDED_OFF, leases[2], None
+        )  # fmt: skip
+        assert stale.updated_at == claimed[2].updated_at
+        assert (keyed.status, keyed.result) == (JobStatus.COMPLETED, [3])
+        other = (
+            await store.enqueue(JobSpec(task="t", concurrency_key="k", concurrency_limit=1))
+        ).job
+        assert await store.mark_handed_off(other.id, uuid.uuid4(), "w") is not None
+    finally:
+        await store.close()
+
+
 async def test_settles_releasing_the_same_keys_in_opposite_orders_all_go_through(
     store_url: tuple[str, str | None],
 ) -> None:
