@@ -33,6 +33,7 @@ from adapters._sql_schema import (
     concurrency,
     jobs,
     payloads,
+    selection,
 )
 
 _PG: sa.Dialect = pg_dialect.dialect()  # type: ignore[no-untyped-call]
@@ -267,17 +268,19 @@ class HotSql:
         )
         order = "ORDER BY priority DESC, run_at_us, created_us, seq"
 
+        selected = selection([column.name for column in jobs.columns], "j.")
+
         def eligible(queue_test: str, now: int) -> str:
             """The best due jobs of the modes in ``$1``, but those in the skipped ids
-            (``$now + 2``): each mode's best read from the dispatch index, which leads
-            with the mode (see ``_sql_schema._v11_dispatch_by_mode``), in order and no
-            further than the limit (``$now + 1``), then the best of those. A mode
-            without queued jobs costs one index probe, however deep the other modes'
-            backlog."""
+            (``$now + 2``), their payloads left out (see ``_sql_schema.selection``):
+            each mode's best read from the dispatch index, which leads with the mode
+            (see ``_sql_schema._v11_dispatch_by_mode``), in order and no further than
+            the limit (``$now + 1``), then the best of those. A mode without queued
+            jobs costs one index probe, however deep the other modes' backlog."""
             limit, skip = now + 1, now + 2
             return f"""
                 SELECT e.* FROM unnest($1::text[]) AS m(mode) CROSS JOIN LATERAL (
-                    SELECT * FROM {t} j
+                    SELECT {selected} FROM {t} j
                     WHERE status = 'queued' AND execution_mode = m.mode{queue_test}
                         AND run_at_us <= ${now} AND {not_full}
                         AND NOT (id = ANY(${skip}::uuid[]))

@@ -14,7 +14,7 @@ order. ``setup()`` runs the missing ones inside one locked transaction.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -208,6 +208,27 @@ OFFLOADABLE = ("args", "kwargs", "result", "checkpoint")
 name as its ``kind``) when it is longer than the adapter's offload threshold. A checkpoint
 is the one value written again and again: a save that stays in its row deletes the payload
 of the checkpoint it replaces, in the save's own transaction."""
+
+
+HOLLOW = {"args": "[]", "kwargs": "{}", "result": None, "checkpoint": None}
+"""What a payload column reads as where payloads are left out (dispatch's selection,
+summaries, an offloaded value without its body): the JSON of an empty value."""
+
+
+def selection(columns: Sequence[str], prefix: str = "") -> str:
+    """A select list of ``columns`` in their order, each payload column (see
+    :data:`OFFLOADABLE`) read as its :data:`HOLLOW` literal instead. Dispatch's selection
+    never needs payloads (the claim returns the rows in full), and reading arguments of
+    kilobytes for every job read, only to decode and drop them, cost the store, the wire
+    and the main."""
+    out = []
+    for column in columns:
+        if column in HOLLOW:
+            value = HOLLOW[column]
+            out.append(f"{'NULL' if value is None else repr(value)} AS {column}")
+        else:
+            out.append(f"{prefix}{column}")
+    return ", ".join(out)
 
 
 def _define_payloads(md: sa.MetaData) -> sa.Table:

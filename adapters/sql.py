@@ -70,6 +70,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from adapters import DEFAULT_HOT_POOL_SIZE, DEFAULT_POOL_SIZE
 from adapters._sql_schema import (
     FENCED_SQLSTATE,
+    HOLLOW,
     INSERT_COLUMNS,
     IS_ACTIVE,
     IS_HANDED_OFF,
@@ -84,6 +85,7 @@ from adapters._sql_schema import (
     notify_channel,
     payloads,
     schema_version,
+    selection,
     task_catalog,
 )
 from adapters._sql_statements import SyncStatements as SyncStatements  # re-exported
@@ -292,9 +294,6 @@ _PAYLOADS_AT = operator.itemgetter(*(i for i, _ in _PAYLOAD_POSITIONS))
 Bodies = Mapping[tuple[uuid.UUID, str], str]
 """Offloaded payloads by ``(job id, column)``, as ``broker_payloads`` holds them."""
 
-_HOLLOW = {"args": "[]", "kwargs": "{}", "result": None, "checkpoint": None}
-"""What a payload column reads as where payloads are left out (selection, summaries)."""
-
 
 def _is_offloaded(row: Mapping[Any, Any] | sqlite3.Row) -> bool:
     return OFFLOADED in _PAYLOADS_GET(row)
@@ -331,7 +330,7 @@ def _fill(values: list[Any], bodies: Bodies | None) -> None:
         if values[i] != OFFLOADED:
             continue
         if bodies is None:
-            values[i] = _HOLLOW[column]
+            values[i] = HOLLOW[column]
             continue
         body = bodies.get((job_id, column))
         if body is None:
@@ -833,11 +832,12 @@ _LITE_NEXT_RUN_IN_QUEUES = _LITE_NEXT_RUN + _LITE_IN_QUEUES
 def _lite_eligible(queue_test: str) -> str:
     """SQLite's selection: the best due jobs of the modes in ``?1`` (and queues in ``?2``)
     whose concurrency key has room, but those in the skipped ids (``?5``), at most ``?4``
-    (``?3`` is the time now). The dispatch index gives them in order: its predicate is the
-    status test here, written as the index's own (a literal), so no sort step is needed;
-    ``rowid`` (the index's own last column) breaks ties in enqueue order."""
+    (``?3`` is the time now), their payloads left out (see ``_sql_schema.selection``).
+    The dispatch index gives them in order: its predicate is the status test here,
+    written as the index's own (a literal), so no sort step is needed; ``rowid`` (the
+    index's own last column) breaks ties in enqueue order."""
     return f"""
-        SELECT {_LITE_COLUMNS} FROM broker_jobs AS j
+        SELECT {selection(_ROW_COLUMNS, "j.")} FROM broker_jobs AS j
         WHERE {_LITE_DUE}{queue_test} AND run_at_us <= ?3
             AND NOT EXISTS (
                 SELECT 1 FROM broker_concurrency AS c

@@ -172,6 +172,10 @@ class StorageAdapter(Protocol):
         ``skip`` is what the dispatcher is claiming right now: the store still shows
         those jobs queued, and reading past them cost a pooled drain about 2.4 rows
         read and decoded per job dispatched.
+
+        A job's payloads (``args``, ``kwargs``, ``result``, ``checkpoint``) may be left
+        out, as empty values: dispatch never needs them, since the claim returns each
+        job in full.
         """
 
     async def next_run_at(
@@ -440,8 +444,8 @@ class SupportsOffload(Protocol):
 
     * ``mark_handed_off``, ``get_job``, a full ``list_jobs``, ``handoffs_for_worker``,
       ``cancel``, ``retry_dead`` and a duplicate's ``EnqueueResult`` carry every value,
-      loaded back; ``select_eligible`` (advice for dispatch) and a summary listing may
-      leave offloaded values out, as empty ones.
+      loaded back; ``select_eligible`` (advice for dispatch, which may leave out any
+      payload) and a summary listing may leave offloaded values out, as empty ones.
     * An offloaded value is written in the transaction that writes its job (the enqueue,
       or the fenced settle): a fenced-out report, a duplicate or a rolled-back enqueue
       leaves none behind, and ``prune`` deletes a job's values with it.

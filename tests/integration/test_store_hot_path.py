@@ -143,6 +143,24 @@ async def test_a_settle_batch_mixing_every_shape_of_move_with_stale_and_repeated
         await store.close()
 
 
+async def test_the_dispatch_selection_leaves_the_payloads_out_and_the_claim_has_them(
+    store_url: tuple[str, str | None],
+) -> None:
+    """Dispatch reads jobs only to plan them; their arguments come with the claim."""
+    clock = FakeClock(START)
+    store = await _open(*store_url, clock)
+    try:
+        spec = JobSpec(task="t", args=["x" * 5000, 1], kwargs={"k": [1, 2]})
+        await store.enqueue(spec)
+        [selected] = await store.select_eligible(modes=ALL_MODES)
+        assert (selected.id, selected.task, selected.status) == (spec.id, "t", JobStatus.QUEUED)
+        assert (selected.args, selected.kwargs, selected.result) == ((), {}, None)
+        [claimed] = await store.mark_handed_off_many([Claim(spec.id, uuid.uuid4(), "w")])
+        assert (claimed.args, claimed.kwargs) == (("x" * 5000, 1), {"k": [1, 2]})
+    finally:
+        await store.close()
+
+
 async def test_a_batch_of_completions_alone_with_stale_repeated_and_keyed_reports(
     store_url: tuple[str, str | None],
 ) -> None:
