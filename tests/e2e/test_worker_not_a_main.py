@@ -20,6 +20,20 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
+SHORT_GREETING = 0.25
+"""The worker's greeting wait here (the default is 2 s): a silent service is outwaited,
+and judged the same whatever the wait."""
+
+WORKER_WITH_SHORT_GREETING = (
+    "import sys\n"
+    "from broker import cli, wire\n"
+    "cli._drop_implicit_path()\n"
+    "wire.GREETING_TIMEOUT = float(sys.argv[1])\n"
+    "raise SystemExit(cli.worker_entry(sys.argv[2:]))\n"
+)
+"""``python -m broker.cli worker ARGV`` with the greeting wait set to ``sys.argv[1]``."""
+
+
 @contextmanager
 def _server(banner: bytes | None) -> Iterator[int]:
     """A TCP server that accepts, then stays silent or writes ``banner`` (like an SSH or
@@ -51,9 +65,9 @@ def _first_complaint(port: int) -> str:
     proc = subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "broker.cli",
-            "worker",
+            "-c",
+            WORKER_WITH_SHORT_GREETING,
+            str(SHORT_GREETING),
             "--main",
             f"127.0.0.1:{port}",
             "--pooled-runner-count",
