@@ -791,6 +791,14 @@ def worker_parser() -> argparse.ArgumentParser:
     )
     _env_option(
         p,
+        "--reconnect-max-delay",
+        default=10.0,
+        type=_number(float, "reconnect max delay"),
+        help="seconds, at most, between attempts to reach the main after the connection "
+        "is lost (the wait doubles from 0.1 s up to this)",
+    )
+    _env_option(
+        p,
         "--prefetch",
         type=_count,
         help="jobs per mode held beyond the free slots, so a finished job's slot is "
@@ -872,6 +880,7 @@ async def run_worker(args: argparse.Namespace) -> None:
         queues=queues,
         drain_timeout=float(args.drain_timeout) if args.drain_timeout else None,
         prefetch=args.prefetch,
+        reconnect_max_delay=float(args.reconnect_max_delay),
         local_state_lost=state is not None and state.fresh,
     )
     loop = asyncio.get_running_loop()
