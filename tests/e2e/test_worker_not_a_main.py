@@ -8,13 +8,14 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from tests.support import cli_with_greeting_wait
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -23,15 +24,6 @@ pytestmark = pytest.mark.slow
 SHORT_GREETING = 0.25
 """The worker's greeting wait here (the default is 2 s): a silent service is outwaited,
 and judged the same whatever the wait."""
-
-WORKER_WITH_SHORT_GREETING = (
-    "import sys\n"
-    "from broker import cli, wire\n"
-    "cli._drop_implicit_path()\n"
-    "wire.GREETING_TIMEOUT = float(sys.argv[1])\n"
-    "raise SystemExit(cli.worker_entry(sys.argv[2:]))\n"
-)
-"""``python -m broker.cli worker ARGV`` with the greeting wait set to ``sys.argv[1]``."""
 
 
 @contextmanager
@@ -64,10 +56,7 @@ def _first_complaint(port: int) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_")}
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-c",
-            WORKER_WITH_SHORT_GREETING,
-            str(SHORT_GREETING),
+            *cli_with_greeting_wait(SHORT_GREETING, "worker"),
             "--main",
             f"127.0.0.1:{port}",
             "--pooled-runner-count",
