@@ -78,9 +78,6 @@ class Mains(Cluster):
     async def start_worker(self, worker_id: str, *, concurrency: int = 8) -> Proc:
         argv = ["worker", "--main", self.addresses, "--app", "tests.e2e_app"]
         argv += ["--worker-id", worker_id, "--inline-concurrency", str(concurrency)]
-        # Retry the mains every 0.5 s at most, so a worker follows the new leader as soon
-        # as it is elected, not up to the default backoff's 10 s later.
-        argv += ["--reconnect-max-delay", "0.5"]
         proc = await self.spawn(worker_id, *argv)
         await proc.wait_for_output("connected to main")
         return proc
