@@ -45,7 +45,6 @@ from broker.state_dir import open_state_dir
 from broker.tasks import default_registry
 from broker.tls import PeerTLS, ServerTLS
 from broker.untrusted import escape_control
-from broker.web import Dashboard, WorkerMetricsServer
 from broker.worker import PREFETCH_MAX_PER_SLOT, PREFETCH_PER_SLOT, Worker
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./broker.db"
@@ -609,6 +608,8 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
     dashboard = None
     try:
         if settings.http_port is not None:
+            from broker.web import Dashboard  # aiohttp: loaded only when it serves HTTP
+
             dashboard = Dashboard(main, host=settings.http_host, port=settings.http_port)
             await dashboard.start()
     except OSError as exc:
@@ -790,6 +791,14 @@ def worker_parser() -> argparse.ArgumentParser:
     )
     _env_option(
         p,
+        "--reconnect-max-delay",
+        default=10.0,
+        type=_number(float, "reconnect max delay"),
+        help="seconds, at most, between attempts to reach the main after the connection "
+        "is lost (the wait doubles from 0.1 s up to this)",
+    )
+    _env_option(
+        p,
         "--prefetch",
         type=_count,
         help="jobs per mode held beyond the free slots, so a finished job's slot is "
@@ -872,6 +881,7 @@ async def run_worker(args: argparse.Namespace) -> None:
         queues=queues,
         drain_timeout=float(args.drain_timeout) if args.drain_timeout else None,
         prefetch=args.prefetch,
+        reconnect_max_delay=float(args.reconnect_max_delay),
         local_state_lost=state is not None and state.fresh,
     )
     loop = asyncio.get_running_loop()
@@ -880,6 +890,8 @@ async def run_worker(args: argparse.Namespace) -> None:
     metrics = None
     if args.metrics_port is not None:
         checks.int_in_range("--metrics-port", int(args.metrics_port), 0, 65535)
+        from broker.web import WorkerMetricsServer  # aiohttp: only when it serves HTTP
+
         metrics = WorkerMetricsServer(worker, host=args.metrics_host, port=int(args.metrics_port))
         try:
             await metrics.start()

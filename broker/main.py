@@ -594,7 +594,9 @@ class Main:
 
     async def _orphan_deadline(self) -> None:
         await asyncio.sleep(self.settings.orphan_grace)
-        self._carry(self.handoff.orphan_deadline())
+        effects = self.handoff.orphan_deadline()
+        logger.info("orphan grace over returned=%d", len(effects))
+        self._carry(effects)
 
     # ------------------------------------------------------------------ connections
 

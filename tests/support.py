@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -24,6 +25,21 @@ FAST = MainSettings(
 )
 """A main on an ephemeral port whose every timer is short, so tests of liveness, orphans
 and retries finish in a second or two."""
+
+
+def cli_with_greeting_wait(seconds: float, command: str) -> list[str]:
+    """``python -m broker.cli COMMAND`` (``worker`` or ``broker``) as a real process whose
+    wait for the main's greeting is ``seconds`` instead of ``wire.GREETING_TIMEOUT`` (2 s),
+    for the tests that outwait a peer that never greets; the command's arguments follow."""
+    entry = {"worker": "worker_entry", "broker": "broker_entry"}[command]
+    code = (
+        "import sys\n"
+        "from broker import cli, wire\n"
+        "cli._drop_implicit_path()\n"
+        "wire.GREETING_TIMEOUT = float(sys.argv[1])\n"
+        f"raise SystemExit(cli.{entry}(sys.argv[2:]))\n"
+    )
+    return [sys.executable, "-c", code, str(seconds)]
 
 
 @contextlib.asynccontextmanager

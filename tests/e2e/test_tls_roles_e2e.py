@@ -17,6 +17,7 @@ import pytest
 from broker.client import Client
 from broker.protocol import Role
 from tests.e2e.test_e2e import APP, RECORD, REPO, Proc, eventually, free_port
+from tests.support import cli_with_greeting_wait
 from tests.tls_certs import Certificates
 
 pytestmark = pytest.mark.slow
@@ -89,10 +90,12 @@ class TLSCluster:
     def broker(
         self, *argv: str, tls: bool = True, **secrets: str
     ) -> subprocess.CompletedProcess[str]:
-        """The operator's command, its secrets in its environment."""
+        """The operator's command, its secrets in its environment. Without TLS it waits
+        for a greeting the TLS main never sends: 0.25 s, not the 2 s default."""
         tls_args = self.peer_tls_args() if tls else []
+        command = self.command if tls else cli_with_greeting_wait(0.25, "broker")
         return subprocess.run(
-            [*self.command, "--main", self.main_address, *tls_args, *argv],
+            [*command, "--main", self.main_address, *tls_args, *argv],
             cwd=REPO,
             env=self.env(**secrets),
             capture_output=True,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,8 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import cli_with_greeting_wait
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
+
+
+SHORT_GREETING = 0.25
+"""The worker's greeting wait here (the default is 2 s): a silent service is outwaited,
+and judged the same whatever the wait."""
 
 
 @contextmanager
@@ -50,10 +56,7 @@ def _first_complaint(port: int) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_")}
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "broker.cli",
-            "worker",
+            *cli_with_greeting_wait(SHORT_GREETING, "worker"),
             "--main",
             f"127.0.0.1:{port}",
             "--pooled-runner-count",

@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from adapters.memory import MemoryAdapter
-from broker import cli
+from broker import cli, wire
 from broker.jobs import Claim, JobSpec
 from broker.main import Main
 from tests.conftest import POSTGRES_URL, require_postgres
@@ -84,15 +84,28 @@ async def _service(greeting: bytes) -> AsyncIterator[int]:
         await asyncio.gather(*handlers, return_exceptions=True)
 
 
+SHORT_GREETING = 0.25
+"""The greeting wait of the tests below, which outwait it (the default is 2 s): a silent
+peer is judged the same way whatever the wait, and the message names the wait used."""
+
+
+@pytest.fixture
+def short_greeting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI runs in this process: it reads ``wire.GREETING_TIMEOUT`` when it connects."""
+    monkeypatch.setattr(wire, "GREETING_TIMEOUT", SHORT_GREETING)
+
+
+@pytest.mark.usefixtures("short_greeting")
 async def test_a_silent_service_is_not_a_main() -> None:
     async with _service(b"") as port:
         code, out, err = await _cli("--main", f"127.0.0.1:{port}", "--timeout", "60", "status")
     assert code == 1 and out == ""
-    assert "sent no broker greeting within 2 s: this is not a broker main" in err
+    assert f"sent no broker greeting within {SHORT_GREETING:g} s: this is not a broker main" in err
     assert "cannot reach" not in err
 
 
 @pytest.mark.postgres
+@pytest.mark.usefixtures("short_greeting")
 async def test_postgresql_is_not_a_main() -> None:
     require_postgres()
     port = int(re.search(r":(\d+)/", POSTGRES_URL).group(1))  # type: ignore[union-attr]
@@ -100,6 +113,7 @@ async def test_postgresql_is_not_a_main() -> None:
     assert code == 1 and "this is not a broker main" in err
 
 
+@pytest.mark.usefixtures("short_greeting")
 async def test_redis_is_not_a_main() -> None:
     with socket.socket() as probe:
         if probe.connect_ex(("127.0.0.1", 6379)) != 0:
