@@ -154,6 +154,9 @@ class Main:
         self._saving: set[asyncio.Task[None]] = set()
         """Task catalogs being written to the store (:meth:`_declare`)."""
         self._stopping = False
+        self._dispatching = False
+        """The dispatching tasks run: the handoffs in flight (the orphans) are loaded, so
+        a worker's hello can adopt its leases."""
         """No new dispatch, connection or request: the main is stopping, or was deposed."""
         self._stop_started = False
         self.dispatcher = Dispatcher(
@@ -289,6 +292,7 @@ class Main:
 
     def _dispatch(self) -> None:
         """Start what only the dispatching main runs (the orphans are loaded)."""
+        self._dispatching = True
         self.handoff.serving(asyncio.get_running_loop().time())
         self._tasks += [
             asyncio.create_task(self.dispatcher.run(), name="broker-dispatch"),
@@ -315,8 +319,9 @@ class Main:
 
     @property
     def leading(self) -> bool:
-        """Whether this main dispatches (always, on a store that holds one main)."""
-        return self.election is None or self.election.phase is Phase.LEADER
+        """Whether this main dispatches (always, on a store that holds one main): elected,
+        and done loading the orphans."""
+        return self.election is None or (self.election.phase is Phase.LEADER and self._dispatching)
 
     @property
     def address(self) -> str:
@@ -607,12 +612,18 @@ class Main:
         if self._stopping:
             return False
         if not self.leading:
+            # Elected but still loading the handoffs in flight: a worker welcomed now
+            # would adopt none of its leases, and they would go back to the queue at the
+            # orphans' deadline while it ran them. It comes back here after its backoff.
             assert self.election is not None
-            leader = self.election.leader
+            loading = self.election.phase is Phase.LEADER
+            leader = self.address if loading else self.election.leader
             return protocol.Error(
                 code=protocol.ErrorCode.NOT_LEADER,
                 message=(
-                    f"this main is a standby; the leader is at {leader}"
+                    "this main was just elected and is loading the handoffs in flight; try again"
+                    if loading
+                    else f"this main is a standby; the leader is at {leader}"
                     if leader is not None
                     else "this main is a standby and no main is elected yet; try again"
                 ),

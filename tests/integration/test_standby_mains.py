@@ -6,6 +6,7 @@ at its next round."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -15,7 +16,7 @@ from adapters.sql import SQLAlchemyAdapter
 from broker.client import Client
 from broker.main import Main
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
-from tests.support import FAST, until
+from tests.support import FAST, FakeWorker, lease_of, until
 
 pytestmark = pytest.mark.postgres
 
@@ -55,6 +56,50 @@ async def test_a_standby_sends_peers_to_the_leader_and_takes_over(
         assert standby.election is not None and standby.election.epoch == 2
         async with Client(both) as client:
             assert (await client.status())["main_id"] == standby.main_id
+    finally:
+        await leader.stop()
+        await standby.stop()
+
+
+async def test_a_main_just_elected_welcomes_no_worker_before_its_orphans_are_loaded(
+    stores: list[SQLAlchemyAdapter],
+) -> None:
+    """Between winning the election and loading the handoffs in flight, a main would
+    welcome a reconnecting worker with none of its leases adopted; the leases would go
+    back to the queue at the orphans' deadline while the worker ran them (a soak of
+    failovers caught it). It sends the worker away to try again instead, and adopts its
+    leases once loaded."""
+    leader = Main(stores[0], SETTINGS, retention=None)
+    standby = Main(stores[1], SETTINGS, retention=None)
+    loading = asyncio.Event()
+    loaded = standby._load_orphans
+
+    async def held_load() -> None:
+        await loading.wait()
+        await loaded()
+
+    await leader.start()
+    try:
+        worker = FakeWorker(leader.port, worker_id="w1")
+        await worker.connect()
+        async with Client("127.0.0.1", leader.port) as client:
+            await client.enqueue("tests.noop")
+        await worker.ready(inline=1, pooled=1, forked=1)
+        job = await worker.next_job()
+        await standby.start()
+        standby._load_orphans = held_load  # type: ignore[method-assign]
+        await worker.close()
+        await leader.stop()
+        await until(lambda: standby.election is not None and standby.election.epoch == 2)
+        back = FakeWorker(standby.port, worker_id="w1")
+        with pytest.raises(ConnectionRefusedError, match="just elected"):
+            await back.connect(held=[lease_of(job)])
+        await back.close()
+        loading.set()
+        await until(lambda: standby.leading, timeout=10)
+        welcome = await back.connect(held=[lease_of(job)])
+        assert welcome.adopted == [lease_of(job)]
+        await back.close()
     finally:
         await leader.stop()
         await standby.stop()
