@@ -804,7 +804,7 @@ def worker_parser() -> argparse.ArgumentParser:
         help="jobs per mode held beyond the free slots, so a finished job's slot is "
         "refilled at once; their leases go back if the connection drops "
         f"(default: {PREFETCH_PER_SLOT} per slot of the mode, growing up to "
-        f"{PREFETCH_MAX_PER_SLOT} per slot while jobs finish in under 20 ms; 0: none)",
+        f"{PREFETCH_MAX_PER_SLOT} per slot for jobs shorter than 10 ms; 0: none)",
     )
     _add_log_options(p)
     return p

@@ -99,11 +99,13 @@ another worker may idle), so it grows only for jobs short enough to need it (see
 :data:`~broker.worker_state.PREFETCH_REFILL`); ``--prefetch N`` fixes it at N (0: none,
 for long jobs)."""
 
-PREFETCH_MAX_PER_SLOT = 5
-"""The most an adaptive window grows to, per slot. Five per slot of no-op jobs drained
-5,000 jobs through 2 pooled children x 10 on PostgreSQL 12-18% faster than two (four
-runs of each, alternated, the machine busy with a test suite: 4,719 / 5,271 / 5,557
-jobs/s for 2, 4, 5 per slot), and the main's CPU per job fell with the larger batches."""
+PREFETCH_MAX_PER_SLOT = 8
+"""The most an adaptive window grows to, per slot (reached by jobs of 2.5 ms or less).
+Draining 5,000 no-op jobs through 2 pooled children x 10 on PostgreSQL, alternated runs:
+five per slot against two, 4,719 -> 5,557 jobs/s (four pairs, the machine busy with a
+test suite); eight against five, 8,423 -> 9,082 (four pairs, quiet), and the main's and
+the store's CPU per job fell with the larger batches; twelve against eight, no difference
+beyond the run-to-run spread (four pairs)."""
 
 
 def _default_window(slots: int) -> AdaptiveWindow:

@@ -62,8 +62,9 @@ PREFETCH_REFILL = 0.02
 slot's next job should be here when its job ends, and getting one from the main (a
 ``ready``, a claim committed on the store, the job's trip back) took 5 to 15 ms in a
 pooled drain on PostgreSQL: by Little's law the jobs that covers are the completion rate
-times that time, doubled for the spread. Jobs of 20 ms or more never grow the window
-past its start, so long jobs are not held here while another worker idles."""
+times that time, doubled for the spread. Jobs of 10 ms or more never grow the window
+past its default start (two per slot), so long jobs are not held here while another
+worker idles."""
 
 PREFETCH_MEASURE = 0.1
 """Seconds of completions an adaptive window is resized from (at the first completion
