@@ -20,7 +20,7 @@ import pytest
 
 from adapters.sql import SQLAlchemyAdapter
 from broker.exceptions import ConfigurationError, StorageError, StorageRejectedError
-from broker.jobs import Claim, ExecutionMode, JobSpec, JobStatus, Outcome, Settlement
+from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus, Outcome, Settlement
 from broker.testing import FakeClock
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
 
@@ -44,6 +44,26 @@ async def _open(url: str, schema: str | None, clock: FakeClock, **kw: int) -> SQ
     store = SQLAlchemyAdapter(url, clock=clock, schema=schema, **kw)
     await store.setup()
     return store
+
+
+async def _all_claimed(
+    store: SQLAlchemyAdapter, specs: list[JobSpec]
+) -> tuple[list[uuid.UUID], list[Job]]:
+    """Enqueue ``specs`` and claim them all in one batch: their leases and the jobs."""
+    for spec in specs:
+        await store.enqueue(spec)
+    leases = [uuid.uuid4() for _ in specs]
+    claimed = await store.mark_handed_off_many(
+        [Claim(spec.id, lease, "w") for spec, lease in zip(specs, leases, strict=True)]
+    )
+    assert len(claimed) == len(specs)
+    return leases, claimed
+
+
+async def _key_has_room(store: SQLAlchemyAdapter, key: str) -> bool:
+    """Whether a new job of ``key`` (limit 1) can be claimed at once: its slot is free."""
+    other = (await store.enqueue(JobSpec(task="t", concurrency_key=key, concurrency_limit=1))).job
+    return await store.mark_handed_off(other.id, uuid.uuid4(), "w") is not None
 
 
 async def test_a_batched_claim_mixing_keyed_unkeyed_and_unclaimable_jobs(
@@ -98,13 +118,7 @@ async def test_a_settle_batch_mixing_every_shape_of_move_with_stale_and_repeated
     try:
         specs = [JobSpec(task="t", args=[i]) for i in range(6)]
         specs.append(JobSpec(task="t", args=[6], concurrency_key="k", concurrency_limit=1))
-        for spec in specs:
-            await store.enqueue(spec)
-        leases = [uuid.uuid4() for _ in specs]
-        claimed = await store.mark_handed_off_many(
-            [Claim(spec.id, lease, "w") for spec, lease in zip(specs, leases, strict=True)]
-        )
-        assert len(claimed) == len(specs)
+        leases, _ = await _all_claimed(store, specs)
         retry_at = START + timedelta(minutes=5)
         ids = [spec.id for spec in specs]
         batch = [
@@ -135,10 +149,7 @@ async def test_a_settle_batch_mixing_every_shape_of_move_with_stale_and_repeated
         assert (keyed.status, keyed.result) == (JobStatus.COMPLETED, [6])
         assert all(job.updated_at == START for job in (done, retried, dead, later, lost, keyed))
         # The keyed job gave its slot back: another job of key k is claimable at once.
-        other = (
-            await store.enqueue(JobSpec(task="t", concurrency_key="k", concurrency_limit=1))
-        ).job
-        assert await store.mark_handed_off(other.id, uuid.uuid4(), "w") is not None
+        assert await _key_has_room(store, "k")
     finally:
         await store.close()
 
@@ -173,13 +184,7 @@ async def test_a_batch_of_completions_alone_with_stale_repeated_and_keyed_report
     try:
         specs = [JobSpec(task="t", args=[i], max_attempts=3) for i in range(3)]
         specs.append(JobSpec(task="t", concurrency_key="k", concurrency_limit=1))
-        for spec in specs:
-            await store.enqueue(spec)
-        leases = [uuid.uuid4() for _ in specs]
-        claimed = await store.mark_handed_off_many(
-            [Claim(spec.id, lease, "w") for spec, lease in zip(specs, leases, strict=True)]
-        )
-        assert len(claimed) == len(specs)
+        leases, claimed = await _all_claimed(store, specs)
         clock.advance(3)
         ids = [spec.id for spec in specs]
         batch = [
@@ -203,10 +208,7 @@ async def test_a_batch_of_completions_alone_with_stale_repeated_and_keyed_report
         )  # fmt: skip
         assert stale.updated_at == claimed[2].updated_at
         assert (keyed.status, keyed.result) == (JobStatus.COMPLETED, [3])
-        other = (
-            await store.enqueue(JobSpec(task="t", concurrency_key="k", concurrency_limit=1))
-        ).job
-        assert await store.mark_handed_off(other.id, uuid.uuid4(), "w") is not None
+        assert await _key_has_room(store, "k")
     finally:
         await store.close()
 
