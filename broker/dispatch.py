@@ -348,8 +348,9 @@ class ReadAhead:
     finds still valid asks for twice as many as the last (up to the claim batch), so a
     steady drain reads a few hundred jobs at a time.
 
-    It is only advice, as every read is: the claim decides, under its own fence and
-    ``SKIP LOCKED``. What keeps the advice as good as a fresh read:
+    It is only advice, as every read is: the claim decides, under its own fence and its
+    own check that each job is still queued and due. What keeps the advice as good as a
+    fresh read:
 
     * it is served only while the core's change count (:attr:`Handoff.queue_changes`) is
       the one its read began at: any insert the store announced, any job requeued, any
@@ -374,14 +375,12 @@ class ReadAhead:
         """The read came back short: it holds every eligible job of its modes."""
         self._keep = False
 
-    def _holds(
-        self, modes: set[ExecutionMode], queues: set[str] | None, started: int, now: float
-    ) -> bool:
+    def _read_for(self, modes: set[ExecutionMode], queues: set[str] | None, started: int) -> bool:
+        """Whether the last read covers ``modes`` and ``queues`` with nothing changed since."""
         return (
             self._started == started
             and modes <= self._modes
             and (None if queues is None else frozenset(queues)) == self._queues
-            and now - self._read_at <= READ_AHEAD_MAX_AGE
         )
 
     def serve(
@@ -395,7 +394,7 @@ class ReadAhead:
         """The best ``size`` jobs of ``modes`` held, and whether there were ``size``;
         ``None`` when what is held may not be the store's best ``size`` (stale, read for
         other modes or queues, or too few without being all there is)."""
-        if not self._holds(modes, queues, started, now):
+        if not self._read_for(modes, queues, started) or now - self._read_at > READ_AHEAD_MAX_AGE:
             return None
         jobs = [job for job in self._jobs if job.execution_mode in modes][:size]
         if len(jobs) < size and not self._complete:
@@ -415,12 +414,7 @@ class ReadAhead:
     ) -> int:
         """How many jobs to read for a pass that needs ``size``: twice the last read when
         that read ran out with nothing changed since (a steady drain), else ``size``."""
-        steady = (
-            self._keep
-            and self._started == started
-            and modes <= self._modes
-            and (None if queues is None else frozenset(queues)) == self._queues
-        )
+        steady = self._keep and self._read_for(modes, queues, started)
         return max(size, min(batch, 2 * self._limit)) if steady else size
 
     def fill(
