@@ -161,10 +161,14 @@ class HotSql:
             WHERE j.id = w.id AND j.status = 'queued'
             RETURNING j.*
         """
-        released = f"""
+
+        def released(which: str) -> str:
+            """The slots the settled jobs ``u`` give back (those where ``which`` holds):
+            ``r``, their counters locked in key order first (``l``), as claims take them."""
+            return f"""
             k AS (
                 SELECT concurrency_key AS key, count(*)::int AS n FROM u
-                WHERE concurrency_key IS NOT NULL GROUP BY concurrency_key
+                WHERE {which} AND concurrency_key IS NOT NULL GROUP BY concurrency_key
             ),
             l AS MATERIALIZED (
                 SELECT c.key FROM {c} c JOIN k ON c.key = k.key ORDER BY c.key FOR UPDATE OF c
@@ -174,8 +178,7 @@ class HotSql:
                 FROM k JOIN l ON l.key = k.key
                 WHERE c.key = k.key
             )"""
-        """The slots the settled jobs ``u`` give back (``r``), their counters locked in key
-        order first (``l``), as claims take them."""
+
         # Settle: every shape of move in one statement. A NULL run_at keeps the job's, a
         # false set_* keeps the column; the fence is in the WHERE. The job rows are
         # updated in id order (the input is sorted, and the plan walks it against the
@@ -211,7 +214,7 @@ class HotSql:
                     AND {fence(15)}
                 RETURNING j.id, j.concurrency_key, s.releases
             ),
-            {released.replace("WHERE concurrency_key", "WHERE releases AND concurrency_key")}
+            {released("releases")}
             SELECT id FROM u
         """
         # Completions alone (the everyday batch): the same move with one array per value
@@ -229,7 +232,7 @@ class HotSql:
                     AND {fence(5)}
                 RETURNING j.id, j.concurrency_key
             ),
-            {released}
+            {released("true")}
             SELECT id FROM u
         """
         # Checkpoints and progress: fenced by the lease as a settle is (and a checkpoint

@@ -225,7 +225,8 @@ def selection(columns: Sequence[str], prefix: str = "") -> str:
     for column in columns:
         if column in HOLLOW:
             value = HOLLOW[column]
-            out.append(f"{'NULL' if value is None else repr(value)} AS {column}")
+            literal = "NULL" if value is None else f"'{value}'"
+            out.append(f"{literal} AS {column}")
         else:
             out.append(f"{prefix}{column}")
     return ", ".join(out)
