@@ -27,6 +27,7 @@ about 15 ms each: about 240 us of the database's CPU per job.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -39,6 +40,9 @@ from broker.storage import StorageAdapter, SupportsNotify
 from broker.supervise import retrying
 
 logger = logging.getLogger("broker.main")
+
+LISTEN_LINGER = 2.0
+"""Seconds without free credit before the dispatcher stops listening to the store."""
 
 
 class Dispatcher:
@@ -73,6 +77,10 @@ class Dispatcher:
         after it, so a store in trouble is not hammered."""
         self._listening = False
         """The store's notifications are live: every insert, by any process, wakes us."""
+        self._credit_changed = asyncio.Event()
+        """Set by every wake and nudge: the listener looks at the free credit again."""
+        self._credit_seen = 0.0
+        """Loop time free credit was last seen (see :meth:`_listen_once`)."""
         self._polled = 0.0
         """Loop time a poll last counted as a change (see ``_poll``)."""
         self._ahead = ReadAhead()
@@ -85,15 +93,18 @@ class Dispatcher:
         have made jobs eligible, so the core stops counting any mode as drained."""
         self._handoff.queue_changed()
         self._wake.set()
+        self._credit_changed.set()
 
     def nudge(self) -> None:
         """Ask for another pass because more jobs may be placed (a slot was freed, a claim
         answered), not because any job changed: modes proven drained stay so."""
         self._wake.set()
+        self._credit_changed.set()
 
     async def listen(self) -> None:
-        """Keep the store's notifications on; while they are down, each failure wakes the
-        dispatcher for a pass, since an enqueue may have gone unannounced."""
+        """Keep the store's notifications on while they can help (see
+        :meth:`_listen_once`); while they are down, each failure wakes the dispatcher for
+        a pass, since an enqueue may have gone unannounced."""
         await retrying(
             "store listener",
             self._listen_once,
@@ -103,15 +114,51 @@ class Dispatcher:
         )
 
     async def _listen_once(self) -> None:
+        """Listen while some worker has a free slot, and for ``LISTEN_LINGER`` seconds
+        after the last one was seen.
+
+        A notification only helps a main that can hand the job off. Without free credit
+        every insert by another process still woke the listening backend, the main and a
+        pass that found nothing to do: with no worker connected, that cost producers
+        writing straight to the store (``enqueue_in_async``) about a sixth of their rate
+        on two cores. Free credit always comes with a nudge (a ``ready``, a report, a
+        claim answered), and listening again starts with a wake that forgets every mode
+        proven drained, so an insert made while nobody listened is found by the next
+        pass.
+        """
         assert isinstance(self._store, SupportsNotify)
-        async with self._store.listen(self.wake):
-            self._listening = True
-            # An insert while the notifications were down went unannounced.
-            self.wake()
-            try:
-                await asyncio.Event().wait()
-            finally:
-                self._listening = False
+        while True:
+            await self._until(self._has_credit)
+            async with self._store.listen(self.wake):
+                self._listening = True
+                # An insert while the notifications were down went unannounced.
+                self.wake()
+                try:
+                    await self._until(self._credit_gone)
+                finally:
+                    self._listening = False
+
+    def _has_credit(self) -> bool:
+        if self._handoff.credit() > 0:
+            self._credit_seen = asyncio.get_running_loop().time()
+            return True
+        return False
+
+    def _credit_gone(self) -> bool:
+        """No free slot for the last ``LISTEN_LINGER`` seconds (slots freed and spent
+        again within it keep the notifications on: a busy drain never stops listening)."""
+        if self._has_credit():
+            return False
+        return asyncio.get_running_loop().time() - self._credit_seen >= LISTEN_LINGER
+
+    async def _until(self, condition: Callable[[], bool]) -> None:
+        """Until ``condition()`` holds, looked at after every wake and nudge (which any
+        change of credit comes with) and every ``LISTEN_LINGER`` seconds."""
+        while not condition():
+            self._credit_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(LISTEN_LINGER):  # not wait_for: see run()
+                    await self._credit_changed.wait()
 
     async def run(self) -> None:
         """Pass after pass; between them, sleep until woken or the next job is due."""
@@ -135,7 +182,11 @@ class Dispatcher:
                     continue
                 timeout = await self._idle_timeout()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), timeout)
+                    # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a
+                    # cancellation that arrives as the event is set, and the loop would
+                    # outlive the main's shutdown.
+                    async with asyncio.timeout(timeout):
+                        await self._wake.wait()
                 except TimeoutError:
                     # Time alone makes jobs due (and ends an affinity's grace): no mode
                     # counts as drained, and the next run time is read again.

@@ -195,6 +195,8 @@ _spare_ids: list[int] = []
 _new_uuid = object.__new__
 _set_uuid_int = uuid.UUID.__dict__["int"].__set__
 _set_uuid_safe = uuid.UUID.__dict__["is_safe"].__set__
+_UNKNOWN_SAFETY = uuid.SafeUUID.unknown
+"""Read once: an enum member read through its class costs a descriptor call each time."""
 os.register_at_fork(after_in_child=_spare_ids.clear)
 
 
@@ -221,7 +223,7 @@ def random_uuid() -> uuid.UUID:
         _spare_ids.extend(fresh)
     job_id = _new_uuid(uuid.UUID)
     _set_uuid_int(job_id, value)
-    _set_uuid_safe(job_id, uuid.SafeUUID.unknown)
+    _set_uuid_safe(job_id, _UNKNOWN_SAFETY)
     return job_id
 
 

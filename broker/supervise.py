@@ -46,8 +46,11 @@ async def retrying(
         if wake is None:
             await asyncio.sleep(interval)
         else:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation
+            # that arrives as ``wake`` is set.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), interval)
+                async with asyncio.timeout(interval):
+                    await wake.wait()
             wake.clear()
 
 

@@ -13,8 +13,10 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+import pytest
+
 from adapters.memory import MemoryAdapter
-from broker import protocol
+from broker import dispatch, protocol
 from broker.dispatch import READ_AHEAD_MAX_AGE, Dispatcher, ReadAhead
 from broker.handoff import Dispatch, Handoff, HandoffEffect, PlannedClaim
 from broker.jobs import Claim, ExecutionMode, Job, JobSpec, utcnow
@@ -297,6 +299,63 @@ async def test_without_notifications_a_busy_dispatcher_still_polls_the_drained_m
     d.nudge()
     await dispatched(d, sent, 4)
     assert store.reads[2:] == [{POOLED, ExecutionMode.INLINE}, {ExecutionMode.INLINE}]
+
+
+async def test_the_dispatcher_listens_only_while_a_worker_has_a_free_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A notification helps only a main that can hand the job off: with no free slot the
+    dispatcher stops listening (after ``LISTEN_LINGER``, here none), so producers writing
+    to the store do not wake it. A job inserted meanwhile is not lost: listening again
+    starts with a wake, which forgets the modes proven drained."""
+    monkeypatch.setattr(dispatch, "LISTEN_LINGER", 0.0)
+    store = Observed()
+    core = Handoff()
+    d = dispatcher(store, core, [])
+    listener = asyncio.create_task(d.listen())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not d._listening and not store._listeners  # no worker: nobody to wake
+    worker(core, 1, 2)
+    d.nudge()  # a ready: free credit
+    while not d._listening:
+        await asyncio.sleep(0)
+    assert store._listeners
+    core.read_eligible(core.queue_changes, {POOLED}, full=False)
+    assert POOLED in core.drained
+    core.draining(1)  # the only worker stops taking jobs
+    d.nudge()
+    while d._listening:
+        await asyncio.sleep(0)
+    assert not store._listeners
+    await store.enqueue_many([JobSpec(task="t")])  # unannounced: nobody listens
+    assert POOLED in core.drained
+    worker(core, 2, 2)
+    d.nudge()
+    while not d._listening:
+        await asyncio.sleep(0)
+    assert POOLED not in core.drained  # the next pass reads the queue again
+    listener.cancel()
+    await asyncio.gather(listener, return_exceptions=True)
+
+
+async def test_a_cancellation_that_comes_with_a_wake_still_ends_the_loops() -> None:
+    """The main stops its dispatcher and listener by cancelling them. A wake in the same
+    instant (a report, an insert) must not swallow the cancellation: on Python 3.11,
+    ``asyncio.wait_for`` returned the woken wait instead, and the loop ran on."""
+    store = Observed()
+    core = Handoff()
+    worker(core, 1, 2)
+    d = dispatcher(store, core, [])
+    run = asyncio.create_task(d.run())
+    listener = await listening(d)
+    while store.next_run_reads == 0:  # the dispatcher is idle, waiting to be woken
+        await asyncio.sleep(0)
+    for task in (run, listener):
+        d.wake()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
 
 
 async def test_an_idle_dispatcher_reads_the_next_run_time_again_only_after_a_change() -> None:
