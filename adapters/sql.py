@@ -418,23 +418,21 @@ def _columns(changes: Mapping[str, Any]) -> dict[str, Any]:
     return {_COLUMN_OF[name]: _ENCODE[name](value) for name, value in changes.items()}
 
 
-_ROW_VALUES = operator.attrgetter(*(name for name, _, _, _ in _FIELDS))
 _ROW_ENCODED = [(column, encode) for _, column, encode, _ in _FIELDS if encode is not _same]
 _ROWS_JSON = msgspec.json.Encoder()
 """Rows for PostgreSQL's enqueue (:mod:`adapters._pg_hot`): column values as JSON (ids
 as text; the values are the columns' own, so nothing is lost on the way)."""
 
 
-def _job_row(job: Job) -> dict[str, Any]:
-    """The columns of ``job``'s row that are not NULL (what an enqueue inserts: a column
-    left out is NULL). Most of a new job's are; PostgreSQL's enqueue sends its rows as
-    JSON (``json_to_recordset`` reads an absent key as NULL), and the nulls were half its
-    text: encoded by the main, sent and parsed by the server for nothing. As
-    :func:`_job_from_row`, columns held as is are copied without a call each: every
-    enqueued job passes here. No encoding turns a value into NULL or NULL into a value."""
-    row = {
-        column: v for column, v in zip(_ROW_COLUMNS, _ROW_VALUES(job), strict=True) if v is not None
-    }
+def _new_row(job_fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The columns of a new job's row that are not NULL (what an enqueue inserts: a
+    column left out is NULL), from the job's fields by name
+    (:func:`~broker.settlement.enqueued_fields`). Most of a new job's are; PostgreSQL's
+    enqueue sends its rows as JSON (``json_to_recordset`` reads an absent key as NULL),
+    and the nulls were half its text: encoded by the main, sent and parsed by the server
+    for nothing. Columns held as is are copied without a call each: every enqueued job
+    passes here. No encoding turns a value into NULL or NULL into a value."""
+    row = {_COLUMN_OF[name]: v for name, v in job_fields.items() if v is not None}
     for column, encode in _ROW_ENCODED:
         value = row.get(column)
         if value is not None:
@@ -443,7 +441,7 @@ def _job_row(job: Job) -> dict[str, Any]:
 
 
 _NULL_ROW = dict.fromkeys(_ROW_COLUMNS)
-"""Every column NULL: under the columns :func:`_job_row` leaves out, for an insert that
+"""Every column NULL: under the columns :func:`_new_row` leaves out, for an insert that
 names every column in every row (SQLAlchemy's)."""
 
 
@@ -1683,8 +1681,8 @@ class SQLAlchemyAdapter:
             canonical.append(found)
         now = _from_us(now_us)
 
-        def enqueued(i: int) -> Job:
-            return settlement.enqueued(specs[i], now, claims[i] if claims else None)
+        def enqueued(i: int) -> dict[str, Any]:
+            return settlement.enqueued_fields(specs[i], now, claims[i] if claims else None)
 
         stored = await self._insert_or_find(
             insert, find, specs, sorted(set(canonical)), enqueued, overlap
@@ -1700,14 +1698,14 @@ class SQLAlchemyAdapter:
         find: Callable[[Sequence[JobSpec]], Awaitable[list[Job | None]]],
         specs: Sequence[JobSpec],
         indices: list[int],
-        enqueued: Callable[[int], Job],
+        enqueued: Callable[[int], dict[str, Any]],
         overlap: Overlap | None,
     ) -> dict[int, EnqueueResult]:
-        """Insert the jobs ``enqueued(i)`` builds for ``indices`` (into ``specs``); a job
-        inserted comes back as built (the row holds exactly its values), one blocked comes
-        back as its holder."""
+        """Insert the jobs whose fields ``enqueued(i)`` gives for ``indices`` (into
+        ``specs``); a job inserted comes back as given (the row holds exactly its values),
+        one blocked comes back as its holder."""
         out: dict[int, EnqueueResult] = {}
-        jobs_at: dict[int, Job] = {}
+        fields_at: dict[int, dict[str, Any]] = {}
         hot: dict[int, dict[str, Any]] = {}
         moved: dict[int, list[Payload]] = {}
 
@@ -1717,8 +1715,10 @@ class SQLAlchemyAdapter:
 
         def build(chunk: Sequence[int]) -> tuple[list[dict[str, Any]], list[Payload]]:
             for i in chunk:
-                job = jobs_at[i] = enqueued(i)
-                hot[i], moved[i] = _offload(specs[i].id, _job_row(job), self._offload_threshold)
+                job_fields = fields_at[i] = enqueued(i)
+                hot[i], moved[i] = _offload(
+                    specs[i].id, _new_row(job_fields), self._offload_threshold
+                )
             return rows(chunk)
 
         chunks = [indices] if overlap is None else _chunks(indices, _OVERLAP_CHUNK)
@@ -1734,7 +1734,7 @@ class SQLAlchemyAdapter:
             missing = []
             for i in pending:
                 if specs[i].id in inserted:
-                    out[i] = EnqueueResult(jobs_at[i], duplicate=False)
+                    out[i] = EnqueueResult.inserted(fields_at[i])
                 else:
                     missing.append(i)
             if not missing:

@@ -78,7 +78,8 @@ class Dispatcher:
         self._listening = False
         """The store's notifications are live: every insert, by any process, wakes us."""
         self._credit_changed = asyncio.Event()
-        """Set by every wake and nudge: the listener looks at the free credit again."""
+        """Set by every nudge, which any change of free credit comes with: the listener
+        looks at the credit again (a wake changes none: each enqueue makes one)."""
         self._credit_seen = 0.0
         """Loop time free credit was last seen (see :meth:`_listen_once`)."""
         self._polled = 0.0
@@ -93,7 +94,6 @@ class Dispatcher:
         have made jobs eligible, so the core stops counting any mode as drained."""
         self._handoff.queue_changed()
         self._wake.set()
-        self._credit_changed.set()
 
     def nudge(self) -> None:
         """Ask for another pass because more jobs may be placed (a slot was freed, a claim
@@ -152,8 +152,8 @@ class Dispatcher:
         return asyncio.get_running_loop().time() - self._credit_seen >= LISTEN_LINGER
 
     async def _until(self, condition: Callable[[], bool]) -> None:
-        """Until ``condition()`` holds, looked at after every wake and nudge (which any
-        change of credit comes with) and every ``LISTEN_LINGER`` seconds."""
+        """Until ``condition()`` holds, looked at after every nudge and every
+        ``LISTEN_LINGER`` seconds."""
         while not condition():
             self._credit_changed.clear()
             with contextlib.suppress(TimeoutError):

@@ -403,9 +403,7 @@ class Job:
     @classmethod
     def from_spec(cls, spec: JobSpec, now: datetime) -> Job:
         """The row a store writes for ``spec`` when it is enqueued at ``now``."""
-        values = spec_values(spec)
-        values.update(args=tuple(spec.args), kwargs=dict(spec.kwargs), run_at=spec.run_at or now)
-        return cls(**values, status=JobStatus.QUEUED, attempts=0, created_at=now, updated_at=now)
+        return cls(**new_job_fields(spec, now))
 
     @property
     def retries_left(self) -> int:
@@ -427,6 +425,26 @@ class Job:
 
 _slot_init(Job)
 _slot_init(JobSpec)
+
+_JOB_DEFAULTS = {f.name: f.default for f in fields(Job) if f.default is not MISSING}
+
+
+def new_job_fields(spec: JobSpec, now: datetime) -> dict[str, Any]:
+    """Every field of the :class:`Job` a store writes for ``spec`` enqueued at ``now``,
+    by name: what :meth:`Job.from_spec` builds, for a store that writes the row without
+    building the value (see :meth:`EnqueueResult.inserted`)."""
+    values = {**_JOB_DEFAULTS, **spec_values(spec)}
+    values.update(
+        args=tuple(spec.args),
+        kwargs=dict(spec.kwargs),
+        run_at=spec.run_at or now,
+        status=JobStatus.QUEUED,
+        attempts=0,
+        created_at=now,
+        updated_at=now,
+    )
+    return values
+
 
 IDEMPOTENCY_FIELDS = (
     "task",
@@ -593,9 +611,54 @@ class ProgressUpdate:
         object.__setattr__(self, "message", storable_text(self.message, MAX_PROGRESS_CHARS))
 
 
-@dataclass(frozen=True, slots=True)
 class EnqueueResult:
-    job: Job
-    duplicate: bool
-    """True when an existing job was returned instead: the one holding the same idempotency
-    key, or the active one holding the same unique key."""
+    """What an enqueue did with one job: ``job``, the job as stored, and ``duplicate``:
+    true when an existing job was returned instead (the one holding the same idempotency
+    key, or the active one holding the same unique key).
+
+    A store that wrote the job from its field values (:meth:`inserted`) builds the
+    :class:`Job` when ``job`` is first read. A bulk enqueue through the main reads only
+    each job's id, and building a 31-field value per job cost the main about 2 us of
+    its 17 per job.
+    """
+
+    __slots__ = ("_fields", "_job", "duplicate")
+
+    def __init__(self, job: Job, duplicate: bool) -> None:
+        self._job: Job | None = job
+        self._fields: dict[str, Any] | None = None
+        self.duplicate = duplicate
+
+    @classmethod
+    def inserted(cls, job_fields: dict[str, Any]) -> EnqueueResult:
+        """A job just written, as its fields by name (:func:`new_job_fields`, after any
+        move the store applied to them); the dict becomes this result's own."""
+        result = cls.__new__(cls)
+        result._job = None
+        result._fields = job_fields
+        result.duplicate = False
+        return result
+
+    @property
+    def job(self) -> Job:
+        if self._job is None:
+            assert self._fields is not None
+            self._job = Job(**self._fields)
+            self._fields = None
+        return self._job
+
+    @property
+    def job_id(self) -> uuid.UUID:
+        """``job.id``, without building the job."""
+        job_fields = self._fields
+        return self.job.id if job_fields is None else job_fields["id"]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EnqueueResult):
+            return NotImplemented
+        return (self.job, self.duplicate) == (other.job, other.duplicate)
+
+    __hash__ = None  # type: ignore[assignment]  # its job holds a dict
+
+    def __repr__(self) -> str:
+        return f"EnqueueResult(job={self.job!r}, duplicate={self.duplicate!r})"

@@ -120,7 +120,10 @@ class Operations:
             self.check_payload(spec)
         results = await self._enqueue(specs)
         if self._metrics is not None:  # one increment per (queue, task), not per job
-            counted = Counter((r.job.queue, r.job.task) for r in results if not r.duplicate)
+            # A job written is its spec's (reading the result's job would build it).
+            counted = Counter(
+                (s.queue, s.task) for s, r in zip(specs, results, strict=True) if not r.duplicate
+            )
             for (queue, task), n in counted.items():
                 self._metrics.enqueued.inc(queue, task, n)
         return results

@@ -108,7 +108,7 @@ class Requests:
                         )
                 self._wake()
                 refs = [
-                    protocol.EnqueuedRef(job_id=r.job.id, duplicate=r.duplicate) for r in results
+                    protocol.EnqueuedRef(job_id=r.job_id, duplicate=r.duplicate) for r in results
                 ]
                 return protocol.EnqueuedReply(request_id=rid, jobs=refs)
             case protocol.GetJob(request_id=rid, job_id=job_id):

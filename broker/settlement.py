@@ -54,6 +54,7 @@ from broker.jobs import (
     Outcome,
     ProgressUpdate,
     Settlement,
+    new_job_fields,
 )
 
 
@@ -105,10 +106,16 @@ def enqueued(spec: JobSpec, now: datetime, claim: Claim | None = None) -> Job:
     the main made at enqueue time for a job :func:`claimable_at_enqueue`, handed off
     under that claim exactly as if it had been claimed at once (a claim naming another
     job is ignored)."""
-    job = Job.from_spec(spec, now)
-    if claim is None or claim.job_id != spec.id or not claimable_at_enqueue(spec, now):
-        return job
-    return apply(job, hand_off(claim, now))
+    return Job(**enqueued_fields(spec, now, claim))
+
+
+def enqueued_fields(spec: JobSpec, now: datetime, claim: Claim | None = None) -> dict[str, Any]:
+    """The fields of :func:`enqueued`'s job by name, for a store that writes the row
+    without building the job (see :meth:`~broker.jobs.EnqueueResult.inserted`)."""
+    job_fields = new_job_fields(spec, now)
+    if claim is not None and claim.job_id == spec.id and claimable_at_enqueue(spec, now):
+        job_fields.update(_changes(hand_off(claim, now), job_fields))
+    return job_fields
 
 
 def accepts(status: str, handoff_id: uuid.UUID | None, s: Settlement | ProgressUpdate) -> bool:
@@ -215,9 +222,15 @@ def revive(now: datetime) -> Move:
 
 def apply(job: Job, move: Move) -> Job:
     """``job`` after ``move``: how a store that keeps :class:`Job` values carries it out."""
+    return replace(job, **_changes(move, {"attempts": job.attempts, "recoveries": job.recoveries}))
+
+
+def _changes(move: Move, counts: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields ``move`` sets, the counts it adds to included (``counts``: the job's
+    ``attempts`` and ``recoveries`` before it)."""
     changes = dict(move.changes)
     if move.counts_attempt:
-        changes["attempts"] = job.attempts + 1
+        changes["attempts"] = counts["attempts"] + 1
     if move.counts_recovery:
-        changes["recoveries"] = job.recoveries + 1
-    return replace(job, **changes)
+        changes["recoveries"] = counts["recoveries"] + 1
+    return changes

@@ -24,7 +24,7 @@ import pytest
 import sqlalchemy as sa
 
 from adapters._sql_schema import CREATED_INDEX, QUIET_INSERTS_SETTING, notify_channel
-from adapters.sql import _NULL_ROW, SQLAlchemyAdapter, _job_from_row, _job_row, _loads
+from adapters.sql import _NULL_ROW, SQLAlchemyAdapter, _job_from_row, _loads, _new_row
 from broker.exceptions import (
     ConfigurationError,
     MissingDriverError,
@@ -32,7 +32,7 @@ from broker.exceptions import (
     StorageError,
     StorageRejectedError,
 )
-from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus
+from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus, new_job_fields
 from broker.storage import SCHEMA_VERSION, JobFilter, StorageAdapter, SupportsNotify
 from broker.testing import FakeClock
 
@@ -199,8 +199,9 @@ def test_an_enqueues_row_leaves_its_nulls_out() -> None:
     """The row an enqueue inserts names only the columns that are not NULL (PostgreSQL's
     enqueue sends its rows as JSON, where the nulls were half the text); filled back with
     NULLs it reads as the job. A JSON null inside the args is a value, not a NULL."""
-    job = Job.from_spec(JobSpec("app.t", args=[None]), START)
-    row = _job_row(job)
+    job_fields = new_job_fields(JobSpec("app.t", args=[None]), START)
+    job = Job(**job_fields)
+    row = _new_row(job_fields)
     assert None not in row.values() and "handoff_id" not in row and row["args"] == "[null]"
     assert _job_from_row({**_NULL_ROW, **row}) == job
 
