@@ -314,7 +314,8 @@ class JobSpec:
 
 SPEC_FIELDS = tuple(f.name for f in fields(JobSpec))
 """The names of :class:`JobSpec`'s fields, in order."""
-_spec_getter = operator.attrgetter(*SPEC_FIELDS)
+spec_fields = operator.attrgetter(*SPEC_FIELDS)
+"""A spec's field values as a tuple, in :data:`SPEC_FIELDS` order (one C call)."""
 
 
 def _slot_init(cls: Any) -> None:
@@ -502,7 +503,7 @@ def spec_values(spec: JobSpec) -> dict[str, Any]:
     """Every field of ``spec`` by name. Each boundary a job request crosses (a stored
     :class:`Job`, a wire ``JobRequest``) copies through here, so a new field of
     :class:`JobSpec` needs no copy written by hand."""
-    return dict(zip(SPEC_FIELDS, _spec_getter(spec), strict=True))
+    return dict(zip(SPEC_FIELDS, spec_fields(spec), strict=True))
 
 
 def spec_from(source: object, **differ: Any) -> JobSpec:

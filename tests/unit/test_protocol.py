@@ -408,6 +408,9 @@ def test_job_request_from_spec_round_trips() -> None:
         concurrency_limit=1,
         timeout=2.5,
         execution_mode=ExecutionMode.FORKED,
+        unique_key="u",
+        max_recoveries=2,
+        local_state=True,
     )
     wire = p.decode(p.encode(p.Enqueue("r", [p.JobRequest.from_spec(spec)])))
     assert isinstance(wire, p.Enqueue)
