@@ -24,7 +24,9 @@ from bench.systems import POSTGRES_ADMIN_DB, database, postgres_dsn
 TASKS = "bench.peers.broker_app"
 DATABASE = database("bench_broker")
 CHUNK = 1000
-"""Jobs per ``enqueue_many`` call: one round trip and one transaction each."""
+"""Jobs per enqueue request: one round trip and one transaction each."""
+IN_FLIGHT = 3
+"""Enqueue requests under way at once in a bulk enqueue (``Client.enqueue_batches``)."""
 OUTSTANDING = (
     "SELECT (SELECT count(*) FROM broker_jobs WHERE status = 'queued')"
     " + (SELECT count(*) FROM broker_jobs WHERE status = 'handed_off')"
@@ -121,7 +123,10 @@ def free_port() -> int:
 
 class BrokerDriver(Driver):
     packages = ("broker", "SQLAlchemy", "aiosqlite", "asyncpg")
-    bulk_text = f"Client.enqueue_many, {CHUNK} jobs a call"
+    bulk_text = (
+        f"Client.enqueue_batches: {CHUNK} jobs a request (each stored all or none), "
+        f"{IN_FLIGHT} requests under way at once"
+    )
 
     def __init__(self, name: str, cfg: Config) -> None:
         super().__init__(name, cfg)
@@ -281,12 +286,8 @@ class BrokerDriver(Driver):
         from broker.jobs import ExecutionMode, JobSpec
 
         task, mode = f"{TASKS}.{kind}", ExecutionMode(self.mode)
-        for i in range(0, len(args), CHUNK):
-            specs = [
-                JobSpec(task=task, args=(a,), max_attempts=1, execution_mode=mode)
-                for a in args[i : i + CHUNK]
-            ]
-            self.run(self.client.enqueue_many(specs))
+        specs = (JobSpec(task=task, args=(a,), max_attempts=1, execution_mode=mode) for a in args)
+        self.run(self.client.enqueue_batches(specs, batch_size=CHUNK, in_flight=IN_FLIGHT))
         self.enqueued += len(args)
 
     def done_count(self) -> int:
