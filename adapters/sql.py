@@ -104,6 +104,7 @@ from broker.exceptions import (
     UniqueKeyTakenError,
 )
 from broker.jobs import (
+    JOB_DEFAULTS,
     TERMINAL_STATUSES,
     CheckpointSave,
     Claim,
@@ -426,18 +427,28 @@ as text; the values are the columns' own, so nothing is lost on the way)."""
 
 def _new_row(job_fields: Mapping[str, Any]) -> dict[str, Any]:
     """The columns of a new job's row that are not NULL (what an enqueue inserts: a
-    column left out is NULL), from the job's fields by name
-    (:func:`~broker.settlement.enqueued_fields`). Most of a new job's are; PostgreSQL's
-    enqueue sends its rows as JSON (``json_to_recordset`` reads an absent key as NULL),
-    and the nulls were half its text: encoded by the main, sent and parsed by the server
-    for nothing. Columns held as is are copied without a call each: every enqueued job
-    passes here. No encoding turns a value into NULL or NULL into a value."""
-    row = {_COLUMN_OF[name]: v for name, v in job_fields.items() if v is not None}
+    column left out is NULL), from the job's fields by name, those at their defaults
+    left out (:func:`~broker.settlement.enqueued_fields`). Most of a new job's are NULL;
+    PostgreSQL's enqueue sends its rows as JSON (``json_to_recordset`` reads an absent
+    key as NULL), and the nulls were half its text: encoded by the main, sent and parsed
+    by the server for nothing. Columns held as is are copied without a call each: every
+    enqueued job passes here. No encoding turns a value into NULL or NULL into a value."""
+    row = {
+        **_DEFAULT_ROW,
+        **{_COLUMN_OF[name]: v for name, v in job_fields.items() if v is not None},
+    }
     for column, encode in _ROW_ENCODED:
         value = row.get(column)
         if value is not None:
             row[column] = encode(value)
     return row
+
+
+_DEFAULT_ROW = {
+    _COLUMN_OF[name]: value for name, value in JOB_DEFAULTS.items() if value is not None
+}
+"""The columns of the :class:`Job` fields whose default is not NULL, at it (not yet
+encoded): under every new row."""
 
 
 _NULL_ROW = dict.fromkeys(_ROW_COLUMNS)

@@ -427,14 +427,16 @@ class Job:
 _slot_init(Job)
 _slot_init(JobSpec)
 
-_JOB_DEFAULTS = {f.name: f.default for f in fields(Job) if f.default is not MISSING}
+JOB_DEFAULTS = {f.name: f.default for f in fields(Job) if f.default is not MISSING}
+"""The :class:`Job` fields that have a default, by name, with it."""
 
 
 def new_job_fields(spec: JobSpec, now: datetime) -> dict[str, Any]:
-    """Every field of the :class:`Job` a store writes for ``spec`` enqueued at ``now``,
-    by name: what :meth:`Job.from_spec` builds, for a store that writes the row without
-    building the value (see :meth:`EnqueueResult.inserted`)."""
-    values = {**_JOB_DEFAULTS, **spec_values(spec)}
+    """The fields of the :class:`Job` a store writes for ``spec`` enqueued at ``now``, by
+    name, the fields left at their defaults (:data:`JOB_DEFAULTS`) left out: what
+    :meth:`Job.from_spec` builds, for a store that writes the row without building the
+    value (see :meth:`EnqueueResult.inserted`)."""
+    values = spec_values(spec)
     values.update(
         args=tuple(spec.args),
         kwargs=dict(spec.kwargs),

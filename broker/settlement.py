@@ -39,6 +39,7 @@ only when the job was handed off (a queued job holds none).
 from __future__ import annotations
 
 import uuid
+from collections import ChainMap
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -46,6 +47,7 @@ from typing import Any
 
 from broker.jobs import (
     ACTIVE_STATUSES,
+    JOB_DEFAULTS,
     CheckpointSave,
     Claim,
     Job,
@@ -114,7 +116,7 @@ def enqueued_fields(spec: JobSpec, now: datetime, claim: Claim | None = None) ->
     without building the job (see :meth:`~broker.jobs.EnqueueResult.inserted`)."""
     job_fields = new_job_fields(spec, now)
     if claim is not None and claim.job_id == spec.id and claimable_at_enqueue(spec, now):
-        job_fields.update(_changes(hand_off(claim, now), job_fields))
+        job_fields.update(_changes(hand_off(claim, now), ChainMap(job_fields, JOB_DEFAULTS)))
     return job_fields
 
 
