@@ -583,9 +583,9 @@ class JobRequest(_Struct, frozen=True, omit_defaults=True):
             if value is not None
         }
         if defaults:
-            for name in _REQUESTED:
-                if name not in values and (value := defaults.get(name)) is not None:
-                    values[name] = value
+            for name, value in defaults.items():
+                if value is not None:
+                    values.setdefault(name, value)
         return JobSpec(**values, run_at=run_at)
 
     @classmethod
