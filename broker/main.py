@@ -537,7 +537,10 @@ class Main:
         except BaseException:
             self._carry(self.handoff.claim_unknown(planned))
             raise
-        self._carry(self.handoff.claimed(planned, [r.job for r in results if not r.duplicate]))
+        # Only the jobs planned are looked at (reading a result's job builds it).
+        leased = {p.job.id for p in planned}
+        won = [r.job for r in results if not r.duplicate and r.job_id in leased]
+        self._carry(self.handoff.claimed(planned, won))
         return results
 
     def _carry(self, effects: Sequence[HandoffEffect]) -> None:

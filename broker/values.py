@@ -62,6 +62,12 @@ def check_name(field: str, value: object, max_bytes: int | None = None) -> None:
     character escaped, never raw."""
     if not isinstance(value, str):
         raise ValueError(f"{field} must be a string")
+    if value.isascii() and value.isprintable():
+        # The usual name, checked in C: printable ASCII holds no control character (nor a
+        # surrogate), and its length is its size. Every enqueued job has several names.
+        if max_bytes is not None and len(value) > max_bytes:
+            raise ValueError(f"{field} must be at most {max_bytes} bytes (UTF-8)")
+        return
     if max_bytes is not None and len(value.encode("utf-8", "surrogatepass")) > max_bytes:
         raise ValueError(f"{field} must be at most {max_bytes} bytes (UTF-8)")
     bad = _FORBIDDEN.search(value)

@@ -1,0 +1,25 @@
+"""``check_name``: the fast path for printable ASCII says what the full rule says."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from broker.values import _FORBIDDEN, check_name
+
+
+@given(st.text(), st.one_of(st.none(), st.integers(min_value=0, max_value=40)))
+def test_a_name_is_refused_exactly_when_the_rule_says(value: str, max_bytes: int | None) -> None:
+    too_long = max_bytes is not None and len(value.encode("utf-8", "surrogatepass")) > max_bytes
+    if too_long or _FORBIDDEN.search(value):
+        with pytest.raises(ValueError):
+            check_name("name", value, max_bytes)
+    else:
+        check_name("name", value, max_bytes)
+
+
+@pytest.mark.parametrize("value", ["a\x00b", "tab\there", "del\x7f", "line\nbreak"])
+def test_ascii_controls_are_refused(value: str) -> None:
+    with pytest.raises(ValueError, match="control characters"):
+        check_name("task", value)
