@@ -308,12 +308,14 @@ class HotSql:
                 WITH ORDINALITY AS r({names}, ord)
             {{where}}
             ORDER BY ord
-            ON CONFLICT DO NOTHING
-            RETURNING id
+            {{conflict}}
         """
-        self.insert = insert.format(where="")
-        self.insert_fenced = insert.format(where=f"WHERE {fence(2)}")
+        taken = "ON CONFLICT DO NOTHING RETURNING id"
+        self.insert = insert.format(where="", conflict=taken)
+        self.insert_fenced = insert.format(where=f"WHERE {fence(2)}", conflict=taken)
         """The insert of a batch holding jobs written handed off: fenced like a claim."""
+        self.insert_every = insert.format(where="", conflict="")
+        """Every row or none: a taken key or id fails the whole statement."""
         # The election (see ``_sql_schema._v8_leader``), by the database's clock. Taking
         # over: insert the row, or take it when its lease has run out (the epoch grows).
         # Neither locks a live row, so a standby's rounds never hold up the leader's

@@ -1119,6 +1119,8 @@ class SQLAlchemyAdapter:
                 driver.PostgresError,
                 driver.InterfaceError,
             )
+            self._server_refused: type[BaseException] = driver.PostgresError
+            """A statement the server refused: the session is fine, nothing was written."""
             # An argument asyncpg cannot encode (say, an integer beyond BIGINT) is a
             # value the store can never hold, as the server's data errors are.
             self._client_rejects: tuple[type[BaseException], ...] = (
@@ -1575,8 +1577,41 @@ class SQLAlchemyAdapter:
 
         if len(specs) == 1:
             return await self._enqueue_with(insert, find, specs, claims)
+        if not any(claims) and not conn.is_in_transaction():
+            every = await self._enqueue_every(sql, conn, specs)
+            if every is not None:
+                return every
         async with conn.transaction():
             return await self._enqueue_with(insert, find, specs, claims, _overlapped)
+
+    async def _enqueue_every(
+        self, sql: HotSql, conn: Any, specs: Sequence[JobSpec]
+    ) -> list[EnqueueResult] | None:
+        """PostgreSQL: a batch of new jobs in one plain ``INSERT``, committed on its own,
+        when nothing stands in the way; ``None`` when something does (a key or id taken,
+        in the store or twice in the batch, a payload to offload, any refusal), and then
+        nothing of the batch was stored and it goes the careful way
+        (:meth:`_enqueue_with`, in a transaction).
+
+        In a bulk enqueue nothing usually does, and the careful way cost each group
+        commit a ``BEGIN`` and a ``COMMIT`` round trip, each waiting its turn on the
+        main's loop behind the checks of the next request: a trace of 3,500 jobs
+        showed the database idle half the time. A statement that fails changes
+        nothing, and outside a transaction (checked) aborts nothing else.
+        """
+        now = _from_us(self._now())
+        job_fields = [settlement.enqueued_fields(spec, now) for spec in specs]
+        rows = []
+        for spec, each in zip(specs, job_fields, strict=True):
+            row, moved = _offload(spec.id, _new_row(each), self._offload_threshold)
+            if moved:
+                return None
+            rows.append(row)
+        try:
+            await conn.execute(sql.insert_every, _ROWS_JSON.encode(rows).decode())
+        except self._server_refused:
+            return None
+        return [EnqueueResult.inserted(each) for each in job_fields]
 
     async def enqueue_in_transaction(
         self, conn: AsyncConnection, specs: Sequence[JobSpec]

@@ -992,3 +992,40 @@ def test_decoding_an_enum_column_keeps_the_enums_own_answers() -> None:
     assert [decode(m.value) for m in ExecutionMode] == list(ExecutionMode)
     with pytest.raises(ValueError):
         decode("teleported")
+
+
+@pytest.mark.postgres
+async def test_a_batch_goes_in_one_plain_insert_unless_something_stands_in_the_way(
+    pg_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of new jobs is one plain ``INSERT`` committed on its own; a key taken in
+    the store or repeated in the batch fails that statement, which stores nothing, and
+    the batch goes the careful way: its duplicates found, the rest stored once."""
+    store = await pg_backend.open(single_main=True)
+    answers: list[bool] = []
+    every = store._enqueue_every
+
+    async def noted(*args: Any) -> Any:
+        answer = await every(*args)
+        answers.append(answer is not None)
+        return answer
+
+    monkeypatch.setattr(store, "_enqueue_every", noted)
+    fresh = [JobSpec("t", args=[i]) for i in range(3)]
+    results = await store.enqueue_many(fresh)
+    assert answers == [True]
+    assert [r.job_id for r in results] == [s.id for s in fresh]
+    assert [r.job for r in results] == [await store.get_job(s.id) for s in fresh]
+
+    held = JobSpec("t", args=["held"], idempotency_key="k")
+    await store.enqueue_many([held, JobSpec("t")])
+    again = [JobSpec("t", args=["new"]), JobSpec("t", args=["held"], idempotency_key="k")]
+    repeated = [JobSpec("t", unique_key="u"), JobSpec("t", unique_key="u")]
+    for batch in (again, repeated):
+        results = await store.enqueue_many(batch)
+        assert answers[-1] is False
+        assert [r.duplicate for r in results] == [False, True]
+        assert await store.get_job(batch[0].id) is not None
+    assert results[1].job_id == repeated[0].id
+    page = await store.list_jobs(limit=100)
+    assert len(page.jobs) == 3 + 2 + 1 + 1  # every job stored once
