@@ -356,7 +356,7 @@ class Client:
         return await self.enqueue_requests([protocol.JobRequest.from_spec(s) for s in specs])
 
     async def enqueue_batches(
-        self, specs: Iterable[JobSpec], *, batch_size: int = 500, in_flight: int = 3
+        self, specs: Iterable[JobSpec], *, batch_size: int = 250, in_flight: int = 3
     ) -> list[Enqueued]:
         """Enqueue any number of jobs, ``batch_size`` to a request, with up to
         ``in_flight`` requests under way at once; the results come back in the order of
@@ -582,7 +582,7 @@ class SyncClient:
         return self._call(self._client.enqueue_many, specs)
 
     def enqueue_batches(
-        self, specs: Iterable[JobSpec], *, batch_size: int = 500, in_flight: int = 3
+        self, specs: Iterable[JobSpec], *, batch_size: int = 250, in_flight: int = 3
     ) -> list[Enqueued]:
         return self._call(
             self._client.enqueue_batches, specs, batch_size=batch_size, in_flight=in_flight

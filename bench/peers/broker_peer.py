@@ -23,7 +23,7 @@ from bench.systems import POSTGRES_ADMIN_DB, database, postgres_dsn
 
 TASKS = "bench.peers.broker_app"
 DATABASE = database("bench_broker")
-CHUNK = 500
+CHUNK = 250
 """Jobs per enqueue request: one round trip and one transaction each."""
 IN_FLIGHT = 3
 """Enqueue requests under way at once in a bulk enqueue (``Client.enqueue_batches``)."""
