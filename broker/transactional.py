@@ -99,14 +99,7 @@ def job_spec(
         except (TypeError, ValueError) as exc:
             raise InvalidJobError(str(exc)) from None
         given["run_at"] = utcnow() + timedelta(seconds=float(delay))
-    if "execution_mode" in given:
-        try:
-            given["execution_mode"] = ExecutionMode(given["execution_mode"])
-        except ValueError:
-            modes = ", ".join(m.value for m in ExecutionMode)
-            raise InvalidJobError(
-                f"execution_mode must be one of {modes} (got {given['execution_mode']!r})"
-            ) from None
+    # A mode given by name ("pooled") is the job's own check to convert (JobSpec).
     if isinstance(task, Task):
         task.check_arguments(args, kwargs or {})  # a job that could never run is refused here
         return task.spec(args, kwargs, **given)
