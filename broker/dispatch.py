@@ -91,9 +91,15 @@ class Dispatcher:
 
     def wake(self) -> None:
         """Ask for another pass (coalesced: many wakes, one pass). Whatever woke us may
-        have made jobs eligible, so the core stops counting any mode as drained."""
+        have made jobs eligible, so the core stops counting any mode as drained.
+
+        With no free slot anywhere the pass is left out: it could place nothing, and
+        the slot that frees comes with a nudge, whose pass reads again (the drained
+        modes forgotten here). Each enqueue wakes the dispatcher, and while the workers
+        were busy every one of them cost the main a pass for nothing."""
         self._handoff.queue_changed()
-        self._wake.set()
+        if self._handoff.credit() > 0:
+            self._wake.set()
 
     def nudge(self) -> None:
         """Ask for another pass because more jobs may be placed (a slot was freed, a claim

@@ -339,6 +339,40 @@ async def test_the_dispatcher_listens_only_while_a_worker_has_a_free_slot(
     await asyncio.gather(listener, return_exceptions=True)
 
 
+async def test_with_no_free_slot_a_wake_costs_no_pass_and_loses_no_job() -> None:
+    """Every enqueue wakes the dispatcher; while no worker has a free slot the pass is
+    left out. The job enqueued meanwhile goes out with the first slot freed."""
+    store = Observed()
+    core = Handoff()
+    sent: list[Dispatch] = []
+    d = dispatcher(store, core, sent)
+    passes = 0
+    real = d.dispatch_once
+
+    async def counted() -> bool:
+        nonlocal passes
+        passes += 1
+        return await real()
+
+    d.dispatch_once = counted  # type: ignore[method-assign]
+    run = asyncio.create_task(d.run())
+    while passes == 0:  # the first pass, at start
+        await asyncio.sleep(0)
+    [result] = await store.enqueue_many([JobSpec(task="t")])
+    for _ in range(3):
+        d.wake()
+        for _ in range(5):
+            await asyncio.sleep(0)
+    assert passes == 1
+    worker(core, 1, 2)
+    d.nudge()  # a ready: a slot free
+    while not sent:
+        await asyncio.sleep(0)
+    assert sent[0].job.id == result.job_id
+    run.cancel()
+    await asyncio.gather(run, return_exceptions=True)
+
+
 async def test_a_cancellation_that_comes_with_a_wake_still_ends_the_loops() -> None:
     """The main stops its dispatcher and listener by cancelling them. A wake in the same
     instant (a report, an insert) must not swallow the cancellation: on Python 3.11,
