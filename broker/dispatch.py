@@ -78,10 +78,11 @@ class Dispatcher:
         self._listening = False
         """The store's notifications are live: every insert, by any process, wakes us."""
         self._credit_changed = asyncio.Event()
-        """Set by every nudge, which any change of free credit comes with: the listener
-        looks at the credit again (a wake changes none: each enqueue makes one)."""
+        """Set by a nudge (which any change of free credit comes with) while not
+        listening: the listener looks at the credit again (a wake changes none)."""
         self._credit_seen = 0.0
-        """Loop time free credit was last seen (see :meth:`_listen_once`)."""
+        """Loop time free credit (or a nudge, while listening) was last seen (see
+        :meth:`_listen_once`)."""
         self._polled = 0.0
         """Loop time a poll last counted as a change (see ``_poll``)."""
         self._ahead = ReadAhead()
@@ -105,7 +106,12 @@ class Dispatcher:
         """Ask for another pass because more jobs may be placed (a slot was freed, a claim
         answered), not because any job changed: modes proven drained stay so."""
         self._wake.set()
-        self._credit_changed.set()
+        if self._listening:
+            # Only noted: the listener looks at it every LISTEN_LINGER seconds, so a busy
+            # drain (a nudge per report) costs it no wake-up.
+            self._credit_seen = asyncio.get_running_loop().time()
+        else:
+            self._credit_changed.set()
 
     async def listen(self) -> None:
         """Keep the store's notifications on while they can help (see
@@ -151,15 +157,16 @@ class Dispatcher:
         return False
 
     def _credit_gone(self) -> bool:
-        """No free slot for the last ``LISTEN_LINGER`` seconds (slots freed and spent
-        again within it keep the notifications on: a busy drain never stops listening)."""
+        """No free slot now, and neither a free slot nor a nudge for the last
+        ``LISTEN_LINGER`` seconds (slots freed and spent again within it keep the
+        notifications on: a busy drain never stops listening)."""
         if self._has_credit():
             return False
         return asyncio.get_running_loop().time() - self._credit_seen >= LISTEN_LINGER
 
     async def _until(self, condition: Callable[[], bool]) -> None:
-        """Until ``condition()`` holds, looked at after every nudge and every
-        ``LISTEN_LINGER`` seconds."""
+        """Until ``condition()`` holds, looked at every ``LISTEN_LINGER`` seconds and
+        after every nudge while not listening."""
         while not condition():
             self._credit_changed.clear()
             with contextlib.suppress(TimeoutError):
