@@ -52,7 +52,7 @@ from bench.systems import (
 PEERS_VENV = ROOT / ".venv-peers"
 DEFAULT_OUT = ROOT / "bench" / "results"
 SYSTEM_LIMIT = 300.0
-"""Seconds one system may take for all its runs before it is stopped."""
+"""Seconds one repetition of one system may take before it is stopped."""
 DEFAULT_SYSTEMS = [s.name for s in SYSTEMS if s.name != "broker-postgres-inline"]
 
 
@@ -269,6 +269,48 @@ def run_system(
     return result
 
 
+def run_in_turns(
+    names: list[str], skipped: dict[str, str], cfg: Config, workdir: Path, *, checkpoint: bool
+) -> list[dict[str, Any]]:
+    """Every system's repetitions, the systems taking turns: the first repetition of
+    each, then the second of each, and so on.
+
+    Run one system's repetitions back to back, as before, and a slow spell of this
+    shared machine (a minute of a neighbour's load) fell on one system's every run:
+    two whole runs of the same code ten minutes apart disagreed on the latency ratios
+    by 30%. In turns, such a spell costs each system at most one repetition of its
+    median. Each harness run is one repetition; their lists of runs are joined.
+    """
+    merged: dict[str, dict[str, Any]] = {}
+    for rep in range(cfg.reps):
+        for name in names:
+            if name in skipped:
+                continue
+            result = run_system(BY_NAME[name], cfg, workdir, SYSTEM_LIMIT, checkpoint=checkpoint)
+            log(f"{name} ({rep + 1}/{cfg.reps}): {report.one_line(result)}")
+            merged[name] = _joined(merged[name], result) if name in merged else result
+    return [
+        {"system": name, "skipped": skipped[name], "errors": []}
+        if name in skipped
+        else merged[name]
+        for name in names
+    ]
+
+
+def _joined(earlier: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
+    """Two harness results of one system as one: their runs (and errors) joined, their
+    wall times added, the larger share of other processes' CPU kept."""
+    joined = dict(earlier)
+    for key, value in later.items():
+        if isinstance(value, list):
+            joined[key] = [*earlier.get(key, []), *value]
+        elif key not in joined:
+            joined[key] = value
+    joined["wall_s"] = earlier["wall_s"] + later["wall_s"]
+    joined["other_cpu_pct"] = max(earlier["other_cpu_pct"], later["other_cpu_pct"])
+    return joined
+
+
 def environment(redis: dict[str, Any], postgres: dict[str, Any], hash_rounds: int) -> dict:
     with open("/proc/meminfo") as f:
         mem_kb = int(f.readline().split()[1])
@@ -391,22 +433,16 @@ def main(argv: list[str] | None = None) -> int:
             producer_jobs=1000,
             producer_rate=args.producer_rate,
         )
-    (workdir / "config.json").write_text(json.dumps(cfg.__dict__))
+    # The harness runs one repetition at a time: the systems take turns, repetition by
+    # repetition (see run_in_turns).
+    (workdir / "config.json").write_text(json.dumps(cfg.__dict__ | {"reps": 1}))
     env = environment(redis, postgres, hash_rounds)
     log(
         f"{len(names)} systems; 5 ms CPU job = {hash_rounds} SHA-256 rounds "
         f"({env['hash_job_ms']:.2f} ms here); load average {load_at_start[0]:.2f}"
     )
 
-    results = []
-    for name in names:
-        if name in skipped:
-            log(f"{name}: {skipped[name]}")
-            results.append({"system": name, "skipped": skipped[name], "errors": []})
-            continue
-        result = run_system(BY_NAME[name], cfg, workdir, SYSTEM_LIMIT, checkpoint=postgres["ok"])
-        results.append(result)
-        log(f"{name}: {report.one_line(result)}")
+    results = run_in_turns(names, skipped, cfg, workdir, checkpoint=postgres["ok"])
 
     if not args.no_floor and postgres["ok"]:
         log("floor: measuring the hot-path primitives (bench/floor.py)")

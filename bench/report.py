@@ -425,7 +425,9 @@ def _header(data: dict[str, Any], chart_error: str | None) -> list[str]:
         f"- {redis_text}.",
         f"- {pg_text}.",
         f"- {load_text}.",
-        f"- Each cell: median of {cfg['reps']} runs (min{DASH}max). Drain: {cfg['drain_jobs']:,} "
+        f"- Each cell: median of {cfg['reps']} runs (min{DASH}max); the systems take turns, "
+        "one repetition of each, then the next. "
+        f"Drain: {cfg['drain_jobs']:,} "
         f"no-op jobs ({cfg['one_by_one']:,} enqueued one call at a time, the rest in bulk), "
         "then the workers start. 1-by-1 direct (broker on PostgreSQL): "
         f"{cfg.get('direct', 0):,} of the jobs enqueued one at a time by "
