@@ -1605,7 +1605,7 @@ class SQLAlchemyAdapter:
         job_fields = [settlement.enqueued_fields(spec, now) for spec in specs]
         rows = []
         for spec, each in zip(specs, job_fields, strict=True):
-            row, moved = _offload(spec.id, _new_row(each), self._offload_threshold)
+            row, moved = self._row_to_write(spec.id, each)
             if moved:
                 return None
             rows.append(row)
@@ -1614,6 +1614,12 @@ class SQLAlchemyAdapter:
         except self._server_refused:
             return None
         return [EnqueueResult.inserted(each) for each in job_fields]
+
+    def _row_to_write(
+        self, job_id: uuid.UUID, job_fields: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], list[Payload]]:
+        """A new job's row as an enqueue writes it, and the payloads moved out of it."""
+        return _offload(job_id, _new_row(job_fields), self._offload_threshold)
 
     async def enqueue_in_transaction(
         self, conn: AsyncConnection, specs: Sequence[JobSpec]
@@ -1764,9 +1770,7 @@ class SQLAlchemyAdapter:
         def build(chunk: Sequence[int]) -> tuple[list[dict[str, Any]], list[Payload]]:
             for i in chunk:
                 job_fields = fields_at[i] = enqueued(i)
-                hot[i], moved[i] = _offload(
-                    specs[i].id, _new_row(job_fields), self._offload_threshold
-                )
+                hot[i], moved[i] = self._row_to_write(specs[i].id, job_fields)
             return rows(chunk)
 
         chunks = [indices] if overlap is None else _chunks(indices, _OVERLAP_CHUNK)
