@@ -535,7 +535,7 @@ class WorkerState:
         outbox, the oldest prefetched job takes its slot (given ``free``, the runners'
         slots now), and the rest is advertised."""
         mode = self._running.pop(key)
-        window = self._adaptive.get(mode) if now is not None else None
+        window = self._adaptive.get(mode)
         if window is not None and now is not None and window.finished(now):
             self._prefetch[mode] = window.size
         # The outcome supersedes any progress not sent yet. (Each look-up hashes two UUIDs
