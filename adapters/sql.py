@@ -1556,14 +1556,18 @@ class SQLAlchemyAdapter:
         """
 
         async def insert(rows: list[dict[str, Any]], moved: list[Payload]) -> set[uuid.UUID]:
-            batch = _ROWS_JSON.encode(rows).decode()
             # Jobs written handed off are fenced as a claim is.
             fenced = [self._epoch] if any(claims) else []
-            stmt = sql.insert_fenced if fenced else sql.insert
+            if len(rows) == 1:
+                stmt = sql.insert_one_fenced if fenced else sql.insert_one
+                values = [rows[0].get(name) for name in INSERT_COLUMNS]
+            else:
+                stmt = sql.insert_fenced if fenced else sql.insert
+                values = [_ROWS_JSON.encode(rows).decode()]
             if not moved:
-                return {r["id"] for r in await conn.fetch(stmt, batch, *fenced)}
+                return {r["id"] for r in await conn.fetch(stmt, *values, *fenced)}
             async with conn.transaction():  # a savepoint inside a batch's transaction
-                stored = {r["id"] for r in await conn.fetch(stmt, batch, *fenced)}
+                stored = {r["id"] for r in await conn.fetch(stmt, *values, *fenced)}
                 await _pg_put(sql, conn, _kept(moved, stored))
             return stored
 
