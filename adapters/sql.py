@@ -453,7 +453,9 @@ encoded): under every new row."""
 
 _NULL_ROW = dict.fromkeys(_ROW_COLUMNS)
 """Every column NULL: under the columns :func:`_new_row` leaves out, for an insert that
-names every column in every row (SQLAlchemy's)."""
+names every column in every row (SQLAlchemy's, PostgreSQL's one-job insert)."""
+_INSERT_VALUES = operator.itemgetter(*INSERT_COLUMNS)
+"""A full row's values in :data:`INSERT_COLUMNS` order, in one C call."""
 
 
 def _chunks(items: Sequence[_T], size: int = _CHUNK) -> list[Sequence[_T]]:
@@ -1560,7 +1562,7 @@ class SQLAlchemyAdapter:
             fenced = [self._epoch] if any(claims) else []
             if len(rows) == 1:
                 stmt = sql.insert_one_fenced if fenced else sql.insert_one
-                values = [rows[0].get(name) for name in INSERT_COLUMNS]
+                values = _INSERT_VALUES({**_NULL_ROW, **rows[0]})
             else:
                 stmt = sql.insert_fenced if fenced else sql.insert
                 values = [_ROWS_JSON.encode(rows).decode()]

@@ -1,0 +1,157 @@
+"""The floor of a one-at-a-time enqueue through a main: what an extra process costs.
+
+    .venv/bin/python -m bench.enqueue_floor [--jobs 3000] [--reps 3]
+
+Issue 10 asks for one-at-a-time enqueue at PgQueuer's rate, and PgQueuer's producer
+writes straight into PostgreSQL; a broker client's request passes broker-main first.
+This measures how fast that path could be at best, in turns, ``--reps`` times each:
+
+* **direct**: the main's own store write of one job (``enqueue_on_driver_connection``,
+  the statement and the row building of the adapter), called in this process on an
+  asyncpg connection: what ``broker.enqueue_in_async`` costs without its checks;
+* **relay**: the same write behind a relay that does nothing else: a child process
+  whose ``asyncio.Protocol`` reads a line, runs the write in a task, and answers a line;
+  this process sends a line and waits for the answer, one job at a time.
+
+The relay is the least a main can add: no decoding, checks, catalog, group commit or
+reply encoding. Compare its rate with PgQueuer's one-at-a-time figure on the same
+machine (``python -m bench.enqueue_bench pgqueuer`` from its environment): where the
+relay alone does not beat it, no main on this design can.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import asyncpg  # type: ignore[import-untyped]
+
+from bench.systems import POSTGRES_ADMIN_DB, database, postgres_dsn
+
+DATABASE = database("bench_enqueue_floor")
+TASK = "bench.jobs.noop"
+
+
+def _store() -> Any:
+    from adapters.sql import SQLAlchemyAdapter
+
+    url = postgres_dsn(DATABASE).replace("postgresql://", "postgresql+asyncpg://")
+    return SQLAlchemyAdapter(url)
+
+
+async def _write_one(store: Any, conn: Any, arg: int) -> None:
+    from broker.jobs import JobSpec
+
+    await store.enqueue_on_driver_connection(conn, [JobSpec(task=TASK, args=(arg,))])
+
+
+class _Relay(asyncio.Protocol):
+    """A line in, the job written, a line out; nothing else."""
+
+    def __init__(self, store: Any, conn: Any) -> None:
+        self.store, self.conn = store, conn
+        self.buffer = b""
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        *lines, self.buffer = (self.buffer + data).split(b"\n")
+        for line in lines:
+            task = asyncio.ensure_future(self._answer(int(line)))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _answer(self, arg: int) -> None:
+        await _write_one(self.store, self.conn, arg)
+        self.transport.write(b"ok\n")
+
+
+async def _serve() -> None:
+    store = _store()
+    conn = await asyncpg.connect(postgres_dsn(DATABASE))
+    server = await asyncio.get_running_loop().create_server(
+        lambda: _Relay(store, conn), "127.0.0.1", 0
+    )
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.Event().wait()  # until the parent kills this process
+
+
+async def _direct(jobs: int) -> float:
+    store = _store()
+    conn = await asyncpg.connect(postgres_dsn(DATABASE))
+    try:
+        for i in range(200):  # warm: the statement prepared, the code paths hot
+            await _write_one(store, conn, i)
+        start = time.perf_counter()
+        for i in range(jobs):
+            await _write_one(store, conn, i)
+        return jobs / (time.perf_counter() - start)
+    finally:
+        await conn.close()
+
+
+async def _through(port: int, jobs: int) -> float:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        for i in range(200):
+            writer.write(b"%d\n" % i)
+            await reader.readline()
+        start = time.perf_counter()
+        for i in range(jobs):
+            writer.write(b"%d\n" % i)
+            await reader.readline()
+        return jobs / (time.perf_counter() - start)
+    finally:
+        writer.close()
+
+
+async def _fresh_database() -> None:
+    admin = await asyncpg.connect(postgres_dsn(POSTGRES_ADMIN_DB))
+    try:
+        await admin.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
+        await admin.execute(f"CREATE DATABASE {DATABASE}")
+    finally:
+        await admin.close()
+    store = _store()
+    await store.setup()
+    await store.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--jobs", type=int, default=3000)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve:
+        asyncio.run(_serve())
+        return
+    asyncio.run(_fresh_database())
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "bench.enqueue_floor", "--serve"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert relay.stdout is not None
+        port = int(relay.stdout.readline())
+        rates: dict[str, list[float]] = {"direct": [], "relay": []}
+        for _ in range(args.reps):
+            rates["direct"].append(asyncio.run(_direct(args.jobs)))
+            rates["relay"].append(asyncio.run(_through(port, args.jobs)))
+        for name, values in rates.items():
+            runs = ", ".join(f"{v:,.0f}" for v in values)
+            print(f"{name:6} median {statistics.median(values):,.0f} jobs/s ({runs})")
+    finally:
+        relay.kill()
+        relay.wait()
+
+
+if __name__ == "__main__":
+    main()
