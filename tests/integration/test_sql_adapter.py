@@ -27,6 +27,7 @@ from adapters._sql_schema import CREATED_INDEX, QUIET_INSERTS_SETTING, notify_ch
 from adapters.sql import _NULL_ROW, SQLAlchemyAdapter, _job_from_row, _loads, _new_row
 from broker.exceptions import (
     ConfigurationError,
+    DeposedError,
     MissingDriverError,
     SchemaVersionError,
     StorageError,
@@ -1029,3 +1030,44 @@ async def test_a_batch_goes_in_one_plain_insert_unless_something_stands_in_the_w
     assert results[1].job_id == repeated[0].id
     page = await store.list_jobs(limit=100)
     assert len(page.jobs) == 3 + 2 + 1 + 1  # every job stored once
+
+
+@pytest.mark.postgres
+async def test_jobs_written_handed_off_at_enqueue_are_fenced_alone_and_in_a_batch(
+    pg_backend: Backend,
+) -> None:
+    """A job written handed off at enqueue is fenced as a claim is, whether it goes alone
+    (the one-job statement, parameters for its columns) or in a batch (the JSON one):
+    under a superseded epoch the enqueue raises and stores nothing; under the current
+    one the row holds the lease minted before the insert."""
+    store = await pg_backend.open()
+    first = await store.elect("main-a", "a:1", 30.0)
+    assert first is not None and first.holder == "main-a"
+    await store.resign("main-a", first.epoch)
+    second = await store.elect("main-b", "b:1", 30.0)
+    assert second is not None and second.epoch == first.epoch + 1
+
+    def leased(n: int) -> tuple[list[JobSpec], list[Claim | None]]:
+        specs = [JobSpec(task="tests.noop", args=(i,)) for i in range(n)]
+        return specs, [Claim(s.id, uuid.uuid4(), "worker-1") for s in specs]
+
+    store.fence(first.epoch)
+    for n in (1, 2):
+        specs, claims = leased(n)
+        with pytest.raises(DeposedError):
+            await store.enqueue_handed_off(specs, claims)
+        assert [await store.get_job(s.id) for s in specs] == [None] * n
+
+    store.fence(second.epoch)
+    for n in (1, 2):
+        specs, claims = leased(n)
+        results = await store.enqueue_handed_off(specs, claims)
+        assert [r.duplicate for r in results] == [False] * n
+        for spec, claim in zip(specs, claims, strict=True):
+            job = await store.get_job(spec.id)
+            assert claim is not None and job is not None
+            assert (job.status, job.handoff_id, job.worker_id) == (
+                JobStatus.HANDED_OFF,
+                claim.handoff_id,
+                "worker-1",
+            )
