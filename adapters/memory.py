@@ -42,6 +42,7 @@ from broker.jobs import (
     ProgressUpdate,
     Settlement,
     check_idempotent_repeat,
+    dispatch_key,
     utcnow,
 )
 from broker.payload import DEFAULT_OFFLOAD_BYTES, encoded_size
@@ -199,7 +200,7 @@ class MemoryAdapter:
             for job in self._eligible(modes, queues)
             if job.run_at <= now and self._key_has_room(job) and job.id not in skipped
         ]
-        due.sort(key=lambda job: (-job.priority, job.run_at, job.created_at))
+        due.sort(key=lambda job: dispatch_key(job.priority, job.run_at, job.created_at))
         return [self._snapshot(job.id, payloads=False) for job in due[:limit]]
 
     async def next_run_at(

@@ -29,13 +29,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import datetime
 
 from broker.exceptions import transient
 from broker.handoff import ClaimJobs, Handoff, HandoffEffect, PlannedClaim
-from broker.jobs import Clock, ExecutionMode, Job
+from broker.jobs import Clock, DispatchKey, EnqueueResult, ExecutionMode, Job, dispatch_key
 from broker.storage import StorageAdapter, SupportsNotify
 from broker.supervise import retrying
 
@@ -89,6 +90,19 @@ class Dispatcher:
         self._next_run: tuple[int, _ReadFor, datetime | None] | None = None
         """The last next run time read (the core's change count when the read began, what
         it was read for, the answer), reused while nothing changed (see ``_next_run_at``)."""
+
+    def enqueued(self, added: Sequence[EnqueueResult]) -> None:
+        """The main stored the queued jobs ``added`` (its own enqueue, committed): a wake
+        that only their modes stop counting as drained for, and that keeps a read-ahead
+        they do not stand before (see :meth:`ReadAhead.inserted`)."""
+        if not added:
+            return
+        core = self._handoff
+        before = core.queue_changes
+        core.jobs_added({result.field("execution_mode") for result in added})
+        self._ahead.inserted(before, core.queue_changes, added)
+        if core.credit() > 0:
+            self._wake.set()
 
     def wake(self) -> None:
         """Ask for another pass (coalesced: many wakes, one pass). Whatever woke us may
@@ -396,6 +410,11 @@ _ReadFor = tuple[frozenset[ExecutionMode], frozenset[str] | None]
 """The modes and queues a next run time was read for (``None``: every queue)."""
 
 
+_ORDER_FIELDS = ("priority", "run_at", "created_at")
+"""The job fields :func:`~broker.jobs.dispatch_key` orders by, in its order."""
+_ordered_by = operator.attrgetter(*_ORDER_FIELDS)
+
+
 READ_AHEAD_MAX_AGE = 0.05
 """Seconds a read-ahead serves passes: a job that became due by time alone (a scheduled
 job, a retry's back-off ending), which no notification announces, waits at most this long
@@ -437,6 +456,9 @@ class ReadAhead:
         self._limit = 0
         self._complete = False
         """The read came back short: it holds every eligible job of its modes."""
+        self._cutoff: DispatchKey | None = None
+        """Where the last job of the read stands in the dispatch order: no job it left out
+        stands before it."""
         self._keep = False
 
     def _read_for(self, modes: set[ExecutionMode], queues: set[str] | None, started: int) -> bool:
@@ -498,7 +520,30 @@ class ReadAhead:
         self._read_at = now
         self._limit = limit
         self._complete = len(jobs) < limit
+        last = jobs[-1] if jobs else None
+        self._cutoff = None if last is None else dispatch_key(*_ordered_by(last))
         self._keep = all(job.concurrency_key is None for job in jobs)
+
+    def inserted(self, before: int, after: int, added: Sequence[EnqueueResult]) -> None:
+        """The change from count ``before`` to ``after`` was the insert of the queued jobs
+        ``added`` (:meth:`Handoff.jobs_added`). When the read held was current before it,
+        and each of them is of another mode or stands after everything the read held,
+        the read still holds the store's best jobs: it stays current (but no longer holds
+        every job of its modes).
+
+        Why: producers enqueueing one job at a time while the workers drain made every
+        pass read the store again, at the smallest size."""
+        if self._started != before or not self._keep or self._cutoff is None:
+            return
+        cutoff = self._cutoff
+        for result in added:
+            if result.field("execution_mode") not in self._modes:
+                continue
+            key = dispatch_key(*(result.field(name) for name in _ORDER_FIELDS))
+            if key <= cutoff:  # a tie may go either way: the store's insert order decides
+                return
+        self._started = after
+        self._complete = False
 
     def planned(self, plan: Sequence[PlannedClaim]) -> None:
         """These jobs are being claimed: never serve them again."""

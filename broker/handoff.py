@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import secrets
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -49,6 +50,10 @@ from broker.jobs import (
 from broker.settlement import claimable_at_enqueue
 
 logger = logging.getLogger("broker.main")
+
+CHANGE_LOG = 64
+"""Queue changes remembered (see :meth:`Handoff.unchanged_since`): a read spanning more
+changes than this proves nothing, as any read spanning a change once did."""
 
 
 # ---------------------------------------------------------------------- effects
@@ -267,6 +272,9 @@ class Handoff:
         self._new_lease = new_lease or random_uuid
         self._queue_changes = 0
         """Bumped whenever jobs may have become eligible (every dispatcher wake-up)."""
+        self._changes: deque[tuple[int, frozenset[ExecutionMode] | None]] = deque(maxlen=CHANGE_LOG)
+        """The latest changes: the count each brought, and the only modes it touched
+        (``None``: it may have touched any)."""
         self._drained: frozenset[ExecutionMode] = frozenset()
         """Modes whose eligible jobs the last read found all claimed or being claimed, with
         nothing changed since: only for them may an enqueue take a free slot at once
@@ -530,6 +538,34 @@ class Handoff:
         mode counts as drained until a read started after this says so."""
         self._queue_changes += 1
         self._drained = frozenset()
+        self._changes.append((self._queue_changes, None))
+
+    def jobs_added(self, modes: Iterable[ExecutionMode]) -> None:
+        """Queued jobs of ``modes`` were stored, and nothing else changed: those modes stop
+        counting as drained, the others stay so.
+
+        Why not :meth:`queue_changed`: while producers enqueue one job at a time during a
+        drain, every enqueue forgot every drained mode, and the next pass read each empty
+        mode (a pooled worker's inline and forked slots) again, for nothing."""
+        changed = frozenset(modes)
+        self._queue_changes += 1
+        self._drained = self._drained.difference(changed)
+        self._changes.append((self._queue_changes, changed))
+
+    def unchanged_since(self, started: int, modes: Iterable[ExecutionMode]) -> bool:
+        """Whether no change since change count ``started`` can have touched ``modes``
+        (false when the log no longer reaches back that far)."""
+        if started == self._queue_changes:
+            return True
+        if not self._changes or self._changes[0][0] > started + 1:
+            return False
+        wanted = frozenset(modes)
+        for count, changed in reversed(self._changes):
+            if count <= started:
+                break
+            if changed is None or not changed.isdisjoint(wanted):
+                return False
+        return True
 
     @property
     def drained(self) -> frozenset[ExecutionMode]:
@@ -546,8 +582,10 @@ class Handoff:
         back and was planned; ``full`` when it returned as many as it asked for, or some
         of them found no slot (jobs wait). Short and all placed, with nothing changed
         meanwhile, it proves those modes drained, beside those proven since the last
-        change; the dispatcher reads them no more until the next change."""
-        if started != self._queue_changes:
+        change; the dispatcher reads them no more until the next change. (Jobs added
+        meanwhile to other modes only do not spoil the proof: see :meth:`jobs_added`.)"""
+        modes = frozenset(modes)
+        if not self.unchanged_since(started, modes):
             return
         if full:
             self._drained = self._drained.difference(modes)

@@ -431,6 +431,16 @@ JOB_DEFAULTS = {f.name: f.default for f in fields(Job) if f.default is not MISSI
 """The :class:`Job` fields that have a default, by name, with it."""
 
 
+DispatchKey = tuple[int, datetime, datetime]
+
+
+def dispatch_key(priority: int, run_at: datetime, created_at: datetime) -> DispatchKey:
+    """Where a job stands in the dispatch order, which sorts ascending: higher priority
+    first, then the earlier run time, then the earlier creation (a store breaks the ties
+    left by insert order)."""
+    return (-priority, run_at, created_at)
+
+
 def new_job_fields(spec: JobSpec, now: datetime) -> dict[str, Any]:
     """The fields of the :class:`Job` a store writes for ``spec`` enqueued at ``now``, by
     name, the fields left at their defaults (:data:`JOB_DEFAULTS`) left out: what
@@ -649,6 +659,13 @@ class EnqueueResult:
             self._job = Job(**self._fields)
             self._fields = None
         return self._job
+
+    def field(self, name: str) -> Any:
+        """The field ``name`` of ``job``, without building the job."""
+        job_fields = self._fields
+        if job_fields is None:
+            return getattr(self.job, name)
+        return job_fields.get(name, JOB_DEFAULTS.get(name))
 
     @property
     def job_id(self) -> uuid.UUID:

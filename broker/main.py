@@ -525,11 +525,15 @@ class Main:
         claim."""
         store = self._enqueue_store
         if store is None or self._stopping:
-            return await self.store.enqueue_many(specs)
+            results = await self.store.enqueue_many(specs)
+            self.dispatcher.enqueued([r for r in results if not r.duplicate])
+            return results
         plans = self.handoff.plan_at_enqueue(specs, self._clock())
         planned = [p for p in plans if p is not None]
         if not planned:
-            return await store.enqueue_many(specs)
+            results = await store.enqueue_many(specs)
+            self.dispatcher.enqueued([r for r in results if not r.duplicate])
+            return results
         try:
             results = await store.enqueue_handed_off(
                 specs, [None if p is None else p.claim for p in plans]
@@ -541,6 +545,7 @@ class Main:
         leased = {p.job.id for p in planned}
         won = [r.job for r in results if not r.duplicate and r.job_id in leased]
         self._carry(self.handoff.claimed(planned, won))
+        self.dispatcher.enqueued([r for r in results if not r.duplicate and r.job_id not in leased])
         return results
 
     def _carry(self, effects: Sequence[HandoffEffect]) -> None:

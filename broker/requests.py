@@ -106,7 +106,7 @@ class Requests:
                             result.job.task,
                             result.duplicate,
                         )
-                self._wake()
+                # The store's commit woke the dispatcher already (Main._enqueue_now).
                 refs = [
                     protocol.EnqueuedRef(job_id=r.job_id, duplicate=r.duplicate) for r in results
                 ]

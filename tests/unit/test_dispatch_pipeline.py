@@ -18,8 +18,16 @@ import pytest
 from adapters.memory import MemoryAdapter
 from broker import dispatch, protocol
 from broker.dispatch import READ_AHEAD_MAX_AGE, Dispatcher, ReadAhead
-from broker.handoff import Dispatch, Handoff, HandoffEffect, PlannedClaim
-from broker.jobs import Claim, ExecutionMode, Job, JobSpec, utcnow
+from broker.handoff import CHANGE_LOG, Dispatch, Handoff, HandoffEffect, PlannedClaim
+from broker.jobs import (
+    Claim,
+    EnqueueResult,
+    ExecutionMode,
+    Job,
+    JobSpec,
+    new_job_fields,
+    utcnow,
+)
 
 POOLED = ExecutionMode.POOLED
 
@@ -518,6 +526,33 @@ async def test_a_steady_drain_reads_ahead_and_a_change_reads_the_store_again() -
     assert len({s.job.id for s in sent}) == 22  # no job sent twice
 
 
+async def test_an_enqueue_behind_the_read_ahead_keeps_it_and_one_ahead_reads_again() -> None:
+    """The main's own enqueue of a job that stands after everything the read-ahead holds
+    leaves it serving: producers enqueueing one job at a time while the workers drain
+    cost no read each. A job that stands before (a higher priority) makes the next pass
+    read the store, and it goes next."""
+    store = ReadSizes()
+    await store.enqueue_many([JobSpec(task="t") for _ in range(40)])
+    core = Handoff()
+    worker(core, 1, 2)
+    sent: list[Dispatch] = []
+    d = dispatcher(store, core, sent, claim_batch=8)
+    for n in range(2, 22, 2):
+        await dispatched(d, sent, n)
+        await finish(core, sent, 2)
+    assert store.limits == [2, 4, 8, 8]  # the last read of 8 holds 2 jobs more
+    d.enqueued(await store.enqueue_many([JobSpec(task="t")]))
+    await dispatched(d, sent, 22)
+    assert store.limits == [2, 4, 8, 8]
+    await finish(core, sent, 2)
+    [urgent] = await store.enqueue_many([JobSpec(task="t", priority=5)])
+    d.enqueued([urgent])
+    await dispatched(d, sent, 24)
+    assert store.limits[4:] == [2]
+    assert urgent.job.id in {s.job.id for s in sent[22:]}
+    assert len({s.job.id for s in sent}) == 24  # no job sent twice
+
+
 def _job(mode: ExecutionMode = POOLED, key: str | None = None) -> Job:
     spec = JobSpec(
         task="t",
@@ -566,3 +601,70 @@ def test_a_read_holding_a_keyed_job_serves_one_pass_only() -> None:
     assert ahead.serve({POOLED}, None, 1, 0, 0.0) == (jobs[:1], True)
     assert ahead.serve({POOLED}, None, 1, 0, 0.0) is None
     assert ahead.read_size({POOLED}, None, 1, 0, batch=100) == 1
+
+
+def _enqueued(priority: int = 0, mode: ExecutionMode = POOLED) -> EnqueueResult:
+    """The result of the main's enqueue of one job, created now."""
+    spec = JobSpec(task="t", priority=priority, execution_mode=mode)
+    return EnqueueResult.inserted(new_job_fields(spec, utcnow()))
+
+
+def test_the_read_ahead_outlives_an_insert_only_of_jobs_that_stand_after_it() -> None:
+    ahead = ReadAhead()
+    jobs = [_job() for _ in range(4)]
+    ahead.fill(jobs, {POOLED}, None, 6, started=0, now=0.0)
+    assert ahead.serve({POOLED}, None, 5, 0, 0.0) == (jobs, False)  # all there is
+    ahead.inserted(0, 1, [_enqueued()])
+    assert ahead.serve({POOLED}, None, 2, 1, 0.0) == (jobs[:2], True)
+    # It no longer holds every job: fewer held than asked for means a read.
+    assert ahead.serve({POOLED}, None, 5, 1, 0.0) is None
+    # A job of a mode it was not read for stands before nothing it holds.
+    ahead.inserted(1, 2, [_enqueued(priority=9, mode=ExecutionMode.INLINE)])
+    assert ahead.serve({POOLED}, None, 1, 2, 0.0) == (jobs[:1], True)
+
+
+def test_a_job_that_may_stand_before_the_read_ahead_retires_it() -> None:
+    jobs = [_job() for _ in range(4)]
+    tie = EnqueueResult(jobs[-1], duplicate=False)  # where the read ended: the store decides
+    for added in ([_enqueued(priority=5)], [_enqueued(), tie]):
+        ahead = ReadAhead()
+        ahead.fill(jobs, {POOLED}, None, 4, started=0, now=0.0)
+        ahead.inserted(0, 1, added)
+        assert ahead.serve({POOLED}, None, 1, 1, 0.0) is None
+    # Nor does an insert bring a read that was already out of date back.
+    ahead = ReadAhead()
+    ahead.fill(jobs, {POOLED}, None, 4, started=0, now=0.0)
+    ahead.inserted(1, 2, [_enqueued()])
+    assert ahead.serve({POOLED}, None, 1, 2, 0.0) is None
+
+
+def test_jobs_added_to_one_mode_leave_the_others_drained() -> None:
+    inline = ExecutionMode.INLINE
+    core = Handoff()
+    core.read_eligible(core.queue_changes, {POOLED, inline}, full=False)
+    assert core.drained == {POOLED, inline}
+    core.jobs_added({POOLED})
+    assert core.drained == {inline}
+    # A read spanning inserts into other modes only still proves its modes drained,
+    started = core.queue_changes
+    core.jobs_added({inline})
+    core.read_eligible(started, {POOLED}, full=False)
+    assert core.drained == {POOLED}
+    # but not the modes they touched,
+    started = core.queue_changes
+    core.jobs_added({inline})
+    core.read_eligible(started, {inline}, full=False)
+    assert core.drained == {POOLED}
+    # nor any mode across a change of unknown modes (which forgets every drained mode),
+    started = core.queue_changes
+    core.queue_changed()
+    core.read_eligible(started, {POOLED}, full=False)
+    assert core.drained == set()
+    # nor across more changes than are remembered.
+    started = core.queue_changes
+    for _ in range(CHANGE_LOG + 1):
+        core.jobs_added({inline})
+    core.read_eligible(started, {POOLED}, full=False)
+    assert core.drained == set()
+    core.read_eligible(core.queue_changes, {POOLED}, full=False)
+    assert core.drained == {POOLED}
