@@ -31,7 +31,7 @@ from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
 
-from bench.systems import POSTGRES_ADMIN_DB, database, postgres_dsn
+from bench.systems import database, fresh_database, on_admin_database, postgres_dsn
 
 DATABASE = database("bench_enqueue_floor")
 TASK = "bench.jobs.noop"
@@ -114,12 +114,7 @@ async def _through(port: int, jobs: int) -> float:
 
 
 async def _fresh_database() -> None:
-    admin = await asyncpg.connect(postgres_dsn(POSTGRES_ADMIN_DB))
-    try:
-        await admin.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
-        await admin.execute(f"CREATE DATABASE {DATABASE}")
-    finally:
-        await admin.close()
+    await on_admin_database(*fresh_database(DATABASE))
     store = _store()
     await store.setup()
     await store.close()

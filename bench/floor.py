@@ -49,7 +49,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import ROOT, _proc_stat
-from bench.systems import POSTGRES_ADMIN_DB, database, postgres_dsn
+from bench.systems import (
+    database,
+    drop_database,
+    fresh_database,
+    on_admin_database,
+    postgres_dsn,
+)
 
 DATABASE = database("bench_floor")
 REPORT_BATCH = 10
@@ -261,22 +267,10 @@ WHERE jobs.id = settled.id AND jobs.lease = settled.lease AND jobs.status = 'han
 """One statement over arrays, the lease fence in its ``WHERE``: issue 10's settle."""
 
 
-async def _admin(*statements: str) -> None:
-    import asyncpg
-
-    admin = await asyncpg.connect(postgres_dsn(POSTGRES_ADMIN_DB))
-    try:
-        for statement in statements:
-            await admin.execute(statement)
-    finally:
-        await admin.close()
-
-
 async def measure_statements(batches: list[int]) -> dict[str, dict[str, float]]:
     import asyncpg
 
-    drop = f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)"
-    await _admin(drop, f"CREATE DATABASE {DATABASE}")
+    await on_admin_database(*fresh_database(DATABASE))
     conn = await asyncpg.connect(postgres_dsn(DATABASE))
     out: dict[str, dict[str, float]] = {}
     try:
@@ -328,7 +322,7 @@ async def measure_statements(batches: list[int]) -> dict[str, dict[str, float]]:
             out[str(batch)] = best
     finally:
         await conn.close()
-        await _admin(drop)
+        await on_admin_database(drop_database(DATABASE))
     return out
 
 

@@ -35,7 +35,13 @@ import asyncpg
 
 from bench.harness import ROOT, Workers
 from bench.peers.broker_peer import CHUNK, MAIN_FLAGS, OUTSTANDING, SETUPS, TASKS, free_port
-from bench.systems import POSTGRES_ADMIN_DB, database, postgres_dsn
+from bench.systems import (
+    database,
+    drop_database,
+    fresh_database,
+    on_admin_database,
+    postgres_dsn,
+)
 
 DATABASE = database("bench_broker_soak")
 ROW = "broker-postgres"
@@ -85,24 +91,12 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-async def admin(*statements: str) -> None:
-    conn = await asyncpg.connect(postgres_dsn(POSTGRES_ADMIN_DB))
-    try:
-        for statement in statements:
-            await conn.execute(statement)
-    finally:
-        await conn.close()
-
-
-DROP = f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)"
-
-
 async def soak(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from broker.client import Client
     from broker.jobs import ExecutionMode, JobSpec
 
     row = SETUPS[ROW]
-    await admin(DROP, f"CREATE DATABASE {DATABASE}")
+    await on_admin_database(*fresh_database(DATABASE))
     port = free_port()
     bin_dir = Path(sys.executable).parent
     url = postgres_dsn(DATABASE).replace("postgresql://", "postgresql+asyncpg://")
@@ -188,7 +182,7 @@ async def soak(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         if workers is not None:
             workers.stop(grace=10)
         main.stop(grace=10)
-        await admin(DROP)
+        await on_admin_database(drop_database(DATABASE))
     return {
         "generated": datetime.now(UTC).isoformat(timespec="seconds"),
         "jobs": args.jobs,

@@ -30,6 +30,29 @@ DATABASE_SUFFIX = "BENCH_DB_SUFFIX"
 ``python -m bench`` sets a fresh one per run, and the harness and workers inherit it."""
 
 
+async def on_admin_database(*statements: str) -> None:
+    """Run ``statements`` in turn on the admin database (:data:`POSTGRES_ADMIN_DB`),
+    as creating and dropping a benchmark's database needs. asyncpg is imported here,
+    so this module stays importable where it is not installed."""
+    import asyncpg  # type: ignore[import-untyped]
+
+    conn = await asyncpg.connect(postgres_dsn(POSTGRES_ADMIN_DB))
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+def drop_database(name: str) -> str:
+    return f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+
+
+def fresh_database(name: str) -> tuple[str, str]:
+    """The statements that give ``name`` as a new, empty database."""
+    return drop_database(name), f"CREATE DATABASE {name}"
+
+
 def database(base: str) -> str:
     """``base`` plus this run's suffix. Each run drops and creates its databases; with a
     name of its own, a run never drops one that another run (another session's smoke

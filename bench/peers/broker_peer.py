@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import ROOT, BenchError, Config, Driver, Workers
-from bench.systems import POSTGRES_ADMIN_DB, database, postgres_dsn
+from bench.systems import (
+    database,
+    drop_database,
+    fresh_database,
+    on_admin_database,
+    postgres_dsn,
+)
 
 TASKS = "bench.peers.broker_app"
 DATABASE = database("bench_broker")
@@ -163,13 +169,7 @@ class BrokerDriver(Driver):
 
     def setup(self) -> None:
         if self.postgres:
-            import asyncpg
-
-            async def admin_check() -> None:
-                conn = await asyncpg.connect(postgres_dsn(POSTGRES_ADMIN_DB))
-                await conn.close()
-
-            self.run(admin_check())
+            self.run(on_admin_database())  # the server answers before anything starts
 
     def _stop_main(self) -> None:
         if self.client is not None:
@@ -194,17 +194,7 @@ class BrokerDriver(Driver):
             path = self.workdir / f"{self.name}-{self.runs}.db"
             self.url = f"sqlite+aiosqlite:///{path}"
             return
-        import asyncpg
-
-        async def recreate() -> None:
-            conn = await asyncpg.connect(postgres_dsn(POSTGRES_ADMIN_DB))
-            try:
-                await conn.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
-                await conn.execute(f"CREATE DATABASE {DATABASE}")
-            finally:
-                await conn.close()
-
-        self.run(recreate())
+        self.run(on_admin_database(*fresh_database(DATABASE)))
         self.url = postgres_dsn(DATABASE).replace("postgresql://", "postgresql+asyncpg://")
 
     def reset(self) -> None:
@@ -367,16 +357,7 @@ class BrokerDriver(Driver):
     def teardown(self) -> None:
         self._stop_main()
         if self.postgres:
-            import asyncpg
-
-            async def drop() -> None:
-                conn = await asyncpg.connect(postgres_dsn(POSTGRES_ADMIN_DB))
-                try:
-                    await conn.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
-                finally:
-                    await conn.close()
-
-            self.run(drop())
+            self.run(on_admin_database(drop_database(DATABASE)))
         self.loop.close()
 
 

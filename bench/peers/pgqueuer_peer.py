@@ -18,7 +18,7 @@ from pgqueuer.queries import Queries
 
 from bench.harness import BenchError, Driver
 from bench.peers.pgqueuer_app import DATABASE
-from bench.systems import POSTGRES_ADMIN_DB, postgres_dsn
+from bench.systems import drop_database, fresh_database, on_admin_database, postgres_dsn
 
 PRODUCER_POOL = 30
 """Connections the producers share: PostgreSQL here allows 100 in all, for everyone."""
@@ -40,15 +40,7 @@ class PgQueuerDriver(Driver):
     def setup(self) -> None:
         self.loop = asyncio.new_event_loop()
 
-        async def recreate() -> None:
-            admin = await asyncpg.connect(postgres_dsn(POSTGRES_ADMIN_DB))
-            try:
-                await admin.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
-                await admin.execute(f"CREATE DATABASE {DATABASE}")
-            finally:
-                await admin.close()
-
-        self.run(recreate())
+        self.run(on_admin_database(*fresh_database(DATABASE)))
         install = subprocess.run(
             [sys.executable, "-m", "pgqueuer", "--pg-dsn", postgres_dsn(DATABASE), "install"],
             capture_output=True,
@@ -124,15 +116,7 @@ class PgQueuerDriver(Driver):
 
     def teardown(self) -> None:
         self.run(self.conn.close())
-
-        async def drop() -> None:
-            admin = await asyncpg.connect(postgres_dsn(POSTGRES_ADMIN_DB))
-            try:
-                await admin.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
-            finally:
-                await admin.close()
-
-        self.run(drop())
+        self.run(on_admin_database(drop_database(DATABASE)))
         self.loop.close()
 
 

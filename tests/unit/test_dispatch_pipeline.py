@@ -500,12 +500,8 @@ async def finish(core: Handoff, sent: list[Dispatch], slots: int) -> None:
     core.ready(1, {POOLED: slots}, seen=len(sent))
 
 
-async def test_a_steady_drain_reads_ahead_and_a_change_reads_the_store_again() -> None:
-    """A backlog drained two slots at a time: while nothing changes in the queue, a read
-    that ran out is followed by one twice its size (up to the claim batch), and the
-    passes between take their jobs from it. An insert (a wake) makes the next pass read
-    the store again, asking only for what it needs, so the higher-priority job inserted
-    goes next."""
+async def steady_drain() -> tuple[ReadSizes, Handoff, list[Dispatch], Dispatcher]:
+    """A backlog of 40 drained two slots at a time, 10 passes: 20 jobs sent and done."""
     store = ReadSizes()
     await store.enqueue_many([JobSpec(task="t") for _ in range(40)])
     core = Handoff()
@@ -516,6 +512,16 @@ async def test_a_steady_drain_reads_ahead_and_a_change_reads_the_store_again() -
         await dispatched(d, sent, n)
         await finish(core, sent, 2)
         d.nudge()
+    return store, core, sent, d
+
+
+async def test_a_steady_drain_reads_ahead_and_a_change_reads_the_store_again() -> None:
+    """A backlog drained two slots at a time: while nothing changes in the queue, a read
+    that ran out is followed by one twice its size (up to the claim batch), and the
+    passes between take their jobs from it. An insert (a wake) makes the next pass read
+    the store again, asking only for what it needs, so the higher-priority job inserted
+    goes next."""
+    store, _, sent, d = await steady_drain()
     # 2 jobs per pass, 10 passes: reads of 2, 4, 8 and 8 cover the 20 jobs.
     assert store.limits == [2, 4, 8, 8]
     [urgent] = await store.enqueue_many([JobSpec(task="t", priority=5)])
@@ -531,15 +537,7 @@ async def test_an_enqueue_behind_the_read_ahead_keeps_it_and_one_ahead_reads_aga
     leaves it serving: producers enqueueing one job at a time while the workers drain
     cost no read each. A job that stands before (a higher priority) makes the next pass
     read the store, and it goes next."""
-    store = ReadSizes()
-    await store.enqueue_many([JobSpec(task="t") for _ in range(40)])
-    core = Handoff()
-    worker(core, 1, 2)
-    sent: list[Dispatch] = []
-    d = dispatcher(store, core, sent, claim_batch=8)
-    for n in range(2, 22, 2):
-        await dispatched(d, sent, n)
-        await finish(core, sent, 2)
+    store, core, sent, d = await steady_drain()
     assert store.limits == [2, 4, 8, 8]  # the last read of 8 holds 2 jobs more
     d.enqueued(await store.enqueue_many([JobSpec(task="t")]))
     await dispatched(d, sent, 22)
