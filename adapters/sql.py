@@ -159,6 +159,9 @@ _HANDED_OFF = JobStatus.HANDED_OFF.value
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _ONE_US = timedelta(microseconds=1)
 _ENQUEUE_ROUNDS = 5
+_READ_ROUNDS = 5
+"""Reads of rows and their payloads before a payload that keeps vanishing between the
+two is an error (see :meth:`SQLAlchemyAdapter._read_with_bodies`)."""
 """How often an enqueue retries when the job holding its key vanishes mid-transaction."""
 _CHUNK = 500
 """Most ids bound in one statement (SQLite and asyncpg cap a statement near 32k parameters)."""
@@ -335,10 +338,22 @@ def _fill(values: list[Any], bodies: Bodies | None) -> None:
             continue
         body = bodies.get((job_id, column))
         if body is None:
-            # Only a hand-edited store gets here: the payload and its mark are written and
-            # deleted together. Saying so beats returning a job with its arguments gone.
+            # The payload and its mark are written and deleted together: a reader that read
+            # the row and the payloads apart reads both again when they disagree
+            # (SQLAlchemyAdapter._read_with_bodies); only a hand-edited store gets here.
+            # Saying so beats returning a job with its arguments gone.
             raise StorageError(f"job {job_id}: its offloaded {column} is missing")
         values[i] = body
+
+
+def _bodies_missing(rows: Sequence[Mapping[Any, Any]], bodies: Bodies) -> bool:
+    """Whether a row of ``rows`` marks a payload that ``bodies`` lacks."""
+    return any(
+        row[column] == OFFLOADED and (row["id"], column) not in bodies
+        for row in rows
+        if _is_offloaded(row)
+        for column in OFFLOADABLE
+    )
 
 
 Payload = tuple[uuid.UUID, str, str]
@@ -1318,6 +1333,30 @@ class SQLAlchemyAdapter:
         except self._errors as exc:
             raise self._storage_error(op, exc) from exc
 
+    async def _read_with_bodies(
+        self, op: str, stmt: sa.Select[Any], first: int | None = None
+    ) -> tuple[Sequence[Mapping[Any, Any]], Bodies]:
+        """The rows ``stmt`` selects, and the offloaded payloads of the ``first`` of them
+        (``None``: of all).
+
+        Two statements, each seeing the store as it is when it runs: a job whose
+        checkpoint was replaced by a small one, between them, has a mark in the row read
+        and no payload left (it went with the old value), and ``broker job`` polled
+        while a recovered job saved its checkpoints failed with "its offloaded
+        checkpoint is missing". Both are read again then: the row read anew names what
+        is stored now."""
+        for _ in range(_READ_ROUNDS):
+            async with self._read(op) as conn:
+                rows = (await conn.execute(stmt)).mappings().all()
+                wanted = rows if first is None else rows[:first]
+                bodies = await _sa_bodies(conn, wanted)
+            if not _bodies_missing(wanted, bodies):
+                return rows, bodies
+        raise StorageError(
+            f"{op} failed on {self._url_text}: the payloads of the jobs read kept changing "
+            "between the read of their rows and of their payloads"
+        )
+
     @asynccontextmanager
     async def _read(self, op: str) -> AsyncIterator[AsyncConnection]:
         try:
@@ -2177,9 +2216,7 @@ class SQLAlchemyAdapter:
             .where(jobs.c.worker_id == worker_id, IS_HANDED_OFF)
             .order_by(jobs.c.handed_off_us, jobs.c.id)
         )
-        async with self._read("handoffs_for_worker") as conn:
-            rows = (await conn.execute(stmt)).mappings().all()
-            bodies = await _sa_bodies(conn, rows)
+        rows, bodies = await self._read_with_bodies("handoffs_for_worker", stmt)
         return [_job_from_row(r, bodies) for r in rows]
 
     async def cancel(self, job_id: uuid.UUID) -> Job | None:
@@ -2257,11 +2294,9 @@ class SQLAlchemyAdapter:
     # ------------------------------------------------------------------ inspection
 
     async def get_job(self, job_id: uuid.UUID) -> Job | None:
-        async with self._read("get_job") as conn:
-            row = (await conn.execute(sa.select(jobs).where(jobs.c.id == job_id))).mappings()
-            found = row.first()
-            bodies = await _sa_bodies(conn, [] if found is None else [found])
-        return None if found is None else _job_from_row(found, bodies)
+        stmt = sa.select(jobs).where(jobs.c.id == job_id)
+        rows, bodies = await self._read_with_bodies("get_job", stmt)
+        return _job_from_row(rows[0], bodies) if rows else None
 
     async def declare_tasks(
         self,
@@ -2335,9 +2370,7 @@ class SQLAlchemyAdapter:
             .order_by(jobs.c.created_us.desc(), jobs.c.id.desc())
             .limit(limit + 1)
         )
-        async with self._read("list_jobs") as conn:
-            rows = (await conn.execute(stmt)).mappings().all()
-            bodies = await _sa_bodies(conn, rows[:limit])
+        rows, bodies = await self._read_with_bodies("list_jobs", stmt, first=limit)
         page = [_job_from_row(r, bodies) for r in rows[:limit]]
         next_cursor = None
         if len(rows) > limit:

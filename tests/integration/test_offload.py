@@ -14,8 +14,9 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
+import adapters.sql
 from adapters.sql import SQLAlchemyAdapter
-from broker.jobs import CheckpointSave, Claim, JobSpec, JobStatus, Outcome, Settlement
+from broker.jobs import CheckpointSave, Claim, Job, JobSpec, JobStatus, Outcome, Settlement
 from broker.retention import Retention, prune_once
 from broker.testing import FakeClock
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
@@ -172,3 +173,49 @@ async def test_checkpoints_are_offloaded_and_a_replaced_one_leaves_no_payload(
     store.clock.advance(timedelta(days=60).total_seconds())
     assert sum((await prune_once(store.adapter, Retention(), store.clock)).values()) == 1
     assert await store.scalar(f"SELECT count(*) FROM {store.table('broker_payloads')}") == 0
+
+
+async def test_a_job_read_while_its_checkpoint_is_replaced_comes_back_whole(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read takes a job's row, then its offloaded payloads: a checkpoint replaced by a
+    small one in between takes the old payload with it. Each read (``broker job``, the
+    listing, a worker's handoffs) returns the job whole, instead of failing with "its
+    offloaded checkpoint is missing" (PostgreSQL's reads the job again)."""
+    adapter = store.adapter
+    [made] = await adapter.enqueue_many([JobSpec(task="t", max_attempts=1)])
+    job_id, lease = made.job.id, uuid.uuid4()
+    assert await adapter.mark_handed_off(job_id, lease, "w") is not None
+    bodies = adapters.sql._sa_bodies
+    seq = 0
+
+    async def save(state: Any) -> None:
+        nonlocal seq
+        seq += 1
+        assert await adapter.save_checkpoints([CheckpointSave(job_id, lease, seq, state)])
+
+    async def replaced_in_between(conn: Any, rows: Any) -> Any:
+        monkeypatch.setattr(adapters.sql, "_sa_bodies", bodies)  # once: the next read is calm
+        await save({"small": seq})
+        return await bodies(conn, rows)
+
+    async def listed() -> Job:
+        [job] = (await adapter.list_jobs()).jobs
+        return job
+
+    async def handed_off() -> Job:
+        [job] = await adapter.handoffs_for_worker("w")
+        return job
+
+    async def got() -> Job:
+        job = await adapter.get_job(job_id)
+        assert job is not None
+        return job
+
+    for read in (got, listed, handed_off):
+        await save({"big": BIG})
+        monkeypatch.setattr(adapters.sql, "_sa_bodies", replaced_in_between)
+        job = await read()
+        # Whole, as it stood before the replacement or after: SQLite's read connection
+        # reads one snapshot throughout; PostgreSQL's reads again.
+        assert job.checkpoint in ({"big": BIG}, {"small": seq - 1}), read.__name__
