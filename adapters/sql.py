@@ -346,6 +346,14 @@ def _fill(values: list[Any], bodies: Bodies | None) -> None:
         values[i] = body
 
 
+def _whole_jobs(rows: Sequence[Mapping[Any, Any]], bodies: Bodies) -> list[Job]:
+    """The jobs of ``rows`` whose payloads ``bodies`` holds; a job whose payload went
+    between the two reads (its checkpoint replaced meanwhile) is left out, as if it were
+    gone: an enqueue looking for the job holding its key then tries again
+    (:meth:`SQLAlchemyAdapter._insert_or_find`), and reads it as it now stands."""
+    return [_job_from_row(r, bodies) for r in rows if not _bodies_missing([r], bodies)]
+
+
 def _bodies_missing(rows: Sequence[Mapping[Any, Any]], bodies: Bodies) -> bool:
     """Whether a row of ``rows`` marks a payload that ``bodies`` lacks."""
     return any(
@@ -1620,7 +1628,7 @@ class SQLAlchemyAdapter:
                 [s.unique_key for s in missing if s.unique_key is not None],
             )
             bodies = await _pg_bodies(sql, conn, found)
-            return _match_holders(missing, [_job_from_row(r, bodies) for r in found])
+            return _match_holders(missing, _whole_jobs(found, bodies))
 
         if len(specs) == 1:
             return await self._enqueue_with(insert, find, specs, claims)
@@ -1868,8 +1876,7 @@ class SQLAlchemyAdapter:
                 # IS_ACTIVE is the partial unique index's own predicate.
                 cond = sa.or_(cond, sa.and_(jobs.c.unique_key.in_(uniques), IS_ACTIVE))
             rows = list((await conn.execute(sa.select(jobs).where(cond))).mappings())
-            bodies = await _sa_bodies(conn, rows)
-            found.extend(_job_from_row(r, bodies) for r in rows)
+            found.extend(_whole_jobs(rows, await _sa_bodies(conn, rows)))
         return _match_holders(specs, found)
 
     # ------------------------------------------------------------------ dispatch

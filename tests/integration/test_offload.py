@@ -219,3 +219,28 @@ async def test_a_job_read_while_its_checkpoint_is_replaced_comes_back_whole(
         # Whole, as it stood before the replacement or after: SQLite's read connection
         # reads one snapshot throughout; PostgreSQL's reads again.
         assert job.checkpoint in ({"big": BIG}, {"small": seq - 1}), read.__name__
+
+
+async def test_an_enqueue_meeting_its_key_holder_mid_checkpoint_returns_the_holder_whole(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An enqueue whose idempotency key a running job holds returns that job; when the
+    job's checkpoint is replaced by a small one between the read of its row and of its
+    payloads, the enqueue looks again instead of failing with "its offloaded checkpoint
+    is missing"."""
+    adapter = store.adapter
+    [made] = await adapter.enqueue_many([JobSpec(task="t", idempotency_key="k")])
+    job_id, lease = made.job.id, uuid.uuid4()
+    assert await adapter.mark_handed_off(job_id, lease, "w") is not None
+    assert await adapter.save_checkpoints([CheckpointSave(job_id, lease, 1, {"big": BIG})])
+    bodies = adapters.sql._pg_bodies
+
+    async def replaced_in_between(*args: Any) -> Any:
+        monkeypatch.setattr(adapters.sql, "_pg_bodies", bodies)  # once
+        assert await adapter.save_checkpoints([CheckpointSave(job_id, lease, 2, {"small": 2})])
+        return await bodies(*args)
+
+    monkeypatch.setattr(adapters.sql, "_pg_bodies", replaced_in_between)
+    [again] = await adapter.enqueue_many([JobSpec(task="t", idempotency_key="k")])
+    assert again.duplicate and again.job.id == job_id
+    assert again.job.checkpoint in ({"big": BIG}, {"small": 2})
