@@ -36,7 +36,15 @@ from datetime import datetime
 
 from broker.exceptions import transient
 from broker.handoff import ClaimJobs, Handoff, HandoffEffect, PlannedClaim
-from broker.jobs import Clock, DispatchKey, EnqueueResult, ExecutionMode, Job, dispatch_key
+from broker.jobs import (
+    DISPATCH_KEY_FIELDS,
+    Clock,
+    DispatchKey,
+    EnqueueResult,
+    ExecutionMode,
+    Job,
+    dispatch_key,
+)
 from broker.storage import StorageAdapter, SupportsNotify
 from broker.supervise import retrying
 
@@ -410,9 +418,7 @@ _ReadFor = tuple[frozenset[ExecutionMode], frozenset[str] | None]
 """The modes and queues a next run time was read for (``None``: every queue)."""
 
 
-_ORDER_FIELDS = ("priority", "run_at", "created_at")
-"""The job fields :func:`~broker.jobs.dispatch_key` orders by, in its order."""
-_ordered_by = operator.attrgetter(*_ORDER_FIELDS)
+_ordered_by = operator.attrgetter(*DISPATCH_KEY_FIELDS)
 
 
 READ_AHEAD_MAX_AGE = 0.05
@@ -539,7 +545,7 @@ class ReadAhead:
         for result in added:
             if result.field("execution_mode") not in self._modes:
                 continue
-            key = dispatch_key(*(result.field(name) for name in _ORDER_FIELDS))
+            key = dispatch_key(*(result.field(name) for name in DISPATCH_KEY_FIELDS))
             if key <= cutoff:  # a tie may go either way: the store's insert order decides
                 return
         self._started = after

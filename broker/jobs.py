@@ -432,6 +432,8 @@ JOB_DEFAULTS = {f.name: f.default for f in fields(Job) if f.default is not MISSI
 
 
 DispatchKey = tuple[int, datetime, datetime]
+DISPATCH_KEY_FIELDS = ("priority", "run_at", "created_at")
+"""The job fields :func:`dispatch_key` takes, in its order."""
 
 
 def dispatch_key(priority: int, run_at: datetime, created_at: datetime) -> DispatchKey:

@@ -524,27 +524,28 @@ class Main:
         and the start. An unknown outcome sends their leases to the ledger, as for any
         claim."""
         store = self._enqueue_store
-        if store is None or self._stopping:
-            results = await self.store.enqueue_many(specs)
-            self.dispatcher.enqueued([r for r in results if not r.duplicate])
-            return results
-        plans = self.handoff.plan_at_enqueue(specs, self._clock())
+        plans = (
+            []
+            if store is None or self._stopping
+            else self.handoff.plan_at_enqueue(specs, self._clock())
+        )
         planned = [p for p in plans if p is not None]
-        if not planned:
-            results = await store.enqueue_many(specs)
-            self.dispatcher.enqueued([r for r in results if not r.duplicate])
-            return results
-        try:
-            results = await store.enqueue_handed_off(
-                specs, [None if p is None else p.claim for p in plans]
-            )
-        except BaseException:
-            self._carry(self.handoff.claim_unknown(planned))
-            raise
-        # Only the jobs planned are looked at (reading a result's job builds it).
-        leased = {p.job.id for p in planned}
-        won = [r.job for r in results if not r.duplicate and r.job_id in leased]
-        self._carry(self.handoff.claimed(planned, won))
+        leased: set[uuid.UUID] = set()
+        if store is None or not planned:
+            results = await self.store.enqueue_many(specs)
+        else:
+            try:
+                results = await store.enqueue_handed_off(
+                    specs, [None if p is None else p.claim for p in plans]
+                )
+            except BaseException:
+                self._carry(self.handoff.claim_unknown(planned))
+                raise
+            # Only the jobs planned are looked at (reading a result's job builds it).
+            leased = {p.job.id for p in planned}
+            won = [r.job for r in results if not r.duplicate and r.job_id in leased]
+            self._carry(self.handoff.claimed(planned, won))
+        # The jobs stored queued (not those handed off at once) wake the dispatcher.
         self.dispatcher.enqueued([r for r in results if not r.duplicate and r.job_id not in leased])
         return results
 
