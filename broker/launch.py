@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from broker import allocator
 from broker.exceptions import ConfigurationError
 from broker.installation import check_installation
 
@@ -23,6 +24,7 @@ def _checked() -> None:
 
 def main_entry() -> int:
     _checked()
+    allocator.tune()
     from broker import cli
 
     return cli.main_entry()
@@ -30,6 +32,7 @@ def main_entry() -> int:
 
 def worker_entry() -> int:
     _checked()
+    allocator.tune()
     from broker import cli
 
     return cli.worker_entry()

@@ -29,6 +29,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from broker import allocator
 from broker.context import running_job
 from broker.jobs import JSONValue
 from broker.runner import Failed, LeaseKey, RunOutcome
@@ -266,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--app", action="append", default=[])
     parser.add_argument("--one-shot", action="store_true")
     args = parser.parse_args(argv)
+    allocator.tune()  # a process of broker's own: see broker.allocator
     channel = _Channel(args.channel_fd)
     jobs_fd = os.dup(0)
     devnull = os.open(os.devnull, os.O_RDONLY)
