@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 
 from broker.exceptions import transient
-from broker.handoff import CHANGE_LOG, ClaimJobs, Handoff, HandoffEffect, PlannedClaim
+from broker.handoff import ClaimJobs, Handoff, HandoffEffect, PlannedClaim
 from broker.jobs import (
     DISPATCH_KEY_FIELDS,
     Clock,
@@ -350,7 +350,7 @@ class Dispatcher:
         served = self._ahead.serve(modes, queues, size, started, now)
         if served is not None:
             return served
-        limit = self._ahead.read_size(modes, queues, size, started, self._claim_batch, now)
+        limit = self._ahead.read_size(modes, queues, size, started, self._claim_batch)
         jobs = await self._store.select_eligible(
             modes=modes, queues=queues, limit=limit, skip=self._claiming()
         )
@@ -421,11 +421,6 @@ _ReadFor = tuple[frozenset[ExecutionMode], frozenset[str] | None]
 _ordered_by = operator.attrgetter(*DISPATCH_KEY_FIELDS)
 
 
-CARRIED_INSERT = 32
-"""The most jobs of one insert a read-ahead is carried over (see
-:meth:`ReadAhead.inserted`): the jobs are kept until a read begins after them, and a bulk
-enqueue's thousands are better read again than held."""
-
 READ_AHEAD_MAX_AGE = 0.05
 """Seconds a read-ahead serves passes: a job that became due by time alone (a scheduled
 job, a retry's back-off ending), which no notification announces, waits at most this long
@@ -471,42 +466,14 @@ class ReadAhead:
         """Where the last job of the read stands in the dispatch order: no job it left out
         stands before it."""
         self._keep = False
-        self._inserts: dict[int, tuple[int, Sequence[EnqueueResult] | None]] = {}
-        """The main's own inserts of queued jobs, by the change count each began at: the
-        count after it and the jobs, ``None`` for more than :data:`CARRIED_INSERT` (see
-        :meth:`inserted`); the last :data:`CHANGE_LOG`, none older than the read held."""
 
     def _read_for(self, modes: set[ExecutionMode], queues: set[str] | None, started: int) -> bool:
-        """Whether the last read covers ``modes`` and ``queues`` and is current at change
-        count ``started`` (see :meth:`_carry_to`)."""
+        """Whether the last read covers ``modes`` and ``queues`` with nothing changed since."""
         return (
-            modes <= self._modes
+            self._started == started
+            and modes <= self._modes
             and (None if queues is None else frozenset(queues)) == self._queues
-            and self._carry_to(started)
         )
-
-    def _carry_to(self, count: int) -> bool:
-        """Whether the read held is current at change count ``count``: it began there, or
-        every change since was an insert of the main's own whose jobs each are of another
-        mode or stand after everything the read held; then it is carried over them (it
-        still holds the store's best jobs, but no longer every job of its modes)."""
-        while self._started != count:
-            step = self._inserts.get(self._started)
-            if step is None or not self._keep or self._cutoff is None:
-                return False
-            after, added = step
-            if added is None:
-                return False
-            cutoff = self._cutoff
-            for result in added:
-                if result.field("execution_mode") not in self._modes:
-                    continue
-                key = dispatch_key(*(result.field(name) for name in DISPATCH_KEY_FIELDS))
-                if key <= cutoff:  # a tie may go either way: the store's insert order decides
-                    return False
-            self._started = after
-            self._complete = False
-        return True
 
     def serve(
         self,
@@ -536,19 +503,11 @@ class ReadAhead:
         size: int,
         started: int,
         batch: int,
-        now: float,
     ) -> int:
-        """How many jobs to read for a pass that needs ``size``. While nothing changed
-        since the last read (a steady drain): twice as many when that read ran out, and
-        as many as it served when it aged out with jobs left (the rest had been read and
-        decoded for nothing: a drain slower than the read's size per
-        :data:`READ_AHEAD_MAX_AGE`, as while producers enqueue, read about three rows per
-        job claimed); else ``size``."""
-        if not (self._keep and self._read_for(modes, queues, started)):
-            return size
-        if self._jobs and now - self._read_at > READ_AHEAD_MAX_AGE:
-            return max(size, self._limit - len(self._jobs))
-        return max(size, min(batch, 2 * self._limit))
+        """How many jobs to read for a pass that needs ``size``: twice the last read when
+        that read ran out with nothing changed since (a steady drain), else ``size``."""
+        steady = self._keep and self._read_for(modes, queues, started)
+        return max(size, min(batch, 2 * self._limit)) if steady else size
 
     def fill(
         self,
@@ -570,22 +529,27 @@ class ReadAhead:
         last = jobs[-1] if jobs else None
         self._cutoff = None if last is None else dispatch_key(*_ordered_by(last))
         self._keep = all(job.concurrency_key is None for job in jobs)
-        for count in [count for count in self._inserts if count < started]:
-            del self._inserts[count]  # before this read: never looked up again
 
     def inserted(self, before: int, after: int, added: Sequence[EnqueueResult]) -> None:
         """The change from count ``before`` to ``after`` was the insert of the queued jobs
-        ``added`` (:meth:`Handoff.jobs_added`): noted, so that the read held, or a read
-        under way now, is carried over it when its jobs stand after that read's.
+        ``added`` (:meth:`Handoff.jobs_added`). When the read held was current before it,
+        and each of them is of another mode or stands after everything the read held,
+        the read still holds the store's best jobs: it stays current (but no longer holds
+        every job of its modes).
 
         Why: producers enqueueing one job at a time while the workers drain made every
-        pass read the store again, at the smallest size: at first because each insert
-        spoiled the read held, and still because an insert landing while a read was
-        under way (400 a second in ``make bench``'s producers workload) left that read
-        stale before its first pass."""
-        self._inserts[before] = (after, added if len(added) <= CARRIED_INSERT else None)
-        if len(self._inserts) > CHANGE_LOG:
-            del self._inserts[next(iter(self._inserts))]
+        pass read the store again, at the smallest size."""
+        if self._started != before or not self._keep or self._cutoff is None:
+            return
+        cutoff = self._cutoff
+        for result in added:
+            if result.field("execution_mode") not in self._modes:
+                continue
+            key = dispatch_key(*(result.field(name) for name in DISPATCH_KEY_FIELDS))
+            if key <= cutoff:  # a tie may go either way: the store's insert order decides
+                return
+        self._started = after
+        self._complete = False
 
     def planned(self, plan: Sequence[PlannedClaim]) -> None:
         """These jobs are being claimed: never serve them again."""

@@ -17,7 +17,7 @@ import pytest
 
 from adapters.memory import MemoryAdapter
 from broker import dispatch, protocol
-from broker.dispatch import CARRIED_INSERT, READ_AHEAD_MAX_AGE, Dispatcher, ReadAhead
+from broker.dispatch import READ_AHEAD_MAX_AGE, Dispatcher, ReadAhead
 from broker.handoff import CHANGE_LOG, Dispatch, Handoff, HandoffEffect, PlannedClaim
 from broker.jobs import (
     Claim,
@@ -582,20 +582,12 @@ def test_the_read_ahead_serves_only_while_its_read_holds() -> None:
 
 def test_the_read_ahead_grows_only_while_nothing_changes() -> None:
     ahead = ReadAhead()
-    assert ahead.read_size({POOLED}, None, 3, 0, batch=100, now=0.0) == 3
+    assert ahead.read_size({POOLED}, None, 3, 0, batch=100) == 3
     ahead.fill([_job() for _ in range(3)], {POOLED}, None, 3, started=0, now=0.0)
-    assert ahead.read_size({POOLED}, None, 3, 0, batch=100, now=0.0) == 6
-    assert ahead.read_size({POOLED}, None, 3, 0, batch=4, now=0.0) == 4
-    assert ahead.read_size({POOLED}, None, 3, 1, batch=100, now=0.0) == 3  # a change
-    assert ahead.read_size({POOLED}, {"q"}, 3, 0, batch=100, now=0.0) == 3
-    # Aged out with jobs left: as many as it served, not more.
-    jobs = [_job() for _ in range(6)]
-    ahead.fill(jobs, {POOLED}, None, 6, started=0, now=0.0)
-    ahead.planned([PlannedClaim(1, "w", job, uuid.uuid4()) for job in jobs[:4]])
-    late = READ_AHEAD_MAX_AGE + 0.01
-    assert ahead.read_size({POOLED}, None, 3, 0, batch=100, now=late) == 4
-    assert ahead.read_size({POOLED}, None, 5, 0, batch=100, now=late) == 5
-    assert ahead.read_size({POOLED}, None, 3, 0, batch=100, now=0.01) == 12  # not yet
+    assert ahead.read_size({POOLED}, None, 3, 0, batch=100) == 6
+    assert ahead.read_size({POOLED}, None, 3, 0, batch=4) == 4
+    assert ahead.read_size({POOLED}, None, 3, 1, batch=100) == 3  # a change
+    assert ahead.read_size({POOLED}, {"q"}, 3, 0, batch=100) == 3
 
 
 def test_a_read_holding_a_keyed_job_serves_one_pass_only() -> None:
@@ -606,7 +598,7 @@ def test_a_read_holding_a_keyed_job_serves_one_pass_only() -> None:
     ahead.fill(jobs, {POOLED}, None, 3, started=0, now=0.0)
     assert ahead.serve({POOLED}, None, 1, 0, 0.0) == (jobs[:1], True)
     assert ahead.serve({POOLED}, None, 1, 0, 0.0) is None
-    assert ahead.read_size({POOLED}, None, 1, 0, batch=100, now=0.0) == 1
+    assert ahead.read_size({POOLED}, None, 1, 0, batch=100) == 1
 
 
 def _enqueued(priority: int = 0, mode: ExecutionMode = POOLED) -> EnqueueResult:
@@ -642,40 +634,6 @@ def test_a_job_that_may_stand_before_the_read_ahead_retires_it() -> None:
     ahead.fill(jobs, {POOLED}, None, 4, started=0, now=0.0)
     ahead.inserted(1, 2, [_enqueued()])
     assert ahead.serve({POOLED}, None, 1, 2, 0.0) is None
-
-
-def test_a_read_under_way_is_carried_over_the_inserts_that_land_meanwhile() -> None:
-    """Producers enqueueing while the workers drain: an insert committed while a read
-    was in flight left that read stale before its first pass, and the next pass read
-    the store again, at the smallest size."""
-    jobs = [_job() for _ in range(4)]
-    ahead = ReadAhead()
-    ahead.inserted(0, 1, [_enqueued()])  # committed while the read begun at 0 was out
-    ahead.inserted(1, 2, [_enqueued(), _enqueued(mode=ExecutionMode.INLINE)])
-    ahead.fill(jobs, {POOLED}, None, 4, started=0, now=0.0)
-    assert ahead.serve({POOLED}, None, 1, 0, 0.0) == (jobs[:1], True)  # the pass that read
-    ahead.planned([PlannedClaim(1, "w", jobs[0], uuid.uuid4())])
-    assert ahead.serve({POOLED}, None, 1, 2, 0.0) == (jobs[1:2], True)  # the next one
-    assert ahead.read_size({POOLED}, None, 1, 2, batch=100, now=0.0) == 8  # a steady drain still
-    # An insert that may stand before the read stops it where it lands.
-    ahead = ReadAhead()
-    ahead.inserted(0, 1, [_enqueued()])
-    ahead.inserted(1, 2, [_enqueued(priority=5)])
-    ahead.fill(jobs, {POOLED}, None, 4, started=0, now=0.0)
-    assert ahead.serve({POOLED}, None, 1, 1, 0.0) == (jobs[:1], True)
-    assert ahead.serve({POOLED}, None, 1, 2, 0.0) is None
-    # So does an unknown change between (a gap in the inserts), and a bulk insert, whose
-    # jobs are not kept.
-    for logged in ([(1, 2)], [(0, 1)]):
-        ahead = ReadAhead()
-        for before, after in logged:
-            ahead.inserted(before, after, [_enqueued()])
-        ahead.fill(jobs, {POOLED}, None, 4, started=0, now=0.0)
-        assert ahead.serve({POOLED}, None, 1, 2, 0.0) is None
-    ahead = ReadAhead()
-    ahead.inserted(0, 1, [_enqueued() for _ in range(CARRIED_INSERT + 1)])
-    ahead.fill(jobs, {POOLED}, None, 4, started=0, now=0.0)
-    assert ahead.serve({POOLED}, None, 1, 1, 0.0) is None
 
 
 def test_jobs_added_to_one_mode_leave_the_others_drained() -> None:
