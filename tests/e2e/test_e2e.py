@@ -816,10 +816,22 @@ async def test_2000_jobs_two_workers_one_killed_midway(tmp_path: Path, store_url
             holds = [replace(hold_spec(gate), priority=10) for _ in range(32)]
             keys += await enqueue(cluster, holds)
             hold_keys = {str(spec.id) for spec in holds}
+
+            def where_holds() -> str:
+                runs = RunLog.read(cluster.runs)
+                return (
+                    f"gated jobs running on worker-1: {len(runs.running_on(w1.pid) & hold_keys)}, "
+                    f"on worker-2: {len(runs.running_on(w2.pid) & hold_keys)}, started at all: "
+                    f"{len((runs.started_by(w1.pid) | runs.started_by(w2.pid)) & hold_keys)}; "
+                    f"jobs ended by worker-1: {len(runs.ended_by(w1.pid))}, "
+                    f"by worker-2: {len(runs.ended_by(w2.pid))}"
+                )
+
             await eventually(
                 lambda: RunLog.read(cluster.runs).running_on(w1.pid) & hold_keys,
                 "worker-1 to be running a gated job",
                 timeout=60,
+                detail=where_holds,
             )
             completed_before_kill = {str(j.id) for j in await jobs_in(store, [JobStatus.COMPLETED])}
             await w1.kill()
