@@ -9,7 +9,8 @@ of system time a read on this project's benchmark machine, where the read itself
 was mapped, but a block shrunk before it is freed never does that, so a worker and its
 children paid it on every read for their whole life (``strace -c``: one ``mmap``,
 ``mremap`` and ``munmap`` per read). With the threshold above the read size, the
-worker and its children used about a tenth less CPU per job in ``bench.drain_ab``.
+worker used 7% less CPU per job and its children 10% less (``bench.drain_ab``, four
+alternating pairs).
 
 Only broker's own processes call :func:`tune` (``broker-main``, ``broker-worker`` and
 the pooled runners' children); a process that merely imports broker (an application
