@@ -159,10 +159,10 @@ _HANDED_OFF = JobStatus.HANDED_OFF.value
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _ONE_US = timedelta(microseconds=1)
 _ENQUEUE_ROUNDS = 5
+"""How often an enqueue retries when the job holding its key vanishes mid-transaction."""
 _READ_ROUNDS = 5
 """Reads of rows and their payloads before a payload that keeps vanishing between the
 two is an error (see :meth:`SQLAlchemyAdapter._read_with_bodies`)."""
-"""How often an enqueue retries when the job holding its key vanishes mid-transaction."""
 _CHUNK = 500
 """Most ids bound in one statement (SQLite and asyncpg cap a statement near 32k parameters)."""
 _WRITE_OPTION = "broker_write"
@@ -351,16 +351,18 @@ def _whole_jobs(rows: Sequence[Mapping[Any, Any]], bodies: Bodies) -> list[Job]:
     between the two reads (its checkpoint replaced meanwhile) is left out, as if it were
     gone: an enqueue looking for the job holding its key then tries again
     (:meth:`SQLAlchemyAdapter._insert_or_find`), and reads it as it now stands."""
-    return [_job_from_row(r, bodies) for r in rows if not _bodies_missing([r], bodies)]
+    return [_job_from_row(r, bodies) for r in rows if not _lacks_body(r, bodies)]
 
 
 def _bodies_missing(rows: Sequence[Mapping[Any, Any]], bodies: Bodies) -> bool:
     """Whether a row of ``rows`` marks a payload that ``bodies`` lacks."""
-    return any(
-        row[column] == OFFLOADED and (row["id"], column) not in bodies
-        for row in rows
-        if _is_offloaded(row)
-        for column in OFFLOADABLE
+    return any(_lacks_body(row, bodies) for row in rows)
+
+
+def _lacks_body(row: Mapping[Any, Any], bodies: Bodies) -> bool:
+    """Whether ``row`` marks a payload that ``bodies`` lacks."""
+    return _is_offloaded(row) and any(
+        row[column] == OFFLOADED and (row["id"], column) not in bodies for column in OFFLOADABLE
     )
 
 
