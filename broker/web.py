@@ -208,7 +208,7 @@ class Dashboard:
 
     def _levels(self, counts: Sequence[QueueCount]) -> MainLevels:
         handoff = self.main.handoff
-        workers = [p for p in handoff.peers.values() if p.role is protocol.Role.WORKER]
+        workers = list(handoff.worker_peers.values())
         credits = {mode.value: handoff.credit(mode) for mode in ExecutionMode}
         return MainLevels(
             counts=counts,

@@ -377,7 +377,8 @@ class HandoffMachine(RuleBasedStateMachine):
         return won(planned)
 
     def _live(self) -> list[int]:
-        return sorted(p for p, c in self.conns.items() if c.live and p in self.core.peers)
+        """The live worker connections (a client's takes no jobs and sends no ``ready``)."""
+        return sorted(p for p, c in self.conns.items() if c.live and p in self.core.worker_peers)
 
     # ------------------------------------------------------------------ peers
 
@@ -405,7 +406,7 @@ class HandoffMachine(RuleBasedStateMachine):
         self.hello(data, "w1", {POOLED: 2, FORKED: 1}, None)
         self.hello(data, "w2", {POOLED: 1, FORKED: 1}, ["a"])
 
-    @precondition(lambda self: len(self.core.peers) < 4)
+    @precondition(lambda self: len(self.core.worker_peers) < 4)
     @rule(
         data=st.data(),
         worker=st.sampled_from(["w1", "w2", "w3"]),
@@ -473,13 +474,27 @@ class HandoffMachine(RuleBasedStateMachine):
             conn.running[lease] = mode
         conn.read = upto
 
+    @precondition(lambda self: len(self.core.peers) - len(self.core.worker_peers) < 3)
+    @rule()
+    def client_connects(self) -> None:
+        """An application's ``Client`` connects: a peer that holds no leases and takes no
+        jobs, whose reports are all stale (see :meth:`report`)."""
+        pid = next(self.ids)
+        self.conns[pid] = Conn("", {})
+        peer = self.core.new_peer(pid, now=self.now)
+        hello = protocol.Hello(role=protocol.Role.CLIENT, protocol=protocol.PROTOCOL_VERSION)
+        assert self.core.hello(peer, hello) == ([], [])
+
     @precondition(lambda self: self.core.peers)
     @rule(data=st.data(), kind=st.sampled_from(["drain", "disconnect", "pause", "bad ready"]))
     def peer_event(self, data: st.DataObject, kind: str) -> None:
         """A worker drains, its connection ends, the transport pauses (or resumes) it over
-        its outbox cap, or it sends a ``ready`` out of order (refused, nothing applied)."""
+        its outbox cap, or it sends a ``ready`` out of order (refused, nothing applied);
+        a client's connection ends."""
         pid = data.draw(st.sampled_from(sorted(self.core.peers)))
         conn = self.conns[pid]
+        if pid not in self.core.worker_peers:
+            kind = "disconnect"  # the main routes a client nothing else (broker.main)
         if kind == "drain":
             self.apply(self.core.draining(pid))
         elif kind == "disconnect":
@@ -757,6 +772,14 @@ class HandoffMachine(RuleBasedStateMachine):
                     f"peer {pid} {mode}: {unseen} sent since its ready + {reserved[pid, mode]} "
                     f"reserved > {conn.ready_slots.get(mode, 0)} slots advertised"
                 )
+
+    @invariant()
+    def only_worker_connections_are_worker_peers(self) -> None:
+        worker = protocol.Role.WORKER
+        workers = {p: peer for p, peer in self.core.peers.items() if peer.role is worker}
+        assert self.core.worker_peers == workers
+        for peer in self.core.peers.values():
+            assert peer.role is worker or not peer.leases, "a client holds a lease"
 
     @invariant()
     def every_lease_is_in_exactly_one_place(self) -> None:
