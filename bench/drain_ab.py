@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.__main__ import checkpoint_postgres
@@ -26,9 +27,11 @@ from bench.harness import Config, Driver, Runner
 from bench.systems import BY_NAME
 
 
-def main(argv: list[str]) -> int:
-    name, jobs, reps = argv[0], int(argv[1]), int(argv[2])
-    workdir = Path(tempfile.mkdtemp(prefix=f"drain-{name}-"))
+def repeat(name: str, reps: int, one: Callable[[Runner], str], prefix: str = "drain") -> None:
+    """Run ``one(runner)`` ``reps`` times on a fresh driver of the system ``name``, each
+    after a PostgreSQL ``CHECKPOINT``, printing the line each run returns (the drain
+    here, the producers workload in :mod:`bench.producers_ab`)."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"{prefix}-{name}-"))
     cfg = Config(workdir=str(workdir), hash_rounds=1000)
     driver: Driver = importlib.import_module(BY_NAME[name].module).DRIVERS[name](name, cfg)
     runner = Runner(driver, cfg, workdir / "out.json")
@@ -37,18 +40,25 @@ def main(argv: list[str]) -> int:
         for _ in range(reps):
             if error := checkpoint_postgres():
                 print(error, file=sys.stderr)
-            run = runner.drain("noop", jobs, 0)
-            per_job = {
-                part: run[f"{part}_cpu_s"] / run["done"] * 1e3
-                for part in ("main", "worker_own", "children", "server")
-            }
-            print(
-                f"{name}: {run['per_s']:,.0f} jobs/s; ms/job "
-                + ", ".join(f"{part} {ms:.3f}" for part, ms in per_job.items()),
-                flush=True,
-            )
+            print(one(runner), flush=True)
     finally:
         driver.teardown()
+
+
+def main(argv: list[str]) -> int:
+    name, jobs, reps = argv[0], int(argv[1]), int(argv[2])
+
+    def drain(runner: Runner) -> str:
+        run = runner.drain("noop", jobs, 0)
+        per_job = {
+            part: run[f"{part}_cpu_s"] / run["done"] * 1e3
+            for part in ("main", "worker_own", "children", "server")
+        }
+        return f"{name}: {run['per_s']:,.0f} jobs/s; ms/job " + ", ".join(
+            f"{part} {ms:.3f}" for part, ms in per_job.items()
+        )
+
+    repeat(name, reps, drain)
     return 0
 
 

@@ -16,12 +16,10 @@ enqueues' p50 and p99, and the mean time of each store call the main made meanwh
 from __future__ import annotations
 
 import sys
-import tempfile
 import urllib.request
-from pathlib import Path
 
-from bench.__main__ import checkpoint_postgres
-from bench.harness import Config, Runner
+from bench.drain_ab import repeat
+from bench.harness import Runner
 from bench.peers import broker_peer
 from bench.peers.broker_peer import free_port
 
@@ -47,38 +45,33 @@ def main(argv: list[str]) -> int:
     name, reps = argv[0], int(argv[1])
     http_port = free_port()
     broker_peer.MAIN_FLAGS = (*broker_peer.MAIN_FLAGS, "--http-port", str(http_port))
-    workdir = Path(tempfile.mkdtemp(prefix=f"producers-{name}-"))
-    cfg = Config(workdir=str(workdir), hash_rounds=1000)
-    driver = broker_peer.DRIVERS[name](name, cfg)
-    runner = Runner(driver, cfg, workdir / "out.json")
     before: list[dict[str, tuple[float, float]]] = []
-    reset = driver.reset
 
-    def reset_and_read() -> None:  # the workload resets the main: read it right after
-        reset()
-        before.append(store_timings(http_port))
+    def producers(runner: Runner) -> str:
+        driver = runner.d
+        reset = driver.reset
 
-    driver.reset = reset_and_read  # type: ignore[method-assign]
-    driver.setup()
-    try:
-        for _ in range(reps):
-            if error := checkpoint_postgres():
-                print(error, file=sys.stderr)
-            run = runner.producers(cfg.producer_jobs)
-            after, start = store_timings(http_port), before[-1]
-            calls = []
-            for op, (n, seconds) in sorted(after.items()):
-                n0, s0 = start.get(op, (0.0, 0.0))
-                if n > n0:
-                    calls.append(f"{op} {n - n0:.0f} x {(seconds - s0) / (n - n0) * 1e3:.2f} ms")
-            print(
-                f"{name}: drain {run['per_s']:,.0f} jobs/s; enqueue p50 "
-                f"{run['enqueue_p50_ms']:.2f} ms, p99 {run['enqueue_p99_ms']:.2f} ms; "
-                + ", ".join(calls),
-                flush=True,
-            )
-    finally:
-        driver.teardown()
+        def reset_and_read() -> None:  # the workload starts a fresh main: read it then
+            reset()
+            before.append(store_timings(http_port))
+
+        driver.reset = reset_and_read  # type: ignore[method-assign]
+        try:
+            run = runner.producers(runner.cfg.producer_jobs)
+        finally:
+            driver.reset = reset  # type: ignore[method-assign]
+        calls = []
+        for op, (n, seconds) in sorted(store_timings(http_port).items()):
+            n0, s0 = before[-1].get(op, (0.0, 0.0))
+            if n > n0:
+                calls.append(f"{op} {n - n0:.0f} x {(seconds - s0) / (n - n0) * 1e3:.2f} ms")
+        return (
+            f"{name}: drain {run['per_s']:,.0f} jobs/s; enqueue p50 "
+            f"{run['enqueue_p50_ms']:.2f} ms, p99 {run['enqueue_p99_ms']:.2f} ms; "
+            + ", ".join(calls)
+        )
+
+    repeat(name, reps, producers, prefix="producers")
     return 0
 
 
