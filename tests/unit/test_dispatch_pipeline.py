@@ -582,12 +582,33 @@ def test_the_read_ahead_serves_only_while_its_read_holds() -> None:
 
 def test_the_read_ahead_grows_only_while_nothing_changes() -> None:
     ahead = ReadAhead()
-    assert ahead.read_size({POOLED}, None, 3, 0, batch=100) == 3
-    ahead.fill([_job() for _ in range(3)], {POOLED}, None, 3, started=0, now=0.0)
-    assert ahead.read_size({POOLED}, None, 3, 0, batch=100) == 6
-    assert ahead.read_size({POOLED}, None, 3, 0, batch=4) == 4
-    assert ahead.read_size({POOLED}, None, 3, 1, batch=100) == 3  # a change
-    assert ahead.read_size({POOLED}, {"q"}, 3, 0, batch=100) == 3
+    assert ahead.read_size({POOLED}, None, 3, 0, batch=100, now=0.0) == 3
+    jobs = [_job() for _ in range(3)]
+    ahead.fill(jobs, {POOLED}, None, 3, started=0, now=0.0)
+    ahead.planned([PlannedClaim(1, "w", job, uuid.uuid4()) for job in jobs])  # it ran out
+    late = READ_AHEAD_MAX_AGE + 0.01  # its age does not matter once it ran out
+    assert ahead.read_size({POOLED}, None, 3, 0, batch=100, now=late) == 6
+    assert ahead.read_size({POOLED}, None, 3, 0, batch=4, now=late) == 4
+    assert ahead.read_size({POOLED}, None, 3, 1, batch=100, now=late) == 3  # a change
+    assert ahead.read_size({POOLED}, {"q"}, 3, 0, batch=100, now=late) == 3
+
+
+def test_a_read_that_grew_old_with_jobs_left_is_followed_by_one_of_what_it_served() -> None:
+    """Slow jobs free slots a few at a time: a read that ages out mostly unused must not
+    be followed by one twice its size (each would be read and decoded for nothing)."""
+    ahead = ReadAhead()
+    jobs = [_job() for _ in range(40)]
+    ahead.fill(jobs, {POOLED}, None, 40, started=0, now=0.0)
+    for taken in (jobs[:2], jobs[2:5]):
+        served = ahead.serve({POOLED}, None, len(taken), 0, 0.01)
+        assert served == (taken, True)
+        ahead.planned([PlannedClaim(1, "w", job, uuid.uuid4()) for job in taken])
+    late = READ_AHEAD_MAX_AGE + 0.01
+    assert ahead.serve({POOLED}, None, 2, 0, late) is None  # too old to serve
+    assert ahead.read_size({POOLED}, None, 2, 0, batch=100, now=late) == 5
+    assert ahead.read_size({POOLED}, None, 8, 0, batch=100, now=late) == 8  # a pass's need
+    # Still young, it would be doubled only once it ran out (fewer left than a pass needs).
+    assert ahead.read_size({POOLED}, None, 36, 0, batch=100, now=0.02) == 80
 
 
 def test_a_read_holding_a_keyed_job_serves_one_pass_only() -> None:
@@ -598,7 +619,7 @@ def test_a_read_holding_a_keyed_job_serves_one_pass_only() -> None:
     ahead.fill(jobs, {POOLED}, None, 3, started=0, now=0.0)
     assert ahead.serve({POOLED}, None, 1, 0, 0.0) == (jobs[:1], True)
     assert ahead.serve({POOLED}, None, 1, 0, 0.0) is None
-    assert ahead.read_size({POOLED}, None, 1, 0, batch=100) == 1
+    assert ahead.read_size({POOLED}, None, 1, 0, batch=100, now=0.0) == 1
 
 
 def _enqueued(priority: int = 0, mode: ExecutionMode = POOLED) -> EnqueueResult:
