@@ -18,6 +18,8 @@ from __future__ import annotations
 import sys
 import urllib.request
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from bench.drain_ab import repeat
 from bench.harness import Runner
 from bench.peers import broker_peer
@@ -25,27 +27,27 @@ from bench.peers.broker_peer import free_port
 
 
 def store_timings(port: int) -> dict[str, tuple[float, float]]:
-    """``operation -> (calls, seconds)`` from the main's ``/metrics``."""
+    """``operation -> (calls, seconds)`` of ``broker_store_seconds`` from the main's
+    ``/metrics``."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as answer:
         text = answer.read().decode()
-    sums: dict[str, float] = {}
-    counts: dict[str, float] = {}
-    for line in text.splitlines():
-        for prefix, into in (
-            ("broker_store_seconds_sum", sums),
-            ("broker_store_seconds_count", counts),
-        ):
-            if line.startswith(prefix + "{"):
-                labels, value = line.rsplit(" ", 1)
-                into[labels[len(prefix) :]] = float(value)
-    return {op: (counts[op], sums.get(op, 0.0)) for op in counts}
+    calls: dict[str, float] = {}
+    seconds: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "broker_store_seconds":
+            continue
+        for sample in family.samples:
+            into = {"_count": calls, "_sum": seconds}.get(sample.name[len(family.name) :])
+            if into is not None:
+                into[sample.labels["operation"]] = sample.value
+    return {op: (n, seconds.get(op, 0.0)) for op, n in calls.items()}
 
 
 def main(argv: list[str]) -> int:
     name, reps = argv[0], int(argv[1])
     http_port = free_port()
     broker_peer.MAIN_FLAGS = (*broker_peer.MAIN_FLAGS, "--http-port", str(http_port))
-    before: list[dict[str, tuple[float, float]]] = []
+    before: dict[str, tuple[float, float]] = {}
 
     def producers(runner: Runner) -> str:
         driver = runner.d
@@ -53,7 +55,8 @@ def main(argv: list[str]) -> int:
 
         def reset_and_read() -> None:  # the workload starts a fresh main: read it then
             reset()
-            before.append(store_timings(http_port))
+            before.clear()
+            before.update(store_timings(http_port))
 
         driver.reset = reset_and_read  # type: ignore[method-assign]
         try:
@@ -62,9 +65,9 @@ def main(argv: list[str]) -> int:
             driver.reset = reset  # type: ignore[method-assign]
         calls = []
         for op, (n, seconds) in sorted(store_timings(http_port).items()):
-            n0, s0 = before[-1].get(op, (0.0, 0.0))
+            n0, s0 = before.get(op, (0.0, 0.0))
             if n > n0:
-                calls.append(f"{op} {n - n0:.0f} x {(seconds - s0) / (n - n0) * 1e3:.2f} ms")
+                calls.append(f"{op}: {n - n0:.0f} x {(seconds - s0) / (n - n0) * 1e3:.2f} ms")
         return (
             f"{name}: drain {run['per_s']:,.0f} jobs/s; enqueue p50 "
             f"{run['enqueue_p50_ms']:.2f} ms, p99 {run['enqueue_p99_ms']:.2f} ms; "

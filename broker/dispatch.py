@@ -478,6 +478,10 @@ class ReadAhead:
             and (None if queues is None else frozenset(queues)) == self._queues
         )
 
+    def _aged(self, now: float) -> bool:
+        """Whether the read held is older than :data:`READ_AHEAD_MAX_AGE` at ``now``."""
+        return now - self._read_at > READ_AHEAD_MAX_AGE
+
     def serve(
         self,
         modes: set[ExecutionMode],
@@ -489,7 +493,7 @@ class ReadAhead:
         """The best ``size`` jobs of ``modes`` held, and whether there were ``size``;
         ``None`` when what is held may not be the store's best ``size`` (stale, read for
         other modes or queues, or too few without being all there is)."""
-        if not self._read_for(modes, queues, started) or now - self._read_at > READ_AHEAD_MAX_AGE:
+        if not self._read_for(modes, queues, started) or self._aged(now):
             return None
         jobs = [job for job in self._jobs if job.execution_mode in modes][:size]
         if len(jobs) < size and not self._complete:
@@ -520,7 +524,7 @@ class ReadAhead:
         decoding them."""
         if not (self._keep and self._read_for(modes, queues, started)):
             return size
-        if self._jobs and now - self._read_at > READ_AHEAD_MAX_AGE:
+        if self._jobs and self._aged(now):
             return max(size, min(batch, self._held - len(self._jobs)))
         return max(size, min(batch, 2 * self._limit))
 
