@@ -50,6 +50,12 @@ MAX_REPLY_BYTES = 64 << 20
 may carry whole jobs (args and result) or pages of them, so the cap is generous."""
 
 
+def _time_out(future: asyncio.Future[protocol.Message]) -> None:
+    """A request's deadline passed with no answer: its caller stops waiting."""
+    if not future.done():
+        future.set_exception(TimeoutError())
+
+
 @dataclass(frozen=True, slots=True)
 class JobListPage:
     jobs: list[dict[str, JSONValue]]
@@ -262,21 +268,32 @@ class Client:
         (:mod:`broker.error_codes`). ``check`` sees the encoded line first (encoded once,
         for both) and may refuse it by raising."""
         await self.connect()
-        assert self._writer is not None
+        writer = self._writer
+        assert writer is not None
         rid = f"r{next(self._ids)}"
         request = build(rid)
         line = protocol.encode(request)
         if check is not None:
             check(line)
-        future: asyncio.Future[protocol.Message] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[protocol.Message] = loop.create_future()
         self._pending[rid] = future
+        # The line goes out at once when nothing is queued before it, and the wait for the
+        # answer is one timer on its future: a request then takes no lock, no drain and no
+        # timeout scope (one at a time, those cost the caller about 15-20 us of its 160).
+        # Only a line that must wait its turn to be written waits in a scope, to the same
+        # deadline, since that wait is not on the future.
+        deadline = loop.time() + self._timeout
+        timer = loop.call_at(deadline, _time_out, future)
         try:
-            async with asyncio.timeout(self._timeout):
-                await self._writer.write_raw(line)
-                reply = await future
+            if not writer.write_now(line):
+                async with asyncio.timeout_at(deadline):
+                    await writer.write_raw(line)
+            reply = await future
         except TimeoutError:
             raise self._timed_out(f"a request ({type(request).__name__})") from None
         finally:
+            timer.cancel()
             self._pending.pop(rid, None)
         if isinstance(reply, protocol.RequestError):
             raise error_codes.raised_by(reply)

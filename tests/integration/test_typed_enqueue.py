@@ -115,3 +115,29 @@ async def test_a_main_that_stops_answering_raises_a_clear_timeout() -> None:
         with pytest.raises(TimeoutError, match=r"did not answer a request .* within 0.2 s"):
             await send_email.options(client=client).enqueue("a@x")
     await hung_up.wait()
+
+
+async def test_a_request_stuck_behind_a_main_that_stopped_reading_times_out() -> None:
+    """A main that stops reading leaves the client's bytes unsent: the next request then
+    waits for its turn to write, and that wait ends at the same deadline as the wait for
+    an answer (neither request hangs)."""
+    stop = asyncio.Event()
+
+    async def deaf_main(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(protocol.encode(protocol.Challenge("ab", protocol.PROTOCOL_VERSION, False)))
+        await reader.readline()
+        welcome = protocol.Welcome("m", protocol.PROTOCOL_VERSION, 5.0, [], 64 << 20)
+        writer.write(protocol.encode(welcome))
+        await stop.wait()  # reads nothing more
+        writer.close()
+
+    server = await asyncio.start_server(deaf_main, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    big = "x" * (16 << 20)  # more than the kernel's socket buffers hold
+    async with server, Client("127.0.0.1", port, timeout=0.3) as client:
+        for _ in range(2):  # the first waits for an answer, the second for its turn
+            with pytest.raises(TimeoutError, match=r"did not answer a request .* within 0.3 s"):
+                await client.enqueue("app.big", [big], max_attempts=1)
+        assert client._writer is not None
+        assert client._writer._writer.transport.get_write_buffer_size() > 0  # still unsent
+        stop.set()
