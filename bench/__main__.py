@@ -362,8 +362,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--no-floor",
         action="store_true",
-        help="skip measuring the floor (bench/floor.py; the report then reads the last "
-        "floor.json in --out, if any)",
+        help="skip measuring the floors (bench/floor.py and bench/enqueue_floor.py; the "
+        "report then reads the last floor.json and enqueue-floor.json in --out, if any)",
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the results go")
     p.add_argument("--keep-workdir", action="store_true", help="keep logs and stores of the runs")
@@ -458,6 +458,20 @@ def main(argv: list[str] | None = None) -> int:
         )
         if done.returncode != 0:
             log(f"floor failed: {done.stderr.strip()[-400:]}")
+        log("enqueue floor: one at a time through a relay, PgQueuer and broker-main in turns")
+        enqueue_floor = args.out / "enqueue-floor.json"
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.enqueue_floor", "--json", str(enqueue_floor)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        if done.returncode != 0:
+            log(f"enqueue floor failed: {done.stderr.strip()[-400:]}")
     finished = datetime.now(UTC)
     data = {
         "generated": finished.isoformat(timespec="seconds"),
@@ -470,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     data["baseline"] = report.read_baseline()
     data["floor"] = report.read_json(args.out / "floor.json")
+    data["enqueue_floor"] = report.read_json(args.out / "enqueue-floor.json")
     data["rss_soak"] = report.read_soak(args.out / "rss-soak.json")
     (args.out / "results.json").write_text(json.dumps(data, indent=1))
     chart_error = render_chart(args.out)

@@ -14,19 +14,29 @@ This measures how fast that path could be at best, in turns, ``--reps`` times ea
   this process sends a line and waits for the answer, one job at a time.
 
 The relay is the least a main can add: no decoding, checks, catalog, group commit or
-reply encoding. Compare its rate with PgQueuer's one-at-a-time figure on the same
-machine (``python -m bench.enqueue_bench pgqueuer`` from its environment): where the
-relay alone does not beat it, no main on this design can.
+reply encoding. In the same turns it also runs, each in a process of its own,
+
+* **pgqueuer**: PgQueuer's one-at-a-time enqueue (``bench.enqueue_bench pgqueuer``, in
+  its ``.venv-peers`` environment; left out when that environment is missing);
+* **main**: the broker's own, through a real broker-main (``bench.enqueue_bench
+  broker-postgres-defaults``),
+
+so the four rates come from the same minutes of a noisy machine. Where the relay alone
+does not beat PgQueuer, no main on this design can. ``make bench`` runs this (unless
+``--no-floor``) and ``bench/report.py`` shows the medians (``--json``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
@@ -35,6 +45,8 @@ from bench.systems import database, fresh_database, on_admin_database, postgres_
 
 DATABASE = database("bench_enqueue_floor")
 TASK = "bench.jobs.noop"
+ROOT = Path(__file__).resolve().parent.parent
+PGQUEUER_PYTHON = ROOT / ".venv-peers" / "pgqueuer" / "bin" / "python"
 
 
 def _store() -> Any:
@@ -120,10 +132,26 @@ async def _fresh_database() -> None:
     await store.close()
 
 
+def _one_at_a_time(python: Path | str, system: str, jobs: int) -> float:
+    """``system``'s one-at-a-time rate from ``bench.enqueue_bench``, in a process of its own."""
+    command = [str(python), "-m", "bench.enqueue_bench", system, "--one", str(jobs)]
+    done = subprocess.run(
+        [*command, "--bulk", "1", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return float(next(r["per_s"] for r in rows if r["phase"] == "one"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--jobs", type=int, default=3000)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the rates here")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
@@ -136,16 +164,26 @@ def main() -> None:
     try:
         assert relay.stdout is not None
         port = int(relay.stdout.readline())
-        rates: dict[str, list[float]] = {"direct": [], "relay": []}
+        rates: dict[str, list[float]] = {"direct": [], "relay": [], "main": []}
+        if PGQUEUER_PYTHON.exists():
+            rates["pgqueuer"] = []
         for _ in range(args.reps):
             rates["direct"].append(asyncio.run(_direct(args.jobs)))
             rates["relay"].append(asyncio.run(_through(port, args.jobs)))
+            if "pgqueuer" in rates:
+                rates["pgqueuer"].append(_one_at_a_time(PGQUEUER_PYTHON, "pgqueuer", args.jobs))
+            main_rate = _one_at_a_time(sys.executable, "broker-postgres-defaults", args.jobs)
+            rates["main"].append(main_rate)
         for name, values in rates.items():
             runs = ", ".join(f"{v:,.0f}" for v in values)
-            print(f"{name:6} median {statistics.median(values):,.0f} jobs/s ({runs})")
+            print(f"{name:8} median {statistics.median(values):,.0f} jobs/s ({runs})")
     finally:
         relay.kill()
         relay.wait()
+    if args.json is not None:
+        generated = datetime.now(UTC).isoformat(timespec="seconds")
+        record = {"generated": generated, "jobs": args.jobs, "reps": args.reps, "rates": rates}
+        args.json.write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

@@ -291,6 +291,45 @@ FLOOR_PARTS = (
 )
 
 
+ENQUEUE_FLOOR_PATHS = (
+    ("pgqueuer", "PgQueuer's producer, straight into PostgreSQL"),
+    ("direct", "the main's store write of one job, called in the producer (no main)"),
+    ("relay", "that write behind a process that does nothing else: the floor of any main"),
+    ("main", "broker-main: `Client.enqueue`, one job a call"),
+)
+
+
+def _enqueue_floor_lines(record: dict[str, Any]) -> list[str]:
+    """The one-at-a-time paths of ``bench/enqueue_floor.py``, measured in the same turns,
+    as rates and multiples of PgQueuer's: what a main on this design can reach at best."""
+    rates = record.get("rates") or {}
+    pgq = spread(rates.get("pgqueuer") or [])
+    rows = []
+    for key, label in ENQUEUE_FLOOR_PATHS:
+        values = rates.get(key)
+        if not values:
+            continue
+        median = statistics.median(values)
+        ratio = f"{TIMES}{median / pgq[0]:.2f}" if pgq else DASH
+        rows.append([label, cell(values), ratio])
+    if not rows:
+        return []
+    return [
+        "",
+        "## One at a time through a main: the floor",
+        "",
+        f"`bench/enqueue_floor.py`, measured {record.get('generated', '?')}: "
+        f"{record.get('jobs', '?'):,} no-op jobs enqueued one at a time on each path, each "
+        "path in turn, "
+        f"{record.get('reps', '?')} turns; jobs/s, median (min{DASH}max). A relay that "
+        "reads a line, makes the store write and answers a line is the least a process "
+        "between the producer and the store adds; where it does not beat PgQueuer, no main "
+        "on this design can.",
+        "",
+        *_table(["path", "jobs/s", f"{TIMES} PgQueuer"], rows),
+    ]
+
+
 def _floor_rows(systems: list[dict[str, Any]], floor: dict[str, Any]) -> list[list[str]]:
     """Each broker row's CPU per job per process as a multiple of the floor for its mode."""
     batch = str(floor.get("report_batch"))
@@ -560,6 +599,7 @@ def markdown(data: dict[str, Any], chart_error: str | None = None) -> str:
             ],
             pgq_rows,
         )
+    lines += _enqueue_floor_lines(data.get("enqueue_floor") or {})
     floor = data.get("floor") or {}
     floor_rows = _floor_rows(systems, floor)
     if floor_rows:

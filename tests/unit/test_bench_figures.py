@@ -129,6 +129,37 @@ def test_the_floor_table_holds_each_postgresql_row_to_its_modes_floor() -> None:
     assert inline_row[3] == report.DASH  # an inline row has no children to hold to a floor
 
 
+ENQUEUE_FLOOR = {
+    "generated": "now",
+    "jobs": 3000,
+    "reps": 3,
+    "rates": {
+        "direct": [2400.0, 2000.0, 2200.0],
+        "relay": [1500.0, 1600.0, 1700.0],
+        "main": [1100.0, 1200.0, 1000.0],
+        "pgqueuer": [2000.0, 1900.0, 2100.0],
+    },
+}
+
+
+def test_the_enqueue_floor_holds_each_path_to_pgqueuers_median_in_the_same_turns() -> None:
+    lines = report._enqueue_floor_lines(ENQUEUE_FLOOR)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in lines if line.startswith("| ")}
+    pgqueuer, direct, relay, main = (rows[label] for _, label in report.ENQUEUE_FLOOR_PATHS)
+    assert pgqueuer.endswith("| 2,000 (1,900\u20132,100) | \u00d71.00 |")
+    assert direct.endswith("| \u00d71.10 |")  # 2,200 / 2,000
+    assert relay.endswith("| 1,600 (1,500\u20131,700) | \u00d70.80 |")
+    assert main.endswith("| \u00d70.55 |")  # 1,100 / 2,000
+
+
+def test_without_pgqueuer_the_enqueue_floor_shows_rates_alone() -> None:
+    rates = {k: v for k, v in ENQUEUE_FLOOR["rates"].items() if k != "pgqueuer"}
+    lines = report._enqueue_floor_lines(dict(ENQUEUE_FLOOR, rates=rates))
+    assert sum(line.startswith("| ") for line in lines) == 1 + 3  # the header, 3 paths
+    assert all(line.endswith(f"| {report.DASH} |") for line in lines[-3:])
+    assert report._enqueue_floor_lines({}) == []
+
+
 def test_the_report_renders_every_new_section() -> None:
     data = {
         "generated": "2026-11-30T00:00:00+00:00",
@@ -149,6 +180,7 @@ def test_the_report_renders_every_new_section() -> None:
         "config": harness.Config(workdir="", hash_rounds=1).__dict__,
         "systems": [BROKER, PGQUEUER],
         "floor": FLOOR,
+        "enqueue_floor": ENQUEUE_FLOOR,
     }
     text = report.markdown(data)
     for heading in (
@@ -156,6 +188,7 @@ def test_the_report_renders_every_new_section() -> None:
         "## Draining while producers enqueue",
         "## Broker against PgQueuer, same run",
         "## Distance from the floor",
+        "## One at a time through a main: the floor",
     ):
         assert heading in text
 
