@@ -226,6 +226,23 @@ def _ours_seconds() -> float:
     return tree_usage([os.getpid()])[0] + tree_usage(servers)[0]
 
 
+def _run_floor(what: str, module_args: list[str], timeout: float) -> None:
+    """One of the floor probes (``python -m module_args...``), in a process of its own; a
+    failure is logged, and the report then reads the probe's last output."""
+    done = subprocess.run(
+        [sys.executable, "-m", *module_args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if done.returncode != 0:
+        log(f"{what} failed: {done.stderr.strip()[-400:]}")
+
+
 def run_system(
     system: System, cfg: Config, workdir: Path, limit: float, *, checkpoint: bool = False
 ) -> dict[str, Any]:
@@ -446,32 +463,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.no_floor and postgres["ok"]:
         log("floor: measuring the hot-path primitives (bench/floor.py)")
-        done = subprocess.run(
-            [sys.executable, "-m", "bench.floor", "--out", str(args.out)],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        if done.returncode != 0:
-            log(f"floor failed: {done.stderr.strip()[-400:]}")
+        _run_floor("floor", ["bench.floor", "--out", str(args.out)], timeout=300)
         log("enqueue floor: one at a time through a relay, PgQueuer and broker-main in turns")
         enqueue_floor = args.out / "enqueue-floor.json"
-        done = subprocess.run(
-            [sys.executable, "-m", "bench.enqueue_floor", "--json", str(enqueue_floor)],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=600,
-            check=False,
-        )
-        if done.returncode != 0:
-            log(f"enqueue floor failed: {done.stderr.strip()[-400:]}")
+        _run_floor("enqueue floor", ["bench.enqueue_floor", "--json", str(enqueue_floor)], 600)
     finished = datetime.now(UTC)
     data = {
         "generated": finished.isoformat(timespec="seconds"),

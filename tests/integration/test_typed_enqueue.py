@@ -94,15 +94,22 @@ async def test_configure_gives_tasks_a_default_client_and_without_it_the_error_s
         await asyncio.to_thread(defaults.sync_client().close)
 
 
+async def _greet(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_line_bytes: int
+) -> None:
+    """What a main says before any request: the challenge, then the welcome to the hello."""
+    writer.write(protocol.encode(protocol.Challenge("ab", protocol.PROTOCOL_VERSION, False)))
+    await reader.readline()
+    welcome = protocol.Welcome("m", protocol.PROTOCOL_VERSION, 5.0, [], max_line_bytes)
+    writer.write(protocol.encode(welcome))
+
+
 async def test_a_main_that_stops_answering_raises_a_clear_timeout() -> None:
     hung_up = asyncio.Event()
 
     async def silent_main(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Greets and welcomes, then never answers a request (a stalled main)."""
-        writer.write(protocol.encode(protocol.Challenge("ab", protocol.PROTOCOL_VERSION, False)))
-        await reader.readline()
-        welcome = protocol.Welcome("m", protocol.PROTOCOL_VERSION, 5.0, [], 1 << 20)
-        writer.write(protocol.encode(welcome))
+        await _greet(reader, writer, 1 << 20)
         try:
             await reader.read()
         finally:
@@ -124,10 +131,7 @@ async def test_a_request_stuck_behind_a_main_that_stopped_reading_times_out() ->
     stop = asyncio.Event()
 
     async def deaf_main(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(protocol.encode(protocol.Challenge("ab", protocol.PROTOCOL_VERSION, False)))
-        await reader.readline()
-        welcome = protocol.Welcome("m", protocol.PROTOCOL_VERSION, 5.0, [], 64 << 20)
-        writer.write(protocol.encode(welcome))
+        await _greet(reader, writer, 64 << 20)
         await stop.wait()  # reads nothing more
         writer.close()
 
