@@ -67,12 +67,21 @@ async def eventually(
     timeout: float = 20.0,
     detail: Callable[[], str] | None = None,
 ) -> None:
-    """Wait until ``check()`` (sync or async) is truthy; fail naming ``what`` if it is not."""
+    """Wait until ``check()`` (sync or async) is truthy; fail naming ``what`` if it is not.
+
+    A check that raises fails at once, with ``detail()`` too: a client refused by a main
+    that exited says nothing of why, and the processes' logs do."""
     deadline = time.monotonic() + timeout
     while True:
-        result = check()
-        if inspect.isawaitable(result):
-            result = await result
+        try:
+            result = check()
+            if inspect.isawaitable(result):
+                result = await result
+        except Exception as exc:
+            if detail is None:
+                raise
+            raised = f"waiting for {what}, the check raised {exc!r}"
+            raise AssertionError(f"{raised}\n{detail()}") from exc
         if result:
             return
         if time.monotonic() > deadline:
