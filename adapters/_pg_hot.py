@@ -353,9 +353,15 @@ class HotSql:
             SELECT epoch, holder, address, expires_at > clock_timestamp() FROM {leader}
             WHERE id = 1 AND NOT EXISTS (SELECT 1 FROM ins) AND NOT EXISTS (SELECT 1 FROM upd)
         """
+        # Renewing: while the row still names this main and its epoch, nobody has been
+        # elected since, so no other main ever dispatched; a lease that ran out meanwhile
+        # (the main paused or starved past it, and no standby took over) is renewed as
+        # if on time. Against a standby's takeover the one row decides: whichever update
+        # commits first wins, and the other's condition, checked again on the row it
+        # waited for, fails. A resigned lease ('-infinity') stays resigned.
         self.renew = f"""
             UPDATE {leader} SET expires_at = clock_timestamp() + make_interval(secs => $3)
-            WHERE id = 1 AND holder = $1 AND epoch = $2 AND expires_at > clock_timestamp()
+            WHERE id = 1 AND holder = $1 AND epoch = $2 AND expires_at > '-infinity'
             RETURNING epoch
         """
         self.resign = f"""

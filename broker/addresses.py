@@ -43,9 +43,11 @@ def parse_addresses(text: str, default_port: int = protocol.DEFAULT_PORT) -> lis
 
 
 def main_addresses(host: str, port: int) -> list[tuple[str, int]]:
-    """``host`` and ``port`` as a peer's constructor takes them: one host, or a
-    comma-separated list of ``HOST:PORT`` (each without a port takes ``port``)."""
-    return parse_addresses(host, port) if "," in host else [(host, port)]
+    """``host`` and ``port`` as a peer's constructor takes them: one host, one
+    ``HOST:PORT``, or a comma-separated list of them (each without a port takes
+    ``port``). ``Client("main.internal:7600")`` named a host called
+    ``main.internal:7600`` before, and failed in the resolver."""
+    return parse_addresses(host, port)
 
 
 def peer_arguments(text: str) -> tuple[str, int]:

@@ -11,8 +11,10 @@ decides *when* a main asks the store, and what it makes of the answers:
 * when its lease, counted from the start of its last successful renewal, has run out
   by its own clock (the store was unreachable, the process paused or starved), the
   leader does not guess: it asks the store once more, at once, and steps down unless
-  the store renews the lease (it had not run out there, and nobody took over). While it
-  asks, it keeps serving: every claim and settle is fenced, so a main that was deposed
+  the store renews the lease, which it does unless another main took over (a lease
+  that ran out there with nobody taking it is renewed: nobody led meanwhile, so a
+  paused main with no standby keeps leading instead of exiting). While it asks, it
+  keeps serving: every claim and settle is fenced, so a main that was deposed
   meanwhile changes nothing, and learns it from the first refused statement;
 * a statement refused by the epoch fence (``DeposedError``) steps it down too.
 

@@ -421,7 +421,10 @@ class SupportsLeadership(Protocol):
 
     async def renew(self, holder: str, epoch: int, ttl: float) -> bool:
         """Extend ``holder``'s lease of ``epoch`` by ``ttl`` from now, by the store's clock;
-        ``False`` if it ran out or another main took over meanwhile (it is deposed)."""
+        ``False`` if another main took over meanwhile (it is deposed) or it resigned. A
+        lease that ran out with nobody taking over is renewed: no other main can have led
+        since, so a leader paused past its lease (a stall, a starved process) with no
+        standby to replace it keeps leading instead of exiting."""
 
     async def resign(self, holder: str, epoch: int) -> None:
         """End ``holder``'s lease of ``epoch`` now, so a standby takes over at its next

@@ -1349,6 +1349,28 @@ async def check_one_leader_until_its_lease_runs_out_or_it_resigns(ctx: Context) 
 
 
 @_check
+async def check_a_lease_that_ran_out_is_renewed_unless_another_main_took_over(
+    ctx: Context,
+) -> None:
+    """A holder paused past its lease keeps it while the row still names it (nobody led
+    meanwhile, so a main with no standby goes on instead of exiting); once another main
+    took over, or the holder resigned, its renewal is refused. A lease of 0 s has run
+    out by the store's clock at the next call."""
+    a = _leadership(ctx, ctx.store)
+    b = _leadership(ctx, await ctx.peer())
+    first = await a.elect("main-a", "a.example:7600", 0)
+    assert first is not None and first.holder == "main-a"
+    assert await a.renew("main-a", first.epoch, 0), "run out, nobody took over: renewed"
+    taken = await b.elect("main-b", "b.example:7600", 60)
+    assert taken is not None and (taken.holder, taken.epoch) == ("main-b", first.epoch + 1)
+    assert not await a.renew("main-a", first.epoch, 60), "main-b took over"
+    await b.resign("main-b", taken.epoch)
+    assert not await b.renew("main-b", taken.epoch, 60), "a resigned lease stays resigned"
+    again = await a.elect("main-c", "c.example:7600", 60)
+    assert again is not None and again.holder == "main-c", "the resigned row is free"
+
+
+@_check
 async def check_a_deposed_leader_changes_nothing(ctx: Context) -> None:
     """Under an older epoch, every claim and settle (return and hand-off at enqueue
     included) raises DeposedError, reports it to the fence's callback and changes

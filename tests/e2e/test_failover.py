@@ -4,6 +4,9 @@ workers follow it and report the jobs they were running, which it adopts. Every 
 completed, exactly once. And a leader paused (SIGSTOP) past the loss of its lease, then
 resumed, changes no job: the epoch fence refuses what it tries, and it exits.
 
+With no standby, a leader paused past its lease keeps leading when it resumes: the store
+renews a lease nobody took, and its jobs complete once.
+
 The measured takeover times (from the kill to the new leader's ``elected leader`` line,
 by the log's own clock) are printed, and appended to the file named by
 ``BROKER_FAILOVER_TIMES`` when it is set, so a run of the soak can report their spread.
@@ -20,6 +23,8 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from broker.client import Client
 from broker.jobs import JobStatus
@@ -217,3 +222,54 @@ async def test_a_paused_leader_is_fenced_when_it_resumes(tmp_path: Path, pg_url:
         assert job.status is JobStatus.COMPLETED, job
         assert runs.starts.get(key) == runs.ends.get(key) == [job.result], (key, job)
     assert "adopted=4" in successor.output(), successor.tail()
+
+
+async def test_a_sole_leader_paused_past_its_lease_keeps_leading(
+    tmp_path: Path, pg_url: str
+) -> None:
+    """SIGSTOP until the lease has run out by the store's clock, with no standby to take
+    over: at SIGCONT the main's renewal is granted (the row still names it, so nobody led
+    meanwhile) and it goes on dispatching instead of exiting. It used to step down with
+    "another main took over" and exit, on a machine where no other main existed: a stall
+    of a few seconds (a loaded host, a long pause) took the only main down."""
+    cluster = Mains(tmp_path, pg_url, 1)
+    gate = tmp_path / "gate"
+    engine = create_async_engine(pg_url)
+
+    async def lease_ran_out() -> bool:
+        async with engine.connect() as conn:
+            query = "SELECT expires_at <= clock_timestamp() FROM broker_leader WHERE id = 1"
+            return bool(await conn.scalar(sa.text(query)))
+
+    try:
+        leader = await cluster.start_mains()
+        worker = await cluster.start_worker("worker-0", concurrency=4)
+        held = [hold_spec(gate) for _ in range(2)]
+        keys = await enqueue(cluster, held)
+        await eventually(lambda: len(RunLog.read(cluster.runs).starts) == 2, "the jobs to run")
+        leader.process.send_signal(signal.SIGSTOP)
+        try:
+            await eventually(lease_ran_out, "the lease to run out in the store", timeout=60)
+        finally:
+            leader.process.send_signal(signal.SIGCONT)
+        gate.touch()
+        keys += await enqueue(cluster, [record_spec() for _ in range(20)])
+        async with observe(pg_url) as store:
+            await wait_until_all_terminal(store, len(keys), cluster, timeout=60)
+        assert leader.process.returncode is None, leader.tail()
+        assert not await lease_ran_out(), "renewed"
+        assert await worker.terminate() == 0
+        assert await leader.terminate() == 0
+    finally:
+        await engine.dispose()
+        await cluster.close()
+
+    out = leader.output()
+    assert "deposed" not in out, leader.tail()
+    assert out.count("elected leader") == 1
+    jobs = await final_jobs(pg_url)
+    runs = RunLog.read(cluster.runs)
+    assert set(jobs) == set(keys)
+    for key, job in jobs.items():
+        assert job.status is JobStatus.COMPLETED, job
+        assert runs.starts.get(key) == runs.ends.get(key) == [job.result], (key, job)

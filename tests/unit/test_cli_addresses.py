@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.addresses import parse_address
+from broker.addresses import MainAddresses, parse_address
 from broker.exceptions import ConfigurationError
 from broker.protocol import DEFAULT_PORT
 
@@ -41,3 +41,20 @@ def test_accepted(text: str, expected: tuple[str, int]) -> None:
 def test_refused_with_the_text_that_named_it(text: str, message: str) -> None:
     with pytest.raises(ConfigurationError, match=message.replace("[", r"\[")):
         parse_address(text)
+
+
+@pytest.mark.parametrize(
+    ("host", "expected"),
+    [
+        ("main.internal:7601", [("main.internal", 7601)]),
+        ("main.internal", [("main.internal", 7600)]),
+        ("::1", [("::1", 7600)]),
+        ("[::1]:7601", [("::1", 7601)]),
+        ("a:7601,b", [("a", 7601), ("b", 7600)]),
+    ],
+)
+def test_a_peer_takes_one_address_or_a_list_as_its_host(
+    host: str, expected: list[tuple[str, int]]
+) -> None:
+    """``Client(host, port)``: a port in ``host`` wins over ``port``, alone or in a list."""
+    assert MainAddresses(host, 7600).all == expected

@@ -33,7 +33,8 @@ class Row:
         return self.holder, self.epoch, self.address, self.expires > now
 
     def renew(self, holder: str, epoch: int, ttl: float, now: float) -> bool:
-        if self.holder == holder and self.epoch == epoch and self.expires > now:
+        """Renewed while the row still names ``holder`` and ``epoch``, run out or not."""
+        if self.holder == holder and self.epoch == epoch and self.expires > -math.inf:
             self.expires = now + ttl
             return True
         return False
@@ -113,6 +114,25 @@ def test_a_starved_leader_keeps_the_lead_if_the_store_renews_it() -> None:
     row.expires = 10.0  # renewed by the store while the main was stalled
     assert answer(a, row, last, 3.6) == []
     assert a.phase is Phase.LEADER and a.lease_until == 6.5
+
+
+def test_a_leader_paused_past_its_lease_keeps_the_lead_when_nobody_took_over() -> None:
+    row, a = Row(), Election("a", TIMING)
+    answer(a, row, a.due(0.0)[0], 0.0)  # type: ignore[arg-type]
+    [last] = a.due(4.0)  # paused for 4 s: the lease ran out in the store too
+    assert row.expires < 4.0
+    assert answer(a, row, last, 4.1) == []
+    assert a.phase is Phase.LEADER and a.lease_until == 7.0
+    assert row.expires == pytest.approx(4.1 + TIMING.ttl)
+
+
+def test_a_leader_paused_past_its_lease_steps_down_when_a_standby_took_over() -> None:
+    row, a, b = Row(), Election("a", TIMING), Election("b", TIMING)
+    answer(a, row, a.due(0.0)[0], 0.0)  # type: ignore[arg-type]
+    assert answer(b, row, b.due(3.5)[0], 3.5) == [Lead(2)]  # type: ignore[arg-type]
+    [last] = a.due(4.0)
+    [down] = answer(a, row, last, 4.1)
+    assert isinstance(down, StepDown) and "another main took over" in down.reason
 
 
 def test_a_fenced_statement_steps_the_leader_down_once() -> None:
