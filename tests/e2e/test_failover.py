@@ -27,7 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from broker.client import Client
-from broker.jobs import JobStatus
+from broker.jobs import JobSpec, JobStatus
 from tests.e2e.test_e2e import (
     Cluster,
     Proc,
@@ -175,6 +175,28 @@ async def test_failover_soak(tmp_path: Path, pg_url: str, seed: int) -> None:
     await _kill_the_leader_midway(tmp_path, pg_url, seed=seed, mains=2 + seed % 2, total=1000)
 
 
+async def _running_held_jobs(
+    cluster: Mains, gate: Path, count: int
+) -> tuple[Proc, Proc, list[JobSpec], list[str]]:
+    """The leader, one worker, and ``count`` jobs running on it until ``gate`` exists."""
+    leader = await cluster.start_mains()
+    worker = await cluster.start_worker("worker-0", concurrency=4)
+    held = [hold_spec(gate) for _ in range(count)]
+    keys = await enqueue(cluster, held)
+    await eventually(lambda: len(RunLog.read(cluster.runs).starts) == count, "the jobs to run")
+    return leader, worker, held, keys
+
+
+async def _each_completed_once(url: str, cluster: Mains, keys: list[str]) -> None:
+    """Every job enqueued is stored, completed, and ran exactly once."""
+    jobs = await final_jobs(url)
+    runs = RunLog.read(cluster.runs)
+    assert set(jobs) == set(keys)
+    for key, job in jobs.items():
+        assert job.status is JobStatus.COMPLETED, job
+        assert runs.starts.get(key) == runs.ends.get(key) == [job.result], (key, job)
+
+
 async def test_a_paused_leader_is_fenced_when_it_resumes(tmp_path: Path, pg_url: str) -> None:
     """SIGSTOP past the lease's loss: a standby takes over, while the paused main's worker
     finishes its jobs and its reports wait in the paused main's socket. At SIGCONT the
@@ -183,11 +205,7 @@ async def test_a_paused_leader_is_fenced_when_it_resumes(tmp_path: Path, pg_url:
     cluster = Mains(tmp_path, pg_url, 2)
     gate = tmp_path / "gate"
     try:
-        leader = await cluster.start_mains()
-        worker = await cluster.start_worker("worker-0", concurrency=4)
-        held = [hold_spec(gate) for _ in range(4)]
-        keys = await enqueue(cluster, held)
-        await eventually(lambda: len(RunLog.read(cluster.runs).starts) == 4, "the jobs to run")
+        leader, worker, held, keys = await _running_held_jobs(cluster, gate, 4)
         leader.process.send_signal(signal.SIGSTOP)
         try:
             successor, _ = await cluster.new_leader(leader)
@@ -215,12 +233,7 @@ async def test_a_paused_leader_is_fenced_when_it_resumes(tmp_path: Path, pg_url:
     assert "deposed" in old
     refused_claims = old.count("epoch fence refused mark_handed_off")
     print(f"the resumed leader's claims refused by the fence: {refused_claims}")
-    jobs = await final_jobs(pg_url)
-    runs = RunLog.read(cluster.runs)
-    assert set(jobs) == set(keys)
-    for key, job in jobs.items():
-        assert job.status is JobStatus.COMPLETED, job
-        assert runs.starts.get(key) == runs.ends.get(key) == [job.result], (key, job)
+    await _each_completed_once(pg_url, cluster, keys)
     assert "adopted=4" in successor.output(), successor.tail()
 
 
@@ -242,11 +255,7 @@ async def test_a_sole_leader_paused_past_its_lease_keeps_leading(
             return bool(await conn.scalar(sa.text(query)))
 
     try:
-        leader = await cluster.start_mains()
-        worker = await cluster.start_worker("worker-0", concurrency=4)
-        held = [hold_spec(gate) for _ in range(2)]
-        keys = await enqueue(cluster, held)
-        await eventually(lambda: len(RunLog.read(cluster.runs).starts) == 2, "the jobs to run")
+        leader, worker, _, keys = await _running_held_jobs(cluster, gate, 2)
         leader.process.send_signal(signal.SIGSTOP)
         try:
             await eventually(lease_ran_out, "the lease to run out in the store", timeout=60)
@@ -267,9 +276,4 @@ async def test_a_sole_leader_paused_past_its_lease_keeps_leading(
     out = leader.output()
     assert "deposed" not in out, leader.tail()
     assert out.count("elected leader") == 1
-    jobs = await final_jobs(pg_url)
-    runs = RunLog.read(cluster.runs)
-    assert set(jobs) == set(keys)
-    for key, job in jobs.items():
-        assert job.status is JobStatus.COMPLETED, job
-        assert runs.starts.get(key) == runs.ends.get(key) == [job.result], (key, job)
+    await _each_completed_once(pg_url, cluster, keys)
