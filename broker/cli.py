@@ -641,8 +641,10 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
             await dashboard.stop()
         await main.stop(report_grace=1.0 if main.deposed.is_set() else 5.0)
     if main.deposed.is_set():
+        # The reason, not a guess: a leader that could not reach the store past its lease
+        # steps down with nobody having taken over.
         raise DeposedError(
-            "this main was deposed: another main on the store took over; start it again to stand by"
+            f"this main stepped down ({main.step_down_reason}); start it again to stand by"
         )
 
 

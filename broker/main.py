@@ -222,7 +222,10 @@ class Main:
         if store.capabilities.leader_election and isinstance(store, SupportsLeadership):
             self.election = Election(self.main_id, Timing(self.settings.failover_timeout))
         self.deposed = asyncio.Event()
-        """Set when this main stepped down: another main took over; :meth:`serve` returns."""
+        """Set when this main stepped down (another main took over, or its lease ran out
+        while the store could not renew it); :meth:`serve` returns."""
+        self.step_down_reason: str | None = None
+        """Why this main stepped down, for its exit message; ``None`` while it did not."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -459,6 +462,7 @@ class Main:
             reason,
         )
         self._stopping = True
+        self.step_down_reason = reason
         self.deposed.set()
 
     async def stop(self, *, report_grace: float = 5.0) -> None:

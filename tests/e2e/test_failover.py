@@ -230,7 +230,8 @@ async def test_a_paused_leader_is_fenced_when_it_resumes(tmp_path: Path, pg_url:
 
     old = leader.output()
     assert "epoch fence refused settle" in old, f"{leader.tail()}\n{worker.tail()}"
-    assert "deposed" in old
+    reason = old.split(" reason=", 1)[1].split("; this main stops", 1)[0]
+    assert f"this main stepped down ({reason}); start it again" in old, "its exit says why"
     refused_claims = old.count("epoch fence refused mark_handed_off")
     print(f"the resumed leader's claims refused by the fence: {refused_claims}")
     await _each_completed_once(pg_url, cluster, keys)
