@@ -41,12 +41,12 @@ from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
 
-from bench.systems import database, fresh_database, on_admin_database, postgres_dsn
+from bench.__main__ import venv_python
+from bench.harness import ROOT
+from bench.systems import BY_NAME, database, fresh_database, on_admin_database, postgres_dsn
 
 DATABASE = database("bench_enqueue_floor")
 TASK = "bench.jobs.noop"
-ROOT = Path(__file__).resolve().parent.parent
-PGQUEUER_PYTHON = ROOT / ".venv-peers" / "pgqueuer" / "bin" / "python"
 
 
 def _store() -> Any:
@@ -132,11 +132,11 @@ async def _fresh_database() -> None:
     await store.close()
 
 
-def _one_at_a_time(python: Path | str, system: str, jobs: int) -> float:
+def _one_at_a_time(python: Path, system: str, jobs: int) -> float:
     """``system``'s one-at-a-time rate from ``bench.enqueue_bench``, in a process of its own."""
-    command = [str(python), "-m", "bench.enqueue_bench", system, "--one", str(jobs)]
+    options = ["--one", str(jobs), "--bulk", "1", "--json"]
     done = subprocess.run(
-        [*command, "--bulk", "1", "--json"],
+        [str(python), "-m", "bench.enqueue_bench", system, *options],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -165,14 +165,15 @@ def main() -> None:
         assert relay.stdout is not None
         port = int(relay.stdout.readline())
         rates: dict[str, list[float]] = {"direct": [], "relay": [], "main": []}
-        if PGQUEUER_PYTHON.exists():
+        pgqueuer = venv_python(BY_NAME["pgqueuer"])
+        if pgqueuer.exists():
             rates["pgqueuer"] = []
         for _ in range(args.reps):
             rates["direct"].append(asyncio.run(_direct(args.jobs)))
             rates["relay"].append(asyncio.run(_through(port, args.jobs)))
             if "pgqueuer" in rates:
-                rates["pgqueuer"].append(_one_at_a_time(PGQUEUER_PYTHON, "pgqueuer", args.jobs))
-            main_rate = _one_at_a_time(sys.executable, "broker-postgres-defaults", args.jobs)
+                rates["pgqueuer"].append(_one_at_a_time(pgqueuer, "pgqueuer", args.jobs))
+            main_rate = _one_at_a_time(Path(sys.executable), "broker-postgres-defaults", args.jobs)
             rates["main"].append(main_rate)
         for name, values in rates.items():
             runs = ", ".join(f"{v:,.0f}" for v in values)

@@ -395,9 +395,8 @@ class Handoff:
         peer = self.peers.pop(peer_id, None)
         if peer is None:
             return []
-        self.worker_peers.pop(peer_id, None)
         effects: list[HandoffEffect] = []
-        if peer.role is protocol.Role.WORKER:
+        if self.worker_peers.pop(peer_id, None) is not None:
             logger.info(
                 "worker disconnected worker_id=%s session=%d returning=%d",
                 peer.worker_id,
