@@ -21,8 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
@@ -115,6 +117,8 @@ class Profiler:
 
     def __init__(self, directory: str | None, main_pids: list[int]) -> None:
         self.directory = directory
+        if directory is not None:
+            os.makedirs(directory, exist_ok=True)
         self.targets = {"producer": os.getpid()}
         if main_pids:
             self.targets["main"] = main_pids[0]
@@ -125,7 +129,9 @@ class Profiler:
             return
         for name, pid in self.targets.items():
             out = os.path.join(self.directory, f"{name}-{phase}.txt")
-            command = ["py-spy", "record", "--pid", str(pid), "--rate", "500"]
+            # py-spy beside this interpreter (pip install py-spy in .venv), else on PATH
+            py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or "py-spy"
+            command = [py_spy, "record", "--pid", str(pid), "--rate", "500"]
             command += ["--format", "raw", "--nonblocking", "-o", out]
             self.procs.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
         time.sleep(1.0)  # py-spy attaches
@@ -178,6 +184,7 @@ def run(
             profiler.stop()
     finally:
         driver.teardown()
+        shutil.rmtree(workdir, ignore_errors=True)  # the SQLite files and the main's log
     return results
 
 
