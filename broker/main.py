@@ -193,6 +193,7 @@ class Main:
             max_payload_bytes=self.settings.max_payload_bytes,
             max_payload_depth=self.settings.max_payload_depth,
             metrics=self.metrics,
+            max_in_flight=self.settings.max_settles_in_flight,
         )
         self.checkpoints = CheckpointSaver(
             measured,
