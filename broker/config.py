@@ -105,8 +105,9 @@ class MainSettings:
     claim's round trip is still out, so credit freed meanwhile is used at once."""
     report_batch: int = 512
     max_settles_in_flight: int = 2
-    """Batches of reports committing at once: the reports that arrive meanwhile start the
-    next batch at once instead of waiting for the last commit (see
+    """Batches of reports committing at once on a store with concurrent writes
+    (``Capabilities.concurrent_writes``; one elsewhere): the reports that arrive meanwhile
+    start the next batch at once instead of waiting for the last commit (see
     :class:`broker.reports.ReportSettler`)."""
     enqueue_batch: int = 1000
     """Most jobs one group commit of concurrent enqueues writes in one transaction."""

@@ -86,9 +86,14 @@ class ReportSettler:
         Up to ``max_in_flight`` batches commit at once. With one, a drain of no-op jobs on
         PostgreSQL settled about 50 reports per commit, one commit always under way, and
         the reports waiting behind it were the drain's limit: a second batch in flight
-        raised it by 10-24% (20,000 jobs, three alternating pairs). The batches hold
-        different leases (the core settles a lease once), and their counters are locked
-        in key order, so two never deadlock.
+        raised it by 10-24% (20,000 jobs, three alternating pairs). The main keeps one on
+        a store with one writer at a time (SQLite), where a second would only wait.
+
+        A lease reported twice (a reconnected worker re-sends) may be in both batches:
+        the fence applies one copy and the other is found settled (``duplicate``). Each
+        batch updates its rows in id order and locks its counters in key order, so two
+        batches wait on each other in one order (a deadlock the store reported would be
+        retried, as any transient error).
         """
         try:
             while True:

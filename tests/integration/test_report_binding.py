@@ -298,9 +298,8 @@ async def test_a_report_resent_while_its_first_copy_settles_is_a_duplicate(
     setup: Setup,
 ) -> None:
     """The old connection's report is still being stored when the worker reconnects,
-    adopts the lease and sends the report again: the copy goes into a second batch at
-    once (two settle at a time), the first applies, the copy is recognised as already
-    recorded, and nothing is applied twice."""
+    adopts the lease and sends the report again: the first applies, the copy is
+    recognised as already recorded, and nothing is applied twice."""
     old = FakeWorker(setup.main.port, worker_id="worker-a")
     await old.connect()
     sent = await _handed(old, setup.store)
@@ -310,7 +309,7 @@ async def test_a_report_resent_while_its_first_copy_settles_is_a_duplicate(
     new = FakeWorker(setup.main.port, worker_id="worker-a")
     assert (await new.connect(held=[lease_of(sent)])).adopted == [lease_of(sent)]
     await new.send(protocol.CompletedReport(sent.job_id, sent.handoff_id, result="once"))
-    await until(lambda: len(setup.watched.settled) == 2)  # both copies at the store
+    await until(lambda: len(setup.main.settler.queued) == 1)
     setup.watched.gate.set()
     assert (await asyncio.wait_for(old.acks.get(), 5)).status is APPLIED
     assert (await asyncio.wait_for(new.acks.get(), 5)).status is protocol.AckStatus.DUPLICATE

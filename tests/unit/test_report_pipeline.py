@@ -1,20 +1,25 @@
 """The report settler's pipelining, on the memory adapter with a settle that can be held
 open: reports that arrive while a batch commits start a second batch at once, the
 batches in flight are capped (what waits goes into one batch), every report is
-acknowledged once it is durable, and ``wait_idle`` waits for every batch in flight."""
+acknowledged once it is durable, and ``wait_idle`` waits for every batch in flight; the
+main keeps more than one in flight only on a store whose writes run side by side."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import Sequence
 
 from adapters.memory import MemoryAdapter
 from broker import protocol
+from broker.config import MainSettings
 from broker.handoff import Handoff
 from broker.jobs import Claim, JobSpec, JobStatus, Settlement, utcnow
+from broker.main import Main
 from broker.reports import ReportSettler
 from broker.retry import retry_delay
+from broker.storage import Capabilities
 
 
 class HeldSettles(MemoryAdapter):
@@ -135,3 +140,15 @@ async def test_stopping_the_settler_cancels_its_batches_in_flight() -> None:
     for report in reports:  # nothing was applied
         job = await store.get_job(report.job_id)
         assert job is not None and job.status is JobStatus.HANDED_OFF
+
+
+class ConcurrentWrites(MemoryAdapter):
+    @property
+    def capabilities(self) -> Capabilities:
+        return dataclasses.replace(super().capabilities, concurrent_writes=True)
+
+
+def test_the_main_keeps_two_batches_in_flight_only_where_writes_run_side_by_side() -> None:
+    settings = MainSettings(max_settles_in_flight=3)
+    assert Main(ConcurrentWrites(), settings).settler._max_in_flight == 3
+    assert Main(MemoryAdapter(), settings).settler._max_in_flight == 1  # one writer
