@@ -685,6 +685,26 @@ async def check_a_repeated_batch_at_the_same_instant_is_fenced(ctx: Context) -> 
     assert sum(c is not None for c in claims) == 5, "each slot was given back exactly once"
 
 
+@_check
+async def check_settle_batches_committing_at_once_apply_each_move_once(ctx: Context) -> None:
+    """What a main with two settle batches in flight asks of any store (``settle_many``
+    is safe to call concurrently): two batches at once, sharing a concurrency key and
+    one resent copy of a report, apply each move once and give each slot back once."""
+    held = [
+        await _claim(ctx.store, await _enqueue(ctx.store, concurrency_key="p", concurrency_limit=6))
+        for _ in range(6)
+    ]
+    moves = [Settlement(j.id, j.handoff_id or uuid.uuid4(), Outcome.COMPLETE) for j in held]
+    first, second = moves[:4], [moves[3], *moves[4:]]
+    answers = await asyncio.gather(ctx.store.settle_many(first), ctx.store.settle_many(second))
+    assert answers[0][:3] == [True] * 3 and answers[1][1:] == [True] * 2
+    assert [answers[0][3], answers[1][0]].count(True) == 1, "the resent copy applied once"
+    assert {(await _get(ctx.store, j.id)).status for j in held} == {JobStatus.COMPLETED}
+    extra = [await _enqueue(ctx.store, concurrency_key="p", concurrency_limit=6) for _ in range(7)]
+    claims = [await ctx.store.mark_handed_off(j.id, uuid.uuid4(), WORKER) for j in extra]
+    assert sum(c is not None for c in claims) == 6, "each slot was given back exactly once"
+
+
 # --- ambiguous claims ------------------------------------------------------------
 
 
