@@ -19,11 +19,10 @@ if TYPE_CHECKING:
 DEFAULT_POOL_SIZE = 5
 """Connections of a SQL store's general pool (enqueues, listings, operator calls), which
 may grow by up to 10 more under load."""
-DEFAULT_HOT_POOL_SIZE = 5
+DEFAULT_HOT_POOL_SIZE = 4
 """PostgreSQL connections kept for claims, settles and selection alone, so none of them
-waits behind enqueues: enough for the dispatcher's pass, its claims in flight
-(``max_claims_in_flight``, 2) and the report settler's batches in flight
-(``max_settles_in_flight``, 2) at once."""
+waits behind enqueues: enough for the dispatcher's pass and its claims in flight
+(``max_claims_in_flight``, 2) and the report settler's group commit at once."""
 
 SUPPORTED_URLS = (
     "sqlite+aiosqlite:///path/to/broker.db",

@@ -1264,7 +1264,6 @@ class SQLAlchemyAdapter:
             listen_notify=self._pg,
             shared_between_processes=True,
             leader_election=self._pg,
-            concurrent_writes=self._pg,
         )
 
     @property

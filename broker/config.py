@@ -104,11 +104,6 @@ class MainSettings:
     """Claims the dispatcher keeps under way at once: the next pass reads while the last
     claim's round trip is still out, so credit freed meanwhile is used at once."""
     report_batch: int = 512
-    max_settles_in_flight: int = 2
-    """Batches of reports committing at once on a store with concurrent writes
-    (``Capabilities.concurrent_writes``; one elsewhere): the reports that arrive meanwhile
-    start the next batch at once instead of waiting for the last commit (see
-    :class:`broker.reports.ReportSettler`)."""
     enqueue_batch: int = 1000
     """Most jobs one group commit of concurrent enqueues writes in one transaction."""
     max_errors_per_connection: int = 20
@@ -181,7 +176,6 @@ class MainSettings:
             "claim_batch": self.claim_batch,
             "max_claims_in_flight": self.max_claims_in_flight,
             "report_batch": self.report_batch,
-            "max_settles_in_flight": self.max_settles_in_flight,
             "enqueue_batch": self.enqueue_batch,
             "max_errors_per_connection": self.max_errors_per_connection,
             "list_page_bytes": self.list_page_bytes,

@@ -193,9 +193,6 @@ class Main:
             max_payload_bytes=self.settings.max_payload_bytes,
             max_payload_depth=self.settings.max_payload_depth,
             metrics=self.metrics,
-            max_in_flight=(
-                self.settings.max_settles_in_flight if store.capabilities.concurrent_writes else 1
-            ),
         )
         self.checkpoints = CheckpointSaver(
             measured,

@@ -47,7 +47,6 @@ class ReportSettler:
         max_payload_bytes: int | None,
         max_payload_depth: int,
         metrics: MainMetrics | None = None,
-        max_in_flight: int = 2,
     ) -> None:
         self._store = store
         self._metrics = metrics
@@ -61,11 +60,8 @@ class ReportSettler:
         self._retry_interval = retry_interval
         self._max_payload_bytes = max_payload_bytes
         self._max_payload_depth = max_payload_depth
-        self._max_in_flight = max_in_flight
         self.queued: list[tuple[int, protocol.Report]] = []
         """Accepted reports (connection id, report) waiting for the next batch."""
-        self._batches: set[asyncio.Task[None]] = set()
-        """The batches being settled, at most ``max_in_flight``."""
         self._ready = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -80,45 +76,16 @@ class ReportSettler:
         await self._idle.wait()
 
     async def run(self) -> None:
-        """Group commit: every report that arrived while the batches in flight were
-        committing goes into the next batch, so one fsync settles many jobs under load.
-
-        Up to ``max_in_flight`` batches commit at once. With one, a drain of no-op jobs on
-        PostgreSQL settled about 50 reports per commit, one commit always under way, and
-        the reports waiting behind it were the drain's limit: a second batch in flight
-        raised it by 10-24% (20,000 jobs, three alternating pairs). The main keeps one on
-        a store with one writer at a time (SQLite), where a second would only wait.
-
-        A lease reported twice (a reconnected worker re-sends) may be in both batches:
-        the fence applies one copy and the other is found settled (``duplicate``). Each
-        batch updates its rows in id order and locks its counters in key order, so two
-        batches wait on each other in one order (a deadlock the store reported would be
-        retried, as any transient error).
-        """
-        try:
-            while True:
-                await self._ready.wait()
-                self._ready.clear()
-                while self.queued and len(self._batches) < self._max_in_flight:
-                    batch, self.queued = self.queued[: self._batch], self.queued[self._batch :]
-                    self._batches.add(asyncio.create_task(self._settle_in_flight(batch)))
-        finally:
-            for task in self._batches:
-                task.cancel()
-            await asyncio.gather(*self._batches, return_exceptions=True)
-
-    async def _settle_in_flight(self, batch: list[tuple[int, protocol.Report]]) -> None:
-        try:
-            await self._settle_batch(batch)
-        finally:
-            # Out of the set before the wake, so the woken loop sees the room this left.
-            task = asyncio.current_task()
-            assert task is not None
-            self._batches.discard(task)
-            if self.queued:
-                self._ready.set()
-            elif not self._batches:
-                self._idle.set()
+        """Group commit: every report that arrived while the previous batch was committing
+        goes into the next batch, so one fsync settles many jobs under load."""
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            while self.queued:
+                size = self._batch
+                batch, self.queued = self.queued[:size], self.queued[size:]
+                await self._settle_batch(batch)
+            self._idle.set()
 
     async def _settle_batch(self, batch: list[tuple[int, protocol.Report]]) -> None:
         """Apply a batch of fenced reports and acknowledge each only once it is durable

@@ -74,17 +74,12 @@ class Capabilities:
     the same jobs (false for the in-memory adapter).
     ``leader_election``: the adapter implements :class:`SupportsLeadership`, so several
     mains may share the store, one of them elected to dispatch.
-    ``concurrent_writes``: write transactions on different rows commit side by side
-    (PostgreSQL), so the main keeps ``max_settles_in_flight`` batches of reports
-    committing at once; with one writer at a time (SQLite) it keeps one, since a
-    second batch would only wait for the same writer and make the batches smaller.
     """
 
     skip_locked: bool = False
     listen_notify: bool = False
     shared_between_processes: bool = False
     leader_election: bool = False
-    concurrent_writes: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -689,9 +689,9 @@ async def check_a_repeated_batch_at_the_same_instant_is_fenced(ctx: Context) -> 
 async def check_settle_batches_committing_at_once_apply_each_move_once(ctx: Context) -> None:
     """Two settle batches committing at once apply each move once, each slot back once.
 
-    What a main with two batches of reports in flight asks of any store (every method is
-    safe to call concurrently): the two batches share a concurrency key and one resent
-    copy of a report."""
+    Every method of a store is safe to call concurrently: two batches at once, sharing a
+    concurrency key and one resent copy of a report, are fenced and counted as one
+    after the other would be."""
     held = [
         await _claim(ctx.store, await _enqueue(ctx.store, concurrency_key="p", concurrency_limit=6))
         for _ in range(6)
