@@ -119,6 +119,8 @@ class Profiler:
         self.directory = directory
         if directory is not None:
             os.makedirs(directory, exist_ok=True)
+        # py-spy beside this interpreter (pip install py-spy in .venv), else on PATH
+        self.py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or "py-spy"
         self.targets = {"producer": os.getpid()}
         if main_pids:
             self.targets["main"] = main_pids[0]
@@ -129,9 +131,7 @@ class Profiler:
             return
         for name, pid in self.targets.items():
             out = os.path.join(self.directory, f"{name}-{phase}.txt")
-            # py-spy beside this interpreter (pip install py-spy in .venv), else on PATH
-            py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or "py-spy"
-            command = [py_spy, "record", "--pid", str(pid), "--rate", "500"]
+            command = [self.py_spy, "record", "--pid", str(pid), "--rate", "500"]
             command += ["--format", "raw", "--nonblocking", "-o", out]
             self.procs.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
         time.sleep(1.0)  # py-spy attaches
