@@ -38,7 +38,7 @@ DRIVER_MODULES = {
 }
 
 
-def _schedstat(pid: int) -> float:
+def schedstat(pid: int) -> float:
     """CPU seconds ``pid`` has run, to the nanosecond; 0 if it is gone."""
     try:
         with open(f"/proc/{pid}/schedstat") as f:
@@ -60,7 +60,7 @@ def _server_pids() -> list[int]:
     return out
 
 
-def _backends(database: str) -> list[int]:
+def backends(database: str) -> list[int]:
     """The server processes connected to ``database``."""
     rows = subprocess.run(
         [
@@ -91,19 +91,19 @@ class Meter:
     def _read(self) -> dict[str, float]:
         return {
             "producer": time.process_time(),
-            "main": sum(_schedstat(p) for p in self.main_pids),
-            "pg_backends": sum(_schedstat(p) for p in self.backends),
-            "pg_all": sum(_schedstat(p) for p in _server_pids()),
+            "main": sum(schedstat(p) for p in self.main_pids),
+            "pg_backends": sum(schedstat(p) for p in self.backends),
+            "pg_all": sum(schedstat(p) for p in _server_pids()),
         }
 
     def start(self) -> None:
-        self.backends = _backends(self.database)
+        self.backends = backends(self.database)
         self.before = self._read()
         self.wall = time.perf_counter()
 
     def stop(self, jobs: int) -> dict[str, float]:
         wall = time.perf_counter() - self.wall
-        self.backends = sorted(set(self.backends) | set(_backends(self.database)))
+        self.backends = sorted(set(self.backends) | set(backends(self.database)))
         after = self._read()
         out = {"per_s": jobs / wall}
         for key, value in after.items():
@@ -160,14 +160,14 @@ def run(
             driver.enqueue_bulk("noop", [-1] * 10)
             meter = Meter(driver.main_pids(), database)
             profiler = Profiler(profile, driver.main_pids())
-            profiler.start("one")
-            meter.start()
-            for i in range(one):
-                driver.enqueue_one("noop", i)
-            row = {"system": system, "phase": "one", **meter.stop(one)}
-            profiler.stop()
-            results.append(row)
-            if direct and hasattr(driver, "enqueue_one_direct"):
+            if one:  # a phase of no jobs is left out, not divided by zero
+                profiler.start("one")
+                meter.start()
+                for i in range(one):
+                    driver.enqueue_one("noop", i)
+                results.append({"system": system, "phase": "one", **meter.stop(one)})
+                profiler.stop()
+            if one and direct and hasattr(driver, "enqueue_one_direct"):
                 # Not through the main: the producer's own connection, straight to the
                 # store (a phase of its own, never reported as the via-main figure).
                 driver.enqueue_one_direct("noop", -1)  # connected and warm
@@ -177,11 +177,12 @@ def run(
                     driver.enqueue_one_direct("noop", i)
                 results.append({"system": system, "phase": "one-direct", **meter.stop(one)})
                 profiler.stop()
-            profiler.start("bulk")
-            meter.start()
-            driver.enqueue_bulk("noop", list(range(bulk)))
-            results.append({"system": system, "phase": "bulk", **meter.stop(bulk)})
-            profiler.stop()
+            if bulk:
+                profiler.start("bulk")
+                meter.start()
+                driver.enqueue_bulk("noop", list(range(bulk)))
+                results.append({"system": system, "phase": "bulk", **meter.stop(bulk)})
+                profiler.stop()
     finally:
         driver.teardown()
         shutil.rmtree(workdir, ignore_errors=True)  # the SQLite files and the main's log

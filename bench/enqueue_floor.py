@@ -22,8 +22,12 @@ reply encoding. In the same turns it also runs, each in a process of its own,
   broker-postgres-defaults``),
 
 so the four rates come from the same minutes of a noisy machine. Where the relay alone
-does not beat PgQueuer, no main on this design can. ``make bench`` runs this (unless
-``--no-floor``) and ``bench/report.py`` shows the medians (``--json``).
+does not beat PgQueuer, no main on this design can. Each path's CPU per job is read too,
+per process: the producer, the process between it and the store (the relay, the main)
+and the PostgreSQL backends serving them. One at a time, the three run in turn, so
+their CPU adds up to most of each enqueue's wall time, and it shows which process a
+faster path would have to save in. ``make bench`` runs this (unless ``--no-floor``) and
+``bench/report.py`` shows the medians (``--json``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -42,11 +47,36 @@ from typing import Any
 import asyncpg  # type: ignore[import-untyped]
 
 from bench.__main__ import venv_python
+from bench.enqueue_bench import backends, schedstat
 from bench.harness import ROOT
+from bench.report import median_cpu
 from bench.systems import BY_NAME, database, fresh_database, on_admin_database, postgres_dsn
 
 DATABASE = database("bench_enqueue_floor")
 TASK = "bench.jobs.noop"
+
+Cpu = dict[str, float]
+"""CPU microseconds per job of ``producer``, ``between`` (the relay or the main; absent
+where nothing is) and ``store`` (the PostgreSQL backends of the path's connections)."""
+
+
+class _Meter:
+    """The CPU of this process, of the process between (if any) and of the backends
+    connected to the database, over one path's timed jobs."""
+
+    def __init__(self, between: int | None = None) -> None:
+        self.between = between
+        self.start = self._read()
+
+    def _read(self) -> Cpu:
+        cpu = {"producer": time.process_time(), "store": sum(map(schedstat, backends(DATABASE)))}
+        if self.between is not None:
+            cpu["between"] = schedstat(self.between)
+        return cpu
+
+    def per_job(self, jobs: int) -> Cpu:
+        end = self._read()
+        return {key: (end[key] - self.start[key]) / jobs * 1e6 for key in end}
 
 
 def _store() -> Any:
@@ -96,31 +126,33 @@ async def _serve() -> None:
     await asyncio.Event().wait()  # until the parent kills this process
 
 
-async def _direct(jobs: int) -> float:
+async def _direct(jobs: int) -> tuple[float, Cpu]:
     store = _store()
     conn = await asyncpg.connect(postgres_dsn(DATABASE))
     try:
         for i in range(200):  # warm: the statement prepared, the code paths hot
             await _write_one(store, conn, i)
+        meter = _Meter()
         start = time.perf_counter()
         for i in range(jobs):
             await _write_one(store, conn, i)
-        return jobs / (time.perf_counter() - start)
+        return jobs / (time.perf_counter() - start), meter.per_job(jobs)
     finally:
         await conn.close()
 
 
-async def _through(port: int, jobs: int) -> float:
+async def _through(relay: int, port: int, jobs: int) -> tuple[float, Cpu]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         for i in range(200):
             writer.write(b"%d\n" % i)
             await reader.readline()
+        meter = _Meter(relay)
         start = time.perf_counter()
         for i in range(jobs):
             writer.write(b"%d\n" % i)
             await reader.readline()
-        return jobs / (time.perf_counter() - start)
+        return jobs / (time.perf_counter() - start), meter.per_job(jobs)
     finally:
         writer.close()
 
@@ -132,9 +164,10 @@ async def _fresh_database() -> None:
     await store.close()
 
 
-def _one_at_a_time(python: Path, system: str, jobs: int) -> float:
-    """``system``'s one-at-a-time rate from ``bench.enqueue_bench``, in a process of its own."""
-    options = ["--one", str(jobs), "--bulk", "1", "--json"]
+def _one_at_a_time(python: Path, system: str, jobs: int) -> tuple[float, Cpu]:
+    """``system``'s one-at-a-time rate and CPU per job from ``bench.enqueue_bench``, in a
+    process of its own."""
+    options = ["--one", str(jobs), "--bulk", "0", "--json"]
     done = subprocess.run(
         [str(python), "-m", "bench.enqueue_bench", system, *options],
         cwd=ROOT,
@@ -144,7 +177,14 @@ def _one_at_a_time(python: Path, system: str, jobs: int) -> float:
         check=True,
     )
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    return float(next(r["per_s"] for r in rows if r["phase"] == "one"))
+    row = next(r for r in rows if r["phase"] == "one")
+    cpu = {"producer": row["producer_us"], "store": row["pg_backends_us"]}
+    if row["main_us"]:
+        cpu["between"] = row["main_us"]
+    return float(row["per_s"]), cpu
+
+
+MAIN_ROW = "broker-postgres-defaults"
 
 
 def main() -> None:
@@ -164,26 +204,40 @@ def main() -> None:
     try:
         assert relay.stdout is not None
         port = int(relay.stdout.readline())
-        rates: dict[str, list[float]] = {"direct": [], "relay": [], "main": []}
+        paths: dict[str, Callable[[], tuple[float, Cpu]]] = {
+            "direct": lambda: asyncio.run(_direct(args.jobs)),
+            "relay": lambda: asyncio.run(_through(relay.pid, port, args.jobs)),
+            "main": lambda: _one_at_a_time(Path(sys.executable), MAIN_ROW, args.jobs),
+        }
         pgqueuer = venv_python(BY_NAME["pgqueuer"])
         if pgqueuer.exists():
-            rates["pgqueuer"] = []
+            paths["pgqueuer"] = lambda: _one_at_a_time(pgqueuer, "pgqueuer", args.jobs)
+        rates: dict[str, list[float]] = {name: [] for name in paths}
+        cpu: dict[str, list[Cpu]] = {name: [] for name in paths}
         for _ in range(args.reps):
-            rates["direct"].append(asyncio.run(_direct(args.jobs)))
-            rates["relay"].append(asyncio.run(_through(port, args.jobs)))
-            if "pgqueuer" in rates:
-                rates["pgqueuer"].append(_one_at_a_time(pgqueuer, "pgqueuer", args.jobs))
-            main_rate = _one_at_a_time(Path(sys.executable), "broker-postgres-defaults", args.jobs)
-            rates["main"].append(main_rate)
+            for name, path in paths.items():
+                rate, used = path()
+                rates[name].append(rate)
+                cpu[name].append(used)
         for name, values in rates.items():
             runs = ", ".join(f"{v:,.0f}" for v in values)
-            print(f"{name:8} median {statistics.median(values):,.0f} jobs/s ({runs})")
+            medians = ", ".join(f"{k} {v:,.0f}" for k, v in median_cpu(cpu[name]).items())
+            print(
+                f"{name:8} median {statistics.median(values):,.0f} jobs/s ({runs}); "
+                f"CPU us/job: {medians}"
+            )
     finally:
         relay.kill()
         relay.wait()
     if args.json is not None:
         generated = datetime.now(UTC).isoformat(timespec="seconds")
-        record = {"generated": generated, "jobs": args.jobs, "reps": args.reps, "rates": rates}
+        record = {
+            "generated": generated,
+            "jobs": args.jobs,
+            "reps": args.reps,
+            "rates": rates,
+            "cpu_us": cpu,
+        }
         args.json.write_text(json.dumps(record, indent=1))
 
 

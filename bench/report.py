@@ -299,10 +299,18 @@ ENQUEUE_FLOOR_PATHS = (
 )
 
 
+def median_cpu(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each process's median CPU per job over ``runs`` (``bench/enqueue_floor.py``), in
+    ``producer``, ``between``, ``store`` order; a process some run lacks is left out."""
+    keys = [k for k in ("producer", "between", "store") if runs and all(k in r for r in runs)]
+    return {k: statistics.median(r[k] for r in runs) for k in keys}
+
+
 def _enqueue_floor_lines(record: dict[str, Any]) -> list[str]:
     """The one-at-a-time paths of ``bench/enqueue_floor.py``, measured in the same turns,
     as rates and multiples of PgQueuer's: what a main on this design can reach at best."""
     rates = record.get("rates") or {}
+    cpu = record.get("cpu_us") or {}
     pgq = spread(rates.get("pgqueuer") or [])
     rows = []
     for key, label in ENQUEUE_FLOOR_PATHS:
@@ -311,7 +319,10 @@ def _enqueue_floor_lines(record: dict[str, Any]) -> list[str]:
             continue
         median = statistics.median(values)
         ratio = f"{TIMES}{median / pgq[0]:.2f}" if pgq else DASH
-        rows.append([label, cell(values), ratio])
+        used = median_cpu(cpu.get(key) or [])
+        cells = [f"{used[k]:,.0f}" if k in used else DASH for k in ("producer", "between", "store")]
+        total = f"{sum(used.values()):,.0f}" if used else DASH
+        rows.append([label, cell(values), ratio, *cells, total])
     if not rows:
         return []
     return [
@@ -324,9 +335,23 @@ def _enqueue_floor_lines(record: dict[str, Any]) -> list[str]:
         f"{record.get('reps', '?')} turns; jobs/s, median (min{DASH}max). A relay that "
         "reads a line, makes the store write and answers a line is the least a process "
         "between the producer and the store adds; where it does not beat PgQueuer, no main "
-        "on this design can.",
+        "on this design can. CPU: microseconds per job, median, of the producer, of the "
+        "process between it and the store (the relay, broker-main) and of the PostgreSQL "
+        "backends serving the path; one at a time they run in turn, so their sum is most "
+        "of each enqueue's wall time.",
         "",
-        *_table(["path", "jobs/s", f"{TIMES} PgQueuer"], rows),
+        *_table(
+            [
+                "path",
+                "jobs/s",
+                f"{TIMES} PgQueuer",
+                "producer µs",
+                "between µs",
+                "PostgreSQL µs",
+                "all µs",
+            ],
+            rows,
+        ),
     ]
 
 

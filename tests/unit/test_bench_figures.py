@@ -139,22 +139,43 @@ ENQUEUE_FLOOR = {
         "main": [1100.0, 1200.0, 1000.0],
         "pgqueuer": [2000.0, 1900.0, 2100.0],
     },
+    "cpu_us": {
+        "direct": [{"producer": p, "store": 200.0} for p in (150.0, 170.0, 160.0)],
+        "relay": [{"producer": 60.0, "between": b, "store": 240.0} for b in (230.0, 250.0)],
+        "main": [{"producer": 190.0, "between": 360.0, "store": 215.0}],
+        "pgqueuer": [{"producer": 170.0, "store": 300.0}, {"producer": 170.0}],
+    },
 }
 
 
+def _floor_rows(record: dict[str, Any]) -> dict[str, str]:
+    lines = report._enqueue_floor_lines(record)
+    return {line.split(" | ")[0].lstrip("| "): line for line in lines if line.startswith("| ")}
+
+
 def test_the_enqueue_floor_holds_each_path_to_pgqueuers_median_in_the_same_turns() -> None:
-    lines = report._enqueue_floor_lines(ENQUEUE_FLOOR)
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in lines if line.startswith("| ")}
+    rows = _floor_rows(ENQUEUE_FLOOR)
     pgqueuer, direct, relay, main = (rows[label] for _, label in report.ENQUEUE_FLOOR_PATHS)
-    assert pgqueuer.endswith("| 2,000 (1,900\u20132,100) | \u00d71.00 |")
-    assert direct.endswith("| \u00d71.10 |")  # 2,200 / 2,000
-    assert relay.endswith("| 1,600 (1,500\u20131,700) | \u00d70.80 |")
-    assert main.endswith("| \u00d70.55 |")  # 1,100 / 2,000
+    assert "| 2,000 (1,900\u20132,100) | \u00d71.00 |" in pgqueuer
+    assert "| \u00d71.10 |" in direct  # 2,200 / 2,000
+    assert "| 1,600 (1,500\u20131,700) | \u00d70.80 |" in relay
+    assert "| \u00d70.55 |" in main  # 1,100 / 2,000
+
+
+def test_the_enqueue_floor_shows_each_processs_median_cpu_per_job_and_their_sum() -> None:
+    rows = _floor_rows(ENQUEUE_FLOOR)
+    pgqueuer, direct, relay, main = (rows[label] for _, label in report.ENQUEUE_FLOOR_PATHS)
+    dash = report.DASH
+    assert direct.endswith(f"| 160 | {dash} | 200 | 360 |")  # nothing between
+    assert relay.endswith("| 60 | 240 | 240 | 540 |")  # the median of 230 and 250
+    assert main.endswith("| 190 | 360 | 215 | 765 |")
+    # A process one run lacks is left out of the median and the sum, not taken as 0.
+    assert pgqueuer.endswith(f"| 170 | {dash} | {dash} | 170 |")
 
 
 def test_without_pgqueuer_the_enqueue_floor_shows_rates_alone() -> None:
     rates = {k: v for k, v in ENQUEUE_FLOOR["rates"].items() if k != "pgqueuer"}
-    lines = report._enqueue_floor_lines(dict(ENQUEUE_FLOOR, rates=rates))
+    lines = report._enqueue_floor_lines({**ENQUEUE_FLOOR, "rates": rates, "cpu_us": {}})
     assert sum(line.startswith("| ") for line in lines) == 1 + 3  # the header, 3 paths
     assert all(line.endswith(f"| {report.DASH} |") for line in lines[-3:])
     assert report._enqueue_floor_lines({}) == []
