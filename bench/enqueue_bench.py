@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from bench.harness import Config, service_pids
@@ -144,6 +145,25 @@ class Profiler:
         self.procs = []
 
 
+class _Phases:
+    """Each phase of one repetition, timed, metered and (with ``--profile``) profiled."""
+
+    def __init__(self, system: str, meter: Meter, profiler: Profiler) -> None:
+        self.system, self.meter, self.profiler = system, meter, profiler
+        self.rows: list[dict[str, Any]] = []
+
+    def run(self, phase: str, jobs: int, work: Callable[[], object]) -> None:
+        """``work``, of ``jobs`` jobs, as ``phase``; a phase of no jobs is left out, not
+        divided by zero."""
+        if not jobs:
+            return
+        self.profiler.start(phase)
+        self.meter.start()
+        work()
+        self.rows.append({"system": self.system, "phase": phase, **self.meter.stop(jobs)})
+        self.profiler.stop()
+
+
 def run(
     system: str, one: int, bulk: int, reps: int, profile: str | None = None, direct: bool = False
 ) -> list[dict[str, Any]]:
@@ -152,37 +172,26 @@ def run(
     driver = module.DRIVERS[system](system, Config(workdir=workdir, hash_rounds=1))
     database = module.DATABASE
     driver.setup()
-    results = []
+    results: list[dict[str, Any]] = []
     try:
         for _ in range(reps):
             driver.reset()
             driver.enqueue_one("noop", -1)  # connected and warm: the first call's set-up
             driver.enqueue_bulk("noop", [-1] * 10)
             meter = Meter(driver.main_pids(), database)
-            profiler = Profiler(profile, driver.main_pids())
-            if one:  # a phase of no jobs is left out, not divided by zero
-                profiler.start("one")
-                meter.start()
-                for i in range(one):
-                    driver.enqueue_one("noop", i)
-                results.append({"system": system, "phase": "one", **meter.stop(one)})
-                profiler.stop()
+            phases = _Phases(system, meter, Profiler(profile, driver.main_pids()))
+            phases.run("one", one, lambda: [driver.enqueue_one("noop", i) for i in range(one)])
             if one and direct and hasattr(driver, "enqueue_one_direct"):
                 # Not through the main: the producer's own connection, straight to the
                 # store (a phase of its own, never reported as the via-main figure).
                 driver.enqueue_one_direct("noop", -1)  # connected and warm
-                profiler.start("one-direct")
-                meter.start()
-                for i in range(one):
-                    driver.enqueue_one_direct("noop", i)
-                results.append({"system": system, "phase": "one-direct", **meter.stop(one)})
-                profiler.stop()
-            if bulk:
-                profiler.start("bulk")
-                meter.start()
-                driver.enqueue_bulk("noop", list(range(bulk)))
-                results.append({"system": system, "phase": "bulk", **meter.stop(bulk)})
-                profiler.stop()
+                phases.run(
+                    "one-direct",
+                    one,
+                    lambda: [driver.enqueue_one_direct("noop", i) for i in range(one)],
+                )
+            phases.run("bulk", bulk, lambda: driver.enqueue_bulk("noop", list(range(bulk))))
+            results += phases.rows
     finally:
         driver.teardown()
         shutil.rmtree(workdir, ignore_errors=True)  # the SQLite files and the main's log
