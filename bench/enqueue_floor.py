@@ -54,6 +54,8 @@ from bench.systems import BY_NAME, database, fresh_database, on_admin_database, 
 
 DATABASE = database("bench_enqueue_floor")
 TASK = "bench.jobs.noop"
+MAIN_ROW = "broker-postgres-defaults"
+"""The ``make bench`` row whose main the floor's ``main`` path measures."""
 
 Cpu = dict[str, float]
 """CPU microseconds per job of ``producer``, ``between`` (the relay or the main; absent
@@ -182,9 +184,6 @@ def _one_at_a_time(python: Path, system: str, jobs: int) -> tuple[float, Cpu]:
     if row["main_us"]:
         cpu["between"] = row["main_us"]
     return float(row["per_s"]), cpu
-
-
-MAIN_ROW = "broker-postgres-defaults"
 
 
 def main() -> None:

@@ -299,10 +299,14 @@ ENQUEUE_FLOOR_PATHS = (
 )
 
 
+CPU_PROCESSES = ("producer", "between", "store")
+"""The processes ``bench/enqueue_floor.py`` reads CPU per job of, in the table's order."""
+
+
 def median_cpu(runs: list[dict[str, float]]) -> dict[str, float]:
     """Each process's median CPU per job over ``runs`` (``bench/enqueue_floor.py``), in
-    ``producer``, ``between``, ``store`` order; a process some run lacks is left out."""
-    keys = [k for k in ("producer", "between", "store") if runs and all(k in r for r in runs)]
+    :data:`CPU_PROCESSES` order; a process some run lacks is left out."""
+    keys = [k for k in CPU_PROCESSES if runs and all(k in r for r in runs)]
     return {k: statistics.median(r[k] for r in runs) for k in keys}
 
 
@@ -320,7 +324,7 @@ def _enqueue_floor_lines(record: dict[str, Any]) -> list[str]:
         median = statistics.median(values)
         ratio = f"{TIMES}{median / pgq[0]:.2f}" if pgq else DASH
         used = median_cpu(cpu.get(key) or [])
-        cells = [f"{used[k]:,.0f}" if k in used else DASH for k in ("producer", "between", "store")]
+        cells = [f"{used[k]:,.0f}" if k in used else DASH for k in CPU_PROCESSES]
         total = f"{sum(used.values()):,.0f}" if used else DASH
         rows.append([label, cell(values), ratio, *cells, total])
     if not rows:
