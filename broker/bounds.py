@@ -71,8 +71,8 @@ BOUNDS += [
         "2",
         None,
         "each later one fails an attempt of the job (`its runner process failed to start "
-        "N times for this job …`), retried like any failure, dead once its attempts are "
-        "spent",
+        "N times for this job …`), retried like any failure, dead (`failed`) once its "
+        "attempts are spent",
         "Runner start-up",
     ),
     Bound(
