@@ -461,6 +461,26 @@ async def test_a_pooled_job_waiting_for_a_starting_child_is_not_charged_its_star
         await pool.stop(grace=1)
 
 
+async def test_a_child_slower_than_the_start_up_bound_is_a_start_up_failure() -> None:
+    import tests.slow_import_app  # noqa: F401 - registers the tasks; 0.6 s, so only here
+    from broker.runner import Assignment, Released
+    from runners.forked import ForkedRunner
+
+    forked = ForkedRunner([SLOW_APP], registry=default_registry, concurrency=1, startup_timeout=0.2)
+    await forked.start()
+    try:
+        job = Assignment(
+            uuid.uuid4(), uuid.uuid4(), f"{SLOW_APP}.quick", (), {}, FORKED, 1, 1, 60.0, "default"
+        )
+        outcome = await forked.run(job)
+        assert isinstance(outcome, Released), outcome
+        assert "no ready handshake within 0.2 s" in outcome.reason
+        assert forked.free_slots() == 0, "the mode is flagged broken: no credit"
+        assert "no ready handshake" in str(forked.status().startup_error)
+    finally:
+        await forked.stop(grace=1)
+
+
 async def test_a_job_whose_children_keep_failing_to_start_ends_and_the_mode_recovers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
