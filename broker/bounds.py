@@ -1,4 +1,4 @@
-"""Every bound on a value from outside, declared once: the table the code enforces and the docs show.
+"""Every bound on a value from outside, declared once: the table the code enforces, the docs show.
 
 A value that crosses a trust boundary (the wire, a direct enqueue, the task catalog, a
 worker's status, an HTTP request) must have a ceiling on what it can cost the main, or
@@ -36,3 +36,50 @@ class Bound:
 BOUNDS: list[Bound] = []
 """Every declared bound. Add a row beside the constant it describes; the docs test
 (``tests/unit/test_bounds_docs.py``) fails until ``docs/howto/security.md`` shows it."""
+
+
+# --------------------------------------------------------------------------- runner start-up
+# (issue 30, finding 9: a child that cannot get ready must not hand its job back for ever)
+
+RUNNER_STARTUP_TIMEOUT = 30.0
+"""Seconds a pooled or forked child may take to import the apps and say ready (the
+default of ``--runner-startup-timeout``); past it the child is killed, and that is a
+start-up failure. A job's own time limit starts only once its child is ready."""
+
+RUNNER_START_FAILURES_FORGIVEN = 2
+"""Start-up failures of its runner process that one job is given back for unharmed (no
+attempt counted) on one worker: they are the runner's fault, not the job's. Each later
+one fails an attempt of the job, so a job whose children keep failing to start (while
+the mode's probe processes start, so the worker keeps taking it) ends, dead once its
+attempts are spent, instead of going back to the queue for ever."""
+
+RUNNER_START_FAILURES_TRACKED = 1024
+"""Jobs whose start-up failures a worker remembers; past it the oldest count is dropped
+(that job starts its count again), so job ids from the main cannot grow the worker."""
+
+BOUNDS += [
+    Bound(
+        "A runner process's start-up (start, import the apps, say ready)",
+        "30 s",
+        "--runner-startup-timeout",
+        "killed; a start-up failure (next row); the mode advertises no slots until a "
+        "probe process starts (tried after 0.5 s, the delay doubling up to 30 s)",
+        "Runner start-up",
+    ),
+    Bound(
+        "Start-up failures one job is given back for unharmed, per worker",
+        "2",
+        None,
+        "each later one fails an attempt of the job (`its runner process failed to start "
+        "N times for this job …`), retried like any failure, dead (`failed`) once its "
+        "attempts are spent",
+        "Runner start-up",
+    ),
+    Bound(
+        "Jobs a worker counts start-up failures for",
+        "1024",
+        None,
+        "the oldest job's count is forgotten (its count starts again)",
+        "Runner start-up",
+    ),
+]

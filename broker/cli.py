@@ -25,6 +25,7 @@ from typing import Any
 
 from broker import admin, checks, composition, logs, protocol
 from broker.addresses import parse_addresses, peer_arguments
+from broker.bounds import RUNNER_STARTUP_TIMEOUT
 from broker.config import DEFAULT_LIST_PAGE_BYTES, MainSettings, line_limit_for
 from broker.credentials import Credentials, parse_token_file
 from broker.election import DEFAULT_FAILOVER_TIMEOUT
@@ -726,7 +727,7 @@ _RUNNER_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     (
         "--runner-startup-timeout",
         _number(float, "runner start-up timeout"),
-        30.0,
+        RUNNER_STARTUP_TIMEOUT,
         "seconds a child may take to import the app and say ready",
     ),
 ]

@@ -17,6 +17,7 @@ import adapters
 from adapters import DEFAULT_HOT_POOL_SIZE as DEFAULT_HOT_POOL_SIZE
 from adapters import DEFAULT_POOL_SIZE as DEFAULT_POOL_SIZE
 from broker import checks
+from broker.bounds import RUNNER_STARTUP_TIMEOUT
 from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode
 from broker.payload import DEFAULT_OFFLOAD_BYTES
@@ -90,7 +91,7 @@ class RunnerOptions:
     forked_concurrency: int = 2
     default_timeout: float | None = None
     kill_grace: float = 5.0
-    startup_timeout: float = 30.0
+    startup_timeout: float = RUNNER_STARTUP_TIMEOUT
 
     def validate(self) -> None:
         for name in ("inline_concurrency", "pooled_runner_count", "forked_concurrency"):

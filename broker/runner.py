@@ -32,6 +32,9 @@ class Assignment:
     attempt: int
     max_attempts: int
     timeout: float | None
+    """The job's own time limit, if it has one. It counts from the job's start: a pooled
+    or forked runner starts the clock once a ready child has the job, never while its
+    child is still starting (that is bounded by the runner's start-up timeout)."""
     queue: str
     checkpoint: JSONValue = None
     """The last checkpoint of the job's earlier runs (see :mod:`broker.context`)."""
@@ -71,7 +74,9 @@ class Rescheduled:
 @dataclass(frozen=True, slots=True)
 class Released:
     """The job never started (its runner could not start a process for it): give it back
-    to the queue without counting an attempt."""
+    to the queue without counting an attempt. The worker forgives only a few of these per
+    job (:data:`broker.bounds.RUNNER_START_FAILURES_FORGIVEN`); each later one counts as a
+    failed attempt, so a job whose processes keep failing to start cannot go back for ever."""
 
     reason: str
 

@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import logging
 import math
+import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
 from broker import codec, protocol
+from broker.bounds import RUNNER_START_FAILURES_FORGIVEN, RUNNER_START_FAILURES_TRACKED
 from broker.exceptions import ProtocolError, TaskNotFoundError
 from broker.jobs import ExecutionMode, JSONValue
 from broker.payload import encoded_size, result_too_deep, result_too_large_on_wire
@@ -266,6 +268,9 @@ class WorkerState:
         self._progress_sent: dict[LeaseKey, float] = {}
         """When each running job's progress last went out (the rate limit's clock)."""
         self._progress_timer = False
+        self._start_failures: dict[uuid.UUID, int] = {}
+        """Start-up failures of its runner process per job id (see :meth:`_start_failed`),
+        least recently failed first; at most :data:`RUNNER_START_FAILURES_TRACKED`."""
 
     # ------------------------------------------------------------------ views
 
@@ -544,6 +549,10 @@ class WorkerState:
             self._progress.pop(key, None)
         if self._progress_sent:
             self._progress_sent.pop(key, None)
+        if isinstance(outcome, Released):
+            outcome = self._start_failed(key, outcome)
+        elif self._start_failures and outcome is not None:
+            self._start_failures.pop(key[0], None)  # it ran: its count starts again
         rules = self._rules.pop(key, None) if self._rules else None
         if isinstance(outcome, Failed) and outcome.retry and not outcome.lost and rules:
             outcome = rules.judge(outcome)  # a lost attempt is a recovery, not a failure
@@ -553,6 +562,34 @@ class WorkerState:
             self._finish(key, outcome)
         self._ready_due = True
         return self._start_queued(free) + self._effects()
+
+    def _start_failed(self, key: LeaseKey, outcome: Released) -> RunOutcome:
+        """The runner could not start a process for the job (it failed to import the apps,
+        crashed or hung before its handshake): the runner's fault, not the job's, so the
+        job goes back to the queue unharmed, and the runner's start-up guard stops the
+        mode's credit until a process starts again.
+
+        But when processes start for the mode's probe and keep failing for one job, that
+        job would go back and forth for ever. So past
+        :data:`~broker.bounds.RUNNER_START_FAILURES_FORGIVEN` failures for one job on this
+        worker, each counts as a failed attempt, retried by the job's rules like any
+        failure: the job ends, dead with that error once its attempts are spent.
+        (Nor is a job the main cancelled, or one stopped by this worker's drain: their
+        release is the cancel or the stop working.)
+        """
+        if key in self._cancelled or self._draining:
+            return outcome
+        failures = self._start_failures.pop(key[0], 0) + 1
+        self._start_failures[key[0]] = failures  # now the most recent
+        if len(self._start_failures) > RUNNER_START_FAILURES_TRACKED:
+            del self._start_failures[next(iter(self._start_failures))]
+        if failures <= RUNNER_START_FAILURES_FORGIVEN:
+            return outcome
+        return Failed(
+            f"its runner process failed to start {failures} times for this job (after "
+            f"{RUNNER_START_FAILURES_FORGIVEN}, each failure counts as an attempt); "
+            f"the last time: {outcome.reason}"
+        )
 
     def _finish(self, key: LeaseKey, outcome: RunOutcome) -> None:
         report: protocol.Report

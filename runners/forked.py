@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from broker import checks
+from broker.bounds import RUNNER_STARTUP_TIMEOUT
 from broker.jobs import ExecutionMode
 from broker.runner import Assignment, JobChannel, NoChannel, RunnerStatus, RunOutcome
 from broker.tasks import TaskRegistry, default_registry
@@ -34,7 +35,7 @@ class ForkedRunner:
         concurrency: int = 2,
         default_timeout: float | None = None,
         kill_grace: float = 5.0,
-        startup_timeout: float = 30.0,
+        startup_timeout: float = RUNNER_STARTUP_TIMEOUT,
         respawn_max_delay: float = 30.0,
     ) -> None:
         self._apps = list(apps)

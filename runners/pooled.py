@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from broker import checks
+from broker.bounds import RUNNER_STARTUP_TIMEOUT
 from broker.jobs import ExecutionMode
 from broker.runner import (
     Assignment,
@@ -70,7 +71,7 @@ class PooledRunner:
         max_lifetime: float = 3600.0,
         default_timeout: float | None = None,
         kill_grace: float = 5.0,
-        startup_timeout: float = 30.0,
+        startup_timeout: float = RUNNER_STARTUP_TIMEOUT,
         ping_interval: float = 5.0,
         respawn_max_delay: float = 30.0,
     ) -> None:

@@ -529,19 +529,36 @@ def run_on_child(
     of its outcome: the slot's own, which the child's outcome line or its exit settles.
     No task per job: the job goes out now, or when the child is ready, by callback.
 
-    A job past its time ``limit`` stops the whole child (SIGTERM, then SIGKILL after the grace):
+    The time ``limit`` counts from the moment the job goes to a ready child, never from
+    the child's spawn: a child's start-up (its interpreter, the app's imports) is not the
+    job's time. Counted from the spawn, a job whose limit is shorter than the start-up
+    stopped its child before it was ready, which gave the job back unstarted and flagged
+    the mode broken, for ever. A child that never gets ready is bounded by the start-up
+    timeout instead (see :class:`ChildProcess`).
+
+    A job past its time limit stops the whole child (SIGTERM, then SIGKILL after the grace):
     only a process boundary can stop code that ignores cancellation. Every other job on
     that child then fails too, saying why, so each is retried.
     """
     future = child.inflight[assignment.handoff_id]
     if child.started:
-        _send_job(child, assignment)
+        _start_job(child, assignment, limit, kill_grace)
     else:
-        child.when_ready(functools.partial(_send_job, child, assignment))
-    if limit is not None:  # no timer for a job without a time limit
+        child.when_ready(functools.partial(_start_job, child, assignment, limit, kill_grace))
+    return future
+
+
+def _start_job(
+    child: ChildProcess, assignment: Assignment, limit: float | None, kill_grace: float
+) -> None:
+    """Send the job to its ready child and start its clock (no timer without a limit)."""
+    future = child.inflight.get(assignment.handoff_id)
+    if future is None or future.done():
+        return  # settled while the child was starting (its exit, a cancel)
+    _send_job(child, assignment)
+    if limit is not None and not future.done():
         timer = child.loop.call_later(limit, _timed_out, child, assignment, limit, kill_grace)
         future.add_done_callback(lambda _: timer.cancel())
-    return future
 
 
 def _send_job(child: ChildProcess, assignment: Assignment) -> None:

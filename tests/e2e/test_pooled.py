@@ -403,6 +403,112 @@ async def test_forked_jobs_follow_the_same_timeout_and_crash_rules() -> None:
         await forked.stop(grace=1)
 
 
+# Issue 30, finding 9: a job's time limit counts from its start, not from its child's
+# spawn, and a job whose children keep failing to start ends instead of going back for
+# ever. tests.slow_import_app takes 0.6 s to import (in each child, and once here).
+
+SLOW_APP = "tests.slow_import_app"
+FORKED = ExecutionMode.FORKED
+
+
+async def test_a_forked_job_with_a_limit_shorter_than_its_childs_import_completes() -> None:
+    import tests.slow_import_app  # noqa: F401 - registers the tasks; 0.6 s, so only here
+
+    async with cluster(apps=(SLOW_APP,), pooled_runner_count=0, forked_concurrency=1) as c:
+        specs = [
+            JobSpec(task=f"{SLOW_APP}.quick", execution_mode=FORKED, timeout=0.3, max_attempts=1),
+            JobSpec(
+                task=f"{SLOW_APP}.sleepy",
+                args=[30],
+                execution_mode=FORKED,
+                timeout=0.3,
+                max_attempts=2,
+            ),
+        ]
+        jobs = [r.job for r in await c.store.enqueue_many(specs)]
+        c.main.wake()
+        quick, sleepy = await c.settled(jobs, timeout=60)
+        assert quick.status is JobStatus.COMPLETED and quick.attempts == 0, quick.last_error
+        assert sleepy.status is JobStatus.FAILED and sleepy.attempts == 2, "its body is too long"
+        assert "timed out after 0.3 s" in str(sleepy.last_error)
+        forked = c.runners[FORKED].status()
+        assert forked.startup_error is None, "the mode was never flagged broken"
+        assert forked.details["child_starts"] == 3, "one process per run, none killed unready"
+
+
+async def test_a_pooled_job_waiting_for_a_starting_child_is_not_charged_its_start_up() -> None:
+    import tests.slow_import_app  # noqa: F401 - registers the tasks; 0.6 s, so only here
+    from broker.runner import Assignment, Completed
+
+    pool = PooledRunner([SLOW_APP], registry=default_registry, count=1, kill_grace=0.3)
+    await pool.start()
+    try:
+        [first] = pool.status().details["children"]
+        os.kill(first["pid"], signal.SIGKILL)
+
+        def replacement_starting() -> bool:
+            kids = pool.status().details["children"]
+            return len(kids) == 1 and kids[0]["pid"] != first["pid"] and not kids[0]["ready"]
+
+        await until(replacement_starting)
+        job = Assignment(
+            uuid.uuid4(), uuid.uuid4(), f"{SLOW_APP}.quick", (), {}, POOLED, 1, 1, 0.3, "default"
+        )
+        outcome = await pool.run(job)  # taken by the child still importing the app
+        assert isinstance(outcome, Completed), outcome
+        assert pool.status().startup_error is None
+    finally:
+        await pool.stop(grace=1)
+
+
+async def test_a_child_slower_than_the_start_up_bound_is_a_start_up_failure() -> None:
+    import tests.slow_import_app  # noqa: F401 - registers the tasks; 0.6 s, so only here
+    from broker.runner import Assignment, Released
+    from runners.forked import ForkedRunner
+
+    forked = ForkedRunner([SLOW_APP], registry=default_registry, concurrency=1, startup_timeout=0.2)
+    await forked.start()
+    try:
+        job = Assignment(
+            uuid.uuid4(), uuid.uuid4(), f"{SLOW_APP}.quick", (), {}, FORKED, 1, 1, 60.0, "default"
+        )
+        outcome = await forked.run(job)
+        assert isinstance(outcome, Released), outcome
+        assert "no ready handshake within 0.2 s" in outcome.reason
+        assert forked.free_slots() == 0, "the mode is flagged broken: no credit"
+        assert "no ready handshake" in str(forked.status().startup_error)
+    finally:
+        await forked.stop(grace=1)
+
+
+async def test_a_job_whose_children_keep_failing_to_start_ends_and_the_mode_recovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from broker.bounds import RUNNER_START_FAILURES_FORGIVEN
+
+    imports = tmp_path / "imports"
+    monkeypatch.setenv("FLAKY_APP_ALTERNATE", str(imports))  # every job's process fails
+    async with cluster(apps=("tests.flaky_app",), pooled_runner_count=0, forked_concurrency=1) as c:
+        spec = JobSpec(task="tests.flaky_app.ok", execution_mode=FORKED, max_attempts=2)
+        [job] = [r.job for r in await c.store.enqueue_many([spec])]
+        c.main.wake()
+        [dead] = await c.settled([job], timeout=90)
+        tries = RUNNER_START_FAILURES_FORGIVEN + 2  # two forgiven, then its two attempts
+        assert dead.status is JobStatus.FAILED and dead.attempts == 2, dead.last_error
+        assert f"failed to start {tries} times for this job" in str(dead.last_error)
+        assert "simulated start-up failure" in str(dead.last_error), "the cause is shown"
+        assert imports.stat().st_size <= 2 * tries, "one probe between two tries, no loop"
+        # The probe after its last try starts: the mode recovers and advertises credit.
+        assert await until(lambda: _eq(lambda: c.credit(FORKED), 1), timeout=30)
+        assert c.runners[FORKED].status().startup_error is None
+        monkeypatch.delenv("FLAKY_APP_ALTERNATE")
+        fresh_spec = JobSpec(task="tests.flaky_app.ok", execution_mode=FORKED)
+        [fresh] = [r.job for r in await c.store.enqueue_many([fresh_spec])]
+        c.main.wake()
+        [again] = await c.settled([fresh], timeout=30)
+        assert again.status is JobStatus.COMPLETED and again.attempts == 0, again.last_error
+
+
 async def test_a_recycling_child_with_jobs_left_never_pushes_the_pool_past_capacity() -> None:
     async with cluster(pooled_runner_count=1, pooled_runner_concurrency=2, pooled_max_jobs=2) as c:
         jobs = []

@@ -9,11 +9,12 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from broker import protocol
+from broker.bounds import RUNNER_START_FAILURES_FORGIVEN, RUNNER_START_FAILURES_TRACKED
 from broker.exceptions import ProtocolError, TaskNotFoundError
 from broker.jobs import ExecutionMode
 from broker.runner import Completed, Failed, Released, Rescheduled, RunOutcome
@@ -425,6 +426,109 @@ def test_pings_are_answered_in_order() -> None:
     assert state.ping_received(1) == [WakeSender()]
     state.ping_received(2)
     assert state.outgoing() == [protocol.Pong(nonce=1), protocol.Pong(nonce=2)]
+
+
+# --------------------------------------------------------------------------- start-up failures
+
+
+def handed_again(state: WorkerState, seq: int, job_id: uuid.UUID) -> LeaseKey:
+    """The same job handed to this worker again, under a new lease, and started."""
+    return start(state, msgspec.structs.replace(job(seq), job_id=job_id))
+
+
+def test_a_job_whose_runner_cannot_start_goes_back_unharmed_then_counts_attempts() -> None:
+    state = make_state()
+    state.connected(welcome())
+    job_id = uuid.uuid4()
+    reports = []
+    for seq in range(1, RUNNER_START_FAILURES_FORGIVEN + 3):
+        key = handed_again(state, seq, job_id)
+        state.run_finished(key, Released("the runner process could not start: ImportError"))
+        (report,) = state.outgoing()
+        reports.append(report)
+    forgiven = reports[:RUNNER_START_FAILURES_FORGIVEN]
+    counted = reports[RUNNER_START_FAILURES_FORGIVEN:]
+    assert all(isinstance(r, protocol.ReleaseReport) for r in forgiven), "no attempt counted"
+    for failures, report in enumerate(counted, RUNNER_START_FAILURES_FORGIVEN + 1):
+        assert isinstance(report, protocol.FailedReport), "each later one is an attempt"
+        assert report.retry and not report.lost, "retried by the job's own rules"
+        assert f"failed to start {failures} times for this job" in report.error
+        assert "ImportError" in report.error, "the last start-up error is shown"
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 2),
+            st.sampled_from(
+                [Released("r"), Completed(1), Failed("x"), Failed("l", lost=True), Rescheduled(1)]
+            ),
+        ),
+        max_size=30,
+    )
+)
+@settings(settings.get_profile(PROFILE))
+def test_start_failures_count_per_job_and_a_run_starts_the_count_again(
+    events: list[tuple[int, RunOutcome]],
+) -> None:
+    state = make_state()
+    state.connected(welcome())
+    job_ids = [uuid.uuid4() for _ in range(3)]
+    failures = [0, 0, 0]
+    for seq, (which, outcome) in enumerate(events, 1):
+        key = handed_again(state, seq, job_ids[which])
+        state.run_finished(key, outcome)
+        (report,) = state.outgoing()
+        if not isinstance(outcome, Released):
+            failures[which] = 0
+            assert not isinstance(report, protocol.ReleaseReport)
+            continue
+        failures[which] += 1
+        if failures[which] <= RUNNER_START_FAILURES_FORGIVEN:
+            assert isinstance(report, protocol.ReleaseReport)
+        else:
+            assert isinstance(report, protocol.FailedReport) and report.retry
+            assert f"failed to start {failures[which]} times" in report.error
+
+
+def test_a_cancelled_or_drained_job_given_back_by_its_runner_is_not_counted() -> None:
+    state = make_state()
+    state.connected(welcome())
+    job_id = uuid.uuid4()
+    for seq in range(1, RUNNER_START_FAILURES_FORGIVEN + 3):
+        key = handed_again(state, seq, job_id)
+        state.cancel_received(protocol.CancelJob(*key))
+        state.run_finished(key, Released("the runner process could not start: killed"))
+        assert isinstance(state.outgoing()[0], protocol.ReleaseReport)
+    key = handed_again(state, 100, job_id)
+    state.drain_requested()
+    state.run_finished(key, Released("the runner process could not start: killed"))
+    assert any(isinstance(m, protocol.ReleaseReport) for m in state.outgoing())
+
+
+def test_the_start_failure_counts_are_bounded_and_drop_the_oldest() -> None:
+    state = make_state()
+    state.connected(welcome())
+    seq = 0
+
+    def fail(job_id: uuid.UUID) -> protocol.Message:
+        nonlocal seq
+        seq += 1
+        state.run_finished(handed_again(state, seq, job_id), Released("r"))
+        (report,) = state.outgoing()
+        return report
+
+    oldest, recent = uuid.uuid4(), uuid.uuid4()
+    for _ in range(RUNNER_START_FAILURES_FORGIVEN):
+        fail(oldest)
+    for _ in range(RUNNER_START_FAILURES_TRACKED - 2):
+        fail(uuid.uuid4())
+    for _ in range(RUNNER_START_FAILURES_FORGIVEN):
+        fail(recent)
+    fail(uuid.uuid4())  # one job too many: the least recently failed is forgotten
+    assert len(state._start_failures) == RUNNER_START_FAILURES_TRACKED
+    assert isinstance(fail(recent), protocol.FailedReport), "a recent count is kept"
+    assert isinstance(fail(oldest), protocol.ReleaseReport), "the oldest count was dropped"
 
 
 # --------------------------------------------------------------------------- property
