@@ -16,6 +16,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from broker.logs import log_event
+
 T = TypeVar("T")
 
 
@@ -40,7 +42,7 @@ async def retrying(
         try:
             return await attempt()
         except Exception as exc:  # not CancelledError, a BaseException: that ends the loop
-            logger.warning("%s failed, retrying error=%r", what, exc)
+            log_event(logger, logging.WARNING, f"{what} failed, retrying", error=repr(exc))
             if on_error is not None:
                 on_error()
         if wake is None:
