@@ -839,7 +839,7 @@ class Handoff:
                     handoff_id=lease,
                     task=job.task,
                     queue=job.queue,
-                    attempt=job.attempts,
+                    attempt=job.attempts + 1,
                     worker_id=peer.worker_id,
                 )
         return effects
