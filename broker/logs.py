@@ -1,7 +1,7 @@
 """How the three commands write their log: ``--log-format text`` or ``json``.
 
 **text** is for a person at a terminal or ``journalctl``: one line per event,
-``TIME LEVEL LOGGER MESSAGE`` with the time in UTC and its zone, and a traceback
+``TIME LEVEL LOGGER MESSAGE key=value ...`` with the time in UTC and its zone, and a traceback
 indented under its line, so every line that starts at column 0 is an event and a
 multi-line traceback can never pass for one (nor can a newline in a peer's text,
 which is escaped).
@@ -11,13 +11,13 @@ which is escaped).
 type (a port is a number, a missing worker id is ``null``, a duration is seconds), an
 ``error`` and a ``traceback`` when the record carries an exception.
 
-The fields travel beside the message, never inside it: :func:`log_event` logs a message with
-its fields, which the text format shows as ``message key=value ...`` and the JSON format
-takes from the record as they are. Nothing is read back out of a message, so a peer's
-text (a task name, an error) stays inside its own field whatever words it holds, and no
-field, of any name, can replace the record's own time, level, logger, event or message,
-nor a field every line carries (a worker's id). The lease is the protocol's
-``handoff_id``, written ``lease`` in JSON.
+The fields travel beside the message, never inside it: :func:`log_event` logs a
+message with its fields, which the text format shows as ``message key=value ...`` and
+the JSON format takes from the record as they are. Nothing is read back out of a
+message, so a peer's text (a task name, an error) stays inside its own field whatever
+words it holds, and no field, of any name, can replace the record's own time, level,
+logger, event or message, nor a field every line carries (a worker's id). The lease is
+the protocol's ``handoff_id``, written ``lease`` in JSON.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ OWN_FIELDS = frozenset({"time", "level", "logger", "event", "message", "tracebac
 """What a JSON line says of its record itself: no field may take these names."""
 
 _FIELDS = "broker_fields"
-"""The record attribute that holds the fields of :func:`log_event` (one attribute, so no field
-name can ever clash with a ``LogRecord`` attribute such as ``levelname`` or ``msg``)."""
+"""The record attribute that holds the fields of :func:`log_event` (one attribute, so no
+field name can ever clash with a ``LogRecord`` attribute such as ``levelname`` or
+``msg``)."""
 
 _STANDARD_ATTRIBUTES = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
     "message",
