@@ -32,11 +32,11 @@ async def retrying(
 ) -> T:
     """Await ``attempt()`` until it returns, and return what it returned.
 
-    Each failure is logged as a warning (``"<what> failed, retrying error=%r"``), then
-    ``on_error`` is called (say, to fall back to polling while a listener is down), and
-    the next attempt comes ``interval`` seconds later, or as soon as ``wake`` is set
-    (it is cleared then, so one wake-up shortens one wait). Cancellation is never
-    caught: it ends the retries at once.
+    Each failure is logged as a warning (``"<what> failed, retrying"``, with the error
+    as a field), then ``on_error`` is called (say, to fall back to polling while a
+    listener is down), and the next attempt comes ``interval`` seconds later, or as
+    soon as ``wake`` is set (it is cleared then, so one wake-up shortens one wait).
+    Cancellation is never caught: it ends the retries at once.
     """
     while True:
         try:
