@@ -47,6 +47,7 @@ import msgspec
 from broker import protocol
 from broker.exceptions import UnknownTaskError
 from broker.jobs import JobSpec, JSONValue
+from broker.logs import log_event
 from broker.retry import ExponentialBackoff, FixedBackoff, TaskBackoff
 from broker.storage import StorageAdapter, TaskRecord
 from broker.tasks import Task, TaskRegistry, default_unique_key, fill_key_template
@@ -185,14 +186,15 @@ class Catalog:
                         for key in {*as_json, *record.declaration}
                         if as_json.get(key) != record.declaration.get(key)
                     )
-                    logger.warning(
-                        "workers declare task %s with different defaults; the newest "
-                        "declaration wins worker_id=%s other_worker_id=%s fields=%s",
-                        task.name,
-                        worker_id,
-                        other,
-                        ",".join(differ),
-                        extra={"event": "task_declarations_differ"},
+                    log_event(
+                        logger,
+                        logging.WARNING,
+                        "workers declare a task with different defaults; the newest "
+                        "declaration wins",
+                        task=task.name,
+                        worker_id=worker_id,
+                        other_worker_id=other,
+                        fields=",".join(differ),
                     )
                     break
             by_worker[worker_id] = TaskRecord(task.name, worker_id, as_json, now)
@@ -211,11 +213,13 @@ class Catalog:
         try:
             self._newest[name] = msgspec.convert(newest.declaration, protocol.TaskDeclaration)
         except (msgspec.ValidationError, ValueError) as exc:
-            logger.warning(
-                "task declaration unreadable, ignored task=%s worker_id=%s error=%s",
-                name,
-                newest.worker_id,
-                exc,
+            log_event(
+                logger,
+                logging.WARNING,
+                "task declaration unreadable, ignored",
+                task=name,
+                worker_id=newest.worker_id,
+                error=exc,
             )
 
     def job_spec(

@@ -17,6 +17,7 @@ from broker import error_codes, protocol
 from broker.exceptions import transient
 from broker.handoff import checkpoint_ack
 from broker.jobs import CheckpointSave, JobStatus, ProgressUpdate
+from broker.logs import log_event
 from broker.payload import encoded_size, nesting_depth
 from broker.storage import StorageAdapter
 
@@ -104,7 +105,13 @@ class CheckpointSaver:
                 if not transient(exc):
                     await self._isolate(batch, exc)
                     return
-                logger.warning("saving %d checkpoints failed, retrying error=%r", len(batch), exc)
+                log_event(
+                    logger,
+                    logging.WARNING,
+                    "saving checkpoints failed, retrying",
+                    checkpoints=len(batch),
+                    error=repr(exc),
+                )
                 if self._stopping():
                     return  # unanswered: the worker sends them again to the next main
                 await asyncio.sleep(self._retry_interval)
@@ -119,11 +126,13 @@ class CheckpointSaver:
             await self._save(batch[half:])
             return
         peer, msg = batch[0]
-        logger.error(
-            "checkpoint could not be stored job_id=%s handoff_id=%s error=%r",
-            msg.job_id,
-            msg.handoff_id,
-            exc,
+        log_event(
+            logger,
+            logging.ERROR,
+            "checkpoint could not be stored",
+            job_id=msg.job_id,
+            handoff_id=msg.handoff_id,
+            error=repr(exc),
         )
         refused = checkpoint_ack(
             msg, protocol.AckStatus.REFUSED, error_codes.code_of(exc), str(exc)[:1000]
@@ -180,4 +189,10 @@ class ProgressWriter:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # progress is best effort: the next update will do
-                logger.warning("recording %d progress updates failed error=%r", len(updates), exc)
+                log_event(
+                    logger,
+                    logging.WARNING,
+                    "recording progress updates failed",
+                    updates=len(updates),
+                    error=repr(exc),
+                )

@@ -27,6 +27,7 @@ from broker.credentials import Credentials
 from broker.exceptions import ProtocolError
 from broker.handoff import Peer
 from broker.jobs import ExecutionMode, Job
+from broker.logs import log_event
 
 logger = logging.getLogger("broker.main")
 
@@ -303,11 +304,13 @@ class _TLSHandshake(asyncio.Protocol):
         if under_way >= self._connections.settings.max_unauthenticated:
             # Like a connection over the limit in the protocol's own handshake, but
             # without the error line: the peer expects TLS records, not text.
-            logger.warning(
-                "connection refused peer=%s reason=%d TLS handshakes are under way, the "
-                "limit (--max-unauthenticated)",
-                transport.get_extra_info("peername"),
-                under_way,
+            log_event(
+                logger,
+                logging.WARNING,
+                "connection refused",
+                peer=transport.get_extra_info("peername"),
+                reason=f"{under_way} TLS handshakes are under way, the limit "
+                "(--max-unauthenticated)",
             )
             transport.abort()
             return
@@ -375,10 +378,12 @@ class Connections:
                 ssl_handshake_timeout=settings.handshake_timeout,
             )
         except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
-            logger.warning(
-                "TLS handshake failed peer=%s reason=%s",
-                address,
-                tls.describe_peer_failure(exc, settings.handshake_timeout),
+            log_event(
+                logger,
+                logging.WARNING,
+                "TLS handshake failed",
+                peer=address,
+                reason=tls.describe_peer_failure(exc, settings.handshake_timeout),
             )
             transport.abort()
             return
@@ -430,7 +435,7 @@ class Connections:
 
     async def _refuse(self, writer: asyncio.StreamWriter, address: str, reason: str) -> None:
         """Say why in one fatal ``error`` line (sent before any challenge), then close."""
-        logger.warning("connection refused peer=%s reason=%s", address, reason)
+        log_event(logger, logging.WARNING, "connection refused", peer=address, reason=reason)
         out = wire.MessageWriter(writer)
         with contextlib.suppress(ConnectionError, OSError):
             await out.send(
@@ -468,13 +473,15 @@ class Connections:
         except wire.LineTooLongError as exc:
             await self._fatal(session, protocol.ErrorCode.LINE_TOO_LONG, str(exc))
         except wire.UnterminatedLineError as exc:
-            logger.info("connection ended mid-line session=%d error=%s", session.id, exc)
+            log_event(
+                logger, logging.INFO, "connection ended mid-line", session=session.id, error=exc
+            )
         except protocol.DecodeError as exc:
             await self._fatal(session, protocol.ErrorCode(exc.code), str(exc))
         except ProtocolError as exc:
             await self._fatal(session, protocol.ErrorCode.MALFORMED, str(exc))
         except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
-            logger.info("connection lost session=%d error=%r", session.id, exc)
+            log_event(logger, logging.INFO, "connection lost", session=session.id, error=repr(exc))
         finally:
             self._closed(session)
             for request in session.requests:
@@ -500,11 +507,20 @@ class Connections:
                 if session.written(len(data)):
                     self._wake()  # the peer is dispatchable again
         except (ConnectionError, OSError) as exc:
-            logger.info("send failed, closing session=%d error=%r", session.id, exc)
+            log_event(
+                logger, logging.INFO, "send failed, closing", session=session.id, error=repr(exc)
+            )
             session.abort()
 
     async def _fatal(self, session: Session, code: protocol.ErrorCode, message: str) -> None:
-        logger.warning("closing connection session=%d code=%s reason=%s", session.id, code, message)
+        log_event(
+            logger,
+            logging.WARNING,
+            "closing connection",
+            session=session.id,
+            code=code,
+            reason=message,
+        )
         with contextlib.suppress(Exception):
             await session.writer.send(protocol.Error(code=code, message=message, fatal=True))
 

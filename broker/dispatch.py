@@ -45,6 +45,7 @@ from broker.jobs import (
     Job,
     dispatch_key,
 )
+from broker.logs import log_event
 from broker.storage import StorageAdapter, SupportsNotify
 from broker.supervise import retrying
 
@@ -241,7 +242,7 @@ class Dispatcher:
         try:
             next_at = await self._next_run_at(modes, self._handoff.served_queues())
         except Exception as exc:
-            logger.warning("could not read the next run time error=%r", exc)
+            log_event(logger, logging.WARNING, "could not read the next run time", error=repr(exc))
             return self._retry_interval
         delay = None if next_at is None else (next_at - self._clock()).total_seconds()
         ceiling = self._poll_interval if polling else self._notify_fallback_interval
@@ -396,13 +397,21 @@ class Dispatcher:
             claimed = await self._store.mark_handed_off_many([p.claim for p in plan])
         except Exception as exc:
             if transient(exc) or len(plan) == 1:
-                logger.warning("claim outcome unknown for %d jobs error=%r", len(plan), exc)
+                log_event(
+                    logger,
+                    logging.WARNING,
+                    "claim outcome unknown",
+                    jobs=len(plan),
+                    error=repr(exc),
+                )
                 self._carry(self._handoff.claim_unknown(plan))
                 return exc
-            logger.warning(
-                "claiming %d jobs failed, splitting the batch to isolate the cause error=%r",
-                len(plan),
-                exc,
+            log_event(
+                logger,
+                logging.WARNING,
+                "claiming a batch failed, splitting it to isolate the cause",
+                jobs=len(plan),
+                error=repr(exc),
             )
             effects = self._handoff.claim_refused(plan)
             self._carry(effects)

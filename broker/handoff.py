@@ -47,6 +47,7 @@ from broker.jobs import (
     ProgressUpdate,
     random_uuid,
 )
+from broker.logs import log_event
 from broker.settlement import claimable_at_enqueue
 
 logger = logging.getLogger("broker.main")
@@ -360,11 +361,13 @@ class Handoff:
                 peer.leases[lease] = job
                 adopted.append(protocol.LeaseRef(job_id=job.id, handoff_id=lease))
         for ref in adopted:
-            logger.info(
-                "lease adopted job_id=%s handoff_id=%s worker_id=%s",
-                ref.job_id,
-                ref.handoff_id,
-                peer.worker_id,
+            log_event(
+                logger,
+                logging.INFO,
+                "lease adopted",
+                job_id=ref.job_id,
+                handoff_id=ref.handoff_id,
+                worker_id=peer.worker_id,
             )
         return adopted, effects
 
@@ -380,7 +383,13 @@ class Handoff:
         """The worker takes no new jobs; its claims in flight go back when they land."""
         peer = self.peers[peer_id]
         peer.draining = True
-        logger.info("worker draining worker_id=%s leases=%d", peer.worker_id, len(peer.leases))
+        log_event(
+            logger,
+            logging.INFO,
+            "worker draining",
+            worker_id=peer.worker_id,
+            leases=len(peer.leases),
+        )
         return []
 
     def pong(self, peer_id: int, nonce: int, now: float) -> None:
@@ -397,11 +406,13 @@ class Handoff:
             return []
         effects: list[HandoffEffect] = []
         if self.worker_peers.pop(peer_id, None) is not None:
-            logger.info(
-                "worker disconnected worker_id=%s session=%d returning=%d",
-                peer.worker_id,
-                peer.id,
-                len(peer.leases),
+            log_event(
+                logger,
+                logging.INFO,
+                "worker disconnected",
+                worker_id=peer.worker_id,
+                session=peer.id,
+                returning=len(peer.leases),
             )
             self.affinity.left(peer.worker_id or "", now)
             if peer.worker_id in self.awaiting.values():
@@ -642,13 +653,19 @@ class Handoff:
             peer.leases[planned.lease] = got
             self.dispatched += 1
             effects.append(Dispatch(peer.id, seq, got, planned.state_lost))
-            logger.debug(
-                "job handed off job_id=%s handoff_id=%s worker_id=%s seq=%d",
-                got.id,
-                planned.lease,
-                peer.worker_id,
-                seq,
-            )
+            if logger.isEnabledFor(logging.DEBUG):  # one line per job: off by default
+                log_event(
+                    logger,
+                    logging.DEBUG,
+                    "job handed off",
+                    job_id=got.id,
+                    handoff_id=planned.lease,
+                    task=got.task,
+                    queue=got.queue,
+                    attempt=got.attempts + 1,
+                    worker_id=peer.worker_id,
+                    seq=seq,
+                )
         return effects
 
     def claim_unknown(self, claims: Sequence[PlannedClaim]) -> list[HandoffEffect]:
@@ -693,14 +710,16 @@ class Handoff:
         peer = self.peers.get(peer_id)
         held = peer.leases.get(msg.handoff_id) if peer is not None else None
         if held is None or held.id != msg.job_id:
-            logger.info(
-                "report stale job_id=%s handoff_id=%s outcome=%s worker_id=%s session=%d "
-                "reason=lease not held by this connection",
-                msg.job_id,
-                msg.handoff_id,
-                msg.type,
-                peer.worker_id if peer is not None else None,
-                peer_id,
+            log_event(
+                logger,
+                logging.INFO,
+                "report stale",
+                job_id=msg.job_id,
+                handoff_id=msg.handoff_id,
+                outcome=msg.type,
+                worker_id=peer.worker_id if peer is not None else None,
+                session=peer_id,
+                reason="lease not held by this connection",
             )
             return [Send(peer_id, _ack(msg, protocol.AckStatus.STALE))]
         if isinstance(msg, protocol.FailedReport) and msg.lost and held.local_state:
@@ -732,14 +751,14 @@ class Handoff:
             level = logging.DEBUG if status is protocol.AckStatus.APPLIED else logging.INFO
             if logger.isEnabledFor(level):
                 peer = self.peers.get(peer_id)
-                logger.log(
+                log_event(
+                    logger,
                     level,
-                    "report %s job_id=%s handoff_id=%s outcome=%s worker_id=%s",
-                    status.value,
-                    msg.job_id,
-                    msg.handoff_id,
-                    msg.type,
-                    peer.worker_id if peer is not None else None,
+                    f"report {status.value}",
+                    job_id=msg.job_id,
+                    handoff_id=msg.handoff_id,
+                    outcome=msg.type,
+                    worker_id=peer.worker_id if peer is not None else None,
                 )
             effects.append(Send(peer_id, _ack(msg, status)))
         if any(status is protocol.AckStatus.APPLIED for _, _, status in results):
@@ -752,12 +771,14 @@ class Handoff:
         reaches the store, whose own fence would stop it anyway."""
         if self._holds(peer_id, msg.job_id, msg.handoff_id):
             return [StoreCheckpoint(peer_id, msg)]
-        logger.info(
-            "checkpoint stale job_id=%s handoff_id=%s seq=%d session=%d",
-            msg.job_id,
-            msg.handoff_id,
-            msg.seq,
-            peer_id,
+        log_event(
+            logger,
+            logging.INFO,
+            "checkpoint stale",
+            job_id=msg.job_id,
+            handoff_id=msg.handoff_id,
+            seq=msg.seq,
+            session=peer_id,
         )
         ack = checkpoint_ack(
             msg,
@@ -810,11 +831,16 @@ class Handoff:
                 continue
             if job.status is JobStatus.CANCELLED:
                 effects.append(Send(peer.id, protocol.CancelJob(job_id=job.id, handoff_id=lease)))
-                logger.info(
-                    "running job cancelled job_id=%s handoff_id=%s worker_id=%s",
-                    job.id,
-                    lease,
-                    peer.worker_id,
+                log_event(
+                    logger,
+                    logging.INFO,
+                    "running job cancelled",
+                    job_id=job.id,
+                    handoff_id=lease,
+                    task=job.task,
+                    queue=job.queue,
+                    attempt=job.attempts + 1,
+                    worker_id=peer.worker_id,
                 )
         return effects
 
@@ -826,12 +852,14 @@ class Handoff:
         """Queue ``lease`` for return. With ``lost`` (the job as handed off), the attempt
         under it may have run and was lost: the return counts a recovery (see
         :func:`broker.retry.lost_attempt`). Without, the job never reached a worker."""
-        logger.info(
-            "lease queued for return job_id=%s handoff_id=%s reason=%s lost=%s",
-            job_id,
-            lease,
-            reason,
-            lost is not None,
+        log_event(
+            logger,
+            logging.INFO,
+            "lease queued for return",
+            job_id=job_id,
+            handoff_id=lease,
+            reason=reason,
+            lost=lost is not None,
         )
         self.returns[lease] = job_id
         if lost is not None:

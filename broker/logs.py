@@ -1,19 +1,23 @@
 """How the three commands write their log: ``--log-format text`` or ``json``.
 
 **text** is for a person at a terminal or ``journalctl``: one line per event,
-``TIME LEVEL LOGGER MESSAGE`` with the time in UTC and its zone, and a traceback
+``TIME LEVEL LOGGER MESSAGE key=value ...`` with the time in UTC and its zone, and a traceback
 indented under its line, so every line that starts at column 0 is an event and a
 multi-line traceback can never pass for one (nor can a newline in a peer's text,
 which is escaped).
 
 **json** is for a log shipper: one JSON object per line, with ``time``, ``level``,
-``logger``, ``event``, ``message`` and, when the record has them, ``job_id``,
-``lease``, ``worker_id``, ``error`` and ``traceback`` as fields of their own, plus any
-other structured extra. Many log calls write their details as ``key=value`` words in
-the message (``request failed session=3 type=enqueue``); those words become fields
-too (a structured extra of the same name wins), and the words before the first of
-them are the ``event`` when the call named none. The lease is the protocol's
-``handoff_id``.
+``logger``, ``event`` and ``message``, then the record's fields as values of their own
+type (a port is a number, a missing worker id is ``null``, a duration is seconds), an
+``error`` and a ``traceback`` when the record carries an exception.
+
+The fields travel beside the message, never inside it: :func:`log_event` logs a
+message with its fields, which the text format shows as ``message key=value ...`` and
+the JSON format takes from the record as they are. Nothing is read back out of a
+message, so a peer's text (a task name, an error) stays inside its own field whatever
+words it holds, and no field, of any name, can replace the record's own time, level,
+logger, event or message, nor a field every line carries (a worker's id). The lease is
+the protocol's ``handoff_id``, written ``lease`` in JSON.
 """
 
 from __future__ import annotations
@@ -21,25 +25,67 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import re
 import sys
 import time
 import traceback
-from datetime import UTC, datetime
+from collections.abc import Mapping
+from datetime import UTC, date, datetime, timedelta
+from enum import Enum
 from typing import Any, TextIO
 
 from broker.untrusted import escape_control
 
 FORMATS = ("text", "json")
 
+OWN_FIELDS = frozenset({"time", "level", "logger", "event", "message", "traceback"})
+"""What a JSON line says of its record itself: no field may take these names."""
+
+_FIELDS = "broker_fields"
+"""The record attribute that holds the fields of :func:`log_event` (one attribute, so no
+field name can ever clash with a ``LogRecord`` attribute such as ``levelname`` or
+``msg``)."""
+
 _STANDARD_ATTRIBUTES = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
     "message",
     "asctime",
     "taskName",
+    "event",
+    _FIELDS,
 }
-_KEY_VALUE = re.compile(r"(?:^|\s)([a-z_][a-z0-9_]*)=(\S*)")
 _RENAMED = {"handoff_id": "lease"}
 _INDENT = "    "
+
+
+def log_event(
+    logger: logging.Logger,
+    level: int,
+    message: str,
+    /,
+    *,
+    exc_info: BaseException | None = None,
+    **fields: Any,
+) -> None:
+    """Log ``message`` (a text of the code's, never a peer's) with ``fields``.
+
+    The text line reads ``message key=value ...`` (a value as ``str`` shows it, its
+    control characters escaped); a JSON line has each field as a value of its own. A
+    disabled level costs one check: nothing is formatted before the handler writes. A
+    field named as one of the record's own (:data:`OWN_FIELDS`) is left out of the JSON
+    line rather than raise from a log call.
+    """
+    if not logger.isEnabledFor(level):
+        return
+    template = message
+    if fields:
+        template = message.replace("%", "%%") + "".join(f" {name}=%s" for name in fields)
+    logger.log(
+        level,
+        template,
+        *fields.values(),
+        exc_info=exc_info,
+        stacklevel=2,
+        extra={"event": message, _FIELDS: fields},
+    )
 
 
 def _timestamp(record: logging.LogRecord) -> str:
@@ -53,51 +99,79 @@ def _second(epoch: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(epoch))
 
 
-def _fields(record: logging.LogRecord) -> dict[str, Any]:
-    """The record's ``key=value`` words, then its structured extras (which win)."""
-    fields: dict[str, Any] = {}
-    for key, value in _KEY_VALUE.findall(record.getMessage()):
-        fields[_RENAMED.get(key, key)] = value
-    for key, value in vars(record).items():
-        if key not in _STANDARD_ATTRIBUTES and not key.startswith("_"):
-            fields[_RENAMED.get(key, key)] = value
-    return fields
+def _json_value(value: object) -> object:
+    """A field value JSON has no type for, as the nearest one: a duration in seconds (a
+    ``timedelta``'s ``str`` would read ``7 days, 0:00:00``), a time in ISO 8601, an
+    enum's value, an exception as ``Type: message``, anything else as its ``str``."""
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, date):
+        return value.isoformat()
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, BaseException):
+        return f"{type(value).__name__}: {value}"
+    return str(value)
 
 
-def _event(record: logging.LogRecord) -> str:
+def _event_name(record: logging.LogRecord) -> str:
+    """The record's event: the one it was logged with, else its message's template
+    (the code's text, before a peer's values are put in)."""
     explicit = getattr(record, "event", None)
     if isinstance(explicit, str) and explicit:
         return explicit
-    message = record.getMessage()
-    first = _KEY_VALUE.search(message)
-    return (message[: first.start()] if first else message).strip()
+    return record.msg if isinstance(record.msg, str) else str(record.msg)
+
+
+def _dumps(line: Mapping[str, Any]) -> str:
+    return json.dumps(line, default=_json_value, ensure_ascii=False)
+
+
+def _merge(line: dict[str, Any], fields: Mapping[str, Any], protected: frozenset[str]) -> None:
+    for key, value in fields.items():
+        key = _RENAMED.get(key, key)
+        if key not in protected:
+            line[key] = value
 
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per record (see the module docstring); ``static`` fields, such as
-    a worker's id, go on every line."""
+    a worker's id, go on every line and no record's field can replace them."""
 
     def __init__(self, static: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self.static = dict(static or {})
+        self.static: dict[str, Any] = {}
+        self._protected = OWN_FIELDS
+        self.bind(static or {})
+
+    def bind(self, fields: Mapping[str, Any]) -> None:
+        self.static.update(fields)
+        self._protected = OWN_FIELDS | frozenset(self.static)
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
             "time": _timestamp(record),
             "level": record.levelname,
             "logger": record.name,
-            "event": _event(record),
+            "event": _event_name(record),
             "message": record.getMessage(),
             **self.static,
-            **_fields(record),
         }
+        # A plain ``extra=`` of a call that does not use :func:`log_event` is a field too.
+        extras = {
+            key: value
+            for key, value in vars(record).items()
+            if key not in _STANDARD_ATTRIBUTES and not key.startswith("_")
+        }
+        _merge(line, extras, self._protected)
+        _merge(line, getattr(record, _FIELDS, None) or {}, self._protected)
         if record.exc_info and record.exc_info[1] is not None:
             exc = record.exc_info[1]
             line.setdefault("error", f"{type(exc).__name__}: {exc}")
             line["traceback"] = "".join(traceback.format_exception(*record.exc_info)).rstrip()
         elif record.stack_info:
             line["traceback"] = record.stack_info
-        return json.dumps(line, default=str, ensure_ascii=False)
+        return _dumps(line)
 
 
 class TextFormatter(logging.Formatter):
@@ -167,9 +241,9 @@ def announce(fmt: str, event: str, text: str, *, level: str = "INFO", **fields: 
             "logger": "broker.cli",
             "event": event,
             "message": text,
-            **fields,
         }
-        print(json.dumps(line, default=str, ensure_ascii=False), file=sys.stderr, flush=True)
+        _merge(line, fields, OWN_FIELDS)
+        print(_dumps(line), file=sys.stderr, flush=True)
     else:
         print(text, file=sys.stderr, flush=True)
 
@@ -180,4 +254,4 @@ def bind(**fields: Any) -> None:
     for handler in logging.getLogger().handlers:
         formatter = handler.formatter
         if getattr(handler, "_broker_handler", False) and isinstance(formatter, JsonFormatter):
-            formatter.static.update(fields)
+            formatter.bind(fields)

@@ -62,6 +62,7 @@ from broker.handoff import (
     WakeDispatcher,
 )
 from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, utcnow
+from broker.logs import log_event
 from broker.metrics import MainMetrics, MeasuredStore
 from broker.operations import LiveState, Operations
 from broker.recovery import RecoveryLedger
@@ -285,12 +286,14 @@ class Main:
             if self.election.epoch is not None:
                 self._lead_now(self.election.epoch)
             self._tasks.append(asyncio.create_task(self._elect(), name="broker-election"))
-        logger.info(
-            "main listening main_id=%s host=%s port=%s orphans=%d",
-            self.main_id,
-            self.settings.host,
-            self.port,
-            len(self.orphans),
+        log_event(
+            logger,
+            logging.INFO,
+            "main listening",
+            main_id=self.main_id,
+            host=self.settings.host,
+            port=self.port,
+            orphans=len(self.orphans),
         )
 
     def _dispatch(self) -> None:
@@ -384,7 +387,9 @@ class Main:
                         return [effect]
         except (TimeoutError, OSError, StorageError) as exc:
             election.failed()
-            logger.warning("election round failed main_id=%s error=%s", self.main_id, exc)
+            log_event(
+                logger, logging.WARNING, "election round failed", main_id=self.main_id, error=exc
+            )
             return []
 
     async def _first_round(self) -> None:
@@ -416,9 +421,21 @@ class Main:
             async with asyncio.timeout(election.timing.renew_every):
                 await store.resign(self.main_id, election.epoch)
         except (TimeoutError, OSError, StorageError) as exc:
-            logger.warning("could not resign the lead main_id=%s error=%s", self.main_id, exc)
+            log_event(
+                logger,
+                logging.WARNING,
+                "could not resign the lead",
+                main_id=self.main_id,
+                error=exc,
+            )
         else:
-            logger.info("resigned the lead main_id=%s epoch=%d", self.main_id, election.epoch)
+            log_event(
+                logger,
+                logging.INFO,
+                "resigned the lead",
+                main_id=self.main_id,
+                epoch=election.epoch,
+            )
 
     async def _lead(self, epoch: int) -> None:
         """Elected: load the orphans, as a restarted main does, then dispatch."""
@@ -428,25 +445,29 @@ class Main:
                 await self._load_orphans()
                 break
             except (OSError, StorageError) as exc:
-                logger.warning("loading the orphans failed, retrying error=%r", exc)
+                log_event(
+                    logger, logging.WARNING, "loading the orphans failed, retrying", error=repr(exc)
+                )
                 self.handoff.orphans.clear()
                 await asyncio.sleep(self.settings.error_retry_interval)
         if not self._stopping:
             self._lead_now(epoch)
 
     def _lead_now(self, epoch: int) -> None:
-        logger.warning(
-            "elected leader main_id=%s epoch=%d address=%s orphans=%d",
-            self.main_id,
-            epoch,
-            self.address,
-            len(self.orphans),
+        log_event(
+            logger,
+            logging.WARNING,
+            "elected leader",
+            main_id=self.main_id,
+            epoch=epoch,
+            address=self.address,
+            orphans=len(self.orphans),
         )
         self._dispatch()
 
     def _fenced(self, op: str) -> None:
         """The store refused ``op`` under this main's epoch: another main took over."""
-        logger.warning("epoch fence refused %s main_id=%s", op, self.main_id)
+        log_event(logger, logging.WARNING, "epoch fence refused", op=op, main_id=self.main_id)
         if self.election is not None:
             for effect in self.election.fenced():
                 if isinstance(effect, StepDown):
@@ -454,12 +475,13 @@ class Main:
 
     def _step_down(self, epoch: int, reason: str) -> None:
         """Stop dispatching at once; :meth:`serve` then stops this main."""
-        logger.error(
-            "deposed main_id=%s epoch=%d reason=%s; this main stops dispatching and exits "
-            "(start it again to stand by)",
-            self.main_id,
-            epoch,
-            reason,
+        log_event(
+            logger,
+            logging.ERROR,
+            "deposed: this main stops dispatching and exits (start it again to stand by)",
+            main_id=self.main_id,
+            epoch=epoch,
+            reason=reason,
         )
         self._stopping = True
         self.step_down_reason = reason
@@ -497,7 +519,7 @@ class Main:
             await self._server.wait_closed()
         await self._resign()
         await self.store.close()
-        logger.info("main stopped main_id=%s", self.main_id)
+        log_event(logger, logging.INFO, "main stopped", main_id=self.main_id)
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Run until ``stop`` is set, or until this main is deposed."""
@@ -580,12 +602,13 @@ class Main:
                 case Abort(peer=peer, reason=reason):
                     out.drop(peer)
                     if (session := self.sessions.get(peer)) is not None:
-                        logger.warning(
-                            "peer unresponsive, treating as disconnected "
-                            "session=%d worker_id=%s reason=%s",
-                            peer,
-                            session.worker_id,
-                            reason,
+                        log_event(
+                            logger,
+                            logging.WARNING,
+                            "peer unresponsive, treating as disconnected",
+                            session=peer,
+                            worker_id=session.worker_id,
+                            reason=reason,
                         )
                         session.abort()
                 case WakeDispatcher():
@@ -613,7 +636,7 @@ class Main:
     async def _orphan_deadline(self) -> None:
         await asyncio.sleep(self.settings.orphan_grace)
         effects = self.handoff.orphan_deadline()
-        logger.info("orphan grace over returned=%d", len(effects))
+        log_event(logger, logging.INFO, "orphan grace over", returned=len(effects))
         self._carry(effects)
 
     # ------------------------------------------------------------------ connections
@@ -659,12 +682,14 @@ class Main:
                 max_checkpoint_bytes=self.settings.checkpoint_limit,
             )
         )
-        logger.info(
-            "peer connected session=%d role=%s worker_id=%s adopted=%d",
-            session.id,
-            hello.role,
-            hello.worker_id,
-            len(adopted),
+        log_event(
+            logger,
+            logging.INFO,
+            "peer connected",
+            session=session.id,
+            role=hello.role,
+            worker_id=hello.worker_id,
+            adopted=len(adopted),
         )
         return True
 
@@ -738,7 +763,7 @@ class Main:
         its trouble is transient (the next declaration would record them anyway)."""
         now = self._clock()
         declared = self.operations.catalog.record(worker_id, tasks, now)
-        logger.info("tasks declared worker_id=%s tasks=%d", worker_id, len(tasks))
+        log_event(logger, logging.INFO, "tasks declared", worker_id=worker_id, tasks=len(tasks))
 
         async def save() -> None:
             while True:
@@ -747,13 +772,20 @@ class Main:
                     return
                 except Exception as exc:
                     if not transient(exc) or self._stopping:
-                        logger.error(
-                            "storing the task catalog failed worker_id=%s error=%r",
-                            worker_id,
-                            exc,
+                        log_event(
+                            logger,
+                            logging.ERROR,
+                            "storing the task catalog failed",
+                            worker_id=worker_id,
+                            error=repr(exc),
                         )
                         return
-                    logger.warning("storing the task catalog failed, retrying error=%r", exc)
+                    log_event(
+                        logger,
+                        logging.WARNING,
+                        "storing the task catalog failed, retrying",
+                        error=repr(exc),
+                    )
                     await asyncio.sleep(self.settings.error_retry_interval)
 
         task = asyncio.create_task(save(), name="broker-declare-tasks")
@@ -767,12 +799,14 @@ class Main:
         if needed in session.rights:
             self.requests.start(session, msg)
             return
-        logger.warning(
-            "request denied session=%d type=%s role=%s needs=%s",
-            session.id,
-            msg.type,
-            session.role,
-            needed,
+        log_event(
+            logger,
+            logging.WARNING,
+            "request denied",
+            session=session.id,
+            type=msg.type,
+            role=session.role,
+            needs=needed,
         )
         denied = PermissionDeniedError(
             f"{msg.type!r} needs the {needed} role; this connection said hello as "

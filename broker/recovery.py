@@ -28,6 +28,7 @@ from collections.abc import Callable
 from broker.exceptions import StorageError
 from broker.handoff import Handoff
 from broker.jobs import DEFAULT_MAX_RECOVERIES, Clock, utcnow
+from broker.logs import log_event
 from broker.retry import lost_attempt
 from broker.storage import StorageAdapter
 from broker.supervise import retrying
@@ -82,20 +83,23 @@ class RecoveryLedger:
                     )
                     [returned] = await self._store.settle_many([settlement])
             except Exception as exc:
-                logger.warning(
-                    "returning lease failed, will retry job_id=%s handoff_id=%s error=%r",
-                    job_id,
-                    handoff_id,
-                    exc,
+                log_event(
+                    logger,
+                    logging.WARNING,
+                    "returning lease failed, will retry",
+                    job_id=job_id,
+                    handoff_id=handoff_id,
+                    error=repr(exc),
                 )
                 continue
             self._handoff.returned(handoff_id, job_id)
-            logger.info(
-                "lease %s job_id=%s handoff_id=%s lost=%s",
-                "returned to queue" if returned else "already settled (no-op)",
-                job_id,
-                handoff_id,
-                loss is not None,
+            log_event(
+                logger,
+                logging.INFO,
+                "lease returned to queue" if returned else "lease already settled (no-op)",
+                job_id=job_id,
+                handoff_id=handoff_id,
+                lost=loss is not None,
             )
             returned_any = returned_any or returned
         if returned_any:

@@ -18,6 +18,7 @@ from broker import protocol
 from broker.exceptions import transient
 from broker.handoff import Handoff
 from broker.jobs import Clock, JobStatus, Outcome, Settlement
+from broker.logs import log_event
 from broker.metrics import MainMetrics
 from broker.payload import result_problem
 from broker.retry import RetryDelay, lost_attempt, next_run_after_failure
@@ -25,6 +26,10 @@ from broker.settlement import statuses_after
 from broker.storage import StorageAdapter
 
 logger = logging.getLogger("broker.main")
+
+_ERROR_SHOWN = 500
+"""Characters of a job's error the main's line about its failure shows (the worker's
+line, and the job itself, have all of it)."""
 
 Acknowledge = Callable[[list[tuple[int, protocol.Report]], list[protocol.AckStatus]], None]
 
@@ -109,6 +114,7 @@ class ReportSettler:
                     for ok, (_, msg), settlement in zip(applied, batch, settlements, strict=True)
                 ]
                 self._count(batch, settlements, applied)
+                self._log_failures(settlements, applied)
                 break
             except asyncio.CancelledError:
                 raise
@@ -116,7 +122,13 @@ class ReportSettler:
                 if not transient(exc):
                     await self._isolate(batch, exc)
                     return
-                logger.warning("applying %d reports failed, retrying error=%r", len(batch), exc)
+                log_event(
+                    logger,
+                    logging.WARNING,
+                    "applying reports failed, retrying",
+                    reports=len(batch),
+                    error=repr(exc),
+                )
                 if self._stopping():
                     return
                 await asyncio.sleep(self._retry_interval)
@@ -126,10 +138,12 @@ class ReportSettler:
         if len(batch) == 1:
             await self._settle_unstorable(*batch[0], exc)
             return
-        logger.warning(
-            "applying %d reports failed, splitting the batch to isolate the cause error=%r",
-            len(batch),
-            exc,
+        log_event(
+            logger,
+            logging.WARNING,
+            "applying reports failed, splitting the batch to isolate the cause",
+            reports=len(batch),
+            error=repr(exc),
         )
         half = len(batch) // 2
         await self._settle_batch(batch[:half])
@@ -141,13 +155,15 @@ class ReportSettler:
         stored, the report is answered ``refused`` and its lease goes back to the queue.
         Either way the worker is answered, so it forgets the report instead of re-sending
         it on every connection."""
-        logger.error(
-            "report could not be stored job_id=%s handoff_id=%s outcome=%s session=%d error=%r",
-            msg.job_id,
-            msg.handoff_id,
-            msg.type,
-            peer,
-            exc,
+        log_event(
+            logger,
+            logging.ERROR,
+            "report could not be stored",
+            job_id=msg.job_id,
+            handoff_id=msg.handoff_id,
+            outcome=msg.type,
+            session=peer,
+            error=repr(exc),
         )
         failure = Settlement(
             msg.job_id,
@@ -171,16 +187,22 @@ class ReportSettler:
                 raise
             except Exception as err:
                 if not transient(err):
-                    logger.error(
-                        "recording the failure failed too, refusing the report job_id=%s "
-                        "handoff_id=%s error=%r",
-                        msg.job_id,
-                        msg.handoff_id,
-                        err,
+                    log_event(
+                        logger,
+                        logging.ERROR,
+                        "recording the failure failed too, refusing the report",
+                        job_id=msg.job_id,
+                        handoff_id=msg.handoff_id,
+                        error=repr(err),
                     )
                     status = protocol.AckStatus.REFUSED
                     break
-                logger.warning("recording a failed report failed, retrying error=%r", err)
+                log_event(
+                    logger,
+                    logging.WARNING,
+                    "recording a failed report failed, retrying",
+                    error=repr(err),
+                )
                 if self._stopping():
                     return
                 await asyncio.sleep(self._retry_interval)
@@ -200,6 +222,34 @@ class ReportSettler:
         for ok, (_, msg), settlement in zip(applied, batch, settlements, strict=True):
             if ok:
                 self._metrics.settled(self._handoff.held_job(msg.handoff_id), settlement, now)
+
+    def _log_failures(self, settlements: list[Settlement], applied: list[bool]) -> None:
+        """A job failed (or lost its attempt) and will run again: INFO; failed for good:
+        WARNING. Each names its job as handed off (before its lease is let go); nothing
+        is looked up unless the level is on."""
+        retried = logger.isEnabledFor(logging.INFO)
+        if not retried and not logger.isEnabledFor(logging.WARNING):
+            return
+        for ok, settlement in zip(applied, settlements, strict=True):
+            if not ok or settlement.outcome not in (Outcome.FAIL, Outcome.LOST):
+                continue
+            dead = settlement.run_at is None
+            if not dead and not retried:
+                continue
+            job = self._handoff.held_job(settlement.handoff_id)
+            log_event(
+                logger,
+                logging.WARNING if dead else logging.INFO,
+                "job dead" if dead else "job will run again",
+                job_id=settlement.job_id,
+                handoff_id=settlement.handoff_id,
+                task=job.task if job else None,
+                queue=job.queue if job else None,
+                attempt=job.attempts + 1 if job else None,
+                outcome=settlement.outcome,
+                run_at=settlement.run_at,
+                error=(settlement.error or "")[:_ERROR_SHOWN],
+            )
 
     async def _why_not_applied(
         self, msg: protocol.Report, settlement: Settlement
@@ -227,8 +277,13 @@ class ReportSettler:
                 if problem is not None:
                     # Never write an oversized or too deeply nested result: the job fails,
                     # without retry (the same arguments would produce the same result).
-                    logger.warning(
-                        "result refused job_id=%s handoff_id=%s reason=%s", job_id, lease, problem
+                    log_event(
+                        logger,
+                        logging.WARNING,
+                        "result refused",
+                        job_id=job_id,
+                        handoff_id=lease,
+                        reason=problem,
                     )
                     return Settlement(job_id, lease, Outcome.FAIL, error=problem, run_at=None)
                 return Settlement(job_id, lease, Outcome.COMPLETE, result=result)

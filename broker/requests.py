@@ -19,6 +19,7 @@ from broker import catalog, error_codes, protocol
 from broker.connection import Session
 from broker.exceptions import InvalidJobError, ProtocolError
 from broker.jobs import Job, JobStatus
+from broker.logs import log_event
 from broker.operations import Operations
 from broker.storage import JobFilter
 
@@ -79,11 +80,23 @@ class Requests:
             reply = await self._answer(msg)
         except Exception as exc:
             if isinstance(exc, InvalidJobError | ProtocolError):  # the client's mistake
-                logger.warning(
-                    "request refused session=%d type=%s reason=%s", session.id, msg.type, exc
+                log_event(
+                    logger,
+                    logging.WARNING,
+                    "request refused",
+                    session=session.id,
+                    type=msg.type,
+                    reason=exc,
                 )
             else:
-                logger.exception("request failed session=%d type=%s", session.id, msg.type)
+                log_event(
+                    logger,
+                    logging.ERROR,
+                    "request failed",
+                    exc_info=exc,
+                    session=session.id,
+                    type=msg.type,
+                )
             request_id = getattr(msg, "request_id", None)
             if request_id is not None:
                 session.reply(error_codes.request_error(request_id, exc))
@@ -100,11 +113,15 @@ class Requests:
                 results = await ops.enqueue(requests, allow_unknown_tasks=unknown)
                 if logger.isEnabledFor(logging.DEBUG):  # one line per job: off by default
                     for result in results:
-                        logger.debug(
-                            "job enqueued job_id=%s task=%s duplicate=%s",
-                            result.job.id,
-                            result.job.task,
-                            result.duplicate,
+                        log_event(
+                            logger,
+                            logging.DEBUG,
+                            "job enqueued",
+                            job_id=result.job.id,
+                            task=result.job.task,
+                            queue=result.job.queue,
+                            attempt=result.job.attempts + 1,
+                            duplicate=result.duplicate,
                         )
                 # The store's commit woke the dispatcher already (Main._enqueue_now).
                 refs = [
@@ -121,7 +138,15 @@ class Requests:
             case protocol.Retry(request_id=rid, job_id=job_id):
                 job = await ops.retry(job_id)
                 if job is not None and job.status is JobStatus.QUEUED:
-                    logger.info("job retried job_id=%s", job.id)
+                    log_event(
+                        logger,
+                        logging.INFO,
+                        "job retried",
+                        job_id=job.id,
+                        task=job.task,
+                        queue=job.queue,
+                        attempt=job.attempts + 1,
+                    )
                     self._wake()
                 return _job_info(rid, job)
             case protocol.Status(request_id=rid):
@@ -151,7 +176,7 @@ class Requests:
                     keep_latest=msg.keep_latest,
                     statuses=msg.statuses,
                 )
-                logger.info("jobs pruned deleted=%d", deleted)
+                log_event(logger, logging.INFO, "jobs pruned", deleted=deleted)
                 return protocol.Pruned(request_id=rid, deleted=deleted)
             case _:
                 raise ProtocolError(f"{msg.type!r} is not a client request")

@@ -21,9 +21,11 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from broker import checks
 from broker.jobs import Clock, JobStatus, utcnow
+from broker.logs import log_event
 from broker.storage import StorageAdapter
 from broker.supervise import retrying
 
@@ -84,12 +86,14 @@ async def run_retention(store: StorageAdapter, settings: Retention, clock: Clock
 
     The first pass runs at once, so a main that was down for a while catches up.
     """
-    logger.info(
-        "retention on completed_ttl=%s dead_ttl=%s max_terminal_rows=%s interval=%ss",
-        settings.completed_ttl,
-        settings.dead_ttl,
-        settings.max_terminal_rows,
-        settings.interval,
+    log_event(
+        logger,
+        logging.INFO,
+        "retention on",
+        completed_ttl=settings.completed_ttl,
+        dead_ttl=settings.dead_ttl,
+        max_terminal_rows=settings.max_terminal_rows,
+        interval=timedelta(seconds=settings.interval),
     )
     while True:
         deleted = await retrying(
@@ -99,10 +103,8 @@ async def run_retention(store: StorageAdapter, settings: Retention, clock: Clock
             logger=logger,
         )
         if any(deleted.values()):
-            logger.info(
-                "retention pruned %s",
-                " ".join(f"{rule}={count}" for rule, count in deleted.items()),
-            )
+            counts: dict[str, Any] = dict(deleted)  # a field per rule, each its count
+            log_event(logger, logging.INFO, "retention pruned", **counts)
         await asyncio.sleep(settings.interval)
 
 

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from broker.exceptions import ConfigurationError, InvalidJobError
 from broker.jobs import Clock, EnqueueResult, JobSpec, utcnow
+from broker.logs import log_event
 from broker.retention import Retention
 from broker.schedule import Schedule
 from broker.supervise import retrying
@@ -94,12 +95,14 @@ class Scheduler:
             if not schedule.catch_up:
                 continue
             if self._window is not None and latest < now - self._window:
-                logger.warning(
+                log_event(
+                    logger,
+                    logging.WARNING,
                     "schedule not catching up: its last tick is older than retention keeps "
-                    "jobs, so it may have run and been pruned schedule=%s tick=%s retention=%s",
-                    schedule.name,
-                    latest.isoformat(),
-                    self._window,
+                    "jobs, so it may have run and been pruned",
+                    schedule=schedule.name,
+                    tick=latest.isoformat(),
+                    retention=self._window,
                 )
                 continue
             self._due[schedule.name] = latest
@@ -129,40 +132,47 @@ class Scheduler:
                 continue
             tick = schedule.latest_at_or_before(now)
             if tick > self._due[schedule.name]:
-                logger.warning(
-                    "schedule fell behind, enqueueing only the latest tick schedule=%s "
-                    "missed_from=%s tick=%s",
-                    schedule.name,
-                    self._due[schedule.name].isoformat(),
-                    tick.isoformat(),
+                log_event(
+                    logger,
+                    logging.WARNING,
+                    "schedule fell behind, enqueueing only the latest tick",
+                    schedule=schedule.name,
+                    missed_from=self._due[schedule.name].isoformat(),
+                    tick=tick.isoformat(),
                 )
             try:
                 result = await self.store.enqueue(schedule.spec(tick))
             except asyncio.CancelledError:
                 raise
             except InvalidJobError as exc:
-                logger.error(
-                    "schedule tick refused by the store, skipping it schedule=%s tick=%s error=%s",
-                    schedule.name,
-                    tick.isoformat(),
-                    exc,
+                log_event(
+                    logger,
+                    logging.ERROR,
+                    "schedule tick refused by the store, skipping it",
+                    schedule=schedule.name,
+                    tick=tick.isoformat(),
+                    error=exc,
                 )
             except Exception as exc:
-                logger.warning(
-                    "schedule enqueue failed, retrying schedule=%s tick=%s error=%r",
-                    schedule.name,
-                    tick.isoformat(),
-                    exc,
+                log_event(
+                    logger,
+                    logging.WARNING,
+                    "schedule enqueue failed, retrying",
+                    schedule=schedule.name,
+                    tick=tick.isoformat(),
+                    error=repr(exc),
                 )
                 self._retry_at = now + self._retry
                 continue
             else:
-                logger.info(
-                    "schedule tick enqueued schedule=%s tick=%s job_id=%s duplicate=%s",
-                    schedule.name,
-                    tick.isoformat(),
-                    result.job.id,
-                    result.duplicate,
+                log_event(
+                    logger,
+                    logging.INFO,
+                    "schedule tick enqueued",
+                    schedule=schedule.name,
+                    tick=tick.isoformat(),
+                    job_id=result.job.id,
+                    duplicate=result.duplicate,
                 )
                 created += not result.duplicate
             self._due[schedule.name] = schedule.next_after(tick)
@@ -175,9 +185,11 @@ class Scheduler:
         if not self.schedules:
             return
         self.start()
-        logger.info(
-            "scheduler started schedules=%s",
-            ",".join(f"{s.name}@{self._due[s.name].isoformat()}" for s in self.schedules),
+        log_event(
+            logger,
+            logging.INFO,
+            "scheduler started",
+            schedules=",".join(f"{s.name}@{self._due[s.name].isoformat()}" for s in self.schedules),
         )
         while True:
             await retrying(

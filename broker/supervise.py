@@ -16,6 +16,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from broker.logs import log_event
+
 T = TypeVar("T")
 
 
@@ -30,17 +32,17 @@ async def retrying(
 ) -> T:
     """Await ``attempt()`` until it returns, and return what it returned.
 
-    Each failure is logged as a warning (``"<what> failed, retrying error=%r"``), then
-    ``on_error`` is called (say, to fall back to polling while a listener is down), and
-    the next attempt comes ``interval`` seconds later, or as soon as ``wake`` is set
-    (it is cleared then, so one wake-up shortens one wait). Cancellation is never
-    caught: it ends the retries at once.
+    Each failure is logged as a warning (``"<what> failed, retrying"``, with the error
+    as a field), then ``on_error`` is called (say, to fall back to polling while a
+    listener is down), and the next attempt comes ``interval`` seconds later, or as
+    soon as ``wake`` is set (it is cleared then, so one wake-up shortens one wait).
+    Cancellation is never caught: it ends the retries at once.
     """
     while True:
         try:
             return await attempt()
         except Exception as exc:  # not CancelledError, a BaseException: that ends the loop
-            logger.warning("%s failed, retrying error=%r", what, exc)
+            log_event(logger, logging.WARNING, f"{what} failed, retrying", error=repr(exc))
             if on_error is not None:
                 on_error()
         if wake is None:

@@ -72,7 +72,6 @@ from broker.worker_state import (
     WakeSender,
     WorkerEffect,
     WorkerState,
-    lease_ids,
     log_job,
 )
 
@@ -746,12 +745,7 @@ class Worker:
             if exc is None:
                 outcome = future.result()
             else:
-                self._logger.error(
-                    "runner failed job_id=%s handoff_id=%s",
-                    *key,
-                    exc_info=exc,
-                    extra=lease_ids(key),
-                )
+                self._log_job(logging.ERROR, "runner failed", key, exc_info=exc)
                 outcome = Failed(f"the {mode} runner failed: {exc!r}")
         now = asyncio.get_running_loop().time()
         self._apply(self._state.run_finished(key, outcome, self._free_slots(), now))
@@ -811,8 +805,18 @@ class Worker:
                 runner_status["details"] = {}
             return protocol.encode(protocol.WorkerStatus(status=status))
 
-    def _log_job(self, level: int, event: str, key: LeaseKey, **fields: object) -> None:
-        log_job(self._logger, level, event, key, **fields)
+    def _log_job(
+        self,
+        level: int,
+        event: str,
+        key: LeaseKey,
+        *,
+        exc_info: BaseException | None = None,
+        **fields: Any,
+    ) -> None:
+        if self._logger.isEnabledFor(level):
+            job = self._state.job_of(key)
+            log_job(self._logger, level, event, key, job, exc_info=exc_info, **fields)
 
 
 class _FreeSlots(Mapping[ExecutionMode, int]):

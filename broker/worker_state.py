@@ -39,9 +39,9 @@ import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Any, Protocol, TypeAlias
 
-from broker import codec, protocol
+from broker import codec, logs, protocol
 from broker.bounds import RUNNER_START_FAILURES_FORGIVEN, RUNNER_START_FAILURES_TRACKED
 from broker.exceptions import ProtocolError, TaskNotFoundError
 from broker.jobs import ExecutionMode, JSONValue
@@ -239,6 +239,8 @@ class WorkerState:
         self._logger = logger
         self._link: _Link | None = None
         self._running: dict[LeaseKey, ExecutionMode] = {}
+        self._jobs: dict[LeaseKey, Assignment] = {}
+        """What each running job is (its task, queue and attempt go on its log lines)."""
         self._rules: dict[LeaseKey, _RetryRules] = {}
         """The retry policy and backoff of each running job whose task declares one."""
         self._starting: Counter[ExecutionMode] = Counter()
@@ -420,20 +422,20 @@ class WorkerState:
         or report why not; says whether it was taken."""
         mode = msg.execution_mode
         if self._draining:
-            self._release(key, "the worker is draining")
+            self._release(key, "the worker is draining", msg)
             return False
         if mode not in self._modes:
-            self._release(key, f"this worker does not run {mode} jobs")
+            self._release(key, f"this worker does not run {mode} jobs", msg)
             return False
         if self._queues is not None and msg.queue not in self._queues:
-            self._release(key, f"this worker does not serve queue {msg.queue!r}")
+            self._release(key, f"this worker does not serve queue {msg.queue!r}", msg)
             return False
         try:
             # Checked here as well as in the runner, so an unknown name never reaches a
             # child process and never costs a slot.
             task = self._lookup_task(msg.task)
         except TaskNotFoundError as exc:
-            self._log_job(logging.ERROR, "job failed: unknown task", key, task=msg.task)
+            log_job(self._logger, logging.ERROR, "job failed: unknown task", key, msg)
             self._report(key, protocol.FailedReport(*key, error=str(exc), retry=False))
             return False
         if isinstance(task, Task):
@@ -442,12 +444,12 @@ class WorkerState:
                 # never bound; arguments that do not fit fail every run alike.
                 task.check_arguments(msg.args, msg.kwargs)
             except TypeError as exc:
-                self._log_job(logging.ERROR, "job failed: bad arguments", key, task=msg.task)
+                log_job(self._logger, logging.ERROR, "job failed: bad arguments", key, msg)
                 error = f"{exc} (not retried: the same arguments fail on every run)"
                 self._report(key, protocol.FailedReport(*key, error=error, retry=False))
                 return False
         if self._credit(mode, free) <= 0:
-            self._release(key, f"no free {mode} slot")
+            self._release(key, f"no free {mode} slot", msg)
             return False
         self._queued[key] = codec.assignment(msg)
         self._held[mode] += 1
@@ -500,16 +502,10 @@ class WorkerState:
             self._unqueue(key)
             self._starting[mode] += 1
             self._running[key] = mode
+            self._jobs[key] = assignment
             self._remember_rules(key, assignment.task, assignment.attempt)
             if debug:
-                self._log_job(
-                    logging.DEBUG,
-                    "job started",
-                    key,
-                    task=assignment.task,
-                    mode=mode.value,
-                    attempt=assignment.attempt,
-                )
+                self._log_job(logging.DEBUG, "job started", key, mode=mode.value)
             effects.append(StartRun(assignment))
         return effects
 
@@ -560,6 +556,7 @@ class WorkerState:
             self._given_up.discard(key)
         else:
             self._finish(key, outcome)
+        self._jobs.pop(key, None)
         self._ready_due = True
         return self._start_queued(free) + self._effects()
 
@@ -632,8 +629,8 @@ class WorkerState:
         """The main cancelled this job: stop it. Its outcome is still reported, and the
         main acknowledges it ``stale`` because the store already says ``cancelled``."""
         key = (msg.job_id, msg.handoff_id)
-        if self._unqueue(key) is not None:
-            self._release(key, "cancelled before it started")
+        if (queued := self._unqueue(key)) is not None:
+            self._release(key, "cancelled before it started", queued)
             self._ready_due = True
             return self._effects()
         mode = self._running.get(key)
@@ -786,8 +783,7 @@ class WorkerState:
         """Release every prefetched job unstarted (a fast stop, or the drain deadline):
         it goes back to the queue without an attempt counted."""
         for key in list(self._queued):
-            self._unqueue(key)
-            self._release(key, "the worker stopped before the job started")
+            self._release(key, "the worker stopped before the job started", self._unqueue(key))
         return self._effects()
 
     def stop_run(self, key: LeaseKey, *, give_up: bool) -> StopRun | None:
@@ -904,8 +900,8 @@ class WorkerState:
             raise RuntimeError("no connection: this event comes only from a connected main")
         return self._link
 
-    def _release(self, key: LeaseKey, reason: str) -> None:
-        self._log_job(logging.INFO, "job released", key, reason=reason)
+    def _release(self, key: LeaseKey, reason: str, job: JobTags | None = None) -> None:
+        log_job(self._logger, logging.INFO, "job released", key, job, reason=reason)
         self._report(key, protocol.ReleaseReport(*key, reason=reason))
 
     def _report(self, key: LeaseKey, report: protocol.Report) -> None:
@@ -928,14 +924,40 @@ class WorkerState:
         )
         return [WakeSender()] if due else []
 
-    def _log_job(self, level: int, event: str, key: LeaseKey, **fields: object) -> None:
-        log_job(self._logger, level, event, key, **fields)
+    def job_of(self, key: LeaseKey) -> Assignment | None:
+        """The job running (or waiting for a slot) under ``key``, if any."""
+        return self._jobs.get(key) or self._queued.get(key)
+
+    def _log_job(self, level: int, event: str, key: LeaseKey, **fields: Any) -> None:
+        if self._logger.isEnabledFor(level):
+            log_job(self._logger, level, event, key, self.job_of(key), **fields)
+
+
+class JobTags(Protocol):
+    """What a log line names a job by, besides its lease: a ``job`` message or an
+    :class:`~broker.runner.Assignment`."""
+
+    @property
+    def task(self) -> str: ...
+    @property
+    def queue(self) -> str: ...
+    @property
+    def attempt(self) -> int: ...
 
 
 def log_job(
-    logger: logging.Logger, level: int, event: str, key: LeaseKey, **fields: object
+    logger: logging.Logger,
+    level: int,
+    event: str,
+    key: LeaseKey,
+    job: JobTags | None = None,
+    /,
+    *,
+    exc_info: BaseException | None = None,
+    **fields: Any,
 ) -> None:
-    """One log line about one lease, with its ids and ``fields`` as structured extras.
+    """One log line about one lease: its ids, the ``job``'s task, queue and attempt when
+    known, and ``fields``, as structured fields (see :func:`broker.logs.log_event`).
 
     The everyday events of a job that goes well (started, completed, acknowledged) are
     logged at DEBUG, and nothing is built before the level check: at a thousand jobs a
@@ -943,19 +965,11 @@ def log_job(
     """
     if not logger.isEnabledFor(level):
         return
-    details = "".join(f" {name}={value}" for name, value in fields.items())
-    logger.log(
-        level,
-        "%s job_id=%s handoff_id=%s%s",
-        event,
-        *key,
-        details,
-        extra={"event": event, **lease_ids(key), **fields},
+    if job is not None:
+        fields = {"task": job.task, "queue": job.queue, "attempt": job.attempt, **fields}
+    logs.log_event(
+        logger, level, event, job_id=key[0], handoff_id=key[1], exc_info=exc_info, **fields
     )
-
-
-def lease_ids(key: LeaseKey) -> dict[str, str]:
-    return {"job_id": str(key[0]), "handoff_id": str(key[1])}
 
 
 @dataclass(frozen=True, slots=True)

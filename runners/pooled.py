@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from broker import checks
 from broker.bounds import RUNNER_STARTUP_TIMEOUT
 from broker.jobs import ExecutionMode
+from broker.logs import log_event
 from broker.runner import (
     Assignment,
     JobChannel,
@@ -187,15 +188,17 @@ class PooledRunner:
             await child.wait_ready()
         except Exception:
             return
-        logger.info("pooled runner started pid=%s", child.pid)
+        log_event(logger, logging.INFO, "pooled runner started", pid=child.pid)
         predecessor = self._successors.pop(child, None)
         if predecessor is not None and not predecessor.exited:
             # Make before break: the successor is ready, so the place changes hands in
             # this one step and the pool never counts a place that cannot run a job now.
-            logger.info(
-                "pooled runner pid=%s takes the place of pid=%s, which retires",
-                child.pid,
-                predecessor.pid,
+            log_event(
+                logger,
+                logging.INFO,
+                "pooled runner takes the place of one that retires",
+                pid=child.pid,
+                retiring_pid=predecessor.pid,
             )
             predecessor.retire()
         assert self._guard is not None
@@ -215,13 +218,20 @@ class PooledRunner:
             self._guard.failed(child.startup_error or "the runner process did not start")
             return
         if "cancelled" in child.kill_reasons.values():  # stopped by cancel_on, on purpose
-            logger.info("pooled runner stopped to cancel a job pid=%s; replacing it", child.pid)
+            log_event(
+                logger,
+                logging.INFO,
+                "pooled runner stopped to cancel a job; replacing it",
+                pid=child.pid,
+            )
         elif not child.retiring:
             self._counts["child_crashes"] += 1
-            logger.warning(
-                "pooled runner died pid=%s exit=%s; its slots are free again",
-                child.pid,
-                child.exit_code,
+            log_event(
+                logger,
+                logging.WARNING,
+                "pooled runner died; its slots are free again",
+                pid=child.pid,
+                exit=child.exit_code,
             )
             if len(self._serving()) < self._count:
                 self._spawn()  # now, so it is warm before a job needs its place
@@ -276,10 +286,12 @@ class PooledRunner:
         reason = self._recycle_reason(child)
         if reason is None:
             return
-        logger.info(
-            "recycling pooled runner pid=%s: it %s; it serves until its successor is ready",
-            child.pid,
-            reason,
+        log_event(
+            logger,
+            logging.INFO,
+            "recycling pooled runner; it serves until its successor is ready",
+            pid=child.pid,
+            reason=reason,
         )
         self._counts["child_recycles"] += 1
         self._successors[self._spawn()] = child
@@ -300,7 +312,12 @@ class PooledRunner:
                 if child.inflight:
                     child.last_pong = now
                 elif now - child.last_pong > 3 * self._ping_interval + self._kill_grace:
-                    logger.error("pooled runner stopped answering, killing it pid=%s", child.pid)
+                    log_event(
+                        logger,
+                        logging.ERROR,
+                        "pooled runner stopped answering, killing it",
+                        pid=child.pid,
+                    )
                     child.kill()
                 else:
                     child.send(pipe.PingLine(nonce))

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from broker.logs import log_event
 from broker.runner import Assignment, Failed, JobChannel, NoChannel, Released, RunOutcome
 from broker.tasks import TaskRegistry
 from runners import pipe
@@ -110,11 +111,13 @@ class OutputRelay:
 
     def report_suppressed(self) -> None:
         if self.suppressed:
-            logger.warning(
-                "runner output pid=%s: %d lines suppressed (over %s lines a second)",
-                self.pid,
-                self.suppressed,
-                self._rate,
+            log_event(
+                logger,
+                logging.WARNING,
+                "runner output suppressed (over its lines a second)",
+                pid=self.pid,
+                lines=self.suppressed,
+                per_second=self._rate,
             )
             self.suppressed = 0
 
@@ -132,7 +135,7 @@ class OutputRelay:
             return
         self._tokens -= 1
         self.report_suppressed()
-        logger.info("runner output pid=%s %s", self.pid, text)
+        log_event(logger, logging.INFO, "runner output", pid=self.pid, line=text)
 
 
 def current_rss() -> int:
@@ -319,7 +322,13 @@ class ChildProcess:
         exc = None if ended.cancelled() else ended.exception()
         if exc is None:
             return
-        logger.error("runner process broke its protocol, killing it pid=%s error=%r", self.pid, exc)
+        log_event(
+            logger,
+            logging.ERROR,
+            "runner process broke its protocol, killing it",
+            pid=self.pid,
+            error=repr(exc),
+        )
         for handoff_id in self.inflight:
             self.kill_reasons.setdefault(
                 handoff_id, f"its runner process broke its protocol and was killed: {exc!r}"
@@ -583,11 +592,16 @@ def _timed_out(child: ChildProcess, assignment: Assignment, limit: float, grace:
         return  # settled in the same loop turn as the timer fired
     child.kill_reasons[assignment.handoff_id] = f"timed out after {limit} s"
     child.stop_bystanders(f"stopped because job {assignment.job_id} on the same process timed out")
-    logger.warning(
-        "job timed out, stopping its runner process job_id=%s handoff_id=%s pid=%s",
-        assignment.job_id,
-        assignment.handoff_id,
-        child.pid,
+    log_event(
+        logger,
+        logging.WARNING,
+        "job timed out, stopping its runner process",
+        job_id=assignment.job_id,
+        handoff_id=assignment.handoff_id,
+        task=assignment.task,
+        queue=assignment.queue,
+        attempt=assignment.attempt,
+        pid=child.pid,
     )
     child.terminate_soon(grace)
 
@@ -638,7 +652,9 @@ class StartupGuard:
     def failed(self, error: str) -> None:
         previous = self.error
         self.error = error
-        logger.error("runner process failed to start; slots revoked error=%s", error)
+        log_event(
+            logger, logging.ERROR, "runner process failed to start; slots revoked", error=error
+        )
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self._delay, self._probe)
             self._delay = min(self._delay * 2, self._max_delay)

@@ -229,10 +229,11 @@ async def test_a_paused_leader_is_fenced_when_it_resumes(tmp_path: Path, pg_url:
         await cluster.close()
 
     old = leader.output()
-    assert "epoch fence refused settle" in old, f"{leader.tail()}\n{worker.tail()}"
-    reason = old.split(" reason=", 1)[1].split("; this main stops", 1)[0]
+    assert "epoch fence refused op=settle" in old, f"{leader.tail()}\n{worker.tail()}"
+    deposed = next(line for line in old.splitlines() if " deposed: " in line)
+    reason = deposed.split(" reason=", 1)[1]
     assert f"this main stepped down ({reason}); start it again" in old, "its exit says why"
-    refused_claims = old.count("epoch fence refused mark_handed_off")
+    refused_claims = old.count("epoch fence refused op=mark_handed_off")
     print(f"the resumed leader's claims refused by the fence: {refused_claims}")
     await _each_completed_once(pg_url, cluster, keys)
     assert "adopted=4" in successor.output(), successor.tail()

@@ -172,22 +172,23 @@ def test_the_relay_splits_truncates_and_rate_limits_lines(
     relay.feed(b"".join(b"flood %d\n" % i for i in range(10)))
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
-        "runner output pid=7 short",
-        "runner output pid=7 abcdefghij ... (6 bytes truncated)",
-        "runner output pid=7 second hal ... (1 bytes truncated)",
+        "runner output pid=7 line=short",
+        "runner output pid=7 line=abcdefghij ... (6 bytes truncated)",
+        "runner output pid=7 line=second hal ... (1 bytes truncated)",
     ], "three lines fill the burst; the flood is counted, not logged"
     assert relay.suppressed == 10
     now[0] += 1.0  # two lines' worth of tokens
     relay.feed(b"later\n")
     messages = [r.getMessage() for r in caplog.records[3:]]
     assert messages == [
-        "runner output pid=7: 10 lines suppressed (over 2.0 lines a second)",
-        "runner output pid=7 later",
+        "runner output suppressed (over its lines a second) pid=7 lines=10 per_second=2.0",
+        "runner output pid=7 line=later",
     ]
     relay.feed(b"no newline at the end")
     relay.close()
     assert (
-        caplog.records[-1].getMessage() == "runner output pid=7 no newline ... (11 bytes truncated)"
+        caplog.records[-1].getMessage()
+        == "runner output pid=7 line=no newline ... (11 bytes truncated)"
     )
 
 
