@@ -188,6 +188,10 @@ class Catalog:
         """Worker id to the names it declares (its share of :attr:`_records`)."""
         self._entries = 0
         """Declarations held, the sum of :attr:`_by_worker`'s sets."""
+        self._declared_at: dict[tuple[str, str], datetime] = {}
+        """``(task, worker id)`` to when the worker declared it, which decides the newest
+        declaration: a record's ``seen_at`` also moves when a pass of the grace marks a
+        connected worker seen, which says nothing about whose declaration is newer."""
         self._newest: dict[str, protocol.TaskDeclaration] = {}
         """Task name to the declaration that decides its defaults (the newest)."""
         self._loaded = False
@@ -222,6 +226,7 @@ class Catalog:
             elif known.seen_at >= record.seen_at:
                 continue
             by_worker[record.worker_id] = record
+            self._declared_at[record.task, record.worker_id] = record.seen_at
             changed.add(record.task)
         for name in changed:
             self._decide(name)
@@ -273,6 +278,7 @@ class Catalog:
             by_worker = self._records.setdefault(task.name, {})
             self._warn_if_different(task.name, worker_id, as_json, by_worker)
             by_worker[worker_id] = TaskRecord(task.name, worker_id, as_json, now)
+            self._declared_at[task.name, worker_id] = now
             self._decide(task.name)
             stored[task.name] = as_json
         self._by_worker[worker_id] = names
@@ -334,6 +340,7 @@ class Catalog:
     def _drop(self, name: str, worker_id: str) -> None:
         by_worker = self._records[name]
         del by_worker[worker_id]
+        del self._declared_at[name, worker_id]
         names = self._by_worker[worker_id]
         names.discard(name)
         if not names:
@@ -346,7 +353,9 @@ class Catalog:
             self._newest.pop(name, None)
 
     def _decide(self, name: str) -> None:
-        newest = max(self._records[name].values(), key=lambda r: r.seen_at)
+        newest = max(
+            self._records[name].values(), key=lambda r: self._declared_at[r.task, r.worker_id]
+        )
         try:
             self._newest[name] = msgspec.convert(newest.declaration, protocol.TaskDeclaration)
         except (msgspec.ValidationError, ValueError) as exc:

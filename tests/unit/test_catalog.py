@@ -285,3 +285,16 @@ def test_a_by_name_request_sends_only_what_was_said() -> None:
     assert (request.priority, request.max_attempts, request.execution_mode) == (None, None, None)
     whole = protocol.JobRequest.from_spec(spec)
     assert (whole.priority, whole.max_attempts) == (0, 11)
+
+
+async def test_the_newest_declaration_still_wins_after_a_pass_marks_workers_seen() -> None:
+    found = Catalog(MemoryAdapter())
+    await found.load()
+    found.record("w-old", [_declared(queue="old")], NOW)
+    found.record("w-new", [_declared(queue="new")], NOW + timedelta(seconds=2))
+    found.record("w-gone", [_declared(queue="gone")], NOW + timedelta(seconds=1))
+    # Both live workers are seen at the same moment; dropping the gone one decides again.
+    await found.forget({"w-old", "w-new"}, NOW + timedelta(hours=2), timedelta(hours=1))
+    declared = found.declared("app.sync")
+    assert declared is not None and declared.queue == "new"
+    assert {r.seen_at for r in found.records()} == {NOW + timedelta(hours=2)}
