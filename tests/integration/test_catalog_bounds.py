@@ -105,7 +105,9 @@ async def test_a_restarted_main_reads_a_bounded_catalog_and_an_unknown_name_only
         await store.declare_tasks(f"old-{w}", tasks, now + timedelta(seconds=w))
     await store.close()
 
+    start = time.monotonic()
     async with _main_process(tmp_path) as main:
+        listening = time.monotonic() - start
         rss = main.memory("VmRSS")
         async with Client("127.0.0.1", main.port) as client:
             start = time.monotonic()
@@ -114,6 +116,11 @@ async def test_a_restarted_main_reads_a_bounded_catalog_and_an_unknown_name_only
                     await client.enqueue("app.typo", [1])
             unknown = time.monotonic() - start
             listed = await client.list_tasks()
+    print(
+        f"over 100,000 stored declarations: listening in {listening:.1f} s, holding "
+        f"{(rss - baseline) / MiB:.0f} MiB more than on an empty store, 10 enqueues of an "
+        f"unknown name in {unknown:.2f} s"
+    )
     # Each unknown name read its own rows only: the whole catalog took seconds per read.
     assert unknown < 5.0, f"10 enqueues of an unknown name took {unknown:.1f} s"
     assert len(listed) == 10_000, "the main holds at most 10,000 declarations"
