@@ -317,9 +317,9 @@ async def check_task_catalog_keeps_each_workers_latest_declaration(ctx: Context)
 
 @_check
 async def check_task_catalog_reads_are_bounded(ctx: Context) -> None:
-    """``task_catalog`` reads only the names asked for, or at most ``limit`` rows (the
-    most recently seen): the main's start-up and its unknown-name check never read a
-    catalog whole."""
+    """Reading the task catalog takes only the names asked for, or at most a limit of
+    rows (the most recently seen): the main's start-up and its unknown-name check never
+    read a catalog whole."""
     for i in range(5):
         await ctx.store.declare_tasks(
             f"w{i}", {"app.a": {"n": i}, f"app.only{i}": {}}, START + timedelta(seconds=i)
@@ -338,8 +338,8 @@ async def check_task_catalog_reads_are_bounded(ctx: Context) -> None:
 
 @_check
 async def check_forget_tasks_drops_workers_gone_for_the_grace(ctx: Context) -> None:
-    """``forget_tasks`` marks the live workers' rows seen now, then deletes every row last
-    seen before the cutoff: a worker connected all along keeps its old declaration."""
+    """Forgetting gone workers marks the live workers' rows seen now, then deletes every
+    row last seen before the cutoff: a worker connected all along keeps its declaration."""
     await ctx.store.declare_tasks("gone", {"app.a": {}, "app.b": {}}, START)
     await ctx.store.declare_tasks("live", {"app.a": {}}, START)
     await ctx.store.declare_tasks("recent", {"app.c": {}}, START + timedelta(hours=2))
