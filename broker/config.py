@@ -27,6 +27,7 @@ from broker.payload import (
 )
 from broker.protocol import DEFAULT_PORT
 from broker.tls import ServerTLS
+from broker.values import MAX_AGE_SECONDS
 
 MIN_LINE_BYTES = 2 << 20
 """2 MiB: the default line limit for a small payload limit, or none."""
@@ -199,6 +200,8 @@ class MainSettings:
         if self.max_checkpoint_bytes is not None:
             checks.positive("max_checkpoint_bytes", self.max_checkpoint_bytes)
         checks.non_negative("affinity_grace", self.affinity_grace)
+        if self.task_grace > MAX_AGE_SECONDS:  # a date that far back does not exist
+            raise checks.refuse("task_grace", "at most a hundred years", self.task_grace)
         checks.non_negative_int("max_recoveries", self.max_recoveries)
         if self.max_payload_bytes is not None:
             checks.positive("max_payload_bytes", self.max_payload_bytes)

@@ -15,7 +15,7 @@ from broker import catalog, protocol
 from broker.bounds import MAX_CATALOG_ENTRIES, MAX_DECLARED_TASKS
 from broker.catalog import Catalog, CatalogLimitError
 from broker.config import MainSettings
-from broker.exceptions import InvalidJobError, UnknownTaskError
+from broker.exceptions import ConfigurationError, InvalidJobError, UnknownTaskError
 from broker.jobs import ExecutionMode, JobSpec
 from broker.operations import Operations
 from broker.retry import ExponentialBackoff, FixedBackoff
@@ -298,3 +298,9 @@ async def test_the_newest_declaration_still_wins_after_a_pass_marks_workers_seen
     declared = found.declared("app.sync")
     assert declared is not None and declared.queue == "new"
     assert {r.seen_at for r in found.records()} == {NOW + timedelta(hours=2)}
+
+
+@pytest.mark.parametrize(("grace", "rule"), [(0, "positive"), (1e12, "at most a hundred years")])
+def test_the_task_grace_is_a_positive_span_a_date_can_hold(grace: float, rule: str) -> None:
+    with pytest.raises(ConfigurationError, match=f"task_grace must be {rule}"):
+        MainSettings(task_grace=grace).validate()
