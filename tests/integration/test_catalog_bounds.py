@@ -20,6 +20,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from adapters.sql import SQLAlchemyAdapter
@@ -98,7 +99,7 @@ async def test_a_restarted_main_reads_a_bounded_catalog_and_an_unknown_name_only
         baseline = main.memory("VmRSS")
     # 100,000 rows, as a release without the bounds let one worker credential leave.
     store = SQLAlchemyAdapter(_url(tmp_path))
-    declaration = json.loads(protocol.encode(_declared("x")))
+    declaration = msgspec.to_builtins(_declared("x"))
     now = datetime.now(UTC)
     for w in range(100):
         tasks = {f"old{w}.t{i}": {**declaration, "name": f"old{w}.t{i}"} for i in range(1000)}
