@@ -124,13 +124,33 @@ class MemoryAdapter:
         declarations: Mapping[str, Mapping[str, JSONValue]],
         seen_at: datetime,
     ) -> None:
+        for key in [k for k in self._tasks if k[1] == worker_id and k[0] not in declarations]:
+            del self._tasks[key]
         for name, declaration in declarations.items():
             self._tasks[name, worker_id] = TaskRecord(
                 name, worker_id, copy.deepcopy(dict(declaration)), seen_at
             )
 
-    async def task_catalog(self) -> list[TaskRecord]:
-        return [copy.deepcopy(self._tasks[key]) for key in sorted(self._tasks)]
+    async def task_catalog(
+        self, *, tasks: Collection[str] | None = None, limit: int | None = None
+    ) -> list[TaskRecord]:
+        wanted = None if tasks is None else set(tasks)
+        records = [r for r in self._tasks.values() if wanted is None or r.task in wanted]
+        if limit is not None:
+            records = sorted(records, key=lambda r: r.seen_at, reverse=True)[:limit]
+        return [copy.deepcopy(r) for r in sorted(records, key=lambda r: (r.task, r.worker_id))]
+
+    async def forget_tasks(
+        self, live_workers: Collection[str], seen_at: datetime, gone_before: datetime
+    ) -> int:
+        live = set(live_workers)
+        for key, record in list(self._tasks.items()):
+            if key[1] in live:
+                self._tasks[key] = replace(record, seen_at=seen_at)
+        gone = [key for key, record in self._tasks.items() if record.seen_at < gone_before]
+        for key in gone:
+            del self._tasks[key]
+        return len(gone)
 
     async def enqueue(self, spec: JobSpec) -> EnqueueResult:
         return (await self.enqueue_many([spec]))[0]

@@ -2313,8 +2313,6 @@ class SQLAlchemyAdapter:
         declarations: Mapping[str, Mapping[str, JSONValue]],
         seen_at: datetime,
     ) -> None:
-        if not declarations:
-            return
         seen_us = _to_us(seen_at)
         rows = [
             {
@@ -2325,22 +2323,29 @@ class SQLAlchemyAdapter:
             }
             for name, declaration in sorted(declarations.items())
         ]
-        insert = self._insert(task_catalog)
-        stmt = insert.on_conflict_do_update(
-            index_elements=[task_catalog.c.task, task_catalog.c.worker_id],
-            set_={
-                "declaration": insert.excluded.declaration,
-                "seen_us": insert.excluded.seen_us,
-            },
-        )
+        # The worker's rows go, then its declaration goes in whole: one transaction, and
+        # at most MAX_DECLARED_TASKS rows (the main's bound), so no list of names to
+        # keep is needed in the statement.
+        delete = sa.delete(task_catalog).where(task_catalog.c.worker_id == worker_id)
         async with self._write("declare_tasks") as conn:
-            await conn.execute(stmt, rows)
+            await conn.execute(delete)
+            if rows:
+                await conn.execute(sa.insert(task_catalog), rows)
 
-    async def task_catalog(self) -> list[TaskRecord]:
-        select = sa.select(task_catalog).order_by(task_catalog.c.task, task_catalog.c.worker_id)
+    async def task_catalog(
+        self, *, tasks: Collection[str] | None = None, limit: int | None = None
+    ) -> list[TaskRecord]:
+        select = sa.select(task_catalog)
+        if limit is not None:
+            select = select.order_by(task_catalog.c.seen_us.desc()).limit(limit)
+        selects = (
+            [select]
+            if tasks is None
+            else [select.where(task_catalog.c.task.in_(c)) for c in _chunks(sorted(tasks))]
+        )
         async with self._read("task_catalog") as conn:
-            rows = (await conn.execute(select)).mappings().all()
-        return [
+            rows = [row for s in selects for row in (await conn.execute(s)).mappings().all()]
+        records = [
             TaskRecord(
                 task=row["task"],
                 worker_id=row["worker_id"],
@@ -2349,6 +2354,24 @@ class SQLAlchemyAdapter:
             )
             for row in rows
         ]
+        if limit is not None:  # a limit per slice of names: the most recent of them all
+            records = sorted(records, key=lambda r: r.seen_at, reverse=True)[:limit]
+        return sorted(records, key=lambda r: (r.task, r.worker_id))
+
+    async def forget_tasks(
+        self, live_workers: Collection[str], seen_at: datetime, gone_before: datetime
+    ) -> int:
+        async with self._write("forget_tasks") as conn:
+            for chunk in _chunks(sorted(live_workers)):
+                await conn.execute(
+                    sa.update(task_catalog)
+                    .where(task_catalog.c.worker_id.in_(chunk))
+                    .values(seen_us=_to_us(seen_at))
+                )
+            deleted = await conn.execute(
+                sa.delete(task_catalog).where(task_catalog.c.seen_us < _to_us(gone_before))
+            )
+        return int(deleted.rowcount or 0)
 
     async def list_jobs(
         self,

@@ -83,3 +83,66 @@ BOUNDS += [
         "Runner start-up",
     ),
 ]
+
+# --------------------------------------------------------------------------- the task catalog
+# (``broker.catalog``: what a worker's ``tasks`` message may hold, and how long the
+# catalog keeps the declarations of a worker that has gone.)
+
+MAX_DECLARED_TASKS = 1000
+"""Tasks one worker may declare: one ``tasks`` message, which replaces that worker's
+earlier declarations, so it is also the worker's share of the catalog."""
+
+MAX_DECLARATION_BYTES = 4096
+"""One task declaration as JSON: a name, a few defaults, its parameters and exception
+names. A real task's is a few hundred bytes."""
+
+MAX_CATALOG_ENTRIES = 10_000
+"""Declarations (task and worker) in the whole catalog: what the main holds in memory and
+reads at start-up, whatever number of worker ids declare."""
+
+DEFAULT_TASK_GRACE = 7 * 24 * 3600.0
+"""Seconds the catalog keeps the declarations of a worker that is no longer connected:
+long enough for a fleet to be down over a long weekend without enqueues by name being
+refused, short enough that workers that are gone for good stop vouching for names."""
+
+BOUNDS += [
+    Bound(
+        limit="Tasks one worker declares (one `tasks` message, which replaces its earlier ones)",
+        default="1000",
+        flag=None,
+        breach="`over_limit` (not fatal); nothing of the message is recorded, the worker's "
+        "earlier declarations stay",
+        section="Task catalog",
+    ),
+    Bound(
+        limit="One task declaration, as JSON",
+        default="4096 bytes",
+        flag=None,
+        breach="the same",
+        section="Task catalog",
+    ),
+    Bound(
+        limit="Declarations (task and worker) in the whole catalog",
+        default="10 000",
+        flag=None,
+        breach="the same, until declarations of gone workers are dropped; a restarted main "
+        "reads at most this many (the most recent)",
+        section="Task catalog",
+    ),
+    Bound(
+        limit="Fields of a concurrency-key template",
+        default="`{name}`, `{name.attr}` or `{name[key]}`: no conversion (`!r`), no format "
+        "spec (`:>9`)",
+        flag=None,
+        breach="`@task` raises `ConfigurationError`; a declaration holding one: `over_limit` "
+        "as above",
+        section="Task catalog",
+    ),
+    Bound(
+        limit="Grace before the declarations of a worker no longer connected are dropped",
+        default="7 days",
+        flag="--task-grace",
+        breach="dropped from the catalog in memory, the store and `broker tasks`",
+        section="Task catalog",
+    ),
+]

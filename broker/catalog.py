@@ -6,9 +6,10 @@ only what its caller said. Each worker declares the tasks it serves, with the de
 ``@task`` gave them (a ``tasks`` message right after ``welcome``), and the main fills
 those defaults into every field a request leaves out: a task declared ``retries=0`` runs
 once, whoever enqueues it. The catalog lives in the store (``declare_tasks``,
-``task_catalog``), so it outlives the main and the operator's command reads it with the
-main down; :class:`Catalog` is the copy in memory, read once and written through, so an
-enqueue never waits on it (the enqueue path stays one transaction).
+``task_catalog``, ``forget_tasks``), so it outlives the main and the operator's command
+reads it with the main down; :class:`Catalog` is the copy in memory, read once and
+written through, so an enqueue never waits on it (the enqueue path stays one
+transaction).
 
 The rules, all here:
 
@@ -16,11 +17,19 @@ The rules, all here:
   typo, and its job would wait forever (or fail on every worker): the enqueue raises
   :class:`~broker.exceptions.UnknownTaskError` and stores nothing, unless the request
   allows unknown tasks, for a deliberate cold start (jobs enqueued before the first
-  worker of a new task starts). "Ever": a worker that has gone away still vouches for
-  the name. The rule applies once the catalog is in use, that is once any worker has
-  declared its tasks to this store: before that (a first start, or workers of a release
-  without catalogs during an upgrade) no name can be told from a typo, and refusing
-  every one would stop all enqueues by name.
+  worker of a new task starts). A worker that has gone away still vouches for the name
+  for the task grace (``--task-grace``, a week by default), so a fleet that is down for a
+  while does not turn enqueues away; after that its declarations are dropped. The rule
+  applies once the catalog is in use, that is once any worker has declared its tasks to
+  this store: before that (a first start, or workers of a release without catalogs
+  during an upgrade) no name can be told from a typo, and refusing every one would stop
+  all enqueues by name.
+* **A worker's declaration replaces its earlier one, within bounds.** At most
+  :data:`~broker.bounds.MAX_DECLARED_TASKS` tasks of at most
+  :data:`~broker.bounds.MAX_DECLARATION_BYTES` each, concurrency-key templates with
+  plain fields only, and :data:`~broker.bounds.MAX_CATALOG_ENTRIES` in the whole
+  catalog: a worker credential cannot grow the main, the store or every start-up read
+  without bound. A ``tasks`` message over a bound is refused whole (``over_limit``).
 * **The newest declaration wins.** When two workers declare different defaults for one
   name (a rolling deploy, where the new release's workers declare last; or two
   releases side by side), the most recently seen declaration decides, and the main logs
@@ -37,20 +46,28 @@ The rules, all here:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Collection, Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import msgspec
 
 from broker import protocol
+from broker.bounds import MAX_CATALOG_ENTRIES, MAX_DECLARATION_BYTES, MAX_DECLARED_TASKS
 from broker.exceptions import UnknownTaskError
 from broker.jobs import JobSpec, JSONValue
 from broker.logs import log_event
 from broker.retry import ExponentialBackoff, FixedBackoff, TaskBackoff
 from broker.storage import StorageAdapter, TaskRecord
-from broker.tasks import Task, TaskRegistry, default_unique_key, fill_key_template
+from broker.tasks import (
+    Task,
+    TaskRegistry,
+    default_unique_key,
+    fill_key_template,
+    key_template_fields,
+)
 
 logger = logging.getLogger("broker.main")
 
@@ -119,39 +136,103 @@ def entry(record: TaskRecord) -> dict[str, JSONValue]:
     }
 
 
+class CatalogLimitError(ValueError):
+    """A worker's ``tasks`` message breaks a bound of the catalog (:mod:`broker.bounds`):
+    nothing of it is recorded, and the main answers ``over_limit``."""
+
+
+def check_declarations(tasks: Sequence[protocol.TaskDeclaration]) -> None:
+    """Refuse declarations over the catalog's bounds: how many a worker declares, the
+    bytes of each, and plain fields in a concurrency-key template.
+
+    Cheap by construction: the count is checked before anything is encoded, and encoding
+    at most :data:`~broker.bounds.MAX_DECLARED_TASKS` declarations is one C call each.
+
+    :raises CatalogLimitError: naming the bound and the task that breaks it.
+    """
+    if len(tasks) > MAX_DECLARED_TASKS:
+        raise CatalogLimitError(
+            f"a worker declares at most {MAX_DECLARED_TASKS} tasks, this one declared "
+            f"{len(tasks)}; nothing of it is recorded"
+        )
+    for task in tasks:
+        size = len(msgspec.json.encode(task))
+        if size > MAX_DECLARATION_BYTES:
+            raise CatalogLimitError(
+                f"the declaration of task {task.name[:100]!r} is {size} bytes, over "
+                f"the limit of {MAX_DECLARATION_BYTES}; nothing of it is recorded"
+            )
+        if task.concurrency_key is not None:
+            try:
+                key_template_fields(task.concurrency_key)
+            except ValueError as exc:
+                raise CatalogLimitError(
+                    f"task {task.name[:100]!r}: concurrency_key "
+                    f"{task.concurrency_key[:100]!r}: {exc}; nothing of it is recorded"
+                ) from None
+
+
 class Catalog:
-    """The main's copy of the store's task catalog: read once, written through.
+    """The main's copy of the store's task catalog: read once, written through, and
+    bounded (:data:`~broker.bounds.MAX_CATALOG_ENTRIES`).
 
     :meth:`record` updates the copy at once (an enqueue right after a worker's
     declaration sees it); the caller then stores the same declarations with
-    :meth:`save`.
+    :meth:`save`. :meth:`forget` drops the declarations of workers gone for the grace.
     """
 
     def __init__(self, store: StorageAdapter) -> None:
         self._store = store
         self._records: dict[str, dict[str, TaskRecord]] = {}
         """Task name to worker id to that worker's last declaration."""
+        self._by_worker: dict[str, set[str]] = {}
+        """Worker id to the names it declares (its share of :attr:`_records`)."""
+        self._entries = 0
+        """Declarations held, the sum of :attr:`_by_worker`'s sets."""
+        self._declared_at: dict[tuple[str, str], datetime] = {}
+        """``(task, worker id)`` to when the worker declared it, which decides the newest
+        declaration: a record's ``seen_at`` also moves when a pass of the grace marks a
+        connected worker seen, which says nothing about whose declaration is newer."""
         self._newest: dict[str, protocol.TaskDeclaration] = {}
         """Task name to the declaration that decides its defaults (the newest)."""
         self._loaded = False
 
     async def load(self) -> None:
-        """Read the catalog from the store, the first time only."""
+        """Read the catalog from the store, the first time only: at most
+        :data:`~broker.bounds.MAX_CATALOG_ENTRIES` declarations, the most recent, so a
+        store that an older release let grow costs a bounded read."""
         if not self._loaded:
-            await self.refresh()
+            self._merge(await self._store.task_catalog(limit=MAX_CATALOG_ENTRIES))
+            self._loaded = True
 
-    async def refresh(self) -> None:
-        """Read the catalog from the store again: before refusing a name this copy does
-        not know, in case another process (a second main, the operator's command on the
-        store) recorded it. Only declarations newer than this copy's replace them."""
-        for record in await self._store.task_catalog():
+    async def refresh(self, names: Collection[str]) -> None:
+        """Read the declarations of ``names`` from the store again: before refusing a name
+        this copy does not know, in case another process (a main that led before this
+        one) recorded it. Only these names' rows are read, never the whole catalog."""
+        if names:
+            self._merge(await self._store.task_catalog(tasks=sorted(names)))
+
+    def _merge(self, records: Sequence[TaskRecord]) -> None:
+        """Take the store's ``records`` where they are newer than this copy's, within the
+        bound on entries."""
+        changed = set()
+        for record in records:
             by_worker = self._records.setdefault(record.task, {})
             known = by_worker.get(record.worker_id)
-            if known is None or known.seen_at < record.seen_at:
-                by_worker[record.worker_id] = record
-        for name in self._records:
+            if known is None:
+                if self._entries >= MAX_CATALOG_ENTRIES:
+                    continue
+                self._entries += 1
+                self._by_worker.setdefault(record.worker_id, set()).add(record.task)
+            elif known.seen_at >= record.seen_at:
+                continue
+            by_worker[record.worker_id] = record
+            self._declared_at[record.task, record.worker_id] = record.seen_at
+            changed.add(record.task)
+        for name in changed:
             self._decide(name)
-        self._loaded = True
+        for name in [name for name, by_worker in self._records.items() if not by_worker]:
+            del self._records[name]
 
     @property
     def in_use(self) -> bool:
@@ -173,43 +254,111 @@ class Catalog:
     def record(
         self, worker_id: str, tasks: Sequence[protocol.TaskDeclaration], now: datetime
     ) -> dict[str, dict[str, Any]]:
-        """``worker_id`` declared ``tasks`` at ``now``; returns them as the store keeps them
-        (for :meth:`save`). A declaration that differs from another worker's is logged."""
+        """``worker_id`` declared ``tasks`` at ``now``, in place of what it declared before;
+        returns them as the store keeps them (for :meth:`save`). A declaration that
+        differs from another worker's is logged.
+
+        :raises CatalogLimitError: the declarations break a bound (too many, one too big,
+            a template with a format spec, or the catalog is full); nothing changes.
+        """
+        check_declarations(tasks)
+        names = {task.name for task in tasks}
+        previous = self._by_worker.get(worker_id, set())
+        entries = self._entries - len(previous) + len(names)
+        if entries > MAX_CATALOG_ENTRIES:
+            raise CatalogLimitError(
+                f"the task catalog holds at most {MAX_CATALOG_ENTRIES} declarations (task "
+                f"and worker), and these {len(names)} would make {entries}; they are "
+                "recorded once workers that have gone are dropped (after the task grace)"
+            )
+        for name in previous - names:
+            self._drop(name, worker_id)
         stored: dict[str, dict[str, Any]] = {}
         for task in tasks:
             as_json = msgspec.to_builtins(task)
             by_worker = self._records.setdefault(task.name, {})
-            for other, record in by_worker.items():
-                if other != worker_id and record.declaration != as_json:
-                    differ = sorted(
-                        key
-                        for key in {*as_json, *record.declaration}
-                        if as_json.get(key) != record.declaration.get(key)
-                    )
-                    log_event(
-                        logger,
-                        logging.WARNING,
-                        "workers declare a task with different defaults; the newest "
-                        "declaration wins",
-                        task=task.name,
-                        worker_id=worker_id,
-                        other_worker_id=other,
-                        fields=",".join(differ),
-                    )
-                    break
+            self._warn_if_different(task.name, worker_id, as_json, by_worker)
             by_worker[worker_id] = TaskRecord(task.name, worker_id, as_json, now)
+            self._declared_at[task.name, worker_id] = now
             self._decide(task.name)
             stored[task.name] = as_json
+        self._by_worker[worker_id] = names
+        self._entries = entries
         return stored
+
+    @staticmethod
+    def _warn_if_different(
+        name: str, worker_id: str, as_json: dict[str, Any], by_worker: dict[str, TaskRecord]
+    ) -> None:
+        for other, record in by_worker.items():
+            if other != worker_id and record.declaration != as_json:
+                differ = sorted(
+                    key
+                    for key in {*as_json, *record.declaration}
+                    if as_json.get(key) != record.declaration.get(key)
+                )
+                log_event(
+                    logger,
+                    logging.WARNING,
+                    "workers declare a task with different defaults; the newest declaration wins",
+                    task=name,
+                    worker_id=worker_id,
+                    other_worker_id=other,
+                    fields=",".join(differ),
+                )
+                return
 
     async def save(
         self, worker_id: str, declared: Mapping[str, Mapping[str, Any]], now: datetime
     ) -> None:
-        """Write what :meth:`record` returned through to the store."""
+        """Write what :meth:`record` returned through to the store (in place of the
+        worker's earlier declarations)."""
         await self._store.declare_tasks(worker_id, declared, now)
 
+    async def forget(self, live: Collection[str], now: datetime, grace: timedelta) -> int:
+        """Drop the declarations of workers not seen for ``grace``, here and in the store;
+        the workers in ``live`` (connected now) are seen at ``now``. Returns how many
+        declarations this copy dropped.
+
+        A connected worker declares once, when it connects: marking it seen on each pass
+        lets a main that restarts keep the declarations of the workers it had for the
+        grace (less one pass), rather than from when they connected."""
+        gone_before = now - grace
+        dropped = 0
+        for worker_id, names in list(self._by_worker.items()):
+            for name in list(names):
+                record = self._records[name][worker_id]
+                if worker_id in live:
+                    self._records[name][worker_id] = dataclasses.replace(record, seen_at=now)
+                elif record.seen_at < gone_before:
+                    self._drop(name, worker_id)
+                    dropped += 1
+        await self._store.forget_tasks(live, now, gone_before)
+        if dropped:
+            log_event(
+                logger, logging.INFO, "declarations of gone workers dropped", declarations=dropped
+            )
+        return dropped
+
+    def _drop(self, name: str, worker_id: str) -> None:
+        by_worker = self._records[name]
+        del by_worker[worker_id]
+        del self._declared_at[name, worker_id]
+        names = self._by_worker[worker_id]
+        names.discard(name)
+        if not names:
+            del self._by_worker[worker_id]
+        self._entries -= 1
+        if by_worker:
+            self._decide(name)
+        else:
+            del self._records[name]
+            self._newest.pop(name, None)
+
     def _decide(self, name: str) -> None:
-        newest = max(self._records[name].values(), key=lambda r: r.seen_at)
+        newest = max(
+            self._records[name].values(), key=lambda r: self._declared_at[r.task, r.worker_id]
+        )
         try:
             self._newest[name] = msgspec.convert(newest.declaration, protocol.TaskDeclaration)
         except (msgspec.ValidationError, ValueError) as exc:

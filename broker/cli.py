@@ -413,6 +413,14 @@ def main_parser() -> argparse.ArgumentParser:
     )
     _env_option(
         p,
+        "--task-grace",
+        default=MainSettings.task_grace,
+        type=float,
+        help="seconds the task catalog keeps the declarations of a worker no longer "
+        "connected (default: 7 days)",
+    )
+    _env_option(
+        p,
         "--failover-timeout",
         default=DEFAULT_FAILOVER_TIMEOUT,
         type=_number(float, "failover timeout"),
@@ -557,6 +565,7 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         orphan_grace=float(args.orphan_grace),
         max_recoveries=int(args.max_recoveries),
         affinity_grace=float(args.affinity_grace),
+        task_grace=float(args.task_grace),
         failover_timeout=float(args.failover_timeout),
         advertise=args.advertise or None,
         ping_interval=float(args.ping_interval),

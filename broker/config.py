@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from broker import checks
 from broker.addresses import parse_address
 from broker.admission import DEFAULT_MAX_CREDIT
+from broker.bounds import DEFAULT_TASK_GRACE
 from broker.credentials import Credentials
 from broker.election import DEFAULT_FAILOVER_TIMEOUT
 from broker.jobs import DEFAULT_MAX_RECOVERIES
@@ -26,6 +27,7 @@ from broker.payload import (
 )
 from broker.protocol import DEFAULT_PORT
 from broker.tls import ServerTLS
+from broker.values import MAX_AGE_SECONDS
 
 MIN_LINE_BYTES = 2 << 20
 """2 MiB: the default line limit for a small payload limit, or none."""
@@ -94,6 +96,9 @@ class MainSettings:
     affinity_grace: float = 60.0
     """How long the recovery of a ``local_state`` job waits for the worker holding its
     state after that worker left (while it stays connected, the wait goes on)."""
+    task_grace: float = DEFAULT_TASK_GRACE
+    """Seconds the task catalog keeps the declarations of a worker no longer connected
+    (:mod:`broker.catalog`)."""
     error_retry_interval: float = 1.0
     poll_interval: float = 0.5
     """How often to look for jobs other processes wrote, when the store cannot notify."""
@@ -187,6 +192,7 @@ class MainSettings:
             "max_unauthenticated": self.max_unauthenticated,
             "max_credit": self.max_credit,
             "failover_timeout": self.failover_timeout,
+            "task_grace": self.task_grace,
         }
         for name, value in positive.items():
             checks.positive(name, value)
@@ -194,6 +200,8 @@ class MainSettings:
         if self.max_checkpoint_bytes is not None:
             checks.positive("max_checkpoint_bytes", self.max_checkpoint_bytes)
         checks.non_negative("affinity_grace", self.affinity_grace)
+        if self.task_grace > MAX_AGE_SECONDS:  # a date that far back does not exist
+            raise checks.refuse("task_grace", "at most a hundred years", self.task_grace)
         checks.non_negative_int("max_recoveries", self.max_recoveries)
         if self.max_payload_bytes is not None:
             checks.positive("max_payload_bytes", self.max_payload_bytes)

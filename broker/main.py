@@ -36,10 +36,12 @@ import secrets
 import socket
 import uuid
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 from broker import codec, error_codes, protocol
 from broker.admission import CreditLimitError
+from broker.catalog import CatalogLimitError
 from broker.checkpoints import CheckpointSaver, ProgressWriter
 from broker.config import MainSettings
 from broker.connection import Connections, Gathered, Session
@@ -88,6 +90,11 @@ DEFAULT_RETENTION = Retention()
 _LIVENESS_TICKS = 4
 """Liveness checks per ping interval: frequent enough that a dead peer is dropped soon
 after its deadline and a stall of the main is measured closely."""
+
+_TASK_GRACE_PASS_MAX = 3600.0
+"""Seconds, at most, between two passes of the task grace: a declaration outlives its
+worker by the grace, less at most this (a connected worker's rows are marked seen on
+each pass, so a main that restarts keeps them for the grace)."""
 
 
 class Main:
@@ -307,6 +314,7 @@ class Main:
             asyncio.create_task(self.checkpoints.run(), name="broker-checkpoints"),
             asyncio.create_task(self.progress.run(), name="broker-progress"),
             asyncio.create_task(self._liveness_loop(), name="broker-liveness"),
+            asyncio.create_task(self._forget_gone_workers(), name="broker-task-grace"),
         ]
         if self.orphans:
             self._tasks.append(asyncio.create_task(self._orphan_deadline(), name="broker-orphans"))
@@ -735,7 +743,7 @@ class Main:
             case protocol.WorkerStatus(status=status) if worker:
                 session.reported_status = status
             case protocol.TaskCatalog(tasks=tasks) if worker and session.worker_id:
-                self._declare(session.worker_id, tasks)
+                self._declare(session, tasks)
             case (
                 protocol.Enqueue()
                 | protocol.GetJob()
@@ -757,12 +765,25 @@ class Main:
                     )
                 )
 
-    def _declare(self, worker_id: str, tasks: list[protocol.TaskDeclaration]) -> None:
+    def _declare(self, session: Session, tasks: list[protocol.TaskDeclaration]) -> None:
         """A worker declared the tasks it serves: the catalog in memory takes them at once
         (an enqueue that follows sees them), the store in the background, retried while
-        its trouble is transient (the next declaration would record them anyway)."""
+        its trouble is transient (the next declaration would record them anyway). Over a
+        bound of the catalog, nothing is recorded and the worker is told (``over_limit``,
+        not fatal: it keeps working, and its earlier declarations stay)."""
+        worker_id = session.worker_id
+        assert worker_id is not None
         now = self._clock()
-        declared = self.operations.catalog.record(worker_id, tasks, now)
+        try:
+            declared = self.operations.catalog.record(worker_id, tasks, now)
+        except CatalogLimitError as exc:
+            log_event(
+                logger, logging.WARNING, "task catalog refused", worker_id=worker_id, error=str(exc)
+            )
+            session.send(
+                protocol.Error(code=protocol.ErrorCode.OVER_LIMIT, message=str(exc), fatal=False)
+            )
+            return
         log_event(logger, logging.INFO, "tasks declared", worker_id=worker_id, tasks=len(tasks))
 
         async def save() -> None:
@@ -860,6 +881,30 @@ class Main:
                     ping=n % _LIVENESS_TICKS == 0,
                 )
             )
+
+    async def _forget_gone_workers(self) -> None:
+        """Drop the task declarations of workers gone for the task grace, a pass every
+        quarter of it (at most an hour), the first one a pass after this main began to
+        dispatch, so workers that were connected to the main before it have reconnected
+        (:meth:`Catalog.forget <broker.catalog.Catalog.forget>`)."""
+        grace = timedelta(seconds=self.settings.task_grace)
+        interval = min(self.settings.task_grace / 4, _TASK_GRACE_PASS_MAX)
+        while True:
+            await asyncio.sleep(interval)
+            live = {
+                s.worker_id
+                for s in self.sessions.values()
+                if s.role is protocol.Role.WORKER and s.worker_id is not None
+            }
+            try:
+                await self.operations.catalog.forget(live, self._clock(), grace)
+            except Exception as exc:  # the next pass tries again
+                log_event(
+                    logger,
+                    logging.WARNING,
+                    "dropping gone workers' task declarations failed",
+                    error=repr(exc),
+                )
 
     def _disconnect(self, session: Session) -> None:
         if session.closed:

@@ -106,12 +106,9 @@ class Operations:
         now = self._clock()
         catalog = self.catalog
         await catalog.load()
-        if (
-            not allow_unknown_tasks
-            and catalog.in_use
-            and any(catalog.declared(r.task) is None for r in requests)
-        ):
-            await catalog.refresh()  # only a name this copy does not know costs a read
+        if not allow_unknown_tasks and catalog.in_use:
+            # Only a name this copy does not know costs a read, of that name's rows alone.
+            await catalog.refresh({r.task for r in requests if catalog.declared(r.task) is None})
         specs = [
             self.catalog.job_spec(request, now, allow_unknown=allow_unknown_tasks)
             for request in requests

@@ -277,12 +277,24 @@ class StorageAdapter(Protocol):
         seen_at: datetime,
     ) -> None:
         """Record that ``worker_id`` serves these tasks (name to declaration), as of
-        ``seen_at``: each ``(task, worker_id)`` row is written or replaced. Rows of tasks
-        the worker no longer declares stay: the catalog remembers every task a worker has
-        ever declared, and when."""
+        ``seen_at``, in place of what it declared before: each ``(task, worker_id)`` row is
+        written or replaced, and the worker's rows of tasks not in ``declarations`` are
+        deleted, all in one transaction. The main bounds what a worker declares
+        (:mod:`broker.bounds`), so the store holds a bounded catalog."""
 
-    async def task_catalog(self) -> list[TaskRecord]:
-        """Every declaration recorded, ordered by task, then worker id."""
+    async def task_catalog(
+        self, *, tasks: Collection[str] | None = None, limit: int | None = None
+    ) -> list[TaskRecord]:
+        """The declarations recorded, ordered by task, then worker id: those of ``tasks``
+        only (a read by the primary key's first column), and at most ``limit`` of them,
+        the most recently seen (``None``: no limit)."""
+
+    async def forget_tasks(
+        self, live_workers: Collection[str], seen_at: datetime, gone_before: datetime
+    ) -> int:
+        """The task grace's pass, in one transaction: the rows of ``live_workers`` (connected
+        now) are seen at ``seen_at``, then every row last seen before ``gone_before`` is
+        deleted. Returns how many were deleted."""
 
     async def list_jobs(
         self,

@@ -320,14 +320,39 @@ class Task(Generic[P, R]):
         return fill_key_template(template, self.name, _bound_arguments(self.func, args, kwargs))
 
 
+def key_template_fields(template: str) -> list[str]:
+    """The argument names a concurrency-key ``template`` fills (``{name}``, ``{name.attr}``
+    or ``{name[key]}``).
+
+    A field may not carry a conversion (``!r``) or a format spec (``:>400000000``): a
+    width in a template declared by a worker would make every enqueue by name allocate
+    that many characters at the main, and a key needs neither.
+
+    :raises ValueError: the template is malformed, or a field has a conversion or a spec.
+    """
+    fields = []
+    for _, name, spec, conversion in string.Formatter().parse(template):
+        if name is None:
+            continue
+        if spec or conversion:
+            raise ValueError(
+                f"field {{{name}}} has a conversion or format spec; a concurrency-key "
+                "template fills plain fields only"
+            )
+        fields.append(name)
+    return fields
+
+
 def fill_key_template(template: str, task_name: str, values: Mapping[str, Any]) -> str:
     """A concurrency-key ``template`` of task ``task_name`` filled from a job's arguments
-    by parameter name (``values``).
+    by parameter name (``values``). Plain fields only (:func:`key_template_fields`), so
+    the key costs no more than the arguments' text, whatever the template says.
 
     :raises InvalidJobError: the template names an argument the job does not give, or
         cannot be formatted with the values given.
     """
     try:
+        key_template_fields(template)
         return template.format_map(values)
     except KeyError as exc:
         raise InvalidJobError(
@@ -362,7 +387,7 @@ def _bound_arguments(
 def _check_key_template(fn: Callable[..., Any], template: str) -> None:
     """Refuse, at registration, a concurrency_key template the function cannot fill."""
     try:
-        names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+        names = key_template_fields(template)
     except ValueError as exc:
         raise ConfigurationError(
             f"concurrency_key {template!r} is not a valid template: {exc}"

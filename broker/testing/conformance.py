@@ -290,28 +290,68 @@ async def check_idempotency_key_with_another_request_is_refused(ctx: Context) ->
 @_check
 async def check_task_catalog_keeps_each_workers_latest_declaration(ctx: Context) -> None:
     """The task catalog keeps one row per task and worker, the latest declaration and
-    when it was seen; a task a worker stops declaring stays, as it was."""
+    when it was seen; a worker's new declaration replaces its earlier one whole (a task
+    it stops declaring goes), and leaves other workers' rows alone."""
     assert await ctx.store.task_catalog() == []
     later = START + timedelta(seconds=1)
     await ctx.store.declare_tasks(
         "w1", {"app.a": {"queue": "q", "max_attempts": 1}, "app.b": {"unique": True}}, START
     )
     await ctx.store.declare_tasks(
-        "w2", {"app.a": {"queue": "r", "nested": [1, {"x": None}]}}, START
+        "w2", {"app.a": {"queue": "r", "nested": [1, {"x": None}]}, "app.c": {}}, START
     )
     await ctx.store.declare_tasks("w1", {"app.a": {"queue": "q2"}}, later)
     records = await ctx.store.task_catalog()
     assert [(r.task, r.worker_id) for r in records] == [
         ("app.a", "w1"),
         ("app.a", "w2"),
-        ("app.b", "w1"),
-    ], "ordered by task, then worker id"
+        ("app.c", "w2"),
+    ], "ordered by task, then worker id; w1's app.b is gone with its new declaration"
     assert (records[0].declaration, records[0].seen_at) == ({"queue": "q2"}, later)
     assert records[1].declaration == {"queue": "r", "nested": [1, {"x": None}]}
-    assert (records[2].declaration, records[2].seen_at) == ({"unique": True}, START)
+    assert records[2].seen_at == START
     if ctx.store.capabilities.shared_between_processes:
         other = await ctx.peer()
         assert await other.task_catalog() == records
+
+
+@_check
+async def check_task_catalog_reads_are_bounded(ctx: Context) -> None:
+    """Reading the task catalog takes only the names asked for, or at most a limit of
+    rows (the most recently seen): the main's start-up and its unknown-name check never
+    read a catalog whole."""
+    for i in range(5):
+        await ctx.store.declare_tasks(
+            f"w{i}", {"app.a": {"n": i}, f"app.only{i}": {}}, START + timedelta(seconds=i)
+        )
+    named = await ctx.store.task_catalog(tasks=["app.only3", "app.missing"])
+    assert [(r.task, r.worker_id) for r in named] == [("app.only3", "w3")]
+    newest = await ctx.store.task_catalog(limit=4)
+    assert [(r.task, r.worker_id) for r in newest] == [
+        ("app.a", "w3"),
+        ("app.a", "w4"),
+        ("app.only3", "w3"),
+        ("app.only4", "w4"),
+    ], "the 4 most recently seen, ordered by task then worker id"
+    assert len(await ctx.store.task_catalog(tasks=["app.a"], limit=2)) == 2
+
+
+@_check
+async def check_forget_tasks_drops_workers_gone_for_the_grace(ctx: Context) -> None:
+    """Forgetting gone workers marks the live workers' rows seen now, then deletes every
+    row last seen before the cutoff: a worker connected all along keeps its declaration."""
+    await ctx.store.declare_tasks("gone", {"app.a": {}, "app.b": {}}, START)
+    await ctx.store.declare_tasks("live", {"app.a": {}}, START)
+    await ctx.store.declare_tasks("recent", {"app.c": {}}, START + timedelta(hours=2))
+    now = START + timedelta(hours=3)
+    deleted = await ctx.store.forget_tasks(["live", "absent"], now, START + timedelta(hours=1))
+    assert deleted == 2
+    records = await ctx.store.task_catalog()
+    assert [(r.task, r.worker_id, r.seen_at) for r in records] == [
+        ("app.a", "live", now),
+        ("app.c", "recent", START + timedelta(hours=2)),
+    ]
+    assert await ctx.store.forget_tasks([], now, START) == 0
 
 
 @_check

@@ -197,8 +197,17 @@ class LoggingAdapter:
             "declare_tasks", self.inner.declare_tasks(worker_id, declarations, seen_at)
         )
 
-    async def task_catalog(self) -> list[TaskRecord]:
-        return await self._call("task_catalog", self.inner.task_catalog())
+    async def task_catalog(
+        self, *, tasks: Collection[str] | None = None, limit: int | None = None
+    ) -> list[TaskRecord]:
+        return await self._call("task_catalog", self.inner.task_catalog(tasks=tasks, limit=limit))
+
+    async def forget_tasks(
+        self, live_workers: Collection[str], seen_at: datetime, gone_before: datetime
+    ) -> int:
+        return await self._call(
+            "forget_tasks", self.inner.forget_tasks(live_workers, seen_at, gone_before)
+        )
 
     async def list_jobs(
         self,

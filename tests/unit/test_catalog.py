@@ -5,16 +5,21 @@ wins (with a warning), and an undeclared name is refused once the catalog is in 
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from adapters.memory import MemoryAdapter
 from broker import catalog, protocol
-from broker.catalog import Catalog
-from broker.exceptions import InvalidJobError, UnknownTaskError
+from broker.bounds import MAX_CATALOG_ENTRIES, MAX_DECLARED_TASKS
+from broker.catalog import Catalog, CatalogLimitError
+from broker.config import MainSettings
+from broker.exceptions import ConfigurationError, InvalidJobError, UnknownTaskError
 from broker.jobs import ExecutionMode, JobSpec
+from broker.operations import Operations
 from broker.retry import ExponentialBackoff, FixedBackoff
+from broker.storage import TaskRecord
 from broker.tasks import TaskRegistry, default_unique_key, task
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
@@ -118,9 +123,128 @@ async def test_refresh_sees_what_another_process_recorded() -> None:
     await mine.load()
     await store.declare_tasks("w9", {"app.sync": {"name": "app.sync", "queue": "q"}}, NOW)
     assert mine.declared("app.sync") is None
-    await mine.refresh()
+    await mine.refresh({"app.sync"})
     declared = mine.declared("app.sync")
     assert declared is not None and declared.queue == "q"
+
+
+class _CountingStore(MemoryAdapter):
+    """The memory store, counting the catalog rows each read returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows_read: list[int] = []
+
+    async def task_catalog(
+        self, *, tasks: Collection[str] | None = None, limit: int | None = None
+    ) -> list[TaskRecord]:
+        found = await super().task_catalog(tasks=tasks, limit=limit)
+        self.rows_read.append(len(found))
+        return found
+
+
+async def test_an_unknown_name_reads_its_own_rows_never_the_whole_catalog() -> None:
+    store = _CountingStore()
+    many = {f"app.t{i}": {"name": f"app.t{i}"} for i in range(MAX_DECLARED_TASKS)}
+    for worker in range(5):
+        await store.declare_tasks(f"w{worker}", many, NOW)
+    ops = Operations(store, MainSettings(), clock=lambda: NOW)
+    await ops.catalog.load()
+    assert store.rows_read == [5 * MAX_DECLARED_TASKS]
+    for _ in range(20):
+        with pytest.raises(UnknownTaskError):
+            await ops.enqueue([protocol.JobRequest(task="app.typo")])
+    assert store.rows_read[1:] == [0] * 20, "each unknown name read only its own (no) rows"
+    await store.declare_tasks("w9", {"app.new": {"name": "app.new"}}, NOW)
+    [result] = await ops.enqueue([protocol.JobRequest(task="app.new")])
+    assert result.job.task == "app.new" and store.rows_read[-1] == 1
+
+
+async def test_a_restarted_catalog_reads_at_most_its_bound_the_most_recent() -> None:
+    store = _CountingStore()
+    for worker in range(MAX_CATALOG_ENTRIES // MAX_DECLARED_TASKS + 2):
+        tasks = {f"app.t{i}": {"name": f"app.t{i}"} for i in range(MAX_DECLARED_TASKS)}
+        await store.declare_tasks(f"w{worker:02d}", tasks, NOW + timedelta(seconds=worker))
+    found = Catalog(store)
+    await found.load()
+    assert store.rows_read == [MAX_CATALOG_ENTRIES]
+    workers = {r.worker_id for r in found.records()}
+    assert "w00" not in workers and "w01" not in workers, "the two oldest workers are left out"
+
+
+@pytest.mark.parametrize(
+    ("tasks", "message"),
+    [
+        ([_declared(f"app.t{i}") for i in range(MAX_DECLARED_TASKS + 1)], "at most 1000 tasks"),
+        ([_declared(parameters=["p" * 100] * 50)], "bytes, over the limit of 4096"),
+        (
+            [_declared(concurrency_key="{a:>400000000}", concurrency_limit=1, parameters=["a"])],
+            "conversion or format spec",
+        ),
+        ([_declared(concurrency_key="{a!r}", concurrency_limit=1)], "conversion or format spec"),
+    ],
+)
+async def test_a_declaration_over_a_bound_is_refused_whole(
+    tasks: list[protocol.TaskDeclaration], message: str
+) -> None:
+    found = await _catalog(("w1", [_declared("app.kept")]))
+    with pytest.raises(CatalogLimitError, match=message):
+        found.record("w1", tasks, NOW)
+    assert [r.task for r in found.records()] == ["app.kept"], "nothing changed"
+
+
+async def test_the_whole_catalog_is_bounded_and_a_worker_replaces_its_own_share() -> None:
+    found = await _catalog()
+    per_worker = [_declared(f"app.t{i}") for i in range(MAX_DECLARED_TASKS)]
+    workers = MAX_CATALOG_ENTRIES // MAX_DECLARED_TASKS
+    for worker in range(workers):
+        found.record(f"w{worker}", per_worker, NOW)
+    with pytest.raises(CatalogLimitError, match="at most 10000 declarations"):
+        found.record("one-more", [_declared("app.x")], NOW)
+    found.record("w0", [_declared("app.only")], NOW)  # replaces its 1000: room again
+    assert {r.task for r in found.records() if r.worker_id == "w0"} == {"app.only"}
+    found.record("one-more", [_declared("app.x")], NOW)
+    assert len(found.records()) == (workers - 1) * MAX_DECLARED_TASKS + 2
+
+
+async def test_a_stored_template_with_a_width_is_never_formatted() -> None:
+    store = MemoryAdapter()  # as a release before the bound could have stored it
+    await store.declare_tasks(
+        "w1",
+        {
+            "app.sync": {
+                "name": "app.sync",
+                "concurrency_key": "{a:>400000000}",
+                "concurrency_limit": 1,
+                "parameters": ["a"],
+            }
+        },
+        NOW,
+    )
+    found = Catalog(store)
+    await found.load()
+    with pytest.raises(InvalidJobError, match="conversion or format spec"):
+        found.job_spec(protocol.JobRequest(task="app.sync", args=[1]), NOW, allow_unknown=False)
+
+
+async def test_gone_workers_are_forgotten_after_the_grace_connected_ones_never() -> None:
+    store = MemoryAdapter()
+    found = Catalog(store)
+    await found.load()
+    found.record("gone", [_declared("app.a"), _declared("app.b")], NOW)
+    found.record("live", [_declared("app.a")], NOW)
+    for worker in ("gone", "live"):
+        await found.save(worker, {"app.a": {"name": "app.a"}}, NOW)
+    grace = timedelta(hours=1)
+    assert await found.forget({"live"}, NOW + timedelta(minutes=59), grace) == 0
+    assert await found.forget({"live"}, NOW + timedelta(hours=2), grace) == 2
+    assert [(r.task, r.worker_id) for r in found.records()] == [("app.a", "live")]
+    assert found.declared("app.b") is None
+    assert [(r.task, r.worker_id) for r in await store.task_catalog()] == [("app.a", "live")]
+    # The live worker was seen at each pass: once it goes, the grace runs from then.
+    assert await found.forget(set(), NOW + timedelta(hours=2, minutes=59), grace) == 0
+    assert await found.forget(set(), NOW + timedelta(hours=3, minutes=1), grace) == 1
+    assert not found.in_use and await store.task_catalog() == []
 
 
 def test_a_worker_declares_what_task_says() -> None:
@@ -162,3 +286,22 @@ def test_a_by_name_request_sends_only_what_was_said() -> None:
     assert (request.priority, request.max_attempts, request.execution_mode) == (None, None, None)
     whole = protocol.JobRequest.from_spec(spec)
     assert (whole.priority, whole.max_attempts) == (0, 11)
+
+
+async def test_the_newest_declaration_still_wins_after_a_pass_marks_workers_seen() -> None:
+    found = Catalog(MemoryAdapter())
+    await found.load()
+    found.record("w-old", [_declared(queue="old")], NOW)
+    found.record("w-new", [_declared(queue="new")], NOW + timedelta(seconds=2))
+    found.record("w-gone", [_declared(queue="gone")], NOW + timedelta(seconds=1))
+    # Both live workers are seen at the same moment; dropping the gone one decides again.
+    await found.forget({"w-old", "w-new"}, NOW + timedelta(hours=2), timedelta(hours=1))
+    declared = found.declared("app.sync")
+    assert declared is not None and declared.queue == "new"
+    assert {r.seen_at for r in found.records()} == {NOW + timedelta(hours=2)}
+
+
+@pytest.mark.parametrize(("grace", "rule"), [(0, "positive"), (1e12, "at most a hundred years")])
+def test_the_task_grace_is_a_positive_span_a_date_can_hold(grace: float, rule: str) -> None:
+    with pytest.raises(ConfigurationError, match=f"task_grace must be {rule}"):
+        MainSettings(task_grace=grace).validate()

@@ -101,6 +101,10 @@ def test_bad_templates_are_refused_at_registration(registry: TaskRegistry) -> No
         ("sync:{0}", "must name parameters"),
         ("sync:{}", "must name parameters"),
         ("sync:{account_id", "not a valid template"),
+        # A width would make every job's key that long (issue 30: 400 MB an enqueue).
+        ("sync:{account_id:>400000000}", "conversion or format spec"),
+        ("sync:{account_id!r}", "conversion or format spec"),
+        ("sync:{account_id:{account_id}}", "conversion or format spec"),
     ]:
         with pytest.raises(ConfigurationError, match=message):
             task(name="t", concurrency_key=template, concurrency_limit=1, registry=registry)(fn)
