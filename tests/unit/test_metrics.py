@@ -153,7 +153,7 @@ def test_the_dashboard_stays_on_loopback_unless_allowed() -> None:
         MainSettings(http_host="0.0.0.0", http_port=8080, allow_unauthenticated=True).validate()
     MainSettings(http_host="0.0.0.0", http_port=8080, http_read_token="r").validate()
     MainSettings(http_host="0.0.0.0", http_port=8080, http_allow_unauthenticated=True).validate()
-    with pytest.raises(ConfigurationError, match="refusing to listen on '0.0.0.0'"):
+    with pytest.raises(ConfigurationError, match=r"refusing to listen on '0\.0\.0\.0'"):
         MainSettings(
             host="0.0.0.0", http_host="0.0.0.0", http_port=8080, http_allow_unauthenticated=True
         ).validate()
