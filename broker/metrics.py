@@ -113,7 +113,8 @@ class _ByJob:
         return family
 
     def totals_by_queue(self) -> dict[str, float]:
-        """The counts summed over tasks (the dashboard's throughput); read at page loads."""
+        """The counts summed over tasks, by queue label (:func:`label`): the dashboard's
+        throughput, read at page loads."""
         totals: dict[str, float] = {}
         for (queue, _), value in self.counts.items():
             totals[queue] = totals.get(queue, 0.0) + value

@@ -57,7 +57,7 @@ from broker.bounds import CELL_CHARS, DASHBOARD_REQUESTS, PAGE_ROWS, VALUE_BYTES
 from broker.exceptions import BrokerError
 from broker.jobs import ExecutionMode, JobStatus, utcnow
 from broker.main import Main
-from broker.metrics import CONTENT_TYPE, MainExposition, MainLevels, WorkerLevels
+from broker.metrics import CONTENT_TYPE, MainExposition, MainLevels, WorkerLevels, label
 from broker.storage import QueueCount
 from broker.worker import Worker
 
@@ -485,7 +485,7 @@ class Dashboard:
                     f"<td>{name}</td>",
                     *(_td(counts[s.value], numeric=True) for s in JobStatus),
                     _td("" if age is None else f"{age:.1f} s", numeric=True),
-                    _td(f"{rates.get(q['queue'], 0.0):.1f}", numeric=True),
+                    _td(f"{rates.get(label(q['queue']), 0.0):.1f}", numeric=True),
                 ]
             )
         headers = ["queue", *(s.value for s in JobStatus), "oldest due", "completed/min"]
