@@ -474,12 +474,11 @@ class Dashboard:
         for q in queues:
             counts = q["counts"]
             age = q["oldest_queued_age_seconds"]
-            link = "/jobs?" + urlencode({"queue": q["queue"]})
-            name = (
-                f'<a href="{_e(link)}">{_cut(q["queue"])}</a>'
-                if len(link) <= MAX_LINK_BYTES
-                else _cut(q["queue"])
-            )
+            name = _cut(q["queue"])
+            # A name longer than the link bound is never encoded whole (it may be megabytes).
+            link = "/jobs?" + urlencode({"queue": q["queue"][: MAX_LINK_BYTES + 1]})
+            if len(q["queue"]) <= MAX_LINK_BYTES and len(link) <= MAX_LINK_BYTES:
+                name = f'<a href="{_e(link)}">{name}</a>'
             rows.append(
                 [
                     f"<td>{name}</td>",
