@@ -146,3 +146,108 @@ BOUNDS += [
         section="Task catalog",
     ),
 ]
+
+# ---------------------------------------------------------------- metrics and the dashboard
+# (broker.metrics, broker.web): what one scrape or one page load can cost the main, however
+# many queues and tasks the store holds and however long their names are.
+
+_HTTP = "The HTTP port"
+
+MAX_LABEL_SETS = 100
+"""Distinct label sets (queue, or queue and task) one metric shows by name; the rest are
+counted under ``"_other"``."""
+
+MAX_LABEL_BYTES = 64
+"""Longest metric label value, as UTF-8; a longer name is cut and ends in ``…``."""
+
+MAX_METRICS_BYTES = 1 << 20
+"""What one ``/metrics`` answer may weigh. Not a cut (a cut exposition would not parse):
+the two bounds above keep the worst case (every label at its length and escaped) under
+it, and a test renders that worst case."""
+
+PAGE_ROWS = 100
+"""Rows on one dashboard page (queues, workers, jobs, recoveries); the rest are on the
+next pages."""
+
+CELL_CHARS = 120
+"""Characters of a name or value shown in a dashboard cell; a longer one is cut, ending
+in ``…``."""
+
+VALUE_BYTES = 64 << 10
+"""Bytes of a job's arguments, result, checkpoint or error shown on its page (escaped
+HTML); the rest is left out with a note (``broker job ID`` prints it whole)."""
+
+MAX_PAGE_BYTES = 1 << 20
+"""What one dashboard page may weigh: the bounds above keep every page's worst case
+under it, and a test loads pages built of the longest names."""
+
+DASHBOARD_REQUESTS = 2
+"""The dashboard's requests to the request service in progress at once. Its own slots,
+never the clients' (``max_requests``): a page load or an id search, which needs no
+client credential, cannot hold back a client."""
+
+BOUNDS += [
+    Bound(
+        "Label sets per metric (by queue, or queue and task)",
+        f"{MAX_LABEL_SETS}",
+        None,
+        'counted under `queue="_other"` (and `task="_other"`)',
+        _HTTP,
+    ),
+    Bound(
+        "A metric label value (a queue or task name)",
+        f"{MAX_LABEL_BYTES} bytes",
+        None,
+        "cut, ending in `…`",
+        _HTTP,
+    ),
+    Bound(
+        "One `/metrics` answer",
+        "1 MiB",
+        None,
+        "cannot happen: the two bounds above keep the worst case under it",
+        _HTTP,
+    ),
+    Bound(
+        "Rows on one dashboard page",
+        f"{PAGE_ROWS}",
+        None,
+        "the rest on the next pages (`Next page`)",
+        _HTTP,
+    ),
+    Bound(
+        "A name or value in a dashboard cell",
+        f"{CELL_CHARS} characters",
+        None,
+        "cut, ending in `…`",
+        _HTTP,
+    ),
+    Bound(
+        "A job's arguments, result, checkpoint or error on its page",
+        "64 KiB each",
+        None,
+        "cut, with a note; `broker job ID` prints it whole",
+        _HTTP,
+    ),
+    Bound(
+        "One dashboard page",
+        "1 MiB",
+        None,
+        "cannot happen: the bounds above keep the worst case under it",
+        _HTTP,
+    ),
+    Bound(
+        "Dashboard requests in progress (its own, never the clients' `--max-requests`)",
+        f"{DASHBOARD_REQUESTS}",
+        None,
+        "page loads and searches wait; clients never do",
+        _HTTP,
+    ),
+    Bound(
+        "`Host` header of a dashboard request (not `/healthz`)",
+        "loopback names and the `--http-host` address",
+        "--http-allowed-hosts",
+        "`421`, nothing read",
+        _HTTP,
+    ),
+]

@@ -377,8 +377,8 @@ def main_parser() -> argparse.ArgumentParser:
         "--allow-unauthenticated",
         action="store_true",
         default=_env_flag("BROKER_ALLOW_UNAUTHENTICATED"),
-        help="listen on a non-loopback address without credentials "
-        "[env BROKER_ALLOW_UNAUTHENTICATED]",
+        help="listen on a non-loopback address without credentials (the main's port only; "
+        "see --http-allow-unauthenticated) [env BROKER_ALLOW_UNAUTHENTICATED]",
     )
     _env_option(p, "--tls-cert", metavar="PEM", help="serve TLS with this certificate (chain)")
     _env_option(p, "--tls-key", metavar="PEM", help="the private key of --tls-cert")
@@ -536,6 +536,27 @@ def main_parser() -> argparse.ArgumentParser:
         type=int,
         help="port of the web dashboard, /metrics and /healthz (default: none, no HTTP)",
     )
+    _env_option(
+        p,
+        "--http-allowed-hosts",
+        default="",
+        metavar="NAMES",
+        help="comma-separated Host names the dashboard answers to besides loopback names "
+        "and --http-host (any other Host is refused: DNS rebinding)",
+    )
+    _env_option(
+        p,
+        "--http-read-token",
+        help="the secret every dashboard read and /metrics needs (a bearer token or a "
+        "Basic password; the operator secret reads too); default: none",
+    )
+    p.add_argument(
+        "--http-allow-unauthenticated",
+        action="store_true",
+        default=_env_flag("BROKER_HTTP_ALLOW_UNAUTHENTICATED"),
+        help="serve the dashboard off loopback with no --http-read-token; the main's port "
+        "keeps its own rule [env BROKER_HTTP_ALLOW_UNAUTHENTICATED]",
+    )
     _add_log_options(p)
     return p
 
@@ -580,6 +601,11 @@ async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | Non
         list_page_bytes=int(args.list_page_bytes),
         http_host=args.http_host,
         http_port=None if args.http_port is None else int(args.http_port),
+        http_allowed_hosts=tuple(
+            name.strip() for name in str(args.http_allowed_hosts).split(",") if name.strip()
+        ),
+        http_read_token=args.http_read_token or None,
+        http_allow_unauthenticated=args.http_allow_unauthenticated,
         **limits,
     )
     retention = Retention(

@@ -141,8 +141,17 @@ class MainSettings:
     http_host: str = "127.0.0.1"
     http_port: int | None = None
     """Where the web dashboard, ``/metrics`` and ``/healthz`` listen (``broker.web``);
-    ``None``: nowhere. Its pages show jobs' arguments to anyone who reaches them (only its
-    actions need the token), so an address off loopback needs ``allow_unauthenticated``."""
+    ``None``: nowhere. Its pages show jobs' arguments, so an address off loopback needs
+    ``http_read_token`` or ``http_allow_unauthenticated``."""
+    http_allowed_hosts: tuple[str, ...] = ()
+    """``Host`` names the dashboard answers to besides loopback names and ``http_host``
+    (a request naming any other host is refused: DNS rebinding)."""
+    http_read_token: str | None = None
+    """The secret every dashboard read and ``/metrics`` needs (the operator secret reads
+    too); ``None``: reads need none."""
+    http_allow_unauthenticated: bool = False
+    """Serve the dashboard off loopback with no read token. Only the HTTP port's: the
+    main's own port keeps its rule (``allow_unauthenticated``)."""
 
     @property
     def credentials(self) -> Credentials:
@@ -242,11 +251,14 @@ class MainSettings:
         if self.http_port is not None:
             checks.int_in_range("http_port", self.http_port, 0, 65535)
             checks.require(
-                self.allow_unauthenticated or _is_loopback(self.http_host),
-                f"refusing to serve the dashboard on {self.http_host!r}: its pages and /metrics "
-                "need no credential (only its actions do), so keep --http-host on loopback and "
-                "reach it through an authenticating proxy or a tunnel, or pass "
-                "--allow-unauthenticated if the network is private",
+                bool(self.http_read_token)
+                or self.http_allow_unauthenticated
+                or _is_loopback(self.http_host),
+                f"refusing to serve the dashboard on {self.http_host!r} with no read token: "
+                "its pages and /metrics show jobs' arguments, so set --http-read-token "
+                "(BROKER_HTTP_READ_TOKEN), keep --http-host on loopback and reach it through "
+                "a tunnel, or pass --http-allow-unauthenticated if the network is private "
+                "(--allow-unauthenticated is the main port's alone)",
             )
 
 

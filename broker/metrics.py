@@ -15,11 +15,13 @@ Two kinds, kept apart so the hot paths pay only for the first:
   worker already holds (:class:`MainLevels`, :class:`WorkerLevels`): nothing to keep in
   step, nothing on the hot path.
 
-Label values are bounded: queue and task names are the only free ones, and past
-:data:`MAX_LABEL_SETS` distinct pairs further ones are counted under ``"_other"``, so a
-client that invents a task name per job cannot grow the main's memory or a Prometheus
-server's series without bound. Every main and worker has its own registry (two mains in
-one test process never share a counter).
+Label values are bounded in number and in length: queue and task names are the only
+free ones; past :data:`MAX_LABEL_SETS` label sets of one metric further ones are counted
+under ``"_other"``, and a name longer than :data:`MAX_LABEL_BYTES` is cut (:func:`label`).
+So a client that invents a name per job, or a store holding names of megabytes (written
+before names had a bound), can neither grow the main's memory or a Prometheus server's
+series without bound nor make a scrape heavier than :data:`MAX_METRICS_BYTES`. Every main
+and worker has its own registry (two mains in one test process never share a counter).
 """
 
 from __future__ import annotations
@@ -44,16 +46,16 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from broker.bounds import MAX_LABEL_BYTES, MAX_LABEL_SETS, MAX_METRICS_BYTES
 from broker.jobs import ExecutionMode, Job, JobStatus, Outcome, Settlement
 from broker.storage import QueueCount, StorageAdapter
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """The Prometheus text exposition format that :func:`generate_latest` writes."""
 
-MAX_LABEL_SETS = 1000
-"""Distinct (queue, task) pairs counted by name; more are counted under ``"_other"``."""
-
 OTHER = "_other"
+
+_CUT = "…"
 
 _le = cast(Callable[[float], str], floatToGoString)
 """A bucket's bound as ``prometheus_client`` writes its ``le`` label."""
@@ -61,6 +63,20 @@ _le = cast(Callable[[float], str], floatToGoString)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _JOB_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def label(name: str) -> str:
+    """``name`` as a label value: itself when it fits in :data:`MAX_LABEL_BYTES` of UTF-8,
+    else cut to fit, ending in ``…`` (names sharing that start then share a series).
+
+    Cheap on the hot path: a name that short in characters needs no encoding, and a long
+    one is encoded only up to the bound, however long it is."""
+    if len(name) <= MAX_LABEL_BYTES // 4:
+        return name
+    head = name[: MAX_LABEL_BYTES + 1].encode()
+    if len(name) <= MAX_LABEL_BYTES and len(head) <= MAX_LABEL_BYTES:
+        return name
+    return head[: MAX_LABEL_BYTES - len(_CUT.encode())].decode(errors="ignore") + _CUT
 
 
 class _ByJob:
@@ -81,6 +97,10 @@ class _ByJob:
         key = (queue, task)
         if key in counts:
             counts[key] += amount
+            return
+        key = (label(queue), label(task))  # a name over the bound is never kept whole
+        if key in counts:
+            counts[key] += amount
         elif len(counts) >= MAX_LABEL_SETS:
             counts[_OTHERS] = counts.get(_OTHERS, 0) + amount
         else:
@@ -93,7 +113,8 @@ class _ByJob:
         return family
 
     def totals_by_queue(self) -> dict[str, float]:
-        """The counts summed over tasks (the dashboard's throughput); read at page loads."""
+        """The counts summed over tasks, by queue label (:func:`label`): the dashboard's
+        throughput, read at page loads."""
         totals: dict[str, float] = {}
         for (queue, _), value in self.counts.items():
             totals[queue] = totals.get(queue, 0.0) + value
@@ -118,6 +139,9 @@ class _ByQueue:
 
     def observe(self, labels: tuple[str, ...], value: float) -> None:
         series = self.series.get(labels)
+        if series is None:
+            labels = (label(labels[0]), *labels[1:])
+            series = self.series.get(labels)
         if series is None:
             if len(self.series) >= MAX_LABEL_SETS:
                 labels = (OTHER, *labels[1:])
@@ -382,15 +406,8 @@ class _MainLevelsCollector(Collector):
             "How long the oldest due job of the queue has waited (0: none is due).",
             labels=["queue"],
         )
-        seen: dict[str, dict[str, int]] = {}
-        ages: dict[str, float] = {}
-        for row in levels.counts:
-            per = seen.setdefault(row.queue, {s.value: 0 for s in JobStatus})
-            per[row.status.value] += row.count
-            if row.status is JobStatus.QUEUED and row.oldest_run_at is not None:
-                age = (levels.now - row.oldest_run_at).total_seconds()
-                ages[row.queue] = max(ages.get(row.queue, 0.0), age, 0.0)
-        for queue, per in sorted(seen.items()):
+        seen, ages = _by_queue(levels)
+        for queue, per in seen.items():
             for status, count in per.items():
                 depth.add_metric([queue, status], count)
             oldest.add_metric([queue], ages.get(queue, 0.0))
@@ -415,6 +432,34 @@ class _MainLevelsCollector(Collector):
         )
 
 
+def _by_queue(levels: MainLevels) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
+    """Jobs by queue and status, and each queue's oldest due wait, for at most
+    :data:`MAX_LABEL_SETS` queues: those with the most queued jobs (then the most jobs),
+    by name; the rest summed under ``"_other"`` (its oldest wait: the longest of theirs)."""
+    seen: dict[str, dict[str, int]] = {}
+    ages: dict[str, float] = {}
+    for row in levels.counts:
+        queue = label(row.queue)
+        per = seen.setdefault(queue, {s.value: 0 for s in JobStatus})
+        per[row.status.value] += row.count
+        if row.status is JobStatus.QUEUED and row.oldest_run_at is not None:
+            age = (levels.now - row.oldest_run_at).total_seconds()
+            ages[queue] = max(ages.get(queue, 0.0), age, 0.0)
+    if len(seen) <= MAX_LABEL_SETS:
+        return dict(sorted(seen.items())), ages
+    queued = JobStatus.QUEUED.value
+    ranked = sorted(seen, key=lambda q: (-seen[q][queued], -sum(seen[q].values()), q))
+    kept = sorted(ranked[:MAX_LABEL_SETS])
+    other = {s.value: 0 for s in JobStatus}
+    for queue in ranked[MAX_LABEL_SETS:]:
+        for status, count in seen[queue].items():
+            other[status] += count
+    shown = {q: seen[q] for q in kept}
+    shown[OTHER] = other
+    other_age = max((ages.get(q, 0.0) for q in ranked[MAX_LABEL_SETS:]), default=0.0)
+    return shown, {**{q: ages[q] for q in kept if q in ages}, OTHER: other_age}
+
+
 def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, text, value=value)
 
@@ -428,6 +473,8 @@ class MainExposition:
         metrics.registry.register(self._levels)
 
     def render(self, levels: MainLevels) -> bytes:
+        """The exposition: at most :data:`MAX_METRICS_BYTES` by construction (see the
+        module's docstring), which ``tests/unit/test_metrics.py`` renders at its worst."""
         self._levels.levels = levels
         return self.metrics.exposition()
 
@@ -488,10 +535,13 @@ class WorkerLevels(Collector):
 
 __all__ = [
     "CONTENT_TYPE",
+    "MAX_LABEL_BYTES",
     "MAX_LABEL_SETS",
+    "MAX_METRICS_BYTES",
     "MainExposition",
     "MainLevels",
     "MainMetrics",
     "MeasuredStore",
     "WorkerLevels",
+    "label",
 ]

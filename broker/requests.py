@@ -58,10 +58,11 @@ class Requests:
 
     async def answer(self, msg: protocol.Message) -> protocol.Message:
         """A request from the main's own web dashboard (:mod:`broker.web`): answered as a
-        client's is, under the same cap on requests in progress, with the same wake-ups
-        and stops; an error is raised, not sent."""
-        async with self._slots:
-            return await self._answer(msg)
+        client's is, with the same wake-ups and stops; an error is raised, not sent. It
+        takes none of the clients' slots: the dashboard bounds its own requests
+        (:data:`broker.bounds.DASHBOARD_REQUESTS`), so its reads, which need no client
+        credential, can never hold a client back."""
+        return await self._answer(msg)
 
     async def _run(self, session: Session, msg: protocol.Message) -> None:
         if isinstance(msg, protocol.Enqueue):

@@ -7,12 +7,26 @@ HTTP parser, where Starlette would need uvicorn beside it.
 
 Every read and action goes through the main's request service (:meth:`Requests.answer`
 with the same messages a client sends), so a retry or a cancel here is checked, woken and
-stopped on its worker exactly as ``broker retry`` / ``broker cancel`` are. Actions need
-the main's operator secret (``--operator-token``, or the shared ``--token``; a form field
-``token`` or ``Authorization: Bearer``); a main without one has no dashboard actions,
-since a page on a loopback port is still reachable by any web page the operator's
-browser opens. The dashboard speaks plain HTTP: keep it on loopback (see
-docs/howto/security.md).
+stopped on its worker exactly as ``broker retry`` / ``broker cancel`` are. Those requests
+take the dashboard's own slots (:data:`DASHBOARD_REQUESTS`), never the clients': a page
+load or an id search, which needs no client credential, cannot hold a client back.
+Actions need the main's operator secret (``--operator-token``, or the shared ``--token``;
+a form field ``token`` or ``Authorization: Bearer``); a main without one has no dashboard
+actions, since a page on a loopback port is still reachable by any web page the
+operator's browser opens.
+
+Reads are guarded too (:func:`_guard`, before any handler runs): a request whose ``Host``
+is not a loopback name, the ``--http-host`` address or one of ``--http-allowed-hosts`` is
+refused, so a page that rebinds its own DNS name to 127.0.0.1 reads nothing; with
+``--http-read-token`` every read needs it (or the operator secret), as a bearer token or
+a Basic password, which a browser prompts for. Every answer carries a CSP that admits
+only this page's own style and script and no framing, ``nosniff``, no referrer and
+``no-store``. ``/healthz`` alone is open, for load balancers. The dashboard speaks plain
+HTTP: keep it on loopback or behind a proxy with TLS (see docs/howto/security.md).
+
+Every page has a size bound (:data:`broker.bounds.MAX_PAGE_BYTES`): at most
+:data:`PAGE_ROWS` rows, the rest on further pages; names and values cut to
+:data:`CELL_CHARS`; a job's payloads to :data:`VALUE_BYTES`.
 
 The pages are plain HTML written here (every value escaped), with a few lines of vanilla
 JavaScript that re-fetch the live part of the page every two seconds: no build step.
@@ -21,8 +35,11 @@ JavaScript that re-fetch the live part of the page every two seconds: no build s
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import hashlib
 import html
-import json
+import ipaddress
 import secrets
 import time
 import uuid
@@ -32,13 +49,15 @@ from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
 
+import msgspec
 from aiohttp import web
 
 from broker import protocol
+from broker.bounds import CELL_CHARS, DASHBOARD_REQUESTS, PAGE_ROWS, VALUE_BYTES
 from broker.exceptions import BrokerError
 from broker.jobs import ExecutionMode, JobStatus, utcnow
 from broker.main import Main
-from broker.metrics import CONTENT_TYPE, MainExposition, MainLevels, WorkerLevels
+from broker.metrics import CONTENT_TYPE, MainExposition, MainLevels, WorkerLevels, label
 from broker.storage import QueueCount
 from broker.worker import Worker
 
@@ -47,10 +66,21 @@ COUNTS_MAX_AGE = 2.0
 large store is not free, and a second-old depth is fresh enough for either."""
 
 REFRESH_MS = 2000
-PAGE_SIZES = (20, 50, 100)
+PAGE_SIZES = (20, 50, PAGE_ROWS)
 PREFIX_SCAN_LIMIT = 10_000
 """Newest jobs searched for an id prefix (the store has no prefix index)."""
 THROUGHPUT_WINDOW = 60.0
+MAX_LINK_BYTES = 4096
+"""Longest link the dashboard writes (a filter by a queue's name): well under aiohttp's
+8190-byte request line, so every link it writes can be followed. A longer name (one
+stored before names had a bound) is shown without its link."""
+
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+"""Host names every dashboard answers to, besides loopback addresses."""
+
+OPEN_PATHS = frozenset({"/healthz"})
+"""Paths answered whatever the ``Host`` and without the read credential: a load
+balancer's probe names the address it dialled, and the answer says nothing."""
 
 _STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#1d2430;background:#f6f7f9}
@@ -91,6 +121,26 @@ _SCRIPT = """
 })();
 """.replace("REFRESH_MS", str(REFRESH_MS))
 
+
+def _csp_hash(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+SECURITY_HEADERS = {
+    # Only this page's own style and script run, it talks only to its own origin, and no
+    # other site may frame it (a click-jacked "Retry") or read it sniffed as a script.
+    "Content-Security-Policy": (
+        f"default-src 'none'; style-src {_csp_hash(_STYLE)}; script-src {_csp_hash(_SCRIPT)}; "
+        "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
+    ),
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    # Jobs' arguments and results must not stay in a browser's or a proxy's cache.
+    "Cache-Control": "no-store",
+}
+"""Set on every answer of the dashboard's port, errors included."""
+
 _VIEWS = (
     ("/", "Queues"),
     ("/workers", "Workers"),
@@ -102,6 +152,86 @@ _VIEWS = (
 
 def _e(value: object) -> str:
     return html.escape("" if value is None else str(value), quote=True)
+
+
+def _cut(value: object) -> str:
+    """``value`` as shown in a cell: escaped, its text cut to :data:`CELL_CHARS`."""
+    text = "" if value is None else str(value)
+    if len(text) > CELL_CHARS:
+        text = text[: CELL_CHARS - 1] + "…"
+    return _e(text)
+
+
+def _pre(text: str, ident: str = "") -> str:
+    """``text`` in a ``<pre>``, escaped and cut to :data:`VALUE_BYTES` bytes of UTF-8
+    (never inside an entity), with a note when anything was left out."""
+    head = html.escape(text[: VALUE_BYTES + 1], quote=True)
+    data = head.encode()
+    attribute = f' id="{ident}"' if ident else ""
+    if len(text) <= VALUE_BYTES and len(data) <= VALUE_BYTES:
+        return f"<pre{attribute}>{head}</pre>"
+    cut = data[:VALUE_BYTES].decode(errors="ignore")
+    if cut.rfind("&") > cut.rfind(";"):
+        cut = cut[: cut.rfind("&")]
+    return (
+        f'<pre{attribute}>{cut}</pre><p class="muted cut">Cut at {VALUE_BYTES >> 10} KiB '
+        f"of {len(text):,} characters: <code>broker job ID</code> prints it whole.</p>"
+    )
+
+
+def _json(value: object) -> str:
+    """A stored value as indented JSON, formatted by msgspec in C, so a 16 MiB payload
+    costs the loop milliseconds, not the seconds ``json.dumps`` takes."""
+    return msgspec.json.format(msgspec.json.encode(value), indent=2).decode()
+
+
+def host_allowed(header: str | None, allowed: frozenset[str]) -> bool:
+    """Whether a request's ``Host`` names this dashboard: a loopback name or address, or
+    one of ``allowed`` (lower case), with any port. A DNS-rebinding page's requests carry
+    its own name, so they are refused; a missing ``Host`` is too."""
+    if not header:
+        return False
+    name = header.strip().lower()
+    if name.startswith("["):
+        name = name[1:].partition("]")[0]
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    name = name.removesuffix(".")
+    if name in allowed or name in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts(http_host: str, extra: Iterable[str]) -> frozenset[str]:
+    """The names a dashboard answers to besides loopback: its own listen address (unless
+    a wildcard) and the operator's ``--http-allowed-hosts``."""
+    names = {name.strip().lower().removesuffix(".") for name in extra if name.strip()}
+    if http_host not in ("", "0.0.0.0", "::"):
+        names.add(http_host.lower().strip("[]"))
+    return frozenset(names)
+
+
+def _credential(request: web.Request) -> str:
+    """The secret an ``Authorization`` header carries: a bearer token, or a Basic
+    password (what a browser prompts for; the user name is ignored)."""
+    header = request.headers.get("Authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() == "bearer":
+        return value.strip()
+    if scheme.lower() == "basic":
+        try:
+            decoded = base64.b64decode(value.strip(), validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            return ""
+        return decoded.partition(":")[2]
+    return ""
+
+
+def _matches(given: str, secret: str | None) -> bool:
+    return bool(secret) and secrets.compare_digest(given.encode(), (secret or "").encode())
 
 
 def _time(value: object) -> str:
@@ -124,11 +254,43 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[str]], empty: str) ->
 
 
 def _td(value: object, *, numeric: bool = False) -> str:
-    return f'<td class="n">{_e(value)}</td>' if numeric else f"<td>{_e(value)}</td>"
+    return f'<td class="n">{_cut(value)}</td>' if numeric else f"<td>{_cut(value)}</td>"
 
 
 def _status(value: object) -> str:
-    return f'<span class="st {_e(value)}">{_e(value)}</span>'
+    return f'<span class="st {_cut(value)}">{_cut(value)}</span>'
+
+
+def _paged(request: web.Request, items: Sequence[Any]) -> tuple[Sequence[Any], str]:
+    """The rows of the page the query asks for (``page``, from 1; :data:`PAGE_ROWS` a
+    page) and the links to the pages beside it."""
+    try:
+        page = int(request.query.get("page") or 1)
+    except ValueError:
+        raise web.HTTPBadRequest(text="bad page: not a number") from None
+    if page < 1:
+        raise web.HTTPBadRequest(text="bad page: pages start at 1")
+    start = (page - 1) * PAGE_ROWS
+    shown = items[start : start + PAGE_ROWS]
+    if len(items) <= PAGE_ROWS and page == 1:
+        return shown, ""
+    query = {k: v for k, v in request.query.items() if k not in ("page", "msg")}
+
+    def link(number: int, text: str, anchor: str) -> str:
+        href = request.path + "?" + urlencode({**query, "page": str(number)})
+        return f'<a id="{anchor}" href="{_e(href)}">{text}</a>'
+
+    links = []
+    if page > 1:
+        links.append(link(page - 1, "Previous page", "previous"))
+    if start + PAGE_ROWS < len(items):
+        links.append(link(page + 1, "Next page", "next"))
+    where = (
+        f"Rows {start + 1} to {start + len(shown)} of {len(items)}"
+        if shown
+        else f"No rows on page {page} (of {len(items)} rows)"
+    )
+    return shown, f'<p class="pages">{where}. {" ".join(links)}</p>'
 
 
 def _action(path: str, label: str, **fields: str) -> str:
@@ -156,7 +318,18 @@ class Dashboard:
         self._completed: deque[tuple[float, dict[str, float]]] = deque()
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
-        app = web.Application()
+        self._slots = asyncio.Semaphore(DASHBOARD_REQUESTS)
+        settings = main.settings
+        self._hosts = allowed_hosts(host, settings.http_allowed_hosts)
+        self._read_secrets = (
+            (settings.http_read_token, settings.credentials.operator)
+            if settings.http_read_token
+            else ()
+        )
+        """The secrets a read may show when a read credential is set (the operator's
+        secret reads too); empty: reads need none."""
+        app = web.Application(middlewares=[self._guard])
+        app.on_response_prepare.append(_secure)
         app.add_routes(
             [
                 web.get("/", self._queues),
@@ -196,8 +369,34 @@ class Dashboard:
 
     # ------------------------------------------------------------------ data
 
+    @web.middleware
+    async def _guard(
+        self, request: web.Request, handler: Callable[[web.Request], Any]
+    ) -> web.StreamResponse:
+        """Refuse, before anything is read, a request for another host (DNS rebinding)
+        and, with a read credential set, one without it."""
+        if request.path not in OPEN_PATHS:
+            if not host_allowed(request.headers.get("Host"), self._hosts):
+                return web.Response(
+                    status=421,
+                    text="refused: this dashboard does not answer to that Host (a name "
+                    "it should answer to goes in --http-allowed-hosts)\n",
+                )
+            if self._read_secrets:
+                given = _credential(request)
+                if not any(_matches(given, secret) for secret in self._read_secrets):
+                    return web.Response(
+                        status=401,
+                        text="refused: this dashboard needs its read token "
+                        "(--http-read-token), as a bearer token or a Basic password\n",
+                        headers={"WWW-Authenticate": 'Basic realm="broker", charset="UTF-8"'},
+                    )
+        response: web.StreamResponse = await handler(request)
+        return response
+
     async def _ask(self, msg: protocol.Message) -> Any:
-        return await self.main.requests.answer(msg)
+        async with self._slots:  # the dashboard's own, never a client's
+            return await self.main.requests.answer(msg)
 
     async def _job_counts(self) -> list[QueueCount]:
         async with self._counts_lock:
@@ -243,7 +442,7 @@ class Dashboard:
         header = request.headers.get("Authorization", "")
         if header.startswith("Bearer "):
             given = header.removeprefix("Bearer ")
-        return secrets.compare_digest(given.encode(), token.encode())
+        return _matches(given, token)
 
     # ------------------------------------------------------------------ pages
 
@@ -271,20 +470,25 @@ class Dashboard:
         status = await self._ask(protocol.Status(request_id="web"))
         rates = self._throughput()
         rows = []
-        for q in status.status["queues"]:
+        queues, pages = _paged(request, status.status["queues"])
+        for q in queues:
             counts = q["counts"]
             age = q["oldest_queued_age_seconds"]
-            link = "/jobs?" + urlencode({"queue": q["queue"]})
+            name = _cut(q["queue"])
+            # A name longer than the link bound is never encoded whole (it may be megabytes).
+            link = "/jobs?" + urlencode({"queue": q["queue"][: MAX_LINK_BYTES + 1]})
+            if len(q["queue"]) <= MAX_LINK_BYTES and len(link) <= MAX_LINK_BYTES:
+                name = f'<a href="{_e(link)}">{name}</a>'
             rows.append(
                 [
-                    f'<td><a href="{_e(link)}">{_e(q["queue"])}</a></td>',
+                    f"<td>{name}</td>",
                     *(_td(counts[s.value], numeric=True) for s in JobStatus),
                     _td("" if age is None else f"{age:.1f} s", numeric=True),
-                    _td(f"{rates.get(q['queue'], 0.0):.1f}", numeric=True),
+                    _td(f"{rates.get(label(q['queue']), 0.0):.1f}", numeric=True),
                 ]
             )
         headers = ["queue", *(s.value for s in JobStatus), "oldest due", "completed/min"]
-        live = _table(headers, rows, "No jobs in the store.")
+        live = _table(headers, rows, "No jobs in the store.") + pages
         prune = (
             '<section class=tools><form method="post" action="/prune" id="prune">'
             '<input type="hidden" name="token" value="">Prune finished jobs older than '
@@ -295,6 +499,7 @@ class Dashboard:
 
     async def _workers(self, request: web.Request) -> web.Response:
         status = await self._ask(protocol.Status(request_id="web"))
+        workers, pages = _paged(request, status.status["workers"] or [])
         rows = [
             [
                 _td(w["worker_id"]),
@@ -310,25 +515,29 @@ class Dashboard:
                 ),
                 _td("draining" if w["draining"] else "serving"),
             ]
-            for w in status.status["workers"] or []
+            for w in workers
         ]
         headers = ["worker", "host", "modes", "queues", "free credits", "running", "busy", "state"]
-        return self._page(request, "Workers", _table(headers, rows, "No worker is connected."))
+        live = _table(headers, rows, "No worker is connected.") + pages
+        return self._page(request, "Workers", live)
 
     async def _recoveries(self, request: web.Request) -> web.Response:
         status = await self._ask(protocol.Status(request_id="web"))
+        pending, pages = _paged(request, status.status["pending_recoveries"] or [])
         rows = [
-            [f'<td><a href="/jobs/{_e(r["job_id"])}">{_e(r["job_id"])}</a></td>']
-            for r in status.status["pending_recoveries"] or []
+            [f'<td><a href="/jobs/{_e(r["job_id"])}">{_e(r["job_id"])}</a></td>'] for r in pending
         ]
-        live = f"<p>Orphans waiting for their worker: {_e(status.status['orphans'])}</p>" + _table(
-            ["job (lease going back to the queue)"], rows, "No recovery is pending."
+        live = (
+            f"<p>Orphans waiting for their worker: {_e(status.status['orphans'])}</p>"
+            + _table(["job (lease going back to the queue)"], rows, "No recovery is pending.")
+            + pages
         )
         return self._page(request, "Pending recoveries", live)
 
     async def _schedules(self, request: web.Request) -> web.Response:
         scheduler = self.main.scheduler
         ticks = scheduler.ticks()
+        schedules, pages = _paged(request, scheduler.schedules)
         rows = [
             [
                 _td(s.name),
@@ -337,10 +546,11 @@ class Dashboard:
                 _td(f"cron {s.cron} ({s.timezone})" if s.cron else f"every {s.every}"),
                 _td(_time(t.isoformat()) if (t := ticks.get(s.name)) else ""),
             ]
-            for s in scheduler.schedules
+            for s in schedules
         ]
         headers = ["schedule", "task", "queue", "when", "next tick"]
-        return self._page(request, "Periodic schedules", _table(headers, rows, "No schedules."))
+        live = _table(headers, rows, "No schedules.") + pages
+        return self._page(request, "Periodic schedules", live)
 
     async def _jobs(self, request: web.Request) -> web.Response:
         query = request.query
@@ -441,7 +651,7 @@ class Dashboard:
                 break
         note = (
             f'<p class="muted">Searched the newest {seen} jobs for ids starting with '
-            f"{_e(prefix)!s}.</p>"
+            f"{_cut(prefix)}.</p>"
         )
         return found[: listing.limit], None, note
 
@@ -458,21 +668,21 @@ class Dashboard:
             actions.append(_action(f"/jobs/{job_id}/cancel", "Cancel"))
         fields = [
             ("status", _status(job["status"])),
-            ("task", _e(job["task"])),
-            ("queue", _e(job["queue"])),
-            ("priority", _e(job["priority"])),
-            ("mode", _e(job["execution_mode"])),
-            ("failed runs", _e(f"{job['attempts']} (at most {job['max_attempts']} runs)")),
-            ("lost runs", _e(_lost_runs(job))),
-            ("run at", _e(_time(job["run_at"]))),
-            ("created", _e(_time(job["created_at"]))),
-            ("updated", _e(_time(job["updated_at"]))),
-            ("worker", _e(job["worker_id"] or "")),
-            ("handed off", _e(_time(job["handed_off_at"]))),
-            ("timeout", _e("" if job["timeout"] is None else f"{job['timeout']} s")),
+            ("task", _cut(job["task"])),
+            ("queue", _cut(job["queue"])),
+            ("priority", _cut(job["priority"])),
+            ("mode", _cut(job["execution_mode"])),
+            ("failed runs", _cut(f"{job['attempts']} (at most {job['max_attempts']} runs)")),
+            ("lost runs", _cut(_lost_runs(job))),
+            ("run at", _cut(_time(job["run_at"]))),
+            ("created", _cut(_time(job["created_at"]))),
+            ("updated", _cut(_time(job["updated_at"]))),
+            ("worker", _cut(job["worker_id"] or "")),
+            ("handed off", _cut(_time(job["handed_off_at"]))),
+            ("timeout", _cut("" if job["timeout"] is None else f"{job['timeout']} s")),
             (
                 "last checkpoint",
-                _e(
+                _cut(
                     f"{_time(job['checkpoint_at'])} (number {job['checkpoint_seq']})"
                     if job["checkpoint_at"]
                     else "none"
@@ -480,17 +690,17 @@ class Dashboard:
             ),
             (
                 "progress",
-                _e(
+                _cut(
                     f"{job['progress']:.0%} {job['progress_message'] or ''}".rstrip()
                     if job["progress"] is not None
                     else ""
                 ),
             ),
-            ("idempotency key", _e(job["idempotency_key"] or "")),
-            ("unique key", _e(job["unique_key"] or "")),
+            ("idempotency key", _cut(job["idempotency_key"] or "")),
+            ("unique key", _cut(job["unique_key"] or "")),
             (
                 "concurrency",
-                _e(
+                _cut(
                     f"{job['concurrency_key']} (limit {job['concurrency_limit']})"
                     if job["concurrency_key"]
                     else ""
@@ -501,13 +711,14 @@ class Dashboard:
         live = (
             f'<p id="job-id">{_e(job_id)} {" ".join(actions)}</p><table>{table}</table>'
             "<h2>Arguments</h2>"
-            f"<pre>{_e(json.dumps({'args': job['args'], 'kwargs': job['kwargs']}, indent=2))}</pre>"
-            f"<h2>Result</h2><pre>{_e(json.dumps(job['result'], indent=2))}</pre>"
-            "<h2>Last checkpoint</h2>"
-            f'<pre id="checkpoint">{_e(json.dumps(job["checkpoint"], indent=2))}</pre>'
-            "<h2>Last error</h2>"
-            f'<pre id="error">{_e(job["last_error"] or "none")}</pre>'
-            '<p class="muted">The store keeps a job\'s latest hand-off (worker and time) and '
+            + _pre(_json({"args": job["args"], "kwargs": job["kwargs"]}))
+            + "<h2>Result</h2>"
+            + _pre(_json(job["result"]))
+            + "<h2>Last checkpoint</h2>"
+            + _pre(_json(job["checkpoint"]), "checkpoint")
+            + "<h2>Last error</h2>"
+            + _pre(job["last_error"] or "none", "error")
+            + '<p class="muted">The store keeps a job\'s latest hand-off (worker and time) and '
             "its last error, not the earlier attempts.</p>"
         )
         return self._page(request, f"Job {str(job_id)[:8]}", live)
@@ -582,6 +793,11 @@ class Dashboard:
         """200 while the main serves; a load balancer needs no more (the store's health
         shows in the store error counters and in requests failing)."""
         return web.Response(text="ok\n")
+
+
+async def _secure(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer's :data:`SECURITY_HEADERS`, refusals and errors included."""
+    response.headers.update(SECURITY_HEADERS)
 
 
 def _job_id(request: web.Request) -> uuid.UUID:

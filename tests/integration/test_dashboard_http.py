@@ -4,20 +4,25 @@ token takes no action from the dashboard."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
 from adapters.sql import SQLAlchemyAdapter
+from broker.bounds import DASHBOARD_REQUESTS
+from broker.client import Client
 from broker.jobs import JobSpec, JobStatus
 from broker.main import Main
+from broker.storage import JobPage
 from broker.web import Dashboard
-from tests.support import FAST
+from tests.support import FAST, until
 
 TOKEN = "web-token"
 
@@ -105,3 +110,52 @@ async def test_a_main_without_a_token_takes_no_actions(tmp_path: Path) -> None:
         assert job is not None and job.status is JobStatus.QUEUED
         async with http.get(f"{url}/healthz") as response:
             assert response.status == 200
+
+
+class _StuckListings(SQLAlchemyAdapter):
+    """A store whose job listings, once ``stuck``, hang until released: the fault that
+    shows who holds a request slot meanwhile."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.stuck = False
+        self.release = asyncio.Event()
+        self.entered = 0
+
+    async def list_jobs(self, *args: Any, **kwargs: Any) -> JobPage:
+        if self.stuck:
+            self.entered += 1
+            await self.release.wait()
+        return await super().list_jobs(*args, **kwargs)
+
+
+async def test_dashboard_searches_never_take_the_clients_request_slots(tmp_path: Path) -> None:
+    """Twelve id searches, which need no credential, are stuck in the store: they hold
+    the dashboard's own slots only, so a client's request is answered at once (before,
+    they took all 8 of the clients' slots and the client waited for them)."""
+    store = _StuckListings(f"sqlite+aiosqlite:///{tmp_path / 'broker.db'}")
+    main = Main(store, replace(FAST, token=TOKEN), retention=None)
+    await main.start()
+    site = Dashboard(main, host="127.0.0.1", port=0)
+    await site.start()
+    job_id = await queued_job(main)
+    try:
+        async with (
+            aiohttp.ClientSession() as http,
+            Client("127.0.0.1", main.port, token=TOKEN) as client,
+        ):
+            url = f"http://127.0.0.1:{site.port}/jobs?id=abc"
+            store.stuck = True
+            searches = [asyncio.create_task(http.get(url)) for _ in range(12)]
+            await until(lambda: store.entered >= DASHBOARD_REQUESTS)
+            job = await asyncio.wait_for(client.get_job(job_id), 10.0)
+            assert job is not None and job["status"] == "queued"
+            assert store.entered == DASHBOARD_REQUESTS  # the other searches wait their turn
+            store.release.set()
+            for response in await asyncio.gather(*searches):
+                assert response.status == 200
+                response.release()
+    finally:
+        store.release.set()
+        await site.stop()
+        await main.stop()

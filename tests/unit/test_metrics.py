@@ -16,11 +16,14 @@ from broker.config import MainSettings
 from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus, Outcome, Settlement
 from broker.metrics import (
+    MAX_LABEL_BYTES,
     MAX_LABEL_SETS,
+    MAX_METRICS_BYTES,
     MainExposition,
     MainLevels,
     MainMetrics,
     MeasuredStore,
+    label,
 )
 from broker.storage import QueueCount
 
@@ -140,12 +143,83 @@ def test_levels_show_depth_and_the_oldest_due_job() -> None:
 
 
 def test_the_dashboard_stays_on_loopback_unless_allowed() -> None:
+    """Off loopback the dashboard needs a read token or its own opt-out; the main port's
+    ``allow_unauthenticated`` is not it, and the dashboard's opt-out lifts nothing on the
+    main's port."""
     MainSettings(http_port=8080).validate()
     with pytest.raises(ConfigurationError, match="refusing to serve the dashboard"):
         MainSettings(http_host="0.0.0.0", http_port=8080, token="t").validate()
-    MainSettings(http_host="0.0.0.0", http_port=8080, allow_unauthenticated=True).validate()
+    with pytest.raises(ConfigurationError, match="--http-allow-unauthenticated"):
+        MainSettings(http_host="0.0.0.0", http_port=8080, allow_unauthenticated=True).validate()
+    MainSettings(http_host="0.0.0.0", http_port=8080, http_read_token="r").validate()
+    MainSettings(http_host="0.0.0.0", http_port=8080, http_allow_unauthenticated=True).validate()
+    with pytest.raises(ConfigurationError, match=r"refusing to listen on '0\.0\.0\.0'"):
+        MainSettings(
+            host="0.0.0.0", http_host="0.0.0.0", http_port=8080, http_allow_unauthenticated=True
+        ).validate()
     with pytest.raises(ConfigurationError, match="http_port"):
         MainSettings(http_port=70000).validate()
+
+
+def _longest(n: int, char: str) -> str:
+    """A name that escapes to twice its length, far over the label bound."""
+    return f"{n}" + char * 4000
+
+
+def test_the_worst_exposition_stays_under_its_bound() -> None:
+    """Every label set of every metric used, every label value at its length and made of
+    characters that escape to two, and 3,000 queues of long names in the store: one
+    ``/metrics`` answer still weighs under :data:`MAX_METRICS_BYTES`, and parses."""
+    metrics = MainMetrics()
+    counters = (
+        metrics.enqueued,
+        metrics.started,
+        metrics.completed,
+        metrics.failed,
+        metrics.dead,
+        metrics.cancelled,
+    )
+    for n in range(3 * MAX_LABEL_SETS):
+        queue, task = _longest(n, '"'), _longest(n, "\\")
+        for counter in counters:
+            counter.inc(queue, task)
+        job = handed_off_job(queue=queue, task=task)
+        lease = job.handoff_id
+        assert lease is not None
+        metrics.handed_off(job)
+        later = NOW + timedelta(seconds=5)
+        metrics.settled(job, Settlement(job.id, lease, Outcome.COMPLETE), later)
+        metrics.settled(job, Settlement(job.id, lease, Outcome.FAIL, error="x"), later)
+    for operation in ("select", "claim", "settle", "checkpoint"):
+        metrics.store_call(operation, 0.1, failed=True)
+    counts = [
+        QueueCount(_longest(n, '"'), status, 5, NOW - timedelta(seconds=n))
+        for n in range(3000)
+        for status in JobStatus
+    ]
+    text = MainExposition(metrics).render(levels(counts=counts))
+    assert len(text) < MAX_METRICS_BYTES
+    got = samples(text)
+    depth = [labels for name, labels in got if name == "broker_queue_jobs"]
+    assert len(depth) == (MAX_LABEL_SETS + 1) * len(JobStatus)
+    other = frozenset({("queue", "_other"), ("status", "queued")})
+    assert got[("broker_queue_jobs", other)] == 5 * (3000 - MAX_LABEL_SETS)
+    for name, labels in got:
+        for _, value in labels:
+            assert len(value.encode()) <= MAX_LABEL_BYTES, name
+
+
+def test_a_long_name_is_cut_to_the_label_bound_and_kept_apart_from_short_ones() -> None:
+    assert label("mail") == "mail"
+    exact = "é" * (MAX_LABEL_BYTES // 2)
+    assert label(exact) == exact
+    cut = label("é" * MAX_LABEL_BYTES)
+    assert cut.endswith("…") and len(cut.encode()) <= MAX_LABEL_BYTES
+    metrics = MainMetrics()
+    metrics.enqueued.inc("q" * 10_000_000, "t")
+    metrics.enqueued.inc("q" * 10_000_000, "t")
+    [(key, count)] = metrics.enqueued.counts.items()
+    assert count == 2 and len(key[0].encode()) <= MAX_LABEL_BYTES
 
 
 class _StoreBeforeSkip(MemoryAdapter):
