@@ -462,9 +462,11 @@ class PayloadIntegrityError(StorageRejectedError):
 
 def payload_digest(text: str) -> str:
     """The SHA-256 of an offloaded value's stored text (ASCII JSON), as 64 hex digits:
-    what a store keeps beside the text and :func:`check_payload` compares. Hashing only
-    offloaded values (over the offload threshold) leaves the rows of a common claim
-    untouched; for one that is offloaded, hashing costs a fraction of its decoding."""
+    what a store keeps beside the text and :func:`check_payload` compares. Only offloaded
+    values (over the offload threshold) are hashed, so a common claim's rows cost what
+    they did; an offloaded one costs about 0.6 ms of CPU per MiB more at its write and
+    at each load (hashlib, with the CPU's SHA instructions): less than decoding as much
+    structured JSON, more than decoding one long string."""
     return hashlib.sha256(text.encode()).hexdigest()
 
 
