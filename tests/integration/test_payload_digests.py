@@ -91,3 +91,28 @@ async def test_a_payload_without_its_digest_fails_its_check(
         assert dead.last_error is not None and dead.last_error.startswith(INTEGRITY_ERROR)
     finally:
         await store.close()
+
+
+async def test_a_main_starts_beside_a_running_job_whose_payload_fails_its_check(
+    store_at: tuple[str, str | None],
+) -> None:
+    """A handed-off job's offloaded value edited while the main was down: the restarted
+    main loads its handoffs without their payloads, so it starts and holds the lease."""
+    from broker.main import Main, MainSettings
+    from tests.support import FAST
+
+    url, schema = store_at
+    store = SQLAlchemyAdapter(url, schema=schema)
+    await store.setup()
+    job = (await store.enqueue(JobSpec(task="t", args=[BIG]))).job
+    lease = uuid.uuid4()
+    assert await store.mark_handed_off(job.id, lease, "away") is not None
+    async with store._write("test") as conn:
+        await conn.execute(_sql(store, "UPDATE {s}broker_payloads SET body = '[1]'"))
+    main = Main(store, MainSettings(**{**FAST.__dict__, "orphan_grace": 30}), retention=None)
+    try:
+        await main.start()
+        assert main.handoff.orphans[lease].id == job.id
+    finally:
+        await main.stop()
+        await store.close()
