@@ -614,9 +614,12 @@ def _v14_payload_digests(conn: sa.Connection, schema: str | None) -> None:
             f"UPDATE {table} SET digest = encode(sha256(convert_to(body, 'UTF8')), 'hex')"
         )
         return
+    after = 0  # rowids start at 1; in their order, each round seeks past the last one read
     while True:
         rows = conn.exec_driver_sql(
-            f"SELECT rowid, body FROM {table} WHERE digest IS NULL LIMIT {_DIGEST_BACKFILL_ROWS}"
+            f"SELECT rowid, body FROM {table} WHERE rowid > ? ORDER BY rowid "
+            f"LIMIT {_DIGEST_BACKFILL_ROWS}",
+            (after,),
         ).fetchall()
         if not rows:
             return
@@ -624,6 +627,7 @@ def _v14_payload_digests(conn: sa.Connection, schema: str | None) -> None:
             f"UPDATE {table} SET digest = ? WHERE rowid = ?",
             [(payload_digest(body), rowid) for rowid, body in rows],
         )
+        after = rows[-1][0]
 
 
 Migration = Callable[[sa.Connection, str | None], None]
