@@ -370,7 +370,7 @@ def _fill(values: list[Any], bodies: Bodies | None) -> set[int]:
 
 
 def _claimed_jobs(
-    claims: Mapping[uuid.UUID, Claim], rows: Sequence[Any], build: Callable[[Any], Job]
+    claims: Collection[Claim], rows: Sequence[Any], build: Callable[[Any], Job]
 ) -> tuple[list[Job], list[Settlement]]:
     """The jobs of the ``rows`` a claim handed off (each built by ``build``), and the
     settlements that fail dead, under its claim's lease, each job whose offloaded value
@@ -383,13 +383,14 @@ def _claimed_jobs(
         return [build(r) for r in rows], []
     except PayloadIntegrityError:
         pass
+    by_id = {claim.job_id: claim for claim in claims}
     won: list[Job] = []
     refused: list[Settlement] = []
     for row in rows:
         try:
             won.append(build(row))
         except PayloadIntegrityError as exc:
-            claim = claims[exc.job_id]
+            claim = by_id[exc.job_id]
             logger.warning(
                 "job failed at claim job_id=%s handoff_id=%s worker_id=%s reason=%s",
                 exc.job_id,
@@ -984,13 +985,12 @@ def _claim_lite(conn: sqlite3.Connection, claims: list[Claim], now_us: int) -> l
     rest = [c for c in claims if c.job_id.hex not in taken]
     if rest:
         rows += _claim_keyed_lite(conn, rest, now_us, now)
-    by_id = {claim.job_id: claim for claim in claims}
     won, refused = _claimed_jobs(
-        by_id, rows, functools.partial(_lite_job, bodies=_lite_bodies(conn, rows))
+        claims, rows, functools.partial(_lite_job, bodies=_lite_bodies(conn, rows))
     )
     if refused:  # in the claim's transaction: the job is never seen handed off
         _settle_lite(conn, refused, now_us, None)
-    order = {job_id: i for i, job_id in enumerate(by_id)}
+    order = {claim.job_id: i for i, claim in enumerate(claims)}
     return sorted(won, key=lambda job: order[job.id])
 
 
@@ -2046,7 +2046,7 @@ class SQLAlchemyAdapter:
                 stored.extend(await self._claim_keyed(sql, conn, keyed, now_us, self._epoch))
             bodies = await _pg_bodies(sql, conn, stored)
         won, refused = _claimed_jobs(
-            wanted, stored, functools.partial(_job_from_row, bodies=bodies)
+            claims, stored, functools.partial(_job_from_row, bodies=bodies)
         )
         if refused:
             # The claim committed; the fenced settle of its leases fails these jobs dead.
