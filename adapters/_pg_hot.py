@@ -370,11 +370,14 @@ class HotSql:
         """
         # Offloaded payloads: read for the jobs whose rows carry the mark, written (or
         # replaced) in the transaction that writes the row they belong to.
-        self.payloads_of = f"SELECT job_id, kind, body FROM {p} WHERE job_id = ANY($1::uuid[])"
+        # Each with its SHA-256 (``digest``), which every load checks.
+        self.payloads_of = (
+            f"SELECT job_id, kind, body, digest FROM {p} WHERE job_id = ANY($1::uuid[])"
+        )
         self.put_payloads = f"""
-            INSERT INTO {p} (job_id, kind, body)
-            SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[])
-            ON CONFLICT (job_id, kind) DO UPDATE SET body = EXCLUDED.body
+            INSERT INTO {p} (job_id, kind, body, digest)
+            SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[])
+            ON CONFLICT (job_id, kind) DO UPDATE SET body = EXCLUDED.body, digest = EXCLUDED.digest
         """
         self.holders = f"""
             SELECT * FROM {t}

@@ -19,7 +19,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from broker.storage import SCHEMA_VERSION
+from broker.storage import SCHEMA_VERSION, payload_digest
 
 _QUEUED = "queued"
 _HANDED_OFF = "handed_off"
@@ -232,13 +232,19 @@ def selection(columns: Sequence[str], prefix: str = "") -> str:
     return ", ".join(out)
 
 
-def _define_payloads(md: sa.MetaData) -> sa.Table:
+PAYLOAD_DIGESTS_VERSION = 14
+"""The schema version from which every ``broker_payloads`` row has its ``digest``."""
+
+
+def _define_payloads(md: sa.MetaData, version: int = SCHEMA_VERSION) -> sa.Table:
     """Schema version 4's side table: one large JSON value of one job per row.
 
     Deleting a job deletes its payloads (``ON DELETE CASCADE``), whoever deletes it, so
     retention can never leave one behind. ``kind`` names the job column it stands in for
-    (see :data:`OFFLOADABLE`).
+    (see :data:`OFFLOADABLE`). From :data:`PAYLOAD_DIGESTS_VERSION`, ``digest`` holds the
+    SHA-256 of ``body`` (:func:`broker.storage.payload_digest`), checked at every load.
     """
+    digest = [sa.Column("digest", sa.Text())] if version >= PAYLOAD_DIGESTS_VERSION else []
     return sa.Table(
         "broker_payloads",
         md,
@@ -250,6 +256,7 @@ def _define_payloads(md: sa.MetaData) -> sa.Table:
         ),
         sa.Column("kind", sa.Text(), primary_key=True),
         sa.Column("body", sa.Text(), nullable=False),
+        *digest,
     )
 
 
@@ -428,7 +435,7 @@ def _v4_payloads(conn: sa.Connection, schema: str | None) -> None:
     """
     v4 = sa.MetaData()
     _define(v4, 4)
-    _define_payloads(v4).create(conn, checkfirst=False)
+    _define_payloads(v4, 4).create(conn, checkfirst=False)
 
 
 def _v6_recoveries(conn: sa.Connection, schema: str | None) -> None:
@@ -582,6 +589,47 @@ def _v13_quiet_inserts_skip_the_trigger(conn: sa.Connection, schema: str | None)
     )
 
 
+_DIGEST_BACKFILL_ROWS = 16
+"""Payload rows hashed per round of SQLite's version-14 backfill: each may be megabytes,
+so the migration holds a few at a time, never the whole table."""
+
+
+def _v14_payload_digests(conn: sa.Connection, schema: str | None) -> None:
+    """Version 14: ``broker_payloads.digest``, the SHA-256 of each offloaded value's text,
+    which every load checks (see :class:`broker.storage.SupportsOffload`).
+
+    Rows written before get theirs here, computed from their body as it stands at the
+    upgrade: they are trusted as they were stored (an older broker wrote no digest to
+    check them against), and from then on checked like any other. So after the
+    migration no row lacks a digest, and a load treats a missing one as a failed check
+    (only a hand edit can remove it). PostgreSQL hashes in one statement on the server;
+    SQLite has no SHA-256 function, so its rows are read and hashed a few at a time.
+    The column is nullable only because SQLite cannot add a NOT NULL column without a
+    default; the broker never writes a NULL.
+    """
+    table = _qualified(conn, schema, "broker_payloads")
+    conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN digest TEXT")
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(
+            f"UPDATE {table} SET digest = encode(sha256(convert_to(body, 'UTF8')), 'hex')"
+        )
+        return
+    after = 0  # rowids start at 1; in their order, each round seeks past the last one read
+    while True:
+        rows = conn.exec_driver_sql(
+            f"SELECT rowid, body FROM {table} WHERE rowid > ? ORDER BY rowid "
+            f"LIMIT {_DIGEST_BACKFILL_ROWS}",
+            (after,),
+        ).fetchall()
+        if not rows:
+            return
+        conn.exec_driver_sql(
+            f"UPDATE {table} SET digest = ? WHERE rowid = ?",
+            [(payload_digest(body), rowid) for rowid, body in rows],
+        )
+        after = rows[-1][0]
+
+
 Migration = Callable[[sa.Connection, str | None], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
@@ -598,6 +646,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (11, _v11_dispatch_by_mode),
     (12, _v12_no_creation_index),
     (13, _v13_quiet_inserts_skip_the_trigger),
+    (14, _v14_payload_digests),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

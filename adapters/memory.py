@@ -10,13 +10,17 @@ guarantee the SQL stores get from transactions.
 
 Large values are offloaded as in the SQL stores, into a dict of their own: the job
 kept in ``_jobs`` holds an empty value in their place, so the offload rules (what moves
-out, when it is loaded, that pruning takes it along) are exercised here too.
+out, when it is loaded, that pruning takes it along) are exercised here too. An
+offloaded value is kept as the SQL stores keep it, as JSON text beside its SHA-256, and
+checked and decoded at every load, so the integrity rules hold here as well.
 """
 
 from __future__ import annotations
 
 import base64
 import copy
+import json
+import logging
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
@@ -42,14 +46,35 @@ from broker.jobs import (
     ProgressUpdate,
     Settlement,
     check_idempotent_repeat,
+    compact_json,
     dispatch_key,
     utcnow,
 )
 from broker.payload import DEFAULT_OFFLOAD_BYTES, encoded_size
-from broker.storage import Capabilities, JobFilter, JobPage, QueueCount, TaskRecord
+from broker.storage import (
+    Capabilities,
+    JobFilter,
+    JobPage,
+    PayloadIntegrityError,
+    QueueCount,
+    TaskRecord,
+    check_payload,
+    payload_digest,
+)
+
+logger = logging.getLogger(__name__)
 
 _HOLLOW: dict[str, JSONValue] = {"args": (), "kwargs": {}, "result": None, "checkpoint": None}
 """What an offloaded field of a kept job holds; also how a summary shows a job."""
+
+
+_DECODE: dict[str, Callable[[str], JSONValue]] = {
+    "args": lambda text: tuple(json.loads(text)),
+    "kwargs": json.loads,
+    "result": json.loads,
+    "checkpoint": json.loads,
+}
+"""How each offloaded field is decoded from its stored text (args are a tuple in a job)."""
 
 
 class MemoryAdapter:
@@ -66,7 +91,8 @@ class MemoryAdapter:
         self._clock = clock
         self._offload_threshold = offload_threshold
         self._jobs: dict[uuid.UUID, Job] = {}
-        self._payloads: dict[tuple[uuid.UUID, str], JSONValue] = {}
+        self._payloads: dict[tuple[uuid.UUID, str], tuple[str, str]] = {}
+        """Offloaded values by ``(job id, field)``: their JSON text and its SHA-256."""
         self._by_idempotency_key: dict[str, uuid.UUID] = {}
         self._tasks: dict[tuple[str, str], TaskRecord] = {}
         """The task catalog, by ``(task, worker_id)``."""
@@ -255,7 +281,17 @@ class MemoryAdapter:
                 self._active_by_key[job.concurrency_key] += 1
             job = settlement.apply(job, settlement.hand_off(claim, now))
             self._put(job)
-            claimed.append(self._snapshot(job.id))
+            try:
+                claimed.append(self._snapshot(job.id))
+            except PayloadIntegrityError as exc:
+                logger.warning(
+                    "job failed at claim job_id=%s handoff_id=%s worker_id=%s reason=%s",
+                    job.id,
+                    claim.handoff_id,
+                    claim.worker_id,
+                    exc.detail,
+                )
+                self._settle(settlement.payload_refused(claim, exc))
         return claimed
 
     def _release_key(self, job: Job) -> None:
@@ -466,21 +502,26 @@ class MemoryAdapter:
             stored = list(value) if field == "args" else value
             limit = self._offload_threshold
             if limit is not None and value is not None and encoded_size(stored) > limit:
-                self._payloads[(job.id, field)] = value
+                text = compact_json(stored)
+                self._payloads[(job.id, field)] = (text, payload_digest(text))
                 moved[field] = _HOLLOW[field]
         return replace(job, **moved) if moved else job
 
     def _snapshot(self, job_id: uuid.UUID, *, payloads: bool = True) -> Job:
         """A deep copy, so callers can never mutate the store through a returned job; with
-        ``payloads=False`` offloaded values stay out (as dispatch's selection reads it)."""
-        job = self._jobs[job_id]
+        ``payloads=False`` offloaded values stay out (as dispatch's selection reads it).
+        Offloaded values are checked and decoded anew (so they are copies already), and
+        one that fails its check raises :class:`~broker.storage.PayloadIntegrityError`."""
+        job = copy.deepcopy(self._jobs[job_id])
         if payloads:
             loaded = {
-                f: self._payloads[(job_id, f)] for f in _HOLLOW if (job_id, f) in self._payloads
+                f: check_payload(job_id, f, *self._payloads[(job_id, f)], _DECODE[f])
+                for f in _HOLLOW
+                if (job_id, f) in self._payloads
             }
             if loaded:
                 job = replace(job, **loaded)
-        return copy.deepcopy(job)
+        return job
 
 
 def _summary(job: Job) -> Job:

@@ -129,8 +129,11 @@ from broker.storage import (
     JobFilter,
     JobPage,
     LeaderRecord,
+    PayloadIntegrityError,
     QueueCount,
     TaskRecord,
+    check_payload,
+    payload_digest,
 )
 from broker.untrusted import redact_url
 
@@ -295,8 +298,9 @@ _PAYLOADS_AT = operator.itemgetter(*(i for i, _ in _PAYLOAD_POSITIONS))
 """A row's payload columns, by position in :class:`Job`'s field order."""
 
 
-Bodies = Mapping[tuple[uuid.UUID, str], str]
-"""Offloaded payloads by ``(job id, column)``, as ``broker_payloads`` holds them."""
+Bodies = Mapping[tuple[uuid.UUID, str], tuple[str, str | None]]
+"""Offloaded payloads by ``(job id, column)``, as ``broker_payloads`` holds them: each
+one's text and the SHA-256 stored beside it (see :func:`broker.storage.check_payload`)."""
 
 
 def _is_offloaded(row: Mapping[Any, Any] | sqlite3.Row) -> bool:
@@ -321,29 +325,81 @@ def _job_from_values(values: list[Any], bodies: Bodies | None) -> Job:
     the keyword dict were most of its cost.
     """
     if OFFLOADED in _PAYLOADS_AT(values):
-        _fill(values, bodies)
+        return _job_with_bodies(values, bodies)
     for i, decode in _DECODED:
         values[i] = decode(values[i])
     return Job(*values)
 
 
-def _fill(values: list[Any], bodies: Bodies | None) -> None:
-    """Replace each offloaded column of ``values`` by its payload from ``bodies``."""
+def _job_with_bodies(values: list[Any], bodies: Bodies | None) -> Job:
+    """:func:`_job_from_values` for a row with an offloaded column: each such column is
+    checked and decoded as it is filled in (:func:`_fill`), the others as usual."""
+    loaded = _fill(values, bodies)
+    for i, decode in _DECODED:
+        if i not in loaded:
+            values[i] = decode(values[i])
+    return Job(*values)
+
+
+_DECODE_AT = dict(_DECODED)
+
+
+def _fill(values: list[Any], bodies: Bodies | None) -> set[int]:
+    """Replace each offloaded column of ``values`` by its payload from ``bodies``, checked
+    and decoded (:func:`broker.storage.check_payload`, which raises
+    :class:`~broker.storage.PayloadIntegrityError` for one that fails); returns the
+    positions it decoded."""
     job_id = values[_ID_AT]
+    loaded: set[int] = set()
     for i, column in _PAYLOAD_POSITIONS:
         if values[i] != OFFLOADED:
             continue
         if bodies is None:
             values[i] = HOLLOW[column]
             continue
-        body = bodies.get((job_id, column))
-        if body is None:
+        stored = bodies.get((job_id, column))
+        if stored is None:
             # The payload and its mark are written and deleted together: a reader that read
             # the row and the payloads apart reads both again when they disagree
             # (SQLAlchemyAdapter._read_with_bodies); only a hand-edited store gets here.
             # Saying so beats returning a job with its arguments gone.
             raise StorageError(f"job {job_id}: its offloaded {column} is missing")
-        values[i] = body
+        values[i] = check_payload(job_id, column, *stored, _DECODE_AT[i])
+        loaded.add(i)
+    return loaded
+
+
+def _claimed_jobs(
+    claims: Collection[Claim], rows: Sequence[Any], build: Callable[[Any], Job]
+) -> tuple[list[Job], list[Settlement]]:
+    """The jobs of the ``rows`` a claim handed off (each built by ``build``), and the
+    settlements that fail dead, under its claim's lease, each job whose offloaded value
+    failed its check (:func:`broker.settlement.payload_refused`).
+
+    The rows are built all at once first, as before; only when one fails its check are
+    they built again one by one: a claim whose payloads pass costs what it did, and one
+    bad value no longer fails the claim of every batch that holds it."""
+    try:
+        return [build(r) for r in rows], []
+    except PayloadIntegrityError:
+        pass
+    by_id = {claim.job_id: claim for claim in claims}
+    won: list[Job] = []
+    refused: list[Settlement] = []
+    for row in rows:
+        try:
+            won.append(build(row))
+        except PayloadIntegrityError as exc:
+            claim = by_id[exc.job_id]
+            logger.warning(
+                "job failed at claim job_id=%s handoff_id=%s worker_id=%s reason=%s",
+                exc.job_id,
+                claim.handoff_id,
+                claim.worker_id,
+                exc.detail,
+            )
+            refused.append(settlement.payload_refused(claim, exc))
+    return won, refused
 
 
 def _whole_jobs(rows: Sequence[Mapping[Any, Any]], bodies: Bodies) -> list[Job]:
@@ -366,8 +422,8 @@ def _lacks_body(row: Mapping[Any, Any], bodies: Bodies) -> bool:
     )
 
 
-Payload = tuple[uuid.UUID, str, str]
-"""One ``broker_payloads`` row: ``(job id, column, text)``."""
+Payload = tuple[uuid.UUID, str, str, str]
+"""One ``broker_payloads`` row: ``(job id, column, text, its SHA-256)``."""
 
 
 def _offload(
@@ -377,18 +433,19 @@ def _offload(
     holds the :data:`OFFLOADED` mark instead, and its text comes back as a payload row.
 
     ``row`` itself is left alone (a copy is made only when something moves). Texts are
-    ASCII (escaped JSON), so their length is their size in bytes.
+    ASCII (escaped JSON), so their length is their size in bytes. Each moved text
+    carries its SHA-256, which every load checks.
     """
     if threshold is None:
         return row, []
     moved = [
-        (job_id, column, text)
+        (job_id, column, text, payload_digest(text))
         for column in OFFLOADABLE
         if (text := row.get(column)) is not None and len(text) > threshold
     ]
     if not moved:
         return row, moved
-    return {**row, **{column: OFFLOADED for _, column, _ in moved}}, moved
+    return {**row, **{column: OFFLOADED for _, column, _, _ in moved}}, moved
 
 
 Insert = Callable[[list[dict[str, Any]], list[Payload]], Awaitable[set[uuid.UUID]]]
@@ -695,13 +752,13 @@ def _grant(
     return granted, taken
 
 
-async def _pg_bodies(sql: HotSql, conn: Any, rows: Sequence[Mapping[Any, Any]]) -> dict[Any, str]:
+async def _pg_bodies(sql: HotSql, conn: Any, rows: Sequence[Mapping[Any, Any]]) -> Bodies:
     """The offloaded payloads of ``rows`` (an asyncpg connection), in one query."""
     wanted = [r["id"] for r in rows if _is_offloaded(r)]
     if not wanted:
         return {}
     found = await conn.fetch(sql.payloads_of, wanted)
-    return {(r["job_id"], r["kind"]): r["body"] for r in found}
+    return {(r["job_id"], r["kind"]): (r["body"], r["digest"]) for r in found}
 
 
 async def _pg_put(sql: HotSql, conn: Any, moved: Sequence[Payload]) -> None:
@@ -710,14 +767,16 @@ async def _pg_put(sql: HotSql, conn: Any, moved: Sequence[Payload]) -> None:
         await conn.execute(sql.put_payloads, *(list(column) for column in zip(*moved, strict=True)))
 
 
-async def _sa_bodies(conn: AsyncConnection, rows: Sequence[Mapping[Any, Any]]) -> dict[Any, str]:
+async def _sa_bodies(conn: AsyncConnection, rows: Sequence[Mapping[Any, Any]]) -> Bodies:
     """The offloaded payloads of ``rows`` (a SQLAlchemy connection, or an application's
     connection that offers ``mappings()`` as :mod:`adapters._sql_statements` describes)."""
     wanted = [r["id"] for r in rows if _is_offloaded(r)]
-    bodies: dict[Any, str] = {}
+    bodies: dict[tuple[uuid.UUID, str], tuple[str, str | None]] = {}
     for chunk in _chunks(wanted):
         found = await conn.execute(sa.select(payloads).where(payloads.c.job_id.in_(chunk)))
-        bodies.update({(r["job_id"], r["kind"]): r["body"] for r in found.mappings()})
+        bodies.update(
+            {(r["job_id"], r["kind"]): (r["body"], r["digest"]) for r in found.mappings()}
+        )
     return bodies
 
 
@@ -769,17 +828,17 @@ def _lite_job(row: Sequence[Any], bodies: Bodies | None = None) -> Job:
     return _job_from_values(values, bodies)
 
 
-def _lite_bodies(conn: sqlite3.Connection, rows: Sequence[Sequence[Any]]) -> dict[Any, str]:
+def _lite_bodies(conn: sqlite3.Connection, rows: Sequence[Sequence[Any]]) -> Bodies:
     """The offloaded payloads of ``rows`` (of :data:`_LITE_COLUMNS`), in one query."""
     wanted = [r[_ID_AT] for r in rows if OFFLOADED in _PAYLOADS_AT(r)]
     if not wanted:
         return {}
     found = conn.execute(
-        "SELECT job_id, kind, body FROM broker_payloads "
+        "SELECT job_id, kind, body, digest FROM broker_payloads "
         "WHERE job_id IN (SELECT value FROM json_each(?))",
         (json.dumps(wanted),),
     )
-    return {(uuid.UUID(hex=job_id), kind): body for job_id, kind, body in found}
+    return {(uuid.UUID(hex=job_id), kind): (body, digest) for job_id, kind, body, digest in found}
 
 
 def _lite_put(conn: sqlite3.Connection, moved: Sequence[Payload]) -> None:
@@ -787,9 +846,9 @@ def _lite_put(conn: sqlite3.Connection, moved: Sequence[Payload]) -> None:
     if not moved:
         return
     conn.executemany(
-        "INSERT INTO broker_payloads (job_id, kind, body) VALUES (?, ?, ?) "
-        "ON CONFLICT (job_id, kind) DO UPDATE SET body = excluded.body",
-        [(job_id.hex, kind, body) for job_id, kind, body in moved],
+        "INSERT INTO broker_payloads (job_id, kind, body, digest) VALUES (?, ?, ?, ?) "
+        "ON CONFLICT (job_id, kind) DO UPDATE SET body = excluded.body, digest = excluded.digest",
+        [(job_id.hex, kind, body, digest) for job_id, kind, body, digest in moved],
     )
 
 
@@ -926,9 +985,13 @@ def _claim_lite(conn: sqlite3.Connection, claims: list[Claim], now_us: int) -> l
     rest = [c for c in claims if c.job_id.hex not in taken]
     if rest:
         rows += _claim_keyed_lite(conn, rest, now_us, now)
-    bodies = _lite_bodies(conn, rows)
+    won, refused = _claimed_jobs(
+        claims, rows, functools.partial(_lite_job, bodies=_lite_bodies(conn, rows))
+    )
+    if refused:  # in the claim's transaction: the job is never seen handed off
+        _settle_lite(conn, refused, now_us, None)
     order = {claim.job_id: i for i, claim in enumerate(claims)}
-    return sorted((_lite_job(r, bodies) for r in rows), key=lambda job: order[job.id])
+    return sorted(won, key=lambda job: order[job.id])
 
 
 def _claim_keyed_lite(
@@ -1746,7 +1809,10 @@ class SQLAlchemyAdapter:
             if kept:
                 await conn.execute(
                     payloads.insert(),
-                    [{"job_id": job_id, "kind": kind, "body": body} for job_id, kind, body in kept],
+                    [
+                        {"job_id": job_id, "kind": kind, "body": body, "digest": digest}
+                        for job_id, kind, body, digest in kept
+                    ],
                 )
             return stored
 
@@ -1979,8 +2045,14 @@ class SQLAlchemyAdapter:
             if keyed:
                 stored.extend(await self._claim_keyed(sql, conn, keyed, now_us, self._epoch))
             bodies = await _pg_bodies(sql, conn, stored)
+        won, refused = _claimed_jobs(
+            claims, stored, functools.partial(_job_from_row, bodies=bodies)
+        )
+        if refused:
+            # The claim committed; the fenced settle of its leases fails these jobs dead.
+            await self._settle_raw(refused, now_us)
         order = {job_id: i for i, job_id in enumerate(wanted)}
-        return sorted((_job_from_row(r, bodies) for r in stored), key=lambda job: order[job.id])
+        return sorted(won, key=lambda job: order[job.id])
 
     @staticmethod
     async def _claim_keyed(

@@ -631,10 +631,16 @@ class Main:
         out.send_all()
 
     async def _load_orphans(self) -> None:
+        """The handoffs in flight, as summaries: a held lease needs no payload (a job sent
+        again is claimed again, which loads it), so a start never loads megabytes per
+        running job, nor fails on a value that no longer passes its integrity check."""
         cursor: str | None = None
         while True:
             page = await self.store.list_jobs(
-                JobFilter(statuses=[JobStatus.HANDED_OFF]), limit=1000, cursor=cursor
+                JobFilter(statuses=[JobStatus.HANDED_OFF]),
+                limit=1000,
+                cursor=cursor,
+                include_payload=False,
             )
             self.handoff.load_orphans(page.jobs)
             if page.next_cursor is None:

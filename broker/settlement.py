@@ -19,6 +19,7 @@ claim at enqueue  ``handed_off`` (lease, worker)   0          now
 ``RETURN``        ``queued``                       unchanged  now
 ``LOST``          ``queued`` (``last_error``)      unchanged  now (its time)
 ``LOST``, dead    ``failed`` (``last_error``)      unchanged  unchanged
+payload refused   ``failed`` (``last_error``)      + 1        unchanged
 cancel            ``cancelled``                    unchanged  unchanged
 revive            ``queued`` (from ``failed``)     0          now
 checkpoint        unchanged (``checkpoint`` kept)  unchanged  unchanged
@@ -27,6 +28,12 @@ progress          unchanged (``progress`` kept)    unchanged  unchanged
 
 A checkpoint and a progress update are fenced by the lease like a settlement; a
 checkpoint is also taken only when it is newer than the stored one.
+
+*payload refused* is ``FAIL``, dead, made by the store itself within a claim whose job's
+offloaded value failed its integrity check (:func:`payload_refused`): the claim has just
+persisted its lease, so the move is fenced by that lease like any report, counts the
+attempt that could not start, and gives the slot back; it is never retried, since the
+same value would fail again.
 
 ``LOST`` counts a recovery (``recoveries + 1``) instead of an attempt, and sets the
 job's ``state_holder``, which every claim clears. revive also zeroes ``recoveries``.
@@ -58,6 +65,7 @@ from broker.jobs import (
     Settlement,
     new_job_fields,
 )
+from broker.storage import PayloadIntegrityError
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +189,14 @@ def record_progress(update: ProgressUpdate) -> Move:
     """The move a progress update makes; fenced by :func:`accepts` (its lease)."""
     changes = {"progress": update.fraction, "progress_message": update.message}
     return Move(changes, releases_slot=False)
+
+
+def payload_refused(claim: Claim, error: PayloadIntegrityError) -> Settlement:
+    """The settlement a store makes, inside a claim, for a job it just handed off under
+    ``claim`` whose offloaded value failed its check (``error``): dead at once with the
+    error's text, so the rest of the claim's batch goes out and this job never blocks it
+    again (see :class:`~broker.storage.SupportsOffload`)."""
+    return Settlement(claim.job_id, claim.handoff_id, Outcome.FAIL, error=error.detail)
 
 
 def statuses_after(outcome: Outcome) -> frozenset[JobStatus]:

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from broker.exceptions import (
     DeposedError,
@@ -38,7 +38,9 @@ from broker.jobs import (
     Settlement,
 )
 from broker.storage import (
+    INTEGRITY_ERROR,
     JobFilter,
+    PayloadIntegrityError,
     StorageAdapter,
     SupportsEnqueueHandedOff,
     SupportsLeadership,
@@ -64,6 +66,20 @@ class StoreHarness(Protocol):
 
     async def close(self) -> None:
         """Close every handle and remove the store."""
+
+
+@runtime_checkable
+class TampersPayloads(Protocol):
+    """Optional, for a harness whose store offloads: edit one stored value behind the
+    store's back, as a hand edit of the store (or a corrupted disk) would. The checks of
+    payload integrity run only on a harness that offers it."""
+
+    async def tamper_payload(
+        self, job_id: uuid.UUID, kind: str, edit: Callable[[str], str], *, rehash: bool = False
+    ) -> None:
+        """Replace the stored text of job ``job_id``'s offloaded ``kind`` (``args``,
+        ``kwargs``, ``result`` or ``checkpoint``) by ``edit(text)``; its stored SHA-256
+        is kept, or with ``rehash`` replaced by the new text's (an edit that forged it)."""
 
 
 class CheckSkipped(Exception):
@@ -1313,6 +1329,108 @@ async def check_large_checkpoints_are_offloaded_replaced_and_pruned(ctx: Context
     ctx.clock.advance(60)
     assert await ctx.store.prune(older_than=ctx.clock(), batch_size=1) == 2
     assert await _payloads(ctx) == 0, "pruning a job deletes its checkpoint payload"
+
+
+def _tamperer(ctx: Context) -> TampersPayloads:
+    """The harness's way to edit a stored value; skips where there is none."""
+    _offloading(ctx)
+    if not isinstance(ctx.harness, TampersPayloads):
+        raise CheckSkipped("the harness cannot edit stored payloads (TampersPayloads)")
+    return ctx.harness
+
+
+def _flip(text: str) -> str:
+    """``text`` with one byte changed, still JSON: only its SHA-256 can tell."""
+    at = text.index("x")
+    return f"{text[:at]}y{text[at + 1 :]}"
+
+
+async def _summaries(store: StorageAdapter) -> dict[uuid.UUID, Job]:
+    """Every job as a summary listing shows it (which loads no offloaded value)."""
+    return {j.id: j for j in (await store.list_jobs(limit=1000, include_payload=False)).jobs}
+
+
+def _failed_its_check(job: Job, lease: uuid.UUID, kind: str) -> None:
+    assert job.status is JobStatus.FAILED, f"a job whose {kind} failed its check is dead"
+    assert job.handoff_id == lease, "failed under the lease its claim persisted"
+    assert job.last_error is not None and job.last_error.startswith(INTEGRITY_ERROR), (
+        f"its error says why: {job.last_error!r}"
+    )
+    assert kind in job.last_error, f"and names the value: {job.last_error!r}"
+
+
+@_check
+async def check_a_payload_failing_its_check_fails_only_its_job(ctx: Context) -> None:
+    """A payload failing its integrity check fails its job dead, never its claim's batch
+
+    A claim hands off the rest of the batch; the job is dead under the claim's lease
+    with the error, its slot given back, and a read of the value says why."""
+    tamper = _tamperer(ctx)
+    _, threshold = _offloading(ctx)
+    big = "x" * (threshold + 1)
+    edited = await _enqueue(ctx.store, args=[big], concurrency_key="k", concurrency_limit=1)
+    not_json = await _enqueue(ctx.store, kwargs={"k": big})
+    others = [await _enqueue(ctx.store, args=[big if i % 2 else i]) for i in range(7)]
+    await tamper.tamper_payload(edited.id, "args", _flip)
+    await tamper.tamper_payload(not_json.id, "kwargs", lambda text: text[:-1], rehash=True)
+    batch = [edited, *others[:3], not_json, *others[3:]]
+    claims = [Claim(job.id, uuid.uuid4(), WORKER) for job in batch]
+    won = await ctx.store.mark_handed_off_many(claims)
+    assert [j.id for j in won] == [j.id for j in others], "the rest of the batch is handed off"
+    assert [j.handoff_id for j in won] == [
+        c.handoff_id for c in claims if c.job_id in {o.id for o in others}
+    ]
+    assert won[1].args == (big,), "a sound offloaded value in the same batch loads"
+    stored = await _summaries(ctx.store)
+    _failed_its_check(stored[edited.id], claims[0].handoff_id, "args")
+    _failed_its_check(stored[not_json.id], claims[4].handoff_id, "kwargs")
+    assert "JSON" in (stored[not_json.id].last_error or ""), "a body that is not JSON says so"
+    assert stored[edited.id].attempts == 1, "the attempt that could not start is counted"
+    assert await ctx.store.mark_handed_off(edited.id, uuid.uuid4(), WORKER) is None, "never again"
+    keyed = await _enqueue(ctx.store, concurrency_key="k", concurrency_limit=1)
+    assert (await _claim(ctx.store, keyed)).id == keyed.id, "its concurrency slot came back"
+    try:
+        await ctx.store.get_job(edited.id)
+    except PayloadIntegrityError as exc:
+        assert str(edited.id) in str(exc) and INTEGRITY_ERROR in str(exc), str(exc)
+        assert exc.job_id == edited.id and exc.kind == "args"
+    else:
+        raise AssertionError("get_job of a value that fails its check must say so, not load it")
+
+
+@_check
+async def check_offloaded_results_and_checkpoints_are_checked_when_read(ctx: Context) -> None:
+    """Offloaded checkpoints and results are checked too, wherever they are loaded
+
+    A checkpoint that fails its check fails the next attempt dead at its claim; a
+    result that fails it is an error where it is read, and the job stays as it was."""
+    tamper = _tamperer(ctx)
+    _, threshold = _offloading(ctx)
+    big = {"state": "x" * (threshold + 1)}
+    job = await _claim(ctx.store, await _enqueue(ctx.store, max_attempts=3))
+    assert job.handoff_id is not None
+    assert await ctx.store.save_checkpoints([CheckpointSave(job.id, job.handoff_id, 1, big)])
+    assert await ctx.store.fail(job.id, job.handoff_id, "boom", ctx.clock())
+    await tamper.tamper_payload(job.id, "checkpoint", _flip)
+    lease = uuid.uuid4()
+    assert await ctx.store.mark_handed_off_many([Claim(job.id, lease, WORKER)]) == []
+    _failed_its_check((await _summaries(ctx.store))[job.id], lease, "checkpoint")
+    done = await _claim(ctx.store, await _enqueue(ctx.store))
+    assert done.handoff_id is not None
+    assert await ctx.store.complete(done.id, done.handoff_id, big)
+    assert (await _get(ctx.store, done.id)).result == big
+    await tamper.tamper_payload(done.id, "result", lambda text: "{" + text, rehash=True)
+    for read in (
+        lambda: ctx.store.get_job(done.id),
+        lambda: ctx.store.list_jobs(JobFilter(statuses=[JobStatus.COMPLETED]), limit=10),
+    ):
+        try:
+            await read()
+        except PayloadIntegrityError as exc:
+            assert exc.job_id == done.id and exc.kind == "result", str(exc)
+        else:
+            raise AssertionError("a result that fails its check must be an error where read")
+    assert (await _summaries(ctx.store))[done.id].status is JobStatus.COMPLETED, "kept as it was"
 
 
 # --- lifecycle and capabilities ------------------------------------------------------

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from adapters.memory import MemoryAdapter
 from broker.jobs import Clock
-from broker.storage import StorageAdapter
+from broker.storage import StorageAdapter, payload_digest
 from broker.testing.conformance import CHECKS, Check, CheckSkipped, StoreHarness, run_check
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
 
@@ -27,6 +30,14 @@ class MemoryHarness:
 
     async def close(self) -> None:
         self._store = None
+
+    async def tamper_payload(
+        self, job_id: uuid.UUID, kind: str, edit: Callable[[str], str], *, rehash: bool = False
+    ) -> None:
+        assert self._store is not None
+        text, digest = self._store._payloads[(job_id, kind)]
+        text = edit(text)
+        self._store._payloads[(job_id, kind)] = (text, payload_digest(text) if rehash else digest)
 
 
 class SQLHarness:
@@ -46,6 +57,26 @@ class SQLHarness:
     async def close(self) -> None:
         if self.schema is not None:
             await drop_schema(self.schema)
+
+    async def tamper_payload(
+        self, job_id: uuid.UUID, kind: str, edit: Callable[[str], str], *, rehash: bool = False
+    ) -> None:
+        """Edit the row of ``broker_payloads`` on an engine of its own, as another process."""
+        from adapters._sql_schema import payloads
+
+        engine = create_async_engine(self.url)
+        options = {} if self.schema is None else {"schema_translate_map": {None: self.schema}}
+        where = (payloads.c.job_id == job_id) & (payloads.c.kind == kind)
+        try:
+            async with engine.begin() as conn:
+                conn = await conn.execution_options(**options)
+                text = edit(
+                    (await conn.execute(sa.select(payloads.c.body).where(where))).scalar_one()
+                )
+                values = {"body": text, **({"digest": payload_digest(text)} if rehash else {})}
+                await conn.execute(sa.update(payloads).where(where).values(**values))
+        finally:
+            await engine.dispose()
 
 
 def _sqlite(tmp_path: Path) -> StoreHarness:
