@@ -40,6 +40,7 @@ from broker.jobs import ExecutionMode, JobStatus, utcnow
 from broker.main import Main
 from broker.metrics import CONTENT_TYPE, MainExposition, MainLevels, WorkerLevels
 from broker.storage import QueueCount
+from broker.untrusted import escape_bidi
 from broker.worker import Worker
 
 COUNTS_MAX_AGE = 2.0
@@ -101,7 +102,7 @@ _VIEWS = (
 
 
 def _e(value: object) -> str:
-    return html.escape("" if value is None else str(value), quote=True)
+    return html.escape(escape_bidi("" if value is None else str(value)), quote=True)
 
 
 def _time(value: object) -> str:
