@@ -53,9 +53,9 @@ is as good as none. ``new_token()`` makes 43."""
 
 AUTH_FAILURE_LOG_BURST = 20
 AUTH_FAILURE_LOG_PER_SECOND = 1.0
-"""Failed authentications the main logs: a burst of 20, then one a second; the rest are
-counted and the count logged with the next line, so a peer guessing secrets cannot flood
-the log."""
+"""Failed authentications the main logs, and refused connections (each kind on its own):
+a burst of 20, then one a second; the rest are counted and the count logged with the next
+line, so a peer guessing secrets or opening sockets in a loop cannot flood the log."""
 
 BOUNDS += [
     Bound(
@@ -74,7 +74,7 @@ BOUNDS += [
         "Connections and the handshake",
     ),
     Bound(
-        "Failed authentications logged (each with the peer's address)",
+        "Failed authentications logged, and refused connections (each with the peer's address)",
         "a burst of 20, then 1 a second",
         None,
         "the rest are counted, and the count is logged with the next line",

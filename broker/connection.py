@@ -317,7 +317,7 @@ class _TLSHandshake(asyncio.Protocol):
         if refusal is not None:
             # Like a connection over the limit in the protocol's own handshake, but
             # without the error line: the peer expects TLS records, not text.
-            logger.warning("connection refused peer=%s reason=%s", address, refusal)
+            connections.log_refusal(address, refusal)
             transport.abort()
             return
         task = asyncio.get_running_loop().create_task(
@@ -362,6 +362,7 @@ class Connections:
         """TLS handshakes under way (:meth:`tls_server`), before their connection's task."""
         self._per_address: Counter[str] = Counter()
         self._auth_failures = RateLimit(AUTH_FAILURE_LOG_PER_SECOND, AUTH_FAILURE_LOG_BURST)
+        self._refusals = RateLimit(AUTH_FAILURE_LOG_PER_SECOND, AUTH_FAILURE_LOG_BURST)
         self.handshaking: Counter[str] = Counter()
         """Connections per address in a handshake, TLS's or the protocol's (counted
         against ``max_unauthenticated_per_address``)."""
@@ -467,7 +468,7 @@ class Connections:
 
     async def _refuse(self, writer: asyncio.StreamWriter, address: str, reason: str) -> None:
         """Say why in one fatal ``error`` line (sent before any challenge), then close."""
-        logger.warning("connection refused peer=%s reason=%s", address, reason)
+        self.log_refusal(address, reason)
         out = wire.MessageWriter(writer)
         with contextlib.suppress(ConnectionError, OSError):
             await out.send(
@@ -601,6 +602,19 @@ class Connections:
                 await session.writer.send(answer)
             return False
         return answer
+
+    def log_refusal(self, address: str, reason: str) -> None:
+        """Log a connection refused over a limit, within a rate: a peer opening sockets
+        in a loop must not flood the log. How many went unlogged rides on the next line."""
+        if not self._refusals.allow():
+            return
+        unlogged = self._refusals.take_suppressed()
+        logger.warning(
+            "connection refused peer=%s reason=%s%s",
+            address,
+            reason,
+            f" ({unlogged} more refused connections were not logged)" if unlogged else "",
+        )
 
     def _log_auth_failure(self, session: Session, role: protocol.Role, reason: str) -> None:
         """Log a refused hello with the peer's address, within a rate (a peer guessing

@@ -16,7 +16,6 @@ by accident (each needs its own directory). The lock goes with the process, even
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import os
 import secrets
@@ -60,6 +59,8 @@ def open_state_dir(path: Path, worker_id: str | None = None) -> StateDir:
     directory = _open_directory(path)
     try:
         return _lock_and_read(path, directory, worker_id)
+    except OSError as exc:  # ELOOP: a link planted for one of its files
+        raise ConfigurationError(f"cannot use {path} as the state directory: {exc}") from None
     finally:
         os.close(directory)
 
@@ -68,7 +69,9 @@ def _open_directory(path: Path) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
-        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+        # O_NOFOLLOW with O_DIRECTORY: ENOTDIR (or ELOOP) for a link; the message only
+        # looks again.
+        why = "it is a symbolic link" if path.is_symlink() else exc.strerror
         raise ConfigurationError(
             f"cannot use {path} as the state directory: {why}; give --state-dir a directory "
             "of this user's own, not a link"
