@@ -5,13 +5,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help install test test-loaded test-slow lint typecheck layering pytest demo bench bench-soak bench-floor bench-storage bench-runners bench-enqueue format clean
+.PHONY: help install lock audit test test-loaded test-slow lint typecheck layering pytest demo bench bench-soak bench-floor bench-storage bench-runners bench-enqueue format clean
 
 help:
 	@echo "make demo           run a main on SQLite with a worker and example jobs"
 	@echo "make test           lint + mypy --strict + import layering + pytest"
 	@echo "make test-loaded    make test three times with two CPU-bound processes beside it"
 	@echo "make test-slow      the soak runs left out of make test (tens of thousands of jobs)"
+	@echo "make audit          known vulnerabilities in requirements-dev.lock (pip-audit)"
+	@echo "make lock           pin the dependencies again into requirements-dev.lock"
 	@echo "make bench-storage  storage micro-benchmark (claims/s, completions/s)"
 	@echo "make bench-runners  inline / pooled / forked throughput and per-job overhead"
 	@echo "make bench          side-by-side benchmark (see bench/)"
@@ -20,14 +22,31 @@ help:
 	@echo "make bench-enqueue  the enqueue path alone on PostgreSQL: rates and CPU per job per process"
 	@echo "make format         apply ruff formatting"
 
-$(STAMP): pyproject.toml
+# The development environment is requirements-dev.lock: every package pinned, with its
+# hashes (pip then refuses any other file). The project itself goes on top, editable, and
+# adds nothing (--no-deps).
+$(STAMP): pyproject.toml requirements-dev.lock
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3)"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -r requirements-dev.lock
+	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Pin the dependencies of pyproject.toml (and the dev extra) again, keeping the versions
+# already locked where they still fit: `make lock` after changing pyproject.toml, and
+# `make lock LOCK_ARGS=--upgrade-package=NAME` to move one package (--upgrade: all).
+LOCK_ARGS ?=
+lock: $(STAMP)
+	CUSTOM_COMPILE_COMMAND="make lock" $(BIN)/pip-compile --quiet --extra dev --generate-hashes \
+	  --strip-extras --allow-unsafe --no-emit-index-url --no-emit-find-links $(LOCK_ARGS) \
+	  -o requirements-dev.lock pyproject.toml
+
+# Known vulnerabilities in the locked packages (PyPI's advisory data); .ci/run runs it.
+# A finding fails it: bump that package with `make lock LOCK_ARGS=--upgrade-package=NAME`.
+audit: $(STAMP)
+	$(BIN)/pip-audit --requirement requirements-dev.lock --disable-pip --progress-spinner off
 
 lint: $(STAMP)
 	$(BIN)/ruff check broker adapters runners tests bench

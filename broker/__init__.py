@@ -10,7 +10,18 @@ tree, and the types a custom storage adapter implements (``StorageAdapter`` and 
 take and return). Everything else is internal: import it at your own risk.
 """
 
-from __future__ import annotations
+# ruff: noqa: I002
+# ``python -m broker.cli`` imports this package while the working directory stands first
+# on the module path (``sys.argv[0]`` is "-m" while the module is being found), so a
+# ``json.py`` or ``msgspec.py`` planted there would run in place of the real one. The
+# directory goes before any other import, ``__future__`` and ``typing`` included: only
+# modules loaded at start-up (``os``, ``sys``) come first. The broker puts it back, last,
+# only for the operator's own modules (``broker.cli.use_app_directory``).
+import os
+import sys
+
+if sys.argv[:1] == ["-m"] and sys.path and sys.path[0] in ("", os.getcwd()):
+    del sys.path[0]
 
 import importlib
 from typing import TYPE_CHECKING, Any

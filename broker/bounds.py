@@ -251,3 +251,47 @@ BOUNDS += [
         _HTTP,
     ),
 ]
+
+# ---------------------------------------------------------------- handshake and credentials
+# (issue 30, findings 5 and 10)
+
+MAX_UNAUTHENTICATED_PER_ADDRESS = 32
+"""Connections from one IP address in a handshake (TLS's or the protocol's) at once: half
+of the global ``max_unauthenticated`` (64), so one address holding idle sockets until the
+handshake deadline cannot lock every other address out, while a burst of honest
+connections from one host (an app server starting its processes) still gets in."""
+
+MIN_TOKEN_CHARACTERS = 16
+"""The shortest secret a main listening beyond loopback accepts: a guessable secret there
+is as good as none. ``new_token()`` makes 43."""
+
+AUTH_FAILURE_LOG_BURST = 20
+AUTH_FAILURE_LOG_PER_SECOND = 1.0
+"""Failed authentications the main logs, and refused connections (each kind on its own):
+a burst of 20, then one a second; the rest are counted and the count logged with the next
+line, so a peer guessing secrets or opening sockets in a loop cannot flood the log."""
+
+BOUNDS += [
+    Bound(
+        "Connections from one IP address still in the handshake (TLS's or the protocol's)",
+        "32",
+        "--max-unauthenticated-per-address",
+        "the same as over `--max-unauthenticated` (an `error` line, or for TLS closed at "
+        "once), and logged",
+        "Connections and the handshake",
+    ),
+    Bound(
+        "Length of each secret when the main listens beyond loopback",
+        "16 characters",
+        None,
+        "the main refuses to start, naming the role",
+        "Connections and the handshake",
+    ),
+    Bound(
+        "Failed authentications logged, and refused connections (each with the peer's address)",
+        "a burst of 20, then 1 a second",
+        None,
+        "the rest are counted, and the count is logged with the next line",
+        "Connections and the handshake",
+    ),
+]

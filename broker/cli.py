@@ -23,11 +23,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from broker import admin, checks, composition, logs, protocol
+from broker import admin, checks, composition, logs, protocol, secret_environment
 from broker.addresses import parse_addresses, peer_arguments
 from broker.bounds import RUNNER_STARTUP_TIMEOUT
 from broker.config import DEFAULT_LIST_PAGE_BYTES, MainSettings, line_limit_for
-from broker.credentials import Credentials, parse_token_file
+from broker.credentials import Credentials, check_private_file, parse_token_file
 from broker.election import DEFAULT_FAILOVER_TIMEOUT
 from broker.exceptions import BrokerError, ConfigurationError, DeposedError, InvalidJobError
 from broker.jobs import ExecutionMode, JobStatus
@@ -204,6 +204,9 @@ def _credentials(args: argparse.Namespace) -> Credentials:
     if args.token_file:
         try:
             with open(args.token_file, encoding="utf-8") as file:
+                check_private_file(
+                    os.fstat(file.fileno()).st_mode, f"--token-file {args.token_file}"
+                )
                 text = file.read()
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigurationError(f"cannot read --token-file {args.token_file}: {exc}") from None
@@ -324,6 +327,10 @@ _LIMIT_OPTIONS: list[tuple[str, str]] = [
     ("--max-connections", "connections in all; more are refused"),
     ("--max-connections-per-address", "connections from one IP address; more are refused"),
     ("--max-unauthenticated", "connections still in the handshake; more are refused"),
+    (
+        "--max-unauthenticated-per-address",
+        "connections from one IP address still in the handshake; more are refused",
+    ),
     ("--max-credit", "free slots a worker may announce per mode; a larger ready is refused"),
 ]
 """Resource limits of the main: each flag sets the ``MainSettings`` field of the same name."""
@@ -962,6 +969,7 @@ async def run_worker(args: argparse.Namespace) -> None:
 def worker_entry(argv: Sequence[str] | None = None) -> int:
     parser = worker_parser()
     args = parse(parser, argv)
+    secret_environment.scrub()  # read; task code must not find them (its module's doc)
     _check_main_address(parser, args.main)
     logs.configure(args.log_level, args.log_format)
     return _run(lambda: run_worker(args), args.log_format)
@@ -1233,15 +1241,7 @@ def _run(make: Callable[[], Any], log_format: str = "text") -> int:
     return 0
 
 
-def _drop_implicit_path() -> None:
-    """``python -m`` (and ``-c``) put the working directory first on the module path; the
-    broker adds it back, last, only when asked to (see :func:`use_app_directory`)."""
-    if sys.path and sys.path[0] in ("", os.getcwd()):
-        del sys.path[0]
-
-
-if __name__ == "__main__":
-    _drop_implicit_path()
+if __name__ == "__main__":  # the working directory is off the path (``broker/__init__``)
     _commands = {"main": main_entry, "worker": worker_entry, "broker": broker_entry}
     if len(sys.argv) < 2 or sys.argv[1] not in _commands:
         print(f"usage: python -m broker.cli {{{','.join(_commands)}}} [options]", file=sys.stderr)

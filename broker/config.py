@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from broker import checks
 from broker.addresses import parse_address
 from broker.admission import DEFAULT_MAX_CREDIT
-from broker.bounds import DEFAULT_TASK_GRACE
+from broker.bounds import DEFAULT_TASK_GRACE, MAX_UNAUTHENTICATED_PER_ADDRESS, MIN_TOKEN_CHARACTERS
 from broker.credentials import Credentials
 from broker.election import DEFAULT_FAILOVER_TIMEOUT
 from broker.jobs import DEFAULT_MAX_RECOVERIES
@@ -129,6 +129,9 @@ class MainSettings:
     max_connections_per_address: int = 64
     max_unauthenticated: int = 64
     """Connections that have not finished the handshake yet, from all addresses."""
+    max_unauthenticated_per_address: int = MAX_UNAUTHENTICATED_PER_ADDRESS
+    """Connections from one address that have not finished the handshake yet, so one
+    address cannot take every handshake slot."""
     max_credit: int = DEFAULT_MAX_CREDIT
     """Free slots a worker may announce per mode in ``ready``; a larger ``ready`` is refused."""
     failover_timeout: float = DEFAULT_FAILOVER_TIMEOUT
@@ -199,6 +202,7 @@ class MainSettings:
             "max_connections": self.max_connections,
             "max_connections_per_address": self.max_connections_per_address,
             "max_unauthenticated": self.max_unauthenticated,
+            "max_unauthenticated_per_address": self.max_unauthenticated_per_address,
             "max_credit": self.max_credit,
             "failover_timeout": self.failover_timeout,
             "task_grace": self.task_grace,
@@ -247,6 +251,14 @@ class MainSettings:
             f"refusing to listen on {self.host!r} without a token for any role: set BROKER_TOKEN "
             "(or a secret per role, or --token-file), listen on 127.0.0.1, or pass "
             "--allow-unauthenticated if the network is private",
+        )
+        short = [] if _is_loopback(self.host) else self.credentials.too_short(MIN_TOKEN_CHARACTERS)
+        checks.require(
+            not short,
+            f"refusing to listen on {self.host!r} with a {' and '.join(map(str, short))} "
+            f"secret of fewer than {MIN_TOKEN_CHARACTERS} characters: anyone who reaches the "
+            "port could guess it; make one with "
+            "python -c 'from broker.main import new_token; print(new_token())'",
         )
         if self.http_port is not None:
             checks.int_in_range("http_port", self.http_port, 0, 65535)

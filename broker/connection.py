@@ -23,11 +23,13 @@ from typing import Any, Protocol
 
 from broker import protocol, tls, wire
 from broker.admission import Credits
+from broker.bounds import AUTH_FAILURE_LOG_BURST, AUTH_FAILURE_LOG_PER_SECOND
 from broker.credentials import Credentials
 from broker.exceptions import ProtocolError
 from broker.handoff import Peer
 from broker.jobs import ExecutionMode, Job
 from broker.logs import log_event
+from broker.untrusted import RateLimit
 
 logger = logging.getLogger("broker.main")
 
@@ -59,6 +61,8 @@ class ConnectionSettings(Protocol):
     def max_connections_per_address(self) -> int: ...
     @property
     def max_unauthenticated(self) -> int: ...
+    @property
+    def max_unauthenticated_per_address(self) -> int: ...
 
 
 @dataclass(eq=False)
@@ -288,6 +292,12 @@ class Gathered:
             session.send_batch(*batch)
 
 
+def _address(peername: object) -> str:
+    """The IP address of a peer (``peername`` as asyncio gives it), which the limits per
+    address count."""
+    return str(peername[0]) if isinstance(peername, tuple) else str(peername)
+
+
 class _TLSHandshake(asyncio.Protocol):
     """A connection just accepted on a TLS port, until :meth:`Connections._start_tls`
     takes it over. It stops reading at once, so the peer's first TLS record stays in the
@@ -300,25 +310,24 @@ class _TLSHandshake(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         transport.pause_reading()
-        under_way = len(self._connections.tls_handshakes)
-        if under_way >= self._connections.settings.max_unauthenticated:
+        connections = self._connections
+        address = _address(transport.get_extra_info("peername"))
+        refusal = connections.handshake_refusal(
+            address, len(connections.tls_handshakes), "TLS handshakes are under way"
+        )
+        if refusal is not None:
             # Like a connection over the limit in the protocol's own handshake, but
             # without the error line: the peer expects TLS records, not text.
-            log_event(
-                logger,
-                logging.WARNING,
-                "connection refused",
-                peer=transport.get_extra_info("peername"),
-                reason=f"{under_way} TLS handshakes are under way, the limit "
-                "(--max-unauthenticated)",
-            )
+            connections.log_refusal(address, refusal)
             transport.abort()
             return
         task = asyncio.get_running_loop().create_task(
-            self._connections._start_tls(transport, self._context)
+            connections._start_tls(transport, self._context)
         )
-        self._connections.tls_handshakes.add(task)
-        task.add_done_callback(self._connections.tls_handshakes.discard)
+        connections.tls_handshakes.add(task)
+        connections.handshaking[address] += 1
+        task.add_done_callback(connections.tls_handshakes.discard)
+        task.add_done_callback(lambda _: connections.handshake_ended(address))
         # A handshake cancelled (the main stopping) before it began has nobody else to
         # close its connection.
         task.add_done_callback(lambda done: transport.abort() if done.cancelled() else None)
@@ -353,6 +362,11 @@ class Connections:
         self.tls_handshakes: set[asyncio.Task[None]] = set()
         """TLS handshakes under way (:meth:`tls_server`), before their connection's task."""
         self._per_address: Counter[str] = Counter()
+        self._auth_failures = RateLimit(AUTH_FAILURE_LOG_PER_SECOND, AUTH_FAILURE_LOG_BURST)
+        self._refusals = RateLimit(AUTH_FAILURE_LOG_PER_SECOND, AUTH_FAILURE_LOG_BURST)
+        self.handshaking: Counter[str] = Counter()
+        """Connections per address in a handshake, TLS's or the protocol's (counted
+        against ``max_unauthenticated_per_address``)."""
 
     def tls_server(self, context: ssl.SSLContext) -> Callable[[], asyncio.Protocol]:
         """A protocol factory for ``loop.create_server`` that runs each connection's TLS
@@ -367,8 +381,7 @@ class Connections:
         settings = self.settings
         reader = asyncio.StreamReader(limit=settings.preauth_max_line_bytes)
         streams = asyncio.StreamReaderProtocol(reader, self.accept)
-        peername = transport.get_extra_info("peername")
-        address = str(peername[0]) if isinstance(peername, tuple) else str(peername)
+        address = _address(transport.get_extra_info("peername"))
         try:
             secured = await loop.start_tls(
                 transport,
@@ -395,26 +408,37 @@ class Connections:
     async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        peername = writer.get_extra_info("peername")
-        address = str(peername[0]) if isinstance(peername, tuple) else str(peername)
+        address = _address(writer.get_extra_info("peername"))
         refusal = self._connection_refusal(address)
         if refusal is not None:
             await self._refuse(writer, address, refusal)
             return
         self.tasks.add(task)
         self._unauthenticated.add(task)
+        self.handshaking[address] += 1
         self._per_address[address] += 1
         try:
-            await self._serve(reader, writer)
+            await self._serve(reader, writer, address)
         except asyncio.CancelledError:
             if not self._stopping():
                 raise
         finally:
             self.tasks.discard(task)
-            self._unauthenticated.discard(task)
+            self._authenticated(task, address)
             self._per_address[address] -= 1
             if not self._per_address[address]:
                 del self._per_address[address]
+
+    def _authenticated(self, task: asyncio.Task[None], address: str) -> None:
+        """``task``'s connection has left the handshake (passed it, or closed)."""
+        if task in self._unauthenticated:
+            self._unauthenticated.discard(task)
+            self.handshake_ended(address)
+
+    def handshake_ended(self, address: str) -> None:
+        self.handshaking[address] -= 1
+        if not self.handshaking[address]:
+            del self.handshaking[address]
 
     def _connection_refusal(self, address: str) -> str | None:
         """Why a new connection from ``address`` is over a limit, or ``None``."""
@@ -426,16 +450,28 @@ class Connections:
                 f"{self._per_address[address]} connections from {address} already, the limit "
                 "per address (--max-connections-per-address)"
             )
-        if len(self._unauthenticated) >= settings.max_unauthenticated:
+        return self.handshake_refusal(
+            address, len(self._unauthenticated), "connections are still in the handshake"
+        )
+
+    def handshake_refusal(self, address: str, under_way: int, kind: str) -> str | None:
+        """Why one more handshake (``under_way`` of its kind already) from ``address`` is
+        over a limit, or ``None``. The limit per address keeps one address, holding idle
+        sockets in the handshake until the deadline, from locking every other out."""
+        settings = self.settings
+        if under_way >= settings.max_unauthenticated:
+            return f"{under_way} {kind}, the limit (--max-unauthenticated)"
+        mine = self.handshaking[address]
+        if mine >= settings.max_unauthenticated_per_address:
             return (
-                f"{len(self._unauthenticated)} connections are still in the handshake, the "
-                "limit (--max-unauthenticated)"
+                f"{mine} handshakes are under way from {address}, the limit per address "
+                "(--max-unauthenticated-per-address)"
             )
         return None
 
     async def _refuse(self, writer: asyncio.StreamWriter, address: str, reason: str) -> None:
         """Say why in one fatal ``error`` line (sent before any challenge), then close."""
-        log_event(logger, logging.WARNING, "connection refused", peer=address, reason=reason)
+        self.log_refusal(address, reason)
         out = wire.MessageWriter(writer)
         with contextlib.suppress(ConnectionError, OSError):
             await out.send(
@@ -447,7 +483,9 @@ class Connections:
             )
         await out.close(grace=self.settings.handshake_timeout)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str
+    ) -> None:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -467,7 +505,7 @@ class Connections:
             if await self._handshake(session, lines):
                 task = asyncio.current_task()
                 assert task is not None
-                self._unauthenticated.discard(task)
+                self._authenticated(task, address)
                 lines.max_line_bytes = self.settings.max_line_bytes
                 await self._read_loop(session, lines)
         except wire.LineTooLongError as exc:
@@ -512,15 +550,18 @@ class Connections:
             )
             session.abort()
 
-    async def _fatal(self, session: Session, code: protocol.ErrorCode, message: str) -> None:
-        log_event(
-            logger,
-            logging.WARNING,
-            "closing connection",
-            session=session.id,
-            code=code,
-            reason=message,
-        )
+    async def _fatal(
+        self, session: Session, code: protocol.ErrorCode, message: str, *, log: bool = True
+    ) -> None:
+        if log:
+            log_event(
+                logger,
+                logging.WARNING,
+                "closing connection",
+                session=session.id,
+                code=code,
+                reason=message,
+            )
         with contextlib.suppress(Exception):
             await session.writer.send(protocol.Error(code=code, message=message, fatal=True))
 
@@ -554,7 +595,8 @@ class Connections:
             return False
         refusal = credentials.refusal(first.role, nonce, first.proof)
         if refusal is not None:
-            await self._fatal(session, protocol.ErrorCode.AUTH_FAILED, refusal)
+            self._log_auth_failure(session, first.role, refusal)
+            await self._fatal(session, protocol.ErrorCode.AUTH_FAILED, refusal, log=False)
             return False
         session.rights = credentials.rights(first.role, nonce, first.proof)
         if protocol.choose_protocol(first) is None:
@@ -572,6 +614,38 @@ class Connections:
                 await session.writer.send(answer)
             return False
         return answer
+
+    def log_refusal(self, address: str, reason: str) -> None:
+        """Log a connection refused over a limit, within a rate: a peer opening sockets
+        in a loop must not flood the log. How many went unlogged rides on the next line."""
+        if not self._refusals.allow():
+            return
+        unlogged = self._refusals.take_suppressed()
+        log_event(
+            logger,
+            logging.WARNING,
+            "connection refused",
+            peer=address,
+            reason=reason,
+            **({"not_logged_before": unlogged} if unlogged else {}),
+        )
+
+    def _log_auth_failure(self, session: Session, role: protocol.Role, reason: str) -> None:
+        """Log a refused hello with the peer's address, within a rate (a peer guessing
+        secrets must not flood the log); how many went unlogged rides on the next line."""
+        if not self._auth_failures.allow():
+            return
+        unlogged = self._auth_failures.take_suppressed()
+        log_event(
+            logger,
+            logging.WARNING,
+            "authentication failed",
+            peer=session.peer,
+            session=session.id,
+            role=role,
+            reason=reason,
+            **({"not_logged_before": unlogged} if unlogged else {}),
+        )
 
     async def _read_loop(self, session: Session, lines: wire.LineReader) -> None:
         """Reads and handles messages one at a time. It waits, without reading, while the

@@ -17,6 +17,7 @@ Pure: no I/O. The CLI reads the token file and passes its text to :func:`parse_t
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -88,6 +89,10 @@ class Credentials:
         """Whether peers must prove a secret at all (any role has one)."""
         return any((self.worker, self.client, self.operator))
 
+    def too_short(self, minimum: int) -> list[Role]:
+        """The roles whose secret has fewer than ``minimum`` characters."""
+        return [role for role in Role if len(self.secret(role) or "x" * minimum) < minimum]
+
     def secret(self, role: Role) -> str | None:
         match role:
             case Role.WORKER:
@@ -129,6 +134,20 @@ class Credentials:
         if operator is not None and protocol.check_proof(operator, nonce, proof):
             return frozenset({Role.CLIENT, Role.OPERATOR})
         return frozenset({Role.CLIENT})
+
+
+def check_private_file(mode: int, where: str) -> None:
+    """Refuse a file of secrets that others than its owner may read or write (``mode``
+    as ``stat`` gives it), as ssh refuses such a private key: another user may already
+    have copied the secrets, or put their own in.
+
+    :raises ConfigurationError: naming the file, its mode and the fix.
+    """
+    if mode & 0o077:
+        raise ConfigurationError(
+            f"{where} is accessible to its group or others (mode {stat.S_IMODE(mode):04o}); "
+            "a file of secrets must be for its owner only: chmod 600 it"
+        )
 
 
 def parse_token_file(text: str, where: str) -> dict[str, str]:

@@ -59,6 +59,7 @@ from broker.jobs import ExecutionMode, JobStatus, utcnow
 from broker.main import Main
 from broker.metrics import CONTENT_TYPE, MainExposition, MainLevels, WorkerLevels, label
 from broker.storage import QueueCount
+from broker.untrusted import escape_bidi
 from broker.worker import Worker
 
 COUNTS_MAX_AGE = 2.0
@@ -151,7 +152,7 @@ _VIEWS = (
 
 
 def _e(value: object) -> str:
-    return html.escape("" if value is None else str(value), quote=True)
+    return html.escape(escape_bidi("" if value is None else str(value)), quote=True)
 
 
 def _cut(value: object) -> str:

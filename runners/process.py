@@ -25,6 +25,7 @@ from typing import Any
 from broker.logs import log_event
 from broker.runner import Assignment, Failed, JobChannel, NoChannel, Released, RunOutcome
 from broker.tasks import TaskRegistry
+from broker.untrusted import RateLimit
 from runners import pipe
 
 logger = logging.getLogger("broker.runner")
@@ -80,13 +81,8 @@ class OutputRelay:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pid = pid
-        self.suppressed = 0
         self._line_bytes = line_bytes
-        self._rate = rate
-        self._burst = float(burst)
-        self._tokens = float(burst)
-        self._clock = clock
-        self._refilled = clock()
+        self._limit = RateLimit(rate, burst, clock)
         self._line = bytearray()
         self._truncated = 0
 
@@ -109,17 +105,21 @@ class OutputRelay:
             self._emit()
         self.report_suppressed()
 
+    @property
+    def suppressed(self) -> int:
+        """Lines over the rate not yet reported."""
+        return self._limit.suppressed
+
     def report_suppressed(self) -> None:
-        if self.suppressed:
+        if suppressed := self._limit.take_suppressed():
             log_event(
                 logger,
                 logging.WARNING,
                 "runner output suppressed (over its lines a second)",
                 pid=self.pid,
-                lines=self.suppressed,
-                per_second=self._rate,
+                lines=suppressed,
+                per_second=self._limit.rate,
             )
-            self.suppressed = 0
 
     def _emit(self) -> None:
         text = self._line.decode(errors="replace").rstrip()
@@ -127,13 +127,8 @@ class OutputRelay:
             text += f" ... ({self._truncated} bytes truncated)"
         self._line.clear()
         self._truncated = 0
-        now = self._clock()
-        self._tokens = min(self._burst, self._tokens + (now - self._refilled) * self._rate)
-        self._refilled = now
-        if self._tokens < 1:
-            self.suppressed += 1
+        if not self._limit.allow():
             return
-        self._tokens -= 1
         self.report_suppressed()
         log_event(logger, logging.INFO, "runner output", pid=self.pid, line=text)
 

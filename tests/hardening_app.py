@@ -33,3 +33,29 @@ def long_line(megabytes: int) -> int:
 def say(text: str) -> str:
     print(text)
     return text
+
+
+def _ancestors_environments() -> list[str]:
+    """The start-up environment of each ancestor this process may read (its parent, the
+    worker, and theirs), as ``/proc/<pid>/environ`` shows it to task code."""
+    seen: list[str] = []
+    pid = os.getppid()
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as file:
+                seen.append(file.read().decode(errors="replace"))
+            with open(f"/proc/{pid}/stat", "rb") as file:
+                pid = int(file.read().rsplit(b")", 1)[1].split()[1])
+        except OSError:
+            break
+    return seen
+
+
+@task(mode="pooled")
+def pooled_ancestors_environments() -> list[str]:
+    return _ancestors_environments()
+
+
+@task(mode="forked")
+def forked_ancestors_environments() -> list[str]:
+    return _ancestors_environments()

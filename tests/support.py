@@ -34,8 +34,8 @@ def cli_with_greeting_wait(seconds: float, command: str) -> list[str]:
     entry = {"worker": "worker_entry", "broker": "broker_entry"}[command]
     code = (
         "import sys\n"
+        "if sys.path[:1] == ['']: del sys.path[0]\n"  # as python -m broker.cli does
         "from broker import cli, wire\n"
-        "cli._drop_implicit_path()\n"
         "wire.GREETING_TIMEOUT = float(sys.argv[1])\n"
         f"raise SystemExit(cli.{entry}(sys.argv[2:]))\n"
     )

@@ -7,7 +7,11 @@ Set ``BROKER`` in the Django settings::
         "SCHEMA": None,               # the PostgreSQL schema of the broker's tables
         "MAX_PAYLOAD_BYTES": 16 << 20, # the main's --max-payload-bytes
         "MAIN": "127.0.0.1:7390",     # without STORE_DATABASE: the main to enqueue through
-        "TOKEN": None,                # that main's token
+        "TOKEN": None,                # that main's token (its client secret)
+        "TLS": False,                 # True: TLS, trusting the system's CAs
+        "TLS_CA": None,               # TLS, trusting this CA alone (the main's --tls-ca)
+        "TLS_CLIENT_CERT": None,      # mutual TLS: this process's certificate
+        "TLS_CLIENT_KEY": None,       #   and its key
     }
 
 With ``STORE_DATABASE``, :func:`enqueue` inserts the job through Django's own
@@ -16,7 +20,8 @@ connection to that database, so it commits or rolls back with the view's rows (i
 database, or SQLite beside the app), the job is sent to the main through a
 :class:`~broker.SyncClient` by ``transaction.on_commit``: a rolled-back transaction
 then sends nothing, but a crash between the commit and the send loses the job, which
-the in-transaction path cannot.
+the in-transaction path cannot. With any ``TLS`` setting that client speaks TLS to the
+main, verifying its certificate and host name, as ``broker --tls-ca`` does.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from broker.jobs import EnqueueResult, JobSpec, JSONValue
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES
 from broker.protocol import DEFAULT_PORT
 from broker.tasks import Task
+from broker.tls import PeerTLS
 from broker.transactional import EnqueueOptions, enqueue_on_statements, job_spec
 
 _DIALECT = psycopg.dialect()  # type: ignore[no-untyped-call]
@@ -142,9 +148,23 @@ def _send(spec: JobSpec) -> None:
     with _client_lock:
         if _client is None:
             host, _, port = str(_setting("MAIN", f"127.0.0.1:{DEFAULT_PORT}")).rpartition(":")
-            _client = SyncClient(host or "127.0.0.1", int(port), token=_setting("TOKEN"))
+            _client = SyncClient(
+                host or "127.0.0.1", int(port), token=_setting("TOKEN"), tls=_tls()
+            )
         client = _client
     client.enqueue_many([spec])
+
+
+def _tls() -> PeerTLS | None:
+    """The on-commit client's TLS settings; ``None`` (plain TCP) when none is given."""
+    ca, cert, key = (_setting(name) for name in ("TLS_CA", "TLS_CLIENT_CERT", "TLS_CLIENT_KEY"))
+    if not (_setting("TLS", False) or ca or cert or key):
+        return None
+    return PeerTLS(
+        ca=None if ca is None else str(ca),
+        client_cert=None if cert is None else str(cert),
+        client_key=None if key is None else str(key),
+    )
 
 
 def close_client() -> None:

@@ -409,6 +409,7 @@ async def test_unauthenticated_connections_buffer_little(tmp_path: Path) -> None
     than 80 MiB (50 MiB plus the allocator's slack), and a normal client is still served.
     The connection caps are raised so that only the stream limit is tested."""
     flags = ["--max-unauthenticated", "1000", "--max-connections-per-address", "1000"]
+    flags += ["--max-unauthenticated-per-address", "1000"]
     async with (
         _main_process(tmp_path, *flags) as main,
         Client("127.0.0.1", main.port, timeout=30.0) as client,

@@ -34,7 +34,7 @@ def test_environment_supplies_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_main_refuses_a_public_address_without_a_token() -> None:
     with pytest.raises(ConfigurationError, match="without a token"):
         MainSettings(host="0.0.0.0").validate()
-    MainSettings(host="0.0.0.0", token="s3cret").validate()
+    MainSettings(host="0.0.0.0", token="s3cret-long-enough").validate()
     MainSettings(host="0.0.0.0", allow_unauthenticated=True).validate()
     with pytest.raises(ConfigurationError, match="liveness_timeout"):
         MainSettings(ping_interval=5, liveness_timeout=2).validate()

@@ -23,6 +23,7 @@ def test_a_bad_token_file_line_is_named_by_number_and_not_echoed(
 ) -> None:
     secrets = tmp_path / "secrets"
     secrets.write_text("worker=w\nadmin=hunter2\n")
+    secrets.chmod(0o600)
     assert cli.main_entry(_main(tmp_path, "--token-file", str(secrets))) == 1
     err = capsys.readouterr().err
     assert f"--token-file {secrets} line 2: expected role=secret" in err

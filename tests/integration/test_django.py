@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from sqlalchemy.engine import make_url
@@ -13,7 +15,8 @@ from adapters.memory import MemoryAdapter
 from adapters.sql import SQLAlchemyAdapter
 from broker.jobs import JobStatus
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
-from tests.support import running_main
+from tests.support import FAST, running_main
+from tests.tls_certs import Certificates
 
 django = pytest.importorskip("django")
 
@@ -157,3 +160,35 @@ async def test_without_the_store_in_djangos_database_the_job_goes_to_the_main_on
     assert returned is None  # sent after the commit, so no result to return
     assert [(job.task, job.args) for job in page.jobs] == [("shop.ship", (11,))]
     assert ("shop.ship", "[11]", "queued") not in in_django_db
+
+
+async def test_the_on_commit_client_speaks_mutual_tls_with_the_tls_settings(
+    django_project: str, tmp_path: Path
+) -> None:
+    from django.db import connections
+    from django.test import override_settings
+
+    from broker.contrib.django import close_client
+    from tests.django_shop.views import place_order
+
+    certs = Certificates(tmp_path)
+    store = MemoryAdapter()
+    settings = replace(FAST, tls=certs.server_tls(mutual=True))
+    async with running_main(store, settings) as main:
+
+        def view_call() -> None:
+            tls = {
+                "TLS_CA": certs.ca_path,
+                "TLS_CLIENT_CERT": certs.peer.cert,
+                "TLS_CLIENT_KEY": certs.peer.key,
+            }
+            with override_settings(BROKER={"MAIN": f"127.0.0.1:{main.port}", **tls}):
+                try:
+                    place_order(12)
+                finally:
+                    close_client()
+                    connections.close_all()
+
+        await asyncio.to_thread(view_call)
+        page = await store.list_jobs()
+    assert [(job.task, job.args) for job in page.jobs] == [("shop.ship", (12,))]

@@ -33,3 +33,34 @@ def test_two_workers_never_share_a_directory(tmp_path: Path) -> None:
         open_state_dir(tmp_path)
     os.close(held.lock_fd)
     os.close(open_state_dir(tmp_path).lock_fd)
+
+
+def test_a_planted_link_in_the_directory_is_never_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / ".worker-id.tmp").symlink_to(victim)
+    opened = open_state_dir(state, "w-1")
+    os.close(opened.lock_fd)
+    assert victim.read_text() == "precious\n", "the link was replaced, not written through"
+    assert (state / "worker-id").read_text() == "w-1\n"
+    (state / "worker-id").unlink()
+    (state / "worker-id").symlink_to(victim)
+    with pytest.raises(ConfigurationError, match=r"cannot use .* as the state directory"):
+        open_state_dir(state)
+
+
+def test_a_directory_others_may_write_or_another_user_owns_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ConfigurationError, match=r"others may write to it \(mode 0777\)"):
+        open_state_dir(shared)
+    if os.geteuid() == 0:  # only root can give a directory away
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 4321, 4321)
+        with pytest.raises(ConfigurationError, match="belongs to uid 4321"):
+            open_state_dir(theirs)
+    assert not (shared / "worker-id").exists()
