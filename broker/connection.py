@@ -627,7 +627,7 @@ class Connections:
             "connection refused",
             peer=address,
             reason=reason,
-            **({"not_logged_before": unlogged} if unlogged else {}),
+            **_not_logged(unlogged),
         )
 
     def _log_auth_failure(self, session: Session, role: protocol.Role, reason: str) -> None:
@@ -644,7 +644,7 @@ class Connections:
             session=session.id,
             role=role,
             reason=reason,
-            **({"not_logged_before": unlogged} if unlogged else {}),
+            **_not_logged(unlogged),
         )
 
     async def _read_loop(self, session: Session, lines: wire.LineReader) -> None:
@@ -672,3 +672,9 @@ class Connections:
             session.send(protocol.Error(code=exc.code, message=str(exc), fatal=False))
         if session.errors >= self.settings.max_errors_per_connection:
             raise ProtocolError(f"too many bad messages ({session.errors}); closing")
+
+
+def _not_logged(count: int) -> dict[str, Any]:
+    """The field that says how many lines a rate left out before this one (none when
+    it left out none), so a quiet log stays uncluttered."""
+    return {"not_logged_before": count} if count else {}
