@@ -6,7 +6,10 @@ at once, by the mains' own clocks, and a standby takes over within the bound."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import socket
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -24,6 +27,7 @@ from broker.election import (
     TryElect,
 )
 from broker.exceptions import ConfigurationError
+from broker.main import _within_running_time
 
 
 @dataclass
@@ -168,6 +172,27 @@ def test_a_late_answer_of_the_last_chance_keeps_the_lead() -> None:
     assert election.renewed(renew.started, True) == []
     assert election.phase is Phase.LEADER
     assert election.lease_until == pytest.approx(10.0 + timing.ttl)
+
+
+async def test_an_answer_that_came_during_a_stall_is_used_and_a_silent_store_times_out() -> None:
+    """The shell's wait (``broker.main._within_running_time``) on a real socket: the answer
+    arrives while the loop is blocked for ten times the budget, and is read when it runs
+    again (``asyncio.timeout`` cancelled the read there: its timer and the socket became
+    ready in the same pass); a peer that never answers runs the budget out."""
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    reader, writer = await asyncio.open_connection(sock=a)
+    try:
+        loop.call_soon(time.sleep, 0.5)  # blocks the loop once the read below is waiting
+        loop.call_soon(b.send, b"granted\n")
+        assert await _within_running_time(reader.readline(), 0.05) == b"granted\n"
+        started = loop.time()
+        with pytest.raises(TimeoutError):
+            await _within_running_time(reader.readline(), 0.05)
+        assert loop.time() - started < 5.0
+    finally:
+        writer.close()
+        b.close()
 
 
 def test_a_fenced_statement_steps_the_leader_down_once() -> None:
