@@ -34,6 +34,7 @@ from broker.exceptions import ProtocolError, StorageError
 from broker.handoff import (
     STALL,
     STALL_AFTERMATH,
+    Abort,
     ClaimJobs,
     Dispatch,
     Handoff,
@@ -600,8 +601,9 @@ class HandoffMachine(RuleBasedStateMachine):
         stall=st.sampled_from([0.0, 0.0, 3.0]),
     )
     def liveness_tick(self, data: st.DataObject, elapsed: float, stall: float) -> None:
-        """Time passes: the peers silent too long are aborted (then disconnected), the
-        others pinged; each live worker answers or stays silent."""
+        """Time passes: parked leases whose grace is over go back, the peers silent too
+        long are aborted (then disconnected), the others pinged; each live worker answers
+        or stays silent."""
         self.now += elapsed
         effects = self.core.tick(self.now, stall=stall, timeout=15.0, ping=True)
         for effect in effects:
@@ -610,9 +612,12 @@ class HandoffMachine(RuleBasedStateMachine):
                 if self.conns[effect.peer].live and data.draw(st.integers(0, 4), label="pong") > 0:
                     assert isinstance(effect.message, protocol.Ping)
                     self.core.pong(effect.peer, effect.message.nonce, self.now)
-            else:
+            elif isinstance(effect, Abort):
                 self.conns[effect.peer].live = False
                 self.apply(self.core.disconnect(effect.peer, self.now))
+            else:
+                event("a parked lease went back after its grace")
+                self.apply([effect])
 
     # ------------------------------------------------------------------ dispatch
 
