@@ -400,7 +400,7 @@ def main_parser() -> argparse.ArgumentParser:
         "--orphan-grace",
         default=30.0,
         type=float,
-        help="seconds a restarted main waits for workers to reclaim their leases",
+        help="seconds a restarted (or stalled) main waits for workers to reclaim their leases",
     )
     _env_option(
         p,

@@ -18,6 +18,14 @@ decides *when* a main asks the store, and what it makes of the answers:
   meanwhile changes nothing, and learns it from the first refused statement;
 * a statement refused by the epoch fence (``DeposedError``) steps it down too.
 
+The store's answer is what counts, not the main's own timers: a round that is out is
+given up on only after ``renew_every`` of the main's *running* time (:class:`RoundBudget`),
+so an answer that arrived while the main's loop was stalled (a slow request, a starved
+or paused process) is read and used, never discarded by a timer that fired late. A
+renewal the store granted holds the lease from when it was *sent*, which is never later
+than the store counted it from; and a stall the store did not see as a takeover (the row
+still names this main) does not depose it.
+
 A main that steps down does not dispatch again (:class:`StepDown`): its shell stops it,
 and a supervisor starts it afresh, as a standby. The lease is only the timing: what
 keeps a deposed main from changing jobs is the fence in every claim and settle.
@@ -65,6 +73,34 @@ class Timing:
     @property
     def poll_every(self) -> float:
         return self.failover_timeout * 0.1
+
+
+@dataclass(slots=True)
+class RoundBudget:
+    """How long a round may wait for the store's answer, in the main's running time.
+
+    The shell waits in steps of :attr:`step` and reports each (:meth:`waited`). Only the
+    planned length of a step counts: the rest is time the loop itself could not run, in
+    which the answer may well have come and waited in the socket to be read. A timer
+    that fires late because the loop was stalled must not throw that answer away, for
+    the store did renew, and a leader told "failed" at its last chance steps down.
+    """
+
+    budget: float
+    spent: float = 0.0
+
+    STEPS = 10
+    """Steps per budget: a stall costs a round at most one of them."""
+
+    @property
+    def step(self) -> float:
+        return self.budget / self.STEPS
+
+    def waited(self, planned: float, took: float) -> bool:
+        """A wait planned for ``planned`` seconds took ``took``; whether the round is now
+        out of time."""
+        self.spent += min(planned, took)
+        return self.spent >= self.budget * (1 - 1e-9)  # ten steps of a tenth add up short
 
 
 class Phase(enum.StrEnum):

@@ -12,8 +12,9 @@ in order. That is what lets ``tests/unit/test_handoff.py`` drive it through rand
 interleavings and check its invariants after every step.
 
 Every lease the core mints is, at any moment, in exactly one place: an in-flight claim,
-one peer's held leases, the orphans, or the returns; or it has left the main for good
-(not won, settled, returned, cancelled). The rules that keep it so:
+one peer's held leases, the orphans, the parked leases (a connection that ended while the
+main itself was stalled, see :meth:`Handoff.disconnect`), or the returns; or it has left
+the main for good (not won, settled, returned, cancelled). The rules that keep it so:
 
 1. a claim is planned only against a reserved credit, and its lease is minted here,
    before the store sees the claim;
@@ -28,6 +29,7 @@ Decisions are logged under ``broker.main``, where operators look for them.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import uuid
 from collections import deque
@@ -51,6 +53,16 @@ from broker.logs import log_event
 from broker.settlement import claimable_at_enqueue
 
 logger = logging.getLogger("broker.main")
+
+STALL = 1.0
+"""A lag of the main's own loop at least this long (seconds) counts as a stall: it is
+logged, and a worker connection that ends during one, or within :data:`STALL_AFTERMATH`
+after it, has its leases parked instead of returned (see :meth:`Handoff.disconnect`)."""
+
+STALL_AFTERMATH = 2.0
+"""Seconds after the end of a stall during which a connection that ends still counts as
+ended by it: when the loop runs again it first reads what piled up meanwhile, the end of
+every socket a worker gave up on while the main could not answer its pings included."""
 
 CHANGE_LOG = 64
 """Queue changes remembered (see :meth:`Handoff.unchanged_since`): a read spanning more
@@ -174,6 +186,17 @@ class PlannedClaim:
         return Claim(self.job.id, self.lease, self.worker_id)
 
 
+@dataclass(slots=True)
+class Parked:
+    """A lease of a connection that ended while the main was stalled: ``job`` as it was
+    handed off, waiting until ``until`` (loop time) for ``worker_id`` to say hello again
+    with it in its held leases."""
+
+    job: Job
+    worker_id: str
+    until: float
+
+
 # ---------------------------------------------------------------------- peers
 
 
@@ -263,8 +286,18 @@ class Handoff:
         max_credit: int = DEFAULT_MAX_CREDIT,
         new_lease: Callable[[], uuid.UUID] | None = None,
         affinity_grace: float = 60.0,
+        reconnect_grace: float = 30.0,
     ) -> None:
         self.max_credit = max_credit
+        self.reconnect_grace = reconnect_grace
+        """How long the leases of a connection that ended during a stall of the main wait
+        for their worker to reconnect (the orphans' grace: the same wait, for the same
+        workers, as after a restart)."""
+        self.parked: dict[uuid.UUID, Parked] = {}
+        """Leases of connections that ended while the main was stalled, by lease: they wait
+        for their worker's hello (see :meth:`disconnect`)."""
+        self._stall_ended = -math.inf
+        """When the last stall of the main's loop that :meth:`tick` measured ended."""
         self.affinity = Affinity(affinity_grace, started=0.0)
         """Where the holders of local state are; decides who may take their recoveries."""
         self.awaiting: dict[uuid.UUID, str] = {}
@@ -317,14 +350,16 @@ class Handoff:
         """``peer`` passed its handshake. A worker adopts the leases its hello says it still
         holds, where they are still current; returns those and the effects.
 
-        Two sources: handoffs found in the store at start-up (the main restarted), only
-        those the store records for this worker id; and another live connection of the
-        same worker id (the worker reconnected before the main noticed the old socket was
-        dead), only leases that connection holds for the job the hello names. Start-up
-        handoffs of this worker that it no longer holds go back to the queue now rather
-        than after the grace period. Whatever is not adopted stays where it was, and this
-        connection's reports for it are answered ``stale`` (see :meth:`report`). The
-        worker id itself is only as trustworthy as the shared token.
+        Three sources: handoffs found in the store at start-up (the main restarted), only
+        those the store records for this worker id; leases parked when a connection of
+        this worker id ended while the main was stalled (:meth:`disconnect`); and another
+        live connection of the same worker id (the worker reconnected before the main
+        noticed the old socket was dead), only leases that connection holds for the job
+        the hello names. Start-up handoffs and parked leases of this worker that it no
+        longer holds go back to the queue now rather than after the grace period.
+        Whatever is not adopted stays where it was, and this connection's reports for it
+        are answered ``stale`` (see :meth:`report`). The worker id itself is only as
+        trustworthy as the shared token.
         """
         peer.role = hello.role
         peer.worker_id = hello.worker_id
@@ -337,13 +372,17 @@ class Handoff:
         # What was proven drained was proven for the modes and queues served until now.
         self.queue_changed()
         self.affinity.joined(hello.worker_id or "", state_kept=not hello.local_state_lost)
+        worker = hello.worker_id
         held = {ref.handoff_id: ref.job_id for ref in hello.held_leases}
         adopted: list[protocol.LeaseRef] = []
         effects: list[HandoffEffect] = []
-        for lease, job in list(self.orphans.items()):
-            if job.worker_id != peer.worker_id:
-                continue
-            del self.orphans[lease]
+        waiting = [
+            *((lease, job) for lease, job in self.orphans.items() if job.worker_id == worker),
+            *((lease, p.job) for lease, p in self.parked.items() if p.worker_id == worker),
+        ]
+        for lease, job in waiting:
+            self.orphans.pop(lease, None)
+            self.parked.pop(lease, None)
             if held.get(lease) == job.id:
                 peer.leases[lease] = job
                 adopted.append(protocol.LeaseRef(job_id=job.id, handoff_id=lease))
@@ -396,11 +435,22 @@ class Handoff:
         self.peers[peer_id].liveness.answered(nonce, now)
 
     def disconnect(
-        self, peer_id: int, now: float, *, stopping: bool = False
+        self, peer_id: int, now: float, *, stall: float = 0.0, stopping: bool = False
     ) -> list[HandoffEffect]:
         """A connection ended at ``now``. Its leases go back to the queue, unless the main
         is stopping: then the workers keep running their jobs and the next main adopts
-        them. A state holder's grace starts now, so jobs waiting for it get a wake-up."""
+        them. A state holder's grace starts now, so jobs waiting for it get a wake-up.
+
+        Unless the main itself was stalled: ``stall`` is how long its loop has been late
+        at ``now`` (a stall still being caught up on), and a stall that :meth:`tick`
+        measured counts for :data:`STALL_AFTERMATH` after it ended. A worker whose main
+        did not answer for its liveness timeout gives the socket up, but keeps running
+        its jobs and says hello again with their leases; returning them now would hand
+        them out a second time while they run. So they are *parked*: the same worker id
+        adopts them at its next hello (:meth:`hello`), or they go back to the queue
+        ``reconnect_grace`` after the disconnect (:meth:`tick`), as the orphans of a
+        restart do. Only this connection's own leases are parked, each under its own
+        lease, so a newer lease is never touched."""
         peer = self.peers.pop(peer_id, None)
         if peer is None:
             return []
@@ -417,17 +467,50 @@ class Handoff:
             self.affinity.left(peer.worker_id or "", now)
             if peer.worker_id in self.awaiting.values():
                 effects.append(WakeDispatcher())
-        if not stopping:
+        if stopping:
+            pass  # the main is shutting down: the leases stay with their jobs in the store
+        elif peer.leases and peer.worker_id and self._stalled(now, stall):
+            until = now + self.reconnect_grace
+            for lease, job in peer.leases.items():
+                self.parked[lease] = Parked(job, peer.worker_id, until)
+            log_event(
+                logger,
+                logging.WARNING,
+                "worker connection ended while the main was stalled; its leases wait for it "
+                "to reconnect",
+                worker_id=peer.worker_id,
+                session=peer.id,
+                parked=len(peer.leases),
+                grace=self.reconnect_grace,
+            )
+        else:
             for lease, job in peer.leases.items():
                 effects.append(self._return(job.id, lease, "worker connection ended", job))
         peer.leases.clear()
         return effects
 
+    def _stalled(self, now: float, stall: float) -> bool:
+        """Whether a connection ending at ``now`` may have been given up on because the
+        main could not answer: its loop is late by ``stall``, or a stall just ended."""
+        return stall >= STALL or now - self._stall_ended <= STALL_AFTERMATH
+
     def tick(self, now: float, *, stall: float, timeout: float, ping: bool) -> list[HandoffEffect]:
         """A liveness check at ``now``: abort the peers dead for ``timeout``, ping the rest
         when ``ping``. ``stall`` is how late the check runs: while the main could not
-        run, it could neither read answers nor write, so that time is excused."""
+        run, it could neither read answers nor write, so that time is excused; nor could
+        a worker whose leases are parked reconnect, so their wait grows by it too. Parked
+        leases whose wait is over go back to the queue."""
         effects: list[HandoffEffect] = []
+        if stall >= STALL:
+            self._stall_ended = now
+        for lease, parked in list(self.parked.items()):
+            if stall > 0:
+                parked.until += stall
+            if parked.until <= now:
+                del self.parked[lease]
+                job = parked.job
+                reason = "worker did not reconnect within the grace after the main's stall"
+                effects.append(self._return(job.id, lease, reason, job))
         for peer in self.peers.values():
             if stall > 0:
                 peer.liveness.excuse(stall, now)
@@ -803,17 +886,20 @@ class Handoff:
         return held is not None and held.id == job_id
 
     def held_job(self, lease: uuid.UUID) -> Job | None:
-        """The job a connection holds under ``lease``, as it was handed off."""
+        """The job a connection holds (or a parked entry keeps) under ``lease``, as it was
+        handed off."""
         for peer in self.worker_peers.values():
             job = peer.leases.get(lease)
             if job is not None:
                 return job
-        return None
+        parked = self.parked.get(lease)
+        return parked.job if parked is not None else None
 
     def forget(self, lease: uuid.UUID | None) -> None:
         """``lease`` has settled its job: no connection holds it any more."""
         if lease is None:
             return
+        self.parked.pop(lease, None)
         for peer in self.worker_peers.values():
             peer.leases.pop(lease, None)
 
@@ -825,6 +911,7 @@ class Handoff:
         if lease is None:
             return []
         self.orphans.pop(lease, None)
+        self.parked.pop(lease, None)
         effects: list[HandoffEffect] = []
         for peer in self.worker_peers.values():
             if peer.leases.pop(lease, None) is None:

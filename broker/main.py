@@ -35,9 +35,9 @@ import math
 import secrets
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from broker import codec, error_codes, protocol
 from broker.admission import CreditLimitError
@@ -47,10 +47,21 @@ from broker.config import MainSettings
 from broker.connection import Connections, Gathered, Session
 from broker.credentials import role_needed
 from broker.dispatch import Dispatcher
-from broker.election import Effect, Election, Lead, Phase, Renew, StepDown, Timing, TryElect
+from broker.election import (
+    Effect,
+    Election,
+    Lead,
+    Phase,
+    Renew,
+    RoundBudget,
+    StepDown,
+    Timing,
+    TryElect,
+)
 from broker.exceptions import PermissionDeniedError, ProtocolError, StorageError, transient
 from broker.group_commit import GroupCommit
 from broker.handoff import (
+    STALL,
     Abort,
     ClaimJobs,
     Dispatch,
@@ -83,6 +94,8 @@ from broker.storage import (
 )
 
 logger = logging.getLogger("broker.main")
+
+_T = TypeVar("_T")
 
 DEFAULT_RETENTION = Retention()
 """Completed and cancelled jobs kept 7 days, dead ones 30 days, no row cap."""
@@ -145,7 +158,9 @@ class Main:
         self.main_id = f"main-{uuid.uuid4().hex[:12]}"
         self.sessions: dict[int, Session] = {}
         self.handoff = Handoff(
-            max_credit=self.settings.max_credit, affinity_grace=self.settings.affinity_grace
+            max_credit=self.settings.max_credit,
+            affinity_grace=self.settings.affinity_grace,
+            reconnect_grace=self.settings.orphan_grace,
         )
         """The handoff rules and state; this class only feeds it events and carries out
         its effects (see :mod:`broker.handoff`)."""
@@ -167,6 +182,9 @@ class Main:
         a worker's hello can adopt its leases."""
         """No new dispatch, connection or request: the main is stopping, or was deposed."""
         self._stop_started = False
+        self._tick_due = math.inf
+        """When the liveness loop's next check is due (loop time): a disconnect read later
+        than that comes while the loop is still catching up on a stall."""
         self.dispatcher = Dispatcher(
             measured,
             self.handoff,
@@ -371,34 +389,38 @@ class Main:
             await asyncio.sleep(max(0.0, wake - loop.time()))
 
     async def _ask(self, effect: Effect) -> list[Effect]:
-        """Carry out one round the election asked for; returns what its answer decides
-        (a round bounded by the renewal interval, so a store that hangs is a failed
-        round, and the lease keeps running out)."""
-        election, store = self.election, self.store
-        assert election is not None and isinstance(store, SupportsLeadership)
-        timing = election.timing
+        """Carry out one round the election asked for; returns what its answer decides.
+        A round gets the renewal interval of the main's running time (see
+        :class:`broker.election.RoundBudget`): a store that hangs is a failed round, and
+        the lease keeps running out; an answer that came while the loop was stalled is
+        used."""
+        election = self.election
+        assert election is not None
         try:
-            async with asyncio.timeout(timing.renew_every):
-                match effect:
-                    case TryElect(started=started):
-                        row = await store.elect(self.main_id, self.address, timing.ttl)
-                        if row is None:
-                            election.failed()
-                            return []
-                        return election.elected(
-                            row.holder, row.epoch, row.address, row.live, started
-                        )
-                    case Renew(epoch=epoch, started=started):
-                        ok = await store.renew(self.main_id, epoch, timing.ttl)
-                        return election.renewed(started, ok)
-                    case _:
-                        return [effect]
+            return await _within_running_time(self._round(effect), election.timing.renew_every)
         except (TimeoutError, OSError, StorageError) as exc:
             election.failed()
             log_event(
                 logger, logging.WARNING, "election round failed", main_id=self.main_id, error=exc
             )
             return []
+
+    async def _round(self, effect: Effect) -> list[Effect]:
+        election, store = self.election, self.store
+        assert election is not None and isinstance(store, SupportsLeadership)
+        timing = election.timing
+        match effect:
+            case TryElect(started=started):
+                row = await store.elect(self.main_id, self.address, timing.ttl)
+                if row is None:
+                    election.failed()
+                    return []
+                return election.elected(row.holder, row.epoch, row.address, row.live, started)
+            case Renew(epoch=epoch, started=started):
+                ok = await store.renew(self.main_id, epoch, timing.ttl)
+                return election.renewed(started, ok)
+            case _:
+                return [effect]
 
     async def _first_round(self) -> None:
         """At start-up, before peers are answered: one election round, and if it elects
@@ -868,17 +890,20 @@ class Main:
         to): while the main was stalled, say by a slow request, it could neither read the
         peers' answers nor write to them, so that time is excused rather than judged
         (:meth:`broker.handoff.Liveness.excuse`). A slow moment in the main never returns
-        live workers' leases.
+        live workers' leases, nor those of a worker that gave its socket up meanwhile
+        (:meth:`broker.handoff.Handoff.disconnect` parks them for its hello).
         """
         loop = asyncio.get_running_loop()
         tick = self.settings.ping_interval / _LIVENESS_TICKS
         for n in itertools.count(1):
-            planned = loop.time() + tick
+            planned = self._tick_due = loop.time() + tick
             await asyncio.sleep(tick)
             now = loop.time()
             stall = now - planned
-            if stall > 1.0:
-                logger.warning("the main's loop was stalled for %.1f s", stall)
+            if stall >= STALL:
+                log_event(
+                    logger, logging.WARNING, "the main's loop was stalled", seconds=round(stall, 1)
+                )
             self._carry(
                 self.handoff.tick(
                     now,
@@ -918,7 +943,8 @@ class Main:
         session.closed = True
         self.sessions.pop(session.id, None)
         now = asyncio.get_running_loop().time()
-        self._carry(self.handoff.disconnect(session.id, now, stopping=self._stopping))
+        stall = max(0.0, now - self._tick_due)  # the liveness check is overdue by this much
+        self._carry(self.handoff.disconnect(session.id, now, stall=stall, stopping=self._stopping))
 
     async def status(self) -> dict[str, Any]:
         """The operators' snapshot (``broker status``): :meth:`Operations.status` with what
@@ -935,6 +961,25 @@ class Main:
             ],
         )
         return await self.operations.status(live)
+
+
+async def _within_running_time(step: Awaitable[_T], budget: float) -> _T:
+    """``step``'s answer, or ``TimeoutError`` once it has had ``budget`` seconds of this
+    loop's running time (time the loop was stalled does not count, see
+    :class:`broker.election.RoundBudget`). Given up on, it is cancelled."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(step)
+    spent = RoundBudget(budget)
+    try:
+        while True:
+            started = loop.time()
+            done, _ = await asyncio.wait({task}, timeout=spent.step)
+            if done:
+                return task.result()
+            if spent.waited(spent.step, loop.time() - started):
+                raise TimeoutError(f"no answer within {budget:g} s of the main's running time")
+    finally:
+        task.cancel()
 
 
 def new_token() -> str:

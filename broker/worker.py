@@ -20,8 +20,9 @@ not yet acknowledged are lost and the main runs those jobs again. Delivery is
 at-least-once, never at-most-once.
 
 **Leases survive reconnects.** ``hello`` lists every lease this worker still holds
-(running, or reported but unacknowledged), so a main that restarted can adopt
-those jobs instead of running them a second time.
+(running, or reported but unacknowledged), so a main that restarted, or one that
+was stalled past this worker's liveness timeout, can adopt those jobs instead of
+running them a second time.
 
 The worker never imports a runner: the composition root hands it one ``Runner``
 per execution mode it serves.

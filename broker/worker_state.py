@@ -347,7 +347,9 @@ class WorkerState:
         """The connection is gone: what it had not sent stays in the outbox for the next.
 
         Prefetched jobs are dropped: the main returns a lost connection's leases to the
-        queue at once, so they will be handed out again (to this worker or another)."""
+        queue (at once, or, when its own stall made this worker give up, at the next
+        ``hello``, which does not list them), so they will be handed out again (to this
+        worker or another)."""
         self._link = None
         if self._queued:
             self._logger.info(

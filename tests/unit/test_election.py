@@ -6,15 +6,28 @@ at once, by the mains' own clocks, and a standby takes over within the bound."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import socket
+import time
 from dataclasses import dataclass
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker.election import Election, Lead, Phase, Renew, StepDown, Timing, TryElect
+from broker.election import (
+    Election,
+    Lead,
+    Phase,
+    Renew,
+    RoundBudget,
+    StepDown,
+    Timing,
+    TryElect,
+)
 from broker.exceptions import ConfigurationError
+from broker.main import _within_running_time
 
 
 @dataclass
@@ -133,6 +146,53 @@ def test_a_leader_paused_past_its_lease_steps_down_when_a_standby_took_over() ->
     [last] = a.due(4.0)
     [down] = answer(a, row, last, 4.1)
     assert isinstance(down, StepDown) and "another main took over" in down.reason
+
+
+def test_a_round_is_given_its_budget_in_running_time_not_in_stalls() -> None:
+    """A step that took longer than planned was the loop's stall: only the plan counts, so
+    an answer read after a long stall is used; a store that hangs runs the budget out."""
+    budget = RoundBudget(1.0)
+    assert budget.step == pytest.approx(0.1)
+    assert not budget.waited(0.1, 20.0), "a 20 s stall costs one step"
+    for _ in range(8):
+        assert not budget.waited(0.1, 0.1)
+    assert budget.waited(0.1, 0.1), "ten steps of running time: out of time"
+
+
+def test_a_late_answer_of_the_last_chance_keeps_the_lead() -> None:
+    """The lease ran out by this main's clock while it was stalled; its last renewal is
+    answered late (after another stall): granted, it keeps leading, from when it was sent."""
+    timing = Timing(6.0)
+    election = Election("me", timing)
+    election.due(0.0)
+    election.elected("me", 1, "a:1", True, 0.0)
+    [renew] = election.due(10.0)  # stalled past the lease: the last chance
+    assert isinstance(renew, Renew)
+    assert election.due(30.0) == [], "its answer decides, however late"
+    assert election.renewed(renew.started, True) == []
+    assert election.phase is Phase.LEADER
+    assert election.lease_until == pytest.approx(10.0 + timing.ttl)
+
+
+async def test_an_answer_that_came_during_a_stall_is_used_and_a_silent_store_times_out() -> None:
+    """The shell's wait (``broker.main._within_running_time``) on a real socket: the answer
+    arrives while the loop is blocked for ten times the budget, and is read when it runs
+    again (``asyncio.timeout`` cancelled the read there: its timer and the socket became
+    ready in the same pass); a peer that never answers runs the budget out."""
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    reader, writer = await asyncio.open_connection(sock=a)
+    try:
+        loop.call_soon(time.sleep, 0.5)  # blocks the loop once the read below is waiting
+        loop.call_soon(b.send, b"granted\n")
+        assert await _within_running_time(reader.readline(), 0.05) == b"granted\n"
+        started = loop.time()
+        with pytest.raises(TimeoutError):
+            await _within_running_time(reader.readline(), 0.05)
+        assert loop.time() - started < 5.0
+    finally:
+        writer.close()
+        b.close()
 
 
 def test_a_fenced_statement_steps_the_leader_down_once() -> None:

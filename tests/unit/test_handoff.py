@@ -32,6 +32,9 @@ from broker import protocol
 from broker.admission import CreditLimitError, Credits
 from broker.exceptions import ProtocolError, StorageError
 from broker.handoff import (
+    STALL,
+    STALL_AFTERMATH,
+    Abort,
     ClaimJobs,
     Dispatch,
     Handoff,
@@ -273,6 +276,82 @@ def test_adoption_after_a_restart_takes_held_orphans_and_returns_the_rest() -> N
     assert restarted.orphans == {} and list(restarted.peers[7].leases) == [plan[0].lease]
 
 
+# ---------------------------------------------------------------------- a stall of the main
+
+
+def _ref(planned: PlannedClaim) -> protocol.LeaseRef:
+    return protocol.LeaseRef(job_id=planned.job.id, handoff_id=planned.lease)
+
+
+def test_a_connection_dropped_during_a_stall_parks_its_leases_for_the_same_worker() -> None:
+    """The main's loop was stalled past the worker's liveness timeout: the worker gave the
+    socket up but runs its jobs still. Its leases wait for its hello, which adopts those
+    it lists and returns the rest; no other worker id touches them."""
+    core, plan = _dispatched_core()
+    assert core.disconnect(1, 10.0, stall=STALL) == []
+    assert core.returns == {} and set(core.parked) == {p.lease for p in plan}
+    assert core.hello(core.new_peer(2, now=10.0), worker_hello("w2", [_ref(plan[0])])) == (
+        [],
+        [],
+    ), "another worker id adopts nothing"
+    adopted, effects = core.hello(core.new_peer(3, now=10.5), worker_hello("w1", [_ref(plan[0])]))
+    assert adopted == [_ref(plan[0])]
+    assert effects == [
+        ReturnLease(plan[1].job.id, plan[1].lease, "worker reconnected without this lease")
+    ]
+    assert core.parked == {} and list(core.peers[3].leases) == [plan[0].lease]
+
+
+def test_a_drop_read_just_after_a_measured_stall_is_parked_and_a_later_one_returns() -> None:
+    """The loop's first pass after a stall may run the liveness check before it reads the
+    sockets that ended meanwhile: a drop within the aftermath still counts; after it, a
+    drop is a dead worker, and its leases go back at once."""
+    core, plan = _dispatched_core()
+    core.tick(100.0, stall=20.0, timeout=15.0, ping=False)
+    assert core.disconnect(1, 100.0 + STALL_AFTERMATH) == []
+    assert set(core.parked) == {p.lease for p in plan}
+
+    later, plan2 = _dispatched_core()
+    later.tick(100.0, stall=20.0, timeout=15.0, ping=False)
+    effects = later.disconnect(1, 100.1 + STALL_AFTERMATH)
+    assert [e.lease for e in effects if isinstance(e, ReturnLease)] == [p.lease for p in plan2]
+    assert later.parked == {}
+
+    healthy, plan3 = _dispatched_core()
+    healthy.tick(100.0, stall=STALL / 2, timeout=15.0, ping=False)
+    effects = healthy.disconnect(1, 100.0, stall=STALL / 2)
+    assert len([e for e in effects if isinstance(e, ReturnLease)]) == len(plan3)
+
+
+def test_parked_leases_go_back_after_the_grace_which_a_new_stall_extends() -> None:
+    core, plan = _dispatched_core()  # the reconnect grace is 30 s by default
+    core.disconnect(1, 10.0, stall=5.0)
+    assert core.tick(39.0, stall=0.0, timeout=15.0, ping=False) == []
+    assert core.tick(45.0, stall=6.0, timeout=15.0, ping=False) == [], "stalled: excused"
+    reason = "worker did not reconnect within the grace after the main's stall"
+    assert core.tick(46.0, stall=0.0, timeout=15.0, ping=False) == [
+        ReturnLease(p.job.id, p.lease, reason) for p in plan
+    ]
+    assert core.parked == {} and set(core.losses) == {p.lease for p in plan}
+
+
+def test_a_parked_lease_that_settles_or_is_cancelled_is_forgotten() -> None:
+    core, plan = _dispatched_core()
+    report = protocol.CompletedReport(job_id=plan[0].job.id, handoff_id=plan[0].lease)
+    assert core.report(1, report) == [Settle(1, report)]  # in flight when the socket ends
+    core.disconnect(1, 10.0, stall=STALL)
+    assert core.held_job(plan[0].lease) == won(plan[0])
+    core.settled([(1, report, ACK.APPLIED)])
+    core.cancelled(replace(won(plan[1]), status=JobStatus.CANCELLED))
+    assert core.parked == {} and core.returns == {}
+
+
+def test_a_stopping_main_parks_nothing() -> None:
+    core, _ = _dispatched_core()
+    assert core.disconnect(1, 10.0, stall=STALL, stopping=True) == []
+    assert core.parked == {} and core.returns == {}
+
+
 # ---------------------------------------------------------------------- the state machine
 
 
@@ -323,7 +402,11 @@ class HandoffMachine(RuleBasedStateMachine):
             self.enqueue()
 
     def _new_core(self) -> Handoff:
-        return Handoff(max_credit=10, new_lease=lambda: uuid.UUID(int=next(self.numbers)))
+        return Handoff(
+            max_credit=10,
+            new_lease=lambda: uuid.UUID(int=next(self.numbers)),
+            reconnect_grace=10.0,
+        )
 
     # ------------------------------------------------------------------ effects
 
@@ -486,20 +569,25 @@ class HandoffMachine(RuleBasedStateMachine):
         assert self.core.hello(peer, hello) == ([], [])
 
     @precondition(lambda self: self.core.peers)
-    @rule(data=st.data(), kind=st.sampled_from(["drain", "disconnect", "pause", "bad ready"]))
+    @rule(
+        data=st.data(),
+        kind=st.sampled_from(["drain", "disconnect", "stalled disconnect", "pause", "bad ready"]),
+    )
     def peer_event(self, data: st.DataObject, kind: str) -> None:
-        """A worker drains, its connection ends, the transport pauses (or resumes) it over
-        its outbox cap, or it sends a ``ready`` out of order (refused, nothing applied);
-        a client's connection ends."""
+        """A worker drains, its connection ends (while the main's loop runs, or while it
+        is stalled: its leases are parked for the worker's hello), the transport pauses
+        (or resumes) it over its outbox cap, or it sends a ``ready`` out of order
+        (refused, nothing applied); a client's connection ends."""
         pid = data.draw(st.sampled_from(sorted(self.core.peers)))
         conn = self.conns[pid]
         if pid not in self.core.worker_peers:
             kind = "disconnect"  # the main routes a client nothing else (broker.main)
         if kind == "drain":
             self.apply(self.core.draining(pid))
-        elif kind == "disconnect":
+        elif kind in ("disconnect", "stalled disconnect"):
             conn.live = False
-            self.apply(self.core.disconnect(pid, 0.0))
+            stall = 3.0 if kind == "stalled disconnect" else 0.0
+            self.apply(self.core.disconnect(pid, self.now, stall=stall))
         elif kind == "pause":
             liveness = self.core.peers[pid].liveness
             liveness.paused_since = self.now if liveness.paused_since is None else None
@@ -513,8 +601,9 @@ class HandoffMachine(RuleBasedStateMachine):
         stall=st.sampled_from([0.0, 0.0, 3.0]),
     )
     def liveness_tick(self, data: st.DataObject, elapsed: float, stall: float) -> None:
-        """Time passes: the peers silent too long are aborted (then disconnected), the
-        others pinged; each live worker answers or stays silent."""
+        """Time passes: parked leases whose grace is over go back, the peers silent too
+        long are aborted (then disconnected), the others pinged; each live worker answers
+        or stays silent."""
         self.now += elapsed
         effects = self.core.tick(self.now, stall=stall, timeout=15.0, ping=True)
         for effect in effects:
@@ -523,9 +612,12 @@ class HandoffMachine(RuleBasedStateMachine):
                 if self.conns[effect.peer].live and data.draw(st.integers(0, 4), label="pong") > 0:
                     assert isinstance(effect.message, protocol.Ping)
                     self.core.pong(effect.peer, effect.message.nonce, self.now)
-            else:
+            elif isinstance(effect, Abort):
                 self.conns[effect.peer].live = False
-                self.apply(self.core.disconnect(effect.peer, 0.0))
+                self.apply(self.core.disconnect(effect.peer, self.now))
+            else:
+                event("a parked lease went back after its grace")
+                self.apply([effect])
 
     # ------------------------------------------------------------------ dispatch
 
@@ -788,17 +880,20 @@ class HandoffMachine(RuleBasedStateMachine):
         for peer in self.core.peers.values():
             places.update(peer.leases.keys())
         places.update(self.core.orphans.keys())
+        places.update(self.core.parked.keys())
         places.update(self.core.returns.keys())
         doubled = {lease: n for lease, n in places.items() if n > 1}
         assert not doubled, (
-            f"leases in more than one place (claims, peers, orphans, returns): {doubled}"
+            f"leases in more than one place (claims, peers, orphans, parked, returns): {doubled}"
         )
         for job_id, (status, lease) in self.store.items():
             if status is JobStatus.HANDED_OFF:
                 assert places[lease] == 1, (
                     f"job {job_id} is handed off under lease {lease}, which no claim, peer, "
-                    "orphan or return holds: it would never run nor go back"
+                    "orphan, parked entry or return holds: it would never run nor go back"
                 )
+        for lease, parked in self.core.parked.items():
+            assert self.owner[lease] == parked.worker_id, "parked for another worker id"
 
 
 HandoffMachine.TestCase.settings = settings.get_profile(PROFILE)
