@@ -53,11 +53,41 @@ class ConnectionSettings(Protocol):
     @property
     def max_requests_per_connection(self) -> int: ...
     @property
+    def max_request_bytes_per_connection(self) -> int: ...
+    @property
+    def max_request_bytes(self) -> int: ...
+    @property
+    def max_payload_containers(self) -> int: ...
+    @property
     def max_connections(self) -> int: ...
     @property
     def max_connections_per_address(self) -> int: ...
     @property
     def max_unauthenticated(self) -> int: ...
+
+
+class RequestBytes:
+    """The bytes of client requests in progress across all connections (their lines'
+    lengths, a measure of what their decoded messages hold): at ``limit`` the main stops
+    reading client connections until some finish. The count cap per connection alone let
+    16 requests of 15 MiB on one connection hold hundreds of MiB."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.bytes = 0
+        self.room = asyncio.Event()
+        """Set while the requests in progress hold less than ``limit`` bytes."""
+        self.room.set()
+
+    def add(self, size: int) -> None:
+        self.bytes += size
+        if self.bytes >= self.limit:
+            self.room.clear()
+
+    def remove(self, size: int) -> None:
+        self.bytes -= size
+        if self.bytes < self.limit:
+            self.room.set()
 
 
 @dataclass(eq=False)
@@ -79,6 +109,14 @@ class Session:
     """The longest line the peer accepts (the main's cap, which its welcome announces)."""
     max_requests: int
     """Client requests this connection may have in progress before reading pauses."""
+    max_request_bytes: int = 1 << 62
+    """Bytes of this connection's requests in progress (their lines) before reading pauses."""
+    read_ahead: RequestBytes | None = None
+    """The bytes of every connection's requests in progress (:class:`RequestBytes`)."""
+    line_bytes: int = 0
+    """The length of the line just read: what a request it starts is counted as."""
+    request_bytes: int = 0
+    """Bytes of this connection's requests in progress."""
     host: str | None = None
     rights: frozenset[protocol.Role] = frozenset()
     """The roles whose requests this connection may make, set at its hello
@@ -229,17 +267,29 @@ class Session:
         return True
 
     def add_request(self, task: asyncio.Task[None]) -> None:
+        """Count a request in progress, as many bytes as the line that carried it."""
+        size = self.line_bytes
         self.requests.add(task)
-        task.add_done_callback(self._request_done)
+        self.request_bytes += size
+        if self.read_ahead is not None:
+            self.read_ahead.add(size)
+        task.add_done_callback(lambda done: self._request_done(done, size))
         self._update_readable()
 
-    def _request_done(self, task: asyncio.Task[None]) -> None:
+    def _request_done(self, task: asyncio.Task[None], size: int) -> None:
         self.requests.discard(task)
+        self.request_bytes -= size
+        if self.read_ahead is not None:
+            self.read_ahead.remove(size)
         self._update_readable()
 
     def _update_readable(self) -> None:
         paused = self.state.liveness.paused_since is not None
-        if self.dropped or (not paused and len(self.requests) < self.max_requests):
+        if self.dropped or (
+            not paused
+            and len(self.requests) < self.max_requests
+            and self.request_bytes < self.max_request_bytes
+        ):
             self.readable.set()
         else:
             self.readable.clear()
@@ -350,6 +400,8 @@ class Connections:
         self.tls_handshakes: set[asyncio.Task[None]] = set()
         """TLS handshakes under way (:meth:`tls_server`), before their connection's task."""
         self._per_address: Counter[str] = Counter()
+        self.read_ahead = RequestBytes(settings.max_request_bytes)
+        """The bytes of client requests in progress on every connection."""
 
     def tls_server(self, context: ssl.SSLContext) -> Callable[[], asyncio.Protocol]:
         """A protocol factory for ``loop.create_server`` that runs each connection's TLS
@@ -455,6 +507,8 @@ class Connections:
             max_outbox_bytes=self.settings.max_outbox_bytes,
             max_line_bytes=self.settings.max_line_bytes,
             max_requests=self.settings.max_requests_per_connection,
+            max_request_bytes=self.settings.max_request_bytes_per_connection,
+            read_ahead=self.read_ahead,
         )
         lines = wire.LineReader(reader, max_line_bytes=self.settings.preauth_max_line_bytes)
         sender = asyncio.create_task(self._write_loop(session))
@@ -559,22 +613,38 @@ class Connections:
 
     async def _read_loop(self, session: Session, lines: wire.LineReader) -> None:
         """Reads and handles messages one at a time. It waits, without reading, while the
-        session is paused or at its request cap: the peer's further messages then stay
-        in its socket (TCP back-pressure) rather than in the main's memory."""
+        session is paused or at its request caps (count and bytes), and a client's
+        connection also while all requests in progress hold the total byte cap: the
+        peer's further messages then stay in its socket (TCP back-pressure) rather than
+        in the main's memory. Each line is held to the container bound before it is
+        decoded (:func:`broker.protocol.decode_from_peer`)."""
+        containers = self.settings.max_payload_containers
+        read_ahead = self.read_ahead
         while True:
             await session.readable.wait()
+            if session.role is not protocol.Role.WORKER:
+                await read_ahead.room.wait()
+            line = await lines.read_line()
+            if line is None or session.dropped:
+                return
             try:
-                msg = await wire.read_message(lines)
+                msg = protocol.decode_from_peer(line, containers)
             except protocol.DecodeError as exc:
                 self._reply_error(session, exc)
                 continue
-            if msg is None or session.dropped:
-                return
+            session.line_bytes = len(line)
             self._handle(session, msg)
 
     def _reply_error(self, session: Session, exc: protocol.DecodeError) -> None:
         session.errors += 1
-        if exc.request_id is not None:
+        if isinstance(exc, protocol.OverBoundError) and exc.instead is not None:
+            # A worker's result over the container bound: its job fails in its place.
+            logger.warning("report refused session=%d reason=%s", session.id, exc)
+            self._handle(session, exc.instead)
+        elif isinstance(exc, protocol.OverBoundError) and exc.reply is not None:
+            logger.warning("checkpoint refused session=%d reason=%s", session.id, exc)
+            session.send(exc.reply)
+        elif exc.request_id is not None:
             session.send(
                 protocol.RequestError(request_id=exc.request_id, code=exc.code, message=str(exc))
             )

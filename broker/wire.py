@@ -14,13 +14,9 @@ import asyncio
 import contextlib
 from collections.abc import Iterable
 
+from broker.bounds import PREAUTH_MAX_LINE_BYTES
 from broker.exceptions import ProtocolError
 from broker.protocol import Challenge, Error, ErrorCode, Message, decode, encode
-
-PREAUTH_MAX_LINE_BYTES = 64 * 1024
-"""The cap before a peer has authenticated. Small, because an unauthenticated peer
-should cost little; not tiny, because ``hello`` carries the worker's held leases
-(about 100 bytes each)."""
 
 MAX_LINE_BYTES = 1024 * 1024
 """The cap once authenticated; it bounds a job's arguments and a job's result."""

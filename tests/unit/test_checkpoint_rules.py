@@ -160,6 +160,7 @@ async def test_the_saver_answers_applied_duplicate_stale_and_refused() -> None:
         retry_interval=0.01,
         max_checkpoint_bytes=100,
         max_payload_depth=8,
+        max_payload_containers=100,
     )
     running_saver = asyncio.create_task(saver.run())
     try:
