@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from broker import protocol, tls, wire
 from broker.admission import Credits
+from broker.bounds import MESSAGE_CONTAINERS
 from broker.credentials import Credentials
 from broker.exceptions import ProtocolError
 from broker.handoff import Peer
@@ -616,19 +617,24 @@ class Connections:
         session is paused or at its request caps (count and bytes), and a client's
         connection also while all requests in progress hold the total byte cap: the
         peer's further messages then stay in its socket (TCP back-pressure) rather than
-        in the main's memory. Each line is held to the container bound before it is
-        decoded (:func:`broker.protocol.decode_from_peer`)."""
+        in the main's memory. Each line is held to the container bound as it is read
+        (:attr:`broker.wire.LineReader.max_containers`), before anything in it is built."""
         containers = self.settings.max_payload_containers
+        lines.max_containers = containers + MESSAGE_CONTAINERS
         read_ahead = self.read_ahead
         while True:
             await session.readable.wait()
             if session.role is not protocol.Role.WORKER:
                 await read_ahead.room.wait()
-            line = await lines.read_line()
+            try:
+                line = await lines.read_line()
+            except wire.TooManyContainersError as exc:  # dropped as it came: answer it
+                self._reply_error(session, protocol.container_refusal(exc.head, containers))
+                continue
             if line is None or session.dropped:
                 return
             try:
-                msg = protocol.decode_from_peer(line, containers)
+                msg = protocol.decode_from_peer(line)
             except protocol.DecodeError as exc:
                 self._reply_error(session, exc)
                 continue

@@ -130,7 +130,7 @@ class Operations:
     def check_payload(self, spec: JobSpec) -> None:
         """Refuse a job nested too deeply, with too many lists and objects, or over the
         payload limit. A request from a peer was already held to the container bound
-        before it was decoded (:func:`broker.protocol.decode_from_peer`), so the walk here
+        as it was read (:attr:`broker.wire.LineReader.max_containers`), so the walk here
         is short. Its job message always fits in a line: the line limit exceeds the
         payload limit by 64 KiB (``MainSettings.validate``), and every name in it is at
         most 1024 bytes."""
