@@ -25,8 +25,11 @@ from broker import protocol
 from broker.bounds import DEFAULT_MAX_PAYLOAD_CONTAINERS, MAX_WORKER_STATUS_BYTES
 from broker.client import Client
 from broker.exceptions import InvalidJobError, PayloadTooLargeError
-from broker.jobs import JobSpec, JobStatus
+from broker.jobs import ExecutionMode, JobSpec, JobStatus
+from broker.tasks import TaskRegistry, task
 from broker.transactional import enqueue_in
+from runners.inline import InlineRunner
+from tests.e2e.test_depth_limits import FAST, _run_on_a_worker
 from tests.integration.test_backpressure import RawPeer, _main_process, _start
 from tests.support import FakeWorker, until
 
@@ -274,3 +277,25 @@ async def test_the_bytes_of_requests_read_ahead_are_bounded_per_connection() -> 
     finally:
         peer.close()
         await main.stop()
+
+
+async def test_a_worker_fails_a_result_over_the_container_bound_before_sending_it() -> None:
+    """A real worker (its bound from ``welcome``) fails the job itself, without retry, and
+    keeps serving; a result within the bound completes."""
+    registry = TaskRegistry()
+
+    @task(name="wide", registry=registry, mode="inline")
+    async def wide(n: int) -> list[list[int]]:
+        return [[]] * n
+
+    inline = ExecutionMode.INLINE
+    specs = [
+        JobSpec(task="wide", args=[DEFAULT_MAX_PAYLOAD_CONTAINERS + 1], execution_mode=inline),
+        JobSpec(task="wide", args=[1000], execution_mode=inline),
+    ]
+    runner = InlineRunner(registry, concurrency=2)
+    over, fits = await _run_on_a_worker(FAST, runner, registry, specs)
+    assert over.status is JobStatus.FAILED and over.result is None
+    assert over.attempts == 1 and over.max_attempts > 1, "failed without retry"
+    assert f"holds more than {DEFAULT_MAX_PAYLOAD_CONTAINERS} lists" in (over.last_error or "")
+    assert fits.status is JobStatus.COMPLETED and fits.result == [[]] * 1000
