@@ -69,26 +69,31 @@ class ConnectionSettings(Protocol):
 
 class RequestBytes:
     """The bytes of client requests in progress across all connections (their lines'
-    lengths, a measure of what their decoded messages hold): at ``limit`` the main stops
-    reading client connections until some finish. The count cap per connection alone let
-    16 requests of 15 MiB on one connection hold hundreds of MiB."""
+    lengths, a measure of what their decoded messages hold). At ``limit`` a connection
+    with requests of its own in progress stops reading until the total is under it
+    again; one with none still reads (its next request, and its pongs), so a few large
+    requests never stall every client, nor get idle ones dropped for unanswered pings.
+    The count cap per connection alone let 16 requests of 15 MiB on one connection
+    hold hundreds of MiB."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.bytes = 0
-        self.room = asyncio.Event()
-        """Set while the requests in progress hold less than ``limit`` bytes."""
-        self.room.set()
+        self.waiting: set[Session] = set()
+        """Connections not read because the total is at ``limit``."""
+
+    @property
+    def full(self) -> bool:
+        return self.bytes >= self.limit
 
     def add(self, size: int) -> None:
         self.bytes += size
-        if self.bytes >= self.limit:
-            self.room.clear()
 
     def remove(self, size: int) -> None:
         self.bytes -= size
-        if self.bytes < self.limit:
-            self.room.set()
+        if not self.full:
+            for session in list(self.waiting):
+                session.update_readable()
 
 
 @dataclass(eq=False)
@@ -243,7 +248,7 @@ class Session:
         liveness = self.state.liveness
         if liveness.paused_since is None and self.outbox_bytes > self.max_outbox_bytes:
             liveness.paused_since = asyncio.get_running_loop().time()
-            self._update_readable()
+            self.update_readable()
 
     async def next_write(self) -> bytes:
         """The next lines to write, joined: all that is queued, up to about 256 KiB."""
@@ -264,7 +269,7 @@ class Session:
         if liveness.paused_since is None or self.outbox_bytes > self.max_outbox_bytes // 2:
             return False
         liveness.paused_since = None
-        self._update_readable()
+        self.update_readable()
         return True
 
     def add_request(self, task: asyncio.Task[None]) -> None:
@@ -275,19 +280,29 @@ class Session:
         if self.read_ahead is not None:
             self.read_ahead.add(size)
         task.add_done_callback(lambda done: self._request_done(done, size))
-        self._update_readable()
+        self.update_readable()
 
     def _request_done(self, task: asyncio.Task[None], size: int) -> None:
         self.requests.discard(task)
         self.request_bytes -= size
+        self.update_readable()
         if self.read_ahead is not None:
             self.read_ahead.remove(size)
-        self._update_readable()
 
-    def _update_readable(self) -> None:
+    def update_readable(self) -> None:
+        """Let the read loop read on, or not: it waits while the outbox is over its cap,
+        and while this connection's requests in progress are at their caps (count or
+        bytes) or, with some in progress, all connections' are at theirs."""
         paused = self.state.liveness.paused_since is not None
+        total = self.read_ahead
+        waiting = bool(self.requests) and total is not None and total.full
+        if total is not None and waiting and not self.dropped:
+            total.waiting.add(self)
+        elif total is not None:
+            total.waiting.discard(self)
         if self.dropped or (
             not paused
+            and not waiting
             and len(self.requests) < self.max_requests
             and self.request_bytes < self.max_request_bytes
         ):
@@ -299,7 +314,7 @@ class Session:
         """Drop the connection now, unsent data and all; the read loop ends at once."""
         self.dropped = True
         self.writer.abort()
-        self._update_readable()
+        self.update_readable()
 
 
 class Gathered:
@@ -614,18 +629,15 @@ class Connections:
 
     async def _read_loop(self, session: Session, lines: wire.LineReader) -> None:
         """Reads and handles messages one at a time. It waits, without reading, while the
-        session is paused or at its request caps (count and bytes), and a client's
-        connection also while all requests in progress hold the total byte cap: the
+        session is paused or at its request caps (count and bytes), or has requests in
+        progress while all connections' hold the total byte cap: the
         peer's further messages then stay in its socket (TCP back-pressure) rather than
         in the main's memory. Each line is held to the container bound as it is read
         (:attr:`broker.wire.LineReader.max_containers`), before anything in it is built."""
         containers = self.settings.max_payload_containers
         lines.max_containers = containers + MESSAGE_CONTAINERS
-        read_ahead = self.read_ahead
         while True:
             await session.readable.wait()
-            if session.role is not protocol.Role.WORKER:
-                await read_ahead.room.wait()
             try:
                 line = await lines.read_line()
             except wire.TooManyContainersError as exc:  # dropped as it came: answer it

@@ -279,6 +279,43 @@ async def test_the_bytes_of_requests_read_ahead_are_bounded_per_connection() -> 
         await main.stop()
 
 
+async def test_the_bytes_of_requests_read_ahead_are_bounded_in_all() -> None:
+    """Three connections, three 15 MiB enqueues each, a slow store and a 16 MiB total:
+    a connection with a request in progress stops reading once the total is reached,
+    so four are read in all (each connection's first, and one more) where the cap per
+    connection alone (32 MiB) let nine in."""
+    store = _HeldStore()
+    main = await _start(store, ping_interval=5.0, liveness_timeout=60.0, max_request_bytes=16 * MiB)
+    peers = [await RawPeer.connect(main.port) for _ in range(3)]
+    body = json.dumps(["x" * (15 * MiB)]).encode()
+
+    async def send_three(peer: RawPeer) -> None:
+        await peer.hello(CLIENT)
+        for i in range(3):
+            await peer.send_raw(_enqueue_line(f"r{i}", body))
+
+    sending = [asyncio.create_task(send_three(peer)) for peer in peers]
+    try:
+
+        def in_progress() -> int:
+            return sum(len(s.requests) for s in main.sessions.values())
+
+        await until(
+            lambda: len(main.sessions) == 3 and all(s.requests for s in main.sessions.values())
+        )
+        done, _ = await asyncio.wait(sending, timeout=1.0)
+        assert not done and in_progress() <= 4, in_progress()
+        store.go.set()
+        await asyncio.gather(*sending)
+        for peer in peers:
+            answered = [await _answer(peer) for _ in range(3)]
+            assert all(isinstance(a, protocol.EnqueuedReply) for a in answered), answered
+    finally:
+        for peer in peers:
+            peer.close()
+        await main.stop()
+
+
 async def test_a_worker_fails_a_result_over_the_container_bound_before_sending_it() -> None:
     """A real worker (its bound from ``welcome``) fails the job itself, without retry, and
     keeps serving; a result within the bound completes."""

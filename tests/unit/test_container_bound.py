@@ -83,11 +83,11 @@ def test_report_batches_are_packed_within_the_container_bound() -> None:
     assert len(protocol.pack(protocol.Reports, items, 1 << 20)) == 1, "no bound: one line"
 
 
-def test_request_bytes_open_and_close_the_room_for_reading() -> None:
+def test_request_bytes_are_full_at_their_limit() -> None:
     total = RequestBytes(limit=100)
-    assert total.room.is_set()
     total.add(60)
+    assert not total.full
     total.add(40)
-    assert not total.room.is_set()
+    assert total.full
     total.remove(40)
-    assert total.room.is_set() and total.bytes == 60
+    assert not total.full and total.bytes == 60
