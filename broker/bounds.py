@@ -90,7 +90,10 @@ label, a dashboard cell and a column of every job row: a 40 MiB task name made e
 ``/metrics`` 600 MiB and knocked its worker off (issue 30)."""
 
 DEFAULT_MAX_PAYLOAD_BYTES = 16 << 20
-"""16 MiB, for a job's args and kwargs together, and separately for its result."""
+"""16 MiB, for a job's args and kwargs together, and separately for its result. Values over
+the offload threshold (``broker.payload.DEFAULT_OFFLOAD_BYTES``) live apart from the job's
+row, so a large one no longer weighs on every claim and settle; it still crosses the wire
+and a child pipe whole."""
 
 MAX_PAYLOAD_BYTES_CEILING = 32 << 20
 """The largest payload limit any setting may allow: a job at the limit, plus its message,
@@ -98,7 +101,11 @@ must fit in a worker's line bound and in the 64 MiB line buffers of the pipes to
 a child, with room to spare."""
 
 DEFAULT_MAX_CHECKPOINT_BYTES = 4 << 20
-"""4 MiB: the largest checkpoint a task may save, as JSON."""
+"""4 MiB: the largest checkpoint a task may save, as JSON. A large one lives apart from its
+job's row like a large argument, but it is still a position and a little state, not the
+data itself: every save crosses the wire (twice from a child) and is written to the store
+whole, and every job message carries the last one beside the job's arguments, so the
+default line limit grows with it."""
 
 DEFAULT_MAX_LINE_BYTES = DEFAULT_MAX_PAYLOAD_BYTES + DEFAULT_MAX_CHECKPOINT_BYTES + (1 << 20)
 """21 MiB: a job at the default payload limit (16 MiB) with a checkpoint at the default
