@@ -53,6 +53,10 @@ items without a Python frame per item."""
 
 _Container: TypeAlias = list[Any] | tuple[Any, ...] | dict[Any, Any]
 
+_SMALL = 16
+"""Up to this many items, a list or object is walked item by item; a longer one is first
+judged in C (all scalars, or how many are not), which costs more than it saves on a few."""
+
 
 def containers_in(text: bytes) -> int:
     """Lists and objects in a JSON text, counted from above: its ``[`` and ``{`` (those
@@ -90,15 +94,22 @@ def _walk(value: object, limit: int, budget: int | None) -> int | None:
         if depth > limit:
             return depth
         below: list[_Container] = []
+        add = below.append
         for item in level:
             children = item.values() if isinstance(item, dict) else item
-            if all(map(_SCALAR_TYPE, map(type, children))):
-                continue
-            if budget is not None and (
-                met + len(below) + countOf(map(_SCALAR_TYPE, map(type, children)), False) > budget
-            ):
-                return None  # counted in C, before a Python step per child
-            below.extend(child for child in children if isinstance(child, _CONTAINERS))
+            if len(children) > _SMALL:
+                if all(map(_SCALAR_TYPE, map(type, children))):
+                    continue  # judged in C: a long list of numbers costs no Python step
+                if budget is not None and (
+                    met + len(below) + countOf(map(_SCALAR_TYPE, map(type, children)), False)
+                    > budget
+                ):
+                    return None  # counted in C, before a Python step per child
+            for child in children:
+                if isinstance(child, _CONTAINERS):
+                    add(child)
+            if budget is not None and met + len(below) > budget:
+                return None
         met += len(below)
         level = below
     return depth

@@ -5,14 +5,17 @@ stays at a line boundary, and batches are packed within the bound."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from broker import protocol, wire
 from broker.bounds import MESSAGE_CONTAINERS
 from broker.connection import RequestBytes
-from broker.payload import containers_in
+from broker.payload import containers_in, nesting_depth, shape_problem
 
 
 def _reader(data: bytes, *, max_line_bytes: int = 1 << 20, chunks: int = 7) -> wire.LineReader:
@@ -91,3 +94,30 @@ def test_request_bytes_are_full_at_their_limit() -> None:
     assert total.full
     total.remove(40)
     assert not total.full and total.bytes == 60
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=20) | st.dictionaries(st.text(max_size=2), inner),
+    max_leaves=200,
+)
+
+
+def _depth(value: object) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+@given(_JSON, st.integers(min_value=1, max_value=8), st.integers(min_value=0, max_value=60))
+def test_the_walk_measures_depth_and_counts_exactly(value: object, limit: int, bound: int) -> None:
+    """The level walk says what the plain recursive definition says, and its container
+    verdict is the count of ``[`` and ``{`` in the value's JSON (no strings with brackets
+    here), which is what the main counts in a line."""
+    depth = _depth(value)
+    assert nesting_depth(value, limit) == min(depth, limit + 1)
+    counted = containers_in(json.dumps(value).encode())
+    problem = shape_problem(value, 64, bound, "it")
+    assert (problem is not None) == (counted > bound), (counted, problem)
