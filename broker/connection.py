@@ -654,15 +654,18 @@ class Connections:
             self._handle(session, msg)
 
     def _reply_error(self, session: Session, exc: protocol.DecodeError) -> None:
-        session.errors += 1
         if isinstance(exc, protocol.OverBoundError) and exc.instead is not None:
-            # A worker's result over the container bound: its job fails in its place.
+            # A worker's result over the container bound (an older worker does not check
+            # it): its job fails in its place. An outcome, not a bad message.
             logger.warning("report refused session=%d reason=%s", session.id, exc)
             self._handle(session, exc.instead)
-        elif isinstance(exc, protocol.OverBoundError) and exc.reply is not None:
+            return
+        if isinstance(exc, protocol.OverBoundError) and exc.reply is not None:
             logger.warning("checkpoint refused session=%d reason=%s", session.id, exc)
             session.send(exc.reply)
-        elif exc.request_id is not None:
+            return
+        session.errors += 1
+        if exc.request_id is not None:
             session.send(
                 protocol.RequestError(request_id=exc.request_id, code=exc.code, message=str(exc))
             )
