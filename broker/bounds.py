@@ -1,5 +1,4 @@
-"""Every bound on a value from outside, declared once: the table the code enforces and the
-docs show.
+"""Every bound on a value from outside, declared once: the table the code enforces, the docs show.
 
 A value that crosses a trust boundary (the wire, a direct enqueue, the task catalog, a
 worker's status, an HTTP request) must have a ceiling on what it can cost the main, or
@@ -32,6 +31,11 @@ class Bound:
     """What a breach does, as the docs' last column says it."""
     section: str
     """The docs' ``###`` heading the row sits under."""
+
+
+BOUNDS: list[Bound] = []
+"""Every declared bound. Add a row beside the constant it describes; the docs test
+(``tests/unit/test_bounds_docs.py``) fails until ``docs/howto/security.md`` shows it."""
 
 
 # --------------------------------------------------------------------------- connections
@@ -79,87 +83,6 @@ PING_INTERVAL = 5.0
 """A peer that answers no ping (sent every ``PING_INTERVAL``) for ``LIVENESS_TIMEOUT`` s
 is disconnected."""
 
-# --------------------------------------------------------------------------- wire and payloads
-# (names, payload sizes and shapes, read-ahead bytes, worker status: the bounds-wire area)
-
-MAX_NAME_BYTES = 1024
-"""The longest name or id, in UTF-8 bytes: task and queue names, worker ids and hosts,
-idempotency, concurrency and unique keys, request ids and cursors. The indexed ones must
-fit a B-tree entry (about 2.7 KB on PostgreSQL), and every name is a log field, a metric
-label, a dashboard cell and a column of every job row: a 40 MiB task name made each
-``/metrics`` 600 MiB and knocked its worker off (issue 30)."""
-
-DEFAULT_MAX_PAYLOAD_BYTES = 16 << 20
-"""16 MiB, for a job's args and kwargs together, and separately for its result. Values over
-the offload threshold (``broker.payload.DEFAULT_OFFLOAD_BYTES``) live apart from the job's
-row, so a large one no longer weighs on every claim and settle; it still crosses the wire
-and a child pipe whole."""
-
-MAX_PAYLOAD_BYTES_CEILING = 32 << 20
-"""The largest payload limit any setting may allow: a job at the limit, plus its message,
-must fit in a worker's line bound and in the 64 MiB line buffers of the pipes to and from
-a child, with room to spare."""
-
-DEFAULT_MAX_CHECKPOINT_BYTES = 4 << 20
-"""4 MiB: the largest checkpoint a task may save, as JSON. A large one lives apart from its
-job's row like a large argument, but it is still a position and a little state, not the
-data itself: every save crosses the wire (twice from a child) and is written to the store
-whole, and every job message carries the last one beside the job's arguments, so the
-default line limit grows with it."""
-
-DEFAULT_MAX_LINE_BYTES = DEFAULT_MAX_PAYLOAD_BYTES + DEFAULT_MAX_CHECKPOINT_BYTES + (1 << 20)
-"""21 MiB: a job at the default payload limit (16 MiB) with a checkpoint at the default
-checkpoint limit (4 MiB), plus ample room for the rest of a message."""
-
-DEFAULT_MAX_PAYLOAD_DEPTH = 64
-"""How many lists and objects deep each argument, keyword argument and result may nest."""
-
-MAX_PAYLOAD_DEPTH_CEILING = 500
-"""The deepest any setting may allow. Python's recursion limit (1,000 frames) bounds what
-``json`` can encode or decode, and a message adds a few levels around its payload and
-is handled a few dozen frames down: 500 keeps clear of that in every process."""
-
-DEFAULT_MAX_PAYLOAD_CONTAINERS = 25_000
-"""The most lists and objects (``[`` and ``{`` in the JSON text, strings included) one
-message from a peer may hold, so one payload too: a job's args and kwargs, a result, a
-checkpoint, and an enqueue request with all its jobs.
-
-Why a count and this one: building and checking a value costs per container, not per
-byte. ``[]`` is two bytes of JSON and a 56-byte list in Python, so 15.5 MiB of
-``[[],[],...]`` (5.4 million lists, under the 16 MiB payload limit) took 0.4 GB and
-7 to 21 s of the main's loop to decode and walk for depth (issue 30). Counting the two
-bytes in a line (``bytes.count``, about 1 ms a MiB) bounds that before anything is built.
-At 25,000 the decode and the depth walk of a message at the bound take about 10 ms on
-one core (25 ms on a loaded two-core machine), well under the 50 ms a loop may stall;
-and a list of 20,000 records, or a bulk enqueue of 8,000 jobs with arguments, still
-goes in one message."""
-
-MESSAGE_CONTAINERS = 8
-"""Lists and objects a message adds around its payload (the message, an enqueue's job list
-and request, a batch), on top of :data:`DEFAULT_MAX_PAYLOAD_CONTAINERS`: a payload at the
-bound still fits in a message."""
-
-MAX_WORKER_STATUS_BYTES = 64 << 10
-"""64 KiB: the longest ``worker_status`` line. The main keeps each worker's last status
-and puts every one in each ``status`` reply: four 20 MiB statuses took a main from 93 MiB
-to 1.7 GB (issue 30). A real one (capacity, busy slots, a start-up error per mode) is a
-few hundred bytes."""
-
-MAX_LIST_ITEMS = 1000
-"""The most names in one list of a message (a worker's queues, a listing's queue, task and
-status filters, a task's parameters and exception names, versions and modes). Lists of
-objects (jobs, reports, leases) are bounded by :data:`DEFAULT_MAX_PAYLOAD_CONTAINERS`,
-each item being one."""
-
-DEFAULT_MAX_REQUEST_BYTES_PER_CONNECTION = 32 << 20
-"""32 MiB of client requests (their lines' bytes) in progress on one connection before the
-main stops reading it: with the request count cap (16) alone, 16 requests of 15 MiB could
-hold 240 MiB of lines and their decoded values."""
-
-DEFAULT_MAX_REQUEST_BYTES = 128 << 20
-"""128 MiB of client requests in progress across all connections before the main stops
-reading client connections (workers are still read)."""
-
 # --------------------------------------------------------------------------- values
 
 MAX_DELAY_SECONDS = 10 * 365 * 24 * 3600
@@ -177,7 +100,7 @@ _CONNECTIONS = "Connections and the handshake"
 _BACK_PRESSURE = "Back-pressure and liveness"
 _VALUES = "Values"
 
-BOUNDS: list[Bound] = [
+BOUNDS += [
     # ----------------------------------------------------------------------- connections
     Bound(
         "Connections in all",
@@ -326,8 +249,91 @@ BOUNDS: list[Bound] = [
         "made storable, never refused",
         _VALUES,
     ),
-    # ----------------------------------------------------------------------- wire and payloads
-    # (bounds-wire: names, payload shapes, read-ahead bytes, worker status)
+]
+
+
+# --------------------------------------------------------------------------- wire and payloads
+# (names, payload sizes and shapes, read-ahead bytes, worker status: the bounds-wire area)
+
+MAX_NAME_BYTES = 1024
+"""The longest name or id, in UTF-8 bytes: task and queue names, worker ids and hosts,
+idempotency, concurrency and unique keys, request ids and cursors. The indexed ones must
+fit a B-tree entry (about 2.7 KB on PostgreSQL), and every name is a log field, a metric
+label, a dashboard cell and a column of every job row: a 40 MiB task name made each
+``/metrics`` 600 MiB and knocked its worker off (issue 30)."""
+
+DEFAULT_MAX_PAYLOAD_BYTES = 16 << 20
+"""16 MiB, for a job's args and kwargs together, and separately for its result. Values over
+the offload threshold (``broker.payload.DEFAULT_OFFLOAD_BYTES``) live apart from the job's
+row, so a large one no longer weighs on every claim and settle; it still crosses the wire
+and a child pipe whole."""
+
+MAX_PAYLOAD_BYTES_CEILING = 32 << 20
+"""The largest payload limit any setting may allow: a job at the limit, plus its message,
+must fit in a worker's line bound and in the 64 MiB line buffers of the pipes to and from
+a child, with room to spare."""
+
+DEFAULT_MAX_CHECKPOINT_BYTES = 4 << 20
+"""4 MiB: the largest checkpoint a task may save, as JSON. A large one lives apart from its
+job's row like a large argument, but it is still a position and a little state, not the
+data itself: every save crosses the wire (twice from a child) and is written to the store
+whole, and every job message carries the last one beside the job's arguments, so the
+default line limit grows with it."""
+
+DEFAULT_MAX_LINE_BYTES = DEFAULT_MAX_PAYLOAD_BYTES + DEFAULT_MAX_CHECKPOINT_BYTES + (1 << 20)
+"""21 MiB: a job at the default payload limit (16 MiB) with a checkpoint at the default
+checkpoint limit (4 MiB), plus ample room for the rest of a message."""
+
+DEFAULT_MAX_PAYLOAD_DEPTH = 64
+"""How many lists and objects deep each argument, keyword argument and result may nest."""
+
+MAX_PAYLOAD_DEPTH_CEILING = 500
+"""The deepest any setting may allow. Python's recursion limit (1,000 frames) bounds what
+``json`` can encode or decode, and a message adds a few levels around its payload and
+is handled a few dozen frames down: 500 keeps clear of that in every process."""
+
+DEFAULT_MAX_PAYLOAD_CONTAINERS = 25_000
+"""The most lists and objects (``[`` and ``{`` in the JSON text, strings included) one
+message from a peer may hold, so one payload too: a job's args and kwargs, a result, a
+checkpoint, and an enqueue request with all its jobs.
+
+Why a count and this one: building and checking a value costs per container, not per
+byte. ``[]`` is two bytes of JSON and a 56-byte list in Python, so 15.5 MiB of
+``[[],[],...]`` (5.4 million lists, under the 16 MiB payload limit) took 0.4 GB and
+7 to 21 s of the main's loop to decode and walk for depth (issue 30). Counting the two
+bytes in a line (``bytes.count``, about 1 ms a MiB) bounds that before anything is built.
+At 25,000 the decode and the depth walk of a message at the bound take about 10 ms on
+one core (25 ms on a loaded two-core machine), well under the 50 ms a loop may stall;
+and a list of 20,000 records, or a bulk enqueue of 8,000 jobs with arguments, still
+goes in one message."""
+
+MESSAGE_CONTAINERS = 8
+"""Lists and objects a message adds around its payload (the message, an enqueue's job list
+and request, a batch), on top of :data:`DEFAULT_MAX_PAYLOAD_CONTAINERS`: a payload at the
+bound still fits in a message."""
+
+MAX_WORKER_STATUS_BYTES = 64 << 10
+"""64 KiB: the longest ``worker_status`` line. The main keeps each worker's last status
+and puts every one in each ``status`` reply: four 20 MiB statuses took a main from 93 MiB
+to 1.7 GB (issue 30). A real one (capacity, busy slots, a start-up error per mode) is a
+few hundred bytes."""
+
+MAX_LIST_ITEMS = 1000
+"""The most names in one list of a message (a worker's queues, a listing's queue, task and
+status filters, a task's parameters and exception names, versions and modes). Lists of
+objects (jobs, reports, leases) are bounded by :data:`DEFAULT_MAX_PAYLOAD_CONTAINERS`,
+each item being one."""
+
+DEFAULT_MAX_REQUEST_BYTES_PER_CONNECTION = 32 << 20
+"""32 MiB of client requests (their lines' bytes) in progress on one connection before the
+main stops reading it: with the request count cap (16) alone, 16 requests of 15 MiB could
+hold 240 MiB of lines and their decoded values."""
+
+DEFAULT_MAX_REQUEST_BYTES = 128 << 20
+"""128 MiB of client requests in progress across all connections before the main stops
+reading client connections (workers are still read)."""
+
+BOUNDS += [
     Bound(
         "Names and ids (task, queue, worker id, host, idempotency, concurrency and unique "
         "keys, request ids, cursor), in UTF-8",
@@ -378,5 +384,3 @@ BOUNDS: list[Bound] = [
         _BACK_PRESSURE,
     ),
 ]
-"""Every declared bound. Add a row beside the constant it describes; the docs test
-(``tests/unit/test_bounds_docs.py``) fails until ``docs/howto/security.md`` shows it."""
