@@ -336,3 +336,19 @@ async def test_a_worker_fails_a_result_over_the_container_bound_before_sending_i
     assert over.attempts == 1 and over.max_attempts > 1, "failed without retry"
     assert f"holds more than {DEFAULT_MAX_PAYLOAD_CONTAINERS} lists" in (over.last_error or "")
     assert fits.status is JobStatus.COMPLETED and fits.result == [[]] * 1000
+
+
+async def test_the_client_refuses_an_enqueue_over_the_container_bound_before_sending() -> None:
+    memory = MemoryAdapter()
+    main = await _start(memory)
+    try:
+        async with Client("127.0.0.1", main.port, allow_unknown_tasks=True) as client:
+            with pytest.raises(PayloadTooLargeError, match="--max-payload-containers"):
+                await client.enqueue("t", [[[]] * DEFAULT_MAX_PAYLOAD_CONTAINERS])
+            # Within the bound it goes in, on the same connection.
+            assert not (await client.enqueue("t", [[[]] * 1000])).duplicate
+            [session] = main.sessions.values()
+            assert session.errors == 0, "nothing over the bound reached the main"
+        assert len((await memory.list_jobs()).jobs) == 1
+    finally:
+        await main.stop()
