@@ -121,3 +121,37 @@ def test_the_walk_measures_depth_and_counts_exactly(value: object, limit: int, b
     counted = containers_in(json.dumps(value).encode())
     problem = shape_problem(value, 64, bound, "it")
     assert (problem is not None) == (counted > bound), (counted, problem)
+
+
+def test_a_worker_trims_its_status_to_the_main_s_bound() -> None:
+    """A runner's start-up error the size of a traceback of tracebacks must not make the
+    main refuse the worker's status: details go, errors are cut, the capacity stays."""
+    from types import SimpleNamespace
+
+    from broker.bounds import MAX_WORKER_STATUS_BYTES
+    from broker.jobs import ExecutionMode
+    from broker.runner import RunnerStatus
+    from broker.tasks import TaskRegistry
+    from broker.worker import Worker
+    from runners.inline import InlineRunner
+
+    class Broken(InlineRunner):
+        def status(self) -> RunnerStatus:
+            return RunnerStatus(
+                ExecutionMode.INLINE, 4, 0, "x" * (1 << 20), {"log": "y" * (1 << 20)}
+            )
+
+    worker = Worker(
+        "127.0.0.1",
+        1,
+        worker_id="w",
+        runners={ExecutionMode.INLINE: Broken(TaskRegistry(), concurrency=4)},
+        registry=TaskRegistry(),
+    )
+    line = worker._status_message(SimpleNamespace(status_sent=None))  # type: ignore[arg-type]
+    assert line is not None and len(line) <= MAX_WORKER_STATUS_BYTES
+    msg = protocol.decode(line)
+    assert isinstance(msg, protocol.WorkerStatus)
+    runner = msg.status["runners"]["inline"]
+    assert runner["capacity"] == 4 and runner["details"] == {}
+    assert len(runner["startup_error"]) == 2000
