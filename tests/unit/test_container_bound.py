@@ -7,15 +7,21 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from broker import protocol, wire
-from broker.bounds import MESSAGE_CONTAINERS
+from broker.bounds import MAX_WORKER_STATUS_BYTES, MESSAGE_CONTAINERS
 from broker.connection import RequestBytes
+from broker.jobs import ExecutionMode
 from broker.payload import containers_in, nesting_depth, shape_problem
+from broker.runner import RunnerStatus
+from broker.tasks import TaskRegistry
+from broker.worker import Worker
+from runners.inline import InlineRunner
 
 
 def _reader(data: bytes, *, max_line_bytes: int = 1 << 20, chunks: int = 7) -> wire.LineReader:
@@ -126,14 +132,6 @@ def test_the_walk_measures_depth_and_counts_exactly(value: object, limit: int, b
 def test_a_worker_trims_its_status_to_the_main_s_bound() -> None:
     """A runner's start-up error the size of a traceback of tracebacks must not make the
     main refuse the worker's status: details go, errors are cut, the capacity stays."""
-    from types import SimpleNamespace
-
-    from broker.bounds import MAX_WORKER_STATUS_BYTES
-    from broker.jobs import ExecutionMode
-    from broker.runner import RunnerStatus
-    from broker.tasks import TaskRegistry
-    from broker.worker import Worker
-    from runners.inline import InlineRunner
 
     class Broken(InlineRunner):
         def status(self) -> RunnerStatus:
