@@ -88,6 +88,8 @@ def _walk(value: object, limit: int, budget: int | None) -> int | None:
     takes a few milliseconds."""
     level: list[_Container] = [value] if isinstance(value, _CONTAINERS) else []
     met = len(level)
+    if budget is not None and met > budget:
+        return None
     depth = 0
     while level:
         depth += 1
