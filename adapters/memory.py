@@ -20,7 +20,6 @@ from __future__ import annotations
 import base64
 import copy
 import json
-import logging
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
@@ -59,10 +58,10 @@ from broker.storage import (
     QueueCount,
     TaskRecord,
     check_payload,
+    log_refused_at_claim,
     payload_digest,
 )
 
-logger = logging.getLogger(__name__)
 
 _HOLLOW: dict[str, JSONValue] = {"args": (), "kwargs": {}, "result": None, "checkpoint": None}
 """What an offloaded field of a kept job holds; also how a summary shows a job."""
@@ -284,13 +283,7 @@ class MemoryAdapter:
             try:
                 claimed.append(self._snapshot(job.id))
             except PayloadIntegrityError as exc:
-                logger.warning(
-                    "job failed at claim job_id=%s handoff_id=%s worker_id=%s reason=%s",
-                    job.id,
-                    claim.handoff_id,
-                    claim.worker_id,
-                    exc.detail,
-                )
+                log_refused_at_claim(claim, exc)
                 self._settle(settlement.payload_refused(claim, exc))
         return claimed
 

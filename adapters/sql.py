@@ -133,6 +133,7 @@ from broker.storage import (
     QueueCount,
     TaskRecord,
     check_payload,
+    log_refused_at_claim,
     payload_digest,
 )
 from broker.untrusted import redact_url
@@ -391,13 +392,7 @@ def _claimed_jobs(
             won.append(build(row))
         except PayloadIntegrityError as exc:
             claim = by_id[exc.job_id]
-            logger.warning(
-                "job failed at claim job_id=%s handoff_id=%s worker_id=%s reason=%s",
-                exc.job_id,
-                claim.handoff_id,
-                claim.worker_id,
-                exc.detail,
-            )
+            log_refused_at_claim(claim, exc)
             refused.append(settlement.payload_refused(claim, exc))
     return won, refused
 

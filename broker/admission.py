@@ -20,12 +20,9 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Mapping
 
+from broker.bounds import MAX_CREDIT
 from broker.exceptions import ProtocolError
 from broker.jobs import ExecutionMode
-
-DEFAULT_MAX_CREDIT = 10_000
-"""Free slots one worker may announce per mode. Far above any real runner, and low enough
-that a rogue or buggy ``ready`` (up to 2**63) cannot make one worker the pick for every job."""
 
 
 class CreditLimitError(ProtocolError):
@@ -33,7 +30,7 @@ class CreditLimitError(ProtocolError):
 
 
 class Credits:
-    def __init__(self, max_slots: int = DEFAULT_MAX_CREDIT) -> None:
+    def __init__(self, max_slots: int = MAX_CREDIT) -> None:
         self._max_slots = max_slots
         self._slots: dict[ExecutionMode, int] = {}
         self._seen = 0

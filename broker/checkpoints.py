@@ -18,7 +18,7 @@ from broker.exceptions import transient
 from broker.handoff import checkpoint_ack
 from broker.jobs import CheckpointSave, JobStatus, ProgressUpdate
 from broker.logs import log_event
-from broker.payload import encoded_size, nesting_depth
+from broker.payload import encoded_size, shape_problem
 from broker.storage import StorageAdapter
 
 logger = logging.getLogger("broker.main")
@@ -29,10 +29,15 @@ PROGRESS_FLUSH_INTERVAL = 0.5
 Answer = Callable[[list[tuple[int, protocol.CheckpointAck]]], None]
 
 
-def checkpoint_problem(state: object, limit: int | None, max_depth: int) -> str | None:
-    """Why ``state`` may not be stored as a checkpoint (too deep, too large), or ``None``."""
-    if nesting_depth(state, max_depth) > max_depth:
-        return f"the checkpoint nests more than {max_depth} levels deep; flatten it"
+def checkpoint_problem(
+    state: object, limit: int | None, max_depth: int, max_containers: int | None
+) -> str | None:
+    """Why ``state`` may not be stored as a checkpoint (too deep, too many lists and
+    objects, too large), or ``None``. The shape goes first, and its walk stops at either
+    bound, so judging a checkpoint costs little whatever it holds."""
+    shape = shape_problem(state, max_depth, max_containers, "the checkpoint")
+    if shape is not None:
+        return f"{shape}; flatten it"
     if limit is None:
         return None
     size = encoded_size(state)
@@ -57,6 +62,7 @@ class CheckpointSaver:
         retry_interval: float,
         max_checkpoint_bytes: int | None,
         max_payload_depth: int,
+        max_payload_containers: int | None,
     ) -> None:
         self._store = store
         self._answer = answer
@@ -65,11 +71,14 @@ class CheckpointSaver:
         self._retry_interval = retry_interval
         self._max_bytes = max_checkpoint_bytes
         self._max_depth = max_payload_depth
+        self._max_containers = max_payload_containers
         self.queued: list[tuple[int, protocol.SaveCheckpoint]] = []
         self._ready = asyncio.Event()
 
     def add(self, peer: int, msg: protocol.SaveCheckpoint) -> None:
-        problem = checkpoint_problem(msg.state, self._max_bytes, self._max_depth)
+        problem = checkpoint_problem(
+            msg.state, self._max_bytes, self._max_depth, self._max_containers
+        )
         if problem is not None:
             refused = checkpoint_ack(
                 msg, protocol.AckStatus.REFUSED, protocol.ErrorCode.PAYLOAD_TOO_LARGE, problem

@@ -324,6 +324,19 @@ _LIMIT_OPTIONS: list[tuple[str, str]] = [
         "client requests one connection may have in progress (then the main stops reading it)",
     ),
     ("--max-requests", "client requests in progress across all connections"),
+    (
+        "--max-request-bytes-per-connection",
+        "bytes of one connection's client requests in progress (then the main stops reading it)",
+    ),
+    (
+        "--max-request-bytes",
+        "bytes of all client requests in progress (then the main stops reading clients)",
+    ),
+    (
+        "--max-payload-containers",
+        "lists and objects ('[' and '{') one message may hold, so one payload, result or "
+        "checkpoint too; counted before the message is decoded",
+    ),
     ("--max-connections", "connections in all; more are refused"),
     ("--max-connections-per-address", "connections from one IP address; more are refused"),
     ("--max-unauthenticated", "connections still in the handshake; more are refused"),

@@ -31,6 +31,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from broker import error_codes, protocol, tls, wire
 from broker.addresses import MainAddresses
+from broker.bounds import MESSAGE_CONTAINERS
 from broker.exceptions import (
     BrokerError,
     ConfigurationError,
@@ -39,6 +40,7 @@ from broker.exceptions import (
     ProtocolError,
 )
 from broker.jobs import ExecutionMode, JobSpec, JobStatus, JSONValue
+from broker.payload import containers_in, too_many_containers
 from broker.tasks import Enqueued, Task, set_default_clients
 from broker.tls import PeerTLS
 
@@ -118,6 +120,8 @@ class Client:
         self._connect_lock = asyncio.Lock()
         self._max_line_bytes: int | None = None
         """The main's line cap from its welcome: a longer request would be refused."""
+        self._max_containers: int | None = None
+        """The main's container bound from its welcome (``None``: an older main)."""
 
     def _check_fork(self) -> None:
         """In a forked child (gunicorn ``--preload``, multiprocessing's fork), start over:
@@ -209,6 +213,7 @@ class Client:
             if not isinstance(welcome, protocol.Welcome):
                 raise ProtocolError(f"expected welcome from the main, got {welcome!r}")
             self._max_line_bytes = welcome.max_line_bytes
+            self._max_containers = welcome.max_payload_containers
         except BaseException:
             await out.close()
             raise
@@ -431,7 +436,9 @@ class Client:
         worker has declared.
 
         :raises PayloadTooLargeError: the request would not fit in one line the main
-        accepts (it would close the connection); the main enforces its payload limit too."""
+        accepts (it would close the connection), or holds more lists and objects than the
+        main reads (``--max-payload-containers``); the main enforces its payload limits
+        too."""
 
         def fits(line: bytes) -> None:
             limit = self._max_line_bytes
@@ -439,6 +446,11 @@ class Client:
                 raise PayloadTooLargeError(
                     f"the enqueue request is {len(line) - 1} bytes, over the main's line "
                     f"limit of {limit} bytes; send fewer or smaller jobs"
+                )
+            bound = self._max_containers
+            if bound is not None and containers_in(line) > bound + MESSAGE_CONTAINERS:
+                raise PayloadTooLargeError(
+                    too_many_containers("the enqueue request (its jobs' args and kwargs)", bound)
                 )
 
         allow = self._allow_unknown_tasks if allow_unknown_tasks is None else allow_unknown_tasks

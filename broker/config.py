@@ -11,37 +11,45 @@ from dataclasses import dataclass
 
 from broker import checks
 from broker.addresses import parse_address
-from broker.admission import DEFAULT_MAX_CREDIT
-from broker.bounds import DEFAULT_TASK_GRACE, MAX_UNAUTHENTICATED_PER_ADDRESS, MIN_TOKEN_CHARACTERS
+from broker.bounds import (
+    DEFAULT_MAX_CHECKPOINT_BYTES,
+    DEFAULT_MAX_LINE_BYTES,
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    DEFAULT_MAX_PAYLOAD_CONTAINERS,
+    DEFAULT_MAX_PAYLOAD_DEPTH,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_REQUEST_BYTES_PER_CONNECTION,
+    DEFAULT_TASK_GRACE,
+    HANDSHAKE_TIMEOUT,
+    LIVENESS_TIMEOUT,
+    MAX_AGE_SECONDS,
+    MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_ADDRESS,
+    MAX_CREDIT,
+    MAX_ERRORS_PER_CONNECTION,
+    MAX_OUTBOX_BYTES,
+    MAX_PAYLOAD_BYTES_CEILING,
+    MAX_PAYLOAD_DEPTH_CEILING,
+    MAX_REQUESTS,
+    MAX_REQUESTS_PER_CONNECTION,
+    MAX_UNAUTHENTICATED,
+    MAX_UNAUTHENTICATED_PER_ADDRESS,
+    MIN_TOKEN_CHARACTERS,
+    PING_INTERVAL,
+    PREAUTH_MAX_LINE_BYTES,
+)
 from broker.credentials import Credentials
 from broker.election import DEFAULT_FAILOVER_TIMEOUT
 from broker.jobs import DEFAULT_MAX_RECOVERIES
-from broker.payload import (
-    DEFAULT_MAX_CHECKPOINT_BYTES,
-    DEFAULT_MAX_PAYLOAD_BYTES,
-    DEFAULT_MAX_PAYLOAD_DEPTH,
-    LINE_HEADROOM_BYTES,
-    MAX_LINE_BYTES_CEILING,
-    MAX_PAYLOAD_BYTES_CEILING,
-    MAX_PAYLOAD_DEPTH_CEILING,
-)
+from broker.payload import LINE_HEADROOM_BYTES, MAX_LINE_BYTES_CEILING
 from broker.protocol import DEFAULT_PORT
 from broker.tls import ServerTLS
-from broker.values import MAX_AGE_SECONDS
 
 MIN_LINE_BYTES = 2 << 20
 """2 MiB: the default line limit for a small payload limit, or none."""
 
-DEFAULT_MAX_LINE_BYTES = DEFAULT_MAX_PAYLOAD_BYTES + DEFAULT_MAX_CHECKPOINT_BYTES + (1 << 20)
-"""21 MiB: a job at the default payload limit (16 MiB) with a checkpoint at the default
-checkpoint limit (4 MiB), plus ample room for the rest of a message."""
-
 DEFAULT_LIST_PAGE_BYTES = 1 << 20
 """1 MiB: a page of jobs that a client decodes, and the main encodes, in a few milliseconds."""
-
-DEFAULT_MAX_OUTBOX_BYTES = 8 << 20
-"""8 MiB queued for one peer: four replies at the default line cap, far more than a peer
-that reads ever has waiting."""
 
 
 def line_limit_for(max_payload_bytes: int | None, max_checkpoint_bytes: int | None) -> int:
@@ -84,10 +92,14 @@ class MainSettings:
     """Largest checkpoint a task may save, as JSON; ``None``: only what a line can hold.
     A job message carries its arguments and its checkpoint, so the limit in force
     (:attr:`checkpoint_limit`) may be lower."""
-    preauth_max_line_bytes: int = 64 << 10
-    handshake_timeout: float = 2.0
-    ping_interval: float = 5.0
-    liveness_timeout: float = 15.0
+    max_payload_containers: int = DEFAULT_MAX_PAYLOAD_CONTAINERS
+    """How many lists and objects (``[`` and ``{``) one message from a peer may hold, so one
+    payload, result or checkpoint too; counted in the line before it is decoded, and
+    learnt by workers and clients from ``welcome``."""
+    preauth_max_line_bytes: int = PREAUTH_MAX_LINE_BYTES
+    handshake_timeout: float = HANDSHAKE_TIMEOUT
+    ping_interval: float = PING_INTERVAL
+    liveness_timeout: float = LIVENESS_TIMEOUT
     orphan_grace: float = 30.0
     """How long handoffs found in the store at start-up wait for their worker to come back."""
     max_recoveries: int = DEFAULT_MAX_RECOVERIES
@@ -111,28 +123,34 @@ class MainSettings:
     report_batch: int = 512
     enqueue_batch: int = 1000
     """Most jobs one group commit of concurrent enqueues writes in one transaction."""
-    max_errors_per_connection: int = 20
+    max_errors_per_connection: int = MAX_ERRORS_PER_CONNECTION
     list_page_bytes: int = DEFAULT_LIST_PAGE_BYTES
     """About how many bytes of jobs one ``list_jobs`` reply may carry (never more than fits
     in ``max_line_bytes``); the page ends early, with a cursor, once they are used up."""
-    max_outbox_bytes: int = DEFAULT_MAX_OUTBOX_BYTES
+    max_outbox_bytes: int = MAX_OUTBOX_BYTES
     """Bytes queued for one peer before the main stops reading its messages (until half
     have been sent); a peer over it for ``liveness_timeout`` is disconnected."""
-    max_requests_per_connection: int = 16
+    max_requests_per_connection: int = MAX_REQUESTS_PER_CONNECTION
     """Client requests one connection may have in progress; at the cap the main stops
     reading that connection, so TCP holds the rest back at the peer."""
-    max_requests: int = 8
+    max_request_bytes_per_connection: int = DEFAULT_MAX_REQUEST_BYTES_PER_CONNECTION
+    """Bytes of the lines of one connection's client requests in progress; at the cap the
+    main stops reading that connection until they finish."""
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    """Bytes of the lines of all client requests in progress; at the cap the main stops
+    reading client connections (not workers') until they finish."""
+    max_requests: int = MAX_REQUESTS
     """Client requests in progress across all connections. Below the SQL adapter's pool
     (5 connections plus 10 overflow), so requests can never take every database connection
     from dispatch, settlement, recovery and the listener."""
-    max_connections: int = 1024
-    max_connections_per_address: int = 64
-    max_unauthenticated: int = 64
+    max_connections: int = MAX_CONNECTIONS
+    max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS
+    max_unauthenticated: int = MAX_UNAUTHENTICATED
     """Connections that have not finished the handshake yet, from all addresses."""
     max_unauthenticated_per_address: int = MAX_UNAUTHENTICATED_PER_ADDRESS
     """Connections from one address that have not finished the handshake yet, so one
     address cannot take every handshake slot."""
-    max_credit: int = DEFAULT_MAX_CREDIT
+    max_credit: int = MAX_CREDIT
     """Free slots a worker may announce per mode in ``ready``; a larger ``ready`` is refused."""
     failover_timeout: float = DEFAULT_FAILOVER_TIMEOUT
     """With several mains on one PostgreSQL store: the longest a standby takes to
@@ -198,6 +216,9 @@ class MainSettings:
             "list_page_bytes": self.list_page_bytes,
             "max_outbox_bytes": self.max_outbox_bytes,
             "max_requests_per_connection": self.max_requests_per_connection,
+            "max_request_bytes_per_connection": self.max_request_bytes_per_connection,
+            "max_request_bytes": self.max_request_bytes,
+            "max_payload_containers": self.max_payload_containers,
             "max_requests": self.max_requests,
             "max_connections": self.max_connections,
             "max_connections_per_address": self.max_connections_per_address,

@@ -23,7 +23,11 @@ from typing import Any, Protocol
 
 from broker import protocol, tls, wire
 from broker.admission import Credits
-from broker.bounds import AUTH_FAILURE_LOG_BURST, AUTH_FAILURE_LOG_PER_SECOND
+from broker.bounds import (
+    AUTH_FAILURE_LOG_BURST,
+    AUTH_FAILURE_LOG_PER_SECOND,
+    MESSAGE_CONTAINERS,
+)
 from broker.credentials import Credentials
 from broker.exceptions import ProtocolError
 from broker.handoff import Peer
@@ -56,6 +60,12 @@ class ConnectionSettings(Protocol):
     @property
     def max_requests_per_connection(self) -> int: ...
     @property
+    def max_request_bytes_per_connection(self) -> int: ...
+    @property
+    def max_request_bytes(self) -> int: ...
+    @property
+    def max_payload_containers(self) -> int: ...
+    @property
     def max_connections(self) -> int: ...
     @property
     def max_connections_per_address(self) -> int: ...
@@ -63,6 +73,35 @@ class ConnectionSettings(Protocol):
     def max_unauthenticated(self) -> int: ...
     @property
     def max_unauthenticated_per_address(self) -> int: ...
+
+
+class RequestBytes:
+    """The bytes of client requests in progress across all connections (their lines'
+    lengths, a measure of what their decoded messages hold). At ``limit`` a connection
+    with requests of its own in progress stops reading until the total is under it
+    again; one with none still reads (its next request, and its pongs), so a few large
+    requests never stall every client, nor get idle ones dropped for unanswered pings.
+    The count cap per connection alone let 16 requests of 15 MiB on one connection
+    hold hundreds of MiB."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.bytes = 0
+        self.waiting: set[Session] = set()
+        """Connections not read because the total is at ``limit``."""
+
+    @property
+    def full(self) -> bool:
+        return self.bytes >= self.limit
+
+    def add(self, size: int) -> None:
+        self.bytes += size
+
+    def remove(self, size: int) -> None:
+        self.bytes -= size
+        if not self.full:
+            for session in list(self.waiting):
+                session.update_readable()
 
 
 @dataclass(eq=False)
@@ -84,6 +123,14 @@ class Session:
     """The longest line the peer accepts (the main's cap, which its welcome announces)."""
     max_requests: int
     """Client requests this connection may have in progress before reading pauses."""
+    max_request_bytes: int = 1 << 62
+    """Bytes of this connection's requests in progress (their lines) before reading pauses."""
+    read_ahead: RequestBytes | None = None
+    """The bytes of every connection's requests in progress (:class:`RequestBytes`)."""
+    line_bytes: int = 0
+    """The length of the line just read: what a request it starts is counted as."""
+    request_bytes: int = 0
+    """Bytes of this connection's requests in progress."""
     host: str | None = None
     rights: frozenset[protocol.Role] = frozenset()
     """The roles whose requests this connection may make, set at its hello
@@ -209,7 +256,7 @@ class Session:
         liveness = self.state.liveness
         if liveness.paused_since is None and self.outbox_bytes > self.max_outbox_bytes:
             liveness.paused_since = asyncio.get_running_loop().time()
-            self._update_readable()
+            self.update_readable()
 
     async def next_write(self) -> bytes:
         """The next lines to write, joined: all that is queued, up to about 256 KiB."""
@@ -230,21 +277,43 @@ class Session:
         if liveness.paused_since is None or self.outbox_bytes > self.max_outbox_bytes // 2:
             return False
         liveness.paused_since = None
-        self._update_readable()
+        self.update_readable()
         return True
 
     def add_request(self, task: asyncio.Task[None]) -> None:
+        """Count a request in progress, as many bytes as the line that carried it."""
+        size = self.line_bytes
         self.requests.add(task)
-        task.add_done_callback(self._request_done)
-        self._update_readable()
+        self.request_bytes += size
+        if self.read_ahead is not None:
+            self.read_ahead.add(size)
+        task.add_done_callback(lambda done: self._request_done(done, size))
+        self.update_readable()
 
-    def _request_done(self, task: asyncio.Task[None]) -> None:
+    def _request_done(self, task: asyncio.Task[None], size: int) -> None:
         self.requests.discard(task)
-        self._update_readable()
+        self.request_bytes -= size
+        self.update_readable()
+        if self.read_ahead is not None:
+            self.read_ahead.remove(size)
 
-    def _update_readable(self) -> None:
+    def update_readable(self) -> None:
+        """Let the read loop read on, or not: it waits while the outbox is over its cap,
+        and while this connection's requests in progress are at their caps (count or
+        bytes) or, with some in progress, all connections' are at theirs."""
         paused = self.state.liveness.paused_since is not None
-        if self.dropped or (not paused and len(self.requests) < self.max_requests):
+        total = self.read_ahead
+        waiting = bool(self.requests) and total is not None and total.full
+        if total is not None and waiting and not self.dropped:
+            total.waiting.add(self)
+        elif total is not None:
+            total.waiting.discard(self)
+        if self.dropped or (
+            not paused
+            and not waiting
+            and len(self.requests) < self.max_requests
+            and self.request_bytes < self.max_request_bytes
+        ):
             self.readable.set()
         else:
             self.readable.clear()
@@ -253,7 +322,7 @@ class Session:
         """Drop the connection now, unsent data and all; the read loop ends at once."""
         self.dropped = True
         self.writer.abort()
-        self._update_readable()
+        self.update_readable()
 
 
 class Gathered:
@@ -367,6 +436,8 @@ class Connections:
         self.handshaking: Counter[str] = Counter()
         """Connections per address in a handshake, TLS's or the protocol's (counted
         against ``max_unauthenticated_per_address``)."""
+        self.read_ahead = RequestBytes(settings.max_request_bytes)
+        """The bytes of client requests in progress on every connection."""
 
     def tls_server(self, context: ssl.SSLContext) -> Callable[[], asyncio.Protocol]:
         """A protocol factory for ``loop.create_server`` that runs each connection's TLS
@@ -498,6 +569,8 @@ class Connections:
             max_outbox_bytes=self.settings.max_outbox_bytes,
             max_line_bytes=self.settings.max_line_bytes,
             max_requests=self.settings.max_requests_per_connection,
+            max_request_bytes=self.settings.max_request_bytes_per_connection,
+            read_ahead=self.read_ahead,
         )
         lines = wire.LineReader(reader, max_line_bytes=self.settings.preauth_max_line_bytes)
         sender = asyncio.create_task(self._write_loop(session))
@@ -649,20 +722,41 @@ class Connections:
 
     async def _read_loop(self, session: Session, lines: wire.LineReader) -> None:
         """Reads and handles messages one at a time. It waits, without reading, while the
-        session is paused or at its request cap: the peer's further messages then stay
-        in its socket (TCP back-pressure) rather than in the main's memory."""
+        session is paused or at its request caps (count and bytes), or has requests in
+        progress while all connections' hold the total byte cap: the
+        peer's further messages then stay in its socket (TCP back-pressure) rather than
+        in the main's memory. Each line is held to the container bound as it is read
+        (:attr:`broker.wire.LineReader.max_containers`), before anything in it is built."""
+        containers = self.settings.max_payload_containers
+        lines.max_containers = containers + MESSAGE_CONTAINERS
         while True:
             await session.readable.wait()
             try:
-                msg = await wire.read_message(lines)
+                line = await lines.read_line()
+            except wire.TooManyContainersError as exc:  # dropped as it came: answer it
+                self._reply_error(session, protocol.container_refusal(exc.head, containers))
+                continue
+            if line is None or session.dropped:
+                return
+            try:
+                msg = protocol.decode_from_peer(line)
             except protocol.DecodeError as exc:
                 self._reply_error(session, exc)
                 continue
-            if msg is None or session.dropped:
-                return
+            session.line_bytes = len(line)
             self._handle(session, msg)
 
     def _reply_error(self, session: Session, exc: protocol.DecodeError) -> None:
+        if isinstance(exc, protocol.OverBoundError) and exc.instead is not None:
+            # A worker's result over the container bound (an older worker does not check
+            # it): its job fails in its place. An outcome, not a bad message.
+            log_event(logger, logging.WARNING, "report refused", session=session.id, reason=exc)
+            self._handle(session, exc.instead)
+            return
+        if isinstance(exc, protocol.OverBoundError) and exc.reply is not None:
+            log_event(logger, logging.WARNING, "checkpoint refused", session=session.id, reason=exc)
+            session.send(exc.reply)
+            return
         session.errors += 1
         if exc.request_id is not None:
             session.send(

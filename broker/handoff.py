@@ -38,8 +38,9 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from broker import protocol
-from broker.admission import DEFAULT_MAX_CREDIT, Credits
+from broker.admission import Credits
 from broker.affinity import Affinity, Route
+from broker.bounds import MAX_CREDIT
 from broker.jobs import (
     Claim,
     ExecutionMode,
@@ -283,7 +284,7 @@ class Handoff:
     def __init__(
         self,
         *,
-        max_credit: int = DEFAULT_MAX_CREDIT,
+        max_credit: int = MAX_CREDIT,
         new_lease: Callable[[], uuid.UUID] | None = None,
         affinity_grace: float = 60.0,
         reconnect_grace: float = 30.0,

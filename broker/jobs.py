@@ -29,8 +29,9 @@ from datetime import UTC, datetime
 from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any, TypeAlias
 
+from broker.bounds import MAX_NAME_BYTES
 from broker.exceptions import IdempotencyConflictError, InvalidJobError
-from broker.values import MAX_KEY_BYTES, check_key, check_name, check_run_at, storable_text
+from broker.values import check_name, check_run_at, storable_text
 
 JSONValue: TypeAlias = Any
 """Anything :func:`json.dumps` accepts; the store round-trips it unchanged."""
@@ -42,7 +43,7 @@ DEFAULT_MAX_RECOVERIES = 3
 """Recovery attempts a job gets (after attempts lost with their worker, child or
 connection) when neither the job nor the main sets another number: the fourth lost attempt
 ends it dead, so a job that kills its machine stops instead of looping."""
-MAX_UNIQUE_KEY_BYTES = MAX_KEY_BYTES
+MAX_UNIQUE_KEY_BYTES = MAX_NAME_BYTES
 """Longest ``unique_key`` (UTF-8): it is indexed, and a B-tree entry has a size limit."""
 
 
@@ -98,11 +99,13 @@ def _require_run_at(value: datetime | None) -> None:
         raise InvalidJobError(str(exc)) from None
 
 
-def _require_names(check: Callable[[str, object], None], **names: str | None) -> None:
+def _require_names(**names: str | None) -> None:
+    """Each name given is one :func:`~broker.values.check_name` accepts (at most
+    :data:`~broker.bounds.MAX_NAME_BYTES`, no control characters)."""
     for name, value in names.items():
         if value is not None:
             try:
-                check(name, value)
+                check_name(name, value)
             except ValueError as exc:
                 raise InvalidJobError(str(exc)) from None
 
@@ -264,9 +267,12 @@ class JobSpec:
             raise InvalidJobError("task must be a non-empty string naming a registered task")
         if not isinstance(self.queue, str) or not self.queue.strip():
             raise InvalidJobError("queue must be a non-empty string")
-        _require_names(check_name, task=self.task, queue=self.queue, unique_key=self.unique_key)
         _require_names(
-            check_key, idempotency_key=self.idempotency_key, concurrency_key=self.concurrency_key
+            task=self.task,
+            queue=self.queue,
+            unique_key=self.unique_key,
+            idempotency_key=self.idempotency_key,
+            concurrency_key=self.concurrency_key,
         )
         args, kwargs = _own_arguments(self.args, self.kwargs)
         if args is not self.args:

@@ -218,6 +218,7 @@ class Main:
             retry_interval=self.settings.error_retry_interval,
             max_payload_bytes=self.settings.max_payload_bytes,
             max_payload_depth=self.settings.max_payload_depth,
+            max_payload_containers=self.settings.max_payload_containers,
             metrics=self.metrics,
         )
         self.checkpoints = CheckpointSaver(
@@ -228,6 +229,7 @@ class Main:
             retry_interval=self.settings.error_retry_interval,
             max_checkpoint_bytes=self.settings.checkpoint_limit,
             max_payload_depth=self.settings.max_payload_depth,
+            max_payload_containers=self.settings.max_payload_containers,
         )
         """Checkpoints, group-committed and acknowledged once durable."""
         self.progress = ProgressWriter(measured)
@@ -716,6 +718,7 @@ class Main:
                 max_payload_bytes=self.settings.max_payload_bytes,
                 max_payload_depth=self.settings.max_payload_depth,
                 max_checkpoint_bytes=self.settings.checkpoint_limit,
+                max_payload_containers=self.settings.max_payload_containers,
             )
         )
         log_event(

@@ -21,15 +21,10 @@ from typing import Any, Protocol
 
 from broker import protocol
 from broker.catalog import Catalog
-from broker.exceptions import PayloadTooLargeError
 from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, JSONValue, summary_dict
 from broker.metrics import MainMetrics
 from broker.payload import check_args, encoded_size
 from broker.storage import JobFilter, QueueCount, StorageAdapter, TaskRecord
-
-_JOB_MESSAGE_OVERHEAD = 1024
-"""Bytes of a job message besides args, kwargs, task and queue (ids, numbers, field names);
-the real figure is under 500."""
 
 
 class Limits(Protocol):
@@ -42,6 +37,10 @@ class Limits(Protocol):
     @property
     def max_payload_depth(self) -> int:
         """How many lists and objects deep each argument may nest."""
+
+    @property
+    def max_payload_containers(self) -> int:
+        """How many lists and objects a job's args and kwargs may hold together."""
 
     @property
     def max_line_bytes(self) -> int:
@@ -126,19 +125,18 @@ class Operations:
         return results
 
     def check_payload(self, spec: JobSpec) -> None:
-        """Refuse a job nested too deeply or over the payload limit, or one whose job message
-        would not fit in a line (only absurdly long task or queue names can do that within
-        the limit)."""
-        limit = self.limits.max_payload_bytes
-        size = check_args(spec, limit, self.limits.max_payload_depth)
-        if limit is None:
-            return
-        message = size + encoded_size(spec.task) + encoded_size(spec.queue) + _JOB_MESSAGE_OVERHEAD
-        if message > self.limits.max_line_bytes:
-            raise PayloadTooLargeError(
-                f"job {spec.id} of task {spec.task[:100]!r}: its job message would be about "
-                f"{message} bytes, over the line limit of {self.limits.max_line_bytes} bytes"
-            )
+        """Refuse a job nested too deeply, with too many lists and objects, or over the
+        payload limit. A request from a peer was already held to the container bound
+        as it was read (:attr:`broker.wire.LineReader.max_containers`), so the walk here
+        is short. Its job message always fits in a line: the line limit exceeds the
+        payload limit by 64 KiB (``MainSettings.validate``), and every name in it is at
+        most 1024 bytes."""
+        check_args(
+            spec,
+            self.limits.max_payload_bytes,
+            self.limits.max_payload_depth,
+            self.limits.max_payload_containers,
+        )
 
     async def tasks(self) -> list[TaskRecord]:
         """The task catalog: every task and worker that declared it."""

@@ -16,20 +16,19 @@ store). :func:`nesting_depth` measures without recursion, so any value can be ju
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from operator import countOf
 from typing import Any, TypeAlias
 
+from broker.bounds import (
+    DEFAULT_MAX_CHECKPOINT_BYTES,
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    DEFAULT_MAX_PAYLOAD_CONTAINERS,
+    DEFAULT_MAX_PAYLOAD_DEPTH,
+    MAX_PAYLOAD_BYTES_CEILING,
+    MAX_PAYLOAD_DEPTH_CEILING,
+)
 from broker.exceptions import InvalidJobError, PayloadTooLargeError
 from broker.jobs import JobSpec, JSONValue, compact_json
-
-DEFAULT_MAX_PAYLOAD_BYTES = 16 << 20
-"""16 MiB, for a job's args and kwargs together, and separately for its result. Values over
-:data:`DEFAULT_OFFLOAD_BYTES` live apart from the job's row, so a large one no longer
-weighs on every claim and settle; it still crosses the wire and a child pipe whole."""
-
-MAX_PAYLOAD_BYTES_CEILING = 32 << 20
-"""The largest payload limit any setting may allow: a job at the limit, plus its message,
-must fit in a worker's line bound (:data:`MAX_LINE_BYTES_CEILING`) and in the 64 MiB
-line buffers of the pipes to and from a child, with room to spare."""
 
 MAX_LINE_BYTES_CEILING = MAX_PAYLOAD_BYTES_CEILING + (1 << 20)
 """The longest line a worker accepts from a main, whatever its welcome says (a memory
@@ -40,21 +39,6 @@ DEFAULT_OFFLOAD_BYTES = 64 << 10
 """64 KiB: a value (args, kwargs, result, checkpoint) larger than this as stored JSON is kept apart
 from its job's row, in the store's payload table (see ``docs/howto/payload-limits.md``)."""
 
-DEFAULT_MAX_CHECKPOINT_BYTES = 4 << 20
-"""4 MiB. A checkpoint over :data:`DEFAULT_OFFLOAD_BYTES` lives apart from its job's row
-like a large argument, so its size no longer weighs on every claim and settle. It is
-still a position and a little state, not the data itself: every save crosses the wire
-(twice from a child) and is written to the store whole, and every job message carries
-the last one beside the job's arguments, so the default line limit grows with it."""
-
-DEFAULT_MAX_PAYLOAD_DEPTH = 64
-"""How many lists and objects deep each argument, keyword argument and result may nest."""
-
-MAX_PAYLOAD_DEPTH_CEILING = 500
-"""The deepest any setting may allow. Python's recursion limit (1,000 frames) bounds what
-``json`` can encode or decode, and a message adds a few levels around its payload and
-is handled a few dozen frames down: 500 keeps clear of that in every process."""
-
 LINE_HEADROOM_BYTES = 64 << 10
 """How much longer than the payload limit a protocol line must be allowed to be, so a
 job message (the payload plus ids, task and queue names) always fits in one line."""
@@ -63,28 +47,102 @@ job message (the payload plus ids, task and queue names) always fits in one line
 _CONTAINERS = (list, tuple, dict)
 """What ``json`` encodes as an array or an object."""
 
+_SCALAR_TYPE = frozenset({str, int, float, bool, type(None)}).__contains__
+"""Whether a type is a JSON scalar's, as a C function: ``map`` applies it to a list's
+items without a Python frame per item."""
+
 _Container: TypeAlias = list[Any] | tuple[Any, ...] | dict[Any, Any]
+
+_SMALL = 16
+"""Up to this many items, a list or object is walked item by item; a longer one is first
+judged in C (all scalars, or how many are not), which costs more than it saves on a few."""
+
+
+def containers_in(text: bytes) -> int:
+    """Lists and objects in a JSON text, counted from above: its ``[`` and ``{`` (those
+    inside strings too). Two ``count`` calls in C, about 1 ms a MiB, so a line can be
+    judged before anything in it is built."""
+    return text.count(b"[") + text.count(b"{")
 
 
 def nesting_depth(value: object, limit: int) -> int:
     """How many lists and objects deep ``value`` nests (a scalar is 0, ``[]`` is 1).
 
-    Iterative, so no depth can exhaust the stack, and it stops as soon as it is past
+    Level by level, so no depth can exhaust the stack, and it stops as soon as it is past
     ``limit`` (returning ``limit + 1``), so a value a million levels deep costs no more
     than one just over the limit. A value that contains itself is, in effect, infinitely
-    deep and is reported over the limit too.
+    deep and is reported over the limit too. Its cost has no other bound: a value from
+    outside goes through :func:`shape_problem`, which also stops at a container count.
     """
-    deepest = 0
-    stack: list[tuple[_Container, int]] = [(value, 1)] if isinstance(value, _CONTAINERS) else []
-    while stack:
-        item, depth = stack.pop()
-        if depth > deepest:
-            deepest = depth
-            if deepest > limit:
-                return deepest
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((child, depth + 1) for child in children if isinstance(child, _CONTAINERS))
-    return deepest
+    depth = _walk(value, limit, None)
+    assert depth is not None  # only a walk with a budget stops short
+    return depth
+
+
+def _walk(value: object, limit: int, budget: int | None) -> int | None:
+    """The nesting depth of ``value``, at most ``limit + 1``; ``None`` once more than
+    ``budget`` lists and objects were met (the walk stops there).
+
+    One Python step per list or object, and only C per scalar (a list of numbers is judged
+    by one ``map``), so a walk within :data:`~broker.bounds.DEFAULT_MAX_PAYLOAD_CONTAINERS`
+    takes a few milliseconds."""
+    level: list[_Container] = [value] if isinstance(value, _CONTAINERS) else []
+    met = len(level)
+    if budget is not None and met > budget:
+        return None
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return depth
+        below: list[_Container] = []
+        add = below.append
+        for item in level:
+            children = item.values() if isinstance(item, dict) else item
+            if len(children) > _SMALL:
+                if all(map(_SCALAR_TYPE, map(type, children))):
+                    continue  # judged in C: a long list of numbers costs no Python step
+                if budget is not None and (
+                    met + len(below) + countOf(map(_SCALAR_TYPE, map(type, children)), False)
+                    > budget
+                ):
+                    return None  # counted in C, before a Python step per child
+            for child in children:
+                if isinstance(child, _CONTAINERS):
+                    add(child)
+            if budget is not None and met + len(below) > budget:
+                return None
+        met += len(below)
+        level = below
+    return depth
+
+
+def shape_problem(
+    value: object, max_depth: int, max_containers: int | None, what: str
+) -> str | None:
+    """Why ``value`` may not be stored, or ``None``: it nests deeper than ``max_depth``, or
+    holds more than ``max_containers`` lists and objects (``what`` names it in the
+    message: ``"the job's result"``). The walk stops at whichever bound it meets first,
+    so judging any value costs at most ``max_containers`` steps."""
+    depth = _walk(value, max_depth, max_containers)
+    if depth is None:
+        return too_many_containers(what, max_containers or 0)
+    if depth > max_depth:
+        return (
+            f"{what} nests more than {max_depth} levels deep (lists and objects inside one "
+            "another), over the payload depth limit"
+        )
+    return None
+
+
+def too_many_containers(what: str, bound: int) -> str:
+    """The refusal of a value (or a message) with more than ``bound`` lists and objects."""
+    return (
+        f"{what} holds more than {bound} lists and objects, over the payload container limit "
+        "(--max-payload-containers: decoding and checking a value costs per list and "
+        "object, so the main bounds them); pass flatter data, fewer jobs per request, or a "
+        "reference to the data"
+    )
 
 
 def _plain_text(text: str) -> bool:
@@ -111,26 +169,48 @@ def args_size(args: Sequence[JSONValue], kwargs: Mapping[str, JSONValue]) -> int
     return encoded_size(list(args)) + encoded_size(dict(kwargs))
 
 
-def check_depth(spec: JobSpec, max_depth: int) -> None:
+def check_shape(
+    spec: JobSpec, max_depth: int, max_containers: int | None = DEFAULT_MAX_PAYLOAD_CONTAINERS
+) -> None:
     """Raise :class:`InvalidJobError` if an argument or keyword argument of ``spec`` nests
-    more than ``max_depth`` lists and objects deep."""
-    for value in [*spec.args, *spec.kwargs.values()]:
-        if nesting_depth(value, max_depth) > max_depth:
-            raise InvalidJobError(
-                f"job {spec.id} of task {spec.task[:100]!r}: an argument nests more than "
-                f"{max_depth} levels deep (lists and objects inside one another), over the "
-                "payload depth limit; flatten it or pass a reference instead"
+    more than ``max_depth`` lists and objects deep, or :class:`PayloadTooLargeError` if its
+    args and kwargs together hold more than ``max_containers`` (``None``: no count) lists
+    and objects, the args' list and the kwargs' object included (as ``[`` and ``{`` count
+    in their JSON). One walk, stopped at either bound, so it costs little whatever the job.
+    """
+    # Args and kwargs in one value: two levels above each argument, one list above them.
+    both = [list(spec.args), dict(spec.kwargs)]
+    depth = _walk(both, max_depth + 2, None if max_containers is None else max_containers + 1)
+    if depth is None:
+        raise PayloadTooLargeError(
+            too_many_containers(
+                f"job {spec.id} of task {spec.task[:100]!r}: its payload (args and kwargs)",
+                max_containers or 0,
             )
+        )
+    if depth - 2 > max_depth:
+        raise InvalidJobError(
+            f"job {spec.id} of task {spec.task[:100]!r}: an argument nests more than "
+            f"{max_depth} levels deep (lists and objects inside one another), over the "
+            "payload depth limit; flatten it or pass a reference instead"
+        )
 
 
-def check_args(spec: JobSpec, limit: int | None, max_depth: int = DEFAULT_MAX_PAYLOAD_DEPTH) -> int:
+def check_args(
+    spec: JobSpec,
+    limit: int | None,
+    max_depth: int = DEFAULT_MAX_PAYLOAD_DEPTH,
+    max_containers: int | None = DEFAULT_MAX_PAYLOAD_CONTAINERS,
+) -> int:
     """The payload size of ``spec``; raises :class:`InvalidJobError` if an argument nests
-    deeper than ``max_depth`` and :class:`PayloadTooLargeError` if the payload is over
-    ``limit``. Depth goes first: measuring the size of a too-deep value would recurse.
+    deeper than ``max_depth``, and :class:`PayloadTooLargeError` if its arguments hold more
+    than ``max_containers`` lists and objects or are over ``limit`` bytes. Shape goes
+    first: measuring the size of a too-deep value would recurse, and the shape's walk is
+    bounded where encoding is not.
 
     ``None`` disables the size check (the size is then not computed and 0 is returned).
     """
-    check_depth(spec, max_depth)
+    check_shape(spec, max_depth, max_containers)
     if limit is None:
         return 0
     size = args_size(spec.args, spec.kwargs)
@@ -144,7 +224,10 @@ def check_args(spec: JobSpec, limit: int | None, max_depth: int = DEFAULT_MAX_PA
 
 
 def check_all(specs: Sequence[JobSpec], limit: int | None) -> None:
-    """Check every spec before any is stored, so a batch goes in whole or not at all."""
+    """Check every spec before any is stored, so a batch goes in whole or not at all: the
+    direct enqueue's check (``enqueue_in``), with the main's default depth and container
+    bounds, so a job the main would refuse never reaches its store by another door (the
+    main decodes every job it claims)."""
     for spec in specs:
         check_args(spec, limit)
 
@@ -180,28 +263,35 @@ def result_too_large_on_wire(result: JSONValue, wire_size: int, limit: int | Non
     return result_too_large(result, limit)
 
 
-def result_too_deep(result: JSONValue, max_depth: int) -> str | None:
-    """Why ``result`` may not be stored (it nests deeper than ``max_depth``), or ``None``."""
-    if nesting_depth(result, max_depth) <= max_depth:
+def result_too_deep(
+    result: JSONValue, max_depth: int, max_containers: int | None = None
+) -> str | None:
+    """Why ``result`` may not be stored (it nests deeper than ``max_depth``, or holds more
+    than ``max_containers`` lists and objects), or ``None``; the walk stops at either."""
+    problem = shape_problem(result, max_depth, max_containers, "the job's result")
+    if problem is None:
         return None
-    return (
-        f"the job's result nests more than {max_depth} levels deep (lists and objects inside "
-        "one another), over the payload depth limit; the result was not stored (return "
-        "flatter data)"
-    )
+    return f"{problem}; the result was not stored (return flatter data)"
 
 
-def result_problem(result: JSONValue, limit: int | None, max_depth: int) -> str | None:
-    """Why ``result`` may not be stored (too deep, or too large), or ``None`` if it may.
+def result_problem(
+    result: JSONValue,
+    limit: int | None,
+    max_depth: int,
+    max_containers: int | None = DEFAULT_MAX_PAYLOAD_CONTAINERS,
+) -> str | None:
+    """Why ``result`` may not be stored (too deep, too many lists and objects, or too
+    large), or ``None`` if it may.
 
-    Depth first: measuring the size of a too-deep value would itself recurse too far.
+    Shape first: measuring the size of a too-deep value would itself recurse too far.
     """
-    return result_too_deep(result, max_depth) or result_too_large(result, limit)
+    return result_too_deep(result, max_depth, max_containers) or result_too_large(result, limit)
 
 
 __all__ = [
     "DEFAULT_MAX_CHECKPOINT_BYTES",
     "DEFAULT_MAX_PAYLOAD_BYTES",
+    "DEFAULT_MAX_PAYLOAD_CONTAINERS",
     "DEFAULT_MAX_PAYLOAD_DEPTH",
     "DEFAULT_OFFLOAD_BYTES",
     "ESCAPE_GROWTH",
@@ -212,11 +302,14 @@ __all__ = [
     "args_size",
     "check_all",
     "check_args",
-    "check_depth",
+    "check_shape",
+    "containers_in",
     "encoded_size",
     "nesting_depth",
     "result_problem",
     "result_too_deep",
     "result_too_large",
     "result_too_large_on_wire",
+    "shape_problem",
+    "too_many_containers",
 ]

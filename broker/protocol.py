@@ -30,6 +30,7 @@ import hmac
 import json
 import math
 import operator
+import re
 import secrets
 import string
 import types
@@ -41,6 +42,13 @@ from typing import Annotated, Any, ClassVar, TypeAlias, TypeVar
 
 import msgspec
 
+from broker.bounds import (
+    MAX_AGE_SECONDS,
+    MAX_LIST_ITEMS,
+    MAX_NAME_BYTES,
+    MAX_WORKER_STATUS_BYTES,
+    MESSAGE_CONTAINERS,
+)
 from broker.exceptions import InvalidJobError, ProtocolError
 from broker.jobs import (
     DEFAULT_MAX_RETRIES,
@@ -54,9 +62,9 @@ from broker.jobs import (
     spec_fields,
     spec_values,
 )
-from broker.payload import DEFAULT_MAX_PAYLOAD_DEPTH
+from broker.payload import DEFAULT_MAX_PAYLOAD_DEPTH, containers_in, too_many_containers
 from broker.untrusted import CONTROL_CHARACTERS
-from broker.values import MAX_AGE_SECONDS, MAX_KEY_BYTES, check_delay, check_key, check_name
+from broker.values import check_delay, check_name
 
 PROTOCOL_VERSION = 3
 """Bumped on any change an older peer would misread; extra fields do not need it.
@@ -148,21 +156,50 @@ class UnknownTypeError(DecodeError):
     code = ErrorCode.UNKNOWN_TYPE
 
 
+class OverBoundError(DecodeError):
+    """A line over a bound that is checked before (or instead of) keeping its message:
+    too many lists and objects (``payload_too_large``), or a ``worker_status`` too long
+    (``over_limit``). Never fatal: the line was read whole, so the stream is intact.
+
+    ``instead`` is a message the main handles in the line's place (a worker's oversized
+    ``completed`` becomes a failure of that job, so the job ends cleanly and the worker's
+    report is answered), ``reply`` one it answers with (a ``checkpoint`` refused)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str,
+        msg_type: str | None = None,
+        request_id: str | None = None,
+        instead: Message | None = None,
+        reply: Message | None = None,
+    ) -> None:
+        super().__init__(message, msg_type=msg_type, request_id=request_id)
+        self.code = code
+        self.instead = instead
+        self.reply = reply
+
+
 _NAME_PATTERN = f"\\A[^{CONTROL_CHARACTERS}]*\\Z"
 """msgspec's form of :func:`broker.values.check_name` (msgspec already refuses lone
 surrogates in any string), so names are checked inside the fast decode."""
 
-Name: TypeAlias = Annotated[str, msgspec.Meta(pattern=_NAME_PATTERN), check_name]
-"""A name or id (task, queue, worker id, key, request id, cursor): a string the decoder
-refuses when it holds a control character or a lone surrogate (:mod:`broker.values`).
-Free texts (an error message, a reason) stay plain ``str``."""
-
-Key: TypeAlias = Annotated[
-    str, msgspec.Meta(pattern=_NAME_PATTERN, max_length=MAX_KEY_BYTES // 4), check_key
+Name: TypeAlias = Annotated[
+    str, msgspec.Meta(pattern=_NAME_PATTERN, max_length=MAX_NAME_BYTES // 4), check_name
 ]
-"""A :data:`Name` that is also stored in an index, so its length is capped too. The fast
-decoder counts characters (a quarter of the byte cap, so never over it); a longer key
-goes to the walker, which counts its UTF-8 bytes."""
+"""A name or id (task, queue, worker id, host, key, request id, cursor): a string the
+decoder refuses when it holds a control character or a lone surrogate, or is over
+:data:`~broker.bounds.MAX_NAME_BYTES` in UTF-8 (:mod:`broker.values`). The fast decoder
+counts characters (a quarter of the byte cap, so never over it); a longer name goes to
+the walker, which counts its UTF-8 bytes. Free texts (an error message, a reason) stay
+plain ``str``, bounded by the line."""
+
+_T = TypeVar("_T")
+
+Names: TypeAlias = Annotated[list[Name], msgspec.Meta(max_length=MAX_LIST_ITEMS)]
+"""A list of names, at most :data:`~broker.bounds.MAX_LIST_ITEMS` long: a list of strings
+costs a check and an object per item, and no other bound (the container count) sees it."""
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -218,16 +255,18 @@ class Hello(_Message, frozen=True, tag="hello"):
     role: Role
     protocol: Int
     proof: str | None = None
-    worker_id: Key | None = None
+    worker_id: Name | None = None
     host: Name | None = None
     pid: Int | None = None
-    modes: list[ExecutionMode] = msgspec.field(default_factory=list)
-    queues: list[Name] | None = None
+    modes: Annotated[list[ExecutionMode], msgspec.Meta(max_length=MAX_LIST_ITEMS)] = msgspec.field(
+        default_factory=list
+    )
+    queues: Names | None = None
     """``None`` serves every queue; a list restricts the worker to those queues."""
     held_leases: list[LeaseRef] = msgspec.field(default_factory=list)
     """Leases the worker still holds from an earlier connection, so a restarted main
     can adopt them instead of running those jobs a second time."""
-    protocols: list[Int] | None = None
+    protocols: Annotated[list[Int], msgspec.Meta(max_length=MAX_LIST_ITEMS)] | None = None
     """Every version the peer speaks (``None``: only ``protocol``, its newest); the main
     picks the newest it speaks too and names it in ``welcome``."""
     local_state_lost: bool = False
@@ -257,6 +296,11 @@ class Welcome(_Message, frozen=True, tag="welcome"):
     max_checkpoint_bytes: Int | None = None
     """The main's checkpoint limit, so a worker refuses a larger checkpoint to its task
     at once (``None``: no limit, or a main too old to say)."""
+    max_payload_containers: Int | None = None
+    """How many lists and objects (``[`` and ``{``) a line to the main may hold, plus
+    :data:`~broker.bounds.MESSAGE_CONTAINERS` for the message itself: a worker fails a
+    result over it and packs its report lines within it, a client refuses an enqueue over
+    it (``None``: a main too old to say)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -468,12 +512,12 @@ class TaskDeclaration(_Struct, frozen=True):
     concurrency_limit: Int | None = None
     unique: bool = False
     """Each job gets the task's default unique key (its name and arguments)."""
-    parameters: list[Name] = msgspec.field(default_factory=list)
+    parameters: Names = msgspec.field(default_factory=list)
     """The function's positional parameters in order, to name a job's positional
     arguments when a concurrency-key template needs them."""
-    retry_on: list[Name] | None = None
+    retry_on: Names | None = None
     """The exception classes worth a retry (``None``: any ``Exception``)."""
-    dont_retry_on: list[Name] = msgspec.field(default_factory=list)
+    dont_retry_on: Names = msgspec.field(default_factory=list)
     backoff: str | None = None
     """The task's own backoff, described (``None``: the main's ``--retry-backoff``)."""
 
@@ -708,9 +752,9 @@ class ListJobs(_Message, frozen=True, tag="list_jobs"):
     ``result`` (they may be megabytes each); ``get_job`` returns a job whole."""
 
     request_id: Name
-    statuses: list[JobStatus] | None = None
-    queues: list[Name] | None = None
-    tasks: list[Name] | None = None
+    statuses: Annotated[list[JobStatus], msgspec.Meta(max_length=MAX_LIST_ITEMS)] | None = None
+    queues: Names | None = None
+    tasks: Names | None = None
     limit: Int = 50
     cursor: Name | None = None
     include_payload: bool = False
@@ -749,7 +793,7 @@ class Prune(_Message, frozen=True, tag="prune"):
     request_id: Name
     older_than_seconds: Float | None = None
     keep_latest: Int | None = None
-    statuses: list[JobStatus] | None = None
+    statuses: Annotated[list[JobStatus], msgspec.Meta(max_length=MAX_LIST_ITEMS)] | None = None
 
     def __post_init__(self) -> None:
         check_prune(self.older_than_seconds, self.keep_latest, self.statuses)
@@ -969,23 +1013,33 @@ def encode(msg: Message) -> bytes:
     return encode_item(msg) + b"\n"
 
 
-def pack(kind: type[Batch], items: Sequence[bytes], max_line_bytes: int) -> list[bytes]:
+def pack(
+    kind: type[Batch],
+    items: Sequence[bytes],
+    max_line_bytes: int,
+    max_containers: int | None = None,
+) -> list[bytes]:
     """Lines that carry ``items`` (from :func:`encode_item`, of the messages ``kind``
     holds) in order: one item alone as its own message, several as ``kind`` batches,
-    none longer than ``max_line_bytes`` before its newline. An item too long on its own
-    goes alone (its sender checks single messages against the limit: a ``job`` always
-    fits, a report too long is replaced by a failure before it gets here)."""
+    none longer than ``max_line_bytes`` before its newline and, with ``max_containers``
+    (the main's, from ``welcome``), none holding more lists and objects than the main
+    reads (:func:`decode_from_peer`). An item too long on its own goes alone (its sender
+    checks single messages against the limits: a ``job`` always fits, a report too long
+    or too full is replaced by a failure before it gets here)."""
     (name,) = kind.__struct_fields__
     head = b'{"type":"%s","%s":[' % (kind.type.encode(), name.encode())
     room = max_line_bytes - len(head) - 2  # 2: the closing "]}"
+    # The batch's own object and list count against the main's bound too.
+    shelves = None if max_containers is None else max_containers + MESSAGE_CONTAINERS - 2
     lines: list[bytes] = []
-    start, size = 0, 0
+    start, size, held = 0, 0, 0
     for end, item in enumerate(items):
         grown = size + len(item) + (1 if end > start else 0)
-        if end > start and grown > room:
+        fuller = held + (0 if shelves is None else containers_in(item))
+        if end > start and (grown > room or (shelves is not None and fuller > shelves)):
             lines.append(_line(head, items[start:end]))
-            start, grown = end, len(item)
-        size = grown
+            start, grown, fuller = end, len(item), fuller - held
+        size, held = grown, fuller
     if start < len(items):
         lines.append(_line(head, items[start:]))
     return lines
@@ -1013,6 +1067,98 @@ def unbatch(msg: Message) -> Iterable[Message]:
 # --------------------------------------------------------------------------- decode
 
 _DECODER = msgspec.json.Decoder(Message)
+
+
+HEAD_BYTES = 8 << 10
+"""How far into a refused line :func:`container_refusal` looks for the fields that say
+whose it is: every sender of this package writes the tag, ``request_id``, ``job_id``,
+``handoff_id`` and ``seq`` before any payload (msgspec keeps the declared field order)."""
+
+_HEAD_FIELDS = re.compile(
+    rb'"(type|request_id|job_id|handoff_id)"\s*:\s*"([^"\\]{1,1024})"'
+    rb'|"(seq)"\s*:\s*(\d{1,18})\s*[,}]'
+)
+"""A top-level field of the head, as JSON writes it: inside a string every quote is
+escaped, so this never matches a string's content."""
+
+
+def _lease_in(head: Mapping[str, str]) -> tuple[uuid.UUID, uuid.UUID] | None:
+    try:
+        return uuid.UUID(head["job_id"]), uuid.UUID(head["handoff_id"])
+    except (KeyError, ValueError):
+        return None
+
+
+def _name_or_none(text: str | None) -> str | None:
+    """``text`` if it is a name a reply may carry back (JSON escapes aside), else ``None``."""
+    try:
+        check_name("request_id", text)
+    except ValueError:
+        return None
+    return text
+
+
+def decode_from_peer(line: bytes) -> Message:
+    """:func:`decode` for the main's reading of an authenticated peer (whose lines its
+    reader already held to the container bound): a ``worker_status`` over
+    :data:`~broker.bounds.MAX_WORKER_STATUS_BYTES` is refused rather than kept, and echoed
+    in every ``status`` reply. Raises :class:`OverBoundError`, or :class:`DecodeError` as
+    :func:`decode` does."""
+    msg = decode(line)
+    if type(msg) is WorkerStatus and len(line) > MAX_WORKER_STATUS_BYTES:
+        raise OverBoundError(
+            f"worker_status is {len(line)} bytes, over the limit of {MAX_WORKER_STATUS_BYTES} "
+            "bytes; it was not kept (a status is capacity and start-up errors, a few hundred "
+            "bytes)",
+            code=ErrorCode.OVER_LIMIT,
+            msg_type=WorkerStatus.type,
+        )
+    return msg
+
+
+def container_refusal(line: bytes, max_containers: int) -> OverBoundError:
+    """The refusal of a line over the container bound (``line``: its start, the rest was
+    dropped as it was read, see :class:`broker.wire.TooManyContainersError`), as specific
+    as its head allows: an
+    enqueue's is answered as its request (``payload_too_large``), a ``completed`` report
+    fails its job (:attr:`OverBoundError.instead`), a ``checkpoint`` is answered
+    ``refused`` (:attr:`OverBoundError.reply`). The head is read from the line's first
+    :data:`HEAD_BYTES` (microseconds, where even msgspec, skipping the rest unbuilt, took
+    50 ms on 15 MiB); a sender that puts it later gets a plain ``error`` instead."""
+    head: dict[str, str] = {}
+    for match in _HEAD_FIELDS.finditer(line, 0, HEAD_BYTES):
+        name = (match.group(1) or match.group(3)).decode()
+        head.setdefault(name, (match.group(2) or match.group(4)).decode(errors="replace"))
+    kind = head.get("type") if head.get("type") in MESSAGE_TYPES else None
+    what = {
+        CompletedReport.type: "the job's result",
+        SaveCheckpoint.type: "the checkpoint",
+        Enqueue.type: "the enqueue request (its jobs' args and kwargs together)",
+    }.get(kind or "", f"the {kind or 'message'}")
+    message = too_many_containers(what, max_containers)
+    instead: Message | None = None
+    reply: Message | None = None
+    lease = _lease_in(head)
+    if lease is not None and kind == CompletedReport.type:
+        instead = FailedReport(
+            *lease, error=f"{message}; the result was not stored (return flatter data)", retry=False
+        )
+    elif lease is not None and kind == SaveCheckpoint.type and int(head.get("seq", 0)) >= 1:
+        reply = CheckpointAck(
+            *lease,
+            int(head["seq"]),
+            AckStatus.REFUSED,
+            code=ErrorCode.PAYLOAD_TOO_LARGE,
+            message=message,
+        )
+    return OverBoundError(
+        message,
+        code=ErrorCode.PAYLOAD_TOO_LARGE,
+        msg_type=kind,
+        request_id=_name_or_none(head.get("request_id")),
+        instead=instead,
+        reply=reply,
+    )
 
 
 def decode(line: bytes | str) -> Message:
@@ -1057,7 +1203,6 @@ def _explain(line: bytes | str) -> Message:
             raise DecodeError(f"message must be a JSON object, got {_describe(data)}")
 
 
-_T = TypeVar("_T")
 _INT_RANGE = range(_INT64_MIN, _INT64_MAX + 1)
 
 _SCALARS: dict[Any, tuple[str, Callable[[object], bool]]] = {
@@ -1110,7 +1255,9 @@ def _load(value: object, tp: Any, where: str, nullable: bool = False) -> Any:
         loaded = _load(value, args[0], where, nullable)
         for check in args[1:]:
             if isinstance(check, msgspec.Meta):
-                continue  # the fast decoder's form of the same rule, or a looser one
+                if isinstance(loaded, list) and len(loaded) > (check.max_length or len(loaded)):
+                    raise DecodeError(f"{where} must hold at most {check.max_length} items")
+                continue  # else the fast decoder's form of the same rule, or a looser one
             try:
                 check(where, loaded)
             except ValueError as exc:

@@ -51,6 +51,7 @@ class ReportSettler:
         retry_interval: float,
         max_payload_bytes: int | None,
         max_payload_depth: int,
+        max_payload_containers: int | None,
         metrics: MainMetrics | None = None,
     ) -> None:
         self._store = store
@@ -65,6 +66,7 @@ class ReportSettler:
         self._retry_interval = retry_interval
         self._max_payload_bytes = max_payload_bytes
         self._max_payload_depth = max_payload_depth
+        self._max_payload_containers = max_payload_containers
         self.queued: list[tuple[int, protocol.Report]] = []
         """Accepted reports (connection id, report) waiting for the next batch."""
         self._ready = asyncio.Event()
@@ -273,9 +275,15 @@ class ReportSettler:
     async def _settlement(self, msg: protocol.Report, now: datetime) -> Settlement:
         match msg:
             case protocol.CompletedReport(job_id=job_id, handoff_id=lease, result=result):
-                problem = result_problem(result, self._max_payload_bytes, self._max_payload_depth)
+                problem = result_problem(
+                    result,
+                    self._max_payload_bytes,
+                    self._max_payload_depth,
+                    self._max_payload_containers,
+                )
                 if problem is not None:
-                    # Never write an oversized or too deeply nested result: the job fails,
+                    # Never write an oversized or too deeply nested result (the walk stops
+                    # at the container bound, so judging it is cheap): the job fails,
                     # without retry (the same arguments would produce the same result).
                     log_event(
                         logger,

@@ -39,6 +39,7 @@ The rules every implementation must keep:
 from __future__ import annotations
 
 import hashlib
+import logging
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -59,6 +60,9 @@ from broker.jobs import (
     ProgressUpdate,
     Settlement,
 )
+from broker.logs import log_event
+
+logger = logging.getLogger("broker.main")
 
 SCHEMA_VERSION = 14
 """The schema version this code writes and understands; stores record theirs."""
@@ -470,6 +474,21 @@ class PayloadIntegrityError(StorageRejectedError):
         self.detail = f"{INTEGRITY_ERROR}: its offloaded {kind} {reason}"
         """What the job's ``last_error`` says when a claim fails it for this."""
         super().__init__(f"job {job_id}: {self.detail}")
+
+
+def log_refused_at_claim(claim: Claim, error: PayloadIntegrityError) -> None:
+    """Say that a store failed a just-claimed job whose offloaded value failed its check
+    (:func:`broker.settlement.payload_refused`), the same way for every store, so an
+    operator sees which job and why wherever it was claimed."""
+    log_event(
+        logger,
+        logging.WARNING,
+        "job failed at claim",
+        job_id=error.job_id,
+        handoff_id=claim.handoff_id,
+        worker_id=claim.worker_id,
+        reason=error.detail,
+    )
 
 
 def payload_digest(text: str) -> str:

@@ -10,8 +10,9 @@ inside a store write, where one bad value would stop every report batched with i
   character (C0, DEL, C1, the Unicode line and paragraph separators) or a lone
   surrogate. PostgreSQL cannot store NUL, no store can encode a lone surrogate, and a
   newline or an ANSI escape in a name forges log lines and reaches an operator's
-  terminal. The indexed ones (worker ids and keys) are also at most
-  :data:`MAX_KEY_BYTES` long.
+  terminal. Each is also at most :data:`~broker.bounds.MAX_NAME_BYTES` (1024) long
+  in UTF-8: indexed ones must fit a B-tree entry, and every name ends up in log lines,
+  metric labels, dashboard cells and every job row.
 * **Delays** are finite and from 0 to :data:`MAX_DELAY_SECONDS` (ten years); **run
   times** lie between :data:`EARLIEST_RUN_AT` and :data:`LATEST_RUN_AT`, so adding a
   delay or a retry backoff to them can never leave what ``datetime`` and the stores'
@@ -30,57 +31,45 @@ import math
 import re
 from datetime import UTC, datetime
 
+from broker.bounds import MAX_DELAY_SECONDS, MAX_NAME_BYTES, MAX_TEXT_CHARS
 from broker.untrusted import CONTROL_CHARACTERS
-
-MAX_DELAY_SECONDS = 10 * 365 * 24 * 3600
-"""Ten years: the longest ``delay`` of an enqueue or a ``Reschedule``."""
-
-MAX_AGE_SECONDS = 100 * 365 * 24 * 3600
-"""A hundred years: the oldest cut-off a ``prune`` may name; ``now - age`` must stay a date
-the stores hold, where an age like ``1e300`` would overflow."""
 
 EARLIEST_RUN_AT = datetime(1970, 1, 1, tzinfo=UTC)
 LATEST_RUN_AT = datetime(9000, 1, 1, tzinfo=UTC)
 """A job's ``run_at`` lies in [EARLIEST_RUN_AT, LATEST_RUN_AT): far inside ``datetime``'s
 range (years 1-9999) even after a time-zone offset or a ten-year delay is applied."""
 
-MAX_KEY_BYTES = 1024
-"""The longest indexed name (a worker id, an idempotency, concurrency or unique key), in
-UTF-8 bytes: a B-tree entry has a size limit (about 2.7 KB on PostgreSQL), and a longer
-value would fail every claim or write that carries it."""
-
-MAX_TEXT_CHARS = 64 * 1024
-"""The longest error text stored for a job; a longer one is cut and says so."""
-
 _FORBIDDEN = re.compile(f"[{CONTROL_CHARACTERS}\\ud800-\\udfff]")
 """Control characters, and lone surrogates (which no store can encode)."""
 
 
-def check_name(field: str, value: object, max_bytes: int | None = None) -> None:
+def check_name(field: str, value: object, max_bytes: int = MAX_NAME_BYTES) -> None:
     """Refuse a name or id that is not a string, is longer than ``max_bytes`` (UTF-8), or
     holds a control character or a lone surrogate; the message shows the offending
-    character escaped, never raw."""
+    character escaped, never raw.
+
+    The length goes first and costs nothing for a long value: a character is one to four
+    bytes, so only a name between ``max_bytes / 4`` and ``max_bytes`` characters is
+    encoded to be measured, and a 40 MiB name is refused without a scan."""
     if not isinstance(value, str):
         raise ValueError(f"{field} must be a string")
+    if len(value) > max_bytes or (
+        len(value) * 4 > max_bytes and len(value.encode("utf-8", "surrogatepass")) > max_bytes
+    ):
+        raise ValueError(
+            f"{field} must be at most {max_bytes} bytes (UTF-8), got a string of "
+            f"{len(value)} characters"
+        )
     if value.isascii() and value.isprintable():
         # The usual name, checked in C: printable ASCII holds no control character (nor a
-        # surrogate), and its length is its size. Every enqueued job has several names.
-        if max_bytes is not None and len(value) > max_bytes:
-            raise ValueError(f"{field} must be at most {max_bytes} bytes (UTF-8)")
+        # surrogate). Every enqueued job has several names.
         return
-    if max_bytes is not None and len(value.encode("utf-8", "surrogatepass")) > max_bytes:
-        raise ValueError(f"{field} must be at most {max_bytes} bytes (UTF-8)")
     bad = _FORBIDDEN.search(value)
     if bad is not None:
         raise ValueError(
             f"{field} must not contain control characters or lone surrogates "
             f"(found {bad.group()!r} at position {bad.start()})"
         )
-
-
-def check_key(field: str, value: object) -> None:
-    """:func:`check_name` for a name the store indexes, at most :data:`MAX_KEY_BYTES`."""
-    check_name(field, value, MAX_KEY_BYTES)
 
 
 def check_delay(field: str, value: object) -> None:

@@ -14,13 +14,9 @@ import asyncio
 import contextlib
 from collections.abc import Iterable
 
+from broker.bounds import PREAUTH_MAX_LINE_BYTES
 from broker.exceptions import ProtocolError
-from broker.protocol import Challenge, Error, ErrorCode, Message, decode, encode
-
-PREAUTH_MAX_LINE_BYTES = 64 * 1024
-"""The cap before a peer has authenticated. Small, because an unauthenticated peer
-should cost little; not tiny, because ``hello`` carries the worker's held leases
-(about 100 bytes each)."""
+from broker.protocol import HEAD_BYTES, Challenge, Error, ErrorCode, Message, decode, encode
 
 MAX_LINE_BYTES = 1024 * 1024
 """The cap once authenticated; it bounds a job's arguments and a job's result."""
@@ -43,6 +39,21 @@ class LineTooLongError(ProtocolError):
     """The peer sent a line longer than allowed; the connection is closed."""
 
     code: str = ErrorCode.LINE_TOO_LONG
+
+
+class TooManyContainersError(ProtocolError):
+    """The peer sent a line with more ``[`` and ``{`` than :attr:`LineReader.max_containers`.
+
+    Not fatal: the line was read to its end and dropped as it came, so the stream is at a
+    line boundary again, and the line never took more memory than a read. ``head`` is
+    its first :data:`~broker.protocol.HEAD_BYTES`, from which the main says whose it was
+    (:func:`broker.protocol.container_refusal`)."""
+
+    code: str = ErrorCode.PAYLOAD_TOO_LARGE
+
+    def __init__(self, head: bytes) -> None:
+        super().__init__("the line holds too many lists and objects")
+        self.head = head
 
 
 class UnterminatedLineError(ProtocolError):
@@ -75,6 +86,17 @@ class LineReader:
         self._eof = False
         self._max = 0
         self.max_line_bytes = max_line_bytes
+        self.max_containers: int | None = None
+        """With a number, a line holding more ``[`` and ``{`` is dropped as it arrives and
+        reported (:class:`TooManyContainersError`) instead of returned: counted a read at a
+        time (two ``count`` calls in C), so neither the count nor the line ever costs the
+        loop more than a read does. The main sets it after ``welcome``."""
+        self._containers = 0
+        """``[`` and ``{`` in the scanned part of the current line."""
+        self._head: bytes | None = None
+        """The start of a line over the container bound, being dropped."""
+        self._dropped = 0
+        """Bytes of the current line already dropped."""
 
     @property
     def max_line_bytes(self) -> int:
@@ -101,28 +123,46 @@ class LineReader:
                 return line
 
     async def _next_line(self) -> bytes | None:
+        buffer = self._buffer
         while True:
-            end = self._buffer.find(b"\n", self._scanned)
+            end = buffer.find(b"\n", self._scanned)
+            if self.max_containers is not None and self._head is None:
+                upto = len(buffer) if end < 0 else end
+                self._containers += buffer.count(b"[", self._scanned, upto)
+                self._containers += buffer.count(b"{", self._scanned, upto)
+                if self._containers > self.max_containers:
+                    self._head = bytes(buffer[: min(upto, HEAD_BYTES)])
             if end >= 0:
-                if end > self._max:
-                    raise LineTooLongError(f"line of {end} bytes exceeds {self._max}")
-                line = bytes(self._buffer[:end])
-                del self._buffer[: end + 1]  # cheap: bytearray trims its front in place
-                self._scanned = 0
+                length = self._dropped + end
+                if length > self._max:
+                    raise LineTooLongError(f"line of {length} bytes exceeds {self._max}")
+                head = self._head
+                with memoryview(buffer) as view:  # one copy, not a slice and then a copy
+                    line = b"" if head is not None else bytes(view[:end])
+                del buffer[: end + 1]  # cheap: bytearray trims its front in place
+                self._scanned = self._containers = self._dropped = 0
+                self._head = None
+                if head is not None:
+                    raise TooManyContainersError(head)
                 return line
-            self._scanned = len(self._buffer)
-            if self._scanned > self._max:
+            if self._head is not None:  # over the container bound: keep nothing more
+                self._dropped += len(buffer)
+                del buffer[:]
+            self._scanned = len(buffer)
+            if self._dropped + self._scanned > self._max:
                 raise LineTooLongError(f"line exceeds {self._max} bytes without a newline")
             if self._eof:
-                if not self._buffer:
+                if not buffer and not self._dropped:
                     return None
                 raise UnterminatedLineError(
-                    f"connection closed after {len(self._buffer)} bytes of an unterminated line"
+                    f"connection closed after {self._dropped + len(buffer)} bytes of an "
+                    "unterminated line"
                 )
             # Never more than the cap needs: the buffer stays within one byte over it.
-            chunk = await self._reader.read(min(READ_CHUNK_BYTES, self._max + 1 - self._scanned))
+            want = self._max + 1 - self._dropped - self._scanned
+            chunk = await self._reader.read(min(READ_CHUNK_BYTES, want))
             if chunk:
-                self._buffer += chunk
+                buffer += chunk
             else:
                 self._eof = True
 

@@ -51,6 +51,7 @@ from typing import Any
 
 from broker import catalog, checks, error_codes, protocol, tls, wire
 from broker.addresses import MainAddresses
+from broker.bounds import MAX_WORKER_STATUS_BYTES
 from broker.exceptions import (
     AuthenticationError,
     ConfigurationError,
@@ -649,7 +650,11 @@ class Worker:
                     reports.append(self._state.encoded(msg))
                 else:
                     lines.append(protocol.encode(msg))
-            lines.extend(protocol.pack(protocol.Reports, reports, batch_bytes))
+            lines.extend(
+                protocol.pack(
+                    protocol.Reports, reports, batch_bytes, conn.welcome.max_payload_containers
+                )
+            )
             ready = self._state.take_ready(self._free_slots())
             if ready is not None or conn.status_sent is None:
                 status = self._status_message(conn)
@@ -800,11 +805,18 @@ class Worker:
         status = self.status()
         status["runners"] = {mode.value: dataclasses.asdict(st) for mode, st in runners.items()}
         try:
-            return protocol.encode(protocol.WorkerStatus(status=status))
+            line = protocol.encode(protocol.WorkerStatus(status=status))
+            if len(line) <= MAX_WORKER_STATUS_BYTES:
+                return line
         except ValueError:  # a runner's details that are not JSON must not cost the status
-            for runner_status in status["runners"].values():
-                runner_status["details"] = {}
-            return protocol.encode(protocol.WorkerStatus(status=status))
+            pass
+        # Too long for the main (MAX_WORKER_STATUS_BYTES), or not JSON: the capacity and
+        # the start of each start-up error are what operators need (a few KiB at most).
+        for runner_status in status["runners"].values():
+            runner_status["details"] = {}
+            if runner_status.get("startup_error"):
+                runner_status["startup_error"] = str(runner_status["startup_error"])[:2000]
+        return protocol.encode(protocol.WorkerStatus(status=status))
 
     def _log_job(
         self,

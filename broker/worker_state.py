@@ -42,10 +42,21 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias
 
 from broker import codec, logs, protocol
-from broker.bounds import RUNNER_START_FAILURES_FORGIVEN, RUNNER_START_FAILURES_TRACKED
+from broker.bounds import (
+    MESSAGE_CONTAINERS,
+    RUNNER_START_FAILURES_FORGIVEN,
+    RUNNER_START_FAILURES_TRACKED,
+)
 from broker.exceptions import ProtocolError, TaskNotFoundError
 from broker.jobs import ExecutionMode, JSONValue
-from broker.payload import encoded_size, result_too_deep, result_too_large_on_wire
+from broker.payload import (
+    containers_in,
+    encoded_size,
+    result_too_deep,
+    result_too_large_on_wire,
+    shape_problem,
+    too_many_containers,
+)
 from broker.protocol import ErrorCode
 from broker.retry import RetryPolicy, TaskBackoff, backoff_seconds, reported_exception
 from broker.runner import (
@@ -187,6 +198,8 @@ class _Link:
     max_payload_bytes: int | None
     max_payload_depth: int
     max_checkpoint_bytes: int | None = None
+    max_payload_containers: int | None = None
+    """The main's container bound (``None``: an older main, which has none)."""
     seen: int = 0
     """The ``seq`` of the last job decided on; ``seq`` starts again at 1 per connection."""
     unsent: deque[LeaseKey] = field(default_factory=deque)
@@ -334,6 +347,7 @@ class WorkerState:
             max_payload_bytes=welcome.max_payload_bytes,
             max_payload_depth=welcome.max_payload_depth,
             max_checkpoint_bytes=welcome.max_checkpoint_bytes,
+            max_payload_containers=welcome.max_payload_containers,
             unsent=deque(self._outbox),
             unsent_checkpoints=deque(
                 (key, seq) for key, saves in self._checkpoints.items() for seq in saves
@@ -686,7 +700,15 @@ class WorkerState:
                     key, seq, ErrorCode.CHECKPOINT_REJECTED, "the job's run has already ended"
                 )
             ]
-        limit = self._link.max_checkpoint_bytes if self._link is not None else None
+        link = self._link
+        if link is not None:
+            shape = shape_problem(
+                state, link.max_payload_depth, link.max_payload_containers, "the checkpoint"
+            )
+            if shape is not None:  # the main would refuse it: say so at once
+                message = f"{shape}; flatten it"
+                return [CheckpointSettled(key, seq, ErrorCode.PAYLOAD_TOO_LARGE, message)]
+        limit = link.max_checkpoint_bytes if link is not None else None
         if limit is not None:
             size = encoded_size(state)
             if size > limit:
@@ -851,9 +873,11 @@ class WorkerState:
         limit = link.max_line_bytes
         completed = report if isinstance(report, protocol.CompletedReport) else None
         problem = None
+        containers = link.max_payload_containers
         if completed is not None:
-            # Depth first: encoding a value nested too deeply would itself recurse too far.
-            problem = result_too_deep(completed.result, link.max_payload_depth)
+            # Shape first: encoding a value nested too deeply would itself recurse too far,
+            # and the walk stops at the container bound, so a huge result costs little.
+            problem = result_too_deep(completed.result, link.max_payload_depth, containers)
         if problem is None:
             try:
                 encoded = protocol.encode_item(report)
@@ -865,6 +889,13 @@ class WorkerState:
                     problem = result_too_large_on_wire(
                         completed.result, size, link.max_payload_bytes
                     )
+                if (
+                    problem is None
+                    and containers is not None
+                    and containers_in(encoded) > containers + MESSAGE_CONTAINERS - 2
+                ):
+                    # The main counts ``[`` and ``{`` in the line, strings included.
+                    problem = too_many_containers(f"the {report.type} report", containers)
                 if problem is None and size <= limit:
                     link.encoded[key] = encoded
                     return report

@@ -169,9 +169,10 @@ async def test_the_wire_answer_is_request_error_payload_too_large() -> None:
 
 
 async def test_an_absurd_task_name_cannot_make_an_unsendable_job_message() -> None:
+    """Names are at most 1024 bytes, so a job message always fits in a line."""
     store = MemoryAdapter()
     async with _main(store) as main, Client("127.0.0.1", main.port) as client:
-        with pytest.raises(InvalidJobError, match="job message would be"):
+        with pytest.raises(InvalidJobError, match="task must be at most 1024 bytes"):
             await client.enqueue("t" * (LIMIT + LINE_HEADROOM_BYTES - 1900), ["x" * 900])
     assert (await store.list_jobs()).jobs == []
 

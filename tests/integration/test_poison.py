@@ -23,21 +23,16 @@ import pytest
 
 from adapters.sql import SQLAlchemyAdapter
 from broker import protocol
+from broker.bounds import MAX_DELAY_SECONDS, MAX_NAME_BYTES
 from broker.client import Client
-from broker.exceptions import BrokerError, InvalidJobError
+from broker.exceptions import BrokerError, InvalidJobError, ProtocolError
 from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus, Outcome, Settlement
 from broker.main import Main
 from broker.runner import Reschedule
 from broker.storage import StorageAdapter
 from broker.tasks import TaskRegistry, task
 from broker.testing.faults import FaultyAdapter
-from broker.values import (
-    EARLIEST_RUN_AT,
-    LATEST_RUN_AT,
-    MAX_DELAY_SECONDS,
-    MAX_KEY_BYTES,
-    storable_text,
-)
+from broker.values import EARLIEST_RUN_AT, LATEST_RUN_AT, storable_text
 from broker.worker import Worker
 from runners.inline import InlineRunner
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
@@ -349,14 +344,15 @@ async def test_indexed_names_too_long_for_an_index_entry_are_refused(
 ) -> None:
     """A worker id or key over the limit would fail every claim that carries it (an index
     entry on PostgreSQL holds about 2.7 KB)."""
-    long = "k" * (MAX_KEY_BYTES + 1)
+    long = "k" * (MAX_NAME_BYTES + 1)
     async with _main(sqlite) as main, Client("127.0.0.1", main.port) as client:
         refused = FakeWorker(main.port, worker_id=long)
         with pytest.raises(ConnectionRefusedError, match="worker_id must be at most 1024 bytes"):
             await refused.connect()
         await refused.close()
         for key in ({"idempotency_key": long}, {"concurrency_key": long, "concurrency_limit": 1}):
-            with pytest.raises(InvalidJobError, match="must be at most 1024 bytes"):
+            # Refused by the decoder (every name is bounded there), so ``malformed``.
+            with pytest.raises(ProtocolError, match="must be at most 1024 bytes"):
                 await client.enqueue_requests([protocol.JobRequest(task="t", **key)])
         assert await sqlite.count_jobs() == []
 

@@ -79,6 +79,17 @@ def test_a_checkpoint_over_the_limit_or_after_the_run_is_refused_at_once() -> No
     assert isinstance(late, CheckpointSettled) and late.code == ErrorCode.CHECKPOINT_REJECTED
 
 
+def test_a_checkpoint_over_the_container_bound_is_refused_at_once() -> None:
+    state, key = running()
+    state.connected(msgspec.structs.replace(welcome([key]), max_payload_containers=50))
+    state.outgoing()
+    [refused] = state.checkpoint_requested(key, 1, [[]] * 60)
+    assert isinstance(refused, CheckpointSettled) and refused.code == ErrorCode.PAYLOAD_TOO_LARGE
+    assert refused.message is not None and "more than 50 lists and objects" in refused.message
+    assert state.outgoing() == [], "never sent"
+    assert state.checkpoint_requested(key, 2, [[]] * 40) == [WakeSender()]
+
+
 def test_progress_is_rate_limited_to_the_latest_value_per_interval() -> None:
     state, key = running()
     assert state.progress_reported(key, 0.1, "a", now=100.0) == [WakeSender()]
@@ -160,6 +171,7 @@ async def test_the_saver_answers_applied_duplicate_stale_and_refused() -> None:
         retry_interval=0.01,
         max_checkpoint_bytes=100,
         max_payload_depth=8,
+        max_payload_containers=100,
     )
     running_saver = asyncio.create_task(saver.run())
     try:

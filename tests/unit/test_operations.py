@@ -39,6 +39,7 @@ class _Clock:
 class _Limits:
     max_payload_bytes: int | None = 1000
     max_payload_depth: int = 8
+    max_payload_containers: int = 100
     max_line_bytes: int = 100_000
     list_page_bytes: int = 100_000
 
@@ -110,9 +111,10 @@ async def test_enqueue_stores_the_batch_in_order_with_delays_from_its_own_clock(
     [
         (_request("big", "x" * 2000), PayloadTooLargeError, "over the payload limit of 1000"),
         (_request("deep", [[[[[[[[[[1]]]]]]]]]]), InvalidJobError, "more than 8 levels deep"),
-        (_request("t" * 100_000), PayloadTooLargeError, "over the line limit of 100000"),
+        (_request("t" * 100_000), InvalidJobError, "at most 1024 bytes"),
+        (_request("wide", [[]] * 100), PayloadTooLargeError, "more than 100 lists and objects"),
     ],
-    ids=["too large", "too deep", "job message over a line"],
+    ids=["too large", "too deep", "task name too long", "too many containers"],
 )
 async def test_one_bad_job_refuses_its_whole_batch_before_the_store_sees_it(
     bad: protocol.JobRequest, error: type[Exception], match: str
