@@ -62,7 +62,6 @@ from broker.storage import (
     payload_digest,
 )
 
-
 _HOLLOW: dict[str, JSONValue] = {"args": (), "kwargs": {}, "result": None, "checkpoint": None}
 """What an offloaded field of a kept job holds; also how a summary shows a job."""
 
