@@ -255,11 +255,12 @@ BOUNDS += [
 # ---------------------------------------------------------------- handshake and credentials
 # (issue 30, findings 5 and 10)
 
-MAX_UNAUTHENTICATED_PER_ADDRESS = 32
+MAX_UNAUTHENTICATED_PER_ADDRESS = 64
 """Connections from one IP address in a handshake (TLS's or the protocol's) at once: half
-of the global ``max_unauthenticated`` (64), so one address holding idle sockets until the
+of the global ``max_unauthenticated`` (128), so one address holding idle sockets until the
 handshake deadline cannot lock every other address out, while a burst of honest
-connections from one host (an app server starting its processes) still gets in."""
+connections from one host (an app server starting 60 processes at once) still gets in, as
+it did when 64 was the only limit."""
 
 MIN_TOKEN_CHARACTERS = 16
 """The shortest secret a main listening beyond loopback accepts: a guessable secret there
@@ -274,7 +275,7 @@ line, so a peer guessing secrets or opening sockets in a loop cannot flood the l
 BOUNDS += [
     Bound(
         "Connections from one IP address still in the handshake (TLS's or the protocol's)",
-        "32",
+        "64",
         "--max-unauthenticated-per-address",
         "the same as over `--max-unauthenticated` (an `error` line, or for TLS closed at "
         "once), and logged",
@@ -305,8 +306,10 @@ MAX_CONNECTIONS = 1024
 MAX_CONNECTIONS_PER_ADDRESS = 64
 """Connections from one IP address (``--max-connections-per-address``)."""
 
-MAX_UNAUTHENTICATED = 64
-"""Connections (and TLS handshakes) still in the handshake (``--max-unauthenticated``)."""
+MAX_UNAUTHENTICATED = 128
+"""Connections (and TLS handshakes) still in the handshake (``--max-unauthenticated``):
+twice the limit per address, so an address holding its whole share leaves as many for
+every other."""
 
 HANDSHAKE_TIMEOUT = 2.0
 """Seconds a peer has, after accept, to send ``hello``."""
@@ -376,7 +379,7 @@ BOUNDS += [
     ),
     Bound(
         "Connections still in the handshake",
-        "64",
+        "128",
         "--max-unauthenticated",
         "the same",
         _CONNECTIONS,
@@ -384,7 +387,7 @@ BOUNDS += [
     Bound(
         "TLS handshakes under way (with `--tls-cert`; each must finish within the handshake "
         "deadline)",
-        "64",
+        "128",
         "--max-unauthenticated",
         "closed at once, and logged (no `error` line: the peer expects TLS)",
         _CONNECTIONS,
@@ -399,7 +402,7 @@ BOUNDS += [
     ),
     Bound(
         "Read-ahead and longest line before `welcome` (at most about 512 KiB buffered per "
-        "unauthenticated connection, so 64 of them stay under about 32 MiB)",
+        "unauthenticated connection, so 128 of them stay under about 64 MiB)",
         "64 KiB",
         None,
         "`line_too_long` error; closed",

@@ -70,19 +70,28 @@ async def test_a_flood_of_declarations_is_refused_and_costs_the_main_little(
             await worker.send(protocol.TaskCatalog(tasks=flood))
             del flood
             await until(lambda n=n: len(worker.errors) == n + 1, timeout=60)  # type: ignore[misc]
+        # Within the container bound, over the catalog's own: 1,001 declarations.
+        await worker.send(protocol.TaskCatalog(tasks=[_wide(f"many.t{i}") for i in range(1001)]))
+        await until(lambda: len(worker.errors) == 6)
         template = _declared(
             "app.wide", concurrency_key="{a:>400000000}", concurrency_limit=1, parameters=["a"]
         )
         await worker.send(protocol.TaskCatalog(tasks=[template]))
-        await until(lambda: len(worker.errors) == 6)
+        await until(lambda: len(worker.errors) == 7)
         growth = main.memory("VmRSS") - baseline
 
-        assert all(e.code == protocol.ErrorCode.OVER_LIMIT and not e.fatal for e in worker.errors)
-        assert "at most 1000 tasks, this one declared 20000" in worker.errors[0].message
-        assert "conversion or format spec" in worker.errors[5].message
+        # 20,000 declarations hold more lists and objects than any message may: refused as
+        # the line is read, before any of it is built.
+        floods, catalog = worker.errors[:5], worker.errors[5:]
+        assert all(e.code == protocol.ErrorCode.PAYLOAD_TOO_LARGE for e in floods), floods
+        assert all("--max-payload-containers" in e.message for e in floods)
+        assert all(e.code == protocol.ErrorCode.OVER_LIMIT for e in catalog), catalog
+        assert not any(e.fatal for e in worker.errors)
+        assert "at most 1000 tasks, this one declared 1001" in catalog[0].message
+        assert "conversion or format spec" in catalog[1].message
         assert worker.connected, "a refusal is not fatal: the worker keeps working"
         assert growth < 50 * MiB, f"the main grew {growth / MiB:.0f} MiB"
-        assert main.logged("task catalog refused worker_id=flood") == 6
+        assert main.logged("task catalog refused worker_id=flood") == 2
         async with Client("127.0.0.1", main.port) as client:
             with pytest.raises(UnknownTaskError):  # never recorded, so never formatted
                 await client.enqueue("app.wide", [1])

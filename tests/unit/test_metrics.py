@@ -39,10 +39,14 @@ def samples(text: bytes) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 
 
 def handed_off_job(queue: str = "q", task: str = "t", waited: float = 2.0) -> Job:
-    job = Job.from_spec(JobSpec(task=task, queue=queue), NOW)
+    """A handed-off job of ``task`` on ``queue``, names that a store written before names
+    had a bound may hold, longer than a ``JobSpec`` now accepts."""
+    job = Job.from_spec(JobSpec(task="t", queue="q"), NOW)
     return Job(
         **{
             **{f: getattr(job, f) for f in job.__dataclass_fields__},
+            "task": task,
+            "queue": queue,
             "status": JobStatus.HANDED_OFF,
             "handoff_id": uuid.uuid4(),
             "handed_off_at": NOW + timedelta(seconds=waited),
