@@ -322,18 +322,25 @@ class Catalog:
 
         A connected worker declares once, when it connects: marking it seen on each pass
         lets a main that restarts keep the declarations of the workers it had for the
-        grace (less one pass), rather than from when they connected."""
+        grace (less one pass), rather than from when they connected.
+
+        The store forgets first, this copy after: while the store still held a gone
+        worker's rows, an enqueue of a name this copy had already dropped would read them
+        back (:meth:`refresh`) and be accepted, the name alive again until the next pass."""
         gone_before = now - grace
+        for worker_id in live:
+            for name in self._by_worker.get(worker_id, ()):
+                record = self._records[name][worker_id]
+                self._records[name][worker_id] = dataclasses.replace(record, seen_at=now)
+        await self._store.forget_tasks(live, now, gone_before)
         dropped = 0
         for worker_id, names in list(self._by_worker.items()):
+            if worker_id in live:
+                continue
             for name in list(names):
-                record = self._records[name][worker_id]
-                if worker_id in live:
-                    self._records[name][worker_id] = dataclasses.replace(record, seen_at=now)
-                elif record.seen_at < gone_before:
+                if self._records[name][worker_id].seen_at < gone_before:
                     self._drop(name, worker_id)
                     dropped += 1
-        await self._store.forget_tasks(live, now, gone_before)
         if dropped:
             log_event(
                 logger, logging.INFO, "declarations of gone workers dropped", declarations=dropped

@@ -4,6 +4,7 @@ wins (with a warning), and an undeclared name is refused once the catalog is in 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Collection
 from datetime import UTC, datetime, timedelta
@@ -245,6 +246,41 @@ async def test_gone_workers_are_forgotten_after_the_grace_connected_ones_never()
     assert await found.forget(set(), NOW + timedelta(hours=2, minutes=59), grace) == 0
     assert await found.forget(set(), NOW + timedelta(hours=3, minutes=1), grace) == 1
     assert not found.in_use and await store.task_catalog() == []
+
+
+class _SlowForgetting(MemoryAdapter):
+    """The memory store, whose ``forget_tasks`` waits until told: the window in which a
+    pass of the grace is under way in the store."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forgetting = asyncio.Event()
+        self.go_on = asyncio.Event()
+
+    async def forget_tasks(
+        self, live_workers: Collection[str], seen_at: datetime, gone_before: datetime
+    ) -> int:
+        self.forgetting.set()
+        await self.go_on.wait()
+        return await super().forget_tasks(live_workers, seen_at, gone_before)
+
+
+async def test_a_name_dropped_by_a_pass_is_not_read_back_while_the_store_forgets() -> None:
+    """An enqueue of a gone worker's name while the pass is deleting its rows reads them
+    from the store (:meth:`Catalog.refresh`); the name must still be gone once the pass
+    ends, not alive again until the next one (seen under load by the e2e test)."""
+    store = _SlowForgetting()
+    found = Catalog(store)
+    await found.load()
+    found.record("gone", [_declared("app.gone")], NOW)
+    await found.save("gone", {"app.gone": {"name": "app.gone"}}, NOW)
+    passing = asyncio.create_task(found.forget(set(), NOW + timedelta(hours=2), timedelta(hours=1)))
+    await store.forgetting.wait()
+    await found.refresh({"app.gone"})
+    store.go_on.set()
+    assert await passing == 1
+    assert found.declared("app.gone") is None and not found.in_use
+    assert await store.task_catalog() == []
 
 
 def test_a_worker_declares_what_task_says() -> None:
