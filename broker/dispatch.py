@@ -308,7 +308,7 @@ class Dispatcher:
         jobs, full = await self._eligible(modes, queues, size, started)
         now = asyncio.get_running_loop().time()
         plan = core.plan(jobs, now)
-        core.read_eligible(started, modes, full=full or len(plan) < len(jobs))
+        core.read_eligible(started, modes, full=full or len(plan) < len(jobs), queues=queues)
         left = core.modes_with_credit() - core.drained
         if left and len(plan) < len(jobs) - held:
             # One mode's backlog filled the read while other modes still have free slots:
@@ -322,7 +322,7 @@ class Dispatcher:
             )
             full = len(found) == size
             placed = core.plan(found, now)
-            core.read_eligible(started, left, full=full or len(placed) < len(found))
+            core.read_eligible(started, left, full=full or len(placed) < len(found), queues=queues)
             plan += placed
         self._ahead.planned(plan)
         if not plan:

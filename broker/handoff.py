@@ -33,7 +33,7 @@ import math
 import secrets
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
@@ -314,6 +314,10 @@ class Handoff:
         """Modes whose eligible jobs the last read found all claimed or being claimed, with
         nothing changed since: only for them may an enqueue take a free slot at once
         without overtaking a job that was waiting (see :meth:`plan_at_enqueue`)."""
+        self._drained_for: frozenset[str] | None = None
+        """The queues every read behind :attr:`_drained` covered (``None``: all). A read
+        covers the queues the dispatchable workers serve, so a worker serving more (one
+        that resumes after a pause, or says hello) may serve jobs no proof looked at."""
         self._turn = 0
         """Where the search for a worker starts, moved on for every job planned, so workers
         with equal free credit take turns instead of the first connected taking all."""
@@ -678,20 +682,44 @@ class Handoff:
         """The change count a read started now passes to :meth:`read_eligible`."""
         return self._queue_changes
 
-    def read_eligible(self, started: int, modes: Iterable[ExecutionMode], *, full: bool) -> None:
-        """A read of eligible jobs for ``modes``, begun at change count ``started``, came
-        back and was planned; ``full`` when it returned as many as it asked for, or some
-        of them found no slot (jobs wait). Short and all placed, with nothing changed
-        meanwhile, it proves those modes drained, beside those proven since the last
-        change; the dispatcher reads them no more until the next change. (Jobs added
-        meanwhile to other modes only do not spoil the proof: see :meth:`jobs_added`.)"""
+    def read_eligible(
+        self,
+        started: int,
+        modes: Iterable[ExecutionMode],
+        *,
+        full: bool,
+        queues: Collection[str] | None,
+    ) -> None:
+        """A read of eligible jobs for ``modes`` and ``queues`` (``None``: every queue),
+        begun at change count ``started``, came back and was planned; ``full`` when it
+        returned as many as it asked for, or some of them found no slot (jobs wait). Short
+        and all placed, with nothing changed meanwhile, it proves those modes drained in
+        those queues, beside those proven since the last change; the dispatcher reads
+        them no more until the next change. (Jobs added meanwhile to other modes only do
+        not spoil the proof: see :meth:`jobs_added`.) The proofs hold together for the
+        queues all of them covered, or this one's when it proves every drained mode."""
         modes = frozenset(modes)
         if not self.unchanged_since(started, modes):
             return
         if full:
             self._drained = self._drained.difference(modes)
-        else:
-            self._drained = self._drained.union(modes)
+            return
+        covered = None if queues is None else frozenset(queues)
+        if modes >= self._drained:  # this proof alone holds every drained mode
+            self._drained_for = covered
+        elif covered is not None:
+            mine = self._drained_for
+            self._drained_for = covered if mine is None else mine & covered
+        self._drained = self._drained.union(modes)
+
+    def _drained_covers(self) -> bool:
+        """Whether the drained proofs covered every queue a dispatchable worker serves now,
+        so that a job handed off at once can overtake none a worker could have taken."""
+        proven = self._drained_for
+        if proven is None:
+            return True
+        served = self.served_queues()
+        return served is not None and served <= proven
 
     def plan_at_enqueue(self, specs: Sequence[JobSpec], now: datetime) -> list[PlannedClaim | None]:
         """For each job about to be enqueued, a worker and a lease if it can start at once:
@@ -700,8 +728,13 @@ class Handoff:
         lease minted here, before the insert, exactly as :meth:`plan` does for a claim; the
         store's answer comes back through :meth:`claimed` (or :meth:`claim_unknown`)."""
         plans: list[PlannedClaim | None] = []
+        covered = bool(self._drained) and self._drained_covers()
         for spec in specs:
-            if spec.execution_mode not in self._drained or not claimable_at_enqueue(spec, now):
+            if (
+                not covered
+                or spec.execution_mode not in self._drained
+                or not claimable_at_enqueue(spec, now)
+            ):
                 plans.append(None)
                 continue
             # A new job has no state holder, so the time affinity would judge by is moot.

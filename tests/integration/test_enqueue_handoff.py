@@ -125,9 +125,9 @@ def test_only_a_drained_mode_takes_jobs_at_enqueue() -> None:
     spec = JobSpec(task="t")
     assert core.plan_at_enqueue([spec], NOW) == [None]  # nothing read yet
     started = core.queue_changes
-    core.read_eligible(started, [POOLED], full=True)  # more may wait
+    core.read_eligible(started, [POOLED], full=True, queues=None)  # more may wait
     assert core.plan_at_enqueue([spec], NOW) == [None]
-    core.read_eligible(started, [POOLED], full=False)
+    core.read_eligible(started, [POOLED], full=False, queues=None)
     [planned] = core.plan_at_enqueue([spec], NOW)
     assert planned is not None and planned.job.id == spec.id and planned.worker_id == "w"
     assert core.credit(POOLED) == 1  # reserved before the insert
@@ -137,13 +137,42 @@ def test_a_change_during_the_read_means_nothing_is_known_drained() -> None:
     core = _core_with_idle_worker()
     started = core.queue_changes
     core.queue_changed()  # say a lease came back while the read was out
-    core.read_eligible(started, [POOLED], full=False)
+    core.read_eligible(started, [POOLED], full=False, queues=None)
     assert core.plan_at_enqueue([JobSpec(task="t")], NOW) == [None]
+
+
+def test_a_drained_proof_holds_only_for_the_queues_its_reads_covered() -> None:
+    """A read while the only worker serving every queue was paused covered queue ``a``
+    alone: once that worker is dispatchable again, a pooled job in queue ``b`` may be
+    waiting for it, so an enqueue must not take its slot at once (found by the handoff
+    state machine's long profile)."""
+    core = _core_with_idle_worker()
+    narrow = core.new_peer(2, 0.0)
+    core.hello(
+        narrow,
+        protocol.Hello(
+            role=protocol.Role.WORKER,
+            protocol=protocol.PROTOCOL_VERSION,
+            worker_id="w-a",
+            modes=[POOLED],
+            queues=["a"],
+        ),
+    )
+    core.ready(2, {POOLED: 1}, seen=0)
+    wide = core.peers[1].liveness
+    wide.paused_since = 0.0  # over its outbox cap: not dispatchable
+    assert core.served_queues() == {"a"}
+    core.read_eligible(core.queue_changes, [POOLED], full=False, queues=core.served_queues())
+    assert core.plan_at_enqueue([JobSpec(task="t", queue="a")], NOW) != [None]
+    wide.paused_since = None
+    assert core.plan_at_enqueue([JobSpec(task="t", queue="a")], NOW) == [None]
+    core.read_eligible(core.queue_changes, [POOLED], full=False, queues=core.served_queues())
+    assert core.plan_at_enqueue([JobSpec(task="t", queue="b")], NOW) != [None]
 
 
 def test_jobs_not_due_with_a_concurrency_key_or_without_a_free_slot_wait() -> None:
     core = _core_with_idle_worker(slots=1)
-    core.read_eligible(core.queue_changes, [POOLED, ExecutionMode.FORKED], full=False)
+    core.read_eligible(core.queue_changes, [POOLED, ExecutionMode.FORKED], full=False, queues=None)
     later = JobSpec(task="t", run_at=NOW + timedelta(seconds=5))
     keyed = JobSpec(task="t", concurrency_key="k", concurrency_limit=1)
     forked = JobSpec(task="t", execution_mode=ExecutionMode.FORKED)  # no forked slot

@@ -329,7 +329,7 @@ async def test_the_dispatcher_listens_only_while_a_worker_has_a_free_slot(
     while not d._listening:
         await asyncio.sleep(0)
     assert store._listeners
-    core.read_eligible(core.queue_changes, {POOLED}, full=False)
+    core.read_eligible(core.queue_changes, {POOLED}, full=False, queues=None)
     assert POOLED in core.drained
     core.draining(1)  # the only worker stops taking jobs
     d.nudge()
@@ -458,7 +458,7 @@ async def test_a_settled_report_counts_as_a_change_only_when_a_job_may_be_eligib
     assert keyed.handoff_id is not None
     settle(protocol.CompletedReport(job_id=keyed.id, handoff_id=keyed.handoff_id))
     assert not core.drained
-    core.read_eligible(core.queue_changes, [POOLED], full=False)
+    core.read_eligible(core.queue_changes, [POOLED], full=False, queues=None)
     settle(protocol.ReleaseReport(job_id=plain[1].id, handoff_id=plain[1].handoff_id, reason="x"))
     assert not core.drained
 
@@ -471,7 +471,7 @@ async def test_a_claim_that_does_not_win_its_job_counts_as_a_change() -> None:
     core = Handoff()
     worker(core, 1, 2)
     [planned] = core.plan([result.job], 0.0)
-    core.read_eligible(core.queue_changes, [POOLED], full=False)
+    core.read_eligible(core.queue_changes, [POOLED], full=False, queues=None)
     assert POOLED in core.drained
     core.claimed([planned], [])
     assert not core.drained
@@ -660,30 +660,30 @@ def test_a_job_that_may_stand_before_the_read_ahead_retires_it() -> None:
 def test_jobs_added_to_one_mode_leave_the_others_drained() -> None:
     inline = ExecutionMode.INLINE
     core = Handoff()
-    core.read_eligible(core.queue_changes, {POOLED, inline}, full=False)
+    core.read_eligible(core.queue_changes, {POOLED, inline}, full=False, queues=None)
     assert core.drained == {POOLED, inline}
     core.jobs_added({POOLED})
     assert core.drained == {inline}
     # A read spanning inserts into other modes only still proves its modes drained,
     started = core.queue_changes
     core.jobs_added({inline})
-    core.read_eligible(started, {POOLED}, full=False)
+    core.read_eligible(started, {POOLED}, full=False, queues=None)
     assert core.drained == {POOLED}
     # but not the modes they touched,
     started = core.queue_changes
     core.jobs_added({inline})
-    core.read_eligible(started, {inline}, full=False)
+    core.read_eligible(started, {inline}, full=False, queues=None)
     assert core.drained == {POOLED}
     # nor any mode across a change of unknown modes (which forgets every drained mode),
     started = core.queue_changes
     core.queue_changed()
-    core.read_eligible(started, {POOLED}, full=False)
+    core.read_eligible(started, {POOLED}, full=False, queues=None)
     assert core.drained == set()
     # nor across more changes than are remembered.
     started = core.queue_changes
     for _ in range(CHANGE_LOG + 1):
         core.jobs_added({inline})
-    core.read_eligible(started, {POOLED}, full=False)
+    core.read_eligible(started, {POOLED}, full=False, queues=None)
     assert core.drained == set()
-    core.read_eligible(core.queue_changes, {POOLED}, full=False)
+    core.read_eligible(core.queue_changes, {POOLED}, full=False, queues=None)
     assert core.drained == {POOLED}

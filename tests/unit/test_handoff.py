@@ -653,7 +653,7 @@ class HandoffMachine(RuleBasedStateMachine):
             # The main stored a job while the read was under way: the read did not see
             # it, so it proves nothing about that job's mode (the others, it still may).
             self._stored_queued(data.draw(st.sampled_from(MODES), label="its mode"))
-        self.core.read_eligible(started, modes, full=full)
+        self.core.read_eligible(started, modes, full=full, queues=queues)
         self._minted(planned)
         if planned:
             self.batches.append(tuple(planned))
