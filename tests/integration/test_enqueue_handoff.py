@@ -101,19 +101,27 @@ async def test_an_unknown_enqueue_outcome_returns_the_lease_and_the_job_runs_onc
 # ---------------------------------------------------------------------- the core's rules
 
 
-def _core_with_idle_worker(slots: int = 2) -> Handoff:
-    core = Handoff()
-    peer = core.new_peer(1, 0.0)
+def _worker_joins(
+    core: Handoff, peer_id: int, worker_id: str, slots: int, queues: list[str] | None = None
+) -> None:
+    """A worker connects, says hello (pooled and forked, serving ``queues``) and offers
+    ``slots`` pooled slots."""
     core.hello(
-        peer,
+        core.new_peer(peer_id, 0.0),
         protocol.Hello(
             role=protocol.Role.WORKER,
             protocol=protocol.PROTOCOL_VERSION,
-            worker_id="w",
+            worker_id=worker_id,
             modes=[POOLED, ExecutionMode.FORKED],
+            queues=queues,
         ),
     )
-    core.ready(1, {POOLED: slots}, seen=0)
+    core.ready(peer_id, {POOLED: slots}, seen=0)
+
+
+def _core_with_idle_worker(slots: int = 2) -> Handoff:
+    core = Handoff()
+    _worker_joins(core, 1, "w", slots)
     return core
 
 
@@ -147,18 +155,7 @@ def test_a_drained_proof_holds_only_for_the_queues_its_reads_covered() -> None:
     waiting for it, so an enqueue must not take its slot at once (found by the handoff
     state machine's long profile)."""
     core = _core_with_idle_worker()
-    narrow = core.new_peer(2, 0.0)
-    core.hello(
-        narrow,
-        protocol.Hello(
-            role=protocol.Role.WORKER,
-            protocol=protocol.PROTOCOL_VERSION,
-            worker_id="w-a",
-            modes=[POOLED],
-            queues=["a"],
-        ),
-    )
-    core.ready(2, {POOLED: 1}, seen=0)
+    _worker_joins(core, 2, "w-a", 1, queues=["a"])
     wide = core.peers[1].liveness
     wide.paused_since = 0.0  # over its outbox cap: not dispatchable
     assert core.served_queues() == {"a"}
