@@ -690,34 +690,19 @@ class Connections:
 
     def log_refusal(self, address: str, reason: str) -> None:
         """Log a connection refused over a limit, within a rate: a peer opening sockets
-        in a loop must not flood the log. How many went unlogged rides on the next line."""
-        if not self._refusals.allow():
-            return
-        unlogged = self._refusals.take_suppressed()
-        log_event(
-            logger,
-            logging.WARNING,
-            "connection refused",
-            peer=address,
-            reason=reason,
-            **_not_logged(unlogged),
-        )
+        in a loop must not flood the log."""
+        _log_within(self._refusals, "connection refused", peer=address, reason=reason)
 
     def _log_auth_failure(self, session: Session, role: protocol.Role, reason: str) -> None:
-        """Log a refused hello with the peer's address, within a rate (a peer guessing
-        secrets must not flood the log); how many went unlogged rides on the next line."""
-        if not self._auth_failures.allow():
-            return
-        unlogged = self._auth_failures.take_suppressed()
-        log_event(
-            logger,
-            logging.WARNING,
+        """Log a refused hello with the peer's address, within a rate: a peer guessing
+        secrets must not flood the log."""
+        _log_within(
+            self._auth_failures,
             "authentication failed",
             peer=session.peer,
             session=session.id,
             role=role,
             reason=reason,
-            **_not_logged(unlogged),
         )
 
     async def _read_loop(self, session: Session, lines: wire.LineReader) -> None:
@@ -768,7 +753,12 @@ class Connections:
             raise ProtocolError(f"too many bad messages ({session.errors}); closing")
 
 
-def _not_logged(count: int) -> dict[str, Any]:
-    """The field that says how many lines a rate left out before this one (none when
-    it left out none), so a quiet log stays uncluttered."""
-    return {"not_logged_before": count} if count else {}
+def _log_within(rate: RateLimit, message: str, **fields: Any) -> None:
+    """A WARNING line, unless ``rate`` says this one is over it; how many it left out
+    before rides on the next line it lets through (``not_logged_before``, only when some
+    were), so a quiet log stays uncluttered and a flood is still counted."""
+    if not rate.allow():
+        return
+    if unlogged := rate.take_suppressed():
+        fields["not_logged_before"] = unlogged
+    log_event(logger, logging.WARNING, message, **fields)

@@ -251,8 +251,7 @@ class WorkerState:
         self._lookup_task = lookup_task
         self._logger = logger
         self._link: _Link | None = None
-        self._running: dict[LeaseKey, ExecutionMode] = {}
-        self._jobs: dict[LeaseKey, Assignment] = {}
+        self._running: dict[LeaseKey, Assignment] = {}
         """What each running job is (its task, queue and attempt go on its log lines)."""
         self._rules: dict[LeaseKey, _RetryRules] = {}
         """The retry policy and backoff of each running job whose task declares one."""
@@ -299,8 +298,9 @@ class WorkerState:
         return self._fast
 
     @property
-    def running(self) -> Mapping[LeaseKey, ExecutionMode]:
-        """Leases with a run started and not finished, and the mode each runs in."""
+    def running(self) -> Mapping[LeaseKey, Assignment]:
+        """Leases with a run started and not finished, and the job each runs (its mode,
+        and the task, queue and attempt its log lines carry)."""
         return self._running
 
     @property
@@ -517,8 +517,7 @@ class WorkerState:
             mode = assignment.execution_mode
             self._unqueue(key)
             self._starting[mode] += 1
-            self._running[key] = mode
-            self._jobs[key] = assignment
+            self._running[key] = assignment
             self._remember_rules(key, assignment.task, assignment.attempt)
             if debug:
                 self._log_job(logging.DEBUG, "job started", key, mode=mode.value)
@@ -537,7 +536,7 @@ class WorkerState:
 
     def run_entered(self, key: LeaseKey) -> list[WorkerEffect]:
         """The runner took the job's slot: its own count now covers it."""
-        self._starting[self._running[key]] -= 1
+        self._starting[self._running[key].execution_mode] -= 1
         return []
 
     def run_finished(
@@ -551,7 +550,7 @@ class WorkerState:
         to report) at ``now`` (loop time, for an adaptive window); its report joins the
         outbox, the oldest prefetched job takes its slot (given ``free``, the runners'
         slots now), and the rest is advertised."""
-        mode = self._running.pop(key)
+        mode = self._running[key].execution_mode  # kept until its report is logged
         window = self._adaptive.get(mode)
         if window is not None and now is not None and window.finished(now):
             self._prefetch[mode] = window.size
@@ -572,7 +571,7 @@ class WorkerState:
             self._given_up.discard(key)
         else:
             self._finish(key, outcome)
-        self._jobs.pop(key, None)
+        del self._running[key]
         self._ready_due = True
         return self._start_queued(free) + self._effects()
 
@@ -649,13 +648,13 @@ class WorkerState:
             self._release(key, "cancelled before it started", queued)
             self._ready_due = True
             return self._effects()
-        mode = self._running.get(key)
-        if mode is None:
+        running = self._running.get(key)
+        if running is None:
             self._log_job(logging.INFO, "cancel for a job not running here; nothing to stop", key)
             return []
         self._log_job(logging.INFO, "job cancelled by the main; stopping it", key)
         self._cancelled.add(key)
-        return [StopRun(key, mode)]
+        return [StopRun(key, running.execution_mode)]
 
     def ack_received(self, ack: protocol.ReportAck) -> list[WorkerEffect]:
         """The main settled a report (applied, duplicate, stale or refused): forget it."""
@@ -814,12 +813,12 @@ class WorkerState:
         """Stop a running job at the drain deadline: it fails (it ran too long), unless
         ``give_up``, when it is released back to the queue unharmed. ``None`` if the job
         has already ended (the caller stops jobs one at a time, awaiting each)."""
-        mode = self._running.get(key)
-        if mode is None:
+        running = self._running.get(key)
+        if running is None:
             return None
         if give_up:
             self._given_up.add(key)
-        return StopRun(key, mode)
+        return StopRun(key, running.execution_mode)
 
     # ------------------------------------------------------------------ sending
 
@@ -959,7 +958,7 @@ class WorkerState:
 
     def job_of(self, key: LeaseKey) -> Assignment | None:
         """The job running (or waiting for a slot) under ``key``, if any."""
-        return self._jobs.get(key) or self._queued.get(key)
+        return self._running.get(key) or self._queued.get(key)
 
     def _log_job(self, level: int, event: str, key: LeaseKey, **fields: Any) -> None:
         if self._logger.isEnabledFor(level):

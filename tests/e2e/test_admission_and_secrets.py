@@ -26,7 +26,7 @@ from broker.jobs import JobSpec, JobStatus
 from broker.main import Main
 from broker.protocol import Role
 from broker.web import Dashboard
-from tests.e2e.test_e2e import REPO, Proc, free_port
+from tests.e2e.test_e2e import REPO, Proc, free_port, spawn_cli
 from tests.e2e.test_hardening import TOKEN as HARDENING_TOKEN
 from tests.e2e.test_hardening import _env, _worker_process
 from tests.e2e.test_tls_roles_e2e import SECRETS, TLSCluster
@@ -43,18 +43,7 @@ from it, the honest client from 127.0.0.1."""
 
 async def _spawn(tmp_path: Path, name: str, argv: list[str], env: dict[str, str]) -> Proc:
     log = tmp_path / f"{name}.log"
-    with log.open("wb") as out:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "broker.cli",
-            *argv,
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    process = await spawn_cli(log, argv, env)
     return Proc(name, process, log)
 
 

@@ -93,6 +93,24 @@ async def eventually(
 # ------------------------------------------------------------------ processes
 
 
+async def spawn_cli(log: Path, argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
+    """``python -m broker.cli ARGV`` as a real process in the checkout, its output (both
+    streams) written to ``log``: how every end-to-end test starts a main, a worker or
+    the operator command."""
+    with log.open("wb") as out:
+        return await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "broker.cli",
+            *argv,
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
 @dataclass(eq=False)
 class Proc:
     name: str
@@ -167,19 +185,7 @@ class Cluster:
 
     async def spawn(self, name: str, *argv: str) -> Proc:
         log = self.dir / f"{len(self.procs):02d}-{name}.log"
-        with log.open("wb") as out:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "broker.cli",
-                *argv,
-                cwd=REPO,
-                env=self._env(),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        proc = Proc(name, process, log)
+        proc = Proc(name, await spawn_cli(log, list(argv), self._env()), log)
         self.procs.append(proc)
         return proc
 

@@ -31,6 +31,7 @@ from broker.main import Main
 from broker.untrusted import escape_control, redact_url
 from runners.process import OutputRelay
 from tests.conftest import POSTGRES_URL, fresh_schema_name, require_postgres
+from tests.e2e.test_e2e import spawn_cli
 from tests.integration.test_operator import _closed_port, _run_cli
 from tests.support import until
 
@@ -97,18 +98,7 @@ async def _worker_process(tmp_path: Path) -> AsyncIterator[WorkerProcess]:
     )
     argv = ["worker", "--app", APP, "--inline-concurrency", "0"]
     argv += ["--pooled-runner-count", "1", "--forked-concurrency", "1"]
-    with log.open("wb") as out:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "broker.cli",
-            *argv,
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    process = await spawn_cli(log, argv, env)
     worker = WorkerProcess(main, store, process, log)
     try:
         await worker.logged("connected to main")

@@ -6,7 +6,6 @@ a client certificate is told so."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 
 from broker.client import Client
 from broker.protocol import Role
-from tests.e2e.test_e2e import APP, RECORD, REPO, Proc, eventually, free_port
+from tests.e2e.test_e2e import APP, RECORD, REPO, Proc, eventually, free_port, spawn_cli
 from tests.support import cli_with_greeting_wait
 from tests.tls_certs import Certificates
 
@@ -53,18 +52,7 @@ class TLSCluster:
 
     async def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> Proc:
         log = self.dir / f"{len(self.procs):02d}-{name}.log"
-        with log.open("wb") as out:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "broker.cli",
-                *argv,
-                cwd=REPO,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+        process = await spawn_cli(log, argv, env)
         proc = Proc(name, process, log)
         self.procs.append(proc)
         return proc

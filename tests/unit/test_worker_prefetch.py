@@ -299,7 +299,7 @@ class PrefetchRules(RuleBasedStateMachine):
 
     @invariant()
     def runs_never_exceed_the_slots(self) -> None:
-        running = Counter(self.state.running.values())
+        running = Counter(job.execution_mode for job in self.state.running.values())
         assert all(running[mode] <= CAPACITY[mode] for mode in CAPACITY)
 
     @invariant()
