@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 from broker.exceptions import ConfigurationError
 from broker.jobs import Clock, utcnow
+from broker.model.untrusted import redact_url
 from broker.payload import DEFAULT_OFFLOAD_BYTES
-from broker.untrusted import redact_url
 
 if TYPE_CHECKING:
     from broker.storage import StorageAdapter

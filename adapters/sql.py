@@ -122,6 +122,7 @@ from broker.jobs import (
     compact_json,
     utcnow,
 )
+from broker.model.untrusted import redact_url
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_OFFLOAD_BYTES, check_all
 from broker.storage import (
     SCHEMA_VERSION,
@@ -136,7 +137,6 @@ from broker.storage import (
     log_refused_at_claim,
     payload_digest,
 )
-from broker.untrusted import redact_url
 
 if TYPE_CHECKING:
     from adapters._pg_hot import HotPool, HotSql

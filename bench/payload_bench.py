@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.harness import usage  # noqa: E402
-from broker.client import Client  # noqa: E402
+from broker.client.client import Client  # noqa: E402
 
 MiB = 1 << 20
 DEFAULT_PG_URL = os.environ.get(
@@ -51,7 +51,7 @@ async def _spawn(log: Path, *argv: str) -> asyncio.subprocess.Process:
         return await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "broker.cli",
+            "broker.ops.cli",
             *argv,
             cwd=REPO,
             stdin=subprocess.DEVNULL,

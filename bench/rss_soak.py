@@ -92,7 +92,7 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def soak(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    from broker.client import Client
+    from broker.client.client import Client
     from broker.jobs import ExecutionMode, JobSpec
 
     row = SETUPS[ROW]

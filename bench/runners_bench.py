@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tests.pool_app  # noqa: F401 - registers the benchmark tasks
 from broker.jobs import ExecutionMode
-from broker.runner import Assignment, Completed, Runner
-from broker.tasks import default_registry
+from broker.tasks.registry import default_registry
+from broker.tasks.runner import Assignment, Completed, Runner
 from runners.forked import ForkedRunner
 from runners.inline import InlineRunner
 from runners.pooled import PooledRunner

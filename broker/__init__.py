@@ -11,12 +11,12 @@ take and return). Everything else is internal: import it at your own risk.
 """
 
 # ruff: noqa: I002
-# ``python -m broker.cli`` imports this package while the working directory stands first
+# ``python -m broker.ops.cli`` imports this package while the working directory stands first
 # on the module path (``sys.argv[0]`` is "-m" while the module is being found), so a
 # ``json.py`` or ``msgspec.py`` planted there would run in place of the real one. The
 # directory goes before any other import, ``__future__`` and ``typing`` included: only
 # modules loaded at start-up (``os``, ``sys``) come first. The broker puts it back, last,
-# only for the operator's own modules (``broker.cli.use_app_directory``).
+# only for the operator's own modules (``broker.ops.cli.use_app_directory``).
 import os
 import sys
 
@@ -58,41 +58,41 @@ from broker.jobs import (
     Outcome,
     Settlement,
 )
-from broker.runner import Reschedule
 from broker.storage import Capabilities, JobFilter, JobPage, QueueCount, StorageAdapter
+from broker.tasks.runner import Reschedule
 
 if TYPE_CHECKING:
-    from broker.client import Client, SyncClient, configure
-    from broker.context import JobContext, current_job
-    from broker.protocol import Role
-    from broker.schedule import Schedule
-    from broker.tasks import Task, TaskRegistry, task
-    from broker.tls import PeerTLS
-    from broker.transactional import (
+    from broker.client.client import Client, SyncClient, configure
+    from broker.client.transactional import (
         EnqueueOptions,
         enqueue_in,
         enqueue_in_async,
         enqueue_many_in,
         enqueue_many_in_async,
     )
+    from broker.tasks.context import JobContext, current_job
+    from broker.tasks.registry import Task, TaskRegistry, task
+    from broker.tasks.schedule import Schedule
+    from broker.wire.messages import Role
+    from broker.wire.tls import PeerTLS
 
 _LAZY = {
-    "Client": "broker.client",
-    "SyncClient": "broker.client",
-    "configure": "broker.client",
-    "JobContext": "broker.context",
-    "current_job": "broker.context",
-    "PeerTLS": "broker.tls",
-    "Role": "broker.protocol",
-    "Schedule": "broker.schedule",
-    "Task": "broker.tasks",
-    "TaskRegistry": "broker.tasks",
-    "task": "broker.tasks",
-    "EnqueueOptions": "broker.transactional",
-    "enqueue_in": "broker.transactional",
-    "enqueue_in_async": "broker.transactional",
-    "enqueue_many_in": "broker.transactional",
-    "enqueue_many_in_async": "broker.transactional",
+    "Client": "broker.client.client",
+    "SyncClient": "broker.client.client",
+    "configure": "broker.client.client",
+    "JobContext": "broker.tasks.context",
+    "current_job": "broker.tasks.context",
+    "PeerTLS": "broker.wire.tls",
+    "Role": "broker.wire.messages",
+    "Schedule": "broker.tasks.schedule",
+    "Task": "broker.tasks.registry",
+    "TaskRegistry": "broker.tasks.registry",
+    "task": "broker.tasks.registry",
+    "EnqueueOptions": "broker.client.transactional",
+    "enqueue_in": "broker.client.transactional",
+    "enqueue_in_async": "broker.client.transactional",
+    "enqueue_many_in": "broker.client.transactional",
+    "enqueue_many_in_async": "broker.client.transactional",
 }
 """Loaded on first use: the client (anyio) and the task and schedule modules (the cron
 library) would add about 75 ms to every process that imports any part of ``broker``,

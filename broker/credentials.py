@@ -4,7 +4,7 @@ Three roles hold three secrets. A *worker* receives jobs, payloads and all, so a
 server that only enqueues must not be able to pose as one; a *client* enqueues and reads;
 an *operator* also cancels, retries and prunes (the operator's command and the
 dashboard's actions). A peer's hello names its role and proves that role's secret (an
-HMAC of the main's nonce, :func:`broker.protocol.check_proof`), so a client's secret
+HMAC of the main's nonce, :func:`broker.wire.messages.check_proof`), so a client's secret
 cannot say hello as a worker, and a worker's cannot cancel.
 
 One shared secret (``--token``) stands for every role, as before roles existed. A role
@@ -21,9 +21,9 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from broker import protocol
 from broker.exceptions import ConfigurationError
-from broker.protocol import Role
+from broker.wire import messages as protocol
+from broker.wire.messages import Role
 
 ALL_ROLES = "all"
 """The name a token file gives the shared secret, which every role takes unless it has

@@ -15,11 +15,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from broker import composition
-from broker.client import Client
-from broker.config import MainSettings
-from broker.main import Main
-from broker.tasks import task
+from broker.client.client import Client
+from broker.main.main import Main
+from broker.main.settings import MainSettings
+from broker.ops import composition
+from broker.tasks.registry import task
 
 JOBS = 60
 
@@ -53,7 +53,7 @@ async def _demo(db_dir: Path) -> int:
     worker = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "broker.cli",
+        "broker.ops.cli",
         "worker",
         "--main",
         f"127.0.0.1:{main.port}",

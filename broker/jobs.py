@@ -29,9 +29,9 @@ from datetime import UTC, datetime
 from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any, TypeAlias
 
-from broker.bounds import MAX_NAME_BYTES
 from broker.exceptions import IdempotencyConflictError, InvalidJobError
-from broker.values import check_name, check_run_at, storable_text
+from broker.model.bounds import MAX_NAME_BYTES
+from broker.model.values import check_name, check_run_at, storable_text
 
 JSONValue: TypeAlias = Any
 """Anything :func:`json.dumps` accepts; the store round-trips it unchanged."""
@@ -100,8 +100,8 @@ def _require_run_at(value: datetime | None) -> None:
 
 
 def _require_names(**names: str | None) -> None:
-    """Each name given is one :func:`~broker.values.check_name` accepts (at most
-    :data:`~broker.bounds.MAX_NAME_BYTES`, no control characters)."""
+    """Each name given is one :func:`~broker.model.values.check_name` accepts (at most
+    :data:`~broker.model.bounds.MAX_NAME_BYTES`, no control characters)."""
     for name, value in names.items():
         if value is not None:
             try:
@@ -388,7 +388,7 @@ class Job:
     timeout: float | None = None
     unique_key: str | None = None
     checkpoint: JSONValue = None
-    """The last checkpoint a run of this job saved (see :mod:`broker.context`); it
+    """The last checkpoint a run of this job saved (see :mod:`broker.tasks.context`); it
     outlives the run, so the next attempt starts from it, and stays once the job ends."""
     checkpoint_seq: int = 0
     """How many checkpoints were saved over all the job's runs: 0 means none, and the

@@ -19,7 +19,9 @@ from collections.abc import Mapping, Sequence
 from operator import countOf
 from typing import Any, TypeAlias
 
-from broker.bounds import (
+from broker.exceptions import InvalidJobError, PayloadTooLargeError
+from broker.jobs import JobSpec, JSONValue, compact_json
+from broker.model.bounds import (
     DEFAULT_MAX_CHECKPOINT_BYTES,
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_MAX_PAYLOAD_CONTAINERS,
@@ -27,8 +29,6 @@ from broker.bounds import (
     MAX_PAYLOAD_BYTES_CEILING,
     MAX_PAYLOAD_DEPTH_CEILING,
 )
-from broker.exceptions import InvalidJobError, PayloadTooLargeError
-from broker.jobs import JobSpec, JSONValue, compact_json
 
 MAX_LINE_BYTES_CEILING = MAX_PAYLOAD_BYTES_CEILING + (1 << 20)
 """The longest line a worker accepts from a main, whatever its welcome says (a memory
@@ -84,7 +84,7 @@ def _walk(value: object, limit: int, budget: int | None) -> int | None:
     ``budget`` lists and objects were met (the walk stops there).
 
     One Python step per list or object, and only C per scalar (a list of numbers is judged
-    by one ``map``), so a walk within :data:`~broker.bounds.DEFAULT_MAX_PAYLOAD_CONTAINERS`
+    by one ``map``), so a walk within :data:`~broker.model.bounds.DEFAULT_MAX_PAYLOAD_CONTAINERS`
     takes a few milliseconds."""
     level: list[_Container] = [value] if isinstance(value, _CONTAINERS) else []
     met = len(level)

@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 
 from broker.exceptions import ConfigurationError
 from broker.jobs import DEFAULT_MAX_RECOVERIES, Job, Outcome, Settlement
-from broker.values import check_delay
+from broker.model.values import check_delay
 
 _FIRST_DELAYS = (
     timedelta(seconds=10),

@@ -60,7 +60,7 @@ from broker.jobs import (
     ProgressUpdate,
     Settlement,
 )
-from broker.logs import log_event
+from broker.model.logs import log_event
 
 logger = logging.getLogger("broker.main")
 
@@ -121,7 +121,7 @@ class TaskRecord:
     task: str
     worker_id: str
     declaration: dict[str, JSONValue]
-    """The task's defaults as the worker declared them (see :mod:`broker.catalog`); the
+    """The task's defaults as the worker declared them (see :mod:`broker.core.catalog`); the
     store keeps it as given and never reads inside it."""
     seen_at: datetime
     """When this worker last declared the task."""
@@ -286,7 +286,7 @@ class StorageAdapter(Protocol):
         ``seen_at``, in place of what it declared before: each ``(task, worker_id)`` row is
         written or replaced, and the worker's rows of tasks not in ``declarations`` are
         deleted, all in one transaction. The main bounds what a worker declares
-        (:mod:`broker.bounds`), so the store holds a bounded catalog."""
+        (:mod:`broker.model.bounds`), so the store holds a bounded catalog."""
 
     async def task_catalog(
         self, *, tasks: Collection[str] | None = None, limit: int | None = None
@@ -360,7 +360,7 @@ def contract_gaps(store: object) -> list[str]:
 class SupportsSchemaCheck(Protocol):
     """Adapters that can tell whether a store is ready without changing it.
 
-    The operator's command opens a store only this way (see :mod:`broker.admin`): it
+    The operator's command opens a store only this way (see :mod:`broker.ops.admin`): it
     must never create or migrate a schema, in a database that may not be the broker's
     or under a main of another version. ``broker-main`` calls ``setup()`` instead.
     """

@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from broker import allocator
-from broker.context import running_job
 from broker.jobs import JSONValue
-from broker.runner import Failed, LeaseKey, RunOutcome
+from broker.tasks.context import running_job
+from broker.tasks.runner import Failed, LeaseKey, RunOutcome
 from runners import pipe
 from runners.inline import InlineRunner, format_error
 from runners.process import CHILD_SYS_PATH_ENV, current_rss
@@ -142,7 +142,7 @@ def _unanswerable() -> Exception:
 
 
 class _PipeJobs:
-    """The jobs' channel in a child (:class:`broker.runner.JobChannel`): checkpoints and
+    """The jobs' channel in a child (:class:`broker.tasks.runner.JobChannel`): checkpoints and
     progress go to the worker over the outcome channel, and each checkpoint waits for the
     worker's ``checkpoint_ack``, which comes back with the jobs."""
 
@@ -181,7 +181,9 @@ class _PipeJobs:
         if ack.code is None:
             waiter.set_result(None)
             return
-        from broker import error_codes  # only when a checkpoint fails: see runners.process
+        from broker.wire import (
+            errors as error_codes,  # only when a checkpoint fails: see runners.process
+        )
 
         waiter.set_exception(error_codes.exception_for(ack.code, ack.error or "not saved"))
 

@@ -12,11 +12,11 @@ import asyncio
 import uuid
 from collections.abc import Callable, Sequence
 
-from broker import checks
-from broker.bounds import RUNNER_STARTUP_TIMEOUT
 from broker.jobs import ExecutionMode
-from broker.runner import Assignment, JobChannel, NoChannel, RunnerStatus, RunOutcome
-from broker.tasks import TaskRegistry, default_registry
+from broker.model import checks
+from broker.model.bounds import RUNNER_STARTUP_TIMEOUT
+from broker.tasks.registry import TaskRegistry, default_registry
+from broker.tasks.runner import Assignment, JobChannel, NoChannel, RunnerStatus, RunOutcome
 from runners.process import (
     ChildProcess,
     StartupGuard,

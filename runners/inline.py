@@ -28,12 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from broker import checks
-from broker.context import JobContext
 from broker.exceptions import TaskNotFoundError
 from broker.jobs import ExecutionMode, JSONValue
+from broker.model import checks
 from broker.payload import MAX_PAYLOAD_DEPTH_CEILING, result_too_deep
-from broker.runner import (
+from broker.tasks.context import JobContext
+from broker.tasks.registry import Task, TaskRegistry, default_registry
+from broker.tasks.runner import (
     Assignment,
     Completed,
     Failed,
@@ -44,7 +45,6 @@ from broker.runner import (
     RunnerStatus,
     RunOutcome,
 )
-from broker.tasks import Task, TaskRegistry, default_registry
 
 MAX_ERROR_CHARS = 8 * 1024
 """Bound on a failure's text: it travels in one protocol line and is stored per job."""

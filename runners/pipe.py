@@ -11,7 +11,7 @@ Decoding is strict: an unknown ``type``, a missing or mistyped field or anything
 array of messages raises :class:`msgspec.ValidationError` or :class:`msgspec.DecodeError`,
 and the worker treats its child as broken (see :mod:`runners.process`).
 
-Parent to child: ``job`` (one :class:`~broker.runner.Assignment`), ``ping``, and
+Parent to child: ``job`` (one :class:`~broker.tasks.runner.Assignment`), ``ping``, and
 ``checkpoint_ack`` per checkpoint. Child to parent: ``ready`` or ``startup_error`` once,
 then ``completed`` / ``failed`` / ``rescheduled`` per job, ``checkpoint`` and
 ``progress`` while a job runs, ``pong`` per ping and ``sample`` (its memory) on a period.
@@ -27,7 +27,7 @@ from typing import Any, TypeAlias
 import msgspec
 
 from broker.jobs import ExecutionMode
-from broker.runner import Assignment, Completed, Failed, Rescheduled, RunOutcome
+from broker.tasks.runner import Assignment, Completed, Failed, Rescheduled, RunOutcome
 
 
 class _Message(msgspec.Struct, forbid_unknown_fields=True, tag_field="type"):
@@ -55,7 +55,7 @@ class JobLine(_Message, tag="job"):
 
 class CheckpointAckLine(_Message, tag="checkpoint_ack"):
     """The worker's answer to a ``checkpoint``: ``error`` is ``None`` once it is durable,
-    else the error code and message the task raises (see :mod:`broker.error_codes`)."""
+    else the error code and message the task raises (see :mod:`broker.wire.errors`)."""
 
     handoff_id: uuid.UUID
     seq: int

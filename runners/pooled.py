@@ -25,18 +25,18 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
-from broker import checks
-from broker.bounds import RUNNER_STARTUP_TIMEOUT
 from broker.jobs import ExecutionMode
-from broker.logs import log_event
-from broker.runner import (
+from broker.model import checks
+from broker.model.bounds import RUNNER_STARTUP_TIMEOUT
+from broker.model.logs import log_event
+from broker.tasks.registry import TaskRegistry, default_registry
+from broker.tasks.runner import (
     Assignment,
     JobChannel,
     NoChannel,
     RunnerStatus,
     RunOutcome,
 )
-from broker.tasks import TaskRegistry, default_registry
 from runners import pipe
 from runners.process import (
     ChildProcess,

@@ -22,10 +22,10 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from broker.logs import log_event
-from broker.runner import Assignment, Failed, JobChannel, NoChannel, Released, RunOutcome
-from broker.tasks import TaskRegistry
-from broker.untrusted import RateLimit
+from broker.model.logs import log_event
+from broker.model.untrusted import RateLimit
+from broker.tasks.registry import TaskRegistry
+from broker.tasks.runner import Assignment, Failed, JobChannel, NoChannel, Released, RunOutcome
 from runners import pipe
 
 logger = logging.getLogger("broker.runner")
@@ -68,7 +68,7 @@ class OutputRelay:
     Lines are split here rather than by ``readline``, which gives up for good on a line
     longer than its limit. Each line keeps its first :data:`OUTPUT_LINE_BYTES` and says
     how many bytes it lost; lines over the rate are counted and summarised. Control
-    characters are escaped by the log's filter (:mod:`broker.untrusted`).
+    characters are escaped by the log's filter (:mod:`broker.model.untrusted`).
     """
 
     def __init__(
@@ -379,7 +379,7 @@ class ChildProcess:
             if exc is not None:
                 # Here, not at the top: the child imports this module, and the error table
                 # would load the wire protocol into every child for a rare path.
-                from broker import error_codes
+                from broker.wire import errors as error_codes
 
                 line = pipe.CheckpointAckLine(
                     handoff_id, seq, error_codes.code_of(exc), str(exc) or type(exc).__name__

@@ -17,9 +17,9 @@ import hashlib
 import os
 import time
 
-from broker.context import current_job
 from broker.exceptions import CheckpointRejectedError
-from broker.tasks import task
+from broker.tasks.context import current_job
+from broker.tasks.registry import task
 
 LOG_DIR_ENV = "CHECKPOINT_TEST_LOG_DIR"
 """Not ``BROKER_*``: a pooled child is given no broker variable."""

@@ -14,8 +14,8 @@ import signal
 import sys
 from typing import Any
 
-from broker.context import current_job
-from broker.tasks import task
+from broker.tasks.context import current_job
+from broker.tasks.registry import task
 
 LOG_DIR_ENV = "BROKER_E2E_LOG_DIR"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from broker.tasks import task
+from broker.tasks.registry import task
 
 _marker = os.environ.get("FLAKY_APP_FAIL_IMPORT")
 if _marker and os.path.exists(_marker):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from broker.tasks import task
+from broker.tasks.registry import task
 
 
 @task(mode="pooled")

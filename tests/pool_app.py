@@ -8,7 +8,7 @@ import os
 import signal
 import time
 
-from broker.tasks import task
+from broker.tasks.registry import task
 
 
 @task(mode="pooled")

@@ -3,7 +3,7 @@ processes (pooled mode), so the worker must judge the failure from the child's r
 
 from __future__ import annotations
 
-from broker.tasks import task
+from broker.tasks.registry import task
 
 
 class PaymentDeclined(ValueError):

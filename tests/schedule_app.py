@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from broker.schedule import Schedule
-from broker.tasks import TaskRegistry, task
+from broker.tasks.registry import TaskRegistry, task
+from broker.tasks.schedule import Schedule
 
 registry = TaskRegistry()
 

@@ -7,7 +7,7 @@ import asyncio
 import os
 import time
 
-from broker.tasks import task
+from broker.tasks.registry import task
 
 IMPORT_SECONDS = 0.6
 

@@ -9,10 +9,11 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from broker import protocol, wire
-from broker.config import MainSettings
 from broker.jobs import ExecutionMode
-from broker.main import Main
+from broker.main.main import Main
+from broker.main.settings import MainSettings
+from broker.wire import framing as wire
+from broker.wire import messages as protocol
 
 FAST = MainSettings(
     port=0,
@@ -28,14 +29,15 @@ and retries finish in a second or two."""
 
 
 def cli_with_greeting_wait(seconds: float, command: str) -> list[str]:
-    """``python -m broker.cli COMMAND`` (``worker`` or ``broker``) as a real process whose
+    """``python -m broker.ops.cli COMMAND`` (``worker`` or ``broker``) as a real process whose
     wait for the main's greeting is ``seconds`` instead of ``wire.GREETING_TIMEOUT`` (2 s),
     for the tests that outwait a peer that never greets; the command's arguments follow."""
     entry = {"worker": "worker_entry", "broker": "broker_entry"}[command]
     code = (
         "import sys\n"
-        "if sys.path[:1] == ['']: del sys.path[0]\n"  # as python -m broker.cli does
-        "from broker import cli, wire\n"
+        "if sys.path[:1] == ['']: del sys.path[0]\n"  # as python -m broker.ops.cli does
+        "from broker.ops import cli\n"
+        "from broker.wire import framing as wire\n"
         "wire.GREETING_TIMEOUT = float(sys.argv[1])\n"
         f"raise SystemExit(cli.{entry}(sys.argv[2:]))\n"
     )

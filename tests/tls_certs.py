@@ -9,7 +9,7 @@ from pathlib import Path
 
 import trustme
 
-from broker.tls import PeerTLS, ServerTLS
+from broker.wire.tls import PeerTLS, ServerTLS
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from broker.tasks import task
+from broker.tasks.registry import task
 
 
 @task(mode="inline")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bench import jobs
-from broker.tasks import task
+from broker.tasks.registry import task
 
 
 @task(retries=0)

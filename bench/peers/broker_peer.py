@@ -198,7 +198,7 @@ class BrokerDriver(Driver):
         self.url = postgres_dsn(DATABASE).replace("postgresql://", "postgresql+asyncpg://")
 
     def reset(self) -> None:
-        from broker.client import Client
+        from broker.client.client import Client
 
         self._stop_main()
         self._fresh_store()
@@ -256,7 +256,7 @@ class BrokerDriver(Driver):
         """One job on the producer's own asyncpg connection, straight to the store
         (``broker.enqueue_in_async``; PostgreSQL only): what a PgQueuer client does, and
         not the via-main figure (:meth:`enqueue_one`)."""
-        from broker.transactional import enqueue_in_async
+        from broker.client.transactional import enqueue_in_async
 
         if self.direct is None:
             import asyncpg
@@ -296,7 +296,7 @@ class BrokerDriver(Driver):
     )
 
     async def open_producer(self) -> tuple[Callable[[], Awaitable[Any]], Callable[[], Any]]:
-        from broker.client import Client
+        from broker.client.client import Client
 
         client = Client("127.0.0.1", self.port, timeout=60)
         await client.connect()

@@ -35,14 +35,14 @@ from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from sqlalchemy.dialects.postgresql import psycopg
 
-from broker.client import SyncClient
+from broker.client.client import SyncClient
+from broker.client.transactional import EnqueueOptions, enqueue_on_statements, job_spec
 from broker.exceptions import ConfigurationError
 from broker.jobs import EnqueueResult, JobSpec, JSONValue
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES
-from broker.protocol import DEFAULT_PORT
-from broker.tasks import Task
-from broker.tls import PeerTLS
-from broker.transactional import EnqueueOptions, enqueue_on_statements, job_spec
+from broker.tasks.registry import Task
+from broker.wire.messages import DEFAULT_PORT
+from broker.wire.tls import PeerTLS
 
 _DIALECT = psycopg.dialect()  # type: ignore[no-untyped-call]
 """Statements are compiled for PostgreSQL with named ``%(name)s`` parameters, which

@@ -20,12 +20,12 @@ import aiohttp
 import pytest
 
 from adapters.sql import SQLAlchemyAdapter
-from broker.client import Client
+from broker.client.client import Client
 from broker.exceptions import AuthenticationError, BrokerError
 from broker.jobs import JobSpec, JobStatus
-from broker.main import Main
-from broker.protocol import Role
-from broker.web import Dashboard
+from broker.main.main import Main
+from broker.ops.web import Dashboard
+from broker.wire.messages import Role
 from tests.e2e.test_e2e import REPO, Proc, free_port, spawn_cli
 from tests.e2e.test_hardening import TOKEN as HARDENING_TOKEN
 from tests.e2e.test_hardening import _env, _worker_process
@@ -281,7 +281,7 @@ def test_python_m_broker_cli_never_imports_json_or_msgspec_from_the_working_dire
         )
         markers.append(marker)
     done = subprocess.run(
-        [sys.executable, "-m", "broker.cli", "broker", "--help"],
+        [sys.executable, "-m", "broker.ops.cli", "broker", "--help"],
         cwd=tmp_path,
         env=_env(),
         capture_output=True,

@@ -122,7 +122,7 @@ async def broker(cluster: Cluster, *argv: str) -> str:
     own client keeps answering the main's pings meanwhile)."""
     main = ("--main", f"127.0.0.1:{cluster.port}")
     process = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "broker.cli", "broker", *main, *argv),
+        *(sys.executable, "-m", "broker.ops.cli", "broker", *main, *argv),
         stdout=subprocess.PIPE,
         env={k: v for k, v in os.environ.items() if not k.startswith("BROKER_")},
     )

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 def _broker(*argv: str, **kw: object) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_")}
     return subprocess.Popen(
-        [sys.executable, "-m", "broker.cli", "broker", *argv],
+        [sys.executable, "-m", "broker.ops.cli", "broker", *argv],
         cwd=REPO,
         env=env,
         stderr=subprocess.PIPE,

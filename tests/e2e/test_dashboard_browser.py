@@ -24,14 +24,14 @@ from typing import Any
 import pytest
 
 from adapters.sql import SQLAlchemyAdapter
-from broker.client import Client
-from broker.config import MainSettings
+from broker.client.client import Client
 from broker.jobs import ExecutionMode, JobSpec
-from broker.main import Main
-from broker.schedule import Schedule
-from broker.tasks import TaskRegistry, task
-from broker.web import Dashboard
-from broker.worker import Worker
+from broker.main.main import Main
+from broker.main.settings import MainSettings
+from broker.ops.web import Dashboard
+from broker.tasks.registry import TaskRegistry, task
+from broker.tasks.schedule import Schedule
+from broker.worker.worker import Worker
 from runners.inline import InlineRunner
 from tests.support import until
 

@@ -23,21 +23,22 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from adapters.memory import MemoryAdapter
 from adapters.sql import SQLAlchemyAdapter
-from broker import cli, protocol
-from broker.client import Client
-from broker.config import MainSettings
+from broker.client.client import Client
 from broker.exceptions import ConfigurationError, InvalidJobError
 from broker.jobs import ExecutionMode, JobSpec, JobStatus
-from broker.main import Main
+from broker.main.main import Main
+from broker.main.settings import MainSettings
+from broker.ops import cli
 from broker.payload import (
     DEFAULT_MAX_PAYLOAD_DEPTH,
     check_args,
     nesting_depth,
     result_problem,
 )
-from broker.runner import Assignment, Completed, Failed, RunOutcome
-from broker.tasks import TaskRegistry, default_unique_key, task
-from broker.worker import Worker
+from broker.tasks.registry import TaskRegistry, default_unique_key, task
+from broker.tasks.runner import Assignment, Completed, Failed, RunOutcome
+from broker.wire import messages as protocol
+from broker.worker.worker import Worker
 from runners.forked import ForkedRunner
 from runners.inline import InlineRunner
 from runners.pooled import PooledRunner

@@ -30,10 +30,10 @@ from typing import Any
 import pytest
 
 import adapters
-from broker import protocol
-from broker.client import Client
+from broker.client.client import Client
 from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus
 from broker.storage import JobFilter, StorageAdapter
+from broker.wire import messages as protocol
 from tests.conftest import require_postgres
 
 pytestmark = pytest.mark.slow
@@ -94,14 +94,14 @@ async def eventually(
 
 
 async def spawn_cli(log: Path, argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
-    """``python -m broker.cli ARGV`` as a real process in the checkout, its output (both
+    """``python -m broker.ops.cli ARGV`` as a real process in the checkout, its output (both
     streams) written to ``log``: how every end-to-end test starts a main, a worker or
     the operator command."""
     with log.open("wb") as out:
         return await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "broker.cli",
+            "broker.ops.cli",
             *argv,
             cwd=REPO,
             env=env,

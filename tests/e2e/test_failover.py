@@ -26,7 +26,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from broker.client import Client
+from broker.client.client import Client
 from broker.jobs import JobSpec, JobStatus
 from tests.e2e.test_e2e import (
     Cluster,

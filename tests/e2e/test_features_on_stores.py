@@ -97,7 +97,7 @@ async def test_cancelling_a_running_pooled_job_stops_it_on_both_stores(
         assert cancelled is not None and cancelled.status is JobStatus.CANCELLED
         c.main.handoff.forget(cancelled.handoff_id)
         session = next(iter(c.main.sessions.values()))
-        from broker import protocol
+        from broker.wire import messages as protocol
 
         assert cancelled.handoff_id is not None
         session.send(protocol.CancelJob(job_id=job.id, handoff_id=cancelled.handoff_id))
@@ -118,8 +118,8 @@ async def test_cancelling_a_running_pooled_job_stops_it_on_both_stores(
 
 async def test_an_oversized_job_is_refused_and_nothing_is_written(store: StorageAdapter) -> None:
     async with cluster(store=store, pooled_runner_count=1, forked_concurrency=0) as c:
-        from broker import protocol
-        from broker.client import Client
+        from broker.client.client import Client
+        from broker.wire import messages as protocol
 
         big = "x" * (c.main.settings.max_payload_bytes + 10)
         async with Client("127.0.0.1", c.main.port) as client:

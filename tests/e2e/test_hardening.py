@@ -24,11 +24,11 @@ import pytest
 
 from adapters.memory import MemoryAdapter
 from adapters.sql import SQLAlchemyAdapter
-from broker import cli
-from broker.config import MainSettings
 from broker.jobs import Job, JobSpec, JobStatus
-from broker.main import Main
-from broker.untrusted import escape_control, redact_url
+from broker.main.main import Main
+from broker.main.settings import MainSettings
+from broker.model.untrusted import escape_control, redact_url
+from broker.ops import cli
 from runners.process import OutputRelay
 from tests.conftest import POSTGRES_URL, fresh_schema_name, require_postgres
 from tests.e2e.test_e2e import spawn_cli
@@ -238,14 +238,14 @@ def _plant(directory: Path) -> Path:
 
 
 async def _start_main(cwd: Path, *extra: str) -> str:
-    """Start ``python -m broker.cli main`` in ``cwd`` until it listens; return its output."""
+    """Start ``python -m broker.ops.cli main`` in ``cwd`` until it listens; return its output."""
     log = cwd / "main.log"
     argv = ["main", "--database-url", f"sqlite+aiosqlite:///{cwd / 'b.db'}", "--port", "0"]
     with log.open("wb") as out:
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "broker.cli",
+            "broker.ops.cli",
             *argv,
             *extra,
             cwd=cwd,
@@ -280,7 +280,7 @@ async def test_a_module_planted_in_the_working_directory_is_never_imported(
         textwrap.dedent(
             f"""
             from datetime import timedelta
-            from broker.tasks import task
+            from broker.tasks.registry import task
             open({str(tmp_path / "schedules-loaded")!r}, "w").close()
 
             @task(every=timedelta(hours=1))
@@ -305,7 +305,7 @@ def test_a_log_record_with_control_characters_is_one_escaped_line() -> None:
     script = textwrap.dedent(
         """
         import logging
-        from broker import logs
+        from broker.model import logs
         logs.configure("INFO", "text")
         log = logging.getLogger("broker.main")
         log.info("enqueued task=%s", "evil\\n2026-01-01 00:00:00 INFO forged\\x1b[2J")

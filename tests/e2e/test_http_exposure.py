@@ -20,8 +20,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from adapters.sql import SQLAlchemyAdapter
-from broker.bounds import MAX_METRICS_BYTES, MAX_PAGE_BYTES, PAGE_ROWS
 from broker.jobs import JobSpec
+from broker.model.bounds import MAX_METRICS_BYTES, MAX_PAGE_BYTES, PAGE_ROWS
 from tests.e2e.test_e2e import Cluster, free_port, sqlite_url
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from broker.client import Client
+from broker.client.client import Client
 from tests.e2e.test_e2e import Cluster, Proc, eventually, sqlite_url
 
 pytestmark = pytest.mark.slow

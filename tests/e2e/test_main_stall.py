@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from adapters.sql import SQLAlchemyAdapter
-from broker.main import Main
+from broker.main.main import Main
 from tests.e2e.test_e2e import (
     Cluster,
     RunLog,

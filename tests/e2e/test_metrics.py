@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker.client import Client
+from broker.client.client import Client
 from tests.e2e.test_e2e import Cluster, eventually, free_port, sqlite_url
 
 pytestmark = pytest.mark.slow

@@ -31,7 +31,7 @@ def _env() -> dict[str, str]:
 
 
 def _cli(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "broker.cli", *argv]
+    return [sys.executable, "-m", "broker.ops.cli", *argv]
 
 
 @contextmanager

@@ -49,7 +49,7 @@ def test_built_wheel_installs_and_imports_broker_adapters_and_runners(tmp_path: 
     )
     probe = (
         "import broker, adapters, runners, broker.testing.conformance, adapters.memory, "
-        "runners.inline, broker.cli; "
+        "runners.inline, broker.ops.cli; "
         "import os; print(os.path.dirname(broker.__file__))"
     )
     # Without PYTHONPATH, which would put a source tree ahead of the wheel.

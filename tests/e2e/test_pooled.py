@@ -19,13 +19,13 @@ import pytest
 import tests.flaky_app
 import tests.pool_app  # noqa: F401
 from adapters.memory import MemoryAdapter
-from broker.composition import RunnerOptions, build_runners
-from broker.config import MainSettings
 from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus
-from broker.main import Main
+from broker.main.main import Main
+from broker.main.settings import MainSettings
+from broker.ops.composition import RunnerOptions, build_runners
 from broker.storage import StorageAdapter
-from broker.tasks import default_registry
-from broker.worker import Worker
+from broker.tasks.registry import default_registry
+from broker.worker.worker import Worker
 from runners.pooled import PooledRunner
 from tests.support import until
 
@@ -366,7 +366,7 @@ async def test_the_pool_is_warm_when_start_returns_and_a_child_that_fails_does_n
 
 
 def _assignment(task: str, *args: Any, timeout: float | None = None) -> Any:
-    from broker.runner import Assignment
+    from broker.tasks.runner import Assignment
 
     return Assignment(
         uuid.uuid4(),
@@ -383,7 +383,7 @@ def _assignment(task: str, *args: Any, timeout: float | None = None) -> Any:
 
 
 async def test_forked_jobs_follow_the_same_timeout_and_crash_rules() -> None:
-    from broker.runner import Completed, Failed
+    from broker.tasks.runner import Completed, Failed
     from runners.forked import ForkedRunner
 
     forked = ForkedRunner([APP], registry=default_registry, concurrency=2, kill_grace=0.3)
@@ -438,7 +438,7 @@ async def test_a_forked_job_with_a_limit_shorter_than_its_childs_import_complete
 
 async def test_a_pooled_job_waiting_for_a_starting_child_is_not_charged_its_start_up() -> None:
     import tests.slow_import_app  # noqa: F401 - registers the tasks; 0.6 s, so only here
-    from broker.runner import Assignment, Completed
+    from broker.tasks.runner import Assignment, Completed
 
     pool = PooledRunner([SLOW_APP], registry=default_registry, count=1, kill_grace=0.3)
     await pool.start()
@@ -463,7 +463,7 @@ async def test_a_pooled_job_waiting_for_a_starting_child_is_not_charged_its_star
 
 async def test_a_child_slower_than_the_start_up_bound_is_a_start_up_failure() -> None:
     import tests.slow_import_app  # noqa: F401 - registers the tasks; 0.6 s, so only here
-    from broker.runner import Assignment, Released
+    from broker.tasks.runner import Assignment, Released
     from runners.forked import ForkedRunner
 
     forked = ForkedRunner([SLOW_APP], registry=default_registry, concurrency=1, startup_timeout=0.2)
@@ -484,7 +484,7 @@ async def test_a_child_slower_than_the_start_up_bound_is_a_start_up_failure() ->
 async def test_a_job_whose_children_keep_failing_to_start_ends_and_the_mode_recovers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from broker.bounds import RUNNER_START_FAILURES_FORGIVEN
+    from broker.model.bounds import RUNNER_START_FAILURES_FORGIVEN
 
     imports = tmp_path / "imports"
     monkeypatch.setenv("FLAKY_APP_ALTERNATE", str(imports))  # every job's process fails

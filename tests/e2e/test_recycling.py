@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 import tests.pool_app  # noqa: F401  (registers the tasks in this process too)
-from broker import cli
-from broker.composition import RunnerOptions
 from broker.jobs import ExecutionMode
-from broker.runner import Assignment, Completed
-from broker.tasks import default_registry
+from broker.ops import cli
+from broker.ops.composition import RunnerOptions
+from broker.tasks.registry import default_registry
+from broker.tasks.runner import Assignment, Completed
 from runners.pooled import PooledRunner
 from tests.support import until
 

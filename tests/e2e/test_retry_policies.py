@@ -14,12 +14,12 @@ import pytest
 
 import tests.retry_app  # noqa: F401
 from adapters.memory import MemoryAdapter
-from broker.composition import RunnerOptions, build_runners
-from broker.config import MainSettings
 from broker.jobs import Job, JobSpec, JobStatus
-from broker.main import Main
-from broker.tasks import default_registry
-from broker.worker import Worker
+from broker.main.main import Main
+from broker.main.settings import MainSettings
+from broker.ops.composition import RunnerOptions, build_runners
+from broker.tasks.registry import default_registry
+from broker.worker.worker import Worker
 from tests.support import until
 
 pytestmark = pytest.mark.slow

@@ -28,11 +28,11 @@ def _env() -> dict[str, str]:
 
 
 def _main_argv(url: str) -> list[str]:
-    return [sys.executable, "-m", "broker.cli", "main", "--database-url", url, "--port", "0"]
+    return [sys.executable, "-m", "broker.ops.cli", "main", "--database-url", url, "--port", "0"]
 
 
 def _broker_argv(main: str) -> list[str]:
-    return [sys.executable, "-m", "broker.cli", "broker", "--main", main]
+    return [sys.executable, "-m", "broker.ops.cli", "broker", "--main", main]
 
 
 @contextmanager

@@ -36,7 +36,7 @@ async def _broker(cluster: Cluster, *argv: str) -> subprocess.CompletedProcess[s
     main = f"127.0.0.1:{cluster.port}"
     return await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "broker.cli", "broker", "--main", main, *argv],
+        [sys.executable, "-m", "broker.ops.cli", "broker", "--main", main, *argv],
         cwd=REPO,
         env=cluster._env(),
         capture_output=True,

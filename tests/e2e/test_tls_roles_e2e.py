@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from broker.client import Client
-from broker.protocol import Role
+from broker.client.client import Client
+from broker.wire.messages import Role
 from tests.e2e.test_e2e import APP, RECORD, REPO, Proc, eventually, free_port, spawn_cli
 from tests.support import cli_with_greeting_wait
 from tests.tls_certs import Certificates
@@ -25,7 +25,7 @@ SECRETS = {"worker": "w-secret-1", "client": "c-secret-2", "operator": "o-secret
 
 
 class TLSCluster:
-    command = (sys.executable, "-m", "broker.cli", "broker")
+    command = (sys.executable, "-m", "broker.ops.cli", "broker")
 
     def __init__(self, tmp_path: Path) -> None:
         self.dir = tmp_path

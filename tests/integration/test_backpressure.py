@@ -26,12 +26,14 @@ from typing import Any
 import pytest
 
 from adapters.memory import MemoryAdapter
-from broker import cli, protocol, wire
-from broker.client import Client
-from broker.config import MainSettings
+from broker.client.client import Client
 from broker.exceptions import ProtocolError
 from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus
-from broker.main import Main
+from broker.main.main import Main
+from broker.main.settings import MainSettings
+from broker.ops import cli
+from broker.wire import framing as wire
+from broker.wire import messages as protocol
 from tests.support import FAST, FakeWorker, until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -125,7 +127,7 @@ async def _main_process(tmp_path: Path, *flags: str) -> AsyncIterator[MainProces
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "broker.cli",
+        "broker.ops.cli",
         "main",
         "--database-url",
         f"sqlite+aiosqlite:///{tmp_path / 'broker.db'}",

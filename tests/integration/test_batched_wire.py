@@ -8,10 +8,11 @@ import uuid
 from typing import Any
 
 from adapters.memory import MemoryAdapter
-from broker import protocol, wire
-from broker.config import MainSettings
 from broker.jobs import ExecutionMode, JobSpec, JobStatus
-from broker.main import Main
+from broker.main.main import Main
+from broker.main.settings import MainSettings
+from broker.wire import framing as wire
+from broker.wire import messages as protocol
 from tests.support import FAST, until
 
 POOLED = ExecutionMode.POOLED

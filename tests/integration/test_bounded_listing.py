@@ -22,13 +22,14 @@ import pytest
 
 from adapters.memory import MemoryAdapter
 from adapters.sql import SQLAlchemyAdapter
-from broker import protocol, wire
-from broker.client import MAX_REPLY_BYTES, Client
-from broker.config import MainSettings
+from broker.client.client import MAX_REPLY_BYTES, Client
 from broker.jobs import Claim, Clock, Job, JobSpec
-from broker.main import Main
+from broker.main.main import Main
+from broker.main.settings import MainSettings
 from broker.storage import JobFilter, JobPage, StorageAdapter
 from broker.testing.conformance import CHECKS, Check, run_check
+from broker.wire import framing as wire
+from broker.wire import messages as protocol
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
 from tests.integration.test_operator import _cli, _cli_json, _closed_port
 

@@ -24,9 +24,9 @@ import msgspec
 import pytest
 
 from adapters.sql import SQLAlchemyAdapter
-from broker import protocol
-from broker.client import Client
+from broker.client.client import Client
 from broker.exceptions import UnknownTaskError
+from broker.wire import messages as protocol
 from tests.integration.test_backpressure import REPO, MiB, _main_process
 from tests.support import FakeWorker, until
 
@@ -172,7 +172,7 @@ async def test_declarations_of_a_worker_gone_past_the_grace_leave_the_catalog_an
             [
                 sys.executable,
                 "-m",
-                "broker.cli",
+                "broker.ops.cli",
                 "broker",
                 "--main",
                 main_address,

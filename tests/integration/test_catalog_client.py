@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator
 import pytest
 
 from adapters.memory import MemoryAdapter
-from broker.client import Client
+from broker.client.client import Client
 from broker.exceptions import IdempotencyConflictError, UnknownTaskError
 from broker.jobs import ExecutionMode
-from broker.main import Main
-from broker.tasks import TaskRegistry, task
-from broker.worker import Worker
+from broker.main.main import Main
+from broker.tasks.registry import TaskRegistry, task
+from broker.worker.worker import Worker
 from runners.inline import InlineRunner
 from tests.support import running_main, until
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from broker import cli
-from broker.config import MainSettings
 from broker.exceptions import ConfigurationError
-from broker.main import Main
+from broker.main.main import Main
+from broker.main.settings import MainSettings
+from broker.ops import cli
 
 
 def test_every_main_option_names_its_environment_variable() -> None:

@@ -17,9 +17,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from adapters.memory import MemoryAdapter
-from broker import cli, wire
 from broker.jobs import Claim, JobSpec
-from broker.main import Main
+from broker.main.main import Main
+from broker.ops import cli
+from broker.wire import framing as wire
 from tests.conftest import POSTGRES_URL, require_postgres
 from tests.support import running_main
 

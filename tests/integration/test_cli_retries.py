@@ -9,7 +9,7 @@ import io
 import uuid
 
 from adapters.memory import MemoryAdapter
-from broker import cli
+from broker.ops import cli
 from tests.support import running_main
 
 

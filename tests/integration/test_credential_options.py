@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from broker import cli
 from broker.credentials import Credentials
-from broker.protocol import Role
+from broker.ops import cli
+from broker.wire.messages import Role
 
 
 def _main(tmp_path: Path, *extra: str) -> list[str]:

@@ -16,12 +16,12 @@ import aiohttp
 import pytest
 
 from adapters.sql import SQLAlchemyAdapter
-from broker.bounds import DASHBOARD_REQUESTS
-from broker.client import Client
+from broker.client.client import Client
 from broker.jobs import JobSpec, JobStatus
-from broker.main import Main
+from broker.main.main import Main
+from broker.model.bounds import DASHBOARD_REQUESTS
+from broker.ops.web import Dashboard
 from broker.storage import JobPage
-from broker.web import Dashboard
 from tests.support import FAST, until
 
 TOKEN = "web-token"

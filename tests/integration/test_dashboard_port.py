@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from broker import cli
+from broker.ops import cli
 
 
 def test_a_taken_dashboard_port_is_a_clean_error(

@@ -15,8 +15,8 @@ import pytest
 
 from adapters.memory import MemoryAdapter
 from adapters.sql import SQLAlchemyAdapter
-from broker import composition
 from broker.jobs import Clock, JobSpec
+from broker.ops import composition
 from broker.storage import StorageAdapter, SupportsNotify
 from broker.testing.conformance import CHECKS, Check, CheckSkipped, StoreHarness, run_check
 

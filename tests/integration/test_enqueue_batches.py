@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 import pytest
 
 from adapters.memory import MemoryAdapter
-from broker.client import Client
-from broker.config import MainSettings
+from broker.client.client import Client
 from broker.exceptions import IdempotencyConflictError
 from broker.jobs import JobSpec
-from broker.main import Main
+from broker.main.main import Main
+from broker.main.settings import MainSettings
 from tests.support import FAST
 
 

@@ -15,13 +15,13 @@ import pytest
 
 from adapters.memory import MemoryAdapter
 from adapters.sql import SQLAlchemyAdapter
-from broker import protocol
-from broker.client import Client
+from broker.client.client import Client
+from broker.core.handoff import Handoff
 from broker.exceptions import BrokerError
-from broker.handoff import Handoff
 from broker.jobs import ExecutionMode, JobSpec, JobStatus
 from broker.storage import StorageAdapter
 from broker.testing.faults import ClaimFault, FaultyAdapter
+from broker.wire import messages as protocol
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
 from tests.support import FakeWorker, running_main, until
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from adapters.sql import SQLAlchemyAdapter
-from broker.client import Client
+from broker.client.client import Client
 from broker.jobs import EnqueueResult, JobSpec
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
 from tests.support import running_main

@@ -21,13 +21,13 @@ import pytest
 import sqlalchemy as sa
 
 from adapters.memory import MemoryAdapter
-from broker import protocol
-from broker.bounds import DEFAULT_MAX_PAYLOAD_CONTAINERS, MAX_WORKER_STATUS_BYTES
-from broker.client import Client
+from broker.client.client import Client
+from broker.client.transactional import enqueue_in
 from broker.exceptions import InvalidJobError, PayloadTooLargeError
 from broker.jobs import ExecutionMode, JobSpec, JobStatus
-from broker.tasks import TaskRegistry, task
-from broker.transactional import enqueue_in
+from broker.model.bounds import DEFAULT_MAX_PAYLOAD_CONTAINERS, MAX_WORKER_STATUS_BYTES
+from broker.tasks.registry import TaskRegistry, task
+from broker.wire import messages as protocol
 from runners.inline import InlineRunner
 from tests.e2e.test_depth_limits import FAST, _run_on_a_worker
 from tests.integration.test_backpressure import RawPeer, _main_process, _start

@@ -13,13 +13,13 @@ from typing import Any, cast
 import pytest
 
 from adapters.memory import MemoryAdapter
-from broker import protocol
-from broker.client import Client
-from broker.config import MainSettings
+from broker.client.client import Client
 from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus
-from broker.main import Main
+from broker.main.main import Main
+from broker.main.settings import MainSettings
 from broker.storage import StorageAdapter
 from broker.testing.faults import ClaimFault, FaultyAdapter
+from broker.wire import messages as protocol
 from tests.support import FAST, FakeWorker, lease_of, until
 
 POOLED = ExecutionMode.POOLED

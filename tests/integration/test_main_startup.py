@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from broker import cli
+from broker.ops import cli
 
 
 class HalfAnAdapter:

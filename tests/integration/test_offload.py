@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 import adapters.sql
 from adapters.sql import SQLAlchemyAdapter
 from broker.jobs import CheckpointSave, Claim, Job, JobSpec, JobStatus, Outcome, Settlement
-from broker.retention import Retention, prune_once
+from broker.main.retention import Retention, prune_once
 from broker.testing import FakeClock
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
 

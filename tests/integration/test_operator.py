@@ -26,14 +26,15 @@ import pytest
 
 from adapters.memory import MemoryAdapter
 from adapters.sql import SQLAlchemyAdapter
-from broker import cli, protocol
-from broker.client import Client
-from broker.config import MainSettings
+from broker.client.client import Client
 from broker.jobs import Claim, ExecutionMode, JobSpec, JobStatus
-from broker.main import Main
+from broker.main.main import Main
+from broker.main.settings import MainSettings
+from broker.ops import cli
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES
 from broker.storage import StorageAdapter
-from broker.tasks import task
+from broker.tasks.registry import task
+from broker.wire import messages as protocol
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
 from tests.support import FakeWorker, until
 

@@ -99,7 +99,7 @@ async def test_a_main_starts_beside_a_running_job_whose_payload_fails_its_check(
 ) -> None:
     """A handed-off job's offloaded value edited while the main was down: the restarted
     main loads its handoffs without their payloads, so it starts and holds the lease."""
-    from broker.main import Main, MainSettings
+    from broker.main.main import Main, MainSettings
     from tests.support import FAST
 
     url, schema = store_at

@@ -15,16 +15,16 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from adapters.memory import MemoryAdapter
 from adapters.sql import SQLAlchemyAdapter
-from broker import cli, protocol
-from broker.client import Client
-from broker.config import DEFAULT_MAX_LINE_BYTES, MainSettings, line_limit_for
+from broker.client.client import Client
 from broker.exceptions import (
     ConfigurationError,
     InvalidJobError,
     PayloadTooLargeError,
 )
 from broker.jobs import ExecutionMode, JobSpec, JobStatus
-from broker.main import Main
+from broker.main.main import Main
+from broker.main.settings import DEFAULT_MAX_LINE_BYTES, MainSettings, line_limit_for
+from broker.ops import cli
 from broker.payload import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_OFFLOAD_BYTES,
@@ -34,8 +34,9 @@ from broker.payload import (
     result_too_large,
 )
 from broker.storage import SupportsOffload
-from broker.tasks import TaskRegistry, task
-from broker.worker import Worker
+from broker.tasks.registry import TaskRegistry, task
+from broker.wire import messages as protocol
+from broker.worker.worker import Worker
 from runners.inline import InlineRunner
 from tests.support import FakeWorker, running_main, until
 
@@ -332,7 +333,7 @@ class _RawClient:
         self.port = port
 
     async def connect(self) -> None:
-        from broker import wire
+        from broker.wire import framing as wire
 
         reader, writer = await asyncio.open_connection(
             "127.0.0.1", self.port, limit=wire.STREAM_LIMIT + 2
@@ -349,7 +350,7 @@ class _RawClient:
         await self.writer.send(msg)
 
     async def reply(self) -> protocol.Message:
-        from broker import wire
+        from broker.wire import framing as wire
 
         while True:
             msg = await asyncio.wait_for(wire.read_message(self.lines), 5)

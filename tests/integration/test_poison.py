@@ -22,18 +22,18 @@ from typing import Any, cast
 import pytest
 
 from adapters.sql import SQLAlchemyAdapter
-from broker import protocol
-from broker.bounds import MAX_DELAY_SECONDS, MAX_NAME_BYTES
-from broker.client import Client
+from broker.client.client import Client
 from broker.exceptions import BrokerError, InvalidJobError, ProtocolError
 from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus, Outcome, Settlement
-from broker.main import Main
-from broker.runner import Reschedule
+from broker.main.main import Main
+from broker.model.bounds import MAX_DELAY_SECONDS, MAX_NAME_BYTES
+from broker.model.values import EARLIEST_RUN_AT, LATEST_RUN_AT, storable_text
 from broker.storage import StorageAdapter
-from broker.tasks import TaskRegistry, task
+from broker.tasks.registry import TaskRegistry, task
+from broker.tasks.runner import Reschedule
 from broker.testing.faults import FaultyAdapter
-from broker.values import EARLIEST_RUN_AT, LATEST_RUN_AT, storable_text
-from broker.worker import Worker
+from broker.wire import messages as protocol
+from broker.worker.worker import Worker
 from runners.inline import InlineRunner
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
 from tests.integration.test_main import _start

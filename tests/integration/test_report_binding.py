@@ -22,13 +22,14 @@ from typing import Any, cast
 import pytest
 
 from adapters.sql import SQLAlchemyAdapter
-from broker import admin, protocol
-from broker.client import Client
-from broker.config import MainSettings
+from broker.client.client import Client
 from broker.jobs import Job, JobSpec, JobStatus, Settlement
-from broker.main import Main
+from broker.main.main import Main
+from broker.main.settings import MainSettings
+from broker.ops import admin
 from broker.storage import StorageAdapter
 from broker.testing.faults import FaultyAdapter
+from broker.wire import messages as protocol
 from tests.support import FAST, FakeWorker, lease_of, until
 
 SETTINGS = replace(FAST, orphan_grace=MainSettings().orphan_grace)

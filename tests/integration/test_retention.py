@@ -16,12 +16,12 @@ from sqlalchemy import event
 
 from adapters.memory import MemoryAdapter
 from adapters.sql import SQLAlchemyAdapter
-from broker import cli
-from broker.config import MainSettings
 from broker.exceptions import ConfigurationError, StorageError
 from broker.jobs import Claim, Job, JobSpec, JobStatus, Outcome, Settlement
-from broker.main import DEFAULT_RETENTION, Main
-from broker.retention import Retention, prune_once, run_retention
+from broker.main.main import DEFAULT_RETENTION, Main
+from broker.main.retention import Retention, prune_once, run_retention
+from broker.main.settings import MainSettings
+from broker.ops import cli
 from broker.storage import StorageAdapter
 from broker.testing import FakeClock
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres

@@ -15,13 +15,13 @@ import aiohttp
 import pytest
 
 from adapters.memory import MemoryAdapter
-from broker import protocol
-from broker.client import Client
+from broker.client.client import Client
 from broker.exceptions import AuthenticationError, PermissionDeniedError
 from broker.jobs import JobStatus
-from broker.main import Main
-from broker.protocol import Role
-from broker.web import Dashboard
+from broker.main.main import Main
+from broker.ops.web import Dashboard
+from broker.wire import messages as protocol
+from broker.wire.messages import Role
 from tests.support import FAST, FakeWorker, running_main
 
 SECRETS = {"worker": "w-secret", "client": "c-secret", "operator": "o-secret"}

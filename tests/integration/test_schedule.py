@@ -19,24 +19,24 @@ import pytest
 import tests.schedule_app  # registers its schedules before the registry is snapshotted
 from adapters.memory import MemoryAdapter
 from adapters.sql import SQLAlchemyAdapter
-from broker import cli
-from broker.config import MainSettings
 from broker.exceptions import ConfigurationError, PayloadTooLargeError, StorageError
 from broker.jobs import Clock, EnqueueResult, Job, JobSpec, utcnow
-from broker.main import Main
-from broker.retention import Retention
-from broker.schedule import (
+from broker.main.main import Main
+from broker.main.retention import Retention
+from broker.main.scheduler import Scheduler, catch_up_window
+from broker.main.settings import MainSettings
+from broker.ops import cli
+from broker.storage import StorageAdapter
+from broker.tasks.registry import TaskRegistry, task
+from broker.tasks.schedule import (
     Schedule,
     ScheduleRegistry,
     declared_in,
     default_schedules,
     register,
 )
-from broker.scheduler import Scheduler, catch_up_window
-from broker.storage import StorageAdapter
-from broker.tasks import TaskRegistry, task
+from broker.tasks.triggers import EPOCH, CronExpression, Interval
 from broker.testing import FakeClock
-from broker.triggers import EPOCH, CronExpression, Interval
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
 from tests.support import until
 

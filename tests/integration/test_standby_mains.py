@@ -13,8 +13,8 @@ from dataclasses import replace
 import pytest
 
 from adapters.sql import SQLAlchemyAdapter
-from broker.client import Client
-from broker.main import Main
+from broker.client.client import Client
+from broker.main.main import Main
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
 from tests.support import FAST, FakeWorker, lease_of, until
 

@@ -19,8 +19,8 @@ import pytest
 import sqlalchemy as sa
 
 from adapters.sql import SQLAlchemyAdapter
-from broker import cli
 from broker.jobs import JobSpec
+from broker.ops import cli
 from broker.storage import SCHEMA_VERSION
 from tests.conftest import require_postgres
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from adapters.memory import MemoryAdapter
-from broker.client import Client
+from broker.client.client import Client
 from broker.exceptions import BrokerError, ConfigurationError, ProtocolError
-from broker.main import Main
-from broker.tls import PeerTLS, ServerTLS
+from broker.main.main import Main
+from broker.wire.tls import PeerTLS, ServerTLS
 from tests.support import FAST, running_main, until
 from tests.tls_certs import Certificates
 

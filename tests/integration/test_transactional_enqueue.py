@@ -27,7 +27,7 @@ from sqlalchemy.orm import (
 import broker
 from adapters.sql import SQLAlchemyAdapter
 from broker.jobs import JobSpec, JobStatus
-from broker.tasks import TaskRegistry, task
+from broker.tasks.registry import TaskRegistry, task
 from tests.conftest import POSTGRES_URL, drop_schema, fresh_schema_name, require_postgres
 
 registry = TaskRegistry()

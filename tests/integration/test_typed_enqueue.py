@@ -12,12 +12,13 @@ import pytest
 
 import broker
 from adapters.memory import MemoryAdapter
-from broker import client as client_module
-from broker import protocol, tasks
-from broker.client import Client, SyncClient
+from broker.client import client as client_module
+from broker.client.client import Client, SyncClient
 from broker.exceptions import ConfigurationError, IdempotencyConflictError
 from broker.storage import JobFilter
-from broker.tasks import TaskRegistry, task
+from broker.tasks import registry as tasks
+from broker.tasks.registry import TaskRegistry, task
+from broker.wire import messages as protocol
 from tests.support import running_main
 
 registry = TaskRegistry()

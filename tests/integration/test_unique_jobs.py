@@ -16,13 +16,14 @@ from datetime import UTC, datetime
 import pytest
 
 from adapters.memory import MemoryAdapter
-from broker import cli, protocol
-from broker.client import Client
-from broker.config import MainSettings
+from broker.client.client import Client
 from broker.exceptions import InvalidJobError, UniqueKeyTakenError
 from broker.jobs import MAX_UNIQUE_KEY_BYTES, JobSpec, JobStatus
-from broker.main import Main
-from broker.tasks import TaskRegistry, default_unique_key, task
+from broker.main.main import Main
+from broker.main.settings import MainSettings
+from broker.ops import cli
+from broker.tasks.registry import TaskRegistry, default_unique_key, task
+from broker.wire import messages as protocol
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
 

@@ -11,9 +11,9 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from broker import protocol as p
-from broker import wire
 from broker.exceptions import ProtocolError
+from broker.wire import framing as wire
+from broker.wire import messages as p
 
 
 def feed(data: bytes, *, eof: bool = True, limit: int = wire.STREAM_LIMIT) -> wire.LineReader:
@@ -363,8 +363,8 @@ async def test_write_now_writes_at_once_only_when_nothing_is_unsent() -> None:
 
 
 async def test_a_reply_goes_out_at_once_unless_it_is_long_or_lines_are_queued() -> None:
-    from broker.connection import Session
-    from broker.handoff import Liveness, Peer
+    from broker.core.handoff import Liveness, Peer
+    from broker.main.connections import Session
 
     received: asyncio.Future[list[p.Message]] = asyncio.get_running_loop().create_future()
 

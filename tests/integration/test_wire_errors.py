@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from adapters.memory import MemoryAdapter
-from broker.client import Client
+from broker.client.client import Client
 from broker.exceptions import (
     AuthenticationError,
     PayloadTooLargeError,

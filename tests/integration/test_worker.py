@@ -14,12 +14,13 @@ from typing import Any, TypeVar
 
 import pytest
 
-from broker import protocol, wire
 from broker.exceptions import AuthenticationError, ConfigurationError
 from broker.jobs import ExecutionMode
-from broker.runner import Assignment, RunnerStatus, RunOutcome
-from broker.tasks import TaskRegistry, task
-from broker.worker import Worker, install_signal_handlers
+from broker.tasks.registry import TaskRegistry, task
+from broker.tasks.runner import Assignment, RunnerStatus, RunOutcome
+from broker.wire import framing as wire
+from broker.wire import messages as protocol
+from broker.worker.worker import Worker, install_signal_handlers
 from runners.inline import InlineRunner
 
 M = TypeVar("M", bound=protocol.Message)

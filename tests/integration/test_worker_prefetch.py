@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from broker import protocol
-from broker.tasks import TaskRegistry
+from broker.tasks.registry import TaskRegistry
+from broker.wire import messages as protocol
 from tests.integration.test_worker import (
     INLINE,
     FakeMain,

@@ -1,11 +1,11 @@
-"""The security how-to's limit tables are a checked copy of :data:`broker.bounds.BOUNDS`."""
+"""The security how-to's limit tables are a checked copy of :data:`broker.model.bounds.BOUNDS`."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from broker.bounds import BOUNDS, Bound
+from broker.model.bounds import BOUNDS, Bound
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "howto" / "security.md"
 
@@ -67,5 +67,5 @@ def test_every_row_of_the_limit_tables_is_a_bound() -> None:
     assert rows, "docs/howto/security.md has no limit table"
     undeclared = [limit for limit in rows if limit not in declared]
     assert not undeclared, (
-        f"rows of the security how-to that are not in broker.bounds: {undeclared}"
+        f"rows of the security how-to that are not in broker.model.bounds: {undeclared}"
     )

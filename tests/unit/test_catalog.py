@@ -1,4 +1,4 @@
-"""The task catalog's rules (:mod:`broker.catalog`) on the memory adapter: a job by name
+"""The task catalog's rules (:mod:`broker.core.catalog`) on the memory adapter: a job by name
 gets its task's declared defaults where the request says nothing, the newest declaration
 wins (with a warning), and an undeclared name is refused once the catalog is in use."""
 
@@ -12,16 +12,17 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from adapters.memory import MemoryAdapter
-from broker import catalog, protocol
-from broker.bounds import MAX_CATALOG_ENTRIES, MAX_DECLARED_TASKS
-from broker.catalog import Catalog, CatalogLimitError
-from broker.config import MainSettings
+from broker.core import catalog
+from broker.core.catalog import Catalog, CatalogLimitError
 from broker.exceptions import ConfigurationError, InvalidJobError, UnknownTaskError
 from broker.jobs import ExecutionMode, JobSpec
-from broker.operations import Operations
+from broker.main.operations import Operations
+from broker.main.settings import MainSettings
+from broker.model.bounds import MAX_CATALOG_ENTRIES, MAX_DECLARED_TASKS
 from broker.retry import ExponentialBackoff, FixedBackoff
 from broker.storage import TaskRecord
-from broker.tasks import TaskRegistry, default_unique_key, task
+from broker.tasks.registry import TaskRegistry, default_unique_key, task
+from broker.wire import messages as protocol
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
 

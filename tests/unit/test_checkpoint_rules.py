@@ -15,15 +15,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from adapters.memory import MemoryAdapter
-from broker import protocol
-from broker.checkpoints import CheckpointSaver
-from broker.config import MainSettings
-from broker.handoff import Handoff, Send, StoreCheckpoint, StoreProgress
+from broker.core.handoff import Handoff, Send, StoreCheckpoint, StoreProgress
+from broker.core.worker_state import CheckpointSettled, ProgressLater, WakeSender, WorkerState
 from broker.jobs import CheckpointSave, Job, JobSpec, JobStatus
+from broker.main.checkpoints import CheckpointSaver
+from broker.main.settings import MainSettings
 from broker.payload import DEFAULT_MAX_CHECKPOINT_BYTES, LINE_HEADROOM_BYTES
-from broker.protocol import AckStatus, ErrorCode
 from broker.settlement import accepts_checkpoint, apply, save_checkpoint
-from broker.worker_state import CheckpointSettled, ProgressLater, WakeSender, WorkerState
+from broker.wire import messages as protocol
+from broker.wire.messages import AckStatus, ErrorCode
 from tests.unit.test_worker_state import INLINE, job, lookup, welcome
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)

@@ -1,4 +1,4 @@
-"""The one style of settings checks (broker/checks.py): what each accepts and its wording."""
+"""The one style of settings checks (broker/model/checks.py): what each accepts and its wording."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from broker import checks
-from broker.config import MainSettings
 from broker.exceptions import ConfigurationError
-from broker.retention import Retention
+from broker.main.retention import Retention
+from broker.main.settings import MainSettings
+from broker.model import checks
 
 CASES: list[tuple[Any, list[Any], list[Any], str]] = [
     (checks.positive, [0.1, 1, 10**30], [0, -1, math.inf, math.nan, True, "1"], "positive"),

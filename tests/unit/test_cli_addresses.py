@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from broker.addresses import MainAddresses, parse_address
 from broker.exceptions import ConfigurationError
-from broker.protocol import DEFAULT_PORT
+from broker.wire.addresses import MainAddresses, parse_address
+from broker.wire.messages import DEFAULT_PORT
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Each boundary's field mapping (broker/codec.py, Job.from_spec/to_dict, JobRequest,
+"""Each boundary's field mapping (broker/core/jobfields.py, Job.from_spec/to_dict, JobRequest,
 Schedule.spec) carries every field, so adding a field is a change in one place."""
 
 from __future__ import annotations
@@ -9,11 +9,13 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from broker import codec, protocol, settlement
+from broker import settlement
+from broker.core import jobfields as codec
 from broker.exceptions import InvalidJobError
 from broker.jobs import Claim, ExecutionMode, Job, JobSpec, spec_from
-from broker.runner import Assignment
-from broker.schedule import Schedule
+from broker.tasks.runner import Assignment
+from broker.tasks.schedule import Schedule
+from broker.wire import messages as protocol
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
 

@@ -11,7 +11,7 @@ import pytest
 from adapters.memory import MemoryAdapter
 from broker.exceptions import ConfigurationError, InvalidJobError
 from broker.jobs import ExecutionMode
-from broker.tasks import TaskRegistry, task
+from broker.tasks.registry import TaskRegistry, task
 
 
 @pytest.fixture

@@ -13,14 +13,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker import protocol, wire
-from broker.bounds import MAX_WORKER_STATUS_BYTES, MESSAGE_CONTAINERS
-from broker.connection import RequestBytes
 from broker.jobs import ExecutionMode
+from broker.main.connections import RequestBytes
+from broker.model.bounds import MAX_WORKER_STATUS_BYTES, MESSAGE_CONTAINERS
 from broker.payload import containers_in, nesting_depth, shape_problem
-from broker.runner import RunnerStatus
-from broker.tasks import TaskRegistry
-from broker.worker import Worker
+from broker.tasks.registry import TaskRegistry
+from broker.tasks.runner import RunnerStatus
+from broker.wire import framing as wire
+from broker.wire import messages as protocol
+from broker.worker.worker import Worker
 from runners.inline import InlineRunner
 
 

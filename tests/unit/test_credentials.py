@@ -7,10 +7,10 @@ import uuid
 
 import pytest
 
-from broker import protocol
 from broker.credentials import Credentials, parse_token_file, role_needed
 from broker.exceptions import ConfigurationError
-from broker.protocol import Role
+from broker.wire import messages as protocol
+from broker.wire.messages import Role
 
 NONCE = "9f2c4b1a7d3e8f60a1b2c3d4e5f60718"
 

@@ -16,9 +16,7 @@ from typing import Any
 import pytest
 
 from adapters.memory import MemoryAdapter
-from broker import dispatch, protocol
-from broker.dispatch import READ_AHEAD_MAX_AGE, Dispatcher, ReadAhead
-from broker.handoff import CHANGE_LOG, Dispatch, Handoff, HandoffEffect, PlannedClaim
+from broker.core.handoff import CHANGE_LOG, Dispatch, Handoff, HandoffEffect, PlannedClaim
 from broker.jobs import (
     Claim,
     EnqueueResult,
@@ -28,6 +26,9 @@ from broker.jobs import (
     new_job_fields,
     utcnow,
 )
+from broker.main import dispatcher as dispatch
+from broker.main.dispatcher import READ_AHEAD_MAX_AGE, Dispatcher, ReadAhead
+from broker.wire import messages as protocol
 
 POOLED = ExecutionMode.POOLED
 

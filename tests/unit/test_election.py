@@ -1,4 +1,4 @@
-"""The election's rules (:mod:`broker.election`) against a model of the leader row: the
+"""The election's rules (:mod:`broker.core.election`) against a model of the leader row: the
 row's lease runs out by the store's clock, a takeover grows the epoch, and a main's
 rounds reach the store some time after it sent them. Single events first, then a
 hypothesis run of several mains, crashes and slow rounds included: never two leaders
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker.election import (
+from broker.core.election import (
     Election,
     Lead,
     Phase,
@@ -27,7 +27,7 @@ from broker.election import (
     TryElect,
 )
 from broker.exceptions import ConfigurationError
-from broker.main import _within_running_time
+from broker.main.main import _within_running_time
 
 
 @dataclass
@@ -175,7 +175,7 @@ def test_a_late_answer_of_the_last_chance_keeps_the_lead() -> None:
 
 
 async def test_an_answer_that_came_during_a_stall_is_used_and_a_silent_store_times_out() -> None:
-    """The shell's wait (``broker.main._within_running_time``) on a real socket: the answer
+    """The shell's wait (``broker.main.main._within_running_time``) on a real socket: the answer
     arrives while the loop is blocked for ten times the budget, and is read when it runs
     again (``asyncio.timeout`` cancelled the read there: its timer and the socket became
     ready in the same pass); a peer that never answers runs the budget out."""

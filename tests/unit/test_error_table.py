@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from broker import error_codes, exceptions, protocol
+from broker import exceptions
 from broker.exceptions import (
     AuthenticationError,
     BrokerError,
@@ -20,7 +20,9 @@ from broker.exceptions import (
     StorageError,
     UniqueKeyTakenError,
 )
-from broker.protocol import ErrorCode
+from broker.wire import errors as error_codes
+from broker.wire import messages as protocol
+from broker.wire.messages import ErrorCode
 
 
 def _tree() -> list[type[BrokerError]]:

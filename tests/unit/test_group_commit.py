@@ -1,5 +1,5 @@
-"""Group commit of enqueues (:mod:`broker.group_commit`, used by the main's
-:class:`~broker.operations.Operations`): callers that arrive during a commit share the next
+"""Group commit of enqueues (:mod:`broker.main.group_commit`, used by the main's
+:class:`~broker.main.operations.Operations`): callers that arrive during a commit share the next
 one, each keeps all-or-none, one caller's bad job fails that caller alone, a transient
 failure reaches everyone, and a caller that gave up has nothing written."""
 
@@ -11,12 +11,12 @@ from collections.abc import Sequence
 import pytest
 
 from adapters.memory import MemoryAdapter
-from broker import protocol
-from broker.config import MainSettings
 from broker.exceptions import StorageError, StorageRejectedError, transient
-from broker.group_commit import GroupCommit
 from broker.jobs import EnqueueResult, JobSpec, utcnow
-from broker.operations import Operations
+from broker.main.group_commit import GroupCommit
+from broker.main.operations import Operations
+from broker.main.settings import MainSettings
+from broker.wire import messages as protocol
 
 
 class CountingStore(MemoryAdapter):

@@ -1,4 +1,4 @@
-"""The handoff core (:mod:`broker.handoff`) without sockets: credits, the returns (the
+"""The handoff core (:mod:`broker.core.handoff`) without sockets: credits, the returns (the
 recovery ledger's entries), single events, and a hypothesis state machine that drives the
 core through random interleavings against a tiny model of the store and of honest and
 forging workers, checking the handoff invariants after every step.
@@ -28,10 +28,8 @@ from hypothesis.stateful import (
 )
 
 from adapters.memory import MemoryAdapter
-from broker import protocol
-from broker.admission import CreditLimitError, Credits
-from broker.exceptions import ProtocolError, StorageError
-from broker.handoff import (
+from broker.core.admission import CreditLimitError, Credits
+from broker.core.handoff import (
     STALL,
     STALL_AFTERMATH,
     Abort,
@@ -45,8 +43,10 @@ from broker.handoff import (
     Settle,
     WakeDispatcher,
 )
+from broker.exceptions import ProtocolError, StorageError
 from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus, Settlement
-from broker.recovery import RecoveryLedger
+from broker.main.recovery import RecoveryLedger
+from broker.wire import messages as protocol
 from tests.unit.conftest import PROFILE
 
 POOLED, FORKED = ExecutionMode.POOLED, ExecutionMode.FORKED
@@ -581,7 +581,7 @@ class HandoffMachine(RuleBasedStateMachine):
         pid = data.draw(st.sampled_from(sorted(self.core.peers)))
         conn = self.conns[pid]
         if pid not in self.core.worker_peers:
-            kind = "disconnect"  # the main routes a client nothing else (broker.main)
+            kind = "disconnect"  # the main routes a client nothing else (broker.main.main)
         if kind == "drain":
             self.apply(self.core.draining(pid))
         elif kind in ("disconnect", "stalled disconnect"):

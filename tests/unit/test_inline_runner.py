@@ -12,8 +12,8 @@ import pytest
 
 from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode
-from broker.runner import Assignment, Completed, Failed, Reschedule, Rescheduled, Runner
-from broker.tasks import TaskRegistry, task
+from broker.tasks.registry import TaskRegistry, task
+from broker.tasks.runner import Assignment, Completed, Failed, Reschedule, Rescheduled, Runner
 from runners.inline import MAX_ERROR_CHARS, InlineRunner
 
 

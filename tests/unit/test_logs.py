@@ -12,9 +12,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from broker import logs
+from broker.core.worker_state import log_job
 from broker.jobs import JobStatus
-from broker.worker_state import log_job
+from broker.model import logs
 
 
 @pytest.fixture

@@ -12,10 +12,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from adapters.memory import MemoryAdapter
-from broker.config import MainSettings
 from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus, Outcome, Settlement
-from broker.metrics import (
+from broker.main.metrics import (
     MAX_LABEL_BYTES,
     MAX_LABEL_SETS,
     MAX_METRICS_BYTES,
@@ -25,6 +24,7 @@ from broker.metrics import (
     MeasuredStore,
     label,
 )
+from broker.main.settings import MainSettings
 from broker.storage import QueueCount
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker.bounds import MAX_NAME_BYTES
-from broker.values import _FORBIDDEN, check_name
+from broker.model.bounds import MAX_NAME_BYTES
+from broker.model.values import _FORBIDDEN, check_name
 
 
 @given(st.text(), st.integers(min_value=0, max_value=40))

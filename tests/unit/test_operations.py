@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 
 from adapters.memory import MemoryAdapter
-from broker import protocol
 from broker.exceptions import InvalidJobError, PayloadTooLargeError
 from broker.jobs import Claim, Job, JobSpec, JobStatus
-from broker.metrics import MainMetrics
-from broker.operations import LiveState, Operations
+from broker.main.metrics import MainMetrics
+from broker.main.operations import LiveState, Operations
 from broker.storage import JobFilter, JobPage
+from broker.wire import messages as protocol
 from tests.unit.test_metrics import samples
 
 START = datetime(2030, 1, 1, tzinfo=UTC)

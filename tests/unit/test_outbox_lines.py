@@ -7,9 +7,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker import protocol
 from broker.payload import result_too_large
-from broker.runner import Completed, Failed
+from broker.tasks.runner import Completed, Failed
+from broker.wire import messages as protocol
 from tests.unit.test_worker_state import job, make_state, start, welcome
 
 

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from broker.jobs import ExecutionMode
-from broker.runner import Assignment, Completed, Failed, Released, Rescheduled
+from broker.tasks.runner import Assignment, Completed, Failed, Released, Rescheduled
 from runners import pipe
 
 

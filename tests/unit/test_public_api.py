@@ -44,8 +44,9 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
 
 def test_importing_broker_loads_neither_the_client_nor_the_cron_library() -> None:
     probe = (
-        "import sys, broker.runner; "
-        "print(sorted(m for m in ('broker.client', 'broker.tasks', 'anyio', 'cronsim') "
+        "import sys, broker.tasks.runner; "
+        "print(sorted(m for m in "
+        "('broker.client.client', 'broker.tasks.registry', 'anyio', 'cronsim') "
         "if m in sys.modules))"
     )
     out = subprocess.run(

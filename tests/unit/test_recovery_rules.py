@@ -1,6 +1,6 @@
 """The rules of lost attempts and affinity, without I/O: what a lost attempt settles to
 (:func:`broker.retry.lost_attempt`), which worker may take a recovery
-(:class:`broker.affinity.Affinity`), and how the handoff core plans around it."""
+(:class:`broker.core.affinity.Affinity`), and how the handoff core plans around it."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from adapters.memory import MemoryAdapter
-from broker import protocol, settlement
-from broker.affinity import Affinity
-from broker.handoff import Dispatch, Handoff, WakeDispatcher
+from broker import settlement
+from broker.core.affinity import Affinity
+from broker.core.handoff import Dispatch, Handoff, WakeDispatcher
 from broker.jobs import Claim, Job, JobSpec, JobStatus, Outcome
 from broker.retry import lost_attempt
-from broker.tasks import TaskRegistry, task
+from broker.tasks.registry import TaskRegistry, task
+from broker.wire import messages as protocol
 from tests.unit.test_handoff import EPOCH, POOLED, core_with_counter, make_job, won, worker_hello
 
 GRACE = 60.0

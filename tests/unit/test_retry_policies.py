@@ -20,7 +20,7 @@ from broker.retry import (
     reported_exception,
     retry_delay,
 )
-from broker.tasks import TaskRegistry, task
+from broker.tasks.registry import TaskRegistry, task
 
 
 @given(

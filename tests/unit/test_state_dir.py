@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from broker.exceptions import ConfigurationError
-from broker.state_dir import open_state_dir
+from broker.worker.state_dir import open_state_dir
 
 
 def test_a_restarted_worker_reads_back_the_id_its_first_start_wrote(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from broker.supervise import retrying
+from broker.main.loops import retrying
 
 logger = logging.getLogger("tests.supervise")
 

@@ -10,7 +10,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker.tasks import TaskRegistry, task
+from broker.tasks.registry import TaskRegistry, task
 
 registry = TaskRegistry()
 

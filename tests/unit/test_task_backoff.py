@@ -9,9 +9,9 @@ from datetime import timedelta
 
 import pytest
 
-from broker import protocol
+from broker.model.values import MAX_DELAY_SECONDS
 from broker.retry import ExponentialBackoff, FixedBackoff, backoff_seconds
-from broker.values import MAX_DELAY_SECONDS
+from broker.wire import messages as protocol
 
 
 def test_a_backoff_may_return_seconds_or_a_timedelta() -> None:

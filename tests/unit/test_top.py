@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from broker.admin import format_top, queue_rates
+from broker.ops.admin import format_top, queue_rates
 
 
 def _status(done: int, failed: int, *, queued: int = 0, workers: Any = None) -> dict[str, Any]:

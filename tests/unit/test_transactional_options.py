@@ -1,4 +1,4 @@
-"""``broker.transactional.job_spec``: the job a transactional enqueue stores, from a task
+"""``broker.client.transactional.job_spec``: the job a transactional enqueue stores, from a task
 or a name and the options of ``Client.enqueue``, checked before any database is touched."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from broker.client.transactional import job_spec
 from broker.exceptions import InvalidJobError
 from broker.jobs import ExecutionMode
-from broker.tasks import TaskRegistry, task
-from broker.transactional import job_spec
+from broker.tasks.registry import TaskRegistry, task
 
 registry = TaskRegistry()
 
@@ -64,8 +64,8 @@ def test_bad_options_are_refused_with_the_jobs_own_errors(
 
 
 def test_a_database_that_cannot_hold_the_store_is_refused_by_name() -> None:
+    from broker.client.transactional import enqueue_on_statements
     from broker.exceptions import ConfigurationError
-    from broker.transactional import enqueue_on_statements
 
     class Unused:
         def execute(self, *args: object, **kwargs: object) -> object:

@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.triggers import CronExpression
+from broker.tasks.triggers import CronExpression
 
 EXPRESSIONS = [
     "30 2 * * *",  # a named time: wall-clock rules

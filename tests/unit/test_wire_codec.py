@@ -21,8 +21,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker import protocol as p
 from broker.jobs import ExecutionMode
+from broker.wire import messages as p
 
 JOB_ID = uuid.UUID("0b5e6a4e-8a0c-4f5e-9b57-0d7f2c1e9a11")
 LEASE_ID = uuid.UUID("6f1c2d3e-4b5a-4c6d-8e7f-9a0b1c2d3e4f")

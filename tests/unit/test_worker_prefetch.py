@@ -1,5 +1,5 @@
-"""The worker's prefetch window (broker/worker_state.py), driven by calling ``WorkerState``
-directly against the main's real credit accounting (broker/admission.py): no socket, no
+"""The worker's prefetch window (broker/core/worker_state.py), driven by calling ``WorkerState``
+directly against the main's real credit accounting (broker/core/admission.py): no socket, no
 loop. A worker with a window never idles a slot while a job waits for one, never holds
 more than the window, starts jobs of a mode in arrival order, and never loses a job."""
 
@@ -14,13 +14,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from broker import cli, protocol
-from broker.admission import Credits
+from broker.core.admission import Credits
+from broker.core.worker_state import AdaptiveWindow, LeaseKey, StartRun, WorkerEffect, WorkerState
 from broker.exceptions import ConfigurationError, ProtocolError
 from broker.jobs import ExecutionMode
-from broker.runner import Completed
-from broker.worker import Worker
-from broker.worker_state import AdaptiveWindow, LeaseKey, StartRun, WorkerEffect, WorkerState
+from broker.ops import cli
+from broker.tasks.runner import Completed
+from broker.wire import messages as protocol
+from broker.worker.worker import Worker
 from runners.inline import InlineRunner
 from tests.unit.conftest import PROFILE
 

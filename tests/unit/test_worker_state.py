@@ -13,12 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from broker import protocol
-from broker.bounds import RUNNER_START_FAILURES_FORGIVEN, RUNNER_START_FAILURES_TRACKED
-from broker.exceptions import ProtocolError, TaskNotFoundError
-from broker.jobs import ExecutionMode
-from broker.runner import Completed, Failed, Released, Rescheduled, RunOutcome
-from broker.worker_state import (
+from broker.core.worker_state import (
     Drain,
     LeaseKey,
     StartRun,
@@ -28,6 +23,11 @@ from broker.worker_state import (
     WorkerEffect,
     WorkerState,
 )
+from broker.exceptions import ProtocolError, TaskNotFoundError
+from broker.jobs import ExecutionMode
+from broker.model.bounds import RUNNER_START_FAILURES_FORGIVEN, RUNNER_START_FAILURES_TRACKED
+from broker.tasks.runner import Completed, Failed, Released, Rescheduled, RunOutcome
+from broker.wire import messages as protocol
 from tests.unit.conftest import PROFILE
 
 INLINE = ExecutionMode.INLINE

@@ -1,0 +1,430 @@
+"""The task catalog: which tasks the workers serve, and the defaults a job enqueued by name
+gets.
+
+A job enqueued by name (``broker enqueue``, or a client without the task module) says
+only what its caller said. Each worker declares the tasks it serves, with the defaults
+``@task`` gave them (a ``tasks`` message right after ``welcome``), and the main fills
+those defaults into every field a request leaves out: a task declared ``retries=0`` runs
+once, whoever enqueues it. The catalog lives in the store (``declare_tasks``,
+``task_catalog``, ``forget_tasks``), so it outlives the main and the operator's command
+reads it with the main down; :class:`Catalog` is the copy in memory, read once and
+written through, so an enqueue never waits on it (the enqueue path stays one
+transaction).
+
+The rules, all here:
+
+* **Unknown tasks are refused.** A name no worker has ever declared is almost always a
+  typo, and its job would wait forever (or fail on every worker): the enqueue raises
+  :class:`~broker.exceptions.UnknownTaskError` and stores nothing, unless the request
+  allows unknown tasks, for a deliberate cold start (jobs enqueued before the first
+  worker of a new task starts). A worker that has gone away still vouches for the name
+  for the task grace (``--task-grace``, a week by default), so a fleet that is down for a
+  while does not turn enqueues away; after that its declarations are dropped. The rule
+  applies once the catalog is in use, that is once any worker has declared its tasks to
+  this store: before that (a first start, or workers of a release without catalogs
+  during an upgrade) no name can be told from a typo, and refusing every one would stop
+  all enqueues by name.
+* **A worker's declaration replaces its earlier one, within bounds.** At most
+  :data:`~broker.model.bounds.MAX_DECLARED_TASKS` tasks of at most
+  :data:`~broker.model.bounds.MAX_DECLARATION_BYTES` each, concurrency-key templates with
+  plain fields only, and :data:`~broker.model.bounds.MAX_CATALOG_ENTRIES` in the whole
+  catalog: a worker credential cannot grow the main, the store or every start-up read
+  without bound. A ``tasks`` message over a bound is refused whole (``over_limit``).
+* **The newest declaration wins.** When two workers declare different defaults for one
+  name (a rolling deploy, where the new release's workers declare last; or two
+  releases side by side), the most recently seen declaration decides, and the main logs
+  a warning naming both workers and the fields that differ. Refusing would take the
+  whole deploy down for a difference that is usually the deploy itself.
+* **What a caller says wins.** Only fields the request leaves out take the task's
+  defaults. A client that imports the task module sends every field (``task.enqueue``
+  builds the whole job), so the catalog changes nothing for it, except refusing a name
+  no worker serves.
+* **Transactional enqueue does not consult it** (:mod:`broker.client.transactional`): it writes
+  in the application's own transaction, without the main, and takes the task object's
+  defaults (or, by name, the broker's defaults), as documented there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Collection, Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+import msgspec
+
+from broker.exceptions import UnknownTaskError
+from broker.jobs import JobSpec, JSONValue
+from broker.model.bounds import MAX_CATALOG_ENTRIES, MAX_DECLARATION_BYTES, MAX_DECLARED_TASKS
+from broker.model.logs import log_event
+from broker.retry import ExponentialBackoff, FixedBackoff, TaskBackoff
+from broker.storage import StorageAdapter, TaskRecord
+from broker.tasks.registry import (
+    Task,
+    TaskRegistry,
+    default_unique_key,
+    fill_key_template,
+    key_template_fields,
+)
+from broker.wire import messages as protocol
+
+logger = logging.getLogger("broker.main")
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def declaration(task: Task[..., Any]) -> protocol.TaskDeclaration:
+    """What a worker declares for ``task``: the defaults its jobs get, and its retry rules
+    described for operators."""
+    policy = task.retry
+    return protocol.TaskDeclaration(
+        name=task.name,
+        execution_mode=task.execution_mode,
+        queue=task.queue,
+        priority=task.priority,
+        max_attempts=task.retries + 1,
+        timeout=task.timeout,
+        concurrency_key=task.concurrency_key,
+        concurrency_limit=task.concurrency_limit,
+        unique=task.unique,
+        parameters=task.positional_parameters(),
+        retry_on=None if policy is None else _exception_names(policy.retry_on),
+        dont_retry_on=[] if policy is None else _exception_names(policy.dont_retry_on),
+        backoff=None if task.backoff is None else describe_backoff(task.backoff),
+    )
+
+
+def declarations(registry: TaskRegistry) -> list[protocol.TaskDeclaration]:
+    """Every task of ``registry``, as a worker serving it declares them."""
+    return [declaration(registry.get(name)) for name in registry.names()]
+
+
+def _exception_names(types: Collection[type[BaseException]]) -> list[str]:
+    return [t.__qualname__ if t.__module__ == "builtins" else _dotted(t) for t in types]
+
+
+def _dotted(obj: Any) -> str:
+    return f"{obj.__module__}.{obj.__qualname__}"
+
+
+def describe_backoff(backoff: TaskBackoff) -> str:
+    """A backoff as ``broker tasks`` shows it: the built-in ones with their numbers, a
+    function by its dotted name."""
+    if isinstance(backoff, ExponentialBackoff):
+        jitter = ", jittered" if backoff.jitter else ""
+        return f"exponential {backoff.base:g}s x{backoff.factor:g} up to {backoff.cap:g}s{jitter}"
+    if isinstance(backoff, FixedBackoff):
+        return f"fixed {backoff.seconds:g}s"
+    if hasattr(backoff, "__qualname__"):
+        return _dotted(backoff)
+    return type(backoff).__qualname__
+
+
+# --------------------------------------------------------------------------- main side
+
+
+def entry(record: TaskRecord) -> dict[str, JSONValue]:
+    """A task as one worker declared it, and when: an entry of a ``task_list`` reply and a
+    row of ``broker tasks``."""
+    return {
+        "task": record.task,
+        "worker_id": record.worker_id,
+        "seen_at": record.seen_at.isoformat(),
+        "declaration": record.declaration,
+    }
+
+
+class CatalogLimitError(ValueError):
+    """A worker's ``tasks`` message breaks a bound of the catalog (:mod:`broker.model.bounds`):
+    nothing of it is recorded, and the main answers ``over_limit``."""
+
+
+def check_declarations(tasks: Sequence[protocol.TaskDeclaration]) -> None:
+    """Refuse declarations over the catalog's bounds: how many a worker declares, the
+    bytes of each, and plain fields in a concurrency-key template.
+
+    Cheap by construction: the count is checked before anything is encoded, and encoding
+    at most :data:`~broker.model.bounds.MAX_DECLARED_TASKS` declarations is one C call each.
+
+    :raises CatalogLimitError: naming the bound and the task that breaks it.
+    """
+    if len(tasks) > MAX_DECLARED_TASKS:
+        raise CatalogLimitError(
+            f"a worker declares at most {MAX_DECLARED_TASKS} tasks, this one declared "
+            f"{len(tasks)}; nothing of it is recorded"
+        )
+    for task in tasks:
+        size = len(msgspec.json.encode(task))
+        if size > MAX_DECLARATION_BYTES:
+            raise CatalogLimitError(
+                f"the declaration of task {task.name[:100]!r} is {size} bytes, over "
+                f"the limit of {MAX_DECLARATION_BYTES}; nothing of it is recorded"
+            )
+        if task.concurrency_key is not None:
+            try:
+                key_template_fields(task.concurrency_key)
+            except ValueError as exc:
+                raise CatalogLimitError(
+                    f"task {task.name[:100]!r}: concurrency_key "
+                    f"{task.concurrency_key[:100]!r}: {exc}; nothing of it is recorded"
+                ) from None
+
+
+class Catalog:
+    """The main's copy of the store's task catalog: read once, written through, and
+    bounded (:data:`~broker.model.bounds.MAX_CATALOG_ENTRIES`).
+
+    :meth:`record` updates the copy at once (an enqueue right after a worker's
+    declaration sees it); the caller then stores the same declarations with
+    :meth:`save`. :meth:`forget` drops the declarations of workers gone for the grace.
+    """
+
+    def __init__(self, store: StorageAdapter) -> None:
+        self._store = store
+        self._records: dict[str, dict[str, TaskRecord]] = {}
+        """Task name to worker id to that worker's last declaration."""
+        self._by_worker: dict[str, set[str]] = {}
+        """Worker id to the names it declares (its share of :attr:`_records`)."""
+        self._entries = 0
+        """Declarations held, the sum of :attr:`_by_worker`'s sets."""
+        self._declared_at: dict[tuple[str, str], datetime] = {}
+        """``(task, worker id)`` to when the worker declared it, which decides the newest
+        declaration: a record's ``seen_at`` also moves when a pass of the grace marks a
+        connected worker seen, which says nothing about whose declaration is newer."""
+        self._newest: dict[str, protocol.TaskDeclaration] = {}
+        """Task name to the declaration that decides its defaults (the newest)."""
+        self._loaded = False
+
+    async def load(self) -> None:
+        """Read the catalog from the store, the first time only: at most
+        :data:`~broker.model.bounds.MAX_CATALOG_ENTRIES` declarations, the most recent, so a
+        store that an older release let grow costs a bounded read."""
+        if not self._loaded:
+            self._merge(await self._store.task_catalog(limit=MAX_CATALOG_ENTRIES))
+            self._loaded = True
+
+    async def refresh(self, names: Collection[str]) -> None:
+        """Read the declarations of ``names`` from the store again: before refusing a name
+        this copy does not know, in case another process (a main that led before this
+        one) recorded it. Only these names' rows are read, never the whole catalog."""
+        if names:
+            self._merge(await self._store.task_catalog(tasks=sorted(names)))
+
+    def _merge(self, records: Sequence[TaskRecord]) -> None:
+        """Take the store's ``records`` where they are newer than this copy's, within the
+        bound on entries."""
+        changed = set()
+        for record in records:
+            by_worker = self._records.setdefault(record.task, {})
+            known = by_worker.get(record.worker_id)
+            if known is None:
+                if self._entries >= MAX_CATALOG_ENTRIES:
+                    continue
+                self._entries += 1
+                self._by_worker.setdefault(record.worker_id, set()).add(record.task)
+            elif known.seen_at >= record.seen_at:
+                continue
+            by_worker[record.worker_id] = record
+            self._declared_at[record.task, record.worker_id] = record.seen_at
+            changed.add(record.task)
+        for name in changed:
+            self._decide(name)
+        for name in [name for name, by_worker in self._records.items() if not by_worker]:
+            del self._records[name]
+
+    @property
+    def in_use(self) -> bool:
+        """Some worker has declared its tasks: from then on unknown names are refused."""
+        return bool(self._newest)
+
+    def declared(self, name: str) -> protocol.TaskDeclaration | None:
+        """The declaration that decides ``name``'s defaults; ``None``: never declared."""
+        return self._newest.get(name)
+
+    def records(self) -> list[TaskRecord]:
+        """Every task and worker that declared it, by task then worker id."""
+        return [
+            self._records[name][worker]
+            for name in sorted(self._records)
+            for worker in sorted(self._records[name])
+        ]
+
+    def record(
+        self, worker_id: str, tasks: Sequence[protocol.TaskDeclaration], now: datetime
+    ) -> dict[str, dict[str, Any]]:
+        """``worker_id`` declared ``tasks`` at ``now``, in place of what it declared before;
+        returns them as the store keeps them (for :meth:`save`). A declaration that
+        differs from another worker's is logged.
+
+        :raises CatalogLimitError: the declarations break a bound (too many, one too big,
+            a template with a format spec, or the catalog is full); nothing changes.
+        """
+        check_declarations(tasks)
+        names = {task.name for task in tasks}
+        previous = self._by_worker.get(worker_id, set())
+        entries = self._entries - len(previous) + len(names)
+        if entries > MAX_CATALOG_ENTRIES:
+            raise CatalogLimitError(
+                f"the task catalog holds at most {MAX_CATALOG_ENTRIES} declarations (task "
+                f"and worker), and these {len(names)} would make {entries}; they are "
+                "recorded once workers that have gone are dropped (after the task grace)"
+            )
+        for name in previous - names:
+            self._drop(name, worker_id)
+        stored: dict[str, dict[str, Any]] = {}
+        for task in tasks:
+            as_json = msgspec.to_builtins(task)
+            by_worker = self._records.setdefault(task.name, {})
+            self._warn_if_different(task.name, worker_id, as_json, by_worker)
+            by_worker[worker_id] = TaskRecord(task.name, worker_id, as_json, now)
+            self._declared_at[task.name, worker_id] = now
+            self._decide(task.name)
+            stored[task.name] = as_json
+        self._by_worker[worker_id] = names
+        self._entries = entries
+        return stored
+
+    @staticmethod
+    def _warn_if_different(
+        name: str, worker_id: str, as_json: dict[str, Any], by_worker: dict[str, TaskRecord]
+    ) -> None:
+        for other, record in by_worker.items():
+            if other != worker_id and record.declaration != as_json:
+                differ = sorted(
+                    key
+                    for key in {*as_json, *record.declaration}
+                    if as_json.get(key) != record.declaration.get(key)
+                )
+                log_event(
+                    logger,
+                    logging.WARNING,
+                    "workers declare a task with different defaults; the newest declaration wins",
+                    task=name,
+                    worker_id=worker_id,
+                    other_worker_id=other,
+                    fields=",".join(differ),
+                )
+                return
+
+    async def save(
+        self, worker_id: str, declared: Mapping[str, Mapping[str, Any]], now: datetime
+    ) -> None:
+        """Write what :meth:`record` returned through to the store (in place of the
+        worker's earlier declarations)."""
+        await self._store.declare_tasks(worker_id, declared, now)
+
+    async def forget(self, live: Collection[str], now: datetime, grace: timedelta) -> int:
+        """Drop the declarations of workers not seen for ``grace``, here and in the store;
+        the workers in ``live`` (connected now) are seen at ``now``. Returns how many
+        declarations this copy dropped.
+
+        A connected worker declares once, when it connects: marking it seen on each pass
+        lets a main that restarts keep the declarations of the workers it had for the
+        grace (less one pass), rather than from when they connected.
+
+        The store forgets first, this copy after: while the store still held a gone
+        worker's rows, an enqueue of a name this copy had already dropped would read them
+        back (:meth:`refresh`) and be accepted, the name alive again until the next pass."""
+        gone_before = now - grace
+        for worker_id in live:
+            for name in self._by_worker.get(worker_id, ()):
+                record = self._records[name][worker_id]
+                self._records[name][worker_id] = dataclasses.replace(record, seen_at=now)
+        await self._store.forget_tasks(live, now, gone_before)
+        dropped = 0
+        for worker_id, names in list(self._by_worker.items()):
+            if worker_id in live:
+                continue
+            for name in list(names):
+                if self._records[name][worker_id].seen_at < gone_before:
+                    self._drop(name, worker_id)
+                    dropped += 1
+        if dropped:
+            log_event(
+                logger, logging.INFO, "declarations of gone workers dropped", declarations=dropped
+            )
+        return dropped
+
+    def _drop(self, name: str, worker_id: str) -> None:
+        by_worker = self._records[name]
+        del by_worker[worker_id]
+        del self._declared_at[name, worker_id]
+        names = self._by_worker[worker_id]
+        names.discard(name)
+        if not names:
+            del self._by_worker[worker_id]
+        self._entries -= 1
+        if by_worker:
+            self._decide(name)
+        else:
+            del self._records[name]
+            self._newest.pop(name, None)
+
+    def _decide(self, name: str) -> None:
+        newest = max(
+            self._records[name].values(), key=lambda r: self._declared_at[r.task, r.worker_id]
+        )
+        try:
+            self._newest[name] = msgspec.convert(newest.declaration, protocol.TaskDeclaration)
+        except (msgspec.ValidationError, ValueError) as exc:
+            log_event(
+                logger,
+                logging.WARNING,
+                "task declaration unreadable, ignored",
+                task=name,
+                worker_id=newest.worker_id,
+                error=exc,
+            )
+
+    def job_spec(
+        self, request: protocol.JobRequest, now: datetime, *, allow_unknown: bool
+    ) -> JobSpec:
+        """The job ``request`` asks for, with its task's defaults where it says nothing.
+
+        :raises UnknownTaskError: no worker has declared the task while others have (the
+            catalog is in use), and unknown tasks are not allowed.
+        :raises InvalidJobError: the request is invalid, or a concurrency-key template
+            of the task names an argument the job does not give.
+        """
+        declared = self._newest.get(request.task)
+        if declared is None:
+            if not allow_unknown and self.in_use:
+                raise UnknownTaskError(
+                    f"no worker has declared task {request.task!r}: check the name "
+                    "(`broker tasks` lists the declared ones) and start a worker that "
+                    "serves it; to enqueue it anyway (a cold start), pass "
+                    "--allow-unknown-task to `broker enqueue`, or "
+                    "Client(allow_unknown_tasks=True)"
+                )
+            return request.to_spec(now)
+        return request.to_spec(now, _defaults(declared, request))
+
+
+def _defaults(declared: protocol.TaskDeclaration, request: protocol.JobRequest) -> dict[str, Any]:
+    """The task's defaults for the fields ``request`` leaves out."""
+    defaults: dict[str, Any] = {
+        "queue": declared.queue,
+        "priority": declared.priority,
+        "max_attempts": declared.max_attempts,
+        "timeout": declared.timeout,
+        "execution_mode": declared.execution_mode,
+    }
+    if request.concurrency_key is None and declared.concurrency_key is not None:
+        defaults["concurrency_key"] = _format_key(declared, request)
+        defaults["concurrency_limit"] = declared.concurrency_limit
+    if request.unique_key is None and declared.unique:
+        defaults["unique_key"] = default_unique_key(request.task, request.args, request.kwargs)
+    return defaults
+
+
+def _format_key(declared: protocol.TaskDeclaration, request: protocol.JobRequest) -> str:
+    """The task's concurrency-key template filled from the job's arguments, positional
+    ones named by the declared parameters (as ``Task`` fills it, except that a parameter
+    the job leaves to the function's default cannot be named here)."""
+    template = declared.concurrency_key or ""
+    if "{" not in template and "}" not in template:
+        return template
+    values = {**dict(zip(declared.parameters, request.args, strict=False)), **request.kwargs}
+    return fill_key_template(template, declared.name, values)

@@ -1,0 +1,1047 @@
+"""The main's handoff rules, without I/O: events in, effects out.
+
+:class:`Handoff` holds everything the main knows about who may run what: the peers
+(per connection: role, worker id, modes, queues, credits, held leases, draining), the
+handoffs found in the store after a restart (*orphans*), the claims in flight and the
+leases waiting to go back to the store (the recovery ledger's entries). It never awaits,
+reads a clock or touches a socket: :class:`broker.main.main.Main` feeds it events (a hello, a
+``ready``, a batch of eligible jobs, a claim's result, a report, a disconnect, a liveness
+tick...) and carries out the effects it returns (:class:`Send`, :class:`Dispatch`,
+:class:`ReturnLease`, :class:`Abort`, :class:`Settle`, :class:`ClaimJobs`, :class:`WakeDispatcher`),
+in order. That is what lets ``tests/unit/test_handoff.py`` drive it through random
+interleavings and check its invariants after every step.
+
+Every lease the core mints is, at any moment, in exactly one place: an in-flight claim,
+one peer's held leases, the orphans, the parked leases (a connection that ended while the
+main itself was stalled, see :meth:`Handoff.disconnect`), or the returns; or it has left
+the main for good (not won, settled, returned, cancelled). The rules that keep it so:
+
+1. a claim is planned only against a reserved credit, and its lease is minted here,
+   before the store sees the claim;
+2. a won claim goes to its peer (and out as a ``job`` message) only if that peer is
+   still dispatchable; every other exit of a lease goes through :meth:`Handoff._return`;
+3. a report is accepted only from the connection holding its lease (the fence in front
+   of the store's fence).
+
+Decisions are logged under ``broker.main.main``, where operators look for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import uuid
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+
+from broker.core.admission import Credits
+from broker.core.affinity import Affinity, Route
+from broker.jobs import (
+    Claim,
+    ExecutionMode,
+    Job,
+    JobSpec,
+    JobStatus,
+    ProgressUpdate,
+    random_uuid,
+)
+from broker.model.bounds import MAX_CREDIT
+from broker.model.logs import log_event
+from broker.settlement import claimable_at_enqueue
+from broker.wire import messages as protocol
+
+logger = logging.getLogger("broker.main")
+
+STALL = 1.0
+"""A lag of the main's own loop at least this long (seconds) counts as a stall: it is
+logged, and a worker connection that ends during one, or within :data:`STALL_AFTERMATH`
+after it, has its leases parked instead of returned (see :meth:`Handoff.disconnect`)."""
+
+STALL_AFTERMATH = 2.0
+"""Seconds after the end of a stall during which a connection that ends still counts as
+ended by it: when the loop runs again it first reads what piled up meanwhile, the end of
+every socket a worker gave up on while the main could not answer its pings included."""
+
+CHANGE_LOG = 64
+"""Queue changes remembered (see :meth:`Handoff.unchanged_since`): a read spanning more
+changes than this proves nothing, as any read spanning a change once did."""
+
+
+# ---------------------------------------------------------------------- effects
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Queue ``message`` on connection ``peer`` (dropped if it has closed meanwhile)."""
+
+    peer: int
+    message: protocol.Message
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """Send the claimed ``job`` to ``peer`` as its ``job`` message number ``seq``;
+    ``state_lost``: the job's local state is not on that worker
+    (see :mod:`broker.core.affinity`)."""
+
+    peer: int
+    seq: int
+    job: Job
+    state_lost: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ReturnLease:
+    """``lease`` now waits in the returns: give it back to the store (fenced on that exact
+    lease, so a newer one is never touched)."""
+
+    job_id: uuid.UUID
+    lease: uuid.UUID
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Drop connection ``peer`` at once: it is judged dead."""
+
+    peer: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """An accepted report: apply it to the store, then tell the core with
+    :meth:`Handoff.settled`."""
+
+    peer: int
+    report: protocol.Report
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimJobs:
+    """Claim these planned jobs in one store call, then tell the core how it went."""
+
+    claims: tuple[PlannedClaim, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WakeDispatcher:
+    """Run another dispatch pass: credit or a peer became available. It says nothing about
+    the queue: where a job became eligible, the core counts that itself
+    (:meth:`Handoff.queue_changed`), so that a freed slot alone costs no re-read of the
+    modes proven drained, nor of the next run time."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCheckpoint:
+    """An accepted checkpoint: store it (fenced again in the store), then answer ``peer``
+    with a ``checkpoint_ack``."""
+
+    peer: int
+    message: protocol.SaveCheckpoint
+
+
+@dataclass(frozen=True, slots=True)
+class StoreProgress:
+    """An accepted progress update: record it when convenient (nobody waits on it)."""
+
+    update: ProgressUpdate
+
+
+@dataclass(frozen=True, slots=True)
+class Loss:
+    """A lease in the returns whose attempt may have run and was lost: ``job`` as it was
+    handed off under it, and why the main took it back."""
+
+    job: Job
+    reason: str
+
+
+HandoffEffect = (
+    Send
+    | Dispatch
+    | ReturnLease
+    | Abort
+    | Settle
+    | ClaimJobs
+    | WakeDispatcher
+    | StoreCheckpoint
+    | StoreProgress
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedClaim:
+    """A job reserved for a peer under a freshly minted lease, not yet claimed."""
+
+    peer: int
+    worker_id: str
+    job: Job
+    lease: uuid.UUID
+    state_lost: bool = False
+
+    @property
+    def claim(self) -> Claim:
+        return Claim(self.job.id, self.lease, self.worker_id)
+
+
+@dataclass(slots=True)
+class Parked:
+    """A lease of a connection that ended while the main was stalled: ``job`` as it was
+    handed off, waiting until ``until`` (loop time) for ``worker_id`` to say hello again
+    with it in its held leases."""
+
+    job: Job
+    worker_id: str
+    until: float
+
+
+# ---------------------------------------------------------------------- peers
+
+
+@dataclass
+class Liveness:
+    """When a peer last proved itself alive, and since when a write to it or its outbox
+    has been stuck. Times are the event loop's, fed in by the shell: the transport sets
+    ``paused_since`` and ``write_started``, and :meth:`Handoff.tick` judges."""
+
+    last_answer: float
+    """Time of the last ``pong`` answering one of our pings (or of the accept). Nothing
+    else counts: a peer that sends but never reads cannot answer."""
+    ping_base: int = field(default_factory=lambda: secrets.randbits(62))
+    """Our pings carry ``ping_base + 1, + 2, ...``; random, so a peer that does not read
+    them cannot answer them."""
+    pings_sent: int = 0
+    paused_since: float | None = None
+    """Time the outbox went over its cap; ``None`` while under it."""
+    write_started: float | None = None
+    """Time the write in progress began; ``None`` when the writer is idle."""
+
+    def next_ping(self) -> protocol.Ping:
+        self.pings_sent += 1
+        return protocol.Ping(nonce=self.ping_base + self.pings_sent)
+
+    def answered(self, nonce: int, now: float) -> None:
+        """A ``pong``: it proves the peer alive only if it answers one of our pings."""
+        if self.ping_base < nonce <= self.ping_base + self.pings_sent:
+            self.last_answer = now
+
+    def excuse(self, stall: float, now: float) -> None:
+        """The main itself could not run for ``stall`` seconds: that time does not count
+        against the peer (it could not be read from or written to meanwhile)."""
+        self.last_answer = min(now, self.last_answer + stall)
+        if self.paused_since is not None:
+            self.paused_since = min(now, self.paused_since + stall)
+        if self.write_started is not None:
+            self.write_started = min(now, self.write_started + stall)
+
+    def problem(self, now: float, timeout: float) -> str | None:
+        """Why this peer counts as dead at ``now``, or ``None`` while it does not."""
+        if now - self.last_answer > timeout:
+            return f"no answer to pings for {now - self.last_answer:.1f} s"
+        if self.write_started is not None and now - self.write_started > timeout:
+            return f"a write has not completed for {now - self.write_started:.1f} s"
+        if self.paused_since is not None and now - self.paused_since > timeout:
+            return f"over its outbox limit for {now - self.paused_since:.1f} s"
+        return None
+
+
+@dataclass(eq=False)
+class Peer:
+    """One connection as the handoff sees it. Leases belong to a connection, not to a
+    worker id, so a dropped socket gives back only what was handed to that socket."""
+
+    id: int
+    liveness: Liveness
+    credits: Credits = field(default_factory=Credits)
+    role: protocol.Role | None = None
+    worker_id: str | None = None
+    modes: frozenset[ExecutionMode] = frozenset()
+    queues: frozenset[str] | None = None
+    leases: dict[uuid.UUID, Job] = field(default_factory=dict)
+    draining: bool = False
+
+    @property
+    def dispatchable(self) -> bool:
+        return (
+            self.role is protocol.Role.WORKER
+            and not self.draining
+            and self.liveness.paused_since is None
+        )
+
+    def serves(self, job: Job) -> bool:
+        return self.queues is None or job.queue in self.queues
+
+
+# ---------------------------------------------------------------------- the core
+
+
+class Handoff:
+    """The main's handoff state machine (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        max_credit: int = MAX_CREDIT,
+        new_lease: Callable[[], uuid.UUID] | None = None,
+        affinity_grace: float = 60.0,
+        reconnect_grace: float = 30.0,
+    ) -> None:
+        self.max_credit = max_credit
+        self.reconnect_grace = reconnect_grace
+        """How long the leases of a connection that ended during a stall of the main wait
+        for their worker to reconnect (the orphans' grace: the same wait, for the same
+        workers, as after a restart)."""
+        self.parked: dict[uuid.UUID, Parked] = {}
+        """Leases of connections that ended while the main was stalled, by lease: they wait
+        for their worker's hello (see :meth:`disconnect`)."""
+        self._stall_ended = -math.inf
+        """When the last stall of the main's loop that :meth:`tick` measured ended."""
+        self.affinity = Affinity(affinity_grace, started=0.0)
+        """Where the holders of local state are; decides who may take their recoveries."""
+        self.awaiting: dict[uuid.UUID, str] = {}
+        """Jobs the last plans held back for their state holder (job id -> holder): the
+        dispatcher reads past them, and wakes when one of their graces ends."""
+        self._new_lease = new_lease or random_uuid
+        self._queue_changes = 0
+        """Bumped whenever jobs may have become eligible (every dispatcher wake-up)."""
+        self._changes: deque[tuple[int, frozenset[ExecutionMode] | None]] = deque(maxlen=CHANGE_LOG)
+        """The latest changes: the count each brought, and the only modes it touched
+        (``None``: it may have touched any)."""
+        self._drained: frozenset[ExecutionMode] = frozenset()
+        """Modes whose eligible jobs the last read found all claimed or being claimed, with
+        nothing changed since: only for them may an enqueue take a free slot at once
+        without overtaking a job that was waiting (see :meth:`plan_at_enqueue`)."""
+        self._drained_for: frozenset[str] | None = None
+        """The queues every read behind :attr:`_drained` covered (``None``: all). A read
+        covers the queues the dispatchable workers serve, so a worker serving more (one
+        that resumes after a pause, or says hello) may serve jobs no proof looked at."""
+        self._turn = 0
+        """Where the search for a worker starts, moved on for every job planned, so workers
+        with equal free credit take turns instead of the first connected taking all."""
+        self.peers: dict[int, Peer] = {}
+        """Connections past their hello, by connection id."""
+        self.worker_peers: dict[int, Peer] = {}
+        """The worker connections among :attr:`peers`: the only ones that hold leases or
+        take jobs. Every report, settle and dispatch step looks a lease or a worker up,
+        and a main with hundreds of clients connected (each an app's ``Client``) spent
+        more on passing over them than on the lookups themselves."""
+        self.orphans: dict[uuid.UUID, Job] = {}
+        """Handoffs found in the store at start-up, waiting for their worker's hello."""
+        self.claiming: dict[uuid.UUID, PlannedClaim] = {}
+        """Planned claims whose store call has not answered yet, by lease."""
+        self.returns: dict[uuid.UUID, uuid.UUID] = {}
+        """Leases to give back to the store (lease -> job id): the recovery ledger."""
+        self.losses: dict[uuid.UUID, Loss] = {}
+        """The returns whose attempt was lost (by lease): each counts a recovery."""
+        self.dispatched = 0
+
+    def serving(self, now: float) -> None:
+        """The main starts serving at ``now``: a state holder it has not seen yet counts
+        as having left then, so its recoveries wait the affinity grace from now."""
+        self.affinity.started = now
+
+    def new_peer(self, peer_id: int, now: float) -> Peer:
+        """The record of a connection just accepted; it joins at :meth:`hello`."""
+        return Peer(peer_id, Liveness(last_answer=now), Credits(self.max_credit))
+
+    # ------------------------------------------------------------------ peers
+
+    def hello(
+        self, peer: Peer, hello: protocol.Hello
+    ) -> tuple[list[protocol.LeaseRef], list[HandoffEffect]]:
+        """``peer`` passed its handshake. A worker adopts the leases its hello says it still
+        holds, where they are still current; returns those and the effects.
+
+        Three sources: handoffs found in the store at start-up (the main restarted), only
+        those the store records for this worker id; leases parked when a connection of
+        this worker id ended while the main was stalled (:meth:`disconnect`); and another
+        live connection of the same worker id (the worker reconnected before the main
+        noticed the old socket was dead), only leases that connection holds for the job
+        the hello names. Start-up handoffs and parked leases of this worker that it no
+        longer holds go back to the queue now rather than after the grace period.
+        Whatever is not adopted stays where it was, and this connection's reports for it
+        are answered ``stale`` (see :meth:`report`). The worker id itself is only as
+        trustworthy as the shared token.
+        """
+        peer.role = hello.role
+        peer.worker_id = hello.worker_id
+        peer.modes = frozenset(hello.modes)
+        peer.queues = frozenset(hello.queues) if hello.queues is not None else None
+        self.peers[peer.id] = peer
+        if hello.role is not protocol.Role.WORKER:
+            return [], []
+        self.worker_peers[peer.id] = peer
+        # What was proven drained was proven for the modes and queues served until now.
+        self.queue_changed()
+        self.affinity.joined(hello.worker_id or "", state_kept=not hello.local_state_lost)
+        worker = hello.worker_id
+        held = {ref.handoff_id: ref.job_id for ref in hello.held_leases}
+        adopted: list[protocol.LeaseRef] = []
+        effects: list[HandoffEffect] = []
+        waiting = [
+            *((lease, job) for lease, job in self.orphans.items() if job.worker_id == worker),
+            *((lease, p.job) for lease, p in self.parked.items() if p.worker_id == worker),
+        ]
+        for lease, job in waiting:
+            self.orphans.pop(lease, None)
+            self.parked.pop(lease, None)
+            if held.get(lease) == job.id:
+                peer.leases[lease] = job
+                adopted.append(protocol.LeaseRef(job_id=job.id, handoff_id=lease))
+            else:
+                effects.append(
+                    self._return(job.id, lease, "worker reconnected without this lease", job)
+                )
+        for other in self.worker_peers.values():
+            if other is peer or other.worker_id != peer.worker_id:
+                continue
+            for lease in [
+                lease for lease, job in other.leases.items() if held.get(lease) == job.id
+            ]:
+                job = other.leases.pop(lease)
+                peer.leases[lease] = job
+                adopted.append(protocol.LeaseRef(job_id=job.id, handoff_id=lease))
+        for ref in adopted:
+            log_event(
+                logger,
+                logging.INFO,
+                "lease adopted",
+                job_id=ref.job_id,
+                handoff_id=ref.handoff_id,
+                worker_id=peer.worker_id,
+            )
+        return adopted, effects
+
+    def ready(
+        self, peer_id: int, slots: Mapping[ExecutionMode, int], seen: int
+    ) -> list[HandoffEffect]:
+        """A worker's ``ready``. Raises :class:`~broker.exceptions.ProtocolError` (and
+        applies nothing) when it is out of order or over the credit limit."""
+        self.peers[peer_id].credits.on_ready(slots, seen)
+        return [WakeDispatcher()]
+
+    def draining(self, peer_id: int) -> list[HandoffEffect]:
+        """The worker takes no new jobs; its claims in flight go back when they land."""
+        peer = self.peers[peer_id]
+        peer.draining = True
+        log_event(
+            logger,
+            logging.INFO,
+            "worker draining",
+            worker_id=peer.worker_id,
+            leases=len(peer.leases),
+        )
+        return []
+
+    def pong(self, peer_id: int, nonce: int, now: float) -> None:
+        self.peers[peer_id].liveness.answered(nonce, now)
+
+    def disconnect(
+        self, peer_id: int, now: float, *, stall: float = 0.0, stopping: bool = False
+    ) -> list[HandoffEffect]:
+        """A connection ended at ``now``. Its leases go back to the queue, unless the main
+        is stopping: then the workers keep running their jobs and the next main adopts
+        them. A state holder's grace starts now, so jobs waiting for it get a wake-up.
+
+        Unless the main itself was stalled: ``stall`` is how long its loop has been late
+        at ``now`` (a stall still being caught up on), and a stall that :meth:`tick`
+        measured counts for :data:`STALL_AFTERMATH` after it ended. A worker whose main
+        did not answer for its liveness timeout gives the socket up, but keeps running
+        its jobs and says hello again with their leases; returning them now would hand
+        them out a second time while they run. So they are *parked*: the same worker id
+        adopts them at its next hello (:meth:`hello`), or they go back to the queue
+        ``reconnect_grace`` after the disconnect (:meth:`tick`), as the orphans of a
+        restart do. Only this connection's own leases are parked, each under its own
+        lease, so a newer lease is never touched."""
+        peer = self.peers.pop(peer_id, None)
+        if peer is None:
+            return []
+        effects: list[HandoffEffect] = []
+        if self.worker_peers.pop(peer_id, None) is not None:
+            log_event(
+                logger,
+                logging.INFO,
+                "worker disconnected",
+                worker_id=peer.worker_id,
+                session=peer.id,
+                returning=len(peer.leases),
+            )
+            self.affinity.left(peer.worker_id or "", now)
+            if peer.worker_id in self.awaiting.values():
+                effects.append(WakeDispatcher())
+        if stopping:
+            pass  # the main is shutting down: the leases stay with their jobs in the store
+        elif peer.leases and peer.worker_id and self._stalled(now, stall):
+            until = now + self.reconnect_grace
+            for lease, job in peer.leases.items():
+                self.parked[lease] = Parked(job, peer.worker_id, until)
+            log_event(
+                logger,
+                logging.WARNING,
+                "worker connection ended while the main was stalled; its leases wait for it "
+                "to reconnect",
+                worker_id=peer.worker_id,
+                session=peer.id,
+                parked=len(peer.leases),
+                grace=self.reconnect_grace,
+            )
+        else:
+            for lease, job in peer.leases.items():
+                effects.append(self._return(job.id, lease, "worker connection ended", job))
+        peer.leases.clear()
+        return effects
+
+    def _stalled(self, now: float, stall: float) -> bool:
+        """Whether a connection ending at ``now`` may have been given up on because the
+        main could not answer: its loop is late by ``stall``, or a stall just ended."""
+        return stall >= STALL or now - self._stall_ended <= STALL_AFTERMATH
+
+    def tick(self, now: float, *, stall: float, timeout: float, ping: bool) -> list[HandoffEffect]:
+        """A liveness check at ``now``: abort the peers dead for ``timeout``, ping the rest
+        when ``ping``. ``stall`` is how late the check runs: while the main could not
+        run, it could neither read answers nor write, so that time is excused; nor could
+        a worker whose leases are parked reconnect, so their wait grows by it too. Parked
+        leases whose wait is over go back to the queue."""
+        effects: list[HandoffEffect] = []
+        if stall >= STALL:
+            self._stall_ended = now
+        for lease, parked in list(self.parked.items()):
+            if stall > 0:
+                parked.until += stall
+            if parked.until <= now:
+                del self.parked[lease]
+                job = parked.job
+                reason = "worker did not reconnect within the grace after the main's stall"
+                effects.append(self._return(job.id, lease, reason, job))
+        for peer in self.peers.values():
+            if stall > 0:
+                peer.liveness.excuse(stall, now)
+            problem = peer.liveness.problem(now, timeout)
+            if problem is not None:
+                effects.append(Abort(peer.id, problem))
+            elif ping:
+                effects.append(Send(peer.id, peer.liveness.next_ping()))
+        return effects
+
+    # ------------------------------------------------------------------ orphans
+
+    def load_orphans(self, jobs: Iterable[Job]) -> None:
+        """Handoffs the store holds at start-up: they wait for their worker's hello."""
+        for job in jobs:
+            if job.status is JobStatus.HANDED_OFF and job.handoff_id is not None:
+                self.orphans[job.handoff_id] = job
+
+    def orphan_deadline(self) -> list[HandoffEffect]:
+        """The grace period is over: the orphans nobody adopted go back to the queue."""
+        effects: list[HandoffEffect] = [
+            self._return(job.id, lease, "worker did not reconnect within the grace period", job)
+            for lease, job in self.orphans.items()
+        ]
+        self.orphans.clear()
+        return effects
+
+    # ------------------------------------------------------------------ dispatch
+
+    def workers(self) -> list[Peer]:
+        return [peer for peer in self.worker_peers.values() if peer.dispatchable]
+
+    def modes_with_credit(self) -> set[ExecutionMode]:
+        modes: set[ExecutionMode] = set()
+        for peer in self.workers():
+            modes |= peer.credits.modes_with_credit()
+        return modes
+
+    def served_queues(self) -> set[str] | None:
+        """The queues some dispatchable worker serves; ``None``: some worker serves all."""
+        queues: set[str] = set()
+        for peer in self.workers():
+            if peer.queues is None:
+                return None
+            queues |= peer.queues
+        return queues
+
+    def credit(self, mode: ExecutionMode | None = None) -> int:
+        """Free slots across dispatchable workers, for ``mode`` or for every mode."""
+        workers = self.workers()
+        if mode is None:
+            return sum(peer.credits.total_available() for peer in workers)
+        return sum(peer.credits.available(mode) for peer in workers)
+
+    def read_limit(self, batch: int, modes: Iterable[ExecutionMode]) -> int:
+        """How many jobs a dispatch read for ``modes`` asks for, at most ``batch``: the
+        largest free credit among them, not their sum. Each job takes a slot of its own
+        mode, and a backlog is mostly one mode's: asking for the sum (a pooled worker's
+        inline and forked slots, free all along) read and decoded rows that no slot
+        could take (the dispatcher reads again, for the modes left with free slots, when
+        a read leaves some unused)."""
+        return min(batch, max(self.credit(mode) for mode in modes))
+
+    def plan(self, jobs: Sequence[Job], now: float) -> list[PlannedClaim]:
+        """A worker and a freshly minted lease for each job that has a free slot somewhere
+        (jobs already being claimed are skipped); the slot is reserved now, before the
+        claim, and the lease exists before the store ever sees it. A job whose local
+        state a worker holds goes only where :meth:`Affinity.route` lets it at ``now``."""
+        workers = self.workers()
+        claiming = {planned.job.id for planned in self.claiming.values()}
+        plan: list[PlannedClaim] = []
+        self.affinity.forget_departed(now)
+        for job in jobs:
+            if job.id in claiming:
+                continue
+            self._turn += 1
+            if job.state_holder is None:
+                peer, route = _pick_worker(workers, job, self._turn), None
+            else:
+                peer, route = self._pick_for_state(workers, job, now)
+            if peer is None or not peer.credits.reserve(job.execution_mode):
+                continue  # the credit check: no free slot for this job anywhere
+            self.awaiting.pop(job.id, None)
+            planned = PlannedClaim(
+                peer.id,
+                peer.worker_id or "",
+                job,
+                self._new_lease(),
+                state_lost=route is not None and route.state_lost,
+            )
+            self.claiming[planned.lease] = planned
+            claiming.add(job.id)
+            plan.append(planned)
+        return plan
+
+    def _pick_for_state(
+        self, workers: Sequence[Peer], job: Job, now: float
+    ) -> tuple[Peer | None, Route | None]:
+        """The worker for a job whose local state ``job.state_holder`` holds: that worker
+        if it may take it, else (once the affinity lets any worker) the usual pick; while
+        the job waits, it is noted in :attr:`awaiting`."""
+        holder = job.state_holder
+        assert holder is not None
+        route = self.affinity.route(job, holder, now)
+        own = [peer for peer in workers if peer.worker_id == holder and peer.serves(job)]
+        if own and route is not None and not route.state_lost:
+            self.awaiting[job.id] = holder  # until a slot there is reserved for it
+            return _pick_worker(own, job, self._turn), route
+        elsewhere = self.affinity.route(job, "", now)
+        if elsewhere is None:
+            self.awaiting[job.id] = holder
+            return None, None
+        self.awaiting.pop(job.id, None)
+        return _pick_worker(workers, job, self._turn), elsewhere
+
+    def affinity_wake(self) -> float | None:
+        """The earliest end of a grace that a held-back job waits on (loop time), or
+        ``None`` when none will end by itself (every holder awaited is connected)."""
+        deadlines = [self.affinity.deadline(holder) for holder in set(self.awaiting.values())]
+        finite = [d for d in deadlines if d != float("inf")]
+        return min(finite) if finite else None
+
+    def queue_changed(self) -> None:
+        """Jobs may have become eligible (an insert, a return, a retry, a report...): no
+        mode counts as drained until a read started after this says so."""
+        self._queue_changes += 1
+        self._drained = frozenset()
+        self._changes.append((self._queue_changes, None))
+
+    def jobs_added(self, modes: Iterable[ExecutionMode]) -> None:
+        """Queued jobs of ``modes`` were stored, and nothing else changed: those modes stop
+        counting as drained, the others stay so.
+
+        Why not :meth:`queue_changed`: while producers enqueue one job at a time during a
+        drain, every enqueue forgot every drained mode, and the next pass read each empty
+        mode (a pooled worker's inline and forked slots) again, for nothing."""
+        changed = frozenset(modes)
+        self._queue_changes += 1
+        self._drained = self._drained.difference(changed)
+        self._changes.append((self._queue_changes, changed))
+
+    def unchanged_since(self, started: int, modes: Iterable[ExecutionMode]) -> bool:
+        """Whether no change since change count ``started`` can have touched ``modes``
+        (false when the log no longer reaches back that far)."""
+        if started == self._queue_changes:
+            return True
+        if not self._changes or self._changes[0][0] > started + 1:
+            return False
+        wanted = frozenset(modes)
+        for count, changed in reversed(self._changes):
+            if count <= started:
+                break
+            if changed is None or not changed.isdisjoint(wanted):
+                return False
+        return True
+
+    @property
+    def drained(self) -> frozenset[ExecutionMode]:
+        """The modes an enqueue may hand off at once (see :meth:`plan_at_enqueue`)."""
+        return self._drained
+
+    @property
+    def queue_changes(self) -> int:
+        """The change count a read started now passes to :meth:`read_eligible`."""
+        return self._queue_changes
+
+    def read_eligible(
+        self,
+        started: int,
+        modes: Iterable[ExecutionMode],
+        *,
+        full: bool,
+        queues: Collection[str] | None,
+    ) -> None:
+        """A read of eligible jobs for ``modes`` and ``queues`` (``None``: every queue),
+        begun at change count ``started``, came back and was planned; ``full`` when it
+        returned as many as it asked for, or some of them found no slot (jobs wait). Short
+        and all placed, with nothing changed meanwhile, it proves those modes drained in
+        those queues, beside those proven since the last change; the dispatcher reads
+        them no more until the next change. (Jobs added meanwhile to other modes only do
+        not spoil the proof: see :meth:`jobs_added`.) The proofs hold together for the
+        queues all of them covered, or this one's when it proves every drained mode."""
+        modes = frozenset(modes)
+        if not self.unchanged_since(started, modes):
+            return
+        if full:
+            self._drained = self._drained.difference(modes)
+            return
+        covered = None if queues is None else frozenset(queues)
+        if modes >= self._drained:  # this proof alone holds every drained mode
+            self._drained_for = covered
+        elif covered is not None:
+            mine = self._drained_for
+            self._drained_for = covered if mine is None else mine & covered
+        self._drained = self._drained.union(modes)
+
+    def _drained_covers(self) -> bool:
+        """Whether the drained proofs covered every queue a dispatchable worker serves now,
+        so that a job handed off at once can overtake none a worker could have taken."""
+        proven = self._drained_for
+        if proven is None:
+            return True
+        served = self.served_queues()
+        return served is not None and served <= proven
+
+    def plan_at_enqueue(self, specs: Sequence[JobSpec], now: datetime) -> list[PlannedClaim | None]:
+        """For each job about to be enqueued, a worker and a lease if it can start at once:
+        its mode is drained (no waiting job would be overtaken), it is due, has no
+        concurrency key, and a serving worker has a free slot. The slot is reserved and the
+        lease minted here, before the insert, exactly as :meth:`plan` does for a claim; the
+        store's answer comes back through :meth:`claimed` (or :meth:`claim_unknown`)."""
+        plans: list[PlannedClaim | None] = []
+        covered = bool(self._drained) and self._drained_covers()
+        for spec in specs:
+            if (
+                not covered
+                or spec.execution_mode not in self._drained
+                or not claimable_at_enqueue(spec, now)
+            ):
+                plans.append(None)
+                continue
+            # A new job has no state holder, so the time affinity would judge by is moot.
+            planned = self.plan([Job.from_spec(spec, now)], self.affinity.started)
+            plans.append(planned[0] if planned else None)
+        return plans
+
+    def claimed(self, claims: Sequence[PlannedClaim], won: Sequence[Job]) -> list[HandoffEffect]:
+        """The claim call answered: ``won`` are the jobs it handed off (as claimed). Each
+        won job goes to its peer if that peer can still take it, else back to the queue;
+        a claim not won just frees its credit."""
+        by_id = {job.id: job for job in won}
+        effects: list[HandoffEffect] = []
+        for planned in claims:
+            del self.claiming[planned.lease]
+            peer = self.peers.get(planned.peer)
+            mode = planned.job.execution_mode
+            got = by_id.get(planned.job.id)
+            if got is None or got.handoff_id != planned.lease:
+                if peer is not None:
+                    peer.credits.release(mode)
+                # Not won: it may still be queued, and the reads meanwhile skipped it.
+                self.queue_changed()
+                continue
+            if peer is None or not peer.dispatchable:
+                if peer is not None:
+                    peer.credits.release(mode)
+                effects.append(
+                    self._return(got.id, planned.lease, "worker left while the claim was in flight")
+                )
+                continue
+            seq = peer.credits.commit(mode)
+            peer.leases[planned.lease] = got
+            self.dispatched += 1
+            effects.append(Dispatch(peer.id, seq, got, planned.state_lost))
+            if logger.isEnabledFor(logging.DEBUG):  # one line per job: off by default
+                log_event(
+                    logger,
+                    logging.DEBUG,
+                    "job handed off",
+                    job_id=got.id,
+                    handoff_id=planned.lease,
+                    task=got.task,
+                    queue=got.queue,
+                    attempt=got.attempts + 1,
+                    worker_id=peer.worker_id,
+                    seq=seq,
+                )
+        return effects
+
+    def claim_unknown(self, claims: Sequence[PlannedClaim]) -> list[HandoffEffect]:
+        """The claim call raised: nobody knows whether it committed, so each lease goes
+        back (a no-op in the store if it never committed) and its credit is freed."""
+        effects: list[HandoffEffect] = []
+        for planned in claims:
+            del self.claiming[planned.lease]
+            effects.append(self._return(planned.job.id, planned.lease, "claim outcome unknown"))
+            peer = self.peers.get(planned.peer)
+            if peer is not None:
+                peer.credits.release(planned.job.execution_mode)
+        return effects
+
+    def claim_refused(self, claims: Sequence[PlannedClaim]) -> list[HandoffEffect]:
+        """The claim call raised an error that would recur (a value the store refuses).
+        Its leases go back as for an unknown outcome; then the batch is claimed again in
+        halves under fresh leases (keeping their credits) until the job or worker behind
+        the error stands alone, so one bad row never stops dispatch to the others."""
+        if len(claims) <= 1:
+            return self.claim_unknown(claims)
+        effects: list[HandoffEffect] = []
+        fresh: list[PlannedClaim] = []
+        for planned in claims:
+            del self.claiming[planned.lease]
+            effects.append(self._return(planned.job.id, planned.lease, "claim outcome unknown"))
+            again = replace(planned, lease=self._new_lease())
+            self.claiming[again.lease] = again
+            fresh.append(again)
+        half = len(fresh) // 2
+        effects += [ClaimJobs(tuple(fresh[:half])), ClaimJobs(tuple(fresh[half:]))]
+        return effects
+
+    # ------------------------------------------------------------------ reports
+
+    def report(self, peer_id: int, msg: protocol.Report) -> list[HandoffEffect]:
+        """Accept a report for settlement, but only for a lease this connection holds:
+        handed to it, or adopted at its hello. The store's fence alone would let any peer
+        with the token settle any running job whose lease it learnt, so anything else (a
+        lease held by another connection, forged, already settled, returned or
+        cancelled) is answered ``stale`` at once and never reaches the store."""
+        peer = self.peers.get(peer_id)
+        held = peer.leases.get(msg.handoff_id) if peer is not None else None
+        if held is None or held.id != msg.job_id:
+            log_event(
+                logger,
+                logging.INFO,
+                "report stale",
+                job_id=msg.job_id,
+                handoff_id=msg.handoff_id,
+                outcome=msg.type,
+                worker_id=peer.worker_id if peer is not None else None,
+                session=peer_id,
+                reason="lease not held by this connection",
+            )
+            return [Send(peer_id, _ack(msg, protocol.AckStatus.STALE))]
+        if isinstance(msg, protocol.FailedReport) and msg.lost and held.local_state:
+            self.affinity.holds_again(held.worker_id or "")  # its child died, not its disk
+        return [Settle(peer_id, msg)]
+
+    def settled(
+        self, results: Sequence[tuple[int, protocol.Report, protocol.AckStatus]]
+    ) -> list[HandoffEffect]:
+        """Settled reports, each with the store's answer, acknowledged to their peers: a
+        lease that settled its job (or was already settled) is forgotten; one whose
+        report could not be stored goes back to the queue."""
+        effects: list[HandoffEffect] = []
+        for peer_id, msg, status in results:
+            if status is protocol.AckStatus.APPLIED and _requeues(
+                msg, self.held_job(msg.handoff_id)
+            ):
+                self.queue_changed()
+            if status in (protocol.AckStatus.APPLIED, protocol.AckStatus.DUPLICATE):
+                self.forget(msg.handoff_id)
+            elif status is protocol.AckStatus.REFUSED:
+                held = self.held_job(msg.handoff_id)
+                self.forget(msg.handoff_id)
+                effects.append(
+                    self._return(msg.job_id, msg.handoff_id, "its report could not be stored", held)
+                )
+            # An applied report is the everyday case, one per job: DEBUG, so a busy main
+            # does not format a line per job. Anything else is news for an operator.
+            level = logging.DEBUG if status is protocol.AckStatus.APPLIED else logging.INFO
+            if logger.isEnabledFor(level):
+                peer = self.peers.get(peer_id)
+                log_event(
+                    logger,
+                    level,
+                    f"report {status.value}",
+                    job_id=msg.job_id,
+                    handoff_id=msg.handoff_id,
+                    outcome=msg.type,
+                    worker_id=peer.worker_id if peer is not None else None,
+                )
+            effects.append(Send(peer_id, _ack(msg, status)))
+        if any(status is protocol.AckStatus.APPLIED for _, _, status in results):
+            effects.append(WakeDispatcher())
+        return effects
+
+    def checkpoint(self, peer_id: int, msg: protocol.SaveCheckpoint) -> list[HandoffEffect]:
+        """A running job's checkpoint: stored only for a lease this connection holds, as a
+        report is (:meth:`report`); anything else is answered ``stale`` at once and never
+        reaches the store, whose own fence would stop it anyway."""
+        if self._holds(peer_id, msg.job_id, msg.handoff_id):
+            return [StoreCheckpoint(peer_id, msg)]
+        log_event(
+            logger,
+            logging.INFO,
+            "checkpoint stale",
+            job_id=msg.job_id,
+            handoff_id=msg.handoff_id,
+            seq=msg.seq,
+            session=peer_id,
+        )
+        ack = checkpoint_ack(
+            msg,
+            protocol.AckStatus.STALE,
+            protocol.ErrorCode.CHECKPOINT_REJECTED,
+            "the job's lease is no longer held by this worker (the main gave it back)",
+        )
+        return [Send(peer_id, ack)]
+
+    def progress(self, peer_id: int, msg: protocol.Progress) -> list[HandoffEffect]:
+        """A running job's progress: recorded for a lease this connection holds, dropped
+        otherwise (it is never answered)."""
+        if not self._holds(peer_id, msg.job_id, msg.handoff_id):
+            return []
+        return [
+            StoreProgress(ProgressUpdate(msg.job_id, msg.handoff_id, msg.fraction, msg.message))
+        ]
+
+    def _holds(self, peer_id: int, job_id: uuid.UUID, lease: uuid.UUID) -> bool:
+        peer = self.peers.get(peer_id)
+        held = peer.leases.get(lease) if peer is not None else None
+        return held is not None and held.id == job_id
+
+    def held_job(self, lease: uuid.UUID) -> Job | None:
+        """The job a connection holds (or a parked entry keeps) under ``lease``, as it was
+        handed off."""
+        for peer in self.worker_peers.values():
+            job = peer.leases.get(lease)
+            if job is not None:
+                return job
+        parked = self.parked.get(lease)
+        return parked.job if parked is not None else None
+
+    def forget(self, lease: uuid.UUID | None) -> None:
+        """``lease`` has settled its job: no connection holds it any more."""
+        if lease is None:
+            return
+        self.parked.pop(lease, None)
+        for peer in self.worker_peers.values():
+            peer.leases.pop(lease, None)
+
+    def cancelled(self, job: Job) -> list[HandoffEffect]:
+        """The store has cancelled ``job`` (or found it finished): forget its lease and
+        tell the worker holding it to stop it. Whatever that worker reports later is
+        fenced out (``stale``)."""
+        lease = job.handoff_id
+        if lease is None:
+            return []
+        self.orphans.pop(lease, None)
+        self.parked.pop(lease, None)
+        effects: list[HandoffEffect] = []
+        for peer in self.worker_peers.values():
+            if peer.leases.pop(lease, None) is None:
+                continue
+            if job.status is JobStatus.CANCELLED:
+                effects.append(Send(peer.id, protocol.CancelJob(job_id=job.id, handoff_id=lease)))
+                log_event(
+                    logger,
+                    logging.INFO,
+                    "running job cancelled",
+                    job_id=job.id,
+                    handoff_id=lease,
+                    task=job.task,
+                    queue=job.queue,
+                    attempt=job.attempts + 1,
+                    worker_id=peer.worker_id,
+                )
+        return effects
+
+    # ------------------------------------------------------------------ returns (the ledger)
+
+    def _return(
+        self, job_id: uuid.UUID, lease: uuid.UUID, reason: str, lost: Job | None = None
+    ) -> ReturnLease:
+        """Queue ``lease`` for return. With ``lost`` (the job as handed off), the attempt
+        under it may have run and was lost: the return counts a recovery (see
+        :func:`broker.retry.lost_attempt`). Without, the job never reached a worker."""
+        log_event(
+            logger,
+            logging.INFO,
+            "lease queued for return",
+            job_id=job_id,
+            handoff_id=lease,
+            reason=reason,
+            lost=lost is not None,
+        )
+        self.returns[lease] = job_id
+        if lost is not None:
+            self.losses[lease] = Loss(lost, reason)
+            if lost.local_state and lost.worker_id is not None:
+                self.affinity.holds_again(lost.worker_id)
+        # Its job waits in the queue again (or will, once the store has it back): no mode
+        # counts as drained until a read after this one says so.
+        self.queue_changed()
+        return ReturnLease(job_id, lease, reason)
+
+    def returned(self, lease: uuid.UUID, job_id: uuid.UUID) -> None:
+        """The store answered a return of ``lease`` (returned it, or found it already
+        settled): the entry is done."""
+        if self.returns.get(lease) == job_id:
+            del self.returns[lease]
+            self.losses.pop(lease, None)
+
+
+def _pick_worker(workers: Sequence[Peer], job: Job, turn: int) -> Peer | None:
+    """The serving worker with the most free credit for the job's mode, to spread load
+    (whether it has any is the caller's credit check). Ties go to the first in the
+    rotation that starts at ``turn``, so equal workers share the jobs evenly."""
+    best: Peer | None = None
+    best_free = -1
+    count = len(workers)
+    for i in range(count):
+        peer = workers[(turn + i) % count]
+        free = peer.credits.available(job.execution_mode)
+        if free > best_free and peer.serves(job):
+            best, best_free = peer, free
+    return best
+
+
+def checkpoint_ack(
+    msg: protocol.SaveCheckpoint,
+    status: protocol.AckStatus,
+    code: str | None = None,
+    message: str | None = None,
+) -> protocol.CheckpointAck:
+    """The answer to ``msg``; ``code`` and ``message`` say why one was not saved."""
+    return protocol.CheckpointAck(
+        job_id=msg.job_id,
+        handoff_id=msg.handoff_id,
+        seq=msg.seq,
+        status=status,
+        code=code,
+        message=message,
+    )
+
+
+def _ack(msg: protocol.Report, status: protocol.AckStatus) -> protocol.ReportAck:
+    return protocol.ReportAck(job_id=msg.job_id, handoff_id=msg.handoff_id, status=status)
+
+
+def _requeues(msg: protocol.Report, job: Job | None) -> bool:
+    """Whether an applied report may have made a job eligible: any outcome but a
+    completion puts its job back in the queue (or may: a retry, a reschedule, a release,
+    a lost attempt), and any settlement of a keyed job frees its key's slot for the jobs
+    waiting on it (a job the core no longer holds counts as keyed)."""
+    if not isinstance(msg, protocol.CompletedReport):
+        return True
+    return job is None or job.concurrency_key is not None

@@ -1,0 +1,1041 @@
+"""The worker's rules without its I/O: events in, effects out, no awaits.
+
+:class:`WorkerState` holds everything a worker decides: which ``seq`` it has seen,
+which jobs run, the outbox of reports and which of them this connection has not yet
+sent, whether it is draining, and how many slots it may advertise. Its methods take
+one event each (connected, job received, run entered or finished, ack, cancel, ping,
+drain, disconnected) and return the effects the caller must carry out (start this
+run, stop that one, wake the sender, begin draining). Messages to send are pulled
+with :meth:`WorkerState.outgoing` and :meth:`WorkerState.take_ready` when the sender
+runs, so a burst of events still goes out as one batch with one ``ready`` computed
+at the last moment (the shape of h11's ``data_to_send``).
+
+``broker.worker.worker.Worker`` owns the socket, the reconnect loop, the runners, the timers
+and the tasks; it feeds events in here and carries the effects out. Everything here
+can therefore be tested by calling methods, without a socket or an event loop.
+
+The runners are the source of truth for free slots: events that need them
+(:meth:`WorkerState.job_received`, :meth:`WorkerState.take_ready`, and
+:meth:`WorkerState.run_finished` / :meth:`WorkerState.capacity_changed` when they
+may start a prefetched job) take a snapshot ``free`` of each runner's
+``free_slots()`` at that moment.
+
+**The prefetch window.** Beyond its free slots, a worker may hold up to ``prefetch``
+jobs per mode in a local FIFO, so a finished job's slot is refilled at once instead
+of after a round trip to the main. It advertises ``free slots + prefetch - held`` in
+``ready``; a received job waits in the FIFO until a slot frees, and jobs of one mode
+start in the order they arrived. A draining worker keeps its prefetched jobs and runs
+them, like its running ones; a fast stop or the drain deadline gives them back
+(released, no attempt counted). When the connection drops they are dropped too: the
+main has already returned their leases to the queue, so running them would only run
+them twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeAlias
+
+from broker.core import jobfields as codec
+from broker.exceptions import ProtocolError, TaskNotFoundError
+from broker.jobs import ExecutionMode, JSONValue
+from broker.model import logs
+from broker.model.bounds import (
+    MESSAGE_CONTAINERS,
+    RUNNER_START_FAILURES_FORGIVEN,
+    RUNNER_START_FAILURES_TRACKED,
+)
+from broker.payload import (
+    containers_in,
+    encoded_size,
+    result_too_deep,
+    result_too_large_on_wire,
+    shape_problem,
+    too_many_containers,
+)
+from broker.retry import RetryPolicy, TaskBackoff, backoff_seconds, reported_exception
+from broker.tasks.registry import Task
+from broker.tasks.runner import (
+    Assignment,
+    Completed,
+    Failed,
+    LeaseKey,
+    Released,
+    Rescheduled,
+    RunOutcome,
+)
+from broker.wire import messages as protocol
+from broker.wire.messages import ErrorCode
+
+PREFETCH_REFILL = 0.02
+"""Seconds of this worker's completions an adaptive prefetch window grows to hold. A
+slot's next job should be here when its job ends, and getting one from the main (a
+``ready``, a claim committed on the store, the job's trip back) took 5 to 15 ms in a
+pooled drain on PostgreSQL: by Little's law the jobs that covers are the completion rate
+times that time, doubled for the spread. Jobs of 10 ms or more never grow the window
+past its default start (two per slot), so long jobs are not held here while another
+worker idles."""
+
+PREFETCH_MEASURE = 0.1
+"""Seconds of completions an adaptive window is resized from (at the first completion
+after that long): short enough to follow a drain starting, long enough to count many."""
+
+PROGRESS_INTERVAL = 1.0
+"""Seconds between two progress updates of one job on the wire: a task may report on
+every row, the worker sends the latest at most this often (the first at once)."""
+
+
+# --------------------------------------------------------------------------- prefetch
+
+
+@dataclass(slots=True)
+class AdaptiveWindow:
+    """A mode's prefetch window, grown from its completion rate (see
+    :data:`PREFETCH_REFILL`): ``size`` starts as given and grows up to ``cap`` while the
+    jobs finish fast enough to need it.
+
+    It never shrinks: the main may already have sent jobs against the credit a larger
+    window advertised, and a worker refuses (releases) a job beyond its credit, so a
+    shrinking window would send jobs back and forth. Nor can it stall: with a window of
+    ``w`` over ``s`` slots a drain of short jobs completes about ``s + w`` jobs per
+    refill, which asks for a window about twice that, until the cap.
+    """
+
+    size: int
+    cap: int
+    _done: int = 0
+    _since: float | None = None
+
+    def finished(self, now: float) -> bool:
+        """A job of the mode ended at ``now`` (loop time); ``True`` if the size changed."""
+        if self._since is None:
+            self._since = now
+            return False
+        self._done += 1
+        elapsed = now - self._since
+        if elapsed < PREFETCH_MEASURE:
+            return False
+        wanted = math.ceil(self._done / elapsed * PREFETCH_REFILL)
+        self._done, self._since = 0, now
+        if wanted <= self.size or self.size >= self.cap:
+            return False
+        self.size = min(self.cap, wanted)
+        return True
+
+
+# --------------------------------------------------------------------------- effects
+
+
+@dataclass(frozen=True, slots=True)
+class StartRun:
+    """Hand this job to the runner for its mode; call :meth:`WorkerState.run_entered`
+    when the runner takes its slot and :meth:`WorkerState.run_finished` when it ends."""
+
+    assignment: Assignment
+
+
+@dataclass(frozen=True, slots=True)
+class StopRun:
+    """Ask the runner for ``mode`` to stop the job under this lease; its outcome still
+    arrives through :meth:`WorkerState.run_finished`."""
+
+    key: LeaseKey
+    mode: ExecutionMode
+
+
+@dataclass(frozen=True, slots=True)
+class WakeSender:
+    """Messages wait in :meth:`WorkerState.outgoing` / :meth:`WorkerState.take_ready`:
+    wake the sender."""
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """Draining began: stop the serving loop and run the drain sequence (wait for the
+    running jobs, then for the last acknowledgements)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StopFast:
+    """Stop waiting for running jobs: stop them now and give them back."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointSettled:
+    """Checkpoint ``seq`` of this lease is settled: wake its task. ``code`` ``None``: it is
+    durable; else the error code (:mod:`broker.wire.errors`) and ``message`` it failed with."""
+
+    key: LeaseKey
+    seq: int
+    code: str | None = None
+    message: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressLater:
+    """Progress is held back by the rate limit: call :meth:`WorkerState.progress_due`
+    after ``delay`` seconds."""
+
+    delay: float
+
+
+WorkerEffect: TypeAlias = (
+    StartRun | StopRun | WakeSender | Drain | StopFast | CheckpointSettled | ProgressLater
+)
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass(eq=False)
+class _Link:
+    """What lives and dies with one connection to the main."""
+
+    max_line_bytes: int
+    max_payload_bytes: int | None
+    max_payload_depth: int
+    max_checkpoint_bytes: int | None = None
+    max_payload_containers: int | None = None
+    """The main's container bound (``None``: an older main, which has none)."""
+    seen: int = 0
+    """The ``seq`` of the last job decided on; ``seq`` starts again at 1 per connection."""
+    unsent: deque[LeaseKey] = field(default_factory=deque)
+    encoded: dict[LeaseKey, bytes] = field(default_factory=dict)
+    """Reports :meth:`WorkerState.outgoing` measured, as encoded for the line: the sender
+    packs these very bytes (:meth:`WorkerState.encoded`), so no report is encoded twice."""
+    pongs: list[int] = field(default_factory=list)
+    draining_sent: bool = False
+    unsent_checkpoints: deque[tuple[LeaseKey, int]] = field(default_factory=deque)
+    progress_due: bool = False
+
+
+class WorkerState:
+    """The worker's decisions, with no I/O.
+
+    :param modes: the execution modes this worker has a runner for.
+    :param queues: serve only these queues (``None``: every queue).
+    :param lookup_task: raises :class:`~broker.exceptions.TaskNotFoundError` for a task
+        this worker may not run (``TaskRegistry.get``); a :class:`~broker.tasks.registry.Task` it
+        returns also has its job's arguments checked and its retry policy applied.
+    """
+
+    def __init__(
+        self,
+        *,
+        modes: Iterable[ExecutionMode],
+        queues: Sequence[str] | None,
+        lookup_task: Callable[[str], object],
+        logger: logging.Logger,
+        prefetch: int | Mapping[ExecutionMode, int | AdaptiveWindow] = 0,
+        progress_interval: float = PROGRESS_INTERVAL,
+    ) -> None:
+        self._modes = tuple(modes)
+        windows: Mapping[ExecutionMode, int | AdaptiveWindow] = (
+            prefetch if isinstance(prefetch, Mapping) else dict.fromkeys(self._modes, prefetch)
+        )
+        self._adaptive = {
+            mode: window for mode, window in windows.items() if isinstance(window, AdaptiveWindow)
+        }
+        """The modes whose window follows their completion rate (the rest are fixed)."""
+        self._prefetch = {
+            mode: window.size if isinstance(window, AdaptiveWindow) else window
+            for mode, window in windows.items()
+        }
+        """The window of each mode now (see the module docstring)."""
+        if any(window < 0 for window in self._prefetch.values()):
+            raise ValueError("prefetch must be 0 or more")
+        self._queues = None if queues is None else list(queues)
+        self._lookup_task = lookup_task
+        self._logger = logger
+        self._link: _Link | None = None
+        self._running: dict[LeaseKey, Assignment] = {}
+        """What each running job is (its task, queue and attempt go on its log lines)."""
+        self._rules: dict[LeaseKey, _RetryRules] = {}
+        """The retry policy and backoff of each running job whose task declares one."""
+        self._starting: Counter[ExecutionMode] = Counter()
+        """Jobs started here whose runner has not yet taken their slot (their
+        :class:`StartRun` not yet carried out): subtracted from the runner's free slots
+        until :meth:`run_entered` says it has."""
+        self._queued: dict[LeaseKey, Assignment] = {}
+        """Prefetched jobs waiting for a slot, in arrival order (a FIFO per mode)."""
+        self._held: Counter[ExecutionMode] = Counter()
+        """Prefetched jobs per mode: the credit of every job received and every ``ready``
+        subtracts them, and counting the FIFO each time cost a pass over the window."""
+        self._outbox: dict[LeaseKey, protocol.Report] = {}
+        self._given_up: set[LeaseKey] = set()
+        self._cancelled: set[LeaseKey] = set()
+        """Jobs the main cancelled while they ran here: their end (however the runner
+        words it) and the main's ``stale`` answer to its report are the cancel working,
+        not failures, and are logged as such."""
+        self._ready_due = False
+        self._draining = False
+        self._fast = False
+        self._checkpoints: dict[LeaseKey, dict[int, JSONValue]] = {}
+        """Checkpoints not yet acknowledged, by lease and number: sent again on every new
+        connection until the main answers (their tasks are waiting)."""
+        self._progress_interval = progress_interval
+        self._progress: dict[LeaseKey, tuple[float, str]] = {}
+        """The latest progress of each running job not sent yet (older values are dropped)."""
+        self._progress_sent: dict[LeaseKey, float] = {}
+        """When each running job's progress last went out (the rate limit's clock)."""
+        self._progress_timer = False
+        self._start_failures: dict[uuid.UUID, int] = {}
+        """Start-up failures of its runner process per job id (see :meth:`_start_failed`),
+        least recently failed first; at most :data:`RUNNER_START_FAILURES_TRACKED`."""
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def fast(self) -> bool:
+        """A fast stop was asked for: running jobs are given back, not waited for."""
+        return self._fast
+
+    @property
+    def running(self) -> Mapping[LeaseKey, Assignment]:
+        """Leases with a run started and not finished, and the job each runs (its mode,
+        and the task, queue and attempt its log lines carry)."""
+        return self._running
+
+    @property
+    def queued(self) -> Mapping[LeaseKey, Assignment]:
+        """Prefetched jobs not yet started, in the order they arrived."""
+        return self._queued
+
+    @property
+    def outbox(self) -> Mapping[LeaseKey, protocol.Report]:
+        """Reports not yet acknowledged, in the order they were made."""
+        return self._outbox
+
+    @property
+    def idle(self) -> bool:
+        return not self._running and not self._queued
+
+    @property
+    def flushed(self) -> bool:
+        """Every report was acknowledged: a draining worker may exit."""
+        return not self._outbox
+
+    def held_leases(self) -> list[LeaseKey]:
+        """What ``hello`` lists: leases with a running or prefetched job or an
+        unacknowledged report."""
+        return [
+            *self._running,
+            *self._queued,
+            *(key for key in self._outbox if key not in self._running),
+        ]
+
+    # ------------------------------------------------------------------ connection events
+
+    def connected(self, welcome: protocol.Welcome) -> list[WorkerEffect]:
+        """A new connection: every unacknowledged report goes out again (the main fences
+        by lease, so a repeat is harmless), and a fresh ``ready`` starts the credit."""
+        adopted = {(ref.job_id, ref.handoff_id) for ref in welcome.adopted}
+        for key in self.held_leases():
+            if key not in adopted:
+                self._log_job(
+                    logging.INFO, "lease not adopted by the main; its report will be stale", key
+                )
+        self._link = _Link(
+            max_line_bytes=welcome.max_line_bytes,
+            max_payload_bytes=welcome.max_payload_bytes,
+            max_payload_depth=welcome.max_payload_depth,
+            max_checkpoint_bytes=welcome.max_checkpoint_bytes,
+            max_payload_containers=welcome.max_payload_containers,
+            unsent=deque(self._outbox),
+            unsent_checkpoints=deque(
+                (key, seq) for key, saves in self._checkpoints.items() for seq in saves
+            ),
+            progress_due=bool(self._progress),
+        )
+        self._ready_due = True
+        return self._effects()
+
+    def disconnected(self) -> list[WorkerEffect]:
+        """The connection is gone: what it had not sent stays in the outbox for the next.
+
+        Prefetched jobs are dropped: the main returns a lost connection's leases to the
+        queue (at once, or, when its own stall made this worker give up, at the next
+        ``hello``, which does not list them), so they will be handed out again (to this
+        worker or another)."""
+        self._link = None
+        if self._queued:
+            self._logger.info(
+                "connection lost: dropping %d prefetched jobs; the main gives them back",
+                len(self._queued),
+                extra={"event": "prefetch_dropped"},
+            )
+            self._queued.clear()
+            self._held.clear()
+        return []
+
+    def ping_received(self, nonce: int) -> list[WorkerEffect]:
+        self._require_link().pongs.append(nonce)
+        return self._effects()
+
+    def capacity_changed(
+        self, free: Mapping[ExecutionMode, int] | None = None
+    ) -> list[WorkerEffect]:
+        """A runner's free slots may have changed on its own account: start prefetched
+        jobs that now have a slot (given ``free``), and re-advertise."""
+        self._ready_due = True
+        return self._start_queued(free) + self._effects()
+
+    # ------------------------------------------------------------------ job events
+
+    def job_received(
+        self, msg: protocol.JobHandoff, free: Mapping[ExecutionMode, int]
+    ) -> list[WorkerEffect]:
+        """One job handed over on its own: see :meth:`jobs_received`."""
+        return self.jobs_received((msg,), free)
+
+    def jobs_received(
+        self, msgs: Sequence[protocol.JobHandoff], free: Mapping[ExecutionMode, int]
+    ) -> list[WorkerEffect]:
+        """Decide the fate of the jobs of one ``jobs`` line and advance ``seen`` in the
+        same step, so no ``ready`` can count their slots twice. ``free``: each runner's
+        free slots right now. The jobs taken wait in the FIFO until all are decided, then
+        start together, as many as have room: the same as one at a time (each taken job
+        counts against the credit, and none starts between two of them), for one count
+        of the slots and one pass over the FIFO per line instead of per job.
+
+        Raises :class:`~broker.exceptions.ProtocolError`, before taking any of them, if
+        ``seq`` does not advance from job to job.
+        """
+        link = self._require_link()
+        last = link.seen
+        for msg in msgs:
+            if msg.seq <= last:
+                raise ProtocolError(f"job seq {msg.seq} is not after the last one seen ({last})")
+            last = msg.seq
+        for msg in msgs:
+            key = (msg.job_id, msg.handoff_id)
+            held = False
+            if key in self._running or key in self._queued or key in self._outbox:
+                # Never run one lease twice, and never release it: that would free a job
+                # this worker is still running or has already reported.
+                self._log_job(logging.WARNING, "job already held here; ignoring the repeat", key)
+            else:
+                held = self._decide(msg, key, free)
+            if not held:
+                # The main holds a credit for this job until a ``ready`` has seen it;
+                # without one, a worker whose every slot was "spent" this way would never
+                # get work again.
+                self._ready_due = True
+        link.seen = last
+        return self._start_queued(free) + self._effects()
+
+    def _decide(
+        self, msg: protocol.JobHandoff, key: LeaseKey, free: Mapping[ExecutionMode, int]
+    ) -> bool:
+        """Take the job into the FIFO (it starts from there at once if a slot is free),
+        or report why not; says whether it was taken."""
+        mode = msg.execution_mode
+        if self._draining:
+            self._release(key, "the worker is draining", msg)
+            return False
+        if mode not in self._modes:
+            self._release(key, f"this worker does not run {mode} jobs", msg)
+            return False
+        if self._queues is not None and msg.queue not in self._queues:
+            self._release(key, f"this worker does not serve queue {msg.queue!r}", msg)
+            return False
+        try:
+            # Checked here as well as in the runner, so an unknown name never reaches a
+            # child process and never costs a slot.
+            task = self._lookup_task(msg.task)
+        except TaskNotFoundError as exc:
+            log_job(self._logger, logging.ERROR, "job failed: unknown task", key, msg)
+            self._report(key, protocol.FailedReport(*key, error=str(exc), retry=False))
+            return False
+        if isinstance(task, Task):
+            try:
+                # A job stored by name (the CLI, a client without the task module) was
+                # never bound; arguments that do not fit fail every run alike.
+                task.check_arguments(msg.args, msg.kwargs)
+            except TypeError as exc:
+                log_job(self._logger, logging.ERROR, "job failed: bad arguments", key, msg)
+                error = f"{exc} (not retried: the same arguments fail on every run)"
+                self._report(key, protocol.FailedReport(*key, error=error, retry=False))
+                return False
+        if self._credit(mode, free) <= 0:
+            self._release(key, f"no free {mode} slot", msg)
+            return False
+        self._queued[key] = codec.assignment(msg)
+        self._held[mode] += 1
+        return True
+
+    def _room(self, mode: ExecutionMode, free: Mapping[ExecutionMode, int]) -> int:
+        """Slots of ``mode`` a job can start in now."""
+        return max(0, free.get(mode, 0) - self._starting[mode])
+
+    def _unqueue(self, key: LeaseKey) -> Assignment | None:
+        """Take a prefetched job out of the FIFO (it starts, or goes back unstarted)."""
+        assignment = self._queued.pop(key, None)
+        if assignment is not None:
+            self._held[assignment.execution_mode] -= 1
+        return assignment
+
+    def _credit(self, mode: ExecutionMode, free: Mapping[ExecutionMode, int]) -> int:
+        """Jobs of ``mode`` this worker can take now: its room plus the prefetch window,
+        less the prefetched jobs it already holds."""
+        return max(0, self._room(mode, free) + self._prefetch.get(mode, 0) - self._held[mode])
+
+    def _start_queued(self, free: Mapping[ExecutionMode, int] | None) -> list[WorkerEffect]:
+        """Start prefetched jobs, oldest first within each mode, while their mode has room.
+
+        The rooms are counted first, so a full window is not walked (nor copied) for
+        every job received while each slot is busy."""
+        if free is None or not self._queued:
+            return []
+        room = {
+            mode: left
+            for mode, held in self._held.items()
+            if held and (left := self._room(mode, free)) > 0
+        }
+        if not room:
+            return []
+        chosen: list[tuple[LeaseKey, Assignment]] = []
+        for key, assignment in self._queued.items():
+            mode = assignment.execution_mode
+            left = room.get(mode, 0)
+            if left <= 0:
+                continue  # later jobs of this mode wait behind the ones chosen
+            chosen.append((key, assignment))
+            room[mode] = left - 1
+            if left == 1 and not any(room.values()):
+                break
+        effects: list[WorkerEffect] = []
+        debug = self._logger.isEnabledFor(logging.DEBUG)  # then no fields are built per job
+        for key, assignment in chosen:
+            mode = assignment.execution_mode
+            self._unqueue(key)
+            self._starting[mode] += 1
+            self._running[key] = assignment
+            self._remember_rules(key, assignment.task, assignment.attempt)
+            if debug:
+                self._log_job(logging.DEBUG, "job started", key, mode=mode.value)
+            effects.append(StartRun(assignment))
+        return effects
+
+    def _remember_rules(self, key: LeaseKey, name: str, attempt: int) -> None:
+        """Keep the retry policy and backoff of a job's task while it runs, to judge its
+        failure."""
+        try:
+            task = self._lookup_task(name)
+        except TaskNotFoundError:
+            return
+        if isinstance(task, Task) and (task.retry is not None or task.backoff is not None):
+            self._rules[key] = _RetryRules(task.retry, task.backoff, attempt)
+
+    def run_entered(self, key: LeaseKey) -> list[WorkerEffect]:
+        """The runner took the job's slot: its own count now covers it."""
+        self._starting[self._running[key].execution_mode] -= 1
+        return []
+
+    def run_finished(
+        self,
+        key: LeaseKey,
+        outcome: RunOutcome | None,
+        free: Mapping[ExecutionMode, int] | None = None,
+        now: float | None = None,
+    ) -> list[WorkerEffect]:
+        """A run ended with ``outcome`` (``None``: abandoned while shutting down, nothing
+        to report) at ``now`` (loop time, for an adaptive window); its report joins the
+        outbox, the oldest prefetched job takes its slot (given ``free``, the runners'
+        slots now), and the rest is advertised."""
+        mode = self._running[key].execution_mode  # kept until its report is logged
+        window = self._adaptive.get(mode)
+        if window is not None and now is not None and window.finished(now):
+            self._prefetch[mode] = window.size
+        # The outcome supersedes any progress not sent yet. (Each look-up hashes two UUIDs
+        # in Python, so the usually empty maps are not looked in.)
+        if self._progress:
+            self._progress.pop(key, None)
+        if self._progress_sent:
+            self._progress_sent.pop(key, None)
+        if isinstance(outcome, Released):
+            outcome = self._start_failed(key, outcome)
+        elif self._start_failures and outcome is not None:
+            self._start_failures.pop(key[0], None)  # it ran: its count starts again
+        rules = self._rules.pop(key, None) if self._rules else None
+        if isinstance(outcome, Failed) and outcome.retry and not outcome.lost and rules:
+            outcome = rules.judge(outcome)  # a lost attempt is a recovery, not a failure
+        if outcome is None:
+            self._given_up.discard(key)
+        else:
+            self._finish(key, outcome)
+        del self._running[key]
+        self._ready_due = True
+        return self._start_queued(free) + self._effects()
+
+    def _start_failed(self, key: LeaseKey, outcome: Released) -> RunOutcome:
+        """The runner could not start a process for the job (it failed to import the apps,
+        crashed or hung before its handshake): the runner's fault, not the job's, so the
+        job goes back to the queue unharmed, and the runner's start-up guard stops the
+        mode's credit until a process starts again.
+
+        But when processes start for the mode's probe and keep failing for one job, that
+        job would go back and forth for ever. So past
+        :data:`~broker.model.bounds.RUNNER_START_FAILURES_FORGIVEN` failures for one job on this
+        worker, each counts as a failed attempt, retried by the job's rules like any
+        failure: the job ends, dead with that error once its attempts are spent.
+        (Nor is a job the main cancelled, or one stopped by this worker's drain: their
+        release is the cancel or the stop working.)
+        """
+        if key in self._cancelled or self._draining:
+            return outcome
+        failures = self._start_failures.pop(key[0], 0) + 1
+        self._start_failures[key[0]] = failures  # now the most recent
+        if len(self._start_failures) > RUNNER_START_FAILURES_TRACKED:
+            del self._start_failures[next(iter(self._start_failures))]
+        if failures <= RUNNER_START_FAILURES_FORGIVEN:
+            return outcome
+        return Failed(
+            f"its runner process failed to start {failures} times for this job (after "
+            f"{RUNNER_START_FAILURES_FORGIVEN}, each failure counts as an attempt); "
+            f"the last time: {outcome.reason}"
+        )
+
+    def _finish(self, key: LeaseKey, outcome: RunOutcome) -> None:
+        report: protocol.Report
+        match outcome:
+            case Completed(result=result):
+                report = protocol.CompletedReport(*key, result=result)
+                self._log_job(logging.DEBUG, "job completed", key)
+            case Failed() | Released() if key in self._cancelled:
+                report = (
+                    protocol.FailedReport(*key, error=outcome.error, retry=outcome.retry)
+                    if isinstance(outcome, Failed)
+                    else protocol.ReleaseReport(*key, reason=outcome.reason)
+                )
+                self._log_job(logging.INFO, "job stopped by its cancel", key)
+            case Failed() if key in self._given_up:
+                report = protocol.ReleaseReport(
+                    *key, reason="the worker stopped before the job ended"
+                )
+                self._log_job(logging.WARNING, "job given back", key, error=outcome.error)
+            case Failed(error=error, lost=True):
+                report = protocol.FailedReport(*key, error=error, lost=True)
+                self._log_job(logging.WARNING, "job attempt lost", key, error=error)
+            case Failed(error=error, retry=retry, retry_delay=wait):
+                report = protocol.FailedReport(*key, error=error, retry=retry, retry_delay=wait)
+                self._log_job(logging.WARNING, "job failed", key, error=error, retry=retry)
+            case Released(reason=reason):
+                report = protocol.ReleaseReport(*key, reason=reason)
+                self._log_job(logging.WARNING, "job released by its runner", key, reason=reason)
+            case Rescheduled(delay=delay):
+                try:
+                    report = protocol.RescheduleReport(*key, delay=delay)
+                except ValueError as exc:
+                    report = protocol.FailedReport(*key, error=f"invalid reschedule: {exc}")
+                self._log_job(logging.INFO, "job rescheduled", key, delay=delay)
+        if self._given_up:
+            self._given_up.discard(key)
+        self._report(key, report)
+
+    def cancel_received(self, msg: protocol.CancelJob) -> list[WorkerEffect]:
+        """The main cancelled this job: stop it. Its outcome is still reported, and the
+        main acknowledges it ``stale`` because the store already says ``cancelled``."""
+        key = (msg.job_id, msg.handoff_id)
+        if (queued := self._unqueue(key)) is not None:
+            self._release(key, "cancelled before it started", queued)
+            self._ready_due = True
+            return self._effects()
+        running = self._running.get(key)
+        if running is None:
+            self._log_job(logging.INFO, "cancel for a job not running here; nothing to stop", key)
+            return []
+        self._log_job(logging.INFO, "job cancelled by the main; stopping it", key)
+        self._cancelled.add(key)
+        return [StopRun(key, running.execution_mode)]
+
+    def ack_received(self, ack: protocol.ReportAck) -> list[WorkerEffect]:
+        """The main settled a report (applied, duplicate, stale or refused): forget it."""
+        key = (ack.job_id, ack.handoff_id)
+        report = self._outbox.pop(key, None)
+        if report is None:
+            return []  # an ack for a report re-sent on an earlier connection, already settled
+        cancelled = bool(self._cancelled) and key in self._cancelled
+        if cancelled:
+            self._cancelled.discard(key)
+        if cancelled and ack.status is protocol.AckStatus.STALE:
+            self._log_job(
+                logging.INFO, "cancelled job's report acknowledged stale, as expected", key
+            )
+        elif ack.status is protocol.AckStatus.STALE:
+            self._log_job(
+                logging.WARNING,
+                "report stale: the main had moved the job on",
+                key,
+                outcome=report.type,
+            )
+        elif ack.status is protocol.AckStatus.REFUSED:
+            self._log_job(
+                logging.ERROR,
+                "report refused: the main could not store it and gave the job back",
+                key,
+                outcome=report.type,
+            )
+        elif self._logger.isEnabledFor(logging.DEBUG):  # an enum's value costs, even unused
+            self._log_job(logging.DEBUG, "report acknowledged", key, status=ack.status.value)
+        return []
+
+    # ------------------------------------------------------------------ checkpoints, progress
+
+    def checkpoint_requested(self, key: LeaseKey, seq: int, state: JSONValue) -> list[WorkerEffect]:
+        """A running job saves checkpoint ``seq``: it goes out (and out again on every new
+        connection) until the main answers. Refused at once when the run has ended (a
+        thread left behind by a timeout, say) or the state is over the main's limit."""
+        if key not in self._running:
+            return [
+                CheckpointSettled(
+                    key, seq, ErrorCode.CHECKPOINT_REJECTED, "the job's run has already ended"
+                )
+            ]
+        link = self._link
+        if link is not None:
+            shape = shape_problem(
+                state, link.max_payload_depth, link.max_payload_containers, "the checkpoint"
+            )
+            if shape is not None:  # the main would refuse it: say so at once
+                message = f"{shape}; flatten it"
+                return [CheckpointSettled(key, seq, ErrorCode.PAYLOAD_TOO_LARGE, message)]
+        limit = link.max_checkpoint_bytes if link is not None else None
+        if limit is not None:
+            size = encoded_size(state)
+            if size > limit:
+                message = (
+                    f"the checkpoint is {size} bytes as JSON, over the main's checkpoint "
+                    f"limit of {limit} bytes; keep large state elsewhere and checkpoint a "
+                    "reference to it"
+                )
+                return [CheckpointSettled(key, seq, ErrorCode.PAYLOAD_TOO_LARGE, message)]
+        self._checkpoints.setdefault(key, {})[seq] = state
+        if self._link is not None:
+            self._link.unsent_checkpoints.append((key, seq))
+        return self._effects()
+
+    def checkpoint_ack_received(self, ack: protocol.CheckpointAck) -> list[WorkerEffect]:
+        """The main answered a checkpoint: wake its task with the answer. ``applied`` and
+        ``duplicate`` both mean durable (a duplicate was stored on an earlier send)."""
+        key = (ack.job_id, ack.handoff_id)
+        saves = self._checkpoints.get(key)
+        if saves is None or ack.seq not in saves:
+            return []  # answered already, on an earlier connection
+        del saves[ack.seq]
+        if not saves:
+            del self._checkpoints[key]
+        if ack.status in (protocol.AckStatus.APPLIED, protocol.AckStatus.DUPLICATE):
+            return [CheckpointSettled(key, ack.seq)]
+        self._log_job(logging.WARNING, "checkpoint not saved", key, status=ack.status.value)
+        code = ack.code or ErrorCode.CHECKPOINT_REJECTED
+        message = ack.message or f"the main answered {ack.status.value}"
+        return [CheckpointSettled(key, ack.seq, code, message)]
+
+    def progress_reported(
+        self, key: LeaseKey, fraction: float, message: str, now: float
+    ) -> list[WorkerEffect]:
+        """A running job's progress: kept as its latest, and sent at most once per
+        ``progress_interval`` per job (see :meth:`outgoing`); a job's first goes at once."""
+        if key not in self._running:
+            return []
+        self._progress[key] = (fraction, message)
+        return self._progress_effects(now)
+
+    def progress_due(self, now: float) -> list[WorkerEffect]:
+        """The timer of :class:`ProgressLater` fired."""
+        self._progress_timer = False
+        return self._progress_effects(now)
+
+    def _progress_effects(self, now: float) -> list[WorkerEffect]:
+        link = self._link
+        if link is None or not self._progress:
+            return []
+        effects: list[WorkerEffect] = []
+        waits = [self._progress_wait(key, now) for key in self._progress]
+        if min(waits) <= 0:
+            link.progress_due = True
+            effects += self._effects()
+        later = [wait for wait in waits if wait > 0]
+        if later and not self._progress_timer:
+            self._progress_timer = True
+            effects.append(ProgressLater(min(later)))
+        return effects
+
+    def _progress_wait(self, key: LeaseKey, now: float) -> float:
+        sent = self._progress_sent.get(key)
+        return 0.0 if sent is None else sent + self._progress_interval - now
+
+    # ------------------------------------------------------------------ stopping
+
+    def drain_requested(self, fast: bool = False) -> list[WorkerEffect]:
+        """Start draining: advertise no slots, say ``draining``, release jobs that arrive.
+        A second request (or ``fast``) gives running jobs back instead of waiting."""
+        effects: list[WorkerEffect] = []
+        if not self._draining:
+            self._draining = True
+            self._ready_due = True
+            self._logger.info(
+                "draining: %d running, %d reports unacknowledged",
+                len(self._running),
+                len(self._outbox),
+                extra={"event": "draining"},
+            )
+            effects.append(Drain())
+            if not fast:
+                return effects + self._effects()
+        if not self._fast:
+            self._fast = True
+            self._logger.warning(
+                "stopping fast: cancelling %d running jobs",
+                len(self._running),
+                extra={"event": "stopping_fast"},
+            )
+            self.give_back_queued()
+            effects.append(StopFast())
+        return effects + self._effects()
+
+    def give_back_queued(self) -> list[WorkerEffect]:
+        """Release every prefetched job unstarted (a fast stop, or the drain deadline):
+        it goes back to the queue without an attempt counted."""
+        for key in list(self._queued):
+            self._release(key, "the worker stopped before the job started", self._unqueue(key))
+        return self._effects()
+
+    def stop_run(self, key: LeaseKey, *, give_up: bool) -> StopRun | None:
+        """Stop a running job at the drain deadline: it fails (it ran too long), unless
+        ``give_up``, when it is released back to the queue unharmed. ``None`` if the job
+        has already ended (the caller stops jobs one at a time, awaiting each)."""
+        running = self._running.get(key)
+        if running is None:
+            return None
+        if give_up:
+            self._given_up.add(key)
+        return StopRun(key, running.execution_mode)
+
+    # ------------------------------------------------------------------ sending
+
+    def outgoing(self, now: float = 0.0) -> list[protocol.Message]:
+        """Everything due on the connection except ``ready``: pongs, ``draining`` once,
+        checkpoints, the progress due at ``now``, then reports in outbox order (each made
+        sendable)."""
+        link = self._require_link()
+        batch: list[protocol.Message] = [protocol.Pong(nonce=n) for n in link.pongs]
+        link.pongs.clear()
+        if self._draining and not link.draining_sent:
+            batch.append(protocol.Draining())
+            link.draining_sent = True
+        while link.unsent_checkpoints:
+            key, seq = link.unsent_checkpoints.popleft()
+            saves = self._checkpoints.get(key)
+            if saves is not None and seq in saves:
+                batch.append(protocol.SaveCheckpoint(*key, seq=seq, state=saves[seq]))
+        if link.progress_due:
+            link.progress_due = False
+            for key, (fraction, message) in list(self._progress.items()):
+                if self._progress_wait(key, now) <= 0:
+                    batch.append(protocol.Progress(*key, fraction=fraction, message=message))
+                    self._progress_sent[key] = now
+                    del self._progress[key]
+        while link.unsent:
+            key = link.unsent.popleft()
+            report = self._outbox.get(key)
+            if report is not None:
+                batch.append(self._sendable(key, report, link))
+        return batch
+
+    def take_ready(self, free: Mapping[ExecutionMode, int]) -> protocol.Ready | None:
+        """The ``ready`` due, if one is, computed from ``free`` (each runner's free slots
+        now) at the moment it is sent: exact credit, never more than the runners have."""
+        if not self._ready_due:
+            return None
+        self._ready_due = False
+        slots = {mode: 0 if self._draining else self._credit(mode, free) for mode in self._modes}
+        return protocol.Ready(slots=slots, seen=self._require_link().seen)
+
+    def _sendable(self, key: LeaseKey, report: protocol.Report, link: _Link) -> protocol.Report:
+        """``report`` if the main can take it; otherwise a failure that says why.
+
+        Without this, a result the main rejects (too long, not JSON) would close the
+        connection, come back from the outbox on reconnect, and close it again forever;
+        and a result nested too deeply to encode would take the send loop down, with the
+        job handed to the next worker to do the same. A result over the main's payload
+        limits (from ``welcome``) fails here, as the main would fail it, without being sent.
+        """
+        limit = link.max_line_bytes
+        completed = report if isinstance(report, protocol.CompletedReport) else None
+        problem = None
+        containers = link.max_payload_containers
+        if completed is not None:
+            # Shape first: encoding a value nested too deeply would itself recurse too far,
+            # and the walk stops at the container bound, so a huge result costs little.
+            problem = result_too_deep(completed.result, link.max_payload_depth, containers)
+        if problem is None:
+            try:
+                encoded = protocol.encode_item(report)
+            except ValueError as exc:
+                problem = f"the outcome cannot be sent as JSON: {exc}"
+            else:
+                size = len(encoded)
+                if completed is not None:
+                    problem = result_too_large_on_wire(
+                        completed.result, size, link.max_payload_bytes
+                    )
+                if (
+                    problem is None
+                    and containers is not None
+                    and containers_in(encoded) > containers + MESSAGE_CONTAINERS - 2
+                ):
+                    # The main counts ``[`` and ``{`` in the line, strings included.
+                    problem = too_many_containers(f"the {report.type} report", containers)
+                if problem is None and size <= limit:
+                    link.encoded[key] = encoded
+                    return report
+                problem = problem or (
+                    f"the {report.type} report is {size} bytes, over the main's limit of {limit}"
+                )
+        if isinstance(report, protocol.FailedReport):
+            # Keep the retry decision; JSON spends at most 6 bytes on a character.
+            error = report.error[: limit // 8]
+            fitted = protocol.FailedReport(
+                *key,
+                error=error,
+                retry=report.retry,
+                retry_delay=report.retry_delay,
+                lost=report.lost,
+            )
+        else:
+            fitted = protocol.FailedReport(*key, error=problem[:1000], retry=False)
+        self._log_job(logging.ERROR, "report replaced", key, reason=problem[:200])
+        self._outbox[key] = fitted
+        link.encoded[key] = protocol.encode_item(fitted)
+        return fitted
+
+    def encoded(self, report: protocol.Report) -> bytes:
+        """``report`` (from :meth:`outgoing`) as encoded when it was measured."""
+        key = (report.job_id, report.handoff_id)
+        line = self._require_link().encoded.pop(key, None)
+        # Absent only if one lease's report was listed twice: encode the repeat again.
+        return protocol.encode_item(report) if line is None else line
+
+    # ------------------------------------------------------------------ helpers
+
+    def _require_link(self) -> _Link:
+        if self._link is None:
+            raise RuntimeError("no connection: this event comes only from a connected main")
+        return self._link
+
+    def _release(self, key: LeaseKey, reason: str, job: JobTags | None = None) -> None:
+        log_job(self._logger, logging.INFO, "job released", key, job, reason=reason)
+        self._report(key, protocol.ReleaseReport(*key, reason=reason))
+
+    def _report(self, key: LeaseKey, report: protocol.Report) -> None:
+        self._outbox[key] = report
+        if self._link is not None:
+            self._link.unsent.append(key)
+
+    def _effects(self) -> list[WorkerEffect]:
+        """``[WakeSender()]`` if the connection has something to send, else nothing."""
+        link = self._link
+        if link is None:
+            return []
+        due = (
+            link.pongs
+            or link.unsent
+            or link.unsent_checkpoints
+            or link.progress_due
+            or self._ready_due
+            or (self._draining and not link.draining_sent)
+        )
+        return [WakeSender()] if due else []
+
+    def job_of(self, key: LeaseKey) -> Assignment | None:
+        """The job running (or waiting for a slot) under ``key``, if any."""
+        return self._running.get(key) or self._queued.get(key)
+
+    def _log_job(self, level: int, event: str, key: LeaseKey, **fields: Any) -> None:
+        if self._logger.isEnabledFor(level):
+            log_job(self._logger, level, event, key, self.job_of(key), **fields)
+
+
+class JobTags(Protocol):
+    """What a log line names a job by, besides its lease: a ``job`` message or an
+    :class:`~broker.tasks.runner.Assignment`."""
+
+    @property
+    def task(self) -> str: ...
+    @property
+    def queue(self) -> str: ...
+    @property
+    def attempt(self) -> int: ...
+
+
+def log_job(
+    logger: logging.Logger,
+    level: int,
+    event: str,
+    key: LeaseKey,
+    job: JobTags | None = None,
+    /,
+    *,
+    exc_info: BaseException | None = None,
+    **fields: Any,
+) -> None:
+    """One log line about one lease: its ids, the ``job``'s task, queue and attempt when
+    known, and ``fields``, as structured fields (see :func:`broker.model.logs.log_event`).
+
+    The everyday events of a job that goes well (started, completed, acknowledged) are
+    logged at DEBUG, and nothing is built before the level check: at a thousand jobs a
+    second, three INFO lines per job were a seventh of the worker's CPU.
+    """
+    if not logger.isEnabledFor(level):
+        return
+    if job is not None:
+        fields = {"task": job.task, "queue": job.queue, "attempt": job.attempt, **fields}
+    logs.log_event(
+        logger, level, event, job_id=key[0], handoff_id=key[1], exc_info=exc_info, **fields
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _RetryRules:
+    """What a running job's task declares about its failures, and which run this is."""
+
+    policy: RetryPolicy | None
+    backoff: TaskBackoff | None
+    attempt: int
+
+    def judge(self, outcome: Failed) -> Failed:
+        """The failure as the task's rules judge it: one its policy's exception rules out
+        is not retried (and says why); one that is retried waits what the task's backoff
+        says. An exception this process cannot name is retried, as without a policy: only
+        a declared rule ends a job early.
+
+        The backoff is the task's own function, called here with the number of failures
+        (this run's attempt). A wait it cannot give (it raised, or returned a negative,
+        endless or non-numeric value) is refused: the failure goes without one, so the
+        main's backoff applies, and the job's error says why."""
+        if self.policy is not None:
+            error = reported_exception(outcome.error)
+            if error is not None and not self.policy.retries(error):
+                return Failed(
+                    f"{outcome.error}\n(not retried: the task's retry policy excludes "
+                    f"{error.__qualname__})",
+                    retry=False,
+                )
+        if self.backoff is None:
+            return outcome
+        try:
+            wait = backoff_seconds(self.backoff, self.attempt)
+        except ValueError as exc:
+            return Failed(f"{outcome.error}\n({exc}; the main's backoff applies)")
+        return Failed(outcome.error, retry_delay=wait)

@@ -1,0 +1,767 @@
+"""The main's connections: accepting them under caps, the handshake, reading and writing.
+
+This is transport only. What a connection means to the handoff (role, credits, leases,
+liveness) is its :class:`broker.core.handoff.Peer`; what its messages mean is decided by the
+main, which :class:`Connections` calls back: ``welcome`` once a hello passed the
+checks, ``handle`` for each later message, ``closed`` when the connection ends, ``wake``
+when a paused peer can take jobs again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+import ssl
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from broker.core.admission import Credits
+from broker.core.handoff import Peer
+from broker.credentials import Credentials
+from broker.exceptions import ProtocolError
+from broker.jobs import ExecutionMode, Job
+from broker.model.bounds import (
+    AUTH_FAILURE_LOG_BURST,
+    AUTH_FAILURE_LOG_PER_SECOND,
+    MESSAGE_CONTAINERS,
+)
+from broker.model.logs import log_event
+from broker.model.untrusted import RateLimit
+from broker.wire import framing as wire
+from broker.wire import messages as protocol
+from broker.wire import tls
+
+logger = logging.getLogger("broker.main")
+
+_WRITE_BATCH_BYTES = 256 << 10
+"""A writer joins queued lines into one write up to about this size; bigger batches would
+hold a second copy of the queue in memory."""
+
+
+class ConnectionSettings(Protocol):
+    """The main's settings that its connections read
+    (:class:`broker.main.settings.MainSettings`)."""
+
+    @property
+    def credentials(self) -> Credentials: ...
+    @property
+    def preauth_max_line_bytes(self) -> int: ...
+    @property
+    def max_line_bytes(self) -> int: ...
+    @property
+    def handshake_timeout(self) -> float: ...
+    @property
+    def max_errors_per_connection(self) -> int: ...
+    @property
+    def max_outbox_bytes(self) -> int: ...
+    @property
+    def max_requests_per_connection(self) -> int: ...
+    @property
+    def max_request_bytes_per_connection(self) -> int: ...
+    @property
+    def max_request_bytes(self) -> int: ...
+    @property
+    def max_payload_containers(self) -> int: ...
+    @property
+    def max_connections(self) -> int: ...
+    @property
+    def max_connections_per_address(self) -> int: ...
+    @property
+    def max_unauthenticated(self) -> int: ...
+    @property
+    def max_unauthenticated_per_address(self) -> int: ...
+
+
+class RequestBytes:
+    """The bytes of client requests in progress across all connections (their lines'
+    lengths, a measure of what their decoded messages hold). At ``limit`` a connection
+    with requests of its own in progress stops reading until the total is under it
+    again; one with none still reads (its next request, and its pongs), so a few large
+    requests never stall every client, nor get idle ones dropped for unanswered pings.
+    The count cap per connection alone let 16 requests of 15 MiB on one connection
+    hold hundreds of MiB."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.bytes = 0
+        self.waiting: set[Session] = set()
+        """Connections not read because the total is at ``limit``."""
+
+    @property
+    def full(self) -> bool:
+        return self.bytes >= self.limit
+
+    def add(self, size: int) -> None:
+        self.bytes += size
+
+    def remove(self, size: int) -> None:
+        self.bytes -= size
+        if not self.full:
+            for session in list(self.waiting):
+                session.update_readable()
+
+
+@dataclass(eq=False)
+class Session:
+    """One connection's transport. What the handoff knows of it (role, credits, leases,
+    liveness) is its :class:`broker.core.handoff.Peer`, ``state``, kept by :attr:`Main.handoff`.
+
+    Everything the main sends goes through :meth:`send` into ``outbox``, which one writer
+    task drains. Its size in bytes is what back-pressure acts on: over
+    ``max_outbox_bytes`` the session is *paused* (no more jobs, and the main stops reading
+    its messages) until half of it has been written.
+    """
+
+    state: Peer
+    peer: str
+    writer: wire.MessageWriter
+    max_outbox_bytes: int
+    max_line_bytes: int
+    """The longest line the peer accepts (the main's cap, which its welcome announces)."""
+    max_requests: int
+    """Client requests this connection may have in progress before reading pauses."""
+    max_request_bytes: int = 1 << 62
+    """Bytes of this connection's requests in progress (their lines) before reading pauses."""
+    read_ahead: RequestBytes | None = None
+    """The bytes of every connection's requests in progress (:class:`RequestBytes`)."""
+    line_bytes: int = 0
+    """The length of the line just read: what a request it starts is counted as."""
+    request_bytes: int = 0
+    """Bytes of this connection's requests in progress."""
+    host: str | None = None
+    rights: frozenset[protocol.Role] = frozenset()
+    """The roles whose requests this connection may make, set at its hello
+    (:meth:`broker.credentials.Credentials.rights`)."""
+    reported_status: dict[str, Any] | None = None
+    """The worker's last ``worker_status`` (its runners' capacity and start-up errors)."""
+    closed: bool = False
+    dropped: bool = False
+    """The main judged the peer dead and aborted the connection; stop reading it."""
+    errors: int = 0
+    outbox: deque[bytes] = field(default_factory=deque)
+    outbox_bytes: int = 0
+    """Queued bytes, plus those of the write in progress until it has drained."""
+    requests: set[asyncio.Task[None]] = field(default_factory=set)
+    """This connection's client requests in progress (cancelled when it closes)."""
+    readable: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set while the main may read this connection's next message."""
+    _queued: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.readable.set()
+
+    # The handoff's view of this connection, read-only here (only the core changes it).
+    @property
+    def id(self) -> int:
+        return self.state.id
+
+    @property
+    def role(self) -> protocol.Role | None:
+        return self.state.role
+
+    @property
+    def worker_id(self) -> str | None:
+        return self.state.worker_id
+
+    @property
+    def modes(self) -> frozenset[ExecutionMode]:
+        return self.state.modes
+
+    @property
+    def queues(self) -> frozenset[str] | None:
+        return self.state.queues
+
+    @property
+    def credits(self) -> Credits:
+        return self.state.credits
+
+    @property
+    def leases(self) -> dict[uuid.UUID, Job]:
+        return self.state.leases
+
+    @property
+    def draining(self) -> bool:
+        return self.state.draining
+
+    def summary(self) -> dict[str, Any]:
+        """This worker as ``broker status`` shows it: what the handoff knows of it, and the
+        capacity and start-up errors its last ``worker_status`` reported."""
+        reported = self.reported_status or {}
+        runners = reported.get("runners")
+        runners = runners if isinstance(runners, dict) else {}
+        capacity: dict[str, Any] = {}
+        busy: dict[str, Any] = {}
+        startup_errors: dict[str, Any] = {}
+        for mode, runner in runners.items():
+            if not isinstance(runner, dict):
+                continue
+            capacity[mode] = runner.get("capacity")
+            busy[mode] = runner.get("busy")
+            if runner.get("startup_error"):
+                startup_errors[mode] = runner["startup_error"]
+        return {
+            "session": self.id,
+            "worker_id": self.worker_id,
+            "host": self.host,
+            "modes": sorted(m.value for m in self.modes),
+            "queues": sorted(self.queues) if self.queues is not None else None,
+            "draining": self.draining,
+            "in_flight": len(self.leases),
+            "credits": {m.value: self.credits.available(m) for m in self.modes},
+            "capacity": capacity,
+            "busy": busy,
+            "startup_errors": startup_errors,
+            "status_reported": self.reported_status is not None,
+        }
+
+    def send(self, msg: protocol.Message) -> None:
+        """Queue a message for this connection's writer task; never blocks the caller, so
+        one slow peer cannot stall dispatch to the others."""
+        if self.closed:
+            return
+        self._queue(protocol.encode(msg))
+
+    def reply(self, msg: protocol.Message) -> None:
+        """Send a request's answer: written at once when nothing is queued or being
+        written, which spares the writer task a wake-up per request; queued as
+        :meth:`send` does otherwise, behind what is already queued. A long answer (a page
+        of jobs) always goes through the outbox, whose size back-pressure and the
+        liveness checks watch."""
+        if self.closed:
+            return
+        data = protocol.encode(msg)
+        if (
+            self.outbox_bytes
+            or len(data) > wire.BATCH_LINE_BYTES
+            or not self.writer.write_now(data)
+        ):
+            self._queue(data)
+
+    def send_batch(self, kind: type[protocol.Batch], msgs: Sequence[protocol.Message]) -> None:
+        """Queue ``msgs`` (the messages a ``kind`` batch carries) in as few lines as the
+        line limit allows, each message encoded once (:func:`broker.wire.messages.pack`)."""
+        if self.closed or not msgs:
+            return
+        limit = min(self.max_line_bytes, wire.BATCH_LINE_BYTES)
+        for line in protocol.pack(kind, [protocol.encode_item(msg) for msg in msgs], limit):
+            self._queue(line)
+
+    def _queue(self, data: bytes) -> None:
+        self.outbox.append(data)
+        self.outbox_bytes += len(data)
+        self._queued.set()
+        liveness = self.state.liveness
+        if liveness.paused_since is None and self.outbox_bytes > self.max_outbox_bytes:
+            liveness.paused_since = asyncio.get_running_loop().time()
+            self.update_readable()
+
+    async def next_write(self) -> bytes:
+        """The next lines to write, joined: all that is queued, up to about 256 KiB."""
+        while not self.outbox:
+            self._queued.clear()
+            await self._queued.wait()
+        chunks = [self.outbox.popleft()]
+        size = len(chunks[0])
+        while self.outbox and size < _WRITE_BATCH_BYTES:
+            chunks.append(self.outbox.popleft())
+            size += len(chunks[-1])
+        return b"".join(chunks)
+
+    def written(self, size: int) -> bool:
+        """``size`` bytes have left the outbox; ``True`` when that ends a pause."""
+        self.outbox_bytes -= size
+        liveness = self.state.liveness
+        if liveness.paused_since is None or self.outbox_bytes > self.max_outbox_bytes // 2:
+            return False
+        liveness.paused_since = None
+        self.update_readable()
+        return True
+
+    def add_request(self, task: asyncio.Task[None]) -> None:
+        """Count a request in progress, as many bytes as the line that carried it."""
+        size = self.line_bytes
+        self.requests.add(task)
+        self.request_bytes += size
+        if self.read_ahead is not None:
+            self.read_ahead.add(size)
+        task.add_done_callback(lambda done: self._request_done(done, size))
+        self.update_readable()
+
+    def _request_done(self, task: asyncio.Task[None], size: int) -> None:
+        self.requests.discard(task)
+        self.request_bytes -= size
+        self.update_readable()
+        if self.read_ahead is not None:
+            self.read_ahead.remove(size)
+
+    def update_readable(self) -> None:
+        """Let the read loop read on, or not: it waits while the outbox is over its cap,
+        and while this connection's requests in progress are at their caps (count or
+        bytes) or, with some in progress, all connections' are at theirs."""
+        paused = self.state.liveness.paused_since is not None
+        total = self.read_ahead
+        waiting = bool(self.requests) and total is not None and total.full
+        if total is not None and waiting and not self.dropped:
+            total.waiting.add(self)
+        elif total is not None:
+            total.waiting.discard(self)
+        if self.dropped or (
+            not paused
+            and not waiting
+            and len(self.requests) < self.max_requests
+            and self.request_bytes < self.max_request_bytes
+        ):
+            self.readable.set()
+        else:
+            self.readable.clear()
+
+    def abort(self) -> None:
+        """Drop the connection now, unsent data and all; the read loop ends at once."""
+        self.dropped = True
+        self.writer.abort()
+        self.update_readable()
+
+
+class Gathered:
+    """The messages one batch of effects sends each peer, joined into batch lines.
+
+    Jobs and acknowledgements are gathered per peer and sent as ``jobs`` and
+    ``report_acks`` lines by :meth:`send_all`; any other message for a peer first sends
+    what was gathered for it, so each peer still receives its messages in order.
+    """
+
+    def __init__(self, sessions: Mapping[int, Session]) -> None:
+        self._sessions = sessions
+        self._gathered: dict[int, tuple[type[protocol.Batch], list[protocol.Message]]] = {}
+
+    def add(self, peer: int, kind: type[protocol.Batch], msg: protocol.Message) -> None:
+        if peer in self._gathered and self._gathered[peer][0] is not kind:
+            self._send_gathered(peer)
+        self._gathered.setdefault(peer, (kind, []))[1].append(msg)
+
+    def send(self, peer: int, msg: protocol.Message) -> None:
+        self._send_gathered(peer)
+        if (session := self._sessions.get(peer)) is not None:
+            session.send(msg)
+
+    def drop(self, peer: int) -> None:
+        """Forget what was gathered for ``peer`` (its connection is being aborted)."""
+        self._gathered.pop(peer, None)
+
+    def send_all(self) -> None:
+        for peer in list(self._gathered):
+            self._send_gathered(peer)
+
+    def _send_gathered(self, peer: int) -> None:
+        batch = self._gathered.pop(peer, None)
+        if batch is not None and (session := self._sessions.get(peer)) is not None:
+            session.send_batch(*batch)
+
+
+def _address(peername: object) -> str:
+    """The IP address of a peer (``peername`` as asyncio gives it), which the limits per
+    address count."""
+    return str(peername[0]) if isinstance(peername, tuple) else str(peername)
+
+
+class _TLSHandshake(asyncio.Protocol):
+    """A connection just accepted on a TLS port, until :meth:`Connections._start_tls`
+    takes it over. It stops reading at once, so the peer's first TLS record stays in the
+    socket for the handshake to read."""
+
+    def __init__(self, connections: Connections, context: ssl.SSLContext) -> None:
+        self._connections = connections
+        self._context = context
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.pause_reading()
+        connections = self._connections
+        address = _address(transport.get_extra_info("peername"))
+        refusal = connections.handshake_refusal(
+            address, len(connections.tls_handshakes), "TLS handshakes are under way"
+        )
+        if refusal is not None:
+            # Like a connection over the limit in the protocol's own handshake, but
+            # without the error line: the peer expects TLS records, not text.
+            connections.log_refusal(address, refusal)
+            transport.abort()
+            return
+        task = asyncio.get_running_loop().create_task(
+            connections._start_tls(transport, self._context)
+        )
+        connections.tls_handshakes.add(task)
+        connections.handshaking[address] += 1
+        task.add_done_callback(connections.tls_handshakes.discard)
+        task.add_done_callback(lambda _: connections.handshake_ended(address))
+        # A handshake cancelled (the main stopping) before it began has nobody else to
+        # close its connection.
+        task.add_done_callback(lambda done: transport.abort() if done.cancelled() else None)
+
+
+class Connections:
+    """Every connection of one main, from accept to close."""
+
+    def __init__(
+        self,
+        settings: ConnectionSettings,
+        *,
+        new_peer: Callable[[int, float], Peer],
+        welcome: Callable[[Session, protocol.Hello], bool | protocol.Error],
+        handle: Callable[[Session, protocol.Message], None],
+        closed: Callable[[Session], None],
+        wake: Callable[[], None],
+        stopping: Callable[[], bool],
+    ) -> None:
+        self.settings = settings
+        self._new_peer = new_peer
+        self._welcome = welcome
+        self._handle = handle
+        self._closed = closed
+        self._wake = wake
+        self._stopping = stopping
+        self._ids = itertools.count(1)
+        self.tasks: set[asyncio.Task[None]] = set()
+        """One task per connection, from accept to close."""
+        self._unauthenticated: set[asyncio.Task[None]] = set()
+        """Connection tasks still in the handshake (counted against max_unauthenticated)."""
+        self.tls_handshakes: set[asyncio.Task[None]] = set()
+        """TLS handshakes under way (:meth:`tls_server`), before their connection's task."""
+        self._per_address: Counter[str] = Counter()
+        self._auth_failures = RateLimit(AUTH_FAILURE_LOG_PER_SECOND, AUTH_FAILURE_LOG_BURST)
+        self._refusals = RateLimit(AUTH_FAILURE_LOG_PER_SECOND, AUTH_FAILURE_LOG_BURST)
+        self.handshaking: Counter[str] = Counter()
+        """Connections per address in a handshake, TLS's or the protocol's (counted
+        against ``max_unauthenticated_per_address``)."""
+        self.read_ahead = RequestBytes(settings.max_request_bytes)
+        """The bytes of client requests in progress on every connection."""
+
+    def tls_server(self, context: ssl.SSLContext) -> Callable[[], asyncio.Protocol]:
+        """A protocol factory for ``loop.create_server`` that runs each connection's TLS
+        handshake here rather than in asyncio's TLS server, which drops a failed one
+        without a word: the main logs it with the peer and the reason, then closes only
+        that connection. A connection whose handshake succeeds goes on to :meth:`accept`
+        as with plain TCP."""
+        return lambda: _TLSHandshake(self, context)
+
+    async def _start_tls(self, transport: asyncio.Transport, context: ssl.SSLContext) -> None:
+        loop = asyncio.get_running_loop()
+        settings = self.settings
+        reader = asyncio.StreamReader(limit=settings.preauth_max_line_bytes)
+        streams = asyncio.StreamReaderProtocol(reader, self.accept)
+        address = _address(transport.get_extra_info("peername"))
+        try:
+            secured = await loop.start_tls(
+                transport,
+                streams,
+                context,
+                server_side=True,
+                ssl_handshake_timeout=settings.handshake_timeout,
+            )
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+            log_event(
+                logger,
+                logging.WARNING,
+                "TLS handshake failed",
+                peer=address,
+                reason=tls.describe_peer_failure(exc, settings.handshake_timeout),
+            )
+            transport.abort()
+            return
+        if secured is None:  # the peer went away as the handshake ended
+            transport.abort()
+            return
+        streams.connection_made(secured)  # start_tls leaves this to its caller
+
+    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        address = _address(writer.get_extra_info("peername"))
+        refusal = self._connection_refusal(address)
+        if refusal is not None:
+            await self._refuse(writer, address, refusal)
+            return
+        self.tasks.add(task)
+        self._unauthenticated.add(task)
+        self.handshaking[address] += 1
+        self._per_address[address] += 1
+        try:
+            await self._serve(reader, writer, address)
+        except asyncio.CancelledError:
+            if not self._stopping():
+                raise
+        finally:
+            self.tasks.discard(task)
+            self._authenticated(task, address)
+            self._per_address[address] -= 1
+            if not self._per_address[address]:
+                del self._per_address[address]
+
+    def _authenticated(self, task: asyncio.Task[None], address: str) -> None:
+        """``task``'s connection has left the handshake (passed it, or closed)."""
+        if task in self._unauthenticated:
+            self._unauthenticated.discard(task)
+            self.handshake_ended(address)
+
+    def handshake_ended(self, address: str) -> None:
+        self.handshaking[address] -= 1
+        if not self.handshaking[address]:
+            del self.handshaking[address]
+
+    def _connection_refusal(self, address: str) -> str | None:
+        """Why a new connection from ``address`` is over a limit, or ``None``."""
+        settings = self.settings
+        if len(self.tasks) >= settings.max_connections:
+            return f"the main has {len(self.tasks)} connections, its limit (--max-connections)"
+        if self._per_address[address] >= settings.max_connections_per_address:
+            return (
+                f"{self._per_address[address]} connections from {address} already, the limit "
+                "per address (--max-connections-per-address)"
+            )
+        return self.handshake_refusal(
+            address, len(self._unauthenticated), "connections are still in the handshake"
+        )
+
+    def handshake_refusal(self, address: str, under_way: int, kind: str) -> str | None:
+        """Why one more handshake (``under_way`` of its kind already) from ``address`` is
+        over a limit, or ``None``. The limit per address keeps one address, holding idle
+        sockets in the handshake until the deadline, from locking every other out."""
+        settings = self.settings
+        if under_way >= settings.max_unauthenticated:
+            return f"{under_way} {kind}, the limit (--max-unauthenticated)"
+        mine = self.handshaking[address]
+        if mine >= settings.max_unauthenticated_per_address:
+            return (
+                f"{mine} handshakes are under way from {address}, the limit per address "
+                "(--max-unauthenticated-per-address)"
+            )
+        return None
+
+    async def _refuse(self, writer: asyncio.StreamWriter, address: str, reason: str) -> None:
+        """Say why in one fatal ``error`` line (sent before any challenge), then close."""
+        self.log_refusal(address, reason)
+        out = wire.MessageWriter(writer)
+        with contextlib.suppress(ConnectionError, OSError):
+            await out.send(
+                protocol.Error(
+                    code=protocol.ErrorCode.OVER_LIMIT,
+                    message=f"connection refused: {reason}",
+                    fatal=True,
+                )
+            )
+        await out.close(grace=self.settings.handshake_timeout)
+
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str
+    ) -> None:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        peername = writer.get_extra_info("peername")
+        session = Session(
+            state=self._new_peer(next(self._ids), asyncio.get_running_loop().time()),
+            peer=str(peername),
+            writer=wire.MessageWriter(writer),
+            max_outbox_bytes=self.settings.max_outbox_bytes,
+            max_line_bytes=self.settings.max_line_bytes,
+            max_requests=self.settings.max_requests_per_connection,
+            max_request_bytes=self.settings.max_request_bytes_per_connection,
+            read_ahead=self.read_ahead,
+        )
+        lines = wire.LineReader(reader, max_line_bytes=self.settings.preauth_max_line_bytes)
+        sender = asyncio.create_task(self._write_loop(session))
+        try:
+            if await self._handshake(session, lines):
+                task = asyncio.current_task()
+                assert task is not None
+                self._authenticated(task, address)
+                lines.max_line_bytes = self.settings.max_line_bytes
+                await self._read_loop(session, lines)
+        except wire.LineTooLongError as exc:
+            await self._fatal(session, protocol.ErrorCode.LINE_TOO_LONG, str(exc))
+        except wire.UnterminatedLineError as exc:
+            log_event(
+                logger, logging.INFO, "connection ended mid-line", session=session.id, error=exc
+            )
+        except protocol.DecodeError as exc:
+            await self._fatal(session, protocol.ErrorCode(exc.code), str(exc))
+        except ProtocolError as exc:
+            await self._fatal(session, protocol.ErrorCode.MALFORMED, str(exc))
+        except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
+            log_event(logger, logging.INFO, "connection lost", session=session.id, error=repr(exc))
+        finally:
+            self._closed(session)
+            for request in session.requests:
+                request.cancel()  # nobody is left to answer
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sender
+            await session.writer.close()
+
+    async def _write_loop(self, session: Session) -> None:
+        """Writes this session's queued lines in order, batching whatever is ready.
+
+        A write that stays stuck in ``drain()`` (the peer does not read) is judged by the
+        liveness loop, which allows for the main's own stalls, not by a timer here.
+        """
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                data = await session.next_write()
+                session.state.liveness.write_started = loop.time()
+                await session.writer.write_raw(data)
+                session.state.liveness.write_started = None
+                if session.written(len(data)):
+                    self._wake()  # the peer is dispatchable again
+        except (ConnectionError, OSError) as exc:
+            log_event(
+                logger, logging.INFO, "send failed, closing", session=session.id, error=repr(exc)
+            )
+            session.abort()
+
+    async def _fatal(
+        self, session: Session, code: protocol.ErrorCode, message: str, *, log: bool = True
+    ) -> None:
+        if log:
+            log_event(
+                logger,
+                logging.WARNING,
+                "closing connection",
+                session=session.id,
+                code=code,
+                reason=message,
+            )
+        with contextlib.suppress(Exception):
+            await session.writer.send(protocol.Error(code=code, message=message, fatal=True))
+
+    async def _handshake(self, session: Session, lines: wire.LineReader) -> bool:
+        nonce = protocol.make_nonce()
+        credentials = self.settings.credentials
+        await session.writer.send(
+            protocol.Challenge(
+                nonce=nonce,
+                protocol=protocol.PROTOCOL_VERSION,
+                auth_required=credentials.required,
+            )
+        )
+        try:
+            first = await asyncio.wait_for(
+                wire.read_message(lines), timeout=self.settings.handshake_timeout
+            )
+        except TimeoutError:
+            await self._fatal(
+                session,
+                protocol.ErrorCode.HANDSHAKE_TIMEOUT,
+                "no hello within the handshake deadline",
+            )
+            return False
+        if first is None:
+            return False
+        if not isinstance(first, protocol.Hello):
+            await self._fatal(
+                session, protocol.ErrorCode.NOT_ALLOWED, "the first message must be hello"
+            )
+            return False
+        refusal = credentials.refusal(first.role, nonce, first.proof)
+        if refusal is not None:
+            self._log_auth_failure(session, first.role, refusal)
+            await self._fatal(session, protocol.ErrorCode.AUTH_FAILED, refusal, log=False)
+            return False
+        session.rights = credentials.rights(first.role, nonce, first.proof)
+        if protocol.choose_protocol(first) is None:
+            ours = ", ".join(map(str, protocol.SUPPORTED_PROTOCOLS))
+            theirs = ", ".join(map(str, first.spoken()))
+            await self._fatal(
+                session,
+                protocol.ErrorCode.PROTOCOL_VERSION,
+                f"this main speaks protocol {ours}, not {theirs}",
+            )
+            return False
+        answer = self._welcome(session, first)
+        if isinstance(answer, protocol.Error):  # a standby naming the leader
+            with contextlib.suppress(Exception):
+                await session.writer.send(answer)
+            return False
+        return answer
+
+    def log_refusal(self, address: str, reason: str) -> None:
+        """Log a connection refused over a limit, within a rate: a peer opening sockets
+        in a loop must not flood the log."""
+        _log_within(self._refusals, "connection refused", peer=address, reason=reason)
+
+    def _log_auth_failure(self, session: Session, role: protocol.Role, reason: str) -> None:
+        """Log a refused hello with the peer's address, within a rate: a peer guessing
+        secrets must not flood the log."""
+        _log_within(
+            self._auth_failures,
+            "authentication failed",
+            peer=session.peer,
+            session=session.id,
+            role=role,
+            reason=reason,
+        )
+
+    async def _read_loop(self, session: Session, lines: wire.LineReader) -> None:
+        """Reads and handles messages one at a time. It waits, without reading, while the
+        session is paused or at its request caps (count and bytes), or has requests in
+        progress while all connections' hold the total byte cap: the
+        peer's further messages then stay in its socket (TCP back-pressure) rather than
+        in the main's memory. Each line is held to the container bound as it is read
+        (:attr:`broker.wire.framing.LineReader.max_containers`), before anything in it is built."""
+        containers = self.settings.max_payload_containers
+        lines.max_containers = containers + MESSAGE_CONTAINERS
+        while True:
+            await session.readable.wait()
+            try:
+                line = await lines.read_line()
+            except wire.TooManyContainersError as exc:  # dropped as it came: answer it
+                self._reply_error(session, protocol.container_refusal(exc.head, containers))
+                continue
+            if line is None or session.dropped:
+                return
+            try:
+                msg = protocol.decode_from_peer(line)
+            except protocol.DecodeError as exc:
+                self._reply_error(session, exc)
+                continue
+            session.line_bytes = len(line)
+            self._handle(session, msg)
+
+    def _reply_error(self, session: Session, exc: protocol.DecodeError) -> None:
+        if isinstance(exc, protocol.OverBoundError) and exc.instead is not None:
+            # A worker's result over the container bound (an older worker does not check
+            # it): its job fails in its place. An outcome, not a bad message.
+            log_event(logger, logging.WARNING, "report refused", session=session.id, reason=exc)
+            self._handle(session, exc.instead)
+            return
+        if isinstance(exc, protocol.OverBoundError) and exc.reply is not None:
+            log_event(logger, logging.WARNING, "checkpoint refused", session=session.id, reason=exc)
+            session.send(exc.reply)
+            return
+        session.errors += 1
+        if exc.request_id is not None:
+            session.send(
+                protocol.RequestError(request_id=exc.request_id, code=exc.code, message=str(exc))
+            )
+        else:
+            session.send(protocol.Error(code=exc.code, message=str(exc), fatal=False))
+        if session.errors >= self.settings.max_errors_per_connection:
+            raise ProtocolError(f"too many bad messages ({session.errors}); closing")
+
+
+def _log_within(rate: RateLimit, message: str, **fields: Any) -> None:
+    """A WARNING line, unless ``rate`` says this one is over it; how many it left out
+    before rides on the next line it lets through (``not_logged_before``, only when some
+    were), so a quiet log stays uncluttered and a flood is still counted."""
+    if not rate.allow():
+        return
+    if unlogged := rate.take_suppressed():
+        fields["not_logged_before"] = unlogged
+    log_event(logger, logging.WARNING, message, **fields)

@@ -1,0 +1,295 @@
+"""The client requests, written once: enqueue, get, list, cancel, retry, prune, status.
+
+Two fronts apply them: the main, answering its clients' messages, and the operator
+CLI when the main is down, working on the store directly (``broker.ops.admin``). Both go
+through :class:`Operations`, so a job refused by one is refused by the other, and a
+listing is paged the same way. The service holds the store, the clock and the limits;
+it knows no socket and no message. It returns domain values (jobs, counts, pages)
+and raises the exceptions of :mod:`broker.exceptions`; the caller turns them into
+replies. What only a running main can do (stop a cancelled job on its worker, wake
+the dispatcher, describe its workers) stays with the main.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+from broker.core.catalog import Catalog
+from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, JSONValue, summary_dict
+from broker.main.metrics import MainMetrics
+from broker.payload import check_args, encoded_size
+from broker.storage import JobFilter, QueueCount, StorageAdapter, TaskRecord
+from broker.wire import messages as protocol
+
+
+class Limits(Protocol):
+    """The limits the requests obey; ``broker.main.settings.MainSettings`` is one."""
+
+    @property
+    def max_payload_bytes(self) -> int | None:
+        """Largest args + kwargs of a job as JSON; ``None``: no limit."""
+
+    @property
+    def max_payload_depth(self) -> int:
+        """How many lists and objects deep each argument may nest."""
+
+    @property
+    def max_payload_containers(self) -> int:
+        """How many lists and objects a job's args and kwargs may hold together."""
+
+    @property
+    def max_line_bytes(self) -> int:
+        """Longest protocol line: every job must fit in one ``job`` message."""
+
+    @property
+    def list_page_bytes(self) -> int:
+        """About how many bytes of jobs one listing page may carry."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobListing:
+    """One page of a listing: each job as ``Job.to_dict()`` shows it (without its payload
+    unless asked for), newest first, and the cursor of the next page (``None``: last)."""
+
+    jobs: list[dict[str, JSONValue]]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class LiveState:
+    """What only a running main knows, for :meth:`Operations.status`."""
+
+    main_id: str
+    dispatched: int
+    orphans: int
+    workers: list[dict[str, Any]]
+    pending_recoveries: list[dict[str, Any]]
+
+
+class Operations:
+    def __init__(
+        self,
+        store: StorageAdapter,
+        limits: Limits,
+        *,
+        clock: Clock,
+        enqueue: Callable[[list[JobSpec]], Awaitable[list[EnqueueResult]]] | None = None,
+        metrics: MainMetrics | None = None,
+    ) -> None:
+        """``enqueue`` writes checked jobs, all or none (default: the store's
+        ``enqueue_many``); the main passes its group commit, which may also hand jobs off
+        at once. ``metrics``: the main's counters (jobs enqueued and cancelled); ``None``
+        in the CLI's fallback."""
+        self.store = store
+        self.limits = limits
+        self._clock = clock
+        self._enqueue = enqueue or store.enqueue_many
+        self._metrics = metrics
+        self.catalog = Catalog(store)
+        """The task catalog: the defaults of jobs enqueued by name (:mod:`broker.core.catalog`)."""
+
+    async def enqueue(
+        self, requests: Sequence[protocol.JobRequest], *, allow_unknown_tasks: bool = False
+    ) -> list[EnqueueResult]:
+        """Store the requested jobs, all or none, in request order. Each takes its task's
+        declared defaults where the request says nothing, and a task no worker has
+        declared is refused unless ``allow_unknown_tasks`` (see :mod:`broker.core.catalog`).
+        Every job is checked before any is stored (see :meth:`check_payload`); a
+        ``delay`` runs from this service's clock, so a client's skewed clock does not
+        matter."""
+        now = self._clock()
+        catalog = self.catalog
+        await catalog.load()
+        if not allow_unknown_tasks and catalog.in_use:
+            # Only a name this copy does not know costs a read, of that name's rows alone.
+            await catalog.refresh({r.task for r in requests if catalog.declared(r.task) is None})
+        specs = [
+            self.catalog.job_spec(request, now, allow_unknown=allow_unknown_tasks)
+            for request in requests
+        ]
+        for spec in specs:
+            self.check_payload(spec)
+        results = await self._enqueue(specs)
+        if self._metrics is not None:  # one increment per (queue, task), not per job
+            # A job written is its spec's (reading the result's job would build it).
+            counted = Counter(
+                (s.queue, s.task) for s, r in zip(specs, results, strict=True) if not r.duplicate
+            )
+            for (queue, task), n in counted.items():
+                self._metrics.enqueued.inc(queue, task, n)
+        return results
+
+    def check_payload(self, spec: JobSpec) -> None:
+        """Refuse a job nested too deeply, with too many lists and objects, or over the
+        payload limit. A request from a peer was already held to the container bound
+        as it was read (:attr:`broker.wire.framing.LineReader.max_containers`), so the walk here
+        is short. Its job message always fits in a line: the line limit exceeds the
+        payload limit by 64 KiB (``MainSettings.validate``), and every name in it is at
+        most 1024 bytes."""
+        check_args(
+            spec,
+            self.limits.max_payload_bytes,
+            self.limits.max_payload_depth,
+            self.limits.max_payload_containers,
+        )
+
+    async def tasks(self) -> list[TaskRecord]:
+        """The task catalog: every task and worker that declared it."""
+        await self.catalog.load()
+        return self.catalog.records()
+
+    async def get(self, job_id: uuid.UUID) -> Job | None:
+        return await self.store.get_job(job_id)
+
+    async def cancel(self, job_id: uuid.UUID) -> Job | None:
+        """Cancel a queued or running job; one that has ended comes back unchanged. A
+        running job's worker is the caller's to tell (the store has fenced its lease)."""
+        if self._metrics is None:
+            return await self.store.cancel(job_id)
+        # Read first, so the count is of jobs this request cancelled, not of requests
+        # (cancels are rare operator actions: the extra read costs nothing that matters).
+        before = await self.store.get_job(job_id)
+        job = await self.store.cancel(job_id)
+        if (
+            job is not None
+            and job.status is JobStatus.CANCELLED
+            and before is not None
+            and before.status.is_active
+        ):
+            self._metrics.cancelled.inc(job.queue, job.task)
+        return job
+
+    async def retry(self, job_id: uuid.UUID) -> Job | None:
+        """Queue a dead (``failed``) job again with a fresh attempt count; a job in any
+        other status comes back unchanged."""
+        return await self.store.retry_dead(job_id)
+
+    async def list_jobs(
+        self,
+        job_filter: JobFilter,
+        *,
+        limit: int,
+        cursor: str | None,
+        include_payload: bool,
+        reply_bytes: int = 0,
+    ) -> JobListing:
+        """One page of at most ``limit`` jobs and about ``list_page_bytes``, and its cursor.
+
+        ``reply_bytes`` is the size of the reply carrying no jobs (the ``null`` of its
+        cursor counted), so jobs, cursor and reply together fit in ``max_line_bytes``.
+
+        Each job's encoded size is measured once, as it is added (the reply is never encoded
+        whole to find out it is too big); the page ends where the budget runs out, with a
+        cursor right after its last job, so a reply never exceeds a line and no job is lost
+        between pages. Payloads are read only when asked for, and then a few rows
+        per read, so one request never holds many large jobs in memory and the loop gets a
+        turn between reads (one request with 1 MiB arguments and limit 1000 used to take
+        1.65 GB and block the loop for 15 s).
+
+        :raises ValueError: ``cursor`` is not one this store wrote.
+        """
+        room = self.limits.max_line_bytes - reply_bytes
+        budget = min(self.limits.list_page_bytes, room)
+        rows_per_read = limit if not include_payload else self._payload_rows_per_read()
+        entries: list[dict[str, JSONValue]] = []
+        used = 0
+        while len(entries) < limit:
+            page = await self.store.list_jobs(
+                job_filter,
+                limit=min(limit - len(entries), rows_per_read),
+                cursor=cursor,
+                include_payload=include_payload,
+            )
+            for job in page.jobs:
+                entry = job.to_dict() if include_payload else summary_dict(job)
+                cost = encoded_size(entry) + 1  # and its comma
+                after = self.store.cursor_after(job)
+                tail = encoded_size(after)
+                if used + cost + tail > budget:
+                    if entries:  # full: the next page starts with this job
+                        return JobListing(entries, cursor)
+                    if include_payload and cost + tail > room:
+                        # Too big for a line even alone: list it without its payload
+                        # (get_job has it) rather than stop every later page here.
+                        entry = {**summary_dict(job), "payload_omitted": True}
+                        cost = encoded_size(entry) + 1
+                entries.append(entry)
+                used += cost
+                cursor = after
+            cursor = page.next_cursor
+            if cursor is None:
+                break
+        return JobListing(entries, cursor)
+
+    def _payload_rows_per_read(self) -> int:
+        """How many rows a payload listing reads at once: as many as fit in the page
+        budget when every row is at the payload limit (args, kwargs and a result)."""
+        limit = self.limits.max_payload_bytes
+        if limit is None:
+            return 1
+        return max(1, self.limits.list_page_bytes // (2 * limit))
+
+    async def prune(
+        self,
+        *,
+        older_than_seconds: float | None,
+        keep_latest: int | None,
+        statuses: Collection[JobStatus] | None,
+    ) -> int:
+        """Delete terminal jobs last updated over ``older_than_seconds`` ago, and those
+        beyond the newest ``keep_latest``; returns how many went.
+
+        :raises ValueError: the arguments break the rule of ``protocol.check_prune``.
+        """
+        protocol.check_prune(older_than_seconds, keep_latest, statuses)
+        cutoff = (
+            None
+            if older_than_seconds is None
+            else self._clock() - timedelta(seconds=older_than_seconds)
+        )
+        return await self.store.prune(older_than=cutoff, keep_latest=keep_latest, statuses=statuses)
+
+    async def status(self, live: LiveState | None = None) -> dict[str, Any]:
+        """A JSON-ready snapshot for operators (``broker status``): job counts per queue,
+        and from a running main (``live``) its workers and pending recoveries; without
+        one those keys are ``None``. The shape is documented in ``docs/reference/cli.md``.
+        """
+        queues = queue_summary(await self.store.count_jobs(), self._clock())
+        return {
+            "main_id": None if live is None else live.main_id,
+            "dispatched": None if live is None else live.dispatched,
+            "orphans": None if live is None else live.orphans,
+            "queues": queues,
+            "workers": None if live is None else live.workers,
+            "pending_recoveries": None if live is None else live.pending_recoveries,
+        }
+
+
+def queue_summary(counts: list[QueueCount], now: datetime) -> list[dict[str, Any]]:
+    """Per queue: a count for every status, and how long its oldest queued job has been
+    due (``null`` when nothing is queued; ``0`` when the queued jobs are all scheduled)."""
+    queues: dict[str, dict[str, Any]] = {}
+    for row in counts:
+        entry = queues.setdefault(
+            row.queue,
+            {
+                "queue": row.queue,
+                "counts": {status.value: 0 for status in JobStatus},
+                "oldest_queued_run_at": None,
+                "oldest_queued_age_seconds": None,
+            },
+        )
+        entry["counts"][row.status.value] += row.count
+        if row.status is JobStatus.QUEUED and row.oldest_run_at is not None:
+            age = max(0.0, (now - row.oldest_run_at).total_seconds())
+            entry["oldest_queued_run_at"] = row.oldest_run_at.isoformat()
+            entry["oldest_queued_age_seconds"] = round(age, 3)
+    return [queues[name] for name in sorted(queues)]
+
+
+__all__ = ["JobListing", "Limits", "LiveState", "Operations", "queue_summary"]

@@ -1,0 +1,189 @@
+"""Client requests as the main serves them: each in a task of its own, bounded per
+connection and in total, answered from the request service or with the code of the
+exception that stopped it.
+
+The rules of each request (checks before the store, paging by bytes, prune's limits)
+are :mod:`broker.main.operations`; this module is the I/O around them, and the two things only
+a running main can add: waking the dispatcher, and stopping a cancelled job on its
+worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from broker.core import catalog
+from broker.exceptions import InvalidJobError, ProtocolError
+from broker.jobs import Job, JobStatus
+from broker.main.connections import Session
+from broker.main.operations import Operations
+from broker.model.logs import log_event
+from broker.storage import JobFilter
+from broker.wire import errors as error_codes
+from broker.wire import messages as protocol
+
+logger = logging.getLogger("broker.main")
+
+
+class Requests:
+    def __init__(
+        self,
+        operations: Operations,
+        *,
+        max_in_progress: int,
+        wake: Callable[[], None],
+        stop_cancelled: Callable[[Job], None],
+        status: Callable[[], Awaitable[dict[str, Any]]],
+    ) -> None:
+        self._operations = operations
+        self._slots = asyncio.Semaphore(max_in_progress)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._wake = wake
+        self._stop_cancelled = stop_cancelled
+        self._status = status
+
+    def start(self, session: Session, msg: protocol.Message) -> None:
+        """Run a client request in its own task, counted against the connection's cap (the
+        read loop waits at it) and cancelled if the connection closes first."""
+        task = asyncio.create_task(self._run(session, msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        session.add_request(task)
+
+    async def wait_idle(self) -> None:
+        """Return once the requests in progress have finished (a stopping main bounds it)."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks))
+
+    async def answer(self, msg: protocol.Message) -> protocol.Message:
+        """A request from the main's own web dashboard (:mod:`broker.ops.web`): answered as a
+        client's is, with the same wake-ups and stops; an error is raised, not sent. It
+        takes none of the clients' slots: the dashboard bounds its own requests
+        (:data:`broker.model.bounds.DASHBOARD_REQUESTS`), so its reads, which need no client
+        credential, can never hold a client back."""
+        return await self._answer(msg)
+
+    async def _run(self, session: Session, msg: protocol.Message) -> None:
+        if isinstance(msg, protocol.Enqueue):
+            # Enqueues are group-committed (broker.main.operations): however many wait, they
+            # use one database connection, so they need no slot, and taking one would cap
+            # a group commit at the slot count.
+            await self._apply(session, msg)
+            return
+        async with self._slots:  # requests never take every database connection
+            await self._apply(session, msg)
+
+    async def _apply(self, session: Session, msg: protocol.Message) -> None:
+        """Answer a client request; a failure is answered with the code of its exception
+        (:mod:`broker.wire.errors`), so the client raises the same one."""
+        try:
+            reply = await self._answer(msg)
+        except Exception as exc:
+            if isinstance(exc, InvalidJobError | ProtocolError):  # the client's mistake
+                log_event(
+                    logger,
+                    logging.WARNING,
+                    "request refused",
+                    session=session.id,
+                    type=msg.type,
+                    reason=exc,
+                )
+            else:
+                log_event(
+                    logger,
+                    logging.ERROR,
+                    "request failed",
+                    exc_info=exc,
+                    session=session.id,
+                    type=msg.type,
+                )
+            request_id = getattr(msg, "request_id", None)
+            if request_id is not None:
+                session.reply(error_codes.request_error(request_id, exc))
+            return
+        session.reply(reply)
+
+    async def _answer(self, msg: protocol.Message) -> protocol.Message:
+        """The reply to a client request, from the request service (:mod:`broker.main.operations`);
+        what only the main can do (wake the dispatcher, stop a cancelled job on its
+        worker) happens here."""
+        ops = self._operations
+        match msg:
+            case protocol.Enqueue(request_id=rid, jobs=requests, allow_unknown_tasks=unknown):
+                results = await ops.enqueue(requests, allow_unknown_tasks=unknown)
+                if logger.isEnabledFor(logging.DEBUG):  # one line per job: off by default
+                    for result in results:
+                        log_event(
+                            logger,
+                            logging.DEBUG,
+                            "job enqueued",
+                            job_id=result.job.id,
+                            task=result.job.task,
+                            queue=result.job.queue,
+                            attempt=result.job.attempts + 1,
+                            duplicate=result.duplicate,
+                        )
+                # The store's commit woke the dispatcher already (Main._enqueue_now).
+                refs = [
+                    protocol.EnqueuedRef(job_id=r.job_id, duplicate=r.duplicate) for r in results
+                ]
+                return protocol.EnqueuedReply(request_id=rid, jobs=refs)
+            case protocol.GetJob(request_id=rid, job_id=job_id):
+                return _job_info(rid, await ops.get(job_id))
+            case protocol.Cancel(request_id=rid, job_id=job_id):
+                job = await ops.cancel(job_id)
+                if job is not None:
+                    self._stop_cancelled(job)
+                return _job_info(rid, job)
+            case protocol.Retry(request_id=rid, job_id=job_id):
+                job = await ops.retry(job_id)
+                if job is not None and job.status is JobStatus.QUEUED:
+                    log_event(
+                        logger,
+                        logging.INFO,
+                        "job retried",
+                        job_id=job.id,
+                        task=job.task,
+                        queue=job.queue,
+                        attempt=job.attempts + 1,
+                    )
+                    self._wake()
+                return _job_info(rid, job)
+            case protocol.Status(request_id=rid):
+                return protocol.StatusInfo(request_id=rid, status=await self._status())
+            case protocol.ListJobs(request_id=rid):
+                empty = protocol.JobList(request_id=rid, jobs=[], next_cursor=None)
+                try:
+                    page = await ops.list_jobs(
+                        JobFilter(statuses=msg.statuses, queues=msg.queues, tasks=msg.tasks),
+                        limit=msg.limit,
+                        cursor=msg.cursor,
+                        include_payload=msg.include_payload,
+                        reply_bytes=len(protocol.encode(empty)) - len("null"),
+                    )
+                except ValueError as exc:  # only the client's cursor can be unreadable
+                    raise ProtocolError(f"list_jobs.cursor is not valid: {exc}"[:200]) from None
+                return protocol.JobList(
+                    request_id=rid, jobs=page.jobs, next_cursor=page.next_cursor
+                )
+            case protocol.ListTasks(request_id=rid):
+                return protocol.TaskList(
+                    request_id=rid, tasks=[catalog.entry(r) for r in await ops.tasks()]
+                )
+            case protocol.Prune(request_id=rid):
+                deleted = await ops.prune(
+                    older_than_seconds=msg.older_than_seconds,
+                    keep_latest=msg.keep_latest,
+                    statuses=msg.statuses,
+                )
+                log_event(logger, logging.INFO, "jobs pruned", deleted=deleted)
+                return protocol.Pruned(request_id=rid, deleted=deleted)
+            case _:
+                raise ProtocolError(f"{msg.type!r} is not a client request")
+
+
+def _job_info(request_id: str, job: Job | None) -> protocol.JobInfo:
+    return protocol.JobInfo(request_id=request_id, job=job.to_dict() if job else None)

@@ -1,0 +1,304 @@
+"""The main's settings: every knob, its default, and the rules between them.
+
+Kept apart from :mod:`broker.main.main` so the CLI, the request service and the tests can
+build and check settings without loading the main's machinery.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from broker.core.election import DEFAULT_FAILOVER_TIMEOUT
+from broker.credentials import Credentials
+from broker.jobs import DEFAULT_MAX_RECOVERIES
+from broker.model import checks
+from broker.model.bounds import (
+    DEFAULT_MAX_CHECKPOINT_BYTES,
+    DEFAULT_MAX_LINE_BYTES,
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    DEFAULT_MAX_PAYLOAD_CONTAINERS,
+    DEFAULT_MAX_PAYLOAD_DEPTH,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_REQUEST_BYTES_PER_CONNECTION,
+    DEFAULT_TASK_GRACE,
+    HANDSHAKE_TIMEOUT,
+    LIVENESS_TIMEOUT,
+    MAX_AGE_SECONDS,
+    MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_ADDRESS,
+    MAX_CREDIT,
+    MAX_ERRORS_PER_CONNECTION,
+    MAX_OUTBOX_BYTES,
+    MAX_PAYLOAD_BYTES_CEILING,
+    MAX_PAYLOAD_DEPTH_CEILING,
+    MAX_REQUESTS,
+    MAX_REQUESTS_PER_CONNECTION,
+    MAX_UNAUTHENTICATED,
+    MAX_UNAUTHENTICATED_PER_ADDRESS,
+    MIN_TOKEN_CHARACTERS,
+    PING_INTERVAL,
+    PREAUTH_MAX_LINE_BYTES,
+)
+from broker.payload import LINE_HEADROOM_BYTES, MAX_LINE_BYTES_CEILING
+from broker.wire.addresses import parse_address
+from broker.wire.messages import DEFAULT_PORT
+from broker.wire.tls import ServerTLS
+
+MIN_LINE_BYTES = 2 << 20
+"""2 MiB: the default line limit for a small payload limit, or none."""
+
+DEFAULT_LIST_PAGE_BYTES = 1 << 20
+"""1 MiB: a page of jobs that a client decodes, and the main encodes, in a few milliseconds."""
+
+
+def line_limit_for(max_payload_bytes: int | None, max_checkpoint_bytes: int | None) -> int:
+    """The default ``max_line_bytes`` for a payload and a checkpoint limit: room for a job
+    message carrying both at their limits and 1 MiB more, at least :data:`MIN_LINE_BYTES`
+    and at most what a worker accepts (:data:`MAX_LINE_BYTES_CEILING`; a checkpoint
+    limit that does not fit then is lowered, see :attr:`MainSettings.checkpoint_limit`)."""
+    if max_payload_bytes is None:
+        return DEFAULT_MAX_LINE_BYTES
+    wanted = max_payload_bytes + (max_checkpoint_bytes or 0) + (1 << 20)
+    return max(MIN_LINE_BYTES, min(wanted, MAX_LINE_BYTES_CEILING))
+
+
+@dataclass(frozen=True)
+class MainSettings:
+    """Every knob of the main; the CLI fills it from flags and ``BROKER_*`` variables."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    token: str | None = None
+    """The shared secret: every role's, unless the role has its own below."""
+    worker_token: str | None = None
+    client_token: str | None = None
+    operator_token: str | None = None
+    allow_unauthenticated: bool = False
+    """Permit a non-loopback listen address without credentials (say, inside a private
+    network)."""
+    tls: ServerTLS | None = None
+    """The main's certificate and key (and the CA of client certificates for mutual TLS);
+    ``None``: plain TCP."""
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    """Longest line accepted after the handshake; must exceed ``max_payload_bytes`` by at
+    least 64 KiB so a job at the payload limit still fits in one message."""
+    max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES
+    """Largest args + kwargs of a job, and largest result, as JSON; ``None``: no limit."""
+    max_payload_depth: int = DEFAULT_MAX_PAYLOAD_DEPTH
+    """How many lists and objects deep each argument and each result may nest; workers
+    learn it from ``welcome``."""
+    max_checkpoint_bytes: int | None = DEFAULT_MAX_CHECKPOINT_BYTES
+    """Largest checkpoint a task may save, as JSON; ``None``: only what a line can hold.
+    A job message carries its arguments and its checkpoint, so the limit in force
+    (:attr:`checkpoint_limit`) may be lower."""
+    max_payload_containers: int = DEFAULT_MAX_PAYLOAD_CONTAINERS
+    """How many lists and objects (``[`` and ``{``) one message from a peer may hold, so one
+    payload, result or checkpoint too; counted in the line before it is decoded, and
+    learnt by workers and clients from ``welcome``."""
+    preauth_max_line_bytes: int = PREAUTH_MAX_LINE_BYTES
+    handshake_timeout: float = HANDSHAKE_TIMEOUT
+    ping_interval: float = PING_INTERVAL
+    liveness_timeout: float = LIVENESS_TIMEOUT
+    orphan_grace: float = 30.0
+    """How long handoffs found in the store at start-up wait for their worker to come back."""
+    max_recoveries: int = DEFAULT_MAX_RECOVERIES
+    """Lost attempts a job recovers from (runs again at once) unless it sets its own
+    ``max_recoveries``; the next lost attempt ends it dead."""
+    affinity_grace: float = 60.0
+    """How long the recovery of a ``local_state`` job waits for the worker holding its
+    state after that worker left (while it stays connected, the wait goes on)."""
+    task_grace: float = DEFAULT_TASK_GRACE
+    """Seconds the task catalog keeps the declarations of a worker no longer connected
+    (:mod:`broker.core.catalog`)."""
+    error_retry_interval: float = 1.0
+    poll_interval: float = 0.5
+    """How often to look for jobs other processes wrote, when the store cannot notify."""
+    notify_fallback_interval: float = 30.0
+    """A slow safety poll for stores that notify, in case a notification is ever lost."""
+    claim_batch: int = 256
+    max_claims_in_flight: int = 2
+    """Claims the dispatcher keeps under way at once: the next pass reads while the last
+    claim's round trip is still out, so credit freed meanwhile is used at once."""
+    report_batch: int = 512
+    enqueue_batch: int = 1000
+    """Most jobs one group commit of concurrent enqueues writes in one transaction."""
+    max_errors_per_connection: int = MAX_ERRORS_PER_CONNECTION
+    list_page_bytes: int = DEFAULT_LIST_PAGE_BYTES
+    """About how many bytes of jobs one ``list_jobs`` reply may carry (never more than fits
+    in ``max_line_bytes``); the page ends early, with a cursor, once they are used up."""
+    max_outbox_bytes: int = MAX_OUTBOX_BYTES
+    """Bytes queued for one peer before the main stops reading its messages (until half
+    have been sent); a peer over it for ``liveness_timeout`` is disconnected."""
+    max_requests_per_connection: int = MAX_REQUESTS_PER_CONNECTION
+    """Client requests one connection may have in progress; at the cap the main stops
+    reading that connection, so TCP holds the rest back at the peer."""
+    max_request_bytes_per_connection: int = DEFAULT_MAX_REQUEST_BYTES_PER_CONNECTION
+    """Bytes of the lines of one connection's client requests in progress; at the cap the
+    main stops reading that connection until they finish."""
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    """Bytes of the lines of all client requests in progress; at the cap the main stops
+    reading client connections (not workers') until they finish."""
+    max_requests: int = MAX_REQUESTS
+    """Client requests in progress across all connections. Below the SQL adapter's pool
+    (5 connections plus 10 overflow), so requests can never take every database connection
+    from dispatch, settlement, recovery and the listener."""
+    max_connections: int = MAX_CONNECTIONS
+    max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS
+    max_unauthenticated: int = MAX_UNAUTHENTICATED
+    """Connections that have not finished the handshake yet, from all addresses."""
+    max_unauthenticated_per_address: int = MAX_UNAUTHENTICATED_PER_ADDRESS
+    """Connections from one address that have not finished the handshake yet, so one
+    address cannot take every handshake slot."""
+    max_credit: int = MAX_CREDIT
+    """Free slots a worker may announce per mode in ``ready``; a larger ``ready`` is refused."""
+    failover_timeout: float = DEFAULT_FAILOVER_TIMEOUT
+    """With several mains on one PostgreSQL store: the longest a standby takes to
+    dispatch after the leader died (its lease is 60% of it; see
+    :class:`broker.core.election.Timing`)."""
+    advertise: str | None = None
+    """``HOST:PORT`` a standby names to peers as this main's address once it leads;
+    ``None``: the listen address and port (this host's name for a wildcard address)."""
+    http_host: str = "127.0.0.1"
+    http_port: int | None = None
+    """Where the web dashboard, ``/metrics`` and ``/healthz`` listen (``broker.ops.web``);
+    ``None``: nowhere. Its pages show jobs' arguments, so an address off loopback needs
+    ``http_read_token`` or ``http_allow_unauthenticated``."""
+    http_allowed_hosts: tuple[str, ...] = ()
+    """``Host`` names the dashboard answers to besides loopback names and ``http_host``
+    (a request naming any other host is refused: DNS rebinding)."""
+    http_read_token: str | None = None
+    """The secret every dashboard read and ``/metrics`` needs (the operator secret reads
+    too); ``None``: reads need none."""
+    http_allow_unauthenticated: bool = False
+    """Serve the dashboard off loopback with no read token. Only the HTTP port's: the
+    main's own port keeps its rule (``allow_unauthenticated``)."""
+
+    @property
+    def credentials(self) -> Credentials:
+        """Each role's secret (:mod:`broker.credentials`)."""
+        return Credentials.combine(
+            shared=self.token,
+            worker=self.worker_token,
+            client=self.client_token,
+            operator=self.operator_token,
+        )
+
+    @property
+    def checkpoint_limit(self) -> int | None:
+        """The checkpoint limit in force: ``max_checkpoint_bytes``, lowered so that a job
+        message (its arguments, its checkpoint and 64 KiB for the rest) always fits in
+        one line, of the main's and of a worker's (:data:`MAX_LINE_BYTES_CEILING`). With
+        the defaults (21 MiB lines, 16 MiB payload) it is the 4 MiB asked for; a line
+        limit set just above the payload limit leaves no room, and every checkpoint is
+        refused with this limit in its message (raise ``max_line_bytes``)."""
+        line = min(self.max_line_bytes, MAX_LINE_BYTES_CEILING)
+        room = line - (self.max_payload_bytes or 0) - LINE_HEADROOM_BYTES
+        if self.max_checkpoint_bytes is None:
+            return max(0, room) if self.max_payload_bytes is not None else None
+        return max(0, min(self.max_checkpoint_bytes, room))
+
+    def validate(self) -> None:
+        positive = {
+            "max_line_bytes": self.max_line_bytes,
+            "preauth_max_line_bytes": self.preauth_max_line_bytes,
+            "handshake_timeout": self.handshake_timeout,
+            "ping_interval": self.ping_interval,
+            "liveness_timeout": self.liveness_timeout,
+            "error_retry_interval": self.error_retry_interval,
+            "poll_interval": self.poll_interval,
+            "notify_fallback_interval": self.notify_fallback_interval,
+            "claim_batch": self.claim_batch,
+            "max_claims_in_flight": self.max_claims_in_flight,
+            "report_batch": self.report_batch,
+            "enqueue_batch": self.enqueue_batch,
+            "max_errors_per_connection": self.max_errors_per_connection,
+            "list_page_bytes": self.list_page_bytes,
+            "max_outbox_bytes": self.max_outbox_bytes,
+            "max_requests_per_connection": self.max_requests_per_connection,
+            "max_request_bytes_per_connection": self.max_request_bytes_per_connection,
+            "max_request_bytes": self.max_request_bytes,
+            "max_payload_containers": self.max_payload_containers,
+            "max_requests": self.max_requests,
+            "max_connections": self.max_connections,
+            "max_connections_per_address": self.max_connections_per_address,
+            "max_unauthenticated": self.max_unauthenticated,
+            "max_unauthenticated_per_address": self.max_unauthenticated_per_address,
+            "max_credit": self.max_credit,
+            "failover_timeout": self.failover_timeout,
+            "task_grace": self.task_grace,
+        }
+        for name, value in positive.items():
+            checks.positive(name, value)
+        checks.non_negative("orphan_grace", self.orphan_grace)
+        if self.max_checkpoint_bytes is not None:
+            checks.positive("max_checkpoint_bytes", self.max_checkpoint_bytes)
+        checks.non_negative("affinity_grace", self.affinity_grace)
+        if self.task_grace > MAX_AGE_SECONDS:  # a date that far back does not exist
+            raise checks.refuse("task_grace", "at most a hundred years", self.task_grace)
+        checks.non_negative_int("max_recoveries", self.max_recoveries)
+        if self.max_payload_bytes is not None:
+            checks.positive("max_payload_bytes", self.max_payload_bytes)
+            checks.require(
+                self.max_payload_bytes <= MAX_PAYLOAD_BYTES_CEILING,
+                f"max_payload_bytes ({self.max_payload_bytes}) may be at most "
+                f"{MAX_PAYLOAD_BYTES_CEILING} (32 MiB): a job at the limit must fit in a "
+                "worker's line bound and a child's pipe; pass larger data by reference",
+            )
+            checks.require(
+                self.max_line_bytes >= self.max_payload_bytes + LINE_HEADROOM_BYTES,
+                f"max_line_bytes ({self.max_line_bytes}) must exceed max_payload_bytes "
+                f"({self.max_payload_bytes}) by at least {LINE_HEADROOM_BYTES} bytes, so "
+                "a job at the payload limit fits in one message; raise --max-line-bytes "
+                f"(e.g. to {line_limit_for(self.max_payload_bytes, self.max_checkpoint_bytes)}) "
+                "or lower --max-payload-bytes",
+            )
+        checks.int_in_range(
+            "max_payload_depth",
+            self.max_payload_depth,
+            1,
+            MAX_PAYLOAD_DEPTH_CEILING,
+            why="Python's json cannot reliably handle deeper values",
+        )
+        checks.require(
+            self.liveness_timeout > self.ping_interval,
+            "liveness_timeout must be longer than ping_interval",
+        )
+        checks.int_in_range("port", self.port, 0, 65535)
+        if self.advertise is not None:
+            parse_address(self.advertise)
+        checks.require(
+            self.credentials.required or self.allow_unauthenticated or _is_loopback(self.host),
+            f"refusing to listen on {self.host!r} without a token for any role: set BROKER_TOKEN "
+            "(or a secret per role, or --token-file), listen on 127.0.0.1, or pass "
+            "--allow-unauthenticated if the network is private",
+        )
+        short = [] if _is_loopback(self.host) else self.credentials.too_short(MIN_TOKEN_CHARACTERS)
+        checks.require(
+            not short,
+            f"refusing to listen on {self.host!r} with a {' and '.join(map(str, short))} "
+            f"secret of fewer than {MIN_TOKEN_CHARACTERS} characters: anyone who reaches the "
+            "port could guess it; make one with "
+            "python -c 'from broker.main.main import new_token; print(new_token())'",
+        )
+        if self.http_port is not None:
+            checks.int_in_range("http_port", self.http_port, 0, 65535)
+            checks.require(
+                bool(self.http_read_token)
+                or self.http_allow_unauthenticated
+                or _is_loopback(self.http_host),
+                f"refusing to serve the dashboard on {self.http_host!r} with no read token: "
+                "its pages and /metrics show jobs' arguments, so set --http-read-token "
+                "(BROKER_HTTP_READ_TOKEN), keep --http-host on loopback and reach it through "
+                "a tunnel, or pass --http-allow-unauthenticated if the network is private "
+                "(--allow-unauthenticated is the main port's alone)",
+            )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,138 @@
+"""The composition root: the one place that wires adapters and runners into the core.
+
+Everything else in ``broker`` depends on the storage and runner *interfaces* only;
+the import-layering contract (see ``pyproject.toml``) lets this module alone reach
+into the ``adapters`` and ``runners`` packages.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import cast
+
+import adapters
+from adapters import DEFAULT_HOT_POOL_SIZE as DEFAULT_HOT_POOL_SIZE
+from adapters import DEFAULT_POOL_SIZE as DEFAULT_POOL_SIZE
+from broker.exceptions import ConfigurationError
+from broker.jobs import ExecutionMode
+from broker.model import checks
+from broker.model.bounds import RUNNER_STARTUP_TIMEOUT
+from broker.payload import DEFAULT_OFFLOAD_BYTES
+from broker.storage import StorageAdapter, contract_gaps
+from broker.tasks.registry import TaskRegistry
+from broker.tasks.runner import Runner
+from runners.forked import ForkedRunner
+from runners.inline import InlineRunner
+from runners.pooled import PooledRunner
+
+
+def open_store(
+    url: str,
+    adapter: str | None = None,
+    *,
+    create: bool = True,
+    read_only: bool = False,
+    pool_size: int = DEFAULT_POOL_SIZE,
+    hot_pool_size: int = DEFAULT_HOT_POOL_SIZE,
+    single_main: bool = False,
+    offload_threshold: int = DEFAULT_OFFLOAD_BYTES,
+) -> StorageAdapter:
+    """The store for ``url``, or the custom adapter ``module:factory`` called with ``url``.
+
+    ``create``, ``read_only``, the pool sizes, ``single_main`` and ``offload_threshold``
+    are passed to the
+    built-in adapters (see :func:`adapters.open_store`); a custom factory is called with
+    the URL alone. A
+    custom adapter that lacks part of the contract is refused here, naming what it lacks.
+    """
+    if adapter is None:
+        return adapters.open_store(
+            url,
+            create=create,
+            read_only=read_only,
+            pool_size=pool_size,
+            hot_pool_size=hot_pool_size,
+            single_main=single_main,
+            offload_threshold=offload_threshold,
+        )
+    module_name, _, attr = adapter.partition(":")
+    if not module_name or not attr:
+        raise ConfigurationError(
+            f"--adapter must look like 'package.module:factory' (got {adapter!r})"
+        )
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError(f"cannot load adapter factory {adapter!r}: {exc}") from exc
+    store = cast(Callable[[str], object], factory)(url)
+    gaps = contract_gaps(store)
+    if gaps:
+        raise ConfigurationError(
+            f"the adapter from {adapter!r} ({type(store).__name__}) does not implement the "
+            f"storage contract; it lacks: {', '.join(gaps)} (see docs/adapters.md)"
+        )
+    return cast(StorageAdapter, store)
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    """What a worker runs and how; zero for a mode's count turns that mode off."""
+
+    apps: tuple[str, ...] = ()
+    inline_concurrency: int = 4
+    pooled_runner_count: int = field(default_factory=lambda: os.cpu_count() or 1)
+    pooled_runner_concurrency: int = 1
+    pooled_max_jobs: int | None = None
+    pooled_max_rss_bytes: int = 512 << 20
+    pooled_max_lifetime: float = 3600.0
+    forked_concurrency: int = 2
+    default_timeout: float | None = None
+    kill_grace: float = 5.0
+    startup_timeout: float = RUNNER_STARTUP_TIMEOUT
+
+    def validate(self) -> None:
+        for name in ("inline_concurrency", "pooled_runner_count", "forked_concurrency"):
+            checks.non_negative_int(name.replace("_", " "), getattr(self, name))
+        checks.optional(checks.positive, "the default job timeout", self.default_timeout)
+
+
+def build_runners(options: RunnerOptions, registry: TaskRegistry) -> dict[ExecutionMode, Runner]:
+    """The runners a worker serves; a mode with no runner is never sent to this worker.
+
+    Every option is checked here, before any process starts, so a bad value fails the
+    worker at once with a message naming it.
+    """
+    options.validate()
+    built: dict[ExecutionMode, Runner] = {}
+    if options.inline_concurrency > 0:
+        built[ExecutionMode.INLINE] = InlineRunner(
+            registry=registry,
+            concurrency=options.inline_concurrency,
+            default_timeout=options.default_timeout,
+        )
+    if options.pooled_runner_count > 0:
+        built[ExecutionMode.POOLED] = PooledRunner(
+            options.apps,
+            registry=registry,
+            count=options.pooled_runner_count,
+            concurrency=options.pooled_runner_concurrency,
+            max_jobs=options.pooled_max_jobs,
+            max_rss_bytes=options.pooled_max_rss_bytes,
+            max_lifetime=options.pooled_max_lifetime,
+            default_timeout=options.default_timeout,
+            kill_grace=options.kill_grace,
+            startup_timeout=options.startup_timeout,
+        )
+    if options.forked_concurrency > 0:
+        built[ExecutionMode.FORKED] = ForkedRunner(
+            options.apps,
+            registry=registry,
+            concurrency=options.forked_concurrency,
+            default_timeout=options.default_timeout,
+            kill_grace=options.kill_grace,
+            startup_timeout=options.startup_timeout,
+        )
+    return built
