@@ -30,5 +30,3 @@ def test_importing_the_client_does_not_import_the_main_or_the_store() -> None:
         )
     )
     assert unwanted == []
-
-
