@@ -23,7 +23,6 @@ from typing import Any, Protocol
 
 from broker.core.admission import Credits
 from broker.core.handoff import Peer
-from broker.credentials import Credentials
 from broker.exceptions import ProtocolError
 from broker.jobs import ExecutionMode, Job
 from broker.model.bounds import (
@@ -36,6 +35,7 @@ from broker.model.untrusted import RateLimit
 from broker.wire import framing as wire
 from broker.wire import messages as protocol
 from broker.wire import tls
+from broker.wire.credentials import Credentials
 
 logger = logging.getLogger("broker.main")
 
@@ -137,7 +137,7 @@ class Session:
     host: str | None = None
     rights: frozenset[protocol.Role] = frozenset()
     """The roles whose requests this connection may make, set at its hello
-    (:meth:`broker.credentials.Credentials.rights`)."""
+    (:meth:`broker.wire.credentials.Credentials.rights`)."""
     reported_status: dict[str, Any] | None = None
     """The worker's last ``worker_status`` (its runners' capacity and start-up errors)."""
     closed: bool = False

@@ -67,7 +67,6 @@ from broker.core.handoff import (
     StoreProgress,
     WakeDispatcher,
 )
-from broker.credentials import role_needed
 from broker.exceptions import PermissionDeniedError, ProtocolError, StorageError, transient
 from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, utcnow
 from broker.main.checkpoints import CheckpointSaver, ProgressWriter
@@ -94,6 +93,7 @@ from broker.storage import (
 from broker.tasks.schedule import Schedule
 from broker.wire import errors as error_codes
 from broker.wire import messages as protocol
+from broker.wire.credentials import role_needed
 
 logger = logging.getLogger("broker.main")
 

@@ -10,7 +10,6 @@ import ipaddress
 from dataclasses import dataclass
 
 from broker.core.election import DEFAULT_FAILOVER_TIMEOUT
-from broker.credentials import Credentials
 from broker.jobs import DEFAULT_MAX_RECOVERIES
 from broker.model import checks
 from broker.model.bounds import (
@@ -42,6 +41,7 @@ from broker.model.bounds import (
 )
 from broker.payload import LINE_HEADROOM_BYTES, MAX_LINE_BYTES_CEILING
 from broker.wire.addresses import parse_address
+from broker.wire.credentials import Credentials
 from broker.wire.messages import DEFAULT_PORT
 from broker.wire.tls import ServerTLS
 
@@ -176,7 +176,7 @@ class MainSettings:
 
     @property
     def credentials(self) -> Credentials:
-        """Each role's secret (:mod:`broker.credentials`)."""
+        """Each role's secret (:mod:`broker.wire.credentials`)."""
         return Credentials.combine(
             shared=self.token,
             worker=self.worker_token,

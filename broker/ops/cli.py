@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from broker.core.election import DEFAULT_FAILOVER_TIMEOUT
-from broker.credentials import Credentials, check_private_file, parse_token_file
 from broker.exceptions import BrokerError, ConfigurationError, DeposedError, InvalidJobError
 from broker.jobs import ExecutionMode, JobStatus
 from broker.main.main import Main
@@ -46,6 +45,7 @@ from broker.tasks.registry import default_registry
 from broker.tasks.schedule import declared_in
 from broker.wire import messages as protocol
 from broker.wire.addresses import parse_addresses, peer_arguments
+from broker.wire.credentials import Credentials, check_private_file, parse_token_file
 from broker.wire.tls import PeerTLS, ServerTLS
 from broker.worker.state_dir import open_state_dir
 from broker.worker.worker import PREFETCH_MAX_PER_SLOT, PREFETCH_PER_SLOT, Worker
@@ -201,7 +201,7 @@ def _add_credential_options(
 
 def _credentials(args: argparse.Namespace) -> Credentials:
     """The secrets from the flags, their variables and the token file (see
-    :meth:`broker.credentials.Credentials.combine` for which wins)."""
+    :meth:`broker.wire.credentials.Credentials.combine` for which wins)."""
     lines: dict[str, str] | None = None
     if args.token_file:
         try:

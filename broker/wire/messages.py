@@ -81,7 +81,7 @@ protocol, not the main, so a client can know it without importing the main."""
 
 class Role(enum.StrEnum):
     """What a peer says hello as; each role proves its own secret
-    (:mod:`broker.credentials`)."""
+    (:mod:`broker.wire.credentials`)."""
 
     WORKER = "worker"
     CLIENT = "client"

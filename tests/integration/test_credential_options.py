@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from broker.credentials import Credentials
 from broker.ops import cli
+from broker.wire.credentials import Credentials
 from broker.wire.messages import Role
 
 

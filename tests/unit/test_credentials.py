@@ -7,9 +7,9 @@ import uuid
 
 import pytest
 
-from broker.credentials import Credentials, parse_token_file, role_needed
 from broker.exceptions import ConfigurationError
 from broker.wire import messages as protocol
+from broker.wire.credentials import Credentials, parse_token_file, role_needed
 from broker.wire.messages import Role
 
 NONCE = "9f2c4b1a7d3e8f60a1b2c3d4e5f60718"
