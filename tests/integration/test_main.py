@@ -487,22 +487,24 @@ async def test_a_due_job_behind_a_full_concurrency_key_does_not_spin_the_dispatc
         await main.stop()
 
 
-class _SlowSettle(FaultyAdapter):
-    """Each commit takes a while, as an fsync does, so reports pile up behind it."""
+class _HeldSettle(FaultyAdapter):
+    """The first commit waits until the test opens :attr:`gate`, as a slow fsync would,
+    so the reports that arrive meanwhile pile up behind it."""
 
     def __init__(self, inner: StorageAdapter) -> None:
         super().__init__(inner)
         self.batches: list[int] = []
+        self.gate = asyncio.Event()
 
     async def settle_many(self, settlements: Sequence[Any]) -> list[bool]:
         self.batches.append(len(settlements))
-        await asyncio.sleep(0.1)
+        await self.gate.wait()
         return await self.inner.settle_many(settlements)
 
 
 async def test_reports_arriving_together_are_group_committed(memory: MemoryAdapter) -> None:
-    slow = _SlowSettle(memory)
-    main = await _start(slow)
+    held = _HeldSettle(memory)
+    main = await _start(held)
     try:
         worker = FakeWorker(main.port)
         await worker.connect()
@@ -513,9 +515,21 @@ async def test_reports_arriving_together_are_group_committed(memory: MemoryAdapt
             await worker.send(
                 protocol.CompletedReport(job_id=job.job_id, handoff_id=job.handoff_id)
             )
+        await until(lambda: held.batches)  # the first commit is under way, held
+        # The main handles a connection's messages in order: once it shows the credit a
+        # later ready gave, every report sent before that ready is waiting its turn.
+        await worker.ready(pooled=1000)
+
+        async def ready_seen() -> bool:
+            [shown] = (await main.status())["workers"]
+            return bool(shown["credits"][ExecutionMode.POOLED.value] >= 980)
+
+        await until(ready_seen)
+        held.gate.set()
         acks = [await asyncio.wait_for(worker.acks.get(), 5) for _ in jobs]
         assert all(a.status is protocol.AckStatus.APPLIED for a in acks)
-        assert sum(slow.batches) == 20 and max(slow.batches) >= 5, slow.batches
+        # The reports behind the held commit all went in the next (far under report_batch).
+        assert sum(held.batches) == 20 and len(held.batches) <= 2, held.batches
         await worker.close()
     finally:
         await main.stop()

@@ -206,9 +206,9 @@ async def test_clients_and_the_operator_cli_never_see_a_lease(setup: Setup) -> N
         text = json.dumps(job)
         return '"handoff_id"' not in text and not any(lease in text for lease in leases)
 
-    store_view = admin.StoreBackend(setup.store, "the main is down")
+    store_view = admin.StoreService(setup.store, "the main is down")
     async with Client("127.0.0.1", setup.main.port) as client:
-        for backend in (admin.MainBackend(client), store_view):
+        for backend in (client, store_view):
             shown = await backend.get_job(running.job_id)
             assert shown is not None and shows_no_lease(shown)
             assert shown["worker_id"] == "worker-a", "operators still see the worker"

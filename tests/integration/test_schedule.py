@@ -685,21 +685,22 @@ async def test_two_mains_and_a_restarted_main_enqueue_a_cron_tick_once(
         assert clock() < boundary, "the mains started after the tick: raise the lead"
         store = shared(clock)
         expected = [schedule.key(boundary - timedelta(minutes=1)), schedule.key(boundary)]
-        deadline = asyncio.get_running_loop().time() + lead + 5
-        while await keys(store) != expected:
-            assert asyncio.get_running_loop().time() < deadline, await keys(store)
-            await asyncio.sleep(0.05)
+
+        async def both_ticks() -> bool:
+            return await keys(store) == expected
+
+        await until(both_ticks, timeout=lead + 5)
         await mains[0].stop()
         restarted = Main(shared(clock), settings, clock=clock, schedules=[schedule])
         await restarted.start()
-        deadline = asyncio.get_running_loop().time() + 10
-        while not any(m.leading and m.scheduler.next_tick() for m in (mains[1], restarted)):
-            assert asyncio.get_running_loop().time() < deadline, "no main runs the schedule"
-            await asyncio.sleep(0.05)
-        running = [m for m in (mains[1], restarted) if m.leading]
-        await asyncio.sleep(0.5)
-        next_tick = running[0].scheduler.next_tick()
-        assert next_tick is not None and next_tick > boundary  # it caught up on the tick
+
+        def past_the_tick() -> bool:
+            # The leader's scheduler has dealt with the boundary's tick (caught up on it,
+            # the store finding it there already) once its next tick is a later one.
+            ticks = [m.scheduler.next_tick() for m in (mains[1], restarted) if m.leading]
+            return bool(ticks) and all(t is not None and t > boundary for t in ticks)
+
+        await until(past_the_tick, timeout=10)
         assert await keys(store) == expected
         assert len(await all_jobs(store)) == 2
     finally:
@@ -715,10 +716,11 @@ async def test_main_enqueues_a_schedule_declared_on_a_task() -> None:
     main = Main(store, MainSettings(port=0), schedules=[default_schedules.get("app.every_second")])
     await main.start()
     try:
-        deadline = asyncio.get_running_loop().time() + 5
-        while len(await all_jobs(store)) < 2:
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.05)
+
+        async def two_ticks() -> bool:
+            return len(await all_jobs(store)) >= 2
+
+        await until(two_ticks, timeout=5)
     finally:
         await main.stop()
     jobs = await all_jobs(store)

@@ -1,5 +1,7 @@
 """What importing a module drags in: a client must not load the main, the adapters, the
-runners or SQLAlchemy, so that a web app enqueueing jobs pays for the protocol only."""
+runners or SQLAlchemy, so that a web app enqueueing jobs pays for the protocol only; a
+runner's child must not load the client or the cron library. Each is asked of a fresh
+interpreter, so these live in the integration tier."""
 
 from __future__ import annotations
 
@@ -30,3 +32,8 @@ def test_importing_the_client_does_not_import_the_main_or_the_store() -> None:
         )
     )
     assert unwanted == []
+
+
+def test_importing_broker_loads_neither_the_client_nor_the_cron_library() -> None:
+    loaded = _modules_after_import("broker.tasks.runner")
+    assert loaded.isdisjoint({"broker.client.client", "broker.tasks.registry", "anyio", "cronsim"})

@@ -1,0 +1,315 @@
+"""The dashboard's handlers: each asks the main's request service and serves a page
+of :mod:`broker.ops.web.pages`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlencode
+
+from aiohttp import web
+
+from broker.exceptions import BrokerError
+from broker.jobs import ExecutionMode, JobStatus, utcnow
+from broker.main.main import Main
+from broker.main.metrics import CONTENT_TYPE, MainExposition, MainLevels
+from broker.model.bounds import DASHBOARD_REQUESTS
+from broker.ops.web import pages
+from broker.ops.web.access import allowed_hosts, guard, matches, secure
+from broker.ops.web.serving import HttpServer
+from broker.storage import QueueCount
+from broker.wire import messages as protocol
+
+COUNTS_MAX_AGE = 2.0
+"""Seconds the store's job counts are reused between scrapes and page loads: counting a
+large store is not free, and a second-old depth is fresh enough for either."""
+
+PREFIX_SCAN_LIMIT = 10_000
+"""Newest jobs searched for an id prefix (the store has no prefix index)."""
+THROUGHPUT_WINDOW = 60.0
+
+
+class Dashboard(HttpServer):
+    """The HTTP side of a running :class:`Main`: start it after the main, stop it before."""
+
+    def __init__(self, main: Main, *, host: str, port: int) -> None:
+        self.main = main
+        self._exposition = MainExposition(main.metrics)
+        self._counts: tuple[float, list[QueueCount]] | None = None
+        self._counts_lock = asyncio.Lock()
+        self._completed: deque[tuple[float, dict[str, float]]] = deque()
+        self._slots = asyncio.Semaphore(DASHBOARD_REQUESTS)
+        settings = main.settings
+        # The secrets a read may show when a read credential is set (the operator's
+        # secret reads too); empty: reads need none.
+        read_secrets = (
+            (settings.http_read_token, settings.credentials.operator)
+            if settings.http_read_token
+            else ()
+        )
+        app = web.Application(
+            middlewares=[guard(allowed_hosts(host, settings.http_allowed_hosts), read_secrets)]
+        )
+        app.on_response_prepare.append(secure)
+        app.add_routes(
+            [
+                web.get("/", self._queues),
+                web.get("/workers", self._workers),
+                web.get("/jobs", self._jobs),
+                web.get("/jobs/{job_id}", self._job),
+                web.post("/jobs/{job_id}/retry", self._retry),
+                web.post("/jobs/{job_id}/cancel", self._cancel),
+                web.get("/recoveries", self._recoveries),
+                web.get("/schedules", self._schedules),
+                web.post("/prune", self._prune),
+                web.get("/metrics", self._metrics),
+                web.get("/healthz", self._healthz),
+            ]
+        )
+        super().__init__(app, host=host, port=port, what="dashboard")
+
+    # ------------------------------------------------------------------ data
+
+    async def _ask(self, msg: protocol.Message) -> Any:
+        async with self._slots:  # the dashboard's own, never a client's
+            return await self.main.requests.answer(msg)
+
+    async def _job_counts(self) -> list[QueueCount]:
+        async with self._counts_lock:
+            now = time.monotonic()
+            if self._counts is None or now - self._counts[0] > COUNTS_MAX_AGE:
+                self._counts = (now, await self.main.store.count_jobs())
+            return self._counts[1]
+
+    def _levels(self, counts: Sequence[QueueCount]) -> MainLevels:
+        handoff = self.main.handoff
+        workers = list(handoff.worker_peers.values())
+        credits = {mode.value: handoff.credit(mode) for mode in ExecutionMode}
+        return MainLevels(
+            counts=counts,
+            now=utcnow(),
+            workers=len(workers),
+            draining=sum(1 for p in workers if p.draining),
+            credits=credits,
+            in_flight=sum(len(p.leases) for p in workers),
+            ledger=len(handoff.returns),
+            orphans=len(handoff.orphans),
+        )
+
+    def _throughput(self) -> dict[str, float]:
+        """Completed runs per minute by queue, over about the last minute (the counters,
+        sampled on each page load: the store's counts shrink when jobs are pruned)."""
+        now = time.monotonic()
+        totals = self.main.metrics.completed.totals_by_queue()
+        self._completed.append((now, totals))
+        while len(self._completed) > 2 and now - self._completed[1][0] >= THROUGHPUT_WINDOW:
+            self._completed.popleft()
+        then, before = self._completed[0]
+        span = now - then
+        if span < 1.0:
+            return {}
+        return {q: (n - before.get(q, 0.0)) * 60.0 / span for q, n in totals.items()}
+
+    def _authorized(self, request: web.Request, form: Mapping[str, Any]) -> bool:
+        token = self.main.settings.credentials.operator
+        if not token:
+            return False
+        given = str(form.get("token") or "")
+        header = request.headers.get("Authorization", "")
+        if header.startswith("Bearer "):
+            given = header.removeprefix("Bearer ")
+        return matches(given, token)
+
+    # ------------------------------------------------------------------ pages
+
+    def _page(self, request: web.Request, title: str, live: str, tools: str = "") -> web.Response:
+        if request.headers.get("X-Broker-Fragment") == "live":
+            return web.Response(text=live, content_type="text/html")
+        body = pages.document(
+            title=title,
+            path=request.path,
+            main_id=self.main.main_id,
+            message=request.query.get("msg"),
+            live=live,
+            tools=tools,
+        )
+        return web.Response(text=body, content_type="text/html")
+
+    async def _queues(self, request: web.Request) -> web.Response:
+        status = await self._ask(protocol.Status(request_id="web"))
+        rates = self._throughput()
+        queues, links = pages.paged(request.path, request.query, status.status["queues"])
+        live = pages.queues_live(queues, rates) + links
+        return self._page(request, "Queues", live, pages.PRUNE_FORM)
+
+    async def _workers(self, request: web.Request) -> web.Response:
+        status = await self._ask(protocol.Status(request_id="web"))
+        workers, links = pages.paged(request.path, request.query, status.status["workers"] or [])
+        return self._page(request, "Workers", pages.workers_live(workers) + links)
+
+    async def _recoveries(self, request: web.Request) -> web.Response:
+        status = await self._ask(protocol.Status(request_id="web"))
+        pending, links = pages.paged(
+            request.path, request.query, status.status["pending_recoveries"] or []
+        )
+        live = pages.recoveries_live(pending, status.status["orphans"]) + links
+        return self._page(request, "Pending recoveries", live)
+
+    async def _schedules(self, request: web.Request) -> web.Response:
+        scheduler = self.main.scheduler
+        ticks = scheduler.ticks()
+        schedules, links = pages.paged(request.path, request.query, scheduler.schedules)
+        live = pages.schedules_live(schedules, ticks) + links
+        return self._page(request, "Periodic schedules", live)
+
+    async def _jobs(self, request: web.Request) -> web.Response:
+        query = request.query
+        status = query.get("status") or None
+        queue = query.get("queue") or None
+        task = query.get("task") or None
+        prefix = (query.get("id") or "").strip().lower()
+        try:
+            limit = int(query.get("limit") or pages.PAGE_SIZES[0])
+            statuses = [JobStatus(status)] if status else None
+            listing = protocol.ListJobs(
+                request_id="web",
+                statuses=statuses,
+                queues=[queue] if queue else None,
+                tasks=[task] if task else None,
+                limit=limit if limit in pages.PAGE_SIZES else pages.PAGE_SIZES[0],
+                cursor=query.get("cursor") or None,
+            )
+        except (ValueError, BrokerError) as exc:
+            raise web.HTTPBadRequest(text=f"bad filter: {exc}") from None
+        jobs, next_cursor, note = await self._find(listing, prefix)
+        live = pages.jobs_live(jobs, note, query, next_cursor)
+        return self._page(request, "Jobs", live, pages.jobs_filter(query, prefix))
+
+    async def _find(
+        self, listing: protocol.ListJobs, prefix: str
+    ) -> tuple[list[dict[str, Any]], str | None, str]:
+        """One page of the listing; with an id prefix, the matches among the newest
+        :data:`PREFIX_SCAN_LIMIT` jobs the filter selects (a whole id is looked up)."""
+        try:
+            reply = await self._ask(listing) if not prefix else None
+        except BrokerError as exc:
+            raise web.HTTPBadRequest(text=str(exc)) from None
+        if reply is not None:
+            return reply.jobs, reply.next_cursor, ""
+        try:
+            whole = uuid.UUID(prefix)
+        except ValueError:
+            whole = None
+        if whole is not None:
+            info = await self._ask(protocol.GetJob(request_id="web", job_id=whole))
+            return ([info.job] if info.job else []), None, ""
+        found: list[dict[str, Any]] = []
+        cursor: str | None = None
+        seen = 0
+        while seen < PREFIX_SCAN_LIMIT and len(found) < listing.limit:
+            page = await self._ask(
+                protocol.ListJobs(
+                    request_id="web",
+                    statuses=listing.statuses,
+                    queues=listing.queues,
+                    tasks=listing.tasks,
+                    limit=protocol.MAX_LIST_LIMIT,
+                    cursor=cursor,
+                )
+            )
+            seen += len(page.jobs)
+            found += [j for j in page.jobs if str(j["id"]).startswith(prefix)]
+            cursor = page.next_cursor
+            if cursor is None:
+                break
+        return found[: listing.limit], None, pages.prefix_note(seen, prefix)
+
+    async def _job(self, request: web.Request) -> web.Response:
+        job_id = _job_id(request)
+        info = await self._ask(protocol.GetJob(request_id="web", job_id=job_id))
+        if info.job is None:
+            raise web.HTTPNotFound(text=f"no job {job_id}")
+        return self._page(request, f"Job {str(job_id)[:8]}", pages.job_live(job_id, info.job))
+
+    # ------------------------------------------------------------------ actions
+
+    async def _act(
+        self, request: web.Request, make: Callable[[Mapping[str, Any]], protocol.Message]
+    ) -> tuple[Mapping[str, Any], Any] | web.Response:
+        """The reply to an authorized action, or the response refusing it."""
+        form = await request.post()
+        if not self._authorized(request, form):
+            why = (
+                "this main has no token for operators (BROKER_OPERATOR_TOKEN or BROKER_TOKEN), "
+                "so the dashboard takes no actions"
+                if not self.main.settings.credentials.operator
+                else "the operator token is missing or wrong"
+            )
+            return web.Response(status=403, text=f"refused: {why}\n")
+        try:
+            msg = make(form)
+        except (ValueError, OverflowError, BrokerError) as exc:
+            return web.Response(status=400, text=f"refused: {exc}\n")
+        try:
+            return form, await self._ask(msg)
+        except BrokerError as exc:
+            return web.Response(status=409, text=f"refused: {exc}\n")
+
+    async def _retry(self, request: web.Request) -> web.StreamResponse:
+        return await self._job_action(request, protocol.Retry, "queued again")
+
+    async def _cancel(self, request: web.Request) -> web.StreamResponse:
+        return await self._job_action(request, protocol.Cancel, "cancelled")
+
+    async def _job_action(
+        self, request: web.Request, kind: type[protocol.Retry | protocol.Cancel], done: str
+    ) -> web.StreamResponse:
+        job_id = _job_id(request)
+        outcome = await self._act(request, lambda _: kind(request_id="web", job_id=job_id))
+        if isinstance(outcome, web.Response):
+            return outcome
+        job = outcome[1].job
+        if job is None:
+            raise web.HTTPNotFound(text=f"no job {job_id}")
+        note = done if job["status"] in ("queued", "cancelled") else f"unchanged: {job['status']}"
+        raise web.HTTPSeeOther(f"/jobs/{job_id}?" + urlencode({"msg": f"job {note}"}))
+
+    async def _prune(self, request: web.Request) -> web.StreamResponse:
+        def make(form: Mapping[str, Any]) -> protocol.Message:
+            days = float(form.get("older_than_days") or "nan")
+            return protocol.Prune(
+                request_id="web", older_than_seconds=timedelta(days=days).total_seconds()
+            )
+
+        outcome = await self._act(request, make)
+        if isinstance(outcome, web.Response):
+            return outcome
+        deleted = outcome[1].deleted
+        raise web.HTTPSeeOther("/?" + urlencode({"msg": f"pruned {deleted} jobs"}))
+
+    # ------------------------------------------------------------------ machines
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        levels = self._levels(await self._job_counts())
+        return web.Response(
+            body=self._exposition.render(levels),
+            content_type=None,
+            headers={"Content-Type": CONTENT_TYPE},
+        )
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        """200 while the main serves; a load balancer needs no more (the store's health
+        shows in the store error counters and in requests failing)."""
+        return web.Response(text="ok\n")
+
+
+def _job_id(request: web.Request) -> uuid.UUID:
+    try:
+        return uuid.UUID(request.match_info["job_id"])
+    except ValueError:
+        raise web.HTTPNotFound(text="not a job id") from None

@@ -1,0 +1,65 @@
+"""The dashboard's pure parts: which ``Host`` it answers to, and how a page is cut into
+pages and links (``broker.ops.web.access``, ``broker.ops.web.pages``), without a server."""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp import web
+
+from broker.model.bounds import PAGE_ROWS
+from broker.ops.web import pages
+from broker.ops.web.access import allowed_hosts, host_allowed
+
+MINE = allowed_hosts("0.0.0.0", ["Broker.Example.", " "])
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        "localhost",
+        "localhost:8080",
+        "127.0.0.1:8080",
+        "[::1]:8080",
+        "broker.example",
+        "BROKER.EXAMPLE.",
+    ],
+)
+def test_loopback_and_the_allowed_names_are_answered_with_any_port(header: str) -> None:
+    assert host_allowed(header, MINE)
+
+
+@pytest.mark.parametrize("header", [None, "", "evil.example", "evil.example:8080", "10.0.0.5"])
+def test_another_name_or_none_is_refused(header: str | None) -> None:
+    assert not host_allowed(header, MINE)
+
+
+def test_the_listen_address_is_allowed_unless_a_wildcard() -> None:
+    assert allowed_hosts("10.0.0.5", []) == {"10.0.0.5"}
+    assert allowed_hosts("::", []) == allowed_hosts("0.0.0.0", []) == frozenset()
+
+
+def test_one_page_of_rows_needs_no_links() -> None:
+    rows, links = pages.paged("/jobs", {}, list(range(PAGE_ROWS)))
+    assert len(rows) == PAGE_ROWS and links == ""
+
+
+def test_the_next_page_keeps_the_filter_and_drops_the_message() -> None:
+    items = list(range(PAGE_ROWS + 1))
+    rows, links = pages.paged("/workers", {"page": "2", "q": "a", "msg": "done"}, items)
+    assert list(rows) == [PAGE_ROWS]
+    assert 'href="/workers?q=a&amp;page=1"' in links and "msg" not in links
+    assert "Next page" not in links
+
+
+@pytest.mark.parametrize("page", ["x", "0"])
+def test_a_bad_page_number_is_a_bad_request(page: str) -> None:
+    with pytest.raises(web.HTTPBadRequest):
+        pages.paged("/", {"page": page}, [])
+
+
+def test_a_queue_name_too_long_for_a_link_is_shown_without_one() -> None:
+    counts = {"queued": 0, "handed_off": 0, "completed": 0, "failed": 0, "cancelled": 0}
+    row = {"counts": counts, "oldest_queued_age_seconds": None}
+    short = pages.queues_live([{**row, "queue": "q"}], {})
+    long = pages.queues_live([{**row, "queue": "q" * (pages.MAX_LINK_BYTES + 1)}], {})
+    assert 'href="/jobs?queue=q"' in short and "href" not in long
