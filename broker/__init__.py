@@ -11,7 +11,7 @@ take and return). Everything else is internal: import it at your own risk.
 """
 
 # ruff: noqa: I002
-# ``python -m broker.ops.cli`` imports this package while the working directory stands first
+# ``python -m broker.cli`` imports this package while the working directory stands first
 # on the module path (``sys.argv[0]`` is "-m" while the module is being found), so a
 # ``json.py`` or ``msgspec.py`` planted there would run in place of the real one. The
 # directory goes before any other import, ``__future__`` and ``typing`` included: only
