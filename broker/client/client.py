@@ -45,6 +45,7 @@ from broker.wire import framing as wire
 from broker.wire import messages as protocol
 from broker.wire import tls
 from broker.wire.addresses import MainAddresses
+from broker.wire.handshake import PeerHandshake
 from broker.wire.tls import PeerTLS
 
 T = TypeVar("T")
@@ -195,26 +196,21 @@ class Client:
         lines = wire.LineReader(reader, max_line_bytes=MAX_REPLY_BYTES)
         out = wire.MessageWriter(writer)
         try:
-            challenge = await wire.read_greeting(
+            handshake = PeerHandshake(
+                protocol.Hello(role=self._role, protocol=protocol.PROTOCOL_VERSION), self._token
+            )
+            greeting = await wire.read_greeting(
                 lines,
                 str(self._mains),
                 min(self._timeout, self._greeting_timeout),
                 tls=self._tls is not None,
             )
-            if isinstance(challenge, protocol.Error):  # over a connection limit
-                raise error_codes.refusal(challenge)
-            proof = protocol.make_proof(self._token, challenge.nonce) if self._token else None
-            await out.send(
-                protocol.Hello(role=self._role, protocol=protocol.PROTOCOL_VERSION, proof=proof)
-            )
+            await out.send(handshake.challenged(greeting))
             try:
-                welcome = await asyncio.wait_for(wire.read_message(lines), self._timeout)
+                reply = await asyncio.wait_for(wire.read_message(lines), self._timeout)
             except TimeoutError:
                 raise self._timed_out("the hello") from None
-            if isinstance(welcome, protocol.Error):
-                raise error_codes.refusal(welcome)
-            if not isinstance(welcome, protocol.Welcome):
-                raise ProtocolError(f"expected welcome from the main, got {welcome!r}")
+            welcome = handshake.answered(reply)
             self._max_line_bytes = welcome.max_line_bytes
             self._max_containers = welcome.max_payload_containers
         except BaseException:

@@ -80,6 +80,7 @@ from broker.wire import framing as wire
 from broker.wire import messages as protocol
 from broker.wire import tls
 from broker.wire.addresses import MainAddresses
+from broker.wire.handshake import PeerHandshake
 from broker.wire.tls import PeerTLS
 
 FLUSH_TIMEOUT = 10.0
@@ -503,56 +504,26 @@ class Worker:
         self, lines: wire.LineReader, writer: wire.MessageWriter
     ) -> protocol.Welcome:
         host, port = self._mains.current
-        match await wire.read_greeting(
-            lines, f"{host}:{port}", wire.GREETING_TIMEOUT, tls=self._tls is not None
-        ):
-            case protocol.Challenge() as challenge:
-                pass
-            case refusal:
-                raise self._refusal(refusal, "challenge")
-        if challenge.auth_required and not self._token:
-            raise ConfigurationError(
-                "the main requires a token: set the worker secret of the main "
-                "(BROKER_WORKER_TOKEN), or its shared BROKER_TOKEN"
-            )
-        await writer.send(
-            protocol.Hello(
-                role=protocol.Role.WORKER,
-                protocol=protocol.PROTOCOL_VERSION,
-                protocols=list(protocol.SUPPORTED_PROTOCOLS),
-                proof=protocol.make_proof(self._token, challenge.nonce) if self._token else None,
-                worker_id=self.worker_id,
-                host=socket.gethostname(),
-                pid=os.getpid(),
-                modes=list(self._runners),
-                queues=self._queues,
-                held_leases=[
-                    protocol.LeaseRef(job, lease) for job, lease in self._state.held_leases()
-                ],
-                local_state_lost=self._local_state_lost,
-            )
+        hello = protocol.Hello(
+            role=protocol.Role.WORKER,
+            protocol=protocol.PROTOCOL_VERSION,
+            protocols=list(protocol.SUPPORTED_PROTOCOLS),
+            worker_id=self.worker_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            modes=list(self._runners),
+            queues=self._queues,
+            held_leases=[protocol.LeaseRef(job, lease) for job, lease in self._state.held_leases()],
+            local_state_lost=self._local_state_lost,
         )
-        match await wire.read_message(lines):
-            case protocol.Welcome() as welcome if welcome.protocol in protocol.SUPPORTED_PROTOCOLS:
-                self._local_state_lost = False
-                return welcome
-            case protocol.Welcome() as welcome:
-                raise ConfigurationError(
-                    f"the main chose protocol {welcome.protocol}, which this worker does not "
-                    "speak: run the same broker version on both"
-                )
-            case reply:
-                raise self._refusal(reply, "welcome")
-
-    @staticmethod
-    def _refusal(msg: protocol.Message | None, expected: str) -> Exception:
-        match msg:
-            case None:
-                return ConnectionResetError(f"the main closed the connection before {expected}")
-            case protocol.Error() as error:
-                return error_codes.refusal(error)
-            case _:
-                return ProtocolError(f"expected {expected} from the main, got {msg.type}")
+        handshake = PeerHandshake(hello, self._token)
+        greeting = await wire.read_greeting(
+            lines, f"{host}:{port}", wire.GREETING_TIMEOUT, tls=self._tls is not None
+        )
+        await writer.send(handshake.challenged(greeting))
+        welcome = handshake.answered(await wire.read_message(lines))
+        self._local_state_lost = False
+        return welcome
 
     async def _serve(self, conn: _Connection) -> None:
         self._conn = conn
