@@ -41,7 +41,6 @@ import functools
 import itertools
 import logging
 import os
-import random
 import signal
 import socket
 import ssl
@@ -50,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.core import catalog
+from broker.core.reconnect import Reconnect, alive_for
 from broker.core.worker_state import (
     AdaptiveWindow,
     CheckpointSettled,
@@ -117,12 +117,6 @@ beyond the run-to-run spread (four pairs)."""
 
 def _default_window(slots: int) -> AdaptiveWindow:
     return AdaptiveWindow(size=PREFETCH_PER_SLOT * slots, cap=PREFETCH_MAX_PER_SLOT * slots)
-
-
-_FIRST_RECONNECT_DELAY = 0.1
-_STABLE_CONNECTION = 5.0
-"""A connection that lasted this long resets the backoff; shorter ones keep growing it,
-so a main that accepts and then drops at once is not hammered ten times a second."""
 
 
 @dataclass(eq=False)
@@ -389,7 +383,7 @@ class Worker:
     # ------------------------------------------------------------------ connection
 
     async def _stay_connected(self) -> None:
-        failures = 0
+        policy = Reconnect(self._mains, self._reconnect_max_delay)
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -398,32 +392,30 @@ class Worker:
                 self._logger.error("giving up on the main: %s", exc, extra={"event": "fatal"})
                 raise
             except NotLeaderError as exc:
-                failures += 1
-                delay = self._backoff(failures)
+                where = str(self._mains)
+                delay = policy.not_leader(exc.leader)
                 self._logger.info(
                     "the main at %s is a standby (leader: %s); connecting there in %.2f s",
-                    self._mains,
+                    where,
                     exc.leader or "none elected yet",
                     delay,
                     extra={"event": "not_leader"},
                 )
-                self._mains.follow(exc.leader)
                 await asyncio.sleep(delay)
                 continue
             except (OSError, TimeoutError, ProtocolError) as exc:
-                failures += 1
-                delay = self._backoff(failures)
+                where = str(self._mains)
+                delay = policy.unreachable()
                 self._logger.warning(
                     "cannot reach the main at %s (%s); retrying in %.2f s",
-                    self._mains,
+                    where,
                     _describe(exc),
                     delay,
                     extra={"event": "connect_failed"},
                 )
-                self._mains.failed()
                 await asyncio.sleep(delay)
                 continue
-            started = loop.time()
+            policy.connected(loop.time())
             try:
                 await self._serve(conn)
             except (OSError, TimeoutError, ProtocolError) as exc:
@@ -432,15 +424,7 @@ class Worker:
                     _describe(exc),
                     extra={"event": "disconnected"},
                 )
-            failures = 0 if loop.time() - started >= _STABLE_CONNECTION else failures + 1
-            self._mains.failed()  # the leader may be gone: the next main names the new one
-            await asyncio.sleep(self._backoff(max(failures, 1)))
-
-    def _backoff(self, failures: int) -> float:
-        ceiling = min(
-            self._reconnect_max_delay, _FIRST_RECONNECT_DELAY * 2 ** min(failures - 1, 30)
-        )
-        return random.uniform(ceiling / 2, ceiling)
+            await asyncio.sleep(policy.lost(loop.time()))
 
     async def _connect(self) -> _Connection:
         host, port = self._mains.current
@@ -570,20 +554,11 @@ class Worker:
         where a timeout around every read cost a timer and three ``getpid`` calls per
         message, and one around every send a timer per batch of reports."""
         loop = asyncio.get_running_loop()
-        limit = self._liveness_timeout
         conn.heard = loop.time()
+        limit = self._liveness_timeout
         while True:
-            now = loop.time()
-            silent = now - conn.heard
-            if silent >= limit:
-                raise TimeoutError(f"nothing from the main for {limit} s")
-            wait = limit - silent
-            sending = conn.sending
-            if sending is not None:
-                if now - sending >= limit:
-                    raise TimeoutError(f"a send to the main waited {limit} s on the socket")
-                wait = min(wait, limit - (now - sending))
-            await asyncio.sleep(wait)
+            left = alive_for(loop.time(), heard=conn.heard, sending=conn.sending, limit=limit)
+            await asyncio.sleep(left)
 
     async def _read_loop(self, conn: _Connection) -> None:
         loop = asyncio.get_running_loop()
