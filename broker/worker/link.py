@@ -157,7 +157,7 @@ class Link:
                 self._logger.warning(
                     "cannot reach the main at %s (%s); retrying in %.2f s",
                     where,
-                    describe(exc),
+                    _describe(exc),
                     delay,
                     extra={"event": "connect_failed"},
                 )
@@ -169,7 +169,7 @@ class Link:
             except (OSError, TimeoutError, ProtocolError) as exc:
                 self._logger.warning(
                     "connection to the main lost (%s); reconnecting",
-                    describe(exc),
+                    _describe(exc),
                     extra={"event": "disconnected"},
                 )
             await asyncio.sleep(policy.lost(loop.time()))
@@ -319,5 +319,5 @@ class Link:
                 await conn.writer.send(protocol.Ping(nonce=nonce))
 
 
-def describe(exc: BaseException) -> str:
+def _describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
