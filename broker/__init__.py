@@ -62,7 +62,8 @@ from broker.storage import Capabilities, JobFilter, JobPage, QueueCount, Storage
 from broker.tasks.runner import Reschedule
 
 if TYPE_CHECKING:
-    from broker.client.client import Client, SyncClient, configure
+    from broker.client.client import Client
+    from broker.client.sync import SyncClient, configure
     from broker.client.transactional import (
         EnqueueOptions,
         enqueue_in,
@@ -78,8 +79,8 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "Client": "broker.client.client",
-    "SyncClient": "broker.client.client",
-    "configure": "broker.client.client",
+    "SyncClient": "broker.client.sync",
+    "configure": "broker.client.sync",
     "JobContext": "broker.tasks.context",
     "current_job": "broker.tasks.context",
     "PeerTLS": "broker.wire.tls",

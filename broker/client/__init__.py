@@ -5,7 +5,7 @@ enqueueing inside the application's own SQL transaction (:mod:`broker.client.tra
 from __future__ import annotations
 
 from broker.client.client import Client as Client
-from broker.client.client import SyncClient as SyncClient
-from broker.client.client import configure as configure
+from broker.client.sync import SyncClient as SyncClient
+from broker.client.sync import configure as configure
 
 __all__ = ["Client", "SyncClient", "configure"]

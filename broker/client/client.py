@@ -1,8 +1,8 @@
 """Enqueue jobs and read their state through a running main.
 
-``Client`` is for asyncio code; ``SyncClient`` wraps it for WSGI apps, scripts and
-anything else without an event loop. Both keep one connection open and multiplex
-requests over it by ``request_id``.
+``Client`` is for asyncio code (:class:`~broker.client.sync.SyncClient` wraps it for WSGI
+apps, scripts and anything else without an event loop). It keeps one connection open and
+multiplexes requests over it by ``request_id``.
 
 An enqueue is acknowledged only after the main's durable insert. If the call times
 out or the connection drops, the outcome is unknown: repeat it with the same
@@ -19,15 +19,13 @@ import itertools
 import os
 import ssl
 import uuid
-import weakref
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
 import msgspec
-from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from broker.exceptions import (
     BrokerError,
@@ -39,12 +37,13 @@ from broker.exceptions import (
 from broker.jobs import ExecutionMode, JobSpec, JobStatus, JSONValue
 from broker.model.bounds import MESSAGE_CONTAINERS
 from broker.payload import containers_in, too_many_containers
-from broker.tasks.registry import Enqueued, Task, set_default_clients
+from broker.tasks.registry import Enqueued, Task
 from broker.wire import errors as error_codes
 from broker.wire import framing as wire
 from broker.wire import messages as protocol
 from broker.wire import tls
 from broker.wire.addresses import MainAddresses
+from broker.wire.handshake import PeerHandshake
 from broker.wire.tls import PeerTLS
 
 T = TypeVar("T")
@@ -195,26 +194,21 @@ class Client:
         lines = wire.LineReader(reader, max_line_bytes=MAX_REPLY_BYTES)
         out = wire.MessageWriter(writer)
         try:
-            challenge = await wire.read_greeting(
+            handshake = PeerHandshake(
+                protocol.Hello(role=self._role, protocol=protocol.PROTOCOL_VERSION), self._token
+            )
+            greeting = await wire.read_greeting(
                 lines,
                 str(self._mains),
                 min(self._timeout, self._greeting_timeout),
                 tls=self._tls is not None,
             )
-            if isinstance(challenge, protocol.Error):  # over a connection limit
-                raise error_codes.refusal(challenge)
-            proof = protocol.make_proof(self._token, challenge.nonce) if self._token else None
-            await out.send(
-                protocol.Hello(role=self._role, protocol=protocol.PROTOCOL_VERSION, proof=proof)
-            )
+            await out.send(handshake.challenged(greeting))
             try:
-                welcome = await asyncio.wait_for(wire.read_message(lines), self._timeout)
+                reply = await asyncio.wait_for(wire.read_message(lines), self._timeout)
             except TimeoutError:
                 raise self._timed_out("the hello") from None
-            if isinstance(welcome, protocol.Error):
-                raise error_codes.refusal(welcome)
-            if not isinstance(welcome, protocol.Welcome):
-                raise ProtocolError(f"expected welcome from the main, got {welcome!r}")
+            welcome = handshake.answered(reply)
             self._max_line_bytes = welcome.max_line_bytes
             self._max_containers = welcome.max_payload_containers
         except BaseException:
@@ -571,137 +565,3 @@ class Client:
             if loop.time() >= deadline:
                 raise TimeoutError(f"job {job_id} is still {job['status']} after {timeout} s")
             await asyncio.sleep(interval)
-
-
-class SyncClient:
-    """A blocking facade over :class:`Client` for code without an event loop.
-
-    anyio's blocking portal runs the client on an event loop in a daemon thread of its
-    own; each call waits there for its answer and raises what the client raised. Close it
-    (or use it as a context manager) to close the connection and stop that thread.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._arguments = (args, kwargs)
-        self._start()
-
-    def _start(self) -> None:
-        self._pid = os.getpid()
-        self._client = Client(*self._arguments[0], **self._arguments[1])
-        self._stack = contextlib.ExitStack()
-        self._portal: BlockingPortal | None = self._stack.enter_context(start_blocking_portal())
-
-    def _call(self, method: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
-        if self._portal is None:
-            raise RuntimeError("this SyncClient is closed")
-        if self._pid != os.getpid():
-            # A forked child has no copy of the portal's thread: a call would wait forever
-            # for it. Start a thread and a connection of the child's own; the parent's
-            # objects are dropped unclosed, since closing them would wait on that thread.
-            self._forked_from = (self._stack, self._client)
-            self._start()
-            method = getattr(self._client, method.__name__)
-        assert self._portal is not None
-        return self._portal.call(functools.partial(method, *args, **kwargs))
-
-    def enqueue(self, task: str | Task[..., Any], *args: Any, **kwargs: Any) -> Enqueued:
-        return self._call(self._client.enqueue, task, *args, **kwargs)
-
-    def enqueue_spec(self, spec: JobSpec, *, delay: float | None = None) -> Enqueued:
-        return self._call(self._client.enqueue_spec, spec, delay=delay)
-
-    def enqueue_many(self, specs: Sequence[JobSpec]) -> list[Enqueued]:
-        return self._call(self._client.enqueue_many, specs)
-
-    def enqueue_batches(
-        self, specs: Iterable[JobSpec], *, batch_size: int = 250, in_flight: int = 3
-    ) -> list[Enqueued]:
-        return self._call(
-            self._client.enqueue_batches, specs, batch_size=batch_size, in_flight=in_flight
-        )
-
-    def list_tasks(self) -> list[dict[str, JSONValue]]:
-        return self._call(self._client.list_tasks)
-
-    def get_job(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
-        return self._call(self._client.get_job, job_id)
-
-    def cancel(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
-        return self._call(self._client.cancel, job_id)
-
-    def retry(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
-        return self._call(self._client.retry, job_id)
-
-    def status(self) -> dict[str, JSONValue]:
-        return self._call(self._client.status)
-
-    def list_jobs(self, **kwargs: Any) -> JobListPage:
-        return self._call(self._client.list_jobs, **kwargs)
-
-    def prune(self, **kwargs: Any) -> int:
-        return self._call(self._client.prune, **kwargs)
-
-    def wait(self, job_id: uuid.UUID | str, **kwargs: Any) -> dict[str, JSONValue]:
-        return self._call(self._client.wait, job_id, **kwargs)
-
-    def close(self) -> None:
-        if self._portal is None:
-            return
-        try:
-            self._call(self._client.close)
-        finally:
-            self._portal = None
-            self._stack.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class _ConfiguredClients:
-    """The clients ``task.enqueue`` uses by default: one :class:`Client` per event loop (a
-    client belongs to the loop it connected on) and one :class:`SyncClient` per process,
-    each made on first use. Both reconnect by themselves in a forked child."""
-
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._args = args
-        self._kwargs = kwargs
-        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Client] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._sync: SyncClient | None = None
-
-    def async_client(self) -> Client:
-        loop = asyncio.get_running_loop()
-        client = self._async.get(loop)
-        if client is None:
-            client = self._async[loop] = Client(*self._args, **self._kwargs)
-        return client
-
-    def sync_client(self) -> SyncClient:
-        if self._sync is None:
-            self._sync = SyncClient(*self._args, **self._kwargs)
-        return self._sync
-
-
-def configure(
-    host: str = "127.0.0.1",
-    port: int = protocol.DEFAULT_PORT,
-    *,
-    token: str | None = None,
-    timeout: float = 10.0,
-    tls: PeerTLS | ssl.SSLContext | None = None,
-) -> None:
-    """Say where ``task.enqueue(...)`` and ``task.enqueue_sync(...)`` send jobs (``token``:
-    the client secret; ``tls``: as for :class:`Client`).
-
-    Call it once at start-up, as a Celery app is configured once (or Dramatiq's
-    ``set_broker``); it may run at import time, before a fork: each process, and each
-    event loop, then connects on first use. ``timeout`` bounds every call (seconds).
-    ``task.options(client=...)`` sends one enqueue through a client of your own instead.
-    """
-    set_default_clients(
-        _ConfiguredClients((host, port), {"token": token, "timeout": timeout, "tls": tls})
-    )

@@ -35,7 +35,7 @@ from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from sqlalchemy.dialects.postgresql import psycopg
 
-from broker.client.client import SyncClient
+from broker.client.sync import SyncClient
 from broker.client.transactional import EnqueueOptions, enqueue_on_statements, job_spec
 from broker.exceptions import ConfigurationError
 from broker.jobs import EnqueueResult, JobSpec, JSONValue

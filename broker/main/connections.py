@@ -36,6 +36,7 @@ from broker.wire import framing as wire
 from broker.wire import messages as protocol
 from broker.wire import tls
 from broker.wire.credentials import Credentials
+from broker.wire.handshake import Accepted, Refused, ServerHandshake
 
 logger = logging.getLogger("broker.main")
 
@@ -642,15 +643,8 @@ class Connections:
             await session.writer.send(protocol.Error(code=code, message=message, fatal=True))
 
     async def _handshake(self, session: Session, lines: wire.LineReader) -> bool:
-        nonce = protocol.make_nonce()
-        credentials = self.settings.credentials
-        await session.writer.send(
-            protocol.Challenge(
-                nonce=nonce,
-                protocol=protocol.PROTOCOL_VERSION,
-                auth_required=credentials.required,
-            )
-        )
+        handshake = ServerHandshake(self.settings.credentials, protocol.make_nonce())
+        await session.writer.send(handshake.challenge())
         try:
             first = await asyncio.wait_for(
                 wire.read_message(lines), timeout=self.settings.handshake_timeout
@@ -664,27 +658,17 @@ class Connections:
             return False
         if first is None:
             return False
-        if not isinstance(first, protocol.Hello):
-            await self._fatal(
-                session, protocol.ErrorCode.NOT_ALLOWED, "the first message must be hello"
-            )
-            return False
-        refusal = credentials.refusal(first.role, nonce, first.proof)
-        if refusal is not None:
-            self._log_auth_failure(session, first.role, refusal)
-            await self._fatal(session, protocol.ErrorCode.AUTH_FAILED, refusal, log=False)
-            return False
-        session.rights = credentials.rights(first.role, nonce, first.proof)
-        if protocol.choose_protocol(first) is None:
-            ours = ", ".join(map(str, protocol.SUPPORTED_PROTOCOLS))
-            theirs = ", ".join(map(str, first.spoken()))
-            await self._fatal(
-                session,
-                protocol.ErrorCode.PROTOCOL_VERSION,
-                f"this main speaks protocol {ours}, not {theirs}",
-            )
-            return False
-        answer = self._welcome(session, first)
+        match handshake.received(first):
+            case Refused(code=code, message=message, role=protocol.Role() as role):
+                self._log_auth_failure(session, role, message)
+                await self._fatal(session, code, message, log=False)
+                return False
+            case Refused(code=code, message=message):
+                await self._fatal(session, code, message)
+                return False
+            case Accepted(hello=hello, rights=rights):
+                session.rights = rights
+        answer = self._welcome(session, hello)
         if isinstance(answer, protocol.Error):  # a standby naming the leader
             with contextlib.suppress(Exception):
                 await session.writer.send(answer)

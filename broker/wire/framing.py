@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterable
+from typing import Protocol
 
 from broker.exceptions import ProtocolError
 from broker.model.bounds import PREAUTH_MAX_LINE_BYTES
@@ -224,6 +225,33 @@ async def read_greeting(
     return first
 
 
+class Transport(Protocol):
+    """What :class:`MessageWriter` asks of a stream's transport."""
+
+    def get_write_buffer_size(self) -> int: ...
+
+    def abort(self) -> None: ...
+
+
+class StreamSink(Protocol):
+    """The writing half of a connection as :class:`MessageWriter` uses it: an asyncio
+    ``StreamWriter``, or a test's memory stream (as httpcore's network stream seam lets
+    its mock backend stand in for a socket)."""
+
+    @property
+    def transport(self) -> Transport: ...
+
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    def is_closing(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+    async def wait_closed(self) -> None: ...
+
+
 class MessageWriter:
     """Writes whole messages, one line each, from any number of tasks.
 
@@ -232,7 +260,7 @@ class MessageWriter:
     turns through ``drain()``, so back-pressure is shared fairly and lines stay whole.
     """
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, writer: StreamSink) -> None:
         self._writer = writer
         self._lock = asyncio.Lock()
 

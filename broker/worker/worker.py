@@ -1,10 +1,7 @@
 """The worker: one per machine, it takes jobs from the main and runs them on its runners.
 
-A worker holds one TCP connection to the main and keeps it: it reconnects with
-capped, jittered backoff whenever the connection is lost, and it decides the
-connection is lost when nothing at all has come from the main for
-``liveness_timeout`` seconds (the main answers every ``ping``), because TCP alone
-can take many minutes to notice a peer that vanished.
+A worker holds one connection to the main and keeps it (:mod:`broker.worker.link`,
+reconnecting as :mod:`broker.core.reconnect` says).
 
 **Credits are exact.** Each ``ready`` carries the free slots per mode *and* ``seen``,
 the ``seq`` of the last ``job`` message this worker had decided on when it counted
@@ -28,25 +25,21 @@ The worker never imports a runner: the composition root hands it one ``Runner``
 per execution mode it serves.
 
 The rules above live in :mod:`broker.core.worker_state`, which does no I/O; this module
-owns the connection, the reconnect loop, the timers and the runners' tasks, feeds
-events into the state and carries its effects out.
+owns the timers and the runners' tasks, feeds the connection's messages and the jobs'
+outcomes into the state and carries its effects out.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
-import itertools
 import logging
 import os
-import random
 import signal
 import socket
 import ssl
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from broker.core import catalog
@@ -63,24 +56,20 @@ from broker.core.worker_state import (
     WorkerState,
     log_job,
 )
-from broker.exceptions import (
-    AuthenticationError,
-    ConfigurationError,
-    NotLeaderError,
-    ProtocolError,
-)
+from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode, JSONValue
 from broker.model import checks
 from broker.model.bounds import MAX_WORKER_STATUS_BYTES
-from broker.payload import MAX_LINE_BYTES_CEILING
 from broker.tasks.registry import TaskRegistry, default_registry
 from broker.tasks.runner import Assignment, Failed, LeaseKey, Runner, RunOutcome
 from broker.wire import errors as error_codes
 from broker.wire import framing as wire
 from broker.wire import messages as protocol
-from broker.wire import tls
 from broker.wire.addresses import MainAddresses
 from broker.wire.tls import PeerTLS
+from broker.worker.link import TCP, Endpoint, Link, Network
+from broker.worker.link import Connection as _Connection
+from broker.worker.slots import FreeSlots
 
 FLUSH_TIMEOUT = 10.0
 """How long a draining worker waits for the main to acknowledge its last reports."""
@@ -118,31 +107,6 @@ def _default_window(slots: int) -> AdaptiveWindow:
     return AdaptiveWindow(size=PREFETCH_PER_SLOT * slots, cap=PREFETCH_MAX_PER_SLOT * slots)
 
 
-_FIRST_RECONNECT_DELAY = 0.1
-_STABLE_CONNECTION = 5.0
-"""A connection that lasted this long resets the backoff; shorter ones keep growing it,
-so a main that accepts and then drops at once is not hammered ten times a second."""
-
-
-@dataclass(eq=False)
-class _Connection:
-    """What lives and dies with one connection to the main (its protocol state is in
-    :class:`~broker.core.worker_state.WorkerState`)."""
-
-    lines: wire.LineReader
-    writer: wire.MessageWriter
-    welcome: protocol.Welcome
-    ping_interval: float
-    status_sent: tuple[object, ...] | None = None
-    """What the last ``worker_status`` said about capacity and start-up errors."""
-    heard: float = 0.0
-    """Loop time when the read loop last had a message from the main (see
-    :meth:`Worker._watch_liveness`)."""
-    sending: float | None = None
-    """Loop time when the send under way began (``None``: no send is waiting on the
-    socket); the liveness watch ends a send blocked for the liveness timeout."""
-
-
 class Worker:
     """Connects to the main at ``main_host:main_port`` and runs the jobs it hands over.
 
@@ -167,6 +131,9 @@ class Worker:
         :data:`PREFETCH_PER_SLOT` per slot of each mode up to :data:`PREFETCH_MAX_PER_SLOT`.
         A prefetched job's lease goes back to the queue if the connection drops.
     """
+
+    network: Network = TCP()
+    """How connections to a main are opened; a test puts memory streams here."""
 
     def __init__(
         self,
@@ -276,9 +243,25 @@ class Worker:
                 runner.set_capacity_listener(self._capacity_changed)
                 runner.set_job_channel(self)
             await asyncio.gather(*(runner.start() for runner in self._runners.values()))
-            connection = asyncio.create_task(
-                self._stay_connected(), name="broker-worker-connection"
+            link = Link(
+                self._mains,
+                Endpoint(
+                    hello=self._hello,
+                    joined=self._joined,
+                    handle=self._handle,
+                    outgoing=self._outgoing,
+                    left=self._left,
+                ),
+                self._wake,
+                network=self.network,
+                token=self._token,
+                tls=self._tls,
+                ping_interval=self._ping_interval,
+                liveness_timeout=self._liveness_timeout,
+                reconnect_max_delay=self._reconnect_max_delay,
+                logger=self._logger,
             )
+            connection = asyncio.create_task(link.stay_connected(), name="broker-worker-connection")
             await asyncio.wait({connection, stop}, return_when=asyncio.FIRST_COMPLETED)
             if connection.done():
                 connection.result()
@@ -387,194 +370,30 @@ class Worker:
 
     # ------------------------------------------------------------------ connection
 
-    async def _stay_connected(self) -> None:
-        failures = 0
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn = await self._connect()
-            except (AuthenticationError, ConfigurationError) as exc:
-                self._logger.error("giving up on the main: %s", exc, extra={"event": "fatal"})
-                raise
-            except NotLeaderError as exc:
-                failures += 1
-                delay = self._backoff(failures)
-                self._logger.info(
-                    "the main at %s is a standby (leader: %s); connecting there in %.2f s",
-                    self._mains,
-                    exc.leader or "none elected yet",
-                    delay,
-                    extra={"event": "not_leader"},
-                )
-                self._mains.follow(exc.leader)
-                await asyncio.sleep(delay)
-                continue
-            except (OSError, TimeoutError, ProtocolError) as exc:
-                failures += 1
-                delay = self._backoff(failures)
-                self._logger.warning(
-                    "cannot reach the main at %s (%s); retrying in %.2f s",
-                    self._mains,
-                    _describe(exc),
-                    delay,
-                    extra={"event": "connect_failed"},
-                )
-                self._mains.failed()
-                await asyncio.sleep(delay)
-                continue
-            started = loop.time()
-            try:
-                await self._serve(conn)
-            except (OSError, TimeoutError, ProtocolError) as exc:
-                self._logger.warning(
-                    "connection to the main lost (%s); reconnecting",
-                    _describe(exc),
-                    extra={"event": "disconnected"},
-                )
-            failures = 0 if loop.time() - started >= _STABLE_CONNECTION else failures + 1
-            self._mains.failed()  # the leader may be gone: the next main names the new one
-            await asyncio.sleep(self._backoff(max(failures, 1)))
-
-    def _backoff(self, failures: int) -> float:
-        ceiling = min(
-            self._reconnect_max_delay, _FIRST_RECONNECT_DELAY * 2 ** min(failures - 1, 30)
-        )
-        return random.uniform(ceiling / 2, ceiling)
-
-    async def _connect(self) -> _Connection:
-        host, port = self._mains.current
-        try:
-            async with asyncio.timeout(self._liveness_timeout):
-                reader, raw_writer = await asyncio.open_connection(
-                    host, port, limit=MAX_LINE_BYTES_CEILING + 2, ssl=self._tls
-                )
-        except ssl.SSLError as exc:
-            # Retried like an unreachable main (a certificate may be renewed meanwhile),
-            # but logged as what it is.
-            raise ConnectionError(tls.describe(exc, f"{host}:{port}")) from exc
-        self._enable_keepalive(raw_writer.get_extra_info("socket"))
-        lines = wire.LineReader(reader)
-        writer = wire.MessageWriter(raw_writer)
-        try:
-            async with asyncio.timeout(self._liveness_timeout):
-                welcome = await self._handshake(lines, writer)
-        except ssl.SSLError as exc:  # TLS 1.3 sends a refused client certificate's alert late
-            writer.abort()
-            raise ConnectionError(tls.describe(exc, f"{host}:{port}")) from exc
-        except BaseException:
-            writer.abort()
-            raise
-        lines.max_line_bytes = min(welcome.max_line_bytes, MAX_LINE_BYTES_CEILING)
-        held = set(self._state.held_leases())
-        adopted = {(ref.job_id, ref.handoff_id) for ref in welcome.adopted}
-        self._logger.info(
-            "connected to main %s at %s:%d (held %d leases, %d adopted)",
-            welcome.main_id,
-            host,
-            port,
-            len(held),
-            len(adopted & held),
-            extra={"event": "connected", "main_id": welcome.main_id},
-        )
-        return _Connection(
-            lines=lines,
-            writer=writer,
-            welcome=welcome,
-            ping_interval=min(self._ping_interval, welcome.ping_interval),
+    def _hello(self) -> protocol.Hello:
+        """What this worker says of itself to each main: the leases it holds among it."""
+        return protocol.Hello(
+            role=protocol.Role.WORKER,
+            protocol=protocol.PROTOCOL_VERSION,
+            protocols=list(protocol.SUPPORTED_PROTOCOLS),
+            worker_id=self.worker_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            modes=list(self._runners),
+            queues=self._queues,
+            held_leases=[protocol.LeaseRef(job, lease) for job, lease in self._state.held_leases()],
+            local_state_lost=self._local_state_lost,
         )
 
-    def _enable_keepalive(self, sock: socket.socket | None) -> None:
-        """Let the kernel probe an idle connection too, in case pings cannot get out."""
-        if sock is None:
-            return
-        options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
-        for name, value in (
-            ("TCP_KEEPIDLE", self._liveness_timeout),
-            ("TCP_KEEPINTVL", self._ping_interval),
-            ("TCP_KEEPCNT", 3),
-        ):
-            if hasattr(socket, name):
-                options.append((socket.IPPROTO_TCP, getattr(socket, name), max(1, int(value))))
-        with contextlib.suppress(OSError):
-            for level, option, value in options:
-                sock.setsockopt(level, option, value)
-
-    async def _handshake(
-        self, lines: wire.LineReader, writer: wire.MessageWriter
-    ) -> protocol.Welcome:
-        host, port = self._mains.current
-        match await wire.read_greeting(
-            lines, f"{host}:{port}", wire.GREETING_TIMEOUT, tls=self._tls is not None
-        ):
-            case protocol.Challenge() as challenge:
-                pass
-            case refusal:
-                raise self._refusal(refusal, "challenge")
-        if challenge.auth_required and not self._token:
-            raise ConfigurationError(
-                "the main requires a token: set the worker secret of the main "
-                "(BROKER_WORKER_TOKEN), or its shared BROKER_TOKEN"
-            )
-        await writer.send(
-            protocol.Hello(
-                role=protocol.Role.WORKER,
-                protocol=protocol.PROTOCOL_VERSION,
-                protocols=list(protocol.SUPPORTED_PROTOCOLS),
-                proof=protocol.make_proof(self._token, challenge.nonce) if self._token else None,
-                worker_id=self.worker_id,
-                host=socket.gethostname(),
-                pid=os.getpid(),
-                modes=list(self._runners),
-                queues=self._queues,
-                held_leases=[
-                    protocol.LeaseRef(job, lease) for job, lease in self._state.held_leases()
-                ],
-                local_state_lost=self._local_state_lost,
-            )
-        )
-        match await wire.read_message(lines):
-            case protocol.Welcome() as welcome if welcome.protocol in protocol.SUPPORTED_PROTOCOLS:
-                self._local_state_lost = False
-                return welcome
-            case protocol.Welcome() as welcome:
-                raise ConfigurationError(
-                    f"the main chose protocol {welcome.protocol}, which this worker does not "
-                    "speak: run the same broker version on both"
-                )
-            case reply:
-                raise self._refusal(reply, "welcome")
-
-    @staticmethod
-    def _refusal(msg: protocol.Message | None, expected: str) -> Exception:
-        match msg:
-            case None:
-                return ConnectionResetError(f"the main closed the connection before {expected}")
-            case protocol.Error() as error:
-                return error_codes.refusal(error)
-            case _:
-                return ProtocolError(f"expected {expected} from the main, got {msg.type}")
-
-    async def _serve(self, conn: _Connection) -> None:
+    async def _joined(self, conn: _Connection) -> None:
+        self._local_state_lost = False  # the main has heard it
         self._conn = conn
         await self._declare_tasks(conn)
         self._apply(self._state.connected(conn.welcome))
-        tasks = [
-            asyncio.create_task(self._read_loop(conn), name="broker-worker-read"),
-            asyncio.create_task(self._send_loop(conn), name="broker-worker-send"),
-            asyncio.create_task(self._ping_loop(conn), name="broker-worker-ping"),
-            asyncio.create_task(self._watch_liveness(conn), name="broker-worker-liveness"),
-        ]
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()
-        finally:
-            self._conn = None
-            self._apply(self._state.disconnected())
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await conn.writer.close(grace=1.0)
+
+    def _left(self) -> None:
+        self._conn = None
+        self._apply(self._state.disconnected())
 
     async def _declare_tasks(self, conn: _Connection) -> None:
         """Tell the main the tasks this worker serves and their defaults (its task
@@ -593,97 +412,39 @@ class Worker:
             return
         await conn.writer.write_raw(line)
 
-    async def _watch_liveness(self, conn: _Connection) -> None:
-        """Ends the connection once nothing has come from the main for the liveness
-        timeout, or a send has waited on the socket that long: one timer per connection,
-        where a timeout around every read cost a timer and three ``getpid`` calls per
-        message, and one around every send a timer per batch of reports."""
-        loop = asyncio.get_running_loop()
-        limit = self._liveness_timeout
-        conn.heard = loop.time()
-        while True:
-            now = loop.time()
-            silent = now - conn.heard
-            if silent >= limit:
-                raise TimeoutError(f"nothing from the main for {limit} s")
-            wait = limit - silent
-            sending = conn.sending
-            if sending is not None:
-                if now - sending >= limit:
-                    raise TimeoutError(f"a send to the main waited {limit} s on the socket")
-                wait = min(wait, limit - (now - sending))
-            await asyncio.sleep(wait)
-
-    async def _read_loop(self, conn: _Connection) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            conn.heard = loop.time()  # the previous message (or the welcome) just came
-            try:
-                msg = await wire.read_message(conn.lines)
-            except protocol.UnknownTypeError as exc:
-                # A newer main may send messages this worker does not know; skip them.
-                self._logger.warning("ignoring a message from the main: %s", exc)
-                continue
-            except protocol.DecodeError as exc:
-                if exc.msg_type not in (protocol.ReportAck.type, protocol.ReportAcks.type):
-                    raise
-                # A newer main may answer with a status this worker does not know. Keep
-                # the connection (and the leases on it); the report stays in the outbox
-                # and is sent again on the next connection.
-                self._logger.warning("ignoring a report_ack from the main: %s", exc)
-                continue
-            if msg is None:
-                raise ConnectionResetError("the main closed the connection")
-            self._handle(msg)
-
-    async def _send_loop(self, conn: _Connection) -> None:
-        """The one sender of everything except pings: reports in outbox order (as few
-        ``reports`` lines as the line limit allows, each report encoded once), then at
-        most one ``ready`` per wake-up, computed at the moment it is sent."""
+    def _outgoing(self, conn: _Connection) -> bytes:
+        """What the sender writes when woken: reports in outbox order (as few ``reports``
+        lines as the line limit allows, each report encoded once), then at most one
+        ``ready``, computed at the moment it is sent."""
         batch_bytes = min(conn.welcome.max_line_bytes, wire.BATCH_LINE_BYTES)
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wake.wait()
-            # One more turn lets a job that just freed its slot file its report, so the
-            # report and the ``ready`` counting its slot go out together.
-            await asyncio.sleep(0)
-            self._wake.clear()
-            lines: list[bytes] = []
-            reports: list[bytes] = []
-            for msg in self._state.outgoing(loop.time()):
-                if isinstance(msg, protocol.Report):
-                    reports.append(self._state.encoded(msg))
-                else:
-                    lines.append(protocol.encode(msg))
-            lines.extend(
-                protocol.pack(
-                    protocol.Reports, reports, batch_bytes, conn.welcome.max_payload_containers
-                )
+        lines: list[bytes] = []
+        reports: list[bytes] = []
+        for msg in self._state.outgoing((self._loop or asyncio.get_running_loop()).time()):
+            if isinstance(msg, protocol.Report):
+                reports.append(self._state.encoded(msg))
+            else:
+                lines.append(protocol.encode(msg))
+        lines.extend(
+            protocol.pack(
+                protocol.Reports, reports, batch_bytes, conn.welcome.max_payload_containers
             )
-            ready = self._state.take_ready(self._free_slots())
-            if ready is not None or conn.status_sent is None:
-                status = self._status_message(conn)
-                if status is not None:
-                    lines.append(status)
-            if ready is not None:
-                lines.append(protocol.encode(ready))
-            conn.sending = loop.time()
-            await conn.writer.write_raw(b"".join(lines))
-            conn.sending = None
-
-    async def _ping_loop(self, conn: _Connection) -> None:
-        for nonce in itertools.count(1):
-            await asyncio.sleep(conn.ping_interval)
-            async with asyncio.timeout(self._liveness_timeout):
-                await conn.writer.send(protocol.Ping(nonce=nonce))
+        )
+        ready = self._state.take_ready(self._free_slots())
+        if ready is not None or conn.status_sent is None:
+            status = self._status_message(conn)
+            if status is not None:
+                lines.append(status)
+        if ready is not None:
+            lines.append(protocol.encode(ready))
+        return b"".join(lines)
 
     def _capacity_changed(self) -> None:
         """A runner's free slots may have changed (called on the loop's thread)."""
         self._runners_changed = True
         self._apply(self._state.capacity_changed(self._free_slots()))
 
-    def _free_slots(self) -> _FreeSlots:
-        return _FreeSlots(self._runners)
+    def _free_slots(self) -> FreeSlots:
+        return FreeSlots(self._runners)
 
     # ------------------------------------------------------------------ effects
 
@@ -837,44 +598,11 @@ class Worker:
             log_job(self._logger, level, event, key, job, exc_info=exc_info, **fields)
 
 
-class _FreeSlots(Mapping[ExecutionMode, int]):
-    """Each runner's free slots now, asked of a runner only once the state looks at its
-    mode, and once: the state looks only at the modes it holds jobs of, and the pooled
-    runner walks its children to count (a worker counts for every job it receives and
-    every job that ends)."""
-
-    __slots__ = ("_counted", "_runners")
-
-    def __init__(self, runners: Mapping[ExecutionMode, Runner]) -> None:
-        self._runners = runners
-        self._counted: dict[ExecutionMode, int] = {}
-
-    def __getitem__(self, mode: ExecutionMode) -> int:
-        try:
-            return self._counted[mode]
-        except KeyError:
-            free = self._counted[mode] = self._runners[mode].free_slots()
-            return free
-
-    def get(self, mode: ExecutionMode, default: int | None = None) -> int | None:  # type: ignore[override]
-        return self[mode] if mode in self._runners else default
-
-    def __iter__(self) -> Iterator[ExecutionMode]:
-        return iter(self._runners)
-
-    def __len__(self) -> int:
-        return len(self._runners)
-
-
 def _mirror(event: asyncio.Event, value: bool) -> None:
     if value:
         event.set()
     else:
         event.clear()
-
-
-def _describe(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
 
 
 def install_signal_handlers(worker: Worker) -> None:

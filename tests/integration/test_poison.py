@@ -36,8 +36,8 @@ from broker.wire import messages as protocol
 from broker.worker.worker import Worker
 from runners.inline import InlineRunner
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
+from tests.fake_main import FakeMain, job, make_worker, running
 from tests.integration.test_main import _start
-from tests.integration.test_worker import FakeMain, job, make_worker, running
 from tests.support import FakeWorker, until
 
 APPLIED = protocol.AckStatus.APPLIED
@@ -420,7 +420,7 @@ async def test_a_worker_forgets_a_refused_report_and_survives_an_ack_it_cannot_r
         return a + b
 
     async with FakeMain() as main:
-        worker = make_worker(main.port, registry)
+        worker = make_worker(main, registry)
         async with running(worker):
             session = await main.session()
             await session.send(job(1, "add", 1, 2))

@@ -16,7 +16,7 @@ import pytest
 
 from adapters.memory import MemoryAdapter
 from broker.client.client import Client
-from broker.exceptions import AuthenticationError, PermissionDeniedError
+from broker.exceptions import AuthenticationError, ConfigurationError, PermissionDeniedError
 from broker.jobs import JobStatus
 from broker.main.main import Main
 from broker.ops.web import Dashboard
@@ -76,13 +76,20 @@ async def test_the_operator_secret_cancels() -> None:
         (Role.OPERATOR, SECRETS["client"]),  # a client's secret cannot act as an operator
         (Role.OPERATOR, SECRETS["worker"]),  # nor a worker's
         (Role.CLIENT, SECRETS["worker"]),  # a worker's cannot even enqueue
-        (Role.CLIENT, None),
     ],
 )
 async def test_a_secret_of_another_role_is_refused_at_hello(role: Role, secret: str | None) -> None:
     async with main_with() as main:
         with pytest.raises(AuthenticationError, match=f"for the {role} role"):
             async with _client(main, role, secret):
+                pass
+
+
+async def test_a_client_without_a_secret_does_not_say_hello_to_a_main_that_requires_one() -> None:
+    """As the worker: a hello without a proof would only be refused (wire.handshake)."""
+    async with main_with() as main:
+        with pytest.raises(ConfigurationError, match="set the client secret of the main"):
+            async with _client(main, Role.CLIENT, None):
                 pass
 
 

@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from adapters.memory import MemoryAdapter
-from broker.client.client import SyncClient
+from broker.client.sync import SyncClient
 from broker.exceptions import BrokerError, InvalidJobError
 from broker.jobs import JobSpec
 from tests.support import running_main

@@ -12,8 +12,9 @@ import pytest
 
 import broker
 from adapters.memory import MemoryAdapter
-from broker.client import client as client_module
-from broker.client.client import Client, SyncClient
+from broker.client import sync as sync_module
+from broker.client.client import Client
+from broker.client.sync import SyncClient
 from broker.exceptions import ConfigurationError, IdempotencyConflictError
 from broker.storage import JobFilter
 from broker.tasks import registry as tasks
@@ -90,7 +91,7 @@ async def test_configure_gives_tasks_a_default_client_and_without_it_the_error_s
         with blocking, pytest.raises(ConfigurationError, match="enqueue_sync"):
             await send_email.options(client=blocking).enqueue("c")
         defaults = tasks._defaults()
-        assert isinstance(defaults, client_module._ConfiguredClients)
+        assert isinstance(defaults, sync_module._ConfiguredClients)
         await defaults.async_client().close()
         await asyncio.to_thread(defaults.sync_client().close)
 

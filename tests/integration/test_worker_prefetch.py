@@ -8,7 +8,7 @@ import asyncio
 
 from broker.tasks.registry import TaskRegistry
 from broker.wire import messages as protocol
-from tests.integration.test_worker import (
+from tests.fake_main import (
     INLINE,
     FakeMain,
     Session,
@@ -17,10 +17,11 @@ from tests.integration.test_worker import (
     make_worker,
     registry,
     running,
+    started,
 )
 from tests.support import until
 
-_ = (gate, registry)  # fixtures, used by name
+_ = (started, gate, registry)  # fixtures, used by name
 
 
 async def _two_running_one_waiting(
@@ -40,7 +41,7 @@ async def test_a_job_beyond_the_slots_waits_and_runs_when_a_slot_frees(
     registry: TaskRegistry, gate: asyncio.Event
 ) -> None:
     async with FakeMain() as main:
-        worker = make_worker(main.port, registry, prefetch=2)
+        worker = make_worker(main, registry, prefetch=2)
         async with running(worker):
             session = await main.session()
             blocked, waiting = await _two_running_one_waiting(session)
@@ -57,7 +58,7 @@ async def test_a_dropped_connection_drops_the_prefetched_job_but_keeps_the_runni
     registry: TaskRegistry, gate: asyncio.Event
 ) -> None:
     async with FakeMain() as main:
-        worker = make_worker(main.port, registry, prefetch=2)
+        worker = make_worker(main, registry, prefetch=2)
         async with running(worker):
             first = await main.session()
             blocked, _waiting = await _two_running_one_waiting(first)
@@ -77,7 +78,7 @@ async def test_a_draining_worker_runs_its_prefetched_job(
     registry: TaskRegistry, gate: asyncio.Event
 ) -> None:
     async with FakeMain() as main:
-        worker = make_worker(main.port, registry, prefetch=2)
+        worker = make_worker(main, registry, prefetch=2)
         async with running(worker):
             session = await main.session()
             _blocked, waiting = await _two_running_one_waiting(session)

@@ -1,0 +1,162 @@
+"""The application's client without an event loop, and the clients ``task.enqueue`` uses.
+
+:class:`SyncClient` runs a :class:`~broker.client.client.Client` on anyio's blocking
+portal; :func:`configure` says where ``task.enqueue(...)`` and ``task.enqueue_sync(...)``
+send jobs, through one client of each kind made on first use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import ssl
+import uuid
+import weakref
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, Self, TypeVar
+
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from broker.client.client import Client, JobListPage
+from broker.jobs import JobSpec, JSONValue
+from broker.tasks.registry import Enqueued, Task, set_default_clients
+from broker.wire import messages as protocol
+from broker.wire.tls import PeerTLS
+
+T = TypeVar("T")
+
+
+class SyncClient:
+    """A blocking facade over :class:`Client` for code without an event loop.
+
+    anyio's blocking portal runs the client on an event loop in a daemon thread of its
+    own; each call waits there for its answer and raises what the client raised. Close it
+    (or use it as a context manager) to close the connection and stop that thread.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._arguments = (args, kwargs)
+        self._start()
+
+    def _start(self) -> None:
+        self._pid = os.getpid()
+        self._client = Client(*self._arguments[0], **self._arguments[1])
+        self._stack = contextlib.ExitStack()
+        self._portal: BlockingPortal | None = self._stack.enter_context(start_blocking_portal())
+
+    def _call(self, method: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        if self._portal is None:
+            raise RuntimeError("this SyncClient is closed")
+        if self._pid != os.getpid():
+            # A forked child has no copy of the portal's thread: a call would wait forever
+            # for it. Start a thread and a connection of the child's own; the parent's
+            # objects are dropped unclosed, since closing them would wait on that thread.
+            self._forked_from = (self._stack, self._client)
+            self._start()
+            method = getattr(self._client, method.__name__)
+        assert self._portal is not None
+        return self._portal.call(functools.partial(method, *args, **kwargs))
+
+    def enqueue(self, task: str | Task[..., Any], *args: Any, **kwargs: Any) -> Enqueued:
+        return self._call(self._client.enqueue, task, *args, **kwargs)
+
+    def enqueue_spec(self, spec: JobSpec, *, delay: float | None = None) -> Enqueued:
+        return self._call(self._client.enqueue_spec, spec, delay=delay)
+
+    def enqueue_many(self, specs: Sequence[JobSpec]) -> list[Enqueued]:
+        return self._call(self._client.enqueue_many, specs)
+
+    def enqueue_batches(
+        self, specs: Iterable[JobSpec], *, batch_size: int = 250, in_flight: int = 3
+    ) -> list[Enqueued]:
+        return self._call(
+            self._client.enqueue_batches, specs, batch_size=batch_size, in_flight=in_flight
+        )
+
+    def list_tasks(self) -> list[dict[str, JSONValue]]:
+        return self._call(self._client.list_tasks)
+
+    def get_job(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
+        return self._call(self._client.get_job, job_id)
+
+    def cancel(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
+        return self._call(self._client.cancel, job_id)
+
+    def retry(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
+        return self._call(self._client.retry, job_id)
+
+    def status(self) -> dict[str, JSONValue]:
+        return self._call(self._client.status)
+
+    def list_jobs(self, **kwargs: Any) -> JobListPage:
+        return self._call(self._client.list_jobs, **kwargs)
+
+    def prune(self, **kwargs: Any) -> int:
+        return self._call(self._client.prune, **kwargs)
+
+    def wait(self, job_id: uuid.UUID | str, **kwargs: Any) -> dict[str, JSONValue]:
+        return self._call(self._client.wait, job_id, **kwargs)
+
+    def close(self) -> None:
+        if self._portal is None:
+            return
+        try:
+            self._call(self._client.close)
+        finally:
+            self._portal = None
+            self._stack.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _ConfiguredClients:
+    """The clients ``task.enqueue`` uses by default: one :class:`Client` per event loop (a
+    client belongs to the loop it connected on) and one :class:`SyncClient` per process,
+    each made on first use. Both reconnect by themselves in a forked child."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._args = args
+        self._kwargs = kwargs
+        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Client] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._sync: SyncClient | None = None
+
+    def async_client(self) -> Client:
+        loop = asyncio.get_running_loop()
+        client = self._async.get(loop)
+        if client is None:
+            client = self._async[loop] = Client(*self._args, **self._kwargs)
+        return client
+
+    def sync_client(self) -> SyncClient:
+        if self._sync is None:
+            self._sync = SyncClient(*self._args, **self._kwargs)
+        return self._sync
+
+
+def configure(
+    host: str = "127.0.0.1",
+    port: int = protocol.DEFAULT_PORT,
+    *,
+    token: str | None = None,
+    timeout: float = 10.0,
+    tls: PeerTLS | ssl.SSLContext | None = None,
+) -> None:
+    """Say where ``task.enqueue(...)`` and ``task.enqueue_sync(...)`` send jobs (``token``:
+    the client secret; ``tls``: as for :class:`Client`).
+
+    Call it once at start-up, as a Celery app is configured once (or Dramatiq's
+    ``set_broker``); it may run at import time, before a fork: each process, and each
+    event loop, then connects on first use. ``timeout`` bounds every call (seconds).
+    ``task.options(client=...)`` sends one enqueue through a client of your own instead.
+    """
+    set_default_clients(
+        _ConfiguredClients((host, port), {"token": token, "timeout": timeout, "tls": tls})
+    )

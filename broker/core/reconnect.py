@@ -1,0 +1,104 @@
+"""When a worker connects again, to which main, and when it gives a connection up.
+
+Rule: every decision of the worker's connection loop that is not I/O is here; the loop
+(:mod:`broker.worker.link`) only connects, sleeps the delays said here and feeds the times
+in. A worker keeps one connection to the main and, whenever it is lost, tries again with
+capped, jittered, exponential backoff. It decides a connection is lost when nothing at all
+has come from the main for the liveness timeout (the main answers every ``ping``), or a
+send has waited that long on the socket, because TCP alone can take many minutes to notice
+a peer that vanished. The main judges its peers by the same timeout, in its own core
+(:meth:`broker.core.handoff.Liveness.problem`), from pongs rather than any message: it
+pings, and a worker that sends but never reads cannot answer.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from broker.wire.addresses import MainAddresses
+
+FIRST_RECONNECT_DELAY = 0.1
+"""The backoff's first ceiling, doubled by each failure up to the worker's
+``reconnect_max_delay``."""
+
+STABLE_CONNECTION = 5.0
+"""A connection that lasted this long resets the backoff; shorter ones keep growing it,
+so a main that accepts and then drops at once is not hammered ten times a second."""
+
+
+class Reconnect:
+    """The worker's reconnect policy over the mains it was given: each outcome of a
+    connection says which main to try next and returns the seconds to wait first.
+
+    ``uniform`` draws the jitter (``random.uniform``; a test passes its own): a delay is
+    drawn between half its ceiling and the ceiling, so workers cut off together do not all
+    come back in the same instant.
+    """
+
+    def __init__(
+        self,
+        mains: MainAddresses,
+        max_delay: float,
+        *,
+        uniform: Callable[[float, float], float] = random.uniform,
+    ) -> None:
+        self.mains = mains
+        self._max_delay = max_delay
+        self._uniform = uniform
+        self.failures = 0
+        """Attempts failed, and connections lost before they were stable, in a row."""
+        self._connected_at: float | None = None
+
+    def unreachable(self) -> float:
+        """Connecting failed (no answer, a refused or broken handshake, a TLS error): the
+        next main in the list is tried."""
+        self.failures += 1
+        self.mains.failed()
+        return self._delay(self.failures)
+
+    def not_leader(self, leader: str | None) -> float:
+        """A standby answered: the leader it named is tried next (the next main in the
+        list when it named none)."""
+        self.failures += 1
+        self.mains.follow(leader)
+        return self._delay(self.failures)
+
+    def connected(self, now: float) -> None:
+        """A main welcomed this worker at ``now``."""
+        self._connected_at = now
+
+    def lost(self, now: float) -> float:
+        """The connection ended at ``now``. The leader may be gone, so the next main is
+        tried (a standby names the new one); the backoff starts over only if the connection
+        was stable, and a reconnect always waits at least the first delay."""
+        started = now if self._connected_at is None else self._connected_at
+        self._connected_at = None
+        self.failures = 0 if now - started >= STABLE_CONNECTION else self.failures + 1
+        self.mains.failed()
+        return self._delay(max(self.failures, 1))
+
+    def _delay(self, failures: int) -> float:
+        ceiling = min(self._max_delay, FIRST_RECONNECT_DELAY * 2 ** min(failures - 1, 30))
+        return self._uniform(ceiling / 2, ceiling)
+
+
+def alive_for(now: float, *, heard: float, sending: float | None, limit: float) -> float:
+    """How much longer the connection to the main counts as alive at ``now``: ``heard`` is
+    when the last message came from it, ``sending`` when the send under way began
+    (``None``: none is waiting on the socket), ``limit`` the liveness timeout.
+
+    :raises TimeoutError: the connection is lost, saying why.
+    """
+    silent = now - heard
+    if silent >= limit:
+        raise TimeoutError(f"nothing from the main for {limit} s")
+    left = limit - silent
+    if sending is not None:
+        if now - sending >= limit:
+            raise TimeoutError(f"a send to the main waited {limit} s on the socket")
+        left = min(left, limit - (now - sending))
+    return left
+
+
+__all__ = ["FIRST_RECONNECT_DELAY", "STABLE_CONNECTION", "Reconnect", "alive_for"]

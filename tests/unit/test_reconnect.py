@@ -1,0 +1,118 @@
+"""The worker's reconnect policy and liveness rule (:mod:`broker.core.reconnect`), with the
+clock and the jitter injected: no socket, no sleep."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker.core.reconnect import FIRST_RECONNECT_DELAY, STABLE_CONNECTION, Reconnect, alive_for
+from broker.wire.addresses import MainAddresses
+
+
+def ceiling(low: float, high: float) -> float:
+    """The jitter's top, so a test sees each delay's ceiling."""
+    assert low == high / 2, "a delay is drawn between half its ceiling and the ceiling"
+    return high
+
+
+def policy(max_delay: float = 10.0, mains: str = "a:1,b:2,c:3") -> Reconnect:
+    return Reconnect(MainAddresses(mains, 7390), max_delay, uniform=ceiling)
+
+
+def test_failed_attempts_double_the_delay_up_to_the_cap() -> None:
+    reconnect = policy(max_delay=1.0)
+    delays = [reconnect.unreachable() for _ in range(6)]
+    assert delays == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    assert reconnect.failures == 6
+
+
+def test_the_jitter_is_drawn_below_the_ceiling() -> None:
+    drawn: list[tuple[float, float]] = []
+
+    def low(a: float, b: float) -> float:
+        drawn.append((a, b))
+        return a
+
+    reconnect = Reconnect(MainAddresses("a", 1), 10.0, uniform=low)
+    assert reconnect.unreachable() == FIRST_RECONNECT_DELAY / 2
+    assert drawn == [(FIRST_RECONNECT_DELAY / 2, FIRST_RECONNECT_DELAY)]
+
+
+def test_a_huge_number_of_failures_does_not_overflow() -> None:
+    reconnect = policy(max_delay=10.0)
+    reconnect.failures = 10_000
+    assert reconnect.unreachable() == 10.0
+
+
+def test_an_unreachable_main_moves_on_to_the_next() -> None:
+    reconnect = policy()
+    assert reconnect.mains.current == ("a", 1)
+    reconnect.unreachable()
+    assert reconnect.mains.current == ("b", 2)
+    reconnect.unreachable()
+    reconnect.unreachable()
+    assert reconnect.mains.current == ("a", 1), "round the list"
+
+
+def test_a_standby_sends_the_worker_to_the_leader_it_names() -> None:
+    reconnect = policy()
+    assert reconnect.not_leader("c:3") == 0.1
+    assert reconnect.mains.current == ("c", 3)
+    assert reconnect.not_leader(None) == 0.2, "no leader yet: back off, try the next"
+    assert reconnect.mains.current == ("a", 1)
+
+
+def test_a_stable_connection_resets_the_backoff() -> None:
+    reconnect = policy()
+    for _ in range(4):
+        reconnect.unreachable()
+    reconnect.connected(now=100.0)
+    assert reconnect.lost(now=100.0 + STABLE_CONNECTION) == FIRST_RECONNECT_DELAY
+    assert reconnect.failures == 0
+    assert reconnect.unreachable() == FIRST_RECONNECT_DELAY, "counting starts over"
+
+
+def test_a_connection_dropped_at_once_keeps_growing_the_backoff() -> None:
+    """A main that accepts and drops at once is not hammered ten times a second."""
+    reconnect = policy()
+    delays = []
+    now = 0.0
+    for _ in range(4):
+        reconnect.connected(now)
+        now += STABLE_CONNECTION - 0.01
+        delays.append(reconnect.lost(now))
+    assert delays == [0.1, 0.2, 0.4, 0.8]
+
+
+def test_a_lost_connection_tries_the_next_main() -> None:
+    """The leader may be gone: the next main names the new one."""
+    reconnect = policy()
+    reconnect.not_leader("c:3")
+    reconnect.connected(0.0)
+    reconnect.lost(60.0)
+    assert reconnect.mains.current == ("a", 1), "the leader named is forgotten"
+    reconnect.connected(60.0)
+    reconnect.lost(120.0)
+    assert reconnect.mains.current == ("b", 2)
+
+
+# ------------------------------------------------------------------ liveness
+
+
+def test_a_connection_lives_until_the_main_has_been_silent_for_the_timeout() -> None:
+    assert alive_for(10.0, heard=10.0, sending=None, limit=15.0) == 15.0
+    assert alive_for(20.0, heard=10.0, sending=None, limit=15.0) == 5.0
+    with pytest.raises(TimeoutError, match=r"nothing from the main for 15\.0 s"):
+        alive_for(25.0, heard=10.0, sending=None, limit=15.0)
+
+
+def test_a_send_stuck_on_the_socket_for_the_timeout_ends_the_connection() -> None:
+    # The main keeps talking, but this worker's send has waited since 12.
+    assert alive_for(20.0, heard=19.0, sending=12.0, limit=15.0) == 7.0
+    with pytest.raises(TimeoutError, match=r"a send to the main waited 15\.0 s on the socket"):
+        alive_for(27.0, heard=26.0, sending=12.0, limit=15.0)
+
+
+def test_the_next_look_is_at_the_nearer_deadline() -> None:
+    assert alive_for(20.0, heard=10.0, sending=19.0, limit=15.0) == 5.0
+    assert alive_for(20.0, heard=19.0, sending=10.0, limit=15.0) == 5.0
