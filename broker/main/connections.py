@@ -33,6 +33,7 @@ from broker.model.bounds import (
 )
 from broker.model.logs import log_event
 from broker.model.untrusted import RateLimit
+from broker.wire import errors as error_codes
 from broker.wire import framing as wire
 from broker.wire import messages as protocol
 from broker.wire import tls
@@ -584,16 +585,12 @@ class Connections:
                 self._authenticated(task, address)
                 lines.max_line_bytes = self.settings.max_line_bytes
                 await self._read_loop(session, lines)
-        except wire.LineTooLongError as exc:
-            await self._fatal(session, protocol.ErrorCode.LINE_TOO_LONG, str(exc))
         except wire.UnterminatedLineError as exc:
             log_event(
                 logger, logging.INFO, "connection ended mid-line", session=session.id, error=exc
             )
-        except protocol.DecodeError as exc:
-            await self._fatal(session, protocol.ErrorCode(exc.code), str(exc))
-        except ProtocolError as exc:
-            await self._fatal(session, protocol.ErrorCode.MALFORMED, str(exc))
+        except ProtocolError as exc:  # a line too long, a bad message, too many errors
+            await self._fatal(session, error_codes.code_of(exc), str(exc))
         except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
             log_event(logger, logging.INFO, "connection lost", session=session.id, error=repr(exc))
         finally:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from broker import exceptions
+from broker.core.admission import CreditLimitError
 from broker.exceptions import (
     AuthenticationError,
     BrokerError,
@@ -21,6 +22,7 @@ from broker.exceptions import (
     UniqueKeyTakenError,
 )
 from broker.wire import errors as error_codes
+from broker.wire import framing as wire
 from broker.wire import messages as protocol
 from broker.wire.messages import ErrorCode
 
@@ -53,8 +55,9 @@ def _sample(cls: type[BrokerError]) -> BrokerError:
     ]
     assert sorted(extra) == sorted(FIELDS.get(cls, {})), (
         f"{cls.__name__} takes fields {extra}: add samples to FIELDS, and the fields to "
-        "error_codes.details_of and exception_for"
+        "the class's wire_fields"
     )
+    assert sorted(cls.wire_fields) == sorted(extra), f"{cls.__name__}.wire_fields"
     return cls(f"{cls.__name__} happened: a message with 'quotes' and ü", **FIELDS.get(cls, {}))
 
 
@@ -118,6 +121,33 @@ def test_a_subclass_outside_the_table_takes_its_nearest_base_code() -> None:
     exc = protocol.DecodeError("list_jobs.cursor is not valid")
     assert error_codes.code_of(exc) == ErrorCode.MALFORMED
     assert type(_across_the_wire(exc)) is ProtocolError
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (CreditLimitError("ready.slots over the limit"), ErrorCode.OVER_LIMIT),
+        (protocol.DecodeError("message has no type"), ErrorCode.MALFORMED),
+        (protocol.UnknownTypeError("unknown message type 'launch'"), ErrorCode.UNKNOWN_TYPE),
+        (wire.LineTooLongError("line exceeds 10 bytes"), ErrorCode.LINE_TOO_LONG),
+        (wire.UnterminatedLineError("closed mid-line"), ErrorCode.UNTERMINATED),
+        (wire.TooManyContainersError(b"{"), ErrorCode.PAYLOAD_TOO_LARGE),
+    ],
+    ids=lambda value: type(value).__name__ if isinstance(value, Exception) else str(value),
+)
+def test_an_internal_protocol_error_carries_its_own_code(
+    exc: ProtocolError, code: ErrorCode
+) -> None:
+    """The shells answer these with ``code_of``: the code is the class's, never chosen
+    inline, and the peer raises the public base for it."""
+    assert error_codes.code_of(exc) == code
+    assert type(_across_the_wire(exc)) is error_codes.CLASSES[code]
+    assert issubclass(error_codes.CLASSES[code], ProtocolError | exceptions.InvalidJobError)
+
+
+def test_a_decode_refusal_over_a_bound_carries_the_code_it_names() -> None:
+    exc = protocol.OverBoundError("worker_status too long", code=ErrorCode.OVER_LIMIT)
+    assert error_codes.code_of(exc) == ErrorCode.OVER_LIMIT
 
 
 def test_anything_else_is_internal_and_arrives_as_a_broker_error() -> None:
