@@ -70,6 +70,7 @@ from broker.tasks.runner import (
     RunOutcome,
 )
 from broker.wire import messages as protocol
+from broker.wire.codec import encode_item
 from broker.wire.messages import ErrorCode
 
 PREFETCH_REFILL = 0.02
@@ -881,7 +882,7 @@ class WorkerState:
             problem = result_too_deep(completed.result, link.max_payload_depth, containers)
         if problem is None:
             try:
-                encoded = protocol.encode_item(report)
+                encoded = encode_item(report)
             except ValueError as exc:
                 problem = f"the outcome cannot be sent as JSON: {exc}"
             else:
@@ -917,7 +918,7 @@ class WorkerState:
             fitted = protocol.FailedReport(*key, error=problem[:1000], retry=False)
         self._log_job(logging.ERROR, "report replaced", key, reason=problem[:200])
         self._outbox[key] = fitted
-        link.encoded[key] = protocol.encode_item(fitted)
+        link.encoded[key] = encode_item(fitted)
         return fitted
 
     def encoded(self, report: protocol.Report) -> bytes:
@@ -925,7 +926,7 @@ class WorkerState:
         key = (report.job_id, report.handoff_id)
         line = self._require_link().encoded.pop(key, None)
         # Absent only if one lease's report was listed twice: encode the repeat again.
-        return protocol.encode_item(report) if line is None else line
+        return encode_item(report) if line is None else line
 
     # ------------------------------------------------------------------ helpers
 

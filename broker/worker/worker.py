@@ -75,10 +75,10 @@ from broker.model.bounds import MAX_WORKER_STATUS_BYTES
 from broker.payload import MAX_LINE_BYTES_CEILING
 from broker.tasks.registry import TaskRegistry, default_registry
 from broker.tasks.runner import Assignment, Failed, LeaseKey, Runner, RunOutcome
+from broker.wire import codec, tls
 from broker.wire import errors as error_codes
 from broker.wire import framing as wire
 from broker.wire import messages as protocol
-from broker.wire import tls
 from broker.wire.addresses import MainAddresses
 from broker.wire.tls import PeerTLS
 
@@ -582,7 +582,7 @@ class Worker:
         tasks = catalog.declarations(self._registry)
         if not tasks:
             return
-        line = protocol.encode(protocol.TaskCatalog(tasks=tasks))
+        line = codec.encode(protocol.TaskCatalog(tasks=tasks))
         if len(line) > conn.welcome.max_line_bytes:
             self._logger.error(
                 "task catalog not sent: %d bytes, over the main's line limit of %d",
@@ -620,11 +620,11 @@ class Worker:
             conn.heard = loop.time()  # the previous message (or the welcome) just came
             try:
                 msg = await wire.read_message(conn.lines)
-            except protocol.UnknownTypeError as exc:
+            except codec.UnknownTypeError as exc:
                 # A newer main may send messages this worker does not know; skip them.
                 self._logger.warning("ignoring a message from the main: %s", exc)
                 continue
-            except protocol.DecodeError as exc:
+            except codec.DecodeError as exc:
                 if exc.msg_type not in (protocol.ReportAck.type, protocol.ReportAcks.type):
                     raise
                 # A newer main may answer with a status this worker does not know. Keep
@@ -654,9 +654,9 @@ class Worker:
                 if isinstance(msg, protocol.Report):
                     reports.append(self._state.encoded(msg))
                 else:
-                    lines.append(protocol.encode(msg))
+                    lines.append(codec.encode(msg))
             lines.extend(
-                protocol.pack(
+                codec.pack(
                     protocol.Reports, reports, batch_bytes, conn.welcome.max_payload_containers
                 )
             )
@@ -666,7 +666,7 @@ class Worker:
                 if status is not None:
                     lines.append(status)
             if ready is not None:
-                lines.append(protocol.encode(ready))
+                lines.append(codec.encode(ready))
             conn.sending = loop.time()
             await conn.writer.write_raw(b"".join(lines))
             conn.sending = None
@@ -810,7 +810,7 @@ class Worker:
         status = self.status()
         status["runners"] = {mode.value: dataclasses.asdict(st) for mode, st in runners.items()}
         try:
-            line = protocol.encode(protocol.WorkerStatus(status=status))
+            line = codec.encode(protocol.WorkerStatus(status=status))
             if len(line) <= MAX_WORKER_STATUS_BYTES:
                 return line
         except ValueError:  # a runner's details that are not JSON must not cost the status
@@ -821,7 +821,7 @@ class Worker:
             runner_status["details"] = {}
             if runner_status.get("startup_error"):
                 runner_status["startup_error"] = str(runner_status["startup_error"])[:2000]
-        return protocol.encode(protocol.WorkerStatus(status=status))
+        return codec.encode(protocol.WorkerStatus(status=status))
 
     def _log_job(
         self,

@@ -21,6 +21,7 @@ from broker.exceptions import (
     StorageError,
     UniqueKeyTakenError,
 )
+from broker.wire import codec
 from broker.wire import errors as error_codes
 from broker.wire import framing as wire
 from broker.wire import messages as protocol
@@ -63,8 +64,8 @@ def _sample(cls: type[BrokerError]) -> BrokerError:
 
 def _across_the_wire(exc: BaseException) -> BrokerError:
     """What the main sends for ``exc``, as the client's decoder reads and raises it."""
-    line = protocol.encode(error_codes.request_error("r1", exc))
-    reply = protocol.decode(line)
+    line = codec.encode(error_codes.request_error("r1", exc))
+    reply = codec.decode(line)
     assert isinstance(reply, protocol.RequestError) and reply.request_id == "r1"
     return error_codes.raised_by(reply)
 
@@ -118,7 +119,7 @@ def test_unreadable_details_still_raise_the_error(details: dict[str, Any] | None
 
 
 def test_a_subclass_outside_the_table_takes_its_nearest_base_code() -> None:
-    exc = protocol.DecodeError("list_jobs.cursor is not valid")
+    exc = codec.DecodeError("list_jobs.cursor is not valid")
     assert error_codes.code_of(exc) == ErrorCode.MALFORMED
     assert type(_across_the_wire(exc)) is ProtocolError
 
@@ -127,8 +128,8 @@ def test_a_subclass_outside_the_table_takes_its_nearest_base_code() -> None:
     ("exc", "code"),
     [
         (CreditLimitError("ready.slots over the limit"), ErrorCode.OVER_LIMIT),
-        (protocol.DecodeError("message has no type"), ErrorCode.MALFORMED),
-        (protocol.UnknownTypeError("unknown message type 'launch'"), ErrorCode.UNKNOWN_TYPE),
+        (codec.DecodeError("message has no type"), ErrorCode.MALFORMED),
+        (codec.UnknownTypeError("unknown message type 'launch'"), ErrorCode.UNKNOWN_TYPE),
         (wire.LineTooLongError("line exceeds 10 bytes"), ErrorCode.LINE_TOO_LONG),
         (wire.UnterminatedLineError("closed mid-line"), ErrorCode.UNTERMINATED),
         (wire.TooManyContainersError(b"{"), ErrorCode.PAYLOAD_TOO_LARGE),
@@ -146,7 +147,7 @@ def test_an_internal_protocol_error_carries_its_own_code(
 
 
 def test_a_decode_refusal_over_a_bound_carries_the_code_it_names() -> None:
-    exc = protocol.OverBoundError("worker_status too long", code=ErrorCode.OVER_LIMIT)
+    exc = codec.OverBoundError("worker_status too long", code=ErrorCode.OVER_LIMIT)
     assert error_codes.code_of(exc) == ErrorCode.OVER_LIMIT
 
 
@@ -188,7 +189,7 @@ def test_every_code_of_the_protocol_is_raised_as_something_specific_or_unused() 
 
 
 def test_an_older_request_error_without_details_still_decodes() -> None:
-    reply = protocol.decode(
+    reply = codec.decode(
         '{"type":"request_error","request_id":"r3","code":"invalid_job","message":"bad"}'
     )
     assert isinstance(reply, protocol.RequestError) and reply.details is None
