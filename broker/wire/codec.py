@@ -14,7 +14,6 @@ the hand-written walker (:func:`_explain`), which applies the rules exactly as
 specified and either accepts the line (a value msgspec is stricter about, such as a
 lone surrogate escape or a non-canonical UUID) or refuses it with a message naming
 the field (``hello.modes[1] must be one of ...``), which peers log and tests match.
-
 """
 
 from __future__ import annotations
