@@ -50,8 +50,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.core import catalog
-from broker.core.worker_state import (
-    AdaptiveWindow,
+from broker.core.job_log import log_job
+from broker.core.window import AdaptiveWindow
+from broker.core.worker_effects import (
     CheckpointSettled,
     Drain,
     ProgressLater,
@@ -60,9 +61,8 @@ from broker.core.worker_state import (
     StopRun,
     WakeSender,
     WorkerEffect,
-    WorkerState,
-    log_job,
 )
+from broker.core.worker_state import WorkerState
 from broker.exceptions import (
     AuthenticationError,
     ConfigurationError,
@@ -94,7 +94,7 @@ CANCEL_WAIT = 5.0
 
 PREFETCH_PER_SLOT = 2
 """Unless told otherwise, a worker's window for a mode starts at two jobs per slot and
-grows with the jobs' pace (:class:`~broker.core.worker_state.AdaptiveWindow`) up to
+grows with the jobs' pace (:class:`~broker.core.window.AdaptiveWindow`) up to
 :data:`PREFETCH_MAX_PER_SLOT` per slot. The window has to cover what a slot waits for its
 next job (a ``ready``, a claim committed on the store, the job's trip back), during which
 a slot can finish many short jobs. Draining 10,000 no-op jobs through 2 pooled children x
@@ -102,7 +102,7 @@ a slot can finish many short jobs. Draining 10,000 no-op jobs through 2 pooled c
 one per slot (20), 3,187 to 3,355; two per slot (40), 4,173; five per slot (100), 4,711.
 A window costs fairness (a prefetched job waits behind this worker's long jobs while
 another worker may idle), so it grows only for jobs short enough to need it (see
-:data:`~broker.core.worker_state.PREFETCH_REFILL`); ``--prefetch N`` fixes it at N (0: none,
+:data:`~broker.core.window.PREFETCH_REFILL`); ``--prefetch N`` fixes it at N (0: none,
 for long jobs)."""
 
 PREFETCH_MAX_PER_SLOT = 8
