@@ -25,15 +25,34 @@ The tree, so a caller can catch as broadly or as narrowly as it needs::
 
 Each class's docstring is its default message, so ``raise StorageError()`` still
 tells the reader what happened; pass a message to say more.
+
+Each class also says how it crosses the wire (``code``, ``wire_fields``): the main
+answers a failed request with the exception's code and fields, and the peer raises the
+same class again (:mod:`broker.wire.errors` reads these attributes; the strings are the
+protocol's error codes, written here as plain strings because this module imports
+nothing of the wire).
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Mapping
+from typing import ClassVar
 
 
 class BrokerError(Exception):
     """The broker failed."""
+
+    code: str = "internal"
+    """The error code this exception crosses the wire with (``docs/protocol.md``, *Error
+    codes*); a subclass that names none shares its base's. An instance attribute may
+    override it when the code depends on the case (a decode refusal over a bound)."""
+
+    wire_fields: ClassVar[Mapping[str, Callable[[str], object]]] = {}
+    """The keyword fields that cross the wire with the message, each with the type that
+    reads it back: a field goes out as ``str(value)`` (left out when ``None``) and comes
+    back as ``type(text)``, so a new field is one entry here and one keyword of
+    ``__init__`` (``tests/unit/test_error_table.py`` checks that they agree)."""
 
     def __init__(self, message: str | None = None) -> None:
         super().__init__(message or (self.__doc__ or type(self).__name__).strip())
@@ -42,21 +61,32 @@ class BrokerError(Exception):
 class ConfigurationError(BrokerError):
     """A broker setting is invalid: correct it and start again."""
 
+    code = "configuration"
+
 
 class MissingDriverError(ConfigurationError):
     """The store URL needs a database driver that is not installed."""
+
+    code = "missing_driver"
 
 
 class InvalidJobError(BrokerError):
     """The job request is invalid and was not enqueued."""
 
+    code = "invalid_job"
+
 
 class PayloadTooLargeError(InvalidJobError):
     """The job's payload is larger than the configured limit and was not stored."""
 
+    code = "payload_too_large"
+
 
 class UniqueKeyTakenError(InvalidJobError):
     """Another queued or running job holds this job's unique key, so it cannot be queued."""
+
+    code = "unique_key_taken"
+    wire_fields = {"holder_id": uuid.UUID}
 
     def __init__(self, message: str | None = None, *, holder_id: uuid.UUID | None = None) -> None:
         super().__init__(message)
@@ -68,6 +98,9 @@ class IdempotencyConflictError(InvalidJobError):
     """The idempotency key is taken by a job with a different task, arguments or options;
     nothing was enqueued (a faithful repeat of the original request returns its job)."""
 
+    code = "idempotency_conflict"
+    wire_fields = {"existing_id": uuid.UUID}
+
     def __init__(self, message: str | None = None, *, existing_id: uuid.UUID | None = None) -> None:
         super().__init__(message)
         self.existing_id = existing_id
@@ -78,9 +111,13 @@ class UnknownTaskError(InvalidJobError):
     """No worker has ever declared this task, so the main refuses to enqueue it (a
     misspelt name would otherwise wait forever); allow it explicitly for a cold start."""
 
+    code = "unknown_task"
+
 
 class StorageError(BrokerError):
     """The job store failed; the operation did not complete and may be retried."""
+
+    code = "storage"
 
 
 class SchemaVersionError(StorageError):
@@ -88,28 +125,39 @@ class SchemaVersionError(StorageError):
     (upgrade this one), older and not migrated yet (start broker-main or run ``broker
     migrate``), or missing (check the store URL); the message says which."""
 
+    code = "schema_version"
+
 
 class StorageRejectedError(StorageError):
     """The job store refused a value it can never hold; the same call would fail again.
 
     Raised for errors about the data itself (a character the database cannot store, a
     constraint), never for trouble with the store (a lost connection, a timeout), so the
-    main retries only what may succeed and isolates the rest (see ``Main._settle_batch``).
+    main retries only what may succeed and isolates the rest (see :mod:`broker.main.settler`).
     """
+
+    code = "storage_rejected"
 
 
 class DeposedError(StorageError):
     """This main is no longer the elected leader: another main took over the store (a
     newer epoch), so the store refused the claim or settle and changed nothing."""
 
+    code = "deposed"
+
 
 class ProtocolError(BrokerError):
     """The peer broke the broker protocol; the connection is closed."""
+
+    code = "malformed"
 
 
 class NotLeaderError(ProtocolError):
     """The main reached is a standby: only the elected main dispatches and answers peers;
     ``leader`` is where it is (``None``: no main is elected yet)."""
+
+    code = "not_leader"
+    wire_fields = {"leader": str}
 
     def __init__(self, message: str | None = None, *, leader: str | None = None) -> None:
         super().__init__(message)
@@ -120,27 +168,39 @@ class NotLeaderError(ProtocolError):
 class AuthenticationError(ProtocolError):
     """The peer did not prove the secret of the role it said hello as."""
 
+    code = "auth_failed"
+
 
 class PermissionDeniedError(BrokerError):
     """This connection's role may not make that request (cancel, retry and prune need an
     operator's credential)."""
 
+    code = "permission_denied"
+
 
 class TaskNotFoundError(BrokerError):
     """The job names a task that this worker has not registered."""
+
+    code = "task_not_found"
 
 
 class JobTimeoutError(BrokerError):
     """The job ran past its timeout and was stopped."""
 
+    code = "job_timeout"
+
 
 class RunnerCrashedError(BrokerError):
     """The process running the job died before reporting an outcome."""
+
+    code = "runner_crashed"
 
 
 class CheckpointRejectedError(BrokerError):
     """The checkpoint was not saved: this run's lease is no longer the job's (the main
     gave the job to another run), or the run has already ended."""
+
+    code = "checkpoint_rejected"
 
 
 def transient(exc: BaseException) -> bool:

@@ -20,6 +20,8 @@ then ``completed`` / ``failed`` / ``rescheduled`` per job, ``checkpoint`` and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import operator
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
@@ -213,42 +215,23 @@ class LineChannel(asyncio.Protocol):
                 self._transport.close()
 
 
+_ASSIGNMENT_FIELDS = tuple(f.name for f in dataclasses.fields(Assignment))
+if JobLine.__struct_fields__ != _ASSIGNMENT_FIELDS:
+    raise ImportError("JobLine's fields must be Assignment's, by name and in order")
+_assignment_fields = operator.attrgetter(*_ASSIGNMENT_FIELDS)
+"""Every field of an assignment (or a ``job`` line), by name, in the order both declare:
+the check above keeps the two in step, so each mapping below copies by name, and a
+field added to ``Assignment`` fails the import until the pipe carries it too."""
+
+
 def job_line(a: Assignment) -> JobLine:
-    return JobLine(
-        a.job_id,
-        a.handoff_id,
-        a.task,
-        a.args,
-        a.kwargs,
-        a.execution_mode,
-        a.attempt,
-        a.max_attempts,
-        a.timeout,
-        a.queue,
-        a.checkpoint,
-        a.checkpoint_seq,
-        a.recoveries,
-        a.state_lost,
-    )
+    """The ``job`` line that hands assignment ``a`` to a child."""
+    return JobLine(*_assignment_fields(a))
 
 
 def assignment_of(line: JobLine) -> Assignment:
-    return Assignment(
-        line.job_id,
-        line.handoff_id,
-        line.task,
-        line.args,
-        line.kwargs,
-        line.execution_mode,
-        line.attempt,
-        line.max_attempts,
-        line.timeout,
-        line.queue,
-        line.checkpoint,
-        line.checkpoint_seq,
-        line.recoveries,
-        line.state_lost,
-    )
+    """The assignment a child runs for a ``job`` line."""
+    return Assignment(*_assignment_fields(line))
 
 
 def outcome_line(handoff_id: uuid.UUID, outcome: RunOutcome) -> OutcomeLine:

@@ -14,6 +14,7 @@ import pytest
 
 from broker.jobs import ExecutionMode
 from broker.tasks.registry import TaskRegistry, task
+from broker.wire import codec
 from broker.wire import framing as wire
 from broker.wire import messages as protocol
 from broker.worker.worker import Worker
@@ -139,7 +140,7 @@ class FakeMain:
             if self.silent:
                 await asyncio.sleep(3600)
             while (line := await wire.read_message(lines)) is not None:
-                for msg in protocol.unbatch(line):  # a batch's items, one by one
+                for msg in codec.unbatch(line):  # a batch's items, one by one
                     if isinstance(msg, protocol.Ping):
                         await writer.send(protocol.Pong(nonce=msg.nonce))
                     elif isinstance(msg, protocol.WorkerStatus):

@@ -12,6 +12,7 @@ from typing import Any
 from broker.jobs import ExecutionMode
 from broker.main.main import Main
 from broker.main.settings import MainSettings
+from broker.wire import codec
 from broker.wire import framing as wire
 from broker.wire import messages as protocol
 
@@ -124,7 +125,7 @@ class FakeWorker:
     async def _read(self, lines: wire.LineReader) -> None:
         try:
             while (line := await wire.read_message(lines)) is not None:
-                for msg in protocol.unbatch(line):
+                for msg in codec.unbatch(line):
                     await self._handle(msg)
         except (ConnectionError, OSError):
             pass

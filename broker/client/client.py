@@ -38,10 +38,10 @@ from broker.jobs import ExecutionMode, JobSpec, JobStatus, JSONValue
 from broker.model.bounds import MESSAGE_CONTAINERS
 from broker.payload import containers_in, too_many_containers
 from broker.tasks.registry import Enqueued, Task
+from broker.wire import codec, tls
 from broker.wire import errors as error_codes
 from broker.wire import framing as wire
 from broker.wire import messages as protocol
-from broker.wire import tls
 from broker.wire.addresses import MainAddresses
 from broker.wire.handshake import PeerHandshake
 from broker.wire.tls import PeerTLS
@@ -274,7 +274,7 @@ class Client:
         assert writer is not None
         rid = f"r{next(self._ids)}"
         request = build(rid)
-        line = protocol.encode(request)
+        line = codec.encode(request)
         if check is not None:
             check(line)
         loop = asyncio.get_running_loop()

@@ -28,6 +28,9 @@ from broker.model.bounds import MAX_CREDIT
 class CreditLimitError(ProtocolError):
     """A ``ready`` announced more free slots than the main accepts; it is not applied."""
 
+    code = "over_limit"
+    """Not ``malformed``: the worker is told, not dropped (its ``ready`` was readable)."""
+
 
 class Credits:
     def __init__(self, max_slots: int = MAX_CREDIT) -> None:

@@ -2,11 +2,12 @@
 
 A job leaves the store as a :class:`~broker.jobs.Job`, crosses TCP as a ``job`` message
 (:class:`broker.wire.messages.JobHandoff`) and reaches a runner as an
-:class:`~broker.tasks.runner.Assignment`; the child pipe's mapping lives beside ``Assignment``
-in :mod:`broker.tasks.runner`, so a runner child never loads the protocol module. The fields
-keep their names across all of them, so each mapping copies by name from the target's
-dataclass fields and writes out only what differs (the lease under its own name, the
-attempt number); a field added to the target is copied without another line here.
+:class:`~broker.tasks.runner.Assignment`. The fields keep their names across all of them,
+so each mapping here copies by name from the target's fields and writes out only what
+differs (the lease under its own name, the attempt number); a field added to the target
+is copied without another line here. The child pipe maps an ``Assignment`` to its own
+``job`` line itself, by name too (:func:`runners.pipe.job_line`), so a runner child loads
+neither the protocol nor this module.
 """
 
 from __future__ import annotations

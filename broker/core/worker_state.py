@@ -34,167 +34,56 @@ them twice.
 from __future__ import annotations
 
 import logging
-import math
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeAlias
+from typing import Any
 
 from broker.core import jobfields as codec
+from broker.core.job_log import JobTags, log_job
+from broker.core.window import AdaptiveWindow
+from broker.core.worker_effects import (
+    CheckpointSettled,
+    Drain,
+    ProgressLater,
+    StartRun,
+    StopFast,
+    StopRun,
+    WakeSender,
+    WorkerEffect,
+)
+from broker.core.worker_rules import (
+    ProgressThrottle,
+    RetryRules,
+    checkpoint_refusal,
+    fit_report,
+    report_for,
+    start_failed,
+)
 from broker.exceptions import ProtocolError, TaskNotFoundError
 from broker.jobs import ExecutionMode, JSONValue
-from broker.model import logs
-from broker.model.bounds import (
-    MESSAGE_CONTAINERS,
-    RUNNER_START_FAILURES_FORGIVEN,
-    RUNNER_START_FAILURES_TRACKED,
-)
-from broker.payload import (
-    containers_in,
-    encoded_size,
-    result_too_deep,
-    result_too_large_on_wire,
-    shape_problem,
-    too_many_containers,
-)
-from broker.retry import RetryPolicy, TaskBackoff, backoff_seconds, reported_exception
 from broker.tasks.registry import Task
 from broker.tasks.runner import (
     Assignment,
-    Completed,
     Failed,
     LeaseKey,
     Released,
-    Rescheduled,
     RunOutcome,
 )
 from broker.wire import messages as protocol
+from broker.wire.codec import encode_item
 from broker.wire.messages import ErrorCode
-
-PREFETCH_REFILL = 0.02
-"""Seconds of this worker's completions an adaptive prefetch window grows to hold. A
-slot's next job should be here when its job ends, and getting one from the main (a
-``ready``, a claim committed on the store, the job's trip back) took 5 to 15 ms in a
-pooled drain on PostgreSQL: by Little's law the jobs that covers are the completion rate
-times that time, doubled for the spread. Jobs of 10 ms or more never grow the window
-past its default start (two per slot), so long jobs are not held here while another
-worker idles."""
-
-PREFETCH_MEASURE = 0.1
-"""Seconds of completions an adaptive window is resized from (at the first completion
-after that long): short enough to follow a drain starting, long enough to count many."""
 
 PROGRESS_INTERVAL = 1.0
 """Seconds between two progress updates of one job on the wire: a task may report on
 every row, the worker sends the latest at most this often (the first at once)."""
 
 
-# --------------------------------------------------------------------------- prefetch
-
-
-@dataclass(slots=True)
-class AdaptiveWindow:
-    """A mode's prefetch window, grown from its completion rate (see
-    :data:`PREFETCH_REFILL`): ``size`` starts as given and grows up to ``cap`` while the
-    jobs finish fast enough to need it.
-
-    It never shrinks: the main may already have sent jobs against the credit a larger
-    window advertised, and a worker refuses (releases) a job beyond its credit, so a
-    shrinking window would send jobs back and forth. Nor can it stall: with a window of
-    ``w`` over ``s`` slots a drain of short jobs completes about ``s + w`` jobs per
-    refill, which asks for a window about twice that, until the cap.
-    """
-
-    size: int
-    cap: int
-    _done: int = 0
-    _since: float | None = None
-
-    def finished(self, now: float) -> bool:
-        """A job of the mode ended at ``now`` (loop time); ``True`` if the size changed."""
-        if self._since is None:
-            self._since = now
-            return False
-        self._done += 1
-        elapsed = now - self._since
-        if elapsed < PREFETCH_MEASURE:
-            return False
-        wanted = math.ceil(self._done / elapsed * PREFETCH_REFILL)
-        self._done, self._since = 0, now
-        if wanted <= self.size or self.size >= self.cap:
-            return False
-        self.size = min(self.cap, wanted)
-        return True
-
-
-# --------------------------------------------------------------------------- effects
-
-
-@dataclass(frozen=True, slots=True)
-class StartRun:
-    """Hand this job to the runner for its mode; call :meth:`WorkerState.run_entered`
-    when the runner takes its slot and :meth:`WorkerState.run_finished` when it ends."""
-
-    assignment: Assignment
-
-
-@dataclass(frozen=True, slots=True)
-class StopRun:
-    """Ask the runner for ``mode`` to stop the job under this lease; its outcome still
-    arrives through :meth:`WorkerState.run_finished`."""
-
-    key: LeaseKey
-    mode: ExecutionMode
-
-
-@dataclass(frozen=True, slots=True)
-class WakeSender:
-    """Messages wait in :meth:`WorkerState.outgoing` / :meth:`WorkerState.take_ready`:
-    wake the sender."""
-
-
-@dataclass(frozen=True, slots=True)
-class Drain:
-    """Draining began: stop the serving loop and run the drain sequence (wait for the
-    running jobs, then for the last acknowledgements)."""
-
-
-@dataclass(frozen=True, slots=True)
-class StopFast:
-    """Stop waiting for running jobs: stop them now and give them back."""
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointSettled:
-    """Checkpoint ``seq`` of this lease is settled: wake its task. ``code`` ``None``: it is
-    durable; else the error code (:mod:`broker.wire.errors`) and ``message`` it failed with."""
-
-    key: LeaseKey
-    seq: int
-    code: str | None = None
-    message: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ProgressLater:
-    """Progress is held back by the rate limit: call :meth:`WorkerState.progress_due`
-    after ``delay`` seconds."""
-
-    delay: float
-
-
-WorkerEffect: TypeAlias = (
-    StartRun | StopRun | WakeSender | Drain | StopFast | CheckpointSettled | ProgressLater
-)
-
-
-# --------------------------------------------------------------------------- state
-
-
 @dataclass(eq=False)
 class _Link:
-    """What lives and dies with one connection to the main."""
+    """What lives and dies with one connection to the main (its limits, from ``welcome``,
+    are a :class:`~broker.core.worker_rules.MainLimits`)."""
 
     max_line_bytes: int
     max_payload_bytes: int | None
@@ -255,7 +144,7 @@ class WorkerState:
         self._link: _Link | None = None
         self._running: dict[LeaseKey, Assignment] = {}
         """What each running job is (its task, queue and attempt go on its log lines)."""
-        self._rules: dict[LeaseKey, _RetryRules] = {}
+        self._rules: dict[LeaseKey, RetryRules] = {}
         """The retry policy and backoff of each running job whose task declares one."""
         self._starting: Counter[ExecutionMode] = Counter()
         """Jobs started here whose runner has not yet taken their slot (their
@@ -278,12 +167,7 @@ class WorkerState:
         self._checkpoints: dict[LeaseKey, dict[int, JSONValue]] = {}
         """Checkpoints not yet acknowledged, by lease and number: sent again on every new
         connection until the main answers (their tasks are waiting)."""
-        self._progress_interval = progress_interval
-        self._progress: dict[LeaseKey, tuple[float, str]] = {}
-        """The latest progress of each running job not sent yet (older values are dropped)."""
-        self._progress_sent: dict[LeaseKey, float] = {}
-        """When each running job's progress last went out (the rate limit's clock)."""
-        self._progress_timer = False
+        self._progress = ProgressThrottle(progress_interval)
         self._start_failures: dict[uuid.UUID, int] = {}
         """Start-up failures of its runner process per job id (see :meth:`_start_failed`),
         least recently failed first; at most :data:`RUNNER_START_FAILURES_TRACKED`."""
@@ -354,7 +238,7 @@ class WorkerState:
             unsent_checkpoints=deque(
                 (key, seq) for key, saves in self._checkpoints.items() for seq in saves
             ),
-            progress_due=bool(self._progress),
+            progress_due=bool(self._progress.latest),
         )
         self._ready_due = True
         return self._effects()
@@ -534,7 +418,7 @@ class WorkerState:
         except TaskNotFoundError:
             return
         if isinstance(task, Task) and (task.retry is not None or task.backoff is not None):
-            self._rules[key] = _RetryRules(task.retry, task.backoff, attempt)
+            self._rules[key] = RetryRules(task.retry, task.backoff, attempt)
 
     def run_entered(self, key: LeaseKey) -> list[WorkerEffect]:
         """The runner took the job's slot: its own count now covers it."""
@@ -556,12 +440,7 @@ class WorkerState:
         window = self._adaptive.get(mode)
         if window is not None and now is not None and window.finished(now):
             self._prefetch[mode] = window.size
-        # The outcome supersedes any progress not sent yet. (Each look-up hashes two UUIDs
-        # in Python, so the usually empty maps are not looked in.)
-        if self._progress:
-            self._progress.pop(key, None)
-        if self._progress_sent:
-            self._progress_sent.pop(key, None)
+        self._progress.forget(key)  # the outcome supersedes any progress not sent yet
         if isinstance(outcome, Released):
             outcome = self._start_failed(key, outcome)
         elif self._start_failures and outcome is not None:
@@ -578,66 +457,18 @@ class WorkerState:
         return self._start_queued(free) + self._effects()
 
     def _start_failed(self, key: LeaseKey, outcome: Released) -> RunOutcome:
-        """The runner could not start a process for the job (it failed to import the apps,
-        crashed or hung before its handshake): the runner's fault, not the job's, so the
-        job goes back to the queue unharmed, and the runner's start-up guard stops the
-        mode's credit until a process starts again.
-
-        But when processes start for the mode's probe and keep failing for one job, that
-        job would go back and forth for ever. So past
-        :data:`~broker.model.bounds.RUNNER_START_FAILURES_FORGIVEN` failures for one job on this
-        worker, each counts as a failed attempt, retried by the job's rules like any
-        failure: the job ends, dead with that error once its attempts are spent.
-        (Nor is a job the main cancelled, or one stopped by this worker's drain: their
-        release is the cancel or the stop working.)
-        """
+        """The runner could not start a process for the job: counted against the job
+        (:func:`~broker.core.worker_rules.start_failed`), unless the main cancelled it or
+        this worker's drain stopped it (their release is the cancel or the stop working)."""
         if key in self._cancelled or self._draining:
             return outcome
-        failures = self._start_failures.pop(key[0], 0) + 1
-        self._start_failures[key[0]] = failures  # now the most recent
-        if len(self._start_failures) > RUNNER_START_FAILURES_TRACKED:
-            del self._start_failures[next(iter(self._start_failures))]
-        if failures <= RUNNER_START_FAILURES_FORGIVEN:
-            return outcome
-        return Failed(
-            f"its runner process failed to start {failures} times for this job (after "
-            f"{RUNNER_START_FAILURES_FORGIVEN}, each failure counts as an attempt); "
-            f"the last time: {outcome.reason}"
-        )
+        return start_failed(self._start_failures, key[0], outcome)
 
     def _finish(self, key: LeaseKey, outcome: RunOutcome) -> None:
-        report: protocol.Report
-        match outcome:
-            case Completed(result=result):
-                report = protocol.CompletedReport(*key, result=result)
-                self._log_job(logging.DEBUG, "job completed", key)
-            case Failed() | Released() if key in self._cancelled:
-                report = (
-                    protocol.FailedReport(*key, error=outcome.error, retry=outcome.retry)
-                    if isinstance(outcome, Failed)
-                    else protocol.ReleaseReport(*key, reason=outcome.reason)
-                )
-                self._log_job(logging.INFO, "job stopped by its cancel", key)
-            case Failed() if key in self._given_up:
-                report = protocol.ReleaseReport(
-                    *key, reason="the worker stopped before the job ended"
-                )
-                self._log_job(logging.WARNING, "job given back", key, error=outcome.error)
-            case Failed(error=error, lost=True):
-                report = protocol.FailedReport(*key, error=error, lost=True)
-                self._log_job(logging.WARNING, "job attempt lost", key, error=error)
-            case Failed(error=error, retry=retry, retry_delay=wait):
-                report = protocol.FailedReport(*key, error=error, retry=retry, retry_delay=wait)
-                self._log_job(logging.WARNING, "job failed", key, error=error, retry=retry)
-            case Released(reason=reason):
-                report = protocol.ReleaseReport(*key, reason=reason)
-                self._log_job(logging.WARNING, "job released by its runner", key, reason=reason)
-            case Rescheduled(delay=delay):
-                try:
-                    report = protocol.RescheduleReport(*key, delay=delay)
-                except ValueError as exc:
-                    report = protocol.FailedReport(*key, error=f"invalid reschedule: {exc}")
-                self._log_job(logging.INFO, "job rescheduled", key, delay=delay)
+        cancelled = bool(self._cancelled) and key in self._cancelled
+        given_up = bool(self._given_up) and key in self._given_up
+        report, level, event, fields = report_for(key, outcome, cancelled, given_up)
+        self._log_job(level, event, key, **fields)
         if self._given_up:
             self._given_up.discard(key)
         self._report(key, report)
@@ -701,24 +532,9 @@ class WorkerState:
                     key, seq, ErrorCode.CHECKPOINT_REJECTED, "the job's run has already ended"
                 )
             ]
-        link = self._link
-        if link is not None:
-            shape = shape_problem(
-                state, link.max_payload_depth, link.max_payload_containers, "the checkpoint"
-            )
-            if shape is not None:  # the main would refuse it: say so at once
-                message = f"{shape}; flatten it"
-                return [CheckpointSettled(key, seq, ErrorCode.PAYLOAD_TOO_LARGE, message)]
-        limit = link.max_checkpoint_bytes if link is not None else None
-        if limit is not None:
-            size = encoded_size(state)
-            if size > limit:
-                message = (
-                    f"the checkpoint is {size} bytes as JSON, over the main's checkpoint "
-                    f"limit of {limit} bytes; keep large state elsewhere and checkpoint a "
-                    "reference to it"
-                )
-                return [CheckpointSettled(key, seq, ErrorCode.PAYLOAD_TOO_LARGE, message)]
+        refusal = checkpoint_refusal(state, self._link)
+        if refusal is not None:  # the main would refuse it: say so at once
+            return [CheckpointSettled(key, seq, *refusal)]
         self._checkpoints.setdefault(key, {})[seq] = state
         if self._link is not None:
             self._link.unsent_checkpoints.append((key, seq))
@@ -748,32 +564,26 @@ class WorkerState:
         ``progress_interval`` per job (see :meth:`outgoing`); a job's first goes at once."""
         if key not in self._running:
             return []
-        self._progress[key] = (fraction, message)
+        self._progress.latest[key] = (fraction, message)
         return self._progress_effects(now)
 
     def progress_due(self, now: float) -> list[WorkerEffect]:
         """The timer of :class:`ProgressLater` fired."""
-        self._progress_timer = False
+        self._progress.timer = False
         return self._progress_effects(now)
 
     def _progress_effects(self, now: float) -> list[WorkerEffect]:
         link = self._link
-        if link is None or not self._progress:
+        if link is None or not self._progress.latest:
             return []
+        due, delay = self._progress.plan(now)
         effects: list[WorkerEffect] = []
-        waits = [self._progress_wait(key, now) for key in self._progress]
-        if min(waits) <= 0:
+        if due:
             link.progress_due = True
             effects += self._effects()
-        later = [wait for wait in waits if wait > 0]
-        if later and not self._progress_timer:
-            self._progress_timer = True
-            effects.append(ProgressLater(min(later)))
+        if delay is not None:
+            effects.append(ProgressLater(delay))
         return effects
-
-    def _progress_wait(self, key: LeaseKey, now: float) -> float:
-        sent = self._progress_sent.get(key)
-        return 0.0 if sent is None else sent + self._progress_interval - now
 
     # ------------------------------------------------------------------ stopping
 
@@ -841,11 +651,7 @@ class WorkerState:
                 batch.append(protocol.SaveCheckpoint(*key, seq=seq, state=saves[seq]))
         if link.progress_due:
             link.progress_due = False
-            for key, (fraction, message) in list(self._progress.items()):
-                if self._progress_wait(key, now) <= 0:
-                    batch.append(protocol.Progress(*key, fraction=fraction, message=message))
-                    self._progress_sent[key] = now
-                    del self._progress[key]
+            batch += self._progress.take_due(now)
         while link.unsent:
             key = link.unsent.popleft()
             report = self._outbox.get(key)
@@ -863,61 +669,12 @@ class WorkerState:
         return protocol.Ready(slots=slots, seen=self._require_link().seen)
 
     def _sendable(self, key: LeaseKey, report: protocol.Report, link: _Link) -> protocol.Report:
-        """``report`` if the main can take it; otherwise a failure that says why.
-
-        Without this, a result the main rejects (too long, not JSON) would close the
-        connection, come back from the outbox on reconnect, and close it again forever;
-        and a result nested too deeply to encode would take the send loop down, with the
-        job handed to the next worker to do the same. A result over the main's payload
-        limits (from ``welcome``) fails here, as the main would fail it, without being sent.
-        """
-        limit = link.max_line_bytes
-        completed = report if isinstance(report, protocol.CompletedReport) else None
-        problem = None
-        containers = link.max_payload_containers
-        if completed is not None:
-            # Shape first: encoding a value nested too deeply would itself recurse too far,
-            # and the walk stops at the container bound, so a huge result costs little.
-            problem = result_too_deep(completed.result, link.max_payload_depth, containers)
-        if problem is None:
-            try:
-                encoded = protocol.encode_item(report)
-            except ValueError as exc:
-                problem = f"the outcome cannot be sent as JSON: {exc}"
-            else:
-                size = len(encoded)
-                if completed is not None:
-                    problem = result_too_large_on_wire(
-                        completed.result, size, link.max_payload_bytes
-                    )
-                if (
-                    problem is None
-                    and containers is not None
-                    and containers_in(encoded) > containers + MESSAGE_CONTAINERS - 2
-                ):
-                    # The main counts ``[`` and ``{`` in the line, strings included.
-                    problem = too_many_containers(f"the {report.type} report", containers)
-                if problem is None and size <= limit:
-                    link.encoded[key] = encoded
-                    return report
-                problem = problem or (
-                    f"the {report.type} report is {size} bytes, over the main's limit of {limit}"
-                )
-        if isinstance(report, protocol.FailedReport):
-            # Keep the retry decision; JSON spends at most 6 bytes on a character.
-            error = report.error[: limit // 8]
-            fitted = protocol.FailedReport(
-                *key,
-                error=error,
-                retry=report.retry,
-                retry_delay=report.retry_delay,
-                lost=report.lost,
-            )
-        else:
-            fitted = protocol.FailedReport(*key, error=problem[:1000], retry=False)
-        self._log_job(logging.ERROR, "report replaced", key, reason=problem[:200])
-        self._outbox[key] = fitted
-        link.encoded[key] = protocol.encode_item(fitted)
+        """``report`` if the main can take it; otherwise the failure that replaces it in
+        the outbox (:func:`~broker.core.worker_rules.fit_report`)."""
+        fitted, link.encoded[key], problem = fit_report(key, report, link)
+        if problem is not None:
+            self._log_job(logging.ERROR, "report replaced", key, reason=problem[:200])
+            self._outbox[key] = fitted
         return fitted
 
     def encoded(self, report: protocol.Report) -> bytes:
@@ -925,7 +682,7 @@ class WorkerState:
         key = (report.job_id, report.handoff_id)
         line = self._require_link().encoded.pop(key, None)
         # Absent only if one lease's report was listed twice: encode the repeat again.
-        return protocol.encode_item(report) if line is None else line
+        return encode_item(report) if line is None else line
 
     # ------------------------------------------------------------------ helpers
 
@@ -965,77 +722,3 @@ class WorkerState:
     def _log_job(self, level: int, event: str, key: LeaseKey, **fields: Any) -> None:
         if self._logger.isEnabledFor(level):
             log_job(self._logger, level, event, key, self.job_of(key), **fields)
-
-
-class JobTags(Protocol):
-    """What a log line names a job by, besides its lease: a ``job`` message or an
-    :class:`~broker.tasks.runner.Assignment`."""
-
-    @property
-    def task(self) -> str: ...
-    @property
-    def queue(self) -> str: ...
-    @property
-    def attempt(self) -> int: ...
-
-
-def log_job(
-    logger: logging.Logger,
-    level: int,
-    event: str,
-    key: LeaseKey,
-    job: JobTags | None = None,
-    /,
-    *,
-    exc_info: BaseException | None = None,
-    **fields: Any,
-) -> None:
-    """One log line about one lease: its ids, the ``job``'s task, queue and attempt when
-    known, and ``fields``, as structured fields (see :func:`broker.model.logs.log_event`).
-
-    The everyday events of a job that goes well (started, completed, acknowledged) are
-    logged at DEBUG, and nothing is built before the level check: at a thousand jobs a
-    second, three INFO lines per job were a seventh of the worker's CPU.
-    """
-    if not logger.isEnabledFor(level):
-        return
-    if job is not None:
-        fields = {"task": job.task, "queue": job.queue, "attempt": job.attempt, **fields}
-    logs.log_event(
-        logger, level, event, job_id=key[0], handoff_id=key[1], exc_info=exc_info, **fields
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class _RetryRules:
-    """What a running job's task declares about its failures, and which run this is."""
-
-    policy: RetryPolicy | None
-    backoff: TaskBackoff | None
-    attempt: int
-
-    def judge(self, outcome: Failed) -> Failed:
-        """The failure as the task's rules judge it: one its policy's exception rules out
-        is not retried (and says why); one that is retried waits what the task's backoff
-        says. An exception this process cannot name is retried, as without a policy: only
-        a declared rule ends a job early.
-
-        The backoff is the task's own function, called here with the number of failures
-        (this run's attempt). A wait it cannot give (it raised, or returned a negative,
-        endless or non-numeric value) is refused: the failure goes without one, so the
-        main's backoff applies, and the job's error says why."""
-        if self.policy is not None:
-            error = reported_exception(outcome.error)
-            if error is not None and not self.policy.retries(error):
-                return Failed(
-                    f"{outcome.error}\n(not retried: the task's retry policy excludes "
-                    f"{error.__qualname__})",
-                    retry=False,
-                )
-        if self.backoff is None:
-            return outcome
-        try:
-            wait = backoff_seconds(self.backoff, self.attempt)
-        except ValueError as exc:
-            return Failed(f"{outcome.error}\n({exc}; the main's backoff applies)")
-        return Failed(outcome.error, retry_delay=wait)

@@ -32,9 +32,10 @@ from broker.model.bounds import (
 )
 from broker.model.logs import log_event
 from broker.model.untrusted import RateLimit
+from broker.wire import codec, tls
+from broker.wire import errors as error_codes
 from broker.wire import framing as wire
 from broker.wire import messages as protocol
-from broker.wire import tls
 from broker.wire.credentials import Credentials
 from broker.wire.handshake import Accepted, Refused, ServerHandshake
 
@@ -226,7 +227,7 @@ class Session:
         one slow peer cannot stall dispatch to the others."""
         if self.closed:
             return
-        self._queue(protocol.encode(msg))
+        self._queue(codec.encode(msg))
 
     def reply(self, msg: protocol.Message) -> None:
         """Send a request's answer: written at once when nothing is queued or being
@@ -236,7 +237,7 @@ class Session:
         liveness checks watch."""
         if self.closed:
             return
-        data = protocol.encode(msg)
+        data = codec.encode(msg)
         if (
             self.outbox_bytes
             or len(data) > wire.BATCH_LINE_BYTES
@@ -246,11 +247,11 @@ class Session:
 
     def send_batch(self, kind: type[protocol.Batch], msgs: Sequence[protocol.Message]) -> None:
         """Queue ``msgs`` (the messages a ``kind`` batch carries) in as few lines as the
-        line limit allows, each message encoded once (:func:`broker.wire.messages.pack`)."""
+        line limit allows, each message encoded once (:func:`broker.wire.codec.pack`)."""
         if self.closed or not msgs:
             return
         limit = min(self.max_line_bytes, wire.BATCH_LINE_BYTES)
-        for line in protocol.pack(kind, [protocol.encode_item(msg) for msg in msgs], limit):
+        for line in codec.pack(kind, [codec.encode_item(msg) for msg in msgs], limit):
             self._queue(line)
 
     def _queue(self, data: bytes) -> None:
@@ -585,16 +586,12 @@ class Connections:
                 self._authenticated(task, address)
                 lines.max_line_bytes = self.settings.max_line_bytes
                 await self._read_loop(session, lines)
-        except wire.LineTooLongError as exc:
-            await self._fatal(session, protocol.ErrorCode.LINE_TOO_LONG, str(exc))
         except wire.UnterminatedLineError as exc:
             log_event(
                 logger, logging.INFO, "connection ended mid-line", session=session.id, error=exc
             )
-        except protocol.DecodeError as exc:
-            await self._fatal(session, protocol.ErrorCode(exc.code), str(exc))
-        except ProtocolError as exc:
-            await self._fatal(session, protocol.ErrorCode.MALFORMED, str(exc))
+        except ProtocolError as exc:  # a line too long, a bad message, too many errors
+            await self._fatal(session, error_codes.code_of(exc), str(exc))
         except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
             log_event(logger, logging.INFO, "connection lost", session=session.id, error=repr(exc))
         finally:
@@ -706,26 +703,26 @@ class Connections:
             try:
                 line = await lines.read_line()
             except wire.TooManyContainersError as exc:  # dropped as it came: answer it
-                self._reply_error(session, protocol.container_refusal(exc.head, containers))
+                self._reply_error(session, codec.container_refusal(exc.head, containers))
                 continue
             if line is None or session.dropped:
                 return
             try:
-                msg = protocol.decode_from_peer(line)
-            except protocol.DecodeError as exc:
+                msg = codec.decode_from_peer(line)
+            except codec.DecodeError as exc:
                 self._reply_error(session, exc)
                 continue
             session.line_bytes = len(line)
             self._handle(session, msg)
 
-    def _reply_error(self, session: Session, exc: protocol.DecodeError) -> None:
-        if isinstance(exc, protocol.OverBoundError) and exc.instead is not None:
+    def _reply_error(self, session: Session, exc: codec.DecodeError) -> None:
+        if isinstance(exc, codec.OverBoundError) and exc.instead is not None:
             # A worker's result over the container bound (an older worker does not check
             # it): its job fails in its place. An outcome, not a bad message.
             log_event(logger, logging.WARNING, "report refused", session=session.id, reason=exc)
             self._handle(session, exc.instead)
             return
-        if isinstance(exc, protocol.OverBoundError) and exc.reply is not None:
+        if isinstance(exc, codec.OverBoundError) and exc.reply is not None:
             log_event(logger, logging.WARNING, "checkpoint refused", session=session.id, reason=exc)
             session.send(exc.reply)
             return

@@ -40,7 +40,6 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from broker.core import jobfields as codec
-from broker.core.admission import CreditLimitError
 from broker.core.catalog import CatalogLimitError
 from broker.core.election import (
     Effect,
@@ -746,11 +745,7 @@ class Main:
                     self._carry(self.handoff.ready(session.id, slots, seen))
                 except ProtocolError as exc:
                     session.errors += 1
-                    code = (
-                        protocol.ErrorCode.OVER_LIMIT
-                        if isinstance(exc, CreditLimitError)
-                        else protocol.ErrorCode.MALFORMED
-                    )
+                    code = error_codes.code_of(exc)
                     session.send(protocol.Error(code=code, message=str(exc), fatal=False))
             case protocol.Draining() if worker:
                 self._carry(self.handoff.draining(session.id))

@@ -22,6 +22,7 @@ from broker.main.connections import Session
 from broker.main.operations import Operations
 from broker.model.logs import log_event
 from broker.storage import JobFilter
+from broker.wire import codec
 from broker.wire import errors as error_codes
 from broker.wire import messages as protocol
 
@@ -162,7 +163,7 @@ class Requests:
                         limit=msg.limit,
                         cursor=msg.cursor,
                         include_payload=msg.include_payload,
-                        reply_bytes=len(protocol.encode(empty)) - len("null"),
+                        reply_bytes=len(codec.encode(empty)) - len("null"),
                     )
                 except ValueError as exc:  # only the client's cursor can be unreadable
                     raise ProtocolError(f"list_jobs.cursor is not valid: {exc}"[:200]) from None

@@ -17,7 +17,8 @@ from typing import Protocol
 
 from broker.exceptions import ProtocolError
 from broker.model.bounds import PREAUTH_MAX_LINE_BYTES
-from broker.wire.messages import HEAD_BYTES, Challenge, Error, ErrorCode, Message, decode, encode
+from broker.wire.codec import HEAD_BYTES, decode, encode
+from broker.wire.messages import Challenge, Error, ErrorCode, Message
 
 MAX_LINE_BYTES = 1024 * 1024
 """The cap once authenticated; it bounds a job's arguments and a job's result."""
@@ -47,8 +48,8 @@ class TooManyContainersError(ProtocolError):
 
     Not fatal: the line was read to its end and dropped as it came, so the stream is at a
     line boundary again, and the line never took more memory than a read. ``head`` is
-    its first :data:`~broker.wire.messages.HEAD_BYTES`, from which the main says whose it was
-    (:func:`broker.wire.messages.container_refusal`)."""
+    its first :data:`~broker.wire.codec.HEAD_BYTES`, from which the main says whose it was
+    (:func:`broker.wire.codec.container_refusal`)."""
 
     code: str = ErrorCode.PAYLOAD_TOO_LARGE
 

@@ -31,9 +31,9 @@ from broker.exceptions import (
     ProtocolError,
 )
 from broker.payload import MAX_LINE_BYTES_CEILING
+from broker.wire import codec, tls
 from broker.wire import framing as wire
 from broker.wire import messages as protocol
-from broker.wire import tls
 from broker.wire.addresses import MainAddresses
 from broker.wire.handshake import PeerHandshake
 
@@ -280,11 +280,11 @@ class Link:
             conn.heard = loop.time()  # the previous message (or the welcome) just came
             try:
                 msg = await wire.read_message(conn.lines)
-            except protocol.UnknownTypeError as exc:
+            except codec.UnknownTypeError as exc:
                 # A newer main may send messages this worker does not know; skip them.
                 self._logger.warning("ignoring a message from the main: %s", exc)
                 continue
-            except protocol.DecodeError as exc:
+            except codec.DecodeError as exc:
                 if exc.msg_type not in (protocol.ReportAck.type, protocol.ReportAcks.type):
                     raise
                 # A newer main may answer with a status this worker does not know. Keep

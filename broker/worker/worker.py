@@ -43,8 +43,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from broker.core import catalog
-from broker.core.worker_state import (
-    AdaptiveWindow,
+from broker.core.job_log import log_job
+from broker.core.window import AdaptiveWindow
+from broker.core.worker_effects import (
     CheckpointSettled,
     Drain,
     ProgressLater,
@@ -53,15 +54,15 @@ from broker.core.worker_state import (
     StopRun,
     WakeSender,
     WorkerEffect,
-    WorkerState,
-    log_job,
 )
+from broker.core.worker_state import WorkerState
 from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode, JSONValue
 from broker.model import checks
 from broker.model.bounds import MAX_WORKER_STATUS_BYTES
 from broker.tasks.registry import TaskRegistry, default_registry
 from broker.tasks.runner import Assignment, Failed, LeaseKey, Runner, RunOutcome
+from broker.wire import codec
 from broker.wire import errors as error_codes
 from broker.wire import framing as wire
 from broker.wire import messages as protocol
@@ -83,7 +84,7 @@ CANCEL_WAIT = 5.0
 
 PREFETCH_PER_SLOT = 2
 """Unless told otherwise, a worker's window for a mode starts at two jobs per slot and
-grows with the jobs' pace (:class:`~broker.core.worker_state.AdaptiveWindow`) up to
+grows with the jobs' pace (:class:`~broker.core.window.AdaptiveWindow`) up to
 :data:`PREFETCH_MAX_PER_SLOT` per slot. The window has to cover what a slot waits for its
 next job (a ``ready``, a claim committed on the store, the job's trip back), during which
 a slot can finish many short jobs. Draining 10,000 no-op jobs through 2 pooled children x
@@ -91,7 +92,7 @@ a slot can finish many short jobs. Draining 10,000 no-op jobs through 2 pooled c
 one per slot (20), 3,187 to 3,355; two per slot (40), 4,173; five per slot (100), 4,711.
 A window costs fairness (a prefetched job waits behind this worker's long jobs while
 another worker may idle), so it grows only for jobs short enough to need it (see
-:data:`~broker.core.worker_state.PREFETCH_REFILL`); ``--prefetch N`` fixes it at N (0: none,
+:data:`~broker.core.window.PREFETCH_REFILL`); ``--prefetch N`` fixes it at N (0: none,
 for long jobs)."""
 
 PREFETCH_MAX_PER_SLOT = 8
@@ -401,7 +402,7 @@ class Worker:
         tasks = catalog.declarations(self._registry)
         if not tasks:
             return
-        line = protocol.encode(protocol.TaskCatalog(tasks=tasks))
+        line = codec.encode(protocol.TaskCatalog(tasks=tasks))
         if len(line) > conn.welcome.max_line_bytes:
             self._logger.error(
                 "task catalog not sent: %d bytes, over the main's line limit of %d",
@@ -423,11 +424,9 @@ class Worker:
             if isinstance(msg, protocol.Report):
                 reports.append(self._state.encoded(msg))
             else:
-                lines.append(protocol.encode(msg))
+                lines.append(codec.encode(msg))
         lines.extend(
-            protocol.pack(
-                protocol.Reports, reports, batch_bytes, conn.welcome.max_payload_containers
-            )
+            codec.pack(protocol.Reports, reports, batch_bytes, conn.welcome.max_payload_containers)
         )
         ready = self._state.take_ready(self._free_slots())
         if ready is not None or conn.status_sent is None:
@@ -435,7 +434,7 @@ class Worker:
             if status is not None:
                 lines.append(status)
         if ready is not None:
-            lines.append(protocol.encode(ready))
+            lines.append(codec.encode(ready))
         return b"".join(lines)
 
     def _capacity_changed(self) -> None:
@@ -571,7 +570,7 @@ class Worker:
         status = self.status()
         status["runners"] = {mode.value: dataclasses.asdict(st) for mode, st in runners.items()}
         try:
-            line = protocol.encode(protocol.WorkerStatus(status=status))
+            line = codec.encode(protocol.WorkerStatus(status=status))
             if len(line) <= MAX_WORKER_STATUS_BYTES:
                 return line
         except ValueError:  # a runner's details that are not JSON must not cost the status
@@ -582,7 +581,7 @@ class Worker:
             runner_status["details"] = {}
             if runner_status.get("startup_error"):
                 runner_status["startup_error"] = str(runner_status["startup_error"])[:2000]
-        return protocol.encode(protocol.WorkerStatus(status=status))
+        return codec.encode(protocol.WorkerStatus(status=status))
 
     def _log_job(
         self,

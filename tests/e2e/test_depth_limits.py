@@ -37,6 +37,7 @@ from broker.payload import (
 )
 from broker.tasks.registry import TaskRegistry, default_unique_key, task
 from broker.tasks.runner import Assignment, Completed, Failed, RunOutcome
+from broker.wire import codec
 from broker.wire import messages as protocol
 from broker.worker.worker import Worker
 from runners.forked import ForkedRunner
@@ -120,14 +121,14 @@ def test_the_depth_limit_is_a_setting_with_a_flag_and_bounds(
 
 def test_decoding_a_line_nested_100000_deep_is_a_decode_error() -> None:
     line = b'{"type":"completed","result":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    with pytest.raises(protocol.DecodeError, match="nests too deeply"):
-        protocol.decode(line)
+    with pytest.raises(codec.DecodeError, match="nests too deeply"):
+        codec.decode(line)
 
 
 def test_encoding_a_message_nested_too_deeply_is_a_value_error() -> None:
     report = protocol.CompletedReport(uuid.uuid4(), uuid.uuid4(), result=nested(100_000))
     with pytest.raises(ValueError, match="nests too deeply"):
-        protocol.encode(report)
+        codec.encode(report)
 
 
 def test_a_job_spec_nested_too_deeply_to_encode_is_an_invalid_job() -> None:

@@ -32,6 +32,7 @@ from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus
 from broker.main.main import Main
 from broker.main.settings import MainSettings
 from broker.ops import cli
+from broker.wire import codec
 from broker.wire import framing as wire
 from broker.wire import messages as protocol
 from tests.support import FAST, FakeWorker, until
@@ -72,7 +73,7 @@ class RawPeer:
         return await asyncio.wait_for(wire.read_message(self.lines), timeout)
 
     async def send(self, *msgs: protocol.Message) -> None:
-        self.writer.write(b"".join(protocol.encode(msg) for msg in msgs))
+        self.writer.write(b"".join(codec.encode(msg) for msg in msgs))
         await self.writer.drain()
 
     async def send_raw(self, data: bytes) -> None:

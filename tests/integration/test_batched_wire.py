@@ -11,6 +11,7 @@ from adapters.memory import MemoryAdapter
 from broker.jobs import ExecutionMode, JobSpec, JobStatus
 from broker.main.main import Main
 from broker.main.settings import MainSettings
+from broker.wire import codec
 from broker.wire import framing as wire
 from broker.wire import messages as protocol
 from tests.support import FAST, until
@@ -113,7 +114,7 @@ async def test_the_jobs_of_one_pass_and_their_acks_travel_as_one_line_each() -> 
         while len(acked) < len(jobs):
             msg = await peer.read()
             assert msg is not None
-            acked.extend(m for m in protocol.unbatch(msg) if isinstance(m, protocol.ReportAck))
+            acked.extend(m for m in codec.unbatch(msg) if isinstance(m, protocol.ReportAck))
         assert {(a.job_id, a.status) for a in acked} == {
             (job.job_id, protocol.AckStatus.APPLIED) for job in jobs
         }
@@ -152,7 +153,7 @@ async def test_one_stale_report_in_a_batch_spoils_none_of_the_others() -> None:
         while len(statuses) < 2:
             msg = await peer.read()
             assert msg is not None
-            for ack in protocol.unbatch(msg):
+            for ack in codec.unbatch(msg):
                 if isinstance(ack, protocol.ReportAck):
                     statuses[ack.handoff_id] = ack.status
         assert statuses == {

@@ -28,6 +28,7 @@ from broker.main.main import Main
 from broker.main.settings import MainSettings
 from broker.storage import JobFilter, JobPage, StorageAdapter
 from broker.testing.conformance import CHECKS, Check, run_check
+from broker.wire import codec
 from broker.wire import framing as wire
 from broker.wire import messages as protocol
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
@@ -120,7 +121,7 @@ class _RawClient:
         await self.out.send(protocol.ListJobs(request_id="r1", **fields))
         line = await asyncio.wait_for(self.lines.read_line(), 30)
         assert line is not None
-        reply = protocol.decode(line)
+        reply = codec.decode(line)
         assert isinstance(reply, protocol.JobList), reply
         return reply, len(line) + 1
 
@@ -361,9 +362,9 @@ async def test_broker_jobs_shows_payloads_only_with_the_flag(tmp_path: Path) -> 
 
 def test_the_listing_request_defaults_to_a_summary_and_old_peers_still_decode() -> None:
     """A peer that never heard of ``include_payload`` sends none: it gets a summary."""
-    old = protocol.decode('{"type":"list_jobs","request_id":"r1"}')
+    old = codec.decode('{"type":"list_jobs","request_id":"r1"}')
     assert isinstance(old, protocol.ListJobs) and old.include_payload is False
-    asked = protocol.decode('{"type":"list_jobs","request_id":"r1","include_payload":true}')
+    asked = codec.decode('{"type":"list_jobs","request_id":"r1","include_payload":true}')
     assert isinstance(asked, protocol.ListJobs) and asked.include_payload is True
-    with pytest.raises(protocol.DecodeError, match="include_payload"):
-        protocol.decode('{"type":"list_jobs","request_id":"r1","include_payload":1}')
+    with pytest.raises(codec.DecodeError, match="include_payload"):
+        codec.decode('{"type":"list_jobs","request_id":"r1","include_payload":1}')

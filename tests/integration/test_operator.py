@@ -34,6 +34,7 @@ from broker.ops import cli
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES
 from broker.storage import StorageAdapter
 from broker.tasks.registry import task
+from broker.wire import codec
 from broker.wire import messages as protocol
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
 from tests.support import FakeWorker, until
@@ -260,8 +261,8 @@ def test_request_validation() -> None:
         protocol.Prune(request_id="r")
     with pytest.raises(ValueError, match="terminal"):
         protocol.Prune(request_id="r", keep_latest=1, statuses=[JobStatus.QUEUED])
-    with pytest.raises(protocol.DecodeError) as caught:
-        protocol.decode('{"type":"prune","request_id":"r9","older_than_seconds":-1}')
+    with pytest.raises(codec.DecodeError) as caught:
+        codec.decode('{"type":"prune","request_id":"r9","older_than_seconds":-1}')
     assert caught.value.request_id == "r9"
 
 

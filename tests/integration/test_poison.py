@@ -32,6 +32,7 @@ from broker.storage import StorageAdapter
 from broker.tasks.registry import TaskRegistry, task
 from broker.tasks.runner import Reschedule
 from broker.testing.faults import FaultyAdapter
+from broker.wire import codec
 from broker.wire import messages as protocol
 from broker.worker.worker import Worker
 from runners.inline import InlineRunner
@@ -477,11 +478,9 @@ async def test_a_task_raising_reschedule_1e12_fails_and_others_are_recorded(
 
 
 def test_a_refused_ack_decodes() -> None:
-    line = protocol.encode(
-        protocol.ReportAck(uuid.uuid4(), uuid.uuid4(), protocol.AckStatus.REFUSED)
-    )
+    line = codec.encode(protocol.ReportAck(uuid.uuid4(), uuid.uuid4(), protocol.AckStatus.REFUSED))
     assert b'"status":"refused"' in line
-    decoded = protocol.decode(line)
+    decoded = codec.decode(line)
     assert isinstance(decoded, protocol.ReportAck)
     assert decoded.status is protocol.AckStatus.REFUSED
 

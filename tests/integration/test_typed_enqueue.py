@@ -19,6 +19,7 @@ from broker.exceptions import ConfigurationError, IdempotencyConflictError
 from broker.storage import JobFilter
 from broker.tasks import registry as tasks
 from broker.tasks.registry import TaskRegistry, task
+from broker.wire import codec
 from broker.wire import messages as protocol
 from tests.support import running_main
 
@@ -100,10 +101,10 @@ async def _greet(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_line_bytes: int
 ) -> None:
     """What a main says before any request: the challenge, then the welcome to the hello."""
-    writer.write(protocol.encode(protocol.Challenge("ab", protocol.PROTOCOL_VERSION, False)))
+    writer.write(codec.encode(protocol.Challenge("ab", protocol.PROTOCOL_VERSION, False)))
     await reader.readline()
     welcome = protocol.Welcome("m", protocol.PROTOCOL_VERSION, 5.0, [], max_line_bytes)
-    writer.write(protocol.encode(welcome))
+    writer.write(codec.encode(welcome))
 
 
 async def test_a_main_that_stops_answering_raises_a_clear_timeout() -> None:

@@ -23,6 +23,7 @@ from broker.main.main import Main
 from broker.main.settings import MainSettings
 from broker.ops import cli
 from broker.tasks.registry import TaskRegistry, default_unique_key, task
+from broker.wire import codec
 from broker.wire import messages as protocol
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
@@ -58,16 +59,14 @@ def test_jobspec_validates_the_unique_key() -> None:
 def test_the_protocol_carries_the_unique_key_and_older_requests_lack_it() -> None:
     spec = JobSpec(task="t", args=[1], unique_key="acct:9")
     request = protocol.JobRequest.from_spec(spec)
-    line = protocol.encode(protocol.Enqueue(request_id="r1", jobs=[request]))
-    decoded = protocol.decode(line)
+    line = codec.encode(protocol.Enqueue(request_id="r1", jobs=[request]))
+    decoded = codec.decode(line)
     assert isinstance(decoded, protocol.Enqueue)
     assert decoded.jobs[0].to_spec(NOW).unique_key == "acct:9"
-    old = protocol.decode(b'{"type":"enqueue","request_id":"r2","jobs":[{"task":"t"}]}')
+    old = codec.decode(b'{"type":"enqueue","request_id":"r2","jobs":[{"task":"t"}]}')
     assert isinstance(old, protocol.Enqueue) and old.jobs[0].to_spec(NOW).unique_key is None
-    with pytest.raises(protocol.DecodeError, match="unique_key"):
-        protocol.decode(
-            b'{"type":"enqueue","request_id":"r3","jobs":[{"task":"t","unique_key":1}]}'
-        )
+    with pytest.raises(codec.DecodeError, match="unique_key"):
+        codec.decode(b'{"type":"enqueue","request_id":"r3","jobs":[{"task":"t","unique_key":1}]}')
 
 
 async def test_client_enqueue_with_a_unique_key() -> None:

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 import pytest
 
 from broker.exceptions import ProtocolError
+from broker.wire import codec
 from broker.wire import framing as wire
 from broker.wire import messages as p
 
@@ -114,7 +115,7 @@ async def test_cap_may_exceed_the_stream_limit_but_not_be_zero() -> None:
 
 async def test_tiny_fragments_are_reassembled() -> None:
     msgs = [p.Ping(nonce=i) for i in range(50)] + [p.Error("internal", "é" * 300, fatal=False)]
-    data = b"".join(p.encode(m) for m in msgs)
+    data = b"".join(codec.encode(m) for m in msgs)
     stream = asyncio.StreamReader(limit=wire.STREAM_LIMIT)
     reader = wire.LineReader(stream)
 
@@ -138,7 +139,7 @@ async def test_tiny_fragments_are_reassembled() -> None:
 
 async def test_tiny_fragments_over_a_real_socket() -> None:
     msgs = [p.Ping(nonce=i) for i in range(20)]
-    data = b"".join(p.encode(m) for m in msgs)
+    data = b"".join(codec.encode(m) for m in msgs)
     received: asyncio.Future[list[p.Message]] = asyncio.get_running_loop().create_future()
 
     async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -178,7 +179,7 @@ async def test_unterminated_line_over_a_real_socket() -> None:
         w.close()
 
     async with connected(handler) as (_, writer):
-        writer.write(p.encode(p.Ping(nonce=1)) + b'{"type":"pi')
+        writer.write(codec.encode(p.Ping(nonce=1)) + b'{"type":"pi')
         await writer.drain()
         writer.write_eof()
         assert isinstance(await asyncio.wait_for(outcome, 10), wire.UnterminatedLineError)
@@ -187,7 +188,7 @@ async def test_unterminated_line_over_a_real_socket() -> None:
 async def test_read_message_decodes_and_propagates_decode_errors() -> None:
     reader = feed(b'{"type":"pong","nonce":4}\n{"type":"pong"}\n')
     assert await wire.read_message(reader) == p.Pong(nonce=4)
-    with pytest.raises(p.DecodeError, match=r"pong\.nonce is required"):
+    with pytest.raises(codec.DecodeError, match=r"pong\.nonce is required"):
         await wire.read_message(reader)
     assert await wire.read_message(reader) is None
 
@@ -266,7 +267,7 @@ async def test_unencodable_message_sends_nothing() -> None:
             await writer.send_many([p.Ping(nonce=1), bad])
         await writer.send(p.Ping(nonce=2))
         raw_writer.write_eof()
-        assert await asyncio.wait_for(received, 10) == [p.encode(p.Ping(nonce=2)).rstrip()]
+        assert await asyncio.wait_for(received, 10) == [codec.encode(p.Ping(nonce=2)).rstrip()]
 
 
 async def test_write_raw_takes_whole_lines_only() -> None:
@@ -284,7 +285,7 @@ async def test_write_raw_takes_whole_lines_only() -> None:
         writer = wire.MessageWriter(raw_writer)
         with pytest.raises(ValueError, match="whole lines"):
             await writer.write_raw(b'{"type":"ping","nonce":1}')
-        await writer.write_raw(p.encode(p.Ping(nonce=2)) + p.encode(p.Pong(nonce=3)))
+        await writer.write_raw(codec.encode(p.Ping(nonce=2)) + codec.encode(p.Pong(nonce=3)))
         raw_writer.write_eof()
         assert await asyncio.wait_for(received, 10) == [p.Ping(nonce=2), p.Pong(nonce=3)]
 
@@ -349,11 +350,11 @@ async def test_write_now_writes_at_once_only_when_nothing_is_unsent() -> None:
 
     async with connected(handler) as (_, raw_writer):
         writer = wire.MessageWriter(raw_writer)
-        assert writer.write_now(p.encode(p.Ping(nonce=1)))
-        big = p.encode(p.Error(code="big", message="z" * 900_000, fatal=False))
+        assert writer.write_now(codec.encode(p.Ping(nonce=1)))
+        big = codec.encode(p.Error(code="big", message="z" * 900_000, fatal=False))
         while raw_writer.transport.get_write_buffer_size() == 0:  # the socket buffers fill
             assert writer.write_now(big)
-        assert not writer.write_now(p.encode(p.Ping(nonce=2)))  # it would pile up unsent
+        assert not writer.write_now(codec.encode(p.Ping(nonce=2)))  # it would pile up unsent
         reading.set()
         await writer.send(p.Ping(nonce=3))
         raw_writer.write_eof()

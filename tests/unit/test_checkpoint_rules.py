@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from adapters.memory import MemoryAdapter
 from broker.core.handoff import Handoff, Send, StoreCheckpoint, StoreProgress
-from broker.core.worker_state import CheckpointSettled, ProgressLater, WakeSender, WorkerState
+from broker.core.worker_effects import CheckpointSettled, ProgressLater, WakeSender
+from broker.core.worker_state import WorkerState
 from broker.jobs import CheckpointSave, Job, JobSpec, JobStatus
 from broker.main.checkpoints import CheckpointSaver
 from broker.main.settings import MainSettings

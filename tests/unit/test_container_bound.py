@@ -19,6 +19,7 @@ from broker.model.bounds import MAX_WORKER_STATUS_BYTES, MESSAGE_CONTAINERS
 from broker.payload import containers_in, nesting_depth, shape_problem
 from broker.tasks.registry import TaskRegistry
 from broker.tasks.runner import RunnerStatus
+from broker.wire import codec
 from broker.wire import framing as wire
 from broker.wire import messages as protocol
 from broker.worker.worker import Worker
@@ -44,7 +45,7 @@ async def test_a_line_over_the_bound_is_dropped_and_the_next_one_read() -> None:
     lines = _reader(over + within + exactly + over)
     with pytest.raises(wire.TooManyContainersError) as refused:
         await lines.read_line()
-    assert refused.value.head == over[: len(over) - 1][: protocol.HEAD_BYTES]
+    assert refused.value.head == over[: len(over) - 1][: codec.HEAD_BYTES]
     assert await lines.read_line() == within.strip()
     assert await lines.read_line() == exactly.strip()  # at the bound: kept
     with pytest.raises(wire.TooManyContainersError):
@@ -66,31 +67,31 @@ async def test_without_a_bound_the_reader_returns_every_line() -> None:
 
 def test_a_refused_line_is_answered_from_its_head() -> None:
     job_id, lease = uuid.uuid4(), uuid.uuid4()
-    completed = protocol.encode(protocol.CompletedReport(job_id, lease, result=[[]] * 300))
-    refusal = protocol.container_refusal(completed[: protocol.HEAD_BYTES], 100)
+    completed = codec.encode(protocol.CompletedReport(job_id, lease, result=[[]] * 300))
+    refusal = codec.container_refusal(completed[: codec.HEAD_BYTES], 100)
     assert isinstance(refusal.instead, protocol.FailedReport) and not refusal.instead.retry
     assert refusal.instead.handoff_id == lease and "lists and objects" in refusal.instead.error
-    saved = protocol.encode(protocol.SaveCheckpoint(job_id, lease, 3, state=[[]] * 300))
-    ack = protocol.container_refusal(saved, 100).reply
+    saved = codec.encode(protocol.SaveCheckpoint(job_id, lease, 3, state=[[]] * 300))
+    ack = codec.container_refusal(saved, 100).reply
     assert isinstance(ack, protocol.CheckpointAck) and ack.seq == 3
     assert ack.status is protocol.AckStatus.REFUSED
     enqueue = b'{"type":"enqueue","request_id":"r9","jobs":[{"task":"t","args":[[],[]]}]}'
-    refused = protocol.container_refusal(enqueue, 100)
+    refused = codec.container_refusal(enqueue, 100)
     assert refused.request_id == "r9" and refused.code == protocol.ErrorCode.PAYLOAD_TOO_LARGE
     # A head that is not where senders write it, or not a name: a plain refusal.
-    assert protocol.container_refusal(b"[" * 20000, 100).request_id is None
+    assert codec.container_refusal(b"[" * 20000, 100).request_id is None
     bad = b'{"type":"enqueue","request_id":"a\\u0000b"}'
-    assert protocol.container_refusal(bad, 100).request_id is None
+    assert codec.container_refusal(bad, 100).request_id is None
 
 
 def test_report_batches_are_packed_within_the_container_bound() -> None:
-    items = [protocol.encode_item(protocol.Ping(nonce=i)) for i in range(3)]
+    items = [codec.encode_item(protocol.Ping(nonce=i)) for i in range(3)]
     items += [b'{"type":"completed","result":' + b"[]" * 0 + b"[" + b"[]," * 39 + b"[]]}"] * 5
-    lines = protocol.pack(protocol.Reports, items, 1 << 20, max_containers=100)
+    lines = codec.pack(protocol.Reports, items, 1 << 20, max_containers=100)
     assert b"".join(lines).count(b"\n") == len(lines) > 1
     for line in lines:
         assert containers_in(line) <= 100 + MESSAGE_CONTAINERS
-    assert len(protocol.pack(protocol.Reports, items, 1 << 20)) == 1, "no bound: one line"
+    assert len(codec.pack(protocol.Reports, items, 1 << 20)) == 1, "no bound: one line"
 
 
 def test_request_bytes_are_full_at_their_limit() -> None:
@@ -152,7 +153,7 @@ def test_a_worker_trims_its_status_to_the_main_s_bound() -> None:
     )
     line = worker._status_message(SimpleNamespace(status_sent=None))  # type: ignore[arg-type]
     assert line is not None and len(line) <= MAX_WORKER_STATUS_BYTES
-    msg = protocol.decode(line)
+    msg = codec.decode(line)
     assert isinstance(msg, protocol.WorkerStatus)
     runner = msg.status["runners"]["inline"]
     assert runner["capacity"] == 4 and runner["details"] == {}

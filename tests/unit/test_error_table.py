@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from broker import exceptions
+from broker.core.admission import CreditLimitError
 from broker.exceptions import (
     AuthenticationError,
     BrokerError,
@@ -20,7 +21,9 @@ from broker.exceptions import (
     StorageError,
     UniqueKeyTakenError,
 )
+from broker.wire import codec
 from broker.wire import errors as error_codes
+from broker.wire import framing as wire
 from broker.wire import messages as protocol
 from broker.wire.messages import ErrorCode
 
@@ -53,15 +56,16 @@ def _sample(cls: type[BrokerError]) -> BrokerError:
     ]
     assert sorted(extra) == sorted(FIELDS.get(cls, {})), (
         f"{cls.__name__} takes fields {extra}: add samples to FIELDS, and the fields to "
-        "error_codes.details_of and exception_for"
+        "the class's wire_fields"
     )
+    assert sorted(cls.wire_fields) == sorted(extra), f"{cls.__name__}.wire_fields"
     return cls(f"{cls.__name__} happened: a message with 'quotes' and ü", **FIELDS.get(cls, {}))
 
 
 def _across_the_wire(exc: BaseException) -> BrokerError:
     """What the main sends for ``exc``, as the client's decoder reads and raises it."""
-    line = protocol.encode(error_codes.request_error("r1", exc))
-    reply = protocol.decode(line)
+    line = codec.encode(error_codes.request_error("r1", exc))
+    reply = codec.decode(line)
     assert isinstance(reply, protocol.RequestError) and reply.request_id == "r1"
     return error_codes.raised_by(reply)
 
@@ -115,9 +119,36 @@ def test_unreadable_details_still_raise_the_error(details: dict[str, Any] | None
 
 
 def test_a_subclass_outside_the_table_takes_its_nearest_base_code() -> None:
-    exc = protocol.DecodeError("list_jobs.cursor is not valid")
+    exc = codec.DecodeError("list_jobs.cursor is not valid")
     assert error_codes.code_of(exc) == ErrorCode.MALFORMED
     assert type(_across_the_wire(exc)) is ProtocolError
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (CreditLimitError("ready.slots over the limit"), ErrorCode.OVER_LIMIT),
+        (codec.DecodeError("message has no type"), ErrorCode.MALFORMED),
+        (codec.UnknownTypeError("unknown message type 'launch'"), ErrorCode.UNKNOWN_TYPE),
+        (wire.LineTooLongError("line exceeds 10 bytes"), ErrorCode.LINE_TOO_LONG),
+        (wire.UnterminatedLineError("closed mid-line"), ErrorCode.UNTERMINATED),
+        (wire.TooManyContainersError(b"{"), ErrorCode.PAYLOAD_TOO_LARGE),
+    ],
+    ids=lambda value: type(value).__name__ if isinstance(value, Exception) else str(value),
+)
+def test_an_internal_protocol_error_carries_its_own_code(
+    exc: ProtocolError, code: ErrorCode
+) -> None:
+    """The shells answer these with ``code_of``: the code is the class's, never chosen
+    inline, and the peer raises the public base for it."""
+    assert error_codes.code_of(exc) == code
+    assert type(_across_the_wire(exc)) is error_codes.CLASSES[code]
+    assert issubclass(error_codes.CLASSES[code], ProtocolError | exceptions.InvalidJobError)
+
+
+def test_a_decode_refusal_over_a_bound_carries_the_code_it_names() -> None:
+    exc = codec.OverBoundError("worker_status too long", code=ErrorCode.OVER_LIMIT)
+    assert error_codes.code_of(exc) == ErrorCode.OVER_LIMIT
 
 
 def test_anything_else_is_internal_and_arrives_as_a_broker_error() -> None:
@@ -158,7 +189,7 @@ def test_every_code_of_the_protocol_is_raised_as_something_specific_or_unused() 
 
 
 def test_an_older_request_error_without_details_still_decodes() -> None:
-    reply = protocol.decode(
+    reply = codec.decode(
         '{"type":"request_error","request_id":"r3","code":"invalid_job","message":"bad"}'
     )
     assert isinstance(reply, protocol.RequestError) and reply.details is None

@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from broker.core.worker_state import log_job
+from broker.core.job_log import log_job
 from broker.jobs import JobStatus
 from broker.model import logs
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from broker.payload import result_too_large
 from broker.tasks.runner import Completed, Failed
+from broker.wire import codec
 from broker.wire import messages as protocol
 from tests.unit.test_worker_state import job, make_state, start, welcome
 
@@ -22,9 +23,9 @@ def test_the_bytes_measured_are_the_bytes_sent() -> None:
     reports = [m for m in state.outgoing() if isinstance(m, protocol.Report)]
     assert len(reports) == 2
     items = [state.encoded(report) for report in reports]
-    assert items == [protocol.encode_item(report) for report in reports]
-    (line,) = protocol.pack(protocol.Reports, items, 1 << 20)
-    assert protocol.decode(line) == protocol.Reports(reports)
+    assert items == [codec.encode_item(report) for report in reports]
+    (line,) = codec.pack(protocol.Reports, items, 1 << 20)
+    assert codec.decode(line) == protocol.Reports(reports)
 
 
 def test_a_replaced_report_is_sent_as_its_replacement() -> None:
@@ -36,7 +37,7 @@ def test_a_replaced_report_is_sent_as_its_replacement() -> None:
     assert isinstance(report, protocol.FailedReport)
     line = state.encoded(report)
     assert len(line) <= 300
-    assert protocol.decode(line) == report == state.outbox[key]
+    assert codec.decode(line) == report == state.outbox[key]
 
 
 def test_a_report_sent_again_on_a_new_connection_is_measured_again() -> None:
@@ -49,7 +50,7 @@ def test_a_report_sent_again_on_a_new_connection_is_measured_again() -> None:
     state.connected(welcome(adopted=[key]))
     (again,) = state.outgoing()
     assert again == report
-    assert protocol.decode(state.encoded(again)) == report
+    assert codec.decode(state.encoded(again)) == report
 
 
 _RESULTS = st.recursive(

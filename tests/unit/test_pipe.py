@@ -39,6 +39,39 @@ def test_an_assignment_crosses_the_pipe_with_every_field() -> None:
     assert ping == pipe.PingLine(7)
 
 
+def test_an_assignment_with_every_field_set_maps_to_the_same_job_line_bytes() -> None:
+    """The mapping goes by name; the line is the pipe protocol, so its bytes are pinned."""
+    a = Assignment(
+        uuid.UUID(int=1),
+        uuid.UUID(int=2),
+        "tasks.add",
+        (1, [2], {"a": None}),
+        {"x": {"y": [1.5, "z"]}},
+        ExecutionMode.FORKED,
+        3,
+        4,
+        1.5,
+        "q",
+        {"done": 7},
+        2,
+        1,
+        True,
+    )
+    line = pipe.job_line(a)
+    assert pipe.encode(line) == (
+        b'{"type":"job","job_id":"00000000-0000-0000-0000-000000000001",'
+        b'"handoff_id":"00000000-0000-0000-0000-000000000002","task":"tasks.add",'
+        b'"args":[1,[2],{"a":null}],"kwargs":{"x":{"y":[1.5,"z"]}},"execution_mode":"forked",'
+        b'"attempt":3,"max_attempts":4,"timeout":1.5,"queue":"q","checkpoint":{"done":7},'
+        b'"checkpoint_seq":2,"recoveries":1,"state_lost":true}'
+    )
+    [decoded] = pipe.to_child_decoder.decode(pipe.encode_batch([pipe.encode(line)]))
+    assert isinstance(decoded, pipe.JobLine) and pipe.assignment_of(decoded) == a
+    assert all(
+        getattr(line, name) == getattr(a, name) for name in pipe.JobLine.__struct_fields__
+    ), "each field keeps its name"
+
+
 @pytest.mark.parametrize(
     "outcome",
     [Completed({"k": [1, 2.5, None]}), Completed(), Failed("boom", retry=False), Rescheduled(2.0)],

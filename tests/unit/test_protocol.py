@@ -11,6 +11,7 @@ import pytest
 
 from broker.exceptions import InvalidJobError, ProtocolError
 from broker.jobs import ExecutionMode, JobSpec, JobStatus
+from broker.wire import codec
 from broker.wire import messages as p
 
 JOB_ID = uuid.UUID("0b5e6a4e-8a0c-4f5e-9b57-0d7f2c1e9a11")
@@ -165,44 +166,44 @@ def test_samples_cover_every_message_type() -> None:
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).type)
 def test_round_trip(msg: p.Message) -> None:
-    line = p.encode(msg)
+    line = codec.encode(msg)
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     assert b": " not in line and b", " not in line  # compact separators
     assert json.loads(line)["type"] == type(msg).type
-    assert p.decode(line) == msg
-    assert p.decode(line.decode().rstrip("\n")) == msg  # str input, no newline
+    assert codec.decode(line) == msg
+    assert codec.decode(line.decode().rstrip("\n")) == msg  # str input, no newline
 
 
 def test_decoded_fields_have_python_types() -> None:
-    msg = p.decode(p.encode(SAMPLES[1]))
+    msg = codec.decode(codec.encode(SAMPLES[1]))
     assert isinstance(msg, p.Hello)
     assert msg.role is p.Role.WORKER
     assert msg.modes == [ExecutionMode.POOLED, ExecutionMode.INLINE]
     assert isinstance(msg.held_leases[0].job_id, uuid.UUID)
-    ready = p.decode(b'{"type":"ready","slots":{"pooled":2},"seen":0}')
+    ready = codec.decode(b'{"type":"ready","slots":{"pooled":2},"seen":0}')
     assert isinstance(ready, p.Ready)
     assert list(ready.slots) == [ExecutionMode.POOLED]
     assert type(next(iter(ready.slots))) is ExecutionMode
 
 
 def test_optional_fields_default_when_absent() -> None:
-    msg = p.decode(f'{{"type":"completed","job_id":"{JOB_ID}","handoff_id":"{LEASE_ID}"}}')
+    msg = codec.decode(f'{{"type":"completed","job_id":"{JOB_ID}","handoff_id":"{LEASE_ID}"}}')
     assert msg == p.CompletedReport(JOB_ID, LEASE_ID, result=None)
-    failed = p.decode(
+    failed = codec.decode(
         f'{{"type":"failed","job_id":"{JOB_ID}","handoff_id":"{LEASE_ID}","error":"x"}}'
     )
     assert isinstance(failed, p.FailedReport) and failed.retry is True
 
 
 def test_int_accepted_where_float_expected() -> None:
-    msg = p.decode(
+    msg = codec.decode(
         f'{{"type":"reschedule","job_id":"{JOB_ID}","handoff_id":"{LEASE_ID}","delay":3}}'
     )
     assert isinstance(msg, p.RescheduleReport) and msg.delay == 3.0 and type(msg.delay) is float
 
 
 def test_unknown_extra_fields_are_ignored() -> None:
-    msg = p.decode(b'{"type":"ping","nonce":3,"from_the_future":{"x":1}}')
+    msg = codec.decode(b'{"type":"ping","nonce":3,"from_the_future":{"x":1}}')
     assert msg == p.Ping(nonce=3)
 
 
@@ -295,56 +296,56 @@ def _completed(**over: Any) -> str:
     ],
 )
 def test_rejects(line: bytes | str, fragment: str) -> None:
-    with pytest.raises(p.DecodeError, match=re.escape(fragment)) as info:
-        p.decode(line)
+    with pytest.raises(codec.DecodeError, match=re.escape(fragment)) as info:
+        codec.decode(line)
     assert isinstance(info.value, ProtocolError)
     assert info.value.code == p.ErrorCode.MALFORMED
 
 
 def test_unknown_type_has_its_own_code() -> None:
-    with pytest.raises(p.UnknownTypeError, match="unknown message type 'launch'") as info:
-        p.decode(b'{"type":"launch"}')
+    with pytest.raises(codec.UnknownTypeError, match="unknown message type 'launch'") as info:
+        codec.decode(b'{"type":"launch"}')
     assert info.value.code == p.ErrorCode.UNKNOWN_TYPE
     assert info.value.msg_type == "launch"
 
 
 def test_worker_hello_needs_worker_id() -> None:
-    with pytest.raises(p.DecodeError, match="worker_id is required"):
-        p.decode(_line(type="hello", role="worker", protocol=1))
-    with pytest.raises(p.DecodeError, match="worker_id is required"):
-        p.decode(_line(type="hello", role="worker", protocol=1, worker_id=""))
+    with pytest.raises(codec.DecodeError, match="worker_id is required"):
+        codec.decode(_line(type="hello", role="worker", protocol=1))
+    with pytest.raises(codec.DecodeError, match="worker_id is required"):
+        codec.decode(_line(type="hello", role="worker", protocol=1, worker_id=""))
     with pytest.raises(ValueError, match="worker_id is required"):
         p.Hello(role=p.Role.WORKER, protocol=1)
 
 
 def test_error_carries_request_id_so_the_main_can_answer_the_request() -> None:
-    with pytest.raises(p.DecodeError) as info:
-        p.decode(_line(type="enqueue", request_id="r9", jobs=[{"task": 1}]))
+    with pytest.raises(codec.DecodeError) as info:
+        codec.decode(_line(type="enqueue", request_id="r9", jobs=[{"task": 1}]))
     assert info.value.request_id == "r9"
     assert info.value.msg_type == "enqueue"
     assert "enqueue.jobs[0].task must be a string" in str(info.value)
 
 
 def test_error_does_not_echo_large_values() -> None:
-    with pytest.raises(p.DecodeError) as info:
-        p.decode(_ready(seen="x" * 10_000))
+    with pytest.raises(codec.DecodeError) as info:
+        codec.decode(_ready(seen="x" * 10_000))
     assert len(str(info.value)) < 200
 
 
 def test_encode_rejects_non_json_payload() -> None:
     with pytest.raises(ValueError, match="cannot encode completed"):
-        p.encode(p.CompletedReport(JOB_ID, LEASE_ID, result=float("nan")))
+        codec.encode(p.CompletedReport(JOB_ID, LEASE_ID, result=float("nan")))
     with pytest.raises(ValueError, match="cannot encode completed"):
-        p.encode(p.CompletedReport(JOB_ID, LEASE_ID, result={1, 2}))
+        codec.encode(p.CompletedReport(JOB_ID, LEASE_ID, result={1, 2}))
 
 
 def test_encode_is_ascii_even_for_lone_surrogates() -> None:
-    msg = p.decode(
+    msg = codec.decode(
         b'{"type":"release","job_id":"%s","handoff_id":"%s","reason":"\\ud800 \xc3\xa9"}'
         % (str(JOB_ID).encode(), str(LEASE_ID).encode())
     )
     assert isinstance(msg, p.ReleaseReport) and msg.reason == "\ud800 é"
-    assert p.decode(p.encode(msg)) == msg
+    assert codec.decode(codec.encode(msg)) == msg
 
 
 # --------------------------------------------------------------------------- proofs
@@ -412,7 +413,7 @@ def test_job_request_from_spec_round_trips() -> None:
         max_recoveries=2,
         local_state=True,
     )
-    wire = p.decode(p.encode(p.Enqueue("r", [p.JobRequest.from_spec(spec)])))
+    wire = codec.decode(codec.encode(p.Enqueue("r", [p.JobRequest.from_spec(spec)])))
     assert isinstance(wire, p.Enqueue)
     assert wire.jobs[0].to_spec(NOW + timedelta(days=1)) == spec
 
@@ -424,7 +425,7 @@ def test_every_example_in_the_spec_decodes() -> None:
     """docs/protocol.md shows an example line per message; they must stay valid."""
     spec = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
     lines = [ln for ln in spec.read_text().splitlines() if ln.startswith('{"type":')]
-    seen = {type(p.decode(ln)).type for ln in lines}
+    seen = {type(codec.decode(ln)).type for ln in lines}
     assert seen == set(p.MESSAGE_TYPES)
 
 
@@ -432,7 +433,7 @@ def test_a_job_request_leaves_its_defaults_off_the_line() -> None:
     """Only what differs from the defaults is sent (a bulk enqueue's line is half as long),
     and the line reads back as the same request."""
     request = p.JobRequest(task="t", args=[1], priority=0)
-    encoded = p._ENCODER.encode(request)
+    encoded = codec._ENCODER.encode(request)
     assert encoded == b'{"task":"t","args":[1],"priority":0}'
     message = p.Enqueue(request_id="r1", jobs=[request])
-    assert p.decode(p.encode(message)) == message
+    assert codec.decode(codec.encode(message)) == message

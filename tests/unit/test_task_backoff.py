@@ -11,6 +11,7 @@ import pytest
 
 from broker.model.values import MAX_DELAY_SECONDS
 from broker.retry import ExponentialBackoff, FixedBackoff, backoff_seconds
+from broker.wire import codec
 from broker.wire import messages as protocol
 
 
@@ -45,11 +46,11 @@ def _failed(extra: str) -> bytes:
 
 
 def test_the_main_decodes_a_wait_in_range_and_refuses_one_outside() -> None:
-    plain = protocol.decode(_failed(""))
+    plain = codec.decode(_failed(""))
     assert isinstance(plain, protocol.FailedReport) and plain.retry_delay is None
-    waited = protocol.decode(_failed(f',"retry_delay":{MAX_DELAY_SECONDS}'))
+    waited = codec.decode(_failed(f',"retry_delay":{MAX_DELAY_SECONDS}'))
     assert isinstance(waited, protocol.FailedReport)
     assert waited.retry_delay == MAX_DELAY_SECONDS
     for bad in ("-1", "1e300", '"60"', "true"):
-        with pytest.raises(protocol.DecodeError, match="retry_delay"):
-            protocol.decode(_failed(f',"retry_delay":{bad}'))
+        with pytest.raises(codec.DecodeError, match="retry_delay"):
+            codec.decode(_failed(f',"retry_delay":{bad}'))

@@ -21,7 +21,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker.jobs import ExecutionMode
+from broker.jobs import ExecutionMode, JobStatus
+from broker.wire import codec
 from broker.wire import messages as p
 
 JOB_ID = uuid.UUID("0b5e6a4e-8a0c-4f5e-9b57-0d7f2c1e9a11")
@@ -53,9 +54,9 @@ def test_the_spec_shows_batches_exactly_as_encoded() -> None:
     ]
     assert {json.loads(line)["type"] for line in examples} == batch_types
     for line in examples:
-        msg = p.decode(line)
-        assert len(list(p.unbatch(msg))) > 1
-        assert p.encode(msg) == line.encode() + b"\n"
+        msg = codec.decode(line)
+        assert len(list(codec.unbatch(msg))) > 1
+        assert codec.encode(msg) == line.encode() + b"\n"
 
 
 def test_the_spec_names_the_current_version() -> None:
@@ -122,14 +123,14 @@ def test_the_spec_names_the_current_version() -> None:
     ],
 )
 def test_refused_by_the_rules_whichever_decoder_sees_it(line: str, fragment: str) -> None:
-    with pytest.raises(p.DecodeError, match=re.escape(fragment)) as info:
-        p.decode(line)
+    with pytest.raises(codec.DecodeError, match=re.escape(fragment)) as info:
+        codec.decode(line)
     assert info.value.code == p.ErrorCode.MALFORMED
 
 
 def test_a_bad_item_makes_the_whole_batch_refused_with_its_type() -> None:
-    with pytest.raises(p.DecodeError) as info:
-        p.decode('{"type":"report_acks","acks":[{"type":"report_ack"}]}')
+    with pytest.raises(codec.DecodeError) as info:
+        codec.decode('{"type":"report_acks","acks":[{"type":"report_ack"}]}')
     assert info.value.msg_type == "report_acks"
 
 
@@ -166,7 +167,7 @@ def test_a_bad_item_makes_the_whole_batch_refused_with_its_type() -> None:
     ],
 )
 def test_accepted_by_the_rules_though_msgspec_is_stricter(line: str, expected: p.Message) -> None:
-    assert p.decode(line) == expected
+    assert codec.decode(line) == expected
 
 
 # --------------------------------------------------------------------------- encoding
@@ -188,26 +189,26 @@ def test_encode_refuses_what_is_not_plain_json(result: object) -> None:
     """msgspec would write these (NaN as null, a set as a list, a datetime as a string):
     a result must fail loudly instead of being stored as something else."""
     with pytest.raises(ValueError, match="cannot encode completed"):
-        p.encode(p.CompletedReport(JOB_ID, LEASE_ID, result=result))
+        codec.encode(p.CompletedReport(JOB_ID, LEASE_ID, result=result))
 
 
 def test_encode_refuses_a_payload_that_contains_itself() -> None:
     loop: list[object] = []
     loop.append(loop)
     with pytest.raises(ValueError, match="cannot encode job"):
-        p.encode(_job(1, loop))
+        codec.encode(_job(1, loop))
 
 
 def test_encode_checks_payloads_inside_batches_and_requests() -> None:
     with pytest.raises(ValueError, match="cannot encode jobs"):
-        p.encode(p.Jobs([_job(1), _job(2, [float("nan")])]))
+        codec.encode(p.Jobs([_job(1), _job(2, [float("nan")])]))
     with pytest.raises(ValueError, match="cannot encode enqueue"):
-        p.encode(p.Enqueue("r", [p.JobRequest(task="t", kwargs={"x": {1}})]))
+        codec.encode(p.Enqueue("r", [p.JobRequest(task="t", kwargs={"x": {1}})]))
 
 
 def test_encode_keeps_json_that_python_json_would_write() -> None:
     payload = [("a", 1), {"k": [True, None, 1.5, -0.0]}, 2**80, "é\u2028"]
-    line = p.encode(p.CompletedReport(JOB_ID, LEASE_ID, result=payload))
+    line = codec.encode(p.CompletedReport(JOB_ID, LEASE_ID, result=payload))
     assert json.loads(line)["result"] == json.loads(json.dumps(payload))
 
 
@@ -215,25 +216,25 @@ def test_encode_keeps_json_that_python_json_would_write() -> None:
 
 
 def test_pack_sends_one_item_as_its_own_message() -> None:
-    (line,) = p.pack(p.Jobs, [p.encode_item(_job(1))], 1 << 20)
-    assert line == p.encode(_job(1))
+    (line,) = codec.pack(p.Jobs, [codec.encode_item(_job(1))], 1 << 20)
+    assert line == codec.encode(_job(1))
 
 
 def test_pack_joins_items_into_the_same_line_msgspec_would_write() -> None:
     jobs = [_job(n) for n in range(1, 6)]
-    (line,) = p.pack(p.Jobs, [p.encode_item(j) for j in jobs], 1 << 20)
-    assert line == p.encode(p.Jobs(jobs))
-    assert p.decode(line) == p.Jobs(jobs)
+    (line,) = codec.pack(p.Jobs, [codec.encode_item(j) for j in jobs], 1 << 20)
+    assert line == codec.encode(p.Jobs(jobs))
+    assert codec.decode(line) == p.Jobs(jobs)
 
 
 def test_pack_of_nothing_is_no_line() -> None:
-    assert p.pack(p.ReportAcks, [], 1000) == []
+    assert codec.pack(p.ReportAcks, [], 1000) == []
 
 
 def test_an_item_too_long_for_a_batch_goes_alone() -> None:
     acks = [p.ReportAck(JOB_ID, LEASE_ID, p.AckStatus.APPLIED)] * 3
-    items = [p.encode_item(a) for a in acks]
-    lines = p.pack(p.ReportAcks, items, len(items[0]) + 10)
+    items = [codec.encode_item(a) for a in acks]
+    lines = codec.pack(p.ReportAcks, items, len(items[0]) + 10)
     assert lines == [item + b"\n" for item in items]
 
 
@@ -246,9 +247,9 @@ def test_batches_keep_order_and_stay_under_the_cap(sizes: list[int], limit: int)
         p.ReleaseReport(uuid.UUID(int=n), LEASE_ID, reason="x" * size)
         for n, size in enumerate(sizes)
     ]
-    items = [p.encode_item(r) for r in reports]
-    lines = p.pack(p.Reports, items, limit)
-    received = [msg for line in lines for msg in p.unbatch(p.decode(line))]
+    items = [codec.encode_item(r) for r in reports]
+    lines = codec.pack(p.Reports, items, limit)
+    received = [msg for line in lines for msg in codec.unbatch(codec.decode(line))]
     assert received == reports
     for line in lines:
         body = line[:-1]
@@ -256,12 +257,12 @@ def test_batches_keep_order_and_stay_under_the_cap(sizes: list[int], limit: int)
         assert len(body) <= limit or body in items, "only a lone item may pass the cap"
     # As few lines as the cap allows: no two neighbours would have fitted in one.
     for first, second in itertools.pairwise(lines):
-        both = len(p.pack(p.Reports, [*_items(first), *_items(second)], limit))
+        both = len(codec.pack(p.Reports, [*_items(first), *_items(second)], limit))
         assert both > 1
 
 
 def _items(line: bytes) -> list[bytes]:
-    return [p.encode_item(msg) for msg in p.unbatch(p.decode(line))]
+    return [codec.encode_item(msg) for msg in codec.unbatch(codec.decode(line))]
 
 
 # --------------------------------------------------------------------------- versions
@@ -280,7 +281,7 @@ def test_the_newest_common_version_is_chosen() -> None:
 # --------------------------------------------------------------------------- differential
 
 _SAMPLE_LINES = [
-    p.encode(msg)
+    codec.encode(msg)
     for msg in [
         _job(3, ["a", {"b": [1.5, None]}]),
         p.Hello(
@@ -300,7 +301,7 @@ _SAMPLE_LINES = [
         ),
         p.ReportAcks([p.ReportAck(JOB_ID, LEASE_ID, p.AckStatus.STALE)]),
         p.Enqueue("r", [p.JobRequest(task="t", unique_key="k", priority=3, delay=1.0)]),
-        p.ListJobs(request_id="r", statuses=[p.JobStatus.FAILED], limit=5),
+        p.ListJobs(request_id="r", statuses=[JobStatus.FAILED], limit=5),
         p.Prune(request_id="r", older_than_seconds=10.0),
     ]
 ]
@@ -393,11 +394,11 @@ def test_the_fast_decoder_never_accepts_what_the_rules_refuse(line: bytes) -> No
     accepted = 0
     for mutated in _mutations(line):
         try:
-            fast = p._DECODER.decode(mutated)
+            fast = codec._DECODER.decode(mutated)
         except msgspec.DecodeError:
             continue  # refused: the walker decides, and test_protocol pins what it says
         accepted += 1
-        assert p._explain(mutated) == fast, mutated
+        assert codec._explain(mutated) == fast, mutated
     assert accepted, "some mutations are still valid messages"
 
 
@@ -421,7 +422,7 @@ def test_a_payload_arrives_as_python_json_would_have_written_it(value: object) -
     """The same JSON value as ``json.dumps`` gives, through encode and decode, whatever
     the payload holds (tuples, integers past 64 bits, lone surrogates in text)."""
     msg = p.CompletedReport(JOB_ID, LEASE_ID, result=value)
-    received = p.decode(p.encode(msg))
+    received = codec.decode(codec.encode(msg))
     assert isinstance(received, p.CompletedReport)
     assert _same(received.result, json.loads(json.dumps(value)))
 

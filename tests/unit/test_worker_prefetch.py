@@ -15,11 +15,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from broker.core.admission import Credits
-from broker.core.worker_state import AdaptiveWindow, LeaseKey, StartRun, WorkerEffect, WorkerState
+from broker.core.window import AdaptiveWindow
+from broker.core.worker_effects import StartRun, WorkerEffect
+from broker.core.worker_state import WorkerState
 from broker.exceptions import ConfigurationError, ProtocolError
 from broker.jobs import ExecutionMode
 from broker.ops import cli
-from broker.tasks.runner import Completed
+from broker.tasks.runner import Completed, LeaseKey
 from broker.wire import messages as protocol
 from broker.worker.worker import Worker
 from runners.inline import InlineRunner

@@ -13,20 +13,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from broker.core.worker_state import (
+from broker.core.worker_effects import (
     Drain,
-    LeaseKey,
     StartRun,
     StopFast,
     StopRun,
     WakeSender,
     WorkerEffect,
-    WorkerState,
 )
+from broker.core.worker_state import WorkerState
 from broker.exceptions import ProtocolError, TaskNotFoundError
 from broker.jobs import ExecutionMode
 from broker.model.bounds import RUNNER_START_FAILURES_FORGIVEN, RUNNER_START_FAILURES_TRACKED
-from broker.tasks.runner import Completed, Failed, Released, Rescheduled, RunOutcome
+from broker.tasks.runner import Completed, Failed, LeaseKey, Released, Rescheduled, RunOutcome
 from broker.wire import messages as protocol
 from tests.unit.conftest import PROFILE
 
