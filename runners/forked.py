@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 
 from broker.jobs import ExecutionMode
 from broker.model import checks
-from broker.model.bounds import RUNNER_STARTUP_TIMEOUT
 from broker.tasks.registry import TaskRegistry, default_registry
 from broker.tasks.runner import Assignment, JobChannel, NoChannel, RunnerStatus, RunOutcome
+from broker.tasks.runner_options import RunnerOptions
 from runners.process import (
     ChildProcess,
     StartupGuard,
@@ -32,10 +32,10 @@ class ForkedRunner:
         apps: Sequence[str],
         *,
         registry: TaskRegistry | None = None,
-        concurrency: int = 2,
-        default_timeout: float | None = None,
-        kill_grace: float = 5.0,
-        startup_timeout: float = RUNNER_STARTUP_TIMEOUT,
+        concurrency: int = RunnerOptions.forked_concurrency,
+        default_timeout: float | None = RunnerOptions.default_timeout,
+        kill_grace: float = RunnerOptions.kill_grace,
+        startup_timeout: float = RunnerOptions.startup_timeout,
         respawn_max_delay: float = 30.0,
     ) -> None:
         self._apps = list(apps)

@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 
 from broker.jobs import ExecutionMode
 from broker.model import checks
-from broker.model.bounds import RUNNER_STARTUP_TIMEOUT
 from broker.model.logs import log_event
 from broker.tasks.registry import TaskRegistry, default_registry
 from broker.tasks.runner import (
@@ -37,6 +36,7 @@ from broker.tasks.runner import (
     RunnerStatus,
     RunOutcome,
 )
+from broker.tasks.runner_options import RunnerOptions
 from runners import pipe
 from runners.process import (
     ChildProcess,
@@ -66,13 +66,13 @@ class PooledRunner:
         *,
         registry: TaskRegistry | None = None,
         count: int | None = None,
-        concurrency: int = 1,
-        max_jobs: int | None = None,
-        max_rss_bytes: int = 512 << 20,
-        max_lifetime: float = 3600.0,
-        default_timeout: float | None = None,
-        kill_grace: float = 5.0,
-        startup_timeout: float = RUNNER_STARTUP_TIMEOUT,
+        concurrency: int = RunnerOptions.pooled_runner_concurrency,
+        max_jobs: int | None = RunnerOptions.pooled_max_jobs,
+        max_rss_bytes: int = RunnerOptions.pooled_max_rss_bytes,
+        max_lifetime: float = RunnerOptions.pooled_max_lifetime,
+        default_timeout: float | None = RunnerOptions.default_timeout,
+        kill_grace: float = RunnerOptions.kill_grace,
+        startup_timeout: float = RunnerOptions.startup_timeout,
         ping_interval: float = 5.0,
         respawn_max_delay: float = 30.0,
     ) -> None:
