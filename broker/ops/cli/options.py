@@ -94,13 +94,8 @@ def _from_environment(variable: str, text: str, kind: Callable[[str], Any] | Non
         return text
     try:
         return kind(text)
-    except argparse.ArgumentTypeError as exc:
+    except argparse.ArgumentTypeError as exc:  # every type here says what it expected
         return _BadEnvironment(variable, text, str(exc))
-    except (TypeError, ValueError):
-        name = getattr(kind, "__name__", "value")
-        return _BadEnvironment(
-            variable, text, f"expected {'a whole number' if kind is int else 'a ' + name}"
-        )
 
 
 def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
@@ -156,10 +151,7 @@ def typed(
 
 def duration(text: str) -> float:
     """Seconds, as ``90``, ``30s``, ``15m``, ``12h`` or ``7d`` (an argparse ``type``)."""
-    try:
-        return seconds(text)
-    except ConfigurationError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return typed(seconds, None, "duration")(text)
 
 
 def count(name: str) -> Callable[[str], int]:
@@ -172,12 +164,10 @@ def positive(kind: Callable[[str], _S], name: str) -> Callable[[str], _S]:
     return typed(kind, checks.positive, name)
 
 
-def add_rows(
-    parser: argparse.ArgumentParser, table: type, *, leave_out: Sequence[str] = ()
-) -> None:
-    """A flag for each row of ``table`` that has help, unless its field is in ``leave_out``."""
+def add_rows(parser: argparse.ArgumentParser, table: type) -> None:
+    """A flag for each row of ``table`` that has help (the others have no flag)."""
     for field, row in rows(table):
-        if row.help is None or field.name in leave_out:
+        if row.help is None:
             continue
         flag = flag_of(field, row)
         if row.parse is bool:
@@ -201,7 +191,7 @@ def _row_type(name: str, row: Setting) -> Callable[[str], Any] | None:
     return typed(row.parse, row.check, name)
 
 
-def dest_of(field: dataclasses.Field[Any], row: Setting) -> str:
+def _dest(field: dataclasses.Field[Any], row: Setting) -> str:
     return flag_of(field, row).removeprefix("--").replace("-", "_")
 
 
@@ -209,7 +199,7 @@ def from_args(table: type[_S], args: argparse.Namespace, **given: Any) -> _S:
     """The settings ``table`` made from the flags of its rows, and ``given`` (the fields
     that have no flag, or one whose value is derived)."""
     values = {
-        field.name: getattr(args, dest_of(field, row))
+        field.name: getattr(args, _dest(field, row))
         for field, row in rows(table)
         if row.help is not None
     }
