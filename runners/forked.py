@@ -16,7 +16,14 @@ from broker.model import checks
 from broker.tasks.registry import TaskRegistry
 from broker.tasks.runner import Assignment, RunnerStatus, RunOutcome
 from broker.tasks.runner_options import RunnerOptions
-from runners.process import ChildProcess, ChildRunner, StartupGuard, run_on_child, timeout_for
+from runners.process import (
+    RESPAWN_MAX_DELAY,
+    ChildProcess,
+    ChildRunner,
+    StartupGuard,
+    run_on_child,
+    timeout_for,
+)
 
 
 class ForkedRunner(ChildRunner):
@@ -29,7 +36,7 @@ class ForkedRunner(ChildRunner):
         default_timeout: float | None = RunnerOptions.default_timeout,
         kill_grace: float = RunnerOptions.kill_grace,
         startup_timeout: float = RunnerOptions.startup_timeout,
-        respawn_max_delay: float = 30.0,
+        respawn_max_delay: float = RESPAWN_MAX_DELAY,
     ) -> None:
         self._concurrency = checks.positive_int("forked concurrency", concurrency)
         super().__init__(

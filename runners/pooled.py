@@ -36,6 +36,7 @@ from broker.tasks.runner import (
 from broker.tasks.runner_options import RunnerOptions
 from runners import pipe
 from runners.process import (
+    RESPAWN_MAX_DELAY,
     ChildProcess,
     ChildRunner,
     StartupGuard,
@@ -71,7 +72,7 @@ class PooledRunner(ChildRunner):
         kill_grace: float = RunnerOptions.kill_grace,
         startup_timeout: float = RunnerOptions.startup_timeout,
         ping_interval: float = 5.0,
-        respawn_max_delay: float = 30.0,
+        respawn_max_delay: float = RESPAWN_MAX_DELAY,
     ) -> None:
         self._count = checks.positive_int("pooled runner count", count or os.cpu_count() or 1)
         self._concurrency = checks.positive_int("pooled runner concurrency", concurrency)

@@ -617,6 +617,11 @@ async def cancel_on(children: Sequence[ChildProcess], job_id: uuid.UUID, grace: 
     return False
 
 
+RESPAWN_MAX_DELAY = 30.0
+"""The longest wait between probes of a runner whose processes cannot start (the wait
+doubles from half a second up to this)."""
+
+
 class StartupGuard:
     """Keeps a runner whose processes cannot start from driving a crash loop.
 
@@ -631,7 +636,7 @@ class StartupGuard:
         on_change: Callable[[], None],
         *,
         first_delay: float = 0.5,
-        max_delay: float = 30.0,
+        max_delay: float = RESPAWN_MAX_DELAY,
     ) -> None:
         self.error: str | None = None
         self._spawn_probe = spawn_probe
