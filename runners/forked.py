@@ -9,48 +9,39 @@ follow the same rules as the pooled runner.
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from broker.jobs import ExecutionMode
 from broker.model import checks
-from broker.model.bounds import RUNNER_STARTUP_TIMEOUT
-from broker.tasks.registry import TaskRegistry, default_registry
-from broker.tasks.runner import Assignment, JobChannel, NoChannel, RunnerStatus, RunOutcome
+from broker.tasks.registry import TaskRegistry
+from broker.tasks.runner import Assignment, RunnerStatus, RunOutcome
+from broker.tasks.runner_options import RunnerOptions
 from runners.process import (
+    RESPAWN_MAX_DELAY,
     ChildProcess,
+    ChildRunner,
     StartupGuard,
-    cancel_on,
     run_on_child,
     timeout_for,
 )
 
 
-class ForkedRunner:
+class ForkedRunner(ChildRunner):
     def __init__(
         self,
         apps: Sequence[str],
         *,
         registry: TaskRegistry | None = None,
-        concurrency: int = 2,
-        default_timeout: float | None = None,
-        kill_grace: float = 5.0,
-        startup_timeout: float = RUNNER_STARTUP_TIMEOUT,
-        respawn_max_delay: float = 30.0,
+        concurrency: int = RunnerOptions.forked_concurrency,
+        default_timeout: float | None = RunnerOptions.default_timeout,
+        kill_grace: float = RunnerOptions.kill_grace,
+        startup_timeout: float = RunnerOptions.startup_timeout,
+        respawn_max_delay: float = RESPAWN_MAX_DELAY,
     ) -> None:
-        self._apps = list(apps)
-        self._registry = default_registry if registry is None else registry
         self._concurrency = checks.positive_int("forked concurrency", concurrency)
-        self._default_timeout = checks.optional(checks.positive, "job timeout", default_timeout)
-        self._kill_grace = checks.positive("kill grace", kill_grace)
-        self._startup_timeout = checks.positive("runner start-up timeout", startup_timeout)
-        self._respawn_max_delay = checks.positive("respawn delay cap", respawn_max_delay)
-        self._children: list[ChildProcess] = []
-        self._channel: JobChannel = NoChannel()
-        self._listener: Callable[[], None] = lambda: None
-        self._guard: StartupGuard | None = None
-        self._background: set[asyncio.Task[None]] = set()
-        self._stopping = False
+        super().__init__(
+            apps, registry, default_timeout, kill_grace, startup_timeout, respawn_max_delay
+        )
         self._starts = 0
         """Children started, for the worker's metrics (``broker_worker_child_starts``)."""
 
@@ -62,12 +53,6 @@ class ForkedRunner:
         if self._stopping or (self._guard is not None and self._guard.failing):
             return 0
         return self._concurrency - len(self._children)
-
-    def set_capacity_listener(self, listener: Callable[[], None]) -> None:
-        self._listener = listener
-
-    def set_job_channel(self, channel: JobChannel) -> None:
-        self._channel = channel
 
     async def start(self) -> None:
         self._stopping = False
@@ -130,17 +115,8 @@ class ForkedRunner:
         await child.closed()
         return result
 
-    async def cancel(self, job_id: uuid.UUID) -> bool:
-        return await cancel_on(self._children, job_id, self._kill_grace)
-
     async def stop(self, *, grace: float) -> None:
-        self._stopping = True
-        if self._guard is not None:
-            self._guard.cancel()
-        busy = [f for c in self._children for f in c.inflight.values()]
-        if busy and grace > 0:
-            await asyncio.wait(busy, timeout=grace)
-        await asyncio.gather(*(c.terminate(self._kill_grace) for c in list(self._children)))
+        await self._stop_children(grace, retire=False)
 
     def status(self) -> RunnerStatus:
         return RunnerStatus(

@@ -45,6 +45,7 @@ from broker.tasks.runner import (
     RunnerStatus,
     RunOutcome,
 )
+from broker.tasks.runner_options import RunnerOptions
 
 MAX_ERROR_CHARS = 8 * 1024
 """Bound on a failure's text: it travels in one protocol line and is stored per job."""
@@ -134,7 +135,7 @@ class InlineRunner:
     def __init__(
         self,
         registry: TaskRegistry | None = None,
-        concurrency: int = 4,
+        concurrency: int = RunnerOptions.inline_concurrency,
         default_timeout: float | None = None,
         *,
         enforce_timeouts: bool = True,

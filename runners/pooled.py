@@ -22,26 +22,24 @@ import asyncio
 import logging
 import os
 import time
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from broker.jobs import ExecutionMode
 from broker.model import checks
-from broker.model.bounds import RUNNER_STARTUP_TIMEOUT
 from broker.model.logs import log_event
-from broker.tasks.registry import TaskRegistry, default_registry
+from broker.tasks.registry import TaskRegistry
 from broker.tasks.runner import (
     Assignment,
-    JobChannel,
-    NoChannel,
     RunnerStatus,
     RunOutcome,
 )
+from broker.tasks.runner_options import RunnerOptions
 from runners import pipe
 from runners.process import (
+    RESPAWN_MAX_DELAY,
     ChildProcess,
+    ChildRunner,
     StartupGuard,
-    cancel_on,
     run_on_child,
     timeout_for,
 )
@@ -59,25 +57,23 @@ async def _warm(child: ChildProcess) -> None:
         await child.closed()
 
 
-class PooledRunner:
+class PooledRunner(ChildRunner):
     def __init__(
         self,
         apps: Sequence[str],
         *,
         registry: TaskRegistry | None = None,
         count: int | None = None,
-        concurrency: int = 1,
-        max_jobs: int | None = None,
-        max_rss_bytes: int = 512 << 20,
-        max_lifetime: float = 3600.0,
-        default_timeout: float | None = None,
-        kill_grace: float = 5.0,
-        startup_timeout: float = RUNNER_STARTUP_TIMEOUT,
+        concurrency: int = RunnerOptions.pooled_runner_concurrency,
+        max_jobs: int | None = RunnerOptions.pooled_max_jobs,
+        max_rss_bytes: int = RunnerOptions.pooled_max_rss_bytes,
+        max_lifetime: float = RunnerOptions.pooled_max_lifetime,
+        default_timeout: float | None = RunnerOptions.default_timeout,
+        kill_grace: float = RunnerOptions.kill_grace,
+        startup_timeout: float = RunnerOptions.startup_timeout,
         ping_interval: float = 5.0,
-        respawn_max_delay: float = 30.0,
+        respawn_max_delay: float = RESPAWN_MAX_DELAY,
     ) -> None:
-        self._apps = list(apps)
-        self._registry = default_registry if registry is None else registry
         self._count = checks.positive_int("pooled runner count", count or os.cpu_count() or 1)
         self._concurrency = checks.positive_int("pooled runner concurrency", concurrency)
         self._max_jobs = checks.optional(
@@ -85,21 +81,14 @@ class PooledRunner:
         )
         self._max_rss = checks.positive_int("max RSS bytes per pooled runner", max_rss_bytes)
         self._max_lifetime = checks.positive("max pooled runner lifetime", max_lifetime)
-        self._default_timeout = checks.optional(checks.positive, "job timeout", default_timeout)
-        self._kill_grace = checks.positive("kill grace", kill_grace)
-        self._startup_timeout = checks.positive("runner start-up timeout", startup_timeout)
         self._ping_interval = checks.positive("runner ping interval", ping_interval)
-        self._respawn_max_delay = checks.positive("respawn delay cap", respawn_max_delay)
-        self._children: list[ChildProcess] = []
-        self._channel: JobChannel = NoChannel()
+        super().__init__(
+            apps, registry, default_timeout, kill_grace, startup_timeout, respawn_max_delay
+        )
         self._successors: dict[ChildProcess, ChildProcess] = {}
         """Children still starting to take the place of another (successor: predecessor);
         they take no job until they are ready and have taken that place."""
-        self._listener: Callable[[], None] = lambda: None
-        self._guard: StartupGuard | None = None
         self._pinger: asyncio.Task[None] | None = None
-        self._background: set[asyncio.Task[None]] = set()
-        self._stopping = False
         self._counts = {"child_starts": 0, "child_crashes": 0, "child_recycles": 0}
         """Counted for the worker's metrics (``broker_worker_child_*``)."""
 
@@ -135,12 +124,6 @@ class PooledRunner:
         # A retiring child still finishing jobs counts against capacity, so its
         # replacement cannot push the pool past count x concurrency meanwhile.
         return max(0, min(room, self.capacity - busy))
-
-    def set_capacity_listener(self, listener: Callable[[], None]) -> None:
-        self._listener = listener
-
-    def set_job_channel(self, channel: JobChannel) -> None:
-        self._channel = channel
 
     async def start(self) -> None:
         """Start the children and return once each has said ready or failed to start
@@ -322,22 +305,10 @@ class PooledRunner:
                 else:
                     child.send(pipe.PingLine(nonce))
 
-    async def cancel(self, job_id: uuid.UUID) -> bool:
-        return await cancel_on(self._children, job_id, self._kill_grace)
-
     async def stop(self, *, grace: float) -> None:
-        self._stopping = True
-        if self._guard is not None:
-            self._guard.cancel()
         if self._pinger is not None:
             self._pinger.cancel()
-        busy = [f for c in self._children for f in c.inflight.values()]
-        if busy and grace > 0:
-            await asyncio.wait(busy, timeout=grace)
-        children = list(self._children)
-        for child in children:
-            child.retire()
-        await asyncio.gather(*(c.terminate(self._kill_grace) for c in children))
+        await self._stop_children(grace, retire=True)
 
     def status(self) -> RunnerStatus:
         serving = self._serving()

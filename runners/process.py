@@ -22,9 +22,10 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from broker.model import checks
 from broker.model.logs import log_event
 from broker.model.untrusted import RateLimit
-from broker.tasks.registry import TaskRegistry
+from broker.tasks.registry import TaskRegistry, default_registry
 from broker.tasks.runner import Assignment, Failed, JobChannel, NoChannel, Released, RunOutcome
 from runners import pipe
 
@@ -616,6 +617,11 @@ async def cancel_on(children: Sequence[ChildProcess], job_id: uuid.UUID, grace: 
     return False
 
 
+RESPAWN_MAX_DELAY = 30.0
+"""The longest wait between probes of a runner whose processes cannot start (the wait
+doubles from half a second up to this)."""
+
+
 class StartupGuard:
     """Keeps a runner whose processes cannot start from driving a crash loop.
 
@@ -630,7 +636,7 @@ class StartupGuard:
         on_change: Callable[[], None],
         *,
         first_delay: float = 0.5,
-        max_delay: float = 30.0,
+        max_delay: float = RESPAWN_MAX_DELAY,
     ) -> None:
         self.error: str | None = None
         self._spawn_probe = spawn_probe
@@ -671,3 +677,56 @@ class StartupGuard:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+class ChildRunner:
+    """What the pooled and forked runners share: the apps their children import, the
+    limits every child is held to (a job's timeout, the start-up, the grace between
+    SIGTERM and SIGKILL), the start-up guard, and how a job is cancelled and the children
+    are stopped. Each subclass says how many children it keeps and what a job runs on."""
+
+    def __init__(
+        self,
+        apps: Sequence[str],
+        registry: TaskRegistry | None,
+        default_timeout: float | None,
+        kill_grace: float,
+        startup_timeout: float,
+        respawn_max_delay: float,
+    ) -> None:
+        self._apps = list(apps)
+        self._registry = default_registry if registry is None else registry
+        self._default_timeout = checks.optional(checks.positive, "job timeout", default_timeout)
+        self._kill_grace = checks.positive("kill grace", kill_grace)
+        self._startup_timeout = checks.positive("runner start-up timeout", startup_timeout)
+        self._respawn_max_delay = checks.positive("respawn delay cap", respawn_max_delay)
+        self._children: list[ChildProcess] = []
+        self._channel: JobChannel = NoChannel()
+        self._listener: Callable[[], None] = lambda: None
+        self._guard: StartupGuard | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._stopping = False
+
+    def set_capacity_listener(self, listener: Callable[[], None]) -> None:
+        self._listener = listener
+
+    def set_job_channel(self, channel: JobChannel) -> None:
+        self._channel = channel
+
+    async def cancel(self, job_id: uuid.UUID) -> bool:
+        return await cancel_on(self._children, job_id, self._kill_grace)
+
+    async def _stop_children(self, grace: float, *, retire: bool) -> None:
+        """Give running jobs ``grace`` seconds, then end every child (``retire``: let an
+        idle one close its job channel first, as a pooled child's checkpoints need)."""
+        self._stopping = True
+        if self._guard is not None:
+            self._guard.cancel()
+        busy = [f for c in self._children for f in c.inflight.values()]
+        if busy and grace > 0:
+            await asyncio.wait(busy, timeout=grace)
+        children = list(self._children)
+        if retire:
+            for child in children:
+                child.retire()
+        await asyncio.gather(*(c.terminate(self._kill_grace) for c in children))

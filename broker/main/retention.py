@@ -27,6 +27,7 @@ from broker.jobs import Clock, JobStatus, utcnow
 from broker.main.loops import retrying
 from broker.model import checks
 from broker.model.logs import log_event
+from broker.model.setting import age, check_rows, setting
 from broker.storage import StorageAdapter
 
 logger = logging.getLogger("broker.retention")
@@ -37,25 +38,53 @@ DEAD = frozenset({JobStatus.FAILED})
 
 @dataclass(frozen=True, slots=True)
 class Retention:
-    """How long finished jobs are kept. ``None`` for a TTL keeps that class forever."""
+    """How long finished jobs are kept. ``None`` for a TTL keeps that class forever.
 
-    completed_ttl: timedelta | None = timedelta(days=7)
+    Each field's default, flag and rule are written here once (:mod:`broker.model.setting`);
+    ``broker-main``'s ``--retention-*`` flags are built from them."""
+
+    completed_ttl: timedelta | None = setting(
+        timedelta(days=7),
+        flag="--retention-completed",
+        parse=age,
+        check=checks.positive_duration,
+        metavar="DURATION",
+        help="delete completed and cancelled jobs this long after they finished "
+        "(seconds, or 30s, 15m, 12h, 7d; 0: keep forever)",
+    )
     """Age after which ``completed`` and ``cancelled`` jobs are deleted."""
-    dead_ttl: timedelta | None = timedelta(days=30)
+    dead_ttl: timedelta | None = setting(
+        timedelta(days=30),
+        flag="--retention-dead",
+        parse=age,
+        check=checks.positive_duration,
+        metavar="DURATION",
+        help="delete failed (dead) jobs this long after they died (0: keep forever)",
+    )
     """Age after which ``failed`` (dead) jobs are deleted."""
-    max_terminal_rows: int | None = None
+    max_terminal_rows: int | None = setting(
+        None,
+        flag="--retention-max-rows",
+        parse=int,
+        check=checks.positive_int,
+        metavar="N",
+        help="keep at most the newest N finished jobs, whatever their age (default: no cap)",
+    )
     """Keep at most this many finished jobs of any status (the newest); ``None``: no cap."""
-    interval: float = 60.0
+    interval: float = setting(
+        60.0,
+        flag="--retention-interval",
+        parse=float,
+        check=checks.positive,
+        metavar="SECONDS",
+        help="seconds between retention passes",
+    )
     """Seconds between passes."""
-    batch_size: int = 1000
+    batch_size: int = setting(1000, check=checks.positive_int)
     """Rows deleted per transaction."""
 
     def __post_init__(self) -> None:
-        checks.optional(checks.positive_duration, "completed_ttl", self.completed_ttl)
-        checks.optional(checks.positive_duration, "dead_ttl", self.dead_ttl)
-        checks.optional(checks.non_negative_int, "max_terminal_rows", self.max_terminal_rows)
-        checks.positive("interval", self.interval)
-        checks.positive_int("batch_size", self.batch_size)
+        check_rows(self)
 
 
 async def prune_once(

@@ -8,9 +8,7 @@ into the ``adapters`` and ``runners`` packages.
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import cast
 
 import adapters
@@ -18,12 +16,11 @@ from adapters import DEFAULT_HOT_POOL_SIZE as DEFAULT_HOT_POOL_SIZE
 from adapters import DEFAULT_POOL_SIZE as DEFAULT_POOL_SIZE
 from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode
-from broker.model import checks
-from broker.model.bounds import RUNNER_STARTUP_TIMEOUT
 from broker.payload import DEFAULT_OFFLOAD_BYTES
 from broker.storage import StorageAdapter, contract_gaps
 from broker.tasks.registry import TaskRegistry
 from broker.tasks.runner import Runner
+from broker.tasks.runner_options import RunnerOptions as RunnerOptions
 from runners.forked import ForkedRunner
 from runners.inline import InlineRunner
 from runners.pooled import PooledRunner
@@ -75,28 +72,6 @@ def open_store(
             f"storage contract; it lacks: {', '.join(gaps)} (see docs/adapters.md)"
         )
     return cast(StorageAdapter, store)
-
-
-@dataclass(frozen=True)
-class RunnerOptions:
-    """What a worker runs and how; zero for a mode's count turns that mode off."""
-
-    apps: tuple[str, ...] = ()
-    inline_concurrency: int = 4
-    pooled_runner_count: int = field(default_factory=lambda: os.cpu_count() or 1)
-    pooled_runner_concurrency: int = 1
-    pooled_max_jobs: int | None = None
-    pooled_max_rss_bytes: int = 512 << 20
-    pooled_max_lifetime: float = 3600.0
-    forked_concurrency: int = 2
-    default_timeout: float | None = None
-    kill_grace: float = 5.0
-    startup_timeout: float = RUNNER_STARTUP_TIMEOUT
-
-    def validate(self) -> None:
-        for name in ("inline_concurrency", "pooled_runner_count", "forked_concurrency"):
-            checks.non_negative_int(name.replace("_", " "), getattr(self, name))
-        checks.optional(checks.positive, "the default job timeout", self.default_timeout)
 
 
 def build_runners(options: RunnerOptions, registry: TaskRegistry) -> dict[ExecutionMode, Runner]:

@@ -58,7 +58,6 @@ from broker.core.worker_effects import (
 from broker.core.worker_state import WorkerState
 from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode, JSONValue
-from broker.model import checks
 from broker.model.bounds import MAX_WORKER_STATUS_BYTES
 from broker.tasks.registry import TaskRegistry, default_registry
 from broker.tasks.runner import Assignment, Failed, LeaseKey, Runner, RunOutcome
@@ -70,6 +69,7 @@ from broker.wire.addresses import MainAddresses
 from broker.wire.tls import PeerTLS
 from broker.worker.link import TCP, Endpoint, Link, Network
 from broker.worker.link import Connection as _Connection
+from broker.worker.settings import PREFETCH_MAX_PER_SLOT, PREFETCH_PER_SLOT, WorkerSettings
 from broker.worker.slots import FreeSlots
 
 FLUSH_TIMEOUT = 10.0
@@ -80,28 +80,6 @@ FAST_FLUSH_TIMEOUT = 2.0
 
 CANCEL_WAIT = 5.0
 """How long to wait for cancelled jobs to come back with an outcome before exiting."""
-
-
-PREFETCH_PER_SLOT = 2
-"""Unless told otherwise, a worker's window for a mode starts at two jobs per slot and
-grows with the jobs' pace (:class:`~broker.core.window.AdaptiveWindow`) up to
-:data:`PREFETCH_MAX_PER_SLOT` per slot. The window has to cover what a slot waits for its
-next job (a ``ready``, a claim committed on the store, the job's trip back), during which
-a slot can finish many short jobs. Draining 10,000 no-op jobs through 2 pooled children x
-10 on PostgreSQL (one run each, the machine nearly quiet): a window of 1, 2,407 jobs/s;
-one per slot (20), 3,187 to 3,355; two per slot (40), 4,173; five per slot (100), 4,711.
-A window costs fairness (a prefetched job waits behind this worker's long jobs while
-another worker may idle), so it grows only for jobs short enough to need it (see
-:data:`~broker.core.window.PREFETCH_REFILL`); ``--prefetch N`` fixes it at N (0: none,
-for long jobs)."""
-
-PREFETCH_MAX_PER_SLOT = 8
-"""The most an adaptive window grows to, per slot (reached by jobs of 2.5 ms or less).
-Draining 5,000 no-op jobs through 2 pooled children x 10 on PostgreSQL, alternated runs:
-five per slot against two, 4,719 -> 5,557 jobs/s (four pairs, the machine busy with a
-test suite); eight against five, 8,423 -> 9,082 (four pairs, quiet), and the main's and
-the store's CPU per job fell with the larger batches; twelve against eight, no difference
-beyond the run-to-run spread (four pairs)."""
 
 
 def _default_window(slots: int) -> AdaptiveWindow:
@@ -145,20 +123,22 @@ class Worker:
         runners: Mapping[ExecutionMode, Runner],
         registry: TaskRegistry | None = None,
         token: str | None = None,
-        queues: Sequence[str] | None = None,
-        ping_interval: float = 5.0,
-        liveness_timeout: float = 15.0,
-        reconnect_max_delay: float = 10.0,
-        drain_timeout: float | None = None,
+        queues: Sequence[str] | None = WorkerSettings.queues,
+        ping_interval: float = WorkerSettings.ping_interval,
+        liveness_timeout: float = WorkerSettings.liveness_timeout,
+        reconnect_max_delay: float = WorkerSettings.reconnect_max_delay,
+        drain_timeout: float | None = WorkerSettings.drain_timeout,
         logger: logging.Logger | None = None,
-        prefetch: int | None = None,
+        prefetch: int | None = WorkerSettings.prefetch,
         tls: PeerTLS | ssl.SSLContext | None = None,
         local_state_lost: bool = False,
     ) -> None:
         """``local_state_lost``: this process starts without the local state an earlier
         one with the same ``worker_id`` left (its state directory is new), so the main
         stops holding recoveries for it; said in the first hello only, since a reconnect
-        of the same process still has whatever it built since."""
+        of the same process still has whatever it built since. The tunables' defaults and
+        rules are :class:`~broker.worker.settings.WorkerSettings`' (``broker-worker``
+        passes its settings as ``**settings.keywords()``)."""
         if not worker_id:
             raise ConfigurationError("worker_id must be a non-empty string")
         if not runners:
@@ -166,16 +146,14 @@ class Worker:
         for mode, runner in runners.items():
             if runner.mode != mode:
                 raise ConfigurationError(f"the runner for {mode} jobs serves {runner.mode}")
-        if queues is not None and (not queues or not all(queues)):
-            raise ConfigurationError("queues must name at least one queue (None serves all)")
-        checks.positive("ping_interval", ping_interval)
-        checks.positive("liveness_timeout", liveness_timeout)
-        checks.require(
-            liveness_timeout > ping_interval, "liveness_timeout must be longer than ping_interval"
-        )
-        checks.positive("reconnect_max_delay", reconnect_max_delay)
-        checks.optional(checks.non_negative, "drain_timeout", drain_timeout)
-        checks.optional(checks.non_negative_int, "prefetch", prefetch)
+        WorkerSettings(
+            queues=queues,
+            ping_interval=ping_interval,
+            liveness_timeout=liveness_timeout,
+            reconnect_max_delay=reconnect_max_delay,
+            drain_timeout=drain_timeout,
+            prefetch=prefetch,
+        ).validate()
         self.worker_id = worker_id
         self._mains = MainAddresses(main_host, main_port)
         """Every main given; a standby's ``not_leader`` names the one to try next."""

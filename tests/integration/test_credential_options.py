@@ -59,4 +59,4 @@ def test_a_missing_certificate_file_is_named(
 def test_the_operator_command_says_hello_as_the_role_its_secrets_allow(
     credentials: Credentials, role: Role, secret: str | None
 ) -> None:
-    assert cli._operator_credential(credentials) == (role, secret)
+    assert cli.operator_credential(credentials) == (role, secret)

@@ -173,14 +173,14 @@ async def test_the_main_runs_retention_unless_told_not_to() -> None:
 
 def test_cli_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     args = cli.main_parser().parse_args([])
-    assert args.retention_completed == 7 * DAY and args.retention_dead == 30 * DAY
+    assert args.retention_completed == timedelta(days=7)
+    assert args.retention_dead == timedelta(days=30)
     assert args.retention_max_rows is None and args.retention_interval == 60
     monkeypatch.setenv("BROKER_RETENTION_COMPLETED", "3600")
     monkeypatch.setenv("BROKER_RETENTION_MAX_ROWS", "100000")
     args = cli.main_parser().parse_args(["--retention-dead", "0", "--retention-interval", "5"])
-    assert args.retention_completed == 3600 and args.retention_max_rows == 100000
-    assert cli._ttl(args.retention_dead) is None, "0 keeps dead jobs forever"
-    assert cli._ttl(args.retention_completed) == timedelta(hours=1)
+    assert args.retention_completed == timedelta(hours=1) and args.retention_max_rows == 100000
+    assert args.retention_dead is None, "0 keeps dead jobs forever"
     assert args.retention_interval == 5
     text = cli.main_parser().format_help()
     for var in ("COMPLETED", "DEAD", "MAX_ROWS", "INTERVAL"):

@@ -1,0 +1,35 @@
+"""Command-line entry points: ``broker-main``, ``broker-worker`` and ``broker``.
+
+Every option can also come from a ``BROKER_*`` environment variable, named in
+``--help``; the flags of a process's settings are built from its settings table
+(:mod:`broker.ops.cli.options`). The ``*_entry`` functions only parse and run; they return
+an exit code so tests can call them in-process.
+
+``options`` holds the one mechanism for flags and variables, ``main``, ``worker`` and
+``broker`` one parser each, and ``run`` what a parsed command runs.
+"""
+
+from __future__ import annotations
+
+from broker.ops.cli.broker import broker_entry, broker_parser, operator_credential, run_broker
+from broker.ops.cli.main import DEFAULT_DATABASE_URL, main_entry, main_parser
+from broker.ops.cli.options import parse
+from broker.ops.cli.run import load_apps, run_main, run_worker, use_app_directory
+from broker.ops.cli.worker import worker_entry, worker_parser
+
+__all__ = [
+    "DEFAULT_DATABASE_URL",
+    "broker_entry",
+    "broker_parser",
+    "load_apps",
+    "main_entry",
+    "main_parser",
+    "operator_credential",
+    "parse",
+    "run_broker",
+    "run_main",
+    "run_worker",
+    "use_app_directory",
+    "worker_entry",
+    "worker_parser",
+]
