@@ -27,6 +27,7 @@ from broker.jobs import (
 )
 from broker.main.dispatcher import Dispatcher
 from broker.wire import messages as protocol
+from tests.unit.test_handoff import won
 
 POOLED = ExecutionMode.POOLED
 
@@ -399,40 +400,34 @@ async def test_a_cancellation_that_comes_with_a_wake_still_ends_the_loops() -> N
             await task
 
 
-async def test_a_settled_report_counts_as_a_change_only_when_a_job_may_be_eligible() -> None:
+def test_a_settled_report_counts_as_a_change_only_when_a_job_may_be_eligible() -> None:
     """A completion of a job without a concurrency key makes nothing eligible: the modes
     proven drained stay so. A release puts its job back in the queue, and a keyed
     completion frees a slot of its key: either is a change."""
-    store = MemoryAdapter()
-    await store.enqueue_many(
-        [
-            JobSpec(task="t"),
-            JobSpec(task="t"),
-            JobSpec(task="t", concurrency_key="k", concurrency_limit=1),
-        ]
-    )
+    specs = [
+        JobSpec(task="t"),
+        JobSpec(task="t"),
+        JobSpec(task="t", concurrency_key="k", concurrency_limit=1),
+    ]
     core = Handoff()
     worker(core, 1, 4)
-    sent: list[Dispatch] = []
-    await dispatched(dispatcher(store, core, sent), sent, 3)
+    plan = core.plan([Job.from_spec(spec, utcnow()) for spec in specs], 0.0)
+    core.claimed(plan, [won(planned) for planned in plan])
+    core.read_eligible(core.queue_changes, [POOLED], full=False, queues=None)
     assert POOLED in core.drained
-    by_key = {d.job.concurrency_key: d.job for d in sent}
-    plain = [d.job for d in sent if d.job.concurrency_key is None]
+    [first, second, keyed] = plan
     applied = protocol.AckStatus.APPLIED
 
     def settle(report: protocol.Report) -> None:
         core.report(1, report)
         core.settled([(1, report, applied)])
 
-    assert plain[0].handoff_id is not None and plain[1].handoff_id is not None
-    settle(protocol.CompletedReport(job_id=plain[0].id, handoff_id=plain[0].handoff_id))
+    settle(protocol.CompletedReport(job_id=first.job.id, handoff_id=first.lease))
     assert POOLED in core.drained
-    keyed = by_key["k"]
-    assert keyed.handoff_id is not None
-    settle(protocol.CompletedReport(job_id=keyed.id, handoff_id=keyed.handoff_id))
+    settle(protocol.CompletedReport(job_id=keyed.job.id, handoff_id=keyed.lease))
     assert not core.drained
     core.read_eligible(core.queue_changes, [POOLED], full=False, queues=None)
-    settle(protocol.ReleaseReport(job_id=plain[1].id, handoff_id=plain[1].handoff_id, reason="x"))
+    settle(protocol.ReleaseReport(job_id=second.job.id, handoff_id=second.lease, reason="x"))
     assert not core.drained
 
 
