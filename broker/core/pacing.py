@@ -207,6 +207,11 @@ class Pacing:
             started, frozenset(modes), None if queues is None else frozenset(queues), at
         )
 
+    def after_failed_read(self) -> float:
+        """How long an idle dispatcher sleeps when it could not read the next run time:
+        ``retry_interval``, as after any store error (a wake still cuts it short)."""
+        return self._retry_interval
+
     def idle_timeout(
         self, next_at: datetime | None, *, polling: bool, affinity_wake: float | None
     ) -> float:

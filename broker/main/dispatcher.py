@@ -207,7 +207,7 @@ class Dispatcher:
             next_at = await self._next_run_at(modes, self._handoff.served_queues())
         except Exception as exc:
             log_event(logger, logging.WARNING, "could not read the next run time", error=repr(exc))
-            return self._retry_interval
+            return self.pacing.after_failed_read()
         return self.pacing.idle_timeout(
             next_at,
             polling=not self._store.capabilities.listen_notify,

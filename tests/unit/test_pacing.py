@@ -165,6 +165,10 @@ def test_the_idle_timeout() -> None:
     assert rules.idle_timeout(far, polling=False, affinity_wake=clocks.t - 1) == 0.0
 
 
+def test_a_failed_read_of_the_next_run_time_sleeps_the_retry_interval() -> None:
+    assert FakeClocks().pacing(retry=0.5).after_failed_read() == 0.5
+
+
 def _job(mode: ExecutionMode = POOLED, key: str | None = None) -> Job:
     spec = JobSpec(
         task="t",
