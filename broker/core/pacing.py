@@ -3,9 +3,9 @@
 Rule: every "when does the dispatcher read again" decision lives in this module. The
 dispatcher (:mod:`broker.main.dispatcher`) only awaits: it reads, has the handoff core
 plan, claims, and between those asks :class:`Pacing` (whether to listen, whether a pass
-must pause or poll, whether a second read or another pass is worth it, whether the next
-run time it read still holds, how long to sleep) and :class:`ReadAhead` (whether a pass
-may take its jobs from an earlier read, and how many to read). Nothing here waits or
+must pause or poll, whether a second read is worth it, whether the next run time it read
+still holds, how long to sleep) and :class:`ReadAhead` (whether a pass may take its jobs
+from an earlier read, and how many to read). Nothing here waits or
 touches the store: times are given, through the two injected clocks (the event loop's, in
 seconds, and the wall clock the jobs' run times are on).
 
@@ -164,13 +164,6 @@ class Pacing:
         them, not one per mode: in a pooled drain the worker's inline and forked slots
         cost two empty reads per pass."""
         return bool(left) and planned < read - held
-
-    @staticmethod
-    def more(full: bool, credit: int) -> bool:
-        """Whether another pass may find more right away, without waiting to be woken:
-        its last read came back full (so it did not hold every job of its modes) and
-        some slot is still free."""
-        return full and credit > 0
 
     # -- idle -----------------------------------------------------------------------
 

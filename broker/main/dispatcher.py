@@ -274,7 +274,7 @@ class Dispatcher:
         if not plan:
             return False
         self._claims.add(asyncio.create_task(self._claim_and_wake(plan), name="broker-claim"))
-        return rules.more(full, core.credit())
+        return full and core.credit() > 0
 
     async def _eligible(
         self, modes: set[ExecutionMode], queues: set[str] | None, size: int, started: int

@@ -1,7 +1,7 @@
 """The dispatcher's pacing rules (:mod:`broker.core.pacing`) on a fake clock: when it
-listens to the store, pauses, polls, reads a second time or passes again, when a next run
-time it read may be used again, how long it sleeps idle, and the read-ahead that serves
-passes between reads of the store. No event loop, no store."""
+listens to the store, pauses, polls or reads a second time, when a next run time it read
+may be used again, how long it sleeps idle, and the read-ahead that serves passes between
+reads of the store. No event loop, no store."""
 
 from __future__ import annotations
 
@@ -115,12 +115,6 @@ def test_a_second_read_only_for_modes_left_when_the_first_read_filled() -> None:
     assert not Pacing.read_again(left, read=4, planned=4, held=0), "all placed"
     assert not Pacing.read_again(left, read=4, planned=3, held=1), "the rest held back"
     assert not Pacing.read_again(set(), read=4, planned=1, held=0), "no mode left"
-
-
-def test_another_pass_at_once_only_after_a_full_read_with_credit_left() -> None:
-    assert Pacing.more(full=True, credit=1)
-    assert not Pacing.more(full=True, credit=0)
-    assert not Pacing.more(full=False, credit=5)
 
 
 def test_a_next_run_time_read_is_used_again_only_while_nothing_changed() -> None:
