@@ -15,8 +15,9 @@ last two situations, where the job may have run: :attr:`broker.core.handoff.Hand
 is settled instead as :func:`broker.retry.lost_attempt` says, fenced the same way: it
 counts a recovery in the same statement, and past the job's recovery limit ends it dead.
 Any answer from the store (``True`` or ``False``) settles the entry; an exception keeps
-it and it is retried on the error-retry timer, for as long as it takes. Which of the two an entry
-gets is :func:`broker.core.reports.taken_back`'s to say, the rule a lost report shares.
+it and it is retried on the error-retry timer, for as long as it takes. Which of the two
+an entry gets is :func:`broker.core.reports.taken_back`'s to say, the rule a lost report
+shares.
 """
 
 from __future__ import annotations
