@@ -2,12 +2,12 @@
 
 Rule: every "when does the dispatcher read again" decision lives in this module. The
 dispatcher (:mod:`broker.main.dispatcher`) only awaits: it reads, has the handoff core
-plan, claims, and between those asks :class:`Pacing` (whether to listen, whether a pass
-must pause or poll, whether a second read is worth it, whether the next run time it read
-still holds, how long to sleep) and :class:`ReadAhead` (whether a pass may take its jobs
-from an earlier read, and how many to read). Nothing here waits or
-touches the store: times are given, through the two injected clocks (the event loop's, in
-seconds, and the wall clock the jobs' run times are on).
+plan, claims, and between those asks :class:`Pacing` (whether to listen, whether a wake
+is worth a pass, whether a pass must pause or poll, whether a second read is worth it,
+whether the next run time it read still holds, how long to sleep) and :class:`ReadAhead`
+(whether a pass may take its jobs from an earlier read, and how many to read). Nothing
+here waits or touches the store: times are given, through the two injected clocks (the
+event loop's, in seconds, and the wall clock the jobs' run times are on).
 
 Why in one place: each rule trades the store's load against how soon a job goes out, and
 they lean on each other (the read-ahead is served only while nothing changed; a poll is a
@@ -126,6 +126,16 @@ class Pacing:
         return True
 
     # -- passes ---------------------------------------------------------------------
+
+    @staticmethod
+    def worth_a_pass(credit: int) -> bool:
+        """Whether a wake (an insert, a return: anything that may make a job eligible)
+        asks for a pass, with ``credit`` free slots: not with none. That pass could place
+        nothing, and the slot that frees comes with a nudge, whose pass reads again (the
+        modes proven drained forgotten by the wake). Each enqueue wakes the dispatcher,
+        and while the workers were busy every one of them cost the main a pass for
+        nothing."""
+        return credit > 0
 
     def claim_failed(self) -> None:
         """A claim raised: passes pause (:meth:`pause`), so a store in trouble is not

@@ -98,19 +98,15 @@ class Dispatcher:
         before = core.queue_changes
         core.jobs_added({result.field("execution_mode") for result in added})
         self._ahead.inserted(before, core.queue_changes, added)
-        if core.credit() > 0:
+        if Pacing.worth_a_pass(core.credit()):
             self._wake.set()
 
     def wake(self) -> None:
-        """Ask for another pass (coalesced: many wakes, one pass). Whatever woke us may
-        have made jobs eligible, so the core stops counting any mode as drained.
-
-        With no free slot anywhere the pass is left out: it could place nothing, and
-        the slot that frees comes with a nudge, whose pass reads again (the drained
-        modes forgotten here). Each enqueue wakes the dispatcher, and while the workers
-        were busy every one of them cost the main a pass for nothing."""
+        """Ask for another pass (coalesced: many wakes, one pass) if it is worth one
+        (:meth:`Pacing.worth_a_pass`). Whatever woke us may have made jobs eligible, so
+        the core stops counting any mode as drained."""
         self._handoff.queue_changed()
-        if self._handoff.credit() > 0:
+        if Pacing.worth_a_pass(self._handoff.credit()):
             self._wake.set()
 
     def nudge(self) -> None:

@@ -106,6 +106,11 @@ def test_passes_pause_for_the_retry_interval_after_a_claim_raised() -> None:
     assert rules.pause() == 0.5, "a later failure pauses again"
 
 
+def test_a_wake_is_worth_a_pass_only_with_a_free_slot() -> None:
+    assert Pacing.worth_a_pass(1)
+    assert not Pacing.worth_a_pass(0)
+
+
 def test_a_second_read_only_for_modes_left_when_the_first_read_filled() -> None:
     """One mode's backlog filled the read (every job read was placed, or held back for its
     state holder), while other modes still have credit: read again for those."""
