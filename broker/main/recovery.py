@@ -15,7 +15,9 @@ last two situations, where the job may have run: :attr:`broker.core.handoff.Hand
 is settled instead as :func:`broker.retry.lost_attempt` says, fenced the same way: it
 counts a recovery in the same statement, and past the job's recovery limit ends it dead.
 Any answer from the store (``True`` or ``False``) settles the entry; an exception keeps
-it and it is retried on the error-retry timer, for as long as it takes.
+it and it is retried on the error-retry timer, for as long as it takes. Which of the two
+an entry gets is :func:`broker.core.reports.taken_back`'s to say, the rule a lost report
+shares.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ import logging
 import uuid
 from collections.abc import Callable
 
+from broker.core import reports
 from broker.core.handoff import Handoff
 from broker.exceptions import StorageError
 from broker.jobs import DEFAULT_MAX_RECOVERIES, Clock, utcnow
 from broker.main.loops import retrying
 from broker.model.logs import log_event
-from broker.retry import lost_attempt
 from broker.storage import StorageAdapter
 
 logger = logging.getLogger("broker.recovery")
@@ -74,13 +76,13 @@ class RecoveryLedger:
         returned_any = False
         for handoff_id, job_id in self.pending().items():
             loss = self._handoff.losses.get(handoff_id)
+            settlement = reports.taken_back(
+                job_id, handoff_id, loss, self._clock(), self._max_recoveries
+            )
             try:
-                if loss is None:
+                if settlement is None:
                     returned = await self._store.return_to_queue(job_id, handoff_id)
                 else:
-                    settlement = lost_attempt(
-                        loss.job, handoff_id, loss.reason, self._clock(), self._max_recoveries
-                    )
                     [returned] = await self._store.settle_many([settlement])
             except Exception as exc:
                 log_event(

@@ -3,8 +3,10 @@
 Reports are applied in group commits (every report that arrived while a batch was
 committing goes into the next), each acknowledged only once it is durable or known to be
 stale; :meth:`broker.core.handoff.Handoff.settled` then decides what the answers mean for the
-leases. Store errors are retried while transient and isolated by splitting the batch
-otherwise, so one bad report never holds up the others.
+leases. What each report settles to, and what a fenced-out one was, is decided in
+:mod:`broker.core.reports`: this module reads the jobs those rules need, and writes. Store
+errors are retried while transient and isolated by splitting the batch otherwise, so one
+bad report never holds up the others.
 """
 
 from __future__ import annotations
@@ -12,16 +14,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import datetime
 
+from broker.core import reports
 from broker.core.handoff import Handoff
 from broker.exceptions import transient
-from broker.jobs import Clock, JobStatus, Outcome, Settlement
+from broker.jobs import Clock, Outcome, Settlement
 from broker.main.metrics import MainMetrics
 from broker.model.logs import log_event
-from broker.payload import result_problem
-from broker.retry import RetryDelay, lost_attempt, next_run_after_failure
-from broker.settlement import statuses_after
+from broker.retry import RetryDelay
 from broker.storage import StorageAdapter
 from broker.wire import messages as protocol
 
@@ -60,13 +61,15 @@ class ReportSettler:
         self._acknowledged = acknowledged
         self._stopping = stopping
         self._clock = clock
-        self._retry_delay = retry_delay
-        self._max_recoveries = max_recoveries
+        self._policy = reports.Policy(
+            retry_delay=retry_delay,
+            max_recoveries=max_recoveries,
+            max_payload_bytes=max_payload_bytes,
+            max_payload_depth=max_payload_depth,
+            max_payload_containers=max_payload_containers,
+        )
         self._batch = batch
         self._retry_interval = retry_interval
-        self._max_payload_bytes = max_payload_bytes
-        self._max_payload_depth = max_payload_depth
-        self._max_payload_containers = max_payload_containers
         self.queued: list[tuple[int, protocol.Report]] = []
         """Accepted reports (connection id, report) waiting for the next batch."""
         self._ready = asyncio.Event()
@@ -167,14 +170,7 @@ class ReportSettler:
             session=peer,
             error=repr(exc),
         )
-        failure = Settlement(
-            msg.job_id,
-            msg.handoff_id,
-            Outcome.FAIL,
-            error=f"report could not be stored: the worker's {msg.type} report failed with "
-            f"{type(exc).__name__}: {str(exc)[:1000]}",
-            run_at=None,
-        )
+        failure = reports.unstorable(msg, exc)
         while True:
             try:
                 [applied] = await self._store.settle_many([failure])
@@ -256,69 +252,24 @@ class ReportSettler:
     async def _why_not_applied(
         self, msg: protocol.Report, settlement: Settlement
     ) -> protocol.AckStatus:
-        """A fenced-out report is a *duplicate* when its lease already settled this job (two
-        copies were in flight: a reconnected worker re-sent a report its old connection had
-        sent), and *stale* when a newer lease owns the job or it was cancelled. Read from
-        the store, so the answer is the same whichever main gives it."""
-        job = await self._store.get_job(msg.job_id)
-        if job is None or job.handoff_id != msg.handoff_id:
-            return protocol.AckStatus.STALE
-        settled_as = statuses_after(settlement.outcome)
-        if settlement.outcome is Outcome.FAIL and not isinstance(msg, protocol.FailedReport):
-            # Recorded as a failure in its place (an oversized result, an unstorable
-            # report): never retried, so only a dead job shows it landed.
-            settled_as = frozenset({JobStatus.FAILED})
-        if job.status in settled_as:
-            return protocol.AckStatus.DUPLICATE
-        return protocol.AckStatus.STALE
+        """A fenced-out report: *duplicate* or *stale*, judged on the job as stored
+        (:func:`broker.core.reports.not_applied`)."""
+        return reports.not_applied(msg, settlement, await self._store.get_job(msg.job_id))
 
     async def _settlement(self, msg: protocol.Report, now: datetime) -> Settlement:
-        match msg:
-            case protocol.CompletedReport(job_id=job_id, handoff_id=lease, result=result):
-                problem = result_problem(
-                    result,
-                    self._max_payload_bytes,
-                    self._max_payload_depth,
-                    self._max_payload_containers,
-                )
-                if problem is not None:
-                    # Never write an oversized or too deeply nested result (the walk stops
-                    # at the container bound, so judging it is cheap): the job fails,
-                    # without retry (the same arguments would produce the same result).
-                    log_event(
-                        logger,
-                        logging.WARNING,
-                        "result refused",
-                        job_id=job_id,
-                        handoff_id=lease,
-                        reason=problem,
-                    )
-                    return Settlement(job_id, lease, Outcome.FAIL, error=problem, run_at=None)
-                return Settlement(job_id, lease, Outcome.COMPLETE, result=result)
-            case protocol.FailedReport(job_id=job_id, handoff_id=lease, error=error, lost=True):
-                # The worker's child died under the job: a recovery, not a failure. The job
-                # as handed off names the count the fenced settlement will find.
-                job = self._handoff.held_job(lease) or await self._store.get_job(job_id)
-                if job is not None:
-                    return lost_attempt(job, lease, error, now, self._max_recoveries)
-                return Settlement(job_id, lease, Outcome.LOST, error=error, run_at=now)
-            case protocol.FailedReport(
-                job_id=job_id, handoff_id=lease, error=error, retry=retry, retry_delay=wait
-            ):
-                job = self._handoff.held_job(lease) or await self._store.get_job(job_id)
-                # The task's own backoff ran in the worker and sent its wait (decoded, so
-                # checked: 0 to ten years); else the main's backoff decides.
-                delay = self._retry_delay if wait is None else _fixed(wait)
-                retry_at = (
-                    next_run_after_failure(job, now, delay) if retry and job is not None else None
-                )
-                return Settlement(job_id, lease, Outcome.FAIL, error=error, run_at=retry_at)
-            case protocol.RescheduleReport(job_id=job_id, handoff_id=lease, delay=delay):
-                run_at = now + timedelta(seconds=delay)
-                return Settlement(job_id, lease, Outcome.RESCHEDULE, run_at=run_at)
-            case protocol.ReleaseReport(job_id=job_id, handoff_id=lease):
-                return Settlement(job_id, lease, Outcome.RETURN)
-
-
-def _fixed(seconds: float) -> RetryDelay:
-    return lambda _failures: timedelta(seconds=seconds)
+        """What ``msg`` settles to (:func:`broker.core.reports.settlement`), with the job
+        as handed off (or as stored) when that depends on it."""
+        job = None
+        if reports.needs_job(msg):
+            job = self._handoff.held_job(msg.handoff_id) or await self._store.get_job(msg.job_id)
+        settlement = reports.settlement(msg, job, now, self._policy)
+        if settlement.outcome is Outcome.FAIL and isinstance(msg, protocol.CompletedReport):
+            log_event(
+                logger,
+                logging.WARNING,
+                "result refused",
+                job_id=msg.job_id,
+                handoff_id=msg.handoff_id,
+                reason=settlement.error,
+            )
+        return settlement

@@ -455,38 +455,6 @@ async def test_idempotent_enqueue_through_the_client(running: Main, memory: Memo
     assert len((await memory.list_jobs()).jobs) == 1
 
 
-class _CountingSelects(FaultyAdapter):
-    def __init__(self, inner: StorageAdapter) -> None:
-        super().__init__(inner)
-        self.selects = 0
-
-    async def select_eligible(self, **kw: Any) -> list[Job]:
-        self.selects += 1
-        return await self.inner.select_eligible(**kw)
-
-
-async def test_a_due_job_behind_a_full_concurrency_key_does_not_spin_the_dispatcher(
-    memory: MemoryAdapter,
-) -> None:
-    counting = _CountingSelects(memory)
-    main = await _start(counting)
-    try:
-        worker = FakeWorker(main.port)
-        await worker.connect()
-        await _enqueue(memory, 2, concurrency_key="acct", concurrency_limit=1)
-        await worker.ready(pooled=2)
-        first = await worker.next_job()
-        before = counting.selects
-        assert await worker.no_job_within(0.5), "the key's second job must wait"
-        assert counting.selects - before < 10, f"{counting.selects - before} selects in 0.5 s"
-        await worker.complete(first)
-        await worker.ready(pooled=2)
-        assert (await worker.next_job()).job_id != first.job_id
-        await worker.close()
-    finally:
-        await main.stop()
-
-
 class _HeldSettle(FaultyAdapter):
     """The first commit waits until the test opens :attr:`gate`, as a slow fsync would,
     so the reports that arrive meanwhile pile up behind it."""

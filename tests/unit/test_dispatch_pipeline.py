@@ -16,19 +16,18 @@ from typing import Any
 import pytest
 
 from adapters.memory import MemoryAdapter
-from broker.core.handoff import CHANGE_LOG, Dispatch, Handoff, HandoffEffect, PlannedClaim
+from broker.core import pacing
+from broker.core.handoff import CHANGE_LOG, Dispatch, Handoff, HandoffEffect
 from broker.jobs import (
     Claim,
-    EnqueueResult,
     ExecutionMode,
     Job,
     JobSpec,
-    new_job_fields,
     utcnow,
 )
-from broker.main import dispatcher as dispatch
-from broker.main.dispatcher import READ_AHEAD_MAX_AGE, Dispatcher, ReadAhead
+from broker.main.dispatcher import Dispatcher
 from broker.wire import messages as protocol
+from tests.unit.test_handoff import won
 
 POOLED = ExecutionMode.POOLED
 
@@ -255,7 +254,7 @@ class Observed(MemoryAdapter):
 async def listening(d: Dispatcher) -> asyncio.Task[None]:
     """The dispatcher's listener, once the store's notifications are live."""
     task = asyncio.create_task(d.listen())
-    while not d._listening:
+    while not d.pacing.listening:
         await asyncio.sleep(0)
     return task
 
@@ -317,31 +316,31 @@ async def test_the_dispatcher_listens_only_while_a_worker_has_a_free_slot(
     dispatcher stops listening (after ``LISTEN_LINGER``, here none), so producers writing
     to the store do not wake it. A job inserted meanwhile is not lost: listening again
     starts with a wake, which forgets the modes proven drained."""
-    monkeypatch.setattr(dispatch, "LISTEN_LINGER", 0.0)
+    monkeypatch.setattr(pacing, "LISTEN_LINGER", 0.0)
     store = Observed()
     core = Handoff()
     d = dispatcher(store, core, [])
     listener = asyncio.create_task(d.listen())
     for _ in range(5):
         await asyncio.sleep(0)
-    assert not d._listening and not store._listeners  # no worker: nobody to wake
+    assert not d.pacing.listening and not store._listeners  # no worker: nobody to wake
     worker(core, 1, 2)
     d.nudge()  # a ready: free credit
-    while not d._listening:
+    while not d.pacing.listening:
         await asyncio.sleep(0)
     assert store._listeners
     core.read_eligible(core.queue_changes, {POOLED}, full=False, queues=None)
     assert POOLED in core.drained
     core.draining(1)  # the only worker stops taking jobs
     d.nudge()
-    while d._listening:
+    while d.pacing.listening:
         await asyncio.sleep(0)
     assert not store._listeners
     await store.enqueue_many([JobSpec(task="t")])  # unannounced: nobody listens
     assert POOLED in core.drained
     worker(core, 2, 2)
     d.nudge()
-    while not d._listening:
+    while not d.pacing.listening:
         await asyncio.sleep(0)
     assert POOLED not in core.drained  # the next pass reads the queue again
     listener.cancel()
@@ -401,77 +400,43 @@ async def test_a_cancellation_that_comes_with_a_wake_still_ends_the_loops() -> N
             await task
 
 
-async def test_an_idle_dispatcher_reads_the_next_run_time_again_only_after_a_change() -> None:
-    """While the store's notifications are live, an insert by anyone wakes the
-    dispatcher: the next run time read when it last went idle still holds after a nudge
-    (a slot freed), and is read again after a wake, or when the notifications are down.
-    Each read scanned every queued row on PostgreSQL."""
-    store = Observed()
-    core = Handoff()
-    worker(core, 1, 2)
-    d = dispatcher(store, core, [])
-    await d._idle_timeout()
-    await d._idle_timeout()
-    assert store.next_run_reads == 2  # not listening: an insert could go unannounced
-    listener = await listening(d)
-    await d._idle_timeout()
-    d.nudge()
-    await d._idle_timeout()
-    assert store.next_run_reads == 3
-    d.wake()
-    await d._idle_timeout()
-    assert store.next_run_reads == 4
-    listener.cancel()
-    await asyncio.gather(listener, return_exceptions=True)
-    await d._idle_timeout()
-    assert store.next_run_reads == 5
-
-
-async def test_a_settled_report_counts_as_a_change_only_when_a_job_may_be_eligible() -> None:
+def test_a_settled_report_counts_as_a_change_only_when_a_job_may_be_eligible() -> None:
     """A completion of a job without a concurrency key makes nothing eligible: the modes
     proven drained stay so. A release puts its job back in the queue, and a keyed
     completion frees a slot of its key: either is a change."""
-    store = MemoryAdapter()
-    await store.enqueue_many(
-        [
-            JobSpec(task="t"),
-            JobSpec(task="t"),
-            JobSpec(task="t", concurrency_key="k", concurrency_limit=1),
-        ]
-    )
+    specs = [
+        JobSpec(task="t"),
+        JobSpec(task="t"),
+        JobSpec(task="t", concurrency_key="k", concurrency_limit=1),
+    ]
     core = Handoff()
     worker(core, 1, 4)
-    sent: list[Dispatch] = []
-    await dispatched(dispatcher(store, core, sent), sent, 3)
+    plan = core.plan([Job.from_spec(spec, utcnow()) for spec in specs], 0.0)
+    core.claimed(plan, [won(planned) for planned in plan])
+    core.read_eligible(core.queue_changes, [POOLED], full=False, queues=None)
     assert POOLED in core.drained
-    by_key = {d.job.concurrency_key: d.job for d in sent}
-    plain = [d.job for d in sent if d.job.concurrency_key is None]
+    [first, second, keyed] = plan
     applied = protocol.AckStatus.APPLIED
 
     def settle(report: protocol.Report) -> None:
         core.report(1, report)
         core.settled([(1, report, applied)])
 
-    assert plain[0].handoff_id is not None and plain[1].handoff_id is not None
-    settle(protocol.CompletedReport(job_id=plain[0].id, handoff_id=plain[0].handoff_id))
+    settle(protocol.CompletedReport(job_id=first.job.id, handoff_id=first.lease))
     assert POOLED in core.drained
-    keyed = by_key["k"]
-    assert keyed.handoff_id is not None
-    settle(protocol.CompletedReport(job_id=keyed.id, handoff_id=keyed.handoff_id))
+    settle(protocol.CompletedReport(job_id=keyed.job.id, handoff_id=keyed.lease))
     assert not core.drained
     core.read_eligible(core.queue_changes, [POOLED], full=False, queues=None)
-    settle(protocol.ReleaseReport(job_id=plain[1].id, handoff_id=plain[1].handoff_id, reason="x"))
+    settle(protocol.ReleaseReport(job_id=second.job.id, handoff_id=second.lease, reason="x"))
     assert not core.drained
 
 
-async def test_a_claim_that_does_not_win_its_job_counts_as_a_change() -> None:
+def test_a_claim_that_does_not_win_its_job_counts_as_a_change() -> None:
     """The reads during the claim skipped its job, which may still be queued: a mode is
     no longer proven drained once the claim comes back without it."""
-    store = MemoryAdapter()
-    [result] = await store.enqueue_many([JobSpec(task="t")])
     core = Handoff()
     worker(core, 1, 2)
-    [planned] = core.plan([result.job], 0.0)
+    [planned] = core.plan([Job.from_spec(JobSpec(task="t"), utcnow())], 0.0)
     core.read_eligible(core.queue_changes, [POOLED], full=False, queues=None)
     assert POOLED in core.drained
     core.claimed([planned], [])
@@ -550,112 +515,6 @@ async def test_an_enqueue_behind_the_read_ahead_keeps_it_and_one_ahead_reads_aga
     assert store.limits[4:] == [2]
     assert urgent.job.id in {s.job.id for s in sent[22:]}
     assert len({s.job.id for s in sent}) == 24  # no job sent twice
-
-
-def _job(mode: ExecutionMode = POOLED, key: str | None = None) -> Job:
-    spec = JobSpec(
-        task="t",
-        execution_mode=mode,
-        concurrency_key=key,
-        concurrency_limit=None if key is None else 1,
-    )
-    return Job.from_spec(spec, utcnow())
-
-
-def test_the_read_ahead_serves_only_while_its_read_holds() -> None:
-    ahead = ReadAhead()
-    jobs = [_job() for _ in range(6)]
-    assert ahead.serve({POOLED}, None, 2, 0, 0.0) is None  # nothing read yet
-    ahead.fill(jobs, {POOLED}, None, 6, started=0, now=0.0)
-    assert ahead.serve({POOLED}, None, 2, 0, 0.0) == (jobs[:2], True)
-    ahead.planned([PlannedClaim(1, "w", job, uuid.uuid4()) for job in jobs[:2]])
-    assert ahead.serve({POOLED}, None, 2, 0, 0.01) == (jobs[2:4], True)
-    # Not for another change count, other queues, a mode it was not read for, or too late.
-    assert ahead.serve({POOLED}, None, 2, 1, 0.01) is None
-    assert ahead.serve({POOLED}, {"q"}, 2, 0, 0.01) is None
-    assert ahead.serve({POOLED, ExecutionMode.INLINE}, None, 2, 0, 0.01) is None
-    assert ahead.serve({POOLED}, None, 2, 0, READ_AHEAD_MAX_AGE + 0.01) is None
-    # Fewer held than asked for: only when the read was all there is.
-    assert ahead.serve({POOLED}, None, 5, 0, 0.01) is None
-    ahead.fill(jobs[:3], {POOLED}, None, 6, started=0, now=0.0)
-    assert ahead.serve({POOLED}, None, 5, 0, 0.01) == (jobs[:3], False)
-
-
-def test_the_read_ahead_grows_only_while_nothing_changes() -> None:
-    ahead = ReadAhead()
-    assert ahead.read_size({POOLED}, None, 3, 0, batch=100, now=0.0) == 3
-    jobs = [_job() for _ in range(3)]
-    ahead.fill(jobs, {POOLED}, None, 3, started=0, now=0.0)
-    ahead.planned([PlannedClaim(1, "w", job, uuid.uuid4()) for job in jobs])  # it ran out
-    late = READ_AHEAD_MAX_AGE + 0.01  # its age does not matter once it ran out
-    assert ahead.read_size({POOLED}, None, 3, 0, batch=100, now=late) == 6
-    assert ahead.read_size({POOLED}, None, 3, 0, batch=4, now=late) == 4
-    assert ahead.read_size({POOLED}, None, 3, 1, batch=100, now=late) == 3  # a change
-    assert ahead.read_size({POOLED}, {"q"}, 3, 0, batch=100, now=late) == 3
-
-
-def test_a_read_that_grew_old_with_jobs_left_is_followed_by_one_of_what_it_served() -> None:
-    """Slow jobs free slots a few at a time: a read that ages out mostly unused must not
-    be followed by one twice its size (each would be read and decoded for nothing)."""
-    ahead = ReadAhead()
-    jobs = [_job() for _ in range(40)]
-    ahead.fill(jobs, {POOLED}, None, 40, started=0, now=0.0)
-    for taken in (jobs[:2], jobs[2:5]):
-        served = ahead.serve({POOLED}, None, len(taken), 0, 0.01)
-        assert served == (taken, True)
-        ahead.planned([PlannedClaim(1, "w", job, uuid.uuid4()) for job in taken])
-    late = READ_AHEAD_MAX_AGE + 0.01
-    assert ahead.serve({POOLED}, None, 2, 0, late) is None  # too old to serve
-    assert ahead.read_size({POOLED}, None, 2, 0, batch=100, now=late) == 5
-    assert ahead.read_size({POOLED}, None, 8, 0, batch=100, now=late) == 8  # a pass's need
-    # Still young, it would be doubled only once it ran out (fewer left than a pass needs).
-    assert ahead.read_size({POOLED}, None, 36, 0, batch=100, now=0.02) == 80
-
-
-def test_a_read_holding_a_keyed_job_serves_one_pass_only() -> None:
-    """The store leaves out the jobs whose key is full when it reads, and claims fill
-    keys: a keyed job must not be planned from a read older than its pass."""
-    ahead = ReadAhead()
-    jobs = [_job(), _job(key="k"), _job()]
-    ahead.fill(jobs, {POOLED}, None, 3, started=0, now=0.0)
-    assert ahead.serve({POOLED}, None, 1, 0, 0.0) == (jobs[:1], True)
-    assert ahead.serve({POOLED}, None, 1, 0, 0.0) is None
-    assert ahead.read_size({POOLED}, None, 1, 0, batch=100, now=0.0) == 1
-
-
-def _enqueued(priority: int = 0, mode: ExecutionMode = POOLED) -> EnqueueResult:
-    """The result of the main's enqueue of one job, created now."""
-    spec = JobSpec(task="t", priority=priority, execution_mode=mode)
-    return EnqueueResult.inserted(new_job_fields(spec, utcnow()))
-
-
-def test_the_read_ahead_outlives_an_insert_only_of_jobs_that_stand_after_it() -> None:
-    ahead = ReadAhead()
-    jobs = [_job() for _ in range(4)]
-    ahead.fill(jobs, {POOLED}, None, 6, started=0, now=0.0)
-    assert ahead.serve({POOLED}, None, 5, 0, 0.0) == (jobs, False)  # all there is
-    ahead.inserted(0, 1, [_enqueued()])
-    assert ahead.serve({POOLED}, None, 2, 1, 0.0) == (jobs[:2], True)
-    # It no longer holds every job: fewer held than asked for means a read.
-    assert ahead.serve({POOLED}, None, 5, 1, 0.0) is None
-    # A job of a mode it was not read for stands before nothing it holds.
-    ahead.inserted(1, 2, [_enqueued(priority=9, mode=ExecutionMode.INLINE)])
-    assert ahead.serve({POOLED}, None, 1, 2, 0.0) == (jobs[:1], True)
-
-
-def test_a_job_that_may_stand_before_the_read_ahead_retires_it() -> None:
-    jobs = [_job() for _ in range(4)]
-    tie = EnqueueResult(jobs[-1], duplicate=False)  # where the read ended: the store decides
-    for added in ([_enqueued(priority=5)], [_enqueued(), tie]):
-        ahead = ReadAhead()
-        ahead.fill(jobs, {POOLED}, None, 4, started=0, now=0.0)
-        ahead.inserted(0, 1, added)
-        assert ahead.serve({POOLED}, None, 1, 1, 0.0) is None
-    # Nor does an insert bring a read that was already out of date back.
-    ahead = ReadAhead()
-    ahead.fill(jobs, {POOLED}, None, 4, started=0, now=0.0)
-    ahead.inserted(1, 2, [_enqueued()])
-    assert ahead.serve({POOLED}, None, 1, 2, 0.0) is None
 
 
 def test_jobs_added_to_one_mode_leave_the_others_drained() -> None:
