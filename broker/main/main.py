@@ -35,24 +35,14 @@ import math
 import secrets
 import socket
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Coroutine, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 from broker.core import jobfields as codec
 from broker.core.admission import CreditLimitError
 from broker.core.catalog import CatalogLimitError
-from broker.core.election import (
-    Effect,
-    Election,
-    Lead,
-    Phase,
-    Renew,
-    RoundBudget,
-    StepDown,
-    Timing,
-    TryElect,
-)
+from broker.core.election import Election, Phase, Timing
 from broker.core.handoff import (
     STALL,
     Abort,
@@ -68,11 +58,12 @@ from broker.core.handoff import (
     WakeDispatcher,
 )
 from broker.credentials import role_needed
-from broker.exceptions import PermissionDeniedError, ProtocolError, StorageError, transient
+from broker.exceptions import PermissionDeniedError, ProtocolError, transient
 from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, utcnow
 from broker.main.checkpoints import CheckpointSaver, ProgressWriter
 from broker.main.connections import Connections, Gathered, Session
 from broker.main.dispatcher import Dispatcher
+from broker.main.election import Leadership
 from broker.main.group_commit import GroupCommit
 from broker.main.metrics import MainMetrics, MeasuredStore
 from broker.main.operations import LiveState, Operations
@@ -96,8 +87,6 @@ from broker.wire import errors as error_codes
 from broker.wire import messages as protocol
 
 logger = logging.getLogger("broker.main")
-
-_T = TypeVar("_T")
 
 DEFAULT_RETENTION = Retention()
 """Completed and cancelled jobs kept 7 days, dead ones 30 days, no row cap."""
@@ -249,8 +238,23 @@ class Main:
         self.election: Election | None = None
         """Who dispatches among the mains on this store (``None``: a store that holds one
         main only, which always dispatches)."""
+        self.leadership: Leadership | None = None
+        """The election's shell, when there is an election."""
         if store.capabilities.leader_election and isinstance(store, SupportsLeadership):
             self.election = Election(self.main_id, Timing(self.settings.failover_timeout))
+            self.leadership = Leadership(
+                self.election,
+                store,
+                self.handoff,
+                main_id=self.main_id,
+                address=lambda: self.address,
+                load_orphans=lambda: self._load_orphans(),
+                dispatch=self._dispatch,
+                deposed=self._deposed,
+                stopping=lambda: self._stopping,
+                spawn=self._spawn,
+                retry_interval=self.settings.error_retry_interval,
+            )
         self.deposed = asyncio.Event()
         """Set when this main stepped down (another main took over, or its lease ran out
         while the store could not renew it); :meth:`serve` returns."""
@@ -298,10 +302,10 @@ class Main:
         self._server = server
         try:
             await self.store.setup()
-            if self.election is None:
+            if self.leadership is None:
                 await self._load_orphans()
             else:
-                await self._first_round()
+                await self.leadership.first_round()
             await self.operations.catalog.load()
         except BaseException:
             self._server = None
@@ -309,12 +313,10 @@ class Main:
             await server.wait_closed()
             raise
         await server.start_serving()
-        if self.election is None:
+        if self.leadership is None:
             self._dispatch()
         else:
-            if self.election.epoch is not None:
-                self._lead_now(self.election.epoch)
-            self._tasks.append(asyncio.create_task(self._elect(), name="broker-election"))
+            self.leadership.begin()
         log_event(
             logger,
             logging.INFO,
@@ -370,156 +372,16 @@ class Main:
             host = socket.gethostname()
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
-    async def _elect(self) -> None:
-        """The election's shell: asks the store when :class:`Election` says so, and
-        carries out its answers, until this main stops or steps down."""
-        election = self.election
-        assert election is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            for effect in election.due(loop.time()):
-                for outcome in await self._ask(effect):
-                    match outcome:
-                        case Lead(epoch=epoch):
-                            # Its own task: the election keeps renewing while it loads.
-                            self._tasks.append(
-                                asyncio.create_task(self._lead(epoch), name="broker-lead")
-                            )
-                        case StepDown(epoch=epoch, reason=reason):
-                            self._step_down(epoch, reason)
-            wake = election.wake_at()
-            if wake == math.inf:
-                return
-            await asyncio.sleep(max(0.0, wake - loop.time()))
-
-    async def _ask(self, effect: Effect) -> list[Effect]:
-        """Carry out one round the election asked for; returns what its answer decides.
-        A round gets the renewal interval of the main's running time (see
-        :class:`broker.core.election.RoundBudget`): a store that hangs is a failed round, and
-        the lease keeps running out; an answer that came while the loop was stalled is
-        used."""
-        election = self.election
-        assert election is not None
-        try:
-            return await _within_running_time(self._round(effect), election.timing.renew_every)
-        except (TimeoutError, OSError, StorageError) as exc:
-            election.failed()
-            log_event(
-                logger, logging.WARNING, "election round failed", main_id=self.main_id, error=exc
-            )
-            return []
-
-    async def _round(self, effect: Effect) -> list[Effect]:
-        election, store = self.election, self.store
-        assert election is not None and isinstance(store, SupportsLeadership)
-        timing = election.timing
-        match effect:
-            case TryElect(started=started):
-                row = await store.elect(self.main_id, self.address, timing.ttl)
-                if row is None:
-                    election.failed()
-                    return []
-                return election.elected(row.holder, row.epoch, row.address, row.live, started)
-            case Renew(epoch=epoch, started=started):
-                ok = await store.renew(self.main_id, epoch, timing.ttl)
-                return election.renewed(started, ok)
-            case _:
-                return [effect]
-
-    async def _first_round(self) -> None:
-        """At start-up, before peers are answered: one election round, and if it elects
-        this main, the orphans, so a main alone on its store is ready as soon as
-        :meth:`start` returns, as it always was."""
-        election = self.election
-        assert election is not None
-        for effect in election.due(asyncio.get_running_loop().time()):
-            for outcome in await self._ask(effect):
-                if isinstance(outcome, Lead):
-                    self._fence(outcome.epoch)
-                    await self._load_orphans()
-
-    def _fence(self, epoch: int) -> None:
-        store = self.store
-        assert isinstance(store, SupportsLeadership)
-        store.fence(epoch, self._fenced)
-
-    async def _resign(self) -> None:
-        """A leader that stops cleanly ends its lease, so a standby takes over at its next
-        round instead of after the lease; a failure only costs that wait."""
-        election, store = self.election, self.store
-        if election is None or election.phase is not Phase.LEADER:
-            return
-        assert election.epoch is not None and isinstance(store, SupportsLeadership)
-        election.resigned()
-        try:
-            async with asyncio.timeout(election.timing.renew_every):
-                await store.resign(self.main_id, election.epoch)
-        except (TimeoutError, OSError, StorageError) as exc:
-            log_event(
-                logger,
-                logging.WARNING,
-                "could not resign the lead",
-                main_id=self.main_id,
-                error=exc,
-            )
-        else:
-            log_event(
-                logger,
-                logging.INFO,
-                "resigned the lead",
-                main_id=self.main_id,
-                epoch=election.epoch,
-            )
-
-    async def _lead(self, epoch: int) -> None:
-        """Elected: load the orphans, as a restarted main does, then dispatch."""
-        self._fence(epoch)
-        while True:
-            try:
-                await self._load_orphans()
-                break
-            except (OSError, StorageError) as exc:
-                log_event(
-                    logger, logging.WARNING, "loading the orphans failed, retrying", error=repr(exc)
-                )
-                self.handoff.orphans.clear()
-                await asyncio.sleep(self.settings.error_retry_interval)
-        if not self._stopping:
-            self._lead_now(epoch)
-
-    def _lead_now(self, epoch: int) -> None:
-        log_event(
-            logger,
-            logging.WARNING,
-            "elected leader",
-            main_id=self.main_id,
-            epoch=epoch,
-            address=self.address,
-            orphans=len(self.orphans),
-        )
-        self._dispatch()
-
-    def _fenced(self, op: str) -> None:
-        """The store refused ``op`` under this main's epoch: another main took over."""
-        log_event(logger, logging.WARNING, "epoch fence refused", op=op, main_id=self.main_id)
-        if self.election is not None:
-            for effect in self.election.fenced():
-                if isinstance(effect, StepDown):
-                    self._step_down(effect.epoch, effect.reason)
-
-    def _step_down(self, epoch: int, reason: str) -> None:
-        """Stop dispatching at once; :meth:`serve` then stops this main."""
-        log_event(
-            logger,
-            logging.ERROR,
-            "deposed: this main stops dispatching and exits (start it again to stand by)",
-            main_id=self.main_id,
-            epoch=epoch,
-            reason=reason,
-        )
+    def _deposed(self, reason: str) -> None:
+        """This main stepped down (:class:`broker.main.election.Leadership`): no more
+        dispatch; :meth:`serve` then stops it."""
         self._stopping = True
         self.step_down_reason = reason
         self.deposed.set()
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Run ``work`` until this main stops."""
+        self._tasks.append(asyncio.create_task(work, name=name))
 
     async def stop(self, *, report_grace: float = 5.0) -> None:
         """Stop accepting, let in-flight reports land, then close connections and the store.
@@ -551,7 +413,8 @@ class Main:
         )
         if self._server is not None:
             await self._server.wait_closed()
-        await self._resign()
+        if self.leadership is not None:
+            await self.leadership.resign()
         await self.store.close()
         log_event(logger, logging.INFO, "main stopped", main_id=self.main_id)
 
@@ -966,25 +829,6 @@ class Main:
             ],
         )
         return await self.operations.status(live)
-
-
-async def _within_running_time(step: Awaitable[_T], budget: float) -> _T:
-    """``step``'s answer, or ``TimeoutError`` once it has had ``budget`` seconds of this
-    loop's running time (time the loop was stalled does not count, see
-    :class:`broker.core.election.RoundBudget`). Given up on, it is cancelled."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.ensure_future(step)
-    spent = RoundBudget(budget)
-    try:
-        while True:
-            started = loop.time()
-            done, _ = await asyncio.wait({task}, timeout=spent.step)
-            if done:
-                return task.result()
-            if spent.waited(spent.step, loop.time() - started):
-                raise TimeoutError(f"no answer within {budget:g} s of the main's running time")
-    finally:
-        task.cancel()
 
 
 def new_token() -> str:

@@ -27,7 +27,7 @@ from broker.core.election import (
     TryElect,
 )
 from broker.exceptions import ConfigurationError
-from broker.main.main import _within_running_time
+from broker.main.election import within_running_time
 
 
 @dataclass
@@ -175,7 +175,7 @@ def test_a_late_answer_of_the_last_chance_keeps_the_lead() -> None:
 
 
 async def test_an_answer_that_came_during_a_stall_is_used_and_a_silent_store_times_out() -> None:
-    """The shell's wait (``broker.main.main._within_running_time``) on a real socket: the answer
+    """The shell's wait (``broker.main.election.within_running_time``) on a real socket: the answer
     arrives while the loop is blocked for ten times the budget, and is read when it runs
     again (``asyncio.timeout`` cancelled the read there: its timer and the socket became
     ready in the same pass); a peer that never answers runs the budget out."""
@@ -185,10 +185,10 @@ async def test_an_answer_that_came_during_a_stall_is_used_and_a_silent_store_tim
     try:
         loop.call_soon(time.sleep, 0.5)  # blocks the loop once the read below is waiting
         loop.call_soon(b.send, b"granted\n")
-        assert await _within_running_time(reader.readline(), 0.05) == b"granted\n"
+        assert await within_running_time(reader.readline(), 0.05) == b"granted\n"
         started = loop.time()
         with pytest.raises(TimeoutError):
-            await _within_running_time(reader.readline(), 0.05)
+            await within_running_time(reader.readline(), 0.05)
         assert loop.time() - started < 5.0
     finally:
         writer.close()
