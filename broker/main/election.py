@@ -28,6 +28,7 @@ from broker.core.election import (
 )
 from broker.core.handoff import Handoff
 from broker.exceptions import StorageError
+from broker.main.loops import retrying
 from broker.model.logs import log_event
 from broker.storage import SupportsLeadership
 
@@ -174,16 +175,18 @@ class Leadership:
     async def _lead(self, epoch: int) -> None:
         """Elected: load the orphans, as a restarted main does, then dispatch."""
         self._fence(epoch)
-        while True:
-            try:
-                await self._load_orphans()
-                break
-            except (OSError, StorageError) as exc:
-                log_event(
-                    logger, logging.WARNING, "loading the orphans failed, retrying", error=repr(exc)
-                )
-                self.handoff.orphans.clear()
-                await asyncio.sleep(self._retry_interval)
+
+        def forget_partial_load() -> None:
+            self.handoff.orphans.clear()
+
+        await retrying(
+            "loading the orphans",
+            self._load_orphans,
+            interval=self._retry_interval,
+            logger=logger,
+            on_error=forget_partial_load,
+            retry_if=lambda exc: isinstance(exc, OSError | StorageError),
+        )
         if not self._stopping():
             self._lead_now(epoch)
 

@@ -64,7 +64,7 @@ from broker.main.checkpoints import CheckpointSaver, ProgressWriter
 from broker.main.connections import Connections, Gathered, Session
 from broker.main.dispatcher import Dispatcher
 from broker.main.election import Leadership
-from broker.main.group_commit import GroupCommit
+from broker.main.loops import GroupCommit, retrying
 from broker.main.metrics import MainMetrics, MeasuredStore
 from broker.main.operations import LiveState, Operations
 from broker.main.recovery import RecoveryLedger
@@ -683,27 +683,23 @@ class Main:
         log_event(logger, logging.INFO, "tasks declared", worker_id=worker_id, tasks=len(tasks))
 
         async def save() -> None:
-            while True:
-                try:
-                    await self.operations.catalog.save(worker_id, declared, now)
-                    return
-                except Exception as exc:
-                    if not transient(exc) or self._stopping:
-                        log_event(
-                            logger,
-                            logging.ERROR,
-                            "storing the task catalog failed",
-                            worker_id=worker_id,
-                            error=repr(exc),
-                        )
-                        return
-                    log_event(
-                        logger,
-                        logging.WARNING,
-                        "storing the task catalog failed, retrying",
-                        error=repr(exc),
-                    )
-                    await asyncio.sleep(self.settings.error_retry_interval)
+            try:
+                await retrying(
+                    "storing the task catalog",
+                    lambda: self.operations.catalog.save(worker_id, declared, now),
+                    interval=self.settings.error_retry_interval,
+                    logger=logger,
+                    retry_if=transient,
+                    stopping=lambda: self._stopping,
+                )
+            except Exception as exc:
+                log_event(
+                    logger,
+                    logging.ERROR,
+                    "storing the task catalog failed",
+                    worker_id=worker_id,
+                    error=repr(exc),
+                )
 
         task = asyncio.create_task(save(), name="broker-declare-tasks")
         self._saving.add(task)

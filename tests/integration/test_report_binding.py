@@ -310,7 +310,7 @@ async def test_a_report_resent_while_its_first_copy_settles_is_a_duplicate(
     new = FakeWorker(setup.main.port, worker_id="worker-a")
     assert (await new.connect(held=[lease_of(sent)])).adopted == [lease_of(sent)]
     await new.send(protocol.CompletedReport(sent.job_id, sent.handoff_id, result="once"))
-    await until(lambda: len(setup.main.settler.queued) == 1)
+    await until(lambda: len(setup.main.settler.writer.queued) == 1)
     setup.watched.gate.set()
     assert (await asyncio.wait_for(old.acks.get(), 5)).status is APPLIED
     assert (await asyncio.wait_for(new.acks.get(), 5)).status is protocol.AckStatus.DUPLICATE
