@@ -36,7 +36,6 @@ import secrets
 import socket
 import uuid
 from collections.abc import Coroutine, Sequence
-from datetime import timedelta
 from typing import Any
 
 from broker.core import jobfields as codec
@@ -60,11 +59,12 @@ from broker.core.handoff import (
 from broker.credentials import role_needed
 from broker.exceptions import PermissionDeniedError, ProtocolError, transient
 from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, utcnow
+from broker.main.catalog import Declarations
 from broker.main.checkpoints import CheckpointSaver, ProgressWriter
 from broker.main.connections import Connections, Gathered, Session
 from broker.main.dispatcher import Dispatcher
 from broker.main.election import Leadership
-from broker.main.loops import GroupCommit, retrying
+from broker.main.loops import GroupCommit
 from broker.main.metrics import MainMetrics, MeasuredStore
 from broker.main.operations import LiveState, Operations
 from broker.main.recovery import RecoveryLedger
@@ -94,11 +94,6 @@ DEFAULT_RETENTION = Retention()
 _LIVENESS_TICKS = 4
 """Liveness checks per ping interval: frequent enough that a dead peer is dropped soon
 after its deadline and a stall of the main is measured closely."""
-
-_TASK_GRACE_PASS_MAX = 3600.0
-"""Seconds, at most, between two passes of the task grace: a declaration outlives its
-worker by the grace, less at most this (a connected worker's rows are marked seen on
-each pass, so a main that restarts keeps them for the grace)."""
 
 
 class Main:
@@ -146,6 +141,14 @@ class Main:
             status=self.status,
         )
         """The client requests (:mod:`broker.main.operations`), under this main's limits."""
+        self.declarations = Declarations(
+            self.operations.catalog,
+            clock=clock,
+            task_grace=self.settings.task_grace,
+            retry_interval=self.settings.error_retry_interval,
+            stopping=lambda: self._stopping,
+        )
+        """The workers' task declarations, stored in the background."""
         self.main_id = f"main-{uuid.uuid4().hex[:12]}"
         self.sessions: dict[int, Session] = {}
         self.handoff = Handoff(
@@ -165,8 +168,6 @@ class Main:
         )
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._saving: set[asyncio.Task[None]] = set()
-        """Task catalogs being written to the store (:meth:`_declare`)."""
         self._stopping = False
         self._dispatching = False
         """The dispatching tasks run: the handoffs in flight (the orphans) are loaded, so
@@ -338,7 +339,9 @@ class Main:
             asyncio.create_task(self.checkpoints.run(), name="broker-checkpoints"),
             asyncio.create_task(self.progress.run(), name="broker-progress"),
             asyncio.create_task(self._liveness_loop(), name="broker-liveness"),
-            asyncio.create_task(self._forget_gone_workers(), name="broker-task-grace"),
+            asyncio.create_task(
+                self.declarations.forget_gone_workers(self._live_workers), name="broker-task-grace"
+            ),
         ]
         if self.orphans:
             self._tasks.append(asyncio.create_task(self._orphan_deadline(), name="broker-orphans"))
@@ -401,10 +404,7 @@ class Main:
             await asyncio.wait_for(self.requests.wait_idle(), timeout=report_grace)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.ledger.flush(), timeout=report_grace)
-        if self._saving:
-            await asyncio.wait(self._saving, timeout=report_grace)
-            for saving in self._saving:
-                saving.cancel()
+        await self.declarations.finish(report_grace)
         handshakes = list(self.connections.tls_handshakes)
         for task in [*self._tasks, *handshakes, *self.connections.tasks]:
             task.cancel()
@@ -662,48 +662,16 @@ class Main:
                 )
 
     def _declare(self, session: Session, tasks: list[protocol.TaskDeclaration]) -> None:
-        """A worker declared the tasks it serves: the catalog in memory takes them at once
-        (an enqueue that follows sees them), the store in the background, retried while
-        its trouble is transient (the next declaration would record them anyway). Over a
-        bound of the catalog, nothing is recorded and the worker is told (``over_limit``,
-        not fatal: it keeps working, and its earlier declarations stay)."""
-        worker_id = session.worker_id
-        assert worker_id is not None
-        now = self._clock()
+        """A worker declared the tasks it serves (:meth:`Declarations.declare
+        <broker.main.catalog.Declarations.declare>`). Over a bound of the catalog it is
+        told (``over_limit``, not fatal: it keeps working)."""
+        assert session.worker_id is not None
         try:
-            declared = self.operations.catalog.record(worker_id, tasks, now)
+            self.declarations.declare(session.worker_id, tasks)
         except CatalogLimitError as exc:
-            log_event(
-                logger, logging.WARNING, "task catalog refused", worker_id=worker_id, error=str(exc)
-            )
             session.send(
                 protocol.Error(code=protocol.ErrorCode.OVER_LIMIT, message=str(exc), fatal=False)
             )
-            return
-        log_event(logger, logging.INFO, "tasks declared", worker_id=worker_id, tasks=len(tasks))
-
-        async def save() -> None:
-            try:
-                await retrying(
-                    "storing the task catalog",
-                    lambda: self.operations.catalog.save(worker_id, declared, now),
-                    interval=self.settings.error_retry_interval,
-                    logger=logger,
-                    retry_if=transient,
-                    stopping=lambda: self._stopping,
-                )
-            except Exception as exc:
-                log_event(
-                    logger,
-                    logging.ERROR,
-                    "storing the task catalog failed",
-                    worker_id=worker_id,
-                    error=repr(exc),
-                )
-
-        task = asyncio.create_task(save(), name="broker-declare-tasks")
-        self._saving.add(task)
-        task.add_done_callback(self._saving.discard)
 
     def _request(self, session: Session, msg: protocol.Message) -> None:
         """Start a client request if the connection's role may make it; else answer
@@ -777,29 +745,13 @@ class Main:
                 )
             )
 
-    async def _forget_gone_workers(self) -> None:
-        """Drop the task declarations of workers gone for the task grace, a pass every
-        quarter of it (at most an hour), the first one a pass after this main began to
-        dispatch, so workers that were connected to the main before it have reconnected
-        (:meth:`Catalog.forget <broker.core.catalog.Catalog.forget>`)."""
-        grace = timedelta(seconds=self.settings.task_grace)
-        interval = min(self.settings.task_grace / 4, _TASK_GRACE_PASS_MAX)
-        while True:
-            await asyncio.sleep(interval)
-            live = {
-                s.worker_id
-                for s in self.sessions.values()
-                if s.role is protocol.Role.WORKER and s.worker_id is not None
-            }
-            try:
-                await self.operations.catalog.forget(live, self._clock(), grace)
-            except Exception as exc:  # the next pass tries again
-                log_event(
-                    logger,
-                    logging.WARNING,
-                    "dropping gone workers' task declarations failed",
-                    error=repr(exc),
-                )
+    def _live_workers(self) -> set[str]:
+        """The workers connected now."""
+        return {
+            s.worker_id
+            for s in self.sessions.values()
+            if s.role is protocol.Role.WORKER and s.worker_id is not None
+        }
 
     def _disconnect(self, session: Session) -> None:
         if session.closed:
