@@ -27,7 +27,7 @@ and worker has its own registry (two mains in one test process never share a cou
 from __future__ import annotations
 
 import bisect
-import inspect
+import contextlib
 import itertools
 import time
 import uuid
@@ -48,7 +48,7 @@ from prometheus_client.utils import floatToGoString
 
 from broker.jobs import ExecutionMode, Job, JobStatus, Outcome, Settlement
 from broker.model.bounds import MAX_LABEL_BYTES, MAX_LABEL_SETS, MAX_METRICS_BYTES
-from broker.storage import QueueCount, StorageAdapter
+from broker.storage import QueueCount, StorageAdapter, eligible_reader
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """The Prometheus text exposition format that :func:`generate_latest` writes."""
@@ -303,44 +303,34 @@ class MeasuredStore:
     def __init__(self, store: StorageAdapter, metrics: MainMetrics) -> None:
         self._store = store
         self._metrics = metrics
-        self._skips = "skip" in inspect.signature(store.select_eligible).parameters
-        """Whether the store takes ``select_eligible(skip=...)``: an adapter written
-        before it (a user's own) is read past the skipped jobs instead, as dispatch did
-        then, rather than failing every pass with a ``TypeError``."""
+        self._select = eligible_reader(store)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
-    async def mark_handed_off_many(self, claims: Sequence[Any]) -> list[Job]:
+    @contextlib.contextmanager
+    def _timed(self, op: str) -> Iterator[None]:
+        """Time the store call made inside, as ``op``, counting it failed if it raised."""
         start = time.perf_counter()
         try:
-            won = await self._store.mark_handed_off_many(claims)
+            yield
         except BaseException:
-            self._metrics.store_call("claim", time.perf_counter() - start, failed=True)
+            self._metrics.store_call(op, time.perf_counter() - start, failed=True)
             raise
-        self._metrics.store_call("claim", time.perf_counter() - start, failed=False)
-        return won
+        self._metrics.store_call(op, time.perf_counter() - start, failed=False)
+
+    async def mark_handed_off_many(self, claims: Sequence[Any]) -> list[Job]:
+        with self._timed("claim"):
+            return await self._store.mark_handed_off_many(claims)
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> list[bool]:
         self._metrics.report_batch(len(settlements))
-        start = time.perf_counter()
-        try:
-            applied = await self._store.settle_many(settlements)
-        except BaseException:
-            self._metrics.store_call("settle", time.perf_counter() - start, failed=True)
-            raise
-        self._metrics.store_call("settle", time.perf_counter() - start, failed=False)
-        return applied
+        with self._timed("settle"):
+            return await self._store.settle_many(settlements)
 
     async def save_checkpoints(self, saves: Sequence[Any]) -> list[bool]:
-        start = time.perf_counter()
-        try:
-            taken = await self._store.save_checkpoints(saves)
-        except BaseException:
-            self._metrics.store_call("checkpoint", time.perf_counter() - start, failed=True)
-            raise
-        self._metrics.store_call("checkpoint", time.perf_counter() - start, failed=False)
-        return taken
+        with self._timed("checkpoint"):
+            return await self._store.save_checkpoints(saves)
 
     async def select_eligible(
         self,
@@ -350,23 +340,8 @@ class MeasuredStore:
         limit: int = 100,
         skip: Collection[uuid.UUID] = (),
     ) -> list[Job]:
-        start = time.perf_counter()
-        try:
-            if self._skips:
-                jobs = await self._store.select_eligible(
-                    modes=modes, queues=queues, limit=limit, skip=skip
-                )
-            else:
-                read = await self._store.select_eligible(
-                    modes=modes, queues=queues, limit=limit + len(skip)
-                )
-                left_out = set(skip)
-                jobs = [job for job in read if job.id not in left_out][:limit]
-        except BaseException:
-            self._metrics.store_call("select", time.perf_counter() - start, failed=True)
-            raise
-        self._metrics.store_call("select", time.perf_counter() - start, failed=False)
-        return jobs
+        with self._timed("select"):
+            return await self._select(modes=modes, queues=queues, limit=limit, skip=skip)
 
 
 # ---------------------------------------------------------------------- levels
