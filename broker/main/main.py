@@ -41,7 +41,7 @@ from typing import Any
 from broker.core import jobfields as codec
 from broker.core.admission import CreditLimitError
 from broker.core.catalog import CatalogLimitError
-from broker.core.election import Election, Phase, Timing
+from broker.core.election import Election, Phase, Timing, not_leader
 from broker.core.handoff import (
     STALL,
     Abort,
@@ -551,24 +551,8 @@ class Main:
         if self._stopping:
             return False
         if not self.leading:
-            # Elected but still loading the handoffs in flight: a worker welcomed now
-            # would adopt none of its leases, and they would go back to the queue at the
-            # orphans' deadline while it ran them. It comes back here after its backoff.
             assert self.election is not None
-            loading = self.election.phase is Phase.LEADER
-            leader = self.address if loading else self.election.leader
-            return protocol.Error(
-                code=protocol.ErrorCode.NOT_LEADER,
-                message=(
-                    "this main was just elected and is loading the handoffs in flight; try again"
-                    if loading
-                    else f"this main is a standby; the leader is at {leader}"
-                    if leader is not None
-                    else "this main is a standby and no main is elected yet; try again"
-                ),
-                fatal=True,
-                leader=leader,
-            )
+            return not_leader(self.election, self.address)
         session.host = hello.host
         self.sessions[session.id] = session
         adopted, effects = self.handoff.hello(session.state, hello)
@@ -640,17 +624,8 @@ class Main:
                 session.reported_status = status
             case protocol.TaskCatalog(tasks=tasks) if worker and session.worker_id:
                 self._declare(session, tasks)
-            case (
-                protocol.Enqueue()
-                | protocol.GetJob()
-                | protocol.Cancel()
-                | protocol.Retry()
-                | protocol.Status()
-                | protocol.ListJobs()
-                | protocol.ListTasks()
-                | protocol.Prune()
-            ):
-                self._request(session, msg)
+            case _ if (needed := role_needed(msg)) is not None:
+                self._request(session, msg, needed)
             case _:
                 session.errors += 1
                 session.send(
@@ -673,10 +648,10 @@ class Main:
                 protocol.Error(code=protocol.ErrorCode.OVER_LIMIT, message=str(exc), fatal=False)
             )
 
-    def _request(self, session: Session, msg: protocol.Message) -> None:
-        """Start a client request if the connection's role may make it; else answer
-        ``permission_denied`` (the connection stays open)."""
-        needed = role_needed(msg)
+    def _request(self, session: Session, msg: protocol.Message, needed: protocol.Role) -> None:
+        """Start a client request if the connection's role may make it (``needed``, see
+        :data:`broker.credentials.REQUESTS`); else answer ``permission_denied`` (the
+        connection stays open)."""
         if needed in session.rights:
             self.requests.start(session, msg)
             return

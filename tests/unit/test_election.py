@@ -25,9 +25,11 @@ from broker.core.election import (
     StepDown,
     Timing,
     TryElect,
+    not_leader,
 )
 from broker.exceptions import ConfigurationError
 from broker.main.election import within_running_time
+from broker.wire.messages import ErrorCode
 
 
 @dataclass
@@ -69,6 +71,28 @@ def test_timing_derives_from_the_bound() -> None:
     assert TIMING.ttl + TIMING.poll_every < TIMING.failover_timeout
     with pytest.raises(ConfigurationError):
         Timing(0)
+
+
+def test_a_main_that_does_not_dispatch_answers_hellos_with_where_the_leader_is() -> None:
+    """``not_leader``: a standby names the leader it last saw (or none yet); a main just
+    elected, still loading the handoffs in flight, names itself, so the worker comes
+    back to it once it is ready. Every answer closes the connection."""
+    alone = not_leader(Election("a", TIMING), "a:7600")
+    assert (alone.code, alone.leader, alone.fatal) == (ErrorCode.NOT_LEADER, None, True)
+    assert "no main is elected yet" in alone.message
+
+    standby = Election("a", TIMING)
+    standby.elected("b", 1, "b:7600", live=True, started=0.0)
+    told = not_leader(standby, "a:7600")
+    assert (told.leader, told.message) == (
+        "b:7600",
+        "this main is a standby; the leader is at b:7600",
+    )
+
+    elected = Election("a", TIMING)
+    assert elected.elected("a", 2, "a:7600", live=True, started=0.0) == [Lead(2)]
+    loading = not_leader(elected, "a:7600")
+    assert loading.leader == "a:7600" and "just elected" in loading.message
 
 
 def test_a_standby_is_elected_when_the_row_is_free() -> None:
