@@ -12,7 +12,8 @@ Two kinds, kept apart so the hot paths pay only for the first:
   a label dict or a lock.
 * **Levels** (queue depth and oldest eligible age, workers, free credits, ledger size; on
   a worker, running jobs and children) are read at scrape time from what the main or
-  worker already holds (:class:`MainLevels`, :class:`WorkerLevels`): nothing to keep in
+  worker already holds (:class:`MainLevels`, :class:`broker.worker.metrics.WorkerLevels`):
+  nothing to keep in
   step, nothing on the hot path.
 
 Label values are bounded in number and in length: queue and task names are the only
@@ -32,7 +33,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
@@ -454,60 +455,6 @@ class MainExposition:
         return self.metrics.exposition()
 
 
-# ---------------------------------------------------------------------- worker
-
-
-@dataclass(eq=False)
-class WorkerLevels(Collector):
-    """A worker's metrics, all read at scrape time from ``status()`` (``Worker.status``):
-    its running jobs, and per mode its slots, busy slots and children, with the child
-    starts, crashes and recycles its runners count."""
-
-    status: Callable[[], Mapping[str, Any]]
-    registry: CollectorRegistry = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self)
-
-    def collect(self) -> Iterator[Metric]:
-        status = self.status()
-        yield _gauge("broker_worker_connected", "1 while connected to a main.", status["connected"])
-        yield _gauge("broker_worker_draining", "1 while draining.", status["draining"])
-        yield _gauge(
-            "broker_worker_running_jobs", "Jobs running on this worker.", status["running"]
-        )
-        yield _gauge(
-            "broker_worker_outbox", "Reports waiting for the main's ack.", status["outbox"]
-        )
-        slots = GaugeMetricFamily("broker_worker_slots", "Slots by mode.", labels=["mode"])
-        busy = GaugeMetricFamily("broker_worker_busy_slots", "Busy slots by mode.", labels=["mode"])
-        alive = GaugeMetricFamily(
-            "broker_worker_children_alive", "Child processes alive, by mode.", labels=["mode"]
-        )
-        counters = {
-            key: CounterMetricFamily(f"broker_worker_child_{key}", text, labels=["mode"])
-            for key, text in (
-                ("starts", "Child processes started, by mode."),
-                ("crashes", "Child processes that died unasked (a crash, a kill), by mode."),
-                ("recycles", "Pooled children retired for their job count, memory or age."),
-            )
-        }
-        for mode, runner in sorted(status["runners"].items()):
-            slots.add_metric([mode], runner.capacity)
-            busy.add_metric([mode], runner.busy)
-            details = runner.details
-            if "children_alive" in details:
-                alive.add_metric([mode], details["children_alive"])
-            for key, family in counters.items():
-                if f"child_{key}" in details:
-                    family.add_metric([mode], details[f"child_{key}"])
-        yield from (slots, busy, alive, *counters.values())
-
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
-
-
 __all__ = [
     "CONTENT_TYPE",
     "MAX_LABEL_BYTES",
@@ -517,6 +464,5 @@ __all__ = [
     "MainLevels",
     "MainMetrics",
     "MeasuredStore",
-    "WorkerLevels",
     "label",
 ]

@@ -55,11 +55,12 @@ from aiohttp import web
 from broker.exceptions import BrokerError
 from broker.jobs import ExecutionMode, JobStatus, utcnow
 from broker.main.main import Main
-from broker.main.metrics import CONTENT_TYPE, MainExposition, MainLevels, WorkerLevels, label
+from broker.main.metrics import CONTENT_TYPE, MainExposition, MainLevels, label
 from broker.model.bounds import CELL_CHARS, DASHBOARD_REQUESTS, PAGE_ROWS, VALUE_BYTES
 from broker.model.untrusted import escape_bidi
 from broker.storage import QueueCount
 from broker.wire import messages as protocol
+from broker.worker.metrics import WorkerLevels
 from broker.worker.worker import Worker
 
 COUNTS_MAX_AGE = 2.0
