@@ -58,12 +58,13 @@ from broker.core.handoff import (
 )
 from broker.credentials import role_needed
 from broker.exceptions import PermissionDeniedError, ProtocolError, transient
-from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, utcnow
+from broker.jobs import Clock, Job, utcnow
 from broker.main.catalog import Declarations
 from broker.main.checkpoints import CheckpointSaver, ProgressWriter
 from broker.main.connections import Connections, Gathered, Session
 from broker.main.dispatcher import Dispatcher
 from broker.main.election import Leadership
+from broker.main.handoffs import EnqueueHandoff, load_orphans
 from broker.main.loops import GroupCommit
 from broker.main.metrics import MainMetrics, MeasuredStore
 from broker.main.operations import LiveState, Operations
@@ -76,9 +77,7 @@ from broker.main.settler import ReportSettler
 from broker.model.logs import log_event
 from broker.retry import RetryDelay, retry_delay
 from broker.storage import (
-    JobFilter,
     StorageAdapter,
-    SupportsEnqueueHandedOff,
     SupportsLeadership,
     SupportsNotify,
 )
@@ -108,9 +107,6 @@ class Main:
         retention: Retention | None = DEFAULT_RETENTION,
     ) -> None:
         self.store = store
-        self._enqueue_store = store if isinstance(store, SupportsEnqueueHandedOff) else None
-        """The store, if it can hand jobs off at enqueue (checked once: a runtime protocol
-        check costs as much as a small enqueue's other bookkeeping)."""
         self.settings = settings or MainSettings()
         self.settings.validate()
         tls = self.settings.tls
@@ -122,12 +118,26 @@ class Main:
         self.metrics = MainMetrics()
         """The event counters for ``/metrics`` (see :mod:`broker.main.metrics`)."""
         measured: StorageAdapter = MeasuredStore(store, self.metrics)
+        self.handoff = Handoff(
+            max_credit=self.settings.max_credit,
+            affinity_grace=self.settings.affinity_grace,
+            reconnect_grace=self.settings.orphan_grace,
+        )
+        """The handoff rules and state; this class only feeds it events and carries out
+        its effects (see :mod:`broker.core.handoff`)."""
         self.operations = Operations(
             store,
             self.settings,
             clock=clock,
             enqueue=GroupCommit(
-                self._enqueue_now,
+                EnqueueHandoff(
+                    store,
+                    self.handoff,
+                    carry=self._carry,
+                    enqueued=lambda results: self.dispatcher.enqueued(results),
+                    stopping=lambda: self._stopping,
+                    clock=clock,
+                ).commit,
                 max_batch=self.settings.enqueue_batch,
                 shared_failure=transient,
             ).submit,
@@ -151,13 +161,6 @@ class Main:
         """The workers' task declarations, stored in the background."""
         self.main_id = f"main-{uuid.uuid4().hex[:12]}"
         self.sessions: dict[int, Session] = {}
-        self.handoff = Handoff(
-            max_credit=self.settings.max_credit,
-            affinity_grace=self.settings.affinity_grace,
-            reconnect_grace=self.settings.orphan_grace,
-        )
-        """The handoff rules and state; this class only feeds it events and carries out
-        its effects (see :mod:`broker.core.handoff`)."""
         self.ledger = RecoveryLedger(
             store,
             self.handoff,
@@ -439,39 +442,6 @@ class Main:
         """Ask the dispatcher for another pass (coalesced: many wakes, one pass)."""
         self.dispatcher.wake()
 
-    async def _enqueue_now(self, specs: list[JobSpec]) -> list[EnqueueResult]:
-        """One group commit of enqueues. Jobs that can start at once (a worker has a free
-        slot and no waiting job would be overtaken, see :meth:`Handoff.plan_at_enqueue`)
-        are written already handed off, under leases minted before the insert, and sent
-        right after the commit: one transaction and no dispatch pass between the enqueue
-        and the start. An unknown outcome sends their leases to the ledger, as for any
-        claim."""
-        store = self._enqueue_store
-        plans = (
-            []
-            if store is None or self._stopping
-            else self.handoff.plan_at_enqueue(specs, self._clock())
-        )
-        planned = [p for p in plans if p is not None]
-        leased: set[uuid.UUID] = set()
-        if store is None or not planned:
-            results = await self.store.enqueue_many(specs)
-        else:
-            try:
-                results = await store.enqueue_handed_off(
-                    specs, [None if p is None else p.claim for p in plans]
-                )
-            except BaseException:
-                self._carry(self.handoff.claim_unknown(planned))
-                raise
-            # Only the jobs planned are looked at (reading a result's job builds it).
-            leased = {p.job.id for p in planned}
-            won = [r.job for r in results if not r.duplicate and r.job_id in leased]
-            self._carry(self.handoff.claimed(planned, won))
-        # The jobs stored queued (not those handed off at once) wake the dispatcher.
-        self.dispatcher.enqueued([r for r in results if not r.duplicate and r.job_id not in leased])
-        return results
-
     def _carry(self, effects: Sequence[HandoffEffect]) -> None:
         """Carry out the handoff's effects, in order (the dispatcher makes the claims).
 
@@ -520,21 +490,7 @@ class Main:
         out.send_all()
 
     async def _load_orphans(self) -> None:
-        """The handoffs in flight, as summaries: a held lease needs no payload (a job sent
-        again is claimed again, which loads it), so a start never loads megabytes per
-        running job, nor fails on a value that no longer passes its integrity check."""
-        cursor: str | None = None
-        while True:
-            page = await self.store.list_jobs(
-                JobFilter(statuses=[JobStatus.HANDED_OFF]),
-                limit=1000,
-                cursor=cursor,
-                include_payload=False,
-            )
-            self.handoff.load_orphans(page.jobs)
-            if page.next_cursor is None:
-                return
-            cursor = page.next_cursor
+        await load_orphans(self.store, self.handoff)
 
     async def _orphan_deadline(self) -> None:
         await asyncio.sleep(self.settings.orphan_grace)
