@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import math
 import secrets
 import socket
 import uuid
@@ -43,7 +41,6 @@ from broker.core.admission import CreditLimitError
 from broker.core.catalog import CatalogLimitError
 from broker.core.election import Election, Phase, Timing, not_leader
 from broker.core.handoff import (
-    STALL,
     Abort,
     ClaimJobs,
     Dispatch,
@@ -60,27 +57,19 @@ from broker.credentials import role_needed
 from broker.exceptions import PermissionDeniedError, ProtocolError, transient
 from broker.jobs import Clock, Job, utcnow
 from broker.main.catalog import Declarations
-from broker.main.checkpoints import CheckpointSaver, ProgressWriter
 from broker.main.connections import Connections, Gathered, Session
-from broker.main.dispatcher import Dispatcher
 from broker.main.election import Leadership
 from broker.main.handoffs import EnqueueHandoff, load_orphans
+from broker.main.leader import Leader
 from broker.main.loops import GroupCommit
-from broker.main.metrics import MainMetrics, MeasuredStore
+from broker.main.metrics import MainMetrics
 from broker.main.operations import LiveState, Operations
-from broker.main.recovery import RecoveryLedger
 from broker.main.requests import Requests
-from broker.main.retention import Retention, run_retention
-from broker.main.scheduler import Scheduler, catch_up_window
+from broker.main.retention import Retention
 from broker.main.settings import MainSettings
-from broker.main.settler import ReportSettler
 from broker.model.logs import log_event
 from broker.retry import RetryDelay, retry_delay
-from broker.storage import (
-    StorageAdapter,
-    SupportsLeadership,
-    SupportsNotify,
-)
+from broker.storage import StorageAdapter, SupportsLeadership
 from broker.tasks.schedule import Schedule
 from broker.wire import errors as error_codes
 from broker.wire import messages as protocol
@@ -89,10 +78,6 @@ logger = logging.getLogger("broker.main")
 
 DEFAULT_RETENTION = Retention()
 """Completed and cancelled jobs kept 7 days, dead ones 30 days, no row cap."""
-
-_LIVENESS_TICKS = 4
-"""Liveness checks per ping interval: frequent enough that a dead peer is dropped soon
-after its deadline and a stall of the main is measured closely."""
 
 
 class Main:
@@ -117,7 +102,6 @@ class Main:
         self._retry_delay = retry_delay_fn
         self.metrics = MainMetrics()
         """The event counters for ``/metrics`` (see :mod:`broker.main.metrics`)."""
-        measured: StorageAdapter = MeasuredStore(store, self.metrics)
         self.handoff = Handoff(
             max_credit=self.settings.max_credit,
             affinity_grace=self.settings.affinity_grace,
@@ -134,7 +118,7 @@ class Main:
                     store,
                     self.handoff,
                     carry=self._carry,
-                    enqueued=lambda results: self.dispatcher.enqueued(results),
+                    enqueued=lambda results: self.leader.dispatcher.enqueued(results),
                     stopping=lambda: self._stopping,
                     clock=clock,
                 ).commit,
@@ -161,14 +145,6 @@ class Main:
         """The workers' task declarations, stored in the background."""
         self.main_id = f"main-{uuid.uuid4().hex[:12]}"
         self.sessions: dict[int, Session] = {}
-        self.ledger = RecoveryLedger(
-            store,
-            self.handoff,
-            retry_interval=self.settings.error_retry_interval,
-            on_returned=self.wake,
-            clock=clock,
-            max_recoveries=self.settings.max_recoveries,
-        )
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -177,21 +153,6 @@ class Main:
         a worker's hello can adopt its leases."""
         """No new dispatch, connection or request: the main is stopping, or was deposed."""
         self._stop_started = False
-        self._tick_due = math.inf
-        """When the liveness loop's next check is due (loop time): a disconnect read later
-        than that comes while the loop is still catching up on a stall."""
-        self.dispatcher = Dispatcher(
-            measured,
-            self.handoff,
-            carry=self._carry,
-            stopping=lambda: self._stopping,
-            clock=clock,
-            claim_batch=self.settings.claim_batch,
-            max_claims_in_flight=self.settings.max_claims_in_flight,
-            poll_interval=self.settings.poll_interval,
-            notify_fallback_interval=self.settings.notify_fallback_interval,
-            retry_interval=self.settings.error_retry_interval,
-        )
         self.connections = Connections(
             self.settings,
             new_peer=self.handoff.new_peer,
@@ -201,44 +162,23 @@ class Main:
             wake=self.wake,
             stopping=lambda: self._stopping,
         )
-        self.settler = ReportSettler(
-            measured,
+        self.leader = Leader(
+            store,
             self.handoff,
-            acknowledged=self._acknowledge,
-            stopping=lambda: self._stopping,
+            self.settings,
+            metrics=self.metrics,
             clock=clock,
             retry_delay=retry_delay_fn,
-            max_recoveries=self.settings.max_recoveries,
-            batch=self.settings.report_batch,
-            retry_interval=self.settings.error_retry_interval,
-            max_payload_bytes=self.settings.max_payload_bytes,
-            max_payload_depth=self.settings.max_payload_depth,
-            max_payload_containers=self.settings.max_payload_containers,
-            metrics=self.metrics,
-        )
-        self.checkpoints = CheckpointSaver(
-            measured,
-            answer=self._answer_checkpoints,
+            carry=self._carry,
+            acknowledged=self._acknowledge,
+            answer_checkpoints=self._answer_checkpoints,
             stopping=lambda: self._stopping,
-            batch=self.settings.report_batch,
-            retry_interval=self.settings.error_retry_interval,
-            max_checkpoint_bytes=self.settings.checkpoint_limit,
-            max_payload_depth=self.settings.max_payload_depth,
-            max_payload_containers=self.settings.max_payload_containers,
+            declarations=self.declarations,
+            live_workers=self._live_workers,
+            schedules=schedules,
+            retention=retention,
         )
-        """Checkpoints, group-committed and acknowledged once durable."""
-        self.progress = ProgressWriter(measured)
-        self.retention = retention
-        """Pruning of finished jobs (see :mod:`broker.main.retention`); ``None``: never prune."""
-        self.scheduler = Scheduler(
-            store,
-            schedules,
-            clock=clock,
-            on_enqueued=self.wake,
-            error_retry_interval=self.settings.error_retry_interval,
-            catch_up_window=catch_up_window(retention),
-        )
-        """Enqueues the periodic jobs' ticks, each once (see :mod:`broker.tasks.schedule`)."""
+        """What only the dispatching main runs (see :mod:`broker.main.leader`)."""
         self.election: Election | None = None
         """Who dispatches among the mains on this store (``None``: a store that holds one
         main only, which always dispatches)."""
@@ -334,30 +274,7 @@ class Main:
     def _dispatch(self) -> None:
         """Start what only the dispatching main runs (the orphans are loaded)."""
         self._dispatching = True
-        self.handoff.serving(asyncio.get_running_loop().time())
-        self._tasks += [
-            asyncio.create_task(self.dispatcher.run(), name="broker-dispatch"),
-            asyncio.create_task(self.ledger.run(), name="broker-recovery"),
-            asyncio.create_task(self.settler.run(), name="broker-reports"),
-            asyncio.create_task(self.checkpoints.run(), name="broker-checkpoints"),
-            asyncio.create_task(self.progress.run(), name="broker-progress"),
-            asyncio.create_task(self._liveness_loop(), name="broker-liveness"),
-            asyncio.create_task(
-                self.declarations.forget_gone_workers(self._live_workers), name="broker-task-grace"
-            ),
-        ]
-        if self.orphans:
-            self._tasks.append(asyncio.create_task(self._orphan_deadline(), name="broker-orphans"))
-        if self.store.capabilities.listen_notify and isinstance(self.store, SupportsNotify):
-            self._tasks.append(asyncio.create_task(self.dispatcher.listen(), name="broker-listen"))
-        if self.retention is not None:
-            self._tasks.append(
-                asyncio.create_task(
-                    run_retention(self.store, self.retention, self._clock), name="broker-retention"
-                )
-            )
-        if self.scheduler.schedules:
-            self._tasks.append(asyncio.create_task(self.scheduler.run(), name="broker-schedule"))
+        self.leader.start(self._spawn)
 
     # ------------------------------------------------------------------ election
 
@@ -402,11 +319,11 @@ class Main:
         if self._server is not None:
             self._server.close()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.settler.wait_idle(), timeout=report_grace)
+            await asyncio.wait_for(self.leader.settler.wait_idle(), timeout=report_grace)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.requests.wait_idle(), timeout=report_grace)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.ledger.flush(), timeout=report_grace)
+            await asyncio.wait_for(self.leader.ledger.flush(), timeout=report_grace)
         await self.declarations.finish(report_grace)
         handshakes = list(self.connections.tls_handshakes)
         for task in [*self._tasks, *handshakes, *self.connections.tasks]:
@@ -440,7 +357,7 @@ class Main:
 
     def wake(self) -> None:
         """Ask the dispatcher for another pass (coalesced: many wakes, one pass)."""
-        self.dispatcher.wake()
+        self.leader.dispatcher.wake()
 
     def _carry(self, effects: Sequence[HandoffEffect]) -> None:
         """Carry out the handoff's effects, in order (the dispatcher makes the claims).
@@ -456,7 +373,7 @@ class Main:
                     out.add(peer, protocol.Jobs, codec.job_message(seq, job, state_lost=state_lost))
                     self.metrics.handed_off(job)
                 case Settle(peer=peer, report=report):
-                    self.settler.add(peer, report)
+                    self.leader.settler.add(peer, report)
                 case Send(peer=peer, message=protocol.ReportAck() as ack):
                     out.add(peer, protocol.ReportAcks, ack)
                 case Send(peer=peer, message=protocol.CheckpointAck() as ack):
@@ -465,7 +382,7 @@ class Main:
                 case Send(peer=peer, message=message):
                     out.send(peer, message)
                 case ReturnLease():
-                    self.ledger.kick()
+                    self.leader.ledger.kick()
                 case Abort(peer=peer, reason=reason):
                     out.drop(peer)
                     if (session := self.sessions.get(peer)) is not None:
@@ -479,24 +396,18 @@ class Main:
                         )
                         session.abort()
                 case WakeDispatcher():
-                    self.dispatcher.nudge()
+                    self.leader.dispatcher.nudge()
                 case ClaimJobs():
                     pass  # a store call to await: the dispatcher makes it
                 case StoreCheckpoint(peer=peer, message=message):
-                    self.checkpoints.add(peer, message)
+                    self.leader.checkpoints.add(peer, message)
                 case StoreProgress(update=update):
                     self.metrics.progress_received()
-                    self.progress.add(update)
+                    self.leader.progress.add(update)
         out.send_all()
 
     async def _load_orphans(self) -> None:
         await load_orphans(self.store, self.handoff)
-
-    async def _orphan_deadline(self) -> None:
-        await asyncio.sleep(self.settings.orphan_grace)
-        effects = self.handoff.orphan_deadline()
-        log_event(logger, logging.INFO, "orphan grace over", returned=len(effects))
-        self._carry(effects)
 
     # ------------------------------------------------------------------ connections
 
@@ -645,37 +556,6 @@ class Main:
 
     # ------------------------------------------------------------------ liveness and exits
 
-    async def _liveness_loop(self) -> None:
-        """Pings every peer each ``ping_interval`` and drops one that has not answered a
-        ping, or whose write has been stuck or outbox over its cap, for ``liveness_timeout``.
-
-        The loop also measures the main's own lag (when it wakes against when it asked
-        to): while the main was stalled, say by a slow request, it could neither read the
-        peers' answers nor write to them, so that time is excused rather than judged
-        (:meth:`broker.core.handoff.Liveness.excuse`). A slow moment in the main never returns
-        live workers' leases, nor those of a worker that gave its socket up meanwhile
-        (:meth:`broker.core.handoff.Handoff.disconnect` parks them for its hello).
-        """
-        loop = asyncio.get_running_loop()
-        tick = self.settings.ping_interval / _LIVENESS_TICKS
-        for n in itertools.count(1):
-            planned = self._tick_due = loop.time() + tick
-            await asyncio.sleep(tick)
-            now = loop.time()
-            stall = now - planned
-            if stall >= STALL:
-                log_event(
-                    logger, logging.WARNING, "the main's loop was stalled", seconds=round(stall, 1)
-                )
-            self._carry(
-                self.handoff.tick(
-                    now,
-                    stall=stall,
-                    timeout=self.settings.liveness_timeout,
-                    ping=n % _LIVENESS_TICKS == 0,
-                )
-            )
-
     def _live_workers(self) -> set[str]:
         """The workers connected now."""
         return {
@@ -690,7 +570,7 @@ class Main:
         session.closed = True
         self.sessions.pop(session.id, None)
         now = asyncio.get_running_loop().time()
-        stall = max(0.0, now - self._tick_due)  # the liveness check is overdue by this much
+        stall = max(0.0, now - self.leader.tick_due)  # the liveness check is overdue by this much
         self._carry(self.handoff.disconnect(session.id, now, stall=stall, stopping=self._stopping))
 
     async def status(self) -> dict[str, Any]:
@@ -704,7 +584,7 @@ class Main:
             workers=[s.summary() for s in workers if s.role is protocol.Role.WORKER],
             # Job ids only: a client is never shown a lease (see ``Job.to_dict``).
             pending_recoveries=[
-                {"job_id": str(job_id)} for job_id in self.ledger.pending().values()
+                {"job_id": str(job_id)} for job_id in self.leader.ledger.pending().values()
             ],
         )
         return await self.operations.status(live)

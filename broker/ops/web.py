@@ -537,7 +537,7 @@ class Dashboard:
         return self._page(request, "Pending recoveries", live)
 
     async def _schedules(self, request: web.Request) -> web.Response:
-        scheduler = self.main.scheduler
+        scheduler = self.main.leader.scheduler
         ticks = scheduler.ticks()
         schedules, pages = _paged(request, scheduler.schedules)
         rows = [

@@ -382,7 +382,7 @@ def test_broker_main_takes_schedule_modules_from_flags_and_environment(
     seen: list[str] = []
 
     def ready(main: Main) -> None:
-        seen.extend(s.name for s in main.scheduler.schedules)
+        seen.extend(s.name for s in main.leader.scheduler.schedules)
         asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGTERM)
 
     asyncio.run(cli.run_main(args, ready))
@@ -499,7 +499,8 @@ async def test_catch_up_skips_a_tick_older_than_retention_keeps_jobs() -> None:
     assert catch_up_window(None) is None
     assert catch_up_window(Retention(completed_ttl=None, dead_ttl=None)) is None
     main = Main(store, MainSettings(port=0), schedules=[monthly], retention=Retention())
-    assert main.scheduler._window == timedelta(days=7)  # the default keeps completed jobs 7 days
+    # The default keeps completed jobs 7 days.
+    assert main.leader.scheduler._window == timedelta(days=7)
 
 
 async def test_a_restart_just_after_a_tick_does_not_enqueue_it_again() -> None:
@@ -693,12 +694,12 @@ async def test_two_mains_and_a_restarted_main_enqueue_a_cron_tick_once(
         restarted = Main(shared(clock), settings, clock=clock, schedules=[schedule])
         await restarted.start()
         deadline = asyncio.get_running_loop().time() + 10
-        while not any(m.leading and m.scheduler.next_tick() for m in (mains[1], restarted)):
+        while not any(m.leading and m.leader.scheduler.next_tick() for m in (mains[1], restarted)):
             assert asyncio.get_running_loop().time() < deadline, "no main runs the schedule"
             await asyncio.sleep(0.05)
         running = [m for m in (mains[1], restarted) if m.leading]
         await asyncio.sleep(0.5)
-        next_tick = running[0].scheduler.next_tick()
+        next_tick = running[0].leader.scheduler.next_tick()
         assert next_tick is not None and next_tick > boundary  # it caught up on the tick
         assert await keys(store) == expected
         assert len(await all_jobs(store)) == 2
