@@ -19,6 +19,7 @@ from broker.core.catalog import Catalog, CatalogLimitError
 from broker.exceptions import transient
 from broker.jobs import Clock
 from broker.main.loops import retrying
+from broker.main.settings import MainSettings
 from broker.model.bounds import MAX_CATALOG_ENTRIES
 from broker.model.logs import log_event
 from broker.storage import StorageAdapter
@@ -84,16 +85,17 @@ class Declarations:
     def __init__(
         self,
         catalog: StoredCatalog,
+        settings: MainSettings,
         *,
         clock: Clock,
-        task_grace: float,
-        retry_interval: float,
         stopping: Callable[[], bool],
     ) -> None:
+        """Declarations are kept for ``settings.task_grace`` after their worker left;
+        their writes are retried every ``settings.error_retry_interval``."""
         self._catalog = catalog
         self._clock = clock
-        self._task_grace = task_grace
-        self._retry_interval = retry_interval
+        self._task_grace = settings.task_grace
+        self._retry_interval = settings.error_retry_interval
         self._stopping = stopping
         self._saving: set[asyncio.Task[None]] = set()
         """Declarations being written to the store."""

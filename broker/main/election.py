@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from broker.core.election import (
     Effect,
@@ -28,16 +28,13 @@ from broker.core.election import (
 )
 from broker.core.handoff import Handoff
 from broker.exceptions import StorageError
-from broker.main.loops import retrying
+from broker.main.loops import Spawn, retrying
 from broker.model.logs import log_event
 from broker.storage import SupportsLeadership
 
 logger = logging.getLogger("broker.main")
 
 _T = TypeVar("_T")
-
-Spawn = Callable[[Coroutine[Any, Any, None], str], None]
-"""Start a background task the main cancels when it stops (the coroutine, its name)."""
 
 
 class Leadership:

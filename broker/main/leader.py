@@ -21,7 +21,7 @@ from broker.jobs import Clock
 from broker.main.catalog import Declarations
 from broker.main.checkpoints import Answer, CheckpointSaver, ProgressWriter
 from broker.main.dispatcher import Dispatcher
-from broker.main.election import Spawn
+from broker.main.loops import Spawn
 from broker.main.metrics import MainMetrics, MeasuredStore
 from broker.main.recovery import RecoveryLedger
 from broker.main.retention import Retention, run_retention

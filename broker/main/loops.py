@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from broker.exceptions import transient
@@ -30,6 +30,9 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 Sleep = Callable[[float], Awaitable[None]]
+
+Spawn = Callable[[Coroutine[Any, Any, None], str], None]
+"""Start a background task the main cancels when it stops (the coroutine, its name)."""
 
 
 def _always(_exc: Exception) -> bool:
@@ -306,4 +309,4 @@ def _settle(future: asyncio.Future[list[R]], outcome: list[R] | Exception) -> No
         future.set_result(outcome)
 
 
-__all__ = ["BatchWriter", "GroupCommit", "retrying"]
+__all__ = ["BatchWriter", "GroupCommit", "Spawn", "retrying"]

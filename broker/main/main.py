@@ -99,7 +99,6 @@ class Main:
         """Built here, so a certificate that cannot be loaded is refused before anything
         listens or touches the store."""
         self._clock = clock
-        self._retry_delay = retry_delay_fn
         self.metrics = MainMetrics()
         """The event counters for ``/metrics`` (see :mod:`broker.main.metrics`)."""
         self.handoff = Handoff(
@@ -136,11 +135,7 @@ class Main:
         )
         """The client requests (:mod:`broker.main.operations`), under this main's limits."""
         self.declarations = Declarations(
-            self.operations.catalog,
-            clock=clock,
-            task_grace=self.settings.task_grace,
-            retry_interval=self.settings.error_retry_interval,
-            stopping=lambda: self._stopping,
+            self.operations.catalog, self.settings, clock=clock, stopping=lambda: self._stopping
         )
         """The workers' task declarations, stored in the background."""
         self.main_id = f"main-{uuid.uuid4().hex[:12]}"
@@ -148,10 +143,10 @@ class Main:
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        """No new dispatch, connection or request: the main is stopping, or was deposed."""
         self._dispatching = False
         """The dispatching tasks run: the handoffs in flight (the orphans) are loaded, so
         a worker's hello can adopt its leases."""
-        """No new dispatch, connection or request: the main is stopping, or was deposed."""
         self._stop_started = False
         self.connections = Connections(
             self.settings,
@@ -192,7 +187,7 @@ class Main:
                 self.handoff,
                 main_id=self.main_id,
                 address=lambda: self.address,
-                load_orphans=lambda: self._load_orphans(),
+                load_orphans=self._load_orphans,
                 dispatch=self._dispatch,
                 deposed=self._deposed,
                 stopping=lambda: self._stopping,
