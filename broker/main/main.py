@@ -37,8 +37,6 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from broker.core import jobfields as codec
-from broker.core.admission import CreditLimitError
-from broker.core.catalog import CatalogLimitError
 from broker.core.election import Election, Phase, Timing, not_leader
 from broker.core.handoff import (
     Abort,
@@ -53,8 +51,7 @@ from broker.core.handoff import (
     StoreProgress,
     WakeDispatcher,
 )
-from broker.credentials import role_needed
-from broker.exceptions import PermissionDeniedError, ProtocolError, transient
+from broker.exceptions import transient
 from broker.jobs import Clock, Job, utcnow
 from broker.main.catalog import Declarations
 from broker.main.connections import Connections, Gathered, Session
@@ -66,12 +63,12 @@ from broker.main.metrics import MainMetrics
 from broker.main.operations import LiveState, Operations
 from broker.main.requests import Requests
 from broker.main.retention import Retention
+from broker.main.routing import Router
 from broker.main.settings import MainSettings
 from broker.model.logs import log_event
 from broker.retry import RetryDelay, retry_delay
 from broker.storage import StorageAdapter, SupportsLeadership
 from broker.tasks.schedule import Schedule
-from broker.wire import errors as error_codes
 from broker.wire import messages as protocol
 
 logger = logging.getLogger("broker.main")
@@ -138,6 +135,13 @@ class Main:
             self.operations.catalog, self.settings, clock=clock, stopping=lambda: self._stopping
         )
         """The workers' task declarations, stored in the background."""
+        self.router = Router(
+            self.handoff,
+            carry=self._carry,
+            requests=self.requests,
+            declarations=self.declarations,
+        )
+        """What each peer message does (see :mod:`broker.main.routing`)."""
         self.main_id = f"main-{uuid.uuid4().hex[:12]}"
         self.sessions: dict[int, Session] = {}
         self._server: asyncio.Server | None = None
@@ -152,7 +156,7 @@ class Main:
             self.settings,
             new_peer=self.handoff.new_peer,
             welcome=self._welcome,
-            handle=self._handle,
+            handle=self.router.handle,
             closed=self._disconnect,
             wake=self.wake,
             stopping=lambda: self._stopping,
@@ -442,96 +446,6 @@ class Main:
             adopted=len(adopted),
         )
         return True
-
-    def _handle(self, session: Session, msg: protocol.Message) -> None:
-        worker = session.role is protocol.Role.WORKER
-        match msg:
-            case protocol.Ping(nonce=nonce):
-                session.send(protocol.Pong(nonce=nonce))
-            case protocol.Pong(nonce=nonce):
-                self.handoff.pong(session.id, nonce, asyncio.get_running_loop().time())
-            case protocol.Ready(slots=slots, seen=seen) if worker:
-                try:
-                    self._carry(self.handoff.ready(session.id, slots, seen))
-                except ProtocolError as exc:
-                    session.errors += 1
-                    code = (
-                        protocol.ErrorCode.OVER_LIMIT
-                        if isinstance(exc, CreditLimitError)
-                        else protocol.ErrorCode.MALFORMED
-                    )
-                    session.send(protocol.Error(code=code, message=str(exc), fatal=False))
-            case protocol.Draining() if worker:
-                self._carry(self.handoff.draining(session.id))
-            case (
-                protocol.CompletedReport()
-                | protocol.FailedReport()
-                | protocol.RescheduleReport()
-                | protocol.ReleaseReport()
-            ) if worker:
-                self._carry(self.handoff.report(session.id, msg))
-            case protocol.Reports(reports=reports) if worker:
-                self._carry(
-                    [
-                        effect
-                        for report in reports
-                        for effect in self.handoff.report(session.id, report)
-                    ]
-                )
-            case protocol.SaveCheckpoint() if worker:
-                self._carry(self.handoff.checkpoint(session.id, msg))
-            case protocol.Progress() if worker:
-                self._carry(self.handoff.progress(session.id, msg))
-            case protocol.WorkerStatus(status=status) if worker:
-                session.reported_status = status
-            case protocol.TaskCatalog(tasks=tasks) if worker and session.worker_id:
-                self._declare(session, tasks)
-            case _ if (needed := role_needed(msg)) is not None:
-                self._request(session, msg, needed)
-            case _:
-                session.errors += 1
-                session.send(
-                    protocol.Error(
-                        code=protocol.ErrorCode.NOT_ALLOWED,
-                        message=f"{msg.type!r} is not allowed from a {session.role} connection",
-                        fatal=False,
-                    )
-                )
-
-    def _declare(self, session: Session, tasks: list[protocol.TaskDeclaration]) -> None:
-        """A worker declared the tasks it serves (:meth:`Declarations.declare
-        <broker.main.catalog.Declarations.declare>`). Over a bound of the catalog it is
-        told (``over_limit``, not fatal: it keeps working)."""
-        assert session.worker_id is not None
-        try:
-            self.declarations.declare(session.worker_id, tasks)
-        except CatalogLimitError as exc:
-            session.send(
-                protocol.Error(code=protocol.ErrorCode.OVER_LIMIT, message=str(exc), fatal=False)
-            )
-
-    def _request(self, session: Session, msg: protocol.Message, needed: protocol.Role) -> None:
-        """Start a client request if the connection's role may make it (``needed``, see
-        :data:`broker.credentials.REQUESTS`); else answer ``permission_denied`` (the
-        connection stays open)."""
-        if needed in session.rights:
-            self.requests.start(session, msg)
-            return
-        log_event(
-            logger,
-            logging.WARNING,
-            "request denied",
-            session=session.id,
-            type=msg.type,
-            role=session.role,
-            needs=needed,
-        )
-        denied = PermissionDeniedError(
-            f"{msg.type!r} needs the {needed} role; this connection said hello as "
-            f"{session.role} (use a credential of that role: the operator's command uses "
-            "the operator secret)"
-        )
-        session.send(error_codes.request_error(getattr(msg, "request_id", ""), denied))
 
     def _stop_cancelled(self, job: Job) -> None:
         """The store has cancelled ``job``: its worker stops it (see :meth:`Handoff.cancelled`)."""
