@@ -19,10 +19,11 @@ epoch, and steps down (stops, for a supervisor to start it again as a standby) t
 moment it learns another main took over.
 
 Those rules, and all the state they act on, live in :mod:`broker.core.handoff`, which does no
-I/O. This module is the shell around it: the settings, the server, the loops that feed it
-events (liveness ticks, the orphans' deadline) and the carrying out of its effects.
-Dispatch passes are in :mod:`broker.main.dispatcher`, connections in :mod:`broker.main.connections`,
-the settlement of reports in :mod:`broker.main.settler`.
+I/O. This module is the shell around it: the server and the main's lifecycle, the welcome
+of peers, and the carrying out of the core's effects. What each peer's message does is
+:mod:`broker.main.routing`; what only the dispatching main runs (dispatch passes, the
+store writers, the loops that feed the core events) :mod:`broker.main.leader`; the
+election's shell :mod:`broker.main.election`; connections :mod:`broker.main.connections`.
 """
 
 from __future__ import annotations
