@@ -16,10 +16,10 @@ import logging
 import math
 from collections.abc import Callable, Collection, Sequence
 
-from broker.core.handoff import STALL, Handoff, HandoffEffect
+from broker.core.handoff import STALL, Handoff, HandoffEffect, Send
 from broker.jobs import Clock
 from broker.main.catalog import Declarations
-from broker.main.checkpoints import Answer, CheckpointSaver, ProgressWriter
+from broker.main.checkpoints import CheckpointSaver, ProgressWriter
 from broker.main.dispatcher import Dispatcher
 from broker.main.loops import Spawn
 from broker.main.metrics import MainMetrics, MeasuredStore
@@ -27,11 +27,12 @@ from broker.main.recovery import RecoveryLedger
 from broker.main.retention import Retention, run_retention
 from broker.main.scheduler import Scheduler, catch_up_window
 from broker.main.settings import MainSettings
-from broker.main.settler import Acknowledge, ReportSettler
+from broker.main.settler import ReportSettler
 from broker.model.logs import log_event
 from broker.retry import RetryDelay
 from broker.storage import StorageAdapter, SupportsNotify
 from broker.tasks.schedule import Schedule
+from broker.wire import messages as protocol
 
 logger = logging.getLogger("broker.main")
 
@@ -53,8 +54,6 @@ class Leader:
         clock: Clock,
         retry_delay: RetryDelay,
         carry: Callable[[Sequence[HandoffEffect]], None],
-        acknowledged: Acknowledge,
-        answer_checkpoints: Answer,
         stopping: Callable[[], bool],
         declarations: Declarations,
         live_workers: Callable[[], Collection[str]],
@@ -94,7 +93,7 @@ class Leader:
         self.settler = ReportSettler(
             measured,
             handoff,
-            acknowledged=acknowledged,
+            acknowledged=self._acknowledge,
             stopping=stopping,
             clock=clock,
             retry_delay=retry_delay,
@@ -108,7 +107,7 @@ class Leader:
         )
         self.checkpoints = CheckpointSaver(
             measured,
-            answer=answer_checkpoints,
+            answer=self._answer_checkpoints,
             stopping=stopping,
             batch=settings.report_batch,
             retry_interval=settings.error_retry_interval,
@@ -151,6 +150,18 @@ class Leader:
             spawn(run_retention(self._store, self.retention, self._clock), "broker-retention")
         if self.scheduler.schedules:
             spawn(self.scheduler.run(), "broker-schedule")
+
+    def _acknowledge(
+        self, batch: list[tuple[int, protocol.Report]], statuses: list[protocol.AckStatus]
+    ) -> None:
+        self._carry(
+            self._handoff.settled(
+                [(peer, msg, status) for (peer, msg), status in zip(batch, statuses, strict=True)]
+            )
+        )
+
+    def _answer_checkpoints(self, acks: list[tuple[int, protocol.CheckpointAck]]) -> None:
+        self._carry([Send(peer, ack) for peer, ack in acks])
 
     async def _liveness_loop(self) -> None:
         """Pings every peer each ``ping_interval`` and drops one that has not answered a

@@ -170,8 +170,6 @@ class Main:
             clock=clock,
             retry_delay=retry_delay_fn,
             carry=self._carry,
-            acknowledged=self._acknowledge,
-            answer_checkpoints=self._answer_checkpoints,
             stopping=lambda: self._stopping,
             declarations=self.declarations,
             live_workers=self._live_workers,
@@ -451,18 +449,6 @@ class Main:
     def _stop_cancelled(self, job: Job) -> None:
         """The store has cancelled ``job``: its worker stops it (see :meth:`Handoff.cancelled`)."""
         self._carry(self.handoff.cancelled(job))
-
-    def _acknowledge(
-        self, batch: list[tuple[int, protocol.Report]], statuses: list[protocol.AckStatus]
-    ) -> None:
-        self._carry(
-            self.handoff.settled(
-                [(peer, msg, status) for (peer, msg), status in zip(batch, statuses, strict=True)]
-            )
-        )
-
-    def _answer_checkpoints(self, acks: list[tuple[int, protocol.CheckpointAck]]) -> None:
-        self._carry([Send(peer, ack) for peer, ack in acks])
 
     # ------------------------------------------------------------------ liveness and exits
 
