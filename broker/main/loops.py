@@ -11,7 +11,8 @@ cancellation by mistake.
 :class:`GroupCommit` batches callers that wait for their answer (enqueues);
 :class:`BatchWriter` batches work queued by the main itself (reports, checkpoints), retries
 a batch while the store's trouble is transient and isolates any other failure by halving
-the batch, so one bad item never holds up the others. Both go through :func:`retrying`.
+the batch, so one bad item never holds up the others; its retries are :func:`retrying`'s.
+A group commit's failure goes back to its callers instead, who each decide.
 """
 
 from __future__ import annotations
