@@ -133,7 +133,8 @@ class StorageRejectedError(StorageError):
 
     Raised for errors about the data itself (a character the database cannot store, a
     constraint), never for trouble with the store (a lost connection, a timeout), so the
-    main retries only what may succeed and isolates the rest (see :mod:`broker.main.settler`).
+    main retries only what may succeed and isolates the rest (see
+    :class:`broker.main.loops.BatchWriter`).
     """
 
     code = "storage_rejected"

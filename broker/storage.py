@@ -39,6 +39,7 @@ The rules every implementation must keep:
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -354,6 +355,40 @@ def contract_gaps(store: object) -> list[str]:
     """
     members = [name for name in vars(StorageAdapter) if not name.startswith("_")]
     return [name for name in members if not hasattr(store, name)]
+
+
+class SelectEligible(Protocol):
+    """A :meth:`StorageAdapter.select_eligible` that takes ``skip=``."""
+
+    async def __call__(
+        self,
+        *,
+        modes: Collection[ExecutionMode],
+        queues: Collection[str] | None = None,
+        limit: int = 100,
+        skip: Collection[uuid.UUID] = (),
+    ) -> list[Job]: ...
+
+
+def eligible_reader(store: StorageAdapter) -> SelectEligible:
+    """``store.select_eligible``, taking ``skip=`` even from an adapter written before it
+    (a user's own): that one is read past the skipped jobs instead, as dispatch did then,
+    rather than failing every pass with a ``TypeError``."""
+    if "skip" in inspect.signature(store.select_eligible).parameters:
+        return store.select_eligible
+
+    async def read_past(
+        *,
+        modes: Collection[ExecutionMode],
+        queues: Collection[str] | None = None,
+        limit: int = 100,
+        skip: Collection[uuid.UUID] = (),
+    ) -> list[Job]:
+        read = await store.select_eligible(modes=modes, queues=queues, limit=limit + len(skip))
+        left_out = set(skip)
+        return [job for job in read if job.id not in left_out][:limit]
+
+    return read_past
 
 
 @runtime_checkable

@@ -48,8 +48,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Collection, Mapping, Sequence
-from datetime import datetime, timedelta
+from collections.abc import Collection, Sequence
+from datetime import datetime
 from typing import Any
 
 import msgspec
@@ -59,13 +59,14 @@ from broker.jobs import JobSpec, JSONValue
 from broker.model.bounds import MAX_CATALOG_ENTRIES, MAX_DECLARATION_BYTES, MAX_DECLARED_TASKS
 from broker.model.logs import log_event
 from broker.retry import ExponentialBackoff, FixedBackoff, TaskBackoff
-from broker.storage import StorageAdapter, TaskRecord
+from broker.storage import TaskRecord
 from broker.tasks.registry import (
     Task,
     TaskRegistry,
     default_unique_key,
     fill_key_template,
     key_template_fields,
+    task_defaults,
 )
 from broker.wire import messages as protocol
 
@@ -81,13 +82,7 @@ def declaration(task: Task[..., Any]) -> protocol.TaskDeclaration:
     policy = task.retry
     return protocol.TaskDeclaration(
         name=task.name,
-        execution_mode=task.execution_mode,
-        queue=task.queue,
-        priority=task.priority,
-        max_attempts=task.retries + 1,
-        timeout=task.timeout,
-        concurrency_key=task.concurrency_key,
-        concurrency_limit=task.concurrency_limit,
+        **task_defaults(task),
         unique=task.unique,
         parameters=task.positional_parameters(),
         retry_on=None if policy is None else _exception_names(policy.retry_on),
@@ -177,12 +172,12 @@ class Catalog:
     bounded (:data:`~broker.model.bounds.MAX_CATALOG_ENTRIES`).
 
     :meth:`record` updates the copy at once (an enqueue right after a worker's
-    declaration sees it); the caller then stores the same declarations with
-    :meth:`save`. :meth:`forget` drops the declarations of workers gone for the grace.
+    declaration sees it); the caller then stores the same declarations. :meth:`mark_seen`
+    and :meth:`drop_gone` are a pass of the task grace. Pure: the reads and writes of the
+    store are :class:`broker.main.catalog.StoredCatalog`'s.
     """
 
-    def __init__(self, store: StorageAdapter) -> None:
-        self._store = store
+    def __init__(self) -> None:
         self._records: dict[str, dict[str, TaskRecord]] = {}
         """Task name to worker id to that worker's last declaration."""
         self._by_worker: dict[str, set[str]] = {}
@@ -195,26 +190,10 @@ class Catalog:
         connected worker seen, which says nothing about whose declaration is newer."""
         self._newest: dict[str, protocol.TaskDeclaration] = {}
         """Task name to the declaration that decides its defaults (the newest)."""
-        self._loaded = False
 
-    async def load(self) -> None:
-        """Read the catalog from the store, the first time only: at most
-        :data:`~broker.model.bounds.MAX_CATALOG_ENTRIES` declarations, the most recent, so a
-        store that an older release let grow costs a bounded read."""
-        if not self._loaded:
-            self._merge(await self._store.task_catalog(limit=MAX_CATALOG_ENTRIES))
-            self._loaded = True
-
-    async def refresh(self, names: Collection[str]) -> None:
-        """Read the declarations of ``names`` from the store again: before refusing a name
-        this copy does not know, in case another process (a main that led before this
-        one) recorded it. Only these names' rows are read, never the whole catalog."""
-        if names:
-            self._merge(await self._store.task_catalog(tasks=sorted(names)))
-
-    def _merge(self, records: Sequence[TaskRecord]) -> None:
+    def merge(self, records: Sequence[TaskRecord]) -> None:
         """Take the store's ``records`` where they are newer than this copy's, within the
-        bound on entries."""
+        bound on entries (:data:`~broker.model.bounds.MAX_CATALOG_ENTRIES`)."""
         changed = set()
         for record in records:
             by_worker = self._records.setdefault(record.task, {})
@@ -255,7 +234,8 @@ class Catalog:
         self, worker_id: str, tasks: Sequence[protocol.TaskDeclaration], now: datetime
     ) -> dict[str, dict[str, Any]]:
         """``worker_id`` declared ``tasks`` at ``now``, in place of what it declared before;
-        returns them as the store keeps them (for :meth:`save`). A declaration that
+        returns them as the store keeps them (for
+        :meth:`StoredCatalog.save <broker.main.catalog.StoredCatalog.save>`). A declaration that
         differs from another worker's is logged.
 
         :raises CatalogLimitError: the declarations break a bound (too many, one too big,
@@ -308,31 +288,20 @@ class Catalog:
                 )
                 return
 
-    async def save(
-        self, worker_id: str, declared: Mapping[str, Mapping[str, Any]], now: datetime
-    ) -> None:
-        """Write what :meth:`record` returned through to the store (in place of the
-        worker's earlier declarations)."""
-        await self._store.declare_tasks(worker_id, declared, now)
-
-    async def forget(self, live: Collection[str], now: datetime, grace: timedelta) -> int:
-        """Drop the declarations of workers not seen for ``grace``, here and in the store;
-        the workers in ``live`` (connected now) are seen at ``now``. Returns how many
-        declarations this copy dropped.
+    def mark_seen(self, live: Collection[str], now: datetime) -> None:
+        """The workers in ``live`` (connected now) are seen at ``now``.
 
         A connected worker declares once, when it connects: marking it seen on each pass
-        lets a main that restarts keep the declarations of the workers it had for the
-        grace (less one pass), rather than from when they connected.
-
-        The store forgets first, this copy after: while the store still held a gone
-        worker's rows, an enqueue of a name this copy had already dropped would read them
-        back (:meth:`refresh`) and be accepted, the name alive again until the next pass."""
-        gone_before = now - grace
+        of the task grace lets a main that restarts keep the declarations of the workers
+        it had for the grace (less one pass), rather than from when they connected."""
         for worker_id in live:
             for name in self._by_worker.get(worker_id, ()):
                 record = self._records[name][worker_id]
                 self._records[name][worker_id] = dataclasses.replace(record, seen_at=now)
-        await self._store.forget_tasks(live, now, gone_before)
+
+    def drop_gone(self, live: Collection[str], gone_before: datetime) -> int:
+        """Drop the declarations of workers not in ``live`` and not seen since
+        ``gone_before``; returns how many were dropped."""
         dropped = 0
         for worker_id, names in list(self._by_worker.items()):
             if worker_id in live:

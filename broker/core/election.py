@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass
 
 from broker.model import checks
+from broker.wire import messages as protocol
 
 DEFAULT_FAILOVER_TIMEOUT = 5.0
 """Seconds from the leader's death to a standby dispatching, at most (with a healthy
@@ -250,3 +251,26 @@ class Election:
         assert self.epoch is not None
         self.phase = Phase.DEPOSED
         return [StepDown(self.epoch, reason)]
+
+
+def not_leader(election: Election, address: str) -> protocol.Error:
+    """The answer to a peer's hello while this main, reached at ``address``, does not
+    dispatch (the connection then closes): where the leader is, if it knows.
+
+    Elected but still loading the handoffs in flight, it names itself: a worker welcomed
+    now would adopt none of its leases, and they would go back to the queue at the
+    orphans' deadline while it ran them; it comes back after its backoff instead."""
+    loading = election.phase is Phase.LEADER
+    leader = address if loading else election.leader
+    return protocol.Error(
+        code=protocol.ErrorCode.NOT_LEADER,
+        message=(
+            "this main was just elected and is loading the handoffs in flight; try again"
+            if loading
+            else f"this main is a standby; the leader is at {leader}"
+            if leader is not None
+            else "this main is a standby and no main is elected yet; try again"
+        ),
+        fatal=True,
+        leader=leader,
+    )

@@ -14,8 +14,8 @@ import logging
 from collections.abc import Callable
 
 from broker.core.handoff import checkpoint_ack
-from broker.exceptions import transient
 from broker.jobs import CheckpointSave, JobStatus, ProgressUpdate
+from broker.main.loops import BatchWriter
 from broker.model.logs import log_event
 from broker.payload import encoded_size, shape_problem
 from broker.storage import StorageAdapter
@@ -67,14 +67,25 @@ class CheckpointSaver:
     ) -> None:
         self._store = store
         self._answer = answer
-        self._stopping = stopping
-        self._batch = batch
-        self._retry_interval = retry_interval
         self._max_bytes = max_checkpoint_bytes
         self._max_depth = max_payload_depth
         self._max_containers = max_payload_containers
-        self.queued: list[tuple[int, protocol.SaveCheckpoint]] = []
-        self._ready = asyncio.Event()
+        self.writer: BatchWriter[
+            tuple[int, protocol.SaveCheckpoint], list[tuple[int, protocol.CheckpointAck]]
+        ] = BatchWriter(
+            "saving checkpoints",
+            write=self._save,
+            written=lambda _batch, acks: answer(acks),
+            unstorable=self._refuse,
+            batch=batch,
+            retry_interval=retry_interval,
+            stopping=stopping,
+            logger=logger,
+            count_as="checkpoints",
+        )
+        """Accepted checkpoints, group-committed and answered once durable; a batch that
+        fails for good is halved until the checkpoint behind it is refused on its own. Left
+        unanswered when the main stops: the worker sends them again to the next main."""
 
     def add(self, peer: int, msg: protocol.SaveCheckpoint) -> None:
         problem = checkpoint_problem(
@@ -86,56 +97,24 @@ class CheckpointSaver:
             )
             self._answer([(peer, refused)])
             return
-        self.queued.append((peer, msg))
-        self._ready.set()
+        self.writer.add((peer, msg))
 
     async def run(self) -> None:
-        while True:
-            await self._ready.wait()
-            self._ready.clear()
-            while self.queued:
-                batch, self.queued = self.queued[: self._batch], self.queued[self._batch :]
-                await self._save(batch)
+        await self.writer.run()
 
-    async def _save(self, batch: list[tuple[int, protocol.SaveCheckpoint]]) -> None:
-        """Store ``batch`` and answer it. Transient errors are retried; any other is
-        isolated by halving until the checkpoint behind it is refused on its own."""
+    async def _save(
+        self, batch: list[tuple[int, protocol.SaveCheckpoint]]
+    ) -> list[tuple[int, protocol.CheckpointAck]]:
+        """Store ``batch``; the answer to each."""
         saves = [CheckpointSave(m.job_id, m.handoff_id, m.seq, m.state) for _, m in batch]
-        while True:
-            try:
-                taken = await self._store.save_checkpoints(saves)
-                acks = [
-                    (peer, await self._answer_for(msg, ok))
-                    for ok, (peer, msg) in zip(taken, batch, strict=True)
-                ]
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if not transient(exc):
-                    await self._isolate(batch, exc)
-                    return
-                log_event(
-                    logger,
-                    logging.WARNING,
-                    "saving checkpoints failed, retrying",
-                    checkpoints=len(batch),
-                    error=repr(exc),
-                )
-                if self._stopping():
-                    return  # unanswered: the worker sends them again to the next main
-                await asyncio.sleep(self._retry_interval)
-        self._answer(acks)
+        taken = await self._store.save_checkpoints(saves)
+        return [
+            (peer, await self._answer_for(msg, ok))
+            for ok, (peer, msg) in zip(taken, batch, strict=True)
+        ]
 
-    async def _isolate(
-        self, batch: list[tuple[int, protocol.SaveCheckpoint]], exc: Exception
-    ) -> None:
-        if len(batch) > 1:
-            half = len(batch) // 2
-            await self._save(batch[:half])
-            await self._save(batch[half:])
-            return
-        peer, msg = batch[0]
+    async def _refuse(self, item: tuple[int, protocol.SaveCheckpoint], exc: Exception) -> None:
+        peer, msg = item
         log_event(
             logger,
             logging.ERROR,

@@ -12,7 +12,8 @@ Two kinds, kept apart so the hot paths pay only for the first:
   a label dict or a lock.
 * **Levels** (queue depth and oldest eligible age, workers, free credits, ledger size; on
   a worker, running jobs and children) are read at scrape time from what the main or
-  worker already holds (:class:`MainLevels`, :class:`WorkerLevels`): nothing to keep in
+  worker already holds (:class:`MainLevels`, :class:`broker.worker.metrics.WorkerLevels`):
+  nothing to keep in
   step, nothing on the hot path.
 
 Label values are bounded in number and in length: queue and task names are the only
@@ -27,12 +28,12 @@ and worker has its own registry (two mains in one test process never share a cou
 from __future__ import annotations
 
 import bisect
-import inspect
+import contextlib
 import itertools
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
@@ -48,7 +49,7 @@ from prometheus_client.utils import floatToGoString
 
 from broker.jobs import ExecutionMode, Job, JobStatus, Outcome, Settlement
 from broker.model.bounds import MAX_LABEL_BYTES, MAX_LABEL_SETS, MAX_METRICS_BYTES
-from broker.storage import QueueCount, StorageAdapter
+from broker.storage import QueueCount, StorageAdapter, eligible_reader
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """The Prometheus text exposition format that :func:`generate_latest` writes."""
@@ -303,44 +304,34 @@ class MeasuredStore:
     def __init__(self, store: StorageAdapter, metrics: MainMetrics) -> None:
         self._store = store
         self._metrics = metrics
-        self._skips = "skip" in inspect.signature(store.select_eligible).parameters
-        """Whether the store takes ``select_eligible(skip=...)``: an adapter written
-        before it (a user's own) is read past the skipped jobs instead, as dispatch did
-        then, rather than failing every pass with a ``TypeError``."""
+        self._select = eligible_reader(store)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
-    async def mark_handed_off_many(self, claims: Sequence[Any]) -> list[Job]:
+    @contextlib.contextmanager
+    def _timed(self, op: str) -> Iterator[None]:
+        """Time the store call made inside, as ``op``, counting it failed if it raised."""
         start = time.perf_counter()
         try:
-            won = await self._store.mark_handed_off_many(claims)
+            yield
         except BaseException:
-            self._metrics.store_call("claim", time.perf_counter() - start, failed=True)
+            self._metrics.store_call(op, time.perf_counter() - start, failed=True)
             raise
-        self._metrics.store_call("claim", time.perf_counter() - start, failed=False)
-        return won
+        self._metrics.store_call(op, time.perf_counter() - start, failed=False)
+
+    async def mark_handed_off_many(self, claims: Sequence[Any]) -> list[Job]:
+        with self._timed("claim"):
+            return await self._store.mark_handed_off_many(claims)
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> list[bool]:
         self._metrics.report_batch(len(settlements))
-        start = time.perf_counter()
-        try:
-            applied = await self._store.settle_many(settlements)
-        except BaseException:
-            self._metrics.store_call("settle", time.perf_counter() - start, failed=True)
-            raise
-        self._metrics.store_call("settle", time.perf_counter() - start, failed=False)
-        return applied
+        with self._timed("settle"):
+            return await self._store.settle_many(settlements)
 
     async def save_checkpoints(self, saves: Sequence[Any]) -> list[bool]:
-        start = time.perf_counter()
-        try:
-            taken = await self._store.save_checkpoints(saves)
-        except BaseException:
-            self._metrics.store_call("checkpoint", time.perf_counter() - start, failed=True)
-            raise
-        self._metrics.store_call("checkpoint", time.perf_counter() - start, failed=False)
-        return taken
+        with self._timed("checkpoint"):
+            return await self._store.save_checkpoints(saves)
 
     async def select_eligible(
         self,
@@ -350,23 +341,8 @@ class MeasuredStore:
         limit: int = 100,
         skip: Collection[uuid.UUID] = (),
     ) -> list[Job]:
-        start = time.perf_counter()
-        try:
-            if self._skips:
-                jobs = await self._store.select_eligible(
-                    modes=modes, queues=queues, limit=limit, skip=skip
-                )
-            else:
-                read = await self._store.select_eligible(
-                    modes=modes, queues=queues, limit=limit + len(skip)
-                )
-                left_out = set(skip)
-                jobs = [job for job in read if job.id not in left_out][:limit]
-        except BaseException:
-            self._metrics.store_call("select", time.perf_counter() - start, failed=True)
-            raise
-        self._metrics.store_call("select", time.perf_counter() - start, failed=False)
-        return jobs
+        with self._timed("select"):
+            return await self._select(modes=modes, queues=queues, limit=limit, skip=skip)
 
 
 # ---------------------------------------------------------------------- levels
@@ -479,60 +455,6 @@ class MainExposition:
         return self.metrics.exposition()
 
 
-# ---------------------------------------------------------------------- worker
-
-
-@dataclass(eq=False)
-class WorkerLevels(Collector):
-    """A worker's metrics, all read at scrape time from ``status()`` (``Worker.status``):
-    its running jobs, and per mode its slots, busy slots and children, with the child
-    starts, crashes and recycles its runners count."""
-
-    status: Callable[[], Mapping[str, Any]]
-    registry: CollectorRegistry = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self)
-
-    def collect(self) -> Iterator[Metric]:
-        status = self.status()
-        yield _gauge("broker_worker_connected", "1 while connected to a main.", status["connected"])
-        yield _gauge("broker_worker_draining", "1 while draining.", status["draining"])
-        yield _gauge(
-            "broker_worker_running_jobs", "Jobs running on this worker.", status["running"]
-        )
-        yield _gauge(
-            "broker_worker_outbox", "Reports waiting for the main's ack.", status["outbox"]
-        )
-        slots = GaugeMetricFamily("broker_worker_slots", "Slots by mode.", labels=["mode"])
-        busy = GaugeMetricFamily("broker_worker_busy_slots", "Busy slots by mode.", labels=["mode"])
-        alive = GaugeMetricFamily(
-            "broker_worker_children_alive", "Child processes alive, by mode.", labels=["mode"]
-        )
-        counters = {
-            key: CounterMetricFamily(f"broker_worker_child_{key}", text, labels=["mode"])
-            for key, text in (
-                ("starts", "Child processes started, by mode."),
-                ("crashes", "Child processes that died unasked (a crash, a kill), by mode."),
-                ("recycles", "Pooled children retired for their job count, memory or age."),
-            )
-        }
-        for mode, runner in sorted(status["runners"].items()):
-            slots.add_metric([mode], runner.capacity)
-            busy.add_metric([mode], runner.busy)
-            details = runner.details
-            if "children_alive" in details:
-                alive.add_metric([mode], details["children_alive"])
-            for key, family in counters.items():
-                if f"child_{key}" in details:
-                    family.add_metric([mode], details[f"child_{key}"])
-        yield from (slots, busy, alive, *counters.values())
-
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
-
-
 __all__ = [
     "CONTENT_TYPE",
     "MAX_LABEL_BYTES",
@@ -542,6 +464,5 @@ __all__ = [
     "MainLevels",
     "MainMetrics",
     "MeasuredStore",
-    "WorkerLevels",
     "label",
 ]

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
-from broker.core.catalog import Catalog
 from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, JSONValue, summary_dict
+from broker.main.catalog import StoredCatalog
 from broker.main.metrics import MainMetrics
 from broker.payload import check_args, encoded_size
 from broker.storage import JobFilter, QueueCount, StorageAdapter, TaskRecord
@@ -90,7 +90,7 @@ class Operations:
         self._clock = clock
         self._enqueue = enqueue or store.enqueue_many
         self._metrics = metrics
-        self.catalog = Catalog(store)
+        self.catalog = StoredCatalog(store)
         """The task catalog: the defaults of jobs enqueued by name (:mod:`broker.core.catalog`)."""
 
     async def enqueue(

@@ -127,7 +127,7 @@ class Requests:
                             attempt=result.job.attempts + 1,
                             duplicate=result.duplicate,
                         )
-                # The store's commit woke the dispatcher already (Main._enqueue_now).
+                # The store's commit woke the dispatcher already (handoffs.EnqueueHandoff).
                 refs = [
                     protocol.EnqueuedRef(job_id=r.job_id, duplicate=r.duplicate) for r in results
                 ]

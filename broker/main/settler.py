@@ -11,7 +11,6 @@ bad report never holds up the others.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from datetime import datetime
@@ -20,6 +19,7 @@ from broker.core import reports
 from broker.core.handoff import Handoff
 from broker.exceptions import transient
 from broker.jobs import Clock, Outcome, Settlement
+from broker.main.loops import BatchWriter, retrying
 from broker.main.metrics import MainMetrics
 from broker.model.logs import log_event
 from broker.retry import RetryDelay
@@ -68,98 +68,58 @@ class ReportSettler:
             max_payload_depth=max_payload_depth,
             max_payload_containers=max_payload_containers,
         )
-        self._batch = batch
         self._retry_interval = retry_interval
-        self.queued: list[tuple[int, protocol.Report]] = []
-        """Accepted reports (connection id, report) waiting for the next batch."""
-        self._ready = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.writer: BatchWriter[tuple[int, protocol.Report], list[protocol.AckStatus]] = (
+            BatchWriter(
+                "applying reports",
+                write=self._settle_batch,
+                written=acknowledged,
+                unstorable=self._settle_unstorable,
+                batch=batch,
+                retry_interval=retry_interval,
+                stopping=stopping,
+                logger=logger,
+                count_as="reports",
+            )
+        )
+        """Accepted reports (connection id, report), group-committed: each batch is
+        acknowledged only once it is durable (or known to be stale); one that fails for
+        good is halved until the report behind the failure stands alone and becomes an
+        outcome of its own (:meth:`_settle_unstorable`): one bad report never holds up the
+        others."""
 
     def add(self, peer: int, report: protocol.Report) -> None:
-        self.queued.append((peer, report))
-        self._idle.clear()
-        self._ready.set()
+        self.writer.add((peer, report))
 
     async def wait_idle(self) -> None:
         """Until every queued report has been settled and acknowledged."""
-        await self._idle.wait()
+        await self.writer.wait_idle()
 
     async def run(self) -> None:
-        """Group commit: every report that arrived while the previous batch was committing
-        goes into the next batch, so one fsync settles many jobs under load."""
-        while True:
-            await self._ready.wait()
-            self._ready.clear()
-            while self.queued:
-                size = self._batch
-                batch, self.queued = self.queued[:size], self.queued[size:]
-                await self._settle_batch(batch)
-            self._idle.set()
+        await self.writer.run()
 
-    async def _settle_batch(self, batch: list[tuple[int, protocol.Report]]) -> None:
-        """Apply a batch of fenced reports and acknowledge each only once it is durable
-        (or known to be stale).
+    async def _settle_batch(
+        self, batch: list[tuple[int, protocol.Report]]
+    ) -> list[protocol.AckStatus]:
+        """Apply a batch of fenced reports; the answer to each."""
+        now = self._clock()  # once per batch: a clock read per report was ~1% of the main
+        settlements = [await self._settlement(msg, now) for _, msg in batch]
+        applied = await self._store.settle_many(settlements)
+        statuses = [
+            protocol.AckStatus.APPLIED if ok else await self._why_not_applied(msg, settlement)
+            for ok, (_, msg), settlement in zip(applied, batch, settlements, strict=True)
+        ]
+        self._count(batch, settlements, applied)
+        self._log_failures(settlements, applied)
+        return statuses
 
-        Transient store errors are retried until the store answers. Any other error would
-        recur on every attempt, so the batch is split in halves, each settled and
-        acknowledged on its own, until the report behind the error stands alone and
-        becomes an outcome of its own (:meth:`_settle_unstorable`): one bad report never
-        holds up the others.
-        """
-        while True:
-            try:
-                now = self._clock()  # once per batch: a clock read per report was ~1% of the main
-                settlements = [await self._settlement(msg, now) for _, msg in batch]
-                applied = await self._store.settle_many(settlements)
-                statuses = [
-                    protocol.AckStatus.APPLIED
-                    if ok
-                    else await self._why_not_applied(msg, settlement)
-                    for ok, (_, msg), settlement in zip(applied, batch, settlements, strict=True)
-                ]
-                self._count(batch, settlements, applied)
-                self._log_failures(settlements, applied)
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if not transient(exc):
-                    await self._isolate(batch, exc)
-                    return
-                log_event(
-                    logger,
-                    logging.WARNING,
-                    "applying reports failed, retrying",
-                    reports=len(batch),
-                    error=repr(exc),
-                )
-                if self._stopping():
-                    return
-                await asyncio.sleep(self._retry_interval)
-        self._acknowledged(batch, statuses)
-
-    async def _isolate(self, batch: list[tuple[int, protocol.Report]], exc: Exception) -> None:
-        if len(batch) == 1:
-            await self._settle_unstorable(*batch[0], exc)
-            return
-        log_event(
-            logger,
-            logging.WARNING,
-            "applying reports failed, splitting the batch to isolate the cause",
-            reports=len(batch),
-            error=repr(exc),
-        )
-        half = len(batch) // 2
-        await self._settle_batch(batch[:half])
-        await self._settle_batch(batch[half:])
-
-    async def _settle_unstorable(self, peer: int, msg: protocol.Report, exc: Exception) -> None:
+    async def _settle_unstorable(self, report: tuple[int, protocol.Report], exc: Exception) -> None:
         """A report that can never be applied: its job fails, without retry, with an error
         saying why (the same outcome would fail the same way again). If even that cannot be
         stored, the report is answered ``refused`` and its lease goes back to the queue.
         Either way the worker is answered, so it forgets the report instead of re-sending
         it on every connection."""
+        peer, msg = report
         log_event(
             logger,
             logging.ERROR,
@@ -171,40 +131,36 @@ class ReportSettler:
             error=repr(exc),
         )
         failure = reports.unstorable(msg, exc)
-        while True:
-            try:
-                [applied] = await self._store.settle_many([failure])
-                self._count([(peer, msg)], [failure], [applied])
-                status = (
-                    protocol.AckStatus.APPLIED
-                    if applied
-                    else await self._why_not_applied(msg, failure)
-                )
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:
-                if not transient(err):
-                    log_event(
-                        logger,
-                        logging.ERROR,
-                        "recording the failure failed too, refusing the report",
-                        job_id=msg.job_id,
-                        handoff_id=msg.handoff_id,
-                        error=repr(err),
-                    )
-                    status = protocol.AckStatus.REFUSED
-                    break
-                log_event(
-                    logger,
-                    logging.WARNING,
-                    "recording a failed report failed, retrying",
-                    error=repr(err),
-                )
-                if self._stopping():
-                    return
-                await asyncio.sleep(self._retry_interval)
-        self._acknowledged([(peer, msg)], [status])
+
+        async def record() -> protocol.AckStatus:
+            [applied] = await self._store.settle_many([failure])
+            self._count([report], [failure], [applied])
+            if applied:
+                return protocol.AckStatus.APPLIED
+            return await self._why_not_applied(msg, failure)
+
+        try:
+            status = await retrying(
+                "recording a failed report",
+                record,
+                interval=self._retry_interval,
+                logger=logger,
+                retry_if=transient,
+                stopping=self._stopping,
+            )
+        except Exception as err:
+            if transient(err):  # the main is stopping: the worker sends it again
+                return
+            log_event(
+                logger,
+                logging.ERROR,
+                "recording the failure failed too, refusing the report",
+                job_id=msg.job_id,
+                handoff_id=msg.handoff_id,
+                error=repr(err),
+            )
+            status = protocol.AckStatus.REFUSED
+        self._acknowledged([report], [status])
 
     def _count(
         self,

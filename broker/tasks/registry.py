@@ -500,14 +500,24 @@ def _declared_schedule(
         every=every,
         timezone=timezone,
         catch_up=True if catch_up is None else catch_up,
-        queue=task.queue,
-        priority=task.priority,
-        max_attempts=task.retries + 1,
-        timeout=task.timeout,
-        execution_mode=task.execution_mode,
-        concurrency_key=task.concurrency_key,
-        concurrency_limit=task.concurrency_limit,
+        **task_defaults(task),
     )
+
+
+def task_defaults(task: Task[..., Any]) -> dict[str, Any]:
+    """The job options ``task`` gives its jobs, by job field: what its schedule's ticks
+    carry and what a worker declares for a job enqueued by name
+    (``broker.wire.messages.TASK_DEFAULTS``, less the unique key, which is each job's
+    own, made from its arguments when the task is ``unique``)."""
+    return {
+        "queue": task.queue,
+        "priority": task.priority,
+        "max_attempts": task.retries + 1,
+        "timeout": task.timeout,
+        "execution_mode": task.execution_mode,
+        "concurrency_key": task.concurrency_key,
+        "concurrency_limit": task.concurrency_limit,
+    }
 
 
 @overload

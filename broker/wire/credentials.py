@@ -29,28 +29,24 @@ ALL_ROLES = "all"
 """The name a token file gives the shared secret, which every role takes unless it has
 its own."""
 
-_CLIENT_REQUESTS: tuple[type[protocol.Message], ...] = (
-    protocol.Enqueue,
-    protocol.GetJob,
-    protocol.ListJobs,
-    protocol.ListTasks,
-    protocol.Status,
-)
-_OPERATOR_REQUESTS: tuple[type[protocol.Message], ...] = (
-    protocol.Cancel,
-    protocol.Retry,
-    protocol.Prune,
-)
+REQUESTS: Mapping[type[protocol.Message], Role] = {
+    protocol.Enqueue: Role.CLIENT,
+    protocol.GetJob: Role.CLIENT,
+    protocol.ListJobs: Role.CLIENT,
+    protocol.ListTasks: Role.CLIENT,
+    protocol.Status: Role.CLIENT,
+    protocol.Cancel: Role.OPERATOR,
+    protocol.Retry: Role.OPERATOR,
+    protocol.Prune: Role.OPERATOR,
+}
+"""Every client request, and the role it needs (an operator may do all a client may):
+the one list of them. The main routes what is here to its request service
+(:mod:`broker.main.requests`), which answers each."""
 
 
 def role_needed(msg: protocol.Message) -> Role | None:
-    """The role a request needs (an operator may do all a client may); ``None``: not a
-    client request."""
-    if isinstance(msg, _OPERATOR_REQUESTS):
-        return Role.OPERATOR
-    if isinstance(msg, _CLIENT_REQUESTS):
-        return Role.CLIENT
-    return None
+    """The role a request needs; ``None``: not a client request."""
+    return REQUESTS.get(type(msg))
 
 
 @dataclass(frozen=True)

@@ -216,7 +216,7 @@ async def test_a_stalled_main_does_not_return_live_workers_leases() -> None:
         stored = [await memory.get_job(job.id) for job in jobs]
         assert {job.handoff_id for job in stored if job is not None} == held
         assert await _all(memory, jobs, JobStatus.HANDED_OFF)
-        assert not main.ledger.pending()
+        assert not main.leader.ledger.pending()
     finally:
         await worker.close()
         await main.stop()

@@ -356,7 +356,7 @@ async def test_ambiguous_claim_recovers_the_lease_and_keeps_credit(
         assert sent.job_id == job.id
         first_claim = cast(Sequence[Claim], faulty.calls[0][1])[0]
         assert sent.handoff_id != first_claim.handoff_id, "the ambiguous lease is never used"
-        await until(lambda: len(main.ledger) == 0)
+        await until(lambda: len(main.leader.ledger) == 0)
         current = await memory.get_job(job.id)
         assert current is not None and current.handoff_id == sent.handoff_id, "newer lease kept"
         assert current.status is JobStatus.HANDED_OFF

@@ -161,7 +161,7 @@ async def test_a_settlement_that_cannot_be_computed_fails_only_its_job(
     of ``datetime``'s range (the ``Reschedule(1e12)`` failure, reproduced within limits)."""
     async with _main(sqlite) as main:
         worker, jobs = await _worker_with_jobs(main, sqlite, 3)
-        main._clock = main.settler._clock = lambda: datetime(9999, 12, 30, tzinfo=UTC)
+        main._clock = main.leader.settler._clock = lambda: datetime(9999, 12, 30, tzinfo=UTC)
         await worker.send_raw(
             _completed(jobs[0], "ok"),
             {
@@ -272,7 +272,7 @@ async def test_a_report_whose_failure_cannot_be_stored_either_is_refused(
         await until(lambda: _is_queued(sqlite, bad))
         assert (await _job(sqlite, bad)).attempts == 0
         assert (await _job(sqlite, bad)).recoveries == 1
-        await until(lambda: len(main.ledger) == 0)
+        await until(lambda: len(main.leader.ledger) == 0)
         await worker.close()
 
 
@@ -320,7 +320,7 @@ async def test_a_claim_the_store_refuses_never_holds_back_the_other_jobs(
         assert len(claims[0]) == 4 and any(len(c) == 1 and c[0].job_id == bad for c in claims)
         # Every lease of a failed claim went to the ledger, which settles them (no-ops).
         faulty.rejects_claim = lambda claim: False
-        await until(lambda: len(main.ledger) == 0)
+        await until(lambda: len(main.leader.ledger) == 0)
         await worker.close()
 
 

@@ -230,13 +230,13 @@ async def test_status_names_a_lease_still_being_returned_by_its_job_only(setup: 
     sent = await _handed(worker, setup.store)
     setup.watched.return_failures = 1_000_000  # the store refuses to take the lease back
     await worker.close()
-    await until(lambda: len(setup.main.ledger) == 1)
+    await until(lambda: len(setup.main.leader.ledger) == 1)
     async with Client("127.0.0.1", setup.main.port) as client:
         status = await client.status()
     assert status["pending_recoveries"] == [{"job_id": str(sent.job_id)}]
     assert str(sent.handoff_id) not in json.dumps(status)
     setup.watched.return_failures = 0
-    await until(lambda: len(setup.main.ledger) == 0)
+    await until(lambda: len(setup.main.leader.ledger) == 0)
 
 
 # ------------------------------------------------------------------ after a main restart
@@ -288,7 +288,7 @@ async def test_a_reconnecting_worker_adopts_its_lease_and_the_old_socket_loses_i
     assert (await old.complete(sent, "old")).status is STALE
     await old.close()
     await until(lambda: len(setup.main.sessions) == 1)
-    assert len(setup.main.ledger) == 0, "the old socket had nothing left to give back"
+    assert len(setup.main.leader.ledger) == 0, "the old socket had nothing left to give back"
     assert (await new.complete(sent, "new")).status is APPLIED
     done = await setup.store.get_job(sent.job_id)
     assert done is not None and done.status is JobStatus.COMPLETED and done.result == "new"
@@ -310,7 +310,7 @@ async def test_a_report_resent_while_its_first_copy_settles_is_a_duplicate(
     new = FakeWorker(setup.main.port, worker_id="worker-a")
     assert (await new.connect(held=[lease_of(sent)])).adopted == [lease_of(sent)]
     await new.send(protocol.CompletedReport(sent.job_id, sent.handoff_id, result="once"))
-    await until(lambda: len(setup.main.settler.queued) == 1)
+    await until(lambda: len(setup.main.leader.settler.writer.queued) == 1)
     setup.watched.gate.set()
     assert (await asyncio.wait_for(old.acks.get(), 5)).status is APPLIED
     assert (await asyncio.wait_for(new.acks.get(), 5)).status is protocol.AckStatus.DUPLICATE

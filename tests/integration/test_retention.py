@@ -168,7 +168,7 @@ async def test_the_main_runs_retention_unless_told_not_to() -> None:
         assert not any(t.get_name() == "broker-retention" for t in off._tasks)
     finally:
         await off.stop()
-    assert Main(MemoryAdapter()).retention == Retention()
+    assert Main(MemoryAdapter()).leader.retention == Retention()
 
 
 def test_cli_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -217,7 +217,7 @@ async def test_broker_main_builds_its_retention_from_the_flags(
     )
     with pytest.raises(asyncio.CancelledError):
         await cli.run_main(args)
-    assert seen[0].retention == Retention(
+    assert seen[0].leader.retention == Retention(
         completed_ttl=timedelta(seconds=60), dead_ttl=None, max_terminal_rows=500, interval=2.5
     )
 

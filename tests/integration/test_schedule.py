@@ -382,7 +382,7 @@ def test_broker_main_takes_schedule_modules_from_flags_and_environment(
     seen: list[str] = []
 
     def ready(main: Main) -> None:
-        seen.extend(s.name for s in main.scheduler.schedules)
+        seen.extend(s.name for s in main.leader.scheduler.schedules)
         asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGTERM)
 
     asyncio.run(cli.run_main(args, ready))
@@ -499,7 +499,8 @@ async def test_catch_up_skips_a_tick_older_than_retention_keeps_jobs() -> None:
     assert catch_up_window(None) is None
     assert catch_up_window(Retention(completed_ttl=None, dead_ttl=None)) is None
     main = Main(store, MainSettings(port=0), schedules=[monthly], retention=Retention())
-    assert main.scheduler._window == timedelta(days=7)  # the default keeps completed jobs 7 days
+    # The default keeps completed jobs 7 days.
+    assert main.leader.scheduler._window == timedelta(days=7)
 
 
 async def test_a_restart_just_after_a_tick_does_not_enqueue_it_again() -> None:
@@ -697,7 +698,7 @@ async def test_two_mains_and_a_restarted_main_enqueue_a_cron_tick_once(
         def past_the_tick() -> bool:
             # The leader's scheduler has dealt with the boundary's tick (caught up on it,
             # the store finding it there already) once its next tick is a later one.
-            ticks = [m.scheduler.next_tick() for m in (mains[1], restarted) if m.leading]
+            ticks = [m.leader.scheduler.next_tick() for m in (mains[1], restarted) if m.leading]
             return bool(ticks) and all(t is not None and t > boundary for t in ticks)
 
         await until(past_the_tick, timeout=10)

@@ -72,7 +72,8 @@ async def test_a_main_just_elected_welcomes_no_worker_before_its_orphans_are_loa
     leader = Main(stores[0], SETTINGS, retention=None)
     standby = Main(stores[1], SETTINGS, retention=None)
     loading = asyncio.Event()
-    loaded = standby._load_orphans
+    assert standby.leadership is not None
+    loaded = standby.leadership._load_orphans
 
     async def held_load() -> None:
         await loading.wait()
@@ -87,7 +88,7 @@ async def test_a_main_just_elected_welcomes_no_worker_before_its_orphans_are_loa
         await worker.ready(inline=1, pooled=1, forked=1)
         job = await worker.next_job()
         await standby.start()
-        standby._load_orphans = held_load  # type: ignore[method-assign]
+        standby.leadership._load_orphans = held_load
         await worker.close()
         await leader.stop()
         await until(lambda: standby.election is not None and standby.election.epoch == 2)

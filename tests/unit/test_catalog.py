@@ -1,4 +1,5 @@
-"""The task catalog's rules (:mod:`broker.core.catalog`) on the memory adapter: a job by name
+"""The task catalog's rules (:mod:`broker.core.catalog`), and its store side
+(:mod:`broker.main.catalog`) on the memory adapter: a job by name
 gets its task's declared defaults where the request says nothing, the newest declaration
 wins (with a warning), and an undeclared name is refused once the catalog is in use."""
 
@@ -9,6 +10,7 @@ import logging
 from collections.abc import Collection
 from datetime import UTC, datetime, timedelta
 
+import msgspec
 import pytest
 
 from adapters.memory import MemoryAdapter
@@ -16,12 +18,14 @@ from broker.core import catalog
 from broker.core.catalog import Catalog, CatalogLimitError
 from broker.exceptions import ConfigurationError, InvalidJobError, UnknownTaskError
 from broker.jobs import ExecutionMode, JobSpec
+from broker.main.catalog import StoredCatalog
 from broker.main.operations import Operations
 from broker.main.settings import MainSettings
 from broker.model.bounds import MAX_CATALOG_ENTRIES, MAX_DECLARED_TASKS
 from broker.retry import ExponentialBackoff, FixedBackoff
 from broker.storage import TaskRecord
-from broker.tasks.registry import TaskRegistry, default_unique_key, task
+from broker.tasks.registry import TaskRegistry, default_unique_key, task, task_defaults
+from broker.tasks.schedule import default_schedules
 from broker.wire import messages as protocol
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
@@ -31,16 +35,15 @@ def _declared(name: str = "app.sync", **kw: object) -> protocol.TaskDeclaration:
     return protocol.TaskDeclaration(name=name, **kw)  # type: ignore[arg-type]
 
 
-async def _catalog(*declared: tuple[str, list[protocol.TaskDeclaration]]) -> Catalog:
-    found = Catalog(MemoryAdapter())
-    await found.load()
+def _catalog(*declared: tuple[str, list[protocol.TaskDeclaration]]) -> Catalog:
+    found = Catalog()
     for worker, tasks in declared:
         found.record(worker, tasks, NOW)
     return found
 
 
 async def test_unsaid_fields_take_the_declared_defaults_and_said_ones_win() -> None:
-    found = await _catalog(
+    found = _catalog(
         (
             "w1",
             [
@@ -74,18 +77,16 @@ async def test_unsaid_fields_take_the_declared_defaults_and_said_ones_win() -> N
 
 
 async def test_a_template_the_job_cannot_fill_is_refused() -> None:
-    found = await _catalog(
-        ("w1", [_declared(concurrency_key="acct:{account}", concurrency_limit=1)])
-    )
+    found = _catalog(("w1", [_declared(concurrency_key="acct:{account}", concurrency_limit=1)]))
     with pytest.raises(InvalidJobError, match="needs the argument 'account'"):
         found.job_spec(protocol.JobRequest(task="app.sync"), NOW, allow_unknown=False)
 
 
 async def test_unknown_names_are_refused_once_the_catalog_is_in_use() -> None:
-    empty = await _catalog()
+    empty = _catalog()
     spec = empty.job_spec(protocol.JobRequest(task="app.any"), NOW, allow_unknown=False)
     assert spec == JobSpec(task="app.any", id=spec.id), "not in use yet: broker defaults"
-    found = await _catalog(("w1", [_declared()]))
+    found = _catalog(("w1", [_declared()]))
     with pytest.raises(UnknownTaskError, match=r"no worker has declared task 'app\.snyc'"):
         found.job_spec(protocol.JobRequest(task="app.snyc"), NOW, allow_unknown=False)
     allowed = found.job_spec(protocol.JobRequest(task="app.snyc"), NOW, allow_unknown=True)
@@ -96,7 +97,7 @@ async def test_the_newest_declaration_wins_and_a_difference_is_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     store = MemoryAdapter()
-    found = Catalog(store)
+    found = StoredCatalog(store)
     await found.load()
     old = found.record("w-old", [_declared(max_attempts=11)], NOW)
     await found.save("w-old", old, NOW)
@@ -109,7 +110,7 @@ async def test_the_newest_declaration_wins_and_a_difference_is_logged(
     spec = found.job_spec(protocol.JobRequest(task="app.sync"), NOW, allow_unknown=False)
     assert spec.max_attempts == 1
     # A fresh main reads the same decision back from the store.
-    again = Catalog(store)
+    again = StoredCatalog(store)
     await again.load()
     declared = again.declared("app.sync")
     assert declared is not None and declared.max_attempts == 1
@@ -121,7 +122,7 @@ async def test_the_newest_declaration_wins_and_a_difference_is_logged(
 
 async def test_refresh_sees_what_another_process_recorded() -> None:
     store = MemoryAdapter()
-    mine = Catalog(store)
+    mine = StoredCatalog(store)
     await mine.load()
     await store.declare_tasks("w9", {"app.sync": {"name": "app.sync", "queue": "q"}}, NOW)
     assert mine.declared("app.sync") is None
@@ -167,7 +168,7 @@ async def test_a_restarted_catalog_reads_at_most_its_bound_the_most_recent() -> 
     for worker in range(MAX_CATALOG_ENTRIES // MAX_DECLARED_TASKS + 2):
         tasks = {f"app.t{i}": {"name": f"app.t{i}"} for i in range(MAX_DECLARED_TASKS)}
         await store.declare_tasks(f"w{worker:02d}", tasks, NOW + timedelta(seconds=worker))
-    found = Catalog(store)
+    found = StoredCatalog(store)
     await found.load()
     assert store.rows_read == [MAX_CATALOG_ENTRIES]
     workers = {r.worker_id for r in found.records()}
@@ -189,14 +190,14 @@ async def test_a_restarted_catalog_reads_at_most_its_bound_the_most_recent() -> 
 async def test_a_declaration_over_a_bound_is_refused_whole(
     tasks: list[protocol.TaskDeclaration], message: str
 ) -> None:
-    found = await _catalog(("w1", [_declared("app.kept")]))
+    found = _catalog(("w1", [_declared("app.kept")]))
     with pytest.raises(CatalogLimitError, match=message):
         found.record("w1", tasks, NOW)
     assert [r.task for r in found.records()] == ["app.kept"], "nothing changed"
 
 
 async def test_the_whole_catalog_is_bounded_and_a_worker_replaces_its_own_share() -> None:
-    found = await _catalog()
+    found = _catalog()
     per_worker = [_declared(f"app.t{i}") for i in range(MAX_DECLARED_TASKS)]
     workers = MAX_CATALOG_ENTRIES // MAX_DECLARED_TASKS
     for worker in range(workers):
@@ -223,7 +224,7 @@ async def test_a_stored_template_with_a_width_is_never_formatted() -> None:
         },
         NOW,
     )
-    found = Catalog(store)
+    found = StoredCatalog(store)
     await found.load()
     with pytest.raises(InvalidJobError, match="conversion or format spec"):
         found.job_spec(protocol.JobRequest(task="app.sync", args=[1]), NOW, allow_unknown=False)
@@ -231,7 +232,7 @@ async def test_a_stored_template_with_a_width_is_never_formatted() -> None:
 
 async def test_gone_workers_are_forgotten_after_the_grace_connected_ones_never() -> None:
     store = MemoryAdapter()
-    found = Catalog(store)
+    found = StoredCatalog(store)
     await found.load()
     found.record("gone", [_declared("app.a"), _declared("app.b")], NOW)
     found.record("live", [_declared("app.a")], NOW)
@@ -271,7 +272,7 @@ async def test_a_name_dropped_by_a_pass_is_not_read_back_while_the_store_forgets
     from the store (:meth:`Catalog.refresh`); the name must still be gone once the pass
     ends, not alive again until the next one (seen under load by the e2e test)."""
     store = _SlowForgetting()
-    found = Catalog(store)
+    found = StoredCatalog(store)
     await found.load()
     found.record("gone", [_declared("app.gone")], NOW)
     await found.save("gone", {"app.gone": {"name": "app.gone"}}, NOW)
@@ -316,6 +317,24 @@ def test_a_worker_declares_what_task_says() -> None:
     assert catalog.describe_backoff(FixedBackoff(4)) == "fixed 4s"
 
 
+def test_a_task_declares_and_schedules_the_defaults_a_job_by_name_takes() -> None:
+    """One list of a task's job defaults (``task_defaults``) feeds both its declaration
+    and its schedule's ticks, and it is every field the catalog fills in but the unique
+    key (each job's own)."""
+    registry = TaskRegistry()
+
+    @task(name="app.tick", registry=registry, queue="q", priority=4, every=timedelta(minutes=1))
+    def tick() -> None: ...
+
+    defaults = task_defaults(registry.get("app.tick"))
+    assert set(defaults) == set(protocol.TASK_DEFAULTS) - {"unique_key"}
+    declared = msgspec.to_builtins(catalog.declaration(registry.get("app.tick")))
+    assert {name: declared[name] for name in defaults} == msgspec.to_builtins(defaults)
+    schedule = default_schedules.get("app.tick")
+    default_schedules.discard("app.tick")
+    assert {name: getattr(schedule, name) for name in defaults} == defaults
+
+
 def test_a_by_name_request_sends_only_what_was_said() -> None:
     spec = JobSpec(task="app.sync", queue="q")
     request = protocol.JobRequest.from_spec(spec, said={"queue": "q"})
@@ -325,14 +344,14 @@ def test_a_by_name_request_sends_only_what_was_said() -> None:
     assert (whole.priority, whole.max_attempts) == (0, 11)
 
 
-async def test_the_newest_declaration_still_wins_after_a_pass_marks_workers_seen() -> None:
-    found = Catalog(MemoryAdapter())
-    await found.load()
+def test_the_newest_declaration_still_wins_after_a_pass_marks_workers_seen() -> None:
+    found = Catalog()
     found.record("w-old", [_declared(queue="old")], NOW)
     found.record("w-new", [_declared(queue="new")], NOW + timedelta(seconds=2))
     found.record("w-gone", [_declared(queue="gone")], NOW + timedelta(seconds=1))
     # Both live workers are seen at the same moment; dropping the gone one decides again.
-    await found.forget({"w-old", "w-new"}, NOW + timedelta(hours=2), timedelta(hours=1))
+    found.mark_seen({"w-old", "w-new"}, NOW + timedelta(hours=2))
+    assert found.drop_gone({"w-old", "w-new"}, NOW + timedelta(hours=1)) == 1
     declared = found.declared("app.sync")
     assert declared is not None and declared.queue == "new"
     assert {r.seen_at for r in found.records()} == {NOW + timedelta(hours=2)}

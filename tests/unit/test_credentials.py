@@ -4,12 +4,18 @@ what a connection may ask, and how a token file reads."""
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import pytest
 
+from adapters.memory import MemoryAdapter
 from broker.exceptions import ConfigurationError
+from broker.jobs import utcnow
+from broker.main.operations import Operations
+from broker.main.requests import Requests
+from broker.main.settings import MainSettings
 from broker.wire import messages as protocol
-from broker.wire.credentials import Credentials, parse_token_file, role_needed
+from broker.wire.credentials import REQUESTS, Credentials, parse_token_file, role_needed
 from broker.wire.messages import Role
 
 NONCE = "9f2c4b1a7d3e8f60a1b2c3d4e5f60718"
@@ -70,6 +76,37 @@ def test_requests_need_the_client_or_the_operator_role() -> None:
     assert role_needed(protocol.Cancel(request_id="r", job_id=job)) is Role.OPERATOR
     assert role_needed(protocol.Retry(request_id="r", job_id=job)) is Role.OPERATOR
     assert role_needed(protocol.Ping(nonce="n")) is None
+
+
+async def test_every_request_of_the_one_list_is_answered_by_the_main() -> None:
+    """``REQUESTS`` is the one list of client requests: the main routes each to its
+    request service, which answers every one of them (none is "not a client request")."""
+    job = uuid.uuid4()
+    examples: list[protocol.Message] = [
+        protocol.Enqueue(request_id="r", jobs=[]),
+        protocol.GetJob(request_id="r", job_id=job),
+        protocol.ListJobs(request_id="r"),
+        protocol.ListTasks(request_id="r"),
+        protocol.Status(request_id="r"),
+        protocol.Cancel(request_id="r", job_id=job),
+        protocol.Retry(request_id="r", job_id=job),
+        protocol.Prune(request_id="r", keep_latest=1),
+    ]
+    assert {type(msg) for msg in examples} == set(REQUESTS)
+
+    async def status() -> dict[str, Any]:
+        return {}
+
+    requests = Requests(
+        Operations(MemoryAdapter(), MainSettings(), clock=utcnow),
+        max_in_progress=1,
+        wake=lambda: None,
+        stop_cancelled=lambda _job: None,
+        status=status,
+    )
+    for msg in examples:
+        reply = await requests.answer(msg)
+        assert getattr(reply, "request_id", None) == "r", msg
 
 
 def test_a_token_file_reads_role_lines_and_refuses_bad_ones_without_echoing_them() -> None:

@@ -25,9 +25,11 @@ from broker.core.election import (
     StepDown,
     Timing,
     TryElect,
+    not_leader,
 )
 from broker.exceptions import ConfigurationError
-from broker.main.main import _within_running_time
+from broker.main.election import within_running_time
+from broker.wire.messages import ErrorCode
 
 
 @dataclass
@@ -69,6 +71,28 @@ def test_timing_derives_from_the_bound() -> None:
     assert TIMING.ttl + TIMING.poll_every < TIMING.failover_timeout
     with pytest.raises(ConfigurationError):
         Timing(0)
+
+
+def test_a_main_that_does_not_dispatch_answers_hellos_with_where_the_leader_is() -> None:
+    """``not_leader``: a standby names the leader it last saw (or none yet); a main just
+    elected, still loading the handoffs in flight, names itself, so the worker comes
+    back to it once it is ready. Every answer closes the connection."""
+    alone = not_leader(Election("a", TIMING), "a:7600")
+    assert (alone.code, alone.leader, alone.fatal) == (ErrorCode.NOT_LEADER, None, True)
+    assert "no main is elected yet" in alone.message
+
+    standby = Election("a", TIMING)
+    standby.elected("b", 1, "b:7600", live=True, started=0.0)
+    told = not_leader(standby, "a:7600")
+    assert (told.leader, told.message) == (
+        "b:7600",
+        "this main is a standby; the leader is at b:7600",
+    )
+
+    elected = Election("a", TIMING)
+    assert elected.elected("a", 2, "a:7600", live=True, started=0.0) == [Lead(2)]
+    loading = not_leader(elected, "a:7600")
+    assert loading.leader == "a:7600" and "just elected" in loading.message
 
 
 def test_a_standby_is_elected_when_the_row_is_free() -> None:
@@ -175,7 +199,7 @@ def test_a_late_answer_of_the_last_chance_keeps_the_lead() -> None:
 
 
 async def test_an_answer_that_came_during_a_stall_is_used_and_a_silent_store_times_out() -> None:
-    """The shell's wait (``broker.main.main._within_running_time``) on a real socket: the answer
+    """The shell's wait (``broker.main.election.within_running_time``) on a real socket: the answer
     arrives while the loop is blocked for ten times the budget, and is read when it runs
     again (``asyncio.timeout`` cancelled the read there: its timer and the socket became
     ready in the same pass); a peer that never answers runs the budget out."""
@@ -185,10 +209,10 @@ async def test_an_answer_that_came_during_a_stall_is_used_and_a_silent_store_tim
     try:
         loop.call_soon(time.sleep, 0.5)  # blocks the loop once the read below is waiting
         loop.call_soon(b.send, b"granted\n")
-        assert await _within_running_time(reader.readline(), 0.05) == b"granted\n"
+        assert await within_running_time(reader.readline(), 0.05) == b"granted\n"
         started = loop.time()
         with pytest.raises(TimeoutError):
-            await _within_running_time(reader.readline(), 0.05)
+            await within_running_time(reader.readline(), 0.05)
         assert loop.time() - started < 5.0
     finally:
         writer.close()

@@ -1,4 +1,4 @@
-"""Group commit of enqueues (:mod:`broker.main.group_commit`, used by the main's
+"""Group commit of enqueues (:mod:`broker.main.loops.GroupCommit`, used by the main's
 :class:`~broker.main.operations.Operations`): callers that arrive during a commit share the next
 one, each keeps all-or-none, one caller's bad job fails that caller alone, a transient
 failure reaches everyone, and a caller that gave up has nothing written."""
@@ -13,7 +13,7 @@ import pytest
 from adapters.memory import MemoryAdapter
 from broker.exceptions import StorageError, StorageRejectedError, transient
 from broker.jobs import EnqueueResult, JobSpec, utcnow
-from broker.main.group_commit import GroupCommit
+from broker.main.loops import GroupCommit
 from broker.main.operations import Operations
 from broker.main.settings import MainSettings
 from broker.wire import messages as protocol

@@ -161,7 +161,7 @@ class Dashboard(HttpServer):
         return self._page(request, "Pending recoveries", live)
 
     async def _schedules(self, request: web.Request) -> web.Response:
-        scheduler = self.main.scheduler
+        scheduler = self.main.leader.scheduler
         ticks = scheduler.ticks()
         schedules, links = pages.paged(request.path, request.query, scheduler.schedules)
         live = pages.schedules_live(schedules, ticks) + links

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from broker.main.metrics import CONTENT_TYPE, WorkerLevels
+from broker.main.metrics import CONTENT_TYPE
+from broker.worker.metrics import WorkerLevels
 from broker.worker.worker import Worker
 
 
