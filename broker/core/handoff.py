@@ -30,15 +30,14 @@ from __future__ import annotations
 
 import logging
 import math
-import secrets
 import uuid
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import datetime
 
-from broker.core.admission import Credits
 from broker.core.affinity import Affinity, Route
+from broker.core.peers import Credits, Liveness, Peer, random_ping_base
 from broker.jobs import (
     Claim,
     ExecutionMode,
@@ -199,83 +198,6 @@ class Parked:
     until: float
 
 
-# ---------------------------------------------------------------------- peers
-
-
-@dataclass
-class Liveness:
-    """When a peer last proved itself alive, and since when a write to it or its outbox
-    has been stuck. Times are the event loop's, fed in by the shell: the transport sets
-    ``paused_since`` and ``write_started``, and :meth:`Handoff.tick` judges."""
-
-    last_answer: float
-    """Time of the last ``pong`` answering one of our pings (or of the accept). Nothing
-    else counts: a peer that sends but never reads cannot answer."""
-    ping_base: int = field(default_factory=lambda: secrets.randbits(62))
-    """Our pings carry ``ping_base + 1, + 2, ...``; random, so a peer that does not read
-    them cannot answer them."""
-    pings_sent: int = 0
-    paused_since: float | None = None
-    """Time the outbox went over its cap; ``None`` while under it."""
-    write_started: float | None = None
-    """Time the write in progress began; ``None`` when the writer is idle."""
-
-    def next_ping(self) -> protocol.Ping:
-        self.pings_sent += 1
-        return protocol.Ping(nonce=self.ping_base + self.pings_sent)
-
-    def answered(self, nonce: int, now: float) -> None:
-        """A ``pong``: it proves the peer alive only if it answers one of our pings."""
-        if self.ping_base < nonce <= self.ping_base + self.pings_sent:
-            self.last_answer = now
-
-    def excuse(self, stall: float, now: float) -> None:
-        """The main itself could not run for ``stall`` seconds: that time does not count
-        against the peer (it could not be read from or written to meanwhile)."""
-        self.last_answer = min(now, self.last_answer + stall)
-        if self.paused_since is not None:
-            self.paused_since = min(now, self.paused_since + stall)
-        if self.write_started is not None:
-            self.write_started = min(now, self.write_started + stall)
-
-    def problem(self, now: float, timeout: float) -> str | None:
-        """Why this peer counts as dead at ``now``, or ``None`` while it does not."""
-        if now - self.last_answer > timeout:
-            return f"no answer to pings for {now - self.last_answer:.1f} s"
-        if self.write_started is not None and now - self.write_started > timeout:
-            return f"a write has not completed for {now - self.write_started:.1f} s"
-        if self.paused_since is not None and now - self.paused_since > timeout:
-            return f"over its outbox limit for {now - self.paused_since:.1f} s"
-        return None
-
-
-@dataclass(eq=False)
-class Peer:
-    """One connection as the handoff sees it. Leases belong to a connection, not to a
-    worker id, so a dropped socket gives back only what was handed to that socket."""
-
-    id: int
-    liveness: Liveness
-    credits: Credits = field(default_factory=Credits)
-    role: protocol.Role | None = None
-    worker_id: str | None = None
-    modes: frozenset[ExecutionMode] = frozenset()
-    queues: frozenset[str] | None = None
-    leases: dict[uuid.UUID, Job] = field(default_factory=dict)
-    draining: bool = False
-
-    @property
-    def dispatchable(self) -> bool:
-        return (
-            self.role is protocol.Role.WORKER
-            and not self.draining
-            and self.liveness.paused_since is None
-        )
-
-    def serves(self, job: Job) -> bool:
-        return self.queues is None or job.queue in self.queues
-
-
 # ---------------------------------------------------------------------- the core
 
 
@@ -287,6 +209,7 @@ class Handoff:
         *,
         max_credit: int = MAX_CREDIT,
         new_lease: Callable[[], uuid.UUID] | None = None,
+        new_ping_base: Callable[[], int] = random_ping_base,
         affinity_grace: float = 60.0,
         reconnect_grace: float = 30.0,
     ) -> None:
@@ -306,6 +229,9 @@ class Handoff:
         """Jobs the last plans held back for their state holder (job id -> holder): the
         dispatcher reads past them, and wakes when one of their graces ends."""
         self._new_lease = new_lease or random_uuid
+        self._new_ping_base = new_ping_base
+        """Where each connection's :attr:`Liveness.ping_base` comes from (random; a test
+        passes a counter), as leases come from ``new_lease``."""
         self._queue_changes = 0
         """Bumped whenever jobs may have become eligible (every dispatcher wake-up)."""
         self._changes: deque[tuple[int, frozenset[ExecutionMode] | None]] = deque(maxlen=CHANGE_LOG)
@@ -346,7 +272,8 @@ class Handoff:
 
     def new_peer(self, peer_id: int, now: float) -> Peer:
         """The record of a connection just accepted; it joins at :meth:`hello`."""
-        return Peer(peer_id, Liveness(last_answer=now), Credits(self.max_credit))
+        liveness = Liveness(last_answer=now, ping_base=self._new_ping_base())
+        return Peer(peer_id, liveness, Credits(self.max_credit))
 
     # ------------------------------------------------------------------ peers
 

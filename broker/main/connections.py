@@ -1,7 +1,7 @@
 """The main's connections: accepting them under caps, the handshake, reading and writing.
 
 This is transport only. What a connection means to the handoff (role, credits, leases,
-liveness) is its :class:`broker.core.handoff.Peer`; what its messages mean is decided by the
+liveness) is its :class:`broker.core.peers.Peer`; what its messages mean is decided by the
 main, which :class:`Connections` calls back: ``welcome`` once a hello passed the
 checks, ``handle`` for each later message, ``closed`` when the connection ends, ``wake``
 when a paused peer can take jobs again.
@@ -21,8 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from broker.core.admission import Credits
-from broker.core.handoff import Peer
+from broker.core.peers import Credits, Peer
 from broker.credentials import Credentials
 from broker.exceptions import ProtocolError
 from broker.jobs import ExecutionMode, Job
@@ -110,7 +109,7 @@ class RequestBytes:
 @dataclass(eq=False)
 class Session:
     """One connection's transport. What the handoff knows of it (role, credits, leases,
-    liveness) is its :class:`broker.core.handoff.Peer`, ``state``, kept by :attr:`Main.handoff`.
+    liveness) is its :class:`broker.core.peers.Peer`, ``state``, kept by :attr:`Main.handoff`.
 
     Everything the main sends goes through :meth:`send` into ``outbox``, which one writer
     task drains. Its size in bytes is what back-pressure acts on: over

@@ -3,7 +3,7 @@
 The main is the only process that moves a job into or out of ``handed_off``
 through its dispatcher, and it does so in a fixed order for every handoff:
 
-1. reserve one of the worker's credits (see :mod:`broker.core.admission`);
+1. reserve one of the worker's credits (see :mod:`broker.core.peers`);
 2. mint the lease (a fresh UUID) *before* touching the store;
 3. claim the job under that lease (batched with other claims of the same pass);
 4. only then send the job on that worker's connection.
@@ -40,7 +40,6 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from broker.core import jobfields as codec
-from broker.core.admission import CreditLimitError
 from broker.core.catalog import CatalogLimitError
 from broker.core.election import (
     Effect,
@@ -67,6 +66,7 @@ from broker.core.handoff import (
     StoreProgress,
     WakeDispatcher,
 )
+from broker.core.peers import CreditLimitError
 from broker.credentials import role_needed
 from broker.exceptions import PermissionDeniedError, ProtocolError, StorageError, transient
 from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, utcnow
@@ -894,7 +894,7 @@ class Main:
         The loop also measures the main's own lag (when it wakes against when it asked
         to): while the main was stalled, say by a slow request, it could neither read the
         peers' answers nor write to them, so that time is excused rather than judged
-        (:meth:`broker.core.handoff.Liveness.excuse`). A slow moment in the main never returns
+        (:meth:`broker.core.peers.Liveness.excuse`). A slow moment in the main never returns
         live workers' leases, nor those of a worker that gave its socket up meanwhile
         (:meth:`broker.core.handoff.Handoff.disconnect` parks them for its hello).
         """
