@@ -367,6 +367,35 @@ class Handoff:
     def pong(self, peer_id: int, nonce: int, now: float) -> None:
         self.peers[peer_id].liveness.answered(nonce, now)
 
+    # The transport's events about a connection take its record itself: a connection
+    # writes before its hello and after its disconnect, when it is in no registry here.
+
+    def paused(self, peer: Peer, now: float) -> None:
+        """``peer``'s outbox went over its cap at ``now``: it takes no jobs until
+        :meth:`resumed`, and :meth:`tick` drops it once that lasts the liveness timeout."""
+        if peer.liveness.paused_since is None:
+            peer.liveness.paused_since = now
+
+    def resumed(self, peer: Peer) -> list[HandoffEffect]:
+        """``peer``'s outbox is back under its cap. A worker that can take jobs again
+        wakes the dispatcher, and what was proven drained is proven no more: it was
+        proven for the queues the other workers serve (as after a :meth:`hello`)."""
+        if peer.liveness.paused_since is None:
+            return []
+        peer.liveness.paused_since = None
+        if not peer.dispatchable or self.worker_peers.get(peer.id) is not peer:
+            return []
+        self.queue_changed()
+        return [WakeDispatcher()]
+
+    def write_started(self, peer: Peer, now: float) -> None:
+        """A write to ``peer`` began at ``now``; :meth:`tick` drops the peer if it has not
+        ended (:meth:`write_ended`) within the liveness timeout."""
+        peer.liveness.write_started = now
+
+    def write_ended(self, peer: Peer) -> None:
+        peer.liveness.write_started = None
+
     def disconnect(
         self, peer_id: int, now: float, *, stall: float = 0.0, stopping: bool = False
     ) -> list[HandoffEffect]:
@@ -461,6 +490,11 @@ class Handoff:
         for job in jobs:
             if job.status is JobStatus.HANDED_OFF and job.handoff_id is not None:
                 self.orphans[job.handoff_id] = job
+
+    def orphans_unloaded(self) -> None:
+        """Loading the orphans failed part way: those loaded are dropped, so the next
+        attempt reads them whole (no worker was welcomed meanwhile to adopt any)."""
+        self.orphans.clear()
 
     def orphan_deadline(self) -> list[HandoffEffect]:
         """The grace period is over: the orphans nobody adopted go back to the queue."""

@@ -180,11 +180,14 @@ class Peer:
 
     @property
     def dispatchable(self) -> bool:
-        return (
-            self.role is protocol.Role.WORKER
-            and not self.draining
-            and self.liveness.paused_since is None
-        )
+        return self.role is protocol.Role.WORKER and not self.draining and not self.paused
+
+    @property
+    def paused(self) -> bool:
+        """Its outbox is over its cap (:meth:`Handoff.paused
+        <broker.core.handoff.Handoff.paused>`): it takes no jobs, and the main reads no
+        more of its messages, until it is back under."""
+        return self.liveness.paused_since is not None
 
     def serves(self, job: Job) -> bool:
         return self.queues is None or job.queue in self.queues

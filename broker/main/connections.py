@@ -3,8 +3,9 @@
 This is transport only. What a connection means to the handoff (role, credits, leases,
 liveness) is its :class:`broker.core.peers.Peer`; what its messages mean is decided by the
 main, which :class:`Connections` calls back: ``welcome`` once a hello passed the
-checks, ``handle`` for each later message, ``closed`` when the connection ends, ``wake``
-when a paused peer can take jobs again.
+checks, ``handle`` for each later message, ``closed`` when the connection ends, ``carry``
+for the effects of the transport's own events. Those (a pause, a resume, a write begun or
+ended) go to the handoff core as events: the transport never writes the peer's state.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from broker.core.handoff import Handoff, HandoffEffect
 from broker.core.peers import Credits, Peer
 from broker.credentials import Credentials
 from broker.exceptions import ProtocolError
@@ -118,6 +120,8 @@ class Session:
     """
 
     state: Peer
+    core: Handoff
+    """The handoff core, told of this connection's pauses and resumes."""
     peer: str
     writer: wire.MessageWriter
     max_outbox_bytes: int
@@ -255,9 +259,8 @@ class Session:
         self.outbox.append(data)
         self.outbox_bytes += len(data)
         self._queued.set()
-        liveness = self.state.liveness
-        if liveness.paused_since is None and self.outbox_bytes > self.max_outbox_bytes:
-            liveness.paused_since = asyncio.get_running_loop().time()
+        if not self.state.paused and self.outbox_bytes > self.max_outbox_bytes:
+            self.core.paused(self.state, asyncio.get_running_loop().time())
             self.update_readable()
 
     async def next_write(self) -> bytes:
@@ -272,15 +275,15 @@ class Session:
             size += len(chunks[-1])
         return b"".join(chunks)
 
-    def written(self, size: int) -> bool:
-        """``size`` bytes have left the outbox; ``True`` when that ends a pause."""
+    def written(self, size: int) -> list[HandoffEffect]:
+        """``size`` bytes have left the outbox; a pause ends once half the cap is free,
+        with the core's effects of that (a wake when a worker can take jobs again)."""
         self.outbox_bytes -= size
-        liveness = self.state.liveness
-        if liveness.paused_since is None or self.outbox_bytes > self.max_outbox_bytes // 2:
-            return False
-        liveness.paused_since = None
+        if not self.state.paused or self.outbox_bytes > self.max_outbox_bytes // 2:
+            return []
+        effects = self.core.resumed(self.state)
         self.update_readable()
-        return True
+        return effects
 
     def add_request(self, task: asyncio.Task[None]) -> None:
         """Count a request in progress, as many bytes as the line that carried it."""
@@ -303,7 +306,7 @@ class Session:
         """Let the read loop read on, or not: it waits while the outbox is over its cap,
         and while this connection's requests in progress are at their caps (count or
         bytes) or, with some in progress, all connections' are at theirs."""
-        paused = self.state.liveness.paused_since is not None
+        paused = self.state.paused
         total = self.read_ahead
         waiting = bool(self.requests) and total is not None and total.full
         if total is not None and waiting and not self.dropped:
@@ -411,19 +414,19 @@ class Connections:
         self,
         settings: ConnectionSettings,
         *,
-        new_peer: Callable[[int, float], Peer],
+        core: Handoff,
         welcome: Callable[[Session, protocol.Hello], bool | protocol.Error],
         handle: Callable[[Session, protocol.Message], None],
         closed: Callable[[Session], None],
-        wake: Callable[[], None],
+        carry: Callable[[Sequence[HandoffEffect]], None],
         stopping: Callable[[], bool],
     ) -> None:
         self.settings = settings
-        self._new_peer = new_peer
+        self._core = core
         self._welcome = welcome
         self._handle = handle
         self._closed = closed
-        self._wake = wake
+        self._carry = carry
         self._stopping = stopping
         self._ids = itertools.count(1)
         self.tasks: set[asyncio.Task[None]] = set()
@@ -565,7 +568,8 @@ class Connections:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         peername = writer.get_extra_info("peername")
         session = Session(
-            state=self._new_peer(next(self._ids), asyncio.get_running_loop().time()),
+            state=self._core.new_peer(next(self._ids), asyncio.get_running_loop().time()),
+            core=self._core,
             peer=str(peername),
             writer=wire.MessageWriter(writer),
             max_outbox_bytes=self.settings.max_outbox_bytes,
@@ -611,14 +615,15 @@ class Connections:
         liveness loop, which allows for the main's own stalls, not by a timer here.
         """
         loop = asyncio.get_running_loop()
+        core, peer = self._core, session.state
         try:
             while True:
                 data = await session.next_write()
-                session.state.liveness.write_started = loop.time()
+                core.write_started(peer, loop.time())
                 await session.writer.write_raw(data)
-                session.state.liveness.write_started = None
-                if session.written(len(data)):
-                    self._wake()  # the peer is dispatchable again
+                core.write_ended(peer)
+                if effects := session.written(len(data)):
+                    self._carry(effects)  # the peer is dispatchable again
         except (ConnectionError, OSError) as exc:
             log_event(
                 logger, logging.INFO, "send failed, closing", session=session.id, error=repr(exc)

@@ -201,11 +201,11 @@ class Main:
         )
         self.connections = Connections(
             self.settings,
-            new_peer=self.handoff.new_peer,
+            core=self.handoff,
             welcome=self._welcome,
             handle=self._handle,
             closed=self._disconnect,
-            wake=self.wake,
+            carry=self._carry,
             stopping=lambda: self._stopping,
         )
         self.settler = ReportSettler(
@@ -482,7 +482,7 @@ class Main:
                 log_event(
                     logger, logging.WARNING, "loading the orphans failed, retrying", error=repr(exc)
                 )
-                self.handoff.orphans.clear()
+                self.handoff.orphans_unloaded()
                 await asyncio.sleep(self.settings.error_retry_interval)
         if not self._stopping:
             self._lead_now(epoch)
