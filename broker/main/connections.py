@@ -16,17 +16,15 @@ import itertools
 import logging
 import socket
 import ssl
-import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from broker.core.handoff import Handoff, HandoffEffect
-from broker.core.peers import Credits, Peer
+from broker.core.peers import Peer
 from broker.credentials import Credentials
 from broker.exceptions import ProtocolError
-from broker.jobs import ExecutionMode, Job
 from broker.model.bounds import (
     AUTH_FAILURE_LOG_BURST,
     AUTH_FAILURE_LOG_PER_SECOND,
@@ -159,7 +157,8 @@ class Session:
     def __post_init__(self) -> None:
         self.readable.set()
 
-    # The handoff's view of this connection, read-only here (only the core changes it).
+    # What the main routes every message by, read-only here (only the core changes it);
+    # the rest of the handoff's view is read from ``state``.
     @property
     def id(self) -> int:
         return self.state.id
@@ -171,26 +170,6 @@ class Session:
     @property
     def worker_id(self) -> str | None:
         return self.state.worker_id
-
-    @property
-    def modes(self) -> frozenset[ExecutionMode]:
-        return self.state.modes
-
-    @property
-    def queues(self) -> frozenset[str] | None:
-        return self.state.queues
-
-    @property
-    def credits(self) -> Credits:
-        return self.state.credits
-
-    @property
-    def leases(self) -> dict[uuid.UUID, Job]:
-        return self.state.leases
-
-    @property
-    def draining(self) -> bool:
-        return self.state.draining
 
     def summary(self) -> dict[str, Any]:
         """This worker as ``broker status`` shows it: what the handoff knows of it, and the
@@ -208,15 +187,16 @@ class Session:
             busy[mode] = runner.get("busy")
             if runner.get("startup_error"):
                 startup_errors[mode] = runner["startup_error"]
+        peer = self.state
         return {
-            "session": self.id,
-            "worker_id": self.worker_id,
+            "session": peer.id,
+            "worker_id": peer.worker_id,
             "host": self.host,
-            "modes": sorted(m.value for m in self.modes),
-            "queues": sorted(self.queues) if self.queues is not None else None,
-            "draining": self.draining,
-            "in_flight": len(self.leases),
-            "credits": {m.value: self.credits.available(m) for m in self.modes},
+            "modes": sorted(m.value for m in peer.modes),
+            "queues": sorted(peer.queues) if peer.queues is not None else None,
+            "draining": peer.draining,
+            "in_flight": len(peer.leases),
+            "credits": {m.value: peer.credits.available(m) for m in peer.modes},
             "capacity": capacity,
             "busy": busy,
             "startup_errors": startup_errors,
@@ -330,6 +310,28 @@ class Session:
         self.update_readable()
 
 
+class Joined(Mapping[int, Session]):
+    """The connections past their hello, by id: the handoff core's peers (the one registry
+    of who has joined, :attr:`Handoff.peers <broker.core.handoff.Handoff.peers>`), each
+    seen through its transport. A peer joins and leaves in the core alone, so nothing here
+    is kept in step with it by hand."""
+
+    def __init__(self, peers: Mapping[int, Peer], open_sessions: Mapping[int, Session]) -> None:
+        self._peers = peers
+        self._open = open_sessions
+
+    def __getitem__(self, peer_id: int) -> Session:
+        if peer_id not in self._peers:
+            raise KeyError(peer_id)
+        return self._open[peer_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._peers)
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+
 class Gathered:
     """The messages one batch of effects sends each peer, joined into batch lines.
 
@@ -431,6 +433,11 @@ class Connections:
         self._ids = itertools.count(1)
         self.tasks: set[asyncio.Task[None]] = set()
         """One task per connection, from accept to close."""
+        self._open: dict[int, Session] = {}
+        """Every connection's transport by id, from accept to close (in the handshake
+        too: where the core has no peer for it yet)."""
+        self.joined = Joined(core.peers, self._open)
+        """The connections past their hello (:class:`Joined`)."""
         self._unauthenticated: set[asyncio.Task[None]] = set()
         """Connection tasks still in the handshake (counted against max_unauthenticated)."""
         self.tls_handshakes: set[asyncio.Task[None]] = set()
@@ -580,6 +587,7 @@ class Connections:
         )
         lines = wire.LineReader(reader, max_line_bytes=self.settings.preauth_max_line_bytes)
         sender = asyncio.create_task(self._write_loop(session))
+        self._open[session.id] = session
         try:
             if await self._handshake(session, lines):
                 task = asyncio.current_task()
@@ -601,6 +609,7 @@ class Connections:
             log_event(logger, logging.INFO, "connection lost", session=session.id, error=repr(exc))
         finally:
             self._closed(session)
+            del self._open[session.id]
             for request in session.requests:
                 request.cancel()  # nobody is left to answer
             sender.cancel()

@@ -158,7 +158,6 @@ class Main:
         )
         """The client requests (:mod:`broker.main.operations`), under this main's limits."""
         self.main_id = f"main-{uuid.uuid4().hex[:12]}"
-        self.sessions: dict[int, Session] = {}
         self.handoff = Handoff(
             max_credit=self.settings.max_credit,
             affinity_grace=self.settings.affinity_grace,
@@ -208,6 +207,8 @@ class Main:
             carry=self._carry,
             stopping=lambda: self._stopping,
         )
+        self.sessions = self.connections.joined
+        """The connections past their hello, by id: a view of the core's peers."""
         self.settler = ReportSettler(
             measured,
             self.handoff,
@@ -707,7 +708,6 @@ class Main:
                 leader=leader,
             )
         session.host = hello.host
-        self.sessions[session.id] = session
         adopted, effects = self.handoff.hello(session.state, hello)
         self._carry(effects)
         session.send(
@@ -946,7 +946,6 @@ class Main:
         if session.closed:
             return
         session.closed = True
-        self.sessions.pop(session.id, None)
         now = asyncio.get_running_loop().time()
         stall = max(0.0, now - self._tick_due)  # the liveness check is overdue by this much
         self._carry(self.handoff.disconnect(session.id, now, stall=stall, stopping=self._stopping))
