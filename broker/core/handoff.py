@@ -31,12 +31,12 @@ from __future__ import annotations
 import logging
 import math
 import uuid
-from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
 from broker.core.affinity import Affinity, Route
+from broker.core.drained import DrainedModes
 from broker.core.peers import Credits, Liveness, Peer, random_ping_base
 from broker.jobs import (
     Claim,
@@ -63,11 +63,6 @@ STALL_AFTERMATH = 2.0
 """Seconds after the end of a stall during which a connection that ends still counts as
 ended by it: when the loop runs again it first reads what piled up meanwhile, the end of
 every socket a worker gave up on while the main could not answer its pings included."""
-
-CHANGE_LOG = 64
-"""Queue changes remembered (see :meth:`Handoff.unchanged_since`): a read spanning more
-changes than this proves nothing, as any read spanning a change once did."""
-
 
 # ---------------------------------------------------------------------- effects
 
@@ -232,19 +227,8 @@ class Handoff:
         self._new_ping_base = new_ping_base
         """Where each connection's :attr:`Liveness.ping_base` comes from (random; a test
         passes a counter), as leases come from ``new_lease``."""
-        self._queue_changes = 0
-        """Bumped whenever jobs may have become eligible (every dispatcher wake-up)."""
-        self._changes: deque[tuple[int, frozenset[ExecutionMode] | None]] = deque(maxlen=CHANGE_LOG)
-        """The latest changes: the count each brought, and the only modes it touched
-        (``None``: it may have touched any)."""
-        self._drained: frozenset[ExecutionMode] = frozenset()
-        """Modes whose eligible jobs the last read found all claimed or being claimed, with
-        nothing changed since: only for them may an enqueue take a free slot at once
-        without overtaking a job that was waiting (see :meth:`plan_at_enqueue`)."""
-        self._drained_for: frozenset[str] | None = None
-        """The queues every read behind :attr:`_drained` covered (``None``: all). A read
-        covers the queues the dispatchable workers serve, so a worker serving more (one
-        that resumes after a pause, or says hello) may serve jobs no proof looked at."""
+        self._proofs = DrainedModes()
+        """The change log and the modes proven drained (:mod:`broker.core.drained`)."""
         self._turn = 0
         """Where the search for a worker starts, moved on for every job planned, so workers
         with equal free credit take turns instead of the first connected taking all."""
@@ -600,49 +584,31 @@ class Handoff:
         finite = [d for d in deadlines if d != float("inf")]
         return min(finite) if finite else None
 
+    # The drained proofs (broker.core.drained), as the dispatcher and the enqueue see them.
+
     def queue_changed(self) -> None:
-        """Jobs may have become eligible (an insert, a return, a retry, a report...): no
-        mode counts as drained until a read started after this says so."""
-        self._queue_changes += 1
-        self._drained = frozenset()
-        self._changes.append((self._queue_changes, None))
+        """Jobs may have become eligible: no mode counts as drained until a read started
+        after this says so (:meth:`DrainedModes.changed`)."""
+        self._proofs.changed()
 
     def jobs_added(self, modes: Iterable[ExecutionMode]) -> None:
-        """Queued jobs of ``modes`` were stored, and nothing else changed: those modes stop
-        counting as drained, the others stay so.
-
-        Why not :meth:`queue_changed`: while producers enqueue one job at a time during a
-        drain, every enqueue forgot every drained mode, and the next pass read each empty
-        mode (a pooled worker's inline and forked slots) again, for nothing."""
-        changed = frozenset(modes)
-        self._queue_changes += 1
-        self._drained = self._drained.difference(changed)
-        self._changes.append((self._queue_changes, changed))
+        """Queued jobs of ``modes`` were stored, and nothing else changed: only those
+        modes stop counting as drained (:meth:`DrainedModes.added`)."""
+        self._proofs.added(modes)
 
     def unchanged_since(self, started: int, modes: Iterable[ExecutionMode]) -> bool:
-        """Whether no change since change count ``started`` can have touched ``modes``
-        (false when the log no longer reaches back that far)."""
-        if started == self._queue_changes:
-            return True
-        if not self._changes or self._changes[0][0] > started + 1:
-            return False
-        wanted = frozenset(modes)
-        for count, changed in reversed(self._changes):
-            if count <= started:
-                break
-            if changed is None or not changed.isdisjoint(wanted):
-                return False
-        return True
+        """:meth:`DrainedModes.unchanged_since`."""
+        return self._proofs.unchanged_since(started, modes)
 
     @property
     def drained(self) -> frozenset[ExecutionMode]:
         """The modes an enqueue may hand off at once (see :meth:`plan_at_enqueue`)."""
-        return self._drained
+        return self._proofs.modes
 
     @property
     def queue_changes(self) -> int:
         """The change count a read started now passes to :meth:`read_eligible`."""
-        return self._queue_changes
+        return self._proofs.count
 
     def read_eligible(
         self,
@@ -652,36 +618,10 @@ class Handoff:
         full: bool,
         queues: Collection[str] | None,
     ) -> None:
-        """A read of eligible jobs for ``modes`` and ``queues`` (``None``: every queue),
-        begun at change count ``started``, came back and was planned; ``full`` when it
-        returned as many as it asked for, or some of them found no slot (jobs wait). Short
-        and all placed, with nothing changed meanwhile, it proves those modes drained in
-        those queues, beside those proven since the last change; the dispatcher reads
-        them no more until the next change. (Jobs added meanwhile to other modes only do
-        not spoil the proof: see :meth:`jobs_added`.) The proofs hold together for the
-        queues all of them covered, or this one's when it proves every drained mode."""
-        modes = frozenset(modes)
-        if not self.unchanged_since(started, modes):
-            return
-        if full:
-            self._drained = self._drained.difference(modes)
-            return
-        covered = None if queues is None else frozenset(queues)
-        if modes >= self._drained:  # this proof alone holds every drained mode
-            self._drained_for = covered
-        elif covered is not None:
-            mine = self._drained_for
-            self._drained_for = covered if mine is None else mine & covered
-        self._drained = self._drained.union(modes)
-
-    def _drained_covers(self) -> bool:
-        """Whether the drained proofs covered every queue a dispatchable worker serves now,
-        so that a job handed off at once can overtake none a worker could have taken."""
-        proven = self._drained_for
-        if proven is None:
-            return True
-        served = self.served_queues()
-        return served is not None and served <= proven
+        """A read of eligible jobs, begun at change count ``started``, came back and was
+        planned: short and all placed, it proves ``modes`` drained in ``queues``
+        (:meth:`DrainedModes.read`)."""
+        self._proofs.read(started, modes, full=full, queues=queues)
 
     def plan_at_enqueue(self, specs: Sequence[JobSpec], now: datetime) -> list[PlannedClaim | None]:
         """For each job about to be enqueued, a worker and a lease if it can start at once:
@@ -690,11 +630,12 @@ class Handoff:
         lease minted here, before the insert, exactly as :meth:`plan` does for a claim; the
         store's answer comes back through :meth:`claimed` (or :meth:`claim_unknown`)."""
         plans: list[PlannedClaim | None] = []
-        covered = bool(self._drained) and self._drained_covers()
+        drained = self._proofs.modes
+        covered = bool(drained) and self._proofs.covers(self.served_queues())
         for spec in specs:
             if (
                 not covered
-                or spec.execution_mode not in self._drained
+                or spec.execution_mode not in drained
                 or not claimable_at_enqueue(spec, now)
             ):
                 plans.append(None)

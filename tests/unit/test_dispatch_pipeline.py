@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from adapters.memory import MemoryAdapter
-from broker.core.handoff import CHANGE_LOG, Dispatch, Handoff, HandoffEffect, PlannedClaim
+from broker.core.drained import CHANGE_LOG
+from broker.core.handoff import Dispatch, Handoff, HandoffEffect, PlannedClaim
 from broker.jobs import (
     Claim,
     EnqueueResult,
