@@ -37,9 +37,21 @@ from datetime import datetime
 
 from broker.core.affinity import Affinity, Route
 from broker.core.drained import DrainedModes
+
+# The effects are the handoff's vocabulary: importable from here, as its events are.
+from broker.core.effects import Abort as Abort
+from broker.core.effects import ClaimJobs as ClaimJobs
+from broker.core.effects import Dispatch as Dispatch
+from broker.core.effects import HandoffEffect as HandoffEffect
+from broker.core.effects import PlannedClaim as PlannedClaim
+from broker.core.effects import ReturnLease as ReturnLease
+from broker.core.effects import Send as Send
+from broker.core.effects import Settle as Settle
+from broker.core.effects import StoreCheckpoint as StoreCheckpoint
+from broker.core.effects import StoreProgress as StoreProgress
+from broker.core.effects import WakeDispatcher as WakeDispatcher
 from broker.core.peers import Credits, Liveness, Peer, random_ping_base
 from broker.jobs import (
-    Claim,
     ExecutionMode,
     Job,
     JobSpec,
@@ -64,86 +76,6 @@ STALL_AFTERMATH = 2.0
 ended by it: when the loop runs again it first reads what piled up meanwhile, the end of
 every socket a worker gave up on while the main could not answer its pings included."""
 
-# ---------------------------------------------------------------------- effects
-
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    """Queue ``message`` on connection ``peer`` (dropped if it has closed meanwhile)."""
-
-    peer: int
-    message: protocol.Message
-
-
-@dataclass(frozen=True, slots=True)
-class Dispatch:
-    """Send the claimed ``job`` to ``peer`` as its ``job`` message number ``seq``;
-    ``state_lost``: the job's local state is not on that worker
-    (see :mod:`broker.core.affinity`)."""
-
-    peer: int
-    seq: int
-    job: Job
-    state_lost: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class ReturnLease:
-    """``lease`` now waits in the returns: give it back to the store (fenced on that exact
-    lease, so a newer one is never touched)."""
-
-    job_id: uuid.UUID
-    lease: uuid.UUID
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    """Drop connection ``peer`` at once: it is judged dead."""
-
-    peer: int
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Settle:
-    """An accepted report: apply it to the store, then tell the core with
-    :meth:`Handoff.settled`."""
-
-    peer: int
-    report: protocol.Report
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimJobs:
-    """Claim these planned jobs in one store call, then tell the core how it went."""
-
-    claims: tuple[PlannedClaim, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class WakeDispatcher:
-    """Run another dispatch pass: credit or a peer became available. It says nothing about
-    the queue: where a job became eligible, the core counts that itself
-    (:meth:`Handoff.queue_changed`), so that a freed slot alone costs no re-read of the
-    modes proven drained, nor of the next run time."""
-
-
-@dataclass(frozen=True, slots=True)
-class StoreCheckpoint:
-    """An accepted checkpoint: store it (fenced again in the store), then answer ``peer``
-    with a ``checkpoint_ack``."""
-
-    peer: int
-    message: protocol.SaveCheckpoint
-
-
-@dataclass(frozen=True, slots=True)
-class StoreProgress:
-    """An accepted progress update: record it when convenient (nobody waits on it)."""
-
-    update: ProgressUpdate
-
 
 @dataclass(frozen=True, slots=True)
 class Loss:
@@ -152,34 +84,6 @@ class Loss:
 
     job: Job
     reason: str
-
-
-HandoffEffect = (
-    Send
-    | Dispatch
-    | ReturnLease
-    | Abort
-    | Settle
-    | ClaimJobs
-    | WakeDispatcher
-    | StoreCheckpoint
-    | StoreProgress
-)
-
-
-@dataclass(frozen=True, slots=True)
-class PlannedClaim:
-    """A job reserved for a peer under a freshly minted lease, not yet claimed."""
-
-    peer: int
-    worker_id: str
-    job: Job
-    lease: uuid.UUID
-    state_lost: bool = False
-
-    @property
-    def claim(self) -> Claim:
-        return Claim(self.job.id, self.lease, self.worker_id)
 
 
 @dataclass(slots=True)
