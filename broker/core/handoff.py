@@ -29,7 +29,6 @@ Decisions are logged under ``broker.main.main``, where operators look for them.
 from __future__ import annotations
 
 import logging
-import math
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -51,6 +50,9 @@ from broker.core.effects import StoreCheckpoint as StoreCheckpoint
 from broker.core.effects import StoreProgress as StoreProgress
 from broker.core.effects import WakeDispatcher as WakeDispatcher
 from broker.core.peers import Credits, Liveness, Peer, random_ping_base
+from broker.core.waiting import STALL as STALL
+from broker.core.waiting import STALL_AFTERMATH as STALL_AFTERMATH
+from broker.core.waiting import Parked, WaitingLeases
 from broker.jobs import (
     ExecutionMode,
     Job,
@@ -66,16 +68,6 @@ from broker.wire import messages as protocol
 
 logger = logging.getLogger("broker.main")
 
-STALL = 1.0
-"""A lag of the main's own loop at least this long (seconds) counts as a stall: it is
-logged, and a worker connection that ends during one, or within :data:`STALL_AFTERMATH`
-after it, has its leases parked instead of returned (see :meth:`Handoff.disconnect`)."""
-
-STALL_AFTERMATH = 2.0
-"""Seconds after the end of a stall during which a connection that ends still counts as
-ended by it: when the loop runs again it first reads what piled up meanwhile, the end of
-every socket a worker gave up on while the main could not answer its pings included."""
-
 
 @dataclass(frozen=True, slots=True)
 class Loss:
@@ -84,17 +76,6 @@ class Loss:
 
     job: Job
     reason: str
-
-
-@dataclass(slots=True)
-class Parked:
-    """A lease of a connection that ended while the main was stalled: ``job`` as it was
-    handed off, waiting until ``until`` (loop time) for ``worker_id`` to say hello again
-    with it in its held leases."""
-
-    job: Job
-    worker_id: str
-    until: float
 
 
 # ---------------------------------------------------------------------- the core
@@ -113,15 +94,8 @@ class Handoff:
         reconnect_grace: float = 30.0,
     ) -> None:
         self.max_credit = max_credit
-        self.reconnect_grace = reconnect_grace
-        """How long the leases of a connection that ended during a stall of the main wait
-        for their worker to reconnect (the orphans' grace: the same wait, for the same
-        workers, as after a restart)."""
-        self.parked: dict[uuid.UUID, Parked] = {}
-        """Leases of connections that ended while the main was stalled, by lease: they wait
-        for their worker's hello (see :meth:`disconnect`)."""
-        self._stall_ended = -math.inf
-        """When the last stall of the main's loop that :meth:`tick` measured ended."""
+        self.waiting = WaitingLeases(reconnect_grace)
+        """The orphans and the parked leases (:mod:`broker.core.waiting`)."""
         self.affinity = Affinity(affinity_grace, started=0.0)
         """Where the holders of local state are; decides who may take their recoveries."""
         self.awaiting: dict[uuid.UUID, str] = {}
@@ -143,8 +117,6 @@ class Handoff:
         take jobs. Every report, settle and dispatch step looks a lease or a worker up,
         and a main with hundreds of clients connected (each an app's ``Client``) spent
         more on passing over them than on the lookups themselves."""
-        self.orphans: dict[uuid.UUID, Job] = {}
-        """Handoffs found in the store at start-up, waiting for their worker's hello."""
         self.claiming: dict[uuid.UUID, PlannedClaim] = {}
         """Planned claims whose store call has not answered yet, by lease."""
         self.returns: dict[uuid.UUID, uuid.UUID] = {}
@@ -152,6 +124,17 @@ class Handoff:
         self.losses: dict[uuid.UUID, Loss] = {}
         """The returns whose attempt was lost (by lease): each counts a recovery."""
         self.dispatched = 0
+
+    @property
+    def orphans(self) -> dict[uuid.UUID, Job]:
+        """Handoffs found in the store at start-up, waiting for their worker's hello."""
+        return self.waiting.orphans
+
+    @property
+    def parked(self) -> dict[uuid.UUID, Parked]:
+        """Leases of connections that ended while the main was stalled: they wait for
+        their worker's hello (see :meth:`disconnect`)."""
+        return self.waiting.parked
 
     def serving(self, now: float) -> None:
         """The main starts serving at ``now``: a state holder it has not seen yet counts
@@ -193,17 +176,10 @@ class Handoff:
         # What was proven drained was proven for the modes and queues served until now.
         self.queue_changed()
         self.affinity.joined(hello.worker_id or "", state_kept=not hello.local_state_lost)
-        worker = hello.worker_id
         held = {ref.handoff_id: ref.job_id for ref in hello.held_leases}
         adopted: list[protocol.LeaseRef] = []
         effects: list[HandoffEffect] = []
-        waiting = [
-            *((lease, job) for lease, job in self.orphans.items() if job.worker_id == worker),
-            *((lease, p.job) for lease, p in self.parked.items() if p.worker_id == worker),
-        ]
-        for lease, job in waiting:
-            self.orphans.pop(lease, None)
-            self.parked.pop(lease, None)
+        for lease, job in self.waiting.take(hello.worker_id):
             if held.get(lease) == job.id:
                 peer.leases[lease] = job
                 adopted.append(protocol.LeaseRef(job_id=job.id, handoff_id=lease))
@@ -319,10 +295,8 @@ class Handoff:
                 effects.append(WakeDispatcher())
         if stopping:
             pass  # the main is shutting down: the leases stay with their jobs in the store
-        elif peer.leases and peer.worker_id and self._stalled(now, stall):
-            until = now + self.reconnect_grace
-            for lease, job in peer.leases.items():
-                self.parked[lease] = Parked(job, peer.worker_id, until)
+        elif peer.leases and peer.worker_id and self.waiting.stalled(now, stall):
+            self.waiting.park(peer.worker_id, peer.leases, now)
             log_event(
                 logger,
                 logging.WARNING,
@@ -331,7 +305,7 @@ class Handoff:
                 worker_id=peer.worker_id,
                 session=peer.id,
                 parked=len(peer.leases),
-                grace=self.reconnect_grace,
+                grace=self.waiting.reconnect_grace,
             )
         else:
             for lease, job in peer.leases.items():
@@ -339,28 +313,15 @@ class Handoff:
         peer.leases.clear()
         return effects
 
-    def _stalled(self, now: float, stall: float) -> bool:
-        """Whether a connection ending at ``now`` may have been given up on because the
-        main could not answer: its loop is late by ``stall``, or a stall just ended."""
-        return stall >= STALL or now - self._stall_ended <= STALL_AFTERMATH
-
     def tick(self, now: float, *, stall: float, timeout: float, ping: bool) -> list[HandoffEffect]:
         """A liveness check at ``now``: abort the peers dead for ``timeout``, ping the rest
         when ``ping``. ``stall`` is how late the check runs: while the main could not
         run, it could neither read answers nor write, so that time is excused; nor could
         a worker whose leases are parked reconnect, so their wait grows by it too. Parked
         leases whose wait is over go back to the queue."""
-        effects: list[HandoffEffect] = []
-        if stall >= STALL:
-            self._stall_ended = now
-        for lease, parked in list(self.parked.items()):
-            if stall > 0:
-                parked.until += stall
-            if parked.until <= now:
-                del self.parked[lease]
-                job = parked.job
-                reason = "worker did not reconnect within the grace after the main's stall"
-                effects.append(self._return(job.id, lease, reason, job))
+        reason = "worker did not reconnect within the grace after the main's stall"
+        over = self.waiting.expire(now, stall)
+        effects: list[HandoffEffect] = [self._return(j.id, lease, reason, j) for lease, j in over]
         for peer in self.peers.values():
             if stall > 0:
                 peer.liveness.excuse(stall, now)
@@ -375,9 +336,7 @@ class Handoff:
 
     def load_orphans(self, jobs: Iterable[Job]) -> None:
         """Handoffs the store holds at start-up: they wait for their worker's hello."""
-        for job in jobs:
-            if job.status is JobStatus.HANDED_OFF and job.handoff_id is not None:
-                self.orphans[job.handoff_id] = job
+        self.waiting.load(jobs)
 
     def orphans_unloaded(self) -> None:
         """Loading the orphans failed part way: those loaded are dropped, so the next
@@ -751,8 +710,7 @@ class Handoff:
         lease = job.handoff_id
         if lease is None:
             return []
-        self.orphans.pop(lease, None)
-        self.parked.pop(lease, None)
+        self.waiting.drop(lease)
         effects: list[HandoffEffect] = []
         for peer in self.worker_peers.values():
             if peer.leases.pop(lease, None) is None:
