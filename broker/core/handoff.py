@@ -34,7 +34,6 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
-from broker.core.affinity import Affinity, Route
 from broker.core.drained import DrainedModes
 
 # The effects are the handoff's vocabulary: importable from here, as its events are.
@@ -50,6 +49,7 @@ from broker.core.effects import StoreCheckpoint as StoreCheckpoint
 from broker.core.effects import StoreProgress as StoreProgress
 from broker.core.effects import WakeDispatcher as WakeDispatcher
 from broker.core.peers import Credits, Liveness, Peer, random_ping_base
+from broker.core.placement import Placement
 from broker.core.waiting import STALL as STALL
 from broker.core.waiting import STALL_AFTERMATH as STALL_AFTERMATH
 from broker.core.waiting import Parked, WaitingLeases
@@ -96,9 +96,11 @@ class Handoff:
         self.max_credit = max_credit
         self.waiting = WaitingLeases(reconnect_grace)
         """The orphans and the parked leases (:mod:`broker.core.waiting`)."""
-        self.affinity = Affinity(affinity_grace, started=0.0)
+        self.placement = Placement(affinity_grace)
+        """Which worker takes a job (:mod:`broker.core.placement`)."""
+        self.affinity = self.placement.affinity
         """Where the holders of local state are; decides who may take their recoveries."""
-        self.awaiting: dict[uuid.UUID, str] = {}
+        self.awaiting = self.placement.awaiting
         """Jobs the last plans held back for their state holder (job id -> holder): the
         dispatcher reads past them, and wakes when one of their graces ends."""
         self._new_lease = new_lease or random_uuid
@@ -107,9 +109,6 @@ class Handoff:
         passes a counter), as leases come from ``new_lease``."""
         self._proofs = DrainedModes()
         """The change log and the modes proven drained (:mod:`broker.core.drained`)."""
-        self._turn = 0
-        """Where the search for a worker starts, moved on for every job planned, so workers
-        with equal free credit take turns instead of the first connected taking all."""
         self.peers: dict[int, Peer] = {}
         """Connections past their hello, by connection id."""
         self.worker_peers: dict[int, Peer] = {}
@@ -400,11 +399,7 @@ class Handoff:
         for job in jobs:
             if job.id in claiming:
                 continue
-            self._turn += 1
-            if job.state_holder is None:
-                peer, route = _pick_worker(workers, job, self._turn), None
-            else:
-                peer, route = self._pick_for_state(workers, job, now)
+            peer, route = self.placement.pick(workers, job, now)
             if peer is None or not peer.credits.reserve(job.execution_mode):
                 continue  # the credit check: no free slot for this job anywhere
             self.awaiting.pop(job.id, None)
@@ -420,32 +415,10 @@ class Handoff:
             plan.append(planned)
         return plan
 
-    def _pick_for_state(
-        self, workers: Sequence[Peer], job: Job, now: float
-    ) -> tuple[Peer | None, Route | None]:
-        """The worker for a job whose local state ``job.state_holder`` holds: that worker
-        if it may take it, else (once the affinity lets any worker) the usual pick; while
-        the job waits, it is noted in :attr:`awaiting`."""
-        holder = job.state_holder
-        assert holder is not None
-        route = self.affinity.route(job, holder, now)
-        own = [peer for peer in workers if peer.worker_id == holder and peer.serves(job)]
-        if own and route is not None and not route.state_lost:
-            self.awaiting[job.id] = holder  # until a slot there is reserved for it
-            return _pick_worker(own, job, self._turn), route
-        elsewhere = self.affinity.route(job, "", now)
-        if elsewhere is None:
-            self.awaiting[job.id] = holder
-            return None, None
-        self.awaiting.pop(job.id, None)
-        return _pick_worker(workers, job, self._turn), elsewhere
-
     def affinity_wake(self) -> float | None:
-        """The earliest end of a grace that a held-back job waits on (loop time), or
-        ``None`` when none will end by itself (every holder awaited is connected)."""
-        deadlines = [self.affinity.deadline(holder) for holder in set(self.awaiting.values())]
-        finite = [d for d in deadlines if d != float("inf")]
-        return min(finite) if finite else None
+        """When the dispatcher must look again for a job awaiting its state holder
+        (:meth:`Placement.wake_at`)."""
+        return self.placement.wake_at()
 
     # The drained proofs (broker.core.drained), as the dispatcher and the enqueue see them.
 
@@ -763,21 +736,6 @@ class Handoff:
         if self.returns.get(lease) == job_id:
             del self.returns[lease]
             self.losses.pop(lease, None)
-
-
-def _pick_worker(workers: Sequence[Peer], job: Job, turn: int) -> Peer | None:
-    """The serving worker with the most free credit for the job's mode, to spread load
-    (whether it has any is the caller's credit check). Ties go to the first in the
-    rotation that starts at ``turn``, so equal workers share the jobs evenly."""
-    best: Peer | None = None
-    best_free = -1
-    count = len(workers)
-    for i in range(count):
-        peer = workers[(turn + i) % count]
-        free = peer.credits.available(job.execution_mode)
-        if free > best_free and peer.serves(job):
-            best, best_free = peer, free
-    return best
 
 
 def checkpoint_ack(
