@@ -5,7 +5,8 @@ since it began, proves its modes drained: the dispatcher reads them no more unti
 next change, and an enqueue of those modes may take a free slot at once without
 overtaking a waiting job (:meth:`broker.core.handoff.Handoff.plan_at_enqueue`). Whether
 "no change since" holds is read from a short log of changes, each with the modes it
-touched, so that an enqueue of one mode spoils no proof about another.
+touched, so that an enqueue of one mode spoils no proof about another; which settled
+reports count as a change is :func:`may_requeue`'s to say.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection, Iterable, Set
 
-from broker.jobs import ExecutionMode
+from broker.jobs import ExecutionMode, Job
+from broker.wire import messages as protocol
 
 CHANGE_LOG = 64
 """Queue changes remembered (see :meth:`DrainedModes.unchanged_since`): a read spanning
@@ -119,3 +121,13 @@ class DrainedModes:
         if proven is None:
             return True
         return served is not None and served <= proven
+
+
+def may_requeue(msg: protocol.Report, job: Job | None) -> bool:
+    """Whether an applied report may have made a job eligible: any outcome but a
+    completion puts its job back in the queue (or may: a retry, a reschedule, a release,
+    a lost attempt), and any settlement of a keyed job frees its key's slot for the jobs
+    waiting on it (a job the core no longer holds counts as keyed)."""
+    if not isinstance(msg, protocol.CompletedReport):
+        return True
+    return job is None or job.concurrency_key is not None

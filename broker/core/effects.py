@@ -118,3 +118,28 @@ class PlannedClaim:
     @property
     def claim(self) -> Claim:
         return Claim(self.job.id, self.lease, self.worker_id)
+
+
+# The answers the core sends (in Send effects), built in one place for it and the shell.
+
+
+def checkpoint_ack(
+    msg: protocol.SaveCheckpoint,
+    status: protocol.AckStatus,
+    code: str | None = None,
+    message: str | None = None,
+) -> protocol.CheckpointAck:
+    """The answer to a checkpoint; ``code`` and ``message`` say why one was not saved."""
+    return protocol.CheckpointAck(
+        job_id=msg.job_id,
+        handoff_id=msg.handoff_id,
+        seq=msg.seq,
+        status=status,
+        code=code,
+        message=message,
+    )
+
+
+def report_ack(msg: protocol.Report, status: protocol.AckStatus) -> protocol.ReportAck:
+    """The answer to a report."""
+    return protocol.ReportAck(job_id=msg.job_id, handoff_id=msg.handoff_id, status=status)

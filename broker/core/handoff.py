@@ -34,7 +34,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
-from broker.core.drained import DrainedModes
+from broker.core.drained import DrainedModes, may_requeue
 
 # The effects are the handoff's vocabulary: importable from here, as its events are.
 from broker.core.effects import Abort as Abort
@@ -48,6 +48,8 @@ from broker.core.effects import Settle as Settle
 from broker.core.effects import StoreCheckpoint as StoreCheckpoint
 from broker.core.effects import StoreProgress as StoreProgress
 from broker.core.effects import WakeDispatcher as WakeDispatcher
+from broker.core.effects import checkpoint_ack as checkpoint_ack
+from broker.core.effects import report_ack
 from broker.core.peers import Credits, Liveness, Peer, random_ping_base
 from broker.core.placement import Placement
 from broker.core.waiting import STALL as STALL
@@ -577,7 +579,7 @@ class Handoff:
                 session=peer_id,
                 reason="lease not held by this connection",
             )
-            return [Send(peer_id, _ack(msg, protocol.AckStatus.STALE))]
+            return [Send(peer_id, report_ack(msg, protocol.AckStatus.STALE))]
         if isinstance(msg, protocol.FailedReport) and msg.lost and held.local_state:
             self.affinity.holds_again(held.worker_id or "")  # its child died, not its disk
         return [Settle(peer_id, msg)]
@@ -590,7 +592,7 @@ class Handoff:
         report could not be stored goes back to the queue."""
         effects: list[HandoffEffect] = []
         for peer_id, msg, status in results:
-            if status is protocol.AckStatus.APPLIED and _requeues(
+            if status is protocol.AckStatus.APPLIED and may_requeue(
                 msg, self.held_job(msg.handoff_id)
             ):
                 self.queue_changed()
@@ -616,7 +618,7 @@ class Handoff:
                     outcome=msg.type,
                     worker_id=peer.worker_id if peer is not None else None,
                 )
-            effects.append(Send(peer_id, _ack(msg, status)))
+            effects.append(Send(peer_id, report_ack(msg, status)))
         if any(status is protocol.AckStatus.APPLIED for _, _, status in results):
             effects.append(WakeDispatcher())
         return effects
@@ -736,34 +738,3 @@ class Handoff:
         if self.returns.get(lease) == job_id:
             del self.returns[lease]
             self.losses.pop(lease, None)
-
-
-def checkpoint_ack(
-    msg: protocol.SaveCheckpoint,
-    status: protocol.AckStatus,
-    code: str | None = None,
-    message: str | None = None,
-) -> protocol.CheckpointAck:
-    """The answer to ``msg``; ``code`` and ``message`` say why one was not saved."""
-    return protocol.CheckpointAck(
-        job_id=msg.job_id,
-        handoff_id=msg.handoff_id,
-        seq=msg.seq,
-        status=status,
-        code=code,
-        message=message,
-    )
-
-
-def _ack(msg: protocol.Report, status: protocol.AckStatus) -> protocol.ReportAck:
-    return protocol.ReportAck(job_id=msg.job_id, handoff_id=msg.handoff_id, status=status)
-
-
-def _requeues(msg: protocol.Report, job: Job | None) -> bool:
-    """Whether an applied report may have made a job eligible: any outcome but a
-    completion puts its job back in the queue (or may: a retry, a reschedule, a release,
-    a lost attempt), and any settlement of a keyed job frees its key's slot for the jobs
-    waiting on it (a job the core no longer holds counts as keyed)."""
-    if not isinstance(msg, protocol.CompletedReport):
-        return True
-    return job is None or job.concurrency_key is not None
