@@ -175,3 +175,16 @@ async def test_a_session_over_its_outbox_cap_pauses_and_half_written_resumes() -
     assert session.written(size) == [], "still over half the cap"
     assert session.written(size) == [WakeDispatcher()]
     assert peer.dispatchable and session.readable.is_set()
+
+
+def test_a_stall_of_the_main_is_not_held_against_a_silent_paused_or_writing_peer() -> None:
+    """While the main's loop could not run it could neither read pongs nor write: the
+    stall's length is excused from each clock the liveness check judges by."""
+    core = Handoff()
+    peer = _joined(core)
+    core.paused(peer, 1.0)
+    core.write_started(peer, 1.0)
+    assert core.tick(30.0, stall=20.0, timeout=15.0, ping=False) == [], "all three excused"
+    assert core.tick(35.5, stall=0.0, timeout=15.0, ping=False) == [
+        Abort(1, "no answer to pings for 15.5 s")
+    ]
