@@ -4,12 +4,13 @@
 (per connection: role, worker id, modes, queues, credits, held leases, draining), the
 handoffs found in the store after a restart (*orphans*), the claims in flight and the
 leases waiting to go back to the store (the recovery ledger's entries). It never awaits,
-reads a clock or touches a socket: :class:`broker.main.main.Main` feeds it events (a hello, a
-``ready``, a batch of eligible jobs, a claim's result, a report, a disconnect, a liveness
-tick...) and carries out the effects it returns (:class:`Send`, :class:`Dispatch`,
-:class:`ReturnLease`, :class:`Abort`, :class:`Settle`, :class:`ClaimJobs`, :class:`WakeDispatcher`),
-in order. That is what lets ``tests/unit/test_handoff.py`` drive it through random
-interleavings and check its invariants after every step.
+reads a clock or touches a socket: :class:`broker.main.main.Main` feeds it events (a
+hello, a ``ready``, a batch of eligible jobs, a claim's result, a report, a disconnect, a
+liveness tick, a pause of a connection's outbox...) and carries out the effects it
+returns (:class:`Send`, :class:`Dispatch`, :class:`ReturnLease`, :class:`Abort`,
+:class:`Settle`, :class:`ClaimJobs`, :class:`WakeDispatcher`...), in order. That is what
+lets ``tests/unit/test_handoff.py`` drive it through random interleavings and check its
+invariants after every step.
 
 Every lease the core mints is, at any moment, in exactly one place: an in-flight claim,
 one peer's held leases, the orphans, the parked leases (a connection that ended while the
@@ -22,6 +23,12 @@ the main for good (not won, settled, returned, cancelled). The rules that keep i
    still dispatchable; every other exit of a lease goes through :meth:`Handoff._return`;
 3. a report is accepted only from the connection holding its lease (the fence in front
    of the store's fence).
+
+Its parts live beside it, each an idea of its own: a connection's record
+(:mod:`broker.core.peers`: credits, liveness), the effects (:mod:`broker.core.effects`),
+the drained proofs (:mod:`broker.core.drained`), which worker takes a job
+(:mod:`broker.core.placement`) and the leases waiting for their worker's hello
+(:mod:`broker.core.waiting`). This module keeps the events and the lease bookkeeping.
 
 Decisions are logged under ``broker.main.main``, where operators look for them.
 """
