@@ -441,10 +441,6 @@ class Handoff:
         modes stop counting as drained (:meth:`DrainedModes.added`)."""
         self._proofs.added(modes)
 
-    def unchanged_since(self, started: int, modes: Iterable[ExecutionMode]) -> bool:
-        """:meth:`DrainedModes.unchanged_since`."""
-        return self._proofs.unchanged_since(started, modes)
-
     @property
     def drained(self) -> frozenset[ExecutionMode]:
         """The modes an enqueue may hand off at once (see :meth:`plan_at_enqueue`)."""
