@@ -4,12 +4,13 @@
 (per connection: role, worker id, modes, queues, credits, held leases, draining), the
 handoffs found in the store after a restart (*orphans*), the claims in flight and the
 leases waiting to go back to the store (the recovery ledger's entries). It never awaits,
-reads a clock or touches a socket: :class:`broker.main.main.Main` feeds it events (a hello, a
-``ready``, a batch of eligible jobs, a claim's result, a report, a disconnect, a liveness
-tick...) and carries out the effects it returns (:class:`Send`, :class:`Dispatch`,
-:class:`ReturnLease`, :class:`Abort`, :class:`Settle`, :class:`ClaimJobs`, :class:`WakeDispatcher`),
-in order. That is what lets ``tests/unit/test_handoff.py`` drive it through random
-interleavings and check its invariants after every step.
+reads a clock or touches a socket: :class:`broker.main.main.Main` feeds it events (a
+hello, a ``ready``, a batch of eligible jobs, a claim's result, a report, a disconnect, a
+liveness tick, a pause of a connection's outbox...) and carries out the effects it
+returns (:class:`Send`, :class:`Dispatch`, :class:`ReturnLease`, :class:`Abort`,
+:class:`Settle`, :class:`ClaimJobs`, :class:`WakeDispatcher`...), in order. That is what
+lets ``tests/unit/test_handoff.py`` drive it through random interleavings and check its
+invariants after every step.
 
 Every lease the core mints is, at any moment, in exactly one place: an in-flight claim,
 one peer's held leases, the orphans, the parked leases (a connection that ended while the
@@ -23,24 +24,45 @@ the main for good (not won, settled, returned, cancelled). The rules that keep i
 3. a report is accepted only from the connection holding its lease (the fence in front
    of the store's fence).
 
+Its parts live beside it, each an idea of its own: a connection's record
+(:mod:`broker.core.peers`: credits, liveness), the effects (:mod:`broker.core.effects`),
+the drained proofs (:mod:`broker.core.drained`), which worker takes a job
+(:mod:`broker.core.placement`) and the leases waiting for their worker's hello
+(:mod:`broker.core.waiting`). This module keeps the events and the lease bookkeeping.
+
 Decisions are logged under ``broker.main.main``, where operators look for them.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import secrets
 import uuid
-from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import datetime
 
-from broker.core.admission import Credits
-from broker.core.affinity import Affinity, Route
+from broker.core.drained import DrainedModes, may_requeue
+
+# The effects are the handoff's vocabulary: importable from here, as its events are.
+from broker.core.effects import Abort as Abort
+from broker.core.effects import ClaimJobs as ClaimJobs
+from broker.core.effects import Dispatch as Dispatch
+from broker.core.effects import HandoffEffect as HandoffEffect
+from broker.core.effects import PlannedClaim as PlannedClaim
+from broker.core.effects import ReturnLease as ReturnLease
+from broker.core.effects import Send as Send
+from broker.core.effects import Settle as Settle
+from broker.core.effects import StoreCheckpoint as StoreCheckpoint
+from broker.core.effects import StoreProgress as StoreProgress
+from broker.core.effects import WakeDispatcher as WakeDispatcher
+from broker.core.effects import checkpoint_ack as checkpoint_ack
+from broker.core.effects import report_ack
+from broker.core.peers import Credits, Liveness, Peer, random_ping_base
+from broker.core.placement import Placement
+from broker.core.waiting import STALL as STALL
+from broker.core.waiting import STALL_AFTERMATH as STALL_AFTERMATH
+from broker.core.waiting import Parked, WaitingLeases
 from broker.jobs import (
-    Claim,
     ExecutionMode,
     Job,
     JobSpec,
@@ -55,101 +77,6 @@ from broker.wire import messages as protocol
 
 logger = logging.getLogger("broker.main")
 
-STALL = 1.0
-"""A lag of the main's own loop at least this long (seconds) counts as a stall: it is
-logged, and a worker connection that ends during one, or within :data:`STALL_AFTERMATH`
-after it, has its leases parked instead of returned (see :meth:`Handoff.disconnect`)."""
-
-STALL_AFTERMATH = 2.0
-"""Seconds after the end of a stall during which a connection that ends still counts as
-ended by it: when the loop runs again it first reads what piled up meanwhile, the end of
-every socket a worker gave up on while the main could not answer its pings included."""
-
-CHANGE_LOG = 64
-"""Queue changes remembered (see :meth:`Handoff.unchanged_since`): a read spanning more
-changes than this proves nothing, as any read spanning a change once did."""
-
-
-# ---------------------------------------------------------------------- effects
-
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    """Queue ``message`` on connection ``peer`` (dropped if it has closed meanwhile)."""
-
-    peer: int
-    message: protocol.Message
-
-
-@dataclass(frozen=True, slots=True)
-class Dispatch:
-    """Send the claimed ``job`` to ``peer`` as its ``job`` message number ``seq``;
-    ``state_lost``: the job's local state is not on that worker
-    (see :mod:`broker.core.affinity`)."""
-
-    peer: int
-    seq: int
-    job: Job
-    state_lost: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class ReturnLease:
-    """``lease`` now waits in the returns: give it back to the store (fenced on that exact
-    lease, so a newer one is never touched)."""
-
-    job_id: uuid.UUID
-    lease: uuid.UUID
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    """Drop connection ``peer`` at once: it is judged dead."""
-
-    peer: int
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Settle:
-    """An accepted report: apply it to the store, then tell the core with
-    :meth:`Handoff.settled`."""
-
-    peer: int
-    report: protocol.Report
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimJobs:
-    """Claim these planned jobs in one store call, then tell the core how it went."""
-
-    claims: tuple[PlannedClaim, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class WakeDispatcher:
-    """Run another dispatch pass: credit or a peer became available. It says nothing about
-    the queue: where a job became eligible, the core counts that itself
-    (:meth:`Handoff.queue_changed`), so that a freed slot alone costs no re-read of the
-    modes proven drained, nor of the next run time."""
-
-
-@dataclass(frozen=True, slots=True)
-class StoreCheckpoint:
-    """An accepted checkpoint: store it (fenced again in the store), then answer ``peer``
-    with a ``checkpoint_ack``."""
-
-    peer: int
-    message: protocol.SaveCheckpoint
-
-
-@dataclass(frozen=True, slots=True)
-class StoreProgress:
-    """An accepted progress update: record it when convenient (nobody waits on it)."""
-
-    update: ProgressUpdate
-
 
 @dataclass(frozen=True, slots=True)
 class Loss:
@@ -158,122 +85,6 @@ class Loss:
 
     job: Job
     reason: str
-
-
-HandoffEffect = (
-    Send
-    | Dispatch
-    | ReturnLease
-    | Abort
-    | Settle
-    | ClaimJobs
-    | WakeDispatcher
-    | StoreCheckpoint
-    | StoreProgress
-)
-
-
-@dataclass(frozen=True, slots=True)
-class PlannedClaim:
-    """A job reserved for a peer under a freshly minted lease, not yet claimed."""
-
-    peer: int
-    worker_id: str
-    job: Job
-    lease: uuid.UUID
-    state_lost: bool = False
-
-    @property
-    def claim(self) -> Claim:
-        return Claim(self.job.id, self.lease, self.worker_id)
-
-
-@dataclass(slots=True)
-class Parked:
-    """A lease of a connection that ended while the main was stalled: ``job`` as it was
-    handed off, waiting until ``until`` (loop time) for ``worker_id`` to say hello again
-    with it in its held leases."""
-
-    job: Job
-    worker_id: str
-    until: float
-
-
-# ---------------------------------------------------------------------- peers
-
-
-@dataclass
-class Liveness:
-    """When a peer last proved itself alive, and since when a write to it or its outbox
-    has been stuck. Times are the event loop's, fed in by the shell: the transport sets
-    ``paused_since`` and ``write_started``, and :meth:`Handoff.tick` judges."""
-
-    last_answer: float
-    """Time of the last ``pong`` answering one of our pings (or of the accept). Nothing
-    else counts: a peer that sends but never reads cannot answer."""
-    ping_base: int = field(default_factory=lambda: secrets.randbits(62))
-    """Our pings carry ``ping_base + 1, + 2, ...``; random, so a peer that does not read
-    them cannot answer them."""
-    pings_sent: int = 0
-    paused_since: float | None = None
-    """Time the outbox went over its cap; ``None`` while under it."""
-    write_started: float | None = None
-    """Time the write in progress began; ``None`` when the writer is idle."""
-
-    def next_ping(self) -> protocol.Ping:
-        self.pings_sent += 1
-        return protocol.Ping(nonce=self.ping_base + self.pings_sent)
-
-    def answered(self, nonce: int, now: float) -> None:
-        """A ``pong``: it proves the peer alive only if it answers one of our pings."""
-        if self.ping_base < nonce <= self.ping_base + self.pings_sent:
-            self.last_answer = now
-
-    def excuse(self, stall: float, now: float) -> None:
-        """The main itself could not run for ``stall`` seconds: that time does not count
-        against the peer (it could not be read from or written to meanwhile)."""
-        self.last_answer = min(now, self.last_answer + stall)
-        if self.paused_since is not None:
-            self.paused_since = min(now, self.paused_since + stall)
-        if self.write_started is not None:
-            self.write_started = min(now, self.write_started + stall)
-
-    def problem(self, now: float, timeout: float) -> str | None:
-        """Why this peer counts as dead at ``now``, or ``None`` while it does not."""
-        if now - self.last_answer > timeout:
-            return f"no answer to pings for {now - self.last_answer:.1f} s"
-        if self.write_started is not None and now - self.write_started > timeout:
-            return f"a write has not completed for {now - self.write_started:.1f} s"
-        if self.paused_since is not None and now - self.paused_since > timeout:
-            return f"over its outbox limit for {now - self.paused_since:.1f} s"
-        return None
-
-
-@dataclass(eq=False)
-class Peer:
-    """One connection as the handoff sees it. Leases belong to a connection, not to a
-    worker id, so a dropped socket gives back only what was handed to that socket."""
-
-    id: int
-    liveness: Liveness
-    credits: Credits = field(default_factory=Credits)
-    role: protocol.Role | None = None
-    worker_id: str | None = None
-    modes: frozenset[ExecutionMode] = frozenset()
-    queues: frozenset[str] | None = None
-    leases: dict[uuid.UUID, Job] = field(default_factory=dict)
-    draining: bool = False
-
-    @property
-    def dispatchable(self) -> bool:
-        return (
-            self.role is protocol.Role.WORKER
-            and not self.draining
-            and self.liveness.paused_since is None
-        )
-
-    def serves(self, job: Job) -> bool:
-        return self.queues is None or job.queue in self.queues
 
 
 # ---------------------------------------------------------------------- the core
@@ -287,41 +98,26 @@ class Handoff:
         *,
         max_credit: int = MAX_CREDIT,
         new_lease: Callable[[], uuid.UUID] | None = None,
+        new_ping_base: Callable[[], int] = random_ping_base,
         affinity_grace: float = 60.0,
         reconnect_grace: float = 30.0,
     ) -> None:
         self.max_credit = max_credit
-        self.reconnect_grace = reconnect_grace
-        """How long the leases of a connection that ended during a stall of the main wait
-        for their worker to reconnect (the orphans' grace: the same wait, for the same
-        workers, as after a restart)."""
-        self.parked: dict[uuid.UUID, Parked] = {}
-        """Leases of connections that ended while the main was stalled, by lease: they wait
-        for their worker's hello (see :meth:`disconnect`)."""
-        self._stall_ended = -math.inf
-        """When the last stall of the main's loop that :meth:`tick` measured ended."""
-        self.affinity = Affinity(affinity_grace, started=0.0)
+        self.waiting = WaitingLeases(reconnect_grace)
+        """The orphans and the parked leases (:mod:`broker.core.waiting`)."""
+        self.placement = Placement(affinity_grace)
+        """Which worker takes a job (:mod:`broker.core.placement`)."""
+        self.affinity = self.placement.affinity
         """Where the holders of local state are; decides who may take their recoveries."""
-        self.awaiting: dict[uuid.UUID, str] = {}
+        self.awaiting = self.placement.awaiting
         """Jobs the last plans held back for their state holder (job id -> holder): the
         dispatcher reads past them, and wakes when one of their graces ends."""
         self._new_lease = new_lease or random_uuid
-        self._queue_changes = 0
-        """Bumped whenever jobs may have become eligible (every dispatcher wake-up)."""
-        self._changes: deque[tuple[int, frozenset[ExecutionMode] | None]] = deque(maxlen=CHANGE_LOG)
-        """The latest changes: the count each brought, and the only modes it touched
-        (``None``: it may have touched any)."""
-        self._drained: frozenset[ExecutionMode] = frozenset()
-        """Modes whose eligible jobs the last read found all claimed or being claimed, with
-        nothing changed since: only for them may an enqueue take a free slot at once
-        without overtaking a job that was waiting (see :meth:`plan_at_enqueue`)."""
-        self._drained_for: frozenset[str] | None = None
-        """The queues every read behind :attr:`_drained` covered (``None``: all). A read
-        covers the queues the dispatchable workers serve, so a worker serving more (one
-        that resumes after a pause, or says hello) may serve jobs no proof looked at."""
-        self._turn = 0
-        """Where the search for a worker starts, moved on for every job planned, so workers
-        with equal free credit take turns instead of the first connected taking all."""
+        self._new_ping_base = new_ping_base
+        """Where each connection's :attr:`Liveness.ping_base` comes from (random; a test
+        passes a counter), as leases come from ``new_lease``."""
+        self._proofs = DrainedModes()
+        """The change log and the modes proven drained (:mod:`broker.core.drained`)."""
         self.peers: dict[int, Peer] = {}
         """Connections past their hello, by connection id."""
         self.worker_peers: dict[int, Peer] = {}
@@ -329,8 +125,6 @@ class Handoff:
         take jobs. Every report, settle and dispatch step looks a lease or a worker up,
         and a main with hundreds of clients connected (each an app's ``Client``) spent
         more on passing over them than on the lookups themselves."""
-        self.orphans: dict[uuid.UUID, Job] = {}
-        """Handoffs found in the store at start-up, waiting for their worker's hello."""
         self.claiming: dict[uuid.UUID, PlannedClaim] = {}
         """Planned claims whose store call has not answered yet, by lease."""
         self.returns: dict[uuid.UUID, uuid.UUID] = {}
@@ -339,6 +133,17 @@ class Handoff:
         """The returns whose attempt was lost (by lease): each counts a recovery."""
         self.dispatched = 0
 
+    @property
+    def orphans(self) -> dict[uuid.UUID, Job]:
+        """Handoffs found in the store at start-up, waiting for their worker's hello."""
+        return self.waiting.orphans
+
+    @property
+    def parked(self) -> dict[uuid.UUID, Parked]:
+        """Leases of connections that ended while the main was stalled: they wait for
+        their worker's hello (see :meth:`disconnect`)."""
+        return self.waiting.parked
+
     def serving(self, now: float) -> None:
         """The main starts serving at ``now``: a state holder it has not seen yet counts
         as having left then, so its recoveries wait the affinity grace from now."""
@@ -346,7 +151,8 @@ class Handoff:
 
     def new_peer(self, peer_id: int, now: float) -> Peer:
         """The record of a connection just accepted; it joins at :meth:`hello`."""
-        return Peer(peer_id, Liveness(last_answer=now), Credits(self.max_credit))
+        liveness = Liveness(last_answer=now, ping_base=self._new_ping_base())
+        return Peer(peer_id, liveness, Credits(self.max_credit))
 
     # ------------------------------------------------------------------ peers
 
@@ -378,17 +184,10 @@ class Handoff:
         # What was proven drained was proven for the modes and queues served until now.
         self.queue_changed()
         self.affinity.joined(hello.worker_id or "", state_kept=not hello.local_state_lost)
-        worker = hello.worker_id
         held = {ref.handoff_id: ref.job_id for ref in hello.held_leases}
         adopted: list[protocol.LeaseRef] = []
         effects: list[HandoffEffect] = []
-        waiting = [
-            *((lease, job) for lease, job in self.orphans.items() if job.worker_id == worker),
-            *((lease, p.job) for lease, p in self.parked.items() if p.worker_id == worker),
-        ]
-        for lease, job in waiting:
-            self.orphans.pop(lease, None)
-            self.parked.pop(lease, None)
+        for lease, job in self.waiting.take(hello.worker_id):
             if held.get(lease) == job.id:
                 peer.leases[lease] = job
                 adopted.append(protocol.LeaseRef(job_id=job.id, handoff_id=lease))
@@ -440,6 +239,35 @@ class Handoff:
     def pong(self, peer_id: int, nonce: int, now: float) -> None:
         self.peers[peer_id].liveness.answered(nonce, now)
 
+    # The transport's events about a connection take its record itself: a connection
+    # writes before its hello and after its disconnect, when it is in no registry here.
+
+    def paused(self, peer: Peer, now: float) -> None:
+        """``peer``'s outbox went over its cap at ``now``: it takes no jobs until
+        :meth:`resumed`, and :meth:`tick` drops it once that lasts the liveness timeout."""
+        if peer.liveness.paused_since is None:
+            peer.liveness.paused_since = now
+
+    def resumed(self, peer: Peer) -> list[HandoffEffect]:
+        """``peer``'s outbox is back under its cap. A worker that can take jobs again
+        wakes the dispatcher, and what was proven drained is proven no more: it was
+        proven for the queues the other workers serve (as after a :meth:`hello`)."""
+        if peer.liveness.paused_since is None:
+            return []
+        peer.liveness.paused_since = None
+        if not peer.dispatchable or self.worker_peers.get(peer.id) is not peer:
+            return []
+        self.queue_changed()
+        return [WakeDispatcher()]
+
+    def write_started(self, peer: Peer, now: float) -> None:
+        """A write to ``peer`` began at ``now``; :meth:`tick` drops the peer if it has not
+        ended (:meth:`write_ended`) within the liveness timeout."""
+        peer.liveness.write_started = now
+
+    def write_ended(self, peer: Peer) -> None:
+        peer.liveness.write_started = None
+
     def disconnect(
         self, peer_id: int, now: float, *, stall: float = 0.0, stopping: bool = False
     ) -> list[HandoffEffect]:
@@ -475,10 +303,8 @@ class Handoff:
                 effects.append(WakeDispatcher())
         if stopping:
             pass  # the main is shutting down: the leases stay with their jobs in the store
-        elif peer.leases and peer.worker_id and self._stalled(now, stall):
-            until = now + self.reconnect_grace
-            for lease, job in peer.leases.items():
-                self.parked[lease] = Parked(job, peer.worker_id, until)
+        elif peer.leases and peer.worker_id and self.waiting.stalled(now, stall):
+            self.waiting.park(peer.worker_id, peer.leases, now)
             log_event(
                 logger,
                 logging.WARNING,
@@ -487,7 +313,7 @@ class Handoff:
                 worker_id=peer.worker_id,
                 session=peer.id,
                 parked=len(peer.leases),
-                grace=self.reconnect_grace,
+                grace=self.waiting.reconnect_grace,
             )
         else:
             for lease, job in peer.leases.items():
@@ -495,28 +321,15 @@ class Handoff:
         peer.leases.clear()
         return effects
 
-    def _stalled(self, now: float, stall: float) -> bool:
-        """Whether a connection ending at ``now`` may have been given up on because the
-        main could not answer: its loop is late by ``stall``, or a stall just ended."""
-        return stall >= STALL or now - self._stall_ended <= STALL_AFTERMATH
-
     def tick(self, now: float, *, stall: float, timeout: float, ping: bool) -> list[HandoffEffect]:
         """A liveness check at ``now``: abort the peers dead for ``timeout``, ping the rest
         when ``ping``. ``stall`` is how late the check runs: while the main could not
         run, it could neither read answers nor write, so that time is excused; nor could
         a worker whose leases are parked reconnect, so their wait grows by it too. Parked
         leases whose wait is over go back to the queue."""
-        effects: list[HandoffEffect] = []
-        if stall >= STALL:
-            self._stall_ended = now
-        for lease, parked in list(self.parked.items()):
-            if stall > 0:
-                parked.until += stall
-            if parked.until <= now:
-                del self.parked[lease]
-                job = parked.job
-                reason = "worker did not reconnect within the grace after the main's stall"
-                effects.append(self._return(job.id, lease, reason, job))
+        reason = "worker did not reconnect within the grace after the main's stall"
+        over = self.waiting.expire(now, stall)
+        effects: list[HandoffEffect] = [self._return(j.id, lease, reason, j) for lease, j in over]
         for peer in self.peers.values():
             if stall > 0:
                 peer.liveness.excuse(stall, now)
@@ -531,9 +344,12 @@ class Handoff:
 
     def load_orphans(self, jobs: Iterable[Job]) -> None:
         """Handoffs the store holds at start-up: they wait for their worker's hello."""
-        for job in jobs:
-            if job.status is JobStatus.HANDED_OFF and job.handoff_id is not None:
-                self.orphans[job.handoff_id] = job
+        self.waiting.load(jobs)
+
+    def orphans_unloaded(self) -> None:
+        """Loading the orphans failed part way: those loaded are dropped, so the next
+        attempt reads them whole (no worker was welcomed meanwhile to adopt any)."""
+        self.orphans.clear()
 
     def orphan_deadline(self) -> list[HandoffEffect]:
         """The grace period is over: the orphans nobody adopted go back to the queue."""
@@ -592,11 +408,7 @@ class Handoff:
         for job in jobs:
             if job.id in claiming:
                 continue
-            self._turn += 1
-            if job.state_holder is None:
-                peer, route = _pick_worker(workers, job, self._turn), None
-            else:
-                peer, route = self._pick_for_state(workers, job, now)
+            peer, route = self.placement.pick(workers, job, now)
             if peer is None or not peer.credits.reserve(job.execution_mode):
                 continue  # the credit check: no free slot for this job anywhere
             self.awaiting.pop(job.id, None)
@@ -612,76 +424,32 @@ class Handoff:
             plan.append(planned)
         return plan
 
-    def _pick_for_state(
-        self, workers: Sequence[Peer], job: Job, now: float
-    ) -> tuple[Peer | None, Route | None]:
-        """The worker for a job whose local state ``job.state_holder`` holds: that worker
-        if it may take it, else (once the affinity lets any worker) the usual pick; while
-        the job waits, it is noted in :attr:`awaiting`."""
-        holder = job.state_holder
-        assert holder is not None
-        route = self.affinity.route(job, holder, now)
-        own = [peer for peer in workers if peer.worker_id == holder and peer.serves(job)]
-        if own and route is not None and not route.state_lost:
-            self.awaiting[job.id] = holder  # until a slot there is reserved for it
-            return _pick_worker(own, job, self._turn), route
-        elsewhere = self.affinity.route(job, "", now)
-        if elsewhere is None:
-            self.awaiting[job.id] = holder
-            return None, None
-        self.awaiting.pop(job.id, None)
-        return _pick_worker(workers, job, self._turn), elsewhere
-
     def affinity_wake(self) -> float | None:
-        """The earliest end of a grace that a held-back job waits on (loop time), or
-        ``None`` when none will end by itself (every holder awaited is connected)."""
-        deadlines = [self.affinity.deadline(holder) for holder in set(self.awaiting.values())]
-        finite = [d for d in deadlines if d != float("inf")]
-        return min(finite) if finite else None
+        """When the dispatcher must look again for a job awaiting its state holder
+        (:meth:`Placement.wake_at`)."""
+        return self.placement.wake_at()
+
+    # The drained proofs (broker.core.drained), as the dispatcher and the enqueue see them.
 
     def queue_changed(self) -> None:
-        """Jobs may have become eligible (an insert, a return, a retry, a report...): no
-        mode counts as drained until a read started after this says so."""
-        self._queue_changes += 1
-        self._drained = frozenset()
-        self._changes.append((self._queue_changes, None))
+        """Jobs may have become eligible: no mode counts as drained until a read started
+        after this says so (:meth:`DrainedModes.changed`)."""
+        self._proofs.changed()
 
     def jobs_added(self, modes: Iterable[ExecutionMode]) -> None:
-        """Queued jobs of ``modes`` were stored, and nothing else changed: those modes stop
-        counting as drained, the others stay so.
-
-        Why not :meth:`queue_changed`: while producers enqueue one job at a time during a
-        drain, every enqueue forgot every drained mode, and the next pass read each empty
-        mode (a pooled worker's inline and forked slots) again, for nothing."""
-        changed = frozenset(modes)
-        self._queue_changes += 1
-        self._drained = self._drained.difference(changed)
-        self._changes.append((self._queue_changes, changed))
-
-    def unchanged_since(self, started: int, modes: Iterable[ExecutionMode]) -> bool:
-        """Whether no change since change count ``started`` can have touched ``modes``
-        (false when the log no longer reaches back that far)."""
-        if started == self._queue_changes:
-            return True
-        if not self._changes or self._changes[0][0] > started + 1:
-            return False
-        wanted = frozenset(modes)
-        for count, changed in reversed(self._changes):
-            if count <= started:
-                break
-            if changed is None or not changed.isdisjoint(wanted):
-                return False
-        return True
+        """Queued jobs of ``modes`` were stored, and nothing else changed: only those
+        modes stop counting as drained (:meth:`DrainedModes.added`)."""
+        self._proofs.added(modes)
 
     @property
     def drained(self) -> frozenset[ExecutionMode]:
         """The modes an enqueue may hand off at once (see :meth:`plan_at_enqueue`)."""
-        return self._drained
+        return self._proofs.modes
 
     @property
     def queue_changes(self) -> int:
         """The change count a read started now passes to :meth:`read_eligible`."""
-        return self._queue_changes
+        return self._proofs.count
 
     def read_eligible(
         self,
@@ -691,36 +459,10 @@ class Handoff:
         full: bool,
         queues: Collection[str] | None,
     ) -> None:
-        """A read of eligible jobs for ``modes`` and ``queues`` (``None``: every queue),
-        begun at change count ``started``, came back and was planned; ``full`` when it
-        returned as many as it asked for, or some of them found no slot (jobs wait). Short
-        and all placed, with nothing changed meanwhile, it proves those modes drained in
-        those queues, beside those proven since the last change; the dispatcher reads
-        them no more until the next change. (Jobs added meanwhile to other modes only do
-        not spoil the proof: see :meth:`jobs_added`.) The proofs hold together for the
-        queues all of them covered, or this one's when it proves every drained mode."""
-        modes = frozenset(modes)
-        if not self.unchanged_since(started, modes):
-            return
-        if full:
-            self._drained = self._drained.difference(modes)
-            return
-        covered = None if queues is None else frozenset(queues)
-        if modes >= self._drained:  # this proof alone holds every drained mode
-            self._drained_for = covered
-        elif covered is not None:
-            mine = self._drained_for
-            self._drained_for = covered if mine is None else mine & covered
-        self._drained = self._drained.union(modes)
-
-    def _drained_covers(self) -> bool:
-        """Whether the drained proofs covered every queue a dispatchable worker serves now,
-        so that a job handed off at once can overtake none a worker could have taken."""
-        proven = self._drained_for
-        if proven is None:
-            return True
-        served = self.served_queues()
-        return served is not None and served <= proven
+        """A read of eligible jobs, begun at change count ``started``, came back and was
+        planned: short and all placed, it proves ``modes`` drained in ``queues``
+        (:meth:`DrainedModes.read`)."""
+        self._proofs.read(started, modes, full=full, queues=queues)
 
     def plan_at_enqueue(self, specs: Sequence[JobSpec], now: datetime) -> list[PlannedClaim | None]:
         """For each job about to be enqueued, a worker and a lease if it can start at once:
@@ -729,11 +471,12 @@ class Handoff:
         lease minted here, before the insert, exactly as :meth:`plan` does for a claim; the
         store's answer comes back through :meth:`claimed` (or :meth:`claim_unknown`)."""
         plans: list[PlannedClaim | None] = []
-        covered = bool(self._drained) and self._drained_covers()
+        drained = self._proofs.modes
+        covered = bool(drained) and self._proofs.covers(self.served_queues())
         for spec in specs:
             if (
                 not covered
-                or spec.execution_mode not in self._drained
+                or spec.execution_mode not in drained
                 or not claimable_at_enqueue(spec, now)
             ):
                 plans.append(None)
@@ -839,7 +582,7 @@ class Handoff:
                 session=peer_id,
                 reason="lease not held by this connection",
             )
-            return [Send(peer_id, _ack(msg, protocol.AckStatus.STALE))]
+            return [Send(peer_id, report_ack(msg, protocol.AckStatus.STALE))]
         if isinstance(msg, protocol.FailedReport) and msg.lost and held.local_state:
             self.affinity.holds_again(held.worker_id or "")  # its child died, not its disk
         return [Settle(peer_id, msg)]
@@ -852,7 +595,7 @@ class Handoff:
         report could not be stored goes back to the queue."""
         effects: list[HandoffEffect] = []
         for peer_id, msg, status in results:
-            if status is protocol.AckStatus.APPLIED and _requeues(
+            if status is protocol.AckStatus.APPLIED and may_requeue(
                 msg, self.held_job(msg.handoff_id)
             ):
                 self.queue_changed()
@@ -878,7 +621,7 @@ class Handoff:
                     outcome=msg.type,
                     worker_id=peer.worker_id if peer is not None else None,
                 )
-            effects.append(Send(peer_id, _ack(msg, status)))
+            effects.append(Send(peer_id, report_ack(msg, status)))
         if any(status is protocol.AckStatus.APPLIED for _, _, status in results):
             effects.append(WakeDispatcher())
         return effects
@@ -945,8 +688,7 @@ class Handoff:
         lease = job.handoff_id
         if lease is None:
             return []
-        self.orphans.pop(lease, None)
-        self.parked.pop(lease, None)
+        self.waiting.drop(lease)
         effects: list[HandoffEffect] = []
         for peer in self.worker_peers.values():
             if peer.leases.pop(lease, None) is None:
@@ -999,49 +741,3 @@ class Handoff:
         if self.returns.get(lease) == job_id:
             del self.returns[lease]
             self.losses.pop(lease, None)
-
-
-def _pick_worker(workers: Sequence[Peer], job: Job, turn: int) -> Peer | None:
-    """The serving worker with the most free credit for the job's mode, to spread load
-    (whether it has any is the caller's credit check). Ties go to the first in the
-    rotation that starts at ``turn``, so equal workers share the jobs evenly."""
-    best: Peer | None = None
-    best_free = -1
-    count = len(workers)
-    for i in range(count):
-        peer = workers[(turn + i) % count]
-        free = peer.credits.available(job.execution_mode)
-        if free > best_free and peer.serves(job):
-            best, best_free = peer, free
-    return best
-
-
-def checkpoint_ack(
-    msg: protocol.SaveCheckpoint,
-    status: protocol.AckStatus,
-    code: str | None = None,
-    message: str | None = None,
-) -> protocol.CheckpointAck:
-    """The answer to ``msg``; ``code`` and ``message`` say why one was not saved."""
-    return protocol.CheckpointAck(
-        job_id=msg.job_id,
-        handoff_id=msg.handoff_id,
-        seq=msg.seq,
-        status=status,
-        code=code,
-        message=message,
-    )
-
-
-def _ack(msg: protocol.Report, status: protocol.AckStatus) -> protocol.ReportAck:
-    return protocol.ReportAck(job_id=msg.job_id, handoff_id=msg.handoff_id, status=status)
-
-
-def _requeues(msg: protocol.Report, job: Job | None) -> bool:
-    """Whether an applied report may have made a job eligible: any outcome but a
-    completion puts its job back in the queue (or may: a retry, a reschedule, a release,
-    a lost attempt), and any settlement of a keyed job frees its key's slot for the jobs
-    waiting on it (a job the core no longer holds counts as keyed)."""
-    if not isinstance(msg, protocol.CompletedReport):
-        return True
-    return job is None or job.concurrency_key is not None

@@ -7,7 +7,7 @@ capped, jittered, exponential backoff. It decides a connection is lost when noth
 has come from the main for the liveness timeout (the main answers every ``ping``), or a
 send has waited that long on the socket, because TCP alone can take many minutes to notice
 a peer that vanished. The main judges its peers by the same timeout, in its own core
-(:meth:`broker.core.handoff.Liveness.problem`), from pongs rather than any message: it
+(:meth:`broker.core.peers.Liveness.problem`), from pongs rather than any message: it
 pings, and a worker that sends but never reads cannot answer.
 """
 

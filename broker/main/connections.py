@@ -1,10 +1,11 @@
 """The main's connections: accepting them under caps, the handshake, reading and writing.
 
 This is transport only. What a connection means to the handoff (role, credits, leases,
-liveness) is its :class:`broker.core.handoff.Peer`; what its messages mean is decided by the
+liveness) is its :class:`broker.core.peers.Peer`; what its messages mean is decided by the
 main, which :class:`Connections` calls back: ``welcome`` once a hello passed the
-checks, ``handle`` for each later message, ``closed`` when the connection ends, ``wake``
-when a paused peer can take jobs again.
+checks, ``handle`` for each later message, ``closed`` when the connection ends, ``carry``
+for the effects of the transport's own events. Those (a pause, a resume, a write begun or
+ended) go to the handoff core as events: the transport never writes the peer's state.
 """
 
 from __future__ import annotations
@@ -15,16 +16,14 @@ import itertools
 import logging
 import socket
 import ssl
-import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from broker.core.admission import Credits
-from broker.core.handoff import Peer
+from broker.core.handoff import Handoff, HandoffEffect
+from broker.core.peers import Peer
 from broker.exceptions import ProtocolError
-from broker.jobs import ExecutionMode, Job
 from broker.model.bounds import (
     AUTH_FAILURE_LOG_BURST,
     AUTH_FAILURE_LOG_PER_SECOND,
@@ -112,7 +111,7 @@ class RequestBytes:
 @dataclass(eq=False)
 class Session:
     """One connection's transport. What the handoff knows of it (role, credits, leases,
-    liveness) is its :class:`broker.core.handoff.Peer`, ``state``, kept by :attr:`Main.handoff`.
+    liveness) is its :class:`broker.core.peers.Peer`, ``state``, kept by :attr:`Main.handoff`.
 
     Everything the main sends goes through :meth:`send` into ``outbox``, which one writer
     task drains. Its size in bytes is what back-pressure acts on: over
@@ -121,6 +120,8 @@ class Session:
     """
 
     state: Peer
+    core: Handoff
+    """The handoff core, told of this connection's pauses and resumes."""
     peer: str
     writer: wire.MessageWriter
     max_outbox_bytes: int
@@ -158,7 +159,8 @@ class Session:
     def __post_init__(self) -> None:
         self.readable.set()
 
-    # The handoff's view of this connection, read-only here (only the core changes it).
+    # What the main routes every message by, read-only here (only the core changes it);
+    # the rest of the handoff's view is read from ``state``.
     @property
     def id(self) -> int:
         return self.state.id
@@ -170,26 +172,6 @@ class Session:
     @property
     def worker_id(self) -> str | None:
         return self.state.worker_id
-
-    @property
-    def modes(self) -> frozenset[ExecutionMode]:
-        return self.state.modes
-
-    @property
-    def queues(self) -> frozenset[str] | None:
-        return self.state.queues
-
-    @property
-    def credits(self) -> Credits:
-        return self.state.credits
-
-    @property
-    def leases(self) -> dict[uuid.UUID, Job]:
-        return self.state.leases
-
-    @property
-    def draining(self) -> bool:
-        return self.state.draining
 
     def summary(self) -> dict[str, Any]:
         """This worker as ``broker status`` shows it: what the handoff knows of it, and the
@@ -207,15 +189,16 @@ class Session:
             busy[mode] = runner.get("busy")
             if runner.get("startup_error"):
                 startup_errors[mode] = runner["startup_error"]
+        peer = self.state
         return {
-            "session": self.id,
-            "worker_id": self.worker_id,
+            "session": peer.id,
+            "worker_id": peer.worker_id,
             "host": self.host,
-            "modes": sorted(m.value for m in self.modes),
-            "queues": sorted(self.queues) if self.queues is not None else None,
-            "draining": self.draining,
-            "in_flight": len(self.leases),
-            "credits": {m.value: self.credits.available(m) for m in self.modes},
+            "modes": sorted(m.value for m in peer.modes),
+            "queues": sorted(peer.queues) if peer.queues is not None else None,
+            "draining": peer.draining,
+            "in_flight": len(peer.leases),
+            "credits": {m.value: peer.credits.available(m) for m in peer.modes},
             "capacity": capacity,
             "busy": busy,
             "startup_errors": startup_errors,
@@ -258,9 +241,8 @@ class Session:
         self.outbox.append(data)
         self.outbox_bytes += len(data)
         self._queued.set()
-        liveness = self.state.liveness
-        if liveness.paused_since is None and self.outbox_bytes > self.max_outbox_bytes:
-            liveness.paused_since = asyncio.get_running_loop().time()
+        if not self.state.paused and self.outbox_bytes > self.max_outbox_bytes:
+            self.core.paused(self.state, asyncio.get_running_loop().time())
             self.update_readable()
 
     async def next_write(self) -> bytes:
@@ -275,15 +257,15 @@ class Session:
             size += len(chunks[-1])
         return b"".join(chunks)
 
-    def written(self, size: int) -> bool:
-        """``size`` bytes have left the outbox; ``True`` when that ends a pause."""
+    def written(self, size: int) -> list[HandoffEffect]:
+        """``size`` bytes have left the outbox; a pause ends once half the cap is free,
+        with the core's effects of that (a wake when a worker can take jobs again)."""
         self.outbox_bytes -= size
-        liveness = self.state.liveness
-        if liveness.paused_since is None or self.outbox_bytes > self.max_outbox_bytes // 2:
-            return False
-        liveness.paused_since = None
+        if not self.state.paused or self.outbox_bytes > self.max_outbox_bytes // 2:
+            return []
+        effects = self.core.resumed(self.state)
         self.update_readable()
-        return True
+        return effects
 
     def add_request(self, task: asyncio.Task[None]) -> None:
         """Count a request in progress, as many bytes as the line that carried it."""
@@ -306,7 +288,7 @@ class Session:
         """Let the read loop read on, or not: it waits while the outbox is over its cap,
         and while this connection's requests in progress are at their caps (count or
         bytes) or, with some in progress, all connections' are at theirs."""
-        paused = self.state.liveness.paused_since is not None
+        paused = self.state.paused
         total = self.read_ahead
         waiting = bool(self.requests) and total is not None and total.full
         if total is not None and waiting and not self.dropped:
@@ -328,6 +310,28 @@ class Session:
         self.dropped = True
         self.writer.abort()
         self.update_readable()
+
+
+class Joined(Mapping[int, Session]):
+    """The connections past their hello, by id: the handoff core's peers (the one registry
+    of who has joined, :attr:`Handoff.peers <broker.core.handoff.Handoff.peers>`), each
+    seen through its transport. A peer joins and leaves in the core alone, so nothing here
+    is kept in step with it by hand."""
+
+    def __init__(self, peers: Mapping[int, Peer], open_sessions: Mapping[int, Session]) -> None:
+        self._peers = peers
+        self._open = open_sessions
+
+    def __getitem__(self, peer_id: int) -> Session:
+        if peer_id not in self._peers:
+            raise KeyError(peer_id)
+        return self._open[peer_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._peers)
+
+    def __len__(self) -> int:
+        return len(self._peers)
 
 
 class Gathered:
@@ -414,23 +418,28 @@ class Connections:
         self,
         settings: ConnectionSettings,
         *,
-        new_peer: Callable[[int, float], Peer],
+        core: Handoff,
         welcome: Callable[[Session, protocol.Hello], bool | protocol.Error],
         handle: Callable[[Session, protocol.Message], None],
         closed: Callable[[Session], None],
-        wake: Callable[[], None],
+        carry: Callable[[Sequence[HandoffEffect]], None],
         stopping: Callable[[], bool],
     ) -> None:
         self.settings = settings
-        self._new_peer = new_peer
+        self._core = core
         self._welcome = welcome
         self._handle = handle
         self._closed = closed
-        self._wake = wake
+        self._carry = carry
         self._stopping = stopping
         self._ids = itertools.count(1)
         self.tasks: set[asyncio.Task[None]] = set()
         """One task per connection, from accept to close."""
+        self._open: dict[int, Session] = {}
+        """Every connection's transport by id, from accept to close (in the handshake
+        too: where the core has no peer for it yet)."""
+        self.joined = Joined(core.peers, self._open)
+        """The connections past their hello (:class:`Joined`)."""
         self._unauthenticated: set[asyncio.Task[None]] = set()
         """Connection tasks still in the handshake (counted against max_unauthenticated)."""
         self.tls_handshakes: set[asyncio.Task[None]] = set()
@@ -568,7 +577,8 @@ class Connections:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         peername = writer.get_extra_info("peername")
         session = Session(
-            state=self._new_peer(next(self._ids), asyncio.get_running_loop().time()),
+            state=self._core.new_peer(next(self._ids), asyncio.get_running_loop().time()),
+            core=self._core,
             peer=str(peername),
             writer=wire.MessageWriter(writer),
             max_outbox_bytes=self.settings.max_outbox_bytes,
@@ -579,6 +589,7 @@ class Connections:
         )
         lines = wire.LineReader(reader, max_line_bytes=self.settings.preauth_max_line_bytes)
         sender = asyncio.create_task(self._write_loop(session))
+        self._open[session.id] = session
         try:
             if await self._handshake(session, lines):
                 task = asyncio.current_task()
@@ -596,6 +607,7 @@ class Connections:
             log_event(logger, logging.INFO, "connection lost", session=session.id, error=repr(exc))
         finally:
             self._closed(session)
+            del self._open[session.id]
             for request in session.requests:
                 request.cancel()  # nobody is left to answer
             sender.cancel()
@@ -610,14 +622,15 @@ class Connections:
         liveness loop, which allows for the main's own stalls, not by a timer here.
         """
         loop = asyncio.get_running_loop()
+        core, peer = self._core, session.state
         try:
             while True:
                 data = await session.next_write()
-                session.state.liveness.write_started = loop.time()
+                core.write_started(peer, loop.time())
                 await session.writer.write_raw(data)
-                session.state.liveness.write_started = None
-                if session.written(len(data)):
-                    self._wake()  # the peer is dispatchable again
+                core.write_ended(peer)
+                if effects := session.written(len(data)):
+                    self._carry(effects)  # the peer is dispatchable again
         except (ConnectionError, OSError) as exc:
             log_event(
                 logger, logging.INFO, "send failed, closing", session=session.id, error=repr(exc)

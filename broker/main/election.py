@@ -174,7 +174,7 @@ class Leadership:
         self._fence(epoch)
 
         def forget_partial_load() -> None:
-            self.handoff.orphans.clear()
+            self.handoff.orphans_unloaded()
 
         await retrying(
             "loading the orphans",

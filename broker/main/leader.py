@@ -170,7 +170,7 @@ class Leader:
         The loop also measures the main's own lag (when it wakes against when it asked
         to): while the main was stalled, say by a slow request, it could neither read the
         peers' answers nor write to them, so that time is excused rather than judged
-        (:meth:`broker.core.handoff.Liveness.excuse`). A slow moment in the main never returns
+        (:meth:`broker.core.peers.Liveness.excuse`). A slow moment in the main never returns
         live workers' leases, nor those of a worker that gave its socket up meanwhile
         (:meth:`broker.core.handoff.Handoff.disconnect` parks them for its hello).
         """

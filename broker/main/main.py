@@ -3,7 +3,7 @@
 The main is the only process that moves a job into or out of ``handed_off``
 through its dispatcher, and it does so in a fixed order for every handoff:
 
-1. reserve one of the worker's credits (see :mod:`broker.core.admission`);
+1. reserve one of the worker's credits (see :mod:`broker.core.peers`);
 2. mint the lease (a fresh UUID) *before* touching the store;
 3. claim the job under that lease (batched with other claims of the same pass);
 4. only then send the job on that worker's connection.
@@ -144,7 +144,6 @@ class Main:
         )
         """What each peer message does (see :mod:`broker.main.routing`)."""
         self.main_id = f"main-{uuid.uuid4().hex[:12]}"
-        self.sessions: dict[int, Session] = {}
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -155,13 +154,15 @@ class Main:
         self._stop_started = False
         self.connections = Connections(
             self.settings,
-            new_peer=self.handoff.new_peer,
+            core=self.handoff,
             welcome=self._welcome,
             handle=self.router.handle,
             closed=self._disconnect,
-            wake=self.wake,
+            carry=self._carry,
             stopping=lambda: self._stopping,
         )
+        self.sessions = self.connections.joined
+        """The connections past their hello, by id: a view of the core's peers."""
         self.leader = Leader(
             store,
             self.handoff,
@@ -419,7 +420,6 @@ class Main:
             assert self.election is not None
             return not_leader(self.election, self.address)
         session.host = hello.host
-        self.sessions[session.id] = session
         adopted, effects = self.handoff.hello(session.state, hello)
         self._carry(effects)
         session.send(
@@ -464,7 +464,6 @@ class Main:
         if session.closed:
             return
         session.closed = True
-        self.sessions.pop(session.id, None)
         now = asyncio.get_running_loop().time()
         stall = max(0.0, now - self.leader.tick_due)  # the liveness check is overdue by this much
         self._carry(self.handoff.disconnect(session.id, now, stall=stall, stopping=self._stopping))

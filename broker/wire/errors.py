@@ -34,7 +34,7 @@ CODES: Mapping[type[BrokerError], ErrorCode] = {
 """The code of each exception of the tree (:mod:`broker.exceptions`), read from the
 classes. Internal subclasses (:class:`broker.wire.codec.DecodeError`,
 :class:`broker.wire.framing.LineTooLongError`,
-:class:`broker.core.admission.CreditLimitError`, ...) carry their codes the same way but
+:class:`broker.core.peers.CreditLimitError`, ...) carry their codes the same way but
 arrive as their public base, so they are not keys here."""
 
 CLASSES: Mapping[str, type[BrokerError]] = {

@@ -5,7 +5,7 @@ reconnecting as :mod:`broker.core.reconnect` says).
 
 **Credits are exact.** Each ``ready`` carries the free slots per mode *and* ``seen``,
 the ``seq`` of the last ``job`` message this worker had decided on when it counted
-them; the main subtracts what it sent since (``broker.core.admission``). A job's fate is
+them; the main subtracts what it sent since (``broker.core.peers``). A job's fate is
 decided, and its slot taken, in the same step that advances ``seen``, so no
 ``ready`` can ever count a slot twice.
 

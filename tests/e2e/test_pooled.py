@@ -65,7 +65,7 @@ class Cluster:
 
     def credit(self, mode: ExecutionMode = POOLED) -> int:
         sessions = [s for s in self.main.sessions.values() if s.worker_id == "pool-worker"]
-        return sessions[0].credits.available(mode) if sessions else -1
+        return sessions[0].state.credits.available(mode) if sessions else -1
 
 
 @contextlib.asynccontextmanager

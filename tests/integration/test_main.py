@@ -401,7 +401,7 @@ async def test_claim_that_commits_after_its_worker_left_goes_back(
             await until(lambda: not main.sessions)
         else:
             await worker.send(protocol.Draining())
-            await until(lambda: all(s.draining for s in main.sessions.values()))
+            await until(lambda: all(s.state.draining for s in main.sessions.values()))
         gated.gate.set()
 
         async def requeued() -> bool:

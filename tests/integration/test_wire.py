@@ -364,7 +364,7 @@ async def test_write_now_writes_at_once_only_when_nothing_is_unsent() -> None:
 
 
 async def test_a_reply_goes_out_at_once_unless_it_is_long_or_lines_are_queued() -> None:
-    from broker.core.handoff import Liveness, Peer
+    from broker.core.handoff import Handoff
     from broker.main.connections import Session
 
     received: asyncio.Future[list[p.Message]] = asyncio.get_running_loop().create_future()
@@ -378,8 +378,10 @@ async def test_a_reply_goes_out_at_once_unless_it_is_long_or_lines_are_queued() 
         w.close()
 
     async with connected(handler) as (_, raw_writer):
+        core = Handoff()
         session = Session(
-            state=Peer(1, Liveness(last_answer=0.0)),
+            state=core.new_peer(1, now=0.0),
+            core=core,
             peer="test",
             writer=wire.MessageWriter(raw_writer),
             max_outbox_bytes=4 << 20,

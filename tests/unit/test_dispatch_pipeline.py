@@ -17,7 +17,8 @@ import pytest
 
 from adapters.memory import MemoryAdapter
 from broker.core import pacing
-from broker.core.handoff import CHANGE_LOG, Dispatch, Handoff, HandoffEffect
+from broker.core.drained import CHANGE_LOG
+from broker.core.handoff import Dispatch, Handoff, HandoffEffect
 from broker.jobs import (
     Claim,
     ExecutionMode,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from broker import exceptions
-from broker.core.admission import CreditLimitError
+from broker.core.peers import CreditLimitError
 from broker.exceptions import (
     AuthenticationError,
     BrokerError,

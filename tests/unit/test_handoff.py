@@ -28,7 +28,6 @@ from hypothesis.stateful import (
 )
 
 from adapters.memory import MemoryAdapter
-from broker.core.admission import CreditLimitError, Credits
 from broker.core.handoff import (
     STALL,
     STALL_AFTERMATH,
@@ -43,6 +42,7 @@ from broker.core.handoff import (
     Settle,
     WakeDispatcher,
 )
+from broker.core.peers import CreditLimitError, Credits
 from broker.exceptions import ProtocolError, StorageError
 from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus, Settlement
 from broker.main.recovery import RecoveryLedger

@@ -1,5 +1,5 @@
 """The worker's prefetch window (broker/core/worker_state.py), driven by calling ``WorkerState``
-directly against the main's real credit accounting (broker/core/admission.py): no socket, no
+directly against the main's real credit accounting (broker/core/peers.py): no socket, no
 loop. A worker with a window never idles a slot while a job waits for one, never holds
 more than the window, starts jobs of a mode in arrival order, and never loses a job."""
 
@@ -14,7 +14,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from broker.core.admission import Credits
+from broker.core.peers import Credits
 from broker.core.window import AdaptiveWindow
 from broker.core.worker_effects import StartRun, WorkerEffect
 from broker.core.worker_state import WorkerState
