@@ -55,7 +55,7 @@ from broker.core.handoff import (
 from broker.exceptions import transient
 from broker.jobs import Clock, Job, utcnow
 from broker.main.catalog import Declarations
-from broker.main.connections import Connections, Gathered, Session
+from broker.main.connections import Connections
 from broker.main.election import Leadership
 from broker.main.handoffs import EnqueueHandoff, load_orphans
 from broker.main.leader import Leader
@@ -65,6 +65,7 @@ from broker.main.operations import LiveState, Operations
 from broker.main.requests import Requests
 from broker.main.retention import Retention
 from broker.main.routing import Router
+from broker.main.sessions import Gathered, Session
 from broker.main.settings import MainSettings
 from broker.model.logs import log_event
 from broker.retry import RetryDelay, retry_delay
@@ -362,7 +363,7 @@ class Main:
         """Carry out the handoff's effects, in order (the dispatcher makes the claims).
 
         The jobs, and the acknowledgements, that one call sends a peer go out together as
-        batch lines (see :class:`broker.main.connections.Gathered`).
+        batch lines (see :class:`broker.main.sessions.Gathered`).
         """
         out = Gathered(self.sessions)
         for effect in effects:

@@ -18,8 +18,8 @@ from typing import Any
 from broker.core import catalog
 from broker.exceptions import InvalidJobError, ProtocolError
 from broker.jobs import Job, JobStatus
-from broker.main.connections import Session
 from broker.main.operations import Operations
+from broker.main.sessions import Session
 from broker.model.logs import log_event
 from broker.storage import JobFilter
 from broker.wire import codec

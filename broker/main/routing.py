@@ -19,8 +19,8 @@ from broker.core.catalog import CatalogLimitError
 from broker.core.handoff import Handoff, HandoffEffect
 from broker.exceptions import PermissionDeniedError, ProtocolError
 from broker.main.catalog import Declarations
-from broker.main.connections import Session
 from broker.main.requests import Requests
+from broker.main.sessions import Session
 from broker.model.logs import log_event
 from broker.wire import errors as error_codes
 from broker.wire import messages as protocol

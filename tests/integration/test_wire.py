@@ -365,7 +365,7 @@ async def test_write_now_writes_at_once_only_when_nothing_is_unsent() -> None:
 
 async def test_a_reply_goes_out_at_once_unless_it_is_long_or_lines_are_queued() -> None:
     from broker.core.handoff import Handoff
-    from broker.main.connections import Session
+    from broker.main.sessions import Session
 
     received: asyncio.Future[list[p.Message]] = asyncio.get_running_loop().create_future()
 

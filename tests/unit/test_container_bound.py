@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from broker.jobs import ExecutionMode
-from broker.main.connections import RequestBytes
+from broker.main.sessions import RequestBytes
 from broker.model.bounds import MAX_WORKER_STATUS_BYTES, MESSAGE_CONTAINERS
 from broker.payload import containers_in, nesting_depth, shape_problem
 from broker.tasks.registry import TaskRegistry

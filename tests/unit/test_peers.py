@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from broker.core.handoff import Abort, Handoff, HandoffEffect, Send, WakeDispatcher
 from broker.core.peers import Peer
 from broker.jobs import ExecutionMode
-from broker.main.connections import Session
+from broker.main.sessions import Session
 from broker.wire import codec
 from broker.wire import framing as wire
 from broker.wire import messages as protocol
