@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from adapters import sql
 from broker.exceptions import ConfigurationError
 from broker.jobs import Clock, utcnow
 from broker.model.untrusted import redact_url
@@ -24,11 +25,8 @@ DEFAULT_HOT_POOL_SIZE = 4
 waits behind enqueues: enough for the dispatcher's pass and its claims in flight
 (``max_claims_in_flight``, 2) and the report settler's group commit at once."""
 
-SUPPORTED_URLS = (
-    "sqlite+aiosqlite:///path/to/broker.db",
-    "postgresql+asyncpg://user@host:5432/dbname",
-    "memory://",
-)
+SUPPORTED_URLS = (*sql.SUPPORTED_URLS, "memory://")
+"""Every store URL :func:`open_store` takes: the SQL store's, and the in-memory one."""
 
 
 def open_store(
