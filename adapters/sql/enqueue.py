@@ -3,9 +3,9 @@
 Rule: an enqueue inserts each job unless a job already blocks it, and returns the blocker
 instead (a duplicate), in the order :func:`broker.settlement.blocking_holder` states; a
 repeat within one batch refers to its first. Every entry point runs the same coroutine
-(:meth:`Enqueue.run`) over its own ``insert`` and ``find``: the main's (each dialect's
+(:meth:`EnqueueRule.run`) over its own ``insert`` and ``find``: the main's (each dialect's
 own statements), an application's ``AsyncConnection`` or synchronous connection
-(SQLAlchemy Core, :meth:`Enqueue.on_connection`) and PostgreSQL's driver connection.
+(SQLAlchemy Core, :meth:`EnqueueRule.on_connection`) and PostgreSQL's driver connection.
 
 The application's own connection: all the rule does with it is ``await
 conn.execute(statement, parameters)``, so a transactional enqueue runs on whatever
@@ -122,7 +122,7 @@ async def overlapped(
     return stored
 
 
-class Enqueue:
+class EnqueueRule:
     """The enqueue rule of one store: its clock (``now``, in microseconds), the size
     over which a payload moves out of its row (``offload_threshold``) and its name in
     messages (``where``)."""

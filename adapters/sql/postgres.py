@@ -28,7 +28,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from adapters.sql.connect import redact
-from adapters.sql.enqueue import DriverEnqueue, Enqueue, match_holders, overlapped
+from adapters.sql.enqueue import DriverEnqueue, EnqueueRule, match_holders, overlapped
 from adapters.sql.errors import StoreErrors
 from adapters.sql.postgres_sql import HotPool, HotSql
 from adapters.sql.rows import (
@@ -140,7 +140,7 @@ class PostgresDialect:
         single_main: bool,
         now: Callable[[], int],
         offload_threshold: int | None,
-        enqueue: Enqueue,
+        enqueue: EnqueueRule,
     ) -> None:
         self.errors = StoreErrors.for_postgres(redact(resolved), driver)
         self._server_refused: type[BaseException] = driver.PostgresError
@@ -482,7 +482,7 @@ class PostgresDialect:
         """A batch of new jobs in one plain ``INSERT``, committed on its own, when nothing
         stands in the way; ``None`` when something does (a key or id taken, in the store
         or twice in the batch, a payload to offload, any refusal), and then nothing of
-        the batch was stored and it goes the careful way (:meth:`Enqueue.run`, in a
+        the batch was stored and it goes the careful way (:meth:`EnqueueRule.run`, in a
         transaction).
 
         In a bulk enqueue nothing usually does, and the careful way cost each group

@@ -80,7 +80,7 @@ class HotSql:
         # counters of their keys in key order (the latest committed counts). A keyed row
         # is granted while its key has room, in claim order (``ord``): with one limit
         # for the key, the rn-th candidate fits when active + rn <= limit, which is the
-        # grant rule (adapters.sql._grant). The slots taken are added to the counters
+        # grant rule (adapters.sql.rows.grant). The slots taken are added to the counters
         # locked above. A key with no counter row yet, or whose candidates disagree on
         # the limit, comes back unclaimed (``claimed`` false) for ``lock_claimable`` and
         # the rest, a short transaction that applies the rule. The claims come sorted by

@@ -279,7 +279,7 @@ def whole_jobs(rows: Sequence[Mapping[Any, Any]], bodies: Bodies) -> list[Job]:
     """The jobs of ``rows`` whose payloads ``bodies`` holds; a job whose payload went
     between the two reads (its checkpoint replaced meanwhile) is left out, as if it were
     gone: an enqueue looking for the job holding its key then tries again
-    (:meth:`adapters.sql.enqueue.Enqueue.run`), and reads it as it now stands."""
+    (:meth:`adapters.sql.enqueue.EnqueueRule.run`), and reads it as it now stands."""
     return [job_from_row(r, bodies) for r in rows if not _lacks_body(r, bodies)]
 
 

@@ -27,7 +27,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from adapters.sql.connect import WRITE_OPTION, existing_file_url, redact, wire_sqlite
-from adapters.sql.enqueue import Enqueue, complete_now, match_holders
+from adapters.sql.enqueue import EnqueueRule, complete_now, match_holders
 from adapters.sql.errors import StoreErrors
 from adapters.sql.rows import (
     COLUMN_OF,
@@ -411,7 +411,7 @@ class SqliteDialect:
         read_only: bool,
         now: Callable[[], int],
         offload_threshold: int | None,
-        enqueue: Enqueue,
+        enqueue: EnqueueRule,
     ) -> None:
         self.errors = StoreErrors.for_sqlite(redact(resolved))
         self._now = now
@@ -508,7 +508,7 @@ class SqliteDialect:
     ) -> list[EnqueueResult]:
         """The enqueue rule as one transaction on the hot connection, in one hop.
 
-        The rule is a coroutine (:meth:`Enqueue.run`); over ``sqlite3`` none of its
+        The rule is a coroutine (:meth:`EnqueueRule.run`); over ``sqlite3`` none of its
         awaits suspends, so it runs to the end on the hot thread (``complete_now``).
         """
 

@@ -14,8 +14,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
-import adapters.sql.adapter
 import adapters.sql.postgres
+import adapters.sql.queries
 from adapters.sql import SQLAlchemyAdapter
 from broker.jobs import CheckpointSave, Claim, Job, JobSpec, JobStatus, Outcome, Settlement
 from broker.main.retention import Retention, prune_once
@@ -187,7 +187,7 @@ async def test_a_job_read_while_its_checkpoint_is_replaced_comes_back_whole(
     [made] = await adapter.enqueue_many([JobSpec(task="t", max_attempts=1)])
     job_id, lease = made.job.id, uuid.uuid4()
     assert await adapter.mark_handed_off(job_id, lease, "w") is not None
-    bodies = adapters.sql.adapter.sa_bodies
+    bodies = adapters.sql.queries.sa_bodies
     seq = 0
 
     async def save(state: Any) -> None:
@@ -197,7 +197,7 @@ async def test_a_job_read_while_its_checkpoint_is_replaced_comes_back_whole(
 
     async def replaced_in_between(conn: Any, rows: Any) -> Any:
         monkeypatch.setattr(
-            adapters.sql.adapter, "sa_bodies", bodies
+            adapters.sql.queries, "sa_bodies", bodies
         )  # once: the next read is calm
         await save({"small": seq})
         return await bodies(conn, rows)
@@ -217,7 +217,7 @@ async def test_a_job_read_while_its_checkpoint_is_replaced_comes_back_whole(
 
     for read in (got, listed, handed_off):
         await save({"big": BIG})
-        monkeypatch.setattr(adapters.sql.adapter, "sa_bodies", replaced_in_between)
+        monkeypatch.setattr(adapters.sql.queries, "sa_bodies", replaced_in_between)
         job = await read()
         # Whole, as it stood before the replacement or after: SQLite's read connection
         # reads one snapshot throughout; PostgreSQL's reads again.
