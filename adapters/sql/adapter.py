@@ -64,6 +64,7 @@ from broker.jobs import (
     Settlement,
     utcnow,
 )
+from broker.model import checks
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_OFFLOAD_BYTES, check_all
 from broker.storage import SCHEMA_VERSION, Capabilities, LeaderRecord
 
@@ -116,9 +117,8 @@ class SQLAlchemyAdapter(CoreQueries):
     ) -> None:
         resolved, backend = resolve_url(url)
         create = create and not read_only
-        for name, size in (("pool_size", pool_size), ("hot_pool_size", hot_pool_size)):
-            if size < 1:
-                raise ConfigurationError(f"{name} must be at least 1 (got {size})")
+        checks.positive_int("pool_size", pool_size)
+        checks.positive_int("hot_pool_size", hot_pool_size)
         if max_payload_bytes is not None and max_payload_bytes < 1:
             raise ConfigurationError(
                 f"max_payload_bytes must be positive or None (got {max_payload_bytes})"

@@ -76,6 +76,7 @@ def complete_now(coro: Coroutine[Any, Any, _T]) -> _T:
 
 _ENQUEUE_ROUNDS = 5
 """How often an enqueue retries when the job holding its key vanishes mid-transaction."""
+
 Insert = Callable[[list[dict[str, Any]], list[Payload]], Awaitable[set[uuid.UUID]]]
 """Stores rows unless a key or id is taken, with the offloaded payloads of those it
 stored; returns the ids stored."""
@@ -177,7 +178,8 @@ class EnqueueRule:
         overlap: Overlap | None = None,
     ) -> list[EnqueueResult]:
         """Insert ``specs`` (each ``claims[i]``, if any, stores its job handed off, see
-        :meth:`enqueue_handed_off`); a duplicate within the batch refers to its first.
+        :meth:`~broker.storage.StorageAdapter.enqueue_handed_off`); a duplicate within the
+        batch refers to its first.
 
         The rule over either kind of connection: ``insert`` stores rows unless a key or
         id is taken (returning the ids stored), and the offloaded payloads of the rows it
