@@ -240,7 +240,7 @@ def _fill(values: list[Any], bodies: Bodies | None) -> set[int]:
         if stored is None:
             # The payload and its mark are written and deleted together: a reader that read
             # the row and the payloads apart reads both again when they disagree
-            # (SQLAlchemyAdapter._read_with_bodies); only a hand-edited store gets here.
+            # (CoreQueries._read_with_bodies); only a hand-edited store gets here.
             # Saying so beats returning a job with its arguments gone.
             raise StorageError(f"job {job_id}: its offloaded {column} is missing")
         values[i] = check_payload(job_id, column, *stored, _DECODE_AT[i])
