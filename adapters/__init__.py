@@ -6,8 +6,9 @@ SQLite never needs asyncpg importable and vice versa.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
+from adapters import sql
 from broker.exceptions import ConfigurationError
 from broker.jobs import Clock, utcnow
 from broker.model.untrusted import redact_url
@@ -24,24 +25,25 @@ DEFAULT_HOT_POOL_SIZE = 4
 waits behind enqueues: enough for the dispatcher's pass and its claims in flight
 (``max_claims_in_flight``, 2) and the report settler's group commit at once."""
 
-SUPPORTED_URLS = (
-    "sqlite+aiosqlite:///path/to/broker.db",
-    "postgresql+asyncpg://user@host:5432/dbname",
-    "memory://",
-)
+SUPPORTED_URLS = (*sql.SUPPORTED_URLS, "memory://")
+"""Every store URL :func:`open_store` takes: the SQL store's, and the in-memory one."""
 
 
-def open_store(
-    url: str,
-    *,
-    clock: Clock = utcnow,
-    create: bool = True,
-    read_only: bool = False,
-    pool_size: int = DEFAULT_POOL_SIZE,
-    hot_pool_size: int = DEFAULT_HOT_POOL_SIZE,
-    single_main: bool = False,
-    offload_threshold: int | None = DEFAULT_OFFLOAD_BYTES,
-) -> StorageAdapter:
+class StoreOptions(TypedDict, total=False):
+    """How :func:`open_store` opens a built-in store; an option left out takes the
+    adapter's default. Written once: :func:`broker.ops.composition.open_store` passes
+    them on whole."""
+
+    clock: Clock
+    create: bool
+    read_only: bool
+    pool_size: int
+    hot_pool_size: int
+    single_main: bool
+    offload_threshold: int | None
+
+
+def open_store(url: str, **options: Unpack[StoreOptions]) -> StorageAdapter:
     """The adapter for ``url``; call its ``setup()`` before use.
 
     ``create=False`` (and ``read_only=True``) open an existing store without the right to
@@ -54,31 +56,31 @@ def open_store(
     """
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "memory":
-        if not create or read_only:
+        if not options.get("create", True) or options.get("read_only", False):
             raise ConfigurationError(
                 "memory:// lives inside the broker-main process that opened it; no other "
                 "process can open it: reach that main with --main instead"
             )
         from adapters.memory import MemoryAdapter
 
-        return MemoryAdapter(clock=clock, offload_threshold=offload_threshold)
+        return MemoryAdapter(
+            clock=options.get("clock", utcnow),
+            offload_threshold=options.get("offload_threshold", DEFAULT_OFFLOAD_BYTES),
+        )
     if scheme.startswith(("sqlite", "postgres")):
         from adapters.sql import SQLAlchemyAdapter
 
-        return SQLAlchemyAdapter(
-            url,
-            clock=clock,
-            create=create,
-            read_only=read_only,
-            pool_size=pool_size,
-            hot_pool_size=hot_pool_size,
-            single_main=single_main,
-            offload_threshold=offload_threshold,
-        )
+        return SQLAlchemyAdapter(url, **options)
     raise ConfigurationError(
         f"unsupported store URL {redact_url(url)!r}; use one of: {', '.join(SUPPORTED_URLS)} "
         "(a custom adapter is plugged in with --adapter module:factory)"
     )
 
 
-__all__ = ["DEFAULT_HOT_POOL_SIZE", "DEFAULT_POOL_SIZE", "SUPPORTED_URLS", "open_store"]
+__all__ = [
+    "DEFAULT_HOT_POOL_SIZE",
+    "DEFAULT_POOL_SIZE",
+    "SUPPORTED_URLS",
+    "StoreOptions",
+    "open_store",
+]

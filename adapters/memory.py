@@ -189,21 +189,11 @@ class MemoryAdapter:
         self._check_repeats(specs)
         results: list[EnqueueResult] = []
         for spec, claim in zip(specs, claims, strict=True):
-            existing_id = (
-                self._by_idempotency_key.get(spec.idempotency_key)
-                if spec.idempotency_key is not None
-                else None
-            )
-            if existing_id is not None:
-                results.append(EnqueueResult(self._snapshot(existing_id), duplicate=True))
-                continue
-            if spec.id in self._jobs:
-                results.append(EnqueueResult(self._snapshot(spec.id), duplicate=True))
-                continue
-            holder = (
-                self._active_by_unique_key.get(spec.unique_key)
-                if spec.unique_key is not None
-                else None
+            holder = settlement.blocking_holder(
+                spec,
+                self._by_idempotency_key.get,
+                lambda job_id: job_id if job_id in self._jobs else None,
+                self._active_by_unique_key.get,
             )
             if holder is not None:
                 results.append(EnqueueResult(self._snapshot(holder), duplicate=True))

@@ -47,10 +47,10 @@ from __future__ import annotations
 
 import uuid
 from collections import ChainMap
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from broker.jobs import (
     ACTIVE_STATUSES,
@@ -109,6 +109,31 @@ def claimable_at_enqueue(spec: JobSpec, now: datetime) -> bool:
     before the insert: only a job due at once and without a concurrency key (whose slot
     must be counted inside a claim, which an insert does not do)."""
     return spec.concurrency_key is None and (spec.run_at is None or spec.run_at <= now)
+
+
+_H = TypeVar("_H")
+
+
+def blocking_holder(
+    spec: JobSpec,
+    by_idempotency_key: Callable[[str], _H | None],
+    by_id: Callable[[uuid.UUID], _H | None],
+    by_active_unique_key: Callable[[str], _H | None],
+) -> _H | None:
+    """What keeps ``spec`` from being enqueued, in this order: the job holding its
+    idempotency key, else the job with its id, else the job holding its unique key while
+    queued or handed off; ``None``: nothing does, and its job is written. The enqueue
+    then returns the holder as a duplicate (after
+    :func:`~broker.jobs.check_idempotent_repeat`, for a held idempotency key). Each store
+    looks the three up its own way; the order is this one."""
+    holder = None
+    if spec.idempotency_key is not None:
+        holder = by_idempotency_key(spec.idempotency_key)
+    if holder is None:
+        holder = by_id(spec.id)
+    if holder is None and spec.unique_key is not None:
+        holder = by_active_unique_key(spec.unique_key)
+    return holder
 
 
 def enqueued(spec: JobSpec, now: datetime, claim: Claim | None = None) -> Job:

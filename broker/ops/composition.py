@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import cast
+from typing import Unpack, cast
 
 import adapters
 from adapters import DEFAULT_HOT_POOL_SIZE as DEFAULT_HOT_POOL_SIZE
 from adapters import DEFAULT_POOL_SIZE as DEFAULT_POOL_SIZE
 from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode
-from broker.payload import DEFAULT_OFFLOAD_BYTES
 from broker.storage import StorageAdapter, contract_gaps
 from broker.tasks.registry import TaskRegistry
 from broker.tasks.runner import Runner
@@ -27,34 +26,17 @@ from runners.pooled import PooledRunner
 
 
 def open_store(
-    url: str,
-    adapter: str | None = None,
-    *,
-    create: bool = True,
-    read_only: bool = False,
-    pool_size: int = DEFAULT_POOL_SIZE,
-    hot_pool_size: int = DEFAULT_HOT_POOL_SIZE,
-    single_main: bool = False,
-    offload_threshold: int = DEFAULT_OFFLOAD_BYTES,
+    url: str, adapter: str | None = None, **options: Unpack[adapters.StoreOptions]
 ) -> StorageAdapter:
     """The store for ``url``, or the custom adapter ``module:factory`` called with ``url``.
 
-    ``create``, ``read_only``, the pool sizes, ``single_main`` and ``offload_threshold``
-    are passed to the
-    built-in adapters (see :func:`adapters.open_store`); a custom factory is called with
-    the URL alone. A
+    ``options`` (``create``, ``read_only``, the pool sizes, ``single_main``,
+    ``offload_threshold``) are passed to the built-in adapters (see
+    :func:`adapters.open_store`); a custom factory is called with the URL alone. A
     custom adapter that lacks part of the contract is refused here, naming what it lacks.
     """
     if adapter is None:
-        return adapters.open_store(
-            url,
-            create=create,
-            read_only=read_only,
-            pool_size=pool_size,
-            hot_pool_size=hot_pool_size,
-            single_main=single_main,
-            offload_threshold=offload_threshold,
-        )
+        return adapters.open_store(url, **options)
     module_name, _, attr = adapter.partition(":")
     if not module_name or not attr:
         raise ConfigurationError(

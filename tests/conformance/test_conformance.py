@@ -62,7 +62,7 @@ class SQLHarness:
         self, job_id: uuid.UUID, kind: str, edit: Callable[[str], str], *, rehash: bool = False
     ) -> None:
         """Edit the row of ``broker_payloads`` on an engine of its own, as another process."""
-        from adapters._sql_schema import payloads
+        from adapters.sql.schema import payloads
 
         engine = create_async_engine(self.url)
         options = {} if self.schema is None else {"schema_translate_map": {None: self.schema}}

@@ -369,8 +369,9 @@ async def test_analyze_quotes_a_schema_name_that_needs_it(
     try:
         await store.setup()
         await store.enqueue_many([JobSpec(task="t.x") for _ in range(600)])
-        assert store._analyzing is not None, "a bulk insert starts an ANALYZE"
-        await store._analyzing
+        analyzing = store._dialect._analyzing
+        assert analyzing is not None, "a bulk insert starts an ANALYZE"
+        await analyzing
         assert "planner statistics" not in caplog.text, caplog.text
         rows = await conn.fetchval(
             "SELECT c.reltuples FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "

@@ -20,7 +20,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from adapters._sql_schema import payloads
+from adapters.sql.schema import payloads
 from broker.exceptions import StorageRejectedError
 from broker.jobs import Job, JobSpec, JobStatus
 from broker.payload import DEFAULT_OFFLOAD_BYTES

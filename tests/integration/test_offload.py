@@ -14,7 +14,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
-import adapters.sql
+import adapters.sql.postgres
+import adapters.sql.queries
 from adapters.sql import SQLAlchemyAdapter
 from broker.jobs import CheckpointSave, Claim, Job, JobSpec, JobStatus, Outcome, Settlement
 from broker.main.retention import Retention, prune_once
@@ -186,7 +187,7 @@ async def test_a_job_read_while_its_checkpoint_is_replaced_comes_back_whole(
     [made] = await adapter.enqueue_many([JobSpec(task="t", max_attempts=1)])
     job_id, lease = made.job.id, uuid.uuid4()
     assert await adapter.mark_handed_off(job_id, lease, "w") is not None
-    bodies = adapters.sql._sa_bodies
+    bodies = adapters.sql.queries.sa_bodies
     seq = 0
 
     async def save(state: Any) -> None:
@@ -195,7 +196,9 @@ async def test_a_job_read_while_its_checkpoint_is_replaced_comes_back_whole(
         assert await adapter.save_checkpoints([CheckpointSave(job_id, lease, seq, state)])
 
     async def replaced_in_between(conn: Any, rows: Any) -> Any:
-        monkeypatch.setattr(adapters.sql, "_sa_bodies", bodies)  # once: the next read is calm
+        monkeypatch.setattr(
+            adapters.sql.queries, "sa_bodies", bodies
+        )  # once: the next read is calm
         await save({"small": seq})
         return await bodies(conn, rows)
 
@@ -214,7 +217,7 @@ async def test_a_job_read_while_its_checkpoint_is_replaced_comes_back_whole(
 
     for read in (got, listed, handed_off):
         await save({"big": BIG})
-        monkeypatch.setattr(adapters.sql, "_sa_bodies", replaced_in_between)
+        monkeypatch.setattr(adapters.sql.queries, "sa_bodies", replaced_in_between)
         job = await read()
         # Whole, as it stood before the replacement or after: SQLite's read connection
         # reads one snapshot throughout; PostgreSQL's reads again.
@@ -233,14 +236,14 @@ async def test_an_enqueue_meeting_its_key_holder_mid_checkpoint_returns_the_hold
     job_id, lease = made.job.id, uuid.uuid4()
     assert await adapter.mark_handed_off(job_id, lease, "w") is not None
     assert await adapter.save_checkpoints([CheckpointSave(job_id, lease, 1, {"big": BIG})])
-    bodies = adapters.sql._pg_bodies
+    bodies = adapters.sql.postgres.pg_bodies
 
     async def replaced_in_between(*args: Any) -> Any:
-        monkeypatch.setattr(adapters.sql, "_pg_bodies", bodies)  # once
+        monkeypatch.setattr(adapters.sql.postgres, "pg_bodies", bodies)  # once
         assert await adapter.save_checkpoints([CheckpointSave(job_id, lease, 2, {"small": 2})])
         return await bodies(*args)
 
-    monkeypatch.setattr(adapters.sql, "_pg_bodies", replaced_in_between)
+    monkeypatch.setattr(adapters.sql.postgres, "pg_bodies", replaced_in_between)
     [again] = await adapter.enqueue_many([JobSpec(task="t", idempotency_key="k")])
     assert again.duplicate and again.job.id == job_id
     assert again.job.checkpoint in ({"big": BIG}, {"small": 2})

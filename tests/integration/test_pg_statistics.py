@@ -35,7 +35,7 @@ async def test_a_bulk_enqueue_refreshes_statistics_and_dispatch_uses_the_index()
                 break
             await asyncio.sleep(0.05)
         assert await analyzed(), "no ANALYZE after a bulk insert"
-        from adapters._pg_hot import HotSql
+        from adapters.sql.postgres_sql import HotSql
 
         # Dispatch's own read (modes, now, limit, skipped ids), as its session plans it.
         await conn.execute("SET plan_cache_mode = force_generic_plan")
@@ -65,8 +65,8 @@ async def test_a_read_for_a_mode_without_queued_jobs_walks_no_other_modes_rows()
         await store.setup()
         await store.enqueue_many([JobSpec(task="t.x") for _ in range(600)])  # all pooled
         await conn.execute(f'ANALYZE "{schema}".broker_jobs')
-        assert store._hot is not None
-        statement = await conn.prepare("EXPLAIN (ANALYZE, COSTS OFF) " + store._hot[0].eligible)
+        eligible = store._dialect._sql.eligible
+        statement = await conn.prepare("EXPLAIN (ANALYZE, COSTS OFF) " + eligible)
         plan = "\n".join(r[0] for r in await statement.fetch(["forked"], 2**62, 20, []))
         assert "Index Cond: ((execution_mode = m.mode)" in plan, plan
         assert "Rows Removed by Filter" not in plan, plan

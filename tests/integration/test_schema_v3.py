@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from adapters import _sql_schema
-from adapters import sql as sql_adapter
 from adapters.sql import SQLAlchemyAdapter
+from adapters.sql import schema as _sql_schema
+from adapters.sql.rows import new_row
 from broker.jobs import Job, JobSpec, new_job_fields
 from broker.storage import SCHEMA_VERSION
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
@@ -76,7 +76,7 @@ async def test_a_version_2_store_is_carried_to_version_3(target: tuple[str, str 
     try:
         async with v2._write("test") as conn:
             for spec in specs:
-                row = sql_adapter._new_row(new_job_fields(spec, now))
+                row = new_row(new_job_fields(spec, now))
                 await conn.execute(
                     v2_jobs.insert().values(
                         {c.name: row.get(c.name) for c in v2_jobs.c if c.name != "seq"}

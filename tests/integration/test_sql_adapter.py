@@ -23,8 +23,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from adapters._sql_schema import CREATED_INDEX, QUIET_INSERTS_SETTING, notify_channel
-from adapters.sql import _NULL_ROW, SQLAlchemyAdapter, _job_from_row, _loads, _new_row
+from adapters.sql import SQLAlchemyAdapter
+from adapters.sql.rows import NULL_ROW, job_from_row, loads, new_row
+from adapters.sql.schema import CREATED_INDEX, QUIET_INSERTS_SETTING, notify_channel
 from broker.exceptions import (
     ConfigurationError,
     DeposedError,
@@ -202,9 +203,9 @@ def test_an_enqueues_row_leaves_its_nulls_out() -> None:
     NULLs it reads as the job. A JSON null inside the args is a value, not a NULL."""
     job_fields = new_job_fields(JobSpec("app.t", args=[None]), START)
     job = Job(**job_fields)
-    row = _new_row(job_fields)
+    row = new_row(job_fields)
     assert None not in row.values() and "handoff_id" not in row and row["args"] == "[null]"
-    assert _job_from_row({**_NULL_ROW, **row}) == job
+    assert job_from_row({**NULL_ROW, **row}) == job
 
 
 async def test_every_field_round_trips_through_the_row(store: SQLAlchemyAdapter) -> None:
@@ -236,7 +237,7 @@ async def test_every_field_round_trips_through_the_row(store: SQLAlchemyAdapter)
     raw_us = await _scalar(store, "SELECT run_at_us FROM {s}broker_jobs WHERE task = 'app.send'")
     assert raw_us == expected_us
 
-    store._clock.advance(1.5)  # type: ignore[attr-defined]
+    store._clock.advance(1.5)
     lease = uuid.uuid4()
     claimed = await store.mark_handed_off(spec.id, lease, "worker-✓")
     assert claimed is not None
@@ -266,12 +267,12 @@ async def test_every_field_round_trips_through_the_row(store: SQLAlchemyAdapter)
 def test_stored_json_decodes_as_json_loads_does(text: str) -> None:
     """Rows decode their JSON in C, falling back to ``json.loads`` for what the C decoder
     refuses (an escaped lone surrogate, a number past a float's range): same values."""
-    assert repr(_loads(text)) == repr(json.loads(text))
+    assert repr(loads(text)) == repr(json.loads(text))
 
 
 def test_stored_text_that_is_not_json_raises_as_json_loads_does() -> None:
     with pytest.raises(json.JSONDecodeError):
-        _loads("[1,")
+        loads("[1,")
 
 
 async def test_json_null_result_and_no_result_read_back_as_none(store: SQLAlchemyAdapter) -> None:
@@ -519,7 +520,7 @@ async def test_sqlite_hot_queries_use_their_partial_indexes(sqlite_backend: Back
             rows = (await conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {sql}")).all()
         return "\n".join(str(row[-1]) for row in rows)
 
-    from adapters.sql import _LITE_ELIGIBLE, _LITE_ELIGIBLE_IN_QUEUES
+    from adapters.sql.sqlite import _LITE_ELIGIBLE, _LITE_ELIGIBLE_IN_QUEUES
 
     for statement in (_LITE_ELIGIBLE, _LITE_ELIGIBLE_IN_QUEUES):
         async with store._engine.connect() as conn:
@@ -528,13 +529,13 @@ async def test_sqlite_hot_queries_use_their_partial_indexes(sqlite_backend: Back
             )
             eligible = "\n".join(str(row[-1]) for row in found.all())
         assert "ix_broker_jobs_dispatch" in eligible and "TEMP B-TREE" not in eligible, eligible
-    from adapters._sql_schema import IS_HANDED_OFF, IS_TERMINAL, jobs
+    from adapters.sql.schema import IS_HANDED_OFF, IS_TERMINAL, jobs
 
     worker = await plan(sa.select(jobs).where(jobs.c.worker_id == "w", IS_HANDED_OFF))
     assert "ix_broker_jobs_worker" in worker
     pruning = await plan(sa.select(jobs.c.id).where(IS_TERMINAL, jobs.c.updated_us < 5).limit(9))
     assert "ix_broker_jobs_terminal_updated" in pruning
-    from adapters._sql_schema import IS_ACTIVE
+    from adapters.sql.schema import IS_ACTIVE
 
     holder = await plan(sa.select(jobs.c.id).where(jobs.c.unique_key == "k", IS_ACTIVE))
     assert "ux_broker_jobs_unique_key_active" in holder
@@ -659,7 +660,7 @@ async def test_a_store_from_a_newer_broker_is_refused(backend: Backend) -> None:
 async def test_an_older_store_is_migrated_forward(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from adapters import _sql_schema
+    from adapters.sql import schema as _sql_schema
 
     store = await backend.open()
     job = await _enqueue(store)
@@ -668,7 +669,7 @@ async def test_an_older_store_is_migrated_forward(
     monkeypatch.setattr(
         _sql_schema, "MIGRATIONS", (*_sql_schema.MIGRATIONS, (nxt, lambda c, s: ran.append(nxt)))
     )
-    monkeypatch.setattr("adapters.sql.SCHEMA_VERSION", nxt)
+    monkeypatch.setattr("adapters.sql.adapter.SCHEMA_VERSION", nxt)
     await backend.adapter().setup()
     assert ran == [nxt]
     assert await _scalar(store, "SELECT version FROM {s}broker_schema") == nxt
@@ -680,7 +681,7 @@ async def test_an_older_store_is_migrated_forward(
 async def test_a_version_1_store_is_migrated_to_unique_keys(backend: Backend) -> None:
     """A store written by a version-1 broker (built by the v1 migration alone) gains the
     unique_key column and its partial index, keeps its jobs, and enforces the key."""
-    from adapters import _sql_schema
+    from adapters.sql import schema as _sql_schema
 
     old = backend.adapter()
 
@@ -987,9 +988,9 @@ async def test_a_row_refused_in_a_late_chunk_stores_nothing_of_the_batch(
 def test_decoding_an_enum_column_keeps_the_enums_own_answers() -> None:
     """The dict lookup in front of the enum's call changes nothing it answers: a member
     for each stored value, ``ValueError`` for a value no member has (a hand-edited row)."""
-    from adapters.sql import _enum_decoder
+    from adapters.sql.rows import enum_decoder
 
-    decode = _enum_decoder(ExecutionMode)
+    decode = enum_decoder(ExecutionMode)
     assert [decode(m.value) for m in ExecutionMode] == list(ExecutionMode)
     with pytest.raises(ValueError):
         decode("teleported")
@@ -1004,14 +1005,15 @@ async def test_a_batch_goes_in_one_plain_insert_unless_something_stands_in_the_w
     the batch goes the careful way: its duplicates found, the rest stored once."""
     store = await pg_backend.open(single_main=True)
     answers: list[bool] = []
-    every = store._enqueue_every
+    dialect = store._dialect
+    every = dialect._enqueue_every
 
     async def noted(*args: Any) -> Any:
         answer = await every(*args)
         answers.append(answer is not None)
         return answer
 
-    monkeypatch.setattr(store, "_enqueue_every", noted)
+    monkeypatch.setattr(dialect, "_enqueue_every", noted)
     fresh = [JobSpec("t", args=[i]) for i in range(3)]
     results = await store.enqueue_many(fresh)
     assert answers == [True]

@@ -34,7 +34,7 @@ from broker.wire.messages import ErrorCode
 
 @dataclass
 class Row:
-    """The leader row as ``adapters/_pg_hot.py`` keeps it, by the store's clock."""
+    """The leader row as ``adapters/sql/postgres_sql.py`` keeps it, by the store's clock."""
 
     epoch: int = 0
     holder: str = ""

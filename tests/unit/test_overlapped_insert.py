@@ -1,5 +1,5 @@
 """A big PostgreSQL enqueue is written a chunk at a time, each chunk built while the one
-before is written (``adapters.sql._overlapped``): one statement at a time on the
+before is written (``adapters.sql.enqueue.overlapped``): one statement at a time on the
 connection, and none left running when the enqueue fails or is cancelled."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from adapters.sql import Payload, _overlapped
+from adapters.sql.enqueue import overlapped
+from adapters.sql.rows import Payload
 
 IDS = [uuid.uuid4() for _ in range(3)]
 
@@ -33,7 +34,7 @@ async def test_each_batch_is_built_while_the_one_before_is_written() -> None:
         log.append(f"done {n}")
         return {IDS[n]}
 
-    task = asyncio.create_task(_overlapped(insert, _batches(log, 3)))
+    task = asyncio.create_task(overlapped(insert, _batches(log, 3)))
     while "build 1" not in log:
         await asyncio.sleep(0)
     assert log == ["build 0", "send 0", "build 1"]  # built while 0 is being written
@@ -56,7 +57,7 @@ async def test_a_cancelled_enqueue_cancels_the_statement_in_flight() -> None:
             raise
         return set()
 
-    task = asyncio.create_task(_overlapped(insert, _batches([], 2)))
+    task = asyncio.create_task(overlapped(insert, _batches([], 2)))
     await started.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -79,5 +80,5 @@ async def test_an_error_building_a_batch_waits_for_the_statement_in_flight() -> 
         raise ValueError("a row that cannot be built")
 
     with pytest.raises(ValueError, match="cannot be built"):
-        await _overlapped(insert, batches())
+        await overlapped(insert, batches())
     assert finished == [0]  # it ended before the error left: the connection is free

@@ -1,4 +1,4 @@
-"""Group commit on SQLite's hot connection (:meth:`adapters._sqlite_hot.SqliteHot.write`):
+"""Group commit on SQLite's hot connection (:meth:`adapters.sql.sqlite_thread.SqliteHot.write`):
 writes that come while a transaction is under way share the next one, one write's error
 undoes that write alone and reaches its caller alone, and a caller that gave up before its
 transaction started has nothing written."""
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from adapters._sqlite_hot import SqliteHot
+from adapters.sql.sqlite_thread import SqliteHot
 
 
 class Hot:

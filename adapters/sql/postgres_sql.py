@@ -10,7 +10,7 @@ migrations and every other query.
 The hot connections are a pool of their own (:class:`HotPool`), so enqueues and
 listings waiting for the general pool never hold up dispatch and settlement.
 
-This module only knows SQL text and connections; :mod:`adapters.sql` encodes the
+This module only knows SQL text and connections; :mod:`adapters.sql.postgres` encodes the
 values (with the same codecs as its SQLAlchemy path) and decodes the rows.
 """
 
@@ -25,7 +25,7 @@ import asyncpg  # type: ignore[import-untyped]
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg_dialect
 
-from adapters._sql_schema import (
+from adapters.sql.schema import (
     FENCE_FUNCTION,
     INSERT_COLUMNS,
     LEADER_TABLE,
@@ -59,7 +59,7 @@ class HotSql:
         leader = f"{prefix}{quote(LEADER_TABLE)}"
 
         def fence(n: int) -> str:
-            """The epoch fence on parameter ``$n`` (see ``_sql_schema._v8_leader``): an
+            """The epoch fence on parameter ``$n`` (see ``adapters.sql.schema._v8_leader``): an
             uncorrelated sub-select, so it runs once per statement, before the first row
             it guards changes; under an older epoch it raises and the statement changes
             nothing. A NULL epoch is not fenced."""
@@ -80,7 +80,7 @@ class HotSql:
         # counters of their keys in key order (the latest committed counts). A keyed row
         # is granted while its key has room, in claim order (``ord``): with one limit
         # for the key, the rn-th candidate fits when active + rn <= limit, which is the
-        # grant rule (adapters.sql._grant). The slots taken are added to the counters
+        # grant rule (adapters.sql.rows.grant). The slots taken are added to the counters
         # locked above. A key with no counter row yet, or whose candidates disagree on
         # the limit, comes back unclaimed (``claimed`` false) for ``lock_claimable`` and
         # the rest, a short transaction that applies the rule. The claims come sorted by
@@ -275,9 +275,9 @@ class HotSql:
 
         def eligible(queue_test: str, now: int) -> str:
             """The best due jobs of the modes in ``$1``, but those in the skipped ids
-            (``$now + 2``), their payloads left out (see ``_sql_schema.selection``):
+            (``$now + 2``), their payloads left out (see ``adapters.sql.schema.selection``):
             each mode's best read from the dispatch index, which leads with the mode
-            (see ``_sql_schema._v11_dispatch_by_mode``), in order and no further than
+            (see ``adapters.sql.schema._v11_dispatch_by_mode``), in order and no further than
             the limit (``$now + 1``), then the best of those. A mode without queued
             jobs costs one index probe, however deep the other modes' backlog."""
             limit, skip = now + 1, now + 2
@@ -327,7 +327,7 @@ class HotSql:
         self.insert_one = one.format(where="")
         self.insert_one_fenced = one.format(where=f"WHERE {fence(len(INSERT_COLUMNS) + 1)}")
         """One job written handed off, fenced like a claim."""
-        # The election (see ``_sql_schema._v8_leader``), by the database's clock. Taking
+        # The election (see ``adapters.sql.schema._v8_leader``), by the database's clock. Taking
         # over: insert the row, or take it when its lease has run out (the epoch grows).
         # Neither locks a live row, so a standby's rounds never hold up the leader's
         # statements. The row as it stands comes back either way, to name the leader;

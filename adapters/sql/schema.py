@@ -485,7 +485,7 @@ def _v8_leader(conn: sa.Connection, schema: str | None) -> None:
     and settles never hold up the leader's renewals, however many overlap.
 
     An epoch of NULL (a store used without election: tests, the operator's command) is
-    not fenced. SQLite stores hold one main only (:mod:`adapters._sqlite_lock`) and have
+    not fenced. SQLite stores hold one main only (:class:`adapters.sql.connect.MainLock`) and have
     neither.
     """
     if conn.dialect.name != "postgresql":
@@ -536,7 +536,7 @@ def _v11_dispatch_by_mode(conn: sa.Connection, schema: str | None) -> None:
     """Version 11 (PostgreSQL only): the dispatch index leads with ``execution_mode``.
 
     Dispatch reads each mode's best queued jobs (a read per mode with free slots, see
-    ``adapters._pg_hot``). With the mode as a mere filter, a read for a mode with no
+    ``adapters.sql.postgres_sql``). With the mode as a mere filter, a read for a mode with no
     queued job walked every queued row of the others before coming back empty: 0.5 ms of
     the server's CPU per read at a 5,000-job backlog, two such reads per dispatch pass in
     a pooled drain whose worker also had inline and forked slots free. Led by the mode,

@@ -9,7 +9,7 @@ share the next transaction (:meth:`SqliteHot.write`). Dispatch's reads take a se
 such connection, so they never wait for a commit (and SQLAlchemy's building of the
 read cost the main's event loop about a fifth of its time in a drain).
 
-This module only runs functions on the connection; :mod:`adapters.sql` writes them.
+This module only runs functions on the connection; :mod:`adapters.sql.sqlite` writes them.
 """
 
 from __future__ import annotations

@@ -1,0 +1,595 @@
+"""PostgreSQL: how the SQL store's hot path is carried out (:class:`PostgresDialect`).
+
+Each hot call is one asyncpg statement over arrays, on a pool of its own
+(:mod:`adapters.sql.postgres_sql` holds the text and the pools); the values are encoded
+and the rows decoded with :mod:`adapters.sql.rows`, as on every other path. Also here:
+the enqueue on a driver connection, the election, ``LISTEN`` and the planner's
+statistics after bulk inserts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from adapters.sql.connect import redact
+from adapters.sql.enqueue import DriverEnqueue, EnqueueRule, match_holders, overlapped
+from adapters.sql.errors import StoreErrors
+from adapters.sql.postgres_sql import HotPool, HotSql
+from adapters.sql.rows import (
+    INSERT_VALUES,
+    NULL_ROW,
+    ROWS_JSON,
+    Bodies,
+    Payload,
+    claimed_jobs,
+    encode_changes,
+    from_us,
+    grant,
+    is_offloaded,
+    job_from_row,
+    kept,
+    offload,
+    result_text,
+    whole_jobs,
+)
+from adapters.sql.schema import QUIET_INSERTS_SETTING, _qualified, jobs, notify_channel
+from broker import settlement
+from broker.jobs import (
+    CheckpointSave,
+    Claim,
+    EnqueueResult,
+    ExecutionMode,
+    Job,
+    JobSpec,
+    JobStatus,
+    ProgressUpdate,
+    Settlement,
+)
+from broker.storage import Capabilities, LeaderRecord
+
+logger = logging.getLogger("adapters.sql")
+_ANALYZE_AFTER_INSERTS = 500
+_ANALYZE_INTERVAL = 30.0
+
+
+async def pg_bodies(sql: HotSql, conn: Any, rows: Sequence[Mapping[Any, Any]]) -> Bodies:
+    """The offloaded payloads of ``rows`` (an asyncpg connection), in one query."""
+    wanted = [r["id"] for r in rows if is_offloaded(r)]
+    if not wanted:
+        return {}
+    found = await conn.fetch(sql.payloads_of, wanted)
+    return {(r["job_id"], r["kind"]): (r["body"], r["digest"]) for r in found}
+
+
+async def pg_put(sql: HotSql, conn: Any, moved: Sequence[Payload]) -> None:
+    """Write payload rows on an asyncpg connection, replacing any of the same kind."""
+    if moved:
+        await conn.execute(sql.put_payloads, *(list(column) for column in zip(*moved, strict=True)))
+
+
+_COMPLETED = JobStatus.COMPLETED.value
+
+
+def _completions_only(columns: list[list[Any]], now_us: int) -> bool:
+    """Whether the settle statement's arrays (see ``HotSql.settle``) are completions
+    alone, each moving exactly as ``HotSql.settle_completed`` does: status completed,
+    its result set, nothing else changed but ``updated_us`` (the batch's one time), no
+    attempt or recovery counted, its slot given back."""
+    (_, _, status, set_result, _, set_error, _, run_at, attempts, updated, releases) = columns[:11]
+    recoveries, set_holder = columns[11], columns[12]
+    return (
+        all(v == _COMPLETED for v in status)
+        and all(set_result)
+        and all(releases)
+        and all(v == now_us for v in updated)
+        and all(v is None for v in run_at)
+        and not any(set_error)
+        and not any(attempts)
+        and not any(recoveries)
+        and not any(set_holder)
+    )
+
+
+def _claim_arrays(claims: Sequence[Claim]) -> tuple[list[uuid.UUID], list[uuid.UUID], list[str]]:
+    """Claims as the ``unnest`` arrays of the hot claim statements."""
+    return [c.job_id for c in claims], [c.handoff_id for c in claims], [c.worker_id for c in claims]
+
+
+class PostgresDialect:
+    """How the store's calls run on PostgreSQL: claims, settles, checkpoints, progress
+    and selection as one statement each on the hot pool; the main's enqueues on a pool
+    of their own; the election on a connection of its own (opened by a main's first
+    round only), so a renewal never queues behind claims and settles.
+
+    Errors are left to the caller's door (:meth:`StoreErrors.translate`), but for the
+    settle a claim makes of its own.
+    """
+
+    capabilities = Capabilities(
+        skip_locked=True, listen_notify=True, shared_between_processes=True, leader_election=True
+    )
+    insert = staticmethod(pg_dialect.insert)
+    required_file: str | None = None
+
+    def __init__(
+        self,
+        resolved: URL,
+        driver: Any,
+        *,
+        schema: str | None,
+        pool_size: int,
+        hot_pool_size: int,
+        echo: bool,
+        read_only: bool,
+        single_main: bool,
+        now: Callable[[], int],
+        offload_threshold: int | None,
+        enqueue: EnqueueRule,
+    ) -> None:
+        self.errors = StoreErrors.for_postgres(redact(resolved), driver)
+        self._server_refused: type[BaseException] = driver.PostgresError
+        """A statement the server refused: the session is fine, nothing was written."""
+        self._schema = schema
+        self._now = now
+        self._offload_threshold = offload_threshold
+        self._enqueue = enqueue
+        connect_args: dict[str, Any] = {"server_settings": {"application_name": "broker"}}
+        if read_only:
+            connect_args["server_settings"]["default_transaction_read_only"] = "on"
+        options = {} if schema is None else {"schema_translate_map": {None: schema}}
+        self.engine: AsyncEngine = create_async_engine(
+            resolved,
+            echo=echo,
+            pool_size=pool_size,
+            execution_options=options,
+            connect_args=connect_args,
+        )
+        self.write_engine = self.engine
+        self.read_engine = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        self.write_lock: AbstractAsyncContextManager[Any] = contextlib.nullcontext()
+        _, connect_kwargs = self.engine.dialect.create_connect_args(resolved)
+        self._sql = HotSql(schema)
+        self._hot = HotPool(hot_pool_size, {**connect_kwargs, **connect_args})
+        # A main's own enqueues wake its dispatcher themselves: their sessions skip
+        # the insert notification (QUIET_INSERTS_SETTING), which only came back to it.
+        quiet = {QUIET_INSERTS_SETTING: "on"} if single_main else {}
+        enqueue_args = {
+            **connect_args,
+            "server_settings": {**connect_args["server_settings"], **quiet},
+        }
+        self._enqueue_pool = HotPool(pool_size, {**connect_kwargs, **enqueue_args})
+        """The main's enqueues: a pool of asyncpg's own, as the hot one, queueing neither
+        with dispatch nor with listings and operator calls (checking out a SQLAlchemy
+        connection and unwrapping its driver connection cost as much of the main's CPU
+        as a one-job insert itself)."""
+        self._leader_pool = HotPool(1, {**connect_kwargs, **connect_args})
+        self._unanalyzed_inserts = 0
+        self._last_analyze = -math.inf
+        self._analyzing: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def before_migrate(self, conn: sa.Connection) -> None:
+        """Serialise concurrent setups (several processes starting at once), and create
+        the store's schema if it has one."""
+        conn.execute(sa.select(sa.func.pg_advisory_xact_lock(self._setup_lock_key())))
+        if self._schema is not None:
+            quoted = conn.dialect.identifier_preparer.quote_schema(self._schema)
+            conn.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {quoted}")
+
+    def _setup_lock_key(self) -> int:
+        digest = hashlib.sha256(f"broker.setup:{self._schema or ''}".encode()).digest()
+        return int.from_bytes(digest[:8], "big", signed=True)
+
+    def lock_rows(self, select: sa.Select[Any]) -> sa.Select[Any]:
+        """``select`` locking the rows it reads until the transaction ends."""
+        return select.with_for_update()
+
+    async def close(self) -> None:
+        if self._analyzing is not None:
+            self._analyzing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._analyzing
+        await self._hot.close()
+        await self._enqueue_pool.close()
+        await self._leader_pool.close()
+
+    # ------------------------------------------------------------------ dispatch
+
+    async def select_eligible(
+        self,
+        modes: Collection[ExecutionMode],
+        queues: Collection[str] | None,
+        limit: int,
+        skip: Collection[uuid.UUID],
+    ) -> list[Job]:
+        wanted: list[Any] = [sorted({ExecutionMode(m).value for m in modes})]
+        if queues is not None:
+            wanted.append(sorted(set(queues)))
+        async with self._hot.acquire() as conn:
+            statement = self._sql.eligible if queues is None else self._sql.eligible_in_queues
+            found = await conn.fetch(statement, *wanted, self._now(), limit, list(skip))
+        return [job_from_row(r) for r in found]
+
+    async def next_run_at(
+        self, modes: Collection[ExecutionMode], queues: Collection[str] | None
+    ) -> datetime | None:
+        sql = self._sql
+        wanted = [sorted({ExecutionMode(m).value for m in modes})]
+        async with self._hot.acquire() as conn:
+            if queues is None:
+                earliest = await conn.fetchval(sql.next_run, *wanted)
+            else:
+                earliest = await conn.fetchval(sql.next_run_in_queues, *wanted, sorted(queues))
+        return None if earliest is None else from_us(earliest)
+
+    async def claim(self, claims: list[Claim], epoch: int | None) -> list[Job]:
+        """One statement claims the wanted jobs, concurrency slots included (see
+        ``HotSql.claim``).
+
+        The rare keyed job it cannot decide in one statement (its key has no counter row
+        yet, or the key's candidates disagree on the limit) comes back unclaimed and goes
+        through :meth:`_claim_keyed`, a short transaction on the same connection.
+        """
+        now_us = self._now()
+        sql = self._sql
+        async with self._hot.acquire() as conn:
+            by_id = sorted(range(len(claims)), key=lambda i: claims[i].job_id)
+            rows = await conn.fetch(
+                sql.claim,
+                *_claim_arrays([claims[i] for i in by_id]),
+                now_us,
+                epoch,
+                [i + 1 for i in by_id],
+            )
+            stored = [r for r in rows if r["claimed"]]
+            unclaimed = {r["id"] for r in rows if not r["claimed"]}
+            keyed = [c for c in claims if c.job_id in unclaimed]  # in claim order
+            if keyed:
+                stored.extend(await self._claim_keyed(sql, conn, keyed, now_us, epoch))
+            bodies = await pg_bodies(sql, conn, stored)
+        won, refused = claimed_jobs(claims, stored, functools.partial(job_from_row, bodies=bodies))
+        if refused:
+            # The claim committed; the fenced settle of its leases fails these jobs dead.
+            with self.errors.translate("settle"):
+                await self.settle(refused, now_us, epoch)
+        order = {claim.job_id: i for i, claim in enumerate(claims)}
+        return sorted(won, key=lambda job: order[job.id])
+
+    @staticmethod
+    async def _claim_keyed(
+        sql: HotSql, conn: Any, claims: list[Claim], now_us: int, epoch: int | None
+    ) -> list[Any]:
+        """Claims of keyed jobs, in one transaction: the epoch fence (held to the
+        commit), the rows are locked (skipping any another claimer holds), then their
+        counters in key order, then the granted rows are handed off and their slots
+        taken. Returns the rows as now stored."""
+        async with conn.transaction():
+            if epoch is not None:
+                await conn.execute(sql.fence, epoch)
+            candidates = await conn.fetch(sql.lock_claimable, [c.job_id for c in claims], now_us)
+            keys = sorted({r["concurrency_key"] for r in candidates} - {None})
+            active = {r["key"]: r["active"] for r in await conn.fetch(sql.lock_counters, keys)}
+            granted, taken = grant(
+                [(r["id"], r["concurrency_key"], r["concurrency_limit"]) for r in candidates],
+                [c.job_id for c in claims],
+                active,
+            )
+            if not granted:
+                return []
+            if taken:
+                await conn.execute(sql.take_slots, list(taken), list(taken.values()))
+            chosen = set(granted)
+            handed = [c for c in claims if c.job_id in chosen]
+            return list(await conn.fetch(sql.hand_off, *_claim_arrays(handed), now_us))
+
+    # ------------------------------------------------------------------ fenced reports
+
+    async def settle(
+        self, settlements: Sequence[Settlement], now_us: int, epoch: int | None
+    ) -> list[bool]:
+        """One statement for the whole batch, every shape of move at once, fenced per job
+        and giving back the concurrency slots (see ``HotSql.settle``). Only the first
+        move per job in a batch can be accepted."""
+        first: dict[uuid.UUID, int] = {}
+        for i, s in enumerate(settlements):
+            first.setdefault(s.job_id, i)
+        now = from_us(now_us)
+        columns: list[list[Any]] = [[] for _ in range(14)]
+        moved: list[Payload] = []
+        for i in first.values():
+            s = settlements[i]
+            move = settlement.settle(s, now)
+            changes = encode_changes(move.changes)
+            values, offloaded = offload(s.job_id, changes, self._offload_threshold)
+            moved += offloaded
+            row = [
+                s.job_id,
+                s.handoff_id,
+                values.pop("status"),
+                "result" in values,
+                values.pop("result", None),
+                "last_error" in values,
+                values.pop("last_error", None),
+                values.pop("run_at_us", None),
+                int(move.counts_attempt),
+                values.pop("updated_us"),
+                move.releases_slot,
+                int(move.counts_recovery),
+                "state_holder" in values,
+                values.pop("state_holder", None),
+            ]
+            if values:
+                raise TypeError(f"the settle statement cannot set {sorted(values)}")
+            for column, value in zip(columns, row, strict=True):
+                column.append(value)
+        sql = self._sql
+        async with self._hot.acquire() as conn:
+            if not moved and _completions_only(columns, now_us):
+                ids, leases, results = columns[0], columns[1], columns[4]
+                accepted = {
+                    r["id"]
+                    for r in await conn.fetch(
+                        sql.settle_completed, ids, leases, results, now_us, epoch
+                    )
+                }
+            elif not moved:
+                accepted = {r["id"] for r in await conn.fetch(sql.settle, *columns, epoch)}
+            else:
+                # The payloads of the moves the fence lets through, in their transaction.
+                async with conn.transaction():
+                    accepted = {r["id"] for r in await conn.fetch(sql.settle, *columns, epoch)}
+                    await pg_put(sql, conn, kept(moved, accepted))
+        return [first[s.job_id] == i and s.job_id in accepted for i, s in enumerate(settlements)]
+
+    # ------------------------------------------------------------------ checkpoints, progress
+
+    async def save_checkpoints(self, saves: Sequence[CheckpointSave], now_us: int) -> list[bool]:
+        """One statement for the batch; an ``UPDATE`` takes one source row per job, so
+        only the newest save of each lease goes in, and the older ones share its answer
+        (a newer state of theirs is what is durable)."""
+        newest: dict[tuple[uuid.UUID, uuid.UUID], CheckpointSave] = {}
+        for save in saves:
+            key = (save.job_id, save.handoff_id)
+            if key not in newest or newest[key].seq < save.seq:
+                newest[key] = save
+        chosen = list(newest.values())
+        states: list[str | None] = []
+        moved: dict[tuple[uuid.UUID, uuid.UUID], list[Payload]] = {}
+        for key, c in newest.items():
+            values, moved[key] = offload(
+                c.job_id, {"checkpoint": result_text(c.state)}, self._offload_threshold
+            )
+            states.append(values["checkpoint"])
+        arrays = (
+            [c.job_id for c in chosen],
+            [c.handoff_id for c in chosen],
+            [c.seq for c in chosen],
+        )
+        sql = self._sql
+        async with self._hot.acquire() as conn:
+            if not any(moved.values()):
+                rows = await conn.fetch(sql.save_checkpoints, *arrays, states, now_us)
+            else:
+                # The payloads of the saves the fence lets through, in their transaction:
+                # by lease, since a batch may hold a stale lease's save of the same job.
+                async with conn.transaction():
+                    rows = await conn.fetch(sql.save_checkpoints, *arrays, states, now_us)
+                    payloads = [p for r in rows for p in moved[(r["id"], r["handoff_id"])]]
+                    await pg_put(sql, conn, payloads)
+        taken = {(r["id"], r["handoff_id"]) for r in rows}
+        return [(s.job_id, s.handoff_id) in taken for s in saves]
+
+    async def save_progress(self, updates: Sequence[ProgressUpdate]) -> list[bool]:
+        # The last update of each lease counts (one source row per job and lease).
+        chosen = list({(u.job_id, u.handoff_id): u for u in updates}.values())
+        async with self._hot.acquire() as conn:
+            rows = await conn.fetch(
+                self._sql.save_progress,
+                [u.job_id for u in chosen],
+                [u.handoff_id for u in chosen],
+                [u.fraction for u in chosen],
+                [u.message for u in chosen],
+            )
+        taken = {(r["id"], r["handoff_id"]) for r in rows}
+        return [(u.job_id, u.handoff_id) in taken for u in updates]
+
+    # ------------------------------------------------------------------ enqueue
+
+    async def enqueue(
+        self, specs: Sequence[JobSpec], claims: Sequence[Claim | None], epoch: int | None
+    ) -> list[EnqueueResult]:
+        """The main's enqueue, on a connection of its enqueue pool."""
+        async with self._enqueue_pool.acquire() as conn:
+            return await self.enqueue_on_driver(conn, specs, claims, epoch)
+
+    def driver_enqueue(self) -> DriverEnqueue:
+        """The enqueue on an application's own asyncpg connection."""
+        return self.enqueue_on_driver
+
+    async def enqueue_on_driver(
+        self,
+        conn: Any,
+        specs: Sequence[JobSpec],
+        claims: Sequence[Claim | None],
+        epoch: int | None,
+    ) -> list[EnqueueResult]:
+        """One ``INSERT ... SELECT FROM json_to_recordset(...)`` for the whole batch, on
+        an asyncpg connection.
+
+        A single job needs no transaction (its one statement commits on its own, so an
+        enqueue is one round trip), nor does a batch of new jobs that all insert
+        (:meth:`_enqueue_every`); any other batch takes one, so it is stored all or
+        nothing, and so does a job with offloaded payloads (its row and its payloads
+        together). Inside a transaction already open on ``conn``, each is a savepoint.
+        """
+        sql = self._sql
+
+        async def insert(rows: list[dict[str, Any]], moved: list[Payload]) -> set[uuid.UUID]:
+            # Jobs written handed off are fenced as a claim is.
+            fenced = [epoch] if any(claims) else []
+            if len(rows) == 1:
+                stmt = sql.insert_one_fenced if fenced else sql.insert_one
+                values = INSERT_VALUES({**NULL_ROW, **rows[0]})
+            else:
+                stmt = sql.insert_fenced if fenced else sql.insert
+                values = [ROWS_JSON.encode(rows).decode()]
+            if not moved:
+                return {r["id"] for r in await conn.fetch(stmt, *values, *fenced)}
+            async with conn.transaction():  # a savepoint inside a batch's transaction
+                stored = {r["id"] for r in await conn.fetch(stmt, *values, *fenced)}
+                await pg_put(sql, conn, kept(moved, stored))
+            return stored
+
+        async def find(missing: Sequence[JobSpec]) -> list[Job | None]:
+            found = await conn.fetch(
+                sql.holders,
+                [s.id for s in missing],
+                [s.idempotency_key for s in missing if s.idempotency_key is not None],
+                [s.unique_key for s in missing if s.unique_key is not None],
+            )
+            bodies = await pg_bodies(sql, conn, found)
+            return match_holders(missing, whole_jobs(found, bodies))
+
+        if len(specs) == 1:
+            return await self._enqueue.run(insert, find, specs, claims)
+        if not any(claims) and not conn.is_in_transaction():
+            every = await self._enqueue_every(conn, specs)
+            if every is not None:
+                return every
+        async with conn.transaction():
+            return await self._enqueue.run(insert, find, specs, claims, overlapped)
+
+    async def _enqueue_every(
+        self, conn: Any, specs: Sequence[JobSpec]
+    ) -> list[EnqueueResult] | None:
+        """A batch of new jobs in one plain ``INSERT``, committed on its own, when nothing
+        stands in the way; ``None`` when something does (a key or id taken, in the store
+        or twice in the batch, a payload to offload, any refusal), and then nothing of
+        the batch was stored and it goes the careful way (:meth:`EnqueueRule.run`, in a
+        transaction).
+
+        In a bulk enqueue nothing usually does, and the careful way cost each group
+        commit a ``BEGIN`` and a ``COMMIT`` round trip, each waiting its turn on the
+        main's loop behind the checks of the next request: a trace of 3,500 jobs
+        showed the database idle half the time. A statement that fails changes
+        nothing, and outside a transaction (checked) aborts nothing else.
+        """
+        now = from_us(self._now())
+        job_fields = [settlement.enqueued_fields(spec, now) for spec in specs]
+        rows = []
+        for spec, each in zip(specs, job_fields, strict=True):
+            row, moved = self._enqueue.row_to_write(spec.id, each)
+            if moved:
+                return None
+            rows.append(row)
+        try:
+            await conn.execute(self._sql.insert_every, ROWS_JSON.encode(rows).decode())
+        except self._server_refused:
+            return None
+        return [EnqueueResult.inserted(each) for each in job_fields]
+
+    def note_inserts(self, count: int) -> None:
+        """Keep the planner's statistics fresh after bulk inserts.
+
+        Until autovacuum first analyzes the table (up to a minute, longer under load) the
+        planner believes the queue is empty and scans and sorts every queued row on each
+        dispatch instead of reading the dispatch index in order: milliseconds per pass at a
+        few thousand jobs. A background ``ANALYZE`` after large batches, at most every 30 s,
+        keeps dispatch on the index.
+        """
+        self._unanalyzed_inserts += count
+        now = time.monotonic()
+        if (
+            self._unanalyzed_inserts < _ANALYZE_AFTER_INSERTS
+            or now - self._last_analyze < _ANALYZE_INTERVAL
+            or (self._analyzing is not None and not self._analyzing.done())
+        ):
+            return
+        self._unanalyzed_inserts = 0
+        self._last_analyze = now
+        self._analyzing = asyncio.create_task(self._analyze(), name="broker-store-analyze")
+
+    async def _analyze(self) -> None:
+        def analyze(conn: sa.Connection) -> None:
+            conn.exec_driver_sql(f"ANALYZE {_qualified(conn, self._schema, jobs.name)}")
+
+        try:
+            async with self.read_engine.connect() as conn:
+                await conn.run_sync(analyze)
+        except self.errors.caught as exc:
+            logger.warning("could not refresh planner statistics: %r", exc)
+
+    # ------------------------------------------------------------------ leadership
+
+    async def elect(self, holder: str, address: str, ttl: float) -> LeaderRecord | None:
+        async with self._leader_pool.acquire() as conn:
+            row = await conn.fetchrow(self._sql.elect, holder, address, ttl)
+        if row is None:
+            return None
+        return LeaderRecord(row["epoch"], row["holder"], row["address"], row["live"])
+
+    async def renew(self, holder: str, epoch: int, ttl: float) -> bool:
+        async with self._leader_pool.acquire() as conn:
+            return await conn.fetchval(self._sql.renew, holder, epoch, ttl) is not None
+
+    async def resign(self, holder: str, epoch: int) -> None:
+        async with self._leader_pool.acquire() as conn:
+            await conn.execute(self._sql.resign, holder, epoch)
+
+    # ------------------------------------------------------------------ notifications
+
+    @asynccontextmanager
+    async def listen(self, on_wake: Callable[[], None], where: object) -> AsyncIterator[None]:
+        """``on_wake()`` whenever any process inserts a job, while open; a lost connection
+        calls it once more and logs a warning naming ``where`` (the adapter)."""
+
+        def wake(*_args: object) -> None:
+            try:
+                on_wake()
+            except Exception:
+                logger.exception("listen(): on_wake callback failed")
+
+        def lost(*_args: object) -> None:
+            logger.warning("listen(): the notification connection to %s was lost", where)
+            wake()
+
+        caught = self.errors.caught
+        with self.errors.translate("listen"):
+            conn = await self.engine.connect()
+        try:
+            with self.errors.translate("listen"):
+                schema = self._schema
+                if schema is None:
+                    schema = str((await conn.execute(sa.text("SELECT current_schema()"))).scalar())
+                    await conn.commit()  # LISTEN must not sit in an open transaction
+                channel = notify_channel(schema)
+                raw = await conn.get_raw_connection()
+                driver_conn: Any = raw.driver_connection
+                await driver_conn.add_listener(channel, wake)
+                driver_conn.add_termination_listener(lost)
+            try:
+                yield
+            finally:
+                driver_conn.remove_termination_listener(lost)
+                with contextlib.suppress(*caught):
+                    await driver_conn.remove_listener(channel, wake)
+        finally:
+            with contextlib.suppress(*caught):
+                await conn.close()

@@ -1,0 +1,414 @@
+"""The store's calls that SQLAlchemy Core carries out alike on either engine: operator
+actions (cancel, retry), inspection (a job, listings, counts, the task catalog) and
+pruning, over the adapter's read and write transactions. None is on the hot path; each
+runs on the general pool, its errors translated at the store's door.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from contextlib import asynccontextmanager
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from adapters.sql.dialect import Dialect
+from adapters.sql.errors import StoreErrors
+from adapters.sql.rows import (
+    SUMMARY_COLUMNS,
+    Bodies,
+    bodies_missing,
+    decode_cursor,
+    encode_changes,
+    encode_cursor,
+    from_us,
+    in_chunks,
+    job_from_row,
+    sa_bodies,
+    to_us,
+)
+from adapters.sql.schema import (
+    IS_ACTIVE,
+    IS_HANDED_OFF,
+    IS_TERMINAL,
+    concurrency,
+    jobs,
+    payloads,
+    task_catalog,
+)
+from broker import settlement
+from broker.exceptions import StorageError, UniqueKeyTakenError
+from broker.jobs import TERMINAL_STATUSES, Clock, Job, JobStatus, JSONValue
+from broker.storage import JobFilter, JobPage, QueueCount, TaskRecord
+
+_QUEUED = JobStatus.QUEUED.value
+_READ_ROUNDS = 5
+"""Reads of rows and their payloads before a payload that keeps vanishing between the
+two is an error (see :meth:`CoreQueries._read_with_bodies`)."""
+
+
+class CoreQueries:
+    """The SQLAlchemy Core half of :class:`~adapters.sql.adapter.SQLAlchemyAdapter`,
+    which sets the store up and adds the hot path."""
+
+    _dialect: Dialect
+    _errors: StoreErrors
+    _clock: Clock
+    _url_text: str
+
+    async def count_payloads(self) -> int:
+        stmt = sa.select(sa.func.count()).select_from(payloads)
+        async with self._read("count_payloads") as conn:
+            return int((await conn.execute(stmt)).scalar_one())
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _now(self) -> int:
+        return to_us(self._clock())
+
+    @asynccontextmanager
+    async def _write(self, op: str) -> AsyncIterator[AsyncConnection]:
+        """One write transaction; driver errors come out as :class:`StorageError`."""
+        with self._errors.translate(op):
+            async with self._dialect.write_lock, self._dialect.write_engine.begin() as conn:
+                yield conn
+
+    @asynccontextmanager
+    async def _read(self, op: str) -> AsyncIterator[AsyncConnection]:
+        with self._errors.translate(op):
+            async with self._dialect.read_engine.connect() as conn:
+                yield conn
+
+    async def _read_with_bodies(
+        self, op: str, stmt: sa.Select[Any], first: int | None = None
+    ) -> tuple[Sequence[Mapping[Any, Any]], Bodies]:
+        """The rows ``stmt`` selects, and the offloaded payloads of the ``first`` of them
+        (``None``: of all).
+
+        Two statements, each seeing the store as it is when it runs: a job whose
+        checkpoint was replaced by a small one, between them, has a mark in the row read
+        and no payload left (it went with the old value), and ``broker job`` polled
+        while a recovered job saved its checkpoints failed with "its offloaded
+        checkpoint is missing". Both are read again then: the row read anew names what
+        is stored now."""
+        for _ in range(_READ_ROUNDS):
+            async with self._read(op) as conn:
+                rows = (await conn.execute(stmt)).mappings().all()
+                wanted = rows if first is None else rows[:first]
+                bodies = await sa_bodies(conn, wanted)
+            if not bodies_missing(wanted, bodies):
+                return rows, bodies
+        raise StorageError(
+            f"{op} failed on {self._url_text}: the payloads of the jobs read kept changing "
+            "between the read of their rows and of their payloads"
+        )
+
+    async def _release(self, conn: AsyncConnection, key: str, slots: int) -> None:
+        await conn.execute(
+            sa.update(concurrency)
+            .where(concurrency.c.key == key)
+            .values(
+                active=sa.case(
+                    (concurrency.c.active > slots, concurrency.c.active - slots), else_=0
+                )
+            )
+        )
+
+    # ------------------------------------------------------------------ operator actions
+
+    async def handoffs_for_worker(self, worker_id: str) -> list[Job]:
+        stmt = (
+            sa.select(jobs)
+            .where(jobs.c.worker_id == worker_id, IS_HANDED_OFF)
+            .order_by(jobs.c.handed_off_us, jobs.c.id)
+        )
+        rows, bodies = await self._read_with_bodies("handoffs_for_worker", stmt)
+        return [job_from_row(r, bodies) for r in rows]
+
+    async def cancel(self, job_id: uuid.UUID) -> Job | None:
+        select = sa.select(jobs).where(jobs.c.id == job_id)
+        select = self._dialect.lock_rows(select)
+        async with self._write("cancel") as conn:
+            row = (await conn.execute(select)).mappings().first()
+            if row is None:
+                return None
+            bodies = await sa_bodies(conn, [row])
+            move = settlement.cancel(row["status"], from_us(self._now()))
+            if move is None:
+                return job_from_row(row, bodies)
+            update = (
+                sa.update(jobs)
+                .where(jobs.c.id == job_id, jobs.c.status == row["status"])
+                .values(**encode_changes(move.changes))
+                .returning(*jobs.c)
+            )
+            cancelled = (await conn.execute(update)).mappings().one()
+            if move.releases_slot and row["concurrency_key"] is not None:
+                await self._release(conn, row["concurrency_key"], 1)
+        return job_from_row(cancelled, bodies)
+
+    async def retry_dead(self, job_id: uuid.UUID) -> Job | None:
+        now_us = self._now()
+        update = (
+            sa.update(jobs)
+            .where(jobs.c.id == job_id, jobs.c.status == JobStatus.FAILED.value)
+            .values(**encode_changes(settlement.revive(from_us(now_us)).changes))
+            .returning(*jobs.c)
+        )
+        try:
+            async with self._write("retry_dead") as conn:
+                dead = (
+                    await conn.execute(
+                        sa.select(jobs.c.unique_key).where(
+                            jobs.c.id == job_id, jobs.c.status == JobStatus.FAILED.value
+                        )
+                    )
+                ).first()
+                if dead is not None and dead.unique_key is not None:
+                    await self._refuse_if_unique_key_held(conn, job_id, dead.unique_key)
+                row = (await conn.execute(update)).mappings().first()
+                if row is None:
+                    select = sa.select(jobs).where(jobs.c.id == job_id)
+                    row = (await conn.execute(select)).mappings().first()
+                bodies = await sa_bodies(conn, [] if row is None else [row])
+        except StorageError as exc:
+            # A job holding the key was enqueued (by another process) after the check.
+            if isinstance(exc.__cause__, sa_exc.IntegrityError):
+                raise UniqueKeyTakenError(
+                    f"job {job_id} cannot be retried: another job took its unique key while "
+                    "it is queued or running"
+                ) from exc
+            raise
+        return None if row is None else job_from_row(row, bodies)
+
+    async def _refuse_if_unique_key_held(
+        self, conn: AsyncConnection, job_id: uuid.UUID, key: str
+    ) -> None:
+        holder = (
+            await conn.execute(
+                sa.select(jobs.c.id).where(jobs.c.unique_key == key, IS_ACTIVE).limit(1)
+            )
+        ).scalar()
+        if holder is not None:
+            raise UniqueKeyTakenError(
+                f"job {job_id} cannot be retried: job {holder} holds its unique key {key!r} "
+                "while it is queued or running; retry once that job has finished",
+                holder_id=holder,
+            )
+
+    # ------------------------------------------------------------------ inspection
+
+    async def get_job(self, job_id: uuid.UUID) -> Job | None:
+        stmt = sa.select(jobs).where(jobs.c.id == job_id)
+        rows, bodies = await self._read_with_bodies("get_job", stmt)
+        return job_from_row(rows[0], bodies) if rows else None
+
+    async def declare_tasks(
+        self,
+        worker_id: str,
+        declarations: Mapping[str, Mapping[str, JSONValue]],
+        seen_at: datetime,
+    ) -> None:
+        seen_us = to_us(seen_at)
+        rows = [
+            {
+                "task": name,
+                "worker_id": worker_id,
+                "declaration": json.dumps(dict(declaration), sort_keys=True),
+                "seen_us": seen_us,
+            }
+            for name, declaration in sorted(declarations.items())
+        ]
+        # The worker's rows go, then its declaration goes in whole: one transaction, and
+        # at most MAX_DECLARED_TASKS rows (the main's bound), so no list of names to
+        # keep is needed in the statement.
+        delete = sa.delete(task_catalog).where(task_catalog.c.worker_id == worker_id)
+        async with self._write("declare_tasks") as conn:
+            await conn.execute(delete)
+            if rows:
+                await conn.execute(sa.insert(task_catalog), rows)
+
+    async def task_catalog(
+        self, *, tasks: Collection[str] | None = None, limit: int | None = None
+    ) -> list[TaskRecord]:
+        select = sa.select(task_catalog)
+        if limit is not None:
+            select = select.order_by(task_catalog.c.seen_us.desc()).limit(limit)
+        selects = (
+            [select]
+            if tasks is None
+            else [select.where(task_catalog.c.task.in_(c)) for c in in_chunks(sorted(tasks))]
+        )
+        async with self._read("task_catalog") as conn:
+            rows = [row for s in selects for row in (await conn.execute(s)).mappings().all()]
+        records = [
+            TaskRecord(
+                task=row["task"],
+                worker_id=row["worker_id"],
+                declaration=json.loads(row["declaration"]),
+                seen_at=from_us(row["seen_us"]),
+            )
+            for row in rows
+        ]
+        if limit is not None:  # a limit per slice of names: the most recent of them all
+            records = sorted(records, key=lambda r: r.seen_at, reverse=True)[:limit]
+        return sorted(records, key=lambda r: (r.task, r.worker_id))
+
+    async def forget_tasks(
+        self, live_workers: Collection[str], seen_at: datetime, gone_before: datetime
+    ) -> int:
+        async with self._write("forget_tasks") as conn:
+            for chunk in in_chunks(sorted(live_workers)):
+                await conn.execute(
+                    sa.update(task_catalog)
+                    .where(task_catalog.c.worker_id.in_(chunk))
+                    .values(seen_us=to_us(seen_at))
+                )
+            deleted = await conn.execute(
+                sa.delete(task_catalog).where(task_catalog.c.seen_us < to_us(gone_before))
+            )
+        return int(deleted.rowcount or 0)
+
+    async def list_jobs(
+        self,
+        job_filter: JobFilter | None = None,
+        *,
+        limit: int = 50,
+        cursor: str | None = None,
+        include_payload: bool = True,
+    ) -> JobPage:
+        if limit <= 0:
+            return JobPage(jobs=[], next_cursor=None)
+        conds: list[sa.ColumnElement[bool]] = []
+        if job_filter is not None:
+            if job_filter.statuses is not None:
+                conds.append(
+                    jobs.c.status.in_(sorted({JobStatus(s).value for s in job_filter.statuses}))
+                )
+            if job_filter.queues is not None:
+                conds.append(jobs.c.queue.in_(sorted(set(job_filter.queues))))
+            if job_filter.tasks is not None:
+                conds.append(jobs.c.task.in_(sorted(set(job_filter.tasks))))
+        if cursor is not None:
+            created_us, last_id = decode_cursor(cursor)
+            conds.append(sa.tuple_(jobs.c.created_us, jobs.c.id) < (created_us, last_id))
+        stmt = (
+            sa.select(*(jobs.c if include_payload else SUMMARY_COLUMNS))
+            .where(*conds)
+            .order_by(jobs.c.created_us.desc(), jobs.c.id.desc())
+            .limit(limit + 1)
+        )
+        rows, bodies = await self._read_with_bodies("list_jobs", stmt, first=limit)
+        page = [job_from_row(r, bodies) for r in rows[:limit]]
+        next_cursor = None
+        if len(rows) > limit:
+            last = rows[limit - 1]
+            next_cursor = encode_cursor(last["created_us"], last["id"])
+        return JobPage(jobs=page, next_cursor=next_cursor)
+
+    def cursor_after(self, job: Job) -> str:
+        return encode_cursor(to_us(job.created_at), job.id)
+
+    async def count_jobs(self) -> list[QueueCount]:
+        stmt = (
+            sa.select(jobs.c.queue, jobs.c.status, sa.func.count(), sa.func.min(jobs.c.run_at_us))
+            .group_by(jobs.c.queue, jobs.c.status)
+            .order_by(jobs.c.queue, jobs.c.status)
+        )
+        async with self._read("count_jobs") as conn:
+            rows = (await conn.execute(stmt)).all()
+        return [
+            QueueCount(
+                queue=queue,
+                status=JobStatus(status),
+                count=int(count),
+                oldest_run_at=from_us(oldest) if status == _QUEUED and oldest is not None else None,
+            )
+            for queue, status, count, oldest in rows
+        ]
+
+    # ------------------------------------------------------------------ pruning
+
+    async def prune(
+        self,
+        *,
+        older_than: datetime | None = None,
+        keep_latest: int | None = None,
+        statuses: Collection[JobStatus] | None = None,
+        batch_size: int = 1000,
+    ) -> int:
+        """Delete terminal jobs in batches, each its own short transaction.
+
+        ``keep_latest`` counts among the statuses being pruned (by ``updated_at``, then
+        id); with ``older_than`` too, a job goes only if both allow it. With neither,
+        every terminal job of those statuses goes. Idle concurrency counters (no job
+        handed off under the key) are deleted as well.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1 (got {batch_size})")
+        if keep_latest is not None and keep_latest < 0:
+            raise ValueError(f"keep_latest must not be negative (got {keep_latest})")
+        targets = (
+            TERMINAL_STATUSES
+            if statuses is None
+            else TERMINAL_STATUSES & {JobStatus(s) for s in statuses}
+        )
+        if not targets:
+            return 0
+        # IS_TERMINAL is the partial index's own predicate; the second test narrows it.
+        status_in: sa.ColumnElement[bool] = IS_TERMINAL
+        if targets != TERMINAL_STATUSES:
+            status_in = sa.and_(IS_TERMINAL, jobs.c.status.in_(sorted(s.value for s in targets)))
+        conds: list[sa.ColumnElement[bool]] = [status_in]
+        if older_than is not None:
+            conds.append(jobs.c.updated_us < to_us(older_than))
+        if keep_latest:
+            boundary = await self._keep_boundary(status_in, keep_latest)
+            if boundary is None:
+                return 0  # no more than keep_latest candidates: nothing to delete
+            conds.append(
+                sa.tuple_(jobs.c.updated_us, jobs.c.id)
+                < sa.tuple_(
+                    sa.literal(boundary[0], sa.BigInteger()), sa.literal(boundary[1], sa.Uuid())
+                )
+            )
+        batch = sa.select(jobs.c.id).where(*conds).limit(batch_size)
+        deleted = 0
+        while True:
+            # The ids first, then a delete by primary key: one ``DELETE ... IN (subquery)``
+            # leaves the join to the planner, and with statistics taken while the jobs were
+            # still queued PostgreSQL chose a plan that took seconds per batch.
+            async with self._write("prune") as conn:
+                ids = list((await conn.execute(batch)).scalars())
+                count = 0
+                if ids:
+                    # Re-check the status on the row itself: a job may have been revived.
+                    delete = sa.delete(jobs).where(jobs.c.id.in_(ids), status_in)
+                    count = (await conn.execute(delete)).rowcount
+            deleted += count
+            if len(ids) < batch_size:
+                break
+        async with self._write("prune") as conn:
+            # Idle counters of keys no job holds; a claim re-creates them on demand.
+            await conn.execute(sa.delete(concurrency).where(concurrency.c.active <= 0))
+        return deleted
+
+    async def _keep_boundary(
+        self, status_in: sa.ColumnElement[bool], keep_latest: int
+    ) -> tuple[int, uuid.UUID] | None:
+        """The ``(updated_us, id)`` of the oldest terminal job that ``keep_latest`` keeps."""
+        stmt = (
+            sa.select(jobs.c.updated_us, jobs.c.id)
+            .where(status_in)
+            .order_by(jobs.c.updated_us.desc(), jobs.c.id.desc())
+            .offset(keep_latest - 1)
+            .limit(1)
+        )
+        async with self._read("prune") as conn:
+            row = (await conn.execute(stmt)).first()
+        return None if row is None else (int(row.updated_us), row.id)
