@@ -10,8 +10,9 @@ with :meth:`WorkerState.outgoing` and :meth:`WorkerState.take_ready` when the se
 runs, so a burst of events still goes out as one batch with one ``ready`` computed
 at the last moment (the shape of h11's ``data_to_send``).
 
-``broker.worker.worker.Worker`` owns the socket, the reconnect loop, the runners, the timers
-and the tasks; it feeds events in here and carries the effects out. Everything here
+``broker.worker.worker.Worker`` owns the runners, the timers and the tasks, and
+``broker.worker.link.Link`` the socket and the reconnect loop (its policy is
+:mod:`broker.core.reconnect`); they feed events in here and carry the effects out. Everything here
 can therefore be tested by calling methods, without a socket or an event loop.
 
 The runners are the source of truth for free slots: events that need them

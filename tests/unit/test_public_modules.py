@@ -96,10 +96,6 @@ NOT_PATHS = frozenset(
 )
 """Dotted names in the docs that start with ``broker.`` but are not import paths."""
 
-REDRAWN = {"architecture.md"}
-"""Pages being redrawn for the packages (issue 31): their paths are checked once they
-land (drop the page from this set then)."""
-
 
 def _pages() -> list[Path]:
     return sorted(
@@ -166,18 +162,18 @@ def test_every_import_the_docs_show_is_documented() -> None:
 
 
 @pytest.mark.parametrize(
-    "page",
-    [
-        pytest.param(
-            page,
-            id=str(page.relative_to(REPO)),
-            marks=[pytest.mark.xfail(reason="redrawn for the packages")]
-            if page.name in REDRAWN
-            else [],
-        )
-        for page in _pages()
-    ],
+    "page", [pytest.param(page, id=str(page.relative_to(REPO))) for page in _pages()]
 )
 def test_every_dotted_broker_path_a_page_names_resolves(page: Path) -> None:
     names = set(re.findall(r"\bbroker(?:\.[A-Za-z_]\w*)+", page.read_text())) - NOT_PATHS
     assert not {name for name in names if not _resolves(name)}
+
+
+@pytest.mark.parametrize(
+    "page", [pytest.param(page, id=str(page.relative_to(REPO))) for page in _pages()]
+)
+def test_every_source_file_a_page_names_exists(page: Path) -> None:
+    """The pages send readers to files (`broker/core/handoff.py`, `adapters/sql/rows.py`):
+    after a move they must point at where the code is now."""
+    named = set(re.findall(r"\b(?:broker|adapters|runners|tests)/[\w/]+\.py\b", page.read_text()))
+    assert not {path for path in named if not (REPO / path).exists()}
