@@ -7,6 +7,6 @@ the settler, the election, client requests) and the main's settings.
 from __future__ import annotations
 
 from broker.main.main import Main as Main
-from broker.main.main import new_token as new_token
+from broker.wire.credentials import new_token as new_token
 
 __all__ = ["Main", "new_token"]

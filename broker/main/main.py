@@ -31,29 +31,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import socket
 import uuid
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from broker.core import jobfields as codec
 from broker.core.election import Election, Phase, Timing, not_leader
 from broker.core.handoff import (
-    Abort,
-    ClaimJobs,
-    Dispatch,
     Handoff,
     HandoffEffect,
-    ReturnLease,
-    Send,
-    Settle,
-    StoreCheckpoint,
-    StoreProgress,
-    WakeDispatcher,
 )
 from broker.exceptions import transient
 from broker.jobs import Clock, Job, utcnow
+from broker.main.carrier import carry
 from broker.main.catalog import Declarations
 from broker.main.connections import Connections
 from broker.main.election import Leadership
@@ -65,7 +55,7 @@ from broker.main.operations import LiveState, Operations
 from broker.main.requests import Requests
 from broker.main.retention import Retention
 from broker.main.routing import Router
-from broker.main.sessions import Gathered, Session
+from broker.main.sessions import Session
 from broker.main.settings import MainSettings
 from broker.model.logs import log_event
 from broker.retry import RetryDelay, retry_delay
@@ -360,51 +350,8 @@ class Main:
         self.leader.dispatcher.wake()
 
     def _carry(self, effects: Sequence[HandoffEffect]) -> None:
-        """Carry out the handoff's effects, in order (the dispatcher makes the claims).
-
-        The jobs, and the acknowledgements, that one call sends a peer go out together as
-        batch lines (see :class:`broker.main.sessions.Gathered`).
-        """
-        out = Gathered(self.sessions)
-        for effect in effects:
-            # The three effects every job makes come first: each case is a type test.
-            match effect:
-                case Dispatch(peer=peer, seq=seq, job=job, state_lost=state_lost):
-                    out.add(peer, protocol.Jobs, codec.job_message(seq, job, state_lost=state_lost))
-                    self.metrics.handed_off(job)
-                case Settle(peer=peer, report=report):
-                    self.leader.settler.add(peer, report)
-                case Send(peer=peer, message=protocol.ReportAck() as ack):
-                    out.add(peer, protocol.ReportAcks, ack)
-                case Send(peer=peer, message=protocol.CheckpointAck() as ack):
-                    self.metrics.checkpoint_answered(ack.status.value)
-                    out.send(peer, ack)
-                case Send(peer=peer, message=message):
-                    out.send(peer, message)
-                case ReturnLease():
-                    self.leader.ledger.kick()
-                case Abort(peer=peer, reason=reason):
-                    out.drop(peer)
-                    if (session := self.sessions.get(peer)) is not None:
-                        log_event(
-                            logger,
-                            logging.WARNING,
-                            "peer unresponsive, treating as disconnected",
-                            session=peer,
-                            worker_id=session.worker_id,
-                            reason=reason,
-                        )
-                        session.abort()
-                case WakeDispatcher():
-                    self.leader.dispatcher.nudge()
-                case ClaimJobs():
-                    pass  # a store call to await: the dispatcher makes it
-                case StoreCheckpoint(peer=peer, message=message):
-                    self.leader.checkpoints.add(peer, message)
-                case StoreProgress(update=update):
-                    self.metrics.progress_received()
-                    self.leader.progress.add(update)
-        out.send_all()
+        """Carry out the handoff's effects, in order (:func:`broker.main.carrier.carry`)."""
+        carry(effects, self.sessions, self.leader, self.metrics)
 
     async def _load_orphans(self) -> None:
         await load_orphans(self.store, self.handoff)
@@ -484,8 +431,3 @@ class Main:
             ],
         )
         return await self.operations.status(live)
-
-
-def new_token() -> str:
-    """A fresh random token, for operators setting up ``BROKER_TOKEN``."""
-    return secrets.token_urlsafe(32)

@@ -400,7 +400,7 @@ class MainSettings:
             f"refusing to listen on {self.host!r} with a {' and '.join(map(str, short))} "
             f"secret of fewer than {MIN_TOKEN_CHARACTERS} characters: anyone who reaches the "
             "port could guess it; make one with "
-            "python -c 'from broker.main.main import new_token; print(new_token())'",
+            "python -c 'from broker.main import new_token; print(new_token())'",
         )
         if self.http_port is not None:
             checks.require(

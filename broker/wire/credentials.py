@@ -17,6 +17,7 @@ Pure: no I/O. The CLI reads the token file and passes its text to :func:`parse_t
 
 from __future__ import annotations
 
+import secrets
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -172,3 +173,9 @@ def parse_token_file(text: str, where: str) -> dict[str, str]:
     if not found:
         raise ConfigurationError(f"{where} holds no secret (expected role=secret lines)")
     return found
+
+
+def new_token() -> str:
+    """A fresh random token, for operators setting up ``BROKER_TOKEN`` (documented as
+    ``broker.main.new_token``)."""
+    return secrets.token_urlsafe(32)
