@@ -30,7 +30,7 @@ the drained proofs (:mod:`broker.core.drained`), which worker takes a job
 (:mod:`broker.core.placement`) and the leases waiting for their worker's hello
 (:mod:`broker.core.waiting`). This module keeps the events and the lease bookkeeping.
 
-Decisions are logged under ``broker.main.main``, where operators look for them.
+Decisions are logged under ``broker.main``, where operators look for them.
 """
 
 from __future__ import annotations
