@@ -24,7 +24,16 @@ import pytest
 from adapters.sql import SQLAlchemyAdapter
 from broker.client.client import Client
 from broker.exceptions import BrokerError, InvalidJobError, ProtocolError
-from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus, Outcome, Settlement
+from broker.jobs import (
+    Claim,
+    ExecutionMode,
+    Job,
+    JobSpec,
+    JobStatus,
+    Outcome,
+    Settlement,
+    utcnow,
+)
 from broker.main.main import Main
 from broker.model.bounds import MAX_DELAY_SECONDS, MAX_NAME_BYTES
 from broker.model.values import EARLIEST_RUN_AT, LATEST_RUN_AT, storable_text
@@ -39,7 +48,7 @@ from runners.inline import InlineRunner
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
 from tests.fake_main import FakeMain, job, make_worker, running
 from tests.integration.test_main import _start
-from tests.support import FakeWorker, until
+from tests.support import FAST, FakeWorker, until
 
 APPLIED = protocol.AckStatus.APPLIED
 
@@ -159,9 +168,16 @@ async def test_a_settlement_that_cannot_be_computed_fails_only_its_job(
 ) -> None:
     """A real poison past the decoder: the main's clock so late that ``now + delay`` is out
     of ``datetime``'s range (the ``Reschedule(1e12)`` failure, reproduced within limits)."""
-    async with _main(sqlite) as main:
+    late = asyncio.Event()
+
+    def clock() -> datetime:
+        return datetime(9999, 12, 30, tzinfo=UTC) if late.is_set() else utcnow()
+
+    main = Main(sqlite, FAST, clock=clock, retry_delay_fn=lambda n: timedelta(0))
+    await main.start()
+    try:
         worker, jobs = await _worker_with_jobs(main, sqlite, 3)
-        main._clock = main.leader.settler._clock = lambda: datetime(9999, 12, 30, tzinfo=UTC)
+        late.set()
         await worker.send_raw(
             _completed(jobs[0], "ok"),
             {
@@ -181,6 +197,8 @@ async def test_a_settlement_that_cannot_be_computed_fails_only_its_job(
         for job in (jobs[0], jobs[2]):
             assert (await _job(sqlite, job.job_id)).result == "ok"
         await worker.close()
+    finally:
+        await main.stop()
 
 
 async def test_an_error_text_with_nul_and_a_lone_surrogate_is_stored_escaped(
