@@ -78,7 +78,8 @@ class Scheduler:
         self._on_enqueued = on_enqueued
         self._retry = timedelta(seconds=error_retry_interval)
         self._max_sleep = max_sleep
-        self._window = catch_up_window
+        self.catch_up_window = catch_up_window
+        """How far back a missed tick is still enqueued (``None``: any tick)."""
         self._due: dict[str, datetime] = {}
         """Per schedule, the earliest tick not yet enqueued."""
         self._retry_at: datetime | None = None
@@ -94,7 +95,7 @@ class Scheduler:
             self._due[schedule.name] = schedule.next_after(now)
             if not schedule.catch_up:
                 continue
-            if self._window is not None and latest < now - self._window:
+            if self.catch_up_window is not None and latest < now - self.catch_up_window:
                 log_event(
                     logger,
                     logging.WARNING,
@@ -102,7 +103,7 @@ class Scheduler:
                     "jobs, so it may have run and been pruned",
                     schedule=schedule.name,
                     tick=latest.isoformat(),
-                    retention=self._window,
+                    retention=self.catch_up_window,
                 )
                 continue
             self._due[schedule.name] = latest

@@ -500,7 +500,7 @@ async def test_catch_up_skips_a_tick_older_than_retention_keeps_jobs() -> None:
     assert catch_up_window(Retention(completed_ttl=None, dead_ttl=None)) is None
     main = Main(store, MainSettings(port=0), schedules=[monthly], retention=Retention())
     # The default keeps completed jobs 7 days.
-    assert main.leader.scheduler._window == timedelta(days=7)
+    assert main.leader.scheduler.catch_up_window == timedelta(days=7)
 
 
 async def test_a_restart_just_after_a_tick_does_not_enqueue_it_again() -> None:

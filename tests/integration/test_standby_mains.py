@@ -9,18 +9,43 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from typing import Any, cast
 
 import pytest
 
 from adapters.sql import SQLAlchemyAdapter
 from broker.client.client import Client
+from broker.jobs import JobStatus
 from broker.main.main import Main
+from broker.storage import JobFilter, JobPage, StorageAdapter
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
 from tests.support import FAST, FakeWorker, lease_of, until
 
 pytestmark = pytest.mark.postgres
 
 SETTINGS = replace(FAST, failover_timeout=2.0)
+
+
+class HeldOrphans:
+    """A store whose read of the handoffs in flight (the orphans a main loads once elected)
+    waits for :attr:`loaded` once :attr:`holding` is set; everything else goes straight
+    through."""
+
+    def __init__(self, inner: StorageAdapter) -> None:
+        self.inner = inner
+        self.holding = False
+        self.loaded = asyncio.Event()
+        self.waiting = False
+        """A read is being held now."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def list_jobs(self, job_filter: JobFilter, **options: Any) -> JobPage:
+        if self.holding and list(job_filter.statuses or ()) == [JobStatus.HANDED_OFF]:
+            self.waiting = True
+            await self.loaded.wait()
+        return await self.inner.list_jobs(job_filter, **options)
 
 
 @pytest.fixture
@@ -70,15 +95,8 @@ async def test_a_main_just_elected_welcomes_no_worker_before_its_orphans_are_loa
     failovers caught it). It sends the worker away to try again instead, and adopts its
     leases once loaded."""
     leader = Main(stores[0], SETTINGS, retention=None)
-    standby = Main(stores[1], SETTINGS, retention=None)
-    loading = asyncio.Event()
-    assert standby.leadership is not None
-    loaded = standby.leadership._load_orphans
-
-    async def held_load() -> None:
-        await loading.wait()
-        await loaded()
-
+    held = HeldOrphans(stores[1])
+    standby = Main(cast(StorageAdapter, held), SETTINGS, retention=None)
     await leader.start()
     try:
         worker = FakeWorker(leader.port, worker_id="w1")
@@ -88,15 +106,15 @@ async def test_a_main_just_elected_welcomes_no_worker_before_its_orphans_are_loa
         await worker.ready(inline=1, pooled=1, forked=1)
         job = await worker.next_job()
         await standby.start()
-        standby.leadership._load_orphans = held_load
+        held.holding = True
         await worker.close()
         await leader.stop()
-        await until(lambda: standby.election is not None and standby.election.epoch == 2)
+        await until(lambda: held.waiting)  # elected, and loading the orphans
         back = FakeWorker(standby.port, worker_id="w1")
         with pytest.raises(ConnectionRefusedError, match="just elected"):
             await back.connect(held=[lease_of(job)])
         await back.close()
-        loading.set()
+        held.loaded.set()
         await until(lambda: standby.leading, timeout=10)
         welcome = await back.connect(held=[lease_of(job)])
         assert welcome.adopted == [lease_of(job)]
