@@ -16,6 +16,7 @@ from broker.ops.cli.options import (
     add_log_options,
     add_main_address,
     add_peer_tls_options,
+    add_version,
     check_main_address,
     count,
     credentials,
@@ -59,6 +60,7 @@ def broker_parser() -> argparse.ArgumentParser:
         "prune, migrate. Talks to the main; when the main cannot be reached and --database-url is "
         "set, works on the store directly (never creating or migrating its schema).",
     )
+    add_version(p)
     add_main_address(p)
     add_credential_options(
         p,

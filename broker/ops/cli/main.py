@@ -16,6 +16,7 @@ from broker.ops.cli.options import (
     add_log_options,
     add_rows,
     add_server_tls_options,
+    add_version,
     env_list,
     env_option,
     parse,
@@ -31,6 +32,7 @@ DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./broker.db"
 
 def main_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="broker-main", description="Run the broker's main process.")
+    add_version(p)
     env_option(p, "--database-url", default=DEFAULT_DATABASE_URL, help="job store URL")
     env_option(
         p,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -204,6 +205,30 @@ def from_args(table: type[_S], args: argparse.Namespace, **given: Any) -> _S:
         if row.help is not None
     }
     return table(**{**values, **given})
+
+
+# ------------------------------------------------------------------------ version
+
+DISTRIBUTION = "broker-jobs"
+
+
+def version() -> str:
+    """The installed distribution's version; a checkout run without installing it (``python
+    -m broker.cli`` from the source tree) has none to report, and says so."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return f"(unknown: the {DISTRIBUTION} distribution is not installed)"
+
+
+def add_version(p: argparse.ArgumentParser) -> None:
+    """``--version``: the program's name and the distribution's version, then exit 0."""
+    p.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {version()}",
+        help="print the program's name and version and exit",
+    )
 
 
 # ------------------------------------------------------------------------ logs

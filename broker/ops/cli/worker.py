@@ -15,6 +15,7 @@ from broker.ops.cli.options import (
     add_main_address,
     add_peer_tls_options,
     add_rows,
+    add_version,
     check_main_address,
     env_list,
     env_option,
@@ -29,6 +30,7 @@ from broker.worker.settings import WorkerSettings
 
 def worker_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="broker-worker", description="Run jobs handed out by a main.")
+    add_version(p)
     add_main_address(p)
     env_list(p, "--app", help="module that registers tasks with @task; repeatable")
     env_option(
