@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.core.election import DEFAULT_FAILOVER_TIMEOUT
+from broker.exceptions import ConfigurationError
 from broker.jobs import DEFAULT_MAX_RECOVERIES
 from broker.model import checks
 from broker.model.bounds import (
@@ -75,6 +76,15 @@ _SHOWN = " (default: %(default)s)"
 
 def _port(name: str, value: int) -> object:
     return checks.int_in_range(name, value, 0, 65535)
+
+
+def _address(name: str, value: str) -> object:
+    """``advertise`` is a ``HOST:PORT`` peers can dial; a bad one (a URL) is refused as
+    the flag is parsed, not after the main has started."""
+    try:
+        return parse_address(value)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{name}: {exc}") from None
 
 
 def _depth(name: str, value: int) -> object:
@@ -296,6 +306,7 @@ class MainSettings:
     advertise: str | None = setting(
         None,
         metavar="HOST:PORT",
+        check=_address,
         help="where peers reach this main, as standbys name it to them once it leads "
         "(default: the listen address and port; this host's name for 0.0.0.0)",
     )
@@ -386,8 +397,6 @@ class MainSettings:
             self.liveness_timeout > self.ping_interval,
             "liveness_timeout must be longer than ping_interval",
         )
-        if self.advertise is not None:
-            parse_address(self.advertise)
         checks.require(
             self.credentials.required or self.allow_unauthenticated or _is_loopback(self.host),
             f"refusing to listen on {self.host!r} without a token for any role: set BROKER_TOKEN "

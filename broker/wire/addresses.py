@@ -15,7 +15,14 @@ from broker.wire import messages as protocol
 def parse_address(text: str, default_port: int = protocol.DEFAULT_PORT) -> tuple[str, int]:
     """``HOST:PORT``, ``[IPv6]:PORT``, or a bare host or IPv6 address, which means
     ``default_port``; a port outside 1-65535 is refused here, with the text that named it,
-    rather than deep in the socket layer."""
+    rather than deep in the socket layer. A URL (``http://host:7390``, ``tcp://...``) is
+    refused as such: its colons made it a bare IPv6 address, tried for ever."""
+    scheme, slashes, rest = text.partition("://")
+    if slashes:
+        bare = rest.split("/", 1)[0] or "HOST:PORT"
+        raise ConfigurationError(
+            f"expected HOST:PORT, not a URL (got {text!r}): drop the {scheme}:// and give {bare!r}"
+        )
     if text.startswith("["):
         host, closed, rest = text[1:].partition("]")
         if not closed or (rest and not rest.startswith(":")):

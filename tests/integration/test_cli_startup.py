@@ -42,3 +42,24 @@ def test_version_names_the_program_and_the_installed_version(name: str, style: i
     done = _run([*COMMANDS[name][style], "--version"])
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"{name} {importlib.metadata.version('broker-jobs')}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["broker", "--main", "http://127.0.0.1:7390", "status"], "--main"),
+        (["broker-worker", "--app", "tasks", "--main", "tcp://127.0.0.1:7390"], "--main"),
+        (["broker-worker", "--app", "tasks", "--main", "127.0.0.1:1,http://h:7390/"], "--main"),
+        (["broker-main", "--port", "0", "--advertise", "http://h:7390"], "--advertise"),
+    ],
+)
+def test_a_url_where_a_host_and_port_is_expected_is_a_usage_error(
+    argv: list[str], flag: str
+) -> None:
+    """Once the worker retried such an address for ever, the operator's command looked up a
+    host called ``http``, and a main advertised it to every peer."""
+    done = _run([*COMMANDS[argv[0]][0], *argv[1:]])
+    assert done.returncode == 2, done.stderr
+    assert "expected HOST:PORT, not a URL" in done.stderr
+    assert flag in done.stderr
+    assert "Traceback" not in done.stderr
