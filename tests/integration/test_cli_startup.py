@@ -63,3 +63,33 @@ def test_a_url_where_a_host_and_port_is_expected_is_a_usage_error(
     assert "expected HOST:PORT, not a URL" in done.stderr
     assert flag in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _modules(directory: Path) -> Path:
+    """``present`` (which leaves a mark when it is imported) beside no ``absent``."""
+    (directory / "present.py").write_text(
+        "from pathlib import Path\nPath('present.imported').write_text('yes')\n"
+    )
+    return directory / "present.imported"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["broker-worker", "--main", "127.0.0.1:1", "--app", "present,absent"], {}),
+        (["broker-worker", "--main", "127.0.0.1:1"], {"BROKER_APP": "present,absent"}),
+        (["broker-main", "--port", "0", "--schedules", "present, absent"], {}),
+        (["broker-main", "--port", "0"], {"BROKER_SCHEDULES": "present,absent"}),
+    ],
+    ids=["--app", "BROKER_APP", "--schedules", "BROKER_SCHEDULES"],
+)
+def test_a_comma_list_names_several_modules_as_flag_and_as_variable(
+    tmp_path: Path, argv: list[str], env: dict[str, str]
+) -> None:
+    """``--app a,b`` was one module called ``a,b``, while ``BROKER_APP=a,b`` was two."""
+    mark = _modules(tmp_path)
+    done = _run([*COMMANDS[argv[0]][0], *argv[1:]], cwd=tmp_path, **env)
+    assert done.returncode == 1, done.stderr
+    assert mark.read_text() == "yes", "the first module of the list was imported"
+    assert "module 'absent'" in done.stderr, done.stderr
+    assert "present," not in done.stderr

@@ -2,8 +2,8 @@
 
 One mechanism for every option of the three commands: a flag ``--some-thing`` reads its
 default from ``BROKER_SOME_THING`` and names it in ``--help``; a switch is on when its
-variable is ``1``, ``true``, ``yes`` or ``on``; a repeatable flag's variable is a
-comma-separated list. A row of a settings table (:mod:`broker.model.setting`) becomes such
+variable is ``1``, ``true``, ``yes`` or ``on``; a repeatable flag and its variable each
+take a comma-separated list. A row of a settings table (:mod:`broker.model.setting`) becomes such
 a flag with its default, help and rule, so argparse only turns text into a value and the
 table's rule judges it, in the wording a bad constructor argument gets
 (:mod:`broker.model.checks`). A bad variable is reported by its own name (exit 2) unless
@@ -66,13 +66,18 @@ class _EnvDefault(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def _comma_items(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 class _EnvList(argparse.Action):
-    """A repeatable flag whose default is its variable, comma-separated; the flags, once
-    given, replace the variable's list rather than add to it."""
+    """A repeatable flag whose default is its variable, comma-separated; each flag's value
+    is split on commas the same way (``--app a,b`` is ``--app a --app b``, as
+    ``BROKER_APP=a,b`` is). The flags, once given, replace the variable's list rather than
+    add to it."""
 
     def __init__(self, envvar: str, default: Any = None, **kw: Any):
-        text = os.environ.get(envvar, "")
-        items = [item.strip() for item in text.split(",") if item.strip()]
+        items = _comma_items(os.environ.get(envvar, ""))
         kw["help"] = f"{kw.get('help', '')} [env {envvar}, comma-separated]".strip()
         super().__init__(default=items or default, **kw)
 
@@ -85,7 +90,7 @@ class _EnvList(argparse.Action):
     ) -> None:
         current = getattr(namespace, self.dest)
         items = [] if current is None or current is self.default else list(current)
-        setattr(namespace, self.dest, [*items, values])
+        setattr(namespace, self.dest, [*items, *_comma_items(values)])
 
 
 def _from_environment(variable: str, text: str, kind: Callable[[str], Any] | None) -> Any:
@@ -124,7 +129,7 @@ def env_switch(parser: argparse.ArgumentParser, flag: str, *, help: str) -> None
 
 
 def env_list(parser: argparse.ArgumentParser, flag: str, **options: Any) -> None:
-    """A repeatable flag, or its variable as a comma-separated list."""
+    """A repeatable flag, or its variable, each a comma-separated list."""
     parser.add_argument(flag, action=_EnvList, envvar=env_name(flag), **options)
 
 
