@@ -230,18 +230,29 @@ def configure(
         root.setLevel(threshold)
 
 
-def announce(fmt: str, event: str, text: str, *, level: str = "INFO", **fields: Any) -> None:
+def announce(
+    fmt: str,
+    event: str,
+    text: str,
+    *,
+    level: str = "INFO",
+    trace: str | None = None,
+    **fields: Any,
+) -> None:
     """A line a command writes on stderr itself, whatever the log level (that it listens,
     which modes it serves, why it stopped): ``text`` as it is, or under ``json`` one
-    object like a log record's, so that every line of a JSON log parses."""
+    object like a log record's, so that every line of a JSON log parses. ``trace`` (a
+    traceback ``text`` already shows) is the JSON line's ``traceback``, as a record's is."""
     if fmt == "json":
-        line = {
+        line: dict[str, Any] = {
             "time": datetime.now(UTC).isoformat(timespec="milliseconds"),
             "level": level,
             "logger": "broker.cli",
             "event": event,
             "message": text,
         }
+        if trace is not None:
+            line["traceback"] = trace
         _merge(line, fields, OWN_FIELDS)
         print(_dumps(line), file=sys.stderr, flush=True)
     else:

@@ -8,7 +8,9 @@ into the ``adapters`` and ``runners`` packages.
 from __future__ import annotations
 
 import importlib
+import traceback
 from collections.abc import Callable
+from types import ModuleType
 from typing import Unpack, cast
 
 import adapters
@@ -23,6 +25,43 @@ from broker.tasks.runner_options import RunnerOptions as RunnerOptions
 from runners.forked import ForkedRunner
 from runners.inline import InlineRunner
 from runners.pooled import PooledRunner
+
+
+class ImportFailure(ConfigurationError):
+    """A module the operator named (``--app``, ``--schedules``, ``--adapter``) raised as it
+    was imported. Its traceback, from the module's own frames down, is what the operator
+    needs to fix it: the commands print it once, below the error, instead of the
+    exception's repr as a message and again as its cause."""
+
+    def __init__(self, message: str, error: BaseException) -> None:
+        super().__init__(message)
+        self.traceback = _module_traceback(error)
+
+
+def _module_traceback(error: BaseException) -> str:
+    """``error``'s traceback without the frames of the import machinery and of
+    :func:`import_named`; just the exception when no frame is left (a module
+    that does not exist)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    while frames and (
+        frames[0].filename == __file__
+        or frames[0].filename.startswith("<frozen ")
+        or frames[0].filename == importlib.__file__
+    ):
+        frames.pop(0)
+    shown = traceback.format_exception_only(type(error), error)
+    if frames:
+        shown = ["Traceback (most recent call last):\n", *frames.format(), *shown]
+    return "".join(shown).rstrip("\n")
+
+
+def import_named(name: str, named_by: str) -> ModuleType:
+    """Import the module ``name`` that the operator named with ``named_by`` (a flag);
+    whatever it raises becomes an :class:`ImportFailure` carrying its traceback."""
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:
+        raise ImportFailure(f"cannot import {name!r} (named by {named_by})", exc) from None
 
 
 def open_store(
@@ -42,9 +81,10 @@ def open_store(
         raise ConfigurationError(
             f"--adapter must look like 'package.module:factory' (got {adapter!r})"
         )
+    module = import_named(module_name, f"--adapter {adapter}")
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
+        factory = getattr(module, attr)
+    except AttributeError as exc:
         raise ConfigurationError(f"cannot load adapter factory {adapter!r}: {exc}") from exc
     store = cast(Callable[[str], object], factory)(url)
     gaps = contract_gaps(store)

@@ -85,7 +85,8 @@ def test_a_fatal_start_up_error_is_a_json_line_too() -> None:
     [line] = [json.loads(text) for text in err.splitlines()]
     assert proc.returncode == 1
     assert line["level"] == "ERROR" and line["event"] == "fatal"
-    assert "cannot load adapter factory 'nowhere:factory'" in str(line["error"])
+    assert "cannot import 'nowhere' (named by --adapter nowhere:factory)" in str(line["error"])
+    assert line["traceback"] == "ModuleNotFoundError: No module named 'nowhere'"
 
 
 @asynccontextmanager

@@ -91,5 +91,37 @@ def test_a_comma_list_names_several_modules_as_flag_and_as_variable(
     done = _run([*COMMANDS[argv[0]][0], *argv[1:]], cwd=tmp_path, **env)
     assert done.returncode == 1, done.stderr
     assert mark.read_text() == "yes", "the first module of the list was imported"
-    assert "module 'absent'" in done.stderr, done.stderr
+    assert "No module named 'absent'" in done.stderr, done.stderr
     assert "present," not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "named_by"),
+    [
+        (["broker-worker", "--main", "127.0.0.1:1", "--app", "broken"], "--app"),
+        (["broker-main", "--port", "0", "--schedules", "broken"], "--schedules"),
+        (
+            ["broker-main", "--port", "0", "--database-url", "memory://", "--adapter", "broken:f"],
+            "--adapter broken:f",
+        ),
+    ],
+)
+def test_a_module_that_fails_to_import_shows_its_traceback_once(
+    tmp_path: Path, argv: list[str], named_by: str
+) -> None:
+    """The exception's repr was printed twice (as the error and as its cause), and the
+    line in the operator's module that raised was nowhere."""
+    (tmp_path / "broken.py").write_text(
+        "x = 1\n\n\ndef fail():\n    raise RuntimeError('no db')\n\n\nfail()\n"
+    )
+    done = _run([*COMMANDS[argv[0]][0], *argv[1:]], cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [
+        f"error: cannot import 'broken' (named by {named_by})",
+        "    Traceback (most recent call last):",
+        f'      File "{tmp_path / "broken.py"}", line 8, in <module>',
+        "        fail()",
+        f'      File "{tmp_path / "broken.py"}", line 5, in fail',
+        "        raise RuntimeError('no db')",
+        "    RuntimeError: no db",
+    ]

@@ -7,7 +7,6 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import importlib
 import os
 import signal
 import socket
@@ -36,7 +35,7 @@ from broker.worker.worker import Worker
 
 async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | None = None) -> None:
     modules = list(args.schedules or [])
-    load_apps(modules)
+    load_apps(modules, "--schedules")
     schedules = declared_in(modules)
     secrets = credentials(args)
     settings = from_args(
@@ -147,16 +146,14 @@ def use_app_directory() -> None:
         sys.path.append(os.getcwd())
 
 
-def load_apps(modules: Sequence[str]) -> None:
-    """Import the operator's task modules so their ``@task`` registrations run."""
+def load_apps(modules: Sequence[str], named_by: str = "--app") -> None:
+    """Import the operator's task modules (or ``--schedules`` modules) so their ``@task``
+    registrations run; one that fails is a :class:`~broker.ops.composition.ImportFailure`."""
     if not modules:
         return
     use_app_directory()
     for name in modules:
-        try:
-            importlib.import_module(name)
-        except Exception as exc:
-            raise ConfigurationError(f"cannot import task module {name!r}: {exc!r}") from exc
+        composition.import_named(name, named_by)
 
 
 async def run_worker(args: argparse.Namespace) -> None:
@@ -241,16 +238,19 @@ def run(make: Callable[[], Any], log_format: str = "text") -> int:
         while cause is not None:
             causes.append(repr(cause))
             cause = cause.__cause__
-        text = "\n".join(
-            [f"error: {escape_control(str(exc))}", *(f"  caused by: {c}" for c in causes)]
-        )
+        lines = [f"error: {escape_control(str(exc))}", *(f"  caused by: {c}" for c in causes)]
+        trace = exc.traceback if isinstance(exc, composition.ImportFailure) else None
+        if trace is not None:
+            # Indented as a log line's traceback is: every line at column 0 is an event.
+            lines += ["    " + line for line in trace.splitlines()]
         logs.announce(
             log_format,
             "fatal",
-            text,
+            "\n".join(lines),
             level="ERROR",
             error=f"{type(exc).__name__}: {exc}",
             causes=causes,
+            trace=trace,
         )
         return 1
     return 0
