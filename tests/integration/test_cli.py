@@ -51,7 +51,9 @@ def test_worker_entry_requires_a_task_module(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("BROKER_APP", raising=False)
-    assert cli.worker_entry(["--main", "127.0.0.1:1"]) == 1
+    with pytest.raises(SystemExit) as stopped:
+        cli.worker_entry(["--main", "127.0.0.1:1"])
+    assert stopped.value.code == 2, "a usage error"
     assert "--app" in capsys.readouterr().err
 
 

@@ -125,3 +125,40 @@ def test_a_module_that_fails_to_import_shows_its_traceback_once(
         "        raise RuntimeError('no db')",
         "    RuntimeError: no db",
     ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["broker", "prune"], "usage: broker prune "),
+        (["broker", "migrate"], "usage: broker migrate "),
+        (["broker", "enqueue", "app.task", "not json"], "usage: broker enqueue "),
+        (["broker", "job"], "usage: broker job "),
+    ],
+)
+def test_a_subcommand_usage_error_shows_that_subcommands_usage(argv: list[str], usage: str) -> None:
+    """``broker prune`` without a limit printed the whole ``broker`` usage."""
+    done = _run([*COMMANDS[argv[0]][0], *argv[1:]])
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(usage), done.stderr
+    assert "{status,top," not in done.stderr, "not the top-level usage"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["broker-worker", "--main", "127.0.0.1:1"],
+        ["broker-worker", "--app", "tasks", "--tls-client-cert", "c.pem"],
+        ["broker-main", "--port", "0", "--tls-key", "k.pem"],
+        ["broker", "--tls-client-key", "k.pem", "status"],
+    ],
+    ids=["no --app", "worker half a TLS pair", "main half a TLS pair", "broker half a TLS pair"],
+)
+def test_a_flag_missing_or_without_its_pair_is_a_usage_error(
+    tmp_path: Path, argv: list[str]
+) -> None:
+    """These exited 1, as a broker error, where the documented code of a usage error is 2."""
+    done = _run([*COMMANDS[argv[0]][0], *argv[1:]], cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"usage: {argv[0]} "), done.stderr
+    assert not (tmp_path / "broker.db").exists()

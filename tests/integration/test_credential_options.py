@@ -32,7 +32,9 @@ def test_a_bad_token_file_line_is_named_by_number_and_not_echoed(
 
 
 def test_half_a_tls_pair_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main_entry(_main(tmp_path, "--tls-cert", str(tmp_path / "main.pem"))) == 1
+    with pytest.raises(SystemExit) as stopped:
+        cli.main_entry(_main(tmp_path, "--tls-cert", str(tmp_path / "main.pem")))
+    assert stopped.value.code == 2, "a usage error"
     assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
 
 

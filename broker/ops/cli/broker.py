@@ -92,6 +92,8 @@ def broker_parser() -> argparse.ArgumentParser:
     def command(name: str, text: str) -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.add_argument("--json", action="store_true", help="print JSON (docs/reference/cli.md)")
+        # A usage error found after parsing shows this subcommand's usage, as argparse's own do.
+        cmd.set_defaults(command_parser=cmd)
         return cmd
 
     command("status", "job counts per queue, workers and pending recoveries")
@@ -101,6 +103,7 @@ def broker_parser() -> argparse.ArgumentParser:
         description="Queues, throughput and workers, redrawn in place every --interval "
         "seconds until Ctrl-C; one plain frame after another when the output is not a terminal.",
     )
+    top.set_defaults(command_parser=top)
     top.add_argument(
         "--interval", type=positive(float, "interval"), default=2.0, help="seconds between frames"
     )
@@ -244,18 +247,22 @@ async def run_broker(args: argparse.Namespace) -> int:
 
 def broker_entry(argv: Sequence[str] | None = None) -> int:
     parser = broker_parser()
-    args = parse(parser, argv)
+    args = parse(parser, argv, [peer_tls])
+    usage = args.command_parser
     if args.command == "prune" and args.older_than is None and args.keep_latest is None:
-        parser.error("prune needs --older-than DURATION, --keep-latest N, or both")
+        usage.error("prune needs --older-than DURATION, --keep-latest N, or both")
     if args.command == "migrate" and not args.database_url:
-        parser.error("migrate needs --database-url (or BROKER_DATABASE_URL)")
+        usage.error(
+            "migrate needs --database-url URL before it (broker --database-url URL migrate), "
+            "or BROKER_DATABASE_URL"
+        )
     check_main_address(parser, args.main)
     if args.command == "enqueue":
         # Checked before anything connects: a bad request is a usage error (exit 2).
         try:
             args.request = admin.enqueue_request(args)
         except (ConfigurationError, InvalidJobError) as exc:
-            parser.error(str(exc))
+            usage.error(str(exc))
     logs.configure("WARNING", args.log_format)
     result: list[int] = []
 

@@ -21,6 +21,7 @@ from broker.ops.cli.options import (
     env_option,
     parse,
     positive,
+    server_tls,
 )
 from broker.ops.cli.run import run, run_main, serving
 from broker.payload import DEFAULT_OFFLOAD_BYTES
@@ -96,6 +97,6 @@ def _backoff(text: str) -> RetryDelay:
 
 
 def main_entry(argv: Sequence[str] | None = None) -> int:
-    args = parse(main_parser(), argv)
+    args = parse(main_parser(), argv, [server_tls])
     logs.configure(args.log_level, args.log_format)
     return run(lambda: run_main(args, serving), args.log_format)

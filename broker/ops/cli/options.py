@@ -104,8 +104,14 @@ def _from_environment(variable: str, text: str, kind: Callable[[str], Any] | Non
         return _BadEnvironment(variable, text, str(exc))
 
 
-def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """``parser.parse_args``, with a bad ``BROKER_*`` variable named as such (exit 2)."""
+def parse(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    checks: Sequence[Callable[[argparse.Namespace], object]] = (),
+) -> argparse.Namespace:
+    """``parser.parse_args``, with a bad ``BROKER_*`` variable named as such, and each of
+    ``checks`` (a rule between flags that raises :class:`ConfigurationError`) a usage error
+    too: exit 2, before anything is opened."""
     args = parser.parse_args(argv)
     for value in vars(args).values():
         if isinstance(value, _BadEnvironment):
@@ -113,6 +119,11 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
                 f"environment variable {value.variable}={value.text!r} is not valid: "
                 f"{value.problem}"
             )
+    for check in checks:
+        try:
+            check(args)
+        except ConfigurationError as exc:
+            parser.error(str(exc))
     return args
 
 

@@ -129,7 +129,8 @@ def serving(main: Main) -> None:
     gc.freeze()
 
 
-def _app_modules(args: argparse.Namespace) -> list[str]:
+def app_modules(args: argparse.Namespace) -> list[str]:
+    """The worker's ``--app`` modules; none is a usage error."""
     apps = list(args.app or [])
     if not apps:
         raise ConfigurationError("name at least one task module with --app (or BROKER_APP)")
@@ -157,7 +158,7 @@ def load_apps(modules: Sequence[str], named_by: str = "--app") -> None:
 
 
 async def run_worker(args: argparse.Namespace) -> None:
-    apps = _app_modules(args)
+    apps = app_modules(args)
     load_apps(apps)
     host, port = peer_arguments(args.main)
     runners = composition.build_runners(

@@ -20,9 +20,10 @@ from broker.ops.cli.options import (
     env_list,
     env_option,
     parse,
+    peer_tls,
     typed,
 )
-from broker.ops.cli.run import run, run_worker
+from broker.ops.cli.run import app_modules, run, run_worker
 from broker.tasks.runner_options import RunnerOptions
 from broker.wire import messages as protocol
 from broker.worker.settings import WorkerSettings
@@ -68,7 +69,7 @@ def worker_parser() -> argparse.ArgumentParser:
 
 def worker_entry(argv: Sequence[str] | None = None) -> int:
     parser = worker_parser()
-    args = parse(parser, argv)
+    args = parse(parser, argv, [app_modules, peer_tls])
     secret_environment.scrub()  # read; task code must not find them (its module's doc)
     check_main_address(parser, args.main)
     logs.configure(args.log_level, args.log_format)
