@@ -409,12 +409,14 @@ class Handoff:
         claiming = {planned.job.id for planned in self.claiming.values()}
         plan: list[PlannedClaim] = []
         self.affinity.forget_departed(now)
+        self.placement.start(workers)
         for job in jobs:
             if job.id in claiming:
                 continue
-            peer, route = self.placement.pick(workers, job, now)
+            peer, route = self.placement.pick(job, now)
             if peer is None or not peer.credits.reserve(job.execution_mode):
                 continue  # the credit check: no free slot for this job anywhere
+            self.placement.reserved(peer, job.execution_mode)
             self.awaiting.pop(job.id, None)
             planned = PlannedClaim(
                 peer.id,
