@@ -12,6 +12,8 @@ A plan ranks its workers once (:meth:`Placement.start`), per mode and queue, by 
 credit, and keeps the ranking as it reserves slots (:meth:`Placement.reserved`): each
 job's pick looks the most free up instead of asking every worker for its credit, which
 at 64 workers was most of the main's cost per job (issue 35). The pick is the same.
+A plan over a few workers (:data:`FEW`) asks each of them instead, which costs less than
+keeping the ranking.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from collections.abc import Sequence
 from broker.core.affinity import Affinity, Route
 from broker.core.peers import Peer
 from broker.jobs import ExecutionMode, Job
+
+FEW = 4
+"""Up to this many workers, a plan asks each for its credit for every job (cheaper than
+a ranking); past it, it ranks them (:class:`_Ranking`)."""
 
 
 class Placement:
@@ -40,8 +46,11 @@ class Placement:
         """The dispatchable workers of the plan under way, in rotation order."""
         self._restricted = False
         """Whether one of them serves only some queues (else one ranking per mode)."""
-        self._rankings: dict[tuple[ExecutionMode, str | None], _Ranking] = {}
-        self._by_worker_id: dict[str | None, list[Peer]] = {}
+        self._rankings: dict[ExecutionMode, dict[str | None, _Ranking]] = {}
+        """The plan's rankings, by mode and queue (made as its jobs need them)."""
+        self._by_worker_id: dict[str | None, list[Peer]] | None = None
+        """The plan's workers by worker id, in rotation order (made at its first job
+        with a state holder)."""
 
     def start(self, workers: Sequence[Peer]) -> None:
         """A plan begins over the dispatchable ``workers``, in rotation order; their
@@ -49,15 +58,14 @@ class Placement:
         self._workers = workers
         self._restricted = any(peer.queues is not None for peer in workers)
         self._rankings = {}
-        self._by_worker_id = {}
-        for peer in workers:
-            self._by_worker_id.setdefault(peer.worker_id, []).append(peer)
+        self._by_worker_id = None
 
     def reserved(self, peer: Peer, mode: ExecutionMode) -> None:
         """A credit of ``mode`` was reserved on ``peer`` for the job just picked."""
-        for (ranked, _), ranking in self._rankings.items():
-            if ranked is mode:
-                ranking.update(peer)
+        if not self._rankings:
+            return
+        for ranking in self._rankings.get(mode, {}).values():
+            ranking.update(peer)
 
     def pick(self, job: Job, now: float) -> tuple[Peer | None, Route | None]:
         """The worker among the plan's workers (:meth:`start`) for ``job`` at ``now``, and
@@ -68,6 +76,10 @@ class Placement:
         if holder is None:
             return self._most_free(job), None
         route = self.affinity.route(job, holder, now)
+        if self._by_worker_id is None:
+            self._by_worker_id = {}
+            for peer in self._workers:
+                self._by_worker_id.setdefault(peer.worker_id, []).append(peer)
         own = [peer for peer in self._by_worker_id.get(holder, ()) if peer.serves(job)]
         if own and route is not None and not route.state_lost:
             self.awaiting[job.id] = holder  # until a slot there is reserved for it
@@ -81,10 +93,14 @@ class Placement:
 
     def _most_free(self, job: Job) -> Peer | None:
         """:func:`_most_free` over every worker of the plan, from its ranking."""
-        key = (job.execution_mode, job.queue if self._restricted else None)
-        ranking = self._rankings.get(key)
+        if len(self._workers) <= FEW:
+            return _most_free(self._workers, job, self._turn)
+        mode = job.execution_mode
+        queue = job.queue if self._restricted else None
+        rankings = self._rankings.setdefault(mode, {})
+        ranking = rankings.get(queue)
         if ranking is None:
-            ranking = self._rankings[key] = _Ranking(self._workers, *key)
+            ranking = rankings[queue] = _Ranking(self._workers, mode, queue)
         return ranking.best(self._turn)
 
     def wake_at(self) -> float | None:
@@ -148,9 +164,17 @@ class _Ranking:
         if old == new:
             return
         places = self._by_free[old]
-        del places[bisect_left(places, place)]
-        if not places:
+        if len(places) == 1:
             del self._by_free[old]
-        insort(self._by_free.setdefault(new, []), place)
+        else:
+            del places[bisect_left(places, place)]
+        others = self._by_free.get(new)
+        if others is None:
+            self._by_free[new] = [place]
+        else:
+            insort(others, place)
         self._free[peer.id] = new
-        self._top = max(self._by_free)
+        if new > self._top:
+            self._top = new
+        elif old == self._top and old not in self._by_free:
+            self._top = max(self._by_free)
