@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 from datetime import UTC, datetime
+from unittest import mock
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from broker.core import placement as placement_module
 from broker.core.affinity import Affinity, Route
 from broker.core.peers import Credits, Liveness, Peer
 from broker.core.placement import Placement
@@ -89,13 +91,19 @@ def _reference(workers: list[Peer], job: Job, turn: int) -> Peer | None:
 
 
 @settings(settings.get_profile(PROFILE))
-@given(workers_, jobs_, st.integers(0, 3))
+@given(workers_, jobs_, st.integers(0, 3), st.sampled_from([0, placement_module.FEW]))
 def test_a_plan_picks_the_worker_every_worker_asked_would_pick(
-    workers: Workers, jobs: list[tuple[ExecutionMode, str, str | None]], plans: int
+    workers: Workers, jobs: list[tuple[ExecutionMode, str, str | None]], plans: int, few: int
 ) -> None:
     """The most free serving worker, ties going round in turns, a state holder's own
     connections first while they may take its job, through several plans (each ranking
-    afresh) and the reservations each makes."""
+    afresh) and the reservations each makes; with the ranking for any number of workers
+    (``few`` 0) too."""
+    with mock.patch.object(placement_module, "FEW", few):
+        _plans(workers, jobs, plans)
+
+
+def _plans(workers: Workers, jobs: list[tuple[ExecutionMode, str, str | None]], plans: int) -> None:
     mine, theirs = _peers(workers), _peers(workers)
     placement = Placement(60.0)
     placement.affinity = _affinity()
