@@ -476,21 +476,22 @@ class Handoff:
         concurrency key, and a serving worker has a free slot. The slot is reserved and the
         lease minted here, before the insert, exactly as :meth:`plan` does for a claim; the
         store's answer comes back through :meth:`claimed` (or :meth:`claim_unknown`)."""
-        plans: list[PlannedClaim | None] = []
         drained = self._proofs.modes
         covered = bool(drained) and self._proofs.covers(self.served_queues())
-        for spec in specs:
-            if (
-                not covered
-                or spec.execution_mode not in drained
-                or not claimable_at_enqueue(spec, now)
-            ):
-                plans.append(None)
-                continue
-            # A new job has no state holder, so the time affinity would judge by is moot.
-            planned = self.plan([Job.from_spec(spec, now)], self.affinity.started)
-            plans.append(planned[0] if planned else None)
-        return plans
+        jobs = [
+            Job.from_spec(spec, now)
+            if covered and spec.execution_mode in drained and claimable_at_enqueue(spec, now)
+            else None
+            for spec in specs
+        ]
+        # One plan for them all, in order, as one plan per job would place them (the same
+        # rotation, each reservation seen by the next), without a walk over every worker
+        # per job. A new job has no state holder, so the time affinity judges by is moot.
+        planned = {
+            p.job.id: p
+            for p in self.plan([job for job in jobs if job is not None], self.affinity.started)
+        }
+        return [planned.get(job.id) if job is not None else None for job in jobs]
 
     def claimed(self, claims: Sequence[PlannedClaim], won: Sequence[Job]) -> list[HandoffEffect]:
         """The claim call answered: ``won`` are the jobs it handed off (as claimed). Each
