@@ -44,8 +44,9 @@ class Placement:
         """Where the search for a worker starts, moved on for every job picked for."""
         self._workers: Sequence[Peer] = ()
         """The dispatchable workers of the plan under way, in rotation order."""
-        self._restricted = False
-        """Whether one of them serves only some queues (else one ranking per mode)."""
+        self._restricted: bool | None = None
+        """Whether one of them serves only some queues (else one ranking per mode); made
+        at the plan's first ranking."""
         self._rankings: dict[ExecutionMode, dict[str | None, _Ranking]] = {}
         """The plan's rankings, by mode and queue (made as its jobs need them)."""
         self._by_worker_id: dict[str | None, list[Peer]] | None = None
@@ -56,7 +57,7 @@ class Placement:
         """A plan begins over the dispatchable ``workers``, in rotation order; their
         credits change only by :meth:`reserved` until the next start."""
         self._workers = workers
-        self._restricted = any(peer.queues is not None for peer in workers)
+        self._restricted = None
         self._rankings = {}
         self._by_worker_id = None
 
@@ -95,6 +96,8 @@ class Placement:
         """:func:`_most_free` over every worker of the plan, from its ranking."""
         if len(self._workers) <= FEW:
             return _most_free(self._workers, job, self._turn)
+        if self._restricted is None:
+            self._restricted = any(peer.queues is not None for peer in self._workers)
         mode = job.execution_mode
         queue = job.queue if self._restricted else None
         rankings = self._rankings.setdefault(mode, {})
