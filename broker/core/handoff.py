@@ -57,7 +57,7 @@ from broker.core.effects import StoreProgress as StoreProgress
 from broker.core.effects import WakeDispatcher as WakeDispatcher
 from broker.core.effects import checkpoint_ack as checkpoint_ack
 from broker.core.effects import report_ack
-from broker.core.peers import Credits, Liveness, Peer, random_ping_base
+from broker.core.peers import Credits, Holders, Liveness, Peer, random_ping_base
 from broker.core.placement import Placement
 from broker.core.waiting import STALL as STALL
 from broker.core.waiting import STALL_AFTERMATH as STALL_AFTERMATH
@@ -125,6 +125,9 @@ class Handoff:
         take jobs. Every report, settle and dispatch step looks a lease or a worker up,
         and a main with hundreds of clients connected (each an app's ``Client``) spent
         more on passing over them than on the lookups themselves."""
+        self.holders = Holders()
+        """Which worker connection holds each lease (:class:`broker.core.peers.Holders`):
+        a report, a settle or a cancel finds its lease without walking every worker."""
         self.claiming: dict[uuid.UUID, PlannedClaim] = {}
         """Planned claims whose store call has not answered yet, by lease."""
         self.returns: dict[uuid.UUID, uuid.UUID] = {}
@@ -189,7 +192,7 @@ class Handoff:
         effects: list[HandoffEffect] = []
         for lease, job in self.waiting.take(hello.worker_id):
             if held.get(lease) == job.id:
-                peer.leases[lease] = job
+                self.holders.hold(peer, lease, job)
                 adopted.append(protocol.LeaseRef(job_id=job.id, handoff_id=lease))
             else:
                 effects.append(
@@ -201,8 +204,9 @@ class Handoff:
             for lease in [
                 lease for lease, job in other.leases.items() if held.get(lease) == job.id
             ]:
-                job = other.leases.pop(lease)
-                peer.leases[lease] = job
+                job = other.leases[lease]
+                self.holders.drop(lease)
+                self.holders.hold(peer, lease, job)
                 adopted.append(protocol.LeaseRef(job_id=job.id, handoff_id=lease))
         for ref in adopted:
             log_event(
@@ -318,7 +322,7 @@ class Handoff:
         else:
             for lease, job in peer.leases.items():
                 effects.append(self._return(job.id, lease, "worker connection ended", job))
-        peer.leases.clear()
+        self.holders.drop_all(peer)
         return effects
 
     def tick(self, now: float, *, stall: float, timeout: float, ping: bool) -> list[HandoffEffect]:
@@ -405,12 +409,14 @@ class Handoff:
         claiming = {planned.job.id for planned in self.claiming.values()}
         plan: list[PlannedClaim] = []
         self.affinity.forget_departed(now)
+        self.placement.start(workers)
         for job in jobs:
             if job.id in claiming:
                 continue
-            peer, route = self.placement.pick(workers, job, now)
+            peer, route = self.placement.pick(job, now)
             if peer is None or not peer.credits.reserve(job.execution_mode):
                 continue  # the credit check: no free slot for this job anywhere
+            self.placement.reserved(peer, job.execution_mode)
             self.awaiting.pop(job.id, None)
             planned = PlannedClaim(
                 peer.id,
@@ -470,21 +476,22 @@ class Handoff:
         concurrency key, and a serving worker has a free slot. The slot is reserved and the
         lease minted here, before the insert, exactly as :meth:`plan` does for a claim; the
         store's answer comes back through :meth:`claimed` (or :meth:`claim_unknown`)."""
-        plans: list[PlannedClaim | None] = []
         drained = self._proofs.modes
         covered = bool(drained) and self._proofs.covers(self.served_queues())
-        for spec in specs:
-            if (
-                not covered
-                or spec.execution_mode not in drained
-                or not claimable_at_enqueue(spec, now)
-            ):
-                plans.append(None)
-                continue
-            # A new job has no state holder, so the time affinity would judge by is moot.
-            planned = self.plan([Job.from_spec(spec, now)], self.affinity.started)
-            plans.append(planned[0] if planned else None)
-        return plans
+        jobs = [
+            Job.from_spec(spec, now)
+            if covered and spec.execution_mode in drained and claimable_at_enqueue(spec, now)
+            else None
+            for spec in specs
+        ]
+        # One plan for them all, in order, as one plan per job would place them (the same
+        # rotation, each reservation seen by the next), without a walk over every worker
+        # per job. A new job has no state holder, so the time affinity judges by is moot.
+        planned = {
+            p.job.id: p
+            for p in self.plan([job for job in jobs if job is not None], self.affinity.started)
+        }
+        return [planned.get(job.id) if job is not None else None for job in jobs]
 
     def claimed(self, claims: Sequence[PlannedClaim], won: Sequence[Job]) -> list[HandoffEffect]:
         """The claim call answered: ``won`` are the jobs it handed off (as claimed). Each
@@ -511,7 +518,7 @@ class Handoff:
                 )
                 continue
             seq = peer.credits.commit(mode)
-            peer.leases[planned.lease] = got
+            self.holders.hold(peer, planned.lease, got)
             self.dispatched += 1
             effects.append(Dispatch(peer.id, seq, got, planned.state_lost))
             if logger.isEnabledFor(logging.DEBUG):  # one line per job: off by default
@@ -666,10 +673,9 @@ class Handoff:
     def held_job(self, lease: uuid.UUID) -> Job | None:
         """The job a connection holds (or a parked entry keeps) under ``lease``, as it was
         handed off."""
-        for peer in self.worker_peers.values():
-            job = peer.leases.get(lease)
-            if job is not None:
-                return job
+        job = self.holders.job(lease)
+        if job is not None:
+            return job
         parked = self.parked.get(lease)
         return parked.job if parked is not None else None
 
@@ -678,8 +684,7 @@ class Handoff:
         if lease is None:
             return
         self.parked.pop(lease, None)
-        for peer in self.worker_peers.values():
-            peer.leases.pop(lease, None)
+        self.holders.drop(lease)
 
     def cancelled(self, job: Job) -> list[HandoffEffect]:
         """The store has cancelled ``job`` (or found it finished): forget its lease and
@@ -689,24 +694,21 @@ class Handoff:
         if lease is None:
             return []
         self.waiting.drop(lease)
-        effects: list[HandoffEffect] = []
-        for peer in self.worker_peers.values():
-            if peer.leases.pop(lease, None) is None:
-                continue
-            if job.status is JobStatus.CANCELLED:
-                effects.append(Send(peer.id, protocol.CancelJob(job_id=job.id, handoff_id=lease)))
-                log_event(
-                    logger,
-                    logging.INFO,
-                    "running job cancelled",
-                    job_id=job.id,
-                    handoff_id=lease,
-                    task=job.task,
-                    queue=job.queue,
-                    attempt=job.attempts + 1,
-                    worker_id=peer.worker_id,
-                )
-        return effects
+        peer = self.holders.drop(lease)
+        if peer is None or job.status is not JobStatus.CANCELLED:
+            return []
+        log_event(
+            logger,
+            logging.INFO,
+            "running job cancelled",
+            job_id=job.id,
+            handoff_id=lease,
+            task=job.task,
+            queue=job.queue,
+            attempt=job.attempts + 1,
+            worker_id=peer.worker_id,
+        )
+        return [Send(peer.id, protocol.CancelJob(job_id=job.id, handoff_id=lease))]
 
     # ------------------------------------------------------------------ returns (the ledger)
 

@@ -7,16 +7,28 @@ the first connected taking all. A job whose local state a worker holds goes wher
 anywhere once the affinity lets any worker, nowhere meanwhile (the job is *awaiting*).
 Whether the chosen worker has a free slot is the caller's check: it reserves the credit
 (:meth:`broker.core.handoff.Handoff.plan`).
+
+A plan ranks its workers once (:meth:`Placement.start`), per mode and queue, by free
+credit, and keeps the ranking as it reserves slots (:meth:`Placement.reserved`): each
+job's pick looks the most free up instead of asking every worker for its credit, which
+at 64 workers was most of the main's cost per job (issue 35). The pick is the same.
+A plan over a few workers (:data:`FEW`) asks each of them instead, which costs less than
+keeping the ranking.
 """
 
 from __future__ import annotations
 
 import uuid
+from bisect import bisect_left, insort
 from collections.abc import Sequence
 
 from broker.core.affinity import Affinity, Route
 from broker.core.peers import Peer
-from broker.jobs import Job
+from broker.jobs import ExecutionMode, Job
+
+FEW = 4
+"""Up to this many workers, a plan asks each for its credit for every job (cheaper than
+a ranking); past it, it ranks them (:class:`_Ranking`)."""
 
 
 class Placement:
@@ -30,19 +42,46 @@ class Placement:
         dispatcher reads past them, and wakes when one of their graces ends."""
         self._turn = 0
         """Where the search for a worker starts, moved on for every job picked for."""
+        self._workers: Sequence[Peer] = ()
+        """The dispatchable workers of the plan under way, in rotation order."""
+        self._restricted: bool | None = None
+        """Whether one of them serves only some queues (else one ranking per mode); made
+        at the plan's first ranking."""
+        self._rankings: dict[ExecutionMode, dict[str | None, _Ranking]] = {}
+        """The plan's rankings, by mode and queue (made as its jobs need them)."""
+        self._by_worker_id: dict[str | None, list[Peer]] | None = None
+        """The plan's workers by worker id, in rotation order (made at its first job
+        with a state holder)."""
 
-    def pick(
-        self, workers: Sequence[Peer], job: Job, now: float
-    ) -> tuple[Peer | None, Route | None]:
-        """The worker among the dispatchable ``workers`` for ``job`` at ``now``, and how
-        its state goes with it (``None`` for a job without a state holder); no worker
+    def start(self, workers: Sequence[Peer]) -> None:
+        """A plan begins over the dispatchable ``workers``, in rotation order; their
+        credits change only by :meth:`reserved` until the next start."""
+        self._workers = workers
+        self._restricted = None
+        self._rankings = {}
+        self._by_worker_id = None
+
+    def reserved(self, peer: Peer, mode: ExecutionMode) -> None:
+        """A credit of ``mode`` was reserved on ``peer`` for the job just picked."""
+        if not self._rankings:
+            return
+        for ranking in self._rankings.get(mode, {}).values():
+            ranking.update(peer)
+
+    def pick(self, job: Job, now: float) -> tuple[Peer | None, Route | None]:
+        """The worker among the plan's workers (:meth:`start`) for ``job`` at ``now``, and
+        how its state goes with it (``None`` for a job without a state holder); no worker
         while the job awaits its holder, noted in :attr:`awaiting`."""
         self._turn += 1
         holder = job.state_holder
         if holder is None:
-            return _most_free(workers, job, self._turn), None
+            return self._most_free(job), None
         route = self.affinity.route(job, holder, now)
-        own = [peer for peer in workers if peer.worker_id == holder and peer.serves(job)]
+        if self._by_worker_id is None:
+            self._by_worker_id = {}
+            for peer in self._workers:
+                self._by_worker_id.setdefault(peer.worker_id, []).append(peer)
+        own = [peer for peer in self._by_worker_id.get(holder, ()) if peer.serves(job)]
         if own and route is not None and not route.state_lost:
             self.awaiting[job.id] = holder  # until a slot there is reserved for it
             return _most_free(own, job, self._turn), route
@@ -51,7 +90,21 @@ class Placement:
             self.awaiting[job.id] = holder
             return None, None
         self.awaiting.pop(job.id, None)
-        return _most_free(workers, job, self._turn), elsewhere
+        return self._most_free(job), elsewhere
+
+    def _most_free(self, job: Job) -> Peer | None:
+        """:func:`_most_free` over every worker of the plan, from its ranking."""
+        if len(self._workers) <= FEW:
+            return _most_free(self._workers, job, self._turn)
+        if self._restricted is None:
+            self._restricted = any(peer.queues is not None for peer in self._workers)
+        mode = job.execution_mode
+        queue = job.queue if self._restricted else None
+        rankings = self._rankings.setdefault(mode, {})
+        ranking = rankings.get(queue)
+        if ranking is None:
+            ranking = rankings[queue] = _Ranking(self._workers, mode, queue)
+        return ranking.best(self._turn)
 
     def wake_at(self) -> float | None:
         """The earliest end of a grace that an awaiting job waits on (loop time), or
@@ -74,3 +127,57 @@ def _most_free(workers: Sequence[Peer], job: Job, turn: int) -> Peer | None:
         if free > best_free and peer.serves(job):
             best, best_free = peer, free
     return best
+
+
+class _Ranking:
+    """The workers of a plan that serve ``queue`` (``None``: whichever), by their free
+    credit for ``mode``: for each free count, their places in the rotation, sorted."""
+
+    def __init__(self, workers: Sequence[Peer], mode: ExecutionMode, queue: str | None) -> None:
+        self._workers = workers
+        self._mode = mode
+        self._place: dict[int, int] = {}
+        """Peer id -> its place in the rotation."""
+        self._free: dict[int, int] = {}
+        """Peer id -> its free credit for the mode, as ranked."""
+        self._by_free: dict[int, list[int]] = {}
+        for place, peer in enumerate(workers):
+            if queue is None or peer.queues is None or queue in peer.queues:
+                free = peer.credits.available(mode)
+                self._place[peer.id] = place
+                self._free[peer.id] = free
+                self._by_free.setdefault(free, []).append(place)
+        self._top = max(self._by_free, default=-1)
+
+    def best(self, turn: int) -> Peer | None:
+        """What :func:`_most_free` picks at ``turn``: of the most free, the first in the
+        rotation that starts at ``turn``."""
+        if not self._by_free:
+            return None
+        places = self._by_free[self._top]
+        i = bisect_left(places, turn % len(self._workers))
+        return self._workers[places[i] if i < len(places) else places[0]]
+
+    def update(self, peer: Peer) -> None:
+        """``peer``'s credit changed: it moves to its new rank (if it is ranked here)."""
+        place = self._place.get(peer.id)
+        if place is None:
+            return
+        old, new = self._free[peer.id], peer.credits.available(self._mode)
+        if old == new:
+            return
+        places = self._by_free[old]
+        if len(places) == 1:
+            del self._by_free[old]
+        else:
+            del places[bisect_left(places, place)]
+        others = self._by_free.get(new)
+        if others is None:
+            self._by_free[new] = [place]
+        else:
+            insort(others, place)
+        self._free[peer.id] = new
+        if new > self._top:
+            self._top = new
+        elif old == self._top and old not in self._by_free:
+            self._top = max(self._by_free)

@@ -112,7 +112,7 @@ def _handoff_holding() -> tuple[Handoff, Job]:
     handoff.hello(peer, protocol.Hello(role=protocol.Role.WORKER, protocol=3, worker_id="w"))
     held = replace(Job.from_spec(JobSpec(task="t"), NOW), handoff_id=uuid.uuid4())
     assert held.handoff_id is not None
-    peer.leases[held.handoff_id] = held
+    handoff.holders.hold(peer, held.handoff_id, held)
     return handoff, held
 
 

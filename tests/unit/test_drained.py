@@ -8,9 +8,13 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime, timedelta
 
-from broker.core.handoff import Handoff
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker.core.handoff import Handoff, PlannedClaim
 from broker.jobs import ExecutionMode, JobSpec
 from broker.wire import messages as protocol
+from tests.unit.conftest import PROFILE
 
 POOLED = ExecutionMode.POOLED
 
@@ -92,3 +96,37 @@ def test_jobs_not_due_with_a_concurrency_key_or_without_a_free_slot_wait() -> No
     assert [p is not None for p in plans] == [False, False, False, True, False]
     assert plans[3] is not None and plans[3].job.id == first.id
     assert isinstance(plans[3].lease, uuid.UUID)
+
+
+@settings(settings.get_profile(PROFILE))
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.sampled_from([None, ["a"], ["b"]])), max_size=8),
+    st.lists(
+        st.tuples(st.sampled_from([POOLED, ExecutionMode.FORKED]), st.sampled_from("ab")),
+        max_size=12,
+    ),
+)
+def test_an_enqueue_of_many_places_them_as_one_at_a_time_would(
+    workers: list[tuple[int, list[str] | None]], jobs: list[tuple[ExecutionMode, str]]
+) -> None:
+    """A batch enqueue plans its jobs in one plan: each goes to the worker, and gets the
+    lease, it would have got enqueued alone, one after the other."""
+    specs = [JobSpec(task="t", queue=queue, execution_mode=mode) for mode, queue in jobs]
+    cores = []
+    for _ in range(2):
+        numbers = iter(range(1, 1000))
+        core = Handoff(new_lease=lambda numbers=numbers: uuid.UUID(int=next(numbers)))
+        for pid, (slots, queues) in enumerate(workers, start=1):
+            _worker_joins(core, pid, f"w{pid}", slots, queues)
+            core.ready(pid, {POOLED: slots, ExecutionMode.FORKED: slots // 2}, seen=0)
+        core.read_eligible(
+            core.queue_changes, [POOLED, ExecutionMode.FORKED], full=False, queues=None
+        )
+        cores.append(core)
+    together = cores[0].plan_at_enqueue(specs, NOW)
+    alone = [planned for spec in specs for planned in cores[1].plan_at_enqueue([spec], NOW)]
+
+    def placed(plans: list[PlannedClaim | None]) -> list[tuple[int, uuid.UUID, uuid.UUID] | None]:
+        return [None if p is None else (p.peer, p.lease, p.job.id) for p in plans]
+
+    assert placed(together) == placed(alone)

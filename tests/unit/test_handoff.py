@@ -874,6 +874,13 @@ class HandoffMachine(RuleBasedStateMachine):
             assert peer.role is worker or not peer.leases, "a client holds a lease"
 
     @invariant()
+    def the_lease_index_is_what_the_peers_hold(self) -> None:
+        """The core's index of lease holders (what a report, a settle and a cancel look
+        up) is exactly the union of its worker connections' held leases."""
+        held = {lease: peer for peer in self.core.worker_peers.values() for lease in peer.leases}
+        assert dict(self.core.holders.by_lease) == held
+
+    @invariant()
     def every_lease_is_in_exactly_one_place(self) -> None:
         places: Counter[uuid.UUID] = Counter(self.core.claiming.keys())
         assert set(self.core.claiming) == {p.lease for b in self.batches for p in b}
