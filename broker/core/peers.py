@@ -193,7 +193,11 @@ class Peer:
         return self.liveness.paused_since is not None
 
     def serves(self, job: Job) -> bool:
-        return self.queues is None or job.queue in self.queues
+        return self.serves_queue(job.queue)
+
+    def serves_queue(self, queue: str) -> bool:
+        """Whether this connection takes jobs of ``queue`` (``queues`` ``None``: all)."""
+        return self.queues is None or queue in self.queues
 
 
 class Holders:

@@ -142,7 +142,7 @@ class _Ranking:
         """Peer id -> its free credit for the mode, as ranked."""
         self._by_free: dict[int, list[int]] = {}
         for place, peer in enumerate(workers):
-            if queue is None or peer.queues is None or queue in peer.queues:
+            if queue is None or peer.serves_queue(queue):
                 free = peer.credits.available(mode)
                 self._place[peer.id] = place
                 self._free[peer.id] = free
