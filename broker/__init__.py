@@ -3,11 +3,13 @@
 ``broker.__all__`` is what users import: ``task`` to declare jobs (and enqueue them:
 ``send_email.enqueue(...)``), ``configure`` to say once where the main is, ``Client`` and
 ``SyncClient`` to enqueue and inspect them, ``current_job`` for a running task's
-``JobContext`` (its checkpoints and progress), ``enqueue_in`` and ``enqueue_in_async`` to
-insert jobs in the application's own database transaction, ``Reschedule`` for a task to
-ask for a later run, ``Schedule`` for periodic jobs, every exception of the one error
-tree, and the types a custom storage adapter implements (``StorageAdapter`` and what its methods
-take and return). Everything else is internal: import it at your own risk.
+``JobContext`` (its checkpoints and progress), ``on_startup``, ``on_shutdown`` and
+``add_middleware`` (with ``JobMiddleware``) for worker hooks, ``enqueue_in`` and
+``enqueue_in_async`` to insert jobs in the application's own database transaction,
+``Reschedule`` for a task to ask for a later run, ``Schedule`` for periodic jobs, every
+exception of the one error tree, and the types a custom storage adapter implements
+(``StorageAdapter`` and what its methods take and return). Everything else is internal:
+import it at your own risk.
 """
 
 # ruff: noqa: I002
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
         enqueue_many_in_async,
     )
     from broker.tasks.context import JobContext, current_job
+    from broker.tasks.hooks import JobMiddleware, add_middleware, on_shutdown, on_startup
     from broker.tasks.registry import Task, TaskRegistry, task
     from broker.tasks.schedule import Schedule
     from broker.wire.messages import Role
@@ -83,6 +86,10 @@ _LAZY = {
     "configure": "broker.client.sync",
     "JobContext": "broker.tasks.context",
     "current_job": "broker.tasks.context",
+    "JobMiddleware": "broker.tasks.hooks",
+    "add_middleware": "broker.tasks.hooks",
+    "on_shutdown": "broker.tasks.hooks",
+    "on_startup": "broker.tasks.hooks",
     "PeerTLS": "broker.wire.tls",
     "Role": "broker.wire.messages",
     "Schedule": "broker.tasks.schedule",
@@ -126,6 +133,7 @@ __all__ = [
     "Job",
     "JobContext",
     "JobFilter",
+    "JobMiddleware",
     "JobPage",
     "JobSpec",
     "JobStatus",
@@ -153,11 +161,14 @@ __all__ = [
     "TaskRegistry",
     "UniqueKeyTakenError",
     "UnknownTaskError",
+    "add_middleware",
     "configure",
     "current_job",
     "enqueue_in",
     "enqueue_in_async",
     "enqueue_many_in",
     "enqueue_many_in_async",
+    "on_shutdown",
+    "on_startup",
     "task",
 ]

@@ -32,13 +32,16 @@ from typing import Any, TextIO
 from broker import allocator
 from broker.jobs import JSONValue
 from broker.tasks.context import running_job
+from broker.tasks.hooks import StartupHookFailed, WorkerHooks
+from broker.tasks.registry import default_registry
 from broker.tasks.runner import Failed, LeaseKey, RunOutcome
 from runners import pipe
 from runners.inline import InlineRunner, format_error
 from runners.process import CHILD_SYS_PATH_ENV, current_rss
 
 STARTUP_FAILED = 3
-"""Exit code after reporting a start-up error (the app failed to import)."""
+"""Exit code after reporting a start-up error (the app failed to import, or one of its
+start-up hooks raised)."""
 
 
 class _TaggedStream(io.TextIOBase):
@@ -188,9 +191,24 @@ class _PipeJobs:
         waiter.set_exception(error_codes.exception_for(ack.code, ack.error or "not saved"))
 
 
+async def _start_app(hooks: WorkerHooks, channel: _Channel) -> bool:
+    """Run the app's start-up hooks; one that raises is this child's start-up error.
+
+    Before ``ready``: the worker starts a job's clock only then, so the app's start-up
+    never counts against a job's timeout (it counts against the start-up timeout)."""
+    try:
+        await hooks.start()
+    except StartupHookFailed as exc:
+        assert exc.__cause__ is not None
+        error = format_error(exc.__cause__)
+        channel.send(pipe.StartupErrorLine(f"start-up hook {exc.hook} raised {error}"))
+        return False
+    return True
+
+
 async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bool) -> int:
     loop = asyncio.get_running_loop()
-    runner = InlineRunner(concurrency=concurrency, enforce_timeouts=False)
+    runner = InlineRunner(concurrency=concurrency, enforce_timeouts=False, process_hooks=False)
     jobs = _PipeJobs(channel)
     runner.set_job_channel(jobs)
     sampler = _Sampler(channel, loop)
@@ -262,6 +280,18 @@ async def _serve(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bo
     return 0
 
 
+async def _live(jobs_fd: int, channel: _Channel, concurrency: int, one_shot: bool) -> int:
+    """The child's life: the app's start-up hooks, its jobs until the worker closes
+    their channel (or its one job is done), then, on that clean end, the app's shutdown
+    hooks (the worker gives them the kill grace, then stops the process)."""
+    hooks = default_registry.hooks
+    if not await _start_app(hooks, channel):
+        return STARTUP_FAILED
+    code = await _serve(jobs_fd, channel, concurrency, one_shot)
+    await hooks.stop()
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="runners.child")
     parser.add_argument("--channel-fd", type=int, required=True)
@@ -285,9 +315,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for module in args.app:
             importlib.import_module(module)
     except BaseException as exc:
-        channel.send(pipe.StartupErrorLine(format_error(exc)))
+        channel.send(
+            pipe.StartupErrorLine(f"the task modules failed to import: {format_error(exc)}")
+        )
         return STARTUP_FAILED
-    return asyncio.run(_serve(jobs_fd, channel, args.concurrency, args.one_shot))
+    return asyncio.run(_live(jobs_fd, channel, args.concurrency, args.one_shot))
 
 
 if __name__ == "__main__":

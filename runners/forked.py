@@ -66,6 +66,7 @@ class ForkedRunner(ChildRunner):
             on_exit=self._on_exit,
             startup_timeout=self._startup_timeout,
             channel=self._channel,
+            kill_grace=self._kill_grace,
         )
         self._children.append(child)
         self._starts += 1

@@ -32,6 +32,7 @@ from broker.exceptions import TaskNotFoundError
 from broker.jobs import ExecutionMode, JSONValue
 from broker.model import checks
 from broker.payload import MAX_PAYLOAD_DEPTH_CEILING, result_too_deep
+from broker.tasks import hooks as hooks_module
 from broker.tasks.context import JobContext
 from broker.tasks.registry import Task, TaskRegistry, default_registry
 from broker.tasks.runner import (
@@ -55,6 +56,9 @@ _MAX_HEAD_CHARS = 2 * 1024
 
 _MAX_FRAMES = 20
 
+_RUNNER_FILES = frozenset({__file__, hooks_module.__file__})
+"""Frames of the runner and of the around-job layers, left out of a job's error."""
+
 _PLAIN = (str, bool)
 """Result types that are JSON as they are: no depth to measure, nothing to encode first."""
 
@@ -68,7 +72,7 @@ def format_error(exc: BaseException) -> str:
     head = "".join(traceback.format_exception_only(exc)).strip()
     if len(head) > _MAX_HEAD_CHARS:
         head = head[: _MAX_HEAD_CHARS - 3] + "..."
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename not in _RUNNER_FILES]
     lines = traceback.format_list(frames[-_MAX_FRAMES:])
     while lines:
         text = head + "\nTraceback (innermost last):\n" + "".join(lines).rstrip()
@@ -139,6 +143,7 @@ class InlineRunner:
         default_timeout: float | None = None,
         *,
         enforce_timeouts: bool = True,
+        process_hooks: bool = True,
     ) -> None:
         checks.positive_int("inline concurrency", concurrency)
         checks.optional(checks.positive, "default_timeout", default_timeout)
@@ -152,6 +157,12 @@ class InlineRunner:
         """Busy slots by lease (``handoff_id``): unique even if a job id comes back."""
         self._listener: Callable[[], None] | None = None
         self._channel: JobChannel = NoChannel()
+        self._process_hooks = process_hooks
+        """Run the app's start-up hooks at :meth:`start` and its shutdown hooks at
+        :meth:`stop`: in the worker, for its inline jobs. Off in a pooled or forked child,
+        which runs them itself around its whole life (before it says ready, so they never
+        count against a job's timeout)."""
+        self._hooks_started = False
         self._stopping = False
         self._threads = _Threads()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -171,7 +182,12 @@ class InlineRunner:
         self._channel = channel
 
     async def start(self) -> None:
+        """Run the app's start-up hooks (see ``process_hooks``); one that raises
+        (:class:`~broker.tasks.hooks.StartupHookFailed`) fails the worker's start."""
         self._stopping = False
+        if self._process_hooks and not self._hooks_started:
+            await self._registry.hooks.start()
+            self._hooks_started = True
 
     def run(self, assignment: Assignment) -> asyncio.Future[RunOutcome]:
         if self.free_slots() <= 0:
@@ -211,7 +227,9 @@ class InlineRunner:
         args, kwargs = assignment.args, assignment.kwargs
         # The task runs in a copy of this context in which current_job() is its job.
         context = contextvars.copy_context()
-        JobContext(assignment, self._channel, loop).enter(context)
+        job_context = JobContext(assignment, self._channel, loop)
+        job_context.enter(context)
+        hooks = self._registry.hooks if self._registry.hooks.middleware else None
         if task.is_async:
             try:
                 # Calling an async function binds its arguments and runs none of its code.
@@ -220,6 +238,8 @@ class InlineRunner:
                 failed: asyncio.Future[Any] = loop.create_future()
                 failed.set_exception(exc)
                 return failed
+            if hooks is not None:
+                job = hooks.around_async(job_context, job)
             return loop.create_task(job, context=context)
         done: asyncio.Future[Any] = loop.create_future()
 
@@ -231,9 +251,13 @@ class InlineRunner:
             else:
                 done.set_exception(value)
 
+        call: Callable[[], Any] = functools.partial(task.func, *args, **kwargs)
+        if hooks is not None:
+            call = functools.partial(hooks.around_sync, job_context, loop, call)
+
         def target() -> None:
             try:
-                result = (True, context.run(task.func, *args, **kwargs))
+                result = (True, context.run(call))
             except BaseException as exc:  # SystemExit in a job is the job's failure
                 result = (False, exc)
             # RuntimeError: the loop is closed, the worker has exited and nobody waits.
@@ -333,6 +357,9 @@ class InlineRunner:
         for slot in list(self._slots.values()):
             self._settle(slot, Failed(self._stop_message(slot, "cancelled")))
             self._interrupt(slot)
+        if self._hooks_started:
+            self._hooks_started = False
+            await self._registry.hooks.stop()
 
     def status(self) -> RunnerStatus:
         stuck = sum(1 for s in self._slots.values() if s.reported)

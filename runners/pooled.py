@@ -146,6 +146,7 @@ class PooledRunner(ChildRunner):
             startup_timeout=self._startup_timeout,
             on_sample=self._maybe_recycle,
             channel=self._channel,
+            kill_grace=self._kill_grace,
         )
         self._children.append(child)
         self._counts["child_starts"] += 1

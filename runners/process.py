@@ -27,6 +27,7 @@ from broker.model.logs import log_event
 from broker.model.untrusted import RateLimit
 from broker.tasks.registry import TaskRegistry, default_registry
 from broker.tasks.runner import Assignment, Failed, JobChannel, NoChannel, Released, RunOutcome
+from broker.tasks.runner_options import RunnerOptions
 from runners import pipe
 
 logger = logging.getLogger("broker.runner")
@@ -185,6 +186,7 @@ class ChildProcess:
         startup_timeout: float,
         on_sample: Callable[[ChildProcess], None] | None = None,
         channel: JobChannel | None = None,
+        kill_grace: float = RunnerOptions.kill_grace,
     ) -> None:
         self.apps = list(apps)
         self.concurrency = concurrency
@@ -220,6 +222,10 @@ class ChildProcess:
         """The outcome channel's reading end, once the process is started."""
         self._stopper: asyncio.Task[None] | None = None
         """A :meth:`terminate_soon` under way."""
+        self._kill_grace = kill_grace
+        self._exit_timer: asyncio.TimerHandle | None = None
+        """Set once the child has no more jobs and should end on its own (see
+        :meth:`_expect_exit`)."""
         self._boot = self.loop.create_task(self._start(), name="broker-child-start")
 
     @property
@@ -338,7 +344,7 @@ class ChildProcess:
                 self.last_pong = time.monotonic()
                 self._ready.set_result(None)
             case pipe.StartupErrorLine(error=error) if not self.started:
-                self._fail_start(f"the task modules failed to import: {error}")
+                self._fail_start(error)  # the child says what failed: an import, a hook
             case pipe.CompletedLine() | pipe.FailedLine() | pipe.RescheduledLine() if self.started:
                 future = self.inflight.pop(m.handoff_id, None)
                 self.job_ids.pop(m.handoff_id, None)
@@ -349,6 +355,8 @@ class ChildProcess:
                     future.set_result(pipe.outcome_of(m))
                 if self.retiring and not self.inflight:
                     self._close_input()
+                elif self.one_shot and not self.inflight:
+                    self._expect_exit()
             case pipe.CheckpointLine(handoff_id=handoff_id, seq=seq, state=state) if self.started:
                 self._checkpoint(handoff_id, seq, state)
             case pipe.ProgressLine(handoff_id=handoff_id) if self.started:
@@ -421,6 +429,8 @@ class ChildProcess:
     def _finish(self, code: int | None) -> None:
         self.exited = True
         self.exit_code = code
+        if self._exit_timer is not None:
+            self._exit_timer.cancel()
         for task in self._tasks:
             task.cancel()
         if self._channel_in is not None:
@@ -486,6 +496,15 @@ class ChildProcess:
         self._flush()
         if self._proc is not None and self._proc.stdin is not None:
             self._proc.stdin.close()
+        self._expect_exit()
+
+    def _expect_exit(self) -> None:
+        """The child has no more jobs and ends on its own, once the app's shutdown hooks
+        have run: it gets the kill grace for them, then it is stopped, so a hook that
+        hangs cannot keep a process (and a forked job's slot) for ever."""
+        if self._exit_timer is None and not self.exited:
+            grace = self._kill_grace
+            self._exit_timer = self.loop.call_later(grace, self.terminate_soon, grace)
 
     def stop_bystanders(self, reason: str) -> None:
         """Every other job running here is about to be stopped for ``reason`` (another
@@ -729,4 +748,9 @@ class ChildRunner:
         if retire:
             for child in children:
                 child.retire()
+            # An idle child now ends on its own, after the app's shutdown hooks; a SIGTERM
+            # at once would end it before them. It has the kill grace for them.
+            idle = [asyncio.ensure_future(c.closed()) for c in children if not c.inflight]
+            if idle:
+                await asyncio.wait(idle, timeout=self._kill_grace)
         await asyncio.gather(*(c.terminate(self._kill_grace) for c in children))

@@ -31,6 +31,7 @@ from broker.jobs import (
     JSONValue,
 )
 from broker.retry import RetryPolicy, TaskBackoff
+from broker.tasks.hooks import WorkerHooks
 from broker.tasks.schedule import Schedule, default_schedules
 
 P = ParamSpec("P")
@@ -441,6 +442,9 @@ def default_unique_key(
 class TaskRegistry:
     def __init__(self) -> None:
         self._tasks: dict[str, Task[..., Any]] = {}
+        self.hooks = WorkerHooks()
+        """The start-up, shutdown and around-job hooks the app declared beside its tasks
+        (:mod:`broker.tasks.hooks`)."""
 
     def add(self, task: Task[..., Any]) -> None:
         existing = self._tasks.get(task.name)
