@@ -4,6 +4,7 @@ hook and two around-job middlewares (see ``docs/howto/hooks.md``)."""
 
 from __future__ import annotations
 
+import sqlite3
 from collections import Counter
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from tests.hooks_app import EVENTS_ENV, FAIL_ENV, SLOW_ENV
 pytestmark = pytest.mark.slow
 
 APP = "tests.hooks_app"
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 ONE_CHILD = ("--pooled-runner-count", "1", "--forked-concurrency", "1")
 
 
@@ -141,3 +143,26 @@ async def test_a_raising_around_job_hook_fails_the_job_naming_the_hook(
     assert [e for e, _ in events(path) if e.startswith(("after:", "failure:"))] == [], (
         "a middleware whose before raised is not entered: no after, no on_failure"
     )
+
+
+async def test_the_docs_sqlalchemy_example_commits_each_jobs_session_or_rolls_it_back(
+    sqlite_cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app_db = sqlite_cluster.dir / "app.db"
+    monkeypatch.setenv("APP_DATABASE_URL", f"sqlite:///{app_db}")
+    monkeypatch.setenv("PYTHONPATH", str(EXAMPLES))
+    await sqlite_cluster.start_main()
+    await sqlite_cluster.start_worker("sqla-worker", "--app", "sqlalchemy_session", *ONE_CHILD)
+    name = "sqlalchemy_session.record_visit"
+    async with sqlite_cluster.client() as client:
+        outcomes = []
+        for page, fail in (("home", False), ("oops", True), ("about", False)):
+            enqueued = await client.enqueue(name, [page], {"fail": fail}, max_attempts=1)
+            outcomes.append(await client.wait(enqueued.job_id, timeout=60))
+    home, oops, about = outcomes
+    assert home["status"] == "completed" and home["result"] == 1, home["last_error"]
+    assert oops["status"] == "failed" and "ValueError" in str(oops["last_error"])
+    assert about["status"] == "completed" and about["result"] == 2, "the failed one rolled back"
+    with sqlite3.connect(app_db) as conn:
+        pages = [page for (page,) in conn.execute("SELECT page FROM visits ORDER BY id")]
+    assert pages == ["home", "about"]
