@@ -42,9 +42,9 @@ BOUNDS: list[Bound] = []
 # (issue 30, finding 9: a child that cannot get ready must not hand its job back for ever)
 
 RUNNER_STARTUP_TIMEOUT = 30.0
-"""Seconds a pooled or forked child may take to import the apps and say ready (the
-default of ``--runner-startup-timeout``); past it the child is killed, and that is a
-start-up failure. A job's own time limit starts only once its child is ready."""
+"""Seconds a pooled or forked child may take to import the apps, run their start-up
+hooks and say ready (the default of ``--runner-startup-timeout``); past it the child is
+killed, and that is a start-up failure. A job's own time limit starts only once its child is ready."""
 
 RUNNER_START_FAILURES_FORGIVEN = 2
 """Start-up failures of its runner process that one job is given back for unharmed (no
@@ -59,7 +59,7 @@ RUNNER_START_FAILURES_TRACKED = 1024
 
 BOUNDS += [
     Bound(
-        "A runner process's start-up (start, import the apps, say ready)",
+        "A runner process's start-up (start, import the apps, run their start-up hooks, say ready)",
         "30 s",
         "--runner-startup-timeout",
         "killed; a start-up failure (next row); the mode advertises no slots until a "

@@ -88,7 +88,7 @@ class RunnerOptions:
         flag="--runner-startup-timeout",
         parse=float,
         check=checks.positive,
-        help="seconds a child may take to import the app and say ready",
+        help="seconds a child may take to import the app, run its start-up hooks and say ready",
     )
 
     def validate(self) -> None:
