@@ -44,7 +44,8 @@ BOUNDS: list[Bound] = []
 RUNNER_STARTUP_TIMEOUT = 30.0
 """Seconds a pooled or forked child may take to import the apps, run their start-up
 hooks and say ready (the default of ``--runner-startup-timeout``); past it the child is
-killed, and that is a start-up failure. A job's own time limit starts only once its child is ready."""
+killed, and that is a start-up failure. A job's own time limit starts only once its child
+is ready."""
 
 RUNNER_START_FAILURES_FORGIVEN = 2
 """Start-up failures of its runner process that one job is given back for unharmed (no
