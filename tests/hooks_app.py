@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import threading
 import time
 
 from broker import JobContext, JobMiddleware, add_middleware, current_job, on_shutdown, on_startup
@@ -22,6 +23,8 @@ FAIL_ENV = "HOOKS_APP_FAIL_STARTUP"
 """Set: the start-up hook raises."""
 SLOW_ENV = "HOOKS_APP_STARTUP_SECONDS"
 """The start-up hook takes this long, like an app warming a cache."""
+HANG_ENV = "HOOKS_APP_HANG_SHUTDOWN"
+"""Set: the shutdown hook never returns."""
 
 RESOURCE: dict[str, int] = {}
 """What the start-up hook made (here, the pid it ran in): a module global, which this
@@ -55,6 +58,8 @@ async def open_resource() -> None:
 @on_shutdown
 def close_resource() -> None:
     record("shutdown")
+    if os.environ.get(HANG_ENV):
+        threading.Event().wait()  # a hook that hangs: the worker must stop this process
 
 
 class Tagging(JobMiddleware):

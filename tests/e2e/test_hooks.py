@@ -12,7 +12,7 @@ import pytest
 
 from broker.client.client import Client
 from tests.e2e.test_e2e import Cluster, Proc
-from tests.hooks_app import EVENTS_ENV, FAIL_ENV, SLOW_ENV
+from tests.hooks_app import EVENTS_ENV, FAIL_ENV, HANG_ENV, SLOW_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -92,6 +92,22 @@ async def test_a_start_up_hook_longer_than_a_forked_jobs_timeout_is_not_charged_
     async with sqlite_cluster.client() as client:
         job = await run(client, "seen_forked", timeout=1.0, max_attempts=1)
     assert job["status"] == "completed", job["last_error"]
+
+
+async def test_a_shutdown_hook_that_hangs_is_cut_off_after_the_kill_grace(
+    sqlite_cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = await start(sqlite_cluster, monkeypatch)
+    monkeypatch.setenv(HANG_ENV, "1")
+    extra = ("--pooled-runner-count", "0", "--kill-grace", "0.5")
+    await worker(sqlite_cluster, *extra, inline=0)
+    async with sqlite_cluster.client() as client:
+        first = await run(client, "seen_forked")
+        # One forked slot: the second job runs only once the first child is gone.
+        second = await run(client, "seen_forked")
+    assert first["status"] == second["status"] == "completed", (first, second)
+    first_child = first["result"]["pid"]  # type: ignore[index]
+    assert ("shutdown", first_child) in events(path), "its shutdown hook did start"
 
 
 async def test_a_raising_start_up_hook_keeps_children_out_of_service_and_says_which(
