@@ -14,6 +14,7 @@ from urllib.parse import urlencode
 
 from aiohttp import web
 
+from broker.core.election import Role
 from broker.exceptions import BrokerError
 from broker.jobs import ExecutionMode, JobStatus, utcnow
 from broker.main.main import Main
@@ -93,6 +94,7 @@ class Dashboard(HttpServer):
         return MainLevels(
             counts=counts,
             now=utcnow(),
+            leader=self.main.standing.role is Role.LEADER,
             workers=len(workers),
             draining=sum(1 for p in workers if p.draining),
             credits=credits,
@@ -303,9 +305,17 @@ class Dashboard(HttpServer):
         )
 
     async def _healthz(self, request: web.Request) -> web.Response:
-        """200 while the main serves; a load balancer needs no more (the store's health
-        shows in the store error counters and in requests failing)."""
-        return web.Response(text="ok\n")
+        """200 while the main serves, leader or standby (a standby is healthy: it is ready
+        to take over), with its role in the body: ``ok leader``, ``ok standby leader=ADDR``
+        (``leader=none`` while none is elected); 503 once it stepped down and is stopping.
+        A load balancer needs no more (the store's health shows in the store error counters
+        and in requests failing)."""
+        now = self.main.standing
+        if now.role is Role.DEPOSED:
+            return web.Response(status=503, text="deposed\n")
+        if now.role is Role.LEADER:
+            return web.Response(text="ok leader\n")
+        return web.Response(text=f"ok standby leader={now.leader or 'none'}\n")
 
 
 def _job_id(request: web.Request) -> uuid.UUID:
