@@ -114,7 +114,23 @@ def test_a_connection_ends_the_failover_cap() -> None:
     for _ in range(6):
         reconnect.connected(1.0)
         delay = reconnect.lost(1.0)
-    assert delay == 6.4, "a main that drops at once is backed off from as before"
+    assert delay == 3.2, "a main that drops at once is backed off from as before"
+
+
+def test_a_failover_soon_after_another_does_not_inherit_its_attempts() -> None:
+    """Ten takeovers in a row: the attempts of one failover used to stay counted through
+    the short connection to its leader, so the next failover began with the backoff's
+    longest wait (workers followed leaders 5 to 7 s after their election)."""
+    reconnect = policy(max_delay=30.0, mains="c:3,a:1")
+    reconnect.connected(0.0)
+    reconnect.lost(60.0)
+    for _ in range(20):
+        reconnect.not_leader("c:3")
+        reconnect.unreachable()
+    reconnect.not_leader(None)
+    reconnect.connected(63.0)
+    assert reconnect.failures == 0, "the failover's attempts are forgiven"
+    assert reconnect.lost(64.0) == FIRST_RECONNECT_DELAY, "a short connection: one failure"
 
 
 @given(
