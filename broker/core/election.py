@@ -253,7 +253,7 @@ class Election:
         return [StepDown(self.epoch, reason)]
 
 
-class Role(enum.StrEnum):
+class MainRole(enum.StrEnum):
     """A main's part, as ``/healthz``, ``/metrics`` (``broker_main_leader``) and ``broker
     status`` say it."""
 
@@ -272,7 +272,7 @@ class Standing:
     """What a main says of itself to operators and peers: its role, and the leader's
     address as it knows it (``None``: no leader elected, as far as it saw)."""
 
-    role: Role
+    role: MainRole
     leader: str | None
 
 
@@ -285,11 +285,11 @@ def standing(election: Election | None, *, dispatching: bool, address: str) -> S
     queue at the orphans' deadline while it ran them; it comes back after its backoff
     instead."""
     if election is None or (election.phase is Phase.LEADER and dispatching):
-        return Standing(Role.LEADER, address)
+        return Standing(MainRole.LEADER, address)
     if election.phase is Phase.DEPOSED:
-        return Standing(Role.DEPOSED, None)
+        return Standing(MainRole.DEPOSED, None)
     loading = election.phase is Phase.LEADER
-    return Standing(Role.STANDBY, address if loading else election.leader)
+    return Standing(MainRole.STANDBY, address if loading else election.leader)
 
 
 def not_leader(election: Election, address: str) -> protocol.Error:

@@ -36,7 +36,7 @@ import uuid
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from broker.core.election import Election, Role, Standing, Timing, not_leader, standing
+from broker.core.election import Election, MainRole, Standing, Timing, not_leader, standing
 from broker.core.handoff import (
     Handoff,
     HandoffEffect,
@@ -278,7 +278,7 @@ class Main:
     @property
     def leading(self) -> bool:
         """Whether this main dispatches (its :attr:`standing` is the leader's)."""
-        return self.standing.role is Role.LEADER
+        return self.standing.role is MainRole.LEADER
 
     @property
     def address(self) -> str:

@@ -66,7 +66,7 @@ class LiveState:
 
     main_id: str
     role: str
-    """Its :class:`~broker.core.election.Role`: ``leader`` for a main that answers a client."""
+    """Its :class:`~broker.core.election.MainRole`: ``leader`` for a main that answers a client."""
     leader: str | None
     """The leader's address as this main knows it (its own, when it leads)."""
     dispatched: int

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from broker.core.election import (
     Election,
     Lead,
+    MainRole,
     Phase,
     Renew,
-    Role,
     RoundBudget,
     Standing,
     StepDown,
@@ -102,18 +102,18 @@ def test_a_main_says_its_role_and_where_the_leader_is() -> None:
     """``standing``: what ``/healthz``, ``broker_main_leader`` and ``broker status`` say.
     Only a main that dispatches is the leader; elected but loading, it is still a
     standby (naming itself, as ``not_leader`` does); stepped down, it names no one."""
-    assert standing(None, dispatching=False, address="a:1") == Standing(Role.LEADER, "a:1")
+    assert standing(None, dispatching=False, address="a:1") == Standing(MainRole.LEADER, "a:1")
     e = Election("a", TIMING)
-    assert standing(e, dispatching=False, address="a:1") == Standing(Role.STANDBY, None)
+    assert standing(e, dispatching=False, address="a:1") == Standing(MainRole.STANDBY, None)
     e.elected("b", 1, "b:1", live=True, started=0.0)
-    assert standing(e, dispatching=False, address="a:1") == Standing(Role.STANDBY, "b:1")
+    assert standing(e, dispatching=False, address="a:1") == Standing(MainRole.STANDBY, "b:1")
     e.elected("b", 1, "b:1", live=False, started=1.0)
-    assert standing(e, dispatching=False, address="a:1") == Standing(Role.STANDBY, None)
+    assert standing(e, dispatching=False, address="a:1") == Standing(MainRole.STANDBY, None)
     e.elected("a", 2, "a:1", live=True, started=2.0)
-    assert standing(e, dispatching=False, address="a:1") == Standing(Role.STANDBY, "a:1")
-    assert standing(e, dispatching=True, address="a:1") == Standing(Role.LEADER, "a:1")
+    assert standing(e, dispatching=False, address="a:1") == Standing(MainRole.STANDBY, "a:1")
+    assert standing(e, dispatching=True, address="a:1") == Standing(MainRole.LEADER, "a:1")
     e.resigned()
-    assert standing(e, dispatching=True, address="a:1") == Standing(Role.DEPOSED, None)
+    assert standing(e, dispatching=True, address="a:1") == Standing(MainRole.DEPOSED, None)
 
 
 def test_a_standby_is_elected_when_the_row_is_free() -> None:

@@ -14,7 +14,7 @@ from urllib.parse import urlencode
 
 from aiohttp import web
 
-from broker.core.election import Role
+from broker.core.election import MainRole
 from broker.exceptions import BrokerError
 from broker.jobs import ExecutionMode, JobStatus, utcnow
 from broker.main.main import Main
@@ -94,7 +94,7 @@ class Dashboard(HttpServer):
         return MainLevels(
             counts=counts,
             now=utcnow(),
-            leader=self.main.standing.role is Role.LEADER,
+            leader=self.main.standing.role is MainRole.LEADER,
             workers=len(workers),
             draining=sum(1 for p in workers if p.draining),
             credits=credits,
@@ -311,9 +311,9 @@ class Dashboard(HttpServer):
         A load balancer needs no more (the store's health shows in the store error counters
         and in requests failing)."""
         now = self.main.standing
-        if now.role is Role.DEPOSED:
+        if now.role is MainRole.DEPOSED:
             return web.Response(status=503, text="deposed\n")
-        if now.role is Role.LEADER:
+        if now.role is MainRole.LEADER:
             return web.Response(text="ok leader\n")
         return web.Response(text=f"ok standby leader={now.leader or 'none'}\n")
 
