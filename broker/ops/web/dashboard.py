@@ -306,16 +306,15 @@ class Dashboard(HttpServer):
 
     async def _healthz(self, request: web.Request) -> web.Response:
         """200 while the main serves, leader or standby (a standby is healthy: it is ready
-        to take over), with its role in the body: ``ok leader``, ``ok standby leader=ADDR``
-        (``leader=none`` while none is elected); 503 once it stepped down and is stopping.
-        A load balancer needs no more (the store's health shows in the store error counters
-        and in requests failing)."""
-        now = self.main.standing
-        if now.role is MainRole.DEPOSED:
+        to take over), with its role in the body, ``ok leader`` or ``ok standby``; 503 once
+        it stepped down and is stopping. The leader's address is not said here: this path
+        is open to anyone who reaches the port, and the main names the leader only to
+        peers that proved a secret. A load balancer needs no more (the store's health
+        shows in the store error counters and in requests failing)."""
+        role = self.main.standing.role
+        if role is MainRole.DEPOSED:
             return web.Response(status=503, text="deposed\n")
-        if now.role is MainRole.LEADER:
-            return web.Response(text="ok leader\n")
-        return web.Response(text=f"ok standby leader={now.leader or 'none'}\n")
+        return web.Response(text=f"ok {role.value}\n")
 
 
 def _job_id(request: web.Request) -> uuid.UUID:
