@@ -253,15 +253,51 @@ class Election:
         return [StepDown(self.epoch, reason)]
 
 
+class MainRole(enum.StrEnum):
+    """A main's part, as ``/healthz``, ``/metrics`` (``broker_main_leader``) and ``broker
+    status`` say it."""
+
+    LEADER = "leader"
+    """It dispatches (elected and done loading the handoffs in flight, or alone on a
+    store without an election)."""
+    STANDBY = "standby"
+    """It answers peers ``not_leader``: waiting to be elected, or elected and still
+    loading."""
+    DEPOSED = "deposed"
+    """It stepped down (or resigned) and is stopping."""
+
+
+@dataclass(frozen=True, slots=True)
+class Standing:
+    """What a main says of itself to operators and peers: its role, and the leader's
+    address as it knows it (``None``: no leader elected, as far as it saw)."""
+
+    role: MainRole
+    leader: str | None
+
+
+def standing(election: Election | None, *, dispatching: bool, address: str) -> Standing:
+    """The standing of a main reached at ``address`` that holds ``election`` (``None``: its
+    store holds one main) and ``dispatching`` or not.
+
+    Elected but still loading the handoffs in flight, it is a standby that names itself:
+    a worker welcomed now would adopt none of its leases, and they would go back to the
+    queue at the orphans' deadline while it ran them; it comes back after its backoff
+    instead."""
+    if election is None or (election.phase is Phase.LEADER and dispatching):
+        return Standing(MainRole.LEADER, address)
+    if election.phase is Phase.DEPOSED:
+        return Standing(MainRole.DEPOSED, None)
+    loading = election.phase is Phase.LEADER
+    return Standing(MainRole.STANDBY, address if loading else election.leader)
+
+
 def not_leader(election: Election, address: str) -> protocol.Error:
     """The answer to a peer's hello while this main, reached at ``address``, does not
-    dispatch (the connection then closes): where the leader is, if it knows.
-
-    Elected but still loading the handoffs in flight, it names itself: a worker welcomed
-    now would adopt none of its leases, and they would go back to the queue at the
-    orphans' deadline while it ran them; it comes back after its backoff instead."""
+    dispatch (the connection then closes): where the leader is, if it knows
+    (:func:`standing`)."""
     loading = election.phase is Phase.LEADER
-    leader = address if loading else election.leader
+    leader = standing(election, dispatching=False, address=address).leader
     return protocol.Error(
         code=protocol.ErrorCode.NOT_LEADER,
         message=(

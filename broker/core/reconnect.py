@@ -9,6 +9,17 @@ send has waited that long on the socket, because TCP alone can take many minutes
 a peer that vanished. The main judges its peers by the same timeout, in its own core
 (:meth:`broker.core.peers.Liveness.problem`), from pongs rather than any message: it
 pings, and a worker that sends but never reads cannot answer.
+
+During a failover the backoff must not grow as if the mains were down: the old leader
+refuses, the standby answers ``not_leader`` (naming the old leader while its lease runs,
+then no one, then itself while it loads), and every one of those answers used to double
+the delay, so a worker found a leader elected in 2.9 s only after 5.4 s; and since the
+count carried over into the next connection, a failover soon after another cost the
+backoff's longest wait. A standby that answers proves a main is up and an election under
+way, so from then on until the next connection the delay is capped at
+:data:`FOLLOW_DELAY`, a leader it names (other than itself) is tried at once, like a
+redirect, and the welcome forgives those attempts. A worker thus follows a new leader
+within about one :data:`FOLLOW_DELAY` of its election.
 """
 
 from __future__ import annotations
@@ -22,9 +33,20 @@ FIRST_RECONNECT_DELAY = 0.1
 """The backoff's first ceiling, doubled by each failure up to the worker's
 ``reconnect_max_delay``."""
 
-STABLE_CONNECTION = 5.0
+FOLLOW_DELAY = 0.4
+"""The backoff's ceiling once a standby has answered since the last connection: a
+failover is under way, and the new leader is due within the election's bound. A standby
+answers a refused hello cheaply, so a few attempts a second per worker for those seconds
+cost little; a worker whose every main is unreachable still backs off to its
+``reconnect_max_delay``."""
+
+STABLE_CONNECTION = 1.0
 """A connection that lasted this long resets the backoff; shorter ones keep growing it,
-so a main that accepts and then drops at once is not hammered ten times a second."""
+so a main that accepts and then drops at once is not hammered ten times a second. It
+was 5 s, and a leader that died within 5 s of the workers' arrival (ten takeovers in a
+row) left them its failures to count: each next failover began with a longer wait, up
+to 5.7 s after the election; a connection that lasted a second was welcomed and served,
+and says nothing against the next main."""
 
 
 class Reconnect:
@@ -49,24 +71,45 @@ class Reconnect:
         self.failures = 0
         """Attempts failed, and connections lost before they were stable, in a row."""
         self._connected_at: float | None = None
+        self._before_failover: int | None = None
+        """:attr:`failures` when a standby first answered since the last connection
+        (``None``: none did): the delay is capped at :data:`FOLLOW_DELAY` meanwhile, and a
+        welcome forgives the attempts since (see :meth:`connected`)."""
+        self._redirected = False
+        """The last attempt went, at once, to the leader a standby named."""
 
     def unreachable(self) -> float:
         """Connecting failed (no answer, a refused or broken handshake, a TLS error): the
         next main in the list is tried."""
         self.failures += 1
+        self._redirected = False
         self.mains.failed()
         return self._delay(self.failures)
 
     def not_leader(self, leader: str | None) -> float:
         """A standby answered: the leader it named is tried next (the next main in the
-        list when it named none)."""
+        list when it named none). A leader named elsewhere is tried at once, unless the
+        attempt that got this answer was already such a redirect (two standbys naming each
+        other, however briefly, are never asked in a busy loop)."""
+        if self._before_failover is None:
+            self._before_failover = self.failures
         self.failures += 1
+        asked = self.mains.current
         self.mains.follow(leader)
-        return self._delay(self.failures)
+        redirect = leader is not None and self.mains.current != asked and not self._redirected
+        self._redirected = redirect
+        return 0.0 if redirect else self._delay(self.failures)
 
     def connected(self, now: float) -> None:
-        """A main welcomed this worker at ``now``."""
+        """A main welcomed this worker at ``now``. The attempts made while following a new
+        leader are forgiven: they said nothing against this main, and counted in, a
+        connection shorter than :data:`STABLE_CONNECTION` (the next failover coming
+        soon) would be followed by the backoff's longest wait."""
         self._connected_at = now
+        if self._before_failover is not None:
+            self.failures = self._before_failover
+        self._before_failover = None
+        self._redirected = False
 
     def lost(self, now: float) -> float:
         """The connection ended at ``now``. The leader may be gone, so the next main is
@@ -80,6 +123,8 @@ class Reconnect:
 
     def _delay(self, failures: int) -> float:
         ceiling = min(self._max_delay, FIRST_RECONNECT_DELAY * 2 ** min(failures - 1, 30))
+        if self._before_failover is not None:
+            ceiling = min(ceiling, FOLLOW_DELAY)
         return self._uniform(ceiling / 2, ceiling)
 
 
@@ -101,4 +146,4 @@ def alive_for(now: float, *, heard: float, sending: float | None, limit: float) 
     return left
 
 
-__all__ = ["FIRST_RECONNECT_DELAY", "STABLE_CONNECTION", "Reconnect", "alive_for"]
+__all__ = ["FIRST_RECONNECT_DELAY", "FOLLOW_DELAY", "STABLE_CONNECTION", "Reconnect", "alive_for"]

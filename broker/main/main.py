@@ -36,7 +36,7 @@ import uuid
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from broker.core.election import Election, Phase, Timing, not_leader
+from broker.core.election import Election, MainRole, Standing, Timing, not_leader, standing
 from broker.core.handoff import (
     Handoff,
     HandoffEffect,
@@ -269,10 +269,16 @@ class Main:
     # ------------------------------------------------------------------ election
 
     @property
+    def standing(self) -> Standing:
+        """This main's role and the leader's address as it knows them (the rule is
+        :func:`broker.core.election.standing`): it dispatches (always, on a store that
+        holds one main) once elected and done loading the orphans."""
+        return standing(self.election, dispatching=self._dispatching, address=self.address)
+
+    @property
     def leading(self) -> bool:
-        """Whether this main dispatches (always, on a store that holds one main): elected,
-        and done loading the orphans."""
-        return self.election is None or (self.election.phase is Phase.LEADER and self._dispatching)
+        """Whether this main dispatches (its :attr:`standing` is the leader's)."""
+        return self.standing.role is MainRole.LEADER
 
     @property
     def address(self) -> str:
@@ -420,8 +426,11 @@ class Main:
         """The operators' snapshot (``broker status``): :meth:`Operations.status` with what
         only the running main knows, its workers and pending recoveries."""
         workers = self.sessions.values()
+        now = self.standing
         live = LiveState(
             main_id=self.main_id,
+            role=now.role.value,
+            leader=now.leader,
             dispatched=self.dispatched,
             orphans=len(self.orphans),
             workers=[s.summary() for s in workers if s.role is protocol.Role.WORKER],

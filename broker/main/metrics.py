@@ -355,6 +355,9 @@ class MainLevels:
 
     counts: Sequence[QueueCount]
     now: datetime
+    leader: bool
+    """Whether this main dispatches: a standby's worker and credit gauges read 0, and
+    alert rules join on ``broker_main_leader`` so they fire on the leader only."""
     workers: int
     draining: int
     credits: Mapping[str, int]
@@ -389,6 +392,11 @@ class _MainLevelsCollector(Collector):
             oldest.add_metric([queue], ages.get(queue, 0.0))
         yield depth
         yield oldest
+        yield _gauge(
+            "broker_main_leader",
+            "1 while this main dispatches (the leader), 0 on a standby.",
+            1 if levels.leader else 0,
+        )
         yield _gauge("broker_workers_connected", "Worker connections.", levels.workers)
         yield _gauge("broker_workers_draining", "Worker connections draining.", levels.draining)
         credits = GaugeMetricFamily(

@@ -65,6 +65,10 @@ class LiveState:
     """What only a running main knows, for :meth:`Operations.status`."""
 
     main_id: str
+    role: str
+    """Its :class:`~broker.core.election.MainRole`: ``leader`` for a main that answers a client."""
+    leader: str | None
+    """The leader's address as this main knows it (its own, when it leads)."""
     dispatched: int
     orphans: int
     workers: list[dict[str, Any]]
@@ -262,6 +266,8 @@ class Operations:
         queues = queue_summary(await self.store.count_jobs(), self._clock())
         return {
             "main_id": None if live is None else live.main_id,
+            "role": None if live is None else live.role,
+            "leader": None if live is None else live.leader,
             "dispatched": None if live is None else live.dispatched,
             "orphans": None if live is None else live.orphans,
             "queues": queues,

@@ -9,7 +9,8 @@ which is escaped).
 **json** is for a log shipper: one JSON object per line, with ``time``, ``level``,
 ``logger``, ``event`` and ``message``, then the record's fields as values of their own
 type (a port is a number, a missing worker id is ``null``, a duration is seconds), an
-``error`` and a ``traceback`` when the record carries an exception.
+``error`` and a ``traceback`` when the record carries an exception, and ``trace_id`` and
+``span_id`` when it was logged inside an OpenTelemetry span (:mod:`broker.model.tracing`).
 
 The fields travel beside the message, never inside it: :func:`log_event` logs a
 message with its fields, which the text format shows as ``message key=value ...`` and
@@ -33,11 +34,14 @@ from datetime import UTC, date, datetime, timedelta
 from enum import Enum
 from typing import Any, TextIO
 
+from broker.model.tracing import current_ids
 from broker.model.untrusted import escape_control
 
 FORMATS = ("text", "json")
 
-OWN_FIELDS = frozenset({"time", "level", "logger", "event", "message", "traceback"})
+OWN_FIELDS = frozenset(
+    {"time", "level", "logger", "event", "message", "traceback", "trace_id", "span_id"}
+)
 """What a JSON line says of its record itself: no field may take these names."""
 
 _FIELDS = "broker_fields"
@@ -157,6 +161,9 @@ class JsonFormatter(logging.Formatter):
             "message": record.getMessage(),
             **self.static,
         }
+        span = current_ids()  # the handler runs in the logging call's context
+        if span is not None:
+            line["trace_id"], line["span_id"] = span
         # A plain ``extra=`` of a call that does not use :func:`log_event` is a field too.
         extras = {
             key: value

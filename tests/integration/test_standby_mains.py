@@ -11,12 +11,14 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any, cast
 
+import aiohttp
 import pytest
 
 from adapters.sql import SQLAlchemyAdapter
 from broker.client.client import Client
 from broker.jobs import JobStatus
 from broker.main.main import Main
+from broker.ops.web import Dashboard
 from broker.storage import JobFilter, JobPage, StorageAdapter
 from tests.conftest import drop_schema, fresh_schema_name, require_postgres
 from tests.support import FAST, FakeWorker, lease_of, until
@@ -120,5 +122,48 @@ async def test_a_main_just_elected_welcomes_no_worker_before_its_orphans_are_loa
         assert welcome.adopted == [lease_of(job)]
         await back.close()
     finally:
+        await leader.stop()
+        await standby.stop()
+
+
+async def _get(http: aiohttp.ClientSession, site: Dashboard, path: str) -> tuple[int, str]:
+    async with http.get(f"http://127.0.0.1:{site.port}{path}") as response:
+        return response.status, await response.text()
+
+
+async def test_healthz_metrics_and_status_say_leader_or_standby(
+    stores: list[SQLAlchemyAdapter],
+) -> None:
+    """A standby's ``/metrics`` reports 0 workers by design: ``broker_main_leader 0``
+    stands beside it (the documented alerts join on it), ``/healthz`` stays 200 and says
+    ``standby``, and ``broker status`` (sent on to the leader) says who answered."""
+    leader = Main(stores[0], SETTINGS, retention=None)
+    standby = Main(stores[1], SETTINGS, retention=None)
+    await leader.start()
+    await standby.start()
+    sites = [Dashboard(main, host="127.0.0.1", port=0) for main in (leader, standby)]
+    for site in sites:
+        await site.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            assert await _get(http, sites[0], "/healthz") == (200, "ok leader\n")
+            assert await _get(http, sites[1], "/healthz") == (200, "ok standby\n")
+            _, on_leader = await _get(http, sites[0], "/metrics")
+            _, on_standby = await _get(http, sites[1], "/metrics")
+            assert "\nbroker_main_leader 1.0\n" in on_leader
+            assert "\nbroker_main_leader 0.0\n" in on_standby
+            assert "\nbroker_workers_connected 0.0\n" in on_standby
+            async with Client("127.0.0.1", standby.port) as client:
+                status = await client.status()
+            assert (status["main_id"], status["role"]) == (leader.main_id, "leader")
+            assert status["leader"] == leader.address
+            await leader.stop()
+            await until(lambda: standby.leading, timeout=10)
+            assert await _get(http, sites[1], "/healthz") == (200, "ok leader\n")
+            _, on_standby = await _get(http, sites[1], "/metrics")
+            assert "\nbroker_main_leader 1.0\n" in on_standby
+    finally:
+        for site in sites:
+            await site.stop()
         await leader.stop()
         await standby.stop()

@@ -8,6 +8,7 @@ from typing import Any
 
 from adapters.memory import MemoryAdapter
 from broker.jobs import JobStatus
+from broker.ops.admin.format import format_status
 from broker.ops.admin.service import RequestService, StoreService, read_status
 from broker.wire import messages as protocol
 
@@ -22,6 +23,19 @@ class _MainReply:
 async def test_a_status_that_does_not_say_its_source_is_the_mains() -> None:
     shown = await read_status(_MainReply())  # type: ignore[arg-type]  # status alone
     assert shown == {"source": "main", "main_error": None, "main_id": "m1", "queues": []}
+
+
+def test_the_first_line_of_broker_status_names_the_main_that_answered_and_its_role() -> None:
+    """With several mains, a standby given as ``--main`` hands the command to the leader:
+    the line says which main answered, as what, and where (a main older than the role
+    says neither)."""
+    base = {"source": "main", "main_id": "m2", "dispatched": 3, "orphans": 0, "queues": []}
+    shown = format_status({**base, "role": "leader", "leader": "main-b.internal:7600"})
+    assert shown.splitlines()[0] == (
+        "main: m2 up as leader at main-b.internal:7600, 3 jobs dispatched, "
+        "0 orphaned leases awaiting their workers"
+    )
+    assert format_status(base).startswith("main: m2 up, 3 jobs dispatched")
 
 
 async def test_the_store_says_the_main_is_down_and_why_and_has_no_workers() -> None:

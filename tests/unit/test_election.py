@@ -19,13 +19,16 @@ from hypothesis import strategies as st
 from broker.core.election import (
     Election,
     Lead,
+    MainRole,
     Phase,
     Renew,
     RoundBudget,
+    Standing,
     StepDown,
     Timing,
     TryElect,
     not_leader,
+    standing,
 )
 from broker.exceptions import ConfigurationError
 from broker.main.election import within_running_time
@@ -93,6 +96,24 @@ def test_a_main_that_does_not_dispatch_answers_hellos_with_where_the_leader_is()
     assert elected.elected("a", 2, "a:7600", live=True, started=0.0) == [Lead(2)]
     loading = not_leader(elected, "a:7600")
     assert loading.leader == "a:7600" and "just elected" in loading.message
+
+
+def test_a_main_says_its_role_and_where_the_leader_is() -> None:
+    """``standing``: what ``/healthz``, ``broker_main_leader`` and ``broker status`` say.
+    Only a main that dispatches is the leader; elected but loading, it is still a
+    standby (naming itself, as ``not_leader`` does); stepped down, it names no one."""
+    assert standing(None, dispatching=False, address="a:1") == Standing(MainRole.LEADER, "a:1")
+    e = Election("a", TIMING)
+    assert standing(e, dispatching=False, address="a:1") == Standing(MainRole.STANDBY, None)
+    e.elected("b", 1, "b:1", live=True, started=0.0)
+    assert standing(e, dispatching=False, address="a:1") == Standing(MainRole.STANDBY, "b:1")
+    e.elected("b", 1, "b:1", live=False, started=1.0)
+    assert standing(e, dispatching=False, address="a:1") == Standing(MainRole.STANDBY, None)
+    e.elected("a", 2, "a:1", live=True, started=2.0)
+    assert standing(e, dispatching=False, address="a:1") == Standing(MainRole.STANDBY, "a:1")
+    assert standing(e, dispatching=True, address="a:1") == Standing(MainRole.LEADER, "a:1")
+    e.resigned()
+    assert standing(e, dispatching=True, address="a:1") == Standing(MainRole.DEPOSED, None)
 
 
 def test_a_standby_is_elected_when_the_row_is_free() -> None:

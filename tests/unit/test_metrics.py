@@ -58,6 +58,7 @@ def levels(**over: Any) -> MainLevels:
     base: dict[str, Any] = {
         "counts": [],
         "now": NOW,
+        "leader": True,
         "workers": 0,
         "draining": 0,
         "credits": {},

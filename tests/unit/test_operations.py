@@ -264,6 +264,8 @@ async def test_status_reads_the_store_and_takes_the_rest_from_a_main() -> None:
     alone = await ops.status()
     assert {k: v for k, v in alone.items() if k != "queues"} == {
         "main_id": None,
+        "role": None,
+        "leader": None,
         "dispatched": None,
         "orphans": None,
         "workers": None,
@@ -275,9 +277,10 @@ async def test_status_reads_the_store_and_takes_the_rest_from_a_main() -> None:
     assert queues["default"]["counts"]["completed"] == 1
     assert queues["default"]["oldest_queued_run_at"] is None
 
-    live = LiveState("main-1", 7, 2, [{"worker_id": "w"}], [{"job_id": "j"}])
+    live = LiveState("main-1", "leader", "m:7390", 7, 2, [{"worker_id": "w"}], [{"job_id": "j"}])
     with_main = await ops.status(live)
     assert with_main["main_id"] == "main-1" and with_main["dispatched"] == 7
+    assert with_main["role"] == "leader" and with_main["leader"] == "m:7390"
     assert with_main["orphans"] == 2 and with_main["workers"] == [{"worker_id": "w"}]
     assert with_main["pending_recoveries"] == [{"job_id": "j"}]
     assert with_main["queues"] == alone["queues"]

@@ -4,8 +4,16 @@ clock and the jitter injected: no socket, no sleep."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from broker.core.reconnect import FIRST_RECONNECT_DELAY, STABLE_CONNECTION, Reconnect, alive_for
+from broker.core.reconnect import (
+    FIRST_RECONNECT_DELAY,
+    FOLLOW_DELAY,
+    STABLE_CONNECTION,
+    Reconnect,
+    alive_for,
+)
 from broker.wire.addresses import MainAddresses
 
 
@@ -56,10 +64,100 @@ def test_an_unreachable_main_moves_on_to_the_next() -> None:
 
 def test_a_standby_sends_the_worker_to_the_leader_it_names() -> None:
     reconnect = policy()
-    assert reconnect.not_leader("c:3") == 0.1
+    assert reconnect.not_leader("c:3") == 0.0, "a redirect: followed at once"
     assert reconnect.mains.current == ("c", 3)
     assert reconnect.not_leader(None) == 0.2, "no leader yet: back off, try the next"
     assert reconnect.mains.current == ("a", 1)
+
+
+def test_a_main_loading_after_its_election_that_names_itself_is_asked_again_later() -> None:
+    reconnect = policy()
+    assert reconnect.not_leader("a:1") == FIRST_RECONNECT_DELAY
+    assert reconnect.mains.current == ("a", 1)
+
+
+def test_two_redirects_in_a_row_wait() -> None:
+    """Standbys that name each other (a stale view, for an instant) are not asked in a
+    busy loop."""
+    reconnect = policy()
+    assert reconnect.not_leader("b:2") == 0.0
+    assert reconnect.not_leader("a:1") > 0.0
+    assert reconnect.mains.current == ("a", 1)
+
+
+def test_during_a_failover_the_backoff_stays_under_the_follow_delay() -> None:
+    """Kill the leader ``c``: the standby ``a`` names it while its lease runs, ``c``
+    refuses, and so on. Those answers no longer double the delay up to seconds (a worker
+    took 5.4 s to follow a leader elected in 2.9 s); they stay at FOLLOW_DELAY at most."""
+    reconnect = policy(max_delay=30.0, mains="c:3,a:1")
+    reconnect.connected(0.0)
+    delays = [reconnect.lost(60.0)]
+    assert reconnect.mains.current == ("a", 1)
+    for _ in range(20):
+        delays.append(reconnect.not_leader("c:3"))  # the standby names the dead leader
+        assert reconnect.mains.current == ("c", 3)
+        delays.append(reconnect.unreachable())  # which refuses
+        assert reconnect.mains.current == ("a", 1)
+    assert delays[1::2] == [0.0] * 20, "the leader named is tried at once"
+    assert max(delays) == FOLLOW_DELAY, "one wait per round, at most the follow delay"
+
+
+def test_with_every_main_unreachable_the_backoff_still_grows() -> None:
+    reconnect = policy(max_delay=30.0)
+    assert [reconnect.unreachable() for _ in range(8)][-1] == 12.8
+
+
+def test_a_connection_ends_the_failover_cap() -> None:
+    reconnect = policy(max_delay=30.0)
+    reconnect.not_leader(None)
+    reconnect.connected(0.0)
+    for _ in range(6):
+        reconnect.connected(1.0)
+        delay = reconnect.lost(1.0)
+    assert delay == 3.2, "a main that drops at once is backed off from as before"
+
+
+def test_a_failover_soon_after_another_does_not_inherit_its_attempts() -> None:
+    """Ten takeovers in a row: the attempts of one failover used to stay counted through
+    the short connection to its leader, so the next failover began with the backoff's
+    longest wait (workers followed leaders 5 to 7 s after their election)."""
+    reconnect = policy(max_delay=30.0, mains="c:3,a:1")
+    reconnect.connected(0.0)
+    reconnect.lost(60.0)
+    for _ in range(20):
+        reconnect.not_leader("c:3")
+        reconnect.unreachable()
+    reconnect.not_leader(None)
+    reconnect.connected(63.0)
+    assert reconnect.failures == 0, "the failover's attempts are forgiven"
+    assert reconnect.lost(64.0) == FIRST_RECONNECT_DELAY, "a short connection: one failure"
+
+
+@given(
+    st.lists(
+        st.one_of(st.none(), st.sampled_from(["a:1", "b:2", "c:3", "d:4"]), st.just("down")),
+        max_size=60,
+    )
+)
+def test_after_a_standby_answers_no_delay_exceeds_the_follow_cap_and_none_loops(
+    answers: list[str | None],
+) -> None:
+    """Whatever the mains answer (a leader named, none, or no answer at all), once a
+    standby has answered every delay is at most FOLLOW_DELAY, and no two attempts in a
+    row go out without a wait."""
+    reconnect = policy(max_delay=30.0)
+    standby_seen = False
+    previous = 1.0
+    for answer in answers:
+        if answer == "down":
+            delay = reconnect.unreachable()
+        else:
+            delay = reconnect.not_leader(answer)
+            standby_seen = True
+        if standby_seen:
+            assert delay <= FOLLOW_DELAY
+        assert delay > 0 or previous > 0, "never two attempts in a row without a wait"
+        previous = delay
 
 
 def test_a_stable_connection_resets_the_backoff() -> None:

@@ -122,13 +122,23 @@ def by_mode(values: object) -> str:
     return " ".join(f"{mode}={values[mode]}" for mode in sorted(values))
 
 
+def _role(status: dict[str, Any]) -> str:
+    """`` as leader at HOST:PORT``: which main answered (a standby the command reached
+    hands it to the leader), or nothing from a main older than the role."""
+    role, leader = status.get("role"), status.get("leader")
+    if role is None:
+        return ""
+    return f" as {role}" + ("" if leader is None else f" at {leader}")
+
+
 def format_status(status: dict[str, Any]) -> str:
     """The human form of ``broker status``."""
     out: list[str] = []
     if status.get("source") == "main":
         out.append(
             escape_control(
-                f"main: {status['main_id']} up, {status['dispatched']} jobs dispatched, "
+                f"main: {status['main_id']} up{_role(status)}, "
+                f"{status['dispatched']} jobs dispatched, "
                 f"{status['orphans']} orphaned leases awaiting their workers"
             )
         )

@@ -14,6 +14,7 @@ from urllib.parse import urlencode
 
 from aiohttp import web
 
+from broker.core.election import MainRole
 from broker.exceptions import BrokerError
 from broker.jobs import ExecutionMode, JobStatus, utcnow
 from broker.main.main import Main
@@ -93,6 +94,7 @@ class Dashboard(HttpServer):
         return MainLevels(
             counts=counts,
             now=utcnow(),
+            leader=self.main.standing.role is MainRole.LEADER,
             workers=len(workers),
             draining=sum(1 for p in workers if p.draining),
             credits=credits,
@@ -303,9 +305,16 @@ class Dashboard(HttpServer):
         )
 
     async def _healthz(self, request: web.Request) -> web.Response:
-        """200 while the main serves; a load balancer needs no more (the store's health
+        """200 while the main serves, leader or standby (a standby is healthy: it is ready
+        to take over), with its role in the body, ``ok leader`` or ``ok standby``; 503 once
+        it stepped down and is stopping. The leader's address is not said here: this path
+        is open to anyone who reaches the port, and the main names the leader only to
+        peers that proved a secret. A load balancer needs no more (the store's health
         shows in the store error counters and in requests failing)."""
-        return web.Response(text="ok\n")
+        role = self.main.standing.role
+        if role is MainRole.DEPOSED:
+            return web.Response(status=503, text="deposed\n")
+        return web.Response(text=f"ok {role.value}\n")
 
 
 def _job_id(request: web.Request) -> uuid.UUID:

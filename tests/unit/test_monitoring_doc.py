@@ -1,0 +1,84 @@
+"""The alert rules in ``docs/howto/monitoring.md`` against the metrics it documents: a rule
+that reads a main's gauge fires on the leader only (a standby has no workers by design,
+so ``BrokerNoWorkers`` fired on every standby), and every metric a rule names is one the
+page documents and the main or a worker serves."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from broker.main.metrics import MainExposition, MainMetrics
+from tests.unit.test_metrics import levels
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "howto" / "monitoring.md"
+LEADER_JOIN = "and on(instance) broker_main_leader == 1"
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else None]
+
+
+def alert_rules() -> dict[str, str]:
+    """Each documented alert's name and expression (folded ``>-`` ones joined)."""
+    block = _section(DOC.read_text(), "## Alert rules").split("```yaml\n", 1)[1].split("```")[0]
+    rules: dict[str, str] = {}
+    name: str | None = None
+    folded: list[str] | None = None
+    for line in block.splitlines():
+        stripped = line.strip()
+        if folded is not None:
+            if stripped and not re.match(r"^(for|labels|annotations|- alert):", stripped):
+                folded.append(stripped)
+                continue
+            assert name is not None
+            rules[name] = " ".join(folded)
+            folded = None
+        if match := re.match(r"^- alert: (\w+)$", stripped):
+            name = match[1]
+        elif stripped.startswith("expr:"):
+            assert name is not None
+            expr = stripped.removeprefix("expr:").strip()
+            if expr == ">-":
+                folded = []
+            else:
+                rules[name] = expr
+    if folded is not None and name is not None:
+        rules[name] = " ".join(folded)
+    return rules
+
+
+def documented_metrics(heading: str) -> dict[str, str]:
+    """The metrics table under ``heading``: each name and its type."""
+    rows = re.findall(r"^\| `(broker_\w+)` \| (\w+) \|", _section(DOC.read_text(), heading), re.M)
+    return dict(rows)
+
+
+def test_the_page_documents_the_alerts_it_is_about() -> None:
+    rules = alert_rules()
+    assert {"BrokerNoWorkers", "BrokerNoLeader", "BrokerJobsWaiting"} <= set(rules)
+    assert all(rules.values()), rules
+
+
+def test_every_rule_on_a_main_gauge_fires_on_the_leader_only() -> None:
+    metrics = documented_metrics("### From the main")
+    assert metrics["broker_main_leader"] == "gauge"
+    gauges = {name for name, kind in metrics.items() if kind == "gauge"} - {"broker_main_leader"}
+    for name, expr in alert_rules().items():
+        if gauges & set(re.findall(r"broker_\w+", expr)):
+            assert LEADER_JOIN in expr, f"{name} would fire on a standby: {expr}"
+
+
+def test_every_metric_a_rule_names_is_documented() -> None:
+    known = documented_metrics("### From the main") | documented_metrics("### From each worker")
+    for name, expr in alert_rules().items():
+        for metric in re.findall(r"broker_\w+", expr):
+            assert metric in known, f"{name} names {metric}, undocumented"
+
+
+def test_the_leader_gauge_says_the_role() -> None:
+    for leader in (True, False):
+        shown = MainExposition(MainMetrics()).render(levels(leader=leader)).decode()
+        assert f"broker_main_leader {float(leader)}" in shown
