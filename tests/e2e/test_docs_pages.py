@@ -1,0 +1,189 @@
+"""Every block of the tutorial and the how-tos runs, and shows what it really prints.
+
+Each page runs in a directory of its own (``tmp_path``), with the checkout's ``broker``,
+``broker-main``, ``broker-worker`` and ``python`` first on ``PATH``. Its blocks run in
+order, as a reader would (see :mod:`tests.doc_blocks` and docs/contributing.md, "Docs
+that run"): console commands through ``bash``, Python blocks as scripts, background
+commands (a main, a worker) kept running until the page ends, then stopped with SIGTERM.
+The page's port is a free one: ``7390`` in a block (and ``BROKER_PORT``,
+``BROKER_MAIN``) becomes it, so pages run side by side with other tests.
+
+A read command (``broker job``, ``jobs``, ``status``, ``tasks``) whose output does not
+match yet runs again, for a while: the page shows a job once it settled, and a reader
+is slower than the worker. Nothing else is retried.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.doc_blocks import Block, Ids, compare, explain, read_blocks
+from tests.e2e.test_e2e import free_port
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+PAGES = sorted([REPO / "docs" / "tutorial.md", *(REPO / "docs" / "howto").glob("*.md")])
+DOC_PORT = "7390"
+SETTLE = 15.0
+"""Seconds a read command is retried, or a background process's text or log awaited."""
+COMMAND_TIMEOUT = 60.0
+READS = {("broker", "job"), ("broker", "jobs"), ("broker", "status"), ("broker", "tasks")}
+
+
+@dataclass
+class Page:
+    """A page being run: its directory, environment, ids and background processes."""
+
+    dir: Path
+    port: str
+    env: dict[str, str]
+    ids: Ids = field(default_factory=Ids)
+    background: list[tuple[Block, subprocess.Popen[bytes], Path]] = field(default_factory=list)
+
+    def text(self, text: str) -> str:
+        return self.ids.substitute(text.replace(DOC_PORT, self.port))
+
+    def run(self, command: str) -> str:
+        done = subprocess.run(
+            ["bash", "-c", command],
+            cwd=self.dir,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            timeout=COMMAND_TIMEOUT,
+            check=False,
+        )
+        return done.stdout.decode(errors="replace")
+
+    def logs(self) -> str:
+        return "\n".join(log.read_text(errors="replace") for _, _, log in self.background)
+
+
+def _env(tmp: Path, port: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(tmp)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["BROKER_PORT"] = port
+    env["BROKER_MAIN"] = f"127.0.0.1:{port}"
+    env["HOME"] = str(tmp)
+    return env
+
+
+@contextlib.contextmanager
+def _page(tmp: Path) -> Iterator[Page]:
+    port = str(free_port())
+    page = Page(tmp, port, _env(tmp, port))
+    try:
+        yield page
+    finally:
+        for _, process, _ in reversed(page.background):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+def _console(page: Page, block: Block) -> None:
+    for command in block.commands():
+        text = page.text(command.text)
+        shown = [page.text(line) for line in command.shown]
+        where = f"{block.page}:{command.line}"
+        words = tuple(text.split()[:2])
+        deadline = time.monotonic() + (SETTLE if words in READS else 0.0)
+        while True:
+            actual = page.run(text)
+            mismatch = compare(shown, actual.splitlines(), page.ids)
+            if mismatch is None:
+                break
+            if time.monotonic() > deadline:
+                pytest.fail(explain(where, f"`{command.text}`", shown, actual, mismatch))
+            time.sleep(0.2)
+
+
+def _background(page: Page, block: Block) -> None:
+    [command] = block.commands()
+    log = page.dir / f"background-{block.line}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            ["bash", "-c", f"exec {page.text(command.text)}"],
+            cwd=page.dir,
+            env=page.env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    page.background.append((block, process, log))
+    wanted = page.text(block.arg)
+    deadline = time.monotonic() + SETTLE
+    while wanted not in log.read_text(errors="replace"):
+        if process.poll() is not None or time.monotonic() > deadline:
+            state = "exited" if process.poll() is not None else "is still waiting"
+            pytest.fail(
+                f"{block.page}:{command.line}: `{command.text}` {state} before printing "
+                f"{block.arg!r}\n--- its output ---\n{log.read_text(errors='replace')}"
+            )
+        time.sleep(0.05)
+    if command.shown:
+        _log(page, block, command.shown)
+
+
+def _log(page: Page, block: Block, lines: list[str]) -> None:
+    shown = [page.text(line) for line in lines]
+    deadline = time.monotonic() + SETTLE
+    while (mismatch := compare(shown, page.logs().splitlines(), page.ids, anywhere=True)) is not None:
+        if time.monotonic() > deadline:
+            what = "the page's background commands"
+            pytest.fail(explain(block.where, what, shown, page.logs(), mismatch))
+        time.sleep(0.1)
+
+
+def _python(page: Page, block: Block) -> None:
+    script = page.dir / f"block_{block.line}.py"
+    script.write_text(page.text(block.body) + "\n")
+    output = page.run(f"python {script.name}; echo \"exit $?\"")
+    if not output.rstrip().endswith("exit 0"):
+        pytest.fail(f"{block.where}: the Python block failed\n--- its output ---\n{output}")
+
+
+def run_page(path: Path, tmp: Path) -> None:
+    """Run every block of the page at ``path`` in ``tmp``, failing at the first that does
+    not do what the page says."""
+    blocks = read_blocks(path, str(path.relative_to(REPO)))
+    with _page(tmp) as page:
+        for block in blocks:
+            if block.kind == "skip":
+                continue
+            if block.kind == "file":
+                target = page.dir / block.arg
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(page.text(block.body) + "\n")
+            elif block.kind == "background":
+                _background(page, block)
+            elif block.kind == "log":
+                _log(page, block, block.body.splitlines())
+            elif block.language == "console":
+                _console(page, block)
+            else:
+                _python(page, block)
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.name) for p in PAGES])
+def test_every_block_of_the_page_runs_as_shown(path: Path, tmp_path: Path) -> None:
+    run_page(path, tmp_path)
