@@ -15,7 +15,9 @@ changed output fails. The conventions are the ones ``docs/contributing.md`` docu
   to PATH, for a later command to use), ``<!-- docs-test: background TEXT -->`` (start
   the console block's one command and go on once its output shows TEXT), and
   ``<!-- docs-test: log -->`` (the block's lines appear, in order, in the output of the
-  page's background commands).
+  page's background commands), ``<!-- docs-test: stop -->`` (Ctrl-C, that is SIGINT to
+  the process group, of the newest background command still running; once it exited,
+  the block's lines appear in the output as for ``log``).
 * Anything else (```` ```sh ````, ```` ```yaml ````, an output block on its own) unmarked is
   an error: a new block is a decision between running it and saying why not.
 
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DIRECTIVE = re.compile(r"^<!--\s*docs-test:\s*(?P<kind>[a-z]+)\s*(?P<arg>.*?)\s*-->\s*$")
-KINDS = frozenset({"skip", "file", "background", "log"})
+KINDS = frozenset({"skip", "file", "background", "log", "stop"})
 RUNNABLE = frozenset({"console", "python"})
 
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -125,15 +127,22 @@ def read_blocks(path: Path, page: str) -> list[Block]:
         elif line.strip() and directive is not None:
             raise DocBlockError(f"{page}:{i}: a docs-test directive must come right before a block")
         i += 1
+    problems = [
+        f"{block.where} is not run"
+        for block in blocks
+        if block.kind == "run" and block.language not in RUNNABLE
+    ]
+    if problems:
+        raise DocBlockError(
+            "\n".join(problems)
+            + "\nmake each a ```console block (`$ ` commands and their output) or ```python, "
+            "or mark it `<!-- docs-test: skip REASON -->` (docs/contributing.md, Docs that run)"
+        )
     for block in blocks:
-        if block.kind == "run" and block.language not in RUNNABLE:
-            raise DocBlockError(
-                f"{block.where} is not run: make it ```console (`$ ` commands and their "
-                "output) or ```python, or mark it `<!-- docs-test: skip REASON -->` "
-                "(see docs/contributing.md, Docs that run)"
-            )
         if block.kind == "background" and len(block.commands()) != 1:
             raise DocBlockError(f"{block.where}: a background block has one command")
+        if block.language == "console":
+            block.commands()  # its own errors, before anything runs
     return blocks
 
 

@@ -24,10 +24,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
-from tests.doc_blocks import Block, Ids, compare, explain, read_blocks
+from tests.doc_blocks import Block, DocBlockError, Ids, Mismatch, compare, explain, read_blocks
 from tests.e2e.test_e2e import free_port
 
 pytestmark = pytest.mark.slow
@@ -99,6 +100,20 @@ def _page(tmp: Path) -> Iterator[Page]:
                     process.wait()
 
 
+def _fail(message: str) -> NoReturn:
+    """Fail with ``message`` alone: it names the page, the line and both outputs, and a
+    traceback through the runner would only bury it."""
+    pytest.fail(message, pytrace=False)
+
+
+def _further(a: Mismatch, b: Mismatch) -> bool:
+    """Whether mismatch ``a`` got further down the shown lines than ``b``: of the tries of
+    a read command, the closest is the one worth showing."""
+    return (a.shown_line is None) > (b.shown_line is None) or (a.shown_line or 0) > (
+        b.shown_line or 0
+    )
+
+
 def _console(page: Page, block: Block) -> None:
     for command in block.commands():
         text = page.text(command.text)
@@ -106,13 +121,16 @@ def _console(page: Page, block: Block) -> None:
         where = f"{block.page}:{command.line}"
         words = tuple(text.split()[:2])
         deadline = time.monotonic() + (SETTLE if words in READS else 0.0)
+        closest: tuple[Mismatch, str] | None = None
         while True:
             actual = page.run(text)
             mismatch = compare(shown, actual.splitlines(), page.ids)
             if mismatch is None:
                 break
+            if closest is None or _further(mismatch, closest[0]):
+                closest = (mismatch, actual)
             if time.monotonic() > deadline:
-                pytest.fail(explain(where, f"`{command.text}`", shown, actual, mismatch))
+                _fail(explain(where, f"`{command.text}`", shown, closest[1], closest[0]))
             time.sleep(0.2)
 
 
@@ -135,7 +153,7 @@ def _background(page: Page, block: Block) -> None:
     while wanted not in log.read_text(errors="replace"):
         if process.poll() is not None or time.monotonic() > deadline:
             state = "exited" if process.poll() is not None else "is still waiting"
-            pytest.fail(
+            _fail(
                 f"{block.page}:{command.line}: `{command.text}` {state} before printing "
                 f"{block.arg!r}\n--- its output ---\n{log.read_text(errors='replace')}"
             )
@@ -150,8 +168,21 @@ def _log(page: Page, block: Block, lines: list[str]) -> None:
     while (mismatch := compare(shown, page.logs().splitlines(), page.ids, anywhere=True)) is not None:
         if time.monotonic() > deadline:
             what = "the page's background commands"
-            pytest.fail(explain(block.where, what, shown, page.logs(), mismatch))
+            _fail(explain(block.where, what, shown, page.logs(), mismatch))
         time.sleep(0.1)
+
+
+def _stop(page: Page, block: Block) -> None:
+    running = [(b, p) for b, p, _ in page.background if p.poll() is None]
+    if not running:
+        _fail(f"{block.where}: `docs-test: stop` with no background command running")
+    started, process = running[-1]
+    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        _fail(f"{block.where}: {started.where} still running 30 s after Ctrl-C")
+    _log(page, block, block.body.splitlines())
 
 
 def _python(page: Page, block: Block) -> None:
@@ -159,13 +190,16 @@ def _python(page: Page, block: Block) -> None:
     script.write_text(page.text(block.body) + "\n")
     output = page.run(f"python {script.name}; echo \"exit $?\"")
     if not output.rstrip().endswith("exit 0"):
-        pytest.fail(f"{block.where}: the Python block failed\n--- its output ---\n{output}")
+        _fail(f"{block.where}: the Python block failed\n--- its output ---\n{output}")
 
 
 def run_page(path: Path, tmp: Path) -> None:
     """Run every block of the page at ``path`` in ``tmp``, failing at the first that does
     not do what the page says."""
-    blocks = read_blocks(path, str(path.relative_to(REPO)))
+    try:
+        blocks = read_blocks(path, str(path.relative_to(REPO)))
+    except DocBlockError as exc:
+        _fail(str(exc))
     with _page(tmp) as page:
         for block in blocks:
             if block.kind == "skip":
@@ -176,6 +210,8 @@ def run_page(path: Path, tmp: Path) -> None:
                 target.write_text(page.text(block.body) + "\n")
             elif block.kind == "background":
                 _background(page, block)
+            elif block.kind == "stop":
+                _stop(page, block)
             elif block.kind == "log":
                 _log(page, block, block.body.splitlines())
             elif block.language == "console":
