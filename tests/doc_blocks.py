@@ -11,13 +11,18 @@ changed output fails. The conventions are the ones ``docs/contributing.md`` docu
   continues) each followed by the output it shows, compared with what it prints.
 * A ```` ```python ```` block runs as a script in the page's directory and must exit 0.
 * An HTML comment on the line before a block says what else to do with it:
-  ``<!-- docs-test: skip REASON -->``, ``<!-- docs-test: file PATH -->`` (write the block
+  ``<!-- docs-test: skip REASON -->``, ``<!-- docs-test: fragment REASON -->`` (a Python
+  excerpt that cannot run alone: it is compiled, top-level ``await`` allowed, not run), ``<!-- docs-test: file PATH -->`` (write the block
   to PATH, for a later command to use), ``<!-- docs-test: background TEXT -->`` (start
   the console block's one command and go on once its output shows TEXT), and
   ``<!-- docs-test: log -->`` (the block's lines appear, in order, in the output of the
   page's background commands), ``<!-- docs-test: stop -->`` (Ctrl-C, that is SIGINT to
   the process group, of the newest background command still running; once it exited,
   the block's lines appear in the output as for ``log``).
+* Two directives stand alone, for a page that uses a main it does not show starting:
+  ``<!-- docs-test: main -->`` starts ``broker-main`` on a SQLite file, and
+  ``<!-- docs-test: worker APP -->`` a worker of the modules ``APP``; both are stopped
+  at the end of the page.
 * Anything else (```` ```sh ````, ```` ```yaml ````, an output block on its own) unmarked is
   an error: a new block is a decision between running it and saying why not.
 
@@ -35,7 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DIRECTIVE = re.compile(r"^<!--\s*docs-test:\s*(?P<kind>[a-z]+)\s*(?P<arg>.*?)\s*-->\s*$")
-KINDS = frozenset({"skip", "file", "background", "log", "stop"})
+KINDS = frozenset({"skip", "fragment", "file", "background", "log", "stop"})
+STEPS = frozenset({"main", "worker"})
+"""Directives that stand alone, not before a block: processes the page does not show."""
 RUNNABLE = frozenset({"console", "python"})
 
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -109,9 +116,13 @@ def read_blocks(path: Path, page: str) -> list[Block]:
         found = DIRECTIVE.match(line.strip())
         if found:
             kind, arg = found["kind"], found["arg"]
+            if kind in STEPS:
+                blocks.append(Block(page, i + 1, "", "", kind, arg))
+                i += 1
+                continue
             if kind not in KINDS:
                 raise DocBlockError(f"{page}:{i + 1}: unknown docs-test directive {kind!r}")
-            if not arg and kind in {"skip", "file", "background"}:
+            if not arg and kind in {"skip", "fragment", "file", "background"}:
                 raise DocBlockError(f"{page}:{i + 1}: `docs-test: {kind}` needs its argument")
             directive = (kind, arg)
         elif line.startswith("```"):

@@ -15,6 +15,7 @@ is slower than the worker. Nothing else is retried.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import signal
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -75,7 +76,7 @@ class Page:
 def _env(tmp: Path, port: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = str(tmp)
+    env["PYTHONPATH"] = f"{tmp}{os.pathsep}{REPO}"
     env["PYTHONUNBUFFERED"] = "1"
     env["BROKER_PORT"] = port
     env["BROKER_MAIN"] = f"127.0.0.1:{port}"
@@ -162,6 +163,20 @@ def _background(page: Page, block: Block) -> None:
         _log(page, block, command.shown)
 
 
+STEP_COMMANDS = {
+    "main": ("broker-main --database-url sqlite+aiosqlite:///./broker.db", "listening on"),
+    "worker": ("broker-worker --app {arg} --worker-id docs-worker", "connected to main"),
+}
+"""What ``docs-test: main`` and ``docs-test: worker APP`` start, and the line they wait for
+(the main's port and the worker's main come from the page's environment)."""
+
+
+def _step(page: Page, block: Block) -> None:
+    command, wanted = STEP_COMMANDS[block.kind]
+    step = Block(block.page, block.line, "console", f"$ {command.format(arg=block.arg)}")
+    _background(page, replace(step, kind="background", arg=wanted))
+
+
 def _log(page: Page, block: Block, lines: list[str]) -> None:
     shown = [page.text(line) for line in lines]
     deadline = time.monotonic() + SETTLE
@@ -185,6 +200,13 @@ def _stop(page: Page, block: Block) -> None:
     _log(page, block, block.body.splitlines())
 
 
+def _compile(block: Block) -> None:
+    try:
+        compile(block.body, block.where, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    except SyntaxError as exc:
+        _fail(f"{block.where}: the Python fragment does not compile: {exc}")
+
+
 def _python(page: Page, block: Block) -> None:
     script = page.dir / f"block_{block.line}.py"
     script.write_text(page.text(block.body) + "\n")
@@ -204,12 +226,17 @@ def run_page(path: Path, tmp: Path) -> None:
         for block in blocks:
             if block.kind == "skip":
                 continue
+            if block.kind == "fragment":
+                _compile(block)
+                continue
             if block.kind == "file":
                 target = page.dir / block.arg
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_text(page.text(block.body) + "\n")
             elif block.kind == "background":
                 _background(page, block)
+            elif block.kind in {"main", "worker"}:
+                _step(page, block)
             elif block.kind == "stop":
                 _stop(page, block)
             elif block.kind == "log":
