@@ -26,6 +26,9 @@ changed output fails. The conventions are the ones ``docs/contributing.md`` docu
 * Anything else (```` ```sh ````, ```` ```yaml ````, an output block on its own) unmarked is
   an error: a new block is a decision between running it and saying why not.
 
+A command must exit 0, unless its shown output ends with ``[exit N]``: then it must
+exit N.
+
 In a shown output ``…`` (or ``...``) stands for any text within a line, a line of only
 ``…`` for any number of lines, and ids and times are placeholders: a UUID matches any
 UUID (the same shown UUID must stay the same real one, and a later command that names it
@@ -152,7 +155,7 @@ def read_blocks(path: Path, page: str) -> list[Block]:
     for block in blocks:
         if block.kind == "background" and len(block.commands()) != 1:
             raise DocBlockError(f"{block.where}: a background block has one command")
-        if block.language == "console":
+        if block.language == "console" and block.kind != "skip":
             block.commands()  # its own errors, before anything runs
     return blocks
 
@@ -186,6 +189,18 @@ def _line_pattern(shown: str) -> tuple[re.Pattern[str], list[str]]:
         pos = m.end()
     pieces.append(re.escape(shown[pos:]))
     return re.compile("".join(pieces)), uuids
+
+
+EXIT = re.compile(r"\[exit (\d+)\]")
+
+
+def expected_exit(shown: Sequence[str]) -> tuple[list[str], int]:
+    """The shown output without its ``[exit N]`` line, and the exit status it shows
+    (0 when it shows none)."""
+    lines = _clean(shown)
+    if lines and (found := EXIT.fullmatch(lines[-1].strip())):
+        return lines[:-1], int(found[1])
+    return lines, 0
 
 
 def _is_gap(shown: str) -> bool:

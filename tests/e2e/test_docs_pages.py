@@ -29,7 +29,16 @@ from typing import NoReturn
 
 import pytest
 
-from tests.doc_blocks import Block, DocBlockError, Ids, Mismatch, compare, explain, read_blocks
+from tests.doc_blocks import (
+    Block,
+    DocBlockError,
+    Ids,
+    Mismatch,
+    compare,
+    expected_exit,
+    explain,
+    read_blocks,
+)
 from tests.e2e.test_e2e import free_port
 
 pytestmark = pytest.mark.slow
@@ -56,7 +65,7 @@ class Page:
     def text(self, text: str) -> str:
         return self.ids.substitute(text.replace(DOC_PORT, self.port))
 
-    def run(self, command: str) -> str:
+    def run(self, command: str) -> tuple[str, int]:
         done = subprocess.run(
             ["bash", "-c", command],
             cwd=self.dir,
@@ -67,7 +76,7 @@ class Page:
             timeout=COMMAND_TIMEOUT,
             check=False,
         )
-        return done.stdout.decode(errors="replace")
+        return done.stdout.decode(errors="replace"), done.returncode
 
     def logs(self) -> str:
         return "\n".join(log.read_text(errors="replace") for _, _, log in self.background)
@@ -123,9 +132,13 @@ def _console(page: Page, block: Block) -> None:
         words = tuple(text.split()[:2])
         deadline = time.monotonic() + (SETTLE if words in READS else 0.0)
         closest: tuple[Mismatch, str] | None = None
+        shown, exit_status = expected_exit(shown)
         while True:
-            actual = page.run(text)
-            mismatch = compare(shown, actual.splitlines(), page.ids)
+            actual, status = page.run(text)
+            if status != exit_status:
+                mismatch = Mismatch(None, f"it exited {status}, the page shows {exit_status}")
+            else:
+                mismatch = compare(shown, actual.splitlines(), page.ids)
             if mismatch is None:
                 break
             if closest is None or _further(mismatch, closest[0]):
@@ -210,8 +223,8 @@ def _compile(block: Block) -> None:
 def _python(page: Page, block: Block) -> None:
     script = page.dir / f"block_{block.line}.py"
     script.write_text(page.text(block.body) + "\n")
-    output = page.run(f"python {script.name}; echo \"exit $?\"")
-    if not output.rstrip().endswith("exit 0"):
+    output, status = page.run(f"python {script.name}")
+    if status != 0:
         _fail(f"{block.where}: the Python block failed\n--- its output ---\n{output}")
 
 
