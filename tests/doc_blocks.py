@@ -11,9 +11,10 @@ changed output fails. The conventions are the ones ``docs/contributing.md`` docu
   continues) each followed by the output it shows, compared with what it prints.
 * A ```` ```python ```` block runs as a script in the page's directory and must exit 0.
 * An HTML comment on the line before a block says what else to do with it:
-  ``<!-- docs-test: skip REASON -->``, ``<!-- docs-test: fragment REASON -->`` (a Python
-  excerpt that cannot run alone: it is compiled, top-level ``await`` allowed, not run), ``<!-- docs-test: file PATH -->`` (write the block
-  to PATH, for a later command to use), ``<!-- docs-test: background TEXT -->`` (start
+  ``<!-- docs-test: skip REASON -->``, ``<!-- docs-test: fragment REASON -->`` (a
+  Python excerpt that cannot run alone: it is compiled, top-level ``await`` allowed,
+  not run), ``<!-- docs-test: file PATH -->`` (write the block to PATH, for a later
+  command to use), ``<!-- docs-test: background TEXT -->`` (start
   the console block's one command and go on once its output shows TEXT), and
   ``<!-- docs-test: log -->`` (the block's lines appear, in order, in the output of the
   page's background commands), ``<!-- docs-test: stop -->`` (Ctrl-C, that is SIGINT to
@@ -95,7 +96,7 @@ class Block:
                 text = line[2:]
                 while text.endswith("\\") and i + 1 < len(lines):
                     i += 1
-                    text = text[:-1] + " " + lines[i].strip()
+                    text = text[:-1].rstrip() + " " + lines[i].strip()
                 commands.append(Command(self.line + 1 + start, text, []))
             elif commands:
                 commands[-1].shown.append(line)
@@ -258,7 +259,10 @@ def compare(
             if found is None:
                 continue
             now = dict(bound)
-            if all(now.setdefault(doc, real) == real for doc, real in zip(uuids, found.groups())):
+            if all(
+                now.setdefault(doc, real) == real
+                for doc, real in zip(uuids, found.groups(), strict=True)
+            ):
                 result = match(i + 1, k + 1, now)
                 if result is not None:
                     return result

@@ -89,8 +89,8 @@ _COMPLETED = JobStatus.COMPLETED.value
 def _completions_only(columns: list[list[Any]], now_us: int) -> bool:
     """Whether the settle statement's arrays (see ``HotSql.settle``) are completions
     alone, each moving exactly as ``HotSql.settle_completed`` does: status completed,
-    its result set, its progress done, nothing else changed but ``updated_us`` (the batch's one time), no
-    attempt or recovery counted, its slot given back."""
+    its result set, its progress done, nothing else changed but ``updated_us`` (the
+    batch's one time), no attempt or recovery counted, its slot given back."""
     (_, _, status, set_result, _, set_error, _, run_at, attempts, updated, releases) = columns[:11]
     recoveries, set_holder, progress = columns[11], columns[12], columns[14]
     return (

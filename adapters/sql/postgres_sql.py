@@ -219,8 +219,9 @@ class HotSql:
             SELECT id FROM u
         """
         # Completions alone (the everyday batch): the same move with one array per value
-        # that differs between jobs ($6: the progress every completion sets). Binding the 14 arrays cost the main a type check per
-        # element in asyncpg, about a fifth of its CPU per settled job.
+        # that differs between jobs ($6: the progress every completion sets). Binding the
+        # 15 arrays cost the main a type check per element in asyncpg, about a fifth of
+        # its CPU per settled job.
         self.settle_completed = f"""
             WITH s AS (
                 SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[]) AS s(id, lease, result)

@@ -845,7 +845,10 @@ async def check_completion_sets_progress_done_in_a_mixed_batch(ctx: Context) -> 
     done = await _claim(ctx.store, await _enqueue(ctx.store))
     failed = await _claim(ctx.store, await _enqueue(ctx.store))
     assert done.handoff_id is not None and failed.handoff_id is not None
-    progress = [ProgressUpdate(j.id, j.handoff_id, 0.5, "half") for j in (done, failed)]
+    progress = [
+        ProgressUpdate(done.id, done.handoff_id, 0.5, "half"),
+        ProgressUpdate(failed.id, failed.handoff_id, 0.5, "half"),
+    ]
     assert await ctx.store.save_progress(progress) == [True, True]
     settlements = [
         Settlement(done.id, done.handoff_id, Outcome.COMPLETE, result=1),

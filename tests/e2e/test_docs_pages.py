@@ -193,7 +193,9 @@ def _step(page: Page, block: Block) -> None:
 def _log(page: Page, block: Block, lines: list[str]) -> None:
     shown = [page.text(line) for line in lines]
     deadline = time.monotonic() + SETTLE
-    while (mismatch := compare(shown, page.logs().splitlines(), page.ids, anywhere=True)) is not None:
+    while (
+        mismatch := compare(shown, page.logs().splitlines(), page.ids, anywhere=True)
+    ) is not None:
         if time.monotonic() > deadline:
             what = "the page's background commands"
             _fail(explain(block.where, what, shown, page.logs(), mismatch))
