@@ -178,7 +178,10 @@ def _background(page: Page, block: Block) -> None:
 
 STEP_COMMANDS = {
     "main": ("broker-main --database-url sqlite+aiosqlite:///./broker.db", "listening on"),
-    "worker": ("broker-worker --app {arg} --worker-id docs-worker", "connected to main"),
+    "worker": (
+        "broker-worker --app {arg} --worker-id docs-worker --pooled-runner-count 1",
+        "connected to main",
+    ),
 }
 """What ``docs-test: main`` and ``docs-test: worker APP`` start, and the line they wait for
 (the main's port and the worker's main come from the page's environment)."""
