@@ -26,6 +26,11 @@ checkpoint        unchanged (``checkpoint`` kept)  unchanged  unchanged
 progress          unchanged (``progress`` kept)    unchanged  unchanged
 ================  ===============================  =========  ==================
 
+``COMPLETE`` also sets ``progress`` to 1.0: a completed job is done, whatever fraction its
+task last reported (a task that reports 0.875 and returns did not stop at seven eighths),
+so every reader (``get_job``, ``broker job``, the dashboard) shows it done without a rule
+of its own. The last ``progress_message`` is kept.
+
 A checkpoint and a progress update are fenced by the lease like a settlement; a
 checkpoint is also taken only when it is newer than the stored one.
 
@@ -153,6 +158,10 @@ def enqueued_fields(spec: JobSpec, now: datetime, claim: Claim | None = None) ->
     return job_fields
 
 
+DONE = 1.0
+"""The progress of a completed job."""
+
+
 def accepts(status: str, handoff_id: uuid.UUID | None, s: Settlement | ProgressUpdate) -> bool:
     """The fence: only the lease the job is handed off under may settle it, so a report
     from an older attempt can never change a newer one."""
@@ -164,7 +173,7 @@ def settle(s: Settlement, now: datetime) -> Move:
     changes: dict[str, Any]
     match s.outcome:
         case Outcome.COMPLETE:
-            changes = {"status": JobStatus.COMPLETED, "result": s.result}
+            changes = {"status": JobStatus.COMPLETED, "result": s.result, "progress": DONE}
         case Outcome.FAIL:
             # No retry time means no retry: the job is dead.
             changes = {"status": JobStatus.FAILED if s.run_at is None else JobStatus.QUEUED}

@@ -89,12 +89,13 @@ _COMPLETED = JobStatus.COMPLETED.value
 def _completions_only(columns: list[list[Any]], now_us: int) -> bool:
     """Whether the settle statement's arrays (see ``HotSql.settle``) are completions
     alone, each moving exactly as ``HotSql.settle_completed`` does: status completed,
-    its result set, nothing else changed but ``updated_us`` (the batch's one time), no
-    attempt or recovery counted, its slot given back."""
+    its result set, its progress done, nothing else changed but ``updated_us`` (the
+    batch's one time), no attempt or recovery counted, its slot given back."""
     (_, _, status, set_result, _, set_error, _, run_at, attempts, updated, releases) = columns[:11]
-    recoveries, set_holder = columns[11], columns[12]
+    recoveries, set_holder, progress = columns[11], columns[12], columns[14]
     return (
         all(v == _COMPLETED for v in status)
+        and all(v == settlement.DONE for v in progress)
         and all(set_result)
         and all(releases)
         and all(v == now_us for v in updated)
@@ -311,7 +312,7 @@ class PostgresDialect:
         for i, s in enumerate(settlements):
             first.setdefault(s.job_id, i)
         now = from_us(now_us)
-        columns: list[list[Any]] = [[] for _ in range(14)]
+        columns: list[list[Any]] = [[] for _ in range(15)]
         moved: list[Payload] = []
         for i in first.values():
             s = settlements[i]
@@ -334,6 +335,7 @@ class PostgresDialect:
                 int(move.counts_recovery),
                 "state_holder" in values,
                 values.pop("state_holder", None),
+                values.pop("progress", None),
             ]
             if values:
                 raise TypeError(f"the settle statement cannot set {sorted(values)}")
@@ -346,7 +348,7 @@ class PostgresDialect:
                 accepted = {
                     r["id"]
                     for r in await conn.fetch(
-                        sql.settle_completed, ids, leases, results, now_us, epoch
+                        sql.settle_completed, ids, leases, results, now_us, epoch, settlement.DONE
                     )
                 }
             elif not moved:

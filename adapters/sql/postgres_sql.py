@@ -192,10 +192,10 @@ class HotSql:
                 SELECT * FROM unnest(
                     $1::uuid[], $2::uuid[], $3::text[], $4::bool[], $5::text[], $6::bool[],
                     $7::text[], $8::bigint[], $9::int[], $10::bigint[], $11::bool[],
-                    $12::int[], $13::bool[], $14::text[]
+                    $12::int[], $13::bool[], $14::text[], $15::float8[]
                 ) AS s(id, lease, status, set_result, result, set_error, last_error,
                        run_at_us, attempts, updated_us, releases, recoveries, set_holder,
-                       state_holder)
+                       state_holder, progress)
                 ORDER BY id
             ),
             u AS (
@@ -208,25 +208,28 @@ class HotSql:
                     recoveries = j.recoveries + s.recoveries,
                     state_holder = CASE WHEN s.set_holder THEN s.state_holder
                                         ELSE j.state_holder END,
+                    progress = COALESCE(s.progress, j.progress),
                     updated_us = s.updated_us
                 FROM s
                 WHERE j.id = s.id AND j.handoff_id = s.lease AND j.status = 'handed_off'
-                    AND {fence(15)}
+                    AND {fence(16)}
                 RETURNING j.id, j.concurrency_key, s.releases
             ),
             {released("releases")}
             SELECT id FROM u
         """
         # Completions alone (the everyday batch): the same move with one array per value
-        # that differs between jobs. Binding the 14 arrays cost the main a type check per
-        # element in asyncpg, about a fifth of its CPU per settled job.
+        # that differs between jobs ($6: the progress every completion sets). Binding the
+        # 15 arrays cost the main a type check per element in asyncpg, about a fifth of
+        # its CPU per settled job.
         self.settle_completed = f"""
             WITH s AS (
                 SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[]) AS s(id, lease, result)
                 ORDER BY id
             ),
             u AS (
-                UPDATE {t} j SET status = 'completed', result = s.result, updated_us = $4
+                UPDATE {t} j SET status = 'completed', result = s.result, updated_us = $4,
+                    progress = $6
                 FROM s
                 WHERE j.id = s.id AND j.handoff_id = s.lease AND j.status = 'handed_off'
                     AND {fence(5)}

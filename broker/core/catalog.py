@@ -120,13 +120,18 @@ def describe_backoff(backoff: TaskBackoff) -> str:
 # --------------------------------------------------------------------------- main side
 
 
-def entry(record: TaskRecord) -> dict[str, JSONValue]:
+def entry(record: TaskRecord, live: Collection[str] | None) -> dict[str, JSONValue]:
     """A task as one worker declared it, and when: an entry of a ``task_list`` reply and a
-    row of ``broker tasks``."""
+    row of ``broker tasks``. ``connected`` says whether that worker is connected now
+    (``live``: the worker ids connected to the main that answers), so a reader tells
+    the workers serving a task from those that only still vouch for it for the task
+    grace; ``None`` when nobody knows (the operator's command reading the store with
+    the main down)."""
     return {
         "task": record.task,
         "worker_id": record.worker_id,
         "seen_at": record.seen_at.isoformat(),
+        "connected": None if live is None else record.worker_id in live,
         "declaration": record.declaration,
     }
 

@@ -121,6 +121,7 @@ class Main:
             wake=self.wake,
             stop_cancelled=self._stop_cancelled,
             status=self.status,
+            live_workers=self._live_workers,
         )
         """The client requests (:mod:`broker.main.operations`), under this main's limits."""
         self.declarations = Declarations(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from broker.core import catalog
@@ -38,6 +38,7 @@ class Requests:
         wake: Callable[[], None],
         stop_cancelled: Callable[[Job], None],
         status: Callable[[], Awaitable[dict[str, Any]]],
+        live_workers: Callable[[], Collection[str]],
     ) -> None:
         self._operations = operations
         self._slots = asyncio.Semaphore(max_in_progress)
@@ -45,6 +46,8 @@ class Requests:
         self._wake = wake
         self._stop_cancelled = stop_cancelled
         self._status = status
+        self._live_workers = live_workers
+        """The worker ids connected now, for the catalog's ``connected``."""
 
     def start(self, session: Session, msg: protocol.Message) -> None:
         """Run a client request in its own task, counted against the connection's cap (the
@@ -171,8 +174,10 @@ class Requests:
                     request_id=rid, jobs=page.jobs, next_cursor=page.next_cursor
                 )
             case protocol.ListTasks(request_id=rid):
+                records = await ops.tasks()
+                live = self._live_workers()
                 return protocol.TaskList(
-                    request_id=rid, tasks=[catalog.entry(r) for r in await ops.tasks()]
+                    request_id=rid, tasks=[catalog.entry(r, live) for r in records]
                 )
             case protocol.Prune(request_id=rid):
                 deleted = await ops.prune(

@@ -831,9 +831,32 @@ async def check_progress_is_fenced_by_lease(ctx: Context) -> None:
     assert taken == [True, False]
     stored = await _get(ctx.store, job.id)
     assert (stored.progress, stored.progress_message) == (0.25, "a")
+    assert await ctx.store.save_progress([ProgressUpdate(job.id, lease, 0.875, "b")]) == [True]
     assert await ctx.store.complete(job.id, lease)
-    assert await ctx.store.save_progress([ProgressUpdate(job.id, lease, 1.0, "late")]) == [False]
-    assert (await _get(ctx.store, job.id)).progress == 0.25
+    assert await ctx.store.save_progress([ProgressUpdate(job.id, lease, 0.5, "late")]) == [False]
+    done = await _get(ctx.store, job.id)
+    assert (done.progress, done.progress_message) == (1.0, "b"), "a completed job is done"
+
+
+@_check
+async def check_completion_sets_progress_done_in_a_mixed_batch(ctx: Context) -> None:
+    """A completion settled alongside other outcomes sets its progress done too; the
+    failure in the batch keeps the progress its run reported."""
+    done = await _claim(ctx.store, await _enqueue(ctx.store))
+    failed = await _claim(ctx.store, await _enqueue(ctx.store))
+    assert done.handoff_id is not None and failed.handoff_id is not None
+    progress = [
+        ProgressUpdate(done.id, done.handoff_id, 0.5, "half"),
+        ProgressUpdate(failed.id, failed.handoff_id, 0.5, "half"),
+    ]
+    assert await ctx.store.save_progress(progress) == [True, True]
+    settlements = [
+        Settlement(done.id, done.handoff_id, Outcome.COMPLETE, result=1),
+        Settlement(failed.id, failed.handoff_id, Outcome.FAIL, error="boom"),
+    ]
+    assert await ctx.store.settle_many(settlements) == [True, True]
+    assert (await _get(ctx.store, done.id)).progress == 1.0
+    assert (await _get(ctx.store, failed.id)).progress == 0.5
 
 
 async def _queued_copies(store: StorageAdapter, job_id: uuid.UUID) -> int:

@@ -12,6 +12,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,3 +106,48 @@ async def test_a_cli_enqueue_gets_the_declared_defaults_and_unknown_names_are_re
     declared_json = entries[TASK]["declaration"]
     assert declared_json["max_attempts"] == 1 and declared_json["parameters"] == ["key"]
     assert entries[TASK]["worker_id"] == "w1"
+
+
+async def test_broker_tasks_tells_connected_workers_from_gone_ones_and_the_grace_drops_them(
+    cluster: Cluster,
+) -> None:
+    """Two workers declare the same tasks; one stops. ``broker tasks`` shows the other as
+    connected and the gone one with the time it was last seen, until the task grace
+    (five seconds here: long enough to look, short for a test) drops the gone one's
+    declarations; the connected one's stay."""
+    await cluster.start_main("--task-grace", "5")
+    await cluster.start_worker("w1")
+    gone = await cluster.start_worker("w2")
+    async with cluster.client() as client:
+
+        async def rows() -> dict[str, Any]:
+            tasks = await client.list_tasks()
+            return {str(t["worker_id"]): t for t in tasks if t["task"] == TASK}
+
+        async def both_connected() -> bool:
+            seen = await rows()
+            return {w: t["connected"] for w, t in seen.items()} == {"w1": True, "w2": True}
+
+        await eventually(
+            both_connected, "both workers' declarations, connected", detail=cluster.logs
+        )
+        assert await gone.terminate() == 0
+
+        async def w2_gone_but_listed() -> bool:
+            return (await rows()).get("w2", {}).get("connected") is False
+
+        await eventually(w2_gone_but_listed, "w2 listed as not connected", detail=cluster.logs)
+        table = await _broker(cluster, "tasks")
+        lines = [line for line in table.stdout.splitlines() if line.startswith(TASK)]
+        [w1_row] = [line for line in lines if " w1 " in line]
+        assert "connected" in w1_row, table.stdout
+        # Gone: its last-seen time, unless the grace dropped it meanwhile.
+        assert all("UTC" in line for line in lines if " w2 " in line), table.stdout
+
+        async def w2_dropped() -> bool:
+            return set(await rows()) == {"w1"}
+
+        await eventually(
+            w2_dropped, "the task grace to drop w2's declarations", detail=cluster.logs
+        )
+        assert (await rows())["w1"]["connected"] is True

@@ -103,6 +103,7 @@ async def test_every_request_of_the_one_list_is_answered_by_the_main() -> None:
         wake=lambda: None,
         stop_cancelled=lambda _job: None,
         status=status,
+        live_workers=set,
     )
     for msg in examples:
         reply = await requests.answer(msg)

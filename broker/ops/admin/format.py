@@ -213,7 +213,9 @@ def format_jobs(jobs: Sequence[dict[str, Any]]) -> str:
 
 def format_tasks(tasks: Sequence[dict[str, Any]]) -> str:
     """The human form of ``broker tasks``: one row per task and worker that declared it,
-    the defaults its jobs get and its retry rules."""
+    the defaults its jobs get and its retry rules. ``LAST SEEN`` is ``connected`` for a
+    worker connected now, and when it was last seen for one that is gone (it still
+    vouches for the task until the task grace drops it)."""
     if not tasks:
         return "no tasks declared (a worker declares its tasks when it connects)"
     rows = []
@@ -227,7 +229,7 @@ def format_tasks(tasks: Sequence[dict[str, Any]]) -> str:
                 str(int(declared.get("max_attempts", 1)) - 1),
                 "-" if declared.get("timeout") is None else f"{declared['timeout']:g}s",
                 str(entry["worker_id"]),
-                format_time(str(entry["seen_at"])),
+                "connected" if entry.get("connected") else format_time(str(entry["seen_at"])),
                 retry_rules(declared),
             ]
         )
