@@ -1,0 +1,303 @@
+"""Rich argument and result types: their JSON form, and the typed values a task receives.
+
+A job's arguments and result travel and are stored as JSON, and stay JSON everywhere in
+between: the main, the stores and any peer that does not know a type see only the
+documented JSON form (``docs/reference/arguments.md``). Types are a matter of the two
+ends, which hold the task:
+
+* **The producer** (a typed enqueue, ``task.enqueue(...)``, and a child returning a
+  result) writes each value in its JSON form with :func:`to_json_form`: an aware
+  ``datetime`` as an ISO 8601 string, a ``date`` too, a ``UUID`` and a ``Decimal`` as
+  strings, ``bytes`` as base64, an enum by its value, a dataclass or a msgspec ``Struct``
+  as an object. The conversion is ``msgspec.to_builtins``, in C. Values JSON would read
+  back differently are refused there, with the argument named: a naive ``datetime``
+  (which instant?) and a set (no order, so no stable unique key).
+* **The runner** gives the task real ``datetime``, ``UUID``... objects, converted from the
+  JSON form by the function's own annotations (:class:`ArgumentPlan`, one per function,
+  built at its first job). A parameter without an annotation, or annotated with plain
+  JSON types only, gets the JSON form as it is, at no cost. A value that cannot be
+  converted fails the job without a retry (the same value fails every run), naming the
+  parameter.
+* **The caller** that has the task reads a result back typed by the return annotation
+  (:meth:`ArgumentPlan.decode_result`, through :meth:`broker.tasks.registry.Task.decode_result`);
+  a caller by name gets the JSON form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import inspect
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from broker.exceptions import InvalidJobError
+from broker.jobs import JSONValue
+
+_PLAIN_SCALARS = frozenset({str, int, float, bool, type(None)})
+"""Types every value of which is its own JSON form (a float may be NaN: the job's own
+JSON check refuses that)."""
+
+_PLAIN_TYPES: frozenset[Any] = frozenset({Any, object, str, int, float, bool, type(None), None})
+"""Annotations a JSON value already satisfies as it is: no conversion is planned for them."""
+_PLAIN_ORIGINS: frozenset[Any] = frozenset(
+    {list, dict, typing.Union, types.UnionType, Sequence, Mapping, typing.Literal}
+)
+"""Generic annotations that need no conversion when their arguments need none."""
+
+
+class _Refused(Exception):
+    """A value whose JSON form would not read back as it was (see :func:`to_json_form`)."""
+
+
+def _refuse_unknown(value: Any) -> Any:
+    """``msgspec.to_builtins``'s hook for a type it does not know: refuse it by name."""
+    raise _Refused(
+        f"a value of type {type(value).__qualname__} has no JSON form "
+        "(see docs/reference/arguments.md for the types an argument or result may hold)"
+    )
+
+
+def _check_value(value: Any) -> None:
+    """Raise :class:`_Refused` if ``value`` holds a naive ``datetime`` or a set, which
+    ``msgspec.to_builtins`` would write without complaint (as an ISO string without an
+    offset, as a list) but which would not read back as they were.
+
+    One step per list, object, dataclass or Struct met; a list of plain scalars is
+    judged in C. Only reached for values that are not plain already, at the producer
+    (never at the main, which only sees JSON).
+    """
+    pending = [value]
+    seen: set[int] = set()
+    while pending:
+        item = pending.pop()
+        kind = type(item)
+        if kind in _PLAIN_SCALARS:
+            continue
+        if kind is list or kind is tuple or kind is dict:
+            if id(item) in seen:
+                raise _Refused("it contains itself")
+            seen.add(id(item))
+            items = item.values() if kind is dict else item
+            if not _PLAIN_SCALARS.issuperset(map(type, items)):
+                pending.extend(items)
+        elif isinstance(item, datetime.datetime):
+            if item.utcoffset() is None:
+                raise _Refused(
+                    f"the datetime {item.isoformat()} is naive: give it a time zone "
+                    "(datetime.now(UTC), dt.replace(tzinfo=...)), so it names one instant"
+                )
+        elif isinstance(item, set | frozenset):
+            raise _Refused(
+                "a set has no JSON form that keeps it (JSON has no sets, and a list made "
+                "of one has no fixed order); pass a sorted list (a parameter annotated "
+                "set[...] receives a set again)"
+            )
+        elif isinstance(item, msgspec.Struct):
+            pending.extend(getattr(item, name) for name in item.__struct_fields__)
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            pending.extend(getattr(item, f.name) for f in dataclasses.fields(item))
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+
+
+def to_json_form(value: Any, what: str) -> JSONValue:
+    """``value`` in its documented JSON form (``docs/reference/arguments.md``): plain JSON
+    data, which any peer can read without knowing a type.
+
+    :raises InvalidJobError: ``value`` holds a naive ``datetime``, a set, or a type with
+        no JSON form; ``what`` names it (``"argument 'when'"``).
+    """
+    if type(value) in _PLAIN_SCALARS:
+        return value
+    try:
+        _check_value(value)
+        return msgspec.to_builtins(value, enc_hook=_refuse_unknown)
+    except _Refused as exc:
+        raise InvalidJobError(f"{what} is not JSON-serialisable: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise InvalidJobError(f"{what} is not JSON-serialisable: {exc}") from None
+    except RecursionError:
+        raise InvalidJobError(f"{what} nests too deeply to be encoded as JSON") from None
+
+
+def encode_arguments(
+    task: str, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> tuple[Sequence[JSONValue], Mapping[str, JSONValue]]:
+    """A typed enqueue's arguments of ``func`` (task ``task``) in their JSON form
+    (:func:`to_json_form`), each refusal naming the parameter. Arguments that are plain
+    scalars already (the usual case) are returned as they are, judged in C without a
+    Python step per argument."""
+    if _PLAIN_SCALARS.issuperset(map(type, args)) and _PLAIN_SCALARS.issuperset(
+        map(type, kwargs.values())
+    ):
+        return args, kwargs
+    names = [name for name, _ in plan_for(func).positional]
+    return (
+        tuple(
+            to_json_form(
+                value,
+                f"argument {names[i] if i < len(names) else i!r} of task {task!r}",
+            )
+            for i, value in enumerate(args)
+        ),
+        {
+            name: to_json_form(value, f"argument {name!r} of task {task!r}")
+            for name, value in kwargs.items()
+        },
+    )
+
+
+# --------------------------------------------------------------------------- decode
+
+
+Converter = Callable[[Any], Any]
+
+
+def _needs_conversion(annotation: Any) -> bool:
+    """Whether a JSON value may have to change to satisfy ``annotation`` (a ``datetime``
+    arrives as a string); plain JSON types, and unions, lists and dicts of them, need no
+    conversion, so their parameters cost nothing per job."""
+    if annotation in _PLAIN_TYPES:
+        return False
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return False
+    if origin in _PLAIN_ORIGINS:
+        return any(_needs_conversion(arg) for arg in typing.get_args(annotation))
+    return annotation not in (list, dict, Sequence, Mapping)
+
+
+def _converter(annotation: Any) -> Converter | None:
+    """Converts a JSON value to ``annotation`` with msgspec (``None``: the JSON value is
+    passed as it is, because it needs no conversion or msgspec cannot make the type)."""
+    if not _needs_conversion(annotation):
+        return None
+    try:
+        msgspec.json.Decoder(annotation)  # raises TypeError for a type msgspec cannot make
+    except (TypeError, ValueError):
+        return None
+    return functools.partial(msgspec.convert, type=annotation, strict=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ArgumentPlan:
+    """How one function's arguments and result are converted from their JSON form: a
+    converter per annotated parameter that needs one, planned once per function."""
+
+    positional: tuple[tuple[str, Converter | None], ...]
+    """Parameters that take positional arguments, in order."""
+    var_positional: tuple[str, Converter] | None
+    """``*args``, when its annotation needs a conversion."""
+    keyword: Mapping[str, Converter | None]
+    """Every parameter that may be given by keyword, with its converter if it needs one."""
+    var_keyword: Converter | None
+    """``**kwargs``' converter, when its annotation needs one."""
+    result: Converter | None
+    converts: bool
+    """Whether any argument may need a conversion: without one, a job's arguments are
+    passed on as they came, at the cost of reading this flag."""
+
+    def decode(
+        self, task: str, args: tuple[JSONValue, ...], kwargs: dict[str, JSONValue]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments the task receives, converted by its annotations.
+
+        :raises InvalidJobError: an argument does not fit its annotation; the
+            message names the parameter.
+        """
+        if not self.converts:
+            return args, kwargs
+        positional = self.positional
+        converted = list(args)
+        for i, value in enumerate(args):
+            if i < len(positional):
+                name, convert = positional[i]
+            elif self.var_positional is not None:
+                name, convert = self.var_positional
+            else:
+                break  # more than the function takes: the call itself reports that
+            if convert is not None:
+                converted[i] = _convert(convert, value, f"argument {name!r} of task {task!r}")
+        named: dict[str, Any] = dict(kwargs)
+        for name, value in kwargs.items():
+            convert = self.keyword.get(name, self.var_keyword)
+            if convert is not None:
+                named[name] = _convert(convert, value, f"argument {name!r} of task {task!r}")
+        return tuple(converted), named
+
+    def decode_result(self, task: str, value: JSONValue) -> Any:
+        """A job's result as its task's return annotation says (the JSON form, when it
+        has none that needs a conversion)."""
+        if self.result is None or value is None:
+            return value
+        return _convert(self.result, value, f"the result of task {task!r}")
+
+
+def _convert(convert: Converter, value: JSONValue, what: str) -> Any:
+    try:
+        return convert(value)
+    except msgspec.ValidationError as exc:
+        raise InvalidJobError(
+            f"{what} cannot be converted to its annotation: {exc} (got {value!r:.200}; "
+            "not retried: the same value fails every run)"
+        ) from None
+
+
+_NO_PLAN = ArgumentPlan((), None, {}, None, None, converts=False)
+
+
+def _hints(func: Callable[..., Any]) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(func, include_extras=True)
+    except Exception:  # an annotation that cannot be resolved: no types to go by
+        return {}
+
+
+_plans: dict[Callable[..., Any], ArgumentPlan] = {}
+"""Plans by function: built at a function's first job (or typed result), kept for the
+process's life (the functions are registered tasks, a fixed set)."""
+
+
+def plan_for(func: Callable[..., Any]) -> ArgumentPlan:
+    """The argument plan of ``func``, built once."""
+    plan = _plans.get(func)
+    if plan is None:
+        plan = _plans[func] = _build_plan(func)
+    return plan
+
+
+def _build_plan(func: Callable[..., Any]) -> ArgumentPlan:
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return _NO_PLAN
+    hints = _hints(func)
+    positional: list[tuple[str, Converter | None]] = []
+    keyword: dict[str, Converter | None] = {}
+    var_positional: tuple[str, Converter] | None = None
+    var_keyword: Converter | None = None
+    kind = inspect.Parameter
+    converts = False
+    for parameter in parameters:
+        convert = _converter(hints[parameter.name]) if parameter.name in hints else None
+        converts = converts or convert is not None
+        if parameter.kind is kind.VAR_POSITIONAL:
+            var_positional = None if convert is None else (parameter.name, convert)
+        elif parameter.kind is kind.VAR_KEYWORD:
+            var_keyword = convert
+        else:
+            if parameter.kind is not kind.KEYWORD_ONLY:
+                positional.append((parameter.name, convert))
+            if parameter.kind is not kind.POSITIONAL_ONLY:
+                keyword[parameter.name] = convert
+    result = _converter(hints["return"]) if "return" in hints else None
+    return ArgumentPlan(tuple(positional), var_positional, keyword, var_keyword, result, converts)
