@@ -243,6 +243,7 @@ async def test_reschedule_with_a_bad_delay_fails(registry: TaskRegistry) -> None
 async def test_result_must_be_json(registry: TaskRegistry, value: object) -> None:
     """A value with no JSON form that reads back as it was (bytes and aware datetimes
     have one: docs/reference/arguments.md)."""
+
     @task(name="odd", registry=registry, mode="inline")
     async def odd() -> object:
         return value
