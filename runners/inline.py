@@ -305,18 +305,21 @@ class InlineRunner:
         if too_deep is not None:
             return Failed(too_deep, retry=False)
         try:
-            # A datetime, a dataclass...: written in its JSON form here, in the process
-            # that ran the task, so the worker, the main and the store only see JSON.
-            result = to_json_form(result, "the task's result")
             json.dumps(result, allow_nan=False)
-        except InvalidJobError as err:
-            return Failed(str(err), retry=False)
-        except (TypeError, ValueError) as err:
-            return Failed(
-                f"the task returned a value that is not JSON-serialisable ({err}); return "
-                "JSON data or a type listed in docs/reference/arguments.md",
-                retry=False,
-            )
+        except (TypeError, ValueError):
+            try:
+                # A datetime, a dataclass...: written in its JSON form here, in the process
+                # that ran the task, so the worker, the main and the store only see JSON.
+                result = to_json_form(result, "the task's result")
+                json.dumps(result, allow_nan=False)
+            except InvalidJobError as err:
+                return Failed(str(err), retry=False)
+            except (TypeError, ValueError) as err:
+                return Failed(
+                    f"the task returned a value that is not JSON-serialisable ({err}); return "
+                    "JSON data or a type listed in docs/reference/arguments.md",
+                    retry=False,
+                )
         return Completed(result)
 
     def _free(self, slot: _Slot) -> None:

@@ -29,6 +29,7 @@ import dataclasses
 import datetime
 import functools
 import inspect
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -38,7 +39,7 @@ from typing import Any
 import msgspec
 
 from broker.exceptions import InvalidJobError
-from broker.jobs import JSONValue
+from broker.jobs import JSONValue, compact_json
 
 _PLAIN_SCALARS = frozenset({str, int, float, bool, type(None)})
 """Types every value of which is its own JSON form (a float may be NaN: the job's own
@@ -119,11 +120,14 @@ def to_json_form(value: Any, what: str) -> JSONValue:
     if type(value) in _PLAIN_SCALARS:
         return value
     try:
+        compact_json(value)
+        return value  # plain JSON already, as judged in C: nothing to convert or walk
+    except (TypeError, ValueError, RecursionError):
+        pass  # a type JSON does not know (or NaN, which the job's own check refuses)
+    try:
         _check_value(value)
         return msgspec.to_builtins(value, enc_hook=_refuse_unknown)
-    except _Refused as exc:
-        raise InvalidJobError(f"{what} is not JSON-serialisable: {exc}") from None
-    except (TypeError, ValueError) as exc:
+    except (_Refused, TypeError, ValueError) as exc:
         raise InvalidJobError(f"{what} is not JSON-serialisable: {exc}") from None
     except RecursionError:
         raise InvalidJobError(f"{what} nests too deeply to be encoded as JSON") from None
@@ -140,7 +144,7 @@ def encode_arguments(
         map(type, kwargs.values())
     ):
         return args, kwargs
-    names = [name for name, _ in plan_for(func).positional]
+    names = plan_for(func).names
     return (
         tuple(
             to_json_form(
@@ -190,17 +194,27 @@ def _converter(annotation: Any) -> Converter | None:
 
 @dataclass(frozen=True, slots=True)
 class ArgumentPlan:
-    """How one function's arguments and result are converted from their JSON form: a
-    converter per annotated parameter that needs one, planned once per function."""
+    """How one function's arguments and result are converted from their JSON form,
+    planned once per function: its named parameters that need a conversion are the
+    fields of one msgspec ``Struct`` (``arguments``), so a job's arguments are converted
+    in one C call, with type information msgspec keeps on that class."""
 
-    positional: tuple[tuple[str, Converter | None], ...]
-    """Parameters that take positional arguments, in order."""
+    names: tuple[str, ...]
+    """The parameters that take positional arguments, in order (to name an argument)."""
+    positional: tuple[str | None, ...]
+    """Per parameter that takes a positional argument, in order: its name if it needs a
+    conversion, else ``None``."""
+    keyword: Mapping[str, bool]
+    """Every parameter that may be given by keyword: whether it needs a conversion."""
+    arguments: type[msgspec.Struct] | None
+    """One field per parameter that needs a conversion (left unset when a job does not
+    give it), named after the parameter through ``rename``."""
+    attributes: Mapping[str, str]
+    """The ``arguments`` attribute that holds each parameter."""
     var_positional: tuple[str, Converter] | None
     """``*args``, when its annotation needs a conversion."""
-    keyword: Mapping[str, Converter | None]
-    """Every parameter that may be given by keyword, with its converter if it needs one."""
-    var_keyword: Converter | None
-    """``**kwargs``' converter, when its annotation needs one."""
+    var_keyword: tuple[str, Converter] | None
+    """``**kwargs``, when its annotation needs a conversion."""
     result: Converter | None
     converts: bool
     """Whether any argument may need a conversion: without one, a job's arguments are
@@ -211,28 +225,47 @@ class ArgumentPlan:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The arguments the task receives, converted by its annotations.
 
-        :raises InvalidJobError: an argument does not fit its annotation; the
-            message names the parameter.
+        :raises InvalidJobError: an argument does not fit its annotation; the message
+            names the parameter.
         """
         if not self.converts:
             return args, kwargs
-        positional = self.positional
-        converted = list(args)
-        for i, value in enumerate(args):
-            if i < len(positional):
-                name, convert = positional[i]
-            elif self.var_positional is not None:
-                name, convert = self.var_positional
-            else:
-                break  # more than the function takes: the call itself reports that
-            if convert is not None:
-                converted[i] = _convert(convert, value, f"argument {name!r} of task {task!r}")
-        named: dict[str, Any] = dict(kwargs)
-        for name, value in kwargs.items():
-            convert = self.keyword.get(name, self.var_keyword)
-            if convert is not None:
-                named[name] = _convert(convert, value, f"argument {name!r} of task {task!r}")
+        positional, keyword = self.positional, self.keyword
+        given = min(len(args), len(positional))
+        values = {name: args[i] for i in range(given) if (name := positional[i]) is not None}
+        values.update((name, value) for name, value in kwargs.items() if keyword.get(name))
+        converted, named = list(args), dict(kwargs)
+        if values and self.arguments is not None:
+            typed = self._convert_named(task, values)
+            attributes = self.attributes
+            for i in range(given):
+                if (name := positional[i]) is not None:
+                    converted[i] = getattr(typed, attributes[name])
+            for name in kwargs:
+                if keyword.get(name):
+                    named[name] = getattr(typed, attributes[name])
+        if self.var_positional is not None:
+            star, convert = self.var_positional
+            for i in range(len(positional), len(args)):
+                converted[i] = _convert(convert, args[i], f"argument {star!r} of task {task!r}")
+        if self.var_keyword is not None:
+            convert = self.var_keyword[1]
+            for name, value in kwargs.items():
+                if name not in keyword:
+                    named[name] = _convert(convert, value, f"argument {name!r} of task {task!r}")
         return tuple(converted), named
+
+    def _convert_named(self, task: str, values: dict[str, JSONValue]) -> msgspec.Struct:
+        try:
+            return msgspec.convert(values, type=self.arguments, strict=False)
+        except msgspec.ValidationError as exc:
+            found = _PATH.search(str(exc))
+            name = found.group(1) if found else "?"
+            raise InvalidJobError(
+                f"argument {name!r} of task {task!r} cannot be converted to its annotation: "
+                f"{exc} (got {values.get(name)!r:.200}; not retried: the same value fails "
+                "every run)"
+            ) from None
 
     def decode_result(self, task: str, value: JSONValue) -> Any:
         """A job's result as its task's return annotation says (the JSON form, when it
@@ -240,6 +273,10 @@ class ArgumentPlan:
         if self.result is None or value is None:
             return value
         return _convert(self.result, value, f"the result of task {task!r}")
+
+
+_PATH = re.compile(r"- at `\$\.([^.`\[]+)")
+"""The parameter a msgspec validation error of an ``arguments`` struct is about."""
 
 
 def _convert(convert: Converter, value: JSONValue, what: str) -> Any:
@@ -252,7 +289,7 @@ def _convert(convert: Converter, value: JSONValue, what: str) -> Any:
         ) from None
 
 
-_NO_PLAN = ArgumentPlan((), None, {}, None, None, converts=False)
+_NO_PLAN = ArgumentPlan((), (), {}, None, {}, None, None, None, converts=False)
 
 
 def _hints(func: Callable[..., Any]) -> dict[str, Any]:
@@ -281,23 +318,46 @@ def _build_plan(func: Callable[..., Any]) -> ArgumentPlan:
     except (TypeError, ValueError):
         return _NO_PLAN
     hints = _hints(func)
-    positional: list[tuple[str, Converter | None]] = []
-    keyword: dict[str, Converter | None] = {}
-    var_positional: tuple[str, Converter] | None = None
-    var_keyword: Converter | None = None
     kind = inspect.Parameter
-    converts = False
+    names: list[str] = []
+    positional: list[str | None] = []
+    keyword: dict[str, bool] = {}
+    fields: list[tuple[str, Any, Any]] = []
+    attributes: dict[str, str] = {}
+    var_positional: tuple[str, Converter] | None = None
+    var_keyword: tuple[str, Converter] | None = None
     for parameter in parameters:
-        convert = _converter(hints[parameter.name]) if parameter.name in hints else None
-        converts = converts or convert is not None
+        name = parameter.name
+        convert = _converter(hints[name]) if name in hints else None
         if parameter.kind is kind.VAR_POSITIONAL:
-            var_positional = None if convert is None else (parameter.name, convert)
-        elif parameter.kind is kind.VAR_KEYWORD:
-            var_keyword = convert
-        else:
-            if parameter.kind is not kind.KEYWORD_ONLY:
-                positional.append((parameter.name, convert))
-            if parameter.kind is not kind.POSITIONAL_ONLY:
-                keyword[parameter.name] = convert
+            var_positional = None if convert is None else (name, convert)
+            continue
+        if parameter.kind is kind.VAR_KEYWORD:
+            var_keyword = None if convert is None else (name, convert)
+            continue
+        if convert is not None:
+            attributes[name] = f"p{len(fields)}"
+            fields.append((attributes[name], hints[name] | msgspec.UnsetType, msgspec.UNSET))
+        if parameter.kind is not kind.KEYWORD_ONLY:
+            names.append(name)
+            positional.append(name if convert is not None else None)
+        if parameter.kind is not kind.POSITIONAL_ONLY:
+            keyword[name] = convert is not None
+    arguments = None
+    if fields:
+        rename = {attribute: name for name, attribute in attributes.items()}
+        arguments = msgspec.defstruct(
+            f"{getattr(func, '__qualname__', 'task')}.arguments", fields, rename=rename
+        )
     result = _converter(hints["return"]) if "return" in hints else None
-    return ArgumentPlan(tuple(positional), var_positional, keyword, var_keyword, result, converts)
+    return ArgumentPlan(
+        tuple(names),
+        tuple(positional),
+        keyword,
+        arguments,
+        attributes,
+        var_positional,
+        var_keyword,
+        result,
+        converts=bool(fields) or var_positional is not None or var_keyword is not None,
+    )
