@@ -30,9 +30,8 @@ import datetime
 import functools
 import inspect
 import re
-import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,13 +43,6 @@ from broker.jobs import JSONValue, compact_json
 _PLAIN_SCALARS = frozenset({str, int, float, bool, type(None)})
 """Types every value of which is its own JSON form (a float may be NaN: the job's own
 JSON check refuses that)."""
-
-_PLAIN_TYPES: frozenset[Any] = frozenset({Any, object, str, int, float, bool, type(None), None})
-"""Annotations a JSON value already satisfies as it is: no conversion is planned for them."""
-_PLAIN_ORIGINS: frozenset[Any] = frozenset(
-    {list, dict, typing.Union, types.UnionType, Sequence, Mapping, typing.Literal}
-)
-"""Generic annotations that need no conversion when their arguments need none."""
 
 
 class _Refused(Exception):
@@ -166,27 +158,67 @@ def encode_arguments(
 Converter = Callable[[Any], Any]
 
 
-def _needs_conversion(annotation: Any) -> bool:
-    """Whether a JSON value may have to change to satisfy ``annotation`` (a ``datetime``
-    arrives as a string); plain JSON types, and unions, lists and dicts of them, need no
-    conversion, so their parameters cost nothing per job."""
-    if annotation in _PLAIN_TYPES:
-        return False
-    origin = typing.get_origin(annotation)
-    if origin is typing.Literal:
-        return False
-    if origin in _PLAIN_ORIGINS:
-        return any(_needs_conversion(arg) for arg in typing.get_args(annotation))
-    return annotation not in (list, dict, Sequence, Mapping)
+def _types_in(info: msgspec.inspect.Type) -> Iterator[msgspec.inspect.Type]:
+    """Every type ``info`` is made of, itself included, each once (a recursive type
+    refers to itself)."""
+    seen: set[int] = set()
+    pending = [info]
+    while pending:
+        node = pending.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        for attribute in ("item_type", "key_type", "value_type"):
+            below = getattr(node, attribute, None)
+            if below is not None:
+                pending.append(below)
+        pending.extend(getattr(node, "types", ()))
+        pending.extend(getattr(node, "item_types", ()))
+        pending.extend(field.type for field in getattr(node, "fields", ()))
+
+
+_PLAIN_INFO = (
+    msgspec.inspect.AnyType,
+    msgspec.inspect.NoneType,
+    msgspec.inspect.BoolType,
+    msgspec.inspect.IntType,
+    msgspec.inspect.FloatType,
+    msgspec.inspect.StrType,
+    msgspec.inspect.LiteralType,
+    msgspec.inspect.UnionType,
+    msgspec.inspect.ListType,
+)
+"""What JSON values satisfy as they are: a parameter made of these alone needs no
+conversion (a dict too, when its keys are strings), so it costs nothing per job."""
+
+
+def _needs_conversion(info: msgspec.inspect.Type) -> bool | None:
+    """Whether a JSON value may have to change to satisfy the type ``info`` describes (a
+    ``datetime`` arrives as a string); ``None`` when msgspec cannot make it (a class of
+    the app's own, anywhere inside), whose parameter then gets the JSON form."""
+    converts = False
+    for node in _types_in(info):
+        if isinstance(node, msgspec.inspect.CustomType):
+            return None
+        if isinstance(node, msgspec.inspect.DictType):
+            converts = converts or not isinstance(
+                node.key_type, msgspec.inspect.StrType | msgspec.inspect.AnyType
+            )
+        elif not isinstance(node, _PLAIN_INFO):
+            converts = True
+    return converts
 
 
 def _converter(annotation: Any) -> Converter | None:
     """Converts a JSON value to ``annotation`` with msgspec (``None``: the JSON value is
     passed as it is, because it needs no conversion or msgspec cannot make the type)."""
-    if not _needs_conversion(annotation):
-        return None
     try:
-        msgspec.json.Decoder(annotation)  # raises TypeError for a type msgspec cannot make
+        if not _needs_conversion(msgspec.inspect.type_info(annotation)):
+            return None
+        # Raises TypeError for a type msgspec cannot leave unset, as a field of a plan's
+        # ``arguments`` struct.
+        msgspec.json.Decoder(annotation | msgspec.UnsetType)
     except (TypeError, ValueError):
         return None
     return functools.partial(msgspec.convert, type=annotation, strict=False)
@@ -293,10 +325,22 @@ _NO_PLAN = ArgumentPlan((), (), {}, None, {}, None, None, None, converts=False)
 
 
 def _hints(func: Callable[..., Any]) -> dict[str, Any]:
+    """``func``'s annotations, resolved. When one cannot be (a name imported only under
+    ``TYPE_CHECKING``), each other is resolved on its own, so that one parameter alone
+    gets the JSON form instead of every parameter of the function."""
     try:
         return typing.get_type_hints(func, include_extras=True)
-    except Exception:  # an annotation that cannot be resolved: no types to go by
-        return {}
+    except Exception:
+        pass
+    hints: dict[str, Any] = {}
+    namespace = getattr(func, "__globals__", {})
+    for name, annotation in getattr(func, "__annotations__", {}).items():
+        try:
+            # What get_type_hints does per annotation: the app's own source, in its module.
+            hints[name] = eval(annotation, namespace) if isinstance(annotation, str) else annotation
+        except Exception:
+            continue
+    return hints
 
 
 _plans: dict[Callable[..., Any], ArgumentPlan] = {}

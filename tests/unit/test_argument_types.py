@@ -330,3 +330,24 @@ def test_every_supported_value_round_trips_by_its_annotation(case: tuple[Any, An
     assert _same(value, decoded), (value, wire_args, decoded)
     result = json.loads(json.dumps(to_json_form(value, "result")))
     assert _same(value, plan_for(takes).decode_result("takes", result))
+
+
+class Opaque:
+    """A class of the app's own that msgspec cannot make."""
+
+
+def test_a_parameter_msgspec_cannot_make_gets_the_json_form_and_the_others_are_converted() -> None:
+    def mixed(a: Opaque, b: list[Opaque], c: Unresolvable, d: datetime) -> None:  # type: ignore[name-defined]  # noqa: F821
+        ...
+
+    args, _ = plan_for(mixed).decode("mixed", ("x", ["y"], "z", WHEN.isoformat()), {})
+    assert args == ("x", ["y"], "z", WHEN)
+
+
+def test_int_keys_and_tuples_are_converted_plain_dicts_and_lists_are_not() -> None:
+    def shapes(a: dict[int, str], b: tuple[int, int], c: dict[str, list[int]]) -> None: ...
+
+    plan = plan_for(shapes)
+    assert plan.positional == ("a", "b", None)
+    args, _ = plan.decode("shapes", ({"1": "x"}, [1, 2], {"k": [1]}), {})
+    assert args == ({1: "x"}, (1, 2), {"k": [1]})
