@@ -9,12 +9,14 @@ ends, which hold the task:
   result) writes each value in its JSON form with :func:`to_json_form`: an aware
   ``datetime`` as an ISO 8601 string, a ``date`` too, a ``UUID`` and a ``Decimal`` as
   strings, ``bytes`` as base64, an enum by its value, a dataclass or a msgspec ``Struct``
-  as an object. The conversion is ``msgspec.to_builtins``, in C. Values JSON would read
-  back differently are refused there, with the argument named: a naive ``datetime``
-  (which instant?) and a set (no order, so no stable unique key).
+  as an object. A value that is plain JSON already is judged by one C encoding and kept
+  as it is; another is converted by ``msgspec.to_builtins``, in C. Values JSON would
+  read back differently are refused there, with the argument named: a naive
+  ``datetime`` (which instant?) and a set (no order, so no stable unique key).
 * **The runner** gives the task real ``datetime``, ``UUID``... objects, converted from the
   JSON form by the function's own annotations (:class:`ArgumentPlan`, one per function,
-  built at its first job). A parameter without an annotation, or annotated with plain
+  built at its first job: one msgspec ``Struct`` of the parameters to convert, so a job
+  costs one C conversion). A parameter without an annotation, or annotated with plain
   JSON types only, gets the JSON form as it is, at no cost. A value that cannot be
   converted fails the job without a retry (the same value fails every run), naming the
   parameter.
@@ -31,7 +33,7 @@ import functools
 import inspect
 import re
 import typing
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +41,7 @@ import msgspec
 
 from broker.exceptions import InvalidJobError
 from broker.jobs import JSONValue, compact_json
+from broker.model.bounds import MAX_PAYLOAD_DEPTH_CEILING
 
 _PLAIN_SCALARS = frozenset({str, int, float, bool, type(None)})
 """Types every value of which is its own JSON form (a float may be NaN: the job's own
@@ -62,24 +65,27 @@ def _check_value(value: Any) -> None:
     ``msgspec.to_builtins`` would write without complaint (as an ISO string without an
     offset, as a list) but which would not read back as they were.
 
-    One step per list, object, dataclass or Struct met; a list of plain scalars is
-    judged in C. Only reached for values that are not plain already, at the producer
-    (never at the main, which only sees JSON).
+    Depth first, one step per list, object, dataclass or Struct met (a list of plain
+    scalars is judged in C), and never deeper than
+    :data:`~broker.model.bounds.MAX_PAYLOAD_DEPTH_CEILING`, so a value that contains
+    itself is refused instead of walked for ever. Only reached for values that are not
+    plain JSON already, at the producer (never at the main, which only sees JSON).
     """
-    pending = [value]
-    seen: set[int] = set()
+    pending: list[tuple[Any, int]] = [(value, 0)]
     while pending:
-        item = pending.pop()
+        item, depth = pending.pop()
         kind = type(item)
         if kind in _PLAIN_SCALARS:
             continue
+        if depth > MAX_PAYLOAD_DEPTH_CEILING:
+            raise _Refused(
+                f"it nests more than {MAX_PAYLOAD_DEPTH_CEILING} levels deep (or contains itself)"
+            )
+        below: Iterable[Any] = ()
         if kind is list or kind is tuple or kind is dict:
-            if id(item) in seen:
-                raise _Refused("it contains itself")
-            seen.add(id(item))
             items = item.values() if kind is dict else item
             if not _PLAIN_SCALARS.issuperset(map(type, items)):
-                pending.extend(items)
+                below = items
         elif isinstance(item, datetime.datetime):
             if item.utcoffset() is None:
                 raise _Refused(
@@ -93,13 +99,14 @@ def _check_value(value: Any) -> None:
                 "set[...] receives a set again)"
             )
         elif isinstance(item, msgspec.Struct):
-            pending.extend(getattr(item, name) for name in item.__struct_fields__)
+            below = [getattr(item, name) for name in item.__struct_fields__]
         elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-            pending.extend(getattr(item, f.name) for f in dataclasses.fields(item))
+            below = [getattr(item, f.name) for f in dataclasses.fields(item)]
         elif isinstance(item, list | tuple):
-            pending.extend(item)
+            below = item
         elif isinstance(item, dict):
-            pending.extend(item.values())
+            below = item.values()
+        pending.extend((child, depth + 1) for child in below)
 
 
 def to_json_form(value: Any, what: str) -> JSONValue:

@@ -190,6 +190,14 @@ def test_a_value_that_contains_itself_is_refused() -> None:
         typed.spec((loop,))
 
 
+def test_a_value_shared_twice_is_not_taken_for_a_loop() -> None:
+    shared = [WHEN]
+    spec = typed.spec(({"a": shared, "b": shared},))
+    assert spec.args == (
+        {"a": ["2026-03-01T12:30:15.000250Z"], "b": ["2026-03-01T12:30:15.000250Z"]},
+    )
+
+
 def test_keys_are_made_from_the_json_form() -> None:
     local = TaskRegistry()
 
