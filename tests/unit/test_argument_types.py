@@ -359,3 +359,22 @@ def test_int_keys_and_tuples_are_converted_plain_dicts_and_lists_are_not() -> No
     assert plan.positional == ("a", "b", None)
     args, _ = plan.decode("shapes", ({"1": "x"}, [1, 2], {"k": [1]}), {})
     assert args == ({1: "x"}, (1, 2), {"k": [1]})
+
+
+def test_every_typed_enqueue_door_writes_the_json_form() -> None:
+    """The transactional enqueue (``enqueue_in``, Django's ``enqueue``) and
+    ``task.options(...)`` make their jobs through ``Task.spec`` too."""
+    from broker.client.transactional import job_spec
+
+    local = TaskRegistry()
+
+    @task(name="charge", registry=local)
+    def charge(when: datetime, *, price: Price) -> None: ...
+
+    by_transaction = job_spec(charge, (WHEN,), {"price": PRICE})
+    by_options = charge.options(queue="q").spec(WHEN, price=PRICE)
+    for spec in (by_transaction, by_options):
+        assert spec.args == ("2026-03-01T12:30:15.000250Z",)
+        assert spec.kwargs == {"price": {"amount": "2.50", "currency": "EUR"}}
+    with pytest.raises(InvalidJobError, match=r"argument 'when' of task 'charge'.*naive"):
+        job_spec(charge, (datetime(2026, 1, 1),), {"price": PRICE})
