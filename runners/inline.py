@@ -28,11 +28,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from broker.exceptions import TaskNotFoundError
+from broker.exceptions import InvalidJobError, TaskNotFoundError
 from broker.jobs import ExecutionMode, JSONValue
 from broker.model import checks
 from broker.payload import MAX_PAYLOAD_DEPTH_CEILING, result_too_deep
 from broker.tasks import hooks as hooks_module
+from broker.tasks.arguments import plan_for, to_json_form
 from broker.tasks.context import JobContext
 from broker.tasks.registry import Task, TaskRegistry, default_registry
 from broker.tasks.runner import (
@@ -204,9 +205,17 @@ class InlineRunner:
             self._free(slot)
             outcome.set_result(Failed(str(exc), retry=False))
             return outcome
+        try:
+            # The task's typed arguments (datetime, UUID...) from their JSON form, by its
+            # annotations; one flag read for a task that has none to convert.
+            args, kwargs = plan_for(task.func).decode(task.name, assignment.args, assignment.kwargs)
+        except InvalidJobError as exc:
+            self._free(slot)
+            outcome.set_result(Failed(str(exc), retry=False))
+            return outcome
         timeout = self._timeout_for(assignment, task)
         slot.sync = not task.is_async
-        slot.work = work = self._launch(task, assignment, loop)
+        slot.work = work = self._launch(task, assignment, args, kwargs, loop)
         work.add_done_callback(functools.partial(self._work_done, slot))
         if timeout is not None:
             slot.timer = loop.call_later(timeout, self._timed_out, slot, timeout)
@@ -222,9 +231,13 @@ class InlineRunner:
         return self._default_timeout
 
     def _launch(
-        self, task: Task[..., Any], assignment: Assignment, loop: asyncio.AbstractEventLoop
+        self,
+        task: Task[..., Any],
+        assignment: Assignment,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        loop: asyncio.AbstractEventLoop,
     ) -> asyncio.Future[Any]:
-        args, kwargs = assignment.args, assignment.kwargs
         # The task runs in a copy of this context in which current_job() is its job.
         context = contextvars.copy_context()
         job_context = JobContext(assignment, self._channel, loop)
@@ -317,12 +330,20 @@ class InlineRunner:
             return Failed(too_deep, retry=False)
         try:
             json.dumps(result, allow_nan=False)
-        except (TypeError, ValueError) as err:
-            return Failed(
-                f"the task returned a value that is not JSON-serialisable ({err}); "
-                "return plain JSON data (dict, list, str, int, float, bool, None)",
-                retry=False,
-            )
+        except (TypeError, ValueError):
+            try:
+                # A datetime, a dataclass...: written in its JSON form here, in the process
+                # that ran the task, so the worker, the main and the store only see JSON.
+                result = to_json_form(result, "the task's result")
+                json.dumps(result, allow_nan=False)
+            except InvalidJobError as err:
+                return Failed(str(err), retry=False)
+            except (TypeError, ValueError) as err:
+                return Failed(
+                    f"the task returned a value that is not JSON-serialisable ({err}); return "
+                    "JSON data or a type listed in docs/reference/arguments.md",
+                    retry=False,
+                )
         return Completed(result)
 
     def _free(self, slot: _Slot) -> None:

@@ -31,6 +31,7 @@ from broker.jobs import (
     JSONValue,
 )
 from broker.retry import RetryPolicy, TaskBackoff
+from broker.tasks.arguments import encode_arguments, plan_for
 from broker.tasks.hooks import WorkerHooks
 from broker.tasks.schedule import Schedule, default_schedules
 
@@ -275,7 +276,12 @@ class Task(Generic[P, R]):
         idempotency_key: str | None = None,
         **overrides: Any,
     ) -> JobSpec:
-        """A job for this task with the task's defaults, any of which may be overridden."""
+        """A job for this task with the task's defaults, any of which may be overridden.
+
+        The arguments are written in their JSON form first (``datetime``, ``UUID``,
+        dataclasses...: see :mod:`broker.tasks.arguments`), so keys made from them are
+        the ones an enqueue by name of the same values makes."""
+        args, kwargs = encode_arguments(self.name, self.func, args, kwargs or {})
         fields: dict[str, Any] = {
             "queue": self.queue,
             "priority": self.priority,
@@ -291,17 +297,27 @@ class Task(Generic[P, R]):
             overrides["max_attempts"] = int(overrides.pop("retries")) + 1
         fields.update(overrides)
         if "concurrency_key" not in overrides and self.concurrency_key is not None:
-            fields["concurrency_key"] = self._format_key(self.concurrency_key, args, kwargs or {})
+            fields["concurrency_key"] = self._format_key(self.concurrency_key, args, kwargs)
         if self.unique and fields.get("unique_key") is None:
-            fields["unique_key"] = default_unique_key(self.name, args, kwargs or {})
+            fields["unique_key"] = default_unique_key(self.name, args, kwargs)
         return JobSpec(
             task=self.name,
             args=tuple(args),
-            kwargs=dict(kwargs or {}),
+            kwargs=dict(kwargs),
             run_at=run_at,
             idempotency_key=idempotency_key,
             **fields,
         )
+
+    def decode_result(self, value: JSONValue) -> Any:
+        """A result of this task's job, read back from its JSON form as the function's
+        return annotation says (a ``datetime``, a dataclass...); the JSON form as it is
+        when the annotation needs no conversion.
+
+        :raises InvalidJobError: the value does not fit the annotation (a result stored by
+            another version of the task, say).
+        """
+        return plan_for(self.func).decode_result(self.name, value)
 
     def positional_parameters(self) -> list[str]:
         """The names a job's positional arguments bind to, in order (what the task
