@@ -118,6 +118,13 @@ class MainProcess:
         assert match is not None, status
         return int(match.group(1)) * 1024
 
+    def loop_cpu(self) -> float:
+        """Seconds of CPU its main thread (the one running its event loop) has used:
+        what the loop spent, whatever else ran on the machine meanwhile."""
+        fields = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/stat").read_text()
+        utime, stime = fields.rsplit(")", 1)[1].split()[11:13]
+        return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+
     def logged(self, needle: str) -> int:
         return sum(needle in line for line in self.log)
 

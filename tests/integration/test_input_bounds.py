@@ -4,9 +4,10 @@ findings 1, 2 and 4).
 A 15.5 MiB enqueue of 5.4 million empty lists (under the 16 MiB payload limit) froze the
 main for 7 to 21 s and grew it by 0.4 GB per request in flight; names had no length, so a
 40 MiB task name went in through the wire and through ``enqueue_in``; a 20 MiB
-``worker_status`` was kept and echoed in every ``status`` reply. Loop stalls are measured
-with a probe (a second connection pinging the main and timing each answer), memory on a
-main run as a child process (its peak RSS, from /proc).
+``worker_status`` was kept and echoed in every ``status`` reply. What a request costs the
+main's loop is measured as the CPU of its loop's thread (a probe pinging the main shows the
+wall-clock wait beside it), memory on a main run as a child process (its peak RSS, from
+/proc).
 """
 
 from __future__ import annotations
@@ -83,9 +84,9 @@ class Probe:
 
 async def test_a_nested_enqueue_is_refused_before_it_is_built(tmp_path: Path) -> None:
     """16 enqueues of 5.4 million empty lists in flight on one connection: each is refused
-    (``payload_too_large``, naming the flag) with the main's loop never stalled 100 ms and
-    its peak RSS up by less than 64 MiB. Before the container bound each took seconds of
-    the loop and about 0.4 GB."""
+    (``payload_too_large``, naming the flag) for under 0.1 s of the main loop's CPU a
+    request, and the main's peak RSS up by less than 64 MiB. Before the container bound
+    each took seconds of the loop and about 0.4 GB."""
     async with _main_process(tmp_path) as main:
         flooder = await RawPeer.connect(main.port)
         prober = await RawPeer.connect(main.port)
@@ -101,7 +102,7 @@ async def test_a_nested_enqueue_is_refused_before_it_is_built(tmp_path: Path) ->
             assert 15 * MiB < len(args) < 16 * MiB
             line = _enqueue_line("r0", args)
             ids = [f"r{i}" for i in range(16)]
-            started = time.monotonic()
+            started, cpu = time.monotonic(), main.loop_cpu()
             for rid in ids:  # pipelined: all 16 are on the wire before any answer is read
                 await flooder.send_raw(line.replace(b'"r0"', f'"{rid}"'.encode(), 1))
             answers: dict[str, protocol.Message] = {}
@@ -109,7 +110,7 @@ async def test_a_nested_enqueue_is_refused_before_it_is_built(tmp_path: Path) ->
                 reply = await _answer(flooder, timeout=120)
                 assert isinstance(reply, protocol.RequestError), reply
                 answers[reply.request_id] = reply
-            elapsed = time.monotonic() - started
+            elapsed, cpu = time.monotonic() - started, main.loop_cpu() - cpu
             probing.cancel()
             for reply in answers.values():
                 assert isinstance(reply, protocol.RequestError)
@@ -118,10 +119,15 @@ async def test_a_nested_enqueue_is_refused_before_it_is_built(tmp_path: Path) ->
                 assert "--max-payload-containers" in reply.message
             grown = main.memory("VmHWM") - baseline
             print(
-                f"16 nested enqueues refused in {elapsed:.2f} s; longest pong wait "
-                f"{probe.longest * 1000:.0f} ms; peak RSS +{grown / MiB:.1f} MiB"
+                f"16 nested enqueues refused in {elapsed:.2f} s, {cpu:.2f} s of the loop's "
+                f"CPU; longest pong wait {probe.longest * 1000:.0f} ms; peak RSS "
+                f"+{grown / MiB:.1f} MiB"
             )
-            assert probe.longest < 0.1, f"the main's loop stalled {probe.longest:.3f} s"
+            # CPU, not the pong wait: beside CPU spinners (make test-loaded) the scheduler
+            # alone can hold a pong back for most of a second. Reading 250 MiB and refusing
+            # it costs the loop's thread well under 0.1 s a request; building the lists cost
+            # it seconds each.
+            assert cpu < 16 * 0.1, f"the main's loop spent {cpu:.2f} s of CPU on 16 refusals"
             assert grown < 64 * MiB, f"the main's peak RSS grew {grown / MiB:.0f} MiB"
         finally:
             if probing is not None:
