@@ -65,7 +65,12 @@ class Dispatcher:
         notify_fallback_interval: float,
         retry_interval: float,
         max_claims_in_flight: int = 2,
+        now: Callable[[], float] = _loop_time,
     ) -> None:
+        """``now`` is the clock of the handoff core's times and of the read-ahead's age:
+        the event loop's, but a test of the pipeline's steps gives one that stands still,
+        so that a loaded machine taking 50 ms between two steps does not age a read."""
+        self._now = now
         self._store = store
         self._handoff = handoff
         self._carry = carry
@@ -76,7 +81,7 @@ class Dispatcher:
         self._wake = asyncio.Event()
         self._claims: set[asyncio.Task[None]] = set()
         self.pacing = Pacing(
-            now=_loop_time,
+            now=now,
             clock=clock,
             poll_interval=poll_interval,
             notify_fallback_interval=notify_fallback_interval,
@@ -251,7 +256,7 @@ class Dispatcher:
         size = core.read_limit(self._claim_batch, modes) + held
         started = core.queue_changes
         jobs, full = await self._eligible(modes, queues, size, started)
-        now = asyncio.get_running_loop().time()
+        now = self._now()
         plan = core.plan(jobs, now)
         core.read_eligible(started, modes, full=full or len(plan) < len(jobs), queues=queues)
         left = core.modes_with_credit() - core.drained
@@ -278,7 +283,7 @@ class Dispatcher:
         """The best ``size`` eligible jobs of ``modes`` (and whether there were that many):
         from the read-ahead while it holds, else from a read of the store, which may ask
         for more than ``size`` (see :class:`ReadAhead`)."""
-        now = asyncio.get_running_loop().time()
+        now = self._now()
         served = self._ahead.serve(modes, queues, size, started, now)
         if served is not None:
             return served
