@@ -135,6 +135,10 @@ class Handoff:
         self.losses: dict[uuid.UUID, Loss] = {}
         """The returns whose attempt was lost (by lease): each counts a recovery."""
         self.dispatched = 0
+        self._runnable: frozenset[str] | None = None
+        """:meth:`runnable_tasks`, as last worked out."""
+        self._runnable_stale = True
+        """Whether a worker joined, declared or left since (work it out again)."""
 
     @property
     def orphans(self) -> dict[uuid.UUID, Job]:
@@ -184,6 +188,7 @@ class Handoff:
         if hello.role is not protocol.Role.WORKER:
             return [], []
         self.worker_peers[peer.id] = peer
+        self._runnable_stale = True
         # What was proven drained was proven for the modes and queues served until now.
         self.queue_changed()
         self.affinity.joined(hello.worker_id or "", state_kept=not hello.local_state_lost)
@@ -218,6 +223,36 @@ class Handoff:
                 worker_id=peer.worker_id,
             )
         return adopted, effects
+
+    def declared(self, peer_id: int, tasks: Collection[str]) -> list[HandoffEffect]:
+        """A worker declared the ``tasks`` it runs (its ``tasks`` message, taken into the
+        catalog): from now on it is handed only jobs of those
+        (:meth:`Peer.serves <broker.core.peers.Peer.serves>`). Jobs no worker could run
+        until now may go: what was proven drained was proven for the tasks served before."""
+        peer = self.worker_peers.get(peer_id)
+        if peer is None:
+            return []
+        peer.tasks = frozenset(tasks)
+        self._runnable_stale = True
+        self.queue_changed()
+        return [WakeDispatcher()]
+
+    def runnable_tasks(self) -> frozenset[str] | None:
+        """The tasks some connected worker declared, for the dispatcher's read of eligible
+        jobs (which leaves the others out, so a backlog no worker can run never hides the
+        jobs behind it); ``None`` while a worker that declared no tasks is connected (it
+        runs any). Kept until a worker joins, declares or leaves."""
+        if self._runnable_stale:
+            self._runnable_stale = False
+            runnable: set[str] = set()
+            for peer in self.worker_peers.values():
+                if peer.tasks is None:
+                    self._runnable = None
+                    break
+                runnable |= peer.tasks
+            else:
+                self._runnable = frozenset(runnable)
+        return self._runnable
 
     def ready(
         self, peer_id: int, slots: Mapping[ExecutionMode, int], seen: int
@@ -294,6 +329,7 @@ class Handoff:
             return []
         effects: list[HandoffEffect] = []
         if self.worker_peers.pop(peer_id, None) is not None:
+            self._runnable_stale = True
             log_event(
                 logger,
                 logging.INFO,

@@ -1,7 +1,8 @@
 """Which worker takes a job the handoff plans.
 
-The worker with the most free credit for the job's mode among those serving its queue,
-to spread load; ties go round in turns, so equal workers share the jobs evenly instead of
+The worker with the most free credit for the job's mode among those serving its queue
+and its task (:meth:`Peer.serves <broker.core.peers.Peer.serves>`: a job is never handed
+to a worker that did not declare its task), to spread load; ties go round in turns, so equal workers share the jobs evenly instead of
 the first connected taking all. A job whose local state a worker holds goes where
 :class:`broker.core.affinity.Affinity` lets it: to that worker while it may take it,
 anywhere once the affinity lets any worker, nowhere meanwhile (the job is *awaiting*).
@@ -47,8 +48,13 @@ class Placement:
         self._restricted: bool | None = None
         """Whether one of them serves only some queues (else one ranking per mode); made
         at the plan's first ranking."""
-        self._rankings: dict[ExecutionMode, dict[str | None, _Ranking]] = {}
-        """The plan's rankings, by mode and queue (made as its jobs need them)."""
+        self._task_key: dict[str, str | None] = {}
+        """Task name -> itself when some worker of the plan did not declare it (its jobs
+        are ranked among the workers that did), ``None`` when every worker runs it (they
+        share the ranking of their queue): a fleet whose workers all serve the same tasks
+        keeps one ranking per mode and queue."""
+        self._rankings: dict[ExecutionMode, dict[tuple[str | None, str | None], _Ranking]] = {}
+        """The plan's rankings, by mode and (queue, task) (made as its jobs need them)."""
         self._by_worker_id: dict[str | None, list[Peer]] | None = None
         """The plan's workers by worker id, in rotation order (made at its first job
         with a state holder)."""
@@ -58,6 +64,7 @@ class Placement:
         credits change only by :meth:`reserved` until the next start."""
         self._workers = workers
         self._restricted = None
+        self._task_key = {}
         self._rankings = {}
         self._by_worker_id = None
 
@@ -99,11 +106,17 @@ class Placement:
         if self._restricted is None:
             self._restricted = any(peer.queues is not None for peer in self._workers)
         mode = job.execution_mode
-        queue = job.queue if self._restricted else None
+        if job.task in self._task_key:
+            task = self._task_key[job.task]
+        else:
+            task = self._task_key[job.task] = (
+                None if all(peer.serves_task(job.task) for peer in self._workers) else job.task
+            )
+        key = (job.queue if self._restricted else None, task)
         rankings = self._rankings.setdefault(mode, {})
-        ranking = rankings.get(queue)
+        ranking = rankings.get(key)
         if ranking is None:
-            ranking = rankings[queue] = _Ranking(self._workers, mode, queue)
+            ranking = rankings[key] = _Ranking(self._workers, mode, *key)
         return ranking.best(self._turn)
 
     def wake_at(self) -> float | None:
@@ -130,10 +143,13 @@ def _most_free(workers: Sequence[Peer], job: Job, turn: int) -> Peer | None:
 
 
 class _Ranking:
-    """The workers of a plan that serve ``queue`` (``None``: whichever), by their free
-    credit for ``mode``: for each free count, their places in the rotation, sorted."""
+    """The workers of a plan that serve ``queue`` and ``task`` (``None``: whichever), by
+    their free credit for ``mode``: for each free count, their places in the rotation,
+    sorted."""
 
-    def __init__(self, workers: Sequence[Peer], mode: ExecutionMode, queue: str | None) -> None:
+    def __init__(
+        self, workers: Sequence[Peer], mode: ExecutionMode, queue: str | None, task: str | None
+    ) -> None:
         self._workers = workers
         self._mode = mode
         self._place: dict[int, int] = {}
@@ -142,7 +158,9 @@ class _Ranking:
         """Peer id -> its free credit for the mode, as ranked."""
         self._by_free: dict[int, list[int]] = {}
         for place, peer in enumerate(workers):
-            if queue is None or peer.serves_queue(queue):
+            if (queue is None or peer.serves_queue(queue)) and (
+                task is None or peer.serves_task(task)
+            ):
                 free = peer.credits.available(mode)
                 self._place[peer.id] = place
                 self._free[peer.id] = free

@@ -340,9 +340,12 @@ class MeasuredStore:
         queues: Collection[str] | None = None,
         limit: int = 100,
         skip: Collection[uuid.UUID] = (),
+        tasks: Collection[str] | None = None,
     ) -> list[Job]:
         with self._timed("select"):
-            return await self._select(modes=modes, queues=queues, limit=limit, skip=skip)
+            return await self._select(
+                modes=modes, queues=queues, limit=limit, skip=skip, tasks=tasks
+            )
 
 
 # ---------------------------------------------------------------------- levels
