@@ -402,9 +402,7 @@ def eligible_reader(store: StorageAdapter) -> SelectEligible:
             read = await store.select_eligible(modes=modes, queues=queues, limit=limit + len(skip))
         left_out = set(skip)
         return [
-            job
-            for job in read
-            if job.id not in left_out and (tasks is None or job.task in tasks)
+            job for job in read if job.id not in left_out and (tasks is None or job.task in tasks)
         ][:limit]
 
     return read_past

@@ -254,6 +254,14 @@ class Handoff:
                 self._runnable = frozenset(runnable)
         return self._runnable
 
+    def unserved(self, tasks: Iterable[str]) -> list[str]:
+        """Those of ``tasks`` no connected worker declared, sorted: their jobs wait (none
+        while a worker that declared no tasks is connected, which runs any)."""
+        runnable = self.runnable_tasks()
+        if runnable is None:
+            return []
+        return sorted({task for task in tasks if task not in runnable})
+
     def ready(
         self, peer_id: int, slots: Mapping[ExecutionMode, int], seen: int
     ) -> list[HandoffEffect]:

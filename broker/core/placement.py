@@ -2,10 +2,11 @@
 
 The worker with the most free credit for the job's mode among those serving its queue
 and its task (:meth:`Peer.serves <broker.core.peers.Peer.serves>`: a job is never handed
-to a worker that did not declare its task), to spread load; ties go round in turns, so equal workers share the jobs evenly instead of
-the first connected taking all. A job whose local state a worker holds goes where
-:class:`broker.core.affinity.Affinity` lets it: to that worker while it may take it,
-anywhere once the affinity lets any worker, nowhere meanwhile (the job is *awaiting*).
+to a worker that did not declare its task), to spread load; ties go round in turns, so
+equal workers share the jobs evenly instead of the first connected taking all. A job
+whose local state a worker holds goes where :class:`broker.core.affinity.Affinity` lets
+it: to that worker while it may take it, anywhere once the affinity lets any worker,
+nowhere meanwhile (the job is *awaiting*).
 Whether the chosen worker has a free slot is the caller's check: it reserves the credit
 (:meth:`broker.core.handoff.Handoff.plan`).
 

@@ -429,5 +429,8 @@ class Main:
             pending_recoveries=[
                 {"job_id": str(job_id)} for job_id in self.leader.ledger.pending().values()
             ],
+            unserved_tasks=self.handoff.unserved(
+                record.task for record in self.operations.catalog.records()
+            ),
         )
         return await self.operations.status(live)

@@ -40,9 +40,7 @@ jobs_ = st.lists(
     ),
     max_size=30,
 )
-Workers = list[
-    tuple[dict[ExecutionMode, int], frozenset[str] | None, str, frozenset[str] | None]
-]
+Workers = list[tuple[dict[ExecutionMode, int], frozenset[str] | None, str, frozenset[str] | None]]
 Jobs = list[tuple[ExecutionMode, str, str | None, str]]
 
 
@@ -148,9 +146,9 @@ def test_a_job_is_never_handed_to_a_worker_without_its_task(
             job = Job.from_spec(spec, NOW)
             got, _ = placement.pick(job, 1.0)
             if got is None:
-                assert not any(
-                    p.serves(job) and p.credits.available(mode) > 0 for p in peers
-                ), "a worker that could run the job was passed over"
+                assert not any(p.serves(job) and p.credits.available(mode) > 0 for p in peers), (
+                    "a worker that could run the job was passed over"
+                )
                 continue
             assert got.tasks is None or task in got.tasks
             assert got.serves_queue(queue)
