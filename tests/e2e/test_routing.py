@@ -1,7 +1,8 @@
 """Routing by the task catalog with real processes, on SQLite and PostgreSQL: a rolling
 deploy where an old worker lacks a new task. Its jobs never go to the old worker: with
 only the old worker connected they wait, and ``broker status`` says why; once a new
-worker connects they all complete there, none dead."""
+worker connects they all complete there, none dead. By name, arguments the declared
+signature cannot take are refused at enqueue."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from broker import InvalidArgumentsError
 from broker.client.client import Client
 from broker.jobs import JobStatus
 from tests.e2e.test_e2e import REPO, Cluster, RunLog, eventually, fresh_database, sqlite_url
@@ -66,6 +68,9 @@ async def test_a_rolling_deploy_loses_no_job_of_a_new_task(cluster: Cluster) -> 
             return any(t["task"] == NEW_TASK for t in await client.list_tasks())
 
         await eventually(declared, "the new task in the catalog", detail=cluster.logs)
+        # By name, arguments the declared function cannot take are refused at enqueue.
+        with pytest.raises(InvalidArgumentsError, match="missing a required argument: 'key'"):
+            await client.enqueue(NEW_TASK, [], {"other": 1})
         await first.terminate()
         old = await cluster.start_worker("old")
 
