@@ -41,6 +41,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
+from broker.core.affinity import DEFAULT_MAX_WAIT
 from broker.core.drained import DrainedModes, may_requeue
 
 # The effects are the handoff's vocabulary: importable from here, as its events are.
@@ -100,12 +101,13 @@ class Handoff:
         new_lease: Callable[[], uuid.UUID] | None = None,
         new_ping_base: Callable[[], int] = random_ping_base,
         affinity_grace: float = 60.0,
+        affinity_max_wait: float = DEFAULT_MAX_WAIT,
         reconnect_grace: float = 30.0,
     ) -> None:
         self.max_credit = max_credit
         self.waiting = WaitingLeases(reconnect_grace)
         """The orphans and the parked leases (:mod:`broker.core.waiting`)."""
-        self.placement = Placement(affinity_grace)
+        self.placement = Placement(affinity_grace, affinity_max_wait)
         """Which worker takes a job (:mod:`broker.core.placement`)."""
         self.affinity = self.placement.affinity
         """Where the holders of local state are; decides who may take their recoveries."""
@@ -461,7 +463,7 @@ class Handoff:
             if peer is None or not peer.credits.reserve(job.execution_mode):
                 continue  # the credit check: no free slot for this job anywhere
             self.placement.reserved(peer, job.execution_mode)
-            self.awaiting.pop(job.id, None)
+            self.placement.placed(job)
             planned = PlannedClaim(
                 peer.id,
                 peer.worker_id or "",

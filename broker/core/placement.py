@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import uuid
 from bisect import bisect_left, insort
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
-from broker.core.affinity import Affinity, Route
+from broker.core.affinity import DEFAULT_MAX_WAIT, Affinity, Route
 from broker.core.peers import Peer
 from broker.jobs import ExecutionMode, Job
 
@@ -36,12 +36,16 @@ a ranking); past it, it ranks them (:class:`_Ranking`)."""
 class Placement:
     """The worker rotation, the affinity and the jobs awaiting their state holder."""
 
-    def __init__(self, affinity_grace: float) -> None:
-        self.affinity = Affinity(affinity_grace, started=0.0)
+    def __init__(self, affinity_grace: float, affinity_max_wait: float = DEFAULT_MAX_WAIT) -> None:
+        self.affinity = Affinity(affinity_grace, started=0.0, max_wait=affinity_max_wait)
         """Where the holders of local state are; decides who may take their recoveries."""
         self.awaiting: dict[uuid.UUID, str] = {}
         """Jobs the last plans held back for their state holder (job id -> holder): the
         dispatcher reads past them, and wakes when one of their graces ends."""
+        self.paused_queues: Collection[str] = frozenset()
+        """The queues paused now, which the shell that pauses queues keeps here: a
+        recovery of a paused queue keeps waiting for its holder at its deadline (an
+        extension), as with its holder connected (:meth:`Affinity.route`)."""
         self._turn = 0
         """Where the search for a worker starts, moved on for every job picked for."""
         self._workers: Sequence[Peer] = ()
@@ -79,7 +83,9 @@ class Placement:
     def pick(self, job: Job, now: float) -> tuple[Peer | None, Route | None]:
         """The worker among the plan's workers (:meth:`start`) for ``job`` at ``now``, and
         how its state goes with it (``None`` for a job without a state holder); no worker
-        while the job awaits its holder, noted in :attr:`awaiting`."""
+        while the job awaits its holder, noted in :attr:`awaiting`. A holder without a
+        free slot keeps its job only while the affinity's wait lasts (its cap,
+        :mod:`broker.core.affinity`)."""
         self._turn += 1
         holder = job.state_holder
         if holder is None:
@@ -90,15 +96,29 @@ class Placement:
             for peer in self._workers:
                 self._by_worker_id.setdefault(peer.worker_id, []).append(peer)
         own = [peer for peer in self._by_worker_id.get(holder, ()) if peer.serves(job)]
+        paused = job.queue in self.paused_queues
+        elsewhere = self.affinity.route(job, "", now, queue_paused=paused)
         if own and route is not None and not route.state_lost:
-            self.awaiting[job.id] = holder  # until a slot there is reserved for it
-            return _most_free(own, job, self._turn), route
-        elsewhere = self.affinity.route(job, "", now)
+            best = _most_free(own, job, self._turn)
+            if elsewhere is None or (
+                best is not None and best.credits.available(job.execution_mode) > 0
+            ):
+                self.awaiting[job.id] = holder  # until a slot there is reserved for it
+                return best, route
         if elsewhere is None:
             self.awaiting[job.id] = holder
             return None, None
         self.awaiting.pop(job.id, None)
-        return self._most_free(job), elsewhere
+        chosen = self._most_free(job)
+        if chosen is not None and chosen.worker_id == holder and route is not None:
+            return chosen, route  # the holder itself, after all: its state is there
+        return chosen, elsewhere
+
+    def placed(self, job: Job) -> None:
+        """A slot was reserved for ``job``: it awaits nothing any more."""
+        self.awaiting.pop(job.id, None)
+        if job.state_holder is not None:
+            self.affinity.placed(job.id)
 
     def _most_free(self, job: Job) -> Peer | None:
         """:func:`_most_free` over every worker of the plan, from its ranking."""
@@ -121,10 +141,11 @@ class Placement:
         return ranking.best(self._turn)
 
     def wake_at(self) -> float | None:
-        """The earliest end of a grace that an awaiting job waits on (loop time), or
-        ``None`` when none will end by itself (every holder awaited is connected)."""
-        deadlines = [self.affinity.deadline(holder) for holder in set(self.awaiting.values())]
-        finite = [d for d in deadlines if d != float("inf")]
+        """The earliest time an awaiting job's wait must be looked at again (loop time):
+        a grace that ends, a deadline to extend or the maximum wait
+        (:meth:`Affinity.wake_at`); ``None`` when none will end by itself."""
+        times = [self.affinity.wake_at(job_id, holder) for job_id, holder in self.awaiting.items()]
+        finite = [t for t in times if t != float("inf")]
         return min(finite) if finite else None
 
 

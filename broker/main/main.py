@@ -93,6 +93,7 @@ class Main:
         self.handoff = Handoff(
             max_credit=self.settings.max_credit,
             affinity_grace=self.settings.affinity_grace,
+            affinity_max_wait=self.settings.affinity_max_wait,
             reconnect_grace=self.settings.orphan_grace,
         )
         """The handoff rules and state; this class only feeds it events and carries out
