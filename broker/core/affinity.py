@@ -34,9 +34,10 @@ import logging
 import math
 import uuid
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from broker.jobs import Job
+from broker.jobs import ExecutionMode, Job
 from broker.model.logs import log_event
 
 logger = logging.getLogger("broker.main")
@@ -64,6 +65,8 @@ class Wait:
     since: float
     until: float
     seen: float
+    mode: ExecutionMode
+    """The job's mode: while no worker has a free slot of it, no plan looks at the job."""
     """When a plan last asked about it: a wait not asked about for ``max_wait`` is of a
     job that has gone (run, cancelled), and is dropped."""
 
@@ -135,7 +138,8 @@ class Affinity:
         connected or the queue paused; past ``max_wait`` it waits no more."""
         wait = self.waits.get(job.id)
         if wait is None:
-            wait = self.waits[job.id] = Wait(since=now, until=now + self._step, seen=now)
+            wait = Wait(since=now, until=now + self._step, seen=now, mode=job.execution_mode)
+            self.waits[job.id] = wait
         wait.seen = now
         hard = wait.since + self.max_wait
         if now >= hard:
@@ -180,13 +184,18 @@ class Affinity:
         """``job_id`` was handed to a worker: its wait, if any, is over."""
         self.waits.pop(job_id, None)
 
-    def wake_at(self, job_id: uuid.UUID, holder: str) -> float:
+    def wake_at(self, job_id: uuid.UUID, holder: str, modes: Collection[ExecutionMode]) -> float:
         """When the wait of ``job_id`` for ``holder`` must be looked at again: its grace's
         end once the holder left, its deadline (an extension is due, or its end at the
-        maximum) while the holder is connected; ``inf``: never by itself."""
+        maximum) while the holder is connected; ``inf``: never by itself, or not while
+        no worker has a free slot of its mode (not in ``modes``): no plan would look at
+        it, and a wake for it would come round again at once (a ``ready`` with a slot of
+        its mode wakes the dispatcher anyway)."""
         wait = self.waits.get(job_id)
         if wait is None:
             return self.deadline(holder)
+        if wait.mode not in modes:
+            return math.inf
         hard = wait.since + self.max_wait
         if wait.until > hard:
             return math.inf  # released: it waits for a free slot, which wakes a plan

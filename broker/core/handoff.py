@@ -479,7 +479,7 @@ class Handoff:
     def affinity_wake(self) -> float | None:
         """When the dispatcher must look again for a job awaiting its state holder
         (:meth:`Placement.wake_at`)."""
-        return self.placement.wake_at()
+        return self.placement.wake_at(self.modes_with_credit())
 
     # The drained proofs (broker.core.drained), as the dispatcher and the enqueue see them.
 

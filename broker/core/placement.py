@@ -140,11 +140,14 @@ class Placement:
             ranking = rankings[key] = _Ranking(self._workers, mode, *key)
         return ranking.best(self._turn)
 
-    def wake_at(self) -> float | None:
+    def wake_at(self, modes: Collection[ExecutionMode]) -> float | None:
         """The earliest time an awaiting job's wait must be looked at again (loop time):
-        a grace that ends, a deadline to extend or the maximum wait
-        (:meth:`Affinity.wake_at`); ``None`` when none will end by itself."""
-        times = [self.affinity.wake_at(job_id, holder) for job_id, holder in self.awaiting.items()]
+        a grace that ends, a deadline to extend or the maximum wait, for jobs of the
+        ``modes`` some worker has a free slot of (:meth:`Affinity.wake_at`); ``None`` when
+        none will end by itself."""
+        times = [
+            self.affinity.wake_at(job_id, holder, modes) for job_id, holder in self.awaiting.items()
+        ]
         finite = [t for t in times if t != float("inf")]
         return min(finite) if finite else None
 

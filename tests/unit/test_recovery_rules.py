@@ -312,4 +312,4 @@ def test_a_recovery_never_waits_past_the_maximum_nor_leaves_a_connected_holder_b
             assert route == Route(state_lost=True)
         elif affinity.sessions["a"] > 0 or paused:
             assert route is None
-        assert affinity.wake_at(job.id, "a") >= now or route is not None
+        assert affinity.wake_at(job.id, "a", {job.execution_mode}) >= now or route is not None
