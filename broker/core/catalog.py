@@ -86,10 +86,15 @@ logger = logging.getLogger("broker.main")
 
 
 def declaration(task: Task[..., Any]) -> protocol.TaskDeclaration:
-    """What a worker declares for ``task``: the defaults its jobs get, and its retry rules
-    described for operators."""
+    """What a worker declares for ``task``: the defaults its jobs get, its parameters (for
+    the main's check of arguments by name), and its retry rules described for operators.
+
+    A declaration whose signature would take it over
+    :data:`~broker.model.bounds.MAX_DECLARATION_BYTES` goes without it (its arguments are
+    then not checked at the main), rather than have the main refuse the worker's whole
+    catalog for a long parameter list."""
     policy = task.retry
-    return protocol.TaskDeclaration(
+    declared = protocol.TaskDeclaration(
         name=task.name,
         **task_defaults(task),
         unique=task.unique,
@@ -99,6 +104,9 @@ def declaration(task: Task[..., Any]) -> protocol.TaskDeclaration:
         dont_retry_on=[] if policy is None else _exception_names(policy.dont_retry_on),
         backoff=None if task.backoff is None else describe_backoff(task.backoff),
     )
+    if len(msgspec.json.encode(declared)) > MAX_DECLARATION_BYTES:
+        declared = msgspec.structs.replace(declared, signature=None)
+    return declared
 
 
 _KIND_NAMES: dict[inspect._ParameterKind, protocol.ParameterKind] = {
