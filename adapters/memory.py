@@ -226,13 +226,17 @@ class MemoryAdapter:
         queues: Collection[str] | None = None,
         limit: int = 100,
         skip: Collection[uuid.UUID] = (),
+        tasks: Collection[str] | None = None,
     ) -> list[Job]:
         now = self._clock()
         skipped = set(skip)
         due = [
             job
             for job in self._eligible(modes, queues)
-            if job.run_at <= now and self._key_has_room(job) and job.id not in skipped
+            if job.run_at <= now
+            and self._key_has_room(job)
+            and job.id not in skipped
+            and (tasks is None or job.task in tasks)
         ]
         due.sort(key=lambda job: dispatch_key(job.priority, job.run_at, job.created_at))
         return [self._snapshot(job.id, payloads=False) for job in due[:limit]]

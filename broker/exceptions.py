@@ -9,7 +9,8 @@ The tree, so a caller can catch as broadly or as narrowly as it needs::
     │   ├── PayloadTooLargeError  args, kwargs or a result exceed the configured limit
     │   ├── UniqueKeyTakenError   another active job holds the unique key (retry_dead)
     │   ├── IdempotencyConflictError  the idempotency key holds a different job
-    │   └── UnknownTaskError      no worker has ever declared the task enqueued
+    │   ├── UnknownTaskError      no worker has ever declared the task enqueued
+    │   └── InvalidArgumentsError the arguments cannot bind to the task's declared parameters
     ├── StorageError              the job store failed; the operation may be retried
     │   ├── SchemaVersionError    the store's schema is not this code's: newer, older, none
     │   ├── StorageRejectedError  the store refused a value it can never hold; do not retry
@@ -112,6 +113,14 @@ class UnknownTaskError(InvalidJobError):
     misspelt name would otherwise wait forever); allow it explicitly for a cold start."""
 
     code = "unknown_task"
+
+
+class InvalidArgumentsError(InvalidJobError):
+    """A job's arguments cannot bind to its task's parameters as a worker declared them
+    (the task catalog, :mod:`broker.core.catalog`): refused at enqueue, since the job
+    could only fail at the worker."""
+
+    code = "invalid_arguments"
 
 
 class StorageError(BrokerError):

@@ -168,6 +168,7 @@ class StorageAdapter(Protocol):
         queues: Collection[str] | None = None,
         limit: int = 100,
         skip: Collection[uuid.UUID] = (),
+        tasks: Collection[str] | None = None,
     ) -> list[Job]:
         """Queued jobs whose ``run_at`` has come, best first.
 
@@ -179,6 +180,11 @@ class StorageAdapter(Protocol):
         ``skip`` is what the dispatcher is claiming right now: the store still shows
         those jobs queued, and reading past them cost a pooled drain about 2.4 rows
         read and decoded per job dispatched.
+
+        ``tasks`` (``None``: any) are the tasks some connected worker declared: a job of
+        another task is left out, so a backlog of jobs no worker can run (a rolling
+        deploy's new task, before its workers start) never fills the read and hides the
+        jobs behind it (see :mod:`broker.core.placement`).
 
         A job's payloads (``args``, ``kwargs``, ``result``, ``checkpoint``) may be left
         out, as empty values: dispatch never needs them, since the claim returns each
@@ -358,7 +364,7 @@ def contract_gaps(store: object) -> list[str]:
 
 
 class SelectEligible(Protocol):
-    """A :meth:`StorageAdapter.select_eligible` that takes ``skip=``."""
+    """A :meth:`StorageAdapter.select_eligible` that takes ``skip=`` and ``tasks=``."""
 
     async def __call__(
         self,
@@ -367,15 +373,20 @@ class SelectEligible(Protocol):
         queues: Collection[str] | None = None,
         limit: int = 100,
         skip: Collection[uuid.UUID] = (),
+        tasks: Collection[str] | None = None,
     ) -> list[Job]: ...
 
 
 def eligible_reader(store: StorageAdapter) -> SelectEligible:
-    """``store.select_eligible``, taking ``skip=`` even from an adapter written before it
-    (a user's own): that one is read past the skipped jobs instead, as dispatch did then,
-    rather than failing every pass with a ``TypeError``."""
-    if "skip" in inspect.signature(store.select_eligible).parameters:
+    """``store.select_eligible``, taking ``skip=`` and ``tasks=`` even from an adapter
+    written before them (a user's own): that one is read past the skipped jobs and the
+    other tasks' jobs instead, as dispatch did then, rather than failing every pass with
+    a ``TypeError`` (a backlog of jobs no worker runs may then hide the jobs behind it,
+    as before routing by task)."""
+    parameters = inspect.signature(store.select_eligible).parameters
+    if "skip" in parameters and "tasks" in parameters:
         return store.select_eligible
+    takes_skip = "skip" in parameters
 
     async def read_past(
         *,
@@ -383,10 +394,16 @@ def eligible_reader(store: StorageAdapter) -> SelectEligible:
         queues: Collection[str] | None = None,
         limit: int = 100,
         skip: Collection[uuid.UUID] = (),
+        tasks: Collection[str] | None = None,
     ) -> list[Job]:
-        read = await store.select_eligible(modes=modes, queues=queues, limit=limit + len(skip))
+        if takes_skip:
+            read = await store.select_eligible(modes=modes, queues=queues, limit=limit, skip=skip)
+        else:
+            read = await store.select_eligible(modes=modes, queues=queues, limit=limit + len(skip))
         left_out = set(skip)
-        return [job for job in read if job.id not in left_out][:limit]
+        return [
+            job for job in read if job.id not in left_out and (tasks is None or job.task in tasks)
+        ][:limit]
 
     return read_past
 

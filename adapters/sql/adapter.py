@@ -344,11 +344,12 @@ class SQLAlchemyAdapter(CoreQueries):
         queues: Collection[str] | None = None,
         limit: int = 100,
         skip: Collection[uuid.UUID] = (),
+        tasks: Collection[str] | None = None,
     ) -> list[Job]:
-        if not modes or limit <= 0:
+        if not modes or limit <= 0 or (tasks is not None and not tasks):
             return []
         with self._errors.translate("select_eligible"):
-            return await self._dialect.select_eligible(modes, queues, limit, skip)
+            return await self._dialect.select_eligible(modes, queues, limit, skip, tasks)
 
     async def next_run_at(
         self, *, modes: Collection[ExecutionMode], queues: Collection[str] | None = None

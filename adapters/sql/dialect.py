@@ -67,6 +67,7 @@ class Dialect(Protocol):
         queues: Collection[str] | None,
         limit: int,
         skip: Collection[uuid.UUID],
+        tasks: Collection[str] | None,
     ) -> list[Job]: ...
     async def next_run_at(
         self, modes: Collection[ExecutionMode], queues: Collection[str] | None

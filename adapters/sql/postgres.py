@@ -219,13 +219,15 @@ class PostgresDialect:
         queues: Collection[str] | None,
         limit: int,
         skip: Collection[uuid.UUID],
+        tasks: Collection[str] | None,
     ) -> list[Job]:
         wanted: list[Any] = [sorted({ExecutionMode(m).value for m in modes})]
         if queues is not None:
             wanted.append(sorted(set(queues)))
+        of_tasks = None if tasks is None else sorted(set(tasks))
         async with self._hot.acquire() as conn:
             statement = self._sql.eligible if queues is None else self._sql.eligible_in_queues
-            found = await conn.fetch(statement, *wanted, self._now(), limit, list(skip))
+            found = await conn.fetch(statement, *wanted, self._now(), limit, list(skip), of_tasks)
         return [job_from_row(r) for r in found]
 
     async def next_run_at(

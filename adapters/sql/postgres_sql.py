@@ -277,19 +277,21 @@ class HotSql:
         selected = selection([column.name for column in jobs.columns], "j.")
 
         def eligible(queue_test: str, now: int) -> str:
-            """The best due jobs of the modes in ``$1``, but those in the skipped ids
-            (``$now + 2``), their payloads left out (see ``adapters.sql.schema.selection``):
+            """The best due jobs of the modes in ``$1``, of the tasks in ``$now + 3``
+            (``NULL``: any), but those in the skipped ids (``$now + 2``), their payloads
+            left out (see ``adapters.sql.schema.selection``):
             each mode's best read from the dispatch index, which leads with the mode
             (see ``adapters.sql.schema._v11_dispatch_by_mode``), in order and no further than
             the limit (``$now + 1``), then the best of those. A mode without queued
             jobs costs one index probe, however deep the other modes' backlog."""
-            limit, skip = now + 1, now + 2
+            limit, skip, tasks = now + 1, now + 2, now + 3
             return f"""
                 SELECT e.* FROM unnest($1::text[]) AS m(mode) CROSS JOIN LATERAL (
                     SELECT {selected} FROM {t} j
                     WHERE status = 'queued' AND execution_mode = m.mode{queue_test}
                         AND run_at_us <= ${now} AND {not_full}
                         AND NOT (id = ANY(${skip}::uuid[]))
+                        AND (${tasks}::text[] IS NULL OR task = ANY(${tasks}::text[]))
                     {order} LIMIT ${limit}
                 ) e
                 {order} LIMIT ${limit}

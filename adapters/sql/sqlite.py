@@ -179,8 +179,9 @@ _LITE_NEXT_RUN_IN_QUEUES = _LITE_NEXT_RUN + _LITE_IN_QUEUES
 
 def _lite_eligible(queue_test: str) -> str:
     """SQLite's selection: the best due jobs of the modes in ``?1`` (and queues in ``?2``)
-    whose concurrency key has room, but those in the skipped ids (``?5``), at most ``?4``
-    (``?3`` is the time now), their payloads left out (see ``_sql_schema.selection``).
+    whose concurrency key has room, of the tasks in ``?6`` (``NULL``: any), but those in
+    the skipped ids (``?5``), at most ``?4`` (``?3`` is the time now), their payloads left
+    out (see ``_sql_schema.selection``).
     The dispatch index gives them in order: its predicate is the status test here,
     written as the index's own (a literal), so no sort step is needed; ``rowid`` (the
     index's own last column) breaks ties in enqueue order."""
@@ -192,6 +193,7 @@ def _lite_eligible(queue_test: str) -> str:
                 WHERE c.key = j.concurrency_key AND c.active >= j.concurrency_limit
             )
             AND id NOT IN (SELECT value FROM json_each(?5))
+            AND (?6 IS NULL OR task IN (SELECT value FROM json_each(?6)))
         ORDER BY priority DESC, run_at_us, created_us, seq, j.rowid
         LIMIT ?4
     """
@@ -454,9 +456,11 @@ class SqliteDialect:
         queues: Collection[str] | None,
         limit: int,
         skip: Collection[uuid.UUID],
+        tasks: Collection[str] | None,
     ) -> list[Job]:
         params = _lite_wanted(modes, queues)
         params += (self._now(), limit, json.dumps([job_id.hex for job_id in skip]))
+        params += (None if tasks is None else json.dumps(sorted(set(tasks))),)
         statement = _LITE_ELIGIBLE_IN_QUEUES if queues is not None else _LITE_ELIGIBLE
         rows = await self._reads.run(lambda conn: conn.execute(statement, params).fetchall())
         return [_lite_job(r) for r in rows]

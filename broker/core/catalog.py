@@ -35,6 +35,14 @@ The rules, all here:
   releases side by side), the most recently seen declaration decides, and the main logs
   a warning naming both workers and the fields that differ. Refusing would take the
   whole deploy down for a difference that is usually the deploy itself.
+* **Arguments are checked against the declared signature.** A worker declares every
+  parameter of the task's function (name, kind, whether it has a default); the main
+  binds each job's arguments to the newest declaration and refuses those that cannot
+  bind (:class:`~broker.exceptions.InvalidArgumentsError`, ``invalid_arguments``, nothing
+  stored), since such a job could only fail at its worker. A task no worker has declared
+  yet (a cold start), or declared without a signature (a worker of an earlier release,
+  or a function ``inspect`` cannot read), is not checked: there is nothing to check
+  against, and the worker still checks every job before it runs it.
 * **What a caller says wins.** Only fields the request leaves out take the task's
   defaults. A client that imports the task module sends every field (``task.enqueue``
   builds the whole job), so the catalog changes nothing for it, except refusing a name
@@ -47,6 +55,7 @@ The rules, all here:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from collections.abc import Collection, Sequence
 from datetime import datetime
@@ -54,7 +63,7 @@ from typing import Any
 
 import msgspec
 
-from broker.exceptions import UnknownTaskError
+from broker.exceptions import InvalidArgumentsError, UnknownTaskError
 from broker.jobs import JobSpec, JSONValue
 from broker.model.bounds import MAX_CATALOG_ENTRIES, MAX_DECLARATION_BYTES, MAX_DECLARED_TASKS
 from broker.model.logs import log_event
@@ -77,18 +86,54 @@ logger = logging.getLogger("broker.main")
 
 
 def declaration(task: Task[..., Any]) -> protocol.TaskDeclaration:
-    """What a worker declares for ``task``: the defaults its jobs get, and its retry rules
-    described for operators."""
+    """What a worker declares for ``task``: the defaults its jobs get, its parameters (for
+    the main's check of arguments by name), and its retry rules described for operators.
+
+    A declaration whose signature would take it over
+    :data:`~broker.model.bounds.MAX_DECLARATION_BYTES` goes without it (its arguments are
+    then not checked at the main), rather than have the main refuse the worker's whole
+    catalog for a long parameter list."""
     policy = task.retry
-    return protocol.TaskDeclaration(
+    declared = protocol.TaskDeclaration(
         name=task.name,
         **task_defaults(task),
         unique=task.unique,
         parameters=task.positional_parameters(),
+        signature=_declared_signature(task),
         retry_on=None if policy is None else _exception_names(policy.retry_on),
         dont_retry_on=[] if policy is None else _exception_names(policy.dont_retry_on),
         backoff=None if task.backoff is None else describe_backoff(task.backoff),
     )
+    if len(msgspec.json.encode(declared)) > MAX_DECLARATION_BYTES:
+        declared = msgspec.structs.replace(declared, signature=None)
+    return declared
+
+
+_KIND_NAMES: dict[inspect._ParameterKind, protocol.ParameterKind] = {
+    inspect.Parameter.POSITIONAL_ONLY: "positional_only",
+    inspect.Parameter.POSITIONAL_OR_KEYWORD: "positional_or_keyword",
+    inspect.Parameter.VAR_POSITIONAL: "var_positional",
+    inspect.Parameter.KEYWORD_ONLY: "keyword_only",
+    inspect.Parameter.VAR_KEYWORD: "var_keyword",
+}
+"""How a declaration names each kind of parameter."""
+_KINDS = {name: kind for kind, name in _KIND_NAMES.items()}
+"""A declared kind of parameter to the kind (:data:`_KIND_NAMES` read backwards)."""
+
+
+def _declared_signature(task: Task[..., Any]) -> list[protocol.ParameterDeclaration] | None:
+    """Every parameter of ``task``'s function, for the main's check of a job's arguments;
+    ``None`` for a function without a signature."""
+    try:
+        parameters = inspect.signature(task.func).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return [
+        protocol.ParameterDeclaration(
+            name=p.name, kind=_KIND_NAMES[p.kind], required=p.default is inspect.Parameter.empty
+        )
+        for p in parameters
+    ]
 
 
 def declarations(registry: TaskRegistry) -> list[protocol.TaskDeclaration]:
@@ -195,6 +240,8 @@ class Catalog:
         connected worker seen, which says nothing about whose declaration is newer."""
         self._newest: dict[str, protocol.TaskDeclaration] = {}
         """Task name to the declaration that decides its defaults (the newest)."""
+        self._signatures: dict[str, _Signature] = {}
+        """Task name to the newest declaration's signature, where it declared one."""
 
     def merge(self, records: Sequence[TaskRecord]) -> None:
         """Take the store's ``records`` where they are newer than this copy's, within the
@@ -335,13 +382,18 @@ class Catalog:
         else:
             del self._records[name]
             self._newest.pop(name, None)
+            self._signatures.pop(name, None)
 
     def _decide(self, name: str) -> None:
         newest = max(
             self._records[name].values(), key=lambda r: self._declared_at[r.task, r.worker_id]
         )
         try:
-            self._newest[name] = msgspec.convert(newest.declaration, protocol.TaskDeclaration)
+            declared = msgspec.convert(newest.declaration, protocol.TaskDeclaration)
+            self._newest[name] = declared
+            self._signatures.pop(name, None)
+            if declared.signature is not None:
+                self._signatures[name] = _Signature(declared.signature)
         except (msgspec.ValidationError, ValueError) as exc:
             log_event(
                 logger,
@@ -359,10 +411,15 @@ class Catalog:
 
         :raises UnknownTaskError: no worker has declared the task while others have (the
             catalog is in use), and unknown tasks are not allowed.
+        :raises InvalidArgumentsError: the job's arguments cannot bind to the task's
+            declared parameters.
         :raises InvalidJobError: the request is invalid, or a concurrency-key template
             of the task names an argument the job does not give.
         """
         declared = self._newest.get(request.task)
+        signature = self._signatures.get(request.task)
+        if signature is not None:
+            signature.check(request.task, request.args, request.kwargs)
         if declared is None:
             if not allow_unknown and self.in_use:
                 raise UnknownTaskError(
@@ -374,6 +431,55 @@ class Catalog:
                 )
             return request.to_spec(now)
         return request.to_spec(now, _defaults(declared, request))
+
+
+class _Signature:
+    """A declared signature, to bind jobs' arguments to; each shape of arguments (how many
+    positional ones, which keywords) is bound once, up to :data:`SHAPES_KEPT` shapes per
+    task, since binding depends on nothing else."""
+
+    def __init__(self, parameters: Sequence[protocol.ParameterDeclaration]) -> None:
+        self._signature: inspect.Signature | None
+        try:
+            self._signature = inspect.Signature(
+                [
+                    inspect.Parameter(
+                        p.name,
+                        _KINDS[p.kind],
+                        default=inspect.Parameter.empty if p.required else None,
+                    )
+                    for p in parameters
+                ]
+            )
+        except (ValueError, TypeError):  # not a signature Python could have made
+            self._signature = None
+        self._shapes: dict[tuple[int, tuple[str, ...]], str | None] = {}
+
+    def check(self, task: str, args: Sequence[JSONValue], kwargs: dict[str, JSONValue]) -> None:
+        """:raises InvalidArgumentsError: ``args`` and ``kwargs`` cannot bind."""
+        if self._signature is None:
+            return
+        shape = (len(args), tuple(kwargs))
+        if shape in self._shapes:
+            problem = self._shapes[shape]
+        else:
+            try:
+                self._signature.bind(*args, **kwargs)
+                problem = None
+            except TypeError as exc:
+                problem = str(exc)
+            if len(self._shapes) < SHAPES_KEPT:
+                self._shapes[shape] = problem
+        if problem is not None:
+            raise InvalidArgumentsError(
+                f"the job's arguments do not fit task {task}{self._signature} as its "
+                f"workers declare it: {problem}"
+            )
+
+
+SHAPES_KEPT = 64
+"""Shapes of arguments (positional count, keywords) a declared signature keeps the
+outcome of binding for: by-name enqueues bind each shape once."""
 
 
 def _defaults(declared: protocol.TaskDeclaration, request: protocol.JobRequest) -> dict[str, Any]:

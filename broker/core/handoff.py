@@ -41,6 +41,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
+from broker.core.affinity import DEFAULT_MAX_WAIT
 from broker.core.drained import DrainedModes, may_requeue
 
 # The effects are the handoff's vocabulary: importable from here, as its events are.
@@ -100,12 +101,13 @@ class Handoff:
         new_lease: Callable[[], uuid.UUID] | None = None,
         new_ping_base: Callable[[], int] = random_ping_base,
         affinity_grace: float = 60.0,
+        affinity_max_wait: float = DEFAULT_MAX_WAIT,
         reconnect_grace: float = 30.0,
     ) -> None:
         self.max_credit = max_credit
         self.waiting = WaitingLeases(reconnect_grace)
         """The orphans and the parked leases (:mod:`broker.core.waiting`)."""
-        self.placement = Placement(affinity_grace)
+        self.placement = Placement(affinity_grace, affinity_max_wait)
         """Which worker takes a job (:mod:`broker.core.placement`)."""
         self.affinity = self.placement.affinity
         """Where the holders of local state are; decides who may take their recoveries."""
@@ -135,6 +137,10 @@ class Handoff:
         self.losses: dict[uuid.UUID, Loss] = {}
         """The returns whose attempt was lost (by lease): each counts a recovery."""
         self.dispatched = 0
+        self._runnable: frozenset[str] | None = None
+        """:meth:`runnable_tasks`, as last worked out."""
+        self._runnable_stale = True
+        """Whether a worker joined, declared or left since (work it out again)."""
 
     @property
     def orphans(self) -> dict[uuid.UUID, Job]:
@@ -184,6 +190,7 @@ class Handoff:
         if hello.role is not protocol.Role.WORKER:
             return [], []
         self.worker_peers[peer.id] = peer
+        self._runnable_stale = True
         # What was proven drained was proven for the modes and queues served until now.
         self.queue_changed()
         self.affinity.joined(hello.worker_id or "", state_kept=not hello.local_state_lost)
@@ -218,6 +225,44 @@ class Handoff:
                 worker_id=peer.worker_id,
             )
         return adopted, effects
+
+    def declared(self, peer_id: int, tasks: Collection[str]) -> list[HandoffEffect]:
+        """A worker declared the ``tasks`` it runs (its ``tasks`` message, taken into the
+        catalog): from now on it is handed only jobs of those
+        (:meth:`Peer.serves <broker.core.peers.Peer.serves>`). Jobs no worker could run
+        until now may go: what was proven drained was proven for the tasks served before."""
+        peer = self.worker_peers.get(peer_id)
+        if peer is None:
+            return []
+        peer.tasks = frozenset(tasks)
+        self._runnable_stale = True
+        self.queue_changed()
+        return [WakeDispatcher()]
+
+    def runnable_tasks(self) -> frozenset[str] | None:
+        """The tasks some connected worker declared, for the dispatcher's read of eligible
+        jobs (which leaves the others out, so a backlog no worker can run never hides the
+        jobs behind it); ``None`` while a worker that declared no tasks is connected (it
+        runs any). Kept until a worker joins, declares or leaves."""
+        if self._runnable_stale:
+            self._runnable_stale = False
+            runnable: set[str] = set()
+            for peer in self.worker_peers.values():
+                if peer.tasks is None:
+                    self._runnable = None
+                    break
+                runnable |= peer.tasks
+            else:
+                self._runnable = frozenset(runnable)
+        return self._runnable
+
+    def unserved(self, tasks: Iterable[str]) -> list[str]:
+        """Those of ``tasks`` no connected worker declared, sorted: their jobs wait (none
+        while a worker that declared no tasks is connected, which runs any)."""
+        runnable = self.runnable_tasks()
+        if runnable is None:
+            return []
+        return sorted({task for task in tasks if task not in runnable})
 
     def ready(
         self, peer_id: int, slots: Mapping[ExecutionMode, int], seen: int
@@ -294,6 +339,7 @@ class Handoff:
             return []
         effects: list[HandoffEffect] = []
         if self.worker_peers.pop(peer_id, None) is not None:
+            self._runnable_stale = True
             log_event(
                 logger,
                 logging.INFO,
@@ -417,7 +463,7 @@ class Handoff:
             if peer is None or not peer.credits.reserve(job.execution_mode):
                 continue  # the credit check: no free slot for this job anywhere
             self.placement.reserved(peer, job.execution_mode)
-            self.awaiting.pop(job.id, None)
+            self.placement.placed(job)
             planned = PlannedClaim(
                 peer.id,
                 peer.worker_id or "",
@@ -433,7 +479,7 @@ class Handoff:
     def affinity_wake(self) -> float | None:
         """When the dispatcher must look again for a job awaiting its state holder
         (:meth:`Placement.wake_at`)."""
-        return self.placement.wake_at()
+        return self.placement.wake_at(self.modes_with_credit())
 
     # The drained proofs (broker.core.drained), as the dispatcher and the enqueue see them.
 

@@ -178,6 +178,10 @@ class Peer:
     worker_id: str | None = None
     modes: frozenset[ExecutionMode] = frozenset()
     queues: frozenset[str] | None = None
+    tasks: frozenset[str] | None = None
+    """The tasks it declared (its ``tasks`` message, :mod:`broker.core.catalog`); ``None``
+    until it declares any: a worker of a release without catalogs, or one whose catalog
+    was not taken (over a bound), is taken to run any task, as before routing by task."""
     leases: dict[uuid.UUID, Job] = field(default_factory=dict)
     draining: bool = False
 
@@ -193,7 +197,14 @@ class Peer:
         return self.liveness.paused_since is not None
 
     def serves(self, job: Job) -> bool:
-        return self.serves_queue(job.queue)
+        """Whether this connection may be handed ``job``: it serves the job's queue and
+        declared its task. The one rule of routing by task: a worker never receives a job
+        it did not say it can run (a rolling deploy's old workers never see a new task)."""
+        return self.serves_queue(job.queue) and self.serves_task(job.task)
+
+    def serves_task(self, task: str) -> bool:
+        """Whether this connection declared ``task`` (``tasks`` ``None``: it runs any)."""
+        return self.tasks is None or task in self.tasks
 
     def serves_queue(self, queue: str) -> bool:
         """Whether this connection takes jobs of ``queue`` (``queues`` ``None``: all)."""

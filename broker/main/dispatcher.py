@@ -265,7 +265,11 @@ class Dispatcher:
             # says whether another pass may find more.
             size = core.read_limit(self._claim_batch, left) + len(core.awaiting)
             found = await self._store.select_eligible(
-                modes=left, queues=queues, limit=size, skip=self._claiming()
+                modes=left,
+                queues=queues,
+                limit=size,
+                skip=self._claiming(),
+                tasks=core.runnable_tasks(),
             )
             full = len(found) == size
             placed = core.plan(found, now)
@@ -289,7 +293,11 @@ class Dispatcher:
             return served
         limit = self._ahead.read_size(modes, queues, size, started, self._claim_batch, now)
         jobs = await self._store.select_eligible(
-            modes=modes, queues=queues, limit=limit, skip=self._claiming()
+            modes=modes,
+            queues=queues,
+            limit=limit,
+            skip=self._claiming(),
+            tasks=self._handoff.runnable_tasks(),
         )
         self._ahead.fill(jobs, modes, queues, limit, started, now)
         served = self._ahead.serve(modes, queues, size, started, now)

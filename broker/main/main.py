@@ -93,6 +93,7 @@ class Main:
         self.handoff = Handoff(
             max_credit=self.settings.max_credit,
             affinity_grace=self.settings.affinity_grace,
+            affinity_max_wait=self.settings.affinity_max_wait,
             reconnect_grace=self.settings.orphan_grace,
         )
         """The handoff rules and state; this class only feeds it events and carries out
@@ -439,5 +440,8 @@ class Main:
             pending_recoveries=[
                 {"job_id": str(job_id)} for job_id in self.leader.ledger.pending().values()
             ],
+            unserved_tasks=self.handoff.unserved(
+                record.task for record in self.operations.catalog.records()
+            ),
         )
         return await self.operations.status(live)

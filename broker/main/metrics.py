@@ -340,9 +340,12 @@ class MeasuredStore:
         queues: Collection[str] | None = None,
         limit: int = 100,
         skip: Collection[uuid.UUID] = (),
+        tasks: Collection[str] | None = None,
     ) -> list[Job]:
         with self._timed("select"):
-            return await self._select(modes=modes, queues=queues, limit=limit, skip=skip)
+            return await self._select(
+                modes=modes, queues=queues, limit=limit, skip=skip, tasks=tasks
+            )
 
 
 # ---------------------------------------------------------------------- levels
@@ -365,6 +368,9 @@ class MainLevels:
     in_flight: int
     ledger: int
     orphans: int
+    tasks_without_worker: int = 0
+    """Tasks of the catalog that no connected worker declares: their jobs wait (routing
+    by task, :meth:`Handoff.unserved <broker.core.handoff.Handoff.unserved>`)."""
 
 
 class _MainLevelsCollector(Collector):
@@ -413,6 +419,11 @@ class _MainLevelsCollector(Collector):
         )
         yield _gauge(
             "broker_orphans", "Hand-offs from before a restart, unclaimed.", levels.orphans
+        )
+        yield _gauge(
+            "broker_tasks_without_worker",
+            "Declared tasks no connected worker declares now: their jobs wait.",
+            levels.tasks_without_worker,
         )
 
 

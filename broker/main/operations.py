@@ -15,7 +15,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
@@ -60,6 +60,11 @@ class JobListing:
     next_cursor: str | None
 
 
+WAITING_TASKS_CHECKED = 50
+"""Tasks without a connected worker that a status looks for queued jobs of, at most (a
+read each)."""
+
+
 @dataclass(frozen=True, slots=True)
 class LiveState:
     """What only a running main knows, for :meth:`Operations.status`."""
@@ -73,6 +78,10 @@ class LiveState:
     orphans: int
     workers: list[dict[str, Any]]
     pending_recoveries: list[dict[str, Any]]
+    unserved_tasks: list[str] = field(default_factory=list)
+    """Tasks of the catalog that no connected worker declares
+    (:meth:`Handoff.unserved <broker.core.handoff.Handoff.unserved>`): their queued jobs
+    wait."""
 
 
 class Operations:
@@ -273,7 +282,22 @@ class Operations:
             "queues": queues,
             "workers": None if live is None else live.workers,
             "pending_recoveries": None if live is None else live.pending_recoveries,
+            "waiting": None if live is None else await self._waiting(live.unserved_tasks),
         }
+
+    async def _waiting(self, unserved: Sequence[str]) -> list[dict[str, Any]]:
+        """The tasks whose queued jobs wait because no connected worker declares them
+        (routing by task, :mod:`broker.core.placement`), each with why: one read per task,
+        for at most :data:`WAITING_TASKS_CHECKED` of them, so a status stays cheap."""
+        waiting: list[dict[str, Any]] = []
+        for task in unserved[:WAITING_TASKS_CHECKED]:
+            queued = JobFilter(statuses=[JobStatus.QUEUED], tasks=[task])
+            page = await self.store.list_jobs(queued, limit=1, include_payload=False)
+            if page.jobs:
+                waiting.append(
+                    {"task": task, "reason": f"no connected worker declares task {task!r}"}
+                )
+        return waiting
 
 
 def queue_summary(counts: list[QueueCount], now: datetime) -> list[dict[str, Any]]:

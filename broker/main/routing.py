@@ -101,7 +101,10 @@ class Router:
     def _declare(self, session: Session, tasks: list[protocol.TaskDeclaration]) -> None:
         """A worker declared the tasks it serves (:meth:`Declarations.declare
         <broker.main.catalog.Declarations.declare>`). Over a bound of the catalog it is
-        told (``over_limit``, not fatal: it keeps working)."""
+        told (``over_limit``, not fatal: it keeps working). Either way it is handed only
+        jobs of those tasks from now on (:meth:`Handoff.declared
+        <broker.core.handoff.Handoff.declared>`): the catalog's bounds keep the store
+        small, while the names, within the line limit, are what the worker can run."""
         assert session.worker_id is not None
         try:
             self._declarations.declare(session.worker_id, tasks)
@@ -109,6 +112,7 @@ class Router:
             session.send(
                 protocol.Error(code=protocol.ErrorCode.OVER_LIMIT, message=str(exc), fatal=False)
             )
+        self._carry(self._handoff.declared(session.id, [task.name for task in tasks]))
 
     def _request(self, session: Session, msg: protocol.Message, needed: protocol.Role) -> None:
         """Start a client request if the connection's role may make it (``needed``, see

@@ -10,6 +10,7 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
+from broker.core.affinity import DEFAULT_MAX_WAIT
 from broker.core.election import DEFAULT_FAILOVER_TIMEOUT
 from broker.exceptions import ConfigurationError
 from broker.jobs import DEFAULT_MAX_RECOVERIES
@@ -203,7 +204,17 @@ class MainSettings:
         "after that worker left",
     )
     """How long the recovery of a ``local_state`` job waits for the worker holding its
-    state after that worker left (while it stays connected, the wait goes on)."""
+    state after that worker left, and how far each extension of its wait moves it (while
+    the holder stays connected, up to ``affinity_max_wait``)."""
+    affinity_max_wait: float = setting(
+        DEFAULT_MAX_WAIT,
+        parse=float,
+        check=checks.positive,
+        help="seconds at most a local_state job's recovery waits for the worker holding its "
+        "state, even while that worker stays connected; then any worker runs it, told its "
+        "state is lost (default: 1 hour)",
+    )
+    """The cap on a recovery's wait for its state holder (:mod:`broker.core.affinity`)."""
     task_grace: float = setting(
         DEFAULT_TASK_GRACE,
         parse=float,

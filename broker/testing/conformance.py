@@ -1033,6 +1033,20 @@ async def check_selection_filters_modes_and_queues(ctx: Context) -> None:
 
 
 @_check
+async def check_selection_leaves_out_tasks_not_asked_for(ctx: Context) -> None:
+    """``tasks=`` names the tasks some connected worker declared: jobs of other tasks are
+    left out of the read, ahead of the limit, so a backlog no worker can run never hides
+    the jobs behind it (routing by task, :mod:`broker.core.placement`)."""
+    for _ in range(3):
+        await _enqueue(ctx.store, task="nobody.runs")
+    runnable = await _enqueue(ctx.store, task="some.runs")
+    read = await ctx.store.select_eligible(modes=ALL_MODES, limit=1, tasks=["some.runs"])
+    assert [j.id for j in read] == [runnable.id]
+    assert len(await ctx.store.select_eligible(modes=ALL_MODES, tasks=None)) == 4
+    assert await ctx.store.select_eligible(modes=ALL_MODES, tasks=[]) == []
+
+
+@_check
 async def check_next_run_at_finds_the_earliest_queued_job(ctx: Context) -> None:
     assert await ctx.store.next_run_at(modes=ALL_MODES) is None
     soon = START + timedelta(minutes=1)

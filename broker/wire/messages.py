@@ -111,6 +111,7 @@ class ErrorCode(enum.StrEnum):
     UNIQUE_KEY_TAKEN = "unique_key_taken"
     IDEMPOTENCY_CONFLICT = "idempotency_conflict"
     UNKNOWN_TASK = "unknown_task"
+    INVALID_ARGUMENTS = "invalid_arguments"
     SCHEMA_VERSION = "schema_version"
     STORAGE_REJECTED = "storage_rejected"
     TASK_NOT_FOUND = "task_not_found"
@@ -387,6 +388,21 @@ class CancelJob(Tagged, frozen=True, tag="cancel_job"):
     handoff_id: uuid.UUID
 
 
+ParameterKind: TypeAlias = typing.Literal[
+    "positional_only", "positional_or_keyword", "var_positional", "keyword_only", "var_keyword"
+]
+"""The kinds of a function's parameters (``inspect.Parameter.kind``), as declared."""
+
+
+class ParameterDeclaration(Nested, frozen=True):
+    """One parameter of a task's function, as the main needs it to check a job's arguments
+    (``inspect.Parameter``: its name, its kind, and whether it has no default)."""
+
+    name: Name
+    kind: ParameterKind
+    required: bool = False
+
+
 class TaskDeclaration(Nested, frozen=True):
     """A task a worker serves and the defaults ``@task`` gives its jobs: the main fills
     them into a job enqueued by name where the request leaves a field out. The rest
@@ -411,6 +427,11 @@ class TaskDeclaration(Nested, frozen=True):
     dont_retry_on: Names = msgspec.field(default_factory=list)
     backoff: str | None = None
     """The task's own backoff, described (``None``: the main's ``--retry-backoff``)."""
+    signature: list[ParameterDeclaration] | None = None
+    """Every parameter of the function, in order, for the main to check a job's arguments
+    at enqueue (``None``: a worker of a release before it, or a function without a
+    signature; such a task's arguments are not checked at the main). Its size is bounded
+    with the declaration's (:data:`~broker.model.bounds.MAX_DECLARATION_BYTES`)."""
 
     def __post_init__(self) -> None:
         require(self.max_attempts >= 1, "max_attempts must be at least 1")
@@ -574,6 +595,7 @@ __all__ = [
     "ListJobs",
     "ListTasks",
     "Message",
+    "ParameterDeclaration",
     "Ping",
     "Pong",
     "Progress",

@@ -117,8 +117,11 @@ class LoggingAdapter:
         queues: Collection[str] | None = None,
         limit: int = 100,
         skip: Collection[uuid.UUID] = (),
+        tasks: Collection[str] | None = None,
     ) -> list[Job]:
-        call = self.inner.select_eligible(modes=modes, queues=queues, limit=limit, skip=skip)
+        call = self.inner.select_eligible(
+            modes=modes, queues=queues, limit=limit, skip=skip, tasks=tasks
+        )
         return await self._call("select_eligible", call)
 
     async def next_run_at(

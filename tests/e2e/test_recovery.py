@@ -9,6 +9,7 @@ recovery waits for the worker that holds its state, within the affinity grace.
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -183,3 +184,56 @@ async def test_affinity_a_holder_back_without_its_state_dir_releases_the_recover
     assert await main.terminate() == 0
     job = (await final_jobs(cluster.url))[key]
     assert job.result == {"pid": back.pid, "recoveries": 1, "state_lost": True}
+
+
+async def test_affinity_a_connected_holder_that_never_frees_a_slot_is_passed_over_at_the_cap(
+    sqlite_cluster: Cluster,
+) -> None:
+    """The cap on a recovery's wait (``--affinity-max-wait``): the holder comes back and
+    stays connected, but its one slot runs a job that never ends. At each deadline the
+    wait is extended (the main logs why: the holder is connected), and at the maximum
+    another worker runs the recovery, told its state is lost."""
+    cluster = sqlite_cluster
+    main = await cluster.start_main("--affinity-grace", "0.5", "--affinity-max-wait", "3")
+    holder = await cluster.start_worker("holder", concurrency=1)
+    gate = cluster.dir / "gate"
+    [key] = await enqueue(cluster, [hold_state_spec(gate)])
+    await eventually(lambda: RunLog.read(cluster.runs).started_by(holder.pid), "holder to start")
+    await holder.kill()
+    async with observe(cluster.url) as store:
+
+        async def taken_back() -> bool:
+            job = await store.get_job(uuid.UUID(key))
+            return job is not None and job.status is JobStatus.QUEUED
+
+        await eventually(taken_back, "the lost attempt to be taken back", detail=cluster.logs)
+        # Ahead of the recovery (a higher priority), a job that holds the holder's only slot.
+        blocker = replace(hold_spec(cluster.dir / "never"), priority=10)
+        [blocking] = await enqueue(cluster, [blocker])
+        # No prefetch: the holder takes in no job beyond its one slot.
+        back = await cluster.start_worker("holder", "--prefetch", "0", concurrency=1)
+        await eventually(
+            lambda: blocking in RunLog.read(cluster.runs).started_by(back.pid),
+            "the blocker to take the holder's slot",
+            detail=cluster.logs,
+        )
+        other = await cluster.start_worker("other")
+        await eventually(
+            lambda: key in RunLog.read(cluster.runs).started_by(other.pid),
+            "another worker to run the recovery at the cap",
+            detail=cluster.logs,
+        )
+        gate.touch()
+
+        async def finished() -> bool:
+            job = await store.get_job(uuid.UUID(key))
+            return job is not None and job.status is JobStatus.COMPLETED
+
+        await eventually(finished, "the recovery to complete", detail=cluster.logs)
+        job = await store.get_job(uuid.UUID(key))
+        assert job is not None
+        assert job.result == {"pid": other.pid, "recoveries": 1, "state_lost": True}
+    log = main.output()
+    extended = [line for line in log.splitlines() if "recovery wait extended" in line]
+    assert extended and all("holder connected" in line for line in extended), log[-3000:]
+    assert log.count("recovery released at the affinity's maximum wait") == 1, log[-3000:]

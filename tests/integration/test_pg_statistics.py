@@ -37,12 +37,14 @@ async def test_a_bulk_enqueue_refreshes_statistics_and_dispatch_uses_the_index()
         assert await analyzed(), "no ANALYZE after a bulk insert"
         from adapters.sql.postgres_sql import HotSql
 
-        # Dispatch's own read (modes, now, limit, skipped ids), as its session plans it.
+        # Dispatch's own read (modes, now, limit, skipped ids, tasks), as its session
+        # plans it: with any task, and with the tasks the connected workers declared.
         await conn.execute("SET plan_cache_mode = force_generic_plan")
         explain = "EXPLAIN " + HotSql(schema).eligible
-        found = await conn.fetch(explain, ["pooled"], 2**62, 20, [])
-        plan = "\n".join(r[0] for r in found)
-        assert "Index Scan using ix_broker_jobs_dispatch" in plan, plan
+        for tasks in (None, ["t.x", "u"]):
+            found = await conn.fetch(explain, ["pooled"], 2**62, 20, [], tasks)
+            plan = "\n".join(r[0] for r in found)
+            assert "Index Scan using ix_broker_jobs_dispatch" in plan, plan
         # Each mode's rows come from the index in order, under their own limit: only
         # those few are sorted (above it), never the queued rows.
         per_mode = plan.split("Index Scan using ix_broker_jobs_dispatch")[0].rsplit("Limit", 1)
@@ -67,7 +69,7 @@ async def test_a_read_for_a_mode_without_queued_jobs_walks_no_other_modes_rows()
         await conn.execute(f'ANALYZE "{schema}".broker_jobs')
         eligible = store._dialect._sql.eligible
         statement = await conn.prepare("EXPLAIN (ANALYZE, COSTS OFF) " + eligible)
-        plan = "\n".join(r[0] for r in await statement.fetch(["forked"], 2**62, 20, []))
+        plan = "\n".join(r[0] for r in await statement.fetch(["forked"], 2**62, 20, [], None))
         assert "Index Cond: ((execution_mode = m.mode)" in plan, plan
         assert "Rows Removed by Filter" not in plan, plan
         everything = await store.select_eligible(

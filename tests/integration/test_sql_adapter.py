@@ -523,12 +523,15 @@ async def test_sqlite_hot_queries_use_their_partial_indexes(sqlite_backend: Back
     from adapters.sql.sqlite import _LITE_ELIGIBLE, _LITE_ELIGIBLE_IN_QUEUES
 
     for statement in (_LITE_ELIGIBLE, _LITE_ELIGIBLE_IN_QUEUES):
-        async with store._engine.connect() as conn:
-            found = await conn.exec_driver_sql(
-                f"EXPLAIN QUERY PLAN {statement}", ('["pooled"]', '["default"]', 0, 50, "[]")
-            )
-            eligible = "\n".join(str(row[-1]) for row in found.all())
-        assert "ix_broker_jobs_dispatch" in eligible and "TEMP B-TREE" not in eligible, eligible
+        for tasks in (None, '["t"]'):  # any task, or those the workers declared
+            async with store._engine.connect() as conn:
+                found = await conn.exec_driver_sql(
+                    f"EXPLAIN QUERY PLAN {statement}",
+                    ('["pooled"]', '["default"]', 0, 50, "[]", tasks),
+                )
+                eligible = "\n".join(str(row[-1]) for row in found.all())
+            assert "ix_broker_jobs_dispatch" in eligible, eligible
+            assert "TEMP B-TREE" not in eligible, eligible
     from adapters.sql.schema import IS_HANDED_OFF, IS_TERMINAL, jobs
 
     worker = await plan(sa.select(jobs).where(jobs.c.worker_id == "w", IS_HANDED_OFF))

@@ -16,7 +16,12 @@ import pytest
 from adapters.memory import MemoryAdapter
 from broker.core import catalog
 from broker.core.catalog import Catalog, CatalogLimitError
-from broker.exceptions import ConfigurationError, InvalidJobError, UnknownTaskError
+from broker.exceptions import (
+    ConfigurationError,
+    InvalidArgumentsError,
+    InvalidJobError,
+    UnknownTaskError,
+)
 from broker.jobs import ExecutionMode, JobSpec
 from broker.main.catalog import StoredCatalog
 from broker.main.operations import Operations
@@ -361,3 +366,53 @@ def test_the_newest_declaration_still_wins_after_a_pass_marks_workers_seen() -> 
 def test_the_task_grace_is_a_positive_span_a_date_can_hold(grace: float, rule: str) -> None:
     with pytest.raises(ConfigurationError, match=f"task_grace must be {rule}"):
         MainSettings(task_grace=grace).validate()
+
+
+async def test_by_name_arguments_are_checked_against_the_declared_signature() -> None:
+    """A worker declares every parameter of its task's function; the main refuses a job
+    whose arguments cannot bind (``invalid_arguments``), and takes the others. A task
+    declared without a signature (an earlier release) is not checked."""
+
+    registry = TaskRegistry()
+
+    @task(name="app.sig", registry=registry)
+    def sig(account: int, /, full: bool = False, *, mode: str) -> None: ...
+
+    [declared] = catalog.declarations(registry)
+    assert declared.signature is not None
+    assert [(p.name, p.kind, p.required) for p in declared.signature] == [
+        ("account", "positional_only", True),
+        ("full", "positional_or_keyword", False),
+        ("mode", "keyword_only", True),
+    ]
+    found = _catalog(("w1", [declared]), ("w0", [_declared("app.old")]))
+    fits = protocol.JobRequest(task="app.sig", args=[7, True], kwargs={"mode": "m"})
+    assert found.job_spec(fits, NOW, allow_unknown=False).args == (7, True)
+    for args, kwargs, problem in [
+        ([], {"mode": "m"}, "missing a required argument: 'account'"),
+        ([7], {}, "missing a required argument: 'mode'"),
+        ([7, True, 3], {"mode": "m"}, "too many positional arguments"),
+        ([7], {"mode": "m", "other": 1}, "unexpected keyword argument 'other'"),
+    ]:
+        bad = protocol.JobRequest(task="app.sig", args=args, kwargs=kwargs)
+        for _ in range(2):  # the second time from the shapes kept
+            with pytest.raises(InvalidArgumentsError, match=problem) as raised:
+                found.job_spec(bad, NOW, allow_unknown=False)
+            assert raised.value.code == "invalid_arguments"
+            assert "app.sig(account, /, full=None, *, mode)" in str(raised.value)
+    anything = protocol.JobRequest(task="app.old", args=[1, 2, 3], kwargs={"x": 1})
+    assert found.job_spec(anything, NOW, allow_unknown=False).args == (1, 2, 3)
+    cold = protocol.JobRequest(task="app.new", args=[1])
+    assert found.job_spec(cold, NOW, allow_unknown=True).args == (1,), "nothing to check"
+    odd = _declared(
+        "app.odd",
+        signature=[
+            protocol.ParameterDeclaration("a", "keyword_only", required=False),
+            protocol.ParameterDeclaration("a", "keyword_only", required=False),
+        ],
+    )
+    unchecked = _catalog(("w1", [odd]))
+    request = protocol.JobRequest(task="app.odd", args=[1])
+    assert unchecked.job_spec(request, NOW, allow_unknown=False).args == (1,), (
+        "a signature Python could not have made is not checked"
+    )

@@ -555,3 +555,19 @@ def test_jobs_added_to_one_mode_leave_the_others_drained() -> None:
     assert core.drained == set()
     core.read_eligible(core.queue_changes, {POOLED}, full=False, queues=None)
     assert core.drained == {POOLED}
+
+
+async def test_a_backlog_no_worker_declared_never_hides_the_jobs_behind_it() -> None:
+    """Routing by task: 10,000 jobs of a task no connected worker declared stand first in
+    the queue; one pass of a worker with one slot still reads and dispatches the job
+    behind them, since the read leaves out the tasks nobody declared."""
+    store = MemoryAdapter()
+    await store.enqueue_many([JobSpec(task="new.task", priority=1) for _ in range(10_000)])
+    [behind] = await store.enqueue_many([JobSpec(task="old.task")])
+    core = Handoff()
+    worker(core, 1, 1)
+    core.declared(1, ["old.task"])
+    sent: list[Dispatch] = []
+    assert await dispatcher(store, core, sent).dispatch_once() is False
+    await asyncio.gather(*asyncio.all_tasks() - {asyncio.current_task()})  # the claim
+    assert [d.job.id for d in sent] == [behind.job.id]

@@ -905,3 +905,33 @@ class HandoffMachine(RuleBasedStateMachine):
 
 HandoffMachine.TestCase.settings = settings.get_profile(PROFILE)
 TestHandoffMachine = pytest.mark.timeout(900)(HandoffMachine.TestCase)  # for the slow profile
+
+
+# ---------------------------------------------------------------------- routing by task
+
+
+def test_a_worker_that_declared_its_tasks_is_planned_only_their_jobs() -> None:
+    """Routing by the task catalog: until it declares, a worker runs any task (a worker
+    of a release without catalogs); once it has, only those, and the read is told which
+    tasks some connected worker runs (none left out while an undeclared one is
+    connected). A declaration wakes the dispatcher and unproves what was drained."""
+    core = core_with_counter()
+    old, new = core.new_peer(1, now=0.0), core.new_peer(2, now=0.0)
+    core.hello(old, worker_hello("old"))
+    assert core.runnable_tasks() is None and core.unserved(["t", "x"]) == []
+    assert core.declared(1, ["t"]) == [WakeDispatcher()]
+    assert core.runnable_tasks() == frozenset({"t"})
+    assert core.unserved(["x", "t", "x"]) == ["x"]
+    core.ready(1, {POOLED: 4}, seen=0)
+    x_job = replace(make_job(1), task="x")
+    assert core.plan([x_job, make_job(2)], 0.0)[0].job.id == make_job(2).id
+    core.hello(new, worker_hello("new"))
+    assert core.runnable_tasks() is None, "an undeclared worker runs any task"
+    core.declared(2, ["t", "x"])
+    core.ready(2, {POOLED: 1}, seen=0)
+    assert core.runnable_tasks() == frozenset({"t", "x"}) and core.unserved(["x"]) == []
+    [planned] = core.plan([replace(make_job(3), task="x")], 0.0)
+    assert planned.peer == 2
+    core.disconnect(2, 1.0)
+    assert core.unserved(["x"]) == ["x"]
+    assert core.declared(2, ["x"]) == [], "a connection that ended declares nothing"

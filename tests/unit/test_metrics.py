@@ -134,7 +134,11 @@ def test_levels_show_depth_and_the_oldest_due_job() -> None:
     ]
     exposition = MainExposition(MainMetrics())
     got = samples(
-        exposition.render(levels(counts=counts, workers=2, ledger=3, credits={"inline": 5}))
+        exposition.render(
+            levels(
+                counts=counts, workers=2, ledger=3, credits={"inline": 5}, tasks_without_worker=1
+            )
+        )
     )
     assert got[("broker_queue_jobs", frozenset({("queue", "mail"), ("status", "queued")}))] == 4
     assert got[("broker_queue_jobs", frozenset({("queue", "mail"), ("status", "failed")}))] == 0
@@ -145,6 +149,7 @@ def test_levels_show_depth_and_the_oldest_due_job() -> None:
     assert got[("broker_recovery_ledger_size", frozenset())] == 3
     assert got[("broker_free_credits", frozenset({("mode", "inline")}))] == 5
     assert got[("broker_free_credits", frozenset({("mode", "forked")}))] == 0
+    assert got[("broker_tasks_without_worker", frozenset())] == 1
 
 
 def test_the_dashboard_stays_on_loopback_unless_allowed() -> None:

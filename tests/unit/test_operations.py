@@ -270,6 +270,7 @@ async def test_status_reads_the_store_and_takes_the_rest_from_a_main() -> None:
         "orphans": None,
         "workers": None,
         "pending_recoveries": None,
+        "waiting": None,
     }
     queues = {q["queue"]: q for q in alone["queues"]}
     assert queues["mail"]["counts"]["queued"] == 1
@@ -284,6 +285,19 @@ async def test_status_reads_the_store_and_takes_the_rest_from_a_main() -> None:
     assert with_main["orphans"] == 2 and with_main["workers"] == [{"worker_id": "w"}]
     assert with_main["pending_recoveries"] == [{"job_id": "j"}]
     assert with_main["queues"] == alone["queues"]
+    assert with_main["waiting"] == []
+
+
+async def test_status_names_the_tasks_whose_queued_jobs_no_connected_worker_declares() -> None:
+    """Routing by task: a task no connected worker declares is named with why, when it
+    has queued jobs (one without is not news)."""
+    ops, store, _ = _service()
+    await store.enqueue_many([JobSpec(task="new.task", queue="mail")])
+    live = LiveState("main-1", 0, 0, [], [], unserved_tasks=["gone.task", "new.task"])
+    status = await ops.status(live)
+    assert status["waiting"] == [
+        {"task": "new.task", "reason": "no connected worker declares task 'new.task'"}
+    ]
 
 
 async def test_get_cancel_and_retry_return_the_job_as_the_store_left_it() -> None:

@@ -26,6 +26,7 @@ workers_ = st.lists(
         st.fixed_dictionaries({mode: st.integers(0, 4) for mode in MODES}),
         st.sampled_from([None, frozenset("a"), frozenset("b"), frozenset("ab")]),
         st.sampled_from(["w1", "w2", "w3"]),
+        st.sampled_from([None, frozenset("x"), frozenset("y"), frozenset("xy"), frozenset()]),
     ),
     min_size=0,
     max_size=8,
@@ -35,17 +36,20 @@ jobs_ = st.lists(
         st.sampled_from(MODES),
         st.sampled_from("abc"),
         st.sampled_from([None, None, "w1", "w2", "w4"]),  # the state holder, if any
+        st.sampled_from("xyz"),  # the task
     ),
     max_size=30,
 )
-Workers = list[tuple[dict[ExecutionMode, int], frozenset[str] | None, str]]
+Workers = list[tuple[dict[ExecutionMode, int], frozenset[str] | None, str, frozenset[str] | None]]
+Jobs = list[tuple[ExecutionMode, str, str | None, str]]
 
 
 def _peers(workers: Workers) -> list[Peer]:
     peers = []
-    for pid, (slots, queues, worker_id) in enumerate(workers, start=1):
+    for pid, (slots, queues, worker_id, tasks) in enumerate(workers, start=1):
         peer = Peer(pid, Liveness(0.0, 0), Credits(10), protocol.Role.WORKER, worker_id)
         peer.queues = queues
+        peer.tasks = tasks
         peer.credits.on_ready(slots, 0)
         peers.append(peer)
     return peers
@@ -93,17 +97,17 @@ def _reference(workers: list[Peer], job: Job, turn: int) -> Peer | None:
 @settings(settings.get_profile(PROFILE))
 @given(workers_, jobs_, st.integers(0, 3), st.sampled_from([0, placement_module.FEW]))
 def test_a_plan_picks_the_worker_every_worker_asked_would_pick(
-    workers: Workers, jobs: list[tuple[ExecutionMode, str, str | None]], plans: int, few: int
+    workers: Workers, jobs: Jobs, plans: int, few: int
 ) -> None:
-    """The most free serving worker, ties going round in turns, a state holder's own
-    connections first while they may take its job, through several plans (each ranking
-    afresh) and the reservations each makes; with the ranking for any number of workers
-    (``few`` 0) too."""
+    """The most free serving worker (its queue and its task), ties going round in turns,
+    a state holder's own connections first while they may take its job, through several
+    plans (each ranking afresh) and the reservations each makes; with the ranking for
+    any number of workers (``few`` 0) too."""
     with mock.patch.object(placement_module, "FEW", few):
         _plans(workers, jobs, plans)
 
 
-def _plans(workers: Workers, jobs: list[tuple[ExecutionMode, str, str | None]], plans: int) -> None:
+def _plans(workers: Workers, jobs: Jobs, plans: int) -> None:
     mine, theirs = _peers(workers), _peers(workers)
     placement = Placement(60.0)
     placement.affinity = _affinity()
@@ -111,8 +115,8 @@ def _plans(workers: Workers, jobs: list[tuple[ExecutionMode, str, str | None]], 
     turn = 0
     for start in range(plans + 1):
         placement.start(mine)
-        for mode, queue, holder in jobs[start::2]:
-            spec = JobSpec(task="t", queue=queue, execution_mode=mode)
+        for mode, queue, holder, task in jobs[start::2]:
+            spec = JobSpec(task=task, queue=queue, execution_mode=mode)
             job = replace(Job.from_spec(spec, NOW), local_state=True, state_holder=holder)
             turn += 1
             expected, expected_route = _reference_pick(affinity, theirs, job, turn)
@@ -121,4 +125,32 @@ def _plans(workers: Workers, jobs: list[tuple[ExecutionMode, str, str | None]], 
             assert (got.id if got else None) == (expected.id if expected else None)
             if got is not None and expected is not None and got.credits.reserve(mode):
                 assert expected.credits.reserve(mode)
+                placement.reserved(got, mode)
+
+
+@settings(settings.get_profile(PROFILE))
+@given(workers_, jobs_, st.sampled_from([0, placement_module.FEW]))
+def test_a_job_is_never_handed_to_a_worker_without_its_task(
+    workers: Workers, jobs: Jobs, few: int
+) -> None:
+    """Routing by the task catalog: whatever the credits, queues, state holders and
+    rankings, a worker that declared its tasks is picked only for a job of one of them
+    (a worker that declared none runs any); and a job some free worker serving its queue
+    declared is placed (it never waits for a worker that cannot run it)."""
+    with mock.patch.object(placement_module, "FEW", few):
+        peers = _peers(workers)
+        placement = Placement(60.0)
+        placement.start(peers)
+        for mode, queue, _, task in jobs:
+            spec = JobSpec(task=task, queue=queue, execution_mode=mode)
+            job = Job.from_spec(spec, NOW)
+            got, _ = placement.pick(job, 1.0)
+            if got is None:
+                assert not any(p.serves(job) and p.credits.available(mode) > 0 for p in peers), (
+                    "a worker that could run the job was passed over"
+                )
+                continue
+            assert got.tasks is None or task in got.tasks
+            assert got.serves_queue(queue)
+            if got.credits.reserve(mode):
                 placement.reserved(got, mode)

@@ -4,17 +4,19 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import uuid
 from dataclasses import replace
 from datetime import timedelta
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from adapters.memory import MemoryAdapter
 from broker import settlement
-from broker.core.affinity import Affinity
+from broker.core.affinity import Affinity, Route
 from broker.core.handoff import Dispatch, Handoff, WakeDispatcher
 from broker.jobs import Claim, Job, JobSpec, JobStatus, Outcome
 from broker.retry import lost_attempt
@@ -183,9 +185,11 @@ def test_a_holder_leaving_wakes_the_dispatcher_for_the_jobs_it_held_back() -> No
     core.draining(1)  # connected, but takes nothing: its recovery waits for it
     job = replace(make_job(1), state_holder="a")
     assert core.plan([job], 1.0) == []
-    assert core.affinity_wake() is None, "no grace runs while the holder is connected"
+    assert core.affinity_wake() == 1.0 + GRACE, "the wait's deadline, to extend it"
     assert WakeDispatcher() in core.disconnect(1, 2.0)
-    assert core.affinity_wake() == 2.0 + GRACE
+    assert core.affinity_wake() == 1.0 + GRACE, "the deadline is looked at once more"
+    assert core.plan([job], 1.0 + GRACE) == [], "the holder left: no extension"
+    assert core.affinity_wake() == 2.0 + GRACE, "then the grace after it left decides"
 
 
 def test_a_worker_back_without_its_state_releases_its_recoveries_at_once() -> None:
@@ -226,3 +230,86 @@ async def test_a_lost_report_settles_through_the_store_as_a_recovery() -> None:
     assert applied and stored is not None and stored.status is JobStatus.FAILED
     assert (stored.recoveries, stored.attempts) == (1, 0)
     assert stored.run_at - job.run_at < timedelta(seconds=1)
+
+
+# ---------------------------------------------------------------------- the cap on a wait
+
+
+MAX_WAIT = 300.0
+
+
+def test_a_connected_holder_that_never_frees_a_slot_keeps_its_recovery_up_to_the_maximum(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The pi-dispatch rule: at each deadline the wait is extended (and logged, with its
+    reason) while the holder is connected; at the maximum any worker may run the job,
+    told its state is gone, and that is logged once."""
+    caplog.set_level(logging.INFO, logger="broker.main")
+    core = Handoff(max_credit=10, affinity_grace=GRACE, affinity_max_wait=MAX_WAIT)
+    two_workers(core)
+    core.ready(1, {POOLED: 0}, seen=0)  # the holder stays, but never frees a slot
+    job = replace(make_job(1), state_holder="a")
+    assert core.plan([job], 0.0) == []
+    assert core.affinity_wake() == GRACE
+    for step in range(1, 5):
+        assert core.plan([job], step * GRACE) == [], "extended: the holder is connected"
+        assert core.affinity_wake() == (step + 1) * GRACE
+    assert core.plan([job], MAX_WAIT - 1) == []
+    [planned] = core.plan([job], MAX_WAIT)
+    assert planned.worker_id == "b" and planned.state_lost
+    assert core.awaiting == {} and core.affinity.waits == {}
+    extended = [r for r in caplog.records if r.getMessage().startswith("recovery wait extended")]
+    assert len(extended) == 4
+    assert all("reason=holder connected" in r.getMessage() for r in extended)
+    released = [r for r in caplog.records if "maximum wait" in r.getMessage()]
+    assert len(released) == 1 and "holder=a" in released[0].getMessage()
+
+
+def test_a_paused_queue_extends_a_wait_its_holder_left_up_to_the_maximum() -> None:
+    """A holder gone past its grace releases its recovery, unless the job's queue is
+    paused (an input of the core): then the wait is extended, up to the maximum."""
+    affinity = Affinity(GRACE, started=0.0, max_wait=MAX_WAIT)
+    job = replace(make_job(1), state_holder="a")
+    affinity.joined("a")
+    affinity.left("a", 0.0)
+    assert affinity.route(job, "b", 1.0, queue_paused=True) is None
+    assert affinity.route(job, "b", GRACE + 1, queue_paused=True) is None, "paused: extended"
+    assert affinity.route(job, "b", GRACE + 1) == Route(state_lost=True), "not paused: over"
+    assert affinity.route(job, "b", MAX_WAIT + 1, queue_paused=True) == Route(state_lost=True)
+
+
+events_ = st.lists(
+    st.tuples(
+        st.floats(0.0, 200.0),  # time passing
+        st.sampled_from(["join", "leave", "pause", "resume", "look"]),
+    ),
+    max_size=40,
+)
+
+
+@given(events_, st.floats(0.0, 120.0), st.floats(1.0, 600.0))
+def test_a_recovery_never_waits_past_the_maximum_nor_leaves_a_connected_holder_before(
+    events: list[tuple[float, str]], grace: float, max_wait: float
+) -> None:
+    """Whatever the holder and the queue do: once a wait has lasted ``max_wait``, any
+    worker may take the job (told its state is gone); before that, while the holder is
+    connected or the queue paused, no other worker may; and the next look the core asks
+    for (its wake) never lies in the past."""
+    affinity = Affinity(grace, started=0.0, max_wait=max_wait)
+    job = replace(make_job(1), state_holder="a")
+    affinity.joined("a")
+    now, paused, began = 0.0, False, None
+    for elapsed, event in events:
+        now += elapsed
+        if event == "join":
+            affinity.joined("a")
+        elif event == "leave" and affinity.sessions["a"] > 0:
+            affinity.left("a", now)
+        paused = {"pause": True, "resume": False}.get(event, paused)
+        route = affinity.route(job, "b", now, queue_paused=paused)
+        began = now if began is None else began
+        if now - began >= max_wait:
+            assert route == Route(state_lost=True)
+        elif affinity.sessions["a"] > 0 or paused:
+            assert route is None
+        assert affinity.wake_at(job.id, "a", {job.execution_mode}) >= now or route is not None

@@ -179,6 +179,9 @@ def format_status(status: dict[str, Any]) -> str:
             ]
             headers = ["worker", "host", "capacity", "in flight", "credits", "draining"]
             out.append(table([*headers, "start-up errors"], rows))
+    for waiting in status.get("waiting") or ():
+        out.append("")
+        out.append(escape_control(f"waiting: {waiting['reason']}"))
     recoveries = status.get("pending_recoveries")
     if recoveries is not None:
         out.append("")

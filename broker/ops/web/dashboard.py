@@ -101,6 +101,9 @@ class Dashboard(HttpServer):
             in_flight=sum(len(p.leases) for p in workers),
             ledger=len(handoff.returns),
             orphans=len(handoff.orphans),
+            tasks_without_worker=len(
+                handoff.unserved(record.task for record in self.main.operations.catalog.records())
+            ),
         )
 
     def _throughput(self) -> dict[str, float]:
