@@ -66,9 +66,7 @@ class JobRequest(Nested, frozen=True, omit_defaults=True):
     """Lost attempts the job may recover from (``None``: the main's default)."""
     local_state: bool = False
     """Recoveries wait for the worker holding the job's local state first."""
-    depends_on: Annotated[list[uuid.UUID], msgspec.Meta(max_length=MAX_PARENTS)] = msgspec.field(
-        default_factory=list
-    )
+    depends_on: Annotated[tuple[uuid.UUID, ...], msgspec.Meta(max_length=MAX_PARENTS)] = ()
     """Jobs that must end first (see :mod:`broker.dependencies`); an older main refuses
     nothing but ignores it, so a client checks the main's version before relying on it."""
     on_parent_failure: ParentFailure = ParentFailure.CANCEL
