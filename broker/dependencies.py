@@ -50,7 +50,7 @@ class Waiting:
 
 
 @dataclass(frozen=True, slots=True)
-class Cancel:
+class CancelChild:
     """The child becomes ``cancelled`` with this ``last_error``."""
 
     reason: str
@@ -68,16 +68,16 @@ def parent_failed_reason(parent_id: uuid.UUID, status: JobStatus) -> str:
 
 def after_parents(
     child: Waiting, ended: Sequence[tuple[uuid.UUID, JobStatus]]
-) -> Cancel | Literal["due"] | None:
+) -> CancelChild | Literal["due"] | None:
     """What the parents in ``ended`` (this move's, already counted in ``child.pending``)
-    do to ``child``: :class:`Cancel`, ``"due"`` (it has no parent left: fetch the
+    do to ``child``: :class:`CancelChild`, ``"due"`` (it has no parent left: fetch the
     parents' results and :func:`due_args`), or ``None`` (it waits on)."""
     if child.status is not JobStatus.WAITING:
         return None  # cancelled meanwhile (by an operator, or by another parent)
     if child.on_parent_failure is ParentFailure.CANCEL:
         for parent_id, status in ended:
             if status is not JobStatus.COMPLETED:
-                return Cancel(parent_failed_reason(parent_id, status))
+                return CancelChild(parent_failed_reason(parent_id, status))
     return "due" if child.pending <= 0 else None
 
 
@@ -153,7 +153,7 @@ async def propagate(store: DependencyStore, ended: Sequence[tuple[uuid.UUID, Job
             if child is None:
                 continue
             verdict = after_parents(child, parents)
-            if isinstance(verdict, Cancel):
+            if isinstance(verdict, CancelChild):
                 await store.cancel_waiting(child_id, verdict.reason)
                 ended.append((child_id, JobStatus.CANCELLED))
             elif verdict == "due":
