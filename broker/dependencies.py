@@ -116,7 +116,9 @@ class DependencyStore(Protocol):
     transaction of the move that ended the parents (a store that never suspends may
     implement the coroutines without awaiting anything)."""
 
-    async def open_edges(self, parent_ids: Sequence[uuid.UUID]) -> list[tuple[uuid.UUID, uuid.UUID]]:
+    async def open_edges(
+        self, parent_ids: Sequence[uuid.UUID]
+    ) -> list[tuple[uuid.UUID, uuid.UUID]]:
         """Mark done the edges from these parents not done yet; ``(child, parent)`` for
         each one marked, so each edge is counted once whoever asks again."""
 

@@ -40,7 +40,9 @@ def linked(specs: Sequence[JobSpec]) -> bool:
     return any(s.depends_on or s.workflow_id is not None for s in specs)
 
 
-def _value(job_id: uuid.UUID, kind: str, text: str | None, body: tuple[str, str | None] | None) -> Any:
+def _value(
+    job_id: uuid.UUID, kind: str, text: str | None, body: tuple[str, str | None] | None
+) -> Any:
     """A payload column's value: decoded from the row, or from its offloaded body."""
     if text is None:
         return None
@@ -288,7 +290,9 @@ class PgLinks:
         for r in rows:
             done = r["status"] == JobStatus.COMPLETED.value
             text = r["result"]
-            body = await self._body(r["parent_id"], "result") if done and text == OFFLOADED else None
+            body = (
+                await self._body(r["parent_id"], "result") if done and text == OFFLOADED else None
+            )
             results.append(_value(r["parent_id"], "result", text, body) if done else None)
         return results
 

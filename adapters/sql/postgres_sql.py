@@ -228,11 +228,13 @@ class HotSql:
         """
         # A parent (``has_dependents``) is left out of both everyday statements: it is
         # settled by this one instead, in a transaction that also walks its dependents.
-        self.settle_parents = self.settle.replace(
-            "AND NOT j.has_dependents", "AND j.has_dependents"
-        ).replace("SELECT id FROM u", "SELECT id, status FROM u").replace(
-            "RETURNING j.id, j.concurrency_key, s.releases",
-            "RETURNING j.id, j.status, j.concurrency_key, s.releases",
+        self.settle_parents = (
+            self.settle.replace("AND NOT j.has_dependents", "AND j.has_dependents")
+            .replace("SELECT id FROM u", "SELECT id, status FROM u")
+            .replace(
+                "RETURNING j.id, j.concurrency_key, s.releases",
+                "RETURNING j.id, j.status, j.concurrency_key, s.releases",
+            )
         )
         # Completions alone (the everyday batch): the same move with one array per value
         # that differs between jobs. Binding the 14 arrays cost the main a type check per
