@@ -347,12 +347,13 @@ class JobSpec:
         if not isinstance(self.id, uuid.UUID):
             raise InvalidJobError("id must be a UUID")
         _require_recovery_options(self.max_recoveries, self.local_state)
-        if self.depends_on != () or self.workflow_id is not None:
-            _require_dependencies(self)
+        _require_dependencies(self)
 
 
 def _require_dependencies(spec: JobSpec) -> None:
     """The dependency fields of ``spec`` are well formed (checked only when it has some)."""
+    if spec.depends_on == () and spec.workflow_id is None:
+        return
     parents = spec.depends_on
     if isinstance(parents, str | bytes) or not isinstance(parents, Sequence | frozenset | set):
         raise InvalidJobError("depends_on must be a list of job ids")

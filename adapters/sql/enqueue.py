@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeVar, cast
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from adapters.sql.links import linked
 from adapters.sql.rows import (
     NULL_ROW,
     Payload,
@@ -37,7 +38,6 @@ from adapters.sql.rows import (
 )
 from adapters.sql.schema import IS_ACTIVE, jobs, payloads
 from broker import settlement
-from adapters.sql.links import linked
 from broker.exceptions import InvalidJobError, StorageError
 from broker.jobs import Claim, EnqueueResult, Job, JobSpec, check_idempotent_repeat
 

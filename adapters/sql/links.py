@@ -93,7 +93,8 @@ class LiteLinks:
             [(c.hex, n, f, r, w.hex if w else None) for c, n, f, r, w in links],
         )
         conn.executemany(
-            "INSERT INTO broker_job_edges (child_id, position, parent_id, done) VALUES (?, ?, ?, 0)",
+            "INSERT INTO broker_job_edges (child_id, position, parent_id, done) "
+            "VALUES (?, ?, ?, 0)",
             [(c.hex, i, p.hex) for c, i, p in edges],
         )
         parents = sorted({p for _, _, p in edges})

@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from adapters.sql.connect import WRITE_OPTION, existing_file_url, redact, wire_sqlite
 from adapters.sql.enqueue import EnqueueRule, complete_now, match_holders
 from adapters.sql.errors import StoreErrors
+from adapters.sql.links import LiteLinks, linked
 from adapters.sql.rows import (
     COLUMN_OF,
     ID_AT,
@@ -45,7 +46,6 @@ from adapters.sql.rows import (
     kept,
     offload,
 )
-from adapters.sql.links import LiteLinks, linked
 from adapters.sql.schema import INSERT_COLUMNS, OFFLOADED, selection
 from broker import dependencies, settlement
 from broker.exceptions import ConfigurationError
