@@ -74,6 +74,7 @@ if TYPE_CHECKING:
     from broker.tasks.context import JobContext, current_job
     from broker.tasks.registry import Task, TaskRegistry, task
     from broker.tasks.schedule import Schedule
+    from broker.tasks.workflow import EnqueuedWorkflow, Step, chain, group
     from broker.wire.messages import Role
     from broker.wire.tls import PeerTLS
 
@@ -89,6 +90,10 @@ _LAZY = {
     "Task": "broker.tasks.registry",
     "TaskRegistry": "broker.tasks.registry",
     "task": "broker.tasks.registry",
+    "chain": "broker.tasks.workflow",
+    "group": "broker.tasks.workflow",
+    "Step": "broker.tasks.workflow",
+    "EnqueuedWorkflow": "broker.tasks.workflow",
     "EnqueueOptions": "broker.client.transactional",
     "enqueue_in": "broker.client.transactional",
     "enqueue_in_async": "broker.client.transactional",
@@ -120,6 +125,7 @@ __all__ = [
     "DeposedError",
     "EnqueueOptions",
     "EnqueueResult",
+    "EnqueuedWorkflow",
     "ExecutionMode",
     "IdempotencyConflictError",
     "InvalidJobError",
@@ -144,6 +150,7 @@ __all__ = [
     "Schedule",
     "SchemaVersionError",
     "Settlement",
+    "Step",
     "StorageAdapter",
     "StorageError",
     "StorageRejectedError",
@@ -153,11 +160,13 @@ __all__ = [
     "TaskRegistry",
     "UniqueKeyTakenError",
     "UnknownTaskError",
+    "chain",
     "configure",
     "current_job",
     "enqueue_in",
     "enqueue_in_async",
     "enqueue_many_in",
     "enqueue_many_in_async",
+    "group",
     "task",
 ]
