@@ -106,7 +106,7 @@ async def test_a_fan_in_runs_once_over_every_result_in_group_order(
 async def test_a_step_that_cannot_bind_is_refused_before_anything_is_stored() -> None:
     store = MemoryAdapter()
     async with running_main(store) as main, Client("127.0.0.1", main.port) as client:
-        with pytest.raises(TypeError, match="wf.add"):
+        with pytest.raises(TypeError, match=r"wf\.add"):
             await client.enqueue_workflow(chain(add.bind(1, 2), add.bind(1, 2)))
         with pytest.raises(InvalidJobError, match="at most 100 steps"):
             chain(*(add.bind(1) for _ in range(101)))
