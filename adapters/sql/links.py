@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from adapters.sql.rows import Payload, loads, offload
-from adapters.sql.schema import OFFLOADED
+from adapters.sql.schema import OFFLOADED, notify_channel
 from broker import dependencies
 from broker.dependencies import Waiting
 from broker.jobs import (
@@ -198,8 +198,10 @@ class PgLinks:
         now_us: int,
         threshold: int | None,
         put: Callable[[Any, Sequence[Payload]], Awaitable[None]],
+        schema: str | None,
     ) -> None:
         self._conn = conn
+        self._schema = schema
         self._put = put
         self._jobs, self._payloads, self._links, self._edges = tables
         self._now_us = now_us
@@ -311,6 +313,10 @@ class PgLinks:
             f"DELETE FROM {self._payloads} WHERE job_id = $1 AND kind = 'args'", child_id
         )
         await self._put(conn, moved)
+        # A job made due announces itself as an insert does (delivered at the commit):
+        # a main whose modes were drained reads again only when told something changed.
+        schema = self._schema or await conn.fetchval("SELECT current_schema()")
+        await conn.execute("SELECT pg_notify($1, '')", notify_channel(schema))
 
     async def cancel_waiting(self, child_id: uuid.UUID, reason: str) -> None:
         await self._conn.execute(

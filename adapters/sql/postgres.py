@@ -393,7 +393,9 @@ class PostgresDialect:
         async def put(conn: Any, moved: Sequence[Payload]) -> None:
             await pg_put(self._sql, conn, moved)
 
-        return PgLinks(conn, self._sql.link_tables, self._now(), self._offload_threshold, put)
+        return PgLinks(
+            conn, self._sql.link_tables, self._now(), self._offload_threshold, put, self._schema
+        )
 
     async def propagate(self, ended: Sequence[tuple[uuid.UUID, JobStatus]] | None) -> None:
         """Walk the dependents of ``ended`` (parents a cancel ended; ``None``: every parent
