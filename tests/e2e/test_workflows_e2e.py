@@ -13,7 +13,8 @@ import pytest
 from broker import chain, group
 from broker.jobs import JobStatus
 from broker.tasks.registry import TaskRegistry, task
-from tests.e2e.test_e2e import APP, Cluster, RunLog, final_jobs, store_url  # noqa: F401
+from tests.e2e.test_e2e import APP, Cluster, RunLog, final_jobs
+from tests.e2e.test_e2e import store_url as store_url  # the fixture: SQLite, PostgreSQL
 from tests.support import until
 
 pytestmark = pytest.mark.slow
