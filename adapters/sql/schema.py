@@ -693,7 +693,8 @@ def _v14_payload_digests(conn: sa.Connection, schema: str | None) -> None:
 def _v15_dependencies(conn: sa.Connection, schema: str | None) -> None:
     """Version 15: job dependencies. The status check admits ``waiting``, every job gets
     ``has_dependents`` (false: a constant default, no row rewritten on PostgreSQL), and
-    the two link tables are created empty.
+    the two link tables are created empty. Each step is skipped where the store already
+    has it (a store rebuilt by hand from the current definitions).
 
     """
     table = _qualified(conn, schema, "broker_jobs")
@@ -701,7 +702,7 @@ def _v15_dependencies(conn: sa.Connection, schema: str | None) -> None:
         conn.exec_driver_sql(
             f"ALTER TABLE {table} DROP CONSTRAINT ck_broker_jobs_status, "
             f"ADD CONSTRAINT ck_broker_jobs_status CHECK ({_STATUS_CHECK_V15}), "
-            "ADD COLUMN has_dependents BOOLEAN NOT NULL DEFAULT false"
+            "ADD COLUMN IF NOT EXISTS has_dependents BOOLEAN NOT NULL DEFAULT false"
         )
     else:
         # SQLite cannot alter a check in place. The check only admits one value more,
@@ -711,24 +712,27 @@ def _v15_dependencies(conn: sa.Connection, schema: str | None) -> None:
         (create,) = conn.exec_driver_sql(
             "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'broker_jobs'"
         ).one()
-        if create.count(_STATUS_CHECK_V1) != 1:
-            raise RuntimeError("broker_jobs' status check is not the one version 14 made")
-        (cookie,) = conn.exec_driver_sql("PRAGMA schema_version").one()
-        conn.exec_driver_sql("PRAGMA writable_schema = ON")
-        conn.exec_driver_sql(
-            "UPDATE sqlite_master SET sql = ? WHERE type = 'table' AND name = 'broker_jobs'",
-            (create.replace(_STATUS_CHECK_V1, _STATUS_CHECK_V15),),
-        )
-        conn.exec_driver_sql(f"PRAGMA schema_version = {int(cookie) + 1}")
-        conn.exec_driver_sql("PRAGMA writable_schema = OFF")
-        conn.exec_driver_sql(
-            "ALTER TABLE broker_jobs ADD COLUMN has_dependents BOOLEAN NOT NULL DEFAULT 0"
-        )
+        if _STATUS_CHECK_V15 not in create:
+            if create.count(_STATUS_CHECK_V1) != 1:
+                raise RuntimeError("broker_jobs' status check is not the one version 14 made")
+            (cookie,) = conn.exec_driver_sql("PRAGMA schema_version").one()
+            conn.exec_driver_sql("PRAGMA writable_schema = ON")
+            conn.exec_driver_sql(
+                "UPDATE sqlite_master SET sql = ? WHERE type = 'table' AND name = 'broker_jobs'",
+                (create.replace(_STATUS_CHECK_V1, _STATUS_CHECK_V15),),
+            )
+            conn.exec_driver_sql(f"PRAGMA schema_version = {int(cookie) + 1}")
+            conn.exec_driver_sql("PRAGMA writable_schema = OFF")
+        columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(broker_jobs)")}
+        if "has_dependents" not in columns:
+            conn.exec_driver_sql(
+                "ALTER TABLE broker_jobs ADD COLUMN has_dependents BOOLEAN NOT NULL DEFAULT 0"
+            )
     v15 = sa.MetaData()
     _define(v15, WAITING_VERSION)
     _define_payloads(v15)
     for table_ in _link_tables(v15):
-        table_.create(conn, checkfirst=False)
+        table_.create(conn, checkfirst=True)
 
 
 Migration = Callable[[sa.Connection, str | None], None]
