@@ -5,6 +5,7 @@ whose arguments could never bind is refused before anything is stored."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 from adapters.memory import MemoryAdapter
 from broker import EnqueuedWorkflow, InvalidJobError, chain, group
 from broker.client.client import Client
-from broker.jobs import JobStatus
+from broker.jobs import JobSpec, JobStatus
 from broker.storage import JobFilter, StorageAdapter
 from broker.tasks.registry import TaskRegistry, task
 from tests.support import FakeWorker, running_main
@@ -111,3 +112,14 @@ async def test_a_step_that_cannot_bind_is_refused_before_anything_is_stored() ->
         with pytest.raises(InvalidJobError, match="at most 100 steps"):
             chain(*(add.bind(1) for _ in range(101)))
         assert (await store.list_jobs(JobFilter())).jobs == []
+
+
+async def test_an_unknown_parent_is_refused_and_the_main_serves_on() -> None:
+    store = MemoryAdapter()
+    async with running_main(store) as main, Client("127.0.0.1", main.port) as client:
+        with pytest.raises(InvalidJobError, match="not in the store"):
+            await client.enqueue_spec(JobSpec("wf.add", args=[1, 2], depends_on=(uuid.uuid4(),)))
+        parent = await client.enqueue_spec(JobSpec("wf.add", args=[1, 2]))
+        child = await client.enqueue_spec(JobSpec("wf.add", args=[1], depends_on=(parent.job_id,)))
+        stored = await store.get_job(child.job_id)
+        assert stored is not None and stored.status is JobStatus.WAITING

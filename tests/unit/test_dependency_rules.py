@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from adapters.memory import MemoryAdapter
 from broker import dependencies
+from broker.exceptions import InvalidJobError
 from broker.jobs import (
     JobSpec,
     JobStatus,
@@ -183,3 +184,27 @@ DependencyMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=30, suppress_health_check=[HealthCheck.too_slow]
 )
 TestDependencyMachine = pytest.mark.timeout(900)(DependencyMachine.TestCase)
+
+
+def _child(pending: int, policy: ParentFailure, status: JobStatus = JobStatus.WAITING) -> Any:
+    return dependencies.Waiting(status, pending, policy, ParentResults.NONE, ())
+
+
+def test_the_rule_table() -> None:
+    """The table in :mod:`broker.dependencies`, row by row."""
+    parent = uuid.uuid4()
+    done = [(parent, JobStatus.COMPLETED)]
+    dead = [(parent, JobStatus.FAILED)]
+    after = dependencies.after_parents
+    assert after(_child(1, ParentFailure.CANCEL), done) is None
+    assert after(_child(0, ParentFailure.CANCEL), done) == "due"
+    cancelled = after(_child(1, ParentFailure.CANCEL), dead)
+    assert isinstance(cancelled, dependencies.CancelChild) and str(parent) in cancelled.reason
+    assert after(_child(0, ParentFailure.RUN), dead) == "due"
+    assert after(_child(0, ParentFailure.RUN, JobStatus.CANCELLED), done) is None
+    assert dependencies.due_args(ParentResults.LIST_ARG, ("x",), [1, None]) == ([1, None], "x")
+    assert dependencies.due_args(ParentResults.FIRST_ARG, (), [7]) == (7,)
+    assert dependencies.due_args(ParentResults.NONE, (1,), [7]) == (1,)
+    with pytest.raises(InvalidJobError, match="not in the store"):
+        dependencies.ended_at_enqueue([parent], {})
+    assert dependencies.ended_at_enqueue([parent], {parent: JobStatus.QUEUED}) == []
