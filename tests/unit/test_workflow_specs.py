@@ -61,5 +61,5 @@ def test_the_bounds_hold_when_the_workflow_is_built() -> None:
         group(step.bind(i) for i in range(1001))
     with pytest.raises(InvalidJobError, match="at least one"):
         group([])
-    with pytest.raises(InvalidJobError, match="task.bind"):
+    with pytest.raises(InvalidJobError, match=r"task\.bind"):
         chain(step)  # type: ignore[arg-type]
