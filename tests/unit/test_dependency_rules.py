@@ -181,7 +181,7 @@ class DependencyMachine(RuleBasedStateMachine):
 
 
 DependencyMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=30, suppress_health_check=[HealthCheck.too_slow]
+    stateful_step_count=30, suppress_health_check=[HealthCheck.too_slow]
 )
 TestDependencyMachine = pytest.mark.timeout(900)(DependencyMachine.TestCase)
 
