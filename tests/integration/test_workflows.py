@@ -47,7 +47,8 @@ STORES: dict[str, Callable[[Path], StorageAdapter]] = {
 
 def _run(job: Any) -> Any:
     """What the test's worker computes for a job: the task called on its arguments."""
-    return {"wf.add": add, "wf.total": total}[job.task](*job.args, **job.kwargs)
+    tasks: dict[str, Callable[..., int]] = {"wf.add": add, "wf.total": total}
+    return tasks[job.task](*job.args, **job.kwargs)
 
 
 async def _drain(worker: FakeWorker, jobs: int) -> list[str]:
@@ -76,6 +77,7 @@ async def test_a_chain_runs_step_by_step_with_each_result(store_kind: str, tmp_p
             later = await store.get_job(flow.job_ids[1])
             assert later is not None and later.status is JobStatus.WAITING
             await _drain(worker, 20)
+            assert flow.final_job_id is not None
             final = await client.wait(flow.final_job_id)
             assert (final["status"], final["result"]) == ("completed", 3 + 19 * 10)
         finally:
@@ -95,6 +97,7 @@ async def test_a_fan_in_runs_once_over_every_result_in_group_order(
             flow = await client.enqueue_workflow(members.then(total.bind(offset=5)))
             order = await _drain(worker, 13)
             assert order[-1] == "wf.total" and order.count("wf.total") == 1
+            assert flow.final_job_id is not None
             final = await client.wait(flow.final_job_id)
             assert final["args"] == [[1000 + i for i in range(12)]]
             assert final["result"] == sum(1000 + i for i in range(12)) + 5

@@ -23,6 +23,7 @@ from adapters.memory import MemoryAdapter
 from broker import dependencies
 from broker.exceptions import InvalidJobError
 from broker.jobs import (
+    Job,
     JobSpec,
     JobStatus,
     JSONValue,
@@ -87,7 +88,7 @@ class DependencyMachine(RuleBasedStateMachine):
             self.leases[p] = []
 
     def status(self, job_id: uuid.UUID) -> JobStatus:
-        job = self.run(self.store.get_job(job_id))
+        job: Job | None = self.run(self.store.get_job(job_id))
         assert job is not None
         return job.status
 
