@@ -44,27 +44,40 @@ MEMBERS = 200
 async def test_a_fan_in_of_200_is_made_due_once_though_a_worker_is_killed(
     tmp_path: Path, store_url: str
 ) -> None:
+    await _fan_in_with_a_worker_killed(tmp_path, store_url, MEMBERS)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(600)
+async def test_a_fan_in_of_1000_is_made_due_once_though_a_worker_is_killed(
+    tmp_path: Path, store_url: str
+) -> None:
+    """The issue's full size (``make test-slow``); the main is not killed here."""
+    await _fan_in_with_a_worker_killed(tmp_path, store_url, 1000)
+
+
+async def _fan_in_with_a_worker_killed(tmp_path: Path, store_url: str, size: int) -> None:
     cluster = Cluster(tmp_path, store_url)
     try:
         main = await cluster.start_main()
         doomed = await cluster.start_worker("worker-1", concurrency=8)
         await cluster.start_worker("worker-2", concurrency=8)
-        members = group(wf_member.bind(f"m{i}", i, 0.02) for i in range(MEMBERS))
+        members = group(wf_member.bind(f"m{i}", i, 0.02) for i in range(size))
         async with cluster.client() as client:
             flow = await client.enqueue_workflow(members.then(wf_collect.bind("fan-in")))
             assert flow.final_job_id is not None
-            await until(lambda: len(RunLog.read(cluster.runs).ends) >= MEMBERS // 4, 60)
+            await until(lambda: len(RunLog.read(cluster.runs).ends) >= size // 4, 60)
             await doomed.kill()
             final = await client.wait(flow.final_job_id, timeout=180)
         assert final["status"] == JobStatus.COMPLETED.value, cluster.logs()
-        assert final["args"] == [[i * i for i in range(MEMBERS)], "fan-in"]
-        assert final["result"] == sum(i * i for i in range(MEMBERS))
+        assert final["args"] == [[i * i for i in range(size)], "fan-in"]
+        assert final["result"] == sum(i * i for i in range(size))
         runs = RunLog.read(cluster.runs)
         assert len(runs.starts["fan-in"]) == 1, "the continuation ran more than once"
-        assert all(runs.ends.get(f"m{i}") for i in range(MEMBERS))
+        assert all(runs.ends.get(f"m{i}") for i in range(size))
         await main.terminate()
         jobs = await final_jobs(store_url)
-        assert len(jobs) == MEMBERS + 1, "exactly one continuation was made"
+        assert len(jobs) == size + 1, "exactly one continuation was made"
         assert {j.status for j in jobs.values()} == {JobStatus.COMPLETED}
     finally:
         await cluster.close()
