@@ -496,6 +496,14 @@ class Client:
         )
         return reply.job
 
+    async def cancel_workflow(self, workflow: EnqueuedWorkflow) -> list[dict[str, JSONValue]]:
+        """Cancel every job of ``workflow`` not finished yet: waiting and queued ones are
+        cancelled, running ones too (their workers are asked to stop, as for
+        :meth:`cancel`). Children go first, so none is released by a parent's cancel
+        (``on_parent_failure="run"``) before its own. Returns the jobs as they now stand."""
+        jobs = [await self.cancel(job_id) for job_id in reversed(workflow.job_ids)]
+        return [job for job in reversed(jobs) if job is not None]
+
     async def retry(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
         """Put a dead (``failed``) job back in the queue with a fresh attempt count; a job in
         any other status comes back unchanged, and ``None`` means there is no such job."""

@@ -88,6 +88,9 @@ class SyncClient:
     def cancel(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
         return self._call(self._client.cancel, job_id)
 
+    def cancel_workflow(self, workflow: EnqueuedWorkflow) -> list[dict[str, JSONValue]]:
+        return self._call(self._client.cancel_workflow, workflow)
+
     def retry(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
         return self._call(self._client.retry, job_id)
 

@@ -126,3 +126,23 @@ async def test_an_unknown_parent_is_refused_and_the_main_serves_on() -> None:
         child = await client.enqueue_spec(JobSpec("wf.add", args=[1], depends_on=(parent.job_id,)))
         stored = await store.get_job(child.job_id)
         assert stored is not None and stored.status is JobStatus.WAITING
+
+
+async def test_cancelling_a_workflow_cancels_every_job_not_finished() -> None:
+    store = MemoryAdapter()
+    async with running_main(store) as main, Client("127.0.0.1", main.port) as client:
+        worker = FakeWorker(main.port)
+        await worker.connect()
+        try:
+            members = group([add.bind(1, 2), add.bind(3, 4)])
+            flow = await client.enqueue_workflow(members.then(total.bind().run_anyway()))
+            await worker.ready(pooled=1)
+            first = await worker.next_job(timeout=15.0)
+            assert (await worker.complete(first, _run(first))).status == "applied"
+            jobs = await client.cancel_workflow(flow)
+            statuses = [j["status"] for j in jobs]
+            assert statuses.count("completed") == 1 and statuses.count("cancelled") == 2
+            final = await store.get_job(flow.job_ids[-1])
+            assert final is not None and final.status is JobStatus.CANCELLED
+        finally:
+            await worker.close()
