@@ -27,7 +27,8 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import replace
 from datetime import datetime
 
-from broker import settlement
+from broker import dependencies, settlement
+from broker.dependencies import Waiting
 from broker.exceptions import UniqueKeyTakenError
 from broker.jobs import (
     ACTIVE_STATUSES,
@@ -42,6 +43,8 @@ from broker.jobs import (
     JobStatus,
     JSONValue,
     Outcome,
+    ParentFailure,
+    ParentResults,
     ProgressUpdate,
     Settlement,
     check_idempotent_repeat,
@@ -97,6 +100,16 @@ class MemoryAdapter:
         self._active_by_unique_key: dict[str, uuid.UUID] = {}
         self._active_by_key: Counter[str] = Counter()
         self._listeners: list[Callable[[], None]] = []
+        self._parents: dict[uuid.UUID, tuple[uuid.UUID, ...]] = {}
+        """Each job's ``depends_on``, in order (only jobs that have some)."""
+        self._children: defaultdict[uuid.UUID, list[uuid.UUID]] = defaultdict(list)
+        self._open: set[tuple[uuid.UUID, uuid.UUID]] = set()
+        """Edges ``(child, parent)`` not counted yet."""
+        self._waits: dict[uuid.UUID, tuple[int, ParentFailure, ParentResults]] = {}
+        """Each job with parents: how many it still waits for, and its options."""
+        self._workflows: dict[uuid.UUID, uuid.UUID] = {}
+        """Each workflow member's workflow id."""
+        self._deps = _Dependencies(self)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -187,6 +200,7 @@ class MemoryAdapter:
     ) -> list[EnqueueResult]:
         now = self._clock()
         self._check_repeats(specs)
+        self._check_parents(specs)
         results: list[EnqueueResult] = []
         for spec, claim in zip(specs, claims, strict=True):
             holder = settlement.blocking_holder(
@@ -202,11 +216,44 @@ class MemoryAdapter:
             self._put(self._stow(job, ("args", "kwargs")))
             if spec.idempotency_key is not None:
                 self._by_idempotency_key[spec.idempotency_key] = job.id
+            if spec.workflow_id is not None:
+                self._workflows[job.id] = spec.workflow_id
+            if spec.depends_on:
+                await self._wait_for_parents(spec)
             results.append(EnqueueResult(self._snapshot(job.id), duplicate=False))
         if any(not r.duplicate for r in results):
             for wake in list(self._listeners):
                 wake()
         return results
+
+    def _check_parents(self, specs: Sequence[JobSpec]) -> None:
+        """Refuse the batch, before anything is stored, when a spec names a parent that is
+        neither stored nor earlier in the batch (as a SQL store's rollback would)."""
+        earlier: set[uuid.UUID] = set()
+        for spec in specs:
+            status_of = {p: JobStatus.QUEUED for p in spec.depends_on if p in earlier}
+            status_of.update((p, self._jobs[p].status) for p in spec.depends_on if p in self._jobs)
+            dependencies.ended_at_enqueue(spec.depends_on, status_of)
+            earlier.add(spec.id)
+
+    async def _wait_for_parents(self, spec: JobSpec) -> None:
+        """Record a new child's edges, then count the parents that have already ended."""
+        child = spec.id
+        self._parents[child] = spec.depends_on
+        self._waits[child] = (len(spec.depends_on), spec.on_parent_failure, spec.parent_results)
+        for parent in spec.depends_on:
+            self._children[parent].append(child)
+            self._open.add((child, parent))
+        status_of = {p: self._jobs[p].status for p in spec.depends_on}
+        ended = dependencies.ended_at_enqueue(spec.depends_on, status_of)
+        if ended:
+            await dependencies.propagate(self._deps, ended)
+
+    async def _ended(self, job_id: uuid.UUID) -> None:
+        """The job has just moved: if that ended it, carry it to its children."""
+        status = self._jobs[job_id].status
+        if job_id in self._children and dependencies.ends_parent(status):
+            await dependencies.propagate(self._deps, [(job_id, status)])
 
     def _eligible(
         self, modes: Collection[ExecutionMode], queues: Collection[str] | None
@@ -303,7 +350,13 @@ class MemoryAdapter:
         return True
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> list[bool]:
-        return [self._settle(s) for s in settlements]
+        applied = []
+        for s in settlements:
+            ok = self._settle(s)
+            if ok:
+                await self._ended(s.job_id)
+            applied.append(ok)
+        return applied
 
     async def save_checkpoints(self, saves: Sequence[CheckpointSave]) -> list[bool]:
         return [self._save_checkpoint(save) for save in saves]
@@ -331,7 +384,10 @@ class MemoryAdapter:
     async def complete(
         self, job_id: uuid.UUID, handoff_id: uuid.UUID, result: JSONValue = None
     ) -> bool:
-        return self._settle(Settlement(job_id, handoff_id, Outcome.COMPLETE, result=result))
+        [ok] = await self.settle_many(
+            [Settlement(job_id, handoff_id, Outcome.COMPLETE, result=result)]
+        )
+        return ok
 
     async def fail(
         self,
@@ -340,9 +396,10 @@ class MemoryAdapter:
         error: str,
         retry_at: datetime | None,
     ) -> bool:
-        return self._settle(
-            Settlement(job_id, handoff_id, Outcome.FAIL, error=error, run_at=retry_at)
+        [ok] = await self.settle_many(
+            [Settlement(job_id, handoff_id, Outcome.FAIL, error=error, run_at=retry_at)]
         )
+        return ok
 
     async def reschedule(self, job_id: uuid.UUID, handoff_id: uuid.UUID, run_at: datetime) -> bool:
         return self._settle(Settlement(job_id, handoff_id, Outcome.RESCHEDULE, run_at=run_at))
@@ -364,6 +421,7 @@ class MemoryAdapter:
         move = settlement.cancel(job.status, self._clock())
         if move is not None:
             self._move(job, move)
+            await self._ended(job_id)
         return self._snapshot(job_id)
 
     async def retry_dead(self, job_id: uuid.UUID) -> Job | None:
@@ -449,7 +507,11 @@ class MemoryAdapter:
     ) -> int:
         prunable = TERMINAL_STATUSES if statuses is None else TERMINAL_STATUSES & set(statuses)
         terminal = sorted(
-            (job for job in self._jobs.values() if job.status in prunable),
+            (
+                job
+                for job in self._jobs.values()
+                if job.status in prunable and not self._awaited(job.id)
+            ),
             key=lambda job: (job.updated_at, job.id.bytes),
             reverse=True,
         )
@@ -465,7 +527,24 @@ class MemoryAdapter:
                 self._payloads.pop((job.id, field), None)
             if job.idempotency_key is not None:
                 self._by_idempotency_key.pop(job.idempotency_key, None)
+            self._forget_edges(job.id)
         return len(doomed)
+
+    def _awaited(self, job_id: uuid.UUID) -> bool:
+        """Whether a waiting child will still need this job's result: then retention keeps it."""
+        return any(
+            self._jobs[c].status is JobStatus.WAITING
+            for c in self._children.get(job_id, ())
+            if c in self._jobs
+        )
+
+    def _forget_edges(self, job_id: uuid.UUID) -> None:
+        """A pruned job's own edges and workflow membership go with it."""
+        self._children.pop(job_id, None)
+        self._waits.pop(job_id, None)
+        self._workflows.pop(job_id, None)
+        for parent in self._parents.pop(job_id, ()):
+            self._open.discard((job_id, parent))
 
     def _put(self, job: Job) -> None:
         """Store ``job``, keeping the index of active unique keys in step with its status."""
@@ -508,6 +587,55 @@ class MemoryAdapter:
             if loaded:
                 job = replace(job, **loaded)
         return job
+
+
+class _Dependencies:
+    """:class:`broker.dependencies.DependencyStore` over a memory store: nothing in it
+    suspends, so a walk is atomic with the move that started it."""
+
+    def __init__(self, store: MemoryAdapter) -> None:
+        self._store = store
+
+    async def open_edges(
+        self, parent_ids: Sequence[uuid.UUID]
+    ) -> list[tuple[uuid.UUID, uuid.UUID]]:
+        s = self._store
+        edges = [(c, p) for p in parent_ids for c in s._children.get(p, ()) if (c, p) in s._open]
+        s._open.difference_update(edges)
+        return edges
+
+    async def count_down(self, child_id: uuid.UUID, parents: int) -> Waiting | None:
+        s = self._store
+        job = s._jobs.get(child_id)
+        if job is None or child_id not in s._waits:
+            return None
+        pending, on_failure, mode = s._waits[child_id]
+        s._waits[child_id] = (pending - parents, on_failure, mode)
+        args = s._snapshot(child_id).args
+        return Waiting(job.status, pending - parents, on_failure, mode, args)
+
+    async def parent_results(self, child_id: uuid.UUID) -> list[JSONValue]:
+        s = self._store
+        results: list[JSONValue] = []
+        for parent in s._parents[child_id]:
+            job = s._jobs.get(parent)
+            done = job is not None and job.status is JobStatus.COMPLETED
+            results.append(s._snapshot(parent).result if done else None)
+        return results
+
+    async def release(self, child_id: uuid.UUID, args: tuple[JSONValue, ...]) -> None:
+        s = self._store
+        now = s._clock()
+        job = replace(s._jobs[child_id], args=args, status=JobStatus.QUEUED, updated_at=now)
+        s._put(s._stow(job, ["args"]))
+        for wake in list(s._listeners):
+            wake()
+
+    async def cancel_waiting(self, child_id: uuid.UUID, reason: str) -> None:
+        s = self._store
+        now = s._clock()
+        job = s._jobs[child_id]
+        s._put(replace(job, status=JobStatus.CANCELLED, last_error=reason, updated_at=now))
 
 
 def _summary(job: Job) -> Job:

@@ -78,6 +78,7 @@ if TYPE_CHECKING:
     from broker.tasks.hooks import JobMiddleware, add_middleware, on_shutdown, on_startup
     from broker.tasks.registry import Task, TaskRegistry, task
     from broker.tasks.schedule import Schedule
+    from broker.tasks.workflow import EnqueuedWorkflow, Step, chain, group
     from broker.wire.messages import Role
     from broker.wire.tls import PeerTLS
 
@@ -97,6 +98,10 @@ _LAZY = {
     "Task": "broker.tasks.registry",
     "TaskRegistry": "broker.tasks.registry",
     "task": "broker.tasks.registry",
+    "chain": "broker.tasks.workflow",
+    "group": "broker.tasks.workflow",
+    "Step": "broker.tasks.workflow",
+    "EnqueuedWorkflow": "broker.tasks.workflow",
     "EnqueueOptions": "broker.client.transactional",
     "enqueue_in": "broker.client.transactional",
     "enqueue_in_async": "broker.client.transactional",
@@ -128,6 +133,7 @@ __all__ = [
     "DeposedError",
     "EnqueueOptions",
     "EnqueueResult",
+    "EnqueuedWorkflow",
     "ExecutionMode",
     "IdempotencyConflictError",
     "InvalidArgumentsError",
@@ -154,6 +160,7 @@ __all__ = [
     "Schedule",
     "SchemaVersionError",
     "Settlement",
+    "Step",
     "StorageAdapter",
     "StorageError",
     "StorageRejectedError",
@@ -164,12 +171,14 @@ __all__ = [
     "UniqueKeyTakenError",
     "UnknownTaskError",
     "add_middleware",
+    "chain",
     "configure",
     "current_job",
     "enqueue_in",
     "enqueue_in_async",
     "enqueue_many_in",
     "enqueue_many_in_async",
+    "group",
     "on_shutdown",
     "on_startup",
     "task",

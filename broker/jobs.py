@@ -30,7 +30,7 @@ from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore
 from typing import Any, TypeAlias
 
 from broker.exceptions import IdempotencyConflictError, InvalidJobError
-from broker.model.bounds import MAX_NAME_BYTES
+from broker.model.bounds import MAX_NAME_BYTES, MAX_PARENTS
 from broker.model.values import check_name, check_run_at, storable_text
 
 JSONValue: TypeAlias = Any
@@ -48,6 +48,10 @@ MAX_UNIQUE_KEY_BYTES = MAX_NAME_BYTES
 
 
 class JobStatus(enum.StrEnum):
+    WAITING = "waiting"
+    """Enqueued with parents (``depends_on``) that have not all completed yet: not due,
+    never claimed; the settle that completes its last parent makes it ``queued`` (see
+    :mod:`broker.dependencies`)."""
     QUEUED = "queued"
     HANDED_OFF = "handed_off"
     COMPLETED = "completed"
@@ -64,7 +68,7 @@ class JobStatus(enum.StrEnum):
 
 
 TERMINAL_STATUSES = frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED})
-ACTIVE_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.HANDED_OFF})
+ACTIVE_STATUSES = frozenset({JobStatus.WAITING, JobStatus.QUEUED, JobStatus.HANDED_OFF})
 
 
 class ExecutionMode(enum.StrEnum):
@@ -78,6 +82,26 @@ class ExecutionMode(enum.StrEnum):
     INLINE = "inline"
     POOLED = "pooled"
     FORKED = "forked"
+
+
+class ParentFailure(enum.StrEnum):
+    """What a job's parent ending ``failed`` (dead) or ``cancelled`` does to the job."""
+
+    CANCEL = "cancel"
+    """The job is cancelled, its ``last_error`` naming the parent (the default)."""
+    RUN = "run"
+    """The parent counts as finished: the job runs once every parent has ended."""
+
+
+class ParentResults(enum.StrEnum):
+    """How a job with parents receives their results when it becomes due."""
+
+    NONE = "none"
+    """Not at all (a plain dependency)."""
+    FIRST_ARG = "first_arg"
+    """Its one parent's result comes first in its arguments (a chain's next step)."""
+    LIST_ARG = "list_arg"
+    """The list of its parents' results, in ``depends_on`` order, comes first (a fan-in)."""
 
 
 def utcnow() -> datetime:
@@ -261,6 +285,13 @@ class JobSpec:
     """The job keeps state on its worker's machine (files, a warm cache) that a recovery
     should find: a lost attempt's recovery waits for the same worker id first (see
     ``docs/howto/long-jobs.md``)."""
+    depends_on: tuple[uuid.UUID, ...] = ()
+    """Jobs that must end before this one is due (it waits as ``waiting``); each must be
+    stored already (no cycle can form), at most :data:`MAX_PARENTS`, none twice."""
+    on_parent_failure: ParentFailure = ParentFailure.CANCEL
+    parent_results: ParentResults = ParentResults.NONE
+    workflow_id: uuid.UUID | None = None
+    """The workflow (a chain, group or fan-in) the job belongs to, if any."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.task, str) or not self.task.strip():
@@ -316,6 +347,45 @@ class JobSpec:
         if not isinstance(self.id, uuid.UUID):
             raise InvalidJobError("id must be a UUID")
         _require_recovery_options(self.max_recoveries, self.local_state)
+        _require_dependencies(self)
+
+
+def _require_dependencies(spec: JobSpec) -> None:
+    """The dependency fields of ``spec`` are well formed (checked only when it has some)."""
+    if spec.depends_on == () and spec.workflow_id is None:
+        return
+    parents = spec.depends_on
+    if isinstance(parents, str | bytes) or not isinstance(parents, Sequence | frozenset | set):
+        raise InvalidJobError("depends_on must be a list of job ids")
+    try:
+        parents = tuple(p if isinstance(p, uuid.UUID) else uuid.UUID(str(p)) for p in parents)
+    except ValueError:
+        raise InvalidJobError("depends_on must be a list of job ids") from None
+    object.__setattr__(spec, "depends_on", parents)
+    if len(parents) > MAX_PARENTS:
+        raise InvalidJobError(f"depends_on names at most {MAX_PARENTS} jobs (got {len(parents)})")
+    if len(set(parents)) != len(parents):
+        raise InvalidJobError("depends_on names a job twice")
+    if spec.id in parents:
+        raise InvalidJobError("a job cannot depend on itself")
+    if parents and spec.unique_key is not None:
+        # A waiting job would take its key only when due, inside a parent's settle.
+        raise InvalidJobError("a job with depends_on cannot have a unique_key")
+    for name, kind in (("on_parent_failure", ParentFailure), ("parent_results", ParentResults)):
+        try:
+            object.__setattr__(spec, name, kind(getattr(spec, name)))
+        except ValueError:
+            choices = ", ".join(m.value for m in kind)
+            raise InvalidJobError(f"{name} must be one of {choices}") from None
+    if spec.parent_results is ParentResults.FIRST_ARG and len(parents) != 1:
+        raise InvalidJobError("parent_results first_arg needs exactly one parent")
+    if spec.workflow_id is not None and not isinstance(spec.workflow_id, uuid.UUID):
+        raise InvalidJobError("workflow_id must be a UUID")
+
+
+DEPENDENCY_FIELDS = ("depends_on", "on_parent_failure", "parent_results", "workflow_id")
+"""The :class:`JobSpec` fields a store keeps beside the job (its dependency edges and
+workflow), not as :class:`Job` fields."""
 
 
 SPEC_FIELDS = tuple(f.name for f in fields(JobSpec))
@@ -455,11 +525,13 @@ def new_job_fields(spec: JobSpec, now: datetime) -> dict[str, Any]:
     :meth:`Job.from_spec` builds, for a store that writes the row without building the
     value (see :meth:`EnqueueResult.inserted`)."""
     values = spec_values(spec)
+    for name in DEPENDENCY_FIELDS:
+        del values[name]
     values.update(
         args=tuple(spec.args),
         kwargs=dict(spec.kwargs),
         run_at=spec.run_at or now,
-        status=JobStatus.QUEUED,
+        status=JobStatus.WAITING if spec.depends_on else JobStatus.QUEUED,
         attempts=0,
         created_at=now,
         updated_at=now,

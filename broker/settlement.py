@@ -111,9 +111,14 @@ def hand_off(claim: Claim, now: datetime) -> Move:
 
 def claimable_at_enqueue(spec: JobSpec, now: datetime) -> bool:
     """Whether a job may be stored already handed off, under a claim the main made for it
-    before the insert: only a job due at once and without a concurrency key (whose slot
-    must be counted inside a claim, which an insert does not do)."""
-    return spec.concurrency_key is None and (spec.run_at is None or spec.run_at <= now)
+    before the insert: only a job due at once, without a concurrency key (whose slot
+    must be counted inside a claim, which an insert does not do) and without parents (it
+    waits for them)."""
+    return (
+        spec.concurrency_key is None
+        and not spec.depends_on
+        and (spec.run_at is None or spec.run_at <= now)
+    )
 
 
 _H = TypeVar("_H")

@@ -28,6 +28,12 @@ The rules every implementation must keep:
 * **Unique keys.** At most one job holding a given ``unique_key`` is active
   (``queued`` or ``handed_off``) at a time; enqueueing another returns the active one
   as a duplicate, and once it is terminal a new one may be enqueued.
+* **Dependencies.** A job enqueued with ``depends_on`` is stored ``waiting`` (never
+  selected nor claimed) and its parents must be stored already (else
+  ``InvalidJobError``, nothing of the batch stored). Whatever ends a parent (an
+  accepted settle, a cancel; the child's enqueue for a parent ended before) carries out
+  :func:`broker.dependencies.propagate` in the same transaction as that move, so a
+  child is made due exactly once; ``prune`` keeps a parent while a child waits on it.
 * **Raise only for transient trouble** (wrap it in ``StorageError``): the main
   treats an exception as "outcome unknown" and retries or recovers. The
   deliberate exceptions are ``retry_dead`` refusing with ``UniqueKeyTakenError``,
@@ -65,7 +71,7 @@ from broker.model.logs import log_event
 
 logger = logging.getLogger("broker.main")
 
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 """The schema version this code writes and understands; stores record theirs."""
 
 

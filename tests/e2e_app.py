@@ -108,3 +108,30 @@ async def charge_once(key: str) -> None:
     even when enqueued by name from the CLI (the task catalog supplies the default)."""
     _log("start", key)
     raise RuntimeError(f"charge {key} failed")
+
+
+@task(mode="inline")
+async def wf_member(key: str, value: int, seconds: float = 0.0) -> int:
+    """A workflow member (``tests/e2e/test_workflows_e2e.py``): logged like :func:`record`,
+    its result ``value * value``."""
+    _log("start", key)
+    if seconds > 0:
+        await asyncio.sleep(seconds)
+    _log("end", key)
+    return value * value
+
+
+@task(mode="inline")
+async def wf_collect(results: list[int], key: str) -> int:
+    """A fan-in over ``wf_member`` results: logged, the sum of what it received."""
+    _log("start", key)
+    _log("end", key)
+    return sum(results)
+
+
+@task(mode="inline")
+async def wf_step(value: int, key: str) -> int:
+    """A chain step: logged, one more than the step before."""
+    _log("start", key)
+    _log("end", key)
+    return value + 1

@@ -58,6 +58,7 @@ from broker.jobs import (
     ExecutionMode,
     Job,
     JobSpec,
+    JobStatus,
     JSONValue,
     Outcome,
     ProgressUpdate,
@@ -174,6 +175,8 @@ class SQLAlchemyAdapter(CoreQueries):
             self._main_lock.acquire()
         async with self._write("setup") as conn:
             await conn.run_sync(self._setup_sync)
+        # Dependents of a parent whose cancel was cut off before their walk.
+        await self._dialect.propagate(None)
 
     def _setup_sync(self, conn: sa.Connection) -> None:
         self._dialect.before_migrate(conn)
@@ -427,6 +430,16 @@ class SQLAlchemyAdapter(CoreQueries):
         return done
 
     # ------------------------------------------------------------------ leadership
+
+    async def cancel(self, job_id: uuid.UUID) -> Job | None:
+        """The cancel (:meth:`CoreQueries.cancel`), then the walk of the job's dependents
+        (:func:`broker.dependencies.propagate`) in a transaction of its own on the hot
+        path: a crash between the two leaves edges to count, which :meth:`setup` walks.
+        The walk is idempotent (each edge counts once), so a cancel repeated walks nothing."""
+        job = await super().cancel(job_id)
+        if job is not None and job.status is JobStatus.CANCELLED:
+            await self._dialect.propagate([(job_id, JobStatus.CANCELLED)])
+        return job
 
     async def elect(self, holder: str, address: str, ttl: float) -> LeaderRecord | None:
         with self._errors.translate("elect"):

@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeVar, cast
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from adapters.sql.links import linked
 from adapters.sql.rows import (
     NULL_ROW,
     Payload,
@@ -37,7 +38,7 @@ from adapters.sql.rows import (
 )
 from adapters.sql.schema import IS_ACTIVE, jobs, payloads
 from broker import settlement
-from broker.exceptions import StorageError
+from broker.exceptions import InvalidJobError, StorageError
 from broker.jobs import Claim, EnqueueResult, Job, JobSpec, check_idempotent_repeat
 
 _T = TypeVar("_T")
@@ -176,6 +177,7 @@ class EnqueueRule:
         specs: Sequence[JobSpec],
         claims: Sequence[Claim | None] | None,
         overlap: Overlap | None = None,
+        link: Callable[[Sequence[JobSpec]], Awaitable[None]] | None = None,
     ) -> list[EnqueueResult]:
         """Insert ``specs`` (each ``claims[i]``, if any, stores its job handed off, see
         :meth:`~broker.storage.StorageAdapter.enqueue_handed_off`); a duplicate within the
@@ -185,8 +187,15 @@ class EnqueueRule:
         id is taken (returning the ids stored), and the offloaded payloads of the rows it
         stored in the same transaction; ``find`` names what blocked each. With
         ``overlap`` (:func:`overlapped`), a batch is inserted in chunks, each built while
-        the one before is written.
+        the one before is written. ``link`` writes the dependency links of the jobs stored
+        fresh that have parents or a workflow, in the same transaction (see
+        :mod:`adapters.sql.links`); without it such a job is refused.
         """
+        if link is None and linked(specs):
+            raise InvalidJobError(
+                "jobs with depends_on or a workflow are enqueued through the main or the "
+                "store's own enqueue, not in an application's transaction"
+            )
         now_us = self._now()
         # Within the batch, a repeated key (or id) refers back to its first occurrence.
         canonical: list[int] = []
@@ -211,6 +220,10 @@ class EnqueueRule:
         stored = await self._insert_or_find(
             insert, find, specs, sorted(set(canonical)), enqueued, overlap
         )
+        if link is not None:
+            fresh = [specs[i] for i, r in stored.items() if not r.duplicate]
+            if linked(fresh):
+                await link([s for s in fresh if s.depends_on or s.workflow_id is not None])
         return [
             stored[c] if c == i else EnqueueResult(stored[c].job, duplicate=True)
             for i, c in enumerate(canonical)

@@ -30,6 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from adapters.sql.connect import redact
 from adapters.sql.enqueue import DriverEnqueue, EnqueueRule, match_holders, overlapped
 from adapters.sql.errors import StoreErrors
+from adapters.sql.links import PgLinks, linked
 from adapters.sql.postgres_sql import HotPool, HotSql
 from adapters.sql.rows import (
     INSERT_VALUES,
@@ -49,7 +50,7 @@ from adapters.sql.rows import (
     whole_jobs,
 )
 from adapters.sql.schema import QUIET_INSERTS_SETTING, _qualified, jobs, notify_channel
-from broker import settlement
+from broker import dependencies, settlement
 from broker.jobs import (
     CheckpointSave,
     Claim,
@@ -360,7 +361,54 @@ class PostgresDialect:
                 async with conn.transaction():
                     accepted = {r["id"] for r in await conn.fetch(sql.settle, *columns, epoch)}
                     await pg_put(sql, conn, kept(moved, accepted))
+            if len(accepted) < len(first):
+                accepted |= await self._settle_parents(conn, columns, accepted, moved, epoch)
         return [first[s.job_id] == i and s.job_id in accepted for i, s in enumerate(settlements)]
+
+    async def _settle_parents(
+        self,
+        conn: Any,
+        columns: list[list[Any]],
+        accepted: set[uuid.UUID],
+        moved: list[Payload],
+        epoch: int | None,
+    ) -> set[uuid.UUID]:
+        """The moves the everyday statements left out: those of jobs others depend on
+        (``has_dependents``), each settled with the walk of its dependents in one
+        transaction (:func:`broker.dependencies.propagate`), and the stale ones, which
+        this fences out as well. Returns the ids it settled."""
+        rest = [i for i, job_id in enumerate(columns[0]) if job_id not in accepted]
+        picked = [[column[i] for i in rest] for column in columns]
+        sql = self._sql
+        async with conn.transaction():
+            rows = await conn.fetch(sql.settle_parents, *picked, epoch)
+            settled = {r["id"] for r in rows}
+            await pg_put(sql, conn, kept(moved, settled))
+            ended = [
+                (r["id"], JobStatus(r["status"]))
+                for r in rows
+                if dependencies.ends_parent(JobStatus(r["status"]))
+            ]
+            if ended:
+                await dependencies.propagate(self._links(conn), ended)
+        return settled
+
+    def _links(self, conn: Any) -> PgLinks:
+        async def put(conn: Any, moved: Sequence[Payload]) -> None:
+            await pg_put(self._sql, conn, moved)
+
+        return PgLinks(
+            conn, self._sql.link_tables, self._now(), self._offload_threshold, put, self._schema
+        )
+
+    async def propagate(self, ended: Sequence[tuple[uuid.UUID, JobStatus]] | None) -> None:
+        """Walk the dependents of ``ended`` (parents a cancel ended; ``None``: every parent
+        left with an edge to count, at start-up) in a transaction of its own."""
+        async with self._hot.acquire() as conn, conn.transaction():
+            links = self._links(conn)
+            parents = await links.stranded() if ended is None else ended
+            if parents:
+                await dependencies.propagate(links, parents)
 
     # ------------------------------------------------------------------ checkpoints, progress
 
@@ -471,6 +519,12 @@ class PostgresDialect:
             bodies = await pg_bodies(sql, conn, found)
             return match_holders(missing, whole_jobs(found, bodies))
 
+        if linked(specs):
+            # The links, and the walk of parents that have ended already, in the
+            # transaction that stores the jobs.
+            async with conn.transaction():
+                link = self._links(conn).link
+                return await self._enqueue.run(insert, find, specs, claims, link=link)
         if len(specs) == 1:
             return await self._enqueue.run(insert, find, specs, claims)
         if not any(claims) and not conn.is_in_transaction():

@@ -31,6 +31,8 @@ from adapters.sql.schema import (
     LEADER_TABLE,
     OFFLOADED,
     concurrency,
+    job_edges,
+    job_links,
     jobs,
     payloads,
     selection,
@@ -57,6 +59,13 @@ class HotSql:
         c = f"{prefix}{quote(concurrency.name)}"
         p = f"{prefix}{quote(payloads.name)}"
         leader = f"{prefix}{quote(LEADER_TABLE)}"
+        self.link_tables = (
+            t,
+            p,
+            f"{prefix}{quote(job_links.name)}",
+            f"{prefix}{quote(job_edges.name)}",
+        )
+        """Jobs, payloads, links and edges, for :class:`adapters.sql.links.PgLinks`."""
 
         def fence(n: int) -> str:
             """The epoch fence on parameter ``$n`` (see ``adapters.sql.schema._v8_leader``): an
@@ -212,12 +221,22 @@ class HotSql:
                     updated_us = s.updated_us
                 FROM s
                 WHERE j.id = s.id AND j.handoff_id = s.lease AND j.status = 'handed_off'
-                    AND {fence(16)}
+                    AND NOT j.has_dependents AND {fence(16)}
                 RETURNING j.id, j.concurrency_key, s.releases
             ),
             {released("releases")}
             SELECT id FROM u
         """
+        # A parent (``has_dependents``) is left out of both everyday statements: it is
+        # settled by this one instead, in a transaction that also walks its dependents.
+        self.settle_parents = (
+            self.settle.replace("AND NOT j.has_dependents", "AND j.has_dependents")
+            .replace("SELECT id FROM u", "SELECT id, status FROM u")
+            .replace(
+                "RETURNING j.id, j.concurrency_key, s.releases",
+                "RETURNING j.id, j.status, j.concurrency_key, s.releases",
+            )
+        )
         # Completions alone (the everyday batch): the same move with one array per value
         # that differs between jobs ($6: the progress every completion sets). Binding the
         # 15 arrays cost the main a type check per element in asyncpg, about a fifth of
@@ -232,7 +251,7 @@ class HotSql:
                     progress = $6
                 FROM s
                 WHERE j.id = s.id AND j.handoff_id = s.lease AND j.status = 'handed_off'
-                    AND {fence(5)}
+                    AND NOT j.has_dependents AND {fence(5)}
                 RETURNING j.id, j.concurrency_key
             ),
             {released("true")}

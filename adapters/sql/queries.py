@@ -37,6 +37,7 @@ from adapters.sql.schema import (
     IS_HANDED_OFF,
     IS_TERMINAL,
     concurrency,
+    job_edges,
     jobs,
     payloads,
     task_catalog,
@@ -364,7 +365,17 @@ class CoreQueries:
         status_in: sa.ColumnElement[bool] = IS_TERMINAL
         if targets != TERMINAL_STATUSES:
             status_in = sa.and_(IS_TERMINAL, jobs.c.status.in_(sorted(s.value for s in targets)))
-        conds: list[sa.ColumnElement[bool]] = [status_in]
+        # A parent stays while a child waits on it: the child reads its result when due.
+        child = jobs.alias("child")
+        awaited = sa.exists().where(
+            job_edges.c.parent_id == jobs.c.id,
+            child.c.id == job_edges.c.child_id,
+            child.c.status == JobStatus.WAITING.value,
+        )
+        conds: list[sa.ColumnElement[bool]] = [
+            status_in,
+            sa.or_(sa.not_(jobs.c.has_dependents), sa.not_(awaited)),
+        ]
         if older_than is not None:
             conds.append(jobs.c.updated_us < to_us(older_than))
         if keep_latest:

@@ -62,7 +62,7 @@ def _define(md: sa.MetaData, version: int) -> tuple[sa.Table, sa.Table, sa.Table
         # raw-SQL inserts get one too); SQLite leaves it NULL and orders by ``rowid``.
         sa.Column("seq", sa.BigInteger(), nullable=True),
         sa.CheckConstraint(
-            "status IN ('queued', 'handed_off', 'completed', 'failed', 'cancelled')",
+            _STATUS_CHECK_V15 if version >= WAITING_VERSION else _STATUS_CHECK_V1,
             name="ck_broker_jobs_status",
         ),
         sa.CheckConstraint(
@@ -139,7 +139,66 @@ def _define(md: sa.MetaData, version: int) -> tuple[sa.Table, sa.Table, sa.Table
     if version >= 6:
         for column in _recovery_columns():
             jobs.append_column(column)
+    if version >= WAITING_VERSION:
+        jobs.append_column(_has_dependents_column())
     return jobs, concurrency, schema_version
+
+
+WAITING_VERSION = 15
+"""The schema version of job dependencies (:mod:`broker.dependencies`): the ``waiting``
+status, ``broker_jobs.has_dependents`` and the ``broker_job_links``/``broker_job_edges``
+tables."""
+_STATUS_CHECK_V1 = "status IN ('queued', 'handed_off', 'completed', 'failed', 'cancelled')"
+_STATUS_CHECK_V15 = (
+    "status IN ('queued', 'handed_off', 'completed', 'failed', 'cancelled', 'waiting')"
+)
+
+
+def _has_dependents_column() -> sa.Column[Any]:
+    """Version 15: set on a job once another job names it in ``depends_on``, in that
+    enqueue's transaction (which locks the parent's row to set it). PostgreSQL's
+    everyday settle leaves such a job out (``AND NOT has_dependents``) and settles it in a
+    transaction of its own with its dependents instead; set under the row lock, it is
+    seen by a settle that waited on that lock (the re-check reads the new row)."""
+    return sa.Column("has_dependents", sa.Boolean(), nullable=False, server_default=sa.false())
+
+
+def _link_tables(md: sa.MetaData) -> tuple[sa.Table, sa.Table]:
+    """Version 15's tables. ``broker_job_links``: one row per job enqueued with parents or
+    in a workflow: how many parents it still waits for (``pending``, counted down under
+    the row's lock) and its options. ``broker_job_edges``: one row per parent of a job, in
+    ``depends_on`` order, ``done`` once counted (so each edge counts once). Both go with
+    the child (``ON DELETE CASCADE``); retention keeps a parent while a child waits."""
+    links = sa.Table(
+        "broker_job_links",
+        md,
+        sa.Column(
+            "job_id",
+            sa.Uuid(),
+            sa.ForeignKey("broker_jobs.id", ondelete="CASCADE"),
+            primary_key=True,
+        ),
+        sa.Column("pending", sa.Integer(), nullable=False),
+        sa.Column("on_parent_failure", sa.Text(), nullable=False),
+        sa.Column("parent_results", sa.Text(), nullable=False),
+        sa.Column("workflow_id", sa.Uuid(), nullable=True),
+    )
+    sa.Index("ix_broker_job_links_workflow", links.c.workflow_id)
+    edges = sa.Table(
+        "broker_job_edges",
+        md,
+        sa.Column(
+            "child_id",
+            sa.Uuid(),
+            sa.ForeignKey("broker_jobs.id", ondelete="CASCADE"),
+            primary_key=True,
+        ),
+        sa.Column("position", sa.Integer(), primary_key=True),
+        sa.Column("parent_id", sa.Uuid(), nullable=False),
+        sa.Column("done", sa.Boolean(), nullable=False),
+    )
+    sa.Index("ix_broker_job_edges_parent", edges.c.parent_id)
+    return links, edges
 
 
 def _v5_columns() -> list[sa.Column[Any]]:
@@ -265,9 +324,10 @@ metadata = sa.MetaData()
 jobs, concurrency, schema_version = _define(metadata, SCHEMA_VERSION)
 payloads = _define_payloads(metadata)
 _, IS_HANDED_OFF, IS_TERMINAL, IS_ACTIVE = _predicates(jobs)
-INSERT_COLUMNS = [c.name for c in jobs.c if c.name != "seq"]
+job_links, job_edges = _link_tables(metadata)
+INSERT_COLUMNS = [c.name for c in jobs.c if c.name not in ("seq", "has_dependents")]
 """What the hot paths' enqueue writes: every column but ``seq``, which PostgreSQL fills
-in (SQLite leaves it NULL and orders by ``rowid``)."""
+in (SQLite leaves it NULL and orders by ``rowid``), and ``has_dependents`` (false)."""
 
 CHANNEL_PREFIX = "broker_jobs_"
 _MAX_IDENTIFIER_BYTES = 63
@@ -630,6 +690,51 @@ def _v14_payload_digests(conn: sa.Connection, schema: str | None) -> None:
         after = rows[-1][0]
 
 
+def _v15_dependencies(conn: sa.Connection, schema: str | None) -> None:
+    """Version 15: job dependencies. The status check admits ``waiting``, every job gets
+    ``has_dependents`` (false: a constant default, no row rewritten on PostgreSQL), and
+    the two link tables are created empty. Each step is skipped where the store already
+    has it (a store rebuilt by hand from the current definitions).
+
+    """
+    table = _qualified(conn, schema, "broker_jobs")
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(
+            f"ALTER TABLE {table} DROP CONSTRAINT ck_broker_jobs_status, "
+            f"ADD CONSTRAINT ck_broker_jobs_status CHECK ({_STATUS_CHECK_V15}), "
+            "ADD COLUMN IF NOT EXISTS has_dependents BOOLEAN NOT NULL DEFAULT false"
+        )
+    else:
+        # SQLite cannot alter a check in place. The check only admits one value more,
+        # which every stored row satisfies, so SQLite's documented shortcut for
+        # loosening a constraint applies: the table's stored definition is edited and
+        # the schema cookie bumped (nothing on disk changes, no row is copied).
+        (create,) = conn.exec_driver_sql(
+            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'broker_jobs'"
+        ).one()
+        if _STATUS_CHECK_V15 not in create:
+            if create.count(_STATUS_CHECK_V1) != 1:
+                raise RuntimeError("broker_jobs' status check is not the one version 14 made")
+            (cookie,) = conn.exec_driver_sql("PRAGMA schema_version").one()
+            conn.exec_driver_sql("PRAGMA writable_schema = ON")
+            conn.exec_driver_sql(
+                "UPDATE sqlite_master SET sql = ? WHERE type = 'table' AND name = 'broker_jobs'",
+                (create.replace(_STATUS_CHECK_V1, _STATUS_CHECK_V15),),
+            )
+            conn.exec_driver_sql(f"PRAGMA schema_version = {int(cookie) + 1}")
+            conn.exec_driver_sql("PRAGMA writable_schema = OFF")
+        columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(broker_jobs)")}
+        if "has_dependents" not in columns:
+            conn.exec_driver_sql(
+                "ALTER TABLE broker_jobs ADD COLUMN has_dependents BOOLEAN NOT NULL DEFAULT 0"
+            )
+    v15 = sa.MetaData()
+    _define(v15, WAITING_VERSION)
+    _define_payloads(v15)
+    for table_ in _link_tables(v15):
+        table_.create(conn, checkfirst=True)
+
+
 Migration = Callable[[sa.Connection, str | None], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
@@ -647,6 +752,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (12, _v12_no_creation_index),
     (13, _v13_quiet_inserts_skip_the_trigger),
     (14, _v14_payload_digests),
+    (15, _v15_dependencies),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from adapters.sql.connect import WRITE_OPTION, existing_file_url, redact, wire_sqlite
 from adapters.sql.enqueue import EnqueueRule, complete_now, match_holders
 from adapters.sql.errors import StoreErrors
+from adapters.sql.links import LiteLinks, linked
 from adapters.sql.rows import (
     COLUMN_OF,
     ID_AT,
@@ -46,7 +47,7 @@ from adapters.sql.rows import (
     offload,
 )
 from adapters.sql.schema import INSERT_COLUMNS, OFFLOADED, selection
-from broker import settlement
+from broker import dependencies, settlement
 from broker.exceptions import ConfigurationError
 from broker.jobs import (
     CheckpointSave,
@@ -55,6 +56,7 @@ from broker.jobs import (
     ExecutionMode,
     Job,
     JobSpec,
+    JobStatus,
     ProgressUpdate,
     Settlement,
 )
@@ -305,9 +307,11 @@ def _settle_lite(
         first.setdefault(s.job_id, i)
     shapes: dict[tuple[Any, ...], tuple[str, list[str], bool, list[list[Any]]]] = {}
     moved: list[Payload] = []
+    status_after: dict[str, JobStatus] = {}
     for i in first.values():
         s = settlements[i]
         move = settlement.settle(s, now)
+        status_after[s.job_id.hex] = move.changes["status"]
         shape = (*move.shape, move.releases_slot)
         batch = shapes.get(shape)
         if batch is None:
@@ -315,7 +319,7 @@ def _settle_lite(
                 move,
                 ["w_id", "w_lease"],
                 "broker_jobs.id = w.w_id AND handoff_id = w.w_lease AND status = 'handed_off'",
-                "broker_jobs.id, broker_jobs.concurrency_key",
+                "broker_jobs.id, broker_jobs.concurrency_key, broker_jobs.has_dependents",
             )
             batch = shapes[shape] = (update, columns, move.releases_slot, [])
         values, offloaded = offload(s.job_id, encode_changes(move.changes), offload_threshold)
@@ -323,12 +327,21 @@ def _settle_lite(
         batch[3].append([s.job_id.hex, s.handoff_id.hex, *(values[c] for c in batch[1])])
     accepted: set[str] = set()
     released: Counter[str] = Counter()
+    ended: list[tuple[uuid.UUID, JobStatus]] = []
     for update, _, releases, rows in shapes.values():
-        for job_id, key in conn.execute(update, (_LITE_ROWS.encode(rows).decode(),)):
+        for job_id, key, has_dependents in conn.execute(
+            update, (_LITE_ROWS.encode(rows).decode(),)
+        ):
             accepted.add(job_id)
             if releases and key is not None:
                 released[key] += 1
+            if has_dependents and dependencies.ends_parent(status_after[job_id]):
+                ended.append((uuid.UUID(hex=job_id), status_after[job_id]))
     _lite_put(conn, [p for p in moved if p[0].hex in accepted])
+    if ended:  # the dependents of the parents this settle ended, in its transaction
+        complete_now(
+            dependencies.propagate(LiteLinks(conn, now_us, offload_threshold, _lite_put), ended)
+        )
     conn.executemany(
         "UPDATE broker_concurrency SET active = MAX(active - ?, 0) WHERE key = ?",
         [(n, key) for key, n in sorted(released.items())],
@@ -541,7 +554,23 @@ class SqliteDialect:
             bodies = _lite_bodies(conn, found)
             return match_holders(missing, [_lite_job(r, bodies) for r in found])
 
-        return complete_now(self._enqueue.run(insert, find, specs, claims))
+        link = None
+        if linked(specs):
+            link = LiteLinks(conn, self._now(), self._offload_threshold, _lite_put).link
+        return complete_now(self._enqueue.run(insert, find, specs, claims, link=link))
+
+    async def propagate(self, ended: Sequence[tuple[uuid.UUID, JobStatus]] | None) -> None:
+        """Walk the dependents of ``ended`` (parents a cancel ended; ``None``: every parent
+        left with an edge to count, at start-up) in a transaction of its own."""
+        now_us, threshold = self._now(), self._offload_threshold
+
+        def walk(conn: sqlite3.Connection) -> None:
+            links = LiteLinks(conn, now_us, threshold, _lite_put)
+            parents = complete_now(links.stranded()) if ended is None else ended
+            if parents:
+                complete_now(dependencies.propagate(links, parents))
+
+        await self._hot.write(walk)
 
     def driver_enqueue(self) -> NoReturn:
         """None: an application's asyncpg connection reaches a PostgreSQL store only."""

@@ -38,6 +38,7 @@ from broker.jobs import ExecutionMode, JobSpec, JobStatus, JSONValue
 from broker.model.bounds import MESSAGE_CONTAINERS
 from broker.payload import containers_in, too_many_containers
 from broker.tasks.registry import Enqueued, Task
+from broker.tasks.workflow import EnqueuedWorkflow, Workflow, final_job, workflow_specs
 from broker.wire import codec, tls
 from broker.wire import errors as error_codes
 from broker.wire import framing as wire
@@ -374,6 +375,18 @@ class Client:
         """Enqueue many jobs in one round trip and one store transaction."""
         return await self.enqueue_requests([protocol.JobRequest.from_spec(s) for s in specs])
 
+    async def enqueue_workflow(self, workflow: Workflow) -> EnqueuedWorkflow:
+        """Enqueue a chain, a group or a fan-in (:func:`broker.chain`, :func:`broker.group`)
+        in one request: every job at once, the later ones waiting for their parents. Wait
+        on ``final_job_id`` for the workflow's result."""
+        specs = workflow_specs(workflow)
+        enqueued = await self.enqueue_many(specs)
+        workflow_id = specs[0].workflow_id
+        assert workflow_id is not None
+        return EnqueuedWorkflow(
+            workflow_id, tuple(e.job_id for e in enqueued), final_job(workflow, specs)
+        )
+
     async def enqueue_batches(
         self, specs: Iterable[JobSpec], *, batch_size: int = 250, in_flight: int = 3
     ) -> list[Enqueued]:
@@ -482,6 +495,14 @@ class Client:
             protocol.JobInfo,
         )
         return reply.job
+
+    async def cancel_workflow(self, workflow: EnqueuedWorkflow) -> list[dict[str, JSONValue]]:
+        """Cancel every job of ``workflow`` not finished yet: waiting and queued ones are
+        cancelled, running ones too (their workers are asked to stop, as for
+        :meth:`cancel`). Children go first, so none is released by a parent's cancel
+        (``on_parent_failure="run"``) before its own. Returns the jobs as they now stand."""
+        jobs = [await self.cancel(job_id) for job_id in reversed(workflow.job_ids)]
+        return [job for job in reversed(jobs) if job is not None]
 
     async def retry(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
         """Put a dead (``failed``) job back in the queue with a fresh attempt count; a job in

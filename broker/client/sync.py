@@ -22,6 +22,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from broker.client.client import Client, JobListPage
 from broker.jobs import JobSpec, JSONValue
 from broker.tasks.registry import Enqueued, Task, set_default_clients
+from broker.tasks.workflow import EnqueuedWorkflow, Workflow
 from broker.wire import messages as protocol
 from broker.wire.tls import PeerTLS
 
@@ -68,6 +69,9 @@ class SyncClient:
     def enqueue_many(self, specs: Sequence[JobSpec]) -> list[Enqueued]:
         return self._call(self._client.enqueue_many, specs)
 
+    def enqueue_workflow(self, workflow: Workflow) -> EnqueuedWorkflow:
+        return self._call(self._client.enqueue_workflow, workflow)
+
     def enqueue_batches(
         self, specs: Iterable[JobSpec], *, batch_size: int = 250, in_flight: int = 3
     ) -> list[Enqueued]:
@@ -83,6 +87,9 @@ class SyncClient:
 
     def cancel(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
         return self._call(self._client.cancel, job_id)
+
+    def cancel_workflow(self, workflow: EnqueuedWorkflow) -> list[dict[str, JSONValue]]:
+        return self._call(self._client.cancel_workflow, workflow)
 
     def retry(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
         return self._call(self._client.retry, job_id)

@@ -596,7 +596,34 @@ DEFAULT_MAX_REQUEST_BYTES = 128 << 20
 """128 MiB of client requests in progress across all connections before the main stops
 reading client connections (workers are still read)."""
 
+MAX_PARENTS = 1000
+"""The most parents one job may name in ``depends_on``: each is an edge row written at its
+enqueue and counted down by a settle, and a fan-in's arguments hold one result per parent,
+so its assignment must stay within a message's container bound (25,000) for small results."""
+
+MAX_GROUP_MEMBERS = MAX_PARENTS
+"""The most members of one group: a group's fan-in depends on every member."""
+
+MAX_CHAIN_STEPS = 100
+"""The most steps of one chain (its depth): each step waits on the one before, and a
+parent's failure cancels the rest step by step inside one settle."""
+
 BOUNDS += [
+    Bound(
+        "Parents of one job (`depends_on`), members of one group, and so the results a "
+        "fan-in receives",
+        "1000",
+        None,
+        "`invalid_job` (`InvalidJobError` from `JobSpec`, `chain` or `group`)",
+        _VALUES,
+    ),
+    Bound(
+        "Steps of one chain",
+        "100",
+        None,
+        "`InvalidJobError` from `chain`",
+        _VALUES,
+    ),
     Bound(
         "Names and ids (task, queue, worker id, host, idempotency, concurrency and unique "
         "keys, request ids, cursor), in UTF-8",

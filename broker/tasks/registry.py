@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, cast, overload
 
 from broker.exceptions import ConfigurationError, InvalidJobError, TaskNotFoundError
 from broker.jobs import (
@@ -34,6 +34,9 @@ from broker.retry import RetryPolicy, TaskBackoff
 from broker.tasks.arguments import encode_arguments, plan_for
 from broker.tasks.hooks import WorkerHooks
 from broker.tasks.schedule import Schedule, default_schedules
+
+if TYPE_CHECKING:
+    from broker.tasks.workflow import Step
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -126,6 +129,12 @@ class TaskCall(Generic[P, R]):
                 "call enqueue_sync()"
             )
         return await cast(AsyncEnqueuer, client).enqueue_spec(spec, delay=self.delay)
+
+    def bind(self, *args: JSONValue, **kwargs: JSONValue) -> Step:
+        """A workflow step of this call (see :meth:`Task.bind`)."""
+        from broker.tasks.workflow import bind  # the workflow module builds on this one
+
+        return bind(self, *args, **kwargs)
 
     def enqueue_sync(self, *args: P.args, **kwargs: P.kwargs) -> Enqueued:
         """:meth:`enqueue` for code without an event loop (WSGI apps, scripts): blocks
@@ -242,6 +251,13 @@ class Task(Generic[P, R]):
     def enqueue_sync(self, *args: P.args, **kwargs: P.kwargs) -> Enqueued:
         """The blocking twin of :meth:`enqueue`, through the default ``SyncClient``."""
         return self.options().enqueue_sync(*args, **kwargs)
+
+    def bind(self, *args: JSONValue, **kwargs: JSONValue) -> Step:
+        """A workflow step (:func:`broker.chain`, :func:`broker.group`) of this task with
+        these arguments; a step after another receives the parent's result (a chain) or
+        the list of results (a fan-in) first, before these. The arguments are checked
+        against the signature, the received result included, when the workflow is built."""
+        return self.options().bind(*args, **kwargs)
 
     def check_arguments(self, args: Sequence[JSONValue], kwargs: Mapping[str, JSONValue]) -> None:
         """Raise ``TypeError`` unless a call with ``args`` and ``kwargs`` would bind to the

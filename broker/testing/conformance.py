@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 from broker.exceptions import (
     DeposedError,
     IdempotencyConflictError,
+    InvalidJobError,
     StorageError,
     UniqueKeyTakenError,
 )
@@ -34,6 +35,8 @@ from broker.jobs import (
     JobStatus,
     JSONValue,
     Outcome,
+    ParentFailure,
+    ParentResults,
     ProgressUpdate,
     Settlement,
 )
@@ -1057,6 +1060,196 @@ async def check_next_run_at_finds_the_earliest_queued_job(ctx: Context) -> None:
     )
     assert await ctx.store.next_run_at(modes=[ExecutionMode.POOLED]) == soon
     assert await ctx.store.next_run_at(modes=[ExecutionMode.POOLED], queues=["other"]) is None
+
+
+# --- dependencies: a job waits for its parents, and is made due exactly once ------------
+
+
+async def _finish(
+    store: StorageAdapter, job: Job, outcome: Outcome = Outcome.COMPLETE, result: JSONValue = None
+) -> Job:
+    """Claim ``job`` and settle it with ``outcome`` (dead, for a failure); the claimed job."""
+    claimed = await _claim(store, job)
+    assert claimed.handoff_id is not None
+    [ok] = await store.settle_many(
+        [Settlement(job.id, claimed.handoff_id, outcome, result=result, error="boom")]
+    )
+    assert ok, "a report under the current lease is applied"
+    return claimed
+
+
+@_check
+async def check_a_job_waits_until_every_parent_completed(ctx: Context) -> None:
+    """A job with parents waits until every one has completed, then is due with their results.
+
+    It is stored ``waiting``, is never selected nor claimable while it waits, and the
+    settle that completes its last parent makes it ``queued``, its parents' results (in
+    ``depends_on`` order) first in its arguments."""
+    store = ctx.store
+    a, b = await _enqueue(store), await _enqueue(store)
+    child = await _enqueue(
+        store, args=["own"], depends_on=(a.id, b.id), parent_results=ParentResults.LIST_ARG
+    )
+    assert (await _get(store, child.id)).status is JobStatus.WAITING
+    assert await store.mark_handed_off(child.id, uuid.uuid4(), WORKER) is None
+    await _finish(store, b, result={"b": 2})
+    assert (await _get(store, child.id)).status is JobStatus.WAITING, "one parent is left"
+    assert child.id not in {j.id for j in await store.select_eligible(modes=ALL_MODES)}
+    await _finish(store, a, result=[1])
+    due = await _get(store, child.id)
+    assert due.status is JobStatus.QUEUED
+    assert due.args == ([[1], {"b": 2}], "own"), due.args
+    assert (await _claim(store, due)).args == due.args
+
+
+@_check
+async def check_a_parent_that_did_not_complete_cancels_its_dependents_or_lets_them_run(
+    ctx: Context,
+) -> None:
+    """A parent ending dead or cancelled cancels its dependents (naming it), down the chain.
+
+    With ``on_parent_failure="run"`` the dependent counts it as ended instead and runs,
+    the failed parent's result read as ``None``."""
+    store = ctx.store
+    a = await _enqueue(store)
+    b = await _enqueue(store, depends_on=(a.id,), parent_results=ParentResults.FIRST_ARG)
+    c = await _enqueue(store, depends_on=(b.id,))
+    runs = await _enqueue(
+        store,
+        depends_on=(a.id,),
+        parent_results=ParentResults.FIRST_ARG,
+        on_parent_failure=ParentFailure.RUN,
+    )
+    await _finish(store, a, Outcome.FAIL)
+    for job in (b, c):
+        after = await _get(store, job.id)
+        assert after.status is JobStatus.CANCELLED, (job is c, after.status)
+        assert after.last_error is not None and "parent job" in after.last_error
+    assert str(a.id) in ((await _get(store, b.id)).last_error or "")
+    ran = await _get(store, runs.id)
+    assert (ran.status, ran.args) == (JobStatus.QUEUED, (None,))
+    d = await _enqueue(store)
+    e = await _enqueue(store, depends_on=(d.id,))
+    assert (await store.cancel(d.id)) is not None
+    assert (await _get(store, e.id)).status is JobStatus.CANCELLED, "a cancel reaches dependents"
+    waiting = await _enqueue(store, depends_on=(runs.id,))
+    cancelled = await store.cancel(waiting.id)
+    assert cancelled is not None and cancelled.status is JobStatus.CANCELLED, "waiting cancels"
+
+
+@_check
+async def check_parents_are_read_at_enqueue(ctx: Context) -> None:
+    """Parents must be stored first; one already completed counts at once, one failed at once.
+
+    An enqueue naming a job the store does not hold is refused with ``InvalidJobError``
+    and stores nothing of its batch; a parent already completed counts (the child may be
+    due at once, with its result), and parents earlier in the same batch may be named."""
+    store = ctx.store
+    done = await _enqueue(store)
+    await _finish(store, done, result="r")
+    child = await _enqueue(store, depends_on=(done.id,), parent_results=ParentResults.FIRST_ARG)
+    got = await _get(store, child.id)
+    assert (got.status, got.args) == (JobStatus.QUEUED, ("r",))
+    dead = await _enqueue(store)
+    await _finish(store, dead, Outcome.FAIL)
+    assert (await _get(store, (await _enqueue(store, depends_on=(dead.id,))).id)).status is (
+        JobStatus.CANCELLED
+    )
+    first = _spec()
+    batch = [first, _spec(depends_on=(first.id,)), _spec(depends_on=(uuid.uuid4(),))]
+    try:
+        await store.enqueue_many(batch)
+    except InvalidJobError:
+        pass
+    else:
+        raise AssertionError("a parent not in the store was accepted")
+    assert await store.get_job(first.id) is None, "the refused batch stored nothing"
+    results = await store.enqueue_many(batch[:2])
+    assert (await _get(store, results[1].job.id)).status is JobStatus.WAITING
+
+
+@_check
+async def check_a_repeated_stale_or_retried_report_releases_the_child_once(ctx: Context) -> None:
+    """The last parent's report resent, stale or from an attempt lost and retried releases its
+    child exactly once.
+
+    Only the move the fence accepts counts the parent: a copy resent in the same batch
+    or after, a report under an older lease, and a parent revived after its child was
+    released change nothing of the child (not even its arguments)."""
+    store = ctx.store
+    a = await _enqueue(store)
+    child = await _enqueue(store, depends_on=(a.id,), parent_results=ParentResults.FIRST_ARG)
+    lost = await _claim(store, a)
+    assert lost.handoff_id is not None
+    [ok] = await store.settle_many([Settlement(a.id, lost.handoff_id, Outcome.LOST, run_at=START)])
+    assert ok and (await _get(store, child.id)).status is JobStatus.WAITING
+    retried = await _claim(store, a)
+    assert retried.handoff_id is not None
+    stale = Settlement(a.id, lost.handoff_id, Outcome.COMPLETE, result="stale")
+    assert await store.settle_many([stale]) == [False]
+    assert (await _get(store, child.id)).status is JobStatus.WAITING, "a stale report counts not"
+    report = Settlement(a.id, retried.handoff_id, Outcome.COMPLETE, result="fresh")
+    assert await store.settle_many([report, report]) == [True, False]
+    due = await _get(store, child.id)
+    assert (due.status, due.args) == (JobStatus.QUEUED, ("fresh",))
+    running = await _claim(store, due)
+    assert await store.settle_many([report]) == [False]
+    again = await _get(store, child.id)
+    assert (again.status, again.handoff_id, again.args) == (
+        JobStatus.HANDED_OFF,
+        running.handoff_id,
+        ("fresh",),
+    ), "a resent report released the child a second time"
+
+
+@_check
+async def check_last_parents_settling_at_once_release_the_child_once(ctx: Context) -> None:
+    """Parents settled at once, from two handles, release their common child exactly once.
+
+    On a store shared between processes the two settles run in parallel, and exactly
+    one of them must see the child's count reach zero (a row lock, or one writer)."""
+    peer = await ctx.peer()
+    children = []
+    pairs = []
+    for _ in range(4):
+        a = await _claim(ctx.store, await _enqueue(ctx.store))
+        b = await _claim(ctx.store, await _enqueue(ctx.store))
+        children.append(
+            await _enqueue(
+                ctx.store, depends_on=(a.id, b.id), parent_results=ParentResults.LIST_ARG
+            )
+        )
+        pairs.append((a, b))
+    settles = []
+    for a, b in pairs:
+        assert a.handoff_id is not None and b.handoff_id is not None
+        settles.append(
+            ctx.store.settle_many([Settlement(a.id, a.handoff_id, Outcome.COMPLETE, result="a")])
+        )
+        settles.append(
+            peer.settle_many([Settlement(b.id, b.handoff_id, Outcome.COMPLETE, result="b")])
+        )
+    assert await asyncio.gather(*settles) == [[True]] * len(settles)
+    for child in children:
+        due = await _get(ctx.store, child.id)
+        assert (due.status, due.args) == (JobStatus.QUEUED, (["a", "b"],)), (due.status, due.args)
+
+
+@_check
+async def check_retention_keeps_a_parent_while_a_child_waits(ctx: Context) -> None:
+    """Pruning never deletes a parent whose result a waiting child will still read."""
+    store = ctx.store
+    a, b = await _enqueue(store), await _enqueue(store)
+    child = await _enqueue(store, depends_on=(a.id, b.id), parent_results=ParentResults.LIST_ARG)
+    await _finish(store, a, result="kept")
+    ctx.clock.advance(3600)
+    await store.prune(older_than=ctx.clock())
+    assert await store.get_job(a.id) is not None, "a parent a child waits on was pruned"
+    await _finish(store, b, result="b")
+    assert (await _get(store, child.id)).args == (["kept", "b"],)
+    ctx.clock.advance(3600)
+    await store.prune(older_than=ctx.clock())
+    assert await store.get_job(a.id) is None, "once the child is due its parent may go"
 
 
 # --- worker handoffs, cancel, retry --------------------------------------------------

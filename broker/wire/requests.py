@@ -24,10 +24,12 @@ from broker.jobs import (
     JobSpec,
     JobStatus,
     JSONValue,
+    ParentFailure,
+    ParentResults,
     spec_fields,
     spec_values,
 )
-from broker.model.bounds import MAX_AGE_SECONDS, MAX_LIST_ITEMS
+from broker.model.bounds import MAX_AGE_SECONDS, MAX_LIST_ITEMS, MAX_PARENTS
 from broker.model.values import check_delay
 from broker.wire.fields import Float, Int, Name, Names, Nested, Tagged, require
 
@@ -64,6 +66,12 @@ class JobRequest(Nested, frozen=True, omit_defaults=True):
     """Lost attempts the job may recover from (``None``: the main's default)."""
     local_state: bool = False
     """Recoveries wait for the worker holding the job's local state first."""
+    depends_on: Annotated[tuple[uuid.UUID, ...], msgspec.Meta(max_length=MAX_PARENTS)] = ()
+    """Jobs that must end first (see :mod:`broker.dependencies`); an older main refuses
+    nothing but ignores it, so a client checks the main's version before relying on it."""
+    on_parent_failure: ParentFailure = ParentFailure.CANCEL
+    parent_results: ParentResults = ParentResults.NONE
+    workflow_id: uuid.UUID | None = None
 
     def to_spec(self, now: datetime, defaults: Mapping[str, Any] | None = None) -> JobSpec:
         """The job this request asks for. A field it leaves out (``null``) takes its value

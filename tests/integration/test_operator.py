@@ -173,6 +173,7 @@ async def test_every_command_against_a_running_main(tmp_path: Path) -> None:
         assert status["main_id"] == main.main_id and status["dispatched"] == 1
         queues = {q["queue"]: q for q in status["queues"]}
         assert queues["mail"]["counts"] == {
+            "waiting": 0,
             "queued": 0,
             "handed_off": 1,
             "completed": 0,
@@ -300,6 +301,7 @@ async def _fallback_scenario(db: tuple[str, ...], store: StorageAdapter) -> None
     queues = {q["queue"]: q for q in status["queues"]}
     assert queues["q1"]["counts"]["queued"] == 1
     assert queues["default"]["counts"] == {
+        "waiting": 0,
         "queued": 1,
         "handed_off": 0,
         "completed": 0,

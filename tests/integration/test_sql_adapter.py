@@ -745,7 +745,8 @@ async def test_a_version_1_store_is_migrated_to_unique_keys(backend: Backend) ->
 async def test_driver_errors_become_storage_errors(backend: Backend, tmp_path: Path) -> None:
     store = await backend.open()
     async with store._write("test") as conn:
-        await conn.execute(_sql(store, "DROP TABLE {s}broker_payloads"))  # refers to the jobs
+        for table in ("broker_payloads", "broker_job_links", "broker_job_edges"):
+            await conn.execute(_sql(store, f"DROP TABLE {{s}}{table}"))  # refer to the jobs
         await conn.execute(_sql(store, "DROP TABLE {s}broker_jobs"))
     with pytest.raises(StorageError, match="get_job failed"):
         await store.get_job(uuid.uuid4())

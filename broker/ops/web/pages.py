@@ -266,7 +266,7 @@ def queues_live(queues: Sequence[dict[str, Any]], rates: Mapping[str, float]) ->
         rows.append(
             [
                 f"<td>{name}</td>",
-                *(_td(counts[s.value], numeric=True) for s in JobStatus),
+                *(_td(counts.get(s.value, 0), numeric=True) for s in JobStatus),
                 _td("" if age is None else f"{age:.1f} s", numeric=True),
                 _td(f"{rates.get(label(q['queue']), 0.0):.1f}", numeric=True),
             ]

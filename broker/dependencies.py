@@ -1,0 +1,165 @@
+"""What a parent's end does to the jobs that depend on it: the dependency rule, written once.
+
+A job enqueued with ``depends_on`` is stored ``waiting``, with one edge per parent and a
+count of the parents it still waits for. Every store carries out the same rule, inside
+the transaction of the move that ended the parent (a fenced settle, a cancel, or the
+child's own enqueue when a parent had already ended):
+
+=====================  ======================  ===================================
+parent ends            ``on_parent_failure``   the waiting child
+=====================  ======================  ===================================
+``completed``          either                  counts it; at 0 it becomes ``queued``
+``failed``/cancelled   ``cancel`` (default)    ``cancelled``, ``last_error`` naming
+                                               the parent; its own children follow
+``failed``/cancelled   ``run``                 counts it; at 0 it becomes ``queued``
+=====================  ======================  ===================================
+
+Why this makes a fan-in's continuation exactly-once: the count goes down only inside the
+transaction of a move the fence accepted (a stale or repeated report changes nothing, so
+counts nothing), each edge is counted once (it is marked done as it is counted, so a
+parent revived by an operator and completing again counts nothing more), and the count
+is a field of the child's own row, so two parents ending at once on PostgreSQL serialise
+on that row and exactly one of them sees it reach zero. A cut commit loses the parent's
+move and the count together.
+
+:func:`propagate` is the whole walk, over a :class:`DependencyStore` each adapter
+implements for its own transaction; the decisions in it are the pure functions below.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from broker.exceptions import InvalidJobError
+from broker.jobs import JobStatus, JSONValue, ParentFailure, ParentResults
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """A child as a parent's end finds it, after its count went down."""
+
+    status: JobStatus
+    pending: int
+    """Parents it still waits for, this one counted."""
+    on_parent_failure: ParentFailure
+    parent_results: ParentResults
+    args: tuple[JSONValue, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CancelChild:
+    """The child becomes ``cancelled`` with this ``last_error``."""
+
+    reason: str
+
+
+def ends_parent(status: JobStatus) -> bool:
+    """Whether a job reaching ``status`` has ended as a parent: every terminal status."""
+    return status.is_terminal
+
+
+def parent_failed_reason(parent_id: uuid.UUID, status: JobStatus) -> str:
+    """The ``last_error`` of a child cancelled because its parent did not complete."""
+    return f"parent job {parent_id} ended {status.value}"
+
+
+def after_parents(
+    child: Waiting, ended: Sequence[tuple[uuid.UUID, JobStatus]]
+) -> CancelChild | Literal["due"] | None:
+    """What the parents in ``ended`` (this move's, already counted in ``child.pending``)
+    do to ``child``: :class:`CancelChild`, ``"due"`` (it has no parent left: fetch the
+    parents' results and :func:`due_args`), or ``None`` (it waits on)."""
+    if child.status is not JobStatus.WAITING:
+        return None  # cancelled meanwhile (by an operator, or by another parent)
+    if child.on_parent_failure is ParentFailure.CANCEL:
+        for parent_id, status in ended:
+            if status is not JobStatus.COMPLETED:
+                return CancelChild(parent_failed_reason(parent_id, status))
+    return "due" if child.pending <= 0 else None
+
+
+def due_args(
+    mode: ParentResults, args: Sequence[JSONValue], results: Sequence[JSONValue]
+) -> tuple[JSONValue, ...]:
+    """A due child's arguments: its own, after its parents' ``results`` (in ``depends_on``
+    order; ``None`` for a parent that did not complete) as ``mode`` asks."""
+    match mode:
+        case ParentResults.NONE:
+            return tuple(args)
+        case ParentResults.FIRST_ARG:
+            return (results[0], *args)
+        case ParentResults.LIST_ARG:
+            return (list(results), *args)
+
+
+def ended_at_enqueue(
+    parents: Sequence[uuid.UUID], status_of: Mapping[uuid.UUID, JobStatus]
+) -> list[tuple[uuid.UUID, JobStatus]]:
+    """The parents an enqueue names that have ended already (``status_of``: every parent
+    the store holds, locked for the enqueue's transaction), which :func:`propagate` then
+    counts for the new child as if they had just ended.
+
+    :raises InvalidJobError: a parent is not in the store (never enqueued, or pruned):
+        parents must exist first, which is also why no cycle can form.
+    """
+    missing = [p for p in parents if p not in status_of]
+    if missing:
+        raise InvalidJobError(f"depends_on names job {missing[0]}, which is not in the store")
+    return [(p, status_of[p]) for p in parents if ends_parent(status_of[p])]
+
+
+class DependencyStore(Protocol):
+    """One store transaction, as :func:`propagate` needs it. Every method acts inside the
+    transaction of the move that ended the parents (a store that never suspends may
+    implement the coroutines without awaiting anything)."""
+
+    async def open_edges(
+        self, parent_ids: Sequence[uuid.UUID]
+    ) -> list[tuple[uuid.UUID, uuid.UUID]]:
+        """Mark done the edges from these parents not done yet; ``(child, parent)`` for
+        each one marked, so each edge is counted once whoever asks again."""
+
+    async def count_down(self, child_id: uuid.UUID, parents: int) -> Waiting | None:
+        """Take ``parents`` off the child's count, locking its row until the transaction
+        ends; the child as it now stands, ``None`` if it is gone."""
+
+    async def parent_results(self, child_id: uuid.UUID) -> list[JSONValue]:
+        """The results of the child's parents, in ``depends_on`` order (``None`` for one
+        that did not complete, or is gone)."""
+
+    async def release(self, child_id: uuid.UUID, args: tuple[JSONValue, ...]) -> None:
+        """``waiting`` → ``queued``, due at once, with these arguments."""
+
+    async def cancel_waiting(self, child_id: uuid.UUID, reason: str) -> None:
+        """``waiting`` → ``cancelled`` with ``last_error`` ``reason``."""
+
+
+async def propagate(store: DependencyStore, ended: Sequence[tuple[uuid.UUID, JobStatus]]) -> int:
+    """Carry the parents in ``ended`` (each just moved to a terminal status by a move the
+    store accepted) to their children, and a cancelled child on to its own; returns how
+    many children became due. Children are visited in id order, so two transactions on
+    PostgreSQL lock the rows they share in one order."""
+    released = 0
+    while ended:
+        status_of = dict(ended)
+        by_child: dict[uuid.UUID, list[tuple[uuid.UUID, JobStatus]]] = {}
+        for child_id, parent_id in await store.open_edges(list(status_of)):
+            by_child.setdefault(child_id, []).append((parent_id, status_of[parent_id]))
+        ended = []
+        for child_id in sorted(by_child):
+            parents = by_child[child_id]
+            child = await store.count_down(child_id, len(parents))
+            if child is None:
+                continue
+            verdict = after_parents(child, parents)
+            if isinstance(verdict, CancelChild):
+                await store.cancel_waiting(child_id, verdict.reason)
+                ended.append((child_id, JobStatus.CANCELLED))
+            elif verdict == "due":
+                results = await store.parent_results(child_id)
+                await store.release(child_id, due_args(child.parent_results, child.args, results))
+                released += 1
+    return released

@@ -1,0 +1,148 @@
+"""Chains, groups and fan-in through a real main over real TCP, on the memory store and a
+SQLite file: the client enqueues a workflow in one request, the main hands each step out
+only once its parents completed, with their results first in its arguments, and a step
+whose arguments could never bind is refused before anything is stored."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adapters.memory import MemoryAdapter
+from broker import EnqueuedWorkflow, InvalidJobError, chain, group
+from broker.client.client import Client
+from broker.jobs import JobSpec, JobStatus
+from broker.storage import JobFilter, StorageAdapter
+from broker.tasks.registry import TaskRegistry, task
+from tests.support import FakeWorker, running_main
+
+registry = TaskRegistry()
+
+
+@task(name="wf.add", registry=registry)
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+@task(name="wf.total", registry=registry)
+def total(values: list[int], offset: int = 0) -> int:
+    return sum(values) + offset
+
+
+def _sqlite(tmp_path: Path) -> StorageAdapter:
+    from adapters.sql import SQLAlchemyAdapter
+
+    return SQLAlchemyAdapter(f"sqlite:///{tmp_path / 'wf.db'}")
+
+
+STORES: dict[str, Callable[[Path], StorageAdapter]] = {
+    "memory": lambda _: MemoryAdapter(),
+    "sqlite": _sqlite,
+}
+
+
+def _run(job: Any) -> Any:
+    """What the test's worker computes for a job: the task called on its arguments."""
+    tasks: dict[str, Callable[..., int]] = {"wf.add": add, "wf.total": total}
+    return tasks[job.task](*job.args, **job.kwargs)
+
+
+async def _drain(worker: FakeWorker, jobs: int) -> list[str]:
+    """Run ``jobs`` jobs, one at a time; the tasks in the order they were handed out."""
+    order = []
+    for _ in range(jobs):
+        await worker.ready(pooled=1)
+        job = await worker.next_job(timeout=15.0)
+        order.append(job.task)
+        ack = await worker.complete(job, _run(job))
+        assert ack.status == "applied", ack
+    return order
+
+
+@pytest.mark.parametrize("store_kind", list(STORES))
+async def test_a_chain_runs_step_by_step_with_each_result(store_kind: str, tmp_path: Path) -> None:
+    store = STORES[store_kind](tmp_path)
+    async with running_main(store) as main, Client("127.0.0.1", main.port) as client:
+        worker = FakeWorker(main.port)
+        await worker.connect()
+        try:
+            steps = [add.bind(1, 2), *(add.bind(10) for _ in range(19))]
+            flow = await client.enqueue_workflow(chain(*steps))
+            assert isinstance(flow, EnqueuedWorkflow) and len(flow.job_ids) == 20
+            assert flow.final_job_id == flow.job_ids[-1]
+            later = await store.get_job(flow.job_ids[1])
+            assert later is not None and later.status is JobStatus.WAITING
+            await _drain(worker, 20)
+            assert flow.final_job_id is not None
+            final = await client.wait(flow.final_job_id)
+            assert (final["status"], final["result"]) == ("completed", 3 + 19 * 10)
+        finally:
+            await worker.close()
+
+
+@pytest.mark.parametrize("store_kind", list(STORES))
+async def test_a_fan_in_runs_once_over_every_result_in_group_order(
+    store_kind: str, tmp_path: Path
+) -> None:
+    store = STORES[store_kind](tmp_path)
+    async with running_main(store) as main, Client("127.0.0.1", main.port) as client:
+        worker = FakeWorker(main.port)
+        await worker.connect()
+        try:
+            members = group(add.bind(i, 1000) for i in range(12))
+            flow = await client.enqueue_workflow(members.then(total.bind(offset=5)))
+            order = await _drain(worker, 13)
+            assert order[-1] == "wf.total" and order.count("wf.total") == 1
+            assert flow.final_job_id is not None
+            final = await client.wait(flow.final_job_id)
+            assert final["args"] == [[1000 + i for i in range(12)]]
+            assert final["result"] == sum(1000 + i for i in range(12)) + 5
+            jobs = (await store.list_jobs(JobFilter(), limit=100)).jobs
+            assert len(jobs) == 13
+        finally:
+            await worker.close()
+
+
+async def test_a_step_that_cannot_bind_is_refused_before_anything_is_stored() -> None:
+    store = MemoryAdapter()
+    async with running_main(store) as main, Client("127.0.0.1", main.port) as client:
+        with pytest.raises(TypeError, match=r"wf\.add"):
+            await client.enqueue_workflow(chain(add.bind(1, 2), add.bind(1, 2)))
+        with pytest.raises(InvalidJobError, match="at most 100 steps"):
+            chain(*(add.bind(1) for _ in range(101)))
+        assert (await store.list_jobs(JobFilter())).jobs == []
+
+
+async def test_an_unknown_parent_is_refused_and_the_main_serves_on() -> None:
+    store = MemoryAdapter()
+    async with running_main(store) as main, Client("127.0.0.1", main.port) as client:
+        with pytest.raises(InvalidJobError, match="not in the store"):
+            await client.enqueue_spec(JobSpec("wf.add", args=[1, 2], depends_on=(uuid.uuid4(),)))
+        parent = await client.enqueue_spec(JobSpec("wf.add", args=[1, 2]))
+        child = await client.enqueue_spec(JobSpec("wf.add", args=[1], depends_on=(parent.job_id,)))
+        stored = await store.get_job(child.job_id)
+        assert stored is not None and stored.status is JobStatus.WAITING
+
+
+async def test_cancelling_a_workflow_cancels_every_job_not_finished() -> None:
+    store = MemoryAdapter()
+    async with running_main(store) as main, Client("127.0.0.1", main.port) as client:
+        worker = FakeWorker(main.port)
+        await worker.connect()
+        try:
+            members = group([add.bind(1, 2), add.bind(3, 4)])
+            flow = await client.enqueue_workflow(members.then(total.bind().run_anyway()))
+            await worker.ready(pooled=1)
+            first = await worker.next_job(timeout=15.0)
+            assert (await worker.complete(first, _run(first))).status == "applied"
+            jobs = await client.cancel_workflow(flow)
+            statuses = [j["status"] for j in jobs]
+            assert statuses.count("completed") == 1 and statuses.count("cancelled") == 2
+            final = await store.get_job(flow.job_ids[-1])
+            assert final is not None and final.status is JobStatus.CANCELLED
+        finally:
+            await worker.close()
