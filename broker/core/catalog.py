@@ -64,7 +64,8 @@ from typing import Any
 import msgspec
 
 from broker.exceptions import InvalidArgumentsError, UnknownTaskError
-from broker.jobs import JobSpec, JSONValue
+from broker.dependencies import due_args
+from broker.jobs import JobSpec, JSONValue, ParentResults
 from broker.model.bounds import MAX_CATALOG_ENTRIES, MAX_DECLARATION_BYTES, MAX_DECLARED_TASKS
 from broker.model.logs import log_event
 from broker.retry import ExponentialBackoff, FixedBackoff, TaskBackoff
@@ -419,7 +420,11 @@ class Catalog:
         declared = self._newest.get(request.task)
         signature = self._signatures.get(request.task)
         if signature is not None:
-            signature.check(request.task, request.args, request.kwargs)
+            # A workflow's step runs with its parents' results in front of its own
+            # arguments (placeholders here: only the shape binds).
+            parents = [None] * len(request.depends_on)
+            args = due_args(ParentResults(request.parent_results), request.args, parents)
+            signature.check(request.task, args, request.kwargs)
         if declared is None:
             if not allow_unknown and self.in_use:
                 raise UnknownTaskError(

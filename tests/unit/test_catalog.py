@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Collection
 from datetime import UTC, datetime, timedelta
 
@@ -416,3 +417,28 @@ async def test_by_name_arguments_are_checked_against_the_declared_signature() ->
     assert unchecked.job_spec(request, NOW, allow_unknown=False).args == (1,), (
         "a signature Python could not have made is not checked"
     )
+
+
+def test_a_workflow_steps_arguments_are_checked_with_its_parents_results_in_front() -> None:
+    """A chain's step or a fan-in is enqueued without the argument its parents' results
+    will fill in when it becomes due: the check binds that shape, not the bare one."""
+    registry = TaskRegistry()
+
+    @task(name="app.step", registry=registry)
+    def step(value: int, key: str) -> None: ...
+
+    found = _catalog(("w1", catalog.declarations(registry)))
+    parent = uuid.uuid4()
+    for mode in ("first_arg", "list_arg"):
+        waits = protocol.JobRequest(
+            task="app.step", args=["k"], depends_on=[parent], parent_results=mode
+        )
+        assert found.job_spec(waits, NOW, allow_unknown=False).args == ("k",)
+        too_many = protocol.JobRequest(
+            task="app.step", args=["k", 1], depends_on=[parent], parent_results=mode
+        )
+        with pytest.raises(InvalidArgumentsError, match="too many positional arguments"):
+            found.job_spec(too_many, NOW, allow_unknown=False)
+    plain = protocol.JobRequest(task="app.step", args=["k"], depends_on=[parent])
+    with pytest.raises(InvalidArgumentsError, match="missing a required argument: 'key'"):
+        found.job_spec(plain, NOW, allow_unknown=False)
