@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from broker.model.bounds import MAX_QUEUE_SETTINGS
 from broker.model.rates import NANOS, Rate
+from broker.storage import QueueSettings
 
 
 def _ns(now: float) -> int:
@@ -63,48 +64,34 @@ class Bucket:
         self.tat = base + self.interval
 
 
-@dataclass(frozen=True, slots=True)
-class QueueFlow:
-    """One queue's settings as the main holds them: paused, and its rate limit if any."""
-
-    queue: str
-    paused: bool = False
-    rate: Rate | None = None
-
-    @property
-    def empty(self) -> bool:
-        """Nothing set: the queue is as if it had no settings (the store deletes it)."""
-        return not self.paused and self.rate is None
-
-
 @dataclass
 class FlowControl:
     """The queues' settings and their buckets (see the module docstring). ``now`` is any
     monotonic clock in seconds: the main's loop time."""
 
-    settings: dict[str, QueueFlow] = field(default_factory=dict)
+    settings: dict[str, QueueSettings] = field(default_factory=dict)
     buckets: dict[str, Bucket] = field(default_factory=dict)
     held: dict[str, int] = field(default_factory=dict)
     """Per queue, the jobs a plan found but held back for a token (a count that grows)."""
 
-    def load(self, settings: list[QueueFlow]) -> None:
+    def load(self, settings: list[QueueSettings]) -> None:
         """Start from the stored settings (a leader's start-up, a standby's takeover)."""
         self.settings.clear()
         self.buckets.clear()
         for each in settings:
             self.apply(each)
 
-    def check(self, new: QueueFlow) -> None:
+    def check(self, new: QueueSettings) -> None:
         """Refuse a setting that would hold more than :data:`MAX_QUEUE_SETTINGS` queues;
         raises ``ValueError``."""
-        if not new.empty and new.queue not in self.settings:
-            if len(self.settings) >= MAX_QUEUE_SETTINGS:
-                raise ValueError(
-                    f"at most {MAX_QUEUE_SETTINGS} queues may have settings; "
-                    "clear one (resume it, or clear its rate limit) first"
-                )
+        taken = len(self.settings) >= MAX_QUEUE_SETTINGS
+        if taken and not new.empty and new.queue not in self.settings:
+            raise ValueError(
+                f"at most {MAX_QUEUE_SETTINGS} queues may have settings; "
+                "clear one (resume it, or clear its rate limit) first"
+            )
 
-    def apply(self, new: QueueFlow) -> None:
+    def apply(self, new: QueueSettings) -> None:
         """``new`` replaces the queue's settings. A changed rate starts a fresh bucket
         (its burst at once); an unchanged one keeps its state, so pausing and resuming
         a queue grants no extra tokens."""
@@ -118,8 +105,8 @@ class FlowControl:
         elif old is None or old.rate != new.rate:
             self.buckets[new.queue] = Bucket.of(new.rate)
 
-    def get(self, queue: str) -> QueueFlow:
-        return self.settings.get(queue) or QueueFlow(queue)
+    def get(self, queue: str) -> QueueSettings:
+        return self.settings.get(queue) or QueueSettings(queue)
 
     def governed(self, queue: str) -> bool:
         """Whether ``queue`` has any setting: its jobs are never handed off at enqueue,

@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.core.flow import FlowControl, QueueFlow
+from broker.core.flow import FlowControl
 from broker.model.bounds import MAX_QUEUE_SETTINGS
 from broker.model.rates import NANOS, Rate, parse_rate
+from broker.storage import QueueSettings
 
 rates = st.builds(
     Rate,
@@ -25,7 +26,7 @@ gaps = st.lists(st.integers(0, 3 * NANOS), min_size=1, max_size=300)
 def _run(rate: Rate, offsets: list[int]) -> tuple[list[int], list[int]]:
     """Ask at each time (ns); returns the admitted times and the refused times."""
     flow = FlowControl()
-    flow.apply(QueueFlow("q", rate=rate))
+    flow.apply(QueueSettings("q", rate=rate))
     now, admitted, refused = 0, [], []
     for gap in offsets:
         now += gap
@@ -74,7 +75,7 @@ def test_a_job_is_refused_only_when_admitting_it_would_break_the_limit(
 
 def test_a_quiet_spell_refills_the_burst_and_no_more() -> None:
     flow = FlowControl()
-    flow.apply(QueueFlow("q", rate=parse_rate("10/s", burst=3)))
+    flow.apply(QueueSettings("q", rate=parse_rate("10/s", burst=3)))
     taken = 0
     while flow.admits("q", 0.0):
         flow.admitted("q", 0.0)
@@ -94,13 +95,13 @@ def test_a_quiet_spell_refills_the_burst_and_no_more() -> None:
 def test_pause_holds_a_queue_back_and_keeps_its_bucket() -> None:
     flow = FlowControl()
     rate = parse_rate("1/s")
-    flow.apply(QueueFlow("q", rate=rate))
+    flow.apply(QueueSettings("q", rate=rate))
     flow.admitted("q", 0.0)
-    flow.apply(QueueFlow("q", paused=True, rate=rate))
+    flow.apply(QueueSettings("q", paused=True, rate=rate))
     assert flow.blocked(5.0) == {"q"}
     assert not flow.admits("q", 5.0)
     assert flow.wake_at(0.5) is None  # a paused queue waits for its resume
-    flow.apply(QueueFlow("q", rate=rate))
+    flow.apply(QueueSettings("q", rate=rate))
     assert not flow.admits("q", 0.5)  # resuming granted no token
     assert flow.admits("q", 1.0)
     assert flow.admits("other", 0.0) and not flow.governed("other")
@@ -108,23 +109,21 @@ def test_pause_holds_a_queue_back_and_keeps_its_bucket() -> None:
 
 def test_clearing_every_setting_forgets_the_queue() -> None:
     flow = FlowControl()
-    flow.apply(QueueFlow("q", paused=True, rate=parse_rate("5/m")))
-    flow.apply(QueueFlow("q"))
+    flow.apply(QueueSettings("q", paused=True, rate=parse_rate("5/m")))
+    flow.apply(QueueSettings("q"))
     assert not flow.governed("q") and flow.buckets == {}
 
 
 def test_the_queues_with_settings_are_bounded() -> None:
     flow = FlowControl()
-    flow.load([QueueFlow(f"q{i}", paused=True) for i in range(MAX_QUEUE_SETTINGS)])
+    flow.load([QueueSettings(f"q{i}", paused=True) for i in range(MAX_QUEUE_SETTINGS)])
     with pytest.raises(ValueError, match="at most"):
-        flow.check(QueueFlow("one-more", paused=True))
-    flow.check(QueueFlow("q0", rate=parse_rate("1/s")))  # a queue that has some: fine
-    flow.check(QueueFlow("one-more"))  # clearing: fine
+        flow.check(QueueSettings("one-more", paused=True))
+    flow.check(QueueSettings("q0", rate=parse_rate("1/s")))  # a queue that has some: fine
+    flow.check(QueueSettings("one-more"))  # clearing: fine
 
 
-@pytest.mark.parametrize(
-    "text", ["50", "50/d", "0/s", "-1/s", "1000000/s", "x/s", "50/s/m", ""]
-)
+@pytest.mark.parametrize("text", ["50", "50/d", "0/s", "-1/s", "1000000/s", "x/s", "50/s/m", ""])
 def test_a_bad_rate_is_refused_with_the_form_expected(text: str) -> None:
     with pytest.raises(ValueError, match="rate"):
         parse_rate(text)
