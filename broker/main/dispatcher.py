@@ -199,22 +199,31 @@ class Dispatcher:
         modes = self._handoff.modes_with_credit()
         if not modes:
             return None
+        now = _loop_time()
         try:
-            next_at = await self._next_run_at(modes, self._handoff.served_queues())
+            next_at = await self._next_run_at(
+                modes, self._handoff.served_queues(), self._handoff.flow.blocked(now)
+            )
         except Exception as exc:
             log_event(logger, logging.WARNING, "could not read the next run time", error=repr(exc))
             return self.pacing.after_failed_read()
         return self.pacing.idle_timeout(
             next_at,
             polling=not self._store.capabilities.listen_notify,
-            affinity_wake=self._handoff.affinity_wake(),
+            affinity_wake=self._handoff.wake_at(now),
         )
 
     async def _next_run_at(
-        self, modes: set[ExecutionMode], queues: set[str] | None
+        self, modes: set[ExecutionMode], queues: set[str] | None, blocked: frozenset[str]
     ) -> datetime | None:
         """The store's next run time for ``modes`` and ``queues``, or the last one read
-        when it still holds (:meth:`Pacing.known_next_run`)."""
+        when it still holds (:meth:`Pacing.known_next_run`). Queues held back
+        (``blocked``, see :mod:`broker.core.flow`) are left out: their due jobs would make
+        the next run time now, and the dispatcher spin; the flow's own wake covers them."""
+        if blocked:
+            return await self._store.next_run_at(  # type: ignore[call-arg]
+                modes=modes, queues=queues, exclude_queues=blocked
+            )
         changes = self._handoff.queue_changes
         known = self.pacing.known_next_run(modes, queues, changes)
         if known is not None:
@@ -250,7 +259,8 @@ class Dispatcher:
         held = len(core.awaiting)
         size = core.read_limit(self._claim_batch, modes) + held
         started = core.queue_changes
-        jobs, full = await self._eligible(modes, queues, size, started)
+        blocked = core.flow.blocked(_loop_time())
+        jobs, full = await self._eligible(modes, queues, size, started, blocked)
         now = asyncio.get_running_loop().time()
         plan = core.plan(jobs, now)
         core.read_eligible(started, modes, full=full or len(plan) < len(jobs), queues=queues)
@@ -259,9 +269,7 @@ class Dispatcher:
             # This read covers every mode with credit left, so whether it came back full
             # says whether another pass may find more.
             size = core.read_limit(self._claim_batch, left) + len(core.awaiting)
-            found = await self._store.select_eligible(
-                modes=left, queues=queues, limit=size, skip=self._claiming()
-            )
+            found = await self._read(left, queues, size, core.flow.blocked(now))
             full = len(found) == size
             placed = core.plan(found, now)
             core.read_eligible(started, left, full=full or len(placed) < len(found), queues=queues)
@@ -272,12 +280,39 @@ class Dispatcher:
         self._claims.add(asyncio.create_task(self._claim_and_wake(plan), name="broker-claim"))
         return full and core.credit() > 0
 
+    async def _read(
+        self, modes: set[ExecutionMode], queues: set[str] | None, size: int, blocked: frozenset[str]
+    ) -> list[Job]:
+        """A read of the store: the best ``size`` eligible jobs of ``modes`` in ``queues``,
+        but those being claimed and those of the queues held back (``blocked``)."""
+        if blocked:
+            return await self._store.select_eligible(  # type: ignore[call-arg]
+                modes=modes,
+                queues=queues,
+                limit=size,
+                skip=self._claiming(),
+                exclude_queues=blocked,
+            )
+        return await self._store.select_eligible(
+            modes=modes, queues=queues, limit=size, skip=self._claiming()
+        )
+
     async def _eligible(
-        self, modes: set[ExecutionMode], queues: set[str] | None, size: int, started: int
+        self,
+        modes: set[ExecutionMode],
+        queues: set[str] | None,
+        size: int,
+        started: int,
+        blocked: frozenset[str],
     ) -> tuple[list[Job], bool]:
         """The best ``size`` eligible jobs of ``modes`` (and whether there were that many):
         from the read-ahead while it holds, else from a read of the store, which may ask
-        for more than ``size`` (see :class:`ReadAhead`)."""
+        for more than ``size`` (see :class:`ReadAhead`). While some queue has settings
+        (paused, limited), every pass reads the store: jobs read ahead may belong to a
+        queue that has since run out of tokens, and would be served again and again."""
+        if self._handoff.flow.settings:
+            jobs = await self._read(modes, queues, size, blocked)
+            return jobs, len(jobs) == size
         now = asyncio.get_running_loop().time()
         served = self._ahead.serve(modes, queues, size, started, now)
         if served is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
@@ -69,6 +69,8 @@ class LiveState:
     orphans: int
     workers: list[dict[str, Any]]
     pending_recoveries: list[dict[str, Any]]
+    queue_settings: list[dict[str, Any]] = field(default_factory=list)
+    """The queues paused or rate limited (:meth:`broker.main.queues.QueueControl.status`)."""
 
 
 class Operations:
@@ -267,6 +269,7 @@ class Operations:
             "queues": queues,
             "workers": None if live is None else live.workers,
             "pending_recoveries": None if live is None else live.pending_recoveries,
+            "queue_settings": None if live is None else live.queue_settings,
         }
 
 

@@ -42,11 +42,15 @@ from broker.wire.requests import (
     JobInfo,
     JobList,
     JobRequest,
+    LimitQueue,
     ListJobs,
     ListTasks,
+    PauseQueue,
     Prune,
     Pruned,
+    QueueInfo,
     RequestError,
+    ResumeQueue,
     Retry,
     Status,
     StatusInfo,
@@ -532,6 +536,10 @@ Message: TypeAlias = (
     | JobList
     | Prune
     | Pruned
+    | PauseQueue
+    | ResumeQueue
+    | LimitQueue
+    | QueueInfo
 )
 
 for _cls in typing.get_args(Message):
@@ -571,14 +579,17 @@ __all__ = [
     "JobRequest",
     "Jobs",
     "LeaseRef",
+    "LimitQueue",
     "ListJobs",
     "ListTasks",
     "Message",
+    "PauseQueue",
     "Ping",
     "Pong",
     "Progress",
     "Prune",
     "Pruned",
+    "QueueInfo",
     "Ready",
     "ReleaseReport",
     "Report",
@@ -587,6 +598,7 @@ __all__ = [
     "Reports",
     "RequestError",
     "RescheduleReport",
+    "ResumeQueue",
     "Retry",
     "Role",
     "SaveCheckpoint",

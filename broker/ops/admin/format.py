@@ -169,6 +169,21 @@ def format_status(status: dict[str, Any]) -> str:
             ]
             headers = ["worker", "host", "capacity", "in flight", "credits", "draining"]
             out.append(table([*headers, "start-up errors"], rows))
+    settings = status.get("queue_settings")
+    if settings:
+        out.append("")
+        rows = [
+            [
+                str(q["queue"]),
+                "yes" if q["paused"] else "no",
+                f"{q['rate_limit']} (burst {q['rate_burst']})" if q["rate_limit"] else "-",
+                f"{q['token_wait_seconds']} s" if q["rate_limit"] else "-",
+                str(q["held_for_token"]),
+            ]
+            for q in settings
+        ]
+        headers = ["queue", "paused", "rate limit", "next token in", "held for a token"]
+        out.append(table(headers, rows))
     recoveries = status.get("pending_recoveries")
     if recoveries is not None:
         out.append("")
