@@ -59,7 +59,8 @@ def broker_parser() -> argparse.ArgumentParser:
         prog="broker",
         description="Operate the broker: status, top, jobs, job, retry, cancel, enqueue, tasks, "
         "prune, queue, migrate. Talks to the main; when the main cannot be reached and "
-        "--database-url is set, works on the store directly (never creating or migrating its schema).",
+        "--database-url is set, works on the store directly (never creating or migrating "
+        "its schema).",
     )
     add_version(p)
     add_main_address(p)
