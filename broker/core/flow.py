@@ -4,13 +4,16 @@ An operator pauses a queue, or limits how fast its jobs are dispatched (``50/s``
 burst), and the main, which sees every dispatch, enforces it exactly across all workers.
 This module decides; the dispatcher asks it before it claims:
 
-* :meth:`FlowControl.blocked` names the queues a dispatch read leaves out now (paused, or
-  limited with no token): their jobs stay queued, never claimed, so no attempt is counted;
+* :meth:`FlowControl.leave_out` names the queues a dispatch read leaves out now (paused,
+  or limited with no token): their jobs stay queued, never claimed, so no attempt is
+  counted;
 * :meth:`FlowControl.admits` and :meth:`FlowControl.admitted` are the check and the spend
   of one token as :meth:`broker.core.handoff.Handoff.plan` places a job, after its slot is
   reserved, so a held-back job never holds a credit;
 * :meth:`FlowControl.wake_at` is when the next token of a queue held back is due: the
-  dispatcher sleeps until then, and polls nothing.
+  dispatcher sleeps until then, and polls nothing. A read that left a queue out may
+  prove its mode drained; the wake comes even if the token fell due between that read
+  and the dispatcher's sleep, so the proof never outlives the token.
 
 The limiter is a GCRA (a token bucket kept as one number, its theoretical arrival time),
 counted in whole nanoseconds of the injected clock so that no rounding lets one more job
@@ -73,6 +76,10 @@ class FlowControl:
     buckets: dict[str, Bucket] = field(default_factory=dict)
     held: dict[str, int] = field(default_factory=dict)
     """Per queue, the jobs a plan found but held back for a token (a count that grows)."""
+    held_back: set[str] = field(default_factory=set)
+    """The queues the last dispatch read left out, and those a plan since refused a job
+    of: the dispatcher must look again when they get a token (:meth:`wake_at`), since
+    a read that left them out may have proven their modes drained."""
 
     def load(self, settings: list[QueueSettings]) -> None:
         """Start from the stored settings (a leader's start-up, a standby's takeover)."""
@@ -124,6 +131,13 @@ class FlowControl:
             if each.paused or not self.buckets[queue].admits(at)
         )
 
+    def leave_out(self, now: float) -> frozenset[str]:
+        """:meth:`blocked`, for a dispatch read about to leave them out: remembered until
+        the next read, so that :meth:`wake_at` wakes the dispatcher when they get a token."""
+        blocked = self.blocked(now)
+        self.held_back = set(blocked)
+        return blocked
+
     def admits(self, queue: str, now: float) -> bool:
         """Whether a job of ``queue`` may be dispatched at ``now`` (spends nothing)."""
         each = self.settings.get(queue)
@@ -134,6 +148,7 @@ class FlowControl:
         if self.buckets[queue].admits(_ns(now)):
             return True
         self.held[queue] = self.held.get(queue, 0) + 1
+        self.held_back.add(queue)
         return False
 
     def admitted(self, queue: str, now: float) -> None:
@@ -143,17 +158,17 @@ class FlowControl:
             bucket.take(_ns(now))
 
     def wake_at(self, now: float) -> float | None:
-        """When the first queue held back for a token gets one (``None``: none is); a
-        paused queue waits for its resume, which wakes the dispatcher itself."""
+        """When the dispatcher must read again by itself: when the first queue held back
+        for a token (:attr:`held_back`) gets one; ``now`` if one has a token already (the
+        read that left it out came just before it). ``None``: no queue waits for a token.
+        A paused queue waits for its resume, which wakes the dispatcher itself."""
         at = _ns(now)
         due = [
-            next_at
-            for queue, bucket in self.buckets.items()
-            if not self.settings[queue].paused
-            and (next_at := bucket.next_at()) is not None
-            and next_at > at
+            self.buckets[queue].next_at() or at
+            for queue in self.held_back
+            if queue in self.buckets and not self.settings[queue].paused
         ]
-        return min(due) / NANOS if due else None
+        return max(at, min(due)) / NANOS if due else None
 
     def token_wait(self, queue: str, now: float) -> float:
         """Seconds until ``queue``'s next token (0: it has one now, or no limit)."""

@@ -259,7 +259,7 @@ class Dispatcher:
         held = len(core.awaiting)
         size = core.read_limit(self._claim_batch, modes) + held
         started = core.queue_changes
-        blocked = core.flow.blocked(_loop_time())
+        blocked = core.flow.leave_out(_loop_time())
         jobs, full = await self._eligible(modes, queues, size, started, blocked)
         now = asyncio.get_running_loop().time()
         plan = core.plan(jobs, now)
@@ -269,7 +269,7 @@ class Dispatcher:
             # This read covers every mode with credit left, so whether it came back full
             # says whether another pass may find more.
             size = core.read_limit(self._claim_batch, left) + len(core.awaiting)
-            found = await self._read(left, queues, size, core.flow.blocked(now))
+            found = await self._read(left, queues, size, core.flow.leave_out(now))
             full = len(found) == size
             placed = core.plan(found, now)
             core.read_eligible(started, left, full=full or len(placed) < len(found), queues=queues)

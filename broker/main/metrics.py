@@ -340,8 +340,17 @@ class MeasuredStore:
         queues: Collection[str] | None = None,
         limit: int = 100,
         skip: Collection[uuid.UUID] = (),
+        exclude_queues: Collection[str] = (),
     ) -> list[Job]:
         with self._timed("select"):
+            if exclude_queues:  # only a store with SupportsQueueSettings is asked this
+                return await self._store.select_eligible(  # type: ignore[call-arg]
+                    modes=modes,
+                    queues=queues,
+                    limit=limit,
+                    skip=skip,
+                    exclude_queues=exclude_queues,
+                )
             return await self._select(modes=modes, queues=queues, limit=limit, skip=skip)
 
 

@@ -81,8 +81,11 @@ def test_a_quiet_spell_refills_the_burst_and_no_more() -> None:
         flow.admitted("q", 0.0)
         taken += 1
     assert taken == 3
-    assert flow.blocked(0.0) == {"q"}
+    assert flow.wake_at(0.0) == 0.1, "the plan held a job back: wake at its token"
+    assert flow.leave_out(0.0) == {"q"}
     assert flow.wake_at(0.0) == pytest.approx(0.1)
+    assert flow.wake_at(0.5) == 0.5, "due between the read and the sleep: wake at once"
+    assert flow.leave_out(0.5) == frozenset() and flow.wake_at(0.5) is None
     assert flow.token_wait("q", 0.05) == pytest.approx(0.05)
     assert flow.blocked(0.1) == frozenset()
     taken = 0
@@ -98,7 +101,7 @@ def test_pause_holds_a_queue_back_and_keeps_its_bucket() -> None:
     flow.apply(QueueSettings("q", rate=rate))
     flow.admitted("q", 0.0)
     flow.apply(QueueSettings("q", paused=True, rate=rate))
-    assert flow.blocked(5.0) == {"q"}
+    assert flow.leave_out(5.0) == {"q"}
     assert not flow.admits("q", 5.0)
     assert flow.wake_at(0.5) is None  # a paused queue waits for its resume
     flow.apply(QueueSettings("q", rate=rate))

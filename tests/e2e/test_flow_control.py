@@ -1,0 +1,134 @@
+"""Flow control with real processes, on SQLite files and PostgreSQL: a queue's rate limit
+holds across every worker (no one-second window of dispatches over the limit plus its
+burst), and a paused queue dispatches nothing while another drains, stays paused across a
+main's restart, and resumes at once."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from broker.jobs import Job, JobStatus
+from tests.e2e.test_e2e import (
+    Cluster,
+    enqueue,
+    eventually,
+    final_jobs,
+    observe,
+    record_spec,
+    store_url,
+    wait_until_all_terminal,
+)
+
+pytestmark = pytest.mark.slow
+
+__all__ = ["store_url"]  # the fixture: SQLite, and PostgreSQL when it is reachable
+
+RATE, BURST = 50, 5
+
+
+def _densest_second(jobs: list[Job]) -> int:
+    """The most jobs handed off (claimed by the main's dispatch) within any one second."""
+    times = sorted(job.handed_off_at.timestamp() for job in jobs if job.handed_off_at)
+    most, first = 0, 0
+    for last, at in enumerate(times):
+        while at - times[first] >= 1.0:
+            first += 1
+        most = max(most, last - first + 1)
+    return most
+
+
+async def _limited_run(tmp_path: Path, url: str, total: int) -> list[Job]:
+    """``total`` jobs of a queue limited to RATE/s (burst BURST), over four workers; the
+    jobs as the store left them."""
+    cluster = Cluster(tmp_path, url)
+    try:
+        await cluster.start_main()
+        for i in range(4):
+            await cluster.start_worker(f"worker-{i}", concurrency=8)
+        async with cluster.client() as client:
+            settings = await client.limit_queue("limited", f"{RATE}/s", burst=BURST)
+            assert settings["rate_limit"] == f"{RATE}/s" and settings["rate_burst"] == BURST
+        specs = [dataclasses.replace(record_spec(), queue="limited") for _ in range(total)]
+        await enqueue(cluster, specs)
+        async with observe(cluster.url) as store:
+            await wait_until_all_terminal(store, total, cluster, timeout=total / RATE * 3 + 30)
+    finally:
+        await cluster.close()
+    jobs = list((await final_jobs(url)).values())
+    assert len(jobs) == total
+    assert all(job.status is JobStatus.COMPLETED and job.attempts == 0 for job in jobs)
+    return jobs
+
+
+async def test_a_rate_limit_holds_across_four_workers(tmp_path: Path, store_url: str) -> None:
+    jobs = await _limited_run(tmp_path, store_url, 100)
+    assert _densest_second(jobs) <= RATE + BURST
+
+
+@pytest.mark.soak
+async def test_1000_jobs_at_50_a_second_take_20_seconds(tmp_path: Path, store_url: str) -> None:
+    jobs = await _limited_run(tmp_path, store_url, 1000)
+    assert _densest_second(jobs) <= RATE + BURST
+    times = sorted(job.handed_off_at.timestamp() for job in jobs if job.handed_off_at)
+    span = times[-1] - times[0]
+    assert 18.0 <= span <= 22.0, f"1000 jobs at {RATE}/s were dispatched over {span:.2f} s"
+
+
+async def test_a_paused_queue_waits_across_a_restart_and_resumes_at_once(
+    sqlite_cluster: Cluster,
+) -> None:
+    cluster = sqlite_cluster
+    main = await cluster.start_main()
+    await cluster.start_worker("worker-1", concurrency=4)
+    async with cluster.client() as client:
+        assert (await client.pause_queue("held"))["paused"] is True
+    held = await enqueue(
+        cluster, [dataclasses.replace(record_spec(), queue="held") for _ in range(20)]
+    )
+    free = await enqueue(
+        cluster, [dataclasses.replace(record_spec(), queue="free") for _ in range(20)]
+    )
+
+    async def only_free_done() -> bool:
+        jobs = await final_jobs(cluster.url)
+        assert all(jobs[key].status is JobStatus.QUEUED for key in held), "a paused job ran"
+        return all(jobs[key].status is JobStatus.COMPLETED for key in free)
+
+    await eventually(only_free_done, "the free queue to drain", detail=cluster.logs)
+
+    assert await main.terminate() == 0
+    main = await cluster.start_main()
+    more = await enqueue(
+        cluster, [dataclasses.replace(record_spec(), queue="free") for _ in range(5)]
+    )
+
+    async def more_done() -> bool:
+        jobs = await final_jobs(cluster.url)
+        assert all(jobs[key].status is JobStatus.QUEUED for key in held), "paused no more"
+        return all(jobs[key].status is JobStatus.COMPLETED for key in more)
+
+    await eventually(more_done, "the free queue to drain after the restart", detail=cluster.logs)
+    async with cluster.client() as client:
+        status = await client.status()
+        assert status["queue_settings"] == [
+            {
+                "queue": "held",
+                "paused": True,
+                "rate_limit": None,
+                "rate_burst": None,
+                "token_wait_seconds": 0.0,
+                "held_for_token": 0,
+            }
+        ]
+        assert (await client.resume_queue("held"))["paused"] is False
+
+    async def held_done() -> bool:
+        jobs = await final_jobs(cluster.url)
+        return all(jobs[key].status is JobStatus.COMPLETED for key in held)
+
+    await eventually(held_done, "the resumed queue to drain", detail=cluster.logs)
+    jobs = await final_jobs(cluster.url)
+    assert all(jobs[key].attempts == 0 for key in held), "held back is not an attempt"
