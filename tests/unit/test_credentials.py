@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from adapters.memory import MemoryAdapter
+from broker.core.flow import FlowControl
 from broker.exceptions import ConfigurationError
 from broker.jobs import utcnow
-from broker.core.flow import FlowControl
 from broker.main.operations import Operations
 from broker.main.queues import QueueControl
 from broker.main.requests import Requests
