@@ -371,6 +371,8 @@ class MainLevels:
     in_flight: int
     ledger: int
     orphans: int
+    queue_flow: Sequence[Mapping[str, Any]] = ()
+    """The queues paused or rate limited (:meth:`broker.main.queues.QueueControl.status`)."""
 
 
 class _MainLevelsCollector(Collector):
@@ -415,6 +417,27 @@ class _MainLevelsCollector(Collector):
         yield _gauge(
             "broker_orphans", "Hand-offs from before a restart, unclaimed.", levels.orphans
         )
+        yield from _flow(levels.queue_flow)
+
+
+def _flow(settings: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
+    """The queues with settings, at most :data:`MAX_LABEL_SETS` of them (by name; a main
+    rarely has more than a few): paused, and how long the next job waits for a token."""
+    paused = GaugeMetricFamily(
+        "broker_queue_paused", "1 while the queue is paused, else 0.", labels=["queue"]
+    )
+    wait = GaugeMetricFamily(
+        "broker_queue_token_wait_seconds",
+        "How long the rate-limited queue's next job waits for a token now.",
+        labels=["queue"],
+    )
+    for entry in settings[:MAX_LABEL_SETS]:
+        queue = label(str(entry["queue"]))
+        paused.add_metric([queue], 1.0 if entry["paused"] else 0.0)
+        if entry["rate_limit"] is not None:
+            wait.add_metric([queue], float(entry["token_wait_seconds"]))
+    yield paused
+    yield wait
 
 
 def _by_queue(levels: MainLevels) -> tuple[dict[str, dict[str, int]], dict[str, float]]:

@@ -99,6 +99,7 @@ class Dashboard(HttpServer):
             in_flight=sum(len(p.leases) for p in workers),
             ledger=len(handoff.returns),
             orphans=len(handoff.orphans),
+            queue_flow=self.main.queues.status(),
         )
 
     def _throughput(self) -> dict[str, float]:
