@@ -18,6 +18,7 @@ from broker.core.flow import FlowControl
 from broker.exceptions import ConfigurationError, ProtocolError
 from broker.model.logs import log_event
 from broker.model.rates import Rate
+from broker.model.values import check_name
 from broker.storage import QueueSettings, StorageAdapter, SupportsQueueSettings
 from broker.wire import messages as protocol
 
@@ -78,6 +79,9 @@ class QueueControl:
         not applied, so the main never enforces what a restart would forget."""
         store = self._settings_store()
         try:
+            check_name("queue", new.queue)
+            if not new.queue:
+                raise ValueError("queue must not be empty")
             self._flow.check(new)
         except ValueError as exc:
             raise ProtocolError(str(exc)) from None
