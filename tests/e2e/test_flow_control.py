@@ -1,7 +1,7 @@
 """Flow control with real processes, on SQLite files and PostgreSQL: a queue's rate limit
 holds across every worker (no one-second window of dispatches over the limit plus its
 burst), and a paused queue dispatches nothing while another drains, stays paused across a
-main's restart, and resumes at once."""
+main's restart, and resumes at once; both hold across a failover to a standby main."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from broker.jobs import Job, JobStatus
 from tests.e2e.test_e2e import (
     Cluster,
+    RunLog,
     enqueue,
     eventually,
     final_jobs,
@@ -21,10 +22,11 @@ from tests.e2e.test_e2e import (
     store_url,
     wait_until_all_terminal,
 )
+from tests.e2e.test_failover import Mains, pg_url
 
 pytestmark = pytest.mark.slow
 
-__all__ = ["store_url"]  # the fixture: SQLite, and PostgreSQL when it is reachable
+__all__ = ["pg_url", "store_url"]  # the fixtures: a store of each kind, a PostgreSQL database
 
 RATE, BURST = 50, 5
 
@@ -132,3 +134,52 @@ async def test_a_paused_queue_waits_across_a_restart_and_resumes_at_once(
     await eventually(held_done, "the resumed queue to drain", detail=cluster.logs)
     jobs = await final_jobs(cluster.url)
     assert all(jobs[key].attempts == 0 for key in held), "held back is not an attempt"
+
+
+@pytest.mark.postgres
+async def test_settings_hold_across_a_failover_to_a_standby(tmp_path: Path, pg_url: str) -> None:
+    """The leader is killed while a limited queue drains and another is paused: the
+    standby that takes over reads the settings from the store, so the limit holds across
+    the takeover and the paused queue stays paused until resumed."""
+    cluster = Mains(tmp_path, pg_url, 2)
+    try:
+        leader = await cluster.start_mains()
+        await cluster.start_worker("worker-0")
+        await cluster.start_worker("worker-1")
+        async with cluster.client() as client:
+            await client.limit_queue("limited", "20/s", burst=2)
+            await client.pause_queue("held")
+        held = await enqueue(
+            cluster, [dataclasses.replace(record_spec(), queue="held") for _ in range(10)]
+        )
+        limited = await enqueue(
+            cluster, [dataclasses.replace(record_spec(), queue="limited") for _ in range(80)]
+        )
+        await eventually(
+            lambda: RunLog.read(cluster.runs).total_ends() >= 20,
+            "the limited queue to be under way",
+            detail=cluster.logs,
+        )
+        await leader.kill()
+        await cluster.new_leader(leader)
+
+        async def limited_done() -> bool:
+            jobs = await final_jobs(pg_url)
+            assert all(jobs[key].status is JobStatus.QUEUED for key in held), "a paused job ran"
+            return all(jobs[key].status is JobStatus.COMPLETED for key in limited)
+
+        await eventually(
+            limited_done, "the limited queue to drain", timeout=60, detail=cluster.logs
+        )
+        async with cluster.client() as client:
+            await client.resume_queue("held")
+
+        async def held_done() -> bool:
+            jobs = await final_jobs(pg_url)
+            return all(jobs[key].status is JobStatus.COMPLETED for key in held)
+
+        await eventually(held_done, "the resumed queue to drain", detail=cluster.logs)
+    finally:
+        await cluster.close()
+    jobs = await final_jobs(pg_url)
+    assert _densest_second([jobs[key] for key in limited]) <= 20 + 2
