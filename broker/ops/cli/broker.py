@@ -54,6 +54,12 @@ def _page(name: str, value: int) -> object:
     return value
 
 
+def _json_here(parser: argparse.ArgumentParser) -> None:
+    """``--json`` after a nested subcommand too (``broker queue pause mail --json``); left
+    unset unless given, so it never undoes a ``--json`` given before the subcommand."""
+    parser.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
+
+
 def broker_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="broker",
@@ -210,6 +216,7 @@ def broker_parser() -> argparse.ArgumentParser:
     ):
         action = queue_sub.add_parser(name, help=text, description=text)
         action.add_argument("queue", help="the queue's name")
+        _json_here(action)
     limit = queue_sub.add_parser(
         "limit",
         help="dispatch at most RATE of the queue's jobs, across every worker",
@@ -225,6 +232,7 @@ def broker_parser() -> argparse.ArgumentParser:
         help="jobs let through at once after a quiet spell (default 1)",
     )
     limit.add_argument("--clear", action="store_true", help="remove the queue's rate limit")
+    _json_here(limit)
     command(
         "migrate",
         "create the schema of the store at --database-url, or migrate it to this version "
