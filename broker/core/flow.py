@@ -77,9 +77,10 @@ class FlowControl:
     held: dict[str, int] = field(default_factory=dict)
     """Per queue, the jobs a plan found but held back for a token (a count that grows)."""
     held_back: set[str] = field(default_factory=set)
-    """The queues the last dispatch read left out, and those a plan since refused a job
-    of: the dispatcher must look again when they get a token (:meth:`wake_at`), since
-    a read that left them out may have proven their modes drained."""
+    """The queues the last dispatch read left out, and those a plan since placed or
+    refused a job of: the dispatcher must look again when they get a token
+    (:meth:`wake_at`), since a read that left them out may have proven their modes
+    drained, and a queue that spent its last token may have more jobs."""
 
     def load(self, settings: list[QueueSettings]) -> None:
         """Start from the stored settings (a leader's start-up, a standby's takeover)."""
@@ -152,10 +153,14 @@ class FlowControl:
         return False
 
     def admitted(self, queue: str, now: float) -> None:
-        """A job of ``queue`` was placed at ``now``: it spends a token."""
+        """A job of ``queue`` was placed at ``now``: it spends a token. The queue counts as
+        held back from now on: it may have more jobs, and the token just spent may have
+        been its last, so the dispatcher must look again when the next one is due (a
+        plan that took every job it read refused none, and would not say so)."""
         bucket = self.buckets.get(queue)
         if bucket is not None:
             bucket.take(_ns(now))
+            self.held_back.add(queue)
 
     def wake_at(self, now: float) -> float | None:
         """When the dispatcher must read again by itself: when the first queue held back

@@ -140,3 +140,14 @@ def test_a_bad_burst_is_refused() -> None:
 def test_rates_read_back_as_written() -> None:
     assert str(parse_rate(" 600 / m ")) == "600/m"
     assert parse_rate("3600/h").per_second == 1.0
+
+
+def test_a_queue_that_spent_its_last_token_wakes_the_dispatcher_at_the_next() -> None:
+    """A plan that took every job it read (none refused) still leaves the queue to look
+    at again when its next token is due: it may have more jobs queued."""
+    flow = FlowControl()
+    flow.apply(QueueSettings("q", rate=parse_rate("10/s")))
+    assert flow.leave_out(0.0) == frozenset()
+    assert flow.admits("q", 0.0)
+    flow.admitted("q", 0.0)
+    assert flow.wake_at(0.0) == pytest.approx(0.1)
