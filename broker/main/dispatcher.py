@@ -174,8 +174,9 @@ class Dispatcher:
                     # The first claim to answer wakes us for another pass, which looks
                     # again. Reading the next run time meanwhile would cost the store a
                     # scan of the queued rows per pass for nothing (it is worked out
-                    # again once no claim is under way).
-                    await self._wake.wait()
+                    # again once no claim is under way). A rate-limited queue's next
+                    # token does not wait for the claim: a slow claim would lose tokens.
+                    await self._until_woken(self._handoff.flow.wake_at(_loop_time()))
                     continue
                 timeout = await self._idle_timeout()
                 try:
@@ -192,6 +193,18 @@ class Dispatcher:
             for task in self._claims:
                 task.cancel()
             await asyncio.gather(*self._claims, return_exceptions=True)
+
+    async def _until_woken(self, at: float | None) -> None:
+        """Until woken, or until loop time ``at`` (when a queue held back gets a token:
+        no queue counts as drained then, see :meth:`FlowControl.wake_at`)."""
+        if at is None:
+            await self._wake.wait()
+            return
+        try:
+            async with asyncio.timeout_at(at):
+                await self._wake.wait()
+        except TimeoutError:
+            self._handoff.queue_changed()
 
     async def _idle_timeout(self) -> float | None:
         """How long to sleep when there is nothing to dispatch (see

@@ -29,6 +29,13 @@ pytestmark = pytest.mark.slow
 __all__ = ["pg_url", "store_url"]  # the fixtures: a store of each kind, a PostgreSQL database
 
 RATE, BURST = 50, 5
+CLAIM_LATENCY = 0.1
+"""Seconds a claim may take to commit, under load. The limiter admits at the main's
+plan time, exactly (``tests/unit/test_flow.py`` proves the window rule there); a job's
+recorded ``handed_off_at`` is the store's clock when its claim commits, up to this much
+later, so a one-second window of recorded times may also hold the jobs admitted in the
+``CLAIM_LATENCY`` before it: ``RATE * CLAIM_LATENCY`` more at most."""
+MOST_IN_A_SECOND = RATE + BURST + round(RATE * CLAIM_LATENCY)
 
 
 def _densest_second(jobs: list[Job]) -> int:
@@ -67,15 +74,18 @@ async def _limited_run(tmp_path: Path, url: str, total: int) -> list[Job]:
 
 async def test_a_rate_limit_holds_across_four_workers(tmp_path: Path, store_url: str) -> None:
     jobs = await _limited_run(tmp_path, store_url, 100)
-    assert _densest_second(jobs) <= RATE + BURST
+    assert _densest_second(jobs) <= MOST_IN_A_SECOND
 
 
 @pytest.mark.soak
 async def test_1000_jobs_at_50_a_second_take_20_seconds(tmp_path: Path, store_url: str) -> None:
     jobs = await _limited_run(tmp_path, store_url, 1000)
-    assert _densest_second(jobs) <= RATE + BURST
     times = sorted(job.handed_off_at.timestamp() for job in jobs if job.handed_off_at)
     span = times[-1] - times[0]
+    print(
+        f"1000 jobs at {RATE}/s: dispatched over {span:.2f} s, {_densest_second(jobs)} at most a second"
+    )
+    assert most <= MOST_IN_A_SECOND
     assert 18.0 <= span <= 22.0, f"1000 jobs at {RATE}/s were dispatched over {span:.2f} s"
 
 
@@ -182,4 +192,4 @@ async def test_settings_hold_across_a_failover_to_a_standby(tmp_path: Path, pg_u
     finally:
         await cluster.close()
     jobs = await final_jobs(pg_url)
-    assert _densest_second([jobs[key] for key in limited]) <= 20 + 2
+    assert _densest_second([jobs[key] for key in limited]) <= 20 + 2 + round(20 * CLAIM_LATENCY)
