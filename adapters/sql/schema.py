@@ -446,8 +446,9 @@ queue_settings = _queue_settings_table(metadata)
 
 
 def _v15_queue_settings(conn: sa.Connection, schema: str | None) -> None:
-    """Version 15: the queue settings, a new table (no existing row changes)."""
-    _queue_settings_table(sa.MetaData()).create(conn)
+    """Version 15: the queue settings, a new table (no existing row changes); left as it
+    is if a store rolled back to an older version by hand kept it."""
+    _queue_settings_table(sa.MetaData()).create(conn, checkfirst=True)
 
 
 def _v4_payloads(conn: sa.Connection, schema: str | None) -> None:

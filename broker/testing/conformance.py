@@ -1056,7 +1056,7 @@ async def check_queue_settings_are_kept_replaced_and_cleared(ctx: Context) -> No
 
 @_check
 async def check_dispatch_reads_leave_out_the_queues_excluded(ctx: Context) -> None:
-    """select_eligible and next_run_at leave out the queues in exclude_queues."""
+    """Dispatch reads (the selection and the next run time) leave out the queues excluded."""
     _queue_settings(ctx)
     store: Any = ctx.store
     held = await _enqueue(ctx.store, queue="held", priority=5)
