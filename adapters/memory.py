@@ -59,6 +59,7 @@ from broker.storage import (
     JobPage,
     PayloadIntegrityError,
     QueueCount,
+    QueueSettings,
     TaskRecord,
     check_payload,
     log_refused_at_claim,
@@ -110,6 +111,7 @@ class MemoryAdapter:
         self._workflows: dict[uuid.UUID, uuid.UUID] = {}
         """Each workflow member's workflow id."""
         self._deps = _Dependencies(self)
+        self._queue_settings: dict[str, QueueSettings] = {}
 
     @property
     def capabilities(self) -> Capabilities:
@@ -256,7 +258,10 @@ class MemoryAdapter:
             await dependencies.propagate(self._deps, [(job_id, status)])
 
     def _eligible(
-        self, modes: Collection[ExecutionMode], queues: Collection[str] | None
+        self,
+        modes: Collection[ExecutionMode],
+        queues: Collection[str] | None,
+        exclude_queues: Collection[str] = (),
     ) -> list[Job]:
         return [
             job
@@ -264,6 +269,7 @@ class MemoryAdapter:
             if job.status is JobStatus.QUEUED
             and job.execution_mode in modes
             and (queues is None or job.queue in queues)
+            and job.queue not in exclude_queues
         ]
 
     async def select_eligible(
@@ -273,13 +279,14 @@ class MemoryAdapter:
         queues: Collection[str] | None = None,
         limit: int = 100,
         skip: Collection[uuid.UUID] = (),
+        exclude_queues: Collection[str] = (),
         tasks: Collection[str] | None = None,
     ) -> list[Job]:
         now = self._clock()
         skipped = set(skip)
         due = [
             job
-            for job in self._eligible(modes, queues)
+            for job in self._eligible(modes, queues, exclude_queues)
             if job.run_at <= now
             and self._key_has_room(job)
             and job.id not in skipped
@@ -289,9 +296,24 @@ class MemoryAdapter:
         return [self._snapshot(job.id, payloads=False) for job in due[:limit]]
 
     async def next_run_at(
-        self, *, modes: Collection[ExecutionMode], queues: Collection[str] | None = None
+        self,
+        *,
+        modes: Collection[ExecutionMode],
+        queues: Collection[str] | None = None,
+        exclude_queues: Collection[str] = (),
     ) -> datetime | None:
-        return min((job.run_at for job in self._eligible(modes, queues)), default=None)
+        return min(
+            (job.run_at for job in self._eligible(modes, queues, exclude_queues)), default=None
+        )
+
+    async def queue_settings(self) -> list[QueueSettings]:
+        return [self._queue_settings[queue] for queue in sorted(self._queue_settings)]
+
+    async def save_queue_settings(self, settings: QueueSettings) -> None:
+        if settings.empty:
+            self._queue_settings.pop(settings.queue, None)
+        else:
+            self._queue_settings[settings.queue] = settings
 
     def _key_has_room(self, job: Job) -> bool:
         if job.concurrency_key is None or job.concurrency_limit is None:

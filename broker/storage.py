@@ -68,10 +68,11 @@ from broker.jobs import (
     Settlement,
 )
 from broker.model.logs import log_event
+from broker.model.rates import Rate
 
 logger = logging.getLogger("broker.main")
 
-SCHEMA_VERSION = 15
+SCHEMA_VERSION = 16
 """The schema version this code writes and understands; stores record theirs."""
 
 
@@ -132,6 +133,22 @@ class TaskRecord:
     store keeps it as given and never reads inside it."""
     seen_at: datetime
     """When this worker last declared the task."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSettings:
+    """One queue's operator settings, as stored (see :class:`SupportsQueueSettings`) and as
+    the main enforces them (:mod:`broker.core.flow`): paused, and a rate limit."""
+
+    queue: str
+    paused: bool = False
+    rate: Rate | None = None
+    """At most this many dispatches a second, minute or hour, with its burst."""
+
+    @property
+    def empty(self) -> bool:
+        """Nothing set: the queue is as if it had no settings (the store keeps no row)."""
+        return not self.paused and self.rate is None
 
 
 @runtime_checkable
@@ -453,6 +470,28 @@ class SupportsEnqueueHandedOff(Protocol):
         is stored: its claim is not won either. The main knows a claim won by the result's
         ``handoff_id``, as for :meth:`StorageAdapter.mark_handed_off_many`.
         """
+
+
+@runtime_checkable
+class SupportsQueueSettings(Protocol):
+    """Optional: keep each queue's settings (paused, rate limit) so they outlive a main, and
+    leave the queues named in ``exclude_queues`` out of dispatch reads.
+
+    A main reads the settings when it starts to lead (a restart, a standby's takeover)
+    and writes each change before it applies it. An adapter without this capability
+    still works: a main on it refuses to pause or limit a queue, saying why.
+    ``select_eligible`` and ``next_run_at`` of such an adapter also take
+    ``exclude_queues`` (a collection of queue names, default empty): jobs of those
+    queues are left out, as jobs of queues not in ``queues`` are. The conformance kit
+    (:mod:`broker.testing.conformance`) checks both.
+    """
+
+    async def queue_settings(self) -> list[QueueSettings]:
+        """Every queue's stored settings (at most ``MAX_QUEUE_SETTINGS``), by queue name."""
+
+    async def save_queue_settings(self, settings: QueueSettings) -> None:
+        """Store ``settings`` for its queue, replacing what was there; settings with
+        nothing set (:attr:`QueueSettings.empty`) delete the queue's row."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -347,20 +347,27 @@ class SQLAlchemyAdapter(CoreQueries):
         queues: Collection[str] | None = None,
         limit: int = 100,
         skip: Collection[uuid.UUID] = (),
+        exclude_queues: Collection[str] = (),
         tasks: Collection[str] | None = None,
     ) -> list[Job]:
-        if not modes or limit <= 0 or (tasks is not None and not tasks):
+        queues, exclude = _queue_filter(queues, exclude_queues)
+        if not modes or limit <= 0 or queues == set() or (tasks is not None and not tasks):
             return []
         with self._errors.translate("select_eligible"):
-            return await self._dialect.select_eligible(modes, queues, limit, skip, tasks)
+            return await self._dialect.select_eligible(modes, queues, exclude, limit, skip, tasks)
 
     async def next_run_at(
-        self, *, modes: Collection[ExecutionMode], queues: Collection[str] | None = None
+        self,
+        *,
+        modes: Collection[ExecutionMode],
+        queues: Collection[str] | None = None,
+        exclude_queues: Collection[str] = (),
     ) -> datetime | None:
-        if not modes:
+        queues, exclude = _queue_filter(queues, exclude_queues)
+        if not modes or queues == set():
             return None
         with self._errors.translate("next_run_at"):
-            return await self._dialect.next_run_at(modes, queues)
+            return await self._dialect.next_run_at(modes, queues, exclude)
 
     async def mark_handed_off(
         self, job_id: uuid.UUID, handoff_id: uuid.UUID, worker_id: str
@@ -471,3 +478,13 @@ class SQLAlchemyAdapter(CoreQueries):
 
 
 __all__ = ["SQLAlchemyAdapter"]
+
+
+def _queue_filter(
+    queues: Collection[str] | None, exclude: Collection[str]
+) -> tuple[set[str] | None, list[str]]:
+    """A dispatch read's queues as the dialects take them: the queues wanted (``None``:
+    all) and, only when all are wanted, those left out (sorted), never both."""
+    if queues is None:
+        return None, sorted(set(exclude))
+    return set(queues) - set(exclude), []

@@ -66,12 +66,16 @@ class Dialect(Protocol):
         self,
         modes: Collection[ExecutionMode],
         queues: Collection[str] | None,
+        exclude: Sequence[str],
         limit: int,
         skip: Collection[uuid.UUID],
         tasks: Collection[str] | None,
     ) -> list[Job]: ...
     async def next_run_at(
-        self, modes: Collection[ExecutionMode], queues: Collection[str] | None
+        self,
+        modes: Collection[ExecutionMode],
+        queues: Collection[str] | None,
+        exclude: Sequence[str],
     ) -> datetime | None: ...
     async def claim(self, claims: list[Claim], epoch: int | None) -> list[Job]: ...
     async def settle(

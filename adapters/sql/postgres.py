@@ -218,29 +218,40 @@ class PostgresDialect:
         self,
         modes: Collection[ExecutionMode],
         queues: Collection[str] | None,
+        exclude: Sequence[str],
         limit: int,
         skip: Collection[uuid.UUID],
         tasks: Collection[str] | None,
     ) -> list[Job]:
         wanted: list[Any] = [sorted({ExecutionMode(m).value for m in modes})]
+        sql = self._sql
+        statement = sql.eligible
         if queues is not None:
             wanted.append(sorted(set(queues)))
+            statement = sql.eligible_in_queues
+        elif exclude:
+            wanted.append(list(exclude))
+            statement = sql.eligible_not_in_queues
         of_tasks = None if tasks is None else sorted(set(tasks))
         async with self._hot.acquire() as conn:
-            statement = self._sql.eligible if queues is None else self._sql.eligible_in_queues
             found = await conn.fetch(statement, *wanted, self._now(), limit, list(skip), of_tasks)
         return [job_from_row(r) for r in found]
 
     async def next_run_at(
-        self, modes: Collection[ExecutionMode], queues: Collection[str] | None
+        self,
+        modes: Collection[ExecutionMode],
+        queues: Collection[str] | None,
+        exclude: Sequence[str],
     ) -> datetime | None:
         sql = self._sql
         wanted = [sorted({ExecutionMode(m).value for m in modes})]
         async with self._hot.acquire() as conn:
-            if queues is None:
-                earliest = await conn.fetchval(sql.next_run, *wanted)
-            else:
+            if queues is not None:
                 earliest = await conn.fetchval(sql.next_run_in_queues, *wanted, sorted(queues))
+            elif exclude:
+                earliest = await conn.fetchval(sql.next_run_not_in_queues, *wanted, list(exclude))
+            else:
+                earliest = await conn.fetchval(sql.next_run, *wanted)
         return None if earliest is None else from_us(earliest)
 
     async def claim(self, claims: list[Claim], epoch: int | None) -> list[Job]:

@@ -287,6 +287,7 @@ class HotSql:
         """
         due = "status = 'queued' AND execution_mode = ANY($1::text[])"
         in_queues = " AND queue = ANY($2::text[])"
+        not_in_queues = " AND queue <> ALL($2::text[])"
         not_full = (
             f"NOT EXISTS (SELECT 1 FROM {c} c WHERE c.key = j.concurrency_key "
             "AND c.active >= j.concurrency_limit)"
@@ -318,8 +319,10 @@ class HotSql:
 
         self.eligible = eligible("", 2)
         self.eligible_in_queues = eligible(in_queues, 3)
+        self.eligible_not_in_queues = eligible(not_in_queues, 3)
         self.next_run = f"SELECT min(run_at_us) FROM {t} WHERE {due}"
         self.next_run_in_queues = f"SELECT min(run_at_us) FROM {t} WHERE {due}{in_queues}"
+        self.next_run_not_in_queues = f"SELECT min(run_at_us) FROM {t} WHERE {due}{not_in_queues}"
         # Enqueue: the rows come as one JSON array of objects keyed by column, not as an
         # array per column. Binding 23 arrays cost the main about 11 us of CPU per job
         # (asyncpg checks each element for nesting); the JSON, encoded by msgspec, 2 us,

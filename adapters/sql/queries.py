@@ -40,12 +40,14 @@ from adapters.sql.schema import (
     job_edges,
     jobs,
     payloads,
+    queue_settings,
     task_catalog,
 )
 from broker import settlement
 from broker.exceptions import StorageError, UniqueKeyTakenError
 from broker.jobs import TERMINAL_STATUSES, Clock, Job, JobStatus, JSONValue
-from broker.storage import JobFilter, JobPage, QueueCount, TaskRecord
+from broker.model.rates import Rate
+from broker.storage import JobFilter, JobPage, QueueCount, QueueSettings, TaskRecord
 
 _QUEUED = JobStatus.QUEUED.value
 _READ_ROUNDS = 5
@@ -259,6 +261,37 @@ class CoreQueries:
         if limit is not None:  # a limit per slice of names: the most recent of them all
             records = sorted(records, key=lambda r: r.seen_at, reverse=True)[:limit]
         return sorted(records, key=lambda r: (r.task, r.worker_id))
+
+    async def queue_settings(self) -> list[QueueSettings]:
+        select = sa.select(queue_settings).order_by(queue_settings.c.queue)
+        async with self._read("queue_settings") as conn:
+            rows = (await conn.execute(select)).mappings().all()
+        return [
+            QueueSettings(
+                queue=row["queue"],
+                paused=bool(row["paused"]),
+                rate=None
+                if row["rate_count"] is None
+                else Rate(row["rate_count"], row["rate_per"], row["rate_burst"]),
+            )
+            for row in rows
+        ]
+
+    async def save_queue_settings(self, settings: QueueSettings) -> None:
+        rate = settings.rate
+        row = {
+            "queue": settings.queue,
+            "paused": settings.paused,
+            "rate_count": None if rate is None else rate.count,
+            "rate_per": None if rate is None else rate.per,
+            "rate_burst": None if rate is None else rate.burst,
+        }
+        async with self._write("save_queue_settings") as conn:
+            await conn.execute(
+                sa.delete(queue_settings).where(queue_settings.c.queue == settings.queue)
+            )
+            if not settings.empty:
+                await conn.execute(sa.insert(queue_settings), [row])
 
     async def forget_tasks(
         self, live_workers: Collection[str], seen_at: datetime, gone_before: datetime

@@ -487,6 +487,30 @@ def _v9_task_catalog(conn: sa.Connection, schema: str | None) -> None:
     _task_catalog_table(sa.MetaData()).create(conn)
 
 
+def _queue_settings_table(md: sa.MetaData) -> sa.Table:
+    """The queues' operator settings (version 15): one row per queue that has any (paused,
+    or a rate limit: ``rate_count`` dispatches per ``rate_per``, ``s``, ``m`` or ``h``, with
+    ``rate_burst``). A queue with nothing set has no row."""
+    return sa.Table(
+        "broker_queue_settings",
+        md,
+        sa.Column("queue", sa.Text(), primary_key=True),
+        sa.Column("paused", sa.Boolean(), nullable=False),
+        sa.Column("rate_count", sa.Integer()),
+        sa.Column("rate_per", sa.Text()),
+        sa.Column("rate_burst", sa.Integer()),
+    )
+
+
+queue_settings = _queue_settings_table(metadata)
+
+
+def _v16_queue_settings(conn: sa.Connection, schema: str | None) -> None:
+    """Version 16: the queue settings, a new table (no existing row changes); left as it
+    is if a store rolled back to an older version by hand kept it."""
+    _queue_settings_table(sa.MetaData()).create(conn, checkfirst=True)
+
+
 def _v4_payloads(conn: sa.Connection, schema: str | None) -> None:
     """Version 4: ``broker_payloads``, where values over the offload threshold live.
 
@@ -753,6 +777,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (13, _v13_quiet_inserts_skip_the_trigger),
     (14, _v14_payload_digests),
     (15, _v15_dependencies),
+    (16, _v16_queue_settings),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

@@ -177,6 +177,8 @@ _LITE_DUE = "status = 'queued' AND execution_mode IN (SELECT value FROM json_eac
 _LITE_IN_QUEUES = " AND queue IN (SELECT value FROM json_each(?2))"
 _LITE_NEXT_RUN = f"SELECT min(run_at_us) FROM broker_jobs WHERE {_LITE_DUE}"
 _LITE_NEXT_RUN_IN_QUEUES = _LITE_NEXT_RUN + _LITE_IN_QUEUES
+_LITE_NOT_IN_QUEUES = " AND queue NOT IN (SELECT value FROM json_each(?2))"
+_LITE_NEXT_RUN_NOT_IN_QUEUES = _LITE_NEXT_RUN + _LITE_NOT_IN_QUEUES
 
 
 def _lite_eligible(queue_test: str) -> str:
@@ -203,14 +205,25 @@ def _lite_eligible(queue_test: str) -> str:
 
 _LITE_ELIGIBLE = _lite_eligible("")
 _LITE_ELIGIBLE_IN_QUEUES = _lite_eligible(_LITE_IN_QUEUES)
+_LITE_ELIGIBLE_NOT_IN_QUEUES = _lite_eligible(_LITE_NOT_IN_QUEUES)
 
 
 def _lite_wanted(
-    modes: Collection[ExecutionMode], queues: Collection[str] | None
-) -> tuple[Any, ...]:
-    """The modes (``?1``) and queues (``?2``, if any) of SQLite's dispatch reads."""
+    modes: Collection[ExecutionMode], queues: Collection[str] | None, exclude: Sequence[str]
+) -> tuple[tuple[Any, ...], int]:
+    """The modes (``?1``) and queues (``?2``, if any) of SQLite's dispatch reads, and which
+    queue test they take: 0 none, 1 the queues in ``?2``, 2 all but those in ``?2``
+    (queues left out: see ``adapters.sql.adapter._queue_filter``)."""
     wanted = json.dumps(sorted({ExecutionMode(m).value for m in modes}))
-    return wanted, None if queues is None else json.dumps(sorted(set(queues)))
+    if queues is not None:
+        return (wanted, json.dumps(sorted(set(queues)))), 1
+    if exclude:
+        return (wanted, json.dumps(list(exclude))), 2
+    return (wanted, None), 0
+
+
+_LITE_ELIGIBLE_BY_TEST = (_LITE_ELIGIBLE, _LITE_ELIGIBLE_IN_QUEUES, _LITE_ELIGIBLE_NOT_IN_QUEUES)
+_LITE_NEXT_RUN_BY_TEST = (_LITE_NEXT_RUN, _LITE_NEXT_RUN_IN_QUEUES, _LITE_NEXT_RUN_NOT_IN_QUEUES)
 
 
 _LITE_INSERT_ROWS = 25
@@ -467,26 +480,28 @@ class SqliteDialect:
         self,
         modes: Collection[ExecutionMode],
         queues: Collection[str] | None,
+        exclude: Sequence[str],
         limit: int,
         skip: Collection[uuid.UUID],
         tasks: Collection[str] | None,
     ) -> list[Job]:
-        params = _lite_wanted(modes, queues)
+        params, test = _lite_wanted(modes, queues, exclude)
         params += (self._now(), limit, json.dumps([job_id.hex for job_id in skip]))
         params += (None if tasks is None else json.dumps(sorted(set(tasks))),)
-        statement = _LITE_ELIGIBLE_IN_QUEUES if queues is not None else _LITE_ELIGIBLE
+        statement = _LITE_ELIGIBLE_BY_TEST[test]
         rows = await self._reads.run(lambda conn: conn.execute(statement, params).fetchall())
         return [_lite_job(r) for r in rows]
 
     async def next_run_at(
-        self, modes: Collection[ExecutionMode], queues: Collection[str] | None
+        self,
+        modes: Collection[ExecutionMode],
+        queues: Collection[str] | None,
+        exclude: Sequence[str],
     ) -> datetime | None:
-        params = _lite_wanted(modes, queues)
-        statement = _LITE_NEXT_RUN
-        if queues is None:
+        params, test = _lite_wanted(modes, queues, exclude)
+        statement = _LITE_NEXT_RUN_BY_TEST[test]
+        if test == 0:
             params = params[:1]  # the statement reads no ?2
-        else:
-            statement = _LITE_NEXT_RUN_IN_QUEUES
         value = await self._reads.run(lambda conn: conn.execute(statement, params).fetchall()[0][0])
         return None if value is None else from_us(value)
 

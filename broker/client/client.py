@@ -36,6 +36,7 @@ from broker.exceptions import (
 )
 from broker.jobs import ExecutionMode, JobSpec, JobStatus, JSONValue
 from broker.model.bounds import MESSAGE_CONTAINERS
+from broker.model.rates import parse_rate
 from broker.payload import containers_in, too_many_containers
 from broker.tasks.registry import Enqueued, Task
 from broker.tasks.workflow import EnqueuedWorkflow, Workflow, final_job, workflow_specs
@@ -519,6 +520,39 @@ class Client:
             lambda rid: protocol.Status(request_id=rid), protocol.StatusInfo
         )
         return reply.status
+
+    async def pause_queue(self, queue: str) -> dict[str, JSONValue]:
+        """Dispatch no more of ``queue``'s jobs until :meth:`resume_queue` (its running jobs
+        finish; new and scheduled ones wait, queued). Kept in the store: a restart or a
+        failover keeps it. Needs the operator role. Returns the queue's settings."""
+        reply = await self._request(
+            lambda rid: protocol.PauseQueue(request_id=rid, queue=queue), protocol.QueueInfo
+        )
+        return reply.queue
+
+    async def resume_queue(self, queue: str) -> dict[str, JSONValue]:
+        """Dispatch ``queue``'s jobs again, at once (see :meth:`pause_queue`)."""
+        reply = await self._request(
+            lambda rid: protocol.ResumeQueue(request_id=rid, queue=queue), protocol.QueueInfo
+        )
+        return reply.queue
+
+    async def limit_queue(
+        self, queue: str, rate: str | None, *, burst: int = 1
+    ) -> dict[str, JSONValue]:
+        """Dispatch at most ``rate`` of ``queue``'s jobs (``"50/s"``, ``"600/m"``,
+        ``"100/h"``), ``burst`` of them at once after a quiet spell, across every worker;
+        ``rate=None`` clears the limit. Kept in the store. Needs the operator role.
+
+        :raises ValueError: ``rate`` or ``burst`` is not valid (before anything is sent).
+        """
+        if rate is not None:
+            parse_rate(rate, burst)
+        reply = await self._request(
+            lambda rid: protocol.LimitQueue(request_id=rid, queue=queue, rate=rate, burst=burst),
+            protocol.QueueInfo,
+        )
+        return reply.queue
 
     async def list_jobs(
         self,

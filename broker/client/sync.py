@@ -103,6 +103,15 @@ class SyncClient:
     def prune(self, **kwargs: Any) -> int:
         return self._call(self._client.prune, **kwargs)
 
+    def pause_queue(self, queue: str) -> dict[str, JSONValue]:
+        return self._call(self._client.pause_queue, queue)
+
+    def resume_queue(self, queue: str) -> dict[str, JSONValue]:
+        return self._call(self._client.resume_queue, queue)
+
+    def limit_queue(self, queue: str, rate: str | None, *, burst: int = 1) -> dict[str, JSONValue]:
+        return self._call(self._client.limit_queue, queue, rate, burst=burst)
+
     def wait(self, job_id: uuid.UUID | str, **kwargs: Any) -> dict[str, JSONValue]:
         return self._call(self._client.wait, job_id, **kwargs)
 

@@ -63,8 +63,8 @@ from typing import Any
 
 import msgspec
 
-from broker.exceptions import InvalidArgumentsError, UnknownTaskError
 from broker.dependencies import due_args
+from broker.exceptions import InvalidArgumentsError, UnknownTaskError
 from broker.jobs import JobSpec, JSONValue, ParentResults
 from broker.model.bounds import MAX_CATALOG_ENTRIES, MAX_DECLARATION_BYTES, MAX_DECLARED_TASKS
 from broker.model.logs import log_event

@@ -58,6 +58,7 @@ from broker.core.effects import StoreProgress as StoreProgress
 from broker.core.effects import WakeDispatcher as WakeDispatcher
 from broker.core.effects import checkpoint_ack as checkpoint_ack
 from broker.core.effects import report_ack
+from broker.core.flow import FlowControl
 from broker.core.peers import Credits, Holders, Liveness, Peer, random_ping_base
 from broker.core.placement import Placement
 from broker.core.waiting import STALL as STALL
@@ -109,6 +110,9 @@ class Handoff:
         """The orphans and the parked leases (:mod:`broker.core.waiting`)."""
         self.placement = Placement(affinity_grace, affinity_max_wait)
         """Which worker takes a job (:mod:`broker.core.placement`)."""
+        self.flow = FlowControl()
+        """Paused queues and rate limits (:mod:`broker.core.flow`): a plan places a job
+        only if its queue admits it, and spends a token once its slot is reserved."""
         self.affinity = self.placement.affinity
         """Where the holders of local state are; decides who may take their recoveries."""
         self.awaiting = self.placement.awaiting
@@ -456,12 +460,14 @@ class Handoff:
         plan: list[PlannedClaim] = []
         self.affinity.forget_departed(now)
         self.placement.start(workers)
+        flow = self.flow
         for job in jobs:
-            if job.id in claiming:
+            if job.id in claiming or not flow.admits(job.queue, now):
                 continue
             peer, route = self.placement.pick(job, now)
             if peer is None or not peer.credits.reserve(job.execution_mode):
                 continue  # the credit check: no free slot for this job anywhere
+            flow.admitted(job.queue, now)
             self.placement.reserved(peer, job.execution_mode)
             self.placement.placed(job)
             planned = PlannedClaim(
@@ -476,10 +482,14 @@ class Handoff:
             plan.append(planned)
         return plan
 
-    def affinity_wake(self) -> float | None:
-        """When the dispatcher must look again for a job awaiting its state holder
-        (:meth:`Placement.wake_at`)."""
-        return self.placement.wake_at(self.modes_with_credit())
+    def wake_at(self, now: float) -> float | None:
+        """When an idle dispatcher must look again by itself: a job awaiting its state
+        holder may go elsewhere (:meth:`Placement.wake_at`, for the modes some worker has
+        a free slot of), or a queue held back for a rate limit gets its next token
+        (:meth:`FlowControl.wake_at`)."""
+        affinity = self.placement.wake_at(self.modes_with_credit())
+        times = [t for t in (affinity, self.flow.wake_at(now)) if t is not None]
+        return min(times, default=None)
 
     # The drained proofs (broker.core.drained), as the dispatcher and the enqueue see them.
 
@@ -519,14 +529,19 @@ class Handoff:
     def plan_at_enqueue(self, specs: Sequence[JobSpec], now: datetime) -> list[PlannedClaim | None]:
         """For each job about to be enqueued, a worker and a lease if it can start at once:
         its mode is drained (no waiting job would be overtaken), it is due, has no
-        concurrency key, and a serving worker has a free slot. The slot is reserved and the
+        concurrency key, its queue has no settings (a paused or limited queue's jobs go
+        through the dispatcher, which asks :mod:`broker.core.flow`), and a serving worker
+        has a free slot. The slot is reserved and the
         lease minted here, before the insert, exactly as :meth:`plan` does for a claim; the
         store's answer comes back through :meth:`claimed` (or :meth:`claim_unknown`)."""
         drained = self._proofs.modes
         covered = bool(drained) and self._proofs.covers(self.served_queues())
         jobs = [
             Job.from_spec(spec, now)
-            if covered and spec.execution_mode in drained and claimable_at_enqueue(spec, now)
+            if covered
+            and spec.execution_mode in drained
+            and claimable_at_enqueue(spec, now)
+            and not self.flow.governed(spec.queue)
             else None
             for spec in specs
         ]

@@ -179,8 +179,9 @@ class Dispatcher:
                     # The first claim to answer wakes us for another pass, which looks
                     # again. Reading the next run time meanwhile would cost the store a
                     # scan of the queued rows per pass for nothing (it is worked out
-                    # again once no claim is under way).
-                    await self._wake.wait()
+                    # again once no claim is under way). A rate-limited queue's next
+                    # token does not wait for the claim: a slow claim would lose tokens.
+                    await self._until_woken(self._handoff.flow.wake_at(self._now()))
                     continue
                 timeout = await self._idle_timeout()
                 try:
@@ -198,28 +199,49 @@ class Dispatcher:
                 task.cancel()
             await asyncio.gather(*self._claims, return_exceptions=True)
 
+    async def _until_woken(self, at: float | None) -> None:
+        """Until woken, or until loop time ``at`` (when a queue held back gets a token:
+        no queue counts as drained then, see :meth:`FlowControl.wake_at`)."""
+        if at is None:
+            await self._wake.wait()
+            return
+        try:
+            async with asyncio.timeout_at(at):
+                await self._wake.wait()
+        except TimeoutError:
+            self._handoff.queue_changed()
+
     async def _idle_timeout(self) -> float | None:
         """How long to sleep when there is nothing to dispatch (see
         :meth:`Pacing.idle_timeout`); ``None`` (until woken) with no free slot."""
         modes = self._handoff.modes_with_credit()
         if not modes:
             return None
+        now = self._now()
         try:
-            next_at = await self._next_run_at(modes, self._handoff.served_queues())
+            next_at = await self._next_run_at(
+                modes, self._handoff.served_queues(), self._handoff.flow.blocked(now)
+            )
         except Exception as exc:
             log_event(logger, logging.WARNING, "could not read the next run time", error=repr(exc))
             return self.pacing.after_failed_read()
         return self.pacing.idle_timeout(
             next_at,
             polling=not self._store.capabilities.listen_notify,
-            affinity_wake=self._handoff.affinity_wake(),
+            affinity_wake=self._handoff.wake_at(now),
         )
 
     async def _next_run_at(
-        self, modes: set[ExecutionMode], queues: set[str] | None
+        self, modes: set[ExecutionMode], queues: set[str] | None, blocked: frozenset[str]
     ) -> datetime | None:
         """The store's next run time for ``modes`` and ``queues``, or the last one read
-        when it still holds (:meth:`Pacing.known_next_run`)."""
+        when it still holds (:meth:`Pacing.known_next_run`). Queues held back
+        (``blocked``, see :mod:`broker.core.flow`) are left out: their due jobs would make
+        the next run time now, and the dispatcher spin; the flow's own wake covers them."""
+        if blocked:
+            return await self._store.next_run_at(  # type: ignore[call-arg]
+                modes=modes, queues=queues, exclude_queues=blocked
+            )
         changes = self._handoff.queue_changes
         known = self.pacing.known_next_run(modes, queues, changes)
         if known is not None:
@@ -255,7 +277,9 @@ class Dispatcher:
         held = len(core.awaiting)
         size = core.read_limit(self._claim_batch, modes) + held
         started = core.queue_changes
-        jobs, full = await self._eligible(modes, queues, size, started)
+        now = self._now()
+        blocked = core.flow.leave_out(now)
+        jobs, full = await self._eligible(modes, queues, size, started, blocked)
         now = self._now()
         plan = core.plan(jobs, now)
         core.read_eligible(started, modes, full=full or len(plan) < len(jobs), queues=queues)
@@ -264,13 +288,7 @@ class Dispatcher:
             # This read covers every mode with credit left, so whether it came back full
             # says whether another pass may find more.
             size = core.read_limit(self._claim_batch, left) + len(core.awaiting)
-            found = await self._store.select_eligible(
-                modes=left,
-                queues=queues,
-                limit=size,
-                skip=self._claiming(),
-                tasks=core.runnable_tasks(),
-            )
+            found = await self._read(left, queues, size, core.flow.leave_out(now))
             full = len(found) == size
             placed = core.plan(found, now)
             core.read_eligible(started, left, full=full or len(placed) < len(found), queues=queues)
@@ -281,24 +299,48 @@ class Dispatcher:
         self._claims.add(asyncio.create_task(self._claim_and_wake(plan), name="broker-claim"))
         return full and core.credit() > 0
 
+    async def _read(
+        self, modes: set[ExecutionMode], queues: set[str] | None, size: int, blocked: frozenset[str]
+    ) -> list[Job]:
+        """A read of the store: the best ``size`` eligible jobs of ``modes`` in ``queues``,
+        but those being claimed, those of the queues held back (``blocked``) and those of
+        tasks no connected worker declared."""
+        tasks = self._handoff.runnable_tasks()
+        if blocked:
+            return await self._store.select_eligible(  # type: ignore[call-arg]
+                modes=modes,
+                queues=queues,
+                limit=size,
+                skip=self._claiming(),
+                tasks=tasks,
+                exclude_queues=blocked,
+            )
+        return await self._store.select_eligible(
+            modes=modes, queues=queues, limit=size, skip=self._claiming(), tasks=tasks
+        )
+
     async def _eligible(
-        self, modes: set[ExecutionMode], queues: set[str] | None, size: int, started: int
+        self,
+        modes: set[ExecutionMode],
+        queues: set[str] | None,
+        size: int,
+        started: int,
+        blocked: frozenset[str],
     ) -> tuple[list[Job], bool]:
         """The best ``size`` eligible jobs of ``modes`` (and whether there were that many):
         from the read-ahead while it holds, else from a read of the store, which may ask
-        for more than ``size`` (see :class:`ReadAhead`)."""
+        for more than ``size`` (see :class:`ReadAhead`). While some queue has settings
+        (paused, limited), every pass reads the store: jobs read ahead may belong to a
+        queue that has since run out of tokens, and would be served again and again."""
+        if self._handoff.flow.settings:
+            jobs = await self._read(modes, queues, size, blocked)
+            return jobs, len(jobs) == size
         now = self._now()
         served = self._ahead.serve(modes, queues, size, started, now)
         if served is not None:
             return served
         limit = self._ahead.read_size(modes, queues, size, started, self._claim_batch, now)
-        jobs = await self._store.select_eligible(
-            modes=modes,
-            queues=queues,
-            limit=limit,
-            skip=self._claiming(),
-            tasks=self._handoff.runnable_tasks(),
-        )
+        jobs = await self._read(modes, queues, limit, blocked)
         self._ahead.fill(jobs, modes, queues, limit, started, now)
         served = self._ahead.serve(modes, queues, size, started, now)
         assert served is not None  # just filled for these modes, queues and change count

@@ -52,6 +52,7 @@ from broker.main.leader import Leader
 from broker.main.loops import GroupCommit
 from broker.main.metrics import MainMetrics
 from broker.main.operations import LiveState, Operations
+from broker.main.queues import QueueControl
 from broker.main.requests import Requests
 from broker.main.retention import Retention
 from broker.main.routing import Router
@@ -116,8 +117,11 @@ class Main:
             ).submit,
             metrics=self.metrics,
         )
+        self.queues = QueueControl(store, self.handoff.flow, wake=self.wake)
+        """The queues' settings: paused, rate limits (see :mod:`broker.main.queues`)."""
         self.requests = Requests(
             self.operations,
+            queues=self.queues,
             max_in_progress=self.settings.max_requests,
             wake=self.wake,
             stop_cancelled=self._stop_cancelled,
@@ -362,7 +366,10 @@ class Main:
         carry(effects, self.sessions, self.leader, self.metrics)
 
     async def _load_orphans(self) -> None:
+        """What a main reads when it starts to lead (at start, or on a standby's
+        takeover): the handoffs in flight, and the queues' settings."""
         await load_orphans(self.store, self.handoff)
+        await self.queues.load()
 
     # ------------------------------------------------------------------ connections
 
@@ -443,5 +450,6 @@ class Main:
             unserved_tasks=self.handoff.unserved(
                 record.task for record in self.operations.catalog.records()
             ),
+            queue_settings=self.queues.status(),
         )
         return await self.operations.status(live)

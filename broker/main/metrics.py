@@ -341,8 +341,18 @@ class MeasuredStore:
         limit: int = 100,
         skip: Collection[uuid.UUID] = (),
         tasks: Collection[str] | None = None,
+        exclude_queues: Collection[str] = (),
     ) -> list[Job]:
         with self._timed("select"):
+            if exclude_queues:  # only a store with SupportsQueueSettings is asked this
+                return await self._store.select_eligible(  # type: ignore[call-arg]
+                    modes=modes,
+                    queues=queues,
+                    limit=limit,
+                    skip=skip,
+                    tasks=tasks,
+                    exclude_queues=exclude_queues,
+                )
             return await self._select(
                 modes=modes, queues=queues, limit=limit, skip=skip, tasks=tasks
             )
@@ -371,6 +381,8 @@ class MainLevels:
     tasks_without_worker: int = 0
     """Tasks of the catalog that no connected worker declares: their jobs wait (routing
     by task, :meth:`Handoff.unserved <broker.core.handoff.Handoff.unserved>`)."""
+    queue_flow: Sequence[Mapping[str, Any]] = ()
+    """The queues paused or rate limited (:meth:`broker.main.queues.QueueControl.status`)."""
 
 
 class _MainLevelsCollector(Collector):
@@ -425,6 +437,27 @@ class _MainLevelsCollector(Collector):
             "Declared tasks no connected worker declares now: their jobs wait.",
             levels.tasks_without_worker,
         )
+        yield from _flow(levels.queue_flow)
+
+
+def _flow(settings: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
+    """The queues with settings, at most :data:`MAX_LABEL_SETS` of them (by name; a main
+    rarely has more than a few): paused, and how long the next job waits for a token."""
+    paused = GaugeMetricFamily(
+        "broker_queue_paused", "1 while the queue is paused, else 0.", labels=["queue"]
+    )
+    wait = GaugeMetricFamily(
+        "broker_queue_token_wait_seconds",
+        "How long the rate-limited queue's next job waits for a token now.",
+        labels=["queue"],
+    )
+    for entry in settings[:MAX_LABEL_SETS]:
+        queue = label(str(entry["queue"]))
+        paused.add_metric([queue], 1.0 if entry["paused"] else 0.0)
+        if entry["rate_limit"] is not None:
+            wait.add_metric([queue], float(entry["token_wait_seconds"]))
+    yield paused
+    yield wait
 
 
 def _by_queue(levels: MainLevels) -> tuple[dict[str, dict[str, int]], dict[str, float]]:

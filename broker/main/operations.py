@@ -82,6 +82,8 @@ class LiveState:
     """Tasks of the catalog that no connected worker declares
     (:meth:`Handoff.unserved <broker.core.handoff.Handoff.unserved>`): their queued jobs
     wait."""
+    queue_settings: list[dict[str, Any]] = field(default_factory=list)
+    """The queues paused or rate limited (:meth:`broker.main.queues.QueueControl.status`)."""
 
 
 class Operations:
@@ -283,6 +285,7 @@ class Operations:
             "workers": None if live is None else live.workers,
             "pending_recoveries": None if live is None else live.pending_recoveries,
             "waiting": None if live is None else await self._waiting(live.unserved_tasks),
+            "queue_settings": None if live is None else live.queue_settings,
         }
 
     async def _waiting(self, unserved: Sequence[str]) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from broker.core import catalog
 from broker.exceptions import InvalidJobError, ProtocolError
 from broker.jobs import Job, JobStatus
 from broker.main.operations import Operations
+from broker.main.queues import QUEUE_REQUESTS, QueueControl
 from broker.main.sessions import Session
 from broker.model.logs import log_event
 from broker.storage import JobFilter
@@ -39,8 +40,10 @@ class Requests:
         stop_cancelled: Callable[[Job], None],
         status: Callable[[], Awaitable[dict[str, Any]]],
         live_workers: Callable[[], Collection[str]],
+        queues: QueueControl,
     ) -> None:
         self._operations = operations
+        self._queues = queues
         self._slots = asyncio.Semaphore(max_in_progress)
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = wake
@@ -111,6 +114,13 @@ class Requests:
         session.reply(reply)
 
     async def _answer(self, msg: protocol.Message) -> protocol.Message:
+        """The reply to a client request: a queue's settings are
+        :class:`~broker.main.queues.QueueControl`'s, the rest :meth:`_answer_jobs`'s."""
+        if isinstance(msg, QUEUE_REQUESTS):
+            return await self._queues.answer(msg)
+        return await self._answer_jobs(msg)
+
+    async def _answer_jobs(self, msg: protocol.Message) -> protocol.Message:
         """The reply to a client request, from the request service (:mod:`broker.main.operations`);
         what only the main can do (wake the dispatcher, stop a cancelled job on its
         worker) happens here."""

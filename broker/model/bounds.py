@@ -674,3 +674,34 @@ BOUNDS += [
         _BACK_PRESSURE,
     ),
 ]
+
+
+# --------------------------------------------------------------------------- flow control
+# (``broker.core.flow``: queue pause and rate limits, set by an operator, held by the main.)
+
+MAX_RATE_PER_SECOND = 100_000.0
+"""The fastest rate limit, in dispatches a second: a faster one limits nothing a main can
+reach, and a rate's interval (its inverse, in nanoseconds) stays a whole number."""
+
+MAX_RATE_BURST = 10_000
+"""The largest burst a rate limit may allow: dispatches let through at once after a quiet
+spell. It is a bucket's size, so a burst at the bound is at most one dispatch read's worth
+of jobs many times over; more would defeat the limit."""
+
+MAX_QUEUE_SETTINGS = 1000
+"""Queues with settings (paused, or rate limited) at once: the main keeps a bucket for each
+and reads them all at start-up, and each limited queue adds a name to every dispatch read."""
+
+_FLOW = "Flow control"
+
+BOUNDS += [
+    Bound("A rate limit", "1/h to 100000/s", None, "`malformed`", _FLOW),
+    Bound("A rate limit's burst", "1 to 10000 (default 1)", None, "`malformed`", _FLOW),
+    Bound(
+        "Queues with settings (paused or rate limited)",
+        "1000",
+        None,
+        "`malformed`: the new setting is refused; clearing one frees a place",
+        _FLOW,
+    ),
+]

@@ -40,15 +40,18 @@ from broker.jobs import (
     ProgressUpdate,
     Settlement,
 )
+from broker.model.rates import Rate
 from broker.storage import (
     INTEGRITY_ERROR,
     JobFilter,
     PayloadIntegrityError,
+    QueueSettings,
     StorageAdapter,
     SupportsEnqueueHandedOff,
     SupportsLeadership,
     SupportsNotify,
     SupportsOffload,
+    SupportsQueueSettings,
 )
 from broker.testing import FakeClock
 from broker.testing.faults import ClaimFault, FaultyAdapter
@@ -1250,6 +1253,53 @@ async def check_retention_keeps_a_parent_while_a_child_waits(ctx: Context) -> No
     ctx.clock.advance(3600)
     await store.prune(older_than=ctx.clock())
     assert await store.get_job(a.id) is None, "once the child is due its parent may go"
+
+
+# --- queue settings (optional: SupportsQueueSettings) --------------------------------
+
+
+def _queue_settings(ctx: Context) -> SupportsQueueSettings:
+    if not isinstance(ctx.store, SupportsQueueSettings):
+        raise CheckSkipped("adapter does not implement SupportsQueueSettings")
+    return ctx.store
+
+
+@_check
+async def check_queue_settings_are_kept_replaced_and_cleared(ctx: Context) -> None:
+    """Queue settings are kept as saved, replaced whole, and a queue with nothing set has none."""
+    store = _queue_settings(ctx)
+    assert await store.queue_settings() == []
+    mail = QueueSettings("mail", paused=True)
+    api = QueueSettings("api", rate=Rate(50, "s", 10))
+    await store.save_queue_settings(mail)
+    await store.save_queue_settings(api)
+    assert await store.queue_settings() == [api, mail], "every queue's settings, by name"
+    await store.save_queue_settings(QueueSettings("mail", rate=Rate(5, "m")))
+    assert await store.queue_settings() == [api, QueueSettings("mail", rate=Rate(5, "m"))]
+    await store.save_queue_settings(QueueSettings("api"))
+    assert await store.queue_settings() == [QueueSettings("mail", rate=Rate(5, "m"))]
+    other = await ctx.peer()
+    assert isinstance(other, SupportsQueueSettings)
+    if ctx.store.capabilities.shared_between_processes:
+        assert await other.queue_settings() == [QueueSettings("mail", rate=Rate(5, "m"))]
+
+
+@_check
+async def check_dispatch_reads_leave_out_the_queues_excluded(ctx: Context) -> None:
+    """Dispatch reads (the selection and the next run time) leave out the queues excluded."""
+    _queue_settings(ctx)
+    store: Any = ctx.store
+    held = await _enqueue(ctx.store, queue="held", priority=5)
+    free = await _enqueue(ctx.store, queue="free", run_at=START + timedelta(seconds=30))
+    ctx.clock.advance(60)
+    found = await store.select_eligible(modes=ALL_MODES, exclude_queues=["held"])
+    assert [job.id for job in found] == [free.id]
+    found = await store.select_eligible(modes=ALL_MODES, queues=["held"], exclude_queues=["held"])
+    assert found == [], "a queue both wanted and excluded is left out"
+    assert await store.next_run_at(modes=ALL_MODES, exclude_queues=["held"]) == free.run_at
+    assert await store.next_run_at(modes=ALL_MODES, exclude_queues=["held", "free"]) is None
+    both = await store.select_eligible(modes=ALL_MODES, exclude_queues=[])
+    assert [job.id for job in both] == [held.id, free.id]
 
 
 # --- worker handoffs, cancel, retry --------------------------------------------------

@@ -39,6 +39,9 @@ REQUESTS: Mapping[type[protocol.Message], Role] = {
     protocol.Cancel: Role.OPERATOR,
     protocol.Retry: Role.OPERATOR,
     protocol.Prune: Role.OPERATOR,
+    protocol.PauseQueue: Role.OPERATOR,
+    protocol.ResumeQueue: Role.OPERATOR,
+    protocol.LimitQueue: Role.OPERATOR,
 }
 """Every client request, and the role it needs (an operator may do all a client may):
 the one list of them. The main routes what is here to its request service

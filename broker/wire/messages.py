@@ -42,11 +42,15 @@ from broker.wire.requests import (
     JobInfo,
     JobList,
     JobRequest,
+    LimitQueue,
     ListJobs,
     ListTasks,
+    PauseQueue,
     Prune,
     Pruned,
+    QueueInfo,
     RequestError,
+    ResumeQueue,
     Retry,
     Status,
     StatusInfo,
@@ -553,6 +557,10 @@ Message: TypeAlias = (
     | JobList
     | Prune
     | Pruned
+    | PauseQueue
+    | ResumeQueue
+    | LimitQueue
+    | QueueInfo
 )
 
 for _cls in typing.get_args(Message):
@@ -592,15 +600,18 @@ __all__ = [
     "JobRequest",
     "Jobs",
     "LeaseRef",
+    "LimitQueue",
     "ListJobs",
     "ListTasks",
     "Message",
     "ParameterDeclaration",
+    "PauseQueue",
     "Ping",
     "Pong",
     "Progress",
     "Prune",
     "Pruned",
+    "QueueInfo",
     "Ready",
     "ReleaseReport",
     "Report",
@@ -609,6 +620,7 @@ __all__ = [
     "Reports",
     "RequestError",
     "RescheduleReport",
+    "ResumeQueue",
     "Retry",
     "Role",
     "SaveCheckpoint",

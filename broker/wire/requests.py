@@ -30,6 +30,7 @@ from broker.jobs import (
     spec_values,
 )
 from broker.model.bounds import MAX_AGE_SECONDS, MAX_LIST_ITEMS, MAX_PARENTS
+from broker.model.rates import Rate, parse_rate
 from broker.model.values import check_delay
 from broker.wire.fields import Float, Int, Name, Names, Nested, Tagged, require
 
@@ -301,3 +302,45 @@ def check_prune(
 class Pruned(Tagged, frozen=True, tag="pruned"):
     request_id: str
     deleted: Int
+
+
+class PauseQueue(Tagged, frozen=True, tag="pause_queue"):
+    """Dispatch no more jobs of ``queue`` (its running jobs finish; new ones are stored and
+    wait); kept in the store, so it outlives the main. Answered with ``queue_info``."""
+
+    request_id: Name
+    queue: Name
+
+
+class ResumeQueue(Tagged, frozen=True, tag="resume_queue"):
+    """Dispatch ``queue``'s jobs again, at once. Answered with ``queue_info``."""
+
+    request_id: Name
+    queue: Name
+
+
+class LimitQueue(Tagged, frozen=True, tag="limit_queue"):
+    """Dispatch at most ``rate`` (``"50/s"``, ``"600/m"``, ``"100/h"``) of ``queue``'s jobs,
+    and ``burst`` at once after a quiet spell; ``rate`` ``null`` clears the limit. Kept in
+    the store. Answered with ``queue_info``."""
+
+    request_id: Name
+    queue: Name
+    rate: Name | None
+    burst: Int = 1
+
+    def __post_init__(self) -> None:
+        if self.rate is not None:
+            parse_rate(self.rate, self.burst)  # its ValueError says what is expected
+
+    def limit(self) -> Rate | None:
+        """The rate asked for (checked when the message was decoded)."""
+        return None if self.rate is None else parse_rate(self.rate, self.burst)
+
+
+class QueueInfo(Tagged, frozen=True, tag="queue_info"):
+    """A queue's settings after the change: ``queue``, ``paused`` (bool), ``rate_limit``
+    (``"50/s"`` or null) and ``rate_burst`` (null without a limit)."""
+
+    request_id: str
+    queue: dict[str, JSONValue]

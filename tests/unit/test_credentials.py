@@ -9,9 +9,11 @@ from typing import Any
 import pytest
 
 from adapters.memory import MemoryAdapter
+from broker.core.flow import FlowControl
 from broker.exceptions import ConfigurationError
 from broker.jobs import utcnow
 from broker.main.operations import Operations
+from broker.main.queues import QueueControl
 from broker.main.requests import Requests
 from broker.main.settings import MainSettings
 from broker.wire import messages as protocol
@@ -75,6 +77,8 @@ def test_requests_need_the_client_or_the_operator_role() -> None:
     assert role_needed(protocol.Status(request_id="r")) is Role.CLIENT
     assert role_needed(protocol.Cancel(request_id="r", job_id=job)) is Role.OPERATOR
     assert role_needed(protocol.Retry(request_id="r", job_id=job)) is Role.OPERATOR
+    assert role_needed(protocol.PauseQueue(request_id="r", queue="q")) is Role.OPERATOR
+    assert role_needed(protocol.LimitQueue(request_id="r", queue="q", rate=None)) is Role.OPERATOR
     assert role_needed(protocol.Ping(nonce="n")) is None
 
 
@@ -91,19 +95,24 @@ async def test_every_request_of_the_one_list_is_answered_by_the_main() -> None:
         protocol.Cancel(request_id="r", job_id=job),
         protocol.Retry(request_id="r", job_id=job),
         protocol.Prune(request_id="r", keep_latest=1),
+        protocol.PauseQueue(request_id="r", queue="q"),
+        protocol.ResumeQueue(request_id="r", queue="q"),
+        protocol.LimitQueue(request_id="r", queue="q", rate="5/s"),
     ]
     assert {type(msg) for msg in examples} == set(REQUESTS)
 
     async def status() -> dict[str, Any]:
         return {}
 
+    store = MemoryAdapter()
     requests = Requests(
-        Operations(MemoryAdapter(), MainSettings(), clock=utcnow),
+        Operations(store, MainSettings(), clock=utcnow),
         max_in_progress=1,
         wake=lambda: None,
         stop_cancelled=lambda _job: None,
         status=status,
         live_workers=set,
+        queues=QueueControl(store, FlowControl(), wake=lambda: None),
     )
     for msg in examples:
         reply = await requests.answer(msg)

@@ -63,3 +63,15 @@ def test_a_queue_name_too_long_for_a_link_is_shown_without_one() -> None:
     short = pages.queues_live([{**row, "queue": "q"}], {})
     long = pages.queues_live([{**row, "queue": "q" * (pages.MAX_LINK_BYTES + 1)}], {})
     assert 'href="/jobs?queue=q"' in short and "href" not in long
+
+
+def test_each_queue_shows_its_flow_with_a_pause_or_resume_button() -> None:
+    counts = {"queued": 0, "handed_off": 0, "completed": 0, "failed": 0, "cancelled": 0}
+    row = {"counts": counts, "oldest_queued_age_seconds": None}
+    settings = {"mail": {"queue": "mail", "paused": True, "rate_limit": "50/s"}}
+    page = pages.queues_live([{**row, "queue": "mail"}, {**row, "queue": "api"}], {}, settings)
+    assert "paused, at most 50/s" in page
+    assert 'action="/queues/resume"' in page and 'value="mail"' in page
+    assert 'action="/queues/pause"' in page and 'value="api"' in page
+    long = pages.queues_live([{**row, "queue": "q" * (pages.MAX_LINK_BYTES + 1)}], {})
+    assert "dispatching" in long and "/queues/pause" not in long

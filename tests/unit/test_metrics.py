@@ -25,6 +25,7 @@ from broker.main.metrics import (
     label,
 )
 from broker.main.settings import MainSettings
+from broker.model.bounds import MAX_QUEUE_SETTINGS
 from broker.storage import QueueCount
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -207,8 +208,14 @@ def test_the_worst_exposition_stays_under_its_bound() -> None:
         for n in range(3000)
         for status in JobStatus
     ]
-    text = MainExposition(metrics).render(levels(counts=counts))
+    flow = [
+        {"queue": _longest(n, '"'), "paused": True, "rate_limit": "1/s", "token_wait_seconds": 0.5}
+        for n in range(MAX_QUEUE_SETTINGS)
+    ]
+    text = MainExposition(metrics).render(levels(counts=counts, queue_flow=flow))
     assert len(text) < MAX_METRICS_BYTES
+    paused = [labels for name, labels in samples(text) if name == "broker_queue_paused"]
+    assert len(paused) == MAX_LABEL_SETS
     got = samples(text)
     depth = [labels for name, labels in got if name == "broker_queue_jobs"]
     assert len(depth) == (MAX_LABEL_SETS + 1) * len(JobStatus)

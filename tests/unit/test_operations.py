@@ -271,6 +271,7 @@ async def test_status_reads_the_store_and_takes_the_rest_from_a_main() -> None:
         "workers": None,
         "pending_recoveries": None,
         "waiting": None,
+        "queue_settings": None,
     }
     queues = {q["queue"]: q for q in alone["queues"]}
     assert queues["mail"]["counts"]["queued"] == 1

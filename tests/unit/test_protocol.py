@@ -135,6 +135,11 @@ SAMPLES: list[p.Message] = [
     p.Prune(request_id="r7", older_than_seconds=86400.0, keep_latest=10),
     p.Prune(request_id="r7", keep_latest=0, statuses=[JobStatus.COMPLETED]),
     p.Pruned(request_id="r7", deleted=3),
+    p.PauseQueue(request_id="r8", queue="mail"),
+    p.ResumeQueue(request_id="r8", queue="mail"),
+    p.LimitQueue(request_id="r8", queue="mail", rate="50/s", burst=5),
+    p.LimitQueue(request_id="r8", queue="mail", rate=None),
+    p.QueueInfo(request_id="r8", queue={"queue": "mail", "paused": True}),
     p.TaskCatalog(
         tasks=[
             p.TaskDeclaration(name="t"),

@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -331,6 +331,30 @@ def _print_job(job: dict[str, Any] | None, as_json: bool) -> int:
     return 0
 
 
+async def _queue(service: RequestService, args: argparse.Namespace) -> int:
+    """``broker queue pause|resume|limit QUEUE``: change a queue's settings, print them."""
+    match args.queue_command:
+        case "pause":
+            settings = await service.pause_queue(args.queue)
+        case "resume":
+            settings = await service.resume_queue(args.queue)
+        case _:
+            settings = await service.limit_queue(args.queue, args.rate, burst=args.burst)
+    if args.json:
+        _print_json(settings)
+    else:
+        print(format_queue_settings(settings))
+    return 0
+
+
+def format_queue_settings(settings: Mapping[str, Any]) -> str:
+    """One line: the queue, paused or dispatching, and its rate limit if any."""
+    state = "paused" if settings["paused"] else "dispatching"
+    rate = settings.get("rate_limit")
+    limit = "no rate limit" if rate is None else f"at most {rate} (burst {settings['rate_burst']})"
+    return f"queue {settings['queue']}: {state}, {limit}"
+
+
 COMMANDS: dict[str, Command] = {
     "status": _status,
     "jobs": _jobs,
@@ -340,5 +364,6 @@ COMMANDS: dict[str, Command] = {
     "retry": _retry,
     "enqueue": _enqueue,
     "prune": _prune,
+    "queue": _queue,
     "top": top,
 }

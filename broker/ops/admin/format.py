@@ -182,6 +182,21 @@ def format_status(status: dict[str, Any]) -> str:
     for waiting in status.get("waiting") or ():
         out.append("")
         out.append(escape_control(f"waiting: {waiting['reason']}"))
+    settings = status.get("queue_settings")
+    if settings:
+        out.append("")
+        rows = [
+            [
+                str(q["queue"]),
+                "yes" if q["paused"] else "no",
+                f"{q['rate_limit']} (burst {q['rate_burst']})" if q["rate_limit"] else "-",
+                f"{q['token_wait_seconds']} s" if q["rate_limit"] else "-",
+                str(q["held_for_token"]),
+            ]
+            for q in settings
+        ]
+        headers = ["queue", "paused", "rate limit", "next token in", "held for a token"]
+        out.append(table(headers, rows))
     recoveries = status.get("pending_recoveries")
     if recoveries is not None:
         out.append("")

@@ -16,10 +16,13 @@ from typing import Any, Protocol
 
 from broker.client.client import Client, JobListPage
 from broker.core import catalog
+from broker.core.flow import FlowControl
 from broker.exceptions import BrokerError, ConfigurationError
 from broker.jobs import Clock, Job, JobStatus, JSONValue, utcnow
 from broker.main.operations import Operations
+from broker.main.queues import QueueControl, settings_info
 from broker.main.settings import MainSettings
+from broker.model.rates import parse_rate
 from broker.ops import composition
 from broker.storage import JobFilter, StorageAdapter, SupportsSchemaCheck
 from broker.tasks.registry import Enqueued
@@ -66,6 +69,14 @@ class RequestService(Protocol):
         keep_latest: int | None,
         statuses: Collection[JobStatus] | None,
     ) -> int: ...
+
+    async def pause_queue(self, queue: str) -> dict[str, JSONValue]: ...
+
+    async def resume_queue(self, queue: str) -> dict[str, JSONValue]: ...
+
+    async def limit_queue(
+        self, queue: str, rate: str | None, *, burst: int = 1
+    ) -> dict[str, JSONValue]: ...
 
     async def close(self) -> None: ...
 
@@ -149,6 +160,25 @@ class StoreService:
             )
         except ValueError as exc:
             raise ConfigurationError(f"prune: {exc}") from None
+
+    async def pause_queue(self, queue: str) -> dict[str, JSONValue]:
+        return settings_info(await (await self._queues()).pause(queue))
+
+    async def resume_queue(self, queue: str) -> dict[str, JSONValue]:
+        return settings_info(await (await self._queues()).resume(queue))
+
+    async def limit_queue(
+        self, queue: str, rate: str | None, *, burst: int = 1
+    ) -> dict[str, JSONValue]:
+        limit = None if rate is None else parse_rate(rate, burst)
+        return settings_info(await (await self._queues()).limit(queue, limit))
+
+    async def _queues(self) -> QueueControl:
+        """The main's own queue settings rules over the store: what is written here, the
+        main reads when it next starts to lead."""
+        control = QueueControl(self.store, FlowControl(), wake=lambda: None)
+        await control.load()
+        return control
 
     async def close(self) -> None:
         await self.store.close()

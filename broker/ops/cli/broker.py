@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from broker.exceptions import ConfigurationError, InvalidJobError
 from broker.jobs import ExecutionMode, JobStatus
 from broker.model import checks, logs
+from broker.model.rates import parse_rate
 from broker.ops import admin
 from broker.ops.cli.options import (
     add_credential_options,
@@ -53,12 +54,19 @@ def _page(name: str, value: int) -> object:
     return value
 
 
+def _json_here(parser: argparse.ArgumentParser) -> None:
+    """``--json`` after a nested subcommand too (``broker queue pause mail --json``); left
+    unset unless given, so it never undoes a ``--json`` given before the subcommand."""
+    parser.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
+
+
 def broker_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="broker",
         description="Operate the broker: status, top, jobs, job, retry, cancel, enqueue, tasks, "
-        "prune, migrate. Talks to the main; when the main cannot be reached and --database-url is "
-        "set, works on the store directly (never creating or migrating its schema).",
+        "prune, queue, migrate. Talks to the main; when the main cannot be reached and "
+        "--database-url is set, works on the store directly (never creating or migrating "
+        "its schema).",
     )
     add_version(p)
     add_main_address(p)
@@ -200,6 +208,31 @@ def broker_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="count the jobs it would delete, and delete nothing",
     )
+    queue = command("queue", "pause, resume or rate-limit a queue (kept across restarts)")
+    queue_sub = queue.add_subparsers(dest="queue_command", required=True)
+    for name, text in (
+        ("pause", "dispatch none of the queue's jobs (running ones finish) until resumed"),
+        ("resume", "dispatch the queue's jobs again, at once"),
+    ):
+        action = queue_sub.add_parser(name, help=text, description=text)
+        action.add_argument("queue", help="the queue's name")
+        _json_here(action)
+    limit = queue_sub.add_parser(
+        "limit",
+        help="dispatch at most RATE of the queue's jobs, across every worker",
+        description="Dispatch at most RATE of the queue's jobs (50/s, 600/m, 100/h), across "
+        "every worker; --clear removes the limit.",
+    )
+    limit.add_argument("queue", help="the queue's name")
+    limit.add_argument("rate", nargs="?", default=None, help="COUNT/s, COUNT/m or COUNT/h")
+    limit.add_argument(
+        "--burst",
+        type=positive(int, "burst"),
+        default=1,
+        help="jobs let through at once after a quiet spell (default 1)",
+    )
+    limit.add_argument("--clear", action="store_true", help="remove the queue's rate limit")
+    _json_here(limit)
     command(
         "migrate",
         "create the schema of the store at --database-url, or migrate it to this version "
@@ -251,6 +284,14 @@ def broker_entry(argv: Sequence[str] | None = None) -> int:
     usage = args.command_parser
     if args.command == "prune" and args.older_than is None and args.keep_latest is None:
         usage.error("prune needs --older-than DURATION, --keep-latest N, or both")
+    if args.command == "queue" and args.queue_command == "limit":
+        if (args.rate is None) == (not args.clear):
+            usage.error("queue limit needs RATE (like 50/s) or --clear, not both")
+        if args.rate is not None:
+            try:
+                parse_rate(args.rate, args.burst)
+            except ValueError as exc:
+                usage.error(str(exc))
     if args.command == "migrate" and not args.database_url:
         usage.error(
             "migrate needs --database-url URL before it (broker --database-url URL migrate), "

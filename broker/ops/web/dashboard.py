@@ -68,6 +68,8 @@ class Dashboard(HttpServer):
                 web.get("/recoveries", self._recoveries),
                 web.get("/schedules", self._schedules),
                 web.post("/prune", self._prune),
+                web.post("/queues/pause", self._pause_queue),
+                web.post("/queues/resume", self._resume_queue),
                 web.get("/metrics", self._metrics),
                 web.get("/healthz", self._healthz),
             ]
@@ -104,6 +106,7 @@ class Dashboard(HttpServer):
             tasks_without_worker=len(
                 handoff.unserved(record.task for record in self.main.operations.catalog.records())
             ),
+            queue_flow=self.main.queues.status(),
         )
 
     def _throughput(self) -> dict[str, float]:
@@ -149,7 +152,8 @@ class Dashboard(HttpServer):
         status = await self._ask(protocol.Status(request_id="web"))
         rates = self._throughput()
         queues, links = pages.paged(request.path, request.query, status.status["queues"])
-        live = pages.queues_live(queues, rates) + links
+        settings = {q["queue"]: q for q in status.status.get("queue_settings") or []}
+        live = pages.queues_live(queues, rates, settings) + links
         return self._page(request, "Queues", live, pages.PRUNE_FORM)
 
     async def _workers(self, request: web.Request) -> web.Response:
@@ -296,6 +300,28 @@ class Dashboard(HttpServer):
             return outcome
         deleted = outcome[1].deleted
         raise web.HTTPSeeOther("/?" + urlencode({"msg": f"pruned {deleted} jobs"}))
+
+    async def _pause_queue(self, request: web.Request) -> web.StreamResponse:
+        return await self._queue_action(request, protocol.PauseQueue, "paused")
+
+    async def _resume_queue(self, request: web.Request) -> web.StreamResponse:
+        return await self._queue_action(request, protocol.ResumeQueue, "resumed")
+
+    async def _queue_action(
+        self,
+        request: web.Request,
+        kind: type[protocol.PauseQueue | protocol.ResumeQueue],
+        done: str,
+    ) -> web.StreamResponse:
+        """Pause or resume the queue the form names, under the actions' rules (the
+        operator token, the same-origin check): back to the queues view, saying so."""
+        outcome = await self._act(
+            request, lambda form: kind(request_id="web", queue=str(form.get("queue", "")))
+        )
+        if isinstance(outcome, web.Response):
+            return outcome
+        queue = str(outcome[1].queue["queue"])
+        raise web.HTTPSeeOther("/?" + urlencode({"msg": f"queue {queue[:100]} {done}"}))
 
     # ------------------------------------------------------------------ machines
 

@@ -251,9 +251,16 @@ PRUNE_FORM = (
 """The queues page's tool: prune, which needs the operator token."""
 
 
-def queues_live(queues: Sequence[dict[str, Any]], rates: Mapping[str, float]) -> str:
-    """The queues table: counts by status, the oldest due job's age and completed runs
-    per minute (``rates``, by metric label)."""
+def queues_live(
+    queues: Sequence[dict[str, Any]],
+    rates: Mapping[str, float],
+    settings: Mapping[str, dict[str, Any]] | None = None,
+) -> str:
+    """The queues table: counts by status, the oldest due job's age, completed runs per
+    minute (``rates``, by metric label) and, per queue, its flow (paused, rate limited:
+    ``settings`` by queue name, as ``broker status`` has them) with a Pause or Resume
+    button (a POST under the dashboard's action rules)."""
+    settings = settings or {}
     rows = []
     for q in queues:
         counts = q["counts"]
@@ -269,10 +276,23 @@ def queues_live(queues: Sequence[dict[str, Any]], rates: Mapping[str, float]) ->
                 *(_td(counts.get(s.value, 0), numeric=True) for s in JobStatus),
                 _td("" if age is None else f"{age:.1f} s", numeric=True),
                 _td(f"{rates.get(label(q['queue']), 0.0):.1f}", numeric=True),
+                f"<td>{_flow_cell(q['queue'], settings.get(q['queue']))}</td>",
             ]
         )
-    headers = ["queue", *(s.value for s in JobStatus), "oldest due", "completed/min"]
+    headers = ["queue", *(s.value for s in JobStatus), "oldest due", "completed/min", "flow"]
     return _table(headers, rows, "No jobs in the store.")
+
+
+def _flow_cell(queue: str, settings: Mapping[str, Any] | None) -> str:
+    """A queue's flow (paused, its rate limit) and the button that pauses or resumes it;
+    a name too long to carry in a form gets no button (``broker queue`` still works)."""
+    paused = bool(settings and settings["paused"])
+    rate = settings.get("rate_limit") if settings else None
+    text = ("paused" if paused else "dispatching") + (f", at most {rate}" if rate else "")
+    if len(queue.encode()) > MAX_LINK_BYTES:
+        return _e(text)
+    path, button = ("/queues/resume", "Resume") if paused else ("/queues/pause", "Pause")
+    return f"{_e(text)} {_action(path, button, queue=queue)}"
 
 
 def workers_live(workers: Sequence[dict[str, Any]]) -> str:
