@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -71,7 +71,11 @@ def _still() -> float:
 
 
 def dispatcher(
-    store: MemoryAdapter, core: Handoff, sent: list[Dispatch], **kw: float
+    store: MemoryAdapter,
+    core: Handoff,
+    sent: list[Dispatch],
+    now: Callable[[], float] = _still,
+    **kw: float,
 ) -> Dispatcher:
     def carry(effects: Sequence[HandoffEffect]) -> None:
         sent.extend(e for e in effects if isinstance(e, Dispatch))
@@ -86,7 +90,7 @@ def dispatcher(
         poll_interval=kw.get("poll_interval", 0.05),
         notify_fallback_interval=1.0,
         retry_interval=0.05,
-        now=_still,
+        now=now,
         max_claims_in_flight=int(kw.get("max_claims_in_flight", 2)),
     )
 

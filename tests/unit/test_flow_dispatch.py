@@ -14,6 +14,11 @@ from broker.storage import QueueSettings
 from tests.unit.test_dispatch_pipeline import ReadSizes, dispatcher, worker
 
 
+def _loop_time() -> float:
+    """The loop's own clock: a rate limit is paced by it, so these tests keep it."""
+    return asyncio.get_running_loop().time()
+
+
 class Reads(ReadSizes):
     """Notes the queues every read leaves out."""
 
@@ -34,7 +39,7 @@ async def test_a_paused_queue_is_left_out_of_every_read_while_another_drains() -
     core.flow.apply(QueueSettings("held", paused=True))
     worker(core, 1, 20)
     sent: list[Dispatch] = []
-    d = dispatcher(store, core, sent)
+    d = dispatcher(store, core, sent, now=_loop_time)
     run = asyncio.create_task(d.run())
     try:
         async with asyncio.timeout(10):
@@ -70,7 +75,7 @@ async def test_a_limited_queue_goes_at_its_rate_and_the_dispatcher_sleeps_betwee
             super().extend(more)
 
     sent = Sent()
-    d = dispatcher(store, core, sent)
+    d = dispatcher(store, core, sent, now=_loop_time)
     run = asyncio.create_task(d.run())
     try:
         async with asyncio.timeout(10):

@@ -294,7 +294,9 @@ async def test_status_names_the_tasks_whose_queued_jobs_no_connected_worker_decl
     has queued jobs (one without is not news)."""
     ops, store, _ = _service()
     await store.enqueue_many([JobSpec(task="new.task", queue="mail")])
-    live = LiveState("main-1", 0, 0, [], [], unserved_tasks=["gone.task", "new.task"])
+    live = LiveState(
+        "main-1", "leader", "m:7390", 0, 0, [], [], unserved_tasks=["gone.task", "new.task"]
+    )
     status = await ops.status(live)
     assert status["waiting"] == [
         {"task": "new.task", "reason": "no connected worker declares task 'new.task'"}

@@ -171,7 +171,7 @@ def test_the_core_holds_a_recovery_for_its_holder_and_wakes_when_the_grace_ends(
     effects = core.disconnect(1, 10.0)
     assert WakeDispatcher() not in effects, "nothing waited on it yet"
     assert core.plan([job], 11.0) == [], "b is idle, but a may come back"
-    assert core.awaiting == {job.id: "a"} and core.affinity_wake() == 10.0 + GRACE
+    assert core.awaiting == {job.id: "a"} and core.wake_at(0.0) == 10.0 + GRACE
     [planned] = core.plan([job], 10.0 + GRACE)
     assert planned.worker_id == "b" and planned.state_lost
     assert core.awaiting == {}
@@ -185,11 +185,11 @@ def test_a_holder_leaving_wakes_the_dispatcher_for_the_jobs_it_held_back() -> No
     core.draining(1)  # connected, but takes nothing: its recovery waits for it
     job = replace(make_job(1), state_holder="a")
     assert core.plan([job], 1.0) == []
-    assert core.affinity_wake() == 1.0 + GRACE, "the wait's deadline, to extend it"
+    assert core.wake_at(0.0) == 1.0 + GRACE, "the wait's deadline, to extend it"
     assert WakeDispatcher() in core.disconnect(1, 2.0)
-    assert core.affinity_wake() == 1.0 + GRACE, "the deadline is looked at once more"
+    assert core.wake_at(0.0) == 1.0 + GRACE, "the deadline is looked at once more"
     assert core.plan([job], 1.0 + GRACE) == [], "the holder left: no extension"
-    assert core.affinity_wake() == 2.0 + GRACE, "then the grace after it left decides"
+    assert core.wake_at(0.0) == 2.0 + GRACE, "then the grace after it left decides"
 
 
 def test_a_worker_back_without_its_state_releases_its_recoveries_at_once() -> None:
@@ -250,10 +250,10 @@ def test_a_connected_holder_that_never_frees_a_slot_keeps_its_recovery_up_to_the
     core.ready(1, {POOLED: 0}, seen=0)  # the holder stays, but never frees a slot
     job = replace(make_job(1), state_holder="a")
     assert core.plan([job], 0.0) == []
-    assert core.affinity_wake() == GRACE
+    assert core.wake_at(0.0) == GRACE
     for step in range(1, 5):
         assert core.plan([job], step * GRACE) == [], "extended: the holder is connected"
-        assert core.affinity_wake() == (step + 1) * GRACE
+        assert core.wake_at(0.0) == (step + 1) * GRACE
     assert core.plan([job], MAX_WAIT - 1) == []
     [planned] = core.plan([job], MAX_WAIT)
     assert planned.worker_id == "b" and planned.state_lost
