@@ -57,6 +57,8 @@ from broker.main.retention import Retention
 from broker.main.routing import Router
 from broker.main.sessions import Session
 from broker.main.settings import MainSettings
+from broker.main.waits import Waits
+from broker.model.bounds import MAX_WAITERS_PER_CONNECTION
 from broker.model.logs import log_event
 from broker.retry import RetryDelay, retry_delay
 from broker.storage import StorageAdapter, SupportsLeadership
@@ -115,12 +117,19 @@ class Main:
             ).submit,
             metrics=self.metrics,
         )
+        self.waits = Waits(
+            store.get_job,
+            lambda peer: self.sessions.get(peer),
+            per_connection=MAX_WAITERS_PER_CONNECTION,
+        )
+        """Who waits for which job to end (``wait_job``), answered when it does."""
         self.requests = Requests(
             self.operations,
             max_in_progress=self.settings.max_requests,
             wake=self.wake,
             stop_cancelled=self._stop_cancelled,
             status=self.status,
+            waits=self.waits,
         )
         """The client requests (:mod:`broker.main.operations`), under this main's limits."""
         self.declarations = Declarations(
@@ -167,6 +176,7 @@ class Main:
             live_workers=self._live_workers,
             schedules=schedules,
             retention=retention,
+            ended=self.waits.ended,
         )
         """What only the dispatching main runs (see :mod:`broker.main.leader`)."""
         self.election: Election | None = None
@@ -412,6 +422,7 @@ class Main:
         if session.closed:
             return
         session.closed = True
+        self.waits.disconnected(session.id)
         now = asyncio.get_running_loop().time()
         stall = max(0.0, now - self.leader.tick_due)  # the liveness check is overdue by this much
         self._carry(self.handoff.disconnect(session.id, now, stall=stall, stopping=self._stopping))

@@ -51,6 +51,8 @@ from broker.wire.requests import (
     Status,
     StatusInfo,
     TaskList,
+    WaitJob,
+    WaitPending,
     check_prune,
 )
 
@@ -120,6 +122,8 @@ class ErrorCode(enum.StrEnum):
     CHECKPOINT_REJECTED = "checkpoint_rejected"
     NOT_LEADER = "not_leader"
     DEPOSED = "deposed"
+    UNAVAILABLE = "unavailable"
+    CONNECTION_LOST = "connection_lost"
 
 
 # --------------------------------------------------------------------------- handshake
@@ -517,6 +521,8 @@ Message: TypeAlias = (
     | Enqueue
     | EnqueuedReply
     | GetJob
+    | WaitJob
+    | WaitPending
     | JobInfo
     | Cancel
     | RequestError
@@ -595,6 +601,8 @@ __all__ = [
     "TaskCatalog",
     "TaskDeclaration",
     "TaskList",
+    "WaitJob",
+    "WaitPending",
     "Welcome",
     "WorkerStatus",
     "check_proof",

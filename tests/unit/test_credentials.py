@@ -13,6 +13,7 @@ from broker.exceptions import ConfigurationError
 from broker.jobs import utcnow
 from broker.main.operations import Operations
 from broker.main.requests import Requests
+from broker.main.waits import Waits
 from broker.main.settings import MainSettings
 from broker.wire import messages as protocol
 from broker.wire.credentials import REQUESTS, Credentials, parse_token_file, role_needed
@@ -91,6 +92,7 @@ async def test_every_request_of_the_one_list_is_answered_by_the_main() -> None:
         protocol.Cancel(request_id="r", job_id=job),
         protocol.Retry(request_id="r", job_id=job),
         protocol.Prune(request_id="r", keep_latest=1),
+        protocol.WaitJob(request_id="r", job_id=job),
     ]
     assert {type(msg) for msg in examples} == set(REQUESTS)
 
@@ -103,8 +105,11 @@ async def test_every_request_of_the_one_list_is_answered_by_the_main() -> None:
         wake=lambda: None,
         stop_cancelled=lambda _job: None,
         status=status,
+        waits=Waits(MemoryAdapter().get_job, lambda _peer: None, per_connection=1),
     )
     for msg in examples:
+        if isinstance(msg, protocol.WaitJob):
+            continue  # answered on its connection, when the job ends (test_waiters.py)
         reply = await requests.answer(msg)
         assert getattr(reply, "request_id", None) == "r", msg
 
