@@ -174,8 +174,9 @@ class Client:
 
     async def connect(self) -> None:
         """Connect to the elected main, if not connected. Every main listed is tried, and
-        tried again with jittered backoff while none welcomes, for up to ``timeout``: a
-        fleet that restarts at once, or a failover, gets in without the caller retrying.
+        tried again with jittered backoff while none welcomes, for up to ``retry_timeout``
+        (each attempt within ``timeout``): a fleet that restarts at once, or a failover,
+        gets in without the caller retrying.
 
         :raises BrokerUnavailableError: no main welcomed this client in time.
         :raises NotLeaderError: mains answered, but none is elected.
