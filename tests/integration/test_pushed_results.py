@@ -99,18 +99,20 @@ async def test_a_retried_job_keeps_its_waiter_until_it_ends() -> None:
 
 async def test_a_lost_attempt_past_the_recovery_limit_wakes_the_waiter() -> None:
     settings = dataclasses.replace(FAST, max_recoveries=0)
-    async with running_main(MemoryAdapter(), settings) as main:
-        async with Client("127.0.0.1", main.port) as client:
-            worker = FakeWorker(main.port)
-            await worker.connect()
-            job_id = await _enqueue(client)
-            waiting = asyncio.create_task(client.wait(job_id, timeout=30))
-            await until(lambda: _waiting(main, job_id))
-            await worker.ready(pooled=1)
-            await worker.next_job()
-            await worker.close()  # the attempt is lost; no recovery is allowed: dead
-            job = await waiting
-            assert job["status"] == "failed"
+    async with (
+        running_main(MemoryAdapter(), settings) as main,
+        Client("127.0.0.1", main.port) as client,
+    ):
+        worker = FakeWorker(main.port)
+        await worker.connect()
+        job_id = await _enqueue(client)
+        waiting = asyncio.create_task(client.wait(job_id, timeout=30))
+        await until(lambda: _waiting(main, job_id))
+        await worker.ready(pooled=1)
+        await worker.next_job()
+        await worker.close()  # the attempt is lost; no recovery is allowed: dead
+        job = await waiting
+        assert job["status"] == "failed"
 
 
 async def test_a_wait_times_out_and_leaves_nothing_at_the_main() -> None:
