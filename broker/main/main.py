@@ -228,6 +228,11 @@ class Main:
         # are answered only once the store is ready.
         # The stream's limit is only its read-ahead (wire.LineReader enforces the line caps):
         # the pre-auth cap keeps what an unauthenticated peer can make us buffer small.
+        # The listen backlog holds as many connections as the main may hold: with asyncio's
+        # 100, a fleet of 500 connecting in the same moment overflowed the kernel's accept
+        # queue, and a peer whose connection the kernel dropped waited for a greeting that
+        # never came (the kernel caps it at net.core.somaxconn).
+        backlog = self.settings.max_connections
         if self._tls is None:
             server = await asyncio.start_server(
                 self.connections.accept,
@@ -235,6 +240,7 @@ class Main:
                 self.settings.port,
                 limit=self.settings.preauth_max_line_bytes,
                 start_serving=False,
+                backlog=backlog,
             )
         else:  # each TLS handshake also has the handshake deadline
             server = await asyncio.get_running_loop().create_server(
@@ -242,6 +248,7 @@ class Main:
                 self.settings.host,
                 self.settings.port,
                 start_serving=False,
+                backlog=backlog,
             )
         self._server = server
         try:
