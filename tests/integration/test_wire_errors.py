@@ -15,10 +15,9 @@ import pytest
 from adapters.memory import MemoryAdapter
 from broker.client.client import Client
 from broker.exceptions import (
-    BrokerUnavailableError,
     AuthenticationError,
+    BrokerUnavailableError,
     PayloadTooLargeError,
-    ProtocolError,
     UniqueKeyTakenError,
 )
 from broker.jobs import Claim, JobSpec, JobStatus

@@ -13,8 +13,8 @@ from broker.exceptions import ConfigurationError
 from broker.jobs import utcnow
 from broker.main.operations import Operations
 from broker.main.requests import Requests
-from broker.main.waits import Waits
 from broker.main.settings import MainSettings
+from broker.main.waits import Waits
 from broker.wire import messages as protocol
 from broker.wire.credentials import REQUESTS, Credentials, parse_token_file, role_needed
 from broker.wire.messages import Role
