@@ -277,8 +277,7 @@ BOUNDS += [
         "Connections from one IP address still in the handshake (TLS's or the protocol's)",
         "64",
         "--max-unauthenticated-per-address",
-        "the same as over `--max-unauthenticated` (an `error` line, or for TLS closed at "
-        "once), and logged",
+        "the same as over `--max-unauthenticated`; one address at its limit holds up no other",
         "Connections and the handshake",
     ),
     Bound(
@@ -378,18 +377,12 @@ BOUNDS += [
         _CONNECTIONS,
     ),
     Bound(
-        "Connections still in the handshake",
+        "Connections still in the handshake (TLS's or the protocol's)",
         "128",
         "--max-unauthenticated",
-        "the same",
-        _CONNECTIONS,
-    ),
-    Bound(
-        "TLS handshakes under way (with `--tls-cert`; each must finish within the handshake "
-        "deadline)",
-        "128",
-        "--max-unauthenticated",
-        "closed at once, and logged (no `error` line: the peer expects TLS)",
+        "waits in line for a slot (each slot freed goes to the first that fits); refused "
+        "(`error` `over_limit`, fatal; for TLS closed) if none comes free within the "
+        "handshake deadline, and logged",
         _CONNECTIONS,
     ),
     Bound(
