@@ -187,9 +187,10 @@ def configure(
     token: str | None = None,
     timeout: float = 10.0,
     tls: PeerTLS | ssl.SSLContext | None = None,
+    retry_timeout: float = 15.0,
 ) -> None:
     """Say where ``task.enqueue(...)`` and ``task.enqueue_sync(...)`` send jobs (``token``:
-    the client secret; ``tls``: as for :class:`Client`).
+    the client secret; ``tls`` and ``retry_timeout``: as for :class:`Client`).
 
     Call it once at start-up, as a Celery app is configured once (or Dramatiq's
     ``set_broker``); it may run at import time, before a fork: each process, and each
@@ -197,5 +198,8 @@ def configure(
     ``task.options(client=...)`` sends one enqueue through a client of your own instead.
     """
     set_default_clients(
-        _ConfiguredClients((host, port), {"token": token, "timeout": timeout, "tls": tls})
+        _ConfiguredClients(
+            (host, port),
+            {"token": token, "timeout": timeout, "tls": tls, "retry_timeout": retry_timeout},
+        )
     )
