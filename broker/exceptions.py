@@ -17,7 +17,10 @@ The tree, so a caller can catch as broadly or as narrowly as it needs::
     │   └── DeposedError          another main took over the store; this one changed nothing
     ├── ProtocolError             a peer broke the wire protocol; the connection is closed
     │   ├── AuthenticationError   a peer did not prove its role's secret
-    │   └── NotLeaderError        the main reached is a standby; it names the leader
+    │   ├── NotLeaderError        the main reached is a standby; it names the leader
+    │   └── OverLimitError        a connection or request is over one of the main's bounds
+    ├── BrokerUnavailableError    no main could be reached (also a ConnectionError)
+    │   └── ConnectionLostError   the connection dropped before the main answered
     ├── PermissionDeniedError     the connection's role may not make that request
     ├── TaskNotFoundError         a job names a task the worker has not registered
     ├── JobTimeoutError           a job ran past its timeout and was stopped
@@ -179,6 +182,30 @@ class AuthenticationError(ProtocolError):
     """The peer did not prove the secret of the role it said hello as."""
 
     code = "auth_failed"
+
+
+class OverLimitError(ProtocolError):
+    """A connection or request is over one of the main's bounds (``docs/reference``,
+    the bounds table); the message names the bound and the option that sets it."""
+
+    code = "over_limit"
+
+
+class BrokerUnavailableError(BrokerError, ConnectionError):
+    """No main could be reached: refused, reset, timed out or closed before its welcome.
+
+    Also a :class:`ConnectionError` (so an ``OSError``), since code written before this
+    class caught those; a failover or a restart raises it until a main is back, and the
+    client retries what is safe to repeat for its ``retry_timeout`` first."""
+
+    code = "unavailable"
+
+
+class ConnectionLostError(BrokerUnavailableError):
+    """The connection to the main dropped while a request was under way: the main may
+    or may not have applied it (repeat an enqueue with the same ``idempotency_key``)."""
+
+    code = "connection_lost"
 
 
 class PermissionDeniedError(BrokerError):

@@ -19,7 +19,7 @@ import itertools
 import os
 import ssl
 import uuid
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
@@ -27,15 +27,19 @@ from typing import Any, Self, TypeVar
 
 import msgspec
 
+from broker.core.reconnect import Reconnect
 from broker.exceptions import (
     BrokerError,
+    BrokerUnavailableError,
     ConfigurationError,
+    ConnectionLostError,
     NotLeaderError,
+    OverLimitError,
     PayloadTooLargeError,
     ProtocolError,
 )
 from broker.jobs import ExecutionMode, JobSpec, JobStatus, JSONValue
-from broker.model.bounds import MESSAGE_CONTAINERS
+from broker.model.bounds import MAX_WAIT_SECONDS, MESSAGE_CONTAINERS
 from broker.model.rates import parse_rate
 from broker.payload import containers_in, too_many_containers
 from broker.tasks.registry import Enqueued, Task
@@ -54,6 +58,12 @@ R = TypeVar("R", bound=protocol.Message)
 MAX_REPLY_BYTES = 64 << 20
 """The longest reply line the client reads. Replies come from the authenticated main and
 may carry whole jobs (args and result) or pages of them, so the cap is generous."""
+
+
+RETRY_MAX_DELAY = 1.0
+"""The longest pause (seconds) between two attempts to reach a main, in :meth:`Client.connect`
+and between the attempts of a request safe to repeat: an election takes a few seconds, so
+a client polling a second at most finds the new leader soon after it is elected."""
 
 
 def _time_out(future: asyncio.Future[protocol.Message]) -> None:
@@ -82,11 +92,22 @@ class Client:
         role: protocol.Role = protocol.Role.CLIENT,
         tls: PeerTLS | ssl.SSLContext | None = None,
         allow_unknown_tasks: bool = False,
+        retry_timeout: float = 15.0,
     ) -> None:
         """``allow_unknown_tasks``: enqueue jobs of tasks no worker has declared yet (a
         deliberate cold start); by default the main refuses them with
         :class:`~broker.exceptions.UnknownTaskError`, since such a name is usually a typo
-        (see :mod:`broker.core.catalog`)."""
+        (see :mod:`broker.core.catalog`).
+
+        ``timeout`` bounds each attempt to connect and each answer. ``retry_timeout``
+        bounds the retries that ride out a restart or a failover: :meth:`connect` tries
+        again, with jittered backoff, for that long while no main welcomes (refused, over
+        its admission limit, none elected yet); a request that is safe to repeat (a read,
+        a wait, an enqueue whose every job has an ``idempotency_key``) is sent again for
+        that long after the connection is lost. ``0``: each main is tried once, nothing is
+        repeated. Other requests raise :class:`~broker.exceptions.ConnectionLostError` at
+        once: the main may have applied them, and only the caller knows whether a second
+        job would be acceptable."""
         if role is protocol.Role.WORKER:
             raise ConfigurationError("a Client says hello as a client or an operator")
         self._allow_unknown_tasks = allow_unknown_tasks
@@ -109,6 +130,7 @@ class Client:
         operator's command waits briefly; an application's client, by default, as long
         as for any answer, so a main stalled under load is not taken for another
         service."""
+        self._retry_timeout = retry_timeout
         self._ids = itertools.count(1)
         self._reset()
 
@@ -153,30 +175,48 @@ class Client:
         await self.close()
 
     async def connect(self) -> None:
+        """Connect to the elected main, if not connected. Every main listed is tried, and
+        tried again with jittered backoff while none welcomes, for up to ``retry_timeout``
+        (each attempt within ``timeout``): a fleet that restarts at once, or a failover,
+        gets in without the caller retrying.
+
+        :raises BrokerUnavailableError: no main welcomed this client in time.
+        :raises NotLeaderError: mains answered, but none is elected.
+        :raises ConfigurationError: the TLS handshake failed (a certificate or name).
+        """
         self._check_fork()
         if self._writer is not None and not self._writer.is_closing:
             return  # connected: every request passes here, without taking the lock
         async with self._connect_lock:
             if self._writer is not None and not self._writer.is_closing:
                 return
-            # Each main once in turn, plus the leader a standby names; the last error is
-            # raised when none welcomes (during a failover: retry the request).
-            for attempt in range(len(self._mains.all) + 1):
+            loop = asyncio.get_running_loop()
+            give_up = loop.time() + self._retry_timeout
+            policy = Reconnect(self._mains, RETRY_MAX_DELAY)
+            tried = 0
+            while True:
                 try:
                     await self._connect()
                     return
                 except ssl.SSLError as exc:
-                    # Not an OSError to the caller: the main answered, and refused (the
-                    # operator's command must not take it for an unreachable main).
+                    # The main answered, and refused: a setting to correct, not an outage.
                     raise ConfigurationError(tls.describe(exc, str(self._mains))) from None
                 except NotLeaderError as exc:
-                    if attempt == len(self._mains.all):
-                        raise
-                    self._mains.follow(exc.leader)
-                except (OSError, TimeoutError):
-                    if attempt >= len(self._mains.all) - 1:
-                        raise
-                    self._mains.failed()
+                    last: BrokerError = exc
+                    delay = policy.not_leader(exc.leader)
+                except (OSError, TimeoutError, OverLimitError) as exc:
+                    last = BrokerUnavailableError(
+                        f"no main at {self._mains} welcomed this client: "
+                        f"{str(exc) or type(exc).__name__}"
+                    )
+                    last.__cause__ = exc
+                    delay = policy.unreachable()
+                tried += 1
+                if tried < len(self._mains.all):
+                    continue  # each main once at once, then back off
+                if loop.time() + delay >= give_up:
+                    raise last
+                await asyncio.sleep(delay)
 
     async def _connect(self) -> None:
         host, port = self._mains.current
@@ -231,7 +271,7 @@ class Client:
             self._writer = None
 
     async def _read_replies(self, lines: wire.LineReader) -> None:
-        error: BaseException = ConnectionError("the main closed the connection")
+        error: BaseException = ConnectionLostError("the main closed the connection")
         try:
             while True:
                 msg = await wire.read_message(lines)
@@ -250,8 +290,10 @@ class Client:
                         future = self._pending.pop(rid, None) if rid is not None else None
                         if future is not None and not future.done():
                             future.set_result(msg)
-        except (ConnectionError, OSError, ProtocolError) as exc:
+        except ProtocolError as exc:
             error = exc
+        except OSError as exc:
+            error = ConnectionLostError(f"the connection to the main was lost: {exc!r}")
         finally:
             for future in self._pending.values():
                 if not future.done():
@@ -271,6 +313,20 @@ class Client:
         ``expect``; a ``request_error`` is raised as the exception the main raised
         (:mod:`broker.wire.errors`). ``check`` sees the encoded line first (encoded once,
         for both) and may refuse it by raising."""
+        reply = await self._exchange(build, check)
+        if not isinstance(reply, expect):
+            raise ProtocolError(f"expected {expect.type!r} from the main, got {reply!r}")
+        return reply
+
+    async def _exchange(
+        self,
+        build: Callable[[str], protocol.Message],
+        check: Callable[[bytes], None] | None = None,
+        *,
+        longer: float = 0.0,
+    ) -> protocol.Message:
+        """Send ``build(request_id)`` and return its reply, which the main may take
+        ``longer`` seconds beyond the client's ``timeout`` to send (a ``wait_job``)."""
         await self.connect()
         writer = self._writer
         assert writer is not None
@@ -287,7 +343,7 @@ class Client:
         # timeout scope (one at a time, those cost the caller about 15-20 us of its 160).
         # Only a line that must wait its turn to be written waits in a scope, to the same
         # deadline, since that wait is not on the future.
-        deadline = loop.time() + self._timeout
+        deadline = loop.time() + self._timeout + longer
         timer = loop.call_at(deadline, _time_out, future)
         try:
             if not writer.write_now(line):
@@ -296,14 +352,36 @@ class Client:
             reply = await future
         except TimeoutError:
             raise self._timed_out(f"a request ({type(request).__name__})") from None
+        except OSError as exc:
+            if isinstance(exc, BrokerError):
+                raise
+            raise ConnectionLostError(f"sending to the main failed: {exc!r}") from exc
         finally:
             timer.cancel()
             self._pending.pop(rid, None)
         if isinstance(reply, protocol.RequestError):
             raise error_codes.raised_by(reply)
-        if not isinstance(reply, expect):
-            raise ProtocolError(f"expected {expect.type!r} from the main, got {reply!r}")
         return reply
+
+    async def _repeatable(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()``, a request safe to send twice, sent again while the main cannot be
+        reached or the connection is lost (a failover, a restart), with jittered backoff,
+        for up to ``retry_timeout`` from the first failure; then its error is raised.
+        Each attempt connects again, following a standby to the new leader."""
+        loop = asyncio.get_running_loop()
+        give_up: float | None = None
+        policy = Reconnect(self._mains, RETRY_MAX_DELAY)
+        while True:
+            try:
+                return await call()
+            except (BrokerUnavailableError, NotLeaderError):
+                now = loop.time()
+                if give_up is None:
+                    give_up = now + self._retry_timeout
+                delay = policy.unreachable()
+                if now + delay >= give_up:
+                    raise
+            await asyncio.sleep(delay)
 
     async def enqueue(
         self,
@@ -465,28 +543,37 @@ class Client:
                 )
 
         allow = self._allow_unknown_tasks if allow_unknown_tasks is None else allow_unknown_tasks
-        reply = await self._request(
-            lambda rid: protocol.Enqueue(
-                request_id=rid, jobs=list(requests), allow_unknown_tasks=allow
-            ),
-            protocol.EnqueuedReply,
-            fits,
-        )
+
+        def send() -> Awaitable[protocol.EnqueuedReply]:
+            return self._request(
+                lambda rid: protocol.Enqueue(
+                    request_id=rid, jobs=list(requests), allow_unknown_tasks=allow
+                ),
+                protocol.EnqueuedReply,
+                fits,
+            )
+
+        # Sent again after a lost connection only when every job has an idempotency key:
+        # the main then returns the jobs it stored the first time instead of new ones.
+        keyed = all(r.idempotency_key is not None for r in requests)
+        reply = await (self._repeatable(send) if keyed else send())
         return [Enqueued(ref.job_id, ref.duplicate) for ref in reply.jobs]
 
     async def list_tasks(self) -> list[dict[str, JSONValue]]:
         """The task catalog: one entry per task and worker that declared it (``task``,
         ``worker_id``, ``seen_at``, ``declaration``), by task name."""
-        reply = await self._request(
-            lambda rid: protocol.ListTasks(request_id=rid), protocol.TaskList
+        reply = await self._repeatable(
+            lambda: self._request(lambda rid: protocol.ListTasks(request_id=rid), protocol.TaskList)
         )
         return reply.tasks
 
     async def get_job(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
         """The job as ``Job.to_dict()`` shows it, or ``None`` if the store has no such job."""
-        reply = await self._request(
-            lambda rid: protocol.GetJob(request_id=rid, job_id=uuid.UUID(str(job_id))),
-            protocol.JobInfo,
+        job = uuid.UUID(str(job_id))
+        reply = await self._repeatable(
+            lambda: self._request(
+                lambda rid: protocol.GetJob(request_id=rid, job_id=job), protocol.JobInfo
+            )
         )
         return reply.job
 
@@ -516,8 +603,8 @@ class Client:
 
     async def status(self) -> dict[str, JSONValue]:
         """The main's operator snapshot: queues, workers, pending recoveries."""
-        reply = await self._request(
-            lambda rid: protocol.Status(request_id=rid), protocol.StatusInfo
+        reply = await self._repeatable(
+            lambda: self._request(lambda rid: protocol.Status(request_id=rid), protocol.StatusInfo)
         )
         return reply.status
 
@@ -580,7 +667,9 @@ class Client:
             cursor=cursor,
             include_payload=include_payload,
         )
-        reply = await self._request(lambda rid: request(request_id=rid), protocol.JobList)
+        reply = await self._repeatable(
+            lambda: self._request(lambda rid: request(request_id=rid), protocol.JobList)
+        )
         return JobListPage(jobs=reply.jobs, next_cursor=reply.next_cursor)
 
     async def prune(
@@ -605,18 +694,40 @@ class Client:
         self,
         job_id: uuid.UUID | str,
         *,
-        timeout: float = 60.0,  # noqa: ASYNC109 - a polling budget, not a cancel scope
-        interval: float = 0.05,
+        timeout: float = 60.0,  # noqa: ASYNC109 - how long to wait, not a cancel scope
     ) -> dict[str, JSONValue]:
-        """Poll until the job is terminal; raises ``TimeoutError`` if it is not by then."""
+        """Wait until the job is terminal and return it, as :meth:`get_job` shows it.
+
+        Nothing is polled: the main answers when the job's end is settled (``wait_job``,
+        ``docs/protocol.md``). If the connection is lost (a failover), the wait is made
+        again at the main that answers, which reads the job once, so an end in between is
+        not missed (within ``retry_timeout``).
+
+        :raises TimeoutError: the job has not ended after ``timeout`` seconds.
+        :raises BrokerError: no such job (pruned, or never enqueued).
+        """
+        job = uuid.UUID(str(job_id))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+
+        async def once() -> protocol.Message:
+            # Each attempt (again after a lost connection) waits what is left, at most
+            # the main's bound; a longer wait is several in turn.
+            left = min(max(deadline - loop.time(), 0.0), MAX_WAIT_SECONDS)
+            return await self._exchange(
+                lambda rid: protocol.WaitJob(request_id=rid, job_id=job, timeout=left),
+                longer=left,
+            )
+
         while True:
-            job = await self.get_job(job_id)
-            if job is None:
-                raise BrokerError(f"job {job_id} does not exist (pruned, or never enqueued)")
-            if JobStatus(str(job["status"])).is_terminal:
-                return job
-            if loop.time() >= deadline:
-                raise TimeoutError(f"job {job_id} is still {job['status']} after {timeout} s")
-            await asyncio.sleep(interval)
+            reply = await self._repeatable(once)
+            match reply:
+                case protocol.JobInfo(job=None):
+                    raise BrokerError(f"job {job} does not exist (pruned, or never enqueued)")
+                case protocol.JobInfo(job=dict() as found):
+                    return found
+                case protocol.WaitPending():
+                    if loop.time() >= deadline:
+                        raise TimeoutError(f"job {job} has not ended after {timeout} s")
+                case _:
+                    raise ProtocolError(f"expected a job_info from the main, got {reply!r}")

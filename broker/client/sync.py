@@ -8,16 +8,18 @@ send jobs, through one client of each kind made on first use.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
 import functools
 import os
 import ssl
+import threading
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Self, TypeVar
 
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+import anyio
+from anyio.from_thread import BlockingPortal
 
 from broker.client.client import Client, JobListPage
 from broker.jobs import JobSpec, JSONValue
@@ -29,12 +31,38 @@ from broker.wire.tls import PeerTLS
 T = TypeVar("T")
 
 
+def _daemon_portal() -> tuple[BlockingPortal, threading.Thread]:
+    """An anyio blocking portal on an event loop in a daemon thread.
+
+    anyio's ``start_blocking_portal`` runs its loop in a thread pool's thread, which the
+    interpreter joins at exit: a script that never closed its client, or that a Ctrl-C
+    stopped mid-call, would then hang at exit for ever. A daemon thread is not joined."""
+    ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
+
+    async def serve() -> None:
+        async with BlockingPortal() as portal:
+            ready.set_result(portal)
+            await portal.sleep_until_stopped()
+
+    def run() -> None:
+        try:
+            anyio.run(serve)
+        except BaseException as exc:
+            if not ready.done():
+                ready.set_exception(exc)
+
+    thread = threading.Thread(target=run, name="broker-sync-client", daemon=True)
+    thread.start()
+    return ready.result(), thread
+
+
 class SyncClient:
     """A blocking facade over :class:`Client` for code without an event loop.
 
-    anyio's blocking portal runs the client on an event loop in a daemon thread of its
-    own; each call waits there for its answer and raises what the client raised. Close it
-    (or use it as a context manager) to close the connection and stop that thread.
+    An anyio blocking portal runs the client on an event loop in a daemon thread of its
+    own; each call waits there for its answer and raises what the client raised. Ctrl-C
+    (``KeyboardInterrupt``) during a call cancels it there and is raised at once. Close
+    it (or use it as a context manager) to close the connection and stop that thread.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -44,8 +72,8 @@ class SyncClient:
     def _start(self) -> None:
         self._pid = os.getpid()
         self._client = Client(*self._arguments[0], **self._arguments[1])
-        self._stack = contextlib.ExitStack()
-        self._portal: BlockingPortal | None = self._stack.enter_context(start_blocking_portal())
+        portal, self._thread = _daemon_portal()
+        self._portal: BlockingPortal | None = portal
 
     def _call(self, method: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         if self._portal is None:
@@ -54,11 +82,19 @@ class SyncClient:
             # A forked child has no copy of the portal's thread: a call would wait forever
             # for it. Start a thread and a connection of the child's own; the parent's
             # objects are dropped unclosed, since closing them would wait on that thread.
-            self._forked_from = (self._stack, self._client)
+            self._forked_from = (self._portal, self._client)
             self._start()
             method = getattr(self._client, method.__name__)
         assert self._portal is not None
-        return self._portal.call(functools.partial(method, *args, **kwargs))
+        future = self._portal.start_task_soon(functools.partial(method, *args, **kwargs))
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            # Ctrl-C reaches this thread, blocked on the answer: the call is cancelled on
+            # the portal's loop (anyio cancels the task when its future is), not left
+            # running until its own timeout.
+            future.cancel()
+            raise
 
     def enqueue(self, task: str | Task[..., Any], *args: Any, **kwargs: Any) -> Enqueued:
         return self._call(self._client.enqueue, task, *args, **kwargs)
@@ -112,17 +148,20 @@ class SyncClient:
     def limit_queue(self, queue: str, rate: str | None, *, burst: int = 1) -> dict[str, JSONValue]:
         return self._call(self._client.limit_queue, queue, rate, burst=burst)
 
-    def wait(self, job_id: uuid.UUID | str, **kwargs: Any) -> dict[str, JSONValue]:
-        return self._call(self._client.wait, job_id, **kwargs)
+    def wait(self, job_id: uuid.UUID | str, *, timeout: float = 60.0) -> dict[str, JSONValue]:
+        """As :meth:`Client.wait`; Ctrl-C interrupts it at once."""
+        return self._call(self._client.wait, job_id, timeout=timeout)
 
     def close(self) -> None:
         if self._portal is None:
             return
         try:
-            self._call(self._client.close)
+            self._call(self._client.close)  # in a forked child, on a loop of its own
         finally:
-            self._portal = None
-            self._stack.close()
+            portal, self._portal = self._portal, None
+            if portal is not None:
+                portal.call(portal.stop)
+                self._thread.join()
 
     def __enter__(self) -> Self:
         return self
@@ -164,9 +203,10 @@ def configure(
     token: str | None = None,
     timeout: float = 10.0,
     tls: PeerTLS | ssl.SSLContext | None = None,
+    retry_timeout: float = 15.0,
 ) -> None:
     """Say where ``task.enqueue(...)`` and ``task.enqueue_sync(...)`` send jobs (``token``:
-    the client secret; ``tls``: as for :class:`Client`).
+    the client secret; ``tls`` and ``retry_timeout``: as for :class:`Client`).
 
     Call it once at start-up, as a Celery app is configured once (or Dramatiq's
     ``set_broker``); it may run at import time, before a fork: each process, and each
@@ -174,5 +214,8 @@ def configure(
     ``task.options(client=...)`` sends one enqueue through a client of your own instead.
     """
     set_default_clients(
-        _ConfiguredClients((host, port), {"token": token, "timeout": timeout, "tls": tls})
+        _ConfiguredClients(
+            (host, port),
+            {"token": token, "timeout": timeout, "tls": tls, "retry_timeout": retry_timeout},
+        )
     )

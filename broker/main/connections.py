@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from broker.core.admission import Admission
 from broker.core.handoff import Handoff, HandoffEffect
 from broker.exceptions import ProtocolError
 from broker.main.sessions import Joined, RequestBytes, Session
@@ -93,23 +94,11 @@ class _TLSHandshake(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         transport.pause_reading()
         connections = self._connections
-        address = _address(transport.get_extra_info("peername"))
-        refusal = connections.handshake_refusal(
-            address, len(connections.tls_handshakes), "TLS handshakes are under way"
-        )
-        if refusal is not None:
-            # Like a connection over the limit in the protocol's own handshake, but
-            # without the error line: the peer expects TLS records, not text.
-            connections.log_refusal(address, refusal)
-            transport.abort()
-            return
         task = asyncio.get_running_loop().create_task(
             connections._start_tls(transport, self._context)
         )
         connections.tls_handshakes.add(task)
-        connections.handshaking[address] += 1
         task.add_done_callback(connections.tls_handshakes.discard)
-        task.add_done_callback(lambda _: connections.handshake_ended(address))
         # A handshake cancelled (the main stopping) before it began has nobody else to
         # close its connection.
         task.add_done_callback(lambda done: transport.abort() if done.cancelled() else None)
@@ -144,16 +133,19 @@ class Connections:
         too: where the core has no peer for it yet)."""
         self.joined = Joined(core.peers, self._open)
         """The connections past their hello (:class:`Joined`)."""
+        self.admission: Admission[asyncio.Future[None]] = Admission(
+            settings.max_unauthenticated, settings.max_unauthenticated_per_address
+        )
+        """The handshake slots, TLS's and the protocol's, and the connections waiting
+        for one (:mod:`broker.core.admission`)."""
         self._unauthenticated: set[asyncio.Task[None]] = set()
-        """Connection tasks still in the handshake (counted against max_unauthenticated)."""
+        """Connection tasks holding a handshake slot."""
         self.tls_handshakes: set[asyncio.Task[None]] = set()
-        """TLS handshakes under way (:meth:`tls_server`), before their connection's task."""
+        """TLS handshakes waiting or under way (:meth:`tls_server`), before their
+        connection's task."""
         self._per_address: Counter[str] = Counter()
         self._auth_failures = RateLimit(AUTH_FAILURE_LOG_PER_SECOND, AUTH_FAILURE_LOG_BURST)
         self._refusals = RateLimit(AUTH_FAILURE_LOG_PER_SECOND, AUTH_FAILURE_LOG_BURST)
-        self.handshaking: Counter[str] = Counter()
-        """Connections per address in a handshake, TLS's or the protocol's (counted
-        against ``max_unauthenticated_per_address``)."""
         self.read_ahead = RequestBytes(settings.max_request_bytes)
         """The bytes of client requests in progress on every connection."""
 
@@ -171,6 +163,13 @@ class Connections:
         reader = asyncio.StreamReader(limit=settings.preauth_max_line_bytes)
         streams = asyncio.StreamReaderProtocol(reader, self.accept)
         address = _address(transport.get_extra_info("peername"))
+        refusal = await self._admit(address)
+        if refusal is not None:
+            # Like a connection refused in the protocol's own handshake, but without the
+            # error line: the peer expects TLS records, not text.
+            self.log_refusal(address, refusal)
+            transport.abort()
+            return
         try:
             secured = await loop.start_tls(
                 transport,
@@ -189,6 +188,8 @@ class Connections:
             )
             transport.abort()
             return
+        finally:
+            self._leave(address)  # the protocol's handshake takes a slot of its own
         if secured is None:  # the peer went away as the handshake ended
             transport.abort()
             return
@@ -203,10 +204,13 @@ class Connections:
             await self._refuse(writer, address, refusal)
             return
         self.tasks.add(task)
-        self._unauthenticated.add(task)
-        self.handshaking[address] += 1
         self._per_address[address] += 1
         try:
+            refusal = await self._admit(address)
+            if refusal is not None:
+                await self._refuse(writer, address, refusal)
+                return
+            self._unauthenticated.add(task)
             await self._serve(reader, writer, address)
         except asyncio.CancelledError:
             if not self._stopping():
@@ -222,15 +226,40 @@ class Connections:
         """``task``'s connection has left the handshake (passed it, or closed)."""
         if task in self._unauthenticated:
             self._unauthenticated.discard(task)
-            self.handshake_ended(address)
+            self._leave(address)
 
-    def handshake_ended(self, address: str) -> None:
-        self.handshaking[address] -= 1
-        if not self.handshaking[address]:
-            del self.handshaking[address]
+    async def _admit(self, address: str) -> str | None:
+        """Take a handshake slot for a connection from ``address``, waiting in line for
+        one for up to the handshake deadline (a fleet restarting at once gets in); why it
+        was refused when none came, else ``None`` (it holds a slot: give it back with
+        :meth:`_leave`)."""
+        ticket = asyncio.get_running_loop().create_future()
+        if self.admission.enter(address, ticket):
+            return None
+        why = self.admission.blocked(address)
+        try:
+            async with asyncio.timeout(self.settings.handshake_timeout):
+                await ticket
+        except TimeoutError:
+            if self.admission.withdraw(ticket):
+                return f"{why}; no slot came free within the handshake deadline"
+            # Admitted just as the wait ran out: it holds its slot.
+        except BaseException:
+            if not self.admission.withdraw(ticket):
+                self._leave(address)
+            raise
+        return None
+
+    def _leave(self, address: str) -> None:
+        """A connection from ``address`` gave its handshake slot back: the first that fits
+        among those waiting takes it."""
+        for ticket in self.admission.leave(address):
+            if not ticket.done():
+                ticket.set_result(None)
 
     def _connection_refusal(self, address: str) -> str | None:
-        """Why a new connection from ``address`` is over a limit, or ``None``."""
+        """Why a new connection from ``address`` is over a connection limit, or ``None``
+        (the handshake's limits make it wait instead: :meth:`_admit`)."""
         settings = self.settings
         if len(self.tasks) >= settings.max_connections:
             return f"the main has {len(self.tasks)} connections, its limit (--max-connections)"
@@ -238,23 +267,6 @@ class Connections:
             return (
                 f"{self._per_address[address]} connections from {address} already, the limit "
                 "per address (--max-connections-per-address)"
-            )
-        return self.handshake_refusal(
-            address, len(self._unauthenticated), "connections are still in the handshake"
-        )
-
-    def handshake_refusal(self, address: str, under_way: int, kind: str) -> str | None:
-        """Why one more handshake (``under_way`` of its kind already) from ``address`` is
-        over a limit, or ``None``. The limit per address keeps one address, holding idle
-        sockets in the handshake until the deadline, from locking every other out."""
-        settings = self.settings
-        if under_way >= settings.max_unauthenticated:
-            return f"{under_way} {kind}, the limit (--max-unauthenticated)"
-        mine = self.handshaking[address]
-        if mine >= settings.max_unauthenticated_per_address:
-            return (
-                f"{mine} handshakes are under way from {address}, the limit per address "
-                "(--max-unauthenticated-per-address)"
             )
         return None
 

@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import math
+import uuid
 from collections.abc import Callable, Collection, Sequence
 
 from broker.core.handoff import STALL, Handoff, HandoffEffect, Send
@@ -59,9 +60,11 @@ class Leader:
         live_workers: Callable[[], Collection[str]],
         schedules: Sequence[Schedule],
         retention: Retention | None,
+        ended: Callable[[list[uuid.UUID]], None],
     ) -> None:
         """``carry`` carries out the core's effects; ``live_workers()`` names the workers
-        connected now."""
+        connected now; ``ended`` hears of jobs that may have ended (the waiters' notice,
+        :meth:`broker.main.waits.Waits.ended`)."""
         self._store = store
         self._handoff = handoff
         self._settings = settings
@@ -87,6 +90,7 @@ class Leader:
             handoff,
             retry_interval=settings.error_retry_interval,
             on_returned=self.dispatcher.wake,
+            ended=ended,
             clock=clock,
             max_recoveries=settings.max_recoveries,
         )
@@ -94,6 +98,7 @@ class Leader:
             measured,
             handoff,
             acknowledged=self._acknowledge,
+            ended=ended,
             stopping=stopping,
             clock=clock,
             retry_delay=retry_delay,

@@ -58,6 +58,8 @@ from broker.main.retention import Retention
 from broker.main.routing import Router
 from broker.main.sessions import Session
 from broker.main.settings import MainSettings
+from broker.main.waits import Waits
+from broker.model.bounds import MAX_WAITERS_PER_CONNECTION
 from broker.model.logs import log_event
 from broker.retry import RetryDelay, retry_delay
 from broker.storage import StorageAdapter, SupportsLeadership
@@ -119,6 +121,12 @@ class Main:
         )
         self.queues = QueueControl(store, self.handoff.flow, wake=self.wake)
         """The queues' settings: paused, rate limits (see :mod:`broker.main.queues`)."""
+        self.waits = Waits(
+            store.get_job,
+            lambda peer: self.sessions.get(peer),
+            per_connection=MAX_WAITERS_PER_CONNECTION,
+        )
+        """Who waits for which job to end (``wait_job``), answered when it does."""
         self.requests = Requests(
             self.operations,
             queues=self.queues,
@@ -127,6 +135,7 @@ class Main:
             stop_cancelled=self._stop_cancelled,
             status=self.status,
             live_workers=self._live_workers,
+            waits=self.waits,
         )
         """The client requests (:mod:`broker.main.operations`), under this main's limits."""
         self.declarations = Declarations(
@@ -173,6 +182,7 @@ class Main:
             live_workers=self._live_workers,
             schedules=schedules,
             retention=retention,
+            ended=self.waits.ended,
         )
         """What only the dispatching main runs (see :mod:`broker.main.leader`)."""
         self.election: Election | None = None
@@ -224,6 +234,11 @@ class Main:
         # are answered only once the store is ready.
         # The stream's limit is only its read-ahead (wire.LineReader enforces the line caps):
         # the pre-auth cap keeps what an unauthenticated peer can make us buffer small.
+        # The listen backlog holds as many connections as the main may hold: with asyncio's
+        # 100, a fleet of 500 connecting in the same moment overflowed the kernel's accept
+        # queue, and a peer whose connection the kernel dropped waited for a greeting that
+        # never came (the kernel caps it at net.core.somaxconn).
+        backlog = self.settings.max_connections
         if self._tls is None:
             server = await asyncio.start_server(
                 self.connections.accept,
@@ -231,6 +246,7 @@ class Main:
                 self.settings.port,
                 limit=self.settings.preauth_max_line_bytes,
                 start_serving=False,
+                backlog=backlog,
             )
         else:  # each TLS handshake also has the handshake deadline
             server = await asyncio.get_running_loop().create_server(
@@ -238,6 +254,7 @@ class Main:
                 self.settings.host,
                 self.settings.port,
                 start_serving=False,
+                backlog=backlog,
             )
         self._server = server
         try:
@@ -427,6 +444,7 @@ class Main:
         if session.closed:
             return
         session.closed = True
+        self.waits.disconnected(session.id)
         now = asyncio.get_running_loop().time()
         stall = max(0.0, now - self.leader.tick_due)  # the liveness check is overdue by this much
         self._carry(self.handoff.disconnect(session.id, now, stall=stall, stopping=self._stopping))

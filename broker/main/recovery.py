@@ -46,6 +46,7 @@ class RecoveryLedger:
         *,
         retry_interval: float = 1.0,
         on_returned: Callable[[], None] = lambda: None,
+        ended: Callable[[list[uuid.UUID]], None] = lambda _: None,
         clock: Clock = utcnow,
         max_recoveries: int = DEFAULT_MAX_RECOVERIES,
     ) -> None:
@@ -55,6 +56,9 @@ class RecoveryLedger:
         self._handoff = handoff
         self._retry_interval = retry_interval
         self._on_returned = on_returned
+        self._ended = ended
+        """Told of a job a lost attempt settled (past its recovery limit it ended dead):
+        its waiters are answered (:class:`broker.main.waits.Waits`)."""
         self._kick = asyncio.Event()
 
     def kick(self) -> None:
@@ -84,6 +88,8 @@ class RecoveryLedger:
                     returned = await self._store.return_to_queue(job_id, handoff_id)
                 else:
                     [returned] = await self._store.settle_many([settlement])
+                    if returned:
+                        self._ended([job_id])
             except Exception as exc:
                 log_event(
                     logger,

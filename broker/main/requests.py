@@ -21,6 +21,7 @@ from broker.jobs import Job, JobStatus
 from broker.main.operations import Operations
 from broker.main.queues import QUEUE_REQUESTS, QueueControl
 from broker.main.sessions import Session
+from broker.main.waits import Waits, job_info
 from broker.model.logs import log_event
 from broker.storage import JobFilter
 from broker.wire import codec
@@ -41,9 +42,12 @@ class Requests:
         status: Callable[[], Awaitable[dict[str, Any]]],
         live_workers: Callable[[], Collection[str]],
         queues: QueueControl,
+        waits: Waits,
     ) -> None:
+        """``waits`` answers ``wait_job`` and hears of jobs a request ended (a cancel)."""
         self._operations = operations
         self._queues = queues
+        self._waits = waits
         self._slots = asyncio.Semaphore(max_in_progress)
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = wake
@@ -85,9 +89,15 @@ class Requests:
 
     async def _apply(self, session: Session, msg: protocol.Message) -> None:
         """Answer a client request; a failure is answered with the code of its exception
-        (:mod:`broker.wire.errors`), so the client raises the same one."""
+        (:mod:`broker.wire.errors`), so the client raises the same one. A ``wait_job``
+        whose job has not ended is answered later, by :class:`Waits`."""
         try:
-            reply = await self._answer(msg)
+            if isinstance(msg, protocol.WaitJob):
+                reply = await self._waits.wait(session, msg)
+                if reply is None:
+                    return
+            else:
+                reply = await self._answer(msg)
         except Exception as exc:
             if isinstance(exc, InvalidJobError | ProtocolError):  # the client's mistake
                 log_event(
@@ -146,12 +156,13 @@ class Requests:
                 ]
                 return protocol.EnqueuedReply(request_id=rid, jobs=refs)
             case protocol.GetJob(request_id=rid, job_id=job_id):
-                return _job_info(rid, await ops.get(job_id))
+                return job_info(rid, await ops.get(job_id))
             case protocol.Cancel(request_id=rid, job_id=job_id):
                 job = await ops.cancel(job_id)
                 if job is not None:
                     self._stop_cancelled(job)
-                return _job_info(rid, job)
+                    self._waits.ended([job.id])
+                return job_info(rid, job)
             case protocol.Retry(request_id=rid, job_id=job_id):
                 job = await ops.retry(job_id)
                 if job is not None and job.status is JobStatus.QUEUED:
@@ -165,7 +176,7 @@ class Requests:
                         attempt=job.attempts + 1,
                     )
                     self._wake()
-                return _job_info(rid, job)
+                return job_info(rid, job)
             case protocol.Status(request_id=rid):
                 return protocol.StatusInfo(request_id=rid, status=await self._status())
             case protocol.ListJobs(request_id=rid):
@@ -199,7 +210,3 @@ class Requests:
                 return protocol.Pruned(request_id=rid, deleted=deleted)
             case _:
                 raise ProtocolError(f"{msg.type!r} is not a client request")
-
-
-def _job_info(request_id: str, job: Job | None) -> protocol.JobInfo:
-    return protocol.JobInfo(request_id=request_id, job=job.to_dict() if job else None)

@@ -290,12 +290,13 @@ class MainSettings:
         **_limit("connections from one IP address; more are refused"),
     )
     max_unauthenticated: int = setting(
-        MAX_UNAUTHENTICATED, **_limit("connections still in the handshake; more are refused")
+        MAX_UNAUTHENTICATED,
+        **_limit("connections still in the handshake; more wait in line for a slot"),
     )
     """Connections that have not finished the handshake yet, from all addresses."""
     max_unauthenticated_per_address: int = setting(
         MAX_UNAUTHENTICATED_PER_ADDRESS,
-        **_limit("connections from one IP address still in the handshake; more are refused"),
+        **_limit("connections from one IP address still in the handshake; more wait in line"),
     )
     """Connections from one address that have not finished the handshake yet, so one
     address cannot take every handshake slot."""

@@ -12,6 +12,7 @@ bad report never holds up the others.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable
 from datetime import datetime
 
@@ -44,6 +45,7 @@ class ReportSettler:
         handoff: Handoff,
         *,
         acknowledged: Acknowledge,
+        ended: Callable[[list[uuid.UUID]], None],
         stopping: Callable[[], bool],
         clock: Clock,
         retry_delay: RetryDelay,
@@ -59,6 +61,9 @@ class ReportSettler:
         self._metrics = metrics
         self._handoff = handoff
         self._acknowledged = acknowledged
+        self._ended = ended
+        """Told the jobs each batch settled, once the store confirmed it: the waiters on
+        those that ended are answered (:class:`broker.main.waits.Waits`)."""
         self._stopping = stopping
         self._clock = clock
         self._policy = reports.Policy(
@@ -111,6 +116,7 @@ class ReportSettler:
         ]
         self._count(batch, settlements, applied)
         self._log_failures(settlements, applied)
+        self._ended([s.job_id for ok, s in zip(applied, settlements, strict=True) if ok])
         return statuses
 
     async def _settle_unstorable(self, report: tuple[int, protocol.Report], exc: Exception) -> None:
@@ -136,6 +142,7 @@ class ReportSettler:
             [applied] = await self._store.settle_many([failure])
             self._count([report], [failure], [applied])
             if applied:
+                self._ended([failure.job_id])
                 return protocol.AckStatus.APPLIED
             return await self._why_not_applied(msg, failure)
 

@@ -278,8 +278,7 @@ BOUNDS += [
         "Connections from one IP address still in the handshake (TLS's or the protocol's)",
         "64",
         "--max-unauthenticated-per-address",
-        "the same as over `--max-unauthenticated` (an `error` line, or for TLS closed at "
-        "once), and logged",
+        "the same as over `--max-unauthenticated`; one address at its limit holds up no other",
         "Connections and the handshake",
     ),
     Bound(
@@ -379,18 +378,12 @@ BOUNDS += [
         _CONNECTIONS,
     ),
     Bound(
-        "Connections still in the handshake",
+        "Connections still in the handshake (TLS's or the protocol's)",
         "128",
         "--max-unauthenticated",
-        "the same",
-        _CONNECTIONS,
-    ),
-    Bound(
-        "TLS handshakes under way (with `--tls-cert`; each must finish within the handshake "
-        "deadline)",
-        "128",
-        "--max-unauthenticated",
-        "closed at once, and logged (no `error` line: the peer expects TLS)",
+        "waits in line for a slot (each slot freed goes to the first that fits); refused "
+        "(`error` `over_limit`, fatal; for TLS closed) if none comes free within the "
+        "handshake deadline, and logged",
         _CONNECTIONS,
     ),
     Bound(
@@ -703,5 +696,36 @@ BOUNDS += [
         None,
         "`malformed`: the new setting is refused; clearing one frees a place",
         _FLOW,
+    ),
+]
+
+# --------------------------------------------------------------------------- pushed results
+# (issue 32, item 5: a client waits for a job's end without polling)
+
+MAX_WAITERS_PER_CONNECTION = 10_000
+"""``wait_job`` requests one connection may have waiting at once. A waiter costs the main
+a few hundred bytes and a timer until its job ends or its time is up; the bound keeps a
+client that waits on everything at once from growing the main without end, and is high
+enough that a web app waiting on each of its requests' jobs never meets it."""
+
+MAX_WAIT_SECONDS = 3600.0
+"""The longest one ``wait_job`` waits at the main before it is answered ``wait_pending``
+(the client asks again for a longer wait): so a forgotten waiter holds its slot an hour
+at most."""
+
+BOUNDS += [
+    Bound(
+        "Jobs one connection waits for at once (`wait_job`)",
+        "10 000",
+        None,
+        "`request_error` `over_limit` (`OverLimitError`); the connection's other waits go on",
+        _BACK_PRESSURE,
+    ),
+    Bound(
+        "One `wait_job`'s `timeout`",
+        "1 hour",
+        None,
+        "`malformed` (a longer wait is several `wait_job` in turn; `Client.wait` does that)",
+        _VALUES,
     ),
 ]

@@ -33,6 +33,7 @@ its own."""
 REQUESTS: Mapping[type[protocol.Message], Role] = {
     protocol.Enqueue: Role.CLIENT,
     protocol.GetJob: Role.CLIENT,
+    protocol.WaitJob: Role.CLIENT,
     protocol.ListJobs: Role.CLIENT,
     protocol.ListTasks: Role.CLIENT,
     protocol.Status: Role.CLIENT,

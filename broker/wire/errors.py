@@ -45,7 +45,6 @@ CLASSES: Mapping[str, type[BrokerError]] = {
     ErrorCode.UNTERMINATED: ProtocolError,
     ErrorCode.HANDSHAKE_TIMEOUT: ProtocolError,
     ErrorCode.NOT_ALLOWED: ProtocolError,
-    ErrorCode.OVER_LIMIT: ProtocolError,
     # Peers of different versions: a deployment to correct, which retrying cannot fix.
     ErrorCode.PROTOCOL_VERSION: ConfigurationError,
 }

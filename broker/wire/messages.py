@@ -55,6 +55,8 @@ from broker.wire.requests import (
     Status,
     StatusInfo,
     TaskList,
+    WaitJob,
+    WaitPending,
     check_prune,
 )
 
@@ -125,6 +127,8 @@ class ErrorCode(enum.StrEnum):
     CHECKPOINT_REJECTED = "checkpoint_rejected"
     NOT_LEADER = "not_leader"
     DEPOSED = "deposed"
+    UNAVAILABLE = "unavailable"
+    CONNECTION_LOST = "connection_lost"
 
 
 # --------------------------------------------------------------------------- handshake
@@ -542,6 +546,8 @@ Message: TypeAlias = (
     | Enqueue
     | EnqueuedReply
     | GetJob
+    | WaitJob
+    | WaitPending
     | JobInfo
     | Cancel
     | RequestError
@@ -629,6 +635,8 @@ __all__ = [
     "TaskCatalog",
     "TaskDeclaration",
     "TaskList",
+    "WaitJob",
+    "WaitPending",
     "Welcome",
     "WorkerStatus",
     "check_proof",

@@ -29,7 +29,7 @@ from broker.jobs import (
     spec_fields,
     spec_values,
 )
-from broker.model.bounds import MAX_AGE_SECONDS, MAX_LIST_ITEMS, MAX_PARENTS
+from broker.model.bounds import MAX_AGE_SECONDS, MAX_LIST_ITEMS, MAX_PARENTS, MAX_WAIT_SECONDS
 from broker.model.rates import Rate, parse_rate
 from broker.model.values import check_delay
 from broker.wire.fields import Float, Int, Name, Names, Nested, Tagged, require
@@ -177,6 +177,29 @@ class GetJob(Tagged, frozen=True, tag="get_job"):
 class Cancel(Tagged, frozen=True, tag="cancel"):
     request_id: Name
     job_id: uuid.UUID
+
+
+class WaitJob(Tagged, frozen=True, tag="wait_job"):
+    """Answer when the job has ended: ``job_info`` with the job once it is terminal (or
+    ``null`` if there is no such job), or ``wait_pending`` if ``timeout`` seconds pass
+    first. The main subscribes before it reads the job, so an end in between is not
+    missed (:mod:`broker.core.waiters`)."""
+
+    request_id: Name
+    job_id: uuid.UUID
+    timeout: Float = 60.0
+
+    def __post_init__(self) -> None:
+        require(
+            0 <= self.timeout <= MAX_WAIT_SECONDS,
+            f"timeout must be 0-{MAX_WAIT_SECONDS:g} seconds",
+        )
+
+
+class WaitPending(Tagged, frozen=True, tag="wait_pending"):
+    """The ``wait_job``'s ``timeout`` passed and the job has not ended yet."""
+
+    request_id: str
 
 
 class JobInfo(Tagged, frozen=True, tag="job_info"):

@@ -27,7 +27,7 @@ import pytest
 
 from adapters.memory import MemoryAdapter
 from broker.client.client import Client
-from broker.exceptions import ProtocolError
+from broker.exceptions import BrokerUnavailableError
 from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus
 from broker.main.main import Main
 from broker.main.settings import MainSettings
@@ -257,24 +257,18 @@ async def test_a_ready_over_the_credit_cap_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    ("limit", "authenticated", "flag"),
+    ("limit", "flag"),
     [
-        ("max_connections", True, "--max-connections)"),
-        ("max_connections_per_address", True, "--max-connections-per-address"),
-        ("max_unauthenticated", False, "--max-unauthenticated"),
+        ("max_connections", "--max-connections)"),
+        ("max_connections_per_address", "--max-connections-per-address"),
     ],
 )
-async def test_a_connection_over_a_cap_is_refused_with_a_clear_error(
-    limit: str, authenticated: bool, flag: str
-) -> None:
+async def test_a_connection_over_a_cap_is_refused_with_a_clear_error(limit: str, flag: str) -> None:
     main = await _start(MemoryAdapter(), handshake_timeout=30.0, **{limit: 2})
     holders = [await RawPeer.connect(main.port) for _ in range(2)]
     try:
         for peer in holders:
-            if authenticated:
-                await peer.hello(protocol.Role.CLIENT)
-            else:
-                assert isinstance(await peer.read(), protocol.Challenge)
+            await peer.hello(protocol.Role.CLIENT)
         refused = await RawPeer.connect(main.port)
         holders.append(refused)  # closed with the others
         error = await refused.read()
@@ -282,19 +276,50 @@ async def test_a_connection_over_a_cap_is_refused_with_a_clear_error(
         assert error.code == protocol.ErrorCode.OVER_LIMIT and error.fatal
         assert flag in error.message
         assert await refused.read() is None, "closed after the error"
-        with pytest.raises(ProtocolError, match=re.escape(flag)):
-            async with Client("127.0.0.1", main.port, timeout=5.0):
+        with pytest.raises(BrokerUnavailableError, match=re.escape(flag)):
+            async with Client("127.0.0.1", main.port, timeout=5.0, retry_timeout=0):
                 pass
-        # The place comes back once a holder leaves (or, before authentication, finishes
-        # the handshake).
-        if authenticated:
-            holders[0].close()
-        else:
-            await holders[0].answer_challenge(protocol.Role.CLIENT)
+        holders[0].close()  # the place comes back once a holder leaves
         await until(lambda: _challenged(main.port))
     finally:
         for peer in holders:
             peer.close()
+        await main.stop()
+
+
+async def test_a_connection_over_the_handshake_limit_waits_its_turn() -> None:
+    """Over ``--max-unauthenticated`` a connection is not refused: it waits in line and
+    is challenged as soon as a handshake ends (a fleet restarting at once gets in)."""
+    main = await _start(MemoryAdapter(), handshake_timeout=30.0, max_unauthenticated=2)
+    holders = [await RawPeer.connect(main.port) for _ in range(2)]
+    try:
+        for peer in holders:
+            assert isinstance(await peer.read(), protocol.Challenge)
+        waiting = await RawPeer.connect(main.port)
+        holders.append(waiting)
+        await until(lambda: main.connections.admission.waiting == 1)
+        await holders[0].answer_challenge(protocol.Role.CLIENT)
+        assert isinstance(await waiting.read(), protocol.Challenge)
+        assert main.connections.admission.waiting == 0
+    finally:
+        for peer in holders:
+            peer.close()
+        await main.stop()
+
+
+async def test_a_connection_that_waits_past_the_handshake_deadline_is_refused() -> None:
+    main = await _start(MemoryAdapter(), handshake_timeout=0.5, max_unauthenticated=1)
+    try:
+        # The one slot, held for good (a peer would hold it for a deadline of its own).
+        assert main.connections.admission.enter("127.0.0.1", asyncio.Future())
+        late = await RawPeer.connect(main.port)
+        error = await late.read()
+        assert isinstance(error, protocol.Error) and error.code == protocol.ErrorCode.OVER_LIMIT
+        assert "--max-unauthenticated" in error.message
+        assert "no slot came free within the handshake deadline" in error.message
+        assert main.connections.admission.waiting == 0
+        late.close()
+    finally:
         await main.stop()
 
 

@@ -16,6 +16,7 @@ from broker.main.operations import Operations
 from broker.main.queues import QueueControl
 from broker.main.requests import Requests
 from broker.main.settings import MainSettings
+from broker.main.waits import Waits
 from broker.wire import messages as protocol
 from broker.wire.credentials import REQUESTS, Credentials, parse_token_file, role_needed
 from broker.wire.messages import Role
@@ -98,6 +99,7 @@ async def test_every_request_of_the_one_list_is_answered_by_the_main() -> None:
         protocol.PauseQueue(request_id="r", queue="q"),
         protocol.ResumeQueue(request_id="r", queue="q"),
         protocol.LimitQueue(request_id="r", queue="q", rate="5/s"),
+        protocol.WaitJob(request_id="r", job_id=job),
     ]
     assert {type(msg) for msg in examples} == set(REQUESTS)
 
@@ -113,8 +115,11 @@ async def test_every_request_of_the_one_list_is_answered_by_the_main() -> None:
         status=status,
         live_workers=set,
         queues=QueueControl(store, FlowControl(), wake=lambda: None),
+        waits=Waits(MemoryAdapter().get_job, lambda _peer: None, per_connection=1),
     )
     for msg in examples:
+        if isinstance(msg, protocol.WaitJob):
+            continue  # answered on its connection, when the job ends (test_waiters.py)
         reply = await requests.answer(msg)
         assert getattr(reply, "request_id", None) == "r", msg
 

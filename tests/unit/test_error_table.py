@@ -17,6 +17,7 @@ from broker.exceptions import (
     ConfigurationError,
     IdempotencyConflictError,
     NotLeaderError,
+    OverLimitError,
     ProtocolError,
     StorageError,
     UniqueKeyTakenError,
@@ -72,7 +73,7 @@ def _across_the_wire(exc: BaseException) -> BrokerError:
 
 def test_the_tree_is_the_one_the_module_documents() -> None:
     names = {cls.__name__ for cls in _tree()}
-    assert len(names) == 21
+    assert len(names) == 24
     assert all(name in (exceptions.__doc__ or "") for name in names)
 
 
@@ -167,7 +168,7 @@ def test_a_code_from_a_newer_version_arrives_as_a_broker_error() -> None:
     [
         (ErrorCode.AUTH_FAILED, AuthenticationError),
         (ErrorCode.PROTOCOL_VERSION, ConfigurationError),
-        (ErrorCode.OVER_LIMIT, ProtocolError),
+        (ErrorCode.OVER_LIMIT, OverLimitError),
         (ErrorCode.HANDSHAKE_TIMEOUT, ProtocolError),
         (ErrorCode.NOT_ALLOWED, ProtocolError),
         (ErrorCode.LINE_TOO_LONG, ProtocolError),

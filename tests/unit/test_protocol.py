@@ -115,6 +115,8 @@ SAMPLES: list[p.Message] = [
     p.GetJob(request_id="r2", job_id=JOB_ID),
     p.JobInfo(request_id="r2", job={"id": str(JOB_ID), "status": "queued"}),
     p.JobInfo(request_id="r2", job=None),
+    p.WaitJob(request_id="r7", job_id=JOB_ID, timeout=30.0),
+    p.WaitPending(request_id="r7"),
     p.Cancel(request_id="r3", job_id=JOB_ID),
     p.RequestError(request_id="r3", code=p.ErrorCode.NOT_FOUND, message="no such job"),
     p.CancelJob(JOB_ID, LEASE_ID),

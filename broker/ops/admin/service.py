@@ -223,6 +223,7 @@ async def open_backend(
         tls=tls,
         timeout=timeout,
         greeting_timeout=wire.GREETING_TIMEOUT,
+        retry_timeout=0,  # an operator's command answers now, or works on the store
     )
     try:
         await client.connect()
