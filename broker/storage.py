@@ -473,6 +473,20 @@ class SupportsEnqueueHandedOff(Protocol):
 
 
 @runtime_checkable
+class SupportsDueNotice(Protocol):
+    """Optional, for a store without notifications (``listen_notify`` false) that makes
+    jobs due by itself: a settle that completes a job's last parent makes the waiting
+    child queued in the same transaction (:mod:`broker.dependencies`), which no enqueue
+    of the main announced. Without a notice the main would find the child at its next
+    poll (``--poll-interval``), so each step of a chain waited about that long."""
+
+    def on_due(self, notice: Callable[[], None]) -> None:
+        """Call ``notice`` (on the event loop, after the commit) whenever a write of this
+        process made waiting jobs due; it replaces the notice set before (a main that
+        leads again sets its new dispatcher's)."""
+
+
+@runtime_checkable
 class SupportsQueueSettings(Protocol):
     """Optional: keep each queue's settings (paused, rate limit) so they outlive a main, and
     leave the queues named in ``exclude_queues`` out of dispatch reads.

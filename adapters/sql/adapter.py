@@ -466,6 +466,11 @@ class SQLAlchemyAdapter(CoreQueries):
 
     # ------------------------------------------------------------------ notifications
 
+    def on_due(self, notice: Callable[[], None]) -> None:
+        """:class:`broker.storage.SupportsDueNotice`: SQLite's settles call ``notice``
+        when they made waiting jobs due; PostgreSQL's notify instead."""
+        self._dialect.on_due(notice)
+
     def listen(self, on_wake: Callable[[], None]) -> AbstractAsyncContextManager[None]:
         """While open, ``on_wake()`` runs whenever any process inserts a job (PostgreSQL).
 

@@ -97,6 +97,7 @@ class Dialect(Protocol):
     def listen(
         self, on_wake: Callable[[], None], where: object
     ) -> AbstractAsyncContextManager[None]: ...
+    def on_due(self, notice: Callable[[], None]) -> None: ...
 
 
 def open_dialect(

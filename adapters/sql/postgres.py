@@ -314,6 +314,10 @@ class PostgresDialect:
             handed = [c for c in claims if c.job_id in chosen]
             return list(await conn.fetch(sql.hand_off, *_claim_arrays(handed), now_us))
 
+    def on_due(self, notice: Callable[[], None]) -> None:
+        """Nothing to do: the settle that makes a child due sends ``pg_notify``, which
+        every main listening hears (see :class:`broker.storage.SupportsDueNotice`)."""
+
     # ------------------------------------------------------------------ fenced reports
 
     async def settle(

@@ -308,12 +308,13 @@ def _settle_lite(
     settlements: Sequence[Settlement],
     now_us: int,
     offload_threshold: int | None,
-) -> list[bool]:
+) -> tuple[list[bool], int]:
     """SQLite's settle, one transaction: a fenced ``UPDATE`` per shape of move, for all the
     batch's moves of that shape (only the first move per job in a batch can be
     accepted), then the slots given back in key order. A result over
     ``offload_threshold`` is written to ``broker_payloads`` only when its move is
-    accepted, in the same transaction."""
+    accepted, in the same transaction. Also returns how many waiting jobs it made due
+    (children whose last parent it completed)."""
     now = from_us(now_us)
     first: dict[uuid.UUID, int] = {}
     for i, s in enumerate(settlements):
@@ -351,15 +352,16 @@ def _settle_lite(
             if has_dependents and dependencies.ends_parent(status_after[job_id]):
                 ended.append((uuid.UUID(hex=job_id), status_after[job_id]))
     _lite_put(conn, [p for p in moved if p[0].hex in accepted])
+    due = 0
     if ended:  # the dependents of the parents this settle ended, in its transaction
-        complete_now(
-            dependencies.propagate(LiteLinks(conn, now_us, offload_threshold, _lite_put), ended)
-        )
+        links = LiteLinks(conn, now_us, offload_threshold, _lite_put)
+        due = complete_now(dependencies.propagate(links, ended))
     conn.executemany(
         "UPDATE broker_concurrency SET active = MAX(active - ?, 0) WHERE key = ?",
         [(n, key) for key, n in sorted(released.items())],
     )
-    return [first[s.job_id] == i and s.job_id.hex in accepted for i, s in enumerate(settlements)]
+    applied = [first[s.job_id] == i and s.job_id.hex in accepted for i, s in enumerate(settlements)]
+    return applied, due
 
 
 def _save_checkpoints_lite(
@@ -445,6 +447,7 @@ class SqliteDialect:
         self._now = now
         self._offload_threshold = offload_threshold
         self._enqueue = enqueue
+        self._due_notice: Callable[[], None] | None = None
         self.required_file: str | None = None
         """The SQLite file that must exist already (``create=False``), if it is a path."""
         if not create:
@@ -515,9 +518,18 @@ class SqliteDialect:
         self, settlements: Sequence[Settlement], now_us: int, epoch: int | None
     ) -> list[bool]:
         threshold = self._offload_threshold
-        return await self._hot.write(
+        applied, due = await self._hot.write(
             lambda conn: _settle_lite(conn, settlements, now_us, threshold)
         )
+        if due and self._due_notice is not None:
+            self._due_notice()
+        return applied
+
+    def on_due(self, notice: Callable[[], None]) -> None:
+        """See :class:`broker.storage.SupportsDueNotice`: SQLite has no notifications, and
+        one main writes the store, so its settles are what make children due (a cancel's
+        walk that lets a child run anyway is found at the next poll)."""
+        self._due_notice = notice
 
     async def save_checkpoints(self, saves: Sequence[CheckpointSave], now_us: int) -> list[bool]:
         threshold = self._offload_threshold

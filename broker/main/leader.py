@@ -31,7 +31,7 @@ from broker.main.settings import MainSettings
 from broker.main.settler import ReportSettler
 from broker.model.logs import log_event
 from broker.retry import RetryDelay
-from broker.storage import StorageAdapter, SupportsNotify
+from broker.storage import StorageAdapter, SupportsDueNotice, SupportsNotify
 from broker.tasks.schedule import Schedule
 from broker.wire import messages as protocol
 
@@ -85,6 +85,8 @@ class Leader:
             notify_fallback_interval=settings.notify_fallback_interval,
             retry_interval=settings.error_retry_interval,
         )
+        if isinstance(store, SupportsDueNotice):
+            store.on_due(self.dispatcher.wake)
         self.ledger = RecoveryLedger(
             store,
             handoff,

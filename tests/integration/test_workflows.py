@@ -5,6 +5,7 @@ whose arguments could never bind is refused before anything is stored."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +19,7 @@ from broker.client.client import Client
 from broker.jobs import JobSpec, JobStatus
 from broker.storage import JobFilter, StorageAdapter
 from broker.tasks.registry import TaskRegistry, task
-from tests.support import FakeWorker, running_main
+from tests.support import FAST, FakeWorker, running_main
 
 registry = TaskRegistry()
 
@@ -65,8 +66,12 @@ async def _drain(worker: FakeWorker, jobs: int) -> list[str]:
 
 @pytest.mark.parametrize("store_kind", list(STORES))
 async def test_a_chain_runs_step_by_step_with_each_result(store_kind: str, tmp_path: Path) -> None:
+    """A step is handed out once the settle of its parent made it due, not at the next
+    poll: the main polls once an hour here, so on SQLite (no notifications) only the
+    store's due notice (``SupportsDueNotice``) moves the chain on."""
     store = STORES[store_kind](tmp_path)
-    async with running_main(store) as main, Client("127.0.0.1", main.port) as client:
+    hourly = dataclasses.replace(FAST, poll_interval=3600.0)
+    async with running_main(store, hourly) as main, Client("127.0.0.1", main.port) as client:
         worker = FakeWorker(main.port)
         await worker.connect()
         try:
