@@ -301,11 +301,12 @@ is the time from each election on; ten rounds then take about a minute."""
 @pytest.mark.parametrize("rounds", [2, pytest.param(10, marks=pytest.mark.soak)])
 async def test_workers_follow_each_new_leader(tmp_path: Path, pg_url: str, rounds: int) -> None:
     """Takeovers in a row (ten in ``make test-slow``, two in ``make test``): ``kill -9``
-    the leader, and once a standby leads, start the killed main again as the next standby. Each time, a client's first request after the
-    election is answered by the new leader, and every worker is connected to it soon
-    after its election: workers used to take 5.4 s to follow a leader
-    elected in 2.9 s, as each ``not_leader`` answer and refused connection of the
-    failover doubled their backoff (``broker.core.reconnect.FOLLOW_DELAY`` caps it now).
+    the leader, and once a standby leads, start the killed main again as the next standby.
+    Each time, a client's first request after the election is answered by the new leader,
+    and every worker is connected to it soon after its election: workers used to take
+    5.4 s to follow a leader elected in 2.9 s, as each ``not_leader`` answer and refused
+    connection of the failover doubled their backoff (``broker.core.reconnect.FOLLOW_DELAY``
+    caps it now).
 
     The bound asserted is generous (a loaded machine delays every process); the gaps are
     printed, and appended to ``BROKER_FAILOVER_TIMES`` when it is set."""
