@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from broker.exceptions import InvalidJobError
-from broker.jobs import JobStatus, JSONValue, ParentFailure, ParentResults
+from broker.jobs import JobSpec, JobStatus, JSONValue, ParentFailure, ParentResults
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +135,18 @@ class DependencyStore(Protocol):
 
     async def cancel_waiting(self, child_id: uuid.UUID, reason: str) -> None:
         """``waiting`` → ``cancelled`` with ``last_error`` ``reason``."""
+
+
+async def count_ended_at_enqueue(
+    store: DependencyStore, specs: Sequence[JobSpec], status_of: Mapping[uuid.UUID, JobStatus]
+) -> None:
+    """Count, for the jobs of an enqueue (``specs``, their edges just written), the parents
+    that have ended already (:func:`ended_at_enqueue`), as if they had just ended."""
+    ended: dict[uuid.UUID, JobStatus] = {}
+    for spec in specs:
+        ended.update(ended_at_enqueue(spec.depends_on, status_of))
+    if ended:
+        await propagate(store, list(ended.items()))
 
 
 async def propagate(store: DependencyStore, ended: Sequence[tuple[uuid.UUID, JobStatus]]) -> int:

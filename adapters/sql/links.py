@@ -107,11 +107,7 @@ class LiteLinks:
                 (ids,),
             ):
                 status_of[uuid.UUID(hex=job_id)] = JobStatus(status)
-        ended: dict[uuid.UUID, JobStatus] = {}
-        for spec in specs:
-            ended.update(dependencies.ended_at_enqueue(spec.depends_on, status_of))
-        if ended:
-            await dependencies.propagate(self, list(ended.items()))
+        await dependencies.count_ended_at_enqueue(self, specs, status_of)
 
     async def open_edges(
         self, parent_ids: Sequence[uuid.UUID]
@@ -243,11 +239,7 @@ class PgLinks:
             parents,
         )
         status_of = {r["id"]: JobStatus(r["status"]) for r in rows}
-        ended: dict[uuid.UUID, JobStatus] = {}
-        for spec in specs:
-            ended.update(dependencies.ended_at_enqueue(spec.depends_on, status_of))
-        if ended:
-            await dependencies.propagate(self, list(ended.items()))
+        await dependencies.count_ended_at_enqueue(self, specs, status_of)
 
     async def open_edges(
         self, parent_ids: Sequence[uuid.UUID]
