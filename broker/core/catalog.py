@@ -104,6 +104,8 @@ def declaration(task: Task[..., Any]) -> protocol.TaskDeclaration:
         retry_on=None if policy is None else _exception_names(policy.retry_on),
         dont_retry_on=[] if policy is None else _exception_names(policy.dont_retry_on),
         backoff=None if task.backoff is None else describe_backoff(task.backoff),
+        rate_limit=None if task.rate_limit is None else str(task.rate_limit),
+        rate_burst=None if task.rate_limit is None else task.rate_limit.burst,
     )
     if len(msgspec.json.encode(declared)) > MAX_DECLARATION_BYTES:
         declared = msgspec.structs.replace(declared, signature=None)

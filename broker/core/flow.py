@@ -19,10 +19,17 @@ The limiter is a GCRA (a token bucket kept as one number, its theoretical arriva
 counted in whole nanoseconds of the injected clock so that no rounding lets one more job
 through: over any window of ``W`` seconds it admits at most ``rate * W + burst`` jobs, and
 it refuses none it could admit (``tests/unit/test_flow.py`` checks both properties).
+
+A task may have a limit of its own (``@task(rate_limit="100/s")``), declared by the
+workers that serve it (:meth:`FlowControl.limit_tasks`): its bucket is kept beside the
+queues', and a job goes only when both its queue's bucket and its task's have a token;
+both are spent when it is placed. :meth:`FlowControl.leave_out_tasks` names the tasks a
+dispatch read leaves out, and :meth:`FlowControl.wake_at` covers their next token too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from broker.model.bounds import MAX_QUEUE_SETTINGS
@@ -82,6 +89,12 @@ class FlowControl:
     (:meth:`wake_at`), since a read that left them out may have proven their modes
     drained, and a queue that spent its last token may have more jobs."""
 
+    task_rates: dict[str, Rate] = field(default_factory=dict)
+    """Per task, the rate limit its connected workers declare (the newest declaration)."""
+    task_buckets: dict[str, Bucket] = field(default_factory=dict)
+    task_held_back: set[str] = field(default_factory=set)
+    """:attr:`held_back`, for the tasks' buckets."""
+
     def load(self, settings: list[QueueSettings]) -> None:
         """Start from the stored settings (a leader's start-up, a standby's takeover)."""
         self.settings.clear()
@@ -139,8 +152,45 @@ class FlowControl:
         self.held_back = set(blocked)
         return blocked
 
-    def admits(self, queue: str, now: float) -> bool:
-        """Whether a job of ``queue`` may be dispatched at ``now`` (spends nothing)."""
+    def limit_tasks(self, rates: Mapping[str, Rate]) -> None:
+        """The tasks' limits are ``rates`` from now on (the newest declaration of each
+        among the connected workers, :meth:`broker.core.handoff.Handoff.declared`): a
+        task no longer limited loses its bucket; a changed rate starts a fresh one (its
+        burst at once); an unchanged one keeps its state, so a worker that connects again
+        grants no extra tokens. Their number is bounded by the catalog's
+        (:data:`~broker.model.bounds.MAX_CATALOG_ENTRIES`)."""
+        for task in [task for task in self.task_rates if task not in rates]:
+            del self.task_rates[task], self.task_buckets[task]
+            self.task_held_back.discard(task)
+        for task, rate in rates.items():
+            if self.task_rates.get(task) != rate:
+                self.task_rates[task] = rate
+                self.task_buckets[task] = Bucket.of(rate)
+
+    def blocked_tasks(self, now: float) -> frozenset[str]:
+        """The tasks out of tokens at ``now``: a dispatch read leaves their jobs out."""
+        if not self.task_buckets:
+            return frozenset()
+        at = _ns(now)
+        return frozenset(task for task, b in self.task_buckets.items() if not b.admits(at))
+
+    def leave_out_tasks(self, now: float) -> frozenset[str]:
+        """:meth:`blocked_tasks`, remembered for :meth:`wake_at` (as :meth:`leave_out`)."""
+        blocked = self.blocked_tasks(now)
+        self.task_held_back = set(blocked)
+        return blocked
+
+    @property
+    def limiting(self) -> bool:
+        """Whether any queue has settings or any task a limit: every dispatch pass then
+        reads the store (jobs read ahead may have lost their token since)."""
+        return bool(self.settings or self.task_buckets)
+
+    def admits(self, queue: str, now: float, task: str | None = None) -> bool:
+        """Whether a job of ``queue`` (and of ``task``, when given) may be dispatched at
+        ``now``: both buckets have a token (spends nothing)."""
+        if task is not None and not self._task_admits(task, now):
+            return False
         each = self.settings.get(queue)
         if each is None:
             return True
@@ -152,26 +202,44 @@ class FlowControl:
         self.held_back.add(queue)
         return False
 
-    def admitted(self, queue: str, now: float) -> None:
+    def _task_admits(self, task: str, now: float) -> bool:
+        bucket = self.task_buckets.get(task)
+        if bucket is None or bucket.admits(_ns(now)):
+            return True
+        self.task_held_back.add(task)
+        return False
+
+    def admitted(self, queue: str, now: float, task: str | None = None) -> None:
         """A job of ``queue`` was placed at ``now``: it spends a token. The queue counts as
         held back from now on: it may have more jobs, and the token just spent may have
         been its last, so the dispatcher must look again when the next one is due (a
-        plan that took every job it read refused none, and would not say so)."""
+        plan that took every job it read refused none, and would not say so). So does
+        ``task``'s bucket, when it has one."""
+        limited = self.task_buckets.get(task) if task is not None else None
+        if limited is not None and task is not None:
+            limited.take(_ns(now))
+            self.task_held_back.add(task)
         bucket = self.buckets.get(queue)
         if bucket is not None:
             bucket.take(_ns(now))
             self.held_back.add(queue)
 
     def wake_at(self, now: float) -> float | None:
-        """When the dispatcher must read again by itself: when the first queue held back
-        for a token (:attr:`held_back`) gets one; ``now`` if one has a token already (the
-        read that left it out came just before it). ``None``: no queue waits for a token.
-        A paused queue waits for its resume, which wakes the dispatcher itself."""
+        """When the dispatcher must read again by itself: when the first queue or task
+        held back for a token (:attr:`held_back`, :attr:`task_held_back`) gets one;
+        ``now`` if one has a token already (the read that left it out came just before
+        it). ``None``: nothing waits for a token. A paused queue waits for its resume,
+        which wakes the dispatcher itself."""
         at = _ns(now)
         due = [
             self.buckets[queue].next_at() or at
             for queue in self.held_back
             if queue in self.buckets and not self.settings[queue].paused
+        ]
+        due += [
+            self.task_buckets[task].next_at() or at
+            for task in self.task_held_back
+            if task in self.task_buckets
         ]
         return max(at, min(due)) / NANOS if due else None
 

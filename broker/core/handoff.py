@@ -74,6 +74,7 @@ from broker.jobs import (
 )
 from broker.model.bounds import MAX_CREDIT
 from broker.model.logs import log_event
+from broker.model.rates import Rate
 from broker.settlement import claimable_at_enqueue
 from broker.wire import messages as protocol
 
@@ -145,6 +146,8 @@ class Handoff:
         """:meth:`runnable_tasks`, as last worked out."""
         self._runnable_stale = True
         """Whether a worker joined, declared or left since (work it out again)."""
+        self._declarations = 0
+        """How many ``tasks`` declarations were taken: orders them (newest wins)."""
 
     @property
     def orphans(self) -> dict[uuid.UUID, Job]:
@@ -230,18 +233,64 @@ class Handoff:
             )
         return adopted, effects
 
-    def declared(self, peer_id: int, tasks: Collection[str]) -> list[HandoffEffect]:
+    def declared(
+        self,
+        peer_id: int,
+        tasks: Collection[str],
+        rate_limits: Mapping[str, Rate] | None = None,
+    ) -> list[HandoffEffect]:
         """A worker declared the ``tasks`` it runs (its ``tasks`` message, taken into the
         catalog): from now on it is handed only jobs of those
         (:meth:`Peer.serves <broker.core.peers.Peer.serves>`). Jobs no worker could run
-        until now may go: what was proven drained was proven for the tasks served before."""
+        until now may go: what was proven drained was proven for the tasks served before.
+        ``rate_limits`` are the limits it declared for some of them (see
+        :meth:`_limit_tasks`)."""
         peer = self.worker_peers.get(peer_id)
         if peer is None:
             return []
         peer.tasks = frozenset(tasks)
+        self._declarations += 1
+        peer.declared_order = self._declarations
+        peer.rate_limits = dict(rate_limits or {})
+        self._limit_tasks()
         self._runnable_stale = True
         self.queue_changed()
         return [WakeDispatcher()]
+
+    def _limit_tasks(self) -> None:
+        """The tasks' rate limits from the connected workers' declarations: the newest
+        declaration that limits a task decides its rate (a rolling deploy's new release
+        declares last), and a limit no connected worker declares any more (removed from
+        the code, its old workers gone) is dropped. Kept in the one place every dispatch
+        asks, :class:`FlowControl`, so a limit holds across every worker."""
+        rates: dict[str, Rate] = {}
+        for peer in sorted(self.worker_peers.values(), key=lambda p: p.declared_order):
+            rates.update(peer.rate_limits)
+        self.flow.limit_tasks(rates)
+
+    def tasks_to_read(self, now: float) -> frozenset[str] | None:
+        """The tasks a dispatch read at ``now`` asks for: those some connected worker
+        declared (:meth:`runnable_tasks`), less those whose rate limit has no token now
+        (:meth:`FlowControl.leave_out_tasks`), so that a head of held-back jobs never
+        hides the jobs of other tasks behind it, nor makes the dispatcher read it again
+        and again. ``None``: any task.
+
+        While a worker that declared no tasks is connected (it runs any, so
+        :meth:`runnable_tasks` is ``None``) and some task is blocked, the read asks for
+        the tasks the other workers declared, less the blocked: a task nobody declared
+        then waits until the blocked task's next token, or until that worker declares
+        (every worker of this release declares right after its welcome). That keeps the
+        store's read an allow-list, as routing by task made it, rather than add an
+        exclusion to every adapter."""
+        blocked = self.flow.leave_out_tasks(now)
+        runnable = self.runnable_tasks()
+        if not blocked:
+            return runnable
+        if runnable is None:
+            runnable = frozenset().union(
+                *(peer.tasks for peer in self.worker_peers.values() if peer.tasks is not None)
+            )
+        return runnable - blocked
 
     def runnable_tasks(self) -> frozenset[str] | None:
         """The tasks some connected worker declared, for the dispatcher's read of eligible
@@ -344,6 +393,8 @@ class Handoff:
         effects: list[HandoffEffect] = []
         if self.worker_peers.pop(peer_id, None) is not None:
             self._runnable_stale = True
+            if peer.rate_limits:
+                self._limit_tasks()
             log_event(
                 logger,
                 logging.INFO,
@@ -462,12 +513,12 @@ class Handoff:
         self.placement.start(workers)
         flow = self.flow
         for job in jobs:
-            if job.id in claiming or not flow.admits(job.queue, now):
+            if job.id in claiming or not flow.admits(job.queue, now, job.task):
                 continue
             peer, route = self.placement.pick(job, now)
             if peer is None or not peer.credits.reserve(job.execution_mode):
                 continue  # the credit check: no free slot for this job anywhere
-            flow.admitted(job.queue, now)
+            flow.admitted(job.queue, now, job.task)
             self.placement.reserved(peer, job.execution_mode)
             self.placement.placed(job)
             planned = PlannedClaim(
@@ -529,8 +580,8 @@ class Handoff:
     def plan_at_enqueue(self, specs: Sequence[JobSpec], now: datetime) -> list[PlannedClaim | None]:
         """For each job about to be enqueued, a worker and a lease if it can start at once:
         its mode is drained (no waiting job would be overtaken), it is due, has no
-        concurrency key, its queue has no settings (a paused or limited queue's jobs go
-        through the dispatcher, which asks :mod:`broker.core.flow`), and a serving worker
+        concurrency key, neither its queue has settings nor its task a rate limit (their
+        jobs go through the dispatcher, which asks :mod:`broker.core.flow`), and a serving worker
         has a free slot. The slot is reserved and the
         lease minted here, before the insert, exactly as :meth:`plan` does for a claim; the
         store's answer comes back through :meth:`claimed` (or :meth:`claim_unknown`)."""
@@ -542,6 +593,7 @@ class Handoff:
             and spec.execution_mode in drained
             and claimable_at_enqueue(spec, now)
             and not self.flow.governed(spec.queue)
+            and spec.task not in self.flow.task_buckets
             else None
             for spec in specs
         ]

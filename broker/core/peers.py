@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from broker.exceptions import ProtocolError
 from broker.jobs import ExecutionMode, Job
 from broker.model.bounds import MAX_CREDIT
+from broker.model.rates import Rate
 from broker.wire import messages as protocol
 
 
@@ -182,6 +183,11 @@ class Peer:
     """The tasks it declared (its ``tasks`` message, :mod:`broker.core.catalog`); ``None``
     until it declares any: a worker of a release without catalogs, or one whose catalog
     was not taken (over a bound), is taken to run any task, as before routing by task."""
+    rate_limits: Mapping[str, Rate] = field(default_factory=dict)
+    """The rate limits it declared with its tasks (``@task(rate_limit=...)``)."""
+    declared_order: int = 0
+    """When it declared, as a count of declarations the main took: the newest declaration
+    of a task's limit wins (:meth:`Handoff.declared <broker.core.handoff.Handoff.declared>`)."""
     leases: dict[uuid.UUID, Job] = field(default_factory=dict)
     draining: bool = False
 

@@ -304,8 +304,9 @@ class Dispatcher:
     ) -> list[Job]:
         """A read of the store: the best ``size`` eligible jobs of ``modes`` in ``queues``,
         but those being claimed, those of the queues held back (``blocked``) and those of
-        tasks no connected worker declared."""
-        tasks = self._handoff.runnable_tasks()
+        tasks no connected worker declared or whose rate limit has no token
+        (:meth:`Handoff.tasks_to_read <broker.core.handoff.Handoff.tasks_to_read>`)."""
+        tasks = self._handoff.tasks_to_read(self._now())
         if blocked:
             return await self._store.select_eligible(  # type: ignore[call-arg]
                 modes=modes,
@@ -330,9 +331,10 @@ class Dispatcher:
         """The best ``size`` eligible jobs of ``modes`` (and whether there were that many):
         from the read-ahead while it holds, else from a read of the store, which may ask
         for more than ``size`` (see :class:`ReadAhead`). While some queue has settings
-        (paused, limited), every pass reads the store: jobs read ahead may belong to a
-        queue that has since run out of tokens, and would be served again and again."""
-        if self._handoff.flow.settings:
+        (paused, limited) or some task a rate limit, every pass reads the store: jobs read
+        ahead may belong to a queue or task that has since run out of tokens, and would be
+        served again and again."""
+        if self._handoff.flow.limiting:
             jobs = await self._read(modes, queues, size, blocked)
             return jobs, len(jobs) == size
         now = self._now()

@@ -112,7 +112,8 @@ class Router:
             session.send(
                 protocol.Error(code=protocol.ErrorCode.OVER_LIMIT, message=str(exc), fatal=False)
             )
-        self._carry(self._handoff.declared(session.id, [task.name for task in tasks]))
+        limits = {task.name: rate for task in tasks if (rate := task.limit()) is not None}
+        self._carry(self._handoff.declared(session.id, [task.name for task in tasks], limits))
 
     def _request(self, session: Session, msg: protocol.Message, needed: protocol.Role) -> None:
         """Start a client request if the connection's role may make it (``needed``, see

@@ -30,6 +30,7 @@ from broker.jobs import (
     JobSpec,
     JSONValue,
 )
+from broker.model.rates import Rate, parse_rate
 from broker.retry import RetryPolicy, TaskBackoff
 from broker.tasks.arguments import encode_arguments, plan_for
 from broker.tasks.hooks import WorkerHooks
@@ -180,6 +181,9 @@ class Task(Generic[P, R]):
     """Lost attempts its jobs recover from (``None``: the main's default)."""
     local_state: bool = False
     """Its jobs keep state on their worker's machine: recoveries wait for that worker."""
+    rate_limit: Rate | None = None
+    """At most this many of its jobs dispatched, across all workers (the main enforces it,
+    :mod:`broker.core.flow`); ``None``: no limit of its own."""
 
     @functools.cached_property
     def _signature(self) -> inspect.Signature | None:
@@ -582,6 +586,8 @@ def task(
     backoff: TaskBackoff | None = None,
     max_recoveries: int | None = None,
     local_state: bool = False,
+    rate_limit: str | None = None,
+    rate_burst: int = 1,
 ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
 
@@ -608,6 +614,8 @@ def task(
     backoff: TaskBackoff | None = None,
     max_recoveries: int | None = None,
     local_state: bool = False,
+    rate_limit: str | None = None,
+    rate_burst: int = 1,
 ) -> Task[P, R] | Callable[[Callable[P, R]], Task[P, R]]:
     """Register a function as a task, by default under its ``module.function`` path.
 
@@ -632,6 +640,10 @@ def task(
     says the task keeps state on its worker's machine (files, a warm cache) that its next
     attempt wants: a lost attempt's recovery waits for the same worker id first, for the
     main's affinity grace (see ``docs/howto/long-jobs.md``).
+
+    ``rate_limit`` (``"100/s"``, ``"600/m"``, ``"1000/h"``) caps how fast the main
+    dispatches this task's jobs, across every worker, with ``rate_burst`` at once after a
+    quiet spell; workers declare it with the task (see ``docs/howto/rate-limits.md``).
     """
 
     def register(fn: Callable[P, R]) -> Task[P, R]:
@@ -645,6 +657,10 @@ def task(
             raise ConfigurationError(f"unknown execution mode {mode!r}") from None
         if concurrency_key is not None:
             _check_key_template(fn, concurrency_key)
+        try:
+            rate = None if rate_limit is None else parse_rate(rate_limit, rate_burst)
+        except ValueError as exc:
+            raise ConfigurationError(f"rate_limit: {exc}") from None
         if backoff is not None and not callable(backoff):
             raise ConfigurationError(
                 f"backoff must be a function of the number of failures (got {backoff!r})"
@@ -670,6 +686,7 @@ def task(
             backoff=backoff,
             max_recoveries=max_recoveries,
             local_state=local_state,
+            rate_limit=rate,
         )
         periodic = _declared_schedule(
             registered, cron=cron, every=every, timezone=timezone, catch_up=catch_up

@@ -28,6 +28,7 @@ import msgspec
 
 from broker.jobs import DEFAULT_MAX_RETRIES, DEFAULT_QUEUE, ExecutionMode, JSONValue
 from broker.model.bounds import MAX_LIST_ITEMS
+from broker.model.rates import Rate, parse_rate
 from broker.model.values import check_delay
 from broker.payload import DEFAULT_MAX_PAYLOAD_DEPTH
 from broker.wire.fields import Float, Int, Name, Names, Nested, Tagged, require
@@ -440,14 +441,32 @@ class TaskDeclaration(Nested, frozen=True):
     at enqueue (``None``: a worker of a release before it, or a function without a
     signature; such a task's arguments are not checked at the main). Its size is bounded
     with the declaration's (:data:`~broker.model.bounds.MAX_DECLARATION_BYTES`)."""
+    rate_limit: Name | None = None
+    """``@task(rate_limit=...)``: ``"100/s"``, ``"600/m"`` or ``"1000/h"``, checked by
+    :func:`broker.model.rates.parse_rate` (the bounds of a queue's limit); the main keeps
+    a bucket for it (:mod:`broker.core.flow`). ``None``: no limit of its own."""
+    rate_burst: Int | None = None
+    """The limit's burst (``None`` without a limit, 1 if left out with one)."""
 
     def __post_init__(self) -> None:
+        if self.rate_limit is not None:
+            parse_rate(self.rate_limit, self.rate_burst or 1)  # its ValueError says what
+        require(
+            self.rate_limit is not None or self.rate_burst is None,
+            "rate_burst needs a rate_limit",
+        )
         require(self.max_attempts >= 1, "max_attempts must be at least 1")
         require(self.timeout is None or self.timeout > 0, "timeout must be positive")
         require(
             (self.concurrency_key is None) == (self.concurrency_limit is None),
             "concurrency_key and concurrency_limit go together",
         )
+
+    def limit(self) -> Rate | None:
+        """The task's rate limit (checked when the declaration was decoded)."""
+        if self.rate_limit is None:
+            return None
+        return parse_rate(self.rate_limit, self.rate_burst or 1)
 
 
 class TaskCatalog(Tagged, frozen=True, tag="tasks"):
