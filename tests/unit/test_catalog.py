@@ -442,3 +442,24 @@ def test_a_workflow_steps_arguments_are_checked_with_its_parents_results_in_fron
     plain = protocol.JobRequest(task="app.step", args=["k"], depends_on=[parent])
     with pytest.raises(InvalidArgumentsError, match="missing a required argument: 'key'"):
         found.job_spec(plain, NOW, allow_unknown=False)
+
+
+def test_a_tasks_rate_limit_is_declared_and_a_bad_one_refused() -> None:
+    registry = TaskRegistry()
+
+    @task(name="app.mail", registry=registry, rate_limit="100/s", rate_burst=10)
+    def mail() -> None: ...
+
+    @task(name="app.free", registry=registry)
+    def free() -> None: ...
+
+    declared = {d.name: d for d in catalog.declarations(registry)}
+    assert (declared["app.mail"].rate_limit, declared["app.mail"].rate_burst) == ("100/s", 10)
+    assert str(declared["app.mail"].limit()) == "100/s" and declared["app.free"].limit() is None
+    wire = msgspec.json.encode(declared["app.mail"])
+    assert msgspec.json.decode(wire, type=protocol.TaskDeclaration) == declared["app.mail"]
+    for bad in ({"rate_limit": "100/d"}, {"rate_limit": "1/s", "rate_burst": 0}, {"rate_burst": 3}):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert({"name": "x", **bad}, protocol.TaskDeclaration)
+    with pytest.raises(ConfigurationError, match="rate_limit"):
+        task(name="app.bad", registry=TaskRegistry(), rate_limit="fast")(mail.func)

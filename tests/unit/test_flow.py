@@ -151,3 +151,69 @@ def test_a_queue_that_spent_its_last_token_wakes_the_dispatcher_at_the_next() ->
     assert flow.admits("q", 0.0)
     flow.admitted("q", 0.0)
     assert flow.wake_at(0.0) == pytest.approx(0.1)
+
+
+# ---------------------------------------------------------------- per-task limits
+
+asks = st.lists(
+    st.tuples(st.integers(0, NANOS // 2), st.sampled_from(["limited", "free"])),
+    min_size=1,
+    max_size=300,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rates, rates, asks)
+def test_a_tasks_limit_and_its_queues_both_hold_and_the_task_holds_no_other_back(
+    task_rate: Rate, queue_rate: Rate, offsets: list[tuple[int, str]]
+) -> None:
+    """Jobs of two tasks in one limited queue, one task with a limit of its own: over any
+    window neither limit is exceeded, and a job of the other task is refused only when
+    its queue has no token (never for the limited task's sake)."""
+    flow = FlowControl()
+    flow.apply(QueueSettings("q", rate=queue_rate))
+    flow.limit_tasks({"limited": task_rate})
+    now, admitted, by_task = 0, [], []
+    for gap, task in offsets:
+        now += gap
+        seconds = now / NANOS
+        queue_had_token = flow.buckets["q"].admits(now)
+        if flow.admits("q", seconds, task):
+            flow.admitted("q", seconds, task)
+            admitted.append(now)
+            if task == "limited":
+                by_task.append(now)
+        elif task == "free":
+            assert not queue_had_token, "the free task was held back by the other's limit"
+    for rate, times in ((queue_rate, admitted), (task_rate, by_task)):
+        period_ns = {"s": 1, "m": 60}[rate.per] * NANOS
+        for i, start in enumerate(times):
+            for j in range(i, len(times)):
+                assert (j - i + 1) * period_ns <= rate.count * (times[j] - start) + (
+                    rate.burst * period_ns
+                )
+
+
+def test_a_limited_task_without_a_token_is_left_out_and_wakes_the_dispatcher() -> None:
+    flow = FlowControl()
+    flow.limit_tasks({"t": parse_rate("10/s")})
+    assert flow.limiting and flow.leave_out_tasks(0.0) == frozenset()
+    assert flow.admits("q", 0.0, "t")
+    flow.admitted("q", 0.0, "t")
+    assert not flow.admits("q", 0.05, "t") and flow.admits("q", 0.05, "other")
+    assert flow.leave_out_tasks(0.05) == {"t"}
+    assert flow.wake_at(0.05) == pytest.approx(0.1)
+    assert flow.leave_out(0.05) == frozenset(), "the queue itself has no settings"
+
+
+def test_a_tasks_bucket_survives_the_same_limit_declared_again_and_goes_with_it() -> None:
+    flow = FlowControl()
+    rate = parse_rate("1/s")
+    flow.limit_tasks({"t": rate})
+    flow.admitted("q", 0.0, "t")
+    flow.limit_tasks({"t": parse_rate("1/s")})  # a worker declares it again: no new token
+    assert not flow.admits("q", 0.5, "t")
+    flow.limit_tasks({"t": parse_rate("2/s")})  # a new rate: a fresh bucket
+    assert flow.admits("q", 0.5, "t")
+    flow.limit_tasks({})
+    assert flow.task_buckets == {} and not flow.limiting and flow.wake_at(0.5) is None

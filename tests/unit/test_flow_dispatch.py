@@ -87,3 +87,66 @@ async def test_a_limited_queue_goes_at_its_rate_and_the_dispatcher_sleeps_betwee
     assert times[-1] - times[0] >= 0.2 - 0.02, times
     # A read per token and a few more, not one per loop turn.
     assert len(store.excluded) <= 30
+
+
+class TaskReads(ReadSizes):
+    """Notes the tasks every read asks for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tasks: list[frozenset[str] | None] = []
+
+    async def select_eligible(self, **kw: Any) -> list[Job]:
+        tasks = kw.get("tasks")
+        self.tasks.append(None if tasks is None else frozenset(tasks))
+        return await super().select_eligible(**kw)
+
+
+async def test_a_limited_task_at_the_head_of_its_queue_holds_no_other_task_back() -> None:
+    """Five jobs of a task limited to one an hour stand first in the queue: one goes, and
+    the five jobs of another task behind them go at once; the reads leave the limited
+    task out while it has no token, and the dispatcher does not spin on it."""
+    store = TaskReads()
+    await store.enqueue_many([JobSpec(task="slow", priority=9) for _ in range(5)])
+    await store.enqueue_many([JobSpec(task="fast") for _ in range(5)])
+    core = Handoff()
+    worker(core, 1, 20)
+    core.declared(1, ["slow", "fast"], {"slow": parse_rate("1/h")})
+    sent: list[Dispatch] = []
+    d = dispatcher(store, core, sent, now=_loop_time)
+    run = asyncio.create_task(d.run())
+    try:
+        async with asyncio.timeout(10):
+            while len(sent) < 6:
+                await asyncio.sleep(0.01)
+        reads = len(store.tasks)
+        for _ in range(20):  # idle: a token is an hour away, and nothing else is queued
+            await asyncio.sleep(0.01)
+    finally:
+        run.cancel()
+    assert sorted(s.job.task for s in sent) == ["fast"] * 5 + ["slow"]
+    assert store.tasks[-1] == {"fast"}, "the read leaves the task without a token out"
+    assert len(store.tasks) - reads <= 6, "no busy loop while the limited task waits"
+
+
+def test_the_newest_declaration_decides_a_tasks_limit_and_it_goes_with_its_workers() -> None:
+    core = Handoff()
+    worker(core, 1, 5)
+    worker(core, 2, 5)
+    core.declared(1, ["t"], {"t": parse_rate("5/s")})
+    core.declared(2, ["t"], {"t": parse_rate("9/s")})
+    assert core.flow.task_rates == {"t": parse_rate("9/s")}
+    core.declared(2, ["t"])  # the new release removed the limit; worker 1 still has it
+    assert core.flow.task_rates == {"t": parse_rate("5/s")}
+    core.disconnect(1, 0.0)  # no connected worker declares it any more
+    assert core.flow.task_rates == {} and not core.flow.limiting
+
+
+def test_a_read_leaves_blocked_tasks_out_even_while_a_worker_runs_any_task() -> None:
+    core = Handoff()
+    worker(core, 1, 5)  # declares nothing: runs any task
+    worker(core, 2, 5)
+    core.declared(2, ["t", "u"], {"t": parse_rate("1/h")})
+    assert core.tasks_to_read(0.0) is None, "every task has a token"
+    core.flow.admitted("q", 0.0, "t")
+    assert core.tasks_to_read(1.0) == {"u"}
