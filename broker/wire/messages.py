@@ -450,7 +450,7 @@ class TaskDeclaration(Nested, frozen=True):
 
     def __post_init__(self) -> None:
         if self.rate_limit is not None:
-            parse_rate(self.rate_limit, self.rate_burst or 1)  # its ValueError says what
+            self.limit()  # parse_rate's ValueError says what is expected
         require(
             self.rate_limit is not None or self.rate_burst is None,
             "rate_burst needs a rate_limit",
@@ -466,7 +466,7 @@ class TaskDeclaration(Nested, frozen=True):
         """The task's rate limit (checked when the declaration was decoded)."""
         if self.rate_limit is None:
             return None
-        return parse_rate(self.rate_limit, self.rate_burst or 1)
+        return parse_rate(self.rate_limit, 1 if self.rate_burst is None else self.rate_burst)
 
 
 class TaskCatalog(Tagged, frozen=True, tag="tasks"):
