@@ -39,6 +39,13 @@ async def record(key: str, seconds: float = 0.0) -> int:
     return os.getpid()
 
 
+@task(mode="inline", rate_limit="20/s", rate_burst=2)
+async def record_limited(key: str, seconds: float = 0.0) -> int:
+    """:func:`record`, limited to 20 a second across every worker
+    (``tests/e2e/test_flow_control.py``)."""
+    return await record(key, seconds)
+
+
 @task(mode="inline")
 async def hold(key: str, gate: str, limit: float = 60.0) -> int:
     """Log the run, then run until the file ``gate`` (or ``gate.PID``, for this process

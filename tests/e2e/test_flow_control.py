@@ -192,3 +192,32 @@ async def test_settings_hold_across_a_failover_to_a_standby(tmp_path: Path, pg_u
         await cluster.close()
     jobs = await final_jobs(pg_url)
     assert _densest_second([jobs[key] for key in limited]) <= 20 + 2 + round(20 * CLAIM_LATENCY)
+
+
+async def test_a_tasks_rate_limit_holds_across_two_workers_and_holds_no_other_task_back(
+    sqlite_cluster: Cluster,
+) -> None:
+    """``@task(rate_limit="20/s", rate_burst=2)`` (``tests.e2e_app.record_limited``): the
+    workers declare it, and the main holds its jobs to it across both, while the jobs of
+    an unlimited task of the same queue, queued behind them, drain at once."""
+    cluster = sqlite_cluster
+    await cluster.start_main()
+    await cluster.start_worker("worker-0")
+    await cluster.start_worker("worker-1")
+    limited_task = "tests.e2e_app.record_limited"
+    limited = await enqueue(
+        cluster,
+        [dataclasses.replace(record_spec(task=limited_task), priority=5) for _ in range(40)],
+    )
+    free = await enqueue(cluster, [record_spec() for _ in range(40)])
+    async with observe(cluster.url) as store:
+        await wait_until_all_terminal(store, 80, cluster, timeout=60)
+    jobs = await final_jobs(cluster.url)
+    assert all(jobs[key].status is JobStatus.COMPLETED for key in [*limited, *free])
+    assert all(jobs[key].attempts == 0 for key in limited), "held back is not an attempt"
+    assert _densest_second([jobs[key] for key in limited]) <= 20 + 2 + round(20 * CLAIM_LATENCY)
+    # 40 jobs at 20/s with a burst of 2 take 1.9 s at least; the free ones, behind them in
+    # the queue, are not held back for them.
+    last_free = max(jobs[key].handed_off_at for key in free if jobs[key].handed_off_at)
+    last_limited = max(jobs[key].handed_off_at for key in limited if jobs[key].handed_off_at)
+    assert last_free < last_limited
