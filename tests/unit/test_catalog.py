@@ -28,6 +28,7 @@ from broker.main.catalog import StoredCatalog
 from broker.main.operations import Operations
 from broker.main.settings import MainSettings
 from broker.model.bounds import MAX_CATALOG_ENTRIES, MAX_DECLARED_TASKS
+from broker.ops.admin.format import format_tasks
 from broker.retry import ExponentialBackoff, FixedBackoff
 from broker.storage import TaskRecord
 from broker.tasks.registry import TaskRegistry, default_unique_key, task, task_defaults
@@ -463,3 +464,18 @@ def test_a_tasks_rate_limit_is_declared_and_a_bad_one_refused() -> None:
             msgspec.convert({"name": "x", **bad}, protocol.TaskDeclaration)
     with pytest.raises(ConfigurationError, match="rate_limit"):
         task(name="app.bad", registry=TaskRegistry(), rate_limit="fast")(mail.func)
+
+
+def test_broker_tasks_shows_a_rate_limit_column_only_when_some_task_has_one() -> None:
+    def entry(**declared: object) -> dict[str, object]:
+        return {
+            "task": "app.mail",
+            "worker_id": "w1",
+            "seen_at": "2026-05-01T12:00:00+00:00",
+            "connected": True,
+            "declaration": {"name": "app.mail", "max_attempts": 1, **declared},
+        }
+
+    assert "rate limit" not in format_tasks([entry()])
+    shown = format_tasks([entry(rate_limit="100/s", rate_burst=10), entry()])
+    assert "RATE LIMIT" in shown.upper() and "100/s (burst 10)" in shown

@@ -231,7 +231,8 @@ def format_jobs(jobs: Sequence[dict[str, Any]]) -> str:
 
 def format_tasks(tasks: Sequence[dict[str, Any]]) -> str:
     """The human form of ``broker tasks``: one row per task and worker that declared it,
-    the defaults its jobs get and its retry rules. ``LAST SEEN`` is ``connected`` for a
+    the defaults its jobs get, its rate limit (a column shown when some task has one)
+    and its retry rules. ``LAST SEEN`` is ``connected`` for a
     worker connected now, and when it was last seen for one that is gone (it still
     vouches for the task until the task grace drops it)."""
     if not tasks:
@@ -252,4 +253,15 @@ def format_tasks(tasks: Sequence[dict[str, Any]]) -> str:
             ]
         )
     headers = ["task", "mode", "queue", "retries", "timeout", "worker", "last seen"]
+    limits = [_rate_limit(entry["declaration"]) for entry in tasks]
+    if any(limit != "-" for limit in limits):  # a column only when some task has one
+        headers.append("rate limit")
+        rows = [[*row[:-1], limit, row[-1]] for row, limit in zip(rows, limits, strict=True)]
     return table([*headers, "retry rules"], rows)
+
+
+def _rate_limit(declared: dict[str, Any]) -> str:
+    """A task's own rate limit as ``broker tasks`` shows it (``-``: none)."""
+    if not declared.get("rate_limit"):
+        return "-"
+    return f"{declared['rate_limit']} (burst {declared.get('rate_burst') or 1})"
