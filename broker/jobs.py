@@ -30,7 +30,11 @@ from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore
 from typing import Any, TypeAlias
 
 from broker.exceptions import IdempotencyConflictError, InvalidJobError
-from broker.model.bounds import MAX_NAME_BYTES
+from broker.model.bounds import (
+    MAX_NAME_BYTES,
+    MAX_TRACE_CONTEXT_BYTES,
+    MAX_TRACE_CONTEXT_ENTRIES,
+)
 from broker.model.values import check_name, check_run_at, storable_text
 
 JSONValue: TypeAlias = Any
@@ -261,6 +265,10 @@ class JobSpec:
     """The job keeps state on its worker's machine (files, a warm cache) that a recovery
     should find: a lost attempt's recovery waits for the same worker id first (see
     ``docs/howto/long-jobs.md``)."""
+    trace_context: Mapping[str, str] | None = None
+    """The W3C trace context (``traceparent``, ``tracestate``) of the span that enqueued
+    the job, so that its run is a child of it; the client fills it in from the active
+    span when OpenTelemetry is installed (see ``docs/howto/tracing.md``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.task, str) or not self.task.strip():
@@ -316,6 +324,33 @@ class JobSpec:
         if not isinstance(self.id, uuid.UUID):
             raise InvalidJobError("id must be a UUID")
         _require_recovery_options(self.max_recoveries, self.local_state)
+        object.__setattr__(self, "trace_context", _trace_context(self.trace_context))
+
+
+def _trace_context(value: object) -> dict[str, str] | None:
+    """``value`` as a job's own trace context, checked against its bound; an empty one is
+    none (``None``). Raises :class:`InvalidJobError`."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise InvalidJobError("trace_context must map text keys to text values")
+    size = sum(
+        len(k.encode("utf-8", "surrogatepass")) + len(v.encode("utf-8", "surrogatepass"))
+        for k, v in value.items()
+    )
+    if len(value) > MAX_TRACE_CONTEXT_ENTRIES or size > MAX_TRACE_CONTEXT_BYTES:
+        raise InvalidJobError(
+            f"trace_context must hold at most {MAX_TRACE_CONTEXT_ENTRIES} entries and "
+            f"{MAX_TRACE_CONTEXT_BYTES} bytes"
+        )
+    for text in (*value.keys(), *value.values()):
+        try:
+            check_name("trace_context", text)
+        except ValueError as exc:
+            raise InvalidJobError(str(exc)) from None
+    return dict(value) or None
 
 
 SPEC_FIELDS = tuple(f.name for f in fields(JobSpec))
@@ -406,6 +441,8 @@ class Job:
     state_holder: str | None = None
     """While a ``local_state`` job waits for the recovery of a lost attempt: the worker id
     that ran that attempt, so holds its local state. Cleared by the next claim."""
+    trace_context: dict[str, str] | None = None
+    """The W3C trace context of the span that enqueued the job (see :class:`JobSpec`)."""
 
     @classmethod
     def from_spec(cls, spec: JobSpec, now: datetime) -> Job:

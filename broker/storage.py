@@ -65,7 +65,7 @@ from broker.model.logs import log_event
 
 logger = logging.getLogger("broker.main")
 
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 """The schema version this code writes and understands; stores record theirs."""
 
 

@@ -139,6 +139,8 @@ def _define(md: sa.MetaData, version: int) -> tuple[sa.Table, sa.Table, sa.Table
     if version >= 6:
         for column in _recovery_columns():
             jobs.append_column(column)
+    if version >= 15:
+        jobs.append_column(_trace_context_column())
     return jobs, concurrency, schema_version
 
 
@@ -161,6 +163,12 @@ def _recovery_columns() -> list[sa.Column[Any]]:
         sa.Column("recoveries", sa.Integer(), nullable=False, server_default="0"),
         sa.Column("state_holder", sa.Text(), nullable=True),
     ]
+
+
+def _trace_context_column() -> sa.Column[Any]:
+    """Version 15's column: the W3C trace context of the span that enqueued the job, as
+    JSON text (``NULL``: none)."""
+    return sa.Column("trace_context", sa.Text(), nullable=True)
 
 
 UNIQUE_ACTIVE_INDEX = "ux_broker_jobs_unique_key_active"
@@ -630,6 +638,14 @@ def _v14_payload_digests(conn: sa.Connection, schema: str | None) -> None:
         after = rows[-1][0]
 
 
+def _v15_trace_context(conn: sa.Connection, schema: str | None) -> None:
+    """Version 15: ``trace_context``, nullable, so neither backend rewrites existing rows
+    (they were enqueued outside any trace the broker kept)."""
+    table = _qualified(conn, schema, "broker_jobs")
+    ddl = sa.schema.CreateColumn(_trace_context_column()).compile(dialect=conn.dialect)
+    conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {ddl}")
+
+
 Migration = Callable[[sa.Connection, str | None], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
@@ -647,6 +663,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (12, _v12_no_creation_index),
     (13, _v13_quiet_inserts_skip_the_trigger),
     (14, _v14_payload_digests),
+    (15, _v15_trace_context),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

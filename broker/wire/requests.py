@@ -64,6 +64,9 @@ class JobRequest(Nested, frozen=True, omit_defaults=True):
     """Lost attempts the job may recover from (``None``: the main's default)."""
     local_state: bool = False
     """Recoveries wait for the worker holding the job's local state first."""
+    trace_context: dict[str, str] | None = None
+    """The W3C trace context (``traceparent``, ``tracestate``) of the span that enqueued
+    the job; an older main ignores the field."""
 
     def to_spec(self, now: datetime, defaults: Mapping[str, Any] | None = None) -> JobSpec:
         """The job this request asks for. A field it leaves out (``null``) takes its value
