@@ -124,9 +124,8 @@ def test_a_job_enqueued_in_a_span_runs_in_a_child_of_its_enqueue_span(
     spans: InMemorySpanExporter,
 ) -> None:
     tracer = trace.get_tracer("test")
-    with tracer.start_as_current_span("web request"):
-        with tracing.enqueue_span("app.send"):
-            carried = tracing.inject()
+    with tracer.start_as_current_span("web request"), tracing.enqueue_span("app.send"):
+        carried = tracing.inject()
     assert carried is not None and set(carried) <= {"traceparent", "tracestate"}
     run = tracing.start_run("app.send", "job-1", "mail", 2, carried)
     tracing.end_run(run, None)
