@@ -219,7 +219,8 @@ class InlineRunner:
                 assignment.attempt,
                 assignment.trace_context,
             )
-            outcome.add_done_callback(functools.partial(_end_span, slot.span))
+            if slot.span is not None:
+                outcome.add_done_callback(functools.partial(_end_span, slot.span))
         try:
             task = self._registry.get(assignment.task)
         except TaskNotFoundError as exc:

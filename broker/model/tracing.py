@@ -82,8 +82,10 @@ def start_run(
 ) -> Any:
     """Start the consumer span of one run of a job, a child of the span that enqueued it
     (``carried``, the job's trace context; a root span without one). Returns the span, to
-    give :func:`activate` and :func:`end_run`; ``None`` without OpenTelemetry."""
-    if trace is None:
+    give :func:`activate` and :func:`end_run`; ``None`` without OpenTelemetry, or in a
+    process where the application set no provider (its spans would all be dropped, and
+    the job's own would not cost a span, a context and a callback for nothing)."""
+    if trace is None or isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         return None
     parent = None if carried is None else _PROPAGATOR.extract(carried)
     return _TRACER.start_span(

@@ -207,3 +207,13 @@ def test_an_empty_trace_context_is_none_and_the_wire_keeps_one() -> None:
     assert request.trace_context == carried
     assert request.to_spec(datetime.now(UTC)).trace_context == carried
     assert Job.from_spec(spec, datetime.now(UTC)).trace_context == carried
+
+
+def test_a_process_with_no_provider_set_starts_no_run_span(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker whose app set up no SDK: a job's run costs no span (every one would be
+    dropped), even when the job carries a context."""
+    monkeypatch.setattr(trace, "get_tracer_provider", trace.ProxyTracerProvider)
+    carried = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+    assert tracing.start_run("app.send", "job-1", "default", 1, carried) is None
