@@ -329,27 +329,26 @@ class JobSpec:
 
 def _trace_context(value: object) -> dict[str, str] | None:
     """``value`` as a job's own trace context, checked against its bound; an empty one is
-    none (``None``). Raises :class:`InvalidJobError`."""
+    none (``None``). The entries are counted first and each text is held to a name's
+    bound before any is measured, so an oversized one costs no more than its refusal.
+    Raises :class:`InvalidJobError`."""
     if value is None:
         return None
-    if not isinstance(value, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-    ):
-        raise InvalidJobError("trace_context must map text keys to text values")
-    size = sum(
-        len(k.encode("utf-8", "surrogatepass")) + len(v.encode("utf-8", "surrogatepass"))
-        for k, v in value.items()
+    too_big = InvalidJobError(
+        f"trace_context must map at most {MAX_TRACE_CONTEXT_ENTRIES} text keys to text "
+        f"values, of {MAX_TRACE_CONTEXT_BYTES} bytes in all"
     )
-    if len(value) > MAX_TRACE_CONTEXT_ENTRIES or size > MAX_TRACE_CONTEXT_BYTES:
-        raise InvalidJobError(
-            f"trace_context must hold at most {MAX_TRACE_CONTEXT_ENTRIES} entries and "
-            f"{MAX_TRACE_CONTEXT_BYTES} bytes"
-        )
+    if not isinstance(value, Mapping) or len(value) > MAX_TRACE_CONTEXT_ENTRIES:
+        raise too_big
     for text in (*value.keys(), *value.values()):
         try:
             check_name("trace_context", text)
         except ValueError as exc:
             raise InvalidJobError(str(exc)) from None
+    if sum(len(t.encode("utf-8", "surrogatepass")) for kv in value.items() for t in kv) > (
+        MAX_TRACE_CONTEXT_BYTES
+    ):
+        raise too_big
     return dict(value) or None
 
 
