@@ -30,7 +30,12 @@ from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore
 from typing import Any, TypeAlias
 
 from broker.exceptions import IdempotencyConflictError, InvalidJobError
-from broker.model.bounds import MAX_NAME_BYTES, MAX_PARENTS
+from broker.model.bounds import (
+    MAX_NAME_BYTES,
+    MAX_PARENTS,
+    MAX_TRACE_CONTEXT_BYTES,
+    MAX_TRACE_CONTEXT_ENTRIES,
+)
 from broker.model.values import check_name, check_run_at, storable_text
 
 JSONValue: TypeAlias = Any
@@ -292,6 +297,10 @@ class JobSpec:
     parent_results: ParentResults = ParentResults.NONE
     workflow_id: uuid.UUID | None = None
     """The workflow (a chain, group or fan-in) the job belongs to, if any."""
+    trace_context: Mapping[str, str] | None = None
+    """The W3C trace context (``traceparent``, ``tracestate``) of the span that enqueued
+    the job, so that its run is a child of it; the client fills it in from the active
+    span when OpenTelemetry is installed (see ``docs/howto/tracing.md``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.task, str) or not self.task.strip():
@@ -348,6 +357,7 @@ class JobSpec:
             raise InvalidJobError("id must be a UUID")
         _require_recovery_options(self.max_recoveries, self.local_state)
         _require_dependencies(self)
+        object.__setattr__(self, "trace_context", _trace_context(self.trace_context))
 
 
 def _require_dependencies(spec: JobSpec) -> None:
@@ -386,6 +396,31 @@ def _require_dependencies(spec: JobSpec) -> None:
 DEPENDENCY_FIELDS = ("depends_on", "on_parent_failure", "parent_results", "workflow_id")
 """The :class:`JobSpec` fields a store keeps beside the job (its dependency edges and
 workflow), not as :class:`Job` fields."""
+
+
+def _trace_context(value: object) -> dict[str, str] | None:
+    """``value`` as a job's own trace context, checked against its bound; an empty one is
+    none (``None``). The entries are counted first and each text is held to a name's
+    bound before any is measured, so an oversized one costs no more than its refusal.
+    Raises :class:`InvalidJobError`."""
+    if value is None:
+        return None
+    too_big = InvalidJobError(
+        f"trace_context must map at most {MAX_TRACE_CONTEXT_ENTRIES} text keys to text "
+        f"values, of {MAX_TRACE_CONTEXT_BYTES} bytes in all"
+    )
+    if not isinstance(value, Mapping) or len(value) > MAX_TRACE_CONTEXT_ENTRIES:
+        raise too_big
+    for text in (*value.keys(), *value.values()):
+        try:
+            check_name("trace_context", text)
+        except ValueError as exc:
+            raise InvalidJobError(str(exc)) from None
+    if sum(len(t.encode("utf-8", "surrogatepass")) for kv in value.items() for t in kv) > (
+        MAX_TRACE_CONTEXT_BYTES
+    ):
+        raise too_big
+    return dict(value) or None
 
 
 SPEC_FIELDS = tuple(f.name for f in fields(JobSpec))
@@ -476,6 +511,8 @@ class Job:
     state_holder: str | None = None
     """While a ``local_state`` job waits for the recovery of a lost attempt: the worker id
     that ran that attempt, so holds its local state. Cleared by the next claim."""
+    trace_context: dict[str, str] | None = None
+    """The W3C trace context of the span that enqueued the job (see :class:`JobSpec`)."""
 
     @classmethod
     def from_spec(cls, spec: JobSpec, now: datetime) -> Job:

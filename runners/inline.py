@@ -30,7 +30,7 @@ from typing import Any
 
 from broker.exceptions import InvalidJobError, TaskNotFoundError
 from broker.jobs import ExecutionMode, JSONValue
-from broker.model import checks
+from broker.model import checks, tracing
 from broker.payload import MAX_PAYLOAD_DEPTH_CEILING, result_too_deep
 from broker.tasks import hooks as hooks_module
 from broker.tasks.arguments import plan_for, to_json_form
@@ -126,6 +126,18 @@ class _Slot:
     """The job's timeout, if it has one."""
     reported: bool = False
     """The outcome was given while the work may still be running."""
+    span: Any = None
+    """The run's OpenTelemetry span (:func:`broker.model.tracing.start_run`), if any."""
+
+
+def _end_span(span: Any, outcome: asyncio.Future[RunOutcome]) -> None:
+    """End a run's span with its outcome: a failure (or a cancelled run) sets its error."""
+    if outcome.cancelled():
+        error: str | None = "cancelled"
+    else:
+        result = outcome.result()
+        error = result.error if isinstance(result, Failed) else None
+    tracing.end_run(span, error)
 
 
 class InlineRunner:
@@ -199,6 +211,16 @@ class InlineRunner:
         outcome: asyncio.Future[RunOutcome] = loop.create_future()
         slot = _Slot(assignment, outcome)
         self._slots[assignment.handoff_id] = slot
+        if tracing.ENABLED:
+            slot.span = tracing.start_run(
+                assignment.task,
+                assignment.job_id,
+                assignment.queue,
+                assignment.attempt,
+                assignment.trace_context,
+            )
+            if slot.span is not None:
+                outcome.add_done_callback(functools.partial(_end_span, slot.span))
         try:
             task = self._registry.get(assignment.task)
         except TaskNotFoundError as exc:
@@ -215,7 +237,7 @@ class InlineRunner:
             return outcome
         timeout = self._timeout_for(assignment, task)
         slot.sync = not task.is_async
-        slot.work = work = self._launch(task, assignment, args, kwargs, loop)
+        slot.work = work = self._launch(task, assignment, args, kwargs, loop, slot.span)
         work.add_done_callback(functools.partial(self._work_done, slot))
         if timeout is not None:
             slot.timer = loop.call_later(timeout, self._timed_out, slot, timeout)
@@ -237,9 +259,13 @@ class InlineRunner:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         loop: asyncio.AbstractEventLoop,
+        span: Any,
     ) -> asyncio.Future[Any]:
-        # The task runs in a copy of this context in which current_job() is its job.
+        # The task runs in a copy of this context in which current_job() is its job, and
+        # the span of its run (if any) is the active one.
         context = contextvars.copy_context()
+        if span is not None:
+            context.run(tracing.activate, span)
         job_context = JobContext(assignment, self._channel, loop)
         job_context.enter(context)
         hooks = self._registry.hooks if self._registry.hooks.middleware else None

@@ -53,6 +53,7 @@ class JobLine(_Message, tag="job"):
     checkpoint_seq: int = 0
     recoveries: int = 0
     state_lost: bool = False
+    trace_context: dict[str, str] | None = None
 
 
 class CheckpointAckLine(_Message, tag="checkpoint_ack"):

@@ -156,6 +156,7 @@ _CODECS: dict[str, tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] = {
     "checkpoint": ("checkpoint", result_text, _optional(loads)),
     "checkpoint_at": ("checkpoint_us", _optional(to_us), _optional(from_us)),
     "local_state": ("local_state", bool, bool),
+    "trace_context": ("trace_context", _optional(_dumps), _optional(loads)),
 }
 """How a :class:`Job` field differs in ``broker_jobs`` (column, encode, decode); every
 other field is a column of its own name holding its value as is."""

@@ -141,6 +141,8 @@ def _define(md: sa.MetaData, version: int) -> tuple[sa.Table, sa.Table, sa.Table
             jobs.append_column(column)
     if version >= WAITING_VERSION:
         jobs.append_column(_has_dependents_column())
+    if version >= TRACE_CONTEXT_VERSION:
+        jobs.append_column(_trace_context_column())
     return jobs, concurrency, schema_version
 
 
@@ -148,6 +150,9 @@ WAITING_VERSION = 15
 """The schema version of job dependencies (:mod:`broker.dependencies`): the ``waiting``
 status, ``broker_jobs.has_dependents`` and the ``broker_job_links``/``broker_job_edges``
 tables."""
+
+TRACE_CONTEXT_VERSION = 17
+"""The schema version of ``broker_jobs.trace_context`` (see ``docs/howto/tracing.md``)."""
 _STATUS_CHECK_V1 = "status IN ('queued', 'handed_off', 'completed', 'failed', 'cancelled')"
 _STATUS_CHECK_V15 = (
     "status IN ('queued', 'handed_off', 'completed', 'failed', 'cancelled', 'waiting')"
@@ -220,6 +225,12 @@ def _recovery_columns() -> list[sa.Column[Any]]:
         sa.Column("recoveries", sa.Integer(), nullable=False, server_default="0"),
         sa.Column("state_holder", sa.Text(), nullable=True),
     ]
+
+
+def _trace_context_column() -> sa.Column[Any]:
+    """Version 15's column: the W3C trace context of the span that enqueued the job, as
+    JSON text (``NULL``: none)."""
+    return sa.Column("trace_context", sa.Text(), nullable=True)
 
 
 UNIQUE_ACTIVE_INDEX = "ux_broker_jobs_unique_key_active"
@@ -759,6 +770,14 @@ def _v15_dependencies(conn: sa.Connection, schema: str | None) -> None:
         table_.create(conn, checkfirst=True)
 
 
+def _v17_trace_context(conn: sa.Connection, schema: str | None) -> None:
+    """Version 17: ``trace_context``, nullable, so neither backend rewrites existing rows
+    (they were enqueued outside any trace the broker kept)."""
+    table = _qualified(conn, schema, "broker_jobs")
+    ddl = sa.schema.CreateColumn(_trace_context_column()).compile(dialect=conn.dialect)
+    conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {ddl}")
+
+
 Migration = Callable[[sa.Connection, str | None], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
@@ -778,6 +797,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (14, _v14_payload_digests),
     (15, _v15_dependencies),
     (16, _v16_queue_settings),
+    (17, _v17_trace_context),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

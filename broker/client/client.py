@@ -39,6 +39,7 @@ from broker.exceptions import (
     ProtocolError,
 )
 from broker.jobs import ExecutionMode, JobSpec, JobStatus, JSONValue
+from broker.model import tracing
 from broker.model.bounds import MAX_WAIT_SECONDS, MESSAGE_CONTAINERS
 from broker.model.rates import parse_rate
 from broker.payload import containers_in, too_many_containers
@@ -448,7 +449,8 @@ class Client:
     async def _enqueue_request(self, request: protocol.JobRequest, delay: float | None) -> Enqueued:
         if delay is not None:
             request = msgspec.structs.replace(request, run_at=None, delay=float(delay))
-        return (await self.enqueue_requests([request]))[0]
+        with tracing.enqueue_span(request.task):
+            return (await self.enqueue_requests([request]))[0]
 
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[Enqueued]:
         """Enqueue many jobs in one round trip and one store transaction."""
@@ -542,6 +544,12 @@ class Client:
                     too_many_containers("the enqueue request (its jobs' args and kwargs)", bound)
                 )
 
+        carried = tracing.inject()
+        if carried is not None:  # inside a span: each job's run becomes a child of it
+            requests = [
+                r if r.trace_context else msgspec.structs.replace(r, trace_context=carried)
+                for r in requests
+            ]
         allow = self._allow_unknown_tasks if allow_unknown_tasks is None else allow_unknown_tasks
 
         def send() -> Awaitable[protocol.EnqueuedReply]:

@@ -499,6 +499,13 @@ BOUNDS += [
     ),
     Bound("`prune`'s `older_than_seconds`", "0 to a hundred years", None, "`malformed`", _VALUES),
     Bound(
+        "A job's `trace_context` (W3C `traceparent`, `tracestate`)",
+        "4 entries, 1024 bytes of keys and values together",
+        None,
+        "`invalid_job`",
+        _VALUES,
+    ),
+    Bound(
         "Stored error text",
         "NUL and lone surrogates escaped; cut at 65 536 characters",
         None,
@@ -506,6 +513,14 @@ BOUNDS += [
         _VALUES,
     ),
 ]
+
+
+MAX_TRACE_CONTEXT_ENTRIES = 4
+MAX_TRACE_CONTEXT_BYTES = 1024
+"""A job's ``trace_context``: the W3C trace context of the span that enqueued it
+(``traceparent``, 55 characters, and ``tracestate``, which W3C lets a vendor cut at 512),
+as text keys and values. Every job row, hand-off and child pipe carries it, so it is
+held to what a trace context needs (see ``docs/howto/tracing.md``)."""
 
 
 # --------------------------------------------------------------------------- wire and payloads

@@ -1,19 +1,38 @@
 """OpenTelemetry, when it is installed (``pip install broker-jobs[otel]``): the ids of the
-span active where a line is logged, for the JSON log (:mod:`broker.model.logs`).
+span active where a line is logged, for the JSON log (:mod:`broker.model.logs`); the W3C
+trace context a job carries from the span that enqueued it; the spans of an enqueue and
+of a run.
 
 The one module of the broker that imports OpenTelemetry, and only if it is there: without
-the extra nothing is imported and a log line costs one ``is None`` check. Only the API is
-used (an application installs and configures the SDK and its exporter, as for any
-instrumented library); with no SDK configured no span is ever valid, and lines carry no
-ids. See ``docs/howto/tracing.md``.
+the extra nothing is imported, and a log line, an enqueue and a run each cost one
+``is None`` check. Only the API is used (an application installs and configures the SDK
+and its exporter, as for any instrumented library); with no SDK configured no span is
+ever valid, lines carry no ids and jobs no context. See ``docs/howto/tracing.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
 try:
+    from opentelemetry import context as otel_context
     from opentelemetry import trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 except ImportError:  # the extra is not installed
     trace = None  # type: ignore[assignment]
+
+ENABLED = trace is not None
+"""OpenTelemetry is installed: a runner starts a span per run (one flag read otherwise)."""
+
+if trace is not None:
+    _TRACER = trace.get_tracer("broker")
+    """Taken once: before an application sets its provider this is the API's proxy, which
+    follows the provider once it is set."""
+    _PROPAGATOR = TraceContextTextMapPropagator()
+    """W3C trace context only (``traceparent``, ``tracestate``), whatever propagators the
+    application configured: what a job carries is bounded and the same in every process."""
 
 
 def current_ids() -> tuple[str, str] | None:
@@ -27,4 +46,73 @@ def current_ids() -> tuple[str, str] | None:
     return format(context.trace_id, "032x"), format(context.span_id, "016x")
 
 
-__all__ = ["current_ids"]
+def _in_span() -> bool:
+    return trace is not None and trace.get_current_span().get_span_context().is_valid
+
+
+def inject() -> dict[str, str] | None:
+    """The W3C trace context of the active span, for a job to carry (``traceparent`` and,
+    if the span has one, ``tracestate``); ``None`` outside a valid span."""
+    if not _in_span():
+        return None
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier)
+    return carrier or None
+
+
+@contextlib.contextmanager
+def enqueue_span(task: str) -> Iterator[None]:
+    """Around a client's enqueue of one job of ``task``: a producer span, active meanwhile
+    so that :func:`inject` gives the job its context. Only inside an active span (an
+    enqueue outside any trace starts none); an exception raised out of it marks the span
+    failed."""
+    if not _in_span():
+        yield
+        return
+    with _TRACER.start_as_current_span(
+        f"broker.enqueue {task}",
+        kind=trace.SpanKind.PRODUCER,
+        attributes={"broker.task": task},
+    ):
+        yield
+
+
+def start_run(
+    task: str, job_id: object, queue: str, attempt: int, carried: Mapping[str, str] | None
+) -> Any:
+    """Start the consumer span of one run of a job, a child of the span that enqueued it
+    (``carried``, the job's trace context; a root span without one). Returns the span, to
+    give :func:`activate` and :func:`end_run`; ``None`` without OpenTelemetry, or in a
+    process where the application set no provider (its spans would all be dropped, and
+    the job's own would not cost a span, a context and a callback for nothing)."""
+    if trace is None or isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return None
+    parent = None if carried is None else _PROPAGATOR.extract(carried)
+    return _TRACER.start_span(
+        f"broker.run {task}",
+        context=parent,
+        kind=trace.SpanKind.CONSUMER,
+        attributes={
+            "broker.job.id": str(job_id),
+            "broker.task": task,
+            "broker.queue": queue,
+            "broker.attempt": attempt,
+        },
+    )
+
+
+def activate(span: Any) -> None:
+    """Make ``span`` the active one in the current context (call it in the copy of the
+    context a job runs in): the task's own spans become its children, and its log lines
+    carry its ids. The copy is dropped with the job, so nothing is detached."""
+    otel_context.attach(trace.set_span_in_context(span))
+
+
+def end_run(span: Any, error: str | None) -> None:
+    """End a run's span; ``error``: the run failed with that message (an error status)."""
+    if error is not None:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+    span.end()
+
+
+__all__ = ["ENABLED", "activate", "current_ids", "end_run", "enqueue_span", "inject", "start_run"]

@@ -47,6 +47,9 @@ class Assignment:
     """The job keeps local state (``@task(local_state=True)``), but this attempt runs on
     another worker than the one that held it (or that worker said it lost it): whatever
     the last attempt kept on its machine is not here."""
+    trace_context: dict[str, str] | None = None
+    """The W3C trace context of the span that enqueued the job, the parent of the span of
+    its run (:func:`broker.model.tracing.run_span`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -182,6 +182,13 @@ async def _get(store: StorageAdapter, job_id: uuid.UUID) -> Job:
 # --- enqueue and the job row -------------------------------------------------------
 
 
+TRACE_CONTEXT = {
+    "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    "tracestate": "vendor=é✓",
+}
+"""A job's W3C trace context, as a client's enqueue inside a span gives it one."""
+
+
 @_check
 async def check_enqueue_round_trips_every_field(ctx: Context) -> None:
     run_at = START + timedelta(seconds=30, microseconds=123456)
@@ -199,6 +206,7 @@ async def check_enqueue_round_trips_every_field(ctx: Context) -> None:
         timeout=12.5,
         execution_mode=ExecutionMode.FORKED,
         unique_key="mail:a@example.com",
+        trace_context=TRACE_CONTEXT,
     )
     result = await ctx.store.enqueue(spec)
     assert result.duplicate is False
@@ -221,6 +229,9 @@ async def check_enqueue_round_trips_every_field(ctx: Context) -> None:
         assert job.concurrency_key == "account-9" and job.concurrency_limit == 2
         assert job.timeout == 12.5
         assert job.unique_key == "mail:a@example.com"
+        assert job.trace_context == TRACE_CONTEXT
+    claimed = await _claim(ctx.store, await _enqueue(ctx.store, trace_context=TRACE_CONTEXT))
+    assert claimed.trace_context == TRACE_CONTEXT, "the claim hands the context to the worker"
 
 
 @_check

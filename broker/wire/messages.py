@@ -287,6 +287,9 @@ class JobHandoff(Tagged, frozen=True, tag="job", omit_defaults=True):
     state_lost: bool = False
     """The job keeps local state, and this worker does not have it (see
     :attr:`broker.tasks.runner.Assignment.state_lost`)."""
+    trace_context: dict[str, str] | None = None
+    """The W3C trace context of the span that enqueued the job: the parent of its run's
+    span (see ``docs/howto/tracing.md``)."""
 
     def __post_init__(self) -> None:
         require(self.seq >= 1, "seq must be at least 1")

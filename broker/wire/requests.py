@@ -73,6 +73,9 @@ class JobRequest(Nested, frozen=True, omit_defaults=True):
     on_parent_failure: ParentFailure = ParentFailure.CANCEL
     parent_results: ParentResults = ParentResults.NONE
     workflow_id: uuid.UUID | None = None
+    trace_context: dict[str, str] | None = None
+    """The W3C trace context (``traceparent``, ``tracestate``) of the span that enqueued
+    the job; an older main ignores the field."""
 
     def to_spec(self, now: datetime, defaults: Mapping[str, Any] | None = None) -> JobSpec:
         """The job this request asks for. A field it leaves out (``null``) takes its value

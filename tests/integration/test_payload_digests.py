@@ -53,20 +53,26 @@ async def test_a_store_written_before_digests_gets_them_from_its_migration(
     await old.setup()
     job = (await old.enqueue(JobSpec(task="t", args=[BIG], kwargs={"k": BIG}))).job
     await old.enqueue_many([JobSpec(task="t", args=[BIG, i]) for i in range(19)])  # 2 rounds
-    # The store as version 13 left it: no digest column.
+    # The store as version 13 left it: no digest column (nor version 15's trace context).
     async with old._write("test") as conn:
         await conn.execute(_sql(old, "ALTER TABLE {s}broker_payloads DROP COLUMN digest"))
+        await conn.execute(_sql(old, "ALTER TABLE {s}broker_jobs DROP COLUMN trace_context"))
         await conn.execute(_sql(old, "UPDATE {s}broker_schema SET version = 13"))
     await old.close()
 
     store = SQLAlchemyAdapter(url, schema=schema)
     try:
-        await store.setup()  # migrates 13 -> 14
+        await store.setup()  # migrates 13 -> 15
         stored = await _digests(store)
         assert len(stored) == 21
         assert all(digest == payload_digest(body) for body, digest in stored), "backfilled"
         claimed = await store.mark_handed_off(job.id, uuid.uuid4(), "w")
         assert claimed is not None and claimed.args == (BIG,) and claimed.kwargs == {"k": BIG}
+        assert claimed.trace_context is None, "a row from before version 15 carries none"
+        carried = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+        after = await store.enqueue(JobSpec(task="t", trace_context=carried))
+        stored_job = await store.get_job(after.job.id)
+        assert stored_job is not None and stored_job.trace_context == carried
     finally:
         await store.close()
 

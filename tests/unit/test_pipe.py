@@ -56,6 +56,7 @@ def test_an_assignment_with_every_field_set_maps_to_the_same_job_line_bytes() ->
         2,
         1,
         True,
+        {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"},
     )
     line = pipe.job_line(a)
     assert pipe.encode(line) == (
@@ -63,7 +64,8 @@ def test_an_assignment_with_every_field_set_maps_to_the_same_job_line_bytes() ->
         b'"handoff_id":"00000000-0000-0000-0000-000000000002","task":"tasks.add",'
         b'"args":[1,[2],{"a":null}],"kwargs":{"x":{"y":[1.5,"z"]}},"execution_mode":"forked",'
         b'"attempt":3,"max_attempts":4,"timeout":1.5,"queue":"q","checkpoint":{"done":7},'
-        b'"checkpoint_seq":2,"recoveries":1,"state_lost":true}'
+        b'"checkpoint_seq":2,"recoveries":1,"state_lost":true,'
+        b'"trace_context":{"traceparent":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}}'
     )
     [decoded] = pipe.to_child_decoder.decode(pipe.encode_batch([pipe.encode(line)]))
     assert isinstance(decoded, pipe.JobLine) and pipe.assignment_of(decoded) == a

@@ -94,6 +94,13 @@ NOT_PATHS = frozenset(
         "broker.quiet_inserts",  # a PostgreSQL session setting
         "broker.runner",  # logger names, shown in log lines
         "broker.runner.pooled",
+        # OpenTelemetry span names and attributes (broker/model/tracing.py)
+        "broker.enqueue",
+        "broker.run",
+        "broker.job.id",
+        "broker.task",
+        "broker.queue",
+        "broker.attempt",
     }
 )
 """Dotted names in the docs that start with ``broker.`` but are not import paths."""
