@@ -59,3 +59,16 @@ async def drop_schema(schema: str) -> None:
         await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     finally:
         await conn.close()
+
+
+@pytest.fixture(autouse=True)
+def no_hooks_in_the_test_process() -> None:
+    """No test leaves hooks in the process-wide registry: every in-process worker of a
+    later test would run them (an app module imported for a constant once stopped them
+    all, see ``tests/app_env.py``)."""
+    from broker.tasks.registry import default_registry
+
+    hooks = default_registry.hooks
+    assert not (hooks.startup or hooks.shutdown or hooks.middleware), (
+        "hooks were declared in the test process's default registry before this test"
+    )

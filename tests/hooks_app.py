@@ -17,14 +17,7 @@ import time
 
 from broker import JobContext, JobMiddleware, add_middleware, current_job, on_shutdown, on_startup
 from broker.tasks.registry import task
-
-EVENTS_ENV = "HOOKS_APP_EVENTS"
-FAIL_ENV = "HOOKS_APP_FAIL_STARTUP"
-"""Set: the start-up hook raises."""
-SLOW_ENV = "HOOKS_APP_STARTUP_SECONDS"
-"""The start-up hook takes this long, like an app warming a cache."""
-HANG_ENV = "HOOKS_APP_HANG_SHUTDOWN"
-"""Set: the shutdown hook never returns."""
+from tests.app_env import EVENTS_ENV, FAIL_ENV, HANG_ENV, SLOW_ENV
 
 RESOURCE: dict[str, int] = {}
 """What the start-up hook made (here, the pid it ran in): a module global, which this

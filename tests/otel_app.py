@@ -19,8 +19,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, Sp
 
 from broker import on_startup
 from broker.tasks.registry import task
-
-SPANS_ENV = "OTEL_APP_SPANS"
+from tests.app_env import SPANS_ENV
 
 
 class JsonLinesExporter(SpanExporter):

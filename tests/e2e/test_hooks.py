@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from broker.client.client import Client
+from tests.app_env import EVENTS_ENV, FAIL_ENV, HANG_ENV, SLOW_ENV
 from tests.e2e.test_e2e import Cluster, Proc
-from tests.hooks_app import EVENTS_ENV, FAIL_ENV, HANG_ENV, SLOW_ENV
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 
+from tests.app_env import SPANS_ENV
 from tests.e2e.test_e2e import Cluster
-from tests.otel_app import SPANS_ENV
 from tests.unit.test_tracing import sdk_spans
 
 pytestmark = pytest.mark.slow
