@@ -61,9 +61,11 @@ class Proc:
     def lines(self) -> list[str]:
         return self.log.read_text(errors="replace").splitlines()
 
-    async def wait_for(self, text: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not any(text in line for line in self.lines()):
+    async def wait_for(self, text: str, within: float = 60.0) -> None:
+        deadline = time.monotonic() + within
+        while True:
+            if any(text in line for line in self.lines()):
+                return
             if self.process.returncode is not None or time.monotonic() > deadline:
                 tail = "\n".join(self.lines()[-20:])
                 raise RuntimeError(f"{self.name} did not log {text!r}:\n{tail}")
@@ -86,8 +88,43 @@ async def _spawn(workdir: Path, name: str, *argv: str) -> Proc:
     return Proc(name, process, log)
 
 
+class Completions:
+    """The jobs completed in the store, read on the benchmark's own connection."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    async def _read(self, since_us: int) -> tuple[int, int | None]:
+        import sqlalchemy as sa
+
+        query = sa.text(
+            "SELECT count(*) FILTER (WHERE status = 'completed'),"
+            " min(updated_us) FILTER (WHERE status = 'completed' AND updated_us > :since)"
+            " FROM broker_jobs"
+        )
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(query, {"since": since_us})).one()
+        return int(row[0]), row[1]
+
+    async def reach(self, count: int) -> None:
+        """Once ``count`` jobs have completed in all."""
+        while True:
+            if (await self._read(0))[0] >= count:
+                return
+            await asyncio.sleep(0.01)
+
+    async def first_after(self, since: float) -> float:
+        """When (the settling main's clock) the first job completed after ``since``."""
+        while True:
+            first = (await self._read(int(since * 1e6)))[1]
+            if first is not None:
+                return float(first) / 1e6
+            if time.time() - since > 120:
+                raise RuntimeError("no job completed within 120 s of the kill")
+            await asyncio.sleep(0.01)
+
+
 async def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    import sqlalchemy as sa
     from sqlalchemy.ext.asyncio import create_async_engine
 
     from broker.client.client import Client
@@ -97,7 +134,7 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     url = postgres_dsn(DATABASE).replace("postgresql://", "postgresql+asyncpg://")
     ports = [free_port(), free_port()]
     addresses = ",".join(f"127.0.0.1:{port}" for port in ports)
-    engine = create_async_engine(url)
+    jobs = Completions(create_async_engine(url))
     procs: list[Proc] = []
     starts = 0
 
@@ -110,16 +147,6 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         procs.append(proc)
         await proc.wait_for("broker-main listening on")
         return proc
-
-    async def completed_since(kill_us: int) -> tuple[int, int | None]:
-        query = sa.text(
-            "SELECT count(*) FILTER (WHERE status = 'completed'),"
-            " min(updated_us) FILTER (WHERE status = 'completed' AND updated_us > :since)"
-            " FROM broker_jobs"
-        )
-        async with engine.connect() as conn:
-            row = (await conn.execute(query, {"since": kill_us})).one()
-        return int(row[0]), row[1]
 
     rounds: list[dict[str, float]] = []
     try:
@@ -140,18 +167,12 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             for round_ in range(args.rounds):
                 await client.enqueue_many([JobSpec(task=f"{APP}.work") for _ in range(args.jobs)])
                 total += args.jobs
-                while (await completed_since(0))[0] < total - args.jobs * 3 // 4:
-                    await asyncio.sleep(0.01)  # the workers are a quarter into the backlog
+                await jobs.reach(total - args.jobs * 3 // 4)  # a quarter into the backlog
                 killed_at = time.time()
                 leader.process.kill()
                 await leader.process.wait()
                 successor = next(m for m in mains if m is not leader)
-                first: int | None = None
-                while first is None:
-                    first = (await completed_since(int(killed_at * 1e6)))[1]
-                    if time.time() - killed_at > 120:
-                        raise RuntimeError("no job completed within 120 s of the kill")
-                    await asyncio.sleep(0.01)
+                first = await jobs.first_after(killed_at)
                 await successor.wait_for("elected leader")
                 elected = next(x for x in successor.lines() if "elected leader" in x)
                 found = re.search(r"main_id=(\S+)", elected)
@@ -166,16 +187,14 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 step = {
                     "elected_s": _log_time(elected) - killed_at,
                     "workers_s": followed - killed_at,
-                    "first_completion_s": first / 1e6 - killed_at,
+                    "first_completion_s": first - killed_at,
                 }
                 rounds.append(step)
                 print(
-                    f"round {round_}: "
-                    + ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in step.items()),
+                    f"round {round_}: " + ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in step.items()),
                     flush=True,
                 )
-                while (await completed_since(0))[0] < total:
-                    await asyncio.sleep(0.05)
+                await jobs.reach(total)
                 index = mains.index(leader)
                 mains[index] = await start_main(index)
                 leader = successor
@@ -184,7 +203,7 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             if proc.process.returncode is None:
                 proc.process.kill()
                 await proc.process.wait()
-        await engine.dispose()
+        await jobs.engine.dispose()
         await on_admin_database(drop_database(DATABASE))
 
     def summary(key: str) -> dict[str, float]:
