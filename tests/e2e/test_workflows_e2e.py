@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 from collections import defaultdict
 from dataclasses import dataclass
@@ -82,7 +83,7 @@ def wf_step_pooled(value: int, key: str, runs: str, gate: str = "") -> int:
 # its sockets close at a kill -9, which the main sees at once, so the liveness timeout
 # only has to tell a wedged worker, and none is wedged here.
 MAIN_FLAGS = ("--orphan-grace", "8", "--liveness-timeout", "10")
-WORKER_FLAGS = ("--reconnect-max-delay", "0.5", "--pooled-runner-count", "1")
+WORKER_FLAGS: tuple[str, ...] = ("--reconnect-max-delay", "0.5", "--pooled-runner-count", "1")
 WORKER_FLAGS += ("--pooled-runner-concurrency", "4")
 
 
@@ -152,6 +153,7 @@ class Faults:
         self.returned: set[str] = set()  # job ids
         self.held_at_main_kill: set[str] = set()  # job ids
         self.child_hit: str | None = None  # a key
+        self.lost_in_child: set[str] = set()  # job ids
 
     async def start(self) -> None:
         self.main = await self.cluster.start_main(*MAIN_FLAGS)
@@ -178,7 +180,8 @@ class Faults:
                         return key, pid
             return None
 
-        key, pid = await until(running, 60)
+        found: tuple[str, int] = await until(running, 60)
+        key, pid = found
         os.kill(pid, signal.SIGKILL)
         self.child_hit = key
         return key
@@ -191,10 +194,13 @@ class Faults:
 
     def hit(self, ids_to_keys: dict[str, str]) -> set[str]:
         """The keys a fault could have hit: returned when the killed worker's connection
-        ended (prefetched ones too), the child's, the leases of the killed main."""
-        logs = "\n".join(p.output() for p in self.cluster.procs if p.name == "main")
-        self.returned = returned_at_disconnect(logs)
-        ids = self.returned | self.held_at_main_kill
+        ended (prefetched ones too), lost with the killed child (each job it held, as its
+        worker logged them), the leases of the killed main."""
+        mains = "\n".join(p.output() for p in self.cluster.procs if p.name == "main")
+        self.returned = returned_at_disconnect(mains)
+        workers = "\n".join(p.output() for p in self.cluster.procs if p.name != "main")
+        self.lost_in_child = set(re.findall(r"job attempt lost job_id=(\S+)", workers))
+        ids = self.returned | self.held_at_main_kill | self.lost_in_child
         keys = {ids_to_keys[i] for i in ids if i in ids_to_keys}
         return keys | ({self.child_hit} if self.child_hit else set())
 
