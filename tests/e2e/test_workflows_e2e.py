@@ -208,6 +208,7 @@ class Faults:
 # ------------------------------------------------------------------ fan-in
 
 
+@pytest.mark.timeout(300)  # four process starts: 15 s each at load 14 on two cores
 async def test_a_fan_in_of_100_is_made_once_through_every_fault(
     tmp_path: Path, store_url: str
 ) -> None:
@@ -303,6 +304,7 @@ async def _fan_in_through_the_faults(tmp_path: Path, store_url: str, size: int) 
 # ------------------------------------------------------------------ chain
 
 
+@pytest.mark.timeout(300)
 async def test_a_chain_of_20_runs_each_effect_once_per_attempt_through_every_fault(
     tmp_path: Path, store_url: str
 ) -> None:
