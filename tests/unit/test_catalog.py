@@ -334,7 +334,7 @@ def test_a_task_declares_and_schedules_the_defaults_a_job_by_name_takes() -> Non
     def tick() -> None: ...
 
     defaults = task_defaults(registry.get("app.tick"))
-    assert set(defaults) == set(protocol.TASK_DEFAULTS) - {"unique_key"}
+    assert set(defaults) == set(protocol.TASK_DEFAULTS) - {"unique_key", "rate_key"}
     declared = msgspec.to_builtins(catalog.declaration(registry.get("app.tick")))
     assert {name: declared[name] for name in defaults} == msgspec.to_builtins(defaults)
     schedule = default_schedules.get("app.tick")
