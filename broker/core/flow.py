@@ -169,9 +169,7 @@ class KeyBuckets:
     def wake_at(self, now_ns: int) -> list[int]:
         """When each key held back gets its next token (ns), and when room may come."""
         due = [
-            self.buckets[key].next_at() or now_ns
-            for key in self.held_back
-            if key in self.buckets
+            self.buckets[key].next_at() or now_ns for key in self.held_back if key in self.buckets
         ]
         if self.crowded and self.idle_from is not None:
             due.append(self.idle_from)
