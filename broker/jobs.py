@@ -32,8 +32,8 @@ from typing import Any, TypeAlias
 from broker.exceptions import IdempotencyConflictError, InvalidJobError
 from broker.model.bounds import (
     MAX_NAME_BYTES,
-    MAX_RATE_KEY_BYTES,
     MAX_PARENTS,
+    MAX_RATE_KEY_BYTES,
     MAX_TRACE_CONTEXT_BYTES,
     MAX_TRACE_CONTEXT_ENTRIES,
 )
@@ -321,14 +321,7 @@ class JobSpec:
             concurrency_key=self.concurrency_key,
             rate_key=self.rate_key,
         )
-        if (
-            self.rate_key is not None
-            and len(self.rate_key.encode("utf-8", "surrogatepass")) > MAX_RATE_KEY_BYTES
-        ):
-            raise InvalidJobError(
-                f"rate_key must be at most {MAX_RATE_KEY_BYTES} bytes (a tenant id, an "
-                "account: a name, not a payload)"
-            )
+        _require_rate_key(self.rate_key)
         args, kwargs = _own_arguments(self.args, self.kwargs)
         if args is not self.args:
             object.__setattr__(self, "args", args)
@@ -373,6 +366,16 @@ class JobSpec:
         _require_recovery_options(self.max_recoveries, self.local_state)
         _require_dependencies(self)
         object.__setattr__(self, "trace_context", _trace_context(self.trace_context))
+
+
+def _require_rate_key(key: str | None) -> None:
+    """A rate key (checked as a name already) is within
+    :data:`~broker.model.bounds.MAX_RATE_KEY_BYTES`."""
+    if key is not None and len(key.encode("utf-8", "surrogatepass")) > MAX_RATE_KEY_BYTES:
+        raise InvalidJobError(
+            f"rate_key must be at most {MAX_RATE_KEY_BYTES} bytes (a tenant id, an "
+            "account: a name, not a payload)"
+        )
 
 
 def _require_dependencies(spec: JobSpec) -> None:

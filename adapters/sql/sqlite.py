@@ -185,8 +185,8 @@ def _lite_eligible(queue_test: str) -> str:
     """SQLite's selection: the best due jobs of the modes in ``?1`` (and queues in ``?2``)
     whose concurrency key has room, of the tasks in ``?6`` (``NULL``: any), but those in
     the skipped ids (``?5``) and those of the ``[task, rate key]`` pairs in ``?7``
-    (``NULL``: none; a job without a key is its task's key ``''``), at most ``?4`` (``?3`` is the time now), their payloads left
-    out (see ``_sql_schema.selection``).
+    (``NULL``: none; a job without a key is its task's key ``''``), at most ``?4``
+    (``?3`` is the time now), their payloads left out (see ``_sql_schema.selection``).
     The dispatch index gives them in order: its predicate is the status test here,
     written as the index's own (a literal), so no sort step is needed; ``rowid`` (the
     index's own last column) breaks ties in enqueue order."""

@@ -227,9 +227,7 @@ def _tenant_spec(tenant: str) -> JobSpec:
     """A job of ``tests.e2e_app.record_per_tenant`` (10/s for each tenant) for ``tenant``,
     its key given as a client that has the task fills it in."""
     spec = record_spec(task="tests.e2e_app.record_per_tenant")
-    return dataclasses.replace(
-        spec, args=spec.args[:1], kwargs={"tenant": tenant}, rate_key=tenant
-    )
+    return dataclasses.replace(spec, args=spec.args[:1], kwargs={"tenant": tenant}, rate_key=tenant)
 
 
 async def test_a_per_key_limit_isolates_two_tenants(tmp_path: Path, store_url: str) -> None:
@@ -252,9 +250,7 @@ async def test_a_per_key_limit_isolates_two_tenants(tmp_path: Path, store_url: s
     jobs = await final_jobs(store_url)
     assert all(jobs[key].status is JobStatus.COMPLETED for key in [*a, *b])
     assert all(jobs[key].attempts == 0 for key in [*a, *b]), "held back is not an attempt"
-    assert {jobs[key].rate_key for key in a} == {"A"} and {jobs[key].rate_key for key in b} == {
-        "B"
-    }
+    assert {jobs[key].rate_key for key in a} == {"A"} and {jobs[key].rate_key for key in b} == {"B"}
     most = 10 + 1 + round(10 * CLAIM_LATENCY)
     assert _densest_second([jobs[key] for key in a]) <= most
     assert _densest_second([jobs[key] for key in b]) <= most

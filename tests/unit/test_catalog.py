@@ -495,7 +495,7 @@ def test_a_per_key_limit_fills_each_jobs_key_at_enqueue_and_refuses_a_missing_fi
 
     assert notify.spec(["hi"], {"tenant": "acme"}).rate_key == "t:acme"
     assert notify.spec(["hi", "globex"]).rate_key == "t:globex", "by position too"
-    with pytest.raises(InvalidJobError, match="rate_key .* needs the argument 'tenant'"):
+    with pytest.raises(InvalidJobError, match=r"rate_key .* needs the argument 'tenant'"):
         open_ended.spec([], {"other": "x"})
     declared = {d.name: d for d in catalog.declarations(registry)}
     assert declared["app.notify"].rate_key == "t:{tenant}"
@@ -511,7 +511,7 @@ def test_a_per_key_limit_fills_each_jobs_key_at_enqueue_and_refuses_a_missing_fi
         notify.spec(["hi"], {"tenant": "x" * 300})
     with pytest.raises(ConfigurationError, match="rate_key needs a rate_limit"):
         task(name="app.bad", registry=TaskRegistry(), rate_key="{tenant}")(notify.func)
-    with pytest.raises(ConfigurationError, match="rate_key .* names 'who'"):
+    with pytest.raises(ConfigurationError, match=r"rate_key .* names 'who'"):
         task(name="app.bad", registry=TaskRegistry(), rate_limit="1/s", rate_key="{who}")(
             notify.func
         )
