@@ -23,6 +23,12 @@ def _seconds(wait: float) -> str:
     return f"{wait:.3f}".rstrip("0").rstrip(".") + " s" if wait > 0 else "now"
 
 
+def undeclared(task: str) -> str:
+    """Why the jobs of ``task`` wait when no connected worker declares it (also what
+    ``broker status`` says of such a task)."""
+    return f"no connected worker declares task {task!r}"
+
+
 def wait_reason(job: Job, core: Handoff, now: float, wall: datetime) -> str | None:
     """Why ``job`` is not running, as the dispatching main sees it at loop time ``now``
     and wall-clock time ``wall``; ``None`` when nothing the main knows of holds it back.
@@ -55,7 +61,7 @@ def wait_reason(job: Job, core: Handoff, now: float, wall: datetime) -> str | No
                 f"{_seconds(wait)}"
             )
     if core.unserved([job.task]):
-        return f"no connected worker declares task {job.task!r}"
+        return undeclared(job.task)
     served = core.served_queues()
     if served is not None and job.queue not in served:
         return f"no connected worker serves queue {job.queue!r}"
