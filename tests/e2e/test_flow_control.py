@@ -230,32 +230,48 @@ def _tenant_spec(tenant: str) -> JobSpec:
     return dataclasses.replace(spec, args=spec.args[:1], kwargs={"tenant": tenant}, rate_key=tenant)
 
 
-async def test_a_per_key_limit_isolates_two_tenants(tmp_path: Path, store_url: str) -> None:
-    """Tenant A floods (20 jobs, queued first and at a higher priority), tenant B then
-    enqueues 4: B's jobs are not held behind A's backlog (the dispatch reads leave A's
-    key out while it has no token) and start at B's own rate, while A's are held to A's;
-    none of them counts a held-back attempt."""
-    cluster = Cluster(tmp_path, store_url)
+async def _two_tenants(tmp_path: Path, url: str, flood: int, others: int) -> None:
+    """Tenant A floods (``flood`` jobs, queued first and at a higher priority), tenant B
+    then enqueues ``others``: B's jobs are not held behind A's backlog (the dispatch
+    reads leave A's key out while it has no token) and start at B's own rate, while A's
+    are held to A's; none of them counts a held-back attempt."""
+    cluster = Cluster(tmp_path, url)
     try:
         await cluster.start_main()
         await cluster.start_worker("worker-0")
         await cluster.start_worker("worker-1")
-        flood = [dataclasses.replace(_tenant_spec("A"), priority=5) for _ in range(20)]
-        a = await enqueue(cluster, flood)
-        b = await enqueue(cluster, [_tenant_spec("B") for _ in range(4)])
+        burst = [dataclasses.replace(_tenant_spec("A"), priority=5) for _ in range(flood)]
+        a = await enqueue(cluster, burst)
+        b = await enqueue(cluster, [_tenant_spec("B") for _ in range(others)])
         async with observe(cluster.url) as store:
-            await wait_until_all_terminal(store, 24, cluster, timeout=60)
+            await wait_until_all_terminal(
+                store, flood + others, cluster, timeout=flood / 10 * 3 + 30
+            )
     finally:
         await cluster.close()
-    jobs = await final_jobs(store_url)
+    jobs = await final_jobs(url)
     assert all(jobs[key].status is JobStatus.COMPLETED for key in [*a, *b])
     assert all(jobs[key].attempts == 0 for key in [*a, *b]), "held back is not an attempt"
-    assert {jobs[key].rate_key for key in a} == {"A"} and {jobs[key].rate_key for key in b} == {"B"}
+    assert {jobs[key].rate_key for key in a} == {"A"}
+    assert {jobs[key].rate_key for key in b} == {"B"}
     most = 10 + 1 + round(10 * CLAIM_LATENCY)
     assert _densest_second([jobs[key] for key in a]) <= most
     assert _densest_second([jobs[key] for key in b]) <= most
-    # 20 jobs of A at 10/s take 1.9 s at least; B's 4, behind them in the queue, go at
-    # B's own rate, long before A's backlog is through.
+    # A's backlog at 10/s takes (flood - 1) / 10 s at least; B's jobs, behind it in the
+    # queue, go at B's own rate, long before A's backlog is through.
     last_a = max(jobs[key].handed_off_at for key in a if jobs[key].handed_off_at)
     last_b = max(jobs[key].handed_off_at for key in b if jobs[key].handed_off_at)
     assert last_b < last_a
+
+
+async def test_a_per_key_limit_isolates_two_tenants(tmp_path: Path, store_url: str) -> None:
+    """``@task(rate_limit="10/s", rate_key="{tenant}")``: 20 jobs of A, then 4 of B."""
+    await _two_tenants(tmp_path, store_url, 20, 4)
+
+
+@pytest.mark.soak
+async def test_a_per_key_limit_isolates_two_tenants_over_a_long_flood(
+    tmp_path: Path, store_url: str
+) -> None:
+    """The same over 30 s of A's flood (300 jobs) and 50 of B's (5 s at B's rate)."""
+    await _two_tenants(tmp_path, store_url, 300, 50)
