@@ -47,6 +47,13 @@ async def record_limited(key: str, seconds: float = 0.0) -> int:
     return await record(key, seconds)
 
 
+@task(mode="inline", rate_limit="10/s", rate_key="{tenant}")
+async def record_per_tenant(key: str, tenant: str, seconds: float = 0.0) -> int:
+    """:func:`record`, limited to 10 a second for each tenant apart, across every worker
+    (``tests/e2e/test_flow_control.py``)."""
+    return await record(key, seconds)
+
+
 @task(mode="inline")
 async def hold(key: str, gate: str, limit: float = 60.0) -> int:
     """Log the run, then run until the file ``gate`` (or ``gate.PID``, for this process
