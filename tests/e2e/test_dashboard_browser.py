@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -33,43 +32,23 @@ from broker.tasks.registry import TaskRegistry, task
 from broker.tasks.schedule import Schedule
 from broker.worker.worker import Worker
 from runners.inline import InlineRunner
+from tests.e2e.browser import chrome, missing_browser
 from tests.support import until
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
 TOKEN = "operator-secret"
 SCREENSHOTS = os.environ.get("BROKER_SCREENSHOTS")
 
 
-def _missing_browser() -> str | None:
-    for path in (CHROMIUM, CHROMEDRIVER):
-        if shutil.which(path) is None:
-            return f"{path} is not installed (apt-get install chromium chromium-driver)"
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        return "the selenium package is not installed"
-    return None
-
-
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    missing = _missing_browser()
+    missing = missing_browser()
     if missing is not None:
         if os.environ.get("CI") == "true":
             pytest.fail(f"the browser tests need a browser under CI=true: {missing}")
         pytest.skip(missing)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        options.add_argument(flag)
-    options.add_argument("--window-size=1280,800")
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver = chrome()
     try:
         yield driver
     finally:

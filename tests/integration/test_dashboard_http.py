@@ -96,7 +96,9 @@ async def test_a_bad_prune_is_refused_and_deletes_nothing(tmp_path: Path, days: 
         form = {"token": TOKEN, "older_than_days": days}
         async with http.post(f"{url}/prune", data=form, allow_redirects=False) as response:
             assert response.status == 400
-            assert (await response.text()).startswith("refused: ")
+            page = await response.text()  # the reason in the page, and the way back
+            assert '<div class="msg error" id="error-notice">refused: ' in page, page
+            assert '<a id="back" href="/">Back</a>' in page
         assert await main.store.get_job(job_id) is not None
 
 

@@ -21,7 +21,7 @@ WINDOWS = {"15m": 15, "1h": 60, "all": 0}
 """The windows a chart shows, by the ``window`` a link asks for (``all``: the whole
 history the main keeps)."""
 
-_WIDTH = 720
+_WIDTH = 600
 _HEIGHT = 150
 _LEFT = 56
 _RIGHT = 8
@@ -39,6 +39,7 @@ svg.chart .axis{stroke:#c9ced6;stroke-width:1}svg.chart .grid{stroke:#eef1f5}
 .k-completed{background:#5cb874}.k-failed{background:#d9534f}.k-retried{background:#f0ad4e}
 .k-p50,.k-depth{background:#3b7dd8}.k-p95{background:#a05cd6}.k-oldest{background:#d9534f}
 .charts h2{font-size:15px;margin:.8em 0 .1em}nav.pick a{margin-right:.8em}
+.panes{display:grid;grid-template-columns:repeat(auto-fill,minmax(604px,1fr));gap:0 1em}
 nav.pick a.on{font-weight:600}
 """
 """The charts' part of the page's stylesheet (its hash is in the CSP like the rest)."""
@@ -265,17 +266,22 @@ def history_live(query: Mapping[str, str], history: History, now: float) -> str:
         else f'<p class="msg">No event of {_e(what)} in the history yet.</p>'
     )
     depth = (
-        '<p class="muted">Queue depth is sampled by queue: pick a queue or all jobs.</p>'
+        '<div><h2>Jobs queued</h2><p class="muted">Sampled by queue: pick a queue or all '
+        "jobs.</p></div>"
         if task
-        else f"<h2>Jobs queued</h2>{_key('depth')}{depth_chart(points)}"
-        f"<h2>Oldest due job's wait</h2>{_key('oldest')}{oldest_chart(points)}"
+        else f"<div><h2>Jobs queued</h2>{_key('depth')}{depth_chart(points)}</div>"
+        f"<div><h2>Oldest due job's wait</h2>{_key('oldest')}{oldest_chart(points)}</div>"
     )
+    failed = sum(p.failed for p in points)
+    retried = sum(p.retried for p in points)
     return (
-        f'<div class=charts id="charts">{note}<p>{_e(what)}, the last {len(points)} minutes '
-        f"(UTC): {runs} runs ended.</p>"
-        f"<h2>Runs per minute</h2>{_key('completed', 'retried', 'failed')}{runs_chart(points)}"
-        f"<h2>Wait from due to start</h2>{_key('p50', 'p95')}{wait_chart(points)}"
-        f"{depth}</div>"
+        f'<div class=charts id="charts">{note}<p id="summary">{_e(what)}, the last '
+        f"{len(points)} minutes (UTC): {runs} runs ended, {retried} of them to be retried "
+        f"and {failed} failed for good.</p><div class=panes>"
+        f"<div><h2>Runs per minute</h2>{_key('completed', 'retried', 'failed')}"
+        f"{runs_chart(points)}</div>"
+        f"<div><h2>Wait from due to start</h2>{_key('p50', 'p95')}{wait_chart(points)}</div>"
+        f"{depth}</div></div>"
     )
 
 

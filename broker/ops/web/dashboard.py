@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from broker.core.election import MainRole
 from broker.exceptions import BrokerError
@@ -58,7 +59,10 @@ class Dashboard(HttpServer):
             else ()
         )
         app = web.Application(
-            middlewares=[guard(allowed_hosts(host, settings.http_allowed_hosts), read_secrets)]
+            middlewares=[
+                guard(allowed_hosts(host, settings.http_allowed_hosts), read_secrets),
+                self._errors_in_page,
+            ]
         )
         app.on_response_prepare.append(secure)
         app.add_routes(
@@ -109,6 +113,19 @@ class Dashboard(HttpServer):
                 }
                 history.sampled(now.timestamp(), levels)
             await asyncio.sleep(SAMPLE_INTERVAL)
+
+    @web.middleware
+    async def _errors_in_page(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """A request the dashboard refuses (a bad filter, an unknown job) is answered
+        with a page that says why and links back, not a bare text; ``/metrics`` and
+        ``/healthz`` keep their plain answers."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400 or request.path in ("/metrics", "/healthz"):
+                raise
+            back = "/jobs" if request.path.startswith("/jobs") else "/"
+            return self._refused(request, exc.status, exc.text or exc.reason, back)
 
     # ------------------------------------------------------------------ data
 

@@ -315,11 +315,24 @@ def _flow_cell(queue: str, settings: Mapping[str, Any] | None) -> str:
     return f"{_e(text)} {_action(path, button, queue=queue)} {limit}"
 
 
+WORKERS_NOTE = (
+    '<p class="muted" id="workers-note">The figures of <code>broker status</code>, by mode. '
+    "In flight: jobs handed to the worker and not settled yet, running or prefetched. "
+    "In flight plus free credits is what the worker takes at once: its capacity (jobs "
+    "it runs at once) plus its prefetch window.</p>"
+)
+
+
 def workers_live(workers: Sequence[dict[str, Any]]) -> str:
     """The workers as ``broker status`` counts them, by mode: the slots a worker reported
     (capacity), the jobs the main has handed it and not seen settled (in flight, from
-    the main's own leases, so never stale) and the credits it may still fill; in flight
-    plus free is the capacity but for jobs and ``ready`` messages on the way."""
+    the main's own leases, so never stale) and the credits it may still fill."""
+
+    def by_mode(values: Mapping[str, Any], modes: Sequence[str]) -> str:
+        total = sum(v for v in values.values() if isinstance(v, int))
+        shown = ", ".join(f"{m}: {values.get(m, 0)}" for m in modes)
+        return shown if len(modes) == 1 else f"{total} ({shown})"
+
     rows = []
     for w in workers:
         capacity = w["capacity"] if w["status_reported"] else {}
@@ -330,30 +343,14 @@ def workers_live(workers: Sequence[dict[str, Any]]) -> str:
                 _td(w["worker_id"]),
                 _td(w["host"]),
                 _td("all" if w["queues"] is None else ", ".join(w["queues"])),
-                _td(
-                    "; ".join(
-                        f"{m}: {held.get(m, 0)} + {w['credits'].get(m, 0)} of "
-                        f"{capacity.get(m, '?')}"
-                        for m in modes
-                    )
-                ),
-                _td(w["in_flight"], numeric=True),
-                _td(sum(w["credits"].values()), numeric=True),
-                _td(sum(c for c in capacity.values() if isinstance(c, int)), numeric=True),
+                _td(by_mode(capacity, modes) if capacity else "(not reported)"),
+                _td(by_mode(held, modes) if held else w["in_flight"]),
+                _td(by_mode(w["credits"], modes)),
                 _td("draining" if w["draining"] else "serving"),
             ]
         )
-    headers = [
-        "worker",
-        "host",
-        "queues",
-        "by mode: in flight + free of capacity",
-        "in flight",
-        "free credits",
-        "capacity",
-        "state",
-    ]
-    return _table(headers, rows, "No worker is connected.")
+    headers = ["worker", "host", "queues", "capacity", "in flight", "free credits", "state"]
+    return WORKERS_NOTE + _table(headers, rows, "No worker is connected.")
 
 
 def recoveries_live(pending: Sequence[dict[str, Any]], orphans: object) -> str:
