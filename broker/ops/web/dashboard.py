@@ -464,12 +464,13 @@ class Dashboard(HttpServer):
         before the confirmation was shown, at most :data:`BULK_ACTION_JOBS`, each
         retried or cancelled as ``broker retry`` or ``broker cancel`` would (one request
         each: the dispatcher is woken, a running job is stopped on its worker)."""
-        form, refusal = await self._allowed(request, "/jobs")
+        posted = await request.post()  # read once: aiohttp keeps it for _allowed
+        back = "/jobs?" + urlencode(pages.bulk_filter({k: str(v) for k, v in posted.items()}))
+        form, refusal = await self._allowed(request, back)
         if form is None:
             assert refusal is not None
             return refusal
         action = str(form.get("action") or "")
-        back = "/jobs?" + urlencode(pages.bulk_filter({k: str(v) for k, v in form.items()}))
         if action not in pages.BULK_ACTIONS:
             return self._refused(request, 400, "refused: no such bulk action", back)
         try:

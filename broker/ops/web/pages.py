@@ -405,11 +405,10 @@ def jobs_live(
 
 
 def _error_line(job: Mapping[str, Any]) -> str:
-    """The line of a job's last error that names it: a traceback's last line (the
-    exception and its message), or the error itself."""
-    error = str(job.get("last_error") or "")
-    lines = [line for line in error[-2000:].splitlines() if line.strip()]
-    return lines[-1].strip() if lines else ""
+    """The line of a job's last error that names it: its first (the exception and its
+    message; the traceback follows it, innermost last)."""
+    error = str(job.get("last_error") or "")[:2000]
+    return next((line.strip() for line in error.splitlines() if line.strip()), "")
 
 
 def _progress(job: Mapping[str, Any]) -> str:
@@ -496,23 +495,20 @@ def bulk_confirm(action: str, query: Mapping[str, str], count: int, more: bool, 
             f'<p id="bulk-count">No {which} job matches ({_cut(what)}): nothing to do.</p>'
             f'<p><a id="back" href="{_e(back)}">Back to the jobs</a></p>'
         )
-    many = (
-        f"at least {count} jobs; this acts on the newest {count}, run it again for the rest"
-        if more
-        else f"{count} job{'s' if count != 1 else ''}"
-    )
+    jobs = f"{count} job{'s' if count != 1 else ''}"
+    many = f"at least {jobs}; this acts on the newest {count}, run it again for the rest"
     fields = "".join(
         f'<input type="hidden" name="{_e(k)}" value="{_e(v)}">'
         for k, v in {**kept, "action": action, "before": before}.items()
     )
     return (
         f'<p id="bulk-count">{button} the {which} jobs matching {_cut(what)}: '
-        f"<strong>{_e(many)}</strong> (counted now; jobs enqueued after this page are left "
-        "alone).</p>"
+        f"<strong>{_e(many if more else jobs)}</strong> (counted now; jobs enqueued after "
+        "this page are left alone).</p>"
         f'<form method="post" action="/jobs/bulk" id="bulk">'
         f'<input type="hidden" name="token" value="">{fields}'
-        f'<button type="submit" name="confirm" value="{_e(action)}">{button} {count} '
-        f'jobs</button> <a id="back" href="{_e(back)}">Back to the jobs</a></form>'
+        f'<button type="submit" name="confirm" value="{_e(action)}">{button} {jobs}</button> '
+        f'<a id="back" href="{_e(back)}">Back to the jobs</a></form>'
     )
 
 
