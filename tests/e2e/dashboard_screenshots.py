@@ -185,22 +185,32 @@ async def shoot(out: Path, port: int) -> None:
         async def run(script: str, *args: Any) -> Any:
             return await asyncio.to_thread(driver.execute_script, script, *args)
 
-        async def view(name: str, path: str, height: int | None = None) -> None:
+        async def save(name: str, what: str) -> None:
+            """The whole page, however tall (the viewport is set to its height)."""
+            tall = int(await run("return document.documentElement.scrollHeight"))
+            metrics = {"width": 1280, "height": tall, "deviceScaleFactor": 1, "mobile": False}
+            await asyncio.to_thread(
+                driver.execute_cdp_cmd, "Emulation.setDeviceMetricsOverride", metrics
+            )
+            await asyncio.to_thread(driver.save_screenshot, str(out / f"{name}.png"))
+            await asyncio.to_thread(
+                driver.execute_cdp_cmd, "Emulation.clearDeviceMetricsOverride", {}
+            )
+            print(f"saved {out / name}.png ({what})")
+
+        async def view(name: str, path: str) -> None:
             await asyncio.to_thread(driver.get, url + path)
             await run(
                 "var b=document.getElementById('token');"
                 "if(b){b.value=arguments[0];sessionStorage.setItem('broker-token',arguments[0]);}",
                 TOKEN,
             )
-            tall = height or int(await run("return document.documentElement.scrollHeight"))
-            await asyncio.to_thread(driver.set_window_size, 1280, max(600, min(tall + 20, 2200)))
-            await asyncio.to_thread(driver.save_screenshot, str(out / f"{name}.png"))
-            print(f"saved {out / name}.png ({path})")
+            await save(name, path)
 
         out.mkdir(parents=True, exist_ok=True)
         await view("queues", "/")
         await view("workers", "/workers")
-        await view("history", "/history")
+        await view("history", "/history?window=15m")
         await view("history-reports", "/history?window=15m&queue=reports")
         await view("jobs", "/jobs")
         await view("jobs-failed", "/jobs?status=failed&queue=reports")
@@ -210,14 +220,20 @@ async def shoot(out: Path, port: int) -> None:
         if failed:
             await view("job", str(failed))
         await view("bulk-retry", "/jobs/bulk?queue=reports&status=failed&action=retry")
-        await asyncio.to_thread(driver.get, url + "/jobs/bulk?queue=reports&action=cancel")
-        await run("document.getElementById('token').value='wrong-token'")
-        await run("document.querySelector('#bulk button').click()")
-        await asyncio.sleep(1)
-        tall = int(await run("return document.documentElement.scrollHeight"))
-        await asyncio.to_thread(driver.set_window_size, 1280, max(600, tall + 20))
-        await asyncio.to_thread(driver.save_screenshot, str(out / "refused.png"))
-        print(f"saved {out / 'refused.png'} (a bulk cancel with a wrong token)")
+        # A refusal: a rate limit the main cannot read, with why and the way back.
+        await asyncio.to_thread(driver.get, url + "/")
+        await run(
+            "var f=document.querySelector('form.limit');"
+            "f.querySelector('input[name=rate]').value='fast';"
+            "document.getElementById('token').value=arguments[0];"
+            "f.querySelector('button').click()",
+            TOKEN,
+        )
+        for _ in range(50):
+            if await run("return !!document.getElementById('error-notice')"):
+                break
+            await asyncio.sleep(0.1)
+        await save("refused", "a rate limit the main refuses")
         await view("recoveries", "/recoveries")
         await view("schedules", "/schedules")
     finally:

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from urllib.parse import urlencode
 
 from broker.core.history import OTHER, History, Point
+from broker.model.bounds import CELL_CHARS
 from broker.model.untrusted import escape_bidi
 
 WINDOWS = {"15m": 15, "1h": 60, "all": 0}
@@ -47,6 +48,11 @@ nav.pick a.on{font-weight:600}
 
 def _e(value: object) -> str:
     return html.escape(escape_bidi(str(value)), quote=True)
+
+
+def _name(name: str) -> str:
+    """A queue or task name as a label: cut to :data:`CELL_CHARS`, escaped."""
+    return _e(name if len(name) <= CELL_CHARS else name[: CELL_CHARS - 1] + "…")
 
 
 def _clock(minute: int) -> str:
@@ -232,7 +238,7 @@ def picker(query: Mapping[str, str], history: History) -> str:
 
     def link(params: dict[str, str], text: str, on: bool) -> str:
         href = "/history?" + urlencode(params)
-        return f'<a href="{_e(href)}"{" class=on" if on else ""}>{_e(text)}</a>'
+        return f'<a href="{_e(href)}"{" class=on" if on else ""}>{_name(text)}</a>'
 
     names = {"15m": "15 minutes", "1h": "1 hour", "all": f"{history.minutes // 60} hours (all)"}
     windows = "".join(link({**kept, "window": w}, names[w], w == window) for w in WINDOWS)
@@ -263,7 +269,7 @@ def history_live(query: Mapping[str, str], history: History, now: float) -> str:
     note = (
         ""
         if series is not None
-        else f'<p class="msg">No event of {_e(what)} in the history yet.</p>'
+        else f'<p class="msg">No event of {_name(what)} in the history yet.</p>'
     )
     depth = (
         '<div><h2>Jobs queued</h2><p class="muted">Sampled by queue: pick a queue or all '
@@ -275,7 +281,7 @@ def history_live(query: Mapping[str, str], history: History, now: float) -> str:
     failed = sum(p.failed for p in points)
     retried = sum(p.retried for p in points)
     return (
-        f'<div class=charts id="charts">{note}<p id="summary">{_e(what)}, the last '
+        f'<div class=charts id="charts">{note}<p id="summary">{_name(what)}, the last '
         f"{len(points)} minutes (UTC): {runs} runs ended, {retried} of them to be retried "
         f"and {failed} failed for good.</p><div class=panes>"
         f"<div><h2>Runs per minute</h2>{_key('completed', 'retried', 'failed')}"

@@ -51,7 +51,7 @@ pre{background:#fff;border:1px solid #e2e5ea;padding:.6em;overflow:auto;max-heig
 .msg{padding:.6em 1em;background:#fbeed0;border:1px solid #e8cf8a;margin:1em}
 .msg.error{background:#f8d4d4;border-color:#e29b9b}form.inline{display:inline}
 .muted{color:#6b7482}form.limit input{width:5em}td.err{color:#a12f2b;max-width:28em}
-#live>.msg.error{margin:1em 0}section.bulk{padding:0 0 1em}
+#live>.msg.error{margin:1em 0}section.bulk{padding:0 0 1em}td.name{white-space:nowrap}
 """
     + CHART_STYLE
 )
@@ -279,7 +279,7 @@ def queues_live(
             name = f'<a href="{_e(link)}">{name}</a> <a class=muted href="{_e(chart)}">chart</a>'
         rows.append(
             [
-                f"<td>{name}</td>",
+                f'<td class="name">{name}</td>',
                 *(_td(counts.get(s.value, 0), numeric=True) for s in JobStatus),
                 _td("" if age is None else f"{age:.1f} s", numeric=True),
                 _td(f"{rates.get(q['queue'], 0.0):.1f}", numeric=True),
