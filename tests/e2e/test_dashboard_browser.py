@@ -3,9 +3,8 @@
 real worker running real jobs.
 
 The browser is missing on a bare machine: then these tests skip, except under ``CI=true``
-where ``.ci/run`` installs it and its absence is a failure. With
-``BROKER_SCREENSHOTS=DIR`` each view is saved as a PNG in DIR (how ``docs/images/`` was
-made).
+where ``.ci/run`` installs it and its absence is a failure. The screenshots in
+``docs/images/`` are made by :mod:`tests.e2e.dashboard_screenshots`, during a drain.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ from tests.support import until
 pytestmark = pytest.mark.slow
 
 TOKEN = "operator-secret"
-SCREENSHOTS = os.environ.get("BROKER_SCREENSHOTS")
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +111,6 @@ class Site:
         box = await self.do(self.driver.find_element, By.ID, "token")
         await self.do(box.clear)
         await self.do(box.send_keys, token)
-
-    async def shot(self, name: str) -> None:
-        if SCREENSHOTS:
-            Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
-            await self.do(self.driver.save_screenshot, str(Path(SCREENSHOTS) / f"{name}.png"))
 
     async def stop_worker(self) -> None:
         if self.worker_task is not None:
@@ -212,16 +205,13 @@ async def test_each_view_renders(site: Site) -> None:
     queues = await site.rows()
     assert any(row.startswith("default") for row in queues), queues
     assert any(row.startswith("reports") for row in queues), queues
-    await site.shot("queues")
 
     await site.open("/workers")
     workers = await site.text("#live")
     assert "worker-eu-1" in workers and "inline" in workers and "serving" in workers
-    await site.shot("workers")
 
     await site.open("/jobs")
     assert len(await site.rows()) == 5
-    await site.shot("jobs")
 
     await site.open(f"/jobs/{dead}")
     page = await site.text("#live")
@@ -230,16 +220,13 @@ async def test_each_view_renders(site: Site) -> None:
     assert "ValueError: no data for report 'weekly'" in error
     assert "Traceback" in error  # the whole traceback, on lines of its own
     assert "+00:00" in page  # times carry their zone
-    await site.shot("job")
 
     await site.open("/recoveries")
     assert "No recovery is pending." in await site.text("#live")
-    await site.shot("recoveries")
 
     await site.open("/schedules")
     schedules = await site.text("#live")
     assert "nightly-report" in schedules and "cron 0 3 * * * (Europe/Paris)" in schedules
-    await site.shot("schedules")
 
     await site.open("/healthz")
     assert "ok" in await site.text()
