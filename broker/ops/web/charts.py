@@ -10,6 +10,7 @@ refresh replaces them like any table.
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from urllib.parse import urlencode
@@ -68,18 +69,15 @@ def _seconds(value: float) -> str:
 
 
 def _nice(top: float) -> float:
-    """A round ceiling for a chart's scale: 1, 2 or 5 times a power of ten."""
+    """A round ceiling for a chart's scale: 1, 1.5, 2, 2.5, 3, 4, 5, 6 or 8 times a power
+    of ten (so the tallest minute fills most of the chart)."""
     if top <= 0:
         return 1.0
-    step = 1.0
-    while step * 10 <= top:
-        step *= 10
-    while step > top:
-        step /= 10
-    for factor in (1, 2, 5, 10):
+    step = 10.0 ** math.floor(math.log10(top))
+    for factor in (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10):
         if step * factor >= top:
             return step * factor
-    return step * 10  # pragma: no cover
+    return step * 10  # pragma: no cover - factor 10 always reaches top
 
 
 def _frame(

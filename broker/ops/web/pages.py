@@ -387,7 +387,9 @@ def jobs_live(
             _td(j["task"]),
             _td(j["attempts"], numeric=True),
             _td(_progress(j)),
-            f'<td class=err title="{_e(_error_line(j))}">{_cut(_error_line(j))}</td>',
+            # A failed job's error in red; an earlier run's, kept by a job that went on, muted.
+            f'<td class="{"err" if j["status"] == "failed" else "muted"}">'
+            f"{_cut(_error_line(j))}</td>",
             _td(_time(j["updated_at"])),
         ]
         for j in jobs
