@@ -233,4 +233,5 @@ async def test_a_bad_page_is_a_clear_400(cluster: Cluster, path: str) -> None:
     http = free_port()
     await cluster.start_main("--http-port", str(http))
     status, body, _ = await _get(http, path)
-    assert status == 400 and body.startswith(b"bad page")
+    assert status == 400 and b'id="error-notice">bad page' in body  # in the page,
+    assert b'<a id="back" href="/">Back</a>' in body  # with a way back
