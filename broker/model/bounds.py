@@ -194,7 +194,7 @@ the oldest minute is reused)."""
 HISTORY_SERIES = 20
 """Queues, and as many tasks, the history keeps a series of by name; the rest share one
 series, ``"_other"``. With :data:`HISTORY_MINUTES`, at most
-``(2 * HISTORY_SERIES + 3) * HISTORY_MINUTES`` one-minute buckets (about 3 MiB at worst)."""
+``(2 * HISTORY_SERIES + 3) * HISTORY_MINUTES`` one-minute buckets (under 4 MiB at worst)."""
 
 BULK_ACTION_JOBS = 500
 """Jobs one dashboard bulk retry or cancel acts on, at most: the rest wait for the next

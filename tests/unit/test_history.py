@@ -100,3 +100,19 @@ def test_completed_per_minute_slides_over_the_last_sixty_seconds() -> None:
         history.completed(T0 + 70, "q", "t")
     rates = history.completed_per_minute(T0 + 90)  # half of the minute before is in view
     assert rates["q"] == 10 + 30
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 10_000), st.text(max_size=3), st.text(max_size=3)),
+        max_size=200,
+    )
+)
+def test_the_buckets_never_exceed_the_declared_bound(events: list[tuple[int, str, str]]) -> None:
+    history = History(minutes=4, max_series=3)
+    for second, queue, task in events:
+        history.completed(T0 + second, queue, task)
+        history.sampled(T0 + second, {queue: (1, None)})
+    series = [history.total, *history.queues.values(), *history.tasks.values()]
+    assert len(series) <= 2 * 3 + 3
+    assert all(len(s._ring) == 4 for s in series)  # a ring never grows
