@@ -109,7 +109,7 @@ async def test_metrics_and_pages_stay_small_and_paginate(cluster: Cluster, tmp_p
     page = body.decode()
     assert page.count("<tr>") == PAGE_ROWS + 1  # the header and a page of queues
     assert 'id="next"' in page and f"of {QUEUES + LONG_JOBS}." in page
-    assert '<td class="name">long0&quot;&quot;' in page  # a long name, cut, and with no link
+    assert '<td class="line">long0&quot;&quot;' in page  # a long name, cut, and with no link
     status, body, _ = await _get(http, "/?page=2")
     assert status == 200 and "Rows 101 to 200" in body.decode() and 'id="previous"' in body.decode()
     last = (QUEUES + LONG_JOBS + PAGE_ROWS - 1) // PAGE_ROWS

@@ -51,7 +51,8 @@ pre{background:#fff;border:1px solid #e2e5ea;padding:.6em;overflow:auto;max-heig
 .msg{padding:.6em 1em;background:#fbeed0;border:1px solid #e8cf8a;margin:1em}
 .msg.error{background:#f8d4d4;border-color:#e29b9b}form.inline{display:inline}
 .muted{color:#6b7482}form.limit input{width:5em}td.err{color:#a12f2b;max-width:28em}
-#live>.msg.error{margin:1em 0}section.bulk{padding:0 0 1em}td.name{white-space:nowrap}
+#live>.msg.error{margin:1em 0}section.bulk{padding:0 0 1em}td.line{white-space:nowrap}
+/* td.line: kept on one line (a queue with its links, a time) */
 """
     + CHART_STYLE
 )
@@ -279,7 +280,7 @@ def queues_live(
             name = f'<a href="{_e(link)}">{name}</a> <a class=muted href="{_e(chart)}">chart</a>'
         rows.append(
             [
-                f'<td class="name">{name}</td>',
+                f'<td class="line">{name}</td>',
                 *(_td(counts.get(s.value, 0), numeric=True) for s in JobStatus),
                 _td("" if age is None else f"{age:.1f} s", numeric=True),
                 _td(f"{rates.get(q['queue'], 0.0):.1f}", numeric=True),
@@ -390,7 +391,7 @@ def jobs_live(
             # A failed job's error in red; an earlier run's, kept by a job that went on, muted.
             f'<td class="{"err" if j["status"] == "failed" else "muted"}">'
             f"{_cut(_error_line(j))}</td>",
-            _td(_time(j["updated_at"])),
+            f'<td class="line">{_cut(_time(j["updated_at"]))}</td>',
         ]
         for j in jobs
     ]
