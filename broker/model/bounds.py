@@ -187,6 +187,20 @@ DASHBOARD_REQUESTS = 2
 never the clients' (``max_requests``): a page load or an id search, which needs no
 client credential, cannot hold back a client."""
 
+HISTORY_MINUTES = 180
+"""Minutes of history the main keeps for the dashboard's charts (a ring per series:
+the oldest minute is reused)."""
+
+HISTORY_SERIES = 20
+"""Queues, and as many tasks, the history keeps a series of by name; the rest share one
+series, ``"_other"``. With :data:`HISTORY_MINUTES`, at most
+``(2 * HISTORY_SERIES + 3) * HISTORY_MINUTES`` one-minute buckets (under 4 MiB at worst)."""
+
+BULK_ACTION_JOBS = 500
+"""Jobs one dashboard bulk retry or cancel acts on, at most: the rest wait for the next
+(each job is one request to the request service, so a bulk action costs the main what
+as many ``broker retry`` or ``broker cancel`` would)."""
+
 BOUNDS += [
     Bound(
         "Label sets per metric (by queue, or queue and task)",
@@ -242,6 +256,20 @@ BOUNDS += [
         f"{DASHBOARD_REQUESTS}",
         None,
         "page loads and searches wait; clients never do",
+        _HTTP,
+    ),
+    Bound(
+        "History the dashboard charts (per minute, kept in the main's memory)",
+        f"{HISTORY_MINUTES} minutes, {HISTORY_SERIES} queues and {HISTORY_SERIES} tasks",
+        None,
+        'the oldest minute is reused; further queues and tasks share `"_other"`',
+        _HTTP,
+    ),
+    Bound(
+        "Jobs one dashboard bulk retry or cancel acts on",
+        f"{BULK_ACTION_JOBS}",
+        None,
+        "the rest are left for the next one (the confirmation says so)",
         _HTTP,
     ),
     Bound(
