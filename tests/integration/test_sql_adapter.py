@@ -742,6 +742,84 @@ async def test_a_version_1_store_is_migrated_to_unique_keys(backend: Backend) ->
     assert await _scalar(store, "SELECT version FROM {s}broker_schema") == SCHEMA_VERSION
 
 
+async def test_a_version_17_store_is_migrated_to_the_due_index(backend: Backend) -> None:
+    """A store written at version 17, with queued jobs (due, scheduled ahead, of two
+    modes) and one handed off, gains the due index from its rows (version 18): the
+    next run time and the eligible read answer from it as before the upgrade."""
+    from adapters.sql import schema as _sql_schema
+
+    old = backend.adapter()
+    v17_jobs = _sql_schema._define(sa.MetaData(), 17)[0]
+    now_us = int(START.timestamp() * 1_000_000)
+
+    def row(n: int, **values: Any) -> dict[str, Any]:
+        base = {
+            "id": uuid.UUID(int=n),
+            "task": "legacy.task",
+            "args": f"[{n}]",
+            "kwargs": "{}",
+            "queue": "default",
+            "priority": 0,
+            "status": "queued",
+            "attempts": 0,
+            "max_attempts": 3,
+            "run_at_us": now_us - 1_000_000,
+            "created_us": now_us - 1_000_000 + n,
+            "updated_us": now_us,
+            "execution_mode": "pooled",
+        }
+        return {**base, **values}
+
+    rows = [
+        row(1, priority=2),
+        row(2),
+        row(3, priority=5, run_at_us=now_us + 60_000_000),
+        row(4, execution_mode="inline", run_at_us=now_us - 5_000_000),
+        row(
+            5,
+            status="handed_off",
+            run_at_us=now_us - 9_000_000,
+            worker_id="w",
+            handoff_id=uuid.UUID(int=50),
+            handed_off_us=now_us,
+        ),
+    ]
+
+    def create_v17(conn: sa.Connection) -> None:
+        if old._schema is not None:
+            conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{old._schema}"')
+        for version, step in _sql_schema.MIGRATIONS[:17]:
+            step(conn, old._schema)
+        conn.execute(_sql_schema.schema_version.update().values(version=17))
+        conn.execute(v17_jobs.insert(), rows)
+
+    async with old._write("test") as conn:
+        await conn.run_sync(create_v17)
+    assert await _scalar(old, "SELECT version FROM {s}broker_schema") == 17
+
+    store = await backend.open()  # setup() migrates 17 -> 18
+    assert await _scalar(store, "SELECT version FROM {s}broker_schema") == SCHEMA_VERSION
+    if backend.is_pg:
+        indexes = "SELECT count(*) FROM pg_indexes WHERE indexname = :name" + (
+            " AND schemaname = coalesce(:schema, current_schema())"
+        )
+        found = await _scalar(store, indexes, name=_sql_schema.DUE_INDEX, schema=store._schema)
+    else:
+        found = await _scalar(
+            store,
+            "SELECT count(*) FROM sqlite_master WHERE name = :name",
+            name=_sql_schema.DUE_INDEX,
+        )
+    assert found == 1
+    assert await store.next_run_at(modes=ALL_MODES) == START - timedelta(seconds=5)
+    assert await store.next_run_at(modes=[ExecutionMode.POOLED]) == START - timedelta(seconds=1)
+    read = await store.select_eligible(modes=[ExecutionMode.POOLED])
+    assert [j.id for j in read] == [uuid.UUID(int=1), uuid.UUID(int=2)]
+    fresh = await store.enqueue(JobSpec("t", run_at=START - timedelta(seconds=30)))
+    assert await store.next_run_at(modes=[ExecutionMode.POOLED]) == fresh.job.run_at
+    await backend.adapter().setup()  # already current: nothing runs twice
+
+
 async def test_driver_errors_become_storage_errors(backend: Backend, tmp_path: Path) -> None:
     store = await backend.open()
     async with store._write("test") as conn:
