@@ -262,7 +262,9 @@ def _lite_wanted(
 
 
 _LITE_ELIGIBLE_BY_TEST = (_LITE_ELIGIBLE, _LITE_ELIGIBLE_IN_QUEUES, _LITE_ELIGIBLE_NOT_IN_QUEUES)
-_LITE_NEXT_RUN_BY_TEST = tuple(_lite_next_run(t) for t in ('', _LITE_IN_QUEUES, _LITE_NOT_IN_QUEUES))
+_LITE_NEXT_RUN_BY_TEST = tuple(
+    _lite_next_run(t) for t in ("", _LITE_IN_QUEUES, _LITE_NOT_IN_QUEUES)
+)
 
 
 _LITE_INSERT_ROWS = 25

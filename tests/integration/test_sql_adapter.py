@@ -742,6 +742,48 @@ async def test_a_version_1_store_is_migrated_to_unique_keys(backend: Backend) ->
     assert await _scalar(store, "SELECT version FROM {s}broker_schema") == SCHEMA_VERSION
 
 
+async def test_pg_enqueue_creates_the_counters_of_its_keys(pg_backend: Backend) -> None:
+    """An enqueue in a statement of its own creates the counters of its jobs' concurrency
+    keys (at zero, an existing one untouched), so their claims decide in one statement;
+    one inside an application's transaction leaves them to the first claim, never
+    holding a counter uncommitted for as long as that transaction."""
+    import asyncpg  # type: ignore[import-untyped]
+
+    store = await pg_backend.open()
+    counters = "SELECT count(*) FROM {s}broker_concurrency WHERE key = :key"
+    one = await store.enqueue(JobSpec("t", concurrency_key="solo", concurrency_limit=1))
+    batch = await store.enqueue_many(
+        [JobSpec("t", concurrency_key=k, concurrency_limit=2) for k in ("b", "a", "b")]
+        + [JobSpec("t")]
+    )
+    for key in ("solo", "a", "b"):
+        assert await _scalar(store, counters, key=key) == 1
+    claimed = await store.mark_handed_off_many(
+        [Claim(r.job.id, uuid.uuid4(), "w") for r in [one, *batch]]
+    )
+    assert len(claimed) == 5
+    active = "SELECT active FROM {s}broker_concurrency WHERE key = :key"
+    assert await _scalar(store, active, key="b") == 2
+    again = await store.enqueue(JobSpec("t", concurrency_key="b", concurrency_limit=2))
+    assert await _scalar(store, active, key="b") == 2, "an existing counter is left as it is"
+    assert await store.mark_handed_off(again.job.id, uuid.uuid4(), "w") is None
+
+    dsn = POSTGRES_URL.replace("postgresql+asyncpg://", "postgresql://", 1)
+    conn = await asyncpg.connect(dsn)
+    try:
+        if store._schema is not None:
+            await conn.execute(f'SET search_path = "{store._schema}"')
+        async with conn.transaction():
+            [held] = await store.enqueue_on_driver_connection(
+                conn, [JobSpec("t", concurrency_key="in-tx", concurrency_limit=1)]
+            )
+        assert await _scalar(store, counters, key="in-tx") == 0
+    finally:
+        await conn.close()
+    assert await store.mark_handed_off(held.job.id, uuid.uuid4(), "w") is not None
+    assert await _scalar(store, active, key="in-tx") == 1
+
+
 async def test_a_version_17_store_is_migrated_to_the_due_index(backend: Backend) -> None:
     """A store written at version 17, with queued jobs (due, scheduled ahead, of two
     modes) and one handed off, gains the due index from its rows (version 18): the
