@@ -105,7 +105,7 @@ def _define(md: sa.MetaData, version: int) -> tuple[sa.Table, sa.Table, sa.Table
         sqlite_where=has_key,
     )
     sa.Index(
-        "ix_broker_jobs_worker",
+        HANDED_OFF_INDEX,
         jobs.c.worker_id,
         postgresql_where=is_handed_off,
         sqlite_where=is_handed_off,
@@ -251,6 +251,7 @@ DISPATCH_INDEX = "ix_broker_jobs_dispatch"
 IDEMPOTENCY_INDEX = "ux_broker_jobs_idempotency_key"
 CREATED_INDEX = "ix_broker_jobs_created"
 DUE_INDEX = "ix_broker_jobs_due"
+HANDED_OFF_INDEX = "ix_broker_jobs_worker"
 
 
 def _predicates(

@@ -589,6 +589,31 @@ async def test_list_jobs_pages_through_ties_in_creation_time(store: SQLAlchemyAd
         await store.list_jobs(cursor="not a cursor!")
 
 
+async def test_handed_off_jobs_page_newest_first_among_a_queued_backlog(
+    store: SQLAlchemyAdapter, backend: Backend
+) -> None:
+    """The listing a main's start-up makes (handed-off jobs, in pages) reads them from
+    their own index, sorted, rather than in the creation order of every row: the same
+    jobs, newest first, each once, across pages."""
+    made = [r.job for r in await store.enqueue_many([JobSpec("t", args=[i]) for i in range(30)])]
+    held = []
+    for job in made[::4]:
+        held.append(await store.mark_handed_off(job.id, uuid.uuid4(), "w"))
+        backend.clock.advance(1)
+    seen: list[uuid.UUID] = []
+    cursor: str | None = None
+    while True:
+        page = await store.list_jobs(
+            JobFilter(statuses=[JobStatus.HANDED_OFF]), limit=3, cursor=cursor
+        )
+        seen.extend(j.id for j in page.jobs)
+        if page.next_cursor is None:
+            break
+        cursor = page.next_cursor
+    newest_first = sorted(held, key=lambda j: (j.created_at, j.id), reverse=True)
+    assert seen == [j.id for j in newest_first if j is not None]
+
+
 async def test_pg_moves_write_no_creation_index(pg_backend: Backend) -> None:
     """PostgreSQL keeps no full index that only listings read (schema version 12): each
     claim and settlement writes a new row version into every full index. Listings still
