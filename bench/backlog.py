@@ -44,9 +44,9 @@ from datetime import UTC, datetime, timedelta
 import asyncpg  # type: ignore[import-untyped]
 
 from adapters.sql import SQLAlchemyAdapter
+from bench.storage_bench import DEFAULT_PG_URL
 from broker.jobs import Claim, ExecutionMode, JobSpec, JobStatus, Outcome, Settlement
 from broker.storage import JobFilter
-from bench.storage_bench import DEFAULT_PG_URL
 
 BATCH = 50
 FILL = 5000

@@ -855,7 +855,7 @@ async def test_a_version_17_store_is_migrated_to_the_due_index(backend: Backend)
     def create_v17(conn: sa.Connection) -> None:
         if old._schema is not None:
             conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{old._schema}"')
-        for version, step in _sql_schema.MIGRATIONS[:17]:
+        for _version, step in _sql_schema.MIGRATIONS[:17]:
             step(conn, old._schema)
         conn.execute(_sql_schema.schema_version.update().values(version=17))
         conn.execute(v17_jobs.insert(), rows)

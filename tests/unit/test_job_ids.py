@@ -3,9 +3,8 @@ version 7, in time order; neither ever repeated."""
 
 from __future__ import annotations
 
-import uuid
-
 import time
+import uuid
 
 from broker.jobs import JobSpec, random_uuid, time_ordered_uuid
 
