@@ -488,7 +488,10 @@ class HotPool:
     PostgreSQL otherwise kept re-planning the settle statement as a custom plan, 0.3 ms
     of planning on a 0.1 ms execution. The generic plans are the ones wanted: status
     tests are literals, ids come in arrays, and ``run_at_us <= $n`` reads the dispatch
-    index in order either way.
+    index in order either way. And without JIT compilation (``jit = off``): a generic plan
+    knows neither the limit nor how many priority levels the eligible read walks, and
+    its estimate passed ``jit_above_cost``, so every read compiled itself for 1.3 s to run
+    for a millisecond. No statement here runs long enough for JIT to pay.
 
     It is a pool of its own rather than asyncpg's, which cost every claim, settle and
     enqueue a reset query (``SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *;
@@ -503,6 +506,7 @@ class HotPool:
     def __init__(self, size: int, connect_kwargs: dict[str, Any]) -> None:
         settings = {**connect_kwargs.get("server_settings", {})}
         settings["plan_cache_mode"] = "force_generic_plan"
+        settings["jit"] = "off"
         self._connect_kwargs = {**connect_kwargs, "server_settings": settings}
         self._slots = asyncio.Semaphore(size)
         self._idle: list[Any] = []
