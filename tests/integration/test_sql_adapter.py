@@ -520,18 +520,32 @@ async def test_sqlite_hot_queries_use_their_partial_indexes(sqlite_backend: Back
             rows = (await conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {sql}")).all()
         return "\n".join(str(row[-1]) for row in rows)
 
-    from adapters.sql.sqlite import _LITE_ELIGIBLE, _LITE_ELIGIBLE_IN_QUEUES
+    from adapters.sql.sqlite import (
+        _LITE_ELIGIBLE,
+        _LITE_ELIGIBLE_IN_QUEUES,
+        _LITE_LEVEL,
+        _LITE_NEXT_RUN_BY_TEST,
+    )
+
+    async def lite_plan(statement: str, params: tuple[Any, ...]) -> str:
+        async with store._engine.connect() as conn:
+            found = await conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", params)
+            return "\n".join(str(row[-1]) for row in found.all())
 
     for statement in (_LITE_ELIGIBLE, _LITE_ELIGIBLE_IN_QUEUES):
         for tasks in (None, '["t"]'):  # any task, or those the workers declared
-            async with store._engine.connect() as conn:
-                found = await conn.exec_driver_sql(
-                    f"EXPLAIN QUERY PLAN {statement}",
-                    ('["pooled"]', '["default"]', 0, 50, "[]", tasks),
-                )
-                eligible = "\n".join(str(row[-1]) for row in found.all())
-            assert "ix_broker_jobs_dispatch" in eligible, eligible
+            # One priority level (?7), as a range of the dispatch index up to now (?3).
+            params = ('["pooled"]', '["default"]', 0, 50, "[]", tasks, 0)
+            eligible = await lite_plan(statement, params)
+            assert "ix_broker_jobs_dispatch (priority=? AND run_at_us<?)" in eligible, eligible
             assert "TEMP B-TREE" not in eligible, eligible
+    level = await lite_plan(_LITE_LEVEL, (0,))
+    assert "ix_broker_jobs_dispatch (priority<?)" in level, level
+    for test, statement in enumerate(_LITE_NEXT_RUN_BY_TEST):
+        params = ('["pooled"]',) if test == 0 else ('["pooled"]', '["default"]')
+        next_run = await lite_plan(statement, params)
+        assert "ix_broker_jobs_due (execution_mode=?)" in next_run, next_run
+        assert "TEMP B-TREE" not in next_run, next_run
     from adapters.sql.schema import IS_HANDED_OFF, IS_TERMINAL, jobs
 
     worker = await plan(sa.select(jobs).where(jobs.c.worker_id == "w", IS_HANDED_OFF))
