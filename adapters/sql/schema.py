@@ -803,9 +803,10 @@ def _v18_due_index(conn: sa.Connection, schema: str | None) -> None:
     by the mode, then the time, the earliest queued job of a mode is the index's first
     entry for it: one probe, however deep the backlog. A queued row costs one more index
     entry at its insert; a claim's new row version is not queued, so takes none. Built
-    from the rows already stored, in the migration's transaction.
+    from the rows already stored, in the migration's transaction; left as it is if a
+    store rolled back to an older version by hand kept it.
     """
-    _index_at(DUE_INDEX_VERSION, DUE_INDEX).create(conn)
+    conn.execute(sa.schema.CreateIndex(_index_at(DUE_INDEX_VERSION, DUE_INDEX), if_not_exists=True))
 
 
 Migration = Callable[[sa.Connection, str | None], None]
