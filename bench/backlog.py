@@ -140,6 +140,7 @@ async def _plans(url: str, schema: str) -> None:
     try:
         await conn.execute(f'SET search_path = "{schema}"')
         await conn.execute("SET plan_cache_mode = force_generic_plan")
+        await conn.execute("SET jit = off")  # as the hot pool's sessions (HotPool)
         from adapters.sql.postgres_sql import HotSql
 
         sql = HotSql(schema)
