@@ -297,8 +297,10 @@ class HotSql:
 
         def eligible(queue_test: str, now: int) -> str:
             """The best due jobs of the modes in ``$1``, of the tasks in ``$now + 3``
-            (``NULL``: any), but those in the skipped ids (``$now + 2``), their payloads
-            left out (see ``adapters.sql.schema.selection``), at most ``$now + 1``.
+            (``NULL``: any), but those in the skipped ids (``$now + 2``) and those of the
+            (task, rate key) pairs left out (``$now + 4``, ``$now + 5``: ``NULL``, none;
+            a job without a key is its task's key ``''``), their payloads left out (see
+            ``adapters.sql.schema.selection``), at most ``$now + 1``.
 
             Read from the dispatch index, which leads with the mode (see
             ``adapters.sql.schema._v11_dispatch_by_mode``), then the priority, then the
@@ -310,7 +312,7 @@ class HotSql:
             jobs scheduled ahead, paid after every insert another process made (issue
             35). A mode without queued jobs costs one probe; each level at most the
             limit's rows; then the best of them all."""
-            limit, skip, tasks = now + 1, now + 2, now + 3
+            limit, skip, tasks, key_tasks, keys = now + 1, now + 2, now + 3, now + 4, now + 5
             level = "SELECT priority FROM {t} WHERE status = 'queued' AND execution_mode = m.mode"
             return f"""
                 SELECT e.* FROM unnest($1::text[]) AS m(mode) CROSS JOIN LATERAL (
@@ -328,6 +330,11 @@ class HotSql:
                             AND run_at_us <= ${now} AND {not_full}
                             AND NOT (id = ANY(${skip}::uuid[]))
                             AND (${tasks}::text[] IS NULL OR task = ANY(${tasks}::text[]))
+                            AND (${key_tasks}::text[] IS NULL OR NOT EXISTS (
+                                SELECT 1 FROM unnest(${key_tasks}::text[], ${keys}::text[])
+                                    AS b(task, key)
+                                WHERE b.task = j.task AND b.key = COALESCE(j.rate_key, '')
+                            ))
                         ORDER BY run_at_us, created_us, seq LIMIT ${limit}
                     ) d
                 ) e
@@ -340,7 +347,7 @@ class HotSql:
 
         def next_run(queue_test: str) -> str:
             """The earliest ``run_at_us`` of the queued jobs of the modes in ``$1``: per
-            mode, the first entry of the due index (``adapters.sql.schema._v18_due_index``)
+            mode, the first entry of the due index (``adapters.sql.schema._v19_due_index``)
             that passes the queue test, rather than a walk of every queued row."""
             return f"""
                 SELECT min(f.run_at_us) FROM unnest($1::text[]) AS m(mode) CROSS JOIN LATERAL (

@@ -180,7 +180,7 @@ _LITE_NOT_IN_QUEUES = " AND queue NOT IN (SELECT value FROM json_each(?2))"
 
 def _lite_next_run(queue_test: str) -> str:
     """SQLite's next run time: per mode in ``?1``, the first entry of the due index
-    (``adapters.sql.schema._v18_due_index``) that passes the queue test, one probe each,
+    (``adapters.sql.schema._v19_due_index``) that passes the queue test, one probe each,
     rather than a walk of every queued row."""
     return f"""
         SELECT min((
@@ -201,22 +201,29 @@ _LITE_NO_LEVEL = 2**31
 
 
 def _lite_eligible(queue_test: str) -> str:
-    """SQLite's selection at one priority level (``?7``): the best due jobs of the modes
+    """SQLite's selection at one priority level (``?8``): the best due jobs of the modes
     in ``?1`` (and queues in ``?2``) whose concurrency key has room, of the tasks in ``?6``
-    (``NULL``: any), but those in the skipped ids (``?5``), at most ``?4`` (``?3`` is the
-    time now), their payloads left out (see ``_sql_schema.selection``).
+    (``NULL``: any), but those in the skipped ids (``?5``) and those of the ``[task, rate
+    key]`` pairs in ``?7`` (``NULL``: none; a job without a key is its task's key ``''``),
+    at most ``?4`` (``?3`` is the time now), their payloads left out (see
+    ``_sql_schema.selection``).
     The dispatch index gives them in order, as a range that ends at the first job not
     yet due (see :func:`_lite_select_eligible`); ``rowid`` (the index's own last column)
     breaks ties in enqueue order."""
     return f"""
         SELECT {selection(ROW_COLUMNS, "j.")} FROM broker_jobs AS j INDEXED BY {DISPATCH_INDEX}
-        WHERE {_LITE_DUE}{queue_test} AND priority = ?7 AND run_at_us <= ?3
+        WHERE {_LITE_DUE}{queue_test} AND priority = ?8 AND run_at_us <= ?3
             AND NOT EXISTS (
                 SELECT 1 FROM broker_concurrency AS c
                 WHERE c.key = j.concurrency_key AND c.active >= j.concurrency_limit
             )
             AND id NOT IN (SELECT value FROM json_each(?5))
             AND (?6 IS NULL OR task IN (SELECT value FROM json_each(?6)))
+            AND (?7 IS NULL OR NOT EXISTS (
+                SELECT 1 FROM json_each(?7) AS b
+                WHERE json_extract(b.value, '$[0]') = j.task
+                    AND json_extract(b.value, '$[1]') = coalesce(j.rate_key, '')
+            ))
         ORDER BY run_at_us, created_us, seq, j.rowid
         LIMIT ?4
     """
@@ -528,10 +535,12 @@ class SqliteDialect:
         limit: int,
         skip: Collection[uuid.UUID],
         tasks: Collection[str] | None,
+        exclude_keys: Sequence[tuple[str, str]],
     ) -> list[Job]:
         params, test = _lite_wanted(modes, queues, exclude)
         params += (self._now(), limit, json.dumps([job_id.hex for job_id in skip]))
         params += (None if tasks is None else json.dumps(sorted(set(tasks))),)
+        params += (json.dumps([list(pair) for pair in exclude_keys]) if exclude_keys else None,)
         statement = _LITE_ELIGIBLE_BY_TEST[test]
         rows = await self._reads.run(
             lambda conn: _lite_select_eligible(conn, statement, params, limit)

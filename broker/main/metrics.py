@@ -342,16 +342,18 @@ class MeasuredStore:
         skip: Collection[uuid.UUID] = (),
         tasks: Collection[str] | None = None,
         exclude_queues: Collection[str] = (),
+        exclude_keys: Collection[tuple[str, str]] = (),
     ) -> list[Job]:
         with self._timed("select"):
-            if exclude_queues:  # only a store with SupportsQueueSettings is asked this
-                return await self._store.select_eligible(  # type: ignore[call-arg]
-                    modes=modes,
-                    queues=queues,
-                    limit=limit,
-                    skip=skip,
-                    tasks=tasks,
-                    exclude_queues=exclude_queues,
+            # Only a store with SupportsQueueSettings is asked these (see the dispatcher).
+            extra: dict[str, Any] = {}
+            if exclude_queues:
+                extra["exclude_queues"] = exclude_queues
+            if exclude_keys:
+                extra["exclude_keys"] = exclude_keys
+            if extra:
+                return await self._store.select_eligible(
+                    modes=modes, queues=queues, limit=limit, skip=skip, tasks=tasks, **extra
                 )
             return await self._select(
                 modes=modes, queues=queues, limit=limit, skip=skip, tasks=tasks

@@ -700,6 +700,18 @@ MAX_QUEUE_SETTINGS = 1000
 """Queues with settings (paused, or rate limited) at once: the main keeps a bucket for each
 and reads them all at start-up, and each limited queue adds a name to every dispatch read."""
 
+MAX_RATE_KEY_BYTES = 200
+"""A job's rate key (``@task(rate_key="{tenant}")`` filled from its arguments), in UTF-8
+bytes: computed once at enqueue, stored with the job, and named in dispatch reads while
+its bucket has no token. A tenant id, an account, a host name fits many times over."""
+
+MAX_RATE_KEYS = 10_000
+"""Live per-key buckets the main keeps (:class:`broker.core.flow.KeyBuckets`). A bucket
+that has filled up again (idle) is dropped first: it holds nothing a fresh one would
+not. At the bound, with no idle bucket, a job of a key without a bucket waits, queued,
+until the first bucket fills; no limit is ever exceeded. It also bounds the keys a
+dispatch read leaves out."""
+
 _FLOW = "Flow control"
 
 BOUNDS += [
@@ -710,6 +722,21 @@ BOUNDS += [
         "1000",
         None,
         "`malformed`: the new setting is refused; clearing one frees a place",
+        _FLOW,
+    ),
+    Bound(
+        "A job's rate key (`@task(rate_key=...)` filled from its arguments)",
+        "200 bytes",
+        None,
+        "`invalid_job` at enqueue, nothing stored",
+        _FLOW,
+    ),
+    Bound(
+        "Live per-key rate buckets at the main",
+        "10 000",
+        None,
+        "idle (full) buckets are dropped first; with none idle, jobs of a new key stay "
+        "queued until a bucket fills up; no limit is exceeded",
         _FLOW,
     ),
 ]

@@ -533,9 +533,10 @@ async def test_sqlite_hot_queries_use_their_partial_indexes(sqlite_backend: Back
             return "\n".join(str(row[-1]) for row in found.all())
 
     for statement in (_LITE_ELIGIBLE, _LITE_ELIGIBLE_IN_QUEUES):
-        for tasks in (None, '["t"]'):  # any task, or those the workers declared
-            # One priority level (?7), as a range of the dispatch index up to now (?3).
-            params = ('["pooled"]', '["default"]', 0, 50, "[]", tasks, 0)
+        # any task, or those the workers declared; no key left out, or one
+        for tasks, keys in ((None, None), ('["t"]', None), (None, '[["t", "acme"]]')):
+            # One priority level (?8), as a range of the dispatch index up to now (?3).
+            params = ('["pooled"]', '["default"]', 0, 50, "[]", tasks, keys, 0)
             eligible = await lite_plan(statement, params)
             assert "ix_broker_jobs_dispatch (priority=? AND run_at_us<?)" in eligible, eligible
             assert "TEMP B-TREE" not in eligible, eligible
@@ -823,14 +824,14 @@ async def test_pg_enqueue_creates_the_counters_of_its_keys(pg_backend: Backend) 
     assert await _scalar(store, active, key="in-tx") == 1
 
 
-async def test_a_version_17_store_is_migrated_to_the_due_index(backend: Backend) -> None:
-    """A store written at version 17, with queued jobs (due, scheduled ahead, of two
-    modes) and one handed off, gains the due index from its rows (version 18): the
+async def test_a_version_18_store_is_migrated_to_the_due_index(backend: Backend) -> None:
+    """A store written at version 18, with queued jobs (due, scheduled ahead, of two
+    modes) and one handed off, gains the due index from its rows (version 19): the
     next run time and the eligible read answer from it as before the upgrade."""
     from adapters.sql import schema as _sql_schema
 
     old = backend.adapter()
-    v17_jobs = _sql_schema._define(sa.MetaData(), 17)[0]
+    v18_jobs = _sql_schema._define(sa.MetaData(), 18)[0]
     now_us = int(START.timestamp() * 1_000_000)
 
     def row(n: int, **values: Any) -> dict[str, Any]:
@@ -866,19 +867,19 @@ async def test_a_version_17_store_is_migrated_to_the_due_index(backend: Backend)
         ),
     ]
 
-    def create_v17(conn: sa.Connection) -> None:
+    def create_v18(conn: sa.Connection) -> None:
         if old._schema is not None:
             conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{old._schema}"')
-        for _version, step in _sql_schema.MIGRATIONS[:17]:
+        for _version, step in _sql_schema.MIGRATIONS[:18]:
             step(conn, old._schema)
-        conn.execute(_sql_schema.schema_version.update().values(version=17))
-        conn.execute(v17_jobs.insert(), rows)
+        conn.execute(_sql_schema.schema_version.update().values(version=18))
+        conn.execute(v18_jobs.insert(), rows)
 
     async with old._write("test") as conn:
-        await conn.run_sync(create_v17)
-    assert await _scalar(old, "SELECT version FROM {s}broker_schema") == 17
+        await conn.run_sync(create_v18)
+    assert await _scalar(old, "SELECT version FROM {s}broker_schema") == 18
 
-    store = await backend.open()  # setup() migrates 17 -> 18
+    store = await backend.open()  # setup() migrates 18 -> 19
     assert await _scalar(store, "SELECT version FROM {s}broker_schema") == SCHEMA_VERSION
     if backend.is_pg:
         indexes = "SELECT count(*) FROM pg_indexes WHERE indexname = :name" + (

@@ -3,10 +3,15 @@ pages and links (``broker.ops.web.access``, ``broker.ops.web.pages``), without a
 
 from __future__ import annotations
 
+import uuid
+from datetime import UTC, datetime
+
 import pytest
 from aiohttp import web
 
+from broker.jobs import Job, JobStatus
 from broker.model.bounds import PAGE_ROWS
+from broker.ops.admin.format import format_job
 from broker.ops.web import pages
 from broker.ops.web.access import allowed_hosts, host_allowed
 
@@ -75,3 +80,41 @@ def test_each_queue_shows_its_flow_with_a_pause_or_resume_button() -> None:
     assert 'action="/queues/pause"' in page and 'value="api"' in page
     long = pages.queues_live([{**row, "queue": "q" * (pages.MAX_LINK_BYTES + 1)}], {})
     assert "dispatching" in long and "/queues/pause" not in long
+
+
+def test_a_jobs_page_and_broker_job_say_why_it_waits_when_the_main_knows() -> None:
+    """``wait_reason`` (from the main's ``get_job``, :mod:`broker.core.why`) is shown under
+    the status on the dashboard's job page and by ``broker job``; a job without one shows
+    no such line."""
+    now = datetime(2026, 5, 1, tzinfo=UTC)
+    job = Job(
+        id=uuid.uuid4(),
+        task="app.notify",
+        args=(),
+        kwargs={},
+        queue="mail",
+        priority=0,
+        status=JobStatus.QUEUED,
+        attempts=0,
+        max_attempts=1,
+        run_at=now,
+        created_at=now,
+        updated_at=now,
+        rate_key="acme",
+    ).to_dict()
+    reason = "queue 'mail' is paused (`broker queue resume mail`)"
+    shown: dict[str, object] = {}
+    for key, value in job.items():  # as the main's get_job places it
+        shown[key] = value
+        if key == "status":
+            shown["wait_reason"] = reason
+    page = pages.job_live(job["id"], shown)
+    assert "waiting for" in page and "queue &#x27;mail&#x27; is paused" in page
+    assert "acme" in page, "the rate key is on the page"
+    assert "waiting for" not in pages.job_live(job["id"], job)
+    lines = format_job(shown).splitlines()
+    assert lines[lines.index(next(x for x in lines if x.startswith("status"))) + 1].split() == [
+        "wait_reason",
+        *reason.split(),
+    ], "the reason comes right under the status"
+    assert "wait_reason" not in format_job(job)

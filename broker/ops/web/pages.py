@@ -404,6 +404,8 @@ def job_live(job_id: uuid.UUID, job: dict[str, Any]) -> str:
         actions.append(_action(f"/jobs/{job_id}/cancel", "Cancel"))
     fields = [
         ("status", _status(job["status"])),
+        # Why a queued or waiting job is not running, when the main knows (broker.core.why).
+        *([("waiting for", _cut(job["wait_reason"]))] if job.get("wait_reason") else []),
         ("task", _cut(job["task"])),
         ("queue", _cut(job["queue"])),
         ("priority", _cut(job["priority"])),
@@ -442,6 +444,7 @@ def job_live(job_id: uuid.UUID, job: dict[str, Any]) -> str:
                 else ""
             ),
         ),
+        ("rate key", _cut(job.get("rate_key") or "")),
     ]
     table = "".join(f"<tr><th>{_e(k)}</th><td>{v}</td></tr>" for k, v in fields)
     return (
