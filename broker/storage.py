@@ -72,7 +72,7 @@ from broker.model.rates import Rate
 
 logger = logging.getLogger("broker.main")
 
-SCHEMA_VERSION = 18
+SCHEMA_VERSION = 19
 """The schema version this code writes and understands; stores record theirs."""
 
 

@@ -108,6 +108,12 @@ def _completions_only(columns: list[list[Any]], now_us: int) -> bool:
     )
 
 
+def _keyed(rows: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a job of ``rows`` (as an enqueue writes them: NULLs left out) has a
+    concurrency key."""
+    return any("concurrency_key" in row for row in rows)
+
+
 def _claim_arrays(claims: Sequence[Claim]) -> tuple[list[uuid.UUID], list[uuid.UUID], list[str]]:
     """Claims as the ``unnest`` arrays of the hot claim statements."""
     return [c.job_id for c in claims], [c.handoff_id for c in claims], [c.worker_id for c in claims]
@@ -510,8 +516,15 @@ class PostgresDialect:
         (:meth:`_enqueue_every`); any other batch takes one, so it is stored all or
         nothing, and so does a job with offloaded payloads (its row and its payloads
         together). Inside a transaction already open on ``conn``, each is a savepoint.
+
+        Outside one, the insert also creates the counters of its jobs' concurrency keys
+        (see ``HotSql.with_counters``). Inside an application's transaction it does not:
+        a counter it created would stay uncommitted as long as that transaction, and a
+        claim creating the same counter would wait for it, dispatch held up by a web
+        request; a key without a counter is created by its first claim instead.
         """
         sql = self._sql
+        counters = not conn.is_in_transaction()
 
         async def insert(rows: list[dict[str, Any]], moved: list[Payload]) -> set[uuid.UUID]:
             # Jobs written handed off are fenced as a claim is.
@@ -522,6 +535,8 @@ class PostgresDialect:
             else:
                 stmt = sql.insert_fenced if fenced else sql.insert
                 values = [ROWS_JSON.encode(rows).decode()]
+            if counters and _keyed(rows):
+                stmt = sql.with_counters[stmt]
             if not moved:
                 return {r["id"] for r in await conn.fetch(stmt, *values, *fenced)}
             async with conn.transaction():  # a savepoint inside a batch's transaction
@@ -578,7 +593,10 @@ class PostgresDialect:
                 return None
             rows.append(row)
         try:
-            await conn.execute(self._sql.insert_every, ROWS_JSON.encode(rows).decode())
+            stmt = self._sql.insert_every
+            if _keyed(rows):
+                stmt = self._sql.with_counters[stmt]
+            await conn.execute(stmt, ROWS_JSON.encode(rows).decode())
         except self._server_refused:
             return None
         return [EnqueueResult.inserted(each) for each in job_fields]

@@ -285,7 +285,6 @@ class HotSql:
             WHERE j.id = s.id AND j.handoff_id = s.lease AND j.status = 'handed_off'
             RETURNING j.id, j.handoff_id
         """
-        due = "status = 'queued' AND execution_mode = ANY($1::text[])"
         in_queues = " AND queue = ANY($2::text[])"
         not_in_queues = " AND queue <> ALL($2::text[])"
         not_full = (
@@ -300,26 +299,44 @@ class HotSql:
             """The best due jobs of the modes in ``$1``, of the tasks in ``$now + 3``
             (``NULL``: any), but those in the skipped ids (``$now + 2``) and those of the
             (task, rate key) pairs left out (``$now + 4``, ``$now + 5``: ``NULL``, none;
-            a job without a key is its task's key ``''``), their payloads
-            left out (see ``adapters.sql.schema.selection``):
-            each mode's best read from the dispatch index, which leads with the mode
-            (see ``adapters.sql.schema._v11_dispatch_by_mode``), in order and no further than
-            the limit (``$now + 1``), then the best of those. A mode without queued
-            jobs costs one index probe, however deep the other modes' backlog."""
+            a job without a key is its task's key ``''``), their payloads left out (see
+            ``adapters.sql.schema.selection``), at most ``$now + 1``.
+
+            Read from the dispatch index, which leads with the mode (see
+            ``adapters.sql.schema._v11_dispatch_by_mode``), then the priority, then the
+            time: per mode, its priority levels one probe each, from the highest down
+            (the recursive ``lv``, a loose index scan), and per level its due jobs in
+            order, an index range that ends at the first job not yet due. A read with
+            the due bound a mere filter walked every future entry of a level whenever
+            fewer due jobs than the limit stood in front of them: 38 ms at a million
+            jobs scheduled ahead, paid after every insert another process made (issue
+            35). A mode without queued jobs costs one probe; each level at most the
+            limit's rows; then the best of them all."""
             limit, skip, tasks, key_tasks, keys = now + 1, now + 2, now + 3, now + 4, now + 5
+            level = "SELECT priority FROM {t} WHERE status = 'queued' AND execution_mode = m.mode"
             return f"""
                 SELECT e.* FROM unnest($1::text[]) AS m(mode) CROSS JOIN LATERAL (
-                    SELECT {selected} FROM {t} j
-                    WHERE status = 'queued' AND execution_mode = m.mode{queue_test}
-                        AND run_at_us <= ${now} AND {not_full}
-                        AND NOT (id = ANY(${skip}::uuid[]))
-                        AND (${tasks}::text[] IS NULL OR task = ANY(${tasks}::text[]))
-                        AND (${key_tasks}::text[] IS NULL OR NOT EXISTS (
-                            SELECT 1 FROM unnest(${key_tasks}::text[], ${keys}::text[])
-                                AS b(task, key)
-                            WHERE b.task = j.task AND b.key = COALESCE(j.rate_key, '')
-                        ))
-                    {order} LIMIT ${limit}
+                    WITH RECURSIVE lv(p) AS (
+                        SELECT ({level.format(t=t)} ORDER BY priority DESC LIMIT 1)
+                        UNION ALL
+                        SELECT ({level.format(t=t)} AND priority < lv.p
+                                ORDER BY priority DESC LIMIT 1)
+                        FROM lv WHERE lv.p IS NOT NULL
+                    )
+                    SELECT d.* FROM lv CROSS JOIN LATERAL (
+                        SELECT {selected} FROM {t} j
+                        WHERE status = 'queued' AND execution_mode = m.mode
+                            AND priority = lv.p{queue_test}
+                            AND run_at_us <= ${now} AND {not_full}
+                            AND NOT (id = ANY(${skip}::uuid[]))
+                            AND (${tasks}::text[] IS NULL OR task = ANY(${tasks}::text[]))
+                            AND (${key_tasks}::text[] IS NULL OR NOT EXISTS (
+                                SELECT 1 FROM unnest(${key_tasks}::text[], ${keys}::text[])
+                                    AS b(task, key)
+                                WHERE b.task = j.task AND b.key = COALESCE(j.rate_key, '')
+                            ))
+                        ORDER BY run_at_us, created_us, seq LIMIT ${limit}
+                    ) d
                 ) e
                 {order} LIMIT ${limit}
             """
@@ -327,9 +344,22 @@ class HotSql:
         self.eligible = eligible("", 2)
         self.eligible_in_queues = eligible(in_queues, 3)
         self.eligible_not_in_queues = eligible(not_in_queues, 3)
-        self.next_run = f"SELECT min(run_at_us) FROM {t} WHERE {due}"
-        self.next_run_in_queues = f"SELECT min(run_at_us) FROM {t} WHERE {due}{in_queues}"
-        self.next_run_not_in_queues = f"SELECT min(run_at_us) FROM {t} WHERE {due}{not_in_queues}"
+
+        def next_run(queue_test: str) -> str:
+            """The earliest ``run_at_us`` of the queued jobs of the modes in ``$1``: per
+            mode, the first entry of the due index (``adapters.sql.schema._v19_due_index``)
+            that passes the queue test, rather than a walk of every queued row."""
+            return f"""
+                SELECT min(f.run_at_us) FROM unnest($1::text[]) AS m(mode) CROSS JOIN LATERAL (
+                    SELECT run_at_us FROM {t}
+                    WHERE status = 'queued' AND execution_mode = m.mode{queue_test}
+                    ORDER BY run_at_us LIMIT 1
+                ) f
+            """
+
+        self.next_run = next_run("")
+        self.next_run_in_queues = next_run(in_queues)
+        self.next_run_not_in_queues = next_run(not_in_queues)
         # Enqueue: the rows come as one JSON array of objects keyed by column, not as an
         # array per column. Binding 23 arrays cost the main about 11 us of CPU per job
         # (asyncpg checks each element for nesting); the JSON, encoded by msgspec, 2 us,
@@ -357,10 +387,45 @@ class HotSql:
         params = ", ".join(
             f"${n}::{_pg_type(jobs.c[name])}" for n, name in enumerate(INSERT_COLUMNS, 1)
         )
-        one = f"INSERT INTO {t} ({names}) SELECT {params} {{where}} {taken}"
-        self.insert_one = one.format(where="")
-        self.insert_one_fenced = one.format(where=f"WHERE {fence(len(INSERT_COLUMNS) + 1)}")
+        one = f"INSERT INTO {t} ({names}) SELECT {params} {{where}} {{conflict}}"
+        self.insert_one = one.format(where="", conflict=taken)
+        self.insert_one_fenced = one.format(
+            where=f"WHERE {fence(len(INSERT_COLUMNS) + 1)}", conflict=taken
+        )
         """One job written handed off, fenced like a claim."""
+
+        def with_counters(template: str, where: str, conflict: str) -> str:
+            """The insert ``template`` (with ``where`` and ``conflict``) that also creates
+            the concurrency counters of the keys of the jobs it stored, at zero, in key
+            order; an existing counter is left as it is, unlocked. A claim finds a key
+            without a counter too new to decide in its one statement, and takes a
+            transaction of its own to create it (see ``claim``): at one key per job
+            (30,000 distinct keys), every claim did, and the drain fell to a fifth of
+            its rate at 1,000 keys (issue 35)."""
+            returning = "RETURNING id, concurrency_key"
+            inserted = template.format(where=where, conflict=f"{conflict} {returning}")
+            return f"""
+                WITH ins AS ({inserted}),
+                k AS (
+                    INSERT INTO {c} (key, active)
+                    SELECT DISTINCT concurrency_key, 0 FROM ins
+                    WHERE concurrency_key IS NOT NULL ORDER BY 1
+                    ON CONFLICT (key) DO NOTHING
+                )
+                SELECT id FROM ins
+            """
+
+        nothing = "ON CONFLICT DO NOTHING"
+        one_fence = f"WHERE {fence(len(INSERT_COLUMNS) + 1)}"
+        self.with_counters = {
+            self.insert: with_counters(insert, "", nothing),
+            self.insert_fenced: with_counters(insert, f"WHERE {fence(2)}", nothing),
+            self.insert_every: with_counters(insert, "", ""),
+            self.insert_one: with_counters(one, "", nothing),
+            self.insert_one_fenced: with_counters(one, one_fence, nothing),
+        }
+        """Each insert, as the one that also creates its keys' counters (an enqueue in a
+        transaction of its own; see ``adapters.sql.postgres``)."""
         # The election (see ``adapters.sql.schema._v8_leader``), by the database's clock. Taking
         # over: insert the row, or take it when its lease has run out (the epoch grows).
         # Neither locks a live row, so a standby's rounds never hold up the leader's
@@ -430,7 +495,10 @@ class HotPool:
     PostgreSQL otherwise kept re-planning the settle statement as a custom plan, 0.3 ms
     of planning on a 0.1 ms execution. The generic plans are the ones wanted: status
     tests are literals, ids come in arrays, and ``run_at_us <= $n`` reads the dispatch
-    index in order either way.
+    index in order either way. And without JIT compilation (``jit = off``): a generic plan
+    knows neither the limit nor how many priority levels the eligible read walks, and
+    its estimate passed ``jit_above_cost``, so every read compiled itself for 1.3 s to run
+    for a millisecond. No statement here runs long enough for JIT to pay.
 
     It is a pool of its own rather than asyncpg's, which cost every claim, settle and
     enqueue a reset query (``SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *;
@@ -445,6 +513,7 @@ class HotPool:
     def __init__(self, size: int, connect_kwargs: dict[str, Any]) -> None:
         settings = {**connect_kwargs.get("server_settings", {})}
         settings["plan_cache_mode"] = "force_generic_plan"
+        settings["jit"] = "off"
         self._connect_kwargs = {**connect_kwargs, "server_settings": settings}
         self._slots = asyncio.Semaphore(size)
         self._idle: list[Any] = []

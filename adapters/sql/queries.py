@@ -55,6 +55,20 @@ _READ_ROUNDS = 5
 two is an error (see :meth:`CoreQueries._read_with_bodies`)."""
 
 
+def _status_in(statuses: Collection[str]) -> sa.ColumnElement[bool]:
+    """A status test written as the partial indexes' predicates are (inline literals, one
+    status as ``=``), so the planner can prove one applies: a main's start-up lists the
+    handed-off jobs, and with the status a bound parameter neither backend could use the
+    index of handed-off jobs, and walked every row of the table (on SQLite, the creation
+    index; on PostgreSQL, a scan of the whole table), however deep the queued backlog."""
+    if len(statuses) == 1:
+        (status,) = statuses
+        return jobs.c.status == sa.literal(status, sa.Text(), literal_execute=True)
+    return jobs.c.status.in_(
+        sa.bindparam("statuses", sorted(statuses), expanding=True, literal_execute=True)
+    )
+
+
 class CoreQueries:
     """The SQLAlchemy Core half of :class:`~adapters.sql.adapter.SQLAlchemyAdapter`,
     which sets the store up and adds the hot path."""
@@ -319,22 +333,30 @@ class CoreQueries:
         if limit <= 0:
             return JobPage(jobs=[], next_cursor=None)
         conds: list[sa.ColumnElement[bool]] = []
+        created: sa.ColumnElement[Any] = jobs.c.created_us
         if job_filter is not None:
             if job_filter.statuses is not None:
-                conds.append(
-                    jobs.c.status.in_(sorted({JobStatus(s).value for s in job_filter.statuses}))
-                )
+                statuses = {JobStatus(s) for s in job_filter.statuses}
+                conds.append(_status_in({s.value for s in statuses}))
+                if statuses == {JobStatus.HANDED_OFF}:
+                    # The jobs in flight (a main's start-up lists them), a few per worker
+                    # slot: read from their own index and sorted. With the bare column in
+                    # the order and the cursor, SQLite walked the creation index instead,
+                    # through every queued job of a backlog.
+                    created = jobs.c.created_us + sa.literal(
+                        0, sa.BigInteger(), literal_execute=True
+                    )
             if job_filter.queues is not None:
                 conds.append(jobs.c.queue.in_(sorted(set(job_filter.queues))))
             if job_filter.tasks is not None:
                 conds.append(jobs.c.task.in_(sorted(set(job_filter.tasks))))
         if cursor is not None:
             created_us, last_id = decode_cursor(cursor)
-            conds.append(sa.tuple_(jobs.c.created_us, jobs.c.id) < (created_us, last_id))
+            conds.append(sa.tuple_(created, jobs.c.id) < (created_us, last_id))
         stmt = (
             sa.select(*(jobs.c if include_payload else SUMMARY_COLUMNS))
             .where(*conds)
-            .order_by(jobs.c.created_us.desc(), jobs.c.id.desc())
+            .order_by(created.desc(), jobs.c.id.desc())
             .limit(limit + 1)
         )
         rows, bodies = await self._read_with_bodies("list_jobs", stmt, first=limit)

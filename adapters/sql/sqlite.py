@@ -46,7 +46,7 @@ from adapters.sql.rows import (
     kept,
     offload,
 )
-from adapters.sql.schema import INSERT_COLUMNS, OFFLOADED, selection
+from adapters.sql.schema import DISPATCH_INDEX, DUE_INDEX, INSERT_COLUMNS, OFFLOADED, selection
 from broker import dependencies, settlement
 from broker.exceptions import ConfigurationError
 from broker.jobs import (
@@ -175,24 +175,44 @@ def _hand_off_rows(claims: Sequence[Claim], now: datetime, where: str) -> tuple[
 
 _LITE_DUE = "status = 'queued' AND execution_mode IN (SELECT value FROM json_each(?1))"
 _LITE_IN_QUEUES = " AND queue IN (SELECT value FROM json_each(?2))"
-_LITE_NEXT_RUN = f"SELECT min(run_at_us) FROM broker_jobs WHERE {_LITE_DUE}"
-_LITE_NEXT_RUN_IN_QUEUES = _LITE_NEXT_RUN + _LITE_IN_QUEUES
 _LITE_NOT_IN_QUEUES = " AND queue NOT IN (SELECT value FROM json_each(?2))"
-_LITE_NEXT_RUN_NOT_IN_QUEUES = _LITE_NEXT_RUN + _LITE_NOT_IN_QUEUES
+
+
+def _lite_next_run(queue_test: str) -> str:
+    """SQLite's next run time: per mode in ``?1``, the first entry of the due index
+    (``adapters.sql.schema._v19_due_index``) that passes the queue test, one probe each,
+    rather than a walk of every queued row."""
+    return f"""
+        SELECT min((
+            SELECT run_at_us FROM broker_jobs INDEXED BY {DUE_INDEX}
+            WHERE status = 'queued' AND execution_mode = m.value{queue_test}
+            ORDER BY run_at_us LIMIT 1
+        )) FROM json_each(?1) AS m
+    """
+
+
+_LITE_LEVEL = f"""
+    SELECT priority FROM broker_jobs INDEXED BY {DISPATCH_INDEX}
+    WHERE status = 'queued' AND priority < ?1 ORDER BY priority DESC LIMIT 1
+"""
+"""The next priority level below ``?1`` among queued jobs: one probe of the dispatch index."""
+_LITE_NO_LEVEL = 2**31
+"""Above every priority (:class:`broker.jobs.JobSpec` keeps them to 32 bits)."""
 
 
 def _lite_eligible(queue_test: str) -> str:
-    """SQLite's selection: the best due jobs of the modes in ``?1`` (and queues in ``?2``)
-    whose concurrency key has room, of the tasks in ``?6`` (``NULL``: any), but those in
-    the skipped ids (``?5``) and those of the ``[task, rate key]`` pairs in ``?7``
-    (``NULL``: none; a job without a key is its task's key ``''``), at most ``?4``
-    (``?3`` is the time now), their payloads left out (see ``_sql_schema.selection``).
-    The dispatch index gives them in order: its predicate is the status test here,
-    written as the index's own (a literal), so no sort step is needed; ``rowid`` (the
-    index's own last column) breaks ties in enqueue order."""
+    """SQLite's selection at one priority level (``?8``): the best due jobs of the modes
+    in ``?1`` (and queues in ``?2``) whose concurrency key has room, of the tasks in ``?6``
+    (``NULL``: any), but those in the skipped ids (``?5``) and those of the ``[task, rate
+    key]`` pairs in ``?7`` (``NULL``: none; a job without a key is its task's key ``''``),
+    at most ``?4`` (``?3`` is the time now), their payloads left out (see
+    ``_sql_schema.selection``).
+    The dispatch index gives them in order, as a range that ends at the first job not
+    yet due (see :func:`_lite_select_eligible`); ``rowid`` (the index's own last column)
+    breaks ties in enqueue order."""
     return f"""
-        SELECT {selection(ROW_COLUMNS, "j.")} FROM broker_jobs AS j
-        WHERE {_LITE_DUE}{queue_test} AND run_at_us <= ?3
+        SELECT {selection(ROW_COLUMNS, "j.")} FROM broker_jobs AS j INDEXED BY {DISPATCH_INDEX}
+        WHERE {_LITE_DUE}{queue_test} AND priority = ?8 AND run_at_us <= ?3
             AND NOT EXISTS (
                 SELECT 1 FROM broker_concurrency AS c
                 WHERE c.key = j.concurrency_key AND c.active >= j.concurrency_limit
@@ -204,9 +224,29 @@ def _lite_eligible(queue_test: str) -> str:
                 WHERE json_extract(b.value, '$[0]') = j.task
                     AND json_extract(b.value, '$[1]') = coalesce(j.rate_key, '')
             ))
-        ORDER BY priority DESC, run_at_us, created_us, seq, j.rowid
+        ORDER BY run_at_us, created_us, seq, j.rowid
         LIMIT ?4
     """
+
+
+def _lite_select_eligible(
+    conn: sqlite3.Connection, statement: str, params: tuple[Any, ...], limit: int
+) -> list[Any]:
+    """The eligible read, level by level from the highest priority down, until ``limit``
+    rows are read or the levels run out: each level's due jobs are a range of the
+    dispatch index (priority, then time), so jobs scheduled ahead are never walked. As
+    one statement with the due bound a mere filter, a read that found fewer due jobs
+    than its limit walked every queued job behind them, future ones included (issue
+    35). Levels in descending order, each read in order, come out in dispatch order."""
+    rows: list[Any] = []
+    level = _LITE_NO_LEVEL
+    while len(rows) < limit:
+        found = conn.execute(_LITE_LEVEL, (level,)).fetchone()
+        if found is None:
+            break
+        level = found[0]
+        rows += conn.execute(statement, (*params[:3], limit - len(rows), *params[4:], level))
+    return rows
 
 
 _LITE_ELIGIBLE = _lite_eligible("")
@@ -229,7 +269,9 @@ def _lite_wanted(
 
 
 _LITE_ELIGIBLE_BY_TEST = (_LITE_ELIGIBLE, _LITE_ELIGIBLE_IN_QUEUES, _LITE_ELIGIBLE_NOT_IN_QUEUES)
-_LITE_NEXT_RUN_BY_TEST = (_LITE_NEXT_RUN, _LITE_NEXT_RUN_IN_QUEUES, _LITE_NEXT_RUN_NOT_IN_QUEUES)
+_LITE_NEXT_RUN_BY_TEST = tuple(
+    _lite_next_run(t) for t in ("", _LITE_IN_QUEUES, _LITE_NOT_IN_QUEUES)
+)
 
 
 _LITE_INSERT_ROWS = 25
@@ -500,7 +542,9 @@ class SqliteDialect:
         params += (None if tasks is None else json.dumps(sorted(set(tasks))),)
         params += (json.dumps([list(pair) for pair in exclude_keys]) if exclude_keys else None,)
         statement = _LITE_ELIGIBLE_BY_TEST[test]
-        rows = await self._reads.run(lambda conn: conn.execute(statement, params).fetchall())
+        rows = await self._reads.run(
+            lambda conn: _lite_select_eligible(conn, statement, params, limit)
+        )
         return [_lite_job(r) for r in rows]
 
     async def next_run_at(

@@ -1028,6 +1028,34 @@ async def check_selection_order_priority_then_run_at_then_creation(ctx: Context)
 
 
 @_check
+async def check_selection_spans_priority_levels_past_future_jobs(ctx: Context) -> None:
+    """A read whose limit takes more than one priority level reads them from the highest
+    down, each in its order, leaving out jobs not yet due at any level, jobs of other
+    modes between the levels, and jobs handed off: the SQL stores read level by level
+    with a due bound (issue 35), which must pick what one sort of every due job picks."""
+    later = START + timedelta(hours=1)
+    due: dict[int, list[Job]] = {}
+    for priority in (7, 3, -2):
+        await _enqueue(ctx.store, priority=priority, run_at=later)
+        due[priority] = [await _enqueue(ctx.store, priority=priority) for _ in range(2)]
+        ctx.clock.advance(1)
+    await _enqueue(ctx.store, priority=9, run_at=later)  # a level with nothing due
+    await _enqueue(ctx.store, priority=5, execution_mode=ExecutionMode.INLINE)
+    await _claim(ctx.store, await _enqueue(ctx.store, priority=4))
+    best = [j.id for p in (7, 3, -2) for j in due[p]]
+    pooled = [ExecutionMode.POOLED]
+    assert [j.id for j in await ctx.store.select_eligible(modes=pooled)] == best
+    for limit in (1, 3, 5):
+        read = await ctx.store.select_eligible(modes=pooled, limit=limit)
+        assert [j.id for j in read] == best[:limit]
+    skip = {due[7][0].id, due[3][1].id}
+    read = await ctx.store.select_eligible(modes=pooled, limit=3, skip=skip)
+    assert [j.id for j in read] == [i for i in best if i not in skip][:3]
+    ctx.clock.advance(3600)
+    assert len(await ctx.store.select_eligible(modes=pooled)) == 10
+
+
+@_check
 async def check_selection_filters_modes_and_queues(ctx: Context) -> None:
     inline = await _enqueue(ctx.store, execution_mode=ExecutionMode.INLINE)
     pooled = await _enqueue(ctx.store, queue="reports")
@@ -1074,6 +1102,18 @@ async def check_next_run_at_finds_the_earliest_queued_job(ctx: Context) -> None:
     )
     assert await ctx.store.next_run_at(modes=[ExecutionMode.POOLED]) == soon
     assert await ctx.store.next_run_at(modes=[ExecutionMode.POOLED], queues=["other"]) is None
+    earliest = START - timedelta(hours=1)
+    claimed = await _claim(ctx.store, await _enqueue(ctx.store, run_at=earliest))
+    assert claimed.status is JobStatus.HANDED_OFF
+    assert await ctx.store.next_run_at(modes=[ExecutionMode.POOLED]) == soon, (
+        "a job handed off has no next run"
+    )
+    assert await ctx.store.next_run_at(modes=ALL_MODES) == START + timedelta(seconds=1)
+    await _enqueue(ctx.store, run_at=earliest, queue="other", priority=-5)
+    assert await ctx.store.next_run_at(modes=ALL_MODES) == earliest
+    assert await ctx.store.next_run_at(modes=ALL_MODES, queues=["default"]) == START + timedelta(
+        seconds=1
+    )
 
 
 # --- dependencies: a job waits for its parents, and is made due exactly once ------------

@@ -53,10 +53,12 @@ async def test_a_store_written_before_digests_gets_them_from_its_migration(
     await old.setup()
     job = (await old.enqueue(JobSpec(task="t", args=[BIG], kwargs={"k": BIG}))).job
     await old.enqueue_many([JobSpec(task="t", args=[BIG, i]) for i in range(19)])  # 2 rounds
-    # The store as version 13 left it: no digest column (nor version 15's trace context).
+    # The store as version 13 left it: no digest column (nor the later trace context and
+    # rate key).
     async with old._write("test") as conn:
         await conn.execute(_sql(old, "ALTER TABLE {s}broker_payloads DROP COLUMN digest"))
         await conn.execute(_sql(old, "ALTER TABLE {s}broker_jobs DROP COLUMN trace_context"))
+        await conn.execute(_sql(old, "ALTER TABLE {s}broker_jobs DROP COLUMN rate_key"))
         await conn.execute(_sql(old, "UPDATE {s}broker_schema SET version = 13"))
     await old.close()
 

@@ -520,19 +520,33 @@ async def test_sqlite_hot_queries_use_their_partial_indexes(sqlite_backend: Back
             rows = (await conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {sql}")).all()
         return "\n".join(str(row[-1]) for row in rows)
 
-    from adapters.sql.sqlite import _LITE_ELIGIBLE, _LITE_ELIGIBLE_IN_QUEUES
+    from adapters.sql.sqlite import (
+        _LITE_ELIGIBLE,
+        _LITE_ELIGIBLE_IN_QUEUES,
+        _LITE_LEVEL,
+        _LITE_NEXT_RUN_BY_TEST,
+    )
+
+    async def lite_plan(statement: str, params: tuple[Any, ...]) -> str:
+        async with store._engine.connect() as conn:
+            found = await conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", params)
+            return "\n".join(str(row[-1]) for row in found.all())
 
     for statement in (_LITE_ELIGIBLE, _LITE_ELIGIBLE_IN_QUEUES):
         # any task, or those the workers declared; no key left out, or one
         for tasks, keys in ((None, None), ('["t"]', None), (None, '[["t", "acme"]]')):
-            async with store._engine.connect() as conn:
-                found = await conn.exec_driver_sql(
-                    f"EXPLAIN QUERY PLAN {statement}",
-                    ('["pooled"]', '["default"]', 0, 50, "[]", tasks, keys),
-                )
-                eligible = "\n".join(str(row[-1]) for row in found.all())
-            assert "ix_broker_jobs_dispatch" in eligible, eligible
+            # One priority level (?8), as a range of the dispatch index up to now (?3).
+            params = ('["pooled"]', '["default"]', 0, 50, "[]", tasks, keys, 0)
+            eligible = await lite_plan(statement, params)
+            assert "ix_broker_jobs_dispatch (priority=? AND run_at_us<?)" in eligible, eligible
             assert "TEMP B-TREE" not in eligible, eligible
+    level = await lite_plan(_LITE_LEVEL, (0,))
+    assert "ix_broker_jobs_dispatch (priority<?)" in level, level
+    for test, statement in enumerate(_LITE_NEXT_RUN_BY_TEST):
+        params = ('["pooled"]',) if test == 0 else ('["pooled"]', '["default"]')
+        next_run = await lite_plan(statement, params)
+        assert "ix_broker_jobs_due (execution_mode=?)" in next_run, next_run
+        assert "TEMP B-TREE" not in next_run, next_run
     from adapters.sql.schema import IS_HANDED_OFF, IS_TERMINAL, jobs
 
     worker = await plan(sa.select(jobs).where(jobs.c.worker_id == "w", IS_HANDED_OFF))
@@ -588,6 +602,31 @@ async def test_list_jobs_pages_through_ties_in_creation_time(store: SQLAlchemyAd
     assert len(full.jobs) == 11 and full.next_cursor is None
     with pytest.raises(ValueError, match="cursor"):
         await store.list_jobs(cursor="not a cursor!")
+
+
+async def test_handed_off_jobs_page_newest_first_among_a_queued_backlog(
+    store: SQLAlchemyAdapter, backend: Backend
+) -> None:
+    """The listing a main's start-up makes (handed-off jobs, in pages) reads them from
+    their own index, sorted, rather than in the creation order of every row: the same
+    jobs, newest first, each once, across pages."""
+    made = [r.job for r in await store.enqueue_many([JobSpec("t", args=[i]) for i in range(30)])]
+    held = []
+    for job in made[::4]:
+        held.append(await store.mark_handed_off(job.id, uuid.uuid4(), "w"))
+        backend.clock.advance(1)
+    seen: list[uuid.UUID] = []
+    cursor: str | None = None
+    while True:
+        page = await store.list_jobs(
+            JobFilter(statuses=[JobStatus.HANDED_OFF]), limit=3, cursor=cursor
+        )
+        seen.extend(j.id for j in page.jobs)
+        if page.next_cursor is None:
+            break
+        cursor = page.next_cursor
+    newest_first = sorted(held, key=lambda j: (j.created_at, j.id), reverse=True)
+    assert seen == [j.id for j in newest_first if j is not None]
 
 
 async def test_pg_moves_write_no_creation_index(pg_backend: Backend) -> None:
@@ -741,6 +780,126 @@ async def test_a_version_1_store_is_migrated_to_unique_keys(backend: Backend) ->
     assert not fresh.duplicate, "a finished job's unique key is free again"
     await backend.adapter().setup()  # already current: nothing runs twice
     assert await _scalar(store, "SELECT version FROM {s}broker_schema") == SCHEMA_VERSION
+
+
+async def test_pg_enqueue_creates_the_counters_of_its_keys(pg_backend: Backend) -> None:
+    """An enqueue in a statement of its own creates the counters of its jobs' concurrency
+    keys (at zero, an existing one untouched), so their claims decide in one statement;
+    one inside an application's transaction leaves them to the first claim, never
+    holding a counter uncommitted for as long as that transaction."""
+    import asyncpg  # type: ignore[import-untyped]
+
+    store = await pg_backend.open()
+    counters = "SELECT count(*) FROM {s}broker_concurrency WHERE key = :key"
+    one = await store.enqueue(JobSpec("t", concurrency_key="solo", concurrency_limit=1))
+    batch = await store.enqueue_many(
+        [JobSpec("t", concurrency_key=k, concurrency_limit=2) for k in ("b", "a", "b")]
+        + [JobSpec("t")]
+    )
+    for key in ("solo", "a", "b"):
+        assert await _scalar(store, counters, key=key) == 1
+    claimed = await store.mark_handed_off_many(
+        [Claim(r.job.id, uuid.uuid4(), "w") for r in [one, *batch]]
+    )
+    assert len(claimed) == 5
+    active = "SELECT active FROM {s}broker_concurrency WHERE key = :key"
+    assert await _scalar(store, active, key="b") == 2
+    again = await store.enqueue(JobSpec("t", concurrency_key="b", concurrency_limit=2))
+    assert await _scalar(store, active, key="b") == 2, "an existing counter is left as it is"
+    assert await store.mark_handed_off(again.job.id, uuid.uuid4(), "w") is None
+
+    dsn = POSTGRES_URL.replace("postgresql+asyncpg://", "postgresql://", 1)
+    conn = await asyncpg.connect(dsn)
+    try:
+        if store._schema is not None:
+            await conn.execute(f'SET search_path = "{store._schema}"')
+        async with conn.transaction():
+            [held] = await store.enqueue_on_driver_connection(
+                conn, [JobSpec("t", concurrency_key="in-tx", concurrency_limit=1)]
+            )
+        assert await _scalar(store, counters, key="in-tx") == 0
+    finally:
+        await conn.close()
+    assert await store.mark_handed_off(held.job.id, uuid.uuid4(), "w") is not None
+    assert await _scalar(store, active, key="in-tx") == 1
+
+
+async def test_a_version_18_store_is_migrated_to_the_due_index(backend: Backend) -> None:
+    """A store written at version 18, with queued jobs (due, scheduled ahead, of two
+    modes) and one handed off, gains the due index from its rows (version 19): the
+    next run time and the eligible read answer from it as before the upgrade."""
+    from adapters.sql import schema as _sql_schema
+
+    old = backend.adapter()
+    v18_jobs = _sql_schema._define(sa.MetaData(), 18)[0]
+    now_us = int(START.timestamp() * 1_000_000)
+
+    def row(n: int, **values: Any) -> dict[str, Any]:
+        base = {
+            "id": uuid.UUID(int=n),
+            "task": "legacy.task",
+            "args": f"[{n}]",
+            "kwargs": "{}",
+            "queue": "default",
+            "priority": 0,
+            "status": "queued",
+            "attempts": 0,
+            "max_attempts": 3,
+            "run_at_us": now_us - 1_000_000,
+            "created_us": now_us - 1_000_000 + n,
+            "updated_us": now_us,
+            "execution_mode": "pooled",
+        }
+        return {**base, **values}
+
+    rows = [
+        row(1, priority=2),
+        row(2),
+        row(3, priority=5, run_at_us=now_us + 60_000_000),
+        row(4, execution_mode="inline", run_at_us=now_us - 5_000_000),
+        row(
+            5,
+            status="handed_off",
+            run_at_us=now_us - 9_000_000,
+            worker_id="w",
+            handoff_id=uuid.UUID(int=50),
+            handed_off_us=now_us,
+        ),
+    ]
+
+    def create_v18(conn: sa.Connection) -> None:
+        if old._schema is not None:
+            conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{old._schema}"')
+        for _version, step in _sql_schema.MIGRATIONS[:18]:
+            step(conn, old._schema)
+        conn.execute(_sql_schema.schema_version.update().values(version=18))
+        conn.execute(v18_jobs.insert(), rows)
+
+    async with old._write("test") as conn:
+        await conn.run_sync(create_v18)
+    assert await _scalar(old, "SELECT version FROM {s}broker_schema") == 18
+
+    store = await backend.open()  # setup() migrates 18 -> 19
+    assert await _scalar(store, "SELECT version FROM {s}broker_schema") == SCHEMA_VERSION
+    if backend.is_pg:
+        indexes = "SELECT count(*) FROM pg_indexes WHERE indexname = :name" + (
+            " AND schemaname = coalesce(:schema, current_schema())"
+        )
+        found = await _scalar(store, indexes, name=_sql_schema.DUE_INDEX, schema=store._schema)
+    else:
+        found = await _scalar(
+            store,
+            "SELECT count(*) FROM sqlite_master WHERE name = :name",
+            name=_sql_schema.DUE_INDEX,
+        )
+    assert found == 1
+    assert await store.next_run_at(modes=ALL_MODES) == START - timedelta(seconds=5)
+    assert await store.next_run_at(modes=[ExecutionMode.POOLED]) == START - timedelta(seconds=1)
+    read = await store.select_eligible(modes=[ExecutionMode.POOLED])
+    assert [j.id for j in read] == [uuid.UUID(int=1), uuid.UUID(int=2)]
+    fresh = await store.enqueue(JobSpec("t", run_at=START - timedelta(seconds=30)))
+    assert await store.next_run_at(modes=[ExecutionMode.POOLED]) == fresh.job.run_at
+    await backend.adapter().setup()  # already current: nothing runs twice
 
 
 async def test_driver_errors_become_storage_errors(backend: Backend, tmp_path: Path) -> None:
