@@ -97,6 +97,8 @@ NOT_PATHS = frozenset(
         # OpenTelemetry span names and attributes (broker/model/tracing.py)
         "broker.enqueue",
         "broker.run",
+        "broker.dispatch",
+        "broker.worker.id",
         "broker.job.id",
         "broker.task",
         "broker.queue",
