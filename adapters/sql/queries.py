@@ -38,16 +38,25 @@ from adapters.sql.schema import (
     IS_TERMINAL,
     concurrency,
     job_edges,
+    job_links,
     jobs,
     payloads,
     queue_settings,
     task_catalog,
 )
-from broker import settlement
+from broker import dependencies, settlement
+from broker.dependencies import Edge
 from broker.exceptions import StorageError, UniqueKeyTakenError
 from broker.jobs import TERMINAL_STATUSES, Clock, Job, JobStatus, JSONValue
 from broker.model.rates import Rate
-from broker.storage import JobFilter, JobPage, QueueCount, QueueSettings, TaskRecord
+from broker.storage import (
+    JobFilter,
+    JobPage,
+    QueueCount,
+    QueueSettings,
+    StoredWorkflow,
+    TaskRecord,
+)
 
 _QUEUED = JobStatus.QUEUED.value
 _READ_ROUNDS = 5
@@ -188,6 +197,121 @@ class CoreQueries:
                 ) from exc
             raise
         return None if row is None else job_from_row(row, bodies)
+
+    def _workflow_order(self) -> list[sa.ColumnElement[Any]]:
+        """Enqueue order: creation time, then ``seq`` (PostgreSQL) or ``rowid`` (SQLite),
+        since the jobs of one enqueue share a creation time."""
+        tie = (
+            sa.literal_column("broker_jobs.rowid")
+            if self._dialect.write_engine.dialect.name == "sqlite"
+            else jobs.c.seq
+        )
+        return [jobs.c.created_us, tie, jobs.c.id]
+
+    async def _workflow_edges(
+        self, conn: AsyncConnection, members: Sequence[uuid.UUID]
+    ) -> list[Edge]:
+        edges: list[Edge] = []
+        for chunk in in_chunks(list(members)):
+            rows = await conn.execute(
+                sa.select(job_edges.c.child_id, job_edges.c.parent_id, job_edges.c.done)
+                .where(job_edges.c.child_id.in_(chunk))
+                .order_by(job_edges.c.child_id, job_edges.c.position)
+            )
+            edges += [Edge(r.child_id, r.parent_id, bool(r.done)) for r in rows]
+        return edges
+
+    async def get_workflow(self, workflow_id: uuid.UUID, *, limit: int) -> StoredWorkflow | None:
+        member_ids = sa.select(job_links.c.job_id).where(job_links.c.workflow_id == workflow_id)
+        columns: list[Any] = SUMMARY_COLUMNS
+        stmt = (
+            sa.select(*columns)
+            .where(jobs.c.id.in_(member_ids))
+            .order_by(*self._workflow_order())
+            .limit(limit + 1)
+        )
+        async with self._read("get_workflow") as conn, conn.begin():
+            rows = (await conn.execute(stmt)).mappings().all()
+            if not rows:
+                return None
+            found = {r["id"]: job_from_row(r) for r in rows[:limit]}
+            edges = await self._workflow_edges(conn, list(found))
+        order = dependencies.parents_first(list(found), edges)
+        return StoredWorkflow([found[j] for j in order], edges, truncated=len(rows) > limit)
+
+    async def retry_workflow(self, workflow_id: uuid.UUID) -> list[uuid.UUID]:
+        member_ids = sa.select(job_links.c.job_id).where(job_links.c.workflow_id == workflow_id)
+        select = self._dialect.lock_rows(
+            sa.select(jobs.c.id, jobs.c.status, jobs.c.last_error, jobs.c.unique_key)
+            .where(jobs.c.id.in_(member_ids))
+            .order_by(jobs.c.id)
+        )
+        async with self._write("retry_workflow") as conn:
+            rows = (await conn.execute(select)).all()
+            by_id = {r.id: r for r in rows}
+            edges = await self._workflow_edges(conn, list(by_id))
+            outside = sorted({e.parent for e in edges} - set(by_id))
+            parent_status: dict[uuid.UUID, JobStatus] = {}
+            for chunk in in_chunks(outside):
+                for r in await conn.execute(
+                    sa.select(jobs.c.id, jobs.c.status).where(jobs.c.id.in_(chunk))
+                ):
+                    parent_status[r.id] = JobStatus(r.status)
+            created = (
+                (
+                    await conn.execute(
+                        sa.select(jobs.c.id)
+                        .where(jobs.c.id.in_(list(by_id)))
+                        .order_by(*self._workflow_order())
+                    )
+                )
+                .scalars()
+                .all()
+                if by_id
+                else []
+            )
+            order = dependencies.parents_first(list(created), edges)
+            members = [
+                dependencies.Member(j, JobStatus(by_id[j].status), by_id[j].last_error)
+                for j in order
+            ]
+            plan = dependencies.retry_plan(members, edges, parent_status)
+            for job_id in plan.requeue:
+                key = by_id[job_id].unique_key
+                if key is not None:
+                    await self._refuse_if_unique_key_held(conn, job_id, key)
+            now_us = self._now()
+            revive = encode_changes(settlement.revive(from_us(now_us)).changes)
+            for chunk in in_chunks(list(plan.requeue)):
+                await conn.execute(
+                    sa.update(jobs)
+                    .where(jobs.c.id.in_(chunk), jobs.c.status == JobStatus.FAILED.value)
+                    .values(**revive)
+                )
+            for chunk in in_chunks(list(plan.revive)):
+                await conn.execute(
+                    sa.update(jobs)
+                    .where(jobs.c.id.in_(chunk), jobs.c.status == JobStatus.CANCELLED.value)
+                    .values(status=JobStatus.WAITING.value, last_error=None, updated_us=now_us)
+                )
+            if plan.reopen:
+                await conn.execute(
+                    sa.update(job_edges)
+                    .where(
+                        job_edges.c.child_id == sa.bindparam("c"),
+                        job_edges.c.parent_id == sa.bindparam("p"),
+                    )
+                    .values(done=False),
+                    [{"c": c, "p": p} for c, p in plan.reopen],
+                )
+            if plan.pending:
+                await conn.execute(
+                    sa.update(job_links)
+                    .where(job_links.c.job_id == sa.bindparam("c"))
+                    .values(pending=sa.bindparam("n")),
+                    [{"c": c, "n": n} for c, n in plan.pending.items()],
+                )
+        return [*plan.requeue, *plan.revive]
 
     async def _refuse_if_unique_key_held(
         self, conn: AsyncConnection, job_id: uuid.UUID, key: str
