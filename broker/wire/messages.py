@@ -40,6 +40,7 @@ from broker.wire.requests import (
     EnqueuedRef,
     EnqueuedReply,
     GetJob,
+    GetWorkflow,
     JobInfo,
     JobList,
     JobRequest,
@@ -53,11 +54,17 @@ from broker.wire.requests import (
     RequestError,
     ResumeQueue,
     Retry,
+    RetryWorkflow,
     Status,
     StatusInfo,
     TaskList,
     WaitJob,
     WaitPending,
+    WorkflowEdge,
+    WorkflowInfo,
+    WorkflowMember,
+    WorkflowStatus,
+    WorkflowView,
     check_prune,
 )
 
@@ -130,6 +137,7 @@ class ErrorCode(enum.StrEnum):
     DEPOSED = "deposed"
     UNAVAILABLE = "unavailable"
     CONNECTION_LOST = "connection_lost"
+    JOB_FAILED = "job_failed"
 
 
 # --------------------------------------------------------------------------- handshake
@@ -589,6 +597,9 @@ Message: TypeAlias = (
     | ResumeQueue
     | LimitQueue
     | QueueInfo
+    | GetWorkflow
+    | RetryWorkflow
+    | WorkflowInfo
 )
 
 for _cls in typing.get_args(Message):
@@ -621,6 +632,7 @@ __all__ = [
     "ErrorCode",
     "FailedReport",
     "GetJob",
+    "GetWorkflow",
     "Hello",
     "JobHandoff",
     "JobInfo",
@@ -650,6 +662,7 @@ __all__ = [
     "RescheduleReport",
     "ResumeQueue",
     "Retry",
+    "RetryWorkflow",
     "Role",
     "SaveCheckpoint",
     "Status",
@@ -661,6 +674,11 @@ __all__ = [
     "WaitPending",
     "Welcome",
     "WorkerStatus",
+    "WorkflowEdge",
+    "WorkflowInfo",
+    "WorkflowMember",
+    "WorkflowStatus",
+    "WorkflowView",
     "check_proof",
     "check_prune",
     "choose_protocol",
