@@ -112,6 +112,7 @@ class MemoryAdapter:
         self._workflows: dict[uuid.UUID, uuid.UUID] = {}
         """Each workflow member's workflow id."""
         self._deps = _Dependencies(self)
+        self._end_notice: Callable[[list[uuid.UUID]], None] | None = None
         self._queue_settings: dict[str, QueueSettings] = {}
 
     @property
@@ -256,7 +257,13 @@ class MemoryAdapter:
         """The job has just moved: if that ended it, carry it to its children."""
         status = self._jobs[job_id].status
         if job_id in self._children and dependencies.ends_parent(status):
-            await dependencies.propagate(self._deps, [(job_id, status)])
+            carried = await dependencies.propagate(self._deps, [(job_id, status)])
+            if carried.cancelled and self._end_notice is not None:
+                self._end_notice(list(carried.cancelled))
+
+    def on_ended(self, notice: Callable[[list[uuid.UUID]], None]) -> None:
+        """:class:`broker.storage.SupportsEndNotice`."""
+        self._end_notice = notice
 
     def _eligible(
         self,

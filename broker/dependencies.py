@@ -140,6 +140,7 @@ class DependencyStore(Protocol):
 async def count_ended_at_enqueue(
     store: DependencyStore, specs: Sequence[JobSpec], status_of: Mapping[uuid.UUID, JobStatus]
 ) -> None:
+    # A job cancelled here is cancelled by its own enqueue: nobody can wait on it yet.
     """Count, for the jobs of an enqueue (``specs``, their edges just written), the parents
     that have ended already (:func:`ended_at_enqueue`), as if they had just ended."""
     ended: dict[uuid.UUID, JobStatus] = {}
@@ -149,12 +150,24 @@ async def count_ended_at_enqueue(
         await propagate(store, list(ended.items()))
 
 
-async def propagate(store: DependencyStore, ended: Sequence[tuple[uuid.UUID, JobStatus]]) -> int:
+@dataclass(frozen=True, slots=True)
+class Carried:
+    """What :func:`propagate` did: how many children became due, and which it cancelled
+    (their waiters are owed an answer: see :class:`broker.storage.SupportsEndNotice`)."""
+
+    released: int
+    cancelled: tuple[uuid.UUID, ...]
+
+
+async def propagate(
+    store: DependencyStore, ended: Sequence[tuple[uuid.UUID, JobStatus]]
+) -> Carried:
     """Carry the parents in ``ended`` (each just moved to a terminal status by a move the
-    store accepted) to their children, and a cancelled child on to its own; returns how
-    many children became due. Children are visited in id order, so two transactions on
-    PostgreSQL lock the rows they share in one order."""
+    store accepted) to their children, and a cancelled child on to its own. Children are
+    visited in id order, so two transactions on PostgreSQL lock the rows they share in
+    one order."""
     released = 0
+    cancelled: list[uuid.UUID] = []
     while ended:
         status_of = dict(ended)
         by_child: dict[uuid.UUID, list[tuple[uuid.UUID, JobStatus]]] = {}
@@ -170,11 +183,12 @@ async def propagate(store: DependencyStore, ended: Sequence[tuple[uuid.UUID, Job
             if isinstance(verdict, CancelChild):
                 await store.cancel_waiting(child_id, verdict.reason)
                 ended.append((child_id, JobStatus.CANCELLED))
+                cancelled.append(child_id)
             elif verdict == "due":
                 results = await store.parent_results(child_id)
                 await store.release(child_id, due_args(child.parent_results, child.args, results))
                 released += 1
-    return released
+    return Carried(released, tuple(cancelled))
 
 
 # --------------------------------------------------------------------------- workflows

@@ -527,6 +527,20 @@ class SupportsWorkflows(Protocol):
 
 
 @runtime_checkable
+class SupportsEndNotice(Protocol):
+    """Optional: tell the main of jobs a write ended by itself. When a parent ends dead
+    or cancelled, its dependents are cancelled inside the same transaction
+    (:mod:`broker.dependencies`), a move no request of the main named; the main's
+    waiters on them (``wait_job``) are answered when told, else only when their wait's
+    time is up."""
+
+    def on_ended(self, notice: Callable[[list[uuid.UUID]], None]) -> None:
+        """Call ``notice`` (on the event loop, after the commit) with the ids of the jobs
+        a write of this handle cancelled because a parent ended; it replaces the notice
+        set before (a main that leads again sets its own)."""
+
+
+@runtime_checkable
 class SupportsQueueSettings(Protocol):
     """Optional: keep each queue's settings (paused, rate limit) so they outlive a main, and
     leave the queues named in ``exclude_queues`` out of dispatch reads.

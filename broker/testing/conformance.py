@@ -1291,9 +1291,9 @@ async def _fan_in(store: StorageAdapter, members: int) -> tuple[uuid.UUID, list[
 
 @_check
 async def check_a_workflow_reads_back_with_its_members_and_edges(ctx: Context) -> None:
-    """``get_workflow`` returns every member, parents first in enqueue order, and each edge.
+    """A workflow reads back whole: every member, parents first in enqueue order, and each edge.
 
-    Members come without their payloads, the read stops at ``limit`` members (saying
+    ``get_workflow``'s members come without their payloads, the read stops at ``limit`` members (saying
     it was cut short), and an unknown workflow id reads as ``None``."""
     store = _workflows(ctx)
     workflow_id, group, then = await _fan_in(ctx.store, 3)
@@ -1318,9 +1318,9 @@ async def check_a_workflow_reads_back_with_its_members_and_edges(ctx: Context) -
 async def check_a_workflow_retry_runs_its_dead_members_and_revives_their_dependents(
     ctx: Context,
 ) -> None:
-    """``retry_workflow`` queues dead members again and makes their cancelled dependents wait.
+    """A workflow's retry queues its dead members again and makes their cancelled dependents wait.
 
-    The continuation then becomes due once, when the retried member completes; a
+    ``retry_workflow`` changes it in one transaction. The continuation then becomes due once, when the retried member completes; a
     member an operator cancelled stays cancelled, and a retry with nothing dead changes
     nothing."""
     store = _workflows(ctx)

@@ -5,6 +5,7 @@ whose arguments could never bind is refused before anything is stored."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 from collections.abc import Callable
@@ -14,12 +15,21 @@ from typing import Any
 import pytest
 
 from adapters.memory import MemoryAdapter
-from broker import EnqueuedWorkflow, InvalidJobError, chain, group
+from broker import (
+    ConfigurationError,
+    EnqueuedWorkflow,
+    InvalidJobError,
+    JobFailedError,
+    chain,
+    group,
+)
 from broker.client.client import Client
 from broker.jobs import JobSpec, JobStatus
 from broker.storage import JobFilter, StorageAdapter
 from broker.tasks.registry import TaskRegistry, task
-from tests.support import FAST, FakeWorker, running_main
+from broker.wire import messages as protocol
+from broker.wire.credentials import role_needed
+from tests.support import FAST, FakeWorker, running_main, until
 
 registry = TaskRegistry()
 
@@ -149,5 +159,124 @@ async def test_cancelling_a_workflow_cancels_every_job_not_finished() -> None:
             assert statuses.count("completed") == 1 and statuses.count("cancelled") == 2
             final = await store.get_job(flow.job_ids[-1])
             assert final is not None and final.status is JobStatus.CANCELLED
+        finally:
+            await worker.close()
+
+
+async def _fail(worker: FakeWorker, job: Any, error: str = "ValueError: no\nTraceback...") -> None:
+    """Fail ``job`` for good (no retry)."""
+    report = protocol.FailedReport(
+        job_id=job.job_id, handoff_id=job.handoff_id, error=error, retry=False
+    )
+    assert (await worker.report(report)).status == "applied"
+
+
+@pytest.mark.parametrize("store_kind", list(STORES))
+async def test_a_workflow_is_read_and_its_failed_member_retried_once(
+    store_kind: str, tmp_path: Path
+) -> None:
+    """``get_workflow`` shows members (parents first), edges and a derived status; a
+    failed member's fan-in is cancelled naming it; ``retry_workflow`` runs the member
+    again and its fan-in waits for it again, then runs once with every result."""
+    store = STORES[store_kind](tmp_path)
+    async with (
+        running_main(store) as main,
+        Client("127.0.0.1", main.port) as client,
+        Client("127.0.0.1", main.port, role=protocol.Role.OPERATOR) as operator,
+    ):
+        worker = FakeWorker(main.port)
+        await worker.connect()
+        try:
+            flow = await client.enqueue_workflow(
+                group(add.bind(i, 10) for i in range(3)).then(total.bind())
+            )
+            view = await client.get_workflow(flow)
+            assert view is not None and view.status == "running"
+            assert [m.job_id for m in view.members] == list(flow.job_ids)
+            assert [m.task for m in view.members] == ["wf.add"] * 3 + ["wf.total"]
+            assert view.parents(flow.job_ids[-1]) == list(flow.job_ids[:3])
+            assert await client.get_workflow(uuid.uuid4()) is None
+            failed = None
+            for _ in range(3):
+                await worker.ready(pooled=1)
+                job = await worker.next_job(timeout=15.0)
+                if job.job_id == flow.job_ids[1]:
+                    failed = job
+                    await _fail(worker, job)
+                else:
+                    assert (await worker.complete(job, _run(job))).status == "applied"
+            assert failed is not None
+            view = await client.get_workflow(flow.workflow_id)
+            assert view is not None and view.status == "failed"
+            member = view.member(flow.job_ids[1])
+            assert member is not None and member.error == "ValueError: no"
+            final = view.member(flow.job_ids[-1])
+            assert final is not None and final.status is JobStatus.CANCELLED
+            assert (
+                role_needed(protocol.RetryWorkflow(request_id="r", workflow_id=flow.workflow_id))
+                is protocol.Role.OPERATOR
+            )
+            view = await operator.retry_workflow(flow)
+            assert view is not None and view.status == "running"
+            statuses = {m.job_id: m.status for m in view.members}
+            assert statuses[flow.job_ids[1]] is JobStatus.QUEUED
+            assert statuses[flow.job_ids[-1]] is JobStatus.WAITING
+            order = await _drain(worker, 2)
+            assert order == ["wf.add", "wf.total"]
+            assert await flow.result(timeout=15) == sum(i + 10 for i in range(3))
+            view = await client.get_workflow(flow)
+            assert view is not None and view.status == "completed"
+        finally:
+            await worker.close()
+
+
+async def test_a_handle_result_is_decoded_or_raises_for_a_job_that_failed() -> None:
+    """``result()`` on a checked enqueue's handle waits for the pushed end and returns the
+    result; a dead job raises ``JobFailedError`` naming its status and error."""
+    store = MemoryAdapter()
+    async with running_main(store) as main, Client("127.0.0.1", main.port) as client:
+        worker = FakeWorker(main.port)
+        await worker.connect()
+        try:
+            handle = await add.options(client=client).enqueue(2, 3)
+            assert handle.task is add and handle.client is client
+            waiting = asyncio.create_task(handle.result(timeout=15))
+            await worker.ready(pooled=1)
+            job = await worker.next_job(timeout=15.0)
+            assert (await worker.complete(job, _run(job))).status == "applied"
+            assert await waiting == 5
+            doomed = await client.enqueue(add, [1, 1])
+            await worker.ready(pooled=1)
+            await _fail(worker, await worker.next_job(timeout=15.0), "boom")
+            with pytest.raises(JobFailedError, match="ended failed: boom") as raised:
+                await doomed.result(timeout=15)
+            assert raised.value.status == "failed" and raised.value.job_id == doomed.job_id
+            with pytest.raises(ConfigurationError, match="result_sync"):
+                await dataclasses.replace(doomed, client=None).result()
+        finally:
+            await worker.close()
+
+
+@pytest.mark.parametrize("store_kind", list(STORES))
+async def test_a_waiter_on_a_dependent_is_answered_when_its_parent_fails(
+    store_kind: str, tmp_path: Path
+) -> None:
+    """The dependents a parent's failure cancels, inside its settle, are notified to the
+    main's waiters at once (``SupportsEndNotice``), not at the wait's expiry: the wait
+    here would last an hour."""
+    store = STORES[store_kind](tmp_path)
+    async with running_main(store) as main, Client("127.0.0.1", main.port) as client:
+        worker = FakeWorker(main.port)
+        await worker.connect()
+        try:
+            flow = await client.enqueue_workflow(chain(add.bind(1, 2), add.bind(1), add.bind(1)))
+            assert flow.final is not None
+            waiting = asyncio.create_task(flow.result(timeout=3600))
+            await until(lambda: main.waits.waiters.waited_on([flow.job_ids[-1]]))
+            await worker.ready(pooled=1)
+            await _fail(worker, await worker.next_job(timeout=15.0), "down")
+            with pytest.raises(JobFailedError, match="ended cancelled: parent job") as raised:
+                await asyncio.wait_for(waiting, 15)
+            assert raised.value.status == "cancelled"
         finally:
             await worker.close()
