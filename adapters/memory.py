@@ -477,7 +477,9 @@ class MemoryAdapter:
         return self._snapshot(job_id) if job_id in self._jobs else None
 
     def _workflow(self, workflow_id: uuid.UUID) -> tuple[list[uuid.UUID], list[Edge]]:
-        """A workflow's members in enqueue order, and their edges."""
+        """A workflow's members in enqueue order, and their edges (``workflow_id`` may name
+        one of its jobs)."""
+        workflow_id = self._workflows.get(workflow_id, workflow_id)
         members = [j for j, w in self._workflows.items() if w == workflow_id]
         edges = [
             Edge(child, parent, (child, parent) not in self._open)
@@ -492,6 +494,7 @@ class MemoryAdapter:
             return None
         shown = set(members[:limit])
         return StoredWorkflow(
+            self._workflows[members[0]],
             [_summary(self._jobs[j]) for j in dependencies.parents_first(members[:limit], edges)],
             [e for e in edges if e.child in shown],
             truncated=len(members) > limit,

@@ -491,6 +491,7 @@ class SupportsDueNotice(Protocol):
 class StoredWorkflow:
     """A workflow as the store holds it (see :class:`SupportsWorkflows`)."""
 
+    workflow_id: uuid.UUID
     members: list[Job]
     """Its jobs without their payloads (``args``, ``kwargs``, ``result`` left empty),
     parents before children, else in enqueue order."""
@@ -512,14 +513,15 @@ class SupportsWorkflows(Protocol):
     async def get_workflow(self, workflow_id: uuid.UUID, *, limit: int) -> StoredWorkflow | None:
         """The members of ``workflow_id`` (at most ``limit``) and their edges, read in one
         transaction; ``None`` when no job carries that workflow id (never enqueued, or
-        every member pruned)."""
+        every member pruned). ``workflow_id`` may also be the id of one of the workflow's
+        jobs (a job page knows only its job): the workflow read is then that job's."""
 
     async def retry_workflow(self, workflow_id: uuid.UUID) -> list[uuid.UUID]:
-        """Apply :func:`broker.dependencies.retry_plan` to the workflow in one
-        transaction, its members' rows locked: dead members queued again (as
-        ``retry_dead``), the dependents cancelled because of them ``waiting`` again with
-        their edges from those members counted anew. Returns the ids changed (requeued
-        first, then revived); empty when nothing had failed.
+        """Apply :func:`broker.dependencies.retry_plan` to the workflow (``workflow_id``
+        as for :meth:`get_workflow`) in one transaction, its members' rows locked: dead
+        members queued again (as ``retry_dead``), the dependents cancelled because of
+        them ``waiting`` again, their edges from those members counted anew. Returns the
+        ids changed (requeued first, then revived); empty when nothing had failed.
 
         :raises UniqueKeyTakenError: a dead member's ``unique_key`` is held by another
             active job; nothing changes.

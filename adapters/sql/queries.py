@@ -221,8 +221,20 @@ class CoreQueries:
             edges += [Edge(r.child_id, r.parent_id, bool(r.done)) for r in rows]
         return edges
 
+    @staticmethod
+    def _members_of(workflow_id: uuid.UUID) -> sa.Select[Any]:
+        """The ids of the workflow's jobs: of ``workflow_id``, or of the workflow of the job
+        of that id (see :meth:`broker.storage.SupportsWorkflows.get_workflow`)."""
+        of_job = (
+            sa.select(job_links.c.workflow_id)
+            .where(job_links.c.job_id == workflow_id)
+            .scalar_subquery()
+        )
+        wanted = sa.func.coalesce(of_job, workflow_id)
+        return sa.select(job_links.c.job_id).where(job_links.c.workflow_id == wanted)
+
     async def get_workflow(self, workflow_id: uuid.UUID, *, limit: int) -> StoredWorkflow | None:
-        member_ids = sa.select(job_links.c.job_id).where(job_links.c.workflow_id == workflow_id)
+        member_ids = self._members_of(workflow_id)
         columns: list[Any] = SUMMARY_COLUMNS
         stmt = (
             sa.select(*columns)
@@ -236,11 +248,17 @@ class CoreQueries:
                 return None
             found = {r["id"]: job_from_row(r) for r in rows[:limit]}
             edges = await self._workflow_edges(conn, list(found))
+            first = await conn.execute(
+                sa.select(job_links.c.workflow_id).where(job_links.c.job_id == rows[0]["id"])
+            )
+            resolved = first.scalar_one()
         order = dependencies.parents_first(list(found), edges)
-        return StoredWorkflow([found[j] for j in order], edges, truncated=len(rows) > limit)
+        return StoredWorkflow(
+            resolved, [found[j] for j in order], edges, truncated=len(rows) > limit
+        )
 
     async def retry_workflow(self, workflow_id: uuid.UUID) -> list[uuid.UUID]:
-        member_ids = sa.select(job_links.c.job_id).where(job_links.c.workflow_id == workflow_id)
+        member_ids = self._members_of(workflow_id)
         select = self._dialect.lock_rows(
             sa.select(jobs.c.id, jobs.c.status, jobs.c.last_error, jobs.c.unique_key)
             .where(jobs.c.id.in_(member_ids))

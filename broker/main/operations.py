@@ -206,7 +206,7 @@ class Operations:
         """The workflow's members and edges, bounded (``MAX_WORKFLOW_MEMBERS``); ``None``
         when no job carries that workflow id."""
         stored = await self._workflows().get_workflow(workflow_id, limit=MAX_WORKFLOW_MEMBERS)
-        return None if stored is None else workflow_view(workflow_id, stored)
+        return None if stored is None else workflow_view(stored)
 
     async def retry_workflow(self, workflow_id: uuid.UUID) -> protocol.WorkflowView | None:
         """Retry the workflow's dead members (:meth:`SupportsWorkflows.retry_workflow`);
@@ -341,7 +341,7 @@ def error_summary(error: str | None) -> str | None:
     return line if len(line) <= WORKFLOW_ERROR_CHARS else line[: WORKFLOW_ERROR_CHARS - 1] + "…"
 
 
-def workflow_view(workflow_id: uuid.UUID, stored: StoredWorkflow) -> protocol.WorkflowView:
+def workflow_view(stored: StoredWorkflow) -> protocol.WorkflowView:
     """The wire's view of a workflow read from the store; its status is derived from the
     members shown (:func:`broker.dependencies.workflow_status`)."""
     members = [
@@ -358,7 +358,7 @@ def workflow_view(workflow_id: uuid.UUID, stored: StoredWorkflow) -> protocol.Wo
         protocol.WorkflowEdge(parent=e.parent, child=e.child, done=e.done) for e in stored.edges
     ]
     return protocol.WorkflowView(
-        workflow_id=workflow_id,
+        workflow_id=stored.workflow_id,
         status=dependencies.workflow_status([job.status for job in stored.members]),
         members=members,
         edges=edges[:MAX_WORKFLOW_EDGES],

@@ -1293,8 +1293,9 @@ async def _fan_in(store: StorageAdapter, members: int) -> tuple[uuid.UUID, list[
 async def check_a_workflow_reads_back_with_its_members_and_edges(ctx: Context) -> None:
     """A workflow reads back whole: every member, parents first in enqueue order, and each edge.
 
-    ``get_workflow``'s members come without their payloads, the read stops at ``limit`` members (saying
-    it was cut short), and an unknown workflow id reads as ``None``."""
+    ``get_workflow``'s members come without their payloads, the read stops at ``limit``
+    members (saying it was cut short), the id of a member reads its workflow, and an
+    unknown id reads as ``None``."""
     store = _workflows(ctx)
     workflow_id, group, then = await _fan_in(ctx.store, 3)
     assert await store.get_workflow(uuid.uuid4(), limit=10) is None
@@ -1312,6 +1313,9 @@ async def check_a_workflow_reads_back_with_its_members_and_edges(ctx: Context) -
     assert [e.done for e in read.edges] == [False, True, False]
     cut = await store.get_workflow(workflow_id, limit=2)
     assert cut is not None and cut.truncated and len(cut.members) == 2
+    by_member = await store.get_workflow(then.id, limit=10)
+    assert by_member is not None and by_member.workflow_id == workflow_id, "a member names it"
+    assert [m.id for m in by_member.members] == [m.id for m in read.members]
 
 
 @_check
@@ -1320,9 +1324,9 @@ async def check_a_workflow_retry_runs_its_dead_members_and_revives_their_depende
 ) -> None:
     """A workflow's retry queues its dead members again and makes their cancelled dependents wait.
 
-    ``retry_workflow`` changes it in one transaction. The continuation then becomes due once, when the retried member completes; a
-    member an operator cancelled stays cancelled, and a retry with nothing dead changes
-    nothing."""
+    ``retry_workflow`` changes it in one transaction. The continuation then becomes due
+    once, when the retried member completes; a member an operator cancelled stays
+    cancelled, and a retry with nothing dead changes nothing."""
     store = _workflows(ctx)
     workflow_id, group, then = await _fan_in(ctx.store, 3)
     await _finish(ctx.store, group[0], result=1)
