@@ -4,6 +4,7 @@ of :mod:`broker.ops.web.pages`."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections import deque
@@ -20,7 +21,7 @@ from broker.jobs import ExecutionMode, JobStatus, utcnow
 from broker.main.main import Main
 from broker.main.metrics import CONTENT_TYPE, MainExposition, MainLevels
 from broker.model.bounds import DASHBOARD_REQUESTS
-from broker.ops.web import pages
+from broker.ops.web import pages, workflows
 from broker.ops.web.access import allowed_hosts, guard, matches, secure
 from broker.ops.web.serving import HttpServer
 from broker.storage import QueueCount
@@ -63,6 +64,7 @@ class Dashboard(HttpServer):
                 web.get("/workers", self._workers),
                 web.get("/jobs", self._jobs),
                 web.get("/jobs/{job_id}", self._job),
+                web.get("/workflows/{workflow_id}", functools.partial(workflows.page, self)),
                 web.post("/jobs/{job_id}/retry", self._retry),
                 web.post("/jobs/{job_id}/cancel", self._cancel),
                 web.get("/recoveries", self._recoveries),
@@ -243,7 +245,12 @@ class Dashboard(HttpServer):
         info = await self._ask(protocol.GetJob(request_id="web", job_id=job_id))
         if info.job is None:
             raise web.HTTPNotFound(text=f"no job {job_id}")
-        return self._page(request, f"Job {str(job_id)[:8]}", pages.job_live(job_id, info.job))
+        tools = ""
+        if request.headers.get("X-Broker-Fragment") != "live":  # read once, not per refresh
+            tools = workflows.workflow_link(await workflows.read(self, job_id))
+        return self._page(
+            request, f"Job {str(job_id)[:8]}", pages.job_live(job_id, info.job), tools
+        )
 
     # ------------------------------------------------------------------ actions
 
