@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +24,14 @@ from broker import (
     group,
 )
 from broker.client.client import Client
-from broker.jobs import JobSpec, JobStatus
+from broker.jobs import JobSpec, JobStatus, Outcome, Settlement
 from broker.storage import JobFilter, StorageAdapter
 from broker.tasks.registry import TaskRegistry, task
+from broker.tasks.workflow import workflow_specs
 from broker.wire import messages as protocol
 from broker.wire.credentials import role_needed
+from tests.conftest import drop_schema, fresh_schema_name, require_postgres
+from tests.integration.test_operator import _cli, _cli_json, _closed_port
 from tests.support import FAST, FakeWorker, running_main, until
 
 registry = TaskRegistry()
@@ -54,6 +57,24 @@ STORES: dict[str, Callable[[Path], StorageAdapter]] = {
     "memory": lambda _: MemoryAdapter(),
     "sqlite": _sqlite,
 }
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
+async def any_store(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[StorageAdapter]:
+    """The workflow reads and notices on every adapter, PostgreSQL in a fresh schema."""
+    if request.param != "postgres":
+        yield STORES[request.param](tmp_path)
+        return
+    from adapters.sql import SQLAlchemyAdapter
+
+    schema = fresh_schema_name()
+    store = SQLAlchemyAdapter(require_postgres(), schema=schema)
+    try:
+        yield store
+    finally:
+        await drop_schema(schema)
 
 
 def _run(job: Any) -> Any:
@@ -171,14 +192,13 @@ async def _fail(worker: FakeWorker, job: Any, error: str = "ValueError: no\nTrac
     assert (await worker.report(report)).status == "applied"
 
 
-@pytest.mark.parametrize("store_kind", list(STORES))
 async def test_a_workflow_is_read_and_its_failed_member_retried_once(
-    store_kind: str, tmp_path: Path
+    any_store: StorageAdapter, tmp_path: Path
 ) -> None:
     """``get_workflow`` shows members (parents first), edges and a derived status; a
     failed member's fan-in is cancelled naming it; ``retry_workflow`` runs the member
     again and its fan-in waits for it again, then runs once with every result."""
-    store = STORES[store_kind](tmp_path)
+    store = any_store
     async with (
         running_main(store) as main,
         Client("127.0.0.1", main.port) as client,
@@ -257,14 +277,13 @@ async def test_a_handle_result_is_decoded_or_raises_for_a_job_that_failed() -> N
             await worker.close()
 
 
-@pytest.mark.parametrize("store_kind", list(STORES))
 async def test_a_waiter_on_a_dependent_is_answered_when_its_parent_fails(
-    store_kind: str, tmp_path: Path
+    any_store: StorageAdapter,
 ) -> None:
     """The dependents a parent's failure cancels, inside its settle, are notified to the
     main's waiters at once (``SupportsEndNotice``), not at the wait's expiry: the wait
     here would last an hour."""
-    store = STORES[store_kind](tmp_path)
+    store = any_store
     async with running_main(store) as main, Client("127.0.0.1", main.port) as client:
         worker = FakeWorker(main.port)
         await worker.connect()
@@ -280,3 +299,48 @@ async def test_a_waiter_on_a_dependent_is_answered_when_its_parent_fails(
             assert raised.value.status == "cancelled"
         finally:
             await worker.close()
+
+
+async def test_the_operator_command_shows_and_retries_a_workflow_on_the_store(
+    tmp_path: Path,
+) -> None:
+    """``broker workflow ID`` (a table, or ``--json``) and ``broker workflow retry ID``
+    with the main down, on the store itself (``--database-url``)."""
+    url = f"sqlite:///{tmp_path / 'ops.db'}"
+    store = STORES["sqlite"](tmp_path)
+    store = type(store)(url)
+    await store.setup()
+    try:
+        specs = workflow_specs(chain(add.bind(1, 2), add.bind(1)))
+        await store.enqueue_many(specs)
+        lease = uuid.uuid4()
+        assert await store.mark_handed_off(specs[0].id, lease, "w") is not None
+        [ok] = await store.settle_many(
+            [Settlement(specs[0].id, lease, Outcome.FAIL, error="KeyError: 'x'\nTraceback")]
+        )
+        assert ok
+    finally:
+        await store.close()
+    workflow_id = str(specs[0].workflow_id)
+    base = ("--main", f"127.0.0.1:{_closed_port()}", "--database-url", url)
+    code, out, err = await _cli(*base, "workflow", workflow_id)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == f"workflow {workflow_id}  failed  2 jobs"
+    assert lines[1].split() == ["JOB", "TASK", "STATUS", "ATTEMPTS", "PARENTS", "ERROR"]
+    assert lines[2].split()[:5] == [str(specs[0].id), "wf.add", "failed", "1", "-"]
+    assert "KeyError: 'x'" in lines[2] and "Traceback" not in out
+    assert lines[3].split()[:5] == [
+        str(specs[1].id),
+        "wf.add",
+        "cancelled",
+        "0",
+        str(specs[0].id)[:8],
+    ]
+    view = await _cli_json(*base, "workflow", str(specs[1].id))  # a member's id names it too
+    assert view["workflow_id"] == workflow_id and view["status"] == "failed"
+    assert view["edges"] == [{"parent": str(specs[0].id), "child": str(specs[1].id), "done": True}]
+    view = await _cli_json(*base, "workflow", "retry", workflow_id)
+    assert [m["status"] for m in view["members"]] == ["queued", "waiting"]
+    code, _, err = await _cli(*base, "workflow", str(uuid.uuid4()))
+    assert (code, err.strip().splitlines()[-1]) == (1, "no such workflow")
