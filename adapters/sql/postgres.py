@@ -128,6 +128,7 @@ class PostgresDialect:
     )
     insert = staticmethod(pg_dialect.insert)
     required_file: str | None = None
+    enqueue_order: sa.ColumnElement[Any] = jobs.c.seq
 
     def __init__(
         self,

@@ -201,12 +201,7 @@ class CoreQueries:
     def _workflow_order(self) -> list[sa.ColumnElement[Any]]:
         """Enqueue order: creation time, then ``seq`` (PostgreSQL) or ``rowid`` (SQLite),
         since the jobs of one enqueue share a creation time."""
-        tie = (
-            sa.literal_column("broker_jobs.rowid")
-            if self._dialect.write_engine.dialect.name == "sqlite"
-            else jobs.c.seq
-        )
-        return [jobs.c.created_us, tie, jobs.c.id]
+        return [jobs.c.created_us, self._dialect.enqueue_order, jobs.c.id]
 
     async def _workflow_edges(
         self, conn: AsyncConnection, members: Sequence[uuid.UUID]

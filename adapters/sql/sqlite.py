@@ -430,6 +430,7 @@ class SqliteDialect:
         leader_election=False,
     )
     insert = staticmethod(sqlite_dialect.insert)
+    enqueue_order: sa.ColumnElement[Any] = sa.literal_column("broker_jobs.rowid")
 
     def __init__(
         self,
