@@ -24,6 +24,7 @@ from broker import (
     group,
 )
 from broker.client.client import Client
+from broker.client.sync import SyncClient
 from broker.jobs import JobSpec, JobStatus, Outcome, Settlement
 from broker.storage import JobFilter, StorageAdapter
 from broker.tasks.registry import TaskRegistry, task
@@ -344,3 +345,30 @@ async def test_the_operator_command_shows_and_retries_a_workflow_on_the_store(
     assert [m["status"] for m in view["members"]] == ["queued", "waiting"]
     code, _, err = await _cli(*base, "workflow", str(uuid.uuid4()))
     assert (code, err.strip().splitlines()[-1]) == (1, "no such workflow")
+
+
+async def test_a_sync_handle_waits_through_its_sync_client() -> None:
+    """A ``SyncClient``'s handles (a task's, a workflow's final one) wait with
+    ``result_sync``; a cancelled workflow's result raises ``JobFailedError``, and an
+    async ``result()`` on a sync handle says which to call."""
+    async with running_main(MemoryAdapter()) as main:
+
+        def talk() -> None:
+            with SyncClient("127.0.0.1", main.port) as client:
+                handle = add.options(client=client).enqueue_sync(1, 2)
+                assert handle.client is client and handle.task is add
+                flow = client.enqueue_workflow(chain(add.bind(1, 2), add.bind(1)))
+                assert flow.final is not None and flow.final.client is client
+                view = client.get_workflow(flow)
+                assert view is not None and [m.status for m in view.members] == [
+                    JobStatus.QUEUED,
+                    JobStatus.WAITING,
+                ]
+                client.cancel_workflow(flow)
+                with pytest.raises(JobFailedError, match="ended cancelled") as raised:
+                    flow.result_sync(timeout=15)
+                assert raised.value.status == "cancelled"
+                with pytest.raises(ConfigurationError, match="result_sync"):
+                    asyncio.run(handle.result(timeout=1))
+
+        await asyncio.to_thread(talk)
