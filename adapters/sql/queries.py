@@ -59,6 +59,8 @@ from broker.storage import (
 )
 
 _QUEUED = JobStatus.QUEUED.value
+_SETTLED_BY_OTHERS = (JobStatus.QUEUED.value, JobStatus.HANDED_OFF.value)
+"""Statuses a claim or a settle moves a job out of while a workflow's retry runs."""
 _READ_ROUNDS = 5
 """Reads of rows and their payloads before a payload that keeps vanishing between the
 two is an error (see :meth:`CoreQueries._read_with_bodies`)."""
@@ -254,13 +256,26 @@ class CoreQueries:
 
     async def retry_workflow(self, workflow_id: uuid.UUID) -> list[uuid.UUID]:
         member_ids = self._members_of(workflow_id)
-        select = self._dialect.lock_rows(
-            sa.select(jobs.c.id, jobs.c.status, jobs.c.last_error, jobs.c.unique_key)
-            .where(jobs.c.id.in_(member_ids))
+        columns = (jobs.c.id, jobs.c.status, jobs.c.last_error, jobs.c.unique_key)
+        # Only the members no settle can move are locked (the running ones are read):
+        # a settle locks its job, then its dependents; locking a running member after
+        # a dependent, in id order, could deadlock with it. A running member's end that
+        # commits first is read here; one that commits after waits on the dependents'
+        # locks and then sees them as this retry left them.
+        locked = self._dialect.lock_rows(
+            sa.select(*columns)
+            .where(jobs.c.id.in_(member_ids), jobs.c.status.not_in(_SETTLED_BY_OTHERS))
             .order_by(jobs.c.id)
         )
         async with self._write("retry_workflow") as conn:
-            rows = (await conn.execute(select)).all()
+            rows = (await conn.execute(locked)).all()
+            rows += (
+                await conn.execute(
+                    sa.select(*columns).where(
+                        jobs.c.id.in_(member_ids), jobs.c.status.in_(_SETTLED_BY_OTHERS)
+                    )
+                )
+            ).all()
             by_id = {r.id: r for r in rows}
             edges = await self._workflow_edges(conn, list(by_id))
             outside = sorted({e.parent for e in edges} - set(by_id))
