@@ -298,6 +298,13 @@ async def test_a_waiter_on_a_dependent_is_answered_when_its_parent_fails(
             with pytest.raises(JobFailedError, match="ended cancelled: parent job") as raised:
                 await asyncio.wait_for(waiting, 15)
             assert raised.value.status == "cancelled"
+            # A cancel of the first step reaches the last step's waiter the same way.
+            flow = await client.enqueue_workflow(chain(add.bind(1, 2), add.bind(1), add.bind(1)))
+            waiting = asyncio.create_task(flow.result(timeout=3600))
+            await until(lambda: main.waits.waiters.waited_on([flow.job_ids[-1]]))
+            await client.cancel(flow.job_ids[0])
+            with pytest.raises(JobFailedError, match="ended cancelled: parent job"):
+                await asyncio.wait_for(waiting, 15)
         finally:
             await worker.close()
 
