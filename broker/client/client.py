@@ -619,7 +619,7 @@ class Client:
     async def get_workflow(
         self, workflow: EnqueuedWorkflow | uuid.UUID | str
     ) -> protocol.WorkflowView | None:
-        """A workflow as it stands: its ``status`` (``running``, ``completed``, ``failed``,
+        """A workflow (by its id, or the id of one of its jobs) as it stands: its ``status`` (``running``, ``completed``, ``failed``,
         ``cancelled``), its ``members`` (job id, task, status, attempts, the first line of
         the error; parents first, else in enqueue order) and ``edges`` (parent to child);
         ``None`` if no job carries that workflow id (never enqueued, or pruned)."""
