@@ -619,10 +619,11 @@ class Client:
     async def get_workflow(
         self, workflow: EnqueuedWorkflow | uuid.UUID | str
     ) -> protocol.WorkflowView | None:
-        """A workflow (by its id, or the id of one of its jobs) as it stands: its ``status`` (``running``, ``completed``, ``failed``,
-        ``cancelled``), its ``members`` (job id, task, status, attempts, the first line of
-        the error; parents first, else in enqueue order) and ``edges`` (parent to child);
-        ``None`` if no job carries that workflow id (never enqueued, or pruned)."""
+        """A workflow (by its id, or the id of one of its jobs) as it stands: its
+        ``status`` (``running``, ``completed``, ``failed``, ``cancelled``), its
+        ``members`` (job id, task, status, attempts, the first line of the error; parents
+        first, else in enqueue order) and ``edges`` (parent to child); ``None`` if no job
+        carries that workflow id (never enqueued, or pruned)."""
         workflow_id = _workflow_id(workflow)
         reply = await self._repeatable(
             lambda: self._request(
