@@ -214,9 +214,11 @@ class Edge:
     done: bool
 
 
-def workflow_status(
-    statuses: Sequence[JobStatus],
-) -> Literal["running", "completed", "failed", "cancelled"]:
+WorkflowStatus = Literal["running", "completed", "failed", "cancelled"]
+"""A workflow's status, derived from its members' (:func:`workflow_status`)."""
+
+
+def workflow_status(statuses: Sequence[JobStatus]) -> WorkflowStatus:
     """A workflow's status from its members': ``running`` while any is waiting, queued or
     handed off; then ``completed`` if every one completed, ``failed`` if one ended dead
     (its dependents cancelled because of it count as that failure), else ``cancelled``."""

@@ -63,7 +63,6 @@ from broker.wire.requests import (
     WorkflowEdge,
     WorkflowInfo,
     WorkflowMember,
-    WorkflowStatus,
     WorkflowView,
     check_prune,
 )
@@ -677,7 +676,6 @@ __all__ = [
     "WorkflowEdge",
     "WorkflowInfo",
     "WorkflowMember",
-    "WorkflowStatus",
     "WorkflowView",
     "check_proof",
     "check_prune",

@@ -12,10 +12,11 @@ import operator
 import uuid
 from collections.abc import Collection, Mapping
 from datetime import datetime, timedelta
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 
+from broker.dependencies import WorkflowStatus
 from broker.exceptions import InvalidJobError
 from broker.jobs import (
     SPEC_FIELDS,
@@ -217,9 +218,6 @@ class WorkflowEdge(Nested, frozen=True):
     parent: uuid.UUID
     child: uuid.UUID
     done: bool
-
-
-WorkflowStatus = Literal["running", "completed", "failed", "cancelled"]
 
 
 class WorkflowView(Nested, frozen=True):
