@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help install lock audit test test-loaded test-slow lint typecheck layering pytest demo bench bench-soak bench-floor bench-storage bench-runners bench-enqueue format clean
+.PHONY: help install lock audit test test-loaded test-slow lint typecheck layering pytest demo bench bench-soak bench-floor bench-storage bench-runners bench-enqueue bench-failover format clean
 
 help:
 	@echo "make demo           run a main on SQLite with a worker and example jobs"
@@ -20,6 +20,7 @@ help:
 	@echo "make bench-soak     broker-main RSS over 1,000,000 jobs on PostgreSQL (about 20 min)"
 	@echo "make bench-floor    the per-job cost of each hot-path primitive (the floor estimate)"
 	@echo "make bench-enqueue  the enqueue path alone on PostgreSQL: rates and CPU per job per process"
+	@echo "make bench-failover first job completed after a leader's kill -9, ten takeovers (PostgreSQL)"
 	@echo "make format         apply ruff formatting"
 
 # The development environment is requirements-dev.lock: every package pinned, with its
@@ -106,6 +107,9 @@ bench-floor: $(STAMP)
 
 bench-enqueue: $(STAMP)
 	$(BIN)/python -m bench.enqueue_bench broker-postgres --reps 3
+
+bench-failover: $(STAMP)
+	$(BIN)/python -m bench.failover
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix broker adapters runners tests bench

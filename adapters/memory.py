@@ -289,9 +289,11 @@ class MemoryAdapter:
         skip: Collection[uuid.UUID] = (),
         exclude_queues: Collection[str] = (),
         tasks: Collection[str] | None = None,
+        exclude_keys: Collection[tuple[str, str]] = (),
     ) -> list[Job]:
         now = self._clock()
         skipped = set(skip)
+        keys = set(exclude_keys)
         due = [
             job
             for job in self._eligible(modes, queues, exclude_queues)
@@ -299,6 +301,7 @@ class MemoryAdapter:
             and self._key_has_room(job)
             and job.id not in skipped
             and (tasks is None or job.task in tasks)
+            and (not keys or (job.task, job.rate_key or "") not in keys)
         ]
         due.sort(key=lambda job: dispatch_key(job.priority, job.run_at, job.created_at))
         return [self._snapshot(job.id, payloads=False) for job in due[:limit]]

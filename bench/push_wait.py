@@ -54,8 +54,23 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def _main_rss(pid: int) -> float | None:
-    await asyncio.sleep(1.0)  # let the main's allocations settle before reading
+def _cpu_ticks(pid: int) -> int:
+    """User plus system CPU of ``pid`` so far, in clock ticks (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+async def _main_rss(pid: int, quiet_ticks: int = 2, limit: float = 120.0) -> float | None:
+    """The main's RSS once it has gone quiet (at most ``quiet_ticks`` of CPU in each of two
+    half-seconds running): each wait is a store read, and 10,000 of them take the main
+    seconds on a loaded machine, so a fixed pause read the memory halfway."""
+    deadline = time.monotonic() + limit
+    before, calm = _cpu_ticks(pid), 0
+    while calm < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        now = _cpu_ticks(pid)
+        calm = calm + 1 if now - before <= quiet_ticks else 0
+        before = now
     return rss_mb(pid)
 
 

@@ -33,6 +33,7 @@ from broker.exceptions import IdempotencyConflictError, InvalidJobError
 from broker.model.bounds import (
     MAX_NAME_BYTES,
     MAX_PARENTS,
+    MAX_RATE_KEY_BYTES,
     MAX_TRACE_CONTEXT_BYTES,
     MAX_TRACE_CONTEXT_ENTRIES,
 )
@@ -301,6 +302,11 @@ class JobSpec:
     """The W3C trace context (``traceparent``, ``tracestate``) of the span that enqueued
     the job, so that its run is a child of it; the client fills it in from the active
     span when OpenTelemetry is installed (see ``docs/howto/tracing.md``)."""
+    rate_key: str | None = None
+    """Which bucket of its task's per-key rate limit the job spends
+    (``@task(rate_limit=..., rate_key="{tenant}")``): the task's template filled from the
+    job's arguments once, at enqueue, so that dispatch never reads the arguments; at most
+    :data:`~broker.model.bounds.MAX_RATE_KEY_BYTES`."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.task, str) or not self.task.strip():
@@ -313,7 +319,9 @@ class JobSpec:
             unique_key=self.unique_key,
             idempotency_key=self.idempotency_key,
             concurrency_key=self.concurrency_key,
+            rate_key=self.rate_key,
         )
+        _require_rate_key(self.rate_key)
         args, kwargs = _own_arguments(self.args, self.kwargs)
         if args is not self.args:
             object.__setattr__(self, "args", args)
@@ -358,6 +366,16 @@ class JobSpec:
         _require_recovery_options(self.max_recoveries, self.local_state)
         _require_dependencies(self)
         object.__setattr__(self, "trace_context", _trace_context(self.trace_context))
+
+
+def _require_rate_key(key: str | None) -> None:
+    """A rate key (checked as a name already) is within
+    :data:`~broker.model.bounds.MAX_RATE_KEY_BYTES`."""
+    if key is not None and len(key.encode("utf-8", "surrogatepass")) > MAX_RATE_KEY_BYTES:
+        raise InvalidJobError(
+            f"rate_key must be at most {MAX_RATE_KEY_BYTES} bytes (a tenant id, an "
+            "account: a name, not a payload)"
+        )
 
 
 def _require_dependencies(spec: JobSpec) -> None:
@@ -513,6 +531,8 @@ class Job:
     that ran that attempt, so holds its local state. Cleared by the next claim."""
     trace_context: dict[str, str] | None = None
     """The W3C trace context of the span that enqueued the job (see :class:`JobSpec`)."""
+    rate_key: str | None = None
+    """The bucket of its task's per-key rate limit it spends (see :class:`JobSpec`)."""
 
     @classmethod
     def from_spec(cls, spec: JobSpec, now: datetime) -> Job:

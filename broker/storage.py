@@ -73,7 +73,7 @@ from broker.model.rates import Rate
 
 logger = logging.getLogger("broker.main")
 
-SCHEMA_VERSION = 17
+SCHEMA_VERSION = 18
 """The schema version this code writes and understands; stores record theirs."""
 
 
@@ -552,7 +552,10 @@ class SupportsQueueSettings(Protocol):
     still works: a main on it refuses to pause or limit a queue, saying why.
     ``select_eligible`` and ``next_run_at`` of such an adapter also take
     ``exclude_queues`` (a collection of queue names, default empty): jobs of those
-    queues are left out, as jobs of queues not in ``queues`` are. The conformance kit
+    queues are left out, as jobs of queues not in ``queues`` are. ``select_eligible``
+    also takes ``exclude_keys`` (``(task, rate key)`` pairs, default empty): a job of
+    that task with that ``rate_key`` (``""`` for a job without one) is left out, so a
+    tenant whose per-key limit has no token never hides the others' jobs. The conformance kit
     (:mod:`broker.testing.conformance`) checks both.
     """
 

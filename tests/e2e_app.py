@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 from broker.tasks.context import current_job
@@ -42,6 +43,13 @@ async def record(key: str, seconds: float = 0.0) -> int:
 @task(mode="inline", rate_limit="20/s", rate_burst=2)
 async def record_limited(key: str, seconds: float = 0.0) -> int:
     """:func:`record`, limited to 20 a second across every worker
+    (``tests/e2e/test_flow_control.py``)."""
+    return await record(key, seconds)
+
+
+@task(mode="inline", rate_limit="10/s", rate_key="{tenant}")
+async def record_per_tenant(key: str, tenant: str, seconds: float = 0.0) -> int:
+    """:func:`record`, limited to 10 a second for each tenant apart, across every worker
     (``tests/e2e/test_flow_control.py``)."""
     return await record(key, seconds)
 
@@ -117,28 +125,81 @@ async def charge_once(key: str) -> None:
     raise RuntimeError(f"charge {key} failed")
 
 
+def _effect(key: str, directory: str | None = None) -> None:
+    """A workflow step's one side effect, logged with the attempt it belongs to as the
+    task was told (``effect KEY ATTEMPT RECOVERIES PID`` in ``effects-PID.log``): the
+    test counts effects per attempt against the attempts and recoveries in the store."""
+    job = current_job()
+    path = os.path.join(directory or os.environ[LOG_DIR_ENV], f"effects-{os.getpid()}.log")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, f"effect {key} {job.attempt} {job.recoveries} {os.getpid()}\n".encode())
+    finally:
+        os.close(fd)
+
+
 @task(mode="inline")
-async def wf_member(key: str, value: int, seconds: float = 0.0) -> int:
+async def wf_member(key: str, value: int, seconds: float = 0.0, gate: str = "") -> int:
     """A workflow member (``tests/e2e/test_workflows_e2e.py``): logged like :func:`record`,
-    its result ``value * value``."""
+    held until the file ``gate`` exists if one is named (see :func:`hold`), its effect
+    logged by :func:`_effect`, its result ``value * value``."""
     _log("start", key)
     if seconds > 0:
         await asyncio.sleep(seconds)
+    if gate:
+        await _gate(gate, 120)
+    _effect(key)
     _log("end", key)
     return value * value
+
+
+@task(mode="pooled")
+def wf_member_pooled(key: str, value: int, runs: str, gate: str = "") -> int:
+    """:func:`wf_member` in a pooled child, which logs to ``runs`` (it does not inherit
+    ``BROKER_*`` variables): the pid in its lines is the child's, for the test to kill."""
+    _log("start", key, runs)
+    _wait_for_file(gate)
+    _effect(key, runs)
+    _log("end", key, runs)
+    return value * value
+
+
+def _wait_for_file(gate: str, limit: float = 120.0) -> None:
+    """:func:`_gate` for a sync task (it runs in a thread of its own); none if ``gate`` is
+    empty."""
+    deadline = time.monotonic() + limit
+    while gate and not os.path.exists(gate):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gate {gate} did not open within {limit} s")
+        time.sleep(0.02)
 
 
 @task(mode="inline")
 async def wf_collect(results: list[int], key: str) -> int:
     """A fan-in over ``wf_member`` results: logged, the sum of what it received."""
     _log("start", key)
+    _effect(key)
     _log("end", key)
     return sum(results)
 
 
 @task(mode="inline")
-async def wf_step(value: int, key: str) -> int:
-    """A chain step: logged, one more than the step before."""
+async def wf_step(value: int, key: str, gate: str = "") -> int:
+    """A chain step: logged, held by ``gate`` as :func:`wf_member`, one more than the step
+    before."""
     _log("start", key)
+    if gate:
+        await _gate(gate, 120)
+    _effect(key)
     _log("end", key)
+    return value + 1
+
+
+@task(mode="pooled")
+def wf_step_pooled(value: int, key: str, runs: str, gate: str = "") -> int:
+    """:func:`wf_step` in a pooled child (see :func:`wf_member_pooled`)."""
+    _log("start", key, runs)
+    _wait_for_file(gate)
+    _effect(key, runs)
+    _log("end", key, runs)
     return value + 1

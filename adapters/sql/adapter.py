@@ -349,12 +349,16 @@ class SQLAlchemyAdapter(CoreQueries):
         skip: Collection[uuid.UUID] = (),
         exclude_queues: Collection[str] = (),
         tasks: Collection[str] | None = None,
+        exclude_keys: Collection[tuple[str, str]] = (),
     ) -> list[Job]:
         queues, exclude = _queue_filter(queues, exclude_queues)
         if not modes or limit <= 0 or queues == set() or (tasks is not None and not tasks):
             return []
+        keys = sorted(set(exclude_keys))
         with self._errors.translate("select_eligible"):
-            return await self._dialect.select_eligible(modes, queues, exclude, limit, skip, tasks)
+            return await self._dialect.select_eligible(
+                modes, queues, exclude, limit, skip, tasks, keys
+            )
 
     async def next_run_at(
         self,

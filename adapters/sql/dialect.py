@@ -74,6 +74,7 @@ class Dialect(Protocol):
         limit: int,
         skip: Collection[uuid.UUID],
         tasks: Collection[str] | None,
+        exclude_keys: Sequence[tuple[str, str]],
     ) -> list[Job]: ...
     async def next_run_at(
         self,

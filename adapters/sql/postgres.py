@@ -224,6 +224,7 @@ class PostgresDialect:
         limit: int,
         skip: Collection[uuid.UUID],
         tasks: Collection[str] | None,
+        exclude_keys: Sequence[tuple[str, str]],
     ) -> list[Job]:
         wanted: list[Any] = [sorted({ExecutionMode(m).value for m in modes})]
         sql = self._sql
@@ -235,8 +236,12 @@ class PostgresDialect:
             wanted.append(list(exclude))
             statement = sql.eligible_not_in_queues
         of_tasks = None if tasks is None else sorted(set(tasks))
+        key_tasks = [task for task, _ in exclude_keys] if exclude_keys else None
+        keys = [key for _, key in exclude_keys] if exclude_keys else None
         async with self._hot.acquire() as conn:
-            found = await conn.fetch(statement, *wanted, self._now(), limit, list(skip), of_tasks)
+            found = await conn.fetch(
+                statement, *wanted, self._now(), limit, list(skip), of_tasks, key_tasks, keys
+            )
         return [job_from_row(r) for r in found]
 
     async def next_run_at(

@@ -298,13 +298,15 @@ class HotSql:
 
         def eligible(queue_test: str, now: int) -> str:
             """The best due jobs of the modes in ``$1``, of the tasks in ``$now + 3``
-            (``NULL``: any), but those in the skipped ids (``$now + 2``), their payloads
+            (``NULL``: any), but those in the skipped ids (``$now + 2``) and those of the
+            (task, rate key) pairs left out (``$now + 4``, ``$now + 5``: ``NULL``, none;
+            a job without a key is its task's key ``''``), their payloads
             left out (see ``adapters.sql.schema.selection``):
             each mode's best read from the dispatch index, which leads with the mode
             (see ``adapters.sql.schema._v11_dispatch_by_mode``), in order and no further than
             the limit (``$now + 1``), then the best of those. A mode without queued
             jobs costs one index probe, however deep the other modes' backlog."""
-            limit, skip, tasks = now + 1, now + 2, now + 3
+            limit, skip, tasks, key_tasks, keys = now + 1, now + 2, now + 3, now + 4, now + 5
             return f"""
                 SELECT e.* FROM unnest($1::text[]) AS m(mode) CROSS JOIN LATERAL (
                     SELECT {selected} FROM {t} j
@@ -312,6 +314,11 @@ class HotSql:
                         AND run_at_us <= ${now} AND {not_full}
                         AND NOT (id = ANY(${skip}::uuid[]))
                         AND (${tasks}::text[] IS NULL OR task = ANY(${tasks}::text[]))
+                        AND (${key_tasks}::text[] IS NULL OR NOT EXISTS (
+                            SELECT 1 FROM unnest(${key_tasks}::text[], ${keys}::text[])
+                                AS b(task, key)
+                            WHERE b.task = j.task AND b.key = COALESCE(j.rate_key, '')
+                        ))
                     {order} LIMIT ${limit}
                 ) e
                 {order} LIMIT ${limit}

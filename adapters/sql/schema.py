@@ -143,6 +143,8 @@ def _define(md: sa.MetaData, version: int) -> tuple[sa.Table, sa.Table, sa.Table
         jobs.append_column(_has_dependents_column())
     if version >= TRACE_CONTEXT_VERSION:
         jobs.append_column(_trace_context_column())
+    if version >= RATE_KEY_VERSION:
+        jobs.append_column(_rate_key_column())
     return jobs, concurrency, schema_version
 
 
@@ -231,6 +233,17 @@ def _trace_context_column() -> sa.Column[Any]:
     """Version 15's column: the W3C trace context of the span that enqueued the job, as
     JSON text (``NULL``: none)."""
     return sa.Column("trace_context", sa.Text(), nullable=True)
+
+
+def _rate_key_column() -> sa.Column[Any]:
+    """Version 18's column: the job's per-key rate limit bucket (``@task(rate_key=...)``
+    filled at enqueue; ``NULL``: none), which dispatch reads leave out while it has no
+    token."""
+    return sa.Column("rate_key", sa.Text(), nullable=True)
+
+
+RATE_KEY_VERSION = 18
+"""The schema version of per-key rate limits (the ``rate_key`` column)."""
 
 
 UNIQUE_ACTIVE_INDEX = "ux_broker_jobs_unique_key_active"
@@ -778,6 +791,14 @@ def _v17_trace_context(conn: sa.Connection, schema: str | None) -> None:
     conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {ddl}")
 
 
+def _v18_rate_key(conn: sa.Connection, schema: str | None) -> None:
+    """Version 18: ``rate_key``, nullable, so neither backend rewrites existing rows (they
+    were enqueued before per-key limits, and spend their task's key-less bucket)."""
+    table = _qualified(conn, schema, "broker_jobs")
+    ddl = sa.schema.CreateColumn(_rate_key_column()).compile(dialect=conn.dialect)
+    conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {ddl}")
+
+
 Migration = Callable[[sa.Connection, str | None], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
@@ -798,6 +819,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (15, _v15_dependencies),
     (16, _v16_queue_settings),
     (17, _v17_trace_context),
+    (18, _v18_rate_key),
 )
 """``(version, migration)`` in ascending order; the last version is :data:`SCHEMA_VERSION`."""
 

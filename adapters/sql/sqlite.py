@@ -184,8 +184,9 @@ _LITE_NEXT_RUN_NOT_IN_QUEUES = _LITE_NEXT_RUN + _LITE_NOT_IN_QUEUES
 def _lite_eligible(queue_test: str) -> str:
     """SQLite's selection: the best due jobs of the modes in ``?1`` (and queues in ``?2``)
     whose concurrency key has room, of the tasks in ``?6`` (``NULL``: any), but those in
-    the skipped ids (``?5``), at most ``?4`` (``?3`` is the time now), their payloads left
-    out (see ``_sql_schema.selection``).
+    the skipped ids (``?5``) and those of the ``[task, rate key]`` pairs in ``?7``
+    (``NULL``: none; a job without a key is its task's key ``''``), at most ``?4``
+    (``?3`` is the time now), their payloads left out (see ``_sql_schema.selection``).
     The dispatch index gives them in order: its predicate is the status test here,
     written as the index's own (a literal), so no sort step is needed; ``rowid`` (the
     index's own last column) breaks ties in enqueue order."""
@@ -198,6 +199,11 @@ def _lite_eligible(queue_test: str) -> str:
             )
             AND id NOT IN (SELECT value FROM json_each(?5))
             AND (?6 IS NULL OR task IN (SELECT value FROM json_each(?6)))
+            AND (?7 IS NULL OR NOT EXISTS (
+                SELECT 1 FROM json_each(?7) AS b
+                WHERE json_extract(b.value, '$[0]') = j.task
+                    AND json_extract(b.value, '$[1]') = coalesce(j.rate_key, '')
+            ))
         ORDER BY priority DESC, run_at_us, created_us, seq, j.rowid
         LIMIT ?4
     """
@@ -489,10 +495,12 @@ class SqliteDialect:
         limit: int,
         skip: Collection[uuid.UUID],
         tasks: Collection[str] | None,
+        exclude_keys: Sequence[tuple[str, str]],
     ) -> list[Job]:
         params, test = _lite_wanted(modes, queues, exclude)
         params += (self._now(), limit, json.dumps([job_id.hex for job_id in skip]))
         params += (None if tasks is None else json.dumps(sorted(set(tasks))),)
+        params += (json.dumps([list(pair) for pair in exclude_keys]) if exclude_keys else None,)
         statement = _LITE_ELIGIBLE_BY_TEST[test]
         rows = await self._reads.run(lambda conn: conn.execute(statement, params).fetchall())
         return [_lite_job(r) for r in rows]

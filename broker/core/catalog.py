@@ -106,6 +106,7 @@ def declaration(task: Task[..., Any]) -> protocol.TaskDeclaration:
         backoff=None if task.backoff is None else describe_backoff(task.backoff),
         rate_limit=None if task.rate_limit is None else str(task.rate_limit),
         rate_burst=None if task.rate_limit is None else task.rate_limit.burst,
+        rate_key=task.rate_key,
     )
     if len(msgspec.json.encode(declared)) > MAX_DECLARATION_BYTES:
         declared = msgspec.structs.replace(declared, signature=None)
@@ -210,13 +211,18 @@ def check_declarations(tasks: Sequence[protocol.TaskDeclaration]) -> None:
                 f"the declaration of task {task.name[:100]!r} is {size} bytes, over "
                 f"the limit of {MAX_DECLARATION_BYTES}; nothing of it is recorded"
             )
-        if task.concurrency_key is not None:
+        for option, template in (
+            ("concurrency_key", task.concurrency_key),
+            ("rate_key", task.rate_key),
+        ):
+            if template is None:
+                continue
             try:
-                key_template_fields(task.concurrency_key)
+                key_template_fields(template)
             except ValueError as exc:
                 raise CatalogLimitError(
-                    f"task {task.name[:100]!r}: concurrency_key "
-                    f"{task.concurrency_key[:100]!r}: {exc}; nothing of it is recorded"
+                    f"task {task.name[:100]!r}: {option} "
+                    f"{template[:100]!r}: {exc}; nothing of it is recorded"
                 ) from None
 
 
@@ -501,17 +507,26 @@ def _defaults(declared: protocol.TaskDeclaration, request: protocol.JobRequest) 
     if request.concurrency_key is None and declared.concurrency_key is not None:
         defaults["concurrency_key"] = _format_key(declared, request)
         defaults["concurrency_limit"] = declared.concurrency_limit
+    if request.rate_key is None and declared.rate_key is not None and declared.rate_limit:
+        defaults["rate_key"] = _format_key(declared, request, declared.rate_key, "rate_key")
     if request.unique_key is None and declared.unique:
         defaults["unique_key"] = default_unique_key(request.task, request.args, request.kwargs)
     return defaults
 
 
-def _format_key(declared: protocol.TaskDeclaration, request: protocol.JobRequest) -> str:
-    """The task's concurrency-key template filled from the job's arguments, positional
-    ones named by the declared parameters (as ``Task`` fills it, except that a parameter
-    the job leaves to the function's default cannot be named here)."""
-    template = declared.concurrency_key or ""
+def _format_key(
+    declared: protocol.TaskDeclaration,
+    request: protocol.JobRequest,
+    template: str | None = None,
+    option: str = "concurrency_key",
+) -> str:
+    """One of the task's key templates (its concurrency key's unless ``template`` is
+    given, with the ``option`` it is named by) filled from the job's arguments,
+    positional ones named by the declared parameters (as ``Task`` fills it, except that
+    a parameter the job leaves to the function's default cannot be named here: such a
+    job is refused, ``InvalidJobError``)."""
+    template = (declared.concurrency_key or "") if template is None else template
     if "{" not in template and "}" not in template:
         return template
     values = {**dict(zip(declared.parameters, request.args, strict=False)), **request.kwargs}
-    return fill_key_template(template, declared.name, values)
+    return fill_key_template(template, declared.name, values, option)

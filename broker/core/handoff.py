@@ -238,13 +238,14 @@ class Handoff:
         peer_id: int,
         tasks: Collection[str],
         rate_limits: Mapping[str, Rate] | None = None,
+        keyed: Collection[str] = (),
     ) -> list[HandoffEffect]:
         """A worker declared the ``tasks`` it runs (its ``tasks`` message, taken into the
         catalog): from now on it is handed only jobs of those
         (:meth:`Peer.serves <broker.core.peers.Peer.serves>`). Jobs no worker could run
         until now may go: what was proven drained was proven for the tasks served before.
-        ``rate_limits`` are the limits it declared for some of them (see
-        :meth:`_limit_tasks`)."""
+        ``rate_limits`` are the limits it declared for some of them, per key for those
+        in ``keyed`` (see :meth:`_limit_tasks`)."""
         peer = self.worker_peers.get(peer_id)
         if peer is None:
             return []
@@ -252,6 +253,7 @@ class Handoff:
         self._declarations += 1
         peer.declared_order = self._declarations
         peer.rate_limits = dict(rate_limits or {})
+        peer.keyed_limits = frozenset(keyed)
         self._limit_tasks()
         self._runnable_stale = True
         self.queue_changed()
@@ -264,9 +266,11 @@ class Handoff:
         the code, its old workers gone) is dropped. Kept in the one place every dispatch
         asks, :class:`FlowControl`, so a limit holds across every worker."""
         rates: dict[str, Rate] = {}
+        keyed: dict[str, bool] = {}
         for peer in sorted(self.worker_peers.values(), key=lambda p: p.declared_order):
             rates.update(peer.rate_limits)
-        self.flow.limit_tasks(rates)
+            keyed.update((task, task in peer.keyed_limits) for task in peer.rate_limits)
+        self.flow.limit_tasks(rates, [task for task, per_key in keyed.items() if per_key])
 
     def tasks_to_read(self, now: float) -> frozenset[str] | None:
         """The tasks a dispatch read at ``now`` asks for: those some connected worker
@@ -513,12 +517,12 @@ class Handoff:
         self.placement.start(workers)
         flow = self.flow
         for job in jobs:
-            if job.id in claiming or not flow.admits(job.queue, now, job.task):
+            if job.id in claiming or not flow.admits(job.queue, now, job.task, job.rate_key):
                 continue
             peer, route = self.placement.pick(job, now)
             if peer is None or not peer.credits.reserve(job.execution_mode):
                 continue  # the credit check: no free slot for this job anywhere
-            flow.admitted(job.queue, now, job.task)
+            flow.admitted(job.queue, now, job.task, job.rate_key)
             self.placement.reserved(peer, job.execution_mode)
             self.placement.placed(job)
             planned = PlannedClaim(
@@ -593,7 +597,7 @@ class Handoff:
             and spec.execution_mode in drained
             and claimable_at_enqueue(spec, now)
             and not self.flow.governed(spec.queue)
-            and spec.task not in self.flow.task_buckets
+            and not self.flow.limits(spec.task)
             else None
             for spec in specs
         ]

@@ -185,6 +185,8 @@ class Peer:
     was not taken (over a bound), is taken to run any task, as before routing by task."""
     rate_limits: Mapping[str, Rate] = field(default_factory=dict)
     """The rate limits it declared with its tasks (``@task(rate_limit=...)``)."""
+    keyed_limits: frozenset[str] = frozenset()
+    """The tasks of :attr:`rate_limits` limited per key (``@task(rate_key=...)``)."""
     declared_order: int = 0
     """When it declared, as a count of declarations the main took: the newest declaration
     of a task's limit wins (:meth:`Handoff.declared <broker.core.handoff.Handoff.declared>`)."""

@@ -20,6 +20,19 @@ way, so from then on until the next connection the delay is capped at
 :data:`FOLLOW_DELAY`, a leader it names (other than itself) is tried at once, like a
 redirect, and the welcome forgives those attempts. A worker thus follows a new leader
 within about one :data:`FOLLOW_DELAY` of its election.
+
+A welcome from a main other than the one that welcomed the last connection forgives
+everything counted before it, short connections included. A connection that ends before
+:data:`STABLE_CONNECTION` counts as a failure, so that a main that welcomes and drops
+at once is backed off from; but a leader killed less than a second after its workers
+arrived (takeovers back to back) also ended its connections early, and each such
+failure was carried through the next failover (restored at the welcome) into the wait
+before the first attempt of the one after: the first wait after a loss is not capped, as
+no standby has answered yet, so it doubled with every takeover (a worker followed the
+new leaders 1.9, 2.7, 5.0, 8.1 s after their elections while the other, whose
+connections happened to last a second, stayed under 0.3 s). A new main's welcome says
+that whatever ended the connections before it was not this main's doing; the same main
+welcoming again keeps the count, so one that drops at once is still backed off from.
 """
 
 from __future__ import annotations
@@ -77,6 +90,8 @@ class Reconnect:
         welcome forgives the attempts since (see :meth:`connected`)."""
         self._redirected = False
         """The last attempt went, at once, to the leader a standby named."""
+        self._main: str | None = None
+        """The main (its ``main_id``) that welcomed the last connection."""
 
     def unreachable(self) -> float:
         """Connecting failed (no answer, a refused or broken handshake, a TLS error): the
@@ -100,14 +115,22 @@ class Reconnect:
         self._redirected = redirect
         return 0.0 if redirect else self._delay(self.failures)
 
-    def connected(self, now: float) -> None:
-        """A main welcomed this worker at ``now``. The attempts made while following a new
-        leader are forgiven: they said nothing against this main, and counted in, a
-        connection shorter than :data:`STABLE_CONNECTION` (the next failover coming
-        soon) would be followed by the backoff's longest wait."""
+    def connected(self, now: float, main: str) -> None:
+        """The main ``main`` (its ``main_id``) welcomed this worker at ``now``.
+
+        A main other than the last one to welcome it forgives every failure counted: the
+        attempts, and the connections that ended early, were all about other mains (a
+        leader killed soon after its workers arrived ends their connections early too).
+        The same main again forgives only the attempts made while following it (a
+        standby named it): they said nothing against it, while its own connections that
+        ended at once still count, so a main that welcomes and drops is backed off from.
+        """
         self._connected_at = now
-        if self._before_failover is not None:
+        if main != self._main:
+            self.failures = 0
+        elif self._before_failover is not None:
             self.failures = self._before_failover
+        self._main = main
         self._before_failover = None
         self._redirected = False
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
+import msgspec
+
 from broker.core import jobfields as codec
 from broker.core.handoff import (
     Abort,
@@ -26,6 +28,7 @@ from broker.core.handoff import (
 from broker.main.leader import Leader
 from broker.main.metrics import MainMetrics
 from broker.main.sessions import Gathered, Session
+from broker.model import tracing
 from broker.model.logs import log_event
 from broker.wire import messages as protocol
 
@@ -48,7 +51,12 @@ def carry(
         # The three effects every job makes come first: each case is a type test.
         match effect:
             case Dispatch(peer=peer, seq=seq, job=job, state_lost=state_lost):
-                out.add(peer, protocol.Jobs, codec.job_message(seq, job, state_lost=state_lost))
+                handoff = codec.job_message(seq, job, state_lost=state_lost)
+                # One flag read per job without OpenTelemetry (or a job outside a trace).
+                traced = tracing.ENABLED and job.trace_context is not None
+                out.add(
+                    peer, protocol.Jobs, _traced(handoff, sessions.get(peer)) if traced else handoff
+                )
                 metrics.handed_off(job)
             case Settle(peer=peer, report=report):
                 leader.settler.add(peer, report)
@@ -83,3 +91,20 @@ def carry(
                 metrics.progress_received()
                 leader.progress.add(update)
     out.send_all()
+
+
+def _traced(message: protocol.JobHandoff, session: Session | None) -> protocol.JobHandoff:
+    """``message`` carrying the context of its dispatch's span (:func:`tracing.dispatch`)
+    instead of the enqueue's: the run becomes the dispatch's child."""
+    assert message.trace_context is not None
+    onward = tracing.dispatch(
+        message.task,
+        message.job_id,
+        message.queue,
+        message.attempt,
+        None if session is None else session.worker_id,
+        message.trace_context,
+    )
+    if onward is message.trace_context:
+        return message
+    return msgspec.structs.replace(message, trace_context=dict(onward))

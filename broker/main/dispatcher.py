@@ -34,6 +34,7 @@ import logging
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from typing import Any
 
 from broker.core import pacing
 from broker.core.handoff import ClaimJobs, Handoff, HandoffEffect, PlannedClaim
@@ -303,21 +304,21 @@ class Dispatcher:
         self, modes: set[ExecutionMode], queues: set[str] | None, size: int, blocked: frozenset[str]
     ) -> list[Job]:
         """A read of the store: the best ``size`` eligible jobs of ``modes`` in ``queues``,
-        but those being claimed, those of the queues held back (``blocked``) and those of
+        but those being claimed, those of the queues held back (``blocked``), those of
         tasks no connected worker declared or whose rate limit has no token
-        (:meth:`Handoff.tasks_to_read <broker.core.handoff.Handoff.tasks_to_read>`)."""
+        (:meth:`Handoff.tasks_to_read <broker.core.handoff.Handoff.tasks_to_read>`) and
+        those of the keys of per-key limits with no token
+        (:meth:`FlowControl.leave_out_keys <broker.core.flow.FlowControl.leave_out_keys>`)."""
         tasks = self._handoff.tasks_to_read(self._now())
+        keys = self._handoff.flow.leave_out_keys(self._now())
+        # Only what some limit needs: a store without queue settings takes neither.
+        extra: dict[str, Any] = {}
         if blocked:
-            return await self._store.select_eligible(  # type: ignore[call-arg]
-                modes=modes,
-                queues=queues,
-                limit=size,
-                skip=self._claiming(),
-                tasks=tasks,
-                exclude_queues=blocked,
-            )
+            extra["exclude_queues"] = blocked
+        if keys:
+            extra["exclude_keys"] = keys
         return await self._store.select_eligible(
-            modes=modes, queues=queues, limit=size, skip=self._claiming(), tasks=tasks
+            modes=modes, queues=queues, limit=size, skip=self._claiming(), tasks=tasks, **extra
         )
 
     async def _eligible(

@@ -41,6 +41,7 @@ from broker.core.handoff import (
     Handoff,
     HandoffEffect,
 )
+from broker.core.why import wait_reason
 from broker.exceptions import transient
 from broker.jobs import Clock, Job, utcnow
 from broker.main.carrier import carry
@@ -136,6 +137,7 @@ class Main:
             status=self.status,
             live_workers=self._live_workers,
             waits=self.waits,
+            why=self._wait_reason,
         )
         """The client requests (:mod:`broker.main.operations`), under this main's limits."""
         self.declarations = Declarations(
@@ -431,6 +433,13 @@ class Main:
         self._carry(self.handoff.cancelled(job))
 
     # ------------------------------------------------------------------ liveness and exits
+
+    def _wait_reason(self, job: Job) -> str | None:
+        """Why ``job`` waits (:func:`broker.core.why.wait_reason`), when this main knows:
+        only the dispatching one does (a standby's core has no workers)."""
+        if not self.leading:
+            return None
+        return wait_reason(job, self.handoff, asyncio.get_running_loop().time(), self._clock())
 
     def _live_workers(self) -> set[str]:
         """The workers connected now."""

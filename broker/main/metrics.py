@@ -47,6 +47,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from broker.core.history import History
 from broker.jobs import ExecutionMode, Job, JobStatus, Outcome, Settlement
 from broker.model.bounds import MAX_LABEL_BYTES, MAX_LABEL_SETS, MAX_METRICS_BYTES
 from broker.storage import QueueCount, StorageAdapter, eligible_reader
@@ -112,14 +113,6 @@ class _ByJob:
         for key, value in self.counts.items():
             family.add_metric(key, value)
         return family
-
-    def totals_by_queue(self) -> dict[str, float]:
-        """The counts summed over tasks, by queue label (:func:`label`): the dashboard's
-        throughput, read at page loads."""
-        totals: dict[str, float] = {}
-        for (queue, _), value in self.counts.items():
-            totals[queue] = totals.get(queue, 0.0) + value
-        return totals
 
 
 _OTHERS = (OTHER, OTHER)
@@ -244,14 +237,17 @@ class MainMetrics:
             registry=reg,
         )
         self._store_children: dict[str, Any] = {}
+        self.history = History()
+        """The same events minute by minute, for the dashboard's charts (fed here, where
+        they are counted: a few additions per event)."""
 
     def handed_off(self, job: Job) -> None:
         """``job`` left for a worker: count it and how long it waited since due."""
         self.started.inc(job.queue, job.task)
         if job.handed_off_at is not None:
-            self._wait.observe(
-                (job.queue,), max(0.0, (job.handed_off_at - job.run_at).total_seconds())
-            )
+            wait = max(0.0, (job.handed_off_at - job.run_at).total_seconds())
+            self._wait.observe((job.queue,), wait)
+            self.history.started(job.handed_off_at.timestamp(), job.queue, job.task, wait)
 
     def settled(self, job: Job | None, settlement: Settlement, now: datetime) -> None:
         """A report was applied to ``job`` (as the main held it, ``None`` if it no longer
@@ -259,15 +255,19 @@ class MainMetrics:
         if job is None:
             return
         outcome = settlement.outcome
+        at = now.timestamp()
         if outcome is Outcome.COMPLETE:
             self.completed.inc(job.queue, job.task)
+            self.history.completed(at, job.queue, job.task)
         elif outcome is Outcome.FAIL:
             self.failed.inc(job.queue, job.task)
             if settlement.run_at is None:
                 self.dead.inc(job.queue, job.task)
+            self.history.failed(at, job.queue, job.task, retried=settlement.run_at is not None)
         elif outcome is Outcome.LOST:
             if settlement.run_at is None:  # its recovery limit
                 self.dead.inc(job.queue, job.task)
+            self.history.failed(at, job.queue, job.task, retried=settlement.run_at is not None)
             return  # a lost attempt is no run's end the task reached
         else:
             return  # a release or reschedule is no run's end
@@ -342,16 +342,18 @@ class MeasuredStore:
         skip: Collection[uuid.UUID] = (),
         tasks: Collection[str] | None = None,
         exclude_queues: Collection[str] = (),
+        exclude_keys: Collection[tuple[str, str]] = (),
     ) -> list[Job]:
         with self._timed("select"):
-            if exclude_queues:  # only a store with SupportsQueueSettings is asked this
-                return await self._store.select_eligible(  # type: ignore[call-arg]
-                    modes=modes,
-                    queues=queues,
-                    limit=limit,
-                    skip=skip,
-                    tasks=tasks,
-                    exclude_queues=exclude_queues,
+            # Only a store with SupportsQueueSettings is asked these (see the dispatcher).
+            extra: dict[str, Any] = {}
+            if exclude_queues:
+                extra["exclude_queues"] = exclude_queues
+            if exclude_keys:
+                extra["exclude_keys"] = exclude_keys
+            if extra:
+                return await self._store.select_eligible(
+                    modes=modes, queues=queues, limit=limit, skip=skip, tasks=tasks, **extra
                 )
             return await self._select(
                 modes=modes, queues=queues, limit=limit, skip=skip, tasks=tasks

@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from broker import dependencies
+from broker.core.why import undeclared
 from broker.exceptions import ConfigurationError
 from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, JSONValue, summary_dict
 from broker.main.catalog import StoredCatalog
@@ -327,9 +328,7 @@ class Operations:
             queued = JobFilter(statuses=[JobStatus.QUEUED], tasks=[task])
             page = await self.store.list_jobs(queued, limit=1, include_payload=False)
             if page.jobs:
-                waiting.append(
-                    {"task": task, "reason": f"no connected worker declares task {task!r}"}
-                )
+                waiting.append({"task": task, "reason": undeclared(task)})
         return waiting
 
 

@@ -43,8 +43,12 @@ class Requests:
         live_workers: Callable[[], Collection[str]],
         queues: QueueControl,
         waits: Waits,
+        why: Callable[[Job], str | None] = lambda job: None,
     ) -> None:
-        """``waits`` answers ``wait_job`` and hears of jobs a request ended (a cancel)."""
+        """``waits`` answers ``wait_job`` and hears of jobs a request ended (a cancel);
+        ``why`` says why a job waits, as the dispatching main knows it
+        (:func:`broker.core.why.wait_reason`), for ``get_job``."""
+        self._why = why
         self._operations = operations
         self._queues = queues
         self._waits = waits
@@ -139,6 +143,19 @@ class Requests:
             return protocol.WorkflowInfo(request_id=msg.request_id, workflow=view)
         return await self._answer_jobs(msg)
 
+    def _job_info(self, request_id: str, job: Job | None) -> protocol.JobInfo:
+        """``get_job``'s answer: the job, and why it waits when the main knows
+        (``wait_reason``, beside its status, where ``broker job`` shows it)."""
+        reason = None if job is None else self._why(job)
+        if job is None or reason is None:
+            return job_info(request_id, job)
+        shown: dict[str, Any] = {}
+        for key, value in job.to_dict().items():
+            shown[key] = value
+            if key == "status":
+                shown["wait_reason"] = reason
+        return protocol.JobInfo(request_id=request_id, job=shown)
+
     async def _answer_jobs(self, msg: protocol.Message) -> protocol.Message:
         """The reply to a client request, from the request service (:mod:`broker.main.operations`);
         what only the main can do (wake the dispatcher, stop a cancelled job on its
@@ -165,7 +182,7 @@ class Requests:
                 ]
                 return protocol.EnqueuedReply(request_id=rid, jobs=refs)
             case protocol.GetJob(request_id=rid, job_id=job_id):
-                return job_info(rid, await ops.get(job_id))
+                return self._job_info(rid, await ops.get(job_id))
             case protocol.Cancel(request_id=rid, job_id=job_id):
                 job = await ops.cancel(job_id)
                 if job is not None:

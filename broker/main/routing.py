@@ -113,7 +113,9 @@ class Router:
                 protocol.Error(code=protocol.ErrorCode.OVER_LIMIT, message=str(exc), fatal=False)
             )
         limits = {task.name: rate for task in tasks if (rate := task.limit()) is not None}
-        self._carry(self._handoff.declared(session.id, [task.name for task in tasks], limits))
+        keyed = [task.name for task in tasks if task.rate_key is not None and task.name in limits]
+        names = [task.name for task in tasks]
+        self._carry(self._handoff.declared(session.id, names, limits, keyed))
 
     def _request(self, session: Session, msg: protocol.Message, needed: protocol.Role) -> None:
         """Start a client request if the connection's role may make it (``needed``, see

@@ -145,12 +145,22 @@ class Session:
             "queues": sorted(peer.queues) if peer.queues is not None else None,
             "draining": peer.draining,
             "in_flight": len(peer.leases),
+            "in_flight_by_mode": self._in_flight_by_mode(),
             "credits": {m.value: peer.credits.available(m) for m in peer.modes},
             "capacity": capacity,
             "busy": busy,
             "startup_errors": startup_errors,
             "status_reported": self.reported_status is not None,
         }
+
+    def _in_flight_by_mode(self) -> dict[str, int]:
+        """The leases held, by the execution mode of their jobs (every mode it serves,
+        zeros included): with ``credits`` and ``capacity``, figures that add up by mode."""
+        counts = {m.value: 0 for m in self.state.modes}
+        for job in self.state.leases.values():
+            mode = job.execution_mode.value
+            counts[mode] = counts.get(mode, 0) + 1
+        return counts
 
     def send(self, msg: protocol.Message) -> None:
         """Queue a message for this connection's writer task; never blocks the caller, so

@@ -187,6 +187,20 @@ DASHBOARD_REQUESTS = 2
 never the clients' (``max_requests``): a page load or an id search, which needs no
 client credential, cannot hold back a client."""
 
+HISTORY_MINUTES = 180
+"""Minutes of history the main keeps for the dashboard's charts (a ring per series:
+the oldest minute is reused)."""
+
+HISTORY_SERIES = 20
+"""Queues, and as many tasks, the history keeps a series of by name; the rest share one
+series, ``"_other"``. With :data:`HISTORY_MINUTES`, at most
+``(2 * HISTORY_SERIES + 3) * HISTORY_MINUTES`` one-minute buckets (under 4 MiB at worst)."""
+
+BULK_ACTION_JOBS = 500
+"""Jobs one dashboard bulk retry or cancel acts on, at most: the rest wait for the next
+(each job is one request to the request service, so a bulk action costs the main what
+as many ``broker retry`` or ``broker cancel`` would)."""
+
 BOUNDS += [
     Bound(
         "Label sets per metric (by queue, or queue and task)",
@@ -242,6 +256,20 @@ BOUNDS += [
         f"{DASHBOARD_REQUESTS}",
         None,
         "page loads and searches wait; clients never do",
+        _HTTP,
+    ),
+    Bound(
+        "History the dashboard charts (per minute, kept in the main's memory)",
+        f"{HISTORY_MINUTES} minutes, {HISTORY_SERIES} queues and {HISTORY_SERIES} tasks",
+        None,
+        'the oldest minute is reused; further queues and tasks share `"_other"`',
+        _HTTP,
+    ),
+    Bound(
+        "Jobs one dashboard bulk retry or cancel acts on",
+        f"{BULK_ACTION_JOBS}",
+        None,
+        "the rest are left for the next one (the confirmation says so)",
         _HTTP,
     ),
     Bound(
@@ -720,6 +748,18 @@ MAX_QUEUE_SETTINGS = 1000
 """Queues with settings (paused, or rate limited) at once: the main keeps a bucket for each
 and reads them all at start-up, and each limited queue adds a name to every dispatch read."""
 
+MAX_RATE_KEY_BYTES = 200
+"""A job's rate key (``@task(rate_key="{tenant}")`` filled from its arguments), in UTF-8
+bytes: computed once at enqueue, stored with the job, and named in dispatch reads while
+its bucket has no token. A tenant id, an account, a host name fits many times over."""
+
+MAX_RATE_KEYS = 10_000
+"""Live per-key buckets the main keeps (:class:`broker.core.flow.KeyBuckets`). A bucket
+that has filled up again (idle) is dropped first: it holds nothing a fresh one would
+not. At the bound, with no idle bucket, a job of a key without a bucket waits, queued,
+until the first bucket fills; no limit is ever exceeded. It also bounds the keys a
+dispatch read leaves out."""
+
 _FLOW = "Flow control"
 
 BOUNDS += [
@@ -730,6 +770,21 @@ BOUNDS += [
         "1000",
         None,
         "`malformed`: the new setting is refused; clearing one frees a place",
+        _FLOW,
+    ),
+    Bound(
+        "A job's rate key (`@task(rate_key=...)` filled from its arguments)",
+        "200 bytes",
+        None,
+        "`invalid_job` at enqueue, nothing stored",
+        _FLOW,
+    ),
+    Bound(
+        "Live per-key rate buckets at the main",
+        "10 000",
+        None,
+        "idle (full) buckets are dropped first; with none idle, jobs of a new key stay "
+        "queued until a bucket fills up; no limit is exceeded",
         _FLOW,
     ),
 ]

@@ -1,11 +1,11 @@
 """OpenTelemetry, when it is installed (``pip install broker-jobs[otel]``): the ids of the
 span active where a line is logged, for the JSON log (:mod:`broker.model.logs`); the W3C
-trace context a job carries from the span that enqueued it; the spans of an enqueue and
-of a run.
+trace context a job carries from the span that enqueued it; the spans of an enqueue, of
+its dispatch at the main and of a run.
 
 The one module of the broker that imports OpenTelemetry, and only if it is there: without
-the extra nothing is imported, and a log line, an enqueue and a run each cost one
-``is None`` check. Only the API is used (an application installs and configures the SDK
+the extra nothing is imported, and a log line, an enqueue, a dispatch and a run each cost
+one check. Only the API is used (an application installs and configures the SDK
 and its exporter, as for any instrumented library); with no SDK configured no span is
 ever valid, lines carry no ids and jobs no context. See ``docs/howto/tracing.md``.
 """
@@ -24,7 +24,8 @@ except ImportError:  # the extra is not installed
     trace = None  # type: ignore[assignment]
 
 ENABLED = trace is not None
-"""OpenTelemetry is installed: a runner starts a span per run (one flag read otherwise)."""
+"""OpenTelemetry is installed: a runner starts a span per run, the main one per dispatch of
+a job that carries a trace context (one flag read otherwise)."""
 
 if trace is not None:
     _TRACER = trace.get_tracer("broker")
@@ -77,6 +78,44 @@ def enqueue_span(task: str) -> Iterator[None]:
         yield
 
 
+def dispatch(
+    task: str,
+    job_id: object,
+    queue: str,
+    attempt: int,
+    worker: str | None,
+    carried: Mapping[str, str],
+) -> Mapping[str, str]:
+    """The span of the main handing one job of ``task`` to ``worker``, a child of the
+    span that enqueued it (``carried``, the job's trace context). Returns the context the
+    ``job`` message carries to the worker instead, the dispatch span's, so the run is its
+    child: enqueue, dispatch and run are one chain, and a retry's dispatch and run are a
+    branch of their own. The span ends at once: it marks when the job left the main
+    (after its wait in the queue, before its time in transit and in the worker's
+    prefetch window). ``carried`` unchanged in a process where the application set no
+    provider, and without OpenTelemetry the caller does not call (:data:`ENABLED`)."""
+    if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return carried
+    span = _TRACER.start_span(
+        f"broker.dispatch {task}",
+        context=_PROPAGATOR.extract(carried),
+        kind=trace.SpanKind.PRODUCER,
+        attributes={
+            "broker.job.id": str(job_id),
+            "broker.task": task,
+            "broker.queue": queue,
+            "broker.attempt": attempt,
+            "broker.worker.id": worker or "",
+        },
+    )
+    try:
+        onward: dict[str, str] = {}
+        _PROPAGATOR.inject(onward, context=trace.set_span_in_context(span))
+        return onward or carried
+    finally:
+        span.end()
+
+
 def start_run(
     task: str, job_id: object, queue: str, attempt: int, carried: Mapping[str, str] | None
 ) -> Any:
@@ -115,4 +154,13 @@ def end_run(span: Any, error: str | None) -> None:
     span.end()
 
 
-__all__ = ["ENABLED", "activate", "current_ids", "end_run", "enqueue_span", "inject", "start_run"]
+__all__ = [
+    "ENABLED",
+    "activate",
+    "current_ids",
+    "dispatch",
+    "end_run",
+    "enqueue_span",
+    "inject",
+    "start_run",
+]

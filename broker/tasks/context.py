@@ -95,7 +95,9 @@ class JobContext:
 
     @property
     def attempt(self) -> int:
-        """This run's number, from 1; a failure retry or a lost run counts one more."""
+        """This run's number among those that count against :attr:`max_attempts`, from 1:
+        a failure retry counts one more; a lost run does not (it is a recovery, counted in
+        :attr:`recoveries`), so a recovery runs with the same number as the lost run."""
         return self._assignment.attempt
 
     @property

@@ -260,6 +260,9 @@ class Task(Generic[P, R]):
     rate_limit: Rate | None = None
     """At most this many of its jobs dispatched, across all workers (the main enforces it,
     :mod:`broker.core.flow`); ``None``: no limit of its own."""
+    rate_key: str | None = None
+    """A template such as ``"{tenant}"``: :attr:`rate_limit` then holds for each key apart,
+    each job's key filled from its arguments at enqueue (:meth:`spec`)."""
 
     @functools.cached_property
     def _signature(self) -> inspect.Signature | None:
@@ -394,6 +397,8 @@ class Task(Generic[P, R]):
         fields.update(overrides)
         if "concurrency_key" not in overrides and self.concurrency_key is not None:
             fields["concurrency_key"] = self._format_key(self.concurrency_key, args, kwargs)
+        if "rate_key" not in overrides and self.rate_key is not None:
+            fields["rate_key"] = self._format_key(self.rate_key, args, kwargs, "rate_key")
         if self.unique and fields.get("unique_key") is None:
             fields["unique_key"] = default_unique_key(self.name, args, kwargs)
         return JobSpec(
@@ -425,12 +430,18 @@ class Task(Generic[P, R]):
         return [p.name for p in signature.parameters.values() if p.kind in kinds]
 
     def _format_key(
-        self, template: str, args: Sequence[JSONValue], kwargs: Mapping[str, JSONValue]
+        self,
+        template: str,
+        args: Sequence[JSONValue],
+        kwargs: Mapping[str, JSONValue],
+        option: str = "concurrency_key",
     ) -> str:
-        """``template`` with ``{name}`` fields filled from this job's arguments."""
+        """``template`` (the task's ``option``) with ``{name}`` fields filled from this
+        job's arguments."""
         if "{" not in template and "}" not in template:
             return template
-        return fill_key_template(template, self.name, _bound_arguments(self.func, args, kwargs))
+        values = _bound_arguments(self.func, args, kwargs)
+        return fill_key_template(template, self.name, values, option)
 
 
 def key_template_fields(template: str) -> list[str]:
@@ -456,25 +467,29 @@ def key_template_fields(template: str) -> list[str]:
     return fields
 
 
-def fill_key_template(template: str, task_name: str, values: Mapping[str, Any]) -> str:
-    """A concurrency-key ``template`` of task ``task_name`` filled from a job's arguments
-    by parameter name (``values``). Plain fields only (:func:`key_template_fields`), so
-    the key costs no more than the arguments' text, whatever the template says.
+def fill_key_template(
+    template: str, task_name: str, values: Mapping[str, Any], option: str = "concurrency_key"
+) -> str:
+    """A key ``template`` of task ``task_name`` (its ``option``: ``concurrency_key`` or
+    ``rate_key``) filled from a job's arguments by parameter name (``values``). Plain
+    fields only (:func:`key_template_fields`), so the key costs no more than the
+    arguments' text, whatever the template says.
 
     :raises InvalidJobError: the template names an argument the job does not give, or
-        cannot be formatted with the values given.
+        cannot be formatted with the values given: the job is refused at enqueue, since
+        it has no key to be limited or counted by.
     """
     try:
         key_template_fields(template)
         return template.format_map(values)
     except KeyError as exc:
         raise InvalidJobError(
-            f"concurrency_key {template!r} of task {task_name!r} needs the argument "
+            f"{option} {template!r} of task {task_name!r} needs the argument "
             f"{exc.args[0]!r}, which this job does not give (by keyword or by position)"
         ) from None
     except (IndexError, AttributeError, TypeError, ValueError) as exc:
         raise InvalidJobError(
-            f"cannot format concurrency_key {template!r} of task {task_name!r}: {exc}"
+            f"cannot format {option} {template!r} of task {task_name!r}: {exc}"
         ) from None
 
 
@@ -497,14 +512,15 @@ def _bound_arguments(
     return values
 
 
-def _check_key_template(fn: Callable[..., Any], template: str) -> None:
-    """Refuse, at registration, a concurrency_key template the function cannot fill."""
+def _check_key_template(
+    fn: Callable[..., Any], template: str, option: str = "concurrency_key"
+) -> None:
+    """Refuse, at registration, a key template (the task's ``option``) the function
+    cannot fill."""
     try:
         names = key_template_fields(template)
     except ValueError as exc:
-        raise ConfigurationError(
-            f"concurrency_key {template!r} is not a valid template: {exc}"
-        ) from None
+        raise ConfigurationError(f"{option} {template!r} is not a valid template: {exc}") from None
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -514,12 +530,12 @@ def _check_key_template(fn: Callable[..., Any], template: str) -> None:
         base = re.split(r"[.\[]", name, maxsplit=1)[0]
         if not base.isidentifier():
             raise ConfigurationError(
-                f"concurrency_key {template!r} must name parameters (e.g. {{account_id}}), "
+                f"{option} {template!r} must name parameters (e.g. {{account_id}}), "
                 f"not positions ({{{name}}})"
             )
         if base not in params and not open_ended:
             raise ConfigurationError(
-                f"concurrency_key {template!r} names {base!r}, which is not a parameter "
+                f"{option} {template!r} names {base!r}, which is not a parameter "
                 f"of {fn.__qualname__}"
             )
 
@@ -623,8 +639,8 @@ def _declared_schedule(
 def task_defaults(task: Task[..., Any]) -> dict[str, Any]:
     """The job options ``task`` gives its jobs, by job field: what its schedule's ticks
     carry and what a worker declares for a job enqueued by name
-    (``broker.wire.messages.TASK_DEFAULTS``, less the unique key, which is each job's
-    own, made from its arguments when the task is ``unique``)."""
+    (``broker.wire.messages.TASK_DEFAULTS``, less the unique key and the rate key, each
+    job's own, made from its arguments)."""
     return {
         "queue": task.queue,
         "priority": task.priority,
@@ -664,6 +680,7 @@ def task(
     local_state: bool = False,
     rate_limit: str | None = None,
     rate_burst: int = 1,
+    rate_key: str | None = None,
 ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
 
@@ -692,6 +709,7 @@ def task(
     local_state: bool = False,
     rate_limit: str | None = None,
     rate_burst: int = 1,
+    rate_key: str | None = None,
 ) -> Task[P, R] | Callable[[Callable[P, R]], Task[P, R]]:
     """Register a function as a task, by default under its ``module.function`` path.
 
@@ -720,6 +738,10 @@ def task(
     ``rate_limit`` (``"100/s"``, ``"600/m"``, ``"1000/h"``) caps how fast the main
     dispatches this task's jobs, across every worker, with ``rate_burst`` at once after a
     quiet spell; workers declare it with the task (see ``docs/howto/rate-limits.md``).
+    With ``rate_key`` (a template naming parameters, as ``"{tenant}"``) the limit holds
+    for each key apart: each job's key is filled from its arguments at enqueue, and a
+    job whose arguments leave a field of it unfilled is refused there
+    (``InvalidJobError``), since it has no key to be limited by.
     """
 
     def register(fn: Callable[P, R]) -> Task[P, R]:
@@ -737,6 +759,10 @@ def task(
             rate = None if rate_limit is None else parse_rate(rate_limit, rate_burst)
         except ValueError as exc:
             raise ConfigurationError(f"rate_limit: {exc}") from None
+        if rate_key is not None:
+            if rate is None:
+                raise ConfigurationError("rate_key needs a rate_limit (the rate of each key)")
+            _check_key_template(fn, rate_key, "rate_key")
         if backoff is not None and not callable(backoff):
             raise ConfigurationError(
                 f"backoff must be a function of the number of failures (got {backoff!r})"
@@ -763,6 +789,7 @@ def task(
             max_recoveries=max_recoveries,
             local_state=local_state,
             rate_limit=rate,
+            rate_key=rate_key,
         )
         periodic = _declared_schedule(
             registered, cron=cron, every=every, timezone=timezone, catch_up=catch_up

@@ -1400,6 +1400,28 @@ async def check_dispatch_reads_leave_out_the_queues_excluded(ctx: Context) -> No
     assert [job.id for job in both] == [held.id, free.id]
 
 
+@_check
+async def check_dispatch_reads_leave_out_the_rate_keys_excluded(ctx: Context) -> None:
+    """A job's rate key is kept, and a dispatch read leaves out the (task, key) pairs
+    excluded (a job without a key is its task's key ``""``), and nothing else: the same
+    key of another task, and other keys of the task, still come back."""
+    _queue_settings(ctx)
+    store: Any = ctx.store
+    flood = await _enqueue(ctx.store, "tests.mail", rate_key="acme", priority=5)
+    other = await _enqueue(ctx.store, "tests.mail", rate_key="globex")
+    keyless = await _enqueue(ctx.store, "tests.mail")
+    same_key = await _enqueue(ctx.store, "tests.sms", rate_key="acme")
+    found = await store.select_eligible(modes=ALL_MODES)
+    assert [job.id for job in found] == [flood.id, other.id, keyless.id, same_key.id]
+    assert found[0].rate_key == "acme" and found[2].rate_key is None
+    left = await store.select_eligible(
+        modes=ALL_MODES, exclude_keys=[("tests.mail", "acme"), ("tests.mail", "")]
+    )
+    assert [job.id for job in left] == [other.id, same_key.id]
+    got = await ctx.store.get_job(flood.id)
+    assert got is not None and got.rate_key == "acme"
+
+
 # --- worker handoffs, cancel, retry --------------------------------------------------
 
 

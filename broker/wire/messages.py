@@ -457,6 +457,10 @@ class TaskDeclaration(Nested, frozen=True):
     a bucket for it (:mod:`broker.core.flow`). ``None``: no limit of its own."""
     rate_burst: Int | None = None
     """The limit's burst (``None`` without a limit, 1 if left out with one)."""
+    rate_key: Name | None = None
+    """``@task(rate_key=...)``: a template such as ``"{tenant}"``; the limit then holds
+    for each key apart, the main filling each job's key from its arguments at enqueue
+    when the request leaves it out. ``None``: the limit is the task's as a whole."""
 
     def __post_init__(self) -> None:
         if self.rate_limit is not None:
@@ -464,6 +468,10 @@ class TaskDeclaration(Nested, frozen=True):
         require(
             self.rate_limit is not None or self.rate_burst is None,
             "rate_burst needs a rate_limit",
+        )
+        require(
+            self.rate_limit is not None or self.rate_key is None,
+            "rate_key needs a rate_limit",
         )
         require(self.max_attempts >= 1, "max_attempts must be at least 1")
         require(self.timeout is None or self.timeout > 0, "timeout must be positive")

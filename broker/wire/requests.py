@@ -84,6 +84,10 @@ class JobRequest(Nested, frozen=True, omit_defaults=True):
     trace_context: dict[str, str] | None = None
     """The W3C trace context (``traceparent``, ``tracestate``) of the span that enqueued
     the job; an older main ignores the field."""
+    rate_key: Name | None = None
+    """The job's key for its task's per-key rate limit, filled by a client that has the
+    task; left out, the main fills it from the task's declared template
+    (:mod:`broker.core.catalog`). An older main ignores the field."""
 
     def to_spec(self, now: datetime, defaults: Mapping[str, Any] | None = None) -> JobSpec:
         """The job this request asks for. A field it leaves out (``null``) takes its value
@@ -147,6 +151,7 @@ TASK_DEFAULTS = (
     "concurrency_key",
     "concurrency_limit",
     "unique_key",
+    "rate_key",
 )
 """The job fields a task's declaration fills in when an enqueue by name leaves them out."""
 

@@ -163,16 +163,25 @@ class Link:
                 )
                 await asyncio.sleep(delay)
                 continue
-            policy.connected(loop.time())
+            connected_at = loop.time()
+            policy.connected(connected_at, conn.welcome.main_id)
+            why = "the connection ended"
             try:
                 await self._serve(conn)
             except (OSError, TimeoutError, ProtocolError) as exc:
-                self._logger.warning(
-                    "connection to the main lost (%s); reconnecting",
-                    _describe(exc),
-                    extra={"event": "disconnected"},
-                )
-            await asyncio.sleep(policy.lost(loop.time()))
+                why = _describe(exc)
+            now = loop.time()
+            delay = policy.lost(now)
+            # How long the connection lasted and the wait it earned: a takeover's follow
+            # time is read from these lines.
+            self._logger.warning(
+                "connection to the main lost after %.1f s (%s); reconnecting in %.2f s",
+                now - connected_at,
+                why,
+                delay,
+                extra={"event": "disconnected"},
+            )
+            await asyncio.sleep(delay)
 
     async def _connect(self) -> Connection:
         host, port = self._mains.current

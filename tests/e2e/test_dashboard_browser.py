@@ -3,9 +3,8 @@
 real worker running real jobs.
 
 The browser is missing on a bare machine: then these tests skip, except under ``CI=true``
-where ``.ci/run`` installs it and its absence is a failure. With
-``BROKER_SCREENSHOTS=DIR`` each view is saved as a PNG in DIR (how ``docs/images/`` was
-made).
+where ``.ci/run`` installs it and its absence is a failure. The screenshots in
+``docs/images/`` are made by :mod:`tests.e2e.dashboard_screenshots`, during a drain.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -33,43 +31,22 @@ from broker.tasks.registry import TaskRegistry, task
 from broker.tasks.schedule import Schedule
 from broker.worker.worker import Worker
 from runners.inline import InlineRunner
+from tests.e2e.browser import chrome, missing_browser
 from tests.support import until
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
 TOKEN = "operator-secret"
-SCREENSHOTS = os.environ.get("BROKER_SCREENSHOTS")
-
-
-def _missing_browser() -> str | None:
-    for path in (CHROMIUM, CHROMEDRIVER):
-        if shutil.which(path) is None:
-            return f"{path} is not installed (apt-get install chromium chromium-driver)"
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        return "the selenium package is not installed"
-    return None
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    missing = _missing_browser()
+    missing = missing_browser()
     if missing is not None:
         if os.environ.get("CI") == "true":
             pytest.fail(f"the browser tests need a browser under CI=true: {missing}")
         pytest.skip(missing)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        options.add_argument(flag)
-    options.add_argument("--window-size=1280,800")
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver = chrome()
     try:
         yield driver
     finally:
@@ -134,11 +111,6 @@ class Site:
         box = await self.do(self.driver.find_element, By.ID, "token")
         await self.do(box.clear)
         await self.do(box.send_keys, token)
-
-    async def shot(self, name: str) -> None:
-        if SCREENSHOTS:
-            Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
-            await self.do(self.driver.save_screenshot, str(Path(SCREENSHOTS) / f"{name}.png"))
 
     async def stop_worker(self) -> None:
         if self.worker_task is not None:
@@ -233,16 +205,13 @@ async def test_each_view_renders(site: Site) -> None:
     queues = await site.rows()
     assert any(row.startswith("default") for row in queues), queues
     assert any(row.startswith("reports") for row in queues), queues
-    await site.shot("queues")
 
     await site.open("/workers")
     workers = await site.text("#live")
     assert "worker-eu-1" in workers and "inline" in workers and "serving" in workers
-    await site.shot("workers")
 
     await site.open("/jobs")
     assert len(await site.rows()) == 5
-    await site.shot("jobs")
 
     await site.open(f"/jobs/{dead}")
     page = await site.text("#live")
@@ -251,16 +220,13 @@ async def test_each_view_renders(site: Site) -> None:
     assert "ValueError: no data for report 'weekly'" in error
     assert "Traceback" in error  # the whole traceback, on lines of its own
     assert "+00:00" in page  # times carry their zone
-    await site.shot("job")
 
     await site.open("/recoveries")
     assert "No recovery is pending." in await site.text("#live")
-    await site.shot("recoveries")
 
     await site.open("/schedules")
     schedules = await site.text("#live")
     assert "nightly-report" in schedules and "cron 0 3 * * * (Europe/Paris)" in schedules
-    await site.shot("schedules")
 
     await site.open("/healthz")
     assert "ok" in await site.text()
@@ -370,6 +336,194 @@ async def test_pages_go_newest_first(site: Site) -> None:
     assert len(rest) == 5
     shown = {row.split()[0] for row in first + rest}
     assert shown == {str(job_id)[:8] for job_id in [*ids, newest]}
+
+
+# ---------------------------------------------------------------- the incident views (issue 34)
+
+
+async def _dead_reports(site: Site, n: int) -> list[uuid.UUID]:
+    dead = [
+        await _enqueue(site, "report.build", [f"r{i}"], queue="reports", max_attempts=1)
+        for i in range(n)
+    ]
+    for job_id in dead:
+        await until(lambda j=job_id: _ended(site, j))
+    return dead
+
+
+async def _count(site: Site, css: str) -> int:
+    script = "return document.querySelectorAll(arguments[0]).length"
+    return int(await site.do(site.driver.execute_script, script, css))
+
+
+async def test_the_history_charts_runs_waits_and_depth(site: Site) -> None:
+    await _some_jobs(site)  # three mails completed, one report failed for good
+    await site.open("/history")
+    summary = await site.shows("4 runs ended", "#summary")
+    assert "all jobs" in summary and "1 failed for good" in summary, summary
+    assert await _count(site, "svg.chart rect.c-completed") >= 1
+    assert await _count(site, "svg.chart rect.c-failed") == 1
+    assert await _count(site, 'svg[aria-label="wait from due to start"] polyline') == 2
+    assert await _count(site, 'svg[aria-label="jobs queued"] polyline') == 1  # sampled
+
+    await site.click('#series a[href*="queue=reports"]')
+    await site.shows("queue reports", "#summary")
+    assert "1 runs ended" in await site.text("#summary")
+    await site.click('#windows a[href*="window=15m"]')
+    await until(lambda: site.url_has("window=15m"))
+    assert "the last 15 minutes" in await site.shows("queue reports", "#summary")
+
+    await site.click('#series a[href*="task=mail.send"]')
+    summary = await site.shows("task mail.send", "#summary")
+    assert "3 runs ended" in summary
+    assert "Sampled by queue" in await site.text("#charts")  # no depth by task
+
+
+async def test_lists_show_error_and_progress_and_a_dead_job_starts_with_its_error(
+    site: Site,
+) -> None:
+    _, dead = await _some_jobs(site)
+    await site.open("/jobs")
+    rows = await site.rows()
+    failed = [row for row in rows if "report.build" in row]
+    assert len(failed) == 1 and "ValueError: no data for report 'weekly'" in failed[0], rows
+    assert all("done" in row for row in rows if "mail.send" in row), rows
+
+    await site.open(f"/jobs/{dead}")
+    script = (
+        "var e=document.getElementById('error'),t=document.querySelector('#live table');"
+        "return !!(e.compareDocumentPosition(t) & Node.DOCUMENT_POSITION_FOLLOWING)"
+    )
+    assert await site.do(site.driver.execute_script, script) is True  # the error comes first
+    assert "ValueError" in await site.text("#error")
+
+
+async def test_bulk_retry_asks_first_then_queues_them_all(site: Site) -> None:
+    await _some_jobs(site)
+    dead = await _dead_reports(site, 3)
+    await site.stop_worker()  # so the retried jobs stay queued for the check
+    await site.open("/jobs?queue=reports&status=failed")
+    await site.click("#bulk-retry")
+    count = await site.shows("4 jobs", "#bulk-count")
+    assert "queue reports" in count and "status failed" in count, count
+    for job_id in dead:
+        assert await site.status(job_id) == "failed"  # nothing done before the confirmation
+    await site.type_token(TOKEN)
+    await site.click("#bulk button")
+    await site.shows("4 jobs queued again", "#notice")
+    assert await site.url_has("queue=reports")
+    for job_id in dead:
+        assert await site.status(job_id) == "queued"
+
+
+async def test_bulk_cancel_leaves_jobs_enqueued_after_the_confirmation(site: Site) -> None:
+    later = [await _enqueue(site, "mail.send", [f"l{n}@example.com"], delay=3600) for n in range(3)]
+    await site.open("/jobs?status=queued")
+    await site.click("#bulk-cancel")
+    await site.shows("3 jobs", "#bulk-count")
+    newer = await _enqueue(site, "mail.send", ["newer@example.com"], delay=3600)
+    await site.type_token(TOKEN)
+    await site.click("#bulk button")
+    await site.shows("3 jobs cancelled", "#notice")
+    for job_id in later:
+        assert await site.status(job_id) == "cancelled"
+    assert await site.status(newer) == "queued"
+
+
+async def test_a_refused_bulk_action_says_why_in_the_page_with_a_way_back(site: Site) -> None:
+    later = await _enqueue(site, "mail.send", ["later@example.com"], delay=3600)
+    await site.open("/jobs?queue=default")
+    await site.click("#bulk-cancel")
+    await site.shows("1 job", "#bulk-count")
+    await site.type_token("not-the-token")
+    await site.click("#bulk button")
+    notice = await site.shows("refused", "#error-notice")
+    assert "the operator token is missing or wrong" in notice
+    assert await site.status(later) == "queued"
+    await site.click("#back")
+    await until(lambda: site.url_has("/jobs?queue=default"))
+    assert len(await site.rows()) == 1
+
+
+async def test_rate_limit_set_and_cleared_from_the_queues_view(site: Site) -> None:
+    await _enqueue(site, "mail.send", ["later@example.com"], delay=3600)
+    from selenium.webdriver.common.by import By
+
+    await site.open("/")
+    await site.type_token(TOKEN)
+    rate = await site.do(site.driver.find_element, By.CSS_SELECTOR, "form.limit input[name=rate]")
+    await site.do(rate.send_keys, "fast")
+    await site.click("button[value=limit]")
+    notice = await site.shows("refused", "#error-notice")
+    assert "rate" in notice, notice  # the reason the main gave, in the page
+    await site.click("#back")
+
+    async def back_on_the_queues() -> bool:
+        return not await site.url_has("/queues/limit")
+
+    await until(back_on_the_queues)
+
+    rate = await site.do(site.driver.find_element, By.CSS_SELECTOR, "form.limit input[name=rate]")
+    await site.do(rate.send_keys, "30/m")
+    await site.click("button[value=limit]")
+    await site.shows("queue default limited to 30/m", "#notice")
+    assert "at most 30/m" in await site.text("#live")
+    settings = (await site.client.status())["queue_settings"]
+    assert [(q["queue"], q["rate_limit"]) for q in settings] == [("default", "30/m")]
+
+    await site.click('button[value="clear limit"]')
+    await site.shows("queue default no longer rate limited", "#notice")
+    assert "at most" not in await site.text("#live")
+
+
+async def test_pause_and_resume_from_the_queues_view(site: Site) -> None:
+    await _enqueue(site, "mail.send", ["later@example.com"], delay=3600)
+    await site.open("/")
+    await site.type_token(TOKEN)
+    await site.click("button[value=pause]")
+    await site.shows("queue default paused", "#notice")
+    assert "paused" in await site.text("#live")
+    await site.click("button[value=resume]")
+    await site.shows("queue default resumed", "#notice")
+    assert "dispatching" in await site.text("#live")
+
+
+async def test_worker_figures_are_those_of_broker_status(site: Site) -> None:
+    await site.stop_worker()
+    registry = _registry()
+
+    @task(name="slow.wait", registry=registry, mode="inline")
+    async def slow() -> None:
+        await asyncio.Event().wait()
+
+    worker = Worker(
+        "127.0.0.1",
+        site.main.port,
+        worker_id="worker-eu-2",
+        runners={ExecutionMode.INLINE: InlineRunner(registry, concurrency=2)},
+        registry=registry,
+        token=TOKEN,
+        prefetch=1,
+    )
+    site.worker_task = asyncio.create_task(worker.run())
+    await until(lambda: site.main.handoff.workers())
+    for _ in range(3):
+        await _enqueue(site, "slow.wait", [])
+    await until(lambda: sum(len(p.leases) for p in site.main.handoff.worker_peers.values()) == 3)
+
+    await site.open("/workers")
+    [row] = await site.rows()
+    [entry] = (await site.client.status())["workers"]
+    assert entry["in_flight"] == 3 and entry["capacity"] == {"inline": 2}
+    cells = row.split("\t")
+    assert cells[3:6] == [
+        f"inline: {entry['capacity']['inline']}",
+        f"inline: {entry['in_flight_by_mode']['inline']}",
+        f"inline: {entry['credits']['inline']}",
+    ], cells
+    # Two running and one prefetched: in flight plus free is capacity plus the window.
+    assert entry["in_flight_by_mode"]["inline"] + entry["credits"]["inline"] == 2 + 1
+    assert "broker status" in await site.text("#workers-note")
 
 
 async def test_a_job_in_a_workflow_links_to_its_graph(site: Site) -> None:

@@ -15,6 +15,7 @@ so are the times workers took to follow each new leader over ten takeovers in a 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import re
@@ -99,8 +100,8 @@ class Mains(Cluster):
 
         def elected() -> bool:
             for proc in self.mains:
-                if proc is old:
-                    continue
+                if proc is old or proc.process.returncode is not None:
+                    continue  # a main killed before, not restarted yet, logged it too
                 for line in proc.output().splitlines():
                     if "elected leader" in line:
                         found.append((proc, _log_time(line)))
@@ -153,6 +154,8 @@ async def _kill_the_leader_midway(
         successor, elected_at = await cluster.new_leader(leader)
         takeover = elected_at - killed_at
         _note_takeover(takeover, f"seed={seed} mains={mains}")
+        resumed = await _first_completion_after(url, killed_at) - killed_at
+        _note_takeover(resumed, f"seed={seed} mains={mains} first completion")
         async with observe(url) as store:
             await wait_until_all_terminal(store, len(keys), cluster, timeout=90)
         for proc in [*workers, *(m for m in cluster.mains if m is not leader)]:
@@ -169,6 +172,32 @@ async def _kill_the_leader_midway(
         # The result is the pid that ran the job; each ran once, whatever the failover.
         assert runs.starts.get(key) == runs.ends.get(key) == [job.result], (key, job)
     assert takeover <= FAILOVER_TIMEOUT + SLACK, f"takeover took {takeover:.2f} s"
+    # Election, the workers' reconnect with their leases adopted, a job settled: within
+    # 5 s (bench/failover.py measures it); generously bounded here.
+    assert resumed <= FAILOVER_TIMEOUT + SLACK, f"the first job completed {resumed:.2f} s after"
+
+
+async def _first_completion_after(url: str, since: float) -> float:
+    """When (the settling main's clock, ``updated_us``) the first job completed after
+    ``since``, once one has."""
+    engine = create_async_engine(url)
+    query = sa.text(
+        "SELECT min(updated_us) FROM broker_jobs WHERE status = 'completed' AND updated_us > :us"
+    )
+    first: list[float] = []
+
+    async def completed() -> bool:
+        async with engine.connect() as conn:
+            found = await conn.scalar(query, {"us": int(since * 1e6)})
+        if found is not None:
+            first.append(found / 1e6)
+        return found is not None
+
+    try:
+        await eventually(completed, "a job to complete after the kill", timeout=60)
+    finally:
+        await engine.dispose()
+    return first[0]
 
 
 async def test_the_leader_killed_a_standby_takes_over(tmp_path: Path, pg_url: str) -> None:
@@ -297,78 +326,112 @@ FOLLOW_FAILOVER_TIMEOUT = "2"
 is the time from each election on; ten rounds then take about a minute."""
 
 
+async def _follow_with_a_client(cluster: Mains, answers: list[tuple[float, str]]) -> None:
+    """One client, connected across every takeover, asking the status in a loop: each
+    answer's time and the main that gave it (its requests retry across a failover)."""
+    async with cluster.client() as client:
+        while True:
+            status = await client.status()
+            answers.append((time.time(), str(status["main_id"])))
+            await asyncio.sleep(0.02)
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    "rounds",
-    [
-        2,
-        pytest.param(
-            10,
-            marks=[
-                pytest.mark.soak,
-                # Seen in a clean CI run: one worker's follow grew round after round
-                # (1.9, 2.7, 5.0, 8.1, 6.1 s after the election, the other worker's stayed
-                # under 0.25 s), as if its backoff still counted a failover's attempts or
-                # its hello waited on a restarting main. Not yet explained; an open bug.
-                pytest.mark.xfail(reason="a worker's follow grows over ten takeovers (open)"),
-            ],
-        ),
-    ],
-)
-async def test_workers_follow_each_new_leader(tmp_path: Path, pg_url: str, rounds: int) -> None:
-    """Takeovers in a row (ten in ``make test-slow``, two in ``make test``): ``kill -9``
-    the leader, and once a standby leads, start the killed main again as the next standby.
-    Each time, a client's first request after the election is answered by the new leader,
-    and every worker is connected to it soon after its election: workers used to take
-    5.4 s to follow a leader elected in 2.9 s, as each ``not_leader`` answer and refused
-    connection of the failover doubled their backoff (``broker.core.reconnect.FOLLOW_DELAY``
-    caps it now).
+@pytest.mark.parametrize(("rounds", "mains"), [(2, 3), pytest.param(10, 4, marks=pytest.mark.soak)])
+async def test_workers_follow_each_new_leader(
+    tmp_path: Path, pg_url: str, rounds: int, mains: int
+) -> None:
+    """Takeovers back to back (ten among four mains in ``make test-slow``, two among three
+    in ``make test``): ``kill -9`` the leader and start it again at once, as a supervisor
+    would; as soon as every worker has followed the new leader, kill that one too, so
+    each leader dies within a second of its workers' arrival (the mains killed before are
+    starting again meanwhile, the one killed longest ago, at least, stands by). Each
+    time, a new client's first request is answered by the new leader, and every worker,
+    and a client connected throughout, are on it soon after its election.
+
+    Workers used to take 5.4 s to follow a leader elected in 2.9 s, as each
+    ``not_leader`` answer and refused connection of the failover doubled their backoff
+    (``broker.core.reconnect.FOLLOW_DELAY`` caps it now). Then a worker's follow grew
+    round after round (1.9, 2.7, 5.0, 8.1 s after the election) when the leaders died
+    within a second of its arrival: each short connection counted as a failure, carried
+    into the uncapped wait before the next failover's first attempt (a new main's welcome
+    forgives them now).
 
     The bound asserted is generous (a loaded machine delays every process); the gaps are
     printed, and appended to ``BROKER_FAILOVER_TIMES`` when it is set."""
-    cluster = Mains(tmp_path, pg_url, 2)
+    cluster = Mains(tmp_path, pg_url, mains)
     takeovers: list[float] = []
     follows: list[float] = []
+    client_follows: list[float] = []
+    answers: list[tuple[float, str]] = []
+    flags = ("--orphan-grace", "30", "--failover-timeout", FOLLOW_FAILOVER_TIMEOUT)
+
+    async def restart(index: int) -> None:
+        cluster.port = cluster.ports[index]
+        cluster.mains[index] = await cluster.start_main(*flags)
+
+    watcher: asyncio.Task[None] | None = None
     try:
         leader = await cluster.start_mains("--failover-timeout", FOLLOW_FAILOVER_TIMEOUT)
         workers = [await cluster.start_worker(f"worker-{i}") for i in range(2)]
+        watcher = asyncio.create_task(_follow_with_a_client(cluster, answers))
+        await eventually(lambda: answers, "the client's first answer")
+        restarting: list[asyncio.Task[None]] = []
         for round_ in range(rounds):
+            # A standby is up: the main killed longest ago has started again, while the
+            # ones killed since may still be starting (a restart takes seconds on a
+            # loaded machine, and waiting for it would make each connection long).
+            await asyncio.gather(*restarting[: 2 - mains])
             index = cluster.mains.index(leader)
             killed_at = time.time()
             await leader.kill()
+            restarting.append(asyncio.create_task(restart(index)))
             successor, elected_at = await cluster.new_leader(leader)
             elected = next(x for x in successor.output().splitlines() if "elected leader" in x)
             found = re.search(r"main_id=(\S+)", elected)
             assert found is not None, elected
             main_id = found[1]
-            async with cluster.client() as client:  # no retry: the first request finds it
+            async with cluster.client() as client:  # a new client: its first request finds it
                 status = await client.status()
             assert (status["main_id"], status["role"]) == (main_id, "leader")
+
+            def followed(main_id: str = main_id) -> bool:
+                if watcher.done():
+                    watcher.result()  # the client gave up: say why
+                workers_on = all(_connected_to(w, main_id) is not None for w in workers)
+                return workers_on and any(seen == main_id for _, seen in answers)
+
             await eventually(
-                lambda: all(_connected_to(w, main_id) is not None for w in workers),  # noqa: B023
-                "every worker to follow the new leader",
+                followed,
+                "every worker and the client to follow the new leader",
                 timeout=60,
                 detail=cluster.logs,
             )
             takeover = elected_at - killed_at
             gaps = [(_connected_to(w, main_id) or 0.0) - elected_at for w in workers]
+            client_gap = next(t for t, seen in answers if seen == main_id) - elected_at
             takeovers.append(takeover)
             follows.extend(gaps)
+            client_follows.append(client_gap)
             _note_takeover(takeover, f"round={round_}")
             for gap in gaps:
                 _note_takeover(gap, f"round={round_} follow")
-            cluster.port = cluster.ports[index]
-            cluster.mains[index] = await cluster.start_main(
-                "--orphan-grace", "30", "--failover-timeout", FOLLOW_FAILOVER_TIMEOUT
-            )
+            _note_takeover(client_gap, f"round={round_} client follow")
             leader = successor
+        await asyncio.gather(*restarting)
+        watcher.cancel()
         for proc in [*workers, *cluster.mains]:
             assert await proc.terminate() == 0, proc.tail()
     finally:
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
         await cluster.close()
     print(
         f"takeovers: max {max(takeovers):.3f} s, mean {sum(takeovers) / len(takeovers):.3f} s; "
-        f"workers following: max {max(follows):.3f} s, mean {sum(follows) / len(follows):.3f} s"
+        f"workers following: max {max(follows):.3f} s, mean {sum(follows) / len(follows):.3f} s; "
+        f"the client following: max {max(client_follows):.3f} s"
     )
     assert max(takeovers) <= float(FOLLOW_FAILOVER_TIMEOUT) + SLACK, takeovers
     assert max(follows) <= SLACK, f"workers followed the new leader {follows} s after it"
+    assert max(client_follows) <= SLACK, f"the client followed {client_follows} s after"

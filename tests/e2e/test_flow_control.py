@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.jobs import Job, JobStatus
+from broker.jobs import Job, JobSpec, JobStatus
 from tests.e2e.test_e2e import (
     Cluster,
     RunLog,
@@ -221,3 +221,57 @@ async def test_a_tasks_rate_limit_holds_across_two_workers_and_holds_no_other_ta
     last_free = max(jobs[key].handed_off_at for key in free if jobs[key].handed_off_at)
     last_limited = max(jobs[key].handed_off_at for key in limited if jobs[key].handed_off_at)
     assert last_free < last_limited
+
+
+def _tenant_spec(tenant: str) -> JobSpec:
+    """A job of ``tests.e2e_app.record_per_tenant`` (10/s for each tenant) for ``tenant``,
+    its key given as a client that has the task fills it in."""
+    spec = record_spec(task="tests.e2e_app.record_per_tenant")
+    return dataclasses.replace(spec, args=spec.args[:1], kwargs={"tenant": tenant}, rate_key=tenant)
+
+
+async def _two_tenants(tmp_path: Path, url: str, flood: int, others: int) -> None:
+    """Tenant A floods (``flood`` jobs, queued first and at a higher priority), tenant B
+    then enqueues ``others``: B's jobs are not held behind A's backlog (the dispatch
+    reads leave A's key out while it has no token) and start at B's own rate, while A's
+    are held to A's; none of them counts a held-back attempt."""
+    cluster = Cluster(tmp_path, url)
+    try:
+        await cluster.start_main()
+        await cluster.start_worker("worker-0")
+        await cluster.start_worker("worker-1")
+        burst = [dataclasses.replace(_tenant_spec("A"), priority=5) for _ in range(flood)]
+        a = await enqueue(cluster, burst)
+        b = await enqueue(cluster, [_tenant_spec("B") for _ in range(others)])
+        async with observe(cluster.url) as store:
+            await wait_until_all_terminal(
+                store, flood + others, cluster, timeout=flood / 10 * 3 + 30
+            )
+    finally:
+        await cluster.close()
+    jobs = await final_jobs(url)
+    assert all(jobs[key].status is JobStatus.COMPLETED for key in [*a, *b])
+    assert all(jobs[key].attempts == 0 for key in [*a, *b]), "held back is not an attempt"
+    assert {jobs[key].rate_key for key in a} == {"A"}
+    assert {jobs[key].rate_key for key in b} == {"B"}
+    most = 10 + 1 + round(10 * CLAIM_LATENCY)
+    assert _densest_second([jobs[key] for key in a]) <= most
+    assert _densest_second([jobs[key] for key in b]) <= most
+    # A's backlog at 10/s takes (flood - 1) / 10 s at least; B's jobs, behind it in the
+    # queue, go at B's own rate, long before A's backlog is through.
+    last_a = max(jobs[key].handed_off_at for key in a if jobs[key].handed_off_at)
+    last_b = max(jobs[key].handed_off_at for key in b if jobs[key].handed_off_at)
+    assert last_b < last_a
+
+
+async def test_a_per_key_limit_isolates_two_tenants(tmp_path: Path, store_url: str) -> None:
+    """``@task(rate_limit="10/s", rate_key="{tenant}")``: 20 jobs of A, then 4 of B."""
+    await _two_tenants(tmp_path, store_url, 20, 4)
+
+
+@pytest.mark.soak
+async def test_a_per_key_limit_isolates_two_tenants_over_a_long_flood(
+    tmp_path: Path, store_url: str
+) -> None:
+    """The same over 30 s of A's flood (300 jobs) and 50 of B's (5 s at B's rate)."""
+    await _two_tenants(tmp_path, store_url, 300, 50)

@@ -109,7 +109,7 @@ async def test_metrics_and_pages_stay_small_and_paginate(cluster: Cluster, tmp_p
     page = body.decode()
     assert page.count("<tr>") == PAGE_ROWS + 1  # the header and a page of queues
     assert 'id="next"' in page and f"of {QUEUES + LONG_JOBS}." in page
-    assert "<td>long0&quot;&quot;" in page  # a long name, cut, and with no link
+    assert '<td class="line">long0&quot;&quot;' in page  # a long name, cut, and with no link
     status, body, _ = await _get(http, "/?page=2")
     assert status == 200 and "Rows 101 to 200" in body.decode() and 'id="previous"' in body.decode()
     last = (QUEUES + LONG_JOBS + PAGE_ROWS - 1) // PAGE_ROWS
@@ -233,4 +233,5 @@ async def test_a_bad_page_is_a_clear_400(cluster: Cluster, path: str) -> None:
     http = free_port()
     await cluster.start_main("--http-port", str(http))
     status, body, _ = await _get(http, path)
-    assert status == 400 and body.startswith(b"bad page")
+    assert status == 400 and b'id="error-notice">bad page' in body  # in the page,
+    assert b'<a id="back" href="/">Back</a>' in body  # with a way back

@@ -90,6 +90,8 @@ async def test_a_rolling_deploy_loses_no_job_of_a_new_task(cluster: Cluster) -> 
             job = await client.get_job(job_id)
             assert job is not None and job["status"] == JobStatus.QUEUED
             assert job["attempts"] == 0, "a job no worker can run is not an attempt"
+            # get_job says why, as broker job and the dashboard's job page show it.
+            assert job["wait_reason"] == f"no connected worker declares task {NEW_TASK!r}"
 
         new = await cluster.start_worker("new-1", "--app", "tests.rolling_app")
 
@@ -104,6 +106,7 @@ async def test_a_rolling_deploy_loses_no_job_of_a_new_task(cluster: Cluster) -> 
         for job_id in ids:
             job = await client.get_job(job_id)
             assert job is not None and job["worker_id"] == "new-1"
+            assert "wait_reason" not in job, "a job that ran waits for nothing"
         runs = RunLog.read(cluster.runs)
         assert all(runs.starts[f"k{i}"] == [new.pid] for i in range(JOBS))
         assert runs.starts["behind"] == [old.pid]

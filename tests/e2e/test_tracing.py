@@ -2,24 +2,29 @@
 pooled and forked children, and ``tests.otel_app``, whose start-up hook sets an SDK
 provider in each of them that writes every span to a file (see
 ``docs/howto/tracing.md``). The test process enqueues inside a span of its own, exported
-by the SDK's in-memory exporter; each job's run span, made where the job ran, must be a
-child of the enqueue span, in the same trace."""
+by the SDK's in-memory exporter. Each job's dispatch span, made by the main (whose SDK is
+set up at its start, as ``opentelemetry-instrument`` does), must be a child of the
+enqueue span, and its run span, made where the job ran, a child of the dispatch span,
+all in the same trace."""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 
 from tests.app_env import SPANS_ENV
-from tests.e2e.test_e2e import Cluster
+from tests.e2e.test_e2e import REPO, Cluster
 from tests.unit.test_tracing import sdk_spans
 
 pytestmark = pytest.mark.slow
 
 APP = "tests.otel_app"
+OTEL_SITE = Path(__file__).parents[1] / "otel_site"
 
 
 def _ids(span: ReadableSpan) -> tuple[str, str]:
@@ -32,7 +37,13 @@ async def test_each_run_is_a_child_of_the_span_that_enqueued_it_wherever_it_runs
 ) -> None:
     path = sqlite_cluster.dir / "spans.jsonl"
     monkeypatch.setenv(SPANS_ENV, str(path))
-    await sqlite_cluster.start_main()
+    # The main's SDK is set up as opentelemetry-instrument does it: a sitecustomize first
+    # on its path (the worker's, by the app's start-up hook).
+    with monkeypatch.context() as main_env:
+        path_now = os.environ.get("PYTHONPATH")
+        site = os.pathsep.join([str(OTEL_SITE), str(REPO), *([path_now] if path_now else [])])
+        main_env.setenv("PYTHONPATH", site)
+        main = await sqlite_cluster.start_main()
     w = await sqlite_cluster.start_worker(
         "otel-worker", "--app", APP, "--pooled-runner-count", "1", "--forked-concurrency", "1"
     )
@@ -48,10 +59,10 @@ async def test_each_run_is_a_child_of_the_span_that_enqueued_it_wherever_it_runs
         mine = {s.name: s for s in spans.get_finished_spans()}
     finally:
         spans.shutdown()
-    ran = {
-        line["name"]: line
-        for line in map(json.loads, path.read_text().splitlines())
-        if line["name"].startswith("broker.run ")
+    exported = [json.loads(line) for line in path.read_text().splitlines()]
+    ran = {line["name"]: line for line in exported if line["name"].startswith("broker.run ")}
+    dispatched = {
+        line["name"]: line for line in exported if line["name"].startswith("broker.dispatch ")
     }
     for name, job in results.items():
         request = mine[f"request {name}"]
@@ -59,8 +70,19 @@ async def test_each_run_is_a_child_of_the_span_that_enqueued_it_wherever_it_runs
         assert enqueue.kind is trace.SpanKind.PRODUCER
         assert enqueue.parent is not None and enqueue.parent.span_id == int(_ids(request)[1], 16)
         trace_id, enqueue_id = _ids(enqueue)
+        # enqueue (the client) -> dispatch (the main) -> run (where the job ran)
+        dispatch = dispatched[f"broker.dispatch {APP}.{name}"]
+        assert (dispatch["trace_id"], dispatch["parent_id"]) == (trace_id, enqueue_id), name
+        assert dispatch["kind"] == "PRODUCER" and dispatch["pid"] == main.pid
+        assert dispatch["attributes"] == {
+            "broker.job.id": job["id"],
+            "broker.task": f"{APP}.{name}",
+            "broker.queue": "default",
+            "broker.attempt": 1,
+            "broker.worker.id": "otel-worker",
+        }
         run = ran[f"broker.run {APP}.{name}"]
-        assert (run["trace_id"], run["parent_id"]) == (trace_id, enqueue_id), name
+        assert (run["trace_id"], run["parent_id"]) == (trace_id, dispatch["span_id"]), name
         assert run["kind"] == "CONSUMER"
         assert run["attributes"] == {
             "broker.job.id": job["id"],

@@ -5,10 +5,12 @@ token takes no action from the dashboard."""
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +21,15 @@ from adapters.sql import SQLAlchemyAdapter
 from broker.client.client import Client
 from broker.jobs import JobSpec, JobStatus
 from broker.main.main import Main
-from broker.model.bounds import DASHBOARD_REQUESTS
+from broker.model.bounds import BULK_ACTION_JOBS, DASHBOARD_REQUESTS
 from broker.ops.web import Dashboard
+from broker.ops.web import dashboard as web_dashboard
 from broker.storage import JobPage
 from tests.support import FAST, until
 
 TOKEN = "web-token"
+BOUND = 7
+assert BOUND < BULK_ACTION_JOBS
 
 
 @asynccontextmanager
@@ -96,7 +101,9 @@ async def test_a_bad_prune_is_refused_and_deletes_nothing(tmp_path: Path, days: 
         form = {"token": TOKEN, "older_than_days": days}
         async with http.post(f"{url}/prune", data=form, allow_redirects=False) as response:
             assert response.status == 400
-            assert (await response.text()).startswith("refused: ")
+            page = await response.text()  # the reason in the page, and the way back
+            assert '<div class="msg error" id="error-notice">refused: ' in page, page
+            assert '<a id="back" href="/">Back</a>' in page
         assert await main.store.get_job(job_id) is not None
 
 
@@ -159,3 +166,31 @@ async def test_dashboard_searches_never_take_the_clients_request_slots(tmp_path:
         store.release.set()
         await site.stop()
         await main.stop()
+
+
+async def test_a_bulk_cancel_acts_on_at_most_its_bound_and_says_more_match(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The bound made small: at 500 jobs one request takes seconds on a loaded machine.
+    monkeypatch.setattr(web_dashboard, "BULK_ACTION_JOBS", BOUND)
+    async with dashboard(tmp_path, TOKEN) as (main, url), aiohttp.ClientSession() as http:
+        later = datetime.now(UTC) + timedelta(hours=1)
+        specs = [JobSpec(task="t", queue="q", run_at=later) for _ in range(BOUND + 2)]
+        await main.store.enqueue_many(specs)
+        async with http.get(f"{url}/jobs/bulk?queue=q&action=cancel") as response:
+            page = await response.text()
+            assert f"at least {BOUND} jobs" in page, page
+            before = re.search(r'name="before" value="([^"]+)"', page)
+            assert before is not None
+        form = {"token": TOKEN, "queue": "q", "action": "cancel", "before": before.group(1)}
+        async with http.post(f"{url}/jobs/bulk", data=form, allow_redirects=False) as response:
+            assert response.status == 303
+            where = response.headers["Location"]
+        assert f"{BOUND}+jobs+cancelled" in where and "run+it+again" in where, where
+        counts = {row.status: row.count for row in await main.store.count_jobs()}
+        assert counts == {JobStatus.CANCELLED: BOUND, JobStatus.QUEUED: 2}
+
+        form = {"token": TOKEN, "queue": "q", "action": "cancel"}  # no confirmation
+        async with http.post(f"{url}/jobs/bulk", data=form) as response:
+            assert response.status == 400
+            assert "the confirmation is missing" in await response.text()

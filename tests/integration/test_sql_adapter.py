@@ -523,11 +523,12 @@ async def test_sqlite_hot_queries_use_their_partial_indexes(sqlite_backend: Back
     from adapters.sql.sqlite import _LITE_ELIGIBLE, _LITE_ELIGIBLE_IN_QUEUES
 
     for statement in (_LITE_ELIGIBLE, _LITE_ELIGIBLE_IN_QUEUES):
-        for tasks in (None, '["t"]'):  # any task, or those the workers declared
+        # any task, or those the workers declared; no key left out, or one
+        for tasks, keys in ((None, None), ('["t"]', None), (None, '[["t", "acme"]]')):
             async with store._engine.connect() as conn:
                 found = await conn.exec_driver_sql(
                     f"EXPLAIN QUERY PLAN {statement}",
-                    ('["pooled"]', '["default"]', 0, 50, "[]", tasks),
+                    ('["pooled"]', '["default"]', 0, 50, "[]", tasks, keys),
                 )
                 eligible = "\n".join(str(row[-1]) for row in found.all())
             assert "ix_broker_jobs_dispatch" in eligible, eligible

@@ -334,7 +334,7 @@ def test_a_task_declares_and_schedules_the_defaults_a_job_by_name_takes() -> Non
     def tick() -> None: ...
 
     defaults = task_defaults(registry.get("app.tick"))
-    assert set(defaults) == set(protocol.TASK_DEFAULTS) - {"unique_key"}
+    assert set(defaults) == set(protocol.TASK_DEFAULTS) - {"unique_key", "rate_key"}
     declared = msgspec.to_builtins(catalog.declaration(registry.get("app.tick")))
     assert {name: declared[name] for name in defaults} == msgspec.to_builtins(defaults)
     schedule = default_schedules.get("app.tick")
@@ -479,3 +479,41 @@ def test_broker_tasks_shows_a_rate_limit_column_only_when_some_task_has_one() ->
     assert "rate limit" not in format_tasks([entry()])
     shown = format_tasks([entry(rate_limit="100/s", rate_burst=10), entry()])
     assert "RATE LIMIT" in shown.upper() and "100/s (burst 10)" in shown
+
+
+def test_a_per_key_limit_fills_each_jobs_key_at_enqueue_and_refuses_a_missing_field() -> None:
+    """``rate_key`` is filled from the job's arguments once, at enqueue, by a client that
+    has the task and by the main for an enqueue by name alike; a job whose arguments
+    leave a field unfilled is refused there, naming the field."""
+    registry = TaskRegistry()
+
+    @task(name="app.notify", registry=registry, rate_limit="10/s", rate_key="t:{tenant}")
+    def notify(message: str, tenant: str = "") -> None: ...
+
+    @task(name="app.open", registry=registry, rate_limit="10/s", rate_key="{tenant}")
+    def open_ended(**kwargs: str) -> None: ...
+
+    assert notify.spec(["hi"], {"tenant": "acme"}).rate_key == "t:acme"
+    assert notify.spec(["hi", "globex"]).rate_key == "t:globex", "by position too"
+    with pytest.raises(InvalidJobError, match=r"rate_key .* needs the argument 'tenant'"):
+        open_ended.spec([], {"other": "x"})
+    declared = {d.name: d for d in catalog.declarations(registry)}
+    assert declared["app.notify"].rate_key == "t:{tenant}"
+    found = catalog.Catalog()
+    found.record("w1", list(declared.values()), NOW)
+    by_name = protocol.JobRequest(task="app.notify", args=["hi"], kwargs={"tenant": "acme"})
+    assert found.job_spec(by_name, NOW, allow_unknown=False).rate_key == "t:acme"
+    said = protocol.JobRequest(task="app.notify", kwargs={"message": "x"}, rate_key="mine")
+    assert found.job_spec(said, NOW, allow_unknown=False).rate_key == "mine", "what a caller says"
+    with pytest.raises(InvalidJobError, match="rate_key"):
+        found.job_spec(protocol.JobRequest(task="app.open"), NOW, allow_unknown=False)
+    with pytest.raises(InvalidJobError, match="at most 200 bytes"):
+        notify.spec(["hi"], {"tenant": "x" * 300})
+    with pytest.raises(ConfigurationError, match="rate_key needs a rate_limit"):
+        task(name="app.bad", registry=TaskRegistry(), rate_key="{tenant}")(notify.func)
+    with pytest.raises(ConfigurationError, match=r"rate_key .* names 'who'"):
+        task(name="app.bad", registry=TaskRegistry(), rate_limit="1/s", rate_key="{who}")(
+            notify.func
+        )
+    with pytest.raises(msgspec.ValidationError, match="rate_key needs a rate_limit"):
+        msgspec.convert({"name": "x", "rate_key": "{t}"}, protocol.TaskDeclaration)

@@ -8,9 +8,9 @@ import asyncio
 from typing import Any
 
 from broker.core.handoff import Dispatch, Handoff
-from broker.jobs import Job, JobSpec
+from broker.jobs import Job, JobSpec, JobStatus
 from broker.model.rates import parse_rate
-from broker.storage import QueueSettings
+from broker.storage import JobFilter, QueueSettings
 from tests.unit.test_dispatch_pipeline import ReadSizes, dispatcher, worker
 
 
@@ -150,3 +150,44 @@ def test_a_read_leaves_blocked_tasks_out_even_while_a_worker_runs_any_task() -> 
     assert core.tasks_to_read(0.0) is None, "every task has a token"
     core.flow.admitted("q", 0.0, "t")
     assert core.tasks_to_read(1.0) == {"u"}
+
+
+class KeyReads(ReadSizes):
+    """A memory store that records the keys each dispatch read left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: list[frozenset[tuple[str, str]]] = []
+
+    async def select_eligible(self, **kw: Any) -> list[Job]:
+        self.keys.append(frozenset(kw.get("exclude_keys", ())))
+        return await super().select_eligible(**kw)
+
+
+async def test_a_flooding_key_at_the_head_of_its_task_holds_no_other_key_back() -> None:
+    """Per-key limits: five jobs of tenant A, limited to one an hour for each tenant,
+    stand first; one goes, and tenant B's job behind them goes at once (its own bucket);
+    the reads leave A's key out while it has no token, with no busy loop."""
+    store = KeyReads()
+    await store.enqueue_many([JobSpec(task="mail", priority=9, rate_key="A") for _ in range(5)])
+    await store.enqueue_many([JobSpec(task="mail", rate_key="B")])
+    core = Handoff()
+    worker(core, 1, 20)
+    core.declared(1, ["mail"], {"mail": parse_rate("1/h")}, keyed=["mail"])
+    sent: list[Dispatch] = []
+    d = dispatcher(store, core, sent, now=_loop_time)
+    run = asyncio.create_task(d.run())
+    try:
+        async with asyncio.timeout(10):
+            while len(sent) < 2:
+                await asyncio.sleep(0.01)
+        reads = len(store.keys)
+        for _ in range(20):  # idle: both keys' tokens are an hour away
+            await asyncio.sleep(0.01)
+    finally:
+        run.cancel()
+    assert sorted(s.job.rate_key or "" for s in sent) == ["A", "B"]
+    assert ("mail", "A") in store.keys[-1], "the reads leave the key without a token out"
+    assert len(store.keys) - reads <= 6, "no busy loop while the keys wait"
+    stored = await store.list_jobs(JobFilter(), limit=10)
+    assert sum(j.status is JobStatus.QUEUED and j.attempts == 0 for j in stored.jobs) == 4

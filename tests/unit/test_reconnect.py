@@ -90,7 +90,7 @@ def test_during_a_failover_the_backoff_stays_under_the_follow_delay() -> None:
     refuses, and so on. Those answers no longer double the delay up to seconds (a worker
     took 5.4 s to follow a leader elected in 2.9 s); they stay at FOLLOW_DELAY at most."""
     reconnect = policy(max_delay=30.0, mains="c:3,a:1")
-    reconnect.connected(0.0)
+    reconnect.connected(0.0, "main-1")
     delays = [reconnect.lost(60.0)]
     assert reconnect.mains.current == ("a", 1)
     for _ in range(20):
@@ -110,9 +110,9 @@ def test_with_every_main_unreachable_the_backoff_still_grows() -> None:
 def test_a_connection_ends_the_failover_cap() -> None:
     reconnect = policy(max_delay=30.0)
     reconnect.not_leader(None)
-    reconnect.connected(0.0)
+    reconnect.connected(0.0, "main-1")
     for _ in range(6):
-        reconnect.connected(1.0)
+        reconnect.connected(1.0, "main-1")
         delay = reconnect.lost(1.0)
     assert delay == 3.2, "a main that drops at once is backed off from as before"
 
@@ -122,15 +122,85 @@ def test_a_failover_soon_after_another_does_not_inherit_its_attempts() -> None:
     the short connection to its leader, so the next failover began with the backoff's
     longest wait (workers followed leaders 5 to 7 s after their election)."""
     reconnect = policy(max_delay=30.0, mains="c:3,a:1")
-    reconnect.connected(0.0)
+    reconnect.connected(0.0, "main-1")
     reconnect.lost(60.0)
     for _ in range(20):
         reconnect.not_leader("c:3")
         reconnect.unreachable()
     reconnect.not_leader(None)
-    reconnect.connected(63.0)
+    reconnect.connected(63.0, "main-2")
     assert reconnect.failures == 0, "the failover's attempts are forgiven"
     assert reconnect.lost(64.0) == FIRST_RECONNECT_DELAY, "a short connection: one failure"
+
+
+def test_takeovers_back_to_back_start_each_failover_at_the_first_delay() -> None:
+    """Ten takeovers, each leader killed half a second after the workers arrived: each
+    short connection counted as a failure, restored at the next welcome, so the wait
+    before the first attempt of each next failover doubled (a worker followed the new
+    leaders 1.9, 2.7, 5.0, 8.1 s after their elections). A new leader's welcome forgives
+    the connections its predecessor ended early."""
+    reconnect = policy(max_delay=10.0, mains="c:3,a:1")
+    now = 0.0
+    firsts = []
+    for round_ in range(10):
+        reconnect.connected(now, f"main-{round_}")
+        now += STABLE_CONNECTION / 2
+        firsts.append(reconnect.lost(now))  # killed: nobody has answered yet
+        reconnect.not_leader("c:3")  # the standby names the dead leader, which refuses
+        reconnect.unreachable()
+        reconnect.not_leader("a:1")  # then itself, while it loads
+    assert firsts == [FIRST_RECONNECT_DELAY] * 10
+
+
+def test_the_same_main_dropping_at_once_through_a_standby_is_still_backed_off_from() -> None:
+    """A leader that welcomes and drops at once, reached each time through a standby that
+    names it: its welcome forgives the redirects but not its own dropped connections."""
+    reconnect = policy(max_delay=10.0, mains="a:1,c:3")
+    delays = []
+    for _ in range(6):
+        reconnect.not_leader("c:3")  # the standby names the leader
+        reconnect.connected(0.0, "main-c")
+        delays.append(reconnect.lost(0.1))
+    assert delays == [0.1, 0.2, 0.4, 0.8, 1.6, 3.2]
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(min_value=0.0, max_value=3 * STABLE_CONNECTION),
+            st.lists(
+                st.one_of(st.none(), st.sampled_from(["a:1", "b:2", "c:3"]), st.just("down")),
+                max_size=8,
+            ),
+        ),
+        max_size=12,
+    )
+)
+def test_each_takeover_is_followed_within_the_follow_bound(
+    takeovers: list[tuple[float, list[str | None]]],
+) -> None:
+    """Whatever each leader's connection lasted and whatever the mains answered in each
+    failover, a new leader's welcome leaves the wait before the next failover's first
+    attempt at the first delay, and every wait after a standby answered at most the
+    follow delay: a worker follows each new leader within about FOLLOW_DELAY of its
+    election, however many takeovers came before."""
+    reconnect = policy(max_delay=10.0)
+    now = 0.0
+    for leader, (lasted, answers) in enumerate(takeovers):
+        reconnect.connected(now, f"main-{leader}")
+        now += lasted
+        assert reconnect.lost(now) <= FIRST_RECONNECT_DELAY
+        standby_seen = False
+        for attempt, answer in enumerate(answers, start=1):
+            if answer == "down":
+                delay = reconnect.unreachable()
+            else:
+                delay = reconnect.not_leader(answer)
+                standby_seen = True
+            # Before any standby answered, the backoff grows from this failover's start.
+            bound = FOLLOW_DELAY if standby_seen else FIRST_RECONNECT_DELAY * 2**attempt
+            assert delay <= bound
+            now += delay
 
 
 @given(
@@ -164,7 +234,7 @@ def test_a_stable_connection_resets_the_backoff() -> None:
     reconnect = policy()
     for _ in range(4):
         reconnect.unreachable()
-    reconnect.connected(now=100.0)
+    reconnect.connected(100.0, "main-1")
     assert reconnect.lost(now=100.0 + STABLE_CONNECTION) == FIRST_RECONNECT_DELAY
     assert reconnect.failures == 0
     assert reconnect.unreachable() == FIRST_RECONNECT_DELAY, "counting starts over"
@@ -176,7 +246,7 @@ def test_a_connection_dropped_at_once_keeps_growing_the_backoff() -> None:
     delays = []
     now = 0.0
     for _ in range(4):
-        reconnect.connected(now)
+        reconnect.connected(now, "main-1")
         now += STABLE_CONNECTION - 0.01
         delays.append(reconnect.lost(now))
     assert delays == [0.1, 0.2, 0.4, 0.8]
@@ -186,10 +256,10 @@ def test_a_lost_connection_tries_the_next_main() -> None:
     """The leader may be gone: the next main names the new one."""
     reconnect = policy()
     reconnect.not_leader("c:3")
-    reconnect.connected(0.0)
+    reconnect.connected(0.0, "main-1")
     reconnect.lost(60.0)
     assert reconnect.mains.current == ("a", 1), "the leader named is forgotten"
-    reconnect.connected(60.0)
+    reconnect.connected(60.0, "main-1")
     reconnect.lost(120.0)
     assert reconnect.mains.current == ("b", 2)
 

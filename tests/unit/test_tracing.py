@@ -217,3 +217,46 @@ def test_a_process_with_no_provider_set_starts_no_run_span(
     monkeypatch.setattr(trace, "get_tracer_provider", trace.ProxyTracerProvider)
     carried = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
     assert tracing.start_run("app.send", "job-1", "default", 1, carried) is None
+
+
+def test_a_dispatch_is_a_child_of_the_enqueue_and_the_parent_of_the_run(
+    spans: InMemorySpanExporter,
+) -> None:
+    """The main's span for handing a job to a worker sits between its enqueue and its
+    run: the job message carries the dispatch span's context on."""
+    tracer = trace.get_tracer("test")
+    with tracer.start_as_current_span("web request"), tracing.enqueue_span("app.send"):
+        carried = tracing.inject()
+    assert carried is not None
+    onward = tracing.dispatch("app.send", "job-1", "mail", 1, "worker-a", carried)
+    run = tracing.start_run("app.send", "job-1", "mail", 1, dict(onward))
+    tracing.end_run(run, None)
+
+    by_name = {s.name: s for s in spans.get_finished_spans()}
+    enqueue, dispatch, ran = (
+        by_name["broker.enqueue app.send"],
+        by_name["broker.dispatch app.send"],
+        by_name["broker.run app.send"],
+    )
+    trace_id, enqueue_id = _ids(enqueue)
+    assert dispatch.kind is trace.SpanKind.PRODUCER
+    assert dispatch.parent is not None
+    assert (dispatch.parent.trace_id, dispatch.parent.span_id) == (trace_id, enqueue_id)
+    assert ran.parent is not None
+    assert (ran.parent.trace_id, ran.parent.span_id) == _ids(dispatch)
+    assert dict(dispatch.attributes or {}) == {
+        "broker.job.id": "job-1",
+        "broker.task": "app.send",
+        "broker.queue": "mail",
+        "broker.attempt": 1,
+        "broker.worker.id": "worker-a",
+    }
+
+
+def test_a_main_with_no_provider_set_passes_the_enqueue_context_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No SDK in the main: no dispatch span, and the run stays the enqueue's child."""
+    monkeypatch.setattr(trace, "get_tracer_provider", trace.ProxyTracerProvider)
+    carried = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+    assert tracing.dispatch("app.send", "job-1", "default", 1, None, carried) is carried

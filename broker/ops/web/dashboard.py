@@ -4,24 +4,26 @@ of :mod:`broker.ops.web.pages`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from broker.core.election import MainRole
 from broker.exceptions import BrokerError
 from broker.jobs import ExecutionMode, JobStatus, utcnow
 from broker.main.main import Main
 from broker.main.metrics import CONTENT_TYPE, MainExposition, MainLevels
-from broker.model.bounds import DASHBOARD_REQUESTS
-from broker.ops.web import pages, workflows
+from broker.main.operations import queue_summary
+from broker.model.bounds import BULK_ACTION_JOBS, DASHBOARD_REQUESTS
+from broker.ops.web import charts, pages, workflows
 from broker.ops.web.access import allowed_hosts, guard, matches, secure
 from broker.ops.web.serving import HttpServer
 from broker.storage import QueueCount
@@ -33,7 +35,10 @@ large store is not free, and a second-old depth is fresh enough for either."""
 
 PREFIX_SCAN_LIMIT = 10_000
 """Newest jobs searched for an id prefix (the store has no prefix index)."""
-THROUGHPUT_WINDOW = 60.0
+
+SAMPLE_INTERVAL = 15.0
+"""Seconds between the history's samples of the store's queue depths (the counts the
+metrics read, so a scrape in between costs nothing more)."""
 
 
 class Dashboard(HttpServer):
@@ -44,7 +49,7 @@ class Dashboard(HttpServer):
         self._exposition = MainExposition(main.metrics)
         self._counts: tuple[float, list[QueueCount]] | None = None
         self._counts_lock = asyncio.Lock()
-        self._completed: deque[tuple[float, dict[str, float]]] = deque()
+        self._sampler: asyncio.Task[None] | None = None
         self._slots = asyncio.Semaphore(DASHBOARD_REQUESTS)
         settings = main.settings
         # The secrets a read may show when a read credential is set (the operator's
@@ -55,7 +60,10 @@ class Dashboard(HttpServer):
             else ()
         )
         app = web.Application(
-            middlewares=[guard(allowed_hosts(host, settings.http_allowed_hosts), read_secrets)]
+            middlewares=[
+                guard(allowed_hosts(host, settings.http_allowed_hosts), read_secrets),
+                self._errors_in_page,
+            ]
         )
         app.on_response_prepare.append(secure)
         app.add_routes(
@@ -63,7 +71,10 @@ class Dashboard(HttpServer):
                 web.get("/", self._queues),
                 web.get("/workers", self._workers),
                 web.get("/jobs", self._jobs),
+                web.get("/jobs/bulk", self._bulk_confirm),
+                web.post("/jobs/bulk", self._bulk),
                 web.get("/jobs/{job_id}", self._job),
+                web.get("/history", self._history),
                 web.get("/workflows/{workflow_id}", functools.partial(workflows.page, self)),
                 web.post("/jobs/{job_id}/retry", self._retry),
                 web.post("/jobs/{job_id}/cancel", self._cancel),
@@ -72,11 +83,51 @@ class Dashboard(HttpServer):
                 web.post("/prune", self._prune),
                 web.post("/queues/pause", self._pause_queue),
                 web.post("/queues/resume", self._resume_queue),
+                web.post("/queues/limit", self._limit_queue),
                 web.get("/metrics", self._metrics),
                 web.get("/healthz", self._healthz),
             ]
         )
         super().__init__(app, host=host, port=port, what="dashboard")
+
+    async def start(self) -> None:
+        await super().start()
+        self._sampler = asyncio.create_task(self._sample_levels(), name="broker-history")
+
+    async def stop(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampler
+        await super().stop()
+
+    async def _sample_levels(self) -> None:
+        """Every :data:`SAMPLE_INTERVAL`, the queues' depth and oldest due wait into the
+        main's history (a store that fails a count is tried again at the next)."""
+        history = self.main.metrics.history
+        while True:
+            with contextlib.suppress(Exception):
+                counts = await self._job_counts()
+                now = utcnow()
+                levels = {
+                    q["queue"]: (q["counts"]["queued"], q["oldest_queued_age_seconds"])
+                    for q in queue_summary(list(counts), now)
+                }
+                history.sampled(now.timestamp(), levels)
+            await asyncio.sleep(SAMPLE_INTERVAL)
+
+    @web.middleware
+    async def _errors_in_page(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """A request the dashboard refuses (a bad filter, an unknown job) is answered
+        with a page that says why and links back, not a bare text; ``/metrics`` and
+        ``/healthz`` keep their plain answers."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400 or request.path in ("/metrics", "/healthz"):
+                raise
+            back = "/jobs" if request.path.startswith("/jobs") else "/"
+            return self._refused(request, exc.status, exc.text or exc.reason, back)
 
     # ------------------------------------------------------------------ data
 
@@ -111,20 +162,6 @@ class Dashboard(HttpServer):
             queue_flow=self.main.queues.status(),
         )
 
-    def _throughput(self) -> dict[str, float]:
-        """Completed runs per minute by queue, over about the last minute (the counters,
-        sampled on each page load: the store's counts shrink when jobs are pruned)."""
-        now = time.monotonic()
-        totals = self.main.metrics.completed.totals_by_queue()
-        self._completed.append((now, totals))
-        while len(self._completed) > 2 and now - self._completed[1][0] >= THROUGHPUT_WINDOW:
-            self._completed.popleft()
-        then, before = self._completed[0]
-        span = now - then
-        if span < 1.0:
-            return {}
-        return {q: (n - before.get(q, 0.0)) * 60.0 / span for q, n in totals.items()}
-
     def _authorized(self, request: web.Request, form: Mapping[str, Any]) -> bool:
         token = self.main.settings.credentials.operator
         if not token:
@@ -137,9 +174,11 @@ class Dashboard(HttpServer):
 
     # ------------------------------------------------------------------ pages
 
-    def _page(self, request: web.Request, title: str, live: str, tools: str = "") -> web.Response:
+    def _page(
+        self, request: web.Request, title: str, live: str, tools: str = "", status: int = 200
+    ) -> web.Response:
         if request.headers.get("X-Broker-Fragment") == "live":
-            return web.Response(text=live, content_type="text/html")
+            return web.Response(text=live, content_type="text/html", status=status)
         body = pages.document(
             title=title,
             path=request.path,
@@ -148,11 +187,15 @@ class Dashboard(HttpServer):
             live=live,
             tools=tools,
         )
-        return web.Response(text=body, content_type="text/html")
+        return web.Response(text=body, content_type="text/html", status=status)
+
+    def _refused(self, request: web.Request, status: int, text: str, back: str) -> web.Response:
+        """A refusal as a page of the dashboard: the reason, and a link back."""
+        return self._page(request, "Refused", pages.refused(text, back), status=status)
 
     async def _queues(self, request: web.Request) -> web.Response:
         status = await self._ask(protocol.Status(request_id="web"))
-        rates = self._throughput()
+        rates = self.main.metrics.history.completed_per_minute(time.time())
         queues, links = pages.paged(request.path, request.query, status.status["queues"])
         settings = {q["queue"]: q for q in status.status.get("queue_settings") or []}
         live = pages.queues_live(queues, rates, settings) + links
@@ -240,6 +283,11 @@ class Dashboard(HttpServer):
                 break
         return found[: listing.limit], None, pages.prefix_note(seen, prefix)
 
+    async def _history(self, request: web.Request) -> web.Response:
+        history = self.main.metrics.history
+        live = charts.history_live(request.query, history, time.time())
+        return self._page(request, "History", live, charts.picker(request.query, history))
+
     async def _job(self, request: web.Request) -> web.Response:
         job_id = _job_id(request)
         info = await self._ask(protocol.GetJob(request_id="web", job_id=job_id))
@@ -254,10 +302,10 @@ class Dashboard(HttpServer):
 
     # ------------------------------------------------------------------ actions
 
-    async def _act(
-        self, request: web.Request, make: Callable[[Mapping[str, Any]], protocol.Message]
-    ) -> tuple[Mapping[str, Any], Any] | web.Response:
-        """The reply to an authorized action, or the response refusing it."""
+    async def _allowed(
+        self, request: web.Request, back: str
+    ) -> tuple[Mapping[str, Any], None] | tuple[None, web.Response]:
+        """The form of an authorized action, or the page refusing it."""
         form = await request.post()
         if not self._authorized(request, form):
             why = (
@@ -266,15 +314,29 @@ class Dashboard(HttpServer):
                 if not self.main.settings.credentials.operator
                 else "the operator token is missing or wrong"
             )
-            return web.Response(status=403, text=f"refused: {why}\n")
+            return None, self._refused(request, 403, f"refused: {why}", back)
+        return form, None
+
+    async def _act(
+        self,
+        request: web.Request,
+        make: Callable[[Mapping[str, Any]], protocol.Message],
+        back: str,
+    ) -> tuple[Mapping[str, Any], Any] | web.Response:
+        """The reply to an authorized action, or the page refusing it (with a link
+        ``back`` to where the action was asked)."""
+        form, refusal = await self._allowed(request, back)
+        if form is None:
+            assert refusal is not None
+            return refusal
         try:
             msg = make(form)
         except (ValueError, OverflowError, BrokerError) as exc:
-            return web.Response(status=400, text=f"refused: {exc}\n")
+            return self._refused(request, 400, f"refused: {exc}", back)
         try:
             return form, await self._ask(msg)
         except BrokerError as exc:
-            return web.Response(status=409, text=f"refused: {exc}\n")
+            return self._refused(request, 409, f"refused: {exc}", back)
 
     async def _retry(self, request: web.Request) -> web.StreamResponse:
         return await self._job_action(request, protocol.Retry, "queued again")
@@ -286,7 +348,9 @@ class Dashboard(HttpServer):
         self, request: web.Request, kind: type[protocol.Retry | protocol.Cancel], done: str
     ) -> web.StreamResponse:
         job_id = _job_id(request)
-        outcome = await self._act(request, lambda _: kind(request_id="web", job_id=job_id))
+        outcome = await self._act(
+            request, lambda _: kind(request_id="web", job_id=job_id), f"/jobs/{job_id}"
+        )
         if isinstance(outcome, web.Response):
             return outcome
         job = outcome[1].job
@@ -302,7 +366,7 @@ class Dashboard(HttpServer):
                 request_id="web", older_than_seconds=timedelta(days=days).total_seconds()
             )
 
-        outcome = await self._act(request, make)
+        outcome = await self._act(request, make, "/")
         if isinstance(outcome, web.Response):
             return outcome
         deleted = outcome[1].deleted
@@ -323,12 +387,125 @@ class Dashboard(HttpServer):
         """Pause or resume the queue the form names, under the actions' rules (the
         operator token, the same-origin check): back to the queues view, saying so."""
         outcome = await self._act(
-            request, lambda form: kind(request_id="web", queue=str(form.get("queue", "")))
+            request, lambda form: kind(request_id="web", queue=str(form.get("queue", ""))), "/"
         )
         if isinstance(outcome, web.Response):
             return outcome
         queue = str(outcome[1].queue["queue"])
         raise web.HTTPSeeOther("/?" + urlencode({"msg": f"queue {queue[:100]} {done}"}))
+
+    async def _limit_queue(self, request: web.Request) -> web.StreamResponse:
+        """Set the rate limit of the queue the form names (``rate`` like ``50/s``, and
+        ``burst``), or clear it (an empty ``rate``), as ``broker queue limit`` does."""
+
+        def make(form: Mapping[str, Any]) -> protocol.Message:
+            rate = str(form.get("rate") or "").strip() or None
+            burst = int(str(form.get("burst") or "1"))
+            return protocol.LimitQueue(
+                request_id="web", queue=str(form.get("queue", "")), rate=rate, burst=burst
+            )
+
+        outcome = await self._act(request, make, "/")
+        if isinstance(outcome, web.Response):
+            return outcome
+        info = outcome[1].queue
+        queue = str(info["queue"])[:100]
+        rate = info.get("rate_limit")
+        done = f"limited to {rate}" if rate else "no longer rate limited"
+        raise web.HTTPSeeOther("/?" + urlencode({"msg": f"queue {queue} {done}"}))
+
+    # ------------------------------------------------------------------ bulk actions
+
+    async def _matching(
+        self, action: str, query: Mapping[str, Any], before: datetime | None
+    ) -> tuple[list[uuid.UUID], bool]:
+        """The newest jobs (at most :data:`BULK_ACTION_JOBS`) a bulk ``action`` applies to
+        under the filter (queue, task, status) in ``query``, enqueued no later than
+        ``before``; and whether more match beyond them."""
+        try:
+            allowed, _, _ = pages.BULK_ACTIONS[str(query.get("action") or action)]
+            status = str(query.get("status") or "")
+            statuses = sorted(allowed if not status else allowed & {JobStatus(status)})
+        except (KeyError, ValueError):
+            raise web.HTTPBadRequest(text="bad bulk action: unknown action or status") from None
+        queue = str(query.get("queue") or "")
+        task = str(query.get("task") or "")
+        found: list[uuid.UUID] = []
+        cursor: str | None = None
+        while statuses:
+            try:
+                page = await self._ask(
+                    protocol.ListJobs(
+                        request_id="web",
+                        statuses=statuses,
+                        queues=[queue] if queue else None,
+                        tasks=[task] if task else None,
+                        limit=min(protocol.MAX_LIST_LIMIT, BULK_ACTION_JOBS + 1),
+                        cursor=cursor,
+                    )
+                )
+            except BrokerError as exc:
+                raise web.HTTPBadRequest(text=f"bad filter: {exc}") from None
+            for job in page.jobs:
+                if before is None or datetime.fromisoformat(str(job["created_at"])) <= before:
+                    found.append(uuid.UUID(str(job["id"])))
+            cursor = page.next_cursor
+            if cursor is None or len(found) > BULK_ACTION_JOBS:
+                break
+        return found[:BULK_ACTION_JOBS], len(found) > BULK_ACTION_JOBS
+
+    async def _bulk_confirm(self, request: web.Request) -> web.Response:
+        """How many jobs a bulk retry or cancel would affect now, and the form that
+        does it (the confirmation step)."""
+        action = request.query.get("action") or ""
+        if action not in pages.BULK_ACTIONS:
+            back = "/jobs?" + urlencode(pages.bulk_filter(request.query))
+            return self._refused(request, 400, "refused: no such bulk action", back)
+        found, more = await self._matching(action, request.query, None)
+        live = pages.bulk_confirm(action, request.query, len(found), more, utcnow().isoformat())
+        title = f"{pages.BULK_ACTIONS[action][1]} jobs"
+        return self._page(request, title, live)
+
+    async def _bulk(self, request: web.Request) -> web.StreamResponse:
+        """A confirmed bulk retry or cancel: the jobs matching the filter now, enqueued
+        before the confirmation was shown, at most :data:`BULK_ACTION_JOBS`, each
+        retried or cancelled as ``broker retry`` or ``broker cancel`` would (one request
+        each: the dispatcher is woken, a running job is stopped on its worker)."""
+        posted = await request.post()  # read once: aiohttp keeps it for _allowed
+        back = "/jobs?" + urlencode(pages.bulk_filter({k: str(v) for k, v in posted.items()}))
+        form, refusal = await self._allowed(request, back)
+        if form is None:
+            assert refusal is not None
+            return refusal
+        action = str(form.get("action") or "")
+        if action not in pages.BULK_ACTIONS:
+            return self._refused(request, 400, "refused: no such bulk action", back)
+        try:
+            before = datetime.fromisoformat(str(form.get("before") or ""))
+        except ValueError:
+            return self._refused(request, 400, "refused: the confirmation is missing", back)
+        found, more = await self._matching(action, form, before)
+        kind = protocol.Retry if action == "retry" else protocol.Cancel
+        _, _, done = pages.BULK_ACTIONS[action]
+        changed = unchanged = 0
+        for job_id in found:
+            try:
+                reply = await self._ask(kind(request_id="web", job_id=job_id))
+            except BrokerError:
+                unchanged += 1
+                continue
+            status = reply.job["status"] if reply.job else None
+            if status in ("queued", "cancelled"):
+                changed += 1
+            else:
+                unchanged += 1
+        note = f"{changed} jobs {done}"
+        if unchanged:
+            note += f"; {unchanged} had moved on and were left as they were"
+        if more:
+            note += f"; more match (at most {BULK_ACTION_JOBS} a time): run it again"
+        shown = {**pages.bulk_filter({k: str(v) for k, v in form.items()}), "msg": note}
+        raise web.HTTPSeeOther("/jobs?" + urlencode(shown))
 
     # ------------------------------------------------------------------ machines
 

@@ -23,9 +23,9 @@ import msgspec
 from aiohttp import web
 
 from broker.jobs import JobStatus
-from broker.main.metrics import label
 from broker.model.bounds import CELL_CHARS, PAGE_ROWS, VALUE_BYTES
 from broker.model.untrusted import escape_bidi
+from broker.ops.web.charts import CHART_STYLE
 from broker.tasks.schedule import Schedule
 
 REFRESH_MS = 2000
@@ -35,7 +35,8 @@ MAX_LINK_BYTES = 4096
 8190-byte request line, so every link it writes can be followed. A longer name (one
 stored before names had a bound) is shown without its link."""
 
-_STYLE = """
+_STYLE = (
+    """
 body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#1d2430;background:#f6f7f9}
 header{background:#1d2430;color:#fff;padding:.6em 1em;display:flex;gap:1.2em;align-items:center}
 header a{color:#cfe0ff;text-decoration:none}header a.on{color:#fff;font-weight:600}
@@ -49,8 +50,12 @@ pre{background:#fff;border:1px solid #e2e5ea;padding:.6em;overflow:auto;max-heig
 .st.cancelled{background:#eee}.st.queued{background:#fbeed0}
 .msg{padding:.6em 1em;background:#fbeed0;border:1px solid #e8cf8a;margin:1em}
 .msg.error{background:#f8d4d4;border-color:#e29b9b}form.inline{display:inline}
-.muted{color:#6b7482}
+.muted{color:#6b7482}form.limit input{width:5em}td.err{color:#a12f2b;max-width:28em}
+#live>.msg.error{margin:1em 0}section.bulk{padding:0 0 1em}td.line{white-space:nowrap}
+/* td.line: kept on one line (a queue with its links, a time) */
 """
+    + CHART_STYLE
+)
 
 _SCRIPT = """
 (function(){
@@ -99,6 +104,7 @@ _VIEWS = (
     ("/", "Queues"),
     ("/workers", "Workers"),
     ("/jobs", "Jobs"),
+    ("/history", "History"),
     ("/recoveries", "Recoveries"),
     ("/schedules", "Schedules"),
 )
@@ -256,10 +262,11 @@ def queues_live(
     rates: Mapping[str, float],
     settings: Mapping[str, dict[str, Any]] | None = None,
 ) -> str:
-    """The queues table: counts by status, the oldest due job's age, completed runs per
-    minute (``rates``, by metric label) and, per queue, its flow (paused, rate limited:
-    ``settings`` by queue name, as ``broker status`` has them) with a Pause or Resume
-    button (a POST under the dashboard's action rules)."""
+    """The queues table: counts by status, the oldest due job's age, completed runs in
+    the last minute (``rates``, by queue: the main's history) and, per queue, its flow
+    (paused, rate limited: ``settings`` by queue name, as ``broker status`` has them)
+    with a Pause or Resume button and the rate limit's form (POSTs under the
+    dashboard's action rules)."""
     settings = settings or {}
     rows = []
     for q in queues:
@@ -269,13 +276,14 @@ def queues_live(
         # A name longer than the link bound is never encoded whole (it may be megabytes).
         link = "/jobs?" + urlencode({"queue": q["queue"][: MAX_LINK_BYTES + 1]})
         if len(q["queue"]) <= MAX_LINK_BYTES and len(link) <= MAX_LINK_BYTES:
-            name = f'<a href="{_e(link)}">{name}</a>'
+            chart = "/history?" + urlencode({"queue": q["queue"]})
+            name = f'<a href="{_e(link)}">{name}</a> <a class=muted href="{_e(chart)}">chart</a>'
         rows.append(
             [
-                f"<td>{name}</td>",
+                f'<td class="line">{name}</td>',
                 *(_td(counts.get(s.value, 0), numeric=True) for s in JobStatus),
                 _td("" if age is None else f"{age:.1f} s", numeric=True),
-                _td(f"{rates.get(label(q['queue']), 0.0):.1f}", numeric=True),
+                _td(f"{rates.get(q['queue'], 0.0):.1f}", numeric=True),
                 f"<td>{_flow_cell(q['queue'], settings.get(q['queue']))}</td>",
             ]
         )
@@ -284,35 +292,66 @@ def queues_live(
 
 
 def _flow_cell(queue: str, settings: Mapping[str, Any] | None) -> str:
-    """A queue's flow (paused, its rate limit) and the button that pauses or resumes it;
-    a name too long to carry in a form gets no button (``broker queue`` still works)."""
+    """A queue's flow (paused, its rate limit), the button that pauses or resumes it and
+    the form that sets its rate limit (or the button that clears it); a name too long to
+    carry in a form gets no buttons (``broker queue`` still works)."""
     paused = bool(settings and settings["paused"])
     rate = settings.get("rate_limit") if settings else None
-    text = ("paused" if paused else "dispatching") + (f", at most {rate}" if rate else "")
+    burst = settings.get("rate_burst") if settings else None
+    limited = f", at most {rate}" + (f" (burst {burst})" if burst and burst > 1 else "")
+    text = ("paused" if paused else "dispatching") + (limited if rate else "")
     if len(queue.encode()) > MAX_LINK_BYTES:
         return _e(text)
     path, button = ("/queues/resume", "Resume") if paused else ("/queues/pause", "Pause")
-    return f"{_e(text)} {_action(path, button, queue=queue)}"
+    if rate:
+        limit = _action("/queues/limit", "Clear limit", queue=queue, rate="")
+    else:
+        limit = (
+            '<form class="inline limit" method="post" action="/queues/limit">'
+            f'<input type="hidden" name="token" value=""><input type="hidden" name="queue" '
+            f'value="{_e(queue)}"><input name="rate" placeholder="50/s" aria-label="rate"> '
+            '<input name="burst" type="number" min="1" value="1" aria-label="burst"> '
+            '<button type="submit" name="action" value="limit">Set limit</button></form>'
+        )
+    return f"{_e(text)} {_action(path, button, queue=queue)} {limit}"
+
+
+WORKERS_NOTE = (
+    '<p class="muted" id="workers-note">The figures of <code>broker status</code>, by mode. '
+    "In flight: jobs handed to the worker and not settled yet, running or prefetched. "
+    "In flight plus free credits is what the worker takes at once: its capacity (jobs "
+    "it runs at once) plus its prefetch window.</p>"
+)
 
 
 def workers_live(workers: Sequence[dict[str, Any]]) -> str:
-    rows = [
-        [
-            _td(w["worker_id"]),
-            _td(w["host"]),
-            _td(", ".join(w["modes"])),
-            _td("all" if w["queues"] is None else ", ".join(w["queues"])),
-            _td(", ".join(f"{m}: {n}" for m, n in sorted(w["credits"].items()))),
-            _td(w["in_flight"], numeric=True),
-            _td(
-                ", ".join(f"{m}: {w['busy'].get(m)}/{c}" for m, c in sorted(w["capacity"].items()))
-            ),
-            _td("draining" if w["draining"] else "serving"),
-        ]
-        for w in workers
-    ]
-    headers = ["worker", "host", "modes", "queues", "free credits", "running", "busy", "state"]
-    return _table(headers, rows, "No worker is connected.")
+    """The workers as ``broker status`` counts them, by mode: the slots a worker reported
+    (capacity), the jobs the main has handed it and not seen settled (in flight, from
+    the main's own leases, so never stale) and the credits it may still fill."""
+
+    def by_mode(values: Mapping[str, Any], modes: Sequence[str]) -> str:
+        total = sum(v for v in values.values() if isinstance(v, int))
+        shown = ", ".join(f"{m}: {values.get(m, 0)}" for m in modes)
+        return shown if len(modes) == 1 else f"{total} ({shown})"
+
+    rows = []
+    for w in workers:
+        capacity = w["capacity"] if w["status_reported"] else {}
+        held = w.get("in_flight_by_mode") or {}
+        modes = sorted(set(w["modes"]) | set(capacity))
+        rows.append(
+            [
+                _td(w["worker_id"]),
+                _td(w["host"]),
+                _td("all" if w["queues"] is None else ", ".join(w["queues"])),
+                _td(by_mode(capacity, modes) if capacity else "(not reported)"),
+                _td(by_mode(held, modes) if held else w["in_flight"]),
+                _td(by_mode(w["credits"], modes)),
+                _td("draining" if w["draining"] else "serving"),
+            ]
+        )
+    headers = ["worker", "host", "queues", "capacity", "in flight", "free credits", "state"]
+    return WORKERS_NOTE + _table(headers, rows, "No worker is connected.")
 
 
 def recoveries_live(pending: Sequence[dict[str, Any]], orphans: object) -> str:
@@ -348,12 +387,15 @@ def jobs_live(
             _td(j["queue"]),
             _td(j["task"]),
             _td(j["attempts"], numeric=True),
-            _td(_time(j["created_at"])),
-            _td(_time(j["updated_at"])),
+            _td(_progress(j)),
+            # A failed job's error in red; an earlier run's, kept by a job that went on, muted.
+            f'<td class="{"err" if j["status"] == "failed" else "muted"}">'
+            f"{_cut(_error_line(j))}</td>",
+            f'<td class="line">{_cut(_time(j["updated_at"]))}</td>',
         ]
         for j in jobs
     ]
-    headers = ["id", "status", "queue", "task", "failed runs", "created", "updated"]
+    headers = ["id", "status", "queue", "task", "failed runs", "progress", "error", "updated"]
     live = _table(headers, rows, "No job matches.") + note
     if next_cursor:
         more = {k: v for k, v in query.items() if k != "cursor"}
@@ -363,6 +405,24 @@ def jobs_live(
         first = {k: v for k, v in query.items() if k != "cursor"}
         live += f'<p><a href="/jobs?{_e(urlencode(first))}">First page</a></p>'
     return live
+
+
+def _error_line(job: Mapping[str, Any]) -> str:
+    """The line of a job's last error that names it: its first (the exception and its
+    message; the traceback follows it, innermost last)."""
+    error = str(job.get("last_error") or "")[:2000]
+    return next((line.strip() for line in error.splitlines() if line.strip()), "")
+
+
+def _progress(job: Mapping[str, Any]) -> str:
+    """A job's progress as a list shows it: done once it completed (its last report may
+    have been below 100%), else its last report and message."""
+    if job["status"] == JobStatus.COMPLETED.value:
+        return "done"
+    fraction = job.get("progress")
+    if fraction is None:
+        return ""
+    return f"{fraction:.0%} {job.get('progress_message') or ''}".rstrip()
 
 
 def prefix_note(seen: int, prefix: str) -> str:
@@ -390,7 +450,76 @@ def jobs_filter(query: Mapping[str, str], prefix: str) -> str:
         f'task <input name="task" value="{_e(query.get("task") or None)}" size="24"> '
         f'id <input name="id" value="{_e(prefix)}" size="10" placeholder="prefix"> '
         f'per page <select name="limit">{sizes}</select> '
-        '<button type="submit">Filter</button></form></section>'
+        '<button type="submit">Filter</button></form></section>' + _bulk_links(query)
+    )
+
+
+BULK_ACTIONS = {
+    "retry": (frozenset({JobStatus.FAILED}), "Retry", "queued again"),
+    "cancel": (frozenset({JobStatus.QUEUED, JobStatus.HANDED_OFF}), "Cancel", "cancelled"),
+}
+"""The bulk actions: the statuses each acts on, its button, and what it did."""
+
+
+def bulk_filter(query: Mapping[str, str]) -> dict[str, str]:
+    """The filter of a bulk action (queue, task, status) as its links carry it."""
+    return {k: query[k] for k in ("queue", "task", "status") if query.get(k)}
+
+
+def _bulk_links(query: Mapping[str, str]) -> str:
+    """Links to the confirmation of a bulk retry or cancel of the jobs the filter
+    selects (those an action applies to: failed ones for retry, waiting or running ones
+    for cancel)."""
+    kept = bulk_filter(query)
+    status = kept.get("status")
+    links = []
+    for action, (statuses, button, _) in BULK_ACTIONS.items():
+        if status and JobStatus(status) not in statuses:
+            continue
+        href = "/jobs/bulk?" + urlencode({**kept, "action": action})
+        which = "failed" if action == "retry" else "queued and running"
+        links.append(f'<a id="bulk-{action}" href="{_e(href)}">{button} all {which} jobs</a>')
+    if not links:
+        return ""
+    return f"<section class=bulk>Matching this filter: {' · '.join(links)}</section>"
+
+
+def bulk_confirm(action: str, query: Mapping[str, str], count: int, more: bool, before: str) -> str:
+    """The confirmation of a bulk action: how many jobs it affects now (at most
+    :data:`~broker.model.bounds.BULK_ACTION_JOBS` a request; ``more``: others match
+    beyond), a form that does it, and a way back."""
+    statuses, button, _ = BULK_ACTIONS[action]
+    kept = bulk_filter(query)
+    what = ", ".join(f"{k} {v}" for k, v in kept.items()) or "every job"
+    back = "/jobs?" + urlencode(kept)
+    which = " or ".join(sorted(s.value for s in statuses))
+    if count == 0:
+        return (
+            f'<p id="bulk-count">No {which} job matches ({_cut(what)}): nothing to do.</p>'
+            f'<p><a id="back" href="{_e(back)}">Back to the jobs</a></p>'
+        )
+    jobs = f"{count} job{'s' if count != 1 else ''}"
+    many = f"at least {jobs}; this acts on the newest {count}, run it again for the rest"
+    fields = "".join(
+        f'<input type="hidden" name="{_e(k)}" value="{_e(v)}">'
+        for k, v in {**kept, "action": action, "before": before}.items()
+    )
+    return (
+        f'<p id="bulk-count">{button} the {which} jobs matching {_cut(what)}: '
+        f"<strong>{_e(many if more else jobs)}</strong> (counted now; jobs enqueued after "
+        "this page are left alone).</p>"
+        f'<form method="post" action="/jobs/bulk" id="bulk">'
+        f'<input type="hidden" name="token" value="">{fields}'
+        f'<button type="submit" name="confirm" value="{_e(action)}">{button} {jobs}</button> '
+        f'<a id="back" href="{_e(back)}">Back to the jobs</a></form>'
+    )
+
+
+def refused(text: str, back: str) -> str:
+    """A refused action or request, in the page, with a way back."""
+    return (
+        f'<div class="msg error" id="error-notice">{_e(text)}</div>'
+        f'<p><a id="back" href="{_e(back)}">Back</a></p>'
     )
 
 
@@ -404,6 +533,8 @@ def job_live(job_id: uuid.UUID, job: dict[str, Any]) -> str:
         actions.append(_action(f"/jobs/{job_id}/cancel", "Cancel"))
     fields = [
         ("status", _status(job["status"])),
+        # Why a queued or waiting job is not running, when the main knows (broker.core.why).
+        *([("waiting for", _cut(job["wait_reason"]))] if job.get("wait_reason") else []),
         ("task", _cut(job["task"])),
         ("queue", _cut(job["queue"])),
         ("priority", _cut(job["priority"])),
@@ -426,11 +557,7 @@ def job_live(job_id: uuid.UUID, job: dict[str, Any]) -> str:
         ),
         (
             "progress",
-            _cut(
-                f"{job['progress']:.0%} {job['progress_message'] or ''}".rstrip()
-                if job["progress"] is not None
-                else ""
-            ),
+            _cut(_progress(job)),
         ),
         ("idempotency key", _cut(job["idempotency_key"] or "")),
         ("unique key", _cut(job["unique_key"] or "")),
@@ -442,18 +569,22 @@ def job_live(job_id: uuid.UUID, job: dict[str, Any]) -> str:
                 else ""
             ),
         ),
+        ("rate key", _cut(job.get("rate_key") or "")),
     ]
     table = "".join(f"<tr><th>{_e(k)}</th><td>{v}</td></tr>" for k, v in fields)
+    error = "<h2>Last error</h2>" + _pre(job["last_error"] or "none", "error")
+    failed = job["status"] == JobStatus.FAILED.value
     return (
-        f'<p id="job-id">{_e(job_id)} {" ".join(actions)}</p><table>{table}</table>'
+        f'<p id="job-id">{_e(job_id)} {" ".join(actions)}</p>'
+        + (error if failed else "")  # a dead job's page starts with why
+        + f"<table>{table}</table>"
         "<h2>Arguments</h2>"
         + _pre(_json({"args": job["args"], "kwargs": job["kwargs"]}))
         + "<h2>Result</h2>"
         + _pre(_json(job["result"]))
         + "<h2>Last checkpoint</h2>"
         + _pre(_json(job["checkpoint"]), "checkpoint")
-        + "<h2>Last error</h2>"
-        + _pre(job["last_error"] or "none", "error")
+        + ("" if failed else error)
         + '<p class="muted">The store keeps a job\'s latest hand-off (worker and time) and '
         "its last error, not the earlier attempts.</p>"
     )
