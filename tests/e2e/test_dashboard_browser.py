@@ -555,7 +555,6 @@ async def test_a_job_in_a_workflow_links_to_its_graph(site: Site) -> None:
     rows = await site.rows()
     assert len(rows) == 3 and "cancelled" in rows[2]
     assert str(sent.id)[:8] in rows[2] and str(dead.id)[:8] in rows[2], rows[2]
-    await site.shot("workflow")
     await site.open(f"/jobs/{uuid.uuid4()}")
     await site.open(f"/workflows/{uuid.uuid4()}")
     assert "no workflow" in await site.text()
