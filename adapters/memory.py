@@ -28,7 +28,7 @@ from dataclasses import replace
 from datetime import datetime
 
 from broker import dependencies, settlement
-from broker.dependencies import Waiting
+from broker.dependencies import Edge, Waiting
 from broker.exceptions import UniqueKeyTakenError
 from broker.jobs import (
     ACTIVE_STATUSES,
@@ -60,6 +60,7 @@ from broker.storage import (
     PayloadIntegrityError,
     QueueCount,
     QueueSettings,
+    StoredWorkflow,
     TaskRecord,
     check_payload,
     log_refused_at_claim,
@@ -111,6 +112,7 @@ class MemoryAdapter:
         self._workflows: dict[uuid.UUID, uuid.UUID] = {}
         """Each workflow member's workflow id."""
         self._deps = _Dependencies(self)
+        self._end_notice: Callable[[list[uuid.UUID]], None] | None = None
         self._queue_settings: dict[str, QueueSettings] = {}
 
     @property
@@ -255,7 +257,13 @@ class MemoryAdapter:
         """The job has just moved: if that ended it, carry it to its children."""
         status = self._jobs[job_id].status
         if job_id in self._children and dependencies.ends_parent(status):
-            await dependencies.propagate(self._deps, [(job_id, status)])
+            carried = await dependencies.propagate(self._deps, [(job_id, status)])
+            if carried.cancelled and self._end_notice is not None:
+                self._end_notice(list(carried.cancelled))
+
+    def on_ended(self, notice: Callable[[list[uuid.UUID]], None]) -> None:
+        """:class:`broker.storage.SupportsEndNotice`."""
+        self._end_notice = notice
 
     def _eligible(
         self,
@@ -470,6 +478,66 @@ class MemoryAdapter:
 
     async def get_job(self, job_id: uuid.UUID) -> Job | None:
         return self._snapshot(job_id) if job_id in self._jobs else None
+
+    def _workflow(self, workflow_id: uuid.UUID) -> tuple[list[uuid.UUID], list[Edge]]:
+        """A workflow's members in enqueue order, and their edges (``workflow_id`` may name
+        one of its jobs)."""
+        workflow_id = self._workflows.get(workflow_id, workflow_id)
+        members = [j for j, w in self._workflows.items() if w == workflow_id]
+        edges = [
+            Edge(child, parent, (child, parent) not in self._open)
+            for child in members
+            for parent in self._parents.get(child, ())
+        ]
+        return members, edges
+
+    async def get_workflow(self, workflow_id: uuid.UUID, *, limit: int) -> StoredWorkflow | None:
+        members, edges = self._workflow(workflow_id)
+        if not members:
+            return None
+        shown = set(members[:limit])
+        return StoredWorkflow(
+            self._workflows[members[0]],
+            [_summary(self._jobs[j]) for j in dependencies.parents_first(members[:limit], edges)],
+            [e for e in edges if e.child in shown],
+            truncated=len(members) > limit,
+        )
+
+    async def retry_workflow(self, workflow_id: uuid.UUID) -> list[uuid.UUID]:
+        ids, edges = self._workflow(workflow_id)
+        members = [
+            dependencies.Member(j, self._jobs[j].status, self._jobs[j].last_error) for j in ids
+        ]
+        parent_status = {
+            e.parent: self._jobs[e.parent].status for e in edges if e.parent in self._jobs
+        }
+        plan = dependencies.retry_plan(members, edges, parent_status)
+        for job_id in plan.requeue:  # refused before anything changes, as one transaction
+            job = self._jobs[job_id]
+            holder = self._active_by_unique_key.get(job.unique_key) if job.unique_key else None
+            if holder is not None:
+                raise UniqueKeyTakenError(
+                    f"job {job_id} cannot be retried: job {holder} holds its unique key "
+                    f"{job.unique_key!r} while it is queued or running",
+                    holder_id=holder,
+                )
+        now = self._clock()
+        for job_id in plan.requeue:
+            self._move(self._jobs[job_id], settlement.revive(now))
+        for job_id in plan.revive:
+            self._put(
+                replace(
+                    self._jobs[job_id], status=JobStatus.WAITING, last_error=None, updated_at=now
+                )
+            )
+        self._open.update(plan.reopen)
+        for child, pending in plan.pending.items():
+            _, on_failure, mode = self._waits[child]
+            self._waits[child] = (pending, on_failure, mode)
+        if plan.requeue:
+            for wake in list(self._listeners):
+                wake()
+        return [*plan.requeue, *plan.revive]
 
     async def list_jobs(
         self,

@@ -39,6 +39,7 @@ from broker.exceptions import (
     IdempotencyConflictError,
     InvalidArgumentsError,
     InvalidJobError,
+    JobFailedError,
     JobTimeoutError,
     MissingDriverError,
     NotLeaderError,
@@ -82,7 +83,7 @@ if TYPE_CHECKING:
     from broker.tasks.registry import Task, TaskRegistry, task
     from broker.tasks.schedule import Schedule
     from broker.tasks.workflow import EnqueuedWorkflow, Step, chain, group
-    from broker.wire.messages import Role
+    from broker.wire.messages import Role, WorkflowEdge, WorkflowMember, WorkflowView
     from broker.wire.tls import PeerTLS
 
 _LAZY = {
@@ -97,6 +98,9 @@ _LAZY = {
     "on_startup": "broker.tasks.hooks",
     "PeerTLS": "broker.wire.tls",
     "Role": "broker.wire.messages",
+    "WorkflowEdge": "broker.wire.messages",
+    "WorkflowMember": "broker.wire.messages",
+    "WorkflowView": "broker.wire.messages",
     "Schedule": "broker.tasks.schedule",
     "Task": "broker.tasks.registry",
     "TaskRegistry": "broker.tasks.registry",
@@ -145,6 +149,7 @@ __all__ = [
     "InvalidJobError",
     "Job",
     "JobContext",
+    "JobFailedError",
     "JobFilter",
     "JobMiddleware",
     "JobPage",
@@ -176,6 +181,9 @@ __all__ = [
     "TaskRegistry",
     "UniqueKeyTakenError",
     "UnknownTaskError",
+    "WorkflowEdge",
+    "WorkflowMember",
+    "WorkflowView",
     "add_middleware",
     "chain",
     "configure",

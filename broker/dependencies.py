@@ -140,6 +140,7 @@ class DependencyStore(Protocol):
 async def count_ended_at_enqueue(
     store: DependencyStore, specs: Sequence[JobSpec], status_of: Mapping[uuid.UUID, JobStatus]
 ) -> None:
+    # A job cancelled here is cancelled by its own enqueue: nobody can wait on it yet.
     """Count, for the jobs of an enqueue (``specs``, their edges just written), the parents
     that have ended already (:func:`ended_at_enqueue`), as if they had just ended."""
     ended: dict[uuid.UUID, JobStatus] = {}
@@ -149,12 +150,24 @@ async def count_ended_at_enqueue(
         await propagate(store, list(ended.items()))
 
 
-async def propagate(store: DependencyStore, ended: Sequence[tuple[uuid.UUID, JobStatus]]) -> int:
+@dataclass(frozen=True, slots=True)
+class Carried:
+    """What :func:`propagate` did: how many children became due, and which it cancelled
+    (their waiters are owed an answer: see :class:`broker.storage.SupportsEndNotice`)."""
+
+    released: int
+    cancelled: tuple[uuid.UUID, ...]
+
+
+async def propagate(
+    store: DependencyStore, ended: Sequence[tuple[uuid.UUID, JobStatus]]
+) -> Carried:
     """Carry the parents in ``ended`` (each just moved to a terminal status by a move the
-    store accepted) to their children, and a cancelled child on to its own; returns how
-    many children became due. Children are visited in id order, so two transactions on
-    PostgreSQL lock the rows they share in one order."""
+    store accepted) to their children, and a cancelled child on to its own. Children are
+    visited in id order, so two transactions on PostgreSQL lock the rows they share in
+    one order."""
     released = 0
+    cancelled: list[uuid.UUID] = []
     while ended:
         status_of = dict(ended)
         by_child: dict[uuid.UUID, list[tuple[uuid.UUID, JobStatus]]] = {}
@@ -170,8 +183,150 @@ async def propagate(store: DependencyStore, ended: Sequence[tuple[uuid.UUID, Job
             if isinstance(verdict, CancelChild):
                 await store.cancel_waiting(child_id, verdict.reason)
                 ended.append((child_id, JobStatus.CANCELLED))
+                cancelled.append(child_id)
             elif verdict == "due":
                 results = await store.parent_results(child_id)
                 await store.release(child_id, due_args(child.parent_results, child.args, results))
                 released += 1
-    return released
+    return Carried(released, tuple(cancelled))
+
+
+# --------------------------------------------------------------------------- workflows
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """A workflow's job as a store reads it for :func:`workflow_status` and
+    :func:`retry_plan`: its status and its ``last_error`` (which names the parent that
+    cancelled it, :func:`parent_failed_reason`)."""
+
+    id: uuid.UUID
+    status: JobStatus
+    last_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    """One parent of a workflow's job, and whether its end has been counted."""
+
+    child: uuid.UUID
+    parent: uuid.UUID
+    done: bool
+
+
+WorkflowStatus = Literal["running", "completed", "failed", "cancelled"]
+"""A workflow's status, derived from its members' (:func:`workflow_status`)."""
+
+
+def workflow_status(statuses: Sequence[JobStatus]) -> WorkflowStatus:
+    """A workflow's status from its members': ``running`` while any is waiting, queued or
+    handed off; then ``completed`` if every one completed, ``failed`` if one ended dead
+    (its dependents cancelled because of it count as that failure), else ``cancelled``."""
+    if any(not s.is_terminal for s in statuses):
+        return "running"
+    if all(s is JobStatus.COMPLETED for s in statuses):
+        return "completed"
+    if any(s is JobStatus.FAILED for s in statuses):
+        return "failed"
+    return "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPlan:
+    """What a workflow's retry changes, in one transaction: ``requeue`` the dead members
+    (as ``retry_dead`` does), ``revive`` the dependents cancelled because of them
+    (``cancelled`` → ``waiting``, ``last_error`` cleared), mark ``reopen`` edges not
+    counted again, and set each touched child's count of parents to ``pending``."""
+
+    requeue: tuple[uuid.UUID, ...]
+    revive: tuple[uuid.UUID, ...]
+    reopen: tuple[tuple[uuid.UUID, uuid.UUID], ...]
+    """``(child, parent)``."""
+    pending: dict[uuid.UUID, int]
+
+    @property
+    def empty(self) -> bool:
+        return not self.requeue
+
+
+def retry_plan(
+    members: Sequence[Member], edges: Sequence[Edge], parent_status: Mapping[uuid.UUID, JobStatus]
+) -> RetryPlan:
+    """The retry of a workflow whose jobs are ``members`` (parents before children) and
+    whose parent edges are ``edges``; ``parent_status``: the status of every parent
+    named in ``edges`` (members or not; one missing is taken as gone).
+
+    Every dead (``failed``) member runs again. A ``cancelled`` member is revived when its
+    ``last_error`` says a parent ended (:func:`parent_failed_reason`) and that parent is
+    retried or revived, and none of its other parents has ended otherwise than
+    completed (an operator's cancel stands). A revived member's edges from retried or
+    revived parents are counted again, so it is released by their new end, once: its
+    count is the number of its edges left uncounted, the invariant every store keeps. A
+    member still ``waiting`` that had counted a retried parent's end (``run`` anyway)
+    counts that parent again too, so it waits for the new end instead of running with
+    ``None`` for it."""
+    status = {m.id: m.status for m in members}
+    status_of = {**parent_status, **status}
+    parents: dict[uuid.UUID, list[Edge]] = {}
+    for edge in edges:
+        parents.setdefault(edge.child, []).append(edge)
+    requeue = [m.id for m in members if m.status is JobStatus.FAILED]
+    again = set(requeue)
+    revive: list[uuid.UUID] = []
+    for m in members:  # parents before children: a revived parent is known to its children
+        if m.status is not JobStatus.CANCELLED or not m.last_error:
+            continue
+        mine = parents.get(m.id, [])
+        named = [
+            e.parent
+            for e in mine
+            if e.parent in again
+            and m.last_error == parent_failed_reason(e.parent, status_of[e.parent])
+        ]
+        others_fine = all(
+            e.parent in again
+            or status_of.get(e.parent) is JobStatus.COMPLETED
+            or (e.parent in status_of and not status_of[e.parent].is_terminal)
+            for e in mine
+        )
+        if named and others_fine:
+            revive.append(m.id)
+            again.add(m.id)
+    revived = set(revive)
+    reopen: list[tuple[uuid.UUID, uuid.UUID]] = []
+    pending: dict[uuid.UUID, int] = {}
+    for child, mine in parents.items():
+        if child not in revived and status.get(child) is not JobStatus.WAITING:
+            continue
+        opened = [(child, e.parent) for e in mine if e.done and e.parent in again]
+        if opened or child in revived:
+            reopen += opened
+            pending[child] = sum(1 for e in mine if not e.done) + len(opened)
+    return RetryPlan(tuple(requeue), tuple(revive), tuple(reopen), pending)
+
+
+def parents_first(ids: Sequence[uuid.UUID], edges: Sequence[Edge]) -> list[uuid.UUID]:
+    """``ids`` (a workflow's jobs in enqueue order) with every parent before its children,
+    the enqueue order kept otherwise: jobs of one batch share a creation time, so a store
+    reading them by it may give a child first."""
+    among = set(ids)
+    parents: dict[uuid.UUID, set[uuid.UUID]] = {}
+    for e in edges:
+        if e.child in among and e.parent in among:
+            parents.setdefault(e.child, set()).add(e.parent)
+    placed: set[uuid.UUID] = set()
+    order: list[uuid.UUID] = []
+    left = list(ids)
+    while left:
+        rest = []
+        for job_id in left:
+            if parents.get(job_id, set()) <= placed:
+                placed.add(job_id)
+                order.append(job_id)
+            else:
+                rest.append(job_id)
+        if len(rest) == len(left):  # a cycle cannot form; keep the rest as read
+            order += rest
+            break
+        left = rest
+    return order

@@ -25,7 +25,8 @@ The tree, so a caller can catch as broadly or as narrowly as it needs::
     ├── TaskNotFoundError         a job names a task the worker has not registered
     ├── JobTimeoutError           a job ran past its timeout and was stopped
     ├── RunnerCrashedError        the process running a job died under it
-    └── CheckpointRejectedError   a task's checkpoint was not saved: its lease is gone
+    ├── CheckpointRejectedError   a task's checkpoint was not saved: its lease is gone
+    └── JobFailedError            a job awaited for its result ended dead or cancelled
 
 Each class's docstring is its default message, so ``raise StorageError()`` still
 tells the reader what happened; pass a message to say more.
@@ -238,6 +239,26 @@ class CheckpointRejectedError(BrokerError):
     gave the job to another run), or the run has already ended."""
 
     code = "checkpoint_rejected"
+
+
+class JobFailedError(BrokerError):
+    """The job ended dead (``failed``) or ``cancelled``: it has no result (a handle's
+    ``result()``). Its ``last_error`` is the message."""
+
+    code = "job_failed"
+    wire_fields = {"job_id": uuid.UUID, "status": str}
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        job_id: uuid.UUID | None = None,
+        status: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+        self.status = status
+        """``failed`` or ``cancelled``."""
 
 
 def transient(exc: BaseException) -> bool:

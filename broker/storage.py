@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol, TypeVar, runtime_checkable
 
+from broker.dependencies import Edge
 from broker.exceptions import StorageRejectedError
 from broker.jobs import (
     CheckpointSave,
@@ -484,6 +485,61 @@ class SupportsDueNotice(Protocol):
         """Call ``notice`` (on the event loop, after the commit) whenever a write of this
         process made waiting jobs due; it replaces the notice set before (a main that
         leads again sets its new dispatcher's)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredWorkflow:
+    """A workflow as the store holds it (see :class:`SupportsWorkflows`)."""
+
+    workflow_id: uuid.UUID
+    members: list[Job]
+    """Its jobs without their payloads (``args``, ``kwargs``, ``result`` left empty),
+    parents before children, else in enqueue order."""
+    edges: list[Edge]
+    """The parents of every member that has some, each member's in ``depends_on`` order."""
+    truncated: bool
+    """More members than the read's ``limit`` exist; ``members`` holds the first ones."""
+
+
+@runtime_checkable
+class SupportsWorkflows(Protocol):
+    """Optional: read a workflow whole, and retry its failed members.
+
+    A main on an adapter without it answers ``get_workflow`` and ``retry_workflow`` with
+    a ``configuration`` error saying so; every other workflow feature (dependencies,
+    chains, fan-in, cancel) needs only :class:`StorageAdapter`.
+    """
+
+    async def get_workflow(self, workflow_id: uuid.UUID, *, limit: int) -> StoredWorkflow | None:
+        """The members of ``workflow_id`` (at most ``limit``) and their edges, read in one
+        transaction; ``None`` when no job carries that workflow id (never enqueued, or
+        every member pruned). ``workflow_id`` may also be the id of one of the workflow's
+        jobs (a job page knows only its job): the workflow read is then that job's."""
+
+    async def retry_workflow(self, workflow_id: uuid.UUID) -> list[uuid.UUID]:
+        """Apply :func:`broker.dependencies.retry_plan` to the workflow (``workflow_id``
+        as for :meth:`get_workflow`) in one transaction, its members' rows locked: dead
+        members queued again (as ``retry_dead``), the dependents cancelled because of
+        them ``waiting`` again, their edges from those members counted anew. Returns the
+        ids changed (requeued first, then revived); empty when nothing had failed.
+
+        :raises UniqueKeyTakenError: a dead member's ``unique_key`` is held by another
+            active job; nothing changes.
+        """
+
+
+@runtime_checkable
+class SupportsEndNotice(Protocol):
+    """Optional: tell the main of jobs a write ended by itself. When a parent ends dead
+    or cancelled, its dependents are cancelled inside the same transaction
+    (:mod:`broker.dependencies`), a move no request of the main named; the main's
+    waiters on them (``wait_job``) are answered when told, else only when their wait's
+    time is up."""
+
+    def on_ended(self, notice: Callable[[list[uuid.UUID]], None]) -> None:
+        """Call ``notice`` (on the event loop, after the commit) with the ids of the jobs
+        a write of this handle cancelled because a parent ended; it replaces the notice
+        set before (a main that leads again sets its own)."""
 
 
 @runtime_checkable

@@ -475,6 +475,11 @@ class SQLAlchemyAdapter(CoreQueries):
         when they made waiting jobs due; PostgreSQL's notify instead."""
         self._dialect.on_due(notice)
 
+    def on_ended(self, notice: Callable[[list[uuid.UUID]], None]) -> None:
+        """:class:`broker.storage.SupportsEndNotice`: the dependents a settle or a cancel
+        cancelled, after its commit."""
+        self._dialect.on_ended(notice)
+
     def listen(self, on_wake: Callable[[], None]) -> AbstractAsyncContextManager[None]:
         """While open, ``on_wake()`` runs whenever any process inserts a job (PostgreSQL).
 

@@ -134,6 +134,7 @@ class PostgresDialect:
     )
     insert = staticmethod(pg_dialect.insert)
     required_file: str | None = None
+    enqueue_order: sa.ColumnElement[Any] = jobs.c.seq
 
     def __init__(
         self,
@@ -156,6 +157,7 @@ class PostgresDialect:
         self._schema = schema
         self._now = now
         self._offload_threshold = offload_threshold
+        self._end_notice: Callable[[list[uuid.UUID]], None] | None = None
         self._enqueue = enqueue
         connect_args: dict[str, Any] = {"server_settings": {"application_name": "broker"}}
         if read_only:
@@ -415,9 +417,21 @@ class PostgresDialect:
                 for r in rows
                 if dependencies.ends_parent(JobStatus(r["status"]))
             ]
-            if ended:
+            carried = (
                 await dependencies.propagate(self._links(conn), ended)
+                if ended
+                else dependencies.Carried(0, ())
+            )
+        self._ended(carried)
         return settled
+
+    def _ended(self, carried: dependencies.Carried) -> None:
+        if carried.cancelled and self._end_notice is not None:
+            self._end_notice(list(carried.cancelled))
+
+    def on_ended(self, notice: Callable[[list[uuid.UUID]], None]) -> None:
+        """See :class:`broker.storage.SupportsEndNotice`."""
+        self._end_notice = notice
 
     def _links(self, conn: Any) -> PgLinks:
         async def put(conn: Any, moved: Sequence[Payload]) -> None:
@@ -430,11 +444,13 @@ class PostgresDialect:
     async def propagate(self, ended: Sequence[tuple[uuid.UUID, JobStatus]] | None) -> None:
         """Walk the dependents of ``ended`` (parents a cancel ended; ``None``: every parent
         left with an edge to count, at start-up) in a transaction of its own."""
+        carried = dependencies.Carried(0, ())
         async with self._hot.acquire() as conn, conn.transaction():
             links = self._links(conn)
             parents = await links.stranded() if ended is None else ended
             if parents:
-                await dependencies.propagate(links, parents)
+                carried = await dependencies.propagate(links, parents)
+        self._ended(carried)
 
     # ------------------------------------------------------------------ checkpoints, progress
 

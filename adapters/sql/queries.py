@@ -38,18 +38,29 @@ from adapters.sql.schema import (
     IS_TERMINAL,
     concurrency,
     job_edges,
+    job_links,
     jobs,
     payloads,
     queue_settings,
     task_catalog,
 )
-from broker import settlement
+from broker import dependencies, settlement
+from broker.dependencies import Edge
 from broker.exceptions import StorageError, UniqueKeyTakenError
 from broker.jobs import TERMINAL_STATUSES, Clock, Job, JobStatus, JSONValue
 from broker.model.rates import Rate
-from broker.storage import JobFilter, JobPage, QueueCount, QueueSettings, TaskRecord
+from broker.storage import (
+    JobFilter,
+    JobPage,
+    QueueCount,
+    QueueSettings,
+    StoredWorkflow,
+    TaskRecord,
+)
 
 _QUEUED = JobStatus.QUEUED.value
+_SETTLED_BY_OTHERS = (JobStatus.QUEUED.value, JobStatus.HANDED_OFF.value)
+"""Statuses a claim or a settle moves a job out of while a workflow's retry runs."""
 _READ_ROUNDS = 5
 """Reads of rows and their payloads before a payload that keeps vanishing between the
 two is an error (see :meth:`CoreQueries._read_with_bodies`)."""
@@ -202,6 +213,147 @@ class CoreQueries:
                 ) from exc
             raise
         return None if row is None else job_from_row(row, bodies)
+
+    def _workflow_order(self) -> list[sa.ColumnElement[Any]]:
+        """Enqueue order: creation time, then ``seq`` (PostgreSQL) or ``rowid`` (SQLite),
+        since the jobs of one enqueue share a creation time."""
+        return [jobs.c.created_us, self._dialect.enqueue_order, jobs.c.id]
+
+    async def _workflow_edges(
+        self, conn: AsyncConnection, members: Sequence[uuid.UUID]
+    ) -> list[Edge]:
+        edges: list[Edge] = []
+        for chunk in in_chunks(list(members)):
+            rows = await conn.execute(
+                sa.select(job_edges.c.child_id, job_edges.c.parent_id, job_edges.c.done)
+                .where(job_edges.c.child_id.in_(chunk))
+                .order_by(job_edges.c.child_id, job_edges.c.position)
+            )
+            edges += [Edge(r.child_id, r.parent_id, bool(r.done)) for r in rows]
+        return edges
+
+    @staticmethod
+    def _members_of(workflow_id: uuid.UUID) -> sa.Select[Any]:
+        """The ids of the workflow's jobs: of ``workflow_id``, or of the workflow of the job
+        of that id (see :meth:`broker.storage.SupportsWorkflows.get_workflow`)."""
+        of_job = (
+            sa.select(job_links.c.workflow_id)
+            .where(job_links.c.job_id == workflow_id)
+            .scalar_subquery()
+        )
+        wanted = sa.func.coalesce(of_job, workflow_id)
+        return sa.select(job_links.c.job_id).where(job_links.c.workflow_id == wanted)
+
+    async def get_workflow(self, workflow_id: uuid.UUID, *, limit: int) -> StoredWorkflow | None:
+        member_ids = self._members_of(workflow_id)
+        columns: list[Any] = SUMMARY_COLUMNS
+        stmt = (
+            sa.select(*columns)
+            .where(jobs.c.id.in_(member_ids))
+            .order_by(*self._workflow_order())
+            .limit(limit + 1)
+        )
+        async with self._read("get_workflow") as conn, conn.begin():
+            rows = (await conn.execute(stmt)).mappings().all()
+            if not rows:
+                return None
+            found = {r["id"]: job_from_row(r) for r in rows[:limit]}
+            edges = await self._workflow_edges(conn, list(found))
+            first = await conn.execute(
+                sa.select(job_links.c.workflow_id).where(job_links.c.job_id == rows[0]["id"])
+            )
+            resolved = first.scalar_one()
+        order = dependencies.parents_first(list(found), edges)
+        return StoredWorkflow(
+            resolved, [found[j] for j in order], edges, truncated=len(rows) > limit
+        )
+
+    async def retry_workflow(self, workflow_id: uuid.UUID) -> list[uuid.UUID]:
+        member_ids = self._members_of(workflow_id)
+        columns = (jobs.c.id, jobs.c.status, jobs.c.last_error, jobs.c.unique_key)
+        # Only the members no settle can move are locked (the running ones are read):
+        # a settle locks its job, then its dependents; locking a running member after
+        # a dependent, in id order, could deadlock with it. A running member's end that
+        # commits first is read here; one that commits after waits on the dependents'
+        # locks and then sees them as this retry left them.
+        locked = self._dialect.lock_rows(
+            sa.select(*columns)
+            .where(jobs.c.id.in_(member_ids), jobs.c.status.not_in(_SETTLED_BY_OTHERS))
+            .order_by(jobs.c.id)
+        )
+        async with self._write("retry_workflow") as conn:
+            rows = (await conn.execute(locked)).all()
+            rows += (
+                await conn.execute(
+                    sa.select(*columns).where(
+                        jobs.c.id.in_(member_ids), jobs.c.status.in_(_SETTLED_BY_OTHERS)
+                    )
+                )
+            ).all()
+            by_id = {r.id: r for r in rows}
+            edges = await self._workflow_edges(conn, list(by_id))
+            outside = sorted({e.parent for e in edges} - set(by_id))
+            parent_status: dict[uuid.UUID, JobStatus] = {}
+            for chunk in in_chunks(outside):
+                for r in await conn.execute(
+                    sa.select(jobs.c.id, jobs.c.status).where(jobs.c.id.in_(chunk))
+                ):
+                    parent_status[r.id] = JobStatus(r.status)
+            created = (
+                (
+                    await conn.execute(
+                        sa.select(jobs.c.id)
+                        .where(jobs.c.id.in_(list(by_id)))
+                        .order_by(*self._workflow_order())
+                    )
+                )
+                .scalars()
+                .all()
+                if by_id
+                else []
+            )
+            order = dependencies.parents_first(list(created), edges)
+            members = [
+                dependencies.Member(j, JobStatus(by_id[j].status), by_id[j].last_error)
+                for j in order
+            ]
+            plan = dependencies.retry_plan(members, edges, parent_status)
+            for job_id in plan.requeue:
+                key = by_id[job_id].unique_key
+                if key is not None:
+                    await self._refuse_if_unique_key_held(conn, job_id, key)
+            now_us = self._now()
+            revive = encode_changes(settlement.revive(from_us(now_us)).changes)
+            for chunk in in_chunks(list(plan.requeue)):
+                await conn.execute(
+                    sa.update(jobs)
+                    .where(jobs.c.id.in_(chunk), jobs.c.status == JobStatus.FAILED.value)
+                    .values(**revive)
+                )
+            for chunk in in_chunks(list(plan.revive)):
+                await conn.execute(
+                    sa.update(jobs)
+                    .where(jobs.c.id.in_(chunk), jobs.c.status == JobStatus.CANCELLED.value)
+                    .values(status=JobStatus.WAITING.value, last_error=None, updated_us=now_us)
+                )
+            if plan.reopen:
+                await conn.execute(
+                    sa.update(job_edges)
+                    .where(
+                        job_edges.c.child_id == sa.bindparam("c"),
+                        job_edges.c.parent_id == sa.bindparam("p"),
+                    )
+                    .values(done=False),
+                    [{"c": c, "p": p} for c, p in plan.reopen],
+                )
+            if plan.pending:
+                await conn.execute(
+                    sa.update(job_links)
+                    .where(job_links.c.job_id == sa.bindparam("c"))
+                    .values(pending=sa.bindparam("n")),
+                    [{"c": c, "n": n} for c, n in plan.pending.items()],
+                )
+        return [*plan.requeue, *plan.revive]
 
     async def _refuse_if_unique_key_held(
         self, conn: AsyncConnection, job_id: uuid.UUID, key: str

@@ -356,13 +356,13 @@ def _settle_lite(
     settlements: Sequence[Settlement],
     now_us: int,
     offload_threshold: int | None,
-) -> tuple[list[bool], int]:
+) -> tuple[list[bool], dependencies.Carried]:
     """SQLite's settle, one transaction: a fenced ``UPDATE`` per shape of move, for all the
     batch's moves of that shape (only the first move per job in a batch can be
     accepted), then the slots given back in key order. A result over
     ``offload_threshold`` is written to ``broker_payloads`` only when its move is
-    accepted, in the same transaction. Also returns how many waiting jobs it made due
-    (children whose last parent it completed)."""
+    accepted, in the same transaction. Also returns what it did to waiting jobs: those it
+    made due (children whose last parent it completed) and those it cancelled."""
     now = from_us(now_us)
     first: dict[uuid.UUID, int] = {}
     for i, s in enumerate(settlements):
@@ -400,16 +400,16 @@ def _settle_lite(
             if has_dependents and dependencies.ends_parent(status_after[job_id]):
                 ended.append((uuid.UUID(hex=job_id), status_after[job_id]))
     _lite_put(conn, [p for p in moved if p[0].hex in accepted])
-    due = 0
+    carried = dependencies.Carried(0, ())
     if ended:  # the dependents of the parents this settle ended, in its transaction
         links = LiteLinks(conn, now_us, offload_threshold, _lite_put)
-        due = complete_now(dependencies.propagate(links, ended))
+        carried = complete_now(dependencies.propagate(links, ended))
     conn.executemany(
         "UPDATE broker_concurrency SET active = MAX(active - ?, 0) WHERE key = ?",
         [(n, key) for key, n in sorted(released.items())],
     )
     applied = [first[s.job_id] == i and s.job_id.hex in accepted for i, s in enumerate(settlements)]
-    return applied, due
+    return applied, carried
 
 
 def _save_checkpoints_lite(
@@ -478,6 +478,7 @@ class SqliteDialect:
         leader_election=False,
     )
     insert = staticmethod(sqlite_dialect.insert)
+    enqueue_order: sa.ColumnElement[Any] = sa.literal_column("broker_jobs.rowid")
 
     def __init__(
         self,
@@ -496,6 +497,7 @@ class SqliteDialect:
         self._offload_threshold = offload_threshold
         self._enqueue = enqueue
         self._due_notice: Callable[[], None] | None = None
+        self._end_notice: Callable[[list[uuid.UUID]], None] | None = None
         self.required_file: str | None = None
         """The SQLite file that must exist already (``create=False``), if it is a path."""
         if not create:
@@ -570,12 +572,21 @@ class SqliteDialect:
         self, settlements: Sequence[Settlement], now_us: int, epoch: int | None
     ) -> list[bool]:
         threshold = self._offload_threshold
-        applied, due = await self._hot.write(
+        applied, carried = await self._hot.write(
             lambda conn: _settle_lite(conn, settlements, now_us, threshold)
         )
-        if due and self._due_notice is not None:
+        if carried.released and self._due_notice is not None:
             self._due_notice()
+        self._ended(carried)
         return applied
+
+    def _ended(self, carried: dependencies.Carried) -> None:
+        if carried.cancelled and self._end_notice is not None:
+            self._end_notice(list(carried.cancelled))
+
+    def on_ended(self, notice: Callable[[list[uuid.UUID]], None]) -> None:
+        """See :class:`broker.storage.SupportsEndNotice`."""
+        self._end_notice = notice
 
     def on_due(self, notice: Callable[[], None]) -> None:
         """See :class:`broker.storage.SupportsDueNotice`: SQLite has no notifications, and
@@ -643,13 +654,14 @@ class SqliteDialect:
         left with an edge to count, at start-up) in a transaction of its own."""
         now_us, threshold = self._now(), self._offload_threshold
 
-        def walk(conn: sqlite3.Connection) -> None:
+        def walk(conn: sqlite3.Connection) -> dependencies.Carried:
             links = LiteLinks(conn, now_us, threshold, _lite_put)
             parents = complete_now(links.stranded()) if ended is None else ended
-            if parents:
-                complete_now(dependencies.propagate(links, parents))
+            if not parents:
+                return dependencies.Carried(0, ())
+            return complete_now(dependencies.propagate(links, parents))
 
-        await self._hot.write(walk)
+        self._ended(await self._hot.write(walk))
 
     def driver_enqueue(self) -> NoReturn:
         """None: an application's asyncpg connection reaches a PostgreSQL store only."""

@@ -20,7 +20,7 @@ import os
 import ssl
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -44,7 +44,13 @@ from broker.model.bounds import MAX_WAIT_SECONDS, MESSAGE_CONTAINERS
 from broker.model.rates import parse_rate
 from broker.payload import containers_in, too_many_containers
 from broker.tasks.registry import Enqueued, Task
-from broker.tasks.workflow import EnqueuedWorkflow, Workflow, final_job, workflow_specs
+from broker.tasks.workflow import (
+    EnqueuedWorkflow,
+    Workflow,
+    final_job,
+    final_task,
+    workflow_specs,
+)
 from broker.wire import codec, tls
 from broker.wire import errors as error_codes
 from broker.wire import framing as wire
@@ -65,6 +71,12 @@ RETRY_MAX_DELAY = 1.0
 """The longest pause (seconds) between two attempts to reach a main, in :meth:`Client.connect`
 and between the attempts of a request safe to repeat: an election takes a few seconds, so
 a client polling a second at most finds the new leader soon after it is elected."""
+
+
+def _workflow_id(workflow: EnqueuedWorkflow | uuid.UUID | str) -> uuid.UUID:
+    if isinstance(workflow, EnqueuedWorkflow):
+        return workflow.workflow_id
+    return uuid.UUID(str(workflow))
 
 
 def _time_out(future: asyncio.Future[protocol.Message]) -> None:
@@ -426,7 +438,7 @@ class Client:
             spec = task.spec(
                 args, kwargs, run_at=run_at, idempotency_key=idempotency_key, **overrides
             )
-            return await self.enqueue_spec(spec, delay=delay)
+            return replace(await self.enqueue_spec(spec, delay=delay), task=task)
         # By name: the main fills in the task's declared defaults for what is not said
         # here (the task catalog). Built as a spec first, so a bad value fails here.
         spec = JobSpec(
@@ -464,8 +476,12 @@ class Client:
         enqueued = await self.enqueue_many(specs)
         workflow_id = specs[0].workflow_id
         assert workflow_id is not None
+        final = final_job(workflow, specs)
         return EnqueuedWorkflow(
-            workflow_id, tuple(e.job_id for e in enqueued), final_job(workflow, specs)
+            workflow_id,
+            tuple(e.job_id for e in enqueued),
+            final,
+            None if final is None else replace(enqueued[-1], task=final_task(workflow)),
         )
 
     async def enqueue_batches(
@@ -565,7 +581,7 @@ class Client:
         # the main then returns the jobs it stored the first time instead of new ones.
         keyed = all(r.idempotency_key is not None for r in requests)
         reply = await (self._repeatable(send) if keyed else send())
-        return [Enqueued(ref.job_id, ref.duplicate) for ref in reply.jobs]
+        return [Enqueued(ref.job_id, ref.duplicate, client=self) for ref in reply.jobs]
 
     async def list_tasks(self) -> list[dict[str, JSONValue]]:
         """The task catalog: one entry per task and worker that declared it (``task``,
@@ -599,6 +615,37 @@ class Client:
         (``on_parent_failure="run"``) before its own. Returns the jobs as they now stand."""
         jobs = [await self.cancel(job_id) for job_id in reversed(workflow.job_ids)]
         return [job for job in reversed(jobs) if job is not None]
+
+    async def get_workflow(
+        self, workflow: EnqueuedWorkflow | uuid.UUID | str
+    ) -> protocol.WorkflowView | None:
+        """A workflow (by its id, or the id of one of its jobs) as it stands: its
+        ``status`` (``running``, ``completed``, ``failed``, ``cancelled``), its
+        ``members`` (job id, task, status, attempts, the first line of the error; parents
+        first, else in enqueue order) and ``edges`` (parent to child); ``None`` if no job
+        carries that workflow id (never enqueued, or pruned)."""
+        workflow_id = _workflow_id(workflow)
+        reply = await self._repeatable(
+            lambda: self._request(
+                lambda rid: protocol.GetWorkflow(request_id=rid, workflow_id=workflow_id),
+                protocol.WorkflowInfo,
+            )
+        )
+        return reply.workflow
+
+    async def retry_workflow(
+        self, workflow: EnqueuedWorkflow | uuid.UUID | str
+    ) -> protocol.WorkflowView | None:
+        """Queue the workflow's dead members again, and make the dependents they cancelled
+        wait for them again, so its continuation still runs once, when they complete. A
+        member an operator cancelled stays cancelled. Needs the operator role. Returns
+        the workflow as it then stands (``None``: no such workflow)."""
+        workflow_id = _workflow_id(workflow)
+        reply = await self._request(
+            lambda rid: protocol.RetryWorkflow(request_id=rid, workflow_id=workflow_id),
+            protocol.WorkflowInfo,
+        )
+        return reply.workflow
 
     async def retry(self, job_id: uuid.UUID | str) -> dict[str, JSONValue] | None:
         """Put a dead (``failed``) job back in the queue with a fresh attempt count; a job in

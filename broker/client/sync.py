@@ -16,6 +16,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import Any, Self, TypeVar
 
 import anyio
@@ -26,6 +27,7 @@ from broker.jobs import JobSpec, JSONValue
 from broker.tasks.registry import Enqueued, Task, set_default_clients
 from broker.tasks.workflow import EnqueuedWorkflow, Workflow
 from broker.wire import messages as protocol
+from broker.wire.messages import WorkflowView
 from broker.wire.tls import PeerTLS
 
 T = TypeVar("T")
@@ -96,24 +98,36 @@ class SyncClient:
             future.cancel()
             raise
 
+    def _handle(self, enqueued: Enqueued) -> Enqueued:
+        """The handle waits through this client (``result_sync``), not the async one."""
+        return replace(enqueued, client=self)
+
     def enqueue(self, task: str | Task[..., Any], *args: Any, **kwargs: Any) -> Enqueued:
-        return self._call(self._client.enqueue, task, *args, **kwargs)
+        return self._handle(self._call(self._client.enqueue, task, *args, **kwargs))
 
     def enqueue_spec(self, spec: JobSpec, *, delay: float | None = None) -> Enqueued:
-        return self._call(self._client.enqueue_spec, spec, delay=delay)
+        return self._handle(self._call(self._client.enqueue_spec, spec, delay=delay))
 
     def enqueue_many(self, specs: Sequence[JobSpec]) -> list[Enqueued]:
-        return self._call(self._client.enqueue_many, specs)
+        return [self._handle(e) for e in self._call(self._client.enqueue_many, specs)]
 
     def enqueue_workflow(self, workflow: Workflow) -> EnqueuedWorkflow:
-        return self._call(self._client.enqueue_workflow, workflow)
+        flow = self._call(self._client.enqueue_workflow, workflow)
+        return replace(flow, final=None if flow.final is None else self._handle(flow.final))
+
+    def get_workflow(self, workflow: EnqueuedWorkflow | uuid.UUID | str) -> WorkflowView | None:
+        return self._call(self._client.get_workflow, workflow)
+
+    def retry_workflow(self, workflow: EnqueuedWorkflow | uuid.UUID | str) -> WorkflowView | None:
+        return self._call(self._client.retry_workflow, workflow)
 
     def enqueue_batches(
         self, specs: Iterable[JobSpec], *, batch_size: int = 250, in_flight: int = 3
     ) -> list[Enqueued]:
-        return self._call(
+        enqueued = self._call(
             self._client.enqueue_batches, specs, batch_size=batch_size, in_flight=in_flight
         )
+        return [self._handle(e) for e in enqueued]
 
     def list_tasks(self) -> list[dict[str, JSONValue]]:
         return self._call(self._client.list_tasks)

@@ -31,7 +31,7 @@ from broker.main.settings import MainSettings
 from broker.main.settler import ReportSettler
 from broker.model.logs import log_event
 from broker.retry import RetryDelay
-from broker.storage import StorageAdapter, SupportsDueNotice, SupportsNotify
+from broker.storage import StorageAdapter, SupportsDueNotice, SupportsEndNotice, SupportsNotify
 from broker.tasks.schedule import Schedule
 from broker.wire import messages as protocol
 
@@ -87,6 +87,8 @@ class Leader:
         )
         if isinstance(store, SupportsDueNotice):
             store.on_due(self.dispatcher.wake)
+        if isinstance(store, SupportsEndNotice):
+            store.on_ended(ended)  # dependents a parent's end cancelled: their waiters
         self.ledger = RecoveryLedger(
             store,
             handoff,

@@ -19,12 +19,22 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
+from broker import dependencies
 from broker.core.why import undeclared
+from broker.exceptions import ConfigurationError
 from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, JSONValue, summary_dict
 from broker.main.catalog import StoredCatalog
 from broker.main.metrics import MainMetrics
+from broker.model.bounds import MAX_WORKFLOW_EDGES, MAX_WORKFLOW_MEMBERS, WORKFLOW_ERROR_CHARS
 from broker.payload import check_args, encoded_size
-from broker.storage import JobFilter, QueueCount, StorageAdapter, TaskRecord
+from broker.storage import (
+    JobFilter,
+    QueueCount,
+    StorageAdapter,
+    StoredWorkflow,
+    SupportsWorkflows,
+    TaskRecord,
+)
 from broker.wire import messages as protocol
 
 
@@ -185,6 +195,26 @@ class Operations:
         other status comes back unchanged."""
         return await self.store.retry_dead(job_id)
 
+    def _workflows(self) -> SupportsWorkflows:
+        if not isinstance(self.store, SupportsWorkflows):
+            raise ConfigurationError(
+                f"this store ({type(self.store).__name__}) cannot read or retry a workflow "
+                "whole (it does not implement SupportsWorkflows); read its jobs one by one"
+            )
+        return self.store
+
+    async def get_workflow(self, workflow_id: uuid.UUID) -> protocol.WorkflowView | None:
+        """The workflow's members and edges, bounded (``MAX_WORKFLOW_MEMBERS``); ``None``
+        when no job carries that workflow id."""
+        stored = await self._workflows().get_workflow(workflow_id, limit=MAX_WORKFLOW_MEMBERS)
+        return None if stored is None else workflow_view(stored)
+
+    async def retry_workflow(self, workflow_id: uuid.UUID) -> protocol.WorkflowView | None:
+        """Retry the workflow's dead members (:meth:`SupportsWorkflows.retry_workflow`);
+        the workflow as it then stands."""
+        await self._workflows().retry_workflow(workflow_id)
+        return await self.get_workflow(workflow_id)
+
     async def list_jobs(
         self,
         job_filter: JobFilter,
@@ -300,6 +330,39 @@ class Operations:
             if page.jobs:
                 waiting.append({"task": task, "reason": undeclared(task)})
         return waiting
+
+
+def error_summary(error: str | None) -> str | None:
+    """A member's ``last_error`` as a workflow view carries it: its first line, cut."""
+    if not error:
+        return None
+    line = error.strip().splitlines()[0] if error.strip() else ""
+    return line if len(line) <= WORKFLOW_ERROR_CHARS else line[: WORKFLOW_ERROR_CHARS - 1] + "…"
+
+
+def workflow_view(stored: StoredWorkflow) -> protocol.WorkflowView:
+    """The wire's view of a workflow read from the store; its status is derived from the
+    members shown (:func:`broker.dependencies.workflow_status`)."""
+    members = [
+        protocol.WorkflowMember(
+            job_id=job.id,
+            task=job.task,
+            status=job.status,
+            attempts=job.attempts,
+            error=error_summary(job.last_error),
+        )
+        for job in stored.members
+    ]
+    edges = [
+        protocol.WorkflowEdge(parent=e.parent, child=e.child, done=e.done) for e in stored.edges
+    ]
+    return protocol.WorkflowView(
+        workflow_id=stored.workflow_id,
+        status=dependencies.workflow_status([job.status for job in stored.members]),
+        members=members,
+        edges=edges[:MAX_WORKFLOW_EDGES],
+        truncated=stored.truncated or len(edges) > MAX_WORKFLOW_EDGES,
+    )
 
 
 def queue_summary(counts: list[QueueCount], now: datetime) -> list[dict[str, Any]]:

@@ -132,6 +132,15 @@ class Requests:
         :class:`~broker.main.queues.QueueControl`'s, the rest :meth:`_answer_jobs`'s."""
         if isinstance(msg, QUEUE_REQUESTS):
             return await self._queues.answer(msg)
+        if isinstance(msg, protocol.GetWorkflow):
+            view = await self._operations.get_workflow(msg.workflow_id)
+            return protocol.WorkflowInfo(request_id=msg.request_id, workflow=view)
+        if isinstance(msg, protocol.RetryWorkflow):
+            view = await self._operations.retry_workflow(msg.workflow_id)
+            if view is not None:
+                log_event(logger, logging.INFO, "workflow retried", workflow_id=msg.workflow_id)
+                self._wake()
+            return protocol.WorkflowInfo(request_id=msg.request_id, workflow=view)
         return await self._answer_jobs(msg)
 
     def _job_info(self, request_id: str, job: Job | None) -> protocol.JobInfo:

@@ -2,7 +2,8 @@
 
 A ``wait_job`` subscribes, then reads the job once; every path that may end a job in the
 main calls :meth:`Waits.ended` with the job ids (the report settler after the store
-confirmed the settle, a cancel, the recovery ledger when a lost attempt ends a job dead),
+confirmed the settle, a cancel, the recovery ledger when a lost attempt ends a job dead,
+the store's end notice for the dependents such an end cancelled),
 and only the ids someone waits for are read back and answered. A waiter whose time is up
 reads the job once more (an end no notice carried is answered then), else is answered
 ``wait_pending``; its client asks again.
@@ -96,8 +97,9 @@ class Waits:
 
     async def _last_look(self, waiter: Waiter) -> None:
         """A waiter whose time is up: the job is read once more, so an end no notice
-        carried (a dependent cancelled inside its parent's settle, a write by another
-        process) is answered now rather than taken for a timeout."""
+        carried (a write by another process; a dependent cancelled inside its parent's
+        settle by a store without :class:`~broker.storage.SupportsEndNotice`) is answered
+        now rather than taken for a timeout."""
         reply: protocol.Message = protocol.WaitPending(request_id=waiter.request_id)
         try:
             job = await self._read(waiter.job_id)

@@ -644,6 +644,19 @@ MAX_CHAIN_STEPS = 100
 """The most steps of one chain (its depth): each step waits on the one before, and a
 parent's failure cancels the rest step by step inside one settle."""
 
+MAX_WORKFLOW_MEMBERS = MAX_GROUP_MEMBERS + 1
+"""The most members one ``get_workflow`` reads and sends: a fan-in of a full group and
+its continuation (a chain is shorter). A workflow made by hand (specs sharing a
+``workflow_id``) may hold more: the view then shows the first ones and says it is cut."""
+
+MAX_WORKFLOW_EDGES = 2 * MAX_PARENTS
+"""The most edges one ``get_workflow`` sends (a full fan-in has ``MAX_PARENTS``); more
+are left out, the view saying it is cut, so a reply stays within a line."""
+
+WORKFLOW_ERROR_CHARS = 200
+"""How much of each member's ``last_error`` a workflow view carries (its first line, cut):
+a summary; ``get_job`` has the whole error."""
+
 BOUNDS += [
     Bound(
         "Parents of one job (`depends_on`), members of one group, and so the results a "
@@ -658,6 +671,13 @@ BOUNDS += [
         "100",
         None,
         "`InvalidJobError` from `chain`",
+        _VALUES,
+    ),
+    Bound(
+        "Members and edges one workflow view carries (`get_workflow`)",
+        "1001 members, 2000 edges",
+        None,
+        "the first ones are shown, with `truncated: true`",
         _VALUES,
     ),
     Bound(

@@ -17,11 +17,16 @@ import string
 import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, cast, overload
 
-from broker.exceptions import ConfigurationError, InvalidJobError, TaskNotFoundError
+from broker.exceptions import (
+    ConfigurationError,
+    InvalidJobError,
+    JobFailedError,
+    TaskNotFoundError,
+)
 from broker.jobs import (
     DEFAULT_MAX_RETRIES,
     DEFAULT_QUEUE,
@@ -46,10 +51,79 @@ R = TypeVar("R")
 @dataclass(frozen=True, slots=True)
 class Enqueued:
     """The main's answer to an enqueue: the job's id, and whether it was already there
-    (the same ``idempotency_key``, or an active job holding the ``unique_key``)."""
+    (the same ``idempotency_key``, or an active job holding the ``unique_key``).
+
+    It is also a handle on the job: :meth:`result` waits for its end (pushed by the
+    main, not polled) and returns its result, read back as the task's return annotation
+    says when the enqueue named a ``Task`` (``task.enqueue()``, ``Client.enqueue(task,
+    ...)``); the JSON value as stored otherwise."""
 
     job_id: uuid.UUID
     duplicate: bool
+    task: Task[Any, Any] | None = field(default=None, compare=False, repr=False)
+    """The task enqueued, when the call named one: its return annotation decodes the result."""
+    client: AsyncWaiter | SyncWaiter | None = field(default=None, compare=False, repr=False)
+    """The client the job was enqueued through, which :meth:`result` waits with."""
+
+    async def result(self, *, timeout: float = 60.0) -> Any:  # noqa: ASYNC109 - how long to wait
+        """Wait until the job has ended and return its result (see the class docstring).
+
+        :raises JobFailedError: the job ended dead (``failed``) or ``cancelled``: its
+            ``status`` says which, its message is the job's ``last_error``.
+        :raises TimeoutError: it has not ended after ``timeout`` seconds.
+        :raises ConfigurationError: the handle came from a ``SyncClient`` (call
+            :meth:`result_sync`) or was built by hand (no client).
+        """
+        client = self.client
+        if client is None or not inspect.iscoroutinefunction(client.wait):
+            raise ConfigurationError(
+                "result() needs a handle from an asyncio client (broker.Client); from a "
+                "SyncClient, call result_sync()"
+            )
+        job = await cast(AsyncWaiter, client).wait(self.job_id, timeout=timeout)
+        return self.decoded(job)
+
+    def result_sync(self, *, timeout: float = 60.0) -> Any:
+        """The blocking twin of :meth:`result`, for a handle from a ``SyncClient``."""
+        client = self.client
+        if client is None or inspect.iscoroutinefunction(client.wait):
+            raise ConfigurationError(
+                "result_sync() needs a handle from a broker.SyncClient; from an asyncio "
+                "Client, await result()"
+            )
+        return self.decoded(cast(SyncWaiter, client).wait(self.job_id, timeout=timeout))
+
+    def decoded(self, job: Mapping[str, JSONValue]) -> Any:
+        """The result of ``job`` (this handle's job once ended, as ``Client.wait`` returns
+        it), decoded by the task's return annotation when the handle knows the task.
+
+        :raises JobFailedError: the job did not complete.
+        """
+        status = str(job.get("status"))
+        if status != "completed":
+            error = job.get("last_error") or "no error was recorded"
+            raise JobFailedError(
+                f"job {self.job_id} ended {status}: {error}", job_id=self.job_id, status=status
+            )
+        value = job.get("result")
+        return value if self.task is None else self.task.decode_result(value)
+
+
+class AsyncWaiter(Protocol):
+    """What :meth:`Enqueued.result` waits through: :class:`broker.Client` is one."""
+
+    async def wait(
+        self,
+        job_id: uuid.UUID | str,
+        *,
+        timeout: float = 60.0,  # noqa: ASYNC109 - how long to wait
+    ) -> dict[str, JSONValue]: ...
+
+
+class SyncWaiter(Protocol):
+    """What :meth:`Enqueued.result_sync` waits through: :class:`broker.SyncClient` is one."""
+
+    def wait(self, job_id: uuid.UUID | str, *, timeout: float = 60.0) -> dict[str, JSONValue]: ...
 
 
 class AsyncEnqueuer(Protocol):
@@ -129,7 +203,8 @@ class TaskCall(Generic[P, R]):
                 "enqueue() needs an asyncio client (broker.Client); with a SyncClient, "
                 "call enqueue_sync()"
             )
-        return await cast(AsyncEnqueuer, client).enqueue_spec(spec, delay=self.delay)
+        enqueued = await cast(AsyncEnqueuer, client).enqueue_spec(spec, delay=self.delay)
+        return replace(enqueued, task=self.task)
 
     def bind(self, *args: JSONValue, **kwargs: JSONValue) -> Step:
         """A workflow step of this call (see :meth:`Task.bind`)."""
@@ -146,7 +221,8 @@ class TaskCall(Generic[P, R]):
             raise ConfigurationError(
                 "enqueue_sync() needs a broker.SyncClient; with an asyncio Client, await enqueue()"
             )
-        return cast(SyncEnqueuer, client).enqueue_spec(spec, delay=self.delay)
+        enqueued = cast(SyncEnqueuer, client).enqueue_spec(spec, delay=self.delay)
+        return replace(enqueued, task=self.task)
 
 
 _MAX_SHAPES = 64

@@ -25,7 +25,7 @@ from typing import Any
 from broker.exceptions import InvalidJobError
 from broker.jobs import JobSpec, JSONValue, ParentFailure, ParentResults, random_uuid
 from broker.model.bounds import MAX_CHAIN_STEPS, MAX_GROUP_MEMBERS
-from broker.tasks.registry import Task, TaskCall
+from broker.tasks.registry import Enqueued, Task, TaskCall
 
 _RECEIVED = object()
 """Stands for the parent result a step will receive, when its arguments are checked."""
@@ -159,11 +159,42 @@ class EnqueuedWorkflow:
     workflow_id: uuid.UUID
     job_ids: tuple[uuid.UUID, ...]
     final_job_id: uuid.UUID | None
+    final: Enqueued | None = field(default=None, compare=False, repr=False)
+    """The handle of the final job (``None`` for a bare group): its :meth:`Enqueued.result`
+    is the workflow's result, decoded by the final step's task."""
+
+    async def result(self, *, timeout: float = 60.0) -> Any:  # noqa: ASYNC109 - how long to wait
+        """The final job's result (:meth:`Enqueued.result`).
+
+        :raises InvalidJobError: a bare group has no final job (wait on its members).
+        """
+        return await self._final().result(timeout=timeout)
+
+    def result_sync(self, *, timeout: float = 60.0) -> Any:
+        """The blocking twin of :meth:`result`, for a workflow from a ``SyncClient``."""
+        return self._final().result_sync(timeout=timeout)
+
+    def _final(self) -> Enqueued:
+        if self.final is None:
+            raise InvalidJobError(
+                "a bare group has no final job: wait on its members, or add .then(step)"
+            )
+        return self.final
 
 
 def final_job(workflow: Workflow, specs: list[JobSpec]) -> uuid.UUID | None:
     """The id of ``workflow``'s final job among its ``specs`` (see :class:`EnqueuedWorkflow`)."""
     return None if isinstance(workflow, Group) else specs[-1].id
+
+
+def final_task(workflow: Workflow) -> Task[Any, Any] | None:
+    """The task of ``workflow``'s final step, whose return annotation types its result."""
+    match workflow:
+        case Chain(steps=steps):
+            return steps[-1].call.task
+        case FanIn(step=step):
+            return step.call.task
+    return None
 
 
 def bind(task: Task[Any, Any] | TaskCall[Any, Any], *args: JSONValue, **kwargs: JSONValue) -> Step:

@@ -52,6 +52,7 @@ from broker.storage import (
     SupportsNotify,
     SupportsOffload,
     SupportsQueueSettings,
+    SupportsWorkflows,
 )
 from broker.testing import FakeClock
 from broker.testing.faults import ClaimFault, FaultyAdapter
@@ -1304,6 +1305,92 @@ async def check_retention_keeps_a_parent_while_a_child_waits(ctx: Context) -> No
     ctx.clock.advance(3600)
     await store.prune(older_than=ctx.clock())
     assert await store.get_job(a.id) is None, "once the child is due its parent may go"
+
+
+# --- workflows (optional: SupportsWorkflows) -----------------------------------------
+
+
+def _workflows(ctx: Context) -> SupportsWorkflows:
+    if not isinstance(ctx.store, SupportsWorkflows):
+        raise CheckSkipped("adapter does not implement SupportsWorkflows")
+    return ctx.store
+
+
+async def _fan_in(store: StorageAdapter, members: int) -> tuple[uuid.UUID, list[Job], Job]:
+    """A group of ``members`` and its fan-in, under one workflow id, in one enqueue."""
+    workflow_id = uuid.uuid4()
+    group = [_spec(workflow_id=workflow_id) for _ in range(members)]
+    then = _spec(
+        workflow_id=workflow_id,
+        depends_on=tuple(s.id for s in group),
+        parent_results=ParentResults.LIST_ARG,
+    )
+    results = await store.enqueue_many([*group, then])
+    return workflow_id, [r.job for r in results[:-1]], results[-1].job
+
+
+@_check
+async def check_a_workflow_reads_back_with_its_members_and_edges(ctx: Context) -> None:
+    """A workflow reads back whole: every member, parents first in enqueue order, and each edge.
+
+    ``get_workflow``'s members come without their payloads, the read stops at ``limit``
+    members (saying it was cut short), the id of a member reads its workflow, and an
+    unknown id reads as ``None``."""
+    store = _workflows(ctx)
+    workflow_id, group, then = await _fan_in(ctx.store, 3)
+    assert await store.get_workflow(uuid.uuid4(), limit=10) is None
+    read = await store.get_workflow(workflow_id, limit=10)
+    assert read is not None and not read.truncated
+    assert [m.id for m in read.members] == [*(j.id for j in group), then.id]
+    assert read.members[-1].status is JobStatus.WAITING
+    assert [(e.child, e.parent, e.done) for e in read.edges] == [
+        (then.id, j.id, False) for j in group
+    ]
+    await _finish(ctx.store, group[1], result={"big": "x" * 100})
+    read = await store.get_workflow(workflow_id, limit=10)
+    assert read is not None
+    assert read.members[1].status is JobStatus.COMPLETED and read.members[1].result is None
+    assert [e.done for e in read.edges] == [False, True, False]
+    cut = await store.get_workflow(workflow_id, limit=2)
+    assert cut is not None and cut.truncated and len(cut.members) == 2
+    by_member = await store.get_workflow(then.id, limit=10)
+    assert by_member is not None and by_member.workflow_id == workflow_id, "a member names it"
+    assert [m.id for m in by_member.members] == [m.id for m in read.members]
+
+
+@_check
+async def check_a_workflow_retry_runs_its_dead_members_and_revives_their_dependents(
+    ctx: Context,
+) -> None:
+    """A workflow's retry queues its dead members again and makes their cancelled dependents wait.
+
+    ``retry_workflow`` changes it in one transaction. The continuation then becomes due
+    once, when the retried member completes; a member an operator cancelled stays
+    cancelled, and a retry with nothing dead changes nothing."""
+    store = _workflows(ctx)
+    workflow_id, group, then = await _fan_in(ctx.store, 3)
+    await _finish(ctx.store, group[0], result=1)
+    await _finish(ctx.store, group[1], Outcome.FAIL)
+    cancelled = await _get(ctx.store, then.id)
+    assert cancelled.status is JobStatus.CANCELLED
+    await _finish(ctx.store, group[2], result=3)
+    changed = await store.retry_workflow(workflow_id)
+    assert changed == [group[1].id, then.id], changed
+    again = await _get(ctx.store, group[1].id)
+    assert (again.status, again.attempts) == (JobStatus.QUEUED, 0)
+    waiting = await _get(ctx.store, then.id)
+    assert (waiting.status, waiting.last_error) == (JobStatus.WAITING, None)
+    assert await store.retry_workflow(workflow_id) == [], "nothing is dead any more"
+    await _finish(ctx.store, again, result=2)
+    due = await _get(ctx.store, then.id)
+    assert due.status is JobStatus.QUEUED, due.status
+    assert due.args == ([1, 2, 3],), due.args
+    # An operator's cancel is not undone by a retry.
+    workflow_id, group, then = await _fan_in(ctx.store, 2)
+    await _finish(ctx.store, group[0], Outcome.FAIL)
+    assert (await ctx.store.cancel(group[1].id)) is not None
+    assert await store.retry_workflow(workflow_id) == [group[0].id]
+    assert (await _get(ctx.store, then.id)).status is JobStatus.CANCELLED
 
 
 # --- queue settings (optional: SupportsQueueSettings) --------------------------------

@@ -40,6 +40,7 @@ from broker.wire.requests import (
     EnqueuedRef,
     EnqueuedReply,
     GetJob,
+    GetWorkflow,
     JobInfo,
     JobList,
     JobRequest,
@@ -53,11 +54,16 @@ from broker.wire.requests import (
     RequestError,
     ResumeQueue,
     Retry,
+    RetryWorkflow,
     Status,
     StatusInfo,
     TaskList,
     WaitJob,
     WaitPending,
+    WorkflowEdge,
+    WorkflowInfo,
+    WorkflowMember,
+    WorkflowView,
     check_prune,
 )
 
@@ -130,6 +136,7 @@ class ErrorCode(enum.StrEnum):
     DEPOSED = "deposed"
     UNAVAILABLE = "unavailable"
     CONNECTION_LOST = "connection_lost"
+    JOB_FAILED = "job_failed"
 
 
 # --------------------------------------------------------------------------- handshake
@@ -597,6 +604,9 @@ Message: TypeAlias = (
     | ResumeQueue
     | LimitQueue
     | QueueInfo
+    | GetWorkflow
+    | RetryWorkflow
+    | WorkflowInfo
 )
 
 for _cls in typing.get_args(Message):
@@ -629,6 +639,7 @@ __all__ = [
     "ErrorCode",
     "FailedReport",
     "GetJob",
+    "GetWorkflow",
     "Hello",
     "JobHandoff",
     "JobInfo",
@@ -658,6 +669,7 @@ __all__ = [
     "RescheduleReport",
     "ResumeQueue",
     "Retry",
+    "RetryWorkflow",
     "Role",
     "SaveCheckpoint",
     "Status",
@@ -669,6 +681,10 @@ __all__ = [
     "WaitPending",
     "Welcome",
     "WorkerStatus",
+    "WorkflowEdge",
+    "WorkflowInfo",
+    "WorkflowMember",
+    "WorkflowView",
     "check_proof",
     "check_prune",
     "choose_protocol",

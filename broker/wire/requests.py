@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from broker.dependencies import WorkflowStatus
 from broker.exceptions import InvalidJobError
 from broker.jobs import (
     SPEC_FIELDS,
@@ -29,7 +30,14 @@ from broker.jobs import (
     spec_fields,
     spec_values,
 )
-from broker.model.bounds import MAX_AGE_SECONDS, MAX_LIST_ITEMS, MAX_PARENTS, MAX_WAIT_SECONDS
+from broker.model.bounds import (
+    MAX_AGE_SECONDS,
+    MAX_LIST_ITEMS,
+    MAX_PARENTS,
+    MAX_WAIT_SECONDS,
+    MAX_WORKFLOW_EDGES,
+    MAX_WORKFLOW_MEMBERS,
+)
 from broker.model.rates import Rate, parse_rate
 from broker.model.values import check_delay
 from broker.wire.fields import Float, Int, Name, Names, Nested, Tagged, require
@@ -180,6 +188,68 @@ class EnqueuedReply(Tagged, frozen=True, tag="enqueued"):
 class GetJob(Tagged, frozen=True, tag="get_job"):
     request_id: Name
     job_id: uuid.UUID
+
+
+class GetWorkflow(Tagged, frozen=True, tag="get_workflow"):
+    """A workflow's members and edges; answered with ``workflow_info``."""
+
+    request_id: Name
+    workflow_id: uuid.UUID
+
+
+class RetryWorkflow(Tagged, frozen=True, tag="retry_workflow"):
+    """Queue a workflow's dead members again, and make the dependents they cancelled wait
+    for them again (:func:`broker.dependencies.retry_plan`); answered with
+    ``workflow_info``, the workflow as it stands after."""
+
+    request_id: Name
+    workflow_id: uuid.UUID
+
+
+class WorkflowMember(Nested, frozen=True):
+    """One job of a workflow, as a workflow view shows it."""
+
+    job_id: uuid.UUID
+    task: str
+    status: JobStatus
+    attempts: int
+    error: str | None = None
+    """The first line of its ``last_error``, cut to ``WORKFLOW_ERROR_CHARS``."""
+
+
+class WorkflowEdge(Nested, frozen=True):
+    """``child`` waits for ``parent`` (``done``: the parent's end has been counted)."""
+
+    parent: uuid.UUID
+    child: uuid.UUID
+    done: bool
+
+
+class WorkflowView(Nested, frozen=True):
+    """A workflow: its id, its status (``running`` while a member has not ended, then
+    ``completed``, ``failed`` or ``cancelled``, :func:`broker.dependencies.workflow_status`),
+    its members (parents first, else in enqueue order) and edges; ``truncated``: more
+    members or edges exist than a view carries."""
+
+    workflow_id: uuid.UUID
+    status: WorkflowStatus
+    members: Annotated[list[WorkflowMember], msgspec.Meta(max_length=MAX_WORKFLOW_MEMBERS)]
+    edges: Annotated[list[WorkflowEdge], msgspec.Meta(max_length=MAX_WORKFLOW_EDGES)]
+    truncated: bool = False
+
+    def member(self, job_id: uuid.UUID) -> WorkflowMember | None:
+        return next((m for m in self.members if m.job_id == job_id), None)
+
+    def parents(self, job_id: uuid.UUID) -> list[uuid.UUID]:
+        """The parents of ``job_id`` among the edges, in ``depends_on`` order."""
+        return [e.parent for e in self.edges if e.child == job_id]
+
+
+class WorkflowInfo(Tagged, frozen=True, tag="workflow_info"):
+    """``workflow`` is null when no job carries that workflow id."""
+
+    request_id: str
+    workflow: WorkflowView | None
 
 
 class Cancel(Tagged, frozen=True, tag="cancel"):

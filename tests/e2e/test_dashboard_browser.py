@@ -524,3 +524,37 @@ async def test_worker_figures_are_those_of_broker_status(site: Site) -> None:
     # Two running and one prefetched: in flight plus free is capacity plus the window.
     assert entry["in_flight_by_mode"]["inline"] + entry["credits"]["inline"] == 2 + 1
     assert "broker status" in await site.text("#workers-note")
+
+
+async def test_a_job_in_a_workflow_links_to_its_graph(site: Site) -> None:
+    """A job page of a workflow's member links to the workflow page, which draws each
+    member as a box coloured by its status and an arrow per edge, over a table of the
+    members with their parents."""
+    workflow_id = uuid.uuid4()
+    inline = {"execution_mode": ExecutionMode.INLINE, "workflow_id": workflow_id}
+    sent = JobSpec("mail.send", args=["a@example.com"], **inline)  # type: ignore[arg-type]
+    dead = JobSpec("report.build", args=["weekly"], max_attempts=1, **inline)  # type: ignore[arg-type]
+    then = JobSpec(
+        "mail.send",
+        args=["done@example.com"],
+        depends_on=(sent.id, dead.id),
+        **inline,  # type: ignore[arg-type]
+    )
+    await site.client.enqueue_many([sent, dead, then])
+    await until(lambda: _ended(site, then.id))
+    await site.open(f"/jobs/{sent.id}")
+    await site.shows(f"In workflow {workflow_id}", "#workflow-link")
+    await site.click("#workflow-link a")
+    await site.shows("failed", "#workflow-status")
+    assert await site.url_has(f"/workflows/{workflow_id}")
+    count = "return document.querySelectorAll(arguments[0]).length"
+    assert await site.do(site.driver.execute_script, count, "#graph g.node") == 3
+    assert await site.do(site.driver.execute_script, count, "#graph line.edge") == 2
+    for status in ("completed", "failed", "cancelled"):
+        assert await site.do(site.driver.execute_script, count, f"#graph g.node.{status}") == 1
+    rows = await site.rows()
+    assert len(rows) == 3 and "cancelled" in rows[2]
+    assert str(sent.id)[:8] in rows[2] and str(dead.id)[:8] in rows[2], rows[2]
+    await site.open(f"/jobs/{uuid.uuid4()}")
+    await site.open(f"/workflows/{uuid.uuid4()}")
+    assert "no workflow" in await site.text()

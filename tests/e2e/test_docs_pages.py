@@ -49,7 +49,13 @@ DOC_PORT = "7390"
 SETTLE = 15.0
 """Seconds a read command is retried, or a background process's text or log awaited."""
 COMMAND_TIMEOUT = 60.0
-READS = {("broker", "job"), ("broker", "jobs"), ("broker", "status"), ("broker", "tasks")}
+READS = {
+    ("broker", "job"),
+    ("broker", "jobs"),
+    ("broker", "status"),
+    ("broker", "tasks"),
+    ("broker", "workflow"),
+}
 
 
 @dataclass
@@ -130,7 +136,8 @@ def _console(page: Page, block: Block) -> None:
         shown = [page.text(line) for line in command.shown]
         where = f"{block.page}:{command.line}"
         words = tuple(text.split()[:2])
-        deadline = time.monotonic() + (SETTLE if words in READS else 0.0)
+        reads = words in READS and text.split()[2:3] != ["retry"]  # workflow retry writes
+        deadline = time.monotonic() + (SETTLE if reads else 0.0)
         closest: tuple[Mismatch, str] | None = None
         shown, exit_status = expected_exit(shown)
         while True:

@@ -100,6 +100,8 @@ async def test_every_request_of_the_one_list_is_answered_by_the_main() -> None:
         protocol.ResumeQueue(request_id="r", queue="q"),
         protocol.LimitQueue(request_id="r", queue="q", rate="5/s"),
         protocol.WaitJob(request_id="r", job_id=job),
+        protocol.GetWorkflow(request_id="r", workflow_id=job),
+        protocol.RetryWorkflow(request_id="r", workflow_id=job),
     ]
     assert {type(msg) for msg in examples} == set(REQUESTS)
 

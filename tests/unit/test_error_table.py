@@ -16,6 +16,7 @@ from broker.exceptions import (
     BrokerError,
     ConfigurationError,
     IdempotencyConflictError,
+    JobFailedError,
     NotLeaderError,
     OverLimitError,
     ProtocolError,
@@ -45,6 +46,10 @@ FIELDS: dict[type[BrokerError], dict[str, Any]] = {
     UniqueKeyTakenError: {"holder_id": uuid.UUID("0b5e6a4e-8a0c-4f5e-9b57-0d7f2c1e9a11")},
     NotLeaderError: {"leader": "main-b.internal:7600"},
     IdempotencyConflictError: {"existing_id": uuid.UUID("5d1c3e2a-0f4b-4c6d-8e7f-9a0b1c2d3e4f")},
+    JobFailedError: {
+        "job_id": uuid.UUID("7a1c3e2a-0f4b-4c6d-8e7f-9a0b1c2d3e4f"),
+        "status": "failed",
+    },
 }
 """A sample of each field an exception takes besides its message."""
 
@@ -73,7 +78,7 @@ def _across_the_wire(exc: BaseException) -> BrokerError:
 
 def test_the_tree_is_the_one_the_module_documents() -> None:
     names = {cls.__name__ for cls in _tree()}
-    assert len(names) == 24
+    assert len(names) == 25
     assert all(name in (exceptions.__doc__ or "") for name in names)
 
 

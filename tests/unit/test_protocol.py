@@ -117,6 +117,23 @@ SAMPLES: list[p.Message] = [
     p.JobInfo(request_id="r2", job=None),
     p.WaitJob(request_id="r7", job_id=JOB_ID, timeout=30.0),
     p.WaitPending(request_id="r7"),
+    p.GetWorkflow(request_id="r8", workflow_id=LEASE_ID),
+    p.RetryWorkflow(request_id="r9", workflow_id=LEASE_ID),
+    p.WorkflowInfo(
+        request_id="r8",
+        workflow=p.WorkflowView(
+            workflow_id=LEASE_ID,
+            status="failed",
+            members=[
+                p.WorkflowMember(
+                    job_id=LEASE_ID, task="t", status=JobStatus.FAILED, attempts=3, error="boom"
+                ),
+                p.WorkflowMember(job_id=JOB_ID, task="u", status=JobStatus.CANCELLED, attempts=0),
+            ],
+            edges=[p.WorkflowEdge(parent=LEASE_ID, child=JOB_ID, done=True)],
+        ),
+    ),
+    p.WorkflowInfo(request_id="r8", workflow=None),
     p.Cancel(request_id="r3", job_id=JOB_ID),
     p.RequestError(request_id="r3", code=p.ErrorCode.NOT_FOUND, message="no such job"),
     p.CancelJob(JOB_ID, LEASE_ID),

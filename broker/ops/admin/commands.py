@@ -23,6 +23,7 @@ from broker.ops.admin.format import (
     format_jobs,
     format_status,
     format_tasks,
+    format_workflow,
     retry_rules,
 )
 from broker.ops.admin.service import RequestService, read_status
@@ -121,6 +122,38 @@ async def _retry(service: RequestService, args: argparse.Namespace) -> int:
     return 1
 
 
+def workflow_target(args: argparse.Namespace) -> tuple[bool, uuid.UUID]:
+    """``broker workflow ID`` or ``broker workflow retry ID``: whether it retries, and the
+    workflow id."""
+    retry = args.workflow_id == "retry" and args.retry_id is not None
+    if args.retry_id is not None and not retry:
+        raise ConfigurationError(
+            f"expected `workflow ID` or `workflow retry ID`, got {args.workflow_id!r} "
+            f"{args.retry_id!r}"
+        )
+    text = args.retry_id if retry else args.workflow_id
+    try:
+        return retry, uuid.UUID(text)
+    except ValueError:
+        raise ConfigurationError(f"expected a workflow id (a UUID), got {text!r}") from None
+
+
+async def _workflow(service: RequestService, args: argparse.Namespace) -> int:
+    retry, workflow_id = workflow_target(args)
+    if retry:
+        view = await service.retry_workflow(workflow_id)
+    else:
+        view = await service.get_workflow(workflow_id)
+    if view is None:
+        print("no such workflow", file=sys.stderr)
+        return 1
+    if args.json:
+        _print_json(msgspec.to_builtins(view))
+    else:
+        print(format_workflow(view))
+    return 0
+
+
 MAX_PREFIX_MATCHES = 10
 """How many matching ids an ambiguous prefix lists before it stops looking."""
 
@@ -170,8 +203,10 @@ async def resolve_job(service: RequestService, ref: uuid.UUID | str) -> uuid.UUI
 def only_reads(args: argparse.Namespace) -> bool:
     """Whether the parsed command only reads: such a command opens a store fallback
     read-only."""
-    return args.command in {"status", "top", "jobs", "job", "tasks"} or (
-        args.command == "prune" and bool(args.dry_run)
+    return (
+        args.command in {"status", "top", "jobs", "job", "tasks"}
+        or (args.command == "prune" and bool(args.dry_run))
+        or (args.command == "workflow" and not workflow_target(args)[0])
     )
 
 
@@ -362,6 +397,7 @@ COMMANDS: dict[str, Command] = {
     "job": _job,
     "cancel": _cancel,
     "retry": _retry,
+    "workflow": _workflow,
     "enqueue": _enqueue,
     "prune": _prune,
     "queue": _queue,

@@ -14,6 +14,7 @@ from typing import Any
 
 from broker.jobs import JobStatus
 from broker.model.untrusted import escape_control
+from broker.wire import messages as protocol
 
 
 def format_job(job: dict[str, Any], rules: str | None = None) -> str:
@@ -265,3 +266,27 @@ def _rate_limit(declared: dict[str, Any]) -> str:
     if not declared.get("rate_limit"):
         return "-"
     return f"{declared['rate_limit']} (burst {declared.get('rate_burst') or 1})"
+
+
+def format_workflow(view: protocol.WorkflowView) -> str:
+    """A workflow as ``broker workflow ID`` shows it: a head line, then a table of its
+    members, parents first, each with its parents (their short ids), state and error."""
+    short_ids = {m.job_id: str(m.job_id)[:8] for m in view.members}
+    rows = []
+    for m in view.members:
+        parents = [short_ids.get(p, str(p)[:8]) for p in view.parents(m.job_id)]
+        shown = ",".join(parents[:3]) + (f" (+{len(parents) - 3})" if len(parents) > 3 else "")
+        rows.append(
+            [
+                str(m.job_id),
+                m.task,
+                m.status.value,
+                str(m.attempts),
+                shown or "-",
+                short(m.error or ""),
+            ]
+        )
+    head = f"workflow {view.workflow_id}  {view.status}  {len(view.members)} jobs"
+    if view.truncated:
+        head += " (more not shown)"
+    return head + "\n" + table(["job", "task", "status", "attempts", "parents", "error"], rows)

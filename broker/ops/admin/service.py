@@ -55,6 +55,10 @@ class RequestService(Protocol):
 
     async def retry(self, job_id: uuid.UUID) -> dict[str, JSONValue] | None: ...
 
+    async def get_workflow(self, workflow: uuid.UUID) -> protocol.WorkflowView | None: ...
+
+    async def retry_workflow(self, workflow: uuid.UUID) -> protocol.WorkflowView | None: ...
+
     async def enqueue_requests(
         self, requests: Sequence[protocol.JobRequest], *, allow_unknown_tasks: bool = False
     ) -> list[Enqueued]: ...
@@ -136,6 +140,12 @@ class StoreService:
 
     async def retry(self, job_id: uuid.UUID) -> dict[str, JSONValue] | None:
         return _as_dict(await self.operations.retry(job_id))
+
+    async def get_workflow(self, workflow: uuid.UUID) -> protocol.WorkflowView | None:
+        return await self.operations.get_workflow(workflow)
+
+    async def retry_workflow(self, workflow: uuid.UUID) -> protocol.WorkflowView | None:
+        return await self.operations.retry_workflow(workflow)
 
     async def enqueue_requests(
         self, requests: Sequence[protocol.JobRequest], *, allow_unknown_tasks: bool = False

@@ -63,7 +63,8 @@ def _json_here(parser: argparse.ArgumentParser) -> None:
 def broker_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="broker",
-        description="Operate the broker: status, top, jobs, job, retry, cancel, enqueue, tasks, "
+        description="Operate the broker: status, top, jobs, job, retry, cancel, workflow, enqueue, "
+        "tasks, "
         "prune, queue, migrate. Talks to the main; when the main cannot be reached and "
         "--database-url is set, works on the store directly (never creating or migrating "
         "its schema).",
@@ -146,6 +147,15 @@ def broker_parser() -> argparse.ArgumentParser:
         command(name, text).add_argument(
             "job_id", type=_job_ref, help="the job's id, or its first 4 or more hex digits"
         )
+    workflow = command(
+        "workflow",
+        "show a workflow's members, their parents and states; `workflow retry ID` queues "
+        "its dead members again and revives the dependents they cancelled",
+    )
+    workflow.add_argument(
+        "workflow_id", metavar="[retry] ID", help="the workflow's id (a job's workflow_id)"
+    )
+    workflow.add_argument("retry_id", nargs="?", default=None, help=argparse.SUPPRESS)
     enq = command("enqueue", "enqueue a job and print its id")
     enq.add_argument("task", help="registered task name, e.g. app.tasks.send_email")
     enq.add_argument("args_json", nargs="?", default="[]", help="positional args as a JSON list")

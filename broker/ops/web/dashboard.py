@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -22,7 +23,7 @@ from broker.main.main import Main
 from broker.main.metrics import CONTENT_TYPE, MainExposition, MainLevels
 from broker.main.operations import queue_summary
 from broker.model.bounds import BULK_ACTION_JOBS, DASHBOARD_REQUESTS
-from broker.ops.web import charts, pages
+from broker.ops.web import charts, pages, workflows
 from broker.ops.web.access import allowed_hosts, guard, matches, secure
 from broker.ops.web.serving import HttpServer
 from broker.storage import QueueCount
@@ -74,6 +75,7 @@ class Dashboard(HttpServer):
                 web.post("/jobs/bulk", self._bulk),
                 web.get("/jobs/{job_id}", self._job),
                 web.get("/history", self._history),
+                web.get("/workflows/{workflow_id}", functools.partial(workflows.page, self)),
                 web.post("/jobs/{job_id}/retry", self._retry),
                 web.post("/jobs/{job_id}/cancel", self._cancel),
                 web.get("/recoveries", self._recoveries),
@@ -291,7 +293,12 @@ class Dashboard(HttpServer):
         info = await self._ask(protocol.GetJob(request_id="web", job_id=job_id))
         if info.job is None:
             raise web.HTTPNotFound(text=f"no job {job_id}")
-        return self._page(request, f"Job {str(job_id)[:8]}", pages.job_live(job_id, info.job))
+        tools = ""
+        if request.headers.get("X-Broker-Fragment") != "live":  # read once, not per refresh
+            tools = workflows.workflow_link(await workflows.read(self, job_id))
+        return self._page(
+            request, f"Job {str(job_id)[:8]}", pages.job_live(job_id, info.job), tools
+        )
 
     # ------------------------------------------------------------------ actions
 
