@@ -34,7 +34,7 @@ read as the last bound). A percentile read from them lies in the bucket of the t
 one, interpolated inside it."""
 
 
-class Bucket:
+class Minute:
     """One minute of one series."""
 
     __slots__ = ("completed", "depth", "failed", "minute", "oldest", "retried", "waits")
@@ -61,20 +61,20 @@ class Series:
     __slots__ = ("_ring",)
 
     def __init__(self, minutes: int) -> None:
-        self._ring: list[Bucket | None] = [None] * minutes
+        self._ring: list[Minute | None] = [None] * minutes
 
-    def at(self, minute: int) -> Bucket:
+    def at(self, minute: int) -> Minute:
         """The bucket of ``minute``, fresh if its slot held an older minute."""
         ring = self._ring
         slot = minute % len(ring)
         bucket = ring[slot]
         if bucket is None or bucket.minute != minute:
             if bucket is not None and bucket.minute > minute:
-                return Bucket(minute)  # older than the ring: counted nowhere
-            bucket = ring[slot] = Bucket(minute)
+                return Minute(minute)  # older than the ring: counted nowhere
+            bucket = ring[slot] = Minute(minute)
         return bucket
 
-    def get(self, minute: int) -> Bucket | None:
+    def get(self, minute: int) -> Minute | None:
         bucket = self._ring[minute % len(self._ring)]
         return bucket if bucket is not None and bucket.minute == minute else None
 
@@ -137,7 +137,7 @@ class History:
                 series = kind[name] = Series(self.minutes)
         return series
 
-    def _buckets(self, now: float, queue: str, task: str) -> tuple[Bucket, Bucket, Bucket]:
+    def _buckets(self, now: float, queue: str, task: str) -> tuple[Minute, Minute, Minute]:
         minute = int(now // 60)
         return (
             self.total.at(minute),
@@ -172,7 +172,7 @@ class History:
         oldest due one has waited (``None``: none is due). A minute keeps the largest of
         its samples; queues past the bound are summed into :data:`OTHER`."""
         minute = int(now // 60)
-        levels: dict[Bucket, tuple[int, float | None]] = {}
+        levels: dict[Minute, tuple[int, float | None]] = {}
         total_depth = 0
         total_oldest: float | None = None
         for queue, (depth, oldest) in queues.items():
@@ -245,4 +245,4 @@ def _longest(a: float | None, b: float | None) -> float | None:
     return max(a, b)
 
 
-__all__ = ["OTHER", "WAIT_BOUNDS", "Bucket", "History", "Point", "Series", "percentile"]
+__all__ = ["OTHER", "WAIT_BOUNDS", "History", "Minute", "Point", "Series", "percentile"]
