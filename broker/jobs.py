@@ -22,7 +22,6 @@ import json
 import math
 import operator
 import os
-import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
@@ -251,7 +250,7 @@ def _random_bits() -> int:
 
 def random_uuid() -> uuid.UUID:
     """A random UUID, version 4, as ``uuid.uuid4()`` makes one, in a third of the time: the
-    lease of every handoff (a job's id is :func:`time_ordered_uuid`, made in its client).
+    id of every job and the lease of every handoff.
 
     ``uuid4`` was 17% of a bulk enqueue's client CPU: one system call per id, and
     ``UUID.__init__``'s checks of its arguments.
@@ -264,34 +263,6 @@ def random_uuid() -> uuid.UUID:
     value = _random_bits()
     job_id = _new_uuid(uuid.UUID)
     _set_uuid_int(job_id, value)
-    _set_uuid_safe(job_id, _UNKNOWN_SAFETY)
-    return job_id
-
-
-_V7_RANDOM_A = 0xFFF << 64
-_V7_RANDOM_B = (1 << 62) - 1
-_V7_SET = (7 << 76) | (2 << 62)
-"""The version (7) and variant (RFC 9562) bits of a time-ordered UUID."""
-_MS_BITS = (1 << 48) - 1
-
-
-def time_ordered_uuid() -> uuid.UUID:
-    """A time-ordered UUID, version 7 (RFC 9562): the Unix time in milliseconds in its
-    first 48 bits, then 74 random bits (drawn as :func:`random_uuid` draws its own). The id
-    of every job enqueued.
-
-    Ids made one after another sort together, so a drain's claims and settles touch the
-    same few primary-key pages, and an insert goes to the index's right edge: with
-    random ids, every claim and settle read a random page of the key, and past about
-    100k queued jobs the working set left ``shared_buffers`` (issue 35: blocks read per
-    job grew 14x from 100k to 1M). Within a millisecond the order is random, which
-    nothing relies on: the dispatch order is the job's priority, ``run_at`` and enqueue
-    order, never its id. The time in an id is the enqueuing client's clock, and only
-    places its row."""
-    random = _random_bits()
-    ms = time.time_ns() // 1_000_000 & _MS_BITS
-    job_id = _new_uuid(uuid.UUID)
-    _set_uuid_int(job_id, ms << 80 | random & _V7_RANDOM_A | random & _V7_RANDOM_B | _V7_SET)
     _set_uuid_safe(job_id, _UNKNOWN_SAFETY)
     return job_id
 
@@ -316,7 +287,7 @@ class JobSpec:
     concurrency_limit: int | None = None
     timeout: float | None = None
     execution_mode: ExecutionMode = ExecutionMode.POOLED
-    id: uuid.UUID = field(default_factory=time_ordered_uuid)
+    id: uuid.UUID = field(default_factory=random_uuid)
     unique_key: str | None = None
     """At most one *active* (queued or handed-off) job holds a unique key at a time."""
     max_recoveries: int | None = None
