@@ -32,6 +32,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from broker.client.client import Client
 from broker.jobs import JobSpec, JobStatus
 from tests.e2e.test_e2e import (
+    NO_POOL,
     Cluster,
     Proc,
     RunLog,
@@ -86,7 +87,7 @@ class Mains(Cluster):
 
     async def start_worker(self, worker_id: str, *, concurrency: int = 8) -> Proc:
         argv = ["worker", "--main", self.addresses, "--app", "tests.e2e_app"]
-        argv += ["--worker-id", worker_id, "--inline-concurrency", str(concurrency)]
+        argv += ["--worker-id", worker_id, "--inline-concurrency", str(concurrency), *NO_POOL]
         proc = await self.spawn(worker_id, *argv)
         await proc.wait_for_output("connected to main")
         return proc

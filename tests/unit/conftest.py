@@ -9,6 +9,9 @@ The hypothesis profiles of the property tests:
 is the same every time and a failure is reproducible from the log, and short enough for
 ``make test``'s three minutes; ``slow`` (set
 ``HYPOTHESIS_PROFILE=slow``, as ``make test-slow`` does) is random and far longer.
+The chosen profile is loaded for every test, so a ``@given`` without settings of its own
+runs it too (hypothesis's default, random and health-checked for speed, failed a property
+once on a loaded machine: "input generation is slow").
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ settings.register_profile(
     "ci",
     derandomize=True,
     database=None,
-    max_examples=200,
-    stateful_step_count=50,
+    max_examples=100,
+    stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -39,6 +42,7 @@ settings.register_profile(
 )
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(PROFILE)
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from broker.core.admission import Admission
+from tests.unit.conftest import PROFILE
 
 ADDRESSES = ["a", "b", "c"]
 TOTAL, PER_ADDRESS = 3, 2
@@ -72,7 +73,7 @@ class AdmissionMachine(RuleBasedStateMachine):
 
 
 TestAdmission = AdmissionMachine.TestCase
-TestAdmission.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+TestAdmission.settings = settings(settings.get_profile(PROFILE), stateful_step_count=40)
 
 
 def test_the_refusal_names_the_limit_and_its_flag() -> None:
