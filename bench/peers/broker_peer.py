@@ -252,6 +252,19 @@ class BrokerDriver(Driver):
         self.enqueued += 1
         return arg
 
+    def enqueue_urgent(self, kind: str, arg: int, priority: int) -> Any:
+        self.run(
+            self.client.enqueue(
+                f"{TASKS}.{kind}",
+                [arg],
+                max_attempts=1,
+                execution_mode=self.mode,
+                priority=priority,
+            )
+        )
+        self.enqueued += 1
+        return arg
+
     def enqueue_one_direct(self, kind: str, arg: int) -> Any:
         """One job on the producer's own asyncpg connection, straight to the store
         (``broker.enqueue_in_async``; PostgreSQL only): what a PgQueuer client does, and

@@ -107,7 +107,7 @@ class _Window:
     here: its entry is skipped when it comes up (:meth:`take`), since the job is then no
     longer in ``held``."""
 
-    __slots__ = ("_heap", "_arrivals")
+    __slots__ = ("_arrivals", "_heap")
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, int, LeaseKey]] = []
@@ -494,8 +494,8 @@ class WorkerState:
     ) -> list[WorkerEffect]:
         """A run ended with ``outcome`` (``None``: abandoned while shutting down, nothing
         to report) at ``now`` (loop time, for an adaptive window); its report joins the
-        outbox, the next prefetched job (highest priority, then oldest) takes its slot (given ``free``, the runners'
-        slots now), and the rest is advertised."""
+        outbox, the next prefetched job (highest priority, then oldest) takes its slot
+        (given ``free``, the runners' slots now), and the rest is advertised."""
         mode = self._running[key].execution_mode  # kept until its report is logged
         window = self._adaptive.get(mode)
         if window is not None and now is not None and window.finished(now):
