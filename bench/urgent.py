@@ -90,6 +90,7 @@ def urgent_run(runner: Runner, backlog: int) -> dict[str, Any]:
         drained_s = time.time() - first
         drain_done = d.done_count() - done_at_first
         runner._wait_done(workers, cfg.run_timeout)
+        handed = getattr(d, "handed_off_times", lambda priority: {})(URGENT)
     finally:
         workers.stop()
     starts: dict[int, float] = {}
@@ -108,6 +109,13 @@ def urgent_run(runner: Runner, backlog: int) -> dict[str, Any]:
         "start_max_ms": max(start_ms, default=None),
         "start_ms": [round(ms, 3) for ms in start_ms],
         "enqueue_p50_ms": percentile(acked, 50),
+        # The broker only: enqueue call to the claim that handed the job to a worker (the
+        # main's part), and from there to the job's start (the worker's part, the send
+        # included).
+        "claimed_p50_ms": percentile([1000 * (handed[t] - sent[t]) for t in handed], 50),
+        "claimed_to_start_p50_ms": percentile(
+            [1000 * (starts[t] - handed[t]) for t in handed if t in starts], 50
+        ),
         "drain_per_s": drain_done / drained_s if drained_s > 0 else None,
     }
 
@@ -209,7 +217,9 @@ def main(argv: list[str]) -> int:
             print(
                 f"{row} rep {rep + 1}: p50 {run['start_p50_ms']:.1f} ms, "
                 f"p99 {run['start_p99_ms']:.1f} ms over {run['started']} probes "
-                f"(enqueue call p50 {run['enqueue_p50_ms']:.1f} ms), "
+                f"(enqueue call p50 {run['enqueue_p50_ms']:.1f} ms, claimed p50 "
+                f"{run['claimed_p50_ms'] or 0:.1f} ms, claimed to start p50 "
+                f"{run['claimed_to_start_p50_ms'] or 0:.1f} ms), "
                 f"drain {run['drain_per_s']:,.0f}/s",
                 file=sys.stderr,
                 flush=True,
