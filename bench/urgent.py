@@ -217,9 +217,14 @@ def main(argv: list[str]) -> int:
             print(
                 f"{row} rep {rep + 1}: p50 {run['start_p50_ms']:.1f} ms, "
                 f"p99 {run['start_p99_ms']:.1f} ms over {run['started']} probes "
-                f"(enqueue call p50 {run['enqueue_p50_ms']:.1f} ms, claimed p50 "
-                f"{run['claimed_p50_ms'] or 0:.1f} ms, claimed to start p50 "
-                f"{run['claimed_to_start_p50_ms'] or 0:.1f} ms), "
+                f"(enqueue call p50 {run['enqueue_p50_ms']:.1f} ms"
+                + (
+                    f", claimed p50 {run['claimed_p50_ms']:.1f} ms, claimed to start p50 "
+                    f"{run['claimed_to_start_p50_ms']:.1f} ms"
+                    if run["claimed_p50_ms"] is not None
+                    else ""
+                )
+                + "), "
                 f"drain {run['drain_per_s']:,.0f}/s",
                 file=sys.stderr,
                 flush=True,

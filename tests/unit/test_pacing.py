@@ -272,3 +272,21 @@ def test_a_job_that_may_stand_before_the_read_ahead_retires_it() -> None:
     ahead.fill(jobs, {POOLED}, None, 4, started=0, now=0.0)
     ahead.inserted(1, 2, [_enqueued()])
     assert ahead.serve({POOLED}, None, 1, 2, 0.0) is None
+
+
+def test_an_insert_says_how_many_of_its_jobs_overtake_the_read_ahead() -> None:
+    """Issue 35: jobs enqueued before what the read-ahead holds are counted for an
+    express pass; jobs after it are not, and a read already out of date counts none."""
+    jobs = [_job() for _ in range(4)]
+    ahead = ReadAhead()
+    ahead.fill(jobs, {POOLED}, None, 4, started=0, now=0.0)
+    assert ahead.inserted(0, 1, [_enqueued()]) == 0
+    assert ahead.inserted(1, 2, [_enqueued(priority=5), _enqueued(), _enqueued(priority=9)]) == 2
+    assert ahead.inserted(2, 3, [_enqueued(priority=9)]) == 0, "out of date since the last"
+
+
+def test_an_express_pass_goes_one_claim_beyond_the_cap_and_no_further() -> None:
+    assert Pacing.express(0, claims=0, cap=2) == 0, "nothing overtakes: an ordinary pass"
+    assert Pacing.express(3, claims=0, cap=2) == 3
+    assert Pacing.express(1, claims=2, cap=2) == 1, "at the cap: one claim more"
+    assert Pacing.express(1, claims=3, cap=2) == 0
