@@ -286,6 +286,11 @@ class Driver:
     def enqueue_bulk(self, kind: str, args: list[int]) -> None:
         raise NotImplementedError
 
+    def enqueue_urgent(self, kind: str, arg: int, priority: int) -> Any:
+        """Enqueue one job of ``priority`` (higher runs first), one call, as
+        :meth:`enqueue_one` (the urgent-jobs workload, ``bench/urgent.py``)."""
+        raise NotImplementedError
+
     def enqueue_one_direct(self, kind: str, arg: int) -> Any:
         """Enqueue one job straight into the store (only where ``has_direct``)."""
         raise NotImplementedError

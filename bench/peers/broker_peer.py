@@ -252,6 +252,28 @@ class BrokerDriver(Driver):
         self.enqueued += 1
         return arg
 
+    def enqueue_urgent(self, kind: str, arg: int, priority: int) -> Any:
+        self.run(
+            self.client.enqueue(
+                f"{TASKS}.{kind}",
+                [arg],
+                max_attempts=1,
+                execution_mode=self.mode,
+                priority=priority,
+            )
+        )
+        self.enqueued += 1
+        return arg
+
+    def handed_off_times(self, priority: int) -> dict[int, float]:
+        """Epoch seconds at which each job of ``priority`` was claimed for a worker, by its
+        tag (its argument): where an urgent job's wait splits into the main's and the
+        worker's (``bench/urgent.py``)."""
+        rows = self._query(
+            f"SELECT args, handed_off_us FROM broker_jobs WHERE priority = {int(priority)}"
+        )
+        return {json.loads(args)[0]: us / 1e6 for args, us in rows if us is not None}
+
     def enqueue_one_direct(self, kind: str, arg: int) -> Any:
         """One job on the producer's own asyncpg connection, straight to the store
         (``broker.enqueue_in_async``; PostgreSQL only): what a PgQueuer client does, and

@@ -63,6 +63,11 @@ class PgQueuerDriver(Driver):
         self.enqueued += 1
         return int(ids[0])
 
+    def enqueue_urgent(self, kind: str, arg: int, priority: int) -> Any:
+        ids = self.run(self.queries.enqueue(kind, str(arg).encode(), priority))
+        self.enqueued += 1
+        return int(ids[0])
+
     def enqueue_bulk(self, kind: str, args: list[int]) -> None:
         payloads: list[bytes | None] = [str(a).encode() for a in args]
         self.run(self.queries.enqueue([kind] * len(args), payloads, [0] * len(args)))

@@ -166,6 +166,21 @@ class Pacing:
         return False
 
     @staticmethod
+    def express(overtaking: int, claims: int, cap: int) -> int:
+        """How many jobs a pass reads for an express claim (0: none), with ``overtaking``
+        jobs enqueued that stand before the backlog being drained (issue 35) and
+        ``claims`` under way of at most ``cap``.
+
+        Why: such a job (an urgent one) would otherwise wait for a claim in flight to
+        answer, then go out in the next pass's claim with as many of the backlog's jobs
+        as there are free slots (up to the claim batch): a larger claim to commit and
+        send. An express pass reads just that many of the best jobs (the urgent ones
+        first, being the best) and claims them apart, one claim beyond the cap."""
+        if overtaking <= 0 or claims > cap:
+            return 0
+        return overtaking
+
+    @staticmethod
     def read_again(left: set[ExecutionMode], read: int, planned: int, held: int) -> bool:
         """Whether a pass reads a second time, for the modes ``left`` with credit (and not
         proven drained), after a first read of ``read`` jobs (``held`` of them held back
@@ -364,7 +379,7 @@ class ReadAhead:
         self._cutoff = None if last is None else dispatch_key(*_ordered_by(last))
         self._keep = all(job.concurrency_key is None for job in jobs)
 
-    def inserted(self, before: int, after: int, added: Sequence[EnqueueResult]) -> None:
+    def inserted(self, before: int, after: int, added: Sequence[EnqueueResult]) -> int:
         """The change from count ``before`` to ``after`` was the insert of the queued jobs
         ``added`` (:meth:`Handoff.jobs_added`). When the read held was current before it,
         and each of them is of another mode or stands after everything the read held,
@@ -372,18 +387,25 @@ class ReadAhead:
         every job of its modes).
 
         Why: producers enqueueing one job at a time while the workers drain made every
-        pass read the store again, at the smallest size."""
+        pass read the store again, at the smallest size.
+
+        Returns how many of ``added`` stand before what the read held (0 when it was out
+        of date already): jobs that overtake the backlog the dispatcher is working
+        through, for an express pass (:meth:`Pacing.express`)."""
         if self._started != before or not self._keep or self._cutoff is None:
-            return
+            return 0
         cutoff = self._cutoff
+        overtaking = 0
         for result in added:
             if result.field("execution_mode") not in self._modes:
                 continue
             key = dispatch_key(*(result.field(name) for name in DISPATCH_KEY_FIELDS))
             if key <= cutoff:  # a tie may go either way: the store's insert order decides
-                return
-        self._started = after
-        self._complete = False
+                overtaking += 1
+        if overtaking == 0:
+            self._started = after
+            self._complete = False
+        return overtaking
 
     def planned(self, plan: Sequence[PlannedClaim]) -> None:
         """These jobs are being claimed: never serve them again."""

@@ -93,6 +93,9 @@ class Dispatcher:
         """Set by a nudge (which any change of free credit comes with) while not
         listening: the listener looks at the credit again (a wake changes none)."""
         self._ahead = ReadAhead()
+        self._overtaking = 0
+        """Jobs the main enqueued that stand before the read-ahead (urgent ones), not yet
+        read by a pass: the next pass is an express one (:meth:`Pacing.express`)."""
 
     def enqueued(self, added: Sequence[EnqueueResult]) -> None:
         """The main stored the queued jobs ``added`` (its own enqueue, committed): a wake
@@ -103,7 +106,7 @@ class Dispatcher:
         core = self._handoff
         before = core.queue_changes
         core.jobs_added({result.field("execution_mode") for result in added})
-        self._ahead.inserted(before, core.queue_changes, added)
+        self._overtaking += self._ahead.inserted(before, core.queue_changes, added)
         if Pacing.worth_a_pass(core.credit()):
             self._wake.set()
 
@@ -259,9 +262,10 @@ class Dispatcher:
         their cap (the first to answer wakes the dispatcher) or shortly after a claim
         raised.
         """
-        if self._stopping() or len(self._claims) >= self._max_claims_in_flight:
-            return False
         rules = self.pacing
+        express = rules.express(self._overtaking, len(self._claims), self._max_claims_in_flight)
+        if self._stopping() or (len(self._claims) >= self._max_claims_in_flight and not express):
+            return False
         pause = rules.pause()
         if pause > 0:
             await asyncio.sleep(pause)
@@ -280,12 +284,18 @@ class Dispatcher:
         started = core.queue_changes
         now = self._now()
         blocked = core.flow.leave_out(now)
-        jobs, full = await self._eligible(modes, queues, size, started, blocked)
+        self._overtaking = 0  # this pass reads the store: it finds them first
+        if express:
+            size = min(size, express + held)
+            jobs = await self._read(modes, queues, size, blocked)
+            full = len(jobs) == size
+        else:
+            jobs, full = await self._eligible(modes, queues, size, started, blocked)
         now = self._now()
         plan = core.plan(jobs, now)
         core.read_eligible(started, modes, full=full or len(plan) < len(jobs), queues=queues)
         left = core.modes_with_credit() - core.drained
-        if rules.read_again(left, len(jobs), len(plan), held):
+        if not express and rules.read_again(left, len(jobs), len(plan), held):
             # This read covers every mode with credit left, so whether it came back full
             # says whether another pass may find more.
             size = core.read_limit(self._claim_batch, left) + len(core.awaiting)
@@ -298,7 +308,7 @@ class Dispatcher:
         if not plan:
             return False
         self._claims.add(asyncio.create_task(self._claim_and_wake(plan), name="broker-claim"))
-        return full and core.credit() > 0
+        return (full or bool(express)) and core.credit() > 0
 
     async def _read(
         self, modes: set[ExecutionMode], queues: set[str] | None, size: int, blocked: frozenset[str]

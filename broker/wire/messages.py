@@ -285,6 +285,10 @@ class JobHandoff(Tagged, frozen=True, tag="job", omit_defaults=True):
     max_attempts: Int
     timeout: Float | None
     queue: str
+    priority: Int = 0
+    """The job's priority (higher first): a worker starts the jobs it holds in its prefetch
+    window highest priority first (:mod:`broker.core.worker_state`), so an urgent job
+    handed over after a backlog's never waits behind it. Left off the line at 0."""
     checkpoint: JSONValue = None
     """The last checkpoint the job's runs saved (meaningful when ``checkpoint_seq > 0``)."""
     checkpoint_seq: Int = 0

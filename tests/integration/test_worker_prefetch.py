@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
+
 from broker.tasks.registry import TaskRegistry
 from broker.wire import messages as protocol
 from tests.fake_main import (
@@ -88,3 +90,25 @@ async def test_a_draining_worker_runs_its_prefetched_job(
             gate.set()
             reports = [await session.expect(protocol.CompletedReport) for _ in range(3)]
             assert waiting.handoff_id in {r.handoff_id for r in reports}
+
+
+async def test_an_urgent_job_sent_after_the_window_filled_starts_first(
+    registry: TaskRegistry, gate: asyncio.Event
+) -> None:
+    """Issue 35: both slots busy, two jobs of the backlog waiting in the window, then an
+    urgent one arrives: the first slot to free runs it, ahead of the backlog held."""
+    async with FakeMain() as main:
+        worker = make_worker(main, registry, prefetch=3)
+        async with running(worker):
+            session = await main.session()
+            await session.recv()  # the first ready
+            backlog = [job(3, "add", 1, 0), job(4, "add", 2, 0)]
+            urgent = msgspec.structs.replace(job(5, "add", 9, 0), priority=9)
+            await session.send(job(1, "block"), job(2, "block"), *backlog)
+            await until(lambda: worker.status()["prefetched"] == 2)
+            await session.send(urgent)
+            await until(lambda: worker.status()["prefetched"] == 3)
+            gate.set()
+            reports = [await session.expect(protocol.CompletedReport) for _ in range(5)]
+            results = [r.result for r in reports if r.result != "unblocked"]
+            assert results[0] == 9, "the urgent job took the first slot that freed"

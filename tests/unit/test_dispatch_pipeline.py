@@ -514,7 +514,8 @@ async def test_an_enqueue_behind_the_read_ahead_keeps_it_and_one_ahead_reads_aga
     """The main's own enqueue of a job that stands after everything the read-ahead holds
     leaves it serving: producers enqueueing one job at a time while the workers drain
     cost no read each. A job that stands before (a higher priority) makes the next pass
-    read the store, and it goes next."""
+    an express one (issue 35): it reads the store for that one job and claims it alone,
+    and the pass after reads for the backlog again."""
     store, core, sent, d = await steady_drain()
     assert store.limits == [2, 4, 8, 8]  # the last read of 8 holds 2 jobs more
     d.enqueued(await store.enqueue_many([JobSpec(task="t")]))
@@ -523,9 +524,10 @@ async def test_an_enqueue_behind_the_read_ahead_keeps_it_and_one_ahead_reads_aga
     await finish(core, sent, 2)
     [urgent] = await store.enqueue_many([JobSpec(task="t", priority=5)])
     d.enqueued([urgent])
+    await dispatched(d, sent, 23)
+    assert sent[22].job.id == urgent.job.id, "claimed alone, first"
     await dispatched(d, sent, 24)
-    assert store.limits[4:] == [2]
-    assert urgent.job.id in {s.job.id for s in sent[22:]}
+    assert store.limits[4:] == [1, 1]
     assert len({s.job.id for s in sent}) == 24  # no job sent twice
 
 

@@ -8,10 +8,22 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime, timedelta
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from broker.core import pacing
 from broker.core.handoff import PlannedClaim
 from broker.core.pacing import READ_AHEAD_MAX_AGE, Pacing, ReadAhead
-from broker.jobs import EnqueueResult, ExecutionMode, Job, JobSpec, new_job_fields, utcnow
+from broker.jobs import (
+    DispatchKey,
+    EnqueueResult,
+    ExecutionMode,
+    Job,
+    JobSpec,
+    dispatch_key,
+    new_job_fields,
+    utcnow,
+)
 
 POOLED, INLINE = ExecutionMode.POOLED, ExecutionMode.INLINE
 WALL = datetime(2030, 1, 1, tzinfo=UTC)
@@ -272,3 +284,73 @@ def test_a_job_that_may_stand_before_the_read_ahead_retires_it() -> None:
     ahead.fill(jobs, {POOLED}, None, 4, started=0, now=0.0)
     ahead.inserted(1, 2, [_enqueued()])
     assert ahead.serve({POOLED}, None, 1, 2, 0.0) is None
+
+
+def test_an_insert_says_how_many_of_its_jobs_overtake_the_read_ahead() -> None:
+    """Issue 35: jobs enqueued before what the read-ahead holds are counted for an
+    express pass; jobs after it are not, and a read already out of date counts none."""
+    jobs = [_job() for _ in range(4)]
+    ahead = ReadAhead()
+    ahead.fill(jobs, {POOLED}, None, 4, started=0, now=0.0)
+    assert ahead.inserted(0, 1, [_enqueued()]) == 0
+    assert ahead.inserted(1, 2, [_enqueued(priority=5), _enqueued(), _enqueued(priority=9)]) == 2
+    assert ahead.inserted(2, 3, [_enqueued(priority=9)]) == 0, "out of date since the last"
+
+
+def test_an_express_pass_goes_one_claim_beyond_the_cap_and_no_further() -> None:
+    assert Pacing.express(0, claims=0, cap=2) == 0, "nothing overtakes: an ordinary pass"
+    assert Pacing.express(3, claims=0, cap=2) == 3
+    assert Pacing.express(1, claims=2, cap=2) == 1, "at the cap: one claim more"
+    assert Pacing.express(1, claims=3, cap=2) == 0
+
+
+STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("read"), st.integers(1, 6)),
+        st.tuples(st.just("insert"), st.sampled_from([-1, 0, 0, 5])),
+        st.tuples(st.just("serve"), st.integers(1, 4)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(STEPS)
+def test_the_read_ahead_only_ever_serves_the_stores_best_jobs(steps: list[tuple[str, int]]) -> None:
+    """The priority rule on the main's side (issue 35): across any interleaving of reads,
+    the main's own enqueues (of any priority) and passes, what the read-ahead serves is
+    always the best jobs the store holds, in dispatch order, so a job enqueued with a
+    higher priority is never passed over for one read before it."""
+    store: list[Job] = []
+    changes = 0
+    ahead = ReadAhead()
+    clock = iter(range(1, 10_000))
+
+    def new_job(priority: int) -> Job:
+        at = WALL + timedelta(seconds=next(clock))
+        return Job.from_spec(JobSpec(task="t", priority=priority), at)
+
+    def order(job: Job) -> DispatchKey:
+        return dispatch_key(job.priority, job.run_at, job.created_at)
+
+    for _ in range(5):
+        store.append(new_job(0))
+    for step, value in steps:
+        best = sorted(store, key=order)
+        if step == "read":
+            ahead.fill(best[:value], {POOLED}, None, value, started=changes, now=0.0)
+        elif step == "insert":
+            job = new_job(value)
+            store.append(job)
+            changes += 1
+            ahead.inserted(changes - 1, changes, [EnqueueResult(job, duplicate=False)])
+        else:
+            served = ahead.serve({POOLED}, None, value, changes, 0.0)
+            if served is None:
+                continue
+            jobs, _full = served
+            assert jobs == best[: len(jobs)], "served past a better job in the store"
+            ahead.planned(
+                [PlannedClaim(1, "w", job, uuid.uuid4(), state_lost=False) for job in jobs]
+            )
+            store = [job for job in store if job not in jobs]

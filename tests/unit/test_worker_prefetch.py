@@ -1,7 +1,8 @@
 """The worker's prefetch window (broker/core/worker_state.py), driven by calling ``WorkerState``
 directly against the main's real credit accounting (broker/core/peers.py): no socket, no
 loop. A worker with a window never idles a slot while a job waits for one, never holds
-more than the window, starts jobs of a mode in arrival order, and never loses a job."""
+more than the window, starts the jobs of a mode highest priority first and in arrival
+order within a priority, and never loses a job."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ INLINE = ExecutionMode.INLINE
 POOLED = ExecutionMode.POOLED
 CAPACITY = {INLINE: 2, POOLED: 1}
 PREFETCH = 2
+PRIORITIES = st.sampled_from([0, 0, 0, 1, 5, -3])
+"""Mostly the default priority, as a backlog is, with urgent and background jobs."""
 
 
 def make_state(prefetch: int = PREFETCH) -> WorkerState:
@@ -55,7 +58,7 @@ def welcome() -> protocol.Welcome:
     )
 
 
-def job(seq: int, mode: ExecutionMode = INLINE) -> protocol.JobHandoff:
+def job(seq: int, mode: ExecutionMode = INLINE, priority: int = 0) -> protocol.JobHandoff:
     return protocol.JobHandoff(
         seq=seq,
         job_id=uuid.uuid4(),
@@ -68,6 +71,7 @@ def job(seq: int, mode: ExecutionMode = INLINE) -> protocol.JobHandoff:
         max_attempts=3,
         timeout=None,
         queue="default",
+        priority=priority,
     )
 
 
@@ -108,6 +112,33 @@ def test_a_job_beyond_the_slots_waits_and_takes_the_first_slot_that_frees() -> N
     effects = state.run_finished((first.job_id, first.handoff_id), Completed(), {INLINE: 1})
     assert started(effects) == [(second.job_id, second.handoff_id)], "oldest first, at once"
     assert not state.idle
+
+
+def test_an_urgent_job_takes_the_next_slot_ahead_of_the_backlog_held() -> None:
+    """Issue 35: the window holds the backlog's jobs when an urgent one arrives; the
+    slot that frees next goes to it, and the backlog resumes in its own order."""
+    state = make_state(prefetch=4)
+    state.connected(welcome())
+    running, *backlog = [job(seq) for seq in range(1, 5)]
+    state.jobs_received([running, *backlog], {INLINE: 1, POOLED: 1})
+    urgent = job(5, priority=10)
+    assert started(state.job_received(urgent, {INLINE: 0, POOLED: 1})) == []
+    keys = [(j.job_id, j.handoff_id) for j in (running, *backlog, urgent)]
+    state.run_entered(keys[0])
+    assert started(state.run_finished(keys[0], Completed(), {INLINE: 1})) == [keys[4]]
+    state.run_entered(keys[4])
+    assert started(state.run_finished(keys[4], Completed(), {INLINE: 2})) == keys[1:3]
+
+
+def test_a_line_starts_its_highest_priorities_first_then_in_arrival_order() -> None:
+    state = make_state(prefetch=4)
+    state.connected(welcome())
+    line = [job(1, priority=-1), job(2), job(3, priority=7), job(4), job(5, priority=7)]
+    keys = [(j.job_id, j.handoff_id) for j in line]
+    assert started(state.jobs_received(line, {INLINE: 2, POOLED: 1})) == [keys[2], keys[4]]
+    state.run_entered(keys[2])
+    state.run_entered(keys[4])  # the runner's free slots below count them from now
+    assert started(state.capacity_changed({INLINE: 3, POOLED: 1})) == [keys[1], keys[3], keys[0]]
 
 
 def test_without_a_window_a_job_beyond_the_slots_is_released_as_before() -> None:
@@ -193,11 +224,14 @@ class PrefetchRules(RuleBasedStateMachine):
         self.state = self.make()
         self.credits = Credits()
         self.seq = 0
+        self.connections = 0
         self.connected = False
         self.starting: dict[LeaseKey, ExecutionMode] = {}
         self.entered: dict[LeaseKey, ExecutionMode] = {}
         self.order: dict[ExecutionMode, list[LeaseKey]] = {mode: [] for mode in CAPACITY}
         """Jobs taken in, per mode, in the order the worker received them."""
+        self.rank: dict[LeaseKey, tuple[int, int]] = {}
+        """Each job's place in the order it should start in: ``(-priority, arrival)``."""
         self.starts: dict[ExecutionMode, list[LeaseKey]] = {mode: [] for mode in CAPACITY}
         self.dropped: set[LeaseKey] = set()
         self.finished: set[LeaseKey] = set()
@@ -216,12 +250,35 @@ class PrefetchRules(RuleBasedStateMachine):
         return {mode: CAPACITY[mode] - busy[mode] for mode in CAPACITY}
 
     def apply(self, effects: list[WorkerEffect]) -> None:
+        batch: dict[ExecutionMode, list[LeaseKey]] = {mode: [] for mode in CAPACITY}
         for effect in effects:
             if isinstance(effect, StartRun):
                 key = (effect.assignment.job_id, effect.assignment.handoff_id)
                 mode = effect.assignment.execution_mode
                 self.starting[key] = mode
                 self.starts[mode].append(key)
+                batch[mode].append(key)
+        # The priority rule (issue 35): when slots free, the jobs that take them are the
+        # best the window holds, highest priority first and in arrival order within one;
+        # no job left waiting in the window stands before any of them.
+        for mode, keys in batch.items():
+            ranks = [self.rank[key] for key in keys]
+            assert ranks == sorted(ranks), "a step's starts go in priority, then arrival order"
+            waiting = [
+                self.rank[k] for k, a in self.state.queued.items() if a.execution_mode is mode
+            ]
+            assert not ranks or not waiting or max(ranks) < min(waiting), (
+                "a job started while a better one of its mode waited in the window"
+            )
+
+    def hand_over(self, mode: ExecutionMode, priority: int) -> protocol.JobHandoff:
+        """A job for the worker within the main's credit: its seq, rank and order noted."""
+        self.seq = self.credits.commit(mode)
+        msg = job(self.seq, mode, priority)
+        key = (msg.job_id, msg.handoff_id)
+        self.order[mode].append(key)
+        self.rank[key] = (-priority, self.seq + 1_000_000 * self.connections)
+        return msg
 
     def send(self) -> None:
         messages = self.state.outgoing()
@@ -236,6 +293,7 @@ class PrefetchRules(RuleBasedStateMachine):
         self.apply(self.state.connected(welcome()))
         self.credits = Credits()
         self.seq = 0
+        self.connections += 1
         self.connected = True
         self.send()
 
@@ -247,27 +305,27 @@ class PrefetchRules(RuleBasedStateMachine):
         self.connected = False
 
     @precondition(lambda self: self.connected)
-    @rule(mode=st.sampled_from(list(CAPACITY)))
-    def main_hands_a_job_over(self, mode: ExecutionMode) -> None:
+    @rule(mode=st.sampled_from(list(CAPACITY)), priority=PRIORITIES)
+    def main_hands_a_job_over(self, mode: ExecutionMode, priority: int) -> None:
         if not self.credits.reserve(mode):
             return
-        self.seq = self.credits.commit(mode)
-        msg = job(self.seq, mode)
+        msg = self.hand_over(mode, priority)
         key = (msg.job_id, msg.handoff_id)
-        self.order[mode].append(key)
         self.apply(self.state.job_received(msg, self.free()))
         if not self.state.draining:
             assert key in self.state.queued or key in self.state.running, "taken, not released"
 
     @precondition(lambda self: self.connected)
-    @rule(modes=st.lists(st.sampled_from(list(CAPACITY)), min_size=1, max_size=5))
-    def main_hands_a_line_of_jobs_over(self, modes: list[ExecutionMode]) -> None:
+    @rule(
+        jobs=st.lists(
+            st.tuples(st.sampled_from(list(CAPACITY)), PRIORITIES), min_size=1, max_size=5
+        )
+    )
+    def main_hands_a_line_of_jobs_over(self, jobs: list[tuple[ExecutionMode, int]]) -> None:
         batch = []
-        for mode in modes:
+        for mode, priority in jobs:
             if self.credits.reserve(mode):
-                self.seq = self.credits.commit(mode)
-                batch.append(job(self.seq, mode))
-                self.order[mode].append((batch[-1].job_id, batch[-1].handoff_id))
+                batch.append(self.hand_over(mode, priority))
         if not batch:
             return
         self.apply(self.state.jobs_received(batch, self.free()))
@@ -324,11 +382,15 @@ class PrefetchRules(RuleBasedStateMachine):
         return {k for k, r in outbox if isinstance(r, protocol.ReleaseReport)}
 
     @invariant()
-    def jobs_of_a_mode_start_in_arrival_order(self) -> None:
+    def jobs_of_one_priority_start_in_arrival_order(self) -> None:
         gone = self.dropped | self.released()
         for mode in CAPACITY:
-            kept = [k for k in self.order[mode] if k not in gone]
-            assert self.starts[mode] == kept[: len(self.starts[mode])]
+            for priority in {-rank[0] for rank in self.rank.values()}:
+                kept = [
+                    k for k in self.order[mode] if k not in gone and -self.rank[k][0] == priority
+                ]
+                began = [k for k in self.starts[mode] if -self.rank[k][0] == priority]
+                assert began == kept[: len(began)]
 
     @invariant()
     def every_job_is_in_exactly_one_place(self) -> None:
