@@ -421,7 +421,21 @@ class Client:
 
         ``unique_key``: while a queued or running job holds the key, the enqueue returns
         that job with ``duplicate=True`` instead of making another.
+
+        ``args`` is one list (not the arguments spread out, as ``task.enqueue(*args)``
+        takes them): a string or a number there is refused here with the right form, not
+        read as a sequence of characters or failed on deep inside.
         """
+        if not isinstance(args, list | tuple):
+            raise TypeError(
+                "Client.enqueue takes the task's positional arguments as one list, "
+                f"e.g. client.enqueue(task, [a, b], {{'k': v}}); got {type(args).__name__}"
+            )
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise TypeError(
+                "Client.enqueue takes the task's keyword arguments as one mapping, "
+                f"e.g. client.enqueue(task, [a], {{'k': v}}); got {type(kwargs).__name__}"
+            )
         options: dict[str, Any] = {
             "queue": queue,
             "priority": priority,

@@ -44,8 +44,8 @@ def wait_reason(job: Job, core: Handoff, now: float, wall: datetime) -> str | No
     wait = flow.token_wait(job.queue, now)
     if wait > 0 and settings is not None and settings.rate is not None:
         return (
-            f"waiting for a token of queue {job.queue!r}'s rate limit ({settings.rate}), "
-            f"the next in {_seconds(wait)}"
+            f"waiting for the rate limit of queue {job.queue!r} ({settings.rate}): "
+            f"the next token in {_seconds(wait)}"
         )
     if flow.limits(job.task):
         wait = flow.task_wait(job.task, job.rate_key, now)
@@ -57,7 +57,7 @@ def wait_reason(job: Job, core: Handoff, now: float, wall: datetime) -> str | No
                 else f"task {job.task!r}"
             )
             return (
-                f"waiting for a token of {whose}'s rate limit ({rate}), the next in "
+                f"waiting for the rate limit of {whose} ({rate}): the next token in "
                 f"{_seconds(wait)}"
             )
     if core.unserved([job.task]):

@@ -101,3 +101,19 @@ async def test_a_conflicting_key_fails_its_caller_alone_in_a_group_commit() -> N
     assert repeat.job_id == first.job_id
     others = [o for i, o in enumerate(outcomes) if i not in (2, 3)]
     assert all(not isinstance(o, BaseException) and not o.duplicate for o in others)
+
+
+async def test_arguments_spread_out_are_refused_with_the_right_form_and_nothing_stored() -> None:
+    """``client.enqueue(task, 7)`` or ``client.enqueue(task, "acme")`` (the arguments
+    spread out, as ``task.enqueue`` takes them) is a clear ``TypeError`` naming the one-list
+    form; a string is not read as a list of characters."""
+    store = MemoryAdapter()
+    async with serving(store) as main, Client("127.0.0.1", main.port) as client:
+        for args in (7, "acme"):
+            with pytest.raises(TypeError, match=r"as one list, e\.g\. client\.enqueue"):
+                await client.enqueue(settle, args)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="as one list"):
+                await client.enqueue("app.settle", args)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="as one mapping"):
+            await client.enqueue(settle, [1], [("account", 1)])  # type: ignore[arg-type]
+        assert (await store.list_jobs()).jobs == []

@@ -42,7 +42,7 @@ def test_each_reason_the_main_knows_and_none_when_the_job_may_go() -> None:
     core.flow.apply(QueueSettings("a", rate=parse_rate("10/s")))
     core.flow.admitted("a", 0.0)
     assert wait_reason(job, core, 0.05, EPOCH) == (
-        "waiting for a token of queue 'a''s rate limit (10/s), the next in 0.05 s"
+        "waiting for the rate limit of queue 'a' (10/s): the next token in 0.05 s"
     )
     assert wait_reason(job, core, 0.1, EPOCH) is None, "a token is due now: nothing to say"
 
@@ -53,13 +53,13 @@ def test_a_task_or_key_token_names_its_limit_and_the_time() -> None:
     job = make_job(1)
     core.flow.admitted("a", 0.0, "t")
     assert wait_reason(job, core, 0.25, EPOCH) == (
-        "waiting for a token of task 't''s rate limit (2/s), the next in 0.25 s"
+        "waiting for the rate limit of task 't' (2/s): the next token in 0.25 s"
     )
     core.flow.limit_tasks({"t": parse_rate("2/s")}, keyed=["t"])
     acme = replace(job, rate_key="acme")
     core.flow.admitted("a", 0.0, "t", "acme")
     assert wait_reason(acme, core, 0.1, EPOCH) == (
-        "waiting for a token of key 'acme' of task 't''s rate limit (2/s), the next in 0.4 s"
+        "waiting for the rate limit of key 'acme' of task 't' (2/s): the next token in 0.4 s"
     )
     assert wait_reason(replace(job, rate_key="globex"), core, 0.1, EPOCH) is None
 
