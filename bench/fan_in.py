@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import Workers
-from bench.peers.broker_peer import MAIN_FLAGS, free_port
-from bench.systems import database, drop_database, fresh_database, on_admin_database, postgres_dsn
+from bench.peers.broker_peer import main_on_fresh_database
+from bench.systems import database, drop_database, on_admin_database
 from broker.tasks.registry import task
 
 DATABASE = database("bench_fan_in")
@@ -76,16 +76,8 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from broker.jobs import ExecutionMode, JobSpec, JobStatus, ParentResults
     from broker.storage import JobFilter
 
-    await on_admin_database(*fresh_database(DATABASE))
-    port = free_port()
+    main, port, url = await main_on_fresh_database(DATABASE, workdir / "fan-in-main.log")
     bin_dir = Path(sys.executable).parent
-    url = postgres_dsn(DATABASE).replace("postgresql://", "postgresql+asyncpg://")
-    main = Workers(
-        [[str(bin_dir / "broker-main"), "--database-url", url, "--port", str(port), *MAIN_FLAGS]],
-        {},
-        workdir / "fan-in-main.log",
-        what="broker-main",
-    )
     client = Client("127.0.0.1", port, timeout=120, retry_timeout=30, allow_unknown_tasks=True)
     worker: Workers | None = None
     try:

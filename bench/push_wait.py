@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import Workers
-from bench.peers.broker_peer import MAIN_FLAGS, free_port
+from bench.peers.broker_peer import main_on_fresh_database
 from bench.rss_soak import rss_mb
-from bench.systems import database, drop_database, fresh_database, on_admin_database, postgres_dsn
+from bench.systems import database, drop_database, on_admin_database
 from broker.tasks.registry import task
 
 DATABASE = database("bench_push_wait")
@@ -79,16 +79,8 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from broker.jobs import JobSpec
     from broker.wire.messages import Role
 
-    await on_admin_database(*fresh_database(DATABASE))
-    port = free_port()
+    main, port, _ = await main_on_fresh_database(DATABASE, workdir / "push-wait-main.log")
     bin_dir = Path(sys.executable).parent
-    url = postgres_dsn(DATABASE).replace("postgresql://", "postgresql+asyncpg://")
-    main = Workers(
-        [[str(bin_dir / "broker-main"), "--database-url", url, "--port", str(port), *MAIN_FLAGS]],
-        {},
-        workdir / "push-wait-main.log",
-        what="broker-main",
-    )
     worker = Workers(
         [
             [

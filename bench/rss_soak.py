@@ -34,11 +34,17 @@ from typing import Any
 import asyncpg
 
 from bench.harness import ROOT, Workers
-from bench.peers.broker_peer import CHUNK, MAIN_FLAGS, OUTSTANDING, SETUPS, TASKS, free_port
+from bench.peers.broker_peer import (
+    CHUNK,
+    MAIN_FLAGS,
+    OUTSTANDING,
+    SETUPS,
+    TASKS,
+    main_on_fresh_database,
+)
 from bench.systems import (
     database,
     drop_database,
-    fresh_database,
     on_admin_database,
     postgres_dsn,
 )
@@ -96,16 +102,8 @@ async def soak(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from broker.jobs import ExecutionMode, JobSpec
 
     row = SETUPS[ROW]
-    await on_admin_database(*fresh_database(DATABASE))
-    port = free_port()
+    main, port, _ = await main_on_fresh_database(DATABASE, workdir / "rss-soak-main.log")
     bin_dir = Path(sys.executable).parent
-    url = postgres_dsn(DATABASE).replace("postgresql://", "postgresql+asyncpg://")
-    main = Workers(
-        [[str(bin_dir / "broker-main"), "--database-url", url, "--port", str(port), *MAIN_FLAGS]],
-        {},
-        workdir / "rss-soak-main.log",
-        what="broker-main",
-    )
     worker_command = [
         str(bin_dir / "broker-worker"),
         "--main",

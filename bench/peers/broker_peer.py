@@ -127,6 +127,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+async def main_on_fresh_database(name: str, log: Path) -> tuple[Workers, int, str]:
+    """A real ``broker-main`` (:data:`MAIN_FLAGS`) on a fresh PostgreSQL database ``name``,
+    started, logging to ``log``: the process, its port and its store URL (the benchmarks
+    that need one main of their own, such as :mod:`bench.fan_in` and :mod:`bench.push_wait`).
+    """
+    await on_admin_database(*fresh_database(name))
+    port = free_port()
+    url = postgres_dsn(name).replace("postgresql://", "postgresql+asyncpg://")
+    main_bin = str(Path(sys.executable).parent / "broker-main")
+    command = [main_bin, "--database-url", url, "--port", str(port), *MAIN_FLAGS]
+    return Workers([command], {}, log, what="broker-main"), port, url
+
+
 class BrokerDriver(Driver):
     packages = ("broker", "SQLAlchemy", "aiosqlite", "asyncpg")
     bulk_text = (
