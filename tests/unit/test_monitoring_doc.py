@@ -82,3 +82,40 @@ def test_the_leader_gauge_says_the_role() -> None:
     for leader in (True, False):
         shown = MainExposition(MainMetrics()).render(levels(leader=leader)).decode()
         assert f"broker_main_leader {float(leader)}" in shown
+
+
+def exported_metrics() -> set[str]:
+    """Every series name the main's ``/metrics`` can show: each family's name, with a
+    histogram's ``_bucket``, ``_sum`` and ``_count``."""
+    shown = MainExposition(MainMetrics()).render(levels(leader=True)).decode()
+    names: set[str] = set()
+    for name, kind in re.findall(r"^# TYPE (\w+) (\w+)$", shown, re.M):
+        names.add(name)
+        if kind == "histogram":
+            names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+    return names
+
+
+def chart_queries() -> list[str]:
+    """The PromQL the page gives for the history view's charts, a query a line."""
+    section = _section(DOC.read_text(), "### The same charts from Prometheus")
+    block = section.split("```promql\n", 1)[1].split("```")[0]
+    return [line for line in block.splitlines() if line and not line.startswith("#")]
+
+
+def test_every_chart_has_a_query_on_metrics_the_main_exports() -> None:
+    queries = chart_queries()
+    exported = exported_metrics()
+    named = {metric for query in queries for metric in re.findall(r"broker_\w+", query)}
+    # One per chart of the history view: runs by outcome, waits, depth, oldest wait.
+    assert {
+        "broker_jobs_completed_total",
+        "broker_jobs_failed_total",
+        "broker_jobs_dead_total",
+        "broker_job_wait_seconds_bucket",
+        "broker_queue_jobs",
+        "broker_queue_oldest_eligible_age_seconds",
+    } <= named
+    for query in queries:
+        for metric in re.findall(r"broker_\w+", query):
+            assert metric in exported, f"{query} names {metric}, which the main does not export"
