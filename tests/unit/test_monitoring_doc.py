@@ -5,6 +5,7 @@ page documents and the main or a worker serves."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -119,3 +120,29 @@ def test_every_chart_has_a_query_on_metrics_the_main_exports() -> None:
     for query in queries:
         for metric in re.findall(r"broker_\w+", query):
             assert metric in exported, f"{query} names {metric}, which the main does not export"
+
+
+GRAFANA = DOC.parents[1] / "grafana" / "broker-history.json"
+
+
+def without_variables(expr: str) -> str:
+    """A dashboard query with its variables' matchers (``queue=~"$queue"``) taken out."""
+    return re.sub(r',?\s*\w+=~"\$\w+"', "", expr).replace("{, ", "{").replace("{}", "")
+
+
+def test_the_grafana_dashboard_charts_the_documented_queries() -> None:
+    """``docs/grafana/broker-history.json`` is valid JSON, each of its queries names only
+    metrics the main exports, and each is a query of the page once its dashboard
+    variables (``$queue``, ``$task``) are taken out: the dashboard and the page cannot
+    drift apart."""
+    dashboard = json.loads(GRAFANA.read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert len(dashboard["panels"]) == 4, "a panel per chart of the history view"
+    exported = exported_metrics()
+    documented = set(chart_queries())
+    for expr in exprs:
+        for metric in re.findall(r"broker_\w+", expr):
+            assert metric in exported, f"{expr} names {metric}, which the main does not export"
+        assert without_variables(expr) in documented, f"{expr} is not a query of {DOC.name}"
+    charted = {without_variables(expr) for expr in exprs}
+    assert documented <= charted, "a documented chart is missing from the dashboard"
