@@ -582,6 +582,18 @@ class LeaderRecord:
 
 
 @runtime_checkable
+class SupportsWarmUp(Protocol):
+    """Optional: connections opened ahead of need.
+
+    A main calls :meth:`warm_up` when it starts to lead (as it loads the handoffs in
+    flight, before it welcomes a peer), so the first requests of a just-elected main do
+    not each wait for a connection to open."""
+
+    async def warm_up(self) -> None:
+        """Open the connections the main's requests use; raises what the store raises."""
+
+
+@runtime_checkable
 class SupportsLeadership(Protocol):
     """Optional: several mains on one store, exactly one of them dispatching.
 

@@ -452,6 +452,10 @@ class SQLAlchemyAdapter(CoreQueries):
             await self._dialect.propagate([(job_id, JobStatus.CANCELLED)])
         return job
 
+    async def warm_up(self) -> None:
+        with self._errors.translate("warm_up"):
+            await self._dialect.warm_up()
+
     async def elect(self, holder: str, address: str, ttl: float) -> LeaderRecord | None:
         with self._errors.translate("elect"):
             return await self._dialect.elect(holder, address, ttl)

@@ -672,6 +672,9 @@ class SqliteDialect:
 
     # ------------------------------------------------------------------ leadership, notifications
 
+    async def warm_up(self) -> None:
+        """Nothing to open: one main holds the file, with its connections from the start."""
+
     async def elect(self, holder: str, address: str, ttl: float) -> LeaderRecord | None:
         _no_election()
 

@@ -42,7 +42,7 @@ from broker.core.handoff import (
     HandoffEffect,
 )
 from broker.core.why import wait_reason
-from broker.exceptions import transient
+from broker.exceptions import StorageError, transient
 from broker.jobs import Clock, Job, utcnow
 from broker.main.carrier import carry
 from broker.main.catalog import Declarations
@@ -63,7 +63,7 @@ from broker.main.waits import Waits
 from broker.model.bounds import MAX_WAITERS_PER_CONNECTION
 from broker.model.logs import log_event
 from broker.retry import RetryDelay, retry_delay
-from broker.storage import StorageAdapter, SupportsLeadership
+from broker.storage import StorageAdapter, SupportsLeadership, SupportsWarmUp
 from broker.tasks.schedule import Schedule
 from broker.wire import messages as protocol
 
@@ -386,9 +386,20 @@ class Main:
 
     async def _load_orphans(self) -> None:
         """What a main reads when it starts to lead (at start, or on a standby's
-        takeover): the handoffs in flight, and the queues' settings."""
-        await load_orphans(self.store, self.handoff)
+        takeover): the handoffs in flight, and the queues' settings; meanwhile the store
+        opens the connections the requests will use (:class:`broker.storage.SupportsWarmUp`)."""
+        await asyncio.gather(load_orphans(self.store, self.handoff), self._warm_up())
         await self.queues.load()
+
+    async def _warm_up(self) -> None:
+        """Open the store's connections ahead of the first requests; one that cannot be
+        opened now is opened when a request needs it, as it always was."""
+        if not isinstance(self.store, SupportsWarmUp):
+            return
+        try:
+            await self.store.warm_up()
+        except (OSError, StorageError) as exc:
+            log_event(logger, logging.WARNING, "could not open the store's connections", error=exc)
 
     # ------------------------------------------------------------------ connections
 

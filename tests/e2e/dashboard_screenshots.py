@@ -2,11 +2,12 @@
 
 A real main on a SQLite file, with its dashboard, two real workers over TCP running a
 job mix (mail that sometimes fails and is retried, reports that often fail for good,
-image jobs that report progress, a rate-limited billing queue, a paused exports queue),
+image jobs that report progress, a rate-limited billing queue, a paused exports queue,
+and a workflow: a group of thumbnails, two of which fail for good, with a fan-in after it),
 enqueued in waves for a few minutes so the history has minutes to chart; then headless
 Chromium opens each view and saves it as a PNG::
 
-    .venv/bin/python -m tests.e2e.dashboard_screenshots docs/images --minutes 4
+    .venv/bin/python -m tests.e2e.dashboard_screenshots docs/images --minutes 6
 
 It takes the minutes asked for plus about half a minute. Not a test: the browser tests
 (``tests/e2e/test_dashboard_browser.py``) check the views; this shows them.
@@ -20,6 +21,7 @@ import logging
 import random
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from broker.ops.web import Dashboard
 from broker.tasks.context import current_job
 from broker.tasks.registry import TaskRegistry, task
 from broker.tasks.schedule import Schedule
+from broker.tasks.workflow import Workflow, group
 from broker.worker.worker import Worker
 from runners.inline import InlineRunner
 from tests.e2e.browser import chrome, missing_browser
@@ -44,7 +47,14 @@ def inline(**fields: Any) -> JobSpec:
     return JobSpec(execution_mode=ExecutionMode.INLINE, **fields)
 
 
-def registry() -> TaskRegistry:
+ALBUM = 8
+"""Thumbnails in the screenshots' workflow; those of :data:`BROKEN` fail for good."""
+BROKEN = {3, 6}
+
+
+def registry() -> tuple[TaskRegistry, Workflow]:
+    """The tasks of the mix, and the workflow the drain enqueues (a group of thumbnails
+    with a fan-in that publishes the album)."""
     tasks = TaskRegistry()
     rng = random.Random(7)
 
@@ -84,7 +94,19 @@ def registry() -> TaskRegistry:
     async def export(table: str) -> str:
         return table
 
-    return tasks
+    @task(name="album.thumbnail", registry=tasks, mode="inline", retries=0)
+    async def thumbnail(photo: int) -> str:
+        await asyncio.sleep(0.2)
+        if photo in BROKEN:
+            raise OSError(f"photo {photo}: truncated JPEG data")
+        return f"thumb-{photo}.jpg"
+
+    @task(name="album.publish", registry=tasks, mode="inline")
+    async def publish(thumbs: list[str], album: str) -> str:
+        return f"{album}: {len(thumbs)} photos"
+
+    album = group(thumbnail.bind(i) for i in range(ALBUM)).then(publish.bind(album="summer"))
+    return tasks, album
 
 
 def wave(n: int, rng: random.Random) -> list[JobSpec]:
@@ -135,7 +157,7 @@ async def drain(out: Path, minutes: float, port: int) -> None:
         await main.start()
         dashboard = Dashboard(main, host="127.0.0.1", port=port)
         await dashboard.start()
-        tasks = registry()
+        tasks, album = registry()
         workers = [
             Worker(
                 "127.0.0.1",
@@ -158,6 +180,7 @@ async def drain(out: Path, minutes: float, port: int) -> None:
             await client.enqueue_many(
                 [inline(task="export.csv", args=[t], queue="exports") for t in ("users", "orders")]
             )
+            flow = await client.enqueue_workflow(album)
             end = time.monotonic() + minutes * 60
             await client.enqueue_many(wave(300, rng))
             while time.monotonic() < end:
@@ -166,7 +189,7 @@ async def drain(out: Path, minutes: float, port: int) -> None:
                 size = 40 if left > 60 else 180
                 await client.enqueue_many(wave(size, rng))
                 await asyncio.sleep(10)
-            await shoot(out, dashboard.port)
+            await shoot(out, dashboard.port, flow.workflow_id)
         finally:
             await client.close()
             for job in running:
@@ -176,7 +199,7 @@ async def drain(out: Path, minutes: float, port: int) -> None:
             await main.stop()
 
 
-async def shoot(out: Path, port: int) -> None:
+async def shoot(out: Path, port: int, workflow_id: uuid.UUID) -> None:
     """Each view, saved as ``out/NAME.png`` at the height of its page."""
     url = f"http://127.0.0.1:{port}"
     driver = await asyncio.to_thread(chrome, 1280, 900)
@@ -234,6 +257,7 @@ async def shoot(out: Path, port: int) -> None:
                 break
             await asyncio.sleep(0.1)
         await save("refused", "a rate limit the main refuses")
+        await view("workflow", f"/workflows/{workflow_id}")
         await view("recoveries", "/recoveries")
         await view("schedules", "/schedules")
     finally:

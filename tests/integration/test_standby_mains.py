@@ -13,7 +13,10 @@ from typing import Any, cast
 
 import aiohttp
 import pytest
+import sqlalchemy as sa
+from sqlalchemy.pool import QueuePool
 
+from adapters import DEFAULT_POOL_SIZE
 from adapters.sql import SQLAlchemyAdapter
 from broker.client.client import Client
 from broker.jobs import JobStatus
@@ -165,5 +168,40 @@ async def test_healthz_metrics_and_status_say_leader_or_standby(
     finally:
         for site in sites:
             await site.stop()
+        await leader.stop()
+        await standby.stop()
+
+
+async def test_a_main_just_elected_answers_from_connections_opened_before_it_leads(
+    stores: list[SQLAlchemyAdapter],
+) -> None:
+    """A standby held one connection of its general pool (its start-up's); once elected,
+    the leader's set-up took it (the notification connection keeps one for good) in the
+    same moment as the first client request, which waited for a connection to open: up to
+    2 s of a takeover on a loaded machine, after the election. Now the connections are
+    opened while the main loads its orphans, so no request of the new leader opens one."""
+    leader = Main(stores[0], SETTINGS, retention=None)
+    standby = Main(stores[1], SETTINGS, retention=None)
+    opened_leading: list[bool] = []
+
+    def opened(*_: object) -> None:
+        opened_leading.append(standby.leading)
+
+    await leader.start()
+    try:
+        await standby.start()
+        engine = stores[1]._dialect.engine.sync_engine
+        sa.event.listen(engine, "connect", opened)
+        await leader.stop()  # resigns: the standby takes over at its next round
+        await until(lambda: standby.leading, timeout=10)
+        pool = cast(QueuePool, engine.pool)
+        assert pool.checkedin() + pool.checkedout() == DEFAULT_POOL_SIZE
+        async with Client("127.0.0.1", standby.port) as client:
+            status = await client.status()
+            job = await client.enqueue("tests.noop")
+            assert (await client.get_job(job.job_id)) is not None
+        assert status["main_id"] == standby.main_id
+        assert not any(opened_leading), "a request of the new leader opened a connection"
+    finally:
         await leader.stop()
         await standby.stop()

@@ -5,6 +5,7 @@ page documents and the main or a worker serves."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -82,3 +83,66 @@ def test_the_leader_gauge_says_the_role() -> None:
     for leader in (True, False):
         shown = MainExposition(MainMetrics()).render(levels(leader=leader)).decode()
         assert f"broker_main_leader {float(leader)}" in shown
+
+
+def exported_metrics() -> set[str]:
+    """Every series name the main's ``/metrics`` can show: each family's name, with a
+    histogram's ``_bucket``, ``_sum`` and ``_count``."""
+    shown = MainExposition(MainMetrics()).render(levels(leader=True)).decode()
+    names: set[str] = set()
+    for name, kind in re.findall(r"^# TYPE (\w+) (\w+)$", shown, re.M):
+        names.add(name)
+        if kind == "histogram":
+            names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+    return names
+
+
+def chart_queries() -> list[str]:
+    """The PromQL the page gives for the history view's charts, a query a line."""
+    section = _section(DOC.read_text(), "### The same charts from Prometheus")
+    block = section.split("```promql\n", 1)[1].split("```")[0]
+    return [line for line in block.splitlines() if line and not line.startswith("#")]
+
+
+def test_every_chart_has_a_query_on_metrics_the_main_exports() -> None:
+    queries = chart_queries()
+    exported = exported_metrics()
+    named = {metric for query in queries for metric in re.findall(r"broker_\w+", query)}
+    # One per chart of the history view: runs by outcome, waits, depth, oldest wait.
+    assert {
+        "broker_jobs_completed_total",
+        "broker_jobs_failed_total",
+        "broker_jobs_dead_total",
+        "broker_job_wait_seconds_bucket",
+        "broker_queue_jobs",
+        "broker_queue_oldest_eligible_age_seconds",
+    } <= named
+    for query in queries:
+        for metric in re.findall(r"broker_\w+", query):
+            assert metric in exported, f"{query} names {metric}, which the main does not export"
+
+
+GRAFANA = DOC.parents[1] / "grafana" / "broker-history.json"
+
+
+def without_variables(expr: str) -> str:
+    """A dashboard query with its variables' matchers (``queue=~"$queue"``) taken out."""
+    return re.sub(r',?\s*\w+=~"\$\w+"', "", expr).replace("{, ", "{").replace("{}", "")
+
+
+def test_the_grafana_dashboard_charts_the_documented_queries() -> None:
+    """``docs/grafana/broker-history.json`` is valid JSON, each of its queries names only
+    metrics the main exports, and each is a query of the page once its dashboard
+    variables (``$queue``, ``$task``) are taken out: the dashboard and the page cannot
+    drift apart."""
+    dashboard = json.loads(GRAFANA.read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert len(dashboard["panels"]) == 4, "a panel per chart of the history view"
+    exported = exported_metrics()
+    documented = set(chart_queries())
+    for expr in exprs:
+        for metric in re.findall(r"broker_\w+", expr):
+            assert metric in exported, f"{expr} names {metric}, which the main does not export"
+        assert without_variables(expr) in documented, f"{expr} is not a query of {DOC.name}"
+    charted = {without_variables(expr) for expr in exprs}
+    assert documented <= charted, "a documented chart is missing from the dashboard"

@@ -131,7 +131,7 @@ def workflow_live(view: protocol.WorkflowView) -> str:
         f'<p id="workflow-status">{_e(view.workflow_id)} {_status(view.status)} '
         f"{len(view.members)} jobs</p>"
         f'<div class="graph">{drawn}</div>{cut}'
-        + _table(["job", "task", "status", "attempts", "parents", "error"], rows, "no members")
+        + _table(["job", "task", "status", "failed runs", "parents", "error"], rows, "no members")
     )
 
 
