@@ -146,25 +146,11 @@ class Profiler:
 
 
 class _Phases:
-    """Each phase of one repetition, timed, metered and (with ``--profile``) profiled;
-    with ``http_port`` (a broker main's dashboard), also the main's own enqueue store calls
-    in the phase (``broker_store_seconds``): how many, and their mean in ms, so a
-    one-at-a-time enqueue's wall time splits into the store's statement and the rest
-    (the producer, the hop, the main's Python)."""
+    """Each phase of one repetition, timed, metered and (with ``--profile``) profiled."""
 
-    def __init__(
-        self, system: str, meter: Meter, profiler: Profiler, http_port: int | None = None
-    ) -> None:
+    def __init__(self, system: str, meter: Meter, profiler: Profiler) -> None:
         self.system, self.meter, self.profiler = system, meter, profiler
-        self.http_port = http_port
         self.rows: list[dict[str, Any]] = []
-
-    def _store(self) -> tuple[float, float]:
-        if self.http_port is None:
-            return 0.0, 0.0
-        from bench.producers_ab import store_timings
-
-        return store_timings(self.http_port).get("enqueue", (0.0, 0.0))
 
     def run(self, phase: str, jobs: int, work: Callable[[], object]) -> None:
         """``work``, of ``jobs`` jobs, as ``phase``; a phase of no jobs is left out, not
@@ -172,15 +158,9 @@ class _Phases:
         if not jobs:
             return
         self.profiler.start(phase)
-        calls0, seconds0 = self._store()
         self.meter.start()
         work()
-        row = {"system": self.system, "phase": phase, **self.meter.stop(jobs)}
-        calls, seconds = self._store()
-        if calls > calls0:
-            row["store_calls"] = calls - calls0
-            row["store_ms"] = (seconds - seconds0) / (calls - calls0) * 1e3
-        self.rows.append(row)
+        self.rows.append({"system": self.system, "phase": phase, **self.meter.stop(jobs)})
         self.profiler.stop()
 
 
@@ -218,10 +198,6 @@ def run(
     concurrent: int = 0,
 ) -> list[dict[str, Any]]:
     module = __import__(DRIVER_MODULES[system], fromlist=["DRIVERS"])
-    http_port = None
-    if system.startswith("broker"):  # the main's dashboard, for its store timings
-        http_port = module.free_port()
-        module.MAIN_FLAGS = (*module.MAIN_FLAGS, "--http-port", str(http_port))
     workdir = tempfile.mkdtemp(prefix="enqueue-bench-")
     driver = module.DRIVERS[system](system, Config(workdir=workdir, hash_rounds=1))
     database = module.DATABASE
@@ -233,7 +209,7 @@ def run(
             driver.enqueue_one("noop", -1)  # connected and warm: the first call's set-up
             driver.enqueue_bulk("noop", [-1] * 10)
             meter = Meter(driver.main_pids(), database)
-            phases = _Phases(system, meter, Profiler(profile, driver.main_pids()), http_port)
+            phases = _Phases(system, meter, Profiler(profile, driver.main_pids()))
             phases.run("one", one, lambda: [driver.enqueue_one("noop", i) for i in range(one)])
             if one and direct and hasattr(driver, "enqueue_one_direct"):
                 # Not through the main: the producer's own connection, straight to the
