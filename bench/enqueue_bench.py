@@ -164,8 +164,38 @@ class _Phases:
         self.profiler.stop()
 
 
+async def _crowd(driver: Any, producers: int, jobs: int) -> None:
+    """``jobs`` enqueued one call at a time by ``producers`` concurrent producers, each
+    connected as the ``make bench`` producers workload connects them
+    (``Driver.open_producer``: a broker ``Client`` each; PgQueuer's share a pool)."""
+    import asyncio
+
+    opened = [await driver.open_producer() for _ in range(producers)]
+    try:
+
+        async def produce(enqueue: Callable[[], Any], count: int) -> None:
+            for _ in range(count):
+                await enqueue()
+
+        share, extra = divmod(jobs, producers)
+        await asyncio.gather(
+            *(produce(enqueue, share + (i < extra)) for i, (enqueue, _) in enumerate(opened))
+        )
+    finally:
+        for _, close in opened:
+            closed = close()
+            if asyncio.iscoroutine(closed):
+                await closed
+
+
 def run(
-    system: str, one: int, bulk: int, reps: int, profile: str | None = None, direct: bool = False
+    system: str,
+    one: int,
+    bulk: int,
+    reps: int,
+    profile: str | None = None,
+    direct: bool = False,
+    concurrent: int = 0,
 ) -> list[dict[str, Any]]:
     module = __import__(DRIVER_MODULES[system], fromlist=["DRIVERS"])
     workdir = tempfile.mkdtemp(prefix="enqueue-bench-")
@@ -190,7 +220,18 @@ def run(
                     one,
                     lambda: [driver.enqueue_one_direct("noop", i) for i in range(one)],
                 )
+            if one and concurrent:
+                phases.run(
+                    f"one-x{concurrent}", one, lambda: driver.run(_crowd(driver, concurrent, one))
+                )
             phases.run("bulk", bulk, lambda: driver.enqueue_bulk("noop", list(range(bulk))))
+            if bulk and direct and hasattr(driver, "enqueue_bulk_direct"):
+                driver.enqueue_bulk_direct("noop", [-1] * 10)  # warm
+                phases.run(
+                    "bulk-direct",
+                    bulk,
+                    lambda: driver.enqueue_bulk_direct("noop", list(range(bulk))),
+                )
             results += phases.rows
     finally:
         driver.teardown()
@@ -213,10 +254,22 @@ def main() -> None:
         action="store_true",
         help="broker on PostgreSQL: also enqueue --one jobs one at a time straight to the "
         "store, on the producer's own asyncpg connection (phase one-direct), as a PgQueuer "
-        "client does; the phase 'one' stays the via-main figure",
+        "client does; the phase 'one' stays the via-main figure; and --bulk jobs in one "
+        "enqueue_many_in_async call on that connection (phase bulk-direct)",
+    )
+    p.add_argument(
+        "--concurrent",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also enqueue --one jobs one call at a time from N concurrent producers in this "
+        "process (phase one-xN), each connected as make bench's producers are",
     )
     args = p.parse_args()
-    for row in run(args.system, args.one, args.bulk, args.reps, args.profile, args.direct):
+    rows = run(
+        args.system, args.one, args.bulk, args.reps, args.profile, args.direct, args.concurrent
+    )
+    for row in rows:
         if args.json:
             print(json.dumps(row), flush=True)
             continue

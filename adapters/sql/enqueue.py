@@ -267,6 +267,13 @@ class EnqueueRule:
                 assert overlap is not None
                 inserted = await overlap(insert, map(build, chunks))
             missing = []
+            if len(inserted) == len(pending):
+                # Every row went in (the ids returned are those of rows inserted, and
+                # ``pending`` holds each id once): no lookup per job. Each one hashes and
+                # compares a driver's UUID with ours, 15% of a bulk enqueue's CPU in
+                # the caller on asyncpg.
+                out.update((i, EnqueueResult.inserted(fields_at[i])) for i in pending)
+                return out
             for i in pending:
                 if specs[i].id in inserted:
                     out[i] = EnqueueResult.inserted(fields_at[i])
