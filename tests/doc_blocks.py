@@ -9,11 +9,15 @@ changed output fails. The conventions are the ones ``docs/contributing.md`` docu
 
 * A ```` ```console ```` block is commands (``$ `` lines; a line ending in ``\\``
   continues) each followed by the output it shows, compared with what it prints.
-* A ```` ```python ```` block runs as a script in the page's directory and must exit 0.
+* A ```` ```python ```` block runs as a script in the page's directory and must exit 0;
+  one with ``await`` at its top level runs in an event loop, as ``python -m asyncio``
+  would run it.
 * An HTML comment on the line before a block says what else to do with it:
   ``<!-- docs-test: skip REASON -->``, ``<!-- docs-test: fragment REASON -->`` (a
   Python excerpt that cannot run alone: it is compiled, top-level ``await`` allowed,
-  not run), ``<!-- docs-test: file PATH -->`` (write the block to PATH, for a later
+  not run), ``<!-- docs-test: given CODE -->`` (run the Python block after the one
+  line of Python ``CODE``, which gives it the names an excerpt takes from its
+  surroundings: an open client, a user's id), ``<!-- docs-test: file PATH -->`` (write the block to PATH, for a later
   command to use), ``<!-- docs-test: background TEXT -->`` (start
   the console block's one command and go on once its output shows TEXT), and
   ``<!-- docs-test: log -->`` (the block's lines appear, in order, in the output of the
@@ -44,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DIRECTIVE = re.compile(r"^<!--\s*docs-test:\s*(?P<kind>[a-z]+)\s*(?P<arg>.*?)\s*-->\s*$")
-KINDS = frozenset({"skip", "fragment", "file", "background", "log", "stop"})
+KINDS = frozenset({"skip", "fragment", "given", "file", "background", "log", "stop"})
 STEPS = frozenset({"main", "worker"})
 """Directives that stand alone, not before a block: processes the page does not show."""
 RUNNABLE = frozenset({"console", "python"})
@@ -126,7 +130,7 @@ def read_blocks(path: Path, page: str) -> list[Block]:
                 continue
             if kind not in KINDS:
                 raise DocBlockError(f"{page}:{i + 1}: unknown docs-test directive {kind!r}")
-            if not arg and kind in {"skip", "fragment", "file", "background"}:
+            if not arg and kind in {"skip", "fragment", "given", "file", "background"}:
                 raise DocBlockError(f"{page}:{i + 1}: `docs-test: {kind}` needs its argument")
             directive = (kind, arg)
         elif line.startswith("```"):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import inspect
 import os
 import signal
 import subprocess
@@ -232,10 +233,37 @@ def _compile(block: Block) -> None:
         _fail(f"{block.where}: the Python fragment does not compile: {exc}")
 
 
+AWAIT_RUNNER = (
+    "import ast, asyncio, sys; path = sys.argv[1]; "
+    "code = compile(open(path).read(), path, 'exec', flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT); "
+    "asyncio.run(eval(code, {'__name__': '__main__', '__file__': path}))"
+)
+"""How a block with ``await`` at its top level runs: as one coroutine in an event loop,
+the way ``python -m asyncio`` runs what is typed at its prompt."""
+
+
+def _awaits_at_top(source: str, where: str) -> bool:
+    try:
+        compile(source, where, "exec")
+    except SyntaxError:
+        flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+        code = compile(source, where, "exec", flags=flags)  # a real SyntaxError raises
+        return bool(code.co_flags & inspect.CO_COROUTINE)
+    return False
+
+
 def _python(page: Page, block: Block) -> None:
     script = page.dir / f"block_{block.line}.py"
-    script.write_text(page.text(block.body) + "\n")
-    output, status = page.run(f"python {script.name}")
+    source = page.text(f"{block.arg}\n{block.body}" if block.kind == "given" else block.body)
+    script.write_text(source + "\n")
+    try:
+        awaits = _awaits_at_top(source, block.where)
+    except SyntaxError as exc:
+        _fail(f"{block.where}: the Python block does not compile: {exc}")
+    if awaits:
+        output, status = page.run(f'python -c "{AWAIT_RUNNER}" {script.name}')
+    else:
+        output, status = page.run(f"python {script.name}")
     if status != 0:
         _fail(f"{block.where}: the Python block failed\n--- its output ---\n{output}")
 
