@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import inspect
 import os
 import signal
 import subprocess
@@ -38,6 +37,7 @@ from tests.doc_blocks import (
     compare,
     expected_exit,
     explain,
+    python_script,
     read_blocks,
 )
 from tests.e2e.test_e2e import free_port
@@ -242,24 +242,13 @@ AWAIT_RUNNER = (
 the way ``python -m asyncio`` runs what is typed at its prompt."""
 
 
-def _awaits_at_top(source: str, where: str) -> bool:
-    try:
-        compile(source, where, "exec")
-    except SyntaxError:
-        flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
-        code = compile(source, where, "exec", flags=flags)  # a real SyntaxError raises
-        return bool(code.co_flags & inspect.CO_COROUTINE)
-    return False
-
-
 def _python(page: Page, block: Block) -> None:
-    script = page.dir / f"block_{block.line}.py"
-    source = page.text(f"{block.arg}\n{block.body}" if block.kind == "given" else block.body)
-    script.write_text(source + "\n")
     try:
-        awaits = _awaits_at_top(source, block.where)
+        source, awaits = python_script(block)
     except SyntaxError as exc:
         _fail(f"{block.where}: the Python block does not compile: {exc}")
+    script = page.dir / f"block_{block.line}.py"
+    script.write_text(page.text(source) + "\n")
     if awaits:
         output, status = page.run(f'python -c "{AWAIT_RUNNER}" {script.name}')
     else:

@@ -119,6 +119,8 @@ def _imports(text: str) -> Iterator[tuple[str, str]]:
     lists over several lines included."""
     pattern = r"from (broker(?:\.\w+)*) import (\([^)]*\)|[^\n]*)"
     for module, names in re.findall(pattern, text):
+        if not names.startswith("("):
+            names = names.split(";")[0]  # the next statement of a one-line program
         for piece in names.strip("()").split(","):
             # The name is the first word: then may come "as x", a comment, or the rest
             # of a one-line ``python -c`` program.
