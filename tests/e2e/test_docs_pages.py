@@ -289,6 +289,21 @@ def run_page(path: Path, tmp: Path) -> None:
                 _python(page, block)
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, id=p.name) for p in PAGES])
+SOAK_PAGES = frozenset(
+    {"enqueue.md", "scheduled-jobs.md", "transactional-enqueue.md", "unique-jobs.md"}
+)
+"""Pages left to ``make test-slow`` (and so to ``.ci/run``): each starts a main of its
+own (and a worker) for a few enqueues and reads that the tutorial's sections 5 to 9
+also check, and costs 9 to 14 s on a loaded 2-core machine; ``make test`` runs the
+others."""
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(p, id=p.name, marks=[pytest.mark.soak] if p.name in SOAK_PAGES else [])
+        for p in PAGES
+    ],
+)
 def test_every_block_of_the_page_runs_as_shown(path: Path, tmp_path: Path) -> None:
     run_page(path, tmp_path)
