@@ -94,6 +94,7 @@ NOT_PATHS = frozenset(
         "broker.quiet_inserts",  # a PostgreSQL session setting
         "broker.runner",  # logger names, shown in log lines
         "broker.runner.pooled",
+        "broker.retention",
         # OpenTelemetry span names and attributes (broker/model/tracing.py)
         "broker.enqueue",
         "broker.run",
