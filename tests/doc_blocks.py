@@ -9,12 +9,17 @@ changed output fails. The conventions are the ones ``docs/contributing.md`` docu
 
 * A ```` ```console ```` block is commands (``$ `` lines; a line ending in ``\\``
   continues) each followed by the output it shows, compared with what it prints.
-* A ```` ```python ```` block runs as a script in the page's directory and must exit 0.
+* A ```` ```python ```` block runs as a script in the page's directory and must exit 0;
+  one with ``await`` at its top level runs in an event loop, as ``python -m asyncio``
+  would run it.
 * An HTML comment on the line before a block says what else to do with it:
   ``<!-- docs-test: skip REASON -->``, ``<!-- docs-test: fragment REASON -->`` (a
   Python excerpt that cannot run alone: it is compiled, top-level ``await`` allowed,
-  not run), ``<!-- docs-test: file PATH -->`` (write the block to PATH, for a later
-  command to use), ``<!-- docs-test: background TEXT -->`` (start
+  not run), ``<!-- docs-test: given CODE -->`` (run the Python block after the one
+  line of Python ``CODE``, which gives it the names an excerpt takes from its
+  surroundings: an open client, a user's id), ``<!-- docs-test: file PATH -->``
+  (write the block to PATH, for a later command to use),
+  ``<!-- docs-test: background TEXT -->`` (start
   the console block's one command and go on once its output shows TEXT), and
   ``<!-- docs-test: log -->`` (the block's lines appear, in order, in the output of the
   page's background commands), ``<!-- docs-test: stop -->`` (Ctrl-C, that is SIGINT to
@@ -38,13 +43,15 @@ gets the real one), an ISO time any ISO time.
 
 from __future__ import annotations
 
+import ast
+import inspect
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 DIRECTIVE = re.compile(r"^<!--\s*docs-test:\s*(?P<kind>[a-z]+)\s*(?P<arg>.*?)\s*-->\s*$")
-KINDS = frozenset({"skip", "fragment", "file", "background", "log", "stop"})
+KINDS = frozenset({"skip", "fragment", "given", "file", "background", "log", "stop"})
 STEPS = frozenset({"main", "worker"})
 """Directives that stand alone, not before a block: processes the page does not show."""
 RUNNABLE = frozenset({"console", "python"})
@@ -126,7 +133,7 @@ def read_blocks(path: Path, page: str) -> list[Block]:
                 continue
             if kind not in KINDS:
                 raise DocBlockError(f"{page}:{i + 1}: unknown docs-test directive {kind!r}")
-            if not arg and kind in {"skip", "fragment", "file", "background"}:
+            if not arg and kind in {"skip", "fragment", "given", "file", "background"}:
                 raise DocBlockError(f"{page}:{i + 1}: `docs-test: {kind}` needs its argument")
             directive = (kind, arg)
         elif line.startswith("```"):
@@ -154,11 +161,28 @@ def read_blocks(path: Path, page: str) -> list[Block]:
             "or mark it `<!-- docs-test: skip REASON -->` (docs/contributing.md, Docs that run)"
         )
     for block in blocks:
+        if block.kind == "given" and block.language != "python":
+            raise DocBlockError(f"{block.where}: `docs-test: given` goes before a ```python block")
         if block.kind == "background" and len(block.commands()) != 1:
             raise DocBlockError(f"{block.where}: a background block has one command")
         if block.language == "console" and block.kind != "skip":
             block.commands()  # its own errors, before anything runs
     return blocks
+
+
+def python_script(block: Block) -> tuple[str, bool]:
+    """The script a Python block runs as (a ``given`` block's line of Python first), and
+    whether it has ``await`` at its top level, so runs as one coroutine in an event loop.
+
+    :raises SyntaxError: the block does not compile, with or without top-level ``await``.
+    """
+    source = f"{block.arg}\n{block.body}" if block.kind == "given" else block.body
+    try:
+        compile(source, block.where, "exec")
+    except SyntaxError:
+        code = compile(source, block.where, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+        return source, bool(code.co_flags & inspect.CO_COROUTINE)
+    return source, False
 
 
 @dataclass

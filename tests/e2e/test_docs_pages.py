@@ -37,6 +37,7 @@ from tests.doc_blocks import (
     compare,
     expected_exit,
     explain,
+    python_script,
     read_blocks,
 )
 from tests.e2e.test_e2e import free_port
@@ -232,10 +233,26 @@ def _compile(block: Block) -> None:
         _fail(f"{block.where}: the Python fragment does not compile: {exc}")
 
 
+AWAIT_RUNNER = (
+    "import ast, asyncio, sys; path = sys.argv[1]; "
+    "code = compile(open(path).read(), path, 'exec', flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT); "
+    "asyncio.run(eval(code, {'__name__': '__main__', '__file__': path}))"
+)
+"""How a block with ``await`` at its top level runs: as one coroutine in an event loop,
+the way ``python -m asyncio`` runs what is typed at its prompt."""
+
+
 def _python(page: Page, block: Block) -> None:
+    try:
+        source, awaits = python_script(block)
+    except SyntaxError as exc:
+        _fail(f"{block.where}: the Python block does not compile: {exc}")
     script = page.dir / f"block_{block.line}.py"
-    script.write_text(page.text(block.body) + "\n")
-    output, status = page.run(f"python {script.name}")
+    script.write_text(page.text(source) + "\n")
+    if awaits:
+        output, status = page.run(f'python -c "{AWAIT_RUNNER}" {script.name}')
+    else:
+        output, status = page.run(f"python {script.name}")
     if status != 0:
         _fail(f"{block.where}: the Python block failed\n--- its output ---\n{output}")
 
@@ -272,6 +289,21 @@ def run_page(path: Path, tmp: Path) -> None:
                 _python(page, block)
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, id=p.name) for p in PAGES])
+SOAK_PAGES = frozenset(
+    {"enqueue.md", "scheduled-jobs.md", "transactional-enqueue.md", "unique-jobs.md"}
+)
+"""Pages left to ``make test-slow`` (and so to ``.ci/run``): each starts a main of its
+own (and a worker) for a few enqueues and reads that the tutorial's sections 5 to 9
+also check, and costs 9 to 14 s on a loaded 2-core machine; ``make test`` runs the
+others."""
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(p, id=p.name, marks=[pytest.mark.soak] if p.name in SOAK_PAGES else [])
+        for p in PAGES
+    ],
+)
 def test_every_block_of_the_page_runs_as_shown(path: Path, tmp_path: Path) -> None:
     run_page(path, tmp_path)

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.doc_blocks import DocBlockError, Ids, compare, expected_exit, read_blocks
+from tests.doc_blocks import (
+    DocBlockError,
+    Ids,
+    compare,
+    expected_exit,
+    python_script,
+    read_blocks,
+)
 
 JOB = "414e5596-b356-4f7a-a8a1-9efac349f99c"
 REAL = "7667dae0-980f-4fec-bdf3-237f49105671"
@@ -131,8 +138,24 @@ def test_a_marked_block_is_read_with_its_directive(tmp_path: Path) -> None:
         "<!-- docs-test: skip why -->\nsome prose\n```sh\nx\n```\n",  # not right before
         "```console\noutput first\n$ broker status\n```\n",
         "<!-- docs-test: background ready -->\n```console\n$ a\n$ b\n```\n",
+        "<!-- docs-test: given -->\n```python\nx\n```\n",  # given what?
+        "<!-- docs-test: given x = 1 -->\n```console\n$ a\n```\n",  # Python only
     ],
 )
 def test_a_malformed_page_is_refused(tmp_path: Path, text: str) -> None:
     with pytest.raises(DocBlockError, match=r"page\.md:\d+"):
         read_blocks(_page(tmp_path, text), "page.md")
+
+
+def test_a_given_line_runs_before_its_block_and_top_level_await_is_told(tmp_path: Path) -> None:
+    text = (
+        "<!-- docs-test: given import asyncio; n = 2 -->\n```python\nawait asyncio.sleep(n)\n```\n"
+        "```python\nimport asyncio\n\nasync def f() -> None:\n    await asyncio.sleep(0)\n```\n"
+        "```python\nawait = 1 +\n```\n"
+    )
+    given, plain, broken = read_blocks(_page(tmp_path, text), "page.md")
+    assert (given.kind, given.arg) == ("given", "import asyncio; n = 2")
+    assert python_script(given) == ("import asyncio; n = 2\nawait asyncio.sleep(n)", True)
+    assert python_script(plain)[1] is False  # an await inside a coroutine is no reason
+    with pytest.raises(SyntaxError):
+        python_script(broken)

@@ -94,6 +94,7 @@ NOT_PATHS = frozenset(
         "broker.quiet_inserts",  # a PostgreSQL session setting
         "broker.runner",  # logger names, shown in log lines
         "broker.runner.pooled",
+        "broker.retention",
         # OpenTelemetry span names and attributes (broker/model/tracing.py)
         "broker.enqueue",
         "broker.run",
@@ -119,6 +120,8 @@ def _imports(text: str) -> Iterator[tuple[str, str]]:
     lists over several lines included."""
     pattern = r"from (broker(?:\.\w+)*) import (\([^)]*\)|[^\n]*)"
     for module, names in re.findall(pattern, text):
+        if not names.startswith("("):
+            names = names.split(";")[0]  # the next statement of a one-line program
         for piece in names.strip("()").split(","):
             # The name is the first word: then may come "as x", a comment, or the rest
             # of a one-line ``python -c`` program.
