@@ -25,8 +25,7 @@ import sys
 if sys.argv[:1] == ["-m"] and sys.path and sys.path[0] in ("", os.getcwd()):
     del sys.path[0]
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from broker.exceptions import (
     AuthenticationError,
@@ -65,6 +64,7 @@ from broker.jobs import (
     Outcome,
     Settlement,
 )
+from broker.model.lazy import lazy_exports
 from broker.storage import Capabilities, JobFilter, JobPage, QueueCount, StorageAdapter
 from broker.tasks.runner import Reschedule
 
@@ -120,13 +120,7 @@ library) would add about 75 ms to every process that imports any part of ``broke
 a runner child's start among them."""
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'broker' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(globals(), _LAZY)
 
 
 __all__ = [
