@@ -11,7 +11,7 @@ help:
 	@echo "make demo           run a main on SQLite with a worker and example jobs"
 	@echo "make test           lint + mypy --strict + import layering + pytest"
 	@echo "make test-loaded    make test three times with two CPU-bound processes beside it"
-	@echo "make test-slow      the soak runs left out of make test (tens of thousands of jobs)"
+	@echo "make test-slow      the soak and long end-to-end runs left out of make test"
 	@echo "make audit          known vulnerabilities in requirements-dev.lock (pip-audit)"
 	@echo "make lock           pin the dependencies again into requirements-dev.lock"
 	@echo "make bench-storage  storage micro-benchmark (claims/s, completions/s)"
@@ -83,11 +83,11 @@ test: $(STAMP)
 test-loaded: $(STAMP)
 	for run in 1 2 3; do echo "== loaded run $$run"; $(BIN)/python tests/cpu_load.py -- $(MAKE) test || exit 1; done
 
-# -m on the command line overrides the "not soak" default in pyproject.toml. The handoff
-# and worker state machines run again under their long hypothesis profile (make test runs
-# the short one).
+# -m on the command line overrides the "not soak and not slow_e2e" default in
+# pyproject.toml. The handoff and worker state machines run again under their long
+# hypothesis profile (make test runs the short one).
 test-slow: $(STAMP)
-	$(BIN)/pytest -m soak
+	$(BIN)/pytest -m "soak or slow_e2e"
 	HYPOTHESIS_PROFILE=slow $(BIN)/pytest tests/unit
 
 demo: $(STAMP)

@@ -25,8 +25,7 @@ import sys
 if sys.argv[:1] == ["-m"] and sys.path and sys.path[0] in ("", os.getcwd()):
     del sys.path[0]
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from broker.exceptions import (
     AuthenticationError,
@@ -65,7 +64,7 @@ from broker.jobs import (
     Outcome,
     Settlement,
 )
-from broker.storage import Capabilities, JobFilter, JobPage, QueueCount, StorageAdapter
+from broker.model.lazy import lazy_exports
 from broker.tasks.runner import Reschedule
 
 if TYPE_CHECKING:
@@ -78,6 +77,7 @@ if TYPE_CHECKING:
         enqueue_many_in,
         enqueue_many_in_async,
     )
+    from broker.storage import Capabilities, JobFilter, JobPage, QueueCount, StorageAdapter
     from broker.tasks.context import JobContext, current_job
     from broker.tasks.hooks import JobMiddleware, add_middleware, on_shutdown, on_startup
     from broker.tasks.registry import Task, TaskRegistry, task
@@ -87,6 +87,11 @@ if TYPE_CHECKING:
     from broker.wire.tls import PeerTLS
 
 _LAZY = {
+    "Capabilities": "broker.storage",
+    "JobFilter": "broker.storage",
+    "JobPage": "broker.storage",
+    "QueueCount": "broker.storage",
+    "StorageAdapter": "broker.storage",
     "Client": "broker.client.client",
     "SyncClient": "broker.client.sync",
     "configure": "broker.client.sync",
@@ -115,18 +120,12 @@ _LAZY = {
     "enqueue_many_in": "broker.client.transactional",
     "enqueue_many_in_async": "broker.client.transactional",
 }
-"""Loaded on first use: the client (anyio) and the task and schedule modules (the cron
-library) would add about 75 ms to every process that imports any part of ``broker``,
-a runner child's start among them."""
+"""Loaded on first use: the client (anyio), the task and schedule modules (the cron
+library) and the storage contract (its protocols) would add about 100 ms to every process
+that imports any part of ``broker``, a runner child's start among them."""
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'broker' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(globals(), _LAZY)
 
 
 __all__ = [

@@ -1,6 +1,6 @@
 """The installed commands (``broker-main``, ``broker-worker``, ``broker``).
 
-Each checks the installation before :mod:`broker.ops.cli` is imported, since that import
+Each checks the installation before its command's module is imported, since that import
 loads ``adapters`` and ``runners``: a shadowed package would fail there, with an error
 about another project's modules instead of the conflict.
 """
@@ -25,21 +25,21 @@ def _checked() -> None:
 def main_entry() -> int:
     _checked()
     allocator.tune()
-    from broker.ops import cli
+    from broker.ops.cli.main import main_entry as command
 
-    return cli.main_entry()
+    return command()
 
 
 def worker_entry() -> int:
     _checked()
     allocator.tune()
-    from broker.ops import cli
+    from broker.ops.cli.worker import worker_entry as command
 
-    return cli.worker_entry()
+    return command()
 
 
 def broker_entry() -> int:
     _checked()
-    from broker.ops import cli
+    from broker.ops.cli.broker import broker_entry as command
 
-    return cli.broker_entry()
+    return command()

@@ -338,7 +338,13 @@ async def _follow_with_a_client(cluster: Mains, answers: list[tuple[float, str]]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("rounds", "mains"), [(2, 3), pytest.param(10, 4, marks=pytest.mark.soak)])
+# make test has one takeover with real processes (test_the_leader_killed_a_standby_takes_over)
+# and the redirect of peers to a new leader (tests/integration/test_standby_mains.py); the
+# back-to-back rounds run in make test-slow.
+@pytest.mark.parametrize(
+    ("rounds", "mains"),
+    [pytest.param(2, 3, marks=pytest.mark.slow_e2e), pytest.param(10, 4, marks=pytest.mark.soak)],
+)
 async def test_workers_follow_each_new_leader(
     tmp_path: Path, pg_url: str, rounds: int, mains: int
 ) -> None:

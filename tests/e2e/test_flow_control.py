@@ -145,6 +145,10 @@ async def test_a_paused_queue_waits_across_a_restart_and_resumes_at_once(
     assert all(jobs[key].attempts == 0 for key in held), "held back is not an attempt"
 
 
+# make test-slow only: make test proves that a main starting to lead reads the queue settings
+# from the store (test_a_paused_queue_waits_across_a_restart_and_resumes_at_once) and that a
+# standby takes over (test_failover.py::test_the_leader_killed_a_standby_takes_over).
+@pytest.mark.slow_e2e
 @pytest.mark.postgres
 async def test_settings_hold_across_a_failover_to_a_standby(tmp_path: Path, pg_url: str) -> None:
     """The leader is killed while a limited queue drains and another is paused: the

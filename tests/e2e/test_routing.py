@@ -25,7 +25,11 @@ NEW_TASK = "tests.rolling_app.new_report"
 JOBS = 100
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+# The catalog routing is the main's, whatever the store: make test runs the deploy on
+# SQLite, make test-slow on PostgreSQL too.
+@pytest.fixture(
+    params=["sqlite", pytest.param("postgres", marks=[pytest.mark.postgres, pytest.mark.slow_e2e])]
+)
 async def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Cluster]:
     if request.param == "sqlite":
         cluster = Cluster(tmp_path, sqlite_url(tmp_path))

@@ -27,7 +27,7 @@ settings.register_profile(
     "ci",
     derandomize=True,
     database=None,
-    max_examples=100,
+    max_examples=50,
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -17,7 +17,6 @@ import msgspec
 from broker.exceptions import ConfigurationError
 from broker.jobs import TERMINAL_STATUSES, JobSpec, JobStatus, JSONValue, utcnow
 from broker.model.untrusted import escape_control
-from broker.ops import composition
 from broker.ops.admin.format import (
     format_job,
     format_jobs,
@@ -215,6 +214,8 @@ async def migrate(database_url: str | None, adapter: str | None, as_json: bool) 
     (as ``broker-main`` does when it starts)."""
     if not database_url:
         raise ConfigurationError("migrate needs --database-url (or BROKER_DATABASE_URL)")
+    from broker.ops import composition  # the store's modules: only this command opens one
+
     store = composition.open_store(database_url, adapter)
     try:
         await store.setup()

@@ -12,23 +12,19 @@ from __future__ import annotations
 import sys
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker.client.client import Client, JobListPage
-from broker.core import catalog
-from broker.core.flow import FlowControl
 from broker.exceptions import BrokerError, ConfigurationError
 from broker.jobs import Clock, Job, JobStatus, JSONValue, utcnow
-from broker.main.operations import Operations
-from broker.main.queues import QueueControl, settings_info
-from broker.main.settings import MainSettings
-from broker.model.rates import parse_rate
-from broker.ops import composition
 from broker.storage import JobFilter, StorageAdapter, SupportsSchemaCheck
 from broker.tasks.registry import Enqueued
 from broker.wire import framing as wire
 from broker.wire import messages as protocol
 from broker.wire.tls import PeerTLS
+
+if TYPE_CHECKING:
+    from broker.main.queues import QueueControl
 
 
 class RequestService(Protocol):
@@ -97,9 +93,13 @@ class StoreService:
 
     The requests are the main's own (:class:`~broker.main.operations.Operations`), under a
     default main's limits: this main's own are unknown here, and the defaults keep
-    every job deliverable."""
+    every job deliverable. The main's modules load here, not with this module: a
+    command the main answers never needs them."""
 
     def __init__(self, store: StorageAdapter, main_error: str, *, clock: Clock = utcnow) -> None:
+        from broker.main.operations import Operations
+        from broker.main.settings import MainSettings
+
         self.store = store
         self.main_error = main_error
         self.operations = Operations(store, MainSettings(), clock=clock)
@@ -154,6 +154,8 @@ class StoreService:
         return [Enqueued(result.job.id, result.duplicate) for result in results]
 
     async def list_tasks(self) -> list[dict[str, JSONValue]]:
+        from broker.core import catalog
+
         # The main is down (or this is a test's store): nobody knows who is connected.
         return [catalog.entry(record, None) for record in await self.operations.tasks()]
 
@@ -172,20 +174,30 @@ class StoreService:
             raise ConfigurationError(f"prune: {exc}") from None
 
     async def pause_queue(self, queue: str) -> dict[str, JSONValue]:
+        from broker.main.queues import settings_info
+
         return settings_info(await (await self._queues()).pause(queue))
 
     async def resume_queue(self, queue: str) -> dict[str, JSONValue]:
+        from broker.main.queues import settings_info
+
         return settings_info(await (await self._queues()).resume(queue))
 
     async def limit_queue(
         self, queue: str, rate: str | None, *, burst: int = 1
     ) -> dict[str, JSONValue]:
+        from broker.main.queues import settings_info
+        from broker.model.rates import parse_rate
+
         limit = None if rate is None else parse_rate(rate, burst)
         return settings_info(await (await self._queues()).limit(queue, limit))
 
     async def _queues(self) -> QueueControl:
         """The main's own queue settings rules over the store: what is written here, the
         main reads when it next starts to lead."""
+        from broker.core.flow import FlowControl
+        from broker.main.queues import QueueControl
+
         control = QueueControl(self.store, FlowControl(), wake=lambda: None)
         await control.load()
         return control
@@ -245,6 +257,8 @@ async def open_backend(
                 f"{reason}; start broker-main, or pass --database-url (or set "
                 "BROKER_DATABASE_URL) to work on the store directly"
             ) from None
+        from broker.ops import composition
+
         store = composition.open_store(database_url, adapter, create=False, read_only=read_only)
         try:
             if isinstance(store, SupportsSchemaCheck):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -230,20 +229,39 @@ DISTRIBUTION = "broker-jobs"
 
 def version() -> str:
     """The installed distribution's version; a checkout run without installing it (``python
-    -m broker.cli`` from the source tree) has none to report, and says so."""
+    -m broker.cli`` from the source tree) has none to report, and says so. Imported here:
+    the metadata machinery (email parsing) costs every command's start, ``--version`` alone
+    needs it."""
+    import importlib.metadata
+
     try:
         return importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         return f"(unknown: the {DISTRIBUTION} distribution is not installed)"
 
 
+class _Version(argparse.Action):
+    """argparse's ``version`` action, with the version looked up when ``--version`` is
+    given rather than when the parser is built (every start of every command)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(f"{parser.prog} {version()}")
+        parser.exit()
+
+
 def add_version(p: argparse.ArgumentParser) -> None:
     """``--version``: the program's name and the distribution's version, then exit 0."""
     p.add_argument(
-        "--version",
-        action="version",
-        version=f"%(prog)s {version()}",
-        help="print the program's name and version and exit",
+        "--version", action=_Version, help="print the program's name and version and exit"
     )
 
 

@@ -14,26 +14,27 @@ import sys
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from broker.exceptions import BrokerError, ConfigurationError, DeposedError
-from broker.main.main import Main
-from broker.main.retention import Retention
-from broker.main.settings import MainSettings, line_limit_for
 from broker.model import checks, logs
 from broker.model.untrusted import escape_control
 from broker.ops import composition
 from broker.ops.cli.options import credentials, from_args, peer_tls, server_tls
-from broker.tasks.registry import default_registry
-from broker.tasks.runner_options import RunnerOptions
-from broker.tasks.schedule import declared_in
 from broker.wire.addresses import peer_arguments
-from broker.worker.settings import WorkerSettings
-from broker.worker.state_dir import open_state_dir
-from broker.worker.worker import Worker
+
+if TYPE_CHECKING:
+    from broker.main.main import Main
 
 
 async def run_main(args: argparse.Namespace, ready: Callable[[Main], None] | None = None) -> None:
+    # The main's modules load here, not with this module: ``broker`` and ``broker-worker``
+    # share it and never run a main.
+    from broker.main.main import Main
+    from broker.main.retention import Retention
+    from broker.main.settings import MainSettings, line_limit_for
+    from broker.tasks.schedule import declared_in
+
     modules = list(args.schedules or [])
     load_apps(modules, "--schedules")
     schedules = declared_in(modules)
@@ -158,6 +159,13 @@ def load_apps(modules: Sequence[str], named_by: str = "--app") -> None:
 
 
 async def run_worker(args: argparse.Namespace) -> None:
+    # The worker's modules load here, not with this module (``broker-main`` shares it).
+    from broker.tasks.registry import default_registry
+    from broker.tasks.runner_options import RunnerOptions
+    from broker.worker.settings import WorkerSettings
+    from broker.worker.state_dir import open_state_dir
+    from broker.worker.worker import Worker
+
     apps = app_modules(args)
     load_apps(apps)
     host, port = peer_arguments(args.main)
