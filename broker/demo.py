@@ -50,24 +50,12 @@ async def _demo(db_dir: Path) -> int:
     main = Main(composition.open_store(url), MainSettings(port=0))
     await main.start()
     print(f"main listening on 127.0.0.1:{main.port}, store {url}")
-    worker = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "broker.ops.cli",
-        "worker",
-        "--main",
-        f"127.0.0.1:{main.port}",
-        "--app",
-        "broker.demo",
-        "--worker-id",
-        "demo-worker",
-        "--pooled-runner-count",
-        "2",
-        "--log-level",
-        "WARNING",
-    )
+    worker: asyncio.subprocess.Process | None = None
     try:
         async with Client("127.0.0.1", main.port) as client:
+            # Every job is stored before the worker starts, so what the worker prints
+            # always comes after "enqueued", as the tutorial shows (started first, it
+            # could run and log a failure while the enqueues went on).
             ids = []
             for i in range(JOBS):
                 if i % 20 == 19:
@@ -79,6 +67,22 @@ async def _demo(db_dir: Path) -> int:
                 else:
                     ids.append((await client.enqueue(add, [i, i * 10])).job_id)
             print(f"enqueued {len(ids)} jobs")
+            worker = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "broker.ops.cli",
+                "worker",
+                "--main",
+                f"127.0.0.1:{main.port}",
+                "--app",
+                "broker.demo",
+                "--worker-id",
+                "demo-worker",
+                "--pooled-runner-count",
+                "2",
+                "--log-level",
+                "WARNING",
+            )
             started = time.monotonic()
             while True:
                 jobs = [await client.get_job(job_id) for job_id in ids]
@@ -91,7 +95,7 @@ async def _demo(db_dir: Path) -> int:
                     return 1
                 await asyncio.sleep(0.25)
             elapsed = time.monotonic() - started
-            print(f"\nall {len(ids)} jobs settled in {elapsed:.2f} s")
+            print(f"\nall {len(ids)} jobs settled {elapsed:.2f} s after the worker started")
             for job in jobs[:3]:
                 assert job is not None
                 print(
@@ -105,7 +109,7 @@ async def _demo(db_dir: Path) -> int:
             print(f"summary: {dict(statuses)}")
         return 0
     finally:
-        if worker.returncode is None:
+        if worker is not None and worker.returncode is None:
             worker.send_signal(signal.SIGTERM)
             await asyncio.wait_for(worker.wait(), 30)
         await main.stop()

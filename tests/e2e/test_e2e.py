@@ -380,22 +380,29 @@ async def enqueue(cluster: Cluster, specs: Sequence[JobSpec], batch: int = 200) 
 async def test_kill_9_of_a_worker_reruns_only_the_jobs_it_held(sqlite_cluster: Cluster) -> None:
     cluster = sqlite_cluster
     main = await cluster.start_main()
-    keys = await enqueue(cluster, [record_spec(0.4) for _ in range(30)])
+    keys = await enqueue(cluster, [record_spec(0.1) for _ in range(16)])
     a = await cluster.start_worker("worker-a", concurrency=8)
     async with observe(cluster.url) as store:
-        # Kill A just after it starts a job of a later round: some of its jobs are done
-        # and acknowledged, others are running.
+        # Kill A while some of its jobs are done and acknowledged and others are running.
+        # Arrange the running ones rather than race for them: jobs that run until the gate
+        # opens come once A has finished 8 jobs. (Waiting for A to start one more job after
+        # a snapshot failed under load: A had run all of its jobs before the test looked.)
         await eventually(
             lambda: len(RunLog.read(cluster.runs).ended_by(a.pid)) >= 8, "A to finish 8 jobs"
         )
-        before = RunLog.read(cluster.runs).started_by(a.pid)
+        gate = cluster.dir / "gate"
+        holds = [replace(hold_spec(gate), priority=10) for _ in range(8)]
+        keys += await enqueue(cluster, holds)
+        hold_keys = {str(spec.id) for spec in holds}
         await eventually(
-            lambda: RunLog.read(cluster.runs).started_by(a.pid) - before, "A to start another job"
+            lambda: RunLog.read(cluster.runs).running_on(a.pid) & hold_keys,
+            "A to be running a gated job",
         )
         completed_before_kill = {str(j.id) for j in await jobs_in(store, [JobStatus.COMPLETED])}
         await a.kill()
         cut_short = RunLog.read(cluster.runs).running_on(a.pid)
-        assert cut_short, "the kill must catch jobs in flight"
+        assert cut_short & hold_keys, "the kill must catch jobs in flight"
+        gate.touch()
 
         b = await cluster.start_worker("worker-b", concurrency=8)
         await wait_until_all_terminal(store, len(keys), cluster)
