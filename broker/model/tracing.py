@@ -101,10 +101,7 @@ def dispatch(
         context=_PROPAGATOR.extract(carried),
         kind=trace.SpanKind.PRODUCER,
         attributes={
-            "broker.job.id": str(job_id),
-            "broker.task": task,
-            "broker.queue": queue,
-            "broker.attempt": attempt,
+            **_job_attributes(job_id, task, queue, attempt),
             "broker.worker.id": worker or "",
         },
     )
@@ -114,6 +111,16 @@ def dispatch(
         return onward or carried
     finally:
         span.end()
+
+
+def _job_attributes(job_id: object, task: str, queue: str, attempt: int) -> dict[str, Any]:
+    """The attributes every span of one attempt of a job carries (dispatch and run)."""
+    return {
+        "broker.job.id": str(job_id),
+        "broker.task": task,
+        "broker.queue": queue,
+        "broker.attempt": attempt,
+    }
 
 
 def start_run(
@@ -131,12 +138,7 @@ def start_run(
         f"broker.run {task}",
         context=parent,
         kind=trace.SpanKind.CONSUMER,
-        attributes={
-            "broker.job.id": str(job_id),
-            "broker.task": task,
-            "broker.queue": queue,
-            "broker.attempt": attempt,
-        },
+        attributes=_job_attributes(job_id, task, queue, attempt),
     )
 
 
