@@ -164,10 +164,23 @@ def test_the_tutorial_works_from_the_installed_wheel(main_process: tuple[Path, P
             timeout=60,
         )
         assert out.returncode == 0, out.stdout + out.stderr
-        first, failing = out.stdout.split("\n")[:2]
+        first, again = out.stdout.split("\n")[:2]
         assert first.endswith(" False")
         assert settled(first.split()[0])["status"] == "completed"
-        charge = json.loads(broker("job", failing.strip(), "--json"))
+        assert settled(again.strip())["priority"] == 1, "the options came with the call"
+        (work / "charge.py").write_text(
+            tutorial_block("`charge_card` always raises. Enqueue it:").replace("7390", str(port))
+        )
+        out = subprocess.run(
+            [str(bin_dir / "python"), "charge.py"],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        charge = json.loads(broker("job", out.stdout.strip(), "--json"))
         assert charge["max_attempts"] == 4, "the task's retries=3 came with the task object"
     finally:
         worker.terminate()
