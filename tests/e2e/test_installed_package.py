@@ -153,34 +153,28 @@ def test_the_tutorial_works_from_the_installed_wheel(main_process: tuple[Path, P
         job = settled(job_id)
         assert (job["status"], job["result"]) == ("completed", {"sent_to": "a@example.com"})
 
-        script = tutorial_block("Create\n`enqueue_async.py`").replace("7390", str(port))
-        (work / "enqueue_async.py").write_text(script)
-        out = subprocess.run(
-            [str(bin_dir / "python"), "enqueue_async.py"],
-            cwd=work,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert out.returncode == 0, out.stdout + out.stderr
-        first, again = out.stdout.split("\n")[:2]
+        def tutorial_script(name: str, after: str) -> str:
+            """Run the tutorial's Python block after the text ``after`` as ``name``."""
+            (work / name).write_text(tutorial_block(after).replace("7390", str(port)))
+            out = subprocess.run(
+                [str(bin_dir / "python"), name],
+                cwd=work,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert out.returncode == 0, out.stdout + out.stderr
+            return out.stdout
+
+        first, again = tutorial_script("enqueue_async.py", "Create\n`enqueue_async.py`").split(
+            "\n"
+        )[:2]
         assert first.endswith(" False")
         assert settled(first.split()[0])["status"] == "completed"
         assert settled(again.strip())["priority"] == 1, "the options came with the call"
-        (work / "charge.py").write_text(
-            tutorial_block("`charge_card` always raises. Enqueue it:").replace("7390", str(port))
-        )
-        out = subprocess.run(
-            [str(bin_dir / "python"), "charge.py"],
-            cwd=work,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert out.returncode == 0, out.stdout + out.stderr
-        charge = json.loads(broker("job", out.stdout.strip(), "--json"))
+        charged = tutorial_script("charge.py", "`charge_card` always raises. Enqueue it:")
+        charge = json.loads(broker("job", charged.strip(), "--json"))
         assert charge["max_attempts"] == 4, "the task's retries=3 came with the task object"
     finally:
         worker.terminate()
