@@ -271,7 +271,7 @@ async def test_a_paused_leader_is_fenced_when_it_resumes(tmp_path: Path, pg_url:
 
     old = leader.output()
     assert "epoch fence refused op=settle" in old, f"{leader.tail()}\n{worker.tail()}"
-    deposed = next(line for line in old.splitlines() if " deposed: " in line)
+    deposed = next(line for line in old.splitlines() if "deposed: this main stops" in line)
     reason = deposed.split(" reason=", 1)[1]
     assert f"this main stepped down ({reason}); start it again" in old, "its exit says why"
     refused_claims = old.count("epoch fence refused op=mark_handed_off")
