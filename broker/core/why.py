@@ -68,6 +68,12 @@ def wait_reason(job: Job, core: Handoff, now: float, wall: datetime) -> str | No
     holder = core.awaiting.get(job.id)
     if holder is not None:
         return f"waiting for worker {holder!r}, which holds its local state (affinity)"
-    if core.credit(job.execution_mode) == 0:
-        return f"no connected worker has a free {job.execution_mode.value} slot"
+    mode = job.execution_mode
+    if core.credit(mode) == 0:
+        if not any(mode in peer.modes for peer in core.workers()):
+            # Not a busy fleet but one that cannot run the job at all: a job enqueued by
+            # name before any worker declared its task gets ``pooled`` (the broker's
+            # default), which a worker serving only the task's declared mode never takes.
+            return f"no connected worker runs {mode.value} jobs"
+        return f"no connected worker has a free {mode.value} slot"
     return None

@@ -204,10 +204,28 @@ class Cluster:
         return proc
 
     async def start_worker(self, worker_id: str, *extra: str, concurrency: int = 8) -> Proc:
+        """A worker, once connected and once the main has taken its task declarations.
+
+        The declarations (its ``tasks`` message) follow ``welcome`` on their own, so a
+        client may reach the main between the two. On a new store a job enqueued by name
+        then gets the broker's defaults, not its task's (``pooled`` for a task declared
+        ``forked``), and waits for ever at a worker serving only the declared mode: a
+        test enqueues by name only after the main logged the declaration."""
+        mains = [p for p in self.procs if p.name == "main" and p.process.returncode is None]
+        declared = f"tasks declared worker_id={worker_id} "
+        before = [main.output().count(declared) for main in mains]
         argv = ["worker", "--main", f"127.0.0.1:{self.port}", "--app", APP]
         argv += ["--worker-id", worker_id, "--inline-concurrency", str(concurrency)]
         proc = await self.spawn(worker_id, *argv, *NO_POOL, *extra, *self._token_args())
         await proc.wait_for_output("connected to main")
+        if mains:
+            await eventually(
+                lambda: any(
+                    m.output().count(declared) > n for m, n in zip(mains, before, strict=True)
+                ),
+                f"the main to log {declared!r}",
+                detail=self.logs,
+            )
         return proc
 
     def client(self) -> Client:

@@ -90,12 +90,7 @@ async def test_a_start_up_hook_longer_than_a_forked_jobs_timeout_is_not_charged_
     monkeypatch.setenv(SLOW_ENV, "1.5")
     await worker(sqlite_cluster, "--pooled-runner-count", "0", inline=0)
     async with sqlite_cluster.client() as client:
-        try:
-            job = await run(client, "seen_forked", timeout=1.0, max_attempts=1)
-        except TimeoutError as exc:
-            # Seen twice under heavy load (a loaded make test beside a CI run), never alone:
-            # the main's and the worker's logs say where the job went.
-            raise AssertionError(f"{exc}\n{sqlite_cluster.logs()}") from exc
+        job = await run(client, "seen_forked", timeout=1.0, max_attempts=1)
     assert job["status"] == "completed", job["last_error"]
 
 

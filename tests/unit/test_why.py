@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import timedelta
 
+import msgspec
+
 from broker.core.handoff import Handoff
 from broker.core.why import wait_reason
 from broker.jobs import ExecutionMode, JobStatus
@@ -15,6 +17,7 @@ from broker.storage import QueueSettings
 from tests.unit.test_handoff import EPOCH, make_job, worker_hello
 
 POOLED = ExecutionMode.POOLED
+FORKED = ExecutionMode.FORKED
 
 
 def _core(*tasks: str, slots: int = 2) -> Handoff:
@@ -70,6 +73,14 @@ def test_workers_holders_and_slots() -> None:
     assert wait_reason(job, _core("other"), 0.0, EPOCH) == "no connected worker declares task 't'"
     busy = _core("t", slots=0)
     assert wait_reason(job, busy, 0.0, EPOCH) == "no connected worker has a free pooled slot"
+    forked_only = Handoff(max_credit=10)
+    peer = forked_only.new_peer(1, 0.0)
+    forked_only.hello(peer, msgspec.structs.replace(worker_hello("w1"), modes=[FORKED]))
+    forked_only.declared(1, ["t"])
+    forked_only.ready(1, {FORKED: 1}, 0)
+    assert wait_reason(job, forked_only, 0.0, EPOCH) == "no connected worker runs pooled jobs"
+    forked_job = replace(job, execution_mode=FORKED)
+    assert wait_reason(forked_job, forked_only, 0.0, EPOCH) is None
     core = _core("t")
     core.awaiting[job.id] = "w9"
     assert wait_reason(job, core, 0.0, EPOCH) == (
