@@ -306,7 +306,12 @@ class HotSql:
             ``adapters.sql.schema._v11_dispatch_by_mode``), then the priority, then the
             time: per mode, its priority levels one probe each, from the highest down
             (the recursive ``lv``, a loose index scan), and per level its due jobs in
-            order, an index range that ends at the first job not yet due. A read with
+            order, an index range that ends at the first job not yet due. The mode's own
+            ``LIMIT`` stops the walk once the levels read hold the limit's jobs: the
+            recursion runs only as far as the rows pulled from it (the lateral join is a
+            nested loop over ``lv`` in its order), so a store with jobs at a thousand
+            priority levels pays for the levels a read needs, not all of them at every
+            pass; the outer ``ORDER BY`` then sorts at most the limit's rows per mode. A read with
             the due bound a mere filter walked every future entry of a level whenever
             fewer due jobs than the limit stood in front of them: 38 ms at a million
             jobs scheduled ahead, paid after every insert another process made (issue
@@ -337,6 +342,7 @@ class HotSql:
                             ))
                         ORDER BY run_at_us, created_us, seq LIMIT ${limit}
                     ) d
+                    LIMIT ${limit}
                 ) e
                 {order} LIMIT ${limit}
             """

@@ -87,3 +87,32 @@ async def test_a_read_for_a_mode_without_queued_jobs_walks_no_other_modes_rows()
         await conn.close()
         await store.close()
         await drop_schema(schema)
+
+
+async def test_the_eligible_read_walks_only_the_priority_levels_it_needs() -> None:
+    """Jobs at 200 priority levels, 5 due at each: a read of 20 probes the top levels
+    until it holds 20 jobs (4 levels, and the next one's probe), not all 200 at every
+    pass, and returns the best 20 in dispatch order."""
+    url = require_postgres()
+    schema = fresh_schema_name()
+    store = SQLAlchemyAdapter(url, schema=schema)
+    dsn = url.replace("postgresql+asyncpg://", "postgresql://", 1)
+    conn = await asyncpg.connect(dsn, server_settings={"plan_cache_mode": "force_generic_plan"})
+    try:
+        await store.setup()
+        specs = [JobSpec(task="t.x", priority=level) for level in range(200) for _ in range(5)]
+        await store.enqueue_many(specs)
+        await conn.execute(f'ANALYZE "{schema}".broker_jobs')
+        eligible = store._dialect._sql.eligible
+        statement = await conn.prepare("EXPLAIN (ANALYZE, COSTS OFF) " + eligible)
+        lines = [r[0] for r in await statement.fetch(["pooled"], 2**62, 20, [], None, None, None)]
+        walked = [line for line in lines if "Recursive Union" in line]
+        assert len(walked) == 1, lines
+        levels = int(walked[0].split("rows=")[1].split()[0])
+        assert levels <= 6, "\n".join(lines)
+        read = await store.select_eligible(modes=[ExecutionMode.POOLED], limit=20)
+        assert [job.priority for job in read] == [p for p in (199, 198, 197, 196) for _ in range(5)]
+    finally:
+        await conn.close()
+        await store.close()
+        await drop_schema(schema)
