@@ -452,6 +452,12 @@ SPEC_FIELDS = tuple(f.name for f in fields(JobSpec))
 """The names of :class:`JobSpec`'s fields, in order."""
 spec_fields = operator.attrgetter(*SPEC_FIELDS)
 """A spec's field values as a tuple, in :data:`SPEC_FIELDS` order (one C call)."""
+SPEC_DEFAULTS = tuple(
+    f.default if f.default_factory is MISSING else MISSING for f in fields(JobSpec)
+)
+"""Each :class:`JobSpec` field's default, in :data:`SPEC_FIELDS` order, to build one
+positionally: ``MISSING`` for a field made by its factory (its ``__init__`` calls the
+factory when given ``MISSING``, see :func:`_slot_init`) and for ``task``, which has none."""
 
 
 def _slot_init(cls: Any) -> None:
