@@ -452,6 +452,12 @@ SPEC_FIELDS = tuple(f.name for f in fields(JobSpec))
 """The names of :class:`JobSpec`'s fields, in order."""
 spec_fields = operator.attrgetter(*SPEC_FIELDS)
 """A spec's field values as a tuple, in :data:`SPEC_FIELDS` order (one C call)."""
+SPEC_DEFAULTS = tuple(
+    f.default if f.default_factory is MISSING else MISSING for f in fields(JobSpec)
+)
+"""Each :class:`JobSpec` field's default, in :data:`SPEC_FIELDS` order, to build one
+positionally: ``MISSING`` for a field made by its factory (its ``__init__`` calls the
+factory when given ``MISSING``, see :func:`_slot_init`) and for ``task``, which has none."""
 
 
 def _slot_init(cls: Any) -> None:
@@ -587,20 +593,23 @@ def new_job_fields(spec: JobSpec, now: datetime) -> dict[str, Any]:
     """The fields of the :class:`Job` a store writes for ``spec`` enqueued at ``now``, by
     name, the fields left at their defaults (:data:`JOB_DEFAULTS`) left out: what
     :meth:`Job.from_spec` builds, for a store that writes the row without building the
-    value (see :meth:`EnqueueResult.inserted`)."""
-    values = spec_values(spec)
-    for name in DEPENDENCY_FIELDS:
-        del values[name]
-    values.update(
-        args=tuple(spec.args),
-        kwargs=dict(spec.kwargs),
-        run_at=spec.run_at or now,
-        status=JobStatus.WAITING if spec.depends_on else JobStatus.QUEUED,
-        attempts=0,
-        created_at=now,
-        updated_at=now,
-    )
+    value (see :meth:`EnqueueResult.inserted`). The spec's fields a job keeps are read in
+    one C call (its ``args`` a tuple already), the rest set one by one: every enqueued
+    job passes here, and copying every field and then updating by keyword cost a third
+    more."""
+    values = dict(zip(_JOB_SPEC_FIELDS, _job_spec_values(spec), strict=True))
+    values["kwargs"] = dict(spec.kwargs)
+    values["run_at"] = spec.run_at or now
+    values["status"] = JobStatus.WAITING if spec.depends_on else JobStatus.QUEUED
+    values["attempts"] = 0
+    values["created_at"] = now
+    values["updated_at"] = now
     return values
+
+
+_JOB_SPEC_FIELDS = tuple(name for name in SPEC_FIELDS if name not in DEPENDENCY_FIELDS)
+"""The :class:`JobSpec` fields a :class:`Job` keeps."""
+_job_spec_values = operator.attrgetter(*_JOB_SPEC_FIELDS)
 
 
 IDEMPOTENCY_FIELDS = (

@@ -178,6 +178,16 @@ def check_shape(
     and objects, the args' list and the kwargs' object included (as ``[`` and ``{`` count
     in their JSON). One walk, stopped at either bound, so it costs little whatever the job.
     """
+    if (
+        not spec.kwargs
+        and max_depth >= 1
+        and (max_containers is None or max_containers >= 2)
+        and all(map(_SCALAR_TYPE, map(type, spec.args)))
+    ):
+        # The usual job: a flat list of scalars and no keyword arguments, one level deep
+        # in two containers (the args' list, the kwargs' object), judged in C; the walk
+        # below finds the same, for a third of a bulk enqueue's payload checks.
+        return
     # Args and kwargs in one value: two levels above each argument, one list above them.
     both = [list(spec.args), dict(spec.kwargs)]
     depth = _walk(both, max_depth + 2, None if max_containers is None else max_containers + 1)

@@ -90,7 +90,7 @@ DriverEnqueue = Callable[
 ]
 """An enqueue on a driver's own connection (see ``PostgresDialect.enqueue_on_driver``)."""
 
-_OVERLAP_CHUNK = 250
+OVERLAP_CHUNK = 250
 """Jobs per statement where a batch's rows are built while the rows before are written."""
 
 
@@ -256,7 +256,7 @@ class EnqueueRule:
                 hot[i], moved[i] = self.row_to_write(specs[i].id, job_fields)
             return rows(chunk)
 
-        chunks = [indices] if overlap is None else in_chunks(indices, _OVERLAP_CHUNK)
+        chunks = [indices] if overlap is None else in_chunks(indices, OVERLAP_CHUNK)
         pending = indices
         for attempt in range(_ENQUEUE_ROUNDS):
             if attempt:

@@ -28,7 +28,13 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from adapters.sql.connect import redact
-from adapters.sql.enqueue import DriverEnqueue, EnqueueRule, match_holders, overlapped
+from adapters.sql.enqueue import (
+    OVERLAP_CHUNK,
+    DriverEnqueue,
+    EnqueueRule,
+    match_holders,
+    overlapped,
+)
 from adapters.sql.errors import StoreErrors
 from adapters.sql.links import PgLinks, linked
 from adapters.sql.postgres_sql import HotPool, HotSql
@@ -42,6 +48,7 @@ from adapters.sql.rows import (
     encode_changes,
     from_us,
     grant,
+    in_chunks,
     is_offloaded,
     job_from_row,
     kept,
@@ -65,6 +72,15 @@ from broker.jobs import (
 from broker.storage import Capabilities, LeaderRecord
 
 logger = logging.getLogger("adapters.sql")
+_EVERY_AT_ONCE = 1000
+"""The most jobs :meth:`PostgresDialect._enqueue_every` inserts in one statement, outside a
+transaction: the main's group commits (``--enqueue-batch``, 1,000 by default) go whole."""
+
+
+class _Offloading(Exception):
+    """A job of the batch has a payload to move out of its row: not for the plain insert."""
+
+
 _ANALYZE_AFTER_INSERTS = 500
 _ANALYZE_INTERVAL = 30.0
 
@@ -589,7 +605,7 @@ class PostgresDialect:
     async def _enqueue_every(
         self, conn: Any, specs: Sequence[JobSpec]
     ) -> list[EnqueueResult] | None:
-        """A batch of new jobs in one plain ``INSERT``, committed on its own, when nothing
+        """A batch of new jobs in plain ``INSERT``s, stored all or none, when nothing
         stands in the way; ``None`` when something does (a key or id taken, in the store
         or twice in the batch, a payload to offload, any refusal), and then nothing of
         the batch was stored and it goes the careful way (:meth:`EnqueueRule.run`, in a
@@ -598,23 +614,44 @@ class PostgresDialect:
         In a bulk enqueue nothing usually does, and the careful way cost each group
         commit a ``BEGIN`` and a ``COMMIT`` round trip, each waiting its turn on the
         main's loop behind the checks of the next request: a trace of 3,500 jobs
-        showed the database idle half the time. A statement that fails changes
-        nothing, and outside a transaction (checked) aborts nothing else.
+        showed the database idle half the time. So a batch of up to
+        :data:`_EVERY_AT_ONCE` jobs (every group commit of the main's, by default) is one
+        statement, committed on its own. A larger one (an application's bulk enqueue on
+        its own connection) is a transaction of one statement per
+        :data:`~adapters.sql.enqueue.OVERLAP_CHUNK` jobs, each chunk's rows built while
+        the server writes the chunk before (:func:`~adapters.sql.enqueue.overlapped`):
+        built whole first, the server waited for the client's rows and then the client
+        for the server's insert. A statement that fails changes nothing, and outside a
+        transaction (checked) aborts nothing else; inside the batch's own, it rolls the
+        batch back.
         """
         now = from_us(self._now())
-        job_fields = [settlement.enqueued_fields(spec, now) for spec in specs]
-        rows = []
-        for spec, each in zip(specs, job_fields, strict=True):
-            row, moved = self._enqueue.row_to_write(spec.id, each)
-            if moved:
-                return None
-            rows.append(row)
-        try:
-            stmt = self._sql.insert_every
-            if _keyed(rows):
-                stmt = self._sql.with_counters[stmt]
+        job_fields: list[dict[str, Any]] = []
+        sql = self._sql
+
+        def build(chunk: Sequence[JobSpec]) -> tuple[list[dict[str, Any]], list[Payload]]:
+            rows = []
+            for spec in chunk:
+                each = settlement.enqueued_fields(spec, now)
+                row, moved = self._enqueue.row_to_write(spec.id, each)
+                if moved:
+                    raise _Offloading
+                rows.append(row)
+                job_fields.append(each)
+            return rows, []
+
+        async def insert(rows: list[dict[str, Any]], _moved: list[Payload]) -> set[uuid.UUID]:
+            stmt = sql.with_counters[sql.insert_every] if _keyed(rows) else sql.insert_every
             await conn.execute(stmt, ROWS_JSON.encode(rows).decode())
-        except self._server_refused:
+            return set()
+
+        try:
+            if len(specs) <= _EVERY_AT_ONCE:
+                await insert(*build(specs))
+            else:
+                async with conn.transaction():
+                    await overlapped(insert, map(build, in_chunks(specs, OVERLAP_CHUNK)))
+        except (self._server_refused, _Offloading):
             return None
         return [EnqueueResult.inserted(each) for each in job_fields]
 

@@ -334,7 +334,6 @@ def encode_changes(changes: Mapping[str, Any]) -> dict[str, Any]:
     return {COLUMN_OF[name]: _ENCODE[name](value) for name, value in changes.items()}
 
 
-_ROW_ENCODED = [(column, encode) for _, column, encode, _ in _FIELDS if encode is not _same]
 ROWS_JSON = msgspec.json.Encoder()
 """Rows for PostgreSQL's enqueue (:mod:`adapters.sql.postgres`): column values as JSON (ids
 as text; the values are the columns' own, so nothing is lost on the way)."""
@@ -346,22 +345,31 @@ def new_row(job_fields: Mapping[str, Any]) -> dict[str, Any]:
     left out (:func:`~broker.settlement.enqueued_fields`). Most of a new job's are NULL;
     PostgreSQL's enqueue sends its rows as JSON (``json_to_recordset`` reads an absent
     key as NULL), and the nulls were half its text: encoded by the main, sent and parsed
-    by the server for nothing. Columns held as is are copied without a call each: every
-    enqueued job passes here. No encoding turns a value into NULL or NULL into a value."""
-    row = {
-        **_DEFAULT_ROW,
-        **{COLUMN_OF[name]: v for name, v in job_fields.items() if v is not None},
-    }
-    for column, encode in _ROW_ENCODED:
-        value = row.get(column)
+    by the server for nothing. No encoding turns a value into NULL or NULL into a value.
+
+    One pass over the fields given, each column and its encoder found by one lookup,
+    over the defaults' row encoded once: every enqueued job passes here, and merging
+    the rows and then trying every encoder on the merged row cost 4.9 us a job (of
+    the main's 26 in a bulk enqueue), this about half of it."""
+    row = _DEFAULT_ROW.copy()
+    for name, value in job_fields.items():
         if value is not None:
-            row[column] = encode(value)
+            column, encode = _COLUMN_ENCODE[name]
+            row[column] = value if encode is None else encode(value)
     return row
 
 
-_DEFAULT_ROW = {COLUMN_OF[name]: value for name, value in JOB_DEFAULTS.items() if value is not None}
-"""The columns of the :class:`Job` fields whose default is not NULL, at it (not yet
-encoded): under every new row."""
+_COLUMN_ENCODE = {
+    name: (column, None if encode is _same else encode) for name, column, encode, _ in _FIELDS
+}
+"""Each :class:`Job` field's column and encoder (``None``: the value as it is)."""
+_DEFAULT_ROW = {
+    COLUMN_OF[name]: _ENCODE[name](value)
+    for name, value in JOB_DEFAULTS.items()
+    if value is not None
+}
+"""The columns of the :class:`Job` fields whose default is not NULL, at it, encoded:
+under every new row."""
 
 
 NULL_ROW = dict.fromkeys(ROW_COLUMNS)

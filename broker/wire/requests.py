@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Annotated, Any
 
@@ -19,6 +19,7 @@ import msgspec
 from broker.dependencies import WorkflowStatus
 from broker.exceptions import InvalidJobError
 from broker.jobs import (
+    SPEC_DEFAULTS,
     SPEC_FIELDS,
     TERMINAL_STATUSES,
     ExecutionMode,
@@ -112,16 +113,17 @@ class JobRequest(Nested, frozen=True, omit_defaults=True):
                 raise InvalidJobError(str(exc)) from None
             run_at = now + timedelta(seconds=self.delay)
         # A field the request leaves out (None) takes the task's default, else the spec's.
-        values = {
-            name: value
-            for name, value in zip(_REQUESTED, _requested(self), strict=True)
-            if value is not None
-        }
+        # Positionally: by keyword (a dict of the fields said) a bulk enqueue's main spent
+        # twice as long here, every job passing.
+        fallback: Sequence[Any] = _FALLBACK
         if defaults:
+            fallback = list(_FALLBACK)
             for name, value in defaults.items():
                 if value is not None:
-                    values.setdefault(name, value)
-        return JobSpec(**values, run_at=run_at)
+                    fallback[_REQUESTED_AT[name]] = value
+        values = [d if v is None else v for v, d in zip(_requested(self), fallback, strict=True)]
+        values.insert(_RUN_AT, run_at)
+        return JobSpec(*values)
 
     @classmethod
     def from_spec(cls, spec: JobSpec, *, said: Collection[str] | None = None) -> JobRequest:
@@ -161,6 +163,10 @@ if JobRequest.__struct_fields__ != (*SPEC_FIELDS[:6], "delay", *SPEC_FIELDS[6:])
 _REQUESTED = tuple(name for name in SPEC_FIELDS if name != "run_at")
 """The spec fields a request carries as they are (its ``run_at`` is text, or a ``delay``)."""
 _requested = operator.attrgetter(*_REQUESTED)
+_REQUESTED_AT = {name: i for i, name in enumerate(_REQUESTED)}
+_FALLBACK = tuple(d for name, d in zip(SPEC_FIELDS, SPEC_DEFAULTS, strict=True) if name != "run_at")
+"""The spec's default for each of :data:`_REQUESTED`, in order."""
+_RUN_AT = SPEC_FIELDS.index("run_at")
 
 
 class EnqueuedRef(Nested, frozen=True):

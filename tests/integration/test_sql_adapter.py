@@ -1199,6 +1199,52 @@ async def test_a_batch_goes_in_one_plain_insert_unless_something_stands_in_the_w
 
 
 @pytest.mark.postgres
+async def test_a_batch_over_one_statement_goes_chunk_by_chunk_all_or_none(
+    pg_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch larger than one plain statement takes (``_EVERY_AT_ONCE``) goes in one
+    transaction, a statement per chunk; a key taken or a payload to offload in a late
+    chunk rolls back the chunks before it, and the batch goes the careful way: its
+    duplicate found, every other job stored once, the large payload offloaded."""
+    import adapters.sql.postgres as postgres
+
+    monkeypatch.setattr(postgres, "_EVERY_AT_ONCE", 300)  # 700 jobs: three chunks of 250
+    store = await pg_backend.open(single_main=True, offload_threshold=1000)
+    answers: list[bool] = []
+    dialect = store._dialect
+    every = dialect._enqueue_every
+
+    async def noted(*args: Any) -> Any:
+        answer = await every(*args)
+        answers.append(answer is not None)
+        return answer
+
+    monkeypatch.setattr(dialect, "_enqueue_every", noted)
+    fresh = [
+        JobSpec("t", args=[i], concurrency_key=f"k{i % 3}", concurrency_limit=1) for i in range(700)
+    ]
+    results = await store.enqueue_many(fresh)
+    assert answers == [True]
+    assert [r.job_id for r in results] == [s.id for s in fresh]
+    assert [r.job for r in results[::233]] == [await store.get_job(s.id) for s in fresh[::233]]
+
+    held = JobSpec("t", args=["held"], idempotency_key="held")
+    await store.enqueue_many([held])
+    taken = [JobSpec("t", args=[i]) for i in range(700)]
+    taken[650] = JobSpec("t", args=["held"], idempotency_key="held")
+    big = [JobSpec("t", args=[i]) for i in range(700)]
+    big[600] = JobSpec("t", args=["b" * 1001])
+    for batch, duplicates in ((taken, [650]), (big, [])):
+        results = await store.enqueue_many(batch)
+        assert answers[-1] is False
+        assert [i for i, r in enumerate(results) if r.duplicate] == duplicates
+    assert results[600].job.args == ("b" * 1001,)
+    assert (await store.get_job(big[600].id)) == results[600].job
+    page = await store.list_jobs(limit=5000, include_payload=False)
+    assert len(page.jobs) == 700 + 1 + 699 + 700  # every job stored once
+
+
+@pytest.mark.postgres
 async def test_jobs_written_handed_off_at_enqueue_are_fenced_alone_and_in_a_batch(
     pg_backend: Backend,
 ) -> None:

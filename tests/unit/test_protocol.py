@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -399,6 +400,18 @@ def test_job_request_to_spec_with_delay() -> None:
 def test_job_request_to_spec_with_run_at() -> None:
     spec = p.JobRequest(task="t", run_at="2024-06-01T00:00:00Z").to_spec(NOW)
     assert spec.run_at == datetime(2024, 6, 1, tzinfo=UTC)
+
+
+def test_a_field_left_out_takes_the_tasks_default_then_the_specs() -> None:
+    """A request's ``None`` takes the task's default when one is given, else the spec's
+    own (a fresh id, empty kwargs); a field the request says wins over both."""
+    bare = p.JobRequest(task="t").to_spec(NOW)
+    assert bare == dataclasses.replace(JobSpec("t"), id=bare.id)
+    assert p.JobRequest(task="t").to_spec(NOW).id != bare.id
+    defaults = {"queue": "tq", "priority": 3, "timeout": None, "max_attempts": 7}
+    said = p.JobRequest(task="t", priority=9, kwargs={"k": 1}).to_spec(NOW, defaults)
+    expected = JobSpec("t", kwargs={"k": 1}, queue="tq", priority=9, max_attempts=7)
+    assert said == dataclasses.replace(expected, id=said.id)
 
 
 @pytest.mark.parametrize(
