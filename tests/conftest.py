@@ -194,6 +194,48 @@ def pg_schema(worker_schema: WorkerSchema) -> str:
     return worker_schema.empty()
 
 
+@pytest.fixture(scope="session")
+def migrated_database() -> Iterator[str]:
+    """The name of a PostgreSQL database holding the broker's schema at its current
+    version, for ``CREATE DATABASE ... TEMPLATE`` (40 ms, where a main's migration of an
+    empty database costs 0.6-1.3 s). Never connected to after its migration (a template
+    must not be); dropped when this test process ends."""
+    from sqlalchemy.engine import make_url
+
+    base = make_url(require_postgres())
+    admin = base.set(drivername="postgresql", database="postgres").render_as_string(False)
+    name = f"broker_template_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+
+    async def admin_execute(sql: str) -> None:
+        import asyncpg
+
+        conn = await asyncpg.connect(admin)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    async def create() -> None:
+        from adapters.sql import SQLAlchemyAdapter
+
+        await admin_execute(f'CREATE DATABASE "{name}"')
+        store = SQLAlchemyAdapter(base.set(database=name).render_as_string(False))
+        try:
+            await store.setup()
+        finally:
+            await store.close()
+
+    def run(coro: Coroutine[Any, Any, None]) -> None:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a test's loop may be running
+            pool.submit(asyncio.run, coro).result()
+
+    try:
+        run(create())
+        yield name
+    finally:
+        run(admin_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
 @pytest.fixture(autouse=True)
 def no_hooks_in_the_test_process() -> None:
     """No test leaves hooks in the process-wide registry: every in-process worker of a
