@@ -486,6 +486,14 @@ BOUNDS += [
         "excused, so a slow moment in the main never returns live workers' leases",
         _BACK_PRESSURE,
     ),
+    Bound(
+        "A worker's wait for the main: nothing heard from it, or a send stuck, for this long",
+        "15 s (pings every 5 s)",
+        "broker-worker --liveness-timeout",
+        "the worker gives the connection up and reconnects; its jobs keep running and their "
+        "leases are listed in its next `hello`",
+        _BACK_PRESSURE,
+    ),
     Bound("Requests of a connection that closed", "—", None, "cancelled", _BACK_PRESSURE),
     # ----------------------------------------------------------------------- values
     Bound(

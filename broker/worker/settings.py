@@ -54,8 +54,24 @@ class WorkerSettings:
         None, parse=_queues, help="comma-separated queues to serve (default: all)"
     )
     """Serve only these queues (``None``: every queue)."""
-    ping_interval: float = setting(PING_INTERVAL, check=checks.positive)
-    liveness_timeout: float = setting(LIVENESS_TIMEOUT, check=checks.positive)
+    ping_interval: float = setting(
+        PING_INTERVAL,
+        parse=float,
+        check=checks.positive,
+        help="seconds between this worker's pings to the main (the main's own interval "
+        "when that is shorter)",
+    )
+    liveness_timeout: float = setting(
+        LIVENESS_TIMEOUT,
+        parse=float,
+        check=checks.positive,
+        help="seconds without a message from the main (or with a send stuck) after which "
+        "this worker gives the connection up and reconnects, keeping its jobs running",
+    )
+    """How long the main may be silent before this worker gives its socket up: a main
+    frozen longer than this (SIGSTOP, a dead host) is left, and its jobs' leases are listed
+    again at the next ``hello``. Shorter notices a frozen main sooner, at the cost of giving
+    up on one that was only slow."""
     reconnect_max_delay: float = setting(
         10.0,
         parse=float,

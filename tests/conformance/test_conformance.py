@@ -14,7 +14,7 @@ from adapters.memory import MemoryAdapter
 from broker.jobs import Clock
 from broker.storage import StorageAdapter, payload_digest
 from broker.testing.conformance import CHECKS, Check, CheckSkipped, StoreHarness, run_check
-from tests.conftest import drop_schema, fresh_schema_name, require_postgres
+from tests.conftest import POSTGRES_URL
 
 
 class MemoryHarness:
@@ -46,6 +46,7 @@ class SQLHarness:
     def __init__(self, url: str, schema: str | None = None) -> None:
         self.url = url
         self.schema = schema
+        """PostgreSQL: this test process's schema, emptied before each check (``pg_schema``)."""
 
     async def open(self, clock: Clock) -> StorageAdapter:
         from adapters.sql import SQLAlchemyAdapter
@@ -55,8 +56,7 @@ class SQLHarness:
         return store
 
     async def close(self) -> None:
-        if self.schema is not None:
-            await drop_schema(self.schema)
+        pass  # handles close themselves; the next check's pg_schema empties the store
 
     async def tamper_payload(
         self, job_id: uuid.UUID, kind: str, edit: Callable[[str], str], *, rehash: bool = False
@@ -79,25 +79,32 @@ class SQLHarness:
             await engine.dispose()
 
 
-def _sqlite(tmp_path: Path) -> StoreHarness:
+def _sqlite(request: pytest.FixtureRequest) -> StoreHarness:
+    tmp_path: Path = request.getfixturevalue("tmp_path")
     return SQLHarness(f"sqlite+aiosqlite:///{tmp_path / 'conformance.db'}")
 
 
-def _postgres(tmp_path: Path) -> StoreHarness:
-    return SQLHarness(require_postgres(), schema=fresh_schema_name())
+def _postgres(request: pytest.FixtureRequest) -> StoreHarness:
+    return SQLHarness(POSTGRES_URL, schema=request.getfixturevalue("pg_schema"))
 
 
-HARNESSES: dict[str, Callable[[Path], StoreHarness]] = {
+HARNESSES: dict[str, Callable[[pytest.FixtureRequest], StoreHarness]] = {
     "memory": lambda _: MemoryHarness(),
     "sqlite": _sqlite,
     "postgres": _postgres,
 }
 
 
+@pytest.fixture
+def harness(store: str, request: pytest.FixtureRequest) -> StoreHarness:
+    """An empty store of the kind the test is for: a sync fixture, so that it can take
+    the fixtures of that kind only (``pg_schema`` for PostgreSQL)."""
+    return HARNESSES[store](request)
+
+
 @pytest.mark.parametrize("check", CHECKS, ids=[c.name for c in CHECKS])
 @pytest.mark.parametrize("store", list(HARNESSES))
-async def test_conformance(store: str, check: Check, tmp_path: Path) -> None:
-    harness = HARNESSES[store](tmp_path)
+async def test_conformance(store: str, check: Check, harness: StoreHarness) -> None:
     try:
         await run_check(check, harness)
     except CheckSkipped as skipped:

@@ -805,9 +805,11 @@ async def test_an_unknown_type_before_hello_is_refused_as_unknown_type(
 
 
 @contextlib.asynccontextmanager
-async def fresh_database(prefix: str) -> AsyncIterator[str]:
+async def fresh_database(prefix: str, template: str | None = None) -> AsyncIterator[str]:
     """The URL of a PostgreSQL database of its own, dropped afterwards: processes that
-    share a store (several mains, a main and its workers) all reach it by URL."""
+    share a store (several mains, a main and its workers) all reach it by URL. Empty, or
+    a copy of ``template`` (the ``migrated_database`` fixture: a store already migrated,
+    for tests that are not about a main creating its schema)."""
     import asyncpg
     from sqlalchemy.engine import make_url
 
@@ -816,7 +818,8 @@ async def fresh_database(prefix: str) -> AsyncIterator[str]:
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     conn = await asyncpg.connect(admin)
     try:
-        await conn.execute(f'CREATE DATABASE "{name}"')
+        copy = "" if template is None else f' TEMPLATE "{template}"'
+        await conn.execute(f'CREATE DATABASE "{name}"{copy}')
     finally:
         await conn.close()
     try:
@@ -834,7 +837,9 @@ async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIter
     if request.param == "sqlite":
         yield sqlite_url(tmp_path)
         return
-    async with fresh_database("broker_e2e") as url:
+    # Already migrated: mains migrating an empty database, several at once, is the
+    # pg_url fixtures' work (test_failover.py, test_main_stall.py).
+    async with fresh_database("broker_e2e", request.getfixturevalue("migrated_database")) as url:
         yield url
 
 

@@ -16,7 +16,7 @@ from broker.client import Client
 from broker.jobs import ExecutionMode, JobSpec, JobStatus, utcnow
 from broker.storage import StorageAdapter
 from broker.testing.faults import FaultyAdapter
-from tests.conftest import drop_schema, fresh_schema_name, require_postgres
+from tests.conftest import POSTGRES_URL
 from tests.e2e.test_pooled import APP, Cluster, cluster
 from tests.support import until
 
@@ -29,12 +29,7 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
         adapter = SQLAlchemyAdapter(f"sqlite+aiosqlite:///{tmp_path / 'features.db'}")
         yield adapter
         return
-    schema = fresh_schema_name()
-    adapter = SQLAlchemyAdapter(require_postgres(), schema=schema)
-    try:
-        yield adapter
-    finally:
-        await drop_schema(schema)
+    yield SQLAlchemyAdapter(POSTGRES_URL, schema=request.getfixturevalue("pg_schema"))
 
 
 class _CountingSelects(FaultyAdapter):

@@ -48,8 +48,11 @@ every 0.6 s."""
 STALL = 2.0
 """Longer than the renewal's timeout, shorter than the lease."""
 STALLED_RENEWALS = 4
-WORKER_LIVENESS = 15.0
-"""The worker's liveness timeout (its default): how long the main is paused, at least."""
+WORKER_LIVENESS = 4.0
+"""The worker's ``--liveness-timeout``: how long the main is paused, at least. Its default
+(15 s) made the test wait that long; pings every second keep a loaded main well clear of it
+until the pause."""
+WORKER_PING = 1.0
 
 
 class StallingStore(SQLAlchemyAdapter):
@@ -120,16 +123,24 @@ async def test_a_main_paused_past_the_workers_liveness_timeout_runs_no_job_twice
     try:
         # The workers get the default grace (30 s) to come back, well over their delay.
         main = await cluster.start_main("--orphan-grace", "30")
-        worker = await cluster.start_worker("worker-0", "--reconnect-max-delay", "1", concurrency=4)
+        liveness = ("--ping-interval", str(WORKER_PING), "--liveness-timeout", str(WORKER_LIVENESS))
+        worker = await cluster.start_worker(
+            "worker-0", "--reconnect-max-delay", "1", *liveness, concurrency=4
+        )
         held = [hold_spec(gate) for _ in range(3)]
         keys = await enqueue(cluster, held)
         await eventually(lambda: len(RunLog.read(cluster.runs).starts) == 3, "the jobs to run")
+        # Counted from here: a loaded machine may have made the worker leave once already.
+        lost = worker.output().count("connection to the main lost")
+        connected = worker.output().count("connected to main")
         main.process.send_signal(signal.SIGSTOP)
-        try:  # the worker's liveness timeout (15 s) runs out and it gives the socket up
-            await worker.wait_for_output("connection to the main lost", timeout=WORKER_LIVENESS * 3)
+        try:  # the worker's liveness timeout runs out and it gives the socket up
+            await worker.wait_for_output(
+                "connection to the main lost", count=lost + 1, timeout=WORKER_LIVENESS + 30
+            )
         finally:
             main.process.send_signal(signal.SIGCONT)
-        await worker.wait_for_output("connected to main", count=2)
+        await worker.wait_for_output("connected to main", count=connected + 1)
         gate.touch()
         keys += await enqueue(cluster, [record_spec() for _ in range(10)])
         async with observe(url) as store:

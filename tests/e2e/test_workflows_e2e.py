@@ -49,6 +49,17 @@ from tests.support import until
 
 pytestmark = pytest.mark.slow
 
+ON_SQLITE_HERE_POSTGRES_IN_TEST_SLOW = pytest.mark.parametrize(
+    "store_url",
+    ["sqlite", pytest.param("postgres", marks=[pytest.mark.postgres, pytest.mark.slow_e2e])],
+    indirect=True,
+)
+"""The faults are the main's and the worker's, whatever the store: make test runs these
+runs on SQLite, make test-slow on PostgreSQL too (7-9 s each, quiet). make test keeps the
+workflows on PostgreSQL through the main (``tests/integration/test_workflows.py``), the
+store's workflow rules (the conformance suite) and faults on PostgreSQL through the same
+processes (``test_e2e.py``'s killed worker, ``test_checkpoints.py``'s kill -9)."""
+
 _names = TaskRegistry()
 """Stand-ins with the worker's task names and signatures: this process runs none of them."""
 
@@ -208,6 +219,7 @@ class Faults:
 # ------------------------------------------------------------------ fan-in
 
 
+@ON_SQLITE_HERE_POSTGRES_IN_TEST_SLOW
 @pytest.mark.timeout(300)  # four process starts: 15 s each at load 14 on two cores
 async def test_a_fan_in_of_100_is_made_once_through_every_fault(
     tmp_path: Path, store_url: str
@@ -304,6 +316,7 @@ async def _fan_in_through_the_faults(tmp_path: Path, store_url: str, size: int) 
 # ------------------------------------------------------------------ chain
 
 
+@ON_SQLITE_HERE_POSTGRES_IN_TEST_SLOW
 @pytest.mark.timeout(300)
 async def test_a_chain_of_20_runs_each_effect_once_per_attempt_through_every_fault(
     tmp_path: Path, store_url: str

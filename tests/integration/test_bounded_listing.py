@@ -32,7 +32,7 @@ from broker.testing.conformance import CHECKS, Check, run_check
 from broker.wire import codec
 from broker.wire import framing as wire
 from broker.wire import messages as protocol
-from tests.conftest import drop_schema, fresh_schema_name, require_postgres
+from tests.conftest import POSTGRES_URL
 from tests.integration.test_operator import _cli, _cli_json, _closed_port
 
 T = TypeVar("T")
@@ -49,14 +49,12 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
         yield adapter
         await adapter.close()
         return
-    schema = fresh_schema_name()
-    adapter = SQLAlchemyAdapter(require_postgres(), schema=schema)
+    adapter = SQLAlchemyAdapter(POSTGRES_URL, schema=request.getfixturevalue("pg_schema"))
     await adapter.setup()
     try:
         yield adapter
     finally:
         await adapter.close()
-        await drop_schema(schema)
 
 
 @contextlib.asynccontextmanager

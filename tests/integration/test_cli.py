@@ -57,6 +57,21 @@ def test_worker_entry_requires_a_task_module(
     assert "--app" in capsys.readouterr().err
 
 
+def test_worker_flags_set_its_side_of_liveness(capsys: pytest.CaptureFixture[str]) -> None:
+    """``broker-worker --ping-interval/--liveness-timeout`` reach its settings, under the
+    rule the main's follow: a timeout not longer than the interval is refused at start."""
+    from broker.ops.cli.options import from_args
+    from broker.worker.settings import WorkerSettings
+
+    given = ["--app", "tests.web_app", "--ping-interval", "0.5", "--liveness-timeout", "3"]
+    settings = from_args(WorkerSettings, cli.worker_parser().parse_args(given))
+    assert (settings.ping_interval, settings.liveness_timeout) == (0.5, 3.0)
+    refused = ["--main", "127.0.0.1:1", "--app", "tests.web_app", "--pooled-runner-count", "0"]
+    code = cli.worker_entry([*refused, "--ping-interval", "5", "--liveness-timeout", "2"])
+    assert code == 1
+    assert "liveness_timeout must be longer than ping_interval" in capsys.readouterr().err
+
+
 def test_broker_enqueue_and_job_against_a_running_main(tmp_path: Path) -> None:
     from adapters.sql import SQLAlchemyAdapter
 

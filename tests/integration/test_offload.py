@@ -20,7 +20,7 @@ from adapters.sql import SQLAlchemyAdapter
 from broker.jobs import CheckpointSave, Claim, Job, JobSpec, JobStatus, Outcome, Settlement
 from broker.main.retention import Retention, prune_once
 from broker.testing import FakeClock
-from tests.conftest import drop_schema, fresh_schema_name, require_postgres
+from tests.conftest import POSTGRES_URL
 
 START = datetime(2030, 1, 1, tzinfo=UTC)
 THRESHOLD = 1000
@@ -58,14 +58,12 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     if request.param == "sqlite":
         s = Store(f"sqlite+aiosqlite:///{tmp_path / 'offload.db'}", None, clock)
     else:
-        s = Store(require_postgres(), fresh_schema_name(), clock)
+        s = Store(POSTGRES_URL, request.getfixturevalue("pg_schema"), clock)
     await s.adapter.setup()
     try:
         yield s
     finally:
         await s.adapter.close()
-        if s.schema is not None:
-            await drop_schema(s.schema)
 
 
 async def _done(store: Store, spec: JobSpec, result: Any, how: Outcome) -> uuid.UUID:

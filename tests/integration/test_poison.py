@@ -45,7 +45,7 @@ from broker.wire import codec
 from broker.wire import messages as protocol
 from broker.worker.worker import Worker
 from runners.inline import InlineRunner
-from tests.conftest import drop_schema, fresh_schema_name, require_postgres
+from tests.conftest import POSTGRES_URL
 from tests.fake_main import FakeMain, job, make_worker, running
 from tests.integration.test_main import _start
 from tests.support import FAST, FakeWorker, until
@@ -53,34 +53,25 @@ from tests.support import FAST, FakeWorker, until
 APPLIED = protocol.AckStatus.APPLIED
 
 
-@contextlib.asynccontextmanager
-async def _sql_store(kind: str, tmp_path: Path) -> AsyncIterator[SQLAlchemyAdapter]:
+def _sql_store(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> SQLAlchemyAdapter:
     if kind == "sqlite":
-        yield SQLAlchemyAdapter(f"sqlite+aiosqlite:///{tmp_path / 'poison.db'}")
-        return
-    schema = fresh_schema_name()
-    try:
-        yield SQLAlchemyAdapter(require_postgres(), schema=schema)
-    finally:
-        await drop_schema(schema)
+        return SQLAlchemyAdapter(f"sqlite+aiosqlite:///{tmp_path / 'poison.db'}")
+    return SQLAlchemyAdapter(POSTGRES_URL, schema=request.getfixturevalue("pg_schema"))
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[StorageAdapter]:
-    async with _sql_store(request.param, tmp_path) as adapter:
-        yield adapter
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> StorageAdapter:
+    return _sql_store(request, request.param, tmp_path)
 
 
 @pytest.fixture
-async def postgres(tmp_path: Path) -> AsyncIterator[StorageAdapter]:
-    async with _sql_store("postgres", tmp_path) as adapter:
-        yield adapter
+def postgres(request: pytest.FixtureRequest, tmp_path: Path) -> StorageAdapter:
+    return _sql_store(request, "postgres", tmp_path)
 
 
 @pytest.fixture
-async def sqlite(tmp_path: Path) -> AsyncIterator[StorageAdapter]:
-    async with _sql_store("sqlite", tmp_path) as adapter:
-        yield adapter
+def sqlite(request: pytest.FixtureRequest, tmp_path: Path) -> StorageAdapter:
+    return _sql_store(request, "sqlite", tmp_path)
 
 
 @contextlib.asynccontextmanager

@@ -22,7 +22,7 @@ from adapters.sql import SQLAlchemyAdapter
 from broker.exceptions import ConfigurationError, StorageError, StorageRejectedError
 from broker.jobs import Claim, ExecutionMode, Job, JobSpec, JobStatus, Outcome, Settlement
 from broker.testing import FakeClock
-from tests.conftest import drop_schema, fresh_schema_name, require_postgres
+from tests.conftest import POSTGRES_URL, require_postgres
 
 START = datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC)
 ALL_MODES = frozenset(ExecutionMode)
@@ -35,9 +35,7 @@ async def store_url(
     if request.param == "sqlite":
         yield f"sqlite+aiosqlite:///{tmp_path / 'hot.db'}", None
         return
-    schema = fresh_schema_name()
-    yield require_postgres(), schema
-    await drop_schema(schema)
+    yield POSTGRES_URL, request.getfixturevalue("pg_schema")
 
 
 async def _open(url: str, schema: str | None, clock: FakeClock, **kw: int) -> SQLAlchemyAdapter:
@@ -258,9 +256,8 @@ async def test_settles_releasing_the_same_keys_in_opposite_orders_all_go_through
             await handle.close()
 
 
-async def test_a_value_postgres_refuses_is_rejected_and_changes_nothing() -> None:
-    schema = fresh_schema_name()
-    store = await _open(require_postgres(), schema, FakeClock(START))
+async def test_a_value_postgres_refuses_is_rejected_and_changes_nothing(pg_schema: str) -> None:
+    store = await _open(POSTGRES_URL, pg_schema, FakeClock(START))
     try:
         job = (await store.enqueue(JobSpec(task="t"))).job
         with pytest.raises(StorageRejectedError):
@@ -270,7 +267,6 @@ async def test_a_value_postgres_refuses_is_rejected_and_changes_nothing() -> Non
         assert claimed is not None
     finally:
         await store.close()
-        await drop_schema(schema)
 
 
 async def test_an_unreachable_postgres_is_transient_trouble_not_a_rejection() -> None:
@@ -296,9 +292,10 @@ async def test_an_unreachable_postgres_is_transient_trouble_not_a_rejection() ->
         await store.close()
 
 
-async def test_claims_and_settles_go_on_while_every_general_connection_is_taken() -> None:
-    schema = fresh_schema_name()
-    store = await _open(require_postgres(), schema, FakeClock(START), pool_size=1)
+async def test_claims_and_settles_go_on_while_every_general_connection_is_taken(
+    pg_schema: str,
+) -> None:
+    store = await _open(POSTGRES_URL, pg_schema, FakeClock(START), pool_size=1)
     held = []
     try:
         job = (await store.enqueue(JobSpec(task="t"))).job
@@ -313,7 +310,6 @@ async def test_claims_and_settles_go_on_while_every_general_connection_is_taken(
         for conn in held:
             await conn.close()
         await store.close()
-        await drop_schema(schema)
 
 
 @pytest.mark.parametrize("field", ["pool_size", "hot_pool_size"])

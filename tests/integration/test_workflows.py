@@ -31,7 +31,7 @@ from broker.tasks.registry import TaskRegistry, task
 from broker.tasks.workflow import workflow_specs
 from broker.wire import messages as protocol
 from broker.wire.credentials import role_needed
-from tests.conftest import drop_schema, fresh_schema_name, require_postgres
+from tests.conftest import POSTGRES_URL
 from tests.integration.test_operator import _cli, _cli_json, _closed_port
 from tests.support import FAST, FakeWorker, running_main, until
 
@@ -64,18 +64,13 @@ STORES: dict[str, Callable[[Path], StorageAdapter]] = {
 async def any_store(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> AsyncIterator[StorageAdapter]:
-    """The workflow reads and notices on every adapter, PostgreSQL in a fresh schema."""
+    """The workflow reads and notices on every adapter, PostgreSQL in an empty schema."""
     if request.param != "postgres":
         yield STORES[request.param](tmp_path)
         return
     from adapters.sql import SQLAlchemyAdapter
 
-    schema = fresh_schema_name()
-    store = SQLAlchemyAdapter(require_postgres(), schema=schema)
-    try:
-        yield store
-    finally:
-        await drop_schema(schema)
+    yield SQLAlchemyAdapter(POSTGRES_URL, schema=request.getfixturevalue("pg_schema"))
 
 
 def _run(job: Any) -> Any:
