@@ -65,6 +65,9 @@ async def test_json_fields_are_the_codes_own_and_keep_their_types(tmp_path: Path
             *("--log-format", "json", "--log-level", "DEBUG"),
         )
         await worker.wait_for_output("connected to main")
+        # Its tasks' queue ("logs") reaches jobs enqueued by name once the main has the
+        # declarations, which follow "connected" on their own (see Cluster.start_worker).
+        await main.wait_for_output("tasks declared")
         async with Client("127.0.0.1", cluster.port, allow_unknown_tasks=True) as client:
             ok = await client.enqueue(f"{APP}.ok")
             boom = await client.enqueue(f"{APP}.boom")
