@@ -42,6 +42,12 @@ READ_AHEAD_MAX_AGE = 0.05
 job, a retry's back-off ending), which no notification announces, waits at most this long
 behind jobs read before it, however busy the dispatcher is."""
 
+MERGED_MAX = 2
+"""A read-ahead holds at most this many times the jobs its read asked for, counting the
+jobs the main enqueued before it that took their place in it (:meth:`ReadAhead.inserted`):
+while no worker has a free slot no pass takes from it, and a stream of urgent jobs would
+otherwise grow it without end."""
+
 
 class NextRun(NamedTuple):
     """A next run time read from the store, and what it was read under."""
@@ -397,7 +403,8 @@ class ReadAhead:
         dispatch order, so the read still holds the store's best jobs. Not when one of
         them ties with where the read ended (the store's insert order decides the tie,
         and jobs of that key the read left out may come first) or has a concurrency key
-        (a read holding one serves a single pass): the next pass reads the store.
+        (a read holding one serves a single pass), nor past :data:`MERGED_MAX` times
+        the read's size: the next pass reads the store.
 
         Why: producers enqueueing one job at a time while the workers drain made every
         pass read the store again, at the smallest size. And an urgent job, enqueued
@@ -428,6 +435,8 @@ class ReadAhead:
                 kept = False
             else:
                 merged.append(result.job)
+        if len(self._jobs) + len(merged) > MERGED_MAX * self._limit:
+            kept = False  # a burst while no pass takes from it: bounded, not grown for ever
         if kept:
             self._started = after
             if merged:

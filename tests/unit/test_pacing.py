@@ -299,6 +299,12 @@ def test_a_job_that_ties_where_the_read_ended_or_has_a_key_retires_it() -> None:
         ahead.fill(jobs, {POOLED}, None, 4, started=0, now=0.0)
         assert ahead.inserted(0, 1, added) == 1
         assert ahead.serve({POOLED}, None, 1, 1, 0.0) is None
+    # Nor a burst past twice what the read asked for (no pass takes from it meanwhile).
+    ahead = ReadAhead()
+    ahead.fill(jobs[:2], {POOLED}, None, 2, started=0, now=0.0)
+    assert ahead.inserted(0, 1, [_enqueued(priority=5) for _ in range(2)]) == 2
+    assert ahead.inserted(1, 2, [_enqueued(priority=5)]) == 1
+    assert ahead.serve({POOLED}, None, 1, 2, 0.0) is None
     # Nor does an insert bring a read that was already out of date back.
     ahead = ReadAhead()
     ahead.fill(jobs, {POOLED}, None, 4, started=0, now=0.0)
