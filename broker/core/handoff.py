@@ -65,11 +65,13 @@ from broker.core.waiting import STALL as STALL
 from broker.core.waiting import STALL_AFTERMATH as STALL_AFTERMATH
 from broker.core.waiting import Parked, WaitingLeases
 from broker.jobs import (
+    DispatchKey,
     ExecutionMode,
     Job,
     JobSpec,
     JobStatus,
     ProgressUpdate,
+    dispatch_key,
     random_uuid,
 )
 from broker.model.bounds import MAX_CREDIT
@@ -79,6 +81,10 @@ from broker.settlement import claimable_at_enqueue
 from broker.wire import messages as protocol
 
 logger = logging.getLogger("broker.main")
+
+Leads = Callable[[ExecutionMode, str, DispatchKey], bool]
+"""Whether a job of a mode, in a queue, that stands at a key of the dispatch order would
+stand before every job of its mode still waiting (:meth:`Handoff.plan_at_enqueue`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -581,26 +587,38 @@ class Handoff:
         (:meth:`DrainedModes.read`)."""
         self._proofs.read(started, modes, full=full, queues=queues)
 
-    def plan_at_enqueue(self, specs: Sequence[JobSpec], now: datetime) -> list[PlannedClaim | None]:
+    def plan_at_enqueue(
+        self,
+        specs: Sequence[JobSpec],
+        now: datetime,
+        leads: Leads | None = None,
+    ) -> list[PlannedClaim | None]:
         """For each job about to be enqueued, a worker and a lease if it can start at once:
-        its mode is drained (no waiting job would be overtaken), it is due, has no
+        no waiting job would be overtaken (its mode is drained, or ``leads`` says it
+        stands before every job of its mode still waiting: see
+        :meth:`ReadAhead.leads <broker.core.pacing.ReadAhead.leads>`), it is due, has no
         concurrency key, neither its queue has settings nor its task a rate limit (their
-        jobs go through the dispatcher, which asks :mod:`broker.core.flow`), and a serving worker
-        has a free slot. The slot is reserved and the
-        lease minted here, before the insert, exactly as :meth:`plan` does for a claim; the
-        store's answer comes back through :meth:`claimed` (or :meth:`claim_unknown`)."""
+        jobs go through the dispatcher, which asks :mod:`broker.core.flow`), and a serving
+        worker has a free slot. The slot is reserved and the lease minted here, before
+        the insert, exactly as :meth:`plan` does for a claim; the store's answer comes
+        back through :meth:`claimed` (or :meth:`claim_unknown`)."""
         drained = self._proofs.modes
         covered = bool(drained) and self._proofs.covers(self.served_queues())
-        jobs = [
-            Job.from_spec(spec, now)
-            if covered
-            and spec.execution_mode in drained
-            and claimable_at_enqueue(spec, now)
-            and not self.flow.governed(spec.queue)
-            and not self.flow.limits(spec.task)
-            else None
-            for spec in specs
-        ]
+        flow = self.flow
+        jobs: list[Job | None] = []
+        for spec in specs:
+            mode = spec.execution_mode
+            first = (covered and mode in drained) or (
+                leads is not None
+                and leads(mode, spec.queue, dispatch_key(spec.priority, spec.run_at or now, now))
+            )
+            go = (
+                first
+                and claimable_at_enqueue(spec, now)
+                and not flow.governed(spec.queue)
+                and not flow.limits(spec.task)
+            )
+            jobs.append(Job.from_spec(spec, now) if go else None)
         # One plan for them all, in order, as one plan per job would place them (the same
         # rotation, each reservation seen by the next), without a walk over every worker
         # per job. A new job has no state holder, so the time affinity judges by is moot.

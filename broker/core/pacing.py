@@ -17,6 +17,7 @@ together, without an event loop or a store.
 
 from __future__ import annotations
 
+import bisect
 import operator
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -40,6 +41,12 @@ READ_AHEAD_MAX_AGE = 0.05
 """Seconds a read-ahead serves passes: a job that became due by time alone (a scheduled
 job, a retry's back-off ending), which no notification announces, waits at most this long
 behind jobs read before it, however busy the dispatcher is."""
+
+MERGED_MAX = 2
+"""A read-ahead holds at most this many times the jobs its read asked for, counting the
+jobs the main enqueued before it that took their place in it (:meth:`ReadAhead.inserted`):
+while no worker has a free slot no pass takes from it, and a stream of urgent jobs would
+otherwise grow it without end."""
 
 
 class NextRun(NamedTuple):
@@ -174,8 +181,11 @@ class Pacing:
         Why: such a job (an urgent one) would otherwise wait for a claim in flight to
         answer, then go out in the next pass's claim with as many of the backlog's jobs
         as there are free slots (up to the claim batch): a larger claim to commit and
-        send. An express pass reads just that many of the best jobs (the urgent ones
-        first, being the best) and claims them apart, one claim beyond the cap."""
+        send. An express pass takes just that many of the best jobs (the urgent ones
+        first, being the best), from the read-ahead when their insert kept it current
+        (:meth:`ReadAhead.inserted`), else from a read of the store, and claims them
+        apart, one claim beyond the cap. (An urgent job that finds a free slot at its
+        enqueue needs no pass at all: :meth:`ReadAhead.leads`.)"""
         if overtaking <= 0 or claims > cap:
             return 0
         return overtaking
@@ -254,6 +264,11 @@ class Pacing:
 
 
 _ordered_by = operator.attrgetter(*DISPATCH_KEY_FIELDS)
+
+
+def _dispatch_order(job: Job) -> DispatchKey:
+    """Where ``job`` stands in the dispatch order."""
+    return dispatch_key(*_ordered_by(job))
 
 
 class ReadAhead:
@@ -376,36 +391,92 @@ class ReadAhead:
         self._held = len(jobs)
         self._complete = len(jobs) < limit
         last = jobs[-1] if jobs else None
-        self._cutoff = None if last is None else dispatch_key(*_ordered_by(last))
+        self._cutoff = None if last is None else _dispatch_order(last)
         self._keep = all(job.concurrency_key is None for job in jobs)
 
     def inserted(self, before: int, after: int, added: Sequence[EnqueueResult]) -> int:
         """The change from count ``before`` to ``after`` was the insert of the queued jobs
         ``added`` (:meth:`Handoff.jobs_added`). When the read held was current before it,
-        and each of them is of another mode or stands after everything the read held,
-        the read still holds the store's best jobs: it stays current (but no longer holds
-        every job of its modes).
+        it stays current: each of them is of another mode, or stands after everything the
+        read held (then the read no longer holds every job of its modes), or stands
+        before where the read ended and takes its place among the jobs held, in the
+        dispatch order, so the read still holds the store's best jobs. Not when one of
+        them ties with where the read ended (the store's insert order decides the tie,
+        and jobs of that key the read left out may come first) or has a concurrency key
+        (a read holding one serves a single pass), nor past :data:`MERGED_MAX` times
+        the read's size: the next pass reads the store.
 
         Why: producers enqueueing one job at a time while the workers drain made every
-        pass read the store again, at the smallest size.
+        pass read the store again, at the smallest size. And an urgent job, enqueued
+        before what the read held, made it out of date until the next pass read again,
+        so the next urgent job could not be handed off at its enqueue
+        (:meth:`leads`): at one every 25 ms during a drain, four in five waited for a
+        pass and a claim of their own.
 
-        Returns how many of ``added`` stand before what the read held (0 when it was out
-        of date already): jobs that overtake the backlog the dispatcher is working
-        through, for an express pass (:meth:`Pacing.express`)."""
+        Returns how many of ``added`` stand before what the read held, or tie with where
+        it ended (0 when it was out of date already): jobs that overtake the backlog the
+        dispatcher is working through, for an express pass (:meth:`Pacing.express`)."""
         if self._started != before or not self._keep or self._cutoff is None:
             return 0
         cutoff = self._cutoff
         overtaking = 0
+        kept = True
+        behind = False
+        merged: list[Job] = []
         for result in added:
             if result.field("execution_mode") not in self._modes:
                 continue
             key = dispatch_key(*(result.field(name) for name in DISPATCH_KEY_FIELDS))
-            if key <= cutoff:  # a tie may go either way: the store's insert order decides
-                overtaking += 1
-        if overtaking == 0:
+            if key > cutoff:
+                behind = True
+                continue
+            overtaking += 1
+            if key == cutoff or result.field("concurrency_key") is not None:
+                kept = False
+            else:
+                merged.append(result.job)
+        if len(self._jobs) + len(merged) > MERGED_MAX * self._limit:
+            kept = False  # a burst while no pass takes from it: bounded, not grown for ever
+        if kept:
             self._started = after
-            self._complete = False
+            if merged:
+                held = list(self._jobs)  # the read's list is the caller's: not in place
+                for job in merged:
+                    bisect.insort(held, job, key=_dispatch_order)
+                self._jobs = held
+                self._held += len(merged)
+            if behind:
+                self._complete = False
         return overtaking
+
+    def leads(
+        self, mode: ExecutionMode, queue: str, key: DispatchKey, started: int, now: float
+    ) -> bool:
+        """Whether a job of ``mode`` in ``queue`` that stands at ``key`` in the dispatch
+        order, enqueued now, stands before every job of its mode still waiting in the
+        store, as the read held tells (at change count ``started`` and loop time
+        ``now``): the read is current and kept (the same terms as :meth:`serve`), it was
+        read for that mode and queue, and the job stands before the first job of its mode
+        the read still holds (the store's best one not yet planned); when it holds none,
+        before where the read ended, or before anything when the read held every
+        eligible job. A tie is not a lead: the store's insert order decides it.
+
+        Why: in a drain no mode is ever proven drained, so the enqueue could hand no job
+        off at once (:meth:`Handoff.plan_at_enqueue
+        <broker.core.handoff.Handoff.plan_at_enqueue>`), and an urgent job waited for a
+        pass to read it and a claim of its own: two more round trips to the store, each
+        behind the drain's work on the main's loop (issue 35: half of its wait). Handed
+        off in its own insert, it overtakes only jobs that stand after it."""
+        if not self._keep or self._started != started or self._aged(now):
+            return False
+        if mode not in self._modes or (self._queues is not None and queue not in self._queues):
+            return False
+        for job in self._jobs:
+            if job.execution_mode is mode:
+                return key < _dispatch_order(job)
+        if self._complete:
+            return True
+        return self._cutoff is not None and key < self._cutoff
 
     def planned(self, plan: Sequence[PlannedClaim]) -> None:
         """These jobs are being claimed: never serve them again."""

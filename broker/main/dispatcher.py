@@ -40,7 +40,7 @@ from broker.core import pacing
 from broker.core.handoff import ClaimJobs, Handoff, HandoffEffect, PlannedClaim
 from broker.core.pacing import Pacing, ReadAhead
 from broker.exceptions import transient
-from broker.jobs import Clock, EnqueueResult, ExecutionMode, Job
+from broker.jobs import Clock, DispatchKey, EnqueueResult, ExecutionMode, Job
 from broker.main.loops import retrying
 from broker.model.logs import log_event
 from broker.storage import StorageAdapter, SupportsNotify
@@ -109,6 +109,17 @@ class Dispatcher:
         self._overtaking += self._ahead.inserted(before, core.queue_changes, added)
         if Pacing.worth_a_pass(core.credit()):
             self._wake.set()
+
+    def leads(self, mode: ExecutionMode, queue: str, key: DispatchKey) -> bool:
+        """Whether a job about to be enqueued would stand before every job of its mode
+        still waiting in the store, as the read-ahead knows (:meth:`ReadAhead.leads`):
+        the enqueue may then hand it off at once (:meth:`Handoff.plan_at_enqueue`). Never
+        while some queue has settings or some task a rate limit: every pass then reads
+        the store, and the read-ahead is not kept."""
+        core = self._handoff
+        if core.flow.limiting:
+            return False
+        return self._ahead.leads(mode, queue, key, core.queue_changes, self._now())
 
     def wake(self) -> None:
         """Ask for another pass (coalesced: many wakes, one pass) if it is worth one
@@ -284,11 +295,19 @@ class Dispatcher:
         started = core.queue_changes
         now = self._now()
         blocked = core.flow.leave_out(now)
-        self._overtaking = 0  # this pass reads the store: it finds them first
+        self._overtaking = 0  # this pass finds them first
         if express:
+            # The read-ahead holds the overtaking jobs when the insert kept it current
+            # (ReadAhead.inserted): no read then, just their claim.
             size = min(size, express + held)
-            jobs = await self._read(modes, queues, size, blocked)
-            full = len(jobs) == size
+            served = (
+                None if core.flow.limiting else self._ahead.serve(modes, queues, size, started, now)
+            )
+            if served is None:
+                jobs = await self._read(modes, queues, size, blocked)
+                full = len(jobs) == size
+            else:
+                jobs, full = served
         else:
             jobs, full = await self._eligible(modes, queues, size, started, blocked)
         now = self._now()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Sequence
 
-from broker.core.handoff import Handoff, HandoffEffect
+from broker.core.handoff import Handoff, HandoffEffect, Leads
 from broker.jobs import Clock, EnqueueResult, JobSpec, JobStatus
 from broker.storage import JobFilter, StorageAdapter, SupportsEnqueueHandedOff
 
@@ -30,11 +30,14 @@ class EnqueueHandoff:
         *,
         carry: Callable[[Sequence[HandoffEffect]], None],
         enqueued: Callable[[list[EnqueueResult]], None],
+        leads: Leads,
         stopping: Callable[[], bool],
         clock: Clock,
     ) -> None:
         """``carry`` carries out the core's effects; ``enqueued`` tells the dispatcher
-        of the jobs stored queued."""
+        of the jobs stored queued; ``leads`` is the dispatcher's word on whether a job
+        would overtake none still waiting (:meth:`Dispatcher.leads
+        <broker.main.dispatcher.Dispatcher.leads>`)."""
         self._store = store
         self._handed_off_store = store if isinstance(store, SupportsEnqueueHandedOff) else None
         """The store, if it can hand jobs off at enqueue (checked once: a runtime protocol
@@ -42,6 +45,7 @@ class EnqueueHandoff:
         self._handoff = handoff
         self._carry = carry
         self._enqueued = enqueued
+        self._leads = leads
         self._stopping = stopping
         self._clock = clock
 
@@ -55,7 +59,7 @@ class EnqueueHandoff:
         plans = (
             []
             if store is None or self._stopping()
-            else self._handoff.plan_at_enqueue(specs, self._clock())
+            else self._handoff.plan_at_enqueue(specs, self._clock(), self._leads)
         )
         planned = [p for p in plans if p is not None]
         leased: set[uuid.UUID] = set()

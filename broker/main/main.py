@@ -112,6 +112,7 @@ class Main:
                     self.handoff,
                     carry=self._carry,
                     enqueued=lambda results: self.leader.dispatcher.enqueued(results),
+                    leads=lambda mode, queue, key: self.leader.dispatcher.leads(mode, queue, key),
                     stopping=lambda: self._stopping,
                     clock=clock,
                 ).commit,

@@ -510,12 +510,12 @@ async def test_a_steady_drain_reads_ahead_and_a_change_reads_the_store_again() -
     assert len({s.job.id for s in sent}) == 22  # no job sent twice
 
 
-async def test_an_enqueue_behind_the_read_ahead_keeps_it_and_one_ahead_reads_again() -> None:
+async def test_an_enqueue_behind_the_read_ahead_keeps_it_and_one_ahead_goes_express() -> None:
     """The main's own enqueue of a job that stands after everything the read-ahead holds
     leaves it serving: producers enqueueing one job at a time while the workers drain
-    cost no read each. A job that stands before (a higher priority) makes the next pass
-    an express one (issue 35): it reads the store for that one job and claims it alone,
-    and the pass after reads for the backlog again."""
+    cost no read each. A job that stands before (a higher priority) takes its place in
+    the read-ahead and makes the next pass an express one (issue 35): it claims that one
+    job alone, without a read, and the read-ahead goes on serving the backlog."""
     store, core, sent, d = await steady_drain()
     assert store.limits == [2, 4, 8, 8]  # the last read of 8 holds 2 jobs more
     d.enqueued(await store.enqueue_many([JobSpec(task="t")]))
@@ -527,7 +527,7 @@ async def test_an_enqueue_behind_the_read_ahead_keeps_it_and_one_ahead_reads_aga
     await dispatched(d, sent, 23)
     assert sent[22].job.id == urgent.job.id, "claimed alone, first"
     await dispatched(d, sent, 24)
-    assert store.limits[4:] == [1, 1]
+    assert store.limits[4:] == [8], "the backlog's next read, at the read-ahead's size"
     assert len({s.job.id for s in sent}) == 24  # no job sent twice
 
 

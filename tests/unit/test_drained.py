@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker.core.handoff import Handoff, PlannedClaim
-from broker.jobs import ExecutionMode, JobSpec
+from broker.jobs import DispatchKey, ExecutionMode, JobSpec, dispatch_key
+from broker.storage import QueueSettings
 from broker.wire import messages as protocol
 from tests.unit.conftest import PROFILE
 
@@ -96,6 +97,29 @@ def test_jobs_not_due_with_a_concurrency_key_or_without_a_free_slot_wait() -> No
     assert [p is not None for p in plans] == [False, False, False, True, False]
     assert plans[3] is not None and plans[3].job.id == first.id
     assert isinstance(plans[3].lease, uuid.UUID)
+
+
+def test_during_a_drain_a_job_that_leads_takes_a_free_slot_at_enqueue() -> None:
+    """Issue 35: no mode is drained while a backlog drains, but a job that stands before
+    every job still waiting of its mode (``leads``, the read-ahead's word) may go at
+    once all the same, on the same terms: due, no key, a free slot, no queue settings."""
+    core = _core_with_idle_worker(slots=2)
+    asked: list[tuple[ExecutionMode, str, DispatchKey]] = []
+
+    def leads(mode: ExecutionMode, queue: str, key: DispatchKey) -> bool:
+        asked.append((mode, queue, key))
+        return key[0] < 0  # a priority above the backlog's 0
+
+    backlog, urgent = JobSpec(task="t"), JobSpec(task="t", priority=10, queue="q")
+    later = JobSpec(task="t", priority=10, run_at=NOW + timedelta(seconds=5))
+    plans = core.plan_at_enqueue([backlog, later, urgent], NOW, leads)
+    assert [p is not None for p in plans] == [False, False, True]
+    assert (POOLED, "q", dispatch_key(10, NOW, NOW)) in asked
+    assert core.credit(POOLED) == 1, "its slot reserved before the insert"
+    core.flow.apply(QueueSettings("q", paused=True))
+    assert core.plan_at_enqueue([urgent], NOW, leads) == [None], "a queue with settings"
+    assert core.plan_at_enqueue([JobSpec(task="t", priority=10)], NOW, leads) != [None]
+    assert core.plan_at_enqueue([JobSpec(task="t", priority=10)], NOW, leads) == [None]
 
 
 @settings(settings.get_profile(PROFILE))

@@ -251,9 +251,17 @@ def test_a_read_holding_a_keyed_job_serves_one_pass_only() -> None:
     assert ahead.read_size({POOLED}, None, 1, 0, batch=100, now=0.0) == 1
 
 
-def _enqueued(priority: int = 0, mode: ExecutionMode = POOLED) -> EnqueueResult:
+def _enqueued(
+    priority: int = 0, mode: ExecutionMode = POOLED, key: str | None = None
+) -> EnqueueResult:
     """The result of the main's enqueue of one job, created now."""
-    spec = JobSpec(task="t", priority=priority, execution_mode=mode)
+    spec = JobSpec(
+        task="t",
+        priority=priority,
+        execution_mode=mode,
+        concurrency_key=key,
+        concurrency_limit=None if key is None else 1,
+    )
     return EnqueueResult.inserted(new_job_fields(spec, utcnow()))
 
 
@@ -271,19 +279,70 @@ def test_the_read_ahead_outlives_an_insert_only_of_jobs_that_stand_after_it() ->
     assert ahead.serve({POOLED}, None, 1, 2, 0.0) == (jobs[:1], True)
 
 
-def test_a_job_that_may_stand_before_the_read_ahead_retires_it() -> None:
+def test_a_job_enqueued_before_the_read_ahead_takes_its_place_in_it() -> None:
+    """Issue 35: an urgent job enqueued during a drain keeps the read current, first in
+    it, so the job after it may still be handed off at its enqueue (see
+    ``ReadAhead.leads``)."""
+    jobs = [_job() for _ in range(4)]
+    ahead = ReadAhead()
+    ahead.fill(jobs, {POOLED}, None, 4, started=0, now=0.0)
+    urgent = _enqueued(priority=5)
+    assert ahead.inserted(0, 1, [urgent]) == 1
+    assert ahead.serve({POOLED}, None, 2, 1, 0.0) == ([urgent.job, jobs[0]], True)
+
+
+def test_a_job_that_ties_where_the_read_ended_or_has_a_key_retires_it() -> None:
     jobs = [_job() for _ in range(4)]
     tie = EnqueueResult(jobs[-1], duplicate=False)  # where the read ended: the store decides
-    for added in ([_enqueued(priority=5)], [_enqueued(), tie]):
+    for added in ([_enqueued(), tie], [_enqueued(priority=5, key="k")]):
         ahead = ReadAhead()
         ahead.fill(jobs, {POOLED}, None, 4, started=0, now=0.0)
-        ahead.inserted(0, 1, added)
+        assert ahead.inserted(0, 1, added) == 1
         assert ahead.serve({POOLED}, None, 1, 1, 0.0) is None
+    # Nor a burst past twice what the read asked for (no pass takes from it meanwhile).
+    ahead = ReadAhead()
+    ahead.fill(jobs[:2], {POOLED}, None, 2, started=0, now=0.0)
+    assert ahead.inserted(0, 1, [_enqueued(priority=5) for _ in range(2)]) == 2
+    assert ahead.inserted(1, 2, [_enqueued(priority=5)]) == 1
+    assert ahead.serve({POOLED}, None, 1, 2, 0.0) is None
     # Nor does an insert bring a read that was already out of date back.
     ahead = ReadAhead()
     ahead.fill(jobs, {POOLED}, None, 4, started=0, now=0.0)
     ahead.inserted(1, 2, [_enqueued()])
     assert ahead.serve({POOLED}, None, 1, 2, 0.0) is None
+
+
+def _key(result: EnqueueResult) -> DispatchKey:
+    job = result.job
+    return dispatch_key(job.priority, job.run_at, job.created_at)
+
+
+def test_a_job_leads_only_before_every_job_still_waiting_of_its_mode() -> None:
+    """``ReadAhead.leads``: what an enqueue may hand off at once during a drain."""
+    jobs = [_job() for _ in range(4)]
+    ahead = ReadAhead()
+    urgent, later = _key(_enqueued(priority=5)), _key(_enqueued())
+    assert not ahead.leads(POOLED, "default", urgent, 0, 0.0), "nothing read yet"
+    ahead.fill(jobs, {POOLED}, {"default"}, 4, started=0, now=0.0)
+    assert ahead.leads(POOLED, "default", urgent, 0, 0.0)
+    assert not ahead.leads(POOLED, "default", later, 0, 0.0), "the backlog goes first"
+    assert not ahead.leads(INLINE, "default", urgent, 0, 0.0), "a mode not read"
+    assert not ahead.leads(POOLED, "other", urgent, 0, 0.0), "a queue not read"
+    assert not ahead.leads(POOLED, "default", urgent, 1, 0.0), "something changed"
+    assert not ahead.leads(POOLED, "default", urgent, 0, READ_AHEAD_MAX_AGE + 0.01)
+    # Its first job is the store's best one waiting: one queued before the urgent one wins.
+    first = _enqueued(priority=9)
+    ahead.inserted(0, 1, [first])
+    assert not ahead.leads(POOLED, "default", urgent, 1, 0.0)
+    ahead.planned([PlannedClaim(1, "w", first.job, uuid.uuid4())])  # being claimed
+    assert ahead.leads(POOLED, "default", urgent, 1, 0.0)
+    # All planned: before where the read ended, or anything if it held every job.
+    ahead.planned([PlannedClaim(1, "w", job, uuid.uuid4()) for job in jobs])
+    assert not ahead.leads(POOLED, "default", later, 1, 0.0), "the read left some out"
+    assert ahead.leads(POOLED, "default", urgent, 1, 0.0)
+    ahead.fill(jobs[:2], {POOLED}, {"default"}, 4, started=1, now=0.0)
+    ahead.planned([PlannedClaim(1, "w", job, uuid.uuid4()) for job in jobs[:2]])
+    assert ahead.leads(POOLED, "default", later, 1, 0.0), "it held every job"
 
 
 def test_an_insert_says_how_many_of_its_jobs_overtake_the_read_ahead() -> None:
@@ -294,7 +353,8 @@ def test_an_insert_says_how_many_of_its_jobs_overtake_the_read_ahead() -> None:
     ahead.fill(jobs, {POOLED}, None, 4, started=0, now=0.0)
     assert ahead.inserted(0, 1, [_enqueued()]) == 0
     assert ahead.inserted(1, 2, [_enqueued(priority=5), _enqueued(), _enqueued(priority=9)]) == 2
-    assert ahead.inserted(2, 3, [_enqueued(priority=9)]) == 0, "out of date since the last"
+    assert ahead.inserted(2, 3, [_enqueued(priority=9)]) == 1, "the last kept it current"
+    assert ahead.inserted(5, 6, [_enqueued(priority=9)]) == 0, "out of date"
 
 
 def test_an_express_pass_goes_one_claim_beyond_the_cap_and_no_further() -> None:
@@ -309,6 +369,7 @@ STEPS = st.lists(
         st.tuples(st.just("read"), st.integers(1, 6)),
         st.tuples(st.just("insert"), st.sampled_from([-1, 0, 0, 5])),
         st.tuples(st.just("serve"), st.integers(1, 4)),
+        st.tuples(st.just("enqueue"), st.sampled_from([0, 5, 9])),
     ),
     max_size=40,
 )
@@ -320,7 +381,9 @@ def test_the_read_ahead_only_ever_serves_the_stores_best_jobs(steps: list[tuple[
     """The priority rule on the main's side (issue 35): across any interleaving of reads,
     the main's own enqueues (of any priority) and passes, what the read-ahead serves is
     always the best jobs the store holds, in dispatch order, so a job enqueued with a
-    higher priority is never passed over for one read before it."""
+    higher priority is never passed over for one read before it; and a job it says
+    leads (which the enqueue hands off at once, never stored queued) stands before every
+    job the store holds."""
     store: list[Job] = []
     changes = 0
     ahead = ReadAhead()
@@ -339,6 +402,14 @@ def test_the_read_ahead_only_ever_serves_the_stores_best_jobs(steps: list[tuple[
         best = sorted(store, key=order)
         if step == "read":
             ahead.fill(best[:value], {POOLED}, None, value, started=changes, now=0.0)
+        elif step == "enqueue":
+            job = new_job(value)
+            if ahead.leads(POOLED, job.queue, order(job), changes, 0.0):
+                assert all(order(job) < order(other) for other in store), "overtook one"
+            else:
+                store.append(job)
+                changes += 1
+                ahead.inserted(changes - 1, changes, [EnqueueResult(job, duplicate=False)])
         elif step == "insert":
             job = new_job(value)
             store.append(job)
