@@ -1,6 +1,6 @@
 """One enqueue at a time, two checkouts and PgQueuer in tight turns: an A/B for a loaded machine.
 
-    .venv/bin/python bench/enqueue_ab.py --before /path/to/checkout [--blocks 30] [--block 50]
+    .venv/bin/python -m bench.enqueue_ab --before DIR [--after DIR] [--blocks 40] [--block 50]
 
 ``bench.enqueue_bench`` runs each system in a process of its own, one after the other,
 and on a machine shared with other work the load moves between those runs: PgQueuer's
@@ -13,8 +13,9 @@ its main (``/proc/PID/schedstat``); the rate is jobs over the summed wall time, 
 median block is shown beside it.
 
 Sides: ``before`` (the broker at ``--before``, through its main and direct, the
-producer's own asyncpg connection), ``after`` (the broker of this checkout, the same
-two paths) and ``pgqueuer`` (in its ``.venv-peers`` environment, left out when that is
+producer's own asyncpg connection), ``after`` (the broker at ``--after``, by default
+this checkout, the same two paths; ``--after`` the same as ``--before`` measures the
+noise) and ``pgqueuer`` (in its ``.venv-peers`` environment, left out when that is
 missing). Each runs under its own database suffix, so none drops another's store.
 """
 
@@ -119,7 +120,10 @@ class Side:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--before", type=Path, help="a checkout of the broker to compare with")
-    p.add_argument("--blocks", type=int, default=30)
+    p.add_argument("--blocks", type=int, default=40)
+    p.add_argument(
+        "--after", type=Path, default=HERE, help="the checkout measured (default: this one)"
+    )
     p.add_argument("--block", type=int, default=50, help="jobs a turn")
     p.add_argument("--system", default="broker-postgres")
     p.add_argument("--serve", help=argparse.SUPPRESS)
@@ -131,7 +135,7 @@ def main() -> None:
     broker_python = str(HERE / ".venv" / "bin" / "python")
     if args.before is not None:
         sides.append(Side("before", broker_python, args.before.resolve(), args.system))
-    sides.append(Side("after", broker_python, HERE, args.system))
+    sides.append(Side("after", broker_python, args.after.resolve(), args.system))
     pgqueuer = HERE / ".venv-peers" / "pgqueuer" / "bin" / "python"
     if pgqueuer.exists():
         sides.append(Side("pgqueuer", str(pgqueuer), HERE, "pgqueuer"))
