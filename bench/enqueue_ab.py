@@ -142,8 +142,11 @@ def main() -> None:
     loads = [os.getloadavg()[0]]
     rows: dict[tuple[str, str], list[dict[str, float]]] = {}
     try:
-        for _ in range(args.blocks):
-            for side in sides:
+        for turn in range(args.blocks):
+            # Every other turn in the reverse order: in an A/A run with a fixed order,
+            # the side that went second was 6-8% cheaper per job, as much as the
+            # change being measured.
+            for side in sides if turn % 2 == 0 else sides[::-1]:
                 for phase in side.phases:
                     rows.setdefault((side.name, phase), []).append(side.run(phase, args.block))
             loads.append(os.getloadavg()[0])
