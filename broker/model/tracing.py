@@ -13,7 +13,7 @@ ever valid, lines carry no ids and jobs no context. See ``docs/howto/tracing.md`
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 try:
@@ -61,21 +61,22 @@ def inject() -> dict[str, str] | None:
     return carrier or None
 
 
-@contextlib.contextmanager
-def enqueue_span(task: str) -> Iterator[None]:
+_NO_SPAN = contextlib.nullcontext()
+
+
+def enqueue_span(task: str) -> contextlib.AbstractContextManager[object]:
     """Around a client's enqueue of one job of ``task``: a producer span, active meanwhile
     so that :func:`inject` gives the job its context. Only inside an active span (an
-    enqueue outside any trace starts none); an exception raised out of it marks the span
-    failed."""
+    enqueue outside any trace starts none, and gets a context manager that does nothing,
+    with no generator to run: one enqueue at a time, that cost about 2 us in each); an
+    exception raised out of it marks the span failed (``start_as_current_span`` does)."""
     if not _in_span():
-        yield
-        return
-    with _TRACER.start_as_current_span(
+        return _NO_SPAN
+    return _TRACER.start_as_current_span(
         f"broker.enqueue {task}",
         kind=trace.SpanKind.PRODUCER,
         attributes={"broker.task": task},
-    ):
-        yield
+    )
 
 
 def dispatch(

@@ -263,3 +263,17 @@ def test_the_soak_summary_takes_the_spread_of_the_samples() -> None:
     ]
     s = rss_soak.summarize(samples)
     assert (s["first_mb"], s["last_mb"], s["max_minus_min_mb"]) == (55.0, 68.0, 15.0)
+
+
+def test_the_enqueue_ab_rates_each_side_by_its_summed_turns_and_over_pgqueuers() -> None:
+    from bench import enqueue_ab
+
+    turn = {"producer": 0.02, "main": 0.05}
+    rows = {
+        ("after", "one"): [{"wall": 1.0, **turn}, {"wall": 3.0, **turn}],
+        ("pgqueuer", "one"): [{"wall": 1.0, **turn}, {"wall": 1.0, **turn}],
+    }
+    lines = enqueue_ab.table(rows, 100)
+    # 200 jobs in 4 s; median turn of 100 and 33.3 jobs/s; PgQueuer's 200 in 2 s.
+    assert lines[2] == "| after | through the main | 50 | 67 | 0.50 | 200 | 500 |"
+    assert lines[3] == "| pgqueuer | Queries.enqueue | 100 | 100 | 1.00 | 200 | 500 |"
