@@ -4,6 +4,8 @@ reads its index in order instead of sorting every queued row."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import asyncpg
 
@@ -58,13 +60,7 @@ async def test_a_bulk_enqueue_refreshes_statistics_and_dispatch_uses_the_index()
 async def test_a_read_for_a_mode_without_queued_jobs_walks_no_other_modes_rows() -> None:
     """Dispatch reads each mode with free slots; a mode with nothing queued must come
     back empty from the index alone, not after walking the other modes' backlog."""
-    url = require_postgres()
-    schema = fresh_schema_name()
-    store = SQLAlchemyAdapter(url, schema=schema)
-    dsn = url.replace("postgresql+asyncpg://", "postgresql://", 1)
-    conn = await asyncpg.connect(dsn, server_settings={"plan_cache_mode": "force_generic_plan"})
-    try:
-        await store.setup()
+    async with _planning_store() as (store, conn, schema):
         await store.enqueue_many([JobSpec(task="t.x") for _ in range(600)])  # all pooled
         await conn.execute(f'ANALYZE "{schema}".broker_jobs')
         eligible = store._dialect._sql.eligible
@@ -83,23 +79,13 @@ async def test_a_read_for_a_mode_without_queued_jobs_walks_no_other_modes_rows()
             modes=[ExecutionMode.FORKED, ExecutionMode.POOLED], limit=5
         )
         assert [j.execution_mode for j in everything] == [ExecutionMode.POOLED] * 5
-    finally:
-        await conn.close()
-        await store.close()
-        await drop_schema(schema)
 
 
 async def test_the_eligible_read_walks_only_the_priority_levels_it_needs() -> None:
     """Jobs at 200 priority levels, 5 due at each: a read of 20 probes the top levels
     until it holds 20 jobs (4 levels, and the next one's probe), not all 200 at every
     pass, and returns the best 20 in dispatch order."""
-    url = require_postgres()
-    schema = fresh_schema_name()
-    store = SQLAlchemyAdapter(url, schema=schema)
-    dsn = url.replace("postgresql+asyncpg://", "postgresql://", 1)
-    conn = await asyncpg.connect(dsn, server_settings={"plan_cache_mode": "force_generic_plan"})
-    try:
-        await store.setup()
+    async with _planning_store() as (store, conn, schema):
         specs = [JobSpec(task="t.x", priority=level) for level in range(200) for _ in range(5)]
         await store.enqueue_many(specs)
         await conn.execute(f'ANALYZE "{schema}".broker_jobs')
@@ -112,6 +98,20 @@ async def test_the_eligible_read_walks_only_the_priority_levels_it_needs() -> No
         assert levels <= 6, "\n".join(lines)
         read = await store.select_eligible(modes=[ExecutionMode.POOLED], limit=20)
         assert [job.priority for job in read] == [p for p in (199, 198, 197, 196) for _ in range(5)]
+
+
+@contextlib.asynccontextmanager
+async def _planning_store() -> AsyncIterator[tuple[SQLAlchemyAdapter, asyncpg.Connection, str]]:
+    """A store in a schema of its own, set up, and a connection that plans as the main's
+    hot pool does (generic plans); both closed and the schema dropped after."""
+    url = require_postgres()
+    schema = fresh_schema_name()
+    store = SQLAlchemyAdapter(url, schema=schema)
+    dsn = url.replace("postgresql+asyncpg://", "postgresql://", 1)
+    conn = await asyncpg.connect(dsn, server_settings={"plan_cache_mode": "force_generic_plan"})
+    try:
+        await store.setup()
+        yield store, conn, schema
     finally:
         await conn.close()
         await store.close()

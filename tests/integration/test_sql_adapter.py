@@ -1178,16 +1178,7 @@ async def test_a_batch_goes_in_one_plain_insert_unless_something_stands_in_the_w
     the store or repeated in the batch fails that statement, which stores nothing, and
     the batch goes the careful way: its duplicates found, the rest stored once."""
     store = await pg_backend.open(single_main=True)
-    answers: list[bool] = []
-    dialect = store._dialect
-    every = dialect._enqueue_every
-
-    async def noted(*args: Any) -> Any:
-        answer = await every(*args)
-        answers.append(answer is not None)
-        return answer
-
-    monkeypatch.setattr(dialect, "_enqueue_every", noted)
+    answers = _plain_insert_answers(store, monkeypatch)
     fresh = [JobSpec("t", args=[i]) for i in range(3)]
     results = await store.enqueue_many(fresh)
     assert answers == [True]
@@ -1208,6 +1199,21 @@ async def test_a_batch_goes_in_one_plain_insert_unless_something_stands_in_the_w
     assert len(page.jobs) == 3 + 2 + 1 + 1  # every job stored once
 
 
+def _plain_insert_answers(store: Any, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each batch went as plain inserts (``True``) or the careful way, in order."""
+    answers: list[bool] = []
+    dialect = store._dialect
+    every = dialect._enqueue_every
+
+    async def noted(*args: Any) -> Any:
+        answer = await every(*args)
+        answers.append(answer is not None)
+        return answer
+
+    monkeypatch.setattr(dialect, "_enqueue_every", noted)
+    return answers
+
+
 @pytest.mark.postgres
 async def test_a_batch_over_one_statement_goes_chunk_by_chunk_all_or_none(
     pg_backend: Backend, monkeypatch: pytest.MonkeyPatch
@@ -1220,16 +1226,7 @@ async def test_a_batch_over_one_statement_goes_chunk_by_chunk_all_or_none(
 
     monkeypatch.setattr(postgres, "_EVERY_AT_ONCE", 300)  # 700 jobs: three chunks of 250
     store = await pg_backend.open(single_main=True, offload_threshold=1000)
-    answers: list[bool] = []
-    dialect = store._dialect
-    every = dialect._enqueue_every
-
-    async def noted(*args: Any) -> Any:
-        answer = await every(*args)
-        answers.append(answer is not None)
-        return answer
-
-    monkeypatch.setattr(dialect, "_enqueue_every", noted)
+    answers = _plain_insert_answers(store, monkeypatch)
     fresh = [
         JobSpec("t", args=[i], concurrency_key=f"k{i % 3}", concurrency_limit=1) for i in range(700)
     ]
