@@ -664,13 +664,6 @@ def _as_stored(value: Any) -> Any:
     return value
 
 
-def spec_values(spec: JobSpec) -> dict[str, Any]:
-    """Every field of ``spec`` by name. Each boundary a job request crosses (a stored
-    :class:`Job`, a wire ``JobRequest``) copies through here, so a new field of
-    :class:`JobSpec` needs no copy written by hand."""
-    return dict(zip(SPEC_FIELDS, spec_fields(spec), strict=True))
-
-
 def spec_from(source: object, **differ: Any) -> JobSpec:
     """A :class:`JobSpec` from the same-named attributes of ``source`` (a schedule's job
     options, say) and ``differ``; a spec field that ``source`` lacks keeps its default."""

@@ -309,11 +309,11 @@ class HotSql:
             recursion runs only as far as the rows pulled from it (the lateral join is a
             nested loop over ``lv`` in its order), so a store with jobs at a thousand
             priority levels pays for the levels a read needs, not all of them at every
-            pass; the outer ``ORDER BY`` then sorts at most the limit's rows per mode. A read with
-            the due bound a mere filter walked every future entry of a level whenever
-            fewer due jobs than the limit stood in front of them: 38 ms at a million
-            jobs scheduled ahead, paid after every insert another process made (issue
-            35). A mode without queued jobs costs one probe; each level at most the
+            pass; the outer ``ORDER BY`` then sorts at most the limit's rows per mode.
+            A read with the due bound a mere filter walked every future entry of a level
+            whenever fewer due jobs than the limit stood in front of them: 38 ms at a
+            million jobs scheduled ahead, paid after every insert another process made
+            (issue 35). A mode without queued jobs costs one probe; each level at most the
             limit's rows; then the best of them all."""
             limit, skip, tasks, key_tasks, keys = now + 1, now + 2, now + 3, now + 4, now + 5
             level = "SELECT priority FROM {t} WHERE status = 'queued' AND execution_mode = m.mode"

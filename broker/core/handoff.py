@@ -608,15 +608,21 @@ class Handoff:
         jobs: list[Job | None] = []
         for spec in specs:
             mode = spec.execution_mode
-            first = (covered and mode in drained) or (
-                leads is not None
-                and leads(mode, spec.queue, dispatch_key(spec.priority, spec.run_at or now, now))
-            )
+            # The job's own terms first: the read-ahead's word (its dispatch key built,
+            # the jobs held searched) is asked only for a job that could go at all.
             go = (
-                first
-                and claimable_at_enqueue(spec, now)
+                claimable_at_enqueue(spec, now)
                 and not flow.governed(spec.queue)
                 and not flow.limits(spec.task)
+                and (
+                    (covered and mode in drained)
+                    or (
+                        leads is not None
+                        and leads(
+                            mode, spec.queue, dispatch_key(spec.priority, spec.run_at or now, now)
+                        )
+                    )
+                )
             )
             jobs.append(Job.from_spec(spec, now) if go else None)
         # One plan for them all, in order, as one plan per job would place them (the same
