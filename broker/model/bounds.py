@@ -371,6 +371,8 @@ LIVENESS_TIMEOUT = 15.0
 PING_INTERVAL = 5.0
 """A peer that answers no ping (sent every ``PING_INTERVAL``) for ``LIVENESS_TIMEOUT`` s
 is disconnected."""
+_LIVENESS = f"{LIVENESS_TIMEOUT:g} s (pings every {PING_INTERVAL:g} s)"
+"""The liveness defaults as the bounds table shows them (the main's and the worker's)."""
 
 # --------------------------------------------------------------------------- values
 
@@ -480,7 +482,7 @@ BOUNDS += [
     Bound(
         "Liveness: no answer to the main's own pings, a write stuck, or over the queue cap, "
         "for this long",
-        "15 s (pings every 5 s)",
+        _LIVENESS,
         "--liveness-timeout",
         "disconnected; its leases go back to the queue. Time the main itself was stalled is "
         "excused, so a slow moment in the main never returns live workers' leases",
@@ -488,7 +490,7 @@ BOUNDS += [
     ),
     Bound(
         "A worker's wait for the main: nothing heard from it, or a send stuck, for this long",
-        "15 s (pings every 5 s)",
+        _LIVENESS,
         "broker-worker --liveness-timeout",
         "the worker gives the connection up and reconnects; its jobs keep running and their "
         "leases are listed in its next `hello`",
