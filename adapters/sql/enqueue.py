@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
+from datetime import datetime
 from typing import Any, Protocol, TypeVar, cast
 
 import sqlalchemy as sa
@@ -31,17 +32,26 @@ from adapters.sql.rows import (
     from_us,
     in_chunks,
     kept,
+    new_columns,
     new_row,
     offload,
     sa_bodies,
     whole_jobs,
 )
-from adapters.sql.schema import IS_ACTIVE, jobs, payloads
+from adapters.sql.schema import IS_ACTIVE, OFFLOADABLE, jobs, payloads
 from broker import settlement
 from broker.exceptions import InvalidJobError, StorageError
-from broker.jobs import Claim, EnqueueResult, Job, JobSpec, check_idempotent_repeat
+from broker.jobs import (
+    Claim,
+    EnqueueResult,
+    Job,
+    JobSpec,
+    check_idempotent_repeat,
+    new_jobs_columns,
+)
 
 _T = TypeVar("_T")
+_Rows = TypeVar("_Rows")
 
 
 class SyncStatements(Protocol):
@@ -95,7 +105,8 @@ OVERLAP_CHUNK = 250
 
 
 async def overlapped(
-    insert: Insert, batches: Iterator[tuple[list[dict[str, Any]], list[Payload]]]
+    insert: Callable[[_Rows, list[Payload]], Awaitable[set[uuid.UUID]]],
+    batches: Iterator[tuple[_Rows, list[Payload]]],
 ) -> set[uuid.UUID]:
     """``insert`` each of ``batches`` in turn (on one connection, in one transaction), the
     next one built while the server writes the one before. Taking the next batch from
@@ -139,6 +150,23 @@ class EnqueueRule:
     ) -> tuple[dict[str, Any], list[Payload]]:
         """A new job's row as an enqueue writes it, and the payloads moved out of it."""
         return offload(job_id, new_row(job_fields), self._offload_threshold)
+
+    def columns_to_write(
+        self, specs: Sequence[JobSpec], now: datetime
+    ) -> dict[str, list[Any]] | None:
+        """The rows of ``specs``' new jobs enqueued at ``now`` (none of them handed off),
+        by column (:func:`~adapters.sql.rows.new_columns`); ``None`` when a payload of
+        one would move out of its row, which only the row by row way
+        (:meth:`row_to_write`) does."""
+        columns = new_columns(new_jobs_columns(specs, now), len(specs))
+        threshold = self._offload_threshold
+        if threshold is not None and any(
+            max(map(len, filter(None, columns[column])), default=0) > threshold
+            for column in OFFLOADABLE
+            if column in columns
+        ):
+            return None
+        return columns
 
     async def on_connection(
         self,

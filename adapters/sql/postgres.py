@@ -605,11 +605,11 @@ class PostgresDialect:
     async def _enqueue_every(
         self, conn: Any, specs: Sequence[JobSpec]
     ) -> list[EnqueueResult] | None:
-        """A batch of new jobs in plain ``INSERT``s, stored all or none, when nothing
-        stands in the way; ``None`` when something does (a key or id taken, in the store
-        or twice in the batch, a payload to offload, any refusal), and then nothing of
-        the batch was stored and it goes the careful way (:meth:`EnqueueRule.run`, in a
-        transaction).
+        """A batch of new jobs in plain ``INSERT``s by column, stored all or none, when
+        nothing stands in the way; ``None`` when something does (a key or id taken, in
+        the store or twice in the batch, a payload to offload, any refusal), and then
+        nothing of the batch was stored and it goes the careful way
+        (:meth:`EnqueueRule.run`, in a transaction).
 
         In a bulk enqueue nothing usually does, and the careful way cost each group
         commit a ``BEGIN`` and a ``COMMIT`` round trip, each waiting its turn on the
@@ -618,31 +618,30 @@ class PostgresDialect:
         :data:`_EVERY_AT_ONCE` jobs (every group commit of the main's, by default) is one
         statement, committed on its own. A larger one (an application's bulk enqueue on
         its own connection) is a transaction of one statement per
-        :data:`~adapters.sql.enqueue.OVERLAP_CHUNK` jobs, each chunk's rows built while
+        :data:`~adapters.sql.enqueue.OVERLAP_CHUNK` jobs, each chunk's columns built while
         the server writes the chunk before (:func:`~adapters.sql.enqueue.overlapped`):
         built whole first, the server waited for the client's rows and then the client
         for the server's insert. A statement that fails changes nothing, and outside a
         transaction (checked) aborts nothing else; inside the batch's own, it rolls the
         batch back.
+
+        The rows go by column (``HotSql.insert_columns``): no dict per job, for its
+        fields or its row, and each result builds its job's fields only if read
+        (:meth:`EnqueueResult.inserted_new`).
         """
         now = from_us(self._now())
-        job_fields: list[dict[str, Any]] = []
         sql = self._sql
 
-        def build(chunk: Sequence[JobSpec]) -> tuple[list[dict[str, Any]], list[Payload]]:
-            rows = []
-            for spec in chunk:
-                each = settlement.enqueued_fields(spec, now)
-                row, moved = self._enqueue.row_to_write(spec.id, each)
-                if moved:
-                    raise _Offloading
-                rows.append(row)
-                job_fields.append(each)
-            return rows, []
+        def build(chunk: Sequence[JobSpec]) -> tuple[dict[str, list[Any]], list[Payload]]:
+            columns = self._enqueue.columns_to_write(chunk, now)
+            if columns is None:
+                raise _Offloading
+            return columns, []
 
-        async def insert(rows: list[dict[str, Any]], _moved: list[Payload]) -> set[uuid.UUID]:
-            stmt = sql.with_counters[sql.insert_every] if _keyed(rows) else sql.insert_every
-            await conn.execute(stmt, ROWS_JSON.encode(rows).decode())
+        async def insert(columns: dict[str, list[Any]], _moved: list[Payload]) -> set[uuid.UUID]:
+            keyed = "concurrency_key" in columns
+            stmt = sql.with_counters[sql.insert_columns] if keyed else sql.insert_columns
+            await conn.execute(stmt, ROWS_JSON.encode(columns).decode())
             return set()
 
         try:
@@ -653,7 +652,7 @@ class PostgresDialect:
                     await overlapped(insert, map(build, in_chunks(specs, OVERLAP_CHUNK)))
         except (self._server_refused, _Offloading):
             return None
-        return [EnqueueResult.inserted(each) for each in job_fields]
+        return [EnqueueResult.inserted_new(spec, now) for spec in specs]
 
     def note_inserts(self, count: int) -> None:
         """Keep the planner's statistics fresh after bulk inserts.

@@ -1199,6 +1199,39 @@ async def test_a_batch_goes_in_one_plain_insert_unless_something_stands_in_the_w
     assert len(page.jobs) == 3 + 2 + 1 + 1  # every job stored once
 
 
+@pytest.mark.postgres
+async def test_a_plain_batch_stores_each_jobs_every_field_by_column(
+    pg_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plain insert sends a batch by column (one array per column, a column of one
+    value encoded once): every field of every job is stored as the row by row way
+    writes it, equal values of different types apart, a column NULL in some rows."""
+    store = await pg_backend.open(single_main=True)
+    answers = _plain_insert_answers(store, monkeypatch)
+    later = datetime(2031, 5, 6, 7, 8, 9, 123456, tzinfo=UTC)
+    shared = (1,)
+    batch = [
+        JobSpec("t", args=shared),
+        JobSpec("t", args=shared, kwargs={"k": [1.5, None]}, priority=-3, run_at=later),
+        JobSpec("t", args=[True], timeout=2.5, max_recoveries=0, local_state=True),
+        JobSpec("u", args=[1.0], queue="q", concurrency_key="c", concurrency_limit=2),
+        JobSpec("t", args=["é\n"], trace_context={"traceparent": "00-a-b-01"}, rate_key="r"),
+        JobSpec("t", idempotency_key="i", unique_key="u", execution_mode=ExecutionMode.INLINE),
+    ]
+    results = await store.enqueue_many(batch)
+    assert answers == [True]
+    stored = [await store.get_job(s.id) for s in batch]
+    assert [r.job for r in results] == stored
+    # repr: 1, True and 1.0 are equal, but not the same argument
+    assert [repr(r.job) for r in results] == [repr(j) for j in stored]
+    assert [repr(j.args) for j in stored if j is not None][:4] == [
+        "(1,)",
+        "(1,)",
+        "(True,)",
+        "(1.0,)",
+    ]
+
+
 def _plain_insert_answers(store: Any, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Whether each batch went as plain inserts (``True``) or the careful way, in order."""
     answers: list[bool] = []

@@ -1,0 +1,94 @@
+"""A bulk enqueue's rows by column (:func:`broker.jobs.new_jobs_columns`,
+:func:`adapters.sql.rows.new_columns`) are the rows the row by row way writes
+(:func:`broker.jobs.new_job_fields`, :func:`adapters.sql.rows.new_row`), job by job.
+
+Hypothesis builds batches whose jobs share some values as the same object (one column
+encoded once) and not others, with equal values of different types side by side (``1``,
+``True`` and ``1.0`` in an argument list encode apart), and with every optional field
+set or left out.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adapters.sql.enqueue import EnqueueRule
+from adapters.sql.rows import new_columns, new_row
+from broker.jobs import (
+    EnqueueResult,
+    ExecutionMode,
+    Job,
+    JobSpec,
+    JSONValue,
+    new_job_fields,
+    new_jobs_columns,
+)
+
+NOW = datetime(2030, 1, 1, tzinfo=UTC)
+LATER = NOW + timedelta(seconds=90)
+SHARED_ARGS: list[tuple[JSONValue, ...]] = [(1,), (True,), (1.0,), ("x",), ()]
+"""Argument tuples a batch's jobs share as the same objects: equal, some of them, but
+encoded apart."""
+
+
+@st.composite
+def specs(draw: st.DrawFn) -> JobSpec:
+    def maybe(strategy: st.SearchStrategy[Any]) -> Any:
+        return draw(st.none() | strategy)
+
+    keyed = draw(st.booleans())
+    waits = draw(st.booleans())  # a job with parents has no unique key
+    return JobSpec(
+        task=draw(st.sampled_from(["t", "other.task"])),
+        args=draw(st.sampled_from(SHARED_ARGS) | st.lists(st.integers() | st.booleans())),
+        kwargs=draw(st.dictionaries(st.sampled_from("ab"), st.integers() | st.booleans())),
+        queue=draw(st.sampled_from(["default", "q2"])),
+        priority=draw(st.integers(-5, 5)),
+        run_at=draw(st.sampled_from([None, LATER])),
+        max_attempts=draw(st.integers(1, 3)),
+        idempotency_key=maybe(st.sampled_from(["i1", "i2"])),
+        concurrency_key="k" if keyed else None,
+        concurrency_limit=draw(st.integers(1, 3)) if keyed else None,
+        timeout=maybe(st.sampled_from([1.0, 2.5])),
+        execution_mode=draw(st.sampled_from(list(ExecutionMode))),
+        unique_key=None if waits else maybe(st.sampled_from(["u1", "u2"])),
+        max_recoveries=maybe(st.integers(0, 2)),
+        local_state=draw(st.booleans()),
+        depends_on=(uuid.UUID(int=7),) if waits else (),
+        trace_context=maybe(st.just({"traceparent": "00-1-2-01"})),
+        rate_key=maybe(st.sampled_from(["r1", "r2"])),
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(specs(), min_size=1, max_size=6))
+def test_columns_hold_each_jobs_row(batch: list[JobSpec]) -> None:
+    columns = new_columns(new_jobs_columns(batch, NOW), len(batch))
+    assert all(len(values) == len(batch) for values in columns.values())
+    for i, spec in enumerate(batch):
+        by_column = {c: values[i] for c, values in columns.items() if values[i] is not None}
+        assert by_column == new_row(new_job_fields(spec, NOW))
+
+
+def test_a_payload_over_the_threshold_leaves_the_batch_to_the_row_by_row_way() -> None:
+    rule = EnqueueRule(lambda: 0, 10, "here")
+    small = [JobSpec("t", args=[1]), JobSpec("t", kwargs={"k": "v"})]
+    assert rule.columns_to_write(small, NOW) is not None
+    assert rule.columns_to_write([*small, JobSpec("t", args=["x" * 20])], NOW) is None
+    assert rule.columns_to_write([JobSpec("t", kwargs={"k": "x" * 20})], NOW) is None
+    assert EnqueueRule(lambda: 0, None, "here").columns_to_write(small, NOW) is not None
+
+
+def test_a_result_written_by_column_reads_as_the_job_its_fields_make() -> None:
+    spec = JobSpec("t", args=[1], queue="q")
+    result = EnqueueResult.inserted_new(spec, NOW)
+    assert result.job_id == spec.id
+    assert not result.duplicate
+    assert result.field("queue") == "q"
+    assert result.job == Job(**new_job_fields(spec, NOW))
+    assert result.field("created_at") == NOW
