@@ -629,6 +629,9 @@ def new_jobs_columns(specs: Sequence[JobSpec], now: datetime) -> dict[str, list[
 _JOB_SPEC_FIELDS = tuple(name for name in SPEC_FIELDS if name not in DEPENDENCY_FIELDS)
 """The :class:`JobSpec` fields a :class:`Job` keeps."""
 _job_spec_values = operator.attrgetter(*_JOB_SPEC_FIELDS)
+_AS_SPECIFIED = frozenset(_JOB_SPEC_FIELDS) - {"run_at", "kwargs"}
+"""The fields a new job holds exactly as its spec does (:func:`new_job_fields`: its
+``run_at`` may be the enqueue's time, its ``kwargs`` a copy)."""
 
 
 IDEMPOTENCY_FIELDS = (
@@ -850,7 +853,11 @@ class EnqueueResult:
         return self._job
 
     def field(self, name: str) -> Any:
-        """The field ``name`` of ``job``, without building the job."""
+        """The field ``name`` of ``job``, without building the job (nor, for a field
+        its spec holds as the job keeps it, the job's fields: the main's dispatcher reads
+        each new job's mode)."""
+        if self._spec is not None and name in _AS_SPECIFIED:
+            return getattr(self._spec[0], name)
         job_fields = self._own_fields()
         if job_fields is None:
             return getattr(self.job, name)

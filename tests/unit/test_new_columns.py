@@ -10,6 +10,7 @@ set or left out.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -92,3 +93,8 @@ def test_a_result_written_by_column_reads_as_the_job_its_fields_make() -> None:
     assert result.field("queue") == "q"
     assert result.job == Job(**new_job_fields(spec, NOW))
     assert result.field("created_at") == NOW
+    later = JobSpec("t", run_at=LATER, kwargs={"a": 1}, concurrency_key="c", concurrency_limit=1)
+    job = Job(**new_job_fields(later, NOW))
+    for field in dataclasses.fields(Job):  # each read first, before anything is built
+        unread = EnqueueResult.inserted_new(later, NOW)
+        assert unread.field(field.name) == getattr(job, field.name), field.name
