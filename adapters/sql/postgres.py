@@ -542,13 +542,14 @@ class PostgresDialect:
         epoch: int | None,
     ) -> list[EnqueueResult]:
         """One ``INSERT ... SELECT FROM json_to_recordset(...)`` for the whole batch, on
-        an asyncpg connection.
+        an asyncpg connection (a batch of new jobs that all insert: ``unnest`` of its
+        columns, see :meth:`_enqueue_every`).
 
         A single job needs no transaction (its one statement commits on its own, so an
-        enqueue is one round trip), nor does a batch of new jobs that all insert
-        (:meth:`_enqueue_every`); any other batch takes one, so it is stored all or
-        nothing, and so does a job with offloaded payloads (its row and its payloads
-        together). Inside a transaction already open on ``conn``, each is a savepoint.
+        enqueue is one round trip), nor does a batch of new jobs that all insert; any
+        other batch takes one, so it is stored all or nothing, and so does a job with
+        offloaded payloads (its row and its payloads together). Inside a transaction
+        already open on ``conn``, each is a savepoint.
 
         Outside one, the insert also creates the counters of its jobs' concurrency keys
         (see ``HotSql.with_counters``). Inside an application's transaction it does not:
