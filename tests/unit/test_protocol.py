@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from broker.exceptions import InvalidJobError, ProtocolError
 from broker.jobs import ExecutionMode, JobSpec, JobStatus
@@ -412,6 +414,52 @@ def test_a_field_left_out_takes_the_tasks_default_then_the_specs() -> None:
     said = p.JobRequest(task="t", priority=9, kwargs={"k": 1}).to_spec(NOW, defaults)
     expected = JobSpec("t", kwargs={"k": 1}, queue="tq", priority=9, max_attempts=7)
     assert said == dataclasses.replace(expected, id=said.id)
+
+
+_TASK_DEFAULT_VALUES = {
+    "queue": "tq",
+    "priority": 3,
+    "max_attempts": 7,
+    "timeout": 2.5,
+    "execution_mode": ExecutionMode.INLINE,
+    "concurrency_key": "ck",
+    "concurrency_limit": 2,
+    "unique_key": "uk",
+    "rate_key": "rk",
+}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    said=st.sets(st.sampled_from(sorted(_TASK_DEFAULT_VALUES))),
+    declared=st.sets(st.sampled_from(sorted(_TASK_DEFAULT_VALUES))),
+    nulls=st.sets(st.sampled_from(sorted(_TASK_DEFAULT_VALUES))),
+)
+def test_each_field_left_out_takes_the_tasks_default_else_the_specs(
+    said: set[str], declared: set[str], nulls: set[str]
+) -> None:
+    """Field by field: what the request says wins, else the task's default when it is
+    not None, else the spec's own."""
+    said_values = {"queue": "rq", "priority": -1, "max_attempts": 2, "timeout": 9.0}
+    said_values |= {"execution_mode": ExecutionMode.FORKED, "unique_key": "ru", "rate_key": "rr"}
+    said_values |= {"concurrency_key": "rc", "concurrency_limit": 5}
+    pair = {"concurrency_key", "concurrency_limit"}  # said or declared together, or neither
+    said = said - pair if len(said & pair) == 1 else said
+    defaults = {n: None if n in nulls else _TASK_DEFAULT_VALUES[n] for n in declared}
+    half = (defaults.get("concurrency_key") is None) != (defaults.get("concurrency_limit") is None)
+    if said & pair or half:
+        defaults = {n: v for n, v in defaults.items() if n not in pair}
+    request = p.JobRequest(task="t", **{n: said_values[n] for n in said})
+    spec = request.to_spec(NOW, defaults)
+    plain = JobSpec("t")
+    for name in _TASK_DEFAULT_VALUES:
+        if name in said:
+            expected = said_values[name]
+        elif defaults.get(name) is not None:
+            expected = defaults[name]
+        else:
+            expected = getattr(plain, name)
+        assert getattr(spec, name) == expected, name
 
 
 @pytest.mark.parametrize(
