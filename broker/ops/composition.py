@@ -11,7 +11,7 @@ import importlib
 import traceback
 from collections.abc import Callable
 from types import ModuleType
-from typing import Unpack, cast
+from typing import TYPE_CHECKING, Unpack, cast
 
 import adapters
 from adapters import DEFAULT_HOT_POOL_SIZE as DEFAULT_HOT_POOL_SIZE
@@ -19,12 +19,11 @@ from adapters import DEFAULT_POOL_SIZE as DEFAULT_POOL_SIZE
 from broker.exceptions import ConfigurationError
 from broker.jobs import ExecutionMode
 from broker.storage import StorageAdapter, contract_gaps
-from broker.tasks.registry import TaskRegistry
-from broker.tasks.runner import Runner
 from broker.tasks.runner_options import RunnerOptions as RunnerOptions
-from runners.forked import ForkedRunner
-from runners.inline import InlineRunner
-from runners.pooled import PooledRunner
+
+if TYPE_CHECKING:
+    from broker.tasks.registry import TaskRegistry
+    from broker.tasks.runner import Runner
 
 
 class ImportFailure(ConfigurationError):
@@ -102,6 +101,12 @@ def build_runners(options: RunnerOptions, registry: TaskRegistry) -> dict[Execut
     Every option is checked here, before any process starts, so a bad value fails the
     worker at once with a message naming it.
     """
+    # The runners' modules (processes, pipes, the child's protocol) are the worker's
+    # alone: ``broker-main`` and the ``broker`` command import this module for the store.
+    from runners.forked import ForkedRunner
+    from runners.inline import InlineRunner
+    from runners.pooled import PooledRunner
+
     options.validate()
     built: dict[ExecutionMode, Runner] = {}
     if options.inline_concurrency > 0:

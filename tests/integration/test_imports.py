@@ -41,3 +41,12 @@ def test_importing_the_client_does_not_import_the_main_or_the_store() -> None:
 def test_importing_broker_loads_neither_the_client_nor_the_cron_library() -> None:
     loaded = _modules_after_import("broker.tasks.runner")
     assert loaded.isdisjoint({"broker.client.client", "broker.tasks.registry", "anyio", "cronsim"})
+
+
+def test_the_main_and_the_operators_command_load_no_runner() -> None:
+    # The runners (child processes, their pipes) are the worker's: the main's command and
+    # the ``broker`` command import the composition root for the store alone.
+    for command in ("broker.ops.cli.main", "broker.ops.cli.broker"):
+        loaded = _modules_after_import(command)
+        assert "broker.ops.composition" in loaded
+        assert sorted(name for name in loaded if name.split(".")[0] == "runners") == [], command
