@@ -50,7 +50,7 @@ from adapters.sql.rows import (
     grant,
     in_chunks,
     is_offloaded,
-    job_from_row,
+    job_from_record,
     kept,
     offload,
     result_text,
@@ -265,7 +265,7 @@ class PostgresDialect:
             found = await conn.fetch(
                 statement, *wanted, self._now(), limit, list(skip), of_tasks, key_tasks, keys
             )
-        return [job_from_row(r) for r in found]
+        return [job_from_record(r) for r in found]
 
     async def next_run_at(
         self,
@@ -309,7 +309,9 @@ class PostgresDialect:
             if keyed:
                 stored.extend(await self._claim_keyed(sql, conn, keyed, now_us, epoch))
             bodies = await pg_bodies(sql, conn, stored)
-        won, refused = claimed_jobs(claims, stored, functools.partial(job_from_row, bodies=bodies))
+        won, refused = claimed_jobs(
+            claims, stored, functools.partial(job_from_record, bodies=bodies)
+        )
         if refused:
             # The claim committed; the fenced settle of its leases fails these jobs dead.
             with self.errors.translate("settle"):
