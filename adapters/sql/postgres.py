@@ -54,6 +54,7 @@ from adapters.sql.rows import (
     kept,
     offload,
     result_text,
+    selected_job,
     whole_jobs,
 )
 from adapters.sql.schema import QUIET_INSERTS_SETTING, _qualified, jobs, notify_channel
@@ -266,7 +267,7 @@ class PostgresDialect:
             found = await conn.fetch(
                 statement, *wanted, self._now(), limit, list(skip), of_tasks, key_tasks, keys
             )
-        return [job_from_record(r) for r in found]
+        return [selected_job(r) for r in found]
 
     async def next_run_at(
         self,
