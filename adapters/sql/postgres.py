@@ -404,7 +404,8 @@ class PostgresDialect:
         only through its result, so the first one's move, built as every other batch's
         are and checked against that statement (:func:`_completions_only`), stands for
         them all. Building the fifteen columns of every completion, to find that they
-        were completions, cost the main about 4 us a job settled."""
+        were completions, cost the main 11 to 16 us a job settled on a loaded machine,
+        this 2."""
         if not all(s.outcome is Outcome.COMPLETE for s in chosen):
             return None
         columns, moved = self._settle_columns(chosen[:1], now_us)

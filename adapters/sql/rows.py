@@ -221,7 +221,7 @@ def selected_job(record: Sequence[Any]) -> Job:
     all read as their :data:`HOLLOW` literals (see ``adapters.sql.schema.selection``):
     those are set to their empty values rather than decoded. Every job dispatched is
     read here once or more (a read-ahead that ages reads its jobs again), and decoding
-    the empty ``args`` and ``kwargs`` texts was an eighth of a row's cost."""
+    the empty ``args`` and ``kwargs`` texts was about a tenth of a row's decoding."""
     values = list(record)
     del values[_ROW_WIDTH:]
     for i, decode in _SELECTED_DECODED:
