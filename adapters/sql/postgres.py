@@ -52,6 +52,7 @@ from adapters.sql.rows import (
     is_offloaded,
     job_from_record,
     kept,
+    moves_out,
     offload,
     result_text,
     selected_job,
@@ -413,7 +414,7 @@ class PostgresDialect:
             return None
         results = [result_text(s.result) for s in chosen]
         limit = self._offload_threshold
-        if limit is not None and any(r is not None and len(r) > limit for r in results):
+        if limit is not None and any(moves_out(r, limit) for r in results):
             return None
         return results
 

@@ -20,7 +20,7 @@ import sqlite3
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 import msgspec
 import sqlalchemy as sa
@@ -350,11 +350,16 @@ def offload(
     moved = [
         (job_id, column, text, payload_digest(text))
         for column in OFFLOADABLE
-        if (text := row.get(column)) is not None and len(text) > threshold
+        if moves_out(text := row.get(column), threshold)
     ]
     if not moved:
         return row, moved
     return {**row, **{column: OFFLOADED for _, column, _, _ in moved}}, moved
+
+
+def moves_out(text: str | None, threshold: int | None) -> TypeGuard[str]:
+    """Whether :func:`offload` moves a payload column holding ``text`` out of its row."""
+    return threshold is not None and text is not None and len(text) > threshold
 
 
 def kept(moved: Sequence[Payload], stored: Collection[uuid.UUID]) -> list[Payload]:
