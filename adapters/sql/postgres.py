@@ -50,10 +50,12 @@ from adapters.sql.rows import (
     grant,
     in_chunks,
     is_offloaded,
-    job_from_row,
+    job_from_record,
     kept,
+    moves_out,
     offload,
     result_text,
+    selected_job,
     whole_jobs,
 )
 from adapters.sql.schema import QUIET_INSERTS_SETTING, _qualified, jobs, notify_channel
@@ -66,6 +68,7 @@ from broker.jobs import (
     Job,
     JobSpec,
     JobStatus,
+    Outcome,
     ProgressUpdate,
     Settlement,
 )
@@ -265,7 +268,7 @@ class PostgresDialect:
             found = await conn.fetch(
                 statement, *wanted, self._now(), limit, list(skip), of_tasks, key_tasks, keys
             )
-        return [job_from_row(r) for r in found]
+        return [selected_job(r) for r in found]
 
     async def next_run_at(
         self,
@@ -309,7 +312,9 @@ class PostgresDialect:
             if keyed:
                 stored.extend(await self._claim_keyed(sql, conn, keyed, now_us, epoch))
             bodies = await pg_bodies(sql, conn, stored)
-        won, refused = claimed_jobs(claims, stored, functools.partial(job_from_row, bodies=bodies))
+        won, refused = claimed_jobs(
+            claims, stored, functools.partial(job_from_record, bodies=bodies)
+        )
         if refused:
             # The claim committed; the fenced settle of its leases fails these jobs dead.
             with self.errors.translate("settle"):
@@ -359,11 +364,69 @@ class PostgresDialect:
         first: dict[uuid.UUID, int] = {}
         for i, s in enumerate(settlements):
             first.setdefault(s.job_id, i)
+        chosen = [settlements[i] for i in first.values()]
+        sql = self._sql
+        columns: list[list[Any]] | None = None
+        moved: list[Payload] = []
+        results = self._completed_results(chosen, now_us)
+        if results is None:
+            columns, moved = self._settle_columns(chosen, now_us)
+        async with self._hot.acquire() as conn:
+            if results is not None:
+                ids, leases = [s.job_id for s in chosen], [s.handoff_id for s in chosen]
+                accepted = {
+                    r["id"]
+                    for r in await conn.fetch(
+                        sql.settle_completed, ids, leases, results, now_us, epoch, settlement.DONE
+                    )
+                }
+            elif not moved:
+                assert columns is not None
+                accepted = {r["id"] for r in await conn.fetch(sql.settle, *columns, epoch)}
+            else:
+                # The payloads of the moves the fence lets through, in their transaction.
+                assert columns is not None
+                async with conn.transaction():
+                    accepted = {r["id"] for r in await conn.fetch(sql.settle, *columns, epoch)}
+                    await pg_put(sql, conn, kept(moved, accepted))
+            if len(accepted) < len(first):
+                if columns is None:
+                    columns, moved = self._settle_columns(chosen, now_us)
+                accepted |= await self._settle_parents(conn, columns, accepted, moved, epoch)
+        return [first[s.job_id] == i and s.job_id in accepted for i, s in enumerate(settlements)]
+
+    def _completed_results(
+        self, chosen: Sequence[Settlement], now_us: int
+    ) -> list[str | None] | None:
+        """The results as stored when ``chosen`` are completions alone, none with a result
+        to offload: the batch ``HotSql.settle_completed`` settles (and ``None`` otherwise).
+
+        A completion's move (:func:`broker.settlement.settle`) depends on the settlement
+        only through its result, so the first one's move, built as every other batch's
+        are and checked against that statement (:func:`_completions_only`), stands for
+        them all. Building the fifteen columns of every completion, to find that they
+        were completions, cost the main 11 to 16 us a job settled on a loaded machine,
+        this 2."""
+        if not all(s.outcome is Outcome.COMPLETE for s in chosen):
+            return None
+        columns, moved = self._settle_columns(chosen[:1], now_us)
+        if moved or not _completions_only(columns, now_us):
+            return None
+        results = [result_text(s.result) for s in chosen]
+        limit = self._offload_threshold
+        if limit is not None and any(moves_out(r, limit) for r in results):
+            return None
+        return results
+
+    def _settle_columns(
+        self, chosen: Sequence[Settlement], now_us: int
+    ) -> tuple[list[list[Any]], list[Payload]]:
+        """The arrays of ``HotSql.settle`` for the moves of ``chosen`` (one per job), and
+        the payloads they move out of their rows."""
         now = from_us(now_us)
         columns: list[list[Any]] = [[] for _ in range(15)]
         moved: list[Payload] = []
-        for i in first.values():
-            s = settlements[i]
+        for s in chosen:
             move = settlement.settle(s, now)
             changes = encode_changes(move.changes)
             values, offloaded = offload(s.job_id, changes, self._offload_threshold)
@@ -389,26 +452,7 @@ class PostgresDialect:
                 raise TypeError(f"the settle statement cannot set {sorted(values)}")
             for column, value in zip(columns, row, strict=True):
                 column.append(value)
-        sql = self._sql
-        async with self._hot.acquire() as conn:
-            if not moved and _completions_only(columns, now_us):
-                ids, leases, results = columns[0], columns[1], columns[4]
-                accepted = {
-                    r["id"]
-                    for r in await conn.fetch(
-                        sql.settle_completed, ids, leases, results, now_us, epoch, settlement.DONE
-                    )
-                }
-            elif not moved:
-                accepted = {r["id"] for r in await conn.fetch(sql.settle, *columns, epoch)}
-            else:
-                # The payloads of the moves the fence lets through, in their transaction.
-                async with conn.transaction():
-                    accepted = {r["id"] for r in await conn.fetch(sql.settle, *columns, epoch)}
-                    await pg_put(sql, conn, kept(moved, accepted))
-            if len(accepted) < len(first):
-                accepted |= await self._settle_parents(conn, columns, accepted, moved, epoch)
-        return [first[s.job_id] == i and s.job_id in accepted for i, s in enumerate(settlements)]
+        return columns, moved
 
     async def _settle_parents(
         self,

@@ -23,6 +23,7 @@ import asyncpg  # type: ignore[import-untyped]
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg_dialect
 
+from adapters.sql.rows import ROW_COLUMNS
 from adapters.sql.schema import (
     FENCE_FUNCTION,
     INSERT_COLUMNS,
@@ -77,6 +78,9 @@ class HotSql:
             "handed_off_us = $4, state_holder = NULL, updated_us = $4"
         )
         wanted = "unnest($1::uuid[], $2::uuid[], $3::text[]) AS w(id, handoff_id, worker_id)"
+        returned = ", ".join(f"j.{column}" for column in ROW_COLUMNS)
+        """What a claim returns of a job: every column in :class:`Job`'s field order, then
+        ``claimed``, so a row is decoded by position (``adapters.sql.rows.job_from_record``)."""
         # Claim, in one statement. A row without a concurrency key is handed off by the
         # UPDATE alone, whose WHERE says it is still queued and due: a claimer that
         # meets it locked waits, then checks that WHERE again on the row as committed,
@@ -133,11 +137,11 @@ class HotSql:
                 FROM w
                 WHERE j.id = w.id AND j.status = 'queued' AND j.run_at_us <= $4
                     AND (j.concurrency_key IS NULL OR j.id IN (SELECT id FROM g)) AND {fence(5)}
-                RETURNING j.*
+                RETURNING {returned}
             )
-            SELECT true AS claimed, u.* FROM u
+            SELECT u.*, true AS claimed FROM u
             UNION ALL
-            SELECT false, j.* FROM {t} j JOIN r ON j.id = r.id
+            SELECT {returned}, false FROM {t} j JOIN r ON j.id = r.id
             WHERE NOT (r.uniform AND r.active IS NOT NULL)
         """
         # The keyed claim, inside a transaction: lock the rows, then the counters in key
@@ -166,7 +170,7 @@ class HotSql:
             UPDATE {t} j SET {hand_off_set}
             FROM {wanted}
             WHERE j.id = w.id AND j.status = 'queued'
-            RETURNING j.*
+            RETURNING {returned}, true AS claimed
         """
 
         def released(which: str) -> str:
@@ -291,7 +295,9 @@ class HotSql:
         )
         order = "ORDER BY priority DESC, run_at_us, created_us, seq"
 
-        selected = selection([column.name for column in jobs.columns], "j.")
+        # In Job's field order, decoded by position as a claim's rows are; then ``seq``,
+        # which the outer ORDER BY breaks ties with.
+        selected = f"{selection(ROW_COLUMNS, 'j.')}, j.seq"
 
         def eligible(queue_test: str, now: int) -> str:
             """The best due jobs of the modes in ``$1``, of the tasks in ``$now + 3``

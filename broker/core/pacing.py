@@ -339,7 +339,14 @@ class ReadAhead:
         other modes or queues, or too few without being all there is)."""
         if not self._read_for(modes, queues, started) or self._aged(now):
             return None
-        jobs = [job for job in self._jobs if job.execution_mode in modes][:size]
+        held = self._jobs
+        # Every job held is of a mode read for: when the pass wants all those modes (a
+        # drain's every pass), the best are the first held, without a look at the rest.
+        jobs = (
+            held[:size]
+            if self._modes <= modes
+            else [j for j in held if j.execution_mode in modes][:size]
+        )
         if len(jobs) < size and not self._complete:
             return None
         if not self._keep:

@@ -19,7 +19,7 @@ from datetime import datetime
 from broker.core import reports
 from broker.core.handoff import Handoff
 from broker.exceptions import transient
-from broker.jobs import Clock, Outcome, Settlement
+from broker.jobs import Clock, Job, Outcome, Settlement
 from broker.main.loops import BatchWriter, retrying
 from broker.main.metrics import MainMetrics
 from broker.model.logs import log_event
@@ -108,7 +108,13 @@ class ReportSettler:
     ) -> list[protocol.AckStatus]:
         """Apply a batch of fenced reports; the answer to each."""
         now = self._clock()  # once per batch: a clock read per report was ~1% of the main
-        settlements = [await self._settlement(msg, now) for _, msg in batch]
+        # A report that does not need its job settles without a coroutine of its own.
+        settlements = [
+            await self._settlement(msg, now)
+            if reports.needs_job(msg)
+            else self._settled(msg, None, now)
+            for _, msg in batch
+        ]
         applied = await self._store.settle_many(settlements)
         statuses = [
             protocol.AckStatus.APPLIED if ok else await self._why_not_applied(msg, settlement)
@@ -225,6 +231,10 @@ class ReportSettler:
         job = None
         if reports.needs_job(msg):
             job = self._handoff.held_job(msg.handoff_id) or await self._store.get_job(msg.job_id)
+        return self._settled(msg, job, now)
+
+    def _settled(self, msg: protocol.Report, job: Job | None, now: datetime) -> Settlement:
+        """What ``msg`` settles to, given ``job`` (see :meth:`_settlement`)."""
         settlement = reports.settlement(msg, job, now, self._policy)
         if settlement.outcome is Outcome.FAIL and isinstance(msg, protocol.CompletedReport):
             log_event(

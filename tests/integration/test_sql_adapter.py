@@ -24,8 +24,16 @@ import pytest
 import sqlalchemy as sa
 
 from adapters.sql import SQLAlchemyAdapter
-from adapters.sql.rows import NULL_ROW, job_from_row, loads, new_row
-from adapters.sql.schema import CREATED_INDEX, QUIET_INSERTS_SETTING, notify_channel
+from adapters.sql.rows import (
+    NULL_ROW,
+    ROW_COLUMNS,
+    job_from_record,
+    job_from_row,
+    loads,
+    new_row,
+    selected_job,
+)
+from adapters.sql.schema import CREATED_INDEX, HOLLOW, QUIET_INSERTS_SETTING, notify_channel
 from broker.exceptions import (
     ConfigurationError,
     DeposedError,
@@ -216,6 +224,19 @@ def test_an_enqueues_row_leaves_its_nulls_out() -> None:
     row = new_row(job_fields)
     assert None not in row.values() and "handoff_id" not in row and row["args"] == "[null]"
     assert job_from_row({**NULL_ROW, **row}) == job
+
+
+def test_a_selected_row_reads_as_the_general_decoding_reads_it() -> None:
+    """Dispatch's selection sets the hollow payloads to their empty values instead of
+    decoding them (:func:`selected_job`): the job is the one the general decoding makes
+    of the same row, and each job's kwargs a dict of its own."""
+    spec = JobSpec("app.t", args=[1], kwargs={"a": 1}, trace_context={"traceparent": "x"})
+    row = {**NULL_ROW, **new_row(new_job_fields(spec, START)), **HOLLOW, "seq": 7}
+    record = [*(row[column] for column in ROW_COLUMNS), row["seq"]]
+    job = selected_job(record)
+    assert job == job_from_record(record) == job_from_row(row)
+    assert job.args == () and job.kwargs == {} and job.trace_context == {"traceparent": "x"}
+    assert selected_job(record).kwargs is not job.kwargs
 
 
 async def test_every_field_round_trips_through_the_row(store: SQLAlchemyAdapter) -> None:

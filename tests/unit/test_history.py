@@ -116,3 +116,46 @@ def test_the_buckets_never_exceed_the_declared_bound(events: list[tuple[int, str
     series = [history.total, *history.queues.values(), *history.tasks.values()]
     assert len(series) <= 2 * 3 + 3
     assert all(len(s._ring) == 4 for s in series)  # a ring never grows
+
+
+_EVENTS = st.lists(
+    st.tuples(
+        st.sampled_from(["started", "completed", "retried", "failed", "sampled"]),
+        st.integers(0, 9),  # the minute, within a ring of four: old ones come back late
+        st.sampled_from(["a", "b", "c"]),
+        st.sampled_from(["x", "y"]),
+    ),
+    max_size=60,
+)
+
+
+@given(_EVENTS)
+def test_the_last_buckets_kept_count_as_a_lookup_each_time_would(
+    events: list[tuple[str, int, str, str]],
+) -> None:
+    """Two events in a row of the same minute, queue and task reuse the buckets the first
+    found: whatever the order, the ring's reuse and the bound on series, every series
+    counts what it counts when each event looks its buckets up again."""
+    kept, fresh = History(minutes=4, max_series=2), History(minutes=4, max_series=2)
+    for history, forget in ((kept, False), (fresh, True)):
+        for kind, minute, queue, task in events:
+            if forget:
+                history._last = None
+            now = T0 + 60 * minute + 1
+            if kind == "started":
+                history.started(now, queue, task, 0.5)
+            elif kind == "completed":
+                history.completed(now, queue, task)
+            elif kind == "sampled":
+                history.sampled(now, {queue: (minute, 1.0)})
+            else:
+                history.failed(now, queue, task, retried=kind == "retried")
+    now = T0 + 60 * 9 + 1
+    for name in [None, "a", "b", "c", OTHER]:
+        assert kept.points(kept.series(queue=name), now, 4) == fresh.points(
+            fresh.series(queue=name), now, 4
+        )
+    for name in ["x", "y", OTHER]:
+        assert kept.points(kept.series(task=name), now, 4) == fresh.points(
+            fresh.series(task=name), now, 4
+        )
