@@ -481,10 +481,13 @@ class Handoff:
     def workers(self) -> list[Peer]:
         return [peer for peer in self.worker_peers.values() if peer.dispatchable]
 
-    def modes_with_credit(self) -> set[ExecutionMode]:
+    def modes_with_credit(self, *, leading: bool = False) -> set[ExecutionMode]:
+        """The modes some dispatchable worker has a free slot of (``leading``: counting
+        the spare credits, which only jobs that overtake no waiting job may take:
+        :class:`broker.core.peers.Credits`)."""
         modes: set[ExecutionMode] = set()
         for peer in self.workers():
-            modes |= peer.credits.modes_with_credit()
+            modes |= peer.credits.modes_with_credit(leading=leading)
         return modes
 
     def served_queues(self) -> set[str] | None:
@@ -496,21 +499,24 @@ class Handoff:
             queues |= peer.queues
         return queues
 
-    def credit(self, mode: ExecutionMode | None = None) -> int:
-        """Free slots across dispatchable workers, for ``mode`` or for every mode."""
+    def credit(self, mode: ExecutionMode | None = None, *, leading: bool = False) -> int:
+        """Free slots across dispatchable workers, for ``mode`` or for every mode
+        (``leading``: counting the spare credits, see :meth:`modes_with_credit`)."""
         workers = self.workers()
         if mode is None:
-            return sum(peer.credits.total_available() for peer in workers)
-        return sum(peer.credits.available(mode) for peer in workers)
+            return sum(peer.credits.total_available(leading=leading) for peer in workers)
+        return sum(peer.credits.available(mode, leading=leading) for peer in workers)
 
-    def read_limit(self, batch: int, modes: Iterable[ExecutionMode]) -> int:
+    def read_limit(
+        self, batch: int, modes: Iterable[ExecutionMode], *, leading: bool = False
+    ) -> int:
         """How many jobs a dispatch read for ``modes`` asks for, at most ``batch``: the
         largest free credit among them, not their sum. Each job takes a slot of its own
         mode, and a backlog is mostly one mode's: asking for the sum (a pooled worker's
         inline and forked slots, free all along) read and decoded rows that no slot
         could take (the dispatcher reads again, for the modes left with free slots, when
         a read leaves some unused)."""
-        return min(batch, max(self.credit(mode) for mode in modes))
+        return min(batch, max(self.credit(mode, leading=leading) for mode in modes))
 
     def plan(self, jobs: Sequence[Job], now: float, *, leading: bool = False) -> list[PlannedClaim]:
         """A worker and a freshly minted lease for each job that has a free slot somewhere

@@ -115,11 +115,11 @@ class Credits:
             free -= 1
         return max(0, free)
 
-    def total_available(self) -> int:
-        return sum(self.available(mode) for mode in ExecutionMode)
+    def total_available(self, *, leading: bool = False) -> int:
+        return sum(self.available(mode, leading=leading) for mode in ExecutionMode)
 
-    def modes_with_credit(self) -> set[ExecutionMode]:
-        return {mode for mode in ExecutionMode if self.available(mode) > 0}
+    def modes_with_credit(self, *, leading: bool = False) -> set[ExecutionMode]:
+        return {mode for mode in ExecutionMode if self.available(mode, leading=leading) > 0}
 
     def reserve(self, mode: ExecutionMode, *, leading: bool = False) -> bool:
         """Hold one credit for a claim about to be made; ``False`` if there is none (for
