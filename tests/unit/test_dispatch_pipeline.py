@@ -539,19 +539,24 @@ async def test_an_enqueue_behind_the_read_ahead_keeps_it_and_one_ahead_goes_expr
     assert len({s.job.id for s in sent}) == 24  # no job sent twice
 
 
-async def test_an_express_pass_takes_the_spare_credit_the_backlog_leaves() -> None:
+@pytest.mark.parametrize("aged", [False, True])
+async def test_an_express_pass_takes_the_spare_credit_the_backlog_leaves(aged: bool) -> None:
     """A worker with a prefetch window: the backlog's passes leave its last credit, and
-    an urgent job stored queued (its enqueue found no current read-ahead) goes out on it
-    in an express pass, without waiting for the worker's next ``ready``."""
+    an urgent job stored queued goes out on it in an express pass, without waiting for
+    the worker's next ``ready``; also when the read-ahead had aged (long jobs: no pass
+    for a while), which the express pass reads past."""
     store = MemoryAdapter()
     await store.enqueue_many([JobSpec(task="t") for _ in range(10)])
     core = Handoff()
     worker(core, 1, 3, prefetch_modes=[POOLED])
     sent: list[Dispatch] = []
-    d = dispatcher(store, core, sent, claim_batch=8)
+    clock = [1000.0]
+    d = dispatcher(store, core, sent, now=lambda: clock[0], claim_batch=8)
     await dispatched(d, sent, 2)
     assert core.credit() == 0 and core.credit(leading=True) == 1
     assert not await d.dispatch_once(), "no pass of the backlog takes the spare"
+    if aged:
+        clock[0] += 10.0  # far past READ_AHEAD_MAX_AGE
     [urgent] = await store.enqueue_many([JobSpec(task="t", priority=5)])
     d.enqueued([urgent])
     await dispatched(d, sent, 3)
