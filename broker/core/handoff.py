@@ -203,6 +203,7 @@ class Handoff:
         if hello.role is not protocol.Role.WORKER:
             return [], []
         self.worker_peers[peer.id] = peer
+        peer.credits.keep_spare(hello.prefetch_modes)
         self._runnable_stale = True
         # What was proven drained was proven for the modes and queues served until now.
         self.queue_changed()
@@ -480,10 +481,13 @@ class Handoff:
     def workers(self) -> list[Peer]:
         return [peer for peer in self.worker_peers.values() if peer.dispatchable]
 
-    def modes_with_credit(self) -> set[ExecutionMode]:
+    def modes_with_credit(self, *, leading: bool = False) -> set[ExecutionMode]:
+        """The modes some dispatchable worker has a free slot of (``leading``: counting
+        the spare credits, which only jobs that overtake no waiting job may take:
+        :class:`broker.core.peers.Credits`)."""
         modes: set[ExecutionMode] = set()
         for peer in self.workers():
-            modes |= peer.credits.modes_with_credit()
+            modes |= peer.credits.modes_with_credit(leading=leading)
         return modes
 
     def served_queues(self) -> set[str] | None:
@@ -495,38 +499,43 @@ class Handoff:
             queues |= peer.queues
         return queues
 
-    def credit(self, mode: ExecutionMode | None = None) -> int:
-        """Free slots across dispatchable workers, for ``mode`` or for every mode."""
+    def credit(self, mode: ExecutionMode | None = None, *, leading: bool = False) -> int:
+        """Free slots across dispatchable workers, for ``mode`` or for every mode
+        (``leading``: counting the spare credits, see :meth:`modes_with_credit`)."""
         workers = self.workers()
         if mode is None:
-            return sum(peer.credits.total_available() for peer in workers)
-        return sum(peer.credits.available(mode) for peer in workers)
+            return sum(peer.credits.total_available(leading=leading) for peer in workers)
+        return sum(peer.credits.available(mode, leading=leading) for peer in workers)
 
-    def read_limit(self, batch: int, modes: Iterable[ExecutionMode]) -> int:
+    def read_limit(
+        self, batch: int, modes: Iterable[ExecutionMode], *, leading: bool = False
+    ) -> int:
         """How many jobs a dispatch read for ``modes`` asks for, at most ``batch``: the
         largest free credit among them, not their sum. Each job takes a slot of its own
         mode, and a backlog is mostly one mode's: asking for the sum (a pooled worker's
         inline and forked slots, free all along) read and decoded rows that no slot
         could take (the dispatcher reads again, for the modes left with free slots, when
         a read leaves some unused)."""
-        return min(batch, max(self.credit(mode) for mode in modes))
+        return min(batch, max(self.credit(mode, leading=leading) for mode in modes))
 
-    def plan(self, jobs: Sequence[Job], now: float) -> list[PlannedClaim]:
+    def plan(self, jobs: Sequence[Job], now: float, *, leading: bool = False) -> list[PlannedClaim]:
         """A worker and a freshly minted lease for each job that has a free slot somewhere
         (jobs already being claimed are skipped); the slot is reserved now, before the
         claim, and the lease exists before the store ever sees it. A job whose local
-        state a worker holds goes only where :meth:`Affinity.route` lets it at ``now``."""
+        state a worker holds goes only where :meth:`Affinity.route` lets it at ``now``.
+        ``leading``: the jobs overtake no waiting job, and may take a worker's spare
+        credit (:class:`broker.core.peers.Credits`); a dispatch pass's may not."""
         workers = self.workers()
         claiming = {planned.job.id for planned in self.claiming.values()}
         plan: list[PlannedClaim] = []
         self.affinity.forget_departed(now)
-        self.placement.start(workers)
+        self.placement.start(workers, leading=leading)
         flow = self.flow
         for job in jobs:
             if job.id in claiming or not flow.admits(job.queue, now, job.task, job.rate_key):
                 continue
             peer, route = self.placement.pick(job, now)
-            if peer is None or not peer.credits.reserve(job.execution_mode):
+            if peer is None or not peer.credits.reserve(job.execution_mode, leading=leading):
                 continue  # the credit check: no free slot for this job anywhere
             flow.admitted(job.queue, now, job.task, job.rate_key)
             self.placement.reserved(peer, job.execution_mode)
@@ -601,7 +610,11 @@ class Handoff:
         jobs go through the dispatcher, which asks :mod:`broker.core.flow`), and a serving
         worker has a free slot. The slot is reserved and the lease minted here, before
         the insert, exactly as :meth:`plan` does for a claim; the store's answer comes
-        back through :meth:`claimed` (or :meth:`claim_unknown`)."""
+        back through :meth:`claimed` (or :meth:`claim_unknown`).
+
+        Overtaking none, such a job may take the spare credit a dispatch pass leaves
+        (:class:`broker.core.peers.Credits`): during a drain every other credit goes to
+        the backlog's prefetch as soon as it frees, and an urgent job would find none."""
         drained = self._proofs.modes
         covered = bool(drained) and self._proofs.covers(self.served_queues())
         flow = self.flow
@@ -630,7 +643,9 @@ class Handoff:
         # per job. A new job has no state holder, so the time affinity judges by is moot.
         planned = {
             p.job.id: p
-            for p in self.plan([job for job in jobs if job is not None], self.affinity.started)
+            for p in self.plan(
+                [job for job in jobs if job is not None], self.affinity.started, leading=True
+            )
         }
         return [planned.get(job.id) if job is not None else None for job in jobs]
 

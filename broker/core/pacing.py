@@ -185,7 +185,13 @@ class Pacing:
         first, being the best), from the read-ahead when their insert kept it current
         (:meth:`ReadAhead.inserted`), else from a read of the store, and claims them
         apart, one claim beyond the cap. (An urgent job that finds a free slot at its
-        enqueue needs no pass at all: :meth:`ReadAhead.leads`.)"""
+        enqueue needs no pass at all: :meth:`ReadAhead.leads`.)
+
+        Its jobs, the best waiting, overtake no waiting job: they may take a worker's
+        spare credit (:class:`broker.core.peers.Credits`), as a job handed off at its
+        enqueue may. Without, an urgent job whose enqueue found the read-ahead stale
+        waited for a ``ready`` during a drain, since the backlog's passes spend every
+        other credit as soon as it frees."""
         if overtaking <= 0 or claims > cap:
             return 0
         return overtaking

@@ -22,6 +22,23 @@ where ``claiming`` counts handoffs reserved for this worker whose claim is still
 in flight. Restoring admission after a failed or lost claim is just dropping the
 reservation: if a newer ``ready`` arrived meanwhile, its count did not include
 the reserved job either, so nothing is refunded twice.
+
+The spare credit
+----------------
+For a mode whose prefetch window holds a job or more (the worker's ``hello`` lists it
+in ``prefetch_modes``), the last free credit is kept out of the backlog's reach: a
+dispatch pass sees one credit fewer (``available(mode)``), and only a job that
+overtakes no waiting job (:meth:`Handoff.plan_at_enqueue
+<broker.core.handoff.Handoff.plan_at_enqueue>`: an urgent job enqueued during a drain)
+may take it (``available(mode, leading=True)``). Why: in a drain every freed credit went
+to the backlog's prefetch at once, so an urgent job rarely found one at its insert and
+waited for a pass and a claim of its own (issue 35). Why it never idles a slot: the
+credit is ``free slots + window - held``, and a held job means no slot is free; so
+leaving one credit unspent with a window of one or more leaves the window one job
+short, never a slot empty. It is not stranded either: a leading job spends it, and the
+next ``ready`` counts it again. The count stays exact: ``leading`` spends at most the
+``available`` of before, and a worker with no window (``--prefetch 0``, an older
+worker) keeps no spare.
 """
 
 from __future__ import annotations
@@ -29,7 +46,7 @@ from __future__ import annotations
 import secrets
 import uuid
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from broker.exceptions import ProtocolError
@@ -62,6 +79,13 @@ class Credits:
         self._unseen: deque[tuple[int, ExecutionMode]] = deque()
         self._unseen_by_mode: Counter[ExecutionMode] = Counter()
         self._claiming: Counter[ExecutionMode] = Counter()
+        self._spare: frozenset[ExecutionMode] = frozenset()
+        """The modes that keep a spare credit (see the module docstring)."""
+
+    def keep_spare(self, modes: Iterable[ExecutionMode]) -> None:
+        """``modes`` keep their last credit for a leading job (their prefetch window
+        holds a job or more: the ``hello``'s ``prefetch_modes``)."""
+        self._spare = frozenset(modes)
 
     def on_ready(self, slots: Mapping[ExecutionMode, int], seen: int) -> None:
         """Apply a readiness report; ``seen`` must not go backwards nor run ahead of sends,
@@ -83,19 +107,24 @@ class Credits:
             self._unseen_by_mode[mode] -= 1
         self._slots = {ExecutionMode(mode): max(0, int(n)) for mode, n in slots.items()}
 
-    def available(self, mode: ExecutionMode) -> int:
+    def available(self, mode: ExecutionMode, *, leading: bool = False) -> int:
+        """Free credit of ``mode``: for the backlog, or (``leading``) for a job that
+        overtakes no waiting job, which may take the spare (see the module docstring)."""
         free = self._slots.get(mode, 0) - self._unseen_by_mode[mode] - self._claiming[mode]
+        if not leading and mode in self._spare:
+            free -= 1
         return max(0, free)
 
-    def total_available(self) -> int:
-        return sum(self.available(mode) for mode in ExecutionMode)
+    def total_available(self, *, leading: bool = False) -> int:
+        return sum(self.available(mode, leading=leading) for mode in ExecutionMode)
 
-    def modes_with_credit(self) -> set[ExecutionMode]:
-        return {mode for mode in ExecutionMode if self.available(mode) > 0}
+    def modes_with_credit(self, *, leading: bool = False) -> set[ExecutionMode]:
+        return {mode for mode in ExecutionMode if self.available(mode, leading=leading) > 0}
 
-    def reserve(self, mode: ExecutionMode) -> bool:
-        """Hold one credit for a claim about to be made; ``False`` if there is none."""
-        if self.available(mode) <= 0:
+    def reserve(self, mode: ExecutionMode, *, leading: bool = False) -> bool:
+        """Hold one credit for a claim about to be made; ``False`` if there is none (for
+        the backlog, or for a ``leading`` job: see :meth:`available`)."""
+        if self.available(mode, leading=leading) <= 0:
             return False
         self._claiming[mode] += 1
         return True

@@ -49,6 +49,9 @@ class Placement:
         self._turn = 0
         """Where the search for a worker starts, moved on for every job picked for."""
         self._workers: Sequence[Peer] = ()
+        self._leading = False
+        """Whether the plan under way places jobs that overtake no waiting job: they may
+        take a worker's spare credit (:class:`broker.core.peers.Credits`)."""
         """The dispatchable workers of the plan under way, in rotation order."""
         self._restricted: bool | None = None
         """Whether one of them serves only some queues (else one ranking per mode); made
@@ -64,10 +67,13 @@ class Placement:
         """The plan's workers by worker id, in rotation order (made at its first job
         with a state holder)."""
 
-    def start(self, workers: Sequence[Peer]) -> None:
+    def start(self, workers: Sequence[Peer], *, leading: bool = False) -> None:
         """A plan begins over the dispatchable ``workers``, in rotation order; their
-        credits change only by :meth:`reserved` until the next start."""
+        credits change only by :meth:`reserved` until the next start. ``leading``: its
+        jobs overtake no waiting job, and the workers are ranked by their credit with
+        the spare."""
         self._workers = workers
+        self._leading = leading
         self._restricted = None
         self._task_key = {}
         self._rankings = {}
@@ -99,9 +105,10 @@ class Placement:
         paused = job.queue in self.paused_queues
         elsewhere = self.affinity.route(job, "", now, queue_paused=paused)
         if own and route is not None and not route.state_lost:
-            best = _most_free(own, job, self._turn)
+            best = _most_free(own, job, self._turn, self._leading)
             if elsewhere is None or (
-                best is not None and best.credits.available(job.execution_mode) > 0
+                best is not None
+                and best.credits.available(job.execution_mode, leading=self._leading) > 0
             ):
                 self.awaiting[job.id] = holder  # until a slot there is reserved for it
                 return best, route
@@ -123,7 +130,7 @@ class Placement:
     def _most_free(self, job: Job) -> Peer | None:
         """:func:`_most_free` over every worker of the plan, from its ranking."""
         if len(self._workers) <= FEW:
-            return _most_free(self._workers, job, self._turn)
+            return _most_free(self._workers, job, self._turn, self._leading)
         if self._restricted is None:
             self._restricted = any(peer.queues is not None for peer in self._workers)
         mode = job.execution_mode
@@ -137,7 +144,7 @@ class Placement:
         rankings = self._rankings.setdefault(mode, {})
         ranking = rankings.get(key)
         if ranking is None:
-            ranking = rankings[key] = _Ranking(self._workers, mode, *key)
+            ranking = rankings[key] = _Ranking(self._workers, mode, *key, self._leading)
         return ranking.best(self._turn)
 
     def wake_at(self, modes: Collection[ExecutionMode]) -> float | None:
@@ -152,16 +159,16 @@ class Placement:
         return min(finite) if finite else None
 
 
-def _most_free(workers: Sequence[Peer], job: Job, turn: int) -> Peer | None:
+def _most_free(workers: Sequence[Peer], job: Job, turn: int, leading: bool) -> Peer | None:
     """The serving worker with the most free credit for the job's mode (whether it has
-    any is the caller's credit check). Ties go to the first in the rotation that starts
-    at ``turn``."""
+    any is the caller's credit check; ``leading``: counting the spare). Ties go to the
+    first in the rotation that starts at ``turn``."""
     best: Peer | None = None
     best_free = -1
     count = len(workers)
     for i in range(count):
         peer = workers[(turn + i) % count]
-        free = peer.credits.available(job.execution_mode)
+        free = peer.credits.available(job.execution_mode, leading=leading)
         if free > best_free and peer.serves(job):
             best, best_free = peer, free
     return best
@@ -169,14 +176,20 @@ def _most_free(workers: Sequence[Peer], job: Job, turn: int) -> Peer | None:
 
 class _Ranking:
     """The workers of a plan that serve ``queue`` and ``task`` (``None``: whichever), by
-    their free credit for ``mode``: for each free count, their places in the rotation,
-    sorted."""
+    their free credit for ``mode`` (``leading``: counting the spare): for each free
+    count, their places in the rotation, sorted."""
 
     def __init__(
-        self, workers: Sequence[Peer], mode: ExecutionMode, queue: str | None, task: str | None
+        self,
+        workers: Sequence[Peer],
+        mode: ExecutionMode,
+        queue: str | None,
+        task: str | None,
+        leading: bool,
     ) -> None:
         self._workers = workers
         self._mode = mode
+        self._leading = leading
         self._place: dict[int, int] = {}
         """Peer id -> its place in the rotation."""
         self._free: dict[int, int] = {}
@@ -186,7 +199,7 @@ class _Ranking:
             if (queue is None or peer.serves_queue(queue)) and (
                 task is None or peer.serves_task(task)
             ):
-                free = peer.credits.available(mode)
+                free = peer.credits.available(mode, leading=leading)
                 self._place[peer.id] = place
                 self._free[peer.id] = free
                 self._by_free.setdefault(free, []).append(place)
@@ -206,7 +219,7 @@ class _Ranking:
         place = self._place.get(peer.id)
         if place is None:
             return
-        old, new = self._free[peer.id], peer.credits.available(self._mode)
+        old, new = self._free[peer.id], peer.credits.available(self._mode, leading=self._leading)
         if old == new:
             return
         places = self._by_free[old]

@@ -271,6 +271,13 @@ class WorkerState:
             *(key for key in self._outbox if key not in self._running),
         ]
 
+    def prefetching(self) -> list[ExecutionMode]:
+        """What ``hello`` lists as its prefetch modes: those whose window holds a job or
+        more. A window never shrinks, so the main may keep the last credit of each for a
+        job that overtakes the backlog without ever leaving a slot idle
+        (:class:`broker.core.peers.Credits`)."""
+        return [mode for mode in self._modes if self._prefetch.get(mode, 0) > 0]
+
     # ------------------------------------------------------------------ connection events
 
     def connected(self, welcome: protocol.Welcome) -> list[WorkerEffect]:

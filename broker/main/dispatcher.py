@@ -107,7 +107,8 @@ class Dispatcher:
         before = core.queue_changes
         core.jobs_added({result.field("execution_mode") for result in added})
         self._overtaking += self._ahead.inserted(before, core.queue_changes, added)
-        if Pacing.worth_a_pass(core.credit()):
+        # An express pass may take a spare credit (Pacing.express): worth a pass with one.
+        if Pacing.worth_a_pass(core.credit(leading=self._overtaking > 0)):
             self._wake.set()
 
     def leads(self, mode: ExecutionMode, queue: str, key: DispatchKey) -> bool:
@@ -281,17 +282,18 @@ class Dispatcher:
         if pause > 0:
             await asyncio.sleep(pause)
         core = self._handoff
+        leading = bool(express)  # its jobs stand before every job waiting: spares too
         if rules.poll_due():
             core.queue_changed()
         queues = core.served_queues()
-        modes = core.modes_with_credit() - core.drained
+        modes = core.modes_with_credit(leading=leading) - core.drained
         if not modes:
             return False
         # Jobs being claimed still look queued to the store: the read leaves them out, or
         # a pass during a claim would find only those. Jobs held back for their state
         # holder are planned again (see broker.core.affinity): read past them.
         held = len(core.awaiting)
-        size = core.read_limit(self._claim_batch, modes) + held
+        size = core.read_limit(self._claim_batch, modes, leading=leading) + held
         started = core.queue_changes
         now = self._now()
         blocked = core.flow.leave_out(now)
@@ -311,7 +313,7 @@ class Dispatcher:
         else:
             jobs, full = await self._eligible(modes, queues, size, started, blocked)
         now = self._now()
-        plan = core.plan(jobs, now)
+        plan = core.plan(jobs, now, leading=leading)
         core.read_eligible(started, modes, full=full or len(plan) < len(jobs), queues=queues)
         left = core.modes_with_credit() - core.drained
         if not express and rules.read_again(left, len(jobs), len(plan), held):

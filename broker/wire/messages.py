@@ -180,6 +180,13 @@ class Hello(Tagged, frozen=True, tag="hello"):
     local_state_lost: bool = False
     """The worker comes back without the local state its earlier sessions left (a new
     state directory): recoveries waiting for this worker id's state stop waiting."""
+    prefetch_modes: Annotated[list[ExecutionMode], msgspec.Meta(max_length=MAX_LIST_ITEMS)] = (
+        msgspec.field(default_factory=list)
+    )
+    """The modes whose prefetch window holds a job or more (it never shrinks): the last
+    credit of such a mode is window room, never a free slot, so the main keeps it for a
+    job that overtakes no waiting job (:class:`broker.core.peers.Credits`). ``[]`` (an
+    older worker, or ``--prefetch 0``): every credit goes to the backlog."""
 
     def spoken(self) -> list[Int]:
         """The versions this peer speaks."""

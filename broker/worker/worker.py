@@ -362,6 +362,7 @@ class Worker:
             queues=self._queues,
             held_leases=[protocol.LeaseRef(job, lease) for job, lease in self._state.held_leases()],
             local_state_lost=self._local_state_lost,
+            prefetch_modes=self._state.prefetching(),
         )
 
     async def _joined(self, conn: _Connection) -> None:

@@ -47,9 +47,16 @@ class HeldClaims(MemoryAdapter):
         return await super().mark_handed_off_many(claims)
 
 
-def worker(core: Handoff, peer_id: int, slots: int, **others: int) -> None:
+def worker(
+    core: Handoff,
+    peer_id: int,
+    slots: int,
+    prefetch_modes: Sequence[ExecutionMode] = (),
+    **others: int,
+) -> None:
     """A worker with ``slots`` pooled slots free, and ``others`` of the modes they name
-    (``inline=3``): it serves those modes alone."""
+    (``inline=3``): it serves those modes alone; ``prefetch_modes`` have a window (their
+    last credit is kept for a job that overtakes no waiting job)."""
     credits = {POOLED: slots, **{ExecutionMode(mode): n for mode, n in others.items()}}
     peer = core.new_peer(peer_id, 0.0)
     core.hello(
@@ -59,6 +66,7 @@ def worker(core: Handoff, peer_id: int, slots: int, **others: int) -> None:
             protocol=protocol.PROTOCOL_VERSION,
             worker_id=f"w{peer_id}",
             modes=list(credits),
+            prefetch_modes=list(prefetch_modes),
         ),
     )
     core.ready(peer_id, credits, seen=0)
@@ -529,6 +537,31 @@ async def test_an_enqueue_behind_the_read_ahead_keeps_it_and_one_ahead_goes_expr
     await dispatched(d, sent, 24)
     assert store.limits[4:] == [8], "the backlog's next read, at the read-ahead's size"
     assert len({s.job.id for s in sent}) == 24  # no job sent twice
+
+
+@pytest.mark.parametrize("aged", [False, True])
+async def test_an_express_pass_takes_the_spare_credit_the_backlog_leaves(aged: bool) -> None:
+    """A worker with a prefetch window: the backlog's passes leave its last credit, and
+    an urgent job stored queued goes out on it in an express pass, without waiting for
+    the worker's next ``ready``; also when the read-ahead had aged (long jobs: no pass
+    for a while), which the express pass reads past."""
+    store = MemoryAdapter()
+    await store.enqueue_many([JobSpec(task="t") for _ in range(10)])
+    core = Handoff()
+    worker(core, 1, 3, prefetch_modes=[POOLED])
+    sent: list[Dispatch] = []
+    clock = [1000.0]
+    d = dispatcher(store, core, sent, now=lambda: clock[0], claim_batch=8)
+    await dispatched(d, sent, 2)
+    assert core.credit() == 0 and core.credit(leading=True) == 1
+    assert not await d.dispatch_once(), "no pass of the backlog takes the spare"
+    if aged:
+        clock[0] += 10.0  # far past READ_AHEAD_MAX_AGE
+    [urgent] = await store.enqueue_many([JobSpec(task="t", priority=5)])
+    d.enqueued([urgent])
+    await dispatched(d, sent, 3)
+    assert sent[2].job.id == urgent.job.id
+    assert core.credit(leading=True) == 0
 
 
 def test_jobs_added_to_one_mode_leave_the_others_drained() -> None:

@@ -81,13 +81,18 @@ def core_with_counter() -> Handoff:
     return Handoff(max_credit=10, new_lease=lambda: uuid.UUID(int=next(numbers)))
 
 
-def worker_hello(worker_id: str, held: list[protocol.LeaseRef] | None = None) -> protocol.Hello:
+def worker_hello(
+    worker_id: str,
+    held: list[protocol.LeaseRef] | None = None,
+    prefetch_modes: list[ExecutionMode] | None = None,
+) -> protocol.Hello:
     return protocol.Hello(
         role=protocol.Role.WORKER,
         protocol=protocol.PROTOCOL_VERSION,
         worker_id=worker_id,
         modes=list(MODES),
         held_leases=held or [],
+        prefetch_modes=prefetch_modes or [],
     )
 
 
@@ -156,6 +161,47 @@ def test_restoring_a_failed_claim_does_not_refund_twice_after_a_newer_ready() ->
     assert credits.available(POOLED) == 0
     credits.release(POOLED)  # the claim was lost
     assert credits.available(POOLED) == 1
+
+
+def test_a_mode_with_a_window_keeps_its_last_credit_for_a_leading_job() -> None:
+    credits = Credits()
+    credits.keep_spare([POOLED])
+    credits.on_ready({POOLED: 3, FORKED: 1}, seen=0)
+    assert credits.available(POOLED) == 2 and credits.available(POOLED, leading=True) == 3
+    assert credits.available(FORKED) == 1  # no window: no spare
+    assert credits.reserve(POOLED) and credits.reserve(POOLED)
+    assert not credits.reserve(POOLED), "the backlog never takes the spare"
+    assert credits.modes_with_credit() == {FORKED} and credits.total_available() == 1
+    assert credits.reserve(POOLED, leading=True)
+    assert not credits.reserve(POOLED, leading=True), "never more than the slots advertised"
+    credits.release(POOLED)
+    assert credits.available(POOLED) == 0 and credits.available(POOLED, leading=True) == 1
+
+
+def test_a_pass_leaves_the_spare_and_an_urgent_enqueue_that_leads_takes_it() -> None:
+    """Issue 35: during a drain every freed credit went to the backlog, so an urgent job
+    found none at its insert; now the pass leaves one and the leading job takes it."""
+    core = core_with_counter()
+    peer = core.new_peer(1, now=0.0)
+    core.hello(peer, worker_hello("w1", prefetch_modes=[POOLED]))
+    core.ready(1, {POOLED: 3}, seen=0)
+    backlog = [make_job(n) for n in range(5)]
+    plan = core.plan(backlog, 0.0)
+    assert [p.job for p in plan] == backlog[:2]
+    assert core.credit() == 0, "the dispatcher sees no credit: no pass for nothing"
+    urgent = JobSpec(task="t", priority=10)
+    trailing = JobSpec(task="t", priority=-1)
+    [planned] = core.plan_at_enqueue([urgent], EPOCH, leads=lambda mode, queue, key: True)
+    assert planned is not None and planned.peer == 1
+    assert core.plan_at_enqueue([trailing], EPOCH, leads=lambda mode, queue, key: True) == [None]
+    assert core.plan_at_enqueue([urgent], EPOCH, leads=lambda mode, queue, key: False) == [None]
+
+
+def test_a_worker_without_a_window_keeps_no_spare() -> None:
+    core = core_with_counter()
+    core.hello(core.new_peer(1, now=0.0), worker_hello("w1"))  # prefetch_modes: []
+    core.ready(1, {POOLED: 2}, seen=0)
+    assert len(core.plan([make_job(n) for n in range(3)], 0.0)) == 2
 
 
 # ---------------------------------------------------------------------- the returns (ledger state)
@@ -372,6 +418,9 @@ class Conn:
     )
     ready_slots: dict[ExecutionMode, int] = field(default_factory=dict)
     ready_seen: int = 0
+    spare: frozenset[ExecutionMode] = frozenset()
+    """The modes its ``hello`` said have a prefetch window: their last credit is kept for
+    a job that overtakes no waiting job."""
     live: bool = True
     """False once the worker moved to a newer connection (this one is a zombie)."""
 
@@ -486,7 +535,7 @@ class HandoffMachine(RuleBasedStateMachine):
 
     @initialize(data=st.data())
     def two_workers(self, data: st.DataObject) -> None:
-        self.hello(data, "w1", {POOLED: 2, FORKED: 1}, None)
+        self.hello(data, "w1", {POOLED: 2, FORKED: 1}, None, frozenset({POOLED}))
         self.hello(data, "w2", {POOLED: 1, FORKED: 1}, ["a"])
 
     @precondition(lambda self: len(self.core.worker_peers) < 4)
@@ -495,6 +544,7 @@ class HandoffMachine(RuleBasedStateMachine):
         worker=st.sampled_from(["w1", "w2", "w3"]),
         capacity=st.fixed_dictionaries({POOLED: st.integers(1, 3), FORKED: st.integers(0, 2)}),
         queues=st.sampled_from([None, ["a"], ["b"]]),
+        spare=st.frozensets(st.sampled_from(MODES)),
     )
     def hello(
         self,
@@ -502,6 +552,7 @@ class HandoffMachine(RuleBasedStateMachine):
         worker: str,
         capacity: dict[ExecutionMode, int],
         queues: list[str] | None,
+        spare: frozenset[ExecutionMode] = frozenset(),
     ) -> None:
         """A worker connects (first time, or again with the leases it still runs)."""
         remembered: dict[uuid.UUID, ExecutionMode] = {}
@@ -517,7 +568,7 @@ class HandoffMachine(RuleBasedStateMachine):
         held = [protocol.LeaseRef(job_id=self.lease_job[lease], handoff_id=lease) for lease in keep]
         pid = next(self.ids)
         self.conns[pid] = Conn(
-            worker, capacity, running={lease: remembered[lease] for lease in keep}
+            worker, capacity, running={lease: remembered[lease] for lease in keep}, spare=spare
         )
         self.latest[worker] = pid
         peer = self.core.new_peer(pid, now=self.now)
@@ -528,6 +579,7 @@ class HandoffMachine(RuleBasedStateMachine):
             modes=list(MODES),
             queues=queues,
             held_leases=held,
+            prefetch_modes=sorted(spare),
         )
         adopted, effects = self.core.hello(peer, hello)
         for ref in adopted:
@@ -647,7 +699,12 @@ class HandoffMachine(RuleBasedStateMachine):
         limit = self.core.credit() + len(self.core.claiming)  # as the dispatcher reads
         eligible = eligible[:limit]
         order = data.draw(st.permutations(range(len(eligible))))
+        before = self._leading_credit()
         planned = self.core.plan([eligible[i] for i in order], 0.0)
+        for (pid, mode), free in self._leading_credit().items():
+            if mode in self.conns[pid].spare:
+                # A pass never takes a spare credit: it is kept for a job that leads.
+                assert free >= min(1, before[pid, mode]), f"a pass took {pid}'s {mode} spare"
         full = len(eligible) == limit or len(planned) < len(eligible)
         if len(self.jobs) < 16 and data.draw(st.booleans(), label="enqueued during the read"):
             # The main stored a job while the read was under way: the read did not see
@@ -657,6 +714,14 @@ class HandoffMachine(RuleBasedStateMachine):
         self._minted(planned)
         if planned:
             self.batches.append(tuple(planned))
+
+    def _leading_credit(self) -> dict[tuple[int, ExecutionMode], int]:
+        """Every worker connection's free credit per mode, its spare counted."""
+        return {
+            (pid, mode): peer.credits.available(mode, leading=True)
+            for pid, peer in self.core.worker_peers.items()
+            for mode in MODES
+        }
 
     @precondition(lambda self: self.batches)
     @rule(data=st.data(), outcome=OUTCOMES)
@@ -687,7 +752,21 @@ class HandoffMachine(RuleBasedStateMachine):
         n = len(self.jobs)
         job = make_job(n, mode=MODES[n % 3 // 2], queue="ab"[n % 4 // 3])
         spec = JobSpec(task="t", id=job.id, queue=job.queue, execution_mode=job.execution_mode)
-        [planned] = self.core.plan_at_enqueue([spec], EPOCH)
+        backlog_credit = self.core.credit(job.execution_mode)
+        # The read-ahead's word, as the dispatcher gives it: the job leads when no job of
+        # its mode waits (all have one priority here, and a tie is not a lead).
+        being_claimed = {p.job.id for p in self.core.claiming.values()}
+        waiting = {
+            other.execution_mode
+            for other in self.jobs
+            if self.store[other.id][0] is JobStatus.QUEUED and other.id not in being_claimed
+        }
+        leads = data.draw(st.booleans(), label="the read-ahead is current")
+        [planned] = self.core.plan_at_enqueue(
+            [spec], EPOCH, (lambda mode, queue, key: mode not in waiting) if leads else None
+        )
+        if planned is not None and backlog_credit == 0:
+            event("enqueue: handed off on the spare credit")
         self.jobs.append(job)
         self.by_id[job.id] = job
         self.store[job.id] = (JobStatus.QUEUED, None)
