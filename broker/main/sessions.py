@@ -146,7 +146,8 @@ class Session:
             "draining": peer.draining,
             "in_flight": len(peer.leases),
             "in_flight_by_mode": self._in_flight_by_mode(),
-            "credits": {m.value: peer.credits.available(m) for m in peer.modes},
+            # What the worker has free, the spare kept for a leading job included.
+            "credits": {m.value: peer.credits.available(m, leading=True) for m in peer.modes},
             "capacity": capacity,
             "busy": busy,
             "startup_errors": startup_errors,
