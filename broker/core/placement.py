@@ -49,10 +49,10 @@ class Placement:
         self._turn = 0
         """Where the search for a worker starts, moved on for every job picked for."""
         self._workers: Sequence[Peer] = ()
+        """The dispatchable workers of the plan under way, in rotation order."""
         self._leading = False
         """Whether the plan under way places jobs that overtake no waiting job: they may
         take a worker's spare credit (:class:`broker.core.peers.Credits`)."""
-        """The dispatchable workers of the plan under way, in rotation order."""
         self._restricted: bool | None = None
         """Whether one of them serves only some queues (else one ranking per mode); made
         at the plan's first ranking."""
