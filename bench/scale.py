@@ -2,7 +2,7 @@
 side with PgQueuer (issue 35, items 2, 3 and 7).
 
     .venv/bin/python -m bench.scale [--backlog 1000000] [--jobs 20000] [--reps 3]
-        [--keys 1000,30000] [--keyed-jobs 30000] [--workers 1,64] [--worker-jobs 20000]
+        [--keys 1000,30000] [--keyed-jobs 30000] [--workers 1x64,1x1,64x1] [--worker-jobs 20000]
         [--parts drain,keyed,workers] [--out bench/results]
 
 Rows, each run ``--reps`` times (the median is the figure, every run is kept):
@@ -37,9 +37,13 @@ Rows, each run ``--reps`` times (the median is the figure, every run is kept):
 - **keyed** (the broker only): ``--keyed-jobs`` no-op jobs with a concurrency key
   (limit 1) over ``--keys`` distinct keys (``k{i % keys}``), enqueued in bulk through the
   main, drained by the ``broker-postgres-defaults`` worker as the drain row is.
-- **workers** (the broker only): the main's CPU per job with 1 and with 64 connected
-  ``broker-worker`` processes, 64 inline slots in all (1 worker x 64 slots, 64 workers
-  x 1 slot): the workers are started and every one has connected and run a warm-up job,
+- **workers** (the broker only): the main's CPU per job by connected ``broker-worker``
+  processes, ``WORKERSxSLOTS`` each (inline slots): by default 1 worker x 64 slots and
+  1 x 1 beside 64 x 1, so 64 workers are compared both with one worker of as many slots
+  in all (the same concurrency, but one connection carries batches 64 slots deep) and
+  with one worker of the same shape (the same batches per message, one connection
+  instead of 64). The workers are started and every one has connected and run a
+  warm-up job,
   the ``default`` queue is paused, ``--worker-jobs`` no-op jobs are enqueued, and the
   main's CPU is read from the resume until every job is complete (so it is the dispatch
   and the settlement, not the enqueue). Real processes rather than the in-process
@@ -87,8 +91,6 @@ MEASURED_BEFORE = timedelta(hours=12)
 """Jobs due before now plus this are the measured ones (the future backlog is later)."""
 DRAIN_LIMIT = 45.0
 """Seconds a drain may run after its first job started before it is cut."""
-SLOTS = 64
-"""Inline slots in all on the workers rows, however many processes share them."""
 PEERS_VENV = ROOT / ".venv-peers"
 CHART_PYTHON = PEERS_VENV / "chart" / "bin" / "python"
 
@@ -236,7 +238,7 @@ def one_keyed(runner: Runner, keys: int, jobs: int) -> dict[str, Any]:
     return runner.drain_queued("keyed", jobs, run)
 
 
-def one_workers(runner: Runner, workers: int, jobs: int) -> dict[str, Any]:
+def one_workers(runner: Runner, workers: int, slots: int, jobs: int) -> dict[str, Any]:
     from broker.jobs import DEFAULT_QUEUE
 
     d: Any = runner.d
@@ -252,7 +254,7 @@ def one_workers(runner: Runner, workers: int, jobs: int) -> dict[str, Any]:
             time.sleep(0.2)
         connected_s = runner.cfg.run_timeout - (deadline - time.monotonic())
         # A warm-up job per slot: every worker has run a job before the figures start.
-        d.enqueue_bulk("noop", [-1] * SLOTS)
+        d.enqueue_bulk("noop", [-1] * workers * slots)
         runner._wait_done(procs, runner.cfg.run_timeout)
         _checkpoint()
         d.run(d.client.pause_queue(DEFAULT_QUEUE))
@@ -270,7 +272,7 @@ def one_workers(runner: Runner, workers: int, jobs: int) -> dict[str, Any]:
         procs.stop()
     return {
         "workers": workers,
-        "slots_each": SLOTS // workers,
+        "slots_each": slots,
         "jobs": jobs,
         "connected_s": connected_s,
         "seconds": seconds,
@@ -284,7 +286,7 @@ def one_workers(runner: Runner, workers: int, jobs: int) -> dict[str, Any]:
 
 def one(argv: list[str]) -> int:
     """``--one drain SYSTEM SHAPE BACKLOG JOBS`` | ``--one keyed KEYS JOBS`` |
-    ``--one workers WORKERS JOBS``: one run in this environment, printed as JSON."""
+    ``--one workers WORKERSxSLOTS JOBS``: one run in this environment, printed as JSON."""
     what = argv[0]
     workdir = Path(tempfile.mkdtemp(prefix=f"scale-{what}-"))
     cfg = Config(workdir=str(workdir), hash_rounds=1000, run_timeout=600.0, drain_limit=DRAIN_LIMIT)
@@ -293,8 +295,8 @@ def one(argv: list[str]) -> int:
     if what == "workers":
         from bench.peers.broker_peer import ONLY_INLINE
 
-        count = int(argv[1])
-        flags = ("--inline-concurrency", str(SLOTS // count), *ONLY_INLINE)
+        count, slots = _setup(argv[1])
+        flags = ("--inline-concurrency", str(slots), *ONLY_INLINE)
         driver.row = dataclasses.replace(driver.row, workers=count, flags=flags)  # type: ignore[attr-defined]
     runner = Runner(driver, cfg, workdir / "out.json")
     driver.setup()
@@ -304,7 +306,7 @@ def one(argv: list[str]) -> int:
         elif what == "keyed":
             run = one_keyed(runner, int(argv[1]), int(argv[2]))
         else:
-            run = one_workers(runner, int(argv[1]), int(argv[2]))
+            run = one_workers(runner, *_setup(argv[1]), int(argv[2]))
         print(json.dumps(run), flush=True)
     finally:
         driver.teardown()
@@ -341,7 +343,7 @@ def _row_label(run: dict[str, Any]) -> str:
         return f"{run['system']} / {run['shape']}"
     if run["part"] == "keyed":
         return f"keyed / {run['keys']:,} keys"
-    return f"workers / {run['workers']}"
+    return f"workers x slots / {run['setup']}"
 
 
 def _runs_of(runs: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
@@ -409,21 +411,28 @@ def markdown(data: dict[str, Any]) -> str:
     lines += [
         "",
         f"## The main's CPU per job by connected workers (broker, {cfg['worker_jobs']:,} "
-        f"no-op jobs, {SLOTS} inline slots in all)",
+        "no-op jobs, inline slots)",
         "",
-        "| workers | main µs/job (median) | vs 1 worker | jobs/s | PostgreSQL µs/job "
-        "| load (median) |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| workers x slots each | main µs/job (median) | vs 1 worker, as many slots in all "
+        "| vs 1 worker of the same slots | jobs/s | PostgreSQL µs/job | load (median) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    base = None
-    for count in cfg["workers"]:
-        these = _runs_of(runs, part="workers", workers=count)
-        m = _med([r["main_us_per_job"] for r in these])
-        base = base if base is not None else m
-        change = f"{100 * (m / base - 1):+.0f}%" if m and base else "-"
+    per_job: dict[tuple[int, int], float | None] = {}
+    for setup in cfg["workers"]:
+        these = _runs_of(runs, part="workers", setup=setup)
+        per_job[_setup(setup)] = _med([r["main_us_per_job"] for r in these])
+    for setup in cfg["workers"]:
+        these = _runs_of(runs, part="workers", setup=setup)
+        count, slots = _setup(setup)
+        m = per_job[(count, slots)]
+
+        def change(base: float | None, m: float | None = m) -> str:
+            return f"{100 * (m / base - 1):+.0f}%" if m and base else "-"
+
         server = _med([r["server_cpu_s"] / r["jobs"] * 1e6 for r in these])
         lines.append(
-            f"| {count} | {_fmt(m)} | {change} | {_fmt(_med([r['per_s'] for r in these]))} "
+            f"| {setup} | {_fmt(m)} | {change(per_job.get((1, count * slots)))} "
+            f"| {change(per_job.get((1, slots)))} | {_fmt(_med([r['per_s'] for r in these]))} "
             f"| {_fmt(server)} | {_fmt(_med([r['load_before'] for r in these]), 1)} |"
         )
     lines += [
@@ -477,9 +486,9 @@ def chart(json_path: Path, png_path: Path) -> None:
     ax.legend(fontsize=8)
     for ax, part, key, field, title in (
         (axes[1], "keyed", "keys", "per_s", "Keyed drain, broker (jobs/s)"),
-        (axes[2], "workers", "workers", "main_us_per_job", "broker-main CPU per job (µs)"),
+        (axes[2], "workers", "setup", "main_us_per_job", "broker-main CPU per job (µs)"),
     ):
-        values = cfg[key]
+        values = cfg["keys" if part == "keyed" else "workers"]
         meds, lows, highs = [], [], []
         for v in values:
             got = [r[field] for r in _runs_of(runs, part=part, **{key: v})]
@@ -488,7 +497,8 @@ def chart(json_path: Path, png_path: Path) -> None:
             lows.append(m - min(got, default=m))
             highs.append(max(got, default=m) - m)
         ax.bar(range(len(values)), meds, 0.5, color="#c0392b", yerr=[lows, highs], capsize=3)
-        ax.set_xticks(range(len(values)), [f"{v:,} {key}" for v in values])
+        names = [f"{v:,} keys" if part == "keyed" else f"{v} (workers x slots)" for v in values]
+        ax.set_xticks(range(len(values)), names)
         ax.set_title(title)
     fig.suptitle("Medians of the runs; bars: min-max", fontsize=9)
     fig.tight_layout()
@@ -514,9 +524,9 @@ def _schedule(args: argparse.Namespace) -> list[tuple[int, str, list[str], dict[
                 words = ["keyed", str(keys), str(args.keyed_jobs)]
                 out.append((rep, sys.executable, words, {"part": "keyed", "keys": keys}))
         if "workers" in parts:
-            for count in args.workers if rep % 2 else args.workers[::-1]:
-                words = ["workers", str(count), str(args.worker_jobs)]
-                out.append((rep, sys.executable, words, {"part": "workers", "workers": count}))
+            for setup in args.workers if rep % 2 else args.workers[::-1]:
+                words = ["workers", setup, str(args.worker_jobs)]
+                out.append((rep, sys.executable, words, {"part": "workers", "setup": setup}))
     return out
 
 
@@ -538,6 +548,12 @@ def _draw(out: Path, env: dict[str, str]) -> None:
         print(f"chart failed: {drawn.stderr[-400:]}", file=sys.stderr)
 
 
+def _setup(text: str) -> tuple[int, int]:
+    """``"64x1"``: 64 workers of 1 slot each."""
+    workers, slots = text.split("x")
+    return int(workers), int(slots)
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -554,7 +570,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--keys", type=_ints, default=[1000, 30_000])
     parser.add_argument("--keyed-jobs", type=int, default=30_000)
-    parser.add_argument("--workers", type=_ints, default=[1, 64])
+    parser.add_argument("--workers", type=lambda t: t.split(","), default=["1x64", "1x1", "64x1"])
     parser.add_argument("--worker-jobs", type=int, default=20_000)
     parser.add_argument("--parts", default="drain,keyed,workers")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
