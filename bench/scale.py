@@ -15,7 +15,8 @@ Rows, each run ``--reps`` times (the median is the figure, every run is kept):
   plain SQL before the measured jobs were enqueued: a template job enqueued through the
   system's own API, then ``INSERT ... SELECT`` of ``--backlog - 1`` copies of it
   (``generate_series``; the broker's ids from ``gen_random_uuid()``, PgQueuer's from its
-  sequence), then ``VACUUM ANALYZE`` of the table and a ``CHECKPOINT``. Shapes:
+  sequence), then ``VACUUM ANALYZE`` of the table and a ``CHECKPOINT`` (both on the empty
+  table too). Shapes:
 
   - ``empty``: no backlog;
   - ``due``: the backlog is due now, at priority -1, below the measured jobs' 0: both
@@ -119,16 +120,20 @@ async def _copy_rows(conn: Any, table: str, template: Any, copies: int, ids: str
         template,
         copies,
     )
-    await conn.execute(f"VACUUM ANALYZE {table}")
 
 
 def _backlog_broker(driver: Any, shape: str, size: int) -> None:
+    """The backlog of ``shape`` in the broker's table, then ``VACUUM ANALYZE`` (of the
+    empty table too, so every shape starts from the same steps)."""
     from bench.peers.broker_peer import TASKS
     from broker.client.transactional import enqueue_in_async
     from broker.jobs import ExecutionMode
 
     async def fill() -> None:
         conn = driver.pg
+        if shape == "empty":
+            await conn.execute("VACUUM ANALYZE broker_jobs")
+            return
         mode = ExecutionMode(driver.mode)
         if shape == "due":
             options = {"priority": BACKLOG_PRIORITY}
@@ -139,12 +144,18 @@ def _backlog_broker(driver: Any, shape: str, size: int) -> None:
         )
         template = await conn.fetchval("SELECT id FROM broker_jobs")
         await _copy_rows(conn, "broker_jobs", template, size - 1, "gen_random_uuid()")
+        await conn.execute("VACUUM ANALYZE broker_jobs")
 
     driver.run(fill())
 
 
 def _backlog_pgqueuer(driver: Any, shape: str, size: int) -> None:
+    """As :func:`_backlog_broker`, in PgQueuer's table."""
+
     async def fill() -> None:
+        if shape == "empty":
+            await driver.conn.execute("VACUUM ANALYZE pgqueuer")
+            return
         [template] = await driver.queries.enqueue(
             "noop",
             b"-1",
@@ -152,6 +163,7 @@ def _backlog_pgqueuer(driver: Any, shape: str, size: int) -> None:
             AHEAD if shape == "future" else None,
         )
         await _copy_rows(driver.conn, "pgqueuer", int(template), size - 1, None)
+        await driver.conn.execute("VACUUM ANALYZE pgqueuer")
 
     driver.run(fill())
 
@@ -201,8 +213,7 @@ def one_drain(runner: Runner, name: str, shape: str, size: int, jobs: int) -> di
 
     def backlog() -> None:
         started = time.perf_counter()
-        if shape != "empty":
-            (_backlog_pgqueuer if name == PEER else _backlog_broker)(d, shape, size)
+        (_backlog_pgqueuer if name == PEER else _backlog_broker)(d, shape, size)
         _checkpoint()
         fill_s[0] = time.perf_counter() - started
 
