@@ -4,6 +4,7 @@ side with PgQueuer (issue 35, items 2, 3 and 7).
     .venv/bin/python -m bench.scale [--backlog 1000000] [--jobs 20000] [--reps 3]
         [--keys 1000,30000] [--keyed-jobs 30000] [--workers 1x64,1x1,64x1] [--worker-jobs 20000]
         [--parts drain,keyed,workers] [--out bench/results]
+    .venv/bin/python -m bench.scale --report bench/results   # scale.md, .png from scale.json
 
 Rows, each run ``--reps`` times (the median is the figure, every run is kept):
 
@@ -456,7 +457,8 @@ def markdown(data: dict[str, Any]) -> str:
     ]
     for r in runs:
         done = r.get("done", r["jobs"])
-        main = r["main_cpu_s"] / done * 1e3 if done else None
+        has_main = r.get("system") != PEER  # PgQueuer has no main: its workers claim
+        main = r["main_cpu_s"] / done * 1e3 if done and has_main else None
         server = r["server_cpu_s"] / done * 1e3 if done else None
         note = "cut at the drain limit" if r.get("timed_out") else ""
         lines.append(
@@ -497,7 +499,13 @@ def chart(json_path: Path, png_path: Path) -> None:
     ax.legend(fontsize=8)
     for ax, part, key, field, title in (
         (axes[1], "keyed", "keys", "per_s", "Keyed drain, broker (jobs/s)"),
-        (axes[2], "workers", "setup", "main_us_per_job", "broker-main CPU per job (µs)"),
+        (
+            axes[2],
+            "workers",
+            "setup",
+            "main_us_per_job",
+            "broker-main CPU per job (µs), workers x slots",
+        ),
     ):
         values = cfg["keys" if part == "keyed" else "workers"]
         meds, lows, highs = [], [], []
@@ -508,7 +516,7 @@ def chart(json_path: Path, png_path: Path) -> None:
             lows.append(m - min(got, default=m))
             highs.append(max(got, default=m) - m)
         ax.bar(range(len(values)), meds, 0.5, color="#c0392b", yerr=[lows, highs], capsize=3)
-        names = [f"{v:,} keys" if part == "keyed" else f"{v} (workers x slots)" for v in values]
+        names = [f"{v:,} keys" if part == "keyed" else str(v) for v in values]
         ax.set_xticks(range(len(values)), names)
         ax.set_title(title)
     fig.suptitle("Medians of the runs; bars: min-max", fontsize=9)
@@ -574,6 +582,11 @@ def main(argv: list[str]) -> int:
         return one(argv[1:])
     if argv[:1] == ["--chart"]:
         chart(Path(argv[1]), Path(argv[2]))
+        return 0
+    if argv[:1] == ["--report"]:  # scale.md and scale.png again from scale.json in DIR
+        out = Path(argv[1])
+        (out / "scale.md").write_text(markdown(json.loads((out / "scale.json").read_text())))
+        _draw(out, {**os.environ, "PYTHONPATH": str(ROOT)})
         return 0
     parser = argparse.ArgumentParser(prog="python -m bench.scale")
     parser.add_argument("--backlog", type=int, default=1_000_000)
