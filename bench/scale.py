@@ -362,6 +362,10 @@ def _runs_of(runs: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
     return [r for r in runs if all(r.get(k) == v for k, v in match.items())]
 
 
+SECTION_PARTS = {"of": "drain", "drain": "keyed", "main's": "workers"}
+"""The part each section of :func:`markdown` shows, by its title's second word."""
+
+
 def markdown(data: dict[str, Any]) -> str:
     runs, cfg = data["runs"], data["config"]
     size = cfg["backlog"]
@@ -468,7 +472,11 @@ def markdown(data: dict[str, Any]) -> str:
         )
     if data["errors"]:
         lines += ["", "## Errors", ""] + [f"- {e}" for e in data["errors"]]
-    return "\n".join(lines) + "\n"
+    # A run of some parts only (--parts) shows only their sections.
+    ran = {r["part"] for r in runs}
+    head, *sections = ("\n".join(lines) + "\n").split("\n## ")
+    kept = [s for s in sections if SECTION_PARTS.get(s.split(" ", 2)[1], "") in ran | {""}]
+    return "\n## ".join([head, *kept])
 
 
 def chart(json_path: Path, png_path: Path) -> None:
