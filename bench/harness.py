@@ -519,10 +519,15 @@ class Runner:
     def _server_cpu(self) -> float:
         return tree_usage(service_pids(self.d.server))[0] if self.d.server else 0.0
 
-    def drain(self, kind: str, n: int, one_by_one: int) -> dict[str, Any]:
+    def drain(
+        self, kind: str, n: int, one_by_one: int, backlog: Callable[[], Any] | None = None
+    ) -> dict[str, Any]:
+        """``backlog``: called on the fresh store before the measured jobs are enqueued,
+        to put other jobs there first (``bench/scale.py``)."""
         d = self.d
         d.reset()
-        marks, log = self._paths(kind)
+        if backlog is not None:
+            backlog()
         arg = -1 if kind == "noop" else self.cfg.hash_rounds
         run: dict[str, Any] = {"jobs": n}
         started = time.perf_counter()
@@ -545,6 +550,13 @@ class Runner:
         else:
             for _ in range(rest):
                 d.enqueue_one(kind, arg)
+        return self.drain_queued(kind, n, run)
+
+    def drain_queued(self, what: str, n: int, run: dict[str, Any]) -> dict[str, Any]:
+        """Starts the workers on the ``n`` jobs enqueued since the reset and fills ``run``
+        as they drain (see :meth:`_watch`)."""
+        d = self.d
+        marks, log = self._paths(what)
         if d.done_count() != 0:
             raise BenchError("jobs completed before any worker started")
         spawned = time.time()

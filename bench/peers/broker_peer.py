@@ -159,6 +159,9 @@ class BrokerDriver(Driver):
         self.sqlite: sqlite3.Connection | None = None
         self.pg: Any = None
         self.has_direct = self.postgres
+        self.outstanding = OUTSTANDING
+        """The read behind :meth:`done_count`: the jobs not yet complete, which
+        ``bench/scale.py`` narrows to the measured ones when a backlog lies beside them."""
         self.direct: Any = None
         """The producer's own asyncpg connection, for :meth:`enqueue_one_direct`."""
         self.runs = 0
@@ -333,7 +336,7 @@ class BrokerDriver(Driver):
         self.enqueued += len(args)
 
     def done_count(self) -> int:
-        return self.enqueued - int(self._query(OUTSTANDING)[0][0])
+        return self.enqueued - int(self._query(self.outstanding)[0][0])
 
     def completion_times(self, handles: list[Any]) -> list[float | None] | None:
         at = {}

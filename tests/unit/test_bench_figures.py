@@ -277,3 +277,43 @@ def test_the_enqueue_ab_rates_each_side_by_its_summed_turns_and_over_pgqueuers()
     # 200 jobs in 4 s; median turn of 100 and 33.3 jobs/s; PgQueuer's 200 in 2 s.
     assert lines[2] == "| after | through the main | 50 | 67 | 0.50 | 200 | 500 |"
     assert lines[3] == "| pgqueuer | Queries.enqueue | 100 | 100 | 1.00 | 200 | 500 |"
+
+
+def _scale_run(part: str, per_s: float, **fields: Any) -> dict[str, Any]:
+    run = {"part": part, "rep": 1, "jobs": 1000, "done": 1000, "per_s": per_s}
+    run.update(main_cpu_s=0.1, server_cpu_s=0.2, load_before=3.0, load_after=4.0)
+    run.update(fields)
+    return run
+
+
+def test_the_scale_report_holds_each_backlog_to_pgqueuer_and_to_its_own_empty_row() -> None:
+    from bench import scale
+
+    drains = [
+        ("broker-postgres-defaults", "empty", [2000.0, 1800.0, 2200.0]),
+        ("broker-postgres-defaults", "due", [1900.0]),
+        ("broker-postgres-defaults", "future", [2100.0]),
+        ("pgqueuer", "empty", [1600.0]),
+        ("pgqueuer", "due", [1000.0]),
+        ("pgqueuer", "future", [100.0]),
+    ]
+    runs = [
+        _scale_run("drain", rate, system=system, shape=shape)
+        for system, shape, rates in drains
+        for rate in rates
+    ]
+    runs += [_scale_run("keyed", 1000.0, keys=1000), _scale_run("keyed", 800.0, keys=30_000)]
+    runs += [
+        _scale_run("workers", 2000.0, setup=setup, main_us_per_job=us)
+        for setup, us in (("1x64", 100.0), ("1x1", 200.0), ("64x1", 150.0))
+    ]
+    config = {"backlog": 1_000_000, "jobs": 1000, "keyed_jobs": 1000, "worker_jobs": 1000}
+    config.update(keys=[1000, 30_000], workers=["1x64", "1x1", "64x1"])
+    data = {"command": "x", "started": "now", "wall_s": 60.0, "machine": "2 cores"}
+    text = scale.markdown({**data, "config": config, "runs": runs, "errors": []})
+    assert "| empty | 2,000 | 1,600 | 1.25x | +0% | +0% | 3.0 |" in text  # median of three
+    assert "| 1,000,000 due | 1,900 | 1,000 | 1.90x | -5% | -38% | 3.0 |" in text
+    assert "| 1,000,000 future | 2,100 | 100 | 21.00x | +5% | -94% | 3.0 |" in text
+    assert "| 30,000 | 800 | -20% | 3.0 |" in text
+    # 64 workers of 1 slot: against 1 worker of 64 slots, and against 1 worker of 1 slot.
+    assert "| 64x1 | 150 | +50% | -25% | 2,000 | 200 | 3.0 |" in text
