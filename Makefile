@@ -86,9 +86,9 @@ test-loaded: $(STAMP)
 # -m on the command line overrides the "not soak and not slow_e2e" default in
 # pyproject.toml. The handoff and worker state machines run again under their long
 # hypothesis profile (make test runs the short one). That profile's 2,000 runs of 80
-# steps take a worker-prefetch state machine 45 s on a quiet machine and over 120 s (the
-# per-test timeout of pyproject.toml, a guard against hangs) on a loaded one, where one
-# CI run failed on it; the guard stays, scaled to the profile's length.
+# steps took a worker-prefetch state machine 46 s at load 6, 93 s at load 14, over 120 s (the
+# per-test timeout of pyproject.toml, a guard against hangs) in a loaded CI run, which
+# failed on it; the guard stays, scaled to the profile's length.
 test-slow: $(STAMP)
 	$(BIN)/pytest -m "soak or slow_e2e"
 	HYPOTHESIS_PROFILE=slow $(BIN)/pytest --timeout=900 tests/unit
