@@ -589,6 +589,11 @@ def dispatch_key(priority: int, run_at: datetime, created_at: datetime) -> Dispa
     return (-priority, run_at, created_at)
 
 
+def _first_status(spec: JobSpec) -> JobStatus:
+    """A new job's status: waiting on its parents if it has any, else queued."""
+    return JobStatus.WAITING if spec.depends_on else JobStatus.QUEUED
+
+
 def new_job_fields(spec: JobSpec, now: datetime) -> dict[str, Any]:
     """The fields of the :class:`Job` a store writes for ``spec`` enqueued at ``now``, by
     name, the fields left at their defaults (:data:`JOB_DEFAULTS`) left out: what
@@ -600,7 +605,7 @@ def new_job_fields(spec: JobSpec, now: datetime) -> dict[str, Any]:
     values = dict(zip(_JOB_SPEC_FIELDS, _job_spec_values(spec), strict=True))
     values["kwargs"] = dict(spec.kwargs)
     values["run_at"] = spec.run_at or now
-    values["status"] = JobStatus.WAITING if spec.depends_on else JobStatus.QUEUED
+    values["status"] = _first_status(spec)
     values["attempts"] = 0
     values["created_at"] = now
     values["updated_at"] = now
@@ -618,9 +623,7 @@ def new_jobs_columns(specs: Sequence[JobSpec], now: datetime) -> dict[str, list[
     by_field = zip(*map(_job_spec_values, specs), strict=True)
     columns = dict(zip(_JOB_SPEC_FIELDS, map(list, by_field), strict=True))
     columns["run_at"] = [now if run_at is None else run_at for run_at in columns["run_at"]]
-    columns["status"] = [
-        JobStatus.WAITING if spec.depends_on else JobStatus.QUEUED for spec in specs
-    ]
+    columns["status"] = list(map(_first_status, specs))
     columns["attempts"] = [0] * count
     columns["created_at"] = columns["updated_at"] = [now] * count
     return columns

@@ -32,6 +32,7 @@ from adapters.sql.rows import (
     from_us,
     in_chunks,
     kept,
+    moves_out,
     new_columns,
     new_row,
     offload,
@@ -161,9 +162,10 @@ class EnqueueRule:
         columns = new_columns(new_jobs_columns(specs, now), len(specs))
         threshold = self._offload_threshold
         if threshold is not None and any(
-            max(map(len, filter(None, columns[column])), default=0) > threshold
+            moves_out(text, threshold)
             for column in OFFLOADABLE
             if column in columns
+            for text in columns[column]
         ):
             return None
         return columns
