@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help install lock audit test test-loaded test-slow lint typecheck layering pytest demo bench bench-soak bench-floor bench-storage bench-runners bench-enqueue bench-failover format clean
+.PHONY: help install lock audit test test-loaded test-slow lint typecheck layering pytest demo bench bench-soak bench-floor bench-storage bench-runners bench-enqueue bench-failover bench-scorecard format clean
 
 help:
 	@echo "make demo           run a main on SQLite with a worker and example jobs"
@@ -21,6 +21,7 @@ help:
 	@echo "make bench-floor    the per-job cost of each hot-path primitive (the floor estimate)"
 	@echo "make bench-enqueue  the enqueue path alone on PostgreSQL: rates and CPU per job per process"
 	@echo "make bench-failover first job completed after a leader's kill -9, ten takeovers (PostgreSQL)"
+	@echo "make bench-scorecard issue 35's targets in one run, beside PgQueuer (about 45 min)"
 	@echo "make format         apply ruff formatting"
 
 # The development environment is requirements-dev.lock: every package pinned, with its
@@ -118,6 +119,11 @@ bench-enqueue: $(STAMP)
 
 bench-failover: $(STAMP)
 	$(BIN)/python -m bench.failover
+
+# Every figure issue 35's "Done when" names, from one run of the benches above:
+# bench/results/scorecard/scorecard.md and .png.
+bench-scorecard: $(STAMP)
+	$(BIN)/python -m bench.scorecard
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix broker adapters runners tests bench

@@ -6,6 +6,7 @@ that turn its raw runs into the report, on small hand-made runs whose answers ar
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -317,3 +318,61 @@ def test_the_scale_report_holds_each_backlog_to_pgqueuer_and_to_its_own_empty_ro
     assert "| 30,000 | 800 | -20% | 3.0 |" in text
     # 64 workers of 1 slot: against 1 worker of 64 slots, and against 1 worker of 1 slot.
     assert "| 64x1 | 150 | +50% | -25% | 2,000 | 200 | 3.0 |" in text
+
+
+def test_scorecard_reads_each_part_and_judges_each_target(tmp_path: Path) -> None:
+    """Each row is the right ratio of the right medians, judged in the right direction;
+    a part not run leaves its rows unmeasured, never met."""
+    import json
+
+    from bench import scorecard
+
+    def drains(one: float, bulk: float, rate: float) -> list[dict[str, Any]]:
+        return [{"enqueue_one_per_s": one, "enqueue_bulk_per_s": bulk, "per_s": rate}]
+
+    results = {
+        "systems": [
+            {
+                "system": "broker-postgres-defaults",
+                "drain": [*drains(900.0, 20_000.0, 5000.0), *drains(700.0, 30_000.0, 4000.0)],
+                "latency": [{"start_p50_ms": 3.0, "start_p99_ms": 6.0}],
+                "producers": [{"per_s": 3000.0}],
+            },
+            {
+                "system": "pgqueuer",
+                "drain": drains(1000.0, 25_000.0, 4000.0),
+                "latency": [{"start_p50_ms": 4.0, "start_p99_ms": 5.0}],
+                "producers": [{"per_s": 3000.0}],
+            },
+        ]
+    }
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    urgent = [
+        {"row": "broker-postgres-defaults", "start_ms": [10.0, 20.0, 30.0]},
+        {"row": "pgqueuer", "start_ms": [40.0, 40.0, 40.0]},
+    ]
+    (tmp_path / "urgent.jsonl").write_text("\n".join(json.dumps(u) for u in urgent))
+    runs = [
+        _scale_run("workers", 1.0, setup="1x64", main_us_per_job=100.0),
+        _scale_run("workers", 1.0, setup="64x1", main_us_per_job=111.0),
+    ]
+    (tmp_path / "scale.json").write_text(json.dumps({"config": {"backlog": 10}, "runs": runs}))
+    rows = {row.name: row for row in scorecard.score(tmp_path)}
+
+    def judged(name: str) -> tuple[float | None, bool | None]:
+        row = rows[name]
+        return (None if row.value is None else round(row.value, 3)), row.met
+
+    assert judged("drain ÷ PgQueuer") == (1.125, True)  # median 4,500 of two runs
+    assert judged("drain with 200 producers ÷ PgQueuer") == (1.0, True)
+    assert judged("enqueue one at a time through the main ÷ PgQueuer") == (0.8, True)
+    assert judged("bulk enqueue through the main ÷ PgQueuer") == (1.0, True)
+    assert judged("bulk enqueue direct ÷ PgQueuer") == (None, None)  # no direct bulk figure
+    assert judged("enqueue-to-start p50 at 50 jobs/s ÷ PgQueuer") == (0.75, True)
+    assert judged("enqueue-to-start p99 at 50 jobs/s ÷ PgQueuer") == (1.2, False)
+    assert judged("urgent job p50 during a drain ÷ PgQueuer") == (0.5, True)
+    assert judged("main CPU per job, 64 workers x 1 ÷ 1 worker x 64") == (1.11, False)
+    assert judged("keyed drain, 30,000 keys ÷ 1,000 keys") == (None, None)
+    assert judged("takeovers with a completion within 5 s of kill -9") == (None, None)
+    # The chart's margin turns a latency so that past 1 is met: 1.0 / 1.2 here.
+    assert rows["enqueue-to-start p99 at 50 jobs/s ÷ PgQueuer"].margin == pytest.approx(1 / 1.2)

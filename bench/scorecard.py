@@ -1,0 +1,414 @@
+"""Issue 35's scorecard: every figure its "Done when" names, from one run, beside its
+target (broker against PgQueuer, or against the broker's own baseline row).
+
+    .venv/bin/python -m bench.scorecard [--reps 3] [--backlog 1000000] [--urgent-backlog 100000]
+        [--parts side,urgent,scale,failover] [--out bench/results/scorecard]
+    .venv/bin/python -m bench.scorecard --report DIR   # scorecard.md, .png again from DIR
+
+One run is four benches run one after the other, each as its own process with its own
+databases, writing into ``--out``:
+
+- ``side``: ``python -m bench --systems broker-postgres-defaults,pgqueuer --no-floor``
+  (``results.json``): the drain, the drain with 200 producers, enqueue one at a time
+  through the main and direct, bulk enqueue, enqueue-to-start p50 and p99 at 50 jobs/s;
+- ``urgent``: ``python -m bench.urgent`` (``urgent.jsonl``): priority-10 jobs enqueued
+  one at a time during a drain of ``--urgent-backlog`` jobs, enqueue-to-start p50 and
+  p99 pooled over every probe of every repetition;
+- ``scale``: ``python -m bench.scale`` (``scale.json``): the drain over ``--backlog`` due
+  and future jobs, the keyed drain at 1,000 and 30,000 keys, the main's CPU per job at
+  1 worker x 64 slots and 64 workers x 1 slot;
+- ``failover``: ``python -m bench.failover`` (``failover.json``): first completion after
+  a leader's ``kill -9``, ten takeovers.
+
+Every bench keeps its own report beside the scorecard (``results.md``, ``scale.md``,
+...); the scorecard (``scorecard.md``, ``scorecard.json``, ``scorecard.png``) is
+:func:`score` over their raw files, so ``--report`` can draw it again, and a part left
+out (``--parts``) leaves its rows marked as not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bench.harness import ROOT, percentile
+from bench.report import DASH
+
+BROKER = "broker-postgres-defaults"
+PEER = "pgqueuer"
+CHART_PYTHON = ROOT / ".venv-peers" / "chart" / "bin" / "python"
+PARTS = ("side", "urgent", "scale", "failover")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One "Done when" figure: ``value`` against ``target``; ``higher`` says which way is
+    better (a rate ratio must reach its target, a latency ratio stay under it)."""
+
+    name: str
+    value: float | None
+    target: float
+    higher: bool
+    detail: str
+
+    @property
+    def met(self) -> bool | None:
+        if self.value is None:
+            return None
+        return self.value >= self.target if self.higher else self.value <= self.target
+
+    @property
+    def margin(self) -> float | None:
+        """The value over its target, turned so that above 1 is met (for the chart)."""
+        if self.value is None or self.value == 0:
+            return None
+        return self.value / self.target if self.higher else self.target / self.value
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _fmt(value: float | None, digits: int = 0) -> str:
+    return DASH if value is None else f"{value:,.{digits}f}"
+
+
+def _side_rows(results: dict[str, Any] | None) -> list[Row]:
+    systems = {s["system"]: s for s in (results or {}).get("systems", [])}
+    ours, theirs = systems.get(BROKER, {}), systems.get(PEER, {})
+
+    def med(system: dict[str, Any], workload: str, key: str) -> float | None:
+        return _median([r[key] for r in system.get(workload, []) if r.get(key) is not None])
+
+    def rate(name: str, workload: str, key: str, target: float, peer_key: str = "") -> Row:
+        a, b = med(ours, workload, key), med(theirs, workload, peer_key or key)
+        return Row(name, _ratio(a, b), target, True, f"{_fmt(a)} / {_fmt(b)} jobs/s")
+
+    def latency(name: str, key: str) -> Row:
+        a, b = med(ours, "latency", key), med(theirs, "latency", key)
+        return Row(name, _ratio(a, b), 1.0, False, f"{_fmt(a, 2)} / {_fmt(b, 2)} ms")
+
+    return [
+        rate("drain ÷ PgQueuer", "drain", "per_s", 1.0),
+        rate("drain with 200 producers ÷ PgQueuer", "producers", "per_s", 1.0),
+        rate(
+            "enqueue one at a time through the main ÷ PgQueuer", "drain", "enqueue_one_per_s", 0.8
+        ),
+        # A PgQueuer producer always writes straight into PostgreSQL: its one-at-a-time
+        # figure is what both of the broker's paths are held to.
+        rate(
+            "enqueue one at a time direct ÷ PgQueuer",
+            "drain",
+            "enqueue_direct_per_s",
+            1.2,
+            peer_key="enqueue_one_per_s",
+        ),
+        rate("bulk enqueue through the main ÷ PgQueuer", "drain", "enqueue_bulk_per_s", 1.0),
+        rate(
+            "bulk enqueue direct ÷ PgQueuer",
+            "drain",
+            "enqueue_bulk_direct_per_s",
+            1.0,
+            peer_key="enqueue_bulk_per_s",
+        ),
+        latency("enqueue-to-start p50 at 50 jobs/s ÷ PgQueuer", "start_p50_ms"),
+        latency("enqueue-to-start p99 at 50 jobs/s ÷ PgQueuer", "start_p99_ms"),
+    ]
+
+
+def _urgent_rows(runs: list[dict[str, Any]]) -> list[Row]:
+    def pooled(row: str, q: float) -> float | None:
+        probes = [ms for run in runs if run["row"] == row for ms in run["start_ms"]]
+        return percentile(probes, q) if probes else None
+
+    rows = []
+    for q in (50, 99):
+        a, b = pooled(BROKER, q), pooled(PEER, q)
+        detail = f"{_fmt(a, 1)} / {_fmt(b, 1)} ms, every probe pooled"
+        rows.append(
+            Row(f"urgent job p{q} during a drain ÷ PgQueuer", _ratio(a, b), 1.0, False, detail)
+        )
+    return rows
+
+
+def _scale_rows(scale: dict[str, Any] | None) -> list[Row]:
+    runs = (scale or {}).get("runs", [])
+
+    def med(key: str, **match: Any) -> float | None:
+        return _median(
+            [r[key] for r in runs if all(r.get(k) == v for k, v in match.items()) and r.get(key)]
+        )
+
+    rows = []
+    empty = med("per_s", part="drain", system=BROKER, shape="empty")
+    for shape in ("due", "future"):
+        a = med("per_s", part="drain", system=BROKER, shape=shape)
+        b = med("per_s", part="drain", system=PEER, shape=shape)
+        backlog = (scale or {}).get("config", {}).get("backlog", 0)
+        label = f"drain over {backlog:,} {shape} jobs"
+        rows.append(
+            Row(f"{label} ÷ PgQueuer", _ratio(a, b), 1.0, True, f"{_fmt(a)} / {_fmt(b)} jobs/s")
+        )
+        rows.append(
+            Row(
+                f"{label} ÷ the broker's empty table",
+                _ratio(a, empty),
+                0.9,
+                True,
+                f"{_fmt(a)} / {_fmt(empty)} jobs/s",
+            )
+        )
+    few, many = med("per_s", part="keyed", keys=1000), med("per_s", part="keyed", keys=30000)
+    rows.append(
+        Row(
+            "keyed drain, 30,000 keys ÷ 1,000 keys",
+            _ratio(many, few),
+            0.8,
+            True,
+            f"{_fmt(many)} / {_fmt(few)} jobs/s",
+        )
+    )
+    one = med("main_us_per_job", part="workers", setup="1x64")
+    wide = med("main_us_per_job", part="workers", setup="64x1")
+    rows.append(
+        Row(
+            "main CPU per job, 64 workers x 1 ÷ 1 worker x 64",
+            _ratio(wide, one),
+            1.1,
+            False,
+            f"{_fmt(wide)} / {_fmt(one)} µs",
+        )
+    )
+    return rows
+
+
+def _failover_rows(failover: dict[str, Any] | None) -> list[Row]:
+    if not failover:
+        return [
+            Row("takeovers with a completion within 5 s of kill -9", None, 10, True, "not measured")
+        ]
+    within, rounds = failover["within_5_s"], failover["rounds"]
+    first = failover["first_completion_s"]
+    detail = f"{within} of {rounds}; median {first['median']:.2f} s, max {first['max']:.2f} s"
+    return [Row("takeovers with a completion within 5 s of kill -9", within, rounds, True, detail)]
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _read_lines(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def score(out: Path) -> list[Row]:
+    """Every row of the scorecard from the raw files the parts wrote into ``out``."""
+    return [
+        *_side_rows(_read(out / "results.json")),
+        *_urgent_rows(_read_lines(out / "urgent.jsonl")),
+        *_scale_rows(_read(out / "scale.json")),
+        *_failover_rows(_read(out / "failover.json")),
+    ]
+
+
+def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
+    met = sum(r.met is True for r in rows)
+    lines = [
+        "# Issue 35's scorecard",
+        "",
+        f"Command: `{meta['command']}`, started {meta['started']}, "
+        f"{meta['wall_s'] / 60:.0f} min; load average {meta['load_before']:.1f} at the start, "
+        f"{meta['load_after']:.1f} at the end.",
+        "Each part's own report is beside this file (`results.md`, `scale.md`, the urgent and "
+        "failover raw files); the rows are `bench/scorecard.py`'s reading of their raw runs: "
+        "medians of the repetitions (the urgent rows pool every probe).",
+        "",
+        f"**{met} of {len(rows)} met.**",
+        "",
+        "![scorecard](scorecard.png)",
+        "",
+        "| figure | value | target | met | broker / other |",
+        "|---|---:|---:|:---:|---|",
+    ]
+    for r in rows:
+        sign = "≥" if r.higher else "≤"
+        met_text = {True: "yes", False: "**no**", None: DASH}[r.met]
+        value = DASH if r.value is None else f"{r.value:.2f}"
+        lines.append(f"| {r.name} | {value} | {sign} {r.target:g} | {met_text} | {r.detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(json_path: Path, png_path: Path) -> None:
+    """One panel: every row's margin over its target, 1 = exactly met (the chart
+    environment's python: matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in json.loads(json_path.read_text())["rows"] if r["margin"] is not None]
+    fig, ax = plt.subplots(figsize=(11, 0.38 * len(rows) + 1.2))
+    y = list(range(len(rows)))
+    colours = ["#1e8449" if r["met"] else "#c0392b" for r in rows]
+    ax.barh(y, [r["margin"] for r in rows], color=colours)
+    ax.axvline(1.0, color="#222", linewidth=1)
+    ax.set_yticks(y, [r["name"] for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ticks = [0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks], fontsize=7)
+    ax.minorticks_off()
+    ax.set_xlabel("value ÷ target, turned so that right of 1 is met (log scale)", fontsize=8)
+    ax.set_title("Issue 35: broker against its targets (green: met)", fontsize=10)
+    for yi, r in zip(y, rows, strict=True):
+        ax.text(r["margin"], yi, f" {r['value']:.2f}", va="center", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110, bbox_inches="tight")
+
+
+def write(out: Path, meta: dict[str, Any]) -> None:
+    rows = score(out)
+    (out / "scorecard.md").write_text(markdown(rows, meta))
+    records = [{**dataclasses.asdict(r), "met": r.met, "margin": r.margin} for r in rows]
+    (out / "scorecard.json").write_text(json.dumps({"meta": meta, "rows": records}, indent=1))
+    if not CHART_PYTHON.exists():
+        print(
+            f"no chart: {CHART_PYTHON} is missing (`python -m bench` installs it)", file=sys.stderr
+        )
+        return
+    drawn = subprocess.run(
+        [str(CHART_PYTHON), "-m", "bench.scorecard", "--chart", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+    )
+    if drawn.returncode != 0:
+        print(f"chart failed: {drawn.stderr[-400:]}", file=sys.stderr)
+
+
+def _loadavg() -> float:
+    return os.getloadavg()[0]
+
+
+def _commands(args: argparse.Namespace) -> dict[str, tuple[list[str], Callable[[str], None]]]:
+    """Each part: its command line, and what to do with its standard output."""
+    out, reps = args.out, str(args.reps)
+
+    def failover(stdout: str) -> None:
+        # Its progress lines come first, then the summary as indented JSON.
+        text = stdout[stdout.index("\n{") + 1 :] if not stdout.startswith("{") else stdout
+        (out / "failover.json").write_text(text)
+
+    def ignore(stdout: str) -> None:
+        del stdout
+
+    python = sys.executable
+    return {
+        "side": (
+            [
+                python,
+                "-m",
+                "bench",
+                "--systems",
+                f"{BROKER},{PEER}",
+                "--reps",
+                reps,
+                "--no-floor",
+                "--out",
+                str(out),
+            ],
+            ignore,
+        ),
+        "urgent": (
+            [
+                python,
+                "-m",
+                "bench.urgent",
+                "--backlog",
+                str(args.urgent_backlog),
+                "--reps",
+                reps,
+                "--out",
+                str(out / "urgent.jsonl"),
+            ],
+            ignore,
+        ),
+        "scale": (
+            [
+                python,
+                "-m",
+                "bench.scale",
+                "--backlog",
+                str(args.backlog),
+                "--reps",
+                reps,
+                "--workers",
+                "1x64,64x1",
+                "--out",
+                str(out),
+            ],
+            ignore,
+        ),
+        "failover": ([python, "-m", "bench.failover"], failover),
+    }
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--chart"]:
+        out = Path(argv[1])
+        chart(out / "scorecard.json", out / "scorecard.png")
+        return 0
+    if argv[:1] == ["--report"]:
+        out = Path(argv[1])
+        write(out, json.loads((out / "scorecard.json").read_text())["meta"])
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m bench.scorecard")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--backlog", type=int, default=1_000_000)
+    parser.add_argument("--urgent-backlog", type=int, default=100_000)
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scorecard")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta: dict[str, Any] = {
+        "command": "python -m bench.scorecard " + " ".join(argv),
+        "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "load_before": _loadavg(),
+    }
+    began = time.monotonic()
+    commands = _commands(args)
+    for part in args.parts.split(","):
+        command, take = commands[part]
+        print(f"== {part}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
+        if part == "urgent":  # bench.urgent appends to its file
+            (args.out / "urgent.jsonl").unlink(missing_ok=True)
+        done = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            print(f"{part} failed with exit code {done.returncode}", file=sys.stderr)
+            continue
+        take(done.stdout)
+    meta.update(wall_s=time.monotonic() - began, load_after=_loadavg())
+    write(args.out, meta)
+    print((args.out / "scorecard.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
