@@ -151,6 +151,14 @@ def main() -> None:
         "--block calls of one job",
     )
     p.add_argument("--system", default="broker-postgres")
+    p.add_argument(
+        "--path",
+        choices=sorted(PATHS),
+        action="append",
+        help="measure only this path of the broker's sides (repeatable; default: every "
+        "path): a path run just after another meets what that one left running (the "
+        "main's dispatcher passes, a background ANALYZE)",
+    )
     p.add_argument("--serve", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
@@ -173,6 +181,8 @@ def main() -> None:
             # change being measured.
             for side in sides if turn % 2 == 0 else sides[::-1]:
                 for phase in side.phases:
+                    if args.path and side.name != "pgqueuer" and phase not in args.path:
+                        continue
                     rows.setdefault((side.name, phase), []).append(side.run(phase, args.block))
             loads.append(os.getloadavg()[0])
     finally:
@@ -210,7 +220,8 @@ def table(rows: dict[tuple[str, str], list[dict[str, float]]], block: int) -> li
 
 def pairs(rows: dict[tuple[str, str], list[dict[str, float]]], block: int) -> list[str]:
     """Each side and path's rate over PgQueuer's in the same turn, turn by turn (the
-    load moves between turns, less within one), and how many turns it led."""
+    load moves between turns, less within one), and how many turns it led; and the
+    after side's over the before side's, path by path."""
     pg = rows.get(("pgqueuer", "one")) or rows.get(("pgqueuer", "bulk"))
     if pg is None:
         return []
@@ -224,6 +235,16 @@ def pairs(rows: dict[tuple[str, str], list[dict[str, float]]], block: int) -> li
             f"{' '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f}, "
             f"{sum(r >= 1 for r in ratios)} of {len(ratios)} at 1.0x or more)"
         )
+    for (name, phase), blocks in rows.items():
+        before = rows.get(("before", phase))
+        if name == "after" and before is not None:
+            ratios = [b["wall"] / a["wall"] for a, b in zip(blocks, before, strict=True)]
+            lines.append(
+                f"after / before, {PATHS.get(phase, phase)}, by turn: "
+                f"{' '.join(f'{r:.2f}' for r in ratios)} "
+                f"(median {statistics.median(ratios):.2f}, after faster in "
+                f"{sum(r > 1 for r in ratios)} of {len(ratios)})"
+            )
     return lines
 
 
