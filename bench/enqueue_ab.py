@@ -22,6 +22,7 @@ missing). Each runs under its own database suffix, so none drops another's store
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -43,8 +44,9 @@ def _schedstat(pid: int) -> float:
         return 0.0
 
 
-def serve(system: str) -> None:
-    """A producer: set up, then answer ``PHASE N`` lines with one JSON line each."""
+def serve(system: str, bulk: bool = False) -> None:
+    """A producer: set up, then answer ``PHASE N`` lines with one JSON line each: ``N``
+    calls of one job, or with ``bulk`` one call of ``N`` jobs."""
     import importlib
 
     from bench.harness import Config
@@ -63,14 +65,23 @@ def serve(system: str) -> None:
         for call in calls.values():
             for i in range(50):  # connected and warm
                 call("noop", -1 - i)
+        if bulk:
+            calls = {"bulk": driver.enqueue_bulk}
+            if system.startswith("broker-postgres"):
+                calls["bulk-direct"] = driver.enqueue_bulk_direct
+            for call in calls.values():
+                call("noop", [-1] * 10)  # warm
         print(json.dumps({"phases": sorted(calls)}), flush=True)
-        for line in sys.stdin:
+        while line := _next_line(driver.loop):
             phase, count = line.split()
             call = calls[phase]
             cpu, main = time.process_time(), sum(map(_schedstat, main_pids))
             wall = time.perf_counter()
-            for i in range(int(count)):
-                call("noop", i)
+            if bulk:
+                call("noop", list(range(int(count))))
+            else:
+                for i in range(int(count)):
+                    call("noop", i)
             row = {
                 "wall": time.perf_counter() - wall,
                 "producer": time.process_time() - cpu,
@@ -81,12 +92,20 @@ def serve(system: str) -> None:
         driver.teardown()
 
 
+def _next_line(loop: asyncio.AbstractEventLoop) -> str:
+    """The next line of stdin, read while the driver's loop runs: the client answers the
+    main's pings while the other sides take their turns (a bulk turn can take longer than
+    the main waits for a ping's answer)."""
+    return loop.run_until_complete(loop.run_in_executor(None, sys.stdin.readline))
+
+
 class Side:
-    def __init__(self, name: str, python: str, root: Path, system: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(root), "BENCH_DB_SUFFIX": f"_ab_{name}"}
+    def __init__(self, name: str, python: str, root: Path, system: str, bulk: bool) -> None:
+        suffix = f"{os.environ.get('BENCH_DB_SUFFIX', '')}_ab_{name}"
+        env = {**os.environ, "PYTHONPATH": str(root), "BENCH_DB_SUFFIX": suffix}
         self.name = name
         self.proc = subprocess.Popen(
-            [python, str(Path(__file__).resolve()), "--serve", system],
+            [python, str(Path(__file__).resolve()), "--serve", system, *["--bulk"] * bulk],
             cwd=root,
             env=env,
             stdin=subprocess.PIPE,
@@ -125,20 +144,34 @@ def main() -> None:
         "--after", type=Path, default=HERE, help="the checkout measured (default: this one)"
     )
     p.add_argument("--block", type=int, default=50, help="jobs a turn")
+    p.add_argument(
+        "--bulk",
+        action="store_true",
+        help="each turn one bulk call of --block jobs (through the main, and direct), not "
+        "--block calls of one job",
+    )
     p.add_argument("--system", default="broker-postgres")
+    p.add_argument(
+        "--path",
+        choices=sorted(PATHS),
+        action="append",
+        help="measure only this path of the broker's sides (repeatable; default: every "
+        "path): a path run just after another meets what that one left running (the "
+        "main's dispatcher passes, a background ANALYZE)",
+    )
     p.add_argument("--serve", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
-        serve(args.serve)
+        serve(args.serve, args.bulk)
         return
     sides: list[Side] = []
     broker_python = str(HERE / ".venv" / "bin" / "python")
     if args.before is not None:
-        sides.append(Side("before", broker_python, args.before.resolve(), args.system))
-    sides.append(Side("after", broker_python, args.after.resolve(), args.system))
+        sides.append(Side("before", broker_python, args.before.resolve(), args.system, args.bulk))
+    sides.append(Side("after", broker_python, args.after.resolve(), args.system, args.bulk))
     pgqueuer = HERE / ".venv-peers" / "pgqueuer" / "bin" / "python"
     if pgqueuer.exists():
-        sides.append(Side("pgqueuer", str(pgqueuer), HERE, "pgqueuer"))
+        sides.append(Side("pgqueuer", str(pgqueuer), HERE, "pgqueuer", args.bulk))
     loads = [os.getloadavg()[0]]
     rows: dict[tuple[str, str], list[dict[str, float]]] = {}
     try:
@@ -148,6 +181,8 @@ def main() -> None:
             # change being measured.
             for side in sides if turn % 2 == 0 else sides[::-1]:
                 for phase in side.phases:
+                    if args.path and side.name != "pgqueuer" and phase not in args.path:
+                        continue
                     rows.setdefault((side.name, phase), []).append(side.run(phase, args.block))
             loads.append(os.getloadavg()[0])
     finally:
@@ -155,13 +190,14 @@ def main() -> None:
             side.close()
     print(f"load average {min(loads):.1f}-{max(loads):.1f}; {args.blocks} turns of {args.block}")
     print("\n".join(table(rows, args.block)))
+    print("\n".join(pairs(rows, args.block)))
 
 
 def table(rows: dict[tuple[str, str], list[dict[str, float]]], block: int) -> list[str]:
     """The Markdown table of the turns: each side and path's rate (its jobs over its summed
     wall time), its median turn's rate, that rate over PgQueuer's, and the median CPU per
     job of its producer and its main."""
-    pg = rows.get(("pgqueuer", "one"))
+    pg = rows.get(("pgqueuer", "one")) or rows.get(("pgqueuer", "bulk"))
     pg_rate = None if pg is None else len(pg) * block / sum(r["wall"] for r in pg)
     lines = [
         "| side | path | jobs/s | median turn jobs/s | x PgQueuer | producer us/job "
@@ -182,7 +218,42 @@ def table(rows: dict[tuple[str, str], list[dict[str, float]]], block: int) -> li
     return lines
 
 
-PATHS = {"one": "through the main", "direct": "direct"}
+def pairs(rows: dict[tuple[str, str], list[dict[str, float]]], block: int) -> list[str]:
+    """Each side and path's rate over PgQueuer's in the same turn, turn by turn (the
+    load moves between turns, less within one), and how many turns it led; and the
+    after side's over the before side's, path by path."""
+    pg = rows.get(("pgqueuer", "one")) or rows.get(("pgqueuer", "bulk"))
+    if pg is None:
+        return []
+    lines = []
+    for (name, phase), blocks in rows.items():
+        if name == "pgqueuer":
+            continue
+        ratios = [b["wall"] and p["wall"] / b["wall"] for b, p in zip(blocks, pg, strict=True)]
+        lines.append(
+            f"{name} {PATHS.get(phase, phase)} / PgQueuer by turn: "
+            f"{' '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f}, "
+            f"{sum(r >= 1 for r in ratios)} of {len(ratios)} at 1.0x or more)"
+        )
+    for (name, phase), blocks in rows.items():
+        before = rows.get(("before", phase))
+        if name == "after" and before is not None:
+            ratios = [b["wall"] / a["wall"] for a, b in zip(blocks, before, strict=True)]
+            lines.append(
+                f"after / before, {PATHS.get(phase, phase)}, by turn: "
+                f"{' '.join(f'{r:.2f}' for r in ratios)} "
+                f"(median {statistics.median(ratios):.2f}, after faster in "
+                f"{sum(r > 1 for r in ratios)} of {len(ratios)})"
+            )
+    return lines
+
+
+PATHS = {
+    "one": "through the main",
+    "direct": "direct",
+    "bulk": "bulk through the main",
+    "bulk-direct": "bulk direct",
+}
 """The name of each phase in the table."""
 
 if __name__ == "__main__":

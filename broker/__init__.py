@@ -72,6 +72,7 @@ if TYPE_CHECKING:
     from broker.client.sync import SyncClient, configure
     from broker.client.transactional import (
         EnqueueOptions,
+        enqueue_each_in_async,
         enqueue_in,
         enqueue_in_async,
         enqueue_many_in,
@@ -115,6 +116,7 @@ _LAZY = {
     "Step": "broker.tasks.workflow",
     "EnqueuedWorkflow": "broker.tasks.workflow",
     "EnqueueOptions": "broker.client.transactional",
+    "enqueue_each_in_async": "broker.client.transactional",
     "enqueue_in": "broker.client.transactional",
     "enqueue_in_async": "broker.client.transactional",
     "enqueue_many_in": "broker.client.transactional",
@@ -187,6 +189,7 @@ __all__ = [
     "chain",
     "configure",
     "current_job",
+    "enqueue_each_in_async",
     "enqueue_in",
     "enqueue_in_async",
     "enqueue_many_in",

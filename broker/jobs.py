@@ -24,7 +24,7 @@ import operator
 import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from datetime import UTC, datetime
 from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any, TypeAlias
@@ -619,14 +619,121 @@ def new_jobs_columns(specs: Sequence[JobSpec], now: datetime) -> dict[str, list[
     ``unnest`` of the columns) builds no dict per job: the dicts and their rows were
     most of a bulk enqueue's CPU per job in the caller. The same fields, set the same
     way (a unit test holds the two to each other)."""
-    count = len(specs)
     by_field = zip(*map(_job_spec_values, specs), strict=True)
     columns = dict(zip(_JOB_SPEC_FIELDS, map(list, by_field), strict=True))
     columns["run_at"] = [now if run_at is None else run_at for run_at in columns["run_at"]]
-    columns["status"] = list(map(_first_status, specs))
+    return _with_new_state(columns, list(map(_first_status, specs)), now)
+
+
+def _with_new_state(
+    columns: dict[str, list[Any]], statuses: list[JobStatus], now: datetime
+) -> dict[str, list[Any]]:
+    """``columns`` (a new job's spec fields, by field) with what every new job starts
+    with: its first status, no attempt yet, made and changed at ``now``."""
+    count = len(statuses)
+    columns["status"] = statuses
     columns["attempts"] = [0] * count
     columns["created_at"] = columns["updated_at"] = [now] * count
     return columns
+
+
+@dataclass(frozen=True, slots=True)
+class SpecColumns:
+    """Jobs that differ only in their arguments (and ids): one checked ``template`` for
+    the task and every option, and each job's ``args``, ``kwargs`` and ``id``, by column.
+
+    A bulk enqueue of one task with many argument sets (what PgQueuer's list-taking
+    ``enqueue`` does) builds no :class:`JobSpec` per job this way: a spec's checks and
+    its construction were half of a direct bulk enqueue's CPU per job in the caller.
+    Each job's arguments are checked as a spec checks them; the options once. No key
+    names one job (an idempotency or unique key), and no job has parents: each job is a
+    new, independent one, stored as its own row. :meth:`specs` are the same jobs one
+    by one, for a store that writes them the careful way; a unit test holds
+    :meth:`fields` to :func:`new_jobs_columns` of those."""
+
+    template: JobSpec
+    args: list[tuple[JSONValue, ...]]
+    kwargs: list[dict[str, JSONValue]]
+    ids: list[uuid.UUID]
+
+    @classmethod
+    def of(
+        cls,
+        template: JobSpec,
+        args: Sequence[Sequence[JSONValue]],
+        kwargs: Sequence[Mapping[str, JSONValue]] | None = None,
+    ) -> SpecColumns:
+        """The jobs of ``template`` with each of ``args`` (and the ``kwargs`` at the same
+        place, if given: as many), each with a fresh id.
+
+        :raises InvalidJobError: an argument set is not JSON, ``kwargs`` is not as long as
+            ``args``, or ``template`` has a key that names one job or has parents.
+        """
+        if template.idempotency_key is not None or template.unique_key is not None:
+            raise InvalidJobError(
+                "an idempotency_key or unique_key names one job: give it to each job of "
+                "enqueue_many_in_async instead of once for a list of argument sets"
+            )
+        if template.depends_on or template.workflow_id is not None:
+            raise InvalidJobError("jobs with depends_on or a workflow are enqueued one by one")
+        if kwargs is None:
+            # No keywords: one empty dict for all (the column is encoded once).
+            owned = [_own_arguments(a, _NO_KWARGS)[0] for a in args]
+            return cls(template, owned, [{}] * len(owned), [random_uuid() for _ in owned])
+        pairs = list(map(_own_arguments, args, keyword_sets(len(args), kwargs)))
+        return cls(
+            template,
+            [a for a, _ in pairs],
+            [k for _, k in pairs],
+            [random_uuid() for _ in pairs],
+        )
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def chunk(self, start: int, stop: int) -> SpecColumns:
+        """The jobs from ``start`` to ``stop``."""
+        return SpecColumns(
+            self.template, self.args[start:stop], self.kwargs[start:stop], self.ids[start:stop]
+        )
+
+    def specs(self) -> list[JobSpec]:
+        """The same jobs, one :class:`JobSpec` each."""
+        return [
+            replace(self.template, args=args, kwargs=kwargs, id=job_id)
+            for args, kwargs, job_id in zip(self.args, self.kwargs, self.ids, strict=True)
+        ]
+
+    def fields(self, now: datetime) -> dict[str, list[Any]]:
+        """:func:`new_jobs_columns` of :meth:`specs` enqueued at ``now``: a field of the
+        template is one object repeated (which a store encodes once)."""
+        count = len(self.ids)
+        columns = {
+            name: [value] * count
+            for name, value in zip(_JOB_SPEC_FIELDS, _job_spec_values(self.template), strict=True)
+        }
+        columns["args"] = self.args
+        columns["kwargs"] = self.kwargs
+        columns["id"] = self.ids
+        columns["run_at"] = [self.template.run_at or now] * count
+        return _with_new_state(columns, [_first_status(self.template)] * count, now)
+
+
+_NO_KWARGS: Mapping[str, JSONValue] = {}
+
+
+def keyword_sets(
+    count: int, kwargs: Sequence[Mapping[str, JSONValue]] | None
+) -> Sequence[Mapping[str, JSONValue]]:
+    """The keyword arguments of each of ``count`` jobs given argument sets: ``kwargs``,
+    if it has one per job, or none for each.
+
+    :raises InvalidJobError: ``kwargs`` is not as long as the argument sets."""
+    if kwargs is None:
+        return [_NO_KWARGS] * count
+    if len(kwargs) != count:
+        raise InvalidJobError(f"{len(kwargs)} keyword argument sets for {count} argument sets")
+    return kwargs
 
 
 _JOB_SPEC_FIELDS = tuple(name for name in SPEC_FIELDS if name not in DEPENDENCY_FIELDS)

@@ -15,12 +15,13 @@ store). :func:`nesting_depth` measures without recursion, so any value can be ju
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping, Sequence
 from operator import countOf
 from typing import Any, TypeAlias
 
 from broker.exceptions import InvalidJobError, PayloadTooLargeError
-from broker.jobs import JobSpec, JSONValue, compact_json
+from broker.jobs import JobSpec, JSONValue, SpecColumns, compact_json
 from broker.model.bounds import (
     DEFAULT_MAX_CHECKPOINT_BYTES,
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -178,29 +179,41 @@ def check_shape(
     and objects, the args' list and the kwargs' object included (as ``[`` and ``{`` count
     in their JSON). One walk, stopped at either bound, so it costs little whatever the job.
     """
+    _check_shape(spec.task, spec.id, spec.args, spec.kwargs, max_depth, max_containers)
+
+
+def _check_shape(
+    task: str,
+    job_id: uuid.UUID,
+    args: Sequence[JSONValue],
+    kwargs: Mapping[str, JSONValue],
+    max_depth: int,
+    max_containers: int | None,
+) -> None:
+    """:func:`check_shape` of the job ``job_id`` of ``task`` with these arguments."""
     if (
-        not spec.kwargs
+        not kwargs
         and max_depth >= 1
         and (max_containers is None or max_containers >= 2)
-        and all(map(_SCALAR_TYPE, map(type, spec.args)))
+        and all(map(_SCALAR_TYPE, map(type, args)))
     ):
         # The usual job: a flat list of scalars and no keyword arguments, one level deep
         # in two containers (the args' list, the kwargs' object), judged in C; the walk
         # below finds the same, for a third of a bulk enqueue's payload checks.
         return
     # Args and kwargs in one value: two levels above each argument, one list above them.
-    both = [list(spec.args), dict(spec.kwargs)]
+    both = [list(args), dict(kwargs)]
     depth = _walk(both, max_depth + 2, None if max_containers is None else max_containers + 1)
     if depth is None:
         raise PayloadTooLargeError(
             too_many_containers(
-                f"job {spec.id} of task {spec.task[:100]!r}: its payload (args and kwargs)",
+                f"job {job_id} of task {task[:100]!r}: its payload (args and kwargs)",
                 max_containers or 0,
             )
         )
     if depth - 2 > max_depth:
         raise InvalidJobError(
-            f"job {spec.id} of task {spec.task[:100]!r}: an argument nests more than "
+            f"job {job_id} of task {task[:100]!r}: an argument nests more than "
             f"{max_depth} levels deep (lists and objects inside one another), over the "
             "payload depth limit; flatten it or pass a reference instead"
         )
@@ -220,13 +233,28 @@ def check_args(
 
     ``None`` disables the size check (the size is then not computed and 0 is returned).
     """
-    check_shape(spec, max_depth, max_containers)
+    return _check_payload(
+        spec.task, spec.id, spec.args, spec.kwargs, limit, max_depth, max_containers
+    )
+
+
+def _check_payload(
+    task: str,
+    job_id: uuid.UUID,
+    args: Sequence[JSONValue],
+    kwargs: Mapping[str, JSONValue],
+    limit: int | None,
+    max_depth: int,
+    max_containers: int | None,
+) -> int:
+    """:func:`check_args` of the job ``job_id`` of ``task`` with these arguments."""
+    _check_shape(task, job_id, args, kwargs, max_depth, max_containers)
     if limit is None:
         return 0
-    size = args_size(spec.args, spec.kwargs)
+    size = args_size(args, kwargs)
     if size > limit:
         raise PayloadTooLargeError(
-            f"job {spec.id} of task {spec.task[:100]!r}: args and kwargs are {size} bytes as JSON, "
+            f"job {job_id} of task {task[:100]!r}: args and kwargs are {size} bytes as JSON, "
             f"over the payload limit of {limit} bytes; pass a reference (a row id, an object "
             "store key) instead of the data"
         )
@@ -240,6 +268,21 @@ def check_all(specs: Sequence[JobSpec], limit: int | None) -> None:
     main decodes every job it claims)."""
     for spec in specs:
         check_args(spec, limit)
+
+
+def check_columns(jobs: SpecColumns, limit: int | None) -> None:
+    """:func:`check_all` of ``jobs``' specs, read from their columns (no spec per job)."""
+    task = jobs.template.task
+    for args, kwargs, job_id in zip(jobs.args, jobs.kwargs, jobs.ids, strict=True):
+        _check_payload(
+            task,
+            job_id,
+            args,
+            kwargs,
+            limit,
+            DEFAULT_MAX_PAYLOAD_DEPTH,
+            DEFAULT_MAX_PAYLOAD_CONTAINERS,
+        )
 
 
 def result_too_large(result: JSONValue, limit: int | None) -> str | None:
@@ -312,6 +355,7 @@ __all__ = [
     "args_size",
     "check_all",
     "check_args",
+    "check_columns",
     "check_shape",
     "containers_in",
     "encoded_size",

@@ -63,10 +63,16 @@ from broker.jobs import (
     Outcome,
     ProgressUpdate,
     Settlement,
+    SpecColumns,
     utcnow,
 )
 from broker.model import checks
-from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_OFFLOAD_BYTES, check_all
+from broker.payload import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    DEFAULT_OFFLOAD_BYTES,
+    check_all,
+    check_columns,
+)
 from broker.storage import SCHEMA_VERSION, Capabilities, LeaderRecord
 
 logger = logging.getLogger("adapters.sql")
@@ -281,6 +287,28 @@ class SQLAlchemyAdapter(CoreQueries):
         check_all(specs, self._max_payload_bytes)
         with self._errors.translate("enqueue_in_transaction"):
             return await enqueue(conn, specs, [None] * len(specs), self._epoch)
+
+    async def enqueue_columns_on_driver_connection(
+        self, conn: Any, jobs: SpecColumns
+    ) -> list[uuid.UUID]:
+        """:meth:`enqueue_on_driver_connection` of ``jobs`` (one task and its options, many
+        argument sets): the same checks and rows, by column, with no spec per job unless
+        they must go the careful way (inside a transaction open on ``conn``, a payload to
+        offload, a refused statement). The new jobs' ids, in order.
+
+        :raises PayloadTooLargeError: a job's args and kwargs exceed ``max_payload_bytes``;
+            nothing of the batch is inserted.
+        """
+        if not len(jobs):
+            return []
+        check_columns(jobs, self._max_payload_bytes)
+        with self._errors.translate("enqueue_in_transaction"):
+            if await self._dialect.enqueue_columns_on_driver(conn, jobs):
+                return jobs.ids
+            specs = jobs.specs()
+            enqueue = self._dialect.driver_enqueue()
+            results = await enqueue(conn, specs, [None] * len(specs), self._epoch)
+        return [result.job_id for result in results]
 
     async def enqueue_in_transaction(
         self, conn: AsyncConnection, specs: Sequence[JobSpec]

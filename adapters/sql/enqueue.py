@@ -47,6 +47,7 @@ from broker.jobs import (
     EnqueueResult,
     Job,
     JobSpec,
+    SpecColumns,
     check_idempotent_repeat,
     new_jobs_columns,
 )
@@ -153,13 +154,16 @@ class EnqueueRule:
         return offload(job_id, new_row(job_fields), self._offload_threshold)
 
     def columns_to_write(
-        self, specs: Sequence[JobSpec], now: datetime
+        self, specs: Sequence[JobSpec] | SpecColumns, now: datetime
     ) -> dict[str, list[Any]] | None:
-        """The rows of ``specs``' new jobs enqueued at ``now`` (none of them handed off),
-        by column (:func:`~adapters.sql.rows.new_columns`); ``None`` when a payload of
-        one would move out of its row, which only the row by row way
-        (:meth:`row_to_write`) does."""
-        columns = new_columns(new_jobs_columns(specs, now), len(specs))
+        """The rows of the new jobs of ``specs`` (or of the jobs ``specs`` holds by column)
+        enqueued at ``now`` (none of them handed off), by column
+        (:func:`~adapters.sql.rows.new_columns`); ``None`` when a payload of one would
+        move out of its row, which only the row by row way (:meth:`row_to_write`) does."""
+        fields = (
+            specs.fields(now) if isinstance(specs, SpecColumns) else new_jobs_columns(specs, now)
+        )
+        columns = new_columns(fields, len(specs))
         threshold = self._offload_threshold
         if threshold is not None and any(
             moves_out(text, threshold)

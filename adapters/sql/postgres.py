@@ -71,6 +71,7 @@ from broker.jobs import (
     Outcome,
     ProgressUpdate,
     Settlement,
+    SpecColumns,
 )
 from broker.storage import Capabilities, LeaderRecord
 
@@ -675,9 +676,37 @@ class PostgresDialect:
         (:meth:`EnqueueResult.inserted_new`).
         """
         now = from_us(self._now())
+        chunks = [specs] if len(specs) <= _EVERY_AT_ONCE else in_chunks(specs, OVERLAP_CHUNK)
+        if not await self._insert_by_column(conn, chunks, now):
+            return None
+        return [EnqueueResult.inserted_new(spec, now) for spec in specs]
+
+    async def enqueue_columns_on_driver(self, conn: Any, jobs: SpecColumns) -> bool:
+        """Store ``jobs`` (new, independent jobs held by column: no key, no parents) on an
+        asyncpg connection by column, as :meth:`_enqueue_every` stores a batch of specs,
+        without a spec per job; ``False`` when that cannot be done (inside a transaction
+        open on ``conn``, where a failed statement would abort it, a payload to offload,
+        any refusal), and then nothing was stored and the jobs go one spec each."""
+        if conn.is_in_transaction():
+            return False
+        # Statements of _EVERY_AT_ONCE jobs, not OVERLAP_CHUNK: with no spec per job to
+        # read, a chunk's columns cost the caller little beside its round trip (4,000 jobs,
+        # alternating, at a load of 23: 5.3 us of CPU and 75 us of wall time a job in
+        # statements of 1,000, 7.3 and 100 in statements of 250).
+        chunks = [jobs.chunk(i, i + _EVERY_AT_ONCE) for i in range(0, len(jobs), _EVERY_AT_ONCE)]
+        return await self._insert_by_column(conn, chunks, from_us(self._now()))
+
+    async def _insert_by_column(
+        self, conn: Any, chunks: Sequence[Sequence[JobSpec] | SpecColumns], now: datetime
+    ) -> bool:
+        """Insert each of ``chunks`` (new jobs enqueued at ``now``) as one statement by
+        column, in one transaction if more than one; ``False`` when a statement failed
+        or a payload would move out of its row, and nothing was stored."""
         sql = self._sql
 
-        def build(chunk: Sequence[JobSpec]) -> tuple[dict[str, list[Any]], list[Payload]]:
+        def build(
+            chunk: Sequence[JobSpec] | SpecColumns,
+        ) -> tuple[dict[str, list[Any]], list[Payload]]:
             columns = self._enqueue.columns_to_write(chunk, now)
             if columns is None:
                 raise _Offloading
@@ -690,14 +719,14 @@ class PostgresDialect:
             return set()
 
         try:
-            if len(specs) <= _EVERY_AT_ONCE:
-                await insert(*build(specs))
+            if len(chunks) == 1:
+                await insert(*build(chunks[0]))
             else:
                 async with conn.transaction():
-                    await overlapped(insert, map(build, in_chunks(specs, OVERLAP_CHUNK)))
+                    await overlapped(insert, map(build, chunks))
         except (self._server_refused, _Offloading):
-            return None
-        return [EnqueueResult.inserted_new(spec, now) for spec in specs]
+            return False
+        return True
 
     def note_inserts(self, count: int) -> None:
         """Keep the planner's statistics fresh after bulk inserts.

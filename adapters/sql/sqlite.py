@@ -59,6 +59,7 @@ from broker.jobs import (
     JobStatus,
     ProgressUpdate,
     Settlement,
+    SpecColumns,
 )
 from broker.storage import Capabilities, LeaderRecord
 
@@ -666,6 +667,10 @@ class SqliteDialect:
     def driver_enqueue(self) -> NoReturn:
         """None: an application's asyncpg connection reaches a PostgreSQL store only."""
         raise ConfigurationError("an asyncpg connection reaches a PostgreSQL store only")
+
+    async def enqueue_columns_on_driver(self, conn: Any, jobs: SpecColumns) -> NoReturn:
+        """None: an application's asyncpg connection reaches a PostgreSQL store only."""
+        self.driver_enqueue()
 
     def note_inserts(self, count: int) -> None:
         """Nothing: SQLite's planner needs no fresh statistics to use the dispatch index."""

@@ -310,19 +310,26 @@ class BrokerDriver(Driver):
 
     def enqueue_bulk_direct(self, kind: str, args: list[int]) -> None:
         """``args`` in one call on the producer's own asyncpg connection, straight to the
-        store (``broker.enqueue_many_in_async`` outside a transaction: new jobs go in as one
-        statement, all or none; PostgreSQL only): what PgQueuer's bulk ``Queries.enqueue``
-        does, and not the via-main figure."""
-        from broker.client.transactional import enqueue_many_in_async
-        from broker.jobs import ExecutionMode, JobSpec
+        store (``broker.enqueue_each_in_async`` outside a transaction: the task and options
+        once and a list of argument sets, stored by column in one transaction, all or
+        none; PostgreSQL only): what PgQueuer's bulk ``Queries.enqueue`` of lists does,
+        and not the via-main figure."""
+        from broker.client.transactional import enqueue_each_in_async
 
         if self.direct is None:
             import asyncpg
 
             self.direct = self.run(asyncpg.connect(postgres_dsn(DATABASE)))
-        task, mode = f"{TASKS}.{kind}", ExecutionMode(self.mode)
-        specs = [JobSpec(task=task, args=(a,), max_attempts=1, execution_mode=mode) for a in args]
-        self.run(enqueue_many_in_async(self.direct, specs))
+        arg_sets = [(a,) for a in args]
+        self.run(
+            enqueue_each_in_async(
+                self.direct,
+                f"{TASKS}.{kind}",
+                arg_sets,
+                max_attempts=1,
+                execution_mode=self.mode,
+            )
+        )
         self.enqueued += len(args)
 
     def enqueue_bulk(self, kind: str, args: list[int]) -> None:

@@ -31,6 +31,7 @@ and a task into that call.
 from __future__ import annotations
 
 import functools
+import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
@@ -41,7 +42,15 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_s
 from sqlalchemy.orm import Session, scoped_session
 
 from broker.exceptions import ConfigurationError, InvalidJobError
-from broker.jobs import EnqueueResult, ExecutionMode, JobSpec, JSONValue, utcnow
+from broker.jobs import (
+    EnqueueResult,
+    ExecutionMode,
+    JobSpec,
+    JSONValue,
+    SpecColumns,
+    keyword_sets,
+    utcnow,
+)
 from broker.model.values import check_delay
 from broker.payload import DEFAULT_MAX_PAYLOAD_BYTES
 from broker.tasks.registry import Task
@@ -175,7 +184,7 @@ async def enqueue_many_in_async(
     max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES,
 ) -> list[EnqueueResult]:
     """:func:`enqueue_many_in` for asyncio."""
-    if type(target).__module__.partition(".")[0] == "asyncpg":
+    if _is_asyncpg(target):
         # A connection (or a pool's proxy of one) of asyncpg's own: the main's own insert
         # statement on it, without SQLAlchemy (see enqueue_on_driver_connection).
         return await _driver_store(schema, max_payload_bytes).enqueue_on_driver_connection(
@@ -196,6 +205,47 @@ async def enqueue_many_in_async(
     return await store.enqueue_in_transaction(conn, specs)
 
 
+async def enqueue_each_in_async(
+    target: AsyncTarget,
+    task: str | Task[..., Any],
+    arg_sets: Sequence[Sequence[JSONValue]],
+    kwarg_sets: Sequence[Mapping[str, JSONValue]] | None = None,
+    *,
+    schema: str | None = None,
+    max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES,
+    **options: Unpack[EnqueueOptions],
+) -> list[uuid.UUID]:
+    """One job of ``task`` for each of ``arg_sets`` (with the keyword arguments at the
+    same place in ``kwarg_sets``, if given), the options given once for all: a bulk
+    enqueue as PgQueuer's ``enqueue`` of lists is one. All or none, as
+    :func:`enqueue_many_in_async` stores them; the new jobs' ids, in order.
+
+    On an ``asyncpg`` connection outside a transaction, a task given by name goes by
+    column, with no :class:`~broker.JobSpec` per job: its options are checked once,
+    each job's arguments as a spec checks them, and the rows go in one statement per
+    1,000 jobs. A :class:`~broker.Task` (whose keys and argument checks are per job),
+    another connection, or an open transaction store the same jobs one spec each.
+
+    :raises InvalidJobError: an option or an argument set is invalid, or the options
+        name an ``idempotency_key`` or ``unique_key`` (each names one job: give it per
+        job to :func:`enqueue_many_in_async`); nothing is written.
+    :raises PayloadTooLargeError: a job's arguments are over ``max_payload_bytes``.
+    """
+    if isinstance(task, Task):
+        kwargs = keyword_sets(len(arg_sets), kwarg_sets)
+        specs = [job_spec(task, a, k, **options) for a, k in zip(arg_sets, kwargs, strict=True)]
+    else:
+        jobs = SpecColumns.of(job_spec(task, **options), arg_sets, kwarg_sets)
+        if _is_asyncpg(target):
+            store = _driver_store(schema, max_payload_bytes)
+            return await store.enqueue_columns_on_driver_connection(target, jobs)
+        specs = jobs.specs()
+    results = await enqueue_many_in_async(
+        target, specs, schema=schema, max_payload_bytes=max_payload_bytes
+    )
+    return [result.job_id for result in results]
+
+
 def enqueue_on_statements(
     statements: SyncStatements,
     dialect: str,
@@ -209,6 +259,11 @@ def enqueue_on_statements(
     cursor); ``dialect`` names its database, ``postgresql`` or ``sqlite``."""
     store = _store(URL.create(dialect), dialect, schema, max_payload_bytes)
     return store.enqueue_in_sync_transaction(statements, specs)
+
+
+def _is_asyncpg(target: object) -> bool:
+    """Whether ``target`` is an asyncpg connection (or a pool's proxy of one)."""
+    return type(target).__module__.partition(".")[0] == "asyncpg"
 
 
 def _sync_connection(target: SyncTarget) -> sa.Connection:
@@ -262,6 +317,7 @@ def _store(
 
 __all__ = [
     "EnqueueOptions",
+    "enqueue_each_in_async",
     "enqueue_in",
     "enqueue_in_async",
     "enqueue_many_in",

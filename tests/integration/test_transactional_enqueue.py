@@ -284,3 +284,89 @@ async def test_a_bad_job_is_refused_before_anything_is_written(app_db: AppDataba
         engine.dispose()
     page = await app_db.store.list_jobs(limit=10)
     assert page.jobs == []
+
+
+async def test_enqueue_each_stores_the_jobs_enqueue_many_stores_by_column_or_one_by_one() -> None:
+    """``enqueue_each_in_async`` (one task and its options, many argument sets) on asyncpg:
+    by column outside a transaction (one statement, and more than one in a transaction of
+    its own past 1,000 jobs), one spec each inside one or with a payload to offload; each
+    way stores the jobs ``enqueue_many_in_async`` stores for the same specs. A payload
+    over the limit or a key in the options stores nothing."""
+    import asyncpg
+
+    url = require_postgres()
+    schema = fresh_schema_name()
+    store = SQLAlchemyAdapter(url, schema=schema)
+    await store.setup()
+    conn = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://", 1))
+    options = {"queue": "q", "priority": 3, "max_attempts": 2, "timeout": 5.0}
+    try:
+        wide = await broker.enqueue_each_in_async(
+            conn,
+            "t",
+            [[i] for i in range(1001)],
+            schema=schema,
+            **options,  # type: ignore[arg-type]
+        )
+        keyed = await broker.enqueue_each_in_async(
+            conn,
+            "t",
+            [[1], ["x" * 70_000]],  # the second's payload moves out of its row
+            [{"a": 1}, {}],
+            schema=schema,
+            concurrency_key="k",
+            concurrency_limit=2,
+        )
+        async with conn.transaction():
+            inside = await broker.enqueue_each_in_async(conn, "t", [[1], [2]], schema=schema)
+        by_task = await broker.enqueue_each_in_async(conn, ship, [[7], [8]], schema=schema)
+        many = await broker.enqueue_many_in_async(
+            conn,
+            [JobSpec(task="t", args=[0], **options)],
+            schema=schema,  # type: ignore[arg-type]
+        )
+        with pytest.raises(broker.PayloadTooLargeError):
+            await broker.enqueue_each_in_async(
+                conn, "t", [[1], ["x" * 200]], schema=schema, max_payload_bytes=100
+            )
+        for key in ("idempotency_key", "unique_key"):
+            with pytest.raises(broker.InvalidJobError, match=key):
+                await broker.enqueue_each_in_async(conn, "t", [[1]], schema=schema, **{key: "u"})  # type: ignore[arg-type]
+        with pytest.raises(broker.InvalidJobError, match="keyword argument sets"):
+            await broker.enqueue_each_in_async(conn, "t", [[1]], [{}, {}], schema=schema)
+    finally:
+        await conn.close()
+    try:
+        assert len(wide) == 1001 and len(set(wide)) == 1001
+        page = await store.list_jobs(limit=2000)
+        assert len(page.jobs) == 1001 + 2 + 2 + 2 + 1
+        by_id = {job.id: job for job in page.jobs}
+        reference = by_id[many[0].job.id]
+        skip = {"id", "args", "run_at", "created_at", "updated_at"}
+        for i, job_id in enumerate(wide):
+            job = by_id[job_id]
+            assert job.args == (i,) and job.run_at == job.created_at
+            assert {k: v for k, v in job.to_dict().items() if k not in skip} == {
+                k: v for k, v in reference.to_dict().items() if k not in skip
+            }
+        assert [by_id[i].kwargs for i in keyed] == [{"a": 1}, {}]
+        assert by_id[keyed[1]].args == ("x" * 70_000,)
+        assert {by_id[i].concurrency_key for i in keyed} == {"k"}
+        assert [by_id[i].args for i in inside] == [(1,), (2,)]
+        assert {by_id[i].queue for i in by_task} == {"shipping"}  # the task's defaults
+    finally:
+        await store.close()
+        await drop_schema(schema)
+
+
+async def test_enqueue_each_through_a_session_stores_one_spec_each(app_db: AppDatabase) -> None:
+    engine = create_async_engine(app_db.async_url, connect_args=_async_args(app_db))
+    try:
+        async with AsyncSession(engine) as session, session.begin():
+            ids = await broker.enqueue_each_in_async(
+                session, "shop.ship", [[1], [2]], schema=app_db.schema, priority=4
+            )
+    finally:
+        await engine.dispose()
+    jobs = [await app_db.store.get_job(i) for i in ids]
+    assert [(j.args, j.priority) for j in jobs if j is not None] == [((1,), 4), ((2,), 4)]

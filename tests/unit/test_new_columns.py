@@ -15,17 +15,20 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapters.sql.enqueue import EnqueueRule
 from adapters.sql.rows import new_columns, new_row
+from broker.exceptions import InvalidJobError
 from broker.jobs import (
     EnqueueResult,
     ExecutionMode,
     Job,
     JobSpec,
     JSONValue,
+    SpecColumns,
     new_job_fields,
     new_jobs_columns,
 )
@@ -74,6 +77,45 @@ def test_columns_hold_each_jobs_row(batch: list[JobSpec]) -> None:
     for i, spec in enumerate(batch):
         by_column = {c: values[i] for c, values in columns.items() if values[i] is not None}
         assert by_column == new_row(new_job_fields(spec, NOW))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    specs(),
+    st.lists(st.sampled_from(SHARED_ARGS) | st.lists(st.integers() | st.booleans()), min_size=1),
+    st.booleans(),
+)
+def test_jobs_by_column_are_their_specs_new_jobs(
+    template: JobSpec, args: list[Any], with_kwargs: bool
+) -> None:
+    """:class:`SpecColumns` (a template and argument sets) holds the fields, and so the
+    rows, that its specs one by one make; a template with a key that names one job, or
+    with parents, is refused."""
+    if template.idempotency_key or template.unique_key or template.depends_on:
+        with pytest.raises(InvalidJobError):
+            SpecColumns.of(template, args)
+        return
+    kwargs = [{"n": i} for i in range(len(args))] if with_kwargs else None
+    jobs = SpecColumns.of(template, args, kwargs)
+    one_by_one = jobs.specs()
+    assert [s.id for s in one_by_one] == jobs.ids and len(set(jobs.ids)) == len(args)
+    assert jobs.fields(NOW) == new_jobs_columns(one_by_one, NOW)
+    rule = EnqueueRule(lambda: 0, None, "here")
+    assert rule.columns_to_write(jobs, NOW) == rule.columns_to_write(one_by_one, NOW)
+    half = len(args) // 2
+    assert jobs.chunk(0, half).specs() + jobs.chunk(half, len(args)).specs() == one_by_one
+
+
+def test_argument_sets_are_checked_as_a_spec_checks_them() -> None:
+    template = JobSpec("t")
+    with pytest.raises(InvalidJobError, match="args must be a list"):
+        SpecColumns.of(template, [[1], "ab"])
+    with pytest.raises(InvalidJobError, match="kwargs must be an object"):
+        SpecColumns.of(template, [[1]], [{1: 2}])  # type: ignore[dict-item]
+    with pytest.raises(InvalidJobError, match="not JSON-serialisable"):
+        SpecColumns.of(template, [[float("nan")]])
+    with pytest.raises(InvalidJobError, match="2 keyword argument sets for 1"):
+        SpecColumns.of(template, [[1]], [{}, {}])
 
 
 def test_a_payload_over_the_threshold_leaves_the_batch_to_the_row_by_row_way() -> None:
