@@ -97,7 +97,8 @@ def test_each_broker_row_is_a_multiple_of_pgqueuers_figures() -> None:
     assert row[2] == "\u00d70.25"  # with producers 250 / 1000
     assert row[3] == "\u00d70.40"  # 1-by-1 through the main 400 / 1000
     assert row[4] == "\u00d70.90"  # 1-by-1 direct 900 / PgQueuer's 1-by-1, always direct
-    assert row[8] == "\u00d710.00"  # all CPU per job 2.0 / 0.2 ms
+    assert row[6] == "\u2013"  # no bulk direct figure in this run
+    assert row[9] == "\u00d710.00"  # all CPU per job 2.0 / 0.2 ms
 
 
 def test_no_pgqueuer_row_no_ratio_table() -> None:
