@@ -115,11 +115,14 @@ class Credits:
             free -= 1
         return max(0, free)
 
+    # Only the modes the last ``ready`` listed can have credit (any other has no slot):
+    # these two run for every worker in every dispatch pass, and looking at each of the
+    # three modes made them a tenth of the main's time with 64 workers of one mode.
     def total_available(self, *, leading: bool = False) -> int:
-        return sum(self.available(mode, leading=leading) for mode in ExecutionMode)
+        return sum(self.available(mode, leading=leading) for mode in self._slots)
 
     def modes_with_credit(self, *, leading: bool = False) -> set[ExecutionMode]:
-        return {mode for mode in ExecutionMode if self.available(mode, leading=leading) > 0}
+        return {mode for mode in self._slots if self.available(mode, leading=leading) > 0}
 
     def reserve(self, mode: ExecutionMode, *, leading: bool = False) -> bool:
         """Hold one credit for a claim about to be made; ``False`` if there is none (for

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 import pytest
-from hypothesis import event, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -118,6 +118,35 @@ def test_credit_is_the_slots_less_unseen_sends_and_reservations() -> None:
     credits.release(POOLED)
     assert credits.available(POOLED) == 2 and credits.in_flight_unseen == 1
     assert credits.modes_with_credit() == {POOLED} and credits.total_available() == 2
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    slots=st.dictionaries(st.sampled_from(list(ExecutionMode)), st.integers(0, 3)),
+    later=st.dictionaries(st.sampled_from(list(ExecutionMode)), st.integers(0, 3)),
+    spare=st.sets(st.sampled_from(list(ExecutionMode))),
+    leading=st.booleans(),
+)
+def test_the_totals_agree_with_each_modes_credit(
+    slots: dict[ExecutionMode, int],
+    later: dict[ExecutionMode, int],
+    spare: set[ExecutionMode],
+    leading: bool,
+) -> None:
+    """The totals look only at the modes the last ``ready`` listed: the same figures as
+    asking every mode, whatever was reserved or sent before a ``ready`` that leaves a
+    mode out."""
+    credits = Credits()
+    credits.keep_spare(spare)
+    credits.on_ready(slots, seen=0)
+    for mode in slots:
+        if credits.reserve(mode, leading=True):
+            credits.commit(mode)
+        credits.reserve(mode, leading=True)
+    credits.on_ready(later, seen=0)
+    free = {mode: credits.available(mode, leading=leading) for mode in ExecutionMode}
+    assert credits.modes_with_credit(leading=leading) == {m for m, n in free.items() if n > 0}
+    assert credits.total_available(leading=leading) == sum(free.values())
 
 
 def test_a_ready_that_crossed_a_job_on_the_wire_does_not_over_credit() -> None:
