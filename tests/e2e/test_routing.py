@@ -6,9 +6,6 @@ signature cannot take are refused at enqueue."""
 
 from __future__ import annotations
 
-import asyncio
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,7 +14,8 @@ import pytest
 from broker import InvalidArgumentsError
 from broker.client.client import Client
 from broker.jobs import JobStatus
-from tests.e2e.test_e2e import REPO, Cluster, RunLog, eventually, fresh_database, sqlite_url
+from tests.e2e.test_e2e import Cluster, RunLog, eventually, fresh_database, sqlite_url
+from tests.integration.test_operator import _cli
 
 pytestmark = pytest.mark.slow
 
@@ -47,18 +45,11 @@ async def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
 
 
 async def _status(cluster: Cluster) -> str:
-    argv = ["broker", "--main", f"127.0.0.1:{cluster.port}", "status"]
-    done = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "broker.ops.cli", *argv],
-        cwd=REPO,
-        env=cluster._env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+    """``broker status``, its entry point in this process with its output captured (a
+    process of it costs half a second of CPU; ``test_cli_process`` runs it as one)."""
+    code, out, err = await _cli("--main", f"127.0.0.1:{cluster.port}", "status")
+    assert code == 0, err
+    return out
 
 
 async def test_a_rolling_deploy_loses_no_job_of_a_new_task(cluster: Cluster) -> None:

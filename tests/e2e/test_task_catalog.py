@@ -1,14 +1,13 @@
-"""The task catalog with a real main, a real worker and the operator's command, each its
-own process: the worker declares its tasks, a CLI enqueue by name gets the task's
-declared defaults (``retries=0``: one run), a name no worker declared is refused (and
-accepted with ``--allow-unknown-task``), and ``broker tasks`` lists the catalog."""
+"""The task catalog with a real main and a real worker, each its own process, and the
+operator's command (its entry point, in the test's process): the worker declares its
+tasks, a CLI enqueue by name gets the task's declared defaults (``retries=0``: one run), a
+name no worker declared is refused (and accepted with ``--allow-unknown-task``), and
+``broker tasks`` lists the catalog."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,7 +16,8 @@ from typing import Any
 import pytest
 
 from broker.jobs import JobStatus
-from tests.e2e.test_e2e import REPO, Cluster, RunLog, eventually, sqlite_url
+from tests.e2e.test_e2e import Cluster, RunLog, eventually, sqlite_url
+from tests.integration.test_operator import _cli
 
 pytestmark = pytest.mark.slow
 
@@ -34,16 +34,12 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
 
 
 async def _broker(cluster: Cluster, *argv: str) -> subprocess.CompletedProcess[str]:
-    main = f"127.0.0.1:{cluster.port}"
-    return await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "broker.ops.cli", "broker", "--main", main, *argv],
-        cwd=REPO,
-        env=cluster._env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    """``broker --main MAIN ARGV``, its entry point called in this process with its output
+    captured: what the command prints and exits with is what these tests check (the
+    command as a process is ``tests/e2e/test_cli_process.py``'s), and a process of it
+    costs half a second of CPU, mostly imports."""
+    code, out, err = await _cli("--main", f"127.0.0.1:{cluster.port}", *argv)
+    return subprocess.CompletedProcess(list(argv), code, out, err)
 
 
 async def test_a_cli_enqueue_gets_the_declared_defaults_and_unknown_names_are_refused(
