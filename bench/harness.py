@@ -11,9 +11,9 @@ Workloads (every one repeated ``reps`` times, each run bounded by ``run_timeout`
 * drain: ``one_by_one`` no-op jobs enqueued one call at a time (timed); where the driver
   has ``enqueue_one_direct`` (the broker on PostgreSQL), ``direct`` more one call at a
   time straight to the store, not through the system's server (timed apart); the rest of
-  ``drain_jobs`` in bulk (timed; where the driver has ``enqueue_bulk_direct``, half of
-  them through the server and half in one call straight to the store, timed apart),
-  then the workers start. Drain time runs from the
+  ``drain_jobs`` in bulk (timed), then the workers start. Where the driver has
+  ``enqueue_bulk_direct``, as many jobs as that bulk are first enqueued in one call
+  straight to the store (timed) and the store emptied again. Drain time runs from the
   first job body starting to the moment the system's own records show every job
   complete (polled every ``poll_interval``, then every 1% of the time so far, at most
   0.1 s). Start-up is spawn to first job body. Systems with fewer ``drain_jobs`` enqueue
@@ -527,38 +527,38 @@ class Runner:
         """``backlog``: called on the fresh store before the measured jobs are enqueued,
         to put other jobs there first (``bench/scale.py``)."""
         d = self.d
-        d.reset()
-        if backlog is not None:
-            backlog()
         arg = -1 if kind == "noop" else self.cfg.hash_rounds
         run: dict[str, Any] = {"jobs": n}
+        direct = min(self.cfg.direct, n - one_by_one) if d.has_direct and one_by_one else 0
+        rest = n - one_by_one - direct
+        d.reset()
+        if d.has_direct and d.has_bulk and rest and hasattr(d, "enqueue_bulk_direct"):
+            # Bulk straight into the store as well: as many jobs as the bulk through the
+            # server below, timed on the fresh store, which is then emptied again, so the
+            # drain's jobs are the same as every other system's. A first call of one job
+            # opens the connection, as the one-at-a-time direct enqueue's first does.
+            d.enqueue_bulk_direct(kind, [arg])
+            started = time.perf_counter()
+            d.enqueue_bulk_direct(kind, [arg] * rest)
+            run["enqueue_bulk_direct_per_s"] = rest / (time.perf_counter() - started)
+            d.reset()
+        if backlog is not None:
+            backlog()
         started = time.perf_counter()
         for _ in range(one_by_one):
             d.enqueue_one(kind, arg)
         if one_by_one:
             run["enqueue_one_per_s"] = one_by_one / (time.perf_counter() - started)
-        direct = min(self.cfg.direct, n - one_by_one) if d.has_direct and one_by_one else 0
         if direct:
             d.enqueue_one_direct(kind, arg)  # its connection opened and warm, as one_by_one's
             started = time.perf_counter()
             for _ in range(direct - 1):
                 d.enqueue_one_direct(kind, arg)
             run["enqueue_direct_per_s"] = (direct - 1) / (time.perf_counter() - started)
-        rest = n - one_by_one - direct
-        # Bulk straight into the store too, where the driver has it: the second half of
-        # the bulk jobs, so that the drain's jobs stay the same in number.
-        bulk_direct = (
-            rest // 2 if d.has_direct and d.has_bulk and hasattr(d, "enqueue_bulk_direct") else 0
-        )
-        rest -= bulk_direct
         started = time.perf_counter()
         if d.has_bulk and rest:
             d.enqueue_bulk(kind, [arg] * rest)
             run["enqueue_bulk_per_s"] = rest / (time.perf_counter() - started)
-        if bulk_direct:
-            started = time.perf_counter()
-            d.enqueue_bulk_direct(kind, [arg] * bulk_direct)
-            run["enqueue_bulk_direct_per_s"] = bulk_direct / (time.perf_counter() - started)
         else:
             for _ in range(rest):
                 d.enqueue_one(kind, arg)

@@ -377,3 +377,59 @@ def test_scorecard_reads_each_part_and_judges_each_target(tmp_path: Path) -> Non
     assert judged("takeovers with a completion within 5 s of kill -9") == (None, None)
     # The chart's margin turns a latency so that past 1 is met: 1.0 / 1.2 here.
     assert rows["enqueue-to-start p99 at 50 jobs/s ÷ PgQueuer"].margin == pytest.approx(1 / 1.2)
+
+
+class _CountingDriver:
+    """A driver that counts the jobs in its store since the last reset, each way in."""
+
+    has_bulk = True
+
+    def __init__(self, direct: bool) -> None:
+        self.has_direct = direct
+        self.queued: dict[str, int] = {}
+        self.bulk_direct_calls: list[int] = []
+        if direct:
+            self.enqueue_bulk_direct = self._bulk_direct
+
+    def reset(self) -> None:
+        self.queued = {}
+
+    def _add(self, way: str, count: int) -> None:
+        self.queued[way] = self.queued.get(way, 0) + count
+
+    def enqueue_one(self, kind: str, arg: int) -> None:
+        self._add("one", 1)
+
+    def enqueue_one_direct(self, kind: str, arg: int) -> None:
+        self._add("direct", 1)
+
+    def enqueue_bulk(self, kind: str, args: list[int]) -> None:
+        self._add("bulk", len(args))
+
+    def _bulk_direct(self, kind: str, args: list[int]) -> None:
+        self.bulk_direct_calls.append(len(args))
+        self._add("bulk direct", len(args))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_drain_workload_drains_its_n_jobs_whatever_ways_they_are_timed_in(
+    monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    """The drain's store holds exactly its ``n`` jobs, on every system: the broker's
+    direct bulk is timed on a store emptied again before them, with as many jobs as the
+    bulk through the main."""
+    driver = _CountingDriver(direct)
+    runner = harness.Runner.__new__(harness.Runner)
+    runner.d = driver  # type: ignore[assignment]
+    runner.cfg = harness.Config(workdir="unused", hash_rounds=1, direct=30)
+    monkeypatch.setattr(runner, "drain_queued", lambda what, n, run: run)
+    run = runner.drain("noop", 200, 50)
+    assert sum(driver.queued.values()) == 200
+    assert "bulk direct" not in driver.queued
+    if direct:
+        assert driver.queued == {"one": 50, "direct": 30, "bulk": 120}
+        assert driver.bulk_direct_calls == [1, 120]  # a warm-up call, then the timed one
+        assert run.keys() >= {"enqueue_bulk_per_s", "enqueue_bulk_direct_per_s"}
+    else:
+        assert driver.queued == {"one": 50, "bulk": 150}
+        assert "enqueue_bulk_direct_per_s" not in run
