@@ -11,8 +11,8 @@ Workloads (every one repeated ``reps`` times, each run bounded by ``run_timeout`
 * drain: ``one_by_one`` no-op jobs enqueued one call at a time (timed); where the driver
   has ``enqueue_one_direct`` (the broker on PostgreSQL), ``direct`` more one call at a
   time straight to the store, not through the system's server (timed apart); the rest of
-  ``drain_jobs`` in bulk (timed), then the workers start. Where the driver has
-  ``enqueue_bulk_direct``, as many jobs as that bulk are first enqueued in one call
+  ``drain_jobs`` in bulk (timed), then the workers start. Where the driver has both
+  (``enqueue_bulk_direct``), as many jobs as that bulk are first enqueued in one call
   straight to the store (timed) and the store emptied again. Drain time runs from the
   first job body starting to the moment the system's own records show every job
   complete (polled every ``poll_interval``, then every 1% of the time so far, at most
@@ -297,6 +297,11 @@ class Driver:
         """Enqueue one job straight into the store (only where ``has_direct``)."""
         raise NotImplementedError
 
+    def enqueue_bulk_direct(self, kind: str, args: list[int]) -> None:
+        """Enqueue ``args`` in one call straight into the store (only where
+        ``has_direct`` and ``has_bulk``)."""
+        raise NotImplementedError
+
     def worker_commands(self) -> list[list[str]]:
         raise NotImplementedError
 
@@ -532,7 +537,7 @@ class Runner:
         direct = min(self.cfg.direct, n - one_by_one) if d.has_direct and one_by_one else 0
         rest = n - one_by_one - direct
         d.reset()
-        if d.has_direct and d.has_bulk and rest and hasattr(d, "enqueue_bulk_direct"):
+        if d.has_direct and d.has_bulk and rest:
             # Bulk straight into the store as well: as many jobs as the bulk through the
             # server below, timed on the fresh store, which is then emptied again, so the
             # drain's jobs are the same as every other system's. A first call of one job

@@ -43,10 +43,10 @@ from typing import Any
 
 from bench.harness import ROOT, percentile
 from bench.report import DASH
+from bench.scale import CHART_PYTHON
 
 BROKER = "broker-postgres-defaults"
 PEER = "pgqueuer"
-CHART_PYTHON = ROOT / ".venv-peers" / "chart" / "bin" / "python"
 PARTS = ("side", "urgent", "scale", "failover")
 
 
@@ -303,10 +303,6 @@ def write(out: Path, meta: dict[str, Any]) -> None:
         print(f"chart failed: {drawn.stderr[-400:]}", file=sys.stderr)
 
 
-def _loadavg() -> float:
-    return os.getloadavg()[0]
-
-
 def _commands(args: argparse.Namespace) -> dict[str, tuple[list[str], Callable[[str], None]]]:
     """Each part: its command line, and what to do with its standard output."""
     out, reps = args.out, str(args.reps)
@@ -390,7 +386,7 @@ def main(argv: list[str]) -> int:
     meta: dict[str, Any] = {
         "command": "python -m bench.scorecard " + " ".join(argv),
         "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "load_before": _loadavg(),
+        "load_before": os.getloadavg()[0],
     }
     began = time.monotonic()
     commands = _commands(args)
@@ -404,7 +400,7 @@ def main(argv: list[str]) -> int:
             print(f"{part} failed with exit code {done.returncode}", file=sys.stderr)
             continue
         take(done.stdout)
-    meta.update(wall_s=time.monotonic() - began, load_after=_loadavg())
+    meta.update(wall_s=time.monotonic() - began, load_after=os.getloadavg()[0])
     write(args.out, meta)
     print((args.out / "scorecard.md").read_text())
     return 0
