@@ -37,7 +37,9 @@ from bench import jobs, report
 from bench.harness import ROOT, Config, service_pids, tree_usage
 from bench.systems import (
     BY_NAME,
+    CHART_PYTHON,
     DATABASE_SUFFIX,
+    PEERS_VENV,
     PINS,
     POSTGRES_ADMIN_DB,
     POSTGRES_HOST,
@@ -47,9 +49,9 @@ from bench.systems import (
     SYSTEMS,
     System,
     postgres_dsn,
+    venv_python,
 )
 
-PEERS_VENV = ROOT / ".venv-peers"
 DEFAULT_OUT = ROOT / "bench" / "results"
 SYSTEM_LIMIT = 300.0
 """Seconds one repetition of one system may take before it is stopped."""
@@ -167,12 +169,6 @@ def checkpoint_postgres() -> str | None:
 
 
 # ----------------------------------------------------------------------------- venvs
-
-
-def venv_python(system: System) -> Path:
-    if system.venv is None:
-        return Path(sys.executable)
-    return PEERS_VENV / system.venv / "bin" / "python"
 
 
 def ensure_venv(name: str, workdir: Path) -> str | None:
@@ -495,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render_chart(out: Path) -> str | None:
-    python = PEERS_VENV / "chart" / "bin" / "python"
+    python = CHART_PYTHON
     if not python.exists():
         return "matplotlib is not installed (see the install errors above)"
     done = subprocess.run(

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.harness import Config, service_pids
@@ -195,7 +195,7 @@ def run(
     reps: int,
     profile: str | None = None,
     direct: bool = False,
-    concurrent: int = 0,
+    concurrent: Sequence[int] = (),
 ) -> list[dict[str, Any]]:
     module = __import__(DRIVER_MODULES[system], fromlist=["DRIVERS"])
     workdir = tempfile.mkdtemp(prefix="enqueue-bench-")
@@ -220,10 +220,8 @@ def run(
                     one,
                     lambda: [driver.enqueue_one_direct("noop", i) for i in range(one)],
                 )
-            if one and concurrent:
-                phases.run(
-                    f"one-x{concurrent}", one, lambda: driver.run(_crowd(driver, concurrent, one))
-                )
+            for crowd in concurrent if one else ():
+                phases.run(f"one-x{crowd}", one, lambda n=crowd: driver.run(_crowd(driver, n, one)))
             phases.run("bulk", bulk, lambda: driver.enqueue_bulk("noop", list(range(bulk))))
             if bulk and direct and hasattr(driver, "enqueue_bulk_direct"):
                 driver.enqueue_bulk_direct("noop", [-1] * 10)  # warm
@@ -259,11 +257,12 @@ def main() -> None:
     )
     p.add_argument(
         "--concurrent",
-        type=int,
-        default=0,
-        metavar="N",
+        type=lambda text: [int(n) for n in text.split(",") if n],
+        default=[],
+        metavar="N[,N...]",
         help="also enqueue --one jobs one call at a time from N concurrent producers in this "
-        "process (phase one-xN), each connected as make bench's producers are",
+        "process (phase one-xN, one phase for each N), each connected as make bench's "
+        "producers are",
     )
     args = p.parse_args()
     rows = run(

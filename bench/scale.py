@@ -78,7 +78,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import ROOT, BenchError, Config, Driver, Runner, Workers, tree_usage
-from bench.systems import BY_NAME, DATABASE_SUFFIX
+from bench.systems import BY_NAME, CHART_PYTHON, DATABASE_SUFFIX
 
 DRAIN_ROW = "broker-postgres-defaults"
 PEER = "pgqueuer"
@@ -93,8 +93,6 @@ MEASURED_BEFORE = timedelta(hours=12)
 """Jobs due before now plus this are the measured ones (the future backlog is later)."""
 DRAIN_LIMIT = 45.0
 """Seconds a drain may run after its first job started before it is cut."""
-PEERS_VENV = ROOT / ".venv-peers"
-CHART_PYTHON = PEERS_VENV / "chart" / "bin" / "python"
 
 
 # ----------------------------------------------------------------------------- backlog

@@ -18,7 +18,11 @@ databases, writing into ``--out``:
   and future jobs, the keyed drain at 1,000 and 30,000 keys, the main's CPU per job at
   1 worker x 64 slots and 64 workers x 1 slot;
 - ``failover``: ``python -m bench.failover`` (``failover.json``): first completion after
-  a leader's ``kill -9``, ten takeovers.
+  a leader's ``kill -9``, ten takeovers;
+- ``crowd``: ``python -m bench.enqueue_bench SYSTEM --concurrent 50,200`` for each system
+  in turn, the order reversed every repetition (``crowd.jsonl``): 50 and 200 producers
+  enqueueing one job at a time each, as fast as they can (the issue's "50 and 200
+  producers" that must still lead).
 
 Every bench keeps its own report beside the scorecard (``results.md``, ``scale.md``,
 ...); the scorecard (``scorecard.md``, ``scorecard.json``, ``scorecard.png``) is
@@ -43,11 +47,15 @@ from typing import Any
 
 from bench.harness import ROOT, percentile
 from bench.report import DASH
-from bench.scale import CHART_PYTHON
+from bench.systems import BY_NAME, CHART_PYTHON, venv_python
 
 BROKER = "broker-postgres-defaults"
 PEER = "pgqueuer"
-PARTS = ("side", "urgent", "scale", "failover")
+PARTS = ("side", "urgent", "scale", "failover", "crowd")
+CROWDS = (50, 200)
+"""Concurrent producers in the ``crowd`` part."""
+CROWD_JOBS = 4000
+"""Jobs each crowd enqueues: enough for 200 producers to send 20 each."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +204,27 @@ def _scale_rows(scale: dict[str, Any] | None) -> list[Row]:
     return rows
 
 
+def _crowd_rows(runs: list[dict[str, Any]]) -> list[Row]:
+    def med(system: str, crowd: int) -> float | None:
+        return _median(
+            [r["per_s"] for r in runs if r["system"] == system and r["phase"] == f"one-x{crowd}"]
+        )
+
+    rows = []
+    for crowd in CROWDS:
+        a, b = med(BROKER, crowd), med(PEER, crowd)
+        rows.append(
+            Row(
+                f"{crowd} producers enqueueing one at a time ÷ PgQueuer",
+                _ratio(a, b),
+                1.0,
+                True,
+                f"{_fmt(a)} / {_fmt(b)} jobs/s",
+            )
+        )
+    return rows
+
+
 def _failover_rows(failover: dict[str, Any] | None) -> list[Row]:
     if not failover:
         return [
@@ -224,6 +253,7 @@ def score(out: Path) -> list[Row]:
         *_urgent_rows(_read_lines(out / "urgent.jsonl")),
         *_scale_rows(_read(out / "scale.json")),
         *_failover_rows(_read(out / "failover.json")),
+        *_crowd_rows(_read_lines(out / "crowd.jsonl")),
     ]
 
 
@@ -235,9 +265,9 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         f"Command: `{meta['command']}`, started {meta['started']}, "
         f"{meta['wall_s'] / 60:.0f} min; load average {meta['load_before']:.1f} at the start, "
         f"{meta['load_after']:.1f} at the end.",
-        "Each part's own report is beside this file (`results.md`, `scale.md`, the urgent and "
-        "failover raw files); the rows are `bench/scorecard.py`'s reading of their raw runs: "
-        "medians of the repetitions (the urgent rows pool every probe).",
+        "Each part's own report is beside this file (`results.md`, `scale.md`, the urgent, "
+        "failover and crowd raw files); the rows are `bench/scorecard.py`'s reading of their "
+        "raw runs: medians of the repetitions (the urgent rows pool every probe).",
         "",
         f"**{met} of {len(rows)} met.**",
         "",
@@ -303,8 +333,12 @@ def write(out: Path, meta: dict[str, Any]) -> None:
         print(f"chart failed: {drawn.stderr[-400:]}", file=sys.stderr)
 
 
-def _commands(args: argparse.Namespace) -> dict[str, tuple[list[str], Callable[[str], None]]]:
-    """Each part: its command line, and what to do with its standard output."""
+Step = tuple[list[str], Callable[[str], None]]
+"""A command line, and what to do with its standard output."""
+
+
+def _commands(args: argparse.Namespace) -> dict[str, list[Step]]:
+    """Each part: its steps, run in order."""
     out, reps = args.out, str(args.reps)
 
     def failover(stdout: str) -> None:
@@ -315,54 +349,87 @@ def _commands(args: argparse.Namespace) -> dict[str, tuple[list[str], Callable[[
     def ignore(stdout: str) -> None:
         del stdout
 
+    def crowd(stdout: str) -> None:
+        with open(out / "crowd.jsonl", "a") as f:
+            f.write(stdout)
+
+    pythons = {BROKER: sys.executable, PEER: str(venv_python(BY_NAME[PEER]))}
+    turns = [list(pythons) if rep % 2 == 0 else list(pythons)[::-1] for rep in range(args.reps)]
+
     python = sys.executable
     return {
-        "side": (
-            [
-                python,
-                "-m",
-                "bench",
-                "--systems",
-                f"{BROKER},{PEER}",
-                "--reps",
-                reps,
-                "--no-floor",
-                "--out",
-                str(out),
-            ],
-            ignore,
-        ),
-        "urgent": (
-            [
-                python,
-                "-m",
-                "bench.urgent",
-                "--backlog",
-                str(args.urgent_backlog),
-                "--reps",
-                reps,
-                "--out",
-                str(out / "urgent.jsonl"),
-            ],
-            ignore,
-        ),
-        "scale": (
-            [
-                python,
-                "-m",
-                "bench.scale",
-                "--backlog",
-                str(args.backlog),
-                "--reps",
-                reps,
-                "--workers",
-                "1x64,64x1",
-                "--out",
-                str(out),
-            ],
-            ignore,
-        ),
-        "failover": ([python, "-m", "bench.failover"], failover),
+        "side": [
+            (
+                [
+                    python,
+                    "-m",
+                    "bench",
+                    "--systems",
+                    f"{BROKER},{PEER}",
+                    "--reps",
+                    reps,
+                    "--no-floor",
+                    "--out",
+                    str(out),
+                ],
+                ignore,
+            )
+        ],
+        "urgent": [
+            (
+                [
+                    python,
+                    "-m",
+                    "bench.urgent",
+                    "--backlog",
+                    str(args.urgent_backlog),
+                    "--reps",
+                    reps,
+                    "--out",
+                    str(out / "urgent.jsonl"),
+                ],
+                ignore,
+            )
+        ],
+        "scale": [
+            (
+                [
+                    python,
+                    "-m",
+                    "bench.scale",
+                    "--backlog",
+                    str(args.backlog),
+                    "--reps",
+                    reps,
+                    "--workers",
+                    "1x64,64x1",
+                    "--out",
+                    str(out),
+                ],
+                ignore,
+            )
+        ],
+        "failover": [([python, "-m", "bench.failover"], failover)],
+        "crowd": [
+            (
+                [
+                    pythons[system],
+                    "-m",
+                    "bench.enqueue_bench",
+                    system,
+                    "--one",
+                    str(CROWD_JOBS),
+                    "--bulk",
+                    "0",
+                    "--concurrent",
+                    ",".join(map(str, CROWDS)),
+                    "--json",
+                ],
+                crowd,
+            )
+            for turn in turns
+            for system in turn
+        ],
     }
 
 
@@ -391,15 +458,15 @@ def main(argv: list[str]) -> int:
     began = time.monotonic()
     commands = _commands(args)
     for part in args.parts.split(","):
-        command, take = commands[part]
-        print(f"== {part}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
-        if part == "urgent":  # bench.urgent appends to its file
-            (args.out / "urgent.jsonl").unlink(missing_ok=True)
-        done = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, text=True)
-        if done.returncode != 0:
-            print(f"{part} failed with exit code {done.returncode}", file=sys.stderr)
-            continue
-        take(done.stdout)
+        # bench.urgent and the crowd's turns append to their files
+        (args.out / f"{part}.jsonl").unlink(missing_ok=True)
+        for command, take in commands[part]:
+            print(f"== {part}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
+            done = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+            if done.returncode != 0:
+                print(f"{part} failed with exit code {done.returncode}", file=sys.stderr)
+                continue
+            take(done.stdout)
     meta.update(wall_s=time.monotonic() - began, load_after=os.getloadavg()[0])
     write(args.out, meta)
     print((args.out / "scorecard.md").read_text())

@@ -8,7 +8,9 @@ Each peer is pinned and installed into its own virtual environment under
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 REDIS_HOST = "127.0.0.1"
 REDIS_PORT = 6379
@@ -84,6 +86,18 @@ PINS: dict[str, tuple[str, ...]] = {
     "chart": ("matplotlib==3.11.2",),
 }
 """What each peer virtual environment gets; ``chart`` renders the PNG."""
+
+PEERS_VENV = Path(__file__).resolve().parent.parent / ".venv-peers"
+CHART_PYTHON = PEERS_VENV / "chart" / "bin" / "python"
+"""The interpreter that draws every chart (matplotlib lives only there)."""
+
+
+def venv_python(system: System) -> Path:
+    """The interpreter ``system``'s driver runs in."""
+    if system.venv is None:
+        return Path(sys.executable)
+    return PEERS_VENV / system.venv / "bin" / "python"
+
 
 SYSTEMS: tuple[System, ...] = (
     System("broker-sqlite", "bench.peers.broker_peer", None, ()),

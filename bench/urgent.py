@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import ROOT, BenchError, Config, Driver, Runner, percentile
-from bench.systems import BY_NAME, DATABASE_SUFFIX
+from bench.systems import BY_NAME, DATABASE_SUFFIX, venv_python
 
 URGENT = 10
 """The probes' priority; the backlog's is 0 (higher runs first, on every system here)."""
@@ -47,7 +47,6 @@ PROBE_INTERVAL = 0.025
 """Seconds between two probes: 40 a second, a trickle beside the drain."""
 DRAINED = 0.9
 """The share of the backlog complete when the probes stop: none meets an empty queue."""
-PEERS_VENV = ROOT / ".venv-peers"
 WORKER_FLAGS = "BENCH_URGENT_WORKER_FLAGS"
 """Environment variable: flags added to the broker's workers (``--prefetch 0``, say),
 for trying a setting without a row of its own (``--worker-flags``)."""
@@ -142,10 +141,7 @@ def one(name: str, backlog: int) -> int:
 
 
 def _python(name: str) -> str:
-    venv = BY_NAME[name].venv
-    if venv is None:
-        return sys.executable
-    python = PEERS_VENV / venv / "bin" / "python"
+    python = venv_python(BY_NAME[name])
     if not python.exists():
         raise SystemExit(f"{python} is missing: `python -m bench --systems {name}` installs it")
     return str(python)

@@ -358,6 +358,15 @@ def test_scorecard_reads_each_part_and_judges_each_target(tmp_path: Path) -> Non
         _scale_run("workers", 1.0, setup="64x1", main_us_per_job=111.0),
     ]
     (tmp_path / "scale.json").write_text(json.dumps({"config": {"backlog": 10}, "runs": runs}))
+    crowd = [
+        {"system": "broker-postgres-defaults", "phase": "one-x50", "per_s": 1200.0},
+        {"system": "broker-postgres-defaults", "phase": "one-x50", "per_s": 1800.0},
+        {"system": "broker-postgres-defaults", "phase": "one-x50", "per_s": 900.0},
+        {"system": "broker-postgres-defaults", "phase": "one", "per_s": 99_999.0},
+        {"system": "pgqueuer", "phase": "one-x50", "per_s": 1000.0},
+        {"system": "pgqueuer", "phase": "one-x200", "per_s": 1000.0},
+    ]
+    (tmp_path / "crowd.jsonl").write_text("\n".join(json.dumps(c) for c in crowd))
     rows = {row.name: row for row in scorecard.score(tmp_path)}
 
     def judged(name: str) -> tuple[float | None, bool | None]:
@@ -375,6 +384,9 @@ def test_scorecard_reads_each_part_and_judges_each_target(tmp_path: Path) -> Non
     assert judged("main CPU per job, 64 workers x 1 ÷ 1 worker x 64") == (1.11, False)
     assert judged("keyed drain, 30,000 keys ÷ 1,000 keys") == (None, None)
     assert judged("takeovers with a completion within 5 s of kill -9") == (None, None)
+    # The median of the broker's turns at 50, its serial phase not mixed in; 200 unmeasured.
+    assert judged("50 producers enqueueing one at a time ÷ PgQueuer") == (1.2, True)
+    assert judged("200 producers enqueueing one at a time ÷ PgQueuer") == (None, None)
     # The chart's margin turns a latency so that past 1 is met: 1.0 / 1.2 here.
     assert rows["enqueue-to-start p99 at 50 jobs/s ÷ PgQueuer"].margin == pytest.approx(1 / 1.2)
 
