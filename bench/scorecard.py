@@ -95,20 +95,52 @@ def _fmt(value: float | None, digits: int = 0) -> str:
     return DASH if value is None else f"{value:,.{digits}f}"
 
 
+def _paired(
+    name: str,
+    ours: list[float | None],
+    theirs: list[float | None],
+    target: float,
+    *,
+    higher: bool = True,
+    unit: str = "jobs/s",
+    digits: int = 0,
+) -> Row:
+    """A row whose value is the median of each turn's ratio: ``ours[i] / theirs[i]``,
+    the two sides of turn ``i`` measured in the same minutes.
+
+    The ratio of the two sides' medians took each median from whichever turn it fell
+    in: on this shared machine the rates move 20% from one turn to the next, so a slow
+    turn of one side set against a fast turn of the other decided the row (issue 35's
+    first scorecard: 1M due jobs 0.83 by medians, turns 0.83, 1.02, 1.09). A turn with
+    a side missing is left out; the detail shows both medians and every turn's ratio."""
+    # A side whose later turns failed has a shorter list: its turns still pair by index.
+    ratios = [a / b for a, b in zip(ours, theirs, strict=False) if a is not None and b]
+    mine = _median([a for a in ours if a is not None])
+    other = _median([b for b in theirs if b is not None])
+    turns = ", ".join(f"{r:.2f}" for r in ratios)
+    detail = f"{_fmt(mine, digits)} / {_fmt(other, digits)} {unit}" + (
+        f"; turns {turns}" if ratios else ""
+    )
+    return Row(name, _median(ratios), target, higher, detail)
+
+
 def _side_rows(results: dict[str, Any] | None) -> list[Row]:
     systems = {s["system"]: s for s in (results or {}).get("systems", [])}
     ours, theirs = systems.get(BROKER, {}), systems.get(PEER, {})
 
-    def med(system: dict[str, Any], workload: str, key: str) -> float | None:
-        return _median([r[key] for r in system.get(workload, []) if r.get(key) is not None])
+    def turns(system: dict[str, Any], workload: str, key: str) -> list[float | None]:
+        # python -m bench runs the systems in turns, one repetition each: a workload's
+        # k-th run on either side is turn k.
+        return [r.get(key) for r in system.get(workload, [])]
 
     def rate(name: str, workload: str, key: str, target: float, peer_key: str = "") -> Row:
-        a, b = med(ours, workload, key), med(theirs, workload, peer_key or key)
-        return Row(name, _ratio(a, b), target, True, f"{_fmt(a)} / {_fmt(b)} jobs/s")
+        return _paired(
+            name, turns(ours, workload, key), turns(theirs, workload, peer_key or key), target
+        )
 
     def latency(name: str, key: str) -> Row:
-        a, b = med(ours, "latency", key), med(theirs, "latency", key)
-        return Row(name, _ratio(a, b), 1.0, False, f"{_fmt(a, 2)} / {_fmt(b, 2)} ms")
+        a, b = turns(ours, "latency", key), turns(theirs, "latency", key)
+        return _paired(name, a, b, 1.0, higher=False, unit="ms", digits=2)
 
     return [
         rate("drain ÷ PgQueuer", "drain", "per_s", 1.0),
@@ -155,74 +187,60 @@ def _urgent_rows(runs: list[dict[str, Any]]) -> list[Row]:
 
 def _scale_rows(scale: dict[str, Any] | None) -> list[Row]:
     runs = (scale or {}).get("runs", [])
+    reps = sorted({r["rep"] for r in runs if "rep" in r})
 
-    def med(key: str, **match: Any) -> float | None:
-        return _median(
-            [r[key] for r in runs if all(r.get(k) == v for k, v in match.items()) and r.get(key)]
-        )
+    def turns(key: str, **match: Any) -> list[float | None]:
+        """``key`` of the run that matches, in each repetition (bench.scale runs every
+        shape of a part once a repetition, the systems in turns)."""
+        by_rep = {
+            r["rep"]: r.get(key) for r in runs if all(r.get(k) == v for k, v in match.items())
+        }
+        return [by_rep.get(rep) for rep in reps]
 
     rows = []
-    empty = med("per_s", part="drain", system=BROKER, shape="empty")
+    empty = turns("per_s", part="drain", system=BROKER, shape="empty")
+    backlog = (scale or {}).get("config", {}).get("backlog", 0)
     for shape in ("due", "future"):
-        a = med("per_s", part="drain", system=BROKER, shape=shape)
-        b = med("per_s", part="drain", system=PEER, shape=shape)
-        backlog = (scale or {}).get("config", {}).get("backlog", 0)
+        ours = turns("per_s", part="drain", system=BROKER, shape=shape)
         label = f"drain over {backlog:,} {shape} jobs"
-        rows.append(
-            Row(f"{label} ÷ PgQueuer", _ratio(a, b), 1.0, True, f"{_fmt(a)} / {_fmt(b)} jobs/s")
-        )
-        rows.append(
-            Row(
-                f"{label} ÷ the broker's empty table",
-                _ratio(a, empty),
-                0.9,
-                True,
-                f"{_fmt(a)} / {_fmt(empty)} jobs/s",
-            )
-        )
-    few, many = med("per_s", part="keyed", keys=1000), med("per_s", part="keyed", keys=30000)
+        theirs = turns("per_s", part="drain", system=PEER, shape=shape)
+        rows.append(_paired(f"{label} ÷ PgQueuer", ours, theirs, 1.0))
+        rows.append(_paired(f"{label} ÷ the broker's empty table", ours, empty, 0.9))
     rows.append(
-        Row(
+        _paired(
             "keyed drain, 30,000 keys ÷ 1,000 keys",
-            _ratio(many, few),
+            turns("per_s", part="keyed", keys=30000),
+            turns("per_s", part="keyed", keys=1000),
             0.8,
-            True,
-            f"{_fmt(many)} / {_fmt(few)} jobs/s",
         )
     )
-    one = med("main_us_per_job", part="workers", setup="1x64")
-    wide = med("main_us_per_job", part="workers", setup="64x1")
     rows.append(
-        Row(
+        _paired(
             "main CPU per job, 64 workers x 1 ÷ 1 worker x 64",
-            _ratio(wide, one),
+            turns("main_us_per_job", part="workers", setup="64x1"),
+            turns("main_us_per_job", part="workers", setup="1x64"),
             1.1,
-            False,
-            f"{_fmt(wide)} / {_fmt(one)} µs",
+            higher=False,
+            unit="µs",
         )
     )
     return rows
 
 
 def _crowd_rows(runs: list[dict[str, Any]]) -> list[Row]:
-    def med(system: str, crowd: int) -> float | None:
-        return _median(
-            [r["per_s"] for r in runs if r["system"] == system and r["phase"] == f"one-x{crowd}"]
-        )
+    def turns(system: str, crowd: int) -> list[float | None]:
+        # Each turn runs each system once, so a system's k-th run is turn k.
+        return [r["per_s"] for r in runs if r["system"] == system and r["phase"] == f"one-x{crowd}"]
 
-    rows = []
-    for crowd in CROWDS:
-        a, b = med(BROKER, crowd), med(PEER, crowd)
-        rows.append(
-            Row(
-                f"{crowd} producers enqueueing one at a time ÷ PgQueuer",
-                _ratio(a, b),
-                1.0,
-                True,
-                f"{_fmt(a)} / {_fmt(b)} jobs/s",
-            )
+    return [
+        _paired(
+            f"{crowd} producers enqueueing one at a time ÷ PgQueuer",
+            turns(BROKER, crowd),
+            turns(PEER, crowd),
+            1.0,
         )
-    return rows
+        for crowd in CROWDS
+    ]
 
 
 def _failover_rows(failover: dict[str, Any] | None) -> list[Row]:

@@ -322,26 +322,35 @@ def test_the_scale_report_holds_each_backlog_to_pgqueuer_and_to_its_own_empty_ro
 
 
 def test_scorecard_reads_each_part_and_judges_each_target(tmp_path: Path) -> None:
-    """Each row is the right ratio of the right medians, judged in the right direction;
-    a part not run leaves its rows unmeasured, never met."""
+    """Each row is the median of each turn's ratio (the two sides of a turn measured in
+    the same minutes), judged in the right direction; a part not run leaves its rows
+    unmeasured, never met."""
     import json
 
     from bench import scorecard
 
-    def drains(one: float, bulk: float, rate: float) -> list[dict[str, Any]]:
-        return [{"enqueue_one_per_s": one, "enqueue_bulk_per_s": bulk, "per_s": rate}]
+    def drains(one: float, bulk: float, rate: float) -> dict[str, Any]:
+        return {"enqueue_one_per_s": one, "enqueue_bulk_per_s": bulk, "per_s": rate}
 
     results = {
         "systems": [
             {
                 "system": "broker-postgres-defaults",
-                "drain": [*drains(900.0, 20_000.0, 5000.0), *drains(700.0, 30_000.0, 4000.0)],
+                "drain": [
+                    drains(900.0, 20_000.0, 5000.0),
+                    drains(700.0, 30_000.0, 3000.0),
+                    drains(800.0, 25_000.0, 6000.0),
+                ],
                 "latency": [{"start_p50_ms": 3.0, "start_p99_ms": 6.0}],
                 "producers": [{"per_s": 3000.0}],
             },
             {
                 "system": "pgqueuer",
-                "drain": drains(1000.0, 25_000.0, 4000.0),
+                "drain": [
+                    drains(1000.0, 25_000.0, 4000.0),
+                    drains(1000.0, 25_000.0, 4000.0),
+                    drains(1000.0, 25_000.0, 7000.0),
+                ],
                 "latency": [{"start_p50_ms": 4.0, "start_p99_ms": 5.0}],
                 "producers": [{"per_s": 3000.0}],
             },
@@ -354,17 +363,23 @@ def test_scorecard_reads_each_part_and_judges_each_target(tmp_path: Path) -> Non
     ]
     (tmp_path / "urgent.jsonl").write_text("\n".join(json.dumps(u) for u in urgent))
     runs = [
-        _scale_run("workers", 1.0, setup="1x64", main_us_per_job=100.0),
-        _scale_run("workers", 1.0, setup="64x1", main_us_per_job=111.0),
+        _scale_run("workers", 1.0, setup="1x64", main_us_per_job=100.0, rep=1),
+        _scale_run("workers", 1.0, setup="64x1", main_us_per_job=111.0, rep=1),
+        _scale_run("drain", 5000.0, system="broker-postgres-defaults", shape="due", rep=1),
+        _scale_run("drain", 4000.0, system="pgqueuer", shape="due", rep=1),
+        _scale_run("drain", 4000.0, system="broker-postgres-defaults", shape="due", rep=2),
+        _scale_run("drain", 5000.0, system="pgqueuer", shape="due", rep=2),
+        _scale_run("drain", 9000.0, system="broker-postgres-defaults", shape="due", rep=3),
+        _scale_run("drain", 8500.0, system="pgqueuer", shape="due", rep=3),
     ]
     (tmp_path / "scale.json").write_text(json.dumps({"config": {"backlog": 10}, "runs": runs}))
     crowd = [
         {"system": "broker-postgres-defaults", "phase": "one-x50", "per_s": 1200.0},
-        {"system": "broker-postgres-defaults", "phase": "one-x50", "per_s": 1800.0},
-        {"system": "broker-postgres-defaults", "phase": "one-x50", "per_s": 900.0},
         {"system": "broker-postgres-defaults", "phase": "one", "per_s": 99_999.0},
         {"system": "pgqueuer", "phase": "one-x50", "per_s": 1000.0},
         {"system": "pgqueuer", "phase": "one-x200", "per_s": 1000.0},
+        {"system": "pgqueuer", "phase": "one-x50", "per_s": 2000.0},
+        {"system": "broker-postgres-defaults", "phase": "one-x50", "per_s": 1800.0},
     ]
     (tmp_path / "crowd.jsonl").write_text("\n".join(json.dumps(c) for c in crowd))
     rows = {row.name: row for row in scorecard.score(tmp_path)}
@@ -373,7 +388,10 @@ def test_scorecard_reads_each_part_and_judges_each_target(tmp_path: Path) -> Non
         row = rows[name]
         return (None if row.value is None else round(row.value, 3)), row.met
 
-    assert judged("drain ÷ PgQueuer") == (1.125, True)  # median 4,500 of two runs
+    # Turns 1.25, 0.75, 0.857: their median, where the medians' ratio (5,000 / 4,000)
+    # would have said 1.25.
+    assert judged("drain ÷ PgQueuer") == (0.857, False)
+    assert "turns 1.25, 0.75, 0.86" in rows["drain ÷ PgQueuer"].detail
     assert judged("drain with 200 producers ÷ PgQueuer") == (1.0, True)
     assert judged("enqueue one at a time through the main ÷ PgQueuer") == (0.8, True)
     assert judged("bulk enqueue through the main ÷ PgQueuer") == (1.0, True)
@@ -382,10 +400,13 @@ def test_scorecard_reads_each_part_and_judges_each_target(tmp_path: Path) -> Non
     assert judged("enqueue-to-start p99 at 50 jobs/s ÷ PgQueuer") == (1.2, False)
     assert judged("urgent job p50 during a drain ÷ PgQueuer") == (0.5, True)
     assert judged("main CPU per job, 64 workers x 1 ÷ 1 worker x 64") == (1.11, False)
+    # By repetition: 1.25, 0.8, 1.059; the empty table was not measured.
+    assert judged("drain over 10 due jobs ÷ PgQueuer") == (1.059, True)
+    assert judged("drain over 10 due jobs ÷ the broker's empty table") == (None, None)
     assert judged("keyed drain, 30,000 keys ÷ 1,000 keys") == (None, None)
     assert judged("takeovers with a completion within 5 s of kill -9") == (None, None)
-    # The median of the broker's turns at 50, its serial phase not mixed in; 200 unmeasured.
-    assert judged("50 producers enqueueing one at a time ÷ PgQueuer") == (1.2, True)
+    # The crowd's turns pair by order (1.2, 0.9), the serial phase not mixed in.
+    assert judged("50 producers enqueueing one at a time ÷ PgQueuer") == (1.05, True)
     assert judged("200 producers enqueueing one at a time ÷ PgQueuer") == (None, None)
     # The chart's margin turns a latency so that past 1 is met: 1.0 / 1.2 here.
     assert rows["enqueue-to-start p99 at 50 jobs/s ÷ PgQueuer"].margin == pytest.approx(1 / 1.2)
