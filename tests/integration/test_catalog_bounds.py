@@ -131,8 +131,9 @@ async def test_a_restarted_main_reads_a_bounded_catalog_and_an_unknown_name_only
         f"{(rss - baseline) / MiB:.0f} MiB more than on an empty store, 10 enqueues of an "
         f"unknown name in {unknown:.2f} s"
     )
-    # Each unknown name read its own rows only: the whole catalog took seconds per read.
-    assert unknown < 5.0, f"10 enqueues of an unknown name took {unknown:.1f} s"
+    # That each unknown name reads only its own rows is held by the count of rows read
+    # (tests/unit/test_catalog.py): a bound on seconds here failed under CPU load (8.2 s
+    # at a load average of 35) and would pass a whole-catalog read on a fast machine.
     assert len(listed) == 10_000, "the main holds at most 10,000 declarations"
     assert {t["worker_id"] for t in listed} == {f"old-{w}" for w in range(90, 100)}, (
         "the most recent ones"
