@@ -75,12 +75,14 @@ Rows, each run ``--reps`` times (the median is the figure, every run is kept):
   dequeues its next job while a no-op job finishes on the same loop, so at most about one
   runs at a time), its jobs held by an open transaction around the bulk enqueue and let
   go by its commit (the rows and their NOTIFY appear then). PgQueuer's processes hold a
-  PostgreSQL connection each, and this server allows 100 to everyone on it (other benches
-  share it): before starting them the run waits until ``--fleet`` plus
-  :data:`CONNECTIONS_SPARE` are free (up to :data:`CONNECTIONS_WAIT`, then fails saying
-  so rather than starting a fleet that would be refused part-way), and each run records
-  the connections to its database and to the server when the jobs are let go. The
-  broker's workers connect to its main, not to PostgreSQL (the main's pools stay under 20).
+  PostgreSQL connection each (65 for 64, the bench's own reader included), and this
+  server allows 100 to everyone on it: before starting them the run waits until
+  ``--fleet`` plus :data:`CONNECTIONS_SPARE` are free (up to :data:`CONNECTIONS_WAIT`,
+  then fails saying so rather than take connections other benches need), so a fleet of
+  64 runs on a server otherwise all but idle (a smaller ``--fleet`` beside other
+  benches), and each run records the connections to its database and to the server when
+  the jobs are let go. The broker's workers connect to its main, not to PostgreSQL (the
+  main's pools stay under 20), so its turns need no such wait.
 
 Every run is a process of its own (``python -m bench.scale --one ...`` in the system's
 virtual environment, ``.venv-peers/pgqueuer`` for PgQueuer), on PostgreSQL databases
@@ -124,9 +126,12 @@ MEASURED_BEFORE = timedelta(hours=12)
 """Jobs due before now plus this are the measured ones (the future backlog is later)."""
 DRAIN_LIMIT = 45.0
 """Seconds a drain may run after its first job started before it is cut."""
-CONNECTIONS_SPARE = 10
-"""PostgreSQL connections a PgQueuer fleet leaves free for everyone else (its own
-bench process, other benches on the server): see :func:`_room_for`."""
+CONNECTIONS_SPARE = 30
+"""PostgreSQL connections a PgQueuer fleet leaves free for everyone else (:func:`_room_for`):
+as many as the largest pool another bench opens at once (PgQueuer's producers' 30,
+``bench/peers/pgqueuer_peer.py``). A fleet of 64 then starts only on a server used by a
+handful of connections: one started beside other benches (2026-12-04, 14 to 57 of their
+connections) took the server to its 100 and had 17 of theirs refused."""
 CONNECTIONS_WAIT = 300.0
 """Seconds a PgQueuer fleet waits for its connections to be free before failing."""
 
@@ -337,8 +342,9 @@ def _connections(d: Any, name: str, everyone: bool = True) -> int:
 def _room_for(d: Any, name: str, needed: int) -> None:
     """Waits until the server has ``needed`` connections free beside
     :data:`CONNECTIONS_SPARE` for everyone else, or fails saying so: a fleet of PgQueuer
-    processes holds one connection each, and one refused half-way would leave the run
-    with fewer workers than it says (and another session's connection refused)."""
+    processes holds one connection each, so it would take the connections other benches
+    on the server open meanwhile (refused, their runs fail), or one of its own would be
+    refused and the run would have fewer workers than it says."""
     limit = int(d.run(_database(d, name).fetchval("SHOW max_connections")))
     deadline = time.monotonic() + CONNECTIONS_WAIT
     while (free := limit - _connections(d, name)) < needed + CONNECTIONS_SPARE:
