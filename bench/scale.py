@@ -131,7 +131,8 @@ CONNECTIONS_SPARE = 30
 as many as the largest pool another bench opens at once (PgQueuer's producers' 30,
 ``bench/peers/pgqueuer_peer.py``). A fleet of 64 then starts only on a server used by a
 handful of connections: one started beside other benches (2026-12-04, 14 to 57 of their
-connections) took the server to its 100 and had 17 of theirs refused."""
+connections) took the server to its 100, and 17 connections were refused in 15 s: other
+sessions' benches and a test's, and a monitor of this run."""
 CONNECTIONS_WAIT = 300.0
 """Seconds a PgQueuer fleet waits for its connections to be free before failing."""
 
