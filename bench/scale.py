@@ -414,7 +414,7 @@ def one_workers(runner: Runner, name: str, workers: int, slots: int, jobs: int) 
     procs: Workers = runner._start_workers(marks, log)
     try:
         _warm(runner, name, procs, marks, workers, slots)
-        connected_s = time.monotonic() - began
+        ready_s = time.monotonic() - began
         _checkpoint()
         release = _held(d, name, jobs)
         connections = _connections(d, name, everyone=False), _connections(d, name)
@@ -433,7 +433,7 @@ def one_workers(runner: Runner, name: str, workers: int, slots: int, jobs: int) 
         "workers": workers,
         "slots_each": slots,
         "jobs": jobs,
-        "connected_s": connected_s,
+        "ready_s": ready_s,
         "seconds": seconds,
         "per_s": jobs / seconds,
         "main_cpu_s": main_cpu,
@@ -454,15 +454,16 @@ def one(argv: list[str]) -> int:
     cfg = Config(workdir=str(workdir), hash_rounds=1000, run_timeout=600.0, drain_limit=DRAIN_LIMIT)
     name = {"keyed": DRAIN_ROW, "workers": WORKERS_ROW}.get(what) or argv[1]
     driver: Any = _driver(name, cfg)
+    count, slots = 0, 0
     if what == "workers":
         count, slots = _setup(argv[1])
     elif what == "fleet":
         count, slots = int(argv[2]), 1
     queues = queue_names(int(argv[2])) if what == "queues" else []
-    if name == PEER:
-        # The drain row's two processes of batch 10, or the fleet's one-job batches.
-        driver.processes, driver.queues = count if what == "fleet" else 2, tuple(queues)
-        driver.batch_size = 1 if what == "fleet" else 10
+    if name == PEER:  # the drain row's two processes of batch 10 but in the fleet
+        driver.queues = tuple(queues)
+        if what == "fleet":
+            driver.processes, driver.batch_size = count, 1
     elif what in ("workers", "fleet"):
         from bench.peers.broker_peer import ONLY_INLINE
 
@@ -639,7 +640,6 @@ def markdown(data: dict[str, Any]) -> str:
             f"| {change(per_job.get((1, slots)))} | {_fmt(_med([r['per_s'] for r in these]))} "
             f"| {_fmt(server)} | {_fmt(_med([r['load_before'] for r in these]), 1)} |"
         )
-    cfg.setdefault("queues", [])  # a scale.json from before these parts
     lines += [
         "",
         f"## Drain over many queues, one worker serving them all ({cfg['jobs']:,} no-op jobs, "
@@ -648,7 +648,7 @@ def markdown(data: dict[str, Any]) -> str:
         "| queues | broker | PgQueuer | broker / PgQueuer | load (median) |",
         "|---:|---:|---:|---:|---:|",
     ]
-    for count in cfg["queues"]:
+    for count in cfg.get("queues", []):  # none in a scale.json from before this part
         b, p, load = _pair(runs, DRAIN_ROW, part="queues", queues=count)
         lines.append(f"| {count:,} | {_fmt(b)} | {_fmt(p)} | {_ratio_text(b, p)} | {load} |")
     lines += [
