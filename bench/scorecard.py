@@ -2,10 +2,10 @@
 target (broker against PgQueuer, or against the broker's own baseline row).
 
     .venv/bin/python -m bench.scorecard [--reps 3] [--backlog 1000000] [--urgent-backlog 100000]
-        [--parts side,urgent,scale,failover] [--out bench/results/scorecard]
+        [--parts side,urgent,scale,failover,crowd] [--out bench/results/scorecard]
     .venv/bin/python -m bench.scorecard --report DIR   # scorecard.md, .png again from DIR
 
-One run is four benches run one after the other, each as its own process with its own
+One run is five benches run one after the other, each as its own process with its own
 databases, writing into ``--out``:
 
 - ``side``: ``python -m bench --systems broker-postgres-defaults,pgqueuer --no-floor``
@@ -16,7 +16,9 @@ databases, writing into ``--out``:
   p99 pooled over every probe of every repetition;
 - ``scale``: ``python -m bench.scale`` (``scale.json``): the drain over ``--backlog`` due
   and future jobs, the keyed drain at 1,000 and 30,000 keys, the main's CPU per job at
-  1 worker x 64 slots and 64 workers x 1 slot;
+  1 worker x 64 slots and 64 workers x 1 slot, and beside PgQueuer the drain over 1,000
+  queues and 64 one-slot workers' drain (the Done-when's "1,000 queues" and "64 workers"
+  that must still lead);
 - ``failover``: ``python -m bench.failover`` (``failover.json``): first completion after
   a leader's ``kill -9``, ten takeovers;
 - ``crowd``: ``python -m bench.enqueue_bench SYSTEM --concurrent 50,200`` for each system
@@ -47,6 +49,7 @@ from typing import Any
 
 from bench.harness import ROOT, percentile
 from bench.report import DASH
+from bench.scale import WORKERS_ROW
 from bench.systems import BY_NAME, CHART_PYTHON, venv_python
 
 BROKER = "broker-postgres-defaults"
@@ -56,6 +59,10 @@ CROWDS = (50, 200)
 """Concurrent producers in the ``crowd`` part."""
 CROWD_JOBS = 4000
 """Jobs each crowd enqueues: enough for 200 producers to send 20 each."""
+QUEUES = 1000
+"""Queues the ``scale`` part's queues drain spreads its jobs over (the issue's 1,000)."""
+FLEET = 64
+"""One-slot worker processes of the ``scale`` part's fleet (the issue's 64 workers)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +229,24 @@ def _scale_rows(scale: dict[str, Any] | None) -> list[Row]:
             1.1,
             higher=False,
             unit="µs",
+        )
+    )
+    rows.append(
+        _paired(
+            f"drain over {QUEUES:,} queues ÷ PgQueuer",
+            turns("per_s", part="queues", system=BROKER, queues=QUEUES),
+            turns("per_s", part="queues", system=PEER, queues=QUEUES),
+            1.0,
+            unit="jobs/s, one worker told every queue",
+        )
+    )
+    rows.append(
+        _paired(
+            f"{FLEET} one-slot workers' drain ÷ PgQueuer",
+            turns("per_s", part="fleet", system=WORKERS_ROW, workers=FLEET),
+            turns("per_s", part="fleet", system=PEER, workers=FLEET),
+            1.0,
+            unit="jobs/s, inline 1 / batch 1",
         )
     )
     return rows
@@ -421,6 +446,12 @@ def _commands(args: argparse.Namespace) -> dict[str, list[Step]]:
                     reps,
                     "--workers",
                     "1x64,64x1",
+                    "--queues",
+                    str(QUEUES),
+                    "--fleet",
+                    str(FLEET),
+                    "--parts",
+                    "drain,keyed,workers,queues,fleet",
                     "--out",
                     str(out),
                 ],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -14,6 +15,12 @@ from bench import jobs
 from bench.systems import database, postgres_dsn
 
 DATABASE = database("bench_pgqueuer")
+BATCH_SIZE = "BENCH_PGQ_BATCH_SIZE"
+"""Environment variable: jobs each worker dequeues at once (default 10, as ``make bench``)."""
+QUEUES = "BENCH_PGQ_QUEUES"
+"""Environment variable: more names, comma-separated, each worker registers the no-op job
+under (default none). PgQueuer routes by entrypoint name, so these are its queues:
+``bench/scale.py``'s queues part spreads its jobs over them."""
 
 
 @asynccontextmanager
@@ -29,6 +36,9 @@ async def create() -> AsyncIterator[PgQueuer]:
     async def cpu(job: Job) -> None:
         jobs.cpu(int(job.payload or b"1"))
 
+    for name in filter(None, os.environ.get(QUEUES, "").split(",")):
+        pgq.entrypoint(name)(noop)
+
     try:
         yield pgq
     finally:
@@ -42,4 +52,4 @@ if __name__ == "__main__":
 
     import pgqueuer
 
-    asyncio.run(pgqueuer.run(create, batch_size=10))
+    asyncio.run(pgqueuer.run(create, batch_size=int(os.environ.get(BATCH_SIZE, "10"))))

@@ -17,7 +17,7 @@ from pgqueuer.db import AsyncpgDriver
 from pgqueuer.queries import Queries
 
 from bench.harness import BenchError, Driver
-from bench.peers.pgqueuer_app import DATABASE
+from bench.peers.pgqueuer_app import BATCH_SIZE, DATABASE, QUEUES
 from bench.systems import drop_database, fresh_database, on_admin_database, postgres_dsn
 
 PRODUCER_POOL = 30
@@ -36,6 +36,12 @@ class PgQueuerDriver(Driver):
     server = "postgres"
     producer_pool: Any = None
     producer_users = 0
+    processes = 2
+    batch_size = 10
+    queues: tuple[str, ...] = ()
+    """More names each process registers the no-op job under (``bench.peers.pgqueuer_app``):
+    ``bench/scale.py`` sets them, the processes and their batch size for its queues and
+    fleet parts; the label above is these defaults'."""
     outstanding = "SELECT count(*) FROM pgqueuer"
     """The read behind :meth:`done_count` (a finished job's row is deleted), which
     ``bench/scale.py`` narrows to the measured jobs when a backlog lies beside them."""
@@ -119,8 +125,10 @@ class PgQueuerDriver(Driver):
         return enqueue, close
 
     def worker_commands(self) -> list[list[str]]:
-        command = [sys.executable, "-m", "bench.peers.pgqueuer_app"]
-        return [command, command]
+        return [[sys.executable, "-m", "bench.peers.pgqueuer_app"]] * self.processes
+
+    def worker_env(self) -> dict[str, str]:
+        return {BATCH_SIZE: str(self.batch_size), QUEUES: ",".join(self.queues)}
 
     def teardown(self) -> None:
         self.run(self.conn.close())

@@ -319,6 +319,30 @@ def test_the_scale_report_holds_each_backlog_to_pgqueuer_and_to_its_own_empty_ro
     assert "| 30,000 | 800 | -20% | 3.0 |" in text
     # 64 workers of 1 slot: against 1 worker of 64 slots, and against 1 worker of 1 slot.
     assert "| 64x1 | 150 | +50% | -25% | 2,000 | 200 | 3.0 |" in text
+    assert "over many queues" not in text  # a part not run has no section
+
+
+def test_the_scale_report_holds_the_queues_and_the_fleet_to_pgqueuer() -> None:
+    from bench import scale
+
+    runs = [
+        _scale_run("queues", 3000.0, system="broker-postgres-defaults", queues=1000),
+        _scale_run("queues", 5000.0, system="broker-postgres-defaults", queues=1000),
+        _scale_run("queues", 2000.0, system="pgqueuer", queues=1000, load_before=5.0),
+    ]
+    fleet = {"workers": 64, "main_us_per_job": 120.0, "pg_connections": 65}
+    runs += [
+        _scale_run("fleet", 900.0, system="broker-postgres-inline1", **fleet),
+        _scale_run("fleet", 1000.0, system="pgqueuer", **fleet, server_cpu_s=2.0),
+    ]
+    config = {"backlog": 0, "jobs": 1000, "worker_jobs": 1000, "queues": [1000], "fleet": 64}
+    config.update(keys=[], keyed_jobs=0, workers=[])
+    data = {"command": "x", "started": "now", "wall_s": 60.0, "machine": "2 cores"}
+    text = scale.markdown({**data, "config": config, "runs": runs, "errors": []})
+    assert "| 1,000 | 4,000 | 2,000 | 2.00x | 3.0 |" in text  # load: median of 3, 3, 5
+    # PostgreSQL's CPU per job: 0.2 s and 2 s over 1,000 jobs; PgQueuer's 65 connections.
+    assert "| 900 | 1,000 | 0.90x | 120 | 200 / 2,000 | 65 | 3.0 |" in text
+    assert "Drain of 1,000 no-op jobs over a backlog" not in text
 
 
 def test_scorecard_reads_each_part_and_judges_each_target(tmp_path: Path) -> None:
@@ -371,6 +395,14 @@ def test_scorecard_reads_each_part_and_judges_each_target(tmp_path: Path) -> Non
         _scale_run("drain", 5000.0, system="pgqueuer", shape="due", rep=2),
         _scale_run("drain", 9000.0, system="broker-postgres-defaults", shape="due", rep=3),
         _scale_run("drain", 8500.0, system="pgqueuer", shape="due", rep=3),
+        _scale_run("queues", 3000.0, system="broker-postgres-defaults", queues=1000, rep=1),
+        _scale_run("queues", 5000.0, system="broker-postgres-defaults", queues=1000, rep=2),
+        _scale_run("queues", 99_999.0, system="broker-postgres-defaults", queues=10, rep=3),
+        _scale_run("queues", 2000.0, system="pgqueuer", queues=1000, rep=1),
+        _scale_run("queues", 2000.0, system="pgqueuer", queues=1000, rep=2),
+        _scale_run("fleet", 900.0, system="broker-postgres-inline1", workers=64, rep=1),
+        _scale_run("fleet", 99_999.0, system="broker-postgres-inline1", workers=8, rep=2),
+        _scale_run("fleet", 1000.0, system="pgqueuer", workers=64, rep=1),
     ]
     (tmp_path / "scale.json").write_text(json.dumps({"config": {"backlog": 10}, "runs": runs}))
     crowd = [
@@ -404,6 +436,11 @@ def test_scorecard_reads_each_part_and_judges_each_target(tmp_path: Path) -> Non
     assert judged("drain over 10 due jobs ÷ PgQueuer") == (1.059, True)
     assert judged("drain over 10 due jobs ÷ the broker's empty table") == (None, None)
     assert judged("keyed drain, 30,000 keys ÷ 1,000 keys") == (None, None)
+    # Each at its own count only: the broker's turns at 1,000 queues 1.5 and 2.5 (10
+    # queues not mixed in), its 64 workers' 900 (a fleet of 8 not mixed in) short of
+    # PgQueuer's.
+    assert judged("drain over 1,000 queues ÷ PgQueuer") == (2.0, True)
+    assert judged("64 one-slot workers' drain ÷ PgQueuer") == (0.9, False)
     assert judged("takeovers with a completion within 5 s of kill -9") == (None, None)
     # The crowd's turns pair by order (1.2, 0.9), the serial phase not mixed in.
     assert judged("50 producers enqueueing one at a time ÷ PgQueuer") == (1.05, True)
