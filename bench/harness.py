@@ -288,6 +288,15 @@ class Driver:
     def enqueue_bulk(self, kind: str, args: list[int]) -> None:
         raise NotImplementedError
 
+    def analyze(self) -> None:
+        """After a large bulk enqueue: the store's planner statistics brought up to date,
+        as autovacuum would within its minute. The urgent workload times its probes right
+        after enqueueing 100,000 jobs into a table emptied by ``reset``; without this,
+        whichever system does not run ``ANALYZE`` itself is timed on plans made for an
+        empty table (PgQueuer's drain fell to 321-542 jobs/s there, from 6,500 over a
+        1,000,000-job backlog that ``bench.scale`` analyzes). Nothing to do for a store
+        with no planner statistics."""
+
     def enqueue_urgent(self, kind: str, arg: int, priority: int) -> Any:
         """Enqueue one job of ``priority`` (higher runs first), one call, as
         :meth:`enqueue_one` (the urgent-jobs workload, ``bench/urgent.py``)."""

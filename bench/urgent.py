@@ -4,7 +4,8 @@ drain a backlog of lower-priority ones (issue 35), side by side with PgQueuer.
     .venv/bin/python -m bench.urgent [--systems broker-postgres-defaults,pgqueuer]
         [--backlog 100000] [--reps 3] [--before DIR] [--worker-flags FLAGS]
 
-A run: ``backlog`` no-op jobs of priority 0 enqueued in bulk, the workers started, and
+A run: ``backlog`` no-op jobs of priority 0 enqueued in bulk, the table analyzed
+(``Driver.analyze``: ``VACUUM ANALYZE``, as ``bench.scale`` does), the workers started, and
 from the first job's start one no-op job of priority :data:`URGENT` enqueued one call at
 a time every :data:`PROBE_INTERVAL` seconds (each tagged: its body writes when it
 starts) until :data:`DRAINED` of the backlog is complete, so every probe meets a backlog
@@ -58,6 +59,7 @@ def urgent_run(runner: Runner, backlog: int) -> dict[str, Any]:
     d.reset()
     marks, log = runner._paths("urgent")
     d.enqueue_bulk("noop", [-1] * backlog)
+    d.analyze()
     workers = runner._start_workers(marks, log)
     sent: dict[int, float] = {}
     acked: list[float] = []

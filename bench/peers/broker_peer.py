@@ -332,6 +332,10 @@ class BrokerDriver(Driver):
         )
         self.enqueued += len(args)
 
+    def analyze(self) -> None:
+        if self.pg is not None:
+            self.run(self.pg.execute("VACUUM ANALYZE broker_jobs"))
+
     def enqueue_bulk(self, kind: str, args: list[int]) -> None:
         # Imported here, as the other methods import broker; once per call, not per job (an
         # import statement per job cost the producer 10% of a bulk call).

@@ -77,6 +77,9 @@ class PgQueuerDriver(Driver):
         self.enqueued += 1
         return int(ids[0])
 
+    def analyze(self) -> None:
+        self.run(self.conn.execute("VACUUM ANALYZE pgqueuer"))
+
     def enqueue_bulk(self, kind: str, args: list[int]) -> None:
         payloads: list[bytes | None] = [str(a).encode() for a in args]
         self.run(self.queries.enqueue([kind] * len(args), payloads, [0] * len(args)))
