@@ -67,6 +67,7 @@ from broker.jobs import (
     JSONValue,
     ProgressUpdate,
     Settlement,
+    SpecColumns,
 )
 from broker.model.logs import log_event
 from broker.model.rates import Rate
@@ -448,6 +449,21 @@ class SupportsSchemaCheck(Protocol):
             schema not migrated yet, or a newer one than this code understands; the
             message says which and what to do.
         """
+
+
+@runtime_checkable
+class SupportsEnqueueColumns(Protocol):
+    """Optional: store jobs held by column (:class:`~broker.jobs.SpecColumns`: one task
+    and its options, many argument sets), without a :class:`JobSpec` per job.
+
+    The main's ``enqueue_each`` decodes a bulk request into columns; a store that writes
+    them as they are spares the main a spec, a fields dict and a row per job. Adapters
+    without this method get ``enqueue_many(jobs.specs())``: the same jobs, one spec each.
+    """
+
+    async def enqueue_columns(self, jobs: SpecColumns) -> list[uuid.UUID]:
+        """``enqueue_many(jobs.specs())``, all or none, every job new (no key names one,
+        none has parents): the jobs' ids, in order. Their payloads are checked already."""
 
 
 @runtime_checkable

@@ -265,6 +265,20 @@ class SQLAlchemyAdapter(CoreQueries):
         self._dialect.note_inserts(sum(not r.duplicate for r in results))
         return results
 
+    async def enqueue_columns(self, jobs: SpecColumns) -> list[uuid.UUID]:
+        """The main's bulk enqueue (:class:`~broker.storage.SupportsEnqueueColumns`): on
+        PostgreSQL by column (statements of 1,000 jobs, one transaction if more), else,
+        or when that cannot be done (a payload to offload, a refused statement: nothing
+        stored), one spec each, in one transaction."""
+        if not len(jobs):
+            return []
+        with self._errors.translate("enqueue"):
+            stored = await self._dialect.enqueue_columns(jobs)
+        if not stored:
+            return [result.job_id for result in await self.enqueue_many(jobs.specs())]
+        self._dialect.note_inserts(len(jobs))
+        return jobs.ids
+
     async def enqueue_on_driver_connection(
         self, conn: Any, specs: Sequence[JobSpec]
     ) -> list[EnqueueResult]:

@@ -696,6 +696,12 @@ class PostgresDialect:
         chunks = [jobs.chunk(i, i + _EVERY_AT_ONCE) for i in range(0, len(jobs), _EVERY_AT_ONCE)]
         return await self._insert_by_column(conn, chunks, from_us(self._now()))
 
+    async def enqueue_columns(self, jobs: SpecColumns) -> bool:
+        """The main's bulk enqueue (``enqueue_each``) by column, on a connection of its
+        enqueue pool, as :meth:`enqueue_columns_on_driver` stores an application's."""
+        async with self._enqueue_pool.acquire() as conn:
+            return await self.enqueue_columns_on_driver(conn, jobs)
+
     async def _insert_by_column(
         self, conn: Any, chunks: Sequence[Sequence[JobSpec] | SpecColumns], now: datetime
     ) -> bool:

@@ -672,6 +672,11 @@ class SqliteDialect:
         """None: an application's asyncpg connection reaches a PostgreSQL store only."""
         self.driver_enqueue()
 
+    async def enqueue_columns(self, jobs: SpecColumns) -> bool:
+        """``False``: SQLite writes a bulk enqueue one spec each (its rows go in one
+        ``executemany`` on the hot thread, where the columns would save little)."""
+        return False
+
     def note_inserts(self, count: int) -> None:
         """Nothing: SQLite's planner needs no fresh statistics to use the dispatch index."""
 

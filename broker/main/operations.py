@@ -14,24 +14,36 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
+import msgspec
+
 from broker import dependencies
 from broker.core.why import undeclared
 from broker.exceptions import ConfigurationError
-from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, JSONValue, summary_dict
+from broker.jobs import (
+    Clock,
+    EnqueueResult,
+    Job,
+    JobSpec,
+    JobStatus,
+    JSONValue,
+    keyword_sets,
+    summary_dict,
+)
 from broker.main.catalog import StoredCatalog
 from broker.main.metrics import MainMetrics
 from broker.model.bounds import MAX_WORKFLOW_EDGES, MAX_WORKFLOW_MEMBERS, WORKFLOW_ERROR_CHARS
-from broker.payload import check_args, encoded_size
+from broker.payload import check_args, check_columns, encoded_size
 from broker.storage import (
     JobFilter,
     QueueCount,
     StorageAdapter,
     StoredWorkflow,
+    SupportsEnqueueColumns,
     SupportsWorkflows,
     TaskRecord,
 )
@@ -149,6 +161,58 @@ class Operations:
             for (queue, task), n in counted.items():
                 self._metrics.enqueued.inc(queue, task, n)
         return results
+
+    async def enqueue_each(
+        self,
+        template: protocol.JobRequest,
+        arg_sets: Sequence[Sequence[JSONValue]],
+        kwarg_sets: Sequence[Mapping[str, JSONValue]] | None = None,
+        *,
+        allow_unknown_tasks: bool = False,
+    ) -> list[uuid.UUID]:
+        """Store one job of ``template``'s task and options for each of ``arg_sets`` (and
+        ``kwarg_sets``), all or none; the new jobs' ids, in order.
+
+        The template goes through the catalog once and the jobs stay columns
+        (:meth:`Catalog.job_columns <broker.core.catalog.Catalog.job_columns>`), each
+        job's payload checked as :meth:`check_payload` checks a spec's; a store that
+        writes columns (:class:`~broker.storage.SupportsEnqueueColumns`) takes them as
+        they are, past the group commit and the hand-off at enqueue: its caller (the
+        main) then tells the dispatcher, as of another process's insert. A store without
+        it, or a task whose keys are made from each job's arguments, gets the same
+        jobs one spec each, the way :meth:`enqueue` stores them.
+        """
+        now = self._clock()
+        catalog = self.catalog
+        await catalog.load()
+        task = template.task
+        if not allow_unknown_tasks and catalog.in_use and catalog.declared(task) is None:
+            await catalog.refresh({task})
+        jobs = catalog.job_columns(
+            template, arg_sets, kwarg_sets, now, allow_unknown=allow_unknown_tasks
+        )
+        if jobs is None:  # keys per job: each job as its own request
+            kwargs = keyword_sets(len(arg_sets), kwarg_sets)
+            requests = [
+                msgspec.structs.replace(template, args=list(a), kwargs=dict(k))
+                for a, k in zip(arg_sets, kwargs, strict=True)
+            ]
+            results = await self.enqueue(requests, allow_unknown_tasks=allow_unknown_tasks)
+            return [result.job_id for result in results]
+        limits = self.limits
+        check_columns(
+            jobs,
+            limits.max_payload_bytes,
+            limits.max_payload_depth,
+            limits.max_payload_containers,
+        )
+        if isinstance(self.store, SupportsEnqueueColumns):
+            ids = await self.store.enqueue_columns(jobs)
+        else:
+            ids = [result.job_id for result in await self._enqueue(jobs.specs())]
+        if self._metrics is not None and ids:
+            self._metrics.enqueued.inc(jobs.template.queue, task, len(ids))
+        return ids
 
     def check_payload(self, spec: JobSpec) -> None:
         """Refuse a job nested too deeply, with too many lists and objects, or over the

@@ -13,7 +13,9 @@ import pytest
 
 from adapters.sql import SQLAlchemyAdapter
 from broker.client import Client
-from broker.jobs import ExecutionMode, JobSpec, JobStatus, utcnow
+from broker.exceptions import InvalidArgumentsError, PayloadTooLargeError
+from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus, utcnow
+from broker.model.bounds import MESSAGE_CONTAINERS
 from broker.storage import StorageAdapter
 from broker.testing.faults import FaultyAdapter
 from tests.conftest import POSTGRES_URL
@@ -159,3 +161,52 @@ async def test_a_worker_serves_only_its_queues_and_takes_higher_priority_first(
 
 async def _async(value: Any) -> Any:
     return value
+
+
+async def test_enqueue_each_stores_every_job_by_column_and_runs_them(
+    store: StorageAdapter,
+) -> None:
+    """One task and its options once, twenty argument sets: every job stored with the
+    task's declared defaults (its mode) and the options given, in order, and run."""
+    async with cluster(store=store, pooled_runner_count=1, forked_concurrency=0) as c:
+        await until(lambda: _one_free_slot(c))
+        texts = [f"line {i}" for i in range(20)]
+        async with Client("127.0.0.1", c.main.port) as client:
+            ids = await client.enqueue_each(f"{APP}.noisy", [[t] for t in texts], priority=3)
+        assert len(set(ids)) == 20
+        done = await c.settled([await _stored(store, i) for i in ids], timeout=30)
+        assert [j.result for j in done] == texts
+        assert {(j.status, j.priority, j.execution_mode) for j in done} == {
+            (JobStatus.COMPLETED, 3, ExecutionMode.POOLED)
+        }, "the options given, and the task's declared mode for the rest"
+
+
+async def test_enqueue_each_refuses_the_whole_request_and_stores_nothing(
+    store: StorageAdapter,
+) -> None:
+    """An argument set the declared signature cannot take, a job over the payload
+    limit, and a request over the main's container bound (sent by a client that does
+    not check it first) are each refused with their own error; nothing is stored."""
+    async with cluster(store=store, pooled_runner_count=1, forked_concurrency=0) as c:
+        await until(lambda: _one_free_slot(c))
+        big = "x" * (c.main.settings.max_payload_bytes + 10)
+        over = c.main.settings.max_payload_containers + MESSAGE_CONTAINERS + 1
+        async with Client("127.0.0.1", c.main.port) as client:
+            with pytest.raises(InvalidArgumentsError):
+                await client.enqueue_each(f"{APP}.noisy", [["a"], ["b", "extra"]])
+            with pytest.raises(PayloadTooLargeError, match="over the payload limit"):
+                await client.enqueue_each(f"{APP}.noisy", [["a"], [big]])
+            with pytest.raises(PayloadTooLargeError, match="lists and objects"):
+                await client.enqueue_each(f"{APP}.noisy", [["a"]] * over)
+            client._max_containers = None  # as a client that does not check would send
+            with pytest.raises(PayloadTooLargeError, match="lists and objects"):
+                await client.enqueue_each(f"{APP}.noisy", [["a"]] * over)
+            assert await client.enqueue_each(f"{APP}.noisy", [["fine"]]), "still connected"
+        page = await store.list_jobs(limit=10)
+        assert len(page.jobs) == 1, "only the last request's one job"
+
+
+async def _stored(store: StorageAdapter, job_id: Any) -> Job:
+    job = await store.get_job(job_id)
+    assert job is not None
+    return job
