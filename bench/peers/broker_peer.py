@@ -143,8 +143,8 @@ async def main_on_fresh_database(name: str, log: Path) -> tuple[Workers, int, st
 class BrokerDriver(Driver):
     packages = ("broker", "SQLAlchemy", "aiosqlite", "asyncpg")
     bulk_text = (
-        f"Client.enqueue_batches: {CHUNK} jobs a request (each stored all or none), "
-        f"{IN_FLIGHT} requests under way at once"
+        "Client.enqueue_each: the task and its options once and a list of argument sets, "
+        "one request stored all or none"
     )
 
     def __init__(self, name: str, cfg: Config) -> None:
@@ -333,13 +333,15 @@ class BrokerDriver(Driver):
         self.enqueued += len(args)
 
     def enqueue_bulk(self, kind: str, args: list[int]) -> None:
-        # Imported here, as the other methods import broker; once per call, not per job (an
-        # import statement per job cost the producer 10% of a bulk call).
-        from broker.jobs import ExecutionMode, JobSpec
-
-        task, mode = f"{TASKS}.{kind}", ExecutionMode(self.mode)
-        specs = (JobSpec(task=task, args=(a,), max_attempts=1, execution_mode=mode) for a in args)
-        self.run(self.client.enqueue_batches(specs, batch_size=CHUNK, in_flight=IN_FLIGHT))
+        """``args`` in one call through the main (``Client.enqueue_each``: the task and
+        options once, a list of argument sets; one request, all or none), as PgQueuer's
+        bulk ``Queries.enqueue`` of lists is one call."""
+        arg_sets = [(a,) for a in args]
+        self.run(
+            self.client.enqueue_each(
+                f"{TASKS}.{kind}", arg_sets, max_attempts=1, execution_mode=self.mode
+            )
+        )
         self.enqueued += len(args)
 
     def done_count(self) -> int:

@@ -610,6 +610,8 @@ class Client:
             template = protocol.JobRequest.from_spec(
                 JobSpec(task=task, run_at=run_at, **overrides), said=overrides
             )
+            # No id: each job gets its own (the main mints them).
+            template = msgspec.structs.replace(template, id=None)
             if delay is not None:
                 template = msgspec.structs.replace(template, run_at=None, delay=float(delay))
             await self.connect()

@@ -194,7 +194,7 @@ class Operations:
         if jobs is None:  # keys per job: each job as its own request
             kwargs = keyword_sets(len(arg_sets), kwarg_sets)
             requests = [
-                msgspec.structs.replace(template, args=list(a), kwargs=dict(k))
+                msgspec.structs.replace(template, args=list(a), kwargs=dict(k), id=None)
                 for a, k in zip(arg_sets, kwargs, strict=True)
             ]
             results = await self.enqueue(requests, allow_unknown_tasks=allow_unknown_tasks)

@@ -208,7 +208,8 @@ class EnqueueEach(Tagged, frozen=True, tag="enqueue_each"):
     main builds no :class:`~broker.jobs.JobSpec` per job (it decodes the request into a
     :class:`~broker.jobs.SpecColumns`). ``job`` carries no ``args`` or ``kwargs`` of its
     own, and no option that names one job (``idempotency_key``, ``unique_key``) or links
-    it (``depends_on``, ``workflow_id``): each is refused ``invalid_job``. Only a main
+    it (``depends_on``, ``workflow_id``): each is refused ``invalid_job``. Its ``id``, if
+    any, is not used: each job gets a fresh one. Only a main
     whose ``welcome.features`` lists ``enqueue_each`` knows this request (an older one
     answers ``unknown_type``); a client asks an older one with ``enqueue`` instead.
 

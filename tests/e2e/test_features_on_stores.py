@@ -164,15 +164,23 @@ async def _async(value: Any) -> Any:
 
 
 async def test_enqueue_each_stores_every_job_by_column_and_runs_them(
-    store: StorageAdapter,
+    store: StorageAdapter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One task and its options once, twenty argument sets: every job stored with the
-    task's declared defaults (its mode) and the options given, in order, and run."""
+    task's declared defaults (its mode) and the options given, in order, and run; to a
+    main whose welcome does not list the request, the same jobs go as one ``enqueue``."""
     async with cluster(store=store, pooled_runner_count=1, forked_concurrency=0) as c:
         await until(lambda: _one_free_slot(c))
         texts = [f"line {i}" for i in range(20)]
         async with Client("127.0.0.1", c.main.port) as client:
-            ids = await client.enqueue_each(f"{APP}.noisy", [[t] for t in texts], priority=3)
+            ids = await client.enqueue_each(f"{APP}.noisy", [[t] for t in texts[:10]], priority=3)
+            client._features = frozenset()  # as an older main's welcome leaves them
+
+            async def unknown(*args: Any, **kw: Any) -> Any:
+                raise AssertionError("enqueue_each sent to a main that does not list it")
+
+            monkeypatch.setattr(c.main.operations, "enqueue_each", unknown)
+            ids += await client.enqueue_each(f"{APP}.noisy", [[t] for t in texts[10:]], priority=3)
         assert len(set(ids)) == 20
         done = await c.settled([await _stored(store, i) for i in ids], timeout=30)
         assert [j.result for j in done] == texts
