@@ -32,7 +32,12 @@ DATABASE = database("bench_broker")
 CHUNK = 250
 """Jobs per enqueue request: one round trip and one transaction each."""
 IN_FLIGHT = 3
-"""Enqueue requests under way at once in a bulk enqueue (``Client.enqueue_batches``)."""
+"""Enqueue requests under way at once in a bulk enqueue (``Client.enqueue_batches``, and
+``Client.enqueue_each`` for a backlog over :data:`EACH` jobs)."""
+EACH = 10_000
+"""The most jobs of one ``Client.enqueue_each`` request in a bulk enqueue: a backlog of
+100,000 (``bench/urgent.py``) is over the main's container bound (25,000, one per
+argument set) in one request."""
 OUTSTANDING = (
     "SELECT (SELECT count(*) FROM broker_jobs WHERE status = 'queued')"
     " + (SELECT count(*) FROM broker_jobs WHERE status = 'handed_off')"
@@ -333,15 +338,24 @@ class BrokerDriver(Driver):
         self.enqueued += len(args)
 
     def enqueue_bulk(self, kind: str, args: list[int]) -> None:
-        """``args`` in one call through the main (``Client.enqueue_each``: the task and
-        options once, a list of argument sets; one request, all or none), as PgQueuer's
-        bulk ``Queries.enqueue`` of lists is one call."""
+        """``args`` through the main by ``Client.enqueue_each`` (the task and options
+        once, a list of argument sets, each request all or none), as PgQueuer's bulk
+        ``Queries.enqueue`` takes lists: one request of up to :data:`EACH` jobs (a
+        4,000-job bulk call is one), a larger backlog in requests of that many, up to
+        :data:`IN_FLIGHT` under way."""
         arg_sets = [(a,) for a in args]
-        self.run(
-            self.client.enqueue_each(
-                f"{TASKS}.{kind}", arg_sets, max_attempts=1, execution_mode=self.mode
-            )
-        )
+        task = f"{TASKS}.{kind}"
+        slots = asyncio.Semaphore(IN_FLIGHT)
+
+        async def send(part: list[tuple[int]]) -> None:
+            async with slots:
+                await self.client.enqueue_each(task, part, max_attempts=1, execution_mode=self.mode)
+
+        async def every() -> None:
+            parts = [arg_sets[i : i + EACH] for i in range(0, len(arg_sets), EACH)]
+            await asyncio.gather(*map(send, parts))
+
+        self.run(every())
         self.enqueued += len(args)
 
     def done_count(self) -> int:
