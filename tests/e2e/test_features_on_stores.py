@@ -218,3 +218,21 @@ async def _stored(store: StorageAdapter, job_id: Any) -> Job:
     job = await store.get_job(job_id)
     assert job is not None
     return job
+
+
+async def test_an_enqueue_after_enqueue_each_is_not_handed_off_ahead_of_its_jobs(
+    store: StorageAdapter,
+) -> None:
+    """The bulk jobs pass by the hand-off at enqueue, and the main tells its dispatcher
+    before it replies: a lower-priority job enqueued right after, while a slot is free,
+    is not handed off at once ahead of them (the dispatcher's read-ahead, which knew
+    nothing of them, is dropped), but dispatched in priority order after them."""
+    async with cluster(store=store, pooled_runner_count=1, forked_concurrency=0) as c:
+        await until(lambda: _one_free_slot(c))
+        async with Client("127.0.0.1", c.main.port) as client:
+            bulk = await client.enqueue_each(f"{APP}.noisy", [["a"], ["b"], ["c"]], priority=5)
+            later = await client.enqueue(f"{APP}.noisy", ["later"], priority=0)
+        done = await c.settled([await _stored(store, i) for i in [*bulk, later.job_id]])
+        started = [j.handed_off_at for j in done]
+        assert all(t is not None for t in started)
+        assert max(started[:3]) <= started[3], "the later, lower-priority job ran last"  # type: ignore[type-var]
