@@ -39,6 +39,7 @@ from broker.jobs import (
     ParentResults,
     ProgressUpdate,
     Settlement,
+    SpecColumns,
 )
 from broker.model.rates import Rate
 from broker.storage import (
@@ -47,6 +48,7 @@ from broker.storage import (
     PayloadIntegrityError,
     QueueSettings,
     StorageAdapter,
+    SupportsEnqueueColumns,
     SupportsEnqueueHandedOff,
     SupportsLeadership,
     SupportsNotify,
@@ -1935,6 +1937,26 @@ async def check_enqueue_handed_off_applies_only_the_claims_it_may(ctx: Context) 
     await store.enqueue_handed_off([other], [Claim(other.id, lease, WORKER)])
     assert await store.return_to_queue(other.id, lease)
     assert (await _get(store, other.id)).status is JobStatus.QUEUED
+
+
+@_check
+async def check_enqueue_columns_stores_what_its_specs_would(ctx: Context) -> None:
+    """The optional bulk enqueue by column: every job stored, in order, as
+    ``enqueue_many`` of its spec stores it (queued, at the store's clock, the template's
+    options and its own arguments and id), more than 1,000 at once too; the ids
+    returned are the jobs'."""
+    store = ctx.store
+    if not isinstance(store, SupportsEnqueueColumns):
+        raise CheckSkipped("adapter does not offer enqueue_columns")
+    count = 1500
+    template = _spec(queue="bulk", priority=3, max_attempts=2)
+    jobs = SpecColumns.of(template, [[i] for i in range(count)], [{"k": i} for i in range(count)])
+    assert await store.enqueue_columns(jobs) == jobs.ids
+    specs = jobs.specs()
+    for spec in (specs[0], specs[count // 2], specs[-1]):
+        assert await _get(store, spec.id) == Job.from_spec(spec, START)
+    page = await store.list_jobs(JobFilter(queues=["bulk"]), limit=count + 1)
+    assert len(page.jobs) == count
 
 
 # --- several mains: the election and the epoch fence ----------------------------------
