@@ -48,7 +48,7 @@ import hashlib
 import inspect
 import logging
 import uuid
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -458,12 +458,15 @@ class SupportsEnqueueColumns(Protocol):
 
     The main's ``enqueue_each`` decodes a bulk request into columns; a store that writes
     them as they are spares the main a spec, a fields dict and a row per job. Adapters
-    without this method get ``enqueue_many(jobs.specs())``: the same jobs, one spec each.
+    without this method get ``enqueue_many`` of the same jobs, one spec each.
     """
 
-    async def enqueue_columns(self, jobs: SpecColumns) -> list[uuid.UUID]:
-        """``enqueue_many(jobs.specs())``, all or none, every job new (no key names one,
-        none has parents): the jobs' ids, in order. Their payloads are checked already."""
+    async def enqueue_columns(self, chunks: Iterator[SpecColumns], count: int) -> list[uuid.UUID]:
+        """``enqueue_many`` of every chunk's ``specs()``, all or none, every job new (no
+        key names one, none has parents): the jobs' ids, in order. ``count`` jobs in
+        all. Taking the next chunk may make and check it (the main's do, so a store may
+        write one chunk while the next is checked): a chunk that raises refuses the
+        whole request, and nothing of it may be stored. Take every chunk, once."""
 
 
 @runtime_checkable

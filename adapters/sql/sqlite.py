@@ -15,7 +15,7 @@ import json
 import sqlite3
 import uuid
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from typing import Any, NoReturn
@@ -672,7 +672,7 @@ class SqliteDialect:
         """None: an application's asyncpg connection reaches a PostgreSQL store only."""
         self.driver_enqueue()
 
-    async def enqueue_columns(self, jobs: SpecColumns) -> bool:
+    async def enqueue_columns(self, chunks: Iterator[SpecColumns], count: int) -> bool:
         """``False``: SQLite writes a bulk enqueue one spec each (its rows go in one
         ``executemany`` on the hot thread, where the columns would save little)."""
         return False

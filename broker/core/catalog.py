@@ -435,19 +435,14 @@ class Catalog:
             signature.check(request.task, args, request.kwargs)
         return self._with_defaults(request, declared, now, allow_unknown=allow_unknown)
 
-    def job_columns(
-        self,
-        template: protocol.JobRequest,
-        arg_sets: Sequence[Sequence[JSONValue]],
-        kwarg_sets: Sequence[Mapping[str, JSONValue]] | None,
-        now: datetime,
-        *,
-        allow_unknown: bool,
-    ) -> SpecColumns | None:
-        """The jobs of an ``enqueue_each``: ``template``'s task and options, with its
-        task's defaults where it says nothing, once for all, and each of ``arg_sets``
-        (and ``kwarg_sets``) checked against the declared signature once per shape of
-        arguments, with no :class:`~broker.jobs.JobSpec` per job.
+    def job_template(
+        self, template: protocol.JobRequest, now: datetime, *, allow_unknown: bool
+    ) -> JobTemplate | None:
+        """The options of an ``enqueue_each``'s jobs: ``template``'s task and options,
+        with its task's defaults where it says nothing, checked once for all; its
+        :meth:`JobTemplate.columns` makes the jobs of argument sets, with no
+        :class:`~broker.jobs.JobSpec` per job. Decided once per request, so a declaration
+        that arrives while its jobs are being written changes none of them.
 
         ``None`` when the task declares a key made from each job's arguments (a
         concurrency or rate key template, or ``unique``) that ``template`` does not set:
@@ -455,10 +450,8 @@ class Catalog:
         request would (the caller's to do).
 
         :raises UnknownTaskError: as :meth:`job_spec`.
-        :raises InvalidArgumentsError: an argument set cannot bind to the task's declared
-            parameters.
         :raises InvalidJobError: ``template`` carries arguments of its own, or an option
-            that names or links one job; or an argument set is invalid.
+            that names or links one job.
         """
         if template.args or template.kwargs:
             raise InvalidJobError(
@@ -470,19 +463,8 @@ class Catalog:
             SpecColumns.check_template(template.to_spec(now))
             return None
         spec = self._with_defaults(template, declared, now, allow_unknown=allow_unknown)
-        jobs = SpecColumns.of(spec, arg_sets, kwarg_sets)
-        signature = self._signatures.get(template.task)
-        if signature is not None:
-            # Binding depends on the shape alone (how many positional arguments, which
-            # keywords): each distinct one is bound once, with placeholders.
-            shapes: set[tuple[int, tuple[str, ...]]]
-            if kwarg_sets is None:
-                shapes = {(count, ()) for count in set(map(len, jobs.args))}
-            else:
-                shapes = set(zip(map(len, jobs.args), map(tuple, jobs.kwargs), strict=True))
-            for count, names in sorted(shapes):
-                signature.check(template.task, (None,) * count, dict.fromkeys(names))
-        return jobs
+        SpecColumns.check_template(spec)
+        return JobTemplate(spec, self._signatures.get(template.task))
 
     def _with_defaults(
         self,
@@ -505,6 +487,40 @@ class Catalog:
                 )
             return request.to_spec(now)
         return request.to_spec(now, _defaults(declared, request))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JobTemplate:
+    """An ``enqueue_each``'s options, checked (:meth:`Catalog.job_template`), and the
+    task's declared signature then, which each job's arguments must bind to."""
+
+    spec: JobSpec
+    signature: _Signature | None
+
+    def columns(
+        self,
+        arg_sets: Sequence[Sequence[JSONValue]],
+        kwarg_sets: Sequence[Mapping[str, JSONValue]] | None,
+    ) -> SpecColumns:
+        """The jobs of ``arg_sets`` (and ``kwarg_sets``), each with a fresh id.
+
+        :raises InvalidArgumentsError: an argument set cannot bind to the declared
+            signature.
+        :raises InvalidJobError: an argument set is invalid.
+        """
+        jobs = SpecColumns.of(self.spec, arg_sets, kwarg_sets)
+        signature = self.signature
+        if signature is not None:
+            # Binding depends on the shape alone (how many positional arguments, which
+            # keywords): each distinct one is bound once, with placeholders.
+            shapes: set[tuple[int, tuple[str, ...]]]
+            if kwarg_sets is None:
+                shapes = {(count, ()) for count in set(map(len, jobs.args))}
+            else:
+                shapes = set(zip(map(len, jobs.args), map(tuple, jobs.kwargs), strict=True))
+            for count, names in sorted(shapes):
+                signature.check(self.spec.task, (None,) * count, dict.fromkeys(names))
+        return jobs
 
 
 class _Signature:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
@@ -31,6 +31,7 @@ from broker.jobs import (
     JobSpec,
     JobStatus,
     JSONValue,
+    SpecColumns,
     keyword_sets,
     summary_dict,
 )
@@ -82,6 +83,11 @@ class JobListing:
     jobs: list[dict[str, JSONValue]]
     next_cursor: str | None
 
+
+EACH_CHUNK = 1000
+"""Jobs of an ``enqueue_each`` made and checked at a time, as many as the SQL store's
+column insert writes in one statement: a store writing one chunk while the next is
+checked (:meth:`Operations.enqueue_each`)."""
 
 WAITING_TASKS_CHECKED = 50
 """Tasks without a connected worker that a status looks for queued jobs of, at most (a
@@ -173,14 +179,21 @@ class Operations:
         """Store one job of ``template``'s task and options for each of ``arg_sets`` (and
         ``kwarg_sets``), all or none; the new jobs' ids, in order.
 
-        The template goes through the catalog once and the jobs stay columns
-        (:meth:`Catalog.job_columns <broker.core.catalog.Catalog.job_columns>`), each
-        job's payload checked as :meth:`check_payload` checks a spec's; a store that
-        writes columns (:class:`~broker.storage.SupportsEnqueueColumns`) takes them as
-        they are, past the group commit and the hand-off at enqueue: its caller (the
-        main) then tells the dispatcher, as of another process's insert. A store without
-        it, or a task whose keys are made from each job's arguments, gets the same
-        jobs one spec each, the way :meth:`enqueue` stores them.
+        The template goes through the catalog once (:meth:`Catalog.job_template
+        <broker.core.catalog.Catalog.job_template>`) and the jobs stay columns, made and
+        checked :data:`EACH_CHUNK` at a time (their arguments, the declared signature,
+        each job's payload as :meth:`check_payload` checks a spec's) as a store that
+        writes columns (:class:`~broker.storage.SupportsEnqueueColumns`) takes them: on
+        PostgreSQL each chunk while the chunk before is written, where checking every
+        job first left the store idle meanwhile (bench/README.md, "Bulk enqueue through
+        the main by column"). They pass by the group commit and the hand-off at
+        enqueue: the caller (the main) tells the dispatcher, as of another process's
+        insert. A store without columns, or a task whose keys are made from each job's
+        arguments, gets the same jobs one spec each, the way :meth:`enqueue` stores
+        them.
+
+        :raises InvalidJobError: (and its kinds) a job or the template is refused;
+            nothing is stored.
         """
         now = self._clock()
         catalog = self.catalog
@@ -188,11 +201,9 @@ class Operations:
         task = template.task
         if not allow_unknown_tasks and catalog.in_use and catalog.declared(task) is None:
             await catalog.refresh({task})
-        jobs = catalog.job_columns(
-            template, arg_sets, kwarg_sets, now, allow_unknown=allow_unknown_tasks
-        )
-        if jobs is None:  # keys per job: each job as its own request
-            kwargs = keyword_sets(len(arg_sets), kwarg_sets)
+        each = catalog.job_template(template, now, allow_unknown=allow_unknown_tasks)
+        kwargs = keyword_sets(len(arg_sets), kwarg_sets)
+        if each is None:  # keys per job: each job as its own request
             requests = [
                 msgspec.structs.replace(template, args=list(a), kwargs=dict(k), id=None)
                 for a, k in zip(arg_sets, kwargs, strict=True)
@@ -200,18 +211,29 @@ class Operations:
             results = await self.enqueue(requests, allow_unknown_tasks=allow_unknown_tasks)
             return [result.job_id for result in results]
         limits = self.limits
-        check_columns(
-            jobs,
-            limits.max_payload_bytes,
-            limits.max_payload_depth,
-            limits.max_payload_containers,
-        )
+
+        def chunks() -> Iterator[SpecColumns]:
+            for at in range(0, len(arg_sets), EACH_CHUNK):
+                jobs = each.columns(
+                    arg_sets[at : at + EACH_CHUNK],
+                    None if kwarg_sets is None else kwargs[at : at + EACH_CHUNK],
+                )
+                check_columns(
+                    jobs,
+                    limits.max_payload_bytes,
+                    limits.max_payload_depth,
+                    limits.max_payload_containers,
+                )
+                yield jobs
+
+        count = len(arg_sets)
         if isinstance(self.store, SupportsEnqueueColumns):
-            ids = await self.store.enqueue_columns(jobs)
+            ids = await self.store.enqueue_columns(chunks(), count)
         else:
-            ids = [result.job_id for result in await self._enqueue(jobs.specs())]
+            specs = [spec for jobs in chunks() for spec in jobs.specs()]
+            ids = [result.job_id for result in await self._enqueue(specs)]
         if self._metrics is not None and ids:
-            self._metrics.enqueued.inc(jobs.template.queue, task, len(ids))
+            self._metrics.enqueued.inc(each.spec.queue, task, len(ids))
         return ids
 
     def check_payload(self, spec: JobSpec) -> None:

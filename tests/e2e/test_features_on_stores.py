@@ -236,3 +236,18 @@ async def test_an_enqueue_after_enqueue_each_is_not_handed_off_ahead_of_its_jobs
         started = [j.handed_off_at for j in done]
         assert all(t is not None for t in started)
         assert max(started[:3]) <= started[3], "the later, lower-priority job ran last"  # type: ignore[type-var]
+
+
+async def test_enqueue_each_of_many_chunks_with_a_payload_to_offload_stores_every_job(
+    store: StorageAdapter,
+) -> None:
+    """1,500 jobs (two chunks, one transaction on PostgreSQL), the last one's argument
+    large enough to move out of its row there: the chunk insert gives way to the careful
+    one, one spec each, and every job is stored as given."""
+    async with cluster(store=store, pooled_runner_count=0, forked_concurrency=0) as c:
+        arg_sets: list[list[Any]] = [[f"t{i}"] for i in range(1499)] + [["x" * 70_000]]
+        async with Client("127.0.0.1", c.main.port) as client:
+            ids = await client.enqueue_each(f"{APP}.noisy", arg_sets)
+        assert len(set(ids)) == 1500
+        for at in (0, 1000, 1499):
+            assert (await _stored(store, ids[at])).args == tuple(arg_sets[at])

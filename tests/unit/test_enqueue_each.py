@@ -1,5 +1,5 @@
 """``enqueue_each`` through the main: one job template and a list of argument sets,
-decoded into columns (:meth:`broker.core.catalog.Catalog.job_columns`), never a spec per
+decoded into columns (:meth:`broker.core.catalog.Catalog.job_template`), never a spec per
 job, holding exactly the jobs that one ``enqueue`` request per argument set would hold
 (:meth:`Catalog.job_spec`); refused whole where one of those would be refused.
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -28,7 +29,7 @@ from broker.exceptions import (
     UnknownTaskError,
 )
 from broker.jobs import ExecutionMode, JobSpec, SpecColumns
-from broker.main.operations import Operations
+from broker.main.operations import EACH_CHUNK, Operations
 from broker.storage import SupportsEnqueueColumns
 from broker.tasks.registry import TaskRegistry, task
 from broker.wire import codec
@@ -36,6 +37,20 @@ from broker.wire import messages as protocol
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
 TASK = "app.sig"
+
+
+def _columns(
+    found: Catalog,
+    template: protocol.JobRequest,
+    arg_sets: list[Any],
+    kwarg_sets: list[dict[str, Any]] | None = None,
+    *,
+    allow_unknown: bool = False,
+) -> SpecColumns | None:
+    """The jobs of an ``enqueue_each``, as the main makes them: its template once, then
+    its argument sets' columns."""
+    each = found.job_template(template, NOW, allow_unknown=allow_unknown)
+    return None if each is None else each.columns(arg_sets, kwarg_sets)
 
 
 def _signature() -> list[protocol.ParameterDeclaration]:
@@ -111,16 +126,16 @@ def test_columns_hold_the_jobs_one_request_each_would(
         ]
     except InvalidArgumentsError as refused:
         with pytest.raises(InvalidArgumentsError) as caught:
-            found.job_columns(template, arg_sets, kwarg_sets, NOW, allow_unknown=False)
+            _columns(found, template, arg_sets, kwarg_sets)
         assert str(caught.value).split(": ")[0] == str(refused).split(": ")[0]
         return
-    jobs = found.job_columns(template, arg_sets, kwarg_sets, NOW, allow_unknown=False)
+    jobs = _columns(found, template, arg_sets, kwarg_sets)
     assert jobs is not None
     assert jobs.specs() == [
         dataclasses.replace(spec, id=job_id) for spec, job_id in zip(each, jobs.ids, strict=True)
     ]
     if not any(kwarg_sets):  # without keyword sets: the same jobs
-        plain = found.job_columns(template, arg_sets, None, NOW, allow_unknown=False)
+        plain = _columns(found, template, arg_sets)
         assert plain is not None and [s.args for s in plain.specs()] == [tuple(a) for a in arg_sets]
 
 
@@ -143,14 +158,14 @@ def test_a_key_made_from_each_jobs_arguments_sends_them_one_request_each(
     found = Catalog()
     found.record("w1", [declared], NOW)
     template = protocol.JobRequest(task=TASK)
-    assert found.job_columns(template, [[1], [2]], None, NOW, allow_unknown=False) is None
+    assert _columns(found, template, [[1], [2]]) is None
     constant = protocol.JobRequest(
         task=TASK, concurrency_key="k", concurrency_limit=1, rate_key="r"
     )
     if declared.unique:
-        assert found.job_columns(constant, [[1]], None, NOW, allow_unknown=False) is None
+        assert _columns(found, constant, [[1]]) is None
     else:  # every key the task would make from the arguments is said: columns
-        assert found.job_columns(constant, [[1]], None, NOW, allow_unknown=False) is not None
+        assert _columns(found, constant, [[1]]) is not None
 
 
 @pytest.mark.parametrize(
@@ -170,7 +185,7 @@ def test_a_template_of_one_job_is_refused_either_way(
     found = Catalog()
     found.record("w1", [protocol.TaskDeclaration(name=TASK, unique=unique)], NOW)
     with pytest.raises(InvalidJobError, match=problem):
-        found.job_columns(template, [[1]], None, NOW, allow_unknown=False)
+        _columns(found, template, [[1]])
 
 
 def test_an_unknown_task_is_refused_unless_allowed() -> None:
@@ -178,8 +193,8 @@ def test_an_unknown_task_is_refused_unless_allowed() -> None:
     found.record("w1", [protocol.TaskDeclaration(name="other")], NOW)
     template = protocol.JobRequest(task=TASK)
     with pytest.raises(UnknownTaskError):
-        found.job_columns(template, [[1]], None, NOW, allow_unknown=False)
-    jobs = found.job_columns(template, [[1]], None, NOW, allow_unknown=True)
+        _columns(found, template, [[1]])
+    jobs = _columns(found, template, [[1]], allow_unknown=True)
     assert jobs is not None and jobs.template.task == TASK
 
 
@@ -201,9 +216,11 @@ class _ColumnStore(MemoryAdapter):
         super().__init__()
         self.columns: list[SpecColumns] = []
 
-    async def enqueue_columns(self, jobs: SpecColumns) -> list[uuid.UUID]:
-        self.columns.append(jobs)
-        return [r.job_id for r in await self.enqueue_many(jobs.specs())]
+    async def enqueue_columns(self, chunks: Iterator[SpecColumns], count: int) -> list[uuid.UUID]:
+        taken = list(chunks)
+        assert sum(map(len, taken)) == count
+        self.columns += taken
+        return [r.job_id for r in await self.enqueue_many([s for c in taken for s in c.specs()])]
 
 
 @pytest.mark.parametrize("by_column", [False, True], ids=["one spec each", "by column"])
@@ -272,3 +289,20 @@ def test_a_template_spec_checks_once_what_many_jobs_cannot_share() -> None:
     with pytest.raises(InvalidJobError, match="names one job"):
         SpecColumns.check_template(JobSpec("t", idempotency_key="k"))
     SpecColumns.check_template(JobSpec("t", concurrency_key="k", concurrency_limit=1))
+
+
+async def test_a_large_request_is_made_and_checked_a_chunk_at_a_time() -> None:
+    """The store takes the jobs :data:`EACH_CHUNK` at a time, each made and checked as it
+    is taken; a bad job in the last chunk refuses the whole request."""
+    store = _ColumnStore()
+    ops = Operations(store, _Limits(), clock=lambda: NOW)
+    count = 2 * EACH_CHUNK + 5
+    ids = await ops.enqueue_each(
+        protocol.JobRequest(task="t"), [[i] for i in range(count)], allow_unknown_tasks=True
+    )
+    assert [len(c) for c in store.columns] == [EACH_CHUNK, EACH_CHUNK, 5]
+    assert ids == [i for c in store.columns for i in c.ids] and len(set(ids)) == count
+    bad = [[i] for i in range(count - 1)] + [["x" * 2000]]
+    with pytest.raises(PayloadTooLargeError):
+        await ops.enqueue_each(protocol.JobRequest(task="t"), bad, allow_unknown_tasks=True)
+    assert len((await store.list_jobs(limit=count + 1)).jobs) == count
