@@ -669,13 +669,7 @@ class SpecColumns:
         :raises InvalidJobError: an argument set is not JSON, ``kwargs`` is not as long as
             ``args``, or ``template`` has a key that names one job or has parents.
         """
-        if template.idempotency_key is not None or template.unique_key is not None:
-            raise InvalidJobError(
-                "an idempotency_key or unique_key names one job: give it to each job of "
-                "enqueue_many_in_async instead of once for a list of argument sets"
-            )
-        if template.depends_on or template.workflow_id is not None:
-            raise InvalidJobError("jobs with depends_on or a workflow are enqueued one by one")
+        cls.check_template(template)
         if kwargs is None:
             # No keywords: one empty dict for all (the column is encoded once).
             owned = [_own_arguments(a, _NO_KWARGS)[0] for a in args]
@@ -687,6 +681,19 @@ class SpecColumns:
             [k for _, k in pairs],
             [random_uuid() for _ in pairs],
         )
+
+    @staticmethod
+    def check_template(template: JobSpec) -> None:
+        """:raises InvalidJobError: ``template`` has a key that names one job, or parents:
+        it cannot be the options of many jobs (:meth:`of`'s rule, which a bulk request
+        whose jobs go one spec each keeps too)."""
+        if template.idempotency_key is not None or template.unique_key is not None:
+            raise InvalidJobError(
+                "an idempotency_key or unique_key names one job: give it to each job of "
+                "enqueue_many_in_async instead of once for a list of argument sets"
+            )
+        if template.depends_on or template.workflow_id is not None:
+            raise InvalidJobError("jobs with depends_on or a workflow are enqueued one by one")
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -270,19 +270,17 @@ def check_all(specs: Sequence[JobSpec], limit: int | None) -> None:
         check_args(spec, limit)
 
 
-def check_columns(jobs: SpecColumns, limit: int | None) -> None:
-    """:func:`check_all` of ``jobs``' specs, read from their columns (no spec per job)."""
+def check_columns(
+    jobs: SpecColumns,
+    limit: int | None,
+    max_depth: int = DEFAULT_MAX_PAYLOAD_DEPTH,
+    max_containers: int | None = DEFAULT_MAX_PAYLOAD_CONTAINERS,
+) -> None:
+    """:func:`check_all` of ``jobs``' specs, read from their columns (no spec per job);
+    the main gives its own depth and container bounds, as :func:`check_args` takes them."""
     task = jobs.template.task
     for args, kwargs, job_id in zip(jobs.args, jobs.kwargs, jobs.ids, strict=True):
-        _check_payload(
-            task,
-            job_id,
-            args,
-            kwargs,
-            limit,
-            DEFAULT_MAX_PAYLOAD_DEPTH,
-            DEFAULT_MAX_PAYLOAD_CONTAINERS,
-        )
+        _check_payload(task, job_id, args, kwargs, limit, max_depth, max_containers)
 
 
 def result_too_large(result: JSONValue, limit: int | None) -> str | None:

@@ -48,7 +48,7 @@ import hashlib
 import inspect
 import logging
 import uuid
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -67,6 +67,7 @@ from broker.jobs import (
     JSONValue,
     ProgressUpdate,
     Settlement,
+    SpecColumns,
 )
 from broker.model.logs import log_event
 from broker.model.rates import Rate
@@ -448,6 +449,24 @@ class SupportsSchemaCheck(Protocol):
             schema not migrated yet, or a newer one than this code understands; the
             message says which and what to do.
         """
+
+
+@runtime_checkable
+class SupportsEnqueueColumns(Protocol):
+    """Optional: store jobs held by column (:class:`~broker.jobs.SpecColumns`: one task
+    and its options, many argument sets), without a :class:`JobSpec` per job.
+
+    The main's ``enqueue_each`` decodes a bulk request into columns; a store that writes
+    them as they are spares the main a spec, a fields dict and a row per job. Adapters
+    without this method get ``enqueue_many`` of the same jobs, one spec each.
+    """
+
+    async def enqueue_columns(self, chunks: Iterator[SpecColumns], count: int) -> list[uuid.UUID]:
+        """``enqueue_many`` of every chunk's ``specs()``, all or none, every job new (no
+        key names one, none has parents): the jobs' ids, in order. ``count`` jobs in
+        all. Taking the next chunk may make and check it (the main's do, so a store may
+        write one chunk while the next is checked): a chunk that raises refuses the
+        whole request, and nothing of it may be stored. Take every chunk, once."""
 
 
 @runtime_checkable

@@ -35,7 +35,7 @@ import asyncio
 import logging
 import os
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from typing import Any
@@ -264,6 +264,29 @@ class SQLAlchemyAdapter(CoreQueries):
             results = await self._dialect.enqueue(specs, claims, self._epoch)
         self._dialect.note_inserts(sum(not r.duplicate for r in results))
         return results
+
+    async def enqueue_columns(self, chunks: Iterator[SpecColumns], count: int) -> list[uuid.UUID]:
+        """The main's bulk enqueue (:class:`~broker.storage.SupportsEnqueueColumns`): on
+        PostgreSQL by column (a statement per chunk, one transaction for more than
+        1,000 jobs), else, or when that cannot be done (a payload to offload, a refused
+        statement: nothing stored), one spec each, in one transaction."""
+        taken: list[SpecColumns] = []
+
+        def take() -> Iterator[SpecColumns]:
+            for chunk in chunks:
+                taken.append(chunk)
+                yield chunk
+
+        each = take()
+        with self._errors.translate("enqueue"):
+            stored = await self._dialect.enqueue_columns(each, count)
+        if not stored:
+            for _ in each:  # the chunks not taken yet: made and checked too
+                pass
+            specs = [spec for chunk in taken for spec in chunk.specs()]
+            return [result.job_id for result in await self.enqueue_many(specs)]
+        self._dialect.note_inserts(count)
+        return [job_id for chunk in taken for job_id in chunk.ids]
 
     async def enqueue_on_driver_connection(
         self, conn: Any, specs: Sequence[JobSpec]

@@ -17,7 +17,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import datetime
 from typing import Any
@@ -696,12 +696,26 @@ class PostgresDialect:
         chunks = [jobs.chunk(i, i + _EVERY_AT_ONCE) for i in range(0, len(jobs), _EVERY_AT_ONCE)]
         return await self._insert_by_column(conn, chunks, from_us(self._now()))
 
+    async def enqueue_columns(self, chunks: Iterator[SpecColumns], count: int) -> bool:
+        """The main's bulk enqueue (``enqueue_each``) by column, on a connection of its
+        enqueue pool: a statement per chunk, one transaction for more than
+        :data:`_EVERY_AT_ONCE` jobs, each chunk taken (made and checked by the main)
+        while the one before is written. ``False`` as :meth:`_insert_by_column`; a
+        chunk that raises rolls back the chunks before it."""
+        async with self._enqueue_pool.acquire() as conn:
+            each = list(chunks) if count <= _EVERY_AT_ONCE else chunks
+            return await self._insert_by_column(conn, each, from_us(self._now()))
+
     async def _insert_by_column(
-        self, conn: Any, chunks: Sequence[Sequence[JobSpec] | SpecColumns], now: datetime
+        self,
+        conn: Any,
+        chunks: Sequence[Sequence[JobSpec] | SpecColumns] | Iterator[SpecColumns],
+        now: datetime,
     ) -> bool:
         """Insert each of ``chunks`` (new jobs enqueued at ``now``) as one statement by
-        column, in one transaction if more than one; ``False`` when a statement failed
-        or a payload would move out of its row, and nothing was stored."""
+        column, in one transaction unless a list of one (an iterator's next chunk is
+        taken while the one before is written); ``False`` when a statement failed or a
+        payload would move out of its row, and nothing was stored."""
         sql = self._sql
 
         def build(
@@ -719,7 +733,7 @@ class PostgresDialect:
             return set()
 
         try:
-            if len(chunks) == 1:
+            if isinstance(chunks, Sequence) and len(chunks) == 1:
                 await insert(*build(chunks[0]))
             else:
                 async with conn.transaction():

@@ -15,7 +15,7 @@ import json
 import sqlite3
 import uuid
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from typing import Any, NoReturn
@@ -671,6 +671,11 @@ class SqliteDialect:
     async def enqueue_columns_on_driver(self, conn: Any, jobs: SpecColumns) -> NoReturn:
         """None: an application's asyncpg connection reaches a PostgreSQL store only."""
         self.driver_enqueue()
+
+    async def enqueue_columns(self, chunks: Iterator[SpecColumns], count: int) -> bool:
+        """``False``: SQLite writes a bulk enqueue one spec each (its rows go in one
+        ``executemany`` on the hot thread, where the columns would save little)."""
+        return False
 
     def note_inserts(self, count: int) -> None:
         """Nothing: SQLite's planner needs no fresh statistics to use the dispatch index."""

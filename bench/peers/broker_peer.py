@@ -32,7 +32,12 @@ DATABASE = database("bench_broker")
 CHUNK = 250
 """Jobs per enqueue request: one round trip and one transaction each."""
 IN_FLIGHT = 3
-"""Enqueue requests under way at once in a bulk enqueue (``Client.enqueue_batches``)."""
+"""Enqueue requests under way at once in a bulk enqueue (``Client.enqueue_batches``, and
+``Client.enqueue_each`` for a backlog over :data:`EACH` jobs)."""
+EACH = 10_000
+"""The most jobs of one ``Client.enqueue_each`` request in a bulk enqueue: a backlog of
+100,000 (``bench/urgent.py``) is over the main's container bound (25,000, one per
+argument set) in one request."""
 OUTSTANDING = (
     "SELECT (SELECT count(*) FROM broker_jobs WHERE status = 'queued')"
     " + (SELECT count(*) FROM broker_jobs WHERE status = 'handed_off')"
@@ -143,8 +148,8 @@ async def main_on_fresh_database(name: str, log: Path) -> tuple[Workers, int, st
 class BrokerDriver(Driver):
     packages = ("broker", "SQLAlchemy", "aiosqlite", "asyncpg")
     bulk_text = (
-        f"Client.enqueue_batches: {CHUNK} jobs a request (each stored all or none), "
-        f"{IN_FLIGHT} requests under way at once"
+        "Client.enqueue_each: the task and its options once and a list of argument sets, "
+        "one request stored all or none"
     )
 
     def __init__(self, name: str, cfg: Config) -> None:
@@ -337,13 +342,24 @@ class BrokerDriver(Driver):
             self.run(self.pg.execute("VACUUM ANALYZE broker_jobs"))
 
     def enqueue_bulk(self, kind: str, args: list[int]) -> None:
-        # Imported here, as the other methods import broker; once per call, not per job (an
-        # import statement per job cost the producer 10% of a bulk call).
-        from broker.jobs import ExecutionMode, JobSpec
+        """``args`` through the main by ``Client.enqueue_each`` (the task and options
+        once, a list of argument sets, each request all or none), as PgQueuer's bulk
+        ``Queries.enqueue`` takes lists: one request of up to :data:`EACH` jobs (a
+        4,000-job bulk call is one), a larger backlog in requests of that many, up to
+        :data:`IN_FLIGHT` under way."""
+        arg_sets = [(a,) for a in args]
+        task = f"{TASKS}.{kind}"
+        slots = asyncio.Semaphore(IN_FLIGHT)
 
-        task, mode = f"{TASKS}.{kind}", ExecutionMode(self.mode)
-        specs = (JobSpec(task=task, args=(a,), max_attempts=1, execution_mode=mode) for a in args)
-        self.run(self.client.enqueue_batches(specs, batch_size=CHUNK, in_flight=IN_FLIGHT))
+        async def send(part: list[tuple[int]]) -> None:
+            async with slots:
+                await self.client.enqueue_each(task, part, max_attempts=1, execution_mode=self.mode)
+
+        async def every() -> None:
+            parts = [arg_sets[i : i + EACH] for i in range(0, len(arg_sets), EACH)]
+            await asyncio.gather(*map(send, parts))
+
+        self.run(every())
         self.enqueued += len(args)
 
     def done_count(self) -> int:

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, 
 from dataclasses import dataclass, replace
 from datetime import datetime
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypeVar, cast
 
 import msgspec
 
@@ -38,7 +38,7 @@ from broker.exceptions import (
     PayloadTooLargeError,
     ProtocolError,
 )
-from broker.jobs import ExecutionMode, JobSpec, JobStatus, JSONValue
+from broker.jobs import ExecutionMode, JobSpec, JobStatus, JSONValue, keyword_sets
 from broker.model import tracing
 from broker.model.bounds import MAX_WAIT_SECONDS, MESSAGE_CONTAINERS
 from broker.model.rates import parse_rate
@@ -161,6 +161,8 @@ class Client:
         """The main's line cap from its welcome: a longer request would be refused."""
         self._max_containers: int | None = None
         """The main's container bound from its welcome (``None``: an older main)."""
+        self._features: frozenset[str] = frozenset()
+        """The optional requests the main answers, from its welcome (``welcome.features``)."""
 
     def _check_fork(self) -> None:
         """In a forked child (gunicorn ``--preload``, multiprocessing's fork), start over:
@@ -266,6 +268,7 @@ class Client:
             welcome = handshake.answered(reply)
             self._max_line_bytes = welcome.max_line_bytes
             self._max_containers = welcome.max_payload_containers
+            self._features = frozenset(welcome.features)
         except BaseException:
             await out.close()
             raise
@@ -549,6 +552,125 @@ class Client:
             results += answer
         return results
 
+    async def enqueue_each(
+        self,
+        task: str | Task[..., Any],
+        arg_sets: Sequence[Sequence[JSONValue]],
+        kwarg_sets: Sequence[Mapping[str, JSONValue]] | None = None,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: datetime | None = None,
+        delay: float | None = None,
+        max_attempts: int | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - the jobs' run timeout
+        execution_mode: ExecutionMode | str | None = None,
+        concurrency_key: str | None = None,
+        concurrency_limit: int | None = None,
+    ) -> list[uuid.UUID]:
+        """One job of ``task`` for each of ``arg_sets`` (with the keyword arguments at the
+        same place in ``kwarg_sets``, if given), the options given once for all, in one
+        request stored all or none: a bulk enqueue as
+        :func:`~broker.enqueue_each_in_async` is one on the application's own connection.
+        The new jobs' ids, in order.
+
+        By name, the request carries the task and its options once and the argument sets
+        as lists, and the main checks the options once (the task's declared defaults for
+        what is not said here) and each job's arguments, and builds no spec per job
+        (``enqueue_each`` in ``docs/protocol.md``). A :class:`~broker.Task` (whose
+        argument checks and keys are per job), or a main too old to know the request
+        (its welcome does not list it), gets the same jobs as one ``enqueue``
+        request, a job each.
+
+        :raises InvalidJobError: an option or an argument set is invalid; nothing is
+            stored.
+        :raises PayloadTooLargeError: the request would not fit in one line the main
+            accepts, or holds more lists and objects than it reads (send fewer jobs a
+            call); or a job's arguments are over the main's payload limit.
+        """
+        options: dict[str, Any] = {
+            "queue": queue,
+            "priority": priority,
+            "max_attempts": max_attempts,
+            "timeout": timeout,
+            "execution_mode": ExecutionMode(execution_mode) if execution_mode else None,
+            "concurrency_key": concurrency_key,
+            "concurrency_limit": concurrency_limit,
+        }
+        overrides = {k: v for k, v in options.items() if v is not None}
+        kwargs = keyword_sets(len(arg_sets), kwarg_sets)
+        if isinstance(task, Task):
+            specs = []
+            for args, keywords in zip(arg_sets, kwargs, strict=True):
+                task.check_arguments(args, keywords)
+                specs.append(task.spec(args, keywords, run_at=run_at, **overrides))
+            each = [protocol.JobRequest.from_spec(spec) for spec in specs]
+        else:
+            # Built as a spec first, so a bad option fails here.
+            template = protocol.JobRequest.from_spec(
+                JobSpec(task=task, run_at=run_at, **overrides), said=overrides
+            )
+            # No id: each job gets its own (the main mints them).
+            template = msgspec.structs.replace(template, id=None)
+            if delay is not None:
+                template = msgspec.structs.replace(template, run_at=None, delay=float(delay))
+            await self.connect()
+            if protocol.ENQUEUE_EACH in self._features:
+                return await self._enqueue_each(template, arg_sets, kwarg_sets)
+            each = [
+                msgspec.structs.replace(template, args=list(a), kwargs=dict(k))
+                for a, k in zip(arg_sets, kwargs, strict=True)
+            ]
+        if delay is not None:
+            each = [msgspec.structs.replace(r, run_at=None, delay=float(delay)) for r in each]
+        return [enqueued.job_id for enqueued in await self.enqueue_requests(each)]
+
+    async def _enqueue_each(
+        self,
+        template: protocol.JobRequest,
+        arg_sets: Sequence[Sequence[JSONValue]],
+        kwarg_sets: Sequence[Mapping[str, JSONValue]] | None,
+    ) -> list[uuid.UUID]:
+        """The ``enqueue_each`` request, sent once (its jobs have no key to repeat it by)."""
+        carried = tracing.inject()
+        if carried is not None:  # inside a span: each job's run becomes a child of it
+            template = msgspec.structs.replace(template, trace_context=carried)
+        allow = self._allow_unknown_tasks
+        # The argument sets go as given: the encoder writes any sequence as a list, and
+        # copying each into the type the main decodes it as would cost a copy per job.
+        sets = cast(list[tuple[JSONValue, ...]], list(arg_sets))
+        keywords = cast(list[dict[str, JSONValue]] | None, kwarg_sets and list(kwarg_sets))
+        with tracing.enqueue_span(template.task):
+            reply = await self._request(
+                lambda rid: protocol.EnqueueEach(
+                    request_id=rid,
+                    job=template,
+                    arg_sets=sets,
+                    kwarg_sets=keywords,
+                    allow_unknown_tasks=allow,
+                ),
+                protocol.EnqueuedEach,
+                self._fits,
+            )
+        return reply.job_ids
+
+    def _fits(self, line: bytes) -> None:
+        """Refuse an enqueue's ``line`` that the main would refuse unread: over its line
+        limit (it would close the connection) or its container bound.
+
+        :raises PayloadTooLargeError: so."""
+        limit = self._max_line_bytes
+        if limit is not None and len(line) - 1 > limit:
+            raise PayloadTooLargeError(
+                f"the enqueue request is {len(line) - 1} bytes, over the main's line "
+                f"limit of {limit} bytes; send fewer or smaller jobs"
+            )
+        bound = self._max_containers
+        if bound is not None and containers_in(line) > bound + MESSAGE_CONTAINERS:
+            raise PayloadTooLargeError(
+                too_many_containers("the enqueue request (its jobs' args and kwargs)", bound)
+            )
+
     async def enqueue_requests(
         self, requests: Sequence[protocol.JobRequest], *, allow_unknown_tasks: bool | None = None
     ) -> list[Enqueued]:
@@ -560,20 +682,6 @@ class Client:
         accepts (it would close the connection), or holds more lists and objects than the
         main reads (``--max-payload-containers``); the main enforces its payload limits
         too."""
-
-        def fits(line: bytes) -> None:
-            limit = self._max_line_bytes
-            if limit is not None and len(line) - 1 > limit:
-                raise PayloadTooLargeError(
-                    f"the enqueue request is {len(line) - 1} bytes, over the main's line "
-                    f"limit of {limit} bytes; send fewer or smaller jobs"
-                )
-            bound = self._max_containers
-            if bound is not None and containers_in(line) > bound + MESSAGE_CONTAINERS:
-                raise PayloadTooLargeError(
-                    too_many_containers("the enqueue request (its jobs' args and kwargs)", bound)
-                )
-
         carried = tracing.inject()
         if carried is not None:  # inside a span: each job's run becomes a child of it
             requests = [
@@ -588,7 +696,7 @@ class Client:
                     request_id=rid, jobs=list(requests), allow_unknown_tasks=allow
                 ),
                 protocol.EnqueuedReply,
-                fits,
+                self._fits,
             )
 
         # Sent again after a lost connection only when every job has an idempotency key:

@@ -15,7 +15,7 @@ import ssl
 import threading
 import uuid
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Self, TypeVar
 
@@ -110,6 +110,16 @@ class SyncClient:
 
     def enqueue_many(self, specs: Sequence[JobSpec]) -> list[Enqueued]:
         return [self._handle(e) for e in self._call(self._client.enqueue_many, specs)]
+
+    def enqueue_each(
+        self,
+        task: str | Task[..., Any],
+        arg_sets: Sequence[Sequence[JSONValue]],
+        kwarg_sets: Sequence[Mapping[str, JSONValue]] | None = None,
+        **options: Any,
+    ) -> list[uuid.UUID]:
+        """:meth:`Client.enqueue_each <broker.client.client.Client.enqueue_each>`."""
+        return self._call(self._client.enqueue_each, task, arg_sets, kwarg_sets, **options)
 
     def enqueue_workflow(self, workflow: Workflow) -> EnqueuedWorkflow:
         flow = self._call(self._client.enqueue_workflow, workflow)

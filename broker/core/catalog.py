@@ -57,15 +57,15 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 import msgspec
 
 from broker.dependencies import due_args
-from broker.exceptions import InvalidArgumentsError, UnknownTaskError
-from broker.jobs import JobSpec, JSONValue, ParentResults
+from broker.exceptions import InvalidArgumentsError, InvalidJobError, UnknownTaskError
+from broker.jobs import JobSpec, JSONValue, ParentResults, SpecColumns
 from broker.model.bounds import MAX_CATALOG_ENTRIES, MAX_DECLARATION_BYTES, MAX_DECLARED_TASKS
 from broker.model.logs import log_event
 from broker.retry import ExponentialBackoff, FixedBackoff, TaskBackoff
@@ -433,6 +433,49 @@ class Catalog:
             parents = [None] * len(request.depends_on)
             args = due_args(ParentResults(request.parent_results), request.args, parents)
             signature.check(request.task, args, request.kwargs)
+        return self._with_defaults(request, declared, now, allow_unknown=allow_unknown)
+
+    def job_template(
+        self, template: protocol.JobRequest, now: datetime, *, allow_unknown: bool
+    ) -> JobTemplate | None:
+        """The options of an ``enqueue_each``'s jobs: ``template``'s task and options,
+        with its task's defaults where it says nothing, checked once for all; its
+        :meth:`JobTemplate.columns` makes the jobs of argument sets, with no
+        :class:`~broker.jobs.JobSpec` per job. Decided once per request, so a declaration
+        that arrives while its jobs are being written changes none of them.
+
+        ``None`` when the task declares a key made from each job's arguments (a
+        concurrency or rate key template, or ``unique``) that ``template`` does not set:
+        the jobs' options then differ, and each must go as an ``enqueue`` of its own
+        request would (the caller's to do).
+
+        :raises UnknownTaskError: as :meth:`job_spec`.
+        :raises InvalidJobError: ``template`` carries arguments of its own, or an option
+            that names or links one job.
+        """
+        if template.args or template.kwargs:
+            raise InvalidJobError(
+                "an enqueue_each's job carries no args or kwargs: they are its arg_sets "
+                "and kwarg_sets"
+            )
+        declared = self._newest.get(template.task)
+        if declared is not None and _keys_per_job(declared, template):
+            SpecColumns.check_template(template.to_spec(now))
+            return None
+        spec = self._with_defaults(template, declared, now, allow_unknown=allow_unknown)
+        SpecColumns.check_template(spec)
+        return JobTemplate(spec, self._signatures.get(template.task))
+
+    def _with_defaults(
+        self,
+        request: protocol.JobRequest,
+        declared: protocol.TaskDeclaration | None,
+        now: datetime,
+        *,
+        allow_unknown: bool,
+    ) -> JobSpec:
+        """``request``'s job with its task's defaults (``declared``), or refused as an
+        unknown task."""
         if declared is None:
             if not allow_unknown and self.in_use:
                 raise UnknownTaskError(
@@ -444,6 +487,40 @@ class Catalog:
                 )
             return request.to_spec(now)
         return request.to_spec(now, _defaults(declared, request))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JobTemplate:
+    """An ``enqueue_each``'s options, checked (:meth:`Catalog.job_template`), and the
+    task's declared signature then, which each job's arguments must bind to."""
+
+    spec: JobSpec
+    signature: _Signature | None
+
+    def columns(
+        self,
+        arg_sets: Sequence[Sequence[JSONValue]],
+        kwarg_sets: Sequence[Mapping[str, JSONValue]] | None,
+    ) -> SpecColumns:
+        """The jobs of ``arg_sets`` (and ``kwarg_sets``), each with a fresh id.
+
+        :raises InvalidArgumentsError: an argument set cannot bind to the declared
+            signature.
+        :raises InvalidJobError: an argument set is invalid.
+        """
+        jobs = SpecColumns.of(self.spec, arg_sets, kwarg_sets)
+        signature = self.signature
+        if signature is not None:
+            # Binding depends on the shape alone (how many positional arguments, which
+            # keywords): each distinct one is bound once, with placeholders.
+            shapes: set[tuple[int, tuple[str, ...]]]
+            if kwarg_sets is None:
+                shapes = {(count, ()) for count in set(map(len, jobs.args))}
+            else:
+                shapes = set(zip(map(len, jobs.args), map(tuple, jobs.kwargs), strict=True))
+            for count, names in sorted(shapes):
+                signature.check(self.spec.task, (None,) * count, dict.fromkeys(names))
+        return jobs
 
 
 class _Signature:
@@ -514,6 +591,24 @@ def _defaults(declared: protocol.TaskDeclaration, request: protocol.JobRequest) 
     return defaults
 
 
+def _keys_per_job(declared: protocol.TaskDeclaration, request: protocol.JobRequest) -> bool:
+    """Whether :func:`_defaults` fills ``request`` with a key made from the job's own
+    arguments (a concurrency or rate key template naming one, or ``unique``): then jobs
+    of one template but different arguments get different keys."""
+    return (
+        (request.concurrency_key is None and _templated(declared.concurrency_key))
+        or (
+            request.rate_key is None and bool(declared.rate_limit) and _templated(declared.rate_key)
+        )
+        or (request.unique_key is None and declared.unique)
+    )
+
+
+def _templated(template: str | None) -> bool:
+    """Whether a declared key ``template`` names fields to fill (else it is the key)."""
+    return template is not None and ("{" in template or "}" in template)
+
+
 def _format_key(
     declared: protocol.TaskDeclaration,
     request: protocol.JobRequest,
@@ -526,7 +621,7 @@ def _format_key(
     a parameter the job leaves to the function's default cannot be named here: such a
     job is refused, ``InvalidJobError``)."""
     template = (declared.concurrency_key or "") if template is None else template
-    if "{" not in template and "}" not in template:
+    if not _templated(template):
         return template
     values = {**dict(zip(declared.parameters, request.args, strict=False)), **request.kwargs}
     return fill_key_template(template, declared.name, values, option)

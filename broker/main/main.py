@@ -427,6 +427,7 @@ class Main:
                 max_payload_depth=self.settings.max_payload_depth,
                 max_checkpoint_bytes=self.settings.checkpoint_limit,
                 max_payload_containers=self.settings.max_payload_containers,
+                features=[protocol.ENQUEUE_EACH],
             )
         )
         log_event(

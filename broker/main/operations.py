@@ -14,24 +14,37 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
+import msgspec
+
 from broker import dependencies
 from broker.core.why import undeclared
 from broker.exceptions import ConfigurationError
-from broker.jobs import Clock, EnqueueResult, Job, JobSpec, JobStatus, JSONValue, summary_dict
+from broker.jobs import (
+    Clock,
+    EnqueueResult,
+    Job,
+    JobSpec,
+    JobStatus,
+    JSONValue,
+    SpecColumns,
+    keyword_sets,
+    summary_dict,
+)
 from broker.main.catalog import StoredCatalog
 from broker.main.metrics import MainMetrics
 from broker.model.bounds import MAX_WORKFLOW_EDGES, MAX_WORKFLOW_MEMBERS, WORKFLOW_ERROR_CHARS
-from broker.payload import check_args, encoded_size
+from broker.payload import check_args, check_columns, encoded_size
 from broker.storage import (
     JobFilter,
     QueueCount,
     StorageAdapter,
     StoredWorkflow,
+    SupportsEnqueueColumns,
     SupportsWorkflows,
     TaskRecord,
 )
@@ -70,6 +83,11 @@ class JobListing:
     jobs: list[dict[str, JSONValue]]
     next_cursor: str | None
 
+
+EACH_CHUNK = 1000
+"""Jobs of an ``enqueue_each`` made and checked at a time, as many as the SQL store's
+column insert writes in one statement: a store writing one chunk while the next is
+checked (:meth:`Operations.enqueue_each`)."""
 
 WAITING_TASKS_CHECKED = 50
 """Tasks without a connected worker that a status looks for queued jobs of, at most (a
@@ -149,6 +167,74 @@ class Operations:
             for (queue, task), n in counted.items():
                 self._metrics.enqueued.inc(queue, task, n)
         return results
+
+    async def enqueue_each(
+        self,
+        template: protocol.JobRequest,
+        arg_sets: Sequence[Sequence[JSONValue]],
+        kwarg_sets: Sequence[Mapping[str, JSONValue]] | None = None,
+        *,
+        allow_unknown_tasks: bool = False,
+    ) -> list[uuid.UUID]:
+        """Store one job of ``template``'s task and options for each of ``arg_sets`` (and
+        ``kwarg_sets``), all or none; the new jobs' ids, in order.
+
+        The template goes through the catalog once (:meth:`Catalog.job_template
+        <broker.core.catalog.Catalog.job_template>`) and the jobs stay columns, made and
+        checked :data:`EACH_CHUNK` at a time (their arguments, the declared signature,
+        each job's payload as :meth:`check_payload` checks a spec's) as a store that
+        writes columns (:class:`~broker.storage.SupportsEnqueueColumns`) takes them: on
+        PostgreSQL each chunk while the chunk before is written, where checking every
+        job first left the store idle meanwhile (bench/README.md, "Bulk enqueue through
+        the main by column"). They pass by the group commit and the hand-off at
+        enqueue: the caller (the main) tells the dispatcher, as of another process's
+        insert. A store without columns, or a task whose keys are made from each job's
+        arguments, gets the same jobs one spec each, the way :meth:`enqueue` stores
+        them.
+
+        :raises InvalidJobError: (and its kinds) a job or the template is refused;
+            nothing is stored.
+        """
+        now = self._clock()
+        catalog = self.catalog
+        await catalog.load()
+        task = template.task
+        if not allow_unknown_tasks and catalog.in_use and catalog.declared(task) is None:
+            await catalog.refresh({task})
+        each = catalog.job_template(template, now, allow_unknown=allow_unknown_tasks)
+        kwargs = keyword_sets(len(arg_sets), kwarg_sets)
+        if each is None:  # keys per job: each job as its own request
+            requests = [
+                msgspec.structs.replace(template, args=list(a), kwargs=dict(k), id=None)
+                for a, k in zip(arg_sets, kwargs, strict=True)
+            ]
+            results = await self.enqueue(requests, allow_unknown_tasks=allow_unknown_tasks)
+            return [result.job_id for result in results]
+        limits = self.limits
+
+        def chunks() -> Iterator[SpecColumns]:
+            for at in range(0, len(arg_sets), EACH_CHUNK):
+                jobs = each.columns(
+                    arg_sets[at : at + EACH_CHUNK],
+                    None if kwarg_sets is None else kwargs[at : at + EACH_CHUNK],
+                )
+                check_columns(
+                    jobs,
+                    limits.max_payload_bytes,
+                    limits.max_payload_depth,
+                    limits.max_payload_containers,
+                )
+                yield jobs
+
+        count = len(arg_sets)
+        if isinstance(self.store, SupportsEnqueueColumns):
+            ids = await self.store.enqueue_columns(chunks(), count)
+        else:
+            specs = [spec for jobs in chunks() for spec in jobs.specs()]
+            ids = [result.job_id for result in await self._enqueue(specs)]
+        if self._metrics is not None and ids:
+            self._metrics.enqueued.inc(each.spec.queue, task, len(ids))
+        return ids
 
     def check_payload(self, spec: JobSpec) -> None:
         """Refuse a job nested too deeply, with too many lists and objects, or over the

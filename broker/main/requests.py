@@ -132,6 +132,8 @@ class Requests:
         :class:`~broker.main.queues.QueueControl`'s, the rest :meth:`_answer_jobs`'s."""
         if isinstance(msg, QUEUE_REQUESTS):
             return await self._queues.answer(msg)
+        if isinstance(msg, protocol.EnqueueEach):
+            return await self._enqueue_each(msg)
         if isinstance(msg, protocol.GetWorkflow):
             view = await self._operations.get_workflow(msg.workflow_id)
             return protocol.WorkflowInfo(request_id=msg.request_id, workflow=view)
@@ -142,6 +144,25 @@ class Requests:
                 self._wake()
             return protocol.WorkflowInfo(request_id=msg.request_id, workflow=view)
         return await self._answer_jobs(msg)
+
+    async def _enqueue_each(self, msg: protocol.EnqueueEach) -> protocol.EnqueuedEach:
+        """Store a bulk request's jobs (:meth:`Operations.enqueue_each
+        <broker.main.operations.Operations.enqueue_each>`) and tell the dispatcher.
+
+        They are written past the group commit and the hand-off at enqueue, as another
+        process's insert is, and the dispatcher is told as of one: a wake, which drops
+        its read-ahead and counts no mode drained, before the reply, so no enqueue after
+        it is handed off at once ahead of these jobs, and the next pass reads them in
+        dispatch order (priority, run time, insert order) among the rest. Not
+        ``Dispatcher.enqueued`` and the plan at enqueue, which take each job's spec or
+        result: a bulk request's jobs rarely find a free slot each, and planning them
+        one by one would cost the spec per job the columns spare (``bench/README.md``,
+        "Bulk enqueue through the main by column")."""
+        ids = await self._operations.enqueue_each(
+            msg.job, msg.arg_sets, msg.kwarg_sets, allow_unknown_tasks=msg.allow_unknown_tasks
+        )
+        self._wake()
+        return protocol.EnqueuedEach(request_id=msg.request_id, job_ids=ids)
 
     def _job_info(self, request_id: str, job: Job | None) -> protocol.JobInfo:
         """``get_job``'s answer: the job, and why it waits when the main knows

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
@@ -39,6 +39,7 @@ from broker.jobs import (
     ParentResults,
     ProgressUpdate,
     Settlement,
+    SpecColumns,
 )
 from broker.model.rates import Rate
 from broker.storage import (
@@ -47,6 +48,7 @@ from broker.storage import (
     PayloadIntegrityError,
     QueueSettings,
     StorageAdapter,
+    SupportsEnqueueColumns,
     SupportsEnqueueHandedOff,
     SupportsLeadership,
     SupportsNotify,
@@ -1935,6 +1937,41 @@ async def check_enqueue_handed_off_applies_only_the_claims_it_may(ctx: Context) 
     await store.enqueue_handed_off([other], [Claim(other.id, lease, WORKER)])
     assert await store.return_to_queue(other.id, lease)
     assert (await _get(store, other.id)).status is JobStatus.QUEUED
+
+
+@_check
+async def check_enqueue_columns_stores_what_its_specs_would(ctx: Context) -> None:
+    """The optional bulk enqueue by column: every job of every chunk stored, in order, as
+    ``enqueue_many`` of its spec stores it (queued, at the store's clock, the template's
+    options and its own arguments and id), more than 1,000 at once too; the ids
+    returned are the jobs'. A chunk that raises as it is taken refuses the whole:
+    nothing of the chunks before it is stored."""
+    store = ctx.store
+    if not isinstance(store, SupportsEnqueueColumns):
+        raise CheckSkipped("adapter does not offer enqueue_columns")
+    template = _spec(queue="bulk", priority=3, max_attempts=2)
+    first, second = (
+        SpecColumns.of(template, [[i] for i in part], [{"k": i} for i in part])
+        for part in (range(1000), range(1000, 1500))
+    )
+    assert await store.enqueue_columns(iter([first, second]), 1500) == first.ids + second.ids
+    specs = first.specs() + second.specs()
+    for spec in (specs[0], specs[999], specs[-1]):
+        assert await _get(store, spec.id) == Job.from_spec(spec, START)
+    page = await store.list_jobs(JobFilter(queues=["bulk"]), limit=1501)
+    assert len(page.jobs) == 1500
+
+    def refused() -> Iterator[SpecColumns]:
+        yield SpecColumns.of(_spec(queue="refused"), [[i] for i in range(1000)])
+        raise InvalidJobError("the second chunk is refused")
+
+    try:
+        await store.enqueue_columns(refused(), 2000)
+    except InvalidJobError:
+        pass
+    else:
+        raise AssertionError("a chunk's refusal did not reach the caller")
+    assert not (await store.list_jobs(JobFilter(queues=["refused"]), limit=1)).jobs
 
 
 # --- several mains: the election and the epoch fence ----------------------------------

@@ -42,6 +42,7 @@ from broker.wire.messages import (
     CheckpointAck,
     CompletedReport,
     Enqueue,
+    EnqueueEach,
     ErrorCode,
     FailedReport,
     Jobs,
@@ -320,6 +321,7 @@ def container_refusal(line: bytes, max_containers: int) -> OverBoundError:
         CompletedReport.type: "the job's result",
         SaveCheckpoint.type: "the checkpoint",
         Enqueue.type: "the enqueue request (its jobs' args and kwargs together)",
+        EnqueueEach.type: "the enqueue_each request (its argument sets together)",
     }.get(kind or "", f"the {kind or 'message'}")
     message = too_many_containers(what, max_containers)
     instead: Message | None = None

@@ -32,6 +32,7 @@ its own."""
 
 REQUESTS: Mapping[type[protocol.Message], Role] = {
     protocol.Enqueue: Role.CLIENT,
+    protocol.EnqueueEach: Role.CLIENT,
     protocol.GetJob: Role.CLIENT,
     protocol.GetWorkflow: Role.CLIENT,
     protocol.WaitJob: Role.CLIENT,

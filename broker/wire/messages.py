@@ -33,12 +33,15 @@ from broker.model.values import check_delay
 from broker.payload import DEFAULT_MAX_PAYLOAD_DEPTH
 from broker.wire.fields import Float, Int, Name, Names, Nested, Tagged, require
 from broker.wire.requests import (
+    ENQUEUE_EACH,
     MAX_LIST_LIMIT,
     TASK_DEFAULTS,
     Cancel,
     Enqueue,
+    EnqueuedEach,
     EnqueuedRef,
     EnqueuedReply,
+    EnqueueEach,
     GetJob,
     GetWorkflow,
     JobInfo,
@@ -216,6 +219,11 @@ class Welcome(Tagged, frozen=True, tag="welcome"):
     :data:`~broker.model.bounds.MESSAGE_CONTAINERS` for the message itself: a worker fails a
     result over it and packs its report lines within it, a client refuses an enqueue over
     it (``None``: a main too old to say)."""
+    features: Names = msgspec.field(default_factory=list)
+    """The optional requests this main answers beyond its protocol version's (today
+    :data:`~broker.wire.requests.ENQUEUE_EACH`), so a client sends one only to a main that
+    knows it: an older main sends none, and a request it does not know would be answered
+    ``unknown_type``."""
 
     def __post_init__(self) -> None:
         require(
@@ -593,6 +601,8 @@ Message: TypeAlias = (
     | Error
     | Enqueue
     | EnqueuedReply
+    | EnqueueEach
+    | EnqueuedEach
     | GetJob
     | WaitJob
     | WaitPending
@@ -630,6 +640,7 @@ MESSAGE_TYPES: Mapping[str, type[Message]] = {cls.type: cls for cls in typing.ge
 # The requests are named here too, so a module that speaks the protocol imports one module.
 __all__ = [
     "DEFAULT_PORT",
+    "ENQUEUE_EACH",
     "MAX_LIST_LIMIT",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
@@ -644,6 +655,8 @@ __all__ = [
     "CompletedReport",
     "Draining",
     "Enqueue",
+    "EnqueueEach",
+    "EnqueuedEach",
     "EnqueuedRef",
     "EnqueuedReply",
     "Error",

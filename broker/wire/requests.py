@@ -198,6 +198,46 @@ class EnqueuedReply(Tagged, frozen=True, tag="enqueued"):
     jobs: list[EnqueuedRef]
 
 
+class EnqueueEach(Tagged, frozen=True, tag="enqueue_each"):
+    """One job of ``job``'s task and options for each of ``arg_sets`` (with the keyword
+    arguments at the same place in ``kwarg_sets``, if given: as many), stored all or
+    none; answered with ``enqueued_each``, the new jobs' ids in order.
+
+    A bulk enqueue of one task with many argument sets, as PgQueuer's list-taking
+    ``enqueue`` is one: the task and its options travel, and are checked, once, and the
+    main builds no :class:`~broker.jobs.JobSpec` per job (it decodes the request into a
+    :class:`~broker.jobs.SpecColumns`). ``job`` carries no ``args`` or ``kwargs`` of its
+    own, and no option that names one job (``idempotency_key``, ``unique_key``) or links
+    it (``depends_on``, ``workflow_id``): each is refused ``invalid_job``. Its ``id``, if
+    any, is not used: each job gets a fresh one. Only a main
+    whose ``welcome.features`` lists ``enqueue_each`` knows this request (an older one
+    answers ``unknown_type``); a client asks an older one with ``enqueue`` instead.
+
+    Bounded as every client request is: the line by ``max_line_bytes``, and the jobs by
+    the container bound (each argument set is a list, each keyword set an object), both
+    counted on the line's bytes before anything in it is built."""
+
+    request_id: Name
+    job: JobRequest
+    arg_sets: list[tuple[JSONValue, ...]]
+    kwarg_sets: list[dict[str, JSONValue]] | None = None
+    allow_unknown_tasks: bool = False
+
+
+class EnqueuedEach(Tagged, frozen=True, tag="enqueued_each"):
+    """The jobs of an ``enqueue_each``, in its order: each is a new job (no key names
+    one), so it needs no ``duplicate`` flag, unless its task declares keys made from each
+    job's arguments (then each went the way of an ``enqueue``, and an active holder of
+    its unique key is returned in its place)."""
+
+    request_id: str
+    job_ids: list[uuid.UUID]
+
+
+ENQUEUE_EACH = "enqueue_each"
+"""The feature a main lists in ``welcome.features`` when it answers :class:`EnqueueEach`."""
+
+
 class GetJob(Tagged, frozen=True, tag="get_job"):
     request_id: Name
     job_id: uuid.UUID

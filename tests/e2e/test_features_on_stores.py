@@ -13,7 +13,9 @@ import pytest
 
 from adapters.sql import SQLAlchemyAdapter
 from broker.client import Client
-from broker.jobs import ExecutionMode, JobSpec, JobStatus, utcnow
+from broker.exceptions import InvalidArgumentsError, PayloadTooLargeError
+from broker.jobs import ExecutionMode, Job, JobSpec, JobStatus, utcnow
+from broker.model.bounds import MESSAGE_CONTAINERS
 from broker.storage import StorageAdapter
 from broker.testing.faults import FaultyAdapter
 from tests.conftest import POSTGRES_URL
@@ -159,3 +161,93 @@ async def test_a_worker_serves_only_its_queues_and_takes_higher_priority_first(
 
 async def _async(value: Any) -> Any:
     return value
+
+
+async def test_enqueue_each_stores_every_job_by_column_and_runs_them(
+    store: StorageAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One task and its options once, twenty argument sets: every job stored with the
+    task's declared defaults (its mode) and the options given, in order, and run; to a
+    main whose welcome does not list the request, the same jobs go as one ``enqueue``."""
+    async with cluster(store=store, pooled_runner_count=1, forked_concurrency=0) as c:
+        await until(lambda: _one_free_slot(c))
+        texts = [f"line {i}" for i in range(20)]
+        async with Client("127.0.0.1", c.main.port) as client:
+            ids = await client.enqueue_each(f"{APP}.noisy", [[t] for t in texts[:10]], priority=3)
+            client._features = frozenset()  # as an older main's welcome leaves them
+
+            async def unknown(*args: Any, **kw: Any) -> Any:
+                raise AssertionError("enqueue_each sent to a main that does not list it")
+
+            monkeypatch.setattr(c.main.operations, "enqueue_each", unknown)
+            ids += await client.enqueue_each(f"{APP}.noisy", [[t] for t in texts[10:]], priority=3)
+        assert len(set(ids)) == 20
+        done = await c.settled([await _stored(store, i) for i in ids], timeout=30)
+        assert [j.result for j in done] == texts
+        assert {(j.status, j.priority, j.execution_mode) for j in done} == {
+            (JobStatus.COMPLETED, 3, ExecutionMode.POOLED)
+        }, "the options given, and the task's declared mode for the rest"
+
+
+async def test_enqueue_each_refuses_the_whole_request_and_stores_nothing(
+    store: StorageAdapter,
+) -> None:
+    """An argument set the declared signature cannot take, a job over the payload
+    limit, and a request over the main's container bound (sent by a client that does
+    not check it first) are each refused with their own error; nothing is stored."""
+    async with cluster(store=store, pooled_runner_count=1, forked_concurrency=0) as c:
+        await until(lambda: _one_free_slot(c))
+        big = "x" * (c.main.settings.max_payload_bytes + 10)
+        over = c.main.settings.max_payload_containers + MESSAGE_CONTAINERS + 1
+        async with Client("127.0.0.1", c.main.port) as client:
+            with pytest.raises(InvalidArgumentsError):
+                await client.enqueue_each(f"{APP}.noisy", [["a"], ["b", "extra"]])
+            with pytest.raises(PayloadTooLargeError, match="over the payload limit"):
+                await client.enqueue_each(f"{APP}.noisy", [["a"], [big]])
+            with pytest.raises(PayloadTooLargeError, match="lists and objects"):
+                await client.enqueue_each(f"{APP}.noisy", [["a"]] * over)
+            client._max_containers = None  # as a client that does not check would send
+            with pytest.raises(PayloadTooLargeError, match="lists and objects"):
+                await client.enqueue_each(f"{APP}.noisy", [["a"]] * over)
+            assert await client.enqueue_each(f"{APP}.noisy", [["fine"]]), "still connected"
+        page = await store.list_jobs(limit=10)
+        assert len(page.jobs) == 1, "only the last request's one job"
+
+
+async def _stored(store: StorageAdapter, job_id: Any) -> Job:
+    job = await store.get_job(job_id)
+    assert job is not None
+    return job
+
+
+async def test_an_enqueue_after_enqueue_each_is_not_handed_off_ahead_of_its_jobs(
+    store: StorageAdapter,
+) -> None:
+    """The bulk jobs pass by the hand-off at enqueue, and the main tells its dispatcher
+    before it replies: a lower-priority job enqueued right after, while a slot is free,
+    is not handed off at once ahead of them (the dispatcher's read-ahead, which knew
+    nothing of them, is dropped), but dispatched in priority order after them."""
+    async with cluster(store=store, pooled_runner_count=1, forked_concurrency=0) as c:
+        await until(lambda: _one_free_slot(c))
+        async with Client("127.0.0.1", c.main.port) as client:
+            bulk = await client.enqueue_each(f"{APP}.noisy", [["a"], ["b"], ["c"]], priority=5)
+            later = await client.enqueue(f"{APP}.noisy", ["later"], priority=0)
+        done = await c.settled([await _stored(store, i) for i in [*bulk, later.job_id]])
+        started = [j.handed_off_at for j in done]
+        assert all(t is not None for t in started)
+        assert max(started[:3]) <= started[3], "the later, lower-priority job ran last"  # type: ignore[type-var]
+
+
+async def test_enqueue_each_of_many_chunks_with_a_payload_to_offload_stores_every_job(
+    store: StorageAdapter,
+) -> None:
+    """1,500 jobs (two chunks, one transaction on PostgreSQL), the last one's argument
+    large enough to move out of its row there: the chunk insert gives way to the careful
+    one, one spec each, and every job is stored as given."""
+    async with cluster(store=store, pooled_runner_count=0, forked_concurrency=0) as c:
+        arg_sets: list[list[Any]] = [[f"t{i}"] for i in range(1499)] + [["x" * 70_000]]
+        async with Client("127.0.0.1", c.main.port) as client:
+            ids = await client.enqueue_each(f"{APP}.noisy", arg_sets)
+        assert len(set(ids)) == 1500
+        for at in (0, 1000, 1499):
+            assert (await _stored(store, ids[at])).args == tuple(arg_sets[at])

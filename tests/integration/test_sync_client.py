@@ -33,6 +33,12 @@ async def test_each_call_answers_from_the_main() -> None:
                 assert len({e.job_id for e in many}) == 3
                 page = client.list_jobs(tasks=["app.bulk"])
                 assert {j["id"] for j in page.jobs} == {str(e.job_id) for e in many}
+                each = client.enqueue_each("app.each", [[1], [2]], [{}, {"k": 3}], priority=2)
+                jobs = [client.get_job(job_id) for job_id in each]
+                assert [(j["args"], j["kwargs"], j["priority"]) for j in jobs if j] == [
+                    ([1], {}, 2),
+                    ([2], {"k": 3}, 2),
+                ]
                 cancelled = client.cancel(first.job_id)
                 assert cancelled is not None and cancelled["status"] == "cancelled"
                 assert client.wait(first.job_id)["status"] == "cancelled"

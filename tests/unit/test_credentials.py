@@ -74,6 +74,8 @@ def test_rights_follow_the_role_and_a_shared_token_keeps_every_right() -> None:
 def test_requests_need_the_client_or_the_operator_role() -> None:
     job = uuid.uuid4()
     assert role_needed(protocol.Enqueue(request_id="r", jobs=[])) is Role.CLIENT
+    each = protocol.EnqueueEach(request_id="r", job=protocol.JobRequest(task="t"), arg_sets=[])
+    assert role_needed(each) is Role.CLIENT
     assert role_needed(protocol.GetJob(request_id="r", job_id=job)) is Role.CLIENT
     assert role_needed(protocol.Status(request_id="r")) is Role.CLIENT
     assert role_needed(protocol.Cancel(request_id="r", job_id=job)) is Role.OPERATOR
@@ -89,6 +91,7 @@ async def test_every_request_of_the_one_list_is_answered_by_the_main() -> None:
     job = uuid.uuid4()
     examples: list[protocol.Message] = [
         protocol.Enqueue(request_id="r", jobs=[]),
+        protocol.EnqueueEach(request_id="r", job=protocol.JobRequest(task="t"), arg_sets=[]),
         protocol.GetJob(request_id="r", job_id=job),
         protocol.ListJobs(request_id="r"),
         protocol.ListTasks(request_id="r"),

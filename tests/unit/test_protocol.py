@@ -115,6 +115,13 @@ SAMPLES: list[p.Message] = [
         ],
     ),
     p.EnqueuedReply(request_id="r1", jobs=[p.EnqueuedRef(JOB_ID, duplicate=True)]),
+    p.EnqueueEach(
+        request_id="r1",
+        job=p.JobRequest(task="a", priority=2, delay=5.0),
+        arg_sets=[(1,), (2, "x")],
+        kwarg_sets=[{}, {"k": "v"}],
+    ),
+    p.EnqueuedEach(request_id="r1", job_ids=[JOB_ID, LEASE_ID]),
     p.GetJob(request_id="r2", job_id=JOB_ID),
     p.JobInfo(request_id="r2", job={"id": str(JOB_ID), "status": "queued"}),
     p.JobInfo(request_id="r2", job=None),
