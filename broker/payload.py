@@ -252,13 +252,33 @@ def _check_payload(
     if limit is None:
         return 0
     size = args_size(args, kwargs)
-    if size > limit:
+    _check_size(task, job_id, size, limit)
+    return size
+
+
+def _check_size(task: str, job_id: uuid.UUID, size: int, limit: int | None) -> None:
+    """Refuse the job ``job_id`` of ``task`` whose payload is ``size`` bytes if over ``limit``."""
+    if limit is not None and size > limit:
         raise PayloadTooLargeError(
             f"job {job_id} of task {task[:100]!r}: args and kwargs are {size} bytes as JSON, "
             f"over the payload limit of {limit} bytes; pass a reference (a row id, an object "
             "store key) instead of the data"
         )
-    return size
+
+
+def check_encoded(spec: JobSpec, args_json: str, kwargs_json: str, limit: int | None) -> None:
+    """:func:`check_all` of ``spec`` alone, its args and kwargs given as the JSON its row
+    holds (:func:`compact_json`): their size is measured on that text, not encoded again
+    (a one-job enqueue on its caller's connection encodes them once, for its row)."""
+    _check_shape(
+        spec.task,
+        spec.id,
+        spec.args,
+        spec.kwargs,
+        DEFAULT_MAX_PAYLOAD_DEPTH,
+        DEFAULT_MAX_PAYLOAD_CONTAINERS,
+    )
+    _check_size(spec.task, spec.id, len(args_json) + len(kwargs_json), limit)
 
 
 def check_all(specs: Sequence[JobSpec], limit: int | None) -> None:

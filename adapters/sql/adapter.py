@@ -306,10 +306,23 @@ class SQLAlchemyAdapter(CoreQueries):
         """
         if not specs:
             return []
+        if len(specs) == 1:
+            return [await self.enqueue_one_on_driver_connection(conn, specs[0])]
         enqueue = self._dialect.driver_enqueue()
         check_all(specs, self._max_payload_bytes)
         with self._errors.translate("enqueue_in_transaction"):
             return await enqueue(conn, specs, [None] * len(specs), self._epoch)
+
+    async def enqueue_one_on_driver_connection(self, conn: Any, spec: JobSpec) -> EnqueueResult:
+        """:meth:`enqueue_on_driver_connection` of ``spec`` alone (``enqueue_in_async``
+        on an asyncpg connection): the same checks and statement, the args encoded once
+        for the size check and the row, and no batch around the job.
+
+        :raises PayloadTooLargeError: the job's args and kwargs exceed
+            ``max_payload_bytes``; nothing is inserted.
+        """
+        with self._errors.translate("enqueue_in_transaction"):
+            return await self._dialect.enqueue_one_on_driver(conn, spec, self._max_payload_bytes)
 
     async def enqueue_columns_on_driver_connection(
         self, conn: Any, jobs: SpecColumns

@@ -27,6 +27,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from adapters.sql.links import linked
 from adapters.sql.rows import (
+    ARGS_IN_VALUES,
+    KWARGS_IN_VALUES,
     NULL_ROW,
     Payload,
     from_us,
@@ -153,6 +155,16 @@ class EnqueueRule:
         """A new job's row as an enqueue writes it, and the payloads moved out of it."""
         return offload(job_id, new_row(job_fields), self._offload_threshold)
 
+    def moves_out(self, values: list[Any]) -> bool:
+        """Whether a payload of a new job's row as :func:`~adapters.sql.rows.new_values`
+        (a full row's values) makes it would move out of the row, which only the row by
+        row way (:meth:`row_to_write`) does. A new job's only payloads are its args and
+        kwargs (no result or checkpoint yet)."""
+        threshold = self._offload_threshold
+        return moves_out(values[ARGS_IN_VALUES], threshold) or moves_out(
+            values[KWARGS_IN_VALUES], threshold
+        )
+
     def columns_to_write(
         self, specs: Sequence[JobSpec] | SpecColumns, now: datetime
     ) -> dict[str, list[Any]] | None:
@@ -212,6 +224,8 @@ class EnqueueRule:
         claims: Sequence[Claim | None] | None,
         overlap: Overlap | None = None,
         link: Callable[[Sequence[JobSpec]], Awaitable[None]] | None = None,
+        *,
+        tried: bool = False,
     ) -> list[EnqueueResult]:
         """Insert ``specs`` (each ``claims[i]``, if any, stores its job handed off, see
         :meth:`~broker.storage.StorageAdapter.enqueue_handed_off`); a duplicate within the
@@ -223,7 +237,10 @@ class EnqueueRule:
         ``overlap`` (:func:`overlapped`), a batch is inserted in chunks, each built while
         the one before is written. ``link`` writes the dependency links of the jobs stored
         fresh that have parents or a workflow, in the same transaction (see
-        :mod:`adapters.sql.links`); without it such a job is refused.
+        :mod:`adapters.sql.links`); without it such a job is refused. ``tried``: the
+        jobs were just inserted as these rows would insert them, and none was stored (a
+        store's one-job insert from its values, see ``PostgresDialect._insert_one``):
+        the rule starts from finding what blocked them.
         """
         if link is None and linked(specs):
             raise InvalidJobError(
@@ -252,7 +269,7 @@ class EnqueueRule:
             return settlement.enqueued_fields(specs[i], now, claims[i] if claims else None)
 
         stored = await self._insert_or_find(
-            insert, find, specs, sorted(set(canonical)), enqueued, overlap
+            insert, find, specs, sorted(set(canonical)), enqueued, overlap, tried
         )
         if link is not None:
             fresh = [specs[i] for i, r in stored.items() if not r.duplicate]
@@ -271,6 +288,7 @@ class EnqueueRule:
         indices: list[int],
         enqueued: Callable[[int], dict[str, Any]],
         overlap: Overlap | None,
+        tried: bool,
     ) -> dict[int, EnqueueResult]:
         """Insert the jobs whose fields ``enqueued(i)`` gives for ``indices`` (into
         ``specs``); a job inserted comes back as given (the row holds exactly its values),
@@ -296,7 +314,8 @@ class EnqueueRule:
             if attempt:
                 inserted = await insert(*rows(pending))
             elif len(chunks) == 1:
-                inserted = await insert(*build(indices))
+                built = build(indices)
+                inserted = set() if tried else await insert(*built)
             else:
                 assert overlap is not None
                 inserted = await overlap(insert, map(build, chunks))

@@ -39,7 +39,9 @@ from adapters.sql.errors import StoreErrors
 from adapters.sql.links import PgLinks, linked
 from adapters.sql.postgres_sql import HotPool, HotSql
 from adapters.sql.rows import (
+    ARGS_IN_VALUES,
     INSERT_VALUES,
+    KWARGS_IN_VALUES,
     NULL_ROW,
     ROWS_JSON,
     Bodies,
@@ -53,6 +55,7 @@ from adapters.sql.rows import (
     job_from_record,
     kept,
     moves_out,
+    new_values,
     offload,
     result_text,
     selected_job,
@@ -73,6 +76,7 @@ from broker.jobs import (
     Settlement,
     SpecColumns,
 )
+from broker.payload import check_encoded
 from broker.storage import Capabilities, LeaderRecord
 
 logger = logging.getLogger("adapters.sql")
@@ -579,12 +583,48 @@ class PostgresDialect:
         """The enqueue on an application's own asyncpg connection."""
         return self.enqueue_on_driver
 
+    async def enqueue_one_on_driver(
+        self, conn: Any, spec: JobSpec, limit: int | None
+    ) -> EnqueueResult:
+        """:meth:`enqueue_on_driver` of ``spec`` alone, checked against the payload limit
+        ``limit`` first (:func:`~broker.payload.check_encoded`, on its row's own JSON):
+        an application's one-at-a-time enqueue on its own connection. Its row's values
+        are made once, from the spec (:func:`~adapters.sql.rows.new_values`), and serve
+        the size check and the statement; a job with parents or a payload to move out
+        goes the rule's way (:meth:`enqueue_on_driver`)."""
+        now = from_us(self._now())
+        values = new_values(spec, now)
+        check_encoded(spec, values[ARGS_IN_VALUES], values[KWARGS_IN_VALUES], limit)
+        if self._enqueue.moves_out(values) or linked([spec]):
+            [result] = await self.enqueue_on_driver(conn, [spec], [None], None)
+            return result
+        return await self._insert_one(conn, spec, values, now)
+
+    async def _insert_one(
+        self, conn: Any, spec: JobSpec, values: list[Any], now: datetime
+    ) -> EnqueueResult:
+        """Insert ``spec``'s new job (no parents, nothing to move out, not handed off) as
+        ``values`` (:func:`~adapters.sql.rows.new_values` at ``now``), in one statement
+        that commits on its own outside a transaction. When a key or id is taken, the
+        rule takes over from its first insert (:meth:`EnqueueRule.run`'s ``tried``):
+        it finds the holder, and inserts again only if the holder went meanwhile."""
+        sql = self._sql
+        stmt = sql.insert_one
+        if spec.concurrency_key is not None and not conn.is_in_transaction():
+            stmt = sql.with_counters[stmt]  # see enqueue_on_driver
+        if await conn.fetch(stmt, *values):
+            return EnqueueResult.inserted_new(spec, now)
+        [result] = await self.enqueue_on_driver(conn, [spec], [None], None, tried=True)
+        return result
+
     async def enqueue_on_driver(
         self,
         conn: Any,
         specs: Sequence[JobSpec],
         claims: Sequence[Claim | None],
         epoch: int | None,
+        *,
+        tried: bool = False,
     ) -> list[EnqueueResult]:
         """One ``INSERT ... SELECT FROM json_to_recordset(...)`` for the whole batch, on
         an asyncpg connection (a batch of new jobs that all insert: ``unnest`` of its
@@ -601,7 +641,18 @@ class PostgresDialect:
         a counter it created would stay uncommitted as long as that transaction, and a
         claim creating the same counter would wait for it, dispatch held up by a web
         request; a key without a counter is created by its first claim instead.
+
+        A lone new job (no parents, nothing to move out, not handed off: every
+        one-at-a-time enqueue) is inserted from its values (:meth:`_insert_one`), with
+        no dict of its fields or of its row. ``tried``: ``specs`` (one job) was just
+        inserted that way and was not stored (a key or id taken).
         """
+        if len(specs) == 1 and not tried and claims[0] is None and not linked(specs):
+            spec = specs[0]
+            now = from_us(self._now())
+            values = new_values(spec, now)
+            if not self._enqueue.moves_out(values):
+                return [await self._insert_one(conn, spec, values, now)]
         sql = self._sql
         counters = not conn.is_in_transaction()
 
@@ -640,7 +691,7 @@ class PostgresDialect:
                 link = self._links(conn).link
                 return await self._enqueue.run(insert, find, specs, claims, link=link)
         if len(specs) == 1:
-            return await self._enqueue.run(insert, find, specs, claims)
+            return await self._enqueue.run(insert, find, specs, claims, tried=tried)
         if not any(claims) and not conn.is_in_transaction():
             every = await self._enqueue_every(conn, specs)
             if every is not None:

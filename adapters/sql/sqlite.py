@@ -668,6 +668,10 @@ class SqliteDialect:
         """None: an application's asyncpg connection reaches a PostgreSQL store only."""
         raise ConfigurationError("an asyncpg connection reaches a PostgreSQL store only")
 
+    async def enqueue_one_on_driver(self, conn: Any, spec: JobSpec, limit: int | None) -> NoReturn:
+        """None: an application's asyncpg connection reaches a PostgreSQL store only."""
+        self.driver_enqueue()
+
     async def enqueue_columns_on_driver(self, conn: Any, jobs: SpecColumns) -> NoReturn:
         """None: an application's asyncpg connection reaches a PostgreSQL store only."""
         self.driver_enqueue()

@@ -170,6 +170,11 @@ async def enqueue_in_async(
     """:func:`enqueue_in` for asyncio: in the transaction of an ``AsyncSession`` or an
     ``AsyncConnection``, or on an ``asyncpg`` connection (see :data:`AsyncTarget`)."""
     spec = job_spec(task, args, kwargs, **options)
+    if _is_asyncpg(target):
+        # Straight to the store's one-job insert: each layer between is a coroutine
+        # frame made and run again for every job of a one-at-a-time producer.
+        store = _driver_store(schema, max_payload_bytes)
+        return await store.enqueue_one_on_driver_connection(target, spec)
     [result] = await enqueue_many_in_async(
         target, [spec], schema=schema, max_payload_bytes=max_payload_bytes
     )

@@ -258,6 +258,66 @@ async def test_an_asyncpg_connection_enqueue_follows_its_transaction_or_commits_
         await drop_schema(schema)
 
 
+async def test_one_job_on_an_asyncpg_connection_keeps_every_rule_of_the_batch_way() -> None:
+    """``enqueue_in_async`` of one job on asyncpg goes straight to its insert (its row's
+    values made once from the spec, the args encoded once for the size check and the
+    row): a payload over the limit stores nothing, a repeated idempotency key finds its
+    holder (or refuses a different job), a payload over the offload threshold moves out
+    and reads back whole, and the job as stored is the job the enqueue returned."""
+    import asyncpg
+
+    url = require_postgres()
+    schema = fresh_schema_name()
+    store = SQLAlchemyAdapter(url, schema=schema)
+    await store.setup()
+    conn = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://", 1))
+    try:
+        with pytest.raises(broker.PayloadTooLargeError):
+            await broker.enqueue_in_async(
+                conn, "big", ["x" * 200], schema=schema, max_payload_bytes=100
+            )
+        first = await broker.enqueue_in_async(
+            conn,
+            "t",
+            [1],
+            {"a": [2]},
+            schema=schema,
+            idempotency_key="i",
+            concurrency_key="k",
+            concurrency_limit=2,
+            priority=4,
+            timeout=2.5,
+        )
+        again = await broker.enqueue_in_async(
+            conn,
+            "t",
+            [1],
+            {"a": [2]},
+            schema=schema,
+            idempotency_key="i",
+            concurrency_key="k",
+            concurrency_limit=2,
+            priority=4,
+            timeout=2.5,
+        )
+        with pytest.raises(broker.IdempotencyConflictError):
+            await broker.enqueue_in_async(conn, "t", [9], schema=schema, idempotency_key="i")
+        large = await broker.enqueue_in_async(conn, "t", ["y" * 70_000], schema=schema)
+    finally:
+        await conn.close()
+        await store.close()
+    try:
+        store = SQLAlchemyAdapter(url, schema=schema)
+        assert not first.duplicate and again.duplicate and again.job.id == first.job.id
+        assert await store.get_job(first.job.id) == first.job
+        stored = await store.get_job(large.job.id)
+        assert stored is not None and stored.args == ("y" * 70_000,)
+        assert len((await store.list_jobs(limit=20)).jobs) == 2
+    finally:
+        await store.close()
+        await drop_schema(schema)
+
+
 def _async_args(db: AppDatabase) -> dict[str, object]:
     if "options" not in db.connect_args:
         return {}

@@ -1,6 +1,7 @@
 """A bulk enqueue's rows by column (:func:`broker.jobs.new_jobs_columns`,
 :func:`adapters.sql.rows.new_columns`) are the rows the row by row way writes
-(:func:`broker.jobs.new_job_fields`, :func:`adapters.sql.rows.new_row`), job by job.
+(:func:`broker.jobs.new_job_fields`, :func:`adapters.sql.rows.new_row`), job by job, and
+the values a one-job insert binds (:func:`adapters.sql.rows.new_values`).
 
 Hypothesis builds batches whose jobs share some values as the same object (one column
 encoded once) and not others, with equal values of different types side by side (``1``,
@@ -20,7 +21,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapters.sql.enqueue import EnqueueRule
-from adapters.sql.rows import new_columns, new_row
+from adapters.sql.rows import (
+    ARGS_IN_VALUES,
+    INSERT_VALUES,
+    KWARGS_IN_VALUES,
+    NULL_ROW,
+    new_columns,
+    new_row,
+    new_values,
+)
+from adapters.sql.schema import INSERT_COLUMNS
 from broker.exceptions import InvalidJobError
 from broker.jobs import (
     EnqueueResult,
@@ -29,9 +39,11 @@ from broker.jobs import (
     JobSpec,
     JSONValue,
     SpecColumns,
+    compact_json,
     new_job_fields,
     new_jobs_columns,
 )
+from broker.payload import args_size
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
 LATER = NOW + timedelta(seconds=90)
@@ -140,3 +152,21 @@ def test_a_result_written_by_column_reads_as_the_job_its_fields_make() -> None:
     for field in dataclasses.fields(Job):  # each read first, before anything is built
         unread = EnqueueResult.inserted_new(later, NOW)
         assert unread.field(field.name) == getattr(job, field.name), field.name
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(specs(), min_size=1, max_size=4))
+def test_one_jobs_values_are_its_row(batch: list[JobSpec]) -> None:
+    """A one-job insert's values (:func:`adapters.sql.rows.new_values`, made from the
+    spec in one pass) are the full row :func:`new_row` makes of the job's fields, and the
+    job's row in the bulk columns of any batch it is in: one definition of a new job's
+    row, three ways of writing it."""
+    columns = new_columns(new_jobs_columns(batch, NOW), len(batch))
+    for i, spec in enumerate(batch):
+        values = new_values(spec, NOW)
+        assert values == list(INSERT_VALUES({**NULL_ROW, **new_row(new_job_fields(spec, NOW))}))
+        by_column = {c: v[i] for c, v in columns.items()}
+        assert values == [by_column.get(c) for c in INSERT_COLUMNS]
+        payload = values[ARGS_IN_VALUES], values[KWARGS_IN_VALUES]
+        assert payload == (compact_json(list(spec.args)), compact_json(dict(spec.kwargs)))
+        assert len(payload[0]) + len(payload[1]) == args_size(spec.args, spec.kwargs)
