@@ -1,9 +1,21 @@
 """A worker's adaptive prefetch window: how many jobs beyond its free slots a mode may
-hold, grown from the pace its jobs finish at.
+hold, grown from the pace its jobs finish at and from how long they run; and when a
+run's end is worth a ``ready`` of its own.
 
 :class:`~broker.core.worker_state.WorkerState` advertises ``free slots + window - held``
 per mode (its module docstring says why a worker prefetches at all); this module is the
-one rule for how large the window is, fed the loop time of each job's end.
+one rule for how large the window is, fed the loop time of each job's end and its run's
+length, and for how much freed credit a ``ready`` waits to carry (:func:`ready_worth`).
+
+**Lines per job.** Everything a main does per line (read, decode, route; encode, queue,
+write) and per dispatch pass looking at a worker, a one-slot worker made it do per job:
+each job's end sent a report and a ``ready`` freeing one credit, which came back as a
+``jobs`` line of one job. 64 such workers cost the main 2.7 times the CPU per job of one
+worker of 64 slots (issue 35). So a window whose jobs run short holds at least
+:data:`LINE_WINDOW` jobs, however few the slots, and the credit a run's end frees waits,
+while the window still holds more than half of itself, until it is worth a line of
+several jobs: the half left covers the refill, as the window's size is twice what a
+refill needs.
 """
 
 from __future__ import annotations
@@ -19,6 +31,22 @@ pooled drain on PostgreSQL: by Little's law the jobs that covers are the complet
 times that time, doubled for the spread. Jobs of 10 ms or more never grow the window
 past its default start (two per slot), so long jobs are not held here while another
 worker idles."""
+
+SHORT_RUN = 0.01
+"""Seconds under which a run counts as short: its window grows to :data:`LINE_WINDOW`.
+The same bound as the pace rule's (jobs of 10 ms or more never grow a window past its
+start): a few such jobs held here cost another worker at most tens of milliseconds."""
+
+LINE_WINDOW = 8
+"""The window, in jobs per mode (not per slot), of a mode whose runs are short, capped by
+the window's own cap: with the ``ready`` waiting until half of it has run
+(:func:`ready_worth`), a one-slot worker takes three jobs per ``jobs`` line (the main
+keeps one credit spare for an urgent job) and sends a ``ready`` per three reports,
+instead of one of each per job. A wider worker's window is larger anyway."""
+
+READY_BATCH = 8
+"""Credit a ``ready`` is always worth (:func:`ready_worth`): a wide worker's window is
+hundreds of jobs, and its ``ready`` need not wait for half of them."""
 
 PREFETCH_MEASURE = 0.1
 """Seconds of completions an adaptive window is resized from (at the first completion
@@ -43,8 +71,17 @@ class AdaptiveWindow:
     _done: int = 0
     _since: float | None = None
 
-    def finished(self, now: float) -> bool:
-        """A job of the mode ended at ``now`` (loop time); ``True`` if the size changed."""
+    def finished(self, now: float, ran: float | None = None) -> bool:
+        """A job of the mode ended at ``now`` (loop time) after a run of ``ran`` seconds
+        (``None``: not known); ``True`` if the size changed."""
+        if ran is not None and ran < SHORT_RUN and self.size < min(self.cap, LINE_WINDOW):
+            self.size = min(self.cap, LINE_WINDOW)
+            self._measured(now)
+            return True
+        return self._measured(now)
+
+    def _measured(self, now: float) -> bool:
+        """The pace rule (:data:`PREFETCH_REFILL`), fed one end of a job at ``now``."""
         if self._since is None:
             self._since = now
             return False
@@ -58,3 +95,13 @@ class AdaptiveWindow:
             return False
         self.size = min(self.cap, wanted)
         return True
+
+
+def ready_worth(credit: int, window: int, held: int) -> bool:
+    """Whether a run's end is worth a ``ready`` now, for a mode whose ``ready`` would
+    advertise ``credit`` (its free slots plus its ``window`` less the ``held`` jobs
+    waiting in it): once the window holds no more than half of itself, which is what a
+    refill needs (:data:`PREFETCH_REFILL` sizes windows at twice that), or once the
+    credit is worth :data:`READY_BATCH` jobs. With no window that is every run's end, as
+    before; with one, a ``ready`` per few ends (see the module docstring)."""
+    return held <= window // 2 or credit > READY_BATCH

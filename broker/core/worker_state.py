@@ -60,7 +60,7 @@ from typing import Any
 
 from broker.core import jobfields as codec
 from broker.core.job_log import JobTags, log_job
-from broker.core.window import AdaptiveWindow
+from broker.core.window import AdaptiveWindow, ready_worth
 from broker.core.worker_effects import (
     CheckpointSettled,
     Drain,
@@ -215,6 +215,12 @@ class WorkerState:
         words it) and the main's ``stale`` answer to its report are the cancel working,
         not failures, and are logged as such."""
         self._ready_due = False
+        self._unadvertised: set[ExecutionMode] = set()
+        """Modes whose runs ended since the last ``ready`` without making one due
+        (:func:`~broker.core.window.ready_worth`): looked at again at every run's end,
+        and always while their window still holds a job, so a slot never waits on it."""
+        self._entered_at: dict[LeaseKey, float] = {}
+        """When each running job's runner took its slot (loop time), for its run's length."""
         self._draining = False
         self._fast = False
         self._checkpoints: dict[LeaseKey, dict[int, JSONValue]] = {}
@@ -487,9 +493,12 @@ class WorkerState:
         if isinstance(task, Task) and (task.retry is not None or task.backoff is not None):
             self._rules[key] = RetryRules(task.retry, task.backoff, attempt)
 
-    def run_entered(self, key: LeaseKey) -> list[WorkerEffect]:
-        """The runner took the job's slot: its own count now covers it."""
+    def run_entered(self, key: LeaseKey, now: float | None = None) -> list[WorkerEffect]:
+        """The runner took the job's slot at ``now`` (loop time, for an adaptive window;
+        ``None``: not known): its own count now covers it."""
         self._starting[self._running[key].execution_mode] -= 1
+        if now is not None and self._adaptive:
+            self._entered_at[key] = now
         return []
 
     def run_finished(
@@ -505,7 +514,9 @@ class WorkerState:
         (given ``free``, the runners' slots now), and the rest is advertised."""
         mode = self._running[key].execution_mode  # kept until its report is logged
         window = self._adaptive.get(mode)
-        if window is not None and now is not None and window.finished(now):
+        entered = self._entered_at.pop(key, None)
+        ran = None if entered is None or now is None else now - entered
+        if window is not None and now is not None and window.finished(now, ran):
             self._prefetch[mode] = window.size
         self._progress.forget(key)  # the outcome supersedes any progress not sent yet
         if isinstance(outcome, Released):
@@ -520,8 +531,21 @@ class WorkerState:
         else:
             self._finish(key, outcome)
         del self._running[key]
-        self._ready_due = True
-        return self._start_queued(free) + self._effects()
+        started = self._start_queued(free)
+        self._unadvertised.add(mode)
+        self._ready_due = self._ready_due or self._worth_a_ready(free)
+        return started + self._effects()
+
+    def _worth_a_ready(self, free: Mapping[ExecutionMode, int] | None) -> bool:
+        """Whether the credit the runs that ended freed is worth a ``ready`` now
+        (:func:`~broker.core.window.ready_worth`); without ``free`` (a run abandoned at
+        shut-down), it is."""
+        if free is None:
+            return True
+        return any(
+            ready_worth(self._credit(mode, free), self._prefetch.get(mode, 0), self._held[mode])
+            for mode in self._unadvertised
+        )
 
     def _start_failed(self, key: LeaseKey, outcome: Released) -> RunOutcome:
         """The runner could not start a process for the job: counted against the job
@@ -732,6 +756,7 @@ class WorkerState:
         if not self._ready_due:
             return None
         self._ready_due = False
+        self._unadvertised.clear()
         slots = {mode: 0 if self._draining else self._credit(mode, free) for mode in self._modes}
         return protocol.Ready(slots=slots, seen=self._require_link().seen)
 
