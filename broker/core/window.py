@@ -5,17 +5,17 @@ run's end is worth a ``ready`` of its own.
 :class:`~broker.core.worker_state.WorkerState` advertises ``free slots + window - held``
 per mode (its module docstring says why a worker prefetches at all); this module is the
 one rule for how large the window is, fed the loop time of each job's end and its run's
-length, and for how much freed credit a ``ready`` waits to carry (:func:`ready_worth`).
+length, and for when a run's end is worth a ``ready`` (:func:`ready_worth`).
 
 **Lines per job.** Everything a main does per line (read, decode, route; encode, queue,
 write) and per dispatch pass looking at a worker, a one-slot worker made it do per job:
 each job's end sent a report and a ``ready`` freeing one credit, which came back as a
 ``jobs`` line of one job. 64 such workers cost the main 2.7 times the CPU per job of one
 worker of 64 slots (issue 35). So a window whose jobs run short holds at least
-:data:`LINE_WINDOW` jobs, however few the slots, and the credit a run's end frees waits,
-while the window still holds more than half of itself, until it is worth a line of
-several jobs: the half left covers the refill, as the window's size is twice what a
-refill needs.
+:data:`LINE_WINDOW` jobs, however few the slots, and the credit a run's end frees in a
+window that small waits, while the window still holds more than half of itself, until
+it is worth a line of several jobs: the half left covers the refill, as the window's
+size is twice what a refill needs.
 """
 
 from __future__ import annotations
@@ -43,10 +43,6 @@ the window's own cap: with the ``ready`` waiting until half of it has run
 (:func:`ready_worth`), a one-slot worker takes three jobs per ``jobs`` line (the main
 keeps one credit spare for an urgent job) and sends a ``ready`` per three reports,
 instead of one of each per job. A wider worker's window is larger anyway."""
-
-READY_BATCH = 8
-"""Credit a ``ready`` is always worth (:func:`ready_worth`): a wide worker's window is
-hundreds of jobs, and its ``ready`` need not wait for half of them."""
 
 PREFETCH_MEASURE = 0.1
 """Seconds of completions an adaptive window is resized from (at the first completion
@@ -97,11 +93,11 @@ class AdaptiveWindow:
         return True
 
 
-def ready_worth(credit: int, window: int, held: int) -> bool:
-    """Whether a run's end is worth a ``ready`` now, for a mode whose ``ready`` would
-    advertise ``credit`` (its free slots plus its ``window`` less the ``held`` jobs
-    waiting in it): once the window holds no more than half of itself, which is what a
-    refill needs (:data:`PREFETCH_REFILL` sizes windows at twice that), or once the
-    credit is worth :data:`READY_BATCH` jobs. With no window that is every run's end, as
-    before; with one, a ``ready`` per few ends (see the module docstring)."""
-    return held <= window // 2 or credit > READY_BATCH
+def ready_worth(window: int, held: int) -> bool:
+    """Whether a run's end is worth a ``ready`` now, for a mode whose ``window`` holds
+    ``held`` jobs: once the window holds no more than half of itself, which is what a
+    refill needs (:data:`PREFETCH_REFILL` sizes windows at twice that); at once for a
+    window larger than :data:`LINE_WINDOW` (a wide worker's: its slots free several
+    credits per ``ready`` anyway, and a pooled drain ran slower when its ``ready`` waited
+    for eight) or none. See the module docstring."""
+    return held <= window // 2 or window > LINE_WINDOW

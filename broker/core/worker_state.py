@@ -25,7 +25,7 @@ may start a prefetched job) take a snapshot ``free`` of each runner's
 jobs per mode in a local window, so a finished job's slot is refilled at once instead
 of after a round trip to the main. It advertises ``free slots + prefetch - held`` in
 ``ready``; a received job waits in the window until a slot frees. A run's end makes
-that ``ready`` due only once the window holds no more than half of itself
+that ``ready`` due only once a small window holds no more than half of itself
 (:func:`~broker.core.window.ready_worth`: the line economy of a one-slot worker); a job
 refused or cancelled makes it due at once. A draining worker
 keeps its prefetched jobs and runs them, like its running ones; a fast stop or the
@@ -546,7 +546,7 @@ class WorkerState:
         if free is None:
             return True
         return any(
-            ready_worth(self._credit(mode, free), self._prefetch.get(mode, 0), self._held[mode])
+            ready_worth(self._prefetch.get(mode, 0), self._held[mode])
             for mode in self._unadvertised
         )
 

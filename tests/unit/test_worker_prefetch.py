@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from broker.core.peers import Credits
-from broker.core.window import LINE_WINDOW, READY_BATCH, AdaptiveWindow, ready_worth
+from broker.core.window import LINE_WINDOW, AdaptiveWindow, ready_worth
 from broker.core.worker_effects import StartRun, WorkerEffect
 from broker.core.worker_state import WorkerState
 from broker.exceptions import ConfigurationError, ProtocolError
@@ -495,13 +495,12 @@ def test_a_short_run_grows_a_window_to_a_line_of_jobs_and_a_long_one_does_not() 
     assert not wide.finished(0.0, ran=0.0) and wide.size == 128
 
 
-def test_a_ready_waits_while_the_window_holds_more_than_half_of_itself() -> None:
-    assert ready_worth(credit=1, window=0, held=0)  # no window: every run's end
-    assert ready_worth(credit=1, window=2, held=1)  # two per slot: every run's end
-    assert not ready_worth(credit=2, window=8, held=6)
-    assert ready_worth(credit=4, window=8, held=4)
-    assert ready_worth(credit=READY_BATCH + 1, window=512, held=400)  # a wide worker
-    assert not ready_worth(credit=READY_BATCH, window=512, held=400)
+def test_a_ready_waits_while_a_small_window_holds_more_than_half_of_itself() -> None:
+    assert ready_worth(window=0, held=0)  # no window: every run's end
+    assert ready_worth(window=2, held=1)  # one slot, two: every run's end
+    assert not ready_worth(window=LINE_WINDOW, held=LINE_WINDOW // 2 + 1)
+    assert ready_worth(window=LINE_WINDOW, held=LINE_WINDOW // 2)
+    assert ready_worth(window=40, held=39)  # a wide worker's: every run's end, as before
 
 
 def test_a_one_slot_worker_of_short_jobs_takes_three_jobs_per_line() -> None:
