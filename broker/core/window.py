@@ -12,10 +12,10 @@ write) and per dispatch pass looking at a worker, a one-slot worker made it do p
 each job's end sent a report and a ``ready`` freeing one credit, which came back as a
 ``jobs`` line of one job. 64 such workers cost the main 2.7 times the CPU per job of one
 worker of 64 slots (issue 35). So a window whose jobs run short holds at least
-:data:`LINE_WINDOW` jobs, however few the slots, and the credit a run's end frees in a
-window that small waits, while the window still holds more than half of itself, until
-it is worth a line of several jobs: the half left covers the refill, as the window's
-size is twice what a refill needs.
+:data:`LINE_WINDOW` jobs, however few the slots, and in a window that small the credit
+run ends free waits until half the window has run, a line of several jobs, while the
+window still holds a job to run meanwhile: the half left covers the refill, as the
+window's size is twice what a refill needs.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ start): a few such jobs held here cost another worker at most tens of millisecon
 LINE_WINDOW = 8
 """The window, in jobs per mode (not per slot), of a mode whose runs are short, capped by
 the window's own cap: with the ``ready`` waiting until half of it has run
-(:func:`ready_worth`), a one-slot worker takes three jobs per ``jobs`` line (the main
-keeps one credit spare for an urgent job) and sends a ``ready`` per three reports,
-instead of one of each per job. A wider worker's window is larger anyway."""
+(:func:`ready_worth`), a one-slot worker takes four jobs per ``jobs`` line and sends a
+``ready`` per four reports, instead of one of each per job. A wider worker's window is
+larger anyway."""
 
 PREFETCH_MEASURE = 0.1
 """Seconds of completions an adaptive window is resized from (at the first completion
@@ -93,11 +93,13 @@ class AdaptiveWindow:
         return True
 
 
-def ready_worth(window: int, held: int) -> bool:
+def ready_worth(window: int, held: int, freed: int) -> bool:
     """Whether a run's end is worth a ``ready`` now, for a mode whose ``window`` holds
-    ``held`` jobs: once the window holds no more than half of itself, which is what a
-    refill needs (:data:`PREFETCH_REFILL` sizes windows at twice that); at once for a
-    window larger than :data:`LINE_WINDOW` (a wide worker's: its slots free several
-    credits per ``ready`` anyway, and a pooled drain ran slower when its ``ready`` waited
-    for eight) or none. See the module docstring."""
-    return held <= window // 2 or window > LINE_WINDOW
+    ``held`` jobs and whose runs ended ``freed`` times since its last ``ready``: once
+    half the window has run (the half left covers the refill: :data:`PREFETCH_REFILL`
+    sizes windows at twice what one needs), or at once when the window holds no job
+    (the slot would idle after its run). Every run's end for a window larger than
+    :data:`LINE_WINDOW` (a wide worker's: its slots free several credits per ``ready``
+    anyway, and a pooled drain ran slower when its ``ready`` waited for eight) or of one
+    job. See the module docstring."""
+    return held == 0 or freed >= window // 2 or window > LINE_WINDOW

@@ -24,8 +24,9 @@ may start a prefetched job) take a snapshot ``free`` of each runner's
 **The prefetch window.** Beyond its free slots, a worker may hold up to ``prefetch``
 jobs per mode in a local window, so a finished job's slot is refilled at once instead
 of after a round trip to the main. It advertises ``free slots + prefetch - held`` in
-``ready``; a received job waits in the window until a slot frees. A run's end makes
-that ``ready`` due only once a small window holds no more than half of itself
+``ready``; a received job waits in the window until a slot frees. A run's end in a small
+window makes that ``ready`` due only once half of the window has run since the last one,
+or the window is empty
 (:func:`~broker.core.window.ready_worth`: the line economy of a one-slot worker); a job
 refused or cancelled makes it due at once. A draining worker
 keeps its prefetched jobs and runs them, like its running ones; a fast stop or the
@@ -218,10 +219,10 @@ class WorkerState:
         words it) and the main's ``stale`` answer to its report are the cancel working,
         not failures, and are logged as such."""
         self._ready_due = False
-        self._unadvertised: set[ExecutionMode] = set()
-        """Modes whose runs ended since the last ``ready`` without making one due
-        (:func:`~broker.core.window.ready_worth`): looked at again at every run's end,
-        and always while their window still holds a job, so a slot never waits on it."""
+        self._freed: Counter[ExecutionMode] = Counter()
+        """Runs ended per mode since the last ``ready`` (:func:`~broker.core.window.ready_worth`
+        looks at them at every run's end); a mode is here without a ``ready`` due only
+        while its window still holds a job, so a slot never waits on it."""
         self._entered_at: dict[LeaseKey, float] = {}
         """When each running job's runner took its slot (loop time), for its run's length."""
         self._draining = False
@@ -535,7 +536,7 @@ class WorkerState:
             self._finish(key, outcome)
         del self._running[key]
         started = self._start_queued(free)
-        self._unadvertised.add(mode)
+        self._freed[mode] += 1
         self._ready_due = self._ready_due or self._worth_a_ready(free)
         return started + self._effects()
 
@@ -546,8 +547,8 @@ class WorkerState:
         if free is None:
             return True
         return any(
-            ready_worth(self._prefetch.get(mode, 0), self._held[mode])
-            for mode in self._unadvertised
+            ready_worth(self._prefetch.get(mode, 0), self._held[mode], freed)
+            for mode, freed in self._freed.items()
         )
 
     def _start_failed(self, key: LeaseKey, outcome: Released) -> RunOutcome:
@@ -759,7 +760,7 @@ class WorkerState:
         if not self._ready_due:
             return None
         self._ready_due = False
-        self._unadvertised.clear()
+        self._freed.clear()
         slots = {mode: 0 if self._draining else self._credit(mode, free) for mode in self._modes}
         return protocol.Ready(slots=slots, seen=self._require_link().seen)
 

@@ -288,15 +288,16 @@ class PrefetchRules(RuleBasedStateMachine):
             self.credits.on_ready(ready.slots, ready.seen)
         if self.state.draining:
             return
-        # A ready waits only while its window holds more than half of itself (a slot
-        # never idles for want of one): below that, the main knows every free credit.
+        # A small window's ready waits only while the window holds a job (a slot never
+        # idles for want of one); an empty window's credit, and a wide one's, the main knows.
         free = self.free()
         for mode in CAPACITY:
             held = sum(1 for a in self.state.queued.values() if a.execution_mode is mode)
             room = free[mode] - sum(1 for m in self.starting.values() if m is mode)
             credit = max(0, room + self.window(mode) - held)
             known = self.credits.available(mode, leading=True)
-            assert known >= credit or held > self.window(mode) // 2, (mode, known, credit, held)
+            small = self.window(mode) <= LINE_WINDOW
+            assert known >= credit or (held > 0 and small), (mode, known, credit, held)
 
     @precondition(lambda self: not self.connected)
     @rule()
@@ -495,19 +496,23 @@ def test_a_short_run_grows_a_window_to_a_line_of_jobs_and_a_long_one_does_not() 
     assert not wide.finished(0.0, ran=0.0) and wide.size == 128
 
 
-def test_a_ready_waits_while_a_small_window_holds_more_than_half_of_itself() -> None:
-    assert ready_worth(window=0, held=0)  # no window: every run's end
-    assert ready_worth(window=2, held=1)  # one slot, two: every run's end
-    assert not ready_worth(window=LINE_WINDOW, held=LINE_WINDOW // 2 + 1)
-    assert ready_worth(window=LINE_WINDOW, held=LINE_WINDOW // 2)
-    assert ready_worth(window=40, held=39)  # a wide worker's: every run's end, as before
+def test_a_ready_waits_until_half_a_small_window_has_run_or_it_is_empty() -> None:
+    assert ready_worth(window=0, held=0, freed=1)  # no window: every run's end
+    assert ready_worth(window=2, held=1, freed=1)  # one slot, two: every run's end
+    assert not ready_worth(window=LINE_WINDOW, held=5, freed=LINE_WINDOW // 2 - 1)
+    assert ready_worth(window=LINE_WINDOW, held=3, freed=LINE_WINDOW // 2)
+    assert not ready_worth(window=LINE_WINDOW, held=2, freed=1)  # a refill is on its way
+    assert ready_worth(window=LINE_WINDOW, held=0, freed=1)  # the slot would idle next
+    assert ready_worth(window=40, held=39, freed=1)  # a wide worker's: every run's end
 
 
-def test_a_one_slot_worker_of_short_jobs_takes_three_jobs_per_line() -> None:
+def test_a_one_slot_worker_of_short_jobs_takes_four_jobs_per_line() -> None:
     """After its first short run the window holds LINE_WINDOW jobs; the main keeps one
     credit spare, so 7 wait behind the one running. Their ends send no ``ready`` until
-    four are left waiting, then one for four jobs (three for the backlog, one spare):
-    a ``ready`` and a ``jobs`` line per three jobs, and the slot never idles meanwhile."""
+    four have run, then one for five (four for the backlog, one spare): a ``ready`` and
+    a ``jobs`` line per four jobs. While a refill is on its way the next ends send
+    none; once the window is empty, each does, so the slot never idles for want of
+    one."""
     window = AdaptiveWindow(size=2, cap=8)
     state = WorkerState(
         modes=[INLINE],
@@ -556,13 +561,18 @@ def test_a_one_slot_worker_of_short_jobs_takes_three_jobs_per_line() -> None:
         state.run_entered(key, now)
     assert len(state.queued) == 7
     readies = []
-    for _ in range(6):
+    for _ in range(8):
         run_one()
         readies.append(advertised(free=0))
         if readies[-1] is not None:
-            state.jobs_received(hand_over(3), {INLINE: 0})
-    assert readies == [None, None, 4, None, None, 4]
+            state.jobs_received(hand_over(4), {INLINE: 0})
+    assert readies == [None, None, None, 5, None, None, None, 5]
     assert state.running and len(state.queued) == 7  # full again, less the spare
+    readies = []
+    for _ in range(8):  # no refill comes
+        run_one()
+        readies.append(advertised(free=0))
+    assert readies == [None, None, None, 5, None, None, 8, 8]  # the window empty, then idle
 
 
 def test_a_grown_window_is_advertised_in_the_next_ready() -> None:
