@@ -53,7 +53,8 @@ after that long): short enough to follow a drain starting, long enough to count 
 class AdaptiveWindow:
     """A mode's prefetch window, grown from its completion rate (see
     :data:`PREFETCH_REFILL`): ``size`` starts as given and grows up to ``cap`` while the
-    jobs finish fast enough to need it.
+    jobs finish fast enough to need it, and at once to :data:`LINE_WINDOW` (within
+    ``cap``) at a run shorter than :data:`SHORT_RUN`.
 
     It never shrinks: the main may already have sent jobs against the credit a larger
     window advertised, and a worker refuses (releases) a job beyond its credit, so a

@@ -24,11 +24,10 @@ may start a prefetched job) take a snapshot ``free`` of each runner's
 **The prefetch window.** Beyond its free slots, a worker may hold up to ``prefetch``
 jobs per mode in a local window, so a finished job's slot is refilled at once instead
 of after a round trip to the main. It advertises ``free slots + prefetch - held`` in
-``ready``; a received job waits in the window until a slot frees. A run's end in a small
-window makes that ``ready`` due only once half of the window has run since the last one,
-or the window is empty
-(:func:`~broker.core.window.ready_worth`: the line economy of a one-slot worker); a job
-refused or cancelled makes it due at once. A draining worker
+``ready``; a received job waits in the window until a slot frees. In a small window, run
+ends make that ``ready`` due only once half of the window has run since the last one, or
+the window is empty (:func:`~broker.core.window.ready_worth`: the line economy of a
+one-slot worker); a job refused or cancelled makes it due at once. A draining worker
 keeps its prefetched jobs and runs them, like its running ones; a fast stop or the
 drain deadline gives them back (released, no attempt counted). When the connection
 drops they are dropped too: the main has already returned their leases to the queue,
