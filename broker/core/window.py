@@ -1,9 +1,21 @@
 """A worker's adaptive prefetch window: how many jobs beyond its free slots a mode may
-hold, grown from the pace its jobs finish at.
+hold, grown from the pace its jobs finish at and from how long they run; and when a
+run's end is worth a ``ready`` of its own.
 
 :class:`~broker.core.worker_state.WorkerState` advertises ``free slots + window - held``
 per mode (its module docstring says why a worker prefetches at all); this module is the
-one rule for how large the window is, fed the loop time of each job's end.
+one rule for how large the window is, fed the loop time of each job's end and its run's
+length, and for when a run's end is worth a ``ready`` (:func:`ready_worth`).
+
+**Lines per job.** Everything a main does per line (read, decode, route; encode, queue,
+write) and per dispatch pass looking at a worker, a one-slot worker made it do per job:
+each job's end sent a report and a ``ready`` freeing one credit, which came back as a
+``jobs`` line of one job. 64 such workers cost the main 2.7 times the CPU per job of one
+worker of 64 slots (issue 35). So a window whose jobs run short holds at least
+:data:`LINE_WINDOW` jobs, however few the slots, and in a window that small the credit
+run ends free waits until half the window has run, a line of several jobs, while the
+window still holds a job to run meanwhile: the half left covers the refill, as the
+window's size is twice what a refill needs.
 """
 
 from __future__ import annotations
@@ -20,6 +32,18 @@ times that time, doubled for the spread. Jobs of 10 ms or more never grow the wi
 past its default start (two per slot), so long jobs are not held here while another
 worker idles."""
 
+SHORT_RUN = 0.01
+"""Seconds under which a run counts as short: its window grows to :data:`LINE_WINDOW`.
+The same bound as the pace rule's (jobs of 10 ms or more never grow a window past its
+start): a few such jobs held here cost another worker at most tens of milliseconds."""
+
+LINE_WINDOW = 8
+"""The window, in jobs per mode (not per slot), of a mode whose runs are short, capped by
+the window's own cap: with the ``ready`` waiting until half of it has run
+(:func:`ready_worth`), a one-slot worker takes four jobs per ``jobs`` line and sends a
+``ready`` per four reports, instead of one of each per job. A wider worker's window is
+larger anyway."""
+
 PREFETCH_MEASURE = 0.1
 """Seconds of completions an adaptive window is resized from (at the first completion
 after that long): short enough to follow a drain starting, long enough to count many."""
@@ -29,7 +53,8 @@ after that long): short enough to follow a drain starting, long enough to count 
 class AdaptiveWindow:
     """A mode's prefetch window, grown from its completion rate (see
     :data:`PREFETCH_REFILL`): ``size`` starts as given and grows up to ``cap`` while the
-    jobs finish fast enough to need it.
+    jobs finish fast enough to need it, and at once to :data:`LINE_WINDOW` (within
+    ``cap``) at a run shorter than :data:`SHORT_RUN`.
 
     It never shrinks: the main may already have sent jobs against the credit a larger
     window advertised, and a worker refuses (releases) a job beyond its credit, so a
@@ -43,8 +68,17 @@ class AdaptiveWindow:
     _done: int = 0
     _since: float | None = None
 
-    def finished(self, now: float) -> bool:
-        """A job of the mode ended at ``now`` (loop time); ``True`` if the size changed."""
+    def finished(self, now: float, ran: float | None = None) -> bool:
+        """A job of the mode ended at ``now`` (loop time) after a run of ``ran`` seconds
+        (``None``: not known); ``True`` if the size changed."""
+        if ran is not None and ran < SHORT_RUN and self.size < min(self.cap, LINE_WINDOW):
+            self.size = min(self.cap, LINE_WINDOW)
+            self._measured(now)
+            return True
+        return self._measured(now)
+
+    def _measured(self, now: float) -> bool:
+        """The pace rule (:data:`PREFETCH_REFILL`), fed one end of a job at ``now``."""
         if self._since is None:
             self._since = now
             return False
@@ -58,3 +92,15 @@ class AdaptiveWindow:
             return False
         self.size = min(self.cap, wanted)
         return True
+
+
+def ready_worth(window: int, held: int, freed: int) -> bool:
+    """Whether a run's end is worth a ``ready`` now, for a mode whose ``window`` holds
+    ``held`` jobs and whose runs ended ``freed`` times since its last ``ready``: once
+    half the window has run (the half left covers the refill: :data:`PREFETCH_REFILL`
+    sizes windows at twice what one needs), or at once when the window holds no job
+    (the slot would idle after its run). Every run's end for a window larger than
+    :data:`LINE_WINDOW` (a wide worker's: its slots free several credits per ``ready``
+    anyway, and a pooled drain ran slower when its ``ready`` waited for eight) or of one
+    job. See the module docstring."""
+    return held == 0 or freed >= window // 2 or window > LINE_WINDOW

@@ -24,7 +24,10 @@ may start a prefetched job) take a snapshot ``free`` of each runner's
 **The prefetch window.** Beyond its free slots, a worker may hold up to ``prefetch``
 jobs per mode in a local window, so a finished job's slot is refilled at once instead
 of after a round trip to the main. It advertises ``free slots + prefetch - held`` in
-``ready``; a received job waits in the window until a slot frees. A draining worker
+``ready``; a received job waits in the window until a slot frees. In a small window, run
+ends make that ``ready`` due only once half of the window has run since the last one, or
+the window is empty (:func:`~broker.core.window.ready_worth`: the line economy of a
+one-slot worker); a job refused or cancelled makes it due at once. A draining worker
 keeps its prefetched jobs and runs them, like its running ones; a fast stop or the
 drain deadline gives them back (released, no attempt counted). When the connection
 drops they are dropped too: the main has already returned their leases to the queue,
@@ -60,7 +63,7 @@ from typing import Any
 
 from broker.core import jobfields as codec
 from broker.core.job_log import JobTags, log_job
-from broker.core.window import AdaptiveWindow
+from broker.core.window import AdaptiveWindow, ready_worth
 from broker.core.worker_effects import (
     CheckpointSettled,
     Drain,
@@ -215,6 +218,12 @@ class WorkerState:
         words it) and the main's ``stale`` answer to its report are the cancel working,
         not failures, and are logged as such."""
         self._ready_due = False
+        self._freed: Counter[ExecutionMode] = Counter()
+        """Runs ended per mode since the last ``ready`` (:func:`~broker.core.window.ready_worth`
+        looks at them at every run's end); a mode is here without a ``ready`` due only
+        while its window still holds a job, so a slot never waits on it."""
+        self._entered_at: dict[LeaseKey, float] = {}
+        """When each running job's runner took its slot (loop time), for its run's length."""
         self._draining = False
         self._fast = False
         self._checkpoints: dict[LeaseKey, dict[int, JSONValue]] = {}
@@ -487,9 +496,12 @@ class WorkerState:
         if isinstance(task, Task) and (task.retry is not None or task.backoff is not None):
             self._rules[key] = RetryRules(task.retry, task.backoff, attempt)
 
-    def run_entered(self, key: LeaseKey) -> list[WorkerEffect]:
-        """The runner took the job's slot: its own count now covers it."""
+    def run_entered(self, key: LeaseKey, now: float | None = None) -> list[WorkerEffect]:
+        """The runner took the job's slot at ``now`` (loop time, for an adaptive window;
+        ``None``: not known): its own count now covers it."""
         self._starting[self._running[key].execution_mode] -= 1
+        if now is not None and self._adaptive:
+            self._entered_at[key] = now
         return []
 
     def run_finished(
@@ -505,7 +517,9 @@ class WorkerState:
         (given ``free``, the runners' slots now), and the rest is advertised."""
         mode = self._running[key].execution_mode  # kept until its report is logged
         window = self._adaptive.get(mode)
-        if window is not None and now is not None and window.finished(now):
+        entered = self._entered_at.pop(key, None)
+        ran = None if entered is None or now is None else now - entered
+        if window is not None and now is not None and window.finished(now, ran):
             self._prefetch[mode] = window.size
         self._progress.forget(key)  # the outcome supersedes any progress not sent yet
         if isinstance(outcome, Released):
@@ -520,8 +534,21 @@ class WorkerState:
         else:
             self._finish(key, outcome)
         del self._running[key]
-        self._ready_due = True
-        return self._start_queued(free) + self._effects()
+        started = self._start_queued(free)
+        self._freed[mode] += 1
+        self._ready_due = self._ready_due or self._worth_a_ready(free)
+        return started + self._effects()
+
+    def _worth_a_ready(self, free: Mapping[ExecutionMode, int] | None) -> bool:
+        """Whether the credit the runs that ended freed is worth a ``ready`` now
+        (:func:`~broker.core.window.ready_worth`); without ``free`` (a run abandoned at
+        shut-down), it is."""
+        if free is None:
+            return True
+        return any(
+            ready_worth(self._prefetch.get(mode, 0), self._held[mode], freed)
+            for mode, freed in self._freed.items()
+        )
 
     def _start_failed(self, key: LeaseKey, outcome: Released) -> RunOutcome:
         """The runner could not start a process for the job: counted against the job
@@ -732,6 +759,7 @@ class WorkerState:
         if not self._ready_due:
             return None
         self._ready_due = False
+        self._freed.clear()
         slots = {mode: 0 if self._draining else self._credit(mode, free) for mode in self._modes}
         return protocol.Ready(slots=slots, seen=self._require_link().seen)
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from broker.core.window import LINE_WINDOW
 from broker.exceptions import ConfigurationError
 from broker.model import checks
 from broker.model.bounds import LIVENESS_TIMEOUT, PING_INTERVAL
@@ -94,7 +95,8 @@ class WorkerSettings:
         help="jobs per mode held beyond the free slots, so a finished job's slot is "
         "refilled at once; their leases go back if the connection drops "
         f"(default: {PREFETCH_PER_SLOT} per slot of the mode, growing up to "
-        f"{PREFETCH_MAX_PER_SLOT} per slot for jobs shorter than 10 ms; 0: none)",
+        f"{PREFETCH_MAX_PER_SLOT} per slot, and to at least {LINE_WINDOW} per mode, for jobs "
+        "shorter than 10 ms; 0: none)",
     )
     """Jobs per mode held beyond the free slots (``None``: sized to the jobs' pace; see
     :data:`PREFETCH_PER_SLOT`)."""

@@ -475,14 +475,14 @@ class Worker:
         of its outcome; a callback on that future settles the job, with no task per job."""
         key = (assignment.job_id, assignment.handoff_id)
         mode = assignment.execution_mode
+        loop = self._loop or asyncio.get_running_loop()
         try:
             outcome = self._runners[mode].run(assignment)
         except Exception as exc:  # a runner bug must still end in a report
-            loop = self._loop or asyncio.get_running_loop()
             outcome = loop.create_future()
             outcome.set_exception(exc)  # settled by the same callback, in a later step
         self._runs[key] = outcome
-        self._apply(self._state.run_entered(key))
+        self._apply(self._state.run_entered(key, loop.time()))
         outcome.add_done_callback(functools.partial(self._finished, key, mode))
 
     def _finished(

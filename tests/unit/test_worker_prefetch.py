@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from broker.core.peers import Credits
-from broker.core.window import AdaptiveWindow
+from broker.core.window import LINE_WINDOW, AdaptiveWindow, ready_worth
 from broker.core.worker_effects import StartRun, WorkerEffect
 from broker.core.worker_state import WorkerState
 from broker.exceptions import ConfigurationError, ProtocolError
@@ -286,6 +286,18 @@ class PrefetchRules(RuleBasedStateMachine):
         ready = self.state.take_ready(self.free())
         if ready is not None:
             self.credits.on_ready(ready.slots, ready.seen)
+        if self.state.draining:
+            return
+        # A small window's ready waits only while the window holds a job (a slot never
+        # idles for want of one); an empty window's credit, and a wide one's, the main knows.
+        free = self.free()
+        for mode in CAPACITY:
+            held = sum(1 for a in self.state.queued.values() if a.execution_mode is mode)
+            room = free[mode] - sum(1 for m in self.starting.values() if m is mode)
+            credit = max(0, room + self.window(mode) - held)
+            known = self.credits.available(mode, leading=True)
+            small = self.window(mode) <= LINE_WINDOW
+            assert known >= credit or (held > 0 and small), (mode, known, credit, held)
 
     @precondition(lambda self: not self.connected)
     @rule()
@@ -339,7 +351,7 @@ class PrefetchRules(RuleBasedStateMachine):
     def run_enters(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(list(self.starting)))
         self.entered[key] = self.starting.pop(key)
-        self.apply(self.state.run_entered(key))
+        self.apply(self.state.run_entered(key, self.now(data)))
 
     @precondition(lambda self: self.entered)
     @rule(data=st.data())
@@ -469,6 +481,98 @@ def test_an_adaptive_window_never_grows_for_slow_jobs_nor_shrinks() -> None:
     for i in range(20):
         assert not window.finished(2.0 + i * 0.5)
     assert window.size == 10
+
+
+def test_a_short_run_grows_a_window_to_a_line_of_jobs_and_a_long_one_does_not() -> None:
+    """A run under SHORT_RUN takes a one-slot window from 2 to LINE_WINDOW (8) jobs at
+    once, within its cap; a 50 ms run leaves it to the pace rule; a wide window is
+    larger already."""
+    window = AdaptiveWindow(size=2, cap=8)
+    assert not window.finished(0.0, ran=0.05) and window.size == 2
+    assert window.finished(0.05, ran=0.001) and window.size == LINE_WINDOW
+    capped = AdaptiveWindow(size=2, cap=4)
+    assert capped.finished(0.0, ran=0.0) and capped.size == 4
+    wide = AdaptiveWindow(size=128, cap=512)
+    assert not wide.finished(0.0, ran=0.0) and wide.size == 128
+
+
+def test_a_ready_waits_until_half_a_small_window_has_run_or_it_is_empty() -> None:
+    assert ready_worth(window=0, held=0, freed=1)  # no window: every run's end
+    assert ready_worth(window=2, held=1, freed=1)  # one slot, two: every run's end
+    assert not ready_worth(window=LINE_WINDOW, held=5, freed=LINE_WINDOW // 2 - 1)
+    assert ready_worth(window=LINE_WINDOW, held=3, freed=LINE_WINDOW // 2)
+    assert not ready_worth(window=LINE_WINDOW, held=2, freed=1)  # a refill is on its way
+    assert ready_worth(window=LINE_WINDOW, held=0, freed=1)  # the slot would idle next
+    assert ready_worth(window=40, held=39, freed=1)  # a wide worker's: every run's end
+
+
+def test_a_one_slot_worker_of_short_jobs_takes_four_jobs_per_line() -> None:
+    """After its first short run the window holds LINE_WINDOW jobs; the main keeps one
+    credit spare, so 7 wait behind the one running. Their ends send no ``ready`` until
+    four have run, then one for five (four for the backlog, one spare): a ``ready`` and
+    a ``jobs`` line per four jobs. While a refill is on its way the next ends send
+    none; once the window is empty, each does, so the slot never idles for want of
+    one."""
+    window = AdaptiveWindow(size=2, cap=8)
+    state = WorkerState(
+        modes=[INLINE],
+        queues=None,
+        lookup_task=lambda name: name,
+        logger=logging.getLogger("test"),
+        prefetch={INLINE: window},
+    )
+    state.connected(welcome())
+    credits = Credits()
+    credits.keep_spare([INLINE])
+
+    def advertised(free: int) -> int | None:
+        state.outgoing()
+        ready = state.take_ready({INLINE: free})
+        if ready is None:
+            return None
+        credits.on_ready(ready.slots, ready.seen)
+        return ready.slots[INLINE]
+
+    def hand_over(n: int) -> list[protocol.JobHandoff]:
+        batch = []
+        for _ in range(n):
+            assert credits.reserve(INLINE)
+            batch.append(job(credits.commit(INLINE)))
+        assert not credits.reserve(INLINE)  # the spare stays
+        return batch
+
+    now = 0.0
+
+    def run_one() -> None:
+        """The running job ends after 1 ms; the next one, if any, takes its slot."""
+        nonlocal now
+        (key,) = state.running
+        now += 0.001
+        for started_key in started(state.run_finished(key, Completed(), {INLINE: 1}, now)):
+            state.run_entered(started_key, now)
+
+    assert advertised(free=1) == 3
+    for key in started(state.jobs_received(hand_over(2), {INLINE: 1})):
+        state.run_entered(key, now)
+    run_one()
+    assert window.size == LINE_WINDOW
+    assert advertised(free=0) == 8  # 8 of window, 0 held (one running)
+    for key in started(state.jobs_received(hand_over(7), {INLINE: 0})):
+        state.run_entered(key, now)
+    assert len(state.queued) == 7
+    readies = []
+    for _ in range(8):
+        run_one()
+        readies.append(advertised(free=0))
+        if readies[-1] is not None:
+            state.jobs_received(hand_over(4), {INLINE: 0})
+    assert readies == [None, None, None, 5, None, None, None, 5]
+    assert state.running and len(state.queued) == 7  # full again, less the spare
+    readies = []
+    for _ in range(8):  # no refill comes
+        run_one()
+        readies.append(advertised(free=0))
+    assert readies == [None, None, None, 5, None, None, 8, 8]  # the window empty, then idle
 
 
 def test_a_grown_window_is_advertised_in_the_next_ready() -> None:
