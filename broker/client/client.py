@@ -79,6 +79,15 @@ def _workflow_id(workflow: EnqueuedWorkflow | uuid.UUID | str) -> uuid.UUID:
     return uuid.UUID(str(workflow))
 
 
+def _said(**options: Any) -> dict[str, Any]:
+    """The options a call gave (not ``None``), the execution mode parsed: by name, the
+    main fills every other one from the task's declaration, so an option left out must
+    not be sent as its default."""
+    if options.get("execution_mode"):
+        options["execution_mode"] = ExecutionMode(options["execution_mode"])
+    return {k: v for k, v in options.items() if v is not None}
+
+
 def _time_out(future: asyncio.Future[protocol.Message]) -> None:
     """A request's deadline passed with no answer: its caller stops waiting."""
     if not future.done():
@@ -439,17 +448,16 @@ class Client:
                 "Client.enqueue takes the task's keyword arguments as one mapping, "
                 f"e.g. client.enqueue(task, [a], {{'k': v}}); got {type(kwargs).__name__}"
             )
-        options: dict[str, Any] = {
-            "queue": queue,
-            "priority": priority,
-            "max_attempts": max_attempts,
-            "timeout": timeout,
-            "execution_mode": ExecutionMode(execution_mode) if execution_mode else None,
-            "concurrency_key": concurrency_key,
-            "concurrency_limit": concurrency_limit,
-            "unique_key": unique_key,
-        }
-        overrides = {k: v for k, v in options.items() if v is not None}
+        overrides = _said(
+            queue=queue,
+            priority=priority,
+            max_attempts=max_attempts,
+            timeout=timeout,
+            execution_mode=execution_mode,
+            concurrency_key=concurrency_key,
+            concurrency_limit=concurrency_limit,
+            unique_key=unique_key,
+        )
         if isinstance(task, Task):
             task.check_arguments(args, kwargs or {})
             spec = task.spec(
@@ -588,16 +596,15 @@ class Client:
             accepts, or holds more lists and objects than it reads (send fewer jobs a
             call); or a job's arguments are over the main's payload limit.
         """
-        options: dict[str, Any] = {
-            "queue": queue,
-            "priority": priority,
-            "max_attempts": max_attempts,
-            "timeout": timeout,
-            "execution_mode": ExecutionMode(execution_mode) if execution_mode else None,
-            "concurrency_key": concurrency_key,
-            "concurrency_limit": concurrency_limit,
-        }
-        overrides = {k: v for k, v in options.items() if v is not None}
+        overrides = _said(
+            queue=queue,
+            priority=priority,
+            max_attempts=max_attempts,
+            timeout=timeout,
+            execution_mode=execution_mode,
+            concurrency_key=concurrency_key,
+            concurrency_limit=concurrency_limit,
+        )
         kwargs = keyword_sets(len(arg_sets), kwarg_sets)
         if isinstance(task, Task):
             specs = []
