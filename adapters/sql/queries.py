@@ -6,12 +6,13 @@ runs on the general pool, its errors translated at the store's door.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Coroutine, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
@@ -78,6 +79,22 @@ def _status_in(statuses: Collection[str]) -> sa.ColumnElement[bool]:
     return jobs.c.status.in_(
         sa.bindparam("statuses", sorted(statuses), expanding=True, literal_execute=True)
     )
+
+
+_T = TypeVar("_T")
+
+
+async def _to_its_end(transaction: Coroutine[Any, Any, _T]) -> _T:
+    """``transaction`` run to its commit or rollback even if the caller is cancelled
+    meanwhile (the caller's cancellation is raised at once; the write lock is let go
+    when the transaction ends).
+
+    A retention pass cancelled (the main stopping, a test ending it) in the middle of a
+    SQLite write left that write's transaction open on a connection SQLAlchemy then
+    dropped: every later write on the file waited out the busy timeout and failed with
+    "database is locked" (a loop of cancels at random points showed it within about a
+    hundred). Each prune batch is bounded, so letting it finish costs little."""
+    return await asyncio.shield(asyncio.ensure_future(transaction))
 
 
 class CoreQueries:
@@ -596,24 +613,31 @@ class CoreQueries:
                 )
             )
         batch = sa.select(jobs.c.id).where(*conds).limit(batch_size)
-        deleted = 0
-        while True:
+
+        async def one_batch() -> tuple[int, int]:
             # The ids first, then a delete by primary key: one ``DELETE ... IN (subquery)``
             # leaves the join to the planner, and with statistics taken while the jobs were
             # still queued PostgreSQL chose a plan that took seconds per batch.
             async with self._write("prune") as conn:
                 ids = list((await conn.execute(batch)).scalars())
-                count = 0
-                if ids:
-                    # Re-check the status on the row itself: a job may have been revived.
-                    delete = sa.delete(jobs).where(jobs.c.id.in_(ids), status_in)
-                    count = (await conn.execute(delete)).rowcount
+                if not ids:
+                    return 0, 0
+                # Re-check the status on the row itself: a job may have been revived.
+                delete = sa.delete(jobs).where(jobs.c.id.in_(ids), status_in)
+                return len(ids), (await conn.execute(delete)).rowcount
+
+        async def idle_counters() -> None:
+            async with self._write("prune") as conn:
+                # Idle counters of keys no job holds; a claim re-creates them on demand.
+                await conn.execute(sa.delete(concurrency).where(concurrency.c.active <= 0))
+
+        deleted = 0
+        while True:
+            found, count = await _to_its_end(one_batch())
             deleted += count
-            if len(ids) < batch_size:
+            if found < batch_size:
                 break
-        async with self._write("prune") as conn:
-            # Idle counters of keys no job holds; a claim re-creates them on demand.
-            await conn.execute(sa.delete(concurrency).where(concurrency.c.active <= 0))
+        await _to_its_end(idle_counters())
         return deleted
 
     async def _keep_boundary(
