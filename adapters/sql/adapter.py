@@ -140,6 +140,7 @@ class SQLAlchemyAdapter(CoreQueries):
         self._url_text = redact(resolved)
         self._schema = schema
         self._epoch: int | None = None
+        self._unfinished = set()
         """The leader's epoch every claim and settle is fenced with (see :meth:`fence`)."""
         self._enqueue = EnqueueRule(self._now, offload_threshold, self._url_text)
         self._dialect = open_dialect(
@@ -242,6 +243,7 @@ class SQLAlchemyAdapter(CoreQueries):
         return f" in schema {self._schema!r}" if self._schema else ""
 
     async def close(self) -> None:
+        await asyncio.gather(*self._unfinished, return_exceptions=True)
         await self._dialect.close()
         await self._engine.dispose()
         if self._main_lock is not None:

@@ -84,19 +84,6 @@ def _status_in(statuses: Collection[str]) -> sa.ColumnElement[bool]:
 _T = TypeVar("_T")
 
 
-async def _to_its_end(transaction: Coroutine[Any, Any, _T]) -> _T:
-    """``transaction`` run to its commit or rollback even if the caller is cancelled
-    meanwhile (the caller's cancellation is raised at once; the write lock is let go
-    when the transaction ends).
-
-    A retention pass cancelled (the main stopping, a test ending it) in the middle of a
-    SQLite write left that write's transaction open on a connection SQLAlchemy then
-    dropped: every later write on the file waited out the busy timeout and failed with
-    "database is locked" (a loop of cancels at random points showed it within about a
-    hundred). Each prune batch is bounded, so letting it finish costs little."""
-    return await asyncio.shield(asyncio.ensure_future(transaction))
-
-
 class CoreQueries:
     """The SQLAlchemy Core half of :class:`~adapters.sql.adapter.SQLAlchemyAdapter`,
     which sets the store up and adds the hot path."""
@@ -122,6 +109,26 @@ class CoreQueries:
         with self._errors.translate(op):
             async with self._dialect.write_lock, self._dialect.write_engine.begin() as conn:
                 yield conn
+
+    _unfinished: set[asyncio.Task[Any]]
+    """Writes :meth:`_to_its_end` let run past their caller's cancellation; ``close``
+    waits for them before it disposes of the engine (a write cut off by the dispose
+    would leave its connection unclosed)."""
+
+    async def _to_its_end(self, transaction: Coroutine[Any, Any, _T]) -> _T:
+        """``transaction`` run to its commit or rollback even if the caller is cancelled
+        meanwhile (the caller's cancellation is raised at once; the write lock is let go
+        when the transaction ends).
+
+        A retention pass cancelled (the main stopping, a test ending it) while a prune
+        batch's select ran on SQLite left that write's transaction open on a connection
+        SQLAlchemy then dropped: every later write on the file waited out the busy
+        timeout and failed with "database is locked". Each prune batch is bounded, so
+        letting it finish costs little."""
+        task = asyncio.ensure_future(transaction)
+        self._unfinished.add(task)
+        task.add_done_callback(self._unfinished.discard)
+        return await asyncio.shield(task)
 
     @asynccontextmanager
     async def _read(self, op: str) -> AsyncIterator[AsyncConnection]:
@@ -633,11 +640,11 @@ class CoreQueries:
 
         deleted = 0
         while True:
-            found, count = await _to_its_end(one_batch())
+            found, count = await self._to_its_end(one_batch())
             deleted += count
             if found < batch_size:
                 break
-        await _to_its_end(idle_counters())
+        await self._to_its_end(idle_counters())
         return deleted
 
     async def _keep_boundary(
