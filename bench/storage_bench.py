@@ -134,8 +134,9 @@ async def _bench_select(store: SQLAlchemyAdapter, n: int, out: dict[str, float])
     """
     selects = max(50, n // 10)
     if store.capabilities.skip_locked:  # PostgreSQL
-        async with store._write("analyze") as conn:
-            await conn.execute(sa.text(f'ANALYZE "{store._schema}".broker_jobs'))
+        await store._write(
+            "analyze", lambda conn: conn.execute(sa.text(f'ANALYZE "{store._schema}".broker_jobs'))
+        )
 
     async def select() -> None:
         for _ in range(selects):

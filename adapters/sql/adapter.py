@@ -180,8 +180,11 @@ class SQLAlchemyAdapter(CoreQueries):
     async def setup(self) -> None:
         if self._main_lock is not None:
             self._main_lock.acquire()
-        async with self._write("setup") as conn:
+
+        async def migrating(conn: AsyncConnection) -> None:
             await conn.run_sync(self._setup_sync)
+
+        await self._write("setup", migrating)
         # Dependents of a parent whose cancel was cut off before their walk.
         await self._dialect.propagate(None)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Collection, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Any, TypeVar
@@ -103,29 +103,29 @@ class CoreQueries:
     def _now(self) -> int:
         return to_us(self._clock())
 
-    @asynccontextmanager
-    async def _write(self, op: str) -> AsyncIterator[AsyncConnection]:
-        """One write transaction; driver errors come out as :class:`StorageError`."""
-        with self._errors.translate(op):
-            async with self._dialect.write_lock, self._dialect.write_engine.begin() as conn:
-                yield conn
-
     _unfinished: set[asyncio.Task[Any]]
-    """Writes :meth:`_to_its_end` let run past their caller's cancellation; ``close``
-    waits for them before it disposes of the engine (a write cut off by the dispose
-    would leave its connection unclosed)."""
+    """Writes whose callers were cancelled while they ran; ``close`` waits for them
+    before it disposes of the engine (a write cut off by the dispose would leave its
+    connection unclosed)."""
 
-    async def _to_its_end(self, transaction: Coroutine[Any, Any, _T]) -> _T:
-        """``transaction`` run to its commit or rollback even if the caller is cancelled
-        meanwhile (the caller's cancellation is raised at once; the write lock is let go
-        when the transaction ends).
+    async def _write(self, op: str, body: Callable[[AsyncConnection], Awaitable[_T]]) -> _T:
+        """``body`` in one write transaction, run to its commit or rollback even if the
+        caller is cancelled meanwhile (the caller's cancellation is raised at once);
+        driver errors come out as :class:`StorageError`.
 
-        A retention pass cancelled (the main stopping, a test ending it) while a prune
-        batch's select ran on SQLite left that write's transaction open on a connection
-        SQLAlchemy then dropped: every later write on the file waited out the busy
-        timeout and failed with "database is locked". Each prune batch is bounded, so
-        letting it finish costs little."""
-        task = asyncio.ensure_future(transaction)
+        aiosqlite runs a statement in its connection's thread, which a cancelled await
+        does not stop; SQLAlchemy then dropped the connection without the rollback
+        reaching SQLite, so the write transaction stayed open and every later write on
+        the file waited out the busy timeout and failed with "database is locked" (found
+        as a flaky retention test, whose end cancels a prune). Every write here is an
+        operator's or a bounded batch, so letting it finish costs little."""
+
+        async def transaction() -> _T:
+            with self._errors.translate(op):
+                async with self._dialect.write_lock, self._dialect.write_engine.begin() as conn:
+                    return await body(conn)
+
+        task = asyncio.ensure_future(transaction())
         self._unfinished.add(task)
         task.add_done_callback(self._unfinished.discard)
         return await asyncio.shield(task)
@@ -185,7 +185,8 @@ class CoreQueries:
     async def cancel(self, job_id: uuid.UUID) -> Job | None:
         select = sa.select(jobs).where(jobs.c.id == job_id)
         select = self._dialect.lock_rows(select)
-        async with self._write("cancel") as conn:
+
+        async def cancelling(conn: AsyncConnection) -> Job | None:
             row = (await conn.execute(select)).mappings().first()
             if row is None:
                 return None
@@ -202,7 +203,9 @@ class CoreQueries:
             cancelled = (await conn.execute(update)).mappings().one()
             if move.releases_slot and row["concurrency_key"] is not None:
                 await self._release(conn, row["concurrency_key"], 1)
-        return job_from_row(cancelled, bodies)
+            return job_from_row(cancelled, bodies)
+
+        return await self._write("cancel", cancelling)
 
     async def retry_dead(self, job_id: uuid.UUID) -> Job | None:
         now_us = self._now()
@@ -212,22 +215,27 @@ class CoreQueries:
             .values(**encode_changes(settlement.revive(from_us(now_us)).changes))
             .returning(*jobs.c)
         )
-        try:
-            async with self._write("retry_dead") as conn:
-                dead = (
-                    await conn.execute(
-                        sa.select(jobs.c.unique_key).where(
-                            jobs.c.id == job_id, jobs.c.status == JobStatus.FAILED.value
-                        )
+
+        async def reviving(conn: AsyncConnection) -> Job | None:
+            dead = (
+                await conn.execute(
+                    sa.select(jobs.c.unique_key).where(
+                        jobs.c.id == job_id, jobs.c.status == JobStatus.FAILED.value
                     )
-                ).first()
-                if dead is not None and dead.unique_key is not None:
-                    await self._refuse_if_unique_key_held(conn, job_id, dead.unique_key)
-                row = (await conn.execute(update)).mappings().first()
-                if row is None:
-                    select = sa.select(jobs).where(jobs.c.id == job_id)
-                    row = (await conn.execute(select)).mappings().first()
-                bodies = await sa_bodies(conn, [] if row is None else [row])
+                )
+            ).first()
+            if dead is not None and dead.unique_key is not None:
+                await self._refuse_if_unique_key_held(conn, job_id, dead.unique_key)
+            row = (await conn.execute(update)).mappings().first()
+            if row is None:
+                select = sa.select(jobs).where(jobs.c.id == job_id)
+                row = (await conn.execute(select)).mappings().first()
+            if row is None:
+                return None
+            return job_from_row(row, await sa_bodies(conn, [row]))
+
+        try:
+            return await self._write("retry_dead", reviving)
         except StorageError as exc:
             # A job holding the key was enqueued (by another process) after the check.
             if isinstance(exc.__cause__, sa_exc.IntegrityError):
@@ -236,7 +244,6 @@ class CoreQueries:
                     "it is queued or running"
                 ) from exc
             raise
-        return None if row is None else job_from_row(row, bodies)
 
     def _workflow_order(self) -> list[sa.ColumnElement[Any]]:
         """Enqueue order: creation time, then ``seq`` (PostgreSQL) or ``rowid`` (SQLite),
@@ -305,7 +312,8 @@ class CoreQueries:
             .where(jobs.c.id.in_(member_ids), jobs.c.status.not_in(_SETTLED_BY_OTHERS))
             .order_by(jobs.c.id)
         )
-        async with self._write("retry_workflow") as conn:
+
+        async def retrying(conn: AsyncConnection) -> list[uuid.UUID]:
             rows = (await conn.execute(locked)).all()
             rows += (
                 await conn.execute(
@@ -377,7 +385,9 @@ class CoreQueries:
                     .values(pending=sa.bindparam("n")),
                     [{"c": c, "n": n} for c, n in plan.pending.items()],
                 )
-        return [*plan.requeue, *plan.revive]
+            return [*plan.requeue, *plan.revive]
+
+        return await self._write("retry_workflow", retrying)
 
     async def _refuse_if_unique_key_held(
         self, conn: AsyncConnection, job_id: uuid.UUID, key: str
@@ -421,10 +431,13 @@ class CoreQueries:
         # at most MAX_DECLARED_TASKS rows (the main's bound), so no list of names to
         # keep is needed in the statement.
         delete = sa.delete(task_catalog).where(task_catalog.c.worker_id == worker_id)
-        async with self._write("declare_tasks") as conn:
+
+        async def declaring(conn: AsyncConnection) -> None:
             await conn.execute(delete)
             if rows:
                 await conn.execute(sa.insert(task_catalog), rows)
+
+        await self._write("declare_tasks", declaring)
 
     async def task_catalog(
         self, *, tasks: Collection[str] | None = None, limit: int | None = None
@@ -476,17 +489,21 @@ class CoreQueries:
             "rate_per": None if rate is None else rate.per,
             "rate_burst": None if rate is None else rate.burst,
         }
-        async with self._write("save_queue_settings") as conn:
+
+        async def saving(conn: AsyncConnection) -> None:
             await conn.execute(
                 sa.delete(queue_settings).where(queue_settings.c.queue == settings.queue)
             )
             if not settings.empty:
                 await conn.execute(sa.insert(queue_settings), [row])
 
+        await self._write("save_queue_settings", saving)
+
     async def forget_tasks(
         self, live_workers: Collection[str], seen_at: datetime, gone_before: datetime
     ) -> int:
-        async with self._write("forget_tasks") as conn:
+
+        async def forgetting(conn: AsyncConnection) -> int:
             for chunk in in_chunks(sorted(live_workers)):
                 await conn.execute(
                     sa.update(task_catalog)
@@ -496,7 +513,9 @@ class CoreQueries:
             deleted = await conn.execute(
                 sa.delete(task_catalog).where(task_catalog.c.seen_us < to_us(gone_before))
             )
-        return int(deleted.rowcount or 0)
+            return int(deleted.rowcount or 0)
+
+        return await self._write("forget_tasks", forgetting)
 
     async def list_jobs(
         self,
@@ -621,30 +640,28 @@ class CoreQueries:
             )
         batch = sa.select(jobs.c.id).where(*conds).limit(batch_size)
 
-        async def one_batch() -> tuple[int, int]:
+        async def one_batch(conn: AsyncConnection) -> tuple[int, int]:
             # The ids first, then a delete by primary key: one ``DELETE ... IN (subquery)``
             # leaves the join to the planner, and with statistics taken while the jobs were
             # still queued PostgreSQL chose a plan that took seconds per batch.
-            async with self._write("prune") as conn:
-                ids = list((await conn.execute(batch)).scalars())
-                if not ids:
-                    return 0, 0
-                # Re-check the status on the row itself: a job may have been revived.
-                delete = sa.delete(jobs).where(jobs.c.id.in_(ids), status_in)
-                return len(ids), (await conn.execute(delete)).rowcount
+            ids = list((await conn.execute(batch)).scalars())
+            if not ids:
+                return 0, 0
+            # Re-check the status on the row itself: a job may have been revived.
+            delete = sa.delete(jobs).where(jobs.c.id.in_(ids), status_in)
+            return len(ids), (await conn.execute(delete)).rowcount
 
-        async def idle_counters() -> None:
-            async with self._write("prune") as conn:
-                # Idle counters of keys no job holds; a claim re-creates them on demand.
-                await conn.execute(sa.delete(concurrency).where(concurrency.c.active <= 0))
+        async def idle_counters(conn: AsyncConnection) -> None:
+            # Idle counters of keys no job holds; a claim re-creates them on demand.
+            await conn.execute(sa.delete(concurrency).where(concurrency.c.active <= 0))
 
         deleted = 0
         while True:
-            found, count = await self._to_its_end(one_batch())
+            found, count = await self._write("prune", one_batch)
             deleted += count
             if found < batch_size:
                 break
-        await self._to_its_end(idle_counters())
+        await self._write("prune", idle_counters)
         return deleted
 
     async def _keep_boundary(

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from adapters.sql import SQLAlchemyAdapter
 from broker.jobs import Claim, JobSpec, JobStatus
@@ -53,13 +54,16 @@ async def test_a_store_written_before_digests_gets_them_from_its_migration(
     await old.setup()
     job = (await old.enqueue(JobSpec(task="t", args=[BIG], kwargs={"k": BIG}))).job
     await old.enqueue_many([JobSpec(task="t", args=[BIG, i]) for i in range(19)])  # 2 rounds
+
     # The store as version 13 left it: no digest column (nor the later trace context and
     # rate key).
-    async with old._write("test") as conn:
+    async def in_transaction(conn: AsyncConnection) -> None:
         await conn.execute(_sql(old, "ALTER TABLE {s}broker_payloads DROP COLUMN digest"))
         await conn.execute(_sql(old, "ALTER TABLE {s}broker_jobs DROP COLUMN trace_context"))
         await conn.execute(_sql(old, "ALTER TABLE {s}broker_jobs DROP COLUMN rate_key"))
         await conn.execute(_sql(old, "UPDATE {s}broker_schema SET version = 13"))
+
+    await old._write("test", in_transaction)
     await old.close()
 
     store = SQLAlchemyAdapter(url, schema=schema)
@@ -89,8 +93,11 @@ async def test_a_payload_without_its_digest_fails_its_check(
         job = (await store.enqueue(JobSpec(task="t", args=[BIG]))).job
         [(body, digest)] = await _digests(store)
         assert digest == payload_digest(body), "every writer stores the digest"
-        async with store._write("test") as conn:
-            await conn.execute(_sql(store, "UPDATE {s}broker_payloads SET digest = NULL"))
+
+        await store._write(
+            "test",
+            lambda conn: conn.execute(_sql(store, "UPDATE {s}broker_payloads SET digest = NULL")),
+        )
         with pytest.raises(PayloadIntegrityError, match="has no SHA-256"):
             await store.get_job(job.id)
         lease = uuid.uuid4()
@@ -116,8 +123,10 @@ async def test_a_main_starts_beside_a_running_job_whose_payload_fails_its_check(
     job = (await store.enqueue(JobSpec(task="t", args=[BIG]))).job
     lease = uuid.uuid4()
     assert await store.mark_handed_off(job.id, lease, "away") is not None
-    async with store._write("test") as conn:
-        await conn.execute(_sql(store, "UPDATE {s}broker_payloads SET body = '[1]'"))
+
+    await store._write(
+        "test", lambda conn: conn.execute(_sql(store, "UPDATE {s}broker_payloads SET body = '[1]'"))
+    )
     main = Main(store, MainSettings(**{**FAST.__dict__, "orphan_grace": 30}), retention=None)
     try:
         await main.start()

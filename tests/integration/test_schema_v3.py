@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from adapters.sql import SQLAlchemyAdapter
 from adapters.sql import schema as _sql_schema
@@ -57,8 +58,7 @@ async def test_a_version_2_store_is_carried_to_version_3(target: tuple[str, str 
         conn.execute(_sql_schema.schema_version.update().values(version=2))
 
     try:
-        async with old._write("test") as conn:
-            await conn.run_sync(create_v2)
+        await old._write("test", lambda conn: conn.run_sync(create_v2))
         before = await _index_sql(old)
         assert before and not any("NOT NULL" in sql.upper() for sql in before.values())
     finally:
@@ -74,7 +74,8 @@ async def test_a_version_2_store_is_carried_to_version_3(target: tuple[str, str 
     ]
     v2 = SQLAlchemyAdapter(url, schema=schema)
     try:
-        async with v2._write("test") as conn:
+
+        async def in_transaction(conn: AsyncConnection) -> None:
             for spec in specs:
                 row = new_row(new_job_fields(spec, now))
                 await conn.execute(
@@ -82,6 +83,8 @@ async def test_a_version_2_store_is_carried_to_version_3(target: tuple[str, str 
                         {c.name: row.get(c.name) for c in v2_jobs.c if c.name != "seq"}
                     )
                 )
+
+        await v2._write("test", in_transaction)
     finally:
         await v2.close()
     keyed, unique, plain = (Job.from_spec(spec, now) for spec in specs)

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from adapters.sql import SQLAlchemyAdapter
 from adapters.sql.rows import (
@@ -722,8 +723,13 @@ async def test_setup_is_safe_when_many_engines_race_on_a_fresh_store(backend: Ba
 
 async def test_a_store_from_a_newer_broker_is_refused(backend: Backend) -> None:
     store = await backend.open()
-    async with store._write("test") as conn:
-        await conn.execute(_sql(store, "UPDATE {s}broker_schema SET version = :v"), {"v": 99})
+
+    await store._write(
+        "test",
+        lambda conn: conn.execute(
+            _sql(store, "UPDATE {s}broker_schema SET version = :v"), {"v": 99}
+        ),
+    )
     newer = backend.adapter()
     with pytest.raises(SchemaVersionError) as raised:
         await newer.setup()
@@ -784,8 +790,7 @@ async def test_a_version_1_store_is_migrated_to_unique_keys(backend: Backend) ->
         )
         conn.execute(v1_jobs.insert().values(**row))
 
-    async with old._write("test") as conn:
-        await conn.run_sync(create_v1)
+    await old._write("test", lambda conn: conn.run_sync(create_v1))
     assert await _scalar(old, "SELECT version FROM {s}broker_schema") == 1
 
     store = await backend.open()  # setup() migrates 1 -> SCHEMA_VERSION
@@ -800,10 +805,13 @@ async def test_a_version_1_store_is_migrated_to_unique_keys(backend: Backend) ->
     # The partial unique index itself refuses a second active row, even from raw SQL.
     jobs = _sql_schema.jobs
     with pytest.raises(StorageError) as raised:
-        async with store._write("test") as conn:
+
+        async def in_transaction(conn: AsyncConnection) -> None:
             await conn.execute(
                 sa.update(jobs).where(jobs.c.id == legacy.id).values(unique_key="acct-1")
             )
+
+        await store._write("test", in_transaction)
     assert isinstance(raised.value.__cause__, sa.exc.IntegrityError)
     claimed = await _claim(store, first.job)
     assert await store.complete(claimed.id, claimed.handoff_id or uuid.uuid4())
@@ -906,8 +914,7 @@ async def test_a_version_18_store_is_migrated_to_the_due_index(backend: Backend)
         conn.execute(_sql_schema.schema_version.update().values(version=18))
         conn.execute(v18_jobs.insert(), rows)
 
-    async with old._write("test") as conn:
-        await conn.run_sync(create_v18)
+    await old._write("test", lambda conn: conn.run_sync(create_v18))
     assert await _scalar(old, "SELECT version FROM {s}broker_schema") == 18
 
     store = await backend.open()  # setup() migrates 18 -> 19
@@ -935,10 +942,13 @@ async def test_a_version_18_store_is_migrated_to_the_due_index(backend: Backend)
 
 async def test_driver_errors_become_storage_errors(backend: Backend, tmp_path: Path) -> None:
     store = await backend.open()
-    async with store._write("test") as conn:
+
+    async def in_transaction(conn: AsyncConnection) -> None:
         for table in ("broker_payloads", "broker_job_links", "broker_job_edges"):
             await conn.execute(_sql(store, f"DROP TABLE {{s}}{table}"))  # refer to the jobs
         await conn.execute(_sql(store, "DROP TABLE {s}broker_jobs"))
+
+    await store._write("test", in_transaction)
     with pytest.raises(StorageError, match="get_job failed"):
         await store.get_job(uuid.uuid4())
     with pytest.raises(StorageError, match="enqueue failed"):

@@ -1,0 +1,59 @@
+"""A caller cancelled while one of the SQL store's operator writes runs (a client gone
+mid-request, the main stopping) never leaves the SQLite file locked.
+
+aiosqlite runs a statement in its connection's thread: cancelling the await does not stop
+it, and SQLAlchemy then drops the connection without the rollback reaching SQLite, so
+the write transaction stayed open and every later write waited out the busy timeout and
+failed with "database is locked". Each write now runs to its commit or rollback."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import event
+
+from adapters.sql import SQLAlchemyAdapter
+from broker.jobs import JobSpec
+
+Write = Callable[[SQLAlchemyAdapter, Any], Coroutine[Any, Any, object]]
+
+WRITES: dict[str, tuple[str, Write]] = {
+    # name: (the statement the caller is cancelled at, the write). The hazard is a
+    # statement that returns rows: one cancelled while it runs left the lock held.
+    "cancel's read": ("SELECT BROKER_JOBS.ID", lambda s, job: s.cancel(job.id)),
+    "cancel's update": ("UPDATE BROKER_JOBS", lambda s, job: s.cancel(job.id)),
+    "retry_dead's read of a job not dead": (
+        "SELECT BROKER_JOBS.ID",
+        lambda s, job: s.retry_dead(job.id),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRITES))
+async def test_a_write_whose_caller_is_cancelled_leaves_the_sqlite_file_writable(
+    tmp_path: Path, name: str
+) -> None:
+    statement, write = WRITES[name]
+    store = SQLAlchemyAdapter(f"sqlite+aiosqlite:///{tmp_path / 'cancelled.db'}")
+    await store.setup()
+    try:
+        job = (await store.enqueue(JobSpec(task="t"))).job
+        loop = asyncio.get_running_loop()
+        writing: list[asyncio.Task[object]] = []
+
+        def cancel_there(conn: Any, cursor: Any, text: str, *rest: Any) -> None:
+            if writing and text.lstrip().upper().startswith(statement):
+                loop.call_soon(writing.pop().cancel)
+
+        event.listen(store._engine.sync_engine, "before_cursor_execute", cancel_there)
+        writing.append(asyncio.create_task(write(store, job)))
+        [outcome] = await asyncio.gather(*writing, return_exceptions=True)
+        assert isinstance(outcome, asyncio.CancelledError) and not writing, "cancelled there"
+        made = (await store.enqueue(JobSpec(task="after"))).job
+        assert (await store.get_job(made.id)) is not None
+    finally:
+        await store.close()
