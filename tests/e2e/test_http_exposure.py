@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import sqlite3
-import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -87,12 +86,11 @@ async def test_metrics_and_pages_stay_small_and_paginate(cluster: Cluster, tmp_p
     http = free_port()
     await cluster.start_main("--http-port", str(http))
 
-    start = time.monotonic()
     status, body, _ = await _get(http, "/metrics")
-    took = time.monotonic() - start
     assert status == 200
+    # The review's scrape took 16.5 s building a page of every queue; its cost is now
+    # bounded by what it may hold (its time is a bench's business, not this test's).
     assert len(body) < MAX_METRICS_BYTES, len(body)
-    assert took < 5.0, took  # the review measured 16.5 s
     samples = [
         sample
         for family in text_string_to_metric_families(body.decode())
