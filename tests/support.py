@@ -159,7 +159,9 @@ class FakeWorker:
             )
         )
 
-    async def next_job(self, timeout: float = 5.0) -> protocol.JobHandoff:
+    async def next_job(self, timeout: float = 30.0) -> protocol.JobHandoff:
+        """The next job sent. ``timeout`` only guards against a hang: a loaded machine can
+        keep the test's process (the main's loop among it) off the CPU for seconds."""
         job = await asyncio.wait_for(self.jobs.get(), timeout)
         self.seen = job.seq
         return job

@@ -431,10 +431,10 @@ async def test_enqueue_through_the_main_dispatches_at_once_and_scheduled_jobs_wa
     await worker.ready(pooled=2)
     async with Client("127.0.0.1", running.port) as client:
         now_job = await client.enqueue("t.now")
-        sent = await worker.next_job(timeout=2)
+        sent = await worker.next_job()
         assert sent.job_id == now_job.job_id
         later = await client.enqueue("t.later", delay=0.6)
-        sent = await worker.next_job(timeout=2)
+        sent = await worker.next_job()
         assert sent.job_id == later.job_id
         info = await client.get_job(later.job_id)
         assert info is not None and info["status"] == "handed_off"

@@ -89,7 +89,7 @@ async def test_a_retried_job_keeps_its_waiter_until_it_ends() -> None:
             )
         )
         await worker.ready(pooled=1)
-        second = await worker.next_job(timeout=10)
+        second = await worker.next_job()
         assert second.job_id == job_id and not waiting.done()
         assert _waiting(main, job_id), "the retry did not end the job: still waited for"
         await worker.complete(second)

@@ -84,7 +84,7 @@ async def _drain(worker: FakeWorker, jobs: int) -> list[str]:
     order = []
     for _ in range(jobs):
         await worker.ready(pooled=1)
-        job = await worker.next_job(timeout=15.0)
+        job = await worker.next_job()
         order.append(job.task)
         ack = await worker.complete(job, _run(job))
         assert ack.status == "applied", ack
@@ -169,7 +169,7 @@ async def test_cancelling_a_workflow_cancels_every_job_not_finished() -> None:
             members = group([add.bind(1, 2), add.bind(3, 4)])
             flow = await client.enqueue_workflow(members.then(total.bind().run_anyway()))
             await worker.ready(pooled=1)
-            first = await worker.next_job(timeout=15.0)
+            first = await worker.next_job()
             assert (await worker.complete(first, _run(first))).status == "applied"
             jobs = await client.cancel_workflow(flow)
             statuses = [j["status"] for j in jobs]
@@ -215,7 +215,7 @@ async def test_a_workflow_is_read_and_its_failed_member_retried_once(
             failed = None
             for _ in range(3):
                 await worker.ready(pooled=1)
-                job = await worker.next_job(timeout=15.0)
+                job = await worker.next_job()
                 if job.job_id == flow.job_ids[1]:
                     failed = job
                     await _fail(worker, job)
@@ -258,12 +258,12 @@ async def test_a_handle_result_is_decoded_or_raises_for_a_job_that_failed() -> N
             assert handle.task is add and handle.client is client
             waiting = asyncio.create_task(handle.result(timeout=15))
             await worker.ready(pooled=1)
-            job = await worker.next_job(timeout=15.0)
+            job = await worker.next_job()
             assert (await worker.complete(job, _run(job))).status == "applied"
             assert await waiting == 5
             doomed = await client.enqueue(add, [1, 1])
             await worker.ready(pooled=1)
-            await _fail(worker, await worker.next_job(timeout=15.0), "boom")
+            await _fail(worker, await worker.next_job(), "boom")
             with pytest.raises(JobFailedError, match="ended failed: boom") as raised:
                 await doomed.result(timeout=15)
             assert raised.value.status == "failed" and raised.value.job_id == doomed.job_id
@@ -289,7 +289,7 @@ async def test_a_waiter_on_a_dependent_is_answered_when_its_parent_fails(
             waiting = asyncio.create_task(flow.result(timeout=3600))
             await until(lambda: main.waits.waiters.waited_on([flow.job_ids[-1]]))
             await worker.ready(pooled=1)
-            await _fail(worker, await worker.next_job(timeout=15.0), "down")
+            await _fail(worker, await worker.next_job(), "down")
             with pytest.raises(JobFailedError, match="ended cancelled: parent job") as raised:
                 await asyncio.wait_for(waiting, 15)
             assert raised.value.status == "cancelled"
