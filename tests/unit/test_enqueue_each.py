@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from adapters.memory import MemoryAdapter
@@ -104,7 +104,6 @@ def templates(draw: st.DrawFn) -> protocol.JobRequest:
     )
 
 
-@settings(max_examples=200, deadline=None)
 @given(declarations(), templates(), st.lists(st.sampled_from(SHAPES), max_size=8))
 def test_columns_hold_the_jobs_one_request_each_would(
     declared: protocol.TaskDeclaration,

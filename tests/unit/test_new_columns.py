@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from adapters.sql.enqueue import EnqueueRule
@@ -81,7 +81,6 @@ def specs(draw: st.DrawFn) -> JobSpec:
     )
 
 
-@settings(max_examples=200, deadline=None)
 @given(st.lists(specs(), min_size=1, max_size=6))
 def test_columns_hold_each_jobs_row(batch: list[JobSpec]) -> None:
     columns = new_columns(new_jobs_columns(batch, NOW), len(batch))
@@ -91,7 +90,6 @@ def test_columns_hold_each_jobs_row(batch: list[JobSpec]) -> None:
         assert by_column == new_row(new_job_fields(spec, NOW))
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     specs(),
     st.lists(st.sampled_from(SHARED_ARGS) | st.lists(st.integers() | st.booleans()), min_size=1),
@@ -154,7 +152,6 @@ def test_a_result_written_by_column_reads_as_the_job_its_fields_make() -> None:
         assert unread.field(field.name) == getattr(job, field.name), field.name
 
 
-@settings(max_examples=200, deadline=None)
 @given(st.lists(specs(), min_size=1, max_size=4))
 def test_one_jobs_values_are_its_row(batch: list[JobSpec]) -> None:
     """A one-job insert's values (:func:`adapters.sql.rows.new_values`, made from the
