@@ -171,29 +171,35 @@ class Session:
         self._queue(codec.encode(msg))
 
     def reply(self, msg: protocol.Message) -> None:
-        """Send a request's answer: written at once when nothing is queued or being
-        written, which spares the writer task a wake-up per request; queued as
-        :meth:`send` does otherwise, behind what is already queued. A long answer (a page
-        of jobs) always goes through the outbox, whose size back-pressure and the
-        liveness checks watch."""
+        """Send a request's answer, at once if it can (:meth:`_write_or_queue`)."""
         if self.closed:
             return
-        data = codec.encode(msg)
+        self._write_or_queue(codec.encode(msg))
+
+    def send_batch(self, kind: type[protocol.Batch], msgs: Sequence[protocol.Message]) -> None:
+        """Send ``msgs`` (the messages a ``kind`` batch carries) in as few lines as the
+        line limit allows, each message encoded once (:func:`broker.wire.codec.pack`): the
+        first at once if it can (:meth:`_write_or_queue`), so a job handed off reaches its
+        worker in the dispatcher's own loop turn, not one turn later in the writer task's
+        (a turn that waits behind every callback ready meanwhile: a settled batch's, a
+        claim's, the reports read; bench/README.md, "urgent2")."""
+        if self.closed or not msgs:
+            return
+        limit = min(self.max_line_bytes, wire.BATCH_LINE_BYTES)
+        for line in codec.pack(kind, [codec.encode_item(msg) for msg in msgs], limit):
+            self._write_or_queue(line)
+
+    def _write_or_queue(self, data: bytes) -> None:
+        """Write ``data`` (whole lines) at once when nothing is queued or being written,
+        which spares the writer task a wake-up; queue it as :meth:`send` does otherwise,
+        behind what is already queued. A long one (over a batch line) always goes through
+        the outbox, whose size back-pressure and the liveness checks watch."""
         if (
             self.outbox_bytes
             or len(data) > wire.BATCH_LINE_BYTES
             or not self.writer.write_now(data)
         ):
             self._queue(data)
-
-    def send_batch(self, kind: type[protocol.Batch], msgs: Sequence[protocol.Message]) -> None:
-        """Queue ``msgs`` (the messages a ``kind`` batch carries) in as few lines as the
-        line limit allows, each message encoded once (:func:`broker.wire.codec.pack`)."""
-        if self.closed or not msgs:
-            return
-        limit = min(self.max_line_bytes, wire.BATCH_LINE_BYTES)
-        for line in codec.pack(kind, [codec.encode_item(msg) for msg in msgs], limit):
-            self._queue(line)
 
     def _queue(self, data: bytes) -> None:
         self.outbox.append(data)

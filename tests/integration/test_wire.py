@@ -402,3 +402,50 @@ async def test_a_reply_goes_out_at_once_unless_it_is_long_or_lines_are_queued() 
         raw_writer.write_eof()
         got = await asyncio.wait_for(received, 30)
     assert got == [p.Pong(nonce=1), long, p.Pong(nonce=2)]
+
+
+async def test_a_batch_goes_out_at_once_unless_lines_are_queued() -> None:
+    """A ``report_acks`` (or ``jobs``) line is written in the caller's own loop turn when
+    the connection's outbox is empty, not one turn later by the writer task; behind a
+    queued line it queues, so the peer still receives every line in order."""
+    from broker.core.handoff import Handoff
+    from broker.main.sessions import Session
+
+    received: asyncio.Future[list[p.Message]] = asyncio.get_running_loop().create_future()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        reader = wire.LineReader(r, max_line_bytes=wire.MAX_LINE_BYTES)
+        got = []
+        while (msg := await wire.read_message(reader)) is not None:
+            got.append(msg)
+        received.set_result(got)
+        w.close()
+
+    def ack() -> p.ReportAck:
+        return p.ReportAck(job_id=uuid.uuid4(), handoff_id=uuid.uuid4(), status=p.AckStatus.APPLIED)
+
+    first, second = [ack(), ack()], [ack()]
+    async with connected(handler) as (_, raw_writer):
+        core = Handoff()
+        session = Session(
+            state=core.new_peer(1, now=0.0),
+            core=core,
+            peer="test",
+            writer=wire.MessageWriter(raw_writer),
+            max_outbox_bytes=4 << 20,
+            max_line_bytes=wire.MAX_LINE_BYTES,
+            max_requests=10,
+        )
+        session.send_batch(p.ReportAcks, first)
+        assert not session.outbox  # written at once: no wake-up of the writer task
+        session.send(p.Ping(nonce=1))
+        assert len(session.outbox) == 1
+        session.send_batch(p.ReportAcks, second)
+        assert len(session.outbox) == 2  # behind what is queued
+        while session.outbox:  # what the writer task does
+            data = await session.next_write()
+            await session.writer.write_raw(data)
+            session.written(len(data))
+        raw_writer.write_eof()
+        got = await asyncio.wait_for(received, 30)
+    assert got == [p.ReportAcks(acks=first), p.Ping(nonce=1), second[0]]  # one goes alone
