@@ -204,6 +204,12 @@ def _scale_rows(scale: dict[str, Any] | None) -> list[Row]:
         }
         return [by_rep.get(rep) for rep in reps]
 
+    def worker_us(shape: str) -> list[float | None]:
+        """The broker's worker's CPU per job in the drain of ``shape``, each repetition."""
+        cpu = turns("worker_cpu_s", part="drain", system=BROKER, shape=shape)
+        done = turns("done", part="drain", system=BROKER, shape=shape)
+        return [c / n if c is not None and n else None for c, n in zip(cpu, done, strict=True)]
+
     rows = []
     empty = turns("per_s", part="drain", system=BROKER, shape="empty")
     backlog = (scale or {}).get("config", {}).get("backlog", 0)
@@ -212,7 +218,18 @@ def _scale_rows(scale: dict[str, Any] | None) -> list[Row]:
         label = f"drain over {backlog:,} {shape} jobs"
         theirs = turns("per_s", part="drain", system=PEER, shape=shape)
         rows.append(_paired(f"{label} ÷ PgQueuer", ours, theirs, 1.0))
-        rows.append(_paired(f"{label} ÷ the broker's empty table", ours, empty, 0.9))
+        row = _paired(f"{label} ÷ the broker's empty table", ours, empty, 0.9)
+        # A control: the worker never reads the store, so its CPU per job does not
+        # depend on what the table holds. When it moves between the two turns as much as
+        # the rate does, the machine's pace moved (or each message carried fewer jobs),
+        # not what a deep table costs the main or PostgreSQL (bench/README.md, "Flat in
+        # backlog depth", branch depth2).
+        pace = [a / b for a, b in zip(worker_us(shape), worker_us("empty"), strict=True) if a and b]
+        if pace:
+            turns_text = ", ".join(f"{r:.2f}" for r in pace)
+            control = f"; the worker's CPU per job (no store work) ÷ the empty turn's {turns_text}"
+            row = dataclasses.replace(row, detail=row.detail + control)
+        rows.append(row)
     rows.append(
         _paired(
             "keyed drain, 30,000 keys ÷ 1,000 keys",

@@ -322,6 +322,31 @@ def test_the_scale_report_holds_each_backlog_to_pgqueuer_and_to_its_own_empty_ro
     assert "over many queues" not in text  # a part not run has no section
 
 
+def test_a_backlog_over_the_empty_table_shows_the_workers_cpu_per_job_as_a_control() -> None:
+    """The worker never reads the store: each turn's ratio of its CPU per job (backlog ÷
+    empty) sits beside the rate's, so a turn that ran slow everywhere reads as such."""
+    from bench import scorecard
+
+    broker = "broker-postgres-defaults"
+    runs = [
+        _scale_run("drain", 5000.0, system=broker, shape="empty", worker_cpu_s=0.10, rep=1),
+        _scale_run("drain", 4000.0, system=broker, shape="due", worker_cpu_s=0.125, rep=1),
+        _scale_run("drain", 5000.0, system=broker, shape="empty", worker_cpu_s=0.10, rep=2),
+        _scale_run("drain", 5000.0, system=broker, shape="due", worker_cpu_s=0.10, rep=2),
+        _scale_run("drain", 5000.0, system=broker, shape="empty", rep=3),
+        _scale_run("drain", 5000.0, system=broker, shape="future", rep=3),
+    ]
+    rows = {
+        row.name: row for row in scorecard._scale_rows({"config": {"backlog": 10}, "runs": runs})
+    }
+    due = rows["drain over 10 due jobs ÷ the broker's empty table"]
+    assert due.detail.endswith(
+        "turns 0.80, 1.00; the worker's CPU per job (no store work) ÷ the empty turn's 1.25, 1.00"
+    )
+    # No worker figure in a turn: no control shown.
+    assert "worker" not in rows["drain over 10 future jobs ÷ the broker's empty table"].detail
+
+
 def test_the_scale_report_holds_the_queues_and_the_fleet_to_pgqueuer() -> None:
     from bench import scale
 
