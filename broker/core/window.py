@@ -15,7 +15,9 @@ worker of 64 slots (issue 35). So a window whose jobs run short holds at least
 :data:`LINE_WINDOW` jobs, however few the slots, and in a window that small the credit
 run ends free waits until half the window has run, a line of several jobs, while the
 window still holds a job to run meanwhile: the half left covers the refill, as the
-window's size is twice what a refill needs.
+window's size is twice what a refill needs. The report of a short run waits for that
+``ready`` too, at most :data:`REPORT_HOLD` (:func:`report_waits`): the main then reads
+one ``reports`` line and one ``ready`` per half window instead of a report line per job.
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ the window's own cap: with the ``ready`` waiting until half of it has run
 (:func:`ready_worth`), a one-slot worker takes four jobs per ``jobs`` line and sends a
 ``ready`` per four reports, instead of one of each per job. A wider worker's window is
 larger anyway."""
+
+REPORT_HOLD = 0.005
+"""Seconds the report of a short run may wait for the next ``ready`` to go out with it
+(:func:`report_waits`), so that the jobs of a small window settle in one ``reports``
+line per half window. A bound on the completion's delay, not the usual wait: the half
+window of short runs that makes the ``ready`` due takes well under it, so it matters
+only when a job after them runs long (its start cannot tell)."""
 
 PREFETCH_MEASURE = 0.1
 """Seconds of completions an adaptive window is resized from (at the first completion
@@ -104,3 +113,13 @@ def ready_worth(window: int, held: int, freed: int) -> bool:
     anyway, and a pooled drain ran slower when its ``ready`` waited for eight) or of one
     job. See the module docstring."""
     return held == 0 or freed >= window // 2 or window > LINE_WINDOW
+
+
+def report_waits(ready_due: bool, ran: float | None) -> bool:
+    """Whether the report of a run that ended after ``ran`` seconds (``None``: not known)
+    waits for the next ``ready``, which no run's end has made due yet
+    (:func:`ready_worth`), instead of going out at once on a line of its own: only a
+    short run's (:data:`SHORT_RUN`), and for :data:`REPORT_HOLD` at most. A long run's
+    report goes at once, and takes any waiting with it: a run as long as the bound
+    already costs more than a line."""
+    return not ready_due and ran is not None and ran < SHORT_RUN

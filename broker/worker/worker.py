@@ -49,6 +49,7 @@ from broker.core.worker_effects import (
     CheckpointSettled,
     Drain,
     ProgressLater,
+    ReportsLater,
     StartRun,
     StopFast,
     StopRun,
@@ -289,6 +290,9 @@ class Worker:
         loop = self._loop or asyncio.get_running_loop()
         self._apply(self._state.progress_due(loop.time()))
 
+    def _reports_due(self) -> None:
+        self._apply(self._state.reports_due())
+
     # ------------------------------------------------------------------ stopping
 
     async def _drain(self) -> None:
@@ -451,6 +455,8 @@ class Worker:
                             )
                 case ProgressLater(delay=delay):
                     (self._loop or asyncio.get_running_loop()).call_later(delay, self._progress_due)
+                case ReportsLater(delay=delay):
+                    (self._loop or asyncio.get_running_loop()).call_later(delay, self._reports_due)
         _mirror(self._idle, self._state.idle)
         _mirror(self._flushed, self._state.flushed)
 

@@ -16,8 +16,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from broker.core.peers import Credits
-from broker.core.window import LINE_WINDOW, AdaptiveWindow, ready_worth
-from broker.core.worker_effects import StartRun, WorkerEffect
+from broker.core.window import (
+    LINE_WINDOW,
+    REPORT_HOLD,
+    SHORT_RUN,
+    AdaptiveWindow,
+    ready_worth,
+    report_waits,
+)
+from broker.core.worker_effects import ReportsLater, StartRun, WakeSender, WorkerEffect
 from broker.core.worker_state import WorkerState
 from broker.exceptions import ConfigurationError, ProtocolError
 from broker.jobs import ExecutionMode
@@ -235,6 +242,10 @@ class PrefetchRules(RuleBasedStateMachine):
         self.starts: dict[ExecutionMode, list[LeaseKey]] = {mode: [] for mode in CAPACITY}
         self.dropped: set[LeaseKey] = set()
         self.finished: set[LeaseKey] = set()
+        self.woken = False
+        """The sender was woken (a ``WakeSender``) and has not run since."""
+        self.timer = False
+        """A ``ReportsLater`` timer is set and has not fired."""
 
     def make(self) -> WorkerState:
         return make_state()
@@ -252,6 +263,12 @@ class PrefetchRules(RuleBasedStateMachine):
     def apply(self, effects: list[WorkerEffect]) -> None:
         batch: dict[ExecutionMode, list[LeaseKey]] = {mode: [] for mode in CAPACITY}
         for effect in effects:
+            if isinstance(effect, WakeSender):
+                self.woken = True
+            if isinstance(effect, ReportsLater):
+                assert not self.timer, "one reports timer at a time"
+                assert effect.delay == REPORT_HOLD
+                self.timer = True
             if isinstance(effect, StartRun):
                 key = (effect.assignment.job_id, effect.assignment.handoff_id)
                 mode = effect.assignment.execution_mode
@@ -281,6 +298,7 @@ class PrefetchRules(RuleBasedStateMachine):
         return msg
 
     def send(self) -> None:
+        self.woken = False
         messages = self.state.outgoing()
         assert releases(messages) == [] or self.state.draining, "credit was honoured"
         ready = self.state.take_ready(self.free())
@@ -366,9 +384,23 @@ class PrefetchRules(RuleBasedStateMachine):
     def sender_runs(self) -> None:
         self.send()
 
+    @precondition(lambda self: self.timer)
+    @rule()
+    def reports_timer_fires(self) -> None:
+        self.timer = False
+        self.apply(self.state.reports_due())
+
     @rule()
     def drain(self) -> None:
         self.apply(self.state.drain_requested())
+
+    @invariant()
+    def no_report_waits_without_a_send_or_a_timer_coming(self) -> None:
+        """A report not yet sent goes at the sender's next run, which is asked for, or
+        when the reports timer fires: none is stranded in the outbox."""
+        link = self.state._link
+        if self.connected and link is not None and link.unsent:
+            assert self.woken or self.timer, "reports wait with nothing to send them"
 
     @invariant()
     def runs_never_exceed_the_slots(self) -> None:
@@ -573,6 +605,56 @@ def test_a_one_slot_worker_of_short_jobs_takes_four_jobs_per_line() -> None:
         run_one()
         readies.append(advertised(free=0))
     assert readies == [None, None, None, 5, None, None, 8, 8]  # the window empty, then idle
+
+
+def test_short_runs_reports_wait_for_the_ready_and_go_with_it_at_most_report_hold() -> None:
+    """A one-slot worker of short jobs: the reports of the runs that make no ``ready``
+    due wait (no sender wake, a timer of REPORT_HOLD instead) and go with the ``ready``,
+    in one send; a long run's report goes at once, taking the waiting ones with it; the
+    timer sends whatever still waits."""
+    state = WorkerState(
+        modes=[INLINE],
+        queues=None,
+        lookup_task=lambda name: name,
+        logger=logging.getLogger("test"),
+        prefetch={INLINE: AdaptiveWindow(size=LINE_WINDOW, cap=LINE_WINDOW)},
+    )
+    state.connected(welcome())
+    assert state.take_ready({INLINE: 1}) is not None
+    keys = started(state.jobs_received([job(seq) for seq in range(1, 9)], {INLINE: 1}))
+    now = 0.0
+
+    def run(ran: float) -> list[WorkerEffect]:
+        nonlocal now
+        (key,) = state.running
+        state.run_entered(key, now)
+        now += ran
+        effects = state.run_finished(key, Completed(), {INLINE: 1}, now)
+        assert len(started(effects)) == 1
+        return effects
+
+    assert len(keys) == 1
+    effects = run(0.001)
+    assert effects[-1] == ReportsLater(REPORT_HOLD) and WakeSender() not in effects
+    assert WakeSender() not in run(0.001) and WakeSender() not in run(0.001)
+    effects = run(0.001)  # the fourth: half the window has run, a ready is due
+    assert WakeSender() in effects and not any(isinstance(e, ReportsLater) for e in effects)
+    reports = [m for m in state.outgoing() if isinstance(m, protocol.CompletedReport)]
+    assert len(reports) == 4 and state.take_ready({INLINE: 0}) is not None
+    assert not any(isinstance(e, WakeSender) for e in run(0.001))  # waits; the timer is set
+    assert state.reports_due() == [WakeSender()]  # REPORT_HOLD later
+    assert len(state.outgoing()) == 1 and state.take_ready({INLINE: 0}) is None
+    assert run(0.001)[-1] == ReportsLater(REPORT_HOLD)
+    assert WakeSender() in run(SHORT_RUN)  # a long run's report goes at once, and the other
+    assert len(state.outgoing()) == 2
+    assert state.reports_due() == []  # the timer finds nothing waiting
+
+
+def test_a_report_waits_only_after_a_short_run_and_while_no_ready_is_due() -> None:
+    assert report_waits(ready_due=False, ran=0.001)
+    assert not report_waits(ready_due=True, ran=0.001)  # it goes with the ready now
+    assert not report_waits(ready_due=False, ran=SHORT_RUN)  # a long run: at once
+    assert not report_waits(ready_due=False, ran=None)  # not known: at once
 
 
 def test_a_grown_window_is_advertised_in_the_next_ready() -> None:
