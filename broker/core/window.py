@@ -15,9 +15,12 @@ worker of 64 slots (issue 35). So a window whose jobs run short holds at least
 :data:`LINE_WINDOW` jobs, however few the slots, and in a window that small the credit
 run ends free waits until half the window has run, a line of several jobs, while the
 window still holds a job to run meanwhile: the half left covers the refill, as the
-window's size is twice what a refill needs. The report of a short run waits for that
-``ready`` too, at most :data:`REPORT_HOLD` (:func:`report_waits`): the main then reads
-one ``reports`` line and one ``ready`` per half window instead of a report line per job.
+window's size is twice what a refill needs; an empty window's ``ready`` waits too while
+the main knows of credit enough to send the next jobs. The reports of short runs wait
+for the line's last run, or the ``ready``, at most :data:`REPORT_HOLD`
+(:func:`report_waits`): the main then reads one ``reports`` line per line of jobs it
+sent, and a ``ready`` per half window, instead of a report line per job and two
+``ready`` per line.
 """
 
 from __future__ import annotations
@@ -103,23 +106,29 @@ class AdaptiveWindow:
         return True
 
 
-def ready_worth(window: int, held: int, freed: int) -> bool:
+def ready_worth(window: int, held: int, freed: int, unspent: int) -> bool:
     """Whether a run's end is worth a ``ready`` now, for a mode whose ``window`` holds
-    ``held`` jobs and whose runs ended ``freed`` times since its last ``ready``: once
-    half the window has run (the half left covers the refill: :data:`PREFETCH_REFILL`
-    sizes windows at twice what one needs), or at once when the window holds no job
-    (the slot would idle after its run). Every run's end for a window larger than
-    :data:`LINE_WINDOW` (a wide worker's: its slots free several credits per ``ready``
-    anyway, and a pooled drain ran slower when its ``ready`` waited for eight) or of one
-    job. See the module docstring."""
-    return held == 0 or freed >= window // 2 or window > LINE_WINDOW
+    ``held`` jobs, whose runs ended ``freed`` times since its last ``ready``, and of whose
+    credit the main knows ``unspent`` (the last ``ready``'s, less the jobs received since):
+    once half the window has run (the half left covers the refill: :data:`PREFETCH_REFILL`
+    sizes windows at twice what one needs), or at once when the window holds no job and
+    the main knows of one credit at most (the slot would idle after its run: the main
+    keeps the last credit of a prefetching mode for an urgent job, see
+    :class:`~broker.core.peers.Credits`). With two or more known, the main hands this
+    worker its next jobs without one: a ``ready`` each time the window emptied sent two
+    per line of jobs, one as its last job started and one as it ended. Every run's end
+    for a window larger than :data:`LINE_WINDOW` (a wide worker's: its slots free several
+    credits per ``ready`` anyway, and a pooled drain ran slower when its ``ready`` waited
+    for eight) or of one job. See the module docstring."""
+    return window > LINE_WINDOW or freed >= window // 2 or (held == 0 and unspent <= 1)
 
 
-def report_waits(ready_due: bool, ran: float | None) -> bool:
+def report_waits(ready_due: bool, ran: float | None, more: bool) -> bool:
     """Whether the report of a run that ended after ``ran`` seconds (``None``: not known)
     waits for the next ``ready``, which no run's end has made due yet
     (:func:`ready_worth`), instead of going out at once on a line of its own: only a
-    short run's (:data:`SHORT_RUN`), and for :data:`REPORT_HOLD` at most. A long run's
-    report goes at once, and takes any waiting with it: a run as long as the bound
-    already costs more than a line."""
-    return not ready_due and ran is not None and ran < SHORT_RUN
+    short run's (:data:`SHORT_RUN`) while its mode has ``more`` runs to end (a job held
+    or running), and for :data:`REPORT_HOLD` at most. A long run's report goes at once,
+    and takes any waiting with it: a run as long as the bound already costs more than a
+    line; so does the last run's, with no end coming to send it."""
+    return not ready_due and more and ran is not None and ran < SHORT_RUN

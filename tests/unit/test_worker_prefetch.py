@@ -306,8 +306,9 @@ class PrefetchRules(RuleBasedStateMachine):
             self.credits.on_ready(ready.slots, ready.seen)
         if self.state.draining:
             return
-        # A small window's ready waits only while the window holds a job (a slot never
-        # idles for want of one); an empty window's credit, and a wide one's, the main knows.
+        # A small window's ready waits only while the window holds a job or the main knows
+        # of two credits or more (it sends the next jobs: a slot never idles for want of a
+        # ready); an empty window's credit, and a wide one's, the main knows.
         free = self.free()
         for mode in CAPACITY:
             held = sum(1 for a in self.state.queued.values() if a.execution_mode is mode)
@@ -315,7 +316,12 @@ class PrefetchRules(RuleBasedStateMachine):
             credit = max(0, room + self.window(mode) - held)
             known = self.credits.available(mode, leading=True)
             small = self.window(mode) <= LINE_WINDOW
-            assert known >= credit or (held > 0 and small), (mode, known, credit, held)
+            assert known >= credit or (small and (held > 0 or known >= 2)), (
+                mode,
+                known,
+                credit,
+                held,
+            )
 
     @precondition(lambda self: not self.connected)
     @rule()
@@ -529,13 +535,14 @@ def test_a_short_run_grows_a_window_to_a_line_of_jobs_and_a_long_one_does_not() 
 
 
 def test_a_ready_waits_until_half_a_small_window_has_run_or_it_is_empty() -> None:
-    assert ready_worth(window=0, held=0, freed=1)  # no window: every run's end
-    assert ready_worth(window=2, held=1, freed=1)  # one slot, two: every run's end
-    assert not ready_worth(window=LINE_WINDOW, held=5, freed=LINE_WINDOW // 2 - 1)
-    assert ready_worth(window=LINE_WINDOW, held=3, freed=LINE_WINDOW // 2)
-    assert not ready_worth(window=LINE_WINDOW, held=2, freed=1)  # a refill is on its way
-    assert ready_worth(window=LINE_WINDOW, held=0, freed=1)  # the slot would idle next
-    assert ready_worth(window=40, held=39, freed=1)  # a wide worker's: every run's end
+    assert ready_worth(window=0, held=0, freed=1, unspent=0)  # no window: every run's end
+    assert ready_worth(window=2, held=1, freed=1, unspent=2)  # one slot, two: every end
+    assert not ready_worth(window=LINE_WINDOW, held=5, freed=LINE_WINDOW // 2 - 1, unspent=0)
+    assert ready_worth(window=LINE_WINDOW, held=3, freed=LINE_WINDOW // 2, unspent=4)
+    assert not ready_worth(window=LINE_WINDOW, held=2, freed=1, unspent=0)  # a refill comes
+    assert ready_worth(window=LINE_WINDOW, held=0, freed=1, unspent=1)  # the slot would idle
+    assert not ready_worth(window=LINE_WINDOW, held=0, freed=1, unspent=2)  # the main sends
+    assert ready_worth(window=40, held=39, freed=1, unspent=40)  # a wide worker's: every end
 
 
 def test_a_one_slot_worker_of_short_jobs_takes_four_jobs_per_line() -> None:
@@ -543,8 +550,8 @@ def test_a_one_slot_worker_of_short_jobs_takes_four_jobs_per_line() -> None:
     credit spare, so 7 wait behind the one running. Their ends send no ``ready`` until
     four have run, then one for five (four for the backlog, one spare): a ``ready`` and
     a ``jobs`` line per four jobs. While a refill is on its way the next ends send
-    none; once the window is empty, each does, so the slot never idles for want of
-    one."""
+    none; nor does the window's emptying while the main knows of credit enough to send
+    the next jobs."""
     window = AdaptiveWindow(size=2, cap=8)
     state = WorkerState(
         modes=[INLINE],
@@ -604,14 +611,18 @@ def test_a_one_slot_worker_of_short_jobs_takes_four_jobs_per_line() -> None:
     for _ in range(8):  # no refill comes
         run_one()
         readies.append(advertised(free=0))
-    assert readies == [None, None, None, 5, None, None, 8, 8]  # the window empty, then idle
+    # The window empty makes no ready: the main knows of five credits, four for the
+    # backlog, and sends the next jobs against them. The last run's end does: half the
+    # window has run since the last.
+    assert readies == [None, None, None, 5, None, None, None, 8]
 
 
 def test_short_runs_reports_wait_for_the_ready_and_go_with_it_at_most_report_hold() -> None:
     """A one-slot worker of short jobs: the reports of the runs that make no ``ready``
     due wait (no sender wake, a timer of REPORT_HOLD instead) and go with the ``ready``,
     in one send; a long run's report goes at once, taking the waiting ones with it; the
-    timer sends whatever still waits."""
+    timer sends whatever still waits; the last run's report, with no run left to end,
+    goes at once."""
     state = WorkerState(
         modes=[INLINE],
         queues=None,
@@ -648,13 +659,19 @@ def test_short_runs_reports_wait_for_the_ready_and_go_with_it_at_most_report_hol
     assert WakeSender() in run(SHORT_RUN)  # a long run's report goes at once, and the other
     assert len(state.outgoing()) == 2
     assert state.reports_due() == []  # the timer finds nothing waiting
+    (key,) = state.running
+    state.run_entered(key, now)
+    effects = state.run_finished(key, Completed(), {INLINE: 1}, now + 0.001)
+    assert effects == [WakeSender()]  # the last: nothing held or running, no timer
+    assert len(state.outgoing()) == 1
 
 
 def test_a_report_waits_only_after_a_short_run_and_while_no_ready_is_due() -> None:
-    assert report_waits(ready_due=False, ran=0.001)
-    assert not report_waits(ready_due=True, ran=0.001)  # it goes with the ready now
-    assert not report_waits(ready_due=False, ran=SHORT_RUN)  # a long run: at once
-    assert not report_waits(ready_due=False, ran=None)  # not known: at once
+    assert report_waits(ready_due=False, ran=0.001, more=True)
+    assert not report_waits(ready_due=True, ran=0.001, more=True)  # it goes with the ready
+    assert not report_waits(ready_due=False, ran=SHORT_RUN, more=True)  # a long run: at once
+    assert not report_waits(ready_due=False, ran=None, more=True)  # not known: at once
+    assert not report_waits(ready_due=False, ran=0.001, more=False)  # no run left to end
 
 
 def test_a_grown_window_is_advertised_in_the_next_ready() -> None:
