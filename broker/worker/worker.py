@@ -44,7 +44,7 @@ from typing import Any
 
 from broker.core import catalog
 from broker.core.job_log import log_job
-from broker.core.window import AdaptiveWindow
+from broker.core.window import AdaptiveWindow, line_cap
 from broker.core.worker_effects import (
     CheckpointSettled,
     Drain,
@@ -84,7 +84,9 @@ CANCEL_WAIT = 5.0
 
 
 def _default_window(slots: int) -> AdaptiveWindow:
-    return AdaptiveWindow(size=PREFETCH_PER_SLOT * slots, cap=PREFETCH_MAX_PER_SLOT * slots)
+    return AdaptiveWindow(
+        size=PREFETCH_PER_SLOT * slots, cap=line_cap(PREFETCH_MAX_PER_SLOT * slots)
+    )
 
 
 class Worker:

@@ -21,6 +21,7 @@ from broker.core.window import (
     REPORT_HOLD,
     SHORT_RUN,
     AdaptiveWindow,
+    line_cap,
     ready_worth,
     report_waits,
 )
@@ -522,16 +523,18 @@ def test_an_adaptive_window_never_grows_for_slow_jobs_nor_shrinks() -> None:
 
 
 def test_a_short_run_grows_a_window_to_a_line_of_jobs_and_a_long_one_does_not() -> None:
-    """A run under SHORT_RUN takes a one-slot window from 2 to LINE_WINDOW (8) jobs at
-    once, within its cap; a 50 ms run leaves it to the pace rule; a wide window is
-    larger already."""
-    window = AdaptiveWindow(size=2, cap=8)
+    """A run under SHORT_RUN takes a one-slot window from 2 to LINE_WINDOW (16) jobs at
+    once, within its cap (a default window's is at least that); a 50 ms run leaves it
+    to the pace rule; a wide window is larger already."""
+    window = AdaptiveWindow(size=2, cap=line_cap(8))
     assert not window.finished(0.0, ran=0.05) and window.size == 2
-    assert window.finished(0.05, ran=0.001) and window.size == LINE_WINDOW
-    capped = AdaptiveWindow(size=2, cap=4)
+    assert not window.finished(0.1, ran=SHORT_RUN) and window.size == 2
+    assert window.finished(0.15, ran=0.001) and window.size == LINE_WINDOW
+    capped = AdaptiveWindow(size=2, cap=4)  # a cap set otherwise holds
     assert capped.finished(0.0, ran=0.0) and capped.size == 4
     wide = AdaptiveWindow(size=128, cap=512)
     assert not wide.finished(0.0, ran=0.0) and wide.size == 128
+    assert line_cap(8) == LINE_WINDOW and line_cap(512) == 512
 
 
 def test_a_ready_waits_until_half_a_small_window_has_run_or_it_is_empty() -> None:
@@ -545,14 +548,15 @@ def test_a_ready_waits_until_half_a_small_window_has_run_or_it_is_empty() -> Non
     assert ready_worth(window=40, held=39, freed=1, unspent=40)  # a wide worker's: every end
 
 
-def test_a_one_slot_worker_of_short_jobs_takes_four_jobs_per_line() -> None:
+def test_a_one_slot_worker_of_short_jobs_takes_half_its_window_per_line() -> None:
     """After its first short run the window holds LINE_WINDOW jobs; the main keeps one
-    credit spare, so 7 wait behind the one running. Their ends send no ``ready`` until
-    four have run, then one for five (four for the backlog, one spare): a ``ready`` and
-    a ``jobs`` line per four jobs. While a refill is on its way the next ends send
-    none; nor does the window's emptying while the main knows of credit enough to send
-    the next jobs."""
-    window = AdaptiveWindow(size=2, cap=8)
+    credit spare, so LINE_WINDOW - 1 wait behind the one running. Their ends send no
+    ``ready`` until half the window has run, then one for half plus one (half for the
+    backlog, one spare): a ``ready`` and a ``jobs`` line per half window. While a
+    refill is on its way the next ends send none; nor does the window's emptying while
+    the main knows of credit enough to send the next jobs."""
+    line, half = LINE_WINDOW, LINE_WINDOW // 2
+    window = AdaptiveWindow(size=2, cap=line_cap(8))
     state = WorkerState(
         modes=[INLINE],
         queues=None,
@@ -594,27 +598,28 @@ def test_a_one_slot_worker_of_short_jobs_takes_four_jobs_per_line() -> None:
     for key in started(state.jobs_received(hand_over(2), {INLINE: 1})):
         state.run_entered(key, now)
     run_one()
-    assert window.size == LINE_WINDOW
-    assert advertised(free=0) == 8  # 8 of window, 0 held (one running)
-    for key in started(state.jobs_received(hand_over(7), {INLINE: 0})):
+    assert window.size == line
+    assert advertised(free=0) == line  # the whole window, none held (one running)
+    for key in started(state.jobs_received(hand_over(line - 1), {INLINE: 0})):
         state.run_entered(key, now)
-    assert len(state.queued) == 7
+    assert len(state.queued) == line - 1
     readies = []
-    for _ in range(8):
+    for _ in range(line):
         run_one()
         readies.append(advertised(free=0))
         if readies[-1] is not None:
-            state.jobs_received(hand_over(4), {INLINE: 0})
-    assert readies == [None, None, None, 5, None, None, None, 5]
-    assert state.running and len(state.queued) == 7  # full again, less the spare
+            state.jobs_received(hand_over(half), {INLINE: 0})
+    each_half = [None] * (half - 1) + [half + 1]
+    assert readies == each_half * 2
+    assert state.running and len(state.queued) == line - 1  # full again, less the spare
     readies = []
-    for _ in range(8):  # no refill comes
+    for _ in range(line):  # no refill comes
         run_one()
         readies.append(advertised(free=0))
-    # The window empty makes no ready: the main knows of five credits, four for the
-    # backlog, and sends the next jobs against them. The last run's end does: half the
-    # window has run since the last.
-    assert readies == [None, None, None, 5, None, None, None, 8]
+    # The window empty makes no ready: the main knows of half plus one credits, half for
+    # the backlog, and sends the next jobs against them. The last run's end does: half
+    # the window has run since the last.
+    assert readies == each_half + [None] * (half - 1) + [line]
 
 
 def test_short_runs_reports_wait_for_the_ready_and_go_with_it_at_most_report_hold() -> None:
@@ -623,6 +628,7 @@ def test_short_runs_reports_wait_for_the_ready_and_go_with_it_at_most_report_hol
     in one send; a long run's report goes at once, taking the waiting ones with it; the
     timer sends whatever still waits; the last run's report, with no run left to end,
     goes at once."""
+    half = LINE_WINDOW // 2
     state = WorkerState(
         modes=[INLINE],
         queues=None,
@@ -632,7 +638,8 @@ def test_short_runs_reports_wait_for_the_ready_and_go_with_it_at_most_report_hol
     )
     state.connected(welcome())
     assert state.take_ready({INLINE: 1}) is not None
-    keys = started(state.jobs_received([job(seq) for seq in range(1, 9)], {INLINE: 1}))
+    msgs = [job(seq) for seq in range(1, half + 5)]
+    assert len(started(state.jobs_received(msgs, {INLINE: 1}))) == 1
     now = 0.0
 
     def run(ran: float) -> list[WorkerEffect]:
@@ -641,29 +648,26 @@ def test_short_runs_reports_wait_for_the_ready_and_go_with_it_at_most_report_hol
         state.run_entered(key, now)
         now += ran
         effects = state.run_finished(key, Completed(), {INLINE: 1}, now)
-        assert len(started(effects)) == 1
+        assert len(started(effects)) == (1 if state.queued or state.running else 0)
         return effects
 
-    assert len(keys) == 1
     effects = run(0.001)
     assert effects[-1] == ReportsLater(REPORT_HOLD) and WakeSender() not in effects
-    assert WakeSender() not in run(0.001) and WakeSender() not in run(0.001)
-    effects = run(0.001)  # the fourth: half the window has run, a ready is due
+    for _ in range(half - 2):
+        assert WakeSender() not in run(0.001)
+    effects = run(0.001)  # half the window has run: a ready is due
     assert WakeSender() in effects and not any(isinstance(e, ReportsLater) for e in effects)
     reports = [m for m in state.outgoing() if isinstance(m, protocol.CompletedReport)]
-    assert len(reports) == 4 and state.take_ready({INLINE: 0}) is not None
-    assert not any(isinstance(e, WakeSender) for e in run(0.001))  # waits; the timer is set
-    assert state.reports_due() == [WakeSender()]  # REPORT_HOLD later
+    assert len(reports) == half and state.take_ready({INLINE: 0}) is not None
+    assert WakeSender() not in run(0.001)  # waits: the first timer is still set
+    assert state.reports_due() == [WakeSender()]  # REPORT_HOLD after the first wait
     assert len(state.outgoing()) == 1 and state.take_ready({INLINE: 0}) is None
     assert run(0.001)[-1] == ReportsLater(REPORT_HOLD)
     assert WakeSender() in run(SHORT_RUN)  # a long run's report goes at once, and the other
     assert len(state.outgoing()) == 2
     assert state.reports_due() == []  # the timer finds nothing waiting
-    (key,) = state.running
-    state.run_entered(key, now)
-    effects = state.run_finished(key, Completed(), {INLINE: 1}, now + 0.001)
-    assert effects == [WakeSender()]  # the last: nothing held or running, no timer
-    assert len(state.outgoing()) == 1
+    assert run(0.001) == [WakeSender()]  # the last: nothing held or running, no timer
+    assert len(state.outgoing()) == 1 and state.idle
 
 
 def test_a_report_waits_only_after_a_short_run_and_while_no_ready_is_due() -> None:
