@@ -3,7 +3,7 @@ its events return.
 
 Each is a frozen value the worker's shell (:mod:`broker.worker.worker`) carries out:
 start or stop a run, wake the sender, begin or hurry the drain, wake a task waiting on
-its checkpoint, set a timer for progress held back. Messages to send are not effects:
+its checkpoint, set a timer for progress or reports held back. Messages to send are not effects:
 the sender pulls them (:meth:`~broker.core.worker_state.WorkerState.outgoing`).
 """
 
@@ -69,6 +69,22 @@ class ProgressLater:
     delay: float
 
 
+@dataclass(frozen=True, slots=True)
+class ReportsLater:
+    """Reports of short runs wait for the next ``ready``: call
+    :meth:`WorkerState.reports_due` after ``delay`` seconds, the most they wait
+    (:data:`~broker.core.window.REPORT_HOLD`)."""
+
+    delay: float
+
+
 WorkerEffect: TypeAlias = (
-    StartRun | StopRun | WakeSender | Drain | StopFast | CheckpointSettled | ProgressLater
+    StartRun
+    | StopRun
+    | WakeSender
+    | Drain
+    | StopFast
+    | CheckpointSettled
+    | ProgressLater
+    | ReportsLater
 )

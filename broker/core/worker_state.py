@@ -63,11 +63,12 @@ from typing import Any
 
 from broker.core import jobfields as codec
 from broker.core.job_log import JobTags, log_job
-from broker.core.window import AdaptiveWindow, ready_worth
+from broker.core.window import REPORT_HOLD, AdaptiveWindow, ready_worth, report_waits
 from broker.core.worker_effects import (
     CheckpointSettled,
     Drain,
     ProgressLater,
+    ReportsLater,
     StartRun,
     StopFast,
     StopRun,
@@ -154,6 +155,12 @@ class _Link:
     draining_sent: bool = False
     unsent_checkpoints: deque[tuple[LeaseKey, int]] = field(default_factory=deque)
     progress_due: bool = False
+    unspent: Counter[ExecutionMode] = field(default_factory=Counter)
+    """Per mode, the credit the last ``ready`` advertised less the jobs received since:
+    what the main still knows of (:func:`~broker.core.window.ready_worth`)."""
+    reports_wait: bool = False
+    """The reports in :attr:`unsent` wait for the next ``ready`` (or their timer,
+    :class:`ReportsLater`): short runs' (:func:`~broker.core.window.report_waits`)."""
 
 
 class WorkerState:
@@ -218,6 +225,9 @@ class WorkerState:
         words it) and the main's ``stale`` answer to its report are the cancel working,
         not failures, and are logged as such."""
         self._ready_due = False
+        self._reports_timer = False
+        """A :class:`ReportsLater` timer is set and has not fired: reports that start to
+        wait before it fires go when it does, so none waits longer than its delay."""
         self._freed: Counter[ExecutionMode] = Counter()
         """Runs ended per mode since the last ``ready`` (:func:`~broker.core.window.ready_worth`
         looks at them at every run's end); a mode is here without a ``ready`` due only
@@ -374,6 +384,7 @@ class WorkerState:
                 raise ProtocolError(f"job seq {msg.seq} is not after the last one seen ({last})")
             last = msg.seq
         for msg in msgs:
+            link.unspent[msg.execution_mode] -= 1
             key = (msg.job_id, msg.handoff_id)
             held = False
             if key in self._running or key in self._queued or key in self._outbox:
@@ -537,16 +548,53 @@ class WorkerState:
         started = self._start_queued(free)
         self._freed[mode] += 1
         self._ready_due = self._ready_due or self._worth_a_ready(free)
-        return started + self._effects()
+        timer = self._hold_reports(None if outcome is None else ran, mode)
+        return started + timer + self._effects()
+
+    def _hold_reports(self, ran: float | None, mode: ExecutionMode) -> list[WorkerEffect]:
+        """After a run of ``mode`` ended (``ran``: its length, ``None`` when unknown or it
+        made no report): the unsent reports wait for the next ``ready`` if this run's may
+        (:func:`~broker.core.window.report_waits`; never while draining), with a timer
+        set for the longest they may; else they go now, those waiting included."""
+        link = self._link
+        if link is None:
+            return []
+        # The runs are looked for only when no ready is due: never for a wide window's.
+        link.reports_wait = (
+            not self._draining
+            and not self._ready_due
+            and report_waits(self._ready_due, ran, self._more_runs(mode))
+        )
+        if not link.reports_wait or self._reports_timer:
+            return []
+        self._reports_timer = True
+        return [ReportsLater(REPORT_HOLD)]
+
+    def _more_runs(self, mode: ExecutionMode) -> bool:
+        """Whether a job of ``mode`` is held or running: a run's end is still to come."""
+        return self._held[mode] > 0 or any(
+            job.execution_mode is mode for job in self._running.values()
+        )
+
+    def reports_due(self) -> list[WorkerEffect]:
+        """The timer of :class:`ReportsLater` fired: the reports waiting go now."""
+        self._reports_timer = False
+        link = self._link
+        if link is None or not link.reports_wait:
+            return []
+        link.reports_wait = False
+        return self._effects()
 
     def _worth_a_ready(self, free: Mapping[ExecutionMode, int] | None) -> bool:
         """Whether the credit the runs that ended freed is worth a ``ready`` now
         (:func:`~broker.core.window.ready_worth`); without ``free`` (a run abandoned at
         shut-down), it is."""
-        if free is None:
+        link = self._link
+        if free is None or link is None:  # a new connection's ready is due anyway
             return True
+        unspent = link.unspent
         return any(
-            ready_worth(self._prefetch.get(mode, 0), self._held[mode], freed)
+            ready_worth(self._prefetch.get(mode, 0), self._held[mode], freed, unspent[mode])
             for mode, freed in self._freed.items()
         )
 
@@ -751,6 +799,7 @@ class WorkerState:
             report = self._outbox.get(key)
             if report is not None:
                 batch.append(self._sendable(key, report, link))
+        link.reports_wait = False
         return batch
 
     def take_ready(self, free: Mapping[ExecutionMode, int]) -> protocol.Ready | None:
@@ -761,7 +810,9 @@ class WorkerState:
         self._ready_due = False
         self._freed.clear()
         slots = {mode: 0 if self._draining else self._credit(mode, free) for mode in self._modes}
-        return protocol.Ready(slots=slots, seen=self._require_link().seen)
+        link = self._require_link()
+        link.unspent = Counter(slots)
+        return protocol.Ready(slots=slots, seen=link.seen)
 
     def _sendable(self, key: LeaseKey, report: protocol.Report, link: _Link) -> protocol.Report:
         """``report`` if the main can take it; otherwise the failure that replaces it in
@@ -791,9 +842,13 @@ class WorkerState:
         self._report(key, protocol.ReleaseReport(*key, reason=reason))
 
     def _report(self, key: LeaseKey, report: protocol.Report) -> None:
+        """``report`` joins the outbox and goes out at the next send, with any report
+        waiting for a ``ready``: only a run's end puts reports on hold
+        (:meth:`_hold_reports`, after this)."""
         self._outbox[key] = report
         if self._link is not None:
             self._link.unsent.append(key)
+            self._link.reports_wait = False
 
     def _effects(self) -> list[WorkerEffect]:
         """``[WakeSender()]`` if the connection has something to send, else nothing."""
@@ -802,7 +857,7 @@ class WorkerState:
             return []
         due = (
             link.pongs
-            or link.unsent
+            or (link.unsent and not link.reports_wait)
             or link.unsent_checkpoints
             or link.progress_due
             or self._ready_due

@@ -44,11 +44,12 @@ from typing import Any
 
 from broker.core import catalog
 from broker.core.job_log import log_job
-from broker.core.window import AdaptiveWindow
+from broker.core.window import AdaptiveWindow, line_cap
 from broker.core.worker_effects import (
     CheckpointSettled,
     Drain,
     ProgressLater,
+    ReportsLater,
     StartRun,
     StopFast,
     StopRun,
@@ -83,7 +84,9 @@ CANCEL_WAIT = 5.0
 
 
 def _default_window(slots: int) -> AdaptiveWindow:
-    return AdaptiveWindow(size=PREFETCH_PER_SLOT * slots, cap=PREFETCH_MAX_PER_SLOT * slots)
+    return AdaptiveWindow(
+        size=PREFETCH_PER_SLOT * slots, cap=line_cap(PREFETCH_MAX_PER_SLOT * slots)
+    )
 
 
 class Worker:
@@ -289,6 +292,9 @@ class Worker:
         loop = self._loop or asyncio.get_running_loop()
         self._apply(self._state.progress_due(loop.time()))
 
+    def _reports_due(self) -> None:
+        self._apply(self._state.reports_due())
+
     # ------------------------------------------------------------------ stopping
 
     async def _drain(self) -> None:
@@ -451,6 +457,8 @@ class Worker:
                             )
                 case ProgressLater(delay=delay):
                     (self._loop or asyncio.get_running_loop()).call_later(delay, self._progress_due)
+                case ReportsLater(delay=delay):
+                    (self._loop or asyncio.get_running_loop()).call_later(delay, self._reports_due)
         _mirror(self._idle, self._state.idle)
         _mirror(self._flushed, self._state.flushed)
 

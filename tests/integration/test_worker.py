@@ -294,6 +294,7 @@ async def test_worker_status_follows_the_runners_without_asking_them_per_ready(
             worker_id="worker-1",
             runners={INLINE: runner},
             registry=registry,
+            prefetch=0,  # no window: every job's end is advertised, whatever the runs take
         )
         async with running(worker):
             session = await main.session()

@@ -16,8 +16,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from broker.core.peers import Credits
-from broker.core.window import LINE_WINDOW, AdaptiveWindow, ready_worth
-from broker.core.worker_effects import StartRun, WorkerEffect
+from broker.core.window import (
+    LINE_WINDOW,
+    REPORT_HOLD,
+    SHORT_RUN,
+    AdaptiveWindow,
+    line_cap,
+    ready_worth,
+    report_waits,
+)
+from broker.core.worker_effects import ReportsLater, StartRun, WakeSender, WorkerEffect
 from broker.core.worker_state import WorkerState
 from broker.exceptions import ConfigurationError, ProtocolError
 from broker.jobs import ExecutionMode
@@ -235,6 +243,10 @@ class PrefetchRules(RuleBasedStateMachine):
         self.starts: dict[ExecutionMode, list[LeaseKey]] = {mode: [] for mode in CAPACITY}
         self.dropped: set[LeaseKey] = set()
         self.finished: set[LeaseKey] = set()
+        self.woken = False
+        """The sender was woken (a ``WakeSender``) and has not run since."""
+        self.timer = False
+        """A ``ReportsLater`` timer is set and has not fired."""
 
     def make(self) -> WorkerState:
         return make_state()
@@ -252,6 +264,12 @@ class PrefetchRules(RuleBasedStateMachine):
     def apply(self, effects: list[WorkerEffect]) -> None:
         batch: dict[ExecutionMode, list[LeaseKey]] = {mode: [] for mode in CAPACITY}
         for effect in effects:
+            if isinstance(effect, WakeSender):
+                self.woken = True
+            if isinstance(effect, ReportsLater):
+                assert not self.timer, "one reports timer at a time"
+                assert effect.delay == REPORT_HOLD
+                self.timer = True
             if isinstance(effect, StartRun):
                 key = (effect.assignment.job_id, effect.assignment.handoff_id)
                 mode = effect.assignment.execution_mode
@@ -281,6 +299,7 @@ class PrefetchRules(RuleBasedStateMachine):
         return msg
 
     def send(self) -> None:
+        self.woken = False
         messages = self.state.outgoing()
         assert releases(messages) == [] or self.state.draining, "credit was honoured"
         ready = self.state.take_ready(self.free())
@@ -288,8 +307,9 @@ class PrefetchRules(RuleBasedStateMachine):
             self.credits.on_ready(ready.slots, ready.seen)
         if self.state.draining:
             return
-        # A small window's ready waits only while the window holds a job (a slot never
-        # idles for want of one); an empty window's credit, and a wide one's, the main knows.
+        # A small window's ready waits only while the window holds a job or the main knows
+        # of two credits or more (it sends the next jobs: a slot never idles for want of a
+        # ready); an empty window's credit, and a wide one's, the main knows.
         free = self.free()
         for mode in CAPACITY:
             held = sum(1 for a in self.state.queued.values() if a.execution_mode is mode)
@@ -297,7 +317,12 @@ class PrefetchRules(RuleBasedStateMachine):
             credit = max(0, room + self.window(mode) - held)
             known = self.credits.available(mode, leading=True)
             small = self.window(mode) <= LINE_WINDOW
-            assert known >= credit or (held > 0 and small), (mode, known, credit, held)
+            assert known >= credit or (small and (held > 0 or known >= 2)), (
+                mode,
+                known,
+                credit,
+                held,
+            )
 
     @precondition(lambda self: not self.connected)
     @rule()
@@ -366,9 +391,23 @@ class PrefetchRules(RuleBasedStateMachine):
     def sender_runs(self) -> None:
         self.send()
 
+    @precondition(lambda self: self.timer)
+    @rule()
+    def reports_timer_fires(self) -> None:
+        self.timer = False
+        self.apply(self.state.reports_due())
+
     @rule()
     def drain(self) -> None:
         self.apply(self.state.drain_requested())
+
+    @invariant()
+    def no_report_waits_without_a_send_or_a_timer_coming(self) -> None:
+        """A report not yet sent goes at the sender's next run, which is asked for, or
+        when the reports timer fires: none is stranded in the outbox."""
+        link = self.state._link
+        if self.connected and link is not None and link.unsent:
+            assert self.woken or self.timer, "reports wait with nothing to send them"
 
     @invariant()
     def runs_never_exceed_the_slots(self) -> None:
@@ -484,36 +523,40 @@ def test_an_adaptive_window_never_grows_for_slow_jobs_nor_shrinks() -> None:
 
 
 def test_a_short_run_grows_a_window_to_a_line_of_jobs_and_a_long_one_does_not() -> None:
-    """A run under SHORT_RUN takes a one-slot window from 2 to LINE_WINDOW (8) jobs at
-    once, within its cap; a 50 ms run leaves it to the pace rule; a wide window is
-    larger already."""
-    window = AdaptiveWindow(size=2, cap=8)
+    """A run under SHORT_RUN takes a one-slot window from 2 to LINE_WINDOW (16) jobs at
+    once, within its cap (a default window's is at least that); a 50 ms run leaves it
+    to the pace rule; a wide window is larger already."""
+    window = AdaptiveWindow(size=2, cap=line_cap(8))
     assert not window.finished(0.0, ran=0.05) and window.size == 2
-    assert window.finished(0.05, ran=0.001) and window.size == LINE_WINDOW
-    capped = AdaptiveWindow(size=2, cap=4)
+    assert not window.finished(0.1, ran=SHORT_RUN) and window.size == 2
+    assert window.finished(0.15, ran=0.001) and window.size == LINE_WINDOW
+    capped = AdaptiveWindow(size=2, cap=4)  # a cap set otherwise holds
     assert capped.finished(0.0, ran=0.0) and capped.size == 4
     wide = AdaptiveWindow(size=128, cap=512)
     assert not wide.finished(0.0, ran=0.0) and wide.size == 128
+    assert line_cap(8) == LINE_WINDOW and line_cap(512) == 512
 
 
 def test_a_ready_waits_until_half_a_small_window_has_run_or_it_is_empty() -> None:
-    assert ready_worth(window=0, held=0, freed=1)  # no window: every run's end
-    assert ready_worth(window=2, held=1, freed=1)  # one slot, two: every run's end
-    assert not ready_worth(window=LINE_WINDOW, held=5, freed=LINE_WINDOW // 2 - 1)
-    assert ready_worth(window=LINE_WINDOW, held=3, freed=LINE_WINDOW // 2)
-    assert not ready_worth(window=LINE_WINDOW, held=2, freed=1)  # a refill is on its way
-    assert ready_worth(window=LINE_WINDOW, held=0, freed=1)  # the slot would idle next
-    assert ready_worth(window=40, held=39, freed=1)  # a wide worker's: every run's end
+    assert ready_worth(window=0, held=0, freed=1, unspent=0)  # no window: every run's end
+    assert ready_worth(window=2, held=1, freed=1, unspent=2)  # one slot, two: every end
+    assert not ready_worth(window=LINE_WINDOW, held=5, freed=LINE_WINDOW // 2 - 1, unspent=0)
+    assert ready_worth(window=LINE_WINDOW, held=3, freed=LINE_WINDOW // 2, unspent=4)
+    assert not ready_worth(window=LINE_WINDOW, held=2, freed=1, unspent=0)  # a refill comes
+    assert ready_worth(window=LINE_WINDOW, held=0, freed=1, unspent=1)  # the slot would idle
+    assert not ready_worth(window=LINE_WINDOW, held=0, freed=1, unspent=2)  # the main sends
+    assert ready_worth(window=40, held=39, freed=1, unspent=40)  # a wide worker's: every end
 
 
-def test_a_one_slot_worker_of_short_jobs_takes_four_jobs_per_line() -> None:
+def test_a_one_slot_worker_of_short_jobs_takes_half_its_window_per_line() -> None:
     """After its first short run the window holds LINE_WINDOW jobs; the main keeps one
-    credit spare, so 7 wait behind the one running. Their ends send no ``ready`` until
-    four have run, then one for five (four for the backlog, one spare): a ``ready`` and
-    a ``jobs`` line per four jobs. While a refill is on its way the next ends send
-    none; once the window is empty, each does, so the slot never idles for want of
-    one."""
-    window = AdaptiveWindow(size=2, cap=8)
+    credit spare, so LINE_WINDOW - 1 wait behind the one running. Their ends send no
+    ``ready`` until half the window has run, then one for half plus one (half for the
+    backlog, one spare): a ``ready`` and a ``jobs`` line per half window. While a
+    refill is on its way the next ends send none; nor does the window's emptying while
+    the main knows of credit enough to send the next jobs."""
+    line, half = LINE_WINDOW, LINE_WINDOW // 2
+    window = AdaptiveWindow(size=2, cap=line_cap(8))
     state = WorkerState(
         modes=[INLINE],
         queues=None,
@@ -555,24 +598,84 @@ def test_a_one_slot_worker_of_short_jobs_takes_four_jobs_per_line() -> None:
     for key in started(state.jobs_received(hand_over(2), {INLINE: 1})):
         state.run_entered(key, now)
     run_one()
-    assert window.size == LINE_WINDOW
-    assert advertised(free=0) == 8  # 8 of window, 0 held (one running)
-    for key in started(state.jobs_received(hand_over(7), {INLINE: 0})):
+    assert window.size == line
+    assert advertised(free=0) == line  # the whole window, none held (one running)
+    for key in started(state.jobs_received(hand_over(line - 1), {INLINE: 0})):
         state.run_entered(key, now)
-    assert len(state.queued) == 7
+    assert len(state.queued) == line - 1
     readies = []
-    for _ in range(8):
+    for _ in range(line):
         run_one()
         readies.append(advertised(free=0))
         if readies[-1] is not None:
-            state.jobs_received(hand_over(4), {INLINE: 0})
-    assert readies == [None, None, None, 5, None, None, None, 5]
-    assert state.running and len(state.queued) == 7  # full again, less the spare
+            state.jobs_received(hand_over(half), {INLINE: 0})
+    each_half = [None] * (half - 1) + [half + 1]
+    assert readies == each_half * 2
+    assert state.running and len(state.queued) == line - 1  # full again, less the spare
     readies = []
-    for _ in range(8):  # no refill comes
+    for _ in range(line):  # no refill comes
         run_one()
         readies.append(advertised(free=0))
-    assert readies == [None, None, None, 5, None, None, 8, 8]  # the window empty, then idle
+    # The window empty makes no ready: the main knows of half plus one credits, half for
+    # the backlog, and sends the next jobs against them. The last run's end does: half
+    # the window has run since the last.
+    assert readies == each_half + [None] * (half - 1) + [line]
+
+
+def test_short_runs_reports_wait_for_the_ready_and_go_with_it_at_most_report_hold() -> None:
+    """A one-slot worker of short jobs: the reports of the runs that make no ``ready``
+    due wait (no sender wake, a timer of REPORT_HOLD instead) and go with the ``ready``,
+    in one send; a long run's report goes at once, taking the waiting ones with it; the
+    timer sends whatever still waits; the last run's report, with no run left to end,
+    goes at once."""
+    half = LINE_WINDOW // 2
+    state = WorkerState(
+        modes=[INLINE],
+        queues=None,
+        lookup_task=lambda name: name,
+        logger=logging.getLogger("test"),
+        prefetch={INLINE: AdaptiveWindow(size=LINE_WINDOW, cap=LINE_WINDOW)},
+    )
+    state.connected(welcome())
+    assert state.take_ready({INLINE: 1}) is not None
+    msgs = [job(seq) for seq in range(1, half + 5)]
+    assert len(started(state.jobs_received(msgs, {INLINE: 1}))) == 1
+    now = 0.0
+
+    def run(ran: float) -> list[WorkerEffect]:
+        nonlocal now
+        (key,) = state.running
+        state.run_entered(key, now)
+        now += ran
+        effects = state.run_finished(key, Completed(), {INLINE: 1}, now)
+        assert len(started(effects)) == (1 if state.queued or state.running else 0)
+        return effects
+
+    effects = run(0.001)
+    assert effects[-1] == ReportsLater(REPORT_HOLD) and WakeSender() not in effects
+    for _ in range(half - 2):
+        assert WakeSender() not in run(0.001)
+    effects = run(0.001)  # half the window has run: a ready is due
+    assert WakeSender() in effects and not any(isinstance(e, ReportsLater) for e in effects)
+    reports = [m for m in state.outgoing() if isinstance(m, protocol.CompletedReport)]
+    assert len(reports) == half and state.take_ready({INLINE: 0}) is not None
+    assert WakeSender() not in run(0.001)  # waits: the first timer is still set
+    assert state.reports_due() == [WakeSender()]  # REPORT_HOLD after the first wait
+    assert len(state.outgoing()) == 1 and state.take_ready({INLINE: 0}) is None
+    assert run(0.001)[-1] == ReportsLater(REPORT_HOLD)
+    assert WakeSender() in run(SHORT_RUN)  # a long run's report goes at once, and the other
+    assert len(state.outgoing()) == 2
+    assert state.reports_due() == []  # the timer finds nothing waiting
+    assert run(0.001) == [WakeSender()]  # the last: nothing held or running, no timer
+    assert len(state.outgoing()) == 1 and state.idle
+
+
+def test_a_report_waits_only_after_a_short_run_and_while_no_ready_is_due() -> None:
+    assert report_waits(ready_due=False, ran=0.001, more=True)
+    assert not report_waits(ready_due=True, ran=0.001, more=True)  # it goes with the ready
+    assert not report_waits(ready_due=False, ran=SHORT_RUN, more=True)  # a long run: at once
+    assert not report_waits(ready_due=False, ran=None, more=True)  # not known: at once
+    assert not report_waits(ready_due=False, ran=0.001, more=False)  # no run left to end
 
 
 def test_a_grown_window_is_advertised_in_the_next_ready() -> None:
