@@ -281,7 +281,7 @@ async def test_the_bytes_of_requests_read_ahead_are_bounded_per_connection() -> 
         assert session.request_bytes < 32 * MiB + 16 * MiB
         store.go.set()
         await sending
-        answered = [await _answer(peer) for _ in range(16)]
+        answered = [await _answer(peer) for _ in range(6)]
         assert all(isinstance(a, protocol.EnqueuedReply) for a in answered), answered
         assert main.connections.read_ahead.bytes == 0
     finally:
