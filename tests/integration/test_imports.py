@@ -50,3 +50,11 @@ def test_the_main_and_the_operators_command_load_no_runner() -> None:
         loaded = _modules_after_import(command)
         assert "broker.ops.composition" in loaded
         assert sorted(name for name in loaded if name.split(".")[0] == "runners") == [], command
+
+
+def test_the_sqlite_store_loads_no_postgresql_dialect() -> None:
+    # SQLAlchemy's PostgreSQL dialect imports every PostgreSQL driver's module: about
+    # 30 ms of each SQLite main's start-up, for index options only PostgreSQL's DDL reads.
+    loaded = _modules_after_import("adapters.sql.adapter, adapters.sql.sqlite")
+    assert "sqlalchemy.dialects.sqlite" in loaded
+    assert sorted(n for n in loaded if n.startswith("sqlalchemy.dialects.postgresql")) == []
