@@ -101,7 +101,7 @@ def _define(
         unique: bool = False,
     ) -> None:
         if dialect is not None:
-            options = {} if where is None else {f"{dialect}_where": where}
+            options: dict[str, Any] = {} if where is None else {f"{dialect}_where": where}
             sa.Index(name, *expressions, unique=unique, **options)
 
     # Dispatch: the best queued jobs first. seq is NULL on SQLite, where the index's
