@@ -25,12 +25,22 @@ _QUEUED = "queued"
 _HANDED_OFF = "handed_off"
 
 
-def _define(md: sa.MetaData, version: int) -> tuple[sa.Table, sa.Table, sa.Table]:
-    """The tables and indexes as they stand at schema ``version``, defined on ``md``.
+def _define(
+    md: sa.MetaData, version: int, dialect: str | None = None
+) -> tuple[sa.Table, sa.Table, sa.Table]:
+    """The tables as they stand at schema ``version``, defined on ``md``, with their
+    indexes for ``dialect`` (the connection's, ``"sqlite"`` or ``"postgresql"``) when one
+    is given.
 
     A migration's DDL must never change once released, so everything added after
     version 1 is gated on ``version`` here: :func:`_v1_initial` builds the version-1
     shape from this very function, and later migrations add the rest step by step.
+
+    Only DDL needs the indexes, and an index's partial ``WHERE`` is a dialect's option:
+    SQLAlchemy loads a dialect to check its options, and the PostgreSQL one imports every
+    PostgreSQL driver module (about 30 ms of a SQLite main's start-up, which the test
+    suite pays per main). So statements' tables (:data:`metadata`) have no indexes, and
+    a migration names its connection's dialect alone.
     """
     jobs = sa.Table(
         "broker_jobs",
@@ -83,55 +93,61 @@ def _define(md: sa.MetaData, version: int) -> tuple[sa.Table, sa.Table, sa.Table
         sa.Column("version", sa.Integer(), nullable=False),
     )
     is_queued, is_handed_off, is_terminal, is_active = _predicates(jobs)
+
+    def index(
+        name: str,
+        *expressions: Any,
+        where: sa.ColumnElement[bool] | None = None,
+        unique: bool = False,
+    ) -> None:
+        if dialect is not None:
+            options: dict[str, Any] = {} if where is None else {f"{dialect}_where": where}
+            sa.Index(name, *expressions, unique=unique, **options)
+
     # Dispatch: the best queued jobs first. seq is NULL on SQLite, where the index's
     # implicit trailing rowid breaks ties instead.
-    sa.Index(
+    index(
         DISPATCH_INDEX,
         jobs.c.priority.desc(),
         jobs.c.run_at_us,
         jobs.c.created_us,
         jobs.c.seq,
-        postgresql_where=is_queued,
-        sqlite_where=is_queued,
+        where=is_queued,
     )
     # Version 3 leaves jobs without a key out of the key indexes: most jobs have none,
     # and each of their rows cost an index entry on every insert and every move.
     has_key = jobs.c.idempotency_key.is_not(None) if version >= 3 else None
-    sa.Index(
+    index(
         IDEMPOTENCY_INDEX,
         jobs.c.idempotency_key,
         unique=True,
-        postgresql_where=has_key,
-        sqlite_where=has_key,
+        where=has_key,
     )
-    sa.Index(
+    index(
         HANDED_OFF_INDEX,
         jobs.c.worker_id,
-        postgresql_where=is_handed_off,
-        sqlite_where=is_handed_off,
+        where=is_handed_off,
     )
     # Pruning: terminal rows by age. Partial, so no status index tempts the planner away
     # from the dispatch index for queued rows.
-    sa.Index(
+    index(
         "ix_broker_jobs_terminal_updated",
         jobs.c.updated_us,
         jobs.c.id,
-        postgresql_where=is_terminal,
-        sqlite_where=is_terminal,
+        where=is_terminal,
     )
     # Listings, newest first (dropped on PostgreSQL by version 12, see there).
-    sa.Index(CREATED_INDEX, jobs.c.created_us, jobs.c.id)
+    index(CREATED_INDEX, jobs.c.created_us, jobs.c.id)
     if version >= 2:
         # Unique jobs: one active (queued or handed-off) job per unique key. Partial, so
         # finished jobs keep their key without blocking a new job.
         jobs.append_column(sa.Column("unique_key", sa.Text(), nullable=True))
         held = is_active if version < 3 else sa.and_(is_active, jobs.c.unique_key.is_not(None))
-        sa.Index(
+        index(
             UNIQUE_ACTIVE_INDEX,
             jobs.c.unique_key,
             unique=True,
-            postgresql_where=held,
-            sqlite_where=held,
+            where=held,
         )
     if version >= 5:
         for column in _v5_columns():
@@ -148,12 +164,11 @@ def _define(md: sa.MetaData, version: int) -> tuple[sa.Table, sa.Table, sa.Table
     if version >= DUE_INDEX_VERSION:
         # The next run time: the earliest queued job of a mode, one probe per mode
         # (see _v19_due_index).
-        sa.Index(
+        index(
             DUE_INDEX,
             jobs.c.execution_mode,
             jobs.c.run_at_us,
-            postgresql_where=is_queued,
-            sqlite_where=is_queued,
+            where=is_queued,
         )
     return jobs, concurrency, schema_version
 
@@ -359,7 +374,8 @@ def _define_payloads(md: sa.MetaData, version: int = SCHEMA_VERSION) -> sa.Table
 
 
 metadata = sa.MetaData()
-"""The current schema (:data:`SCHEMA_VERSION`), which every query is written against."""
+"""The current schema (:data:`SCHEMA_VERSION`), which every query is written against:
+tables without their indexes, which only the migrations create (see :func:`_define`)."""
 jobs, concurrency, schema_version = _define(metadata, SCHEMA_VERSION)
 payloads = _define_payloads(metadata)
 _, IS_HANDED_OFF, IS_TERMINAL, IS_ACTIVE = _predicates(jobs)
@@ -442,10 +458,11 @@ def _create_notify_function(conn: sa.Connection, schema: str | None, quiet_sessi
     )
 
 
-def _index_at(version: int, name: str) -> sa.Index:
-    """Index ``name`` as schema ``version`` defines it: a migration creates what its own
-    version defined, whatever later versions change."""
-    (index,) = (i for i in _define(sa.MetaData(), version)[0].indexes if i.name == name)
+def _index_at(conn: sa.Connection, version: int, name: str) -> sa.Index:
+    """Index ``name`` as schema ``version`` defines it for ``conn``'s dialect: a migration
+    creates what its own version defined, whatever later versions change."""
+    jobs = _define(sa.MetaData(), version, conn.dialect.name)[0]
+    (index,) = (i for i in jobs.indexes if i.name == name)
     return index
 
 
@@ -453,7 +470,7 @@ def _v1_initial(conn: sa.Connection, schema: str | None) -> None:
     """Version 1: the three tables, their indexes and (PostgreSQL) the notify trigger."""
     # The caller has checked, under the setup lock, that no table exists yet.
     v1 = sa.MetaData()
-    _define(v1, 1)
+    _define(v1, 1, conn.dialect.name)
     v1.create_all(conn, checkfirst=False)
     conn.execute(schema_version.insert().values(id=1, version=0))
     if conn.dialect.name == "postgresql":
@@ -473,7 +490,7 @@ def _v2_unique_key(conn: sa.Connection, schema: str | None) -> None:
     """
     table = _qualified(conn, schema, "broker_jobs")
     conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN unique_key TEXT")
-    _index_at(2, UNIQUE_ACTIVE_INDEX).create(conn)
+    _index_at(conn, 2, UNIQUE_ACTIVE_INDEX).create(conn)
 
 
 def _v3_partial_key_indexes(conn: sa.Connection, schema: str | None) -> None:
@@ -487,7 +504,7 @@ def _v3_partial_key_indexes(conn: sa.Connection, schema: str | None) -> None:
     """
     for name in (IDEMPOTENCY_INDEX, UNIQUE_ACTIVE_INDEX):
         conn.exec_driver_sql(f"DROP INDEX {_qualified(conn, schema, name)}")
-        _index_at(3, name).create(conn)
+        _index_at(conn, 3, name).create(conn)
 
 
 def _v5_checkpoints(conn: sa.Connection, schema: str | None) -> None:
@@ -827,7 +844,8 @@ def _v19_due_index(conn: sa.Connection, schema: str | None) -> None:
     from the rows already stored, in the migration's transaction; left as it is if a
     store rolled back to an older version by hand kept it.
     """
-    conn.execute(sa.schema.CreateIndex(_index_at(DUE_INDEX_VERSION, DUE_INDEX), if_not_exists=True))
+    index = _index_at(conn, DUE_INDEX_VERSION, DUE_INDEX)
+    conn.execute(sa.schema.CreateIndex(index, if_not_exists=True))
 
 
 Migration = Callable[[sa.Connection, str | None], None]

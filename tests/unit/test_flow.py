@@ -5,7 +5,7 @@ queues with settings is bounded."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from broker.core.flow import FlowControl
@@ -39,7 +39,6 @@ def _run(rate: Rate, offsets: list[int]) -> tuple[list[int], list[int]]:
     return admitted, refused
 
 
-@settings(max_examples=300, deadline=None)
 @given(rates, gaps)
 def test_no_window_admits_more_than_rate_times_length_plus_burst(
     rate: Rate, offsets: list[int]
@@ -54,7 +53,6 @@ def test_no_window_admits_more_than_rate_times_length_plus_burst(
             assert count * period_ns <= rate.count * length + rate.burst * period_ns
 
 
-@settings(max_examples=300, deadline=None)
 @given(rates, gaps)
 def test_a_job_is_refused_only_when_admitting_it_would_break_the_limit(
     rate: Rate, offsets: list[int]
@@ -162,7 +160,6 @@ asks = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
 @given(rates, rates, asks)
 def test_a_tasks_limit_and_its_queues_both_hold_and_the_task_holds_no_other_back(
     task_rate: Rate, queue_rate: Rate, offsets: list[tuple[int, str]]

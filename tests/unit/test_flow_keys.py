@@ -6,7 +6,7 @@ live buckets are bounded, full ones are dropped first, and at the bound a new ke
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from broker.core.flow import FlowControl, KeyBuckets
@@ -38,7 +38,6 @@ def _never_over(rate: Rate, times: list[int]) -> None:
             ), "a window over rate * W + burst"
 
 
-@settings(max_examples=200, deadline=None)
 @given(rates, asks, st.integers(1, 3))
 def test_no_keys_window_exceeds_its_rate_and_no_key_delays_another(
     rate: Rate, offsets: list[tuple[int, str]], bound: int

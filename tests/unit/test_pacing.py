@@ -8,7 +8,7 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime, timedelta
 
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from broker.core import pacing
@@ -375,7 +375,6 @@ STEPS = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
 @given(STEPS)
 def test_the_read_ahead_only_ever_serves_the_stores_best_jobs(steps: list[tuple[str, int]]) -> None:
     """The priority rule on the main's side (issue 35): across any interleaving of reads,

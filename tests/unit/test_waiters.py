@@ -10,7 +10,6 @@ import uuid
 from datetime import UTC, datetime
 
 import pytest
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -90,7 +89,6 @@ class WaiterMachine(RuleBasedStateMachine):
 
 
 TestWaiterMachine = WaiterMachine.TestCase
-TestWaiterMachine.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
 
 
 def _job(job_id: uuid.UUID, status: JobStatus) -> Job:
