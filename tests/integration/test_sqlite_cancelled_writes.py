@@ -4,12 +4,15 @@ mid-request, the main stopping) never leaves the SQLite file locked.
 aiosqlite runs a statement in its connection's thread: cancelling the await does not stop
 it, and SQLAlchemy then drops the connection without the rollback reaching SQLite, so
 the write transaction stayed open and every later write waited out the busy timeout and
-failed with "database is locked". Each write now runs to its commit or rollback."""
+failed with "database is locked" (found as a flaky retention test, whose end cancels the
+retention loop while a prune batch runs). Each write now runs to its commit or rollback."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable, Coroutine
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,9 @@ from sqlalchemy import event
 
 from adapters.sql import SQLAlchemyAdapter
 from broker.jobs import JobSpec
+
+LATER = datetime(2100, 1, 1, tzinfo=UTC)
+"""Older than this: every finished job, for a prune."""
 
 Write = Callable[[SQLAlchemyAdapter, Any], Coroutine[Any, Any, object]]
 
@@ -29,6 +35,10 @@ WRITES: dict[str, tuple[str, Write]] = {
     "retry_dead's read of a job not dead": (
         "SELECT BROKER_JOBS.ID",
         lambda s, job: s.retry_dead(job.id),
+    ),
+    "prune's read of a batch": (
+        "SELECT BROKER_JOBS.ID",
+        lambda s, job: s.prune(older_than=LATER, batch_size=5),
     ),
 }
 
@@ -42,6 +52,11 @@ async def test_a_write_whose_caller_is_cancelled_leaves_the_sqlite_file_writable
     await store.setup()
     try:
         job = (await store.enqueue(JobSpec(task="t"))).job
+        for i in range(12):  # finished jobs, for a prune
+            done = (await store.enqueue(JobSpec(task="done", args=[i]))).job
+            lease = uuid.uuid4()
+            assert await store.mark_handed_off(done.id, lease, "w") is not None
+            assert await store.complete(done.id, lease)
         loop = asyncio.get_running_loop()
         writing: list[asyncio.Task[object]] = []
 

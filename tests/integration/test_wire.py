@@ -11,7 +11,9 @@ from contextlib import asynccontextmanager
 
 import pytest
 
+from broker.core.handoff import Handoff
 from broker.exceptions import ProtocolError
+from broker.main.sessions import Session
 from broker.wire import codec
 from broker.wire import framing as wire
 from broker.wire import messages as p
@@ -363,10 +365,9 @@ async def test_write_now_writes_at_once_only_when_nothing_is_unsent() -> None:
     assert pings == [1, 3] and got[0] == p.Ping(nonce=1)
 
 
-async def test_a_reply_goes_out_at_once_unless_it_is_long_or_lines_are_queued() -> None:
-    from broker.core.handoff import Handoff
-    from broker.main.sessions import Session
-
+async def _what_the_peer_reads(send: Callable[[Session], None]) -> list[p.Message]:
+    """The messages a peer reads after ``send`` used a main's session on its connection,
+    and the session's writer task (played here) wrote what ``send`` left queued."""
     received: asyncio.Future[list[p.Message]] = asyncio.get_running_loop().create_future()
 
     async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -388,64 +389,46 @@ async def test_a_reply_goes_out_at_once_unless_it_is_long_or_lines_are_queued() 
             max_line_bytes=wire.MAX_LINE_BYTES,
             max_requests=10,
         )
-        session.reply(p.Pong(nonce=1))
-        assert not session.outbox  # written at once: no wake-up of the writer task
-        long = p.Error(code="long", message="z" * wire.BATCH_LINE_BYTES, fatal=False)
-        session.reply(long)
-        assert len(session.outbox) == 1  # through the outbox, which back-pressure watches
-        session.reply(p.Pong(nonce=2))
-        assert len(session.outbox) == 2  # behind what is queued
+        send(session)
         while session.outbox:  # what the writer task does
             data = await session.next_write()
             await session.writer.write_raw(data)
             session.written(len(data))
         raw_writer.write_eof()
-        got = await asyncio.wait_for(received, 30)
-    assert got == [p.Pong(nonce=1), long, p.Pong(nonce=2)]
+        return await asyncio.wait_for(received, 30)
+
+
+async def test_a_reply_goes_out_at_once_unless_it_is_long_or_lines_are_queued() -> None:
+    long = p.Error(code="long", message="z" * wire.BATCH_LINE_BYTES, fatal=False)
+
+    def send(session: Session) -> None:
+        session.reply(p.Pong(nonce=1))
+        assert not session.outbox  # written at once: no wake-up of the writer task
+        session.reply(long)
+        assert len(session.outbox) == 1  # through the outbox, which back-pressure watches
+        session.reply(p.Pong(nonce=2))
+        assert len(session.outbox) == 2  # behind what is queued
+
+    assert await _what_the_peer_reads(send) == [p.Pong(nonce=1), long, p.Pong(nonce=2)]
 
 
 async def test_a_batch_goes_out_at_once_unless_lines_are_queued() -> None:
     """A ``report_acks`` (or ``jobs``) line is written in the caller's own loop turn when
     the connection's outbox is empty, not one turn later by the writer task; behind a
     queued line it queues, so the peer still receives every line in order."""
-    from broker.core.handoff import Handoff
-    from broker.main.sessions import Session
-
-    received: asyncio.Future[list[p.Message]] = asyncio.get_running_loop().create_future()
-
-    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        reader = wire.LineReader(r, max_line_bytes=wire.MAX_LINE_BYTES)
-        got = []
-        while (msg := await wire.read_message(reader)) is not None:
-            got.append(msg)
-        received.set_result(got)
-        w.close()
 
     def ack() -> p.ReportAck:
         return p.ReportAck(job_id=uuid.uuid4(), handoff_id=uuid.uuid4(), status=p.AckStatus.APPLIED)
 
     first, second = [ack(), ack()], [ack()]
-    async with connected(handler) as (_, raw_writer):
-        core = Handoff()
-        session = Session(
-            state=core.new_peer(1, now=0.0),
-            core=core,
-            peer="test",
-            writer=wire.MessageWriter(raw_writer),
-            max_outbox_bytes=4 << 20,
-            max_line_bytes=wire.MAX_LINE_BYTES,
-            max_requests=10,
-        )
+
+    def send(session: Session) -> None:
         session.send_batch(p.ReportAcks, first)
         assert not session.outbox  # written at once: no wake-up of the writer task
         session.send(p.Ping(nonce=1))
         assert len(session.outbox) == 1
         session.send_batch(p.ReportAcks, second)
         assert len(session.outbox) == 2  # behind what is queued
-        while session.outbox:  # what the writer task does
-            data = await session.next_write()
-            await session.writer.write_raw(data)
-            session.written(len(data))
-        raw_writer.write_eof()
-        got = await asyncio.wait_for(received, 30)
+
+    got = await _what_the_peer_reads(send)
     assert got == [p.ReportAcks(acks=first), p.Ping(nonce=1), second[0]]  # one goes alone
