@@ -245,8 +245,19 @@ class SQLAlchemyAdapter(CoreQueries):
     def _in_schema(self) -> str:
         return f" in schema {self._schema!r}" if self._schema else ""
 
+    unfinished_wait: float = 10.0
+    """Seconds :meth:`close` waits for writes whose callers were cancelled (see
+    :meth:`CoreQueries._write`): an operator's write or a prune batch that the store
+    answers finishes well within it; one stuck on an unreachable store is cancelled, so a
+    main still stops during an outage (a server rolls back the transaction of a
+    connection that goes; SQLite, the reason for waiting, is a local file)."""
+
     async def close(self) -> None:
-        await asyncio.gather(*self._unfinished, return_exceptions=True)
+        if self._unfinished:
+            _, stuck = await asyncio.wait(self._unfinished, timeout=self.unfinished_wait)
+            for task in stuck:
+                task.cancel()
+            await asyncio.gather(*stuck, return_exceptions=True)
         await self._dialect.close()
         await self._engine.dispose()
         if self._main_lock is not None:

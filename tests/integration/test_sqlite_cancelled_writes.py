@@ -21,6 +21,7 @@ from sqlalchemy import event
 
 from adapters.sql import SQLAlchemyAdapter
 from broker.jobs import JobSpec
+from tests.support import until
 
 LATER = datetime(2100, 1, 1, tzinfo=UTC)
 """Older than this: every finished job, for a prune."""
@@ -72,3 +73,32 @@ async def test_a_write_whose_caller_is_cancelled_leaves_the_sqlite_file_writable
         assert (await store.get_job(made.id)) is not None
     finally:
         await store.close()
+
+
+async def test_close_waits_for_a_cancelled_callers_write_but_not_forever(tmp_path: Path) -> None:
+    """``close`` lets a write whose caller was cancelled finish (else the engine's dispose
+    would cut its connection off), but one that never ends (a store gone unreachable
+    mid-write) is cancelled after ``unfinished_wait``, so a main still stops."""
+    store = SQLAlchemyAdapter(f"sqlite+aiosqlite:///{tmp_path / 'stuck.db'}")
+    await store.setup()
+    store.unfinished_wait = 0.2
+    began, go, finished, never = asyncio.Event(), asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def quick(conn: Any) -> None:
+        began.set()
+        await go.wait()
+        finished.set()
+
+    async def stuck(conn: Any) -> None:
+        await never.wait()
+
+    callers = [asyncio.create_task(store._write("test", quick))]
+    await asyncio.wait_for(began.wait(), 10)
+    callers.append(asyncio.create_task(store._write("test", stuck)))  # behind the lock
+    await until(lambda: len(store._unfinished) == 2)
+    for caller in callers:
+        caller.cancel()
+    go.set()
+    await store.close()
+    assert finished.is_set(), "the write let run finished before the engine went"
+    assert not store._unfinished, "the stuck one was cancelled"
