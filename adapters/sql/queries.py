@@ -104,9 +104,9 @@ class CoreQueries:
         return to_us(self._clock())
 
     _unfinished: set[asyncio.Task[Any]]
-    """Writes whose callers were cancelled while they ran; ``close`` waits for them
-    before it disposes of the engine (a write cut off by the dispose would leave its
-    connection unclosed)."""
+    """The writes under way, each in a task of its own so that its caller's cancellation
+    does not cut it off (:meth:`_write`); ``close`` waits for them before it disposes of
+    the engine (a write cut off by the dispose would leave its connection unclosed)."""
 
     async def _write(self, op: str, body: Callable[[AsyncConnection], Awaitable[_T]]) -> _T:
         """``body`` in one write transaction, run to its commit or rollback even if the
