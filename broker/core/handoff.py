@@ -110,9 +110,10 @@ def pass_size(batch: int, credits: Iterable[int]) -> int:
     out comes back as a ``reports`` line and goes out again as an acknowledgement, and
     every line costs the main a system call and the Python around it (issue 35,
     bench/README.md, "fleet3": a pass of a line per worker halved the lines per job at
-    64 x 1). A line per worker lets each take its whole ``ready``'s credit at once. One worker is never above ``batch`` for it (a line is at most the batch),
-    nor are fewer workers than ``batch / LINE_WINDOW``: only a fleet wider than that
-    claims more in one call, a line per worker at most."""
+    64 x 1). A line per worker lets each take its whole ``ready``'s credit at once.
+    One worker is never above ``batch`` for it (a line is at most the batch), nor are
+    fewer workers than ``batch / LINE_WINDOW``: only a fleet wider than that claims
+    more in one call, a line per worker at most."""
     line = min(LINE_WINDOW, batch)
     total = lines = 0
     for credit in credits:
