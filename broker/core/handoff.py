@@ -64,7 +64,7 @@ from broker.core.placement import Placement
 from broker.core.waiting import STALL as STALL
 from broker.core.waiting import STALL_AFTERMATH as STALL_AFTERMATH
 from broker.core.waiting import Parked, WaitingLeases
-from broker.core.window import LINE_WINDOW
+from broker.core.window import WIDE_LINE_WINDOW
 from broker.jobs import (
     DispatchKey,
     ExecutionMode,
@@ -97,11 +97,16 @@ class Loss:
     reason: str
 
 
+LINE = WIDE_LINE_WINDOW // 2
+"""The jobs a dispatch pass gives a worker at least, credit and batch allowing
+(:func:`pass_size`): what a one-slot worker of the shortest jobs frees per ``ready``
+(half its window, :func:`broker.core.window.ready_worth`)."""
+
+
 def pass_size(batch: int, credits: Iterable[int]) -> int:
     """How many jobs one dispatch pass places, given each worker's free ``credits`` of a
     mode: all of them, up to ``batch``, or up to a line per worker (each worker's credit
-    up to :data:`LINE_WINDOW` jobs, or up to ``batch`` if smaller, summed) when that is
-    more.
+    up to :data:`LINE`, or up to ``batch`` if smaller, summed) when that is more.
 
     Why the second: a pass places its jobs on the workers with the most free credit,
     in turns, so a pass cut short of the credit spreads itself thin: 64 one-slot
@@ -112,9 +117,9 @@ def pass_size(batch: int, credits: Iterable[int]) -> int:
     bench/README.md, "fleet3": a pass of a line per worker halved the lines per job at
     64 x 1). A line per worker lets each take its whole ``ready``'s credit at once.
     One worker is never above ``batch`` for it (a line is at most the batch), nor are
-    fewer workers than ``batch / LINE_WINDOW``: only a fleet wider than that claims
-    more in one call, a line per worker at most."""
-    line = min(LINE_WINDOW, batch)
+    fewer workers than ``batch / LINE``: only a fleet wider than that claims more in
+    one call, a line per worker at most."""
+    line = min(LINE, batch)
     total = lines = 0
     for credit in credits:
         total += credit

@@ -20,8 +20,7 @@ from hypothesis import strategies as st
 from adapters.memory import MemoryAdapter
 from broker.core import pacing
 from broker.core.drained import CHANGE_LOG
-from broker.core.handoff import Dispatch, Handoff, HandoffEffect, pass_size
-from broker.core.window import LINE_WINDOW
+from broker.core.handoff import LINE, Dispatch, Handoff, HandoffEffect, pass_size
 from broker.jobs import (
     Claim,
     ExecutionMode,
@@ -235,7 +234,7 @@ async def test_a_fleet_wider_than_the_batch_takes_a_line_per_worker_in_one_pass(
 
 @given(
     batch=st.integers(1, 300),
-    credits=st.lists(st.integers(0, 3 * LINE_WINDOW), max_size=80),
+    credits=st.lists(st.integers(0, 3 * LINE), max_size=80),
 )
 def test_a_pass_takes_the_batch_or_a_line_per_worker_and_never_more_than_the_credit(
     batch: int, credits: list[int]
@@ -246,7 +245,7 @@ def test_a_pass_takes_the_batch_or_a_line_per_worker_and_never_more_than_the_cre
     before."""
     size = pass_size(batch, credits)
     total = sum(credits)
-    line = min(LINE_WINDOW, batch)
+    line = min(LINE, batch)
     lines = sum(min(credit, line) for credit in credits)
     assert size <= total
     assert size >= min(total, batch)
