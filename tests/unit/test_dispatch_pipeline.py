@@ -232,6 +232,22 @@ async def test_a_fleet_wider_than_the_batch_takes_a_line_per_worker_in_one_pass(
     store.release.release()
 
 
+async def test_a_pass_over_a_wide_fleet_gives_each_worker_a_line_at_most() -> None:
+    """16 workers with more free credit than a line each: one pass places a line (LINE
+    jobs) on each, not all of their credit (the batch, 256, is below 16 lines)."""
+    store = HeldClaims()
+    await store.enqueue_many([JobSpec(task="t") for _ in range(1000)])
+    core = Handoff()
+    for peer_id in range(1, 17):
+        worker(core, peer_id, LINE + 8)
+    d = dispatcher(store, core, [], claim_batch=256)
+    assert await d.dispatch_once()  # credit is left, and the read came back full
+    claims = await store.started.get()
+    assert len(claims) == 16 * LINE > 256
+    assert set(Counter(claim.worker_id for claim in claims).values()) == {LINE}
+    store.release.release()
+
+
 @given(
     batch=st.integers(1, 300),
     credits=st.lists(st.integers(0, 3 * LINE), max_size=80),
