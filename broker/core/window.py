@@ -55,7 +55,7 @@ anyway."""
 
 WIDE_LINE_WINDOW = 32
 """The window of a mode whose runs are under half :data:`SHORT_RUN` (2.5 ms): the same
-80 ms of short work held at most, in lines of up to sixteen jobs; a default window's cap
+80 ms of short work held at most, in lines of sixteen jobs or more; a default window's cap
 is at least this (:func:`line_cap`). 32 against 16 showed no difference in ``fleet2``,
 while a dispatch pass of 256 jobs spread over 64 workers handed each four whatever its
 credit; once a pass takes a line per worker (:func:`broker.core.handoff.pass_size`),
