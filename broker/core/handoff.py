@@ -64,6 +64,7 @@ from broker.core.placement import Placement
 from broker.core.waiting import STALL as STALL
 from broker.core.waiting import STALL_AFTERMATH as STALL_AFTERMATH
 from broker.core.waiting import Parked, WaitingLeases
+from broker.core.window import WIDE_LINE_WINDOW
 from broker.jobs import (
     DispatchKey,
     ExecutionMode,
@@ -94,6 +95,39 @@ class Loss:
 
     job: Job
     reason: str
+
+
+LINE = WIDE_LINE_WINDOW
+"""The jobs a dispatch pass gives a worker at least, credit and batch allowing
+(:func:`pass_size`): the whole window of a one-slot worker of the shortest jobs, which
+is free after a ``ready`` of its emptied window (one per half window otherwise,
+:func:`broker.core.window.ready_worth`). Half of it (16), 64 x 1, alternating (branch
+``fleet3``, load 24-42): the main's CPU per job 53.5 / 49, 53.5 / 52, 54 / 51.5, 53.5
+/ 52, 53 / 47.5 µs (16 / 32), the workers' 15% higher."""
+
+
+def pass_size(batch: int, credits: Iterable[int]) -> int:
+    """How many jobs one dispatch pass places, given each worker's free ``credits`` of a
+    mode: all of them, up to ``batch``, or up to a line per worker (each worker's credit
+    up to :data:`LINE`, or up to ``batch`` if smaller, summed) when that is more.
+
+    Why the second: a pass places its jobs on the workers with the most free credit,
+    in turns, so a pass cut short of the credit spreads itself thin: 64 one-slot
+    workers of short jobs freed about eight credits each per ``ready``, and a pass of
+    256 handed each four, in two ``jobs`` lines a ``ready`` instead of one. Each line
+    out comes back as a ``reports`` line and goes out again as an acknowledgement, and
+    every line costs the main a system call and the Python around it (issue 35,
+    bench/README.md, "fleet3": a pass of a line per worker halved the lines per job at
+    64 x 1). A line per worker lets each take its whole ``ready``'s credit at once.
+    One worker is never above ``batch`` for it (a line is at most the batch), nor are
+    fewer workers than ``batch / LINE``: only a fleet wider than that claims more in
+    one call, a line per worker at most."""
+    line = min(LINE, batch)
+    total = lines = 0
+    for credit in credits:
+        total += credit
+        lines += min(credit, line)
+    return min(total, max(batch, lines))
 
 
 # ---------------------------------------------------------------------- the core
@@ -510,13 +544,18 @@ class Handoff:
     def read_limit(
         self, batch: int, modes: Iterable[ExecutionMode], *, leading: bool = False
     ) -> int:
-        """How many jobs a dispatch read for ``modes`` asks for, at most ``batch``: the
-        largest free credit among them, not their sum. Each job takes a slot of its own
-        mode, and a backlog is mostly one mode's: asking for the sum (a pooled worker's
-        inline and forked slots, free all along) read and decoded rows that no slot
-        could take (the dispatcher reads again, for the modes left with free slots, when
-        a read leaves some unused)."""
-        return min(batch, max(self.credit(mode, leading=leading) for mode in modes))
+        """How many jobs a dispatch read for ``modes`` asks for: the largest free credit
+        among them, not their sum, and at most ``batch`` or a line for each worker
+        (:func:`pass_size`). Each job takes a slot of its own mode, and a backlog is
+        mostly one mode's: asking for the sum (a pooled worker's inline and forked
+        slots, free all along) read and decoded rows that no slot could take (the
+        dispatcher reads again, for the modes left with free slots, when a read leaves
+        some unused)."""
+        workers = self.workers()
+        return max(
+            pass_size(batch, [peer.credits.available(mode, leading=leading) for peer in workers])
+            for mode in modes
+        )
 
     def plan(self, jobs: Sequence[Job], now: float, *, leading: bool = False) -> list[PlannedClaim]:
         """A worker and a freshly minted lease for each job that has a free slot somewhere

@@ -12,7 +12,8 @@ write) and per dispatch pass looking at a worker, a one-slot worker made it do p
 each job's end sent a report and a ``ready`` freeing one credit, which came back as a
 ``jobs`` line of one job. 64 such workers cost the main 2.7 times the CPU per job of one
 worker of 64 slots (issue 35). So a window whose jobs run short holds at least
-:data:`LINE_WINDOW` jobs, however few the slots, and in a window that small the credit
+:data:`LINE_WINDOW` jobs, or :data:`WIDE_LINE_WINDOW` for the shortest
+(:func:`line_window`), however few the slots, and in a window that small the credit
 run ends free waits until half the window has run, a line of several jobs, while the
 window still holds a job to run meanwhile: the half left covers the refill, as the
 window's size is twice what a refill needs; an empty window's ``ready`` waits too while
@@ -38,25 +39,45 @@ past its default start (two per slot), so long jobs are not held here while anot
 worker idles."""
 
 SHORT_RUN = 0.005
-"""Seconds under which a run counts as short: its window grows to :data:`LINE_WINDOW`.
-Such jobs held here cost another worker at most ``LINE_WINDOW * SHORT_RUN`` (80 ms),
-what eight jobs of 10 ms cost when the line window was eight."""
+"""Seconds under which a run counts as short: its window grows to :data:`LINE_WINDOW`
+(:data:`WIDE_LINE_WINDOW` under half of it). Such jobs held here cost another worker at
+most ``LINE_WINDOW * SHORT_RUN`` (80 ms), what eight jobs of 10 ms cost when the line
+window was eight."""
 
 LINE_WINDOW = 16
-"""The window, in jobs per mode (not per slot), of a mode whose runs are short: a
-default window's cap is at least this (:func:`line_cap`). With the ``ready`` waiting
-until half of it has run (:func:`ready_worth`), a one-slot worker takes up to eight jobs
-per ``jobs`` line and sends a ``ready`` per eight reports, instead of one of each per
-job. Sixteen against eight, 64 one-slot workers draining 20,000 no-op jobs (branch
-``fleet2``, alternating, load 18-35): the main's CPU per job 54 / 61, 60 / 69.5, 66 / 68,
-60 / 67.5 µs, the workers' 11% lower; 32 against 16, no difference (59.5 / 56, 57 /
-60.5). A wider worker's window is larger anyway."""
+"""The window, in jobs per mode (not per slot), of a mode whose runs are short. With the
+``ready`` waiting until half of it has run (:func:`ready_worth`), a one-slot worker takes
+up to eight jobs per ``jobs`` line and sends a ``ready`` per eight reports, instead of
+one of each per job. Sixteen against eight, 64 one-slot workers draining 20,000 no-op
+jobs (branch ``fleet2``, alternating, load 18-35): the main's CPU per job 54 / 61, 60 /
+69.5, 66 / 68, 60 / 67.5 µs, the workers' 11% lower. A wider worker's window is larger
+anyway."""
+
+WIDE_LINE_WINDOW = 32
+"""The window of a mode whose runs are under half :data:`SHORT_RUN` (2.5 ms): the same
+80 ms of short work held at most, in lines of sixteen jobs or more; a default window's cap
+is at least this (:func:`line_cap`). 32 against 16 showed no difference in ``fleet2``,
+while a dispatch pass of 256 jobs spread over 64 workers handed each four whatever its
+credit; once a pass takes a line per worker (:func:`broker.core.handoff.pass_size`),
+64 one-slot workers of no-op jobs, 20,000 jobs, alternating (branch ``fleet3``, load
+7-23): the main's CPU per job 51 / 55, 56 / 57.5, 50.5 / 56.5, 51 / 58 µs, the
+workers' 30% lower; 64 against 32, 51 / 53.5 and 49 / 49.5 µs, so 32."""
+
+
+def line_window(ran: float) -> int:
+    """The window a run of ``ran`` seconds grows its mode's to at once (within its cap):
+    :data:`WIDE_LINE_WINDOW` under half :data:`SHORT_RUN`, :data:`LINE_WINDOW` under
+    :data:`SHORT_RUN`, none (0: the pace rule alone) otherwise."""
+    if ran < SHORT_RUN / 2:
+        return WIDE_LINE_WINDOW
+    return LINE_WINDOW if ran < SHORT_RUN else 0
 
 
 def line_cap(cap: int) -> int:
-    """A default window's cap (``cap``: its slots' share) raised to :data:`LINE_WINDOW`,
-    so that a worker of few slots takes its short jobs in lines too."""
-    return max(cap, LINE_WINDOW)
+    """A default window's cap (``cap``: its slots' share) raised to
+    :data:`WIDE_LINE_WINDOW`, so that a worker of few slots takes its short jobs in lines
+    too."""
+    return max(cap, WIDE_LINE_WINDOW)
 
 
 REPORT_HOLD = 0.005
@@ -75,7 +96,7 @@ after that long): short enough to follow a drain starting, long enough to count 
 class AdaptiveWindow:
     """A mode's prefetch window, grown from its completion rate (see
     :data:`PREFETCH_REFILL`): ``size`` starts as given and grows up to ``cap`` while the
-    jobs finish fast enough to need it, and at once to :data:`LINE_WINDOW` (within
+    jobs finish fast enough to need it, and at once to :func:`line_window` (within
     ``cap``) at a run shorter than :data:`SHORT_RUN`.
 
     It never shrinks: the main may already have sent jobs against the credit a larger
@@ -93,8 +114,9 @@ class AdaptiveWindow:
     def finished(self, now: float, ran: float | None = None) -> bool:
         """A job of the mode ended at ``now`` (loop time) after a run of ``ran`` seconds
         (``None``: not known); ``True`` if the size changed."""
-        if ran is not None and ran < SHORT_RUN and self.size < min(self.cap, LINE_WINDOW):
-            self.size = min(self.cap, LINE_WINDOW)
+        line = 0 if ran is None else min(self.cap, line_window(ran))
+        if self.size < line:
+            self.size = line
             self._measured(now)
             return True
         return self._measured(now)
@@ -127,10 +149,10 @@ def ready_worth(window: int, held: int, freed: int, unspent: int) -> bool:
     :class:`~broker.core.peers.Credits`). With two or more known, the main hands this
     worker its next jobs without one: a ``ready`` each time the window emptied sent two
     per line of jobs, one as its last job started and one as it ended. Every run's end
-    for a window larger than :data:`LINE_WINDOW` (a wide worker's: its slots free several
-    credits per ``ready`` anyway, and a pooled drain ran slower when its ``ready`` waited
-    for eight) or of one job. See the module docstring."""
-    return window > LINE_WINDOW or freed >= window // 2 or (held == 0 and unspent <= 1)
+    for a window larger than :data:`WIDE_LINE_WINDOW` (a wide worker's: its slots free
+    several credits per ``ready`` anyway, and a pooled drain ran slower when its ``ready``
+    waited for eight) or of one job. See the module docstring."""
+    return window > WIDE_LINE_WINDOW or freed >= window // 2 or (held == 0 and unspent <= 1)
 
 
 def report_waits(ready_due: bool, ran: float | None, more: bool) -> bool:

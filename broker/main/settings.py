@@ -230,6 +230,8 @@ class MainSettings:
     notify_fallback_interval: float = setting(30.0, check=checks.positive)
     """A slow safety poll for stores that notify, in case a notification is ever lost."""
     claim_batch: int = setting(256, check=checks.positive)
+    """Most jobs one dispatch pass claims in one store call, unless the workers with free
+    credit would each get less than a line of it (:func:`broker.core.handoff.pass_size`)."""
     max_claims_in_flight: int = setting(2, check=checks.positive)
     """Claims the dispatcher keeps under way at once: the next pass reads while the last
     claim's round trip is still out, so credit freed meanwhile is used at once."""

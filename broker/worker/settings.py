@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from broker.core.window import LINE_WINDOW, SHORT_RUN
+from broker.core.window import LINE_WINDOW, SHORT_RUN, WIDE_LINE_WINDOW
 from broker.exceptions import ConfigurationError
 from broker.model import checks
 from broker.model.bounds import LIVENESS_TIMEOUT, PING_INTERVAL
@@ -35,7 +35,7 @@ for long jobs)."""
 
 PREFETCH_MAX_PER_SLOT = 8
 """The most an adaptive window grows to, per slot (reached by jobs of 2.5 ms or less), but
-never less than :data:`~broker.core.window.LINE_WINDOW` per mode
+never less than :data:`~broker.core.window.WIDE_LINE_WINDOW` per mode
 (:func:`~broker.core.window.line_cap`).
 Draining 5,000 no-op jobs through 2 pooled children x 10 on PostgreSQL, alternated runs:
 five per slot against two, 4,719 -> 5,557 jobs/s (four pairs, the machine busy with a
@@ -98,7 +98,8 @@ class WorkerSettings:
         "refilled at once; their leases go back if the connection drops "
         f"(default: {PREFETCH_PER_SLOT} per slot of the mode, growing up to "
         f"{PREFETCH_MAX_PER_SLOT} per slot for jobs shorter than 10 ms, and to at least "
-        f"{LINE_WINDOW} per mode for jobs shorter than {SHORT_RUN * 1000:g} ms; 0: none)",
+        f"{LINE_WINDOW} per mode for jobs shorter than {SHORT_RUN * 1000:g} ms, "
+        f"{WIDE_LINE_WINDOW} shorter than {SHORT_RUN * 500:g} ms; 0: none)",
     )
     """Jobs per mode held beyond the free slots (``None``: sized to the jobs' pace; see
     :data:`PREFETCH_PER_SLOT`)."""

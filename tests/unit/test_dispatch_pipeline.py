@@ -14,11 +14,13 @@ from datetime import datetime
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from adapters.memory import MemoryAdapter
 from broker.core import pacing
 from broker.core.drained import CHANGE_LOG
-from broker.core.handoff import Dispatch, Handoff, HandoffEffect
+from broker.core.handoff import LINE, Dispatch, Handoff, HandoffEffect, pass_size
 from broker.jobs import (
     Claim,
     ExecutionMode,
@@ -210,6 +212,63 @@ async def test_reads_ask_for_the_largest_free_credit_and_the_modes_left_are_read
         (set(ExecutionMode), 3),
         ({ExecutionMode.INLINE, ExecutionMode.FORKED}, 3),
     ]
+
+
+async def test_a_fleet_wider_than_the_batch_takes_a_line_per_worker_in_one_pass() -> None:
+    """64 workers with eight free credits each, a claim batch of 256: one pass places
+    all 512 jobs, eight to each worker, instead of four to each (the batch spread over
+    them) and the other four a pass later, in a second line."""
+    store = HeldClaims()
+    await store.enqueue_many([JobSpec(task="t") for _ in range(600)])
+    core = Handoff()
+    for peer_id in range(1, 65):
+        worker(core, peer_id, 8)
+    d = dispatcher(store, core, [], claim_batch=256)
+    assert not await d.dispatch_once()  # every credit taken: no more work this pass
+    claims = await store.started.get()
+    assert len(claims) == 512
+    assert set(Counter(claim.worker_id for claim in claims).values()) == {8}
+    assert core.credit() == 0
+    store.release.release()
+
+
+async def test_a_pass_over_a_wide_fleet_gives_each_worker_a_line_at_most() -> None:
+    """16 workers with more free credit than a line each: one pass places a line (LINE
+    jobs) on each, not all of their credit (the batch, 256, is below 16 lines)."""
+    store = HeldClaims()
+    await store.enqueue_many([JobSpec(task="t") for _ in range(1000)])
+    core = Handoff()
+    for peer_id in range(1, 17):
+        worker(core, peer_id, LINE + 8)
+    d = dispatcher(store, core, [], claim_batch=256)
+    assert await d.dispatch_once()  # credit is left, and the read came back full
+    claims = await store.started.get()
+    assert len(claims) == 16 * LINE > 256
+    assert set(Counter(claim.worker_id for claim in claims).values()) == {LINE}
+    store.release.release()
+
+
+@given(
+    batch=st.integers(1, 300),
+    credits=st.lists(st.integers(0, 3 * LINE), max_size=80),
+)
+def test_a_pass_takes_the_batch_or_a_line_per_worker_and_never_more_than_the_credit(
+    batch: int, credits: list[int]
+) -> None:
+    """:func:`pass_size`: never more than the credit; all of it up to the batch; a line
+    (or the credit under it) for every worker, a line being at most the batch; and never
+    more than a line per worker beyond the batch, so one worker's pass is the batch, as
+    before."""
+    size = pass_size(batch, credits)
+    total = sum(credits)
+    line = min(LINE, batch)
+    lines = sum(min(credit, line) for credit in credits)
+    assert size <= total
+    assert size >= min(total, batch)
+    assert size >= lines
+    assert size <= max(batch, line * len(credits))
+    if lines <= batch:
+        assert size == min(total, batch)
 
 
 class SeenReads(HeldClaims):

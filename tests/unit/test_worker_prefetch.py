@@ -20,8 +20,10 @@ from broker.core.window import (
     LINE_WINDOW,
     REPORT_HOLD,
     SHORT_RUN,
+    WIDE_LINE_WINDOW,
     AdaptiveWindow,
     line_cap,
+    line_window,
     ready_worth,
     report_waits,
 )
@@ -316,7 +318,7 @@ class PrefetchRules(RuleBasedStateMachine):
             room = free[mode] - sum(1 for m in self.starting.values() if m is mode)
             credit = max(0, room + self.window(mode) - held)
             known = self.credits.available(mode, leading=True)
-            small = self.window(mode) <= LINE_WINDOW
+            small = self.window(mode) <= WIDE_LINE_WINDOW
             assert known >= credit or (small and (held > 0 or known >= 2)), (
                 mode,
                 known,
@@ -524,17 +526,27 @@ def test_an_adaptive_window_never_grows_for_slow_jobs_nor_shrinks() -> None:
 
 def test_a_short_run_grows_a_window_to_a_line_of_jobs_and_a_long_one_does_not() -> None:
     """A run under SHORT_RUN takes a one-slot window from 2 to LINE_WINDOW (16) jobs at
-    once, within its cap (a default window's is at least that); a 50 ms run leaves it
-    to the pace rule; a wide window is larger already."""
+    once, one under half of it to WIDE_LINE_WINDOW (32), within its cap (a default
+    window's is at least that); a 50 ms run leaves it to the pace rule; a wide window
+    is larger already, and a window never shrinks."""
     window = AdaptiveWindow(size=2, cap=line_cap(8))
     assert not window.finished(0.0, ran=0.05) and window.size == 2
     assert not window.finished(0.1, ran=SHORT_RUN) and window.size == 2
-    assert window.finished(0.15, ran=0.001) and window.size == LINE_WINDOW
+    assert window.finished(0.15, ran=0.003) and window.size == LINE_WINDOW
+    assert window.finished(0.16, ran=0.001) and window.size == WIDE_LINE_WINDOW
+    assert not window.finished(0.17, ran=0.003) and window.size == WIDE_LINE_WINDOW
+    assert [line_window(ran) for ran in (0.0, 0.0024, 0.0025, 0.0049, SHORT_RUN)] == [
+        WIDE_LINE_WINDOW,
+        WIDE_LINE_WINDOW,
+        LINE_WINDOW,
+        LINE_WINDOW,
+        0,
+    ]
     capped = AdaptiveWindow(size=2, cap=4)  # a cap set otherwise holds
     assert capped.finished(0.0, ran=0.0) and capped.size == 4
     wide = AdaptiveWindow(size=128, cap=512)
     assert not wide.finished(0.0, ran=0.0) and wide.size == 128
-    assert line_cap(8) == LINE_WINDOW and line_cap(512) == 512
+    assert line_cap(8) == WIDE_LINE_WINDOW and line_cap(512) == 512
 
 
 def test_a_ready_waits_until_half_a_small_window_has_run_or_it_is_empty() -> None:
@@ -545,17 +557,19 @@ def test_a_ready_waits_until_half_a_small_window_has_run_or_it_is_empty() -> Non
     assert not ready_worth(window=LINE_WINDOW, held=2, freed=1, unspent=0)  # a refill comes
     assert ready_worth(window=LINE_WINDOW, held=0, freed=1, unspent=1)  # the slot would idle
     assert not ready_worth(window=LINE_WINDOW, held=0, freed=1, unspent=2)  # the main sends
+    assert not ready_worth(window=WIDE_LINE_WINDOW, held=20, freed=15, unspent=0)
+    assert ready_worth(window=WIDE_LINE_WINDOW, held=16, freed=16, unspent=0)
     assert ready_worth(window=40, held=39, freed=1, unspent=40)  # a wide worker's: every end
 
 
 def test_a_one_slot_worker_of_short_jobs_takes_half_its_window_per_line() -> None:
-    """After its first short run the window holds LINE_WINDOW jobs; the main keeps one
-    credit spare, so LINE_WINDOW - 1 wait behind the one running. Their ends send no
+    """After its first short run (1 ms) the window holds WIDE_LINE_WINDOW jobs; the main
+    keeps one credit spare, so WIDE_LINE_WINDOW - 1 wait behind the one running. Their ends send no
     ``ready`` until half the window has run, then one for half plus one (half for the
     backlog, one spare): a ``ready`` and a ``jobs`` line per half window. While a
     refill is on its way the next ends send none; nor does the window's emptying while
     the main knows of credit enough to send the next jobs."""
-    line, half = LINE_WINDOW, LINE_WINDOW // 2
+    line, half = WIDE_LINE_WINDOW, WIDE_LINE_WINDOW // 2
     window = AdaptiveWindow(size=2, cap=line_cap(8))
     state = WorkerState(
         modes=[INLINE],
