@@ -46,6 +46,7 @@ from adapters.sql.rows import (
     ROWS_JSON,
     Bodies,
     Payload,
+    at_us,
     claimed_jobs,
     encode_changes,
     from_us,
@@ -594,7 +595,7 @@ class PostgresDialect:
         are made once, from the spec (:func:`~adapters.sql.rows.new_values`), and serve
         the size check and the statement; a job with parents or a payload to move out
         goes the rule's way (:meth:`enqueue_on_driver`)."""
-        now = from_us(self._now())
+        now = at_us(self._now())
         values = new_values(spec, now)
         check_encoded(spec, values[ARGS_IN_VALUES], values[KWARGS_IN_VALUES], limit)
         if self._enqueue.moves_out(values) or linked([spec]):
@@ -663,7 +664,7 @@ class PostgresDialect:
         """
         if len(specs) == 1 and not tried and claims[0] is None and not linked(specs):
             spec = specs[0]
-            now = from_us(self._now())
+            now = at_us(self._now())
             values = new_values(spec, now)
             if not self._enqueue.moves_out(values):
                 return [await self._insert_one(conn, spec, values, now)]
