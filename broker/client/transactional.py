@@ -99,7 +99,7 @@ def job_spec(
     :raises InvalidJobError: an option is invalid (the job's own checks).
     """
     given: dict[str, Any] = {k: v for k, v in options.items() if v is not None}
-    if type(task) is str and _PER_JOB_OPTIONS.isdisjoint(given):
+    if type(task) is str and _SHARED_OPTIONS.issuperset(given):
         try:
             template = _options_spec(task, **given)
         except TypeError:
@@ -122,9 +122,15 @@ def job_spec(
     return JobSpec(task=task, args=tuple(args), kwargs=dict(kwargs or {}), **given)
 
 
-_PER_JOB_OPTIONS = frozenset({"delay", "run_at", "idempotency_key", "unique_key"})
-"""The options that differ job by job (a time, a key naming one job): a spec with any of
-them is made and checked whole, never from :func:`_options_spec`'s cache."""
+_SHARED_OPTIONS = frozenset(EnqueueOptions.__annotations__) - {
+    "delay",
+    "run_at",
+    "idempotency_key",
+    "unique_key",
+}
+"""The options that many jobs share: a spec with any other (a time or a key that names
+one job, or a field of a spec that is no option, such as its ``id``) is made and checked
+whole, never from :func:`_options_spec`'s cache."""
 
 
 @functools.lru_cache(maxsize=256, typed=True)

@@ -87,7 +87,7 @@ def test_a_name_and_the_same_options_again_check_each_jobs_arguments_and_mint_it
     with them (``_options_spec``): each job is the spec a whole ``JobSpec`` makes, with
     its own arguments (checked) and id; an option equal to a valid one but of another
     type (``True`` for ``1``) is still refused, and one that cannot key the cache is
-    made and checked as ever."""
+    made and checked as ever, as is one that is not an option."""
     first = job_spec("t.same", [1], {"k": "v"}, priority=1, execution_mode="inline")
     second = job_spec("t.same", (2,), None, priority=1, execution_mode="inline")
     for spec, args, kwargs in ((first, (1,), {"k": "v"}), (second, (2,), {})):
@@ -102,3 +102,5 @@ def test_a_name_and_the_same_options_again_check_each_jobs_arguments_and_mint_it
         job_spec("t.same", [1], priority=True, execution_mode="inline")
     with pytest.raises(InvalidJobError, match="priority"):
         job_spec("t.same", [1], priority=[1])  # type: ignore[arg-type]
+    given = first.id  # a field of a spec that is no option is the spec's own
+    assert job_spec("t.same", [1], priority=1, id=given).id == given  # type: ignore[call-arg]
