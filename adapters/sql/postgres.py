@@ -628,7 +628,7 @@ class PostgresDialect:
             if await conn.fetch(stmt, *values):
                 return EnqueueResult.inserted_new(spec, now)
         except self._id_taken:
-            pass  # its id is taken: found as a key or id taken by ON CONFLICT is
+            pass  # its id is taken: the holder is found as after ON CONFLICT's nothing
         [result] = await self.enqueue_on_driver(conn, [spec], [None], None, tried=True)
         return result
 

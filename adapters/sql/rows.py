@@ -89,7 +89,7 @@ def at_us(value: int) -> datetime:
     """:func:`from_us` uncached, for a time just read from the clock: a new value at every
     call, which the cache would only miss, at the cost of a node made and an old one
     evicted (the times of rows being decoded). A one-at-a-time enqueue reads the clock
-    once a job: through the cache that cost it 8-12 us of CPU, caches cold, this 1-2."""
+    once a job: through the cache the time cost it 1.5-2.5 us more CPU, caches cold."""
     return _EPOCH + timedelta(microseconds=value)
 
 
