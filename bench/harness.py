@@ -8,12 +8,12 @@ Standard library only; each system's specifics live in a ``Driver`` in ``bench/p
 
 Workloads (every one repeated ``reps`` times, each run bounded by ``run_timeout``):
 
-* drain: ``one_by_one`` no-op jobs enqueued one call at a time (timed); where the driver
-  has ``enqueue_one_direct`` (the broker on PostgreSQL), ``direct`` more one call at a
-  time straight to the store, not through the system's server (timed apart); the rest of
-  ``drain_jobs`` in bulk (timed), then the workers start. Where the driver has both
-  (``enqueue_bulk_direct``), as many jobs as that bulk are first enqueued in one call
-  straight to the store (timed) and the store emptied again. Drain time runs from the
+* drain: ``one_by_one`` no-op jobs enqueued one call at a time (timed), the rest of
+  ``drain_jobs`` in bulk (timed), then the workers start. Where the driver has
+  ``enqueue_one_direct`` (the broker on PostgreSQL), as many jobs are first enqueued one
+  call at a time straight to the store, not through the system's server (timed apart),
+  and, where it has ``enqueue_bulk_direct`` too, as many as that bulk in one call
+  (timed), and the store emptied again. Drain time runs from the
   first job body starting to the moment the system's own records show every job
   complete (polled every ``poll_interval``, then every 1% of the time so far, at most
   0.1 s). Start-up is spawn to first job body. Systems with fewer ``drain_jobs`` enqueue
@@ -70,9 +70,6 @@ class Config:
     reps: int = 3
     drain_jobs: int = 5000
     one_by_one: int = 1000
-    direct: int = 500
-    """Jobs of the drain enqueued one at a time on the producer's own database connection,
-    where the driver offers it (``Driver.enqueue_one_direct``)."""
     cpu_jobs: int = 600
     latency_jobs: int = 200
     latency_rate: float = 50.0
@@ -543,18 +540,25 @@ class Runner:
         d = self.d
         arg = -1 if kind == "noop" else self.cfg.hash_rounds
         run: dict[str, Any] = {"jobs": n}
-        direct = min(self.cfg.direct, n - one_by_one) if d.has_direct and one_by_one else 0
-        rest = n - one_by_one - direct
+        direct = one_by_one if d.has_direct else 0
+        rest = n - one_by_one
         d.reset()
-        if d.has_direct and d.has_bulk and rest:
-            # Bulk straight into the store as well: as many jobs as the bulk through the
-            # server below, timed on the fresh store, which is then emptied again, so the
-            # drain's jobs are the same as every other system's. A first call of one job
-            # opens the connection, as the one-at-a-time direct enqueue's first does.
-            d.enqueue_bulk_direct(kind, [arg])
-            started = time.perf_counter()
-            d.enqueue_bulk_direct(kind, [arg] * rest)
-            run["enqueue_bulk_direct_per_s"] = rest / (time.perf_counter() - started)
+        if direct or (d.has_direct and d.has_bulk and rest):
+            # Straight into the store, on the fresh store, which is then emptied again, so
+            # the drain's jobs are the same as every other system's: as many jobs one at a
+            # time as through the server below (on an empty table, as theirs), then as many
+            # in one call as the bulk below (on top of those, as the bulk below is).
+            if direct:
+                d.enqueue_one_direct(kind, arg)  # its connection opened and warm
+                started = time.perf_counter()
+                for _ in range(direct - 1):
+                    d.enqueue_one_direct(kind, arg)
+                run["enqueue_direct_per_s"] = (direct - 1) / (time.perf_counter() - started)
+            if d.has_bulk and rest:
+                d.enqueue_bulk_direct(kind, [arg])  # its statement prepared, as above
+                started = time.perf_counter()
+                d.enqueue_bulk_direct(kind, [arg] * rest)
+                run["enqueue_bulk_direct_per_s"] = rest / (time.perf_counter() - started)
             d.reset()
         if backlog is not None:
             backlog()
@@ -563,12 +567,6 @@ class Runner:
             d.enqueue_one(kind, arg)
         if one_by_one:
             run["enqueue_one_per_s"] = one_by_one / (time.perf_counter() - started)
-        if direct:
-            d.enqueue_one_direct(kind, arg)  # its connection opened and warm, as one_by_one's
-            started = time.perf_counter()
-            for _ in range(direct - 1):
-                d.enqueue_one_direct(kind, arg)
-            run["enqueue_direct_per_s"] = (direct - 1) / (time.perf_counter() - started)
         started = time.perf_counter()
         if d.has_bulk and rest:
             d.enqueue_bulk(kind, [arg] * rest)

@@ -46,6 +46,7 @@ from adapters.sql.rows import (
     ROWS_JSON,
     Bodies,
     Payload,
+    at_us,
     claimed_jobs,
     encode_changes,
     from_us,
@@ -178,6 +179,8 @@ class PostgresDialect:
         self.errors = StoreErrors.for_postgres(redact(resolved), driver)
         self._server_refused: type[BaseException] = driver.PostgresError
         """A statement the server refused: the session is fine, nothing was written."""
+        self._id_taken: type[BaseException] = driver.UniqueViolationError
+        """What ``HotSql.insert_one_new`` raises when its job's id is taken."""
         self._schema = schema
         self._now = now
         self._offload_threshold = offload_threshold
@@ -592,7 +595,7 @@ class PostgresDialect:
         are made once, from the spec (:func:`~adapters.sql.rows.new_values`), and serve
         the size check and the statement; a job with parents or a payload to move out
         goes the rule's way (:meth:`enqueue_on_driver`)."""
-        now = from_us(self._now())
+        now = at_us(self._now())
         values = new_values(spec, now)
         check_encoded(spec, values[ARGS_IN_VALUES], values[KWARGS_IN_VALUES], limit)
         if self._enqueue.moves_out(values) or linked([spec]):
@@ -607,13 +610,25 @@ class PostgresDialect:
         ``values`` (:func:`~adapters.sql.rows.new_values` at ``now``), in one statement
         that commits on its own outside a transaction. When a key or id is taken, the
         rule takes over from its first insert (:meth:`EnqueueRule.run`'s ``tried``):
-        it finds the holder, and inserts again only if the holder went meanwhile."""
+        it finds the holder, and inserts again only if the holder went meanwhile.
+
+        Outside a transaction a job with no key goes in without ``ON CONFLICT``
+        (``HotSql.insert_one_new``, the server's cheaper insert), and a taken id fails
+        the statement instead of inserting nothing: the same answer, the same round
+        trips. Inside the caller's transaction the failure would abort it, so there
+        the insert does nothing on a conflict, as it does for a job with a key."""
         sql = self._sql
         stmt = sql.insert_one
-        if spec.concurrency_key is not None and not conn.is_in_transaction():
-            stmt = sql.with_counters[stmt]  # see enqueue_on_driver
-        if await conn.fetch(stmt, *values):
-            return EnqueueResult.inserted_new(spec, now)
+        if not conn.is_in_transaction():
+            if spec.idempotency_key is None and spec.unique_key is None:
+                stmt = sql.insert_one_new
+            if spec.concurrency_key is not None:
+                stmt = sql.with_counters[stmt]  # see enqueue_on_driver
+        try:
+            if await conn.fetch(stmt, *values):
+                return EnqueueResult.inserted_new(spec, now)
+        except self._id_taken:
+            pass  # its id is taken: the holder is found as after ON CONFLICT's nothing
         [result] = await self.enqueue_on_driver(conn, [spec], [None], None, tried=True)
         return result
 
@@ -649,7 +664,7 @@ class PostgresDialect:
         """
         if len(specs) == 1 and not tried and claims[0] is None and not linked(specs):
             spec = specs[0]
-            now = from_us(self._now())
+            now = at_us(self._now())
             values = new_values(spec, now)
             if not self._enqueue.moves_out(values):
                 return [await self._insert_one(conn, spec, values, now)]

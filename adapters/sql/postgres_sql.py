@@ -416,6 +416,14 @@ class HotSql:
         )
         one = f"INSERT INTO {t} ({names}) SELECT {params} {{where}} {{conflict}}"
         self.insert_one = one.format(where="", conflict=taken)
+        self.insert_one_new = one.format(where="", conflict="RETURNING id")
+        """One job with no key (no ``idempotency_key``, no ``unique_key``), outside a
+        transaction: only its id can be taken, and then the statement fails (a unique
+        violation) rather than doing nothing. Without ``ON CONFLICT`` the server skips the
+        speculative insertion: the probe of every unique index before the insert, the
+        speculative lock and the record confirming the row (one-job inserts alternated,
+        200 a block over 30 blocks: 151 -> 146 us of the backend's CPU, 770 -> 725
+        bytes of WAL a job)."""
         self.insert_one_fenced = one.format(
             where=f"WHERE {fence(len(INSERT_COLUMNS) + 1)}", conflict=taken
         )
@@ -449,6 +457,7 @@ class HotSql:
             self.insert_fenced: with_counters(insert, f"WHERE {fence(2)}", nothing),
             self.insert_columns: with_counters(columns, "", ""),
             self.insert_one: with_counters(one, "", nothing),
+            self.insert_one_new: with_counters(one, "", ""),
             self.insert_one_fenced: with_counters(one, one_fence, nothing),
         }
         """Each insert, as the one that also creates its keys' counters (an enqueue in a

@@ -99,6 +99,13 @@ def job_spec(
     :raises InvalidJobError: an option is invalid (the job's own checks).
     """
     given: dict[str, Any] = {k: v for k, v in options.items() if v is not None}
+    if type(task) is str and _SHARED_OPTIONS.issuperset(given):
+        try:
+            template = _options_spec(task, **given)
+        except TypeError:
+            pass  # an option that cannot key the cache (a list): made and checked below
+        else:
+            return template.with_arguments(tuple(args), dict(kwargs or {}))
     delay = given.pop("delay", None)
     if delay is not None:
         if "run_at" in given:
@@ -113,6 +120,32 @@ def job_spec(
         task.check_arguments(args, kwargs or {})  # a job that could never run is refused here
         return task.spec(args, kwargs, **given)
     return JobSpec(task=task, args=tuple(args), kwargs=dict(kwargs or {}), **given)
+
+
+_SHARED_OPTIONS = frozenset(EnqueueOptions.__annotations__) - {
+    "delay",
+    "run_at",
+    "idempotency_key",
+    "unique_key",
+}
+"""The options that many jobs share: a spec with any other (a time or a key that names
+one job, or a field of a spec that is no option, such as its ``id``) is made and checked
+whole, never from :func:`_options_spec`'s cache."""
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _options_spec(task: str, **options: Any) -> JobSpec:
+    """A spec of ``task`` with these options and no arguments, checked (its options are a
+    whole spec's), for :func:`job_spec` to give each job its arguments
+    (:meth:`JobSpec.with_arguments`): a producer that enqueues one task with the same
+    options call after call has them checked once. Keyed by each option's type as well
+    as its value (``typed``), so that ``priority=True``, equal to ``1`` but refused,
+    is never served the spec ``1`` made. An invalid spec raises, and is not cached.
+
+    :raises InvalidJobError: an option is invalid.
+    :raises TypeError: an option cannot be hashed, or is not one.
+    """
+    return JobSpec(task=task, **options)
 
 
 def enqueue_in(

@@ -318,6 +318,50 @@ async def test_one_job_on_an_asyncpg_connection_keeps_every_rule_of_the_batch_wa
         await drop_schema(schema)
 
 
+async def test_a_taken_id_on_an_asyncpg_connection_finds_its_job_in_or_out_of_a_transaction() -> (
+    None
+):
+    """A job with no key goes in without ``ON CONFLICT`` outside a transaction (its insert
+    fails on a taken id), with it inside one (a failure would abort the caller's
+    transaction): either way a job whose id is taken comes back as the stored one,
+    ``duplicate``, with or without a concurrency key, and the caller's transaction
+    goes on."""
+    import asyncpg
+
+    url = require_postgres()
+    schema = fresh_schema_name()
+    store = SQLAlchemyAdapter(url, schema=schema)
+    await store.setup()
+    conn = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://", 1))
+    plain = JobSpec(task="t", args=[1])
+    keyed = JobSpec(task="t", args=[2], concurrency_key="k", concurrency_limit=1)
+    try:
+        for spec in (plain, keyed):
+            [first] = await broker.enqueue_many_in_async(conn, [spec], schema=schema)
+            [again] = await broker.enqueue_many_in_async(
+                conn, [JobSpec(task="other", id=spec.id)], schema=schema
+            )
+            assert not first.duplicate and again.duplicate and again.job == first.job
+        async with conn.transaction():
+            [inside] = await broker.enqueue_many_in_async(
+                conn, [JobSpec(task="other", id=plain.id)], schema=schema
+            )
+            after = await broker.enqueue_in_async(conn, "t", [3], schema=schema)
+        assert inside.duplicate and inside.job.id == plain.id
+        counters = await conn.fetchval(f'SELECT count(*) FROM "{schema}".broker_concurrency')
+    finally:
+        await conn.close()
+        await store.close()
+    try:
+        store = SQLAlchemyAdapter(url, schema=schema)
+        assert await store.get_job(after.job.id) == after.job
+        assert len((await store.list_jobs(limit=20)).jobs) == 3
+        assert counters == 1  # the keyed job's counter, made by its insert
+    finally:
+        await store.close()
+        await drop_schema(schema)
+
+
 def _async_args(db: AppDatabase) -> dict[str, object]:
     if "options" not in db.connect_args:
         return {}

@@ -3,13 +3,14 @@ or a name and the options of ``Client.enqueue``, checked before any database is 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from broker.client.transactional import job_spec
 from broker.exceptions import InvalidJobError
-from broker.jobs import ExecutionMode
+from broker.jobs import ExecutionMode, JobSpec
 from broker.tasks.registry import TaskRegistry, task
 
 registry = TaskRegistry()
@@ -79,3 +80,27 @@ def test_a_task_object_binds_its_arguments_before_a_job_is_built() -> None:
     with pytest.raises(TypeError, match="cannot take these arguments"):
         job_spec(unique_task, [1, 2, 3])
     assert job_spec(unique_task, [7]).args == (7,)
+
+
+def test_a_name_and_the_same_options_again_check_each_jobs_arguments_and_mint_its_id() -> None:
+    """A name with the same options call after call gets a spec made from one checked
+    with them (``_options_spec``): each job is the spec a whole ``JobSpec`` makes, with
+    its own arguments (checked) and id; an option equal to a valid one but of another
+    type (``True`` for ``1``) is still refused, and one that cannot key the cache is
+    made and checked as ever, as is one that is not an option."""
+    first = job_spec("t.same", [1], {"k": "v"}, priority=1, execution_mode="inline")
+    second = job_spec("t.same", (2,), None, priority=1, execution_mode="inline")
+    for spec, args, kwargs in ((first, (1,), {"k": "v"}), (second, (2,), {})):
+        whole = JobSpec(task="t.same", args=args, kwargs=kwargs, priority=1, id=spec.id)
+        assert spec == replace(whole, execution_mode=ExecutionMode.INLINE)
+    assert first.id != second.id
+    with pytest.raises(InvalidJobError, match="JSON"):
+        job_spec("t.same", [float("nan")], priority=1, execution_mode="inline")
+    with pytest.raises(InvalidJobError, match="kwargs"):
+        job_spec("t.same", [1], {1: 2}, priority=1, execution_mode="inline")  # type: ignore[dict-item]
+    with pytest.raises(InvalidJobError, match="priority"):
+        job_spec("t.same", [1], priority=True, execution_mode="inline")
+    with pytest.raises(InvalidJobError, match="priority"):
+        job_spec("t.same", [1], priority=[1])  # type: ignore[arg-type]
+    given = first.id  # a field of a spec that is no option is the spec's own
+    assert job_spec("t.same", [1], priority=1, id=given).id == given  # type: ignore[call-arg]
