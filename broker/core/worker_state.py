@@ -399,7 +399,14 @@ class WorkerState:
                 # get work again.
                 self._ready_due = True
         link.seen = last
-        return self._start_queued(free) + self._effects()
+        started = self._start_queued(free)
+        # The jobs received spent credit the main knew of: a slot freed since the last
+        # ready that was not worth one while the main knew of more (its next jobs were
+        # coming) may be now, with the window empty and the main's credit down to the
+        # spare it keeps (a window grown at a run's end left a slot idle until the next).
+        if self._freed and not self._ready_due:
+            self._ready_due = self._worth_a_ready(free)
+        return started + self._effects()
 
     def _decide(
         self, msg: protocol.JobHandoff, key: LeaseKey, free: Mapping[ExecutionMode, int]

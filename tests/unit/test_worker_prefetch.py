@@ -720,6 +720,43 @@ def test_a_grown_window_is_advertised_in_the_next_ready() -> None:
 # --------------------------------------------------------------------------- settings
 
 
+def test_a_window_grown_without_a_ready_asks_for_one_once_the_main_is_down_to_its_spare() -> None:
+    """A run's end grew the window but was worth no ``ready`` (the main knew of two
+    credits, its next job was coming); that job spent the main's credit down to the
+    spare it keeps for an urgent job, so with the window empty the worker must ask for
+    more, not idle its free slot until the running job ends (the adaptive property test,
+    slow profile, found it)."""
+    window = AdaptiveWindow(size=1, cap=4)
+    state = WorkerState(
+        modes=[INLINE],
+        queues=None,
+        lookup_task=lambda name: name,
+        logger=logging.getLogger("test"),
+        prefetch={INLINE: window},
+    )
+    credits = Credits()
+    state.connected(welcome())
+    ready = state.take_ready({INLINE: 2})
+    assert ready is not None
+    credits.on_ready(ready.slots, ready.seen)
+    assert credits.available(INLINE, leading=True) == 3
+    first = job(credits.commit(INLINE) if credits.reserve(INLINE) else 0)
+    key = (first.job_id, first.handoff_id)
+    assert started(state.jobs_received([first], {INLINE: 2})) == [key]
+    state.run_entered(key, 0.0)
+    state.run_finished(key, Completed(), {INLINE: 2}, 0.0)
+    assert window.size == 4
+    assert state.take_ready({INLINE: 2}) is None, "the main knows of two credits"
+    assert credits.reserve(INLINE)
+    second = job(credits.commit(INLINE))
+    assert started(state.jobs_received([second], {INLINE: 2})) == [
+        (second.job_id, second.handoff_id)
+    ]
+    assert credits.available(INLINE, leading=True) == 1
+    ready = state.take_ready({INLINE: 2})  # the second job starting, not yet entered
+    assert ready is not None and ready.slots == {INLINE: 5}
+
+
 def test_the_window_is_a_worker_setting_with_a_checked_value(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
