@@ -31,6 +31,37 @@ from broker.wire import messages as protocol
 logger = logging.getLogger("broker.main")
 
 
+class _InProgress:
+    """A client request in progress, counted in its connection's caps and in the requests
+    a stopping main waits for, until :meth:`ended`."""
+
+    __slots__ = ("_all", "_size", "_task", "session")
+
+    def __init__(self, all_tasks: set[asyncio.Task[None]], session: Session) -> None:
+        self._all = all_tasks
+        self.session = session
+        self._size = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def started(self, task: asyncio.Task[None]) -> None:
+        """Count ``task``, the request's, before its first step."""
+        self._task = task
+        self._all.add(task)
+        self._size = self.session.add_request(task)
+        task.add_done_callback(self.ended)
+
+    def ended(self, _: object = None) -> None:
+        """Take the counts back, once: as the request's coroutine ends (its ``finally``,
+        which also drops the done callback, so the end costs no loop turn), or from the
+        task's done callback when the coroutine never ran (cancelled before its first
+        step, as a connection closes)."""
+        task = self._task
+        assert task is not None
+        task.remove_done_callback(self.ended)
+        self._all.discard(task)
+        self.session.request_done(task, self._size)
+
+
 class Requests:
     def __init__(
         self,
@@ -65,20 +96,16 @@ class Requests:
         read loop waits at it) and cancelled if the connection closes first.
 
         An enqueue goes straight to :meth:`_enqueue`, past the dispatch on the message's
-        type that every other request takes, and its end is one callback for both
-        counts (each done callback is a loop turn's handle of its own): one at a time,
-        the producer waits on every step of this path (bench/README.md, "relay1")."""
+        type that every other request takes. The counts are taken back as the request's
+        coroutine ends (:class:`_InProgress`), not by a done callback, which would cost
+        a loop turn of its own after the answer: one at a time, the producer waits on
+        every step of this path (bench/README.md, "relay1")."""
+        request = _InProgress(self._tasks, session)
         if type(msg) is protocol.Enqueue:
-            task = asyncio.create_task(self._enqueue(session, msg))
+            task = asyncio.create_task(self._enqueue(request, msg))
         else:
-            task = asyncio.create_task(self._run(session, msg))
-        self._tasks.add(task)
-        size = session.add_request(task)
-        task.add_done_callback(lambda done: self._done(session, done, size))
-
-    def _done(self, session: Session, task: asyncio.Task[None], size: int) -> None:
-        self._tasks.discard(task)
-        session.request_done(task, size)
+            task = asyncio.create_task(self._run(request, msg))
+        request.started(task)
 
     async def wait_idle(self) -> None:
         """Return once the requests in progress have finished (a stopping main bounds it)."""
@@ -93,20 +120,26 @@ class Requests:
         credential, can never hold a client back."""
         return await self._answer(msg)
 
-    async def _run(self, session: Session, msg: protocol.Message) -> None:
-        async with self._slots:  # requests never take every database connection
-            await self._apply(session, msg)
+    async def _run(self, request: _InProgress, msg: protocol.Message) -> None:
+        try:
+            async with self._slots:  # requests never take every database connection
+                await self._apply(request.session, msg)
+        finally:
+            request.ended()
 
-    async def _enqueue(self, session: Session, msg: protocol.Enqueue) -> None:
+    async def _enqueue(self, request: _InProgress, msg: protocol.Enqueue) -> None:
         """:meth:`_apply` of an enqueue. Enqueues are group-committed
         (:mod:`broker.main.operations`): however many wait, they use one database
         connection, so they need no slot, and taking one would cap a group commit at the
         slot count."""
+        session = request.session
         try:
             reply = await self._enqueued(msg)
         except Exception as exc:
             self._refused(session, msg, exc)
             return
+        finally:
+            request.ended()
         session.reply(reply)
 
     async def _apply(self, session: Session, msg: protocol.Message) -> None:

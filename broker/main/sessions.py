@@ -233,8 +233,9 @@ class Session:
 
     def add_request(self, task: asyncio.Task[None]) -> int:
         """Count a request in progress, as many bytes as the line that carried it; those
-        bytes, which :meth:`request_done` takes once it ends (the caller's done callback,
-        one for all its counts of the task)."""
+        bytes, which :meth:`request_done` takes back once it ends (the caller's to tell:
+        :class:`broker.main.requests.Requests` does as the request's coroutine ends,
+        with no done callback's loop turn)."""
         size = self.line_bytes
         self.requests.add(task)
         self.request_bytes += size
