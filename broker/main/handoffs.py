@@ -63,10 +63,8 @@ class EnqueueHandoff:
         )
         planned = [p for p in plans if p is not None]
         leased: set[uuid.UUID] = set()
-        if store is None:
+        if store is None or not planned:
             results = await self._store.enqueue_many(specs)
-        elif not planned:  # enqueue_many's own call, one frame fewer
-            results = await store.enqueue_handed_off(specs, [None] * len(specs))
         else:
             try:
                 results = await store.enqueue_handed_off(
