@@ -677,15 +677,13 @@ class Handoff:
                 )
             )
             jobs.append(Job.from_spec(spec, now) if go else None)
+        candidates = [job for job in jobs if job is not None]
+        if not candidates:  # the common case behind a backlog: no plan, no walk of workers
+            return [None] * len(jobs)
         # One plan for them all, in order, as one plan per job would place them (the same
         # rotation, each reservation seen by the next), without a walk over every worker
         # per job. A new job has no state holder, so the time affinity judges by is moot.
-        planned = {
-            p.job.id: p
-            for p in self.plan(
-                [job for job in jobs if job is not None], self.affinity.started, leading=True
-            )
-        }
+        planned = {p.job.id: p for p in self.plan(candidates, self.affinity.started, leading=True)}
         return [planned.get(job.id) if job is not None else None for job in jobs]
 
     def claimed(self, claims: Sequence[PlannedClaim], won: Sequence[Job]) -> list[HandoffEffect]:

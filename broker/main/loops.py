@@ -237,18 +237,19 @@ class GroupCommit(Generic[T, R]):
 
     async def submit(self, items: Sequence[T]) -> list[R]:
         """Commit ``items`` (all or none) with whatever else is waiting; their results."""
-        future: asyncio.Future[list[R]] = asyncio.get_running_loop().create_future()
         if self._busy or self._waiting:
+            future: asyncio.Future[list[R]] = asyncio.get_running_loop().create_future()
             self._waiting.append((list(items), future))
             if not self._busy:  # the runner was cancelled with callers left: a new one
                 self._hand_over()
             return await future
         self._busy = True  # nothing running, nobody waiting: this caller commits now
         try:
-            await self._commit_batch([(list(items), future)])
+            # Its own items alone, so its failure is its own (as _commit_batch settles a
+            # batch of one caller), with no future to settle and read back.
+            return await self._commit(list(items))
         finally:
             self._hand_over()
-        return future.result()
 
     def _hand_over(self) -> None:
         """No commit is running: the runner takes whoever is waiting."""

@@ -31,6 +31,37 @@ from broker.wire import messages as protocol
 logger = logging.getLogger("broker.main")
 
 
+class _InProgress:
+    """A client request in progress, counted in its connection's caps and in the requests
+    a stopping main waits for, until :meth:`ended`."""
+
+    __slots__ = ("_all", "_size", "_task", "session")
+
+    def __init__(self, all_tasks: set[asyncio.Task[None]], session: Session) -> None:
+        self._all = all_tasks
+        self.session = session
+        self._size = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def started(self, task: asyncio.Task[None]) -> None:
+        """Count ``task``, the request's, before its first step."""
+        self._task = task
+        self._all.add(task)
+        self._size = self.session.add_request(task)
+        task.add_done_callback(self.ended)
+
+    def ended(self, _: object = None) -> None:
+        """Take the counts back, once: as the request's coroutine ends (its ``finally``,
+        which also drops the done callback, so the end costs no loop turn), or from the
+        task's done callback when the coroutine never ran (cancelled before its first
+        step, as a connection closes)."""
+        task = self._task
+        assert task is not None
+        task.remove_done_callback(self.ended)
+        self._all.discard(task)
+        self.session.request_done(task, self._size)
+
+
 class Requests:
     def __init__(
         self,
@@ -62,11 +93,19 @@ class Requests:
 
     def start(self, session: Session, msg: protocol.Message) -> None:
         """Run a client request in its own task, counted against the connection's cap (the
-        read loop waits at it) and cancelled if the connection closes first."""
-        task = asyncio.create_task(self._run(session, msg))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        session.add_request(task)
+        read loop waits at it) and cancelled if the connection closes first.
+
+        An enqueue goes straight to :meth:`_enqueue`, past the dispatch on the message's
+        type that every other request takes. The counts are taken back as the request's
+        coroutine ends (:class:`_InProgress`), not by a done callback, which would cost
+        a loop turn of its own after the answer: one at a time, the producer waits on
+        every step of this path (bench/README.md, "relay1")."""
+        request = _InProgress(self._tasks, session)
+        if type(msg) is protocol.Enqueue:
+            task = asyncio.create_task(self._enqueue(request, msg))
+        else:
+            task = asyncio.create_task(self._run(request, msg))
+        request.started(task)
 
     async def wait_idle(self) -> None:
         """Return once the requests in progress have finished (a stopping main bounds it)."""
@@ -81,15 +120,27 @@ class Requests:
         credential, can never hold a client back."""
         return await self._answer(msg)
 
-    async def _run(self, session: Session, msg: protocol.Message) -> None:
-        if isinstance(msg, protocol.Enqueue):
-            # Enqueues are group-committed (broker.main.operations): however many wait, they
-            # use one database connection, so they need no slot, and taking one would cap
-            # a group commit at the slot count.
-            await self._apply(session, msg)
+    async def _run(self, request: _InProgress, msg: protocol.Message) -> None:
+        try:
+            async with self._slots:  # requests never take every database connection
+                await self._apply(request.session, msg)
+        finally:
+            request.ended()
+
+    async def _enqueue(self, request: _InProgress, msg: protocol.Enqueue) -> None:
+        """:meth:`_apply` of an enqueue. Enqueues are group-committed
+        (:mod:`broker.main.operations`): however many wait, they use one database
+        connection, so they need no slot, and taking one would cap a group commit at the
+        slot count."""
+        session = request.session
+        try:
+            reply = await self._enqueued(msg)
+        except Exception as exc:
+            self._refused(session, msg, exc)
             return
-        async with self._slots:  # requests never take every database connection
-            await self._apply(session, msg)
+        finally:
+            request.ended()
+        session.reply(reply)
 
     async def _apply(self, session: Session, msg: protocol.Message) -> None:
         """Answer a client request; a failure is answered with the code of its exception
@@ -103,29 +154,33 @@ class Requests:
             else:
                 reply = await self._answer(msg)
         except Exception as exc:
-            if isinstance(exc, InvalidJobError | ProtocolError):  # the client's mistake
-                log_event(
-                    logger,
-                    logging.WARNING,
-                    "request refused",
-                    session=session.id,
-                    type=msg.type,
-                    reason=exc,
-                )
-            else:
-                log_event(
-                    logger,
-                    logging.ERROR,
-                    "request failed",
-                    exc_info=exc,
-                    session=session.id,
-                    type=msg.type,
-                )
-            request_id = getattr(msg, "request_id", None)
-            if request_id is not None:
-                session.reply(error_codes.request_error(request_id, exc))
+            self._refused(session, msg, exc)
             return
         session.reply(reply)
+
+    def _refused(self, session: Session, msg: protocol.Message, exc: Exception) -> None:
+        """Log a request that ``exc`` stopped and answer it with ``exc``'s code."""
+        if isinstance(exc, InvalidJobError | ProtocolError):  # the client's mistake
+            log_event(
+                logger,
+                logging.WARNING,
+                "request refused",
+                session=session.id,
+                type=msg.type,
+                reason=exc,
+            )
+        else:
+            log_event(
+                logger,
+                logging.ERROR,
+                "request failed",
+                exc_info=exc,
+                session=session.id,
+                type=msg.type,
+            )
+        request_id = getattr(msg, "request_id", None)
+        if request_id is not None:
+            session.reply(error_codes.request_error(request_id, exc))
 
     async def _answer(self, msg: protocol.Message) -> protocol.Message:
         """The reply to a client request: a queue's settings are
@@ -164,6 +219,27 @@ class Requests:
         self._wake()
         return protocol.EnqueuedEach(request_id=msg.request_id, job_ids=ids)
 
+    async def _enqueued(self, msg: protocol.Enqueue) -> protocol.EnqueuedReply:
+        """Store an enqueue's jobs; the reply."""
+        results = await self._operations.enqueue(
+            msg.jobs, allow_unknown_tasks=msg.allow_unknown_tasks
+        )
+        if logger.isEnabledFor(logging.DEBUG):  # one line per job: off by default
+            for result in results:
+                log_event(
+                    logger,
+                    logging.DEBUG,
+                    "job enqueued",
+                    job_id=result.job.id,
+                    task=result.job.task,
+                    queue=result.job.queue,
+                    attempt=result.job.attempts + 1,
+                    duplicate=result.duplicate,
+                )
+        # The store's commit woke the dispatcher already (handoffs.EnqueueHandoff).
+        refs = [protocol.EnqueuedRef(job_id=r.job_id, duplicate=r.duplicate) for r in results]
+        return protocol.EnqueuedReply(request_id=msg.request_id, jobs=refs)
+
     def _job_info(self, request_id: str, job: Job | None) -> protocol.JobInfo:
         """``get_job``'s answer: the job, and why it waits when the main knows
         (``wait_reason``, beside its status, where ``broker job`` shows it)."""
@@ -183,25 +259,8 @@ class Requests:
         worker) happens here."""
         ops = self._operations
         match msg:
-            case protocol.Enqueue(request_id=rid, jobs=requests, allow_unknown_tasks=unknown):
-                results = await ops.enqueue(requests, allow_unknown_tasks=unknown)
-                if logger.isEnabledFor(logging.DEBUG):  # one line per job: off by default
-                    for result in results:
-                        log_event(
-                            logger,
-                            logging.DEBUG,
-                            "job enqueued",
-                            job_id=result.job.id,
-                            task=result.job.task,
-                            queue=result.job.queue,
-                            attempt=result.job.attempts + 1,
-                            duplicate=result.duplicate,
-                        )
-                # The store's commit woke the dispatcher already (handoffs.EnqueueHandoff).
-                refs = [
-                    protocol.EnqueuedRef(job_id=r.job_id, duplicate=r.duplicate) for r in results
-                ]
-                return protocol.EnqueuedReply(request_id=rid, jobs=refs)
+            case protocol.Enqueue():
+                return await self._enqueued(msg)
             case protocol.GetJob(request_id=rid, job_id=job_id):
                 return self._job_info(rid, await ops.get(job_id))
             case protocol.Cancel(request_id=rid, job_id=job_id):

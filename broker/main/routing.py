@@ -47,7 +47,13 @@ class Router:
         self._declarations = declarations
 
     def handle(self, session: Session, msg: protocol.Message) -> None:
-        """Route ``msg`` from a peer that said hello (as ``session.role``)."""
+        """Route ``msg`` from a peer that said hello (as ``session.role``). A client
+        request is told by its type first: no message a worker reports is one, and a
+        producer's enqueue then passes no pattern of the worker's messages."""
+        needed = role_needed(msg)
+        if needed is not None:
+            self._request(session, msg, needed)
+            return
         worker = session.role is protocol.Role.WORKER
         match msg:
             case protocol.Ping(nonce=nonce):
@@ -86,8 +92,6 @@ class Router:
                 session.reported_status = status
             case protocol.TaskCatalog(tasks=tasks) if worker and session.worker_id:
                 self._declare(session, tasks)
-            case _ if (needed := role_needed(msg)) is not None:
-                self._request(session, msg, needed)
             case _:
                 session.errors += 1
                 session.send(

@@ -231,17 +231,20 @@ class Session:
         self.update_readable()
         return effects
 
-    def add_request(self, task: asyncio.Task[None]) -> None:
-        """Count a request in progress, as many bytes as the line that carried it."""
+    def add_request(self, task: asyncio.Task[None]) -> int:
+        """Count a request in progress, as many bytes as the line that carried it; those
+        bytes, which :meth:`request_done` takes back once it ends (the caller's to tell:
+        :class:`broker.main.requests.Requests` does as the request's coroutine ends,
+        with no done callback's loop turn)."""
         size = self.line_bytes
         self.requests.add(task)
         self.request_bytes += size
         if self.read_ahead is not None:
             self.read_ahead.add(size)
-        task.add_done_callback(lambda done: self._request_done(done, size))
         self.update_readable()
+        return size
 
-    def _request_done(self, task: asyncio.Task[None], size: int) -> None:
+    def request_done(self, task: asyncio.Task[None], size: int) -> None:
         self.requests.discard(task)
         self.request_bytes -= size
         self.update_readable()
