@@ -439,5 +439,8 @@ class Dispatcher:
                 if isinstance(effect, ClaimJobs):
                     await self._claim(effect.claims)
             return exc
+        # A loop turn between the claim's answer (its rows made into jobs) and the jobs
+        # sent: each is a long step at a drain's rate (see BatchWriter.write).
+        await asyncio.sleep(0)
         self._carry(self._handoff.claimed(plan, claimed))
         return None

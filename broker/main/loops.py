@@ -179,7 +179,13 @@ class BatchWriter(Generic[T, R]):
                 return
             await self._isolate(batch, exc)
             return
+        # A loop turn before handing the answer on and one after: a batch's answer and
+        # the next batch's making are each a long step at a drain's rate, and a client's
+        # line or an enqueue's commit that arrives meanwhile waits for the rest of the
+        # loop's turn (issue 35, the urgent job; bench/README.md, "Loop turns").
+        await asyncio.sleep(0)
         self._written(batch, answer)
+        await asyncio.sleep(0)
 
     async def _isolate(self, batch: list[T], exc: Exception) -> None:
         if len(batch) == 1:
