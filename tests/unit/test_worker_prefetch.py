@@ -56,6 +56,17 @@ def make_state(prefetch: int = PREFETCH) -> WorkerState:
     )
 
 
+def inline_state(window: AdaptiveWindow) -> WorkerState:
+    """A worker of inline jobs only, its window ``window``."""
+    return WorkerState(
+        modes=[INLINE],
+        queues=None,
+        lookup_task=lambda name: name,
+        logger=logging.getLogger("test"),
+        prefetch={INLINE: window},
+    )
+
+
 def welcome() -> protocol.Welcome:
     return protocol.Welcome(
         main_id="main",
@@ -694,13 +705,7 @@ def test_a_report_waits_only_after_a_short_run_and_while_no_ready_is_due() -> No
 
 def test_a_grown_window_is_advertised_in_the_next_ready() -> None:
     window = AdaptiveWindow(size=1, cap=6)
-    state = WorkerState(
-        modes=[INLINE],
-        queues=None,
-        lookup_task=lambda name: name,
-        logger=logging.getLogger("test"),
-        prefetch={INLINE: window},
-    )
+    state = inline_state(window)
     state.connected(welcome())
     ready = state.take_ready({INLINE: 2})
     assert ready is not None and ready.slots == {INLINE: 3}
@@ -727,13 +732,7 @@ def test_a_window_grown_without_a_ready_asks_for_one_once_the_main_is_down_to_it
     more, not idle its free slot until the running job ends (the adaptive property test,
     slow profile, found it)."""
     window = AdaptiveWindow(size=1, cap=4)
-    state = WorkerState(
-        modes=[INLINE],
-        queues=None,
-        lookup_task=lambda name: name,
-        logger=logging.getLogger("test"),
-        prefetch={INLINE: window},
-    )
+    state = inline_state(window)
     credits = Credits()
     state.connected(welcome())
     ready = state.take_ready({INLINE: 2})
